@@ -1,0 +1,16 @@
+"""pdserve engine core. `from common import LLM, SamplingParams` is the offline API."""
+from __future__ import annotations
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # Lazy so that light users (the gateway's block hashing, the CLI's --help)
+    # do not pay for importing torch.
+    if name == "LLM":
+        from common.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from common.sampling_params import SamplingParams
+        return SamplingParams
+    raise AttributeError(name)

@@ -1,0 +1,116 @@
+"""Configuration objects shared by the engine, the services and the CLI.
+
+`ModelConfig` describes the network (read from a Hugging Face config.json);
+`CacheConfig` and `SchedulerConfig` describe how the engine runs it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama, Mistral, Qwen2)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2 has biases on q/k/v projections
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                        "qwen2": "Qwen2ForCausalLM"}.get(cfg.get("model_type", ""), "")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch or cfg.get('model_type')!r}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        num_heads = cfg["num_attention_heads"]
+        # transformers >= 5 moves rope settings into `rope_parameters`.
+        rope = cfg.get("rope_parameters") or {}
+        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def num_params(self) -> int:
+        h, i, l = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return l * per_layer + emb + h
+
+    def kv_bytes_per_token(self, dtype_size: int) -> int:
+        """Bytes of K and V that one token occupies across all layers."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_size
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # Bytes (int) or a fraction (0 < x <= 1) of free device memory after weights.
+    kv_cache_memory: float | int | None = None
+    num_blocks: int | None = None  # set once the KV pool is sized (or forced by tests)
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine needs to start; built from CLI flags or `LLM(...)` kwargs."""
+
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
