@@ -114,3 +114,26 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
+               "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30}
+
+
+def parse_memory_size(text: str | float | int) -> float | int:
+    """'2GiB' / '512MiB' / '1073741824' -> bytes (int); '0.5' -> a fraction (float in (0, 1])."""
+    if isinstance(text, (int, float)):
+        value = text
+    else:
+        import re
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+        if not m or m.group(2).lower() not in _SIZE_UNITS:
+            raise ValueError(f"kv_cache_memory must be bytes (e.g. 2GiB, 512MiB, 1073741824) or a "
+                             f"fraction in (0, 1]; got {text!r}")
+        number, unit = float(m.group(1)), m.group(2).lower()
+        value = number if (unit == "" and number <= 1 and "." in m.group(1)) else int(number * _SIZE_UNITS[unit])
+    if isinstance(value, float) and not 0 < value <= 1:
+        raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1]; got {value}")
+    if isinstance(value, int) and value <= 0:
+        raise ValueError(f"kv_cache_memory must be positive; got {value}")
+    return value

@@ -34,8 +34,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
-    # Requests that finished or were aborted/preempted since the last step; the
-    # runner drops per-request state (e.g. seeded generators) for finished ones.
+    # Requests that finished or were aborted since the last step (possibly never
+    # seen by the runner); the runner drops their per-request state (seeded
+    # generators). Preempted requests are not listed: they resume later.
     finished_req_ids: list[str] = field(default_factory=list)
 
     @property

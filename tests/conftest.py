@@ -2,8 +2,58 @@
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def bundled_model_dir() -> Path:
+    from common.model_files import resolve_model
+    return resolve_model()
+
+
+def make_tiny_model(out_dir: Path, arch: str, tokenizer_dir: Path, **overrides) -> Path:
+    """A small random HF checkpoint with the bundled tokenizer (so text prompts work)."""
+    import transformers
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, initializer_range=0.5)
+    common.update(overrides)
+    if arch == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        model_cls = transformers.Qwen2ForCausalLM
+    else:
+        config = transformers.LlamaConfig(**common)
+        model_cls = transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    model = model_cls(config).float().eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory, bundled_model_dir):
+    made: dict[str, Path] = {}
+
+    def factory(name: str, arch: str = "llama", **overrides) -> Path:
+        if name not in made:
+            made[name] = make_tiny_model(tmp_path_factory.mktemp(name), arch, bundled_model_dir,
+                                         **overrides)
+        return made[name]
+    return factory
+
+
+@pytest.fixture
+def tiny_llama_dir(tiny_model_factory) -> Path:
+    return tiny_model_factory("tiny-llama", "llama")

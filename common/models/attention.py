@@ -1,0 +1,78 @@
+"""Paged attention for one layer over a flattened batch: decodes first, then prefills.
+
+The runner orders each step's tokens as [decode tokens (one per sequence) |
+prefill chunks (ragged)], writes every new K/V into the paged cache through the
+slot mapping, then runs one decode kernel and one ragged prefill kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import decode_attention, prefill_attention
+from kernels.cache import write_kv_cache
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 for padding
+    num_decode_tokens: int  # the first num_decode_tokens tokens are decodes
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int32
+    max_decode_seq_len: int
+    prefill_block_tables: torch.Tensor | None  # [num_prefills, max_blocks] int32
+    prefill_query_start_loc: torch.Tensor | None  # [num_prefills + 1] int32, from 0
+    prefill_seq_lens: torch.Tensor | None  # [num_prefills] int32, context + query
+    max_prefill_query_len: int
+    max_prefill_seq_len: int
+    # Python copies of the prefill lengths, so the no-context path needs no sync.
+    prefill_query_lens: list[int]
+    prefill_has_context: bool  # some prefill continues earlier tokens (chunk / prefix hit)
+    # Called after each layer's K/V is in the cache (layer-wise KV export).
+    on_layer_kv_written: Callable[[int], None] | None = None
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                    scale: float, layer_idx: int) -> torch.Tensor:
+    """q [num_tokens, num_q_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim]."""
+    k_cache, v_cache = kv_cache
+    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.on_layer_kv_written is not None:
+        meta.on_layer_kv_written(layer_idx)
+    num_decodes = meta.num_decode_tokens
+    outs = []
+    if num_decodes:
+        outs.append(decode_attention(q[:num_decodes], k_cache, v_cache, meta.decode_block_tables,
+                                     meta.decode_seq_lens, scale, max_seq_len=meta.max_decode_seq_len))
+    if num_decodes < q.shape[0]:
+        if meta.prefill_has_context:
+            outs.append(prefill_attention(q[num_decodes:], k_cache, v_cache, meta.prefill_block_tables,
+                                          meta.prefill_query_start_loc, meta.prefill_seq_lens, scale,
+                                          max_query_len=meta.max_prefill_query_len,
+                                          max_seq_len=meta.max_prefill_seq_len))
+        else:
+            # Fresh prompts: attend over the new K/V directly, no gather from the cache.
+            outs.append(_causal_attention_fresh(q[num_decodes:], k[num_decodes:], v[num_decodes:],
+                                                meta.prefill_query_lens, scale))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _causal_attention_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            query_lens: list[int], scale: float) -> torch.Tensor:
+    outs = []
+    start = 0
+    for query_len in query_lens:
+        end = start + query_len
+        # [heads, query_len, head_dim] views for SDPA
+        q_i = q[start:end].transpose(0, 1)
+        k_i = k[start:end].transpose(0, 1)
+        v_i = v[start:end].transpose(0, 1)
+        out = F.scaled_dot_product_attention(q_i, k_i, v_i, is_causal=True, scale=scale,
+                                             enable_gqa=q_i.shape[0] != k_i.shape[0])
+        outs.append(out.transpose(0, 1))
+        start = end
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -1,0 +1,71 @@
+"""Greedy parity of our engine with transformers on the bundled SmolLM2-135M-Instruct."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common import LLM, SamplingParams
+from tests.parity import hf_greedy, hf_teacher_forced_logprobs
+
+pytestmark = pytest.mark.slow
+
+NUM_NEW_TOKENS = 32
+TEXT_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 4, 5, 6,",
+    "Translate to French: Good morning, how are you today?",
+    "Les plus beaux paysages d'Europe sont",
+]
+LONG_PROMPT = " ".join(
+    f"Fact {i}: the {color} box on shelf {i} holds {i * 7 % 13} marbles and a note about {topic}."
+    for i, (color, topic) in enumerate(
+        [("red", "tides"), ("blue", "volcanoes"), ("green", "bees"), ("amber", "trains")] * 6)
+) + " Summarize the facts above:"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # A small token budget so the long prompt is prefilled in several chunks
+    # while the short ones are already decoding.
+    return LLM(num_kv_blocks=256, max_num_batched_tokens=128, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def hf_model(bundled_model_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(bundled_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(llm) -> list[list[int]]:
+    tok = llm.tokenizer
+    chat = tok.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow."}])
+    all_prompts = [tok.encode(p) for p in TEXT_PROMPTS] + [tok.encode(LONG_PROMPT), chat]
+    assert len(all_prompts[-2]) > 300
+    return all_prompts
+
+
+def test_greedy_tokens_and_logprobs_match_transformers(llm, hf_model, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert len(outputs) == len(prompts) >= 8
+    for prompt, output in zip(prompts, outputs):
+        ours = output.outputs[0].token_ids
+        assert ours == hf_greedy(hf_model, prompt, NUM_NEW_TOKENS), f"prompt of {len(prompt)} tokens"
+        our_logprobs = torch.tensor([lp.token_logprob for lp in output.outputs[0].logprobs])
+        ref_logprobs = hf_teacher_forced_logprobs(hf_model, prompt, ours)
+        torch.testing.assert_close(our_logprobs, ref_logprobs, atol=1e-3, rtol=0)
+    assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.config.cache.num_blocks
+
+
+def test_text_prompt_and_chat_api(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    by_text = llm.generate(TEXT_PROMPTS[0], params)[0]
+    by_ids = llm.generate({"prompt_token_ids": llm.tokenizer.encode(TEXT_PROMPTS[0])}, params)[0]
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+    assert by_text.outputs[0].text == llm.tokenizer.decode(by_text.outputs[0].token_ids)
+    assert by_text.outputs[0].finish_reason in ("stop", "length")
+    chat = llm.chat([{"role": "user", "content": "Say hello."}], params)[0]
+    assert chat.prompt_token_ids == llm.tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}])
