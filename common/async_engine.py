@@ -124,7 +124,8 @@ class AsyncEngine:
                     future.get_loop().call_soon_threadsafe(_set_exception, future, exc)
                 else:
                     future.get_loop().call_soon_threadsafe(_set_result, future, result)
-                self.stats = self._collect_stats()
+        if commands:
+            self.stats = self._collect_stats()
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:
