@@ -92,8 +92,7 @@ class LLM:
         pending: dict[str, _Pending] = {}
         for i, (_, token_ids, params) in enumerate(encoded):
             for j in range(params.n):
-                child = params if params.n == 1 else params.clone(
-                    n=1, seed=None if params.seed is None else params.seed + j)
+                child = params if params.n == 1 else params.for_child(j)
                 req_id = str(next(self._req_counter))
                 detok = None
                 if child.stop:

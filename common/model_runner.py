@@ -159,8 +159,6 @@ class ModelRunner:
             prefill_seq_lens=int32(prefill_seq_lens) if prefills else None,
             max_prefill_query_len=max(prefill_query_lens, default=0),
             max_prefill_seq_len=max(prefill_seq_lens, default=0),
-            prefill_query_lens=prefill_query_lens,
-            prefill_has_context=any(r.start_pos > 0 for r in prefills),
             on_layer_kv_written=self.on_layer_kv_written,
         )
         return (torch.tensor(input_ids, dtype=torch.int64, device=device),

@@ -1,29 +1,173 @@
-"""Per-request sampling parameters (vLLM-compatible names). SKELETON: validation TBD."""
+"""Per-request sampling parameters, with vLLM's field names and semantics.
+
+Every value is checked in __post_init__ (and again by clone()/from_dict(), which
+build a new object); a bad value raises ValueError naming the field and the
+allowed range, which the gateway turns into INVALID_ARGUMENT. Token ids can only
+be checked against a vocabulary: validate_token_ids() / validate_prompt_token_ids().
+
+n > 1 is accepted but an engine only ever runs n == 1 requests: the frontend
+(LLM API, gateway) fans a request out into n child requests built with
+for_child(i), which sets n=1 and, for a seeded request, seed + i so the n samples
+differ yet stay reproducible (vLLM does the same).
+"""
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGPROBS = 20  # cap on top-n logprobs per token; each one costs a topk over the vocab
+MAX_SEED = 2**63 - 1
+# Temperatures below this are treated as greedy: dividing logits by ~0 overflows (vLLM's eps).
+SAMPLING_EPS = 1e-5
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
 class SamplingParams:
-    n: int = 1
+    n: int = 1  # completions per prompt; fanned out by the frontend (see module doc)
     temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 disables
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = -1  # keep the k most likely tokens; -1 disables
+    min_p: float = 0.0  # drop tokens less likely than min_p * p(most likely token)
+    repetition_penalty: float = 1.0  # over prompt + output tokens; > 1 discourages repeats
+    presence_penalty: float = 0.0  # subtracted once from tokens already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    seed: int | None = None  # per-request RNG: same seed, same tokens, whatever the batch
+    stop: list[str] = field(default_factory=list)  # stop strings (a single str is accepted)
+    stop_token_ids: list[int] = field(default_factory=list)  # stop tokens besides EOS
     include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+    max_tokens: int | None = 16  # None: until EOS or the model's context length
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
+    logprobs: int | None = None  # None: none; 0: the sampled token's only; k: plus top-k
+    skip_special_tokens: bool = True  # in the detokenized text
+
+    def __post_init__(self) -> None:
+        # A lone string is vLLM's shorthand for one stop string.
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self._check()
+
+    def _check(self) -> None:
+        def fail(name: str, allowed: str) -> None:
+            raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            fail("n", "an integer >= 1")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                fail(name, "a finite number")
+            setattr(self, name, float(value))
+        if self.temperature < 0.0:
+            fail("temperature", ">= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1 or self.top_k == 0:
+            fail("top_k", "-1 (disabled) or an integer >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", "in [0, 1]")
+        if self.repetition_penalty <= 0.0:
+            fail("repetition_penalty", "> 0 (1 disables)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                fail(name, "in [-2, 2]")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            fail("seed", f"None or an integer in [0, {MAX_SEED}]")
+        if isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            fail("stop", "a list of non-empty strings")
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        if (not isinstance(self.stop_token_ids, list)
+                or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids)):
+            fail("stop_token_ids", "a list of integers >= 0")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "a bool")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            fail("max_tokens", "None or an integer >= 1")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            fail("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
+                             f"got {self.min_tokens}")
+        if self.logprobs is not None and (
+                not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            fail("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def validate_token_ids(self, vocab_size: int) -> None:
+        """Check stop_token_ids against the vocabulary (known only to the engine/gateway)."""
+        for token_id in self.stop_token_ids:
+            if token_id >= vocab_size:
+                raise ValueError(f"stop_token_ids: token id {token_id} is out of range "
+                                 f"[0, {vocab_size}) for vocab size {vocab_size}")
+
+    def for_child(self, index: int) -> "SamplingParams":
+        """Params of the index-th of n fanned-out requests (n=1, distinct seeds)."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"child index must be in [0, {self.n}), got {index}")
+        seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
+        return self.clone(n=1, seed=seed)
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        """A validated copy with `changes` applied; lists are copied, not shared."""
+        values = self.to_dict()
+        unknown = set(changes) - values.keys()
+        if unknown:
+            raise ValueError(f"unknown SamplingParams fields: {sorted(unknown)}")
+        values.update(changes)
+        return SamplingParams(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (ints, floats, bools, lists, None) for msgpack/JSON transport."""
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), list) else v)
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
+        """Inverse of to_dict(); unknown keys are rejected (likely a typo or version skew)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"unknown SamplingParams fields: {sorted(unknown)}")
+        return cls(**data)
+
+
+def validate_prompt_token_ids(prompt_token_ids: list[int], vocab_size: int) -> None:
+    """Raise ValueError if the prompt is empty or holds a non-int or out-of-vocab id."""
+    if len(prompt_token_ids) == 0:
+        raise ValueError("prompt_token_ids must not be empty")
+    # min/max run in C; only a failing prompt pays for the Python scan that names the id.
+    try:
+        in_range = min(prompt_token_ids) >= 0 and max(prompt_token_ids) < vocab_size
+    except TypeError:
+        in_range = False
+    if in_range and set(map(type, prompt_token_ids)) == {int}:
+        return
+    for position, token_id in enumerate(prompt_token_ids):
+        if not _is_int(token_id):
+            raise ValueError(f"prompt_token_ids[{position}]: token id {token_id!r} is not an int")
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(f"prompt_token_ids[{position}]: token id {token_id} is out of "
+                             f"range [0, {vocab_size}) for vocab size {vocab_size}")

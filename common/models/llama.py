@@ -23,7 +23,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like the reference, so bf16 weights stay stable.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
+        # Normalise half types in fp32 like the reference, so bf16 stays stable.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -62,12 +64,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (freqs.cos() * attn_factor).float(), persistent=False)
         self.register_buffer("sin", (freqs.sin() * attn_factor).float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """positions [num_tokens], x [num_tokens, num_heads, head_dim] (rotate-half layout)."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [num_tokens, 1, head_dim // 2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Looked up once per step and shared by every layer: [num_tokens, 1, head_dim // 2] each."""
+        return (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, num_heads, head_dim] in rotate-half layout."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
@@ -84,13 +89,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rope(positions, q.view(num_tokens, self.num_heads, self.head_dim))
-        k = rope(positions, k.view(num_tokens, self.num_kv_heads, self.head_dim))
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # q and k heads are adjacent: rotate them together in one pass.
+        qk = apply_rope(qkv[:, :self.num_heads + self.num_kv_heads], *rope_cos_sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads:]
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.layer_idx)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -115,8 +121,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions, x, rope, kv_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), rope, kv_cache, meta)
+    def forward(self, x, rope_cos_sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope_cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -137,8 +143,9 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]."""
         x = self.embed_tokens(input_ids)
+        rope_cos_sin = self.rope.cos_sin(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, self.rope, kv_cache, meta)
+            x = layer(x, rope_cos_sin, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,240 @@
+"""The gateway's view of live engine instances, fed by Register/Heartbeat/Deregister.
+
+An instance is placeable from the moment it registers (that is how `--scale` adds
+capacity) until it deregisters or misses heartbeats for `heartbeat_timeout_s`.
+Load comes from heartbeats; between two heartbeats the gateway adds what it has
+dispatched itself (`record_dispatch`), so a burst of requests does not all pick
+the instance that looked idle at the last heartbeat. The next heartbeat replaces
+the estimate with the instance's own numbers.
+
+Plain Python and single-threaded (call it from the gateway's event loop); the
+clock is injectable so tests and the placement simulation control time.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import grpc
+
+from protos.pdserve.v1 import registry_pb2, registry_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+
+
+class RegistrationError(ValueError):
+    """The instance cannot join this deployment (bad role, other model or block size)."""
+
+
+@dataclass
+class InstanceLoad:
+    """What an instance reports in a heartbeat (mirrors pdserve.v1.InstanceLoad)."""
+
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_queued_prefill_tokens: int = 0
+    kv_events_sequence: int = 0
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """What an instance registers (mirrors pdserve.v1.RegisterRequest)."""
+
+    instance_id: str
+    role: Role
+    grpc_address: str
+    kv_endpoint: str = ""  # decode: where prefill instances push KV
+    kv_events_endpoint: str = ""  # prefill: ZeroMQ PUB of KV cache events
+    block_size: int = 16
+    num_total_blocks: int = 0
+    model_name: str = ""
+    max_model_len: int = 0
+
+
+@dataclass
+class Instance:
+    spec: InstanceSpec
+    registered_at: float
+    last_heartbeat: float
+    load: InstanceLoad  # as last reported
+    # Dispatched by this gateway since the last heartbeat, not yet in `load`.
+    pending_requests: int = 0
+    pending_prefill_tokens: int = 0
+    pending_blocks: int = 0
+
+    @property
+    def instance_id(self) -> str:
+        return self.spec.instance_id
+
+    @property
+    def role(self) -> Role:
+        return self.spec.role
+
+    # Effective load: reported plus dispatched since. Placement reads only these.
+    @property
+    def num_requests(self) -> int:
+        return self.load.num_running_requests + self.load.num_waiting_requests + self.pending_requests
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return self.load.num_queued_prefill_tokens + self.pending_prefill_tokens
+
+    @property
+    def free_blocks(self) -> int:
+        return max(0, self.load.num_free_blocks - self.pending_blocks)
+
+
+Listener = Callable[[Instance, str], None]  # (instance, reason)
+
+
+@dataclass
+class InstanceRegistry:
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0  # a few missed heartbeats, not one slow one
+    clock: Callable[[], float] = time.monotonic
+    block_size: int | None = None  # None: take the first instance's
+    model_name: str | None = None  # None: take the first instance's
+    _instances: dict[str, Instance] = field(default_factory=dict)
+    _on_added: list[Listener] = field(default_factory=list)
+    _on_removed: list[Listener] = field(default_factory=list)
+    _on_heartbeat: list[Listener] = field(default_factory=list)
+
+    def subscribe(self, on_added: Listener | None = None, on_removed: Listener | None = None,
+                  on_heartbeat: Listener | None = None) -> None:
+        """Be told when instances join (reason "registered"), leave ("deregistered",
+        "expired", or "replaced" when the same id registers again after a restart)
+        or report load ("heartbeat")."""
+        for listeners, listener in ((self._on_added, on_added), (self._on_removed, on_removed),
+                                    (self._on_heartbeat, on_heartbeat)):
+            if listener:
+                listeners.append(listener)
+
+    def register(self, spec: InstanceSpec) -> Instance:
+        if not spec.instance_id or spec.role not in ROLES or not spec.grpc_address:
+            raise RegistrationError(f"need an instance id, a role in {ROLES} and a gRPC address: {spec}")
+        if spec.block_size <= 0:
+            raise RegistrationError(f"{spec.instance_id}: block_size must be > 0")
+        # Prefix hashes are per block size and model, so every instance must agree.
+        for name, expected in (("block_size", self.block_size), ("model_name", self.model_name)):
+            if expected is not None and getattr(spec, name) != expected:
+                raise RegistrationError(f"{spec.instance_id}: {name} {getattr(spec, name)!r} "
+                                        f"differs from the deployment's {expected!r}")
+        self.block_size = spec.block_size
+        self.model_name = spec.model_name
+        if spec.instance_id in self._instances:
+            self._remove(spec.instance_id, "replaced")
+        now = self.clock()
+        instance = Instance(spec, registered_at=now, last_heartbeat=now,
+                            load=InstanceLoad(num_free_blocks=spec.num_total_blocks,
+                                              num_total_blocks=spec.num_total_blocks))
+        self._instances[spec.instance_id] = instance
+        logger.info("registered %s %s at %s", spec.role, spec.instance_id, spec.grpc_address)
+        self._notify(self._on_added, instance, "registered")
+        return instance
+
+    def heartbeat(self, instance_id: str, load: InstanceLoad) -> bool:
+        """Record liveness and load; False when the id is unknown (must re-register)."""
+        instance = self._instances.get(instance_id)
+        if instance is None:
+            return False
+        instance.last_heartbeat = self.clock()
+        instance.load = replace(load)
+        instance.pending_requests = instance.pending_prefill_tokens = instance.pending_blocks = 0
+        self._notify(self._on_heartbeat, instance, "heartbeat")
+        return True
+
+    def deregister(self, instance_id: str) -> bool:
+        return self._remove(instance_id, "deregistered") is not None
+
+    def record_dispatch(self, instance_id: str, prefill_tokens: int = 0, blocks: int = 0) -> None:
+        """Count a request just sent to the instance until its heartbeat reflects it."""
+        instance = self._instances.get(instance_id)
+        if instance is not None:
+            instance.pending_requests += 1
+            instance.pending_prefill_tokens += prefill_tokens
+            instance.pending_blocks += blocks
+
+    def get(self, instance_id: str) -> Instance | None:
+        return self._instances.get(instance_id)
+
+    def instances(self, role: Role) -> list[Instance]:
+        """Live instances of a role, by id; ones past the timeout are left out even
+        before `expire` drops them."""
+        deadline = self.clock() - self.heartbeat_timeout_s
+        return sorted((i for i in self._instances.values() if i.role == role and i.last_heartbeat >= deadline),
+                      key=lambda i: i.instance_id)
+
+    def expire(self) -> list[Instance]:
+        """Drop instances that missed heartbeats past the timeout; return them."""
+        deadline = self.clock() - self.heartbeat_timeout_s
+        dead = [i.instance_id for i in self._instances.values() if i.last_heartbeat < deadline]
+        return [self._remove(instance_id, "expired") for instance_id in dead]
+
+    async def run_expiry(self, interval_s: float | None = None) -> None:
+        """Call `expire` forever (run as a task; cancel to stop)."""
+        while True:
+            await asyncio.sleep(interval_s or self.heartbeat_interval_s)
+            self.expire()
+
+    def _remove(self, instance_id: str, reason: str) -> Instance | None:
+        instance = self._instances.pop(instance_id, None)
+        if instance is not None:
+            log = logger.warning if reason == "expired" else logger.info
+            log("%s %s %s (last heartbeat %.1fs ago)", instance.role, instance_id, reason,
+                self.clock() - instance.last_heartbeat)
+            self._notify(self._on_removed, instance, reason)
+        return instance
+
+    @staticmethod
+    def _notify(listeners: list[Listener], instance: Instance, reason: str) -> None:
+        for listener in listeners:
+            try:
+                listener(instance, reason)
+            except Exception:  # one broken listener must not corrupt the registry
+                logger.exception("registry listener failed for %s", instance.instance_id)
+
+
+_ROLE_FROM_PB: dict[int, Role] = {registry_pb2.ROLE_PREFILL: "prefill", registry_pb2.ROLE_DECODE: "decode"}
+
+
+def load_from_pb(msg) -> InstanceLoad:
+    """pdserve.v1.InstanceLoad -> InstanceLoad (same field names)."""
+    return InstanceLoad(**{name: getattr(msg, name) for name in InstanceLoad.__dataclass_fields__})
+
+
+class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
+    """pdserve.v1.RegistryService over an InstanceRegistry (grpc.aio)."""
+
+    def __init__(self, registry: InstanceRegistry):
+        self.registry = registry
+
+    async def Register(self, request, context):
+        spec = InstanceSpec(
+            instance_id=request.instance_id, role=_ROLE_FROM_PB.get(request.role, "unspecified"),
+            grpc_address=request.grpc_address, kv_endpoint=request.kv_endpoint,
+            kv_events_endpoint=request.kv_events_endpoint, block_size=request.block_size,
+            num_total_blocks=request.num_total_blocks, model_name=request.model_name,
+            max_model_len=request.max_model_len)
+        try:
+            self.registry.register(spec)
+        except RegistrationError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return registry_pb2.RegisterResponse(
+            heartbeat_interval_ms=round(self.registry.heartbeat_interval_s * 1000))
+
+    async def Heartbeat(self, request, context):
+        known = self.registry.heartbeat(request.instance_id, load_from_pb(request.load))
+        return registry_pb2.HeartbeatResponse(reregister=not known)
+
+    async def Deregister(self, request, context):
+        self.registry.deregister(request.instance_id)
+        return registry_pb2.DeregisterResponse()

@@ -1,0 +1,62 @@
+"""Backend choice shared by the public kernels: Triton on CUDA, plain torch elsewhere."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+BACKENDS = ("triton", "torch")
+
+
+@functools.cache
+def triton_available() -> bool:
+    # triton is an optional dependency (the CPU-only install does not ship it).
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def select_backend(device: torch.device, backend: str | None) -> str:
+    """Resolve `backend` (None, "triton" or "torch") for tensors living on `device`."""
+    if backend is None:
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("backend='triton' requested but triton is not installed")
+        # Off CUDA the kernels only run under the Triton interpreter (tests).
+        if device.type != "cuda" and not _interpreting():
+            raise ValueError(f"backend='triton' needs CUDA tensors (got {device.type}) "
+                             "or TRITON_INTERPRET=1 set before triton is imported")
+    return backend
+
+
+def check_float_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    # The Triton kernels take arbitrary outer strides but load head_dim as one run.
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension, "
+                         f"got strides {tuple(t.stride())}")
+
+
+def check_int32_1d(name: str, t: torch.Tensor, length: int, device: torch.device) -> None:
+    if t.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != length:
+        raise ValueError(f"{name} must have shape [{length}], got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")

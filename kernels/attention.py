@@ -1,0 +1,109 @@
+"""Paged attention over the KV cache: public entry points.
+
+Each function checks its inputs, then runs the Triton kernel for CUDA tensors or the
+plain-torch reference otherwise (`backend="triton"|"torch"` forces one). Checks only
+look at shapes/dtypes/devices so they never synchronise with the GPU.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels._backend import (check_float_dtype, check_int32_1d, check_last_dim_contiguous,
+                              select_backend)
+from kernels.torch_attention import decode_attention_torch, prefill_attention_torch
+
+
+def decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_q_heads, head_dim], the token at position seq_len - 1
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32, padding entries arbitrary
+    seq_lens: torch.Tensor,  # [num_seqs] int32, including the new token
+    scale: float,
+    max_seq_len: int | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
+    """One new token per sequence attends to cache positions [0, seq_len).
+
+    max_seq_len, if given, must be >= max(seq_lens) (the torch path sizes its gather with
+    it; Triton ignores it). A seq_len of 0 yields zeros. The result is contiguous.
+    """
+    num_seqs = _check_common(q, k_cache, v_cache, block_tables, max_seq_len, "max_seq_len")
+    if q.shape[0] != num_seqs:
+        raise ValueError(f"q has {q.shape[0]} rows but block_tables has {num_seqs} sequences")
+    check_int32_1d("seq_lens", seq_lens, num_seqs, q.device)
+    if select_backend(q.device, backend) == "triton":
+        from kernels.triton_attention import decode_attention_triton
+
+        return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], all sequences' new tokens
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context_len + query_len
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+    """Causal attention for ragged chunks whose K/V (and their context's) are in the cache.
+
+    Query j of sequence i sits at position context_len + j and sees [0, context_len + j].
+    max_query_len / max_seq_len are accepted so callers can pass what they know; the
+    kernels derive everything from the metadata tensors and never need them.
+    query_start_loc[0] should be 0; rows past query_start_loc[-1] are padding whose output
+    is unspecified (zeros on the torch path). The result is contiguous.
+    """
+    num_seqs = _check_common(q, k_cache, v_cache, block_tables, max_seq_len, "max_seq_len")
+    check_int32_1d("query_start_loc", query_start_loc, num_seqs + 1, q.device)
+    check_int32_1d("seq_lens", seq_lens, num_seqs, q.device)
+    if max_query_len is not None and max_query_len > q.shape[0]:
+        raise ValueError(f"max_query_len {max_query_len} > num_tokens {q.shape[0]}")
+    if select_backend(q.device, backend) == "triton":
+        from kernels.triton_attention import prefill_attention_triton
+
+        return prefill_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc,
+                                        seq_lens, scale)
+    return prefill_attention_torch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                   scale)
+
+
+def _check_common(q, k_cache, v_cache, block_tables, max_seq_len, max_name) -> int:
+    """Checks shared by decode and prefill; returns num_seqs (rows of block_tables)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, num_q_heads, head_dim], got {list(q.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError("k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got {list(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {list(v_cache.shape)} != k_cache shape {list(k_cache.shape)}")
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_float_dtype(name, t)
+        check_last_dim_contiguous(name, t)
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32, got {block_tables.dtype}")
+    if block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be [num_seqs, max_blocks], got {list(block_tables.shape)}")
+    if block_tables.device != q.device:
+        raise ValueError(f"block_tables is on {block_tables.device}, q on {q.device}")
+    if block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must be contiguous in its last dimension")
+    if max_seq_len is not None and max_seq_len > block_tables.shape[1] * k_cache.shape[1]:
+        raise ValueError(f"{max_name} {max_seq_len} exceeds block_tables capacity "
+                         f"{block_tables.shape[1]} blocks x {k_cache.shape[1]}")
+    return block_tables.shape[0]
