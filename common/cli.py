@@ -89,30 +89,45 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate_offline)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True,
-                                                                     parser_class=EnvDefaultsParser)
-    p = bench.add_parser("offline", help="LLM.generate vs Hugging Face generate throughput",
-                         add_help=False)
-    p.set_defaults(func=lambda a: _delegate("common.bench_offline", a))
-    p = bench.add_parser("transfer", help="KV transfer throughput vs plain pyzmq", add_help=False)
-    p.set_defaults(func=lambda a: _delegate("kv_transfer.bench", a))
+    for name, (module, text) in DELEGATED.items():
+        sub.add_parser(name, help=text, add_help=False)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    for name, (module, text) in DELEGATED_BENCH.items():
+        bench.add_parser(name, help=text, add_help=False)
     return parser
 
 
-def _delegate(module: str, args: argparse.Namespace) -> int:
-    import importlib
-    return importlib.import_module(module).main(args.rest) or 0
+# Commands whose modules own their flags (and their --help): `pdserve NAME ...`.
+DELEGATED = {
+    "gateway": ("gateway.main", "run the gateway (public Generate API, registry, placement)"),
+    "prefill": ("prefill_service.main", "run a prefill instance"),
+    "decode": ("decode_service.main", "run a decode instance"),
+    "up": ("gateway.launcher", "run a local stack: gateway + N prefill + M decode processes"),
+    "generate": ("gateway.cli_client", "send a prompt to a gateway and print the completion"),
+    "health": ("gateway.health_check", "exit 0 only if ADDR reports SERVING (grpc.health.v1)"),
+}
+DELEGATED_BENCH = {
+    "offline": ("common.bench_offline", "LLM.generate vs Hugging Face generate throughput"),
+    "transfer": ("kv_transfer.bench", "KV transfer throughput vs plain pyzmq"),
+}
+
+
+def _delegated_module(argv: list[str]) -> tuple[str, list[str]] | None:
+    if argv and argv[0] in DELEGATED:
+        return DELEGATED[argv[0]][0], argv[1:]
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in DELEGATED_BENCH:
+        return DELEGATED_BENCH[argv[1]][0], argv[2:]
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    # Benchmarks own their flags: pass everything after `bench NAME` through untouched.
-    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in ("offline", "transfer"):
-        args = argparse.Namespace(rest=argv[2:], log_level="WARNING",
-                                  func=parser.parse_args(argv[:2]).func)
-    else:
-        args = parser.parse_args(argv)
+    delegated = _delegated_module(argv)
+    if delegated is not None:
+        import importlib
+        module, rest = delegated
+        return importlib.import_module(module).main(rest) or 0
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
