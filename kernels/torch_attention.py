@@ -42,20 +42,22 @@ def decode_attention_torch(
     block_starts = torch.arange(num_blocks, device=q.device) * block_size  # [num_blocks]
     block_table = block_tables[:, :num_blocks].long()  # [num_seqs, num_blocks]
     block_table = block_table.masked_fill(block_starts[None, :] >= seq_lens[:, None], 0)
-    k = _gather_kv(k_cache, block_table).transpose(1, 2)  # [num_seqs, num_kv_heads, max_len, head_dim]
-    v = _gather_kv(v_cache, block_table).transpose(1, 2)
-    positions = torch.arange(k.shape[2], device=q.device)  # [max_len]
+    k = _gather_kv(k_cache, block_table)  # [num_seqs, max_len, num_kv_heads, head_dim]
+    v = _gather_kv(v_cache, block_table)
+    positions = torch.arange(k.shape[1], device=q.device)  # [max_len]
     # A seq_len of 0 (batch padding) would mask every key and give NaN: let it see
     # position 0 and zero its output afterwards.
-    visible = positions[None, :] < seq_lens.clamp(min=1)[:, None]  # [num_seqs, max_len]
+    hidden = positions[None, :] >= seq_lens.clamp(min=1)[:, None]  # [num_seqs, max_len]
     # GQA without copying K/V: the group's q heads act as `group` query rows
     # against their kv head.
     q_grouped = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     if q.dtype != torch.float32:
         q_grouped, k, v = q_grouped.float(), k.float(), v.float()
-    out = F.scaled_dot_product_attention(
-        q_grouped, k, v, attn_mask=visible[:, None, None, :], scale=scale
-    )  # [num_seqs, num_kv_heads, group, head_dim]
+    # Plain batched matmuls, not SDPA: with one query row per sequence CPU SDPA
+    # is ~3x slower than this (32 seqs x 300 tokens: 8.6 ms vs 2.7 ms).
+    scores = torch.einsum("shgd,slhd->shgl", q_grouped, k) * scale  # [num_seqs, num_kv_heads, group, max_len]
+    scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
+    out = torch.einsum("shgl,slhd->shgd", scores.softmax(dim=-1), v)  # [num_seqs, num_kv_heads, group, head_dim]
     out = out.reshape(num_seqs, num_q_heads, head_dim)
     out = out.masked_fill((seq_lens == 0)[:, None, None], 0.0)
     return out.to(q.dtype)
