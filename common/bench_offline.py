@@ -129,7 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-output", type=int, default=16)
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--single-stream-tokens", type=int, default=128)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    # Continuous batching wants every request of the workload in flight at once:
+    # 128 sequences and a pool that holds them (~84k tokens, 3.9 GB in fp32).
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--kv-cache-memory", default="4GiB")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip-hf", action="store_true", help="only our engine (quick checks)")
     args = parser.parse_args(argv)
@@ -142,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        "torch_threads": torch.get_num_threads()}}
     bandwidth, flops = measure_copy_bandwidth(), measure_matmul_flops()
     results["roofline"] = {"copy_bandwidth_GBps": bandwidth / 1e9, "fp32_matmul_GFLOPs": flops / 1e9}
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_memory=args.kv_cache_memory)
     cfg = llm.engine.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.executor.runner.model.parameters())
     num_params = cfg.num_params()
