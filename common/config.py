@@ -116,6 +116,21 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
+def make_engine_config(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                       seed: int = 0, block_size: int = 16,
+                       kv_cache_memory: str | float | int | None = None, num_kv_blocks: int | None = None,
+                       max_model_len: int | None = None, max_num_seqs: int = 64,
+                       max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                       enable_chunked_prefill: bool = True) -> EngineConfig:
+    """The one place flat engine options (LLM kwargs, CLI flags) become an EngineConfig."""
+    return EngineConfig(
+        model=model, dtype=dtype, device=device, seed=seed,
+        cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks,
+                          enable_prefix_caching=enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill))
+
+
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
                "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30}
 

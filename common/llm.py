@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from common.config import CacheConfig, EngineConfig, SchedulerConfig
+from common.config import make_engine_config
 from common.detokenizer import IncrementalDetokenizer
 from common.engine import EngineCore
 from common.outputs import CompletionOutput, Logprobs, RequestOutput
@@ -37,19 +37,11 @@ def validate_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                 seed: int = 0, block_size: int = 16, kv_cache_memory: str | float | int | None = None,
-                 num_kv_blocks: int | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True):
-        config = EngineConfig(
-            model=model, dtype=dtype, device=device, seed=seed,
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len,
-                                      enable_chunked_prefill=enable_chunked_prefill))
+    def __init__(self, model: str | None = None, **engine_options):
+        """engine_options: see common.config.make_engine_config (dtype, device, seed, block_size,
+        kv_cache_memory, num_kv_blocks, max_model_len, max_num_seqs, max_num_batched_tokens,
+        enable_prefix_caching, enable_chunked_prefill)."""
+        config = make_engine_config(model, **engine_options)
         self.engine = EngineCore(config)
         self.tokenizer = load_tokenizer(self.engine.model_dir)
         self.eos_token_ids = tuple(sorted(set(self.engine.model_config.eos_token_ids)
