@@ -4,6 +4,11 @@
 consuming task, or closing the iterator early, aborts the request and frees
 its blocks. `call(fn)` runs fn(engine_core) on the engine thread between steps,
 which is how the services reach role-specific scheduler hooks safely.
+
+For requests admitted by such a hook rather than by `generate` (the decode role
+reserves blocks for remote KV first), `open_stream(req_id)` registers the output
+stream before the hook runs, so no output can be missed; `call(fn, deliver=True)`
+and `post(fn)` send the EngineCoreOutputs fn returns to their streams.
 """
 from __future__ import annotations
 
@@ -40,39 +45,49 @@ class AsyncEngine:
 
     # ---- consumer side (any event loop) ----
     async def generate(self, request: Request) -> AsyncIterator[EngineCoreOutput]:
+        stream = self.open_stream(request.req_id)
+        try:
+            self._commands.put(("add", request))
+            async for item in stream:
+                yield item
+        finally:
+            stream.close()
+
+    def open_stream(self, req_id: str) -> "RequestStream":
+        """Register the output stream of req_id now, on the caller's event loop.
+        Close it (or use it as a context manager) when done: closing before the
+        request finished aborts it."""
         if self._dead is not None:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
         out_queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            if request.req_id in self._streams:
-                raise ValueError(f"request id {request.req_id!r} is already in flight")
-            self._streams[request.req_id] = (asyncio.get_running_loop(), out_queue)
-        self._commands.put(("add", request))
-        finished = False
-        try:
-            while True:
-                item = await out_queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            with self._lock:
-                self._streams.pop(request.req_id, None)
-            if not finished:
-                self._commands.put(("abort", [request.req_id]))
+            if req_id in self._streams:
+                raise ValueError(f"request id {req_id!r} is already in flight")
+            self._streams[req_id] = (asyncio.get_running_loop(), out_queue)
+        return RequestStream(self, req_id, out_queue)
+
+    def _close_stream(self, stream: "RequestStream") -> None:
+        with self._lock:
+            if self._streams.get(stream.req_id, (None, None))[1] is stream._queue:
+                del self._streams[stream.req_id]
+        if not stream.finished:
+            self._commands.put(("abort", [stream.req_id]))
 
     def abort(self, req_ids: list[str]) -> None:
         self._commands.put(("abort", list(req_ids)))
 
-    async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
-        """Run fn(core) on the engine thread and return its result."""
+    async def call(self, fn: Callable[[EngineCore], Any], *, deliver: bool = False) -> Any:
+        """Run fn(core) on the engine thread and return its result. With deliver=True
+        fn returns a list of EngineCoreOutput, which also go to their streams."""
         future = asyncio.get_running_loop().create_future()
-        self._commands.put(("call", (fn, future)))
+        self._commands.put(("call", (fn, future, deliver)))
         return await future
+
+    def post(self, fn: Callable[[EngineCore], list[EngineCoreOutput] | None]) -> None:
+        """Thread-safe, fire and forget: run fn(core) on the engine thread between steps
+        and send the EngineCoreOutputs it returns to their streams. For callbacks from
+        other threads (a KV transfer ended) that must touch the scheduler."""
+        self._commands.put(("post", fn))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping = True
@@ -117,13 +132,20 @@ class AsyncEngine:
             elif kind == "abort":
                 self._dispatch(self.core.abort_requests(payload))
             elif kind == "call":
-                fn, future = payload
+                fn, future, deliver = payload
                 try:
                     result = fn(self.core)
                 except Exception as exc:
                     future.get_loop().call_soon_threadsafe(_set_exception, future, exc)
                 else:
+                    if deliver:
+                        self._dispatch(result)
                     future.get_loop().call_soon_threadsafe(_set_result, future, result)
+            elif kind == "post":
+                try:
+                    self._dispatch(payload(self.core) or [])
+                except Exception:  # nobody awaits a post: log, and keep the loop alive
+                    logger.exception("posted engine callback failed")
         if commands:
             self.stats = self._collect_stats()
 
@@ -140,6 +162,43 @@ class AsyncEngine:
 
     def _collect_stats(self) -> dict[str, Any]:
         return self.core.stats()
+
+
+class RequestStream:
+    """The outputs of one request, in order; ends after the finished one. An engine
+    error (request rejected, loop died) is raised from the iteration."""
+
+    def __init__(self, engine: AsyncEngine, req_id: str, out_queue: asyncio.Queue):
+        self.req_id = req_id
+        self.finished = False
+        self._engine = engine
+        self._queue = out_queue
+        self._closed = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> EngineCoreOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Stop listening; aborts the request unless it already finished. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._engine._close_stream(self)
+
+    def __enter__(self) -> "RequestStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

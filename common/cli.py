@@ -8,21 +8,36 @@ import sys
 
 
 class EnvDefaultsParser(argparse.ArgumentParser):
-    """Flags take their default from PDSERVE_<FLAG_NAME> when that variable is set."""
+    """Flags take their default from PDSERVE_<FLAG_NAME> when that variable is set.
 
-    def add_argument(self, *args, **kwargs):
-        action = super().add_argument(*args, **kwargs)
-        if action.option_strings and action.dest != "help":
+    Applied when parsing (and for --help) rather than in add_argument, so flags added
+    through argument groups (whose add_argument bypasses the parser's) get it too."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._apply_env_defaults()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._apply_env_defaults()
+        return super().format_help()
+
+    def _apply_env_defaults(self) -> None:
+        for action in self._actions:  # shared with every argument group of this parser
+            if not action.option_strings or action.dest == "help" or getattr(action, "_env_applied", False):
+                continue
+            action._env_applied = True
             env_name = "PDSERVE_" + action.dest.upper()
             if env_name in os.environ:
                 raw = os.environ[env_name]
                 if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
                     action.default = raw.lower() in ("1", "true", "yes", "on")
                 else:
-                    action.default = action.type(raw) if action.type else raw
+                    try:
+                        action.default = action.type(raw) if action.type else raw
+                    except (TypeError, ValueError):
+                        self.error(f"{env_name}={raw!r} is not a valid value for {action.option_strings[0]}")
             if action.help and action.help is not argparse.SUPPRESS:
                 action.help += f" [env {env_name}]"
-        return action
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +66,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching,
                 enable_chunked_prefill=not args.no_chunked_prefill)
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """EngineConfig from add_engine_args' flags (the services' counterpart of LLM(...))."""
+    from common.config import make_engine_config
+    return make_engine_config(**engine_kwargs(args))
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +130,8 @@ DELEGATED = {
 DELEGATED_BENCH = {
     "offline": ("common.bench_offline", "LLM.generate vs Hugging Face generate throughput"),
     "transfer": ("kv_transfer.bench", "KV transfer throughput vs plain pyzmq"),
+    "serve": ("gateway.bench_serve.main",
+              "load-test a gateway: TTFT/TPOT/ITL/E2EL, throughput, goodput (vLLM definitions)"),
 }
 
 

@@ -56,7 +56,10 @@ def resolve_max_model_len(requested: int | None, model_config: ModelConfig, num_
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None):
+    def __init__(self, config: EngineConfig, executor: Executor | None = None, *,
+                 hold_finished_blocks: bool = False):
+        # hold_finished_blocks: prefill role; finished requests keep their KV blocks
+        # until scheduler.release_held_blocks (after the KV has been shipped).
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_hf_config(load_hf_config(self.model_dir))
@@ -76,7 +79,7 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size,
                                                enable_prefix_caching=cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, cache.block_size,
-                                   self.max_model_len)
+                                   self.max_model_len, hold_finished_blocks=hold_finished_blocks)
         self.idle = True
 
     def add_request(self, request: Request) -> None:

@@ -1,0 +1,291 @@
+"""What the prefill and decode worker services share: flags, the request gate
+(ready / draining / in-flight count), request validation, and the process
+lifecycle: load the engine, serve gRPC with health and reflection, register with
+the gateway, print the READY line, drain on SIGTERM/SIGINT, exit 0.
+
+Shutdown: health NOT_SERVING and new work refused (UNAVAILABLE "draining"), the
+gateway is told we left, in-flight requests get --grace-period seconds to finish,
+the rest are failed cleanly (UNAVAILABLE), then the server stops.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from typing import Protocol
+
+import grpc
+from grpc import aio
+
+from common.cli import EnvDefaultsParser, add_engine_args
+from common.request import Request
+from common.sampling_params import SamplingParams, validate_prompt_token_ids
+
+logger = logging.getLogger(__name__)
+
+READY_PREFIX = "PDSERVE_READY"
+
+
+class ServiceError(Exception):
+    """A request failed with a gRPC status; the servicer turns it into context.abort."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class DuplicateRequestError(ValueError):
+    """A request with this id is still in flight (or holds blocks) on this instance."""
+
+
+def make_parser(role: str, description: str) -> argparse.ArgumentParser:
+    parser = EnvDefaultsParser(prog=f"pdserve {role}", description=description)
+    g = parser.add_argument_group("service")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="interface for the gRPC server and ZeroMQ sockets (loopback by default)")
+    g.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one")
+    g.add_argument("--advertise-address", default=None,
+                   help="host:port the gateway and peers use to reach this instance; "
+                        "default host:actual_port (the hostname when --host is 0.0.0.0)")
+    g.add_argument("--instance-id", default=None, help=f"default {role}-HOSTNAME-PID")
+    g.add_argument("--gateway", default=None,
+                   help="gateway address to register with (host:port); none: serve unregistered")
+    g.add_argument("--grace-period", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name registered with the gateway; default: --model, or the bundled model's name")
+    g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    add_engine_args(parser)
+    return parser
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    from common.model_files import BUNDLED_MODEL_NAME
+    return args.served_model_name or args.model or BUNDLED_MODEL_NAME
+
+
+def advertise_host(args: argparse.Namespace) -> str:
+    if args.advertise_address:
+        return args.advertise_address.rsplit(":", 1)[0].strip("[]")
+    if args.host in ("0.0.0.0", "::", ""):
+        return socket.gethostname()
+    return args.host
+
+
+def zmq_bind_endpoint(host: str, port: int) -> str:
+    return f"tcp://{host}:{port or '*'}"
+
+
+def advertised_zmq_endpoint(args: argparse.Namespace, bound_endpoint: str) -> str:
+    """The bound socket's endpoint as peers must dial it (port from the bind, host advertised)."""
+    return f"tcp://{advertise_host(args)}:{bound_endpoint.rsplit(':', 1)[1]}"
+
+
+def watch(future: concurrent.futures.Future) -> asyncio.Future:
+    """An asyncio future resolved with `future`'s outcome. Unlike asyncio.wrap_future
+    (and so `await transfer_handle`), cancelling it, or a task awaiting it, leaves
+    `future` alone: a KV transfer's future must only ever be resolved by its
+    connector, or its blocks would look free while zmq may still touch them."""
+    loop = asyncio.get_running_loop()
+    mirror = loop.create_future()
+
+    def copy(done: concurrent.futures.Future) -> None:
+        if mirror.done():
+            return
+        if done.cancelled():
+            mirror.cancel()
+        elif done.exception() is not None:
+            mirror.set_exception(done.exception())
+        else:
+            mirror.set_result(done.result())
+    def on_done(done: concurrent.futures.Future) -> None:
+        try:
+            loop.call_soon_threadsafe(copy, done)
+        except RuntimeError:  # the loop closed: nobody is waiting any more
+            pass
+    future.add_done_callback(on_done)
+    return mirror
+
+
+def eos_token_ids(core) -> tuple[int, ...]:
+    """The tokens that end generation, as the offline LLM computes them."""
+    from common.tokenizer import load_tokenizer
+    return tuple(sorted(set(core.model_config.eos_token_ids)
+                        | set(load_tokenizer(core.model_dir).eos_token_ids)))
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, core) -> None:
+    """Raise ServiceError(INVALID_ARGUMENT) for what the engine cannot serve."""
+    try:
+        validate_prompt_token_ids(prompt_token_ids, core.model_config.vocab_size)
+        params.validate_token_ids(core.model_config.vocab_size)
+    except ValueError as e:
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+    if params.n != 1:
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"n must be 1 on an engine instance (the gateway fans out n > 1); got {params.n}")
+    if len(prompt_token_ids) > core.max_model_len:
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"prompt has {len(prompt_token_ids)} tokens, longer than the maximum model "
+                           f"length of {core.max_model_len} tokens")
+
+
+def new_request(req_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+                eos: tuple[int, ...]) -> Request:
+    if not req_id:
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+    return Request(req_id, prompt_token_ids, params, eos_token_ids=eos, priority=priority)
+
+
+class RequestGate:
+    """Admission of work RPCs: counts in-flight ones, refuses new ones while draining."""
+
+    def __init__(self, description: str):
+        self.description = description  # e.g. "prefill instance prefill-a-12"
+        self.draining = False
+        self.stopping = False  # grace period over: in-flight requests are being failed
+        self._num_inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def num_inflight(self) -> int:
+        return self._num_inflight
+
+    @contextlib.asynccontextmanager
+    async def admit(self, context: aio.ServicerContext):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"{self.description} is draining (shutting down); send the request elsewhere")
+        self._num_inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._num_inflight -= 1
+            if not self._num_inflight:
+                self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def shutdown_error(self) -> ServiceError:
+        return ServiceError(grpc.StatusCode.UNAVAILABLE,
+                            f"{self.description} shut down before the request finished")
+
+
+class Worker(Protocol):
+    """One loaded worker (engine + sockets); built off the event loop by run_worker."""
+
+    instance_id: str
+
+    def add_to_server(self, server: aio.Server, gate: RequestGate) -> list[str]:
+        """Add the servicers; return the service names for health and reflection."""
+
+    def instance_spec(self, grpc_address: str):
+        """gateway.registry.InstanceSpec to register."""
+
+    def load(self):
+        """gateway.registry.InstanceLoad for heartbeats."""
+
+    def ready_fields(self) -> dict[str, str]:
+        """Extra key=value pairs for the READY line (endpoints)."""
+
+    async def fail_inflight(self) -> None:
+        """Grace period over: end every unfinished request now."""
+
+    async def close(self) -> None:
+        """Release the engine and sockets."""
+
+
+def default_instance_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def run_worker(args: argparse.Namespace, role: str, build: Callable[[argparse.Namespace, str], Worker]) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s {role} %(name)s: %(message)s")
+    args.instance_id = args.instance_id or default_instance_id(role)
+    try:
+        return asyncio.run(_serve(args, role, build))
+    except ValueError as e:  # bad flags found while building (e.g. KV pool too small)
+        print(f"pdserve {role}: error: {e}", file=sys.stderr)
+        return 2
+
+
+async def _serve(args: argparse.Namespace, role: str, build: Callable[[argparse.Namespace, str], Worker]) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # Loading the model takes seconds; a signal meanwhile still ends the process cleanly.
+    worker = await asyncio.to_thread(build, args, args.instance_id)
+    gate = RequestGate(f"{role} instance {args.instance_id}")
+    server = aio.server(options=[("grpc.so_reuseport", 0)])
+    exit_code = 0
+    registry_task = None
+    try:
+        service_names = worker.add_to_server(server, gate)
+        port = server.add_insecure_port(f"{_bracket(args.host)}:{args.port}")
+        if not port:
+            raise ValueError(f"cannot bind gRPC to {args.host}:{args.port}")
+        grpc_address = args.advertise_address or f"{_bracket(advertise_host(args))}:{port}"
+        from protos.serving import add_health_and_reflection
+        health = await add_health_and_reflection(server, *service_names)  # SERVING: the model is loaded
+        await server.start()
+        # Prometheus metrics (another issue) go here: expose worker.load() / engine stats.
+        if args.gateway:
+            registry_task = _start_registration(args.gateway, worker.instance_spec(grpc_address), worker, stop)
+        fields = " ".join(f"{k}={v}" for k, v in worker.ready_fields().items())
+        print(f"{READY_PREFIX} role={role} instance_id={args.instance_id} grpc={_bracket(args.host)}:{port} "
+              f"advertise={grpc_address} {fields}".rstrip(), flush=True)
+        logger.info("%s %s serving on %s:%d", role, args.instance_id, args.host, port)
+        if not stop.is_set():
+            await stop.wait()
+        if registry_task is not None and registry_task.done() and registry_task.exception():
+            exit_code = 1
+        logger.info("shutting down: draining for up to %.0fs", args.grace_period)
+        gate.draining = True
+        await health.enter_graceful_shutdown()
+        if registry_task is not None:  # leave first, so the gateway places nothing new here
+            registry_task.cancel()
+            await asyncio.gather(registry_task, return_exceptions=True)
+        if not await gate.wait_idle(args.grace_period):
+            logger.warning("%d requests still in flight after %.0fs: failing them", gate.num_inflight,
+                           args.grace_period)
+            gate.stopping = True
+            await worker.fail_inflight()
+            await gate.wait_idle(5.0)
+        await server.stop(1.0)
+    finally:
+        await worker.close()
+    logger.info("stopped")
+    return exit_code
+
+
+def _start_registration(gateway: str, spec, worker: Worker, stop: asyncio.Event) -> asyncio.Task:
+    from gateway.client import RegistryClient
+    task = asyncio.get_running_loop().create_task(RegistryClient(gateway, spec, worker.load).run())
+
+    def on_done(t: asyncio.Task) -> None:
+        if not t.cancelled() and t.exception() is not None:
+            logger.error("gateway rejected this instance: %s", t.exception())
+            stop.set()
+    task.add_done_callback(on_done)
+    return task
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -1,0 +1,178 @@
+"""One Decode request, end to end, in engine terms (no protobuf but the Prefill call).
+
+    open the output stream; admit (engine thread): local prefill, or reserve blocks +
+    register the transfer; remote: call Prefill with the kv_target and wait for both
+    the call and the receiver; finish_remote_kv with the first token; stream tokens.
+
+Conditional disaggregation: prefill here when no prefill instance is named, when
+the uncached part of the prompt is shorter than local_prefill_threshold tokens,
+or (local_fallback) when the prefill instance is unreachable before any KV came.
+Leaving the iteration early (client cancelled) cancels the Prefill call and aborts
+the request; DecodeEngineCore frees its blocks once no KV write can follow.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from grpc import aio
+
+from common.async_engine import AsyncEngine, EngineDeadError
+from common.outputs import EngineCoreOutput, Logprobs
+from common.sampling_params import SamplingParams
+from common.worker import DuplicateRequestError, ServiceError, new_request, watch
+from decode_service.engine import Admission, DecodeEngineCore, Placement
+from decode_service.prefill_client import PrefillClients, prefill_failure_status, prefill_request
+from kv_transfer import TransferResult, TransferState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeJob:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    prefill_address: str = ""  # empty: prefill locally
+    prefill_instance_id: str = ""
+
+
+@dataclass
+class DecodeChunk:
+    output: EngineCoreOutput
+    logprobs: list[Logprobs] | None
+    num_cached_tokens: int
+    prefill_instance_id: str  # empty when prefilled here
+
+
+@dataclass
+class RemotePrefill:
+    instance_id: str
+    num_cached_tokens: int
+    first_logprobs: list[Logprobs] | None
+
+
+class Decoder:
+    def __init__(self, engine: AsyncEngine, core: DecodeEngineCore, eos_token_ids: tuple[int, ...],
+                 clients: PrefillClients, *, kv_endpoint: str, local_prefill_threshold: int,
+                 transfer_timeout_s: float, local_fallback: bool):
+        self.engine = engine
+        self.core = core
+        self.eos_token_ids = eos_token_ids
+        self.clients = clients
+        self.kv_endpoint = kv_endpoint
+        self.local_prefill_threshold = local_prefill_threshold
+        self.transfer_timeout_s = transfer_timeout_s
+        self.local_fallback = local_fallback
+
+    async def decode(self, job: DecodeJob) -> AsyncIterator[DecodeChunk]:
+        request = self._request(job)
+        try:
+            stream = self.engine.open_stream(job.req_id)
+        except ValueError as e:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
+        with stream:
+            transfer_id = f"{job.req_id[:200]}/{uuid.uuid4().hex[:12]}"  # unique per attempt
+            try:
+                admission = await self.engine.call(lambda core: core.admit(
+                    request, bool(job.prefill_address), self.local_prefill_threshold, transfer_id,
+                    self.transfer_timeout_s))
+            except DuplicateRequestError as e:
+                raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
+            except ValueError as e:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            if admission.placement is Placement.FULL:
+                stats = self.engine.stats
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"no room for the KV of a {len(job.prompt_token_ids)}-token prompt: "
+                                   f"{stats['num_free_blocks']} of {stats['num_total_blocks']} blocks free, "
+                                   f"{stats['num_running'] + stats['num_waiting_for_remote_kv']} requests running")
+            remote = None
+            if admission.placement is Placement.REMOTE:
+                remote = await self._prefill_remotely(job, request, admission)
+            first = True
+            try:
+                async for output in stream:
+                    logprobs = output.new_logprobs
+                    if first and remote is not None and logprobs is None:
+                        logprobs = remote.first_logprobs  # the prefill sampled the first token
+                    first = False
+                    yield DecodeChunk(output, logprobs,
+                                      max(output.num_cached_tokens, remote.num_cached_tokens if remote else 0),
+                                      remote.instance_id if remote else "")
+            except EngineDeadError as e:
+                raise ServiceError(grpc.StatusCode.INTERNAL, str(e)) from None
+
+    async def abort(self, req_ids: list[str]) -> int:
+        known: list[str] = []
+
+        def abort(core: DecodeEngineCore):
+            known.extend(r for r in req_ids if r in core.scheduler.requests)
+            return core.abort_requests(req_ids)
+        await self.engine.call(abort, deliver=True)
+        return len(known)
+
+    def _request(self, job: DecodeJob):
+        return new_request(job.req_id, job.prompt_token_ids, job.params, job.priority, self.eos_token_ids)
+
+    async def _prefill_remotely(self, job: DecodeJob, request, admission: Admission) -> RemotePrefill | None:
+        """None: nothing remote to report (fell back to a local prefill, or the request
+        was aborted meanwhile and its stream ends with "abort")."""
+        transfer = admission.transfer
+        prefill_name = job.prefill_instance_id or job.prefill_address
+        call = self.clients.prefill(job.prefill_address, prefill_request(
+            request, kv_endpoint=self.kv_endpoint, transfer_id=transfer.transfer_id,
+            dst_block_ids=admission.dst_block_ids, first_block_index=admission.first_block_index,
+            geometry=self.core.geometry, transfer_timeout_s=self.transfer_timeout_s), self.transfer_timeout_s)
+        rpc = asyncio.ensure_future(call)
+        landed = watch(transfer.future)
+        try:
+            await asyncio.wait({rpc, landed}, return_when=asyncio.FIRST_COMPLETED)
+            if landed.done() and not landed.result().ok:  # our receiver gave up first
+                call.cancel()
+                return await self._import_failed(job, prefill_name, landed.result(), None, False)
+            try:
+                response = await rpc
+            except aio.AioRpcError as error:
+                received_any = transfer.state is not TransferState.WAITING
+                self.core.receiver.cancel(transfer.transfer_id, "the Prefill call failed")
+                return await self._import_failed(job, prefill_name, await landed, error, received_any)
+            # Prefill answers only after our receiver acked DONE, so this is immediate.
+            result = await asyncio.wait_for(asyncio.shield(landed), self.transfer_timeout_s)
+            if not result.ok:
+                return await self._import_failed(job, prefill_name, result, None, True)
+        finally:
+            if not rpc.done():  # we are leaving early (cancelled): the prefill must stop too
+                call.cancel()
+                rpc.cancel()
+        await self.engine.call(lambda core: core.finish_import(job.req_id, list(response.token_ids)),
+                               deliver=True)
+        logprobs = [Logprobs(lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs))
+                    for lp in response.logprobs] or None
+        return RemotePrefill(response.instance_id or prefill_name, response.num_cached_tokens, logprobs)
+
+    async def _import_failed(self, job: DecodeJob, prefill_name: str, result: TransferResult,
+                             error: aio.AioRpcError | None, received_any: bool) -> None:
+        """The transfer has ended without the KV: fall back, or fail the request."""
+        unreachable = error is not None and error.code() == grpc.StatusCode.UNAVAILABLE and not received_any
+        if unreachable and self.local_fallback:
+            logger.warning("prefill instance %s unreachable (%s): prefilling %s locally",
+                           prefill_name, error.details(), job.req_id)
+            local = self._request(job)
+            await self.engine.call(lambda core: core.import_to_local(job.req_id, local))
+            return None
+        if not await self.engine.call(lambda core: core.fail_import(job.req_id)):
+            return None  # aborted meanwhile: the stream ends with finish_reason "abort"
+        if error is not None:
+            raise ServiceError(*prefill_failure_status(error, prefill_name))
+        if result.state is TransferState.EXPIRED:
+            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"KV transfer from prefill instance {prefill_name} did not complete within "
+                               f"{self.transfer_timeout_s:g}s")
+        raise ServiceError(grpc.StatusCode.ABORTED,
+                           f"KV transfer from prefill instance {prefill_name} failed: {result.reason}")

@@ -1,0 +1,137 @@
+"""gRPC face of a decode instance (pdserve.v1.DecodeService) and the worker that owns
+its engine and KV receiver.
+
+RPC status codes of Decode (a stream; the last message has finish_reason set):
+  INVALID_ARGUMENT    bad prompt or sampling parameters, prompt longer than max_model_len
+  ALREADY_EXISTS      the request id is in flight here
+  RESOURCE_EXHAUSTED  no seat or KV blocks for a remote prefill's KV (nothing was queued)
+  UNAVAILABLE         the prefill instance went away (or is unreachable with --no-local-fallback);
+                      this instance is draining or shut down before the request finished
+  DEADLINE_EXCEEDED   the KV transfer did not complete within --kv-transfer-timeout
+  ABORTED             the KV transfer failed (rejected, connection reset)
+  other codes         passed through from the prefill instance, message prefixed with its id
+An Abort RPC for the request ends its stream normally with FINISH_REASON_ABORT.
+"""
+from __future__ import annotations
+
+import argparse
+
+import grpc
+from grpc import aio
+
+from common.async_engine import AsyncEngine
+from common.cli import engine_config_from_args
+from common.worker import (RequestGate, ServiceError, advertised_zmq_endpoint, eos_token_ids,
+                           served_model_name, validate_request, zmq_bind_endpoint)
+from decode_service.decoder import DecodeChunk, Decoder, DecodeJob
+from decode_service.engine import DecodeEngineCore
+from decode_service.prefill_client import PrefillClients
+from gateway.registry import InstanceLoad, InstanceSpec
+from protos.convert import logprobs_to_pb, sampling_params_from_pb
+from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from protos.serving import DECODE_SERVICE
+
+FINISH_REASONS = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
+                  "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT}
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, worker: "DecodeWorker", gate: RequestGate):
+        self.worker = worker
+        self.gate = gate
+
+    async def Decode(self, request: decode_pb2.DecodeRequest, context):
+        async with self.gate.admit(context):
+            try:
+                job = self.worker.job_from_pb(request)
+                async for chunk in self.worker.decoder.decode(job):
+                    if chunk.output.finish_reason == "abort" and self.gate.stopping:
+                        raise self.gate.shutdown_error()
+                    yield self.worker.chunk_to_pb(request.request_id, chunk)
+            except ServiceError as e:
+                if self.gate.stopping:  # past the grace period every failure is the shutdown's
+                    e = self.gate.shutdown_error()
+                await context.abort(e.code, e.message)
+
+    async def Abort(self, request: decode_pb2.AbortRequest, context) -> decode_pb2.AbortResponse:
+        return decode_pb2.AbortResponse(num_aborted=await self.worker.decoder.abort(list(request.request_ids)))
+
+    async def Stats(self, request, context) -> common_pb2.StatsResponse:
+        return self.worker.stats_pb()
+
+
+class DecodeWorker:
+    def __init__(self, args: argparse.Namespace, instance_id: str):
+        self.args = args
+        self.instance_id = instance_id
+        self.core = DecodeEngineCore(engine_config_from_args(args), zmq_bind_endpoint(args.host, args.kv_port))
+        self.kv_endpoint = advertised_zmq_endpoint(args, self.core.receiver.endpoint)
+        self.engine = AsyncEngine(self.core)
+        self.core.post = self.engine.post
+        self.clients = PrefillClients()
+        self.decoder = Decoder(self.engine, self.core, eos_token_ids(self.core), self.clients,
+                               kv_endpoint=self.kv_endpoint,
+                               local_prefill_threshold=args.local_prefill_threshold,
+                               transfer_timeout_s=args.kv_transfer_timeout,
+                               local_fallback=not args.no_local_fallback)
+
+    # ---- protobuf at the edge ----------------------------------------------------------
+    def job_from_pb(self, request: decode_pb2.DecodeRequest) -> DecodeJob:
+        prompt = list(request.prompt_token_ids)
+        try:
+            params = sampling_params_from_pb(request.sampling)
+        except ValueError as e:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        validate_request(prompt, params, self.core)
+        return DecodeJob(request.request_id, prompt, params, request.priority, request.prefill_address,
+                         request.prefill_instance_id)
+
+    def chunk_to_pb(self, request_id: str, chunk: DecodeChunk) -> decode_pb2.DecodeResponse:
+        output = chunk.output
+        response = decode_pb2.DecodeResponse(
+            request_id=request_id, token_ids=output.new_token_ids,
+            logprobs=[logprobs_to_pb(t, lp) for t, lp in zip(output.new_token_ids, chunk.logprobs or [])],
+            finish_reason=FINISH_REASONS[output.finish_reason], num_cached_tokens=chunk.num_cached_tokens,
+            prefill_instance_id=chunk.prefill_instance_id, decode_instance_id=self.instance_id)
+        if isinstance(output.stop_reason, int):
+            response.stop_token_id = output.stop_reason
+        elif output.finish_reason == "stop" and output.new_token_ids:  # EOS: stop_reason stays None
+            response.stop_token_id = output.new_token_ids[-1]
+        return response
+
+    def stats_pb(self) -> common_pb2.StatsResponse:
+        stats = self.engine.stats
+        return common_pb2.StatsResponse(
+            instance_id=self.instance_id, load=common_pb2.InstanceLoad(**vars(self.load())),
+            prefix_cache_queried_tokens=stats["prefix_cache_queried_tokens"],
+            prefix_cache_hit_tokens=stats["prefix_cache_hit_tokens"],
+            num_finished_requests=stats["num_finished_requests"])
+
+    # ---- common.worker.Worker ------------------------------------------------------------
+    def add_to_server(self, server: aio.Server, gate: RequestGate) -> list[str]:
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self, gate), server)
+        return [DECODE_SERVICE]
+
+    def instance_spec(self, grpc_address: str) -> InstanceSpec:
+        return InstanceSpec(instance_id=self.instance_id, role="decode", grpc_address=grpc_address,
+                            kv_endpoint=self.kv_endpoint, block_size=self.core.config.cache.block_size,
+                            num_total_blocks=self.core.kv_cache_manager.num_blocks,
+                            model_name=served_model_name(self.args), max_model_len=self.core.max_model_len)
+
+    def load(self) -> InstanceLoad:
+        stats = self.engine.stats
+        # Requests waiting for their KV hold a seat and blocks: they count as running.
+        return InstanceLoad(num_running_requests=stats["num_running"] + stats["num_waiting_for_remote_kv"],
+                            num_waiting_requests=stats["num_waiting"], num_free_blocks=stats["num_free_blocks"],
+                            num_total_blocks=stats["num_total_blocks"],
+                            num_queued_prefill_tokens=stats["num_queued_prefill_tokens"])
+
+    def ready_fields(self) -> dict[str, str]:
+        return {"kv": self.kv_endpoint}
+
+    async def fail_inflight(self) -> None:
+        await self.engine.call(lambda core: core.abort_all(), deliver=True)
+
+    async def close(self) -> None:
+        self.engine.shutdown()
+        await self.clients.close()

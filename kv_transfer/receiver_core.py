@@ -1,0 +1,197 @@
+"""Reservation table of a receiver: validation, the one copy into the pool, deadlines.
+
+Transport-agnostic and not thread-safe: each receiver calls it from one thread (ZeroMQ)
+or under one lock (torch.distributed). A reservation only lives here while its
+transfer is open; once DONE/FAILED/EXPIRED its entry (and every reference to the
+destination blocks) is dropped before the owner hears about it, so the owner may free
+or reuse the blocks the moment `on_done` runs. Returned acks are (peer, payload) pairs
+the transport sends back to the sender.
+"""
+from __future__ import annotations
+
+import collections
+import heapq
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from kv_transfer import protocol
+from kv_transfer.base import DTYPES, KVCaches, PoolGeometry, RecvTransfer, TransferResult, TransferState
+
+Ack = tuple[Any, bytes]  # (peer, encoded ack header)
+
+
+@dataclass(eq=False)
+class Reservation:
+    handle: RecvTransfer
+    dst_block_ids: list[int]
+    dst_index: torch.Tensor   # [num_dst_blocks] int64 on the pool's device, for index_copy_
+    run_end: list[int]        # run_end[i]: last j with dst[i..j] consecutive ids (slice copy)
+    monotonic_deadline: float
+    blocks_done: list[int]    # per layer, blocks landed so far (in order)
+    num_layers_done: int = 0
+    next_seq: int = 0
+    peer: Any = None          # the one sender this transfer accepts messages from
+
+
+class ReservationTable:
+    def __init__(self, kv_caches: KVCaches, on_done: Callable[[TransferResult], None] | None,
+                 finished_memory: int = 4096) -> None:
+        self.geo = PoolGeometry.of(kv_caches)
+        self._kv = list(kv_caches)
+        self._device = self._kv[0][0].device
+        self._on_done = on_done
+        self.active: dict[str, Reservation] = {}
+        # Ids of recently ended transfers, so late messages count as late, not unknown.
+        self._finished: collections.OrderedDict[str, tuple[TransferState, str]] = collections.OrderedDict()
+        self._finished_memory = finished_memory
+        self._deadlines: list[tuple[float, int, Reservation]] = []
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    def check_dst(self, dst_block_ids: Sequence[int]) -> list[int]:
+        dst = [int(b) for b in dst_block_ids]
+        if not dst or len(set(dst)) != len(dst) or min(dst) < 0 or max(dst) >= self.geo.num_blocks:
+            raise ValueError(f"destination block ids must be unique ids in [0, {self.geo.num_blocks})")
+        return dst
+
+    def add(self, handle: RecvTransfer, dst: list[int], monotonic_deadline: float) -> None:
+        if handle.transfer_id in self.active:
+            handle._resolve(TransferState.FAILED, "duplicate transfer id", self._on_done)
+            return
+        run_end = list(range(len(dst)))
+        for i in range(len(dst) - 2, -1, -1):
+            if dst[i + 1] == dst[i] + 1:
+                run_end[i] = run_end[i + 1]
+        res = Reservation(handle, dst, torch.tensor(dst, dtype=torch.int64, device=self._device), run_end,
+                          monotonic_deadline, [0] * self.geo.num_layers)
+        self.active[handle.transfer_id] = res
+        heapq.heappush(self._deadlines, (monotonic_deadline, id(res), res))
+
+    def next_deadline(self) -> float | None:
+        while self._deadlines and self._deadlines[0][2].handle.state.terminal:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def end(self, res: Reservation, state: TransferState, reason: str, peer: Any = None) -> Ack | None:
+        """Close a reservation (drop every block reference first) and tell owner and sender."""
+        if self.active.get(res.handle.transfer_id) is not res:
+            return None
+        del self.active[res.handle.transfer_id]
+        self._finished[res.handle.transfer_id] = (state, reason)
+        while len(self._finished) > self._finished_memory:
+            self._finished.popitem(last=False)
+        res.dst_index = torch.empty(0)
+        self.counters[f"transfers_{state.value}"] += 1
+        res.handle._resolve(state, reason, self._on_done)
+        to = res.peer if res.peer is not None else peer
+        return None if to is None else (to, protocol.encode_ack(res.handle.transfer_id, state.value, reason))
+
+    def expire(self, now: float) -> list[Ack]:
+        acks = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, res = heapq.heappop(self._deadlines)
+            ack = self.end(res, TransferState.EXPIRED, "deadline passed before all KV arrived")
+            if ack:
+                acks.append(ack)
+        return acks
+
+    def cancel(self, transfer_id: str, reason: str) -> Ack | None:
+        res = self.active.get(transfer_id)
+        return None if res is None else self.end(res, TransferState.FAILED, reason)
+
+    def prepare(self, peer: Any, header: Any, frame_sizes: Sequence[int], refresh: Callable[[], None] | None = None
+                ) -> tuple[Reservation | None, protocol.Header | None, Ack | None]:
+        """Decode and validate one message. Returns (reservation, header, None) when its frames may
+        be written, else (None, None, ack-or-None) after failing the transfer if it is ours."""
+        try:
+            h = protocol.decode(header)
+        except protocol.ProtocolError as e:
+            res = self.active.get(e.transfer_id) if e.transfer_id else None
+            if res is None:
+                self.counters["dropped_bad_header"] += 1
+                return None, None, None
+            return None, None, self._reject(res, peer, f"malformed header: {e}")
+        res = self.active.get(h.transfer_id)
+        if res is None and refresh is not None:
+            refresh()  # a registration may be queued behind this message on our own thread
+            res = self.active.get(h.transfer_id)
+        if res is None:
+            ended = self._finished.get(h.transfer_id)
+            self.counters["dropped_late" if ended else "dropped_unknown"] += 1
+            if ended and ended[0] is not TransferState.DONE and h.op != "ack":
+                # A sender we never heard from before the end (e.g. cancelled early) learns it now.
+                return None, None, (peer, protocol.encode_ack(h.transfer_id, ended[0].value, ended[1]))
+            return None, None, None
+        if res.peer is not None and res.peer != peer:
+            return None, None, self._reject(res, peer, "message from a second sender")
+        if h.op == "ack":
+            return None, None, self._reject(res, peer, "unexpected ack on the receive side")
+        if h.op == "abort":
+            self.counters["aborted_by_sender"] += 1
+            return None, None, self.end(res, TransferState.FAILED, f"sender aborted: {h.reason}", peer)
+        err = protocol.check_kv(h, frame_sizes, next_seq=res.next_seq, num_layers=self.geo.num_layers,
+                                dtype=self.geo.dtype, block_shape=self.geo.block_shape,
+                                block_bytes=self.geo.block_bytes, num_dst_blocks=len(res.dst_block_ids),
+                                blocks_done=res.blocks_done)
+        if err:
+            return None, None, self._reject(res, peer, err)
+        return res, h, None
+
+    def _reject(self, res: Reservation, peer: Any, reason: str) -> Ack | None:
+        self.counters["rejected"] += 1
+        return self.end(res, TransferState.FAILED, f"rejected message: {reason}", peer)
+
+    def commit(self, res: Reservation, h: protocol.Header, peer: Any, frames: Sequence[Any]) -> Ack | None:
+        """Write a validated message's frames into the pool (one copy each) and account for it.
+
+        Frames may have been received after `prepare` (torch.distributed): the reservation
+        must still be open, and no other message of it may have landed in between.
+        """
+        if self.active.get(h.transfer_id) is not res:
+            self.counters["dropped_late"] += 1
+            return None
+        if res.next_seq != h.seq or (res.peer is not None and res.peer != peer):
+            return self._reject(res, peer, "concurrent messages from two senders")
+        dtype, shape = DTYPES[self.geo.dtype], self.geo.block_shape
+        frame = 0
+        for layer in range(h.layer, h.layer + h.num_layers):
+            for cache in self._kv[layer]:  # per layer: the K frames, then the V frames
+                first = h.first
+                for n in h.splits:
+                    src = _as_blocks(frames[frame], dtype, n, shape)  # [n, *block_shape], a view of the frame
+                    if res.run_end[first] >= first + n - 1:
+                        d0 = res.dst_block_ids[first]
+                        cache[d0:d0 + n].copy_(src)
+                    else:
+                        cache.index_copy_(0, res.dst_index[first:first + n], src.to(cache.device))
+                    first += n
+                    frame += 1
+            res.blocks_done[layer] += h.num_blocks
+            if res.blocks_done[layer] == len(res.dst_block_ids):
+                res.num_layers_done += 1
+        res.peer = peer
+        res.next_seq += 1
+        res.handle.state = TransferState.TRANSFERRING
+        self.counters["messages_ok"] += 1
+        self.counters["bytes_written"] += 2 * h.num_layers * h.num_blocks * self.geo.block_bytes
+        if res.num_layers_done == self.geo.num_layers:
+            return self.end(res, TransferState.DONE, "")
+        return None
+
+    def close(self, reason: str) -> None:
+        for res in list(self.active.values()):
+            self.end(res, TransferState.FAILED, reason)
+
+
+def _as_blocks(frame: Any, dtype: torch.dtype, num_blocks: int, block_shape: tuple[int, ...]) -> torch.Tensor:
+    if isinstance(frame, torch.Tensor):  # staging buffer of a torch.distributed receive, uint8
+        return frame.view(dtype).view(num_blocks, *block_shape)
+    return torch.frombuffer(frame, dtype=dtype).view(num_blocks, *block_shape)
+
+
+def monotonic_deadline(timeout_s: float) -> float:
+    if not timeout_s > 0:
+        raise ValueError("timeout_s must be > 0")
+    return time.monotonic() + timeout_s

@@ -1,0 +1,171 @@
+"""ZeroMQ receiver (decode side): one ROUTER socket, one I/O thread that owns it.
+
+Senders connect DEALER sockets; the ROUTER learns each sender's identity, so the
+receiver can ack DONE/FAILED/EXPIRED back to exactly that sender. All reservation
+state lives on the I/O thread: `register`/`cancel` only enqueue a command, which keeps
+them non-blocking for an asyncio caller and guarantees that a transfer's future
+resolves only after the last write into its blocks.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from kv_transfer import protocol
+from kv_transfer.base import KVReceiver, KVTarget, RecvTransfer, TransferResult, check_transfer_id
+from kv_transfer.receiver_core import ReservationTable, monotonic_deadline
+from kv_transfer.zmq_common import DEFAULT_ENDPOINT, CurveConfig, KeyAllowList, WakePipe, check_endpoint, common_options
+
+logger = logging.getLogger(__name__)
+_MAX_BATCH = 64  # messages handled per poll round, so deadlines and commands still get a turn
+
+
+class ZmqKVReceiver(KVReceiver):
+    def __init__(self, kv_caches, endpoint: str = DEFAULT_ENDPOINT, *,
+                 on_done: Callable[[TransferResult], None] | None = None, curve: CurveConfig | None = None,
+                 advertise_endpoint: str | None = None, rcvhwm: int = 16) -> None:
+        check_endpoint(endpoint)
+        self._table = ReservationTable(kv_caches, on_done)
+        geo = self._table.geo
+        self._curve = curve
+        self._ctx = zmq.Context()
+        self._auth = None
+        if curve is not None:  # the ZAP handler must run before the first handshake
+            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", KeyAllowList(curve.allowed))
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        common_options(self._sock)
+        self._sock.rcvhwm = rcvhwm  # messages; with the frame cap below this bounds queued memory
+        # No legitimate frame exceeds one layer of the whole pool; a larger one drops the peer.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max(geo.num_blocks * geo.block_bytes, protocol.MAX_HEADER_BYTES))
+        if curve is not None:
+            curve.apply_server(self._sock)
+        self._sock.bind(endpoint)
+        self._endpoint = advertise_endpoint or self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._wake = WakePipe()
+        self._live_ids: set[str] = set()  # ids registered and not yet ended; guarded by _lock
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stop = False  # set on the I/O thread when it dequeues "close"
+        self._thread = threading.Thread(target=self._run, name="kv-recv-io", daemon=True)
+        self._thread.start()  # hands the socket over (a full memory barrier, as zmq requires)
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def register(self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> RecvTransfer:
+        check_transfer_id(transfer_id)
+        dst = self._table.check_dst(dst_block_ids)
+        deadline = monotonic_deadline(timeout_s)
+        geo = self._table.geo
+        target = KVTarget(transfer_id, self._endpoint, tuple(dst), geo.num_layers, geo.dtype, geo.block_shape,
+                          time.time() + timeout_s, self._curve.public_key if self._curve else None)
+        handle = RecvTransfer(target)
+        with self._lock:
+            if self._closed or not self._thread.is_alive():
+                raise RuntimeError("receiver is closed")
+            if transfer_id in self._live_ids:
+                raise ValueError(f"transfer {transfer_id!r} is already registered")
+            self._live_ids.add(transfer_id)
+        handle.future.add_done_callback(lambda _f: self._forget(transfer_id))
+        self._cmds.put(("register", handle, dst, deadline))
+        self._wake.wake()
+        return handle
+
+    def _forget(self, transfer_id: str) -> None:
+        with self._lock:
+            self._live_ids.discard(transfer_id)
+
+    def cancel(self, transfer_id: str, reason: str = "cancelled") -> None:
+        self._cmds.put(("cancel", transfer_id, reason))
+        self._wake.wake()
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._table.counters) | {"active": len(self._table.active)}
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._cmds.put(("close",))
+        self._wake.wake()
+        self._thread.join(timeout_s)
+        if self._auth is not None:
+            self._auth.stop()
+        if self._thread.is_alive():  # never hang the caller; the daemon thread dies with the process
+            logger.error("KV receiver I/O thread did not stop within %.1fs", timeout_s)
+            return
+        self._wake.close()
+        self._ctx.term()
+
+    # --- I/O thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake.read_fd, zmq.POLLIN)
+        try:
+            while True:
+                nd = self._table.next_deadline()
+                timeout_ms = 200 if nd is None else min(200, max(0, (nd - time.monotonic()) * 1000))
+                events = dict(poller.poll(timeout_ms))
+                self._wake.drain()
+                self._drain_cmds()
+                if self._stop:
+                    break
+                if events.get(self._sock):
+                    for _ in range(_MAX_BATCH):
+                        try:
+                            parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._send_ack(self._on_message(parts))
+                for ack in self._table.expire(time.monotonic()):
+                    self._send_ack(ack)
+        except Exception:  # a bug here must not leave owners waiting: fail everything
+            logger.exception("KV receiver I/O thread crashed")
+        finally:
+            self._table.close("receiver closed")
+            self._sock.close(linger=0)
+
+    def _drain_cmds(self) -> None:
+        while not self._stop:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "register":
+                self._table.add(cmd[1], cmd[2], cmd[3])
+            elif cmd[0] == "cancel":
+                self._send_ack(self._table.cancel(cmd[1], cmd[2]))
+            elif cmd[0] == "close":
+                self._stop = True
+
+    def _on_message(self, parts: list[zmq.Frame]):
+        if len(parts) < 2:  # identity only: nothing to attribute
+            self._table.counters["dropped_bad_header"] += 1
+            return None
+        peer = parts[0].bytes
+        frames = [p.buffer for p in parts[2:]]
+        res, h, ack = self._table.prepare(peer, parts[1].buffer, [f.nbytes for f in frames], self._drain_cmds)
+        if res is None:
+            return ack
+        return self._table.commit(res, h, peer, frames)
+
+    def _send_ack(self, ack) -> None:
+        if ack is None:
+            return
+        try:  # a vanished or slow sender must not stall the receiver: drop the ack instead
+            self._sock.send_multipart([ack[0], ack[1]], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass

@@ -1,0 +1,120 @@
+"""The async front of a prefill instance: one Prefill from admission to the end of
+its KV transfer, in engine terms (the servicer converts protobuf at the edge)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from common.async_engine import AsyncEngine
+from common.outputs import EngineCoreOutput, Logprobs
+from common.sampling_params import SamplingParams
+from common.worker import DuplicateRequestError, ServiceError, new_request, watch
+from kv_transfer import TransferState
+from prefill_service.engine import PrefillEngineCore
+from prefill_service.kv_export import ExportTarget
+
+# After the transfer's own deadline, how long to wait for the sender to let go of
+# our blocks before giving up on the RPC (the blocks are still released later).
+TRANSFER_SETTLE_S = 10.0
+
+
+@dataclass
+class PrefillJob:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    export: ExportTarget | None = None
+
+
+@dataclass
+class PrefillResult:
+    token_ids: list[int]
+    logprobs: list[Logprobs] | None
+    num_cached_tokens: int
+    transferred: bool  # False: no target was given
+    num_transferred_blocks: int = 0
+
+
+def first_token_params(params: SamplingParams) -> SamplingParams:
+    """Sample exactly the first token the colocated engine would: stop after one token;
+    min_tokens matters only as "may the first token be EOS/stop" (the sampler masks
+    stop tokens while fewer than min_tokens exist)."""
+    return params.clone(n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+
+
+class Prefiller:
+    def __init__(self, engine: AsyncEngine, core: PrefillEngineCore, eos_token_ids: tuple[int, ...]):
+        self.engine = engine
+        self.core = core
+        self.eos_token_ids = eos_token_ids
+
+    async def prefill(self, job: PrefillJob) -> PrefillResult:
+        request = new_request(job.req_id, job.prompt_token_ids, first_token_params(job.params), job.priority,
+                              self.eos_token_ids)
+        try:
+            stream = self.engine.open_stream(job.req_id)
+        except ValueError as e:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
+        # Leaving early (cancelled, timed out) closes the stream, which aborts the request;
+        # the abort also drops the export target or aborts the started transfer.
+        with stream:
+            try:
+                await self.engine.call(lambda core: core.admit(request, job.export))
+            except DuplicateRequestError as e:
+                raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
+            except ValueError as e:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            timeout = None if job.export is None else job.export.target.deadline - _now()
+            try:
+                output = await asyncio.wait_for(_finished_output(stream), timeout)
+            except asyncio.TimeoutError:
+                raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"KV target {job.export.target.transfer_id} expired before the prompt of "
+                                   f"{len(job.prompt_token_ids)} tokens was prefilled") from None
+        if output.finish_reason == "abort":
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"prefill of {job.req_id} was aborted "
+                               "(the instance is shutting down)")
+        result = PrefillResult(output.new_token_ids, output.new_logprobs, output.num_cached_tokens,
+                               transferred=job.export is not None)
+        if job.export is not None:
+            await self._await_transfer(job)
+            result.num_transferred_blocks = len(job.export.target.dst_block_ids)
+        return result
+
+    async def _await_transfer(self, job: PrefillJob) -> None:
+        transfer = job.export.transfer
+        if transfer is None:  # cannot happen: a finished request ran its last chunk
+            raise ServiceError(grpc.StatusCode.INTERNAL, f"KV transfer of {job.req_id} never started")
+        target = job.export.target
+        try:
+            result = await asyncio.wait_for(watch(transfer.future),
+                                            max(0.0, target.deadline - _now()) + TRANSFER_SETTLE_S)
+        except asyncio.CancelledError:  # the caller went away: stop sending; blocks go back when it ends
+            self.engine.abort([job.req_id])
+            raise
+        except asyncio.TimeoutError:
+            self.engine.abort([job.req_id])
+            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"KV transfer {target.transfer_id} to {target.endpoint} did not end in time") from None
+        # Free the blocks before answering, so our load is current when the caller moves on.
+        await self.engine.call(lambda core: core.release_request(job.req_id))
+        if not result.ok:
+            code = (grpc.StatusCode.DEADLINE_EXCEEDED if result.state is TransferState.EXPIRED
+                    else grpc.StatusCode.ABORTED)
+            raise ServiceError(code, f"KV transfer {target.transfer_id} to {target.endpoint} "
+                               f"{result.state.value}: {result.reason or 'no reason given'}")
+
+
+async def _finished_output(stream) -> EngineCoreOutput:
+    async for output in stream:
+        if output.finished:
+            return output
+    raise RuntimeError("engine stream ended without a finished output")
+
+
+def _now() -> float:
+    return time.time()

@@ -1,0 +1,144 @@
+"""gRPC face of a prefill instance (pdserve.v1.PrefillService) and the worker that
+owns its engine, KV sender and KV event publisher.
+
+RPC status codes:
+  Prefill  INVALID_ARGUMENT  bad prompt/sampling/kv_target (nothing was queued)
+           FAILED_PRECONDITION  the decode pool's geometry differs from ours
+           ALREADY_EXISTS    the request id is in flight here
+           DEADLINE_EXCEEDED the KV target expired (before or during the transfer)
+           ABORTED           the KV transfer failed (receiver rejected it, connection reset)
+           UNAVAILABLE       draining / shutting down
+           (a cancelled call aborts the prefill and frees its blocks)
+"""
+from __future__ import annotations
+
+import argparse
+
+import grpc
+from grpc import aio
+
+from common.async_engine import AsyncEngine
+from common.cli import engine_config_from_args
+from common.worker import (RequestGate, ServiceError, advertised_zmq_endpoint, eos_token_ids,
+                           served_model_name, validate_request, zmq_bind_endpoint)
+from gateway.registry import InstanceLoad, InstanceSpec
+from prefill_service.engine import PrefillEngineCore
+from prefill_service.prefiller import Prefiller, PrefillJob, PrefillResult
+from prefill_service.kv_events import KvEventPublisher, snapshot_response
+from prefill_service.kv_export import TargetMismatchError, make_export_target
+from protos.convert import logprobs_to_pb, sampling_params_from_pb
+from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from protos.serving import PREFILL_SERVICE
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, worker: "PrefillWorker", gate: RequestGate):
+        self.worker = worker
+        self.gate = gate
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
+        async with self.gate.admit(context):
+            try:
+                job = self.worker.job_from_pb(request)
+                result = await self.worker.prefiller.prefill(job)
+            except ServiceError as e:
+                if self.gate.stopping:  # past the grace period every failure is the shutdown's
+                    e = self.gate.shutdown_error()
+                await context.abort(e.code, e.message)
+            return self.worker.result_to_pb(request.request_id, result)
+
+    async def Stats(self, request, context) -> common_pb2.StatsResponse:
+        return self.worker.stats_pb()
+
+    async def GetCachedBlocks(self, request, context) -> prefill_pb2.GetCachedBlocksResponse:
+        instance_id = self.worker.instance_id
+        return await self.worker.engine.call(lambda core: snapshot_response(instance_id, core.kv_cache_manager))
+
+
+class PrefillWorker:
+    def __init__(self, args: argparse.Namespace, instance_id: str):
+        self.args = args
+        self.instance_id = instance_id
+        self.default_kv_timeout_s = args.kv_transfer_timeout
+        events = KvEventPublisher(instance_id, zmq_bind_endpoint(args.host, args.events_port))
+        try:
+            self.core = PrefillEngineCore(engine_config_from_args(args),
+                                          layerwise_kv_send=not args.no_layerwise_kv_send, events=events)
+        except BaseException:
+            events.close()
+            raise
+        self.events_endpoint = advertised_zmq_endpoint(args, events.endpoint)
+        self.engine = AsyncEngine(self.core)
+        # A transfer that ended (any thread) frees its held blocks on the engine thread.
+        self.core.exporter.on_transfer_end = lambda req_id: self.engine.post(
+            lambda core: core.release_request(req_id))
+        self.prefiller = Prefiller(self.engine, self.core, eos_token_ids(self.core))
+
+    # ---- protobuf at the edge ----------------------------------------------------------
+    def job_from_pb(self, request: prefill_pb2.PrefillRequest) -> PrefillJob:
+        prompt = list(request.prompt_token_ids)
+        try:
+            params = sampling_params_from_pb(request.sampling)
+        except ValueError as e:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        validate_request(prompt, params.clone(n=1), self.core)
+        export = None
+        if request.HasField("kv_target"):
+            t = request.kv_target
+            try:
+                export = make_export_target(
+                    endpoint=t.kv_endpoint, transfer_id=t.transfer_id, dst_block_ids=list(t.dst_block_ids),
+                    first_block_index=t.first_block_index, num_layers=t.num_layers, dtype=t.dtype,
+                    block_shape=list(t.block_shape),
+                    timeout_s=t.timeout_ms / 1000 if t.timeout_ms else self.default_kv_timeout_s,
+                    num_prompt_tokens=len(prompt), geometry=self.core.exporter.geometry)
+            except TargetMismatchError as e:
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+            except ValueError as e:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"bad kv_target: {e}") from None
+        return PrefillJob(request.request_id, prompt, params, request.priority, export)
+
+    def result_to_pb(self, request_id: str, result: PrefillResult) -> prefill_pb2.PrefillResponse:
+        return prefill_pb2.PrefillResponse(
+            request_id=request_id, token_ids=result.token_ids,
+            logprobs=[logprobs_to_pb(t, lp) for t, lp in zip(result.token_ids, result.logprobs or [])],
+            num_cached_tokens=result.num_cached_tokens,
+            kv_transfer_state=(prefill_pb2.KV_TRANSFER_STATE_COMPLETE if result.transferred
+                               else prefill_pb2.KV_TRANSFER_STATE_NOT_REQUESTED),
+            num_transferred_blocks=result.num_transferred_blocks, instance_id=self.instance_id)
+
+    def stats_pb(self) -> common_pb2.StatsResponse:
+        stats = self.engine.stats
+        return common_pb2.StatsResponse(
+            instance_id=self.instance_id, load=common_pb2.InstanceLoad(**vars(self.load())),
+            prefix_cache_queried_tokens=stats["prefix_cache_queried_tokens"],
+            prefix_cache_hit_tokens=stats["prefix_cache_hit_tokens"],
+            num_finished_requests=stats["num_finished_requests"])
+
+    # ---- common.worker.Worker ------------------------------------------------------------
+    def add_to_server(self, server: aio.Server, gate: RequestGate) -> list[str]:
+        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self, gate), server)
+        return [PREFILL_SERVICE]
+
+    def instance_spec(self, grpc_address: str) -> InstanceSpec:
+        return InstanceSpec(instance_id=self.instance_id, role="prefill", grpc_address=grpc_address,
+                            kv_events_endpoint=self.events_endpoint,
+                            block_size=self.core.config.cache.block_size,
+                            num_total_blocks=self.core.kv_cache_manager.num_blocks,
+                            model_name=served_model_name(self.args), max_model_len=self.core.max_model_len)
+
+    def load(self) -> InstanceLoad:
+        stats = self.engine.stats
+        return InstanceLoad(num_running_requests=stats["num_running"], num_waiting_requests=stats["num_waiting"],
+                            num_free_blocks=stats["num_free_blocks"], num_total_blocks=stats["num_total_blocks"],
+                            num_queued_prefill_tokens=stats["num_queued_prefill_tokens"],
+                            kv_events_sequence=stats["kv_events_sequence"])
+
+    def ready_fields(self) -> dict[str, str]:
+        return {"kv_events": self.events_endpoint}
+
+    async def fail_inflight(self) -> None:
+        await self.engine.call(lambda core: core.abort_all(), deliver=True)
+
+    async def close(self) -> None:
+        self.engine.shutdown()
