@@ -138,7 +138,10 @@ class TransferHandle:
 
     def __await__(self):
         import asyncio
-        return asyncio.wrap_future(self.future).__await__()
+        # shield: a cancelled awaiter must not cancel the transfer's own future,
+        # or the transfer would look finished while the I/O thread still touches
+        # its blocks and the owner would free them too early.
+        return asyncio.shield(asyncio.wrap_future(self.future)).__await__()
 
     def _resolve(self, state: TransferState, reason: str,
                  on_done: Callable[[TransferResult], None] | None) -> TransferResult:

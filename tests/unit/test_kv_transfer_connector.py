@@ -173,3 +173,27 @@ def test_close_resolves_every_open_transfer():
     tx.close()
     rx.close()
     assert t.result(5).state is TransferState.FAILED and h.result(5).reason == "receiver closed"
+
+
+def test_cancelled_awaiter_does_not_resolve_the_transfer():
+    import asyncio
+
+    from kv_transfer.base import TransferHandle
+
+    handle = TransferHandle("t-cancel")
+
+    async def main():
+        waiter = asyncio.ensure_future(_await(handle))
+        await asyncio.sleep(0)
+        waiter.cancel()
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            pass
+
+    asyncio.run(main())
+    assert not handle.future.done()  # only the connector may resolve it
+
+
+async def _await(handle):
+    return await handle
