@@ -1,36 +1,53 @@
-"""Clients of the gateway's two gRPC faces (grpc.aio).
+"""Python clients of the gateway's GenerateService, for backend services.
 
-GatewayClient: what backend services use to call Generate / GenerateStream / ModelInfo.
-RegistryClient: what prefill and decode instances run to register, heartbeat their
-load, re-register when the gateway has forgotten them (it restarted or declared
-them dead), and deregister on shutdown.
+    from gateway.client import Client
+    with Client("127.0.0.1:50051") as client:
+        result = client.generate("The capital of France is", max_tokens=16, temperature=0)
+        print(result.text, result.finish_reason, result.usage)
+        for chunk in client.generate_stream(messages=[{"role": "user", "content": "Hi"}]):
+            print(chunk.text, end="", flush=True)
+
+`AsyncClient` is the same for asyncio (`await client.generate(...)`,
+`async for chunk in client.generate_stream(...)`). The prompt is text, token ids
+(a list of ints) or chat messages (a list of {"role", "content"} dicts), given as the
+first argument or as token_ids= / messages=. A stream's request is sent at once;
+reading it yields deltas, and closing or dropping it cancels the request
+everywhere (decode and prefill included). Sampling values are SamplingParams
+fields as keywords (or sampling=SamplingParams(...)); they are checked here first,
+so a bad value raises ValueError before anything is sent. Failures on the server
+raise grpc.RpcError with the gateway's status (INVALID_ARGUMENT, UNAVAILABLE, ...).
+
+Results are gateway.types.GenerationDelta: text, token_ids, logprobs, finish_reason,
+stop_token_id, stop_string, usage (prompt, completion, cached tokens), and the
+prefill/decode instance ids that served the request.
+
+RegistryClient (gateway.registry_client) is re-exported for the engine instances.
 """
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
 
 import grpc
 
 from common.sampling_params import SamplingParams
-from gateway.registry import InstanceLoad, InstanceSpec
+from gateway.convert import delta_from_pb, deployment_info_from_pb
+from gateway.registry_client import RegistryClient, load_to_pb, register_request  # noqa: F401 (re-export)
+from gateway.types import DeploymentInfo, GenerationDelta
 from protos.convert import sampling_params_to_pb
-from protos.pdserve.v1 import (common_pb2, generate_pb2, generate_pb2_grpc, registry_pb2,
-                               registry_pb2_grpc)
-
-logger = logging.getLogger(__name__)
+from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids, or chat messages {role, content}
+_OPTIONS = ("request_id", "priority", "return_token_ids", "return_logprobs", "model")
 
 
 def build_generate_request(prompt: Prompt, sampling: SamplingParams | None = None, request_id: str = "",
                            priority: int = 0, return_token_ids: bool = False,
-                           return_logprobs: bool = False) -> generate_pb2.GenerateRequest:
+                           return_logprobs: bool = False, model: str = "") -> generate_pb2.GenerateRequest:
     request = generate_pb2.GenerateRequest(
         sampling=sampling_params_to_pb(sampling or SamplingParams()), request_id=request_id,
-        priority=priority, output=generate_pb2.OutputOptions(return_token_ids=return_token_ids,
-                                                             return_logprobs=return_logprobs))
+        priority=priority, model=model,
+        output=generate_pb2.OutputOptions(return_token_ids=return_token_ids, return_logprobs=return_logprobs))
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt and isinstance(prompt[0], dict):
@@ -40,106 +57,130 @@ def build_generate_request(prompt: Prompt, sampling: SamplingParams | None = Non
     return request
 
 
-class GatewayClient:
-    def __init__(self, address: str):
-        self._channel = grpc.aio.insecure_channel(address)
-        self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
+def _request(prompt: Prompt | None, token_ids: Sequence[int] | None, messages: Sequence[dict] | None,
+             sampling: SamplingParams | None, kwargs: dict[str, Any]) -> generate_pb2.GenerateRequest:
+    given = [p for p in (prompt, token_ids, messages) if p is not None]
+    if len(given) != 1:
+        raise ValueError("give exactly one prompt: text or a list as the first argument, token_ids= or messages=")
+    options = {name: kwargs.pop(name) for name in _OPTIONS if name in kwargs}
+    if kwargs:  # the rest are SamplingParams fields
+        sampling = sampling.clone(**kwargs) if sampling else SamplingParams(**kwargs)
+    return build_generate_request(given[0], sampling, **options)
 
-    async def generate(self, prompt: Prompt, sampling: SamplingParams | None = None, *,
-                       timeout: float | None = None, **options) -> generate_pb2.GenerateResponse:
-        return await self._stub.Generate(build_generate_request(prompt, sampling, **options), timeout=timeout)
 
-    async def generate_stream(self, prompt: Prompt, sampling: SamplingParams | None = None, *,
-                              timeout: float | None = None, **options
-                              ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        # Leaving the loop early cancels the call, which cancels decode and prefill.
-        call = self._stub.GenerateStream(build_generate_request(prompt, sampling, **options), timeout=timeout)
-        try:
-            async for response in call:
-                yield response
-        finally:
-            call.cancel()
+class ResponseStream:
+    """The deltas of one GenerateStream call. The request is sent when the stream is
+    made, not when it is first read; close() (or dropping the stream, or leaving a
+    `with` block) cancels it, which cancels decode and prefill."""
 
-    async def model_info(self, timeout: float | None = None) -> generate_pb2.ModelInfoResponse:
-        return await self._stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=timeout)
+    def __init__(self, call: grpc.Call):
+        self._call = call
+
+    def __iter__(self) -> Iterator[GenerationDelta]:
+        return self
+
+    def __next__(self) -> GenerationDelta:
+        return delta_from_pb(next(self._call))
+
+    def close(self) -> None:
+        self._call.cancel()  # no-op once finished
+
+    def __enter__(self) -> "ResponseStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncResponseStream:
+    """ResponseStream for asyncio: `async for delta in stream`, `await stream.close()`."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall):
+        self._call = call
+
+    def __aiter__(self) -> AsyncIterator[GenerationDelta]:
+        return self
+
+    async def __anext__(self) -> GenerationDelta:
+        response = await self._call.read()
+        if response is grpc.aio.EOF:
+            raise StopAsyncIteration
+        return delta_from_pb(response)
 
     async def close(self) -> None:
-        await self._channel.close()
+        self._call.cancel()
 
-    async def __aenter__(self) -> "GatewayClient":
+    async def __aenter__(self) -> "AsyncResponseStream":
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
 
-_ROLE_TO_PB = {"prefill": registry_pb2.ROLE_PREFILL, "decode": registry_pb2.ROLE_DECODE}
+class AsyncClient:
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None):
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
+        self.timeout = timeout  # default per-call deadline in seconds
+
+    async def generate(self, prompt: Prompt | None = None, *, token_ids: Sequence[int] | None = None,
+                       messages: Sequence[dict] | None = None, sampling: SamplingParams | None = None,
+                       timeout: float | None = None, **kwargs) -> GenerationDelta:
+        request = _request(prompt, token_ids, messages, sampling, kwargs)
+        return delta_from_pb(await self._stub.Generate(request, timeout=timeout or self.timeout))
+
+    def generate_stream(self, prompt: Prompt | None = None, *, token_ids: Sequence[int] | None = None,
+                        messages: Sequence[dict] | None = None, sampling: SamplingParams | None = None,
+                        timeout: float | None = None, **kwargs) -> "AsyncResponseStream":
+        return AsyncResponseStream(self._stub.GenerateStream(
+            _request(prompt, token_ids, messages, sampling, kwargs), timeout=timeout or self.timeout))
+
+    async def model_info(self, timeout: float | None = None) -> DeploymentInfo:
+        return deployment_info_from_pb(await self._stub.ModelInfo(
+            generate_pb2.ModelInfoRequest(), timeout=timeout or self.timeout))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
 
 
-def register_request(spec: InstanceSpec) -> registry_pb2.RegisterRequest:
-    return registry_pb2.RegisterRequest(
-        instance_id=spec.instance_id, role=_ROLE_TO_PB[spec.role], grpc_address=spec.grpc_address,
-        kv_endpoint=spec.kv_endpoint, kv_events_endpoint=spec.kv_events_endpoint,
-        block_size=spec.block_size, num_total_blocks=spec.num_total_blocks,
-        model_name=spec.model_name, max_model_len=spec.max_model_len)
+GatewayClient = AsyncClient  # the earlier name
 
 
-def load_to_pb(load: InstanceLoad) -> common_pb2.InstanceLoad:
-    return common_pb2.InstanceLoad(**vars(load))
+class Client:
+    """Blocking twin of AsyncClient (grpc's sync channel; safe to share across threads)."""
 
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None):
+        self._channel = grpc.insecure_channel(address)
+        self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
+        self.timeout = timeout
 
-class RegistryClient:
-    """Keep one instance registered with the gateway: `await client.run()` as a task."""
+    def generate(self, prompt: Prompt | None = None, *, token_ids: Sequence[int] | None = None,
+                 messages: Sequence[dict] | None = None, sampling: SamplingParams | None = None,
+                 timeout: float | None = None, **kwargs) -> GenerationDelta:
+        request = _request(prompt, token_ids, messages, sampling, kwargs)
+        return delta_from_pb(self._stub.Generate(request, timeout=timeout or self.timeout))
 
-    def __init__(self, gateway_address: str, spec: InstanceSpec, get_load: Callable[[], InstanceLoad],
-                 retry_s: float = 1.0, rpc_timeout_s: float = 5.0):
-        self.spec = spec
-        self._get_load = get_load
-        self._retry_s = retry_s
-        self._timeout_s = rpc_timeout_s
-        self._channel = grpc.aio.insecure_channel(gateway_address)
-        self._stub = registry_pb2_grpc.RegistryServiceStub(self._channel)
-        self.registered = asyncio.Event()
+    def generate_stream(self, prompt: Prompt | None = None, *, token_ids: Sequence[int] | None = None,
+                        messages: Sequence[dict] | None = None, sampling: SamplingParams | None = None,
+                        timeout: float | None = None, **kwargs) -> "ResponseStream":
+        return ResponseStream(self._stub.GenerateStream(
+            _request(prompt, token_ids, messages, sampling, kwargs), timeout=timeout or self.timeout))
 
-    async def run(self) -> None:
-        """Register (retrying until the gateway answers), then heartbeat forever.
-        Cancel to stop: the instance deregisters on the way out."""
-        try:
-            interval_s = await self._register()
-            while True:
-                await asyncio.sleep(interval_s)
-                try:
-                    response = await self._stub.Heartbeat(registry_pb2.HeartbeatRequest(
-                        instance_id=self.spec.instance_id, load=load_to_pb(self._get_load())),
-                        timeout=self._timeout_s)
-                except grpc.aio.AioRpcError as e:  # gateway down: it forgets us; keep trying
-                    logger.warning("heartbeat to gateway failed: %s", e.code().name)
-                    continue
-                if response.reregister:
-                    self.registered.clear()
-                    interval_s = await self._register()
-        finally:
-            await self._deregister()
+    def model_info(self, timeout: float | None = None) -> DeploymentInfo:
+        return deployment_info_from_pb(self._stub.ModelInfo(
+            generate_pb2.ModelInfoRequest(), timeout=timeout or self.timeout))
 
-    async def _register(self) -> float:
-        while True:
-            try:
-                response = await self._stub.Register(register_request(self.spec), timeout=self._timeout_s)
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise  # wrong model or block size: retrying cannot help
-                logger.warning("registering with gateway failed (%s); retrying", e.code().name)
-                await asyncio.sleep(self._retry_s)
-                continue
-            self.registered.set()
-            return response.heartbeat_interval_ms / 1000 or self._retry_s
+    def close(self) -> None:
+        self._channel.close()
 
-    async def _deregister(self) -> None:
-        try:
-            if self.registered.is_set():
-                await self._stub.Deregister(registry_pb2.DeregisterRequest(
-                    instance_id=self.spec.instance_id), timeout=self._timeout_s)
-        except (grpc.aio.AioRpcError, asyncio.CancelledError):
-            pass  # the gateway will expire us instead
-        finally:
-            await self._channel.close()
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,104 @@
+"""Protobuf <-> gateway.types, for the gateway's edges: its public GenerateService,
+its calls to DecodeService, and the client's side of GenerateService. Field names
+follow the protos; no policy here."""
+from __future__ import annotations
+
+from gateway.types import (DecodeOutput, DeploymentInfo, GenerateInput, GenerationDelta,
+                           PreparedRequest, Usage, invalid)
+from protos.convert import (logprobs_from_pb, logprobs_to_pb, sampling_params_from_pb,
+                            sampling_params_to_pb)
+from protos.pdserve.v1 import common_pb2, decode_pb2, generate_pb2
+
+_FINISH_FROM_PB = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+                   common_pb2.FINISH_REASON_ABORT: "abort"}
+_FINISH_TO_PB = {reason: pb for pb, reason in _FINISH_FROM_PB.items()}
+
+
+def generate_input_from_pb(msg: generate_pb2.GenerateRequest) -> GenerateInput:
+    try:
+        sampling = sampling_params_from_pb(msg.sampling)
+    except ValueError as e:  # SamplingParams names the field and its allowed range
+        raise invalid(f"sampling.{e}") from None
+    request = GenerateInput(sampling=sampling, request_id=msg.request_id, priority=msg.priority,
+                            return_token_ids=msg.output.return_token_ids,
+                            return_logprobs=msg.output.return_logprobs, model=msg.model)
+    form = msg.WhichOneof("prompt")
+    if form == "text":
+        request.text = msg.text
+    elif form == "token_ids":
+        request.token_ids = list(msg.token_ids.ids)
+    elif form == "messages":
+        request.messages = [{"role": m.role, "content": m.content} for m in msg.messages.messages]
+    return request
+
+
+def delta_to_pb(delta: GenerationDelta) -> generate_pb2.GenerateResponse:
+    # Runs once per streamed token: fields left at their defaults are not set at all.
+    msg = generate_pb2.GenerateResponse(request_id=delta.request_id, text=delta.text,
+                                        decode_instance_id=delta.decode_instance_id)
+    usage = msg.usage
+    usage.prompt_tokens = delta.usage.prompt_tokens
+    usage.completion_tokens = delta.usage.completion_tokens
+    usage.cached_prompt_tokens = delta.usage.cached_prompt_tokens
+    if delta.prefill_instance_id:
+        msg.prefill_instance_id = delta.prefill_instance_id
+    if delta.token_ids:
+        msg.token_ids.extend(delta.token_ids)
+    if delta.logprobs:
+        msg.logprobs.extend(logprobs_to_pb(token_id, lp) for token_id, lp in delta.logprobs)
+    if delta.finish_reason is not None:
+        msg.finish_reason = _FINISH_TO_PB[delta.finish_reason]
+        if delta.stop_string is not None:
+            msg.stop_string = delta.stop_string
+        elif delta.stop_token_id is not None:
+            msg.stop_token_id = delta.stop_token_id
+    return msg
+
+
+def decode_request_to_pb(request: PreparedRequest, prefill_address: str,
+                         prefill_instance_id: str) -> decode_pb2.DecodeRequest:
+    return decode_pb2.DecodeRequest(
+        request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+        sampling=sampling_params_to_pb(request.sampling), priority=request.priority,
+        prefill_address=prefill_address, prefill_instance_id=prefill_instance_id)
+
+
+def decode_output_from_pb(msg: decode_pb2.DecodeResponse) -> DecodeOutput:
+    finish_reason = _FINISH_FROM_PB.get(msg.finish_reason)
+    return DecodeOutput(
+        token_ids=list(msg.token_ids),
+        logprobs=[logprobs_from_pb(lp)[1] for lp in msg.logprobs] if msg.logprobs else [],
+        finish_reason=finish_reason,
+        stop_token_id=msg.stop_token_id if finish_reason and msg.HasField("stop_token_id") else None,
+        num_cached_tokens=msg.num_cached_tokens, prefill_instance_id=msg.prefill_instance_id,
+        decode_instance_id=msg.decode_instance_id)
+
+
+def deployment_info_to_pb(info: DeploymentInfo) -> generate_pb2.ModelInfoResponse:
+    return generate_pb2.ModelInfoResponse(
+        model_name=info.model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+        block_size=info.block_size, eos_token_ids=info.eos_token_ids,
+        has_chat_template=info.has_chat_template, num_prefill_instances=info.num_prefill_instances,
+        num_decode_instances=info.num_decode_instances, placement_policy=info.placement_policy)
+
+
+# The client's side of the same messages.
+
+def delta_from_pb(msg: generate_pb2.GenerateResponse) -> GenerationDelta:
+    stop_reason = msg.WhichOneof("stop_reason")
+    return GenerationDelta(
+        request_id=msg.request_id, text=msg.text, token_ids=list(msg.token_ids),
+        usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_prompt_tokens),
+        logprobs=[logprobs_from_pb(lp) for lp in msg.logprobs],
+        finish_reason=_FINISH_FROM_PB.get(msg.finish_reason),
+        stop_token_id=msg.stop_token_id if stop_reason == "stop_token_id" else None,
+        stop_string=msg.stop_string if stop_reason == "stop_string" else None,
+        prefill_instance_id=msg.prefill_instance_id, decode_instance_id=msg.decode_instance_id)
+
+
+def deployment_info_from_pb(msg: generate_pb2.ModelInfoResponse) -> DeploymentInfo:
+    return DeploymentInfo(
+        model_name=msg.model_name, max_model_len=msg.max_model_len, vocab_size=msg.vocab_size,
+        block_size=msg.block_size, eos_token_ids=tuple(msg.eos_token_ids),
+        has_chat_template=msg.has_chat_template, num_prefill_instances=msg.num_prefill_instances,
+        num_decode_instances=msg.num_decode_instances, placement_policy=msg.placement_policy)

@@ -1,0 +1,128 @@
+"""The gateway without gRPC serving: validation, in-flight ids, placement, draining.
+
+`Gateway.stream` is what GenerateStream runs and `Gateway.generate` what Generate
+runs; both take a GenerateInput and raise GatewayError with the status to answer.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.dispatcher import Dispatcher
+from gateway.kv_index import KvEventSubscriber, KvIndex, grpc_resync
+from gateway.placement import make_policy
+from gateway.registry import InstanceRegistry
+from gateway.types import (DeploymentInfo, GatewayError, GenerateInput, GenerationDelta,
+                           PreparedRequest)
+from gateway.validation import ServedModel, prepare_request, prompt_chars
+
+logger = logging.getLogger(__name__)
+
+# Prompts longer than this are tokenized on a worker thread (the Rust tokenizer
+# releases the GIL) so that one big prompt does not stall every stream's tokens.
+TOKENIZE_IN_THREAD_CHARS = 16_384
+
+
+@dataclass
+class GatewaySettings:
+    policy: str = "prefix_aware"
+    block_size: int = 16  # must match the instances' (they are rejected otherwise)
+    max_model_len: int | None = None  # caps what the instances register
+    max_prompt_chars: int = 262_144
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
+    load_weight: float = 1.0  # prefix_aware: queued tokens vs cached tokens
+
+
+class Gateway:
+    def __init__(self, model: ServedModel, settings: GatewaySettings):
+        self.model = model
+        self.settings = settings
+        self.registry = InstanceRegistry(heartbeat_interval_s=settings.heartbeat_interval_s,
+                                         heartbeat_timeout_s=settings.heartbeat_timeout_s,
+                                         block_size=settings.block_size)
+        self.kv_index = KvIndex()
+        self.policy = make_policy(settings.policy, self.kv_index, settings.load_weight)
+        self.dispatcher = Dispatcher(self.registry, self.kv_index, self.policy, model.tokenizer,
+                                     model.tokenizer.eos_token_ids)
+        self._kv_events: KvEventSubscriber | None = None
+        self._expiry: asyncio.Task | None = None
+        self._in_flight: set[str] = set()  # request ids
+        self._idle = asyncio.Event()
+        self.draining = False
+
+    async def start(self) -> None:
+        self._kv_events = KvEventSubscriber(self.kv_index, grpc_resync(self.registry))
+        self._kv_events.attach(self.registry)
+        self._expiry = asyncio.create_task(self.registry.run_expiry())
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests; wait up to timeout_s for those in flight to finish."""
+        self.draining = True
+        if self._in_flight:
+            logger.info("draining: waiting for %d requests", len(self._in_flight))
+            self._idle.clear()
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                logger.warning("drain timed out with %d requests in flight", len(self._in_flight))
+
+    async def close(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        if self._kv_events is not None:
+            await self._kv_events.close()
+        await self.dispatcher.close()
+
+    @property
+    def max_model_len(self) -> int:
+        """The smallest limit a decode instance registered, else the model's own."""
+        registered = [i.spec.max_model_len for i in self.registry.instances("decode") if i.spec.max_model_len]
+        limit = min(registered, default=self.model.max_position_embeddings)
+        return min(limit, self.settings.max_model_len or limit)
+
+    def deployment_info(self) -> DeploymentInfo:
+        return DeploymentInfo(
+            model_name=self.registry.model_name or self.model.name, max_model_len=self.max_model_len,
+            vocab_size=self.model.tokenizer.vocab_size, block_size=self.registry.block_size,
+            eos_token_ids=tuple(self.model.tokenizer.eos_token_ids),
+            has_chat_template=self.model.has_chat_template,
+            num_prefill_instances=len(self.registry.instances("prefill")),
+            num_decode_instances=len(self.registry.instances("decode")),
+            placement_policy=self.policy.name)
+
+    async def prepare(self, request: GenerateInput) -> PreparedRequest:
+        served = frozenset([self.registry.model_name] if self.registry.model_name else [])
+        args = (request, self.model, self.max_model_len, self.settings.max_prompt_chars, served)
+        if prompt_chars(request) > TOKENIZE_IN_THREAD_CHARS:
+            return await asyncio.to_thread(prepare_request, *args)
+        return prepare_request(*args)
+
+    async def stream(self, request: GenerateInput, timeout_s: float | None = None
+                     ) -> AsyncIterator[GenerationDelta]:
+        if self.draining:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down; retry on another")
+        prepared = await self.prepare(request)
+        if prepared.request_id in self._in_flight:
+            raise GatewayError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"request_id {prepared.request_id!r} is already in flight; give each "
+                               f"request its own id (or leave it empty)")
+        self._in_flight.add(prepared.request_id)
+        try:
+            async for delta in self.dispatcher.stream(prepared, timeout_s):
+                yield delta
+        finally:
+            self._in_flight.discard(prepared.request_id)
+            if not self._in_flight:
+                self._idle.set()
+
+    async def generate(self, request: GenerateInput, timeout_s: float | None = None) -> GenerationDelta:
+        """The whole completion: the stream's deltas joined."""
+        result: GenerationDelta | None = None
+        async for delta in self.stream(request, timeout_s):
+            result = delta if result is None else result.merge(delta)
+        return result

@@ -1,0 +1,94 @@
+"""`pdserve gateway`: run the gateway until SIGTERM or Ctrl-C.
+
+Prints `PDSERVE_READY role=gateway grpc=HOST:PORT policy=...` on stdout once it
+serves. On SIGTERM it reports NOT_SERVING, refuses new requests (UNAVAILABLE),
+lets requests in flight finish for up to --drain-timeout seconds, then exits 0.
+Every flag can also be set as PDSERVE_<FLAG> (common.cli.EnvDefaultsParser);
+--model, --block-size and --max-model-len share their variables with the
+prefill and decode services, so one environment configures a whole deployment.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from common.cli import EnvDefaultsParser
+from gateway.core import GatewaySettings
+from gateway.placement import POLICIES
+from gateway.server import MAX_MESSAGE_BYTES, GatewayServer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = EnvDefaultsParser(prog="pdserve gateway", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: all)")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one")
+    parser.add_argument("--model", default=None,
+                        help="GGUF file or Hugging Face directory (tokenizer and config only; no "
+                             "weights are loaded); default: bundled SmolLM2-135M-Instruct")
+    parser.add_argument("--served-model-name", default=None,
+                        help="name requests and ModelInfo use for the model; default: --model, or the "
+                             "bundled model's name (the instances register the same)")
+    parser.add_argument("--policy", default="prefix_aware", choices=POLICIES,
+                        help="how to choose the prefill instance")
+    parser.add_argument("--load-weight", type=float, default=1.0,
+                        help="prefix_aware: cost of one queued prefill token vs one uncached prompt token")
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="tokens per KV block; instances with another block size are refused")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="cap on prompt + completion tokens; default: the smallest limit the decode "
+                             "instances register, or the model's own before any registers")
+    parser.add_argument("--max-prompt-chars", type=int, default=262_144,
+                        help="longest prompt text (or chat messages' total) accepted, in characters")
+    parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
+                        help="largest request message accepted")
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0,
+                        help="seconds between the instances' heartbeats")
+    parser.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                        help="seconds without a heartbeat after which an instance is dropped")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds to let requests in flight finish on SIGTERM")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
+    return GatewaySettings(policy=args.policy, block_size=args.block_size, max_model_len=args.max_model_len,
+                           max_prompt_chars=args.max_prompt_chars,
+                           heartbeat_interval_s=args.heartbeat_interval,
+                           heartbeat_timeout_s=args.heartbeat_timeout, load_weight=args.load_weight)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from gateway.validation import load_served_model
+    model = load_served_model(args.model, args.served_model_name)
+    server = GatewayServer(model, settings_from_args(args), host=args.host, port=args.port,
+                           max_message_bytes=args.max_message_bytes)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    address = await server.start()
+    print(f"PDSERVE_READY role=gateway grpc={address} policy={args.policy}", flush=True)
+    await stop.wait()
+    logging.getLogger(__name__).info("shutting down")
+    await server.stop(drain_timeout_s=args.drain_timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s gateway %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(args))
+    except (ValueError, OSError) as e:  # bad model path, port taken: a message, not a traceback
+        print(f"pdserve gateway: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

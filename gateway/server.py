@@ -1,0 +1,100 @@
+"""The gateway's gRPC server: GenerateService + RegistryService + health + reflection.
+
+The servicer is a thin edge: protobuf in (gateway.convert), Gateway, protobuf out;
+a GatewayError becomes its status. Used by `pdserve gateway` (gateway.main) and
+started in-process by tests:
+
+    server = GatewayServer(load_served_model(None), GatewaySettings(), port=0)
+    address = await server.start()   # "127.0.0.1:PORT"
+    ...
+    await server.stop()
+"""
+from __future__ import annotations
+
+import logging
+
+import grpc
+from grpc import aio
+
+from gateway.convert import deployment_info_to_pb, delta_to_pb, generate_input_from_pb
+from gateway.core import Gateway, GatewaySettings
+from gateway.registry import RegistryServicer
+from gateway.types import GatewayError
+from gateway.validation import ServedModel
+from protos.pdserve.v1 import generate_pb2_grpc, registry_pb2_grpc
+from protos.serving import GENERATE_SERVICE, REGISTRY_SERVICE, add_health_and_reflection
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 4 << 20  # larger requests fail with RESOURCE_EXHAUSTED before parsing
+
+
+class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
+
+    async def Generate(self, request, context):
+        try:
+            result = await self.gateway.generate(generate_input_from_pb(request), context.time_remaining())
+        except Exception as e:
+            await _abort(context, e)
+        return delta_to_pb(result)
+
+    async def GenerateStream(self, request, context):
+        try:
+            async for delta in self.gateway.stream(generate_input_from_pb(request), context.time_remaining()):
+                yield delta_to_pb(delta)
+        except Exception as e:
+            await _abort(context, e)
+
+    async def ModelInfo(self, request, context):
+        return deployment_info_to_pb(self.gateway.deployment_info())
+
+
+async def _abort(context: aio.ServicerContext, error: Exception) -> None:
+    if isinstance(error, GatewayError):
+        await context.abort(error.code, error.message)
+    logger.exception("request failed", exc_info=error)  # a bug: say so, but keep serving
+    await context.abort(grpc.StatusCode.INTERNAL, f"gateway error: {error!r}")
+
+
+class GatewayServer:
+    def __init__(self, model: ServedModel, settings: GatewaySettings, host: str = "127.0.0.1",
+                 port: int = 0, max_message_bytes: int = MAX_MESSAGE_BYTES):
+        self.gateway = Gateway(model, settings)
+        self.host = host
+        self.port = port
+        self.address = ""
+        self._server = aio.server(options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),  # a second gateway on a taken port fails instead of sharing it
+        ])
+        generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(self.gateway), self._server)
+        registry_pb2_grpc.add_RegistryServiceServicer_to_server(
+            RegistryServicer(self.gateway.registry), self._server)
+        self._health = None
+
+    async def start(self) -> str:
+        """Bind, start serving and report SERVING; return the address clients dial."""
+        bound_port = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        if bound_port == 0:
+            raise OSError(f"cannot bind the gateway to {self.host}:{self.port}")
+        await self.gateway.start()
+        # Handlers must all be added before start; the model is loaded by now, so
+        # reporting SERVING from the first moment is true.
+        self._health = await add_health_and_reflection(self._server, GENERATE_SERVICE, REGISTRY_SERVICE)
+        await self._server.start()
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]", "") else self.host
+        self.address = f"{host}:{bound_port}"
+        logger.info("gateway serving on %s (policy %s)", self.address, self.gateway.policy.name)
+        return self.address
+
+    async def stop(self, drain_timeout_s: float = 0.0) -> None:
+        """Report NOT_SERVING, refuse new requests, let those in flight finish for up
+        to drain_timeout_s, then stop (instances keep running and re-register with
+        the next gateway)."""
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        await self.gateway.drain(drain_timeout_s)
+        await self._server.stop(grace=1.0)
+        await self.gateway.close()

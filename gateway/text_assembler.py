@@ -1,0 +1,50 @@
+"""One request's decode messages -> text deltas for the client.
+
+Incremental detokenization with stop strings (common.detokenizer), token counts,
+and the ids of the instances that served it. Plain Python, no I/O: the dispatcher
+feeds it and decides what to do when a delta says the request is over.
+"""
+from __future__ import annotations
+
+from common.detokenizer import IncrementalDetokenizer
+from gateway.types import FINISH_STOP, DecodeOutput, GenerationDelta, PreparedRequest, Usage
+
+
+class TextAssembler:
+    """One request's decode messages -> deltas: detokenization, stop strings, usage."""
+
+    def __init__(self, tokenizer, request: PreparedRequest, decode_instance_id: str,
+                 eos_token_ids: frozenset[int]):
+        sampling = request.sampling
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, request.prompt_token_ids, skip_special_tokens=sampling.skip_special_tokens,
+            stop=sampling.stop, include_stop_str_in_output=sampling.include_stop_str_in_output)
+        self.request = request
+        self.decode_instance_id = decode_instance_id
+        self.eos_token_ids = eos_token_ids
+        self.num_prompt, self.num_generated = len(request.prompt_token_ids), 0
+        # Kept from the message that carried them, in case later ones leave them unset.
+        self.num_cached, self.prefill_id = 0, ""
+
+    def apply(self, output: DecodeOutput) -> GenerationDelta:
+        """The delta for one message; finish_reason is set when the request is over
+        (decode finished it, or a stop string matched and the rest is unwanted)."""
+        request, detokenizer = self.request, self.detokenizer
+        self.num_generated += len(output.token_ids)
+        self.num_cached = output.num_cached_tokens or self.num_cached
+        self.prefill_id = output.prefill_instance_id or self.prefill_id
+        delta = GenerationDelta(
+            request_id=request.request_id, text=detokenizer.update(output.token_ids),
+            usage=Usage(self.num_prompt, self.num_generated, self.num_cached),
+            token_ids=output.token_ids if request.return_token_ids else [],
+            logprobs=list(zip(output.token_ids, output.logprobs)) if request.return_logprobs else [],
+            prefill_instance_id=self.prefill_id,
+            decode_instance_id=output.decode_instance_id or self.decode_instance_id)
+        if detokenizer.finished:
+            delta.finish_reason, delta.stop_string = FINISH_STOP, detokenizer.stop_string
+        elif output.finish_reason is not None:
+            delta.text += detokenizer.flush()
+            delta.finish_reason = output.finish_reason
+            if output.stop_token_id is not None and output.stop_token_id not in self.eos_token_ids:
+                delta.stop_token_id = output.stop_token_id
+        return delta

@@ -1,0 +1,100 @@
+"""The gateway's tokenizer: the model's tokenizer.json and chat template, without torch.
+
+common.tokenizer goes through transformers' AutoTokenizer, which imports torch
+(~1.5 s and ~300 MB per process) although the gateway never runs the model. This
+loads the same Rust `tokenizers.Tokenizer` from tokenizer.json and renders the chat
+template with transformers' own `render_jinja_template` (which does not import
+torch), passing the special tokens exactly as transformers' apply_chat_template
+does, so both produce the same ids (tests/unit/test_gateway_tokenizer.py checks).
+Directories without a tokenizer.json fall back to common.tokenizer.
+
+It offers what the gateway and common.detokenizer use of common.tokenizer.Tokenizer:
+encode, apply_chat_template, backend, vocab_size, model_vocab_size, eos_token_ids.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from common.tokenizer import _check_messages, _eos_token_ids, _read_json, load_tokenizer
+
+# transformers' SpecialTokensMixin attributes: what templates may read as variables.
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                        "cls_token", "mask_token")
+
+
+class PromptTokenizer:
+    def __init__(self, model_dir: Path):
+        from tokenizers import Tokenizer as RustTokenizer
+        self.model_dir = model_dir
+        self.backend = RustTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config = _read_json(model_dir / "tokenizer_config.json")
+        self._special_tokens = {name: _token_text(config[name]) for name in _SPECIAL_TOKEN_NAMES
+                                if config.get(name) is not None}
+        self.chat_template: str | None = _chat_template(model_dir, config)
+        self.vocab_size: int = self.backend.get_vocab_size(with_added_tokens=True)
+        model_config = _read_json(model_dir / "config.json")
+        self.model_vocab_size: int = model_config.get("vocab_size") or self.vocab_size
+        eos = self._special_tokens.get("eos_token")
+        tokenizer_eos = _Eos(self.backend.token_to_id(eos) if eos else None)
+        self.eos_token_ids: tuple[int, ...] = _eos_token_ids(tokenizer_eos, model_config, model_dir)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; send the prompt as text or token ids")
+        messages = _check_messages(messages)
+        from transformers.utils.chat_template_utils import render_jinja_template
+        import jinja2
+        try:
+            rendered, _ = render_jinja_template(
+                conversations=[messages], chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt, **self._special_tokens)
+        except (jinja2.TemplateError, ValueError, TypeError) as e:
+            raise ValueError(f"chat template rejected the messages: {e}") from e
+        return rendered[0]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # The template writes BOS and role markers itself (as common.tokenizer does).
+        return self.encode(self.render_chat_template(messages, add_generation_prompt),
+                           add_special_tokens=False)
+
+
+class _Eos:
+    """What common.tokenizer._eos_token_ids reads from a transformers tokenizer."""
+
+    def __init__(self, eos_token_id: int | None):
+        self.eos_token_id = eos_token_id
+
+
+def _token_text(value: Any) -> str:
+    # tokenizer_config.json holds special tokens as strings or AddedToken dicts.
+    return value["content"] if isinstance(value, dict) else str(value)
+
+
+def _chat_template(model_dir: Path, config: dict) -> str | None:
+    # transformers >= 4.43 saves it to chat_template.jinja; older configs inline it,
+    # either as one string or as named templates of which "default" is used.
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is None and (model_dir / "chat_template.json").is_file():
+        template = json.loads((model_dir / "chat_template.json").read_text()).get("chat_template")
+    return template if isinstance(template, str) else None
+
+
+def load_prompt_tokenizer(model_dir: Path):
+    """PromptTokenizer when the directory has a tokenizer.json, else common.tokenizer's."""
+    if (model_dir / "tokenizer.json").is_file():
+        return PromptTokenizer(model_dir)
+    return load_tokenizer(model_dir)

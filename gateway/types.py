@@ -1,0 +1,121 @@
+"""Plain data the gateway works on; protobuf stays at the edges (gateway.convert).
+
+GenerateInput (a Generate call) -> PreparedRequest (validated, tokenized)
+DecodeOutput (one DecodeResponse) -> GenerationDelta (one GenerateResponse)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.outputs import Logprobs
+from common.sampling_params import SamplingParams
+
+FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"  # as in common.outputs
+
+
+class GatewayError(Exception):
+    """A request failed with a gRPC status; `message` tells the caller what to change."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> GatewayError:
+    return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass
+class GenerateInput:
+    """A Generate call: exactly one of text, token_ids, messages should be set."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[dict] | None = None  # {"role", "content"}
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = ""  # "": the gateway makes one
+    priority: int = 0
+    return_token_ids: bool = False
+    return_logprobs: bool = False
+    model: str = ""  # "": the served model
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request, ready to place: every field is within the model's limits."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams  # n == 1; logprobs set when they are to be returned
+    priority: int = 0
+    return_token_ids: bool = False
+
+    @property
+    def return_logprobs(self) -> bool:
+        return self.sampling.logprobs is not None
+
+
+@dataclass
+class DecodeOutput:
+    """One message of a decode instance's stream."""
+
+    token_ids: list[int]
+    logprobs: list[Logprobs]  # parallel to token_ids, or empty
+    finish_reason: str | None  # None until the last message
+    stop_token_id: int | None
+    num_cached_tokens: int
+    prefill_instance_id: str
+    decode_instance_id: str
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
+class GenerationDelta:
+    """What a GenerateStream message carries (or, accumulated, a Generate response)."""
+
+    request_id: str
+    text: str
+    usage: Usage
+    token_ids: list[int] = field(default_factory=list)  # empty unless asked for
+    logprobs: list[tuple[int, Logprobs]] = field(default_factory=list)  # (token id, logprobs)
+    finish_reason: str | None = None
+    stop_token_id: int | None = None  # a stop token (not EOS) ended it
+    stop_string: str | None = None  # a stop string ended it
+    prefill_instance_id: str = ""
+    decode_instance_id: str = ""
+
+    def merge(self, later: "GenerationDelta") -> "GenerationDelta":
+        """Append a later delta of the same request to this one (in place)."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.usage = later.usage
+        self.prefill_instance_id = later.prefill_instance_id or self.prefill_instance_id
+        self.decode_instance_id = later.decode_instance_id or self.decode_instance_id
+        self.finish_reason, self.stop_token_id, self.stop_string = (
+            later.finish_reason, later.stop_token_id, later.stop_string)
+        return self
+
+
+@dataclass
+class DeploymentInfo:
+    """What ModelInfo answers."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    eos_token_ids: tuple[int, ...]
+    has_chat_template: bool
+    num_prefill_instances: int
+    num_decode_instances: int
+    placement_policy: str

@@ -1,0 +1,116 @@
+"""Check and tokenize a Generate call before anything is placed: a bad request is
+answered here, with INVALID_ARGUMENT and a message naming what to change, and
+never reaches a worker.
+
+The served model is described by `ServedModel` (tokenizer + config.json; no
+weights). The length limit comes from the caller (the gateway takes the smallest
+max_model_len its decode instances registered, else the model's own limit).
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.model_files import BUNDLED_MODEL_NAME, load_hf_config, resolve_model
+from common.sampling_params import validate_prompt_token_ids
+from gateway.tokenizer import load_prompt_tokenizer
+from gateway.types import GenerateInput, PreparedRequest, invalid
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclass
+class ServedModel:
+    name: str  # what ModelInfo reports until an instance registers its own name
+    aliases: frozenset[str]  # names a request's `model` field may use
+    model_dir: Path
+    tokenizer: object  # gateway.tokenizer.PromptTokenizer or common.tokenizer.Tokenizer
+    max_position_embeddings: int  # the model's own length limit
+    vocab_size: int  # ids the model's embedding accepts (config.json)
+
+    @property
+    def has_chat_template(self) -> bool:
+        hf_tokenizer = getattr(self.tokenizer, "hf_tokenizer", None)
+        template = getattr(hf_tokenizer or self.tokenizer, "chat_template", None)
+        return bool(template)
+
+
+def load_served_model(model: str | None, served_model_name: str | None = None) -> ServedModel:
+    """The tokenizer and limits of `model`, named as the instances name it
+    (common.worker.served_model_name: --served-model-name, else --model)."""
+    model_dir = resolve_model(model)
+    config = load_hf_config(model_dir)
+    tokenizer = load_prompt_tokenizer(model_dir)
+    name = served_model_name or model or BUNDLED_MODEL_NAME
+    aliases = {name, model or BUNDLED_MODEL_NAME, str(model_dir), model_dir.name}
+    if model in (None, "", "bundled", BUNDLED_MODEL_NAME):
+        aliases |= {"bundled", BUNDLED_MODEL_NAME}
+    return ServedModel(name=name, aliases=frozenset(aliases), model_dir=model_dir, tokenizer=tokenizer,
+                       max_position_embeddings=config.get("max_position_embeddings", 2048),
+                       vocab_size=config.get("vocab_size") or tokenizer.vocab_size)
+
+
+def prompt_chars(request: GenerateInput) -> int:
+    if request.text is not None:
+        return len(request.text)
+    return sum(len(str(m.get("content", ""))) for m in request.messages or ())
+
+
+def prepare_request(request: GenerateInput, model: ServedModel, max_model_len: int,
+                    max_prompt_chars: int, served_names: frozenset[str] = frozenset()) -> PreparedRequest:
+    """Validate and tokenize; raise GatewayError(INVALID_ARGUMENT) naming the problem."""
+    if request.model and request.model not in model.aliases | served_names:
+        raise invalid(f"model {request.model!r} is not served here; this gateway serves "
+                      f"{model.name!r} (leave model empty for it)")
+    sampling = request.sampling
+    if sampling.n != 1:
+        # GenerateResponse holds one completion, so n > 1 has nowhere to go.
+        raise invalid(f"sampling.n={sampling.n} is not supported: send n separate requests "
+                      f"(with seeds seed+i for reproducible samples)")
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise invalid(f"request_id has {len(request.request_id)} characters; at most "
+                      f"{MAX_REQUEST_ID_CHARS} are allowed")
+    prompt_token_ids = _tokenize(request, model, max_prompt_chars)
+    num_prompt = len(prompt_token_ids)
+    if num_prompt >= max_model_len:
+        raise invalid(f"prompt has {num_prompt} tokens, but the model accepts at most {max_model_len} "
+                      f"tokens of prompt and completion together; shorten the prompt")
+    if sampling.max_tokens is not None and num_prompt + sampling.max_tokens > max_model_len:
+        raise invalid(f"prompt ({num_prompt} tokens) plus max_tokens ({sampling.max_tokens}) exceeds "
+                      f"the model's maximum length of {max_model_len} tokens; set max_tokens to at "
+                      f"most {max_model_len - num_prompt}")
+    try:
+        sampling.validate_token_ids(model.vocab_size)
+        if request.return_logprobs and sampling.logprobs is None:
+            sampling = sampling.clone(logprobs=0)  # the sampled token's logprob only
+    except ValueError as e:
+        raise invalid(f"sampling.{e}") from None
+    return PreparedRequest(request_id=request.request_id or uuid.uuid4().hex,
+                           prompt_token_ids=prompt_token_ids, sampling=sampling,
+                           priority=request.priority, return_token_ids=request.return_token_ids)
+
+
+def _tokenize(request: GenerateInput, model: ServedModel, max_prompt_chars: int) -> list[int]:
+    forms = [name for name in ("text", "token_ids", "messages") if getattr(request, name) is not None]
+    if not forms:
+        raise invalid("the prompt is missing: set text, token_ids or messages")
+    if len(forms) > 1:  # only possible from Python; the proto has a oneof
+        raise invalid(f"set exactly one prompt form, got {' and '.join(forms)}")
+    num_chars = prompt_chars(request)
+    if num_chars > max_prompt_chars:
+        raise invalid(f"the prompt has {num_chars} characters, more than this gateway's limit of "
+                      f"{max_prompt_chars} (--max-prompt-chars)")
+    try:
+        if request.text is not None:
+            if not request.text:
+                raise ValueError("the prompt text is empty")
+            token_ids = model.tokenizer.encode(request.text)
+        elif request.messages is not None:
+            token_ids = model.tokenizer.apply_chat_template(request.messages)
+        else:
+            token_ids = request.token_ids
+        validate_prompt_token_ids(token_ids, model.vocab_size)
+    except ValueError as e:
+        raise invalid(str(e)) from None
+    return token_ids
