@@ -76,6 +76,17 @@ class PoolGeometry:
         return cls(len(kv_caches), k0.shape[0], DTYPE_NAMES[k0.dtype], tuple(k0.shape[1:]))
 
 
+def pool_bytes(kv_caches: KVCaches) -> list[tuple[Any, Any]] | None:
+    """Per layer (K, V) flat uint8 numpy views of a CPU pool (None for a device pool).
+
+    Made once: slicing these costs far less per frame than building views through torch,
+    and copying through numpy is a plain single-threaded memcpy that releases the GIL.
+    """
+    if kv_caches[0][0].device.type != "cpu":
+        return None
+    return [tuple(t.view(-1).view(torch.uint8).numpy() for t in kv) for kv in kv_caches]
+
+
 @dataclass(frozen=True)
 class KVTarget:
     """Everything a sender needs to reach one reservation; `to_dict()` is msgpack-able."""
@@ -132,6 +143,9 @@ class TransferHandle:
         self.transfer_id = transfer_id
         self.state = TransferState.WAITING  # written by the connector's I/O thread only
         self.future: concurrent.futures.Future[TransferResult] = concurrent.futures.Future()
+        # RUNNING from the start: future.cancel() is then refused, so only the connector can
+        # end a transfer (a cancelled future would look finished while blocks are in use).
+        self.future.set_running_or_notify_cancel()
 
     def result(self, timeout: float | None = None) -> TransferResult:
         return self.future.result(timeout)

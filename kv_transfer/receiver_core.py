@@ -15,10 +15,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from kv_transfer import protocol
-from kv_transfer.base import DTYPES, KVCaches, PoolGeometry, RecvTransfer, TransferResult, TransferState
+from kv_transfer.base import DTYPES, KVCaches, PoolGeometry, RecvTransfer, TransferResult, TransferState, pool_bytes
 
 Ack = tuple[Any, bytes]  # (peer, encoded ack header)
 
@@ -41,6 +42,7 @@ class ReservationTable:
                  finished_memory: int = 4096) -> None:
         self.geo = PoolGeometry.of(kv_caches)
         self._kv = list(kv_caches)
+        self._bytes = pool_bytes(self._kv)  # CPU pool: received bytes go in with one memcpy
         self._device = self._kv[0][0].device
         self._on_done = on_done
         self.active: dict[str, Reservation] = {}
@@ -154,18 +156,12 @@ class ReservationTable:
             return None
         if res.next_seq != h.seq or (res.peer is not None and res.peer != peer):
             return self._reject(res, peer, "concurrent messages from two senders")
-        dtype, shape = DTYPES[self.geo.dtype], self.geo.block_shape
         frame = 0
         for layer in range(h.layer, h.layer + h.num_layers):
-            for cache in self._kv[layer]:  # per layer: the K frames, then the V frames
+            for kv in (0, 1):  # per layer: the K frames, then the V frames
                 first = h.first
                 for n in h.splits:
-                    src = _as_blocks(frames[frame], dtype, n, shape)  # [n, *block_shape], a view of the frame
-                    if res.run_end[first] >= first + n - 1:
-                        d0 = res.dst_block_ids[first]
-                        cache[d0:d0 + n].copy_(src)
-                    else:
-                        cache.index_copy_(0, res.dst_index[first:first + n], src.to(cache.device))
+                    self._write(layer, kv, res, first, n, frames[frame])
                     first += n
                     frame += 1
             res.blocks_done[layer] += h.num_blocks
@@ -180,13 +176,37 @@ class ReservationTable:
             return self.end(res, TransferState.DONE, "")
         return None
 
+    def _write(self, layer: int, kv: int, res: Reservation, first: int, n: int, frame: Any) -> None:
+        """Blocks [first, first + n) of the reservation, K (kv=0) or V (kv=1) of `layer`,
+        from one frame: one copy per byte."""
+        bb = self.geo.block_bytes
+        if self._bytes is None:  # device pool
+            cache, src = self._kv[layer][kv], _as_blocks(frame, DTYPES[self.geo.dtype], n, self.geo.block_shape)
+            if res.run_end[first] >= first + n - 1:
+                d0 = res.dst_block_ids[first]
+                cache[d0:d0 + n].copy_(src)
+            else:
+                cache.index_copy_(0, res.dst_index[first:first + n], src.to(cache.device))
+            return
+        # numpy, not torch's copy_: that goes through its OpenMP pool, whose barrier stalls
+        # whenever a core is busy elsewhere (on a loaded 2-core host MB-sized copies took
+        # 3-60x longer that way). np.copyto is a plain memcpy and releases the GIL.
+        src = frame.numpy() if isinstance(frame, torch.Tensor) else np.frombuffer(frame, dtype=np.uint8)
+        dst = self._bytes[layer][kv]
+        i = first
+        while i < first + n:  # one memcpy per run of consecutive destination blocks
+            j = min(res.run_end[i], first + n - 1)
+            d0 = res.dst_block_ids[i]
+            np.copyto(dst[d0 * bb:(d0 + j + 1 - i) * bb], src[(i - first) * bb:(j + 1 - first) * bb])
+            i = j + 1
+
     def close(self, reason: str) -> None:
         for res in list(self.active.values()):
             self.end(res, TransferState.FAILED, reason)
 
 
 def _as_blocks(frame: Any, dtype: torch.dtype, num_blocks: int, block_shape: tuple[int, ...]) -> torch.Tensor:
-    if isinstance(frame, torch.Tensor):  # staging buffer of a torch.distributed receive, uint8
+    if isinstance(frame, torch.Tensor):  # uint8 staging buffer of a torch.distributed receive
         return frame.view(dtype).view(num_blocks, *block_shape)
     return torch.frombuffer(frame, dtype=dtype).view(num_blocks, *block_shape)
 

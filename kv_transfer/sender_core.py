@@ -82,19 +82,29 @@ class ByteBudget:
     """Caps bytes queued-but-not-released per peer; the compute thread waits here, bounded."""
 
     cap: int
+    on_wait: Callable[[], None] | None = None  # a caller starts waiting: wake whoever releases bytes
+    num_waiting: int = 0
     _pending: dict[str, int] = field(default_factory=dict)
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
     def acquire(self, peer: str, nbytes: int, monotonic_deadline: float, is_cancelled: Callable[[], bool]) -> bool:
         with self._cond:
-            # One message larger than the cap is let through alone, else it could never go.
-            while self._pending.get(peer, 0) > 0 and self._pending.get(peer, 0) + nbytes > self.cap:
-                left = monotonic_deadline - time.monotonic()
-                if left <= 0 or is_cancelled():
-                    return False
-                self._cond.wait(min(left, 0.1))
-            self._pending[peer] = self._pending.get(peer, 0) + nbytes
-            return True
+            waiting = False
+            try:
+                # One message larger than the cap is let through alone, else it could never go.
+                while self._pending.get(peer, 0) > 0 and self._pending.get(peer, 0) + nbytes > self.cap:
+                    left = monotonic_deadline - time.monotonic()
+                    if left <= 0 or is_cancelled():
+                        return False
+                    if not waiting:
+                        waiting, self.num_waiting = True, self.num_waiting + 1
+                        if self.on_wait is not None:
+                            self.on_wait()
+                    self._cond.wait(min(left, 0.1))
+                self._pending[peer] = self._pending.get(peer, 0) + nbytes
+                return True
+            finally:
+                self.num_waiting -= waiting
 
     def release(self, peer: str, nbytes: int) -> None:
         with self._cond:

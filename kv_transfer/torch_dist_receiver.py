@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -39,9 +40,13 @@ class TorchDistKVReceiver(KVReceiver):
         self._device = comm_device(backend, kv_caches[0][0].device)
         self._frame_timeout_s, self._idle_timeout_s = frame_timeout_s, idle_timeout_s
         self._max_frame = self._table.geo.num_blocks * self._table.geo.block_bytes
+        # TCPStore's own server listens on every interface; hand it a socket bound to `host`.
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        listener = socket.create_server((host, port), family=family, backlog=128)
+        port = listener.getsockname()[1]
         self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=frame_timeout_s))
-        self._endpoint = f"{backend}://{host}:{self._store.port}"
+                                    timeout=timedelta(seconds=frame_timeout_s), master_listen_fd=listener.detach())
+        self._endpoint = f"{backend}://{host}:{port}"
         self._lock = threading.Lock()        # the reservation table
         self._store_lock = threading.Lock()  # our store client
         self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()

@@ -76,7 +76,9 @@ class WakePipe:
         self._pending = False  # a wake-up byte is in flight: skip the syscall
 
     def wake(self) -> None:
-        """Call after enqueueing the command: drain() clears the flag before the queue is read."""
+        """Call after enqueueing the command. Skipping the write when a byte is pending is safe
+        because drain() clears the flag only after emptying the pipe and before the I/O thread
+        reads its queue: a command whose wake() was skipped is still read in that pass."""
         if self._pending:
             return
         self._pending = True
@@ -86,12 +88,14 @@ class WakePipe:
             pass
 
     def drain(self) -> None:
-        self._pending = False
         try:
             while os.read(self.read_fd, 4096):
                 pass
         except (BlockingIOError, OSError):
             pass
+        # Only now: clearing first would let a wake() write a byte that the read above eats,
+        # leaving the flag set with an empty pipe, and every later wake() skipped for good.
+        self._pending = False
 
     def close(self) -> None:
         for fd in (self.read_fd, self._write_fd):

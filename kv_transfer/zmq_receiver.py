@@ -47,7 +47,14 @@ class ZmqKVReceiver(KVReceiver):
         self._sock.setsockopt(zmq.MAXMSGSIZE, max(geo.num_blocks * geo.block_bytes, protocol.MAX_HEADER_BYTES))
         if curve is not None:
             curve.apply_server(self._sock)
-        self._sock.bind(endpoint)
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError:  # address in use, bad path: leave no thread or context behind
+            self._sock.close(linger=0)
+            if self._auth is not None:
+                self._auth.stop()
+            self._ctx.term()
+            raise
         self._endpoint = advertise_endpoint or self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake = WakePipe()
@@ -119,16 +126,18 @@ class ZmqKVReceiver(KVReceiver):
                 nd = self._table.next_deadline()
                 timeout_ms = 200 if nd is None else min(200, max(0, (nd - time.monotonic()) * 1000))
                 events = dict(poller.poll(timeout_ms))
-                self._wake.drain()
+                if events.get(self._wake.read_fd):
+                    self._wake.drain()
                 self._drain_cmds()
                 if self._stop:
                     break
                 if events.get(self._sock):
+                    # Check EVENTS rather than recv until zmq.Again: an exception per poll
+                    # round is measurable CPU when each layer is one message.
                     for _ in range(_MAX_BATCH):
-                        try:
-                            parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
+                        if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                             break
+                        parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         self._send_ack(self._on_message(parts))
                 for ack in self._table.expire(time.monotonic()):
                     self._send_ack(ack)

@@ -21,7 +21,7 @@ import torch
 import zmq
 
 from kv_transfer import protocol
-from kv_transfer.base import PoolGeometry, SendTransfer, TransferResult, TransferState
+from kv_transfer.base import PoolGeometry, SendTransfer, TransferResult, TransferState, pool_bytes
 from kv_transfer.sender_core import ByteBudget, QueuedKVSender
 from kv_transfer.zmq_common import CurveConfig, WakePipe, check_endpoint, common_options
 
@@ -70,16 +70,17 @@ class ZmqKVSender(QueuedKVSender):
                  batch_layers_below_bytes: int = 2 << 20, sndhwm: int = 1000) -> None:
         self._geo = PoolGeometry.of(kv_caches)
         self._kv = list(kv_caches)
+        self._bytes = pool_bytes(self._kv)  # frames are slices of these: no copy, little CPU
         self._on_done = on_done
         self._curve = curve
         self._max_message_bytes = max_message_bytes
         self._gather_below_bytes = gather_below_bytes
         self._batch_bytes = batch_layers_below_bytes
         self._sndhwm = sndhwm
-        self._budget = ByteBudget(max_pending_bytes_per_peer)
         self._ctx = zmq.Context()
         self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake = WakePipe()
+        self._budget = ByteBudget(max_pending_bytes_per_peer, on_wait=self._wake.wake)
         self._peers: dict[tuple[str, str | None], _Peer] = {}
         self._by_key: dict[tuple[str, str], _State] = {}  # (endpoint, transfer id) -> open transfer
         self._states: dict[SendTransfer, _State] = {}
@@ -131,15 +132,18 @@ class ZmqKVSender(QueuedKVSender):
         for peer in self._peers.values():  # ask for POLLOUT only while something waits to go
             if peer.sock is not None:
                 self._poller.register(peer.sock, zmq.POLLIN | (zmq.POLLOUT if peer.outbox else 0))
-        timeout = 0.2
-        if any(p.inflight for p in self._peers.values()) or self._dying:
-            timeout = _TRACKER_POLL_S
+        # zmq letting go of frames raises no event, so trackers are polled, but only while
+        # someone waits on it: the compute thread at the byte cap, or an ended transfer.
+        timeout = _TRACKER_POLL_S if self._budget.num_waiting or self._dying else 0.2
         now = time.monotonic()
         for st in self._states.values():
             if not st.ended:
                 timeout = min(timeout, max(0.0, st.handle.monotonic_deadline - now))
+            elif st.num_inflight:
+                timeout = _TRACKER_POLL_S
         events = dict(self._poller.poll(timeout * 1000))
-        self._wake.drain()
+        if events.get(self._wake.read_fd):
+            self._wake.drain()
         self._drain_cmds()
         for peer in list(self._peers.values()):
             if peer.sock is not None and events.get(peer.sock, 0) & zmq.POLLIN:
@@ -244,17 +248,21 @@ class ZmqKVSender(QueuedKVSender):
             parts: list[Any] = [protocol.encode_kv(tid, st.next_seq, layer0, m.first, m.num_blocks, geo.dtype,
                                                    geo.block_shape, [p.num_blocks for p in m.pieces], num_layers)]
             for layer in range(layer0, layer0 + num_layers):
-                for cache in self._kv[layer]:  # K pieces, then V pieces
-                    parts.extend(_frame(self._piece(cache, st, p)) for p in m.pieces)
+                for i in (0, 1):  # K pieces, then V pieces
+                    parts.extend(self._piece(layer, i, st, p) for p in m.pieces)
             st.next_seq += 1
             st.num_queued += 1
             st.peer.outbox.append(_Out(st, parts, 2 * num_layers * m.num_blocks * geo.block_bytes))
-
-    @staticmethod
-    def _piece(cache: torch.Tensor, st: _State, p: protocol.Piece) -> torch.Tensor:
+            self._pump(st.peer)  # at once: zmq streams this one while we cut the next
+    def _piece(self, layer: int, i: int, st: _State, p: protocol.Piece) -> Any:
+        """One frame's buffer: blocks of layer `layer`, K (i=0) or V (i=1)."""
+        if p.src_start is not None and self._bytes is not None:  # a zero-copy view of the pool
+            bb = self._geo.block_bytes
+            return self._bytes[layer][i][p.src_start * bb:(p.src_start + p.num_blocks) * bb]
+        cache = self._kv[layer][i]
         if p.src_start is not None:
-            return cache[p.src_start:p.src_start + p.num_blocks]  # [n, *block_shape] view: zero copy
-        return cache.index_select(0, st.gather_index[p.first])  # small scattered runs: one gather
+            return _frame(cache[p.src_start:p.src_start + p.num_blocks])  # device pool: staged to host
+        return _frame(cache.index_select(0, st.gather_index[p.first]))  # small scattered runs: one gather
 
     def _pump(self, peer: _Peer) -> None:
         while peer.outbox and peer.sock is not None:

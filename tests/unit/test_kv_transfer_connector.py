@@ -4,6 +4,7 @@ covered in tests/integration/test_kv_transfer_zmq.py."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -197,3 +198,85 @@ def test_cancelled_awaiter_does_not_resolve_the_transfer():
 
 async def _await(handle):
     return await handle
+
+
+def test_transfer_future_cannot_be_cancelled_by_its_owner(pair):
+    rx, tx, _, _ = pair
+    h = rx.register("r", [1], timeout_s=10)
+    t = tx.start([2], h.target)
+    assert not h.future.cancel() and not t.future.cancel()
+    for layer in range(NUM_LAYERS):
+        tx.send_layer(t, layer)
+    tx.finish(t)
+    assert t.result(10).ok and h.result(10).ok
+
+
+def test_wake_pipe_never_loses_a_wake_up():
+    """Two API threads hammer the skip-the-syscall wake-up while the I/O thread drains: every
+    command must be picked up promptly, never only at the poll timeout (a lost wake-up)."""
+    import queue
+
+    from kv_transfer.zmq_common import WakePipe
+
+    wake, cmds, seen = WakePipe(), queue.SimpleQueue(), set()
+    done = threading.Event()
+    late: list[float] = []
+
+    def io_thread():
+        poller = zmq.Poller()
+        poller.register(wake.read_fd, zmq.POLLIN)
+        while not done.is_set():
+            if dict(poller.poll(500)).get(wake.read_fd):
+                wake.drain()
+            while True:
+                try:
+                    seen.add(cmds.get_nowait())
+                except queue.Empty:
+                    break
+
+    def api_thread(base: int):
+        for i in range(base, base + 3000):
+            t0 = time.monotonic()
+            cmds.put(i)
+            wake.wake()
+            while i not in seen:
+                if time.monotonic() - t0 > 0.4:
+                    late.append(time.monotonic() - t0)
+                    return
+                time.sleep(0)
+
+    io = threading.Thread(target=io_thread)
+    io.start()
+    apis = [threading.Thread(target=api_thread, args=(b,)) for b in (0, 100_000)]
+    for t in apis:
+        t.start()
+    for t in apis:
+        t.join(30)
+    done.set()
+    io.join(5)
+    wake.close()
+    assert not late, f"a command waited {late[0]:.2f}s for the I/O thread: lost wake-up"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's socket table")
+def test_default_endpoints_listen_on_loopback_only():
+    from kv_transfer import TorchDistKVReceiver
+
+    def listeners(port: int) -> set[str]:
+        found = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            if os.path.exists(table):
+                for line in open(table).read().splitlines()[1:]:
+                    local, state = line.split()[1], line.split()[3]
+                    ip, hexport = local.split(":")
+                    if state == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
+                        found.add(ip)
+        return found
+
+    with ZmqKVReceiver(pool(None)) as rx:
+        assert listeners(int(rx.endpoint.rsplit(":", 1)[1])) == {"0100007F"}  # 127.0.0.1
+    rx = TorchDistKVReceiver(pool(None))  # its TCPStore would listen on every interface by itself
+    try:
+        assert listeners(int(rx.endpoint.rsplit(":", 1)[1])) == {"0100007F"}
+    finally:
+        rx.close()
