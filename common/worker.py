@@ -210,6 +210,16 @@ class Worker(Protocol):
         """Release the engine and sockets."""
 
 
+def stats_response(instance_id: str, stats: dict, load) -> "common_pb2.StatsResponse":
+    """The Stats RPC's answer, the same for both roles: load plus prefix-cache counters."""
+    from protos.pdserve.v1 import common_pb2
+    return common_pb2.StatsResponse(
+        instance_id=instance_id, load=common_pb2.InstanceLoad(**vars(load)),
+        prefix_cache_queried_tokens=stats["prefix_cache_queried_tokens"],
+        prefix_cache_hit_tokens=stats["prefix_cache_hit_tokens"],
+        num_finished_requests=stats["num_finished_requests"])
+
+
 def default_instance_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
 

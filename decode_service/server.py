@@ -22,7 +22,7 @@ from grpc import aio
 from common.async_engine import AsyncEngine
 from common.cli import engine_config_from_args
 from common.worker import (RequestGate, ServiceError, advertised_zmq_endpoint, eos_token_ids,
-                           served_model_name, validate_request, zmq_bind_endpoint)
+                           served_model_name, stats_response, validate_request, zmq_bind_endpoint)
 from decode_service.decoder import DecodeChunk, Decoder, DecodeJob
 from decode_service.engine import DecodeEngineCore
 from decode_service.prefill_client import PrefillClients
@@ -100,12 +100,7 @@ class DecodeWorker:
         return response
 
     def stats_pb(self) -> common_pb2.StatsResponse:
-        stats = self.engine.stats
-        return common_pb2.StatsResponse(
-            instance_id=self.instance_id, load=common_pb2.InstanceLoad(**vars(self.load())),
-            prefix_cache_queried_tokens=stats["prefix_cache_queried_tokens"],
-            prefix_cache_hit_tokens=stats["prefix_cache_hit_tokens"],
-            num_finished_requests=stats["num_finished_requests"])
+        return stats_response(self.instance_id, self.engine.stats, self.load())
 
     # ---- common.worker.Worker ------------------------------------------------------------
     def add_to_server(self, server: aio.Server, gate: RequestGate) -> list[str]:

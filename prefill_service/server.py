@@ -20,7 +20,7 @@ from grpc import aio
 from common.async_engine import AsyncEngine
 from common.cli import engine_config_from_args
 from common.worker import (RequestGate, ServiceError, advertised_zmq_endpoint, eos_token_ids,
-                           served_model_name, validate_request, zmq_bind_endpoint)
+                           served_model_name, stats_response, validate_request, zmq_bind_endpoint)
 from gateway.registry import InstanceLoad, InstanceSpec
 from prefill_service.engine import PrefillEngineCore
 from prefill_service.prefiller import Prefiller, PrefillJob, PrefillResult
@@ -108,12 +108,7 @@ class PrefillWorker:
             num_transferred_blocks=result.num_transferred_blocks, instance_id=self.instance_id)
 
     def stats_pb(self) -> common_pb2.StatsResponse:
-        stats = self.engine.stats
-        return common_pb2.StatsResponse(
-            instance_id=self.instance_id, load=common_pb2.InstanceLoad(**vars(self.load())),
-            prefix_cache_queried_tokens=stats["prefix_cache_queried_tokens"],
-            prefix_cache_hit_tokens=stats["prefix_cache_hit_tokens"],
-            num_finished_requests=stats["num_finished_requests"])
+        return stats_response(self.instance_id, self.engine.stats, self.load())
 
     # ---- common.worker.Worker ------------------------------------------------------------
     def add_to_server(self, server: aio.Server, gate: RequestGate) -> list[str]:
