@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from kv_transfer import protocol
-from kv_transfer.base import DTYPES, KVCaches, PoolGeometry, RecvTransfer, TransferResult, TransferState, pool_bytes
+from kv_transfer.base import (DTYPES, KVCaches, KVTarget, PoolGeometry, RecvTransfer, TransferResult, TransferState,
+                              check_transfer_id, pool_bytes)
 
 Ack = tuple[Any, bytes]  # (peer, encoded ack header)
 
@@ -57,6 +58,21 @@ class ReservationTable:
         if not dst or len(set(dst)) != len(dst) or min(dst) < 0 or max(dst) >= self.geo.num_blocks:
             raise ValueError(f"destination block ids must be unique ids in [0, {self.geo.num_blocks})")
         return dst
+
+    def new_transfer(self, transfer_id: str, dst_block_ids: Sequence[int], endpoint: str, timeout_s: float,
+                     server_public_key: str | None = None) -> tuple[RecvTransfer, list[int], float]:
+        """Validate a registration and build its handle: (handle, dst block ids, monotonic deadline).
+
+        The target carries a wall-clock deadline (it travels to another host); the table
+        expires the reservation on the monotonic one.
+        """
+        check_transfer_id(transfer_id)
+        dst = self.check_dst(dst_block_ids)
+        deadline = monotonic_deadline(timeout_s)
+        geo = self.geo
+        target = KVTarget(transfer_id, endpoint, tuple(dst), geo.num_layers, geo.dtype, geo.block_shape,
+                          time.time() + timeout_s, server_public_key)
+        return RecvTransfer(target), dst, deadline
 
     def add(self, handle: RecvTransfer, dst: list[int], monotonic_deadline: float) -> None:
         if handle.transfer_id in self.active:

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer import protocol
-from kv_transfer.base import KVReceiver, KVTarget, RecvTransfer, TransferResult, check_transfer_id
-from kv_transfer.receiver_core import ReservationTable, monotonic_deadline
+from kv_transfer.base import KVReceiver, RecvTransfer, TransferResult
+from kv_transfer.receiver_core import ReservationTable
 from kv_transfer.torch_dist_common import (BACKENDS, IDLE_TIMEOUT_S, TAG, ack_key, comm_device, make_group,
                                            peer_key, wait)
 
@@ -64,12 +64,7 @@ class TorchDistKVReceiver(KVReceiver):
         return self._endpoint
 
     def register(self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> RecvTransfer:
-        check_transfer_id(transfer_id)
-        dst = self._table.check_dst(dst_block_ids)
-        deadline = monotonic_deadline(timeout_s)
-        geo = self._table.geo
-        handle = RecvTransfer(KVTarget(transfer_id, self._endpoint, tuple(dst), geo.num_layers, geo.dtype,
-                                       geo.block_shape, time.time() + timeout_s))
+        handle, dst, deadline = self._table.new_transfer(transfer_id, dst_block_ids, self._endpoint, timeout_s)
         with self._ids_lock:
             if self._stop.is_set():
                 raise RuntimeError("receiver is closed")

@@ -18,8 +18,8 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from kv_transfer import protocol
-from kv_transfer.base import KVReceiver, KVTarget, RecvTransfer, TransferResult, check_transfer_id
-from kv_transfer.receiver_core import ReservationTable, monotonic_deadline
+from kv_transfer.base import KVReceiver, RecvTransfer, TransferResult
+from kv_transfer.receiver_core import ReservationTable
 from kv_transfer.zmq_common import DEFAULT_ENDPOINT, CurveConfig, KeyAllowList, WakePipe, check_endpoint, common_options
 
 logger = logging.getLogger(__name__)
@@ -70,13 +70,9 @@ class ZmqKVReceiver(KVReceiver):
         return self._endpoint
 
     def register(self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> RecvTransfer:
-        check_transfer_id(transfer_id)
-        dst = self._table.check_dst(dst_block_ids)
-        deadline = monotonic_deadline(timeout_s)
-        geo = self._table.geo
-        target = KVTarget(transfer_id, self._endpoint, tuple(dst), geo.num_layers, geo.dtype, geo.block_shape,
-                          time.time() + timeout_s, self._curve.public_key if self._curve else None)
-        handle = RecvTransfer(target)
+        handle, dst, deadline = self._table.new_transfer(
+            transfer_id, dst_block_ids, self._endpoint, timeout_s,
+            self._curve.public_key if self._curve else None)
         with self._lock:
             if self._closed or not self._thread.is_alive():
                 raise RuntimeError("receiver is closed")
