@@ -170,7 +170,14 @@ class KvIndex:
         return set(self._holders.get(block_hash, ()))
 
     def num_cached_blocks(self, instance_id: str) -> int:
-        return len(self._instances[instance_id].hashes)
+        """Blocks the instance caches, counting unexpired dispatched ones too (a
+        just-placed prompt must steer the next tie before its events arrive)."""
+        state = self._instances.get(instance_id)
+        if state is None:
+            return 0
+        now = self._clock()
+        return len(state.hashes) + sum(1 for block_hash, expiry in state.pending.items()
+                                       if expiry > now and block_hash not in state.hashes)
 
     def _apply(self, instance_id: str, state: _InstanceState, event: dict) -> None:
         if event["type"] == "stored":

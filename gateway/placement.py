@@ -12,10 +12,13 @@ to compute before this prompt's KV is ready, a time-to-first-token proxy:
 
 B: full blocks in the prompt; c_i: leading blocks of the prompt that i caches
 (longest cached prefix, from the KV event index plus prompts just dispatched to i;
-only a prefix is reusable since hashes are chained); Q_i: prompt tokens queued on i. Lowest cost wins, ties go to
-fewer requests, then to the lower id. A tenant's system prompt thus sticks to the
-instance that cached it until that instance's queue grows by more than the
-prefill it saves, and then spills over to the next.
+only a prefix is reusable since hashes are chained); Q_i: prompt tokens queued on i.
+Lowest cost wins; ties go to fewer requests, then to fewer cached blocks, then to
+the lower id. The cached-blocks tie-break matters when the pool is idle: a prompt
+nobody caches would otherwise always land on the lowest id, which then holds every
+tenant and evicts them in turn while its peers stay empty. A tenant's system prompt
+thus sticks to the instance that cached it until that instance's queue grows by
+more than the prefill it saves, and then spills over to the next.
 
 After choosing, the gateway calls `record_prefill_dispatch` / `record_decode_dispatch`
 so that the next request sees this one's load and (pending) cached blocks at once.
@@ -29,6 +32,7 @@ from gateway.kv_index import KvIndex
 from gateway.registry import Instance, InstanceRegistry
 
 CachedPrefix = Callable[[str, Sequence[int]], int]  # (instance id, prompt hashes) -> blocks
+CachedCount = Callable[[str], int]  # instance id -> blocks it caches
 
 
 def decode_blocks_needed(num_prompt_tokens: int, block_size: int) -> int:
@@ -103,9 +107,13 @@ class PrefixAware(PlacementPolicy):
 
     name = "prefix_aware"
 
-    def __init__(self, cached_prefix: KvIndex | CachedPrefix, load_weight: float = 1.0):
-        self._cached_prefix = (cached_prefix.cached_prefix_blocks
-                               if isinstance(cached_prefix, KvIndex) else cached_prefix)
+    def __init__(self, cached_prefix: KvIndex | CachedPrefix, load_weight: float = 1.0,
+                 cached_count: CachedCount | None = None):
+        if isinstance(cached_prefix, KvIndex):
+            cached_count = cached_count or cached_prefix.num_cached_blocks
+            cached_prefix = cached_prefix.cached_prefix_blocks
+        self._cached_prefix = cached_prefix
+        self._cached_count = cached_count or (lambda _instance_id: 0)
         self.load_weight = load_weight
 
     def prefill_cost(self, instance: Instance, prompt_block_hashes: Sequence[int]) -> float:
@@ -115,7 +123,8 @@ class PrefixAware(PlacementPolicy):
 
     def choose_prefill(self, prompt_block_hashes, instances):
         return min(instances, default=None, key=lambda i: (
-            self.prefill_cost(i, prompt_block_hashes), i.num_requests))
+            self.prefill_cost(i, prompt_block_hashes), i.num_requests,
+            self._cached_count(i.instance_id)))
 
 
 class Oracle(PrefixAware):

@@ -64,6 +64,27 @@ def test_prefix_aware_trades_cached_prefix_against_queued_tokens():
     assert policy.choose_prefill(prompt, []) is None
 
 
+def test_prefix_aware_spreads_uncached_prompts_to_the_emptier_cache():
+    # Idle pool, nobody caches the prompt: the instance caching fewer blocks wins, so
+    # new tenants do not all pile onto the lowest id and evict each other there.
+    index = KvIndex()
+    for instance_id in ("a", "b"):
+        index.add_instance(instance_id)
+    index.apply_events("a", [{"seq": 1, "type": "stored", "block_hashes": [101, 102, 103]}])
+    index.apply_events("b", [{"seq": 1, "type": "stored", "block_hashes": [201]}])
+    policy = PrefixAware(index)
+    registry = make_registry("prefill", {"a": queued(0), "b": queued(0)})
+    tenant_1, tenant_2 = [1, 2, 3, 4], [5, 6, 7, 8]
+    first = policy.choose_prefill(tenant_1, registry.instances("prefill"))
+    assert first.instance_id == "b"
+    # A dispatch counts as cached at once (pending), before its events arrive.
+    index.record_dispatch("b", tenant_1)
+    assert index.num_cached_blocks("b") == 5
+    assert policy.choose_prefill(tenant_2, registry.instances("prefill")).instance_id == "a"
+    # The cached prefix still outranks the tie-break.
+    assert policy.choose_prefill(tenant_1, registry.instances("prefill")).instance_id == "b"
+
+
 def test_oracle_maximizes_cached_prefix_and_ignores_load():
     truth = {"a": 1, "b": 5}
     oracle = Oracle(lambda instance_id, hashes: truth[instance_id])
