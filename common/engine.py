@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 from common.config import EngineConfig, ModelConfig, parse_memory_size
 from common.executor import Executor, InProcessExecutor
 from common.kv_cache_manager import KVCacheManager
 from common.model_files import load_hf_config, resolve_model
-from common.outputs import EngineCoreOutput
+from common.outputs import EngineCoreOutput, SchedulerOutput
 from common.request import Request
 from common.scheduler import Scheduler
 
@@ -81,6 +83,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, cache.block_size,
                                    self.max_model_len, hold_finished_blocks=hold_finished_blocks)
         self.idle = True
+        # Called on the engine thread after each step that ran something, with the
+        # step's SchedulerOutput and its duration in seconds (the services' metrics).
+        self.step_observer: Callable[[SchedulerOutput, float], None] | None = None
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -92,11 +97,15 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         # Nothing schedulable (e.g. every request waits for remote KV): callers back off.
         self.idle = scheduler_output.is_empty
         runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.step_observer is not None and not scheduler_output.is_empty:
+            self.step_observer(scheduler_output, time.perf_counter() - started)
+        return outputs
 
     def stats(self) -> dict:
         """A plain-data snapshot of load, for heartbeats, metrics and tests."""

@@ -15,16 +15,20 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import grpc
 from grpc import aio
 
 from common.cli import EnvDefaultsParser, add_engine_args
+from common.logging_setup import add_logging_args, configure_logging, log_event, request_context
+from common.metrics import add_metrics_args
 from common.request import Request
 from common.sampling_params import SamplingParams, validate_prompt_token_ids
 
@@ -55,16 +59,27 @@ def make_parser(role: str, description: str) -> argparse.ArgumentParser:
     g.add_argument("--advertise-address", default=None,
                    help="host:port the gateway and peers use to reach this instance; "
                         "default host:actual_port (the hostname when --host is 0.0.0.0)")
-    g.add_argument("--instance-id", default=None, help=f"default {role}-HOSTNAME-PID")
+    g.add_argument("--instance-id", default=None, help=f"default {role}-HOSTNAME-PID-RANDOM (unique per process)")
     g.add_argument("--gateway", default=None,
                    help="gateway address to register with (host:port); none: serve unregistered")
     g.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     g.add_argument("--served-model-name", default=None,
                    help="model name registered with the gateway; default: --model, or the bundled model's name")
-    g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    add_metrics_args(g)
+    add_logging_args(g)
     add_engine_args(parser)
     return parser
+
+
+def start_metrics(metrics, args: argparse.Namespace) -> str | None:
+    """Serve `metrics` (common.metrics.ServiceMetrics) as the flags say; its address or None."""
+    if args.metrics_port is None:
+        return None
+    host = args.metrics_host or args.host
+    address = metrics.serve(host, args.metrics_port)
+    logger.info("Prometheus metrics on http://%s/metrics", address)
+    return address
 
 
 def served_model_name(args: argparse.Namespace) -> str:
@@ -138,6 +153,41 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, core) 
                            f"length of {core.max_model_len} tokens")
 
 
+class EndFields(dict):
+    """The fields of a request's end line. `complete` is set once the whole answer is out:
+    the caller hanging up after that (the gateway cancels a finished stream) is no failure."""
+
+    complete = False
+
+
+@contextlib.contextmanager
+def logged_request(log: logging.Logger, what: str, request_id: str, context: aio.ServicerContext | None = None,
+                   **start_fields) -> Iterator[EndFields]:
+    """One RPC's work, labelled with its request id (common.logging_setup) and logged as a
+    `WHAT start` line and a `WHAT end` line with status and duration_s. The caller adds
+    end fields to the yielded dict; a ServiceError, an abort of `context`, cancellation or
+    a bug sets the status."""
+    started = time.monotonic()
+    end = EndFields(status="OK")
+    with request_context(request_id):
+        log_event(log, f"{what} start", **start_fields)
+        try:
+            yield end
+        except ServiceError as e:
+            end["status"] = e.code.name
+            raise
+        except BaseException as e:
+            if end["status"] == "OK" and not end.complete:
+                aborted = context.code() if context is not None else None  # context.abort raises too
+                end["status"] = (aborted.name if isinstance(aborted, grpc.StatusCode)
+                                 else "CANCELLED" if isinstance(e, (asyncio.CancelledError, GeneratorExit))
+                                 else "INTERNAL")
+            raise
+        finally:
+            end["duration_s"] = round(time.monotonic() - started, 4)
+            log_event(log, f"{what} end", **end)
+
+
 def new_request(req_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
                 eos: tuple[int, ...]) -> Request:
     if not req_id:
@@ -190,6 +240,7 @@ class Worker(Protocol):
     """One loaded worker (engine + sockets); built off the event loop by run_worker."""
 
     instance_id: str
+    metrics: "common.metrics.WorkerMetrics"  # served on --metrics-port
 
     def add_to_server(self, server: aio.Server, gate: RequestGate) -> list[str]:
         """Add the servicers; return the service names for health and reflection."""
@@ -221,16 +272,19 @@ def stats_response(instance_id: str, stats: dict, load) -> "common_pb2.StatsResp
 
 
 def default_instance_id(role: str) -> str:
-    return f"{role}-{socket.gethostname()}-{os.getpid()}"
+    """Unique even where hostnames and pids repeat (host-network containers all carry the
+    host's name and run as pid 1), so no launcher has to make ids up."""
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def run_worker(args: argparse.Namespace, role: str, build: Callable[[argparse.Namespace, str], Worker]) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s {role} %(name)s: %(message)s")
     args.instance_id = args.instance_id or default_instance_id(role)
     try:
+        configure_logging(role, args.instance_id, args.log_level, args.log_format)
+        if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be 0 (a free port) to 65535; got {args.metrics_port}")
         return asyncio.run(_serve(args, role, build))
-    except ValueError as e:  # bad flags found while building (e.g. KV pool too small)
+    except (ValueError, OSError) as e:  # bad flags found while building (e.g. KV pool too small), port taken
         print(f"pdserve {role}: error: {e}", file=sys.stderr)
         return 2
 
@@ -254,11 +308,14 @@ async def _serve(args: argparse.Namespace, role: str, build: Callable[[argparse.
         grpc_address = args.advertise_address or f"{_bracket(advertise_host(args))}:{port}"
         from protos.serving import add_health_and_reflection
         health = await add_health_and_reflection(server, *service_names)  # SERVING: the model is loaded
+        metrics_address = start_metrics(worker.metrics, args)  # before serving: a taken port fails the start
         await server.start()
-        # Prometheus metrics (another issue) go here: expose worker.load() / engine stats.
         if args.gateway:
             registry_task = _start_registration(args.gateway, worker.instance_spec(grpc_address), worker, stop)
-        fields = " ".join(f"{k}={v}" for k, v in worker.ready_fields().items())
+        ready_fields = dict(worker.ready_fields())
+        if metrics_address:
+            ready_fields["metrics"] = metrics_address
+        fields = " ".join(f"{k}={v}" for k, v in ready_fields.items())
         print(f"{READY_PREFIX} role={role} instance_id={args.instance_id} grpc={_bracket(args.host)}:{port} "
               f"advertise={grpc_address} {fields}".rstrip(), flush=True)
         logger.info("%s %s serving on %s:%d", role, args.instance_id, args.host, port)
@@ -280,6 +337,7 @@ async def _serve(args: argparse.Namespace, role: str, build: Callable[[argparse.
             await gate.wait_idle(5.0)
         await server.stop(1.0)
     finally:
+        worker.metrics.close()
         await worker.close()
     logger.info("stopped")
     return exit_code

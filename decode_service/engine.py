@@ -54,6 +54,8 @@ class DecodeEngineCore(EngineCore):
         self.receiver = ZmqKVReceiver(kv_caches, kv_bind_endpoint)
         # Set by the owner of the AsyncEngine: thread-safe "run on the engine thread".
         self.post: Callable[[Callable], None] | None = None
+        # Called (on the receiver's thread) with each transfer once it ended and its KV bytes: metrics.
+        self.transfer_observer: Callable[[RecvTransfer, int], None] | None = None
         self._imports: dict[str, PendingImport] = {}  # engine thread only
 
     # ---- admission (engine thread, via AsyncEngine.call) -----------------------------------
@@ -79,6 +81,9 @@ class DecodeEngineCore(EngineCore):
             raise
         self._imports[request.req_id] = PendingImport(transfer)
         req_id = request.req_id
+        if self.transfer_observer is not None:
+            nbytes = 2 * self.geometry.num_layers * len(dst) * self.geometry.block_bytes
+            transfer.future.add_done_callback(lambda _f: self.transfer_observer(transfer, nbytes))
         transfer.future.add_done_callback(lambda _f: self.post(lambda core: core._import_settled(req_id)))
         return Admission(Placement.REMOTE, reservation.num_cached_tokens, first, dst, transfer)
 

@@ -15,13 +15,15 @@ An Abort RPC for the request ends its stream normally with FINISH_REASON_ABORT.
 from __future__ import annotations
 
 import argparse
+import logging
 
 import grpc
 from grpc import aio
 
 from common.async_engine import AsyncEngine
 from common.cli import engine_config_from_args
-from common.worker import (RequestGate, ServiceError, advertised_zmq_endpoint, eos_token_ids,
+from common.metrics import WorkerMetrics
+from common.worker import (RequestGate, ServiceError, advertised_zmq_endpoint, eos_token_ids, logged_request,
                            served_model_name, stats_response, validate_request, zmq_bind_endpoint)
 from decode_service.decoder import DecodeChunk, Decoder, DecodeJob
 from decode_service.engine import DecodeEngineCore
@@ -30,6 +32,8 @@ from gateway.registry import InstanceLoad, InstanceSpec
 from protos.convert import logprobs_to_pb, sampling_params_from_pb
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from protos.serving import DECODE_SERVICE
+
+logger = logging.getLogger(__name__)
 
 FINISH_REASONS = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
                   "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT}
@@ -41,17 +45,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.gate = gate
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context):
-        async with self.gate.admit(context):
-            try:
-                job = self.worker.job_from_pb(request)
-                async for chunk in self.worker.decoder.decode(job):
-                    if chunk.output.finish_reason == "abort" and self.gate.stopping:
-                        raise self.gate.shutdown_error()
-                    yield self.worker.chunk_to_pb(request.request_id, chunk)
-            except ServiceError as e:
-                if self.gate.stopping:  # past the grace period every failure is the shutdown's
-                    e = self.gate.shutdown_error()
-                await context.abort(e.code, e.message)
+        with logged_request(logger, "decode", request.request_id, context,
+                            prompt_tokens=len(request.prompt_token_ids),
+                            prefill=request.prefill_instance_id or request.prefill_address or "local") as end:
+            end.update(output_tokens=0, finish_reason=None)
+            async with self.gate.admit(context):
+                try:
+                    job = self.worker.job_from_pb(request)
+                    async for chunk in self.worker.decoder.decode(job):
+                        if chunk.output.finish_reason == "abort" and self.gate.stopping:
+                            raise self.gate.shutdown_error()
+                        end["output_tokens"] += len(chunk.output.new_token_ids)
+                        end.update(finish_reason=chunk.output.finish_reason, cached_tokens=chunk.num_cached_tokens,
+                                   prefilled_by=chunk.prefill_instance_id or "local")
+                        end.complete = chunk.output.finish_reason is not None
+                        yield self.worker.chunk_to_pb(request.request_id, chunk)
+                except ServiceError as e:
+                    if self.gate.stopping:  # past the grace period every failure is the shutdown's
+                        e = self.gate.shutdown_error()
+                    await context.abort(e.code, e.message)
 
     async def Abort(self, request: decode_pb2.AbortRequest, context) -> decode_pb2.AbortResponse:
         return decode_pb2.AbortResponse(num_aborted=await self.worker.decoder.abort(list(request.request_ids)))
@@ -74,6 +86,9 @@ class DecodeWorker:
                                local_prefill_threshold=args.local_prefill_threshold,
                                transfer_timeout_s=args.kv_transfer_timeout,
                                local_fallback=not args.no_local_fallback)
+        self.metrics = WorkerMetrics("decode", instance_id, self.load, lambda: self.engine.stats)
+        self.core.step_observer = self.metrics.observe_step
+        self.core.transfer_observer = self.metrics.observe_transfer
 
     # ---- protobuf at the edge ----------------------------------------------------------
     def job_from_pb(self, request: decode_pb2.DecodeRequest) -> DecodeJob:

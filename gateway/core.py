@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.logging_setup import log_event, request_context
+from common.metrics import GatewayMetrics
 from gateway.dispatcher import Dispatcher
 from gateway.kv_index import KvEventSubscriber, KvIndex, grpc_resync
 from gateway.placement import make_policy
@@ -47,8 +49,10 @@ class Gateway:
                                          block_size=settings.block_size)
         self.kv_index = KvIndex()
         self.policy = make_policy(settings.policy, self.kv_index, settings.load_weight)
+        self.metrics = GatewayMetrics(self.policy.name)
+        self.registry.subscribe(on_added=self._count_instances, on_removed=self._count_instances)
         self.dispatcher = Dispatcher(self.registry, self.kv_index, self.policy, model.tokenizer,
-                                     model.tokenizer.eos_token_ids)
+                                     model.tokenizer.eos_token_ids, self.metrics)
         self._kv_events: KvEventSubscriber | None = None
         self._expiry: asyncio.Task | None = None
         self._in_flight: set[str] = set()  # request ids
@@ -104,6 +108,38 @@ class Gateway:
 
     async def stream(self, request: GenerateInput, timeout_s: float | None = None
                      ) -> AsyncIterator[GenerationDelta]:
+        # Every log line of this call carries the request id; the client's until the
+        # request is prepared (which makes one when the client sent none).
+        with request_context(request.request_id):
+            timer = self.metrics.request_timer()
+            status, last = "CANCELLED", None  # CANCELLED unless it ends otherwise
+            try:
+                async for delta in self._stream(request, timeout_s, timer):
+                    last = delta
+                    yield delta
+                status = "OK"
+            except GatewayError as e:
+                status = e.code.name
+                raise
+            except (asyncio.CancelledError, GeneratorExit):
+                raise
+            except BaseException:
+                status = "INTERNAL"
+                raise
+            finally:
+                duration_s = timer.finish(status)
+                with request_context(timer.request_id or request.request_id):
+                    log_event(logger, "request end", status=status,
+                              finish_reason=last.finish_reason if last else None,
+                              prompt_tokens=timer.num_prompt_tokens, output_tokens=timer.num_tokens,
+                              cached_tokens=last.usage.cached_prompt_tokens if last else 0,
+                              prefill=last.prefill_instance_id if last else "",
+                              decode=last.decode_instance_id if last else "",
+                              ttft_s=round(timer.ttft_s, 4) if timer.ttft_s is not None else None,
+                              duration_s=round(duration_s, 4))
+
+    async def _stream(self, request: GenerateInput, timeout_s: float | None, timer
+                      ) -> AsyncIterator[GenerationDelta]:
         if self.draining:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down; retry on another")
         prepared = await self.prepare(request)
@@ -111,14 +147,23 @@ class Gateway:
             raise GatewayError(grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id {prepared.request_id!r} is already in flight; give each "
                                f"request its own id (or leave it empty)")
-        self._in_flight.add(prepared.request_id)
-        try:
-            async for delta in self.dispatcher.stream(prepared, timeout_s):
-                yield delta
-        finally:
-            self._in_flight.discard(prepared.request_id)
-            if not self._in_flight:
-                self._idle.set()
+        with request_context(prepared.request_id):
+            timer.request_id = prepared.request_id
+            timer.num_prompt_tokens = len(prepared.prompt_token_ids)
+            log_event(logger, "request start", prompt_tokens=timer.num_prompt_tokens,
+                      max_tokens=prepared.sampling.max_tokens)
+            self._in_flight.add(prepared.request_id)
+            try:
+                async for delta in self.dispatcher.stream(prepared, timeout_s, timer):
+                    yield delta
+            finally:
+                self._in_flight.discard(prepared.request_id)
+                if not self._in_flight:
+                    self._idle.set()
+
+    def _count_instances(self, instance, _reason: str) -> None:
+        self.metrics.set_instances_alive(instance.role, sum(
+            1 for i in self.registry.instances(instance.role)))
 
     async def generate(self, request: GenerateInput, timeout_s: float | None = None) -> GenerationDelta:
         """The whole completion: the stream's deltas joined."""

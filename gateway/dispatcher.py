@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from common.block_hash import compute_block_hashes
+from common.metrics import GatewayMetrics, RequestTimer
 from gateway.convert import decode_output_from_pb, decode_request_to_pb
 from gateway.kv_index import KvIndex
 from gateway.placement import PlacementPolicy, record_decode_dispatch, record_prefill_dispatch
@@ -58,8 +59,9 @@ class _DecodeChannel:
 
 class Dispatcher:
     def __init__(self, registry: InstanceRegistry, kv_index: KvIndex, policy: PlacementPolicy,
-                 tokenizer, eos_token_ids: tuple[int, ...]):
+                 tokenizer, eos_token_ids: tuple[int, ...], metrics: GatewayMetrics | None = None):
         self.registry = registry
+        self.metrics = metrics or GatewayMetrics(policy.name)
         self.kv_index = kv_index
         self.policy = policy
         self.tokenizer = tokenizer
@@ -68,16 +70,17 @@ class Dispatcher:
         self._background: set[asyncio.Task] = set()  # probes and channel closes
         registry.subscribe(on_added=self._on_added, on_removed=self._on_removed)
 
-    async def stream(self, request: PreparedRequest, timeout_s: float | None = None
-                     ) -> AsyncIterator[GenerationDelta]:
-        """Deltas of one request, the last with finish_reason set; raises GatewayError."""
+    async def stream(self, request: PreparedRequest, timeout_s: float | None = None,
+                     timer: RequestTimer | None = None) -> AsyncIterator[GenerationDelta]:
+        """Deltas of one request, the last with finish_reason set; raises GatewayError.
+        `timer` is told of every token as it arrives (TTFT and ITL at the gateway)."""
         tried: set[str] = set()
         while True:
             decode = self._choose_decode(request, exclude=tried)
             tried.add(decode.instance_id)
             streamed_any = False
             try:
-                async for delta in self._stream_on(decode, request, timeout_s):
+                async for delta in self._stream_on(decode, request, timeout_s, timer):
                     streamed_any = True
                     yield delta
                 return
@@ -95,6 +98,7 @@ class Dispatcher:
     def _choose_decode(self, request: PreparedRequest, exclude: set[str]) -> Instance:
         decodes = self._live_decodes(exclude)
         decode = self.policy.choose_decode(len(request.prompt_token_ids), decodes)
+        self.metrics.placed("decode", decode is not None)
         if decode is None:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE,
                                "no decode instance is alive; start one (pdserve decode --gateway ADDR) "
@@ -104,6 +108,7 @@ class Dispatcher:
 
     def _choose_prefill(self, request: PreparedRequest) -> Instance | None:
         prefills = self.registry.instances("prefill")
+        self.metrics.placed("prefill", bool(prefills))
         if not prefills:
             return None  # the decode instance prefills locally
         hashes = compute_block_hashes(request.prompt_token_ids, prefills[0].spec.block_size)
@@ -112,9 +117,11 @@ class Dispatcher:
                                 len(request.prompt_token_ids))
         return prefill
 
-    async def _stream_on(self, decode: Instance, request: PreparedRequest, timeout_s: float | None
-                         ) -> AsyncIterator[GenerationDelta]:
+    async def _stream_on(self, decode: Instance, request: PreparedRequest, timeout_s: float | None,
+                         timer: RequestTimer | None) -> AsyncIterator[GenerationDelta]:
         prefill = self._choose_prefill(request)
+        logger.debug("placed on decode %s, prefill %s", decode.instance_id,
+                     prefill.instance_id if prefill else "local")
         channel = self._channel(decode)
         call = channel.stub.Decode(decode_request_to_pb(
             request, prefill.spec.grpc_address if prefill else "", prefill.instance_id if prefill else ""),
@@ -123,6 +130,8 @@ class Dispatcher:
         text = TextAssembler(self.tokenizer, request, decode.instance_id, self.eos_token_ids)
         try:
             async for msg in call:
+                if timer is not None:
+                    timer.tokens(len(msg.token_ids))
                 delta = text.apply(decode_output_from_pb(msg))
                 if delta.finish_reason is not None:
                     yield delta

@@ -7,6 +7,9 @@ started in-process by tests:
     server = GatewayServer(load_served_model(None), GatewaySettings(), port=0)
     address = await server.start()   # "127.0.0.1:PORT"
     ...
+
+With metrics_port set (0: a free port), it also serves the gateway's Prometheus
+metrics (common.metrics.GatewayMetrics) on http://metrics_address/metrics.
     await server.stop()
 """
 from __future__ import annotations
@@ -60,11 +63,14 @@ async def _abort(context: aio.ServicerContext, error: Exception) -> None:
 
 class GatewayServer:
     def __init__(self, model: ServedModel, settings: GatewaySettings, host: str = "127.0.0.1",
-                 port: int = 0, max_message_bytes: int = MAX_MESSAGE_BYTES):
+                 port: int = 0, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 metrics_port: int | None = None, metrics_host: str | None = None):
         self.gateway = Gateway(model, settings)
         self.host = host
         self.port = port
         self.address = ""
+        self.metrics_port, self.metrics_host = metrics_port, metrics_host or host
+        self.metrics_address = ""  # host:port once serving, when metrics_port is set
         self._server = aio.server(options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),  # a second gateway on a taken port fails instead of sharing it
@@ -79,6 +85,8 @@ class GatewayServer:
         bound_port = self._server.add_insecure_port(f"{self.host}:{self.port}")
         if bound_port == 0:
             raise OSError(f"cannot bind the gateway to {self.host}:{self.port}")
+        if self.metrics_port is not None:  # before anything runs: a taken port fails the start cleanly
+            self.metrics_address = self.gateway.metrics.serve(self.metrics_host, self.metrics_port)
         await self.gateway.start()
         # Handlers must all be added before start; the model is loaded by now, so
         # reporting SERVING from the first moment is true.
@@ -98,3 +106,4 @@ class GatewayServer:
         await self.gateway.drain(drain_timeout_s)
         await self._server.stop(grace=1.0)
         await self.gateway.close()
+        self.gateway.metrics.close()

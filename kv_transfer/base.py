@@ -146,6 +146,10 @@ class TransferHandle:
         # RUNNING from the start: future.cancel() is then refused, so only the connector can
         # end a transfer (a cancelled future would look finished while blocks are in use).
         self.future.set_running_or_notify_cancel()
+        # Monotonic timestamps for metrics: created, first KV message landed (receivers), ended.
+        self.started_at = time.monotonic()
+        self.first_byte_at: float | None = None
+        self.ended_at: float | None = None
 
     def result(self, timeout: float | None = None) -> TransferResult:
         return self.future.result(timeout)
@@ -162,6 +166,7 @@ class TransferHandle:
         self.state = state
         res = TransferResult(self.transfer_id, state, reason)
         if not self.future.done():
+            self.ended_at = time.monotonic()  # before the result: its callbacks read it
             self.future.set_result(res)
         if on_done is not None:
             try:

@@ -185,6 +185,8 @@ class ReservationTable:
                 res.num_layers_done += 1
         res.peer = peer
         res.next_seq += 1
+        if res.next_seq == 1:
+            res.handle.first_byte_at = time.monotonic()
         res.handle.state = TransferState.TRANSFERRING
         self.counters["messages_ok"] += 1
         self.counters["bytes_written"] += 2 * h.num_layers * h.num_blocks * self.geo.block_bytes

@@ -78,6 +78,8 @@ class KVExporter:
         # Called (on any thread) with the request id once its transfer ended: the
         # owner then releases the held blocks on the engine thread.
         self.on_transfer_end: Callable[[str], None] | None = None
+        # Called (on any thread) with each transfer once it ended and its KV bytes: metrics.
+        self.transfer_observer: Callable[[SendTransfer, int], None] | None = None
         self._lock = threading.Lock()  # _expected is written by RPC handlers, read by the engine thread
         self._expected: dict[str, ExportTarget] = {}  # waiting for their last prefill chunk
         self._transfers: dict[str, SendTransfer] = {}  # started, blocks not yet released
@@ -125,7 +127,7 @@ class KVExporter:
             with self._lock:
                 self._transfers[scheduled.req_id] = transfer
             req_id = scheduled.req_id
-            transfer.future.add_done_callback(lambda _f, req_id=req_id: self._ended(req_id))
+            transfer.future.add_done_callback(lambda _f, req_id=req_id, t=transfer: self._ended(req_id, t))
             self._this_step.append(transfer)
         return bool(self._this_step)
 
@@ -145,7 +147,10 @@ class KVExporter:
             self.sender.finish(transfer)
         self._this_step.clear()
 
-    def _ended(self, req_id: str) -> None:
+    def _ended(self, req_id: str, transfer: SendTransfer) -> None:
+        if self.transfer_observer is not None:
+            self.transfer_observer(transfer, 2 * self.geometry.num_layers * len(transfer.target.dst_block_ids)
+                                   * self.geometry.block_bytes)
         if self.on_transfer_end is not None:
             self.on_transfer_end(req_id)
 

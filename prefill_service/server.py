@@ -13,13 +13,15 @@ RPC status codes:
 from __future__ import annotations
 
 import argparse
+import logging
 
 import grpc
 from grpc import aio
 
 from common.async_engine import AsyncEngine
 from common.cli import engine_config_from_args
-from common.worker import (RequestGate, ServiceError, advertised_zmq_endpoint, eos_token_ids,
+from common.metrics import WorkerMetrics
+from common.worker import (RequestGate, ServiceError, advertised_zmq_endpoint, eos_token_ids, logged_request,
                            served_model_name, stats_response, validate_request, zmq_bind_endpoint)
 from gateway.registry import InstanceLoad, InstanceSpec
 from prefill_service.engine import PrefillEngineCore
@@ -30,6 +32,8 @@ from protos.convert import logprobs_to_pb, sampling_params_from_pb
 from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from protos.serving import PREFILL_SERVICE
 
+logger = logging.getLogger(__name__)
+
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, worker: "PrefillWorker", gate: RequestGate):
@@ -37,15 +41,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.gate = gate
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
-        async with self.gate.admit(context):
-            try:
-                job = self.worker.job_from_pb(request)
-                result = await self.worker.prefiller.prefill(job)
-            except ServiceError as e:
-                if self.gate.stopping:  # past the grace period every failure is the shutdown's
-                    e = self.gate.shutdown_error()
-                await context.abort(e.code, e.message)
-            return self.worker.result_to_pb(request.request_id, result)
+        with logged_request(logger, "prefill", request.request_id, context,
+                            prompt_tokens=len(request.prompt_token_ids),
+                            decode_kv=request.kv_target.kv_endpoint or "none") as end:
+            async with self.gate.admit(context):
+                try:
+                    job = self.worker.job_from_pb(request)
+                    result = await self.worker.prefiller.prefill(job)
+                except ServiceError as e:
+                    if self.gate.stopping:  # past the grace period every failure is the shutdown's
+                        e = self.gate.shutdown_error()
+                    await context.abort(e.code, e.message)
+                end.update(cached_tokens=result.num_cached_tokens, kv_blocks_sent=result.num_transferred_blocks)
+                return self.worker.result_to_pb(request.request_id, result)
 
     async def Stats(self, request, context) -> common_pb2.StatsResponse:
         return self.worker.stats_pb()
@@ -73,6 +81,9 @@ class PrefillWorker:
         self.core.exporter.on_transfer_end = lambda req_id: self.engine.post(
             lambda core: core.release_request(req_id))
         self.prefiller = Prefiller(self.engine, self.core, eos_token_ids(self.core))
+        self.metrics = WorkerMetrics("prefill", instance_id, self.load, lambda: self.engine.stats)
+        self.core.step_observer = self.metrics.observe_step
+        self.core.exporter.transfer_observer = self.metrics.observe_transfer
 
     # ---- protobuf at the edge ----------------------------------------------------------
     def job_from_pb(self, request: prefill_pb2.PrefillRequest) -> PrefillJob:

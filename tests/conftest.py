@@ -5,8 +5,12 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
-import torch
+# Before anything imports grpc: the tests fork services (Popen with preexec_fn) from a
+# process running gRPC servers, and gRPC's fork handlers abort there (see common/cli.py).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

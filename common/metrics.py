@@ -1,0 +1,359 @@
+"""Prometheus metrics of every pdserve service, and the HTTP endpoint that serves them.
+
+Each service object owns its own CollectorRegistry (never prometheus_client's global
+one: tests run several gateways and workers in one process) and serves it with
+`MetricsServer` on `--metrics-port` (the gateway, prefill and decode alike).
+
+Two kinds of numbers:
+
+- Load that changes every step (requests running / waiting, KV usage, queued prefill
+  tokens) and the engine's own cumulative counters (prefix-cache queries and hits,
+  preemptions, finished requests) are read at scrape time by `EngineCollector` from the
+  worker's load snapshot, the same InstanceLoad it heartbeats to the gateway. The engine
+  thread replaces that snapshot dict after each step, so the scrape thread reads plain
+  numbers that are at most one step old; nothing is updated per step for them.
+- Events are counted where they happen: engine step durations (`observe_step`, on the
+  engine thread), KV transfers ending (`observe_transfer`, on the connector's thread),
+  requests at the gateway (`RequestTimer`, on the event loop), placement decisions,
+  instances joining and leaving. prometheus_client's metric objects are thread-safe.
+
+Every name has the `pdserve_` prefix; counters end in `_total`, durations are in
+seconds and sizes in bytes. Engine metrics carry `role` and `instance_id` labels (a
+handful of series per process); gateway metrics carry only bounded labels (status,
+pool, policy). docs/architecture.md ("Metrics") lists them all.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.exposition import start_http_server
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
+
+# No `*_created` series next to every counter and histogram: nothing here reads them, and
+# they double the samples of each scrape. (Process-wide; pdserve owns its processes.)
+disable_created_metrics()
+
+# Buckets (seconds), like vLLM's: from cache hits on a GPU to a long prompt on a CPU.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0,
+               480.0, 960.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 10.0)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                    30.0)
+
+POOLS = ("prefill", "decode")
+STEP_PHASES = ("prefill", "decode", "mixed")
+
+
+def add_metrics_args(parser) -> None:
+    """--metrics-port / --metrics-host, the same for the gateway and both workers."""
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics over HTTP (/metrics) on this port; 0 picks a free "
+                             "one; unset: no metrics endpoint")
+    parser.add_argument("--metrics-host", default=None,
+                        help="interface for the metrics endpoint; default: --host")
+
+
+class MetricsServer:
+    """prometheus_client's HTTP server (a daemon thread) for one registry; `/metrics`."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+        self.address = ""  # host:port once started
+        self._httpd = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, host: str, port: int) -> str:
+        """Bind host:port (0: a free port) and serve; return "host:port" as bound."""
+        if port < 0 or port > 65535:
+            raise ValueError(f"metrics port must be 0 (a free one) to 65535; got {port}")
+        try:
+            self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise OSError(f"cannot serve metrics on {host}:{port}: {e.strerror or e}") from None
+        bound_port = self._httpd.server_port
+        shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        self.address = f"{shown}:{bound_port}"
+        return self.address
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None
+
+
+class ServiceMetrics:
+    """What every service's metrics share: a registry of their own and its server."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.server: MetricsServer | None = None
+
+    def serve(self, host: str, port: int) -> str:
+        self.server = MetricsServer(self.registry)
+        return self.server.start(host, port)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def family_names(self) -> set[str]:
+        """Names of the metric families this service exports (e.g. pdserve_requests)."""
+        return {family.name for family in self.registry.collect()}
+
+    def sample_names(self) -> set[str]:
+        """Names of the series as scraped (pdserve_requests_total, ..._bucket, ...)."""
+        return {sample.name for family in self.registry.collect() for sample in family.samples}
+
+
+# --------------------------------------------------------------------------------- gateway
+
+class GatewayMetrics(ServiceMetrics):
+    def __init__(self, policy: str):
+        super().__init__()
+        r = self.registry
+        self.policy = policy
+        self.requests = Counter("pdserve_requests", "Generate calls that ended, by gRPC status "
+                                "(OK, INVALID_ARGUMENT, CANCELLED, UNAVAILABLE, ...)", ["status"], registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of requests that were placed",
+                                     registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens streamed back from decode "
+                                         "instances", registry=r)
+        self.ttft = Histogram("pdserve_request_ttft_seconds", "Time to first token: from the Generate call "
+                              "reaching the gateway to the first generated token arriving from decode",
+                              registry=r, buckets=TTFT_BUCKETS)
+        self.tpot = Histogram("pdserve_request_tpot_seconds", "Time per output token after the first, per "
+                              "successful request: (last token - first token) / (tokens - 1)",
+                              registry=r, buckets=TPOT_BUCKETS)
+        self.itl = Histogram("pdserve_request_itl_seconds", "Inter-token latency: time between consecutive "
+                             "generated tokens as they reach the gateway", registry=r, buckets=TPOT_BUCKETS)
+        self.e2e = Histogram("pdserve_request_e2e_seconds", "End-to-end latency of successful requests, "
+                             "from the call reaching the gateway to its last token", registry=r,
+                             buckets=E2E_BUCKETS)
+        self.in_flight = Gauge("pdserve_num_requests_in_flight", "Generate calls the gateway is serving",
+                               registry=r)
+        self.placements = Counter("pdserve_placement_decisions", "Placement decisions: pool prefill or "
+                                  "decode; result placed, or none (no live instance: the decode instance "
+                                  "prefills locally / the request fails UNAVAILABLE)",
+                                  ["policy", "pool", "result"], registry=r)
+        self.instances_alive = Gauge("pdserve_instances_alive", "Registered instances per pool",
+                                     ["pool"], registry=r)
+        for pool in POOLS:  # present, at 0, before any instance registers
+            self.instances_alive.labels(pool).set(0)
+            for result in ("placed", "none"):
+                self.placements.labels(policy, pool, result)
+        self.requests.labels("OK")
+
+    def request_timer(self) -> "RequestTimer":
+        return RequestTimer(self)
+
+    def placed(self, pool: str, placed: bool) -> None:
+        self.placements.labels(self.policy, pool, "placed" if placed else "none").inc()
+
+    def set_instances_alive(self, pool: str, count: int) -> None:
+        self.instances_alive.labels(pool).set(count)
+
+
+class RequestTimer:
+    """One Generate call's clock at the gateway (vLLM's definitions): TTFT at the first
+    generated token, ITL between tokens, TPOT and E2E when it ends successfully."""
+
+    def __init__(self, metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic):
+        self.metrics = metrics
+        self.clock = clock
+        self.started = clock()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.num_tokens = 0
+        self.request_id = ""  # set once the request is prepared (the gateway may make the id)
+        self.num_prompt_tokens = 0  # set once the request is tokenized
+        metrics.in_flight.inc()
+
+    def tokens(self, num_tokens: int) -> None:
+        """A decode message with num_tokens new tokens arrived."""
+        if num_tokens <= 0:
+            return
+        now = self.clock()
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.metrics.ttft.observe(now - self.started)
+        else:  # a message with several tokens (speculative, batched) spreads its gap over them
+            gap = (now - self.last_token_at) / num_tokens
+            for _ in range(num_tokens):
+                self.metrics.itl.observe(gap)
+        self.last_token_at = now
+        self.num_tokens += num_tokens
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started
+
+    def finish(self, status: str) -> float:
+        """Count the request under `status` (a grpc.StatusCode name); return its duration."""
+        now = self.clock()
+        m = self.metrics
+        m.in_flight.dec()
+        m.requests.labels(status).inc()
+        m.prompt_tokens.inc(self.num_prompt_tokens)
+        m.generation_tokens.inc(self.num_tokens)
+        if status == "OK":
+            m.e2e.observe(now - self.started)
+            if self.num_tokens > 1:
+                m.tpot.observe((self.last_token_at - self.first_token_at) / (self.num_tokens - 1))
+        return now - self.started
+
+
+# -------------------------------------------------------------------------------- workers
+
+def step_phase(scheduled: Sequence[Any]) -> str:
+    """prefill (only prompt chunks), decode (one new token per request) or mixed."""
+    num_prefill = sum(1 for s in scheduled
+                      if len(s.token_ids) > 1 or s.start_pos < len(s.prompt_token_ids))
+    if num_prefill == 0:
+        return "decode"
+    return "prefill" if num_prefill == len(scheduled) else "mixed"
+
+
+class EngineCollector(Collector):
+    """Engine load and cumulative counters, read when scraped.
+
+    `load()` returns the worker's InstanceLoad (what it heartbeats) and `stats()` the
+    engine's stats snapshot; both only read the dict the engine thread last published.
+    """
+
+    def __init__(self, role: str, instance_id: str, load: Callable[[], Any], stats: Callable[[], dict]):
+        self.labels = [role, instance_id]
+        self._load = load
+        self._stats = stats
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families(None, None)
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families(self._load(), self._stats())
+
+    def _families(self, load, stats) -> list[Metric]:
+        names = ["role", "instance_id"]
+
+        def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=names)
+            if value is not None:
+                family.add_metric(self.labels, value)
+            return family
+
+        def counter(name: str, doc: str, key: str) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=names)
+            if stats is not None:
+                family.add_metric(self.labels, stats.get(key, 0))
+            return family
+
+        have = load is not None
+        total = load.num_total_blocks if have else 0
+        return [
+            gauge("pdserve_num_requests_running", "Requests in the running batch (decode: also those "
+                  "holding blocks while their KV arrives)", load.num_running_requests if have else None),
+            gauge("pdserve_num_requests_waiting", "Requests queued for a seat or KV blocks",
+                  load.num_waiting_requests if have else None),
+            gauge("pdserve_kv_cache_usage_ratio", "Fraction of the KV pool's blocks in use (cached "
+                  "prefix blocks that can be evicted count as free)",
+                  (1.0 - load.num_free_blocks / total if total else 0.0) if have else None),
+            gauge("pdserve_kv_cache_blocks", "KV pool size in blocks", total if have else None),
+            gauge("pdserve_queued_prefill_tokens", "Prompt tokens still to be computed: waiting requests' "
+                  "tokens plus running ones' uncomputed prompt", load.num_queued_prefill_tokens if have else None),
+            counter("pdserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                    "(once per admission)", "prefix_cache_queried_tokens"),
+            counter("pdserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hit_tokens"),
+            counter("pdserve_num_preemptions", "Running requests preempted for lack of KV blocks "
+                    "(recomputed later)", "num_preemptions"),
+            counter("pdserve_engine_requests_finished", "Requests the engine finished (any reason)",
+                    "num_finished_requests"),
+        ]
+
+
+class WorkerMetrics(ServiceMetrics):
+    """A prefill or decode instance: engine load (scraped), step times, KV transfers.
+
+    KV transfers: the prefill instance counts what it sends, the decode instance what it
+    receives (`role` tells them apart). Bytes count completed transfers; the duration of a
+    send runs from its start (the step of the prompt's last chunk) to the receiver's ack,
+    of a receive from its first KV message to its last block landing.
+    """
+
+    def __init__(self, role: str, instance_id: str, load: Callable[[], Any], stats: Callable[[], dict]):
+        super().__init__()
+        r = self.registry
+        self.role, self.instance_id = role, instance_id
+        labels = ["role", "instance_id"]
+        r.register(EngineCollector(role, instance_id, load, stats))
+        self.step_duration = Histogram(
+            "pdserve_engine_step_duration_seconds", "One engine step (schedule, forward, sample, update), by "
+            "what it ran: prefill chunks only, decode tokens only, or both", [*labels, "phase"],
+            registry=r, buckets=STEP_BUCKETS)
+        self.step_tokens = Counter("pdserve_engine_scheduled_tokens", "Tokens run through the model, by "
+                                   "step phase", [*labels, "phase"], registry=r)
+        self.transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes of completed transfers "
+                                      "(prefill: sent; decode: received)", labels, registry=r)
+        self.transfer_duration = Histogram("pdserve_kv_transfer_duration_seconds", "Duration of completed "
+                                           "KV transfers", labels, registry=r, buckets=TRANSFER_BUCKETS)
+        self.transfer_failures = Counter("pdserve_kv_transfer_failures", "KV transfers that did not "
+                                         "complete, by end state (failed, expired)", [*labels, "state"],
+                                         registry=r)
+        self._steps = {phase: (self.step_duration.labels(role, instance_id, phase),
+                               self.step_tokens.labels(role, instance_id, phase)) for phase in STEP_PHASES}
+        self._bytes = self.transfer_bytes.labels(role, instance_id)
+        self._transfer_seconds = self.transfer_duration.labels(role, instance_id)
+        for state in ("failed", "expired"):
+            self.transfer_failures.labels(role, instance_id, state)
+
+    def observe_step(self, scheduler_output, seconds: float) -> None:
+        """EngineCore.step_observer: called on the engine thread after each non-empty step."""
+        if scheduler_output.is_empty:
+            return
+        duration, tokens = self._steps[step_phase(scheduler_output.scheduled)]
+        duration.observe(seconds)
+        tokens.inc(scheduler_output.num_scheduled_tokens)
+
+    def observe_transfer(self, transfer, nbytes: int) -> None:
+        """A KV transfer ended (any thread): kv_transfer.TransferHandle with timestamps."""
+        state = transfer.state.value
+        if state == "done":
+            self._bytes.inc(nbytes)
+            began = transfer.first_byte_at if transfer.first_byte_at is not None else transfer.started_at
+            if transfer.ended_at is not None:
+                self._transfer_seconds.observe(max(0.0, transfer.ended_at - began))
+        else:
+            self.transfer_failures.labels(self.role, self.instance_id, state).inc()
+
+
+def _reference_metrics() -> tuple[GatewayMetrics, WorkerMetrics]:
+    from types import SimpleNamespace
+    load = SimpleNamespace(num_running_requests=0, num_waiting_requests=0, num_free_blocks=1,
+                           num_total_blocks=1, num_queued_prefill_tokens=0)
+    return GatewayMetrics("prefix_aware"), WorkerMetrics("decode", "reference", lambda: load, dict)
+
+
+def all_metric_family_names() -> set[str]:
+    """Every family the gateway and the workers export (for docs and dashboard checks)."""
+    return set().union(*(m.family_names() for m in _reference_metrics()))
+
+
+def all_sample_names() -> set[str]:
+    """Every series name as scraped (with _total, _bucket, _sum, _count suffixes)."""
+    return set().union(*(m.sample_names() for m in _reference_metrics()))
