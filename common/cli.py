@@ -6,6 +6,11 @@ import logging
 import os
 import sys
 
+# `pdserve up` forks its services (Popen with preexec_fn) from a process that runs
+# gRPC; gRPC's fork handlers then abort in the child's poller ("epoll: bad fd").
+# Nothing here relies on gRPC surviving a fork, so switch them off before gRPC loads.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 
 class EnvDefaultsParser(argparse.ArgumentParser):
     """Flags take their default from PDSERVE_<FLAG_NAME> when that variable is set.
@@ -132,6 +137,10 @@ DELEGATED_BENCH = {
     "transfer": ("kv_transfer.bench", "KV transfer throughput vs plain pyzmq"),
     "serve": ("gateway.bench_serve.main",
               "load-test a gateway: TTFT/TPOT/ITL/E2EL, throughput, goodput (vLLM definitions)"),
+    "routing": ("gateway.bench_prefix_routing",
+                "placement policies on a real stack: prefill prefix-cache hit rates and TTFT"),
+    "disagg": ("gateway.bench_serve.arms",
+               "disaggregated vs colocated serving on a real stack: ITL, TPOT, TTFT, goodput"),
 }
 
 

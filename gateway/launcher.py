@@ -5,10 +5,14 @@ with the same settings: every flag `up` does not know itself goes to each comman
 defines it (--model and --block-size to all three, --kv-cache-memory to prefill and
 decode, --policy to the gateway; a flag none defines is an error), and the environment
 (PDSERVE_* variables included) is inherited. Only what differs per process is set by
-`up`: --host, --port (0: a free port), --instance-id and --gateway.
+`up`: --host, --port (0: a free port), --instance-id, --gateway, and --metrics-port 0:
+every process serves Prometheus metrics on a free port, named as `metrics=HOST:PORT` in
+the READY line it prints (echoed with its name; `ManagedProcess.metrics_address`).
 
 `up` waits until the gateway serves and every instance has registered (ModelInfo
-counts), prints `PDSERVE_READY gateway=HOST:PORT prefill=N decode=M`, and stops
+counts), prints the gateway's OpenAI-compatible HTTP address (--http-port; a line of
+its own, so the READY line keeps its form) and `PDSERVE_READY gateway=HOST:PORT
+prefill=N decode=M`, and stops
 everything on Ctrl-C or SIGTERM (SIGTERM to each process, a grace period, then
 SIGKILL). A process that exits on its own makes `up` say which and exit 1.
 
@@ -38,9 +42,21 @@ class LocalStack:
 
     def __init__(self, num_prefill: int, num_decode: int, port: int = 0, host: str = "127.0.0.1",
                  passthrough: list[str] | tuple[str, ...] = (), env: dict[str, str] | None = None,
-                 log_dir=None, startup_timeout_s: float = 300.0, grace_s: float = 45.0):
+                 log_dir=None, startup_timeout_s: float = 300.0, grace_s: float = 45.0,
+                 http_port: int | None = 0, cpu_affinity: dict[str, set[int]] | None = None,
+                 role_flags: dict[str, list[str]] | None = None):
         self.num_prefill, self.num_decode = num_prefill, num_decode
+        # Per role ("gateway", "prefill", "decode"): the CPUs its processes may run on
+        # (benchmarks pin roles to cores; torch sizes its thread pool to them, and
+        # OMP_NUM_THREADS is set to match), and flags for that role only, after the
+        # routed passthrough ones (so they win: argparse keeps a flag's last value).
+        self.cpu_affinity = {role: set(cpus) for role, cpus in (cpu_affinity or {}).items()}
+        self.role_flags = {role: list(flags) for role, flags in (role_flags or {}).items()}
+        for role in [*self.cpu_affinity, *self.role_flags]:
+            if role not in ("gateway", "prefill", "decode"):
+                raise ValueError(f"unknown role {role!r} in cpu_affinity / role_flags: gateway, prefill or decode")
         self.port, self.host = port, host
+        self.http_port = http_port  # the gateway's OpenAI-compatible HTTP port; 0: free, None: off
         self.flags = route_flags(list(passthrough))  # by command
         self.env = env
         self.log_dir = log_dir
@@ -53,12 +69,20 @@ class LocalStack:
     def address(self) -> str:
         return self.gateway.address
 
+    @property
+    def http_address(self) -> str:
+        """host:port of the gateway's OpenAI-compatible HTTP API ("" when off)."""
+        return self.gateway.http_address
+
     def start(self) -> str:
         """Start everything and wait until all instances registered; return the gateway address."""
         try:
-            self.gateway = start_gateway_process([*self.flags["gateway"], "--host", self.host,
-                                                  "--port", str(self.port)],
-                                                 env=self.env, log_dir=self.log_dir,
+            self.gateway = start_gateway_process([*self.flags["gateway"], *self.role_flags.get("gateway", ()),
+                                                  "--host", self.host,
+                                                  "--port", str(self.port), "--metrics-port", "0", "--http-port",
+                                                  "off" if self.http_port is None else str(self.http_port)],
+                                                 env=self._role_env("gateway"), log_dir=self.log_dir,
+                                                 cpus=self.cpu_affinity.get("gateway"),
                                                  timeout_s=self.startup_timeout_s)
             for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
                 for _ in range(count):
@@ -74,13 +98,21 @@ class LocalStack:
         return once it is serving (its PDSERVE_READY line)."""
         instance_id = f"{role}-{self._next_index[role]}"
         self._next_index[role] += 1
-        process = ManagedProcess(instance_id, [role, *self.flags[role], "--host", self.host, "--port", "0",
-                                               "--instance-id", instance_id, "--gateway", self.address],
-                                 env=self.env, log_dir=self.log_dir)
+        process = ManagedProcess(instance_id, [role, *self.flags[role], *self.role_flags.get(role, ()),
+                                               "--host", self.host, "--port", "0",
+                                               "--instance-id", instance_id, "--gateway", self.address,
+                                               "--metrics-port", "0"],
+                                 env=self._role_env(role), log_dir=self.log_dir, cpus=self.cpu_affinity.get(role))
         self.instances[instance_id] = process
         if wait:
             process.wait_ready(self.startup_timeout_s)
         return process
+
+    def _role_env(self, role: str) -> dict[str, str] | None:
+        cpus = self.cpu_affinity.get(role)
+        if not cpus:
+            return self.env
+        return {**(self.env or {}), "OMP_NUM_THREADS": str(len(cpus))}
 
     def wait_registered(self, num_prefill: int, num_decode: int, timeout_s: float | None = None) -> None:
         """Wait until the gateway counts at least this many live instances per pool."""
@@ -134,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode", type=int, default=1, help="decode processes")
     parser.add_argument("--host", default="127.0.0.1", help="interface every process listens on")
     parser.add_argument("--port", type=int, default=50051, help="the gateway's port (0: a free one)")
+    parser.add_argument("--http-port", default=None,
+                        help="the gateway's OpenAI-compatible HTTP port (0: a free one; -1 or 'off': none); "
+                             "default 8000, or a free one when --port is 0")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds to wait for every instance to register")
     parser.add_argument("--grace", type=float, default=45.0,
@@ -150,13 +185,18 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM stops the stack like Ctrl-C does, also while it is still starting.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        stack = LocalStack(args.prefill, args.decode, port=args.port, host=args.host,
+        from gateway.openai_api.server import DEFAULT_HTTP_PORT, parse_http_port
+        http_port = (parse_http_port(args.http_port) if args.http_port is not None
+                     else 0 if args.port == 0 else DEFAULT_HTTP_PORT)
+        stack = LocalStack(args.prefill, args.decode, port=args.port, host=args.host, http_port=http_port,
                            passthrough=passthrough, startup_timeout_s=args.startup_timeout, grace_s=args.grace)
-    except ValueError as e:  # a flag no command takes
+    except ValueError as e:  # a flag no command takes, a bad --http-port
         print(f"pdserve up: error: {e}", file=sys.stderr)
         return 2
     try:
         stack.start()
+        if stack.http_address:
+            print(f"pdserve up: OpenAI-compatible HTTP API at http://{stack.http_address}/v1", flush=True)
         print(f"PDSERVE_READY gateway={stack.address} prefill={args.prefill} decode={args.decode}",
               flush=True)
         while True:

@@ -1,7 +1,8 @@
 """`pdserve gateway`: run the gateway until SIGTERM or Ctrl-C.
 
-Prints `PDSERVE_READY role=gateway grpc=HOST:PORT policy=...` on stdout once it
-serves. On SIGTERM it reports NOT_SERVING, refuses new requests (UNAVAILABLE),
+Prints `PDSERVE_READY role=gateway grpc=HOST:PORT policy=... http=HOST:PORT` on stdout
+once it serves (gRPC, and the OpenAI-compatible HTTP API of gateway.openai_api on the
+same event loop and Gateway). On SIGTERM it reports NOT_SERVING, refuses new requests (UNAVAILABLE),
 lets requests in flight finish for up to --drain-timeout seconds, then exits 0.
 Every flag can also be set as PDSERVE_<FLAG> (common.cli.EnvDefaultsParser);
 --model, --block-size and --max-model-len share their variables with the
@@ -12,10 +13,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
+import socket
 import sys
 
 from common.cli import EnvDefaultsParser
+from common.logging_setup import add_logging_args, configure_logging
+from common.metrics import add_metrics_args
 from gateway.core import GatewaySettings
 from gateway.placement import POLICIES
 from gateway.server import MAX_MESSAGE_BYTES, GatewayServer
@@ -26,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: all)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one")
+    parser.add_argument("--http-port", default=None, type=_http_port,
+                        help="OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions); 0 picks "
+                             "a free one, -1 or 'off' disables it; default 8000, or a free one when --port is 0")
+    parser.add_argument("--http-host", default=None, help="interface the HTTP port listens on; default: --host")
+    parser.add_argument("--event-loop", choices=["uvloop", "asyncio"], default="uvloop",
+                        help="event loop serving gRPC and HTTP together")
     parser.add_argument("--model", default=None,
                         help="GGUF file or Hugging Face directory (tokenizer and config only; no "
                              "weights are loaded); default: bundled SmolLM2-135M-Instruct")
@@ -51,8 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds without a heartbeat after which an instance is dropped")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let requests in flight finish on SIGTERM")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    add_metrics_args(parser)
+    add_logging_args(parser)
     return parser
+
+
+def _http_port(value: str) -> int:
+    from gateway.openai_api.server import parse_http_port
+    port = parse_http_port(value)
+    return -1 if port is None else port
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
@@ -66,24 +84,46 @@ async def serve(args: argparse.Namespace) -> None:
     from gateway.validation import load_served_model
     model = load_served_model(args.model, args.served_model_name)
     server = GatewayServer(model, settings_from_args(args), host=args.host, port=args.port,
-                           max_message_bytes=args.max_message_bytes)
+                           max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
+                           metrics_host=args.metrics_host)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     address = await server.start()
-    print(f"PDSERVE_READY role=gateway grpc={address} policy={args.policy}", flush=True)
+    http = await _start_http(server, args)  # same loop, same Gateway: one process serves both
+    metrics = f" metrics={server.metrics_address}" if server.metrics_address else ""
+    http_field = f" http={http.address}" if http else ""
+    print(f"PDSERVE_READY role=gateway grpc={address} policy={args.policy}{metrics}{http_field}", flush=True)
     await stop.wait()
     logging.getLogger(__name__).info("shutting down")
-    await server.stop(drain_timeout_s=args.drain_timeout)
+    await server.stop(drain_timeout_s=args.drain_timeout)  # HTTP requests drain with the rest
+    if http:
+        await http.stop()
+
+
+async def _start_http(server: GatewayServer, args: argparse.Namespace):
+    """The OpenAI-compatible HTTP server, or None with --http-port off."""
+    from gateway.openai_api.server import DEFAULT_HTTP_PORT, OpenAIServer
+    port = args.http_port if args.http_port is not None else (0 if args.port == 0 else DEFAULT_HTTP_PORT)
+    if port < 0:
+        return None
+    http = OpenAIServer(server.gateway, host=args.http_host or args.host, port=port,
+                        max_body_bytes=args.max_message_bytes)
+    await http.start()
+    return http
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s gateway %(name)s: %(message)s")
     try:
-        asyncio.run(serve(args))
+        configure_logging("gateway", f"gateway-{socket.gethostname()}-{os.getpid()}", args.log_level,
+                          args.log_format)
+        if args.event_loop == "uvloop":  # grpc.aio runs on it; HTTP parsing and sockets are faster
+            import uvloop
+            uvloop.run(serve(args))
+        else:
+            asyncio.run(serve(args))
     except (ValueError, OSError) as e:  # bad model path, port taken: a message, not a traceback
         print(f"pdserve gateway: error: {e}", file=sys.stderr)
         return 2

@@ -2,7 +2,8 @@
 
 A child is `python -m common.cli <command> ...` (what the `pdserve` script runs). Its
 stdout is read by a thread that echoes each line with a `[name]` prefix and picks
-up the `PDSERVE_READY ... grpc=HOST:PORT` line every service prints once serving.
+up the `PDSERVE_READY ... grpc=HOST:PORT` line every service prints once serving (its
+key=value fields, e.g. `metrics=HOST:PORT`, land in `ready_fields`).
 Children get SIGTERM if this process dies (PR_SET_PDEATHSIG), so a crashed test or
 launcher leaves no model-sized orphans behind.
 """
@@ -20,7 +21,7 @@ from collections import deque
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
-_READY_ADDRESS = re.compile(r"\bgrpc=(\S+)")
+_READY_FIELD = re.compile(r"\b([a-z_]+)=(\S+)")
 
 
 class ProcessFailed(RuntimeError):
@@ -29,7 +30,7 @@ class ProcessFailed(RuntimeError):
 
 # The commands `pdserve up` runs, by the module that owns their flags.
 COMMAND_MODULES = {"gateway": "gateway.main", "prefill": "prefill_service.main", "decode": "decode_service.main"}
-PER_PROCESS_FLAGS = ("--host", "--port", "--instance-id", "--gateway", "--advertise-address")
+PER_PROCESS_FLAGS = ("--host", "--port", "--instance-id", "--gateway", "--advertise-address", "--metrics-port")
 
 
 def route_flags(flags: list[str]) -> dict[str, list[str]]:
@@ -75,6 +76,7 @@ class ManagedProcess:
                  log_dir: str | os.PathLike | None = None, cpus: set[int] | None = None, echo: bool = True):
         self.name = name
         self.address = ""  # from the PDSERVE_READY line
+        self.ready_fields: dict[str, str] = {}  # every key=value of that line
         self.ready = threading.Event()
         self.stopping = False  # signalled on purpose: exiting is not a failure
         self.last_lines: deque[str] = deque(maxlen=20)
@@ -94,11 +96,21 @@ class ManagedProcess:
             line = line.rstrip("\n")
             self.last_lines.append(line)
             if line.startswith("PDSERVE_READY"):
-                match = _READY_ADDRESS.search(line)
-                self.address = match.group(1) if match else ""
+                self.ready_fields = dict(_READY_FIELD.findall(line))
+                self.address = self.ready_fields.get("grpc", "")
                 self.ready.set()
             if self._echo:
                 print(f"[{self.name}] {line}", flush=True)
+
+    @property
+    def metrics_address(self) -> str:
+        """host:port of its Prometheus endpoint ("" when it serves none)."""
+        return self.ready_fields.get("metrics", "")
+
+    @property
+    def http_address(self) -> str:
+        """host:port of the gateway's OpenAI-compatible HTTP API ("" when it serves none)."""
+        return self.ready_fields.get("http", "")
 
     def wait_ready(self, timeout_s: float) -> str:
         """Wait for the PDSERVE_READY line; return the gRPC address it names."""

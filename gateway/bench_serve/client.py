@@ -1,9 +1,9 @@
-"""The load generator: a backend interface, the gRPC backend, and the pacing loop.
+"""The load generator: a backend interface, the gRPC and OpenAI HTTP backends, and the
+pacing loop.
 
 A backend turns one BenchRequest into a stream of (arrival time, tokens in that
-chunk) pairs; everything else (timing, pacing, concurrency, metrics) is shared, so an
-OpenAI-compatible HTTP backend only has to implement `stream` (and `server_info` if
-it can say what it serves).
+chunk) pairs; everything else (timing, pacing, concurrency, metrics) is shared, so
+the gRPC and the OpenAI-compatible HTTP figures of one workload are comparable.
 
 Timing follows vLLM: a request's send time is taken after it gets its concurrency
 slot, just before the call, so --max-concurrency queueing is not counted as TTFT;
@@ -106,6 +106,92 @@ class GrpcGenerateBackend(Backend):
                 yield time.perf_counter(), len(response.token_ids)
         finally:
             call.cancel()  # a no-op once finished; frees the request if we stopped early
+
+
+class OpenAICompletionsBackend(Backend):
+    """POST /v1/completions with stream=true on any OpenAI-compatible server (the gateway's
+    HTTP port, vLLM, SGLang, ...), read as server-sent events over one aiohttp session.
+
+    The OpenAI stream carries text, not token ids, so each chunk with text counts as one
+    token (as `vllm bench serve` counts them) and the final usage chunk
+    (stream_options.include_usage) corrects the total: tokens a chunk did not show (text
+    held back until a character is complete) are added to the request's last chunk.
+    """
+
+    name = "openai"
+
+    def __init__(self, base_url: str, model: str = "", temperature: float = 0.0, ignore_eos: bool = True,
+                 timeout_s: float | None = None):
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.model = model
+        self.temperature = temperature
+        self.ignore_eos = ignore_eos
+        self.timeout_s = timeout_s
+        self._session = None
+
+    async def open(self) -> None:
+        import aiohttp
+        # No connection limit: --max-concurrency is the only cap, as with the gRPC backend.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                              timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def server_info(self) -> dict | None:
+        """model_name and max_model_len from /v1/models (the first model listed)."""
+        async with self._session.get(f"{self.base_url}/v1/models") as response:
+            body = await response.json(content_type=None)
+            if response.status != 200:
+                raise OpenAIHTTPError(response.status, body)
+        models = body.get("data") or [{}]
+        if not self.model:
+            self.model = models[0].get("id", "")
+        return {"model_name": models[0].get("id", ""), "max_model_len": models[0].get("max_model_len")}
+
+    def build_body(self, request: BenchRequest) -> dict:
+        return {"model": self.model, "prompt": request.prompt, "max_tokens": request.output_len,
+                "temperature": self.temperature, "ignore_eos": self.ignore_eos, "stream": True,
+                "stream_options": {"include_usage": True}}
+
+    async def stream(self, request: BenchRequest) -> AsyncIterator[tuple[float, int]]:
+        import json
+        held: tuple[float, int] | None = None  # the latest text chunk, until the next one or the usage
+        num_counted, num_reported = 0, None
+        async with self._session.post(f"{self.base_url}/v1/completions", json=self.build_body(request)) as response:
+            if response.status != 200:
+                raise OpenAIHTTPError(response.status, await response.json(content_type=None))
+            async for line in response.content:
+                arrival = time.perf_counter()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise OpenAIHTTPError(200, chunk)
+                if any(choice.get("text") for choice in chunk.get("choices") or ()):
+                    if held is not None:
+                        yield held
+                    held, num_counted = (arrival, 1), num_counted + 1
+                if chunk.get("usage"):
+                    num_reported = chunk["usage"].get("completion_tokens")
+        if held is not None:
+            if num_reported is not None and num_reported > num_counted:
+                held = (held[0], held[1] + num_reported - num_counted)
+            yield held
+
+
+class OpenAIHTTPError(Exception):
+    """An error status, or an error event in the stream, with OpenAI's error body."""
+
+    def __init__(self, status: int, body):
+        error = body.get("error") if isinstance(body, dict) else None
+        message = error.get("message") if isinstance(error, dict) else str(body)
+        super().__init__(f"HTTP {status}: {message}" if status != 200 else message)
 
 
 def describe_error(error: BaseException) -> str:

@@ -18,6 +18,15 @@
   unique suffix of --suffix-len tokens; requests cycle through the prefixes evenly
   and are then shuffled. For prefix-cache-aware placement.
 
+Two more builders serve the real-stack drivers (gateway.bench_prefix_routing,
+gateway.bench_serve.arms) rather than `bench serve`'s --dataset-name; each request
+carries a `kind` naming its part of the workload:
+- system_prompt_requests: tenants with a fixed system prompt each, plus a unique
+  user part per request; tenants in "rounds" (every tenant once per round, shuffled
+  within the round: steady per-tenant rates) or "random" order (as placement_sim).
+- ranged_requests: prompt and output lengths uniform on inclusive ranges, e.g.
+  long prompts (1024-2048 tokens, 16 out) or decode streams (32-64 in, 128-384 out).
+
 Prompts are token ids by default: lengths are exact and shared prefixes are the same
 KV blocks, with no tokenizer. Token ids are drawn uniformly from the vocabulary minus
 its special ids (EOS from ModelInfo; all special ids when a tokenizer is given). Text
@@ -54,6 +63,7 @@ class BenchRequest:
     prompt: list[int] | str  # token ids, or text
     prompt_len: int  # tokens in the prompt (an estimate for text without a tokenizer)
     output_len: int  # max_tokens to ask for
+    kind: str = ""  # its part of a mixed workload ("decode", "long-prefill", "tenant-3"); "" for one-part ones
 
 
 @dataclass
@@ -163,6 +173,61 @@ def prefix_repetition_requests(num: int, vocab: Vocabulary, rng: np.random.Gener
         requests.append(BenchRequest(prompt, prompt_len, output_len))
     order = rng.permutation(num)  # arrivals interleave the prefixes, as real traffic would
     return [requests[i] for i in order]
+
+
+def _check_range(name: str, low_high: tuple[int, int], minimum: int) -> tuple[int, int]:
+    low, high = (int(v) for v in low_high)
+    if not minimum <= low <= high:
+        raise ValueError(f"{name} must be a range LOW-HIGH with {minimum} <= LOW <= HIGH; got {low}-{high}")
+    return low, high
+
+
+def ranged_requests(num: int, vocab: Vocabulary, rng: np.random.Generator, input_len_range: tuple[int, int],
+                    output_len_range: tuple[int, int], kind: str = "",
+                    max_model_len: int | None = None) -> list[BenchRequest]:
+    """Token-id prompts, lengths uniform on the inclusive ranges (e.g. (1024, 2048))."""
+    in_low, in_high = _check_range("input length", input_len_range, 1)
+    out_low, out_high = _check_range("output length", output_len_range, 1)
+    _check_fits(in_high, out_high, max_model_len)
+    input_lens = rng.integers(in_low, in_high + 1, size=num)
+    output_lens = rng.integers(out_low, out_high + 1, size=num)
+    ordinary = vocab.ordinary_ids()
+    return [BenchRequest(_ids(rng, ordinary, n_in), n_in, n_out, kind)
+            for n_in, n_out in zip(input_lens.tolist(), output_lens.tolist())]
+
+
+TENANT_ORDERS = ("rounds", "random")
+
+
+def system_prompt_requests(num: int, vocab: Vocabulary, rng: np.random.Generator, num_tenants: int = 8,
+                           system_prompt_len: int = 512, user_len_range: tuple[int, int] = (64, 128),
+                           output_len_range: tuple[int, int] = (8, 16), tenant_order: str = "rounds",
+                           max_model_len: int | None = None) -> list[BenchRequest]:
+    """Tenant t's requests are its system prompt (the same ids every time) plus a unique
+    user part; kind "tenant-t". Token ids, so a prompt's leading blocks are exactly the
+    tenant's (system_prompt_len a multiple of the block size makes them whole blocks)."""
+    if num_tenants < 1 or system_prompt_len < 1:
+        raise ValueError("system-prompt workload needs >= 1 tenant and a non-empty system prompt")
+    if tenant_order not in TENANT_ORDERS:
+        raise ValueError(f"tenant order must be one of {', '.join(TENANT_ORDERS)}; got {tenant_order!r}")
+    user_low, user_high = _check_range("user part length", user_len_range, 1)
+    out_low, out_high = _check_range("output length", output_len_range, 1)
+    _check_fits(system_prompt_len + user_high, out_high, max_model_len)
+    ordinary = vocab.ordinary_ids()
+    system_prompts = [_ids(rng, ordinary, system_prompt_len) for _ in range(num_tenants)]
+    requests, round_left = [], []
+    for _ in range(num):
+        if tenant_order == "rounds":
+            if not round_left:
+                round_left = rng.permutation(num_tenants).tolist()
+            tenant = round_left.pop()
+        else:
+            tenant = int(rng.integers(num_tenants))
+        user = _ids(rng, ordinary, int(rng.integers(user_low, user_high + 1)))
+        prompt = system_prompts[tenant] + user
+        requests.append(BenchRequest(prompt, len(prompt), int(rng.integers(out_low, out_high + 1)),
+                                     f"tenant-{tenant}"))
+    return requests
 
 
 DATASETS = ("random", "sharegpt-like", "prefix-repetition")

@@ -3,6 +3,8 @@
     pdserve bench serve --gateway 127.0.0.1:50051 --dataset-name random \\
         --random-input-len 256 --random-output-len 64 --num-prompts 50 \\
         --request-rate 1,2,4 --goodput ttft:2000 tpot:200 --json out.json --plot plots/
+    pdserve bench serve --backend openai --base-url http://127.0.0.1:8000 --tokenizer bundled ...
+                                        # the same workload over the OpenAI-compatible HTTP API
     pdserve bench serve --self-check    # the client's own streamed-token capacity
 
 Metrics follow vLLM's definitions (see gateway.bench_serve.metrics). Exit status: 0
@@ -28,8 +30,12 @@ from gateway.bench_serve.metrics import format_report, parse_goodput
 def build_parser() -> argparse.ArgumentParser:
     parser = EnvDefaultsParser(prog="pdserve bench serve", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=["grpc"], default="grpc", help="API to drive (gRPC GenerateStream)")
-    parser.add_argument("--gateway", default="127.0.0.1:50051", help="gateway address HOST:PORT")
+    parser.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
+                        help="API to drive: grpc (GenerateStream) or openai (POST /v1/completions, "
+                             "streamed; any OpenAI-compatible server)")
+    parser.add_argument("--gateway", default="127.0.0.1:50051", help="grpc: gateway address HOST:PORT")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="openai: the server's URL (with or without /v1)")
     parser.add_argument("--model", default="", help="model name to send; empty: the served one")
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset-name", choices=DATASETS, default="random")
@@ -92,7 +98,8 @@ def load_vocabulary(args: argparse.Namespace, server_info: dict) -> Vocabulary:
                           tokenizer if args.prompt_format == "text" else None)
     vocab_size = int(server_info.get("vocab_size") or 0)
     if vocab_size <= 0:
-        raise ValueError("the gateway did not report a vocabulary size; pass --tokenizer")
+        raise ValueError("the server did not report a vocabulary size (the OpenAI API has no field "
+                         "for it); pass --tokenizer bundled or a local HF directory")
     return Vocabulary(vocab_size, frozenset(int(i) for i in server_info.get("eos_token_ids", [])))
 
 
@@ -141,10 +148,16 @@ async def self_check(args: argparse.Namespace) -> int:
     return 0
 
 
-async def benchmark(args: argparse.Namespace) -> int:
-    import grpc
+def make_backend(args: argparse.Namespace):
+    from gateway.bench_serve.client import GrpcGenerateBackend, OpenAICompletionsBackend
+    if args.backend == "openai":
+        return OpenAICompletionsBackend(args.base_url, args.model, args.temperature, args.ignore_eos,
+                                        args.request_timeout)
+    return GrpcGenerateBackend(args.gateway, args.model, args.temperature, args.ignore_eos, args.request_timeout)
 
-    from gateway.bench_serve.client import GrpcGenerateBackend, probe, run_benchmark
+
+async def benchmark(args: argparse.Namespace) -> int:
+    from gateway.bench_serve.client import describe_error, probe, run_benchmark
     from gateway.bench_serve.metrics import compute_metrics
 
     rates = parse_rates(args.request_rate)
@@ -152,14 +165,13 @@ async def benchmark(args: argparse.Namespace) -> int:
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise ValueError("--num-prompts and --max-concurrency must be >= 1")
-    backend = GrpcGenerateBackend(args.gateway, args.model, args.temperature, args.ignore_eos,
-                                  args.request_timeout)
+    backend = make_backend(args)
     async with backend:
         try:
             server_info = await backend.server_info() or {}
-        except grpc.aio.AioRpcError as e:
-            print(f"pdserve bench serve: cannot reach the gateway at {args.gateway}: "
-                  f"{e.code().name}: {e.details()}", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 -- gRPC or HTTP: either way nothing to measure
+            target = f"server at {args.base_url}" if args.backend == "openai" else f"gateway at {args.gateway}"
+            print(f"pdserve bench serve: cannot reach the {target}: {describe_error(e)}", file=sys.stderr)
             return 1
         max_model_len = args.max_model_len or int(server_info.get("max_model_len") or 0) or None
         vocab = load_vocabulary(args, server_info)

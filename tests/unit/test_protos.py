@@ -55,6 +55,26 @@ def test_fresh_clone_generates_stubs_on_import(tmp_path):
     assert (tmp_path / "protos" / "pdserve" / "v1" / "decode_pb2.py").exists()
 
 
+def test_installed_copy_without_sources_uses_its_stubs(tmp_path):
+    """A non-editable install ships the generated stubs but not protos/src: importing
+    must use them as they are, never try (and fail) to rebuild them."""
+    source = Path(protos.__file__).parent
+    shutil.copytree(source, tmp_path / "protos", ignore=lambda folder, names: [
+        n for n in names if n in ("__pycache__", ".stamp", ".lock") or (Path(folder) == source and n == "src")])
+    code = ("from protos.pdserve.v1 import generate_pb2_grpc\n"
+            "print(generate_pb2_grpc.GenerateServiceStub.__name__)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "GenerateServiceStub"
+    assert not (tmp_path / "protos" / "pdserve" / ".stamp").exists()  # nothing was rebuilt
+    # Neither sources nor stubs: a clear error, not protoc's.
+    shutil.rmtree(tmp_path / "protos" / "pdserve")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0 and "no .proto sources" in result.stderr, result.stderr
+
+
 _DECLARATION = re.compile(
     r"^\s*(?:(?P<field>(?:optional |repeated )?[\w.<>, ]+ (?P<fname>\w+) = \d+;)"
     r"|(?P<value>[A-Z][A-Z0-9_]* = \d+;)"

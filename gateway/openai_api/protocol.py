@@ -1,0 +1,327 @@
+"""OpenAI request bodies -> GenerateInputs, checked field by field at the edge.
+
+Every problem is a 400 whose message and `param` name the field: malformed JSON, a
+field this API does not know (strict, so a typo is not silently ignored), a wrong
+type, a value out of range. The fields accepted are OpenAI's, the sampling
+extensions vLLM accepts (top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
+stop_token_ids, include_stop_str_in_output, skip_special_tokens, priority and
+stream_options.continuous_usage_stats), and OpenAI fields for features this server
+does not have (tools, logit_bias, echo, ...) as long as they hold their neutral
+value (unset, null, empty): a request that asks for such a feature gets a 400
+instead of an answer that silently lacks it. `user`, `metadata` and the like are
+type-checked and otherwise ignored.
+
+n and a list of prompts are fanned out here: one GenerateInput per choice, choice
+index = prompt index * n + sample index (OpenAI's order), sample i seeded seed + i.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from common.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from gateway.openai_api.errors import ApiError, invalid_field
+from gateway.types import GenerateInput
+
+MAX_CHOICES = 128  # n times the number of prompts: OpenAI's own cap on n
+INT32 = (-2**31, 2**31 - 1)
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+_NONE = object()  # a field that was not sent
+
+
+@dataclass
+class ParsedRequest:
+    chat: bool
+    model: str
+    sampling: SamplingParams  # n: choices per prompt
+    prompts: list[str | list[int]] | None = None  # completions
+    messages: list[dict] | None = None  # chat, content joined into a string
+    stream: bool = False
+    include_usage: bool = False  # stream: a last chunk with the usage
+    continuous_usage: bool = False  # stream: usage so far in every chunk (vLLM)
+    num_logprobs: int | None = None  # top alternatives per token; None: no logprobs
+    priority: int = 0
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts) if self.prompts is not None else 1
+
+    def generate_inputs(self, request_id: str) -> list[GenerateInput]:
+        """One GenerateInput per choice, in choice order; ids request_id[-index]."""
+        n = self.sampling.n
+        inputs = []
+        for prompt in self.prompts if self.prompts is not None else [None]:
+            for sample in range(n):
+                index = len(inputs)
+                request = GenerateInput(
+                    sampling=self.sampling.for_child(sample),
+                    request_id=request_id if self.num_prompts * n == 1 else f"{request_id}-{index}",
+                    priority=self.priority, return_logprobs=self.num_logprobs is not None, model=self.model)
+                if self.messages is not None:
+                    request.messages = self.messages
+                elif isinstance(prompt, str):
+                    request.text = prompt
+                else:
+                    request.token_ids = prompt
+                inputs.append(request)
+        return inputs
+
+
+# --- value checks: each takes (param, value) and returns the value to use ------------
+
+def _type_name(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+            type(None): "null"}.get(type(value), "a number")
+
+
+def _wrong_type(param: str, expected: str, value: Any) -> ApiError:
+    return invalid_field(param, f"must be {expected}, got {_type_name(value)}", code="invalid_type")
+
+
+def integer(lo: int | None = None, hi: int | None = None, allowed: str = "") -> Callable:
+    def check(param: str, value: Any) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            # 3.0 from a client that writes every number as a float is still an integer.
+            if not (isinstance(value, float) and value.is_integer()):
+                raise _wrong_type(param, "an integer", value)
+            value = int(value)
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise invalid_field(param, f"must be {allowed or _range(lo, hi)}, got {value}")
+        return value
+    return check
+
+
+def number(lo: float, hi: float, lo_open: bool = False) -> Callable:
+    def check(param: str, value: Any) -> float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise _wrong_type(param, "a number", value)
+        if not math.isfinite(value) or value < lo or value > hi or (lo_open and value == lo):
+            low = f"({lo}" if lo_open else f"[{lo}"
+            high = "inf)" if math.isinf(hi) else f"{hi}]"
+            raise invalid_field(param, f"must be in {low}, {high}, got {value}")
+        return float(value)
+    return check
+
+
+def _range(lo: int | None, hi: int | None) -> str:
+    if hi is None:
+        return f">= {lo}"
+    return f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
+
+
+def boolean(param: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _wrong_type(param, "a boolean", value)
+    return value
+
+
+def string(param: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise _wrong_type(param, "a string", value)
+    return value
+
+
+def obj(param: str, value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise _wrong_type(param, "an object", value)
+    return value
+
+
+def stop_strings(param: str, value: Any) -> list[str]:
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list):
+        raise _wrong_type(param, "a string or an array of strings", value)
+    for i, s in enumerate(values):
+        if not isinstance(s, str):
+            raise _wrong_type(f"{param}[{i}]", "a string", s)
+        if not s:
+            raise invalid_field(f"{param}[{i}]", "must not be empty")
+    return values
+
+
+def token_id_list(param: str, value: Any) -> list[int]:
+    if not isinstance(value, list):
+        raise _wrong_type(param, "an array of token ids", value)
+    check = integer(0, None)
+    return [check(f"{param}[{i}]", t) for i, t in enumerate(value)]
+
+
+def neutral(*values: Any) -> Callable:
+    """A field for a feature this server lacks: only its do-nothing values pass."""
+    def check(param: str, value: Any) -> Any:
+        if value not in values:
+            shown = "".join(f" or {json.dumps(v)}" for v in values)
+            raise invalid_field(param, f"is not supported by this server; leave it unset{shown}",
+                                code="unsupported_value")
+        return value
+    return check
+
+
+COMMON_FIELDS: dict[str, Callable] = {
+    "model": string, "stream": boolean, "stream_options": obj, "n": integer(1, MAX_CHOICES),
+    "max_tokens": integer(1), "temperature": number(0.0, 2.0), "top_p": number(0.0, 1.0, lo_open=True),
+    "top_k": integer(-1, allowed="-1 or 0 (disabled) or an integer >= 1"), "min_p": number(0.0, 1.0),
+    "presence_penalty": number(-2.0, 2.0), "frequency_penalty": number(-2.0, 2.0),
+    "repetition_penalty": number(0.0, math.inf, lo_open=True), "seed": integer(0, MAX_SEED),
+    "stop": stop_strings, "stop_token_ids": token_id_list, "ignore_eos": boolean, "min_tokens": integer(0),
+    "include_stop_str_in_output": boolean, "skip_special_tokens": boolean, "priority": integer(*INT32),
+    "user": string, "logit_bias": neutral({}),
+}
+COMPLETION_FIELDS: dict[str, Callable] = {
+    **COMMON_FIELDS, "prompt": lambda param, value: value, "logprobs": integer(0, MAX_LOGPROBS),
+    "echo": neutral(False), "best_of": integer(1, MAX_CHOICES), "suffix": neutral("")}
+CHAT_FIELDS: dict[str, Callable] = {
+    **COMMON_FIELDS, "messages": lambda param, value: value, "max_completion_tokens": integer(1),
+    "logprobs": boolean, "top_logprobs": integer(0, MAX_LOGPROBS),
+    "response_format": neutral({"type": "text"}), "tools": neutral([]), "tool_choice": neutral("none"),
+    "functions": neutral([]), "function_call": neutral("none"), "parallel_tool_calls": boolean,
+    "modalities": neutral(["text"]), "audio": neutral(), "prediction": neutral(), "reasoning_effort": neutral(),
+    "web_search_options": neutral(), "store": neutral(False), "metadata": obj, "service_tier": string,
+    "prompt_cache_key": string, "safety_identifier": string, "verbosity": neutral()}
+STREAM_OPTIONS = {"include_usage": boolean, "continuous_usage_stats": boolean, "include_obfuscation": boolean}
+
+
+def parse_body(body: bytes) -> dict:
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {_type_name(data)}",
+                       code="invalid_json")
+    return data
+
+
+def _checked(data: dict, fields: dict[str, Callable], where: str = "") -> dict[str, Any]:
+    """The fields' checked values; null counts as unset (OpenAI's optional fields are nullable)."""
+    unknown = [name for name in data if name not in fields]
+    if unknown:
+        param = where + unknown[0]
+        raise invalid_field(param, f"unknown field; this API accepts {', '.join(sorted(fields))}",
+                            code="unknown_field")
+    return {name: fields[name](where + name, value) for name, value in data.items() if value is not None}
+
+
+def parse_request(body: bytes, chat: bool) -> ParsedRequest:
+    values = _checked(parse_body(body), CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    get = values.get
+    if "model" not in values:
+        raise invalid_field("model", "is required: the name /v1/models lists", code="missing_field")
+    stream = get("stream", False)
+    options = _checked(get("stream_options", {}), STREAM_OPTIONS, "stream_options.")
+    if "stream_options" in values and not stream:
+        raise invalid_field("stream_options", "is only allowed when stream is true")
+    n = get("n", 1)
+    parsed = ParsedRequest(chat=chat, model=values["model"], sampling=SamplingParams(), stream=stream,
+                           include_usage=options.get("include_usage", False),
+                           continuous_usage=options.get("continuous_usage_stats", False),
+                           priority=get("priority", 0))
+    if chat:
+        parsed.messages = _messages(values.get("messages", _NONE))
+        max_tokens = _chat_max_tokens(values)
+        if "top_logprobs" in values and not get("logprobs", False):
+            raise invalid_field("top_logprobs", "needs logprobs set to true")
+        parsed.num_logprobs = get("top_logprobs", 0) if get("logprobs", False) else None
+    else:
+        parsed.prompts = _prompts(values.get("prompt", _NONE))
+        max_tokens = get("max_tokens", 16)  # OpenAI's default for completions
+        parsed.num_logprobs = get("logprobs")
+        if get("best_of", n) != n:
+            raise invalid_field("best_of", f"must equal n ({n}) if set: ranking candidates is not supported",
+                                code="unsupported_value")
+    if n * parsed.num_prompts > MAX_CHOICES:
+        raise invalid_field("n", f"n ({n}) times the number of prompts ({parsed.num_prompts}) must be at most "
+                                 f"{MAX_CHOICES}")
+    parsed.sampling = _sampling(values, n, max_tokens, parsed.num_logprobs)
+    return parsed
+
+
+def _chat_max_tokens(values: dict) -> int | None:
+    """max_completion_tokens is the current name, max_tokens the deprecated one; both
+    may be sent, but not with different values."""
+    new, old = values.get("max_completion_tokens"), values.get("max_tokens")
+    if new is not None and old is not None and new != old:
+        raise invalid_field("max_tokens", f"differs from max_completion_tokens ({new}); send one of them")
+    return new if new is not None else old  # None: until EOS or the context is full
+
+
+def _sampling(values: dict, n: int, max_tokens: int | None, num_logprobs: int | None) -> SamplingParams:
+    get = values.get
+    names = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+             "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
+             "skip_special_tokens")
+    fields = {name: values[name] for name in names if name in values}
+    top_k = get("top_k", -1)
+    try:
+        return SamplingParams(n=n, max_tokens=max_tokens, logprobs=num_logprobs,
+                              top_k=-1 if top_k == 0 else top_k, **fields)
+    except ValueError as e:  # what only holds between fields, e.g. min_tokens <= max_tokens
+        message = str(e)
+        param = message.split(" ", 1)[0]
+        raise invalid_field(param if param in values else "max_tokens", message) from None
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """A string, an array of strings, an array of token ids, or an array of those."""
+    if prompt is _NONE:
+        raise invalid_field("prompt", "is required", code="missing_field")
+    single = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt))
+    if single:
+        prompts: list = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    else:
+        raise invalid_field("prompt", "must be a non-empty string, array of strings, array of token ids "
+                                      "or array of token-id arrays", code="invalid_type")
+    for i, item in enumerate(prompts):
+        param = "prompt" if single else f"prompt[{i}]"
+        if isinstance(item, str):
+            if not item:
+                raise invalid_field(param, "must not be empty")
+        elif isinstance(item, list) and item:
+            token_id_list(param, item)
+        else:
+            raise invalid_field(param, "must be a non-empty string or array of token ids", code="invalid_type")
+    return prompts
+
+
+def _messages(messages: Any) -> list[dict]:
+    if messages is _NONE:
+        raise invalid_field("messages", "is required", code="missing_field")
+    if not isinstance(messages, list) or not messages:
+        raise invalid_field("messages", "must be a non-empty array of messages", code="invalid_type")
+    checked = []
+    for i, message in enumerate(messages):
+        param = f"messages[{i}]"
+        values = _checked(obj(param, message), {"role": string, "content": lambda p, v: v, "name": string},
+                          f"{param}.")
+        role = values.get("role")
+        if role not in CHAT_ROLES:
+            raise invalid_field(f"{param}.role", f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        checked.append({"role": "system" if role == "developer" else role,
+                        "content": _content(f"{param}.content", values.get("content", _NONE))})
+    return checked
+
+
+def _content(param: str, content: Any) -> str:
+    """A string, or text parts joined with newlines (what vLLM gives a string-only template)."""
+    if isinstance(content, str):
+        return content
+    if content is _NONE:
+        raise invalid_field(param, "is required", code="missing_field")
+    if not isinstance(content, list):
+        raise _wrong_type(param, "a string or an array of text parts", content)
+    texts = []
+    for j, part in enumerate(content):
+        values = _checked(obj(f"{param}[{j}]", part), {"type": string, "text": string}, f"{param}[{j}].")
+        if values.get("type") != "text":
+            raise invalid_field(f"{param}[{j}].type", f"only 'text' parts are supported, got "
+                                                      f"{values.get('type')!r}", code="unsupported_value")
+        if "text" not in values:
+            raise invalid_field(f"{param}[{j}].text", "is required", code="missing_field")
+        texts.append(values["text"])
+    return "\n".join(texts)

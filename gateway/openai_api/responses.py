@@ -1,0 +1,160 @@
+"""GenerationDeltas -> OpenAI response JSON: whole responses, stream chunks, usage, logprobs.
+
+One ResponseBuilder per HTTP request. It keeps what a response needs across
+chunks: each choice's completion tokens and logprob text offset, each prompt's
+token counts. Usage counts every prompt once, however many choices it has (as
+OpenAI does for n > 1); its cached tokens are those of the prompt's first choice.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+from common.outputs import Logprobs
+from gateway.openai_api.errors import ApiError
+from gateway.openai_api.protocol import ParsedRequest
+from gateway.types import GenerationDelta
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)
+
+
+def sse_event(payload: dict) -> bytes:
+    return b"data: " + json_bytes(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def json_bytes(payload: dict) -> bytes:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+class ResponseBuilder:
+    def __init__(self, request: ParsedRequest, response_id: str, model_name: str,
+                 token_text: Callable[[int], str]):
+        self.request = request
+        self.chat = request.chat
+        self.head = {"id": response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                     "created": int(time.time()), "model": model_name}
+        self.token_text = token_text
+        num_choices = request.num_prompts * request.sampling.n
+        self.completion_tokens = [0] * num_choices
+        self.text_offsets = [0] * num_choices  # completions logprobs: offset of the next token
+        self.prompt_tokens = [0] * request.num_prompts
+        self.cached_tokens = [0] * request.num_prompts
+        self.started = [False] * num_choices  # chat stream: the role goes in a choice's first chunk
+
+    def _record(self, index: int, delta: GenerationDelta) -> None:
+        self.completion_tokens[index] = delta.usage.completion_tokens
+        prompt, sample = divmod(index, self.request.sampling.n)
+        self.prompt_tokens[prompt] = delta.usage.prompt_tokens
+        if sample == 0:
+            self.cached_tokens[prompt] = delta.usage.cached_prompt_tokens
+
+    def usage(self) -> dict:
+        prompt_tokens, completion_tokens = sum(self.prompt_tokens), sum(self.completion_tokens)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
+
+    # --- non-streaming ---------------------------------------------------------------
+
+    def full_response(self, results: list[GenerationDelta]) -> dict:
+        """The response to a non-streaming request: one joined delta per choice, in order."""
+        choices = []
+        for index, result in enumerate(results):
+            self._record(index, result)
+            choice = {"index": index, "logprobs": self._logprobs(index, result),
+                      "finish_reason": result.finish_reason, "stop_reason": _stop_reason(result)}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": result.text}
+            else:
+                choice["text"] = result.text
+            choices.append(choice)
+        return {**self.head, "object": "chat.completion" if self.chat else "text_completion",
+                "choices": choices, "usage": self.usage()}
+
+    # --- streaming -------------------------------------------------------------------
+
+    def chunk(self, index: int, delta: GenerationDelta) -> bytes:
+        """The SSE event for one delta of choice `index`."""
+        self._record(index, delta)
+        choice: dict = {"index": index}
+        if self.chat:
+            message = {"role": "assistant", "content": delta.text} if not self.started[index] else (
+                {"content": delta.text} if delta.text else {})
+            self.started[index] = True
+            choice["delta"] = message
+        else:
+            choice["text"] = delta.text
+        choice["logprobs"] = self._logprobs(index, delta)
+        choice["finish_reason"] = delta.finish_reason
+        if delta.finish_reason is not None:
+            choice["stop_reason"] = _stop_reason(delta)
+        payload = {**self.head, "choices": [choice]}
+        if self.request.continuous_usage:
+            payload["usage"] = self.usage()
+        elif self.request.include_usage:
+            payload["usage"] = None  # OpenAI: every chunk but the last has "usage": null
+        return sse_event(payload)
+
+    def usage_chunk(self) -> bytes:
+        """stream_options.include_usage: the last chunk, no choices, the whole usage."""
+        return sse_event({**self.head, "choices": [], "usage": self.usage()})
+
+    # --- logprobs --------------------------------------------------------------------
+
+    def _logprobs(self, index: int, delta: GenerationDelta) -> dict | None:
+        if self.request.num_logprobs is None:
+            return None
+        if self.chat:
+            return {"content": [self._chat_logprob(token_id, lp) for token_id, lp in delta.logprobs]}
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for token_id, lp in delta.logprobs:
+            text = self.token_text(token_id)
+            tokens.append(text)
+            token_logprobs.append(_clamp(lp.token_logprob))
+            # The sampled token and the top alternatives (vLLM's legacy completions shape).
+            top = {text: _clamp(lp.token_logprob)}
+            top.update((self.token_text(t), _clamp(v)) for t, v in zip(lp.top_token_ids, lp.top_logprobs))
+            top_logprobs.append(top)
+            offsets.append(self.text_offsets[index])
+            self.text_offsets[index] += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+    def _chat_logprob(self, token_id: int, lp: Logprobs) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": _clamp(lp.token_logprob), "bytes": list(text.encode()),
+                "top_logprobs": [{"token": (t := self.token_text(top_id)), "logprob": _clamp(v),
+                                  "bytes": list(t.encode())}
+                                 for top_id, v in zip(lp.top_token_ids, lp.top_logprobs)]}
+
+
+def error_event(error: ApiError) -> bytes:
+    """A failure after the stream began (its status line is gone): an error event, as vLLM sends."""
+    return sse_event(error.body())
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def _stop_reason(delta: GenerationDelta) -> str | int | None:
+    """vLLM's extension: the stop string or stop token that ended the choice (None for EOS)."""
+    return delta.stop_string if delta.stop_string is not None else delta.stop_token_id
+
+
+class TokenTexts:
+    """Token id -> its text, cached (the vocabulary bounds the cache)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text

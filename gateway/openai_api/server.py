@@ -1,0 +1,309 @@
+"""The OpenAI-compatible HTTP front: a Starlette app served by uvicorn inside the
+gateway's own event loop, next to the gRPC server, on the same Gateway object.
+
+    POST /v1/completions        POST /v1/chat/completions   (stream: server-sent events)
+    GET  /v1/models             GET  /health
+
+A request is parsed and checked at the edge (protocol.py), turned into one
+GenerateInput per choice and run through Gateway.stream / Gateway.generate, the very
+path gRPC Generate takes (placement, detokenization, stop strings, cancellation);
+responses.py writes OpenAI's JSON. A stream's status line is sent only once its
+first delta is there, so anything that fails before a token (validation, no decode
+instance, a full system) gets its proper HTTP status; a failure after that ends the
+stream with an error event.
+
+A client that disconnects cancels its request: while a request runs, a watcher
+waits on the connection's `http.disconnect`, and the work is cancelled when it comes,
+which closes Gateway.stream and so cancels the Decode call (and its prefill).
+
+    http = OpenAIServer(gateway, host="127.0.0.1", port=0)
+    address = await http.start()   # "127.0.0.1:PORT"
+    ...
+    await http.stop()
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+
+import grpc
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.core import Gateway
+from gateway.openai_api.choices import generate_choices, stream_choices
+from gateway.openai_api.errors import ApiError, from_gateway_error
+from gateway.openai_api.protocol import ParsedRequest, parse_request
+from gateway.openai_api.responses import (SSE_DONE, ResponseBuilder, TokenTexts, error_event, json_bytes,
+                                          sse_event)
+from gateway.types import GatewayError, GenerationDelta
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 << 20  # like the gRPC server's message limit
+START_TIMEOUT_S = 30.0
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]  # no buffering in a proxy in front
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its response was ready."""
+
+
+class OpenAIServer:
+    def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 8000,
+                 max_body_bytes: int = MAX_BODY_BYTES, access_log: bool = False):
+        self.gateway = gateway
+        self.host, self.port = host, port
+        self.max_body_bytes = max_body_bytes
+        self.address = ""
+        self.created = int(time.time())
+        self.token_text = TokenTexts(gateway.model.tokenizer)
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ], exception_handlers={HTTPException: _http_exception, Exception: _internal_error})
+        self.access_log = access_log
+        self._server: _EmbeddedServer | None = None
+        self._task: asyncio.Task | None = None
+
+    # --- serving ---------------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Bind (port 0: a free one), serve, and return the address clients use."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT only; a live listener still fails
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise OSError(f"cannot bind the OpenAI HTTP server to {self.host}:{self.port}: {e.strerror}") from e
+        sock.setblocking(False)
+        config = uvicorn.Config(self.app, loop="none", http="httptools", ws="none", lifespan="off",
+                                log_config=None, access_log=self.access_log, server_header=False,
+                                timeout_graceful_shutdown=5, timeout_keep_alive=30)
+        self._server = _EmbeddedServer(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._server.started:  # uvicorn offers no event for this
+            if self._task.done():
+                self._task.result()  # its exception
+                raise OSError("the OpenAI HTTP server stopped while starting")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the OpenAI HTTP server did not start within {START_TIMEOUT_S:.0f}s")
+            await asyncio.sleep(0.01)
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else "[::1]" if self.host in ("::", "[::]") else self.host
+        self.address = f"{host}:{sock.getsockname()[1]}"
+        logger.info("OpenAI-compatible HTTP on http://%s/v1", self.address)
+        return self.address
+
+    async def stop(self) -> None:
+        """Stop accepting connections and close them (call after the gateway drained)."""
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task
+            self._server = self._task = None
+
+    # --- endpoints -------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def models(self, request: Request) -> Response:
+        info = self.gateway.deployment_info()
+        return _json({"object": "list", "data": [
+            {"id": info.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
+             "max_model_len": info.max_model_len}]})
+
+    async def health(self, request: Request) -> Response:
+        if self.gateway.draining:
+            return _json({"status": "draining"}, status=503)
+        return _json({"status": "ok"})
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        parsed = None
+        try:
+            parsed = parse_request(await self._read_body(request), chat)
+            model_name = self._check_model(parsed.model)
+            response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            inputs = parsed.generate_inputs(response_id)
+            builder = ResponseBuilder(parsed, response_id, model_name, self.token_text)
+            if parsed.stream:
+                return await self._start_stream(request, builder, stream_choices(self.gateway, inputs))
+            results = await _until_disconnect(request, generate_choices(self.gateway, inputs))
+            return Response(json_bytes(builder.full_response(results)), media_type="application/json")
+        except GatewayError as e:
+            return _error(from_gateway_error(e, _param_of(e, parsed)))
+        except ApiError as e:
+            return _error(e)
+        except (ClientGone, ClientDisconnect):
+            return Response(status_code=499)  # nobody reads it; nginx's code for this case
+
+    async def _start_stream(self, request: Request, builder: ResponseBuilder,
+                            events: AsyncIterator[tuple[int, GenerationDelta]]) -> Response:
+        try:
+            first = await _until_disconnect(request, anext(events))
+        except BaseException:
+            await events.aclose()
+            raise
+        return _EventStream(builder, first, events)
+
+    async def _read_body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise _too_large(int(declared), self.max_body_bytes)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise _too_large(size, self.max_body_bytes)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_model(self, name: str) -> str:
+        """The served name; 404 (as OpenAI answers) for any other model."""
+        served = self.gateway.registry.model_name or self.gateway.model.name  # as ModelInfo says
+        if name != served and name not in self.gateway.model.aliases:
+            raise ApiError(404, f"model {name!r} is not served here; this server serves {served!r} "
+                                f"(GET /v1/models)", param="model", code="model_not_found")
+        return served
+
+
+class _EventStream(Response):
+    """A server-sent-event stream that stops (and closes `events`, cancelling the
+    request) as soon as the client disconnects."""
+
+    def __init__(self, builder: ResponseBuilder, first: tuple[int, GenerationDelta],
+                 events: AsyncIterator[tuple[int, GenerationDelta]]):
+        # Not Response.__init__: it would declare an empty body (content-length: 0).
+        self.status_code, self.background = 200, None
+        self.raw_headers = SSE_HEADERS
+        self.builder, self.first, self.events = builder, first, events
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            pump = asyncio.ensure_future(self._pump(send))
+            watcher = asyncio.ensure_future(_wait_disconnect(receive))
+            try:
+                await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (pump, watcher):
+                    task.cancel()
+                await asyncio.gather(pump, watcher, return_exceptions=True)
+            if pump.done() and not pump.cancelled() and pump.exception() is not None:
+                raise pump.exception()
+        finally:
+            await self.events.aclose()
+
+    async def _pump(self, send) -> None:
+        builder = self.builder
+        ending = SSE_DONE
+        try:
+            # Each chunk goes out the moment its delta is here: holding one back to
+            # send it with the next would delay every token by one inter-token gap.
+            await send({"type": "http.response.body", "body": builder.chunk(*self.first), "more_body": True})
+            async for index, delta in self.events:
+                await send({"type": "http.response.body", "body": builder.chunk(index, delta), "more_body": True})
+        except GatewayError as e:
+            ending = error_event(from_gateway_error(e)) + ending
+        else:
+            if builder.request.include_usage:
+                ending = builder.usage_chunk() + ending
+        await send({"type": "http.response.body", "body": ending, "more_body": False})
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn inside a loop it does not own: SIGTERM/SIGINT stay the gateway's
+    (it drains before anything stops)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def _wait_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until_disconnect(request: Request, work: Awaitable):
+    """Await `work`, cancelling it and raising ClientGone if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+def _param_of(error: GatewayError, parsed: ParsedRequest | None) -> str | None:
+    """The request field a gateway validation message is about, where it says."""
+    message = error.message
+    if parsed is None or error.code != grpc.StatusCode.INVALID_ARGUMENT:
+        return None
+    if "max_tokens" in message:
+        return "max_tokens"
+    if message.startswith(("prompt", "the prompt", "messages", "chat template")):
+        return "messages" if parsed.chat else "prompt"
+    return None
+
+
+def _json(payload: dict, status: int = 200) -> Response:
+    return Response(json_bytes(payload), status_code=status, media_type="application/json")
+
+
+def _error(error: ApiError) -> Response:
+    return Response(error.body_bytes(), status_code=error.status, media_type="application/json")
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"the request body has {size} bytes, more than this server's limit of {limit}",
+                    code="body_too_large")
+
+
+async def _http_exception(request: Request, exc: HTTPException) -> Response:
+    return _error(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                           code="not_found" if exc.status_code == 404 else None))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    # A bug: Starlette re-raises it after this response, and uvicorn logs the traceback.
+    return _error(ApiError(500, f"gateway error: {exc!r}"))
+
+
+DEFAULT_HTTP_PORT = 8000
+
+
+def parse_http_port(value: str) -> int | None:
+    """--http-port: a port, 0 for a free one, -1 or "off" for no HTTP server (None)."""
+    if value.strip().lower() in ("off", "-1"):
+        return None
+    try:
+        port = int(value)
+    except ValueError:
+        port = -2
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{value} is not a port (0-65535, or -1/off to disable)")
+    return port

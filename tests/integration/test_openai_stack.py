@@ -1,0 +1,144 @@
+"""The OpenAI-compatible HTTP API of a real stack (`LocalStack`: gateway + 1 prefill + 1
+decode processes, the bundled model), driven with the official `openai` client:
+greedy outputs equal the gRPC path's for the same prompt, usage figures are right,
+streaming with include_usage, chat, logprobs, n > 1, and a client that disconnects
+(mid-stream, during prefill, or waiting on a non-streamed answer) frees every block
+on decode and prefill."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from gateway.client import Client
+from gateway.launcher import LocalStack
+from tests.integration.test_stack import LONG_PROMPT, stats, wait_until_idle
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 12
+PROMPTS = ["The capital of France is", LONG_PROMPT]  # short: decode prefills; long: the prefill instance
+CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with LocalStack(1, 1, passthrough=["--kv-cache-memory", "256MiB", "--log-level", "WARNING"],
+                    log_dir=tmp_path_factory.mktemp("openai-stack-logs")) as local_stack:
+        yield local_stack
+
+
+@pytest.fixture(scope="module")
+def grpc_client(stack):
+    with Client(stack.address, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=f"http://{stack.http_address}/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def test_completions_greedy_equal_the_grpc_path_with_right_usage(client, grpc_client, model):
+    for prompt in PROMPTS:
+        expected = grpc_client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, return_token_ids=True)
+        unary = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert unary.choices[0].text == expected.text and unary.choices[0].finish_reason == expected.finish_reason
+        usage = unary.usage
+        assert (usage.prompt_tokens, usage.completion_tokens) == (expected.usage.prompt_tokens,
+                                                                  len(expected.token_ids))
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+        assert chunks[-1].usage.prompt_tokens == expected.usage.prompt_tokens
+        assert chunks[-2].choices[0].finish_reason == expected.finish_reason
+    # Token ids as the prompt give the same completion as the text they encode.
+    from gateway.validation import load_served_model
+    prompt_ids = load_served_model(None).tokenizer.encode(PROMPTS[0])
+    by_ids = client.completions.create(model=model, prompt=prompt_ids, max_tokens=MAX_TOKENS, temperature=0)
+    assert by_ids.choices[0].text == grpc_client.generate(prompt_ids, max_tokens=MAX_TOKENS, temperature=0).text
+
+
+def test_chat_greedy_equals_the_grpc_path_streamed_and_not(client, grpc_client, model):
+    expected = grpc_client.generate(messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, return_token_ids=True)
+    unary = client.chat.completions.create(model=model, messages=CHAT, max_completion_tokens=MAX_TOKENS,
+                                           temperature=0)
+    assert unary.choices[0].message.content == expected.text
+    assert (unary.usage.prompt_tokens, unary.usage.completion_tokens) == (expected.usage.prompt_tokens,
+                                                                          len(expected.token_ids))
+    chunks = list(client.chat.completions.create(model=model, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_logprobs_and_n_samples(client, grpc_client, model):
+    result = client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0,
+                                            logprobs=True, top_logprobs=2)
+    content = result.choices[0].logprobs.content
+    assert len(content) == result.usage.completion_tokens == 8
+    assert "".join(t.token for t in content) == result.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.logprob - 1e-4 for t in content)  # greedy took the best
+    legacy = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=1)
+    legacy_logprobs = legacy.choices[0].logprobs
+    assert len(legacy_logprobs.tokens) == 4 and all(lp <= 0 for lp in legacy_logprobs.token_logprobs)
+    samples = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12, n=3, seed=5,
+                                        temperature=1.0, extra_body={"ignore_eos": True})
+    assert [c.index for c in samples.choices] == [0, 1, 2] and len({c.text for c in samples.choices}) > 1
+    prompt_tokens = grpc_client.generate(PROMPTS[0], max_tokens=1).usage.prompt_tokens
+    assert (samples.usage.prompt_tokens, samples.usage.completion_tokens) == (prompt_tokens, 36)  # prompt once
+    again = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12, n=3, seed=5,
+                                      temperature=1.0, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in samples.choices]  # seed + i per choice
+
+
+def test_bad_requests_get_400s_naming_the_field(client, model):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=model, prompt="hi", max_tokens=10**6)
+    assert error.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=model, prompt="hi", extra_body={"top_kk": 3})
+    assert error.value.body["param"] == "top_kk" and error.value.body["code"] == "unknown_field"
+
+
+def open_stream(address: str, body: dict) -> socket.socket:
+    host, port = address.split(":")
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    raw = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+    return sock
+
+
+@pytest.mark.parametrize("when", ["mid-stream", "during prefill", "waiting on a non-streamed answer"])
+def test_client_disconnect_frees_every_block_on_decode_and_prefill(stack, model, when):
+    prompt = f"[disconnect {when}] " + LONG_PROMPT * (8 if when == "during prefill" else 1)
+    sock = open_stream(stack.http_address, {"model": model, "prompt": prompt, "max_tokens": 300, "ignore_eos": True,
+                                            "stream": when != "waiting on a non-streamed answer"})
+    deadline = time.monotonic() + 60
+    if when == "mid-stream":
+        received = b""
+        while received.count(b"data: ") < 3:
+            received += sock.recv(65536)
+            assert time.monotonic() < deadline, "no tokens arrived"
+    else:
+        role = "prefill" if when == "during prefill" else "decode"
+        address = stack.instances[f"{role}-0"].address
+        while not (load := stats(address, role).load).num_running_requests + load.num_waiting_requests:
+            assert time.monotonic() < deadline, f"the request never ran on {role}-0"
+            time.sleep(0.02)
+    sock.close()
+    wait_until_idle(stack, timeout_s=30)
