@@ -17,7 +17,8 @@
 # PDSERVE_ADVERTISE_ADDRESS from the pod IP (deploy/k8s). PDSERVE_ADVERTISE=hostname
 # skips this and lets the services advertise the container's hostname instead.
 #
-# It also gives each prefill / decode replica a unique PDSERVE_INSTANCE_ID (below).
+# Instance ids need nothing here: the services' default (ROLE-HOSTNAME-PID-RANDOM) is
+# unique even on the host network, where every replica has the host's name and PID 1.
 set -eu
 
 container_ip() {
@@ -40,26 +41,6 @@ if [ -z "${PDSERVE_ADVERTISE_ADDRESS:-}" ] && [ "${PDSERVE_ADVERTISE:-ip}" = ip 
                 esac
                 export PDSERVE_ADVERTISE_ADDRESS
             fi
-            ;;
-    esac
-fi
-
-# Instance ids must be unique per replica. The services default to ROLE-HOSTNAME-PID,
-# which is unique on a compose network (hostname = container id) but not on the host
-# network, where every replica has the host's hostname and PID 1. Use the container id.
-container_id() {
-    sed -n 's|.*/containers/\([0-9a-f]\{64\}\)/hostname .*|\1|p' /proc/self/mountinfo 2>/dev/null \
-        | head -n 1 | cut -c1-12
-}
-if [ -z "${PDSERVE_INSTANCE_ID:-}" ] && [ "${1:-}" = pdserve ]; then
-    case "${2:-}" in
-        prefill|decode)
-            id=$(container_id) || id=
-            if [ -z "$id" ]; then
-                id=$(hostname)-$(od -An -N4 -tx1 /dev/urandom | tr -d ' \n')
-            fi
-            PDSERVE_INSTANCE_ID="$2-$id"
-            export PDSERVE_INSTANCE_ID
             ;;
     esac
 fi

@@ -22,6 +22,7 @@ import functools
 import http.server
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -260,6 +261,19 @@ def _container_ids(compose: list[str], env: dict, service: str) -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
+def _instance_id(container_id: str, timeout: float = 60) -> str:
+    """The id a replica registered under, from the PDSERVE_READY line it printed (the
+    services make their own unique ids; nothing names them after the container)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        logs = _run(["docker", "logs", container_id], timeout=60, check=False).stdout
+        match = re.search(r"^PDSERVE_READY .*\binstance_id=(\S+)", logs, re.MULTILINE)
+        if match:
+            return match.group(1)
+        assert time.monotonic() < deadline, f"container {container_id[:12]} printed no READY line:\n{logs[-3000:]}"
+        time.sleep(0.5)
+
+
 def _wait_registered(address: str, num_prefill: int, num_decode: int, timeout: float):
     from gateway.client import Client
     deadline = time.monotonic() + timeout
@@ -363,7 +377,7 @@ def _run_stack(compose, env, address, expected, phases) -> None:
         _wait_registered(address, 2, 3, timeout=120)
     new = set(_container_ids(compose, env, "decode")) - before
     assert len(new) == 1, new
-    new_instance = "decode-" + new.pop()[:12]  # deploy/docker-entrypoint.sh names it so
+    new_instance = _instance_id(new.pop())
     with phases("new replica serves"):
         seen = set()
         for _ in range(6):  # round robin over 3 decode replicas
@@ -400,4 +414,4 @@ def _run_stack(compose, env, address, expected, phases) -> None:
         assert outcome == expected[0][0] or outcome == grpc.StatusCode.UNAVAILABLE, outcome
     with phases("requests after the stop"):
         served = _generate_all(address, expected)
-    assert {r.prefill_instance_id for r in served} - {""} == {"prefill-" + prefill[1][:12]}
+    assert {r.prefill_instance_id for r in served} - {""} == {_instance_id(prefill[1])}

