@@ -76,7 +76,7 @@ class Dispatcher:
         `timer` is told of every token as it arrives (TTFT and ITL at the gateway)."""
         tried: set[str] = set()
         while True:
-            decode = self._choose_decode(request, exclude=tried)
+            decode, decode_blocks = self._choose_decode(request, exclude=tried)
             tried.add(decode.instance_id)
             streamed_any = False
             try:
@@ -91,11 +91,14 @@ class Dispatcher:
                 if not retry:
                     raise error from None
                 logger.warning("%s; retrying request %s elsewhere", error.message, request.request_id)
+            finally:
+                self.registry.record_finish(decode.instance_id, blocks=decode_blocks)
 
     def _live_decodes(self, exclude: set[str]) -> list[Instance]:
         return [i for i in self.registry.instances("decode") if i.instance_id not in exclude]
 
-    def _choose_decode(self, request: PreparedRequest, exclude: set[str]) -> Instance:
+    def _choose_decode(self, request: PreparedRequest, exclude: set[str]) -> tuple[Instance, int]:
+        """The decode instance, and the KV blocks charged to it."""
         decodes = self._live_decodes(exclude)
         decode = self.policy.choose_decode(len(request.prompt_token_ids), decodes)
         self.metrics.placed("decode", decode is not None)
@@ -103,23 +106,30 @@ class Dispatcher:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE,
                                "no decode instance is alive; start one (pdserve decode --gateway ADDR) "
                                "and retry")
-        record_decode_dispatch(self.registry, decode, len(request.prompt_token_ids))
-        return decode
+        return decode, record_decode_dispatch(self.registry, decode, len(request.prompt_token_ids))
 
-    def _choose_prefill(self, request: PreparedRequest) -> Instance | None:
+    def _choose_prefill(self, request: PreparedRequest) -> tuple[Instance | None, int]:
+        """The prefill instance (None: the decode instance prefills locally), and the
+        prompt tokens charged to it."""
         prefills = self.registry.instances("prefill")
         self.metrics.placed("prefill", bool(prefills))
         if not prefills:
-            return None  # the decode instance prefills locally
+            return None, 0
         hashes = compute_block_hashes(request.prompt_token_ids, prefills[0].spec.block_size)
         prefill = self.policy.choose_prefill(hashes, prefills)
-        record_prefill_dispatch(self.registry, self.kv_index, prefill, hashes,
-                                len(request.prompt_token_ids))
-        return prefill
+        return prefill, record_prefill_dispatch(self.registry, self.kv_index, prefill, hashes,
+                                                len(request.prompt_token_ids))
 
     async def _stream_on(self, decode: Instance, request: PreparedRequest, timeout_s: float | None,
                          timer: RequestTimer | None) -> AsyncIterator[GenerationDelta]:
-        prefill = self._choose_prefill(request)
+        prefill, prefill_tokens = self._choose_prefill(request)
+        prefill_pending = prefill is not None  # until the first token shows its prefill is done
+
+        def prefill_done() -> None:
+            nonlocal prefill_pending
+            if prefill_pending:
+                prefill_pending = False
+                self.registry.record_finish(prefill.instance_id, prefill_tokens=prefill_tokens)
         logger.debug("placed on decode %s, prefill %s", decode.instance_id,
                      prefill.instance_id if prefill else "local")
         channel = self._channel(decode)
@@ -130,6 +140,7 @@ class Dispatcher:
         text = TextAssembler(self.tokenizer, request, decode.instance_id, self.eos_token_ids)
         try:
             async for msg in call:
+                prefill_done()
                 if timer is not None:
                     timer.tokens(len(msg.token_ids))
                 delta = text.apply(decode_output_from_pb(msg))
@@ -142,6 +153,7 @@ class Dispatcher:
                                f"decode instance {decode.instance_id} ended the stream of request "
                                f"{request.request_id} before it finished")
         finally:
+            prefill_done()  # no token came: the prefill was aborted with the call
             call.cancel()  # no-op when finished; otherwise aborts decode and prefill
             channel.num_calls -= 1
             self._close_if_idle(decode.spec.grpc_address)

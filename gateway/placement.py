@@ -21,7 +21,9 @@ thus sticks to the instance that cached it until that instance's queue grows by
 more than the prefill it saves, and then spills over to the next.
 
 After choosing, the gateway calls `record_prefill_dispatch` / `record_decode_dispatch`
-so that the next request sees this one's load and (pending) cached blocks at once.
+so that the next request sees this one's load and (pending) cached blocks at once,
+and `InstanceRegistry.record_finish` with what they charged once it sees the prefill
+(first token) or the decode (end of stream) finish, so that the load goes away as soon.
 """
 from __future__ import annotations
 
@@ -53,16 +55,21 @@ def choose_decode_by_load(num_prompt_tokens: int, instances: Sequence[Instance])
 
 
 def record_prefill_dispatch(registry: InstanceRegistry, kv_index: KvIndex, instance: Instance,
-                            prompt_block_hashes: Sequence[int], num_prompt_tokens: int) -> None:
+                            prompt_block_hashes: Sequence[int], num_prompt_tokens: int) -> int:
+    """Count the prompt against the instance; returns the prefill tokens charged, which
+    the caller hands to registry.record_finish once the prefill is done."""
     cached = kv_index.cached_prefix_blocks(instance.instance_id, prompt_block_hashes)
-    registry.record_dispatch(instance.instance_id,
-                             prefill_tokens=num_prompt_tokens - cached * instance.spec.block_size)
+    prefill_tokens = num_prompt_tokens - cached * instance.spec.block_size
+    registry.record_dispatch(instance.instance_id, prefill_tokens=prefill_tokens)
     kv_index.record_dispatch(instance.instance_id, prompt_block_hashes)
+    return prefill_tokens
 
 
-def record_decode_dispatch(registry: InstanceRegistry, instance: Instance, num_prompt_tokens: int) -> None:
-    registry.record_dispatch(instance.instance_id,
-                             blocks=decode_blocks_needed(num_prompt_tokens, instance.spec.block_size))
+def record_decode_dispatch(registry: InstanceRegistry, instance: Instance, num_prompt_tokens: int) -> int:
+    """Count the request against the instance; returns the KV blocks charged (for record_finish)."""
+    blocks = decode_blocks_needed(num_prompt_tokens, instance.spec.block_size)
+    registry.record_dispatch(instance.instance_id, blocks=blocks)
+    return blocks
 
 
 class PlacementPolicy:
@@ -130,8 +137,10 @@ class PrefixAware(PlacementPolicy):
 class Oracle(PrefixAware):
     """For benchmarks: the most truly cached prefix wins, load only breaks ties.
 
-    `cached_prefix` is ground truth (e.g. a simulator's caches), not the event
-    index, and load is ignored otherwise, so this bounds the achievable hit rate.
+    `cached_prefix` (and `cached_count`) are ground truth (e.g. a simulator's caches),
+    not the event index, and load is ignored otherwise. Greedy, so not a strict bound.
+    Like PrefixAware, the last tie-break is fewer cached blocks: in an idle pool a new
+    prefix would otherwise always land on the lowest id.
     """
 
     name = "oracle"
@@ -139,7 +148,7 @@ class Oracle(PrefixAware):
     def choose_prefill(self, prompt_block_hashes, instances):
         return min(instances, default=None, key=lambda i: (
             -self._cached_prefix(i.instance_id, prompt_block_hashes),
-            i.queued_prefill_tokens, i.num_requests))
+            i.queued_prefill_tokens, i.num_requests, self._cached_count(i.instance_id)))
 
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")

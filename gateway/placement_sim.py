@@ -144,8 +144,12 @@ def simulate(policy_name: str, cfg: SimConfig, requests: list[SimRequest]) -> Si
         index.add_instance(instance_id)
         sims[instance_id] = SimInstance(instance_id, LruBlockCache(cfg.cache_blocks))
     policy = {"round_robin": RoundRobin(), "least_loaded": LeastLoaded(), "prefix_aware": PrefixAware(index),
-              "oracle": Oracle(lambda iid, hashes: sims[iid].cached_prefix_at_start(hashes))}[policy_name]
+              "oracle": Oracle(lambda iid, hashes: sims[iid].cached_prefix_at_start(hashes),
+                               cached_count=lambda iid: len(sims[iid].cache.blocks))}[policy_name]
     in_flight_events: list[tuple[float, int, str, list[dict]]] = []  # heap by delivery time
+    # The gateway sees a prefill finish when its first token arrives: (time, n, instance, tokens charged).
+    finishes: list[tuple[float, int, str, int]] = []
+    charged: dict[int, int] = {}  # id(request) -> prefill tokens record_prefill_dispatch charged
     hit_tokens = prompt_tokens = 0
     ttfts: list[float] = []
     dispatched = dict.fromkeys(sims, 0)
@@ -163,6 +167,10 @@ def simulate(policy_name: str, cfg: SimConfig, requests: list[SimRequest]) -> Si
                 prompt_tokens += request.num_tokens
                 ttfts.append(sim.free_at - request.arrival)
                 heapq.heappush(in_flight_events, (sim.free_at + cfg.event_lag_s, len(ttfts), sim.instance_id, events))
+                heapq.heappush(finishes, (sim.free_at, len(ttfts), sim.instance_id, charged.pop(id(request))))
+        while finishes and finishes[0][0] <= until:
+            _, _, instance_id, prefill_tokens = heapq.heappop(finishes)
+            registry.record_finish(instance_id, prefill_tokens=prefill_tokens)
         while in_flight_events and in_flight_events[0][0] <= until:
             _, _, instance_id, events = heapq.heappop(in_flight_events)
             if index.apply_events(instance_id, events):
@@ -180,7 +188,8 @@ def simulate(policy_name: str, cfg: SimConfig, requests: list[SimRequest]) -> Si
                     kv_events_sequence=sim.cache.seq))
             next_heartbeat = now + cfg.heartbeat_interval_s
         chosen = policy.choose_prefill(request.block_hashes, registry.instances("prefill"))
-        record_prefill_dispatch(registry, index, chosen, request.block_hashes, request.num_tokens)
+        charged[id(request)] = record_prefill_dispatch(registry, index, chosen, request.block_hashes,
+                                                       request.num_tokens)
         sims[chosen.instance_id].queue.append(request)
         dispatched[chosen.instance_id] += 1
     advance(float("inf"))

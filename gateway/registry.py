@@ -4,8 +4,12 @@ An instance is placeable from the moment it registers (that is how `--scale` add
 capacity) until it deregisters or misses heartbeats for `heartbeat_timeout_s`.
 Load comes from heartbeats; between two heartbeats the gateway adds what it has
 dispatched itself (`record_dispatch`), so a burst of requests does not all pick
-the instance that looked idle at the last heartbeat. The next heartbeat replaces
-the estimate with the instance's own numbers.
+the instance that looked idle at the last heartbeat, and takes off what it has seen
+finish (`record_finish`: a prefill when its request's first token arrives, a decode
+when its stream ends), so the instance that has just served a request does not look
+busy with it until the next heartbeat (with requests about as long as the heartbeat
+interval, that stale load alone moved tenants off the instance caching their
+prefix). The next heartbeat replaces the estimate with the instance's own numbers.
 
 Plain Python and single-threaded (call it from the gateway's event loop); the
 clock is injectable so tests and the placement simulation control time.
@@ -70,6 +74,10 @@ class Instance:
     pending_requests: int = 0
     pending_prefill_tokens: int = 0
     pending_blocks: int = 0
+    # Seen finishing since the last heartbeat: in `load` or in pending_*, no longer there.
+    finished_requests: int = 0
+    finished_prefill_tokens: int = 0
+    finished_blocks: int = 0
 
     @property
     def instance_id(self) -> str:
@@ -79,18 +87,23 @@ class Instance:
     def role(self) -> Role:
         return self.spec.role
 
-    # Effective load: reported plus dispatched since. Placement reads only these.
+    # Effective load: reported, plus dispatched since, minus finished since. Placement
+    # reads only these. Clamped: a request that finished just before the heartbeat's
+    # snapshot may be taken off twice.
     @property
     def num_requests(self) -> int:
-        return self.load.num_running_requests + self.load.num_waiting_requests + self.pending_requests
+        return max(0, self.load.num_running_requests + self.load.num_waiting_requests
+                   + self.pending_requests - self.finished_requests)
 
     @property
     def queued_prefill_tokens(self) -> int:
-        return self.load.num_queued_prefill_tokens + self.pending_prefill_tokens
+        return max(0, self.load.num_queued_prefill_tokens + self.pending_prefill_tokens
+                   - self.finished_prefill_tokens)
 
     @property
     def free_blocks(self) -> int:
-        return max(0, self.load.num_free_blocks - self.pending_blocks)
+        free = self.load.num_free_blocks - self.pending_blocks + self.finished_blocks
+        return max(0, min(free, self.load.num_total_blocks or free))  # total unknown (0): no cap
 
 
 Listener = Callable[[Instance, str], None]  # (instance, reason)
@@ -149,6 +162,7 @@ class InstanceRegistry:
         instance.last_heartbeat = self.clock()
         instance.load = replace(load)
         instance.pending_requests = instance.pending_prefill_tokens = instance.pending_blocks = 0
+        instance.finished_requests = instance.finished_prefill_tokens = instance.finished_blocks = 0
         self._notify(self._on_heartbeat, instance, "heartbeat")
         return True
 
@@ -162,6 +176,15 @@ class InstanceRegistry:
             instance.pending_requests += 1
             instance.pending_prefill_tokens += prefill_tokens
             instance.pending_blocks += blocks
+
+    def record_finish(self, instance_id: str, prefill_tokens: int = 0, blocks: int = 0) -> None:
+        """Take a request off the instance's load estimate once the gateway has seen it
+        finish there, with what record_dispatch charged for it."""
+        instance = self._instances.get(instance_id)
+        if instance is not None:
+            instance.finished_requests += 1
+            instance.finished_prefill_tokens += prefill_tokens
+            instance.finished_blocks += blocks
 
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)

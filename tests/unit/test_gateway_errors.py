@@ -103,6 +103,35 @@ def test_decode_request_carries_prompt_sampling_priority_and_chosen_prefill(gate
         "req-1", "prefill-0", "decode-0")
 
 
+def _loads(gw: BackgroundGateway) -> dict[str, tuple[int, int]]:
+    """(queued prefill tokens, requests) of every instance, as placement sees them now."""
+    registry = gw.gateway.registry
+    return gw.call(lambda: {i.instance_id: (i.queued_prefill_tokens, i.num_requests)
+                            for role in ("prefill", "decode") for i in registry.instances(role)})
+
+
+@pytest.mark.parametrize("failure", [None, Failure(grpc.StatusCode.INVALID_ARGUMENT, after_tokens=0)],
+                         ids=["finished", "failed-before-a-token"])
+def test_a_request_leaves_the_load_estimates_once_done_not_at_the_next_heartbeat(gateway, failure):
+    # prefill-0 never heartbeats, so only the gateway's own bookkeeping moves its load.
+    gateway.call(lambda: gateway.gateway.registry.register(InstanceSpec(
+        "prefill-0", "prefill", grpc_address="127.0.0.1:1", block_size=16, num_total_blocks=100)))
+    gateway.add_fake_decode("decode-0", token_ids=TOKENS, delay_s=0.1, failure=failure)
+    with Client(gateway.address, timeout=10) as client:
+        stream = client.generate_stream(token_ids=list(range(100, 140)), max_tokens=5)
+        if failure is None:
+            next(stream)  # the first token: prefill-0's work for it is done, the decode's is not
+            loads = _loads(gateway)
+            assert loads["prefill-0"] == (0, 0)
+            assert loads["decode-0"][1] == 1
+            assert [c for c in stream][-1].finish_reason == "length"
+        else:
+            with pytest.raises(grpc.RpcError) as error:
+                list(stream)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _loads(gateway) == {"prefill-0": (0, 0), "decode-0": (0, 0)}
+
+
 def test_duplicate_request_id_in_flight_is_already_exists(gateway):
     gateway.add_fake_decode("decode-0", token_ids=TOKENS, delay_s=0.05)
     with Client(gateway.address, timeout=10) as client:

@@ -92,6 +92,13 @@ def test_oracle_maximizes_cached_prefix_and_ignores_load():
     assert oracle.choose_prefill([1] * 8, registry.instances("prefill")).instance_id == "b"
 
 
+def test_oracle_spreads_a_prefix_nobody_caches_over_an_idle_pool():
+    truth, num_cached = {"a": 0, "b": 0}, {"a": 64, "b": 32}
+    oracle = Oracle(lambda instance_id, hashes: truth[instance_id], cached_count=num_cached.__getitem__)
+    registry = make_registry("prefill", {"a": queued(0), "b": queued(0)})
+    assert oracle.choose_prefill([1] * 8, registry.instances("prefill")).instance_id == "b"
+
+
 def test_decode_choice_by_free_blocks_and_requests():
     def decode(free, running):
         return InstanceLoad(num_free_blocks=free, num_total_blocks=100, num_running_requests=running)
@@ -114,6 +121,32 @@ def test_record_prefill_dispatch_bumps_load_and_predicts_cached_blocks():
     record_prefill_dispatch(registry, index, registry.get("a"), [7, 8], num_prompt_tokens=40)
     assert registry.get("a").queued_prefill_tokens == 40 - 16
     assert index.cached_prefix_blocks("a", [7, 8]) == 2
+
+
+def test_a_finished_prefill_stops_pushing_its_tenant_off_the_instance_that_caches_it():
+    # prefill-a caches the tenant's 32-block system prompt and has just prefilled the
+    # tenant's previous request (600 tokens charged at dispatch); b is idle and caches nothing.
+    registry = make_registry("prefill", {"a": queued(0), "b": queued(0)})
+    index = KvIndex()
+    for instance_id in ("a", "b"):
+        index.add_instance(instance_id)
+    system_prompt = list(range(1000, 1032))
+    index.apply_events("a", [{"seq": 1, "type": "stored", "block_hashes": system_prompt}])
+    policy = PrefixAware(index)
+    charged = record_prefill_dispatch(registry, index, registry.get("a"), system_prompt + [1, 2, 3, 4, 5, 6, 7],
+                                      num_prompt_tokens=600)
+    assert charged == 600 - 32 * BLOCK
+    next_request = system_prompt + [8, 9, 10, 11, 12, 13]
+    # While that prefill is counted, a costs 6 blocks + 88 queued tokens + 1 request more than b's 38 blocks.
+    assert policy.choose_prefill(next_request, registry.instances("prefill")).instance_id == "a"
+    registry.record_dispatch("a", prefill_tokens=600)  # a second, uncached prompt queued behind it
+    assert policy.choose_prefill(next_request, registry.instances("prefill")).instance_id == "b"
+    # Both finished (the gateway saw their first tokens): the tenant stays where its prefix is,
+    # without waiting for a's next heartbeat.
+    registry.record_finish("a", prefill_tokens=charged)
+    registry.record_finish("a", prefill_tokens=600)
+    assert registry.get("a").queued_prefill_tokens == 0
+    assert policy.choose_prefill(next_request, registry.instances("prefill")).instance_id == "a"
 
 
 def test_make_policy():

@@ -56,6 +56,27 @@ def test_heartbeat_sets_load_and_reconciles_dispatch_bumps(registry):
     registry.record_dispatch("unknown")  # ignored
 
 
+def test_finishes_seen_since_the_heartbeat_leave_the_estimate_until_the_next_one(registry):
+    registry.register(spec("p0"))
+    registry.heartbeat("p0", InstanceLoad(num_running_requests=1, num_free_blocks=60, num_total_blocks=100,
+                                          num_queued_prefill_tokens=700))
+    registry.record_dispatch("p0", prefill_tokens=300, blocks=4)
+    p0 = registry.get("p0")
+    assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (2, 1000, 56)
+    registry.record_finish("p0", prefill_tokens=700)  # the one the heartbeat reported
+    assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (1, 300, 56)
+    registry.record_finish("p0", prefill_tokens=300, blocks=4)  # the one dispatched since
+    assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (0, 0, 60)
+    # Taken off twice (it finished just before the heartbeat's snapshot): clamped, and
+    # free blocks never exceed the pool.
+    registry.record_finish("p0", prefill_tokens=500, blocks=80)
+    assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (0, 0, 100)
+    assert registry.heartbeat("p0", InstanceLoad(num_running_requests=1, num_free_blocks=50, num_total_blocks=100,
+                                                 num_queued_prefill_tokens=200))
+    assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (1, 200, 50)
+    registry.record_finish("unknown", prefill_tokens=1)  # ignored
+
+
 def test_unknown_heartbeat_asks_to_reregister(registry):
     assert registry.heartbeat("ghost", InstanceLoad()) is False
 
