@@ -340,13 +340,17 @@ class Scheduler(SchedulerInterface):
     def stats(self) -> dict[str, int | float]:
         """Plain-data load snapshot for heartbeats and metrics.
 
-        num_queued_prefill_tokens: every token of a waiting request (a preempted one
-        recomputes its outputs too) plus the uncomputed prompt tokens of running ones.
+        num_queued_prefill_tokens: the tokens a waiting request will compute (all of them,
+        a preempted one's outputs too, less the prefix the cache holds now) plus the
+        uncomputed prompt tokens of running ones. Net of cache hits, as the gateway counts
+        a dispatched prompt: otherwise a heartbeat taken while a request waits reports its
+        cached system prompt as load, which outlives the request at the gateway.
         num_held: finished requests whose blocks are kept for a KV transfer.
         """
         kv = self.kv_cache_manager
         num_queued_prefill_tokens = (
-            sum(request.num_tokens - request.num_computed_tokens for request in self.waiting)
+            sum(request.num_tokens - max(request.num_computed_tokens, kv.get_computed_blocks(request)[1])
+                for request in self.waiting)
             + sum(max(0, request.num_prompt_tokens - request.num_computed_tokens)
                   for request in self.running))
         return {

@@ -362,6 +362,22 @@ def test_stats(make_scheduler):
     assert scheduler.stats["num_finished_requests"] == 1
 
 
+def test_stats_leave_a_waiting_requests_cached_prefix_out_of_its_queued_tokens(make_scheduler):
+    scheduler = make_scheduler()
+    shared = list(range(100, 108))  # two blocks
+    scheduler.add_request(make_request("a", prompt_token_ids=shared + [1, 2, 3], max_tokens=1))
+    step(scheduler)
+    queried_before = scheduler.stats["prefix_cache_queried_tokens"]
+    scheduler.add_request(make_request("b", prompt_token_ids=shared + [4, 5]))
+    scheduler.add_request(make_request("c", 6))  # nothing cached
+    stats = scheduler.stats
+    # b: 10 tokens, 8 cached; c: 6; what the gateway charged for them at dispatch.
+    assert (stats["num_waiting"], stats["num_queued_prefill_tokens"]) == (2, 2 + 6)
+    assert stats["prefix_cache_queried_tokens"] == queried_before  # looking is not a query
+    out, _ = step(scheduler)
+    assert chunks(out) == {"b": (8, 2), "c": (0, 6)}
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_workload_keeps_invariants(make_scheduler, seed):
     """Small pool, shared prefixes, priorities, aborts, remote KV: every step keeps the
