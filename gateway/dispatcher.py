@@ -130,6 +130,7 @@ class Dispatcher:
             if prefill_pending:
                 prefill_pending = False
                 self.registry.record_finish(prefill.instance_id, prefill_tokens=prefill_tokens)
+
         logger.debug("placed on decode %s, prefill %s", decode.instance_id,
                      prefill.instance_id if prefill else "local")
         channel = self._channel(decode)

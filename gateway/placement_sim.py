@@ -115,8 +115,11 @@ class SimInstance:
     free_at: float = 0.0
     queue: deque[SimRequest] = field(default_factory=deque)
 
-    def queued_tokens(self, now: float, rate: float) -> int:
-        return int(max(0.0, self.free_at - now) * rate) + sum(r.num_tokens for r in self.queue)
+    def queued_tokens(self, now: float, rate: float, block_size: int) -> int:
+        """What the engine's heartbeat reports: the running prefill's rest, plus each queued
+        prompt less the prefix cached now."""
+        return int(max(0.0, self.free_at - now) * rate) + sum(
+            r.num_tokens - self.cache.cached_prefix(r.block_hashes) * block_size for r in self.queue)
 
     def cached_prefix_at_start(self, block_hashes: list[int]) -> int:
         ahead = set().union(*(r.block_hashes for r in self.queue))
@@ -184,7 +187,7 @@ def simulate(policy_name: str, cfg: SimConfig, requests: list[SimRequest]) -> Si
             for sim in sims.values():
                 registry.heartbeat(sim.instance_id, InstanceLoad(
                     num_waiting_requests=len(sim.queue), num_total_blocks=cfg.cache_blocks,
-                    num_queued_prefill_tokens=sim.queued_tokens(now, cfg.prefill_tokens_per_s),
+                    num_queued_prefill_tokens=sim.queued_tokens(now, cfg.prefill_tokens_per_s, cfg.block_size),
                     kv_events_sequence=sim.cache.seq))
             next_heartbeat = now + cfg.heartbeat_interval_s
         chosen = policy.choose_prefill(request.block_hashes, registry.instances("prefill"))
