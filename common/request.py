@@ -44,6 +44,9 @@ class Request:
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache when the request was first scheduled.
         self.num_cached_tokens = -1
+        # Leading tokens the prefix cache held when load stats first saw the request
+        # waiting (None: not looked up since it last entered the queue); an estimate.
+        self.num_queued_cached_tokens: int | None = None
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         # Chained hashes of the full blocks of all_token_ids, kept by the KV cache manager.

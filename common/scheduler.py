@@ -182,6 +182,7 @@ class Scheduler(SchedulerInterface):
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_queued_cached_tokens = None  # its own blocks may be cached now
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue_waiting(request, front=True)
@@ -341,18 +342,22 @@ class Scheduler(SchedulerInterface):
         """Plain-data load snapshot for heartbeats and metrics.
 
         num_queued_prefill_tokens: the tokens a waiting request will compute (all of them,
-        a preempted one's outputs too, less the prefix the cache holds now) plus the
-        uncomputed prompt tokens of running ones. Net of cache hits, as the gateway counts
-        a dispatched prompt: otherwise a heartbeat taken while a request waits reports its
-        cached system prompt as load, which outlives the request at the gateway.
+        a preempted one's outputs too, less the prefix the cache held when first seen
+        waiting) plus the uncomputed prompt tokens of running ones. Net of cache hits, as
+        the gateway counts a dispatched prompt: otherwise a heartbeat taken while a
+        request waits reports its cached system prompt as load, which outlives the
+        request at the gateway. Each waiting request is looked up once, not every step
+        (1,000 waiting with 32 cached blocks each cost ~4 ms a step otherwise).
         num_held: finished requests whose blocks are kept for a KV transfer.
         """
         kv = self.kv_cache_manager
-        num_queued_prefill_tokens = (
-            sum(request.num_tokens - max(request.num_computed_tokens, kv.get_computed_blocks(request)[1])
-                for request in self.waiting)
-            + sum(max(0, request.num_prompt_tokens - request.num_computed_tokens)
-                  for request in self.running))
+        num_queued_prefill_tokens = sum(max(0, request.num_prompt_tokens - request.num_computed_tokens)
+                                        for request in self.running)
+        for request in self.waiting:
+            if request.num_queued_cached_tokens is None:
+                request.num_queued_cached_tokens = kv.get_computed_blocks(request)[1]
+            num_queued_prefill_tokens += request.num_tokens - max(request.num_computed_tokens,
+                                                                  request.num_queued_cached_tokens)
         return {
             "num_running": len(self.running), "num_waiting": len(self.waiting),
             "num_waiting_for_remote_kv": len(self.waiting_for_remote_kv),
