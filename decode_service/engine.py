@@ -82,7 +82,7 @@ class DecodeEngineCore(EngineCore):
         self._imports[request.req_id] = PendingImport(transfer)
         req_id = request.req_id
         if self.transfer_observer is not None:
-            nbytes = 2 * self.geometry.num_layers * len(dst) * self.geometry.block_bytes
+            nbytes = self.geometry.kv_bytes(len(dst))
             transfer.future.add_done_callback(lambda _f: self.transfer_observer(transfer, nbytes))
         transfer.future.add_done_callback(lambda _f: self.post(lambda core: core._import_settled(req_id)))
         return Admission(Placement.REMOTE, reservation.num_cached_tokens, first, dst, transfer)

@@ -61,6 +61,10 @@ class PoolGeometry:
             n *= d
         return n
 
+    def kv_bytes(self, num_blocks: int, num_layers: int | None = None) -> int:
+        """Bytes of K and V of num_blocks blocks in num_layers layers (default: all)."""
+        return 2 * (self.num_layers if num_layers is None else num_layers) * num_blocks * self.block_bytes
+
     @classmethod
     def of(cls, kv_caches: KVCaches) -> "PoolGeometry":
         if not kv_caches:

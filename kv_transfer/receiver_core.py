@@ -189,7 +189,7 @@ class ReservationTable:
             res.handle.first_byte_at = time.monotonic()
         res.handle.state = TransferState.TRANSFERRING
         self.counters["messages_ok"] += 1
-        self.counters["bytes_written"] += 2 * h.num_layers * h.num_blocks * self.geo.block_bytes
+        self.counters["bytes_written"] += self.geo.kv_bytes(h.num_blocks, h.num_layers)
         if res.num_layers_done == self.geo.num_layers:
             return self.end(res, TransferState.DONE, "")
         return None

@@ -252,7 +252,7 @@ class ZmqKVSender(QueuedKVSender):
                     parts.extend(self._piece(layer, i, st, p) for p in m.pieces)
             st.next_seq += 1
             st.num_queued += 1
-            st.peer.outbox.append(_Out(st, parts, 2 * num_layers * m.num_blocks * geo.block_bytes))
+            st.peer.outbox.append(_Out(st, parts, geo.kv_bytes(m.num_blocks, num_layers)))
             self._pump(st.peer)  # at once: zmq streams this one while we cut the next
     def _piece(self, layer: int, i: int, st: _State, p: protocol.Piece) -> Any:
         """One frame's buffer: blocks of layer `layer`, K (i=0) or V (i=1)."""

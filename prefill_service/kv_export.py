@@ -149,8 +149,7 @@ class KVExporter:
 
     def _ended(self, req_id: str, transfer: SendTransfer) -> None:
         if self.transfer_observer is not None:
-            self.transfer_observer(transfer, 2 * self.geometry.num_layers * len(transfer.target.dst_block_ids)
-                                   * self.geometry.block_bytes)
+            self.transfer_observer(transfer, self.geometry.kv_bytes(len(transfer.target.dst_block_ids)))
         if self.on_transfer_end is not None:
             self.on_transfer_end(req_id)
 
