@@ -276,7 +276,8 @@ class EngineCollector(Collector):
                   (1.0 - load.num_free_blocks / total if total else 0.0) if have else None),
             gauge("pdserve_kv_cache_blocks", "KV pool size in blocks", total if have else None),
             gauge("pdserve_queued_prefill_tokens", "Prompt tokens still to be computed: waiting requests' "
-                  "tokens less their cached prefix, plus running ones' uncomputed prompt", load.num_queued_prefill_tokens if have else None),
+                  "tokens less their cached prefix, plus running ones' uncomputed prompt",
+                  load.num_queued_prefill_tokens if have else None),
             counter("pdserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
                     "(once per admission)", "prefix_cache_queried_tokens"),
             counter("pdserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hit_tokens"),

@@ -54,7 +54,8 @@ import numpy as np
 
 from common.cli import EnvDefaultsParser
 from gateway.bench_serve.client import GrpcGenerateBackend, run_benchmark
-from gateway.bench_serve.datasets import TENANT_ORDERS, BenchRequest, Vocabulary, system_prompt_requests
+from gateway.bench_serve.datasets import (TENANT_ORDERS, BenchRequest, Vocabulary, parse_length_range,
+                                          system_prompt_requests)
 from gateway.bench_serve.metrics import compute_metrics
 from gateway.placement import POLICIES
 
@@ -337,14 +338,6 @@ def format_summary(arms: dict, cfg: RoutingConfig, concurrency: int) -> str:
     return "\n".join(lines)
 
 
-def _range(text: str) -> tuple[int, int]:
-    low, sep, high = text.partition("-")
-    try:
-        return (int(low), int(high)) if sep else (int(low), int(low))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LOW-HIGH (e.g. 64-128), got {text!r}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     d = RoutingConfig()
     parser = EnvDefaultsParser(prog="pdserve bench routing", description=__doc__,
@@ -355,8 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="requests in flight (closed loop); a comma list runs every policy at each")
     parser.add_argument("--num-tenants", type=int, default=d.num_tenants)
     parser.add_argument("--system-prompt-len", type=int, default=d.system_prompt_len)
-    parser.add_argument("--user-len", type=_range, default=d.user_len_range, help="LOW-HIGH tokens")
-    parser.add_argument("--output-len", type=_range, default=d.output_len_range, help="LOW-HIGH tokens")
+    parser.add_argument("--user-len", type=parse_length_range, default=d.user_len_range, help="LOW-HIGH tokens")
+    parser.add_argument("--output-len", type=parse_length_range, default=d.output_len_range, help="LOW-HIGH tokens")
     parser.add_argument("--tenant-order", choices=TENANT_ORDERS, default=d.tenant_order)
     parser.add_argument("--prefill-kv-blocks", type=int, default=d.prefill_kv_blocks,
                         help="KV blocks per prefill instance (its prefix cache)")

@@ -53,7 +53,7 @@ import numpy as np
 
 from common.cli import EnvDefaultsParser
 from gateway.bench_serve.arrivals import parse_rates, send_offsets
-from gateway.bench_serve.datasets import BenchRequest, Vocabulary, ranged_requests
+from gateway.bench_serve.datasets import BenchRequest, Vocabulary, parse_length_range, ranged_requests
 from gateway.bench_serve.metrics import RequestOutcome, summarize
 
 DECODE, LONG = "decode", "long-prefill"
@@ -495,14 +495,6 @@ def write_plots(result: dict, directory: str) -> list[str]:
     return [str(p) for p in written]
 
 
-def _range(text: str) -> tuple[int, int]:
-    low, sep, high = text.partition("-")
-    try:
-        return (int(low), int(high)) if sep else (int(low), int(low))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LOW-HIGH (e.g. 1024-2048), got {text!r}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     d = DisaggConfig()
     parser = EnvDefaultsParser(prog="pdserve bench disagg", description=__doc__,
@@ -515,9 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-window", type=float, default=d.max_window_s,
                         help="seconds a rate's window may last before what is left is cancelled")
     parser.add_argument("--decode-streams", type=int, default=d.num_decode_streams)
-    parser.add_argument("--decode-input-len", type=_range, default=d.decode_input_range)
-    parser.add_argument("--decode-output-len", type=_range, default=d.decode_output_range)
-    parser.add_argument("--long-input-len", type=_range, default=d.long_input_range)
+    parser.add_argument("--decode-input-len", type=parse_length_range, default=d.decode_input_range)
+    parser.add_argument("--decode-output-len", type=parse_length_range, default=d.decode_output_range)
+    parser.add_argument("--long-input-len", type=parse_length_range, default=d.long_input_range)
     parser.add_argument("--long-output-len", type=int, default=d.long_output_len)
     parser.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens,
                         help="colocated-chunked: per-step token budget")

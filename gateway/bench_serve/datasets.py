@@ -36,6 +36,7 @@ their lengths are estimates.
 """
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -173,6 +174,15 @@ def prefix_repetition_requests(num: int, vocab: Vocabulary, rng: np.random.Gener
         requests.append(BenchRequest(prompt, prompt_len, output_len))
     order = rng.permutation(num)  # arrivals interleave the prefixes, as real traffic would
     return [requests[i] for i in order]
+
+
+def parse_length_range(text: str) -> tuple[int, int]:
+    """A command-line LOW-HIGH token range (or one number, LOW = HIGH); argparse's `type=`."""
+    low, sep, high = text.partition("-")
+    try:
+        return (int(low), int(high)) if sep else (int(low), int(low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH (e.g. 64-128), got {text!r}") from None
 
 
 def _check_range(name: str, low_high: tuple[int, int], minimum: int) -> tuple[int, int]:
