@@ -185,9 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM stops the stack like Ctrl-C does, also while it is still starting.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        from gateway.openai_api.server import DEFAULT_HTTP_PORT, parse_http_port
-        http_port = (parse_http_port(args.http_port) if args.http_port is not None
-                     else 0 if args.port == 0 else DEFAULT_HTTP_PORT)
+        from gateway.openai_api.server import default_http_port, parse_http_port
+        http_port = parse_http_port(args.http_port) if args.http_port is not None else default_http_port(args.port)
         stack = LocalStack(args.prefill, args.decode, port=args.port, host=args.host, http_port=http_port,
                            passthrough=passthrough, startup_timeout_s=args.startup_timeout, grace_s=args.grace)
     except ValueError as e:  # a flag no command takes, a bad --http-port

@@ -104,8 +104,8 @@ async def serve(args: argparse.Namespace) -> None:
 
 async def _start_http(server: GatewayServer, args: argparse.Namespace):
     """The OpenAI-compatible HTTP server, or None with --http-port off."""
-    from gateway.openai_api.server import DEFAULT_HTTP_PORT, OpenAIServer
-    port = args.http_port if args.http_port is not None else (0 if args.port == 0 else DEFAULT_HTTP_PORT)
+    from gateway.openai_api.server import OpenAIServer, default_http_port
+    port = args.http_port if args.http_port is not None else default_http_port(args.port)
     if port < 0:
         return None
     http = OpenAIServer(server.gateway, host=args.http_host or args.host, port=port,

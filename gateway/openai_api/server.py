@@ -296,6 +296,11 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 DEFAULT_HTTP_PORT = 8000
 
 
+def default_http_port(grpc_port: int) -> int:
+    """--http-port left unset: 8000, or a free port (0) when the gRPC port is picked freely too."""
+    return 0 if grpc_port == 0 else DEFAULT_HTTP_PORT
+
+
 def parse_http_port(value: str) -> int | None:
     """--http-port: a port, 0 for a free one, -1 or "off" for no HTTP server (None)."""
     if value.strip().lower() in ("off", "-1"):
