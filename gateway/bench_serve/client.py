@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -157,7 +158,6 @@ class OpenAICompletionsBackend(Backend):
                 "stream_options": {"include_usage": True}}
 
     async def stream(self, request: BenchRequest) -> AsyncIterator[tuple[float, int]]:
-        import json
         held: tuple[float, int] | None = None  # the latest text chunk, until the next one or the usage
         num_counted, num_reported = 0, None
         async with self._session.post(f"{self.base_url}/v1/completions", json=self.build_body(request)) as response:
