@@ -87,6 +87,7 @@ COPY kv_transfer/ /app/kv_transfer/
 COPY prefill_service/ /app/prefill_service/
 COPY decode_service/ /app/decode_service/
 COPY gateway/ /app/gateway/
+COPY bench/ /app/bench/
 COPY pyproject.toml /app/
 COPY deploy/docker-entrypoint.sh deploy/healthcheck.py /app/deploy/
 RUN set -eux; \
@@ -94,7 +95,7 @@ RUN set -eux; \
     cd /app; \
     python -m protos.build --force; \
     mkdir -p bin; \
-    printf '#!/opt/pdserve/bin/python\n# pyproject [project.scripts] pdserve = common.cli:main\nimport sys\nfrom common.cli import main\nsys.exit(main())\n' > bin/pdserve; \
+    printf '#!/opt/pdserve/bin/python\n# pyproject [project.scripts] pdserve = common.cli.main:main\nimport sys\nfrom common.cli.main import main\nsys.exit(main())\n' > bin/pdserve; \
     chmod 0755 bin/pdserve; \
     install -m 0755 deploy/docker-entrypoint.sh bin/pdserve-entrypoint; \
     install -m 0755 deploy/healthcheck.py bin/pdserve-healthcheck; \

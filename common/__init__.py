@@ -8,9 +8,9 @@ def __getattr__(name: str):
     # Lazy so that light users (the gateway's block hashing, the CLI's --help)
     # do not pay for importing torch.
     if name == "LLM":
-        from common.llm import LLM
+        from common.engine.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from common.sampling_params import SamplingParams
+        from common.engine.sampling_params import SamplingParams
         return SamplingParams
     raise AttributeError(name)

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import grpc
 from grpc import aio
 
-from common.async_engine import AsyncEngine, EngineDeadError
-from common.outputs import EngineCoreOutput, Logprobs
-from common.sampling_params import SamplingParams
-from common.worker import DuplicateRequestError, ServiceError, new_request, watch
+from common.engine.async_engine import AsyncEngine, EngineDeadError
+from common.engine.outputs import EngineCoreOutput, Logprobs
+from common.engine.sampling_params import SamplingParams
+from common.service.worker import DuplicateRequestError, ServiceError, new_request, watch
 from decode_service.engine import Admission, DecodeEngineCore, Placement
 from decode_service.prefill_client import PrefillClients, prefill_failure_status, prefill_request
 from kv_transfer import TransferResult, TransferState

@@ -15,11 +15,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.config import EngineConfig
-from common.engine import EngineCore
-from common.outputs import EngineCoreOutput
-from common.request import Request
-from common.worker import DuplicateRequestError
+from common.engine.config import EngineConfig
+from common.engine.engine_core import EngineCore
+from common.engine.outputs import EngineCoreOutput
+from common.engine.request import Request
+from common.service.worker import DuplicateRequestError
 from kv_transfer import PoolGeometry, RecvTransfer, ZmqKVReceiver
 
 logger = logging.getLogger(__name__)

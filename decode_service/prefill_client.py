@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 from grpc import aio
 
-from common.request import Request
+from common.engine.request import Request
 from kv_transfer import PoolGeometry
 from protos.convert import sampling_params_to_pb
 from protos.pdserve.v1 import prefill_pb2, prefill_pb2_grpc

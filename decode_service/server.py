@@ -20,15 +20,15 @@ import logging
 import grpc
 from grpc import aio
 
-from common.async_engine import AsyncEngine
-from common.cli import engine_config_from_args
-from common.metrics import WorkerMetrics
-from common.worker import (RequestGate, ServiceError, advertised_zmq_endpoint, eos_token_ids, logged_request,
+from common.engine.async_engine import AsyncEngine
+from common.cli.main import engine_config_from_args
+from common.service.metrics import WorkerMetrics
+from common.service.worker import (RequestGate, ServiceError, advertised_zmq_endpoint, eos_token_ids, logged_request,
                            served_model_name, stats_response, validate_request, zmq_bind_endpoint)
 from decode_service.decoder import DecodeChunk, Decoder, DecodeJob
 from decode_service.engine import DecodeEngineCore
 from decode_service.prefill_client import PrefillClients
-from gateway.registry import InstanceLoad, InstanceSpec
+from gateway.routing.registry import InstanceLoad, InstanceSpec
 from protos.convert import logprobs_to_pb, sampling_params_from_pb
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from protos.serving import DECODE_SERVICE
@@ -117,7 +117,7 @@ class DecodeWorker:
     def stats_pb(self) -> common_pb2.StatsResponse:
         return stats_response(self.instance_id, self.engine.stats, self.load())
 
-    # ---- common.worker.Worker ------------------------------------------------------------
+    # ---- common.service.worker.Worker ------------------------------------------------------------
     def add_to_server(self, server: aio.Server, gate: RequestGate) -> list[str]:
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self, gate), server)
         return [DECODE_SERVICE]

@@ -1,7 +1,7 @@
 #!/opt/pdserve/bin/python
 """`pdserve-healthcheck`: the image's HEALTHCHECK. Exit 0 only while the pdserve service
 in this container reports SERVING through the gRPC health service; it runs
-`pdserve health ADDR` (gateway/health_check.py) on the service's own address:
+`pdserve health ADDR` (common/cli/health.py) on the service's own address:
 
 - PDSERVE_HEALTH_ADDRESS if set;
 - else 127.0.0.1:$PDSERVE_PORT (or $PDSERVE_HOST:$PDSERVE_PORT when the service binds
@@ -74,7 +74,7 @@ def candidate_addresses() -> list[str]:
 
 
 def main() -> int:
-    from gateway.health_check import main as health
+    from common.cli.health import main as health
     addresses = candidate_addresses()
     if not addresses:
         print("no listening port yet", file=sys.stderr)

@@ -21,7 +21,7 @@ Results are gateway.types.GenerationDelta: text, token_ids, logprobs, finish_rea
 stop_token_id, stop_string, usage (prompt, completion, cached tokens), and the
 prefill/decode instance ids that served the request.
 
-RegistryClient (gateway.registry_client) is re-exported for the engine instances.
+RegistryClient (common.service.registration) is re-exported for the engine instances.
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from typing import Any
 
 import grpc
 
-from common.sampling_params import SamplingParams
+from common.engine.sampling_params import SamplingParams
 from gateway.convert import delta_from_pb, deployment_info_from_pb
-from gateway.registry_client import RegistryClient, load_to_pb, register_request  # noqa: F401 (re-export)
+from common.service.registration import RegistryClient, load_to_pb, register_request  # noqa: F401 (re-export)
 from gateway.types import DeploymentInfo, GenerationDelta
 from protos.convert import sampling_params_to_pb
 from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc

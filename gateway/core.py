@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.logging_setup import log_event, request_context
-from common.metrics import GatewayMetrics
-from gateway.dispatcher import Dispatcher
-from gateway.kv_index import KvEventSubscriber, KvIndex, grpc_resync
-from gateway.placement import make_policy
-from gateway.registry import InstanceRegistry
+from common.service.logging_setup import log_event, request_context
+from common.service.metrics import GatewayMetrics
+from gateway.routing.dispatcher import Dispatcher
+from gateway.routing.kv_index import KvEventSubscriber, KvIndex, grpc_resync
+from gateway.routing.placement import make_policy
+from gateway.routing.registry import InstanceRegistry
 from gateway.types import (DeploymentInfo, GatewayError, GenerateInput, GenerationDelta,
                            PreparedRequest)
 from gateway.validation import ServedModel, prepare_request, prompt_chars

@@ -4,7 +4,7 @@ Prints `PDSERVE_READY role=gateway grpc=HOST:PORT policy=... http=HOST:PORT` on 
 once it serves (gRPC, and the OpenAI-compatible HTTP API of gateway.openai_api on the
 same event loop and Gateway). On SIGTERM it reports NOT_SERVING, refuses new requests (UNAVAILABLE),
 lets requests in flight finish for up to --drain-timeout seconds, then exits 0.
-Every flag can also be set as PDSERVE_<FLAG> (common.cli.EnvDefaultsParser);
+Every flag can also be set as PDSERVE_<FLAG> (common.cli.main.EnvDefaultsParser);
 --model, --block-size and --max-model-len share their variables with the
 prefill and decode services, so one environment configures a whole deployment.
 """
@@ -18,11 +18,11 @@ import signal
 import socket
 import sys
 
-from common.cli import EnvDefaultsParser
-from common.logging_setup import add_logging_args, configure_logging
-from common.metrics import add_metrics_args
+from common.cli.main import EnvDefaultsParser
+from common.service.logging_setup import add_logging_args, configure_logging
+from common.service.metrics import add_metrics_args
 from gateway.core import GatewaySettings
-from gateway.placement import POLICIES
+from gateway.routing.placement import POLICIES
 from gateway.server import MAX_MESSAGE_BYTES, GatewayServer
 
 

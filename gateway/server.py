@@ -9,7 +9,7 @@ started in-process by tests:
     ...
 
 With metrics_port set (0: a free port), it also serves the gateway's Prometheus
-metrics (common.metrics.GatewayMetrics) on http://metrics_address/metrics.
+metrics (common.service.metrics.GatewayMetrics) on http://metrics_address/metrics.
     await server.stop()
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from grpc import aio
 
 from gateway.convert import deployment_info_to_pb, delta_to_pb, generate_input_from_pb
 from gateway.core import Gateway, GatewaySettings
-from gateway.registry import RegistryServicer
+from gateway.routing.registry import RegistryServicer
 from gateway.types import GatewayError
 from gateway.validation import ServedModel
 from protos.pdserve.v1 import generate_pb2_grpc, registry_pb2_grpc

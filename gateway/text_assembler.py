@@ -1,12 +1,12 @@
 """One request's decode messages -> text deltas for the client.
 
-Incremental detokenization with stop strings (common.detokenizer), token counts,
+Incremental detokenization with stop strings (common.text.detokenizer), token counts,
 and the ids of the instances that served it. Plain Python, no I/O: the dispatcher
 feeds it and decides what to do when a delta says the request is over.
 """
 from __future__ import annotations
 
-from common.detokenizer import IncrementalDetokenizer
+from common.text.detokenizer import IncrementalDetokenizer
 from gateway.types import FINISH_STOP, DecodeOutput, GenerationDelta, PreparedRequest, Usage
 
 

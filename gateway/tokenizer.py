@@ -1,14 +1,14 @@
 """The gateway's tokenizer: the model's tokenizer.json and chat template, without torch.
 
-common.tokenizer goes through transformers' AutoTokenizer, which imports torch
+common.text.tokenizer goes through transformers' AutoTokenizer, which imports torch
 (~1.5 s and ~300 MB per process) although the gateway never runs the model. This
 loads the same Rust `tokenizers.Tokenizer` from tokenizer.json and renders the chat
 template with transformers' own `render_jinja_template` (which does not import
 torch), passing the special tokens exactly as transformers' apply_chat_template
-does, so both produce the same ids (tests/unit/test_gateway_tokenizer.py checks).
-Directories without a tokenizer.json fall back to common.tokenizer.
+does, so both produce the same ids (tests/unit/gateway/test_tokenizer.py checks).
+Directories without a tokenizer.json fall back to common.text.tokenizer.
 
-It offers what the gateway and common.detokenizer use of common.tokenizer.Tokenizer:
+It offers what the gateway and common.text.detokenizer use of common.text.tokenizer.Tokenizer:
 encode, apply_chat_template, backend, vocab_size, model_vocab_size, eos_token_ids.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from common.tokenizer import _check_messages, _eos_token_ids, _read_json, load_tokenizer
+from common.text.tokenizer import _check_messages, _eos_token_ids, _read_json, load_tokenizer
 
 # transformers' SpecialTokensMixin attributes: what templates may read as variables.
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
@@ -61,13 +61,13 @@ class PromptTokenizer:
         return rendered[0]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        # The template writes BOS and role markers itself (as common.tokenizer does).
+        # The template writes BOS and role markers itself (as common.text.tokenizer does).
         return self.encode(self.render_chat_template(messages, add_generation_prompt),
                            add_special_tokens=False)
 
 
 class _Eos:
-    """What common.tokenizer._eos_token_ids reads from a transformers tokenizer."""
+    """What common.text.tokenizer._eos_token_ids reads from a transformers tokenizer."""
 
     def __init__(self, eos_token_id: int | None):
         self.eos_token_id = eos_token_id
@@ -94,7 +94,7 @@ def _chat_template(model_dir: Path, config: dict) -> str | None:
 
 
 def load_prompt_tokenizer(model_dir: Path):
-    """PromptTokenizer when the directory has a tokenizer.json, else common.tokenizer's."""
+    """PromptTokenizer when the directory has a tokenizer.json, else common.text.tokenizer's."""
     if (model_dir / "tokenizer.json").is_file():
         return PromptTokenizer(model_dir)
     return load_tokenizer(model_dir)

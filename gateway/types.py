@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from common.outputs import Logprobs
-from common.sampling_params import SamplingParams
+from common.engine.outputs import Logprobs
+from common.engine.sampling_params import SamplingParams
 
-FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"  # as in common.outputs
+FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"  # as in common.engine.outputs
 
 
 class GatewayError(Exception):

@@ -12,8 +12,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.model_files import BUNDLED_MODEL_NAME, load_hf_config, resolve_model
-from common.sampling_params import validate_prompt_token_ids
+from common.engine.model_files import BUNDLED_MODEL_NAME, load_hf_config, resolve_model
+from common.engine.sampling_params import validate_prompt_token_ids
 from gateway.tokenizer import load_prompt_tokenizer
 from gateway.types import GenerateInput, PreparedRequest, invalid
 
@@ -25,7 +25,7 @@ class ServedModel:
     name: str  # what ModelInfo reports until an instance registers its own name
     aliases: frozenset[str]  # names a request's `model` field may use
     model_dir: Path
-    tokenizer: object  # gateway.tokenizer.PromptTokenizer or common.tokenizer.Tokenizer
+    tokenizer: object  # gateway.tokenizer.PromptTokenizer or common.text.tokenizer.Tokenizer
     max_position_embeddings: int  # the model's own length limit
     vocab_size: int  # ids the model's embedding accepts (config.json)
 
@@ -38,7 +38,7 @@ class ServedModel:
 
 def load_served_model(model: str | None, served_model_name: str | None = None) -> ServedModel:
     """The tokenizer and limits of `model`, named as the instances name it
-    (common.worker.served_model_name: --served-model-name, else --model)."""
+    (common.service.worker.served_model_name: --served-model-name, else --model)."""
     model_dir = resolve_model(model)
     config = load_hf_config(model_dir)
     tokenizer = load_prompt_tokenizer(model_dir)

@@ -8,10 +8,10 @@ it aborts the transfer, and the blocks go back when the transfer's future resolv
 """
 from __future__ import annotations
 
-from common.config import EngineConfig
-from common.engine import EngineCore
-from common.outputs import EngineCoreOutput
-from common.worker import DuplicateRequestError
+from common.engine.config import EngineConfig
+from common.engine.engine_core import EngineCore
+from common.engine.outputs import EngineCoreOutput
+from common.service.worker import DuplicateRequestError
 from prefill_service.kv_events import KvEventPublisher
 from prefill_service.kv_export import ExportTarget, KVExporter, KVExportingExecutor
 

@@ -8,7 +8,7 @@ a single frame:
              "parent_block_hash": u64 | None, "token_ids": [int, ...], "block_size": int}
           | {"seq": int, "type": "removed", "block_hashes": [u64, ...]}
 
-`seq` is the KV cache manager's own event counter (common.block_pool): contiguous
+`seq` is the KV cache manager's own event counter (common.engine.block_pool): contiguous
 per instance, so any loss shows up as a gap, whether ZeroMQ dropped a message at
 its high-water mark, the pool's bounded event queue overflowed, or the gateway
 connected late. On a gap the gateway calls GetCachedBlocks, whose snapshot is
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import msgpack
 import zmq
 
-from common.block_pool import BlockRemoved, BlockStored, KVCacheEvent
+from common.engine.block_pool import BlockRemoved, BlockStored, KVCacheEvent
 from protos.pdserve.v1 import prefill_pb2
 
 # Generous: losing messages is recoverable (resync) but costs a snapshot RPC.
@@ -77,7 +77,7 @@ class KvEventPublisher:
 
 
 def snapshot_response(instance_id: str, kv_cache_manager) -> prefill_pb2.GetCachedBlocksResponse:
-    """GetCachedBlocks for `kv_cache_manager` (a common.kv_cache_manager.KVCacheManager).
+    """GetCachedBlocks for `kv_cache_manager` (a common.engine.kv_cache_manager.KVCacheManager).
 
     Exact when called between engine steps. The sequence is read before the hashes
     so that, even if the engine runs concurrently, the snapshot is at least as new

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from common.executor import Executor
-from common.outputs import RunnerOutput, SchedulerOutput
+from common.engine.executor import Executor
+from common.engine.outputs import RunnerOutput, SchedulerOutput
 from kv_transfer import KVTarget, PoolGeometry, SendTransfer, TransferResult, TransferState, ZmqKVSender
 from kv_transfer.base import check_transfer_id
 from kv_transfer.zmq_common import check_endpoint

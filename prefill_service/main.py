@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from common.worker import make_parser, run_worker
+from common.service.worker import make_parser, run_worker
 
 
 def build_parser():

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.async_engine import AsyncEngine
-from common.outputs import EngineCoreOutput, Logprobs
-from common.sampling_params import SamplingParams
-from common.worker import DuplicateRequestError, ServiceError, new_request, watch
+from common.engine.async_engine import AsyncEngine
+from common.engine.outputs import EngineCoreOutput, Logprobs
+from common.engine.sampling_params import SamplingParams
+from common.service.worker import DuplicateRequestError, ServiceError, new_request, watch
 from kv_transfer import TransferState
 from prefill_service.engine import PrefillEngineCore
 from prefill_service.kv_export import ExportTarget

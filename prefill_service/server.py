@@ -18,12 +18,12 @@ import logging
 import grpc
 from grpc import aio
 
-from common.async_engine import AsyncEngine
-from common.cli import engine_config_from_args
-from common.metrics import WorkerMetrics
-from common.worker import (RequestGate, ServiceError, advertised_zmq_endpoint, eos_token_ids, logged_request,
+from common.engine.async_engine import AsyncEngine
+from common.cli.main import engine_config_from_args
+from common.service.metrics import WorkerMetrics
+from common.service.worker import (RequestGate, ServiceError, advertised_zmq_endpoint, eos_token_ids, logged_request,
                            served_model_name, stats_response, validate_request, zmq_bind_endpoint)
-from gateway.registry import InstanceLoad, InstanceSpec
+from gateway.routing.registry import InstanceLoad, InstanceSpec
 from prefill_service.engine import PrefillEngineCore
 from prefill_service.prefiller import Prefiller, PrefillJob, PrefillResult
 from prefill_service.kv_events import KvEventPublisher, snapshot_response
@@ -121,7 +121,7 @@ class PrefillWorker:
     def stats_pb(self) -> common_pb2.StatsResponse:
         return stats_response(self.instance_id, self.engine.stats, self.load())
 
-    # ---- common.worker.Worker ------------------------------------------------------------
+    # ---- common.service.worker.Worker ------------------------------------------------------------
     def add_to_server(self, server: aio.Server, gate: RequestGate) -> list[str]:
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self, gate), server)
         return [PREFILL_SERVICE]

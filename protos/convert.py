@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.outputs import Logprobs
-from common.sampling_params import SamplingParams
+from common.engine.outputs import Logprobs
+from common.engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import common_pb2
 
 _NO_LIMIT_MAX_TOKENS = 0

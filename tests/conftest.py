@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 # Before anything imports grpc: the tests fork services (Popen with preexec_fn) from a
-# process running gRPC servers, and gRPC's fork handlers abort there (see common/cli.py).
+# process running gRPC servers, and gRPC's fork handlers abort there (see common/cli/main.py).
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import pytest  # noqa: E402
@@ -20,7 +20,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 @pytest.fixture(scope="session")
 def bundled_model_dir() -> Path:
-    from common.model_files import resolve_model
+    from common.engine.model_files import resolve_model
     return resolve_model()
 
 

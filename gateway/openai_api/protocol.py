@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from common.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from common.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from gateway.openai_api.errors import ApiError, invalid_field
 from gateway.types import GenerateInput
 

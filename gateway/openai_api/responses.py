@@ -11,7 +11,7 @@ import json
 import time
 from collections.abc import Callable
 
-from common.outputs import Logprobs
+from common.engine.outputs import Logprobs
 from gateway.openai_api.errors import ApiError
 from gateway.openai_api.protocol import ParsedRequest
 from gateway.types import GenerationDelta

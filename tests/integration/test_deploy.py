@@ -227,8 +227,8 @@ class Phases:
 @pytest.fixture(scope="module")
 def offline_greedy():
     """The offline engine's greedy outputs: what the deployment must reproduce."""
-    from common.llm import LLM
-    from common.sampling_params import SamplingParams
+    from common.engine.llm import LLM
+    from common.engine.sampling_params import SamplingParams
     llm = LLM(kv_cache_memory="128MiB", max_num_seqs=8)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     result = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outputs]

@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-PDSERVE = [sys.executable, "-m", "common.cli"]
+PDSERVE = [sys.executable, "-m", "common.cli.main"]
 
 
 def pdserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""`pdserve bench transfer` (kv_transfer.bench.main) runs end to end on tiny requests."""
+"""`pdserve bench transfer` (bench.transfer.main) runs end to end on tiny requests."""
 from __future__ import annotations
 
 import json

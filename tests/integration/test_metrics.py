@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.client import Client
-from gateway.launcher import LocalStack
+from common.cli.up import LocalStack
 
 pytestmark = pytest.mark.slow
 

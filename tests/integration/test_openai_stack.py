@@ -13,7 +13,7 @@ import time
 import pytest
 
 from gateway.client import Client
-from gateway.launcher import LocalStack
+from common.cli.up import LocalStack
 from tests.integration.test_stack import LONG_PROMPT, stats, wait_until_idle
 
 openai = pytest.importorskip("openai")

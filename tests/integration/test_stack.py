@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from common.sampling_params import SamplingParams
+from common.engine.sampling_params import SamplingParams
 from gateway.client import AsyncClient, Client
-from gateway.health_check import check
-from gateway.launcher import LocalStack
+from common.cli.health import check
+from common.cli.up import LocalStack
 from protos.pdserve.v1 import (common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc,
                                prefill_pb2_grpc)
 
@@ -52,7 +52,7 @@ def client(stack):
 
 @pytest.fixture(scope="module")
 def offline_outputs():
-    from common.llm import LLM
+    from common.engine.llm import LLM
     llm = LLM(num_kv_blocks=128, max_num_seqs=8)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params) + llm.chat(CHAT, params)]

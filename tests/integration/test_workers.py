@@ -24,8 +24,8 @@ import pytest
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.sampling_params import SamplingParams
-from gateway.registry import ROLES, InstanceRegistry, RegistryServicer
+from common.engine.sampling_params import SamplingParams
+from gateway.routing.registry import ROLES, InstanceRegistry, RegistryServicer
 from protos.convert import sampling_params_to_pb
 from protos.pdserve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc,
                                registry_pb2_grpc)

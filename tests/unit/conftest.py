@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import SchedulerConfig
-from common.kv_cache_manager import KVCacheManager
-from common.scheduler import Scheduler
+from common.engine.config import SchedulerConfig
+from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.scheduler import Scheduler
 
 
 def _assert_pool_fully_free(kv_cache_manager: KVCacheManager) -> None:

@@ -1,0 +1,148 @@
+"""A synthetic decode instance: streams scripted token ids as fast as asked, no model.
+
+For the two jobs a real decode instance cannot do: measuring the gateway's own
+overhead per streamed token (bench.overhead), and injecting failures
+(an error status after k tokens) in tests. It registers and heartbeats like a
+real instance (gateway.client.RegistryClient) and records what it was sent and
+which calls were cancelled, so tests can check what the gateway did.
+
+    fake = FakeDecode("decode-fake", gateway_address, token_ids=[...])
+    await fake.start()  # serving and registered
+    ...
+    await fake.stop()
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc import aio
+
+from gateway.client import RegistryClient
+from gateway.routing.registry import InstanceLoad, InstanceSpec
+from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+
+@dataclass
+class Failure:
+    """Abort each Decode call with `code` after sending `after_tokens` tokens."""
+
+    code: grpc.StatusCode
+    after_tokens: int = 0
+    details: str = "injected failure"
+
+
+class FakeDecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, instance_id: str, token_ids: Sequence[int], tokens_per_message: int = 1,
+                 delay_s: float = 0.0, failure: Failure | None = None, num_cached_tokens: int = 0,
+                 record_send_times: bool = False):
+        self.instance_id = instance_id
+        self.token_ids = list(token_ids)  # cycled through until max_tokens
+        self.tokens_per_message = tokens_per_message
+        self.delay_s = delay_s  # between messages; 0: as fast as the stream takes them
+        self.failure = failure
+        self.num_cached_tokens = num_cached_tokens
+        self.requests: list[decode_pb2.DecodeRequest] = []
+        self.running: set[str] = set()
+        self.cancelled: list[str] = []  # request ids whose call ended before they finished
+        # request id -> time.perf_counter() as each message was handed to gRPC (benchmarks)
+        self.send_times: dict[str, list[float]] | None = {} if record_send_times else None
+
+    async def Decode(self, request, context):
+        self.requests.append(request)
+        self.running.add(request.request_id)
+        # Unset: the SamplingParams default; 0 (no limit): one pass over the script.
+        max_tokens = (request.sampling.max_tokens or len(self.token_ids)
+                      if request.sampling.HasField("max_tokens") else 16)
+        script = itertools.cycle(self.token_ids)
+        sent, finished = 0, False
+        send_times = None if self.send_times is None else self.send_times.setdefault(request.request_id, [])
+        try:
+            while sent < max_tokens:
+                if self.failure is not None and sent >= self.failure.after_tokens:
+                    await context.abort(self.failure.code, self.failure.details)
+                count = min(self.tokens_per_message, max_tokens - sent)
+                sent += count
+                last = sent == max_tokens
+                if send_times is not None:
+                    send_times.append(time.perf_counter())
+                yield decode_pb2.DecodeResponse(
+                    request_id=request.request_id, token_ids=[next(script) for _ in range(count)],
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH if last else common_pb2.FINISH_REASON_UNSPECIFIED,
+                    num_cached_tokens=self.num_cached_tokens, prefill_instance_id=request.prefill_instance_id,
+                    decode_instance_id=self.instance_id)
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+            finished = True
+        finally:
+            self.running.discard(request.request_id)
+            if not finished and self.failure is None:
+                self.cancelled.append(request.request_id)
+
+    async def Abort(self, request, context):
+        return decode_pb2.AbortResponse()
+
+    async def Stats(self, request, context):
+        return common_pb2.StatsResponse(instance_id=self.instance_id, load=common_pb2.InstanceLoad(
+            num_running_requests=len(self.running), num_free_blocks=1000, num_total_blocks=1000))
+
+
+class FakeDecode:
+    """A FakeDecodeServicer on its own server on 127.0.0.1, registered with a gateway."""
+
+    def __init__(self, instance_id: str, gateway_address: str, max_model_len: int = 8192,
+                 model_name: str = "", block_size: int = 16, **servicer_kwargs):
+        self.servicer = FakeDecodeServicer(instance_id, **servicer_kwargs)
+        self._server = aio.server()
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, self._server)
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{port}"
+        self.spec = InstanceSpec(instance_id=instance_id, role="decode", grpc_address=self.address,
+                                 block_size=block_size, num_total_blocks=1000, model_name=model_name,
+                                 max_model_len=max_model_len)
+        self._registry_client = RegistryClient(gateway_address, self.spec, self._load)
+        self._registration: asyncio.Task | None = None
+
+    def _load(self) -> InstanceLoad:
+        return InstanceLoad(num_running_requests=len(self.servicer.running), num_free_blocks=1000,
+                            num_total_blocks=1000)
+
+    async def start(self) -> None:
+        await self._server.start()
+        self._registration = asyncio.create_task(self._registry_client.run())
+        await self._registry_client.registered.wait()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        if self._registration is not None:
+            self._registration.cancel()
+            await asyncio.gather(self._registration, return_exceptions=True)
+        await self._server.stop(grace_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.fakes.fake_decode --gateway ADDR`: a fake decode process (for tests
+    that need one to die for real, e.g. SIGKILL mid-stream)."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m bench.fakes.fake_decode")
+    parser.add_argument("--gateway", required=True)
+    parser.add_argument("--instance-id", default="decode-fake")
+    parser.add_argument("--delay-s", type=float, default=0.0, help="between messages")
+    parser.add_argument("--token-ids", default="1000,1001,1002", help="comma-separated script")
+    args = parser.parse_args(argv)
+
+    async def serve() -> None:
+        fake = FakeDecode(args.instance_id, args.gateway, delay_s=args.delay_s,
+                          token_ids=[int(t) for t in args.token_ids.split(",")])
+        await fake.start()
+        print(f"PDSERVE_READY role=decode grpc={fake.address} instance={args.instance_id}", flush=True)
+        await asyncio.Event().wait()  # until killed
+    asyncio.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,187 @@
+"""`pdserve bench offline`: our LLM.generate vs Hugging Face generate, one process, one run.
+
+Reports output tokens/s on a mixed workload (HF with static batches of 32,
+left padding, greedy), single-stream decode tokens/s for both, cold vs
+prefix-cached time to first token, and the machine's rooflines measured in the
+same run (memory copy bandwidth, fp32 matmul rate).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+
+import torch
+from tqdm import tqdm
+
+
+def measure_copy_bandwidth(num_bytes: int = 1 << 29, repeats: int = 5) -> float:
+    """Bytes/s of a large tensor copy, counting the read and the write."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * num_bytes / best
+
+
+def measure_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def make_workload(num_requests: int, seed: int, vocab_size: int, min_prompt: int, max_prompt: int,
+                  min_out: int, max_out: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    # Ordinary token ids (skip the low special ids) so nothing ends early by accident.
+    return [([rng.randrange(100, vocab_size) for _ in range(rng.randint(min_prompt, max_prompt))],
+             rng.randint(min_out, max_out)) for _ in range(num_requests)]
+
+
+def run_ours(llm, workload) -> tuple[float, int]:
+    from common.engine.sampling_params import SamplingParams
+    prompts = [{"prompt_token_ids": p} for p, _ in workload]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in workload]
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - t0
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert num_tokens == sum(m for _, m in workload)
+    return elapsed, num_tokens
+
+
+def run_hf(hf_model, workload, batch_size: int, pad_token_id: int) -> tuple[float, int]:
+    """Static batches, left padding, greedy; only each request's own max_tokens count."""
+    t0 = time.perf_counter()
+    num_tokens = 0
+    for start in tqdm(range(0, len(workload), batch_size), desc="hf generate"):
+        batch = workload[start:start + batch_size]
+        max_len = max(len(p) for p, _ in batch)
+        input_ids = torch.tensor([[pad_token_id] * (max_len - len(p)) + p for p, _ in batch])
+        mask = torch.tensor([[0] * (max_len - len(p)) + [1] * len(p) for p, _ in batch])
+        max_new = max(m for _, m in batch)
+        with torch.inference_mode():
+            # min_new_tokens == max_new_tokens: EOS is never produced (ignore_eos).
+            hf_model.generate(input_ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
+                              min_new_tokens=max_new, pad_token_id=pad_token_id, temperature=None,
+                              top_p=None, top_k=None)
+        num_tokens += sum(m for _, m in batch)
+    return time.perf_counter() - t0, num_tokens
+
+
+def single_stream(llm, hf_model, prompt: list[int], num_new: int,
+                  pad_token_id: int) -> tuple[float, float | None]:
+    from common.engine.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=num_new, ignore_eos=True)
+    llm.generate({"prompt_token_ids": prompt}, params.clone(max_tokens=4))  # warm-up
+    t0 = time.perf_counter()
+    llm.generate({"prompt_token_ids": prompt}, params)
+    ours = num_new / (time.perf_counter() - t0)
+    if hf_model is None:
+        return ours, None
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        hf_model.generate(ids, do_sample=False, max_new_tokens=4, min_new_tokens=4, pad_token_id=pad_token_id)
+        t0 = time.perf_counter()
+        hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=num_new,
+                          min_new_tokens=num_new, pad_token_id=pad_token_id, temperature=None,
+                          top_p=None, top_k=None)
+    return ours, num_new / (time.perf_counter() - t0)
+
+
+def prefix_cache_ttft(llm, vocab_size: int, seed: int, prefix_len: int = 1000,
+                      suffix_len: int = 24) -> tuple[float, float]:
+    from common.engine.sampling_params import SamplingParams
+    rng = random.Random(seed + 1)
+    prefix = [rng.randrange(100, vocab_size) for _ in range(prefix_len)]
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+
+    def ttft(prompt):
+        t0 = time.perf_counter()
+        llm.generate({"prompt_token_ids": prompt}, params)
+        return time.perf_counter() - t0
+
+    cold = ttft(prefix + [rng.randrange(100, vocab_size) for _ in range(suffix_len)])
+    warm = ttft(prefix + [rng.randrange(100, vocab_size) for _ in range(suffix_len)])
+    return cold, warm
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve bench offline", description=__doc__)
+    parser.add_argument("--json", dest="json_path", default=None, help="write every figure here")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-batch-size", type=int, default=32)
+    parser.add_argument("--min-prompt", type=int, default=16)
+    parser.add_argument("--max-prompt", type=int, default=1024)
+    parser.add_argument("--min-output", type=int, default=16)
+    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--single-stream-tokens", type=int, default=128)
+    # Continuous batching wants every request of the workload in flight at once:
+    # 128 sequences and a pool that holds them (~84k tokens, 3.9 GB in fp32).
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--kv-cache-memory", default="4GiB")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--skip-hf", action="store_true", help="only our engine (quick checks)")
+    args = parser.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM
+
+    from common.engine.llm import LLM
+
+    results: dict = {"config": vars(args), "machine": {"platform": platform.platform(),
+                                                       "torch_threads": torch.get_num_threads()}}
+    bandwidth, flops = measure_copy_bandwidth(), measure_matmul_flops()
+    results["roofline"] = {"copy_bandwidth_GBps": bandwidth / 1e9, "fp32_matmul_GFLOPs": flops / 1e9}
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_memory=args.kv_cache_memory)
+    cfg = llm.engine.model_config
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.executor.runner.model.parameters())
+    num_params = cfg.num_params()
+    workload = make_workload(args.num_requests, args.seed, cfg.vocab_size, args.min_prompt, args.max_prompt,
+                             args.min_output, args.max_output)
+    hf_model = None if args.skip_hf else AutoModelForCausalLM.from_pretrained(
+        llm.engine.model_dir, dtype=torch.float32).eval()
+    pad = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
+
+    elapsed, num_tokens = run_ours(llm, workload)
+    ours_tps = num_tokens / elapsed
+    results["mixed"] = {"ours_seconds": elapsed, "ours_output_tokens_per_s": ours_tps,
+                        "num_output_tokens": num_tokens,
+                        "num_prompt_tokens": sum(len(p) for p, _ in workload)}
+    cold, warm = prefix_cache_ttft(llm, cfg.vocab_size, args.seed)
+    results["prefix_cache"] = {"cold_ttft_s": cold, "cached_1000_ttft_s": warm, "ratio": warm / cold}
+    single_prompt = workload[0][0][:16]
+    if hf_model is not None:
+        hf_elapsed, hf_tokens = run_hf(hf_model, workload, args.hf_batch_size, pad)
+        hf_tps = hf_tokens / hf_elapsed
+        results["mixed"].update(hf_seconds=hf_elapsed, hf_output_tokens_per_s=hf_tps,
+                                speedup_vs_hf=ours_tps / hf_tps)
+    ours_single, hf_single = single_stream(llm, hf_model, single_prompt, args.single_stream_tokens, pad)
+    decode_roofline_tps = bandwidth / weight_bytes
+    batched_roofline_tps = flops / (2 * num_params)
+    results["single_stream"] = {"ours_tokens_per_s": ours_single, "hf_tokens_per_s": hf_single,
+                                "speedup_vs_hf": (ours_single / hf_single) if hf_single else None,
+                                "roofline_tokens_per_s": decode_roofline_tps,
+                                "ours_pct_of_roofline": 100 * ours_single / decode_roofline_tps}
+    results["mixed"]["batched_roofline_tokens_per_s"] = batched_roofline_tps
+    results["mixed"]["ours_pct_of_batched_roofline"] = 100 * ours_tps / batched_roofline_tps
+    results["model"] = {"num_params": num_params, "weight_bytes": weight_bytes}
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            f.write(text + "\n")
+    return 0

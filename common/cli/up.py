@@ -1,0 +1,214 @@
+"""`pdserve up`: a local stack of one gateway, N prefill and M decode processes.
+
+Each process runs the very command a deployment runs (`pdserve gateway|prefill|decode`)
+with the same settings: every flag `up` does not know itself goes to each command that
+defines it (--model and --block-size to all three, --kv-cache-memory to prefill and
+decode, --policy to the gateway; a flag none defines is an error), and the environment
+(PDSERVE_* variables included) is inherited. Only what differs per process is set by
+`up`: --host, --port (0: a free port), --instance-id, --gateway, and --metrics-port 0:
+every process serves Prometheus metrics on a free port, named as `metrics=HOST:PORT` in
+the READY line it prints (echoed with its name; `ManagedProcess.metrics_address`).
+
+`up` waits until the gateway serves and every instance has registered (ModelInfo
+counts), prints the gateway's OpenAI-compatible HTTP address (--http-port; a line of
+its own, so the READY line keeps its form) and `PDSERVE_READY gateway=HOST:PORT
+prefill=N decode=M`, and stops
+everything on Ctrl-C or SIGTERM (SIGTERM to each process, a grace period, then
+SIGKILL). A process that exits on its own makes `up` say which and exit 1.
+
+Tests use `LocalStack` directly (a context manager; see tests/integration/test_stack.py).
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+import grpc
+
+from common.cli.main import EnvDefaultsParser
+from common.cli.processes import ManagedProcess, ProcessFailed, route_flags, start_gateway_process
+
+
+class LocalStack:
+    """A gateway plus N prefill and M decode processes on this host (what `up` runs).
+
+        with LocalStack(2, 2, passthrough=["--kv-cache-memory", "256MiB"]) as stack:
+            Client(stack.address).generate("Hello")
+            stack.kill("decode-0")           # an instance dying (SIGKILL)
+            stack.add_instance("decode")     # one joining: decode-2
+    """
+
+    def __init__(self, num_prefill: int, num_decode: int, port: int = 0, host: str = "127.0.0.1",
+                 passthrough: list[str] | tuple[str, ...] = (), env: dict[str, str] | None = None,
+                 log_dir=None, startup_timeout_s: float = 300.0, grace_s: float = 45.0,
+                 http_port: int | None = 0, cpu_affinity: dict[str, set[int]] | None = None,
+                 role_flags: dict[str, list[str]] | None = None):
+        self.num_prefill, self.num_decode = num_prefill, num_decode
+        # Per role ("gateway", "prefill", "decode"): the CPUs its processes may run on
+        # (benchmarks pin roles to cores; torch sizes its thread pool to them, and
+        # OMP_NUM_THREADS is set to match), and flags for that role only, after the
+        # routed passthrough ones (so they win: argparse keeps a flag's last value).
+        self.cpu_affinity = {role: set(cpus) for role, cpus in (cpu_affinity or {}).items()}
+        self.role_flags = {role: list(flags) for role, flags in (role_flags or {}).items()}
+        for role in [*self.cpu_affinity, *self.role_flags]:
+            if role not in ("gateway", "prefill", "decode"):
+                raise ValueError(f"unknown role {role!r} in cpu_affinity / role_flags: gateway, prefill or decode")
+        self.port, self.host = port, host
+        self.http_port = http_port  # the gateway's OpenAI-compatible HTTP port; 0: free, None: off
+        self.flags = route_flags(list(passthrough))  # by command
+        self.env = env
+        self.log_dir = log_dir
+        self.startup_timeout_s, self.grace_s = startup_timeout_s, grace_s
+        self.gateway: ManagedProcess | None = None
+        self.instances: dict[str, ManagedProcess] = {}  # by instance id, e.g. "decode-1"
+        self._next_index = {"prefill": 0, "decode": 0}
+
+    @property
+    def address(self) -> str:
+        return self.gateway.address
+
+    @property
+    def http_address(self) -> str:
+        """host:port of the gateway's OpenAI-compatible HTTP API ("" when off)."""
+        return self.gateway.http_address
+
+    def start(self) -> str:
+        """Start everything and wait until all instances registered; return the gateway address."""
+        try:
+            self.gateway = start_gateway_process([*self.flags["gateway"], *self.role_flags.get("gateway", ()),
+                                                  "--host", self.host,
+                                                  "--port", str(self.port), "--metrics-port", "0", "--http-port",
+                                                  "off" if self.http_port is None else str(self.http_port)],
+                                                 env=self._role_env("gateway"), log_dir=self.log_dir,
+                                                 cpus=self.cpu_affinity.get("gateway"),
+                                                 timeout_s=self.startup_timeout_s)
+            for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
+                for _ in range(count):
+                    self.add_instance(role, wait=False)
+            self.wait_registered(self.num_prefill, self.num_decode)
+        except BaseException:
+            self.stop()
+            raise
+        return self.address
+
+    def add_instance(self, role: str, wait: bool = True) -> ManagedProcess:
+        """Start one more prefill or decode process (as `--scale` would); with wait,
+        return once it is serving (its PDSERVE_READY line)."""
+        instance_id = f"{role}-{self._next_index[role]}"
+        self._next_index[role] += 1
+        process = ManagedProcess(instance_id, [role, *self.flags[role], *self.role_flags.get(role, ()),
+                                               "--host", self.host, "--port", "0",
+                                               "--instance-id", instance_id, "--gateway", self.address,
+                                               "--metrics-port", "0"],
+                                 env=self._role_env(role), log_dir=self.log_dir, cpus=self.cpu_affinity.get(role))
+        self.instances[instance_id] = process
+        if wait:
+            process.wait_ready(self.startup_timeout_s)
+        return process
+
+    def _role_env(self, role: str) -> dict[str, str] | None:
+        cpus = self.cpu_affinity.get(role)
+        if not cpus:
+            return self.env
+        return {**(self.env or {}), "OMP_NUM_THREADS": str(len(cpus))}
+
+    def wait_registered(self, num_prefill: int, num_decode: int, timeout_s: float | None = None) -> None:
+        """Wait until the gateway counts at least this many live instances per pool."""
+        from gateway.client import Client
+        deadline = time.monotonic() + (timeout_s or self.startup_timeout_s)
+        with Client(self.address) as client:
+            while True:
+                self.check_alive()
+                info = client.model_info(timeout=5)
+                if info.num_prefill_instances >= num_prefill and info.num_decode_instances >= num_decode:
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"after {timeout_s or self.startup_timeout_s:.0f}s the gateway counts "
+                                       f"{info.num_prefill_instances}/{num_prefill} prefill and "
+                                       f"{info.num_decode_instances}/{num_decode} decode instances")
+                time.sleep(0.2)
+
+    def check_alive(self) -> None:
+        """Raise ProcessFailed for a process that exited without being told to."""
+        for process in [self.gateway, *self.instances.values()]:
+            if process is not None:
+                process.check_alive()
+
+    def kill(self, instance_id: str, signum: int = signal.SIGKILL) -> None:
+        """Signal one instance on purpose (it then no longer counts as failed)."""
+        self.instances[instance_id].signal(signum)
+
+    def stop(self) -> None:
+        """SIGTERM every process, wait up to grace_s for all, then SIGKILL the rest."""
+        processes = [p for p in [*self.instances.values(), self.gateway] if p is not None]
+        for process in processes:
+            process.signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for process in processes:
+            process.wait_or_kill(max(0.0, deadline - time.monotonic()))
+
+    def __enter__(self) -> "LocalStack":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = EnvDefaultsParser(
+        prog="pdserve up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Any other flag (--model, --kv-cache-memory 256MiB, --policy round_robin, ...) goes to "
+               "every process as PDSERVE_<FLAG>.")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill processes (0: decode prefills)")
+    parser.add_argument("--decode", type=int, default=1, help="decode processes")
+    parser.add_argument("--host", default="127.0.0.1", help="interface every process listens on")
+    parser.add_argument("--port", type=int, default=50051, help="the gateway's port (0: a free one)")
+    parser.add_argument("--http-port", default=None,
+                        help="the gateway's OpenAI-compatible HTTP port (0: a free one; -1 or 'off': none); "
+                             "default 8000, or a free one when --port is 0")
+    parser.add_argument("--startup-timeout", type=float, default=300.0,
+                        help="seconds to wait for every instance to register")
+    parser.add_argument("--grace", type=float, default=45.0,
+                        help="seconds between SIGTERM and SIGKILL when stopping; more than the processes' "
+                             "own --grace-period / --drain-timeout, so requests in flight can finish")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, passthrough = build_parser().parse_known_args(argv)
+    if args.decode < 1 or args.prefill < 0:
+        print("pdserve up: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
+        return 2
+    # SIGTERM stops the stack like Ctrl-C does, also while it is still starting.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        from gateway.openai_api.server import default_http_port, parse_http_port
+        http_port = parse_http_port(args.http_port) if args.http_port is not None else default_http_port(args.port)
+        stack = LocalStack(args.prefill, args.decode, port=args.port, host=args.host, http_port=http_port,
+                           passthrough=passthrough, startup_timeout_s=args.startup_timeout, grace_s=args.grace)
+    except ValueError as e:  # a flag no command takes, a bad --http-port
+        print(f"pdserve up: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        stack.start()
+        if stack.http_address:
+            print(f"pdserve up: OpenAI-compatible HTTP API at http://{stack.http_address}/v1", flush=True)
+        print(f"PDSERVE_READY gateway={stack.address} prefill={args.prefill} decode={args.decode}",
+              flush=True)
+        while True:
+            stack.check_alive()
+            time.sleep(0.5)
+    except (ProcessFailed, TimeoutError, grpc.RpcError) as e:
+        print(f"pdserve up: {e}; stopping the stack", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM
+        return 0
+    finally:
+        stack.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

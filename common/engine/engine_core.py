@@ -1,0 +1,115 @@
+"""EngineCore: one loop of schedule -> execute -> update, shared by every frontend."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from common.engine.config import EngineConfig, ModelConfig, parse_memory_size
+from common.engine.executor import Executor, InProcessExecutor
+from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.model_files import load_hf_config, resolve_model
+from common.engine.outputs import EngineCoreOutput, SchedulerOutput
+from common.engine.request import Request
+from common.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # like vLLM's VLLM_CPU_KVCACHE_SPACE, but 1 GiB
+DEFAULT_GPU_KV_CACHE_FRACTION = 0.9
+
+
+def num_kv_blocks(kv_cache_memory, bytes_per_block: int, free_bytes: int, device_type: str) -> int:
+    """Blocks for a KV budget given as bytes (int) or a fraction of free memory (float)."""
+    if kv_cache_memory is None:
+        kv_cache_memory = (DEFAULT_GPU_KV_CACHE_FRACTION if device_type == "cuda"
+                           else min(DEFAULT_CPU_KV_CACHE_BYTES, free_bytes // 2))
+    kv_cache_memory = parse_memory_size(kv_cache_memory)
+    budget = int(kv_cache_memory * free_bytes) if isinstance(kv_cache_memory, float) else kv_cache_memory
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory={kv_cache_memory!r} gives {budget} bytes, less than one KV "
+                         f"block ({bytes_per_block} bytes); raise --kv-cache-memory")
+    return num_blocks
+
+
+def resolve_max_model_len(requested: int | None, model_config: ModelConfig, num_blocks: int,
+                          block_size: int, bytes_per_block: int) -> int:
+    model_limit = model_config.max_position_embeddings
+    capacity = num_blocks * block_size
+    if requested is None:
+        max_model_len = min(model_limit, capacity)
+        logger.info("max_model_len=%d (model limit %d, KV pool capacity %d tokens)",
+                    max_model_len, model_limit, capacity)
+        return max_model_len
+    if requested < 1:
+        raise ValueError(f"max_model_len must be >= 1; got {requested}")
+    if requested > model_limit:
+        raise ValueError(f"max_model_len={requested} exceeds the model's limit of {model_limit} "
+                         f"tokens (max_position_embeddings); set --max-model-len {model_limit} or less")
+    if requested > capacity:
+        needed = -(-requested // block_size) * bytes_per_block
+        raise ValueError(
+            f"max_model_len={requested} is larger than the KV cache can hold: {capacity} tokens "
+            f"({num_blocks} blocks of {block_size} tokens). Raise --kv-cache-memory to at least "
+            f"{needed} bytes ({needed / (1 << 30):.2f} GiB), or lower --max-model-len to {capacity} "
+            f"or less.")
+    return requested
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None, *,
+                 hold_finished_blocks: bool = False):
+        # hold_finished_blocks: prefill role; finished requests keep their KV blocks
+        # until scheduler.release_held_blocks (after the KV has been shipped).
+        self.config = config
+        self.model_dir = resolve_model(config.model)
+        self.model_config = ModelConfig.from_hf_config(load_hf_config(self.model_dir))
+        self.executor = executor or InProcessExecutor(self.model_config, self.model_dir, config)
+        cache = config.cache
+        bytes_per_block = self.executor.kv_bytes_per_block()
+        if cache.num_blocks is None:
+            cache.num_blocks = num_kv_blocks(cache.kv_cache_memory, bytes_per_block,
+                                             self.executor.free_memory_bytes(),
+                                             getattr(self.executor, "device_type", "cpu"))
+        self.max_model_len = resolve_max_model_len(config.scheduler.max_model_len, self.model_config,
+                                                   cache.num_blocks, cache.block_size, bytes_per_block)
+        config.scheduler.max_model_len = self.max_model_len
+        self.executor.allocate_kv_cache(cache.num_blocks)
+        logger.info("KV pool: %d blocks x %d tokens (%.1f MiB)", cache.num_blocks, cache.block_size,
+                    cache.num_blocks * bytes_per_block / (1 << 20))
+        self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size,
+                                               enable_prefix_caching=cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, cache.block_size,
+                                   self.max_model_len, hold_finished_blocks=hold_finished_blocks)
+        self.idle = True
+        # Called on the engine thread after each step that ran something, with the
+        # step's SchedulerOutput and its duration in seconds (the services' metrics).
+        self.step_observer: Callable[[SchedulerOutput, float], None] | None = None
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, req_ids: list[str]) -> list[EngineCoreOutput]:
+        return self.scheduler.abort_requests(req_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        started = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        # Nothing schedulable (e.g. every request waits for remote KV): callers back off.
+        self.idle = scheduler_output.is_empty
+        runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.step_observer is not None and not scheduler_output.is_empty:
+            self.step_observer(scheduler_output, time.perf_counter() - started)
+        return outputs
+
+    def stats(self) -> dict:
+        """A plain-data snapshot of load, for heartbeats, metrics and tests."""
+        return dict(self.scheduler.stats)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

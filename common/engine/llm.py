@@ -1,0 +1,161 @@
+"""The offline API, as in vLLM: `LLM(model=...).generate(prompts, sampling_params)`."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from common.engine.config import make_engine_config
+from common.text.detokenizer import IncrementalDetokenizer
+from common.engine.engine_core import EngineCore
+from common.engine.outputs import CompletionOutput, Logprobs, RequestOutput
+from common.engine.request import Request
+from common.engine.sampling_params import SamplingParams, validate_prompt_token_ids
+from common.text.tokenizer import load_tokenizer
+
+PromptType = str | dict
+
+
+@dataclass
+class _Pending:
+    prompt_index: int
+    sample_index: int
+    detokenizer: IncrementalDetokenizer | None  # only when stop strings need watching
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+def validate_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
+    if num_prompt_tokens > max_model_len:
+        raise ValueError(f"prompt has {num_prompt_tokens} tokens, longer than the maximum model "
+                         f"length of {max_model_len} tokens")
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options):
+        """engine_options: see common.engine.config.make_engine_config (dtype, device, seed, block_size,
+        kv_cache_memory, num_kv_blocks, max_model_len, max_num_seqs, max_num_batched_tokens,
+        enable_prefix_caching, enable_chunked_prefill)."""
+        config = make_engine_config(model, **engine_options)
+        self.engine = EngineCore(config)
+        self.tokenizer = load_tokenizer(self.engine.model_dir)
+        self.eos_token_ids = tuple(sorted(set(self.engine.model_config.eos_token_ids)
+                                          | set(self.tokenizer.eos_token_ids)))
+        self._req_counter = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def _prompt_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        raise ValueError("a prompt is a string or {'prompt_token_ids': [...]}; "
+                         f"got {type(prompt).__name__}")
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        elif len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
+                             "pass one, or one per prompt")
+        # Validate everything before adding anything, so a bad prompt leaves no request behind.
+        vocab_size = self.engine.model_config.vocab_size
+        encoded = []
+        for prompt, params in zip(prompts, sampling_params):
+            text, token_ids = self._prompt_token_ids(prompt)
+            validate_prompt_token_ids(token_ids, vocab_size)
+            validate_prompt_length(len(token_ids), self.max_model_len)
+            params.validate_token_ids(vocab_size)
+            encoded.append((text, token_ids, params))
+        pending: dict[str, _Pending] = {}
+        for i, (_, token_ids, params) in enumerate(encoded):
+            for j in range(params.n):
+                child = params if params.n == 1 else params.for_child(j)
+                req_id = str(next(self._req_counter))
+                detok = None
+                if child.stop:
+                    detok = IncrementalDetokenizer(self.tokenizer, token_ids,
+                                                   skip_special_tokens=child.skip_special_tokens,
+                                                   stop=child.stop,
+                                                   include_stop_str_in_output=child.include_stop_str_in_output)
+                pending[req_id] = _Pending(i, j, detok)
+                self.engine.add_request(Request(req_id, token_ids, child, eos_token_ids=self.eos_token_ids))
+        self._run(pending, use_tqdm)
+        return self._collect(encoded, pending)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(conv)} for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, pending: dict[str, _Pending], use_tqdm: bool) -> None:
+        engine = self.engine
+        unfinished = set(pending)
+        progress = tqdm(total=len(pending), desc="generate", disable=not use_tqdm)
+        try:
+            while unfinished:
+                stopped: list[str] = []
+                for out in engine.step():
+                    state = pending.get(out.req_id)
+                    if state is None or out.req_id not in unfinished:
+                        continue
+                    state.token_ids.extend(out.new_token_ids)
+                    state.num_cached_tokens = out.num_cached_tokens
+                    if out.new_logprobs is not None:
+                        state.logprobs = (state.logprobs or []) + out.new_logprobs
+                    if state.detokenizer is not None:
+                        state.detokenizer.update(out.new_token_ids)
+                        if state.detokenizer.finished:
+                            state.finish_reason, state.stop_reason = "stop", state.detokenizer.stop_string
+                            stopped.append(out.req_id)
+                    if out.finished and state.finish_reason is None:
+                        state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
+                    if state.finish_reason is not None:
+                        unfinished.discard(out.req_id)
+                        progress.update(1)
+                if stopped:
+                    engine.abort_requests(stopped)
+        except BaseException:
+            # Leave the engine clean for the next call (KeyboardInterrupt included).
+            engine.abort_requests(list(unfinished))
+            raise
+        finally:
+            progress.close()
+
+    def _collect(self, encoded, pending: dict[str, _Pending]) -> list[RequestOutput]:
+        results = [RequestOutput(request_id=str(i), prompt=text, prompt_token_ids=token_ids,
+                                 outputs=[], finished=True)
+                   for i, (text, token_ids, _) in enumerate(encoded)]
+        for state in pending.values():
+            params = encoded[state.prompt_index][2]
+            if state.detokenizer is not None:
+                if not state.detokenizer.finished:
+                    state.detokenizer.flush()  # text held back as a possible stop-string start
+                text = state.detokenizer.output_text
+            else:
+                text = self.tokenizer.decode(state.token_ids, skip_special_tokens=params.skip_special_tokens)
+            result = results[state.prompt_index]
+            result.num_cached_tokens = state.num_cached_tokens
+            result.outputs.append(CompletionOutput(index=state.sample_index, text=text,
+                                                   token_ids=state.token_ids,
+                                                   finish_reason=state.finish_reason,
+                                                   stop_reason=state.stop_reason, logprobs=state.logprobs))
+        for result in results:
+            result.outputs.sort(key=lambda o: o.index)
+        return results

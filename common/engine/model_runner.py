@@ -1,0 +1,166 @@
+"""Runs the model for one scheduled step: builds every tensor of the step, then samples."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from common.engine.config import ModelConfig
+from common.engine.models.attention import AttentionMetadata
+from common.engine.models.llama import LlamaForCausalLM
+from common.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from common.engine.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def select_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def select_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # CPU kernels for half types are slow and less exact; GPUs want bf16.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model(model_config: ModelConfig, model_dir: Path, device: torch.device,
+               dtype: torch.dtype) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(model_config)
+    model = model.to_empty(device=device)
+    # to_empty leaves the RoPE tables uninitialised: rebuild them on the device.
+    model.rope.__init__(model_config.head_dim, model_config.max_position_embeddings,
+                        model_config.rope_theta, model_config.rope_scaling)
+    model.rope.to(device)
+    files = sorted(model_dir.glob("*.safetensors"))
+
+    def weights():
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    model.load_weights(weights())
+    return model.to(dtype).eval()
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, model_dir: Path, device: str = "auto",
+                 dtype: str = "auto", seed: int = 0, block_size: int = 16):
+        self.model_config = model_config
+        self.device = select_device(device)
+        self.dtype = select_dtype(dtype, self.device)
+        self.block_size = block_size
+        self.model = load_model(model_config, model_dir, self.device, self.dtype)
+        self.sampler = Sampler(eos_token_ids=model_config.eos_token_ids, seed=seed)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Set by a KV exporter (prefill role): called after each layer's KV is cached.
+        self.on_layer_kv_written = None
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.block_size * self.model_config.kv_bytes_per_token(self.dtype.itemsize)
+
+    def free_memory_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[0]
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        cfg = self.model_config
+        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # Zeroed, not empty: attention reads whole blocks and masks the tail, and
+        # garbage NaNs would survive a zero weight (0 * NaN = NaN).
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(cfg.num_hidden_layers)]
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        if scheduler_output.finished_req_ids:
+            self.sampler.remove_requests(scheduler_output.finished_req_ids)
+        if scheduler_output.is_empty:
+            return RunnerOutput(req_ids=[], sampled_token_ids=[])
+        input_ids, positions, meta, sample_indices, sample_reqs = self.prepare_inputs(
+            scheduler_output.scheduled)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+        if not sample_reqs:
+            return RunnerOutput(req_ids=[], sampled_token_ids=[])
+        logits = self.model.compute_logits(hidden[sample_indices])  # [num_samples, vocab]
+        sampled = self.sampler(logits, sample_reqs)
+        return RunnerOutput(req_ids=[r.req_id for r in sample_reqs],
+                            sampled_token_ids=[[t] for t in sampled.sampled_token_ids],
+                            logprobs=None if sampled.logprobs is None
+                            else [[lp] if lp is not None else None for lp in sampled.logprobs])
+
+    def prepare_inputs(self, scheduled: list[ScheduledRequest]):
+        """All tensors of a step, built once: decodes (one token) first, then prefill chunks."""
+        decodes = [r for r in scheduled if len(r.token_ids) == 1]
+        prefills = [r for r in scheduled if len(r.token_ids) > 1]
+        ordered = decodes + prefills
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        sample_indices: list[int] = []
+        sample_reqs: list[ScheduledRequest] = []
+        for req in ordered:
+            num_new = len(req.token_ids)
+            table = req.block_table
+            input_ids.extend(req.token_ids)
+            pos_range = range(req.start_pos, req.start_pos + num_new)
+            positions.extend(pos_range)
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in pos_range)
+            seq_lens.append(req.start_pos + num_new)
+            query_lens.append(num_new)
+            if req.do_sample:
+                sample_indices.append(len(input_ids) - 1)
+                sample_reqs.append(req)
+        num_decodes = len(decodes)
+        device = self.device
+
+        def int32(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        def block_tables(reqs: list[ScheduledRequest]) -> torch.Tensor:
+            max_blocks = max(len(r.block_table) for r in reqs)
+            return int32([r.block_table + [0] * (max_blocks - len(r.block_table)) for r in reqs])
+
+        prefill_query_lens = query_lens[num_decodes:]
+        prefill_seq_lens = seq_lens[num_decodes:]
+        prefill_start_loc = [0]
+        for n in prefill_query_lens:
+            prefill_start_loc.append(prefill_start_loc[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=block_tables(decodes) if decodes else None,
+            decode_seq_lens=int32(seq_lens[:num_decodes]) if decodes else None,
+            max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
+            prefill_block_tables=block_tables(prefills) if prefills else None,
+            prefill_query_start_loc=int32(prefill_start_loc) if prefills else None,
+            prefill_seq_lens=int32(prefill_seq_lens) if prefills else None,
+            max_prefill_query_len=max(prefill_query_lens, default=0),
+            max_prefill_seq_len=max(prefill_seq_lens, default=0),
+            on_layer_kv_written=self.on_layer_kv_written,
+        )
+        return (torch.tensor(input_ids, dtype=torch.int64, device=device),
+                torch.tensor(positions, dtype=torch.int64, device=device),
+                meta, torch.tensor(sample_indices, dtype=torch.int64, device=device), sample_reqs)

@@ -1,0 +1,98 @@
+"""Data that crosses component boundaries inside an engine, one step at a time.
+
+scheduler --SchedulerOutput--> executor/model runner --RunnerOutput--> scheduler
+scheduler --EngineCoreOutput (per request)--> frontends (LLM, async engine, services)
+Plain dataclasses and lists: no torch, so they can be msgpack'd to TP workers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions start_pos.."""
+
+    req_id: str
+    token_ids: list[int]  # tokens whose KV this step computes
+    start_pos: int  # == the request's num_computed_tokens before the step
+    block_table: list[int]  # every block the request holds, in order
+    # True when this chunk ends at the request's last known token, so the
+    # step produces a new token for it (a partial prefill chunk samples nothing).
+    do_sample: bool
+    sampling_params: "SamplingParams"
+    # Token history for penalties; references, the runner must not mutate them.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    # Requests that finished or were aborted since the last step (possibly never
+    # seen by the runner); the runner drops their per-request state (seeded
+    # generators). Preempted requests are not listed: they resume later.
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class Logprobs:
+    """Log-probability of a sampled token and the top-n alternatives."""
+
+    token_logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class RunnerOutput:
+    req_ids: list[str]  # requests that sampled this step, in scheduled order
+    sampled_token_ids: list[list[int]]  # one list per entry of req_ids
+    logprobs: list[list[Logprobs] | None] | None = None  # parallel to sampled_token_ids
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one request produced in one step."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[Logprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The offline API's result for one prompt, shaped like vLLM's."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0

@@ -1,0 +1,78 @@
+"""A request's state inside one engine. Plain Python, no torch."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    # Decode role: blocks are reserved and KV is being imported from a prefill instance.
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """One generation request; `num_computed_tokens` catches up to `num_tokens`."""
+
+    def __init__(self, req_id: str, prompt_token_ids: list[int], sampling_params: "SamplingParams",
+                 eos_token_ids: tuple[int, ...] = (), priority: int = 0,
+                 arrival_time: float | None = None):
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache when the request was first scheduled.
+        self.num_cached_tokens = -1
+        # Leading tokens the prefix cache held when load stats first saw the request
+        # waiting (None: not looked up since it last entered the queue); an estimate.
+        self.num_queued_cached_tokens: int | None = None
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        # Chained hashes of the full blocks of all_token_ids, kept by the KV cache manager.
+        self.block_hashes: list[int] = []
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.req_id!r}, status={self.status.value}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

@@ -1,0 +1,276 @@
+"""Turns one step's logits into token ids (and logprobs), like vLLM's V1 sampler.
+
+Order per row: penalties -> min_tokens mask -> logprobs -> temperature -> top_k ->
+top_p -> min_p -> draw. Logprobs are taken from the log_softmax of the penalised,
+min_tokens-masked logits BEFORE temperature and truncation (vLLM's default
+"raw_logprobs" also ignores temperature; unlike it, ours include the penalties).
+
+The draw inverts each row's CDF at one uniform number (exact, like torch.multinomial).
+Unseeded rows share one generator seeded from the engine seed. A seeded row draws
+only from its own generator, re-seeded each step from (seed, index of the token
+being sampled), so its tokens depend neither on the rest of the batch nor on which
+instance samples which position (prefill samples token 0 on P and decode the rest on
+D; a request prefilled locally on D gets the same tokens).
+
+Greedy rows (temperature < 1e-5 or top_k == 1) take the argmax of the penalised,
+masked logits. A batch of greedy rows without penalties, logprobs or pending
+min_tokens is a single argmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from typing import Sequence
+
+import torch
+
+from common.engine.outputs import Logprobs, ScheduledRequest
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: list[int]  # one per logits row
+    logprobs: list[Logprobs | None] | None  # per row; None when no row asked for logprobs
+
+
+def _step_seed(seed: int, position: int) -> int:
+    # splitmix64 of (seed, position): well-mixed in all 64 bits, because torch's CPU
+    # generator (mt19937) only uses the low 32 bits of its seed.
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: Sequence[int] = (), seed: int = 0):
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.seed = seed
+        self._shared_generators: dict[torch.device, torch.Generator] = {}
+        self._request_generators: dict[str, torch.Generator] = {}
+        # Unique prompt token ids per request, for repetition penalties; a prompt never
+        # changes, so it is turned into a tensor once rather than every step.
+        self._prompt_id_tensors: dict[str, torch.Tensor] = {}
+
+    def remove_requests(self, req_ids: Sequence[str]) -> None:
+        """Drop per-request state of finished/aborted requests."""
+        for req_id in req_ids:
+            self._request_generators.pop(req_id, None)
+            self._prompt_id_tensors.pop(req_id, None)
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> SamplerOutput:
+        num_seqs, vocab_size = logits.shape  # logits: [num_seqs, vocab_size]
+        assert num_seqs == len(requests), (num_seqs, len(requests))
+        params = [r.sampling_params for r in requests]
+        if all(p.is_greedy and p.logprobs is None and not p.has_penalties
+               and len(r.output_token_ids) >= p.min_tokens for r, p in zip(requests, params)):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)  # fast path
+
+        logits = logits.to(torch.float32, copy=True)  # mutated below; the caller's is left alone
+        penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
+        if penalty_rows:
+            self._apply_penalties(logits, penalty_rows, requests)
+        self._mask_stop_tokens_below_min_tokens(logits, requests)
+
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        # [num_logprob_rows, vocab_size]
+        row_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if len(random_rows) == num_seqs:
+            sampled = self._sample_random(logits, requests)  # [num_seqs]
+        else:
+            sampled = logits.argmax(dim=-1)  # [num_seqs]
+            if random_rows:
+                sampled[random_rows] = self._sample_random(
+                    logits[random_rows], [requests[i] for i in random_rows])
+        sampled_token_ids = sampled.tolist()
+        logprobs = (self._gather_logprobs(row_logprobs, logprob_rows, sampled, params, num_seqs)
+                    if logprob_rows else None)
+        return SamplerOutput(sampled_token_ids, logprobs)
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[int],
+                         requests: Sequence[ScheduledRequest]) -> None:
+        """vLLM semantics: repetition over prompt+output tokens (divide positive logits,
+        multiply negative ones), then frequency (per occurrence) and presence (once)
+        over output tokens. Only the touched entries are read and written: O(tokens),
+        not O(rows * vocab). logits: [num_seqs, vocab_size], mutated."""
+        num_seqs, vocab_size = logits.shape
+        device = logits.device
+        repetition, frequency, presence = [1.0] * num_seqs, [0.0] * num_seqs, [0.0] * num_seqs
+        for i in rows:
+            p = requests[i].sampling_params
+            repetition[i], frequency[i], presence[i] = (
+                p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+        output_lists = [requests[i].output_token_ids for i in rows]
+        # One entry per output token: its logits row and token id. [num_output_tokens]
+        output_rows = torch.repeat_interleave(
+            torch.tensor(rows, device=device),
+            torch.tensor([len(ids) for ids in output_lists], device=device))
+        output_ids = torch.tensor(list(chain.from_iterable(output_lists)), dtype=torch.long,
+                                  device=device)
+        # Distinct (row, token) pairs as row * vocab_size + token. [num_distinct]
+        output_keys = torch.unique(output_rows * vocab_size + output_ids)
+
+        repetition_rows = [i for i in rows if repetition[i] != 1.0]
+        if repetition_rows:
+            seen_keys = torch.unique(torch.cat(
+                [output_keys] + [i * vocab_size + self._prompt_ids(requests[i], device)
+                                 for i in repetition_rows]))
+            seen_rows, seen_ids = seen_keys // vocab_size, seen_keys % vocab_size
+            factor = torch.tensor(repetition, device=device)[seen_rows]  # [num_seen]
+            values = logits[seen_rows, seen_ids]  # [num_seen]
+            logits[seen_rows, seen_ids] = torch.where(values > 0, values / factor, values * factor)
+        if any(frequency[i] != 0.0 for i in rows):
+            logits.index_put_((output_rows, output_ids),
+                              -torch.tensor(frequency, device=device)[output_rows], accumulate=True)
+        if any(presence[i] != 0.0 for i in rows):
+            distinct_rows, distinct_ids = output_keys // vocab_size, output_keys % vocab_size
+            presence_t = torch.tensor(presence, device=device)  # [num_seqs]
+            logits[distinct_rows, distinct_ids] -= presence_t[distinct_rows]
+
+    def _prompt_ids(self, request: ScheduledRequest, device: torch.device) -> torch.Tensor:
+        ids = self._prompt_id_tensors.get(request.req_id)
+        if ids is None or ids.device != device:
+            ids = torch.tensor(sorted(set(request.prompt_token_ids)), dtype=torch.long,
+                               device=device)
+            self._prompt_id_tensors[request.req_id] = ids
+        return ids
+
+    def _mask_stop_tokens_below_min_tokens(self, logits: torch.Tensor,
+                                           requests: Sequence[ScheduledRequest]) -> None:
+        vocab_size = logits.shape[1]
+        mask_rows: list[int] = []
+        mask_ids: list[int] = []
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if len(r.output_token_ids) >= p.min_tokens:
+                continue
+            # vLLM: EOS counts as a stop token unless ignore_eos.
+            stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            stop_ids = [t for t in stop_ids if t < vocab_size]
+            mask_rows += [i] * len(stop_ids)
+            mask_ids += stop_ids
+        if mask_rows:
+            logits[mask_rows, mask_ids] = float("-inf")
+
+    def _sample_random(self, logits: torch.Tensor,
+                       requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """Sample one token per row; logits: [num_rows, vocab_size], mutated. -> [num_rows]"""
+        device = logits.device
+        params = [r.sampling_params for r in requests]
+        logits.div_(torch.tensor([p.temperature for p in params], device=device).unsqueeze(1))
+        _apply_top_k(logits, [p.top_k for p in params])
+        _apply_top_p(logits, [p.top_p for p in params])
+        probs = logits.softmax(dim=-1)  # [num_rows, vocab_size]
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+            # Left unnormalised: the draw below only needs proportional weights.
+            probs.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        return self._draw(probs, requests)
+
+    def _draw(self, probs: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """Inverse-CDF draw, one uniform per row (what torch.multinomial does for one
+        sample, but with per-row generators): ~15x cheaper on CPU than drawing
+        vocab-sized noise for an exponential race. probs: [num_rows, vocab_size]."""
+        # float64: in float32 the cumulative sum would swallow the tail's tiny probabilities.
+        cdf = probs.to(torch.float64).cumsum_(dim=-1)  # [num_rows, vocab_size]
+        uniforms = torch.empty(len(requests), 1, dtype=torch.float64, device=probs.device)
+        seeded_rows = [j for j, r in enumerate(requests) if r.sampling_params.seed is not None]
+        if len(seeded_rows) < len(requests):
+            uniforms.uniform_(generator=self._shared_generator(probs.device))
+        for j in seeded_rows:  # a seeded row consumes its own generator only
+            uniforms[j].uniform_(generator=self._request_generator(requests[j], probs.device))
+        token_ids = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True)  # [num_rows, 1]
+        # u * total may round up to total: stay at or before the last token with
+        # probability > 0 (the first index where the cdf reaches its maximum).
+        return torch.minimum(token_ids, cdf.argmax(dim=-1, keepdim=True)).squeeze(1)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._shared_generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(self.seed)
+            self._shared_generators[device] = generator
+        return generator
+
+    def _request_generator(self, request: ScheduledRequest,
+                           device: torch.device) -> torch.Generator:
+        generator = self._request_generators.get(request.req_id)
+        if generator is None or generator.device != device:
+            generator = torch.Generator(device=device)
+            self._request_generators[request.req_id] = generator
+        generator.manual_seed(_step_seed(request.sampling_params.seed,
+                                         len(request.output_token_ids)))
+        return generator
+
+    @staticmethod
+    def _gather_logprobs(row_logprobs: torch.Tensor, rows: list[int], sampled: torch.Tensor,
+                         params: list, num_seqs: int) -> list[Logprobs | None]:
+        # row_logprobs: [num_rows, vocab_size] for the rows listed in `rows`
+        token_logprobs = row_logprobs.gather(1, sampled[rows].unsqueeze(1)).squeeze(1).tolist()
+        max_top_n = max(params[i].logprobs for i in rows)
+        top_values, top_ids = ([], []) if max_top_n == 0 else (
+            t.tolist() for t in row_logprobs.topk(max_top_n, dim=-1))  # [num_rows, max_top_n]
+        out: list[Logprobs | None] = [None] * num_seqs
+        for row, i in enumerate(rows):
+            n = params[i].logprobs
+            out[i] = Logprobs(token_logprobs[row], top_ids[row][:n] if n else [],
+                              top_values[row][:n] if n else [])
+        return out
+
+
+def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    # All rows: the tensor itself (no copy, no write-back needed).
+    return logits if len(rows) == logits.shape[0] else logits[rows]
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> None:
+    """Keep each row's top_k largest logits (-1: all); ties with the k-th are kept (vLLM).
+    logits: [num_rows, vocab_size], mutated."""
+    vocab_size = logits.shape[1]
+    rows = [i for i, k in enumerate(top_k) if 0 < k < vocab_size]
+    if not rows:
+        return
+    selected = _rows_of(logits, rows)  # [num_selected, vocab_size]
+    ks = torch.tensor([top_k[i] for i in rows], device=logits.device)  # [num_selected]
+    # A topk of the largest k is much cheaper than sorting the vocab.
+    top_values = selected.topk(int(ks.max()), dim=-1).values  # [num_selected, max_k]
+    kth_values = top_values.gather(1, (ks - 1).unsqueeze(1))  # [num_selected, 1]
+    selected.masked_fill_(selected < kth_values, float("-inf"))
+    if selected is not logits:
+        logits[rows] = selected
+
+
+# top_p first looks at this many most likely tokens, then 16x more, and sorts the
+# whole vocab only when their mass still does not reach p: on CPU a sort of a 50k
+# vocab costs ~20 topk(256)s or ~6 topk(4096)s, and LLM distributions are peaked.
+_TOP_P_CANDIDATES = 256
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> None:
+    """Keep the most likely tokens until their mass reaches p: a token stays while the
+    mass ranked above it is < p, so the one that crosses p stays, and so does the top
+    token. logits: [num_rows, vocab_size] (already top_k-masked), mutated."""
+    rows = [i for i, p in enumerate(top_p) if p < 1.0]
+    if not rows:
+        return
+    selected = _rows_of(logits, rows)  # [num_selected, vocab_size]
+    p = torch.tensor([top_p[i] for i in rows], device=logits.device).unsqueeze(1)  # [num_sel, 1]
+    probs = selected.softmax(dim=-1)  # [num_selected, vocab_size]
+    num_candidates = _TOP_P_CANDIDATES
+    while True:  # 256, 4096 candidates, then the whole vocab
+        if num_candidates >= probs.shape[1]:
+            ranked_probs, ranked_ids = probs.sort(dim=-1, descending=True)
+            break
+        ranked_probs, ranked_ids = probs.topk(num_candidates, dim=-1)  # [num_sel, num_candidates]
+        if bool((ranked_probs.sum(dim=-1, keepdim=True) >= p).all()):
+            break
+        num_candidates *= 16
+    # Tokens outside the candidates have the candidates' whole mass (>= p) above them.
+    mass_above = ranked_probs.cumsum(dim=-1) - ranked_probs  # [num_selected, num_ranked]
+    keep = torch.zeros_like(selected, dtype=torch.bool).scatter_(1, ranked_ids, mass_above < p)
+    selected.masked_fill_(~keep, float("-inf"))
+    if selected is not logits:
+        logits[rows] = selected

@@ -1,0 +1,217 @@
+"""Placing a prepared request and streaming its tokens back as text.
+
+One request: choose a prefill instance (the placement policy, over prompt block
+hashes) and a decode instance (load), count the dispatch against both at once,
+call Decode on the decode instance with the prefill address, and turn its token
+stream into text deltas (incremental detokenization with stop strings). When a
+stop string matches, the Decode call is cancelled, which aborts the request on
+the decode instance and its prefill. Leaving the iterator early (the client went
+away, its deadline passed) cancels the Decode call the same way.
+
+A decode call that fails with UNAVAILABLE (or CANCELLED/ABORTED) makes the
+gateway probe the instance at once (Stats) and drop it from the registry when the
+probe fails too, so later requests avoid it without waiting for its heartbeats to
+time out; an instance that is in fact alive re-registers on its next heartbeat.
+A request that failed so before receiving any token is retried on another decode
+instance (never twice on one); one that had streamed tokens ends with UNAVAILABLE.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from common.engine.block_hash import compute_block_hashes
+from common.service.metrics import GatewayMetrics, RequestTimer
+from gateway.convert import decode_output_from_pb, decode_request_to_pb
+from gateway.routing.kv_index import KvIndex
+from gateway.routing.placement import PlacementPolicy, record_decode_dispatch, record_prefill_dispatch
+from gateway.routing.registry import Instance, InstanceRegistry
+from gateway.text_assembler import TextAssembler
+from gateway.types import GatewayError, GenerationDelta, PreparedRequest
+from protos.pdserve.v1 import common_pb2, decode_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 1.0
+# Decode statuses the client gets as they are (they describe its request or the
+# system's state). CANCELLED that the gateway did not ask for (the instance shut
+# down) and ABORTED (its KV transfer failed) are transient: UNAVAILABLE, so that
+# clients retry. Anything else is a fault of the instance: INTERNAL.
+_PASSED_ON = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+              grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
+              grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION}
+_INSTANCE_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
+
+
+class _DecodeChannel:
+    """A channel to one decode instance, closed once it is unregistered and idle
+    (closing it earlier would kill the streams of an instance that is draining)."""
+
+    def __init__(self, address: str):
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = decode_pb2_grpc.DecodeServiceStub(self.channel)
+        self.num_calls = 0
+        self.retired = False
+
+
+class Dispatcher:
+    def __init__(self, registry: InstanceRegistry, kv_index: KvIndex, policy: PlacementPolicy,
+                 tokenizer, eos_token_ids: tuple[int, ...], metrics: GatewayMetrics | None = None):
+        self.registry = registry
+        self.metrics = metrics or GatewayMetrics(policy.name)
+        self.kv_index = kv_index
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._channels: dict[str, _DecodeChannel] = {}  # by gRPC address
+        self._background: set[asyncio.Task] = set()  # probes and channel closes
+        registry.subscribe(on_added=self._on_added, on_removed=self._on_removed)
+
+    async def stream(self, request: PreparedRequest, timeout_s: float | None = None,
+                     timer: RequestTimer | None = None) -> AsyncIterator[GenerationDelta]:
+        """Deltas of one request, the last with finish_reason set; raises GatewayError.
+        `timer` is told of every token as it arrives (TTFT and ITL at the gateway)."""
+        tried: set[str] = set()
+        while True:
+            decode, decode_blocks = self._choose_decode(request, exclude=tried)
+            tried.add(decode.instance_id)
+            streamed_any = False
+            try:
+                async for delta in self._stream_on(decode, request, timeout_s, timer):
+                    streamed_any = True
+                    yield delta
+                return
+            except grpc.aio.AioRpcError as e:
+                error = self._decode_error(decode, e)
+                retry = (error.code == grpc.StatusCode.UNAVAILABLE and not streamed_any
+                         and self._live_decodes(exclude=tried))
+                if not retry:
+                    raise error from None
+                logger.warning("%s; retrying request %s elsewhere", error.message, request.request_id)
+            finally:
+                self.registry.record_finish(decode.instance_id, blocks=decode_blocks)
+
+    def _live_decodes(self, exclude: set[str]) -> list[Instance]:
+        return [i for i in self.registry.instances("decode") if i.instance_id not in exclude]
+
+    def _choose_decode(self, request: PreparedRequest, exclude: set[str]) -> tuple[Instance, int]:
+        """The decode instance, and the KV blocks charged to it."""
+        decodes = self._live_decodes(exclude)
+        decode = self.policy.choose_decode(len(request.prompt_token_ids), decodes)
+        self.metrics.placed("decode", decode is not None)
+        if decode is None:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+                               "no decode instance is alive; start one (pdserve decode --gateway ADDR) "
+                               "and retry")
+        return decode, record_decode_dispatch(self.registry, decode, len(request.prompt_token_ids))
+
+    def _choose_prefill(self, request: PreparedRequest) -> tuple[Instance | None, int]:
+        """The prefill instance (None: the decode instance prefills locally), and the
+        prompt tokens charged to it."""
+        prefills = self.registry.instances("prefill")
+        self.metrics.placed("prefill", bool(prefills))
+        if not prefills:
+            return None, 0
+        hashes = compute_block_hashes(request.prompt_token_ids, prefills[0].spec.block_size)
+        prefill = self.policy.choose_prefill(hashes, prefills)
+        return prefill, record_prefill_dispatch(self.registry, self.kv_index, prefill, hashes,
+                                                len(request.prompt_token_ids))
+
+    async def _stream_on(self, decode: Instance, request: PreparedRequest, timeout_s: float | None,
+                         timer: RequestTimer | None) -> AsyncIterator[GenerationDelta]:
+        prefill, prefill_tokens = self._choose_prefill(request)
+        prefill_pending = prefill is not None  # until the first token shows its prefill is done
+
+        def prefill_done() -> None:
+            nonlocal prefill_pending
+            if prefill_pending:
+                prefill_pending = False
+                self.registry.record_finish(prefill.instance_id, prefill_tokens=prefill_tokens)
+
+        logger.debug("placed on decode %s, prefill %s", decode.instance_id,
+                     prefill.instance_id if prefill else "local")
+        channel = self._channel(decode)
+        call = channel.stub.Decode(decode_request_to_pb(
+            request, prefill.spec.grpc_address if prefill else "", prefill.instance_id if prefill else ""),
+            timeout=timeout_s)
+        channel.num_calls += 1
+        text = TextAssembler(self.tokenizer, request, decode.instance_id, self.eos_token_ids)
+        try:
+            async for msg in call:
+                prefill_done()
+                if timer is not None:
+                    timer.tokens(len(msg.token_ids))
+                delta = text.apply(decode_output_from_pb(msg))
+                if delta.finish_reason is not None:
+                    yield delta
+                    return
+                if delta.text or delta.token_ids:
+                    yield delta
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+                               f"decode instance {decode.instance_id} ended the stream of request "
+                               f"{request.request_id} before it finished")
+        finally:
+            prefill_done()  # no token came: the prefill was aborted with the call
+            call.cancel()  # no-op when finished; otherwise aborts decode and prefill
+            channel.num_calls -= 1
+            self._close_if_idle(decode.spec.grpc_address)
+
+    def _decode_error(self, decode: Instance, e: grpc.aio.AioRpcError) -> GatewayError:
+        code = e.code()
+        if code in _INSTANCE_GONE:
+            self._in_background(self._probe(decode))
+            code = grpc.StatusCode.UNAVAILABLE
+        elif code not in _PASSED_ON:
+            code = grpc.StatusCode.INTERNAL
+        return GatewayError(code, f"decode instance {decode.instance_id} failed: {e.details()}")
+
+    async def _probe(self, instance: Instance) -> None:
+        if self.registry.get(instance.instance_id) is not instance:
+            return  # already replaced or gone
+        try:
+            await self._channel(instance).stub.Stats(common_pb2.StatsRequest(), timeout=PROBE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            if self.registry.get(instance.instance_id) is instance:
+                logger.warning("decode instance %s does not answer (%s); no longer placing on it",
+                               instance.instance_id, e.code().name)
+                self.registry.deregister(instance.instance_id)
+
+    def _channel(self, instance: Instance) -> _DecodeChannel:
+        address = instance.spec.grpc_address
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = _DecodeChannel(address)
+        return channel
+
+    def _on_added(self, instance: Instance, _reason: str) -> None:
+        channel = self._channels.get(instance.spec.grpc_address)
+        if channel is not None:
+            channel.retired = False
+
+    def _on_removed(self, instance: Instance, _reason: str) -> None:
+        if instance.role == "decode" and instance.spec.grpc_address in self._channels:
+            self._channels[instance.spec.grpc_address].retired = True
+            self._close_if_idle(instance.spec.grpc_address)
+
+    def _close_if_idle(self, address: str) -> None:
+        channel = self._channels.get(address)
+        if channel is not None and channel.retired and channel.num_calls == 0:
+            del self._channels[address]
+            self._in_background(channel.channel.close())
+
+    def _in_background(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        for channel in self._channels.values():
+            await channel.channel.close()
+        self._channels.clear()
+

@@ -1,0 +1,199 @@
+"""BlockPool and KVCacheManager: exact block ids, eviction order, prefix hits, events."""
+from __future__ import annotations
+
+import pytest
+
+from common.engine.block_hash import compute_block_hashes, hash_block_tokens
+from common.engine.block_pool import BlockRemoved, BlockStored
+from common.engine.request import Request
+from common.engine.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+
+
+def make_request(req_id: str, prompt_token_ids: list[int]) -> Request:
+    return Request(req_id, prompt_token_ids, SamplingParams())
+
+
+def admit(kv, request: Request) -> list[int]:
+    """What the scheduler does for a new request: look up the prefix, allocate the rest."""
+    hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
+    new_block_ids = kv.allocate_slots(request, request.num_tokens - num_hit_tokens, hit_block_ids)
+    assert new_block_ids is not None
+    request.num_computed_tokens = request.num_tokens
+    return new_block_ids
+
+
+def free_queue_ids(kv) -> list[int]:
+    return list(kv.block_pool.free_queue)
+
+
+def test_allocates_exact_block_ids_and_frees_tail_first(make_kv_cache_manager):
+    kv = make_kv_cache_manager(num_blocks=8)
+    req_a = make_request("a", list(range(10)))
+    req_b = make_request("b", list(range(100, 105)))
+    assert admit(kv, req_a) == [0, 1, 2]
+    assert admit(kv, req_b) == [3, 4]
+    assert kv.get_block_ids("a") == [0, 1, 2]
+    assert kv.num_free_blocks == 3 and kv.usage == pytest.approx(5 / 8)
+    kv.check_invariants()
+
+    kv.free(req_a)
+    # The request's tail block is evicted first, its first block last.
+    assert free_queue_ids(kv) == [5, 6, 7, 2, 1, 0]
+    kv.free(req_b)
+    assert free_queue_ids(kv) == [5, 6, 7, 2, 1, 0, 4, 3]
+    assert kv.get_block_ids("a") == []
+
+
+def test_prefix_hit_reuses_exact_block_ids(make_kv_cache_manager):
+    kv = make_kv_cache_manager(num_blocks=8)
+    req_a = make_request("a", list(range(10)))
+    admit(kv, req_a)  # blocks 0 and 1 are full and cached, block 2 is partial
+    req_b = make_request("b", list(range(8)) + [100, 101, 102])
+    assert kv.get_computed_blocks(req_b) == ([0, 1], 8)
+    assert kv.allocate_slots(req_b, 3, [0, 1]) == [3]
+    assert kv.get_block_ids("b") == [0, 1, 3]
+    assert [kv.block_pool.blocks[i].ref_cnt for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
+
+    kv.free(req_a)  # only the unshared block 2 becomes free
+    assert free_queue_ids(kv) == [4, 5, 6, 7, 2]
+    kv.free(req_b)
+    assert free_queue_ids(kv) == [4, 5, 6, 7, 2, 3, 1, 0]
+
+    # A hit on free blocks takes them out of the middle of the free queue.
+    req_c = make_request("c", list(range(8)) + [7])
+    assert kv.get_computed_blocks(req_c) == ([0, 1], 8)
+    assert kv.allocate_slots(req_c, 1, [0, 1]) == [4]
+    assert free_queue_ids(kv) == [5, 6, 7, 2, 3]
+    kv.check_invariants()
+    kv.free(req_c)
+    assert kv.stats.num_query_tokens == 10 + 11 + 9 and kv.stats.num_hit_tokens == 16
+
+
+def test_whole_prompt_cached_drops_last_block(make_kv_cache_manager):
+    kv = make_kv_cache_manager()
+    req_a = make_request("a", list(range(8)))
+    admit(kv, req_a)
+    kv.free(req_a)
+    # Same 8 tokens: both blocks are cached, but the last token must be recomputed.
+    assert kv.get_computed_blocks(make_request("b", list(range(8)))) == ([0], 4)
+    assert kv.get_computed_blocks(make_request("c", list(range(9)))) == ([0, 1], 8)
+    assert kv.get_computed_blocks(make_request("d", list(range(7)))) == ([0], 4)
+    assert kv.get_computed_blocks(make_request("e", [0, 1, 2])) == ([], 0)
+
+
+def test_failed_allocation_changes_nothing(make_kv_cache_manager):
+    kv = make_kv_cache_manager(num_blocks=4)
+    req_a = make_request("a", list(range(8)))
+    admit(kv, req_a)
+    kv.free(req_a)
+    admit(kv, make_request("other", [50]))  # takes block 2, the head of the free queue
+    kv.take_events()
+    before = (free_queue_ids(kv), [(b.ref_cnt, b.block_hash) for b in kv.block_pool.blocks])
+
+    # Two free cached hits + two new blocks = 4 > 3 free blocks.
+    req_b = make_request("b", list(range(8)) + list(range(200, 208)))
+    hit_block_ids, num_hit_tokens = kv.get_computed_blocks(req_b)
+    assert (hit_block_ids, num_hit_tokens) == ([0, 1], 8)
+    assert kv.allocate_slots(req_b, 8, hit_block_ids) is None
+    assert (free_queue_ids(kv), [(b.ref_cnt, b.block_hash) for b in kv.block_pool.blocks]) == before
+    assert kv.get_block_ids("b") == [] and kv.take_events() == []
+    # One new block fits: 2 hits + 1 new = 3 free.
+    assert kv.allocate_slots(req_b, 4, hit_block_ids) == [3]
+
+
+def test_reallocation_evicts_hash_with_block_removed_event(make_kv_cache_manager):
+    kv = make_kv_cache_manager(num_blocks=4)
+    req_a = make_request("a", list(range(8)))
+    admit(kv, req_a)
+    hash_a0, hash_a1 = req_a.block_hashes
+    assert kv.take_events() == [BlockStored(seq=1, block_hashes=[hash_a0, hash_a1], parent_block_hash=None,
+                                            token_ids=list(range(8)), block_size=BLOCK_SIZE)]
+    kv.free(req_a)
+    assert free_queue_ids(kv) == [2, 3, 1, 0]
+    assert sorted(kv.all_cached_block_hashes()) == sorted([hash_a0, hash_a1])  # freed, still cached
+
+    req_b = make_request("b", list(range(100, 116)))
+    assert admit(kv, req_b) == [2, 3, 1, 0]
+    events = kv.take_events()
+    assert events[0] == BlockRemoved(seq=2, block_hashes=[hash_a1, hash_a0])
+    assert events[1] == BlockStored(seq=3, block_hashes=req_b.block_hashes, parent_block_hash=None,
+                                    token_ids=list(range(100, 116)), block_size=BLOCK_SIZE)
+    assert kv.last_event_seq == 3 and kv.take_events() == []
+    assert kv.all_cached_block_hashes() == req_b.block_hashes
+    assert kv.get_computed_blocks(make_request("a2", list(range(9)))) == ([], 0)
+    kv.free(req_b)
+
+
+def test_decode_tokens_fill_blocks_incrementally(make_kv_cache_manager):
+    kv = make_kv_cache_manager()
+    req = make_request("a", list(range(6)))
+    assert admit(kv, req) == [0, 1]
+    assert len(req.block_hashes) == 1
+    kv.take_events()
+    for token_id in (6, 7, 8):  # one decode step each: the token sampled last is computed now
+        req.append_output_token_ids([token_id])
+        assert kv.allocate_slots(req, 1) == ([2] if token_id == 8 else [])
+        req.num_computed_tokens += 1
+    # Block 1 became full with token 7 (its KV computed in the step that got token 8).
+    assert req.block_hashes == compute_block_hashes(req.all_token_ids, BLOCK_SIZE)
+    assert kv.take_events() == [BlockStored(seq=2, block_hashes=[req.block_hashes[1]],
+                                            parent_block_hash=req.block_hashes[0],
+                                            token_ids=[4, 5, 6, 7], block_size=BLOCK_SIZE)]
+    kv.free(req)
+
+
+def test_block_hashes_are_extended_not_recomputed(make_kv_cache_manager):
+    kv = make_kv_cache_manager()
+    req = make_request("a", list(range(5)))
+    kv.get_computed_blocks(req)
+    req.block_hashes[0] = 12345  # a recomputation would overwrite this
+    req.append_output_token_ids([5, 6, 7])
+    kv.get_computed_blocks(req)
+    assert req.block_hashes == [12345, hash_block_tokens(12345, [4, 5, 6, 7])]
+
+
+def test_concurrent_duplicate_blocks_keep_the_first_copy(make_kv_cache_manager):
+    kv = make_kv_cache_manager()
+    req_a, req_b = make_request("a", list(range(9))), make_request("b", list(range(9)))
+    lookup_b = kv.get_computed_blocks(req_b)  # before a registers anything: a miss
+    admit(kv, req_a)
+    assert lookup_b == ([], 0)
+    assert kv.allocate_slots(req_b, 9, []) == [3, 4, 5]
+    assert [kv.block_pool.blocks[i].block_hash for i in (3, 4)] == [None, None]
+    assert len(kv.take_events()) == 1
+    kv.free(req_a)
+    kv.free(req_b)
+    assert kv.get_computed_blocks(make_request("c", list(range(9)))) == ([0, 1], 8)
+
+
+def test_reset_prefix_cache_and_disabled_caching(make_kv_cache_manager):
+    kv = make_kv_cache_manager()
+    req = make_request("a", list(range(9)))
+    admit(kv, req)
+    kv.take_events()
+    kv.reset_prefix_cache()
+    assert kv.take_events() == [BlockRemoved(seq=2, block_hashes=req.block_hashes)]
+    assert kv.all_cached_block_hashes() == []
+    kv.free(req)
+    assert kv.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+
+    kv_off = make_kv_cache_manager(enable_prefix_caching=False)
+    req = make_request("a", list(range(9)))
+    admit(kv_off, req)
+    kv_off.free(req)
+    req_b = make_request("b", list(range(9)))
+    assert kv_off.get_computed_blocks(req_b) == ([], 0) and req_b.block_hashes == []
+    assert kv_off.take_events() == [] and kv_off.stats.num_query_tokens == 0
+
+
+def test_check_invariants_detects_corruption(make_kv_cache_manager):
+    kv = make_kv_cache_manager()
+    req = make_request("a", list(range(5)))
+    admit(kv, req)
+    kv.block_pool.blocks[0].ref_cnt += 1
+    with pytest.raises(AssertionError, match="ref_cnt"):
+        kv.check_invariants()
+    kv.block_pool.blocks[0].ref_cnt -= 1
+    kv.free(req)

@@ -1,0 +1,139 @@
+import math
+
+import pytest
+
+from common.engine.sampling_params import (MAX_LOGPROBS, MAX_SEED, SamplingParams,
+                                    validate_prompt_token_ids)
+
+# (field, bad value, a fragment of the allowed range the message must state)
+INVALID = [
+    ("temperature", -0.1, ">= 0"),
+    ("temperature", math.nan, "finite"),
+    ("temperature", math.inf, "finite"),
+    ("temperature", "1.0", "finite"),
+    ("top_p", 0.0, "(0, 1]"),
+    ("top_p", 1.01, "(0, 1]"),
+    ("top_p", -0.5, "(0, 1]"),
+    ("top_k", 0, ">= 1"),
+    ("top_k", -2, "-1"),
+    ("top_k", 2.5, ">= 1"),
+    ("min_p", -0.01, "[0, 1]"),
+    ("min_p", 1.5, "[0, 1]"),
+    ("repetition_penalty", 0.0, "> 0"),
+    ("repetition_penalty", -1.0, "> 0"),
+    ("presence_penalty", 2.01, "[-2, 2]"),
+    ("presence_penalty", -2.5, "[-2, 2]"),
+    ("frequency_penalty", 3.0, "[-2, 2]"),
+    ("frequency_penalty", -2.01, "[-2, 2]"),
+    ("max_tokens", 0, ">= 1"),
+    ("max_tokens", -5, ">= 1"),
+    ("min_tokens", -1, ">= 0"),
+    ("n", 0, ">= 1"),
+    ("n", True, ">= 1"),
+    ("logprobs", -1, f"[0, {MAX_LOGPROBS}]"),
+    ("logprobs", MAX_LOGPROBS + 1, f"[0, {MAX_LOGPROBS}]"),
+    ("seed", -1, f"[0, {MAX_SEED}]"),
+    ("seed", MAX_SEED + 1, f"[0, {MAX_SEED}]"),
+    ("seed", 1.5, f"[0, {MAX_SEED}]"),
+    ("stop", [""], "non-empty strings"),
+    ("stop", ["ok", 3], "non-empty strings"),
+    ("stop", 7, "non-empty strings"),
+    ("stop_token_ids", [-1], ">= 0"),
+    ("stop_token_ids", [1.0], ">= 0"),
+    ("ignore_eos", 1, "bool"),
+]
+
+
+@pytest.mark.parametrize("name,value,allowed", INVALID, ids=[f"{n}={v!r}" for n, v, _ in INVALID])
+def test_invalid_value_rejected_naming_field_and_range(name, value, allowed):
+    with pytest.raises(ValueError) as excinfo:
+        SamplingParams(**{name: value})
+    assert name in str(excinfo.value)
+    assert allowed in str(excinfo.value)
+
+
+def test_min_tokens_above_max_tokens_rejected():
+    with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens \(4\)"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    SamplingParams(max_tokens=4, min_tokens=4)
+    SamplingParams(max_tokens=None, min_tokens=1000)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(temperature=0.0), dict(temperature=2), dict(top_p=1.0), dict(top_p=1e-6),
+    dict(top_k=-1), dict(top_k=1), dict(top_k=10**6), dict(min_p=0.0), dict(min_p=1.0),
+    dict(repetition_penalty=1e-3), dict(presence_penalty=-2), dict(frequency_penalty=2.0),
+    dict(seed=0), dict(seed=MAX_SEED), dict(logprobs=0), dict(logprobs=MAX_LOGPROBS),
+    dict(max_tokens=None), dict(max_tokens=1), dict(n=4), dict(stop=["a", "\n\n"]),
+])
+def test_boundary_values_accepted(changes):
+    SamplingParams(**changes)
+
+
+def test_normalisation():
+    params = SamplingParams(temperature=1, stop="###", stop_token_ids=(5, 6))
+    assert isinstance(params.temperature, float)
+    assert params.stop == ["###"]  # vLLM accepts one string
+    assert params.stop_token_ids == [5, 6]
+
+
+def test_is_greedy():
+    assert SamplingParams(temperature=0.0).is_greedy
+    assert SamplingParams(temperature=1e-7).is_greedy  # would overflow as a divisor
+    assert SamplingParams(temperature=0.8, top_k=1).is_greedy
+    assert not SamplingParams(temperature=0.8).is_greedy
+
+
+def test_dict_round_trip_and_unknown_keys():
+    params = SamplingParams(n=2, temperature=0.7, top_k=5, seed=3, stop=["x"], stop_token_ids=[9],
+                            max_tokens=None, logprobs=2)
+    data = params.to_dict()
+    assert all(isinstance(v, (int, float, bool, str, list, type(None))) for v in data.values())
+    assert SamplingParams.from_dict(data) == params
+    with pytest.raises(ValueError, match="tempreature"):
+        SamplingParams.from_dict({"tempreature": 0.5})
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams.from_dict({**data, "top_p": 0.0})
+
+
+def test_clone_copies_and_validates():
+    params = SamplingParams(stop=["a"], stop_token_ids=[1])
+    copy = params.clone(temperature=0.0)
+    assert copy.temperature == 0.0 and params.temperature == 1.0
+    copy.stop.append("b")
+    copy.stop_token_ids.append(2)
+    assert params.stop == ["a"] and params.stop_token_ids == [1]
+    with pytest.raises(ValueError, match="top_k"):
+        params.clone(top_k=0)
+    with pytest.raises(ValueError, match="unknown"):
+        params.clone(beam_width=2)
+
+
+def test_for_child_fans_out_with_distinct_seeds():
+    params = SamplingParams(n=3, seed=MAX_SEED - 1)
+    children = [params.for_child(i) for i in range(3)]
+    assert [c.n for c in children] == [1, 1, 1]
+    assert [c.seed for c in children] == [MAX_SEED - 1, MAX_SEED, 0]
+    assert SamplingParams(n=2).for_child(1).seed is None
+    with pytest.raises(ValueError):
+        params.for_child(3)
+
+
+def test_validate_token_ids():
+    SamplingParams(stop_token_ids=[0, 99]).validate_token_ids(100)
+    with pytest.raises(ValueError, match=r"stop_token_ids.*100.*vocab size 100"):
+        SamplingParams(stop_token_ids=[5, 100]).validate_token_ids(100)
+
+
+def test_validate_prompt_token_ids():
+    validate_prompt_token_ids([0, 5, 99], 100)
+    with pytest.raises(ValueError, match="empty"):
+        validate_prompt_token_ids([], 100)
+    with pytest.raises(ValueError, match=r"\[2\].*token id 100 .*vocab size 100"):
+        validate_prompt_token_ids([1, 2, 100], 100)
+    with pytest.raises(ValueError, match=r"\[0\].*token id -3 .*vocab size 100"):
+        validate_prompt_token_ids([-3], 100)
+    with pytest.raises(ValueError, match=r"\[1\].*'7'"):
+        validate_prompt_token_ids([1, "7"], 100)
+    with pytest.raises(ValueError, match=r"\[1\].*2.0.*not an int"):
+        validate_prompt_token_ids([1, 2.0], 100)

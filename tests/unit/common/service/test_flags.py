@@ -1,0 +1,34 @@
+"""Worker flags: every flag (engine flags in argument groups included) reads PDSERVE_<FLAG>."""
+from __future__ import annotations
+
+import pytest
+
+from common.cli.main import engine_config_from_args
+from common.service.worker import advertised_zmq_endpoint
+from decode_service.main import build_parser as decode_parser
+from prefill_service.main import build_parser as prefill_parser
+
+
+def test_env_defaults_reach_grouped_flags(monkeypatch):
+    monkeypatch.setenv("PDSERVE_KV_CACHE_MEMORY", "64MiB")
+    monkeypatch.setenv("PDSERVE_LOCAL_PREFILL_THRESHOLD", "5")
+    monkeypatch.setenv("PDSERVE_NO_LOCAL_FALLBACK", "true")
+    args = decode_parser().parse_args(["--max-num-seqs", "3"])
+    assert (args.kv_cache_memory, args.local_prefill_threshold, args.no_local_fallback) == ("64MiB", 5, True)
+    config = engine_config_from_args(args)
+    assert (config.cache.kv_cache_memory, config.scheduler.max_num_seqs) == ("64MiB", 3)
+    assert "[env PDSERVE_EVENTS_PORT]" in prefill_parser().format_help()
+
+
+def test_bad_env_value_is_a_usage_error(monkeypatch):
+    monkeypatch.setenv("PDSERVE_PORT", "not-a-port")
+    with pytest.raises(SystemExit):
+        prefill_parser().parse_args([])
+
+
+def test_defaults_are_loopback_and_free_ports():
+    args = prefill_parser().parse_args([])
+    assert (args.host, args.port, args.events_port, args.grace_period) == ("127.0.0.1", 0, 0, 30.0)
+    assert advertised_zmq_endpoint(args, "tcp://127.0.0.1:5555") == "tcp://127.0.0.1:5555"
+    args = decode_parser().parse_args(["--host", "0.0.0.0", "--advertise-address", "10.0.0.5:7000"])
+    assert advertised_zmq_endpoint(args, "tcp://0.0.0.0:5601") == "tcp://10.0.0.5:5601"

@@ -1,0 +1,262 @@
+"""The OpenAI HTTP front on a real in-process gateway (real gRPC, real uvicorn on
+127.0.0.1) with the synthetic decode instance (bench.fakes.fake_decode): the official
+`openai` client's calls, error statuses and bodies over HTTP, n fan-out, client
+disconnects cancelling the decode call, draining, and `pdserve bench serve
+--backend openai`. The real model is in tests/integration/test_openai_stack.py."""
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+from contextlib import contextmanager
+
+import grpc
+import pytest
+
+from gateway.core import GatewaySettings
+from bench.fakes.fake_decode import Failure
+from gateway.openai_api.server import OpenAIServer
+from tests.support.background_gateway import BackgroundGateway
+
+openai = pytest.importorskip("openai")
+
+TOKENS = [504, 3458, 314, 4649, 30]  # detokenize to English text with the bundled tokenizer
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@contextmanager
+def http_gateway(max_body_bytes: int | None = None, **fake_kwargs):
+    """A BackgroundGateway with one fake decode instance (unless fake_kwargs is None-like)
+    and the OpenAI server on a free port; yields the BackgroundGateway."""
+    with BackgroundGateway(GatewaySettings(heartbeat_timeout_s=30.0)) as gw:
+        gw.fake = gw.add_fake_decode("decode-0", **fake_kwargs) if fake_kwargs else None
+        kwargs = {"max_body_bytes": max_body_bytes} if max_body_bytes else {}
+        server = gw.server.openai_http = gw.call(lambda: OpenAIServer(gw.gateway, port=0, **kwargs))
+        gw.http_address = gw.call(server.start())
+        try:
+            yield gw
+        finally:
+            gw.call(server.stop())
+
+
+@pytest.fixture(scope="module")
+def gw():
+    with http_gateway(token_ids=TOKENS, delay_s=0.002) as gateway:
+        yield gateway
+
+
+@pytest.fixture(scope="module")
+def client(gw):
+    return openai.OpenAI(base_url=f"http://{gw.http_address}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def post(address: str, path: str, body: bytes | dict, method: str = "POST") -> tuple[int, dict]:
+    connection = http.client.HTTPConnection(*address.split(":"), timeout=30)
+    try:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        connection.request(method, path, body=raw if method == "POST" else None,
+                           headers={"content-type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def wait_for(condition, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_models_health_and_unknown_routes(gw, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert post(gw.http_address, "/health", b"", method="GET") == (200, {"status": "ok"})
+    status, body = post(gw.http_address, "/v1/embeddings", {"model": MODEL})
+    assert status == 404 and body["error"]["code"] == "not_found"
+    status, body = post(gw.http_address, "/v1/completions", b"", method="GET")
+    assert status == 405 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_completion_and_chat_unary_and_streamed_agree(gw, client):
+    tokenizer = gw.gateway.model.tokenizer
+    text = tokenizer.decode(TOKENS)
+    unary = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5)
+    assert unary.choices[0].text == text and unary.choices[0].finish_reason == "length"
+    num_prompt = len(tokenizer.encode("Hello there"))
+    assert (unary.usage.prompt_tokens, unary.usage.completion_tokens, unary.usage.total_tokens) == (
+        num_prompt, 5, num_prompt + 5)
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-2].choices[0].finish_reason == "length"
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=5)
+    assert chat.choices[0].message.content == text and chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens == len(tokenizer.apply_chat_template(messages))
+    stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, stream=True))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == text
+    assert stream[-1].choices[0].finish_reason == "length"
+
+
+def test_what_reaches_decode_is_the_requests_sampling(gw, client):
+    client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=4, temperature=0.5, top_p=0.9,
+                              seed=3, extra_body={"top_k": 5, "ignore_eos": True, "min_tokens": 2})
+    sent = gw.call(lambda: gw.fake.servicer.requests[-1])
+    assert list(sent.prompt_token_ids) == [1, 2, 3] and sent.request_id.startswith("cmpl-")
+    s = sent.sampling
+    assert (s.max_tokens, s.top_k, s.seed, s.min_tokens, s.ignore_eos) == (4, 5, 3, 2, True)
+    assert (round(s.temperature, 3), round(s.top_p, 3)) == (0.5, 0.9)
+
+
+def test_n_fans_out_into_seeded_requests_and_usage_counts_the_prompt_once(gw, client):
+    before = gw.call(lambda: len(gw.fake.servicer.requests))
+    result = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, n=3, seed=40,
+                                       temperature=1.0)
+    sent = gw.call(lambda: gw.fake.servicer.requests[before:])
+    assert sorted(r.request_id.rsplit("-", 1)[1] for r in sent) == ["0", "1", "2"]
+    assert sorted(r.sampling.seed for r in sent) == [40, 41, 42]
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    num_prompt = len(gw.gateway.model.tokenizer.encode("Hello there"))
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (num_prompt, 9)
+    streamed = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                   max_tokens=3, n=2, stream=True,
+                                                   stream_options={"include_usage": True}))
+    assert {c.choices[0].index for c in streamed[:-1]} == {0, 1}
+    assert sum(1 for c in streamed[:-1] if c.choices[0].delta.role) == 2  # each choice's first chunk
+    assert streamed[-1].usage.completion_tokens == 6
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "SmolLM2-135M-Instruct", "prompt": "hi", ',
+    {"model": MODEL, "prompt": "hi", "max_tokenz": 3},
+    {"model": MODEL, "prompt": "hi", "max_tokens": "3"},
+    {"model": MODEL, "prompt": "hi", "top_p": 1.5},
+])
+def test_bad_requests_are_400_with_openais_error_body_over_http(gw, body):
+    status, response = post(gw.http_address, "/v1/completions", body)
+    assert status == 400 and set(response["error"]) == {"message", "type", "param", "code"}
+    assert response["error"]["type"] == "invalid_request_error"
+    expected_param = None if isinstance(body, bytes) else [k for k in body if k not in ("model", "prompt")][0]
+    assert response["error"]["param"] == expected_param
+    if expected_param:
+        assert expected_param in response["error"]["message"]
+
+
+def test_gateway_validation_errors_keep_their_400_and_name_the_field(gw, client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
+    assert error.value.body["param"] == "max_tokens" and error.value.body["code"] == "invalid_argument"
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=MODEL, prompt=[10**6])  # not in the vocabulary
+    assert error.value.body["param"] == "prompt"
+    with pytest.raises(openai.NotFoundError) as error:
+        client.completions.create(model="gpt-4o", prompt="hi")
+    assert error.value.body["code"] == "model_not_found" and error.value.body["param"] == "model"
+    status, body = post(gw.http_address, "/v1/completions", b"x" * (5 << 20))
+    assert status == 413 and body["error"]["code"] == "body_too_large"
+
+
+@pytest.mark.parametrize("code, http_status", [
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.INTERNAL, 500)])
+def test_grpc_statuses_become_their_http_codes_unary_and_before_the_first_chunk(code, http_status):
+    with http_gateway(token_ids=TOKENS, failure=Failure(code, after_tokens=0)) as gw:
+        for stream in (False, True):
+            status, body = post(gw.http_address, "/v1/completions",
+                                {"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": stream})
+            assert status == http_status, body
+            assert "decode-0" in body["error"]["message"] and body["error"]["code"] == code.name.lower()
+
+
+def test_a_failure_mid_stream_ends_it_with_an_error_event():
+    with http_gateway(token_ids=TOKENS, failure=Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, after_tokens=2)) as gw:
+        client = openai.OpenAI(base_url=f"http://{gw.http_address}/v1", api_key="x", max_retries=0)
+        received = []
+        with pytest.raises(openai.APIError) as error:
+            for chunk in client.completions.create(model=MODEL, prompt="hi", max_tokens=5, stream=True):
+                received.append(chunk.choices[0].text)
+        assert received and "injected failure" in str(error.value.message)
+
+
+def test_no_decode_instance_is_503_and_draining_is_503_on_health_too():
+    with http_gateway() as gw:  # no decode instance registered
+        status, body = post(gw.http_address, "/v1/chat/completions",
+                            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 503 and body["error"]["type"] == "service_unavailable_error"
+        gw.call(lambda: setattr(gw.gateway, "draining", True))
+        assert post(gw.http_address, "/health", b"", method="GET")[0] == 503
+        assert post(gw.http_address, "/v1/completions", {"model": MODEL, "prompt": "hi"})[0] == 503
+
+
+def raw_request(address: str, body: dict) -> socket.socket:
+    """Send a POST on a bare socket (so the test decides when the connection drops)."""
+    host, port = address.split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    raw = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_cancels_the_decode_call(stream):
+    with http_gateway(token_ids=TOKENS, delay_s=0.05) as gw:  # 400 tokens: 20 s unless cancelled
+        servicer = gw.fake.servicer
+        sock = raw_request(gw.http_address, {"model": MODEL, "prompt": "hi", "max_tokens": 400, "stream": stream})
+        wait_for(lambda: gw.call(lambda: len(servicer.running)) == 1, what="the decode call")
+        received = b""
+        while stream and b"data: " not in received:  # tokens are flowing
+            received += sock.recv(65536)
+        sock.close()
+        wait_for(lambda: gw.call(lambda: len(servicer.cancelled)) == 1, what="the decode call's cancellation")
+        assert gw.call(lambda: (len(servicer.running), len(gw.gateway._in_flight))) == (0, 0)
+
+
+def test_a_client_gone_in_the_middle_of_its_body_leaves_nothing_behind(caplog):
+    with http_gateway(token_ids=TOKENS) as gw:
+        host, port = gw.http_address.split(":")
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\":")
+        connections = gw.server.openai_http._server.server_state.connections
+        wait_for(lambda: gw.call(lambda: len(connections)) == 1, what="the connection")
+        sock.close()
+        wait_for(lambda: gw.call(lambda: len(connections)) == 0, what="the connection to close")
+        assert post(gw.http_address, "/health", b"", method="GET")[0] == 200
+        assert gw.call(lambda: len(gw.fake.servicer.requests)) == 0
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
+
+
+def test_each_chunk_is_sent_the_moment_its_token_arrives():
+    # The fake sends its first token at once and the second 30 s later: the first chunk
+    # must not wait for the second.
+    with http_gateway(token_ids=TOKENS, delay_s=30.0) as gw:
+        sock = raw_request(gw.http_address, {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True})
+        received = b""
+        while b"data: " not in received:
+            received += sock.recv(65536)  # the socket's 10 s timeout fails the test
+        sock.close()
+        wait_for(lambda: gw.call(lambda: len(gw.fake.servicer.cancelled)) == 1, what="the cancellation")
+
+
+def test_bench_serve_openai_backend_counts_tokens_exactly(tmp_path):
+    """Three tokens per decode message: one text chunk carries three tokens, and the
+    usage chunk makes the count exact anyway."""
+    from bench.serve.main import main
+    out = tmp_path / "openai.json"
+    with http_gateway(token_ids=TOKENS, tokens_per_message=3, delay_s=0.001) as gw:
+        rc = main(["--backend", "openai", "--base-url", f"http://{gw.http_address}/v1", "--tokenizer", "bundled",
+                   "--random-input-len", "16", "--random-output-len", "7", "--num-prompts", "6",
+                   "--max-concurrency", "3", "--disable-tqdm", "--json", str(out)])
+        sent = gw.call(lambda: list(gw.fake.servicer.requests))
+    assert rc == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert (run["completed"], run["failed"]) == (6, 0) and run["output_lens"] == [7] * 6
+    assert run["total_input_tokens"] == 6 * 16 and all(t > 0 for t in run["ttfts"])
+    assert {len(r.prompt_token_ids) for r in sent[1:]} == {16}  # token ids sent as the prompt: exact
+    assert {(r.sampling.max_tokens, r.sampling.ignore_eos) for r in sent[1:]} == {(7, True)}
+    assert main(["--backend", "openai", "--base-url", "http://127.0.0.1:1", "--num-prompts", "1",
+                 "--disable-tqdm"]) == 1

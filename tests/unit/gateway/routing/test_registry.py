@@ -1,0 +1,198 @@
+"""InstanceRegistry: registration, heartbeats, expiry, dispatch-time load; and the
+Register/Heartbeat/Deregister RPCs end to end over loopback."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from gateway.client import RegistryClient, register_request
+from gateway.routing.registry import (InstanceLoad, InstanceRegistry, InstanceSpec, RegistrationError,
+                              RegistryServicer)
+from protos.pdserve.v1 import registry_pb2, registry_pb2_grpc
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def spec(instance_id, role="prefill", **kw):
+    return InstanceSpec(instance_id, role, f"10.0.0.1:{len(instance_id)}", num_total_blocks=100, **kw)
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def registry(clock):
+    return InstanceRegistry(heartbeat_interval_s=1.0, heartbeat_timeout_s=3.0, clock=clock)
+
+
+def test_instances_are_placeable_at_once_and_listed_by_role(registry):
+    registry.register(spec("p1"))
+    registry.register(spec("d0", "decode"))
+    registry.register(spec("p0"))
+    assert [i.instance_id for i in registry.instances("prefill")] == ["p0", "p1"]
+    assert [i.instance_id for i in registry.instances("decode")] == ["d0"]
+    assert registry.get("d0").free_blocks == 100  # full pool until the first heartbeat
+
+
+def test_heartbeat_sets_load_and_reconciles_dispatch_bumps(registry):
+    registry.register(spec("p0"))
+    registry.record_dispatch("p0", prefill_tokens=500, blocks=4)
+    registry.record_dispatch("p0", prefill_tokens=300)
+    p0 = registry.get("p0")
+    assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (2, 800, 96)
+    assert registry.heartbeat("p0", InstanceLoad(num_running_requests=1, num_waiting_requests=1,
+                                                 num_free_blocks=60, num_queued_prefill_tokens=700))
+    assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (2, 700, 60)
+    registry.record_dispatch("unknown")  # ignored
+
+
+def test_finishes_seen_since_the_heartbeat_leave_the_estimate_until_the_next_one(registry):
+    registry.register(spec("p0"))
+    registry.heartbeat("p0", InstanceLoad(num_running_requests=1, num_free_blocks=60, num_total_blocks=100,
+                                          num_queued_prefill_tokens=700))
+    registry.record_dispatch("p0", prefill_tokens=300, blocks=4)
+    p0 = registry.get("p0")
+    assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (2, 1000, 56)
+    registry.record_finish("p0", prefill_tokens=700)  # the one the heartbeat reported
+    assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (1, 300, 56)
+    registry.record_finish("p0", prefill_tokens=300, blocks=4)  # the one dispatched since
+    assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (0, 0, 60)
+    # Taken off twice (it finished just before the heartbeat's snapshot): clamped, and
+    # free blocks never exceed the pool.
+    registry.record_finish("p0", prefill_tokens=500, blocks=80)
+    assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (0, 0, 100)
+    assert registry.heartbeat("p0", InstanceLoad(num_running_requests=1, num_free_blocks=50, num_total_blocks=100,
+                                                 num_queued_prefill_tokens=200))
+    assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (1, 200, 50)
+    registry.record_finish("unknown", prefill_tokens=1)  # ignored
+
+
+def test_unknown_heartbeat_asks_to_reregister(registry):
+    assert registry.heartbeat("ghost", InstanceLoad()) is False
+
+
+def test_silent_instances_are_hidden_then_dropped_and_reported(registry, clock):
+    removed = []
+    registry.subscribe(on_removed=lambda inst, reason: removed.append((inst.instance_id, reason)))
+    registry.register(spec("p0"))
+    registry.register(spec("p1"))
+    clock.now += 2.0
+    registry.heartbeat("p1", InstanceLoad())
+    clock.now += 2.0  # p0 silent for 4 s > 3 s timeout; p1 for 2 s
+    assert [i.instance_id for i in registry.instances("prefill")] == ["p1"]
+    assert [i.instance_id for i in registry.expire()] == ["p0"]
+    assert removed == [("p0", "expired")]
+    assert registry.get("p0") is None and registry.heartbeat("p0", InstanceLoad()) is False
+
+
+def test_reregistration_replaces_and_deregistration_removes(registry):
+    events = []
+    registry.subscribe(on_added=lambda i, r: events.append(("+", i.instance_id, r)),
+                       on_removed=lambda i, r: events.append(("-", i.instance_id, r)))
+    registry.register(spec("p0"))
+    registry.record_dispatch("p0", prefill_tokens=10)
+    registry.register(spec("p0"))  # restarted
+    assert registry.get("p0").pending_prefill_tokens == 0
+    assert registry.deregister("p0") and not registry.deregister("p0")
+    assert events == [("+", "p0", "registered"), ("-", "p0", "replaced"), ("+", "p0", "registered"),
+                      ("-", "p0", "deregistered")]
+
+
+def test_a_failing_listener_does_not_break_the_registry(registry):
+    registry.subscribe(on_added=lambda i, r: 1 / 0)
+    registry.register(spec("p0"))
+    assert registry.get("p0") is not None
+
+
+@pytest.mark.parametrize("bad", [
+    InstanceSpec("", "prefill", "a:1"), InstanceSpec("x", "both", "a:1"), InstanceSpec("x", "decode", ""),
+    InstanceSpec("x", "decode", "a:1", block_size=0)])
+def test_malformed_registrations_are_rejected(registry, bad):
+    with pytest.raises(RegistrationError):
+        registry.register(bad)
+
+
+def test_instances_must_agree_on_block_size_and_model(registry):
+    registry.register(spec("p0", block_size=16, model_name="m"))
+    with pytest.raises(RegistrationError, match="block_size"):
+        registry.register(spec("p1", block_size=32, model_name="m"))
+    with pytest.raises(RegistrationError, match="model_name"):
+        registry.register(spec("p1", block_size=16, model_name="other"))
+
+
+def test_run_expiry_drops_dead_instances(clock):
+    async def scenario():
+        registry = InstanceRegistry(heartbeat_timeout_s=3.0, clock=clock)
+        registry.register(spec("p0"))
+        clock.now += 10
+        task = asyncio.create_task(registry.run_expiry(interval_s=0.01))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        return registry.get("p0")
+    assert asyncio.run(scenario()) is None
+
+
+async def _serve(registry):
+    server = grpc.aio.server()
+    registry_pb2_grpc.add_RegistryServiceServicer_to_server(RegistryServicer(registry), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def _until(predicate, timeout_s=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def test_registry_client_registers_heartbeats_reregisters_and_leaves():
+    async def scenario():
+        registry = InstanceRegistry(heartbeat_interval_s=0.02, heartbeat_timeout_s=5.0)
+        server, address = await _serve(registry)
+        load = InstanceLoad(num_running_requests=3, num_free_blocks=7, kv_events_sequence=42)
+        client = RegistryClient(address, spec("d0", "decode", kv_endpoint="tcp://10.0.0.1:5601"),
+                                get_load=lambda: load)
+        task = asyncio.create_task(client.run())
+        try:
+            await _until(lambda: registry.get("d0") is not None and registry.get("d0").load == load)
+            assert registry.get("d0").spec.kv_endpoint == "tcp://10.0.0.1:5601"
+            registry.deregister("d0")  # as if the gateway restarted: next heartbeat re-registers
+            await _until(lambda: registry.get("d0") is not None)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert registry.get("d0") is None  # deregistered on the way out
+        await server.stop(None)
+    asyncio.run(scenario())
+
+
+def test_register_rpc_rejects_mismatched_instances_with_invalid_argument():
+    async def scenario():
+        registry = InstanceRegistry(block_size=16)
+        server, address = await _serve(registry)
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = registry_pb2_grpc.RegistryServiceStub(channel)
+            reply = await stub.Register(register_request(spec("p0")))
+            assert reply.heartbeat_interval_ms == 1000
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.Register(register_request(spec("p1", block_size=32)))
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.Register(registry_pb2.RegisterRequest(instance_id="x", grpc_address="a:1"))
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # ROLE_UNSPECIFIED
+            beat = await stub.Heartbeat(registry_pb2.HeartbeatRequest(instance_id="nobody"))
+            assert beat.reregister
+        await server.stop(None)
+    asyncio.run(scenario())

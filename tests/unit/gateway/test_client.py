@@ -1,0 +1,97 @@
+"""The Python clients, `pdserve generate` and `pdserve up`'s flag routing, against the
+in-process gateway with a synthetic decode (these test the client side only; real
+decode behaviour is in test_gateway_streaming.py and tests/integration)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from common.cli import generate as cli_client
+from gateway.client import AsyncClient, Client
+from common.cli.processes import route_flags
+from tests.support.background_gateway import BackgroundGateway
+
+TOKENS = [1000, 1001, 1002]
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    with BackgroundGateway() as gw:
+        gw.fake = gw.add_fake_decode("decode-0", token_ids=TOKENS, delay_s=0.01)
+        yield gw
+
+
+def wait_for(predicate, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_prompt_forms_and_sampling_reach_decode(gateway):
+    with Client(gateway.address, timeout=10) as client:
+        client.generate("hello", max_tokens=3)
+        client.generate([5, 6, 7], max_tokens=3)
+        client.generate(token_ids=[8, 9], max_tokens=3, top_k=5, seed=7)
+        client.generate(messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    sent = gateway.fake.servicer.requests[-4:]
+    assert list(sent[1].prompt_token_ids) == [5, 6, 7] and list(sent[2].prompt_token_ids) == [8, 9]
+    assert (sent[2].sampling.top_k, sent[2].sampling.seed) == (5, 7)
+    chat_ids = gateway.gateway.model.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert list(sent[3].prompt_token_ids) == chat_ids
+
+
+def test_bad_arguments_raise_before_sending(gateway):
+    with Client(gateway.address) as client:
+        with pytest.raises(ValueError, match="exactly one prompt"):
+            client.generate("hi", token_ids=[1])
+        with pytest.raises(ValueError, match="temperature"):
+            client.generate("hi", temperature=-1)
+
+
+def test_closing_a_stream_cancels_the_decode_call(gateway):
+    with Client(gateway.address, timeout=10) as client:
+        stream = client.generate_stream("hi", max_tokens=500, request_id="sync-close")
+        assert next(stream).text  # the request is under way
+        stream.close()
+    wait_for(lambda: "sync-close" in gateway.fake.servicer.cancelled)
+
+
+def test_async_client_streams_and_cancels(gateway):
+    async def scenario():
+        async with AsyncClient(gateway.address, timeout=10) as client:
+            info = await client.model_info()
+            chunks = [c async for c in client.generate_stream("hi", max_tokens=5, return_token_ids=True)]
+            whole = await client.generate("hi", max_tokens=5, return_token_ids=True)
+            async with client.generate_stream("hi", max_tokens=500, request_id="async-close") as stream:
+                await stream.__anext__()
+        return info, chunks, whole
+    info, chunks, whole = asyncio.run(scenario())
+    assert info.num_decode_instances == 1
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids == (TOKENS * 2)[:5]
+    assert "".join(c.text for c in chunks) == whole.text
+    wait_for(lambda: "async-close" in gateway.fake.servicer.cancelled)
+
+
+def test_cli_generate_prints_the_completion(gateway, capsys):
+    assert cli_client.main(["--gateway", gateway.address, "--raw", "--max-tokens", "3", "--usage", "hi"]) == 0
+    out, err = capsys.readouterr()
+    assert out == gateway.gateway.model.tokenizer.decode(TOKENS) + "\n"
+    assert "completion=3" in err and "decode=decode-0" in err
+    assert cli_client.main(["--gateway", gateway.address, "--stream", "--max-tokens", "3", "hi"]) == 0
+    assert capsys.readouterr().out.strip() == out.strip()
+    assert cli_client.main(["--gateway", gateway.address, "--top-p", "0", "hi"]) == 2
+
+
+def test_up_routes_each_flag_to_the_commands_that_define_it():
+    routed = route_flags(["--kv-cache-memory", "256MiB", "--policy=round_robin", "--no-prefix-caching",
+                          "--model", "m.gguf", "--heartbeat-timeout", "3"])
+    assert routed["gateway"] == ["--policy=round_robin", "--model", "m.gguf", "--heartbeat-timeout", "3"]
+    assert routed["prefill"] == routed["decode"] == ["--kv-cache-memory", "256MiB", "--no-prefix-caching",
+                                                     "--model", "m.gguf"]
+    for flags, error in [(["--bogus"], "unknown flag"), (["--instance-id", "x"], "differs per process"),
+                         (["--model"], "needs a value")]:
+        with pytest.raises(ValueError, match=error):
+            route_flags(flags)

@@ -1,0 +1,122 @@
+"""Bad requests get a precise status from the real gateway server (in-process, 127.0.0.1)
+and never reach a decode instance: the fake decode registered here records every
+Decode call, and none may arrive. ModelInfo and the length limit learnt from
+registrations are checked too."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from gateway.core import GatewaySettings
+from tests.support.background_gateway import BackgroundGateway
+from protos.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+MAX_PROMPT_CHARS = 2000
+DECODE_MAX_MODEL_LEN = 64  # what the fake decode registers: below the model's own 8192
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    with BackgroundGateway(GatewaySettings(max_prompt_chars=MAX_PROMPT_CHARS)) as gw:
+        gw.fake = gw.add_fake_decode("decode-fake", token_ids=[28, 29, 30],
+                                     max_model_len=DECODE_MAX_MODEL_LEN)
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def stub(gateway):
+    with grpc.insecure_channel(gateway.address) as channel:
+        yield generate_pb2_grpc.GenerateServiceStub(channel)
+
+
+def request(text=None, ids=None, messages=None, **sampling) -> generate_pb2.GenerateRequest:
+    msg = generate_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(**sampling))
+    if text is not None:
+        msg.text = text
+    if ids is not None:
+        msg.token_ids.ids.extend(ids)
+    if messages is not None:
+        msg.messages.messages.extend(generate_pb2.ChatMessage(role=r, content=c) for r, c in messages)
+    return msg
+
+
+def status_of(call, msg) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as error:
+        result = call(msg, timeout=10)
+        if not isinstance(result, generate_pb2.GenerateResponse):
+            list(result)  # a stream's status arrives when it is read
+    return error.value.code(), error.value.details()
+
+
+BAD_REQUESTS = {
+    "no prompt": (request(), INVALID, "prompt is missing"),
+    "empty text": (request(text=""), INVALID, "prompt text is empty"),
+    "empty token ids": (request(ids=[]), INVALID, "must not be empty"),
+    "empty messages": (request(messages=[]), INVALID, "non-empty list"),
+    "unknown chat role": (request(messages=[("wizard", "hi")]), INVALID, "role"),
+    "token id out of vocabulary": (request(ids=[5, 49152]), INVALID, "token id 49152 is out of range"),
+    "prompt too long": (request(ids=[5] * DECODE_MAX_MODEL_LEN), INVALID, f"at most {DECODE_MAX_MODEL_LEN}"),
+    "prompt + max_tokens too long": (request(ids=[5] * 60, max_tokens=10), INVALID,
+                                     "set max_tokens to at most 4"),
+    "text over the character limit": (request(text="a" * (MAX_PROMPT_CHARS + 1)), INVALID,
+                                      "--max-prompt-chars"),
+    "negative temperature": (request(text="hi", temperature=-1), INVALID, "temperature must be >= 0"),
+    "top_p zero": (request(text="hi", top_p=0.0), INVALID, "top_p must be in (0, 1]"),
+    "top_k zero": (request(text="hi", top_k=0), INVALID, "top_k"),
+    "too many logprobs": (request(text="hi", logprobs=50), INVALID, "logprobs"),
+    "min_tokens over max_tokens": (request(text="hi", max_tokens=2, min_tokens=3), INVALID, "min_tokens"),
+    "stop token out of vocabulary": (request(text="hi", stop_token_ids=[10**6]), INVALID, "stop_token_ids"),
+    "empty stop string": (request(text="hi", stop=[""]), INVALID, "stop"),
+    "n > 1": (request(text="hi", n=2), INVALID, "send n separate requests"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_REQUESTS)
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+def test_bad_request_gets_its_status_and_never_reaches_decode(gateway, stub, name, method):
+    msg, code, text = BAD_REQUESTS[name]
+    before = len(gateway.fake.servicer.requests)
+    actual_code, details = status_of(getattr(stub, method), msg)
+    assert (actual_code, text in details) == (code, True), details
+    assert len(gateway.fake.servicer.requests) == before
+
+
+def test_unknown_model_long_request_id_and_oversized_message(stub):
+    msg = request(text="hi")
+    msg.model = "gpt-17"
+    code, details = status_of(stub.Generate, msg)
+    assert code == INVALID and "SmolLM2-135M-Instruct" in details
+    msg.model = "SmolLM2-135M-Instruct"
+    msg.request_id = "r" * 300
+    code, details = status_of(stub.Generate, msg)
+    assert code == INVALID and "request_id" in details
+    # Past the 4 MiB receive limit gRPC itself refuses the message, before any parsing.
+    huge = request(text="x" * (5 << 20))
+    assert status_of(stub.Generate, huge)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_model_info_reports_the_deployment_and_the_registered_length_limit(stub):
+    info = stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=5)
+    assert info.model_name == "SmolLM2-135M-Instruct"
+    assert info.max_model_len == DECODE_MAX_MODEL_LEN  # the decode's, not the model's 8192
+    assert (info.vocab_size, info.block_size, list(info.eos_token_ids)) == (49152, 16, [2])
+    assert info.has_chat_template and info.placement_policy == "prefix_aware"
+    assert (info.num_prefill_instances, info.num_decode_instances) == (0, 1)
+
+
+def test_valid_request_right_at_the_limit_is_served(stub):
+    reply = stub.Generate(request(ids=[5] * 60, max_tokens=4, temperature=0), timeout=10)
+    assert reply.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert reply.usage.prompt_tokens == 60 and reply.usage.completion_tokens == 4
+
+
+def test_no_decode_instance_means_unavailable_and_the_model_limit_applies():
+    with BackgroundGateway() as gw, grpc.insecure_channel(gw.address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        for method in (stub.Generate, stub.GenerateStream):
+            code, details = status_of(method, request(text="hi"))
+            assert code == grpc.StatusCode.UNAVAILABLE and "no decode instance" in details
+        assert stub.ModelInfo(generate_pb2.ModelInfoRequest()).max_model_len == 8192
+        # Validation comes first: a bad request is INVALID_ARGUMENT even with no instances.
+        assert status_of(stub.Generate, request(ids=[5] * 8192))[0] == INVALID
