@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kv_transfer import bench
+from bench import transfer as bench
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
