@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from common.engine.block_hash import compute_block_hashes
 from gateway.routing.kv_index import KvIndex
 from gateway.routing.placement import LeastLoaded, Oracle, PrefixAware, RoundRobin, record_prefill_dispatch
-from gateway.routing.registry import InstanceLoad, InstanceRegistry, InstanceSpec
+from common.service.registration import InstanceLoad, InstanceSpec
+from gateway.routing.registry import InstanceRegistry
 
 
 @dataclass(frozen=True)

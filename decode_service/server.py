@@ -28,7 +28,7 @@ from common.service.worker import (RequestGate, ServiceError, advertised_zmq_end
 from decode_service.decoder import DecodeChunk, Decoder, DecodeJob
 from decode_service.engine import DecodeEngineCore
 from decode_service.prefill_client import PrefillClients
-from gateway.routing.registry import InstanceLoad, InstanceSpec
+from common.service.registration import InstanceLoad, InstanceSpec
 from protos.convert import logprobs_to_pb, sampling_params_from_pb
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from protos.serving import DECODE_SERVICE

@@ -32,7 +32,6 @@ import grpc
 
 from common.engine.sampling_params import SamplingParams
 from gateway.convert import delta_from_pb, deployment_info_from_pb
-from common.service.registration import RegistryClient, load_to_pb, register_request  # noqa: F401 (re-export)
 from gateway.types import DeploymentInfo, GenerationDelta
 from protos.convert import sampling_params_to_pb
 from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc

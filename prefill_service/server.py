@@ -23,7 +23,7 @@ from common.cli.main import engine_config_from_args
 from common.service.metrics import WorkerMetrics
 from common.service.worker import (RequestGate, ServiceError, advertised_zmq_endpoint, eos_token_ids, logged_request,
                            served_model_name, stats_response, validate_request, zmq_bind_endpoint)
-from gateway.routing.registry import InstanceLoad, InstanceSpec
+from common.service.registration import InstanceLoad, InstanceSpec
 from prefill_service.engine import PrefillEngineCore
 from prefill_service.prefiller import Prefiller, PrefillJob, PrefillResult
 from prefill_service.kv_events import KvEventPublisher, snapshot_response

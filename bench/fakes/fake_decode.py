@@ -3,7 +3,7 @@
 For the two jobs a real decode instance cannot do: measuring the gateway's own
 overhead per streamed token (bench.overhead), and injecting failures
 (an error status after k tokens) in tests. It registers and heartbeats like a
-real instance (gateway.client.RegistryClient) and records what it was sent and
+real instance (common.service.registration.RegistryClient) and records what it was sent and
 which calls were cancelled, so tests can check what the gateway did.
 
     fake = FakeDecode("decode-fake", gateway_address, token_ids=[...])
@@ -22,8 +22,7 @@ from dataclasses import dataclass
 import grpc
 from grpc import aio
 
-from gateway.client import RegistryClient
-from gateway.routing.registry import InstanceLoad, InstanceSpec
+from common.service.registration import InstanceLoad, InstanceSpec, RegistryClient
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 
@@ -87,8 +86,8 @@ class FakeDecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return decode_pb2.AbortResponse()
 
     async def Stats(self, request, context):
-        return common_pb2.StatsResponse(instance_id=self.instance_id, load=common_pb2.InstanceLoad(
-            num_running_requests=len(self.running), num_free_blocks=1000, num_total_blocks=1000))
+        return common_pb2.StatsResponse(instance_id=self.instance_id, load=InstanceLoad(
+            num_running_requests=len(self.running), num_free_blocks=1000, num_total_blocks=1000).to_pb())
 
 
 class FakeDecode:

@@ -1,33 +1,72 @@
-"""What prefill and decode instances run to stay known to the gateway (grpc.aio):
-register, heartbeat their load, re-register when the gateway has forgotten them
-(it restarted or declared them dead), and deregister on shutdown.
+"""The Registry API's one owner: the types an instance registers and heartbeats, their
+protobuf mapping, and what prefill and decode instances run to stay known to the gateway
+(grpc.aio): register, heartbeat their load, re-register when the gateway has forgotten
+them (it restarted or declared them dead), and deregister on shutdown. The gateway's
+RegistryServicer reads the same types.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Literal
 
 import grpc
 
-from gateway.routing.registry import InstanceLoad, InstanceSpec
 from protos.pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+
 _ROLE_TO_PB = {"prefill": registry_pb2.ROLE_PREFILL, "decode": registry_pb2.ROLE_DECODE}
+_ROLE_FROM_PB: dict[int, Role] = {pb: role for role, pb in _ROLE_TO_PB.items()}
 
 
-def register_request(spec: InstanceSpec) -> registry_pb2.RegisterRequest:
-    return registry_pb2.RegisterRequest(
-        instance_id=spec.instance_id, role=_ROLE_TO_PB[spec.role], grpc_address=spec.grpc_address,
-        kv_endpoint=spec.kv_endpoint, kv_events_endpoint=spec.kv_events_endpoint,
-        block_size=spec.block_size, num_total_blocks=spec.num_total_blocks,
-        model_name=spec.model_name, max_model_len=spec.max_model_len)
+@dataclass
+class InstanceLoad:
+    """What an instance reports in a heartbeat (mirrors pdserve.v1.InstanceLoad)."""
+
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_queued_prefill_tokens: int = 0
+    kv_events_sequence: int = 0
+
+    @classmethod
+    def from_pb(cls, msg: common_pb2.InstanceLoad) -> InstanceLoad:
+        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+
+    def to_pb(self) -> common_pb2.InstanceLoad:
+        return common_pb2.InstanceLoad(**vars(self))
 
 
-def load_to_pb(load: InstanceLoad) -> common_pb2.InstanceLoad:
-    return common_pb2.InstanceLoad(**vars(load))
+@dataclass(frozen=True)
+class InstanceSpec:
+    """What an instance registers (mirrors pdserve.v1.RegisterRequest)."""
+
+    instance_id: str
+    role: Role
+    grpc_address: str
+    kv_endpoint: str = ""  # decode: where prefill instances push KV
+    kv_events_endpoint: str = ""  # prefill: ZeroMQ PUB of KV cache events
+    block_size: int = 16
+    num_total_blocks: int = 0
+    model_name: str = ""
+    max_model_len: int = 0
+
+    @classmethod
+    def from_pb(cls, msg: registry_pb2.RegisterRequest) -> InstanceSpec:
+        """An unknown role stays visible as "unspecified", so the registry can reject it by name."""
+        values = {f.name: getattr(msg, f.name) for f in fields(cls) if f.name != "role"}
+        return cls(role=_ROLE_FROM_PB.get(msg.role, "unspecified"), **values)
+
+    def to_pb(self) -> registry_pb2.RegisterRequest:
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "role"}
+        return registry_pb2.RegisterRequest(role=_ROLE_TO_PB[self.role], **values)
 
 
 class RegistryClient:
@@ -52,7 +91,7 @@ class RegistryClient:
                 await asyncio.sleep(interval_s)
                 try:
                     response = await self._stub.Heartbeat(registry_pb2.HeartbeatRequest(
-                        instance_id=self.spec.instance_id, load=load_to_pb(self._get_load())),
+                        instance_id=self.spec.instance_id, load=self._get_load().to_pb()),
                         timeout=self._timeout_s)
                 except grpc.aio.AioRpcError as e:  # gateway down: it forgets us; keep trying
                     logger.warning("heartbeat to gateway failed: %s", e.code().name)
@@ -66,7 +105,7 @@ class RegistryClient:
     async def _register(self) -> float:
         while True:
             try:
-                response = await self._stub.Register(register_request(self.spec), timeout=self._timeout_s)
+                response = await self._stub.Register(self.spec.to_pb(), timeout=self._timeout_s)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise  # wrong model or block size: retrying cannot help

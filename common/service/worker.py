@@ -246,10 +246,10 @@ class Worker(Protocol):
         """Add the servicers; return the service names for health and reflection."""
 
     def instance_spec(self, grpc_address: str):
-        """gateway.routing.registry.InstanceSpec to register."""
+        """common.service.registration.InstanceSpec to register."""
 
     def load(self):
-        """gateway.routing.registry.InstanceLoad for heartbeats."""
+        """common.service.registration.InstanceLoad for heartbeats."""
 
     def ready_fields(self) -> dict[str, str]:
         """Extra key=value pairs for the READY line (endpoints)."""
@@ -265,7 +265,7 @@ def stats_response(instance_id: str, stats: dict, load) -> "common_pb2.StatsResp
     """The Stats RPC's answer, the same for both roles: load plus prefix-cache counters."""
     from protos.pdserve.v1 import common_pb2
     return common_pb2.StatsResponse(
-        instance_id=instance_id, load=common_pb2.InstanceLoad(**vars(load)),
+        instance_id=instance_id, load=load.to_pb(),
         prefix_cache_queried_tokens=stats["prefix_cache_queried_tokens"],
         prefix_cache_hit_tokens=stats["prefix_cache_hit_tokens"],
         num_finished_requests=stats["num_finished_requests"])
@@ -344,7 +344,7 @@ async def _serve(args: argparse.Namespace, role: str, build: Callable[[argparse.
 
 
 def _start_registration(gateway: str, spec, worker: Worker, stop: asyncio.Event) -> asyncio.Task:
-    from gateway.client import RegistryClient
+    from common.service.registration import RegistryClient
     task = asyncio.get_running_loop().create_task(RegistryClient(gateway, spec, worker.load).run())
 
     def on_done(t: asyncio.Task) -> None:

@@ -21,47 +21,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Literal
 
 import grpc
 
+from common.service.registration import ROLES, InstanceLoad, InstanceSpec, Role
 from protos.pdserve.v1 import registry_pb2, registry_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-Role = Literal["prefill", "decode"]
-ROLES: tuple[Role, ...] = ("prefill", "decode")
-
-
 class RegistrationError(ValueError):
     """The instance cannot join this deployment (bad role, other model or block size)."""
-
-
-@dataclass
-class InstanceLoad:
-    """What an instance reports in a heartbeat (mirrors pdserve.v1.InstanceLoad)."""
-
-    num_running_requests: int = 0
-    num_waiting_requests: int = 0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    num_queued_prefill_tokens: int = 0
-    kv_events_sequence: int = 0
-
-
-@dataclass(frozen=True)
-class InstanceSpec:
-    """What an instance registers (mirrors pdserve.v1.RegisterRequest)."""
-
-    instance_id: str
-    role: Role
-    grpc_address: str
-    kv_endpoint: str = ""  # decode: where prefill instances push KV
-    kv_events_endpoint: str = ""  # prefill: ZeroMQ PUB of KV cache events
-    block_size: int = 16
-    num_total_blocks: int = 0
-    model_name: str = ""
-    max_model_len: int = 0
 
 
 @dataclass
@@ -226,14 +195,6 @@ class InstanceRegistry:
                 logger.exception("registry listener failed for %s", instance.instance_id)
 
 
-_ROLE_FROM_PB: dict[int, Role] = {registry_pb2.ROLE_PREFILL: "prefill", registry_pb2.ROLE_DECODE: "decode"}
-
-
-def load_from_pb(msg) -> InstanceLoad:
-    """pdserve.v1.InstanceLoad -> InstanceLoad (same field names)."""
-    return InstanceLoad(**{name: getattr(msg, name) for name in InstanceLoad.__dataclass_fields__})
-
-
 class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     """pdserve.v1.RegistryService over an InstanceRegistry (grpc.aio)."""
 
@@ -241,12 +202,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self.registry = registry
 
     async def Register(self, request, context):
-        spec = InstanceSpec(
-            instance_id=request.instance_id, role=_ROLE_FROM_PB.get(request.role, "unspecified"),
-            grpc_address=request.grpc_address, kv_endpoint=request.kv_endpoint,
-            kv_events_endpoint=request.kv_events_endpoint, block_size=request.block_size,
-            num_total_blocks=request.num_total_blocks, model_name=request.model_name,
-            max_model_len=request.max_model_len)
+        spec = InstanceSpec.from_pb(request)
         try:
             self.registry.register(spec)
         except RegistrationError as e:
@@ -255,7 +211,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             heartbeat_interval_ms=round(self.registry.heartbeat_interval_s * 1000))
 
     async def Heartbeat(self, request, context):
-        known = self.registry.heartbeat(request.instance_id, load_from_pb(request.load))
+        known = self.registry.heartbeat(request.instance_id, InstanceLoad.from_pb(request.load))
         return registry_pb2.HeartbeatResponse(reregister=not known)
 
     async def Deregister(self, request, context):

@@ -18,7 +18,7 @@ from gateway.client import Client
 from gateway.core import GatewaySettings
 from bench.fakes.fake_decode import Failure
 from common.cli.health import check
-from gateway.routing.registry import InstanceSpec
+from common.service.registration import InstanceSpec
 from tests.support.background_gateway import BackgroundGateway
 
 TOKENS = [1000, 1001, 1002, 1003]

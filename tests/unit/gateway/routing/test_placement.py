@@ -8,7 +8,8 @@ from gateway.routing.placement import (LeastLoaded, Oracle, PrefixAware, RoundRo
                                decode_blocks_needed, make_policy, record_decode_dispatch,
                                record_prefill_dispatch)
 from bench.placement_sim import SimConfig, main, run_all
-from gateway.routing.registry import InstanceLoad, InstanceRegistry, InstanceSpec
+from common.service.registration import InstanceLoad, InstanceSpec
+from gateway.routing.registry import InstanceRegistry
 
 BLOCK = 16
 

@@ -7,9 +7,8 @@ import asyncio
 import grpc
 import pytest
 
-from gateway.client import RegistryClient, register_request
-from gateway.routing.registry import (InstanceLoad, InstanceRegistry, InstanceSpec, RegistrationError,
-                              RegistryServicer)
+from common.service.registration import InstanceLoad, InstanceSpec, RegistryClient
+from gateway.routing.registry import InstanceRegistry, RegistrationError, RegistryServicer
 from protos.pdserve.v1 import registry_pb2, registry_pb2_grpc
 
 
@@ -184,10 +183,10 @@ def test_register_rpc_rejects_mismatched_instances_with_invalid_argument():
         server, address = await _serve(registry)
         async with grpc.aio.insecure_channel(address) as channel:
             stub = registry_pb2_grpc.RegistryServiceStub(channel)
-            reply = await stub.Register(register_request(spec("p0")))
+            reply = await stub.Register(spec("p0").to_pb())
             assert reply.heartbeat_interval_ms == 1000
             with pytest.raises(grpc.aio.AioRpcError) as error:
-                await stub.Register(register_request(spec("p1", block_size=32)))
+                await stub.Register(spec("p1", block_size=32).to_pb())
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await stub.Register(registry_pb2.RegisterRequest(instance_id="x", grpc_address="a:1"))
