@@ -51,10 +51,10 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from common.cli.main import EnvDefaultsParser
 from bench.serve.arrivals import parse_rates, send_offsets
 from bench.serve.datasets import BenchRequest, Vocabulary, parse_length_range, ranged_requests
 from bench.serve.metrics import RequestOutcome, summarize
+from common.service.flags import EnvDefaultsParser
 
 DECODE, LONG = "decode", "long-prefill"
 PERCENTILES = (50, 90, 99, 99.9)
@@ -445,9 +445,10 @@ def format_table(result: dict) -> str:
 def write_plots(result: dict, directory: str) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.ticker
-    import matplotlib.pyplot as plt
     from pathlib import Path
+
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)

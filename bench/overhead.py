@@ -23,10 +23,10 @@ import time
 
 import grpc
 
-from common.engine.sampling_params import SamplingParams
 from bench.fakes.fake_decode import FakeDecode
 from common.cli.processes import start_gateway_process
-from protos.convert import sampling_params_to_pb
+from common.engine.sampling_params import SamplingParams
+from common.service.common_api import sampling_params_to_pb
 from protos.pdserve.v1 import decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc
 
 TOKEN_IDS = list(range(1000, 1064))  # ordinary word pieces of the bundled tokenizer

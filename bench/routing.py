@@ -52,11 +52,10 @@ from dataclasses import asdict, dataclass
 import grpc
 import numpy as np
 
-from common.cli.main import EnvDefaultsParser
 from bench.serve.client import GrpcGenerateBackend, run_benchmark
-from bench.serve.datasets import (TENANT_ORDERS, BenchRequest, Vocabulary, parse_length_range,
-                                          system_prompt_requests)
+from bench.serve.datasets import TENANT_ORDERS, BenchRequest, Vocabulary, parse_length_range, system_prompt_requests
 from bench.serve.metrics import compute_metrics
+from common.service.flags import EnvDefaultsParser
 from gateway.routing.placement import POLICIES
 
 SIM_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "oracle")
@@ -241,8 +240,8 @@ def run_policy(policy: str, concurrency: int, cfg: RoutingConfig, requests: list
 def replay_in_simulator(requests: list[BenchRequest], send_times_s: list[float], cfg: RoutingConfig,
                         cache_blocks: int, prefill_tokens_per_s: float) -> dict[str, float]:
     """Hit rate of each simulated policy on this exact request sequence and cache size."""
-    from common.engine.block_hash import compute_block_hashes
     from bench.placement_sim import SimConfig, SimRequest, simulate
+    from common.engine.block_hash import compute_block_hashes
     sim_cfg = SimConfig(num_tenants=cfg.num_tenants, system_prompt_tokens=cfg.system_prompt_len,
                         block_size=cfg.block_size, num_prefill=2, cache_blocks=cache_blocks,
                         num_requests=len(requests), prefill_tokens_per_s=prefill_tokens_per_s,

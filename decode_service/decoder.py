@@ -24,7 +24,9 @@ from grpc import aio
 from common.engine.async_engine import AsyncEngine, EngineDeadError
 from common.engine.outputs import EngineCoreOutput, Logprobs
 from common.engine.sampling_params import SamplingParams
-from common.service.worker import DuplicateRequestError, ServiceError, new_request, watch
+from common.service.engine_requests import new_request
+from common.service.errors import DuplicateRequestError, ServiceError
+from common.service.futures import watch
 from decode_service.engine import Admission, DecodeEngineCore, Placement
 from decode_service.prefill_client import PrefillClients, prefill_failure_status, prefill_request
 from kv_transfer import TransferResult, TransferState

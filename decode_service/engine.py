@@ -19,7 +19,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine_core import EngineCore
 from common.engine.outputs import EngineCoreOutput
 from common.engine.request import Request
-from common.service.worker import DuplicateRequestError
+from common.service.errors import DuplicateRequestError
 from kv_transfer import PoolGeometry, RecvTransfer, ZmqKVReceiver
 
 logger = logging.getLogger(__name__)

@@ -6,8 +6,8 @@ import grpc
 from grpc import aio
 
 from common.engine.request import Request
+from common.service.common_api import sampling_params_to_pb
 from kv_transfer import PoolGeometry
-from protos.convert import sampling_params_to_pb
 from protos.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 
 # Beyond the KV transfer's own timeout, how long the Prefill RPC may take to report.

@@ -21,23 +21,22 @@ import grpc
 from grpc import aio
 
 from common.engine.async_engine import AsyncEngine
-from common.cli.main import engine_config_from_args
+from common.engine.engine_args import engine_config_from_args
+from common.service.common_api import FINISH_REASON_TO_PB, logprobs_to_pb, sampling_params_from_pb, stats_response
+from common.service.engine_requests import eos_token_ids, validate_request
+from common.service.errors import ServiceError
+from common.service.flags import advertised_zmq_endpoint, served_model_name, zmq_bind_endpoint
+from common.service.logging_setup import logged_request
 from common.service.metrics import WorkerMetrics
-from common.service.worker import (RequestGate, ServiceError, advertised_zmq_endpoint, eos_token_ids, logged_request,
-                           served_model_name, stats_response, validate_request, zmq_bind_endpoint)
-from decode_service.decoder import DecodeChunk, Decoder, DecodeJob
+from common.service.registration import InstanceLoad, InstanceSpec
+from common.service.request_gate import RequestGate
+from decode_service.decoder import DecodeChunk, DecodeJob, Decoder
 from decode_service.engine import DecodeEngineCore
 from decode_service.prefill_client import PrefillClients
-from common.service.registration import InstanceLoad, InstanceSpec
-from protos.convert import logprobs_to_pb, sampling_params_from_pb
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from protos.serving import DECODE_SERVICE
 
 logger = logging.getLogger(__name__)
-
-FINISH_REASONS = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
-                  "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT}
-
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, worker: "DecodeWorker", gate: RequestGate):
@@ -50,20 +49,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                             prefill=request.prefill_instance_id or request.prefill_address or "local") as end:
             end.update(output_tokens=0, finish_reason=None)
             async with self.gate.admit(context):
-                try:
-                    job = self.worker.job_from_pb(request)
-                    async for chunk in self.worker.decoder.decode(job):
-                        if chunk.output.finish_reason == "abort" and self.gate.stopping:
-                            raise self.gate.shutdown_error()
-                        end["output_tokens"] += len(chunk.output.new_token_ids)
-                        end.update(finish_reason=chunk.output.finish_reason, cached_tokens=chunk.num_cached_tokens,
-                                   prefilled_by=chunk.prefill_instance_id or "local")
-                        end.complete = chunk.output.finish_reason is not None
-                        yield self.worker.chunk_to_pb(request.request_id, chunk)
-                except ServiceError as e:
-                    if self.gate.stopping:  # past the grace period every failure is the shutdown's
-                        e = self.gate.shutdown_error()
-                    await context.abort(e.code, e.message)
+                job = self.worker.job_from_pb(request)
+                async for chunk in self.worker.decoder.decode(job):
+                    if chunk.output.finish_reason == "abort" and self.gate.stopping:
+                        raise self.gate.shutdown_error()
+                    end["output_tokens"] += len(chunk.output.new_token_ids)
+                    end.update(finish_reason=chunk.output.finish_reason, cached_tokens=chunk.num_cached_tokens,
+                               prefilled_by=chunk.prefill_instance_id or "local")
+                    end.complete = chunk.output.finish_reason is not None
+                    yield self.worker.chunk_to_pb(request.request_id, chunk)
 
     async def Abort(self, request: decode_pb2.AbortRequest, context) -> decode_pb2.AbortResponse:
         return decode_pb2.AbortResponse(num_aborted=await self.worker.decoder.abort(list(request.request_ids)))
@@ -106,7 +100,7 @@ class DecodeWorker:
         response = decode_pb2.DecodeResponse(
             request_id=request_id, token_ids=output.new_token_ids,
             logprobs=[logprobs_to_pb(t, lp) for t, lp in zip(output.new_token_ids, chunk.logprobs or [])],
-            finish_reason=FINISH_REASONS[output.finish_reason], num_cached_tokens=chunk.num_cached_tokens,
+            finish_reason=FINISH_REASON_TO_PB[output.finish_reason], num_cached_tokens=chunk.num_cached_tokens,
             prefill_instance_id=chunk.prefill_instance_id, decode_instance_id=self.instance_id)
         if isinstance(output.stop_reason, int):
             response.stop_token_id = output.stop_reason
@@ -117,7 +111,7 @@ class DecodeWorker:
     def stats_pb(self) -> common_pb2.StatsResponse:
         return stats_response(self.instance_id, self.engine.stats, self.load())
 
-    # ---- common.service.worker.Worker ------------------------------------------------------------
+    # ---- common.service.lifecycle.Worker ----------------------------------------------------------
     def add_to_server(self, server: aio.Server, gate: RequestGate) -> list[str]:
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self, gate), server)
         return [DECODE_SERVICE]

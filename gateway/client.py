@@ -31,9 +31,9 @@ from typing import Any
 import grpc
 
 from common.engine.sampling_params import SamplingParams
+from common.service.common_api import sampling_params_to_pb
 from gateway.convert import delta_from_pb, deployment_info_from_pb
 from gateway.types import DeploymentInfo, GenerationDelta
-from protos.convert import sampling_params_to_pb
 from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids, or chat messages {role, content}

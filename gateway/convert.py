@@ -3,10 +3,9 @@ its calls to DecodeService, and the client's side of GenerateService. Field name
 follow the protos; no policy here."""
 from __future__ import annotations
 
-from gateway.types import (DecodeOutput, DeploymentInfo, GenerateInput, GenerationDelta,
-                           PreparedRequest, Usage, invalid)
-from protos.convert import (logprobs_from_pb, logprobs_to_pb, sampling_params_from_pb,
-                            sampling_params_to_pb)
+from common.service.common_api import logprobs_from_pb, logprobs_to_pb, sampling_params_from_pb, sampling_params_to_pb
+from common.service.errors import invalid
+from gateway.types import DecodeOutput, DeploymentInfo, GenerateInput, GenerationDelta, PreparedRequest, Usage
 from protos.pdserve.v1 import common_pb2, decode_pb2, generate_pb2
 
 _FINISH_FROM_PB = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",

@@ -1,7 +1,7 @@
 """The gateway without gRPC serving: validation, in-flight ids, placement, draining.
 
 `Gateway.stream` is what GenerateStream runs and `Gateway.generate` what Generate
-runs; both take a GenerateInput and raise GatewayError with the status to answer.
+runs; both take a GenerateInput and raise ServiceError with the status to answer.
 """
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.service.errors import ServiceError
 from common.service.logging_setup import log_event, request_context
 from common.service.metrics import GatewayMetrics
 from gateway.routing.dispatcher import Dispatcher
 from gateway.routing.kv_index import KvEventSubscriber, KvIndex, grpc_resync
 from gateway.routing.placement import make_policy
 from gateway.routing.registry import InstanceRegistry
-from gateway.types import (DeploymentInfo, GatewayError, GenerateInput, GenerationDelta,
-                           PreparedRequest)
+from gateway.types import DeploymentInfo, GenerateInput, GenerationDelta, PreparedRequest
 from gateway.validation import ServedModel, prepare_request, prompt_chars
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class Gateway:
                     last = delta
                     yield delta
                 status = "OK"
-            except GatewayError as e:
+            except ServiceError as e:
                 status = e.code.name
                 raise
             except (asyncio.CancelledError, GeneratorExit):
@@ -141,10 +141,10 @@ class Gateway:
     async def _stream(self, request: GenerateInput, timeout_s: float | None, timer
                       ) -> AsyncIterator[GenerationDelta]:
         if self.draining:
-            raise GatewayError(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down; retry on another")
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down; retry on another")
         prepared = await self.prepare(request)
         if prepared.request_id in self._in_flight:
-            raise GatewayError(grpc.StatusCode.ALREADY_EXISTS,
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id {prepared.request_id!r} is already in flight; give each "
                                f"request its own id (or leave it empty)")
         with request_context(prepared.request_id):

@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 
-from common.cli.main import EnvDefaultsParser
+from common.service.flags import EnvDefaultsParser
 from common.service.logging_setup import add_logging_args, configure_logging
 from common.service.metrics import add_metrics_args
 from gateway.core import GatewaySettings

@@ -1,7 +1,7 @@
 """The gateway's gRPC server: GenerateService + RegistryService + health + reflection.
 
 The servicer is a thin edge: protobuf in (gateway.convert), Gateway, protobuf out;
-a GatewayError becomes its status. Used by `pdserve gateway` (gateway.main) and
+a ServiceError becomes its status (common.service.errors.ErrorStatusInterceptor). Used by `pdserve gateway` (gateway.main) and
 started in-process by tests:
 
     server = GatewayServer(load_served_model(None), GatewaySettings(), port=0)
@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import logging
 
-import grpc
 from grpc import aio
 
-from gateway.convert import deployment_info_to_pb, delta_to_pb, generate_input_from_pb
+from common.service.errors import ErrorStatusInterceptor
+from gateway.convert import delta_to_pb, deployment_info_to_pb, generate_input_from_pb
 from gateway.core import Gateway, GatewaySettings
 from gateway.routing.registry import RegistryServicer
-from gateway.types import GatewayError
 from gateway.validation import ServedModel
 from protos.pdserve.v1 import generate_pb2_grpc, registry_pb2_grpc
 from protos.serving import GENERATE_SERVICE, REGISTRY_SERVICE, add_health_and_reflection
@@ -37,28 +36,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.gateway = gateway
 
     async def Generate(self, request, context):
-        try:
-            result = await self.gateway.generate(generate_input_from_pb(request), context.time_remaining())
-        except Exception as e:
-            await _abort(context, e)
+        result = await self.gateway.generate(generate_input_from_pb(request), context.time_remaining())
         return delta_to_pb(result)
 
     async def GenerateStream(self, request, context):
-        try:
-            async for delta in self.gateway.stream(generate_input_from_pb(request), context.time_remaining()):
-                yield delta_to_pb(delta)
-        except Exception as e:
-            await _abort(context, e)
+        async for delta in self.gateway.stream(generate_input_from_pb(request), context.time_remaining()):
+            yield delta_to_pb(delta)
 
     async def ModelInfo(self, request, context):
         return deployment_info_to_pb(self.gateway.deployment_info())
-
-
-async def _abort(context: aio.ServicerContext, error: Exception) -> None:
-    if isinstance(error, GatewayError):
-        await context.abort(error.code, error.message)
-    logger.exception("request failed", exc_info=error)  # a bug: say so, but keep serving
-    await context.abort(grpc.StatusCode.INTERNAL, f"gateway error: {error!r}")
 
 
 class GatewayServer:
@@ -71,7 +57,7 @@ class GatewayServer:
         self.address = ""
         self.metrics_port, self.metrics_host = metrics_port, metrics_host or host
         self.metrics_address = ""  # host:port once serving, when metrics_port is set
-        self._server = aio.server(options=[
+        self._server = aio.server(interceptors=[ErrorStatusInterceptor()], options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),  # a second gateway on a taken port fails instead of sharing it
         ])

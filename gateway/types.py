@@ -7,25 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import grpc
-
 from common.engine.outputs import Logprobs
 from common.engine.sampling_params import SamplingParams
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"  # as in common.engine.outputs
-
-
-class GatewayError(Exception):
-    """A request failed with a gRPC status; `message` tells the caller what to change."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def invalid(message: str) -> GatewayError:
-    return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 @dataclass

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from common.engine.model_files import BUNDLED_MODEL_NAME, load_hf_config, resolve_model
 from common.engine.sampling_params import validate_prompt_token_ids
+from common.service.errors import invalid
 from gateway.tokenizer import load_prompt_tokenizer
-from gateway.types import GenerateInput, PreparedRequest, invalid
+from gateway.types import GenerateInput, PreparedRequest
 
 MAX_REQUEST_ID_CHARS = 256
 
@@ -38,7 +39,7 @@ class ServedModel:
 
 def load_served_model(model: str | None, served_model_name: str | None = None) -> ServedModel:
     """The tokenizer and limits of `model`, named as the instances name it
-    (common.service.worker.served_model_name: --served-model-name, else --model)."""
+    (common.service.flags.served_model_name: --served-model-name, else --model)."""
     model_dir = resolve_model(model)
     config = load_hf_config(model_dir)
     tokenizer = load_prompt_tokenizer(model_dir)
@@ -59,7 +60,7 @@ def prompt_chars(request: GenerateInput) -> int:
 
 def prepare_request(request: GenerateInput, model: ServedModel, max_model_len: int,
                     max_prompt_chars: int, served_names: frozenset[str] = frozenset()) -> PreparedRequest:
-    """Validate and tokenize; raise GatewayError(INVALID_ARGUMENT) naming the problem."""
+    """Validate and tokenize; raise ServiceError(INVALID_ARGUMENT) naming the problem."""
     if request.model and request.model not in model.aliases | served_names:
         raise invalid(f"model {request.model!r} is not served here; this gateway serves "
                       f"{model.name!r} (leave model empty for it)")

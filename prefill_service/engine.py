@@ -11,7 +11,7 @@ from __future__ import annotations
 from common.engine.config import EngineConfig
 from common.engine.engine_core import EngineCore
 from common.engine.outputs import EngineCoreOutput
-from common.service.worker import DuplicateRequestError
+from common.service.errors import DuplicateRequestError
 from prefill_service.kv_events import KvEventPublisher
 from prefill_service.kv_export import ExportTarget, KVExporter, KVExportingExecutor
 

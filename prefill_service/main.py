@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import sys
 
-from common.service.worker import make_parser, run_worker
+from common.service.flags import make_parser
+from common.service.lifecycle import run_worker
 
 
 def build_parser():

@@ -11,7 +11,9 @@ import grpc
 from common.engine.async_engine import AsyncEngine
 from common.engine.outputs import EngineCoreOutput, Logprobs
 from common.engine.sampling_params import SamplingParams
-from common.service.worker import DuplicateRequestError, ServiceError, new_request, watch
+from common.service.engine_requests import new_request
+from common.service.errors import DuplicateRequestError, ServiceError
+from common.service.futures import watch
 from kv_transfer import TransferState
 from prefill_service.engine import PrefillEngineCore
 from prefill_service.kv_export import ExportTarget

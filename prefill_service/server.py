@@ -19,16 +19,19 @@ import grpc
 from grpc import aio
 
 from common.engine.async_engine import AsyncEngine
-from common.cli.main import engine_config_from_args
+from common.engine.engine_args import engine_config_from_args
+from common.service.common_api import logprobs_to_pb, sampling_params_from_pb, stats_response
+from common.service.engine_requests import eos_token_ids, validate_request
+from common.service.errors import ServiceError
+from common.service.flags import advertised_zmq_endpoint, served_model_name, zmq_bind_endpoint
+from common.service.logging_setup import logged_request
 from common.service.metrics import WorkerMetrics
-from common.service.worker import (RequestGate, ServiceError, advertised_zmq_endpoint, eos_token_ids, logged_request,
-                           served_model_name, stats_response, validate_request, zmq_bind_endpoint)
 from common.service.registration import InstanceLoad, InstanceSpec
+from common.service.request_gate import RequestGate
 from prefill_service.engine import PrefillEngineCore
-from prefill_service.prefiller import Prefiller, PrefillJob, PrefillResult
 from prefill_service.kv_events import KvEventPublisher, snapshot_response
 from prefill_service.kv_export import TargetMismatchError, make_export_target
-from protos.convert import logprobs_to_pb, sampling_params_from_pb
+from prefill_service.prefiller import Prefiller, PrefillJob, PrefillResult
 from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from protos.serving import PREFILL_SERVICE
 
@@ -45,13 +48,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                             prompt_tokens=len(request.prompt_token_ids),
                             decode_kv=request.kv_target.kv_endpoint or "none") as end:
             async with self.gate.admit(context):
-                try:
-                    job = self.worker.job_from_pb(request)
-                    result = await self.worker.prefiller.prefill(job)
-                except ServiceError as e:
-                    if self.gate.stopping:  # past the grace period every failure is the shutdown's
-                        e = self.gate.shutdown_error()
-                    await context.abort(e.code, e.message)
+                job = self.worker.job_from_pb(request)
+                result = await self.worker.prefiller.prefill(job)
                 end.update(cached_tokens=result.num_cached_tokens, kv_blocks_sent=result.num_transferred_blocks)
                 return self.worker.result_to_pb(request.request_id, result)
 
@@ -121,7 +119,7 @@ class PrefillWorker:
     def stats_pb(self) -> common_pb2.StatsResponse:
         return stats_response(self.instance_id, self.engine.stats, self.load())
 
-    # ---- common.service.worker.Worker ------------------------------------------------------------
+    # ---- common.service.lifecycle.Worker ----------------------------------------------------------
     def add_to_server(self, server: aio.Server, gate: RequestGate) -> list[str]:
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self, gate), server)
         return [PREFILL_SERVICE]

@@ -20,11 +20,16 @@ import json
 import math
 import sys
 
-from common.cli.main import EnvDefaultsParser
 from bench.serve.arrivals import parse_rates
-from bench.serve.datasets import (DATASETS, SHAREGPT_OUTPUT_LOGNORMAL, SHAREGPT_PROMPT_LOGNORMAL,
-                                          Vocabulary, make_requests)
+from bench.serve.datasets import (
+    DATASETS,
+    SHAREGPT_OUTPUT_LOGNORMAL,
+    SHAREGPT_PROMPT_LOGNORMAL,
+    Vocabulary,
+    make_requests,
+)
 from bench.serve.metrics import format_report, parse_goodput
+from common.service.flags import EnvDefaultsParser
 
 
 def build_parser() -> argparse.ArgumentParser:

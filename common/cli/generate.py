@@ -11,7 +11,8 @@ import sys
 
 import grpc
 
-from common.cli.main import EnvDefaultsParser, add_sampling_args
+from common.cli.sampling_args import add_sampling_args
+from common.service.flags import EnvDefaultsParser
 
 
 def build_parser() -> argparse.ArgumentParser:

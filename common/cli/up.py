@@ -27,8 +27,8 @@ import time
 
 import grpc
 
-from common.cli.main import EnvDefaultsParser
 from common.cli.processes import ManagedProcess, ProcessFailed, route_flags, start_gateway_process
+from common.service.flags import EnvDefaultsParser
 
 
 class LocalStack:

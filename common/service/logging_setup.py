@@ -18,14 +18,21 @@ Text lines: `TIME LEVEL ROLE [request_id] LOGGER: MSG key=value ...`.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import datetime
 import json
 import logging
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
+
+import grpc
+from grpc import aio
+
+from common.service.errors import ServiceError
 
 LOG_FORMATS = ("text", "json")
 
@@ -137,3 +144,38 @@ def _text_value(value: Any) -> str:
         return f"{value:.4g}"
     text = str(value)
     return json.dumps(text) if (not text or " " in text or "=" in text or '"' in text) else text
+
+
+class EndFields(dict):
+    """The fields of a request's end line. `complete` is set once the whole answer is out:
+    the caller hanging up after that (the gateway cancels a finished stream) is no failure."""
+
+    complete = False
+
+
+@contextlib.contextmanager
+def logged_request(log: logging.Logger, what: str, request_id: str, context: aio.ServicerContext | None = None,
+                   **start_fields) -> Iterator[EndFields]:
+    """One RPC's work, labelled with its request id (common.service.logging_setup) and logged as a
+    `WHAT start` line and a `WHAT end` line with status and duration_s. The caller adds
+    end fields to the yielded dict; a ServiceError, an abort of `context`, cancellation or
+    a bug sets the status."""
+    started = time.monotonic()
+    end = EndFields(status="OK")
+    with request_context(request_id):
+        log_event(log, f"{what} start", **start_fields)
+        try:
+            yield end
+        except ServiceError as e:
+            end["status"] = e.code.name
+            raise
+        except BaseException as e:
+            if end["status"] == "OK" and not end.complete:
+                aborted = context.code() if context is not None else None  # context.abort raises too
+                end["status"] = (aborted.name if isinstance(aborted, grpc.StatusCode)
+                                 else "CANCELLED" if isinstance(e, (asyncio.CancelledError, GeneratorExit))
+                                 else "INTERNAL")
+            raise
+        finally:
+            end["duration_s"] = round(time.monotonic() - started, 4)
+            log_event(log, f"{what} end", **end)

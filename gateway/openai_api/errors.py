@@ -4,7 +4,7 @@ the gateway's gRPC statuses.
     {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": "invalid_value"}}
 
 ApiError is raised by request parsing (400 naming the field, 404 for a model that is
-not served, 413 for a body over the limit); a GatewayError from the shared request
+not served, 413 for a body over the limit); a ServiceError from the shared request
 path becomes one through `from_gateway_error`, with the status its gRPC code maps to.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 
 import grpc
 
-from gateway.types import GatewayError
+from common.service.errors import ServiceError
 
 # gRPC status -> HTTP status; anything else is a 500.
 HTTP_STATUS_BY_GRPC_CODE = {
@@ -56,6 +56,6 @@ def invalid_field(param: str, message: str, code: str = "invalid_value") -> ApiE
     return ApiError(400, f"{param}: {message}", param=param, code=code)
 
 
-def from_gateway_error(error: GatewayError, param: str | None = None) -> ApiError:
+def from_gateway_error(error: ServiceError, param: str | None = None) -> ApiError:
     return ApiError(HTTP_STATUS_BY_GRPC_CODE.get(error.code, 500), error.message, param=param,
                     code=error.code.name.lower())

@@ -39,13 +39,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from common.service.errors import ServiceError
 from gateway.core import Gateway
 from gateway.openai_api.choices import generate_choices, stream_choices
 from gateway.openai_api.errors import ApiError, from_gateway_error
 from gateway.openai_api.protocol import ParsedRequest, parse_request
-from gateway.openai_api.responses import (SSE_DONE, ResponseBuilder, TokenTexts, error_event, json_bytes,
-                                          sse_event)
-from gateway.types import GatewayError, GenerationDelta
+from gateway.openai_api.responses import SSE_DONE, ResponseBuilder, TokenTexts, error_event, json_bytes
+from gateway.types import GenerationDelta
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class OpenAIServer:
                 return await self._start_stream(request, builder, stream_choices(self.gateway, inputs))
             results = await _until_disconnect(request, generate_choices(self.gateway, inputs))
             return Response(json_bytes(builder.full_response(results)), media_type="application/json")
-        except GatewayError as e:
+        except ServiceError as e:
             return _error(from_gateway_error(e, _param_of(e, parsed)))
         except ApiError as e:
             return _error(e)
@@ -220,7 +220,7 @@ class _EventStream(Response):
             await send({"type": "http.response.body", "body": builder.chunk(*self.first), "more_body": True})
             async for index, delta in self.events:
                 await send({"type": "http.response.body", "body": builder.chunk(index, delta), "more_body": True})
-        except GatewayError as e:
+        except ServiceError as e:
             ending = error_event(from_gateway_error(e)) + ending
         else:
             if builder.request.include_usage:
@@ -258,7 +258,7 @@ async def _until_disconnect(request: Request, work: Awaitable):
     return task.result()
 
 
-def _param_of(error: GatewayError, parsed: ParsedRequest | None) -> str | None:
+def _param_of(error: ServiceError, parsed: ParsedRequest | None) -> str | None:
     """The request field a gateway validation message is about, where it says."""
     message = error.message
     if parsed is None or error.code != grpc.StatusCode.INVALID_ARGUMENT:

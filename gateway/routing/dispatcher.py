@@ -24,13 +24,14 @@ from collections.abc import AsyncIterator
 import grpc
 
 from common.engine.block_hash import compute_block_hashes
+from common.service.errors import ServiceError
 from common.service.metrics import GatewayMetrics, RequestTimer
 from gateway.convert import decode_output_from_pb, decode_request_to_pb
 from gateway.routing.kv_index import KvIndex
 from gateway.routing.placement import PlacementPolicy, record_decode_dispatch, record_prefill_dispatch
 from gateway.routing.registry import Instance, InstanceRegistry
 from gateway.text_assembler import TextAssembler
-from gateway.types import GatewayError, GenerationDelta, PreparedRequest
+from gateway.types import GenerationDelta, PreparedRequest
 from protos.pdserve.v1 import common_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class Dispatcher:
 
     async def stream(self, request: PreparedRequest, timeout_s: float | None = None,
                      timer: RequestTimer | None = None) -> AsyncIterator[GenerationDelta]:
-        """Deltas of one request, the last with finish_reason set; raises GatewayError.
+        """Deltas of one request, the last with finish_reason set; raises ServiceError.
         `timer` is told of every token as it arrives (TTFT and ITL at the gateway)."""
         tried: set[str] = set()
         while True:
@@ -103,7 +104,7 @@ class Dispatcher:
         decode = self.policy.choose_decode(len(request.prompt_token_ids), decodes)
         self.metrics.placed("decode", decode is not None)
         if decode is None:
-            raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                "no decode instance is alive; start one (pdserve decode --gateway ADDR) "
                                "and retry")
         return decode, record_decode_dispatch(self.registry, decode, len(request.prompt_token_ids))
@@ -150,7 +151,7 @@ class Dispatcher:
                     return
                 if delta.text or delta.token_ids:
                     yield delta
-            raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"decode instance {decode.instance_id} ended the stream of request "
                                f"{request.request_id} before it finished")
         finally:
@@ -159,14 +160,14 @@ class Dispatcher:
             channel.num_calls -= 1
             self._close_if_idle(decode.spec.grpc_address)
 
-    def _decode_error(self, decode: Instance, e: grpc.aio.AioRpcError) -> GatewayError:
+    def _decode_error(self, decode: Instance, e: grpc.aio.AioRpcError) -> ServiceError:
         code = e.code()
         if code in _INSTANCE_GONE:
             self._in_background(self._probe(decode))
             code = grpc.StatusCode.UNAVAILABLE
         elif code not in _PASSED_ON:
             code = grpc.StatusCode.INTERNAL
-        return GatewayError(code, f"decode instance {decode.instance_id} failed: {e.details()}")
+        return ServiceError(code, f"decode instance {decode.instance_id} failed: {e.details()}")
 
     async def _probe(self, instance: Instance) -> None:
         if self.registry.get(instance.instance_id) is not instance:

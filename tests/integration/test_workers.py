@@ -25,10 +25,9 @@ import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.engine.sampling_params import SamplingParams
+from common.service.common_api import sampling_params_to_pb
 from gateway.routing.registry import ROLES, InstanceRegistry, RegistryServicer
-from protos.convert import sampling_params_to_pb
-from protos.pdserve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc,
-                               registry_pb2_grpc)
+from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, registry_pb2_grpc
 from protos.serving import DECODE_SERVICE, PREFILL_SERVICE
 
 pytestmark = pytest.mark.slow
@@ -153,6 +152,7 @@ def offline():
     two threads on the main thread run ~10x slower than one (the services run their
     engines on a separate thread and do not suffer from it)."""
     import torch
+
     from common import LLM
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.support.paths import REPO_ROOT
 
 yaml = pytest.importorskip("yaml")
@@ -284,8 +285,8 @@ def test_compose_and_pdserve_up_split_settings_the_same_way():
     --gateway) and gives every other setting to the commands that take it, from its own
     flags or the inherited PDSERVE_* environment (`set -a; . deploy/pdserve.env`); compose
     sets the same per-process values in `environment:` and the rest from the same file."""
-    from common.cli.main import DELEGATED
     from common.cli import processes
+    from common.cli.main import DELEGATED
     assert {"gateway", "prefill", "decode", "up"} <= set(DELEGATED)
     per_process = getattr(processes, "PER_PROCESS_FLAGS", ())
     assert {"PDSERVE_" + f.lstrip("-").upper().replace("-", "_") for f in per_process} <= PER_PROCESS
@@ -363,7 +364,7 @@ def test_healthcheck_helper_finds_the_service_address(monkeypatch):
 
 def test_default_instance_ids_are_unique_where_hostname_and_pid_repeat():
     """Host-network replicas share the host's name and all run as PID 1."""
-    from common.service.worker import default_instance_id
+    from common.service.lifecycle import default_instance_id
     ids = {default_instance_id("decode") for _ in range(200)}
     assert len(ids) == 200 and all(i.startswith(f"decode-{socket.gethostname()}-{os.getpid()}-") for i in ids)
 

@@ -17,10 +17,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 import protos
 from common.engine.outputs import Logprobs
 from common.engine.sampling_params import SamplingParams
+from common.service.common_api import logprobs_from_pb, logprobs_to_pb, sampling_params_from_pb, sampling_params_to_pb
 from gateway.client import build_generate_request
 from protos._build import SRC_DIR, build, is_fresh, proto_files
-from protos.convert import (logprobs_from_pb, logprobs_to_pb, sampling_params_from_pb,
-                            sampling_params_to_pb)
 from protos.pdserve.v1 import common_pb2, decode_pb2, generate_pb2, prefill_pb2, registry_pb2
 from protos.serving import GENERATE_SERVICE, add_health_and_reflection
 

@@ -8,11 +8,11 @@ import pytest
 from common import LLM, SamplingParams
 from common.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.engine.request import Request
-from common.service.worker import DuplicateRequestError
+from common.service.errors import DuplicateRequestError
 from decode_service.engine import DecodeEngineCore, Placement
 from prefill_service.engine import PrefillEngineCore
-from prefill_service.prefiller import first_token_params
 from prefill_service.kv_export import TargetMismatchError, make_export_target
+from prefill_service.prefiller import first_token_params
 
 NUM_BLOCKS, BLOCK_SIZE = 64, 8
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

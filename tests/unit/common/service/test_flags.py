@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.cli.main import engine_config_from_args
-from common.service.worker import advertised_zmq_endpoint
+from common.engine.engine_args import engine_config_from_args
+from common.service.flags import advertised_zmq_endpoint
 from decode_service.main import build_parser as decode_parser
 from prefill_service.main import build_parser as prefill_parser
 

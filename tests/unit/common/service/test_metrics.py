@@ -18,12 +18,25 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.service.logging_setup import (REQUEST_ID, JsonFormatter, TextFormatter, configure_logging, log_event,
-                                  make_handler, request_context)
-from common.service.metrics import (GatewayMetrics, MetricsServer, RequestTimer, WorkerMetrics, all_metric_family_names,
-                            step_phase)
 from common.engine.outputs import ScheduledRequest, SchedulerOutput
 from common.engine.sampling_params import SamplingParams
+from common.service.logging_setup import (
+    REQUEST_ID,
+    JsonFormatter,
+    TextFormatter,
+    configure_logging,
+    log_event,
+    make_handler,
+    request_context,
+)
+from common.service.metrics import (
+    GatewayMetrics,
+    MetricsServer,
+    RequestTimer,
+    WorkerMetrics,
+    all_metric_family_names,
+    step_phase,
+)
 from kv_transfer import TransferState
 from tests.support.paths import REPO_ROOT
 
@@ -341,7 +354,6 @@ def _serve_three_requests(BackgroundGateway, GatewaySettings, Client):
 
 
 def test_architecture_doc_lists_every_metric():
-    from pathlib import Path
 
     from common.service.metrics import _reference_metrics
     doc = (REPO_ROOT / "docs" / "architecture.md").read_text()
@@ -368,7 +380,8 @@ def test_bad_or_taken_metrics_port_is_a_clear_start_up_error():
 
 
 def test_logged_request_end_status(caplog):
-    from common.service.worker import ServiceError, logged_request
+    from common.service.errors import ServiceError
+    from common.service.logging_setup import logged_request
     log = logging.getLogger("pdserve.test.hop")
     caplog.set_level(logging.INFO, logger="pdserve.test.hop")
 

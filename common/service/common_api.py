@@ -1,4 +1,5 @@
-"""Field mapping between engine dataclasses and their proto messages; no validation.
+"""The messages of common.proto that every API shares (sampling parameters, token
+logprobs, finish reasons, Stats), mapped to and from the engine's types; no validation.
 
 SamplingParams and the proto message share field names, so the mapping is generic.
 Unset proto fields take the dataclass defaults. Two values need translating:
@@ -51,3 +52,22 @@ def logprobs_to_pb(token_id: int, logprobs: Logprobs) -> common_pb2.TokenLogprob
 def logprobs_from_pb(msg: common_pb2.TokenLogprob) -> tuple[int, Logprobs]:
     return msg.token_id, Logprobs(token_logprob=msg.logprob, top_token_ids=list(msg.top_token_ids),
                                   top_logprobs=list(msg.top_logprobs))
+
+
+FINISH_REASON_TO_PB = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
+                       "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT}
+_FINISH_REASON_FROM_PB = {pb: reason for reason, pb in FINISH_REASON_TO_PB.items()}
+
+
+def finish_reason_from_pb(value: int) -> str | None:
+    """None for FINISH_REASON_UNSPECIFIED (the request goes on) and for values this build does not know."""
+    return _FINISH_REASON_FROM_PB.get(value)
+
+
+def stats_response(instance_id: str, stats: dict, load) -> "common_pb2.StatsResponse":
+    """The Stats RPC's answer, the same for both roles: load plus prefix-cache counters."""
+    return common_pb2.StatsResponse(
+        instance_id=instance_id, load=load.to_pb(),
+        prefix_cache_queried_tokens=stats["prefix_cache_queried_tokens"],
+        prefix_cache_hit_tokens=stats["prefix_cache_hit_tokens"],
+        num_finished_requests=stats["num_finished_requests"])

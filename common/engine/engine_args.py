@@ -1,0 +1,40 @@
+"""The engine's command-line flags, shared by `pdserve generate-offline` and both services,
+and the EngineConfig they describe (the services' counterpart of LLM(...))."""
+from __future__ import annotations
+
+import argparse
+
+from common.engine.config import make_engine_config
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="GGUF file or Hugging Face directory; default: bundled SmolLM2-135M-Instruct")
+    g.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool size: bytes (2GiB, 512MiB) or a fraction of free memory after weights "
+                        "(0.9); default 1GiB on CPU, 0.9 on GPU")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output; default min(model limit, KV capacity)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
+                block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=not args.no_prefix_caching,
+                enable_chunked_prefill=not args.no_chunked_prefill)
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """EngineConfig from add_engine_args' flags (the services' counterpart of LLM(...))."""
+    return make_engine_config(**engine_kwargs(args))

@@ -1,0 +1,84 @@
+"""The one error type that carries a gRPC status, and the one place that turns it into one.
+
+Code anywhere below a servicer (engine adapters, the gateway's placement, validation)
+raises ServiceError with the status and a message that tells the caller what to
+change; `ErrorStatusInterceptor`, installed on every server, aborts the RPC with it.
+Anything else escaping a handler is a bug: logged with its traceback, answered INTERNAL,
+and the server keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+
+import grpc
+from grpc import aio
+
+logger = logging.getLogger(__name__)
+
+
+class ServiceError(Exception):
+    """A request failed with a gRPC status; the servicer turns it into context.abort."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+class DuplicateRequestError(ValueError):
+    """A request with this id is still in flight (or holds blocks) on this instance."""
+
+
+async def _abort(context: aio.ServicerContext, error: Exception, method: str) -> None:
+    if isinstance(error, ServiceError):
+        await context.abort(error.code, error.message)
+    logger.error("%s failed", method, exc_info=error)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {error!r}")
+
+
+def _unary_response(behavior, method: str):
+    async def handle(request_or_iterator, context):
+        try:
+            return await behavior(request_or_iterator, context)
+        except (asyncio.CancelledError, aio.AbortError):
+            raise
+        except Exception as e:
+            await _abort(context, e, method)
+    return handle
+
+
+def _stream_response(behavior, method: str):
+    async def handle(request_or_iterator, context):
+        try:
+            async for response in behavior(request_or_iterator, context):
+                yield response
+        except (asyncio.CancelledError, aio.AbortError):
+            raise
+        except Exception as e:
+            await _abort(context, e, method)
+    return handle
+
+
+class ErrorStatusInterceptor(aio.ServerInterceptor):
+    """Maps what a handler raises to the RPC's status (see the module doc)."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=_unary_response(handler.unary_unary, method))
+        if handler.stream_unary is not None:
+            return handler._replace(stream_unary=_unary_response(handler.stream_unary, method))
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            return handler._replace(unary_stream=_stream_response(handler.unary_stream, method))
+        if handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):
+            return handler._replace(stream_stream=_stream_response(handler.stream_stream, method))
+        return handler
