@@ -23,25 +23,15 @@ from grpc import aio
 
 from common.engine.async_engine import AsyncEngine, EngineDeadError
 from common.engine.outputs import EngineCoreOutput, Logprobs
-from common.engine.sampling_params import SamplingParams
 from common.service.engine_requests import new_request
 from common.service.errors import DuplicateRequestError, ServiceError
 from common.service.futures import watch
+from decode_service.api import DecodeJob
 from decode_service.engine import Admission, DecodeEngineCore, Placement
 from decode_service.prefill_client import PrefillClients, prefill_failure_status, prefill_request
 from kv_transfer import TransferResult, TransferState
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class DecodeJob:
-    req_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
-    prefill_address: str = ""  # empty: prefill locally
-    prefill_instance_id: str = ""
 
 
 @dataclass

@@ -17,20 +17,19 @@ from __future__ import annotations
 import argparse
 import logging
 
-import grpc
 from grpc import aio
 
 from common.engine.async_engine import AsyncEngine
 from common.engine.engine_args import engine_config_from_args
-from common.service.common_api import FINISH_REASON_TO_PB, logprobs_to_pb, sampling_params_from_pb, stats_response
+from common.service.common_api import stats_response
 from common.service.engine_requests import eos_token_ids, validate_request
-from common.service.errors import ServiceError
 from common.service.flags import advertised_zmq_endpoint, served_model_name, zmq_bind_endpoint
 from common.service.logging_setup import logged_request
 from common.service.metrics import WorkerMetrics
 from common.service.registration import InstanceLoad, InstanceSpec
 from common.service.request_gate import RequestGate
-from decode_service.decoder import DecodeChunk, DecodeJob, Decoder
+from decode_service.api import DecodeJob, DecodeOutput
+from decode_service.decoder import DecodeChunk, Decoder
 from decode_service.engine import DecodeEngineCore
 from decode_service.prefill_client import PrefillClients
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -86,27 +85,22 @@ class DecodeWorker:
 
     # ---- protobuf at the edge ----------------------------------------------------------
     def job_from_pb(self, request: decode_pb2.DecodeRequest) -> DecodeJob:
-        prompt = list(request.prompt_token_ids)
-        try:
-            params = sampling_params_from_pb(request.sampling)
-        except ValueError as e:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        validate_request(prompt, params, self.core)
-        return DecodeJob(request.request_id, prompt, params, request.priority, request.prefill_address,
-                         request.prefill_instance_id)
+        job = DecodeJob.from_pb(request)
+        validate_request(job.prompt_token_ids, job.params, self.core)
+        return job
 
     def chunk_to_pb(self, request_id: str, chunk: DecodeChunk) -> decode_pb2.DecodeResponse:
         output = chunk.output
-        response = decode_pb2.DecodeResponse(
-            request_id=request_id, token_ids=output.new_token_ids,
-            logprobs=[logprobs_to_pb(t, lp) for t, lp in zip(output.new_token_ids, chunk.logprobs or [])],
-            finish_reason=FINISH_REASON_TO_PB[output.finish_reason], num_cached_tokens=chunk.num_cached_tokens,
-            prefill_instance_id=chunk.prefill_instance_id, decode_instance_id=self.instance_id)
+        stop_token_id = None
         if isinstance(output.stop_reason, int):
-            response.stop_token_id = output.stop_reason
+            stop_token_id = output.stop_reason
         elif output.finish_reason == "stop" and output.new_token_ids:  # EOS: stop_reason stays None
-            response.stop_token_id = output.new_token_ids[-1]
-        return response
+            stop_token_id = output.new_token_ids[-1]
+        return DecodeOutput(
+            token_ids=output.new_token_ids, logprobs=chunk.logprobs or [], finish_reason=output.finish_reason,
+            stop_token_id=stop_token_id, num_cached_tokens=chunk.num_cached_tokens,
+            prefill_instance_id=chunk.prefill_instance_id, decode_instance_id=self.instance_id,
+            request_id=request_id).to_pb()
 
     def stats_pb(self) -> common_pb2.StatsResponse:
         return stats_response(self.instance_id, self.engine.stats, self.load())

@@ -32,7 +32,7 @@ import grpc
 
 from common.engine.sampling_params import SamplingParams
 from common.service.common_api import sampling_params_to_pb
-from gateway.convert import delta_from_pb, deployment_info_from_pb
+from gateway.api import delta_from_pb, deployment_info_from_pb
 from gateway.types import DeploymentInfo, GenerationDelta
 from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
 

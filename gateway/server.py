@@ -1,6 +1,6 @@
 """The gateway's gRPC server: GenerateService + RegistryService + health + reflection.
 
-The servicer is a thin edge: protobuf in (gateway.convert), Gateway, protobuf out;
+The servicer is a thin edge: protobuf in (gateway.api), Gateway, protobuf out;
 a ServiceError becomes its status (common.service.errors.ErrorStatusInterceptor). Used by `pdserve gateway` (gateway.main) and
 started in-process by tests:
 
@@ -19,7 +19,7 @@ import logging
 from grpc import aio
 
 from common.service.errors import ErrorStatusInterceptor
-from gateway.convert import delta_to_pb, deployment_info_to_pb, generate_input_from_pb
+from gateway.api import delta_to_pb, deployment_info_to_pb, generate_input_from_pb
 from gateway.core import Gateway, GatewaySettings
 from gateway.routing.registry import RegistryServicer
 from gateway.validation import ServedModel

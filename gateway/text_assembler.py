@@ -7,7 +7,8 @@ feeds it and decides what to do when a delta says the request is over.
 from __future__ import annotations
 
 from common.text.detokenizer import IncrementalDetokenizer
-from gateway.types import FINISH_STOP, DecodeOutput, GenerationDelta, PreparedRequest, Usage
+from decode_service.api import DecodeOutput
+from gateway.types import FINISH_STOP, GenerationDelta, PreparedRequest, Usage
 
 
 class TextAssembler:

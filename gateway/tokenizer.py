@@ -50,8 +50,8 @@ class PromptTokenizer:
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send the prompt as text or token ids")
         messages = _check_messages(messages)
-        from transformers.utils.chat_template_utils import render_jinja_template
         import jinja2
+        from transformers.utils.chat_template_utils import render_jinja_template
         try:
             rendered, _ = render_jinja_template(
                 conversations=[messages], chat_template=self.chat_template,

@@ -1,7 +1,7 @@
-"""Plain data the gateway works on; protobuf stays at the edges (gateway.convert).
+"""Plain data the gateway works on; protobuf stays at the edges (gateway.api, decode_service.api).
 
 GenerateInput (a Generate call) -> PreparedRequest (validated, tokenized)
-DecodeOutput (one DecodeResponse) -> GenerationDelta (one GenerateResponse)
+decode_service.api.DecodeOutput (one DecodeResponse) -> GenerationDelta (one GenerateResponse)
 """
 from __future__ import annotations
 
@@ -41,19 +41,6 @@ class PreparedRequest:
     @property
     def return_logprobs(self) -> bool:
         return self.sampling.logprobs is not None
-
-
-@dataclass
-class DecodeOutput:
-    """One message of a decode instance's stream."""
-
-    token_ids: list[int]
-    logprobs: list[Logprobs]  # parallel to token_ids, or empty
-    finish_reason: str | None  # None until the last message
-    stop_token_id: int | None
-    num_cached_tokens: int
-    prefill_instance_id: str
-    decode_instance_id: str
 
 
 @dataclass

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from common.engine.config import make_engine_config
-from common.text.detokenizer import IncrementalDetokenizer
 from common.engine.engine_core import EngineCore
 from common.engine.outputs import CompletionOutput, Logprobs, RequestOutput
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams, validate_prompt_token_ids
+from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import load_tokenizer
 
 PromptType = str | dict

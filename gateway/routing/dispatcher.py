@@ -26,7 +26,7 @@ import grpc
 from common.engine.block_hash import compute_block_hashes
 from common.service.errors import ServiceError
 from common.service.metrics import GatewayMetrics, RequestTimer
-from gateway.convert import decode_output_from_pb, decode_request_to_pb
+from decode_service.api import DecodeJob, DecodeOutput
 from gateway.routing.kv_index import KvIndex
 from gateway.routing.placement import PlacementPolicy, record_decode_dispatch, record_prefill_dispatch
 from gateway.routing.registry import Instance, InstanceRegistry
@@ -135,8 +135,9 @@ class Dispatcher:
         logger.debug("placed on decode %s, prefill %s", decode.instance_id,
                      prefill.instance_id if prefill else "local")
         channel = self._channel(decode)
-        call = channel.stub.Decode(decode_request_to_pb(
-            request, prefill.spec.grpc_address if prefill else "", prefill.instance_id if prefill else ""),
+        call = channel.stub.Decode(DecodeJob(
+            request.request_id, request.prompt_token_ids, request.sampling, request.priority,
+            prefill.spec.grpc_address if prefill else "", prefill.instance_id if prefill else "").to_pb(),
             timeout=timeout_s)
         channel.num_calls += 1
         text = TextAssembler(self.tokenizer, request, decode.instance_id, self.eos_token_ids)
@@ -145,7 +146,7 @@ class Dispatcher:
                 prefill_done()
                 if timer is not None:
                     timer.tokens(len(msg.token_ids))
-                delta = text.apply(decode_output_from_pb(msg))
+                delta = text.apply(DecodeOutput.from_pb(msg))
                 if delta.finish_reason is not None:
                     yield delta
                     return

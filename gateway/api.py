@@ -1,16 +1,18 @@
-"""Protobuf <-> gateway.types, for the gateway's edges: its public GenerateService,
-its calls to DecodeService, and the client's side of GenerateService. Field names
-follow the protos; no policy here."""
+"""The Generate API's one owner: pdserve.v1.GenerateService's messages <-> gateway.types,
+for the gateway's servicer and for its client (gateway.client). Field names follow the
+protos; no policy here. (The gateway's calls to decode instances speak decode_service.api.)"""
 from __future__ import annotations
 
-from common.service.common_api import logprobs_from_pb, logprobs_to_pb, sampling_params_from_pb, sampling_params_to_pb
+from common.service.common_api import (
+    FINISH_REASON_TO_PB,
+    finish_reason_from_pb,
+    logprobs_from_pb,
+    logprobs_to_pb,
+    sampling_params_from_pb,
+)
 from common.service.errors import invalid
-from gateway.types import DecodeOutput, DeploymentInfo, GenerateInput, GenerationDelta, PreparedRequest, Usage
-from protos.pdserve.v1 import common_pb2, decode_pb2, generate_pb2
-
-_FINISH_FROM_PB = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-                   common_pb2.FINISH_REASON_ABORT: "abort"}
-_FINISH_TO_PB = {reason: pb for pb, reason in _FINISH_FROM_PB.items()}
+from gateway.types import DeploymentInfo, GenerateInput, GenerationDelta, Usage
+from protos.pdserve.v1 import generate_pb2
 
 
 def generate_input_from_pb(msg: generate_pb2.GenerateRequest) -> GenerateInput:
@@ -46,31 +48,12 @@ def delta_to_pb(delta: GenerationDelta) -> generate_pb2.GenerateResponse:
     if delta.logprobs:
         msg.logprobs.extend(logprobs_to_pb(token_id, lp) for token_id, lp in delta.logprobs)
     if delta.finish_reason is not None:
-        msg.finish_reason = _FINISH_TO_PB[delta.finish_reason]
+        msg.finish_reason = FINISH_REASON_TO_PB[delta.finish_reason]
         if delta.stop_string is not None:
             msg.stop_string = delta.stop_string
         elif delta.stop_token_id is not None:
             msg.stop_token_id = delta.stop_token_id
     return msg
-
-
-def decode_request_to_pb(request: PreparedRequest, prefill_address: str,
-                         prefill_instance_id: str) -> decode_pb2.DecodeRequest:
-    return decode_pb2.DecodeRequest(
-        request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-        sampling=sampling_params_to_pb(request.sampling), priority=request.priority,
-        prefill_address=prefill_address, prefill_instance_id=prefill_instance_id)
-
-
-def decode_output_from_pb(msg: decode_pb2.DecodeResponse) -> DecodeOutput:
-    finish_reason = _FINISH_FROM_PB.get(msg.finish_reason)
-    return DecodeOutput(
-        token_ids=list(msg.token_ids),
-        logprobs=[logprobs_from_pb(lp)[1] for lp in msg.logprobs] if msg.logprobs else [],
-        finish_reason=finish_reason,
-        stop_token_id=msg.stop_token_id if finish_reason and msg.HasField("stop_token_id") else None,
-        num_cached_tokens=msg.num_cached_tokens, prefill_instance_id=msg.prefill_instance_id,
-        decode_instance_id=msg.decode_instance_id)
 
 
 def deployment_info_to_pb(info: DeploymentInfo) -> generate_pb2.ModelInfoResponse:
@@ -89,7 +72,7 @@ def delta_from_pb(msg: generate_pb2.GenerateResponse) -> GenerationDelta:
         request_id=msg.request_id, text=msg.text, token_ids=list(msg.token_ids),
         usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_prompt_tokens),
         logprobs=[logprobs_from_pb(lp) for lp in msg.logprobs],
-        finish_reason=_FINISH_FROM_PB.get(msg.finish_reason),
+        finish_reason=finish_reason_from_pb(msg.finish_reason),
         stop_token_id=msg.stop_token_id if stop_reason == "stop_token_id" else None,
         stop_string=msg.stop_string if stop_reason == "stop_string" else None,
         prefill_instance_id=msg.prefill_instance_id, decode_instance_id=msg.decode_instance_id)
