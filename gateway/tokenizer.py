@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from common.text.tokenizer import _check_messages, _eos_token_ids, _read_json, load_tokenizer
+from common.text.tokenizer import check_messages, load_tokenizer, merged_eos_token_ids, read_json_file
 
 # transformers' SpecialTokensMixin attributes: what templates may read as variables.
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
@@ -29,16 +29,16 @@ class PromptTokenizer:
         from tokenizers import Tokenizer as RustTokenizer
         self.model_dir = model_dir
         self.backend = RustTokenizer.from_file(str(model_dir / "tokenizer.json"))
-        config = _read_json(model_dir / "tokenizer_config.json")
+        config = read_json_file(model_dir / "tokenizer_config.json")
         self._special_tokens = {name: _token_text(config[name]) for name in _SPECIAL_TOKEN_NAMES
                                 if config.get(name) is not None}
         self.chat_template: str | None = _chat_template(model_dir, config)
         self.vocab_size: int = self.backend.get_vocab_size(with_added_tokens=True)
-        model_config = _read_json(model_dir / "config.json")
+        model_config = read_json_file(model_dir / "config.json")
         self.model_vocab_size: int = model_config.get("vocab_size") or self.vocab_size
         eos = self._special_tokens.get("eos_token")
-        tokenizer_eos = _Eos(self.backend.token_to_id(eos) if eos else None)
-        self.eos_token_ids: tuple[int, ...] = _eos_token_ids(tokenizer_eos, model_config, model_dir)
+        self.eos_token_ids: tuple[int, ...] = merged_eos_token_ids(
+            self.backend.token_to_id(eos) if eos else None, model_config, model_dir)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -49,7 +49,7 @@ class PromptTokenizer:
     def render_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send the prompt as text or token ids")
-        messages = _check_messages(messages)
+        messages = check_messages(messages)
         import jinja2
         from transformers.utils.chat_template_utils import render_jinja_template
         try:
@@ -64,13 +64,6 @@ class PromptTokenizer:
         # The template writes BOS and role markers itself (as common.text.tokenizer does).
         return self.encode(self.render_chat_template(messages, add_generation_prompt),
                            add_special_tokens=False)
-
-
-class _Eos:
-    """What common.text.tokenizer._eos_token_ids reads from a transformers tokenizer."""
-
-    def __init__(self, eos_token_id: int | None):
-        self.eos_token_id = eos_token_id
 
 
 def _token_text(value: Any) -> str:

@@ -29,9 +29,9 @@ class Tokenizer:
         # Tokens the tokenizer knows, added tokens included. The model's embedding
         # (and so the logits) may be wider, padded for efficiency: model_vocab_size.
         self.vocab_size: int = len(hf_tokenizer)
-        config = _read_json(model_dir / "config.json")
+        config = read_json_file(model_dir / "config.json")
         self.model_vocab_size: int = config.get("vocab_size") or self.vocab_size
-        self.eos_token_ids: tuple[int, ...] = _eos_token_ids(hf_tokenizer, config, model_dir)
+        self.eos_token_ids: tuple[int, ...] = merged_eos_token_ids(hf_tokenizer.eos_token_id, config, model_dir)
         # transformers' special ids plus every added token flagged special: exactly
         # what decode(skip_special_tokens=True) drops.
         added_special = [i for i, t in self.backend.get_added_tokens_decoder().items() if t.special]
@@ -50,7 +50,7 @@ class Tokenizer:
 
     def render_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The chat template's text for `messages` (OpenAI-style role/content dicts)."""
-        messages = _check_messages(messages)
+        messages = check_messages(messages)
         try:
             return self.hf_tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=False)
@@ -66,7 +66,7 @@ class Tokenizer:
                            add_special_tokens=False)
 
 
-def _check_messages(messages: Any) -> list[dict]:
+def check_messages(messages: Any) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
     checked = []
@@ -96,15 +96,17 @@ def _check_messages(messages: Any) -> list[dict]:
     return checked
 
 
-def _read_json(path: Path) -> dict:
+def read_json_file(path: Path) -> dict:
+    """A JSON file's object, or {} when the file is absent."""
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _eos_token_ids(hf_tokenizer: Any, config: dict, model_dir: Path) -> tuple[int, ...]:
-    # Tokenizer EOS first, then any the model or generation config add (vLLM merges them too).
+def merged_eos_token_ids(tokenizer_eos_token_id: int | None, config: dict, model_dir: Path) -> tuple[int, ...]:
+    """The tokenizer's EOS first, then any the model's config.json or generation_config.json
+    add (vLLM merges them too)."""
     ids: list[int] = []
-    sources = [hf_tokenizer.eos_token_id, config.get("eos_token_id"),
-               _read_json(model_dir / "generation_config.json").get("eos_token_id")]
+    sources = [tokenizer_eos_token_id, config.get("eos_token_id"),
+               read_json_file(model_dir / "generation_config.json").get("eos_token_id")]
     for source in sources:
         for token_id in source if isinstance(source, list) else [source]:
             if isinstance(token_id, int) and token_id not in ids:
