@@ -1,8 +1,8 @@
 """Placing a prepared request and streaming its tokens back as text.
 
-One request: choose a prefill instance (the placement policy, over prompt block
-hashes) and a decode instance (load), count the dispatch against both at once,
-call Decode on the decode instance with the prefill address, and turn its token
+One request: choose a decode instance and a prefill instance or local prefill
+(gateway.routing.placement), charge both to the load ledger at once (the prefill
+part is released at the first token, the rest when the stream ends), call Decode on the decode instance with the prefill address, and turn its token
 stream into text deltas (incremental detokenization with stop strings). When a
 stop string matches, the Decode call is cancelled, which aborts the request on
 the decode instance and its prefill. Leaving the iterator early (the client went
@@ -23,11 +23,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from common.engine.block_hash import compute_block_hashes
 from common.service.metrics import GatewayMetrics, RequestTimer
 from gateway.convert import decode_output_from_pb, decode_request_to_pb
 from gateway.routing.kv_index import KvIndex
-from gateway.routing.placement import PlacementPolicy, record_decode_dispatch, record_prefill_dispatch
+from gateway.routing.load_ledger import LoadLedger, PlacementCharge
+from gateway.routing.placement import Placement, choose_remote_prefill
+from gateway.routing.policies import PlacementPolicy
 from gateway.routing.registry import Instance, InstanceRegistry
 from gateway.text_assembler import TextAssembler
 from gateway.types import GatewayError, GenerationDelta, PreparedRequest
@@ -62,7 +63,7 @@ class Dispatcher:
                  tokenizer, eos_token_ids: tuple[int, ...], metrics: GatewayMetrics | None = None):
         self.registry = registry
         self.metrics = metrics or GatewayMetrics(policy.name)
-        self.kv_index = kv_index
+        self.ledger = LoadLedger(kv_index)
         self.policy = policy
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -76,11 +77,14 @@ class Dispatcher:
         `timer` is told of every token as it arrives (TTFT and ITL at the gateway)."""
         tried: set[str] = set()
         while True:
-            decode, decode_blocks = self._choose_decode(request, exclude=tried)
+            placement = self._place(request, exclude=tried)
+            decode = placement.decode
             tried.add(decode.instance_id)
+            charge = self.ledger.charge(len(request.prompt_token_ids), prefill=placement.prefill,
+                                        prompt_block_hashes=placement.prompt_block_hashes, decode=decode)
             streamed_any = False
             try:
-                async for delta in self._stream_on(decode, request, timeout_s, timer):
+                async for delta in self._stream_on(placement, charge, request, timeout_s, timer):
                     streamed_any = True
                     yield delta
                 return
@@ -92,56 +96,36 @@ class Dispatcher:
                     raise error from None
                 logger.warning("%s; retrying request %s elsewhere", error.message, request.request_id)
             finally:
-                self.registry.record_finish(decode.instance_id, blocks=decode_blocks)
+                charge.release()
 
     def _live_decodes(self, exclude: set[str]) -> list[Instance]:
         return [i for i in self.registry.instances("decode") if i.instance_id not in exclude]
 
-    def _choose_decode(self, request: PreparedRequest, exclude: set[str]) -> tuple[Instance, int]:
-        """The decode instance, and the KV blocks charged to it."""
-        decodes = self._live_decodes(exclude)
-        decode = self.policy.choose_decode(len(request.prompt_token_ids), decodes)
+    def _place(self, request: PreparedRequest, exclude: set[str]) -> Placement:
+        decode = self.policy.choose_decode(len(request.prompt_token_ids), self._live_decodes(exclude))
         self.metrics.placed("decode", decode is not None)
         if decode is None:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE,
                                "no decode instance is alive; start one (pdserve decode --gateway ADDR) "
                                "and retry")
-        return decode, record_decode_dispatch(self.registry, decode, len(request.prompt_token_ids))
+        prefill, prompt_block_hashes = choose_remote_prefill(
+            self.policy, self.registry.instances("prefill"), request.prompt_token_ids)
+        self.metrics.placed("prefill", prefill is not None)
+        return Placement(decode, prefill, prompt_block_hashes)
 
-    def _choose_prefill(self, request: PreparedRequest) -> tuple[Instance | None, int]:
-        """The prefill instance (None: the decode instance prefills locally), and the
-        prompt tokens charged to it."""
-        prefills = self.registry.instances("prefill")
-        self.metrics.placed("prefill", bool(prefills))
-        if not prefills:
-            return None, 0
-        hashes = compute_block_hashes(request.prompt_token_ids, prefills[0].spec.block_size)
-        prefill = self.policy.choose_prefill(hashes, prefills)
-        return prefill, record_prefill_dispatch(self.registry, self.kv_index, prefill, hashes,
-                                                len(request.prompt_token_ids))
-
-    async def _stream_on(self, decode: Instance, request: PreparedRequest, timeout_s: float | None,
-                         timer: RequestTimer | None) -> AsyncIterator[GenerationDelta]:
-        prefill, prefill_tokens = self._choose_prefill(request)
-        prefill_pending = prefill is not None  # until the first token shows its prefill is done
-
-        def prefill_done() -> None:
-            nonlocal prefill_pending
-            if prefill_pending:
-                prefill_pending = False
-                self.registry.record_finish(prefill.instance_id, prefill_tokens=prefill_tokens)
-
+    async def _stream_on(self, placement: Placement, charge: PlacementCharge, request: PreparedRequest,
+                         timeout_s: float | None, timer: RequestTimer | None) -> AsyncIterator[GenerationDelta]:
+        decode = placement.decode
         logger.debug("placed on decode %s, prefill %s", decode.instance_id,
-                     prefill.instance_id if prefill else "local")
+                     placement.prefill_instance_id or "local")
         channel = self._channel(decode)
         call = channel.stub.Decode(decode_request_to_pb(
-            request, prefill.spec.grpc_address if prefill else "", prefill.instance_id if prefill else ""),
-            timeout=timeout_s)
+            request, placement.prefill_address, placement.prefill_instance_id), timeout=timeout_s)
         channel.num_calls += 1
         text = TextAssembler(self.tokenizer, request, decode.instance_id, self.eos_token_ids)
         try:
             async for msg in call:
-                prefill_done()
+                charge.release_prefill()  # a token means the prefill is done
                 if timer is not None:
                     timer.tokens(len(msg.token_ids))
                 delta = text.apply(decode_output_from_pb(msg))
@@ -154,7 +138,7 @@ class Dispatcher:
                                f"decode instance {decode.instance_id} ended the stream of request "
                                f"{request.request_id} before it finished")
         finally:
-            prefill_done()  # no token came: the prefill was aborted with the call
+            charge.release_prefill()  # no token came: the prefill was aborted with the call
             call.cancel()  # no-op when finished; otherwise aborts decode and prefill
             channel.num_calls -= 1
             self._close_if_idle(decode.spec.grpc_address)
