@@ -2,8 +2,9 @@
 
 One request: choose a decode instance and a prefill instance or local prefill
 (gateway.routing.placement), charge both to the load ledger at once (the prefill
-part is released at the first token, the rest when the stream ends), call Decode on the decode instance with the prefill address, and turn its token
-stream into text deltas (incremental detokenization with stop strings). When a
+part is released at the first token, the rest when the stream ends), call Decode
+on the decode instance with the prefill address, and turn its token stream into
+text deltas (incremental detokenization with stop strings). When a
 stop string matches, the Decode call is cancelled, which aborts the request on
 the decode instance and its prefill. Leaving the iterator early (the client went
 away, its deadline passed) cancels the Decode call the same way.
@@ -25,6 +26,7 @@ import grpc
 
 from common.service.metrics import GatewayMetrics, RequestTimer
 from gateway.convert import decode_output_from_pb, decode_request_to_pb
+from gateway.routing.decode_channels import DecodeChannels
 from gateway.routing.kv_index import KvIndex
 from gateway.routing.load_ledger import LoadLedger, PlacementCharge
 from gateway.routing.placement import Placement, choose_remote_prefill
@@ -32,7 +34,7 @@ from gateway.routing.policies import PlacementPolicy
 from gateway.routing.registry import Instance, InstanceRegistry
 from gateway.text_assembler import TextAssembler
 from gateway.types import GatewayError, GenerationDelta, PreparedRequest
-from protos.pdserve.v1 import common_pb2, decode_pb2_grpc
+from protos.pdserve.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -47,17 +49,6 @@ _PASSED_ON = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUST
 _INSTANCE_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
 
 
-class _DecodeChannel:
-    """A channel to one decode instance, closed once it is unregistered and idle
-    (closing it earlier would kill the streams of an instance that is draining)."""
-
-    def __init__(self, address: str):
-        self.channel = grpc.aio.insecure_channel(address)
-        self.stub = decode_pb2_grpc.DecodeServiceStub(self.channel)
-        self.num_calls = 0
-        self.retired = False
-
-
 class Dispatcher:
     def __init__(self, registry: InstanceRegistry, kv_index: KvIndex, policy: PlacementPolicy,
                  tokenizer, eos_token_ids: tuple[int, ...], metrics: GatewayMetrics | None = None):
@@ -67,9 +58,8 @@ class Dispatcher:
         self.policy = policy
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._channels: dict[str, _DecodeChannel] = {}  # by gRPC address
-        self._background: set[asyncio.Task] = set()  # probes and channel closes
-        registry.subscribe(on_added=self._on_added, on_removed=self._on_removed)
+        self._channels = DecodeChannels(registry)
+        self._probes: set[asyncio.Task] = set()
 
     async def stream(self, request: PreparedRequest, timeout_s: float | None = None,
                      timer: RequestTimer | None = None) -> AsyncIterator[GenerationDelta]:
@@ -96,7 +86,7 @@ class Dispatcher:
                     raise error from None
                 logger.warning("%s; retrying request %s elsewhere", error.message, request.request_id)
             finally:
-                charge.release()
+                charge.release()  # whatever is left, a prefill that never got to a first token too
 
     def _live_decodes(self, exclude: set[str]) -> list[Instance]:
         return [i for i in self.registry.instances("decode") if i.instance_id not in exclude]
@@ -118,35 +108,33 @@ class Dispatcher:
         decode = placement.decode
         logger.debug("placed on decode %s, prefill %s", decode.instance_id,
                      placement.prefill_instance_id or "local")
-        channel = self._channel(decode)
-        call = channel.stub.Decode(decode_request_to_pb(
-            request, placement.prefill_address, placement.prefill_instance_id), timeout=timeout_s)
-        channel.num_calls += 1
-        text = TextAssembler(self.tokenizer, request, decode.instance_id, self.eos_token_ids)
-        try:
-            async for msg in call:
-                charge.release_prefill()  # a token means the prefill is done
-                if timer is not None:
-                    timer.tokens(len(msg.token_ids))
-                delta = text.apply(decode_output_from_pb(msg))
-                if delta.finish_reason is not None:
-                    yield delta
-                    return
-                if delta.text or delta.token_ids:
-                    yield delta
-            raise GatewayError(grpc.StatusCode.UNAVAILABLE,
-                               f"decode instance {decode.instance_id} ended the stream of request "
-                               f"{request.request_id} before it finished")
-        finally:
-            charge.release_prefill()  # no token came: the prefill was aborted with the call
-            call.cancel()  # no-op when finished; otherwise aborts decode and prefill
-            channel.num_calls -= 1
-            self._close_if_idle(decode.spec.grpc_address)
+        with self._channels.calling(decode) as stub:
+            call = stub.Decode(decode_request_to_pb(
+                request, placement.prefill_address, placement.prefill_instance_id), timeout=timeout_s)
+            text = TextAssembler(self.tokenizer, request, decode.instance_id, self.eos_token_ids)
+            try:
+                async for msg in call:
+                    charge.release_prefill()  # a token means the prefill is done
+                    if timer is not None:
+                        timer.tokens(len(msg.token_ids))
+                    delta = text.apply(decode_output_from_pb(msg))
+                    if delta.finish_reason is not None:
+                        yield delta
+                        return
+                    if delta.text or delta.token_ids:
+                        yield delta
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+                                   f"decode instance {decode.instance_id} ended the stream of request "
+                                   f"{request.request_id} before it finished")
+            finally:
+                call.cancel()  # no-op when finished; otherwise aborts decode and prefill
 
     def _decode_error(self, decode: Instance, e: grpc.aio.AioRpcError) -> GatewayError:
         code = e.code()
         if code in _INSTANCE_GONE:
-            self._in_background(self._probe(decode))
+            task = asyncio.get_running_loop().create_task(self._probe(decode))
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
             code = grpc.StatusCode.UNAVAILABLE
         elif code not in _PASSED_ON:
             code = grpc.StatusCode.INTERNAL
@@ -156,46 +144,15 @@ class Dispatcher:
         if self.registry.get(instance.instance_id) is not instance:
             return  # already replaced or gone
         try:
-            await self._channel(instance).stub.Stats(common_pb2.StatsRequest(), timeout=PROBE_TIMEOUT_S)
+            await self._channels.stub(instance).Stats(common_pb2.StatsRequest(), timeout=PROBE_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             if self.registry.get(instance.instance_id) is instance:
                 logger.warning("decode instance %s does not answer (%s); no longer placing on it",
                                instance.instance_id, e.code().name)
                 self.registry.deregister(instance.instance_id)
 
-    def _channel(self, instance: Instance) -> _DecodeChannel:
-        address = instance.spec.grpc_address
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = _DecodeChannel(address)
-        return channel
-
-    def _on_added(self, instance: Instance, _reason: str) -> None:
-        channel = self._channels.get(instance.spec.grpc_address)
-        if channel is not None:
-            channel.retired = False
-
-    def _on_removed(self, instance: Instance, _reason: str) -> None:
-        if instance.role == "decode" and instance.spec.grpc_address in self._channels:
-            self._channels[instance.spec.grpc_address].retired = True
-            self._close_if_idle(instance.spec.grpc_address)
-
-    def _close_if_idle(self, address: str) -> None:
-        channel = self._channels.get(address)
-        if channel is not None and channel.retired and channel.num_calls == 0:
-            del self._channels[address]
-            self._in_background(channel.channel.close())
-
-    def _in_background(self, coroutine) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     async def close(self) -> None:
-        for task in list(self._background):
+        for task in list(self._probes):
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        for channel in self._channels.values():
-            await channel.channel.close()
-        self._channels.clear()
-
+        await asyncio.gather(*self._probes, return_exceptions=True)
+        await self._channels.close()
