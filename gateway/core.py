@@ -15,7 +15,8 @@ import grpc
 from common.service.logging_setup import log_event, request_context
 from common.service.metrics import GatewayMetrics
 from gateway.routing.dispatcher import Dispatcher
-from gateway.routing.kv_index import KvEventSubscriber, KvIndex, grpc_resync
+from gateway.routing.kv_event_subscriber import KvEventSubscriber, grpc_resync
+from gateway.routing.kv_index import KvIndex
 from gateway.routing.policies import make_policy
 from gateway.routing.registry import InstanceRegistry
 from gateway.types import (DeploymentInfo, GatewayError, GenerateInput, GenerationDelta,
