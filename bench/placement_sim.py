@@ -28,10 +28,10 @@ import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from common.engine.block_hash import compute_block_hashes
-from gateway.routing.kv_index import KvIndex
 from bench.oracle_policy import Oracle
+from common.engine.block_hash import compute_block_hashes
 from common.service.registration import InstanceLoad, InstanceSpec
+from gateway.routing.kv_index import KvIndex
 from gateway.routing.load_ledger import LoadLedger, PlacementCharge
 from gateway.routing.policies import LeastLoaded, PrefixAware, RoundRobin
 from gateway.routing.registry import InstanceRegistry
