@@ -14,10 +14,11 @@ Each simulated prefill instance is a FIFO server that
 computes only uncached prompt tokens at a fixed rate, with an LRU cache of block
 hashes (prefix blocks evicted last, as the engine frees a request's tail first).
 Its cache changes go out as KV events, arriving at the gateway's real KvIndex
-after `event_lag_s`; load reaches the real InstanceRegistry by heartbeats plus
-dispatch-time bumps. The real policies choose. The oracle sees the true caches,
-including what requests queued ahead will have cached by the time a request
-starts. Hit rate = prompt tokens served from cache / prompt tokens.
+after `event_lag_s`; load reaches the real InstanceRegistry by heartbeats, and the
+real LoadLedger charges each dispatch and releases it at the simulated first token.
+The real policies choose. The oracle (bench.oracle_policy) sees the true caches,
+including what requests queued ahead will have cached by the time a request starts.
+Hit rate = prompt tokens served from cache / prompt tokens.
 """
 from __future__ import annotations
 
@@ -27,10 +28,12 @@ import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from bench.oracle_policy import Oracle
 from common.engine.block_hash import compute_block_hashes
-from gateway.routing.kv_index import KvIndex
-from gateway.routing.placement import LeastLoaded, Oracle, PrefixAware, RoundRobin, record_prefill_dispatch
 from common.service.registration import InstanceLoad, InstanceSpec
+from gateway.routing.kv_index import KvIndex
+from gateway.routing.load_ledger import LoadLedger, PlacementCharge
+from gateway.routing.policies import LeastLoaded, PrefixAware, RoundRobin
 from gateway.routing.registry import InstanceRegistry
 
 
@@ -140,6 +143,7 @@ def simulate(policy_name: str, cfg: SimConfig, requests: list[SimRequest]) -> Si
     registry = InstanceRegistry(heartbeat_interval_s=cfg.heartbeat_interval_s,
                                 heartbeat_timeout_s=float("inf"), clock=lambda: now)
     index = KvIndex(clock=lambda: now)
+    ledger = LoadLedger(index)
     sims: dict[str, SimInstance] = {}
     for k in range(cfg.num_prefill):
         instance_id = f"prefill-{k}"
@@ -151,9 +155,9 @@ def simulate(policy_name: str, cfg: SimConfig, requests: list[SimRequest]) -> Si
               "oracle": Oracle(lambda iid, hashes: sims[iid].cached_prefix_at_start(hashes),
                                cached_count=lambda iid: len(sims[iid].cache.blocks))}[policy_name]
     in_flight_events: list[tuple[float, int, str, list[dict]]] = []  # heap by delivery time
-    # The gateway sees a prefill finish when its first token arrives: (time, n, instance, tokens charged).
-    finishes: list[tuple[float, int, str, int]] = []
-    charged: dict[int, int] = {}  # id(request) -> prefill tokens record_prefill_dispatch charged
+    # The gateway sees a prefill finish when its first token arrives: (time, n, its charge).
+    finishes: list[tuple[float, int, PlacementCharge]] = []
+    charges: dict[int, PlacementCharge] = {}  # by id(request)
     hit_tokens = prompt_tokens = 0
     ttfts: list[float] = []
     dispatched = dict.fromkeys(sims, 0)
@@ -171,10 +175,9 @@ def simulate(policy_name: str, cfg: SimConfig, requests: list[SimRequest]) -> Si
                 prompt_tokens += request.num_tokens
                 ttfts.append(sim.free_at - request.arrival)
                 heapq.heappush(in_flight_events, (sim.free_at + cfg.event_lag_s, len(ttfts), sim.instance_id, events))
-                heapq.heappush(finishes, (sim.free_at, len(ttfts), sim.instance_id, charged.pop(id(request))))
+                heapq.heappush(finishes, (sim.free_at, len(ttfts), charges.pop(id(request))))
         while finishes and finishes[0][0] <= until:
-            _, _, instance_id, prefill_tokens = heapq.heappop(finishes)
-            registry.record_finish(instance_id, prefill_tokens=prefill_tokens)
+            heapq.heappop(finishes)[2].release()
         while in_flight_events and in_flight_events[0][0] <= until:
             _, _, instance_id, events = heapq.heappop(in_flight_events)
             if index.apply_events(instance_id, events):
@@ -192,8 +195,8 @@ def simulate(policy_name: str, cfg: SimConfig, requests: list[SimRequest]) -> Si
                     kv_events_sequence=sim.cache.seq))
             next_heartbeat = now + cfg.heartbeat_interval_s
         chosen = policy.choose_prefill(request.block_hashes, registry.instances("prefill"))
-        charged[id(request)] = record_prefill_dispatch(registry, index, chosen, request.block_hashes,
-                                                       request.num_tokens)
+        charges[id(request)] = ledger.charge(request.num_tokens, prefill=chosen,
+                                             prompt_block_hashes=request.block_hashes)
         sims[chosen.instance_id].queue.append(request)
         dispatched[chosen.instance_id] += 1
     advance(float("inf"))

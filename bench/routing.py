@@ -56,7 +56,7 @@ from bench.serve.client import GrpcGenerateBackend, run_benchmark
 from bench.serve.datasets import TENANT_ORDERS, BenchRequest, Vocabulary, parse_length_range, system_prompt_requests
 from bench.serve.metrics import compute_metrics
 from common.service.flags import EnvDefaultsParser
-from gateway.routing.placement import POLICIES
+from gateway.routing.policies import POLICIES
 
 SIM_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "oracle")
 

@@ -22,7 +22,7 @@ from common.service.flags import EnvDefaultsParser
 from common.service.logging_setup import add_logging_args, configure_logging
 from common.service.metrics import add_metrics_args
 from gateway.core import GatewaySettings
-from gateway.routing.placement import POLICIES
+from gateway.routing.policies import POLICIES
 from gateway.server import MAX_MESSAGE_BYTES, GatewayServer
 
 

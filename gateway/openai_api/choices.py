@@ -19,7 +19,7 @@ from gateway.types import GenerateInput, GenerationDelta
 async def stream_choices(gateway: Gateway, inputs: list[GenerateInput]
                          ) -> AsyncIterator[tuple[int, GenerationDelta]]:
     """(choice index, delta) as each choice's deltas arrive; the first failure of any
-    choice is raised (GatewayError) and the other choices are cancelled."""
+    choice is raised (ServiceError) and the other choices are cancelled."""
     if len(inputs) == 1:  # the common case: no tasks, no queue
         async with aclosing(gateway.stream(inputs[0])) as deltas:
             async for delta in deltas:

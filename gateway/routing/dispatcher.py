@@ -1,9 +1,10 @@
 """Placing a prepared request and streaming its tokens back as text.
 
-One request: choose a prefill instance (the placement policy, over prompt block
-hashes) and a decode instance (load), count the dispatch against both at once,
-call Decode on the decode instance with the prefill address, and turn its token
-stream into text deltas (incremental detokenization with stop strings). When a
+One request: choose a decode instance and a prefill instance or local prefill
+(gateway.routing.placement), charge both to the load ledger at once (the prefill
+part is released at the first token, the rest when the stream ends), call Decode
+on the decode instance with the prefill address, and turn its token stream into
+text deltas (incremental detokenization with stop strings). When a
 stop string matches, the Decode call is cancelled, which aborts the request on
 the decode instance and its prefill. Leaving the iterator early (the client went
 away, its deadline passed) cancels the Decode call the same way.
@@ -23,16 +24,18 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from common.engine.block_hash import compute_block_hashes
 from common.service.errors import ServiceError
 from common.service.metrics import GatewayMetrics, RequestTimer
 from decode_service.api import DecodeJob, DecodeOutput
+from gateway.routing.decode_channels import DecodeChannels
 from gateway.routing.kv_index import KvIndex
-from gateway.routing.placement import PlacementPolicy, record_decode_dispatch, record_prefill_dispatch
+from gateway.routing.load_ledger import LoadLedger, PlacementCharge
+from gateway.routing.placement import Placement, choose_remote_prefill
+from gateway.routing.policies import PlacementPolicy
 from gateway.routing.registry import Instance, InstanceRegistry
 from gateway.text_assembler import TextAssembler
 from gateway.types import GenerationDelta, PreparedRequest
-from protos.pdserve.v1 import common_pb2, decode_pb2_grpc
+from protos.pdserve.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -47,29 +50,17 @@ _PASSED_ON = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUST
 _INSTANCE_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
 
 
-class _DecodeChannel:
-    """A channel to one decode instance, closed once it is unregistered and idle
-    (closing it earlier would kill the streams of an instance that is draining)."""
-
-    def __init__(self, address: str):
-        self.channel = grpc.aio.insecure_channel(address)
-        self.stub = decode_pb2_grpc.DecodeServiceStub(self.channel)
-        self.num_calls = 0
-        self.retired = False
-
-
 class Dispatcher:
     def __init__(self, registry: InstanceRegistry, kv_index: KvIndex, policy: PlacementPolicy,
                  tokenizer, eos_token_ids: tuple[int, ...], metrics: GatewayMetrics | None = None):
         self.registry = registry
         self.metrics = metrics or GatewayMetrics(policy.name)
-        self.kv_index = kv_index
+        self.ledger = LoadLedger(kv_index)
         self.policy = policy
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._channels: dict[str, _DecodeChannel] = {}  # by gRPC address
-        self._background: set[asyncio.Task] = set()  # probes and channel closes
-        registry.subscribe(on_added=self._on_added, on_removed=self._on_removed)
+        self._channels = DecodeChannels(registry)
+        self._probes: set[asyncio.Task] = set()
 
     async def stream(self, request: PreparedRequest, timeout_s: float | None = None,
                      timer: RequestTimer | None = None) -> AsyncIterator[GenerationDelta]:
@@ -77,11 +68,14 @@ class Dispatcher:
         `timer` is told of every token as it arrives (TTFT and ITL at the gateway)."""
         tried: set[str] = set()
         while True:
-            decode, decode_blocks = self._choose_decode(request, exclude=tried)
+            placement = self._place(request, exclude=tried)
+            decode = placement.decode
             tried.add(decode.instance_id)
+            charge = self.ledger.charge(len(request.prompt_token_ids), prefill=placement.prefill,
+                                        prompt_block_hashes=placement.prompt_block_hashes, decode=decode)
             streamed_any = False
             try:
-                async for delta in self._stream_on(decode, request, timeout_s, timer):
+                async for delta in self._stream_on(placement, charge, request, timeout_s, timer):
                     streamed_any = True
                     yield delta
                 return
@@ -93,78 +87,56 @@ class Dispatcher:
                     raise error from None
                 logger.warning("%s; retrying request %s elsewhere", error.message, request.request_id)
             finally:
-                self.registry.record_finish(decode.instance_id, blocks=decode_blocks)
+                charge.release()  # whatever is left, a prefill that never got to a first token too
 
     def _live_decodes(self, exclude: set[str]) -> list[Instance]:
         return [i for i in self.registry.instances("decode") if i.instance_id not in exclude]
 
-    def _choose_decode(self, request: PreparedRequest, exclude: set[str]) -> tuple[Instance, int]:
-        """The decode instance, and the KV blocks charged to it."""
-        decodes = self._live_decodes(exclude)
-        decode = self.policy.choose_decode(len(request.prompt_token_ids), decodes)
+    def _place(self, request: PreparedRequest, exclude: set[str]) -> Placement:
+        decode = self.policy.choose_decode(len(request.prompt_token_ids), self._live_decodes(exclude))
         self.metrics.placed("decode", decode is not None)
         if decode is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                "no decode instance is alive; start one (pdserve decode --gateway ADDR) "
                                "and retry")
-        return decode, record_decode_dispatch(self.registry, decode, len(request.prompt_token_ids))
+        prefill, prompt_block_hashes = choose_remote_prefill(
+            self.policy, self.registry.instances("prefill"), request.prompt_token_ids)
+        self.metrics.placed("prefill", prefill is not None)
+        return Placement(decode, prefill, prompt_block_hashes)
 
-    def _choose_prefill(self, request: PreparedRequest) -> tuple[Instance | None, int]:
-        """The prefill instance (None: the decode instance prefills locally), and the
-        prompt tokens charged to it."""
-        prefills = self.registry.instances("prefill")
-        self.metrics.placed("prefill", bool(prefills))
-        if not prefills:
-            return None, 0
-        hashes = compute_block_hashes(request.prompt_token_ids, prefills[0].spec.block_size)
-        prefill = self.policy.choose_prefill(hashes, prefills)
-        return prefill, record_prefill_dispatch(self.registry, self.kv_index, prefill, hashes,
-                                                len(request.prompt_token_ids))
-
-    async def _stream_on(self, decode: Instance, request: PreparedRequest, timeout_s: float | None,
-                         timer: RequestTimer | None) -> AsyncIterator[GenerationDelta]:
-        prefill, prefill_tokens = self._choose_prefill(request)
-        prefill_pending = prefill is not None  # until the first token shows its prefill is done
-
-        def prefill_done() -> None:
-            nonlocal prefill_pending
-            if prefill_pending:
-                prefill_pending = False
-                self.registry.record_finish(prefill.instance_id, prefill_tokens=prefill_tokens)
-
+    async def _stream_on(self, placement: Placement, charge: PlacementCharge, request: PreparedRequest,
+                         timeout_s: float | None, timer: RequestTimer | None) -> AsyncIterator[GenerationDelta]:
+        decode = placement.decode
         logger.debug("placed on decode %s, prefill %s", decode.instance_id,
-                     prefill.instance_id if prefill else "local")
-        channel = self._channel(decode)
-        call = channel.stub.Decode(DecodeJob(
-            request.request_id, request.prompt_token_ids, request.sampling, request.priority,
-            prefill.spec.grpc_address if prefill else "", prefill.instance_id if prefill else "").to_pb(),
-            timeout=timeout_s)
-        channel.num_calls += 1
-        text = TextAssembler(self.tokenizer, request, decode.instance_id, self.eos_token_ids)
-        try:
-            async for msg in call:
-                prefill_done()
-                if timer is not None:
-                    timer.tokens(len(msg.token_ids))
-                delta = text.apply(DecodeOutput.from_pb(msg))
-                if delta.finish_reason is not None:
-                    yield delta
-                    return
-                if delta.text or delta.token_ids:
-                    yield delta
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               f"decode instance {decode.instance_id} ended the stream of request "
-                               f"{request.request_id} before it finished")
-        finally:
-            prefill_done()  # no token came: the prefill was aborted with the call
-            call.cancel()  # no-op when finished; otherwise aborts decode and prefill
-            channel.num_calls -= 1
-            self._close_if_idle(decode.spec.grpc_address)
+                     placement.prefill_instance_id or "local")
+        with self._channels.calling(decode) as stub:
+            job = DecodeJob(request.request_id, request.prompt_token_ids, request.sampling, request.priority,
+                            placement.prefill_address, placement.prefill_instance_id)
+            call = stub.Decode(job.to_pb(), timeout=timeout_s)
+            text = TextAssembler(self.tokenizer, request, decode.instance_id, self.eos_token_ids)
+            try:
+                async for msg in call:
+                    charge.release_prefill()  # a token means the prefill is done
+                    if timer is not None:
+                        timer.tokens(len(msg.token_ids))
+                    delta = text.apply(DecodeOutput.from_pb(msg))
+                    if delta.finish_reason is not None:
+                        yield delta
+                        return
+                    if delta.text or delta.token_ids:
+                        yield delta
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                   f"decode instance {decode.instance_id} ended the stream of request "
+                                   f"{request.request_id} before it finished")
+            finally:
+                call.cancel()  # no-op when finished; otherwise aborts decode and prefill
 
     def _decode_error(self, decode: Instance, e: grpc.aio.AioRpcError) -> ServiceError:
         code = e.code()
         if code in _INSTANCE_GONE:
-            self._in_background(self._probe(decode))
+            task = asyncio.get_running_loop().create_task(self._probe(decode))
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
             code = grpc.StatusCode.UNAVAILABLE
         elif code not in _PASSED_ON:
             code = grpc.StatusCode.INTERNAL
@@ -174,46 +146,15 @@ class Dispatcher:
         if self.registry.get(instance.instance_id) is not instance:
             return  # already replaced or gone
         try:
-            await self._channel(instance).stub.Stats(common_pb2.StatsRequest(), timeout=PROBE_TIMEOUT_S)
+            await self._channels.stub(instance).Stats(common_pb2.StatsRequest(), timeout=PROBE_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             if self.registry.get(instance.instance_id) is instance:
                 logger.warning("decode instance %s does not answer (%s); no longer placing on it",
                                instance.instance_id, e.code().name)
                 self.registry.deregister(instance.instance_id)
 
-    def _channel(self, instance: Instance) -> _DecodeChannel:
-        address = instance.spec.grpc_address
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = _DecodeChannel(address)
-        return channel
-
-    def _on_added(self, instance: Instance, _reason: str) -> None:
-        channel = self._channels.get(instance.spec.grpc_address)
-        if channel is not None:
-            channel.retired = False
-
-    def _on_removed(self, instance: Instance, _reason: str) -> None:
-        if instance.role == "decode" and instance.spec.grpc_address in self._channels:
-            self._channels[instance.spec.grpc_address].retired = True
-            self._close_if_idle(instance.spec.grpc_address)
-
-    def _close_if_idle(self, address: str) -> None:
-        channel = self._channels.get(address)
-        if channel is not None and channel.retired and channel.num_calls == 0:
-            del self._channels[address]
-            self._in_background(channel.channel.close())
-
-    def _in_background(self, coroutine) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     async def close(self) -> None:
-        for task in list(self._background):
+        for task in list(self._probes):
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        for channel in self._channels.values():
-            await channel.channel.close()
-        self._channels.clear()
-
+        await asyncio.gather(*self._probes, return_exceptions=True)
+        await self._channels.close()

@@ -2,14 +2,9 @@
 
 An instance is placeable from the moment it registers (that is how `--scale` adds
 capacity) until it deregisters or misses heartbeats for `heartbeat_timeout_s`.
-Load comes from heartbeats; between two heartbeats the gateway adds what it has
-dispatched itself (`record_dispatch`), so a burst of requests does not all pick
-the instance that looked idle at the last heartbeat, and takes off what it has seen
-finish (`record_finish`: a prefill when its request's first token arrives, a decode
-when its stream ends), so the instance that has just served a request does not look
-busy with it until the next heartbeat (with requests about as long as the heartbeat
-interval, that stale load alone moved tenants off the instance caching their
-prefix). The next heartbeat replaces the estimate with the instance's own numbers.
+Each heartbeat replaces the instance's load estimate (gateway.routing.load_estimate);
+what the gateway dispatches and sees finish in between is charged and released
+through gateway.routing.load_ledger.
 
 Plain Python and single-threaded (call it from the gateway's event loop); the
 clock is injectable so tests and the placement simulation control time.
@@ -20,11 +15,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import grpc
 
 from common.service.registration import ROLES, InstanceLoad, InstanceSpec, Role
+from gateway.routing.load_estimate import LoadEstimate
 from protos.pdserve.v1 import registry_pb2, registry_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -38,15 +34,7 @@ class Instance:
     spec: InstanceSpec
     registered_at: float
     last_heartbeat: float
-    load: InstanceLoad  # as last reported
-    # Dispatched by this gateway since the last heartbeat, not yet in `load`.
-    pending_requests: int = 0
-    pending_prefill_tokens: int = 0
-    pending_blocks: int = 0
-    # Seen finishing since the last heartbeat: in `load` or in pending_*, no longer there.
-    finished_requests: int = 0
-    finished_prefill_tokens: int = 0
-    finished_blocks: int = 0
+    estimate: LoadEstimate
 
     @property
     def instance_id(self) -> str:
@@ -56,23 +44,23 @@ class Instance:
     def role(self) -> Role:
         return self.spec.role
 
-    # Effective load: reported, plus dispatched since, minus finished since. Placement
-    # reads only these. Clamped: a request that finished just before the heartbeat's
-    # snapshot may be taken off twice.
+    @property
+    def load(self) -> InstanceLoad:
+        """As last reported."""
+        return self.estimate.reported
+
+    # Effective load, what placement reads: see LoadEstimate.
     @property
     def num_requests(self) -> int:
-        return max(0, self.load.num_running_requests + self.load.num_waiting_requests
-                   + self.pending_requests - self.finished_requests)
+        return self.estimate.num_requests
 
     @property
     def queued_prefill_tokens(self) -> int:
-        return max(0, self.load.num_queued_prefill_tokens + self.pending_prefill_tokens
-                   - self.finished_prefill_tokens)
+        return self.estimate.queued_prefill_tokens
 
     @property
     def free_blocks(self) -> int:
-        free = self.load.num_free_blocks - self.pending_blocks + self.finished_blocks
-        return max(0, min(free, self.load.num_total_blocks or free))  # total unknown (0): no cap
+        return self.estimate.free_blocks
 
 
 Listener = Callable[[Instance, str], None]  # (instance, reason)
@@ -115,9 +103,8 @@ class InstanceRegistry:
         if spec.instance_id in self._instances:
             self._remove(spec.instance_id, "replaced")
         now = self.clock()
-        instance = Instance(spec, registered_at=now, last_heartbeat=now,
-                            load=InstanceLoad(num_free_blocks=spec.num_total_blocks,
-                                              num_total_blocks=spec.num_total_blocks))
+        full_pool = InstanceLoad(num_free_blocks=spec.num_total_blocks, num_total_blocks=spec.num_total_blocks)
+        instance = Instance(spec, registered_at=now, last_heartbeat=now, estimate=LoadEstimate(full_pool))
         self._instances[spec.instance_id] = instance
         logger.info("registered %s %s at %s", spec.role, spec.instance_id, spec.grpc_address)
         self._notify(self._on_added, instance, "registered")
@@ -129,31 +116,12 @@ class InstanceRegistry:
         if instance is None:
             return False
         instance.last_heartbeat = self.clock()
-        instance.load = replace(load)
-        instance.pending_requests = instance.pending_prefill_tokens = instance.pending_blocks = 0
-        instance.finished_requests = instance.finished_prefill_tokens = instance.finished_blocks = 0
+        instance.estimate.replace_report(load)
         self._notify(self._on_heartbeat, instance, "heartbeat")
         return True
 
     def deregister(self, instance_id: str) -> bool:
         return self._remove(instance_id, "deregistered") is not None
-
-    def record_dispatch(self, instance_id: str, prefill_tokens: int = 0, blocks: int = 0) -> None:
-        """Count a request just sent to the instance until its heartbeat reflects it."""
-        instance = self._instances.get(instance_id)
-        if instance is not None:
-            instance.pending_requests += 1
-            instance.pending_prefill_tokens += prefill_tokens
-            instance.pending_blocks += blocks
-
-    def record_finish(self, instance_id: str, prefill_tokens: int = 0, blocks: int = 0) -> None:
-        """Take a request off the instance's load estimate once the gateway has seen it
-        finish there, with what record_dispatch charged for it."""
-        instance = self._instances.get(instance_id)
-        if instance is not None:
-            instance.finished_requests += 1
-            instance.finished_prefill_tokens += prefill_tokens
-            instance.finished_blocks += blocks
 
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)

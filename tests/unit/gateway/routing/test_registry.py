@@ -1,5 +1,5 @@
-"""InstanceRegistry: registration, heartbeats, expiry, dispatch-time load; and the
-Register/Heartbeat/Deregister RPCs end to end over loopback."""
+"""InstanceRegistry: registration, heartbeats, expiry; and the Register/Heartbeat/
+Deregister RPCs end to end over loopback. Load between heartbeats: test_load_ledger."""
 from __future__ import annotations
 
 import asyncio
@@ -43,37 +43,14 @@ def test_instances_are_placeable_at_once_and_listed_by_role(registry):
     assert registry.get("d0").free_blocks == 100  # full pool until the first heartbeat
 
 
-def test_heartbeat_sets_load_and_reconciles_dispatch_bumps(registry):
+def test_a_heartbeat_replaces_the_load_estimate(registry):
     registry.register(spec("p0"))
-    registry.record_dispatch("p0", prefill_tokens=500, blocks=4)
-    registry.record_dispatch("p0", prefill_tokens=300)
     p0 = registry.get("p0")
-    assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (2, 800, 96)
-    assert registry.heartbeat("p0", InstanceLoad(num_running_requests=1, num_waiting_requests=1,
-                                                 num_free_blocks=60, num_queued_prefill_tokens=700))
+    load = InstanceLoad(num_running_requests=1, num_waiting_requests=1, num_free_blocks=60,
+                        num_total_blocks=100, num_queued_prefill_tokens=700)
+    assert registry.heartbeat("p0", load)
+    assert p0.load == load and p0.load is not load  # a copy: the caller may reuse its object
     assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (2, 700, 60)
-    registry.record_dispatch("unknown")  # ignored
-
-
-def test_finishes_seen_since_the_heartbeat_leave_the_estimate_until_the_next_one(registry):
-    registry.register(spec("p0"))
-    registry.heartbeat("p0", InstanceLoad(num_running_requests=1, num_free_blocks=60, num_total_blocks=100,
-                                          num_queued_prefill_tokens=700))
-    registry.record_dispatch("p0", prefill_tokens=300, blocks=4)
-    p0 = registry.get("p0")
-    assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (2, 1000, 56)
-    registry.record_finish("p0", prefill_tokens=700)  # the one the heartbeat reported
-    assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (1, 300, 56)
-    registry.record_finish("p0", prefill_tokens=300, blocks=4)  # the one dispatched since
-    assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (0, 0, 60)
-    # Taken off twice (it finished just before the heartbeat's snapshot): clamped, and
-    # free blocks never exceed the pool.
-    registry.record_finish("p0", prefill_tokens=500, blocks=80)
-    assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (0, 0, 100)
-    assert registry.heartbeat("p0", InstanceLoad(num_running_requests=1, num_free_blocks=50, num_total_blocks=100,
-                                                 num_queued_prefill_tokens=200))
-    assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (1, 200, 50)
-    registry.record_finish("unknown", prefill_tokens=1)  # ignored
 
 
 def test_unknown_heartbeat_asks_to_reregister(registry):
@@ -98,10 +75,9 @@ def test_reregistration_replaces_and_deregistration_removes(registry):
     events = []
     registry.subscribe(on_added=lambda i, r: events.append(("+", i.instance_id, r)),
                        on_removed=lambda i, r: events.append(("-", i.instance_id, r)))
-    registry.register(spec("p0"))
-    registry.record_dispatch("p0", prefill_tokens=10)
+    first = registry.register(spec("p0"))
     registry.register(spec("p0"))  # restarted
-    assert registry.get("p0").pending_prefill_tokens == 0
+    assert registry.get("p0") is not first
     assert registry.deregister("p0") and not registry.deregister("p0")
     assert events == [("+", "p0", "registered"), ("-", "p0", "replaced"), ("+", "p0", "registered"),
                       ("-", "p0", "deregistered")]

@@ -1,0 +1,77 @@
+"""gRPC channels to decode instances: one per address, shared by every call there.
+
+A channel is closed once its instance has left the registry and no call uses it:
+closing it earlier would kill the streams of an instance that is draining. An
+instance that registers again at the same address keeps its channel.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+
+from gateway.routing.registry import Instance, InstanceRegistry
+from protos.pdserve.v1 import decode_pb2_grpc
+
+
+class _DecodeChannel:
+    def __init__(self, address: str):
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = decode_pb2_grpc.DecodeServiceStub(self.channel)
+        self.num_calls = 0
+        self.retired = False  # its instance left the registry
+
+
+class DecodeChannels:
+    def __init__(self, registry: InstanceRegistry) -> None:
+        self._channels: dict[str, _DecodeChannel] = {}  # by gRPC address
+        self._closing: set[asyncio.Task] = set()
+        registry.subscribe(on_added=self._on_added, on_removed=self._on_removed)
+
+    def stub(self, instance: Instance) -> decode_pb2_grpc.DecodeServiceStub:
+        """For a short call (a probe) that need not keep the channel open."""
+        return self._channel(instance).stub
+
+    @contextmanager
+    def calling(self, instance: Instance) -> Iterator[decode_pb2_grpc.DecodeServiceStub]:
+        """The stub, with the channel kept open until the block ends."""
+        channel = self._channel(instance)
+        channel.num_calls += 1
+        try:
+            yield channel.stub
+        finally:
+            channel.num_calls -= 1
+            self._close_if_idle(instance.spec.grpc_address)
+
+    def _channel(self, instance: Instance) -> _DecodeChannel:
+        address = instance.spec.grpc_address
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = _DecodeChannel(address)
+        return channel
+
+    def _on_added(self, instance: Instance, _reason: str) -> None:
+        channel = self._channels.get(instance.spec.grpc_address)
+        if channel is not None:
+            channel.retired = False
+
+    def _on_removed(self, instance: Instance, _reason: str) -> None:
+        if instance.role == "decode" and instance.spec.grpc_address in self._channels:
+            self._channels[instance.spec.grpc_address].retired = True
+            self._close_if_idle(instance.spec.grpc_address)
+
+    def _close_if_idle(self, address: str) -> None:
+        channel = self._channels.get(address)
+        if channel is not None and channel.retired and channel.num_calls == 0:
+            del self._channels[address]
+            task = asyncio.get_running_loop().create_task(channel.channel.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._closing, return_exceptions=True)
+        for channel in self._channels.values():
+            await channel.channel.close()
+        self._channels.clear()

@@ -1,0 +1,36 @@
+"""DecodeChannels: a channel outlives its instance's deregistration while a call uses it."""
+from __future__ import annotations
+
+import asyncio
+
+from common.service.registration import InstanceSpec
+from gateway.routing.decode_channels import DecodeChannels
+from gateway.routing.registry import InstanceRegistry
+
+SPEC = InstanceSpec("d0", "decode", "127.0.0.1:1", num_total_blocks=10)
+
+
+def test_a_channel_closes_once_its_instance_left_and_the_last_call_ended():
+    async def scenario():
+        registry = InstanceRegistry(clock=lambda: 0.0)
+        channels = DecodeChannels(registry)
+        instance = registry.register(SPEC)
+        with channels.calling(instance) as stub:
+            registry.deregister("d0")  # draining: its streams must go on
+            assert channels.stub(instance) is stub
+        assert channels.stub(instance) is not stub  # closed once idle: a new one
+        await channels.close()
+    asyncio.run(scenario())
+
+
+def test_an_instance_that_registers_again_keeps_its_channel():
+    async def scenario():
+        registry = InstanceRegistry(clock=lambda: 0.0)
+        channels = DecodeChannels(registry)
+        instance = registry.register(SPEC)
+        with channels.calling(instance) as stub:
+            registry.deregister("d0")
+            instance = registry.register(SPEC)
+        assert channels.stub(instance) is stub
+        await channels.close()
+    asyncio.run(scenario())

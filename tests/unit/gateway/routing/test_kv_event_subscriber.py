@@ -1,0 +1,85 @@
+"""The publisher and the gateway's subscriber over ZeroMQ on loopback, fed by a real BlockPool."""
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+
+from common.engine.block_pool import BlockPool, BlockRemoved, BlockStored
+from gateway.routing.kv_event_subscriber import KvEventSubscriber
+from gateway.routing.kv_index import KvIndex
+from prefill_service.kv_events import KvEventPublisher, encode_batch, snapshot_response
+
+
+def test_publisher_encodes_block_pool_events_and_snapshots():
+    pool = BlockPool(num_blocks=4, block_size=2)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(blocks, [111, 222], None, [1, 2, 3, 4])
+    pool.reset_prefix_cache()
+    events = pool.take_events()
+    assert [type(e) for e in events] == [BlockStored, BlockRemoved]
+    message = msgpack.unpackb(encode_batch("p0", events))
+    assert message["instance_id"] == "p0" and message["seq"] == 2
+    assert message["events"][0] == {"seq": 1, "type": "stored", "block_hashes": [111, 222],
+                                    "parent_block_hash": None, "token_ids": [1, 2, 3, 4], "block_size": 2}
+    assert message["events"][1] == {"seq": 2, "type": "removed", "block_hashes": [111, 222]}
+    snapshot = snapshot_response("p0", pool)
+    assert (snapshot.sequence, list(snapshot.block_hashes), snapshot.block_size) == (2, [], 2)
+
+
+async def _until(predicate, timeout_s=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def test_subscriber_follows_publisher_and_resyncs_after_loss():
+    pool = BlockPool(num_blocks=8, block_size=1)  # block_size 1: a block per token
+
+    def cache(*hashes):
+        blocks = pool.get_new_blocks(len(hashes))
+        pool.cache_full_blocks(blocks, list(hashes), None, list(hashes))
+        pool.free_blocks(blocks)
+
+    async def scenario():
+        publisher = KvEventPublisher("p0")
+        resyncs = []
+
+        async def resync(instance_id):
+            resyncs.append(instance_id)
+            return pool.last_event_seq, pool.all_cached_block_hashes()
+
+        index = KvIndex()
+        subscriber = KvEventSubscriber(index, resync, retry_s=0.01)
+        try:
+            cache(1, 2)  # before the gateway subscribes: learned from the initial snapshot
+            pool.take_events()
+            subscriber.add_instance("p0", publisher.endpoint)
+            await _until(lambda: resyncs and not index.needs_resync("p0"))
+            assert index.cached_prefix_blocks("p0", [1, 2]) == 2
+
+            # Publish until the SUB socket is connected (ZeroMQ drops messages before
+            # that; each drop is a gap, which a resync repairs anyway).
+            for token in range(10, 60):
+                cache(token)
+                publisher.publish(pool.take_events())
+                await asyncio.sleep(0.01)
+                if index.last_seq("p0") == pool.last_event_seq:
+                    break
+            assert index.last_seq("p0") == pool.last_event_seq == publisher.last_published_seq
+            assert index.cached_prefix_blocks("p0", [token]) == 1
+
+            before = len(resyncs)
+            cache(100)
+            pool.take_events()  # lost: never published
+            cache(101)  # eviction of older blocks happens here too (8-block pool)
+            publisher.publish(pool.take_events())
+            await _until(lambda: len(resyncs) > before and not index.needs_resync("p0"))
+            truth = set(pool.all_cached_block_hashes())
+            assert {h for h in range(200) if index.cached_prefix_blocks("p0", [h])} == truth
+            assert {100, 101} <= truth
+        finally:
+            await subscriber.close()
+            publisher.close()
+    asyncio.run(scenario())
