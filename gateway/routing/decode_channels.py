@@ -1,4 +1,4 @@
-"""gRPC channels to decode instances: one per address, shared by every call there.
+"""Clients of decode instances (decode_service.client): one per address, shared by every call there.
 
 A channel is closed once its instance has left the registry and no call uses it:
 closing it earlier would kill the streams of an instance that is draining. An
@@ -10,16 +10,13 @@ import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import grpc
-
+from decode_service.client import DecodeClient
 from gateway.routing.registry import Instance, InstanceRegistry
-from protos.pdserve.v1 import decode_pb2_grpc
 
 
 class _DecodeChannel:
     def __init__(self, address: str):
-        self.channel = grpc.aio.insecure_channel(address)
-        self.stub = decode_pb2_grpc.DecodeServiceStub(self.channel)
+        self.client = DecodeClient(address)
         self.num_calls = 0
         self.retired = False  # its instance left the registry
 
@@ -30,17 +27,17 @@ class DecodeChannels:
         self._closing: set[asyncio.Task] = set()
         registry.subscribe(on_added=self._on_added, on_removed=self._on_removed)
 
-    def stub(self, instance: Instance) -> decode_pb2_grpc.DecodeServiceStub:
+    def client(self, instance: Instance) -> DecodeClient:
         """For a short call (a probe) that need not keep the channel open."""
-        return self._channel(instance).stub
+        return self._channel(instance).client
 
     @contextmanager
-    def calling(self, instance: Instance) -> Iterator[decode_pb2_grpc.DecodeServiceStub]:
-        """The stub, with the channel kept open until the block ends."""
+    def calling(self, instance: Instance) -> Iterator[DecodeClient]:
+        """The client, with its channel kept open until the block ends."""
         channel = self._channel(instance)
         channel.num_calls += 1
         try:
-            yield channel.stub
+            yield channel.client
         finally:
             channel.num_calls -= 1
             self._close_if_idle(instance.spec.grpc_address)
@@ -66,12 +63,12 @@ class DecodeChannels:
         channel = self._channels.get(address)
         if channel is not None and channel.retired and channel.num_calls == 0:
             del self._channels[address]
-            task = asyncio.get_running_loop().create_task(channel.channel.close())
+            task = asyncio.get_running_loop().create_task(channel.client.close())
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
         await asyncio.gather(*self._closing, return_exceptions=True)
         for channel in self._channels.values():
-            await channel.channel.close()
+            await channel.client.close()
         self._channels.clear()

@@ -26,7 +26,7 @@ import grpc
 
 from common.service.errors import ServiceError
 from common.service.metrics import GatewayMetrics, RequestTimer
-from decode_service.api import DecodeJob, DecodeOutput
+from decode_service.api import DecodeJob
 from gateway.routing.decode_channels import DecodeChannels
 from gateway.routing.kv_index import KvIndex
 from gateway.routing.load_ledger import LoadLedger, PlacementCharge
@@ -35,7 +35,6 @@ from gateway.routing.policies import PlacementPolicy
 from gateway.routing.registry import Instance, InstanceRegistry
 from gateway.text_assembler import TextAssembler
 from gateway.types import GenerationDelta, PreparedRequest
-from protos.pdserve.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -109,17 +108,17 @@ class Dispatcher:
         decode = placement.decode
         logger.debug("placed on decode %s, prefill %s", decode.instance_id,
                      placement.prefill_instance_id or "local")
-        with self._channels.calling(decode) as stub:
+        with self._channels.calling(decode) as client:
             job = DecodeJob(request.request_id, request.prompt_token_ids, request.sampling, request.priority,
                             placement.prefill_address, placement.prefill_instance_id)
-            call = stub.Decode(job.to_pb(), timeout=timeout_s)
+            stream = client.decode(job, timeout_s)
             text = TextAssembler(self.tokenizer, request, decode.instance_id, self.eos_token_ids)
             try:
-                async for msg in call:
+                async for output in stream:
                     charge.release_prefill()  # a token means the prefill is done
                     if timer is not None:
-                        timer.tokens(len(msg.token_ids))
-                    delta = text.apply(DecodeOutput.from_pb(msg))
+                        timer.tokens(len(output.token_ids))
+                    delta = text.apply(output)
                     if delta.finish_reason is not None:
                         yield delta
                         return
@@ -129,7 +128,7 @@ class Dispatcher:
                                    f"decode instance {decode.instance_id} ended the stream of request "
                                    f"{request.request_id} before it finished")
             finally:
-                call.cancel()  # no-op when finished; otherwise aborts decode and prefill
+                stream.cancel()  # no-op when finished; otherwise aborts decode and prefill
 
     def _decode_error(self, decode: Instance, e: grpc.aio.AioRpcError) -> ServiceError:
         code = e.code()
@@ -146,7 +145,7 @@ class Dispatcher:
         if self.registry.get(instance.instance_id) is not instance:
             return  # already replaced or gone
         try:
-            await self._channels.stub(instance).Stats(common_pb2.StatsRequest(), timeout=PROBE_TIMEOUT_S)
+            await self._channels.client(instance).load(timeout_s=PROBE_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             if self.registry.get(instance.instance_id) is instance:
                 logger.warning("decode instance %s does not answer (%s); no longer placing on it",

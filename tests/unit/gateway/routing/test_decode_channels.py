@@ -15,10 +15,10 @@ def test_a_channel_closes_once_its_instance_left_and_the_last_call_ended():
         registry = InstanceRegistry(clock=lambda: 0.0)
         channels = DecodeChannels(registry)
         instance = registry.register(SPEC)
-        with channels.calling(instance) as stub:
+        with channels.calling(instance) as client:
             registry.deregister("d0")  # draining: its streams must go on
-            assert channels.stub(instance) is stub
-        assert channels.stub(instance) is not stub  # closed once idle: a new one
+            assert channels.client(instance) is client
+        assert channels.client(instance) is not client  # closed once idle: a new one
         await channels.close()
     asyncio.run(scenario())
 
@@ -28,9 +28,9 @@ def test_an_instance_that_registers_again_keeps_its_channel():
         registry = InstanceRegistry(clock=lambda: 0.0)
         channels = DecodeChannels(registry)
         instance = registry.register(SPEC)
-        with channels.calling(instance) as stub:
+        with channels.calling(instance) as client:
             registry.deregister("d0")
             instance = registry.register(SPEC)
-        assert channels.stub(instance) is stub
+        assert channels.client(instance) is client
         await channels.close()
     asyncio.run(scenario())
