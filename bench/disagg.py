@@ -401,7 +401,7 @@ def format_run(arm: str, run: dict) -> str:
 
 def run(cfg: DisaggConfig, log_dir: str) -> dict:
     from bench.routing import model_vocabulary
-    from bench.serve.fake_service import measure_client_capacity
+    from bench.fakes.fake_generate import measure_client_capacity
     cfg.check()
     cpus = usable_cpus()
     arms = make_arms(cfg, cpus)

@@ -9,7 +9,7 @@ throughputs, goodput), so figures compare with published vLLM numbers.
 - arrivals.py  gamma inter-arrival gaps (Poisson at burstiness 1)
 - datasets.py  random, sharegpt-like and prefix-repetition prompts, offline
 - client.py    the backend interface, the gRPC and OpenAI HTTP backends, the request pacing loop
-- fake_service.py  an in-process fake GenerateService, and the client self-check
+- ../fakes/fake_generate.py  the in-process fake GenerateService the client self-check runs against
 - plots.py     latency CDFs and rate-sweep charts (matplotlib, optional)
 - main.py      the command line
 """

@@ -142,7 +142,7 @@ def write_outputs(args: argparse.Namespace, result: dict) -> None:
 
 
 async def self_check(args: argparse.Namespace) -> int:
-    from bench.serve.fake_service import measure_client_capacity
+    from bench.fakes.fake_generate import measure_client_capacity
     figures = await measure_client_capacity(args.self_check_requests, args.self_check_output_len,
                                             args.max_concurrency or 32)
     print(f"client self-check: {figures['client_tokens_per_s']:.0f} streamed tokens/s over wall time, "

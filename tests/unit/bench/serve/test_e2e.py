@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from bench.serve.fake_service import FakeGenerateService
+from bench.fakes.fake_generate import FakeGenerateService
 from bench.serve.main import benchmark, build_parser, main
 
 RUN_KEYS = {"request_rate", "burstiness", "max_concurrency", "duration", "completed", "failed",
