@@ -1,6 +1,13 @@
-"""Reservation table of a receiver: validation, the one copy into the pool, deadlines.
+"""What every receiver shares: the caller's half (QueuedKVReceiver) and the reservation
+table (validation, the one copy into the pool, deadlines).
 
-Transport-agnostic and not thread-safe: each receiver calls it from one thread (ZeroMQ)
+The caller's half only enqueues: `register` and `cancel` post a command to the
+receiver's own I/O thread, which owns the table, so an asyncio caller never blocks on a
+transfer and a transfer's future resolves only after the last write into its blocks.
+
+The reservation table is
+
+transport-agnostic and not thread-safe: each receiver calls it from one thread (ZeroMQ)
 or under one lock (torch.distributed). A reservation only lives here while its
 transfer is open; once DONE/FAILED/EXPIRED its entry (and every reference to the
 destination blocks) is dropped before the owner hears about it, so the owner may free
@@ -11,7 +18,10 @@ from __future__ import annotations
 
 import collections
 import heapq
+import queue
+import threading
 import time
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -19,10 +29,73 @@ import numpy as np
 import torch
 
 from kv_transfer import protocol
-from kv_transfer.base import (DTYPES, KVCaches, KVTarget, PoolGeometry, RecvTransfer, TransferResult, TransferState,
-                              check_transfer_id, pool_bytes)
+from kv_transfer.base import (
+    DTYPES,
+    KVCaches,
+    KVReceiver,
+    KVTarget,
+    PoolGeometry,
+    RecvTransfer,
+    TransferResult,
+    TransferState,
+    check_transfer_id,
+    pool_bytes,
+)
 
 Ack = tuple[Any, bytes]  # (peer, encoded ack header)
+
+
+class QueuedKVReceiver(KVReceiver):
+    """The caller's half of a receiver (see the module doc). A subclass calls
+    `_init_commands()` in its constructor, drains `_cmds` on its I/O thread, and says how
+    to wake that thread (`_post`) and whether it has stopped (`_is_closed`)."""
+
+    _table: ReservationTable
+    _endpoint: str
+
+    def _init_commands(self) -> None:
+        self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._live_ids: set[str] = set()  # registered and not yet ended; guarded by _ids_lock
+        self._ids_lock = threading.Lock()
+
+    @abstractmethod
+    def _post(self, *cmd: Any) -> None:
+        """Queue a command for the I/O thread and make sure it sees it soon."""
+
+    @abstractmethod
+    def _is_closed(self) -> bool:
+        """True once nothing can end a new transfer any more. Called under _ids_lock."""
+
+    def _sender_public_key(self) -> bytes | None:
+        """The CURVE key senders must expect, when the transport encrypts."""
+        return None
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def register(self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> RecvTransfer:
+        handle, dst, deadline = self._table.new_transfer(transfer_id, dst_block_ids, self._endpoint, timeout_s,
+                                                         self._sender_public_key())
+        with self._ids_lock:
+            if self._is_closed():
+                raise RuntimeError("receiver is closed")
+            if transfer_id in self._live_ids:
+                raise ValueError(f"transfer {transfer_id!r} is already registered")
+            self._live_ids.add(transfer_id)
+        handle.future.add_done_callback(lambda _f: self._forget(transfer_id))
+        self._post("register", handle, dst, deadline)
+        return handle
+
+    def _forget(self, transfer_id: str) -> None:
+        with self._ids_lock:
+            self._live_ids.discard(transfer_id)
+
+    def cancel(self, transfer_id: str, reason: str = "cancelled") -> None:
+        self._post("cancel", transfer_id, reason)
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._table.counters) | {"active": len(self._table.active)}
 
 
 @dataclass(eq=False)

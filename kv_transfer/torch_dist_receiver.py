@@ -14,22 +14,30 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from kv_transfer import protocol
-from kv_transfer.base import KVReceiver, RecvTransfer, TransferResult
-from kv_transfer.receiver_core import ReservationTable
-from kv_transfer.torch_dist_common import (BACKENDS, IDLE_TIMEOUT_S, TAG, ack_key, comm_device, make_group,
-                                           peer_key, wait)
+from kv_transfer.base import TransferResult
+from kv_transfer.receiver_core import QueuedKVReceiver, ReservationTable
+from kv_transfer.torch_dist_common import (
+    BACKENDS,
+    IDLE_TIMEOUT_S,
+    TAG,
+    ack_key,
+    comm_device,
+    make_group,
+    peer_key,
+    wait,
+)
 
 logger = logging.getLogger(__name__)
 _HOUSEKEEPING_S = 0.01  # cadence of new-peer checks, cancels and deadline expiry
 
 
-class TorchDistKVReceiver(KVReceiver):
+class TorchDistKVReceiver(QueuedKVReceiver):
     def __init__(self, kv_caches, host: str = "127.0.0.1", port: int = 0, backend: str = "gloo", *,
                  on_done: Callable[[TransferResult], None] | None = None, frame_timeout_s: float = 30.0,
                  idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
@@ -49,41 +57,19 @@ class TorchDistKVReceiver(KVReceiver):
         self._endpoint = f"{backend}://{host}:{port}"
         self._lock = threading.Lock()        # the reservation table
         self._store_lock = threading.Lock()  # our store client
-        self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._init_commands()
         self._acks: list[tuple[Any, bytes]] = []
         self._ack_next: dict[int, int] = {}
-        self._live_ids: set[str] = set()
-        self._ids_lock = threading.Lock()
         self._stop = threading.Event()
         self._pair_threads: list[threading.Thread] = []
         self._thread = threading.Thread(target=self._housekeeping, name="kv-dist-recv", daemon=True)
         self._thread.start()
 
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
+    def _post(self, *cmd: Any) -> None:
+        self._cmds.put(cmd)  # the housekeeping thread drains it within _HOUSEKEEPING_S
 
-    def register(self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> RecvTransfer:
-        handle, dst, deadline = self._table.new_transfer(transfer_id, dst_block_ids, self._endpoint, timeout_s)
-        with self._ids_lock:
-            if self._stop.is_set():
-                raise RuntimeError("receiver is closed")
-            if transfer_id in self._live_ids:
-                raise ValueError(f"transfer {transfer_id!r} is already registered")
-            self._live_ids.add(transfer_id)
-        handle.future.add_done_callback(lambda _f: self._forget(transfer_id))
-        self._cmds.put(("register", handle, dst, deadline))  # never waits on the table lock
-        return handle
-
-    def _forget(self, transfer_id: str) -> None:
-        with self._ids_lock:
-            self._live_ids.discard(transfer_id)
-
-    def cancel(self, transfer_id: str, reason: str = "cancelled") -> None:
-        self._cmds.put(("cancel", transfer_id, reason))
-
-    def stats(self) -> dict[str, int]:
-        return dict(self._table.counters) | {"active": len(self._table.active)}
+    def _is_closed(self) -> bool:
+        return self._stop.is_set()
 
     def close(self) -> None:
         if self._stop.is_set():

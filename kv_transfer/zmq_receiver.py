@@ -2,9 +2,7 @@
 
 Senders connect DEALER sockets; the ROUTER learns each sender's identity, so the
 receiver can ack DONE/FAILED/EXPIRED back to exactly that sender. All reservation
-state lives on the I/O thread: `register`/`cancel` only enqueue a command, which keeps
-them non-blocking for an asyncio caller and guarantees that a transfer's future
-resolves only after the last write into its blocks.
+state lives on the I/O thread (kv_transfer.receiver_core.QueuedKVReceiver).
 """
 from __future__ import annotations
 
@@ -12,21 +10,21 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from kv_transfer import protocol
-from kv_transfer.base import KVReceiver, RecvTransfer, TransferResult
-from kv_transfer.receiver_core import ReservationTable
+from kv_transfer.base import TransferResult
+from kv_transfer.receiver_core import QueuedKVReceiver, ReservationTable
 from kv_transfer.zmq_common import DEFAULT_ENDPOINT, CurveConfig, KeyAllowList, WakePipe, check_endpoint, common_options
 
 logger = logging.getLogger(__name__)
 _MAX_BATCH = 64  # messages handled per poll round, so deadlines and commands still get a turn
 
 
-class ZmqKVReceiver(KVReceiver):
+class ZmqKVReceiver(QueuedKVReceiver):
     def __init__(self, kv_caches, endpoint: str = DEFAULT_ENDPOINT, *,
                  on_done: Callable[[TransferResult], None] | None = None, curve: CurveConfig | None = None,
                  advertise_endpoint: str | None = None, rcvhwm: int = 16) -> None:
@@ -56,52 +54,29 @@ class ZmqKVReceiver(KVReceiver):
             self._ctx.term()
             raise
         self._endpoint = advertise_endpoint or self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._init_commands()
         self._wake = WakePipe()
-        self._live_ids: set[str] = set()  # ids registered and not yet ended; guarded by _lock
-        self._lock = threading.Lock()
-        self._closed = False
+        self._closed = False  # guarded by _ids_lock
         self._stop = False  # set on the I/O thread when it dequeues "close"
         self._thread = threading.Thread(target=self._run, name="kv-recv-io", daemon=True)
         self._thread.start()  # hands the socket over (a full memory barrier, as zmq requires)
 
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    def register(self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> RecvTransfer:
-        handle, dst, deadline = self._table.new_transfer(
-            transfer_id, dst_block_ids, self._endpoint, timeout_s,
-            self._curve.public_key if self._curve else None)
-        with self._lock:
-            if self._closed or not self._thread.is_alive():
-                raise RuntimeError("receiver is closed")
-            if transfer_id in self._live_ids:
-                raise ValueError(f"transfer {transfer_id!r} is already registered")
-            self._live_ids.add(transfer_id)
-        handle.future.add_done_callback(lambda _f: self._forget(transfer_id))
-        self._cmds.put(("register", handle, dst, deadline))
-        self._wake.wake()
-        return handle
-
-    def _forget(self, transfer_id: str) -> None:
-        with self._lock:
-            self._live_ids.discard(transfer_id)
-
-    def cancel(self, transfer_id: str, reason: str = "cancelled") -> None:
-        self._cmds.put(("cancel", transfer_id, reason))
+    def _post(self, *cmd: Any) -> None:
+        self._cmds.put(cmd)
         self._wake.wake()
 
-    def stats(self) -> dict[str, int]:
-        return dict(self._table.counters) | {"active": len(self._table.active)}
+    def _is_closed(self) -> bool:
+        return self._closed or not self._thread.is_alive()
+
+    def _sender_public_key(self) -> bytes | None:
+        return self._curve.public_key if self._curve else None
 
     def close(self, timeout_s: float = 5.0) -> None:
-        with self._lock:
+        with self._ids_lock:
             if self._closed:
                 return
             self._closed = True
-        self._cmds.put(("close",))
-        self._wake.wake()
+        self._post("close")
         self._thread.join(timeout_s)
         if self._auth is not None:
             self._auth.stop()
