@@ -26,6 +26,7 @@ class QueuedKVSender(KVSender):
     _kv: list[tuple[torch.Tensor, torch.Tensor]]
     _budget: ByteBudget
     _thread: threading.Thread  # the I/O thread; a handle started without it would never resolve
+    _states: dict[SendTransfer, Any]  # open transfers, by handle
     _closed: bool = False
 
     @abstractmethod
@@ -75,6 +76,19 @@ class QueuedKVSender(KVSender):
     def pending_bytes(self) -> int:
         """Bytes queued or still inside the transport, over all peers (0 when idle)."""
         return self._budget.pending()
+
+    def num_open(self) -> int:
+        """Transfers started and not yet ended."""
+        return len(self._states)
+
+    def _stop_io_thread(self, timeout_s: float) -> bool:
+        """Ask the I/O thread to stop and wait up to timeout_s; False if already closed."""
+        if self._closed:
+            return False
+        self._closed = True
+        self._post("close")
+        self._thread.join(timeout_s)
+        return True
 
 
 @dataclass

@@ -87,15 +87,9 @@ class TorchDistKVSender(QueuedKVSender):
     def _post(self, *cmd: Any) -> None:
         self._cmds.put(cmd)
 
-    def num_open(self) -> int:
-        return len(self._states)
-
     def close(self, timeout_s: float = 5.0) -> None:
-        if self._closed:
+        if not self._stop_io_thread(timeout_s):
             return
-        self._closed = True
-        self._post("close")
-        self._thread.join(timeout_s)
         # A thread still inside c10d at interpreter exit aborts the process: wait for connect
         # threads too; each gives up by its own (bounded) timeout.
         for th, gives_up in self._connecting:

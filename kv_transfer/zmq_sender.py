@@ -97,15 +97,9 @@ class ZmqKVSender(QueuedKVSender):
     def _check_endpoint(self, endpoint: str) -> None:
         check_endpoint(endpoint)
 
-    def num_open(self) -> int:
-        return len(self._states)
-
     def close(self, timeout_s: float = 5.0) -> None:
-        if self._closed:
+        if not self._stop_io_thread(timeout_s):
             return
-        self._closed = True
-        self._post("close")
-        self._thread.join(timeout_s)
         if self._thread.is_alive():
             logger.error("KV sender I/O thread did not stop within %.1fs", timeout_s)
             return
