@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 class ServiceError(Exception):
-    """A request failed with a gRPC status; the servicer turns it into context.abort."""
+    """A request failed with a gRPC status and a message that tells the caller what to change."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)

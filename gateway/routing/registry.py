@@ -19,14 +19,18 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.service.errors import ServiceError
 from common.service.registration import ROLES, InstanceLoad, InstanceSpec, Role
 from gateway.routing.load_estimate import LoadEstimate
 from protos.pdserve.v1 import registry_pb2, registry_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-class RegistrationError(ValueError):
+class RegistrationError(ServiceError):
     """The instance cannot join this deployment (bad role, other model or block size)."""
+
+    def __init__(self, message: str):
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 @dataclass
@@ -171,10 +175,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
 
     async def Register(self, request, context):
         spec = InstanceSpec.from_pb(request)
-        try:
-            self.registry.register(spec)
-        except RegistrationError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.registry.register(spec)  # a RegistrationError is INVALID_ARGUMENT
         return registry_pb2.RegisterResponse(
             heartbeat_interval_ms=round(self.registry.heartbeat_interval_s * 1000))
 

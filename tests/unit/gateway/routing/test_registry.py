@@ -7,6 +7,7 @@ import asyncio
 import grpc
 import pytest
 
+from common.service.errors import ErrorStatusInterceptor
 from common.service.registration import InstanceLoad, InstanceSpec, RegistryClient
 from gateway.routing.registry import InstanceRegistry, RegistrationError, RegistryServicer
 from protos.pdserve.v1 import registry_pb2, registry_pb2_grpc
@@ -118,7 +119,7 @@ def test_run_expiry_drops_dead_instances(clock):
 
 
 async def _serve(registry):
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=[ErrorStatusInterceptor()])  # as GatewayServer builds it
     registry_pb2_grpc.add_RegistryServiceServicer_to_server(RegistryServicer(registry), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
