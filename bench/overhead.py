@@ -1,4 +1,4 @@
-"""What the gateway itself costs per streamed token: `python -m bench.overhead`.
+"""What the gateway itself costs per streamed token: `pdserve bench overhead`.
 
 The gateway runs as its own process pinned to one core; a synthetic decode instance
 (bench.fakes.fake_decode, no model) and the clients run in this process on another core,
@@ -117,7 +117,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__,
+    parser = argparse.ArgumentParser(prog="pdserve bench overhead", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=32, help="concurrent streams (throughput)")
     parser.add_argument("--tokens", type=int, default=2000, help="tokens per stream (throughput)")

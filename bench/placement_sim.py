@@ -1,6 +1,6 @@
 """Deterministic simulation of prefix-cache hit rates under each placement policy.
 
-    python -m bench.placement_sim [--requests N] [--seed S] [--cache-blocks B]
+    pdserve bench placement-sim [--requests N] [--seed S] [--cache-blocks B]
 
 Workload: tenants that each have a fixed system prompt, followed by a unique user
 message; Poisson arrivals. Tenant order "rounds": every tenant sends at the same
@@ -209,7 +209,7 @@ def run_all(cfg: SimConfig, policies=("round_robin", "least_loaded", "prefix_awa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="pdserve bench placement-sim", description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=SimConfig.num_requests)
     parser.add_argument("--seed", type=int, default=SimConfig.seed)
     parser.add_argument("--cache-blocks", type=int, default=SimConfig.cache_blocks)

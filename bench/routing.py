@@ -1,7 +1,7 @@
 """Prefix-aware placement through the real stack (issue 5): `pdserve bench routing`.
 
     pdserve bench routing --json docs/bench/prefix_routing.json
-    python -m bench.routing --num-requests 16 --policies round_robin,prefix_aware  # smoke
+    pdserve bench routing --num-requests 16 --policies round_robin,prefix_aware  # smoke
 
 For each placement policy (round_robin, least_loaded, prefix_aware) it starts a real
 stack, `LocalStack(2 prefill, 1 decode, --policy P)`, sends the same seeded workload
