@@ -79,7 +79,7 @@ class TransferConnectorWorker(KVConnectorWorker):
     def _start_send(self, req_id: str, src_block_ids: list[int], target: dict) -> None:
         try:
             transfer = self.sender.start(src_block_ids, target)
-        except (ValueError, RuntimeError) as e:  # sender closed, or a target the service failed to vet
+        except (ValueError, RuntimeError, KeyError, TypeError) as e:  # sender closed, or a target not vetted
             failed = TransferHandle(str(target.get("transfer_id", "")))
             failed._resolve(TransferState.FAILED, str(e), None)
             self._report(req_id, "send", failed, 0)
