@@ -81,34 +81,13 @@ class Decoder:
             stream = self.engine.open_stream(job.req_id)
         except ValueError as e:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
-        # Registered before admission: the receive may end in the step that registers it.
-        landed = self.transfer_waiters.expect(job.req_id, "recv")
-        try:
-            async for chunk in self._decode(job, request, stream, landed):
-                yield chunk
-        finally:
-            self.transfer_waiters.discard(job.req_id, "recv")
-
-    async def _decode(self, job: DecodeJob, request, stream, landed: asyncio.Future) -> AsyncIterator[DecodeChunk]:
         with stream:
-            transfer_id = f"{job.req_id[:200]}/{uuid.uuid4().hex[:12]}"  # unique per attempt
+            # Registered before admission: the receive may end in the step that registers it.
+            landed = self.transfer_waiters.expect(job.req_id, "recv")
             try:
-                admission = await self.engine.call(lambda core: admit(
-                    core, request, bool(job.prefill_address), self.local_prefill_threshold, transfer_id,
-                    self.transfer_timeout_s))
-            except DuplicateRequestError as e:
-                raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
-            except ValueError as e:
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            if admission.placement is Placement.FULL:
-                stats = self.engine.stats
-                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"no room for the KV of a {len(job.prompt_token_ids)}-token prompt: "
-                                   f"{stats['num_free_blocks']} of {stats['num_total_blocks']} blocks free, "
-                                   f"{stats['num_running'] + stats['num_waiting_for_remote_kv']} requests running")
-            remote = None
-            if admission.placement is Placement.REMOTE:
-                remote = await self._prefill_remotely(job, request, admission, landed)
+                remote = await self._admit(job, request, landed)
+            finally:
+                self.transfer_waiters.discard(job.req_id, "recv")
             first = True
             try:
                 async for output in stream:
@@ -121,6 +100,27 @@ class Decoder:
                                       remote.instance_id if remote else "")
             except EngineDeadError as e:
                 raise ServiceError(grpc.StatusCode.INTERNAL, str(e)) from None
+
+    async def _admit(self, job: DecodeJob, request, landed: asyncio.Future) -> RemotePrefill | None:
+        """Admit the request; when it is prefilled remotely, see its KV in. None: prefilled here."""
+        transfer_id = f"{job.req_id[:200]}/{uuid.uuid4().hex[:12]}"  # unique per attempt
+        try:
+            admission = await self.engine.call(lambda core: admit(
+                core, request, bool(job.prefill_address), self.local_prefill_threshold, transfer_id,
+                self.transfer_timeout_s))
+        except DuplicateRequestError as e:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
+        except ValueError as e:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if admission.placement is Placement.FULL:
+            stats = self.engine.stats
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"no room for the KV of a {len(job.prompt_token_ids)}-token prompt: "
+                               f"{stats['num_free_blocks']} of {stats['num_total_blocks']} blocks free, "
+                               f"{stats['num_running'] + stats['num_waiting_for_remote_kv']} requests running")
+        if admission.placement is Placement.REMOTE:
+            return await self._prefill_remotely(job, request, admission, landed)
+        return None
 
     async def abort(self, req_ids: list[str]) -> int:
         known: list[str] = []
