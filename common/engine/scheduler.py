@@ -304,7 +304,9 @@ class Scheduler(SchedulerInterface):
         return False
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[EngineCoreOutput]:
-        """Abort in any state; every block goes back at once. Unknown ids are ignored."""
+        """Abort in any state. Every block goes back at once, except blocks a KV transfer
+        may still touch: those go back once the connector reports the transfer ended (an
+        import's abort output comes then too). Unknown ids are ignored."""
         outputs = []
         for req_id in req_ids:
             if req_id in self.held_requests:  # already finished: only its transfer is left

@@ -8,8 +8,8 @@ own threads; get_finished hands the ended ones over on the runner's thread.
 """
 from __future__ import annotations
 
-import logging
 import threading
+import time
 from typing import Any
 
 from common.engine.config import KVTransferConfig
@@ -17,8 +17,6 @@ from common.engine.kv_connector.base import KVConnectorWorker
 from common.engine.kv_connector.metadata import KVConnectorMetadata, KVTransferOutcome
 from kv_transfer import (KVReceiver, KVSender, PoolGeometry, SendTransfer, TorchDistKVReceiver, TorchDistKVSender,
                          TransferHandle, TransferResult, TransferState, ZmqKVReceiver, ZmqKVSender)
-
-logger = logging.getLogger(__name__)
 
 
 class TransferConnectorWorker(KVConnectorWorker):
@@ -70,8 +68,8 @@ class TransferConnectorWorker(KVConnectorWorker):
         try:
             transfer = self.receiver.register(transfer_id, dst_block_ids, timeout_s)
         except (ValueError, RuntimeError) as e:  # receiver closed, or a duplicate transfer id
-            transfer = TransferHandle(transfer_id)
-            transfer._resolve(TransferState.FAILED, f"could not register the KV transfer: {e}", None)
+            self._report_failed(req_id, "recv", transfer_id, f"could not register the KV transfer: {e}")
+            return
         self._recv_transfer_ids[req_id] = transfer_id
         transfer.future.add_done_callback(
             lambda _f: self._report(req_id, "recv", transfer, num_bytes))
@@ -80,9 +78,7 @@ class TransferConnectorWorker(KVConnectorWorker):
         try:
             transfer = self.sender.start(src_block_ids, target)
         except (ValueError, RuntimeError, KeyError, TypeError) as e:  # sender closed, or a target not vetted
-            failed = TransferHandle(str(target.get("transfer_id", "")))
-            failed._resolve(TransferState.FAILED, str(e), None)
-            self._report(req_id, "send", failed, 0)
+            self._report_failed(req_id, "send", str(target.get("transfer_id", "")), str(e))
             return
         self._sends[req_id] = transfer
         self._this_step_sends.append(transfer)
@@ -132,6 +128,14 @@ class TransferConnectorWorker(KVConnectorWorker):
                 req_id=req_id, transfer_id=transfer.transfer_id, direction=direction, state=result.state.value,
                 reason=result.reason, num_bytes=num_bytes, started_at=transfer.started_at,
                 first_byte_at=transfer.first_byte_at, ended_at=transfer.ended_at))
+
+    def _report_failed(self, req_id: str, direction: str, transfer_id: str, reason: str) -> None:
+        """A transfer that failed before the transport took it: it touches no block."""
+        now = time.monotonic()
+        with self._lock:
+            self._ended.append(KVTransferOutcome(req_id=req_id, transfer_id=transfer_id, direction=direction,
+                                                 state=TransferState.FAILED.value, reason=reason,
+                                                 started_at=now, ended_at=now))
 
     def close(self) -> None:
         if self.sender is not None:
