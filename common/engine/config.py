@@ -113,7 +113,7 @@ class KVTransferConfig:
     role: str = "none"  # "producer" | "consumer" | "none"
     backend: str = "zmq"  # "zmq" | "gloo" | "nccl" (torch.distributed)
     # Consumer: where the receiver listens; tcp://HOST:PORT or ipc:// for zmq, HOST:PORT
-    # for torch.distributed (port 0 or * picks a free one).
+    # (or gloo://HOST:PORT) for torch.distributed; port 0 or * picks a free one.
     bind_endpoint: str = "tcp://127.0.0.1:*"
     # Producer: send each layer as soon as the forward pass wrote it, overlapping the
     # rest of the pass, instead of every layer after the pass.

@@ -42,7 +42,7 @@ class TransferConnectorWorker(KVConnectorWorker):
         elif backend == "zmq":
             self.receiver = ZmqKVReceiver(kv_caches, self.config.bind_endpoint)
         else:
-            host, _, port = self.config.bind_endpoint.rpartition(":")
+            host, _, port = self.config.bind_endpoint.split("://")[-1].rpartition(":")
             self.receiver = TorchDistKVReceiver(kv_caches, host or "127.0.0.1",
                                                 0 if port in ("", "*") else int(port), backend)
 

@@ -24,18 +24,19 @@ PROMPT = [(i * 7919) % 40000 + 3 for i in range(37)]  # 5 blocks, the last one p
 DEADLINE_S = 10.0
 
 
-def config(model_dir, role: str) -> EngineConfig:
+def config(model_dir, role: str, layerwise_send: bool = True) -> EngineConfig:
     return EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
                         scheduler=SchedulerConfig(max_num_batched_tokens=16),  # the prompt takes 3 chunks
-                        kv_transfer=KVTransferConfig(role=role, bind_endpoint="tcp://127.0.0.1:*"))
+                        kv_transfer=KVTransferConfig(role=role, bind_endpoint="tcp://127.0.0.1:*",
+                                                     layerwise_send=layerwise_send))
 
 
 @pytest.fixture
 def cores(tiny_llama_dir):
     made = []
 
-    def make(role):
-        core = EngineCore(config(tiny_llama_dir, role))
+    def make(role, layerwise_send: bool = True):
+        core = EngineCore(config(tiny_llama_dir, role, layerwise_send))
         core.transfer_outcomes = []
         core.kv_transfer_observers.append(core.transfer_outcomes.append)
         made.append(core)
@@ -86,8 +87,9 @@ def assert_pool_free(core) -> None:
     assert not core.has_unfinished_requests()
 
 
-def test_remote_prefill_then_decode_equals_colocated(cores, tiny_llama_dir):
-    prefill, decode = cores("producer"), cores("consumer")
+@pytest.mark.parametrize("layerwise_send", [True, False])
+def test_remote_prefill_then_decode_equals_colocated(cores, tiny_llama_dir, layerwise_send):
+    prefill, decode = cores("producer", layerwise_send), cores("consumer")
     admission = admit(decode, Request("r", PROMPT, PARAMS), True, 0, "t-1", 10.0)
     assert admission.placement is Placement.REMOTE and len(admission.dst_block_ids) == 5
     endpoint = decode.collective_rpc("kv_connector_info")[0]["endpoint"]
@@ -104,6 +106,26 @@ def test_remote_prefill_then_decode_equals_colocated(cores, tiny_llama_dir):
                     max_num_batched_tokens=16).generate({"prompt_token_ids": PROMPT}, PARAMS)
     assert tokens == reference[0].outputs[0].token_ids
     assert_pool_free(decode)
+
+
+def test_layers_are_sent_from_within_the_forward_pass_of_the_last_chunk(cores, unused_tcp_port):
+    prefill = cores("producer")
+    worker_connector = prefill.executor.runner.kv_connector  # a spy on the worker half, test only
+    num_layers = geometry(prefill).num_layers
+    saved_layers: list[int] = []
+    save_kv_layer = worker_connector.save_kv_layer
+    worker_connector.save_kv_layer = lambda layer_idx: (saved_layers.append(layer_idx), save_kv_layer(layer_idx))
+    export = export_to(prefill, f"tcp://127.0.0.1:{unused_tcp_port}", "t-5", list(range(5)), timeout_s=0.5)
+    request = Request("r", PROMPT, first_token_params(PARAMS))
+    request.kv_transfer_params = export.kv_transfer_params()
+    admit_prefill(prefill, request)
+    for _ in range(2):  # partial chunks: the prompt's KV is not final yet
+        prefill.step()
+        assert saved_layers == []
+    assert [o.finish_reason for o in prefill.step()] == ["length"]
+    assert saved_layers == list(range(num_layers))
+    assert step_until_transfer_ended(prefill, "r").state == "expired"  # nobody listened
+    assert_pool_free(prefill)
 
 
 def test_decode_abort_waits_for_the_receiver_before_freeing(cores):

@@ -28,7 +28,7 @@ def pool(seed: int | None):
             for _ in range(NUM_LAYERS)]
 
 
-BIND_ENDPOINTS = {"zmq": "tcp://127.0.0.1:*", "gloo": "127.0.0.1:0"}
+BIND_ENDPOINTS = {"zmq": "tcp://127.0.0.1:*", "gloo": "gloo://127.0.0.1:0"}
 
 
 @pytest.fixture(params=["zmq", "gloo"])
