@@ -8,7 +8,7 @@ Conditional disaggregation: prefill here when no prefill instance is named, when
 the uncached part of the prompt is shorter than local_prefill_threshold tokens,
 or (local_fallback) when the prefill instance is unreachable before any KV came.
 Leaving the iteration early (client cancelled) cancels the Prefill call and aborts
-the request; DecodeEngineCore frees its blocks once no KV write can follow.
+the request; the engine frees its blocks once no KV write can follow.
 """
 from __future__ import annotations
 
@@ -22,14 +22,24 @@ import grpc
 from grpc import aio
 
 from common.engine.async_engine import AsyncEngine, EngineDeadError
+from common.engine.engine_core import EngineCore
+from common.engine.kv_connector.metadata import KVTransferOutcome
+from common.engine.kv_transfer_waiters import KVTransferWaiters
 from common.engine.outputs import EngineCoreOutput, Logprobs
 from common.service.engine_requests import new_request
 from common.service.errors import DuplicateRequestError, ServiceError
-from common.service.futures import watch
+from decode_service.admission import (
+    Admission,
+    Placement,
+    admit,
+    cancel_import,
+    fail_import,
+    finish_import,
+    import_to_local,
+)
 from decode_service.api import DecodeJob
-from decode_service.engine import Admission, DecodeEngineCore, Placement
 from decode_service.prefill_client import PrefillClients, prefill_failure_status, prefill_request
-from kv_transfer import TransferResult, TransferState
+from kv_transfer import PoolGeometry
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +60,13 @@ class RemotePrefill:
 
 
 class Decoder:
-    def __init__(self, engine: AsyncEngine, core: DecodeEngineCore, eos_token_ids: tuple[int, ...],
-                 clients: PrefillClients, *, kv_endpoint: str, local_prefill_threshold: int,
-                 transfer_timeout_s: float, local_fallback: bool):
+    def __init__(self, engine: AsyncEngine, eos_token_ids: tuple[int, ...], clients: PrefillClients,
+                 transfer_waiters: KVTransferWaiters, *, kv_endpoint: str, geometry: PoolGeometry,
+                 local_prefill_threshold: int, transfer_timeout_s: float, local_fallback: bool):
         self.engine = engine
-        self.core = core
         self.eos_token_ids = eos_token_ids
+        self.transfer_waiters = transfer_waiters  # must observe the engine's KV transfers
+        self.geometry = geometry
         self.clients = clients
         self.kv_endpoint = kv_endpoint
         self.local_prefill_threshold = local_prefill_threshold
@@ -69,24 +80,12 @@ class Decoder:
         except ValueError as e:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
         with stream:
-            transfer_id = f"{job.req_id[:200]}/{uuid.uuid4().hex[:12]}"  # unique per attempt
+            # Registered before admission: the receive may end in the step that registers it.
+            landed = self.transfer_waiters.expect(job.req_id, "recv")
             try:
-                admission = await self.engine.call(lambda core: core.admit(
-                    request, bool(job.prefill_address), self.local_prefill_threshold, transfer_id,
-                    self.transfer_timeout_s))
-            except DuplicateRequestError as e:
-                raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
-            except ValueError as e:
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            if admission.placement is Placement.FULL:
-                stats = self.engine.stats
-                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"no room for the KV of a {len(job.prompt_token_ids)}-token prompt: "
-                                   f"{stats['num_free_blocks']} of {stats['num_total_blocks']} blocks free, "
-                                   f"{stats['num_running'] + stats['num_waiting_for_remote_kv']} requests running")
-            remote = None
-            if admission.placement is Placement.REMOTE:
-                remote = await self._prefill_remotely(job, request, admission)
+                remote = await self._admit(job, request, landed)
+            finally:
+                self.transfer_waiters.discard(job.req_id, "recv")
             first = True
             try:
                 async for output in stream:
@@ -100,10 +99,31 @@ class Decoder:
             except EngineDeadError as e:
                 raise ServiceError(grpc.StatusCode.INTERNAL, str(e)) from None
 
+    async def _admit(self, job: DecodeJob, request, landed: asyncio.Future) -> RemotePrefill | None:
+        """Admit the request; when it is prefilled remotely, see its KV in. None: prefilled here."""
+        transfer_id = f"{job.req_id[:200]}/{uuid.uuid4().hex[:12]}"  # unique per attempt
+        try:
+            admission = await self.engine.call(lambda core: admit(
+                core, request, bool(job.prefill_address), self.local_prefill_threshold, transfer_id,
+                self.transfer_timeout_s))
+        except DuplicateRequestError as e:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
+        except ValueError as e:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if admission.placement is Placement.FULL:
+            stats = self.engine.stats
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"no room for the KV of a {len(job.prompt_token_ids)}-token prompt: "
+                               f"{stats['num_free_blocks']} of {stats['num_total_blocks']} blocks free, "
+                               f"{stats['num_running'] + stats['num_waiting_for_remote_kv']} requests running")
+        if admission.placement is Placement.REMOTE:
+            return await self._prefill_remotely(job, request, admission, landed)
+        return None
+
     async def abort(self, req_ids: list[str]) -> int:
         known: list[str] = []
 
-        def abort(core: DecodeEngineCore):
+        def abort(core: EngineCore):
             known.extend(r for r in req_ids if r in core.scheduler.requests)
             return core.abort_requests(req_ids)
         await self.engine.call(abort, deliver=True)
@@ -112,59 +132,59 @@ class Decoder:
     def _request(self, job: DecodeJob):
         return new_request(job.req_id, job.prompt_token_ids, job.params, job.priority, self.eos_token_ids)
 
-    async def _prefill_remotely(self, job: DecodeJob, request, admission: Admission) -> RemotePrefill | None:
+    async def _prefill_remotely(self, job: DecodeJob, request, admission: Admission,
+                                landed: asyncio.Future) -> RemotePrefill | None:
         """None: nothing remote to report (fell back to a local prefill, or the request
-        was aborted meanwhile and its stream ends with "abort")."""
-        transfer = admission.transfer
+        was aborted meanwhile and its stream ends with "abort"). `landed` resolves to the
+        receive's KVTransferOutcome once the engine saw it end."""
         prefill_name = job.prefill_instance_id or job.prefill_address
         call = self.clients.prefill(job.prefill_address, prefill_request(
-            request, kv_endpoint=self.kv_endpoint, transfer_id=transfer.transfer_id,
+            request, kv_endpoint=self.kv_endpoint, transfer_id=admission.transfer_id,
             dst_block_ids=admission.dst_block_ids, first_block_index=admission.first_block_index,
-            geometry=self.core.geometry, transfer_timeout_s=self.transfer_timeout_s), self.transfer_timeout_s)
+            geometry=self.geometry, transfer_timeout_s=self.transfer_timeout_s), self.transfer_timeout_s)
         rpc = asyncio.ensure_future(call)
-        landed = watch(transfer.future)
         try:
             await asyncio.wait({rpc, landed}, return_when=asyncio.FIRST_COMPLETED)
             if landed.done() and not landed.result().ok:  # our receiver gave up first
                 call.cancel()
-                return await self._import_failed(job, prefill_name, landed.result(), None, False)
+                return await self._import_failed(job, prefill_name, landed.result(), None)
             try:
                 response = await rpc
             except aio.AioRpcError as error:
-                received_any = transfer.state is not TransferState.WAITING
-                self.core.receiver.cancel(transfer.transfer_id, "the Prefill call failed")
-                return await self._import_failed(job, prefill_name, await landed, error, received_any)
+                await self.engine.call(lambda core: cancel_import(core, job.req_id, "the Prefill call failed"))
+                return await self._import_failed(job, prefill_name, await asyncio.shield(landed), error)
             # Prefill answers only after our receiver acked DONE, so this is immediate.
-            result = await asyncio.wait_for(asyncio.shield(landed), self.transfer_timeout_s)
-            if not result.ok:
-                return await self._import_failed(job, prefill_name, result, None, True)
+            outcome = await asyncio.wait_for(asyncio.shield(landed), self.transfer_timeout_s)
+            if not outcome.ok:
+                return await self._import_failed(job, prefill_name, outcome, None)
         finally:
             if not rpc.done():  # we are leaving early (cancelled): the prefill must stop too
                 call.cancel()
                 rpc.cancel()
-        await self.engine.call(lambda core: core.finish_import(job.req_id, list(response.token_ids)),
+        await self.engine.call(lambda core: finish_import(core, job.req_id, list(response.token_ids)),
                                deliver=True)
         logprobs = [Logprobs(lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs))
                     for lp in response.logprobs] or None
         return RemotePrefill(response.instance_id or prefill_name, response.num_cached_tokens, logprobs)
 
-    async def _import_failed(self, job: DecodeJob, prefill_name: str, result: TransferResult,
-                             error: aio.AioRpcError | None, received_any: bool) -> None:
+    async def _import_failed(self, job: DecodeJob, prefill_name: str, outcome: KVTransferOutcome,
+                             error: aio.AioRpcError | None) -> None:
         """The transfer has ended without the KV: fall back, or fail the request."""
-        unreachable = error is not None and error.code() == grpc.StatusCode.UNAVAILABLE and not received_any
+        unreachable = (error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
+                       and not outcome.received_any)
         if unreachable and self.local_fallback:
             logger.warning("prefill instance %s unreachable (%s): prefilling %s locally",
                            prefill_name, error.details(), job.req_id)
             local = self._request(job)
-            await self.engine.call(lambda core: core.import_to_local(job.req_id, local))
+            await self.engine.call(lambda core: import_to_local(core, job.req_id, local))
             return None
-        if not await self.engine.call(lambda core: core.fail_import(job.req_id)):
+        if not await self.engine.call(lambda core: fail_import(core, job.req_id)):
             return None  # aborted meanwhile: the stream ends with finish_reason "abort"
         if error is not None:
             raise ServiceError(*prefill_failure_status(error, prefill_name))
-        if result.state is TransferState.EXPIRED:
+        if outcome.state == "expired":
             raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"KV transfer from prefill instance {prefill_name} did not complete within "
                                f"{self.transfer_timeout_s:g}s")
         raise ServiceError(grpc.StatusCode.ABORTED,
-                           f"KV transfer from prefill instance {prefill_name} failed: {result.reason}")
+                           f"KV transfer from prefill instance {prefill_name} failed: {outcome.reason}")

@@ -20,7 +20,10 @@ import logging
 from grpc import aio
 
 from common.engine.async_engine import AsyncEngine
+from common.engine.config import KVTransferConfig
 from common.engine.engine_args import engine_config_from_args
+from common.engine.engine_core import EngineCore
+from common.engine.kv_transfer_waiters import KVTransferWaiters
 from common.service.common_api import stats_response
 from common.service.engine_requests import eos_token_ids, validate_request
 from common.service.flags import advertised_zmq_endpoint, served_model_name, zmq_bind_endpoint
@@ -30,8 +33,8 @@ from common.service.registration import InstanceLoad, InstanceSpec
 from common.service.request_gate import RequestGate
 from decode_service.api import DecodeJob, DecodeOutput
 from decode_service.decoder import DecodeChunk, Decoder
-from decode_service.engine import DecodeEngineCore
 from decode_service.prefill_client import PrefillClients
+from kv_transfer import PoolGeometry
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from protos.serving import DECODE_SERVICE
 
@@ -69,19 +72,24 @@ class DecodeWorker:
     def __init__(self, args: argparse.Namespace, instance_id: str):
         self.args = args
         self.instance_id = instance_id
-        self.core = DecodeEngineCore(engine_config_from_args(args), zmq_bind_endpoint(args.host, args.kv_port))
-        self.kv_endpoint = advertised_zmq_endpoint(args, self.core.receiver.endpoint)
+        config = engine_config_from_args(args)
+        config.kv_transfer = KVTransferConfig(role="consumer",
+                                              bind_endpoint=zmq_bind_endpoint(args.host, args.kv_port))
+        self.core = EngineCore(config)
+        kv_connector_info = self.core.collective_rpc("kv_connector_info")[0]
+        self.kv_endpoint = advertised_zmq_endpoint(args, kv_connector_info["endpoint"])
+        self.metrics = WorkerMetrics("decode", instance_id, self.load, lambda: self.engine.stats)
+        self.core.step_observer = self.metrics.observe_step
+        self.transfer_waiters = KVTransferWaiters()
+        # Metrics first: a transfer is counted before anyone waiting on it is answered.
+        self.core.kv_transfer_observers += [self.metrics.observe_transfer, self.transfer_waiters]
         self.engine = AsyncEngine(self.core)
-        self.core.post = self.engine.post
         self.clients = PrefillClients()
-        self.decoder = Decoder(self.engine, self.core, eos_token_ids(self.core), self.clients,
-                               kv_endpoint=self.kv_endpoint,
+        self.decoder = Decoder(self.engine, eos_token_ids(self.core), self.clients, self.transfer_waiters,
+                               kv_endpoint=self.kv_endpoint, geometry=PoolGeometry.from_dict(kv_connector_info),
                                local_prefill_threshold=args.local_prefill_threshold,
                                transfer_timeout_s=args.kv_transfer_timeout,
                                local_fallback=not args.no_local_fallback)
-        self.metrics = WorkerMetrics("decode", instance_id, self.load, lambda: self.engine.stats)
-        self.core.step_observer = self.metrics.observe_step
-        self.core.transfer_observer = self.metrics.observe_transfer
 
     # ---- protobuf at the edge ----------------------------------------------------------
     def job_from_pb(self, request: decode_pb2.DecodeRequest) -> DecodeJob:

@@ -65,6 +65,14 @@ class PoolGeometry:
         """Bytes of K and V of num_blocks blocks in num_layers layers (default: all)."""
         return 2 * (self.num_layers if num_layers is None else num_layers) * num_blocks * self.block_bytes
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"num_layers": self.num_layers, "num_blocks": self.num_blocks, "dtype": self.dtype,
+                "block_shape": list(self.block_shape)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PoolGeometry":
+        return cls(int(d["num_layers"]), int(d["num_blocks"]), d["dtype"], tuple(int(s) for s in d["block_shape"]))
+
     @classmethod
     def of(cls, kv_caches: KVCaches) -> "PoolGeometry":
         if not kv_caches:

@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import grpc
 
 from common.engine.async_engine import AsyncEngine
+from common.engine.engine_core import EngineCore
+from common.engine.kv_transfer_waiters import KVTransferWaiters
 from common.engine.outputs import EngineCoreOutput, Logprobs
+from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from common.service.engine_requests import new_request
 from common.service.errors import DuplicateRequestError, ServiceError
-from common.service.futures import watch
-from kv_transfer import TransferState
-from prefill_service.engine import PrefillEngineCore
 from prefill_service.kv_export import ExportTarget
 
 # After the transfer's own deadline, how long to wait for the sender to let go of
@@ -48,24 +48,42 @@ def first_token_params(params: SamplingParams) -> SamplingParams:
     return params.clone(n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
 
 
+def admit(core: EngineCore, request: Request) -> None:
+    """Engine thread: queue a prefill (its KV goes where its kv_transfer_params say)."""
+    if request.req_id in core.scheduler.requests or request.req_id in core.scheduler.held_requests:
+        raise DuplicateRequestError(f"request {request.req_id!r} is already in flight on this instance")
+    core.add_request(request)
+
+
 class Prefiller:
-    def __init__(self, engine: AsyncEngine, core: PrefillEngineCore, eos_token_ids: tuple[int, ...]):
+    def __init__(self, engine: AsyncEngine, eos_token_ids: tuple[int, ...], transfer_waiters: KVTransferWaiters):
         self.engine = engine
-        self.core = core
         self.eos_token_ids = eos_token_ids
+        self.transfer_waiters = transfer_waiters  # must observe the engine's KV transfers
 
     async def prefill(self, job: PrefillJob) -> PrefillResult:
         request = new_request(job.req_id, job.prompt_token_ids, first_token_params(job.params), job.priority,
                               self.eos_token_ids)
+        if job.export is not None:
+            request.kv_transfer_params = job.export.kv_transfer_params()
         try:
             stream = self.engine.open_stream(job.req_id)
         except ValueError as e:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
+        # Registered before admission: a send may end in the step that finishes the request.
+        sent = self.transfer_waiters.expect(job.req_id, "send") if job.export is not None else None
+        try:
+            return await self._prefill(job, request, stream, sent)
+        finally:
+            self.transfer_waiters.discard(job.req_id, "send")
+
+    async def _prefill(self, job: PrefillJob, request: Request, stream, sent: asyncio.Future | None
+                       ) -> PrefillResult:
         # Leaving early (cancelled, timed out) closes the stream, which aborts the request;
-        # the abort also drops the export target or aborts the started transfer.
+        # the abort also drops the export or stops the started transfer.
         with stream:
             try:
-                await self.engine.call(lambda core: core.admit(request, job.export))
+                await self.engine.call(lambda core: admit(core, request))
             except DuplicateRequestError as e:
                 raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
             except ValueError as e:
@@ -83,18 +101,16 @@ class Prefiller:
         result = PrefillResult(output.new_token_ids, output.new_logprobs, output.num_cached_tokens,
                                transferred=job.export is not None)
         if job.export is not None:
-            await self._await_transfer(job)
+            await self._await_transfer(job, sent)
             result.num_transferred_blocks = len(job.export.target.dst_block_ids)
         return result
 
-    async def _await_transfer(self, job: PrefillJob) -> None:
-        transfer = job.export.transfer
-        if transfer is None:  # cannot happen: a finished request ran its last chunk
-            raise ServiceError(grpc.StatusCode.INTERNAL, f"KV transfer of {job.req_id} never started")
+    async def _await_transfer(self, job: PrefillJob, sent: asyncio.Future) -> None:
         target = job.export.target
         try:
-            result = await asyncio.wait_for(watch(transfer.future),
-                                            max(0.0, target.deadline - _now()) + TRANSFER_SETTLE_S)
+            # shield: our own timeout must not cancel the future the engine thread resolves.
+            outcome = await asyncio.wait_for(asyncio.shield(sent),
+                                             max(0.0, target.deadline - _now()) + TRANSFER_SETTLE_S)
         except asyncio.CancelledError:  # the caller went away: stop sending; blocks go back when it ends
             self.engine.abort([job.req_id])
             raise
@@ -102,13 +118,14 @@ class Prefiller:
             self.engine.abort([job.req_id])
             raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"KV transfer {target.transfer_id} to {target.endpoint} did not end in time") from None
-        # Free the blocks before answering, so our load is current when the caller moves on.
-        await self.engine.call(lambda core: core.release_request(job.req_id))
-        if not result.ok:
-            code = (grpc.StatusCode.DEADLINE_EXCEEDED if result.state is TransferState.EXPIRED
+        # The engine freed the blocks before reporting the end; one more trip through its
+        # thread refreshes its stats, so our load is current when the caller moves on.
+        await self.engine.call(lambda core: None)
+        if not outcome.ok:
+            code = (grpc.StatusCode.DEADLINE_EXCEEDED if outcome.state == "expired"
                     else grpc.StatusCode.ABORTED)
             raise ServiceError(code, f"KV transfer {target.transfer_id} to {target.endpoint} "
-                               f"{result.state.value}: {result.reason or 'no reason given'}")
+                               f"{outcome.state}: {outcome.reason or 'no reason given'}")
 
 
 async def _finished_output(stream) -> EngineCoreOutput:

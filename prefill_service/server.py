@@ -19,7 +19,10 @@ import grpc
 from grpc import aio
 
 from common.engine.async_engine import AsyncEngine
+from common.engine.config import KVTransferConfig
 from common.engine.engine_args import engine_config_from_args
+from common.engine.engine_core import EngineCore
+from common.engine.kv_transfer_waiters import KVTransferWaiters
 from common.service.common_api import logprobs_to_pb, sampling_params_from_pb, stats_response
 from common.service.engine_requests import eos_token_ids, validate_request
 from common.service.errors import ServiceError
@@ -28,7 +31,7 @@ from common.service.logging_setup import logged_request
 from common.service.metrics import WorkerMetrics
 from common.service.registration import InstanceLoad, InstanceSpec
 from common.service.request_gate import RequestGate
-from prefill_service.engine import PrefillEngineCore
+from kv_transfer import PoolGeometry
 from prefill_service.kv_events import KvEventPublisher, snapshot_response
 from prefill_service.kv_export import TargetMismatchError, make_export_target
 from prefill_service.prefiller import Prefiller, PrefillJob, PrefillResult
@@ -66,22 +69,26 @@ class PrefillWorker:
         self.args = args
         self.instance_id = instance_id
         self.default_kv_timeout_s = args.kv_transfer_timeout
-        events = KvEventPublisher(instance_id, zmq_bind_endpoint(args.host, args.events_port))
+        self.events = events = KvEventPublisher(instance_id, zmq_bind_endpoint(args.host, args.events_port))
+        config = engine_config_from_args(args)
+        config.kv_transfer = KVTransferConfig(role="producer", layerwise_send=not args.no_layerwise_kv_send)
         try:
-            self.core = PrefillEngineCore(engine_config_from_args(args),
-                                          layerwise_kv_send=not args.no_layerwise_kv_send, events=events)
+            self.core = EngineCore(config)
         except BaseException:
             events.close()
             raise
+        self.geometry = PoolGeometry.from_dict(self.core.collective_rpc("kv_connector_info")[0])
         self.events_endpoint = advertised_zmq_endpoint(args, events.endpoint)
-        self.engine = AsyncEngine(self.core)
-        # A transfer that ended (any thread) frees its held blocks on the engine thread.
-        self.core.exporter.on_transfer_end = lambda req_id: self.engine.post(
-            lambda core: core.release_request(req_id))
-        self.prefiller = Prefiller(self.engine, self.core, eos_token_ids(self.core))
+        # KV cache events go out after every step; heartbeats carry the last sequence sent.
+        self.core.after_step.append(lambda core: events.publish(core.kv_cache_manager.take_events()))
+        self.core.stats_sources.append(lambda: {"kv_events_sequence": events.last_published_seq})
         self.metrics = WorkerMetrics("prefill", instance_id, self.load, lambda: self.engine.stats)
         self.core.step_observer = self.metrics.observe_step
-        self.core.exporter.transfer_observer = self.metrics.observe_transfer
+        self.transfer_waiters = KVTransferWaiters()
+        # Metrics first: a transfer is counted before anyone waiting on it is answered.
+        self.core.kv_transfer_observers += [self.metrics.observe_transfer, self.transfer_waiters]
+        self.engine = AsyncEngine(self.core)
+        self.prefiller = Prefiller(self.engine, eos_token_ids(self.core), self.transfer_waiters)
 
     # ---- protobuf at the edge ----------------------------------------------------------
     def job_from_pb(self, request: prefill_pb2.PrefillRequest) -> PrefillJob:
@@ -100,7 +107,7 @@ class PrefillWorker:
                     first_block_index=t.first_block_index, num_layers=t.num_layers, dtype=t.dtype,
                     block_shape=list(t.block_shape),
                     timeout_s=t.timeout_ms / 1000 if t.timeout_ms else self.default_kv_timeout_s,
-                    num_prompt_tokens=len(prompt), geometry=self.core.exporter.geometry)
+                    num_prompt_tokens=len(prompt), geometry=self.geometry)
             except TargetMismatchError as e:
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
             except ValueError as e:
@@ -146,3 +153,4 @@ class PrefillWorker:
 
     async def close(self) -> None:
         self.engine.shutdown()
+        self.events.close()

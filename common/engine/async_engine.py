@@ -3,7 +3,7 @@
 `generate(request)` is an async iterator of EngineCoreOutput; cancelling the
 consuming task, or closing the iterator early, aborts the request and frees
 its blocks. `call(fn)` runs fn(engine_core) on the engine thread between steps,
-which is how the services reach role-specific scheduler hooks safely.
+which is how the services reach the scheduler's remote-KV calls safely.
 
 For requests admitted by such a hook rather than by `generate` (the decode role
 reserves blocks for remote KV first), `open_stream(req_id)` registers the output
@@ -118,7 +118,8 @@ class AsyncEngine:
         commands = []
         try:
             # Block briefly when idle so shutdown and remote-KV arrivals are noticed.
-            commands.append(self._commands.get(timeout=0.05) if block else self._commands.get_nowait())
+            commands.append(self._commands.get(timeout=self.core.idle_wait_s) if block
+                            else self._commands.get_nowait())
             while True:
                 commands.append(self._commands.get_nowait())
         except queue.Empty:

@@ -102,6 +102,31 @@ class SchedulerConfig:
 
 
 @dataclass
+class KVTransferConfig:
+    """How this engine moves KV to or from other engines (disaggregated prefill/decode).
+
+    role "producer" ships each finished prompt's KV to the target its request names
+    (the prefill service); "consumer" receives prompts' KV into blocks it reserved
+    (the decode service); "none" runs colocated.
+    """
+
+    role: str = "none"  # "producer" | "consumer" | "none"
+    backend: str = "zmq"  # "zmq" | "gloo" | "nccl" (torch.distributed)
+    # Consumer: where the receiver listens; tcp://HOST:PORT or ipc:// for zmq, HOST:PORT
+    # (or gloo://HOST:PORT) for torch.distributed; port 0 or * picks a free one.
+    bind_endpoint: str = "tcp://127.0.0.1:*"
+    # Producer: send each layer as soon as the forward pass wrote it, overlapping the
+    # rest of the pass, instead of every layer after the pass.
+    layerwise_send: bool = True
+
+    def __post_init__(self) -> None:
+        if self.role not in ("producer", "consumer", "none"):
+            raise ValueError(f"kv_transfer role must be producer, consumer or none; got {self.role!r}")
+        if self.backend not in ("zmq", "gloo", "nccl"):
+            raise ValueError(f"kv_transfer backend must be zmq, gloo or nccl; got {self.backend!r}")
+
+
+@dataclass
 class EngineConfig:
     """Everything an engine needs to start; built from CLI flags or `LLM(...)` kwargs."""
 
@@ -111,6 +136,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -1,22 +1,34 @@
-"""EngineCore: one loop of schedule -> execute -> update, shared by every frontend."""
+"""EngineCore: one loop of schedule -> execute -> update, shared by every frontend.
+
+Prefill and decode services run this same engine; their KVTransferConfig (role
+producer or consumer) gives it a KV connector whose scheduler half lives in the
+Scheduler and whose worker half lives with the model runner, behind the executor.
+"""
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from common.engine.config import EngineConfig, ModelConfig, parse_memory_size
 from common.engine.executor import Executor, InProcessExecutor
 from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.kv_connector.factory import make_scheduler_connector
+from common.engine.kv_connector.metadata import KVTransferOutcome
 from common.engine.model_files import load_hf_config, resolve_model
 from common.engine.outputs import EngineCoreOutput, SchedulerOutput
 from common.engine.request import Request
-from common.engine.scheduler import Scheduler
+from common.engine.scheduler import RemoteKVReservation, Scheduler
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # like vLLM's VLLM_CPU_KVCACHE_SPACE, but 1 GiB
 DEFAULT_GPU_KV_CACHE_FRACTION = 0.9
+# How long an engine with nothing to run waits for commands before stepping again: only
+# a step hears of KV transfers that ended, so it polls faster while one is open.
+IDLE_WAIT_S = 0.05
+IDLE_WAIT_WITH_OPEN_TRANSFERS_S = 0.002
 
 
 def num_kv_blocks(kv_cache_memory, bytes_per_block: int, free_bytes: int, device_type: str) -> int:
@@ -58,10 +70,7 @@ def resolve_max_model_len(requested: int | None, model_config: ModelConfig, num_
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None, *,
-                 hold_finished_blocks: bool = False):
-        # hold_finished_blocks: prefill role; finished requests keep their KV blocks
-        # until scheduler.release_held_blocks (after the KV has been shipped).
+    def __init__(self, config: EngineConfig, executor: Executor | None = None):
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_hf_config(load_hf_config(self.model_dir))
@@ -80,21 +89,53 @@ class EngineCore:
                     cache.num_blocks * bytes_per_block / (1 << 20))
         self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size,
                                                enable_prefix_caching=cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, cache.block_size,
-                                   self.max_model_len, hold_finished_blocks=hold_finished_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, cache.block_size, self.max_model_len,
+                                   kv_connector=make_scheduler_connector(config.kv_transfer, cache.block_size))
         self.idle = True
         # Called on the engine thread after each step that ran something, with the
         # step's SchedulerOutput and its duration in seconds (the services' metrics).
         self.step_observer: Callable[[SchedulerOutput, float], None] | None = None
+        # Called on the engine thread after every step (the services' KV event publishing).
+        self.after_step: list[Callable[["EngineCore"], None]] = []
+        # Called on the engine thread with each KV transfer once it ended and the blocks
+        # it touched were released (waiters, metrics).
+        self.kv_transfer_observers: list[Callable[[KVTransferOutcome], None]] = []
+        # Extra plain-data entries merged into stats() (e.g. the KV event sequence).
+        self.stats_sources: list[Callable[[], dict]] = []
+        # Outputs produced between steps (by a connector-only step), delivered with the next step's.
+        self._pending_outputs: list[EngineCoreOutput] = []
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    def reserve_remote_kv(self, request: Request) -> RemoteKVReservation | None:
+        """Take a seat and blocks for a request whose prompt KV comes from outside (its
+        kv_transfer_params name the transfer). On return the worker half expects the KV,
+        so the sender may be told where it goes. None when no seat or blocks are free."""
+        reservation = self.scheduler.reserve_remote_kv(request)
+        if reservation is not None:
+            self._run_kv_connector_only()
+        return reservation
+
+    def _run_kv_connector_only(self) -> None:
+        scheduler_output = self.scheduler.schedule_kv_connector_only()
+        runner_output = self.executor.execute_model(scheduler_output)
+        self._pending_outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._notify_kv_transfers(runner_output.kv_transfer_outcomes)
+
     def abort_requests(self, req_ids: list[str]) -> list[EngineCoreOutput]:
         return self.scheduler.abort_requests(req_ids)
 
+    def abort_all(self) -> list[EngineCoreOutput]:
+        """Abort every request, finished ones still held for a KV transfer included."""
+        return self.abort_requests(list(self.scheduler.requests) + list(self.scheduler.held_requests))
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_open_kv_transfers()
+
+    @property
+    def idle_wait_s(self) -> float:
+        return IDLE_WAIT_WITH_OPEN_TRANSFERS_S if self.scheduler.has_open_kv_transfers() else IDLE_WAIT_S
 
     def step(self) -> list[EngineCoreOutput]:
         started = time.perf_counter()
@@ -102,14 +143,33 @@ class EngineCore:
         # Nothing schedulable (e.g. every request waits for remote KV): callers back off.
         self.idle = scheduler_output.is_empty
         runner_output = self.executor.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, self._pending_outputs = self._pending_outputs, []
+        outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._notify_kv_transfers(runner_output.kv_transfer_outcomes)
         if self.step_observer is not None and not scheduler_output.is_empty:
             self.step_observer(scheduler_output, time.perf_counter() - started)
+        for callback in self.after_step:
+            callback(self)
         return outputs
+
+    def _notify_kv_transfers(self, outcomes: list[KVTransferOutcome]) -> None:
+        for outcome in outcomes:
+            for observer in self.kv_transfer_observers:
+                try:
+                    observer(outcome)
+                except Exception:  # an observer's bug must not stop the engine
+                    logger.exception("KV transfer observer failed for %s", outcome.req_id)
+
+    def collective_rpc(self, method_name: str, args: tuple = ()) -> list[Any]:
+        """Reach the runners (e.g. their KV connector) through the executor: plain data back."""
+        return self.executor.collective_rpc(method_name, args)
 
     def stats(self) -> dict:
         """A plain-data snapshot of load, for heartbeats, metrics and tests."""
-        return dict(self.scheduler.stats)
+        stats = dict(self.scheduler.stats)
+        for source in self.stats_sources:
+            stats.update(source())
+        return stats
 
     def shutdown(self) -> None:
         self.executor.shutdown()

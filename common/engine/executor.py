@@ -1,12 +1,14 @@
 """Executors run a scheduled step on the device(s): `execute_model(scheduler_output)`.
 
 The in-process executor drives one ModelRunner; a multi-process executor (one
-worker per tensor-parallel rank) implements the same interface.
+worker per tensor-parallel rank) implements the same interface. Everything that
+crosses it is plain data, so it can be msgpack'd to worker processes.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Any
 
 from common.engine.config import EngineConfig, ModelConfig
 from common.engine.model_runner import ModelRunner
@@ -26,6 +28,10 @@ class Executor(ABC):
     @abstractmethod
     def allocate_kv_cache(self, num_blocks: int) -> None: ...
 
+    @abstractmethod
+    def collective_rpc(self, method_name: str, args: tuple = ()) -> list[Any]:
+        """Call a runner method by name on every worker; their plain-data results, in rank order."""
+
     def shutdown(self) -> None:
         pass
 
@@ -33,7 +39,8 @@ class Executor(ABC):
 class InProcessExecutor(Executor):
     def __init__(self, model_config: ModelConfig, model_dir: Path, config: EngineConfig):
         self.runner = ModelRunner(model_config, model_dir, device=config.device, dtype=config.dtype,
-                                  seed=config.seed, block_size=config.cache.block_size)
+                                  seed=config.seed, block_size=config.cache.block_size,
+                                  kv_transfer_config=config.kv_transfer)
 
     @property
     def device_type(self) -> str:
@@ -50,3 +57,9 @@ class InProcessExecutor(Executor):
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
+
+    def collective_rpc(self, method_name: str, args: tuple = ()) -> list[Any]:
+        return [getattr(self.runner, method_name)(*args)]
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from common.engine.config import ModelConfig
+from common.engine.config import KVTransferConfig, ModelConfig
+from common.engine.kv_connector.factory import make_worker_connector
 from common.engine.models.attention import AttentionMetadata
 from common.engine.models.llama import LlamaForCausalLM
 from common.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -57,16 +58,18 @@ def load_model(model_config: ModelConfig, model_dir: Path, device: torch.device,
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_dir: Path, device: str = "auto",
-                 dtype: str = "auto", seed: int = 0, block_size: int = 16):
+                 dtype: str = "auto", seed: int = 0, block_size: int = 16,
+                 kv_transfer_config: KVTransferConfig | None = None):
         self.model_config = model_config
         self.device = select_device(device)
         self.dtype = select_dtype(dtype, self.device)
         self.block_size = block_size
         self.model = load_model(model_config, model_dir, self.device, self.dtype)
         self.sampler = Sampler(eos_token_ids=model_config.eos_token_ids, seed=seed)
+        # Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # Set by a KV exporter (prefill role): called after each layer's KV is cached.
-        self.on_layer_kv_written = None
+        # The worker half of the KV connector (None: this engine moves no KV in or out).
+        self.kv_connector = make_worker_connector(kv_transfer_config or KVTransferConfig())
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -89,16 +92,48 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(cfg.num_hidden_layers)]
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches)
+
+    def kv_connector_info(self) -> dict:
+        """Plain data about the KV connector (pool geometry, receiving endpoint); {} if none."""
+        return self.kv_connector.info() if self.kv_connector is not None else {}
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         if scheduler_output.finished_req_ids:
             self.sampler.remove_requests(scheduler_output.finished_req_ids)
-        if scheduler_output.is_empty:
-            return RunnerOutput(req_ids=[], sampled_token_ids=[])
+        connector = self.kv_connector
+        if connector is not None and scheduler_output.kv_connector_metadata is not None:
+            connector.start_load_kv(scheduler_output.kv_connector_metadata)
+        output = RunnerOutput(req_ids=[], sampled_token_ids=[])
+        if not scheduler_output.is_empty:
+            output = self._run_model(scheduler_output)
+        if connector is not None:
+            outcomes = connector.get_finished()
+            output.kv_transfer_outcomes = outcomes
+            output.finished_sending = [o.req_id for o in outcomes if o.direction == "send"]
+            output.finished_recving = [o.req_id for o in outcomes if o.direction == "recv"]
+        return output
+
+    def _run_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         input_ids, positions, meta, sample_indices, sample_reqs = self.prepare_inputs(
             scheduler_output.scheduled)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+        connector = self.kv_connector
+        if connector is not None and connector.needs_layer_hook:
+            meta.kv_layer_hook = self._kv_layer_hook
+        try:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+        except BaseException:
+            if connector is not None:  # a half-written pool must not reach a peer as final
+                connector.abort_saves("the forward pass failed")
+            raise
+        if connector is not None:
+            connector.wait_for_save()
         if not sample_reqs:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         logits = self.model.compute_logits(hidden[sample_indices])  # [num_samples, vocab]
@@ -107,6 +142,10 @@ class ModelRunner:
                             sampled_token_ids=[[t] for t in sampled.sampled_token_ids],
                             logprobs=None if sampled.logprobs is None
                             else [[lp] if lp is not None else None for lp in sampled.logprobs])
+
+    def _kv_layer_hook(self, layer_idx: int) -> None:
+        self.kv_connector.wait_for_layer_load(layer_idx)
+        self.kv_connector.save_kv_layer(layer_idx)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]):
         """All tensors of a step, built once: decodes (one token) first, then prefill chunks."""
@@ -159,7 +198,6 @@ class ModelRunner:
             prefill_seq_lens=int32(prefill_seq_lens) if prefills else None,
             max_prefill_query_len=max(prefill_query_lens, default=0),
             max_prefill_seq_len=max(prefill_seq_lens, default=0),
-            on_layer_kv_written=self.on_layer_kv_written,
         )
         return (torch.tensor(input_ids, dtype=torch.int64, device=device),
                 torch.tensor(positions, dtype=torch.int64, device=device),

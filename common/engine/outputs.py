@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from common.engine.kv_connector.metadata import KVConnectorMetadata, KVTransferOutcome
+
 if TYPE_CHECKING:
     from common.engine.sampling_params import SamplingParams
 
@@ -38,6 +40,8 @@ class SchedulerOutput:
     # seen by the runner); the runner drops their per-request state (seeded
     # generators). Preempted requests are not listed: they resume later.
     finished_req_ids: list[str] = field(default_factory=list)
+    # The KV connector's work for this step (None: no connector configured).
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -58,6 +62,11 @@ class RunnerOutput:
     req_ids: list[str]  # requests that sampled this step, in scheduled order
     sampled_token_ids: list[list[int]]  # one list per entry of req_ids
     logprobs: list[list[Logprobs] | None] | None = None  # parallel to sampled_token_ids
+    # KV transfers that ended since the last step, from the worker half of the connector:
+    # their blocks are no longer touched by any transport.
+    finished_sending: list[str] = field(default_factory=list)  # req ids, any end state
+    finished_recving: list[str] = field(default_factory=list)  # req ids, any end state
+    kv_transfer_outcomes: list[KVTransferOutcome] = field(default_factory=list)  # how each ended
 
 
 @dataclass

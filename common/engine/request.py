@@ -52,6 +52,9 @@ class Request:
         # Chained hashes of the full blocks of all_token_ids, kept by the KV cache manager.
         self.block_hashes: list[int] = []
         self.stop_reason: int | str | None = None
+        # Where this request's KV comes from or goes to, for the engine's KV connector
+        # (plain data; see common.engine.kv_connector). None: no transfer.
+        self.kv_transfer_params: dict | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from common.engine.config import SchedulerConfig
 from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.kv_connector.base import KVConnectorScheduler
+from common.engine.kv_connector.metadata import KVTransferOutcome
 from common.engine.outputs import EngineCoreOutput, Logprobs, RunnerOutput, ScheduledRequest, SchedulerOutput
 from common.engine.request import Request, RequestStatus
 
@@ -23,6 +25,17 @@ class RemoteKVReservation:
     # Leading prompt tokens already in the local prefix cache (a multiple of block_size):
     # the remote side only writes blocks from block_ids[num_cached_tokens // block_size].
     num_cached_tokens: int
+
+
+@dataclass
+class RemoteImport:
+    """A request whose prompt KV comes from outside: it runs once its receive ended well
+    and the remote side's first sampled token(s) are known."""
+
+    first_token_ids: list[int] | None = None
+    recv_ended: bool = False
+    recv_ok: bool = False
+    aborting: bool = False  # abort asked while the receive was open: freed once it ended
 
 
 class SchedulerInterface(ABC):
@@ -45,7 +58,7 @@ class SchedulerInterface(ABC):
 
 class Scheduler(SchedulerInterface):
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 block_size: int, max_model_len: int, hold_finished_blocks: bool = False):
+                 block_size: int, max_model_len: int, kv_connector: KVConnectorScheduler | None = None):
         if block_size != kv_cache_manager.block_size:
             raise ValueError(f"block_size {block_size} != KV cache manager's {kv_cache_manager.block_size}")
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -56,11 +69,13 @@ class Scheduler(SchedulerInterface):
         # A sequence may not outgrow the whole pool: a lone request that could not get
         # another block would preempt itself forever. Capping the length stops it first.
         self.max_model_len = min(max_model_len, kv_cache_manager.num_blocks * block_size)
-        self.hold_finished_blocks = hold_finished_blocks
+        self.kv_connector = kv_connector
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: list[Request] = []  # WAITING and PREEMPTED, next to admit first
         self.running: list[Request] = []  # oldest admission first; the tail is preempted first
         self.waiting_for_remote_kv: dict[str, Request] = {}
+        self.remote_imports: dict[str, RemoteImport] = {}  # same keys as waiting_for_remote_kv
+        # Finished requests whose blocks a KV transfer may still read: freed when it ended.
         self.held_requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_finished_requests = 0
@@ -140,6 +155,8 @@ class Scheduler(SchedulerInterface):
                 num_new_tokens = token_budget
             if kv.allocate_slots(request, num_new_tokens, hit_block_ids) is None:
                 break
+            if self.kv_connector is not None:
+                self.kv_connector.update_state_after_alloc(request, kv.get_block_ids(request.req_id), 0)
             self.waiting.pop(0)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -165,8 +182,19 @@ class Scheduler(SchedulerInterface):
             # Optimistic, like vLLM: the runner computes these tokens before the next step.
             request.num_computed_tokens += num_new_tokens
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
-        return SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=sum(num_scheduled.values()),
-                               finished_req_ids=finished_req_ids)
+        scheduler_output = SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=sum(num_scheduled.values()),
+                                           finished_req_ids=finished_req_ids)
+        if self.kv_connector is not None:
+            scheduler_output.kv_connector_metadata = self.kv_connector.build_connector_meta(scheduler_output)
+        return scheduler_output
+
+    def schedule_kv_connector_only(self) -> SchedulerOutput:
+        """A step that runs no tokens and only hands the connector's pending work to the
+        worker half (a receive must be registered before its sender is told where to go)."""
+        scheduler_output = SchedulerOutput(scheduled=[], num_scheduled_tokens=0)
+        if self.kv_connector is not None:
+            scheduler_output.kv_connector_metadata = self.kv_connector.build_connector_meta(scheduler_output)
+        return scheduler_output
 
     def _num_seats_taken(self) -> int:
         return len(self.running) + len(self.waiting_for_remote_kv)
@@ -200,7 +228,34 @@ class Scheduler(SchedulerInterface):
             outputs.append(self._append_tokens(request, token_ids, logprobs))
         if any(output.finished for output in outputs):
             self.running = [request for request in self.running if not request.is_finished]
+        # After the tokens: a send may end in the very step whose request it holds.
+        outputs += self.update_from_kv_transfers(runner_output.kv_transfer_outcomes)
         return outputs
+
+    def update_from_kv_transfers(self, outcomes: list[KVTransferOutcome]) -> list[EngineCoreOutput]:
+        """Transfers the worker half reported ended: no transport touches their blocks now."""
+        if not outcomes:
+            return []
+        if self.kv_connector is not None:
+            self.kv_connector.update_connector_output(outcomes)
+        outputs = []
+        for outcome in outcomes:
+            if outcome.direction == "send":
+                self.release_held_blocks(outcome.req_id)
+            else:
+                outputs += self._remote_kv_received(outcome.req_id, outcome.ok)
+        return outputs
+
+    def _remote_kv_received(self, req_id: str, ok: bool) -> list[EngineCoreOutput]:
+        remote_import = self.remote_imports.get(req_id)
+        if remote_import is None:
+            return []
+        remote_import.recv_ended, remote_import.recv_ok = True, ok
+        if remote_import.aborting:
+            return self._abort_remote_import(req_id)
+        if ok and remote_import.first_token_ids is not None:
+            return self._start_remote_request(req_id)
+        return []  # a failed receive waits for its owner: fail_remote_kv, or a local prefill instead
 
     def _append_tokens(self, request: Request, token_ids: list[int],
                        logprobs: list[Logprobs] | None) -> EngineCoreOutput:
@@ -210,7 +265,7 @@ class Scheduler(SchedulerInterface):
             request.append_output_token_ids([token_id])
             num_kept += 1
             if self._check_stop(request, token_id):
-                self._finish(request, hold_blocks=self.hold_finished_blocks)
+                self._finish(request)
                 break
         return EngineCoreOutput(
             req_id=request.req_id, new_token_ids=list(token_ids[:num_kept]),
@@ -236,38 +291,61 @@ class Scheduler(SchedulerInterface):
             return True
         return False
 
-    def _finish(self, request: Request, hold_blocks: bool = False) -> None:
+    def _finish(self, request: Request) -> bool:
         """Bookkeeping for a request whose status is already a finished one; the caller
-        removes it from its queue."""
+        removes it from its queue. True when its blocks are held for a KV transfer."""
         del self.requests[request.req_id]
         self._finished_req_ids.append(request.req_id)
         self.num_finished_requests += 1
-        if hold_blocks:
+        if self.kv_connector is not None and self.kv_connector.request_finished(request):
             self.held_requests[request.req_id] = request
-        else:
-            self.kv_cache_manager.free(request)
+            return True
+        self.kv_cache_manager.free(request)
+        return False
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[EngineCoreOutput]:
-        """Abort in any state; every block goes back at once. Unknown ids are ignored."""
+        """Abort in any state. Every block goes back at once, except blocks a KV transfer
+        may still touch: those go back once the connector reports the transfer ended (an
+        import's abort output comes then too). Unknown ids are ignored."""
         outputs = []
         for req_id in req_ids:
-            if req_id in self.held_requests:  # already finished: only the KV is left
-                self.release_held_blocks(req_id)
+            if req_id in self.held_requests:  # already finished: only its transfer is left
+                if self.kv_connector is None:
+                    self.release_held_blocks(req_id)
+                else:  # the blocks go back once the transfer is reported ended
+                    self.kv_connector.request_aborted(req_id, "request aborted")
                 continue
             request = self.requests.get(req_id)
             if request is None:
                 continue
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+                outputs += self._abort_remote_import(req_id)
+                continue
             if request.status is RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
-                del self.waiting_for_remote_kv[req_id]
             else:
                 self.waiting.remove(request)
-            request.status = RequestStatus.FINISHED_ABORTED
-            self._finish(request)
-            outputs.append(EngineCoreOutput(req_id=req_id, new_token_ids=[], finish_reason="abort",
-                                            num_cached_tokens=max(request.num_cached_tokens, 0)))
+            outputs.append(self._abort(request))
         return outputs
+
+    def _abort(self, request: Request) -> EngineCoreOutput:
+        request.status = RequestStatus.FINISHED_ABORTED
+        if self._finish(request):
+            self.kv_connector.request_aborted(request.req_id, "request aborted")
+        return EngineCoreOutput(req_id=request.req_id, new_token_ids=[], finish_reason="abort",
+                                num_cached_tokens=max(request.num_cached_tokens, 0))
+
+    def _abort_remote_import(self, req_id: str) -> list[EngineCoreOutput]:
+        """Free an import's reservation, or, while a transfer may still write into it,
+        cancel the transfer and free it (with the abort output) once it ended."""
+        remote_import = self.remote_imports[req_id]
+        if not remote_import.recv_ended:
+            if not remote_import.aborting:
+                remote_import.aborting = True
+                self.kv_connector.request_aborted(req_id, "request aborted on the decode instance")
+            return []
+        del self.remote_imports[req_id]
+        return [self._abort(self.waiting_for_remote_kv.pop(req_id))]
 
     # ---- disaggregation hooks ------------------------------------------------------
 
@@ -279,23 +357,53 @@ class Scheduler(SchedulerInterface):
             return None
         kv = self.kv_cache_manager
         hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
-        # The new blocks hold no KV yet: they join the prefix cache in finish_remote_kv.
-        if kv.allocate_slots(request, request.num_tokens - num_hit_tokens, hit_block_ids,
-                             delay_cache_blocks=True) is None:
+        connector = self.kv_connector
+        num_external_tokens = (request.num_tokens - num_hit_tokens if connector is None
+                               else connector.get_num_new_matched_tokens(request, num_hit_tokens))
+        if num_external_tokens <= 0:
+            raise ValueError(f"request {request.req_id!r} names no KV to import (kv_transfer_params)")
+        # The new blocks hold no KV yet: they join the prefix cache once it has landed.
+        if kv.allocate_slots(request, num_external_tokens, hit_block_ids, delay_cache_blocks=True) is None:
             return None
+        block_ids = kv.get_block_ids(request.req_id)
         request.num_cached_tokens = request.num_computed_tokens = num_hit_tokens
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.req_id] = request
         self.waiting_for_remote_kv[request.req_id] = request
-        return RemoteKVReservation(block_ids=kv.get_block_ids(request.req_id),
-                                   num_cached_tokens=num_hit_tokens)
+        # With no connector nothing moves the KV here: whoever calls finish_remote_kv vouches for it.
+        self.remote_imports[request.req_id] = RemoteImport(recv_ended=connector is None,
+                                                           recv_ok=connector is None)
+        if connector is not None:
+            connector.update_state_after_alloc(request, block_ids, num_external_tokens)
+        return RemoteKVReservation(block_ids=block_ids, num_cached_tokens=num_hit_tokens)
 
     def finish_remote_kv(self, req_id: str, first_token_ids: list[int]) -> list[EngineCoreOutput]:
-        """The prompt's KV has landed: the request joins the running batch with the
-        token(s) the prefill sampled. Returns their output (it may already be final)."""
-        request = self.waiting_for_remote_kv.pop(req_id, None)
-        if request is None:  # aborted or failed meanwhile
+        """The remote prefill sampled first_token_ids: the request joins the running batch
+        with them as soon as its KV has landed (now, if it has). Returns their output (it
+        may already be final)."""
+        remote_import = self.remote_imports.get(req_id)
+        if remote_import is None or remote_import.aborting:  # aborted or failed meanwhile
             return []
+        remote_import.first_token_ids = list(first_token_ids)
+        if not (remote_import.recv_ended and remote_import.recv_ok):
+            return []
+        return self._start_remote_request(req_id)
+
+    def cancel_remote_kv(self, req_id: str, reason: str) -> None:
+        """Stop an import's transfer; the request keeps its reservation and stays waiting
+        until its owner, told the receive ended, calls fail_remote_kv or finish_remote_kv."""
+        remote_import = self.remote_imports.get(req_id)
+        if remote_import is not None and not remote_import.recv_ended:
+            self.kv_connector.request_aborted(req_id, reason)
+
+    def remote_kv_aborting(self, req_id: str) -> bool:
+        """An abort is freeing this import once its transfer ended (its output is the abort)."""
+        remote_import = self.remote_imports.get(req_id)
+        return remote_import is not None and remote_import.aborting
+
+    def _start_remote_request(self, req_id: str) -> list[EngineCoreOutput]:
+        first_token_ids = self.remote_imports.pop(req_id).first_token_ids
+        request = self.waiting_for_remote_kv.pop(req_id)
         request.num_computed_tokens = request.num_tokens
         self.kv_cache_manager.cache_blocks(request, request.num_tokens)
         request.status = RequestStatus.RUNNING
@@ -310,14 +418,15 @@ class Scheduler(SchedulerInterface):
         return outputs
 
     def fail_remote_kv(self, req_id: str) -> list[EngineCoreOutput]:
-        """The KV import failed or timed out: free the reservation, finish "abort"."""
+        """The KV import failed or timed out: free the reservation, finish "abort" (once
+        no write can follow, when its transfer is still open)."""
         if req_id not in self.waiting_for_remote_kv:
             return []
-        return self.abort_requests([req_id])
+        return self._abort_remote_import(req_id)
 
     def release_held_blocks(self, req_id: str) -> bool:
-        """Prefill role: the KV has been shipped; its blocks may be reused (they stay in
-        the prefix cache until evicted)."""
+        """The finished request's KV transfer has ended; its blocks may be reused (they
+        stay in the prefix cache until evicted)."""
         request = self.held_requests.pop(req_id, None)
         if request is None:
             return False
@@ -329,6 +438,11 @@ class Scheduler(SchedulerInterface):
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_open_kv_transfers(self) -> bool:
+        """Blocks held for a transfer, or a transfer not yet reported ended: only further
+        steps hear of its end."""
+        return bool(self.held_requests) or (self.kv_connector is not None and self.kv_connector.has_open_transfers())
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -336,6 +450,9 @@ class Scheduler(SchedulerInterface):
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def kv_connector_stats(self) -> dict[str, int]:
+        return self.kv_connector.stats() if self.kv_connector is not None else {}
 
     @property
     def stats(self) -> dict[str, int | float]:
@@ -349,6 +466,8 @@ class Scheduler(SchedulerInterface):
         request at the gateway. Each waiting request is looked up once, not every step
         (1,000 waiting with 32 cached blocks each cost ~4 ms a step otherwise).
         num_held: finished requests whose blocks are kept for a KV transfer.
+        num_importing: requests whose prompt KV comes from outside, not yet running.
+        num_sending (with a connector): KV sends not yet reported ended.
         """
         kv = self.kv_cache_manager
         num_queued_prefill_tokens = sum(max(0, request.num_prompt_tokens - request.num_computed_tokens)
@@ -358,10 +477,11 @@ class Scheduler(SchedulerInterface):
                 request.num_queued_cached_tokens = kv.get_computed_blocks(request)[1]
             num_queued_prefill_tokens += request.num_tokens - max(request.num_computed_tokens,
                                                                   request.num_queued_cached_tokens)
-        return {
+        return self.kv_connector_stats() | {
             "num_running": len(self.running), "num_waiting": len(self.waiting),
             "num_waiting_for_remote_kv": len(self.waiting_for_remote_kv),
-            "num_held": len(self.held_requests), "num_preemptions": self.num_preemptions,
+            "num_held": len(self.held_requests), "num_importing": len(self.waiting_for_remote_kv),
+            "num_preemptions": self.num_preemptions,
             "num_finished_requests": self.num_finished_requests,
             "num_queued_prefill_tokens": num_queued_prefill_tokens,
             "num_free_blocks": kv.num_free_blocks, "num_total_blocks": kv.num_blocks,

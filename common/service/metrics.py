@@ -13,7 +13,7 @@ Two kinds of numbers:
   thread replaces that snapshot dict after each step, so the scrape thread reads plain
   numbers that are at most one step old; nothing is updated per step for them.
 - Events are counted where they happen: engine step durations (`observe_step`, on the
-  engine thread), KV transfers ending (`observe_transfer`, on the connector's thread),
+  engine thread), KV transfers ending (`observe_transfer`, on the engine thread as the connector reports them),
   requests at the gateway (`RequestTimer`, on the event loop), placement decisions,
   instances joining and leaving. prometheus_client's metric objects are thread-safe.
 
@@ -34,6 +34,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.exposition import start_http_server
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from common.engine.kv_connector.metadata import KVTransferOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -331,16 +333,15 @@ class WorkerMetrics(ServiceMetrics):
         duration.observe(seconds)
         tokens.inc(scheduler_output.num_scheduled_tokens)
 
-    def observe_transfer(self, transfer, nbytes: int) -> None:
-        """A KV transfer ended (any thread): kv_transfer.TransferHandle with timestamps."""
-        state = transfer.state.value
-        if state == "done":
-            self._bytes.inc(nbytes)
-            began = transfer.first_byte_at if transfer.first_byte_at is not None else transfer.started_at
-            if transfer.ended_at is not None:
-                self._transfer_seconds.observe(max(0.0, transfer.ended_at - began))
+    def observe_transfer(self, outcome: KVTransferOutcome) -> None:
+        """A KV transfer ended (engine thread, from the engine's kv_transfer_observers)."""
+        if outcome.ok:
+            self._bytes.inc(outcome.num_bytes)
+            began = outcome.first_byte_at if outcome.first_byte_at is not None else outcome.started_at
+            if outcome.ended_at is not None:
+                self._transfer_seconds.observe(max(0.0, outcome.ended_at - began))
         else:
-            self.transfer_failures.labels(self.role, self.instance_id, state).inc()
+            self.transfer_failures.labels(self.role, self.instance_id, outcome.state).inc()
 
 
 def _reference_metrics() -> tuple[GatewayMetrics, WorkerMetrics]:

@@ -27,8 +27,9 @@ class AttentionMetadata:
     prefill_seq_lens: torch.Tensor | None  # [num_prefills] int32, context + query
     max_prefill_query_len: int
     max_prefill_seq_len: int
-    # Called after each layer's K/V is in the cache (layer-wise KV export).
-    on_layer_kv_written: Callable[[int], None] | None = None
+    # Called with the layer index once the layer's new K/V is in the cache and before
+    # attention reads it: the runner's KV-connector work for that layer (None: none).
+    kv_layer_hook: Callable[[int], None] | None = None
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -38,8 +39,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     -> [num_tokens, num_q_heads, head_dim]."""
     k_cache, v_cache = kv_cache
     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-    if meta.on_layer_kv_written is not None:
-        meta.on_layer_kv_written(layer_idx)
+    if meta.kv_layer_hook is not None:
+        meta.kv_layer_hook(layer_idx)
     num_decodes = meta.num_decode_tokens
     outs = []
     if num_decodes:

@@ -9,13 +9,23 @@ import time
 import numpy as np
 import pytest
 
-from bench.disagg import (DECODE, LONG, DisaggConfig, MixedRun, TrackedOutcome, build_parser,
-                                      decode_request_stream, long_requests, make_arms, run_mixed,
-                                      window_metrics)
+from bench.disagg import (
+    DECODE,
+    LONG,
+    DisaggConfig,
+    MixedRun,
+    TrackedOutcome,
+    build_parser,
+    decode_request_stream,
+    long_requests,
+    make_arms,
+    run_mixed,
+    window_metrics,
+)
 from bench.serve.datasets import BenchRequest, Vocabulary, ranged_requests
 from bench.serve.metrics import RequestOutcome
-from common.cli.up import LocalStack
 from common.cli.processes import route_flags
+from common.cli.up import LocalStack
 
 VOCAB = Vocabulary(1000, frozenset({0, 999}))
 

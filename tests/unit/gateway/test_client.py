@@ -9,8 +9,8 @@ import time
 import pytest
 
 from common.cli import generate as cli_client
-from gateway.client import AsyncClient, Client
 from common.cli.processes import route_flags
+from gateway.client import AsyncClient, Client
 from tests.support.background_gateway import BackgroundGateway
 
 TOKENS = [1000, 1001, 1002]

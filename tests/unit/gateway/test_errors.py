@@ -14,11 +14,11 @@ import time
 import grpc
 import pytest
 
-from gateway.client import Client
-from gateway.core import GatewaySettings
 from bench.fakes.fake_decode import Failure
 from common.cli.health import check
 from common.service.registration import InstanceSpec
+from gateway.client import Client
+from gateway.core import GatewaySettings
 from tests.support.background_gateway import BackgroundGateway
 
 TOKENS = [1000, 1001, 1002, 1003]

@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from gateway.client import Client
 from common.cli.processes import ManagedProcess
-from tests.support.background_gateway import BackgroundGateway
+from gateway.client import Client
 from protos.pdserve.v1 import common_pb2, decode_pb2_grpc
+from tests.support.background_gateway import BackgroundGateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     importlib.util.find_spec("decode_service.main") is None, reason="decode_service not built yet")]

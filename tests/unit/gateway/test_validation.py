@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 from gateway.core import GatewaySettings
-from tests.support.background_gateway import BackgroundGateway
 from protos.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from tests.support.background_gateway import BackgroundGateway
 
 MAX_PROMPT_CHARS = 2000
 DECODE_MAX_MODEL_LEN = 64  # what the fake decode registers: below the model's own 8192

@@ -3,34 +3,42 @@ real ZeroMQ connector on loopback but no gRPC: KV export/import end to end, and
 aborts that must not free blocks while a transfer may still touch them."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from common import LLM, SamplingParams
-from common.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from common.engine.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
+from common.engine.engine_core import EngineCore
 from common.engine.request import Request
 from common.service.errors import DuplicateRequestError
-from decode_service.engine import DecodeEngineCore, Placement
-from prefill_service.engine import PrefillEngineCore
+from decode_service.admission import Placement, admit, finish_import
+from kv_transfer import PoolGeometry
 from prefill_service.kv_export import TargetMismatchError, make_export_target
+from prefill_service.prefiller import admit as admit_prefill
 from prefill_service.prefiller import first_token_params
 
 NUM_BLOCKS, BLOCK_SIZE = 64, 8
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPT = [(i * 7919) % 40000 + 3 for i in range(37)]  # 5 blocks, the last one partial
+DEADLINE_S = 10.0
 
 
-def config(model_dir) -> EngineConfig:
+def config(model_dir, role: str, layerwise_send: bool = True) -> EngineConfig:
     return EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
-                        scheduler=SchedulerConfig(max_num_batched_tokens=16))  # the prompt takes 3 chunks
+                        scheduler=SchedulerConfig(max_num_batched_tokens=16),  # the prompt takes 3 chunks
+                        kv_transfer=KVTransferConfig(role=role, bind_endpoint="tcp://127.0.0.1:*",
+                                                     layerwise_send=layerwise_send))
 
 
 @pytest.fixture
 def cores(tiny_llama_dir):
     made = []
 
-    def make(kind):
-        core = (PrefillEngineCore(config(tiny_llama_dir)) if kind == "prefill"
-                else DecodeEngineCore(config(tiny_llama_dir), "tcp://127.0.0.1:*"))
+    def make(role, layerwise_send: bool = True):
+        core = EngineCore(config(tiny_llama_dir, role, layerwise_send))
+        core.transfer_outcomes = []
+        core.kv_transfer_observers.append(core.transfer_outcomes.append)
         made.append(core)
         return core
     yield make
@@ -38,8 +46,12 @@ def cores(tiny_llama_dir):
         core.shutdown()
 
 
+def geometry(core) -> PoolGeometry:
+    return PoolGeometry.from_dict(core.collective_rpc("kv_connector_info")[0])
+
+
 def export_to(prefill, endpoint: str, transfer_id: str, dst: list[int], first: int = 0, timeout_s: float = 10.0):
-    geo = prefill.exporter.geometry
+    geo = geometry(prefill)
     return make_export_target(endpoint=endpoint, transfer_id=transfer_id, dst_block_ids=dst,
                               first_block_index=first, num_layers=geo.num_layers, dtype=geo.dtype,
                               block_shape=list(geo.block_shape), timeout_s=timeout_s,
@@ -47,31 +59,46 @@ def export_to(prefill, endpoint: str, transfer_id: str, dst: list[int], first: i
 
 
 def run_prefill(prefill, req_id: str, export) -> list[int]:
-    prefill.admit(Request(req_id, PROMPT, first_token_params(PARAMS)), export)
+    request = Request(req_id, PROMPT, first_token_params(PARAMS))
+    request.kv_transfer_params = export.kv_transfer_params()
+    admit_prefill(prefill, request)
     outputs = []
     while not any(o.finished for o in outputs):
         outputs += prefill.step()
     return outputs[-1].new_token_ids
 
 
+def step_until_transfer_ended(core, req_id: str, outputs: list | None = None):
+    """Step the engine (as its loop would) until req_id's transfer is reported ended."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not any(o.req_id == req_id for o in core.transfer_outcomes):
+        assert time.monotonic() < deadline, f"transfer of {req_id} never ended"
+        step_outputs = core.step()
+        if outputs is not None:
+            outputs += step_outputs
+        time.sleep(core.idle_wait_s)
+    return next(o for o in core.transfer_outcomes if o.req_id == req_id)
+
+
 def assert_pool_free(core) -> None:
     core.kv_cache_manager.check_invariants()
     assert core.kv_cache_manager.num_free_blocks == NUM_BLOCKS
     assert not core.scheduler.requests and not core.scheduler.held_requests
+    assert not core.has_unfinished_requests()
 
 
-def test_remote_prefill_then_decode_equals_colocated(cores, tiny_llama_dir):
-    prefill, decode = cores("prefill"), cores("decode")
-    posted = []
-    decode.post = posted.append
-    admission = decode.admit(Request("r", PROMPT, PARAMS), True, 0, "t-1", 10.0)
+@pytest.mark.parametrize("layerwise_send", [True, False])
+def test_remote_prefill_then_decode_equals_colocated(cores, tiny_llama_dir, layerwise_send):
+    prefill, decode = cores("producer", layerwise_send), cores("consumer")
+    admission = admit(decode, Request("r", PROMPT, PARAMS), True, 0, "t-1", 10.0)
     assert admission.placement is Placement.REMOTE and len(admission.dst_block_ids) == 5
-    export = export_to(prefill, decode.receiver.endpoint, "t-1", admission.dst_block_ids)
+    endpoint = decode.collective_rpc("kv_connector_info")[0]["endpoint"]
+    export = export_to(prefill, endpoint, "t-1", admission.dst_block_ids)
     first = run_prefill(prefill, "r", export)
-    assert export.transfer.result(10).ok and admission.transfer.result(10).ok
-    prefill.release_request("r")
+    assert step_until_transfer_ended(prefill, "r").ok
+    assert step_until_transfer_ended(decode, "r").ok
     assert_pool_free(prefill)
-    outputs = decode.finish_import("r", first)
+    outputs = finish_import(decode, "r", first)
     while decode.has_unfinished_requests():
         outputs += decode.step()
     tokens = [t for o in outputs for t in o.new_token_ids]
@@ -81,43 +108,60 @@ def test_remote_prefill_then_decode_equals_colocated(cores, tiny_llama_dir):
     assert_pool_free(decode)
 
 
+def test_layers_are_sent_from_within_the_forward_pass_of_the_last_chunk(cores, unused_tcp_port):
+    prefill = cores("producer")
+    worker_connector = prefill.executor.runner.kv_connector  # a spy on the worker half, test only
+    num_layers = geometry(prefill).num_layers
+    saved_layers: list[int] = []
+    save_kv_layer = worker_connector.save_kv_layer
+    worker_connector.save_kv_layer = lambda layer_idx: (saved_layers.append(layer_idx), save_kv_layer(layer_idx))
+    export = export_to(prefill, f"tcp://127.0.0.1:{unused_tcp_port}", "t-5", list(range(5)), timeout_s=0.5)
+    request = Request("r", PROMPT, first_token_params(PARAMS))
+    request.kv_transfer_params = export.kv_transfer_params()
+    admit_prefill(prefill, request)
+    for _ in range(2):  # partial chunks: the prompt's KV is not final yet
+        prefill.step()
+        assert saved_layers == []
+    assert [o.finish_reason for o in prefill.step()] == ["length"]
+    assert saved_layers == list(range(num_layers))
+    assert step_until_transfer_ended(prefill, "r").state == "expired"  # nobody listened
+    assert_pool_free(prefill)
+
+
 def test_decode_abort_waits_for_the_receiver_before_freeing(cores):
-    decode = cores("decode")
-    posted = []
-    decode.post = posted.append
-    admission = decode.admit(Request("r", PROMPT, PARAMS), True, 0, "t-2", 10.0)
+    decode = cores("consumer")
+    admit(decode, Request("r", PROMPT, PARAMS), True, 0, "t-2", 10.0)
     with pytest.raises(DuplicateRequestError):
-        decode.admit(Request("r", PROMPT, PARAMS), True, 0, "t-3", 10.0)
+        admit(decode, Request("r", PROMPT, PARAMS), True, 0, "t-3", 10.0)
     assert decode.abort_requests(["r"]) == []  # deferred: the receiver may still write
     assert decode.kv_cache_manager.num_free_blocks < NUM_BLOCKS
-    assert not admission.transfer.result(10).ok  # cancelled; no write can follow now
-    outputs = [o for fn in posted for o in fn(decode)]  # what the engine thread would run
+    outputs = []
+    assert not step_until_transfer_ended(decode, "r", outputs).ok  # cancelled; no write can follow now
     assert [o.finish_reason for o in outputs] == ["abort"]
     assert_pool_free(decode)
 
 
 def test_prefill_abort_mid_transfer_keeps_blocks_until_the_sender_lets_go(cores, unused_tcp_port):
-    prefill = cores("prefill")
+    prefill = cores("producer")
     # Nobody listens there: the transfer stays open until it is aborted.
     export = export_to(prefill, f"tcp://127.0.0.1:{unused_tcp_port}", "t-4", list(range(5)))
     run_prefill(prefill, "r", export)
     assert "r" in prefill.scheduler.held_requests
     prefill.abort_requests(["r"])
     assert "r" in prefill.scheduler.held_requests  # still readable by zmq
-    assert not export.transfer.result(10).ok
-    prefill.release_request("r")
+    assert not step_until_transfer_ended(prefill, "r").ok
     assert_pool_free(prefill)
 
 
 def test_export_targets_are_checked_before_any_work(cores):
-    prefill = cores("prefill")
+    prefill = cores("producer")
     with pytest.raises(ValueError, match="destination blocks"):
         export_to(prefill, "tcp://127.0.0.1:1", "t", [1, 2])
     with pytest.raises(ValueError, match="first_block_index"):
         export_to(prefill, "tcp://127.0.0.1:1", "t", [1], first=9)
     with pytest.raises(ValueError, match="tcp:// or ipc://"):
         export_to(prefill, "http://x", "t", list(range(5)))
-    geo = prefill.exporter.geometry
+    geo = geometry(prefill)
     with pytest.raises(TargetMismatchError, match="bfloat16"):
         make_export_target(endpoint="tcp://127.0.0.1:1", transfer_id="t", dst_block_ids=list(range(5)),
                            first_block_index=0, num_layers=geo.num_layers, dtype="bfloat16",

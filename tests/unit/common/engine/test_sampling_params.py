@@ -2,8 +2,7 @@ import math
 
 import pytest
 
-from common.engine.sampling_params import (MAX_LOGPROBS, MAX_SEED, SamplingParams,
-                                    validate_prompt_token_ids)
+from common.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams, validate_prompt_token_ids
 
 # (field, bad value, a fragment of the allowed range the message must state)
 INVALID = [

@@ -6,6 +6,8 @@ import random
 
 import pytest
 
+from common.engine.kv_connector.metadata import KVTransferOutcome
+from common.engine.kv_connector.transfer_scheduler import TransferConnectorScheduler
 from common.engine.outputs import RunnerOutput, SchedulerOutput
 from common.engine.request import Request, RequestStatus
 from common.engine.sampling_params import SamplingParams
@@ -323,20 +325,36 @@ def test_remote_kv_edge_cases(make_scheduler):
     assert scheduler.reserve_remote_kv(make_request("no_seat", 1)) is None
 
 
-def test_held_blocks_until_released(make_scheduler):
-    scheduler = make_scheduler(num_blocks=8, hold_finished_blocks=True)
-    scheduler.add_request(make_request("p", 9, max_tokens=1))
+def test_held_blocks_until_the_send_ended(make_scheduler):
+    scheduler = make_scheduler(num_blocks=8, kv_connector=TransferConnectorScheduler("producer", block_size=4))
+    scheduler.add_request(exporting("p", 9))
     out, outputs = step(scheduler)
     assert outputs["p"].finish_reason == "length" and not scheduler.has_unfinished_requests()
     assert scheduler.kv_cache_manager.get_block_ids("p") == out.scheduled[0].block_table == [0, 1, 2]
+    assert [(s.req_id, s.src_block_ids) for s in out.kv_connector_metadata.sends] == [("p", [0, 1, 2])]
     assert scheduler.stats["num_held"] == 1 and scheduler.kv_cache_manager.num_free_blocks == 5
-    assert scheduler.release_held_blocks("p") and not scheduler.release_held_blocks("p")
+    assert scheduler.has_open_kv_transfers()
+    scheduler.update_from_kv_transfers([ended("p", "send")])
+    assert not scheduler.release_held_blocks("p") and not scheduler.has_open_kv_transfers()
     assert scheduler.kv_cache_manager.num_free_blocks == 8
 
-    scheduler.add_request(make_request("q", 3, max_tokens=1))
+    scheduler.add_request(exporting("q", 3))
     step(scheduler)
-    assert scheduler.abort_requests(["q"]) == []  # already finished: abort only releases
+    assert scheduler.abort_requests(["q"]) == []  # already finished: abort only stops the send
+    assert scheduler.schedule().kv_connector_metadata.abort_req_ids == ["q"]
+    assert scheduler.kv_cache_manager.num_free_blocks == 7  # the transport may still read it
+    scheduler.update_from_kv_transfers([ended("q", "send", "failed")])
     assert scheduler.kv_cache_manager.num_free_blocks == 8
+
+
+def exporting(req_id: str, num_prompt_tokens: int) -> Request:
+    request = make_request(req_id, num_prompt_tokens, max_tokens=1)
+    request.kv_transfer_params = {"target": {"transfer_id": f"t-{req_id}"}, "first_block_index": 0}
+    return request
+
+
+def ended(req_id: str, direction: str, state: str = "done") -> KVTransferOutcome:
+    return KVTransferOutcome(req_id=req_id, transfer_id=f"t-{req_id}", direction=direction, state=state)
 
 
 def test_rejects_bad_requests(make_scheduler):

@@ -18,6 +18,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.engine.kv_connector.metadata import KVTransferOutcome
 from common.engine.outputs import ScheduledRequest, SchedulerOutput
 from common.engine.sampling_params import SamplingParams
 from common.service.logging_setup import (
@@ -127,14 +128,13 @@ def test_step_phase_and_durations_by_phase():
 def test_transfers_count_bytes_duration_and_failures():
     load, stats = fake_engine()
     metrics = WorkerMetrics("decode", "d", lambda: load, lambda: stats)
-    done = SimpleNamespace(state=TransferState.DONE, started_at=10.0, first_byte_at=12.0, ended_at=12.5)
-    sent = SimpleNamespace(state=TransferState.DONE, started_at=10.0, first_byte_at=None, ended_at=10.25)
-    metrics.observe_transfer(done, 4096)
-    metrics.observe_transfer(sent, 1024)
-    metrics.observe_transfer(SimpleNamespace(state=TransferState.EXPIRED, started_at=0, first_byte_at=None,
-                                             ended_at=30.0), 4096)
-    metrics.observe_transfer(SimpleNamespace(state=TransferState.FAILED, started_at=0, first_byte_at=None,
-                                             ended_at=None), 4096)
+    done = KVTransferOutcome("r1", "t1", "recv", "done", num_bytes=4096, started_at=10.0, first_byte_at=12.0,
+                             ended_at=12.5)
+    sent = KVTransferOutcome("r2", "t2", "send", "done", num_bytes=1024, started_at=10.0, ended_at=10.25)
+    metrics.observe_transfer(done)
+    metrics.observe_transfer(sent)
+    metrics.observe_transfer(KVTransferOutcome("r3", "t3", "recv", "expired", num_bytes=4096, ended_at=30.0))
+    metrics.observe_transfer(KVTransferOutcome("r4", "t4", "send", "failed", num_bytes=4096))
     r = metrics.registry
     assert value(r, "pdserve_kv_transfer_bytes_total") == 5120  # completed ones only
     assert value(r, "pdserve_kv_transfer_duration_seconds_count") == 2

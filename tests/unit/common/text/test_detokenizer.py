@@ -3,8 +3,8 @@ multi-byte character is often split over tokens, the case byte-fallback <0xE2>
 tokens create in sentencepiece vocabularies)."""
 import pytest
 
-from common.text.detokenizer import IncrementalDetokenizer
 from common.engine.model_files import resolve_model
+from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import load_tokenizer
 
 TEXTS = [

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
-from gateway.core import GatewaySettings
 from bench.fakes.fake_decode import Failure
+from gateway.core import GatewaySettings
 from gateway.openai_api.server import OpenAIServer
 from tests.support.background_gateway import BackgroundGateway
 
