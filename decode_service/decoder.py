@@ -1,4 +1,4 @@
-"""One Decode request, end to end, in engine terms (no protobuf but the Prefill call).
+"""One Decode request, end to end, in engine terms (the Prefill call goes through prefill_service.client).
 
     open the output stream; admit (engine thread): local prefill, or reserve blocks +
     register the transfer; remote: call Prefill with the kv_target and wait for both
@@ -38,8 +38,9 @@ from decode_service.admission import (
     import_to_local,
 )
 from decode_service.api import DecodeJob
-from decode_service.prefill_client import PrefillClients, prefill_failure_status, prefill_request
 from kv_transfer import PoolGeometry
+from prefill_service.api import KvTargetSpec, PrefillJob
+from prefill_service.client import PrefillClients, failure_status
 
 logger = logging.getLogger(__name__)
 
@@ -138,10 +139,13 @@ class Decoder:
         was aborted meanwhile and its stream ends with "abort"). `landed` resolves to the
         receive's KVTransferOutcome once the engine saw it end."""
         prefill_name = job.prefill_instance_id or job.prefill_address
-        call = self.clients.prefill(job.prefill_address, prefill_request(
-            request, kv_endpoint=self.kv_endpoint, transfer_id=admission.transfer_id,
-            dst_block_ids=admission.dst_block_ids, first_block_index=admission.first_block_index,
-            geometry=self.geometry, transfer_timeout_s=self.transfer_timeout_s), self.transfer_timeout_s)
+        kv_target = KvTargetSpec(
+            kv_endpoint=self.kv_endpoint, transfer_id=admission.transfer_id, dst_block_ids=admission.dst_block_ids,
+            first_block_index=admission.first_block_index, num_layers=self.geometry.num_layers,
+            dtype=self.geometry.dtype, block_shape=list(self.geometry.block_shape),
+            timeout_s=self.transfer_timeout_s)
+        call = self.clients.prefill(job.prefill_address, PrefillJob(
+            job.req_id, job.prompt_token_ids, job.params, job.priority, kv_target), self.transfer_timeout_s)
         rpc = asyncio.ensure_future(call)
         try:
             await asyncio.wait({rpc, landed}, return_when=asyncio.FIRST_COMPLETED)
@@ -149,7 +153,7 @@ class Decoder:
                 call.cancel()
                 return await self._import_failed(job, prefill_name, landed.result(), None)
             try:
-                response = await rpc
+                result = await rpc
             except aio.AioRpcError as error:
                 await self.engine.call(lambda core: cancel_import(core, job.req_id, "the Prefill call failed"))
                 return await self._import_failed(job, prefill_name, await asyncio.shield(landed), error)
@@ -161,11 +165,8 @@ class Decoder:
             if not rpc.done():  # we are leaving early (cancelled): the prefill must stop too
                 call.cancel()
                 rpc.cancel()
-        await self.engine.call(lambda core: finish_import(core, job.req_id, list(response.token_ids)),
-                               deliver=True)
-        logprobs = [Logprobs(lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs))
-                    for lp in response.logprobs] or None
-        return RemotePrefill(response.instance_id or prefill_name, response.num_cached_tokens, logprobs)
+        await self.engine.call(lambda core: finish_import(core, job.req_id, result.token_ids), deliver=True)
+        return RemotePrefill(result.instance_id or prefill_name, result.num_cached_tokens, result.logprobs)
 
     async def _import_failed(self, job: DecodeJob, prefill_name: str, outcome: KVTransferOutcome,
                              error: aio.AioRpcError | None) -> None:
@@ -181,7 +182,7 @@ class Decoder:
         if not await self.engine.call(lambda core: fail_import(core, job.req_id)):
             return None  # aborted meanwhile: the stream ends with finish_reason "abort"
         if error is not None:
-            raise ServiceError(*prefill_failure_status(error, prefill_name))
+            raise ServiceError(*failure_status(error, prefill_name))
         if outcome.state == "expired":
             raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"KV transfer from prefill instance {prefill_name} did not complete within "

@@ -33,8 +33,8 @@ from common.service.registration import InstanceLoad, InstanceSpec
 from common.service.request_gate import RequestGate
 from decode_service.api import DecodeJob, DecodeOutput
 from decode_service.decoder import DecodeChunk, Decoder
-from decode_service.prefill_client import PrefillClients
 from kv_transfer import PoolGeometry
+from prefill_service.client import PrefillClients
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from protos.serving import DECODE_SERVICE
 
@@ -51,7 +51,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                             prefill=request.prefill_instance_id or request.prefill_address or "local") as end:
             end.update(output_tokens=0, finish_reason=None)
             async with self.gate.admit(context):
-                job = self.worker.job_from_pb(request)
+                job = DecodeJob.from_pb(request)
+                validate_request(job.prompt_token_ids, job.params, self.worker.core)
                 async for chunk in self.worker.decoder.decode(job):
                     if chunk.output.finish_reason == "abort" and self.gate.stopping:
                         raise self.gate.shutdown_error()
@@ -92,11 +93,6 @@ class DecodeWorker:
                                local_fallback=not args.no_local_fallback)
 
     # ---- protobuf at the edge ----------------------------------------------------------
-    def job_from_pb(self, request: decode_pb2.DecodeRequest) -> DecodeJob:
-        job = DecodeJob.from_pb(request)
-        validate_request(job.prompt_token_ids, job.params, self.core)
-        return job
-
     def chunk_to_pb(self, request_id: str, chunk: DecodeChunk) -> decode_pb2.DecodeResponse:
         output = chunk.output
         stop_token_id = None

@@ -12,7 +12,7 @@ a single frame:
 per instance, so any loss shows up as a gap, whether ZeroMQ dropped a message at
 its high-water mark, the pool's bounded event queue overflowed, or the gateway
 connected late. On a gap the gateway calls GetCachedBlocks, whose snapshot is
-stamped with the same counter (`snapshot_response`), and replays later events.
+stamped with the same counter (`cached_blocks_snapshot`), and replays later events.
 
 Use: after each engine step, `publisher.publish(kv_cache_manager.take_events())`.
 """
@@ -25,7 +25,7 @@ import msgpack
 import zmq
 
 from common.engine.block_pool import BlockRemoved, BlockStored, KVCacheEvent
-from protos.pdserve.v1 import prefill_pb2
+from prefill_service.api import CachedBlocks
 
 # Generous: losing messages is recoverable (resync) but costs a snapshot RPC.
 SEND_HIGH_WATER_MARK = 100_000
@@ -76,7 +76,7 @@ class KvEventPublisher:
             self._socket.close()
 
 
-def snapshot_response(instance_id: str, kv_cache_manager) -> prefill_pb2.GetCachedBlocksResponse:
+def cached_blocks_snapshot(instance_id: str, kv_cache_manager) -> CachedBlocks:
     """GetCachedBlocks for `kv_cache_manager` (a common.engine.kv_cache_manager.KVCacheManager).
 
     Exact when called between engine steps. The sequence is read before the hashes
@@ -85,6 +85,4 @@ def snapshot_response(instance_id: str, kv_cache_manager) -> prefill_pb2.GetCach
     """
     sequence = kv_cache_manager.last_event_seq
     hashes = kv_cache_manager.all_cached_block_hashes()
-    return prefill_pb2.GetCachedBlocksResponse(
-        instance_id=instance_id, sequence=sequence, block_hashes=hashes,
-        block_size=kv_cache_manager.block_size)
+    return CachedBlocks(instance_id, sequence, list(hashes), kv_cache_manager.block_size)

@@ -6,9 +6,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import grpc
+
+from common.service.errors import ServiceError, invalid
 from kv_transfer import KVTarget, PoolGeometry
 from kv_transfer.base import check_transfer_id
 from kv_transfer.zmq_common import check_endpoint
+from prefill_service.api import KvTargetSpec
 
 
 class TargetMismatchError(ValueError):
@@ -52,4 +56,20 @@ def make_export_target(*, endpoint: str, transfer_id: str, dst_block_ids: list[i
                       num_layers=num_layers, dtype=dtype, block_shape=tuple(block_shape),
                       deadline=time.time() + timeout_s)
     return ExportTarget(target, first_block_index)
+
+
+def export_target(spec: KvTargetSpec, num_prompt_tokens: int, geometry: PoolGeometry,
+                  default_timeout_s: float) -> ExportTarget:
+    """The checked ExportTarget of a Prefill call's kv_target, or the ServiceError to answer."""
+    try:
+        return make_export_target(
+            endpoint=spec.kv_endpoint, transfer_id=spec.transfer_id, dst_block_ids=spec.dst_block_ids,
+            first_block_index=spec.first_block_index, num_layers=spec.num_layers, dtype=spec.dtype,
+            block_shape=spec.block_shape,
+            timeout_s=default_timeout_s if spec.timeout_s is None else spec.timeout_s,
+            num_prompt_tokens=num_prompt_tokens, geometry=geometry)
+    except TargetMismatchError as e:
+        raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+    except ValueError as e:
+        raise invalid(f"bad kv_target: {e}") from None
 

@@ -4,41 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
 import grpc
 
 from common.engine.async_engine import AsyncEngine
 from common.engine.engine_core import EngineCore
 from common.engine.kv_transfer_waiters import KVTransferWaiters
-from common.engine.outputs import EngineCoreOutput, Logprobs
+from common.engine.outputs import EngineCoreOutput
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from common.service.engine_requests import new_request
 from common.service.errors import DuplicateRequestError, ServiceError
+from prefill_service.api import PrefillJob, PrefillResult
 from prefill_service.kv_export import ExportTarget
 
 # After the transfer's own deadline, how long to wait for the sender to let go of
 # our blocks before giving up on the RPC (the blocks are still released later).
 TRANSFER_SETTLE_S = 10.0
-
-
-@dataclass
-class PrefillJob:
-    req_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
-    export: ExportTarget | None = None
-
-
-@dataclass
-class PrefillResult:
-    token_ids: list[int]
-    logprobs: list[Logprobs] | None
-    num_cached_tokens: int
-    transferred: bool  # False: no target was given
-    num_transferred_blocks: int = 0
 
 
 def first_token_params(params: SamplingParams) -> SamplingParams:
@@ -61,24 +43,25 @@ class Prefiller:
         self.eos_token_ids = eos_token_ids
         self.transfer_waiters = transfer_waiters  # must observe the engine's KV transfers
 
-    async def prefill(self, job: PrefillJob) -> PrefillResult:
+    async def prefill(self, job: PrefillJob, export: ExportTarget | None) -> PrefillResult:
+        """`export`: job.kv_target, checked against the prompt and our pool (kv_export)."""
         request = new_request(job.req_id, job.prompt_token_ids, first_token_params(job.params), job.priority,
                               self.eos_token_ids)
-        if job.export is not None:
-            request.kv_transfer_params = job.export.kv_transfer_params()
+        if export is not None:
+            request.kv_transfer_params = export.kv_transfer_params()
         try:
             stream = self.engine.open_stream(job.req_id)
         except ValueError as e:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
         # Registered before admission: a send may end in the step that finishes the request.
-        sent = self.transfer_waiters.expect(job.req_id, "send") if job.export is not None else None
+        sent = self.transfer_waiters.expect(job.req_id, "send") if export is not None else None
         try:
-            return await self._prefill(job, request, stream, sent)
+            return await self._prefill(job, export, request, stream, sent)
         finally:
             self.transfer_waiters.discard(job.req_id, "send")
 
-    async def _prefill(self, job: PrefillJob, request: Request, stream, sent: asyncio.Future | None
-                       ) -> PrefillResult:
+    async def _prefill(self, job: PrefillJob, export: ExportTarget | None, request: Request, stream,
+                       sent: asyncio.Future | None) -> PrefillResult:
         # Leaving early (cancelled, timed out) closes the stream, which aborts the request;
         # the abort also drops the export or stops the started transfer.
         with stream:
@@ -88,34 +71,34 @@ class Prefiller:
                 raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
             except ValueError as e:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            timeout = None if job.export is None else job.export.target.deadline - _now()
+            timeout = None if export is None else export.target.deadline - _now()
             try:
                 output = await asyncio.wait_for(_finished_output(stream), timeout)
             except asyncio.TimeoutError:
                 raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"KV target {job.export.target.transfer_id} expired before the prompt of "
+                                   f"KV target {export.target.transfer_id} expired before the prompt of "
                                    f"{len(job.prompt_token_ids)} tokens was prefilled") from None
         if output.finish_reason == "abort":
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"prefill of {job.req_id} was aborted "
                                "(the instance is shutting down)")
         result = PrefillResult(output.new_token_ids, output.new_logprobs, output.num_cached_tokens,
-                               transferred=job.export is not None)
-        if job.export is not None:
-            await self._await_transfer(job, sent)
-            result.num_transferred_blocks = len(job.export.target.dst_block_ids)
+                               transferred=export is not None)
+        if export is not None:
+            await self._await_transfer(job.req_id, export, sent)
+            result.num_transferred_blocks = len(export.target.dst_block_ids)
         return result
 
-    async def _await_transfer(self, job: PrefillJob, sent: asyncio.Future) -> None:
-        target = job.export.target
+    async def _await_transfer(self, req_id: str, export: ExportTarget, sent: asyncio.Future) -> None:
+        target = export.target
         try:
             # shield: our own timeout must not cancel the future the engine thread resolves.
             outcome = await asyncio.wait_for(asyncio.shield(sent),
                                              max(0.0, target.deadline - _now()) + TRANSFER_SETTLE_S)
         except asyncio.CancelledError:  # the caller went away: stop sending; blocks go back when it ends
-            self.engine.abort([job.req_id])
+            self.engine.abort([req_id])
             raise
         except asyncio.TimeoutError:
-            self.engine.abort([job.req_id])
+            self.engine.abort([req_id])
             raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"KV transfer {target.transfer_id} to {target.endpoint} did not end in time") from None
         # The engine freed the blocks before reporting the end; one more trip through its

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import logging
 
-import grpc
 from grpc import aio
 
 from common.engine.async_engine import AsyncEngine
@@ -23,18 +22,18 @@ from common.engine.config import KVTransferConfig
 from common.engine.engine_args import engine_config_from_args
 from common.engine.engine_core import EngineCore
 from common.engine.kv_transfer_waiters import KVTransferWaiters
-from common.service.common_api import logprobs_to_pb, sampling_params_from_pb, stats_response
+from common.service.common_api import stats_response
 from common.service.engine_requests import eos_token_ids, validate_request
-from common.service.errors import ServiceError
 from common.service.flags import advertised_zmq_endpoint, served_model_name, zmq_bind_endpoint
 from common.service.logging_setup import logged_request
 from common.service.metrics import WorkerMetrics
 from common.service.registration import InstanceLoad, InstanceSpec
 from common.service.request_gate import RequestGate
 from kv_transfer import PoolGeometry
-from prefill_service.kv_events import KvEventPublisher, snapshot_response
-from prefill_service.kv_export import TargetMismatchError, make_export_target
-from prefill_service.prefiller import Prefiller, PrefillJob, PrefillResult
+from prefill_service.api import PrefillJob
+from prefill_service.kv_events import KvEventPublisher, cached_blocks_snapshot
+from prefill_service.kv_export import export_target
+from prefill_service.prefiller import Prefiller
 from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from protos.serving import PREFILL_SERVICE
 
@@ -51,17 +50,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                             prompt_tokens=len(request.prompt_token_ids),
                             decode_kv=request.kv_target.kv_endpoint or "none") as end:
             async with self.gate.admit(context):
-                job = self.worker.job_from_pb(request)
-                result = await self.worker.prefiller.prefill(job)
+                job = PrefillJob.from_pb(request)
+                validate_request(job.prompt_token_ids, job.params.clone(n=1), self.worker.core)
+                export = None if job.kv_target is None else export_target(
+                    job.kv_target, len(job.prompt_token_ids), self.worker.geometry, self.worker.default_kv_timeout_s)
+                result = await self.worker.prefiller.prefill(job, export)
+                result.instance_id = self.worker.instance_id
                 end.update(cached_tokens=result.num_cached_tokens, kv_blocks_sent=result.num_transferred_blocks)
-                return self.worker.result_to_pb(request.request_id, result)
+                return result.to_pb(request.request_id)
 
     async def Stats(self, request, context) -> common_pb2.StatsResponse:
         return self.worker.stats_pb()
 
     async def GetCachedBlocks(self, request, context) -> prefill_pb2.GetCachedBlocksResponse:
         instance_id = self.worker.instance_id
-        return await self.worker.engine.call(lambda core: snapshot_response(instance_id, core.kv_cache_manager))
+        snapshot = await self.worker.engine.call(lambda core: cached_blocks_snapshot(instance_id, core.kv_cache_manager))
+        return snapshot.to_pb()
 
 
 class PrefillWorker:
@@ -91,38 +95,6 @@ class PrefillWorker:
         self.prefiller = Prefiller(self.engine, eos_token_ids(self.core), self.transfer_waiters)
 
     # ---- protobuf at the edge ----------------------------------------------------------
-    def job_from_pb(self, request: prefill_pb2.PrefillRequest) -> PrefillJob:
-        prompt = list(request.prompt_token_ids)
-        try:
-            params = sampling_params_from_pb(request.sampling)
-        except ValueError as e:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        validate_request(prompt, params.clone(n=1), self.core)
-        export = None
-        if request.HasField("kv_target"):
-            t = request.kv_target
-            try:
-                export = make_export_target(
-                    endpoint=t.kv_endpoint, transfer_id=t.transfer_id, dst_block_ids=list(t.dst_block_ids),
-                    first_block_index=t.first_block_index, num_layers=t.num_layers, dtype=t.dtype,
-                    block_shape=list(t.block_shape),
-                    timeout_s=t.timeout_ms / 1000 if t.timeout_ms else self.default_kv_timeout_s,
-                    num_prompt_tokens=len(prompt), geometry=self.geometry)
-            except TargetMismatchError as e:
-                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
-            except ValueError as e:
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"bad kv_target: {e}") from None
-        return PrefillJob(request.request_id, prompt, params, request.priority, export)
-
-    def result_to_pb(self, request_id: str, result: PrefillResult) -> prefill_pb2.PrefillResponse:
-        return prefill_pb2.PrefillResponse(
-            request_id=request_id, token_ids=result.token_ids,
-            logprobs=[logprobs_to_pb(t, lp) for t, lp in zip(result.token_ids, result.logprobs or [])],
-            num_cached_tokens=result.num_cached_tokens,
-            kv_transfer_state=(prefill_pb2.KV_TRANSFER_STATE_COMPLETE if result.transferred
-                               else prefill_pb2.KV_TRANSFER_STATE_NOT_REQUESTED),
-            num_transferred_blocks=result.num_transferred_blocks, instance_id=self.instance_id)
-
     def stats_pb(self) -> common_pb2.StatsResponse:
         return stats_response(self.instance_id, self.engine.stats, self.load())
 

@@ -11,13 +11,12 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
-import grpc
 import msgpack
 import zmq
 import zmq.asyncio
 
 from gateway.routing.kv_index import KvIndex
-from protos.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+from prefill_service.client import fetch_cached_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +116,6 @@ def grpc_resync(registry, timeout_s: float = 10.0) -> Resync:
         instance = registry.get(instance_id)
         if instance is None:
             raise LookupError(f"{instance_id} is not registered")
-        async with grpc.aio.insecure_channel(instance.spec.grpc_address) as channel:
-            response = await prefill_pb2_grpc.PrefillServiceStub(channel).GetCachedBlocks(
-                prefill_pb2.GetCachedBlocksRequest(), timeout=timeout_s)
-        return response.sequence, list(response.block_hashes)
+        snapshot = await fetch_cached_blocks(instance.spec.grpc_address, timeout_s)
+        return snapshot.sequence, snapshot.block_hashes
     return resync

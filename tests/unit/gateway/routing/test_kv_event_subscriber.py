@@ -8,7 +8,7 @@ import msgpack
 from common.engine.block_pool import BlockPool, BlockRemoved, BlockStored
 from gateway.routing.kv_event_subscriber import KvEventSubscriber
 from gateway.routing.kv_index import KvIndex
-from prefill_service.kv_events import KvEventPublisher, encode_batch, snapshot_response
+from prefill_service.kv_events import KvEventPublisher, cached_blocks_snapshot, encode_batch
 
 
 def test_publisher_encodes_block_pool_events_and_snapshots():
@@ -23,7 +23,7 @@ def test_publisher_encodes_block_pool_events_and_snapshots():
     assert message["events"][0] == {"seq": 1, "type": "stored", "block_hashes": [111, 222],
                                     "parent_block_hash": None, "token_ids": [1, 2, 3, 4], "block_size": 2}
     assert message["events"][1] == {"seq": 2, "type": "removed", "block_hashes": [111, 222]}
-    snapshot = snapshot_response("p0", pool)
+    snapshot = cached_blocks_snapshot("p0", pool)
     assert (snapshot.sequence, list(snapshot.block_hashes), snapshot.block_size) == (2, [], 2)
 
 
