@@ -15,7 +15,6 @@ from common.service.common_api import (
     sampling_params_from_pb,
     sampling_params_to_pb,
 )
-from common.service.errors import invalid
 from protos.pdserve.v1 import decode_pb2
 
 
@@ -32,10 +31,7 @@ class DecodeJob:
 
     @classmethod
     def from_pb(cls, msg: decode_pb2.DecodeRequest) -> DecodeJob:
-        try:
-            params = sampling_params_from_pb(msg.sampling)
-        except ValueError as e:  # SamplingParams names the field and its allowed range
-            raise invalid(str(e)) from None
+        params = sampling_params_from_pb(msg.sampling)
         return cls(msg.request_id, list(msg.prompt_token_ids), params, msg.priority, msg.prefill_address,
                    msg.prefill_instance_id)
 

@@ -10,16 +10,12 @@ from common.service.common_api import (
     logprobs_to_pb,
     sampling_params_from_pb,
 )
-from common.service.errors import invalid
 from gateway.types import DeploymentInfo, GenerateInput, GenerationDelta, Usage
 from protos.pdserve.v1 import generate_pb2
 
 
 def generate_input_from_pb(msg: generate_pb2.GenerateRequest) -> GenerateInput:
-    try:
-        sampling = sampling_params_from_pb(msg.sampling)
-    except ValueError as e:  # SamplingParams names the field and its allowed range
-        raise invalid(f"sampling.{e}") from None
+    sampling = sampling_params_from_pb(msg.sampling, field_path="sampling.")
     request = GenerateInput(sampling=sampling, request_id=msg.request_id, priority=msg.priority,
                             return_token_ids=msg.output.return_token_ids,
                             return_logprobs=msg.output.return_logprobs, model=msg.model)

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from common.engine.outputs import Logprobs
 from common.engine.sampling_params import SamplingParams
 from common.service.common_api import logprobs_from_pb, logprobs_to_pb, sampling_params_from_pb, sampling_params_to_pb
-from common.service.errors import invalid
 from protos.pdserve.v1 import prefill_pb2
 
 
@@ -52,10 +51,7 @@ class PrefillJob:
 
     @classmethod
     def from_pb(cls, msg: prefill_pb2.PrefillRequest) -> PrefillJob:
-        try:
-            params = sampling_params_from_pb(msg.sampling)
-        except ValueError as e:  # SamplingParams names the field and its allowed range
-            raise invalid(str(e)) from None
+        params = sampling_params_from_pb(msg.sampling)
         kv_target = KvTargetSpec.from_pb(msg.kv_target) if msg.HasField("kv_target") else None
         return cls(msg.request_id, list(msg.prompt_token_ids), params, msg.priority, kv_target)
 

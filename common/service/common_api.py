@@ -12,6 +12,7 @@ import dataclasses
 
 from common.engine.outputs import Logprobs
 from common.engine.sampling_params import SamplingParams
+from common.service.errors import invalid
 from protos.pdserve.v1 import common_pb2
 
 _NO_LIMIT_MAX_TOKENS = 0
@@ -30,7 +31,9 @@ def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     return msg
 
 
-def sampling_params_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
+def sampling_params_from_pb(msg: common_pb2.SamplingParams, field_path: str = "") -> SamplingParams:
+    """Values SamplingParams rejects are INVALID_ARGUMENT, named as the caller sent them
+    (`field_path`, e.g. "sampling." for a field of GenerateRequest)."""
     kwargs = {}
     for f in dataclasses.fields(SamplingParams):
         descriptor = msg.DESCRIPTOR.fields_by_name[f.name]
@@ -40,7 +43,10 @@ def sampling_params_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
             kwargs[f.name] = getattr(msg, f.name)
     if kwargs.get("max_tokens") == _NO_LIMIT_MAX_TOKENS:
         kwargs["max_tokens"] = None
-    return SamplingParams(**kwargs)
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:  # SamplingParams names the field and its allowed range
+        raise invalid(f"{field_path}{e}") from None
 
 
 def logprobs_to_pb(token_id: int, logprobs: Logprobs) -> common_pb2.TokenLogprob:
