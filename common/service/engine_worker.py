@@ -1,0 +1,69 @@
+"""What the prefill and decode workers share: one engine in a role, its metrics, its
+load as heartbeats report it, and how the process lifecycle reaches it
+(common.service.lifecycle.Worker). Each service adds its servicer and endpoints."""
+from __future__ import annotations
+
+import argparse
+
+from common.engine.async_engine import AsyncEngine
+from common.engine.config import KVTransferConfig
+from common.engine.engine_args import engine_config_from_args
+from common.engine.engine_core import EngineCore
+from common.engine.kv_transfer_waiters import KVTransferWaiters
+from common.service.common_api import stats_response
+from common.service.flags import served_model_name
+from common.service.metrics import WorkerMetrics
+from common.service.registration import InstanceLoad, InstanceSpec, Role
+from protos.pdserve.v1 import common_pb2
+
+
+class EngineWorker:
+    role: Role
+
+    def __init__(self, args: argparse.Namespace, instance_id: str, kv_transfer: KVTransferConfig):
+        self.args = args
+        self.instance_id = instance_id
+        config = engine_config_from_args(args)
+        config.kv_transfer = kv_transfer
+        self.core = EngineCore(config)
+        # Plain data about the engine's KV connector: pool geometry, receiving endpoint.
+        self.kv_connector_info: dict = self.core.collective_rpc("kv_connector_info")[0]
+        self.metrics = WorkerMetrics(self.role, instance_id, self.load, lambda: self.engine.stats)
+        self.core.step_observer = self.metrics.observe_step
+        self.transfer_waiters = KVTransferWaiters()
+        # Metrics first: a transfer is counted before anyone waiting on it is answered.
+        self.core.kv_transfer_observers += [self.metrics.observe_transfer, self.transfer_waiters]
+        self.attach_to_engine(self.core)
+        self.engine = AsyncEngine(self.core)  # the engine thread starts here
+
+    def attach_to_engine(self, core: EngineCore) -> None:
+        """Hang this role's callbacks on the engine before its thread starts."""
+
+    def endpoints(self) -> dict[str, str]:
+        """This role's ZeroMQ endpoints, as InstanceSpec fields (kv_endpoint, kv_events_endpoint)."""
+        return {}
+
+    def instance_spec(self, grpc_address: str) -> InstanceSpec:
+        return InstanceSpec(instance_id=self.instance_id, role=self.role, grpc_address=grpc_address,
+                            block_size=self.core.config.cache.block_size,
+                            num_total_blocks=self.core.kv_cache_manager.num_blocks,
+                            model_name=served_model_name(self.args), max_model_len=self.core.max_model_len,
+                            **self.endpoints())
+
+    def load(self) -> InstanceLoad:
+        stats = self.engine.stats
+        # Requests waiting for their KV (decode) hold a seat and blocks: they count as running.
+        return InstanceLoad(num_running_requests=stats["num_running"] + stats["num_waiting_for_remote_kv"],
+                            num_waiting_requests=stats["num_waiting"], num_free_blocks=stats["num_free_blocks"],
+                            num_total_blocks=stats["num_total_blocks"],
+                            num_queued_prefill_tokens=stats["num_queued_prefill_tokens"],
+                            kv_events_sequence=stats.get("kv_events_sequence", 0))
+
+    def stats_pb(self) -> common_pb2.StatsResponse:
+        return stats_response(self.instance_id, self.engine.stats, self.load())
+
+    async def fail_inflight(self) -> None:
+        await self.engine.call(lambda core: core.abort_all(), deliver=True)
+
+    async def close(self) -> None:
+        self.engine.shutdown()
