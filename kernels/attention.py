@@ -3,6 +3,10 @@
 Each function checks its inputs, then runs the Triton kernel for CUDA tensors or the
 plain-torch reference otherwise (`backend="triton"|"torch"` forces one). Checks only
 look at shapes/dtypes/devices so they never synchronise with the GPU.
+
+Sliding-window and logit-soft-capped layers (Mistral, Gemma 2) run on the torch path
+on every device: the Triton kernels implement neither, and a layer asking for them
+is sent to the reference rather than computed wrongly.
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ def decode_attention(
     scale: float,
     max_seq_len: int | None = None,
     backend: str | None = None,
+    sliding_window: int | None = None,  # see only the last sliding_window positions
+    logit_softcap: float | None = None,  # scores become tanh(scores / cap) * cap
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     """One new token per sequence attends to cache positions [0, seq_len).
 
@@ -32,11 +38,13 @@ def decode_attention(
     if q.shape[0] != num_seqs:
         raise ValueError(f"q has {q.shape[0]} rows but block_tables has {num_seqs} sequences")
     check_int32_1d("seq_lens", seq_lens, num_seqs, q.device)
-    if select_backend(q.device, backend) == "triton":
+    _check_layer_features(sliding_window, logit_softcap)
+    if _backend_for(q.device, backend, sliding_window, logit_softcap) == "triton":
         from kernels.triton_attention import decode_attention_triton
 
         return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    return decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
+    return decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
+                                  sliding_window=sliding_window, logit_softcap=logit_softcap)
 
 
 def prefill_attention(
@@ -50,6 +58,8 @@ def prefill_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     backend: str | None = None,
+    sliding_window: int | None = None,  # query at p sees keys (p - sliding_window, p]
+    logit_softcap: float | None = None,  # scores become tanh(scores / cap) * cap
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     """Causal attention for ragged chunks whose K/V (and their context's) are in the cache.
 
@@ -64,13 +74,31 @@ def prefill_attention(
     check_int32_1d("seq_lens", seq_lens, num_seqs, q.device)
     if max_query_len is not None and max_query_len > q.shape[0]:
         raise ValueError(f"max_query_len {max_query_len} > num_tokens {q.shape[0]}")
-    if select_backend(q.device, backend) == "triton":
+    _check_layer_features(sliding_window, logit_softcap)
+    if _backend_for(q.device, backend, sliding_window, logit_softcap) == "triton":
         from kernels.triton_attention import prefill_attention_triton
 
         return prefill_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc,
                                         seq_lens, scale)
     return prefill_attention_torch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                   scale)
+                                   scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
+
+
+def _check_layer_features(sliding_window: int | None, logit_softcap: float | None) -> None:
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive number of positions, got {sliding_window}")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be positive, got {logit_softcap}")
+
+
+def _backend_for(device: torch.device, backend: str | None, sliding_window: int | None,
+                 logit_softcap: float | None) -> str:
+    """The backend for one call: features the Triton kernels lack send the call to torch."""
+    needs_torch = sliding_window is not None or logit_softcap is not None
+    if needs_torch and backend == "triton":
+        raise ValueError("the Triton attention kernels implement neither sliding windows nor "
+                         "logit soft-capping; use backend='torch' or None for such layers")
+    return "torch" if needs_torch else select_backend(device, backend)
 
 
 def _check_common(q, k_cache, v_cache, block_tables, max_seq_len, max_name) -> int:

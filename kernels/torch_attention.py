@@ -24,6 +24,28 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return gathered.view(*block_table.shape[:-1], -1, *cache.shape[2:])
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float, logit_softcap: float | None, is_causal: bool = False) -> torch.Tensor:
+    """q [B, num_q_heads, Lq, D], k/v [B, num_kv_heads, Lk, D], mask broadcast to [B, H, Lq, Lk]
+    (True: visible) -> [B, num_q_heads, Lq, D]."""
+    if logit_softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=True)
+    # SDPA has no hook between the scores and the softmax, so soft-capped layers
+    # (Gemma 2) take the explicit matmul path.
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, Lq, Lk]
+    scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(
+            scores.shape[-1] - scores.shape[-2])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
 def _length_groups(seq_ids: list[int], lens: list[int], block_size: int) -> list[list[int]]:
     """seq_ids sorted by length, split so each group's padded keys fit _DECODE_GROUP_KEYS."""
     groups: list[list[int]] = []
@@ -44,6 +66,8 @@ def decode_attention_torch(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     num_seqs, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -69,11 +93,12 @@ def decode_attention_torch(
         v = _gather_kv(v_cache, block_table).float()
         positions = torch.arange(k.shape[1], device=q.device)  # [max_len]
         visible = positions[None, :] < group_lens[:, None]  # [n, max_len]
+        if sliding_window is not None:  # the new token at seq_len - 1 sees the last window keys
+            visible &= positions[None, :] >= group_lens[:, None] - sliding_window
         # 4-d SDPA takes CPU's flash kernel, which reads the head-strided K/V views
         # in place and never materialises the scores (~3x the batched matmuls).
-        o = F.scaled_dot_product_attention(
-            q[ids].float()[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True)  # [n, num_q_heads, 1, head_dim]
+        o = _attend(q[ids].float()[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+                    visible[:, None, None, :], scale, logit_softcap)  # [n, num_q_heads, 1, head_dim]
         out[ids] = o[:, :, 0]
     return out.to(q.dtype)
 
@@ -86,6 +111,8 @@ def prefill_attention_torch(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     block_size = k_cache.shape[1]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -105,7 +132,8 @@ def prefill_attention_torch(
         token_ids = query_start_loc[:-1].long()[ids]  # [num_single]
         out[token_ids] = decode_attention_torch(
             q[token_ids], k_cache, v_cache, block_tables[ids], seq_lens[ids], scale,
-            max_seq_len=max(lens[i] for i in single_ids))
+            max_seq_len=max(lens[i] for i in single_ids), sliding_window=sliding_window,
+            logit_softcap=logit_softcap)
         done = set(single_ids)
     else:
         done = set()
@@ -129,20 +157,24 @@ def prefill_attention_torch(
             q_seq, k, v = q_seq.float(), k.float(), v.float()
         # 4-d inputs: CPU SDPA takes its flash kernel (GQA and masks included) only
         # with a batch dimension; 3-d ones fall back to the math path, 3-6x slower.
-        if context_len == 0:  # the whole prompt: plain causal, no mask to build
-            o = F.scaled_dot_product_attention(q_seq, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        if context_len == 0 and sliding_window is None:  # the whole prompt: plain causal, no mask to build
+            o = _attend(q_seq, k, v, None, scale, logit_softcap, is_causal=True)
             out[start:start + query_len] = o[0].transpose(0, 1)
             continue
-        # A chunk of a longer prompt: query chunks, each seeing keys [0, its last
-        # position] under an offset mask, skip the keys no row of the chunk sees.
+        # A chunk of a longer prompt (or a windowed layer): query chunks, each seeing
+        # keys [first in its window, its last position] under an offset mask, skip the
+        # keys no row of the chunk sees.
         for chunk_start in range(0, query_len, _Q_CHUNK):
             chunk_end = min(query_len, chunk_start + _Q_CHUNK)
             num_keys = context_len + chunk_end
+            first_key = 0 if sliding_window is None else max(0, context_len + chunk_start - sliding_window + 1)
             q_pos = torch.arange(context_len + chunk_start, num_keys, device=q.device)  # [chunk]
-            k_pos = torch.arange(num_keys, device=q.device)  # [num_keys]
-            mask = k_pos[None, :] <= q_pos[:, None]  # [chunk, num_keys]
-            o = F.scaled_dot_product_attention(
-                q_seq[:, :, chunk_start:chunk_end], k[:, :, :num_keys], v[:, :, :num_keys],
-                attn_mask=mask, scale=scale, enable_gqa=True)  # [1, num_q_heads, chunk, head_dim]
+            k_pos = torch.arange(first_key, num_keys, device=q.device)  # [chunk_keys]
+            mask = k_pos[None, :] <= q_pos[:, None]  # [chunk, chunk_keys]
+            if sliding_window is not None:
+                mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+            o = _attend(q_seq[:, :, chunk_start:chunk_end], k[:, :, first_key:num_keys],
+                        v[:, :, first_key:num_keys], mask, scale,
+                        logit_softcap)  # [1, num_q_heads, chunk, head_dim]
             out[start + chunk_start:start + chunk_end] = o[0].transpose(0, 1)
     return out

@@ -9,12 +9,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from common.engine.models.registry import MODEL_TYPES, check_architecture
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama, Mistral, Qwen2)."""
+    """Shape of a decoder-only model, for every family in common.engine.models.registry."""
 
     architecture: str
     vocab_size: int
@@ -32,15 +32,26 @@ class ModelConfig:
     qkv_bias: bool  # Qwen2 has biases on q/k/v projections
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    hidden_act: str = "silu"
+    rotary_dim: int | None = None  # None: the whole head (Phi-4-mini rotates 3/4 of it)
+    # Per layer: how many past positions a query sees (None: all of them).
+    layer_sliding_windows: tuple[int | None, ...] = ()
+    attn_logit_softcapping: float | None = None  # Gemma 2
+    final_logit_softcapping: float | None = None  # Gemma 2
+    query_pre_attn_scalar: float | None = None  # Gemma 2: scores scale by its -1/2, not head_dim's
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def sliding_window(self, layer_idx: int) -> int | None:
+        return self.layer_sliding_windows[layer_idx] if self.layer_sliding_windows else None
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                        "qwen2": "Qwen2ForCausalLM"}.get(cfg.get("model_type", ""), "")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch or cfg.get('model_type')!r}; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        arch = archs[0] if archs else MODEL_TYPES.get(cfg.get("model_type", ""), cfg.get("model_type") or "")
+        check_architecture(arch)
         num_heads = cfg["num_attention_heads"]
         # transformers >= 5 moves rope settings into `rope_parameters`.
         rope = cfg.get("rope_parameters") or {}
@@ -50,6 +61,12 @@ class ModelConfig:
             rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
+        if rope_scaling is not None and "original_max_position_embeddings" in cfg:
+            # Phi-3 keeps it beside rope_scaling rather than inside.
+            rope_scaling = {"original_max_position_embeddings": cfg["original_max_position_embeddings"],
+                            **rope_scaling}
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        partial_rotary = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -60,7 +77,7 @@ class ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=num_heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
@@ -69,6 +86,12 @@ class ModelConfig:
             qkv_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            rotary_dim=int(head_dim * partial_rotary) if partial_rotary != 1.0 else None,
+            layer_sliding_windows=_layer_sliding_windows(cfg),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
         )
 
     def num_params(self) -> int:
@@ -82,6 +105,19 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_size: int) -> int:
         """Bytes of K and V that one token occupies across all layers."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_size
+
+
+def _layer_sliding_windows(cfg: dict[str, Any]) -> tuple[int | None, ...]:
+    """The sliding window of each layer, as transformers applies it."""
+    num_layers = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window")
+    # Qwen2/3 configs carry a window they only use when use_sliding_window is set.
+    if window is None or cfg.get("use_sliding_window") is False:
+        return (None,) * num_layers
+    layer_types = cfg.get("layer_types")
+    if layer_types:  # Gemma 2 alternates sliding and full layers
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return (window,) * num_layers  # Mistral, Phi-3: every layer
 
 
 @dataclass

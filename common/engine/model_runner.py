@@ -10,7 +10,8 @@ from safetensors import safe_open
 from common.engine.config import KVTransferConfig, ModelConfig
 from common.engine.kv_connector.factory import make_worker_connector
 from common.engine.models.attention import AttentionMetadata
-from common.engine.models.llama import LlamaForCausalLM
+from common.engine.models.causal_lm import CausalLM, build_rope
+from common.engine.models.registry import model_class
 from common.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from common.engine.sampler import Sampler
 
@@ -36,14 +37,12 @@ def select_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(model_config: ModelConfig, model_dir: Path, device: torch.device,
-               dtype: torch.dtype) -> LlamaForCausalLM:
+               dtype: torch.dtype) -> CausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(model_config)
+        model = model_class(model_config.architecture)(model_config)
     model = model.to_empty(device=device)
     # to_empty leaves the RoPE tables uninitialised: rebuild them on the device.
-    model.rope.__init__(model_config.head_dim, model_config.max_position_embeddings,
-                        model_config.rope_theta, model_config.rope_scaling)
-    model.rope.to(device)
+    model.rope = build_rope(model_config).to(device)
     files = sorted(model_dir.glob("*.safetensors"))
 
     def weights():

@@ -34,9 +34,15 @@ class AttentionMetadata:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                    scale: float, layer_idx: int) -> torch.Tensor:
+                    scale: float, layer_idx: int, sliding_window: int | None = None,
+                    logit_softcap: float | None = None) -> torch.Tensor:
     """q [num_tokens, num_q_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim]
-    -> [num_tokens, num_q_heads, head_dim]."""
+    -> [num_tokens, num_q_heads, head_dim].
+
+    sliding_window: a query at position p sees keys (p - sliding_window, p] only; the
+    cache still holds every position, so the window changes the math, not the memory.
+    logit_softcap: scores become tanh(scores / cap) * cap before the softmax.
+    """
     k_cache, v_cache = kv_cache
     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.kv_layer_hook is not None:
@@ -45,12 +51,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     outs = []
     if num_decodes:
         outs.append(decode_attention(q[:num_decodes], k_cache, v_cache, meta.decode_block_tables,
-                                     meta.decode_seq_lens, scale, max_seq_len=meta.max_decode_seq_len))
+                                     meta.decode_seq_lens, scale, max_seq_len=meta.max_decode_seq_len,
+                                     sliding_window=sliding_window, logit_softcap=logit_softcap))
     if num_decodes < q.shape[0]:
         # Fresh prompts go through the paged kernel too: on CPU its 128-row query
         # chunks beat one long causal SDPA call by ~3x (kernels/torch_attention.py).
         outs.append(prefill_attention(q[num_decodes:], k_cache, v_cache, meta.prefill_block_tables,
                                       meta.prefill_query_start_loc, meta.prefill_seq_lens, scale,
                                       max_query_len=meta.max_prefill_query_len,
-                                      max_seq_len=meta.max_prefill_seq_len))
+                                      max_seq_len=meta.max_prefill_seq_len,
+                                      sliding_window=sliding_window, logit_softcap=logit_softcap))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
