@@ -14,6 +14,7 @@ MODEL_FAMILIES: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_FAMILIES)
 

@@ -28,7 +28,14 @@ TINY_SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_h
 def save_tiny_model(out_dir: Path, config_cls, model_cls, tokenizer_dir: Path, **overrides) -> Path:
     config = config_cls(**{**TINY_SHAPE, **overrides})
     torch.manual_seed(0)
-    model_cls(config).float().eval().save_pretrained(out_dir, safe_serialization=True)
+    model = model_cls(config).float().eval()
+    with torch.no_grad():
+        # Norm weights start as all ones (or zeros, Gemma): random ones make a norm
+        # applied with the wrong offset, or to the wrong tensor, show.
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn(param.shape) * 0.3)
+    model.save_pretrained(out_dir, safe_serialization=True)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out_dir / name)
