@@ -11,7 +11,7 @@ import pytest
 
 from tests.integration.test_workers import (READY_TIMEOUT_S, RegistryServer, ServiceProcess, decode_collect,
                                             run)
-from tests.unit.common.engine.models.family_parity import save_tiny_model, test_prompts
+from tests.unit.common.engine.models.family_parity import save_tiny_model, parity_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def gemma2_dir(tmp_path_factory, bundled_model_dir):
 def test_remote_prefill_of_gemma2_matches_offline(tmp_path, gemma2_dir):
     from common import LLM, SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    prompts = [p for p in test_prompts() if len(p) > 8]  # long enough to go remote
+    prompts = [p for p in parity_prompts() if len(p) > 8]  # long enough to go remote
     offline = LLM(model=str(gemma2_dir), kv_cache_memory="16MiB", max_num_batched_tokens=16, block_size=8)
     expected = [o.outputs[0].token_ids for o in offline.generate([{"prompt_token_ids": p} for p in prompts],
                                                                    params)]
