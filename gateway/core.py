@@ -19,6 +19,7 @@ from gateway.routing.dispatcher import Dispatcher
 from gateway.routing.kv_event_subscriber import KvEventSubscriber, grpc_resync
 from gateway.routing.kv_index import KvIndex
 from gateway.routing.policies import make_policy
+from gateway.readiness import Readiness
 from gateway.routing.registry import InstanceRegistry
 from gateway.types import DeploymentInfo, GenerateInput, GenerationDelta, PreparedRequest
 from gateway.validation import ServedModel, prepare_request, prompt_chars
@@ -58,7 +59,15 @@ class Gateway:
         self._expiry: asyncio.Task | None = None
         self._in_flight: set[str] = set()  # request ids
         self._idle = asyncio.Event()
-        self.draining = False
+        self.readiness = Readiness(self.registry)
+
+    @property
+    def draining(self) -> bool:
+        return self.readiness.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.readiness.draining = value  # readiness follows at once
 
     async def start(self) -> None:
         self._kv_events = KvEventSubscriber(self.kv_index, grpc_resync(self.registry))
