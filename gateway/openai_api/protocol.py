@@ -260,8 +260,8 @@ def _sampling(values: dict, n: int, max_tokens: int | None, num_logprobs: int | 
                               top_k=-1 if top_k == 0 else top_k, **fields)
     except ValueError as e:  # what only holds between fields, e.g. min_tokens <= max_tokens
         message = str(e)
-        param = message.split(" ", 1)[0]
-        raise invalid_field(param if param in values else "max_tokens", message) from None
+        param = message.split(" ", 1)[0]  # SamplingParams starts with the field, e.g. "stop[2]"
+        raise invalid_field(param if param.split("[", 1)[0] in values else "max_tokens", message) from None
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
