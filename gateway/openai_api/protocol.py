@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,15 @@ MAX_CHOICES = 128  # n times the number of prompts: OpenAI's own cap on n
 INT32 = (-2**31, 2**31 - 1)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _NONE = object()  # a field that was not sent
+# The body's shape before its fields are looked at. The deepest body this API takes
+# nests 5 levels (messages[i].content[j].text); the bound leaves room for metadata and
+# keeps the parser far from Python's recursion limit (a RecursionError was a 500).
+MAX_JSON_DEPTH = 32
+# Every integer field fits in 64 bits (seed < 2**63 has 19 digits); longer literals are
+# refused while parsing, before int() spends quadratic time on them (5,000 digits was a 500).
+MAX_INTEGER_DIGITS = 20
+# Strings are matched whole so that brackets inside them are skipped.
+_STRINGS_AND_BRACKETS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
 
 
 @dataclass
@@ -184,9 +194,46 @@ CHAT_FIELDS: dict[str, Callable] = {
 STREAM_OPTIONS = {"include_usage": boolean, "continuous_usage_stats": boolean, "include_obfuscation": boolean}
 
 
+class _IntegerTooLong(ValueError):
+    pass
+
+
+def _bounded_int(literal: str) -> int:
+    digits = len(literal) - literal.startswith("-")
+    if digits > MAX_INTEGER_DIGITS:
+        raise _IntegerTooLong(digits)
+    return int(literal)
+
+
+def _too_deep(body: bytes) -> bool:
+    """Whether arrays and objects nest more than MAX_JSON_DEPTH deep (a linear scan, run
+    only when there are enough brackets for it to be possible)."""
+    if body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH:
+        return False
+    depth = 0
+    for match in _STRINGS_AND_BRACKETS.finditer(body):
+        token = match.group()
+        if token in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return True
+        elif token in (b"]", b"}"):
+            depth -= 1
+    return False
+
+
 def parse_body(body: bytes) -> dict:
+    if _too_deep(body):
+        raise ApiError(400, f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep",
+                       code="invalid_json")
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_int=_bounded_int)
+    except _IntegerTooLong as e:
+        raise ApiError(400, f"the request body has an integer of {e.args[0]} digits; at most "
+                            f"{MAX_INTEGER_DIGITS} are allowed (every integer field fits in 64 bits)",
+                       code="invalid_json") from None
+    except RecursionError:  # only if the depth scan and the parser ever disagree
+        raise ApiError(400, "the request body nests arrays and objects too deeply", code="invalid_json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):

@@ -1,6 +1,7 @@
 """The documented per-request bounds, at the gateway's two edges: a request at every
 bound is served; one past it is refused (gRPC INVALID_ARGUMENT, HTTP 400) with a message
-naming the field and the bound."""
+naming the field and the bound. HTTP bodies nested too deep or with too long an integer
+are 400 naming the problem."""
 from __future__ import annotations
 
 import http.client
@@ -18,6 +19,7 @@ from common.engine.sampling_params import (
 )
 from common.service.common_api import sampling_params_to_pb
 from gateway.core import GatewaySettings
+from gateway.openai_api.protocol import MAX_INTEGER_DIGITS, MAX_JSON_DEPTH, parse_body
 from gateway.openai_api.server import OpenAIServer
 from gateway.validation import MAX_CHAT_MESSAGES
 from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
@@ -134,3 +136,37 @@ def test_http_top_logprobs_prompt_ids_and_messages_at_and_past_their_bounds(gw):
     assert post(gw, "/v1/completions", {**completion, "prompt": [504] * (MAX_MODEL_LEN - 1)})[0] == 200
     assert_http_refused(post(gw, "/v1/completions", {**completion, "prompt": [504] * MAX_MODEL_LEN}),
                         "prompt", MAX_MODEL_LEN)
+
+
+def post_raw(gw, path: str, raw: bytes) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection(*gw.http_address.split(":"), timeout=30)
+    try:
+        connection.request("POST", path, body=raw, headers={"content-type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("raw, problem", [
+    (b"[" * 100_000 + b"]" * 100_000, f"more than {MAX_JSON_DEPTH} levels deep"),
+    (b'{"model": "m", "metadata": ' + b'{"a": ' * MAX_JSON_DEPTH + b"1" + b"}" * (MAX_JSON_DEPTH + 1),
+     f"more than {MAX_JSON_DEPTH} levels deep"),
+    (b'{"model": "m", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", "integer of 5000 digits"),
+    (b'{"model": "m", "prompt": "hi", "seed": -' + b"1" * (MAX_INTEGER_DIGITS + 1) + b"}",
+     f"at most {MAX_INTEGER_DIGITS}"),
+])
+def test_hostile_json_is_400_naming_the_problem(gw, raw, problem):
+    status, body = post_raw(gw, "/v1/completions", raw)
+    assert status == 400 and problem in body["error"]["message"], body
+    assert body["error"]["code"] == "invalid_json"
+
+
+def test_json_at_the_depth_and_number_bounds_parses():
+    nested = b'{"a": ' * (MAX_JSON_DEPTH - 1) + b"[" + b"9" * MAX_INTEGER_DIGITS + b"]" + b"}" * (MAX_JSON_DEPTH - 1)
+    value = parse_body(nested)
+    for _ in range(MAX_JSON_DEPTH - 1):
+        value = value["a"]
+    assert value == [int("9" * MAX_INTEGER_DIGITS)]
+    brackets_in_strings = json.dumps({"prompt": "[{" * 10_000, "stop": ["]}\\\""]}).encode()
+    assert parse_body(brackets_in_strings)["prompt"] == "[{" * 10_000
