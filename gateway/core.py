@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 # Prompts longer than this are tokenized on a worker thread (the Rust tokenizer
 # releases the GIL) so that one big prompt does not stall every stream's tokens.
 TOKENIZE_IN_THREAD_CHARS = 16_384
+# Likewise for long chat conversations: the template renders every message, and the
+# rendered text is longer than the messages' content (1024 messages: ~40 ms).
+TOKENIZE_IN_THREAD_MESSAGES = 64
 
 
 @dataclass
@@ -112,7 +115,8 @@ class Gateway:
     async def prepare(self, request: GenerateInput) -> PreparedRequest:
         served = frozenset([self.registry.model_name] if self.registry.model_name else [])
         args = (request, self.model, self.max_model_len, self.settings.max_prompt_chars, served)
-        if prompt_chars(request) > TOKENIZE_IN_THREAD_CHARS:
+        if (prompt_chars(request) > TOKENIZE_IN_THREAD_CHARS
+                or len(request.messages or ()) > TOKENIZE_IN_THREAD_MESSAGES):
             return await asyncio.to_thread(prepare_request, *args)
         return prepare_request(*args)
 

@@ -23,9 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from common.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from common.engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_SEED,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from gateway.openai_api.errors import ApiError, invalid_field
 from gateway.types import GenerateInput
+from gateway.validation import MAX_CHAT_MESSAGES
 
 MAX_CHOICES = 128  # n times the number of prompts: OpenAI's own cap on n
 INT32 = (-2**31, 2**31 - 1)
@@ -140,10 +147,17 @@ def obj(param: str, value: Any) -> dict:
     return value
 
 
+def _at_most(param: str, values: list, limit: int, what: str) -> None:
+    """Counted before any element is checked, so an oversized list costs nothing more."""
+    if len(values) > limit:
+        raise invalid_field(param, f"must hold at most {limit} {what}, got {len(values)}")
+
+
 def stop_strings(param: str, value: Any) -> list[str]:
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list):
         raise _wrong_type(param, "a string or an array of strings", value)
+    _at_most(param, values, MAX_STOP_STRINGS, "strings")
     for i, s in enumerate(values):
         if not isinstance(s, str):
             raise _wrong_type(f"{param}[{i}]", "a string", s)
@@ -157,6 +171,12 @@ def token_id_list(param: str, value: Any) -> list[int]:
         raise _wrong_type(param, "an array of token ids", value)
     check = integer(0, None)
     return [check(f"{param}[{i}]", t) for i, t in enumerate(value)]
+
+
+def stop_token_ids(param: str, value: Any) -> list[int]:
+    if isinstance(value, list):
+        _at_most(param, value, MAX_STOP_TOKEN_IDS, "token ids")
+    return token_id_list(param, value)
 
 
 def neutral(*values: Any) -> Callable:
@@ -176,7 +196,7 @@ COMMON_FIELDS: dict[str, Callable] = {
     "top_k": integer(-1, allowed="-1 or 0 (disabled) or an integer >= 1"), "min_p": number(0.0, 1.0),
     "presence_penalty": number(-2.0, 2.0), "frequency_penalty": number(-2.0, 2.0),
     "repetition_penalty": number(0.0, math.inf, lo_open=True), "seed": integer(0, MAX_SEED),
-    "stop": stop_strings, "stop_token_ids": token_id_list, "ignore_eos": boolean, "min_tokens": integer(0),
+    "stop": stop_strings, "stop_token_ids": stop_token_ids, "ignore_eos": boolean, "min_tokens": integer(0),
     "include_stop_str_in_output": boolean, "skip_special_tokens": boolean, "priority": integer(*INT32),
     "user": string, "logit_bias": neutral({}),
 }
@@ -341,6 +361,7 @@ def _messages(messages: Any) -> list[dict]:
         raise invalid_field("messages", "is required", code="missing_field")
     if not isinstance(messages, list) or not messages:
         raise invalid_field("messages", "must be a non-empty array of messages", code="invalid_type")
+    _at_most("messages", messages, MAX_CHAT_MESSAGES, "messages")
     checked = []
     for i, message in enumerate(messages):
         param = f"messages[{i}]"

@@ -50,6 +50,7 @@ from gateway.types import GenerationDelta
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 << 20  # like the gRPC server's message limit
+PARSE_IN_THREAD_BYTES = 64 << 10
 START_TIMEOUT_S = 30.0
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]  # no buffering in a proxy in front
@@ -147,7 +148,10 @@ class OpenAIServer:
     async def _generate(self, request: Request, chat: bool) -> Response:
         parsed = None
         try:
-            parsed = parse_request(await self._read_body(request), chat)
+            body = await self._read_body(request)
+            # A big body takes its parse off the loop, so the streams it serves keep going.
+            parsed = (await asyncio.to_thread(parse_request, body, chat) if len(body) > PARSE_IN_THREAD_BYTES
+                      else parse_request(body, chat))
             model_name = self._check_model(parsed.model)
             response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             inputs = parsed.generate_inputs(response_id)

@@ -14,8 +14,8 @@ from google.protobuf.descriptor import FieldDescriptor
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-# Fast enough for the unit suite, the same examples every run (no flaky failures from a
-# new draw, no example database written into the work tree).
+# Fast enough for the unit suite; derandomized (draws seeded from the test, not from the
+# clock) and without an example database, so a failure is not a matter of luck.
 BOUNDED = settings(max_examples=200, deadline=None, derandomize=True, database=None,
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 

@@ -9,11 +9,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kv_transfer import protocol
-from tests.support.properties import BOUNDED
+from tests.support.properties import BOUNDED, msgpack_values
 
 HOSTILE = (st.none() | st.booleans() | st.integers(min_value=-(2**64), max_value=2**64 - 1)
            | st.floats(allow_nan=True) | st.text(max_size=8) | st.binary(max_size=8)
-           | st.lists(st.integers(-2, 2**32), max_size=5) | st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+           | st.lists(st.integers(-2, 2**32), max_size=5) | msgpack_values)
 KEYS = sorted(set().union(*protocol._KEYS.values()))
 VALID = {"v": protocol.VERSION, "op": "kv", "tid": "t", "seq": 0, "layer": 0, "nlay": 1, "first": 0, "nblk": 2,
          "dtype": "float16", "shape": [16, 2, 64], "splits": [2], "reason": "", "state": "done"}
