@@ -15,11 +15,11 @@ import grpc
 from common.service.errors import ServiceError
 from common.service.logging_setup import log_event, request_context
 from common.service.metrics import GatewayMetrics
+from gateway.readiness import Readiness
 from gateway.routing.dispatcher import Dispatcher
 from gateway.routing.kv_event_subscriber import KvEventSubscriber, grpc_resync
 from gateway.routing.kv_index import KvIndex
 from gateway.routing.policies import make_policy
-from gateway.readiness import Readiness
 from gateway.routing.registry import InstanceRegistry
 from gateway.types import DeploymentInfo, GenerateInput, GenerationDelta, PreparedRequest
 from gateway.validation import ServedModel, prepare_request, prompt_chars

@@ -18,7 +18,8 @@ from tests.support.properties import BOUNDED, msgpack_values
 
 U64 = st.integers(0, 2**64 - 1)
 HOSTILE_EVENT = st.fixed_dictionaries({}, optional={
-    "seq": st.integers(-2, 5) | msgpack_values, "type": st.sampled_from(["stored", "removed", "other"]) | msgpack_values,
+    "seq": st.integers(-2, 5) | msgpack_values,
+    "type": st.sampled_from(["stored", "removed", "other"]) | msgpack_values,
     "block_hashes": st.lists(U64, max_size=3) | msgpack_values, "parent_block_hash": U64 | st.none(),
     "token_ids": st.lists(st.integers(0, 100), max_size=3), "block_size": st.integers(-1, 16)})
 HOSTILE_PAYLOADS = (st.binary(max_size=64)
