@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kv_transfer import protocol
 from tests.support.properties import BOUNDED, msgpack_values
 
-HOSTILE = (st.none() | st.booleans() | st.integers(min_value=-(2**64), max_value=2**64 - 1)
+HOSTILE = (st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1)
            | st.floats(allow_nan=True) | st.text(max_size=8) | st.binary(max_size=8)
            | st.lists(st.integers(-2, 2**32), max_size=5) | msgpack_values)
 KEYS = sorted(set().union(*protocol._KEYS.values()))
