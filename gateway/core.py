@@ -15,6 +15,7 @@ import grpc
 from common.service.errors import ServiceError
 from common.service.logging_setup import log_event, request_context
 from common.service.metrics import GatewayMetrics
+from gateway.readiness import Readiness
 from gateway.routing.dispatcher import Dispatcher
 from gateway.routing.kv_event_subscriber import KvEventSubscriber, grpc_resync
 from gateway.routing.kv_index import KvIndex
@@ -28,6 +29,9 @@ logger = logging.getLogger(__name__)
 # Prompts longer than this are tokenized on a worker thread (the Rust tokenizer
 # releases the GIL) so that one big prompt does not stall every stream's tokens.
 TOKENIZE_IN_THREAD_CHARS = 16_384
+# Likewise for long chat conversations: the template renders every message, and the
+# rendered text is longer than the messages' content (1024 messages: ~40 ms).
+TOKENIZE_IN_THREAD_MESSAGES = 64
 
 
 @dataclass
@@ -58,7 +62,15 @@ class Gateway:
         self._expiry: asyncio.Task | None = None
         self._in_flight: set[str] = set()  # request ids
         self._idle = asyncio.Event()
-        self.draining = False
+        self.readiness = Readiness(self.registry)
+
+    @property
+    def draining(self) -> bool:
+        return self.readiness.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.readiness.draining = value  # readiness follows at once
 
     async def start(self) -> None:
         self._kv_events = KvEventSubscriber(self.kv_index, grpc_resync(self.registry))
@@ -103,7 +115,8 @@ class Gateway:
     async def prepare(self, request: GenerateInput) -> PreparedRequest:
         served = frozenset([self.registry.model_name] if self.registry.model_name else [])
         args = (request, self.model, self.max_model_len, self.settings.max_prompt_chars, served)
-        if prompt_chars(request) > TOKENIZE_IN_THREAD_CHARS:
+        if (prompt_chars(request) > TOKENIZE_IN_THREAD_CHARS
+                or len(request.messages or ()) > TOKENIZE_IN_THREAD_MESSAGES):
             return await asyncio.to_thread(prepare_request, *args)
         return prepare_request(*args)
 

@@ -1,5 +1,10 @@
 """The gateway's gRPC server: GenerateService + RegistryService + health + reflection.
 
+Health: "" is liveness (SERVING while the process serves); pdserve.v1.GenerateService
+is readiness (gateway.readiness: SERVING only while a decode instance is alive and the
+gateway is not draining), pushed to the health service each time it changes. Both go
+NOT_SERVING for good when the server stops.
+
 The servicer is a thin edge: protobuf in (gateway.api), Gateway, protobuf out;
 a ServiceError becomes its status (common.service.errors.ErrorStatusInterceptor). Used by `pdserve gateway` (gateway.main) and
 started in-process by tests:
@@ -14,9 +19,11 @@ metrics (common.service.metrics.GatewayMetrics) on http://metrics_address/metric
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from grpc import aio
+from grpc_health.v1 import health_pb2
 
 from common.service.errors import ErrorStatusInterceptor
 from gateway.api import delta_to_pb, deployment_info_to_pb, generate_input_from_pb
@@ -65,6 +72,9 @@ class GatewayServer:
         registry_pb2_grpc.add_RegistryServiceServicer_to_server(
             RegistryServicer(self.gateway.registry), self._server)
         self._health = None
+        self._published_ready = True  # what add_health_and_reflection reports at first
+        self._publishing: asyncio.Task | None = None
+        self.gateway.readiness.subscribe(self._readiness_changed)
 
     async def start(self) -> str:
         """Bind, start serving and report SERVING; return the address clients dial."""
@@ -74,14 +84,29 @@ class GatewayServer:
         if self.metrics_port is not None:  # before anything runs: a taken port fails the start cleanly
             self.metrics_address = self.gateway.metrics.serve(self.metrics_host, self.metrics_port)
         await self.gateway.start()
-        # Handlers must all be added before start; the model is loaded by now, so
-        # reporting SERVING from the first moment is true.
+        # Handlers must all be added before start. The tokenizer is loaded by now, so
+        # liveness is SERVING from the first moment; readiness waits for a decode instance.
         self._health = await add_health_and_reflection(self._server, GENERATE_SERVICE, REGISTRY_SERVICE)
+        self._readiness_changed(self.gateway.readiness.ready)  # no decode instance yet: NOT_SERVING
         await self._server.start()
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]", "") else self.host
         self.address = f"{host}:{bound_port}"
         logger.info("gateway serving on %s (policy %s)", self.address, self.gateway.policy.name)
         return self.address
+
+    def _readiness_changed(self, _ready: bool) -> None:
+        if self._health is not None and (self._publishing is None or self._publishing.done()):
+            self._publishing = asyncio.get_running_loop().create_task(self._publish_readiness())
+
+    async def _publish_readiness(self) -> None:
+        """Bring GenerateService's health status to the gateway's readiness. One writer at
+        a time, looping until they agree, so changes that come while a status is being
+        written (listeners are synchronous, HealthServicer.set is not) are never reordered."""
+        readiness = self.gateway.readiness
+        while self._published_ready != (ready := readiness.ready):
+            status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+            await self._health.set(GENERATE_SERVICE, status)
+            self._published_ready = ready
 
     async def stop(self, drain_timeout_s: float = 0.0) -> None:
         """Report NOT_SERVING, refuse new requests, let those in flight finish for up
@@ -90,6 +115,8 @@ class GatewayServer:
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         await self.gateway.drain(drain_timeout_s)
+        if self._publishing is not None:
+            self._publishing.cancel()
         await self._server.stop(grace=1.0)
         await self.gateway.close()
         self.gateway.metrics.close()

@@ -19,6 +19,10 @@ from gateway.tokenizer import load_prompt_tokenizer
 from gateway.types import GenerateInput, PreparedRequest
 
 MAX_REQUEST_ID_CHARS = 256
+# Chat messages per request: the chat template runs once per message, on the event
+# loop for short conversations. Agent transcripts reach hundreds; their total size is
+# bounded separately (max_prompt_chars), so each message's is too.
+MAX_CHAT_MESSAGES = 1024
 
 
 @dataclass
@@ -98,6 +102,8 @@ def _tokenize(request: GenerateInput, model: ServedModel, max_prompt_chars: int)
         raise invalid("the prompt is missing: set text, token_ids or messages")
     if len(forms) > 1:  # only possible from Python; the proto has a oneof
         raise invalid(f"set exactly one prompt form, got {' and '.join(forms)}")
+    if request.messages is not None and len(request.messages) > MAX_CHAT_MESSAGES:
+        raise invalid(f"messages: {len(request.messages)} messages, more than the limit of {MAX_CHAT_MESSAGES}")
     num_chars = prompt_chars(request)
     if num_chars > max_prompt_chars:
         raise invalid(f"the prompt has {num_chars} characters, more than this gateway's limit of "

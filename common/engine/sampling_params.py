@@ -18,6 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20  # cap on top-n logprobs per token; each one costs a topk over the vocab
+# Per-request list bounds, so that no one request can slow the loop that serves all of
+# them: every stop string is searched for in each new piece of text and the text held
+# back for the longest one; stop token ids are looked up for every token sampled.
+# Generous next to real use (OpenAI allows 4 stop strings; evaluation harnesses and
+# chat templates send a handful of strings and a few end-of-turn ids).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
 MAX_SEED = 2**63 - 1
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows (vLLM's eps).
 SAMPLING_EPS = 1e-5
@@ -59,7 +67,7 @@ class SamplingParams:
 
     def _check(self) -> None:
         def fail(name: str, allowed: str) -> None:
-            raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+            raise ValueError(f"{name} must be {allowed}, got {_short_repr(getattr(self, name))}")
 
         if not _is_int(self.n) or self.n < 1:
             fail("n", "an integer >= 1")
@@ -84,15 +92,7 @@ class SamplingParams:
                 fail(name, "in [-2, 2]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             fail("seed", f"None or an integer in [0, {MAX_SEED}]")
-        if isinstance(self.stop, tuple):
-            self.stop = list(self.stop)
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            fail("stop", "a list of non-empty strings")
-        if isinstance(self.stop_token_ids, tuple):
-            self.stop_token_ids = list(self.stop_token_ids)
-        if (not isinstance(self.stop_token_ids, list)
-                or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids)):
-            fail("stop_token_ids", "a list of integers >= 0")
+        self._check_stop_lists()
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "a bool")
@@ -106,6 +106,34 @@ class SamplingParams:
         if self.logprobs is not None and (
                 not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
+
+    def _check_stop_lists(self) -> None:
+        """The stop lists' bounds, counted before any element is looked at; messages
+        name the offending element, never echo a whole (possibly huge) list."""
+        if isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if not isinstance(self.stop, list):
+            raise ValueError(f"stop must be a list of non-empty strings, got {type(self.stop).__name__}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for i, stop in enumerate(self.stop):
+            if not isinstance(stop, str) or not stop:
+                raise ValueError(f"stop must be a list of non-empty strings; stop[{i}] is {_short_repr(stop)}")
+            if len(stop) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop[{i}] must be at most {MAX_STOP_STRING_CHARS} characters long, "
+                                 f"got {len(stop)}")
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.stop_token_ids, list):
+            raise ValueError(f"stop_token_ids must be a list of integers >= 0, "
+                             f"got {type(self.stop_token_ids).__name__}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} token ids, "
+                             f"got {len(self.stop_token_ids)}")
+        for i, token_id in enumerate(self.stop_token_ids):
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"stop_token_ids must be a list of integers >= 0; stop_token_ids[{i}] "
+                                 f"is {_short_repr(token_id)}")
 
     @property
     def is_greedy(self) -> bool:
@@ -152,6 +180,13 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown SamplingParams fields: {sorted(unknown)}")
         return cls(**data)
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    if _is_int(value) and value.bit_length() > 256:  # repr of a huge int is slow, or refused
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def validate_prompt_token_ids(prompt_token_ids: list[int], vocab_size: int) -> None:

@@ -18,18 +18,35 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from common.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from common.engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_SEED,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from gateway.openai_api.errors import ApiError, invalid_field
 from gateway.types import GenerateInput
+from gateway.validation import MAX_CHAT_MESSAGES
 
 MAX_CHOICES = 128  # n times the number of prompts: OpenAI's own cap on n
 INT32 = (-2**31, 2**31 - 1)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _NONE = object()  # a field that was not sent
+# The body's shape before its fields are looked at. The deepest body this API takes
+# nests 5 levels (messages[i].content[j].text); the bound leaves room for metadata and
+# keeps the parser far from Python's recursion limit (a RecursionError was a 500).
+MAX_JSON_DEPTH = 32
+# Every integer field fits in 64 bits (seed < 2**63 has 19 digits); longer literals are
+# refused while parsing, before int() spends quadratic time on them (5,000 digits was a 500).
+MAX_INTEGER_DIGITS = 20
+# Strings are matched whole so that brackets inside them are skipped.
+_STRINGS_AND_BRACKETS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
 
 
 @dataclass
@@ -130,10 +147,17 @@ def obj(param: str, value: Any) -> dict:
     return value
 
 
+def _at_most(param: str, values: list, limit: int, what: str) -> None:
+    """Counted before any element is checked, so an oversized list costs nothing more."""
+    if len(values) > limit:
+        raise invalid_field(param, f"must hold at most {limit} {what}, got {len(values)}")
+
+
 def stop_strings(param: str, value: Any) -> list[str]:
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list):
         raise _wrong_type(param, "a string or an array of strings", value)
+    _at_most(param, values, MAX_STOP_STRINGS, "strings")
     for i, s in enumerate(values):
         if not isinstance(s, str):
             raise _wrong_type(f"{param}[{i}]", "a string", s)
@@ -147,6 +171,12 @@ def token_id_list(param: str, value: Any) -> list[int]:
         raise _wrong_type(param, "an array of token ids", value)
     check = integer(0, None)
     return [check(f"{param}[{i}]", t) for i, t in enumerate(value)]
+
+
+def stop_token_ids(param: str, value: Any) -> list[int]:
+    if isinstance(value, list):
+        _at_most(param, value, MAX_STOP_TOKEN_IDS, "token ids")
+    return token_id_list(param, value)
 
 
 def neutral(*values: Any) -> Callable:
@@ -166,7 +196,7 @@ COMMON_FIELDS: dict[str, Callable] = {
     "top_k": integer(-1, allowed="-1 or 0 (disabled) or an integer >= 1"), "min_p": number(0.0, 1.0),
     "presence_penalty": number(-2.0, 2.0), "frequency_penalty": number(-2.0, 2.0),
     "repetition_penalty": number(0.0, math.inf, lo_open=True), "seed": integer(0, MAX_SEED),
-    "stop": stop_strings, "stop_token_ids": token_id_list, "ignore_eos": boolean, "min_tokens": integer(0),
+    "stop": stop_strings, "stop_token_ids": stop_token_ids, "ignore_eos": boolean, "min_tokens": integer(0),
     "include_stop_str_in_output": boolean, "skip_special_tokens": boolean, "priority": integer(*INT32),
     "user": string, "logit_bias": neutral({}),
 }
@@ -184,9 +214,46 @@ CHAT_FIELDS: dict[str, Callable] = {
 STREAM_OPTIONS = {"include_usage": boolean, "continuous_usage_stats": boolean, "include_obfuscation": boolean}
 
 
+class _IntegerTooLong(ValueError):
+    pass
+
+
+def _bounded_int(literal: str) -> int:
+    digits = len(literal) - literal.startswith("-")
+    if digits > MAX_INTEGER_DIGITS:
+        raise _IntegerTooLong(digits)
+    return int(literal)
+
+
+def _too_deep(body: bytes) -> bool:
+    """Whether arrays and objects nest more than MAX_JSON_DEPTH deep (a linear scan, run
+    only when there are enough brackets for it to be possible)."""
+    if body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH:
+        return False
+    depth = 0
+    for match in _STRINGS_AND_BRACKETS.finditer(body):
+        token = match.group()
+        if token in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return True
+        elif token in (b"]", b"}"):
+            depth -= 1
+    return False
+
+
 def parse_body(body: bytes) -> dict:
+    if _too_deep(body):
+        raise ApiError(400, f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep",
+                       code="invalid_json")
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_int=_bounded_int)
+    except _IntegerTooLong as e:
+        raise ApiError(400, f"the request body has an integer of {e.args[0]} digits; at most "
+                            f"{MAX_INTEGER_DIGITS} are allowed (every integer field fits in 64 bits)",
+                       code="invalid_json") from None
+    except RecursionError:  # only if the depth scan and the parser ever disagree
+        raise ApiError(400, "the request body nests arrays and objects too deeply", code="invalid_json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
@@ -260,8 +327,8 @@ def _sampling(values: dict, n: int, max_tokens: int | None, num_logprobs: int | 
                               top_k=-1 if top_k == 0 else top_k, **fields)
     except ValueError as e:  # what only holds between fields, e.g. min_tokens <= max_tokens
         message = str(e)
-        param = message.split(" ", 1)[0]
-        raise invalid_field(param if param in values else "max_tokens", message) from None
+        param = message.split(" ", 1)[0]  # SamplingParams starts with the field, e.g. "stop[2]"
+        raise invalid_field(param if param.split("[", 1)[0] in values else "max_tokens", message) from None
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -294,6 +361,7 @@ def _messages(messages: Any) -> list[dict]:
         raise invalid_field("messages", "is required", code="missing_field")
     if not isinstance(messages, list) or not messages:
         raise invalid_field("messages", "must be a non-empty array of messages", code="invalid_type")
+    _at_most("messages", messages, MAX_CHAT_MESSAGES, "messages")
     checked = []
     for i, message in enumerate(messages):
         param = f"messages[{i}]"

@@ -2,7 +2,7 @@
 gateway's own event loop, next to the gRPC server, on the same Gateway object.
 
     POST /v1/completions        POST /v1/chat/completions   (stream: server-sent events)
-    GET  /v1/models             GET  /health
+    GET  /v1/models             GET  /health (liveness)     GET  /ready (readiness)
 
 A request is parsed and checked at the edge (protocol.py), turned into one
 GenerateInput per choice and run through Gateway.stream / Gateway.generate, the very
@@ -50,6 +50,7 @@ from gateway.types import GenerationDelta
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 << 20  # like the gRPC server's message limit
+PARSE_IN_THREAD_BYTES = 64 << 10
 START_TIMEOUT_S = 30.0
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]  # no buffering in a proxy in front
@@ -73,6 +74,7 @@ class OpenAIServer:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
         ], exception_handlers={HTTPException: _http_exception, Exception: _internal_error})
         self.access_log = access_log
         self._server: _EmbeddedServer | None = None
@@ -131,14 +133,25 @@ class OpenAIServer:
              "max_model_len": info.max_model_len}]})
 
     async def health(self, request: Request) -> Response:
+        """Liveness: the process serves (503 only once it drains to stop)."""
         if self.gateway.draining:
             return _json({"status": "draining"}, status=503)
         return _json({"status": "ok"})
 
+    async def ready(self, request: Request) -> Response:
+        """Readiness (gateway.readiness): 503 with the reason while nothing can be served."""
+        reason = self.gateway.readiness.reason
+        if reason is not None:
+            return _json({"status": "not ready", "reason": reason}, status=503)
+        return _json({"status": "ready"})
+
     async def _generate(self, request: Request, chat: bool) -> Response:
         parsed = None
         try:
-            parsed = parse_request(await self._read_body(request), chat)
+            body = await self._read_body(request)
+            # A big body takes its parse off the loop, so the streams it serves keep going.
+            parsed = (await asyncio.to_thread(parse_request, body, chat) if len(body) > PARSE_IN_THREAD_BYTES
+                      else parse_request(body, chat))
             model_name = self._check_model(parsed.model)
             response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             inputs = parsed.generate_inputs(response_id)

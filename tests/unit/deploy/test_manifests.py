@@ -146,7 +146,7 @@ def test_k8s_manifests_pass_schema_validation():
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     docs = k8s_docs()
     kinds = sorted(d["kind"] for _, d in docs)
-    assert kinds == sorted(["ConfigMap", "PersistentVolumeClaim", "Deployment", "Service",
+    assert kinds == sorted(["ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "Service",
                             "Deployment", "Service", "HorizontalPodAutoscaler",
                             "Deployment", "Service", "HorizontalPodAutoscaler"])
     for name, doc in docs:
@@ -177,13 +177,21 @@ def test_k8s_pools_have_probes_gpus_and_autoscalers():
     hpas = {d["spec"]["scaleTargetRef"]["name"]: d for _, d in docs if d["kind"] == "HorizontalPodAutoscaler"}
     services = {d["metadata"]["name"]: d for _, d in docs if d["kind"] == "Service"}
     assert set(deployments) == {"pdserve-gateway", "pdserve-prefill", "pdserve-decode"}
-    assert set(services) == set(deployments)
+    assert set(services) == set(deployments) | {"pdserve-gateway-registry"}
     assert set(hpas) == {"pdserve-prefill", "pdserve-decode"}
     for name, deployment in deployments.items():
         pod = deployment["spec"]["template"]["spec"]
         (container,) = pod["containers"]
         for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
             assert container[probe]["grpc"]["port"] == 50051, (name, probe)
+        # Liveness asks about the process; the gateway's readiness about serving Generate.
+        assert "service" not in container["livenessProbe"]["grpc"]
+        assert "service" not in container["startupProbe"]["grpc"]
+        assert container["readinessProbe"]["grpc"].get("service") == (
+            "pdserve.v1.GenerateService" if name == "pdserve-gateway" else None), name
+        if name != "pdserve-gateway":  # registering must not wait for the gateway's readiness
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert env["PDSERVE_GATEWAY"] == "pdserve-gateway-registry:50051", name
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert container["args"] == ["pdserve", name.removeprefix("pdserve-")]
         gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu")
@@ -201,6 +209,9 @@ def test_k8s_pools_have_probes_gpus_and_autoscalers():
     gateway_container = deployments["pdserve-gateway"]["spec"]["template"]["spec"]["containers"][0]
     assert {p["name"]: p["containerPort"] for p in gateway_container["ports"]}["http"] == 8000
     assert {e["name"]: e["value"] for e in gateway_container["env"]}["PDSERVE_HTTP_PORT"] == "8000"
+    registry = services["pdserve-gateway-registry"]["spec"]
+    assert registry["publishNotReadyAddresses"] is True
+    assert registry["selector"] == services["pdserve-gateway"]["spec"]["selector"]
     assert services["pdserve-prefill"]["spec"]["clusterIP"] == "None"
     assert services["pdserve-decode"]["spec"]["clusterIP"] == "None"
 
@@ -259,7 +270,9 @@ def test_compose_config_accepted_and_env_honoured(files, monkeypatch):
         check_env_is_honoured(role, env, monkeypatch, shared=set(shared))
         # Metrics on the port Prometheus scrapes; on the host network, a free port each.
         assert env["PDSERVE_METRICS_PORT"] == ("0" if "compose.host-network.yaml" in files else str(METRICS_PORT))
-        if role != "gateway":
+        if role == "gateway":  # liveness: instances wait for it, and readiness waits for them
+            assert "--service" not in service["healthcheck"]["test"]
+        else:
             assert service["depends_on"]["gateway"]["condition"] == "service_healthy"
             assert not service.get("ports"), "only the gateway's port is published"
         reservations = service.get("deploy", {}).get("resources", {}).get("reservations", {})
