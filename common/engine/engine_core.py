@@ -20,6 +20,7 @@ from common.engine.model_files import load_hf_config, resolve_model
 from common.engine.outputs import EngineCoreOutput, SchedulerOutput
 from common.engine.request import Request
 from common.engine.scheduler import RemoteKVReservation, Scheduler
+from common.engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class EngineCore:
                                                enable_prefix_caching=cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, cache.block_size, self.max_model_len,
                                    kv_connector=make_scheduler_connector(config.kv_transfer, cache.block_size))
+        self.structured_output = StructuredOutputManager(self.model_dir, self.model_config.vocab_size,
+                                                         tuple(self.model_config.eos_token_ids))
         self.idle = True
         # Called on the engine thread after each step that ran something, with the
         # step's SchedulerOutput and its duration in seconds (the services' metrics).
@@ -106,12 +109,15 @@ class EngineCore:
         self._pending_outputs: list[EngineCoreOutput] = []
 
     def add_request(self, request: Request) -> None:
+        # Before the scheduler: a constraint the backend rejects fails with nothing allocated.
+        self.structured_output.prepare(request)
         self.scheduler.add_request(request)
 
     def reserve_remote_kv(self, request: Request) -> RemoteKVReservation | None:
         """Take a seat and blocks for a request whose prompt KV comes from outside (its
         kv_transfer_params name the transfer). On return the worker half expects the KV,
         so the sender may be told where it goes. None when no seat or blocks are free."""
+        self.structured_output.prepare(request)
         reservation = self.scheduler.reserve_remote_kv(request)
         if reservation is not None:
             self._run_kv_connector_only()
@@ -140,6 +146,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        self.structured_output.fill_bitmask(scheduler_output, self.scheduler.requests)
         # Nothing schedulable (e.g. every request waits for remote KV): callers back off.
         self.idle = scheduler_output.is_empty
         runner_output = self.executor.execute_model(scheduler_output)
@@ -166,7 +173,7 @@ class EngineCore:
 
     def stats(self) -> dict:
         """A plain-data snapshot of load, for heartbeats, metrics and tests."""
-        stats = dict(self.scheduler.stats)
+        stats = dict(self.scheduler.stats) | self.structured_output.stats()
         for source in self.stats_sources:
             stats.update(source())
         return stats

@@ -136,11 +136,20 @@ class ModelRunner:
         if not sample_reqs:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         logits = self.model.compute_logits(hidden[sample_indices])  # [num_samples, vocab]
-        sampled = self.sampler(logits, sample_reqs)
+        sampled = self.sampler(logits, sample_reqs, *self._grammar_bitmask(scheduler_output, sample_reqs))
         return RunnerOutput(req_ids=[r.req_id for r in sample_reqs],
                             sampled_token_ids=[[t] for t in sampled.sampled_token_ids],
                             logprobs=None if sampled.logprobs is None
                             else [[lp] if lp is not None else None for lp in sampled.logprobs])
+
+    @staticmethod
+    def _grammar_bitmask(scheduler_output: SchedulerOutput, sample_reqs: list[ScheduledRequest]):
+        """(bitmask, the sample rows its rows mask), or (None, []) when no row is constrained."""
+        if scheduler_output.grammar_bitmask is None:
+            return None, []
+        row_of = {r.req_id: row for row, r in enumerate(sample_reqs)}
+        return (scheduler_output.grammar_bitmask,
+                [row_of[req_id] for req_id in scheduler_output.structured_output_req_ids])
 
     def _kv_layer_hook(self, layer_idx: int) -> None:
         self.kv_connector.wait_for_layer_load(layer_idx)

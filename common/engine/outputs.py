@@ -7,7 +7,7 @@ Plain dataclasses and lists: no torch, so they can be msgpack'd to TP workers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from common.engine.kv_connector.metadata import KVConnectorMetadata, KVTransferOutcome
 
@@ -42,6 +42,11 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)
     # The KV connector's work for this step (None: no connector configured).
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # Structured outputs: the tokens each constrained sampling request may take next.
+    # grammar_bitmask: [len(structured_output_req_ids), ceil(vocab_size / 32)] int32
+    # tensor, row i for structured_output_req_ids[i]; bit t set = token t allowed.
+    grammar_bitmask: Any = None
+    structured_output_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -55,6 +55,9 @@ class Request:
         # Where this request's KV comes from or goes to, for the engine's KV connector
         # (plain data; see common.engine.kv_connector). None: no transfer.
         self.kv_transfer_params: dict | None = None
+        # Where the output stands in its structured_outputs constraint (a RequestGrammar,
+        # set by the structured-output manager at admission). None: unconstrained.
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

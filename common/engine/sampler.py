@@ -12,6 +12,9 @@ being sampled), so its tokens depend neither on the rest of the batch nor on whi
 instance samples which position (prefill samples token 0 on P and decode the rest on
 D; a request prefilled locally on D gets the same tokens).
 
+A structured-output bitmask, when given, comes first: the tokens a constrained row's
+grammar forbids are -inf before anything else, so greedy and random draws both obey it.
+
 Greedy rows (temperature < 1e-5 or top_k == 1) take the argmax of the penalised,
 masked logits. A batch of greedy rows without penalties, logprobs or pending
 min_tokens is a single argmax.
@@ -25,6 +28,7 @@ from typing import Sequence
 import torch
 
 from common.engine.outputs import Logprobs, ScheduledRequest
+from common.engine.structured_output.bitmask import apply_token_bitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -60,19 +64,28 @@ class Sampler:
             self._request_generators.pop(req_id, None)
             self._prompt_id_tensors.pop(req_id, None)
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest],
+                 token_bitmask: torch.Tensor | None = None,
+                 bitmask_rows: Sequence[int] = ()) -> SamplerOutput:
+        """token_bitmask: [len(bitmask_rows), ceil(vocab_size / 32)] int32, its row i
+        masking logits row bitmask_rows[i] (structured outputs)."""
         num_seqs, vocab_size = logits.shape  # logits: [num_seqs, vocab_size]
         assert num_seqs == len(requests), (num_seqs, len(requests))
         params = [r.sampling_params for r in requests]
+        copied = token_bitmask is not None
+        if copied:
+            logits = logits.to(torch.float32, copy=True)  # mutated; the caller's is left alone
+            apply_token_bitmask(logits, token_bitmask, list(bitmask_rows))
         if all(p.is_greedy and p.logprobs is None and not p.has_penalties
                and len(r.output_token_ids) >= p.min_tokens for r, p in zip(requests, params)):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), None)  # fast path
 
-        logits = logits.to(torch.float32, copy=True)  # mutated below; the caller's is left alone
+        if not copied:
+            logits = logits.to(torch.float32, copy=True)  # mutated below; the caller's is left alone
         penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
         if penalty_rows:
             self._apply_penalties(logits, penalty_rows, requests)
-        self._mask_stop_tokens_below_min_tokens(logits, requests)
+        self._mask_stop_tokens_below_min_tokens(logits, requests, set(bitmask_rows))
 
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         # [num_logprob_rows, vocab_size]
@@ -139,14 +152,16 @@ class Sampler:
             self._prompt_id_tensors[request.req_id] = ids
         return ids
 
-    def _mask_stop_tokens_below_min_tokens(self, logits: torch.Tensor,
-                                           requests: Sequence[ScheduledRequest]) -> None:
+    def _mask_stop_tokens_below_min_tokens(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest],
+                                           constrained_rows: set[int]) -> None:
         vocab_size = logits.shape[1]
         mask_rows: list[int] = []
         mask_ids: list[int] = []
         for i, r in enumerate(requests):
             p = r.sampling_params
-            if len(r.output_token_ids) >= p.min_tokens:
+            # A constrained row's grammar decides where it ends: once complete it allows
+            # only EOS, and masking that too would leave nothing to sample.
+            if len(r.output_token_ids) >= p.min_tokens or i in constrained_rows:
                 continue
             # vLLM: EOS counts as a stop token unless ignore_eos.
             stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))

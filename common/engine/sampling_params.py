@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.engine.structured_output.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # cap on top-n logprobs per token; each one costs a topk over the vocab
 # Per-request list bounds, so that no one request can slow the loop that serves all of
 # them: every stop string is searched for in each new piece of text and the text held
@@ -58,6 +60,8 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
     logprobs: int | None = None  # None: none; 0: the sampled token's only; k: plus top-k
     skip_special_tokens: bool = True  # in the detokenized text
+    # Guided decoding: the output obeys this constraint (a dict is turned into one).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # A lone string is vLLM's shorthand for one stop string.
@@ -106,6 +110,10 @@ class SamplingParams:
         if self.logprobs is not None and (
                 not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            fail("structured_outputs", "None, a StructuredOutputsParams or a dict")
 
     def _check_stop_lists(self) -> None:
         """The stop lists' bounds, counted before any element is looked at; messages
@@ -169,8 +177,11 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (ints, floats, bools, lists, None) for msgpack/JSON transport."""
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), list) else v)
-                for f in dataclasses.fields(self)}
+        values = {f.name: (list(v) if isinstance(v := getattr(self, f.name), list) else v)
+                  for f in dataclasses.fields(self)}
+        if self.structured_outputs is not None:
+            values["structured_outputs"] = self.structured_outputs.to_dict()
+        return values
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":

@@ -264,7 +264,7 @@ class Scheduler(SchedulerInterface):
         for token_id in token_ids:
             request.append_output_token_ids([token_id])
             num_kept += 1
-            if self._check_stop(request, token_id):
+            if self._check_grammar(request, token_id) or self._check_stop(request, token_id):
                 self._finish(request)
                 break
         return EngineCoreOutput(
@@ -272,6 +272,21 @@ class Scheduler(SchedulerInterface):
             new_logprobs=logprobs[:num_kept] if logprobs is not None else None,
             finish_reason=request.status.value if request.is_finished else None,
             stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0))
+
+    @staticmethod
+    def _check_grammar(request: Request, token_id: int) -> bool:
+        """Advance a constrained request's grammar; True when it ends the request: the
+        grammar is complete ("stop"), or refused a token sampled elsewhere ("abort")."""
+        grammar = request.grammar
+        if grammar is None:
+            return False
+        if not grammar.accept_token(token_id):
+            request.status = RequestStatus.FINISHED_ABORTED
+            return True
+        if grammar.is_terminated:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params

@@ -1,0 +1,89 @@
+"""The structured-output manager: lives beside the scheduler in the engine core.
+
+At admission it gives each constrained request its own grammar (compiling the
+constraint, or finding it cached) before the scheduler sees the request, so a bad
+constraint fails before any KV is allocated. Each step it fills the token bitmask
+of the constrained rows that sample; the scheduler advances a request's grammar
+with every token it accepts and finishes the request once the grammar is done.
+
+Preemption needs nothing here: in recompute mode a request keeps its output
+tokens, and its grammar has accepted exactly those, so its state stays right.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import xgrammar as xgr
+
+from common.engine.outputs import SchedulerOutput
+from common.engine.request import Request
+from common.engine.sampling_params import SamplingParams
+from common.engine.structured_output.backend import XgrammarBackend
+from common.text.tokenizer import load_tokenizer
+
+
+class StructuredOutputManager:
+    def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self._model_dir = model_dir
+        self._vocab_size = vocab_size
+        self._eos_token_ids = eos_token_ids
+        self._backend: XgrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        self.num_constrained_requests = 0
+        self.num_bitmask_steps = 0
+        self.bitmask_seconds_total = 0.0
+        self.compile_observer = None  # see XgrammarBackend.compile_observer
+
+    @property
+    def backend(self) -> XgrammarBackend:
+        """Built on first use: reading the vocabulary costs a second or so, and most
+        engines never see a constraint."""
+        with self._backend_lock:
+            if self._backend is None:
+                eos = tuple(dict.fromkeys(load_tokenizer(self._model_dir).eos_token_ids + self._eos_token_ids))
+                self._backend = XgrammarBackend(self._model_dir, self._vocab_size, eos)
+                self._backend.compile_observer = self.compile_observer
+            return self._backend
+
+    def compile(self, params: SamplingParams) -> None:
+        """Compile (and cache) params' constraint; thread-safe, for callers off the
+        engine loop. ValueError naming the field when the constraint is rejected."""
+        if params.structured_outputs is not None:
+            self.backend.compile(params.structured_outputs)
+
+    def prepare(self, request: Request) -> None:
+        """A fresh grammar for the request, advanced over any output it already has."""
+        constraint = request.sampling_params.structured_outputs
+        if constraint is None:
+            request.grammar = None
+            return
+        grammar = self.backend.new_grammar(constraint)
+        if request.output_token_ids and not grammar.replay(request.output_token_ids):
+            raise ValueError("the request's output so far does not match its structured_outputs")
+        request.grammar = grammar
+        self.num_constrained_requests += 1
+
+    def fill_bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """Set scheduler_output's bitmask for the constrained requests that sample this step."""
+        constrained = [r.req_id for r in scheduler_output.scheduled
+                       if r.do_sample and getattr(requests.get(r.req_id), "grammar", None) is not None]
+        if not constrained:
+            return
+        started = time.perf_counter()
+        bitmask = xgr.allocate_token_bitmask(len(constrained), self._vocab_size)  # [rows, words] int32
+        for row, req_id in enumerate(constrained):
+            requests[req_id].grammar.fill_bitmask(bitmask, row)
+        scheduler_output.grammar_bitmask = bitmask
+        scheduler_output.structured_output_req_ids = constrained
+        self.num_bitmask_steps += 1
+        self.bitmask_seconds_total += time.perf_counter() - started
+
+    def stats(self) -> dict[str, float]:
+        backend = self._backend
+        return {"structured_output_requests": self.num_constrained_requests,
+                "structured_output_compiles": backend.num_compiles if backend else 0,
+                "structured_output_compile_seconds": backend.compile_seconds_total if backend else 0.0,
+                "structured_output_bitmask_steps": self.num_bitmask_steps,
+                "structured_output_bitmask_seconds": self.bitmask_seconds_total}

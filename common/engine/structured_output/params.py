@@ -1,0 +1,110 @@
+"""A request's output constraint, as plain data (vLLM's `structured_outputs` shape).
+
+Exactly one kind is given: `json` (a JSON schema, as a dict or its JSON text),
+`json_object` (any JSON object), `regex`, `choice` (one of these strings) or
+`grammar` (EBNF). What can be checked without the grammar backend is checked here
+(and so in the torch-free gateway): one kind, well-typed, the schema is JSON, the
+regex compiles with `re`. The backend rejects the rest when it compiles.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# Bounds so one request cannot make the engine compile something huge.
+MAX_CONSTRAINT_CHARS = 64 * 1024
+MAX_CHOICES = 256
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    json: str | dict | None = None  # a JSON schema
+    json_object: bool | None = None  # True: any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (xgrammar's dialect of GBNF)
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must give exactly one of {', '.join(KINDS)}; "
+                             f"got {', '.join(given) if given else 'none'}")
+        kind = given[0]
+        value = getattr(self, kind)
+        field = f"structured_outputs.{kind}"
+        if kind == "json":
+            object.__setattr__(self, "json", _schema_text(value, field))
+        elif kind == "json_object":
+            if value is not True:
+                raise ValueError(f"{field} must be true, got {value!r}")
+        elif kind == "choice":
+            if isinstance(value, tuple):
+                object.__setattr__(self, "choice", list(value))
+                value = self.choice
+            if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
+                    or not all(isinstance(c, str) and c for c in value)):
+                raise ValueError(f"{field} must be a list of 1 to {MAX_CHOICES} non-empty strings")
+            _check_length(sum(len(c) for c in value), field)
+        else:
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{field} must be a non-empty string, got {type(value).__name__}")
+            _check_length(len(value), field)
+            if kind == "regex":
+                try:
+                    re.compile(value)
+                except re.error as e:
+                    raise ValueError(f"{field} is not a valid regular expression: {e}") from None
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
+
+    @property
+    def value(self) -> str | bool | list[str]:
+        return getattr(self, self.kind)
+
+    @property
+    def cache_key(self) -> tuple[str, str]:
+        """(kind, text): equal constraints compile once."""
+        value = self.value
+        return self.kind, value if isinstance(value, str) else json.dumps(value)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: only the given kind (json as its text)."""
+        value = self.value
+        return {self.kind: list(value) if isinstance(value, list) else value}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StructuredOutputsParams":
+        if not isinstance(data, dict):
+            raise ValueError(f"structured_outputs must be an object with one of {', '.join(KINDS)}")
+        unknown = set(data) - set(KINDS)
+        if unknown:
+            raise ValueError(f"structured_outputs has unknown fields: {sorted(map(str, unknown))}")
+        return cls(**data)
+
+
+def _check_length(num_chars: int, field: str) -> None:
+    if num_chars > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"{field} must be at most {MAX_CONSTRAINT_CHARS} characters, got {num_chars}")
+
+
+def _schema_text(schema: Any, field: str) -> str:
+    """The schema as compact JSON text; key order is kept (it is the order properties are generated in)."""
+    if isinstance(schema, str):
+        _check_length(len(schema), field)
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{field} is not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"{field} must be a JSON schema (an object), got {type(schema).__name__}")
+    try:
+        text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ValueError(f"{field} is not JSON data: {e}") from None
+    _check_length(len(text), field)
+    return text

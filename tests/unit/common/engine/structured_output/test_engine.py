@@ -1,0 +1,101 @@
+"""Guided decoding through the real engine on a tiny random Llama (bundled tokenizer):
+outputs obey their constraint whatever the sampling, the batch or preemption."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from common import LLM, SamplingParams
+from common.engine.request import Request
+
+SCHEMA = {"type": "object",
+          "properties": {"ok": {"type": "boolean"},
+                         "size": {"type": "integer", "minimum": 1, "maximum": 99},
+                         "color": {"enum": ["red", "green", "blue"]},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+          "required": ["ok", "size", "color", "tags"], "additionalProperties": False}
+REGEX = r"[0-9]{3}-[a-z]{2}"
+CHOICES = ["yes", "no", "not sure"]
+PROMPTS = [{"prompt_token_ids": [5, 17, 300 + i, 4000 + 7 * i]} for i in range(4)]
+
+
+def check_schema(text: str) -> None:
+    value = json.loads(text)
+    assert set(value) == {"ok", "size", "color", "tags"}
+    assert isinstance(value["ok"], bool) and 1 <= value["size"] <= 99
+    assert value["color"] in {"red", "green", "blue"}
+    assert len(value["tags"]) <= 3 and set(value["tags"]) <= {"a", "b"}
+
+
+CASES = [({"json": SCHEMA}, check_schema),
+         ({"regex": REGEX}, lambda text: re.fullmatch(REGEX, text) or pytest.fail(text)),
+         ({"choice": CHOICES}, lambda text: text in CHOICES or pytest.fail(text)),
+         ({"grammar": 'root ::= "(" [a-c]+ ")"'}, lambda text: re.fullmatch(r"\([a-c]+\)", text) or pytest.fail(text)),
+         ({"json_object": True}, lambda text: isinstance(json.loads(text), dict) or pytest.fail(text))]
+
+
+@pytest.fixture
+def llm(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, block_size=8)
+    yield llm
+    assert llm.engine.kv_cache_manager.num_free_blocks == 64
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=11)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("constraint, check", CASES, ids=[next(iter(c)) for c, _ in CASES])
+def test_outputs_obey_the_constraint_and_end_with_stop(llm, constraint, check, sampling):
+    params = SamplingParams(max_tokens=200, structured_outputs=constraint, **sampling)
+    outputs = llm.generate(PROMPTS, params)
+    for output in outputs:
+        completion = output.outputs[0]
+        if completion.finish_reason == "length":  # json_object may run on: what came is a prefix
+            assert "json_object" in constraint
+            continue
+        assert completion.finish_reason == "stop"
+        check(completion.text)
+    assert llm.generate(PROMPTS, params)[0].outputs[0].token_ids == outputs[0].outputs[0].token_ids
+
+
+def test_unconstrained_rows_are_unchanged_by_a_constrained_neighbour(llm):
+    free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], [free, seeded])]
+    mixed = llm.generate(PROMPTS[:2] + PROMPTS[2:], [free, seeded] + [
+        SamplingParams(temperature=0.0, max_tokens=8, structured_outputs={"choice": CHOICES})] * 2)
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == alone
+    assert all(o.outputs[0].text in CHOICES for o in mixed[2:])
+
+
+def test_preemption_does_not_change_constrained_outputs(tiny_llama_dir):
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured_outputs={"json": SCHEMA})
+    prompts = [{"prompt_token_ids": list(range(10 + i, 30 + i))} for i in range(6)]
+    roomy = LLM(model=str(tiny_llama_dir), num_kv_blocks=128, block_size=4).generate(prompts, params)
+    tight = LLM(model=str(tiny_llama_dir), num_kv_blocks=24, block_size=4)
+    cramped = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in cramped] == [o.outputs[0].token_ids for o in roomy]
+
+
+@pytest.mark.parametrize("constraint, message", [
+    ({"grammar": "root ::= undefined_rule"}, 'structured_outputs.grammar is not supported: EBNF parser error'),
+    ({"regex": "(?=a)b"}, "structured_outputs.regex is not supported: Regex parsing error"),
+    ({"json": {"type": "objectx"}}, 'structured_outputs.json is not supported: Unsupported type "objectx"'),
+])
+def test_constraints_the_backend_rejects_fail_before_any_kv(llm, constraint, message):
+    params = SamplingParams(max_tokens=5, structured_outputs=constraint)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        llm.engine.add_request(Request("bad", [5, 6, 7], params))
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv_cache_manager.num_free_blocks == 64
+    assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=3))[0].outputs[0].token_ids  # still serving
+
+
+def test_a_constraint_compiles_once(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=10, structured_outputs={"regex": "[a-z]{4}"})
+    llm.generate(PROMPTS, params)
+    llm.engine.structured_output.compile(params)  # what a service does off the engine loop
+    stats = llm.engine.stats()
+    assert stats["structured_output_compiles"] == 1 and stats["structured_output_requests"] == 4
+    assert stats["structured_output_bitmask_steps"] > 0
