@@ -104,6 +104,7 @@ class Decoder:
         """Admit the request; when it is prefilled remotely, see its KV in. None: prefilled here."""
         transfer_id = f"{job.req_id[:200]}/{uuid.uuid4().hex[:12]}"  # unique per attempt
         try:
+            await self.engine.compile_structured_output(request.sampling_params)
             admission = await self.engine.call(lambda core: admit(
                 core, request, bool(job.prefill_address), self.local_prefill_threshold, transfer_id,
                 self.transfer_timeout_s))

@@ -66,6 +66,7 @@ class Prefiller:
         # the abort also drops the export or stops the started transfer.
         with stream:
             try:
+                await self.engine.compile_structured_output(request.sampling_params)
                 await self.engine.call(lambda core: admit(core, request))
             except DuplicateRequestError as e:
                 raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None

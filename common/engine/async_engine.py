@@ -22,6 +22,7 @@ from typing import Any
 from common.engine.engine_core import EngineCore
 from common.engine.outputs import EngineCoreOutput
 from common.engine.request import Request
+from common.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,13 @@ class AsyncEngine:
                 yield item
         finally:
             stream.close()
+
+    async def compile_structured_output(self, params: SamplingParams) -> None:
+        """Compile params' constraint on a worker thread, so that admission on the engine
+        loop finds it cached and a slow schema does not stall the other requests.
+        ValueError naming the field when the grammar backend rejects it."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self.core.structured_output.compile, params)
 
     def open_stream(self, req_id: str) -> "RequestStream":
         """Register the output stream of req_id now, on the caller's event loop.

@@ -4,7 +4,8 @@ logprobs, finish reasons, Stats), mapped to and from the engine's types; no vali
 SamplingParams and the proto message share field names, so the mapping is generic.
 Unset proto fields take the dataclass defaults. Two values need translating:
 `None` for seed/logprobs is "unset", and max_tokens=None (no limit) travels as 0,
-because unset max_tokens means the default (16).
+because unset max_tokens means the default (16). The constraint `structured_outputs`
+(vLLM's name) is the message `structured_output`, its kind a oneof.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import dataclasses
 
 from common.engine.outputs import Logprobs
 from common.engine.sampling_params import SamplingParams
+from common.engine.structured_output.params import StructuredOutputsParams
 from common.service.errors import invalid
 from protos.pdserve.v1 import common_pb2
 
@@ -22,6 +24,10 @@ def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams()
     for f in dataclasses.fields(SamplingParams):
         value = getattr(params, f.name)
+        if f.name == "structured_outputs":
+            if value is not None:
+                msg.structured_output.CopyFrom(structured_output_to_pb(value))
+            continue
         if f.name == "max_tokens" and value is None:
             value = _NO_LIMIT_MAX_TOKENS
         if isinstance(value, list):
@@ -35,7 +41,11 @@ def sampling_params_from_pb(msg: common_pb2.SamplingParams, field_path: str = ""
     """Values SamplingParams rejects are INVALID_ARGUMENT, named as the caller sent them
     (`field_path`, e.g. "sampling." for a field of GenerateRequest)."""
     kwargs = {}
+    if msg.HasField("structured_output"):
+        kwargs["structured_outputs"] = structured_output_from_pb(msg.structured_output, field_path)
     for f in dataclasses.fields(SamplingParams):
+        if f.name == "structured_outputs":
+            continue
         descriptor = msg.DESCRIPTOR.fields_by_name[f.name]
         if descriptor.is_repeated:
             kwargs[f.name] = list(getattr(msg, f.name))
@@ -47,6 +57,26 @@ def sampling_params_from_pb(msg: common_pb2.SamplingParams, field_path: str = ""
         return SamplingParams(**kwargs)
     except ValueError as e:  # SamplingParams names the field and its allowed range
         raise invalid(f"{field_path}{e}") from None
+
+
+def structured_output_to_pb(params: StructuredOutputsParams) -> common_pb2.StructuredOutput:
+    kind, value = params.kind, params.value
+    if kind == "choice":
+        return common_pb2.StructuredOutput(choice=common_pb2.StringList(values=value))
+    return common_pb2.StructuredOutput(**{kind: value})
+
+
+def structured_output_from_pb(msg: common_pb2.StructuredOutput, field_path: str = "") -> StructuredOutputsParams:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise invalid(f"{field_path}structured_output must set one of json, json_object, regex, choice, grammar")
+    value = list(msg.choice.values) if kind == "choice" else getattr(msg, kind)
+    if kind == "json_object" and not value:  # set in the oneof, but it asks for nothing
+        raise invalid(f"{field_path}structured_output.json_object must be true, got false")
+    try:
+        return StructuredOutputsParams(**{kind: value})
+    except ValueError as e:  # named structured_outputs.<kind>, the engine's name
+        raise invalid(f"{field_path}{str(e).replace('structured_outputs', 'structured_output', 1)}") from None
 
 
 def logprobs_to_pb(token_id: int, logprobs: Logprobs) -> common_pb2.TokenLogprob:

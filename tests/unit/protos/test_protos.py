@@ -109,7 +109,8 @@ def test_comment_check_sees_every_field():
 
 def test_sampling_params_proto_mirrors_dataclass():
     import dataclasses
-    assert ({f.name for f in dataclasses.fields(SamplingParams)}
+    # One rename: the engine keeps vLLM's `structured_outputs`, the API says `structured_output`.
+    assert ({f.name for f in dataclasses.fields(SamplingParams)} - {"structured_outputs"} | {"structured_output"}
             == set(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name))
 
 
@@ -120,6 +121,11 @@ def test_sampling_params_proto_mirrors_dataclass():
                    stop_token_ids=[2, 7], include_stop_str_in_output=True, ignore_eos=True,
                    max_tokens=None, min_tokens=3, logprobs=0, skip_special_tokens=False),
     SamplingParams(temperature=0.0, max_tokens=1, logprobs=5),
+    SamplingParams(structured_outputs={"json": {"type": "object", "properties": {"b": {}, "a": {}}}}),
+    SamplingParams(structured_outputs={"json_object": True}),
+    SamplingParams(structured_outputs={"regex": "[0-9]+"}),
+    SamplingParams(structured_outputs={"choice": ["yes", "no"]}),
+    SamplingParams(structured_outputs={"grammar": 'root ::= "a"'}),
 ])
 def test_sampling_params_round_trip(params):
     assert sampling_params_from_pb(sampling_params_to_pb(params)) == params
@@ -170,3 +176,18 @@ def test_health_and_reflection_are_served():
 
 def test_sources_are_outside_the_ignored_build_output():
     assert SRC_DIR.name == "src" and "pdserve" not in SRC_DIR.parts[:-1]
+
+
+@pytest.mark.parametrize("constraint, message", [
+    (common_pb2.StructuredOutput(), "sampling.structured_output must set one of json"),
+    (common_pb2.StructuredOutput(json="{"), "sampling.structured_output.json is not valid JSON"),
+    (common_pb2.StructuredOutput(regex="a("), "sampling.structured_output.regex is not a valid regular expression"),
+    (common_pb2.StructuredOutput(choice=common_pb2.StringList()), "sampling.structured_output.choice must be a list"),
+    (common_pb2.StructuredOutput(json_object=False), "sampling.structured_output.json_object must be true"),
+])
+def test_bad_structured_output_is_invalid_argument_naming_the_field(constraint, message):
+    from common.service.errors import ServiceError
+    msg = common_pb2.SamplingParams(structured_output=constraint)
+    with pytest.raises(ServiceError) as info:
+        sampling_params_from_pb(msg, field_path="sampling.")
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.message
