@@ -4,8 +4,9 @@ Every problem is a 400 whose message and `param` name the field: malformed JSON,
 field this API does not know (strict, so a typo is not silently ignored), a wrong
 type, a value out of range. The fields accepted are OpenAI's, the sampling
 extensions vLLM accepts (top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
-stop_token_ids, include_stop_str_in_output, skip_special_tokens, priority and
-stream_options.continuous_usage_stats), and OpenAI fields for features this server
+stop_token_ids, include_stop_str_in_output, skip_special_tokens, priority,
+stream_options.continuous_usage_stats, and the output constraints: response_format,
+guided_json/regex/choice/grammar, structured_outputs; see structured_outputs.py), and OpenAI fields for features this server
 does not have (tools, logit_bias, echo, ...) as long as they hold their neutral
 value (unset, null, empty): a request that asks for such a feature gets a 400
 instead of an answer that silently lacks it. `user`, `metadata` and the like are
@@ -31,6 +32,8 @@ from common.engine.sampling_params import (
     SamplingParams,
 )
 from gateway.openai_api.errors import ApiError, invalid_field
+from gateway.openai_api.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
+from gateway.openai_api.structured_outputs import structured_outputs_of
 from gateway.types import GenerateInput
 from gateway.validation import MAX_CHAT_MESSAGES
 
@@ -198,7 +201,7 @@ COMMON_FIELDS: dict[str, Callable] = {
     "repetition_penalty": number(0.0, math.inf, lo_open=True), "seed": integer(0, MAX_SEED),
     "stop": stop_strings, "stop_token_ids": stop_token_ids, "ignore_eos": boolean, "min_tokens": integer(0),
     "include_stop_str_in_output": boolean, "skip_special_tokens": boolean, "priority": integer(*INT32),
-    "user": string, "logit_bias": neutral({}),
+    "user": string, "logit_bias": neutral({}), **STRUCTURED_OUTPUT_FIELDS,
 }
 COMPLETION_FIELDS: dict[str, Callable] = {
     **COMMON_FIELDS, "prompt": lambda param, value: value, "logprobs": integer(0, MAX_LOGPROBS),
@@ -206,7 +209,7 @@ COMPLETION_FIELDS: dict[str, Callable] = {
 CHAT_FIELDS: dict[str, Callable] = {
     **COMMON_FIELDS, "messages": lambda param, value: value, "max_completion_tokens": integer(1),
     "logprobs": boolean, "top_logprobs": integer(0, MAX_LOGPROBS),
-    "response_format": neutral({"type": "text"}), "tools": neutral([]), "tool_choice": neutral("none"),
+    "tools": neutral([]), "tool_choice": neutral("none"),
     "functions": neutral([]), "function_call": neutral("none"), "parallel_tool_calls": boolean,
     "modalities": neutral(["text"]), "audio": neutral(), "prediction": neutral(), "reasoning_effort": neutral(),
     "web_search_options": neutral(), "store": neutral(False), "metadata": obj, "service_tier": string,
@@ -322,9 +325,11 @@ def _sampling(values: dict, n: int, max_tokens: int | None, num_logprobs: int | 
              "skip_special_tokens")
     fields = {name: values[name] for name in names if name in values}
     top_k = get("top_k", -1)
+    structured_outputs = structured_outputs_of(values)
     try:
         return SamplingParams(n=n, max_tokens=max_tokens, logprobs=num_logprobs,
-                              top_k=-1 if top_k == 0 else top_k, **fields)
+                              top_k=-1 if top_k == 0 else top_k, structured_outputs=structured_outputs,
+                              **fields)
     except ValueError as e:  # what only holds between fields, e.g. min_tokens <= max_tokens
         message = str(e)
         param = message.split(" ", 1)[0]  # SamplingParams starts with the field, e.g. "stop[2]"

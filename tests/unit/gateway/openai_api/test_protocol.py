@@ -102,7 +102,24 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({**COMPLETION, "echo": True}, False, "echo", "unsupported_value"),
     ({**COMPLETION, "logit_bias": {"50256": -100}}, False, "logit_bias", "unsupported_value"),
     ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, True, "tools", "unsupported_value"),
-    ({**CHAT, "response_format": {"type": "json_object"}}, True, "response_format", "unsupported_value"),
+    ({**CHAT, "tool_choice": "auto"}, True, "tool_choice", "unsupported_value"),
+    # output constraints
+    ({**CHAT, "response_format": {"type": "xml"}}, True, "response_format.type", "invalid_value"),
+    ({**CHAT, "response_format": {"type": "json_schema"}}, True, "response_format.json_schema", "invalid_value"),
+    ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, True,
+     "response_format.json_schema.schema", "missing_field"),
+    ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": "{oops"}}}, True,
+     "response_format.json_schema.schema", "invalid_value"),
+    ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}}, True,
+     "response_format.json_schema.strict", "invalid_value"),
+    ({**COMPLETION, "guided_regex": "a(b"}, False, "guided_regex", "invalid_value"),
+    ({**COMPLETION, "guided_choice": []}, False, "guided_choice", "invalid_value"),
+    ({**COMPLETION, "guided_json": [1]}, False, "guided_json", "invalid_value"),
+    ({**COMPLETION, "guided_grammar": 5}, False, "guided_grammar", "invalid_value"),
+    ({**COMPLETION, "structured_outputs": {"xml": "a"}}, False, "structured_outputs.xml", "unknown_field"),
+    ({**COMPLETION, "guided_regex": "a", "guided_choice": ["a"]}, False, "guided_choice", "invalid_value"),
+    ({**CHAT, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, True,
+     "structured_outputs.regex", "invalid_value"),
 ])
 def test_every_bad_field_is_a_400_naming_it(body, chat, param, code):
     error = rejected(body, chat)
@@ -123,6 +140,34 @@ def test_what_the_official_client_and_benchmark_clients_send_is_accepted():
     chat = parse(chat=True, max_completion_tokens=8, tools=[], tool_choice="none", parallel_tool_calls=False,
                  response_format={"type": "text"}, metadata={"k": "v"}, store=False, n=None)
     assert chat.sampling.max_tokens == 8 and chat.sampling.n == 1
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("chat, fields, expected", [
+    (True, {"response_format": {"type": "json_object"}}, {"json_object": True}),
+    (True, {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA,
+                                                                       "strict": True}}}, {"json": SCHEMA}),
+    (False, {"response_format": {"type": "json_schema", "json_schema": {"schema": json.dumps(SCHEMA)}}},
+     {"json": SCHEMA}),
+    (False, {"guided_json": SCHEMA}, {"json": SCHEMA}),
+    (False, {"guided_regex": "[0-9]+"}, {"regex": "[0-9]+"}),
+    (True, {"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+    (False, {"guided_grammar": 'root ::= "a"'}, {"grammar": 'root ::= "a"'}),
+    (True, {"structured_outputs": {"choice": ["x"]}}, {"choice": ["x"]}),
+    (True, {"response_format": {"type": "text"}}, None),
+])
+def test_output_constraints_map_onto_structured_outputs(chat, fields, expected):
+    parsed = parse(chat=chat, n=2, **fields)
+    constraint = parsed.sampling.structured_outputs
+    if expected is None:
+        assert constraint is None
+        return
+    kind, value = next(iter(expected.items()))
+    assert constraint.kind == kind
+    assert (json.loads(constraint.value) if kind == "json" else constraint.value) == value
+    assert all(i.sampling.structured_outputs == constraint for i in parsed.generate_inputs("r"))
 
 
 def test_defaults_follow_openai():

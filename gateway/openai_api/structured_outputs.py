@@ -1,0 +1,96 @@
+"""The OpenAI request fields that constrain the output -> one StructuredOutputsParams.
+
+OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema",
+"json_schema": {"name", "schema", "strict", "description"}}) and vLLM's extensions:
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` and the newer
+`structured_outputs` object. At most one constraint per request; what can be checked
+here (torch-free) is: the schema is JSON, the regex compiles with `re`. A constraint
+the grammar backend refuses comes back from the instance as a 400 too.
+
+`strict` is accepted either way: the output always follows the schema exactly.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from common.engine.structured_output.params import KINDS, StructuredOutputsParams
+from gateway.openai_api.errors import invalid_field
+
+# vLLM's extension fields and the kind each one gives.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+JSON_SCHEMA_FIELDS = ("name", "schema", "strict", "description")
+
+
+def any_value(param: str, value: Any) -> Any:
+    """Checked by structured_outputs_of, which sees every constraint field at once."""
+    return value
+
+
+FIELDS = {"response_format": any_value, "structured_outputs": any_value,
+          **{name: any_value for name in GUIDED_FIELDS}}
+
+
+def structured_outputs_of(values: dict[str, Any]) -> StructuredOutputsParams | None:
+    """The request's constraint (None: unconstrained); a 400 naming the field when it is bad."""
+    given: list[tuple[str, str, Any]] = []  # (param, kind, value)
+    if "response_format" in values:
+        given += _response_format(values["response_format"])
+    given += [(name, kind, values[name]) for name, kind in GUIDED_FIELDS.items() if name in values]
+    if "structured_outputs" in values:
+        given += _structured_outputs(values["structured_outputs"])
+    if not given:
+        return None
+    if len(given) > 1:
+        raise invalid_field(given[1][0], f"conflicts with {given[0][0]}: send one output constraint")
+    param, kind, value = given[0]
+    try:
+        return StructuredOutputsParams(**{kind: value})
+    except ValueError as e:  # "structured_outputs.<kind> <what is wrong>"
+        message = str(e)
+        prefix = f"structured_outputs.{kind} "
+        raise invalid_field(param, message[len(prefix):] if message.startswith(prefix) else message) from None
+
+
+def _response_format(value: Any) -> list[tuple[str, str, Any]]:
+    if not isinstance(value, dict):
+        raise invalid_field("response_format", "must be an object with a type")
+    kind = value.get("type")
+    if kind not in RESPONSE_FORMAT_TYPES:
+        raise invalid_field("response_format.type", f"must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, "
+                                                    f"got {kind!r}")
+    allowed = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}[kind]
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise invalid_field(f"response_format.{unknown[0]}", f"unknown field for type {kind}",
+                            code="unknown_field")
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [("response_format", "json_object", True)]
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise invalid_field("response_format.json_schema", "is required: an object with a schema")
+    unknown = sorted(set(spec) - set(JSON_SCHEMA_FIELDS))
+    if unknown:
+        raise invalid_field(f"response_format.json_schema.{unknown[0]}",
+                            f"unknown field; this API accepts {', '.join(JSON_SCHEMA_FIELDS)}", code="unknown_field")
+    if spec.get("strict") not in (None, True, False):
+        raise invalid_field("response_format.json_schema.strict", "must be a boolean")
+    for name in ("name", "description"):
+        if spec.get(name) is not None and not isinstance(spec[name], str):
+            raise invalid_field(f"response_format.json_schema.{name}", "must be a string")
+    if "schema" not in spec:
+        raise invalid_field("response_format.json_schema.schema", "is required", code="missing_field")
+    return [("response_format.json_schema.schema", "json", spec["schema"])]
+
+
+def _structured_outputs(value: Any) -> list[tuple[str, str, Any]]:
+    if not isinstance(value, dict):
+        raise invalid_field("structured_outputs", f"must be an object with one of {', '.join(KINDS)}")
+    unknown = sorted(set(value) - set(KINDS))
+    if unknown:
+        raise invalid_field(f"structured_outputs.{unknown[0]}", f"unknown field; this API accepts "
+                                                                f"{', '.join(KINDS)}", code="unknown_field")
+    return [(f"structured_outputs.{kind}", kind, v) for kind, v in value.items() if v not in (None, False)]
