@@ -108,6 +108,35 @@ def test_remote_prefill_then_decode_equals_colocated(cores, tiny_llama_dir, laye
     assert_pool_free(decode)
 
 
+def test_constrained_first_token_is_sampled_on_prefill_and_decode_continues_the_grammar(cores, tiny_llama_dir):
+    from common.text.tokenizer import load_tokenizer
+    choices = ["alpha beta gamma", "zeta", "eta theta"]
+    params = SamplingParams(temperature=0.0, max_tokens=20, structured_outputs={"choice": choices})
+    prefill, decode = cores("producer"), cores("consumer")
+    admission = admit(decode, Request("c", PROMPT, params), True, 0, "t-c", 10.0)
+    endpoint = decode.collective_rpc("kv_connector_info")[0]["endpoint"]
+    export = export_to(prefill, endpoint, "t-c", admission.dst_block_ids)
+    request = Request("c", PROMPT, first_token_params(params))
+    request.kv_transfer_params = export.kv_transfer_params()
+    admit_prefill(prefill, request)
+    outputs = []
+    while not any(o.finished for o in outputs):
+        outputs += prefill.step()
+    first = outputs[-1].new_token_ids
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    assert any(choice.startswith(tokenizer.decode(first)) for choice in choices)  # constrained on prefill
+    assert step_until_transfer_ended(prefill, "c").ok and step_until_transfer_ended(decode, "c").ok
+    outputs = finish_import(decode, "c", first)
+    while decode.has_unfinished_requests():
+        outputs += decode.step()
+    tokens = [t for o in outputs for t in o.new_token_ids]
+    assert outputs[-1].finish_reason == "stop" and tokenizer.decode(tokens) in choices
+    reference = LLM(model=str(tiny_llama_dir), num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                    max_num_batched_tokens=16).generate({"prompt_token_ids": PROMPT}, params)
+    assert tokens == reference[0].outputs[0].token_ids
+    assert_pool_free(decode)
+
+
 def test_layers_are_sent_from_within_the_forward_pass_of_the_last_chunk(cores, unused_tcp_port):
     prefill = cores("producer")
     worker_connector = prefill.executor.runner.kv_connector  # a spy on the worker half, test only
