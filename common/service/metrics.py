@@ -32,10 +32,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import start_http_server
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from common.engine.kv_connector.metadata import KVTransferOutcome
+from common.engine.structured_output.backend import COMPILE_SECONDS_BUCKETS
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +288,24 @@ class EngineCollector(Collector):
                     "(recomputed later)", "num_preemptions"),
             counter("pdserve_engine_requests_finished", "Requests the engine finished (any reason)",
                     "num_finished_requests"),
+            counter("pdserve_structured_output_requests", "Requests admitted with an output constraint "
+                    "(structured outputs)", "structured_output_requests"),
+            counter("pdserve_structured_output_bitmask_seconds", "Time spent building the token bitmasks "
+                    "of constrained requests, summed over steps", "structured_output_bitmask_seconds"),
+            self._compile_histogram(names, stats),
         ]
+
+    def _compile_histogram(self, names: list[str], stats: dict | None) -> HistogramMetricFamily:
+        """The engine counts compiles per bucket (plain data in its stats); made cumulative here."""
+        family = HistogramMetricFamily("pdserve_structured_output_compile_seconds", "Time to compile an "
+                                       "output constraint into a grammar (cache misses only)", labels=names)
+        if stats is not None:
+            counts = stats.get("structured_output_compile_bucket_counts") or [0] * (len(COMPILE_SECONDS_BUCKETS) + 1)
+            bounds = [str(bound) for bound in COMPILE_SECONDS_BUCKETS] + ["+Inf"]
+            cumulative = [sum(counts[:i + 1]) for i in range(len(counts))]
+            family.add_metric(self.labels, list(zip(bounds, cumulative)),
+                              stats.get("structured_output_compile_seconds", 0.0))
+        return family
 
 
 class WorkerMetrics(ServiceMetrics):

@@ -7,6 +7,7 @@ before admission, off the engine loop, and admission finds the grammar cached.
 """
 from __future__ import annotations
 
+import bisect
 import re
 import threading
 import time
@@ -21,6 +22,8 @@ from common.text.tokenizer import load_tokenizer
 
 # Distinct constraints kept compiled; the least recently used goes first.
 MAX_CACHED_GRAMMARS = 512
+# Upper bounds (seconds) of the compile-time histogram the engine keeps for metrics.
+COMPILE_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: ": not for clients.
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
@@ -37,8 +40,8 @@ class XgrammarBackend:
         self._lock = threading.Lock()
         self.num_compiles = 0
         self.compile_seconds_total = 0.0
-        # Called with each compile's duration in seconds (a metrics histogram).
-        self.compile_observer = None
+        # Compiles per COMPILE_SECONDS_BUCKETS bucket (not cumulative), the last one past them all.
+        self.compile_bucket_counts = [0] * (len(COMPILE_SECONDS_BUCKETS) + 1)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The compiled grammar (cached); ValueError naming the field when the backend rejects it."""
@@ -58,11 +61,10 @@ class XgrammarBackend:
         with self._lock:
             self.num_compiles += 1
             self.compile_seconds_total += seconds
+            self.compile_bucket_counts[bisect.bisect_left(COMPILE_SECONDS_BUCKETS, seconds)] += 1
             self._cache[key] = compiled
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
-        if self.compile_observer is not None:
-            self.compile_observer(seconds)
         return compiled
 
     def _compile_uncached(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:

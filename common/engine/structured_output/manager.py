@@ -20,7 +20,7 @@ import xgrammar as xgr
 from common.engine.outputs import SchedulerOutput
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
-from common.engine.structured_output.backend import XgrammarBackend
+from common.engine.structured_output.backend import COMPILE_SECONDS_BUCKETS, XgrammarBackend
 from common.text.tokenizer import load_tokenizer
 
 
@@ -34,7 +34,6 @@ class StructuredOutputManager:
         self.num_constrained_requests = 0
         self.num_bitmask_steps = 0
         self.bitmask_seconds_total = 0.0
-        self.compile_observer = None  # see XgrammarBackend.compile_observer
 
     @property
     def backend(self) -> XgrammarBackend:
@@ -44,7 +43,6 @@ class StructuredOutputManager:
             if self._backend is None:
                 eos = tuple(dict.fromkeys(load_tokenizer(self._model_dir).eos_token_ids + self._eos_token_ids))
                 self._backend = XgrammarBackend(self._model_dir, self._vocab_size, eos)
-                self._backend.compile_observer = self.compile_observer
             return self._backend
 
     def compile(self, params: SamplingParams) -> None:
@@ -80,10 +78,12 @@ class StructuredOutputManager:
         self.num_bitmask_steps += 1
         self.bitmask_seconds_total += time.perf_counter() - started
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | list[int]]:
         backend = self._backend
         return {"structured_output_requests": self.num_constrained_requests,
                 "structured_output_compiles": backend.num_compiles if backend else 0,
                 "structured_output_compile_seconds": backend.compile_seconds_total if backend else 0.0,
+                "structured_output_compile_bucket_counts": (list(backend.compile_bucket_counts) if backend
+                                                            else [0] * (len(COMPILE_SECONDS_BUCKETS) + 1)),
                 "structured_output_bitmask_steps": self.num_bitmask_steps,
                 "structured_output_bitmask_seconds": self.bitmask_seconds_total}

@@ -99,3 +99,20 @@ def test_a_constraint_compiles_once(llm):
     stats = llm.engine.stats()
     assert stats["structured_output_compiles"] == 1 and stats["structured_output_requests"] == 4
     assert stats["structured_output_bitmask_steps"] > 0
+
+
+def test_worker_metrics_export_constrained_requests_compiles_and_mask_time(llm):
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from common.service.metrics import WorkerMetrics
+    llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=8, structured_outputs={"choice": CHOICES}))
+    load = SimpleNamespace(num_running_requests=0, num_waiting_requests=0, num_free_blocks=1, num_total_blocks=1,
+                           num_queued_prefill_tokens=0)
+    text = generate_latest(WorkerMetrics("decode", "d0", lambda: load, llm.engine.stats).registry).decode()
+    labels = '{instance_id="d0",role="decode"}'
+    assert f"pdserve_structured_output_requests_total{labels} 2.0" in text
+    assert f'pdserve_structured_output_compile_seconds_bucket{{instance_id="d0",le="+Inf",role="decode"}} 1.0' in text
+    assert f"pdserve_structured_output_compile_seconds_count{labels} 1.0" in text
+    assert float(re.search(rf"pdserve_structured_output_bitmask_seconds_total{re.escape(labels)} (\S+)", text)[1]) > 0
