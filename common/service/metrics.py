@@ -36,7 +36,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from common.engine.kv_connector.metadata import KVTransferOutcome
-from common.engine.structured_output.backend import COMPILE_SECONDS_BUCKETS
+from common.engine.structured_output.compile_buckets import COMPILE_SECONDS_BUCKETS
 
 logger = logging.getLogger(__name__)
 

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import xgrammar as xgr
 
+from common.engine.structured_output.compile_buckets import COMPILE_SECONDS_BUCKETS
 from common.engine.structured_output.params import StructuredOutputsParams
 from common.engine.structured_output.request_grammar import RequestGrammar
 from common.text.tokenizer import load_tokenizer
 
 # Distinct constraints kept compiled; the least recently used goes first.
 MAX_CACHED_GRAMMARS = 512
-# Upper bounds (seconds) of the compile-time histogram the engine keeps for metrics.
-COMPILE_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: ": not for clients.
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 

@@ -20,7 +20,8 @@ import xgrammar as xgr
 from common.engine.outputs import SchedulerOutput
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
-from common.engine.structured_output.backend import COMPILE_SECONDS_BUCKETS, XgrammarBackend
+from common.engine.structured_output.backend import XgrammarBackend
+from common.engine.structured_output.compile_buckets import COMPILE_SECONDS_BUCKETS
 from common.text.tokenizer import load_tokenizer
 
 
