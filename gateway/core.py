@@ -49,9 +49,11 @@ class Gateway:
     def __init__(self, model: ServedModel, settings: GatewaySettings):
         self.model = model
         self.settings = settings
+        # Instances must serve the gateway's own model: its tokenizer makes their prompts.
         self.registry = InstanceRegistry(heartbeat_interval_s=settings.heartbeat_interval_s,
                                          heartbeat_timeout_s=settings.heartbeat_timeout_s,
-                                         block_size=settings.block_size)
+                                         block_size=settings.block_size, model_name=model.name,
+                                         max_model_len=settings.max_model_len or model.max_position_embeddings)
         self.kv_index = KvIndex()
         self.policy = make_policy(settings.policy, self.kv_index, settings.load_weight)
         self.metrics = GatewayMetrics(self.policy.name)
