@@ -103,7 +103,8 @@ class InstanceRegistry:
     def subscribe(self, on_added: Listener | None = None, on_removed: Listener | None = None,
                   on_heartbeat: Listener | None = None) -> None:
         """Be told when instances join (reason "registered"), leave ("deregistered",
-        "expired", or "replaced" when the same id registers again after a restart)
+        "expired", "unresponsive" when a probe failed, or "replaced" when the same id
+        registers again after a restart)
         or report load ("heartbeat")."""
         for listeners, listener in ((self._on_added, on_added), (self._on_removed, on_removed),
                                     (self._on_heartbeat, on_heartbeat)):
@@ -156,6 +157,10 @@ class InstanceRegistry:
     def deregister(self, instance_id: str) -> bool:
         return self._remove(instance_id, "deregistered") is not None
 
+    def drop_unresponsive(self, instance_id: str) -> bool:
+        """The gateway found the instance dead (a failed probe): like expiry, not a clean leave."""
+        return self._remove(instance_id, "unresponsive") is not None
+
     def check_secret(self, instance_id: str, secret: str) -> None:
         """Raise PERMISSION_DENIED unless `secret` is the registration's (unknown ids pass:
         there is nothing to protect, and a heartbeat for one asks to re-register)."""
@@ -188,7 +193,7 @@ class InstanceRegistry:
     def _remove(self, instance_id: str, reason: str) -> Instance | None:
         instance = self._instances.pop(instance_id, None)
         if instance is not None:
-            log = logger.warning if reason == "expired" else logger.info
+            log = logger.warning if reason in ("expired", "unresponsive") else logger.info
             log("%s %s %s (last heartbeat %.1fs ago)", instance.role, instance_id, reason,
                 self.clock() - instance.last_heartbeat)
             self._notify(self._on_removed, instance, reason)

@@ -126,3 +126,27 @@ def test_one_instance_cannot_deregister_or_heartbeat_for_another(gw):
     call(gw.registry_address, "Deregister", registry_pb2.DeregisterRequest(
         instance_id="decode-victim", instance_secret=victim.instance_secret), bearer(TOKEN))
     assert gw.call(lambda: gw.gateway.registry.get("decode-victim")) is None
+
+
+@pytest.mark.parametrize("argv, refused", [
+    ([], False), (["--host", "::1"], False), (["--registry-host", "localhost"], False),
+    (["--host", "0.0.0.0"], True), (["--registry-host", "10.0.0.7"], True),
+    (["--host", "0.0.0.0", "--registry-token", TOKEN], False),
+    (["--host", "0.0.0.0", "--insecure-registry"], False),
+])
+def test_a_registry_beyond_loopback_needs_a_token_or_insecure_registry(argv, refused, monkeypatch):
+    from gateway.main import build_parser, registry_listen_address
+    monkeypatch.delenv("PDSERVE_REGISTRY_TOKEN", raising=False)
+    args = build_parser().parse_args(argv)
+    if refused:
+        with pytest.raises(ValueError, match="PDSERVE_REGISTRY_TOKEN"):
+            registry_listen_address(args)
+    else:
+        host, port = registry_listen_address(args)
+        assert port == 50054
+
+
+def test_the_gateway_process_refuses_to_start_an_open_registry(monkeypatch):
+    from gateway.main import main
+    monkeypatch.delenv("PDSERVE_REGISTRY_TOKEN", raising=False)
+    assert main(["--host", "0.0.0.0", "--port", "0", "--http-port", "off"]) == 2
