@@ -1,9 +1,11 @@
 """No request outlives its instance: a real decode process (bundled model) frozen with
 SIGSTOP while requests without a client deadline stream from it. The gateway drops it
 after missed heartbeats and ends every call still running there at once (UNAVAILABLE),
-instead of leaving them to wait out the freeze."""
+instead of leaving them to wait out the freeze; a request that had no token yet is
+placed on another decode instance instead."""
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import signal
 import threading
@@ -11,6 +13,7 @@ import time
 
 import grpc
 import pytest
+from grpc import aio
 
 from common.cli.processes import ManagedProcess
 from common.service.registration import InstanceLoad, InstanceSpec
@@ -18,6 +21,7 @@ from gateway.client import Client
 from gateway.core import GatewaySettings
 from gateway.routing.inflight_calls import InFlightCalls
 from gateway.routing.registry import InstanceRegistry
+from protos.pdserve.v1 import decode_pb2_grpc
 from tests.support.background_gateway import BackgroundGateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -106,3 +110,43 @@ def test_requests_on_a_frozen_decode_end_within_two_heartbeat_periods_of_its_dro
         finally:
             decode.process.send_signal(signal.SIGCONT)
             decode.stop()
+
+
+class _SilentDecode(decode_pb2_grpc.DecodeServiceServicer):
+    """Accepts Decode calls and never answers them: a request there has streamed no token."""
+
+    def __init__(self):
+        self.received = asyncio.Event()
+
+    async def Decode(self, request, context):
+        self.received.set()
+        await asyncio.Event().wait()
+        yield  # pragma: no cover - never reached; makes this a streaming handler
+
+
+def test_a_request_with_no_token_yet_is_placed_again_when_its_instance_is_dropped():
+    with BackgroundGateway() as gw:
+        gw.add_fake_decode("decode-b", token_ids=[1000, 1001])
+
+        async def start_silent():
+            servicer = _SilentDecode()
+            server = aio.server()
+            decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+            address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+            await server.start()
+            # "decode-a" sorts first: equally loaded, placement picks it.
+            gw.gateway.registry.register(InstanceSpec("decode-a", "decode", address, block_size=16,
+                                                      num_total_blocks=1000, model_name=gw.gateway.model.name))
+            return servicer, server
+        silent, server = gw.call(start_silent())
+        try:
+            with Client(gw.address, timeout=30) as client:
+                stream = client.generate_stream("hi", max_tokens=2)
+                gw.call(asyncio.wait_for(silent.received.wait(), 10))
+                assert gw.call(lambda: gw.gateway.dispatcher._calls.count("decode-a")) == 1
+                gw.call(lambda: gw.gateway.registry.drop_unresponsive("decode-a"))
+                deltas = list(stream)
+            assert {d.decode_instance_id for d in deltas} == {"decode-b"}
+            assert deltas[-1].finish_reason == "length"
+        finally:
+            gw.call(server.stop(0))
