@@ -15,6 +15,7 @@ import grpc
 from common.service.errors import ServiceError
 from common.service.logging_setup import log_event, request_context
 from common.service.metrics import GatewayMetrics
+from gateway.admission import Admission
 from gateway.readiness import Readiness
 from gateway.routing.dispatcher import Dispatcher
 from gateway.routing.kv_event_subscriber import KvEventSubscriber, grpc_resync
@@ -43,6 +44,8 @@ class GatewaySettings:
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
     load_weight: float = 1.0  # prefix_aware: queued tokens vs cached tokens
+    max_running_per_decode: int = 64  # admission: requests running per decode instance; <= 0: no limit
+    max_waiting_requests: int = 256  # admission: requests waiting for a slot before RESOURCE_EXHAUSTED
 
 
 class Gateway:
@@ -60,6 +63,7 @@ class Gateway:
         self.registry.subscribe(on_added=self._count_instances, on_removed=self._count_instances)
         self.dispatcher = Dispatcher(self.registry, self.kv_index, self.policy, model.tokenizer,
                                      model.tokenizer.eos_token_ids, self.metrics)
+        self.admission = Admission(self.registry, settings.max_running_per_decode, settings.max_waiting_requests)
         self._kv_events: KvEventSubscriber | None = None
         self._expiry: asyncio.Task | None = None
         self._in_flight: set[str] = set()  # request ids
@@ -169,9 +173,13 @@ class Gateway:
             log_event(logger, "request start", prompt_tokens=timer.num_prompt_tokens,
                       max_tokens=prepared.sampling.max_tokens)
             self._in_flight.add(prepared.request_id)
+            loop = asyncio.get_running_loop()
+            deadline = None if timeout_s is None else loop.time() + timeout_s
             try:
-                async for delta in self.dispatcher.stream(prepared, timeout_s, timer):
-                    yield delta
+                async with self.admission.slot(timeout_s):
+                    remaining_s = None if deadline is None else max(0.0, deadline - loop.time())
+                    async for delta in self.dispatcher.stream(prepared, remaining_s, timer):
+                        yield delta
             finally:
                 self._in_flight.discard(prepared.request_id)
                 if not self._in_flight:

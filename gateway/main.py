@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds between the instances' heartbeats")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0,
                         help="seconds without a heartbeat after which an instance is dropped")
+    parser.add_argument("--max-running-per-decode", type=int, default=64,
+                        help="requests the gateway lets run per live decode instance (keep it at the "
+                             "instances' --max-num-seqs); the rest wait in its queue; 0: no limit")
+    parser.add_argument("--max-waiting-requests", type=int, default=256,
+                        help="requests that may wait for capacity; one more gets RESOURCE_EXHAUSTED "
+                             "(HTTP 429) at once, with a retry hint")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let requests in flight finish on SIGTERM")
     add_metrics_args(parser)
@@ -116,7 +122,9 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     return GatewaySettings(policy=args.policy, block_size=args.block_size, max_model_len=args.max_model_len,
                            max_prompt_chars=args.max_prompt_chars,
                            heartbeat_interval_s=args.heartbeat_interval,
-                           heartbeat_timeout_s=args.heartbeat_timeout, load_weight=args.load_weight)
+                           heartbeat_timeout_s=args.heartbeat_timeout, load_weight=args.load_weight,
+                           max_running_per_decode=args.max_running_per_decode,
+                           max_waiting_requests=args.max_waiting_requests)
 
 
 async def serve(args: argparse.Namespace) -> None:

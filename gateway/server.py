@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2
 
 from common.service.errors import ErrorStatusInterceptor
 from common.service.keepalive import KEEPALIVE_SERVER_OPTIONS
+from gateway.admission import RETRY_AFTER_METADATA, AdmissionRefused
 from gateway.api import delta_to_pb, deployment_info_to_pb, generate_input_from_pb
 from gateway.core import Gateway, GatewaySettings
 from gateway.routing.registry import RegistryServicer
@@ -47,15 +48,28 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.gateway = gateway
 
     async def Generate(self, request, context):
-        result = await self.gateway.generate(generate_input_from_pb(request), context.time_remaining())
+        try:
+            result = await self.gateway.generate(generate_input_from_pb(request), context.time_remaining())
+        except AdmissionRefused as e:
+            _add_retry_hint(context, e)
+            raise
         return delta_to_pb(result)
 
     async def GenerateStream(self, request, context):
-        async for delta in self.gateway.stream(generate_input_from_pb(request), context.time_remaining()):
-            yield delta_to_pb(delta)
+        try:
+            async for delta in self.gateway.stream(generate_input_from_pb(request), context.time_remaining()):
+                yield delta_to_pb(delta)
+        except AdmissionRefused as e:
+            _add_retry_hint(context, e)
+            raise
 
     async def ModelInfo(self, request, context):
         return deployment_info_to_pb(self.gateway.deployment_info())
+
+
+def _add_retry_hint(context, error: AdmissionRefused) -> None:
+    """Trailing metadata the status goes out with (ErrorStatusInterceptor keeps it)."""
+    context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(round(error.retry_after_s * 1000))),))
 
 
 class GatewayServer:
