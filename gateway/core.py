@@ -33,6 +33,7 @@ TOKENIZE_IN_THREAD_CHARS = 16_384
 # Likewise for long chat conversations: the template renders every message, and the
 # rendered text is longer than the messages' content (1024 messages: ~40 ms).
 TOKENIZE_IN_THREAD_MESSAGES = 64
+DEADLINE_SLACK_S = 0.01
 
 
 @dataclass
@@ -133,6 +134,8 @@ class Gateway:
         with request_context(request.request_id):
             timer = self.metrics.request_timer()
             status, last = "CANCELLED", None  # CANCELLED unless it ends otherwise
+            loop = asyncio.get_running_loop()
+            deadline = None if timeout_s is None else loop.time() + timeout_s
             try:
                 async for delta in self._stream(request, timeout_s, timer):
                     last = delta
@@ -142,6 +145,11 @@ class Gateway:
                 status = e.code.name
                 raise
             except (asyncio.CancelledError, GeneratorExit):
+                # gRPC cancels the handler when the client's deadline passes: that is
+                # DEADLINE_EXCEEDED, not a client that went away (the slack: the two clocks
+                # are read at slightly different moments).
+                if deadline is not None and loop.time() >= deadline - DEADLINE_SLACK_S:
+                    status = "DEADLINE_EXCEEDED"
                 raise
             except BaseException:
                 status = "INTERNAL"

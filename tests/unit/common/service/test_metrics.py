@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import socket
+import time
 import urllib.request
 from types import SimpleNamespace
 
@@ -410,3 +411,27 @@ def test_logged_request_end_status(caplog):
     assert all(r.pdserve_fields["output_tokens"] == 2 and r.pdserve_fields["duration_s"] >= 0 for r in ends)
     starts = [r for r in caplog.records if r.getMessage() == "hop start"]
     assert len(starts) == 6 and starts[0].pdserve_fields == {"prompt_tokens": 3}
+
+
+def test_a_client_deadline_is_counted_as_deadline_exceeded_not_cancelled():
+    from gateway.client import Client
+    from tests.support.background_gateway import BackgroundGateway
+    with BackgroundGateway(metrics_port=0) as gw:
+        gw.add_fake_decode("decode-0", token_ids=[1000, 1001])
+
+        async def never_answers(*_args, **_kwargs):  # a stage that does not watch the deadline itself
+            await asyncio.Event().wait()
+            yield
+        gw.gateway.dispatcher.stream = never_answers  # so gRPC's own cancel at the deadline ends it
+        with Client(gw.address) as client, pytest.raises(grpc.RpcError) as error:
+            client.generate("Hello", max_tokens=50, timeout=0.5)
+        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 10
+        while True:  # the gateway records the request once its handler has unwound
+            samples = scrape(gw.server.metrics_address)["pdserve_requests"]
+            by_status = {s.labels["status"]: s.value for s in samples if s.name.endswith("_total") and s.value}
+            if by_status:
+                break
+            assert time.monotonic() < deadline, "the request was never counted"
+            time.sleep(0.02)
+        assert by_status == {"DEADLINE_EXCEEDED": 1}
