@@ -28,7 +28,7 @@ import logging
 from grpc import aio
 from grpc_health.v1 import health_pb2
 
-from common.service.errors import ErrorStatusInterceptor
+from common.service.errors import ErrorStatusInterceptor, ServiceError
 from common.service.keepalive import KEEPALIVE_SERVER_OPTIONS
 from gateway.admission import RETRY_AFTER_METADATA, AdmissionRefused
 from gateway.api import delta_to_pb, deployment_info_to_pb, generate_input_from_pb
@@ -48,19 +48,30 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.gateway = gateway
 
     async def Generate(self, request, context):
+        generate_input = self._converted(request)
         try:
-            result = await self.gateway.generate(generate_input_from_pb(request), context.time_remaining())
+            result = await self.gateway.generate(generate_input, context.time_remaining())
         except AdmissionRefused as e:
             _add_retry_hint(context, e)
             raise
         return delta_to_pb(result)
 
     async def GenerateStream(self, request, context):
+        generate_input = self._converted(request)
         try:
-            async for delta in self.gateway.stream(generate_input_from_pb(request), context.time_remaining()):
+            async for delta in self.gateway.stream(generate_input, context.time_remaining()):
                 yield delta_to_pb(delta)
         except AdmissionRefused as e:
             _add_retry_hint(context, e)
+            raise
+
+    def _converted(self, request):
+        """The request in the gateway's types; one refused here (a bad sampling field) is
+        still a request, counted under its status like those the gateway refuses."""
+        try:
+            return generate_input_from_pb(request)
+        except ServiceError as e:
+            self.gateway.metrics.request_timer().finish(e.code.name)
             raise
 
     async def ModelInfo(self, request, context):

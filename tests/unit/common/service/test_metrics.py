@@ -435,3 +435,20 @@ def test_a_client_deadline_is_counted_as_deadline_exceeded_not_cancelled():
             assert time.monotonic() < deadline, "the request was never counted"
             time.sleep(0.02)
         assert by_status == {"DEADLINE_EXCEEDED": 1}
+
+
+def test_requests_refused_while_converting_sampling_fields_are_counted():
+    from protos.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+    from tests.support.background_gateway import BackgroundGateway
+    # Built by hand: the Python client checks sampling values before sending.
+    request = generate_pb2.GenerateRequest(text="Hello", sampling=common_pb2.SamplingParams(temperature=-1.0))
+    with BackgroundGateway(metrics_port=0) as gw:
+        with grpc.insecure_channel(gw.address) as channel:
+            stub = generate_pb2_grpc.GenerateServiceStub(channel)
+            for call in (stub.Generate, lambda r, **kw: list(stub.GenerateStream(r, **kw))):
+                with pytest.raises(grpc.RpcError) as error:
+                    call(request, timeout=10)
+                assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        samples = scrape(gw.server.metrics_address)["pdserve_requests"]
+        by_status = {s.labels["status"]: s.value for s in samples if s.name.endswith("_total") and s.value}
+        assert by_status == {"INVALID_ARGUMENT": 2}
