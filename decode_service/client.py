@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common.service.keepalive import KEEPALIVE_CHANNEL_OPTIONS
 from common.service.registration import InstanceLoad
 from decode_service.api import DecodeJob, DecodeOutput
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -30,7 +31,8 @@ class DecodeStream:
 class DecodeClient:
     def __init__(self, address: str):
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address)
+        # Keepalive: a frozen instance fails its streams instead of holding them forever.
+        self._channel = grpc.aio.insecure_channel(address, options=KEEPALIVE_CHANNEL_OPTIONS)
         self._stub = decode_pb2_grpc.DecodeServiceStub(self._channel)
 
     def decode(self, job: DecodeJob, timeout_s: float | None = None) -> DecodeStream:

@@ -15,6 +15,7 @@ import grpc
 from common.service.errors import ServiceError
 from common.service.logging_setup import log_event, request_context
 from common.service.metrics import GatewayMetrics
+from gateway.admission import Admission
 from gateway.readiness import Readiness
 from gateway.routing.dispatcher import Dispatcher
 from gateway.routing.kv_event_subscriber import KvEventSubscriber, grpc_resync
@@ -32,6 +33,7 @@ TOKENIZE_IN_THREAD_CHARS = 16_384
 # Likewise for long chat conversations: the template renders every message, and the
 # rendered text is longer than the messages' content (1024 messages: ~40 ms).
 TOKENIZE_IN_THREAD_MESSAGES = 64
+DEADLINE_SLACK_S = 0.01
 
 
 @dataclass
@@ -43,21 +45,26 @@ class GatewaySettings:
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
     load_weight: float = 1.0  # prefix_aware: queued tokens vs cached tokens
+    max_running_per_decode: int = 64  # admission: requests running per decode instance; <= 0: no limit
+    max_waiting_requests: int = 256  # admission: requests waiting for a slot before RESOURCE_EXHAUSTED
 
 
 class Gateway:
     def __init__(self, model: ServedModel, settings: GatewaySettings):
         self.model = model
         self.settings = settings
+        # Instances must serve the gateway's own model: its tokenizer makes their prompts.
         self.registry = InstanceRegistry(heartbeat_interval_s=settings.heartbeat_interval_s,
                                          heartbeat_timeout_s=settings.heartbeat_timeout_s,
-                                         block_size=settings.block_size)
+                                         block_size=settings.block_size, model_name=model.name,
+                                         max_model_len=settings.max_model_len or model.max_position_embeddings)
         self.kv_index = KvIndex()
         self.policy = make_policy(settings.policy, self.kv_index, settings.load_weight)
         self.metrics = GatewayMetrics(self.policy.name)
         self.registry.subscribe(on_added=self._count_instances, on_removed=self._count_instances)
         self.dispatcher = Dispatcher(self.registry, self.kv_index, self.policy, model.tokenizer,
                                      model.tokenizer.eos_token_ids, self.metrics)
+        self.admission = Admission(self.registry, settings.max_running_per_decode, settings.max_waiting_requests)
         self._kv_events: KvEventSubscriber | None = None
         self._expiry: asyncio.Task | None = None
         self._in_flight: set[str] = set()  # request ids
@@ -127,6 +134,8 @@ class Gateway:
         with request_context(request.request_id):
             timer = self.metrics.request_timer()
             status, last = "CANCELLED", None  # CANCELLED unless it ends otherwise
+            loop = asyncio.get_running_loop()
+            deadline = None if timeout_s is None else loop.time() + timeout_s
             try:
                 async for delta in self._stream(request, timeout_s, timer):
                     last = delta
@@ -136,6 +145,11 @@ class Gateway:
                 status = e.code.name
                 raise
             except (asyncio.CancelledError, GeneratorExit):
+                # gRPC cancels the handler when the client's deadline passes: that is
+                # DEADLINE_EXCEEDED, not a client that went away (the slack: the two clocks
+                # are read at slightly different moments).
+                if deadline is not None and loop.time() >= deadline - DEADLINE_SLACK_S:
+                    status = "DEADLINE_EXCEEDED"
                 raise
             except BaseException:
                 status = "INTERNAL"
@@ -167,9 +181,13 @@ class Gateway:
             log_event(logger, "request start", prompt_tokens=timer.num_prompt_tokens,
                       max_tokens=prepared.sampling.max_tokens)
             self._in_flight.add(prepared.request_id)
+            loop = asyncio.get_running_loop()
+            deadline = None if timeout_s is None else loop.time() + timeout_s
             try:
-                async for delta in self.dispatcher.stream(prepared, timeout_s, timer):
-                    yield delta
+                async with self.admission.slot(timeout_s):
+                    remaining_s = None if deadline is None else max(0.0, deadline - loop.time())
+                    async for delta in self.dispatcher.stream(prepared, remaining_s, timer):
+                        yield delta
             finally:
                 self._in_flight.discard(prepared.request_id)
                 if not self._in_flight:

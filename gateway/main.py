@@ -1,8 +1,11 @@
 """`pdserve gateway`: run the gateway until SIGTERM or Ctrl-C.
 
-Prints `PDSERVE_READY role=gateway grpc=HOST:PORT policy=... http=HOST:PORT` on stdout
-once it serves (gRPC, and the OpenAI-compatible HTTP API of gateway.openai_api on the
-same event loop and Gateway). On SIGTERM it reports NOT_SERVING, refuses new requests (UNAVAILABLE),
+Prints `PDSERVE_READY role=gateway grpc=HOST:PORT registry=HOST:PORT policy=... http=HOST:PORT`
+on stdout once it serves (gRPC, and the OpenAI-compatible HTTP API of gateway.openai_api on
+the same event loop and Gateway). Instances register at the registry address, an internal
+port of its own (--registry-port) that deployments do not publish; with --registry-token
+(PDSERVE_REGISTRY_TOKEN) every registry call must carry that token, and a registry
+listening beyond loopback refuses to start without one unless --insecure-registry. On SIGTERM it reports NOT_SERVING, refuses new requests (UNAVAILABLE),
 lets requests in flight finish for up to --drain-timeout seconds, then exits 0.
 Every flag can also be set as PDSERVE_<FLAG> (common.cli.main.EnvDefaultsParser);
 --model, --block-size and --max-model-len share their variables with the
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -35,6 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions); 0 picks "
                              "a free one, -1 or 'off' disables it; default 8000, or a free one when --port is 0")
     parser.add_argument("--http-host", default=None, help="interface the HTTP port listens on; default: --host")
+    parser.add_argument("--registry-host", default=None,
+                        help="interface the instance registry listens on; default: --host")
+    parser.add_argument("--registry-port", type=int, default=None,
+                        help="internal port instances register at (never publish it); 0 picks a free one; "
+                             f"default {DEFAULT_REGISTRY_PORT}, or a free one when --port is 0")
+    parser.add_argument("--registry-token", default=None,
+                        help="shared secret every registry call must carry (authorization: Bearer TOKEN); "
+                             "prefer the environment variable to the command line")
+    parser.add_argument("--insecure-registry", action="store_true",
+                        help="serve a registry beyond loopback without a token (anyone who reaches it "
+                             "can receive users' prompts)")
     parser.add_argument("--event-loop", choices=["uvloop", "asyncio"], default="uvloop",
                         help="event loop serving gRPC and HTTP together")
     parser.add_argument("--model", default=None,
@@ -60,11 +75,41 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds between the instances' heartbeats")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0,
                         help="seconds without a heartbeat after which an instance is dropped")
+    parser.add_argument("--max-running-per-decode", type=int, default=64,
+                        help="requests the gateway lets run per live decode instance (keep it at the "
+                             "instances' --max-num-seqs); the rest wait in its queue; 0: no limit")
+    parser.add_argument("--max-waiting-requests", type=int, default=256,
+                        help="requests that may wait for capacity; one more gets RESOURCE_EXHAUSTED "
+                             "(HTTP 429) at once, with a retry hint")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let requests in flight finish on SIGTERM")
     add_metrics_args(parser)
     add_logging_args(parser)
     return parser
+
+
+DEFAULT_REGISTRY_PORT = 50054
+
+
+def registry_listen_address(args: argparse.Namespace) -> tuple[str, int]:
+    """Where the registry listens; ValueError for a registry beyond loopback with no
+    token, unless the operator said --insecure-registry."""
+    host = args.registry_host or args.host
+    port = args.registry_port if args.registry_port is not None else (0 if args.port == 0 else DEFAULT_REGISTRY_PORT)
+    if not args.registry_token and not args.insecure_registry and not _is_loopback(host):
+        raise ValueError(f"the registry would listen on {host} without a token: set PDSERVE_REGISTRY_TOKEN "
+                         f"(or --registry-token) on the gateway and every instance, or pass "
+                         f"--insecure-registry if the network is trusted")
+    return host, port
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname, or "" / 0.0.0.0-like wildcards handled above
 
 
 def _http_port(value: str) -> int:
@@ -77,15 +122,19 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     return GatewaySettings(policy=args.policy, block_size=args.block_size, max_model_len=args.max_model_len,
                            max_prompt_chars=args.max_prompt_chars,
                            heartbeat_interval_s=args.heartbeat_interval,
-                           heartbeat_timeout_s=args.heartbeat_timeout, load_weight=args.load_weight)
+                           heartbeat_timeout_s=args.heartbeat_timeout, load_weight=args.load_weight,
+                           max_running_per_decode=args.max_running_per_decode,
+                           max_waiting_requests=args.max_waiting_requests)
 
 
 async def serve(args: argparse.Namespace) -> None:
     from gateway.validation import load_served_model
+    registry_host, registry_port = registry_listen_address(args)
     model = load_served_model(args.model, args.served_model_name)
     server = GatewayServer(model, settings_from_args(args), host=args.host, port=args.port,
                            max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
-                           metrics_host=args.metrics_host)
+                           metrics_host=args.metrics_host, registry_port=registry_port,
+                           registry_host=registry_host, registry_token=args.registry_token or None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -94,7 +143,8 @@ async def serve(args: argparse.Namespace) -> None:
     http = await _start_http(server, args)  # same loop, same Gateway: one process serves both
     metrics = f" metrics={server.metrics_address}" if server.metrics_address else ""
     http_field = f" http={http.address}" if http else ""
-    print(f"PDSERVE_READY role=gateway grpc={address} policy={args.policy}{metrics}{http_field}", flush=True)
+    print(f"PDSERVE_READY role=gateway grpc={address} registry={server.registry_address} policy={args.policy}"
+          f"{metrics}{http_field}", flush=True)
     await stop.wait()
     logging.getLogger(__name__).info("shutting down")
     await server.stop(drain_timeout_s=args.drain_timeout)  # HTTP requests drain with the rest

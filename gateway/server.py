@@ -1,4 +1,7 @@
-"""The gateway's gRPC server: GenerateService + RegistryService + health + reflection.
+"""The gateway's gRPC servers: GenerateService + health + reflection on the public port,
+and RegistryService alone on an internal one (registry_port), which deployments never
+publish: whoever can register receives users' prompts, so the registry is not part of
+the public surface, and with a registry token every call there must carry it.
 
 Health: "" is liveness (SERVING while the process serves); pdserve.v1.GenerateService
 is readiness (gateway.readiness: SERVING only while a decode instance is alive and the
@@ -10,7 +13,7 @@ a ServiceError becomes its status (common.service.errors.ErrorStatusInterceptor)
 started in-process by tests:
 
     server = GatewayServer(load_served_model(None), GatewaySettings(), port=0)
-    address = await server.start()   # "127.0.0.1:PORT"
+    address = await server.start()   # "127.0.0.1:PORT"; instances register at server.registry_address
     ...
 
 With metrics_port set (0: a free port), it also serves the gateway's Prometheus
@@ -25,13 +28,15 @@ import logging
 from grpc import aio
 from grpc_health.v1 import health_pb2
 
-from common.service.errors import ErrorStatusInterceptor
+from common.service.errors import ErrorStatusInterceptor, ServiceError
+from common.service.keepalive import KEEPALIVE_SERVER_OPTIONS
+from gateway.admission import RETRY_AFTER_METADATA, AdmissionRefused
 from gateway.api import delta_to_pb, deployment_info_to_pb, generate_input_from_pb
 from gateway.core import Gateway, GatewaySettings
 from gateway.routing.registry import RegistryServicer
 from gateway.validation import ServedModel
 from protos.pdserve.v1 import generate_pb2_grpc, registry_pb2_grpc
-from protos.serving import GENERATE_SERVICE, REGISTRY_SERVICE, add_health_and_reflection
+from protos.serving import GENERATE_SERVICE, add_health_and_reflection
 
 logger = logging.getLogger(__name__)
 
@@ -43,25 +48,52 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.gateway = gateway
 
     async def Generate(self, request, context):
-        result = await self.gateway.generate(generate_input_from_pb(request), context.time_remaining())
+        generate_input = self._converted(request)
+        try:
+            result = await self.gateway.generate(generate_input, context.time_remaining())
+        except AdmissionRefused as e:
+            _add_retry_hint(context, e)
+            raise
         return delta_to_pb(result)
 
     async def GenerateStream(self, request, context):
-        async for delta in self.gateway.stream(generate_input_from_pb(request), context.time_remaining()):
-            yield delta_to_pb(delta)
+        generate_input = self._converted(request)
+        try:
+            async for delta in self.gateway.stream(generate_input, context.time_remaining()):
+                yield delta_to_pb(delta)
+        except AdmissionRefused as e:
+            _add_retry_hint(context, e)
+            raise
+
+    def _converted(self, request):
+        """The request in the gateway's types; one refused here (a bad sampling field) is
+        still a request, counted under its status like those the gateway refuses."""
+        try:
+            return generate_input_from_pb(request)
+        except ServiceError as e:
+            self.gateway.metrics.request_timer().finish(e.code.name)
+            raise
 
     async def ModelInfo(self, request, context):
         return deployment_info_to_pb(self.gateway.deployment_info())
 
 
+def _add_retry_hint(context, error: AdmissionRefused) -> None:
+    """Trailing metadata the status goes out with (ErrorStatusInterceptor keeps it)."""
+    context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(round(error.retry_after_s * 1000))),))
+
+
 class GatewayServer:
     def __init__(self, model: ServedModel, settings: GatewaySettings, host: str = "127.0.0.1",
                  port: int = 0, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 metrics_port: int | None = None, metrics_host: str | None = None):
+                 metrics_port: int | None = None, metrics_host: str | None = None,
+                 registry_port: int = 0, registry_host: str | None = None, registry_token: str | None = None):
         self.gateway = Gateway(model, settings)
         self.host = host
         self.port = port
         self.address = ""
+        self.registry_host, self.registry_port = registry_host or host, registry_port
+        self.registry_address = ""  # host:port instances register at, once serving
         self.metrics_port, self.metrics_host = metrics_port, metrics_host or host
         self.metrics_address = ""  # host:port once serving, when metrics_port is set
         self._server = aio.server(interceptors=[ErrorStatusInterceptor()], options=[
@@ -69,8 +101,10 @@ class GatewayServer:
             ("grpc.so_reuseport", 0),  # a second gateway on a taken port fails instead of sharing it
         ])
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(self.gateway), self._server)
+        self._registry_server = aio.server(interceptors=[ErrorStatusInterceptor()], options=[
+            ("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS])
         registry_pb2_grpc.add_RegistryServiceServicer_to_server(
-            RegistryServicer(self.gateway.registry), self._server)
+            RegistryServicer(self.gateway.registry, registry_token), self._registry_server)
         self._health = None
         self._published_ready = True  # what add_health_and_reflection reports at first
         self._publishing: asyncio.Task | None = None
@@ -81,17 +115,22 @@ class GatewayServer:
         bound_port = self._server.add_insecure_port(f"{self.host}:{self.port}")
         if bound_port == 0:
             raise OSError(f"cannot bind the gateway to {self.host}:{self.port}")
+        registry_port = self._registry_server.add_insecure_port(f"{self.registry_host}:{self.registry_port}")
+        if registry_port == 0:
+            raise OSError(f"cannot bind the gateway's registry to {self.registry_host}:{self.registry_port}")
         if self.metrics_port is not None:  # before anything runs: a taken port fails the start cleanly
             self.metrics_address = self.gateway.metrics.serve(self.metrics_host, self.metrics_port)
         await self.gateway.start()
         # Handlers must all be added before start. The tokenizer is loaded by now, so
         # liveness is SERVING from the first moment; readiness waits for a decode instance.
-        self._health = await add_health_and_reflection(self._server, GENERATE_SERVICE, REGISTRY_SERVICE)
+        self._health = await add_health_and_reflection(self._server, GENERATE_SERVICE)
         self._readiness_changed(self.gateway.readiness.ready)  # no decode instance yet: NOT_SERVING
+        await self._registry_server.start()
         await self._server.start()
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]", "") else self.host
-        self.address = f"{host}:{bound_port}"
-        logger.info("gateway serving on %s (policy %s)", self.address, self.gateway.policy.name)
+        self.address = f"{_dialable(self.host)}:{bound_port}"
+        self.registry_address = f"{_dialable(self.registry_host)}:{registry_port}"
+        logger.info("gateway serving on %s, registry on %s (policy %s)", self.address, self.registry_address,
+                    self.gateway.policy.name)
         return self.address
 
     def _readiness_changed(self, _ready: bool) -> None:
@@ -118,5 +157,10 @@ class GatewayServer:
         if self._publishing is not None:
             self._publishing.cancel()
         await self._server.stop(grace=1.0)
+        await self._registry_server.stop(grace=1.0)
         await self.gateway.close()
         self.gateway.metrics.close()
+
+
+def _dialable(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "[::]", "") else host

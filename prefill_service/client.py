@@ -8,6 +8,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
+from common.service.keepalive import KEEPALIVE_CHANNEL_OPTIONS
 from prefill_service.api import CachedBlocks, PrefillJob, PrefillResult
 from protos.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 
@@ -37,7 +38,8 @@ class PrefillClients:
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
         entry = self._stubs.get(address)
         if entry is None:
-            channel = aio.insecure_channel(address)
+            # Keepalive: a frozen prefill instance fails the call instead of holding it.
+            channel = aio.insecure_channel(address, options=KEEPALIVE_CHANNEL_OPTIONS)
             entry = self._stubs[address] = (channel, prefill_pb2_grpc.PrefillServiceStub(channel))
         return entry[1]
 

@@ -94,7 +94,8 @@ class FakeDecode:
     """A FakeDecodeServicer on its own server on 127.0.0.1, registered with a gateway."""
 
     def __init__(self, instance_id: str, gateway_address: str, max_model_len: int = 8192,
-                 model_name: str = "", block_size: int = 16, **servicer_kwargs):
+                 model_name: str = "", block_size: int = 16, registry_token: str | None = None,
+                 **servicer_kwargs):
         self.servicer = FakeDecodeServicer(instance_id, **servicer_kwargs)
         self._server = aio.server()
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, self._server)
@@ -103,7 +104,7 @@ class FakeDecode:
         self.spec = InstanceSpec(instance_id=instance_id, role="decode", grpc_address=self.address,
                                  block_size=block_size, num_total_blocks=1000, model_name=model_name,
                                  max_model_len=max_model_len)
-        self._registry_client = RegistryClient(gateway_address, self.spec, self._load)
+        self._registry_client = RegistryClient(gateway_address, self.spec, self._load, token=registry_token)
         self._registration: asyncio.Task | None = None
 
     def _load(self) -> InstanceLoad:
@@ -127,14 +128,15 @@ def main(argv: list[str] | None = None) -> int:
     that need one to die for real, e.g. SIGKILL mid-stream)."""
     import argparse
     parser = argparse.ArgumentParser(prog="python -m bench.fakes.fake_decode")
-    parser.add_argument("--gateway", required=True)
+    parser.add_argument("--gateway", required=True, help="the gateway's registry address")
+    parser.add_argument("--model-name", required=True, help="the gateway's served model name")
     parser.add_argument("--instance-id", default="decode-fake")
     parser.add_argument("--delay-s", type=float, default=0.0, help="between messages")
     parser.add_argument("--token-ids", default="1000,1001,1002", help="comma-separated script")
     args = parser.parse_args(argv)
 
     async def serve() -> None:
-        fake = FakeDecode(args.instance_id, args.gateway, delay_s=args.delay_s,
+        fake = FakeDecode(args.instance_id, args.gateway, model_name=args.model_name, delay_s=args.delay_s,
                           token_ids=[int(t) for t in args.token_ids.split(",")])
         await fake.start()
         print(f"PDSERVE_READY role=decode grpc={fake.address} instance={args.instance_id}", flush=True)

@@ -30,7 +30,8 @@ class ProcessFailed(RuntimeError):
 
 # The commands `pdserve up` runs, by the module that owns their flags.
 COMMAND_MODULES = {"gateway": "gateway.main", "prefill": "prefill_service.main", "decode": "decode_service.main"}
-PER_PROCESS_FLAGS = ("--host", "--port", "--instance-id", "--gateway", "--advertise-address", "--metrics-port")
+PER_PROCESS_FLAGS = ("--host", "--port", "--instance-id", "--gateway", "--advertise-address", "--metrics-port",
+                     "--registry-port")
 
 
 def route_flags(flags: list[str]) -> dict[str, list[str]]:
@@ -106,6 +107,11 @@ class ManagedProcess:
     def metrics_address(self) -> str:
         """host:port of its Prometheus endpoint ("" when it serves none)."""
         return self.ready_fields.get("metrics", "")
+
+    @property
+    def registry_address(self) -> str:
+        """host:port of the gateway's instance registry ("" for other processes)."""
+        return self.ready_fields.get("registry", "")
 
     @property
     def http_address(self) -> str:

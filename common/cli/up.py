@@ -5,9 +5,12 @@ with the same settings: every flag `up` does not know itself goes to each comman
 defines it (--model and --block-size to all three, --kv-cache-memory to prefill and
 decode, --policy to the gateway; a flag none defines is an error), and the environment
 (PDSERVE_* variables included) is inherited. Only what differs per process is set by
-`up`: --host, --port (0: a free port), --instance-id, --gateway, and --metrics-port 0:
+`up`: --host, --port (0: a free port), --instance-id, --gateway (the gateway's registry
+address: its --registry-port, a free port of its own), and --metrics-port 0:
 every process serves Prometheus metrics on a free port, named as `metrics=HOST:PORT` in
 the READY line it prints (echoed with its name; `ManagedProcess.metrics_address`).
+Every process gets the same registry token through PDSERVE_REGISTRY_TOKEN (never on a
+command line, where `ps` shows it): the environment's, else a fresh random one.
 
 `up` waits until the gateway serves and every instance has registered (ModelInfo
 counts), prints the gateway's OpenAI-compatible HTTP address (--http-port; a line of
@@ -21,6 +24,8 @@ Tests use `LocalStack` directly (a context manager; see tests/integration/test_s
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import signal
 import sys
 import time
@@ -29,6 +34,9 @@ import grpc
 
 from common.cli.processes import ManagedProcess, ProcessFailed, route_flags, start_gateway_process
 from common.service.flags import EnvDefaultsParser
+
+
+REGISTRY_TOKEN_ENV = "PDSERVE_REGISTRY_TOKEN"
 
 
 class LocalStack:
@@ -58,7 +66,9 @@ class LocalStack:
         self.port, self.host = port, host
         self.http_port = http_port  # the gateway's OpenAI-compatible HTTP port; 0: free, None: off
         self.flags = route_flags(list(passthrough))  # by command
-        self.env = env
+        # One token for the stack: a process that is not ours cannot register with it.
+        token = (env or {}).get(REGISTRY_TOKEN_ENV) or os.environ.get(REGISTRY_TOKEN_ENV) or secrets.token_urlsafe(32)
+        self.env = {**(env or {}), REGISTRY_TOKEN_ENV: token}
         self.log_dir = log_dir
         self.startup_timeout_s, self.grace_s = startup_timeout_s, grace_s
         self.gateway: ManagedProcess | None = None
@@ -74,12 +84,22 @@ class LocalStack:
         """host:port of the gateway's OpenAI-compatible HTTP API ("" when off)."""
         return self.gateway.http_address
 
+    @property
+    def registry_address(self) -> str:
+        """host:port where instances register (internal; carries the stack's token)."""
+        return self.gateway.registry_address
+
+    @property
+    def registry_token(self) -> str:
+        return self.env[REGISTRY_TOKEN_ENV]
+
     def start(self) -> str:
         """Start everything and wait until all instances registered; return the gateway address."""
         try:
             self.gateway = start_gateway_process([*self.flags["gateway"], *self.role_flags.get("gateway", ()),
                                                   "--host", self.host,
-                                                  "--port", str(self.port), "--metrics-port", "0", "--http-port",
+                                                  "--port", str(self.port), "--registry-port", "0",
+                                                  "--metrics-port", "0", "--http-port",
                                                   "off" if self.http_port is None else str(self.http_port)],
                                                  env=self._role_env("gateway"), log_dir=self.log_dir,
                                                  cpus=self.cpu_affinity.get("gateway"),
@@ -100,7 +120,7 @@ class LocalStack:
         self._next_index[role] += 1
         process = ManagedProcess(instance_id, [role, *self.flags[role], *self.role_flags.get(role, ()),
                                                "--host", self.host, "--port", "0",
-                                               "--instance-id", instance_id, "--gateway", self.address,
+                                               "--instance-id", instance_id, "--gateway", self.registry_address,
                                                "--metrics-port", "0"],
                                  env=self._role_env(role), log_dir=self.log_dir, cpus=self.cpu_affinity.get(role))
         self.instances[instance_id] = process
@@ -108,11 +128,11 @@ class LocalStack:
             process.wait_ready(self.startup_timeout_s)
         return process
 
-    def _role_env(self, role: str) -> dict[str, str] | None:
+    def _role_env(self, role: str) -> dict[str, str]:
         cpus = self.cpu_affinity.get(role)
         if not cpus:
             return self.env
-        return {**(self.env or {}), "OMP_NUM_THREADS": str(len(cpus))}
+        return {**self.env, "OMP_NUM_THREADS": str(len(cpus))}
 
     def wait_registered(self, num_prefill: int, num_decode: int, timeout_s: float | None = None) -> None:
         """Wait until the gateway counts at least this many live instances per pool."""

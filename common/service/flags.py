@@ -55,7 +55,11 @@ def make_parser(role: str, description: str) -> argparse.ArgumentParser:
                         "default host:actual_port (the hostname when --host is 0.0.0.0)")
     g.add_argument("--instance-id", default=None, help=f"default {role}-HOSTNAME-PID-RANDOM (unique per process)")
     g.add_argument("--gateway", default=None,
-                   help="gateway address to register with (host:port); none: serve unregistered")
+                   help="the gateway's registry address to register with (host:port of its --registry-port, "
+                        "not its public port); none: serve unregistered")
+    g.add_argument("--registry-token", default=None,
+                   help="the deployment's registry token, sent with every registry call; prefer the "
+                        "environment variable to the command line")
     g.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     g.add_argument("--served-model-name", default=None,

@@ -23,6 +23,7 @@ from grpc import aio
 
 from common.service.errors import ErrorStatusInterceptor
 from common.service.flags import advertise_host, bracket
+from common.service.keepalive import KEEPALIVE_SERVER_OPTIONS
 from common.service.logging_setup import configure_logging
 from common.service.metrics import WorkerMetrics
 from common.service.registration import RegistryClient
@@ -95,7 +96,8 @@ async def _serve(args: argparse.Namespace, role: str, build: Callable[[argparse.
     # Loading the model takes seconds; a signal meanwhile still ends the process cleanly.
     worker = await asyncio.to_thread(build, args, args.instance_id)
     gate = RequestGate(f"{role} instance {args.instance_id}")
-    server = aio.server(interceptors=[ErrorStatusInterceptor()], options=[("grpc.so_reuseport", 0)])
+    server = aio.server(interceptors=[ErrorStatusInterceptor()],
+                        options=[("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS])
     exit_code = 0
     registry_task = None
     try:
@@ -108,7 +110,8 @@ async def _serve(args: argparse.Namespace, role: str, build: Callable[[argparse.
         metrics_address = start_metrics(worker.metrics, args)  # before serving: a taken port fails the start
         await server.start()
         if args.gateway:
-            registry_task = _start_registration(args.gateway, worker.instance_spec(grpc_address), worker, stop)
+            registry_task = _start_registration(args.gateway, args.registry_token, worker.instance_spec(grpc_address),
+                                                worker, stop)
         ready_fields = dict(worker.ready_fields())
         if metrics_address:
             ready_fields["metrics"] = metrics_address
@@ -140,8 +143,9 @@ async def _serve(args: argparse.Namespace, role: str, build: Callable[[argparse.
     return exit_code
 
 
-def _start_registration(gateway: str, spec, worker: Worker, stop: asyncio.Event) -> asyncio.Task:
-    task = asyncio.get_running_loop().create_task(RegistryClient(gateway, spec, worker.load).run())
+def _start_registration(gateway: str, token: str | None, spec, worker: Worker, stop: asyncio.Event) -> asyncio.Task:
+    client = RegistryClient(gateway, spec, worker.load, token=token or None)
+    task = asyncio.get_running_loop().create_task(client.run())
 
     def on_done(t: asyncio.Task) -> None:
         if not t.cancelled() and t.exception() is not None:

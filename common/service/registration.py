@@ -3,6 +3,10 @@ protobuf mapping, and what prefill and decode instances run to stay known to the
 (grpc.aio): register, heartbeat their load, re-register when the gateway has forgotten
 them (it restarted or declared them dead), and deregister on shutdown. The gateway's
 RegistryServicer reads the same types.
+
+Every call carries the deployment's registry token (`authorization: Bearer TOKEN`
+metadata) when one is set, and Heartbeat/Deregister present the secret the gateway
+issued at Register. The channel keeps itself alive (common.service.keepalive).
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import Literal
 
 import grpc
 
+from common.service.keepalive import KEEPALIVE_CHANNEL_OPTIONS
 from protos.pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -73,12 +78,16 @@ class RegistryClient:
     """Keep one instance registered with the gateway: `await client.run()` as a task."""
 
     def __init__(self, gateway_address: str, spec: InstanceSpec, get_load: Callable[[], InstanceLoad],
-                 retry_s: float = 1.0, rpc_timeout_s: float = 5.0):
+                 retry_s: float = 1.0, rpc_timeout_s: float = 5.0, token: str | None = None):
+        """gateway_address: the gateway's registry endpoint (its --registry-port, not the
+        public one); token: the deployment's registry token, if it has one."""
         self.spec = spec
         self._get_load = get_load
         self._retry_s = retry_s
         self._timeout_s = rpc_timeout_s
-        self._channel = grpc.aio.insecure_channel(gateway_address)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._secret = ""  # issued by the gateway at Register
+        self._channel = grpc.aio.insecure_channel(gateway_address, options=KEEPALIVE_CHANNEL_OPTIONS)
         self._stub = registry_pb2_grpc.RegistryServiceStub(self._channel)
         self.registered = asyncio.Event()
 
@@ -91,10 +100,12 @@ class RegistryClient:
                 await asyncio.sleep(interval_s)
                 try:
                     response = await self._stub.Heartbeat(registry_pb2.HeartbeatRequest(
-                        instance_id=self.spec.instance_id, load=self._get_load().to_pb()),
-                        timeout=self._timeout_s)
+                        instance_id=self.spec.instance_id, load=self._get_load().to_pb(),
+                        instance_secret=self._secret), timeout=self._timeout_s, metadata=self._metadata)
                 except grpc.aio.AioRpcError as e:  # gateway down: it forgets us; keep trying
                     logger.warning("heartbeat to gateway failed: %s", e.code().name)
+                    if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                        raise  # the gateway's token changed: retrying cannot help
                     continue
                 if response.reregister:
                     self.registered.clear()
@@ -105,13 +116,17 @@ class RegistryClient:
     async def _register(self) -> float:
         while True:
             try:
-                response = await self._stub.Register(self.spec.to_pb(), timeout=self._timeout_s)
+                response = await self._stub.Register(self.spec.to_pb(), timeout=self._timeout_s,
+                                                     metadata=self._metadata)
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise  # wrong model or block size: retrying cannot help
-                logger.warning("registering with gateway failed (%s); retrying", e.code().name)
+                if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED):
+                    raise  # wrong model, block size or token: retrying cannot help
+                # ALREADY_EXISTS (our id is still held by a dead predecessor at another
+                # address) clears once that one expires, like a gateway that is down.
+                logger.warning("registering with gateway failed (%s: %s); retrying", e.code().name, e.details())
                 await asyncio.sleep(self._retry_s)
                 continue
+            self._secret = response.instance_secret
             self.registered.set()
             return response.heartbeat_interval_ms / 1000 or self._retry_s
 
@@ -119,7 +134,8 @@ class RegistryClient:
         try:
             if self.registered.is_set():
                 await self._stub.Deregister(registry_pb2.DeregisterRequest(
-                    instance_id=self.spec.instance_id), timeout=self._timeout_s)
+                    instance_id=self.spec.instance_id, instance_secret=self._secret),
+                    timeout=self._timeout_s, metadata=self._metadata)
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass  # the gateway will expire us instead
         finally:

@@ -35,12 +35,14 @@ ERROR_TYPE_BY_HTTP_STATUS = {400: "invalid_request_error", 404: "invalid_request
 class ApiError(Exception):
     """A request answered with an HTTP error status and OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: float | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s  # sent as Retry-After (whole seconds)
 
     def body(self) -> dict:
         return {"error": {"message": self.message,
@@ -58,4 +60,4 @@ def invalid_field(param: str, message: str, code: str = "invalid_value") -> ApiE
 
 def from_gateway_error(error: ServiceError, param: str | None = None) -> ApiError:
     return ApiError(HTTP_STATUS_BY_GRPC_CODE.get(error.code, 500), error.message, param=param,
-                    code=error.code.name.lower())
+                    code=error.code.name.lower(), retry_after_s=getattr(error, "retry_after_s", None))

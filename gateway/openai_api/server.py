@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 import time
 import uuid
@@ -288,7 +289,8 @@ def _json(payload: dict, status: int = 200) -> Response:
 
 
 def _error(error: ApiError) -> Response:
-    return Response(error.body_bytes(), status_code=error.status, media_type="application/json")
+    headers = None if error.retry_after_s is None else {"Retry-After": str(max(1, math.ceil(error.retry_after_s)))}
+    return Response(error.body_bytes(), status_code=error.status, media_type="application/json", headers=headers)
 
 
 def _too_large(size: int, limit: int) -> ApiError:

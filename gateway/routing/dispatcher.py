@@ -15,6 +15,9 @@ probe fails too, so later requests avoid it without waiting for its heartbeats t
 time out; an instance that is in fact alive re-registers on its next heartbeat.
 A request that failed so before receiving any token is retried on another decode
 instance (never twice on one); one that had streamed tokens ends with UNAVAILABLE.
+The same holds for the calls still running on an instance the registry drops as dead
+(missed heartbeats, a failed probe): gateway.routing.inflight_calls ends them at once,
+so no request outlives its instance.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from common.service.errors import ServiceError
 from common.service.metrics import GatewayMetrics, RequestTimer
 from decode_service.api import DecodeJob
 from gateway.routing.decode_channels import DecodeChannels
+from gateway.routing.inflight_calls import InFlightCalls
 from gateway.routing.kv_index import KvIndex
 from gateway.routing.load_ledger import LoadLedger, PlacementCharge
 from gateway.routing.placement import Placement, choose_remote_prefill
@@ -49,6 +53,15 @@ _PASSED_ON = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUST
 _INSTANCE_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
 
 
+class InstanceLost(ServiceError):
+    """The registry dropped the decode instance as dead while the call ran there."""
+
+    def __init__(self, instance_id: str, reason: str):
+        super().__init__(grpc.StatusCode.UNAVAILABLE,
+                         f"decode instance {instance_id} was dropped ({reason}: it stopped answering) "
+                         f"while serving this request; retry")
+
+
 class Dispatcher:
     def __init__(self, registry: InstanceRegistry, kv_index: KvIndex, policy: PlacementPolicy,
                  tokenizer, eos_token_ids: tuple[int, ...], metrics: GatewayMetrics | None = None):
@@ -59,6 +72,7 @@ class Dispatcher:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self._channels = DecodeChannels(registry)
+        self._calls = InFlightCalls(registry)
         self._probes: set[asyncio.Task] = set()
 
     async def stream(self, request: PreparedRequest, timeout_s: float | None = None,
@@ -78,8 +92,8 @@ class Dispatcher:
                     streamed_any = True
                     yield delta
                 return
-            except grpc.aio.AioRpcError as e:
-                error = self._decode_error(decode, e)
+            except (grpc.aio.AioRpcError, InstanceLost) as e:
+                error = e if isinstance(e, InstanceLost) else self._decode_error(decode, e)
                 retry = (error.code == grpc.StatusCode.UNAVAILABLE and not streamed_any
                          and self._live_decodes(exclude=tried))
                 if not retry:
@@ -113,22 +127,28 @@ class Dispatcher:
                             placement.prefill_address, placement.prefill_instance_id)
             stream = client.decode(job, timeout_s)
             text = TextAssembler(self.tokenizer, request, decode.instance_id, self.eos_token_ids)
-            try:
-                async for output in stream:
-                    charge.release_prefill()  # a token means the prefill is done
-                    if timer is not None:
-                        timer.tokens(len(output.token_ids))
-                    delta = text.apply(output)
-                    if delta.finish_reason is not None:
-                        yield delta
-                        return
-                    if delta.text or delta.token_ids:
-                        yield delta
-                raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                                   f"decode instance {decode.instance_id} ended the stream of request "
-                                   f"{request.request_id} before it finished")
-            finally:
-                stream.cancel()  # no-op when finished; otherwise aborts decode and prefill
+            with self._calls.tracking(decode, stream) as call:
+                try:
+                    async for output in stream:
+                        charge.release_prefill()  # a token means the prefill is done
+                        if timer is not None:
+                            timer.tokens(len(output.token_ids))
+                        delta = text.apply(output)
+                        if delta.finish_reason is not None:
+                            yield delta
+                            return
+                        if delta.text or delta.token_ids:
+                            yield delta
+                    raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                       f"decode instance {decode.instance_id} ended the stream of request "
+                                       f"{request.request_id} before it finished")
+                except asyncio.CancelledError:
+                    # Cancelled by InFlightCalls (its instance was dropped), not by our caller.
+                    if call.lost_reason is not None and not asyncio.current_task().cancelling():
+                        raise InstanceLost(decode.instance_id, call.lost_reason) from None
+                    raise
+                finally:
+                    stream.cancel()  # no-op when finished; otherwise aborts decode and prefill
 
     def _decode_error(self, decode: Instance, e: grpc.aio.AioRpcError) -> ServiceError:
         code = e.code()
@@ -150,7 +170,7 @@ class Dispatcher:
             if self.registry.get(instance.instance_id) is instance:
                 logger.warning("decode instance %s does not answer (%s); no longer placing on it",
                                instance.instance_id, e.code().name)
-                self.registry.deregister(instance.instance_id)
+                self.registry.drop_unresponsive(instance.instance_id)
 
     async def close(self) -> None:
         for task in list(self._probes):

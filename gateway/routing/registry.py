@@ -6,13 +6,23 @@ Each heartbeat replaces the instance's load estimate (gateway.routing.load_estim
 what the gateway dispatches and sees finish in between is charged and released
 through gateway.routing.load_ledger.
 
+Who may register: the gateway serves RegistryService on an internal port only
+(gateway.server), every call there must carry the deployment's registry token when one
+is set (RegistryServicer), and a registration must agree with the gateway's own model
+(name, block size, a max_model_len no larger than its own). Each registration gets a
+secret (Instance.secret) that its Heartbeat and Deregister calls must present, so that
+one instance cannot speak for another's id; registering a live id again is allowed only
+at the same address (a restart at that address).
+
 Plain Python and single-threaded (call it from the gateway's event loop); the
 clock is injectable so tests and the placement simulation control time.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,12 +43,19 @@ class RegistrationError(ServiceError):
         super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+def wrong_instance_secret(instance_id: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.PERMISSION_DENIED,
+                        f"instance {instance_id!r} was registered by another caller: present the "
+                        f"instance_secret its Register call returned")
+
+
 @dataclass
 class Instance:
     spec: InstanceSpec
     registered_at: float
     last_heartbeat: float
     estimate: LoadEstimate
+    secret: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
 
     @property
     def instance_id(self) -> str:
@@ -77,6 +94,7 @@ class InstanceRegistry:
     clock: Callable[[], float] = time.monotonic
     block_size: int | None = None  # None: take the first instance's
     model_name: str | None = None  # None: take the first instance's
+    max_model_len: int | None = None  # the most an instance may claim; None: no cap
     _instances: dict[str, Instance] = field(default_factory=dict)
     _on_added: list[Listener] = field(default_factory=list)
     _on_removed: list[Listener] = field(default_factory=list)
@@ -85,7 +103,8 @@ class InstanceRegistry:
     def subscribe(self, on_added: Listener | None = None, on_removed: Listener | None = None,
                   on_heartbeat: Listener | None = None) -> None:
         """Be told when instances join (reason "registered"), leave ("deregistered",
-        "expired", or "replaced" when the same id registers again after a restart)
+        "expired", "unresponsive" when a probe failed, or "replaced" when the same id
+        registers again after a restart)
         or report load ("heartbeat")."""
         for listeners, listener in ((self._on_added, on_added), (self._on_removed, on_removed),
                                     (self._on_heartbeat, on_heartbeat)):
@@ -93,6 +112,7 @@ class InstanceRegistry:
                 listeners.append(listener)
 
     def register(self, spec: InstanceSpec) -> Instance:
+        """Add an instance, or replace the one of its id at the same address (a restart)."""
         if not spec.instance_id or spec.role not in ROLES or not spec.grpc_address:
             raise RegistrationError(f"need an instance id, a role in {ROLES} and a gRPC address: {spec}")
         if spec.block_size <= 0:
@@ -102,9 +122,19 @@ class InstanceRegistry:
             if expected is not None and getattr(spec, name) != expected:
                 raise RegistrationError(f"{spec.instance_id}: {name} {getattr(spec, name)!r} "
                                         f"differs from the deployment's {expected!r}")
+        # A larger limit than the gateway's would let requests through that its tokenizer's
+        # model cannot hold; a smaller one is fine (the gateway caps requests to the smallest).
+        if self.max_model_len is not None and spec.max_model_len > self.max_model_len:
+            raise RegistrationError(f"{spec.instance_id}: max_model_len {spec.max_model_len} exceeds the "
+                                    f"gateway's {self.max_model_len}")
+        previous = self._instances.get(spec.instance_id)
+        if previous is not None and previous.spec.grpc_address != spec.grpc_address:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"instance id {spec.instance_id!r} is registered at {previous.spec.grpc_address}; "
+                               f"pick another id, or wait until that instance expires")
         self.block_size = spec.block_size
         self.model_name = spec.model_name
-        if spec.instance_id in self._instances:
+        if previous is not None:
             self._remove(spec.instance_id, "replaced")
         now = self.clock()
         full_pool = InstanceLoad(num_free_blocks=spec.num_total_blocks, num_total_blocks=spec.num_total_blocks)
@@ -126,6 +156,17 @@ class InstanceRegistry:
 
     def deregister(self, instance_id: str) -> bool:
         return self._remove(instance_id, "deregistered") is not None
+
+    def drop_unresponsive(self, instance_id: str) -> bool:
+        """The gateway found the instance dead (a failed probe): like expiry, not a clean leave."""
+        return self._remove(instance_id, "unresponsive") is not None
+
+    def check_secret(self, instance_id: str, secret: str) -> None:
+        """Raise PERMISSION_DENIED unless `secret` is the registration's (unknown ids pass:
+        there is nothing to protect, and a heartbeat for one asks to re-register)."""
+        instance = self._instances.get(instance_id)
+        if instance is not None and not hmac.compare_digest(instance.secret, secret):
+            raise wrong_instance_secret(instance_id)
 
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)
@@ -152,7 +193,7 @@ class InstanceRegistry:
     def _remove(self, instance_id: str, reason: str) -> Instance | None:
         instance = self._instances.pop(instance_id, None)
         if instance is not None:
-            log = logger.warning if reason == "expired" else logger.info
+            log = logger.warning if reason in ("expired", "unresponsive") else logger.info
             log("%s %s %s (last heartbeat %.1fs ago)", instance.role, instance_id, reason,
                 self.clock() - instance.last_heartbeat)
             self._notify(self._on_removed, instance, reason)
@@ -168,21 +209,38 @@ class InstanceRegistry:
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
-    """pdserve.v1.RegistryService over an InstanceRegistry (grpc.aio)."""
+    """pdserve.v1.RegistryService over an InstanceRegistry (grpc.aio). With a token, every
+    call must carry `authorization: Bearer <token>` (UNAUTHENTICATED otherwise)."""
 
-    def __init__(self, registry: InstanceRegistry):
+    def __init__(self, registry: InstanceRegistry, token: str | None = None):
         self.registry = registry
+        self._expected_authorization = f"Bearer {token}".encode() if token else None
+
+    def _authenticate(self, context) -> None:
+        if self._expected_authorization is None:
+            return
+        presented = dict(context.invocation_metadata() or ()).get("authorization", "")
+        presented = presented.encode() if isinstance(presented, str) else presented
+        if not hmac.compare_digest(presented, self._expected_authorization):
+            raise ServiceError(grpc.StatusCode.UNAUTHENTICATED,
+                               "registry calls need the deployment's registry token "
+                               "(--registry-token / PDSERVE_REGISTRY_TOKEN)")
 
     async def Register(self, request, context):
+        self._authenticate(context)
         spec = InstanceSpec.from_pb(request)
-        self.registry.register(spec)  # a RegistrationError is INVALID_ARGUMENT
+        instance = self.registry.register(spec)  # a RegistrationError is INVALID_ARGUMENT
         return registry_pb2.RegisterResponse(
-            heartbeat_interval_ms=round(self.registry.heartbeat_interval_s * 1000))
+            heartbeat_interval_ms=round(self.registry.heartbeat_interval_s * 1000), instance_secret=instance.secret)
 
     async def Heartbeat(self, request, context):
+        self._authenticate(context)
+        self.registry.check_secret(request.instance_id, request.instance_secret)
         known = self.registry.heartbeat(request.instance_id, InstanceLoad.from_pb(request.load))
         return registry_pb2.HeartbeatResponse(reregister=not known)
 
     async def Deregister(self, request, context):
+        self._authenticate(context)
+        self.registry.check_secret(request.instance_id, request.instance_secret)
         self.registry.deregister(request.instance_id)
         return registry_pb2.DeregisterResponse()

@@ -23,6 +23,7 @@ import http.server
 import json
 import os
 import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -253,6 +254,8 @@ def _stack_env(tmp_path: Path, gateway_port: int, wheels_url: str) -> dict[str, 
         "PDSERVE_ENV_FILE": str(env_file), "PDSERVE_GATEWAY_PORT": str(gateway_port),
         "PDSERVE_IMAGE": IMAGE, "PDSERVE_BASE_IMAGE": BASE_IMAGE, "PDSERVE_TORCH_SPEC": TORCH_SPEC,
         "PDSERVE_WHEELS_URL": wheels_url, "PDSERVE_WHEELS_ONLY": "1",
+        "PDSERVE_REGISTRY_TOKEN": secrets.token_hex(32),
+        "PDSERVE_GATEWAY_REGISTRY_PORT": str(_free_port()),
     }
 
 

@@ -38,6 +38,11 @@ class BackgroundGateway:
         return self.server.address
 
     @property
+    def registry_address(self) -> str:
+        """Where instances register (the gateway's internal registry port)."""
+        return self.server.registry_address
+
+    @property
     def gateway(self):
         return self.server.gateway
 
@@ -58,9 +63,13 @@ class BackgroundGateway:
         return self.call(start())
 
     def add_fake_decode(self, instance_id: str, **kwargs) -> FakeDecode:
-        """A FakeDecode (bench.fakes.fake_decode) on this loop, registered before this returns."""
+        """A FakeDecode (bench.fakes.fake_decode) on this loop, registered before this returns;
+        it serves the gateway's model unless `model_name` says otherwise."""
+        kwargs.setdefault("model_name", self.gateway.model.name)
+        kwargs.setdefault("registry_token", self._server_kwargs.get("registry_token"))
+
         async def start() -> FakeDecode:
-            fake = FakeDecode(instance_id, self.address, **kwargs)
+            fake = FakeDecode(instance_id, self.registry_address, **kwargs)
             await fake.start()
             return fake
         fake = self.call(start())

@@ -58,9 +58,10 @@ def test_arms_pin_disaggregated_roles_to_one_core_each_and_colocated_to_both():
 def test_local_stack_role_options_are_checked_and_set_thread_counts():
     stack = LocalStack(1, 1, cpu_affinity={"prefill": {0}, "decode": {0, 1}},
                        role_flags={"prefill": ["--kv-cache-memory", "64MiB"]}, env={"A": "1"})
-    assert stack._role_env("prefill") == {"A": "1", "OMP_NUM_THREADS": "1"}
-    assert stack._role_env("decode") == {"A": "1", "OMP_NUM_THREADS": "2"}
-    assert stack._role_env("gateway") == {"A": "1"}
+    token = {"PDSERVE_REGISTRY_TOKEN": stack.registry_token}  # every process shares the stack's
+    assert stack._role_env("prefill") == {"A": "1", "OMP_NUM_THREADS": "1", **token}
+    assert stack._role_env("decode") == {"A": "1", "OMP_NUM_THREADS": "2", **token}
+    assert stack._role_env("gateway") == {"A": "1", **token}
     with pytest.raises(ValueError, match="unknown role"):
         LocalStack(1, 1, cpu_affinity={"decoder": {0}})
     with pytest.raises(ValueError, match="unknown role"):

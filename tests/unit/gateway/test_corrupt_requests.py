@@ -25,7 +25,8 @@ def gw():
                                                ("/pdserve.v1.GenerateService/GenerateStream", True),
                                                ("/pdserve.v1.RegistryService/Register", False)])
 def test_a_corrupt_message_is_invalid_argument(gw, method, streaming, payload):
-    with grpc.insecure_channel(gw.address) as channel:
+    address = gw.registry_address if "Registry" in method else gw.address
+    with grpc.insecure_channel(address) as channel:
         # No serializers: the bytes go on the wire as they are.
         call = channel.unary_stream(method) if streaming else channel.unary_unary(method)
         with pytest.raises(grpc.RpcError) as error:
@@ -45,7 +46,8 @@ def test_the_gateway_still_serves_after_corrupt_messages(gw):
     from gateway.client import Client
     with Client(gw.address, timeout=10) as client:
         assert client.generate("hi", max_tokens=2).finish_reason == "length"
-    spec = InstanceSpec(instance_id="x", role="decode", grpc_address="127.0.0.1:1", block_size=16)
-    with grpc.insecure_channel(gw.address) as channel:  # a valid message still parses
+    spec = InstanceSpec(instance_id="x", role="decode", grpc_address="127.0.0.1:1", block_size=16,
+                        model_name=gw.gateway.model.name)
+    with grpc.insecure_channel(gw.registry_address) as channel:  # a valid message still parses
         register = channel.unary_unary("/pdserve.v1.RegistryService/Register")
         assert register(spec.to_pb().SerializeToString(), timeout=10)

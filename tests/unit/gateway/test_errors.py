@@ -53,7 +53,8 @@ def test_decode_error_mid_stream_reaches_the_client_with_its_status(gateway, cod
 
 def test_decode_killed_mid_stream_gives_unavailable_fast_and_is_no_longer_chosen(gateway):
     spare = gateway.add_fake_decode("decode-spare", token_ids=TOKENS)
-    doomed = subprocess.Popen([sys.executable, "-m", "bench.fakes.fake_decode", "--gateway", gateway.address,
+    doomed = subprocess.Popen([sys.executable, "-m", "bench.fakes.fake_decode", "--gateway",
+                               gateway.registry_address, "--model-name", gateway.gateway.model.name,
                                "--instance-id", "decode-doomed", "--delay-s", "0.05"],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -91,7 +92,8 @@ def test_failure_before_the_first_token_is_retried_on_another_decode(gateway):
 def test_decode_request_carries_prompt_sampling_priority_and_chosen_prefill(gateway):
     fake = gateway.add_fake_decode("decode-0", token_ids=TOKENS)
     gateway.call(lambda: gateway.gateway.registry.register(InstanceSpec(
-        "prefill-0", "prefill", grpc_address="127.0.0.1:1", num_total_blocks=100)))
+        "prefill-0", "prefill", grpc_address="127.0.0.1:1", num_total_blocks=100,
+        model_name=gateway.gateway.model.name)))
     with Client(gateway.address, timeout=10) as client:
         result = client.generate(token_ids=[5, 6, 7], max_tokens=4, temperature=0.5, stop=["x"],
                                  priority=-3, request_id="req-1")
@@ -115,7 +117,8 @@ def _loads(gw: BackgroundGateway) -> dict[str, tuple[int, int]]:
 def test_a_request_leaves_the_load_estimates_once_done_not_at_the_next_heartbeat(gateway, failure):
     # prefill-0 never heartbeats, so only the gateway's own bookkeeping moves its load.
     gateway.call(lambda: gateway.gateway.registry.register(InstanceSpec(
-        "prefill-0", "prefill", grpc_address="127.0.0.1:1", block_size=16, num_total_blocks=100)))
+        "prefill-0", "prefill", grpc_address="127.0.0.1:1", block_size=16, num_total_blocks=100,
+        model_name=gateway.gateway.model.name)))
     gateway.add_fake_decode("decode-0", token_ids=TOKENS, delay_s=0.1, failure=failure)
     with Client(gateway.address, timeout=10) as client:
         stream = client.generate_stream(token_ids=list(range(100, 140)), max_tokens=5)

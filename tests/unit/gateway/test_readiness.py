@@ -83,7 +83,7 @@ def test_not_ready_until_a_decode_registers_and_again_once_the_last_one_leaves(g
 def test_a_decode_that_stops_heartbeating_makes_the_gateway_not_ready_once_dropped(gw):
     # Registered straight into the registry: no heartbeat ever follows, as for a frozen instance.
     spec = InstanceSpec(instance_id="decode-frozen", role="decode", grpc_address="127.0.0.1:1", block_size=16,
-                        num_total_blocks=100, max_model_len=4096)
+                        num_total_blocks=100, max_model_len=4096, model_name=gw.gateway.model.name)
     gw.call(lambda: gw.gateway.registry.register(spec))
     registered_at = time.monotonic()
     assert readiness(gw) == "SERVING"

@@ -26,7 +26,7 @@ PROMPT = "The capital of France is"
 def stack(tmp_path_factory):
     with BackgroundGateway() as gw:
         decode = ManagedProcess("decode-0", [
-            "decode", "--gateway", gw.address, "--port", "0", "--instance-id", "decode-0",
+            "decode", "--gateway", gw.registry_address, "--port", "0", "--instance-id", "decode-0",
             "--kv-cache-memory", "64MiB", "--log-level", "WARNING"],
             log_dir=tmp_path_factory.mktemp("logs"), echo=False)
         try:

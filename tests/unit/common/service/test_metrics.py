@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import socket
+import time
 import urllib.request
 from types import SimpleNamespace
 
@@ -410,3 +411,44 @@ def test_logged_request_end_status(caplog):
     assert all(r.pdserve_fields["output_tokens"] == 2 and r.pdserve_fields["duration_s"] >= 0 for r in ends)
     starts = [r for r in caplog.records if r.getMessage() == "hop start"]
     assert len(starts) == 6 and starts[0].pdserve_fields == {"prompt_tokens": 3}
+
+
+def test_a_client_deadline_is_counted_as_deadline_exceeded_not_cancelled():
+    from gateway.client import Client
+    from tests.support.background_gateway import BackgroundGateway
+    with BackgroundGateway(metrics_port=0) as gw:
+        gw.add_fake_decode("decode-0", token_ids=[1000, 1001])
+
+        async def never_answers(*_args, **_kwargs):  # a stage that does not watch the deadline itself
+            await asyncio.Event().wait()
+            yield
+        gw.gateway.dispatcher.stream = never_answers  # so gRPC's own cancel at the deadline ends it
+        with Client(gw.address) as client, pytest.raises(grpc.RpcError) as error:
+            client.generate("Hello", max_tokens=50, timeout=0.5)
+        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 10
+        while True:  # the gateway records the request once its handler has unwound
+            samples = scrape(gw.server.metrics_address)["pdserve_requests"]
+            by_status = {s.labels["status"]: s.value for s in samples if s.name.endswith("_total") and s.value}
+            if by_status:
+                break
+            assert time.monotonic() < deadline, "the request was never counted"
+            time.sleep(0.02)
+        assert by_status == {"DEADLINE_EXCEEDED": 1}
+
+
+def test_requests_refused_while_converting_sampling_fields_are_counted():
+    from protos.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+    from tests.support.background_gateway import BackgroundGateway
+    # Built by hand: the Python client checks sampling values before sending.
+    request = generate_pb2.GenerateRequest(text="Hello", sampling=common_pb2.SamplingParams(temperature=-1.0))
+    with BackgroundGateway(metrics_port=0) as gw:
+        with grpc.insecure_channel(gw.address) as channel:
+            stub = generate_pb2_grpc.GenerateServiceStub(channel)
+            for call in (stub.Generate, lambda r, **kw: list(stub.GenerateStream(r, **kw))):
+                with pytest.raises(grpc.RpcError) as error:
+                    call(request, timeout=10)
+                assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        samples = scrape(gw.server.metrics_address)["pdserve_requests"]
+        by_status = {s.labels["status"]: s.value for s in samples if s.name.endswith("_total") and s.value}
+        assert by_status == {"INVALID_ARGUMENT": 2}

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from common.service.errors import ErrorStatusInterceptor
+from common.service.errors import ErrorStatusInterceptor, ServiceError
 from common.service.registration import InstanceLoad, InstanceSpec, RegistryClient
 from gateway.routing.registry import InstanceRegistry, RegistrationError, RegistryServicer
 from protos.pdserve.v1 import registry_pb2, registry_pb2_grpc
@@ -104,6 +104,26 @@ def test_instances_must_agree_on_block_size_and_model(registry):
         registry.register(spec("p1", block_size=32, model_name="m"))
     with pytest.raises(RegistrationError, match="model_name"):
         registry.register(spec("p1", block_size=16, model_name="other"))
+
+
+def test_registrations_above_the_gateways_max_model_len_are_refused(clock):
+    registry = InstanceRegistry(clock=clock, max_model_len=4096)
+    registry.register(spec("d0", "decode", max_model_len=4096))
+    with pytest.raises(RegistrationError, match="max_model_len"):
+        registry.register(spec("d1", "decode", max_model_len=4097))
+
+
+def test_a_live_id_is_replaced_only_from_its_own_address_and_needs_its_secret(registry):
+    first = registry.register(spec("p0"))
+    with pytest.raises(ServiceError) as error:
+        registry.register(InstanceSpec("p0", "prefill", "10.0.0.9:1"))
+    assert error.value.code == grpc.StatusCode.ALREADY_EXISTS
+    registry.check_secret("p0", first.secret)
+    registry.check_secret("unknown", "")  # nothing to protect: a heartbeat asks it to re-register
+    with pytest.raises(ServiceError) as error:
+        registry.check_secret("p0", "guess")
+    assert error.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert registry.register(spec("p0")).secret != first.secret  # a restart gets a new one
 
 
 def test_run_expiry_drops_dead_instances(clock):

@@ -1,0 +1,23 @@
+"""gRPC keepalive for the internal channels (gateway -> decode, decode -> prefill,
+instance -> gateway registry), so that a peer that froze (SIGSTOP, a hung host, a
+dropped network path) fails the calls on that channel with UNAVAILABLE within seconds
+instead of holding them as long as the freeze lasts. Servers that receive these pings
+allow them (KEEPALIVE_SERVER_OPTIONS), or they would answer with GOAWAY "too_many_pings".
+"""
+from __future__ import annotations
+
+KEEPALIVE_TIME_MS = 2_000  # ping an idle or busy connection this often
+KEEPALIVE_TIMEOUT_MS = 2_000  # no ack within this: the connection is dead
+
+KEEPALIVE_CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),  # a heartbeat channel is idle between beats
+    ("grpc.http2.max_pings_without_data", 0),  # a long prefill sends no data for a while
+]
+
+KEEPALIVE_SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),  # never GOAWAY a client for pinging as agreed
+]
