@@ -30,12 +30,12 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
+import tomllib
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

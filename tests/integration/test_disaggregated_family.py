@@ -9,9 +9,8 @@ import time
 
 import pytest
 
-from tests.integration.test_workers import (READY_TIMEOUT_S, RegistryServer, ServiceProcess, decode_collect,
-                                            run)
-from tests.unit.common.engine.models.family_parity import save_tiny_model, parity_prompts
+from tests.integration.test_workers import READY_TIMEOUT_S, RegistryServer, ServiceProcess, decode_collect, run
+from tests.unit.common.engine.models.family_parity import parity_prompts, save_tiny_model
 
 pytestmark = pytest.mark.slow
 

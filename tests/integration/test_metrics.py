@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.client import Client
 from common.cli.up import LocalStack
+from gateway.client import Client
 
 pytestmark = pytest.mark.slow
 

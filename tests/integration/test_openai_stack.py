@@ -12,8 +12,6 @@ import time
 
 import pytest
 
-from gateway.client import Client
-from common.cli.up import LocalStack
 from tests.integration.test_stack import LONG_PROMPT, stats, wait_until_idle
 
 openai = pytest.importorskip("openai")
@@ -22,30 +20,6 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
 PROMPTS = ["The capital of France is", LONG_PROMPT]  # short: decode prefills; long: the prefill instance
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with LocalStack(1, 1, passthrough=["--kv-cache-memory", "256MiB", "--log-level", "WARNING"],
-                    log_dir=tmp_path_factory.mktemp("openai-stack-logs")) as local_stack:
-        yield local_stack
-
-
-@pytest.fixture(scope="module")
-def grpc_client(stack):
-    with Client(stack.address, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=f"http://{stack.http_address}/v1", api_key="unused", max_retries=0,
-                         timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def test_completions_greedy_equal_the_grpc_path_with_right_usage(client, grpc_client, model):

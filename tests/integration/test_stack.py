@@ -15,12 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from common.engine.sampling_params import SamplingParams
-from gateway.client import AsyncClient, Client
 from common.cli.health import check
 from common.cli.up import LocalStack
-from protos.pdserve.v1 import (common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc,
-                               prefill_pb2_grpc)
+from common.engine.sampling_params import SamplingParams
+from gateway.client import AsyncClient, Client
+from protos.pdserve.v1 import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2_grpc
 
 pytestmark = pytest.mark.slow
 

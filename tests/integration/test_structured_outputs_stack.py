@@ -11,8 +11,6 @@ import re
 import grpc
 import pytest
 
-from common.cli.up import LocalStack
-from gateway.client import Client
 from tests.integration.test_stack import LONG_PROMPT, wait_until_idle
 
 openai = pytest.importorskip("openai")
@@ -32,30 +30,6 @@ def check_schema(text: str) -> None:
     value = json.loads(text)
     assert set(value) == {"name", "moons", "kind"} and len(value["name"]) <= 16
     assert 0 <= value["moons"] <= 200 and value["kind"] in ("rocky", "gas giant")
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with LocalStack(1, 1, passthrough=["--kv-cache-memory", "256MiB", "--log-level", "WARNING"],
-                    log_dir=tmp_path_factory.mktemp("structured-stack-logs")) as local_stack:
-        yield local_stack
-
-
-@pytest.fixture(scope="module")
-def grpc_client(stack):
-    with Client(stack.address, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=f"http://{stack.http_address}/v1", api_key="unused", max_retries=0,
-                         timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["decode-prefilled", "remote-prefilled"])
