@@ -162,6 +162,71 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer backend must be zmq, gloo or nccl; got {self.backend!r}")
 
 
+SPECULATIVE_METHODS = ("ngram", "early_exit", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's --speculative-config): a proposer drafts tokens that
+    the target verifies in the next step, as extra tokens of that step.
+
+    Speculation is turned off for a step when more than `disable_by_batch_size` requests
+    run (verifying k + 1 tokens per row is not free on a CPU), and for a request whose
+    recent acceptance rate fell below `min_acceptance_rate`: it then skips
+    `num_backoff_steps` steps before it drafts again.
+    """
+
+    method: str = "ngram"  # "ngram" | "early_exit" | "draft_model"
+    num_speculative_tokens: int = 3  # k: drafts per request per step
+    prompt_lookup_min: int = 2  # ngram: shortest suffix to look up
+    prompt_lookup_max: int = 4  # ngram: longest suffix to look up
+    num_early_exit_layers: int | None = None  # early_exit: target layers the draft runs (default 1/4)
+    draft_model: str | None = None  # draft_model: a model sharing the target's tokenizer
+    disable_by_batch_size: int | None = 4  # None: never off for batch size
+    min_acceptance_rate: float = 0.2
+    num_backoff_steps: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}; "
+                             f"got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in 1..16; got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max; got "
+                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if self.method == "draft_model" and not self.draft_model:
+            raise ValueError("speculative method draft_model needs draft_model (a model path or GGUF)")
+        if self.num_early_exit_layers is not None and self.num_early_exit_layers < 1:
+            raise ValueError(f"num_early_exit_layers must be >= 1; got {self.num_early_exit_layers}")
+        if not 0.0 <= self.min_acceptance_rate <= 1.0:
+            raise ValueError(f"min_acceptance_rate must be in [0, 1]; got {self.min_acceptance_rate}")
+
+    @property
+    def proposer_writes_kv(self) -> bool:
+        """The proposer runs model layers over its drafts, so their slots must exist."""
+        return self.method != "ngram"
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """From LLM(speculative_config=...) or --speculative-config JSON."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            import json
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object; got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     """Everything an engine needs to start; built from CLI flags or `LLM(...)` kwargs."""
@@ -173,6 +238,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
@@ -183,14 +249,16 @@ def make_engine_config(model: str | None = None, *, dtype: str = "auto", device:
                        kv_cache_memory: str | float | int | None = None, num_kv_blocks: int | None = None,
                        max_model_len: int | None = None, max_num_seqs: int = 64,
                        max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                       enable_chunked_prefill: bool = True) -> EngineConfig:
+                       enable_chunked_prefill: bool = True,
+                       speculative_config: SpeculativeConfig | dict | str | None = None) -> EngineConfig:
     """The one place flat engine options (LLM kwargs, CLI flags) become an EngineConfig."""
     return EngineConfig(
         model=model, dtype=dtype, device=device, seed=seed,
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks,
                           enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill))
+                                  max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill),
+        speculative=SpeculativeConfig.parse(speculative_config))
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,

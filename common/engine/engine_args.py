@@ -24,6 +24,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, like vLLM: {"method": "ngram", '
+                        '"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; '
+                        'methods ngram, early_exit (num_early_exit_layers), draft_model (draft_model)')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -32,7 +36,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching,
-                enable_chunked_prefill=not args.no_chunked_prefill)
+                enable_chunked_prefill=not args.no_chunked_prefill,
+                speculative_config=getattr(args, "speculative_config", None))
 
 
 def engine_config_from_args(args: argparse.Namespace):

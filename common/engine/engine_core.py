@@ -91,7 +91,8 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size,
                                                enable_prefix_caching=cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, cache.block_size, self.max_model_len,
-                                   kv_connector=make_scheduler_connector(config.kv_transfer, cache.block_size))
+                                   kv_connector=make_scheduler_connector(config.kv_transfer, cache.block_size),
+                                   speculative_config=config.speculative)
         self.structured_output = StructuredOutputManager(self.model_dir, self.model_config.vocab_size,
                                                          tuple(self.model_config.eos_token_ids))
         self.idle = True

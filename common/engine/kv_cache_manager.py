@@ -73,8 +73,9 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_block_ids: Sequence[int] = (),
-                       delay_cache_blocks: bool = False) -> list[int] | None:
-        """Make room for num_computed_tokens + cached hits + num_new_tokens tokens.
+                       delay_cache_blocks: bool = False, num_lookahead_tokens: int = 0) -> list[int] | None:
+        """Make room for num_computed_tokens + cached hits + num_new_tokens tokens, and
+        num_lookahead_tokens slots past them that a speculative proposer writes.
 
         Returns the newly allocated block ids, or None (changing nothing) when the pool
         cannot supply them. Blocks that become full with these tokens are registered
@@ -87,7 +88,7 @@ class KVCacheManager:
             raise ValueError(f"{request.req_id}: prefix hits are only for a request holding no blocks")
         num_computed_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_total_tokens = num_computed_tokens + num_new_tokens
-        num_required_blocks = -(-num_total_tokens // self.block_size)
+        num_required_blocks = -(-(num_total_tokens + num_lookahead_tokens) // self.block_size)
         num_new_blocks = max(0, num_required_blocks - len(req_blocks) - len(computed_blocks))
         # Free cached hits are counted in num_free_blocks but are not available to us.
         num_evictable_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)

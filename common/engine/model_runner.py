@@ -7,13 +7,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from common.engine.config import KVTransferConfig, ModelConfig
+from common.engine.config import KVTransferConfig, ModelConfig, SpeculativeConfig
 from common.engine.kv_connector.factory import make_worker_connector
 from common.engine.models.attention import AttentionMetadata
 from common.engine.models.causal_lm import CausalLM, build_rope
 from common.engine.models.registry import model_class
 from common.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from common.engine.sampler import Sampler
+from common.engine.spec_decode.proposer import DraftProposer, make_proposer
+from common.engine.spec_decode.verification import accept_drafts, expand_verification_rows
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +60,8 @@ def load_model(model_config: ModelConfig, model_dir: Path, device: torch.device,
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_dir: Path, device: str = "auto",
                  dtype: str = "auto", seed: int = 0, block_size: int = 16,
-                 kv_transfer_config: KVTransferConfig | None = None):
+                 kv_transfer_config: KVTransferConfig | None = None,
+                 speculative_config: SpeculativeConfig | None = None):
         self.model_config = model_config
         self.device = select_device(device)
         self.dtype = select_dtype(dtype, self.device)
@@ -69,10 +72,15 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # The worker half of the KV connector (None: this engine moves no KV in or out).
         self.kv_connector = make_worker_connector(kv_transfer_config or KVTransferConfig())
+        # Drafts the next step's speculative tokens (None: no speculative decoding).
+        self.proposer: DraftProposer | None = (make_proposer(speculative_config, self)
+                                               if speculative_config is not None else None)
 
     @property
     def kv_bytes_per_block(self) -> int:
-        return self.block_size * self.model_config.kv_bytes_per_token(self.dtype.itemsize)
+        """The target's KV per block, plus a draft model's own layers if it has one."""
+        draft_bytes = self.proposer.kv_bytes_per_block if self.proposer is not None else 0
+        return self.block_size * self.model_config.kv_bytes_per_token(self.dtype.itemsize) + draft_bytes
 
     def free_memory_bytes(self) -> int:
         if self.device.type == "cuda":
@@ -93,6 +101,8 @@ class ModelRunner:
                           for _ in range(cfg.num_hidden_layers)]
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
+        if self.proposer is not None:
+            self.proposer.allocate_kv_cache(num_blocks)
 
     def kv_connector_info(self) -> dict:
         """Plain data about the KV connector (pool geometry, receiving endpoint); {} if none."""
@@ -106,6 +116,8 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         if scheduler_output.finished_req_ids:
             self.sampler.remove_requests(scheduler_output.finished_req_ids)
+            if self.proposer is not None:
+                self.proposer.remove_requests(scheduler_output.finished_req_ids)
         connector = self.kv_connector
         if connector is not None and scheduler_output.kv_connector_metadata is not None:
             connector.start_load_kv(scheduler_output.kv_connector_metadata)
@@ -133,14 +145,35 @@ class ModelRunner:
             raise
         if connector is not None:
             connector.wait_for_save()
+        proposer = self.proposer
+        if proposer is not None:
+            proposer.observe_forward(input_ids, positions, meta, scheduler_output.scheduled)
         if not sample_reqs:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
-        logits = self.model.compute_logits(hidden[sample_indices])  # [num_samples, vocab]
-        sampled = self.sampler(logits, sample_reqs, *self._grammar_bitmask(scheduler_output, sample_reqs))
-        return RunnerOutput(req_ids=[r.req_id for r in sample_reqs],
-                            sampled_token_ids=[[t] for t in sampled.sampled_token_ids],
-                            logprobs=None if sampled.logprobs is None
-                            else [[lp] if lp is not None else None for lp in sampled.logprobs])
+        # One row per sampled position: a request verifying k drafts samples k + 1.
+        sample_rows = expand_verification_rows(sample_reqs)
+        logits = self.model.compute_logits(hidden[sample_indices])  # [num_sample_rows, vocab]
+        sampled = self.sampler(logits, sample_rows, *self._grammar_bitmask(scheduler_output, sample_rows))
+        token_id_lists, logprob_lists = accept_drafts(sample_reqs, sampled.sampled_token_ids, sampled.logprobs)
+        output = RunnerOutput(req_ids=[r.req_id for r in sample_reqs], sampled_token_ids=token_id_lists,
+                              logprobs=logprob_lists)
+        if proposer is not None:
+            output.spec_token_ids = self._propose(sample_reqs, token_id_lists)
+        return output
+
+    def _propose(self, sample_reqs: list[ScheduledRequest], token_id_lists: list[list[int]]) -> list[list[int]]:
+        """Drafts for each sampling request's next step ([] where none was asked for)."""
+        asking = [i for i, req in enumerate(sample_reqs) if req.num_drafts_to_propose > 0]
+        proposals: list[list[int]] = [[] for _ in sample_reqs]
+        if asking:
+            drafts = self.proposer.propose([sample_reqs[i] for i in asking], [token_id_lists[i] for i in asking])
+            vocab_size = self.model_config.vocab_size
+            for i, draft_token_ids in zip(asking, drafts):
+                # A draft outside the vocabulary would index past the embedding: cut there.
+                num_valid = next((j for j, t in enumerate(draft_token_ids) if not 0 <= t < vocab_size),
+                                 len(draft_token_ids))
+                proposals[i] = list(draft_token_ids[:num_valid])
+        return proposals
 
     @staticmethod
     def _grammar_bitmask(scheduler_output: SchedulerOutput, sample_reqs: list[ScheduledRequest]):
@@ -177,8 +210,8 @@ class ModelRunner:
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in pos_range)
             seq_lens.append(req.start_pos + num_new)
             query_lens.append(num_new)
-            if req.do_sample:
-                sample_indices.append(len(input_ids) - 1)
+            if req.do_sample:  # at the last known token and at each draft
+                sample_indices.extend(range(len(input_ids) - len(req.spec_token_ids) - 1, len(input_ids)))
                 sample_reqs.append(req)
         num_decodes = len(decodes)
         device = self.device

@@ -30,6 +30,11 @@ class ScheduledRequest:
     # Token history for penalties; references, the runner must not mutate them.
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    # Speculative decoding: the last len(spec_token_ids) of token_ids are drafts to verify
+    # (the step samples at each of them and at the token before them).
+    spec_token_ids: list[int] = field(default_factory=list)
+    # How many drafts the proposer should propose for the next step (0: none).
+    num_drafts_to_propose: int = 0
 
 
 @dataclass
@@ -47,6 +52,8 @@ class SchedulerOutput:
     # tensor, row i for structured_output_req_ids[i]; bit t set = token t allowed.
     grammar_bitmask: Any = None
     structured_output_req_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: req_id -> the draft tokens this step verifies for it.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -65,13 +72,16 @@ class Logprobs:
 @dataclass
 class RunnerOutput:
     req_ids: list[str]  # requests that sampled this step, in scheduled order
-    sampled_token_ids: list[list[int]]  # one list per entry of req_ids
+    # One list per entry of req_ids: the accepted drafts, then the target's own token.
+    sampled_token_ids: list[list[int]]
     logprobs: list[list[Logprobs] | None] | None = None  # parallel to sampled_token_ids
     # KV transfers that ended since the last step, from the worker half of the connector:
     # their blocks are no longer touched by any transport.
     finished_sending: list[str] = field(default_factory=list)  # req ids, any end state
     finished_recving: list[str] = field(default_factory=list)  # req ids, any end state
     kv_transfer_outcomes: list[KVTransferOutcome] = field(default_factory=list)  # how each ended
+    # Drafts proposed for each entry of req_ids' next step (None: no proposer ran).
+    spec_token_ids: list[list[int]] | None = None
 
 
 @dataclass

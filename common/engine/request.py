@@ -58,6 +58,13 @@ class Request:
         # Where the output stands in its structured_outputs constraint (a RequestGrammar,
         # set by the structured-output manager at admission). None: unconstrained.
         self.grammar = None
+        # Speculative decoding: drafts proposed for the next step (never in all_token_ids:
+        # nothing hashes, caches or publishes a token before the target verified it).
+        self.spec_token_ids: list[int] = []
+        # Recent acceptance rate of this request's drafts (an EMA), and the steps left
+        # before it drafts again after the rate fell too low.
+        self.spec_acceptance_rate = 1.0
+        self.num_spec_backoff_steps = 0
 
     @property
     def num_tokens(self) -> int:

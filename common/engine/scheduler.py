@@ -9,12 +9,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from common.engine.config import SchedulerConfig
+from common.engine.config import SchedulerConfig, SpeculativeConfig
 from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.kv_connector.base import KVConnectorScheduler
 from common.engine.kv_connector.metadata import KVTransferOutcome
 from common.engine.outputs import EngineCoreOutput, Logprobs, RunnerOutput, ScheduledRequest, SchedulerOutput
 from common.engine.request import Request, RequestStatus
+from common.engine.spec_decode.policy import SpeculationPolicy
 
 
 @dataclass
@@ -58,7 +59,8 @@ class SchedulerInterface(ABC):
 
 class Scheduler(SchedulerInterface):
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 block_size: int, max_model_len: int, kv_connector: KVConnectorScheduler | None = None):
+                 block_size: int, max_model_len: int, kv_connector: KVConnectorScheduler | None = None,
+                 speculative_config: SpeculativeConfig | None = None):
         if block_size != kv_cache_manager.block_size:
             raise ValueError(f"block_size {block_size} != KV cache manager's {kv_cache_manager.block_size}")
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -70,6 +72,13 @@ class Scheduler(SchedulerInterface):
         # another block would preempt itself forever. Capping the length stops it first.
         self.max_model_len = min(max_model_len, kv_cache_manager.num_blocks * block_size)
         self.kv_connector = kv_connector
+        # Speculative decoding: drafts are extra tokens of a request's step; None: off.
+        self.spec_policy = (SpeculationPolicy(speculative_config, self.max_model_len)
+                            if speculative_config is not None else None)
+        # Proposers that run layers over their drafts need slots for them past the step's.
+        self.num_lookahead_tokens = (speculative_config.num_speculative_tokens
+                                     if speculative_config is not None and speculative_config.proposer_writes_kv
+                                     else 0)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: list[Request] = []  # WAITING and PREEMPTED, next to admit first
         self.running: list[Request] = []  # oldest admission first; the tail is preempted first
@@ -118,17 +127,30 @@ class Scheduler(SchedulerInterface):
         kv = self.kv_cache_manager
         token_budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
+        spec_token_ids: dict[str, list[int]] = {}
         preempted = False
+        spec_policy = self.spec_policy
+        step_allows_drafts = spec_policy is not None and spec_policy.step_allows_drafts(len(self.running))
 
         for request in list(self.running):
             if token_budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            if drafts and step_allows_drafts:
+                drafts = drafts[:spec_policy.max_num_drafts(request)]
+                # The budget cuts drafts first; drafts follow only a chunk that reaches the last token.
+                drafts = drafts[:max(0, token_budget - num_new_tokens)]
+                num_new_tokens += len(drafts)
+            else:
+                drafts = []
+            num_new_tokens = min(num_new_tokens, token_budget)
             if num_new_tokens <= 0:
                 continue
-            while kv.allocate_slots(request, num_new_tokens) is None:
+            while kv.allocate_slots(request, num_new_tokens,
+                                    num_lookahead_tokens=self.num_lookahead_tokens) is None:
                 victim = self._select_victim()
                 token_budget += num_scheduled.pop(victim.req_id, 0)
                 self._preempt(victim)
@@ -138,6 +160,8 @@ class Scheduler(SchedulerInterface):
             if request.status is RequestStatus.RUNNING:
                 num_scheduled[request.req_id] = num_new_tokens
                 token_budget -= num_new_tokens
+                if drafts:
+                    spec_token_ids[request.req_id] = drafts
 
         # Like vLLM: a step that had to preempt admits nobody new, or the request just
         # preempted would be overtaken by newer ones.
@@ -153,7 +177,8 @@ class Scheduler(SchedulerInterface):
                 if not self.enable_chunked_prefill and num_new_tokens <= self.max_num_batched_tokens:
                     break
                 num_new_tokens = token_budget
-            if kv.allocate_slots(request, num_new_tokens, hit_block_ids) is None:
+            if kv.allocate_slots(request, num_new_tokens, hit_block_ids,
+                                 num_lookahead_tokens=self.num_lookahead_tokens) is None:
                 break
             if self.kv_connector is not None:
                 self.kv_connector.update_state_after_alloc(request, kv.get_block_ids(request.req_id), 0)
@@ -170,20 +195,28 @@ class Scheduler(SchedulerInterface):
         for req_id, num_new_tokens in num_scheduled.items():
             request = self.requests[req_id]
             start = request.num_computed_tokens
+            drafts = spec_token_ids.get(req_id, [])
+            num_new_known_tokens = num_new_tokens - len(drafts)
+            do_sample = start + num_new_known_tokens == request.num_tokens
             scheduled.append(ScheduledRequest(
                 req_id=req_id,
-                token_ids=request.all_token_ids[start:start + num_new_tokens],
+                token_ids=request.all_token_ids[start:start + num_new_known_tokens] + drafts,
                 start_pos=start,
                 block_table=kv.get_block_ids(req_id),
-                do_sample=start + num_new_tokens == request.num_tokens,
+                do_sample=do_sample,
                 sampling_params=request.sampling_params,
                 prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=request.output_token_ids))
-            # Optimistic, like vLLM: the runner computes these tokens before the next step.
+                output_token_ids=request.output_token_ids,
+                spec_token_ids=drafts,
+                num_drafts_to_propose=(spec_policy.num_drafts_to_propose(request, step_allows_drafts)
+                                       if spec_policy is not None and do_sample else 0)))
+            # Optimistic, like vLLM: the runner computes these tokens before the next step;
+            # rejected drafts are taken back once verified (update_from_output).
             request.num_computed_tokens += num_new_tokens
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         scheduler_output = SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=sum(num_scheduled.values()),
-                                           finished_req_ids=finished_req_ids)
+                                           finished_req_ids=finished_req_ids,
+                                           scheduled_spec_decode_tokens=spec_token_ids)
         if self.kv_connector is not None:
             scheduler_output.kv_connector_metadata = self.kv_connector.build_connector_meta(scheduler_output)
         return scheduler_output
@@ -210,6 +243,7 @@ class Scheduler(SchedulerInterface):
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_queued_cached_tokens = None  # its own blocks may be cached now
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -218,14 +252,24 @@ class Scheduler(SchedulerInterface):
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: RunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
-        logprobs_per_req = runner_output.logprobs or [None] * len(runner_output.req_ids)
-        for req_id, token_ids, logprobs in zip(runner_output.req_ids, runner_output.sampled_token_ids,
-                                               logprobs_per_req):
+        num_reqs = len(runner_output.req_ids)
+        logprobs_per_req = runner_output.logprobs or [None] * num_reqs
+        proposals = runner_output.spec_token_ids or [[]] * num_reqs
+        for req_id, token_ids, logprobs, proposal in zip(runner_output.req_ids, runner_output.sampled_token_ids,
+                                                         logprobs_per_req, proposals):
             request = self.requests.get(req_id)
             # Aborted (or preempted) after the step was scheduled: the tokens are stale.
             if request is None or request.status is not RequestStatus.RUNNING or not token_ids:
                 continue
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                num_accepted = len(token_ids) - 1
+                # The rejected drafts' slots hold wrong KV: recomputed (overwritten) next step.
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec_policy.record(request, len(drafts), num_accepted)
             outputs.append(self._append_tokens(request, token_ids, logprobs))
+            if not request.is_finished:
+                request.spec_token_ids = list(proposal)
         if any(output.finished for output in outputs):
             self.running = [request for request in self.running if not request.is_finished]
         # After the tokens: a send may end in the very step whose request it holds.
@@ -492,7 +536,8 @@ class Scheduler(SchedulerInterface):
                 request.num_queued_cached_tokens = kv.get_computed_blocks(request)[1]
             num_queued_prefill_tokens += request.num_tokens - max(request.num_computed_tokens,
                                                                   request.num_queued_cached_tokens)
-        return self.kv_connector_stats() | {
+        spec_stats = self.spec_policy.stats.as_dict() if self.spec_policy is not None else {}
+        return self.kv_connector_stats() | spec_stats | {
             "num_running": len(self.running), "num_waiting": len(self.waiting),
             "num_waiting_for_remote_kv": len(self.waiting_for_remote_kv),
             "num_held": len(self.held_requests), "num_importing": len(self.waiting_for_remote_kv),

@@ -293,7 +293,21 @@ class EngineCollector(Collector):
             counter("pdserve_structured_output_bitmask_seconds", "Time spent building the token bitmasks "
                     "of constrained requests, summed over steps", "structured_output_bitmask_seconds"),
             self._compile_histogram(names, stats),
+            counter("pdserve_spec_decode_num_drafts", "Speculative verifications: one per request-step "
+                    "that verified drafts", "spec_num_drafts"),
+            counter("pdserve_spec_decode_num_draft_tokens", "Draft tokens verified", "spec_num_draft_tokens"),
+            counter("pdserve_spec_decode_num_accepted_tokens", "Draft tokens the target accepted",
+                    "spec_num_accepted_tokens"),
+            self._accepted_per_position(names, stats),
         ]
+
+    def _accepted_per_position(self, names: list[str], stats: dict | None) -> CounterMetricFamily:
+        family = CounterMetricFamily("pdserve_spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
+                                     "accepted at each draft position (0: the first draft)",
+                                     labels=names + ["position"])
+        for position, count in enumerate((stats or {}).get("spec_num_accepted_tokens_per_pos", [])):
+            family.add_metric(self.labels + [str(position)], count)
+        return family
 
     def _compile_histogram(self, names: list[str], stats: dict | None) -> HistogramMetricFamily:
         """The engine counts compiles per bucket (plain data in its stats); made cumulative here."""

@@ -46,11 +46,14 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+                meta: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size].
+
+        num_layers: run only the first num_layers layers, then the final norm (an early
+        exit, as a speculative draft); None: all of them."""
         x = self.embed(input_ids)
         rope_cos_sin = self.rope.cos_sin(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers[:num_layers], kv_caches[:num_layers]):
             x = layer(x, rope_cos_sin, kv_cache, meta)
         return self.norm(x)
 

@@ -6,8 +6,7 @@ import json
 import pytest
 
 from common.engine.config import ModelConfig
-from common.engine.models.registry import (SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError,
-                                           model_class)
+from common.engine.models.registry import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, model_class
 
 TINY = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
             num_attention_heads=2)

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafting tokens cheaply and verifying them against the target model."""

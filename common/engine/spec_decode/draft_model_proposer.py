@@ -1,0 +1,78 @@
+"""A separate, smaller model as the draft (it must share the target's tokenizer).
+
+Its KV lives in its own layers of the same paged pool geometry: the same block ids,
+block tables and slot mappings index it, so the scheduler allocates one set of
+blocks for both models. The draft runs over every token the target computes (the
+target's own step tensors), and over a request's earlier tokens the first time it
+sees the request after a prefix-cache hit or a KV import: in a disaggregated stack
+the decode instance prefills the draft locally rather than having prefill ship the
+draft's layers (the draft is small; shipping would tie both pools to one draft).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.engine.config import ModelConfig
+from common.engine.model_files import load_hf_config, resolve_model
+from common.engine.models.attention import AttentionMetadata
+from common.engine.outputs import ScheduledRequest
+from common.engine.spec_decode.proposer import DraftProposer, draft_greedily
+
+if TYPE_CHECKING:
+    from common.engine.config import SpeculativeConfig
+    from common.engine.model_runner import ModelRunner
+
+
+class DraftModelProposer(DraftProposer):
+    def __init__(self, config: "SpeculativeConfig", runner: "ModelRunner"):
+        from common.engine.model_runner import load_model
+        draft_dir = resolve_model(config.draft_model)
+        self.model_config = ModelConfig.from_hf_config(load_hf_config(draft_dir))
+        target_vocab_size = runner.model_config.vocab_size
+        if self.model_config.vocab_size != target_vocab_size:
+            raise ValueError(f"draft model {config.draft_model!r} has a vocabulary of "
+                             f"{self.model_config.vocab_size} tokens, the target {target_vocab_size}: "
+                             f"a draft must share the target's tokenizer")
+        self.runner = runner
+        self.model = load_model(self.model_config, draft_dir, runner.device, runner.dtype)
+        self.kv_bytes_per_block = runner.block_size * self.model_config.kv_bytes_per_token(runner.dtype.itemsize)
+        # Per draft layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim].
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.seen_req_ids: set[str] = set()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        cfg, runner = self.model_config, self.runner
+        shape = (num_blocks, runner.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=runner.dtype, device=runner.device),
+                           torch.zeros(shape, dtype=runner.dtype, device=runner.device))
+                          for _ in range(cfg.num_hidden_layers)]
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def observe_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                        scheduled: list[ScheduledRequest]) -> None:
+        catch_up = []
+        for req in scheduled:
+            if req.req_id not in self.seen_req_ids:
+                self.seen_req_ids.add(req.req_id)
+                if req.start_pos > 0:
+                    history = req.prompt_token_ids + req.output_token_ids
+                    catch_up.append(dataclasses.replace(req, token_ids=history[:req.start_pos], start_pos=0,
+                                                        do_sample=False, spec_token_ids=[]))
+        if catch_up:
+            catch_up_ids, catch_up_positions, catch_up_meta, _, _ = self.runner.prepare_inputs(catch_up)
+            self._forward(catch_up_ids, catch_up_positions, catch_up_meta)
+        # The target's tensors as they are, less its KV-connector hook (the draft's
+        # layers are not transferred).
+        self._forward(input_ids, positions, dataclasses.replace(meta, kv_layer_hook=None))
+
+    def remove_requests(self, req_ids: list[str]) -> None:
+        self.seen_req_ids.difference_update(req_ids)
+
+    def propose(self, requests: list[ScheduledRequest],
+                emitted_token_ids: list[list[int]]) -> list[list[int]]:
+        return draft_greedily(self.runner, self._forward, self.model.compute_logits, requests, emitted_token_ids)

@@ -1,0 +1,153 @@
+"""Speculative decoding end to end on tiny random models: the tokens are the same with
+speculation on and off, for every proposer, greedy and seeded, alone and mixed with
+plain decodes and prefill chunks in one step."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from common.engine.llm import LLM
+from common.engine.outputs import ScheduledRequest
+from common.engine.sampling_params import SamplingParams
+from common.engine.spec_decode.proposer import DraftProposer
+
+K = 3
+NUM_PROMPTS = 20
+ENGINE = dict(dtype="float32", device="cpu", num_kv_blocks=512, block_size=4, max_num_batched_tokens=256)
+
+
+# A small vocabulary makes the random models' greedy outputs fall into loops, which
+# n-gram lookups find: their drafts are then often right, as on copy-heavy text.
+VOCAB_SIZE = 128
+
+
+def make_prompts(seed: int = 0) -> list[list[int]]:
+    """Token-id prompts, half with a repeated phrase."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(NUM_PROMPTS):
+        body = [rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randrange(3, 20))]
+        prompts.append(body * 3 if i % 2 else body)
+    return prompts
+
+
+def generate(llm: LLM, prompts: list[list[int]], params) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def greedy(max_tokens: int = 24) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def seeded(i: int) -> SamplingParams:
+    return SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i, max_tokens=24, ignore_eos=True)
+
+
+def spec(method: str = "ngram", **options) -> dict:
+    return dict(method=method, num_speculative_tokens=K, disable_by_batch_size=None, min_acceptance_rate=0.0,
+                **options)
+
+
+class ReferenceProposer(DraftProposer):
+    """Drafts from known outputs: the exact continuation (an oracle), or the next token
+    id after it (an adversary whose every draft is wrong)."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], offset: int):
+        self.references = references
+        self.offset = offset
+
+    def propose(self, requests: list[ScheduledRequest], emitted_token_ids: list[list[int]]) -> list[list[int]]:
+        drafts = []
+        for req, emitted in zip(requests, emitted_token_ids):
+            reference = self.references[tuple(req.prompt_token_ids)]
+            start = len(req.output_token_ids) + len(emitted)
+            drafts.append([(t + self.offset) % VOCAB_SIZE
+                           for t in reference[start:start + req.num_drafts_to_propose]])
+        return drafts
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_model_factory):
+    return tiny_model_factory("spec-target", num_hidden_layers=4, vocab_size=VOCAB_SIZE)
+
+
+@pytest.fixture(scope="module")
+def reference(target_dir):
+    """Outputs without speculation: greedy, and seeded sampled."""
+    llm = LLM(str(target_dir), **ENGINE)
+    prompts = make_prompts()
+    result = {"prompts": prompts, "greedy": generate(llm, prompts, greedy()),
+              "seeded": generate(llm, prompts, [seeded(i) for i in range(NUM_PROMPTS)])}
+    llm.engine.shutdown()
+    return result
+
+
+def spec_llm(target_dir, config: dict) -> LLM:
+    return LLM(str(target_dir), speculative_config=config, **ENGINE)
+
+
+@pytest.mark.parametrize("method", ["ngram", "early_exit", "draft_model", "oracle", "adversary"])
+def test_greedy_outputs_are_unchanged_by_speculation(target_dir, tiny_model_factory, reference, method):
+    prompts = reference["prompts"]
+    if method == "draft_model":
+        config = spec("draft_model", draft_model=str(tiny_model_factory("spec-draft", num_hidden_layers=1,
+                                                                         hidden_size=32, intermediate_size=64,
+                                                                         vocab_size=VOCAB_SIZE)))
+    elif method == "early_exit":
+        config = spec("early_exit", num_early_exit_layers=1)
+    else:
+        config = spec("ngram")
+    llm = spec_llm(target_dir, config)
+    if method in ("oracle", "adversary"):
+        references = {tuple(p): out for p, out in zip(prompts, reference["greedy"])}
+        llm.engine.executor.runner.proposer = ReferenceProposer(references, 0 if method == "oracle" else 1)
+    assert generate(llm, prompts, greedy()) == reference["greedy"]
+    stats = llm.engine.stats()
+    assert stats["spec_num_draft_tokens"] > 0
+    if method in ("ngram", "early_exit"):
+        assert stats["spec_num_accepted_tokens"] > 0  # the loops are found
+    if method == "oracle":
+        assert stats["spec_acceptance_rate"] == 1.0
+    if method == "adversary":
+        assert stats["spec_num_accepted_tokens"] == 0
+    llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ngram", "oracle"])
+def test_seeded_sampling_is_unchanged_by_point_mass_speculation(target_dir, reference, method):
+    prompts = reference["prompts"]
+    llm = spec_llm(target_dir, spec("ngram"))
+    if method == "oracle":
+        references = {tuple(p): out for p, out in zip(prompts, reference["seeded"])}
+        llm.engine.executor.runner.proposer = ReferenceProposer(references, 0)
+    assert generate(llm, prompts, [seeded(i) for i in range(NUM_PROMPTS)]) == reference["seeded"]
+    assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
+    llm.engine.shutdown()
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted(target_dir, reference):
+    # 1 + 4 (k + 1) tokens: the prefill samples one, then four verifications of k drafts.
+    max_tokens = 1 + 4 * (K + 1)
+    llm = spec_llm(target_dir, spec("draft_model", draft_model=str(target_dir)))
+    prompts = reference["prompts"][:4]
+    outputs = generate(llm, prompts, greedy(max_tokens))
+    assert outputs == [out[:max_tokens] for out in reference["greedy"][:4]]
+    stats = llm.engine.stats()
+    assert stats["spec_acceptance_rate"] == 1.0
+    assert stats["spec_mean_acceptance_length"] == K + 1
+    assert stats["spec_num_drafts"] == 4 * len(prompts)
+    llm.engine.shutdown()
+
+
+def test_mixed_steps_give_each_request_its_own_outputs(target_dir, reference):
+    """Speculating rows, plain decode rows (constrained by max_tokens to no drafts) and
+    prefill chunks in the same steps: a small token budget chunks the long prompts."""
+    prompts = reference["prompts"]
+    llm = LLM(str(target_dir), speculative_config=spec("ngram"),
+              **(ENGINE | dict(max_num_batched_tokens=24)))
+    params = [greedy(1 if i % 5 == 0 else 24) for i in range(NUM_PROMPTS)]
+    outputs = generate(llm, prompts, params)
+    assert outputs == [ref[:p.max_tokens] for ref, p in zip(reference["greedy"], params)]
+    llm.engine.shutdown()
