@@ -63,11 +63,13 @@ class RemotePrefill:
 class Decoder:
     def __init__(self, engine: AsyncEngine, eos_token_ids: tuple[int, ...], clients: PrefillClients,
                  transfer_waiters: KVTransferWaiters, *, kv_endpoint: str, geometry: PoolGeometry,
+                 kv_layout_hash: str,
                  local_prefill_threshold: int, transfer_timeout_s: float, local_fallback: bool):
         self.engine = engine
         self.eos_token_ids = eos_token_ids
         self.transfer_waiters = transfer_waiters  # must observe the engine's KV transfers
         self.geometry = geometry
+        self.kv_layout_hash = kv_layout_hash
         self.clients = clients
         self.kv_endpoint = kv_endpoint
         self.local_prefill_threshold = local_prefill_threshold
@@ -144,7 +146,7 @@ class Decoder:
             kv_endpoint=self.kv_endpoint, transfer_id=admission.transfer_id, dst_block_ids=admission.dst_block_ids,
             first_block_index=admission.first_block_index, num_layers=self.geometry.num_layers,
             dtype=self.geometry.dtype, block_shape=list(self.geometry.block_shape),
-            timeout_s=self.transfer_timeout_s)
+            timeout_s=self.transfer_timeout_s, kv_layout_hash=self.kv_layout_hash)
         call = self.clients.prefill(job.prefill_address, PrefillJob(
             job.req_id, job.prompt_token_ids, job.params, job.priority, kv_target), self.transfer_timeout_s)
         rpc = asyncio.ensure_future(call)

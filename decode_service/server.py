@@ -73,6 +73,7 @@ class DecodeWorker(EngineWorker):
         self.clients = PrefillClients()
         self.decoder = Decoder(self.engine, eos_token_ids(self.core), self.clients, self.transfer_waiters,
                                kv_endpoint=self.kv_endpoint, geometry=PoolGeometry.from_dict(self.kv_connector_info),
+                               kv_layout_hash=self.kv_connector_info["kv_layout_hash"],
                                local_prefill_threshold=args.local_prefill_threshold,
                                transfer_timeout_s=args.kv_transfer_timeout,
                                local_fallback=not args.no_local_fallback)

@@ -59,8 +59,15 @@ def make_export_target(*, endpoint: str, transfer_id: str, dst_block_ids: list[i
 
 
 def export_target(spec: KvTargetSpec, num_prompt_tokens: int, geometry: PoolGeometry,
-                  default_timeout_s: float) -> ExportTarget:
-    """The checked ExportTarget of a Prefill call's kv_target, or the ServiceError to answer."""
+                  default_timeout_s: float, kv_connector_info: dict) -> ExportTarget:
+    """The checked ExportTarget of a Prefill call's kv_target, or the ServiceError to answer.
+    kv_connector_info: ours, with the hash and description of what our KV means."""
+    if spec.kv_layout_hash != kv_connector_info["kv_layout_hash"]:
+        raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"KV layout mismatch: the decode instance's KV layout hash is "
+                           f"{spec.kv_layout_hash or 'missing'}, this prefill instance's "
+                           f"{kv_connector_info['kv_layout_hash']} ({kv_connector_info['kv_layout']}); both must "
+                           f"serve the same model config with the same dtype and block size")
     try:
         return make_export_target(
             endpoint=spec.kv_endpoint, transfer_id=spec.transfer_id, dst_block_ids=spec.dst_block_ids,

@@ -3,7 +3,7 @@ owns its engine, KV sender and KV event publisher.
 
 RPC status codes:
   Prefill  INVALID_ARGUMENT  bad prompt/sampling/kv_target (nothing was queued)
-           FAILED_PRECONDITION  the decode pool's geometry differs from ours
+           FAILED_PRECONDITION  the decode pool's geometry or KV layout hash differs from ours
            ALREADY_EXISTS    the request id is in flight here
            DEADLINE_EXCEEDED the KV target expired (before or during the transfer)
            ABORTED           the KV transfer failed (receiver rejected it, connection reset)
@@ -48,7 +48,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 job = PrefillJob.from_pb(request)
                 validate_request(job.prompt_token_ids, job.params.clone(n=1), self.worker.core)
                 export = None if job.kv_target is None else export_target(
-                    job.kv_target, len(job.prompt_token_ids), self.worker.geometry, self.worker.default_kv_timeout_s)
+                    job.kv_target, len(job.prompt_token_ids), self.worker.geometry, self.worker.default_kv_timeout_s,
+                    self.worker.kv_connector_info)
                 result = await self.worker.prefiller.prefill(job, export)
                 result.instance_id = self.worker.instance_id
                 end.update(cached_tokens=result.num_cached_tokens, kv_blocks_sent=result.num_transferred_blocks)

@@ -35,7 +35,6 @@ import grpc
 from common.cli.processes import ManagedProcess, ProcessFailed, route_flags, start_gateway_process
 from common.service.flags import EnvDefaultsParser
 
-
 REGISTRY_TOKEN_ENV = "PDSERVE_REGISTRY_TOKEN"
 
 

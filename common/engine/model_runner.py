@@ -9,6 +9,7 @@ from safetensors import safe_open
 
 from common.engine.config import KVTransferConfig, ModelConfig, SpeculativeConfig
 from common.engine.kv_connector.factory import make_worker_connector
+from common.engine.kv_connector.layout import describe_kv_layout, kv_layout, kv_layout_hash
 from common.engine.models.attention import AttentionMetadata
 from common.engine.models.causal_lm import CausalLM, build_rope
 from common.engine.models.registry import model_class
@@ -105,8 +106,13 @@ class ModelRunner:
             self.proposer.allocate_kv_cache(num_blocks)
 
     def kv_connector_info(self) -> dict:
-        """Plain data about the KV connector (pool geometry, receiving endpoint); {} if none."""
-        return self.kv_connector.info() if self.kv_connector is not None else {}
+        """Plain data about the KV connector (pool geometry, receiving endpoint, the hash of
+        what the transferred KV means); {} if none."""
+        if self.kv_connector is None:
+            return {}
+        layout = kv_layout(self.model_config, str(self.dtype).removeprefix("torch."), self.block_size)
+        return self.kv_connector.info() | {"kv_layout_hash": kv_layout_hash(layout),
+                                           "kv_layout": describe_kv_layout(layout)}
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:

@@ -4,6 +4,7 @@ load as heartbeats report it, and how the process lifecycle reaches it
 from __future__ import annotations
 
 import argparse
+import logging
 
 from common.engine.async_engine import AsyncEngine
 from common.engine.config import KVTransferConfig
@@ -16,6 +17,8 @@ from common.service.metrics import WorkerMetrics
 from common.service.registration import InstanceLoad, InstanceSpec, Role
 from protos.pdserve.v1 import common_pb2
 
+logger = logging.getLogger(__name__)
+
 
 class EngineWorker:
     role: Role
@@ -25,6 +28,10 @@ class EngineWorker:
         self.instance_id = instance_id
         config = engine_config_from_args(args)
         config.kv_transfer = kv_transfer
+        if kv_transfer.role == "producer" and config.speculative is not None:
+            # A prefill instance samples one token per prompt: there is nothing to draft for.
+            logger.info("--speculative-config is for decode instances; a prefill instance ignores it")
+            config.speculative = None
         self.core = EngineCore(config)
         # Plain data about the engine's KV connector: pool geometry, receiving endpoint.
         self.kv_connector_info: dict = self.core.collective_rpc("kv_connector_info")[0]

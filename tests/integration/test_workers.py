@@ -413,6 +413,14 @@ def test_abort_rpc_ends_the_stream_with_abort(services, prompts):
     run(main())
 
 
+def bundled_kv_layout_hash() -> str:
+    from common.engine.config import ModelConfig
+    from common.engine.kv_connector.layout import kv_layout, kv_layout_hash
+    from common.engine.model_files import load_hf_config, resolve_model
+    model_config = ModelConfig.from_hf_config(load_hf_config(resolve_model()))
+    return kv_layout_hash(kv_layout(model_config, "float32", 16))
+
+
 def test_prefill_with_unknown_or_unreachable_target_fails_cleanly(services, prompts):
     prefill, decode = services
     prompt = prompts["medium"]
@@ -421,7 +429,8 @@ def test_prefill_with_unknown_or_unreachable_target_fails_cleanly(services, prom
     def target(**changes) -> prefill_pb2.KvTarget:
         fields = dict(kv_endpoint=decode.fields["kv"], transfer_id="never-registered",
                       dst_block_ids=list(range(num_blocks)), first_block_index=0, num_layers=30,
-                      dtype="float32", block_shape=[16, 3, 64], timeout_ms=1500)
+                      dtype="float32", block_shape=[16, 3, 64], timeout_ms=1500,
+                      kv_layout_hash=bundled_kv_layout_hash())
         return prefill_pb2.KvTarget(**(fields | changes))
 
     async def prefill_call(kv_target):
@@ -442,6 +451,11 @@ def test_prefill_with_unknown_or_unreachable_target_fails_cleanly(services, prom
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "destination blocks" in details
         code, details = await prefill_call(target(dtype="bfloat16"))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "bfloat16" in details
+        # Same geometry, KV of another meaning (another model config, say): refused before any work.
+        code, details = await prefill_call(target(kv_layout_hash="0" * 16))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "KV layout mismatch" in details
+        code, details = await prefill_call(target(kv_layout_hash=""))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "missing" in details
         await wait_all_blocks_free(services)
     run(main())
 
