@@ -43,6 +43,7 @@ DELEGATED_BENCH = {
                 "placement policies on a real stack: prefill prefix-cache hit rates and TTFT"),
     "disagg": ("bench.disagg",
                "disaggregated vs colocated serving on a real stack: ITL, TPOT, TTFT, goodput"),
+    "spec": ("bench.spec", "speculative decoding per proposer: copy-heavy, chat and random workloads"),
     "structured": ("bench.structured", "JSON-schema constrained generation: validity and throughput vs unconstrained"),
     "overhead": ("bench.overhead", "the gateway's own cost per token, against a fake decode instance"),
     "placement-sim": ("bench.placement_sim",
