@@ -1,4 +1,5 @@
-"""`pdserve up`: a local stack of one gateway, N prefill and M decode processes.
+"""`pdserve up`: a local stack of one gateway (or --gateways G replicas), N prefill and M
+decode processes.
 
 Each process runs the very command a deployment runs (`pdserve gateway|prefill|decode`)
 with the same settings: every flag `up` does not know itself goes to each command that
@@ -233,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                "every process as PDSERVE_<FLAG>.")
     parser.add_argument("--prefill", type=int, default=1, help="prefill processes (0: decode prefills)")
     parser.add_argument("--decode", type=int, default=1, help="decode processes")
+    parser.add_argument("--gateways", type=int, default=1,
+                        help="gateway replicas; every instance registers with each; --port and --http-port "
+                             "are the first one's, the others take free ports")
     parser.add_argument("--host", default="127.0.0.1", help="interface every process listens on")
     parser.add_argument("--port", type=int, default=50051, help="the gateway's port (0: a free one)")
     parser.add_argument("--http-port", default=None,
@@ -248,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args, passthrough = build_parser().parse_known_args(argv)
-    if args.decode < 1 or args.prefill < 0:
-        print("pdserve up: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
+    if args.decode < 1 or args.prefill < 0 or args.gateways < 1:
+        print("pdserve up: need --decode >= 1, --prefill >= 0 and --gateways >= 1", file=sys.stderr)
         return 2
     # SIGTERM stops the stack like Ctrl-C does, also while it is still starting.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -257,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.openai_api.server import default_http_port, parse_http_port
         http_port = parse_http_port(args.http_port) if args.http_port is not None else default_http_port(args.port)
         stack = LocalStack(args.prefill, args.decode, port=args.port, host=args.host, http_port=http_port,
-                           passthrough=passthrough, startup_timeout_s=args.startup_timeout, grace_s=args.grace)
+                           passthrough=passthrough, startup_timeout_s=args.startup_timeout, grace_s=args.grace,
+                           num_gateways=args.gateways)
     except ValueError as e:  # a flag no command takes, a bad --http-port
         print(f"pdserve up: error: {e}", file=sys.stderr)
         return 2
@@ -265,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         stack.start()
         if stack.http_address:
             print(f"pdserve up: OpenAI-compatible HTTP API at http://{stack.http_address}/v1", flush=True)
+        if args.gateways > 1:
+            print(f"pdserve up: gateway replicas at {', '.join(stack.addresses)}", flush=True)
         print(f"PDSERVE_READY gateway={stack.address} prefill={args.prefill} decode={args.decode}",
               flush=True)
         while True:
