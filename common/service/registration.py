@@ -219,7 +219,6 @@ class GatewayRegistrations:
         self.clients: dict[str, RegistryClient] = {}  # by dial address ("10.0.0.7:50054")
         self._tasks: dict[str, asyncio.Task] = {}
         self._leaving: set[asyncio.Task] = set()  # clients of unlisted gateways, deregistering
-        self.changed = asyncio.Event()  # set whenever the set of clients changes (tests wait on it)
 
     async def run(self) -> None:
         try:
@@ -256,7 +255,6 @@ class GatewayRegistrations:
             self._leaving.add(task)
             task.add_done_callback(self._leaving.discard)
             self.clients.pop(gone)
-            self.changed.set()
         for address in addresses:
             if address not in self._tasks:
                 logger.info("registering with gateway %s", address)
@@ -264,7 +262,6 @@ class GatewayRegistrations:
                                         rpc_timeout_s=self._rpc_timeout_s, token=self._token)
                 self.clients[address] = client
                 self._tasks[address] = asyncio.get_running_loop().create_task(client.run())
-                self.changed.set()
 
     async def _wait_for_rejection(self, timeout_s: float) -> None:
         """Sleep `timeout_s`, returning early only to raise a client's rejection."""

@@ -94,7 +94,9 @@ def test_every_gateway_gets_its_own_registration_and_secret_and_one_down_blocks_
                                              token=TOKEN, retry_s=0.05)
         task = asyncio.create_task(registrations.run())
         try:
-            await until(lambda: registered(first) and registered(second), what="both registrations")
+            await until(lambda: registered(first) and registered(second)
+                        and all(registrations.clients[g.address].registered.is_set() for g in (first, second)),
+                        what="both registrations")
             secrets = {g.registry.get(SPEC.instance_id).secret for g in (first, second)}
             assert len(secrets) == 2  # each gateway issued its own
             assert not registrations.clients[absent].registered.is_set()
@@ -106,7 +108,8 @@ def test_every_gateway_gets_its_own_registration_and_secret_and_one_down_blocks_
 
             # It restarts at the same address with an empty registry: the instance re-registers.
             await first.start()
-            await until(lambda: registered(first), what="re-registration with the restarted gateway")
+            await until(lambda: registered(first) and registrations.clients[first.address].registered.is_set(),
+                        what="re-registration with the restarted gateway")
         finally:
             await stop_task(task)
         # Stopping deregisters from every gateway that is up.
@@ -159,11 +162,20 @@ def test_a_name_is_re_resolved_so_new_gateways_get_registrations_and_gone_ones_a
 
 def test_a_gateway_that_rejects_the_instance_ends_the_registrations():
     async def scenario():
-        good, wrong_token = await FakeGateway().start(), await FakeGateway(token="another-deployment").start()
-        registrations = GatewayRegistrations([good.address, wrong_token.address], SPEC, lambda: LOAD, token=TOKEN,
-                                             retry_s=0.05)
+        good = await FakeGateway("127.0.0.1").start()
+        wrong_token = await FakeGateway("127.0.0.2", port=good.port, token="another-deployment").start()
+        listed = ["127.0.0.1"]
+
+        async def resolve(host, port):
+            return list(listed)
+
+        registrations = GatewayRegistrations([f"gateways.example:{good.port}"], SPEC, lambda: LOAD, token=TOKEN,
+                                             resolve_interval_s=0.05, resolve=resolve, retry_s=0.05)
+        task = asyncio.create_task(registrations.run())
+        await until(lambda: registered(good), what="registration with the good gateway")
+        listed = ["127.0.0.1", "127.0.0.2"]  # then one of another deployment appears
         with pytest.raises(grpc.aio.AioRpcError) as error:
-            await asyncio.wait_for(registrations.run(), timeout=10)
+            await asyncio.wait_for(task, timeout=10)
         assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert good.registry.get(SPEC.instance_id) is None  # it left the gateway that took it, too
         await good.stop()
