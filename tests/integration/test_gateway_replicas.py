@@ -2,7 +2,8 @@
 the bundled model (LocalStack(num_gateways=2)); every instance registers with both
 gateways (`--gateway A,B`).
 
-Both gateways place requests on both instances; SIGKILL one gateway while streams run
+Both gateways place requests on both instances; an instance given the gateways by name
+registers with both and leaves both on SIGTERM; SIGKILL one gateway while streams run
 through both, and the survivor's streams all finish while the dead one's fail, and the
 instances free what the dead gateway's requests held; restart the killed gateway on its
 ports and the instances register with it again on their own. Tests run in file order.
@@ -15,6 +16,7 @@ import time
 import grpc
 import pytest
 
+from common.cli.processes import ManagedProcess
 from common.cli.up import LocalStack
 from common.engine.sampling_params import SamplingParams
 from gateway.client import Client
@@ -102,6 +104,31 @@ def test_both_gateways_place_requests_on_both_instances(stack):
     for result in results:
         assert (result.prefill_instance_id, result.decode_instance_id) == ("prefill-0", "decode-0")
         assert result.finish_reason == "length" and result.usage.completion_tokens == GREEDY.max_tokens
+
+
+def gateway_counts(stack: LocalStack) -> list[tuple[int, int]]:
+    """(prefill, decode) instances each gateway counts."""
+    counts = []
+    for address in stack.addresses:
+        with Client(address) as client:
+            info = client.model_info(timeout=10)
+            counts.append((info.num_prefill_instances, info.num_decode_instances))
+    return counts
+
+
+def test_an_instance_given_a_name_registers_with_every_gateway_and_leaves_them_all(stack):
+    # `localhost:PORT` is a name, resolved (as a headless Service's would be) to its address.
+    by_name = ",".join(f"localhost:{g.registry_address.rsplit(':', 1)[1]}" for g in stack.gateways)
+    process = ManagedProcess("decode-by-name", ["decode", "--host", "127.0.0.1", "--port", "0",
+                                                "--instance-id", "decode-by-name", "--gateway", by_name,
+                                                "--kv-cache-memory", "256MiB", "--log-level", "WARNING"],
+                             env=stack.env, log_dir=stack.log_dir)
+    try:
+        process.wait_ready(300)
+        stack.wait_registered(1, 2, timeout_s=60)  # every gateway counts it
+    finally:
+        assert process.stop(grace_s=60) == 0  # SIGTERM: it deregisters from both
+    assert gateway_counts(stack) == [(1, 1), (1, 1)]
 
 
 def test_killing_a_gateway_loses_only_its_own_streams(stack):
