@@ -2,6 +2,7 @@
 
     pdserve bench routing --json docs/bench/prefix_routing.json
     pdserve bench routing --num-requests 16 --policies round_robin,prefix_aware  # smoke
+    pdserve bench routing --policies prefix_aware --num-gateways 2  # gateway replicas
 
 For each placement policy (round_robin, least_loaded, prefix_aware) it starts a real
 stack, `LocalStack(2 prefill, 1 decode, --policy P)`, sends the same seeded workload
@@ -11,6 +12,11 @@ counters (the Stats RPC) before and after:
     hit rate = sum(prefix_cache_hit_tokens) / sum(prefix_cache_queried_tokens)
 
 over both prefill instances (deltas, so the warm-up does not count).
+
+Gateway replicas (--num-gateways N): the stack runs N gateways, every instance registered
+with each, and the client sends request i to gateway i mod N (as a balancer in front of
+them would), so each gateway places while the others dispatch too. Compare the hit rate
+with --num-gateways 1 on the same seed.
 
 Workload (bench.serve.datasets.system_prompt_requests, token ids): 8 tenants,
 each with a 512-token system prompt (32 whole blocks), plus a unique user part of
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import sys
 import tempfile
@@ -76,6 +83,7 @@ class RoutingConfig:
     block_size: int = 16
     seed: int = 0
     heartbeat_interval_s: float = 1.0  # the gateway's default; the simulation's replay uses it too
+    num_gateways: int = 1  # gateway replicas; the client sends request i to gateway i mod N
 
     def check(self) -> None:
         unknown = [p for p in self.policies if p not in POLICIES]
@@ -83,6 +91,8 @@ class RoutingConfig:
             raise ValueError(f"--policies: choose from {', '.join(POLICIES)}; got {','.join(self.policies)}")
         if self.num_requests < 1 or not self.concurrencies or min(self.concurrencies) < 1:
             raise ValueError("--num-requests and every --max-concurrency must be >= 1")
+        if self.num_gateways < 1:
+            raise ValueError("--num-gateways must be >= 1")
         if self.tenant_order not in TENANT_ORDERS:
             raise ValueError(f"--tenant-order: choose from {', '.join(TENANT_ORDERS)}")
         longest = self.system_prompt_len + self.user_len_range[1] + self.output_len_range[1]
@@ -153,14 +163,33 @@ def prefill_counters(stack) -> dict[str, dict[str, int]]:
 
 
 class PlacementRecordingBackend(GrpcGenerateBackend):
-    """The bench client's gRPC backend, also noting which prefill instance served each request."""
+    """The bench client's gRPC backend, also noting which prefill instance served each
+    request; with several gateway addresses it sends each request to the next gateway in turn."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, addresses: list[str], **kwargs):
+        super().__init__(addresses[0], **kwargs)
+        self.addresses = list(addresses)
+        self._channels: list[grpc.aio.Channel] = []
+        self._stubs: list = []
+        self._sent = itertools.count()
         self.prefill_instance_by_request: dict[int, str] = {}  # id(BenchRequest) -> instance id
+        self.gateway_by_request: dict[int, int] = {}  # id(BenchRequest) -> gateway index
+
+    async def open(self) -> None:
+        from protos.pdserve.v1 import generate_pb2_grpc
+        self._channels = [grpc.aio.insecure_channel(a) for a in self.addresses]
+        self._stubs = [generate_pb2_grpc.GenerateServiceStub(c) for c in self._channels]
+        self._stub = self._stubs[0]  # ModelInfo and the like
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+        self._channels, self._stubs = [], []
 
     async def stream(self, request: BenchRequest):
-        call = self._stub.GenerateStream(self.build_request(request), timeout=self.timeout_s)
+        gateway = next(self._sent) % len(self._stubs)
+        self.gateway_by_request[id(request)] = gateway
+        call = self._stubs[gateway].GenerateStream(self.build_request(request), timeout=self.timeout_s)
         try:
             async for response in call:
                 if response.prefill_instance_id:
@@ -170,9 +199,9 @@ class PlacementRecordingBackend(GrpcGenerateBackend):
             call.cancel()
 
 
-async def _drive(address: str, requests: list[BenchRequest], warmup: list[BenchRequest],
-                 max_concurrency: int, seed: int, after_warmup) -> tuple[list, float, list[str]]:
-    async with PlacementRecordingBackend(address, request_id_prefix="routing") as backend:
+async def _drive(addresses: list[str], requests: list[BenchRequest], warmup: list[BenchRequest],
+                 max_concurrency: int, seed: int, after_warmup) -> tuple[list, float, list[str], list[int]]:
+    async with PlacementRecordingBackend(addresses, request_id_prefix="routing") as backend:
         warm, _ = await run_benchmark(backend, warmup, float("inf"))  # both at once: one per instance
         if not all(o.success for o in warm):
             raise RuntimeError(f"warm-up failed: {[o.error for o in warm]}")
@@ -180,17 +209,19 @@ async def _drive(address: str, requests: list[BenchRequest], warmup: list[BenchR
         outcomes, duration = await run_benchmark(backend, requests, float("inf"), max_concurrency=max_concurrency,
                                                  seed=seed, progress=True)
         placed = [backend.prefill_instance_by_request.get(id(r), "") for r in requests]
-    return outcomes, duration, placed
+        gateways = [backend.gateway_by_request.get(id(r), -1) for r in requests]
+    return outcomes, duration, placed, gateways
 
 
 def run_policy(policy: str, concurrency: int, cfg: RoutingConfig, requests: list[BenchRequest],
                warmup: list[BenchRequest], prefill_kv_bytes: int, log_dir: str) -> dict:
     from common.cli.up import LocalStack
     passthrough, role_flags = cfg.stack_flags(policy, prefill_kv_bytes)
-    print(f"\n== {policy}: starting LocalStack(2 prefill, 1 decode) {' '.join(passthrough)} "
-          f"prefill {' '.join(role_flags['prefill'])}", flush=True)
+    print(f"\n== {policy}: starting LocalStack(2 prefill, 1 decode, {cfg.num_gateways} gateway(s)) "
+          f"{' '.join(passthrough)} prefill {' '.join(role_flags['prefill'])}", flush=True)
     started = time.monotonic()
-    with LocalStack(2, 1, passthrough=passthrough, role_flags=role_flags, log_dir=log_dir) as stack:
+    with LocalStack(2, 1, passthrough=passthrough, role_flags=role_flags, log_dir=log_dir,
+                    num_gateways=cfg.num_gateways) as stack:
         print(f"   stack up in {time.monotonic() - started:.0f}s; warm-up, then {len(requests)} requests, "
               f"{concurrency} in flight", flush=True)
         before: dict = {}
@@ -200,7 +231,7 @@ def run_policy(policy: str, concurrency: int, cfg: RoutingConfig, requests: list
             time.sleep(1.5 * cfg.heartbeat_interval_s)  # the gateway's load estimate forgets the warm-up
             before.update(prefill_counters(stack))
 
-        outcomes, duration, placed = asyncio.run(_drive(stack.address, requests, warmup, concurrency,
+        outcomes, duration, placed, gateways = asyncio.run(_drive(stack.addresses, requests, warmup, concurrency,
                                                         cfg.seed, snapshot_before))
         wait_idle(stack)
         after = prefill_counters(stack)
@@ -225,7 +256,8 @@ def run_policy(policy: str, concurrency: int, cfg: RoutingConfig, requests: list
         "mean_e2el_ms": metrics["mean_e2el_ms"], "request_throughput": metrics["request_throughput"],
         "tenants_by_instance": {k: sorted(v, key=lambda t: int(t.split("-")[1])) for k, v in
                                 sorted(tenants_by_instance.items())},
-        "prefill_instance_ids": placed, "start_times": metrics["start_times"], "ttfts": metrics["ttfts"],
+        "prefill_instance_ids": placed, "num_gateways": cfg.num_gateways,
+        "requests_per_gateway": [gateways.count(g) for g in range(cfg.num_gateways)], "start_times": metrics["start_times"], "ttfts": metrics["ttfts"],
         "errors": [e for e in metrics["errors"] if e],
     }
     print(f"   {policy}, {concurrency} in flight: hit rate {result['hit_rate']:.3f} ({hits}/{queried} tokens), "
@@ -320,7 +352,7 @@ def format_summary(arms: dict, cfg: RoutingConfig, concurrency: int) -> str:
     s = arms["summary"]
     lines = [f"{cfg.num_tenants} tenants x {cfg.system_prompt_len}-token system prompt, tenant order "
              f"{cfg.tenant_order}, {cfg.num_requests} requests, {concurrency} in flight; "
-             f"2 prefill instances x {s['prefill_cache_blocks']} KV blocks",
+             f"2 prefill instances x {s['prefill_cache_blocks']} KV blocks; {cfg.num_gateways} gateway(s)",
              f"{'policy':<14}{'hit rate':>10}{'simulated':>11}{'mean TTFT':>12}"]
     for policy in SIM_POLICIES:
         measured = s["hit_rate"].get(policy)
@@ -354,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="KV blocks per prefill instance (its prefix cache)")
     parser.add_argument("--decode-kv-memory", default=d.decode_kv_memory, help="the decode instance's KV pool")
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--num-gateways", type=int, default=d.num_gateways,
+                        help="gateway replicas sharing the instances; requests go to them in turn")
     parser.add_argument("--json", default=None, metavar="FILE", help="write every figure and the config")
     parser.add_argument("--log-dir", default=None, help="the stack's logs; default: a temporary directory")
     return parser
@@ -372,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                         num_tenants=args.num_tenants, system_prompt_len=args.system_prompt_len,
                         user_len_range=args.user_len, output_len_range=args.output_len,
                         tenant_order=args.tenant_order, prefill_kv_blocks=args.prefill_kv_blocks,
-                        decode_kv_memory=args.decode_kv_memory, seed=args.seed)
+                        decode_kv_memory=args.decode_kv_memory, seed=args.seed, num_gateways=args.num_gateways)
     try:
         cfg.check()
     except ValueError as e:

@@ -1,4 +1,5 @@
-"""`pdserve up`: a local stack of one gateway, N prefill and M decode processes.
+"""`pdserve up`: a local stack of one gateway (or --gateways G replicas), N prefill and M
+decode processes.
 
 Each process runs the very command a deployment runs (`pdserve gateway|prefill|decode`)
 with the same settings: every flag `up` does not know itself goes to each command that
@@ -32,7 +33,7 @@ import time
 
 import grpc
 
-from common.cli.processes import ManagedProcess, ProcessFailed, route_flags, start_gateway_process
+from common.cli.processes import ManagedProcess, ProcessFailed, route_flags
 from common.service.flags import EnvDefaultsParser
 
 REGISTRY_TOKEN_ENV = "PDSERVE_REGISTRY_TOKEN"
@@ -45,14 +46,20 @@ class LocalStack:
             Client(stack.address).generate("Hello")
             stack.kill("decode-0")           # an instance dying (SIGKILL)
             stack.add_instance("decode")     # one joining: decode-2
+
+    With num_gateways > 1 it runs gateway replicas: every instance registers with every
+    gateway (`--gateway A,B`); `gateways[i]` are their processes, `gateway` the first, and
+    `kill_gateway(i)` / `restart_gateway(i)` stop one and start it again on its ports.
     """
 
     def __init__(self, num_prefill: int, num_decode: int, port: int = 0, host: str = "127.0.0.1",
                  passthrough: list[str] | tuple[str, ...] = (), env: dict[str, str] | None = None,
                  log_dir=None, startup_timeout_s: float = 300.0, grace_s: float = 45.0,
                  http_port: int | None = 0, cpu_affinity: dict[str, set[int]] | None = None,
-                 role_flags: dict[str, list[str]] | None = None):
-        self.num_prefill, self.num_decode = num_prefill, num_decode
+                 role_flags: dict[str, list[str]] | None = None, num_gateways: int = 1):
+        if num_gateways < 1:
+            raise ValueError(f"need at least one gateway; got {num_gateways}")
+        self.num_prefill, self.num_decode, self.num_gateways = num_prefill, num_decode, num_gateways
         # Per role ("gateway", "prefill", "decode"): the CPUs its processes may run on
         # (benchmarks pin roles to cores; torch sizes its thread pool to them, and
         # OMP_NUM_THREADS is set to match), and flags for that role only, after the
@@ -70,13 +77,23 @@ class LocalStack:
         self.env = {**(env or {}), REGISTRY_TOKEN_ENV: token}
         self.log_dir = log_dir
         self.startup_timeout_s, self.grace_s = startup_timeout_s, grace_s
-        self.gateway: ManagedProcess | None = None
+        self.gateways: list[ManagedProcess] = []
+        self._gateway_argv: list[list[str]] = []  # each gateway's flags, its ports fixed once it served
         self.instances: dict[str, ManagedProcess] = {}  # by instance id, e.g. "decode-1"
         self._next_index = {"prefill": 0, "decode": 0}
 
     @property
+    def gateway(self) -> ManagedProcess | None:
+        return self.gateways[0] if self.gateways else None
+
+    @property
     def address(self) -> str:
         return self.gateway.address
+
+    @property
+    def addresses(self) -> list[str]:
+        """Every gateway's public gRPC address, in order."""
+        return [g.address for g in self.gateways]
 
     @property
     def http_address(self) -> str:
@@ -85,8 +102,9 @@ class LocalStack:
 
     @property
     def registry_address(self) -> str:
-        """host:port where instances register (internal; carries the stack's token)."""
-        return self.gateway.registry_address
+        """host:port where instances register (internal; carries the stack's token);
+        with several gateways, a comma list of all of theirs (what --gateway takes)."""
+        return ",".join(g.registry_address for g in self.gateways)
 
     @property
     def registry_token(self) -> str:
@@ -95,14 +113,15 @@ class LocalStack:
     def start(self) -> str:
         """Start everything and wait until all instances registered; return the gateway address."""
         try:
-            self.gateway = start_gateway_process([*self.flags["gateway"], *self.role_flags.get("gateway", ()),
-                                                  "--host", self.host,
-                                                  "--port", str(self.port), "--registry-port", "0",
-                                                  "--metrics-port", "0", "--http-port",
-                                                  "off" if self.http_port is None else str(self.http_port)],
-                                                 env=self._role_env("gateway"), log_dir=self.log_dir,
-                                                 cpus=self.cpu_affinity.get("gateway"),
-                                                 timeout_s=self.startup_timeout_s)
+            for index in range(self.num_gateways):
+                # Fixed ports (--port, --http-port) go to the first gateway; replicas take free ones.
+                port, http_port = (self.port, self.http_port) if index == 0 else (0, 0 if self.http_port is not None
+                                                                                   else None)
+                self._gateway_argv.append([*self.flags["gateway"], *self.role_flags.get("gateway", ()),
+                                           "--host", self.host, "--port", str(port), "--registry-port", "0",
+                                           "--metrics-port", "0", "--http-port",
+                                           "off" if http_port is None else str(http_port)])
+                self.gateways.append(self._start_gateway(index))
             for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
                 for _ in range(count):
                     self.add_instance(role, wait=False)
@@ -111,6 +130,34 @@ class LocalStack:
             self.stop()
             raise
         return self.address
+
+    def _start_gateway(self, index: int) -> ManagedProcess:
+        name = "gateway" if self.num_gateways == 1 else f"gateway-{index}"  # also its log file's name
+        process = ManagedProcess(name, ["gateway", *self._gateway_argv[index]], env=self._role_env("gateway"),
+                                 log_dir=self.log_dir, cpus=self.cpu_affinity.get("gateway"))
+        try:
+            process.wait_ready(self.startup_timeout_s)
+        except BaseException:
+            process.stop()
+            raise
+        # A restart must come back where the instances register and clients connect.
+        for flag, address in (("--port", process.address), ("--registry-port", process.registry_address),
+                              ("--http-port", process.http_address)):
+            if address:
+                argv = self._gateway_argv[index]
+                argv[argv.index(flag) + 1] = address.rsplit(":", 1)[1]
+        return process
+
+    def kill_gateway(self, index: int, signum: int = signal.SIGKILL) -> None:
+        """Signal one gateway on purpose (it then no longer counts as failed)."""
+        self.gateways[index].signal(signum)
+        self.gateways[index].wait_or_kill(self.grace_s)
+
+    def restart_gateway(self, index: int) -> ManagedProcess:
+        """Start a stopped gateway again on the ports it had; return once it serves (the
+        instances register with it again on their own: wait_registered)."""
+        self.gateways[index] = self._start_gateway(index)
+        return self.gateways[index]
 
     def add_instance(self, role: str, wait: bool = True) -> ManagedProcess:
         """Start one more prefill or decode process (as `--scale` would); with wait,
@@ -133,25 +180,28 @@ class LocalStack:
             return self.env
         return {**self.env, "OMP_NUM_THREADS": str(len(cpus))}
 
-    def wait_registered(self, num_prefill: int, num_decode: int, timeout_s: float | None = None) -> None:
-        """Wait until the gateway counts at least this many live instances per pool."""
+    def wait_registered(self, num_prefill: int, num_decode: int, timeout_s: float | None = None,
+                        gateways: list[int] | None = None) -> None:
+        """Wait until each gateway (all, or those indexed by `gateways`) counts at least
+        this many live instances per pool."""
         from gateway.client import Client
         deadline = time.monotonic() + (timeout_s or self.startup_timeout_s)
-        with Client(self.address) as client:
-            while True:
-                self.check_alive()
-                info = client.model_info(timeout=5)
-                if info.num_prefill_instances >= num_prefill and info.num_decode_instances >= num_decode:
-                    return
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"after {timeout_s or self.startup_timeout_s:.0f}s the gateway counts "
-                                       f"{info.num_prefill_instances}/{num_prefill} prefill and "
-                                       f"{info.num_decode_instances}/{num_decode} decode instances")
-                time.sleep(0.2)
+        for index in range(self.num_gateways) if gateways is None else gateways:
+            with Client(self.gateways[index].address) as client:
+                while True:
+                    self.check_alive()
+                    info = client.model_info(timeout=5)
+                    if info.num_prefill_instances >= num_prefill and info.num_decode_instances >= num_decode:
+                        break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"after {timeout_s or self.startup_timeout_s:.0f}s gateway {index} counts "
+                                           f"{info.num_prefill_instances}/{num_prefill} prefill and "
+                                           f"{info.num_decode_instances}/{num_decode} decode instances")
+                    time.sleep(0.2)
 
     def check_alive(self) -> None:
         """Raise ProcessFailed for a process that exited without being told to."""
-        for process in [self.gateway, *self.instances.values()]:
+        for process in [*self.gateways, *self.instances.values()]:
             if process is not None:
                 process.check_alive()
 
@@ -161,7 +211,7 @@ class LocalStack:
 
     def stop(self) -> None:
         """SIGTERM every process, wait up to grace_s for all, then SIGKILL the rest."""
-        processes = [p for p in [*self.instances.values(), self.gateway] if p is not None]
+        processes = [*self.instances.values(), *self.gateways]
         for process in processes:
             process.signal(signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
@@ -183,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                "every process as PDSERVE_<FLAG>.")
     parser.add_argument("--prefill", type=int, default=1, help="prefill processes (0: decode prefills)")
     parser.add_argument("--decode", type=int, default=1, help="decode processes")
+    parser.add_argument("--gateways", type=int, default=1,
+                        help="gateway replicas; every instance registers with each; --port and --http-port "
+                             "are the first one's, the others take free ports")
     parser.add_argument("--host", default="127.0.0.1", help="interface every process listens on")
     parser.add_argument("--port", type=int, default=50051, help="the gateway's port (0: a free one)")
     parser.add_argument("--http-port", default=None,
@@ -198,8 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args, passthrough = build_parser().parse_known_args(argv)
-    if args.decode < 1 or args.prefill < 0:
-        print("pdserve up: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
+    if args.decode < 1 or args.prefill < 0 or args.gateways < 1:
+        print("pdserve up: need --decode >= 1, --prefill >= 0 and --gateways >= 1", file=sys.stderr)
         return 2
     # SIGTERM stops the stack like Ctrl-C does, also while it is still starting.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -207,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.openai_api.server import default_http_port, parse_http_port
         http_port = parse_http_port(args.http_port) if args.http_port is not None else default_http_port(args.port)
         stack = LocalStack(args.prefill, args.decode, port=args.port, host=args.host, http_port=http_port,
-                           passthrough=passthrough, startup_timeout_s=args.startup_timeout, grace_s=args.grace)
+                           passthrough=passthrough, startup_timeout_s=args.startup_timeout, grace_s=args.grace,
+                           num_gateways=args.gateways)
     except ValueError as e:  # a flag no command takes, a bad --http-port
         print(f"pdserve up: error: {e}", file=sys.stderr)
         return 2
@@ -215,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         stack.start()
         if stack.http_address:
             print(f"pdserve up: OpenAI-compatible HTTP API at http://{stack.http_address}/v1", flush=True)
+        if args.gateways > 1:
+            print(f"pdserve up: gateway replicas at {', '.join(stack.addresses)}", flush=True)
         print(f"PDSERVE_READY gateway={stack.address} prefill={args.prefill} decode={args.decode}",
               flush=True)
         while True:

@@ -44,6 +44,26 @@ class EnvDefaultsParser(argparse.ArgumentParser):
                 action.help += f" [env {env_name}]"
 
 
+def gateway_addresses(value: str) -> list[str]:
+    """"host:port,host:port" -> ["host:port", "host:port"]; each entry needs a port."""
+    addresses = [a.strip() for a in value.split(",") if a.strip()]
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"gateway address {address!r} is not HOST:PORT")
+    return addresses
+
+
+class GatewayAddressesAction(argparse.Action):
+    """--gateway A --gateway B,C: the union, in order. Given on the command line, the flag
+    replaces PDSERVE_GATEWAY's list rather than adding to it, like every other flag."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None)
+        current = [] if current is None or current is self.default else list(current)
+        setattr(namespace, self.dest, current + [a for a in values if a not in current])
+
+
 def make_parser(role: str, description: str) -> argparse.ArgumentParser:
     parser = EnvDefaultsParser(prog=f"pdserve {role}", description=description)
     g = parser.add_argument_group("service")
@@ -54,9 +74,11 @@ def make_parser(role: str, description: str) -> argparse.ArgumentParser:
                    help="host:port the gateway and peers use to reach this instance; "
                         "default host:actual_port (the hostname when --host is 0.0.0.0)")
     g.add_argument("--instance-id", default=None, help=f"default {role}-HOSTNAME-PID-RANDOM (unique per process)")
-    g.add_argument("--gateway", default=None,
-                   help="the gateway's registry address to register with (host:port of its --registry-port, "
-                        "not its public port); none: serve unregistered")
+    g.add_argument("--gateway", type=gateway_addresses, action=GatewayAddressesAction, default=[],
+                   help="the gateways' registry addresses to register with (host:port of their --registry-port, "
+                        "not the public port): repeat the flag or give a comma list; a hostname that resolves "
+                        "to several addresses (a headless Service, a compose service with --scale) means "
+                        "every one of them, re-resolved while running; none: serve unregistered")
     g.add_argument("--registry-token", default=None,
                    help="the deployment's registry token, sent with every registry call; prefer the "
                         "environment variable to the command line")

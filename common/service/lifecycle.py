@@ -1,9 +1,9 @@
 """The life of an engine service process (`pdserve prefill|decode`): load the engine,
-serve gRPC with health and reflection, register with the gateway, print the READY line,
+serve gRPC with health and reflection, register with every gateway, print the READY line,
 drain on SIGTERM/SIGINT, exit 0.
 
 Shutdown: health NOT_SERVING and new work refused (UNAVAILABLE "draining"), the
-gateway is told we left, in-flight requests get --grace-period seconds to finish,
+every gateway is told we left, in-flight requests get --grace-period seconds to finish,
 the rest are failed cleanly (UNAVAILABLE), then the server stops.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from common.service.flags import advertise_host, bracket
 from common.service.keepalive import KEEPALIVE_SERVER_OPTIONS
 from common.service.logging_setup import configure_logging
 from common.service.metrics import WorkerMetrics
-from common.service.registration import RegistryClient
+from common.service.registration import GatewayRegistrations
 from common.service.request_gate import RequestGate
 from protos.serving import add_health_and_reflection
 
@@ -143,9 +143,12 @@ async def _serve(args: argparse.Namespace, role: str, build: Callable[[argparse.
     return exit_code
 
 
-def _start_registration(gateway: str, token: str | None, spec, worker: Worker, stop: asyncio.Event) -> asyncio.Task:
-    client = RegistryClient(gateway, spec, worker.load, token=token or None)
-    task = asyncio.get_running_loop().create_task(client.run())
+def _start_registration(gateways: list[str], token: str | None, spec, worker: Worker,
+                        stop: asyncio.Event) -> asyncio.Task:
+    """Register with every gateway (each on its own, see GatewayRegistrations); a gateway
+    that rejects this instance stops it."""
+    registrations = GatewayRegistrations(gateways, spec, worker.load, token=token or None)
+    task = asyncio.get_running_loop().create_task(registrations.run())
 
     def on_done(t: asyncio.Task) -> None:
         if not t.cancelled() and t.exception() is not None:

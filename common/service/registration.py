@@ -1,8 +1,15 @@
 """The Registry API's one owner: the types an instance registers and heartbeats, their
-protobuf mapping, and what prefill and decode instances run to stay known to the gateway
-(grpc.aio): register, heartbeat their load, re-register when the gateway has forgotten
+protobuf mapping, and what prefill and decode instances run to stay known to the gateways
+(grpc.aio): register, heartbeat their load, re-register when a gateway has forgotten
 them (it restarted or declared them dead), and deregister on shutdown. The gateway's
 RegistryServicer reads the same types.
+
+Several gateways may serve the same pools (gateway replicas): `GatewayRegistrations`
+keeps one `RegistryClient` per gateway address, each on its own task with its own
+channel and secret, so a gateway that is down or slow delays nobody's registration with
+the others. Names in `--gateway` are resolved to every address they stand for (a
+Kubernetes headless Service or a compose service name lists every gateway replica) and
+re-resolved periodically, so a gateway pod that appears later gets this instance too.
 
 Every call carries the deployment's registry token (`authorization: Bearer TOKEN`
 metadata) when one is set, and Heartbeat/Deregister present the secret the gateway
@@ -11,8 +18,10 @@ issued at Register. The channel keeps itself alive (common.service.keepalive).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
-from collections.abc import Callable
+import socket
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -25,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
+
+MAX_RECONNECT_BACKOFF_MS = 3_000
 
 _ROLE_TO_PB = {"prefill": registry_pb2.ROLE_PREFILL, "decode": registry_pb2.ROLE_DECODE}
 _ROLE_FROM_PB: dict[int, Role] = {pb: role for role, pb in _ROLE_TO_PB.items()}
@@ -87,7 +98,11 @@ class RegistryClient:
         self._timeout_s = rpc_timeout_s
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._secret = ""  # issued by the gateway at Register
-        self._channel = grpc.aio.insecure_channel(gateway_address, options=KEEPALIVE_CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(gateway_address, options=[
+            *KEEPALIVE_CHANNEL_OPTIONS,
+            # gRPC's default backoff grows to 2 minutes while a gateway is down; capped, a
+            # gateway that restarts has this instance again within seconds of serving.
+            ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)])
         self._stub = registry_pb2_grpc.RegistryServiceStub(self._channel)
         self.registered = asyncio.Event()
 
@@ -140,3 +155,120 @@ class RegistryClient:
             pass  # the gateway will expire us instead
         finally:
             await self._channel.close()
+
+
+# ---- several gateways -----------------------------------------------------------------
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]  # (host, port) -> IP addresses
+
+
+async def resolve_host(host: str, port: int) -> list[str]:
+    """Every address `host` has, of one family: IPv4 when it has any, else IPv6. One family
+    because a dual-stack name lists each gateway twice (A and AAAA), and registering twice
+    with one gateway under one id would make the two registrations replace each other."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    by_family: dict[int, list[str]] = {}
+    for family, _, _, _, sockaddr in infos:
+        addresses = by_family.setdefault(family, [])
+        if sockaddr[0] not in addresses:
+            addresses.append(sockaddr[0])
+    return by_family.get(socket.AF_INET) or by_family.get(socket.AF_INET6) or []
+
+
+def _split_host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _dial_address(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+class GatewayRegistrations:
+    """Keep one instance registered with every gateway that `gateway_addresses` name:
+    `await registrations.run()` as a task; cancel it to deregister from all of them.
+
+    An IP address names one gateway; a hostname names every address it resolves to,
+    looked up again every `resolve_interval_s`: a new address gets a RegistryClient of
+    its own, an address the name no longer lists has its client stopped (it deregisters
+    if the gateway still answers). A failed lookup keeps the addresses last found, so a
+    DNS hiccup does not drop registrations. `run` raises if any gateway rejects the
+    instance (wrong model, block size or token), which no retry can fix."""
+
+    def __init__(self, gateway_addresses: Sequence[str], spec: InstanceSpec, get_load: Callable[[], InstanceLoad],
+                 token: str | None = None, resolve_interval_s: float = 10.0, resolve: Resolver = resolve_host,
+                 retry_s: float = 1.0, rpc_timeout_s: float = 5.0):
+        if not gateway_addresses:
+            raise ValueError("GatewayRegistrations needs at least one gateway address")
+        self.spec = spec
+        self._names = [_split_host_port(a) for a in gateway_addresses]
+        self._get_load = get_load
+        self._token = token
+        self._resolve_interval_s = resolve_interval_s
+        self._resolve = resolve
+        self._retry_s, self._rpc_timeout_s = retry_s, rpc_timeout_s
+        self._resolved: dict[tuple[str, int], list[str]] = {}  # name -> dial addresses last found
+        self.clients: dict[str, RegistryClient] = {}  # by dial address ("10.0.0.7:50054")
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._leaving: set[asyncio.Task] = set()  # clients of unlisted gateways, deregistering
+
+    async def run(self) -> None:
+        try:
+            while True:
+                self._follow(await self._current_addresses())
+                await self._wait_for_rejection(self._resolve_interval_s)
+        finally:
+            tasks = [*self._tasks.values(), *self._leaving]
+            for task in tasks:
+                task.cancel()  # each client deregisters on its way out
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _current_addresses(self) -> list[str]:
+        addresses: list[str] = []
+        for host, port in self._names:
+            if _is_ip_literal(host):
+                found = [_dial_address(host, port)]
+            else:
+                try:
+                    found = [_dial_address(ip, port) for ip in await self._resolve(host, port)]
+                except OSError as e:  # socket.gaierror included: keep what the last lookup found
+                    logger.warning("resolving gateway %s failed (%s); keeping %s", host, e,
+                                   self._resolved.get((host, port), []))
+                    found = self._resolved.get((host, port), [])
+                self._resolved[(host, port)] = found
+            addresses += [a for a in found if a not in addresses]
+        return addresses
+
+    def _follow(self, addresses: list[str]) -> None:
+        for gone in [a for a in self._tasks if a not in addresses]:
+            logger.info("gateway %s is no longer listed: leaving it", gone)
+            task = self._tasks.pop(gone)
+            task.cancel()
+            self._leaving.add(task)
+            task.add_done_callback(self._leaving.discard)
+            self.clients.pop(gone)
+        for address in addresses:
+            if address not in self._tasks:
+                logger.info("registering with gateway %s", address)
+                client = RegistryClient(address, self.spec, self._get_load, retry_s=self._retry_s,
+                                        rpc_timeout_s=self._rpc_timeout_s, token=self._token)
+                self.clients[address] = client
+                self._tasks[address] = asyncio.get_running_loop().create_task(client.run())
+
+    async def _wait_for_rejection(self, timeout_s: float) -> None:
+        """Sleep `timeout_s`, returning early only to raise a client's rejection."""
+        if not self._tasks:
+            await asyncio.sleep(timeout_s)
+            return
+        done, _ = await asyncio.wait(self._tasks.values(), timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()

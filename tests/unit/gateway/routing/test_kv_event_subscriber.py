@@ -83,3 +83,48 @@ def test_subscriber_follows_publisher_and_resyncs_after_loss():
             await subscriber.close()
             publisher.close()
     asyncio.run(scenario())
+
+
+def test_two_gateways_subscribed_to_one_publisher_both_follow_every_event():
+    """Gateway replicas: each gateway has its own SUB socket on the instance's one PUB
+    socket, and ZeroMQ gives every subscriber every message."""
+    pool = BlockPool(num_blocks=64, block_size=1)
+
+    def cache(*hashes):
+        blocks = pool.get_new_blocks(len(hashes))
+        pool.cache_full_blocks(blocks, list(hashes), None, list(hashes))
+        pool.free_blocks(blocks)
+
+    async def scenario():
+        publisher = KvEventPublisher("p0")
+
+        async def resync(instance_id):
+            return pool.last_event_seq, pool.all_cached_block_hashes()
+
+        indexes = [KvIndex(), KvIndex()]
+        subscribers = [KvEventSubscriber(index, resync, retry_s=0.01) for index in indexes]
+        try:
+            for subscriber in subscribers:
+                subscriber.add_instance("p0", publisher.endpoint)
+            await _until(lambda: not any(index.needs_resync("p0") for index in indexes))
+            # Publish until both SUB sockets are connected (earlier messages may be dropped
+            # and repaired by a resync), then every later event reaches both.
+            for token in range(10, 40):
+                cache(token)
+                publisher.publish(pool.take_events())
+                await asyncio.sleep(0.01)
+                if all(index.last_seq("p0") == pool.last_event_seq for index in indexes):
+                    break
+            for token in range(40, 50):
+                cache(token)
+                publisher.publish(pool.take_events())
+            await _until(lambda: all(index.last_seq("p0") == pool.last_event_seq for index in indexes))
+            truth = set(pool.all_cached_block_hashes())
+            for index in indexes:
+                assert {h for h in range(100) if index.cached_prefix_blocks("p0", [h])} == truth
+            assert set(range(40, 50)) <= truth
+        finally:
+            for subscriber in subscribers:
+                await subscriber.close()
+            publisher.close()
+    asyncio.run(scenario())
