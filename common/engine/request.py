@@ -65,6 +65,7 @@ class Request:
         # before it drafts again after the rate fell too low.
         self.spec_acceptance_rate = 1.0
         self.num_spec_backoff_steps = 0
+        self.num_spec_backoffs = 0  # pauses in a row; each doubles the next
 
     @property
     def num_tokens(self) -> int:

@@ -5,7 +5,10 @@ stream (the step is bound by reading the weights) and not for a large batch (the
 step is bound by compute). So, as vLLM's `disable_by_batch_size`, no request
 speculates in a step where more than that many requests run; and a request whose
 drafts keep being rejected (an EMA of its acceptance rate below
-`min_acceptance_rate`) pauses for `num_backoff_steps` steps and then probes again.
+`min_acceptance_rate`) pauses for `num_backoff_steps` steps and then probes again;
+each failed probe doubles the pause (up to 2^MAX_BACKOFF_DOUBLINGS times), so a
+request a proposer cannot help (random text, an untrained early exit) costs a probe
+every few hundred steps, not every few steps.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from common.engine.request import Request
 
 # Weight of the newest verification in a request's acceptance-rate EMA.
 ACCEPTANCE_EMA_WEIGHT = 0.5
+MAX_BACKOFF_DOUBLINGS = 5
 
 
 @dataclass
@@ -85,7 +89,14 @@ class SpeculationPolicy:
         for pos in range(num_accepted):
             stats.num_accepted_tokens_per_pos[pos] += 1
         rate = num_accepted / num_draft_tokens
+        min_rate = self.config.min_acceptance_rate
         request.spec_acceptance_rate += ACCEPTANCE_EMA_WEIGHT * (rate - request.spec_acceptance_rate)
-        if request.spec_acceptance_rate < self.config.min_acceptance_rate:
-            request.num_spec_backoff_steps = self.config.num_backoff_steps
-            request.spec_acceptance_rate = 1.0  # a fresh start when it probes again
+        if request.spec_acceptance_rate < min_rate:
+            doublings = min(request.num_spec_backoffs, MAX_BACKOFF_DOUBLINGS)
+            request.num_spec_backoff_steps = self.config.num_backoff_steps << doublings
+            request.num_spec_backoffs += 1
+            # At the threshold, the probe after the pause alone decides: one more bad
+            # verification and it pauses again, for twice as long.
+            request.spec_acceptance_rate = min_rate
+        elif rate >= min_rate:
+            request.num_spec_backoffs = 0

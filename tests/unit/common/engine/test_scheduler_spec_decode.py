@@ -26,10 +26,12 @@ def spec_config(k: int = 3, **overrides) -> SpeculativeConfig:
 
 def verify(scheduler_output: SchedulerOutput, emitted: dict[str, list[int]],
            proposals: dict[str, list[int]] | None = None) -> RunnerOutput:
-    sampled = [s.req_id for s in scheduler_output.scheduled if s.do_sample]
+    sampled = [s for s in scheduler_output.scheduled if s.do_sample]
     proposals = proposals or {}
-    return RunnerOutput(req_ids=sampled, sampled_token_ids=[emitted.get(r, [7]) for r in sampled],
-                        spec_token_ids=[proposals.get(r, []) for r in sampled])
+    # As the runner: drafts only where asked for, and no more than asked for.
+    return RunnerOutput(req_ids=[s.req_id for s in sampled],
+                        sampled_token_ids=[emitted.get(s.req_id, [7]) for s in sampled],
+                        spec_token_ids=[proposals.get(s.req_id, [])[:s.num_drafts_to_propose] for s in sampled])
 
 
 def step(scheduler, emitted=None, proposals=None):
@@ -132,14 +134,27 @@ def test_requests_whose_drafts_keep_failing_back_off_then_probe_again(make_sched
     scheduler = make_scheduler(speculative_config=spec_config(min_acceptance_rate=0.5, num_backoff_steps=2))
     req = make_request("a", 3)
     start_decoding(scheduler, req, 7, [DRAFT, DRAFT + 1, DRAFT + 2])
-    step(scheduler, {"a": [11]}, {"a": [DRAFT] * 3})  # nothing accepted: the EMA falls to 0.5 ...
-    out, _ = step(scheduler, {"a": [12]}, {"a": [DRAFT] * 3})  # ... then 0.25 < 0.5: back off
+    failing = {"a": [DRAFT] * 3}
+    step(scheduler, {"a": [11]}, failing)  # nothing accepted: the EMA falls to 0.5 ...
+    out, _ = step(scheduler, {"a": [12]}, failing)  # ... then 0.25 < 0.5: a pause of 2 steps
     assert out.scheduled_spec_decode_tokens == {"a": [DRAFT] * 3}
-    for _ in range(2):  # the drafts already proposed are dropped, and none are asked for
-        out, _ = step(scheduler, {"a": [13]}, {"a": [DRAFT] * 3})
-        assert out.scheduled_spec_decode_tokens == {} and out.scheduled[0].num_drafts_to_propose == 0
-    out, _ = step(scheduler)
-    assert out.scheduled[0].num_drafts_to_propose == 3  # probing again
+
+    def num_paused_steps() -> int:
+        """Steps until drafts are asked for again (the drafts already proposed are dropped)."""
+        num_steps = 0
+        while True:
+            out, _ = step(scheduler, {"a": [13]}, failing)
+            if out.scheduled[0].num_drafts_to_propose:
+                return num_steps
+            assert out.scheduled_spec_decode_tokens == {}
+            num_steps += 1
+
+    assert num_paused_steps() == 2
+    out, _ = step(scheduler, {"a": [14]}, failing)  # the probe fails too: twice the pause
+    assert out.scheduled_spec_decode_tokens == {"a": [DRAFT] * 3}
+    assert num_paused_steps() == 4
+    out, _ = step(scheduler, {"a": [DRAFT, DRAFT, 15]}, failing)  # a good probe ends the doubling
+    assert req.num_spec_backoffs == 0 and req.num_spec_backoff_steps == 0
 
 
 class _OpenGrammar:
