@@ -88,18 +88,20 @@ def spec_llm(target_dir, config: dict) -> LLM:
     return LLM(str(target_dir), speculative_config=config, **ENGINE)
 
 
+def proposer_config(method: str, tiny_model_factory) -> dict:
+    if method == "draft_model":
+        return spec("draft_model", draft_model=str(tiny_model_factory("spec-draft", num_hidden_layers=1,
+                                                                       hidden_size=32, intermediate_size=64,
+                                                                       vocab_size=VOCAB_SIZE)))
+    if method == "early_exit":
+        return spec("early_exit", num_early_exit_layers=1)
+    return spec("ngram")
+
+
 @pytest.mark.parametrize("method", ["ngram", "early_exit", "draft_model", "oracle", "adversary"])
 def test_greedy_outputs_are_unchanged_by_speculation(target_dir, tiny_model_factory, reference, method):
     prompts = reference["prompts"]
-    if method == "draft_model":
-        config = spec("draft_model", draft_model=str(tiny_model_factory("spec-draft", num_hidden_layers=1,
-                                                                         hidden_size=32, intermediate_size=64,
-                                                                         vocab_size=VOCAB_SIZE)))
-    elif method == "early_exit":
-        config = spec("early_exit", num_early_exit_layers=1)
-    else:
-        config = spec("ngram")
-    llm = spec_llm(target_dir, config)
+    llm = spec_llm(target_dir, proposer_config(method, tiny_model_factory))
     if method in ("oracle", "adversary"):
         references = {tuple(p): out for p, out in zip(prompts, reference["greedy"])}
         llm.engine.executor.runner.proposer = ReferenceProposer(references, 0 if method == "oracle" else 1)
@@ -115,10 +117,10 @@ def test_greedy_outputs_are_unchanged_by_speculation(target_dir, tiny_model_fact
     llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("method", ["ngram", "oracle"])
-def test_seeded_sampling_is_unchanged_by_point_mass_speculation(target_dir, reference, method):
+@pytest.mark.parametrize("method", ["ngram", "early_exit", "draft_model", "oracle"])
+def test_seeded_sampling_is_unchanged_by_point_mass_speculation(target_dir, tiny_model_factory, reference, method):
     prompts = reference["prompts"]
-    llm = spec_llm(target_dir, spec("ngram"))
+    llm = spec_llm(target_dir, proposer_config(method, tiny_model_factory))
     if method == "oracle":
         references = {tuple(p): out for p, out in zip(prompts, reference["seeded"])}
         llm.engine.executor.runner.proposer = ReferenceProposer(references, 0)
