@@ -161,12 +161,21 @@ class OpenAIServer:
                 return await self._start_stream(request, builder, stream_choices(self.gateway, inputs))
             results = await _until_disconnect(request, generate_choices(self.gateway, inputs))
             return Response(json_bytes(builder.full_response(results)), media_type="application/json")
-        except ServiceError as e:
+        except ServiceError as e:  # Gateway.stream counted it
             return _error(from_gateway_error(e, _param_of(e, parsed)))
-        except ApiError as e:
+        except ApiError as e:  # refused here, before the gateway saw it
+            self._count_refusal(e.grpc_code.name)
             return _error(e)
-        except (ClientGone, ClientDisconnect):
+        except ClientDisconnect:  # gone while sending its body: never reached the gateway
+            self._count_refusal("CANCELLED")
             return Response(status_code=499)  # nobody reads it; nginx's code for this case
+        except ClientGone:  # gone while the gateway served it (Gateway.stream counted it)
+            return Response(status_code=499)
+
+    def _count_refusal(self, status: str) -> None:
+        """A request the HTTP edge ended itself is still a request: counted under its status
+        in pdserve_requests_total like the ones the gateway (or the gRPC edge) refuses."""
+        self.gateway.metrics.request_timer().finish(status)
 
     async def _start_stream(self, request: Request, builder: ResponseBuilder,
                             events: AsyncIterator[tuple[int, GenerationDelta]]) -> Response:
