@@ -77,6 +77,8 @@ def structured_outputs_of(values: dict[str, Any]) -> StructuredOutputsParams | N
     param, kind, value = given[0]
     try:
         return StructuredOutputsParams(**{kind: value})
+    except OverflowError as e:  # re.compile's for a repeat count past its limit (a{99999999999}), not re.error
+        raise invalid_field(param, f"is not a valid regular expression: {e}") from None
     except ValueError as e:  # "structured_outputs.<kind> <what is wrong>"
         message = str(e)
         prefix = f"structured_outputs.{kind} "
