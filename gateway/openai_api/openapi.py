@@ -34,6 +34,7 @@ ERROR_BODY = {"type": "object", "required": ["error"], "properties": {"error": {
 
 
 def nullable(schema: dict) -> dict:
+    """`schema` or null (the parser takes null as unset), as simply as JSON Schema can say it."""
     if schema.get("type") == "null":
         return schema
     if isinstance(schema.get("type"), str) and set(schema) <= {"type", "minimum", "maximum", "exclusiveMinimum"}:
@@ -42,6 +43,7 @@ def nullable(schema: dict) -> dict:
 
 
 def fields_schema(fields: dict[str, Callable], required: list[str], served_model_names: list[str]) -> dict:
+    """A request body's schema from a protocol.py field table (field name -> check)."""
     properties = {}
     for name, check in fields.items():
         schema = dict(check.json_schema)
@@ -50,7 +52,8 @@ def fields_schema(fields: dict[str, Callable], required: list[str], served_model
                       "description": "the name GET /v1/models lists"}
         elif name == "stream_options":
             schema = {**schema, "additionalProperties": False, "description": "only with stream: true",
-                      "properties": {option: nullable(check.json_schema) for option, check in STREAM_OPTIONS.items()}}
+                      "properties": {option: nullable(option_check.json_schema)
+                                     for option, option_check in STREAM_OPTIONS.items()}}
         properties[name] = schema if name in required else nullable(schema)
     return {"type": "object", "additionalProperties": False, "required": required, "properties": properties}
 
