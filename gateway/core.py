@@ -17,6 +17,7 @@ from common.service.logging_setup import log_event, request_context
 from common.service.metrics import GatewayMetrics
 from gateway.admission import Admission
 from gateway.readiness import Readiness
+from gateway.request_ids import RequestIdInFlight, RequestIds
 from gateway.routing.dispatcher import Dispatcher
 from gateway.routing.kv_event_subscriber import KvEventSubscriber, grpc_resync
 from gateway.routing.kv_index import KvIndex
@@ -34,6 +35,15 @@ TOKENIZE_IN_THREAD_CHARS = 16_384
 # rendered text is longer than the messages' content (1024 messages: ~40 ms).
 TOKENIZE_IN_THREAD_MESSAGES = 64
 DEADLINE_SLACK_S = 0.01
+# An instance still releasing a request id (see gateway.request_ids) is asked again after
+# these waits, doubling, within the id's release window.
+ID_RETRY_FIRST_BACKOFF_S = 0.005
+ID_RETRY_MAX_BACKOFF_S = 0.1
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until `deadline` (loop time); None: no deadline."""
+    return None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
 
 
 @dataclass
@@ -67,8 +77,7 @@ class Gateway:
         self.admission = Admission(self.registry, settings.max_running_per_decode, settings.max_waiting_requests)
         self._kv_events: KvEventSubscriber | None = None
         self._expiry: asyncio.Task | None = None
-        self._in_flight: set[str] = set()  # request ids
-        self._idle = asyncio.Event()
+        self.request_ids = RequestIds()  # in flight here; the rule for reusing one
         self.readiness = Readiness(self.registry)
 
     @property
@@ -87,13 +96,12 @@ class Gateway:
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests; wait up to timeout_s for those in flight to finish."""
         self.draining = True
-        if self._in_flight:
-            logger.info("draining: waiting for %d requests", len(self._in_flight))
-            self._idle.clear()
+        if self.request_ids:
+            logger.info("draining: waiting for %d requests", len(self.request_ids))
             try:
-                await asyncio.wait_for(self._idle.wait(), timeout_s)
+                await asyncio.wait_for(self.request_ids.wait_idle(), timeout_s)
             except asyncio.TimeoutError:
-                logger.warning("drain timed out with %d requests in flight", len(self._in_flight))
+                logger.warning("drain timed out with %d requests in flight", len(self.request_ids))
 
     async def close(self) -> None:
         if self._expiry is not None:
@@ -170,28 +178,44 @@ class Gateway:
                       ) -> AsyncIterator[GenerationDelta]:
         if self.draining:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down; retry on another")
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
         prepared = await self.prepare(request)
-        if prepared.request_id in self._in_flight:
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
-                               f"request_id {prepared.request_id!r} is already in flight; give each "
-                               f"request its own id (or leave it empty)")
-        with request_context(prepared.request_id):
-            timer.request_id = prepared.request_id
-            timer.num_prompt_tokens = len(prepared.prompt_token_ids)
-            log_event(logger, "request start", prompt_tokens=timer.num_prompt_tokens,
-                      max_tokens=prepared.sampling.max_tokens)
-            self._in_flight.add(prepared.request_id)
-            loop = asyncio.get_running_loop()
-            deadline = None if timeout_s is None else loop.time() + timeout_s
-            try:
-                async with self.admission.slot(timeout_s):
-                    remaining_s = None if deadline is None else max(0.0, deadline - loop.time())
-                    async for delta in self.dispatcher.stream(prepared, remaining_s, timer):
+        await self.request_ids.acquire(prepared.request_id, _left(deadline))
+        try:
+            with request_context(prepared.request_id):
+                timer.request_id = prepared.request_id
+                timer.num_prompt_tokens = len(prepared.prompt_token_ids)
+                log_event(logger, "request start", prompt_tokens=timer.num_prompt_tokens,
+                          max_tokens=prepared.sampling.max_tokens)
+                async with self.admission.slot(_left(deadline)):
+                    async for delta in self._dispatch(prepared, deadline, timer):
                         yield delta
-            finally:
-                self._in_flight.discard(prepared.request_id)
-                if not self._in_flight:
-                    self._idle.set()
+        finally:
+            self.request_ids.release(prepared.request_id)
+
+    async def _dispatch(self, prepared: PreparedRequest, deadline: float | None, timer
+                        ) -> AsyncIterator[GenerationDelta]:
+        """dispatcher.stream, placed again while an instance still holds the id of a
+        request that ended here a moment ago (its cancel has not reached it yet)."""
+        backoff_s = ID_RETRY_FIRST_BACKOFF_S
+        while True:
+            streamed_any = False
+            try:
+                async for delta in self.dispatcher.stream(prepared, _left(deadline), timer):
+                    streamed_any = True
+                    yield delta
+                return
+            except ServiceError as e:
+                if e.code != grpc.StatusCode.ALREADY_EXISTS or streamed_any:
+                    raise
+                window_s = self.request_ids.recently_released(prepared.request_id)
+                left_s = _left(deadline)
+                if window_s is None or (left_s is not None and left_s <= backoff_s):
+                    raise RequestIdInFlight(prepared.request_id, "on a decode or prefill instance") from None
+                # Polled: the instance tells nobody when it lets go of the id.
+                await asyncio.sleep(min(backoff_s, window_s))
+                backoff_s = min(2 * backoff_s, ID_RETRY_MAX_BACKOFF_S)
 
     def _count_instances(self, instance, _reason: str) -> None:
         self.metrics.set_instances_alive(instance.role, sum(

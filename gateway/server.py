@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2
 
 from common.service.errors import ErrorStatusInterceptor, ServiceError
 from common.service.keepalive import KEEPALIVE_SERVER_OPTIONS
-from gateway.admission import RETRY_AFTER_METADATA, AdmissionRefused
+from gateway.admission import RETRY_AFTER_METADATA
 from gateway.api import delta_to_pb, deployment_info_to_pb, generate_input_from_pb
 from gateway.core import Gateway, GatewaySettings
 from gateway.routing.registry import RegistryServicer
@@ -51,7 +51,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         generate_input = self._converted(request)
         try:
             result = await self.gateway.generate(generate_input, context.time_remaining())
-        except AdmissionRefused as e:
+        except ServiceError as e:
             _add_retry_hint(context, e)
             raise
         return delta_to_pb(result)
@@ -61,7 +61,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             async for delta in self.gateway.stream(generate_input, context.time_remaining()):
                 yield delta_to_pb(delta)
-        except AdmissionRefused as e:
+        except ServiceError as e:
             _add_retry_hint(context, e)
             raise
 
@@ -78,9 +78,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return deployment_info_to_pb(self.gateway.deployment_info())
 
 
-def _add_retry_hint(context, error: AdmissionRefused) -> None:
-    """Trailing metadata the status goes out with (ErrorStatusInterceptor keeps it)."""
-    context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(round(error.retry_after_s * 1000))),))
+def _add_retry_hint(context, error: ServiceError) -> None:
+    """A refusal that says when to retry (admission's AdmissionRefused, a request id still
+    held: RequestIdInFlight) carries it as trailing metadata the status goes out with
+    (ErrorStatusInterceptor keeps it)."""
+    retry_after_s = getattr(error, "retry_after_s", None)
+    if retry_after_s is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(round(retry_after_s * 1000))),))
 
 
 class GatewayServer:

@@ -26,6 +26,11 @@ HTTP_STATUS_BY_GRPC_CODE = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
+# What a refusal made at the HTTP edge (before the gateway saw the request) is counted
+# as in pdserve_requests_total, so HTTP and gRPC refusals share one set of labels.
+GRPC_CODE_BY_HTTP_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+                            413: grpc.StatusCode.RESOURCE_EXHAUSTED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 ERROR_TYPE_BY_HTTP_STATUS = {400: "invalid_request_error", 404: "invalid_request_error",
                              405: "invalid_request_error", 413: "invalid_request_error",
                              429: "rate_limit_error", 503: "service_unavailable_error",
@@ -36,9 +41,12 @@ class ApiError(Exception):
     """A request answered with an HTTP error status and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after_s: float | None = None):
+                 retry_after_s: float | None = None, grpc_code: grpc.StatusCode | None = None):
         super().__init__(message)
         self.status = status
+        # The status the request is counted under (metrics): the gateway's own when it
+        # answered, else the one the HTTP status stands for.
+        self.grpc_code = grpc_code or GRPC_CODE_BY_HTTP_STATUS.get(status, grpc.StatusCode.INTERNAL)
         self.message = message
         self.param = param
         self.code = code
@@ -60,4 +68,5 @@ def invalid_field(param: str, message: str, code: str = "invalid_value") -> ApiE
 
 def from_gateway_error(error: ServiceError, param: str | None = None) -> ApiError:
     return ApiError(HTTP_STATUS_BY_GRPC_CODE.get(error.code, 500), error.message, param=param,
-                    code=error.code.name.lower(), retry_after_s=getattr(error, "retry_after_s", None))
+                    code=error.code.name.lower(), retry_after_s=getattr(error, "retry_after_s", None),
+                    grpc_code=error.code)

@@ -27,6 +27,7 @@ from typing import Any
 from common.engine.sampling_params import (
     MAX_LOGPROBS,
     MAX_SEED,
+    MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
@@ -38,7 +39,10 @@ from gateway.types import GenerateInput
 from gateway.validation import MAX_CHAT_MESSAGES
 
 MAX_CHOICES = 128  # n times the number of prompts: OpenAI's own cap on n
+# Integer fields are bounded by the width of the protobuf field they travel in to the
+# instances (common.proto's SamplingParams): a larger value was a ValueError and a 500.
 INT32 = (-2**31, 2**31 - 1)
+UINT32_MAX = 2**32 - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _NONE = object()  # a field that was not sent
 # The body's shape before its fields are looked at. The deepest body this API takes
@@ -91,6 +95,16 @@ class ParsedRequest:
 
 
 # --- value checks: each takes (param, value) and returns the value to use ------------
+# Each also carries `json_schema`: what it accepts, as JSON Schema, from which openapi.py
+# writes the API's OpenAPI document, so the document cannot drift from the checks.
+
+def described(schema: dict) -> Callable[[Callable], Callable]:
+    """Attach to a check the JSON Schema of the values it accepts."""
+    def attach(check: Callable) -> Callable:
+        check.json_schema = schema
+        return check
+    return attach
+
 
 def _type_name(value: Any) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
@@ -111,7 +125,8 @@ def integer(lo: int | None = None, hi: int | None = None, allowed: str = "") -> 
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             raise invalid_field(param, f"must be {allowed or _range(lo, hi)}, got {value}")
         return value
-    return check
+    bounds = {**({} if lo is None else {"minimum": lo}), **({} if hi is None else {"maximum": hi})}
+    return described({"type": "integer", **bounds})(check)
 
 
 def number(lo: float, hi: float, lo_open: bool = False) -> Callable:
@@ -123,7 +138,10 @@ def number(lo: float, hi: float, lo_open: bool = False) -> Callable:
             high = "inf)" if math.isinf(hi) else f"{hi}]"
             raise invalid_field(param, f"must be in {low}, {high}, got {value}")
         return float(value)
-    return check
+    schema = {"type": "number", "exclusiveMinimum" if lo_open else "minimum": lo}
+    if not math.isinf(hi):
+        schema["maximum"] = hi
+    return described(schema)(check)
 
 
 def _range(lo: int | None, hi: int | None) -> str:
@@ -132,18 +150,21 @@ def _range(lo: int | None, hi: int | None) -> str:
     return f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
 
 
+@described({"type": "boolean"})
 def boolean(param: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise _wrong_type(param, "a boolean", value)
     return value
 
 
+@described({"type": "string"})
 def string(param: str, value: Any) -> str:
     if not isinstance(value, str):
         raise _wrong_type(param, "a string", value)
     return value
 
 
+@described({"type": "object"})
 def obj(param: str, value: Any) -> dict:
     if not isinstance(value, dict):
         raise _wrong_type(param, "an object", value)
@@ -156,6 +177,10 @@ def _at_most(param: str, values: list, limit: int, what: str) -> None:
         raise invalid_field(param, f"must hold at most {limit} {what}, got {len(values)}")
 
 
+_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}
+
+
+@described({"anyOf": [_STOP_STRING, {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": _STOP_STRING}]})
 def stop_strings(param: str, value: Any) -> list[str]:
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list):
@@ -169,13 +194,19 @@ def stop_strings(param: str, value: Any) -> list[str]:
     return values
 
 
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0},
+              "description": "token ids of the served model's vocabulary"}
+
+
+@described(_TOKEN_IDS)
 def token_id_list(param: str, value: Any) -> list[int]:
     if not isinstance(value, list):
         raise _wrong_type(param, "an array of token ids", value)
-    check = integer(0, None)
+    check = integer(0, UINT32_MAX)
     return [check(f"{param}[{i}]", t) for i, t in enumerate(value)]
 
 
+@described({**_TOKEN_IDS, "maxItems": MAX_STOP_TOKEN_IDS})
 def stop_token_ids(param: str, value: Any) -> list[int]:
     if isinstance(value, list):
         _at_most(param, value, MAX_STOP_TOKEN_IDS, "token ids")
@@ -190,24 +221,54 @@ def neutral(*values: Any) -> Callable:
             raise invalid_field(param, f"is not supported by this server; leave it unset{shown}",
                                 code="unsupported_value")
         return value
-    return check
+    # Unset (null) always passes; with no other value, null is all there is.
+    return described({"enum": list(values)} if values else {"type": "null"})(check)
+
+
+_PROMPT_TOKEN_IDS = {**_TOKEN_IDS, "minItems": 1}
+_PROMPT_TEXT = {"type": "string", "minLength": 1}
+
+
+@described({"anyOf": [_PROMPT_TEXT, _PROMPT_TOKEN_IDS, {
+    "type": "array", "minItems": 1, "items": {"anyOf": [_PROMPT_TEXT, _PROMPT_TOKEN_IDS]}}],
+    "description": f"a prompt (text or token ids) or a list of them; n times the number of prompts is at "
+                   f"most {MAX_CHOICES}; prompt text at most --max-prompt-chars, token ids at most "
+                   f"max_model_len - 1"})
+def prompt_value(param: str, value: Any) -> Any:
+    """Checked whole by _prompts once the other fields are known."""
+    return value
+
+
+_TEXT_PART = {"type": "object", "additionalProperties": False, "required": ["type", "text"],
+              "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}
+
+
+@described({"type": "array", "minItems": 1, "maxItems": MAX_CHAT_MESSAGES, "items": {
+    "type": "object", "additionalProperties": False, "required": ["role", "content"], "properties": {
+        "role": {"enum": list(CHAT_ROLES)},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]},
+        "name": {"type": ["string", "null"]}}},
+    "description": "the conversation; its content at most --max-prompt-chars in total"})
+def messages_value(param: str, value: Any) -> Any:
+    """Checked whole by _messages once the other fields are known."""
+    return value
 
 
 COMMON_FIELDS: dict[str, Callable] = {
     "model": string, "stream": boolean, "stream_options": obj, "n": integer(1, MAX_CHOICES),
-    "max_tokens": integer(1), "temperature": number(0.0, 2.0), "top_p": number(0.0, 1.0, lo_open=True),
-    "top_k": integer(-1, allowed="-1 or 0 (disabled) or an integer >= 1"), "min_p": number(0.0, 1.0),
+    "max_tokens": integer(1, UINT32_MAX), "temperature": number(0.0, 2.0), "top_p": number(0.0, 1.0, lo_open=True),
+    "top_k": integer(-1, INT32[1], allowed=f"-1 or 0 (disabled) or an integer in [1, {INT32[1]}]"), "min_p": number(0.0, 1.0),
     "presence_penalty": number(-2.0, 2.0), "frequency_penalty": number(-2.0, 2.0),
     "repetition_penalty": number(0.0, math.inf, lo_open=True), "seed": integer(0, MAX_SEED),
-    "stop": stop_strings, "stop_token_ids": stop_token_ids, "ignore_eos": boolean, "min_tokens": integer(0),
+    "stop": stop_strings, "stop_token_ids": stop_token_ids, "ignore_eos": boolean, "min_tokens": integer(0, UINT32_MAX),
     "include_stop_str_in_output": boolean, "skip_special_tokens": boolean, "priority": integer(*INT32),
     "user": string, "logit_bias": neutral({}), **STRUCTURED_OUTPUT_FIELDS,
 }
 COMPLETION_FIELDS: dict[str, Callable] = {
-    **COMMON_FIELDS, "prompt": lambda param, value: value, "logprobs": integer(0, MAX_LOGPROBS),
+    **COMMON_FIELDS, "prompt": prompt_value, "logprobs": integer(0, MAX_LOGPROBS),
     "echo": neutral(False), "best_of": integer(1, MAX_CHOICES), "suffix": neutral("")}
 CHAT_FIELDS: dict[str, Callable] = {
-    **COMMON_FIELDS, "messages": lambda param, value: value, "max_completion_tokens": integer(1),
+    **COMMON_FIELDS, "messages": messages_value, "max_completion_tokens": integer(1, UINT32_MAX),
     "logprobs": boolean, "top_logprobs": integer(0, MAX_LOGPROBS),
     "tools": neutral([]), "tool_choice": neutral("none"),
     "functions": neutral([]), "function_call": neutral("none"), "parallel_tool_calls": boolean,

@@ -3,6 +3,7 @@ gateway's own event loop, next to the gRPC server, on the same Gateway object.
 
     POST /v1/completions        POST /v1/chat/completions   (stream: server-sent events)
     GET  /v1/models             GET  /health (liveness)     GET  /ready (readiness)
+    GET  /openapi.json          (this API's OpenAPI 3.1 document: openapi.py)
 
 A request is parsed and checked at the edge (protocol.py), turned into one
 GenerateInput per choice and run through Gateway.stream / Gateway.generate, the very
@@ -44,6 +45,7 @@ from common.service.errors import ServiceError
 from gateway.core import Gateway
 from gateway.openai_api.choices import generate_choices, stream_choices
 from gateway.openai_api.errors import ApiError, from_gateway_error
+from gateway.openai_api.openapi import openapi_document
 from gateway.openai_api.protocol import ParsedRequest, parse_request
 from gateway.openai_api.responses import SSE_DONE, ResponseBuilder, TokenTexts, error_event, json_bytes
 from gateway.types import GenerationDelta
@@ -76,10 +78,12 @@ class OpenAIServer:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
         ], exception_handlers={HTTPException: _http_exception, Exception: _internal_error})
         self.access_log = access_log
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
+        self._openapi_json: bytes | None = None
 
     # --- serving ---------------------------------------------------------------------
 
@@ -133,6 +137,12 @@ class OpenAIServer:
             {"id": info.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
              "max_model_len": info.max_model_len}]})
 
+    async def openapi(self, request: Request) -> Response:
+        """This API's OpenAPI document (openapi.py), made once: it depends only on the model."""
+        if self._openapi_json is None:
+            self._openapi_json = json_bytes(openapi_document([self._served_model_name()]))
+        return Response(self._openapi_json, media_type="application/json")
+
     async def health(self, request: Request) -> Response:
         """Liveness: the process serves (503 only once it drains to stop)."""
         if self.gateway.draining:
@@ -161,12 +171,21 @@ class OpenAIServer:
                 return await self._start_stream(request, builder, stream_choices(self.gateway, inputs))
             results = await _until_disconnect(request, generate_choices(self.gateway, inputs))
             return Response(json_bytes(builder.full_response(results)), media_type="application/json")
-        except ServiceError as e:
+        except ServiceError as e:  # Gateway.stream counted it
             return _error(from_gateway_error(e, _param_of(e, parsed)))
-        except ApiError as e:
+        except ApiError as e:  # refused here, before the gateway saw it
+            self._count_refusal(e.grpc_code.name)
             return _error(e)
-        except (ClientGone, ClientDisconnect):
+        except ClientDisconnect:  # gone while sending its body: never reached the gateway
+            self._count_refusal("CANCELLED")
             return Response(status_code=499)  # nobody reads it; nginx's code for this case
+        except ClientGone:  # gone while the gateway served it (Gateway.stream counted it)
+            return Response(status_code=499)
+
+    def _count_refusal(self, status: str) -> None:
+        """A request the HTTP edge ended itself is still a request: counted under its status
+        in pdserve_requests_total like the ones the gateway (or the gRPC edge) refuses."""
+        self.gateway.metrics.request_timer().finish(status)
 
     async def _start_stream(self, request: Request, builder: ResponseBuilder,
                             events: AsyncIterator[tuple[int, GenerationDelta]]) -> Response:
@@ -189,9 +208,12 @@ class OpenAIServer:
             chunks.append(chunk)
         return b"".join(chunks)
 
+    def _served_model_name(self) -> str:
+        return self.gateway.registry.model_name or self.gateway.model.name  # as ModelInfo says
+
     def _check_model(self, name: str) -> str:
         """The served name; 404 (as OpenAI answers) for any other model."""
-        served = self.gateway.registry.model_name or self.gateway.model.name  # as ModelInfo says
+        served = self._served_model_name()
         if name != served and name not in self.gateway.model.aliases:
             raise ApiError(404, f"model {name!r} is not served here; this server serves {served!r} "
                                 f"(GET /v1/models)", param="model", code="model_not_found")

@@ -13,7 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.engine.structured_output.params import KINDS, StructuredOutputsParams
+from common.engine.structured_output.params import (
+    KINDS,
+    MAX_CHOICES,
+    MAX_CONSTRAINT_CHARS,
+    StructuredOutputsParams,
+)
 from gateway.openai_api.errors import invalid_field
 
 # vLLM's extension fields and the kind each one gives.
@@ -23,13 +28,38 @@ RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 JSON_SCHEMA_FIELDS = ("name", "schema", "strict", "description")
 
 
-def any_value(param: str, value: Any) -> Any:
-    """Checked by structured_outputs_of, which sees every constraint field at once."""
-    return value
+def checked_later(schema: dict):
+    """A field's check at parse time: none (structured_outputs_of sees every constraint
+    field at once); `json_schema` is what it accepts, for the OpenAPI document."""
+    def check(param: str, value: Any) -> Any:
+        return value
+    check.json_schema = schema
+    return check
 
 
-FIELDS = {"response_format": any_value, "structured_outputs": any_value,
-          **{name: any_value for name in GUIDED_FIELDS}}
+_NON_EMPTY_TEXT = {"type": "string", "minLength": 1, "maxLength": MAX_CONSTRAINT_CHARS}
+_JSON_SCHEMA = {"anyOf": [{"type": "object"}, {"type": "boolean"}, _NON_EMPTY_TEXT],
+                "description": "a JSON schema, or its JSON text"}
+_CHOICES = {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES,
+            "items": {"type": "string", "minLength": 1}}
+SCHEMA_BY_KIND = {"json": _JSON_SCHEMA, "json_object": {"type": "boolean"}, "regex": _NON_EMPTY_TEXT,
+                  "choice": _CHOICES, "grammar": _NON_EMPTY_TEXT}
+_RESPONSE_FORMAT = {"anyOf": [
+    {"type": "object", "additionalProperties": False, "required": ["type"],
+     "properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"type": "object", "additionalProperties": False, "required": ["type", "json_schema"], "properties": {
+        "type": {"enum": ["json_schema"]},
+        "json_schema": {"type": "object", "additionalProperties": False, "required": ["schema"], "properties": {
+            "name": {"type": ["string", "null"]}, "description": {"type": ["string", "null"]},
+            "strict": {"type": ["boolean", "null"]}, "schema": _JSON_SCHEMA}}}}]}
+
+FIELDS = {
+    "response_format": checked_later(_RESPONSE_FORMAT),
+    "structured_outputs": checked_later({
+        "type": "object", "additionalProperties": False, "description": "exactly one of these",
+        "properties": {kind: {"anyOf": [schema, {"type": "null"}]} for kind, schema in SCHEMA_BY_KIND.items()}}),
+    **{name: checked_later(SCHEMA_BY_KIND[kind]) for name, kind in GUIDED_FIELDS.items()},
+}
 
 
 def structured_outputs_of(values: dict[str, Any]) -> StructuredOutputsParams | None:
@@ -47,6 +77,8 @@ def structured_outputs_of(values: dict[str, Any]) -> StructuredOutputsParams | N
     param, kind, value = given[0]
     try:
         return StructuredOutputsParams(**{kind: value})
+    except OverflowError as e:  # re.compile's for a repeat count past its limit (a{99999999999}), not re.error
+        raise invalid_field(param, f"is not a valid regular expression: {e}") from None
     except ValueError as e:  # "structured_outputs.<kind> <what is wrong>"
         message = str(e)
         prefix = f"structured_outputs.{kind} "

@@ -17,6 +17,7 @@ import pytest
 from bench.fakes.fake_decode import Failure
 from common.cli.health import check
 from common.service.registration import InstanceSpec
+from gateway.admission import RETRY_AFTER_METADATA
 from gateway.client import Client
 from gateway.core import GatewaySettings
 from tests.support.background_gateway import BackgroundGateway
@@ -138,11 +139,13 @@ def test_a_request_leaves_the_load_estimates_once_done_not_at_the_next_heartbeat
 def test_duplicate_request_id_in_flight_is_already_exists(gateway):
     gateway.add_fake_decode("decode-0", token_ids=TOKENS, delay_s=0.05)
     with Client(gateway.address, timeout=10) as client:
-        first = client.generate_stream("hi", max_tokens=20, request_id="same")
+        # 60 tokens: 3 s, longer than the duplicate waits for the id (request_ids.RELEASE_WAIT_S).
+        first = client.generate_stream("hi", max_tokens=60, request_id="same")
         next(first)
         with pytest.raises(grpc.RpcError) as error:
             client.generate("hi", max_tokens=2, request_id="same")
-        assert error.value.code() == grpc.StatusCode.ALREADY_EXISTS and "same" in error.value.details()
+        assert error.value.code() == grpc.StatusCode.ALREADY_EXISTS and "'same'" in error.value.details()
+        assert dict(error.value.trailing_metadata())[RETRY_AFTER_METADATA] == "1000"
         assert [c for c in first][-1].finish_reason == "length"
         assert client.generate("hi", max_tokens=2, request_id="same").finish_reason == "length"
 

@@ -113,6 +113,13 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}}, True,
      "response_format.json_schema.strict", "invalid_value"),
     ({**COMPLETION, "guided_regex": "a(b"}, False, "guided_regex", "invalid_value"),
+    # re.compile raises OverflowError, not re.error, for this (it was a 500)
+    ({**COMPLETION, "guided_regex": "a{99999999999}"}, False, "guided_regex", "invalid_value"),
+    ({**CHAT, "structured_outputs": {"regex": "a{4294967296}"}}, True, "structured_outputs.regex", "invalid_value"),
+    # past the protobuf field they travel in (they were a 500)
+    ({**COMPLETION, "min_tokens": 2**32}, False, "min_tokens", "invalid_value"),
+    ({**COMPLETION, "max_tokens": 2**32}, False, "max_tokens", "invalid_value"),
+    ({**COMPLETION, "top_k": 2**31}, False, "top_k", "invalid_value"),
     ({**COMPLETION, "guided_choice": []}, False, "guided_choice", "invalid_value"),
     ({**COMPLETION, "guided_json": [1]}, False, "guided_json", "invalid_value"),
     ({**COMPLETION, "guided_grammar": 5}, False, "guided_grammar", "invalid_value"),

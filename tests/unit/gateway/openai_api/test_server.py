@@ -213,7 +213,7 @@ def test_client_disconnect_cancels_the_decode_call(stream):
             received += sock.recv(65536)
         sock.close()
         wait_for(lambda: gw.call(lambda: len(servicer.cancelled)) == 1, what="the decode call's cancellation")
-        assert gw.call(lambda: (len(servicer.running), len(gw.gateway._in_flight))) == (0, 0)
+        assert gw.call(lambda: (len(servicer.running), len(gw.gateway.request_ids))) == (0, 0)
 
 
 def test_a_client_gone_in_the_middle_of_its_body_leaves_nothing_behind(caplog):

@@ -1,0 +1,105 @@
+"""The OpenAPI 3.1 document of the HTTP API this gateway serves (GET /openapi.json).
+
+The request bodies are written from protocol.py's field tables (COMPLETION_FIELDS,
+CHAT_FIELDS, STREAM_OPTIONS): each check there carries the JSON Schema of what it
+accepts, with the bounds of the README's "Request bounds", so a field added, removed
+or re-bounded there is so here too. What only holds between fields (min_tokens <=
+max_tokens, n times the number of prompts, the prompt's length in tokens) is said in
+descriptions; such a request is a 400 naming the field. Optional fields are nullable:
+null means unset.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gateway.openai_api.protocol import CHAT_FIELDS, COMPLETION_FIELDS, STREAM_OPTIONS
+
+OPENAPI_VERSION = "3.1.0"
+ERROR_STATUSES = {
+    "400": "A bad request: malformed JSON, an unknown field, a wrong type or an out-of-range value "
+           "(`param` names the field)",
+    "404": "The model is not served here",
+    "413": "The body is larger than --max-message-bytes",
+    "429": "The gateway's wait queue is full (admission control); retry after Retry-After seconds",
+    "503": "No decode instance is alive, or the gateway is draining",
+    "504": "The request's deadline passed",
+}
+# Fields the request cannot do without (null counts as missing).
+REQUIRED_FIELDS = {"completion": ["model", "prompt"], "chat": ["model", "messages"]}
+
+ERROR_BODY = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+
+def nullable(schema: dict) -> dict:
+    """`schema` or null (the parser takes null as unset), as simply as JSON Schema can say it."""
+    if schema.get("type") == "null":
+        return schema
+    if isinstance(schema.get("type"), str) and set(schema) <= {"type", "minimum", "maximum", "exclusiveMinimum"}:
+        return {**schema, "type": [schema["type"], "null"]}
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def fields_schema(fields: dict[str, Callable], required: list[str], served_model_names: list[str]) -> dict:
+    """A request body's schema from a protocol.py field table (field name -> check)."""
+    properties = {}
+    for name, check in fields.items():
+        schema = dict(check.json_schema)
+        if name == "model":  # other names are a 404
+            schema = {"type": "string", "enum": served_model_names,
+                      "description": "the name GET /v1/models lists"}
+        elif name == "stream_options":
+            schema = {**schema, "additionalProperties": False, "description": "only with stream: true",
+                      "properties": {option: nullable(option_check.json_schema)
+                                     for option, option_check in STREAM_OPTIONS.items()}}
+        properties[name] = schema if name in required else nullable(schema)
+    return {"type": "object", "additionalProperties": False, "required": required, "properties": properties}
+
+
+def _generate_operation(summary: str, schema_name: str) -> dict:
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{schema_name}"}}}},
+        "responses": {
+            "200": {"description": "The completion (JSON), or with stream: true server-sent events",
+                    "content": {"application/json": {"schema": {"type": "object"}},
+                                "text/event-stream": {"schema": {"type": "string"}}}},
+            **{status: {"description": description,
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+               for status, description in ERROR_STATUSES.items()}}}
+
+
+def _status_operation(summary: str, not_ok: str) -> dict:
+    body = {"content": {"application/json": {"schema": {
+        "type": "object", "required": ["status"], "properties": {"status": {"type": "string"},
+                                                                  "reason": {"type": "string"}}}}}}
+    return {"summary": summary, "responses": {"200": {"description": "ok", **body},
+                                              "503": {"description": not_ok, **body}}}
+
+
+def openapi_document(served_model_names: list[str], version: str = "0.1.0") -> dict:
+    """The document for a gateway serving the model under `served_model_names`."""
+    return {
+        "openapi": OPENAPI_VERSION,
+        "info": {"title": "pdserve OpenAI-compatible API", "version": version},
+        "paths": {
+            "/v1/completions": {"post": _generate_operation("Text completion", "CompletionRequest")},
+            "/v1/chat/completions": {"post": _generate_operation("Chat completion", "ChatCompletionRequest")},
+            "/v1/models": {"get": {"summary": "The served model", "responses": {"200": {
+                "description": "One model", "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["object", "data"], "properties": {
+                        "object": {"enum": ["list"]}, "data": {"type": "array", "items": {"type": "object"}}}}}}}}}},
+            "/health": {"get": _status_operation("Liveness", "The gateway is draining to stop")},
+            "/ready": {"get": _status_operation("Readiness", "No decode instance is alive, or draining")},
+            "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {
+                "description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+        },
+        "components": {"schemas": {
+            "CompletionRequest": fields_schema(COMPLETION_FIELDS, REQUIRED_FIELDS["completion"], served_model_names),
+            "ChatCompletionRequest": fields_schema(CHAT_FIELDS, REQUIRED_FIELDS["chat"], served_model_names),
+            "Error": ERROR_BODY,
+        }},
+    }

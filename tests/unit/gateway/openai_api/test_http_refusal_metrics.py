@@ -1,0 +1,80 @@
+"""Requests the HTTP edge refuses before the gateway sees them (malformed or too-deep
+JSON, a field out of bounds, an unknown model, a body over the limit) are counted in
+pdserve_requests_total under their status, like gRPC refusals; so are 429s from
+admission control. Checked by scraping the gateway's real /metrics endpoint."""
+from __future__ import annotations
+
+import urllib.request
+from contextlib import contextmanager
+
+from gateway.core import GatewaySettings
+from gateway.openai_api.protocol import MAX_JSON_DEPTH
+from gateway.openai_api.server import OpenAIServer
+from tests.support.background_gateway import BackgroundGateway
+from tests.unit.gateway.openai_api.test_server import MODEL, TOKENS, post, raw_request, wait_for
+
+
+@contextmanager
+def metered_http_gateway(settings: GatewaySettings, max_body_bytes: int = 4 << 20, **fake_kwargs):
+    """A gateway with its metrics endpoint, the OpenAI server and one fake decode instance."""
+    with BackgroundGateway(settings, metrics_port=0) as gw:
+        gw.add_fake_decode("decode-0", **fake_kwargs)
+        server = gw.call(lambda: OpenAIServer(gw.gateway, port=0, max_body_bytes=max_body_bytes))
+        gw.http_address = gw.call(server.start())
+        try:
+            yield gw
+        finally:
+            gw.call(server.stop())
+
+
+def requests_by_status(gw) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{gw.server.metrics_address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith('pdserve_requests_total{status="'):
+            labels, value = line.rsplit(" ", 1)
+            counts[labels.split('"')[1]] = float(value)
+    return counts
+
+
+def test_requests_refused_while_parsing_are_counted_under_their_status():
+    with metered_http_gateway(GatewaySettings(heartbeat_timeout_s=30.0), max_body_bytes=4096,
+                              token_ids=TOKENS) as gw:
+        before = requests_by_status(gw)
+        refusals = [
+            (b"{not json", 400),
+            (b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1), 400),
+            ({"model": MODEL, "prompt": "hi", "temperature": 9.0}, 400),
+            ({"model": MODEL, "prompt": "hi", "n": 129}, 400),
+            ({"model": MODEL, "prompt": "hi", "no_such_field": 1}, 400),
+            ({"model": "not-served", "prompt": "hi"}, 404),
+            ({"model": MODEL, "prompt": "x" * 5000}, 413),
+        ]
+        for body, expected in refusals:
+            assert post(gw.http_address, "/v1/completions", body)[0] == expected, body
+        assert post(gw.http_address, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})[0] == 200
+        after = requests_by_status(gw)
+    counted = {status: after.get(status, 0) - before.get(status, 0) for status in after}
+    assert counted["INVALID_ARGUMENT"] == 5
+    assert counted["NOT_FOUND"] == 1
+    assert counted["RESOURCE_EXHAUSTED"] == 1
+    assert counted["OK"] == 1
+
+
+def test_a_429_from_admission_control_is_counted_once_as_resource_exhausted():
+    settings = GatewaySettings(heartbeat_timeout_s=30.0, max_running_per_decode=1, max_waiting_requests=0)
+    with metered_http_gateway(settings, token_ids=TOKENS, delay_s=0.05) as gw:
+        admission = gw.gateway.admission
+        sock = raw_request(gw.http_address, {"model": MODEL, "prompt": "hi", "max_tokens": 400, "stream": True})
+        try:
+            wait_for(lambda: gw.call(lambda: admission.num_running) == 1, what="the first request to run")
+            before = requests_by_status(gw)
+            status, body = post(gw.http_address, "/v1/completions", {"model": MODEL, "prompt": "hi"})
+            assert status == 429 and body["error"]["type"] == "rate_limit_error"
+            after = requests_by_status(gw)
+        finally:
+            sock.close()
+        wait_for(lambda: gw.call(lambda: admission.num_running) == 0, what="the first request to end")
+    assert after["RESOURCE_EXHAUSTED"] - before.get("RESOURCE_EXHAUSTED", 0) == 1
+    assert sum(after.values()) - sum(before.values()) == 1
