@@ -55,7 +55,7 @@ class StructuredOutputsParams:
             if kind == "regex":
                 try:
                     re.compile(value)
-                except re.error as e:
+                except (re.error, OverflowError) as e:  # a{99999999999} overflows rather than errs
                     raise ValueError(f"{field} is not a valid regular expression: {e}") from None
 
     @property

@@ -30,6 +30,7 @@ def test_schema_text_keeps_property_order_and_is_the_cache_key():
     ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
     ({"json": "[1]"}, "structured_outputs.json must be a JSON schema"),
     ({"regex": "a(b"}, "structured_outputs.regex is not a valid regular expression"),
+    ({"regex": "a{99999999999}"}, "structured_outputs.regex is not a valid regular expression"),
     ({"choice": []}, "structured_outputs.choice must be a list"),
     ({"choice": ["a", ""]}, "structured_outputs.choice must be a list"),
     ({"grammar": ""}, "structured_outputs.grammar must be a non-empty string"),
