@@ -397,6 +397,80 @@ patches:
     return {"kustomization.yaml": kustomization, "replicas.yaml": "".join(patches).removeprefix("---\n")}
 
 
+# ---- validation on a real stack ------------------------------------------------------------
+
+
+def bench_serve_args(traffic: Traffic, num_prompts: int, seed: int) -> list[str]:
+    """`pdserve bench serve` flags for this traffic: its random dataset draws lengths
+    uniform on [L (1 - r), L (1 + r)], which is [low, high] for L = the mean and
+    r = (high - low) / (high + low)."""
+    if traffic.prefix_sharing_ratio:
+        raise ValueError("validation replays the random dataset: plan it with --prefix-sharing 0")
+
+    def length(r: LengthRange) -> list[str]:
+        return [str(round(r.mean)), str((r.high - r.low) / (r.high + r.low))]
+    (in_len, in_ratio), (out_len, out_ratio) = length(traffic.input_len), length(traffic.output_len)
+    if in_ratio != out_ratio and traffic.input_len.low != traffic.input_len.high and \
+            traffic.output_len.low != traffic.output_len.high:
+        raise ValueError("bench serve takes one --random-range-ratio: input and output ranges need the same "
+                         "(high - low) / (high + low)")
+    ratio = in_ratio if traffic.input_len.low != traffic.input_len.high else out_ratio
+    return ["--dataset-name", "random", "--random-input-len", in_len, "--random-output-len", out_len,
+            "--random-range-ratio", ratio, "--request-rate", str(traffic.request_rate),
+            "--burstiness", str(traffic.burstiness), "--num-prompts", str(num_prompts), "--seed", str(seed),
+            "--metric-percentiles", "50,90,99", "--disable-tqdm"]
+
+
+def measure_on_stack(deployment: Deployment, traffic: Traffic, shape: InstanceShape, kv_cache_memory: str,
+                     num_prompts: int, seed: int, workdir: Path, threads_per_instance: int = 1) -> dict:
+    """Start the deployment as a LocalStack (`pdserve up`), every engine with the plan's
+    settings and the profile's threads, decode never prefilling a prompt when a prefill
+    instance is alive (--local-prefill-threshold 0, as the simulation assumes), then
+    run `pdserve bench serve` at the planned traffic. Returns bench serve's figures."""
+    from bench.serve.main import main as bench_serve
+    from common.cli.up import LocalStack
+    flags = ["--max-num-seqs", str(shape.max_num_seqs), "--max-num-batched-tokens", str(shape.max_num_batched_tokens),
+             "--kv-cache-memory", kv_cache_memory, "--max-running-per-decode", str(shape.max_num_seqs),
+             "--local-prefill-threshold", "0", "--log-level", "WARNING"]
+    out = workdir / f"serve-{deployment.label().replace(' ', '')}.json"
+    with LocalStack(deployment.num_prefill, deployment.num_decode, passthrough=flags, http_port=None,
+                    env={"OMP_NUM_THREADS": str(threads_per_instance)}, log_dir=workdir) as stack:
+        code = bench_serve(["--gateway", stack.address, *bench_serve_args(traffic, num_prompts, seed),
+                            "--json", str(out)])
+    if code != 0 or not out.exists():
+        raise RuntimeError(f"bench serve against {deployment.label()} failed (exit {code})")
+    (run,) = json.loads(out.read_text())["runs"]
+    return run
+
+
+def validate(plan: Plan, traffic: Traffic, slo: Slo, shape: InstanceShape, kv_cache_memory: str,
+             num_prompts: int, seed: int, workdir: Path) -> list[dict]:
+    """Predicted vs measured percentiles for the chosen deployment and each one smaller."""
+    rows = []
+    for candidate in [plan.chosen, *plan.smaller]:
+        measured = measure_on_stack(candidate.deployment, traffic, shape, kv_cache_memory, num_prompts, seed, workdir)
+        row = {"deployment": candidate.deployment.label(), "chosen": candidate is plan.chosen,
+               "completed": measured["completed"], "failed": measured.get("failed")}
+        for metric in ("ttft", "tpot"):
+            for p in (50, 90, 99):
+                predicted = candidate.predicted(metric, p) * 1000
+                real = measured.get(f"p{p}_{metric}_ms") if p != 50 else measured.get(f"median_{metric}_ms")
+                row[f"p{p}_{metric}_ms"] = {"predicted": round(predicted, 1) if math.isfinite(predicted) else None,
+                                            "measured": None if real is None else round(real, 1)}
+        p = slo.percentile
+        key = f"p{p:g}"
+        ttft, tpot = row.get(f"{key}_ttft_ms"), row.get(f"{key}_tpot_ms")
+        if ttft and tpot and ttft["measured"] is not None and tpot["measured"] is not None:
+            row["measured_meets_slo"] = ttft["measured"] <= slo.ttft_ms and tpot["measured"] <= slo.tpot_ms
+            row["predicted_meets_slo"] = candidate.meets(slo)
+            for name, pair in (("ttft", ttft), ("tpot", tpot)):
+                if pair["predicted"] is not None:
+                    row[f"{key}_{name}_error"] = round(pair["predicted"] / pair["measured"] - 1, 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 # ---- the command ------------------------------------------------------------------------------
 
 
@@ -462,6 +536,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", default=None, help="write the plan as JSON")
     parser.add_argument("--k8s-dir", default=None, help="write a kustomize overlay with the replicas and HPA bounds")
     parser.add_argument("--peak-factor", type=float, default=2.0, help="HPA maxReplicas = replicas x this")
+    check = parser.add_argument_group("validation on a real local stack (pdserve up + pdserve bench serve)")
+    check.add_argument("--validate", action="store_true",
+                       help="run the chosen deployment and each one instance smaller, and compare percentiles")
+    check.add_argument("--validate-prompts", type=int, default=60, help="requests per validation run")
+    check.add_argument("--validate-dir", default=None, help="where stack logs and bench serve JSON go")
     return parser
 
 
@@ -496,6 +575,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"one fewer: {c.deployment.label()} -> TTFT p{slo.percentile:g} "
                   f"{_fmt(c.predicted('ttft', slo.percentile))}, TPOT {_fmt(c.predicted('tpot', slo.percentile))}"
                   f" ({'meets' if c.meets(slo) else 'misses'} the SLO)")
+    if args.validate and plan.chosen:
+        import tempfile
+        workdir = Path(args.validate_dir or tempfile.mkdtemp(prefix="pdserve-plan-"))
+        workdir.mkdir(parents=True, exist_ok=True)
+        report["validation"] = validate(plan, traffic, slo, shape, args.kv_cache_memory, args.validate_prompts,
+                                        args.seed, workdir)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
