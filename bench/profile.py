@@ -263,38 +263,44 @@ class StepTimer:
 
 def measure_prefill(timer: StepTimer, new_tokens: list[int], cached_tokens: list[int], reps: int,
                     progress=None) -> list[PrefillSample]:
-    samples = []
+    """Each rep is one round over the whole grid: on a shared machine, load from other
+    processes comes in bursts, and rounds spread a burst over every point's median
+    instead of landing it on a few points (which skews the fit)."""
     block_size = timer.engine.config.cache.block_size
-    for k in cached_tokens:
-        k -= k % block_size  # only whole blocks are cached
-        for n in new_tokens:
-            seconds = []
-            for _ in range(reps):
-                prefix = timer.random_ids(k)
-                if k:  # put the prefix in the cache first
-                    timer.add(prefix + timer.random_ids(1), max_tokens=1)
-                    timer.run_until_idle()
-                timer.steps.clear()
-                timer.add(prefix + timer.random_ids(n), max_tokens=1)
+    points = [(n, k - k % block_size) for k in cached_tokens for n in new_tokens]  # only whole blocks are cached
+    seconds: dict[tuple[int, int], list[float]] = {point: [] for point in points}
+    for _ in range(reps):
+        for n, k in points:
+            prefix = timer.random_ids(k)
+            if k:  # put the prefix in the cache first
+                timer.add(prefix + timer.random_ids(1), max_tokens=1)
                 timer.run_until_idle()
-                # One step ran the whole uncached prompt (the budget is larger than any n).
-                (scheduled, step_s), = timer.steps
-                assert scheduled[0].start_pos == k and len(scheduled[0].token_ids) == n, "prefix not cached"
-                seconds.append(step_s)
-            samples.append(PrefillSample(num_new_tokens=n, num_cached_tokens=k, seconds=statistics.median(seconds)))
-            if progress:
-                progress(f"prefill n={n} k={k}: {samples[-1].seconds * 1000:.1f} ms")
+            timer.steps.clear()
+            timer.add(prefix + timer.random_ids(n), max_tokens=1)
+            timer.run_until_idle()
+            # One step ran the whole uncached prompt (the budget is larger than any n).
+            (scheduled, step_s), = timer.steps
+            assert scheduled[0].start_pos == k and len(scheduled[0].token_ids) == n, "prefix not cached"
+            seconds[(n, k)].append(step_s)
+    samples = [PrefillSample(num_new_tokens=n, num_cached_tokens=k, seconds=statistics.median(seconds[(n, k)]))
+               for n, k in points]
+    if progress:
+        for sample in samples:
+            progress(f"prefill n={sample.num_new_tokens} k={sample.num_cached_tokens}: {sample.seconds * 1000:.1f} ms")
     return samples
 
 
-def measure_decode(timer: StepTimer, batch_sizes: list[int], contexts: list[int], num_steps: int,
+def measure_decode(timer: StepTimer, batch_sizes: list[int], contexts: list[int], num_steps: int, reps: int = 1,
                    progress=None) -> list[DecodeSample]:
-    samples = []
-    for context in contexts:
-        for batch in batch_sizes:
+    """Median over reps rounds of the grid (see measure_prefill) of num_steps decode steps each."""
+    points = [(batch, context) for context in contexts for batch in batch_sizes]
+    step_seconds: dict[tuple[int, int], list[float]] = {point: [] for point in points}
+    step_contexts: dict[tuple[int, int], list[int]] = {point: [] for point in points}
+    budget = timer.engine.config.scheduler.max_num_batched_tokens
+    for _ in range(reps):
+        for batch, context in points:
             # Prompts are prefilled over several steps (the token budget): each request
             # decodes long enough that num_steps steps find all of them decoding.
-            budget = timer.engine.config.scheduler.max_num_batched_tokens
             max_tokens = num_steps + 3 + -(-batch * context // budget)
             for _ in range(batch):
                 timer.add(timer.random_ids(context), max_tokens=max_tokens)
@@ -302,12 +308,14 @@ def measure_decode(timer: StepTimer, batch_sizes: list[int], contexts: list[int]
             timer.run_until_idle()
             # Steps where every running request decodes one token, once all are running.
             decode_steps = [(scheduled, s) for scheduled, s in timer.steps
-                            if len(scheduled) == batch and all(len(r.token_ids) == 1 for r in scheduled)]
-            step_s = statistics.median(s for _, s in decode_steps)
-            total_context = statistics.median(sum(r.start_pos + 1 for r in scheduled) for scheduled, _ in decode_steps)
-            samples.append(DecodeSample(batch_size=batch, total_context_tokens=int(total_context), seconds=step_s))
-            if progress:
-                progress(f"decode B={batch} context={context}: {step_s * 1000:.1f} ms")
+                            if len(scheduled) == batch and all(len(r.token_ids) == 1 for r in scheduled)][:num_steps]
+            step_seconds[(batch, context)] += [s for _, s in decode_steps]
+            step_contexts[(batch, context)] += [sum(r.start_pos + 1 for r in scheduled) for scheduled, _ in decode_steps]
+    samples = [DecodeSample(batch_size=batch, total_context_tokens=int(statistics.median(step_contexts[(batch, context)])),
+                            seconds=statistics.median(step_seconds[(batch, context)])) for batch, context in points]
+    if progress:
+        for sample in samples:
+            progress(f"decode B={sample.batch_size} context={sample.total_context_tokens}: {sample.seconds * 1000:.1f} ms")
     return samples
 
 
@@ -353,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--transfer-tokens", type=int_list, default=[256, 1024, 4096])
     parser.add_argument("--no-transfer", action="store_true",
                         help="skip the KV transfer (its fit is then zero: colocated planning only)")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3, help="rounds over each grid")
     return parser
 
 
@@ -372,7 +380,7 @@ def run_profile(args: argparse.Namespace, progress=print) -> Profile:
     timer.add(timer.random_ids(64), max_tokens=4)  # warm-up: first-call costs are not a step's
     timer.run_until_idle()
     prefill = measure_prefill(timer, args.prefill_tokens, args.cached_tokens, args.reps, progress)
-    decode = measure_decode(timer, args.batch_sizes, args.contexts, args.decode_steps, progress)
+    decode = measure_decode(timer, args.batch_sizes, args.contexts, args.decode_steps, args.reps, progress)
     transfer = [] if args.no_transfer else measure_transfer(args.transfer_tokens, args.reps, progress)
     bytes_per_block = engine.executor.kv_bytes_per_block()
     engine.shutdown()
