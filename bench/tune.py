@@ -29,7 +29,11 @@ Every run stops as soon as its outcome is known:
   throughput seen (tokens of the workload / time so far < best), and walks the grid by
   coordinate ascent: from the middle of the grid, try every value of one setting with
   the others fixed, move to the best, next setting, until a whole pass moves nothing;
-  along max_num_seqs, a value that broke the TPOT limit rules out every larger one.
+  along max_num_seqs, a value that broke the TPOT limit rules out every larger one and
+  one that broke the TTFT limit every smaller one.
+- `--clock cpu` measures on this process's CPU clock (plus idle waits for arrivals)
+  instead of the wall clock: on a machine shared with other work (this project's CI)
+  wall-clock runs of a few seconds vary 2x with the others' load.
 """
 from __future__ import annotations
 
@@ -131,6 +135,40 @@ class Measurement:
                 "detail": self.detail}
 
 
+class WallClock:
+    """Seconds since start; waiting for an arrival sleeps."""
+
+    def __init__(self) -> None:
+        self.origin = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.origin
+
+    def wait_until(self, when_s: float) -> None:
+        time.sleep(max(0.0, when_s - self.now()))
+
+
+class CpuClock:
+    """This process's CPU seconds since start, plus the idle time waited for arrivals:
+    the time an engine would see with its cores to itself. On a machine shared with
+    other work, wall-clock runs of a few seconds vary by 2x with the others' load
+    (docs/benchmarks.md, "pdserve tune"); the CPU clock does not see that load.
+    Meaningful with --threads 1 (one engine thread: CPU time = its busy time)."""
+
+    def __init__(self) -> None:
+        self.origin = time.process_time()
+        self.idle_s = 0.0
+
+    def now(self) -> float:
+        return time.process_time() - self.origin + self.idle_s
+
+    def wait_until(self, when_s: float) -> None:
+        self.idle_s += max(0.0, when_s - self.now())
+
+
+CLOCKS = {"wall": WallClock, "cpu": CpuClock}
+
+
 class StopRun(Exception):
     def __init__(self, status: str, detail: str):
         super().__init__(detail)
@@ -151,11 +189,12 @@ class EngineBench:
     (EngineCore takes an existing executor and allocates a fresh KV pool in it)."""
 
     def __init__(self, model: str | None, role: str, requests: list[SimRequest], limits: Limits,
-                 max_model_len: int):
+                 max_model_len: int, clock: str = "wall"):
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
         self.model, self.role, self.requests, self.limits = model, role, requests, limits
         self.max_model_len = max_model_len
+        self.clock = CLOCKS[clock]
         self.executors: dict[str, object] = {}
         self.num_runs = 0
         self.total_tokens = sum(len(r.prompt_ids) if role == "prefill" else r.output_len for r in requests)
@@ -177,21 +216,21 @@ class EngineBench:
 
     def measure(self, setting: Setting, beat_throughput: float = 0.0) -> Measurement:
         """One run; stops early on a limit, or (beat_throughput > 0) once it cannot beat it."""
-        started = time.perf_counter()
+        cost = self.clock()
         try:
             engine = self._engine(setting)
         except ValueError as e:  # the KV-capacity error (or another setting the engine refuses)
-            return Measurement(setting, CANNOT_START, seconds=time.perf_counter() - started, detail=str(e))
+            return Measurement(setting, CANNOT_START, seconds=cost.now(), detail=str(e))
         try:
             times = self._run(engine, beat_throughput)
         except StopRun as stop:
-            return Measurement(setting, stop.status, seconds=time.perf_counter() - started, detail=stop.detail)
+            return Measurement(setting, stop.status, seconds=cost.now(), detail=stop.detail)
         finally:
             engine.abort_all()
         duration = max(t.last_s for t in times)
         ttft = self._percentile([t.first_s - t.arrival_s for t in times])
         tpot = self._percentile([(t.last_s - t.first_s) / (t.num_tokens - 1) for t in times if t.num_tokens > 1])
-        return Measurement(setting, OK, self.total_tokens / duration, ttft, tpot, time.perf_counter() - started)
+        return Measurement(setting, OK, self.total_tokens / duration, ttft, tpot, cost.now())
 
     def _percentile(self, values_s: list[float]) -> float | None:
         import numpy as np
@@ -207,9 +246,9 @@ class EngineBench:
         to_arrive = deque(sorted(((r.arrival_s, f"{run}-{r.req_id}", r) for r in self.requests), key=lambda x: x[0]))
         to_admit: deque[Request] = deque()  # decode role: waiting for a seat and blocks
         unfinished = set(times)
-        origin = time.perf_counter()
+        clock = self.clock()
         while unfinished:
-            now = time.perf_counter() - origin
+            now = clock.now()
             while to_arrive and to_arrive[0][0] <= now:
                 _, req_id, r = to_arrive.popleft()
                 max_tokens = 1 if self.role == "prefill" else r.output_len
@@ -226,10 +265,10 @@ class EngineBench:
             if not engine.has_unfinished_requests() and not outputs:
                 if not to_arrive:
                     raise RuntimeError(f"{len(unfinished)} requests neither running nor to arrive")
-                time.sleep(max(0.0, to_arrive[0][0] - now))  # idle until the next scheduled arrival
+                clock.wait_until(to_arrive[0][0])  # idle until the next scheduled arrival
                 continue
             outputs += engine.step()
-            now = time.perf_counter() - origin
+            now = clock.now()
             for out in outputs:
                 t = times[out.req_id]
                 if t.first_s is None:
@@ -264,7 +303,7 @@ class EngineBench:
 class TuneResult:
     search: str
     measurements: list[Measurement]
-    seconds: float
+    seconds: float  # wall clock
     best: Measurement | None = None
     num_grid_points: int = 0
     extra: dict = field(default_factory=dict)
@@ -282,7 +321,8 @@ def exhaustive(bench: EngineBench, grid: Grid, progress: bool = True) -> TuneRes
             measurements.append(bench.measure(setting))
             bar.set_postfix_str(_describe(measurements[-1]))
             bar.update()
-    return TuneResult("exhaustive", measurements, time.perf_counter() - started, best_of(measurements), len(grid))
+    return TuneResult("exhaustive", measurements, time.perf_counter() - started, best_of(measurements), len(grid),
+                      {"measured_seconds": sum(m.seconds for m in measurements)})
 
 
 def adaptive(bench: EngineBench, grid: Grid, progress: bool = True) -> TuneResult:
@@ -308,6 +348,18 @@ def adaptive(bench: EngineBench, grid: Grid, progress: bool = True) -> TuneResul
         bar.update()
         return m
 
+    # Walking away from the current value along an axis, an outcome that can only get
+    # worse further out ends the walk in that direction: more sequences only lengthen
+    # decode steps (TPOT), fewer only lengthen the wait for a seat (TTFT), a smaller KV
+    # pool cannot start where a larger one could not.
+    stops_walk = {("max_num_seqs", +1): TPOT_LIMIT, ("max_num_seqs", -1): TTFT_LIMIT,
+                  ("kv_cache_memory", -1): CANNOT_START}
+
+    def prune(setting: Setting, reason: str) -> None:
+        if setting not in results:
+            results[setting] = Measurement(setting, PRUNED, detail=reason)
+            bar.update()
+
     current = grid.middle()
     evaluate(current)
     moved = True
@@ -317,24 +369,24 @@ def adaptive(bench: EngineBench, grid: Grid, progress: bool = True) -> TuneResul
             values = getattr(grid, axis)
             if len(values) == 1:
                 continue
-            tpot_broken_at = None
-            for value in values:
-                if axis == "max_num_seqs" and tpot_broken_at is not None and value > tpot_broken_at:
-                    candidate = dataclasses.replace(current, max_num_seqs=value)
-                    if candidate not in results:
-                        results[candidate] = Measurement(candidate, PRUNED,
-                                                         detail=f"max_num_seqs={tpot_broken_at} broke the TPOT limit")
-                        bar.update()
-                    continue
-                m = evaluate(dataclasses.replace(current, **{axis: value}))
-                if axis == "max_num_seqs" and m.status == TPOT_LIMIT:
-                    tpot_broken_at = value
+            here = values.index(getattr(current, axis))
+            for direction, walk in ((+1, values[here + 1:]), (-1, values[:here][::-1])):
+                stopped_by = None
+                for value in walk:
+                    candidate = dataclasses.replace(current, **{axis: value})
+                    if stopped_by is not None:
+                        prune(candidate, stopped_by)
+                        continue
+                    m = evaluate(candidate)
+                    if m.status == stops_walk.get((axis, direction)):
+                        stopped_by = f"{axis}={value} gave {m.status}"
             best = best_of(list(results.values()))
             if best is not None and best.setting != current:
                 current, moved = best.setting, True
     bar.close()
     measurements = list(results.values())
-    return TuneResult("adaptive", measurements, time.perf_counter() - started, best_of(measurements), len(grid))
+    return TuneResult("adaptive", measurements, time.perf_counter() - started, best_of(measurements), len(grid),
+                      {"measured_seconds": sum(m.seconds for m in measurements)})
 
 
 def _describe(m: Measurement) -> str:
@@ -406,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--role", choices=ROLES, default="colocated")
     parser.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                        help="wall, or cpu: this process's CPU time (+ idle waits), for machines shared with "
+                             "other work; use with --threads 1")
     work = parser.add_argument_group("workload")
     work.add_argument("--num-requests", type=int, default=24)
     work.add_argument("--input-len", default="64-192", help="LOW-HIGH prompt tokens, uniform")
@@ -451,20 +506,24 @@ def main(argv: list[str] | None = None) -> int:
         for request in requests:
             request.arrival_s = 0.0
     limits = Limits(args.ttft_ms, args.tpot_ms, args.percentile)
-    bench = EngineBench(args.model, args.role, requests, limits, input_len.high + output_len.high)
+    bench = EngineBench(args.model, args.role, requests, limits, input_len.high + output_len.high, args.clock)
     bench.measure(grid.middle())  # warm-up: loads the model and pays first-call costs outside any timing
     results = []
     for search in (("adaptive", "exhaustive") if args.search == "both" else (args.search,)):
         result = (adaptive if search == "adaptive" else exhaustive)(bench, grid, not args.no_progress)
         result.extra["percentile"] = args.percentile
+        result.extra["clock"] = args.clock
         results.append(result)
-        print(f"\n{search}: {len(result.measurements)} of {len(grid)} settings tried in {result.seconds:.1f} s")
+        print(f"\n{search}: {len(result.measurements)} of {len(grid)} settings tried in {result.seconds:.1f} s wall, "
+              f"{result.extra['measured_seconds']:.1f} s on the {args.clock} clock")
         print(format_table(result))
     workload = (f"{args.num_requests} requests, input {args.input_len}, output {args.output_len} tokens, "
                 f"rate {args.request_rate:g}/s")
     summary = {"role": args.role, "workload": workload, "limits": dataclasses.asdict(limits),
                "cpu": cpu_model_name(), "versions": versions().model_dump(), "created": now_iso(),
-               "runs": [{"search": r.search, "seconds": round(r.seconds, 1), "num_grid_points": r.num_grid_points,
+               "clock": args.clock,
+               "runs": [{"search": r.search, "seconds": round(r.seconds, 1),
+                         "measured_seconds": round(r.extra["measured_seconds"], 1), "num_grid_points": r.num_grid_points,
                          "best": r.best.row() if r.best else None, "table": [m.row() for m in r.measurements]}
                         for r in results]}
     if len(results) == 2 and all(r.best for r in results):
@@ -472,9 +531,11 @@ def main(argv: list[str] | None = None) -> int:
         in_full = {m.setting: m for m in full.measurements}[tuned.best.setting]
         summary["comparison"] = {
             "time_ratio": round(tuned.seconds / full.seconds, 3),
+            "measured_time_ratio": round(tuned.extra["measured_seconds"] / full.extra["measured_seconds"], 3),
             "tuned_setting_in_grid_run_vs_grid_best": round(in_full.throughput / full.best.throughput, 3),
             "tuned_run_vs_grid_best": round(tuned.best.throughput / full.best.throughput, 3)}
-        print(f"\nadaptive took {summary['comparison']['time_ratio']:.0%} of the grid's time; its choice measured "
+        print(f"\nadaptive took {summary['comparison']['time_ratio']:.0%} of the grid's wall time "
+              f"({summary['comparison']['measured_time_ratio']:.0%} on the {args.clock} clock); its choice measured "
               f"{summary['comparison']['tuned_setting_in_grid_run_vs_grid_best']:.1%} of the grid's best in the grid run")
     final = results[0]
     if final.best is None:

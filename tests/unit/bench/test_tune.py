@@ -25,13 +25,14 @@ from bench.tune import (
 )
 from common.engine.config import parse_memory_size
 
-GRID = Grid(max_num_seqs=(4, 8, 16, 32, 64), max_num_batched_tokens=(128, 512, 2048),
+GRID = Grid(max_num_seqs=(1, 2, 4, 8, 16, 32, 64), max_num_batched_tokens=(128, 512, 2048),
             kv_cache_memory=("8MiB", "32MiB", "256MiB"))
 
 
 class SyntheticBench:
     """Throughput grows with the batch and the token budget; TPOT grows with the batch
-    (over the limit from 64 sequences); an 8 MiB pool cannot start; a 32 MiB pool
+    (over the limit from 64 sequences); 2 or fewer sequences keep requests waiting for a
+    seat past the TTFT limit; an 8 MiB pool cannot start; a 32 MiB pool
     preempts at 32+ sequences. Best within limits: 32 sequences, 2048 tokens, 256 MiB."""
 
     def __init__(self):
@@ -43,6 +44,8 @@ class SyntheticBench:
             return Measurement(setting, CANNOT_START, detail="KV pool smaller than one request")
         if setting.max_num_seqs >= 64:
             return Measurement(setting, TPOT_LIMIT, seconds=1.0)
+        if setting.max_num_seqs <= 2:
+            return Measurement(setting, TTFT_LIMIT, seconds=1.0)
         throughput = 10 * math.log2(setting.max_num_seqs) + 5 * math.log2(setting.max_num_batched_tokens / 64)
         if parse_memory_size(setting.kv_cache_memory) < 64 << 20 and setting.max_num_seqs >= 32:
             throughput /= 3  # preemptions
@@ -76,8 +79,21 @@ def test_adaptive_prunes_what_cannot_start_or_breaks_tpot():
     assert sum(1 for s in bench.calls if s.kv_cache_memory == "8MiB") == 1
     assert all(status == CANNOT_START for s, status in statuses.items() if s.kv_cache_memory == "8MiB")
     assert Setting("float32", "256MiB", 2048, 64) in statuses  # the TPOT break was found on the walk
-    assert not [s for s in bench.calls if s.max_num_seqs > 64]
-    assert all(status in (OK, DOMINATED, CANNOT_START, TPOT_LIMIT, PRUNED) for status in statuses.values())
+    # 2 sequences broke TTFT: 1 is never run (fewer seats only wait longer).
+    assert statuses[Setting("float32", "256MiB", 2048, 2)] == TTFT_LIMIT
+    assert not [s for s in bench.calls if s.max_num_seqs == 1]
+    assert any(status == PRUNED for s, status in statuses.items() if s.max_num_seqs == 1)
+    assert all(status in (OK, DOMINATED, CANNOT_START, TPOT_LIMIT, TTFT_LIMIT, PRUNED) for status in statuses.values())
+
+
+def test_cpu_clock_skips_idle_time_instead_of_sleeping():
+    import time
+
+    from bench.tune import CpuClock
+    clock = CpuClock()
+    started = time.perf_counter()
+    clock.wait_until(30.0)
+    assert clock.now() >= 30.0 and time.perf_counter() - started < 1.0
 
 
 @pytest.fixture
