@@ -19,7 +19,8 @@ each the median of `--reps` repetitions, and least-squares fits that `pdserve pl
 simulation uses (bench.plan_sim):
 
     prefill step = a + b * tokens + c * attention,  attention = sum n * (k + n / 2) / 1000
-    decode step  = a + b * batch  + c * context / 1000
+    decode step  = a + b * batch  + c * context / 1000  (+ the samples' mean residual per
+                   batch size, interpolated, within the measured batch sizes)
     transfer     = a + b * tokens
 
 A step that mixes both (a colocated engine) is costed as the decode step plus the
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 PROFILE_SCHEMA_VERSION = 1
 ATTENTION_UNIT = 1000.0  # attention and context terms are per thousand tokens: coefficients stay readable
@@ -112,6 +113,7 @@ class Profile(BaseModel):
     prefill_fit: LinearFit  # features: tokens, attention
     decode_fit: LinearFit  # features: batch, context
     transfer_fit: LinearFit  # features: tokens
+    _decode_residuals_cache: list[tuple[int, float]] | None = PrivateAttr(default=None)
 
     # ---- the step-time model the simulation and the analytic plan use ----------------
 
@@ -123,9 +125,31 @@ class Profile(BaseModel):
                                         attention=sum(n * (k + n / 2) for n, k in chunks) / ATTENTION_UNIT)
 
     def decode_step_s(self, batch_size: int, total_context_tokens: int) -> float:
+        """The fit, corrected by the samples within their range of batch sizes: CPU
+        matmul kernels change with the number of rows (a GEMV for one, packed GEMMs
+        from a few), so the step time need not be linear in the batch (measured here:
+        2-4 sequences slower than 1 or 8). Per measured batch size, the mean of what the
+        fit leaves unexplained is added, interpolated linearly between batch sizes."""
         if batch_size <= 0:
             return 0.0
-        return self.decode_fit.predict(batch=batch_size, context=total_context_tokens / ATTENTION_UNIT)
+        fitted = self.decode_fit.predict(batch=batch_size, context=total_context_tokens / ATTENTION_UNIT)
+        residuals = self._decode_residuals()
+        if not residuals or not residuals[0][0] <= batch_size <= residuals[-1][0]:
+            return fitted
+        batches, values = zip(*residuals)
+        return max(fitted + float(np.interp(batch_size, batches, values)), 0.0)
+
+    def _decode_residuals(self) -> list[tuple[int, float]]:
+        """[(batch size, mean of sample - fit)] sorted by batch size; cached."""
+        cached = self._decode_residuals_cache
+        if cached is None:
+            by_batch: dict[int, list[float]] = {}
+            for s in self.decode_samples:
+                fit = self.decode_fit.predict(batch=s.batch_size, context=s.total_context_tokens / ATTENTION_UNIT)
+                by_batch.setdefault(s.batch_size, []).append(s.seconds - fit)
+            cached = sorted((b, float(np.mean(r))) for b, r in by_batch.items())
+            self._decode_residuals_cache = cached
+        return cached
 
     def mixed_step_s(self, chunks: list[tuple[int, int]], batch_size: int, total_context_tokens: int) -> float:
         """A step with prefill chunks and decodes (colocated): the fixed overhead is paid once."""

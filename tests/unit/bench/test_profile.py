@@ -66,3 +66,15 @@ def test_profile_command_measures_a_tiny_model(tiny_llama_dir, tmp_path, capsys)
     assert profile.versions.pdserve and profile.engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # K,V x layers x heads x dim x fp32
     assert profile.prefill_step_s([(64, 0)]) > 0 and profile.decode_step_s(4, 140) > 0
     assert json.loads(out.read_text())["schema_version"] == 1
+
+
+def test_decode_steps_follow_the_samples_where_the_batch_is_not_linear():
+    # Measured: 2 sequences slower than 1 or 4 (a different matmul kernel); the linear
+    # fit alone would miss that, the samples' residuals put it back.
+    samples = [DecodeSample(batch_size=b, total_context_tokens=100 * b, seconds=t)
+               for b, t in ((1, 0.10), (2, 0.30), (4, 0.12))]
+    fit = fit_decode(samples)
+    profile = Profile.model_construct(decode_fit=fit, decode_samples=samples)
+    assert [round(profile.decode_step_s(b, 100 * b), 6) for b in (1, 2, 4)] == [0.10, 0.30, 0.12]
+    assert profile.decode_step_s(3, 300) == pytest.approx((0.30 + 0.12) / 2, abs=0.02)
+    assert profile.decode_step_s(16, 1600) == pytest.approx(fit.predict(batch=16, context=1.6))  # beyond: the fit
