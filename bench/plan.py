@@ -444,21 +444,42 @@ def measure_on_stack(deployment: Deployment, traffic: Traffic, shape: InstanceSh
 
 
 def validate(plan: Plan, traffic: Traffic, slo: Slo, shape: InstanceShape, kv_cache_memory: str,
-             num_prompts: int, seed: int, workdir: Path) -> list[dict]:
-    """Predicted vs measured percentiles for the chosen deployment and each one smaller."""
+             num_prompts: int, seed: int, workdir: Path, repeats: int = 1) -> list[dict]:
+    """Predicted vs measured percentiles for the chosen deployment and each one smaller.
+    With repeats > 1 the deployments take turns (A, B, A, B, ...) so that load from other
+    work on the machine, which drifts over minutes, falls on each alike; the measured
+    figure is the median over the repeats (each repeat's is kept, with the load average
+    when it started)."""
+    import os
+    candidates = [plan.chosen, *plan.smaller]
+    runs: dict[str, list[dict]] = {c.deployment.label(): [] for c in candidates}
+    for repeat in range(repeats):
+        for candidate in candidates:
+            load_average = os.getloadavg()[0]
+            measured = measure_on_stack(candidate.deployment, traffic, shape, kv_cache_memory, num_prompts,
+                                        seed + repeat, workdir)
+            measured["load_average_at_start"] = round(load_average, 2)
+            runs[candidate.deployment.label()].append(measured)
+            print(json.dumps({"deployment": candidate.deployment.label(), "repeat": repeat,
+                              "load_average_at_start": round(load_average, 2),
+                              **{k: measured.get(k) for k in ("p90_ttft_ms", "p90_tpot_ms", "completed")}}), flush=True)
     rows = []
-    for candidate in [plan.chosen, *plan.smaller]:
-        measured = measure_on_stack(candidate.deployment, traffic, shape, kv_cache_memory, num_prompts, seed, workdir)
+    for candidate in candidates:
+        measured_runs = runs[candidate.deployment.label()]
         row = {"deployment": candidate.deployment.label(), "chosen": candidate is plan.chosen,
-               "completed": measured["completed"], "failed": measured.get("failed")}
+               "completed": sum(r["completed"] for r in measured_runs),
+               "failed": sum(r.get("failed") or 0 for r in measured_runs),
+               "runs": [{"load_average_at_start": r["load_average_at_start"],
+                         **{f"p{p}_{m}_ms": r.get(f"p{p}_{m}_ms") for m in ("ttft", "tpot") for p in (50, 90, 99)}}
+                        for r in measured_runs]}
         for metric in ("ttft", "tpot"):
             for p in (50, 90, 99):
                 predicted = candidate.predicted(metric, p) * 1000
-                real = measured.get(f"p{p}_{metric}_ms") if p != 50 else measured.get(f"median_{metric}_ms")
+                real = [r.get(f"p{p}_{metric}_ms") for r in measured_runs]
+                real = None if None in real else float(np.median(real))
                 row[f"p{p}_{metric}_ms"] = {"predicted": round(predicted, 1) if math.isfinite(predicted) else None,
                                             "measured": None if real is None else round(real, 1)}
-        p = slo.percentile
-        key = f"p{p:g}"
+        key = f"p{slo.percentile:g}"
         ttft, tpot = row.get(f"{key}_ttft_ms"), row.get(f"{key}_tpot_ms")
         if ttft and tpot and ttft["measured"] is not None and tpot["measured"] is not None:
             row["measured_meets_slo"] = ttft["measured"] <= slo.ttft_ms and tpot["measured"] <= slo.tpot_ms
@@ -467,7 +488,7 @@ def validate(plan: Plan, traffic: Traffic, slo: Slo, shape: InstanceShape, kv_ca
                 if pair["predicted"] is not None:
                     row[f"{key}_{name}_error"] = round(pair["predicted"] / pair["measured"] - 1, 3)
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
     return rows
 
 
@@ -541,6 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the chosen deployment and each one instance smaller, and compare percentiles")
     check.add_argument("--validate-prompts", type=int, default=60, help="requests per validation run")
     check.add_argument("--validate-dir", default=None, help="where stack logs and bench serve JSON go")
+    check.add_argument("--validate-repeats", type=int, default=1,
+                       help="runs per deployment, taking turns (median reported): evens out drifting load")
     return parser
 
 
@@ -580,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(args.validate_dir or tempfile.mkdtemp(prefix="pdserve-plan-"))
         workdir.mkdir(parents=True, exist_ok=True)
         report["validation"] = validate(plan, traffic, slo, shape, args.kv_cache_memory, args.validate_prompts,
-                                        args.seed, workdir)
+                                        args.seed, workdir, args.validate_repeats)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
