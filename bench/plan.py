@@ -377,13 +377,12 @@ metadata:
 spec:
   replicas: 0  # pdserve plan: colocated, decode prefills locally
 ---
+# An HPA cannot hold a pool at 0 replicas (minReplicas >= 1): drop the prefill one.
 apiVersion: autoscaling/v2
 kind: HorizontalPodAutoscaler
 metadata:
   name: pdserve-prefill
-spec:
-  minReplicas: 1
-  maxReplicas: 1
+$patch: delete
 """)
     kustomization = """# Written by `pdserve plan`: the planned replica counts and HPA bounds over deploy/k8s.
 #   kubectl apply -k deploy/k8s/capacity

@@ -208,3 +208,13 @@ def test_validation_takes_turns_and_reports_the_median(monkeypatch, tmp_path):
     assert smaller["p90_ttft_ms"]["measured"] == 800.0 and not smaller["measured_meets_slo"]
     predicted = chosen["p90_ttft_ms"]["predicted"]
     assert chosen["p90_ttft_error"] == pytest.approx(predicted / 240.0 - 1, abs=1e-3)
+
+
+def test_colocated_overlay_empties_the_prefill_pool_and_drops_its_autoscaler():
+    profile, traffic, slo, _ = known_answer_case(0.5)
+    plan = Planner(profile, traffic, slo, PlanOptions(shape=ONE_PROMPT_PER_STEP, num_requests=300)).plan()
+    docs = list(yaml.safe_load_all(k8s_overlay(plan, peak_factor=3.0)["replicas.yaml"]))
+    by_kind_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    assert by_kind_name[("Deployment", "pdserve-prefill")]["spec"]["replicas"] == 0
+    assert by_kind_name[("HorizontalPodAutoscaler", "pdserve-prefill")]["$patch"] == "delete"
+    assert by_kind_name[("HorizontalPodAutoscaler", "pdserve-decode")]["spec"] == {"minReplicas": 1, "maxReplicas": 3}
