@@ -230,7 +230,11 @@ class EngineBench:
         duration = max(t.last_s for t in times)
         ttft = self._percentile([t.first_s - t.arrival_s for t in times])
         tpot = self._percentile([(t.last_s - t.first_s) / (t.num_tokens - 1) for t in times if t.num_tokens > 1])
-        return Measurement(setting, OK, self.total_tokens / duration, ttft, tpot, cost.now())
+        # Early stops catch only certain misses; the final percentiles decide the rest.
+        status = (TTFT_LIMIT if ttft is not None and ttft > self.limits.ttft_ms else
+                  TPOT_LIMIT if tpot is not None and tpot > self.limits.tpot_ms else OK)
+        return Measurement(setting, status, self.total_tokens / duration, ttft, tpot, cost.now(),
+                           "" if status == OK else "measured to the end")
 
     def _percentile(self, values_s: list[float]) -> float | None:
         import numpy as np

@@ -146,3 +146,16 @@ def test_tune_command_writes_table_plot_and_env(tiny_llama_dir, tmp_path):
     summary = json.loads((tmp_path / "t.json").read_text())
     assert [r["search"] for r in summary["runs"]] == ["adaptive", "exhaustive"]
     assert len(summary["runs"][1]["table"]) == 4 and "comparison" in summary
+
+
+def test_a_run_measured_to_the_end_over_a_limit_is_not_feasible(tiny_llama_dir, tiny_requests, monkeypatch):
+    from bench.tune import RequestTimes
+    bench = EngineBench(str(tiny_llama_dir), "colocated", tiny_requests, Limits(1000, 100, percentile=90),
+                        max_model_len=56)
+    # Ten requests, TPOT 50 ms but one at 1 s: too few over the limit for an early stop
+    # (two are needed), yet the p90 interpolates to 145 ms > 100 ms.
+    times = [RequestTimes(0.0, 11, first_s=0.1, last_s=0.1 + 10 * 0.05, num_tokens=11) for _ in range(9)]
+    times.append(RequestTimes(0.0, 11, first_s=0.1, last_s=0.1 + 10 * 1.0, num_tokens=11))
+    monkeypatch.setattr(bench, "_run", lambda engine, beat: times)
+    m = bench.measure(Setting("float32", "1MiB", 64, 4))
+    assert m.tpot_ms == pytest.approx(145.0) and m.status == TPOT_LIMIT and not m.feasible()
