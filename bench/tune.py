@@ -30,7 +30,8 @@ Every run stops as soon as its outcome is known:
   coordinate ascent: from the middle of the grid, try every value of one setting with
   the others fixed, move to the best, next setting, until a whole pass moves nothing;
   along max_num_seqs, a value that broke the TPOT limit rules out every larger one and
-  one that broke the TTFT limit every smaller one.
+  one that broke the TTFT limit every smaller one; `--confirm N` then runs the N best
+  once more and chooses by the mean of the two runs.
 - `--clock cpu` measures on this process's CPU clock (plus idle waits for arrivals)
   instead of the wall clock: on a machine shared with other work (this project's CI)
   wall-clock runs of a few seconds vary 2x with the others' load.
@@ -329,7 +330,10 @@ def exhaustive(bench: EngineBench, grid: Grid, progress: bool = True) -> TuneRes
                       {"measured_seconds": sum(m.seconds for m in measurements)})
 
 
-def adaptive(bench: EngineBench, grid: Grid, progress: bool = True) -> TuneResult:
+def adaptive(bench: EngineBench, grid: Grid, progress: bool = True, confirm: int = 0) -> TuneResult:
+    """Coordinate ascent (module doc); then the `confirm` best settings are run once
+    more and the choice goes by the mean of both runs, so one lucky run on a noisy
+    machine does not decide it."""
     started = time.perf_counter()
     results: dict[Setting, Measurement] = {}
     smallest_startable_kv: dict[str, int] = {}  # dtype -> index into grid.kv_cache_memory
@@ -387,6 +391,15 @@ def adaptive(bench: EngineBench, grid: Grid, progress: bool = True) -> TuneResul
             best = best_of(list(results.values()))
             if best is not None and best.setting != current:
                 current, moved = best.setting, True
+    finalists = sorted((m for m in results.values() if m.feasible()), key=lambda m: -m.throughput)[:confirm]
+    for m in finalists:
+        again = bench.measure(m.setting)
+        m.seconds += again.seconds
+        m.detail = f"runs: {m.throughput:.2f} and {again.throughput:.2f} tokens/s ({again.status}); mean"
+        if again.feasible():
+            m.throughput = (m.throughput + again.throughput) / 2
+        else:  # over a limit in one of two runs: not a safe choice
+            m.status, m.throughput = again.status, (m.throughput + again.throughput) / 2
     bar.close()
     measurements = list(results.values())
     return TuneResult("adaptive", measurements, time.perf_counter() - started, best_of(measurements), len(grid),
@@ -482,6 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--percentile", type=float, default=90.0)
     parser.add_argument("--search", choices=("adaptive", "exhaustive", "both"), default="adaptive",
                         help="both: adaptive, then the whole grid, and compare (how docs/benchmarks.md's figures were made)")
+    parser.add_argument("--confirm", type=int, default=0,
+                        help="adaptive: run the best N settings once more and choose by the mean")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="PNG of throughput per setting (needs matplotlib)")
     parser.add_argument("--env-out", default=None, help="write the best setting as a deploy/pdserve.env fragment")
@@ -514,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.measure(grid.middle())  # warm-up: loads the model and pays first-call costs outside any timing
     results = []
     for search in (("adaptive", "exhaustive") if args.search == "both" else (args.search,)):
-        result = (adaptive if search == "adaptive" else exhaustive)(bench, grid, not args.no_progress)
+        result = (adaptive(bench, grid, not args.no_progress, args.confirm) if search == "adaptive"
+                  else exhaustive(bench, grid, not args.no_progress))
         result.extra["percentile"] = args.percentile
         result.extra["clock"] = args.clock
         results.append(result)
