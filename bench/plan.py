@@ -345,9 +345,11 @@ class Planner:
 # ---- Kubernetes -----------------------------------------------------------------------------
 
 
-def k8s_overlay(plan: Plan, peak_factor: float) -> dict[str, str]:
+def k8s_overlay(plan: Plan, peak_factor: float, description: str = "") -> dict[str, str]:
     """A kustomize overlay over deploy/k8s: the planned replicas per pool, HPA bounds
-    from them (min = the plan, max = the plan at peak_factor x the rate, rounded up)."""
+    from them (min = the plan; max = replicas x peak_factor, rounded up: a pool's size
+    grows about linearly with the rate, so that is the room for peak_factor x the
+    planned rate). `description` (what was planned for) heads the kustomization."""
     d = plan.chosen.deployment
     pools = {"decode": d.num_decode} if d.colocated else {"prefill": d.num_prefill, "decode": d.num_decode}
     patches = []
@@ -384,7 +386,8 @@ metadata:
   name: pdserve-prefill
 $patch: delete
 """)
-    kustomization = """# Written by `pdserve plan`: the planned replica counts and HPA bounds over deploy/k8s.
+    header = "".join(f"# {line}\n" for line in description.splitlines())
+    kustomization = header + """# Written by `pdserve plan`: the planned replica counts and HPA bounds over deploy/k8s.
 #   kubectl apply -k deploy/k8s/capacity
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
@@ -609,7 +612,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.k8s_dir and plan.chosen:
         out = Path(args.k8s_dir)
         out.mkdir(parents=True, exist_ok=True)
-        for name, text in k8s_overlay(plan, args.peak_factor).items():
+        description = (f"{plan.chosen.deployment.label()} for {traffic.model_dump_json()}\n"
+                       f"SLO {slo.model_dump_json()}; profile {args.profile} ({profile.machine.cpu_model}, "
+                       f"{profile.machine.num_threads} thread(s) per instance, pdserve {profile.versions.git_commit})")
+        for name, text in k8s_overlay(plan, args.peak_factor, description).items():
             (out / name).write_text(text)
         print(f"wrote {out}/kustomization.yaml and replicas.yaml")
     return 0 if plan.chosen else 1
