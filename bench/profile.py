@@ -23,8 +23,9 @@ simulation uses (bench.plan_sim):
                    batch size, interpolated, within the measured batch sizes)
     transfer     = a + b * tokens
 
-A step that mixes both (a colocated engine) is costed as the decode step plus the
-prefill step less its constant (one step pays the fixed overhead once). The file
+A step that mixes both (a colocated engine) is costed as the prefill step with the
+decodes as that many more tokens (one forward pass over all rows), and at least the
+decode step alone. The file
 records the machine (CPU model, cores, threads) and the versions it came from.
 """
 from __future__ import annotations
@@ -153,13 +154,19 @@ class Profile(BaseModel):
         return cached
 
     def mixed_step_s(self, chunks: list[tuple[int, int]], batch_size: int, total_context_tokens: int) -> float:
-        """A step with prefill chunks and decodes (colocated): the fixed overhead is paid once."""
+        """A step with prefill chunks and decodes (colocated). The runner puts every row
+        of a step through one forward pass, so the decodes' rows cost what as many more
+        prompt tokens cost (each reading its context in attention) rather than a decode
+        step of their own, which is mostly reading the weights the prefill reads anyway;
+        and a step never costs less than its decodes alone."""
         if not chunks:
             return self.decode_step_s(batch_size, total_context_tokens)
         if batch_size <= 0:
             return self.prefill_step_s(chunks)
-        overlap = min(self.prefill_fit.intercept_s, self.decode_fit.intercept_s)
-        return self.prefill_step_s(chunks) + self.decode_step_s(batch_size, total_context_tokens) - overlap
+        fit = self.prefill_fit
+        with_decode_rows = self.prefill_step_s(chunks) + fit.coefficients.get("tokens", 0.0) * batch_size + \
+            fit.coefficients.get("attention", 0.0) * total_context_tokens / ATTENTION_UNIT
+        return max(with_decode_rows, self.decode_step_s(batch_size, total_context_tokens))
 
     def transfer_s(self, num_tokens: int) -> float:
         return self.transfer_fit.predict(tokens=num_tokens) if num_tokens > 0 else 0.0

@@ -78,3 +78,13 @@ def test_decode_steps_follow_the_samples_where_the_batch_is_not_linear():
     assert [round(profile.decode_step_s(b, 100 * b), 6) for b in (1, 2, 4)] == [0.10, 0.30, 0.12]
     assert profile.decode_step_s(3, 300) == pytest.approx((0.30 + 0.12) / 2, abs=0.02)
     assert profile.decode_step_s(16, 1600) == pytest.approx(fit.predict(batch=16, context=1.6))  # beyond: the fit
+
+
+def test_a_mixed_step_costs_its_decode_rows_as_extra_tokens_not_a_second_pass():
+    profile = Profile.model_construct(
+        prefill_fit=LinearFit(intercept_s=0.05, coefficients={"tokens": 0.004, "attention": 0.0}),
+        decode_fit=LinearFit(intercept_s=0.09, coefficients={"batch": 0.001, "context": 0.0}), decode_samples=[])
+    # 100 prompt tokens + 4 decode rows in one pass: 0.05 + 0.004 x 104.
+    assert profile.mixed_step_s([(100, 0)], 4, 400) == pytest.approx(0.05 + 0.004 * 104)
+    # A tiny chunk does not make the step cheaper than the decodes alone.
+    assert profile.mixed_step_s([(1, 0)], 4, 400) == pytest.approx(profile.decode_step_s(4, 400))
