@@ -352,40 +352,38 @@ def k8s_overlay(plan: Plan, peak_factor: float, description: str = "") -> dict[s
     planned rate). `description` (what was planned for) heads the kustomization."""
     d = plan.chosen.deployment
     pools = {"decode": d.num_decode} if d.colocated else {"prefill": d.num_prefill, "decode": d.num_decode}
-    patches = []
+    patches: dict[str, str] = {}  # one strategic-merge patch per file
     for pool, replicas in pools.items():
-        patches.append(f"""---
-apiVersion: apps/v1
+        patches[f"deployment-{pool}.yaml"] = f"""apiVersion: apps/v1
 kind: Deployment
 metadata:
   name: pdserve-{pool}
 spec:
   replicas: {replicas}  # pdserve plan: {d.label()}
----
-apiVersion: autoscaling/v2
+"""
+        patches[f"hpa-{pool}.yaml"] = f"""apiVersion: autoscaling/v2
 kind: HorizontalPodAutoscaler
 metadata:
   name: pdserve-{pool}
 spec:
   minReplicas: {replicas}
   maxReplicas: {max(replicas, math.ceil(replicas * peak_factor))}
-""")
+"""
     if d.colocated:  # no prefill pool: decode instances prefill locally
-        patches.append("""---
-apiVersion: apps/v1
+        patches["deployment-prefill.yaml"] = """apiVersion: apps/v1
 kind: Deployment
 metadata:
   name: pdserve-prefill
 spec:
   replicas: 0  # pdserve plan: colocated, decode prefills locally
----
-# An HPA cannot hold a pool at 0 replicas (minReplicas >= 1): drop the prefill one.
+"""
+        patches["hpa-prefill.yaml"] = """# An HPA cannot hold a pool at 0 replicas (minReplicas >= 1): drop the prefill one.
 apiVersion: autoscaling/v2
 kind: HorizontalPodAutoscaler
 metadata:
   name: pdserve-prefill
 $patch: delete
-""")
+"""
     header = "".join(f"# {line}\n" for line in description.splitlines())
     kustomization = header + """# Written by `pdserve plan`: the planned replica counts and HPA bounds over deploy/k8s.
 #   kubectl apply -k deploy/k8s/capacity
@@ -394,9 +392,8 @@ kind: Kustomization
 resources:
   - ..
 patches:
-  - path: replicas.yaml
-"""
-    return {"kustomization.yaml": kustomization, "replicas.yaml": "".join(patches).removeprefix("---\n")}
+""" + "".join(f"  - path: {name}\n" for name in sorted(patches))
+    return {"kustomization.yaml": kustomization, **patches}
 
 
 # ---- validation on a real stack ------------------------------------------------------------
@@ -617,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"{profile.machine.num_threads} thread(s) per instance, pdserve {profile.versions.git_commit})")
         for name, text in k8s_overlay(plan, args.peak_factor, description).items():
             (out / name).write_text(text)
-        print(f"wrote {out}/kustomization.yaml and replicas.yaml")
+        print(f"wrote {out}/kustomization.yaml and its patches")
     return 0 if plan.chosen else 1
 
 

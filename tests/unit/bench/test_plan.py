@@ -139,13 +139,15 @@ def test_analytic_estimate_is_infinite_past_saturation():
 def test_k8s_overlay_sets_replicas_and_hpa_bounds():
     plan = Planner(*known_answer_case(15.0)).plan()
     files = k8s_overlay(plan, peak_factor=2.0)
-    docs = list(yaml.safe_load_all(files["replicas.yaml"]))
+    docs = [yaml.safe_load(text) for name, text in files.items() if name != "kustomization.yaml"]
     replicas = {d["metadata"]["name"]: d["spec"]["replicas"] for d in docs if d["kind"] == "Deployment"}
     bounds = {d["metadata"]["name"]: (d["spec"]["minReplicas"], d["spec"]["maxReplicas"])
               for d in docs if d["kind"] == "HorizontalPodAutoscaler"}
     assert replicas == {"pdserve-prefill": 3, "pdserve-decode": 1}
     assert bounds == {"pdserve-prefill": (3, 6), "pdserve-decode": (1, 2)}
-    assert yaml.safe_load(files["kustomization.yaml"])["resources"] == [".."]
+    kustomization = yaml.safe_load(files["kustomization.yaml"])
+    assert kustomization["resources"] == [".."]
+    assert sorted(p["path"] for p in kustomization["patches"]) == sorted(set(files) - {"kustomization.yaml"})
 
 
 def test_plan_command_writes_json_and_overlay(tmp_path, capsys):
@@ -162,7 +164,7 @@ def test_plan_command_writes_json_and_overlay(tmp_path, capsys):
     report = json.loads((tmp_path / "plan.json").read_text())
     assert report["chosen"]["deployment"] == "3P:1D" and report["chosen"]["meets_slo"]
     assert any(not c["meets_slo"] for c in report["one_fewer"])
-    assert (tmp_path / "k8s" / "replicas.yaml").exists()
+    assert (tmp_path / "k8s" / "hpa-prefill.yaml").exists() and (tmp_path / "k8s" / "deployment-decode.yaml").exists()
 
 
 def test_traffic_schema_rejects_bad_input(tmp_path, capsys):
@@ -213,7 +215,8 @@ def test_validation_takes_turns_and_reports_the_median(monkeypatch, tmp_path):
 def test_colocated_overlay_empties_the_prefill_pool_and_drops_its_autoscaler():
     profile, traffic, slo, _ = known_answer_case(0.5)
     plan = Planner(profile, traffic, slo, PlanOptions(shape=ONE_PROMPT_PER_STEP, num_requests=300)).plan()
-    docs = list(yaml.safe_load_all(k8s_overlay(plan, peak_factor=3.0)["replicas.yaml"]))
+    files = k8s_overlay(plan, peak_factor=3.0)
+    docs = [yaml.safe_load(text) for name, text in files.items() if name != "kustomization.yaml"]
     by_kind_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     assert by_kind_name[("Deployment", "pdserve-prefill")]["spec"]["replicas"] == 0
     assert by_kind_name[("HorizontalPodAutoscaler", "pdserve-prefill")]["$patch"] == "delete"
