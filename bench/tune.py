@@ -27,7 +27,7 @@ Every run stops as soon as its outcome is known:
   time since its first token over its tokens so far is a lower bound of its TPOT);
 - `--search adaptive` (the default) also stops a run once it cannot beat the best
   throughput seen (tokens of the workload / time so far < best), and walks the grid by
-  coordinate ascent: from the middle of the grid, try every value of one setting with
+  coordinate ascent: from the largest setting, try every value of one setting with
   the others fixed, move to the best, next setting, until a whole pass moves nothing;
   along max_num_seqs, a value that broke the TPOT limit rules out every larger one and
   one that broke the TTFT limit every smaller one; `--confirm N` then runs the N best
@@ -99,10 +99,15 @@ class Grid:
     def __len__(self) -> int:
         return len(self.max_num_seqs) * len(self.max_num_batched_tokens) * len(self.kv_cache_memory) * len(self.dtype)
 
-    def middle(self) -> Setting:
-        return Setting(self.dtype[0], self.kv_cache_memory[-1],  # the largest pool: the likeliest to start
-                       self.max_num_batched_tokens[len(self.max_num_batched_tokens) // 2],
-                       self.max_num_seqs[len(self.max_num_seqs) // 2])
+    def largest(self) -> Setting:
+        """Where the walk starts: the most sequences, tokens and KV, as vLLM's auto_tune
+        does. Throughput grows with batch and budget until a limit cuts it, so this
+        corner is the likeliest best, and a fast first incumbent makes every later run
+        that cannot beat it stop early. (From the middle, coordinate ascent missed a best
+        that needs two axes raised together: more sequences broke TPOT at a small token
+        budget but not at a large one.)"""
+        return Setting(self.dtype[0], self.kv_cache_memory[-1], self.max_num_batched_tokens[-1],
+                       self.max_num_seqs[-1])
 
 
 @dataclass(frozen=True)
@@ -368,7 +373,7 @@ def adaptive(bench: EngineBench, grid: Grid, progress: bool = True, confirm: int
             results[setting] = Measurement(setting, PRUNED, detail=reason)
             bar.update()
 
-    current = grid.middle()
+    current = grid.largest()
     evaluate(current)
     moved = True
     while moved:
@@ -526,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             request.arrival_s = 0.0
     limits = Limits(args.ttft_ms, args.tpot_ms, args.percentile)
     bench = EngineBench(args.model, args.role, requests, limits, input_len.high + output_len.high, args.clock)
-    bench.measure(grid.middle())  # warm-up: loads the model and pays first-call costs outside any timing
+    bench.measure(grid.largest())  # warm-up: loads the model and pays first-call costs outside any timing
     results = []
     for search in (("adaptive", "exhaustive") if args.search == "both" else (args.search,)):
         result = (adaptive(bench, grid, not args.no_progress, args.confirm) if search == "adaptive"
