@@ -33,6 +33,9 @@ DELEGATED = {
     "up": ("common.cli.up", "run a local stack: gateway + N prefill + M decode processes"),
     "generate": ("common.cli.generate", "send a prompt to a gateway and print the completion"),
     "health": ("common.cli.health", "exit 0 only if ADDR reports SERVING (grpc.health.v1)"),
+    "tune": ("bench.tune", "search engine settings for the best throughput within TTFT/TPOT limits"),
+    "profile": ("bench.profile", "record this machine's prefill, decode and KV transfer times as JSON"),
+    "plan": ("bench.plan", "the cheapest prefill:decode (or colocated) instance counts that meet SLOs"),
 }
 DELEGATED_BENCH = {
     "offline": ("bench.offline", "LLM.generate vs Hugging Face generate throughput"),
