@@ -63,7 +63,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         # Recent acceptance rate of this request's drafts (an EMA), and the steps left
         # before it drafts again after the rate fell too low.
-        self.spec_acceptance_rate = 1.0
+        self.spec_acceptance_rate: float | None = None  # None: no verification yet
         self.num_spec_backoff_steps = 0
         self.num_spec_backoffs = 0  # pauses in a row; each doubles the next
 

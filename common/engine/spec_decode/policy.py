@@ -6,9 +6,11 @@ step is bound by compute). So, as vLLM's `disable_by_batch_size`, no request
 speculates in a step where more than that many requests run; and a request whose
 drafts keep being rejected (an EMA of its acceptance rate below
 `min_acceptance_rate`) pauses for `num_backoff_steps` steps and then probes again;
-each failed probe doubles the pause (up to 2^MAX_BACKOFF_DOUBLINGS times), so a
-request a proposer cannot help (random text, an untrained early exit) costs a probe
-every few hundred steps, not every few steps.
+each failed probe doubles the pause (up to 2^MAX_BACKOFF_DOUBLINGS times), and a probe
+drafts one token, not k, so a request a proposer cannot help (random text, an untrained
+early exit) costs a cheap probe every few hundred steps. A request's first verification
+starts from the engine's recent acceptance rate rather than a clean slate, so when the
+proposer has been failing everyone a new request pauses after one failure, not three.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from common.engine.request import Request
 
 # Weight of the newest verification in a request's acceptance-rate EMA.
 ACCEPTANCE_EMA_WEIGHT = 0.5
+ENGINE_EMA_WEIGHT = 0.1
 MAX_BACKOFF_DOUBLINGS = 5
 
 
@@ -54,6 +57,8 @@ class SpeculationPolicy:
         self.config = config
         self.max_model_len = max_model_len
         self.stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
+        # EMA of every verification's acceptance rate: the prior of a new request's own.
+        self.engine_acceptance_rate = 1.0
 
     def step_allows_drafts(self, num_running: int) -> bool:
         limit = self.config.disable_by_batch_size
@@ -79,7 +84,10 @@ class SpeculationPolicy:
         if request.num_spec_backoff_steps > 0:
             request.num_spec_backoff_steps -= 1
             return 0
-        return self.max_num_drafts(request) if step_allows_drafts else 0
+        if not step_allows_drafts:
+            return 0
+        num_drafts = self.max_num_drafts(request)
+        return min(num_drafts, 1) if request.num_spec_backoffs else num_drafts  # a probe: one draft
 
     def record(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
         stats = self.stats
@@ -90,6 +98,9 @@ class SpeculationPolicy:
             stats.num_accepted_tokens_per_pos[pos] += 1
         rate = num_accepted / num_draft_tokens
         min_rate = self.config.min_acceptance_rate
+        if request.spec_acceptance_rate is None:
+            request.spec_acceptance_rate = self.engine_acceptance_rate
+        self.engine_acceptance_rate += ENGINE_EMA_WEIGHT * (rate - self.engine_acceptance_rate)
         request.spec_acceptance_rate += ACCEPTANCE_EMA_WEIGHT * (rate - request.spec_acceptance_rate)
         if request.spec_acceptance_rate < min_rate:
             doublings = min(request.num_spec_backoffs, MAX_BACKOFF_DOUBLINGS)

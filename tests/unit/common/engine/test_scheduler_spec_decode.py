@@ -150,11 +150,31 @@ def test_requests_whose_drafts_keep_failing_back_off_then_probe_again(make_sched
             num_steps += 1
 
     assert num_paused_steps() == 2
-    out, _ = step(scheduler, {"a": [14]}, failing)  # the probe fails too: twice the pause
-    assert out.scheduled_spec_decode_tokens == {"a": [DRAFT] * 3}
+    out, _ = step(scheduler, {"a": [14]}, failing)  # a probe drafts one token; it fails: twice the pause
+    assert out.scheduled_spec_decode_tokens == {"a": [DRAFT]}
     assert num_paused_steps() == 4
-    out, _ = step(scheduler, {"a": [DRAFT, DRAFT, 15]}, failing)  # a good probe ends the doubling
+    out, _ = step(scheduler, {"a": [DRAFT, 15]}, failing)  # a good probe ends the doubling ...
+    assert out.scheduled_spec_decode_tokens == {"a": [DRAFT]}
     assert req.num_spec_backoffs == 0 and req.num_spec_backoff_steps == 0
+    out, _ = step(scheduler, {"a": [16]})
+    assert out.scheduled[0].num_drafts_to_propose == 3  # ... and all k drafts are asked for again
+
+
+def test_a_new_request_starts_from_the_engines_recent_acceptance(make_scheduler):
+    """When the proposer has been failing everyone, a new request pauses after its first
+    failed verification instead of paying for three."""
+    scheduler = make_scheduler(speculative_config=spec_config(min_acceptance_rate=0.5, num_backoff_steps=2))
+    failing = {"b": [DRAFT] * 3}
+    for i in range(8):  # earlier requests whose drafts all failed
+        earlier = make_request(f"earlier-{i}", 3)
+        start_decoding(scheduler, earlier, 7, [DRAFT] * 3)
+        step(scheduler, {earlier.req_id: [20]})
+        scheduler.abort_requests([earlier.req_id])
+    assert scheduler.spec_policy.engine_acceptance_rate < 0.5
+    b = make_request("b", 3)
+    start_decoding(scheduler, b, 7, [DRAFT] * 3)
+    step(scheduler, {"b": [31]}, failing)
+    assert b.num_spec_backoff_steps > 0  # paused after one failure
 
 
 class _OpenGrammar:
