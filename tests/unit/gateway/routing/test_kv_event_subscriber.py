@@ -34,13 +34,18 @@ async def _until(predicate, timeout_s=5.0):
         await asyncio.sleep(0.01)
 
 
+def cache_and_free(pool: BlockPool, *hashes: int) -> None:
+    """Cache one block per hash (block_size 1) and free them, as finished requests do."""
+    blocks = pool.get_new_blocks(len(hashes))
+    pool.cache_full_blocks(blocks, list(hashes), None, list(hashes))
+    pool.free_blocks(blocks)
+
+
 def test_subscriber_follows_publisher_and_resyncs_after_loss():
     pool = BlockPool(num_blocks=8, block_size=1)  # block_size 1: a block per token
 
     def cache(*hashes):
-        blocks = pool.get_new_blocks(len(hashes))
-        pool.cache_full_blocks(blocks, list(hashes), None, list(hashes))
-        pool.free_blocks(blocks)
+        cache_and_free(pool, *hashes)
 
     async def scenario():
         publisher = KvEventPublisher("p0")
@@ -91,9 +96,7 @@ def test_two_gateways_subscribed_to_one_publisher_both_follow_every_event():
     pool = BlockPool(num_blocks=64, block_size=1)
 
     def cache(*hashes):
-        blocks = pool.get_new_blocks(len(hashes))
-        pool.cache_full_blocks(blocks, list(hashes), None, list(hashes))
-        pool.free_blocks(blocks)
+        cache_and_free(pool, *hashes)
 
     async def scenario():
         publisher = KvEventPublisher("p0")
