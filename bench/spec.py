@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
-import subprocess
 import time
 
 PASSAGES = [
@@ -55,14 +53,6 @@ def arm_configs(k: int, num_early_exit_layers: int) -> dict[str, dict | None]:
             "ngram": {"method": "ngram", "num_speculative_tokens": k},
             "early_exit": {"method": "early_exit", "num_speculative_tokens": k,
                            "num_early_exit_layers": num_early_exit_layers}}
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def spec_stats(llm) -> dict:
@@ -122,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the figures to this file")
     args = parser.parse_args(argv)
 
+    from bench.profile import cpu_model_name
     from common import LLM, SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     engine = dict(kv_cache_memory="256MiB")
@@ -132,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     for llm in arms_llms.values():
         llm.chat(warm_up, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
 
-    figures = {"cpu": cpu_name(), "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+    figures = {"cpu": cpu_model_name(), "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
                "num_speculative_tokens": args.num_speculative_tokens, "workloads": {}}
     for workload in args.workloads.split(","):
         prompts = workload_prompts(workload, args.num_prompts, vocab_size)

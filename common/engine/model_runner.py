@@ -58,6 +58,17 @@ def load_model(model_config: ModelConfig, model_dir: Path, device: torch.device,
     return model.to(dtype).eval()
 
 
+def allocate_paged_kv(model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim].
+
+    Zeroed, not empty: attention reads whole blocks and masks the tail, and garbage
+    NaNs would survive a zero weight (0 * NaN = NaN)."""
+    shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(model_config.num_hidden_layers)]
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_dir: Path, device: str = "auto",
                  dtype: str = "auto", seed: int = 0, block_size: int = 16,
@@ -93,13 +104,7 @@ class ModelRunner:
         raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        cfg = self.model_config
-        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        # Zeroed, not empty: attention reads whole blocks and masks the tail, and
-        # garbage NaNs would survive a zero weight (0 * NaN = NaN).
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(cfg.num_hidden_layers)]
+        self.kv_caches = allocate_paged_kv(self.model_config, num_blocks, self.block_size, self.dtype, self.device)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
         if self.proposer is not None:
@@ -110,9 +115,9 @@ class ModelRunner:
         what the transferred KV means); {} if none."""
         if self.kv_connector is None:
             return {}
-        layout = kv_layout(self.model_config, str(self.dtype).removeprefix("torch."), self.block_size)
-        return self.kv_connector.info() | {"kv_layout_hash": kv_layout_hash(layout),
-                                           "kv_layout": describe_kv_layout(layout)}
+        info = self.kv_connector.info()  # its "dtype" is the pool's, as the transfer names it
+        layout = kv_layout(self.model_config, info["dtype"], self.block_size)
+        return info | {"kv_layout_hash": kv_layout_hash(layout), "kv_layout": describe_kv_layout(layout)}
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 class DraftModelProposer(DraftProposer):
     def __init__(self, config: "SpeculativeConfig", runner: "ModelRunner"):
-        from common.engine.model_runner import load_model
+        from common.engine.model_runner import load_model  # model_runner imports the proposers
         draft_dir = resolve_model(config.draft_model)
         self.model_config = ModelConfig.from_hf_config(load_hf_config(draft_dir))
         target_vocab_size = runner.model_config.vocab_size
@@ -44,11 +44,10 @@ class DraftModelProposer(DraftProposer):
         self.seen_req_ids: set[str] = set()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        cfg, runner = self.model_config, self.runner
-        shape = (num_blocks, runner.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=runner.dtype, device=runner.device),
-                           torch.zeros(shape, dtype=runner.dtype, device=runner.device))
-                          for _ in range(cfg.num_hidden_layers)]
+        from common.engine.model_runner import allocate_paged_kv
+        runner = self.runner
+        self.kv_caches = allocate_paged_kv(self.model_config, num_blocks, runner.block_size, runner.dtype,
+                                           runner.device)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, meta)
