@@ -227,6 +227,44 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+EXECUTOR_BACKENDS = ("uni", "mp")
+QUANTIZATION_METHODS = ("gguf", "int8")
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split over worker processes (vLLM's flags and names).
+
+    Tensor parallelism splits each layer's heads and MLP columns over ranks; pipeline
+    parallelism splits the layers into stages. `uni` runs one rank in this process;
+    `mp` starts one worker process per rank.
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: uni for one rank, mp for more
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}; "
+                             f"got {backend!r}")
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend uni runs one rank; tensor_parallel_size x "
+                             f"pipeline_parallel_size is {self.world_size}: use mp")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
+
+
 @dataclass
 class EngineConfig:
     """Everything an engine needs to start; built from CLI flags or `LLM(...)` kwargs."""
@@ -239,6 +277,21 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # True: run the model eagerly; False: compile it (torch.compile, inductor) where a
+    # compiler is present.
+    enforce_eager: bool = False
+    # None: weights in `dtype`; "gguf": a GGUF checkpoint's own quantized blocks (Q4_1,
+    # Q8_0) as stored; "int8": int8 weight-only, per output channel.
+    quantization: str | None = None
+    num_threads: int | None = None  # torch intra-op threads of this process; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
+                             f"got {self.quantization!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1; got {self.num_threads}")
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
@@ -250,7 +303,10 @@ def make_engine_config(model: str | None = None, *, dtype: str = "auto", device:
                        max_model_len: int | None = None, max_num_seqs: int = 64,
                        max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                        enable_chunked_prefill: bool = True,
-                       speculative_config: SpeculativeConfig | dict | str | None = None) -> EngineConfig:
+                       speculative_config: SpeculativeConfig | dict | str | None = None,
+                       tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                       distributed_executor_backend: str | None = None, enforce_eager: bool = False,
+                       quantization: str | None = None, num_threads: int | None = None) -> EngineConfig:
     """The one place flat engine options (LLM kwargs, CLI flags) become an EngineConfig."""
     return EngineConfig(
         model=model, dtype=dtype, device=device, seed=seed,
@@ -258,7 +314,11 @@ def make_engine_config(model: str | None = None, *, dtype: str = "auto", device:
                           enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill),
-        speculative=SpeculativeConfig.parse(speculative_config))
+        speculative=SpeculativeConfig.parse(speculative_config),
+        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                pipeline_parallel_size=pipeline_parallel_size,
+                                distributed_executor_backend=distributed_executor_backend),
+        enforce_eager=enforce_eager, quantization=quantization, num_threads=num_threads)
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,

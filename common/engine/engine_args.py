@@ -28,6 +28,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help='speculative decoding as JSON, like vLLM: {"method": "ngram", '
                         '"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; '
                         'methods ngram, early_exit (num_early_exit_layers), draft_model (draft_model)')
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks each layer is split over (one worker process each)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages the layers are split into (one worker process each)")
+    g.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
+                   help="uni: the model runs in this process; mp: one worker process per rank; "
+                        "default uni for one rank, mp for more")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run the model eagerly instead of compiling it with torch.compile")
+    g.add_argument("--quantization", choices=["gguf", "int8"], default=None,
+                   help="gguf: serve a GGUF's own quantized weights (Q4_1, Q8_0) as stored; "
+                        "int8: int8 weight-only; default: weights in --dtype")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads of this process (set it so processes sharing a host do not "
+                        "oversubscribe its cores); default: torch's choice")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -37,7 +52,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching,
                 enable_chunked_prefill=not args.no_chunked_prefill,
-                speculative_config=getattr(args, "speculative_config", None))
+                speculative_config=getattr(args, "speculative_config", None),
+                tensor_parallel_size=args.tensor_parallel_size,
+                pipeline_parallel_size=args.pipeline_parallel_size,
+                distributed_executor_backend=args.distributed_executor_backend,
+                enforce_eager=args.enforce_eager, quantization=args.quantization,
+                num_threads=args.num_threads)
 
 
 def engine_config_from_args(args: argparse.Namespace):
