@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common.engine.config import EngineConfig, ModelConfig, parse_memory_size
+from common.engine.device import set_num_threads
 from common.engine.executor import Executor, InProcessExecutor
 from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.kv_connector.factory import make_scheduler_connector
@@ -75,6 +76,7 @@ class EngineCore:
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_hf_config(load_hf_config(self.model_dir))
+        set_num_threads(config.num_threads)
         self.executor = executor or InProcessExecutor(self.model_config, self.model_dir, config)
         cache = config.cache
         bytes_per_block = self.executor.kv_bytes_per_block()

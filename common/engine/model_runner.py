@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 from common.engine.config import KVTransferConfig, ModelConfig, SpeculativeConfig
+from common.engine.device import select_device, select_dtype
 from common.engine.kv_connector.factory import make_worker_connector
 from common.engine.kv_connector.layout import describe_kv_layout, kv_layout, kv_layout_hash
 from common.engine.models.attention import AttentionMetadata
@@ -19,25 +20,6 @@ from common.engine.spec_decode.proposer import DraftProposer, make_proposer
 from common.engine.spec_decode.verification import accept_drafts, expand_verification_rows
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def select_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def select_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        # CPU kernels for half types are slow and less exact; GPUs want bf16.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
-    return DTYPES[dtype]
-
 
 def load_model(model_config: ModelConfig, model_dir: Path, device: torch.device,
                dtype: torch.dtype) -> CausalLM:
