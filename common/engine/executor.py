@@ -40,7 +40,8 @@ class InProcessExecutor(Executor):
     def __init__(self, model_config: ModelConfig, model_dir: Path, config: EngineConfig):
         self.runner = ModelRunner(model_config, model_dir, device=config.device, dtype=config.dtype,
                                   seed=config.seed, block_size=config.cache.block_size,
-                                  kv_transfer_config=config.kv_transfer, speculative_config=config.speculative)
+                                  kv_transfer_config=config.kv_transfer, speculative_config=config.speculative,
+                                  enforce_eager=config.enforce_eager)
 
     @property
     def device_type(self) -> str:
