@@ -45,7 +45,7 @@ def cpu_has_native_bf16(flags: set[str] | None = None) -> bool:
 
 def select_dtype(dtype: str, device: torch.device, flags: set[str] | None = None) -> torch.dtype:
     if dtype == "auto":
-        dtype = os.environ.get("PDSERVE_DTYPE", "auto")
+        dtype = os.environ.get("PDSERVE_DTYPE") or "auto"
     if dtype == "auto":
         native_bf16 = device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16(flags))
         chosen = torch.bfloat16 if native_bf16 else torch.float32
