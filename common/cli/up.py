@@ -10,6 +10,8 @@ decode, --policy to the gateway; a flag none defines is an error), and the envir
 address: its --registry-port, a free port of its own), and --metrics-port 0:
 every process serves Prometheus metrics on a free port, named as `metrics=HOST:PORT` in
 the READY line it prints (echoed with its name; `ManagedProcess.metrics_address`).
+Each prefill and decode process gets `--num-threads`: an equal share of the host's
+cores (its pinned CPUs where a benchmark pins roles), unless the flag is given.
 Every process gets the same registry token through PDSERVE_REGISTRY_TOKEN (never on a
 command line, where `ps` shows it): the environment's, else a fresh random one.
 
@@ -164,7 +166,8 @@ class LocalStack:
         return once it is serving (its PDSERVE_READY line)."""
         instance_id = f"{role}-{self._next_index[role]}"
         self._next_index[role] += 1
-        process = ManagedProcess(instance_id, [role, *self.flags[role], *self.role_flags.get(role, ()),
+        process = ManagedProcess(instance_id, [role, *self._thread_flags(role), *self.flags[role],
+                                               *self.role_flags.get(role, ()),
                                                "--host", self.host, "--port", "0",
                                                "--instance-id", instance_id, "--gateway", self.registry_address,
                                                "--metrics-port", "0"],
@@ -173,6 +176,16 @@ class LocalStack:
         if wait:
             process.wait_ready(self.startup_timeout_s)
         return process
+
+    def _thread_flags(self, role: str) -> list[str]:
+        """--num-threads for an engine process: its pinned CPUs, else an equal share of this
+        host's cores among the stack's engine processes, so prefill and decode do not
+        oversubscribe them. A --num-threads the user gave comes later and wins."""
+        cpus = self.cpu_affinity.get(role)
+        if cpus:
+            return ["--num-threads", str(len(cpus))]
+        num_engines = max(1, self.num_prefill + self.num_decode)
+        return ["--num-threads", str(max(1, len(os.sched_getaffinity(0)) // num_engines))]
 
     def _role_env(self, role: str) -> dict[str, str]:
         cpus = self.cpu_affinity.get(role)

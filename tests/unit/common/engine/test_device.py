@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from common.engine.device import select_dtype
+from common.engine.device import select_dtype, set_num_threads
 
 CPU = torch.device("cpu")
 
@@ -42,3 +42,14 @@ def test_unknown_dtype_is_refused():
     with pytest.raises(ValueError, match="dtype must be one of auto"):
         select_dtype("float8", CPU, set())
 
+
+
+def test_num_threads_sets_this_processes_torch_threads():
+    previous = torch.get_num_threads()
+    try:
+        set_num_threads(1)
+        assert torch.get_num_threads() == 1
+        set_num_threads(None)  # leaves torch's choice alone
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(previous)

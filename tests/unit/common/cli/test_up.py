@@ -1,0 +1,27 @@
+"""`pdserve up` divides the host's cores among its engine processes."""
+from __future__ import annotations
+
+import os
+
+from common.cli.processes import route_flags
+from common.cli.up import LocalStack
+
+
+def test_engine_processes_share_the_cores_and_pinned_roles_use_their_cpus():
+    num_cores = len(os.sched_getaffinity(0))
+    stack = LocalStack(1, 1)
+    assert stack._thread_flags("decode") == ["--num-threads", str(max(1, num_cores // 2))]
+    crowded = LocalStack(num_cores, num_cores)  # more engines than cores: one thread each, not zero
+    assert crowded._thread_flags("prefill") == ["--num-threads", "1"]
+    pinned = LocalStack(1, 1, cpu_affinity={"decode": {0}})
+    assert pinned._thread_flags("decode") == ["--num-threads", "1"]
+
+
+def test_a_num_threads_flag_given_to_up_reaches_the_engines_and_wins():
+    routed = route_flags(["--num-threads", "3"])
+    assert routed["decode"] == ["--num-threads", "3"] and routed["prefill"] == ["--num-threads", "3"]
+    assert "--num-threads" not in routed["gateway"]
+    # up's share goes first on the command line: argparse keeps a flag's last value.
+    stack = LocalStack(1, 1, passthrough=["--num-threads", "3"])
+    argv = [*stack._thread_flags("decode"), *stack.flags["decode"]]
+    assert argv[-2:] == ["--num-threads", "3"]
