@@ -38,7 +38,8 @@ DELEGATED = {
     "plan": ("bench.plan", "the cheapest prefill:decode (or colocated) instance counts that meet SLOs"),
 }
 DELEGATED_BENCH = {
-    "offline": ("bench.offline", "LLM.generate vs Hugging Face generate throughput"),
+    "offline": ("bench.offline", "LLM.generate vs Hugging Face generate and vLLM's CPU build"),
+    "serve-peer": ("bench.peers.vllm_serve", "pdserve vs `vllm serve` under the same load and client"),
     "transfer": ("bench.transfer", "KV transfer throughput vs plain pyzmq"),
     "serve": ("bench.serve.main",
               "load-test a gateway: TTFT/TPOT/ITL/E2EL, throughput, goodput (vLLM definitions)"),

@@ -1,0 +1,149 @@
+"""`pdserve bench serve-peer`: pdserve and `vllm serve` under the same load, one after the other.
+
+Each server gets the machine alone, the same model directory, dtype, context length
+and KV pool; one client (`pdserve bench serve --backend openai`, a process of its
+own) sends both the same seeded requests at each request rate over the same
+OpenAI-compatible completions API. pdserve runs in its best configuration for a
+small machine by default: one decode instance that prefills locally (`pdserve up
+--prefill 0 --decode 1`). Reported: output tokens/s and p99 TPOT per rate and
+side, and their ratios.
+
+    pdserve bench serve-peer --request-rate 1,2,4 --num-prompts 64 --json docs/bench/serve_peer.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.peers.vllm_peer import cpu_env, vllm_python
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_models(base_url: str, process: subprocess.Popen, timeout_s: float) -> None:
+    """Until GET /v1/models answers 200; a server that exits first fails at once."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode} before serving")
+        try:
+            with urllib.request.urlopen(f"{base_url}/v1/models", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{base_url} did not serve /v1/models within {timeout_s:.0f} s")
+
+
+def run_client(base_url: str, args: argparse.Namespace, json_path: Path) -> dict:
+    argv = [sys.executable, "-m", "common.cli.main", "bench", "serve", "--backend", "openai",
+            "--base-url", base_url, "--tokenizer", "bundled", "--dataset-name", "random",
+            "--random-input-len", str(args.random_input_len), "--random-output-len", str(args.random_output_len),
+            "--random-range-ratio", str(args.random_range_ratio), "--num-prompts", str(args.num_prompts),
+            "--request-rate", args.request_rate, "--seed", str(args.seed), "--disable-tqdm",
+            "--json", str(json_path)]
+    subprocess.run(argv, check=True)
+    return json.loads(json_path.read_text())
+
+
+def serve_ours(args: argparse.Namespace, model_dir: str, out: Path) -> dict:
+    from common.cli.up import LocalStack
+    passthrough = ["--model", model_dir, "--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory,
+                   "--max-model-len", str(args.max_model_len), "--log-level", "WARNING"]
+    if args.enforce_eager:
+        passthrough.append("--enforce-eager")
+    with LocalStack(args.prefill, args.decode, http_port=0, passthrough=passthrough, log_dir=out / "pdserve-logs",
+                    startup_timeout_s=args.startup_timeout) as stack:
+        return run_client(f"http://{stack.http_address}", args, out / "pdserve.json")
+
+
+def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path) -> dict:
+    python = vllm_python(args.peer_venv)
+    port = free_port()
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+            "--served-model-name", Path(model_dir).name, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", str(args.seed)]
+    kv_gib = float(args.kv_cache_memory.lower().removesuffix("gib"))
+    with open(out / "vllm-serve.log", "w") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                   env=cpu_env(args.peer_threads_bind, kv_gib))
+        try:
+            base_url = f"http://127.0.0.1:{port}"
+            wait_for_models(base_url, process, args.startup_timeout)
+            return run_client(base_url, args, out / "vllm.json")
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def compare(ours: dict, peer: dict) -> list[dict]:
+    rows = []
+    for o, v in zip(ours["runs"], peer["runs"]):
+        rows.append({"request_rate": o["request_rate"],
+                     "pdserve_output_tokens_per_s": o["output_throughput"],
+                     "vllm_output_tokens_per_s": v["output_throughput"],
+                     "throughput_ratio": o["output_throughput"] / v["output_throughput"],
+                     "pdserve_p99_tpot_ms": o["p99_tpot_ms"], "vllm_p99_tpot_ms": v["p99_tpot_ms"],
+                     "pdserve_failed": o["failed"], "vllm_failed": v["failed"]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve bench serve-peer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default=None, help="write both runs and the comparison here")
+    parser.add_argument("--model", default=None, help="default: the bundled model (its converted directory)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kv-cache-memory", default="2GiB", help="both sides' KV pool, whole GiB")
+    parser.add_argument("--prefill", type=int, default=0, help="our prefill instances (0: decode prefills)")
+    parser.add_argument("--decode", type=int, default=1, help="our decode instances")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--peer-venv", default=None)
+    parser.add_argument("--peer-threads-bind", default="auto")
+    parser.add_argument("--request-rate", default="1,2,4")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--random-input-len", type=int, default=256)
+    parser.add_argument("--random-output-len", type=int, default=64)
+    parser.add_argument("--random-range-ratio", type=float, default=0.5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    args = parser.parse_args(argv)
+
+    from bench.profile import cpu_model_name
+    from common.engine.model_files import resolve_model
+    model_dir = str(resolve_model(args.model))
+    vllm_python(args.peer_venv)  # missing peer: say how to install it before our run
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        ours = serve_ours(args, model_dir, out)
+        peer = serve_vllm(args, model_dir, out)
+    rows = compare(ours, peer)
+    result = {"cpu": cpu_model_name(), "config": vars(args), "comparison": rows, "pdserve": ours, "vllm": peer}
+    for row in rows:
+        print(f"{row['request_rate']:>6} req/s  pdserve {row['pdserve_output_tokens_per_s']:7.1f} tok/s "
+              f"p99 TPOT {row['pdserve_p99_tpot_ms']:7.1f} ms | vLLM {row['vllm_output_tokens_per_s']:7.1f} tok/s "
+              f"p99 TPOT {row['vllm_p99_tpot_ms']:7.1f} ms | ratio {row['throughput_ratio']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
