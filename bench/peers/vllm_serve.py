@@ -64,6 +64,7 @@ def serve_ours(args: argparse.Namespace, model_dir: str, out: Path) -> dict:
                    "--max-model-len", str(args.max_model_len), "--log-level", "WARNING"]
     if args.enforce_eager:
         passthrough.append("--enforce-eager")
+    (out / "pdserve-logs").mkdir()
     with LocalStack(args.prefill, args.decode, http_port=0, passthrough=passthrough, log_dir=out / "pdserve-logs",
                     startup_timeout_s=args.startup_timeout) as stack:
         return run_client(f"http://{stack.http_address}", args, out / "pdserve.json")
