@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._backend import (check_float_dtype, check_int32_1d, check_last_dim_contiguous,
-                              select_backend)
+from kernels._backend import check_float_dtype, check_int32_1d, check_last_dim_contiguous, select_backend
 from kernels.cpu_attention import cpu_attention_backend, decode_attention_native, prefill_attention_native
 from kernels.torch_attention import decode_attention_torch, prefill_attention_torch
 

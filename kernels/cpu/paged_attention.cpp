@@ -135,14 +135,18 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
                            const at::Tensor& query_start_loc,  // [num_seqs + 1] int32
                            const at::Tensor& seq_lens,         // [num_seqs] int32
                            double scale, int64_t sliding_window, double logit_softcap) {
-  TORCH_CHECK_VALUE(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad q/cache shapes");
+  TORCH_CHECK_VALUE(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+                    "bad q/cache shapes");
   TORCH_CHECK_VALUE(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-              "q and the caches must be contiguous in head_dim");
-  TORCH_CHECK_VALUE(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
+                    "q and the caches must be contiguous in head_dim");
+  TORCH_CHECK_VALUE(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+                    "dtype mismatch");
   TORCH_CHECK_VALUE(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "head mismatch");
   TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
-                  seq_lens.scalar_type() == at::kInt, "metadata must be int32");
-  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.stride(1) == 1, "block_tables must be [num_seqs, max_blocks]");
+                        seq_lens.scalar_type() == at::kInt,
+                    "metadata must be int32");
+  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.stride(1) == 1,
+                    "block_tables must be [num_seqs, max_blocks]");
   const int64_t num_seqs = block_tables.size(0), max_blocks = block_tables.size(1);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK_VALUE(query_start_loc.is_contiguous() && query_start_loc.numel() == num_seqs + 1, "bad query_start_loc");

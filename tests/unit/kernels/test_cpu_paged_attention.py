@@ -15,8 +15,8 @@ import textwrap
 import pytest
 import torch
 
-from kernels import decode_attention, prefill_attention
 from kernels import attention as attention_module
+from kernels import decode_attention, prefill_attention
 from kernels.cpu import build
 from kernels.cpu_attention import cpu_attention_backend, native_attention_error
 from tests.support.paths import REPO_ROOT
