@@ -40,6 +40,7 @@ DELEGATED = {
 DELEGATED_BENCH = {
     "offline": ("bench.offline", "LLM.generate vs Hugging Face generate throughput"),
     "transfer": ("bench.transfer", "KV transfer throughput vs plain pyzmq"),
+    "cpu-attention": ("bench.cpu_attention", "one layer's CPU paged attention: torch path vs the native kernel"),
     "serve": ("bench.serve.main",
               "load-test a gateway: TTFT/TPOT/ITL/E2EL, throughput, goodput (vLLM definitions)"),
     "routing": ("bench.routing",

@@ -7,15 +7,14 @@
 // it loads, and an online softmax (flash style) runs over the cache blocks, so
 // nothing is gathered and the scores never exceed one block per query row.
 // Math is fp32 whatever the cache dtype. Bad arguments raise ValueError, as the torch path does.
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -27,104 +26,179 @@ constexpr int64_t kQueryTile = 16;  // query tokens per work item in prefill chu
 
 struct WorkItem {
   int64_t seq;
-  int64_t first_token;  // index into q
+  int64_t first_token;     // index into q
   int64_t num_tokens;
   int64_t first_position;  // position of first_token in its sequence
 };
 
-template <typename T>
+// Everything one call's work items share; strides in elements.
+struct Problem {
+  const void* q;
+  int64_t q_token_stride, q_head_stride;
+  const void* k;
+  const void* v;
+  int64_t k_block_stride, k_pos_stride, k_head_stride;
+  int64_t v_block_stride, v_pos_stride, v_head_stride;
+  void* out;
+  int64_t out_token_stride, out_head_stride;
+  const int32_t* block_tables;
+  int64_t block_table_stride, num_blocks, block_size, group, head_dim, sliding_window;
+  float scale, logit_softcap;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// exp(x) for the softmax's x <= 0, in a form the compiler vectorises (glibc's expf has
+// no vector variant without -ffast-math): Cephes' range reduction and polynomial,
+// relative error ~1e-7.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  return y * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
+template <int64_t kHeadDim, typename T>
 inline float dot(const float* __restrict q, const T* __restrict k, int64_t head_dim) {
+  const int64_t dim = kHeadDim > 0 ? kHeadDim : head_dim;
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t d = 0; d < head_dim; ++d) acc += q[d] * static_cast<float>(k[d]);
+  for (int64_t d = 0; d < dim; ++d) acc += q[d] * to_float(k[d]);
   return acc;
 }
 
-template <typename T>
+template <int64_t kHeadDim, typename T>
 inline void axpy(float* __restrict acc, float p, const T* __restrict v, int64_t head_dim) {
+  const int64_t dim = kHeadDim > 0 ? kHeadDim : head_dim;
 #pragma omp simd
-  for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * static_cast<float>(v[d]);
+  for (int64_t d = 0; d < dim; ++d) acc[d] += p * to_float(v[d]);
 }
 
-template <typename T>
-void attend_item(const WorkItem& item, int64_t kv_head, const at::Tensor& q, const at::Tensor& k_cache,
-                 const at::Tensor& v_cache, const int32_t* block_table, int64_t num_blocks, float scale,
-                 int64_t sliding_window, float logit_softcap, at::Tensor& out, std::vector<float>& scratch) {
-  const int64_t num_q_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), group = num_q_heads / k_cache.size(2);
-  const int64_t num_rows = item.num_tokens * group;  // row r: token r / group, head r % group
-  const int64_t acc_size = num_rows * head_dim;
-  scratch.resize(2 * acc_size + 2 * num_rows + block_size);
-  float* q_rows = scratch.data();            // [num_rows, head_dim], scaled
-  float* acc = q_rows + acc_size;            // [num_rows, head_dim]
-  float* row_max = acc + acc_size;           // [num_rows]
-  float* row_sum = row_max + num_rows;       // [num_rows]
-  float* scores = row_sum + num_rows;        // [block_size]
-  std::fill(acc, acc + acc_size, 0.f);
-  std::fill(row_max, row_max + num_rows, -std::numeric_limits<float>::infinity());
+// One work item: the item's query tokens x the kv head's group of query heads ("rows",
+// row r = token r / group, head r % group) against the keys they see, one cache block
+// at a time. kHeadDim > 0 fixes head_dim at compile time (unrolled dot products).
+template <typename T, int64_t kHeadDim>
+void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::vector<float>& scratch,
+                 std::vector<int64_t>& bounds) {
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : pr.head_dim;
+  const int64_t block_size = pr.block_size, group = pr.group;
+  const int64_t num_rows = item.num_tokens * group;
+  scratch.resize(2 * num_rows * head_dim + 2 * num_rows + num_rows * block_size);
+  bounds.resize(2 * num_rows);
+  float* q_rows = scratch.data();                  // [num_rows, head_dim], pre-scaled
+  float* acc = q_rows + num_rows * head_dim;       // [num_rows, head_dim]
+  float* row_max = acc + num_rows * head_dim;      // [num_rows]
+  float* row_sum = row_max + num_rows;             // [num_rows]
+  float* scores = row_sum + num_rows;              // [num_rows, block_size], then probabilities
+  int64_t* row_begin = bounds.data();              // [num_rows] visible keys of this block, relative
+  int64_t* row_end = row_begin + num_rows;         // [num_rows]
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  std::fill(acc, acc + num_rows * head_dim, 0.f);
+  std::fill(row_max, row_max + num_rows, kNegInf);
   std::fill(row_sum, row_sum + num_rows, 0.f);
 
-  const T* q_ptr = q.data_ptr<T>();
+  const T* q = static_cast<const T*>(pr.q);
   for (int64_t r = 0; r < num_rows; ++r) {
-    const T* src = q_ptr + (item.first_token + r / group) * q.stride(0) +
-                   (kv_head * group + r % group) * q.stride(1);
-    for (int64_t d = 0; d < head_dim; ++d) q_rows[r * head_dim + d] = static_cast<float>(src[d]) * scale;
+    const T* src =
+        q + (item.first_token + r / group) * pr.q_token_stride + (kv_head * group + r % group) * pr.q_head_stride;
+    for (int64_t d = 0; d < head_dim; ++d) q_rows[r * head_dim + d] = to_float(src[d]) * pr.scale;
   }
-  // Visible keys of the token at position p: [first_key(p), p].
-  auto first_key = [&](int64_t p) { return sliding_window > 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0; };
-  const int64_t last_position = item.first_position + item.num_tokens - 1;
-  const int64_t lo = first_key(item.first_position), hi = last_position + 1;  // the tile's keys [lo, hi)
-
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
-  const int64_t k_block_stride = k_cache.stride(0), k_pos_stride = k_cache.stride(1);
-  const int64_t v_block_stride = v_cache.stride(0), v_pos_stride = v_cache.stride(1);
-  const T* k_head = k_ptr + kv_head * k_cache.stride(2);
-  const T* v_head = v_ptr + kv_head * v_cache.stride(2);
+  // The token at position p sees keys [first_key(p), p].
+  auto first_key = [&](int64_t p) {
+    return pr.sliding_window > 0 ? std::max<int64_t>(0, p - pr.sliding_window + 1) : 0;
+  };
+  const int64_t lo = first_key(item.first_position);                 // the item's keys: [lo, hi)
+  const int64_t hi = item.first_position + item.num_tokens;
+  const T* k_head = static_cast<const T*>(pr.k) + kv_head * pr.k_head_stride;
+  const T* v_head = static_cast<const T*>(pr.v) + kv_head * pr.v_head_stride;
+  const int32_t* block_table = pr.block_tables + item.seq * pr.block_table_stride;
 
   for (int64_t b = lo / block_size; b * block_size < hi; ++b) {
     const int64_t block_id = block_table[b];
-    TORCH_CHECK_VALUE(block_id >= 0 && block_id < num_blocks, "block table entry ", block_id, " of sequence ",
-                item.seq, " is outside the cache's ", num_blocks, " blocks");
+    TORCH_CHECK_VALUE(block_id >= 0 && block_id < pr.num_blocks, "block table entry ", block_id, " of sequence ",
+                      item.seq, " is outside the cache's ", pr.num_blocks, " blocks");
     const int64_t block_start = b * block_size;
-    const T* k_block = k_head + block_id * k_block_stride;
-    const T* v_block = v_head + block_id * v_block_stride;
+    const T* k_block = k_head + block_id * pr.k_block_stride;
+    const T* v_block = v_head + block_id * pr.v_block_stride;
+    const int64_t keys_begin = std::max(lo, block_start) - block_start;       // any row's keys here
+    const int64_t keys_end = std::min(hi, block_start + block_size) - block_start;
     for (int64_t r = 0; r < num_rows; ++r) {
       const int64_t position = item.first_position + r / group;
-      const int64_t begin = std::max(first_key(position), block_start) - block_start;
-      const int64_t end = std::min(position + 1, block_start + block_size) - block_start;
-      if (begin >= end) continue;
-      const float* q_row = q_rows + r * head_dim;
-      float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = begin; j < end; ++j) {
-        float s = dot(q_row, k_block + j * k_pos_stride, head_dim);
-        if (logit_softcap > 0.f) s = std::tanh(s / logit_softcap) * logit_softcap;
-        scores[j] = s;
-        block_max = std::max(block_max, s);
+      row_begin[r] = std::max(first_key(position), block_start) - block_start;
+      row_end[r] = std::min(position + 1, block_start + block_size) - block_start;
+    }
+    // Scores, each K row loaded once for all rows.
+    for (int64_t j = keys_begin; j < keys_end; ++j) {
+      const T* k_row = k_block + j * pr.k_pos_stride;
+      for (int64_t r = 0; r < num_rows; ++r)
+        scores[r * block_size + j] =
+            j >= row_begin[r] && j < row_end[r] ? dot<kHeadDim>(q_rows + r * head_dim, k_row, head_dim) : kNegInf;
+    }
+    // Online softmax: scores become probabilities against each row's running max.
+    for (int64_t r = 0; r < num_rows; ++r) {
+      float* s = scores + r * block_size;
+      const int64_t begin = row_begin[r], end = row_end[r];
+      if (begin >= end) {
+        std::fill(s + keys_begin, s + keys_end, 0.f);
+        continue;
       }
-      float* acc_row = acc + r * head_dim;
+      if (pr.logit_softcap > 0.f)
+        for (int64_t j = begin; j < end; ++j) s[j] = std::tanh(s[j] / pr.logit_softcap) * pr.logit_softcap;
+      float block_max = kNegInf;
+      for (int64_t j = begin; j < end; ++j) block_max = std::max(block_max, s[j]);
       const float new_max = std::max(row_max[r], block_max);
       if (new_max > row_max[r] && row_sum[r] > 0.f) {  // rescale what earlier blocks accumulated
-        const float correction = std::exp(row_max[r] - new_max);
+        const float correction = exp_nonpositive(row_max[r] - new_max);
         row_sum[r] *= correction;
+        float* acc_row = acc + r * head_dim;
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) acc_row[d] *= correction;
       }
       row_max[r] = new_max;
       float sum = 0.f;
-      for (int64_t j = begin; j < end; ++j) {
-        const float p = std::exp(scores[j] - new_max);
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = keys_begin; j < keys_end; ++j) {
+        const float p = j >= begin && j < end ? exp_nonpositive(s[j] - new_max) : 0.f;
+        s[j] = p;
         sum += p;
-        axpy(acc_row, p, v_block + j * v_pos_stride, head_dim);
       }
       row_sum[r] += sum;
     }
+    // acc += P V, each V row loaded once for all rows; masked keys are skipped, not added as 0.
+    for (int64_t j = keys_begin; j < keys_end; ++j) {
+      const T* v_row = v_block + j * pr.v_pos_stride;
+      for (int64_t r = 0; r < num_rows; ++r) {
+        const float p = scores[r * block_size + j];
+        if (p != 0.f) axpy<kHeadDim>(acc + r * head_dim, p, v_row, head_dim);
+      }
+    }
   }
-  T* out_ptr = out.data_ptr<T>();
+  T* out = static_cast<T*>(pr.out);
   for (int64_t r = 0; r < num_rows; ++r) {
-    T* dst = out_ptr + (item.first_token + r / group) * out.stride(0) + (kv_head * group + r % group) * out.stride(1);
+    T* dst = out + (item.first_token + r / group) * pr.out_token_stride +
+             (kv_head * group + r % group) * pr.out_head_stride;
     const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[r * head_dim + d] * inv);
+  }
+}
+
+template <typename T>
+void attend_item_any_dim(const Problem& pr, const WorkItem& item, int64_t kv_head, std::vector<float>& scratch,
+                         std::vector<int64_t>& bounds) {
+  switch (pr.head_dim) {
+    case 64: return attend_item<T, 64>(pr, item, kv_head, scratch, bounds);
+    case 128: return attend_item<T, 128>(pr, item, kv_head, scratch, bounds);
+    case 256: return attend_item<T, 256>(pr, item, kv_head, scratch, bounds);
+    default: return attend_item<T, 0>(pr, item, kv_head, scratch, bounds);
   }
 }
 
@@ -169,8 +243,14 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
   }
   at::Tensor out = at::zeros(q.sizes(), q.options());
   const int64_t num_work = static_cast<int64_t>(items.size()) * num_kv_heads;
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t table_stride = block_tables.stride(0), num_blocks = k_cache.size(0);
+  const Problem problem{q.data_ptr(), q.stride(0), q.stride(1),
+                        k_cache.data_ptr(), v_cache.data_ptr(),
+                        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                        out.data_ptr(), out.stride(0), out.stride(1),
+                        block_tables.data_ptr<int32_t>(), block_tables.stride(0), k_cache.size(0),
+                        block_size, q.size(1) / num_kv_heads, q.size(2), sliding_window,
+                        static_cast<float>(scale), static_cast<float>(logit_softcap)};
   // Longest items first, handed out one at a time: a static split of a batch with mixed
   // lengths leaves threads idle while one finishes the long sequences.
   std::vector<int64_t> order(num_work);
@@ -182,18 +262,23 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
   std::atomic<int64_t> next{0};
   const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_work);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_attention", [&] {
+  auto run = [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
     at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
       std::vector<float> scratch;
+      std::vector<int64_t> bounds;
       for (int64_t i = next++; i < num_work; i = next++) {
         const int64_t w = order[i];
-        const WorkItem& item = items[w / num_kv_heads];
-        attend_item<scalar_t>(item, w % num_kv_heads, q, k_cache, v_cache, tables + item.seq * table_stride,
-                              num_blocks, static_cast<float>(scale), sliding_window,
-                              static_cast<float>(logit_softcap), out, scratch);
+        attend_item_any_dim<T>(problem, items[w / num_kv_heads], w % num_kv_heads, scratch, bounds);
       }
     });
-  });
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK_VALUE(false, "paged_attention takes float32, bfloat16 or float16, got ", q.scalar_type());
+  }
   return out;
 }
 
