@@ -17,6 +17,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -83,13 +84,89 @@ inline void axpy(float* __restrict acc, float p, const T* __restrict v, int64_t 
   for (int64_t d = 0; d < dim; ++d) acc[d] += p * to_float(v[d]);
 }
 
+// Explicit vectors for the head_dims the kernel is specialised for (GCC/Clang vector
+// extensions: zmm with AVX-512, else ymm/xmm pairs). One Vec holds kLanes floats.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint16_t Vec16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t VecU32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline Vec load_vec(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline Vec load_vec(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  Vec16 h;
+  std::memcpy(&h, p, sizeof h);
+  return (Vec)(__builtin_convertvector(h, VecU32) << 16);
+}
+inline Vec load_vec(const c10::Half* p) {
+  Vec v;
+  for (int64_t i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+// Horizontal sum by halving (log2(kLanes) shuffle + add steps, not kLanes extracts).
+inline float hsum(Vec v) {
+  typedef float Half8 __attribute__((vector_size(8 * sizeof(float))));
+  typedef float Half4 __attribute__((vector_size(4 * sizeof(float))));
+#if defined(__AVX512F__)
+  const Half8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const Half8 h8 = v;
+#endif
+  const Half4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+// scores[j] = q . k_j for j in [begin, end), q ([kNumVec] Vecs) held in registers.
+template <int64_t kNumVec, typename T>
+inline void row_scores(const float* q_row, const T* k_block, int64_t k_pos_stride, int64_t begin, int64_t end,
+                       float* scores) {
+  Vec q[kNumVec];
+  for (int64_t v = 0; v < kNumVec; ++v) q[v] = load_vec(q_row + v * kLanes);
+  for (int64_t j = begin; j < end; ++j) {
+    const T* k = k_block + j * k_pos_stride;
+    Vec a = q[0] * load_vec(k);
+    for (int64_t v = 1; v < kNumVec; ++v) a += q[v] * load_vec(k + v * kLanes);
+    scores[j] = hsum(a);
+  }
+}
+
+// acc += sum_j p[j] v_j for j in [begin, end), acc held in registers.
+template <int64_t kNumVec, typename T>
+inline void row_accumulate(float* acc_row, const float* p, const T* v_block, int64_t v_pos_stride, int64_t begin,
+                           int64_t end) {
+  Vec acc[kNumVec];
+  for (int64_t v = 0; v < kNumVec; ++v) acc[v] = load_vec(acc_row + v * kLanes);
+  for (int64_t j = begin; j < end; ++j) {
+    const T* v_row = v_block + j * v_pos_stride;
+    for (int64_t v = 0; v < kNumVec; ++v) acc[v] += p[j] * load_vec(v_row + v * kLanes);
+  }
+  std::memcpy(acc_row, acc, sizeof acc);
+}
+
+template <typename T>
+inline void prefetch_rows(const T* first, int64_t row_stride, int64_t num_rows, int64_t head_dim) {
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
+  for (int64_t j = 0; j < num_rows; ++j)
+    for (int64_t d = 0; d < head_dim; d += kLine) __builtin_prefetch(first + j * row_stride + d);
+}
+
 // One work item: the item's query tokens x the kv head's group of query heads ("rows",
 // row r = token r / group, head r % group) against the keys they see, one cache block
-// at a time. kHeadDim > 0 fixes head_dim at compile time (unrolled dot products).
+// at a time. kHeadDim > 0 fixes head_dim at compile time: the rows' dot products and
+// accumulators then live in vector registers.
 template <typename T, int64_t kHeadDim>
 void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::vector<float>& scratch,
                  std::vector<int64_t>& bounds) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : pr.head_dim;
+  constexpr int64_t kNumVec = kHeadDim > 0 && kHeadDim % kLanes == 0 ? kHeadDim / kLanes : 0;
   const int64_t block_size = pr.block_size, group = pr.group;
   const int64_t num_rows = item.num_tokens * group;
   scratch.resize(2 * num_rows * head_dim + 2 * num_rows + num_rows * block_size);
@@ -129,6 +206,11 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
     const int64_t block_start = b * block_size;
     const T* k_block = k_head + block_id * pr.k_block_stride;
     const T* v_block = v_head + block_id * pr.v_block_stride;
+    if ((b + 1) * block_size < hi) {  // blocks lie anywhere: fetch the next one's rows of this head early
+      const int64_t next_id = std::clamp<int64_t>(block_table[b + 1], 0, pr.num_blocks - 1);
+      prefetch_rows(k_head + next_id * pr.k_block_stride, pr.k_pos_stride, block_size, head_dim);
+      prefetch_rows(v_head + next_id * pr.v_block_stride, pr.v_pos_stride, block_size, head_dim);
+    }
     const int64_t keys_begin = std::max(lo, block_start) - block_start;       // any row's keys here
     const int64_t keys_end = std::min(hi, block_start + block_size) - block_start;
     for (int64_t r = 0; r < num_rows; ++r) {
@@ -136,12 +218,20 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
       row_begin[r] = std::max(first_key(position), block_start) - block_start;
       row_end[r] = std::min(position + 1, block_start + block_size) - block_start;
     }
-    // Scores, each K row loaded once for all rows.
-    for (int64_t j = keys_begin; j < keys_end; ++j) {
-      const T* k_row = k_block + j * pr.k_pos_stride;
-      for (int64_t r = 0; r < num_rows; ++r)
-        scores[r * block_size + j] =
-            j >= row_begin[r] && j < row_end[r] ? dot<kHeadDim>(q_rows + r * head_dim, k_row, head_dim) : kNegInf;
+    // Scores; masked keys stay -inf.
+    if constexpr (kNumVec > 0) {
+      for (int64_t r = 0; r < num_rows; ++r) {
+        float* s = scores + r * block_size;
+        std::fill(s + keys_begin, s + keys_end, kNegInf);
+        row_scores<kNumVec>(q_rows + r * head_dim, k_block, pr.k_pos_stride, row_begin[r], row_end[r], s);
+      }
+    } else {  // each K row loaded once for all rows
+      for (int64_t j = keys_begin; j < keys_end; ++j) {
+        const T* k_row = k_block + j * pr.k_pos_stride;
+        for (int64_t r = 0; r < num_rows; ++r)
+          scores[r * block_size + j] =
+              j >= row_begin[r] && j < row_end[r] ? dot<kHeadDim>(q_rows + r * head_dim, k_row, head_dim) : kNegInf;
+      }
     }
     // Online softmax: scores become probabilities against each row's running max.
     for (int64_t r = 0; r < num_rows; ++r) {
@@ -154,6 +244,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
       if (pr.logit_softcap > 0.f)
         for (int64_t j = begin; j < end; ++j) s[j] = std::tanh(s[j] / pr.logit_softcap) * pr.logit_softcap;
       float block_max = kNegInf;
+#pragma omp simd reduction(max : block_max)
       for (int64_t j = begin; j < end; ++j) block_max = std::max(block_max, s[j]);
       const float new_max = std::max(row_max[r], block_max);
       if (new_max > row_max[r] && row_sum[r] > 0.f) {  // rescale what earlier blocks accumulated
@@ -173,12 +264,18 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
       }
       row_sum[r] += sum;
     }
-    // acc += P V, each V row loaded once for all rows; masked keys are skipped, not added as 0.
-    for (int64_t j = keys_begin; j < keys_end; ++j) {
-      const T* v_row = v_block + j * pr.v_pos_stride;
-      for (int64_t r = 0; r < num_rows; ++r) {
-        const float p = scores[r * block_size + j];
-        if (p != 0.f) axpy<kHeadDim>(acc + r * head_dim, p, v_row, head_dim);
+    // acc += P V over each row's visible keys (masked ones are skipped, not added as 0 x V).
+    if constexpr (kNumVec > 0) {
+      for (int64_t r = 0; r < num_rows; ++r)
+        if (row_begin[r] < row_end[r])
+          row_accumulate<kNumVec>(acc + r * head_dim, scores + r * block_size, v_block, pr.v_pos_stride,
+                                  row_begin[r], row_end[r]);
+    } else {  // each V row loaded once for all rows
+      for (int64_t j = keys_begin; j < keys_end; ++j) {
+        const T* v_row = v_block + j * pr.v_pos_stride;
+        for (int64_t r = 0; r < num_rows; ++r)
+          if (j >= row_begin[r] && j < row_end[r])
+            axpy<kHeadDim>(acc + r * head_dim, scores[r * block_size + j], v_row, head_dim);
       }
     }
   }
