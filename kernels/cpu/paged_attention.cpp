@@ -24,6 +24,7 @@
 namespace {
 
 constexpr int64_t kQueryTile = 16;  // query tokens per work item in prefill chunks
+constexpr int64_t kTransposeMinRows = 8;  // rows from which transposing a K block pays
 
 struct WorkItem {
   int64_t seq;
@@ -124,6 +125,45 @@ inline float hsum(Vec v) {
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
+typedef int32_t VecI32 __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// exp_nonpositive on a whole Vec (the scalar one does not vectorise inside GCC's loops).
+inline Vec exp_nonpositive(Vec x) {
+  x = x < -87.f ? Vec{} - 87.f : x;
+  const Vec t = x * 1.44269504f + 0.5f;
+  VecI32 n = __builtin_convertvector(t, VecI32);  // truncates; floor for negative t below
+  Vec nf = __builtin_convertvector(n, Vec);
+  const VecI32 too_big = nf > t;  // -1 where trunc rounded up
+  n += too_big;
+  nf = __builtin_convertvector(n, Vec);
+  const Vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  Vec y = Vec{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  return y * (Vec)((n + 127) << 23);
+}
+
+// Softmax numerators of one row: p[j] = exp(s[j] - max) for j in [begin, end), 0 for the
+// rest of [first, last); whole Vecs from first rounded down (the row is padded). Returns
+// the sum of the p.
+inline float row_probabilities(float* s, int64_t first, int64_t last, int64_t begin, int64_t end, float max) {
+  VecI32 lane;
+  for (int64_t i = 0; i < kLanes; ++i) lane[i] = static_cast<int32_t>(i);
+  Vec sum{};
+  for (int64_t j = first / kLanes * kLanes; j < last; j += kLanes) {
+    const VecI32 index = lane + static_cast<int32_t>(j);
+    const VecI32 visible = (index >= static_cast<int32_t>(begin)) & (index < static_cast<int32_t>(end));
+    const Vec p = visible ? exp_nonpositive(load_vec(s + j) - max) : Vec{};
+    std::memcpy(s + j, &p, sizeof p);
+    sum += p;
+  }
+  return hsum(sum);
+}
+
 // scores[j] = q . k_j for j in [begin, end), q ([kNumVec] Vecs) held in registers.
 template <int64_t kNumVec, typename T>
 inline void row_scores(const float* q_row, const T* k_block, int64_t k_pos_stride, int64_t begin, int64_t end,
@@ -138,6 +178,28 @@ inline void row_scores(const float* q_row, const T* k_block, int64_t k_pos_strid
   }
 }
 
+// Two rows at once: acc_a += sum_j p_a[j] v_j, acc_b likewise, for j in [begin, end) where
+// p is 0 outside each row's own keys; every V load serves both rows.
+template <int64_t kNumVec, typename T>
+inline void row_pair_accumulate(float* acc_a, float* acc_b, const float* p_a, const float* p_b, const T* v_block,
+                                int64_t v_pos_stride, int64_t begin, int64_t end) {
+  Vec a[kNumVec], b[kNumVec];
+  for (int64_t v = 0; v < kNumVec; ++v) {
+    a[v] = load_vec(acc_a + v * kLanes);
+    b[v] = load_vec(acc_b + v * kLanes);
+  }
+  for (int64_t j = begin; j < end; ++j) {
+    const T* v_row = v_block + j * v_pos_stride;
+    for (int64_t v = 0; v < kNumVec; ++v) {
+      const Vec x = load_vec(v_row + v * kLanes);
+      a[v] += p_a[j] * x;
+      b[v] += p_b[j] * x;
+    }
+  }
+  std::memcpy(acc_a, a, sizeof a);
+  std::memcpy(acc_b, b, sizeof b);
+}
+
 // acc += sum_j p[j] v_j for j in [begin, end), acc held in registers.
 template <int64_t kNumVec, typename T>
 inline void row_accumulate(float* acc_row, const float* p, const T* v_block, int64_t v_pos_stride, int64_t begin,
@@ -149,6 +211,53 @@ inline void row_accumulate(float* acc_row, const float* p, const T* v_block, int
     for (int64_t v = 0; v < kNumVec; ++v) acc[v] += p[j] * load_vec(v_row + v * kLanes);
   }
   std::memcpy(acc_row, acc, sizeof acc);
+}
+
+// Many rows (prefill tiles): transpose the block's K once, then each row's scores for
+// kLanes keys are one vector of FMAs with q broadcast, no horizontal sums; rows go in
+// fours so each K^T vector load serves four rows.
+template <int64_t kHeadDim, typename T>
+inline void transposed_scores(const float* q_rows, int64_t num_rows, const T* k_block, int64_t k_pos_stride,
+                              int64_t keys_begin, int64_t keys_end, int64_t score_stride, float* k_t,
+                              float* scores) {
+  if (keys_begin % kLanes != 0 || keys_end % kLanes != 0)  // lanes past the keys: zeros, not stale bits
+    std::fill(k_t, k_t + kHeadDim * score_stride, 0.f);
+  for (int64_t j = keys_begin; j < keys_end; ++j) {
+    const T* k = k_block + j * k_pos_stride;
+    for (int64_t d = 0; d < kHeadDim; ++d) k_t[d * score_stride + j] = to_float(k[d]);
+  }
+  for (int64_t kv = keys_begin / kLanes * kLanes; kv < keys_end; kv += kLanes) {
+    int64_t r = 0;
+    for (; r + 4 <= num_rows; r += 4) {
+      const float* q = q_rows + r * kHeadDim;
+      Vec a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};  // even and odd d: eight FMA chains
+      for (int64_t d = 0; d < kHeadDim; d += 2) {
+        const Vec k = load_vec(k_t + d * score_stride + kv);
+        const Vec k_odd = load_vec(k_t + (d + 1) * score_stride + kv);
+        a0 += q[d] * k;
+        a1 += q[kHeadDim + d] * k;
+        a2 += q[2 * kHeadDim + d] * k;
+        a3 += q[3 * kHeadDim + d] * k;
+        b0 += q[d + 1] * k_odd;
+        b1 += q[kHeadDim + d + 1] * k_odd;
+        b2 += q[2 * kHeadDim + d + 1] * k_odd;
+        b3 += q[3 * kHeadDim + d + 1] * k_odd;
+      }
+      a0 += b0;
+      a1 += b1;
+      a2 += b2;
+      a3 += b3;
+      std::memcpy(scores + r * score_stride + kv, &a0, sizeof a0);
+      std::memcpy(scores + (r + 1) * score_stride + kv, &a1, sizeof a1);
+      std::memcpy(scores + (r + 2) * score_stride + kv, &a2, sizeof a2);
+      std::memcpy(scores + (r + 3) * score_stride + kv, &a3, sizeof a3);
+    }
+    for (; r < num_rows; ++r) {
+      Vec a{};
+      for (int64_t d = 0; d < kHeadDim; ++d) a += q_rows[r * kHeadDim + d] * load_vec(k_t + d * score_stride + kv);
+      std::memcpy(scores + r * score_stride + kv, &a, sizeof a);
+    }
+  }
 }
 
 template <typename T>
@@ -169,13 +278,18 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
   constexpr int64_t kNumVec = kHeadDim > 0 && kHeadDim % kLanes == 0 ? kHeadDim / kLanes : 0;
   const int64_t block_size = pr.block_size, group = pr.group;
   const int64_t num_rows = item.num_tokens * group;
-  scratch.resize(2 * num_rows * head_dim + 2 * num_rows + num_rows * block_size);
+  // Score rows padded to whole Vecs, so the transposed path stores full vectors.
+  const int64_t score_stride = (block_size + kLanes - 1) / kLanes * kLanes;
+  const bool transposed = kNumVec > 0 && num_rows >= kTransposeMinRows;
+  scratch.resize(2 * num_rows * head_dim + 2 * num_rows + num_rows * score_stride +
+                 (transposed ? head_dim * score_stride : 0));
   bounds.resize(2 * num_rows);
   float* q_rows = scratch.data();                  // [num_rows, head_dim], pre-scaled
   float* acc = q_rows + num_rows * head_dim;       // [num_rows, head_dim]
   float* row_max = acc + num_rows * head_dim;      // [num_rows]
   float* row_sum = row_max + num_rows;             // [num_rows]
-  float* scores = row_sum + num_rows;              // [num_rows, block_size], then probabilities
+  float* scores = row_sum + num_rows;              // [num_rows, score_stride], then probabilities
+  float* k_t = scores + num_rows * score_stride;   // [head_dim, score_stride]: the block's K, transposed
   int64_t* row_begin = bounds.data();              // [num_rows] visible keys of this block, relative
   int64_t* row_end = row_begin + num_rows;         // [num_rows]
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -218,24 +332,28 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
       row_begin[r] = std::max(first_key(position), block_start) - block_start;
       row_end[r] = std::min(position + 1, block_start + block_size) - block_start;
     }
-    // Scores; masked keys stay -inf.
+    // Scores over [keys_begin, keys_end); a row's masked keys hold anything (the softmax skips them).
     if constexpr (kNumVec > 0) {
-      for (int64_t r = 0; r < num_rows; ++r) {
-        float* s = scores + r * block_size;
-        std::fill(s + keys_begin, s + keys_end, kNegInf);
-        row_scores<kNumVec>(q_rows + r * head_dim, k_block, pr.k_pos_stride, row_begin[r], row_end[r], s);
+      if (transposed) {
+        transposed_scores<kHeadDim>(q_rows, num_rows, k_block, pr.k_pos_stride, keys_begin, keys_end, score_stride,
+                                    k_t, scores);
+      } else {
+        for (int64_t r = 0; r < num_rows; ++r) {
+          float* s = scores + r * score_stride;
+          row_scores<kNumVec>(q_rows + r * head_dim, k_block, pr.k_pos_stride, row_begin[r], row_end[r], s);
+        }
       }
     } else {  // each K row loaded once for all rows
       for (int64_t j = keys_begin; j < keys_end; ++j) {
         const T* k_row = k_block + j * pr.k_pos_stride;
         for (int64_t r = 0; r < num_rows; ++r)
-          scores[r * block_size + j] =
-              j >= row_begin[r] && j < row_end[r] ? dot<kHeadDim>(q_rows + r * head_dim, k_row, head_dim) : kNegInf;
+          if (j >= row_begin[r] && j < row_end[r])
+            scores[r * score_stride + j] = dot<kHeadDim>(q_rows + r * head_dim, k_row, head_dim);
       }
     }
     // Online softmax: scores become probabilities against each row's running max.
     for (int64_t r = 0; r < num_rows; ++r) {
-      float* s = scores + r * block_size;
+      float* s = scores + r * score_stride;
       const int64_t begin = row_begin[r], end = row_end[r];
       if (begin >= end) {
         std::fill(s + keys_begin, s + keys_end, 0.f);
@@ -255,27 +373,30 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
         for (int64_t d = 0; d < head_dim; ++d) acc_row[d] *= correction;
       }
       row_max[r] = new_max;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = keys_begin; j < keys_end; ++j) {
-        const float p = j >= begin && j < end ? exp_nonpositive(s[j] - new_max) : 0.f;
-        s[j] = p;
-        sum += p;
-      }
-      row_sum[r] += sum;
+      row_sum[r] += row_probabilities(s, keys_begin, keys_end, begin, end, new_max);
     }
     // acc += P V over each row's visible keys (masked ones are skipped, not added as 0 x V).
     if constexpr (kNumVec > 0) {
-      for (int64_t r = 0; r < num_rows; ++r)
+      // Softmax left p = 0 on [keys_begin, keys_end) outside a row's keys, and those V rows
+      // are real cached positions, so a pair runs over the union of its two ranges.
+      int64_t r = 0;
+      for (; r + 2 <= num_rows; r += 2) {
+        const int64_t begin = std::min(row_begin[r], row_begin[r + 1]);
+        const int64_t end = std::max(row_end[r], row_end[r + 1]);
+        if (begin < end)
+          row_pair_accumulate<kNumVec>(acc + r * head_dim, acc + (r + 1) * head_dim, scores + r * score_stride,
+                                       scores + (r + 1) * score_stride, v_block, pr.v_pos_stride, begin, end);
+      }
+      for (; r < num_rows; ++r)
         if (row_begin[r] < row_end[r])
-          row_accumulate<kNumVec>(acc + r * head_dim, scores + r * block_size, v_block, pr.v_pos_stride,
+          row_accumulate<kNumVec>(acc + r * head_dim, scores + r * score_stride, v_block, pr.v_pos_stride,
                                   row_begin[r], row_end[r]);
     } else {  // each V row loaded once for all rows
       for (int64_t j = keys_begin; j < keys_end; ++j) {
         const T* v_row = v_block + j * pr.v_pos_stride;
         for (int64_t r = 0; r < num_rows; ++r)
           if (j >= row_begin[r] && j < row_end[r])
-            axpy<kHeadDim>(acc + r * head_dim, scores[r * block_size + j], v_row, head_dim);
+            axpy<kHeadDim>(acc + r * head_dim, scores[r * score_stride + j], v_row, head_dim);
       }
     }
   }
