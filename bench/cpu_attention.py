@@ -4,7 +4,10 @@ SmolLM2-135M geometry (9 query heads, 3 KV heads, head_dim 64, block_size 16), t
 cache in fp32 and bf16, block tables shuffled across a cache larger than the batch
 needs. Decode steps for batch 1/16/64 at context 256/1024, and a mixed step (one
 prefill chunk with context plus decode rows). Each case times both paths alternately,
-reps interleaved, and reports the median milliseconds per call (= per layer per step).
+reps interleaved, and reports the median and min milliseconds per call (= per layer
+per step), under each torch thread count asked for. On a shared machine the min is the
+steadier figure: a descheduled OpenMP thread stalls every parallel region it is in,
+and the torch path runs many per call.
 The native kernel's build time is measured with a fresh cache directory.
 """
 from __future__ import annotations
@@ -65,21 +68,25 @@ def mixed_case(chunk: int, chunk_context: int, num_decode: int, decode_context: 
 
 
 def time_case(run, seconds: float) -> dict[str, float]:
-    """Median ms per call of run("torch") and run("native"), reps alternating."""
+    """Median and min ms per call of run("torch") and run("native"), reps alternating."""
     for backend in ("torch", "native"):
         run(backend)  # warm-up
     started = time.perf_counter()
     run("torch")
-    reps = max(3, min(50, int(seconds / 2 / max(time.perf_counter() - started, 1e-6))))
+    reps = max(5, min(50, int(seconds / 2 / max(time.perf_counter() - started, 1e-6))))
     samples: dict[str, list[float]] = {"torch": [], "native": []}
     for _ in range(reps):
         for backend in samples:
             t0 = time.perf_counter()
             run(backend)
             samples[backend].append((time.perf_counter() - t0) * 1e3)
-    torch_ms, native_ms = (statistics.median(samples[b]) for b in ("torch", "native"))
-    return {"reps": reps, "torch_ms": round(torch_ms, 4), "native_ms": round(native_ms, 4),
-            "speedup": round(torch_ms / native_ms, 2)}
+    result: dict[str, float] = {"reps": reps}
+    for backend, times in samples.items():
+        result[f"{backend}_ms"] = round(statistics.median(times), 4)
+        result[f"{backend}_min_ms"] = round(min(times), 4)
+    result["speedup"] = round(result["torch_ms"] / result["native_ms"], 2)
+    result["speedup_min"] = round(result["torch_min_ms"] / result["native_min_ms"], 2)
+    return result
 
 
 def build_seconds() -> float:
@@ -97,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench cpu-attention", description=__doc__.split("\n")[0])
     p.add_argument("--json", help="write the results here (e.g. docs/bench/cpu_attention.json)")
     p.add_argument("--seconds", type=float, default=0.4, help="time budget per case, both paths")
+    p.add_argument("--threads", default="1,2", help="torch thread counts to run the cases under")
     p.add_argument("--no-build-time", action="store_true", help="skip timing a fresh build of the kernel")
+    p.add_argument("--note", default="", help="conditions worth recording with the figures (e.g. a shared machine)")
     args = p.parse_args(argv)
     if native_attention_error() is not None:
         print(f"native CPU attention unavailable: {native_attention_error()}", file=sys.stderr)
@@ -105,25 +114,29 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     load_before = os.getloadavg()
     cases = []
-    for dtype_name, dtype in DTYPES.items():
-        for batch in (1, 16, 64):
-            for context in (256, 1024):
-                result = time_case(decode_case(batch, context, dtype, gen), args.seconds)
-                cases.append({"step": "decode", "dtype": dtype_name, "batch": batch, "context": context} | result)
-                print(json.dumps(cases[-1]), flush=True)
-        result = time_case(mixed_case(256, 512, 16, 1024, dtype, gen), args.seconds)
-        cases.append({"step": "mixed", "dtype": dtype_name, "prefill_chunk": 256, "prefill_context": 512,
-                      "decode_batch": 16, "decode_context": 1024} | result)
-        print(json.dumps(cases[-1]), flush=True)
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        for dtype_name, dtype in DTYPES.items():
+            for batch in (1, 16, 64):
+                for context in (256, 1024):
+                    result = time_case(decode_case(batch, context, dtype, gen), args.seconds)
+                    cases.append({"threads": threads, "step": "decode", "dtype": dtype_name, "batch": batch,
+                                  "context": context} | result)
+                    print(json.dumps(cases[-1]), flush=True)
+            result = time_case(mixed_case(256, 512, 16, 1024, dtype, gen), args.seconds)
+            cases.append({"threads": threads, "step": "mixed", "dtype": dtype_name, "prefill_chunk": 256,
+                          "prefill_context": 512, "decode_batch": 16, "decode_context": 1024} | result)
+            print(json.dumps(cases[-1]), flush=True)
     results = {
         "command": "pdserve bench cpu-attention " + " ".join(argv if argv is not None else sys.argv[1:]),
         "geometry": {"num_q_heads": NUM_Q_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                      "block_size": BLOCK_SIZE, "model": "SmolLM2-135M"},
-        "unit": "median ms per attention call (one layer, one step)",
-        "threads": torch.get_num_threads(),
+        "unit": "ms per attention call (one layer, one step): median and min over reps",
+        "machine_threads": os.cpu_count(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
+        "note": args.note,
         "loadavg_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "build_seconds": None if args.no_build_time else build_seconds(),
         "cases": cases,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 
 import torch
 
@@ -23,20 +24,22 @@ from kernels.cpu.build import BuildError, build_library
 log = logging.getLogger(__name__)
 
 CPU_ATTENTION_MODES = ("auto", "native", "torch")
+_load_lock = threading.Lock()  # one build and one load_library per process, whichever thread asks first
 
 
 @functools.cache
 def native_attention_error() -> str | None:
     """None once the op is loaded in this process, else why it cannot be (built once)."""
-    if hasattr(torch.ops.pdserve_cpu, "paged_attention"):
+    with _load_lock:
+        if hasattr(torch.ops.pdserve_cpu, "paged_attention"):
+            return None
+        try:
+            torch.ops.load_library(str(build_library("paged_attention")))
+        except (BuildError, OSError, RuntimeError) as e:
+            log.warning("native CPU paged attention unavailable, using the torch path: %s", e)
+            return str(e)
+        torch.library.register_fake("pdserve_cpu::paged_attention")(_paged_attention_fake)
         return None
-    try:
-        torch.ops.load_library(str(build_library("paged_attention")))
-    except (BuildError, OSError, RuntimeError) as e:
-        log.warning("native CPU paged attention unavailable, using the torch path: %s", e)
-        return str(e)
-    torch.library.register_fake("pdserve_cpu::paged_attention")(_paged_attention_fake)
-    return None
 
 
 def native_attention_available() -> bool:
