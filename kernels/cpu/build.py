@@ -4,9 +4,9 @@ g++ is driven directly (not torch.utils.cpp_extension.load): that needs ninja an
 Python headers, which the slim image lacks, and the ops need neither (they register
 through TORCH_LIBRARY, so the .so is loaded with torch.ops.load_library).
 
-The library lands in <cache>/<name>-<key>.so, key = hash of the source, the compiler
-command, torch's version and the CPU's flags, so a changed source, torch or machine
-(-march=native) builds afresh and everything else reuses the file. Concurrent builders
+The library lands in <cache>/<name>-<key>.so, key = hash of the source and the headers
+beside it, the compiler command, torch's version and the CPU's flags, so a changed
+source, torch or machine (-march=native) builds afresh and everything else reuses it. Concurrent builders
 (several service processes starting at once) each write a temp file and rename it.
 """
 from __future__ import annotations
@@ -74,7 +74,8 @@ def build_library(name: str) -> Path:
     if cxx is None:
         raise BuildError("no C++ compiler (set CXX or install g++)")
     source = SOURCE_DIR / f"{name}.cpp"
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(_command(cxx, source, Path("x"))),
+    sources = [p.read_text() for p in sorted(SOURCE_DIR.glob("*.h"))] + [source.read_text()]
+    key = hashlib.sha256("\0".join([*sources, " ".join(_command(cxx, source, Path("x"))),
                                     torch.__version__, _cpu_flags()]).encode()).hexdigest()[:16]
     out_dir = cache_dir()
     library = out_dir / f"{name}-{key}.so"

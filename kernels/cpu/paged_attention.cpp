@@ -14,14 +14,17 @@
 
 #include <algorithm>
 #include <atomic>
-#include <bit>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
+#include "attention_blocks.h"
+#include "vec_math.h"
+
 namespace {
+
+using namespace pdserve_cpu;
 
 constexpr int64_t kQueryTile = 16;  // query tokens per work item in prefill chunks
 constexpr int64_t kTransposeMinRows = 8;  // rows from which transposing a K block pays
@@ -47,225 +50,6 @@ struct Problem {
   int64_t block_table_stride, num_blocks, block_size, group, head_dim, sliding_window;
   float scale, logit_softcap;
 };
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-
-// exp(x) for the softmax's x <= 0, in a form the compiler vectorises (glibc's expf has
-// no vector variant without -ffast-math): Cephes' range reduction and polynomial,
-// relative error ~1e-7.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::floor(x * 1.44269504f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.f;
-  return y * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-}
-
-template <int64_t kHeadDim, typename T>
-inline float dot(const float* __restrict q, const T* __restrict k, int64_t head_dim) {
-  const int64_t dim = kHeadDim > 0 ? kHeadDim : head_dim;
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t d = 0; d < dim; ++d) acc += q[d] * to_float(k[d]);
-  return acc;
-}
-
-template <int64_t kHeadDim, typename T>
-inline void axpy(float* __restrict acc, float p, const T* __restrict v, int64_t head_dim) {
-  const int64_t dim = kHeadDim > 0 ? kHeadDim : head_dim;
-#pragma omp simd
-  for (int64_t d = 0; d < dim; ++d) acc[d] += p * to_float(v[d]);
-}
-
-// Explicit vectors for the head_dims the kernel is specialised for (GCC/Clang vector
-// extensions: zmm with AVX-512, else ymm/xmm pairs). One Vec holds kLanes floats.
-#if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-#else
-constexpr int64_t kLanes = 8;
-#endif
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-typedef uint16_t Vec16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-typedef uint32_t VecU32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-inline Vec load_vec(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline Vec load_vec(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
-  Vec16 h;
-  std::memcpy(&h, p, sizeof h);
-  return (Vec)(__builtin_convertvector(h, VecU32) << 16);
-}
-inline Vec load_vec(const c10::Half* p) {
-  Vec v;
-  for (int64_t i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-}
-// Horizontal sum by halving (log2(kLanes) shuffle + add steps, not kLanes extracts).
-inline float hsum(Vec v) {
-  typedef float Half8 __attribute__((vector_size(8 * sizeof(float))));
-  typedef float Half4 __attribute__((vector_size(4 * sizeof(float))));
-#if defined(__AVX512F__)
-  const Half8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-  const Half8 h8 = v;
-#endif
-  const Half4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
-}
-
-typedef int32_t VecI32 __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
-// exp_nonpositive on a whole Vec (the scalar one does not vectorise inside GCC's loops).
-inline Vec exp_nonpositive(Vec x) {
-  x = x < -87.f ? Vec{} - 87.f : x;
-  const Vec t = x * 1.44269504f + 0.5f;
-  VecI32 n = __builtin_convertvector(t, VecI32);  // truncates; floor for negative t below
-  Vec nf = __builtin_convertvector(n, Vec);
-  const VecI32 too_big = nf > t;  // -1 where trunc rounded up
-  n += too_big;
-  nf = __builtin_convertvector(n, Vec);
-  const Vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  Vec y = Vec{} + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.f;
-  return y * (Vec)((n + 127) << 23);
-}
-
-// Softmax numerators of one row: p[j] = exp(s[j] - max) for j in [begin, end), 0 for the
-// rest of [first, last); whole Vecs from first rounded down (the row is padded). Returns
-// the sum of the p.
-inline float row_probabilities(float* s, int64_t first, int64_t last, int64_t begin, int64_t end, float max) {
-  VecI32 lane;
-  for (int64_t i = 0; i < kLanes; ++i) lane[i] = static_cast<int32_t>(i);
-  Vec sum{};
-  for (int64_t j = first / kLanes * kLanes; j < last; j += kLanes) {
-    const VecI32 index = lane + static_cast<int32_t>(j);
-    const VecI32 visible = (index >= static_cast<int32_t>(begin)) & (index < static_cast<int32_t>(end));
-    const Vec p = visible ? exp_nonpositive(load_vec(s + j) - max) : Vec{};
-    std::memcpy(s + j, &p, sizeof p);
-    sum += p;
-  }
-  return hsum(sum);
-}
-
-// scores[j] = q . k_j for j in [begin, end), q ([kNumVec] Vecs) held in registers.
-template <int64_t kNumVec, typename T>
-inline void row_scores(const float* q_row, const T* k_block, int64_t k_pos_stride, int64_t begin, int64_t end,
-                       float* scores) {
-  Vec q[kNumVec];
-  for (int64_t v = 0; v < kNumVec; ++v) q[v] = load_vec(q_row + v * kLanes);
-  for (int64_t j = begin; j < end; ++j) {
-    const T* k = k_block + j * k_pos_stride;
-    Vec a = q[0] * load_vec(k);
-    for (int64_t v = 1; v < kNumVec; ++v) a += q[v] * load_vec(k + v * kLanes);
-    scores[j] = hsum(a);
-  }
-}
-
-// Two rows at once: acc_a += sum_j p_a[j] v_j, acc_b likewise, for j in [begin, end) where
-// p is 0 outside each row's own keys; every V load serves both rows.
-template <int64_t kNumVec, typename T>
-inline void row_pair_accumulate(float* acc_a, float* acc_b, const float* p_a, const float* p_b, const T* v_block,
-                                int64_t v_pos_stride, int64_t begin, int64_t end) {
-  Vec a[kNumVec], b[kNumVec];
-  for (int64_t v = 0; v < kNumVec; ++v) {
-    a[v] = load_vec(acc_a + v * kLanes);
-    b[v] = load_vec(acc_b + v * kLanes);
-  }
-  for (int64_t j = begin; j < end; ++j) {
-    const T* v_row = v_block + j * v_pos_stride;
-    for (int64_t v = 0; v < kNumVec; ++v) {
-      const Vec x = load_vec(v_row + v * kLanes);
-      a[v] += p_a[j] * x;
-      b[v] += p_b[j] * x;
-    }
-  }
-  std::memcpy(acc_a, a, sizeof a);
-  std::memcpy(acc_b, b, sizeof b);
-}
-
-// acc += sum_j p[j] v_j for j in [begin, end), acc held in registers.
-template <int64_t kNumVec, typename T>
-inline void row_accumulate(float* acc_row, const float* p, const T* v_block, int64_t v_pos_stride, int64_t begin,
-                           int64_t end) {
-  Vec acc[kNumVec];
-  for (int64_t v = 0; v < kNumVec; ++v) acc[v] = load_vec(acc_row + v * kLanes);
-  for (int64_t j = begin; j < end; ++j) {
-    const T* v_row = v_block + j * v_pos_stride;
-    for (int64_t v = 0; v < kNumVec; ++v) acc[v] += p[j] * load_vec(v_row + v * kLanes);
-  }
-  std::memcpy(acc_row, acc, sizeof acc);
-}
-
-// Many rows (prefill tiles): transpose the block's K once, then each row's scores for
-// kLanes keys are one vector of FMAs with q broadcast, no horizontal sums; rows go in
-// fours so each K^T vector load serves four rows.
-template <int64_t kHeadDim, typename T>
-inline void transposed_scores(const float* q_rows, int64_t num_rows, const T* k_block, int64_t k_pos_stride,
-                              int64_t keys_begin, int64_t keys_end, int64_t score_stride, float* k_t,
-                              float* scores) {
-  if (keys_begin % kLanes != 0 || keys_end % kLanes != 0)  // lanes past the keys: zeros, not stale bits
-    std::fill(k_t, k_t + kHeadDim * score_stride, 0.f);
-  for (int64_t j = keys_begin; j < keys_end; ++j) {
-    const T* k = k_block + j * k_pos_stride;
-    for (int64_t d = 0; d < kHeadDim; ++d) k_t[d * score_stride + j] = to_float(k[d]);
-  }
-  for (int64_t kv = keys_begin / kLanes * kLanes; kv < keys_end; kv += kLanes) {
-    int64_t r = 0;
-    for (; r + 4 <= num_rows; r += 4) {
-      const float* q = q_rows + r * kHeadDim;
-      Vec a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};  // even and odd d: eight FMA chains
-      for (int64_t d = 0; d < kHeadDim; d += 2) {
-        const Vec k = load_vec(k_t + d * score_stride + kv);
-        const Vec k_odd = load_vec(k_t + (d + 1) * score_stride + kv);
-        a0 += q[d] * k;
-        a1 += q[kHeadDim + d] * k;
-        a2 += q[2 * kHeadDim + d] * k;
-        a3 += q[3 * kHeadDim + d] * k;
-        b0 += q[d + 1] * k_odd;
-        b1 += q[kHeadDim + d + 1] * k_odd;
-        b2 += q[2 * kHeadDim + d + 1] * k_odd;
-        b3 += q[3 * kHeadDim + d + 1] * k_odd;
-      }
-      a0 += b0;
-      a1 += b1;
-      a2 += b2;
-      a3 += b3;
-      std::memcpy(scores + r * score_stride + kv, &a0, sizeof a0);
-      std::memcpy(scores + (r + 1) * score_stride + kv, &a1, sizeof a1);
-      std::memcpy(scores + (r + 2) * score_stride + kv, &a2, sizeof a2);
-      std::memcpy(scores + (r + 3) * score_stride + kv, &a3, sizeof a3);
-    }
-    for (; r < num_rows; ++r) {
-      Vec a{};
-      for (int64_t d = 0; d < kHeadDim; ++d) a += q_rows[r * kHeadDim + d] * load_vec(k_t + d * score_stride + kv);
-      std::memcpy(scores + r * score_stride + kv, &a, sizeof a);
-    }
-  }
-}
-
-template <typename T>
-inline void prefetch_rows(const T* first, int64_t row_stride, int64_t num_rows, int64_t head_dim) {
-  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
-  for (int64_t j = 0; j < num_rows; ++j)
-    for (int64_t d = 0; d < head_dim; d += kLine) __builtin_prefetch(first + j * row_stride + d);
-}
 
 // One work item: the item's query tokens x the kv head's group of query heads ("rows",
 // row r = token r / group, head r % group) against the keys they see, one cache block
@@ -366,7 +150,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
       for (int64_t j = begin; j < end; ++j) block_max = std::max(block_max, s[j]);
       const float new_max = std::max(row_max[r], block_max);
       if (new_max > row_max[r] && row_sum[r] > 0.f) {  // rescale what earlier blocks accumulated
-        const float correction = exp_nonpositive(row_max[r] - new_max);
+        const float correction = std::exp(row_max[r] - new_max);
         row_sum[r] *= correction;
         float* acc_row = acc + r * head_dim;
 #pragma omp simd
