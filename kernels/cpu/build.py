@@ -6,8 +6,9 @@ through TORCH_LIBRARY, so the .so is loaded with torch.ops.load_library).
 
 The library lands in <cache>/<name>-<key>.so, key = hash of the source and the headers
 beside it, the compiler command, torch's version and the CPU's flags, so a changed
-source, torch or machine (-march=native) builds afresh and everything else reuses it. Concurrent builders
-(several service processes starting at once) each write a temp file and rename it.
+source, torch or machine (-march=native) builds afresh and everything else reuses it.
+Concurrent builders (several service processes starting at once) each write a temp
+file and rename it.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).resolve().parent
 # -fopenmp-simd: `#pragma omp simd` vectorises without linking a second OpenMP runtime
 # (threads come from at::parallel_for, i.e. torch's own pool and thread count).
-CXX_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC",
+CXX_FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC",
              "-w", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
 BUILD_TIMEOUT_S = 600
 
@@ -42,6 +43,11 @@ def cache_dir() -> Path:
     if os.environ.get("PDSERVE_KERNEL_CACHE"):
         return Path(os.environ["PDSERVE_KERNEL_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdserve" / "kernels"
+
+
+def target_arch() -> str:
+    """PDSERVE_CPU_MARCH (e.g. x86-64-v3 for AVX2 machines), else native: this CPU's best."""
+    return os.environ.get("PDSERVE_CPU_MARCH") or "native"
 
 
 def find_compiler() -> str | None:
@@ -64,7 +70,7 @@ def _cpu_flags() -> str:
 def _command(cxx: str, source: Path, output: Path) -> list[str]:
     torch_lib = cpp_extension.library_paths()[0]
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    return [cxx, *CXX_FLAGS, *includes, str(source), "-o", str(output),
+    return [cxx, f"-march={target_arch()}", *CXX_FLAGS, *includes, str(source), "-o", str(output),
             f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
 
 
