@@ -36,9 +36,9 @@ def select_backend(device: torch.device, backend: str | None) -> str:
     if backend == "native":
         if device.type != "cpu":
             raise ValueError(f"backend='native' is the CPU kernel; tensors are on {device.type}")
-        from kernels.cpu_attention import native_attention_error
+        from kernels.cpu_attention import native_attention_available, native_attention_error
 
-        if native_attention_error() is not None:
+        if not native_attention_available():
             raise ValueError(f"backend='native' requested but it cannot be built: {native_attention_error()}")
     if backend == "triton":
         if not triton_available():

@@ -42,10 +42,12 @@ def native_attention_error() -> str | None:
         return None
 
 
+@torch.compiler.assume_constant_result
 def native_attention_available() -> bool:
     return native_attention_error() is None
 
 
+@torch.compiler.assume_constant_result  # torch.compile: decided once while tracing, not traced into
 def cpu_attention_backend() -> str:
     """"native" or "torch" for CPU attention calls that do not force a backend."""
     mode = os.environ.get("PDSERVE_CPU_ATTENTION", "auto").lower()

@@ -131,6 +131,15 @@ def test_opaque_to_torch_compile():
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     assert rel_err(compiled(q), layer(q)) < 1e-6
 
+    # The public entry points trace whole too, the CPU dispatch decided while tracing.
+    def public(q, backend):
+        return prefill_attention(q * 2, k_cache, v_cache, block_tables, query_start_loc, lens, 0.2,
+                                 backend=backend) + 1
+
+    for backend in (None, "native"):
+        compiled = torch.compile(public, backend="aot_eager", fullgraph=True)
+        assert rel_err(compiled(q, backend), layer(q)) < 1e-6
+
 
 def test_dispatch_prefers_native_on_cpu_unless_told(monkeypatch):
     calls = []
