@@ -27,9 +27,10 @@ from torch.utils import cpp_extension
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-# -fopenmp-simd: `#pragma omp simd` vectorises without linking a second OpenMP runtime
-# (threads come from at::parallel_for, i.e. torch's own pool and thread count).
-CXX_FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC",
+# -fopenmp: at::parallel_for is inlined from ATen's OpenMP header, so without it the
+# kernel would run on one thread. The library's libgomp.so.1 resolves to the copy torch
+# already loaded (same soname), so it shares torch's thread pool and thread count.
+CXX_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC",
              "-w", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
 BUILD_TIMEOUT_S = 600
 

@@ -9,6 +9,7 @@
 // Math is fp32 whatever the cache dtype. Bad arguments raise ValueError, as the torch path does.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -28,12 +29,26 @@ using namespace pdserve_cpu;
 
 constexpr int64_t kQueryTile = 16;  // query tokens per work item in prefill chunks
 constexpr int64_t kTransposeMinRows = 8;  // rows from which transposing a K block pays
+// Decode tokens are split over their keys (flash-decoding) only while a call has fewer
+// than kWorkPerThread (sequence, kv head) items per thread, and never into parts
+// shorter than kMinSplitKeys keys.
+constexpr int64_t kWorkPerThread = 2;
+constexpr int64_t kMinSplitKeys = 256;
 
 struct WorkItem {
   int64_t seq;
   int64_t first_token;     // index into q
   int64_t num_tokens;
   int64_t first_position;  // position of first_token in its sequence
+  // A part of a split decode token: keys [key_begin, key_end) only, and the unnormalised
+  // result goes to partial slot `partial` (x num_kv_heads + kv head) instead of out.
+  int64_t key_begin = 0;
+  int64_t key_end = std::numeric_limits<int64_t>::max();
+  int64_t partial = -1;
+};
+
+struct SplitToken {  // a decode token whose keys went to num_parts consecutive partial slots
+  int64_t token, first_partial, num_parts;
 };
 
 // Everything one call's work items share; strides in elements.
@@ -47,8 +62,9 @@ struct Problem {
   void* out;
   int64_t out_token_stride, out_head_stride;
   const int32_t* block_tables;
-  int64_t block_table_stride, num_blocks, block_size, group, head_dim, sliding_window;
+  int64_t block_table_stride, num_blocks, block_size, num_kv_heads, group, head_dim, sliding_window;
   float scale, logit_softcap;
+  float* partials;  // [num_partials, num_kv_heads, group, head_dim + 2]: acc, then max and sum
 };
 
 // One work item: the item's query tokens x the kv head's group of query heads ("rows",
@@ -91,8 +107,8 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
   auto first_key = [&](int64_t p) {
     return pr.sliding_window > 0 ? std::max<int64_t>(0, p - pr.sliding_window + 1) : 0;
   };
-  const int64_t lo = first_key(item.first_position);                 // the item's keys: [lo, hi)
-  const int64_t hi = item.first_position + item.num_tokens;
+  const int64_t lo = std::max(first_key(item.first_position), item.key_begin);  // the item's keys: [lo, hi)
+  const int64_t hi = std::min(item.first_position + item.num_tokens, item.key_end);
   const T* k_head = static_cast<const T*>(pr.k) + kv_head * pr.k_head_stride;
   const T* v_head = static_cast<const T*>(pr.v) + kv_head * pr.v_head_stride;
   const int32_t* block_table = pr.block_tables + item.seq * pr.block_table_stride;
@@ -113,8 +129,8 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
     const int64_t keys_end = std::min(hi, block_start + block_size) - block_start;
     for (int64_t r = 0; r < num_rows; ++r) {
       const int64_t position = item.first_position + r / group;
-      row_begin[r] = std::max(first_key(position), block_start) - block_start;
-      row_end[r] = std::min(position + 1, block_start + block_size) - block_start;
+      row_begin[r] = std::max({first_key(position), lo, block_start}) - block_start;
+      row_end[r] = std::min({position + 1, hi, block_start + block_size}) - block_start;
     }
     // Scores over [keys_begin, keys_end); a row's masked keys hold anything (the softmax skips them).
     if constexpr (kNumVec > 0) {
@@ -184,6 +200,15 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
       }
     }
   }
+  if (item.partial >= 0) {  // one part of a split token: merged by merge_split_token
+    float* slot = pr.partials + (item.partial * pr.num_kv_heads + kv_head) * group * (head_dim + 2);
+    for (int64_t r = 0; r < num_rows; ++r) {
+      std::copy(acc + r * head_dim, acc + (r + 1) * head_dim, slot + r * (head_dim + 2));
+      slot[r * (head_dim + 2) + head_dim] = row_max[r];
+      slot[r * (head_dim + 2) + head_dim + 1] = row_sum[r];
+    }
+    return;
+  }
   T* out = static_cast<T*>(pr.out);
   for (int64_t r = 0; r < num_rows; ++r) {
     T* dst = out + (item.first_token + r / group) * pr.out_token_stride +
@@ -201,6 +226,60 @@ void attend_item_any_dim(const Problem& pr, const WorkItem& item, int64_t kv_hea
     case 128: return attend_item<T, 128>(pr, item, kv_head, scratch, bounds);
     case 256: return attend_item<T, 256>(pr, item, kv_head, scratch, bounds);
     default: return attend_item<T, 0>(pr, item, kv_head, scratch, bounds);
+  }
+}
+
+// Decode tokens (one-token items) cut into up to `parts` items over their visible keys,
+// at block boundaries, each part at least kMinSplitKeys long; records them in `splits`.
+std::vector<WorkItem> split_decode_tokens(const std::vector<WorkItem>& items, int64_t parts, int64_t sliding_window,
+                                          int64_t block_size, std::vector<SplitToken>& splits) {
+  std::vector<WorkItem> out;
+  int64_t num_partials = 0;
+  for (const WorkItem& item : items) {
+    const int64_t position = item.first_position;
+    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, position - sliding_window + 1) : 0;
+    const int64_t num_keys = position + 1 - first;
+    const int64_t num_parts = std::min(parts, num_keys / kMinSplitKeys);
+    if (item.num_tokens != 1 || num_parts < 2) {
+      out.push_back(item);
+      continue;
+    }
+    const int64_t part_len = (num_keys + num_parts - 1) / num_parts / block_size * block_size + block_size;
+    splits.push_back({item.first_token, num_partials, 0});
+    for (int64_t begin = first; begin <= position; begin += part_len) {
+      WorkItem part = item;
+      part.key_begin = begin;
+      part.key_end = std::min(begin + part_len, position + 1);
+      part.partial = num_partials++;
+      out.push_back(part);
+      ++splits.back().num_parts;
+    }
+  }
+  return out;
+}
+
+// out = the split token's parts combined: each part's sum and accumulator rescaled to the
+// largest part max (the online-softmax merge), then normalised.
+template <typename T>
+void merge_split_token(const Problem& pr, const SplitToken& split) {
+  const int64_t head_dim = pr.head_dim, row_len = head_dim + 2, rows = pr.num_kv_heads * pr.group;
+  std::vector<float> acc(head_dim);
+  for (int64_t row = 0; row < rows; ++row) {  // row = kv_head * group + g = the query head
+    auto part_row = [&](int64_t p) { return pr.partials + ((split.first_partial + p) * rows + row) * row_len; };
+    float max = -std::numeric_limits<float>::infinity(), sum = 0.f;
+    for (int64_t p = 0; p < split.num_parts; ++p)
+      if (part_row(p)[head_dim + 1] > 0.f) max = std::max(max, part_row(p)[head_dim]);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t p = 0; p < split.num_parts; ++p) {
+      const float* part = part_row(p);
+      if (!(part[head_dim + 1] > 0.f)) continue;
+      const float weight = std::exp(part[head_dim] - max);
+      sum += part[head_dim + 1] * weight;
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] += part[d] * weight;
+    }
+    T* dst = static_cast<T*>(pr.out) + split.token * pr.out_token_stride + row * pr.out_head_stride;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
   }
 }
 
@@ -243,6 +322,16 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
     for (int64_t t = 0; t < query_len; t += kQueryTile)
       items.push_back({i, starts[i] + t, std::min(kQueryTile, query_len - t), seq_len - query_len + t});
   }
+  const int64_t num_threads = at::get_num_threads();
+  const int64_t min_items = kWorkPerThread * num_threads;
+  std::vector<SplitToken> splits;
+  const int64_t num_unsplit = static_cast<int64_t>(items.size()) * num_kv_heads;
+  if (num_threads > 1 && num_unsplit > 0 && num_unsplit < min_items)
+    items = split_decode_tokens(items, (min_items + num_unsplit - 1) / num_unsplit, sliding_window, block_size,
+                                splits);
+  const int64_t num_partials = splits.empty() ? 0 : splits.back().first_partial + splits.back().num_parts;
+  const int64_t group = q.size(1) / num_kv_heads, head_dim = q.size(2);
+  at::Tensor partials = at::empty({num_partials, num_kv_heads, group, head_dim + 2}, q.options().dtype(at::kFloat));
   at::Tensor out = at::zeros(q.sizes(), q.options());
   const int64_t num_work = static_cast<int64_t>(items.size()) * num_kv_heads;
   const Problem problem{q.data_ptr(), q.stride(0), q.stride(1),
@@ -251,15 +340,15 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
                         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                         out.data_ptr(), out.stride(0), out.stride(1),
                         block_tables.data_ptr<int32_t>(), block_tables.stride(0), k_cache.size(0),
-                        block_size, q.size(1) / num_kv_heads, q.size(2), sliding_window,
-                        static_cast<float>(scale), static_cast<float>(logit_softcap)};
+                        block_size, num_kv_heads, q.size(1) / num_kv_heads, q.size(2), sliding_window,
+                        static_cast<float>(scale), static_cast<float>(logit_softcap), partials.data_ptr<float>()};
   // Longest items first, handed out one at a time: a static split of a batch with mixed
   // lengths leaves threads idle while one finishes the long sequences.
   std::vector<int64_t> order(num_work);
   for (int64_t w = 0; w < num_work; ++w) order[w] = w;
   auto cost = [&](int64_t w) {
     const WorkItem& item = items[w / num_kv_heads];
-    return item.num_tokens * (item.first_position + item.num_tokens);
+    return item.num_tokens * (std::min(item.first_position + item.num_tokens, item.key_end) - item.key_begin);
   };
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
   std::atomic<int64_t> next{0};
@@ -274,6 +363,7 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
         attend_item_any_dim<T>(problem, items[w / num_kv_heads], w % num_kv_heads, scratch, bounds);
       }
     });
+    for (const SplitToken& split : splits) merge_split_token<T>(problem, split);
   };
   switch (q.scalar_type()) {
     case at::kFloat: run(float{}); break;

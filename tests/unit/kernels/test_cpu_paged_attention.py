@@ -82,6 +82,35 @@ def test_mixed_prefill_decode_step_matches_reference(dtype, geometry, features):
     assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("features", FEATURES, ids=_ids)
+def test_few_long_decodes_split_over_keys_match_reference(dtype, features):
+    # Fewer (sequence, kv head) items than 2 per thread: long decode tokens are split over
+    # their keys and merged (flash-decoding). 8 threads force it on any machine.
+    gen = torch.Generator().manual_seed(21)
+    seq_lens = [1000, 300, 2000, 513]
+    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, 16, gen, dtype=dtype, num_kv_heads=3, head_dim=64)
+    q = torch.randn(len(seq_lens), 9, 64, generator=gen).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        out = decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125, backend="native", **features)
+        # The same tokens as decode rows of a prefill call, after one 5-token chunk.
+        starts = torch.tensor([0, 5, 6, 7, 8], dtype=torch.int32)
+        q_mixed = torch.cat([torch.randn(4, 9, 64, generator=gen).to(dtype), q])
+        mixed = prefill_attention(q_mixed, k_cache, v_cache, block_tables, starts, lens, 0.125, backend="native",
+                                  **features)
+    finally:
+        torch.set_num_threads(threads)
+    ref = decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125, backend="torch", **features)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    assert rel_err(mixed[5:], ref[1:]) < TOLERANCE[dtype]
+    ref_mixed = prefill_attention(q_mixed, k_cache, v_cache, block_tables, starts, lens, 0.125, backend="torch",
+                                  **features)
+    assert rel_err(mixed, ref_mixed) < TOLERANCE[dtype]
+
+
 def test_prefill_without_context_fp16_and_strided_views():
     # Whole prompts only (the reference's plain causal path), with K and V as views of one
     # [num_blocks, 2, ...] tensor and q sliced out of a wider projection; fp16 as well.
