@@ -116,6 +116,19 @@ RUN set -eux; \
     mkdir -p /var/cache/pdserve/models; \
     chown -R pdserve:pdserve /var/cache/pdserve
 
+# g++ compiles the native CPU attention kernel on a process's first attention call
+# (kernels/cpu/build.py: ~15 s, cached in ~/.cache/pdserve/kernels, keyed by the CPU it
+# runs on). INSTALL_CXX= leaves it out, as does an offline build (WHEELS_ONLY, no apt
+# mirror): CPU attention then logs one line and takes the slower torch path.
+ARG INSTALL_CXX=1
+ARG WHEELS_ONLY=
+RUN set -eux; \
+    if [ -n "$INSTALL_CXX" ] && [ -z "$WHEELS_ONLY" ]; then \
+        apt-get update; \
+        apt-get install -y --no-install-recommends g++; \
+        rm -rf /var/lib/apt/lists/*; \
+    fi
+
 COPY --from=build /opt/pdserve /opt/pdserve
 COPY --from=build /app /app
 

@@ -1,4 +1,8 @@
-"""Backend choice shared by the public kernels: Triton on CUDA, plain torch elsewhere."""
+"""Backend choice shared by the public kernels: Triton on CUDA, plain torch elsewhere.
+
+Attention on CPU may also run "native", the C++ kernel of kernels/cpu_attention.py
+(kernels.attention picks it); the other kernels have no native variant.
+"""
 from __future__ import annotations
 
 import functools
@@ -6,7 +10,7 @@ import os
 
 import torch
 
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "torch", "native")
 
 
 @functools.cache
@@ -24,11 +28,18 @@ def _interpreting() -> bool:
 
 
 def select_backend(device: torch.device, backend: str | None) -> str:
-    """Resolve `backend` (None, "triton" or "torch") for tensors living on `device`."""
+    """Resolve `backend` (None, "triton", "torch" or "native") for tensors living on `device`."""
     if backend is None:
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "native":
+        if device.type != "cpu":
+            raise ValueError(f"backend='native' is the CPU kernel; tensors are on {device.type}")
+        from kernels.cpu_attention import native_attention_available, native_attention_error
+
+        if not native_attention_available():
+            raise ValueError(f"backend='native' requested but it cannot be built: {native_attention_error()}")
     if backend == "triton":
         if not triton_available():
             raise ValueError("backend='triton' requested but triton is not installed")

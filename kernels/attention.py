@@ -1,19 +1,21 @@
 """Paged attention over the KV cache: public entry points.
 
-Each function checks its inputs, then runs the Triton kernel for CUDA tensors or the
-plain-torch reference otherwise (`backend="triton"|"torch"` forces one). Checks only
-look at shapes/dtypes/devices so they never synchronise with the GPU.
+Each function checks its inputs, then runs the Triton kernel for CUDA tensors, the
+native C++ kernel on CPU when it builds (kernels/cpu_attention.py; PDSERVE_CPU_ATTENTION
+=torch keeps CPU on the reference), or the plain-torch reference otherwise
+(`backend="triton"|"torch"|"native"` forces one). Checks only look at
+shapes/dtypes/devices so they never synchronise with the GPU.
 
 Sliding-window and logit-soft-capped layers (Mistral, Gemma 2) run on the torch path
-on every device: the Triton kernels implement neither, and a layer asking for them
-is sent to the reference rather than computed wrongly.
+on CUDA: the Triton kernels implement neither, and a layer asking for them is sent to
+the reference rather than computed wrongly. The native CPU kernel implements both.
 """
 from __future__ import annotations
 
 import torch
 
-from kernels._backend import (check_float_dtype, check_int32_1d, check_last_dim_contiguous,
-                              select_backend)
+from kernels._backend import check_float_dtype, check_int32_1d, check_last_dim_contiguous, select_backend
+from kernels.cpu_attention import cpu_attention_backend, decode_attention_native, prefill_attention_native
 from kernels.torch_attention import decode_attention_torch, prefill_attention_torch
 
 
@@ -39,10 +41,14 @@ def decode_attention(
         raise ValueError(f"q has {q.shape[0]} rows but block_tables has {num_seqs} sequences")
     check_int32_1d("seq_lens", seq_lens, num_seqs, q.device)
     _check_layer_features(sliding_window, logit_softcap)
-    if _backend_for(q.device, backend, sliding_window, logit_softcap) == "triton":
+    chosen = _backend_for(q.device, backend, sliding_window, logit_softcap)
+    if chosen == "triton":
         from kernels.triton_attention import decode_attention_triton
 
         return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    if chosen == "native":
+        return decode_attention_native(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                       sliding_window=sliding_window, logit_softcap=logit_softcap)
     return decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
                                   sliding_window=sliding_window, logit_softcap=logit_softcap)
 
@@ -75,11 +81,15 @@ def prefill_attention(
     if max_query_len is not None and max_query_len > q.shape[0]:
         raise ValueError(f"max_query_len {max_query_len} > num_tokens {q.shape[0]}")
     _check_layer_features(sliding_window, logit_softcap)
-    if _backend_for(q.device, backend, sliding_window, logit_softcap) == "triton":
+    chosen = _backend_for(q.device, backend, sliding_window, logit_softcap)
+    if chosen == "triton":
         from kernels.triton_attention import prefill_attention_triton
 
         return prefill_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc,
                                         seq_lens, scale)
+    if chosen == "native":
+        return prefill_attention_native(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                        sliding_window=sliding_window, logit_softcap=logit_softcap)
     return prefill_attention_torch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                    scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
 
@@ -93,12 +103,17 @@ def _check_layer_features(sliding_window: int | None, logit_softcap: float | Non
 
 def _backend_for(device: torch.device, backend: str | None, sliding_window: int | None,
                  logit_softcap: float | None) -> str:
-    """The backend for one call: features the Triton kernels lack send the call to torch."""
+    """The backend for one call: CPU takes the native kernel unless told otherwise, and
+    features the Triton kernels lack send a CUDA call to torch."""
     needs_torch = sliding_window is not None or logit_softcap is not None
     if needs_torch and backend == "triton":
         raise ValueError("the Triton attention kernels implement neither sliding windows nor "
-                         "logit soft-capping; use backend='torch' or None for such layers")
-    return "torch" if needs_torch else select_backend(device, backend)
+                         "logit soft-capping; use backend='torch', 'native' or None for such layers")
+    if backend is None and device.type == "cpu":
+        return cpu_attention_backend()
+    if backend is None and needs_torch:
+        return "torch"
+    return select_backend(device, backend)
 
 
 def _check_common(q, k_cache, v_cache, block_tables, max_seq_len, max_name) -> int:

@@ -41,6 +41,7 @@ DELEGATED_BENCH = {
     "offline": ("bench.offline", "LLM.generate vs Hugging Face generate and vLLM's CPU build"),
     "serve-peer": ("bench.peers.vllm_serve", "pdserve vs `vllm serve` under the same load and client"),
     "transfer": ("bench.transfer", "KV transfer throughput vs plain pyzmq"),
+    "cpu-attention": ("bench.cpu_attention", "one layer's CPU paged attention: torch path vs the native kernel"),
     "serve": ("bench.serve.main",
               "load-test a gateway: TTFT/TPOT/ITL/E2EL, throughput, goodput (vLLM definitions)"),
     "routing": ("bench.routing",

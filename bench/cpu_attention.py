@@ -1,0 +1,153 @@
+"""`pdserve bench cpu-attention`: one layer's CPU attention, torch path vs the native kernel.
+
+SmolLM2-135M geometry (9 query heads, 3 KV heads, head_dim 64, block_size 16), the
+cache in fp32 and bf16, block tables shuffled across a cache larger than the batch
+needs. Decode steps for batch 1/16/64 at context 256/1024, and a mixed step (one
+prefill chunk with context plus decode rows). Each case times both paths alternately,
+reps interleaved, and reports the median and min milliseconds per call (= per layer
+per step), under each torch thread count asked for. On a shared machine the min is the
+steadier figure: a descheduled OpenMP thread stalls every parallel region it is in,
+and the torch path runs many per call.
+The native kernel's build time is measured with a fresh cache directory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from kernels import decode_attention, prefill_attention
+from kernels.cpu import build
+from kernels.cpu_attention import native_attention_error
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+SCALE = HEAD_DIM ** -0.5
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def paged_cache(seq_lens: list[int], dtype: torch.dtype, gen: torch.Generator):
+    """Random K/V cache with 25% spare blocks and shuffled block tables covering seq_lens."""
+    blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) * 5 // 4 + 1
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+    taken = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_tables[i, :n] = perm[taken:taken + n]
+        taken += n
+    return k_cache, v_cache, block_tables
+
+
+def decode_case(batch: int, context: int, dtype: torch.dtype, gen: torch.Generator):
+    k_cache, v_cache, block_tables = paged_cache([context] * batch, dtype, gen)
+    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    return lambda backend: decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE, backend=backend)
+
+
+def mixed_case(chunk: int, chunk_context: int, num_decode: int, decode_context: int, dtype: torch.dtype,
+               gen: torch.Generator):
+    """One prefill chunk of `chunk` tokens after `chunk_context` cached ones, plus decode rows."""
+    seq_lens = [chunk_context + chunk] + [decode_context] * num_decode
+    k_cache, v_cache, block_tables = paged_cache(seq_lens, dtype, gen)
+    q = torch.randn(chunk + num_decode, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    query_start_loc = torch.tensor([0] + [chunk + i for i in range(num_decode + 1)], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return lambda backend: prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, lens, SCALE,
+                                             backend=backend)
+
+
+def time_case(run, seconds: float) -> dict[str, float]:
+    """Median and min ms per call of run("torch") and run("native"), reps alternating."""
+    for backend in ("torch", "native"):
+        run(backend)  # warm-up
+    started = time.perf_counter()
+    run("torch")
+    reps = max(5, min(50, int(seconds / 2 / max(time.perf_counter() - started, 1e-6))))
+    samples: dict[str, list[float]] = {"torch": [], "native": []}
+    for _ in range(reps):
+        for backend in samples:
+            t0 = time.perf_counter()
+            run(backend)
+            samples[backend].append((time.perf_counter() - t0) * 1e3)
+    result: dict[str, float] = {"reps": reps}
+    for backend, times in samples.items():
+        result[f"{backend}_ms"] = round(statistics.median(times), 4)
+        result[f"{backend}_min_ms"] = round(min(times), 4)
+    result["speedup"] = round(result["torch_ms"] / result["native_ms"], 2)
+    result["speedup_min"] = round(result["torch_min_ms"] / result["native_min_ms"], 2)
+    return result
+
+
+def build_seconds() -> float:
+    with tempfile.TemporaryDirectory(prefix="pdserve-kbuild-") as cache:
+        os.environ["PDSERVE_KERNEL_CACHE"] = cache
+        try:
+            started = time.perf_counter()
+            build.build_library("paged_attention")
+            return round(time.perf_counter() - started, 1)
+        finally:
+            del os.environ["PDSERVE_KERNEL_CACHE"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench cpu-attention", description=__doc__.split("\n")[0])
+    p.add_argument("--json", help="write the results here (e.g. docs/bench/cpu_attention.json)")
+    p.add_argument("--seconds", type=float, default=0.4, help="time budget per case, both paths")
+    p.add_argument("--threads", default="1,2", help="torch thread counts to run the cases under")
+    p.add_argument("--no-build-time", action="store_true", help="skip timing a fresh build of the kernel")
+    p.add_argument("--note", default="", help="conditions worth recording with the figures (e.g. a shared machine)")
+    args = p.parse_args(argv)
+    if native_attention_error() is not None:
+        print(f"native CPU attention unavailable: {native_attention_error()}", file=sys.stderr)
+        return 1
+    gen = torch.Generator().manual_seed(0)
+    load_before = os.getloadavg()
+    cases = []
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        for dtype_name, dtype in DTYPES.items():
+            for batch in (1, 16, 64):
+                for context in (256, 1024):
+                    result = time_case(decode_case(batch, context, dtype, gen), args.seconds)
+                    cases.append({"threads": threads, "step": "decode", "dtype": dtype_name, "batch": batch,
+                                  "context": context} | result)
+                    print(json.dumps(cases[-1]), flush=True)
+            result = time_case(mixed_case(256, 512, 16, 1024, dtype, gen), args.seconds)
+            cases.append({"threads": threads, "step": "mixed", "dtype": dtype_name, "prefill_chunk": 256,
+                          "prefill_context": 512, "decode_batch": 16, "decode_context": 1024} | result)
+            print(json.dumps(cases[-1]), flush=True)
+    results = {
+        "command": "pdserve bench cpu-attention " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "geometry": {"num_q_heads": NUM_Q_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+                     "block_size": BLOCK_SIZE, "model": "SmolLM2-135M"},
+        "unit": "ms per attention call (one layer, one step): median and min over reps",
+        "machine_threads": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "note": args.note,
+        "loadavg_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        "build_seconds": None if args.no_build_time else build_seconds(),
+        "cases": cases,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+            f.write("\n")
+    print(json.dumps({k: v for k, v in results.items() if k != "cases"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Compile a C++ torch-op library once per machine and load it into this process.
+
+g++ is driven directly (not torch.utils.cpp_extension.load): that needs ninja and the
+Python headers, which the slim image lacks, and the ops need neither (they register
+through TORCH_LIBRARY, so the .so is loaded with torch.ops.load_library).
+
+The library lands in <cache>/<name>-<key>.so, key = hash of the source and the headers
+beside it, the compiler command, torch's version and the CPU's flags, so a changed
+source, torch or machine (-march=native) builds afresh and everything else reuses it.
+Concurrent builders (several service processes starting at once) each write a temp
+file and rename it.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parent
+# -fopenmp: at::parallel_for is inlined from ATen's OpenMP header, so without it the
+# kernel would run on one thread. The library's libgomp.so.1 resolves to the copy torch
+# already loaded (same soname), so it shares torch's thread pool and thread count.
+CXX_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC",
+             "-w", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+BUILD_TIMEOUT_S = 600
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    """PDSERVE_KERNEL_CACHE, else $XDG_CACHE_HOME/pdserve/kernels (~/.cache/pdserve/kernels)."""
+    if os.environ.get("PDSERVE_KERNEL_CACHE"):
+        return Path(os.environ["PDSERVE_KERNEL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdserve" / "kernels"
+
+
+def target_arch() -> str:
+    """PDSERVE_CPU_MARCH (e.g. x86-64-v3 for AVX2 machines), else native: this CPU's best."""
+    return os.environ.get("PDSERVE_CPU_MARCH") or "native"
+
+
+def find_compiler() -> str | None:
+    """$CXX if set (a missing one means no compiler), else g++ or c++ on PATH."""
+    if os.environ.get("CXX"):
+        return shutil.which(os.environ["CXX"])
+    return shutil.which("g++") or shutil.which("c++")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _command(cxx: str, source: Path, output: Path) -> list[str]:
+    torch_lib = cpp_extension.library_paths()[0]
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    return [cxx, f"-march={target_arch()}", *CXX_FLAGS, *includes, str(source), "-o", str(output),
+            f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
+
+
+def build_library(name: str) -> Path:
+    """Path of the compiled kernels/cpu/<name>.cpp, building it if the cache lacks it."""
+    cxx = find_compiler()
+    if cxx is None:
+        raise BuildError("no C++ compiler (set CXX or install g++)")
+    source = SOURCE_DIR / f"{name}.cpp"
+    sources = [p.read_text() for p in sorted(SOURCE_DIR.glob("*.h"))] + [source.read_text()]
+    key = hashlib.sha256("\0".join([*sources, " ".join(_command(cxx, source, Path("x"))),
+                                    torch.__version__, _cpu_flags()]).encode()).hexdigest()[:16]
+    out_dir = cache_dir()
+    library = out_dir / f"{name}-{key}.so"
+    if library.exists():
+        return library
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    started = time.monotonic()
+    try:
+        done = subprocess.run(_command(cxx, source, Path(tmp)), capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise BuildError(f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, library)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise BuildError(f"{cxx} could not build {source.name}: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built %s in %.1fs -> %s", source.name, time.monotonic() - started, library)
+    return library

@@ -1,0 +1,384 @@
+// Paged attention on CPU that reads K/V in place from the block-table cache.
+//
+// One op serves decode and ragged prefill (decode is prefill with one query per
+// sequence): query row j of sequence i sits at position context_len + j and sees the
+// keys (position - sliding_window, position] clipped to [0, position]. Each work item
+// is (sequence, kv head, tile of query tokens): its query heads share every K/V row
+// it loads, and an online softmax (flash style) runs over the cache blocks, so
+// nothing is gathered and the scores never exceed one block per query row.
+// Math is fp32 whatever the cache dtype. Bad arguments raise ValueError, as the torch path does.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "attention_blocks.h"
+#include "vec_math.h"
+
+namespace {
+
+using namespace pdserve_cpu;
+
+constexpr int64_t kQueryTile = 16;  // query tokens per work item in prefill chunks
+constexpr int64_t kTransposeMinRows = 8;  // rows from which transposing a K block pays
+// Decode tokens are split over their keys (flash-decoding) only while a call has fewer
+// than kWorkPerThread (sequence, kv head) items per thread, and never into parts
+// shorter than kMinSplitKeys keys.
+constexpr int64_t kWorkPerThread = 2;
+constexpr int64_t kMinSplitKeys = 256;
+
+struct WorkItem {
+  int64_t seq;
+  int64_t first_token;     // index into q
+  int64_t num_tokens;
+  int64_t first_position;  // position of first_token in its sequence
+  // A part of a split decode token: keys [key_begin, key_end) only, and the unnormalised
+  // result goes to partial slot `partial` (x num_kv_heads + kv head) instead of out.
+  int64_t key_begin = 0;
+  int64_t key_end = std::numeric_limits<int64_t>::max();
+  int64_t partial = -1;
+};
+
+struct SplitToken {  // a decode token whose keys went to num_parts consecutive partial slots
+  int64_t token, first_partial, num_parts;
+};
+
+// Everything one call's work items share; strides in elements.
+struct Problem {
+  const void* q;
+  int64_t q_token_stride, q_head_stride;
+  const void* k;
+  const void* v;
+  int64_t k_block_stride, k_pos_stride, k_head_stride;
+  int64_t v_block_stride, v_pos_stride, v_head_stride;
+  void* out;
+  int64_t out_token_stride, out_head_stride;
+  const int32_t* block_tables;
+  int64_t block_table_stride, num_blocks, block_size, num_kv_heads, group, head_dim, sliding_window;
+  float scale, logit_softcap;
+  float* partials;  // [num_partials, num_kv_heads, group, head_dim + 2]: acc, then max and sum
+};
+
+// One work item: the item's query tokens x the kv head's group of query heads ("rows",
+// row r = token r / group, head r % group) against the keys they see, one cache block
+// at a time. kHeadDim > 0 fixes head_dim at compile time: the rows' dot products and
+// accumulators then live in vector registers.
+template <typename T, int64_t kHeadDim>
+void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::vector<float>& scratch,
+                 std::vector<int64_t>& bounds) {
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : pr.head_dim;
+  constexpr int64_t kNumVec = kHeadDim > 0 && kHeadDim % kLanes == 0 ? kHeadDim / kLanes : 0;
+  const int64_t block_size = pr.block_size, group = pr.group;
+  const int64_t num_rows = item.num_tokens * group;
+  // Score rows padded to whole Vecs, so the transposed path stores full vectors.
+  const int64_t score_stride = (block_size + kLanes - 1) / kLanes * kLanes;
+  const bool transposed = kNumVec > 0 && num_rows >= kTransposeMinRows;
+  scratch.resize(2 * num_rows * head_dim + 2 * num_rows + num_rows * score_stride +
+                 (transposed ? head_dim * score_stride : 0));
+  bounds.resize(2 * num_rows);
+  float* q_rows = scratch.data();                  // [num_rows, head_dim], pre-scaled
+  float* acc = q_rows + num_rows * head_dim;       // [num_rows, head_dim]
+  float* row_max = acc + num_rows * head_dim;      // [num_rows]
+  float* row_sum = row_max + num_rows;             // [num_rows]
+  float* scores = row_sum + num_rows;              // [num_rows, score_stride], then probabilities
+  float* k_t = scores + num_rows * score_stride;   // [head_dim, score_stride]: the block's K, transposed
+  int64_t* row_begin = bounds.data();              // [num_rows] visible keys of this block, relative
+  int64_t* row_end = row_begin + num_rows;         // [num_rows]
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  std::fill(acc, acc + num_rows * head_dim, 0.f);
+  std::fill(row_max, row_max + num_rows, kNegInf);
+  std::fill(row_sum, row_sum + num_rows, 0.f);
+
+  const T* q = static_cast<const T*>(pr.q);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const T* src =
+        q + (item.first_token + r / group) * pr.q_token_stride + (kv_head * group + r % group) * pr.q_head_stride;
+    for (int64_t d = 0; d < head_dim; ++d) q_rows[r * head_dim + d] = to_float(src[d]) * pr.scale;
+  }
+  // The token at position p sees keys [first_key(p), p].
+  auto first_key = [&](int64_t p) {
+    return pr.sliding_window > 0 ? std::max<int64_t>(0, p - pr.sliding_window + 1) : 0;
+  };
+  const int64_t lo = std::max(first_key(item.first_position), item.key_begin);  // the item's keys: [lo, hi)
+  const int64_t hi = std::min(item.first_position + item.num_tokens, item.key_end);
+  const T* k_head = static_cast<const T*>(pr.k) + kv_head * pr.k_head_stride;
+  const T* v_head = static_cast<const T*>(pr.v) + kv_head * pr.v_head_stride;
+  const int32_t* block_table = pr.block_tables + item.seq * pr.block_table_stride;
+
+  for (int64_t b = lo / block_size; b * block_size < hi; ++b) {
+    const int64_t block_id = block_table[b];
+    TORCH_CHECK_VALUE(block_id >= 0 && block_id < pr.num_blocks, "block table entry ", block_id, " of sequence ",
+                      item.seq, " is outside the cache's ", pr.num_blocks, " blocks");
+    const int64_t block_start = b * block_size;
+    const T* k_block = k_head + block_id * pr.k_block_stride;
+    const T* v_block = v_head + block_id * pr.v_block_stride;
+    if ((b + 1) * block_size < hi) {  // blocks lie anywhere: fetch the next one's rows of this head early
+      const int64_t next_id = std::clamp<int64_t>(block_table[b + 1], 0, pr.num_blocks - 1);
+      prefetch_rows(k_head + next_id * pr.k_block_stride, pr.k_pos_stride, block_size, head_dim);
+      prefetch_rows(v_head + next_id * pr.v_block_stride, pr.v_pos_stride, block_size, head_dim);
+    }
+    const int64_t keys_begin = std::max(lo, block_start) - block_start;       // any row's keys here
+    const int64_t keys_end = std::min(hi, block_start + block_size) - block_start;
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const int64_t position = item.first_position + r / group;
+      row_begin[r] = std::max({first_key(position), lo, block_start}) - block_start;
+      row_end[r] = std::min({position + 1, hi, block_start + block_size}) - block_start;
+    }
+    // Scores over [keys_begin, keys_end); a row's masked keys hold anything (the softmax skips them).
+    if constexpr (kNumVec > 0) {
+      if (transposed) {
+        transposed_scores<kHeadDim>(q_rows, num_rows, k_block, pr.k_pos_stride, keys_begin, keys_end, score_stride,
+                                    k_t, scores);
+      } else {
+        for (int64_t r = 0; r < num_rows; ++r) {
+          float* s = scores + r * score_stride;
+          row_scores<kNumVec>(q_rows + r * head_dim, k_block, pr.k_pos_stride, row_begin[r], row_end[r], s);
+        }
+      }
+    } else {  // each K row loaded once for all rows
+      for (int64_t j = keys_begin; j < keys_end; ++j) {
+        const T* k_row = k_block + j * pr.k_pos_stride;
+        for (int64_t r = 0; r < num_rows; ++r)
+          if (j >= row_begin[r] && j < row_end[r])
+            scores[r * score_stride + j] = dot<kHeadDim>(q_rows + r * head_dim, k_row, head_dim);
+      }
+    }
+    // Online softmax: scores become probabilities against each row's running max.
+    for (int64_t r = 0; r < num_rows; ++r) {
+      float* s = scores + r * score_stride;
+      const int64_t begin = row_begin[r], end = row_end[r];
+      if (begin >= end) {
+        std::fill(s + keys_begin, s + keys_end, 0.f);
+        continue;
+      }
+      if (pr.logit_softcap > 0.f)
+        for (int64_t j = begin; j < end; ++j) s[j] = std::tanh(s[j] / pr.logit_softcap) * pr.logit_softcap;
+      float block_max = kNegInf;
+#pragma omp simd reduction(max : block_max)
+      for (int64_t j = begin; j < end; ++j) block_max = std::max(block_max, s[j]);
+      const float new_max = std::max(row_max[r], block_max);
+      if (new_max > row_max[r] && row_sum[r] > 0.f) {  // rescale what earlier blocks accumulated
+        const float correction = std::exp(row_max[r] - new_max);
+        row_sum[r] *= correction;
+        float* acc_row = acc + r * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) acc_row[d] *= correction;
+      }
+      row_max[r] = new_max;
+      row_sum[r] += row_probabilities(s, keys_begin, keys_end, begin, end, new_max);
+    }
+    // acc += P V over each row's visible keys (masked ones are skipped, not added as 0 x V).
+    if constexpr (kNumVec > 0) {
+      // Softmax left p = 0 on [keys_begin, keys_end) outside a row's keys, and those V rows
+      // are real cached positions, so a pair runs over the union of its two ranges.
+      int64_t r = 0;
+      for (; r + 2 <= num_rows; r += 2) {
+        const int64_t begin = std::min(row_begin[r], row_begin[r + 1]);
+        const int64_t end = std::max(row_end[r], row_end[r + 1]);
+        if (begin < end)
+          row_pair_accumulate<kNumVec>(acc + r * head_dim, acc + (r + 1) * head_dim, scores + r * score_stride,
+                                       scores + (r + 1) * score_stride, v_block, pr.v_pos_stride, begin, end);
+      }
+      for (; r < num_rows; ++r)
+        if (row_begin[r] < row_end[r])
+          row_accumulate<kNumVec>(acc + r * head_dim, scores + r * score_stride, v_block, pr.v_pos_stride,
+                                  row_begin[r], row_end[r]);
+    } else {  // each V row loaded once for all rows
+      for (int64_t j = keys_begin; j < keys_end; ++j) {
+        const T* v_row = v_block + j * pr.v_pos_stride;
+        for (int64_t r = 0; r < num_rows; ++r)
+          if (j >= row_begin[r] && j < row_end[r])
+            axpy<kHeadDim>(acc + r * head_dim, scores[r * score_stride + j], v_row, head_dim);
+      }
+    }
+  }
+  if (item.partial >= 0) {  // one part of a split token: merged by merge_split_token
+    float* slot = pr.partials + (item.partial * pr.num_kv_heads + kv_head) * group * (head_dim + 2);
+    for (int64_t r = 0; r < num_rows; ++r) {
+      std::copy(acc + r * head_dim, acc + (r + 1) * head_dim, slot + r * (head_dim + 2));
+      slot[r * (head_dim + 2) + head_dim] = row_max[r];
+      slot[r * (head_dim + 2) + head_dim + 1] = row_sum[r];
+    }
+    return;
+  }
+  T* out = static_cast<T*>(pr.out);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    T* dst = out + (item.first_token + r / group) * pr.out_token_stride +
+             (kv_head * group + r % group) * pr.out_head_stride;
+    const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[r * head_dim + d] * inv);
+  }
+}
+
+template <typename T>
+void attend_item_any_dim(const Problem& pr, const WorkItem& item, int64_t kv_head, std::vector<float>& scratch,
+                         std::vector<int64_t>& bounds) {
+  switch (pr.head_dim) {
+    case 64: return attend_item<T, 64>(pr, item, kv_head, scratch, bounds);
+    case 128: return attend_item<T, 128>(pr, item, kv_head, scratch, bounds);
+    case 256: return attend_item<T, 256>(pr, item, kv_head, scratch, bounds);
+    default: return attend_item<T, 0>(pr, item, kv_head, scratch, bounds);
+  }
+}
+
+// Decode tokens (one-token items) cut into up to `parts` items over their visible keys,
+// at block boundaries, each part at least kMinSplitKeys long; records them in `splits`.
+std::vector<WorkItem> split_decode_tokens(const std::vector<WorkItem>& items, int64_t parts, int64_t sliding_window,
+                                          int64_t block_size, std::vector<SplitToken>& splits) {
+  std::vector<WorkItem> out;
+  int64_t num_partials = 0;
+  for (const WorkItem& item : items) {
+    const int64_t position = item.first_position;
+    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, position - sliding_window + 1) : 0;
+    const int64_t num_keys = position + 1 - first;
+    const int64_t num_parts = std::min(parts, num_keys / kMinSplitKeys);
+    if (item.num_tokens != 1 || num_parts < 2) {
+      out.push_back(item);
+      continue;
+    }
+    const int64_t part_len = (num_keys + num_parts - 1) / num_parts / block_size * block_size + block_size;
+    splits.push_back({item.first_token, num_partials, 0});
+    for (int64_t begin = first; begin <= position; begin += part_len) {
+      WorkItem part = item;
+      part.key_begin = begin;
+      part.key_end = std::min(begin + part_len, position + 1);
+      part.partial = num_partials++;
+      out.push_back(part);
+      ++splits.back().num_parts;
+    }
+  }
+  return out;
+}
+
+// out = the split token's parts combined: each part's sum and accumulator rescaled to the
+// largest part max (the online-softmax merge), then normalised.
+template <typename T>
+void merge_split_token(const Problem& pr, const SplitToken& split) {
+  const int64_t head_dim = pr.head_dim, row_len = head_dim + 2, rows = pr.num_kv_heads * pr.group;
+  std::vector<float> acc(head_dim);
+  for (int64_t row = 0; row < rows; ++row) {  // row = kv_head * group + g = the query head
+    auto part_row = [&](int64_t p) { return pr.partials + ((split.first_partial + p) * rows + row) * row_len; };
+    float max = -std::numeric_limits<float>::infinity(), sum = 0.f;
+    for (int64_t p = 0; p < split.num_parts; ++p)
+      if (part_row(p)[head_dim + 1] > 0.f) max = std::max(max, part_row(p)[head_dim]);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t p = 0; p < split.num_parts; ++p) {
+      const float* part = part_row(p);
+      if (!(part[head_dim + 1] > 0.f)) continue;
+      const float weight = std::exp(part[head_dim] - max);
+      sum += part[head_dim + 1] * weight;
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] += part[d] * weight;
+    }
+    T* dst = static_cast<T*>(pr.out) + split.token * pr.out_token_stride + row * pr.out_head_stride;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q_heads, head_dim]
+                           const at::Tensor& k_cache,      // [num_blocks, block_size, num_kv_heads, head_dim]
+                           const at::Tensor& v_cache,      // [num_blocks, block_size, num_kv_heads, head_dim]
+                           const at::Tensor& block_tables,     // [num_seqs, max_blocks] int32
+                           const at::Tensor& query_start_loc,  // [num_seqs + 1] int32
+                           const at::Tensor& seq_lens,         // [num_seqs] int32
+                           double scale, int64_t sliding_window, double logit_softcap) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+                    "bad q/cache shapes");
+  TORCH_CHECK_VALUE(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+                    "q and the caches must be contiguous in head_dim");
+  TORCH_CHECK_VALUE(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+                    "dtype mismatch");
+  TORCH_CHECK_VALUE(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "head mismatch");
+  TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
+                        seq_lens.scalar_type() == at::kInt,
+                    "metadata must be int32");
+  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.stride(1) == 1,
+                    "block_tables must be [num_seqs, max_blocks]");
+  const int64_t num_seqs = block_tables.size(0), max_blocks = block_tables.size(1);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK_VALUE(query_start_loc.is_contiguous() && query_start_loc.numel() == num_seqs + 1, "bad query_start_loc");
+  TORCH_CHECK_VALUE(seq_lens.is_contiguous() && seq_lens.numel() == num_seqs, "bad seq_lens");
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(starts[num_seqs] <= q.size(0), "query_start_loc ends past num_tokens");
+
+  std::vector<WorkItem> items;
+  items.reserve(num_seqs);
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t query_len = starts[i + 1] - starts[i], seq_len = lens[i];
+    TORCH_CHECK_VALUE(query_len >= 0, "query_start_loc must be non-decreasing");
+    if (query_len == 0 || seq_len == 0) continue;  // seq_len 0 is batch padding: zeros
+    TORCH_CHECK_VALUE(seq_len >= query_len, "sequence ", i, ": seq_len ", seq_len, " < query_len ", query_len);
+    TORCH_CHECK_VALUE((seq_len + block_size - 1) / block_size <= max_blocks, "sequence ", i, ": seq_len ", seq_len,
+                " needs more blocks than block_tables has columns");
+    for (int64_t t = 0; t < query_len; t += kQueryTile)
+      items.push_back({i, starts[i] + t, std::min(kQueryTile, query_len - t), seq_len - query_len + t});
+  }
+  const int64_t num_threads = at::get_num_threads();
+  const int64_t min_items = kWorkPerThread * num_threads;
+  std::vector<SplitToken> splits;
+  const int64_t num_unsplit = static_cast<int64_t>(items.size()) * num_kv_heads;
+  if (num_threads > 1 && num_unsplit > 0 && num_unsplit < min_items)
+    items = split_decode_tokens(items, (min_items + num_unsplit - 1) / num_unsplit, sliding_window, block_size,
+                                splits);
+  const int64_t num_partials = splits.empty() ? 0 : splits.back().first_partial + splits.back().num_parts;
+  const int64_t group = q.size(1) / num_kv_heads, head_dim = q.size(2);
+  at::Tensor partials = at::empty({num_partials, num_kv_heads, group, head_dim + 2}, q.options().dtype(at::kFloat));
+  at::Tensor out = at::zeros(q.sizes(), q.options());
+  const int64_t num_work = static_cast<int64_t>(items.size()) * num_kv_heads;
+  const Problem problem{q.data_ptr(), q.stride(0), q.stride(1),
+                        k_cache.data_ptr(), v_cache.data_ptr(),
+                        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                        out.data_ptr(), out.stride(0), out.stride(1),
+                        block_tables.data_ptr<int32_t>(), block_tables.stride(0), k_cache.size(0),
+                        block_size, num_kv_heads, q.size(1) / num_kv_heads, q.size(2), sliding_window,
+                        static_cast<float>(scale), static_cast<float>(logit_softcap), partials.data_ptr<float>()};
+  // Longest items first, handed out one at a time: a static split of a batch with mixed
+  // lengths leaves threads idle while one finishes the long sequences.
+  std::vector<int64_t> order(num_work);
+  for (int64_t w = 0; w < num_work; ++w) order[w] = w;
+  auto cost = [&](int64_t w) {
+    const WorkItem& item = items[w / num_kv_heads];
+    return item.num_tokens * (std::min(item.first_position + item.num_tokens, item.key_end) - item.key_begin);
+  };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  std::atomic<int64_t> next{0};
+  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_work);
+  auto run = [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
+    at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
+      std::vector<float> scratch;
+      std::vector<int64_t> bounds;
+      for (int64_t i = next++; i < num_work; i = next++) {
+        const int64_t w = order[i];
+        attend_item_any_dim<T>(problem, items[w / num_kv_heads], w % num_kv_heads, scratch, bounds);
+      }
+    });
+    for (const SplitToken& split : splits) merge_split_token<T>(problem, split);
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK_VALUE(false, "paged_attention takes float32, bfloat16 or float16, got ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
+        "Tensor seq_lens, float scale, int sliding_window, float logit_softcap) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

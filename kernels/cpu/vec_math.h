@@ -1,0 +1,98 @@
+// Float vectors and the few math primitives the CPU attention kernel needs, written
+// with GCC/Clang vector extensions so -march=native picks the instructions (zmm with
+// AVX-512, ymm otherwise). Loads convert bf16/fp16 to fp32.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <bit>
+#include <cstdint>
+#include <cstring>
+
+namespace pdserve_cpu {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+template <int64_t kHeadDim, typename T>
+inline float dot(const float* __restrict q, const T* __restrict k, int64_t head_dim) {
+  const int64_t dim = kHeadDim > 0 ? kHeadDim : head_dim;
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t d = 0; d < dim; ++d) acc += q[d] * to_float(k[d]);
+  return acc;
+}
+
+template <int64_t kHeadDim, typename T>
+inline void axpy(float* __restrict acc, float p, const T* __restrict v, int64_t head_dim) {
+  const int64_t dim = kHeadDim > 0 ? kHeadDim : head_dim;
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) acc[d] += p * to_float(v[d]);
+}
+
+// Explicit vectors for the head_dims the kernel is specialised for (GCC/Clang vector
+// extensions: zmm with AVX-512, else ymm/xmm pairs). One Vec holds kLanes floats.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint16_t Vec16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t VecU32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline Vec load_vec(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline Vec load_vec(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  Vec16 h;
+  std::memcpy(&h, p, sizeof h);
+  return (Vec)(__builtin_convertvector(h, VecU32) << 16);
+}
+inline Vec load_vec(const c10::Half* p) {
+  Vec v;
+  for (int64_t i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+// Horizontal sum by halving (log2(kLanes) shuffle + add steps, not kLanes extracts).
+inline float hsum(Vec v) {
+  typedef float Half8 __attribute__((vector_size(8 * sizeof(float))));
+  typedef float Half4 __attribute__((vector_size(4 * sizeof(float))));
+#if defined(__AVX512F__)
+  const Half8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const Half8 h8 = v;
+#endif
+  const Half4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+typedef int32_t VecI32 __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// exp(x) for the softmax's x <= 0 on a whole Vec (glibc's expf has no vector variant
+// without -ffast-math): Cephes' range reduction and polynomial, relative error ~1e-7.
+inline Vec exp_nonpositive(Vec x) {
+  x = x < -87.f ? Vec{} - 87.f : x;
+  const Vec t = x * 1.44269504f + 0.5f;
+  VecI32 n = __builtin_convertvector(t, VecI32);  // truncates; floor for negative t below
+  Vec nf = __builtin_convertvector(n, Vec);
+  const VecI32 too_big = nf > t;  // -1 where trunc rounded up
+  n += too_big;
+  nf = __builtin_convertvector(n, Vec);
+  const Vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  Vec y = Vec{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  return y * (Vec)((n + 127) << 23);
+}
+
+}  // namespace pdserve_cpu

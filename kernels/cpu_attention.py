@@ -1,0 +1,97 @@
+"""Native CPU paged attention (kernels/cpu/paged_attention.cpp) as the torch op
+`torch.ops.pdserve_cpu.paged_attention`, and the choice between it and the torch path.
+
+The op reads K/V in place through the block tables (no per-step gather), batched over
+a step's sequences, with GQA, sliding windows, logit soft-capping and fp32/bf16/fp16
+caches (fp32 math). It is opaque to torch.compile: a fake implementation gives the
+output's shape. The library is compiled on first use (kernels/cpu/build.py); if that
+fails, one warning says so and CPU attention stays on the torch path.
+
+PDSERVE_CPU_ATTENTION picks the CPU path: auto (default: native when it builds),
+native (fail loudly if it cannot build) or torch.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+
+import torch
+
+from kernels.cpu.build import BuildError, build_library
+
+log = logging.getLogger(__name__)
+
+CPU_ATTENTION_MODES = ("auto", "native", "torch")
+_load_lock = threading.Lock()  # one build and one load_library per process, whichever thread asks first
+
+
+@functools.cache
+def native_attention_error() -> str | None:
+    """None once the op is loaded in this process, else why it cannot be (built once)."""
+    with _load_lock:
+        if hasattr(torch.ops.pdserve_cpu, "paged_attention"):
+            return None
+        try:
+            torch.ops.load_library(str(build_library("paged_attention")))
+        except (BuildError, OSError, RuntimeError) as e:
+            log.warning("native CPU paged attention unavailable, using the torch path: %s", e)
+            return str(e)
+        torch.library.register_fake("pdserve_cpu::paged_attention")(_paged_attention_fake)
+        return None
+
+
+@torch.compiler.assume_constant_result
+def native_attention_available() -> bool:
+    return native_attention_error() is None
+
+
+@torch.compiler.assume_constant_result  # torch.compile: decided once while tracing, not traced into
+def cpu_attention_backend() -> str:
+    """"native" or "torch" for CPU attention calls that do not force a backend."""
+    mode = os.environ.get("PDSERVE_CPU_ATTENTION", "auto").lower()
+    if mode not in CPU_ATTENTION_MODES:
+        raise ValueError(f"PDSERVE_CPU_ATTENTION must be one of {CPU_ATTENTION_MODES}, got {mode!r}")
+    if mode == "torch":
+        return "torch"
+    if mode == "native" and not native_attention_available():
+        raise RuntimeError(f"PDSERVE_CPU_ATTENTION=native but the kernel cannot be built: "
+                           f"{native_attention_error()}")
+    return "native" if native_attention_available() else "torch"
+
+
+def _paged_attention_fake(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                          sliding_window, logit_softcap):
+    return q.new_empty(q.shape)
+
+
+def prefill_attention_native(
+    q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim], contiguous; padding rows zero
+    return torch.ops.pdserve_cpu.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                                 float(scale), sliding_window or 0, float(logit_softcap or 0.0))
+
+
+def decode_attention_native(
+    q: torch.Tensor,  # [num_seqs, num_q_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32; 0 is padding and yields zeros
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
+    # Decode is prefill with one query token per sequence.
+    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32)  # [num_seqs + 1]
+    return prefill_attention_native(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                    sliding_window, logit_softcap)

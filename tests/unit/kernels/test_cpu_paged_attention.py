@@ -1,0 +1,272 @@
+"""The native CPU paged-attention kernel against the torch reference (kernels/torch_attention.py).
+
+Tolerances (max |a - b| / max |b|): fp32 1e-5; bf16 1e-2 (both paths compute in fp32 and
+round the output to bf16 once, so they differ by about one bf16 ulp at most).
+The library is built once per machine into the kernel cache (kernels/cpu/build.py) and
+loaded once per process; only the fallback test builds, in a subprocess with no compiler.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kernels import attention as attention_module
+from kernels import decode_attention, prefill_attention
+from kernels.cpu import build
+from kernels.cpu_attention import cpu_attention_backend, native_attention_error
+from tests.support.paths import REPO_ROOT
+from tests.unit.kernels.test_kernels import make_paged, rel_err
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+FEATURES = [dict(), dict(sliding_window=7), dict(logit_softcap=5.0), dict(sliding_window=20, logit_softcap=1.0)]
+# (num_kv_heads, gqa ratio, block_size, head_dim); head_dims 64/128/256 take the kernel's
+# vector-register specialisations, 24 its generic loops.
+GEOMETRIES = [(2, 1, 16, 64), (3, 3, 32, 64), (2, 4, 16, 128), (1, 3, 32, 128), (1, 2, 16, 256), (2, 3, 8, 24)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_kernel():
+    assert native_attention_error() is None, native_attention_error()
+
+
+def _ids(param):
+    return "-".join(f"{k}={v}" for k, v in param.items()) or "plain"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "kv{}x{}-bs{}-d{}".format(*g))
+@pytest.mark.parametrize("features", FEATURES, ids=_ids)
+def test_decode_matches_reference(dtype, geometry, features):
+    num_kv_heads, ratio, block_size, head_dim = geometry
+    gen = torch.Generator().manual_seed(block_size + head_dim + ratio)
+    # Lengths off and on block boundaries, a single token, padding (0), one long context.
+    seq_lens = [1, block_size - 1, block_size, block_size + 1, 0, 77, 300]
+    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, block_size, gen, dtype=dtype,
+                                                      num_kv_heads=num_kv_heads, head_dim=head_dim)
+    q = torch.randn(len(seq_lens), num_kv_heads * ratio, head_dim, generator=gen).to(dtype)
+    args = (q, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32), head_dim ** -0.5)
+    out = decode_attention(*args, backend="native", **features)
+    ref = decode_attention(*args, backend="torch", **features)
+    assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
+    assert torch.equal(out[4], torch.zeros_like(out[4]))
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "kv{}x{}-bs{}-d{}".format(*g))
+@pytest.mark.parametrize("features", FEATURES, ids=_ids)
+def test_mixed_prefill_decode_step_matches_reference(dtype, geometry, features):
+    num_kv_heads, ratio, block_size, head_dim = geometry
+    gen = torch.Generator().manual_seed(7 * block_size + head_dim + ratio)
+    # (context_len, query_len): a fresh prompt, chunks with context (one spanning several
+    # 16-token query tiles), decode rows, an empty query.
+    shapes = [(0, 45), (50, 20), (37, 1), (0, 1), (3, 40), (9, 0), (130, 1), (block_size, block_size)]
+    seq_lens = [c + n for c, n in shapes]
+    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, block_size, gen, dtype=dtype,
+                                                      num_kv_heads=num_kv_heads, head_dim=head_dim)
+    query_lens = [n for _, n in shapes]
+    num_padding = 3  # rows past query_start_loc[-1]
+    q = torch.randn(sum(query_lens) + num_padding, num_kv_heads * ratio, head_dim, generator=gen).to(dtype)
+    query_start_loc = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    args = (q, k_cache, v_cache, block_tables, query_start_loc, torch.tensor(seq_lens, dtype=torch.int32),
+            head_dim ** -0.5)
+    out = prefill_attention(*args, backend="native", **features)
+    ref = prefill_attention(*args, backend="torch", **features)
+    assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
+    assert torch.equal(out[-num_padding:], torch.zeros_like(out[-num_padding:]))
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("features", FEATURES, ids=_ids)
+def test_few_long_decodes_split_over_keys_match_reference(dtype, features):
+    # Fewer (sequence, kv head) items than 2 per thread: long decode tokens are split over
+    # their keys and merged (flash-decoding). 8 threads force it on any machine.
+    gen = torch.Generator().manual_seed(21)
+    seq_lens = [1000, 300, 2000, 513]
+    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, 16, gen, dtype=dtype, num_kv_heads=3, head_dim=64)
+    q = torch.randn(len(seq_lens), 9, 64, generator=gen).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        out = decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125, backend="native", **features)
+        # The same tokens as decode rows of a prefill call, after one 5-token chunk.
+        starts = torch.tensor([0, 5, 6, 7, 8], dtype=torch.int32)
+        q_mixed = torch.cat([torch.randn(4, 9, 64, generator=gen).to(dtype), q])
+        mixed = prefill_attention(q_mixed, k_cache, v_cache, block_tables, starts, lens, 0.125, backend="native",
+                                  **features)
+    finally:
+        torch.set_num_threads(threads)
+    ref = decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125, backend="torch", **features)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    assert rel_err(mixed[5:], ref[1:]) < TOLERANCE[dtype]
+    ref_mixed = prefill_attention(q_mixed, k_cache, v_cache, block_tables, starts, lens, 0.125, backend="torch",
+                                  **features)
+    assert rel_err(mixed, ref_mixed) < TOLERANCE[dtype]
+
+
+def test_prefill_without_context_fp16_and_strided_views():
+    # Whole prompts only (the reference's plain causal path), with K and V as views of one
+    # [num_blocks, 2, ...] tensor and q sliced out of a wider projection; fp16 as well.
+    gen = torch.Generator().manual_seed(11)
+    num_kv_heads, num_q_heads, head_dim, block_size = 2, 8, 64, 16
+    seq_lens = [33, 16, 5]
+    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, block_size, gen, num_kv_heads=num_kv_heads,
+                                                      head_dim=head_dim)
+    kv = torch.stack([k_cache, v_cache], dim=1)  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    num_tokens = sum(seq_lens)
+    q = torch.randn(num_tokens, num_q_heads * head_dim + 8, generator=gen)[:, 8:].view(
+        num_tokens, num_q_heads, head_dim)
+    query_start_loc = torch.tensor([0, 33, 49, 54], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        args = (q.to(dtype), kv[:, 0].to(dtype), kv[:, 1].to(dtype), block_tables, query_start_loc, lens, 0.125)
+        out = prefill_attention(*args, backend="native")
+        assert rel_err(out, prefill_attention(*args, backend="torch")) < tolerance
+    out = prefill_attention(q, kv[:, 0], kv[:, 1], block_tables, query_start_loc, lens, 0.125, backend="native")
+    ref = prefill_attention(q.contiguous(), k_cache, v_cache, block_tables, query_start_loc, lens, 0.125,
+                            backend="torch")
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_bad_block_table_entry_raises_instead_of_reading_outside_the_cache():
+    gen = torch.Generator().manual_seed(12)
+    k_cache, v_cache, block_tables, _, _ = make_paged([20], 16, gen)
+    block_tables[0, 1] = k_cache.shape[0]  # within the sequence's 2 blocks
+    q = torch.randn(1, 6, 32, generator=gen)
+    with pytest.raises(ValueError, match="outside the cache"):
+        decode_attention(q, k_cache, v_cache, block_tables, torch.tensor([20], dtype=torch.int32), 0.1,
+                         backend="native")
+
+
+def test_opaque_to_torch_compile():
+    gen = torch.Generator().manual_seed(13)
+    k_cache, v_cache, block_tables, _, _ = make_paged([9, 40], 16, gen)
+    q = torch.randn(2, 6, 32, generator=gen)
+    lens = torch.tensor([9, 40], dtype=torch.int32)
+    query_start_loc = torch.arange(3, dtype=torch.int32)
+    args = (q, k_cache, v_cache, block_tables, query_start_loc, lens, 0.2, 0, 0.0)
+    torch.library.opcheck(torch.ops.pdserve_cpu.paged_attention.default, args)
+
+    def layer(q):
+        return torch.ops.pdserve_cpu.paged_attention(q * 2, *args[1:]) + 1
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    assert rel_err(compiled(q), layer(q)) < 1e-6
+
+    # The public entry points trace whole too, the CPU dispatch decided while tracing.
+    def public(q, backend):
+        return prefill_attention(q * 2, k_cache, v_cache, block_tables, query_start_loc, lens, 0.2,
+                                 backend=backend) + 1
+
+    for backend in (None, "native"):
+        compiled = torch.compile(public, backend="aot_eager", fullgraph=True)
+        assert rel_err(compiled(q, backend), layer(q)) < 1e-6
+
+
+def test_dispatch_prefers_native_on_cpu_unless_told(monkeypatch):
+    calls = []
+    monkeypatch.setattr(attention_module, "decode_attention_native", lambda *a, **k: calls.append(a) or a[0])
+    gen = torch.Generator().manual_seed(14)
+    k_cache, v_cache, block_tables, _, _ = make_paged([5], 16, gen)
+    args = (torch.randn(1, 6, 32, generator=gen), k_cache, v_cache, block_tables,
+            torch.tensor([5], dtype=torch.int32), 0.1)
+    monkeypatch.delenv("PDSERVE_CPU_ATTENTION", raising=False)
+    decode_attention(*args, sliding_window=3)
+    assert len(calls) == 1
+    monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "torch")
+    decode_attention(*args)
+    assert len(calls) == 1 and cpu_attention_backend() == "torch"
+    monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "native")
+    decode_attention(*args)
+    assert len(calls) == 2
+    monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_ATTENTION"):
+        decode_attention(*args)
+
+
+def test_built_library_is_reused_from_the_cache(monkeypatch):
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("rebuilt a cached library")
+
+    monkeypatch.setattr(build.subprocess, "run", no_compiling)
+    assert build.build_library("paged_attention").exists()
+
+
+def test_missing_compiler_raises_build_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    with pytest.raises(build.BuildError, match="no C\\+\\+ compiler"):
+        build.build_library("paged_attention")
+
+
+_AVX2_SCRIPT = textwrap.dedent("""
+    import torch
+    from kernels import decode_attention, prefill_attention
+    from kernels.cpu_attention import native_attention_error
+    from tests.unit.kernels.test_kernels import make_paged, rel_err
+    assert native_attention_error() is None, native_attention_error()
+    gen = torch.Generator().manual_seed(0)
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        for head_dim in (64, 128):
+            seq_lens = [1, 17, 90, 40]
+            k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, 16, gen, dtype=dtype, num_kv_heads=2,
+                                                              head_dim=head_dim)
+            lens = torch.tensor(seq_lens, dtype=torch.int32)
+            q = torch.randn(4, 8, head_dim, generator=gen).to(dtype)
+            for features in ({}, {"sliding_window": 9, "logit_softcap": 3.0}):
+                args = (q, k_cache, v_cache, block_tables, lens, 0.1)
+                assert rel_err(decode_attention(*args, backend="native", **features),
+                               decode_attention(*args, backend="torch", **features)) < tolerance
+                q_prefill = torch.randn(1 + 17 + 30 + 40, 8, head_dim, generator=gen).to(dtype)
+                starts = torch.tensor([0, 1, 18, 48, 88], dtype=torch.int32)
+                args = (q_prefill, k_cache, v_cache, block_tables, starts, lens, 0.1)
+                assert rel_err(prefill_attention(*args, backend="native", **features),
+                               prefill_attention(*args, backend="torch", **features)) < tolerance
+    print("ok")
+""")
+
+
+def test_avx2_build_matches_reference():
+    # The kernel's 8-lane (AVX2) vectors, as on machines without AVX-512: built once per
+    # machine into the usual kernel cache (the target is part of the library's key).
+    env = dict(os.environ, PDSERVE_CPU_MARCH="x86-64-v3", PYTHONPATH=str(REPO_ROOT))
+    done = subprocess.run([sys.executable, "-c", _AVX2_SCRIPT], env=env, cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=280)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
+
+
+_FALLBACK_SCRIPT = textwrap.dedent("""
+    import logging, torch
+    from kernels import decode_attention
+    from kernels.cpu_attention import cpu_attention_backend
+    logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
+    k_cache = torch.randn(4, 16, 2, 32)
+    args = (torch.randn(2, 6, 32), k_cache, k_cache.clone(), torch.tensor([[1, 2], [3, 0]], dtype=torch.int32),
+            torch.tensor([20, 7], dtype=torch.int32), 0.1)
+    for _ in range(3):
+        out = decode_attention(*args)
+    assert torch.equal(out, decode_attention(*args, backend="torch"))
+    print("backend", cpu_attention_backend())
+""")
+
+
+@pytest.mark.parametrize("mode", ["auto", "native"])
+def test_falls_back_to_torch_with_one_log_line_without_a_compiler(tmp_path, mode):
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-g++"), PDSERVE_KERNEL_CACHE=str(tmp_path / "cache"),
+               PDSERVE_CPU_ATTENTION=mode, PYTHONPATH=str(REPO_ROOT))
+    done = subprocess.run([sys.executable, "-c", _FALLBACK_SCRIPT], env=env, cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120)
+    output = done.stdout + done.stderr
+    log_lines = [line for line in output.splitlines() if line.startswith("LOG ")]
+    assert len(log_lines) == 1 and "using the torch path" in log_lines[0], output
+    if mode == "auto":
+        assert done.returncode == 0 and "backend torch" in done.stdout, output
+    else:  # forced native: the step fails loudly rather than running the slow path
+        assert done.returncode != 0 and "PDSERVE_CPU_ATTENTION=native" in output, output
