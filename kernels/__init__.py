@@ -1,7 +1,7 @@
 """Attention and KV-cache kernels.
 
 Triton kernels run for CUDA tensors; the plain-torch reference (also the CPU path)
-runs otherwise. Every entry point takes `backend="triton"|"torch"` to force one.
+runs otherwise. Every entry point takes `backend="triton"|"native"|"torch"` to force one.
 triton itself is imported only when a Triton kernel is first used.
 
 Cache layout, per layer: k_cache and v_cache are each
