@@ -3,8 +3,9 @@
 Code anywhere below a servicer (engine adapters, the gateway's placement, validation)
 raises ServiceError with the status and a message that tells the caller what to
 change; `ErrorStatusInterceptor`, installed on every server, aborts the RPC with it.
-Anything else escaping a handler is a bug: logged with its traceback, answered INTERNAL,
-and the server keeps serving. A request message that does not parse is the caller's
+An EngineDeadError (the engine or a worker process died) is UNAVAILABLE: the request
+may succeed on another instance. Anything else escaping a handler is a bug: logged
+with its traceback, answered INTERNAL, and the server keeps serving. A request message that does not parse is the caller's
 error, INVALID_ARGUMENT: gRPC deserializes before any handler runs and answers UNKNOWN
 on its own, so the interceptor gives each handler a deserializer that hands the failure
 to the handler instead.
@@ -17,6 +18,8 @@ import logging
 
 import grpc
 from grpc import aio
+
+from common.engine.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,8 @@ def _refuse_undecodable(request, method: str) -> None:
 async def _abort(context: aio.ServicerContext, error: Exception, method: str) -> None:
     if isinstance(error, ServiceError):
         await context.abort(error.code, error.message)
+    if isinstance(error, EngineDeadError):  # this instance cannot serve any more: another one can
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
     logger.error("%s failed", method, exc_info=error)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {error!r}")
 
