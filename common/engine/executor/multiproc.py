@@ -152,7 +152,8 @@ class MultiProcExecutor(Executor):
             ready_conns.append(reader)
         self.workers = self._wait_ready(ready_conns, time.monotonic() + ready_timeout_s)
         self.device_type = self.workers[0]["device_type"]
-        logger.info("executor mp: %d worker(s), pids %s", self.world_size, self.worker_pids)
+        logger.info("executor mp: %d worker(s), pids %s, shared memory %s", self.world_size, self.worker_pids,
+                    " ".join(self.shm_names))
 
     def _wait_ready(self, ready_conns: list, deadline: float) -> list[dict]:
         processes = self._resources.processes

@@ -25,6 +25,7 @@ from common.engine.sampling_params import SamplingParams
 
 token_ids = st.lists(st.integers(0, 50_000), max_size=8)
 req_ids = st.text(min_size=1, max_size=12)
+int64 = st.integers(-2**63, 2**63 - 1)
 floats = st.floats(allow_nan=False, allow_infinity=False, width=64)
 
 sampling_params = st.builds(
@@ -42,8 +43,8 @@ scheduled_requests = st.builds(
 kv_metadata = st.builds(
     KVConnectorMetadata,
     sends=st.lists(st.builds(KVSendSpec, req_id=req_ids, src_block_ids=token_ids,
-                             target=st.dictionaries(st.text(max_size=5), st.integers(-2**63, 2**63 - 1) | st.text(max_size=5),
-                                                    max_size=3)), max_size=2),
+                             target=st.dictionaries(st.text(max_size=5), int64 | st.text(max_size=5), max_size=3)),
+                   max_size=2),
     recvs=st.lists(st.builds(KVRecvSpec, req_id=req_ids, transfer_id=req_ids, dst_block_ids=token_ids,
                              timeout_s=floats), max_size=2),
     abort_req_ids=st.lists(req_ids, max_size=2), abort_reason=st.dictionaries(req_ids, st.text(max_size=8)))
@@ -59,10 +60,10 @@ scheduler_outputs = st.builds(
     scheduled_spec_decode_tokens=st.dictionaries(req_ids, token_ids, max_size=2))
 
 logprobs = st.builds(Logprobs, token_logprob=floats, top_token_ids=token_ids, top_logprobs=st.lists(floats, max_size=3))
-outcomes = st.builds(KVTransferOutcome, req_id=req_ids, transfer_id=req_ids, direction=st.sampled_from(["send", "recv"]),
-                     state=st.sampled_from(["done", "failed", "expired"]), reason=st.text(max_size=8),
-                     num_bytes=st.integers(0, 2**40), started_at=floats, first_byte_at=st.none() | floats,
-                     ended_at=st.none() | floats)
+outcomes = st.builds(KVTransferOutcome, req_id=req_ids, transfer_id=req_ids,
+                     direction=st.sampled_from(["send", "recv"]), state=st.sampled_from(["done", "failed", "expired"]),
+                     reason=st.text(max_size=8), num_bytes=st.integers(0, 2**40), started_at=floats,
+                     first_byte_at=st.none() | floats, ended_at=st.none() | floats)
 runner_outputs = st.builds(
     RunnerOutput, req_ids=st.lists(req_ids, max_size=3), sampled_token_ids=st.lists(token_ids, max_size=3),
     logprobs=st.none() | st.lists(st.none() | st.lists(logprobs, max_size=2), max_size=3),

@@ -1,0 +1,102 @@
+"""The mp executor end to end: the bundled model gives the in-process tokens, and a
+decode service whose worker process is killed reports NOT_SERVING on gRPC health,
+fails its in-flight and new requests with UNAVAILABLE, and leaves no process or
+/dev/shm segment behind once stopped."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.engine.llm import LLM
+from common.engine.sampling_params import SamplingParams
+from common.service.common_api import sampling_params_to_pb
+from protos.pdserve.v1 import decode_pb2, decode_pb2_grpc
+from protos.serving import DECODE_SERVICE
+from tests.integration.test_workers import ServiceProcess
+from tests.unit.common.engine.executor.conftest import alive_pids, existing_segments
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "def fibonacci(n):"]
+EXECUTOR_LOG = re.compile(r"executor mp: \d+ worker\(s\), pids \[([\d, ]+)\], shared memory (.*)$", re.M)
+
+
+def test_bundled_model_gives_the_same_greedy_tokens_in_process_and_in_a_worker(bundled_model_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    uni = LLM(str(bundled_model_dir), kv_cache_memory="64MiB")
+    expected = [o.outputs[0].token_ids for o in uni.generate(PROMPTS, params)]
+    del uni
+    mp = LLM(str(bundled_model_dir), kv_cache_memory="64MiB", distributed_executor_backend="mp")
+    try:
+        assert [o.outputs[0].token_ids for o in mp.generate(PROMPTS, params)] == expected
+    finally:
+        mp.engine.shutdown()
+
+
+async def _health(address: str) -> dict[str, int]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return {name: (await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)).status
+                for name in ("", DECODE_SERVICE)}
+
+
+async def _decode(address: str, request_id: str, max_tokens: int, first: asyncio.Event | None = None) -> int:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    async with grpc.aio.insecure_channel(address) as channel:
+        num_tokens = 0
+        async for response in decode_pb2_grpc.DecodeServiceStub(channel).Decode(decode_pb2.DecodeRequest(
+                request_id=request_id, prompt_token_ids=[1, 2, 3, 4], sampling=sampling_params_to_pb(params))):
+            num_tokens += len(response.token_ids)
+            if first is not None:
+                first.set()
+        return num_tokens
+
+
+def test_a_decode_service_whose_worker_dies_stops_serving_and_fails_requests_unavailable(
+        tiny_model_factory, tmp_path):
+    model_dir = tiny_model_factory("tiny-llama-4k", "llama", max_position_embeddings=4096)
+    service = ServiceProcess("decode_service.main",
+                             ["--model", str(model_dir), "--distributed-executor-backend", "mp",
+                              "--kv-cache-memory", "16MiB", "--grace-period", "2"], tmp_path / "decode.log")
+    try:
+        service.wait_ready(time.monotonic() + 120)
+        found = EXECUTOR_LOG.search(service.log_path.read_text())
+        assert found, service.log_tail()
+        [worker_pid] = [int(pid) for pid in found.group(1).split(",")]
+        segments = found.group(2).split()
+        assert existing_segments(segments) == segments
+
+        async def main() -> None:
+            serving = health_pb2.HealthCheckResponse.SERVING
+            assert await _health(service.address) == {"": serving, DECODE_SERVICE: serving}
+            started = asyncio.Event()
+            in_flight = asyncio.ensure_future(_decode(service.address, "long", 4000, started))
+            await asyncio.wait_for(started.wait(), 60)
+            os.kill(worker_pid, signal.SIGKILL)
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await asyncio.wait_for(in_flight, 10)
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
+            assert "worker rank 0" in failed.value.details()
+            deadline = time.monotonic() + 5
+            while (status := await _health(service.address)) != {
+                    "": health_pb2.HealthCheckResponse.NOT_SERVING,
+                    DECODE_SERVICE: health_pb2.HealthCheckResponse.NOT_SERVING}:
+                assert time.monotonic() < deadline, status
+                await asyncio.sleep(0.05)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await _decode(service.address, "after", 4)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+        asyncio.run(main())
+    finally:
+        exit_code = service.stop()
+    assert exit_code == 0, service.log_tail()
+    assert alive_pids([worker_pid]) == []
+    assert existing_segments(segments) == []
+    assert "leaked shared_memory" not in service.log_path.read_text()
