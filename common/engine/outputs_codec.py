@@ -8,6 +8,7 @@ msgpack of the expected shape (a pickle, above all: nothing here ever unpickles)
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import msgpack
@@ -41,8 +42,13 @@ def unpack(data: bytes, what: str) -> dict:
     return message
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def _fields(obj: Any) -> dict[str, Any]:
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    return {name: getattr(obj, name) for name in _field_names(type(obj))}
 
 
 # ---- grammar bitmask ----
@@ -65,10 +71,6 @@ def tensor_from_dict(data: dict | None):
 
 
 # ---- SchedulerOutput ----
-def scheduled_request_to_dict(req: ScheduledRequest) -> dict:
-    return _fields(req) | {"sampling_params": req.sampling_params.to_dict()}
-
-
 def kv_connector_metadata_to_dict(meta: KVConnectorMetadata | None) -> dict | None:
     if meta is None:
         return None
@@ -84,44 +86,90 @@ def kv_connector_metadata_from_dict(data: dict | None) -> KVConnectorMetadata | 
                                abort_req_ids=data["abort_req_ids"], abort_reason=data["abort_reason"])
 
 
-def scheduler_output_to_dict(output: SchedulerOutput) -> dict:
-    return _fields(output) | {
-        "scheduled": [scheduled_request_to_dict(r) for r in output.scheduled],
-        "kv_connector_metadata": kv_connector_metadata_to_dict(output.kv_connector_metadata),
-        "grammar_bitmask": tensor_to_dict(output.grammar_bitmask),
-    }
+@dataclasses.dataclass
+class _SentRequest:
+    """What the decoders already hold of a request (the objects themselves, so `is` is sound)."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    num_output_sent: int
+
+
+class SchedulerOutputEncoder:
+    """SchedulerOutputs as dicts for a stream of steps to the same decoders: a request's
+    sampling params and prompt go once, its output tokens as they grow ("cached": true,
+    output_token_ids holding only the new ones), as vLLM sends cached request data. A
+    request whose objects changed (re-admitted under the same id) goes whole again;
+    finished_req_ids end the state on both sides."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, _SentRequest] = {}
+
+    def encode(self, output: SchedulerOutput) -> dict:
+        for req_id in output.finished_req_ids:
+            self._sent.pop(req_id, None)
+        return _fields(output) | {
+            "scheduled": [self._request(r) for r in output.scheduled],
+            "kv_connector_metadata": kv_connector_metadata_to_dict(output.kv_connector_metadata),
+            "grammar_bitmask": tensor_to_dict(output.grammar_bitmask),
+        }
+
+    def _request(self, req: ScheduledRequest) -> dict:
+        plain = _fields(req)
+        sent = self._sent.get(req.req_id)
+        outputs = req.output_token_ids
+        if (sent is not None and sent.sampling_params is req.sampling_params
+                and sent.prompt_token_ids is req.prompt_token_ids and sent.output_token_ids is outputs
+                and sent.num_output_sent <= len(outputs)):
+            plain |= {"cached": True, "sampling_params": None, "prompt_token_ids": None,
+                      "output_token_ids": outputs[sent.num_output_sent:]}
+            sent.num_output_sent = len(outputs)
+            return plain
+        self._sent[req.req_id] = _SentRequest(req.sampling_params, req.prompt_token_ids, outputs, len(outputs))
+        return plain | {"cached": False, "sampling_params": req.sampling_params.to_dict()}
 
 
 class SchedulerOutputDecoder:
-    """Builds SchedulerOutputs from dicts, keeping each running request's SamplingParams
-    between steps: validating them again every step would cost more than the step's
-    transport. A request's params are rebuilt whenever their plain form changes."""
+    """The other end of SchedulerOutputEncoder: keeps each running request's params and
+    token history between steps (validating params again every step would cost more
+    than the step's transport)."""
 
     def __init__(self) -> None:
-        self._params: dict[str, tuple[dict, SamplingParams]] = {}
+        self._requests: dict[str, tuple[SamplingParams, list[int], list[int]]] = {}
 
     def decode(self, data: dict) -> SchedulerOutput:
         try:
             for req_id in data["finished_req_ids"]:
-                self._params.pop(req_id, None)
-            scheduled = [ScheduledRequest(**(r | {"sampling_params": self._sampling_params(r)}))
-                         for r in data["scheduled"]]
+                self._requests.pop(req_id, None)
             return SchedulerOutput(**(data | {
-                "scheduled": scheduled,
+                "scheduled": [self._request(r) for r in data["scheduled"]],
                 "kv_connector_metadata": kv_connector_metadata_from_dict(data["kv_connector_metadata"]),
                 "grammar_bitmask": tensor_from_dict(data["grammar_bitmask"]),
             }))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise MessageFormatError(f"not a SchedulerOutput: {type(e).__name__}: {e}") from None
 
-    def _sampling_params(self, req: dict) -> SamplingParams:
-        plain = req["sampling_params"]
-        cached = self._params.get(req["req_id"])
-        if cached is not None and cached[0] == plain:
-            return cached[1]
-        params = SamplingParams.from_dict(plain)
-        self._params[req["req_id"]] = (plain, params)
-        return params
+    def _request(self, plain: dict) -> ScheduledRequest:
+        plain = dict(plain)
+        req_id = plain["req_id"]
+        if plain.pop("cached"):
+            known = self._requests.get(req_id)
+            if known is None:
+                raise ValueError(f"request {req_id!r} is sent as cached but was never sent whole")
+            params, prompt_token_ids, output_token_ids = known
+            output_token_ids.extend(plain["output_token_ids"])
+        else:
+            params = SamplingParams.from_dict(plain["sampling_params"])
+            prompt_token_ids, output_token_ids = plain["prompt_token_ids"], list(plain["output_token_ids"])
+            self._requests[req_id] = (params, prompt_token_ids, output_token_ids)
+        return ScheduledRequest(**(plain | {"sampling_params": params, "prompt_token_ids": prompt_token_ids,
+                                            "output_token_ids": output_token_ids}))
+
+
+def scheduler_output_to_dict(output: SchedulerOutput) -> dict:
+    """One step on its own (every request sent whole)."""
+    return SchedulerOutputEncoder().encode(output)
 
 
 def scheduler_output_from_dict(data: dict) -> SchedulerOutput:

@@ -33,7 +33,7 @@ from common.engine.errors import ExecutorFailedError
 from common.engine.executor.base import Executor
 from common.engine.executor.worker_proc import WorkerSpec, worker_main
 from common.engine.outputs import RunnerOutput, SchedulerOutput
-from common.engine.outputs_codec import pack, runner_output_from_dict, scheduler_output_to_dict, unpack
+from common.engine.outputs_codec import SchedulerOutputEncoder, pack, runner_output_from_dict, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +112,8 @@ class MultiProcExecutor(Executor):
         self.world_size = parallel.world_size
         self.output_rank = output_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self.failure_observers = []
+        # Every rank decodes every step, so one encoder's idea of what they hold is theirs.
+        self._step_encoder = SchedulerOutputEncoder()
         self._failure: ExecutorFailedError | None = None
         self._shutting_down = False
         self._lock = threading.Lock()  # one call in flight: the queues are read and written in order
@@ -254,7 +256,7 @@ class MultiProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         replies = self._call({"kind": "execute_model",
-                              "scheduler_output": scheduler_output_to_dict(scheduler_output)})
+                              "scheduler_output": self._step_encoder.encode(scheduler_output)})
         return runner_output_from_dict(replies[self.output_rank]["result"])
 
     def collective_rpc(self, method_name: str, args: tuple = ()) -> list[Any]:

@@ -14,6 +14,7 @@ from common.engine.outputs import Logprobs, RunnerOutput, ScheduledRequest, Sche
 from common.engine.outputs_codec import (
     MessageFormatError,
     SchedulerOutputDecoder,
+    SchedulerOutputEncoder,
     pack,
     runner_output_from_dict,
     runner_output_to_dict,
@@ -21,6 +22,7 @@ from common.engine.outputs_codec import (
     scheduler_output_to_dict,
     unpack,
 )
+from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 
 token_ids = st.lists(st.integers(0, 50_000), max_size=8)
@@ -93,18 +95,48 @@ def test_runner_output_round_trips_through_msgpack(output: RunnerOutput):
     assert runner_output_from_dict(unpack(pack(runner_output_to_dict(output)), "test")) == output
 
 
-def test_decoder_reuses_sampling_params_until_they_change_or_the_request_finishes():
-    decoder = SchedulerOutputDecoder()
-    params = SamplingParams(temperature=0.0, max_tokens=4)
-    step = SchedulerOutput([ScheduledRequest("a", [1], 0, [0], True, params)], 1)
-    first = decoder.decode(scheduler_output_to_dict(step)).scheduled[0].sampling_params
-    assert decoder.decode(scheduler_output_to_dict(step)).scheduled[0].sampling_params is first
-    step.scheduled[0].sampling_params = SamplingParams(temperature=0.5, max_tokens=4)
-    changed = decoder.decode(scheduler_output_to_dict(step)).scheduled[0].sampling_params
-    assert changed is not first and changed.temperature == 0.5
-    finished = SchedulerOutput([], 0, finished_req_ids=["a"])
-    decoder.decode(scheduler_output_to_dict(finished))
-    assert decoder.decode(scheduler_output_to_dict(step)).scheduled[0].sampling_params is not changed
+def _through(encoder: SchedulerOutputEncoder, decoder: SchedulerOutputDecoder, step: SchedulerOutput):
+    return decoder.decode(unpack(pack(encoder.encode(step)), "test"))
+
+
+def _step(*requests: Request, finished: tuple[str, ...] = ()) -> SchedulerOutput:
+    return SchedulerOutput([ScheduledRequest(r.req_id, [7], 0, [0], True, r.sampling_params,
+                                             r.prompt_token_ids, r.output_token_ids) for r in requests],
+                           len(requests), finished_req_ids=list(finished))
+
+
+def test_a_stream_of_steps_sends_params_and_prompts_once_and_outputs_as_they_grow():
+    encoder, decoder = SchedulerOutputEncoder(), SchedulerOutputDecoder()
+    a = Request("a", list(range(1000)), SamplingParams(temperature=0.0, max_tokens=50))
+    b = Request("b", [5, 6], SamplingParams(temperature=0.7, seed=3, stop_token_ids=[9]))
+    first = _through(encoder, decoder, _step(a, b))
+    assert first == _step(a, b)
+    a_params = first.scheduled[0].sampling_params
+    for token_id in range(3):
+        a.append_output_token_ids([token_id])
+        b.append_output_token_ids([token_id + 10, token_id + 20])
+        plain = encoder.encode(_step(a, b))
+        assert [r["cached"] for r in plain["scheduled"]] == [True, True]
+        assert plain["scheduled"][0]["prompt_token_ids"] is None and plain["scheduled"][0]["sampling_params"] is None
+        assert plain["scheduled"][0]["output_token_ids"] == [token_id]
+        decoded = decoder.decode(unpack(pack(plain), "test"))
+        assert decoded == _step(a, b)
+        assert decoded.scheduled[0].sampling_params is a_params
+    # Finished, then a new request under the same id: it goes whole again.
+    assert _through(encoder, decoder, _step(b, finished=("a",))) == _step(b, finished=("a",))
+    a_again = Request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5))
+    assert _through(encoder, decoder, _step(a_again, b)) == _step(a_again, b)
+    # Re-admitted under the same id without a finish in between: its objects changed.
+    a_third = Request("a", [4], SamplingParams(temperature=1.0, top_k=5))
+    assert _through(encoder, decoder, _step(a_third)) == _step(a_third)
+
+
+def test_a_cached_request_the_decoder_never_saw_is_refused():
+    a = Request("a", [1, 2], SamplingParams())
+    encoder = SchedulerOutputEncoder()
+    encoder.encode(_step(a))
+    with pytest.raises(MessageFormatError, match="never sent whole"):
+        SchedulerOutputDecoder().decode(encoder.encode(_step(a)))
 
 
 def test_a_pickle_is_refused_as_a_pickle():
@@ -116,7 +148,8 @@ def test_a_pickle_is_refused_as_a_pickle():
 @pytest.mark.parametrize("plain, match", [
     ({"scheduled": []}, "KeyError"),
     ({**scheduler_output_to_dict(SchedulerOutput([], 0)), "surprise": 1}, "surprise"),
-    ({**scheduler_output_to_dict(SchedulerOutput([], 0)), "scheduled": [{"req_id": "a"}]}, "sampling_params"),
+    ({**scheduler_output_to_dict(SchedulerOutput([], 0)), "scheduled": [{"req_id": "a", "cached": False}]},
+     "sampling_params"),
 ])
 def test_a_map_of_another_shape_is_not_a_scheduler_output(plain, match):
     with pytest.raises(MessageFormatError, match=match):
