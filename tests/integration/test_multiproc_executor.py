@@ -19,7 +19,7 @@ from common.engine.sampling_params import SamplingParams
 from common.service.common_api import sampling_params_to_pb
 from protos.pdserve.v1 import decode_pb2, decode_pb2_grpc
 from protos.serving import DECODE_SERVICE
-from tests.integration.test_workers import ServiceProcess
+from tests.integration.test_workers import ServiceProcess, decode_collect
 from tests.unit.common.engine.executor.conftest import alive_pids, existing_segments
 
 pytestmark = pytest.mark.slow
@@ -38,6 +38,32 @@ def test_bundled_model_gives_the_same_greedy_tokens_in_process_and_in_a_worker(b
         assert [o.outputs[0].token_ids for o in mp.generate(PROMPTS, params)] == expected
     finally:
         mp.engine.shutdown()
+
+
+def test_disaggregated_prefill_and_decode_in_worker_processes_give_the_offline_tokens(
+        tiny_model_factory, tmp_path):
+    """KV connector metadata (sends, receives) and outcomes cross the process boundary."""
+    model_dir = tiny_model_factory("tiny-llama-4k", "llama", max_position_embeddings=4096)
+    engine = ["--model", str(model_dir), "--distributed-executor-backend", "mp", "--kv-cache-memory", "16MiB",
+              "--max-num-batched-tokens", "64"]
+    prefill = ServiceProcess("prefill_service.main", ["--instance-id", "prefill-test", *engine],
+                             tmp_path / "prefill.log")
+    decode = ServiceProcess("decode_service.main", ["--instance-id", "decode-test", "--local-prefill-threshold", "8",
+                                                    *engine], tmp_path / "decode.log")
+    prompt = list(range(100, 190))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    try:
+        deadline = time.monotonic() + 120
+        prefill.wait_ready(deadline)
+        decode.wait_ready(deadline)
+        remote = asyncio.run(decode_collect(decode.address, prompt, params, prefill=prefill.address))
+        assert remote["prefill"] == "prefill-test", remote
+    finally:
+        codes = [prefill.stop(), decode.stop()]
+    assert codes == [0, 0], (prefill.log_tail(), decode.log_tail())
+    offline = LLM(str(model_dir), kv_cache_memory="16MiB", max_num_batched_tokens=64)
+    expected = offline.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+    assert remote["token_ids"] == expected
 
 
 async def _health(address: str) -> dict[str, int]:
