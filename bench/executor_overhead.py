@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    load_at_start = round(os.getloadavg()[0], 2)  # other work on the machine skews both columns alike
 
     import torch
     torch.set_num_threads(args.threads)  # the in-process runner's; the worker applies num_threads itself
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "executor", "date": now_iso(), "model": str(model_dir), "context_len": args.context_len,
         "num_steps": args.steps, "machine": machine_info(args.threads).model_dump(),
         "versions": versions().model_dump(),
-        "note": "measured once on a shared 2-core machine under heavy contention (load average ~7)",
+        "load_average_1m": {"start": load_at_start, "end": round(os.getloadavg()[0], 2)},
         "empty_step": {"uni_us": round(statistics.median(empty["uni"]) * 1e6, 1),
                        "mp_us": round(statistics.median(empty["mp"]) * 1e6, 1),
                        "mp_p90_us": round(sorted(empty["mp"])[int(0.9 * (len(empty["mp"]) - 1))] * 1e6, 1)},

@@ -3,12 +3,14 @@ ready, then runs what the broadcast queue carries and answers on its response qu
 
 Its one argument besides the ready pipe is msgpack bytes (WorkerSpec as plain data);
 each message is msgpack too (common.engine.outputs_codec): a payload of another shape
-is answered with an error and the worker goes on. A worker whose parent is gone exits.
+is answered with an error and the worker goes on. A worker whose parent is gone exits;
+SIGINT is ignored (the engine process decides when its workers stop).
 """
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -69,6 +71,8 @@ class WorkerSpec:
 
 def worker_main(spec_bytes: bytes, ready_conn: Connection) -> None:
     """Process target: build, report ready (or why not) on ready_conn, serve until told to stop."""
+    # Ctrl-C reaches the whole process group: the engine process drains and then stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = WorkerSpec.from_bytes(spec_bytes)
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s %(levelname)s [worker rank {spec.rank}] %(name)s: %(message)s")

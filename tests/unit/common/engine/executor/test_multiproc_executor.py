@@ -78,6 +78,13 @@ def test_a_pickle_payload_is_refused_and_the_worker_goes_on(mp_llm):
     assert [o.outputs[0].token_ids for o in mp_llm.generate(PROMPTS[:1], GREEDY)][0]
 
 
+def test_a_worker_ignores_ctrl_c_which_is_the_engine_process_to_handle(mp_llm):
+    executor = mp_llm.engine.executor
+    os.kill(executor.worker_pids[0], signal.SIGINT)
+    assert executor.collective_rpc("kv_connector_info") == [{}]
+    assert executor.failed is None and alive_pids(executor.worker_pids) == executor.worker_pids
+
+
 def test_output_rank_is_the_first_rank_of_the_last_pipeline_stage():
     assert output_rank(1, 1) == 0
     assert output_rank(4, 1) == 0
