@@ -176,10 +176,11 @@ class MultiProcExecutor(Executor):
                         message = None
                     if message is None or not message.get("ok"):
                         processes[rank].join(5.0)
-                        why = message["error"] if message else "no ready message"
+                        why = (f"{message['error']}\n{message['traceback']}" if message else
+                               "it exited before reporting; its error is on stderr (e.g. a __main__ module read "
+                               "from stdin, which a spawned worker cannot import again)")
                         raise RuntimeError(f"worker rank {rank} failed to start (exit code "
-                                           f"{processes[rank].exitcode}): {why}"
-                                           + (f"\n{message['traceback']}" if message else ""))
+                                           f"{processes[rank].exitcode}): {why}")
                     ready[rank] = message
                     del pending[rank]
                 elif not processes[rank].is_alive():
