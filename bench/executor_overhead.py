@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per batch size and executor")
     parser.add_argument("--empty-steps", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each executor's runner")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the forward pass (default: eager; the executor's cost is the same)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -72,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     torch.set_num_threads(args.threads)  # the in-process runner's; the worker applies num_threads itself
-    config = make_engine_config(args.model, num_threads=args.threads, distributed_executor_backend="mp")
+    config = make_engine_config(args.model, num_threads=args.threads, distributed_executor_backend="mp",
+                                enforce_eager=not args.compile)
     model_dir = resolve_model(args.model)
     model_config = ModelConfig.from_hf_config(load_hf_config(model_dir))
     block_size = config.cache.block_size
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for executor in executors.values():
             executor.allocate_kv_cache(num_blocks)
+            executor.collective_rpc("warm_up")
         empty = time_steps(executors, SchedulerOutput([], 0), args.empty_steps)
         rows = []
         for batch_size in batch_sizes:

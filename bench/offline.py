@@ -1,9 +1,11 @@
-"""`pdserve bench offline`: our LLM.generate vs Hugging Face generate, one process, one run.
+"""`pdserve bench offline`: our LLM.generate beside Hugging Face generate and vLLM's CPU build, one run.
 
-Reports output tokens/s on a mixed workload (HF with static batches of 32,
-left padding, greedy), single-stream decode tokens/s for both, cold vs
-prefix-cached time to first token, and the machine's rooflines measured in the
-same run (memory copy bandwidth, fp32 matmul rate).
+Reports output tokens/s on a mixed seeded workload (HF with static batches of 32,
+left padding, greedy; vLLM with its own continuous batching), single-stream decode
+tokens/s for each, cold vs prefix-cached time to first token, start-up time and
+recompiles after warm-up of our compiled model, and the machine's rooflines
+measured in the same run (memory copy bandwidth, fp32 matmul rate). Every side runs
+the same dtype; vLLM runs in its own venv (bench/peers/vllm_peer.py).
 """
 from __future__ import annotations
 
@@ -80,16 +82,17 @@ def run_hf(hf_model, workload, batch_size: int, pad_token_id: int) -> tuple[floa
     return time.perf_counter() - t0, num_tokens
 
 
-def single_stream(llm, hf_model, prompt: list[int], num_new: int,
-                  pad_token_id: int) -> tuple[float, float | None]:
+def single_stream(llm, prompt: list[int], num_new: int) -> float:
+    """Our decode tokens/s for one request alone (after a short warm-up request)."""
     from common.engine.sampling_params import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=num_new, ignore_eos=True)
-    llm.generate({"prompt_token_ids": prompt}, params.clone(max_tokens=4))  # warm-up
+    llm.generate({"prompt_token_ids": prompt}, params.clone(max_tokens=4))
     t0 = time.perf_counter()
     llm.generate({"prompt_token_ids": prompt}, params)
-    ours = num_new / (time.perf_counter() - t0)
-    if hf_model is None:
-        return ours, None
+    return num_new / (time.perf_counter() - t0)
+
+
+def hf_single_stream(hf_model, prompt: list[int], num_new: int, pad_token_id: int) -> float:
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         hf_model.generate(ids, do_sample=False, max_new_tokens=4, min_new_tokens=4, pad_token_id=pad_token_id)
@@ -97,7 +100,7 @@ def single_stream(llm, hf_model, prompt: list[int], num_new: int,
         hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=num_new,
                           min_new_tokens=num_new, pad_token_id=pad_token_id, temperature=None,
                           top_p=None, top_k=None)
-    return ours, num_new / (time.perf_counter() - t0)
+    return num_new / (time.perf_counter() - t0)
 
 
 def prefix_cache_ttft(llm, vocab_size: int, seed: int, prefix_len: int = 1000,
@@ -117,44 +120,73 @@ def prefix_cache_ttft(llm, vocab_size: int, seed: int, prefix_len: int = 1000,
     return cold, warm
 
 
+def peer_spec(model_dir, dtype: str, args, workload, single_prompt: list[int], max_model_len: int) -> dict:
+    return {"model_dir": str(model_dir), "dtype": dtype, "seed": args.seed, "max_model_len": max_model_len,
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "workload": [[p, m] for p, m in workload], "single_prompt": single_prompt,
+            "single_stream_tokens": args.single_stream_tokens}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench offline", description=__doc__)
     parser.add_argument("--json", dest="json_path", default=None, help="write every figure here")
     parser.add_argument("--model", default=None)
-    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--dtype", default="auto", help="both sides run in this dtype (auto: see --dtype of "
+                                                        "the engine); the peers get the one it resolves to")
+    parser.add_argument("--enforce-eager", action="store_true", help="our engine uncompiled")
+    parser.add_argument("--peer", choices=["hf", "vllm", "all", "none"], default="hf",
+                        help="what to run the same workload through beside ours: Hugging Face generate, "
+                             "vLLM's CPU build (its own venv, scripts/setup_vllm_peer.sh), both, or nothing")
+    parser.add_argument("--peer-venv", default=None, help="vLLM's venv (default .venv-vllm, $PDSERVE_VLLM_VENV)")
+    parser.add_argument("--peer-threads-bind", default="auto",
+                        help="vLLM's VLLM_CPU_OMP_THREADS_BIND: auto (its default: reserves a core for its "
+                             "engine process on small machines) or all")
+    parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--min-prompt", type=int, default=16)
-    parser.add_argument("--max-prompt", type=int, default=1024)
-    parser.add_argument("--min-output", type=int, default=16)
-    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--max-prompt", type=int, default=256)
+    parser.add_argument("--min-output", type=int, default=8)
+    parser.add_argument("--max-output", type=int, default=128)
     parser.add_argument("--single-stream-tokens", type=int, default=128)
-    # Continuous batching wants every request of the workload in flight at once:
-    # 128 sequences and a pool that holds them (~84k tokens, 3.9 GB in fp32).
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--kv-cache-memory", default="4GiB")
+    # Continuous batching wants every request of the workload in flight at once.
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--skip-hf", action="store_true", help="only our engine (quick checks)")
+    parser.add_argument("--skip-hf", action="store_true", help="same as --peer none (quick checks)")
     args = parser.parse_args(argv)
+    peers = {"hf": {"hf"}, "vllm": {"vllm"}, "all": {"hf", "vllm"}, "none": set()}[args.peer]
+    if args.skip_hf:
+        peers.discard("hf")
 
-    from transformers import AutoModelForCausalLM
-
+    from common.engine.compilation import num_compiled_graphs
     from common.engine.llm import LLM
 
-    results: dict = {"config": vars(args), "machine": {"platform": platform.platform(),
+    vllm_python = None
+    if "vllm" in peers:  # fail before minutes of our own run, not after
+        from bench.peers.vllm_peer import vllm_python as find_vllm
+        vllm_python = find_vllm(args.peer_venv)
+
+    from bench.profile import cpu_model_name
+    results: dict = {"config": vars(args), "machine": {"platform": platform.platform(), "cpu": cpu_model_name(),
                                                        "torch_threads": torch.get_num_threads()}}
     bandwidth, flops = measure_copy_bandwidth(), measure_matmul_flops()
     results["roofline"] = {"copy_bandwidth_GBps": bandwidth / 1e9, "fp32_matmul_GFLOPs": flops / 1e9}
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_cache_memory)
+    started = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory)
+    runner = llm.engine.executor.runner
+    dtype = str(runner.dtype).removeprefix("torch.")
+    results["startup"] = {"seconds": time.perf_counter() - started, "compiled": runner.forward is not runner.model,
+                          "dtype": dtype}
+    graphs_after_warm_up = num_compiled_graphs()
     cfg = llm.engine.model_config
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.executor.runner.model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     num_params = cfg.num_params()
     workload = make_workload(args.num_requests, args.seed, cfg.vocab_size, args.min_prompt, args.max_prompt,
                              args.min_output, args.max_output)
-    hf_model = None if args.skip_hf else AutoModelForCausalLM.from_pretrained(
-        llm.engine.model_dir, dtype=torch.float32).eval()
     pad = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
+    single_prompt = workload[0][0][:16]
 
     elapsed, num_tokens = run_ours(llm, workload)
     ours_tps = num_tokens / elapsed
@@ -163,22 +195,44 @@ def main(argv: list[str] | None = None) -> int:
                         "num_prompt_tokens": sum(len(p) for p, _ in workload)}
     cold, warm = prefix_cache_ttft(llm, cfg.vocab_size, args.seed)
     results["prefix_cache"] = {"cold_ttft_s": cold, "cached_1000_ttft_s": warm, "ratio": warm / cold}
-    single_prompt = workload[0][0][:16]
-    if hf_model is not None:
-        hf_elapsed, hf_tokens = run_hf(hf_model, workload, args.hf_batch_size, pad)
-        hf_tps = hf_tokens / hf_elapsed
-        results["mixed"].update(hf_seconds=hf_elapsed, hf_output_tokens_per_s=hf_tps,
-                                speedup_vs_hf=ours_tps / hf_tps)
-    ours_single, hf_single = single_stream(llm, hf_model, single_prompt, args.single_stream_tokens, pad)
+    ours_single = single_stream(llm, single_prompt, args.single_stream_tokens)
+    results["recompiles_after_warm_up"] = num_compiled_graphs() - graphs_after_warm_up
     decode_roofline_tps = bandwidth / weight_bytes
     batched_roofline_tps = flops / (2 * num_params)
-    results["single_stream"] = {"ours_tokens_per_s": ours_single, "hf_tokens_per_s": hf_single,
-                                "speedup_vs_hf": (ours_single / hf_single) if hf_single else None,
-                                "roofline_tokens_per_s": decode_roofline_tps,
+    results["single_stream"] = {"ours_tokens_per_s": ours_single, "roofline_tokens_per_s": decode_roofline_tps,
                                 "ours_pct_of_roofline": 100 * ours_single / decode_roofline_tps}
     results["mixed"]["batched_roofline_tokens_per_s"] = batched_roofline_tps
     results["mixed"]["ours_pct_of_batched_roofline"] = 100 * ours_tps / batched_roofline_tps
     results["model"] = {"num_params": num_params, "weight_bytes": weight_bytes}
+    kv_cache_gib = llm.engine.config.cache.num_blocks * llm.engine.executor.kv_bytes_per_block() / (1 << 30)
+    model_dir = llm.engine.model_dir
+    llm.engine.shutdown()  # the peers get the machine to themselves
+    del llm, runner
+    if "hf" in peers:
+        from transformers import AutoModelForCausalLM
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        hf_elapsed, hf_tokens = run_hf(hf_model, workload, args.hf_batch_size, pad)
+        hf_tps = hf_tokens / hf_elapsed
+        results["mixed"].update(hf_seconds=hf_elapsed, hf_output_tokens_per_s=hf_tps,
+                                speedup_vs_hf=ours_tps / hf_tps)
+        hf_single = hf_single_stream(hf_model, single_prompt, args.single_stream_tokens, pad)
+        results["single_stream"].update(hf_tokens_per_s=hf_single, speedup_vs_hf=ours_single / hf_single)
+        del hf_model
+    if vllm_python is not None:
+        from pathlib import Path
+
+        from bench.peers.vllm_peer import run_vllm_offline
+        max_model_len = max(len(p) + m for p, m in workload) + 16
+        max_model_len = max(max_model_len, len(single_prompt) + args.single_stream_tokens + 16)
+        log_path = Path(args.json_path or "bench-offline").with_suffix(".vllm.log")
+        peer = run_vllm_offline(vllm_python, peer_spec(model_dir, dtype, args, workload,
+                                                       single_prompt, max_model_len),
+                                args.peer_threads_bind, kv_cache_gib, log_path, timeout_s=1800)
+        results["vllm"] = peer | {"threads_bind": args.peer_threads_bind, "log": str(log_path)}
+        results["mixed"].update(vllm_output_tokens_per_s=peer["output_tokens_per_s"],
+                                speedup_vs_vllm=ours_tps / peer["output_tokens_per_s"])
+        results["single_stream"].update(vllm_tokens_per_s=peer["single_stream_tokens_per_s"],
+                                        speedup_vs_vllm=ours_single / peer["single_stream_tokens_per_s"])
     text = json.dumps(results, indent=2)
     print(text)
     if args.json_path:

@@ -8,6 +8,12 @@ from pathlib import Path
 # Before anything imports grpc: the tests fork services (Popen with preexec_fn) from a
 # process running gRPC servers, and gRPC's fork handlers abort there (see common/cli/main.py).
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# Parity with Hugging Face is checked exactly in fp32; on a CPU with native bf16,
+# dtype auto would pick bf16 (tests of `auto` itself pass the CPU flags explicitly).
+os.environ.setdefault("PDSERVE_DTYPE", "float32")
+# Compiling costs a minute per engine on two cores: engines run eagerly unless a test
+# of the compiled path turns it back on.
+os.environ.setdefault("PDSERVE_ENFORCE_EAGER", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

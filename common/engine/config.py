@@ -270,7 +270,7 @@ class EngineConfig:
     """Everything an engine needs to start; built from CLI flags or `LLM(...)` kwargs."""
 
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bf16 on CUDA and native-bf16 CPUs, else fp32 (common.engine.device)
     device: str = "auto"
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common.engine.config import EngineConfig, ModelConfig, parse_memory_size
+from common.engine.device import set_num_threads
 from common.engine.executor import Executor, make_executor
 from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.kv_connector.factory import make_scheduler_connector
@@ -75,30 +76,36 @@ class EngineCore:
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_hf_config(load_hf_config(self.model_dir))
+        set_num_threads(config.num_threads)
         self.executor = executor or make_executor(self.model_config, self.model_dir, config)
         try:
-            cache = config.cache
-            bytes_per_block = self.executor.kv_bytes_per_block()
-            if cache.num_blocks is None:
-                cache.num_blocks = num_kv_blocks(cache.kv_cache_memory, bytes_per_block,
-                                                 self.executor.free_memory_bytes(),
-                                                 getattr(self.executor, "device_type", "cpu"))
-            self.max_model_len = resolve_max_model_len(config.scheduler.max_model_len, self.model_config,
-                                                       cache.num_blocks, cache.block_size, bytes_per_block)
-            config.scheduler.max_model_len = self.max_model_len
-            self.executor.allocate_kv_cache(cache.num_blocks)
-            logger.info("KV pool: %d blocks x %d tokens (%.1f MiB)", cache.num_blocks, cache.block_size,
-                        cache.num_blocks * bytes_per_block / (1 << 20))
-            self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size,
-                                                   enable_prefix_caching=cache.enable_prefix_caching)
-            self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, cache.block_size, self.max_model_len,
-                                       kv_connector=make_scheduler_connector(config.kv_transfer, cache.block_size),
-                                       speculative_config=config.speculative)
-            self.structured_output = StructuredOutputManager(self.model_dir, self.model_config.vocab_size,
-                                                             tuple(self.model_config.eos_token_ids))
+            self._start(config)
         except BaseException:  # a worker process must not outlive an engine that never started
             self.executor.shutdown()
             raise
+
+    def _start(self, config: EngineConfig) -> None:
+        """Size and allocate the KV pool, warm the runners up, build the scheduler."""
+        cache = config.cache
+        bytes_per_block = self.executor.kv_bytes_per_block()
+        if cache.num_blocks is None:
+            cache.num_blocks = num_kv_blocks(cache.kv_cache_memory, bytes_per_block,
+                                             self.executor.free_memory_bytes(),
+                                             getattr(self.executor, "device_type", "cpu"))
+        self.max_model_len = resolve_max_model_len(config.scheduler.max_model_len, self.model_config,
+                                                   cache.num_blocks, cache.block_size, bytes_per_block)
+        config.scheduler.max_model_len = self.max_model_len
+        self.executor.allocate_kv_cache(cache.num_blocks)
+        self.executor.collective_rpc("warm_up")
+        logger.info("KV pool: %d blocks x %d tokens (%.1f MiB)", cache.num_blocks, cache.block_size,
+                    cache.num_blocks * bytes_per_block / (1 << 20))
+        self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size,
+                                               enable_prefix_caching=cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, cache.block_size, self.max_model_len,
+                                   kv_connector=make_scheduler_connector(config.kv_transfer, cache.block_size),
+                                   speculative_config=config.speculative)
+        self.structured_output = StructuredOutputManager(self.model_dir, self.model_config.vocab_size,
+                                                         tuple(self.model_config.eos_token_ids))
         self.idle = True
         # Called on the engine thread after each step that ran something, with the
         # step's SchedulerOutput and its duration in seconds (the services' metrics).

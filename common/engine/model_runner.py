@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from common.engine.compilation import compile_forward, num_compiled_graphs
 from common.engine.config import KVTransferConfig, ModelConfig, SpeculativeConfig
+from common.engine.device import select_device, select_dtype
+from common.engine.forward_context import forward_context
 from common.engine.kv_connector.factory import make_worker_connector
 from common.engine.kv_connector.layout import describe_kv_layout, kv_layout, kv_layout_hash
 from common.engine.models.attention import AttentionMetadata
@@ -19,25 +23,6 @@ from common.engine.spec_decode.proposer import DraftProposer, make_proposer
 from common.engine.spec_decode.verification import accept_drafts, expand_verification_rows
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def select_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def select_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        # CPU kernels for half types are slow and less exact; GPUs want bf16.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
-    return DTYPES[dtype]
-
 
 def load_model(model_config: ModelConfig, model_dir: Path, device: torch.device,
                dtype: torch.dtype) -> CausalLM:
@@ -73,12 +58,15 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_dir: Path, device: str = "auto",
                  dtype: str = "auto", seed: int = 0, block_size: int = 16,
                  kv_transfer_config: KVTransferConfig | None = None,
-                 speculative_config: SpeculativeConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None, enforce_eager: bool = False):
         self.model_config = model_config
         self.device = select_device(device)
         self.dtype = select_dtype(dtype, self.device)
         self.block_size = block_size
         self.model = load_model(model_config, model_dir, self.device, self.dtype)
+        # The forward pass as run each step: compiled unless enforce_eager (the model
+        # itself stays eager for a draft that runs part of it).
+        self.forward = compile_forward(self.model, self.device, enforce_eager)
         self.sampler = Sampler(eos_token_ids=model_config.eos_token_ids, seed=seed)
         # Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -109,6 +97,29 @@ class ModelRunner:
             self.kv_connector.register_kv_caches(self.kv_caches)
         if self.proposer is not None:
             self.proposer.allocate_kv_cache(num_blocks)
+
+    def warm_up(self) -> None:
+        """Compile the forward pass before the first request: the graph dynamo
+        specialises for one token and the dynamic one every larger step shares."""
+        if self.forward is self.model or not self.kv_caches:
+            return
+        started = time.perf_counter()
+        graphs_before = num_compiled_graphs()
+        for num_tokens in (1, 2):
+            # One prompt whose K/V go nowhere (slot -1), reading block 0: nothing is cached yet.
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+                num_decode_tokens=0, decode_block_tables=None, decode_seq_lens=None, max_decode_seq_len=0,
+                prefill_block_tables=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
+                prefill_query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+                prefill_seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+                max_prefill_query_len=num_tokens, max_prefill_seq_len=num_tokens)
+            input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+            positions = torch.arange(num_tokens, device=self.device)
+            with torch.inference_mode(), forward_context(meta):
+                self.forward(input_ids, positions, self.kv_caches, meta)
+        logger.info("compiled the model in %.1f s (%d graphs)", time.perf_counter() - started,
+                    num_compiled_graphs() - graphs_before)
 
     def kv_connector_info(self) -> dict:
         """Plain data about the KV connector (pool geometry, receiving endpoint, the hash of
@@ -149,7 +160,8 @@ class ModelRunner:
         if connector is not None and connector.needs_layer_hook:
             meta.kv_layer_hook = self._kv_layer_hook
         try:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+            with forward_context(meta):
+                hidden = self.forward(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
         except BaseException:
             if connector is not None:  # a half-written pool must not reach a peer as final
                 connector.abort_saves("the forward pass failed")

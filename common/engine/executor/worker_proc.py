@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from common.engine.config import EngineConfig, ModelConfig
+from common.engine.device import select_device, set_num_threads
 from common.engine.distributed.message_queue import QueueHandle, ShmRingQueue
 from common.engine.executor.config_codec import config_from_plain, config_to_plain
 from common.engine.outputs_codec import (
@@ -98,9 +99,7 @@ def worker_main(spec_bytes: bytes, ready_conn: Connection) -> None:
 
 def _start(spec: WorkerSpec):
     config = spec.engine_config
-    if config.num_threads is not None:
-        import torch
-        torch.set_num_threads(config.num_threads)
+    set_num_threads(config.num_threads)  # threads are per process: the engine process's setting stays there
     parallel = config.parallel
     if parallel.world_size > 1:
         _init_distributed(spec)
@@ -116,7 +115,6 @@ def _init_distributed(spec: WorkerSpec) -> None:
     import torch.distributed as dist
 
     from common.engine.distributed.parallel_state import initialize_model_parallel
-    from common.engine.model_runner import select_device
     parallel = spec.engine_config.parallel
     device = select_device(spec.engine_config.device)
     if device.type == "cuda":

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from common.engine.forward_context import current_attention_metadata
 from kernels.attention import decode_attention, prefill_attention
 from kernels.cache import write_kv_cache
 
@@ -42,7 +43,37 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sliding_window: a query at position p sees keys (p - sliding_window, p] only; the
     cache still holds every position, so the window changes the math, not the memory.
     logit_softcap: scores become tanh(scores / cap) * cap before the softmax.
+
+    Inside torch.compile this is one opaque custom op, the graph's split point: the
+    compiler fuses what lies between attentions and never sees the metadata, which
+    the op reads from the forward context instead.
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.pdserve.paged_attention(q, k, v, kv_cache[0], kv_cache[1], scale, layer_idx,
+                                                 sliding_window, logit_softcap)
+    return _paged_attention(q, k, v, kv_cache, meta, scale, layer_idx, sliding_window, logit_softcap)
+
+
+# Declared pure although it writes k and v into the caches: nothing else in a compiled
+# graph reads the caches, so no ordering is lost, and a declared mutation would make
+# the compiler functionalise (copy) every layer's cache.
+@torch.library.custom_op("pdserve::paged_attention", mutates_args=())
+def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, scale: float, layer_idx: int, sliding_window: int | None,
+                        logit_softcap: float | None) -> torch.Tensor:
+    return _paged_attention(q, k, v, (k_cache, v_cache), current_attention_metadata(), scale, layer_idx,
+                            sliding_window, logit_softcap)
+
+
+@_paged_attention_op.register_fake
+def _(q, k, v, k_cache, v_cache, scale, layer_idx, sliding_window, logit_softcap):
+    return torch.empty_like(q)
+
+
+def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                     scale: float, layer_idx: int, sliding_window: int | None,
+                     logit_softcap: float | None) -> torch.Tensor:
     k_cache, v_cache = kv_cache
     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.kv_layer_hook is not None:

@@ -1,0 +1,69 @@
+"""Where and in what precision the model runs: device, dtype `auto`, thread count.
+
+`auto` means bf16 where the hardware computes it natively (CUDA; CPUs with AMX or
+AVX512-BF16, where oneDNN runs bf16 matmuls at twice fp32's rate and half its
+memory traffic) and fp32 elsewhere (emulated bf16 is slower than fp32 there).
+PDSERVE_DTYPE in the environment overrides what `auto` resolves to, as it sets
+--dtype for the services.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def select_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_has_native_bf16(flags: set[str] | None = None) -> bool:
+    flags = cpu_flags() if flags is None else flags
+    return any(flag in flags for flag in _NATIVE_BF16_CPU_FLAGS)
+
+
+def select_dtype(dtype: str, device: torch.device, flags: set[str] | None = None) -> torch.dtype:
+    if dtype == "auto":
+        dtype = os.environ.get("PDSERVE_DTYPE") or "auto"
+    if dtype == "auto":
+        native_bf16 = device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16(flags))
+        chosen = torch.bfloat16 if native_bf16 else torch.float32
+        why = "CUDA" if device.type == "cuda" else ("the CPU computes bf16 natively" if native_bf16
+                                                    else "the CPU has no native bf16 (AMX or AVX512-BF16)")
+        logger.info("dtype auto -> %s (%s)", str(chosen).removeprefix("torch."), why)
+        return chosen
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def set_num_threads(num_threads: int | None) -> None:
+    """This process's torch intra-op threads; None leaves torch's default (one per core).
+
+    Processes sharing a host (a prefill and a decode instance) each get their share,
+    or their threads contend for the same cores and both slow down."""
+    if num_threads is None:
+        return
+    torch.set_num_threads(num_threads)
+    logger.info("torch threads: %d", num_threads)

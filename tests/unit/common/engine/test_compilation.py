@@ -1,0 +1,82 @@
+"""The compiled model path: same tokens as eager, no recompiles after warm-up, the fallbacks."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from common.engine import compilation
+from common.engine.compilation import num_compiled_graphs
+from common.engine.llm import LLM
+from common.engine.sampling_params import SamplingParams
+
+# Compiled and eager differ only in summation order (fused kernels): fp32 logprobs agree
+# to this, and greedy tokens exactly on these prompts.
+LOGPROB_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_factory):
+    mp = pytest.MonkeyPatch()
+    mp.delenv("PDSERVE_ENFORCE_EAGER", raising=False)
+    model_dir = tiny_model_factory("tiny-llama", "llama")
+    # A small token budget makes long prompts chunk: steps mix prefill chunks and decodes.
+    options = dict(dtype="float32", max_num_batched_tokens=64, kv_cache_memory="64MiB")
+    compiled = LLM(str(model_dir), **options)
+    eager = LLM(str(model_dir), enforce_eager=True, **options)
+    mp.undo()
+    yield compiled, eager
+    compiled.engine.shutdown()
+    eager.engine.shutdown()
+
+
+def _prompts(lengths: list[int]) -> list[dict]:
+    return [{"prompt_token_ids": [(7 * i + 13 * n) % 900 + 50 for i in range(n)]} for n in lengths]
+
+
+def test_compiled_and_eager_agree_on_prefill_decode_and_mixed_steps(engines):
+    compiled, eager = engines
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    # One prompt alone (prefill-only, then decode-only steps), then a batch whose long
+    # prompts chunk while the short ones decode (mixed steps).
+    for prompts in (_prompts([9]), _prompts([3, 150, 40, 97, 1])):
+        got = compiled.generate(prompts, params)
+        want = eager.generate(prompts, params)
+        for g, w in zip(got, want):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+                assert g_step.top_token_ids == w_step.top_token_ids
+                assert g_step.top_logprobs == pytest.approx(w_step.top_logprobs, abs=LOGPROB_ATOL)
+                assert g_step.token_logprob == pytest.approx(w_step.token_logprob, abs=LOGPROB_ATOL)
+
+
+def test_no_recompiles_after_warm_up_over_many_batch_sizes(engines):
+    compiled, _ = engines
+    assert compiled.engine.executor.runner.forward is not compiled.engine.executor.runner.model
+    before = num_compiled_graphs()
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for num_prompts in (1, 2, 3, 5, 8, 13):
+        compiled.generate(_prompts([1 + 11 * i for i in range(num_prompts)]), params)
+    assert num_compiled_graphs() == before
+
+
+def test_enforce_eager_runs_the_model_itself(engines):
+    _, eager = engines
+    runner = eager.engine.executor.runner
+    assert runner.forward is runner.model
+
+
+def test_without_a_compiler_the_model_runs_eagerly_with_one_log_line(monkeypatch, caplog):
+    monkeypatch.delenv("PDSERVE_ENFORCE_EAGER", raising=False)
+    monkeypatch.setattr(compilation, "find_cpp_compiler", lambda: None)
+    model = torch.nn.Linear(2, 2)
+    with caplog.at_level(logging.WARNING, logger="common.engine.compilation"):
+        assert compilation.compile_forward(model, torch.device("cpu"), enforce_eager=False) is model
+    assert [r.message for r in caplog.records if "no C++ compiler" in r.message] != []
+
+
+def test_environment_can_force_eager(monkeypatch):
+    monkeypatch.setenv("PDSERVE_ENFORCE_EAGER", "1")
+    model = torch.nn.Linear(2, 2)
+    assert compilation.compile_forward(model, torch.device("cpu"), enforce_eager=False) is model
