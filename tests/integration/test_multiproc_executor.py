@@ -66,6 +66,33 @@ def test_disaggregated_prefill_and_decode_in_worker_processes_give_the_offline_t
     assert remote["token_ids"] == expected
 
 
+def _runner_splits_over_ranks() -> bool:
+    import inspect
+
+    from common.engine.model_runner import ModelRunner
+    return "parallel_config" in inspect.signature(ModelRunner.__init__).parameters
+
+
+@pytest.mark.skipif(not _runner_splits_over_ranks(), reason="ModelRunner has no tensor/pipeline parallelism yet")
+@pytest.mark.parametrize("tensor_parallel_size, pipeline_parallel_size", [(2, 1), (1, 2)])
+def test_ranks_split_by_tensor_or_pipeline_give_the_single_rank_tokens(tiny_model_factory, tensor_parallel_size,
+                                                                       pipeline_parallel_size):
+    model_dir = tiny_model_factory("tiny-llama", "llama")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(str(model_dir), kv_cache_memory="16MiB").generate(PROMPTS, params)]
+    llm = LLM(str(model_dir), kv_cache_memory="16MiB", tensor_parallel_size=tensor_parallel_size,
+              pipeline_parallel_size=pipeline_parallel_size)
+    executor = llm.engine.executor
+    pids, segments = executor.worker_pids, executor.shm_names
+    try:
+        assert len(pids) == 2 and executor.output_rank == pipeline_parallel_size - 1
+        assert executor.collective_rpc("kv_connector_info") == [{}, {}]
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected
+    finally:
+        llm.engine.shutdown()
+    assert alive_pids(pids) == [] and existing_segments(segments) == []
+
+
 async def _health(address: str) -> dict[str, int]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
