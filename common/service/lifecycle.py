@@ -129,7 +129,8 @@ async def _serve(args: argparse.Namespace, role: str, build: Callable[[argparse.
         logger.info("%s %s serving on %s:%d", role, args.instance_id, args.host, port)
         if not stop.is_set():
             await stop.wait()
-        if registry_task is not None and registry_task.done() and registry_task.exception():
+        if (registry_task is not None and registry_task.done() and not registry_task.cancelled()
+                and registry_task.exception()):  # cancelled: the engine died and we left the gateways
             exit_code = 1
         logger.info("shutting down: draining for up to %.0fs", args.grace_period)
         gate.draining = True

@@ -19,7 +19,7 @@ from common.engine.sampling_params import SamplingParams
 from common.service.common_api import sampling_params_to_pb
 from protos.pdserve.v1 import decode_pb2, decode_pb2_grpc
 from protos.serving import DECODE_SERVICE
-from tests.integration.test_workers import ServiceProcess, decode_collect
+from tests.integration.test_workers import RegistryServer, ServiceProcess, decode_collect
 from tests.unit.common.engine.executor.conftest import alive_pids, existing_segments
 
 pytestmark = pytest.mark.slow
@@ -112,14 +112,24 @@ async def _decode(address: str, request_id: str, max_tokens: int, first: asyncio
         return num_tokens
 
 
+def _wait_until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
 def test_a_decode_service_whose_worker_dies_stops_serving_and_fails_requests_unavailable(
         tiny_model_factory, tmp_path):
     model_dir = tiny_model_factory("tiny-llama-4k", "llama", max_position_embeddings=4096)
+    registry = RegistryServer()
     service = ServiceProcess("decode_service.main",
                              ["--model", str(model_dir), "--distributed-executor-backend", "mp",
-                              "--kv-cache-memory", "16MiB", "--grace-period", "2"], tmp_path / "decode.log")
+                              "--kv-cache-memory", "16MiB", "--grace-period", "2", "--instance-id", "decode-mp",
+                              "--gateway", f"127.0.0.1:{registry.port}"], tmp_path / "decode.log")
     try:
         service.wait_ready(time.monotonic() + 120)
+        _wait_until(lambda: "decode-mp" in registry.instances(), 20, "never registered with the gateway")
         found = EXECUTOR_LOG.search(service.log_path.read_text())
         assert found, service.log_tail()
         [worker_pid] = [int(pid) for pid in found.group(1).split(",")]
@@ -147,8 +157,10 @@ def test_a_decode_service_whose_worker_dies_stops_serving_and_fails_requests_una
                 await _decode(service.address, "after", 4)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
         asyncio.run(main())
+        _wait_until(lambda: "decode-mp" not in registry.instances(), 20, "still registered after the engine died")
     finally:
         exit_code = service.stop()
+        registry.close()
     assert exit_code == 0, service.log_tail()
     assert alive_pids([worker_pid]) == []
     assert existing_segments(segments) == []
