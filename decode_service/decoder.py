@@ -100,7 +100,7 @@ class Decoder:
                                       max(output.num_cached_tokens, remote.num_cached_tokens if remote else 0),
                                       remote.instance_id if remote else "")
             except EngineDeadError as e:
-                raise ServiceError(grpc.StatusCode.INTERNAL, str(e)) from None
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
 
     async def _admit(self, job: DecodeJob, request, landed: asyncio.Future) -> RemotePrefill | None:
         """Admit the request; when it is prefilled remotely, see its KV in. None: prefilled here."""

@@ -51,6 +51,7 @@ DELEGATED_BENCH = {
     "spec": ("bench.spec", "speculative decoding per proposer: copy-heavy, chat and random workloads"),
     "structured": ("bench.structured", "JSON-schema constrained generation: validity and throughput vs unconstrained"),
     "overhead": ("bench.overhead", "the gateway's own cost per token, against a fake decode instance"),
+    "executor": ("bench.executor_overhead", "the multi-process executor's cost per step at TP 1, against uni"),
     "placement-sim": ("bench.placement_sim",
                       "placement policies in simulation: prefix-cache hit rates against an oracle"),
 }

@@ -9,6 +9,10 @@ For requests admitted by such a hook rather than by `generate` (the decode role
 reserves blocks for remote KV first), `open_stream(req_id)` registers the output
 stream before the hook runs, so no output can be missed; `call(fn, deliver=True)`
 and `post(fn)` send the EngineCoreOutputs fn returns to their streams.
+
+When the engine dies (a step raised, or the executor reports a dead worker while the
+loop idles) every open stream and pending `call` fails with EngineDeadError, later
+ones fail at once, and `death_observers` hear of it (the service's health).
 """
 from __future__ import annotations
 
@@ -20,15 +24,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from common.engine.engine_core import EngineCore
+from common.engine.errors import EngineDeadError
 from common.engine.outputs import EngineCoreOutput
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    pass
 
 
 class AsyncEngine:
@@ -40,6 +41,10 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stopping = False
         self._dead: BaseException | None = None
+        # Called once, on the engine thread, with the error that killed the loop.
+        self.death_observers: list[Callable[[BaseException], None]] = []
+        # A dead worker must wake an idle loop: it would otherwise only notice at the next step.
+        core.executor.add_failure_observer(lambda exc: self._commands.put(("failed", exc)))
         self.stats: dict[str, Any] = self._collect_stats()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
@@ -61,14 +66,22 @@ class AsyncEngine:
         if params.structured_outputs is not None:
             await asyncio.to_thread(self.core.structured_output.compile, params)
 
+    @property
+    def dead(self) -> BaseException | None:
+        """The error that stopped the engine loop; None while it runs."""
+        return self._dead
+
+    def _dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"engine loop died: {self._dead!r}")
+
     def open_stream(self, req_id: str) -> "RequestStream":
         """Register the output stream of req_id now, on the caller's event loop.
         Close it (or use it as a context manager) when done: closing before the
         request finished aborts it."""
-        if self._dead is not None:
-            raise EngineDeadError(f"engine loop died: {self._dead!r}")
         out_queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
+            if self._dead is not None:
+                raise self._dead_error()
             if req_id in self._streams:
                 raise ValueError(f"request id {req_id!r} is already in flight")
             self._streams[req_id] = (asyncio.get_running_loop(), out_queue)
@@ -87,8 +100,12 @@ class AsyncEngine:
     async def call(self, fn: Callable[[EngineCore], Any], *, deliver: bool = False) -> Any:
         """Run fn(core) on the engine thread and return its result. With deliver=True
         fn returns a list of EngineCoreOutput, which also go to their streams."""
+        if self._dead is not None:
+            raise self._dead_error()
         future = asyncio.get_running_loop().create_future()
         self._commands.put(("call", (fn, future, deliver)))
+        if self._dead is not None:  # died meanwhile: its drain may have run before our put
+            self._fail_pending_calls()
         return await future
 
     def post(self, fn: Callable[[EngineCore], list[EngineCoreOutput] | None]) -> None:
@@ -116,11 +133,28 @@ class AsyncEngine:
                     self.stats = self._collect_stats()
         except BaseException as exc:  # never leave consumers waiting on a dead loop
             logger.exception("engine loop died")
-            self._dead = exc
             with self._lock:
+                self._dead = exc
                 streams = list(self._streams.values())
             for loop, out_queue in streams:
-                loop.call_soon_threadsafe(out_queue.put_nowait, EngineDeadError(f"engine loop died: {exc!r}"))
+                loop.call_soon_threadsafe(out_queue.put_nowait, self._dead_error())
+            self._fail_pending_calls()
+            for observer in self.death_observers:
+                try:
+                    observer(exc)
+                except Exception:
+                    logger.exception("engine death observer failed")
+
+    def _fail_pending_calls(self) -> None:
+        """Any thread, once dead: answer every queued `call` with the death."""
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "call":
+                future = payload[1]
+                future.get_loop().call_soon_threadsafe(_set_exception, future, self._dead_error())
 
     def _apply_commands(self, block: bool) -> None:
         commands = []
@@ -132,7 +166,11 @@ class AsyncEngine:
                 commands.append(self._commands.get_nowait())
         except queue.Empty:
             pass
-        for kind, payload in commands:
+        for i, (kind, payload) in enumerate(commands):
+            if kind == "failed":
+                for later in commands[i + 1:]:  # the death answers them (_fail_pending_calls)
+                    self._commands.put(later)
+                raise payload
             if kind == "add":
                 try:
                     self.core.add_request(payload)

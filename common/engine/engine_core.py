@@ -13,7 +13,7 @@ from typing import Any
 
 from common.engine.config import EngineConfig, ModelConfig, parse_memory_size
 from common.engine.device import set_num_threads
-from common.engine.executor import Executor, InProcessExecutor
+from common.engine.executor import Executor, make_executor
 from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.kv_connector.factory import make_scheduler_connector
 from common.engine.kv_connector.metadata import KVTransferOutcome
@@ -77,7 +77,15 @@ class EngineCore:
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_hf_config(load_hf_config(self.model_dir))
         set_num_threads(config.num_threads)
-        self.executor = executor or InProcessExecutor(self.model_config, self.model_dir, config)
+        self.executor = executor or make_executor(self.model_config, self.model_dir, config)
+        try:
+            self._start(config)
+        except BaseException:  # a worker process must not outlive an engine that never started
+            self.executor.shutdown()
+            raise
+
+    def _start(self, config: EngineConfig) -> None:
+        """Size and allocate the KV pool, warm the runners up, build the scheduler."""
         cache = config.cache
         bytes_per_block = self.executor.kv_bytes_per_block()
         if cache.num_blocks is None:

@@ -69,6 +69,13 @@ class EngineWorker:
     def stats_pb(self) -> common_pb2.StatsResponse:
         return stats_response(self.instance_id, self.engine.stats, self.load())
 
+    def on_engine_dead(self, callback) -> None:
+        """callback(error), from the engine thread, once the engine loop died (a worker
+        process of the executor died, a step raised)."""
+        self.engine.death_observers.append(callback)
+        if self.engine.dead is not None:
+            callback(self.engine.dead)
+
     async def fail_inflight(self) -> None:
         await self.engine.call(lambda core: core.abort_all(), deliver=True)
 

@@ -2,6 +2,10 @@
 serve gRPC with health and reflection, register with every gateway, print the READY line,
 drain on SIGTERM/SIGINT, exit 0.
 
+An engine that dies (a worker process of its executor died) turns health NOT_SERVING
+and leaves every gateway; its requests fail with UNAVAILABLE; the process stays up,
+saying so, until it is stopped.
+
 Shutdown: health NOT_SERVING and new work refused (UNAVAILABLE "draining"), the
 every gateway is told we left, in-flight requests get --grace-period seconds to finish,
 the rest are failed cleanly (UNAVAILABLE), then the server stops.
@@ -56,6 +60,9 @@ class Worker(Protocol):
     async def fail_inflight(self) -> None:
         """Grace period over: end every unfinished request now."""
 
+    def on_engine_dead(self, callback: Callable[[BaseException], None]) -> None:
+        """callback(error) from any thread once the engine can no longer serve."""
+
     async def close(self) -> None:
         """Release the engine and sockets."""
 
@@ -107,6 +114,7 @@ async def _serve(args: argparse.Namespace, role: str, build: Callable[[argparse.
             raise ValueError(f"cannot bind gRPC to {args.host}:{args.port}")
         grpc_address = args.advertise_address or f"{bracket(advertise_host(args))}:{port}"
         health = await add_health_and_reflection(server, *service_names)  # SERVING: the model is loaded
+        engine_dead = _watch_engine(worker, health, lambda: registry_task)
         metrics_address = start_metrics(worker.metrics, args)  # before serving: a taken port fails the start
         await server.start()
         if args.gateway:
@@ -121,7 +129,8 @@ async def _serve(args: argparse.Namespace, role: str, build: Callable[[argparse.
         logger.info("%s %s serving on %s:%d", role, args.instance_id, args.host, port)
         if not stop.is_set():
             await stop.wait()
-        if registry_task is not None and registry_task.done() and registry_task.exception():
+        if (registry_task is not None and registry_task.done() and not registry_task.cancelled()
+                and registry_task.exception()):  # cancelled: the engine died and we left the gateways
             exit_code = 1
         logger.info("shutting down: draining for up to %.0fs", args.grace_period)
         gate.draining = True
@@ -136,11 +145,34 @@ async def _serve(args: argparse.Namespace, role: str, build: Callable[[argparse.
             await worker.fail_inflight()
             await gate.wait_idle(5.0)
         await server.stop(1.0)
+        engine_dead.cancel()
     finally:
         worker.metrics.close()
         await worker.close()
     logger.info("stopped")
     return exit_code
+
+
+def _watch_engine(worker: Worker, health, registry_task: Callable[[], asyncio.Task | None]) -> asyncio.Task:
+    """Once the engine died: health NOT_SERVING, and leave every gateway."""
+    loop = asyncio.get_running_loop()
+    died = asyncio.Event()
+
+    def on_dead(error: BaseException) -> None:  # engine thread
+        logger.error("the engine died (%s): health NOT_SERVING, requests fail with UNAVAILABLE", error)
+        try:
+            loop.call_soon_threadsafe(died.set)
+        except RuntimeError:  # the event loop already closed: we are exiting anyway
+            pass
+
+    async def report() -> None:
+        await died.wait()
+        await health.enter_graceful_shutdown()
+        task = registry_task()
+        if task is not None:
+            task.cancel()
+    worker.on_engine_dead(on_dead)
+    return loop.create_task(report())
 
 
 def _start_registration(gateways: list[str], token: str | None, spec, worker: Worker,

@@ -32,7 +32,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from common.service.errors import ServiceError
+from common.service.errors import EXPECTED_ERRORS, error_status
 
 LOG_FORMATS = ("text", "json")
 
@@ -166,8 +166,8 @@ def logged_request(log: logging.Logger, what: str, request_id: str, context: aio
         log_event(log, f"{what} start", **start_fields)
         try:
             yield end
-        except ServiceError as e:
-            end["status"] = e.code.name
+        except EXPECTED_ERRORS as e:
+            end["status"] = error_status(e)[0].name
             raise
         except BaseException as e:
             if end["status"] == "OK" and not end.complete:

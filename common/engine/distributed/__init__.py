@@ -1,0 +1,1 @@
+"""Multi-rank execution: process groups for tensor and pipeline parallelism and their collectives."""

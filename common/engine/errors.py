@@ -1,0 +1,11 @@
+"""Errors the engine raises to its frontends when it can no longer run. Torch-free, so
+the service kit maps them to gRPC statuses without loading the engine."""
+from __future__ import annotations
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped: no request will make progress on this engine again."""
+
+
+class ExecutorFailedError(EngineDeadError):
+    """A worker process of the executor died or broke the protocol; names the rank."""
