@@ -98,6 +98,7 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.allocate_kv_cache(num_blocks)
 
+    @torch.inference_mode()  # as execute_model: inference tensors, or dynamo's guards differ
     def warm_up(self) -> None:
         """Compile the forward pass before the first request: the graph dynamo
         specialises for one token and the dynamic one every larger step shares."""
@@ -116,7 +117,7 @@ class ModelRunner:
                 max_prefill_query_len=num_tokens, max_prefill_seq_len=num_tokens)
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
             positions = torch.arange(num_tokens, device=self.device)
-            with torch.inference_mode(), forward_context(meta):
+            with forward_context(meta):
                 self.forward(input_ids, positions, self.kv_caches, meta)
         logger.info("compiled the model in %.1f s (%d graphs)", time.perf_counter() - started,
                     num_compiled_graphs() - graphs_before)
