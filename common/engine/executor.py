@@ -12,6 +12,7 @@ from typing import Any
 
 from common.engine.config import EngineConfig, ModelConfig
 from common.engine.model_runner import ModelRunner
+from common.engine.models.quantization import quantization_spec
 from common.engine.outputs import RunnerOutput, SchedulerOutput
 
 
@@ -41,7 +42,7 @@ class InProcessExecutor(Executor):
         self.runner = ModelRunner(model_config, model_dir, device=config.device, dtype=config.dtype,
                                   seed=config.seed, block_size=config.cache.block_size,
                                   kv_transfer_config=config.kv_transfer, speculative_config=config.speculative,
-                                  enforce_eager=config.enforce_eager)
+                                  enforce_eager=config.enforce_eager, quantization=quantization_spec(config))
 
     @property
     def device_type(self) -> str:
