@@ -35,7 +35,8 @@ def int8_kernel_available(device_type: str) -> bool:
     if device_type != "cpu":
         return False
     try:
-        torch.ops.aten._weight_int8pack_mm(torch.zeros(1, 64, dtype=KERNEL_DTYPE), torch.zeros(32, 64, dtype=torch.int8),
+        codes = torch.zeros(32, 64, dtype=torch.int8)
+        torch.ops.aten._weight_int8pack_mm(torch.zeros(1, 64, dtype=KERNEL_DTYPE), codes,
                                            torch.ones(32, dtype=KERNEL_DTYPE))
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
