@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 
 import torch
@@ -87,10 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-tokens", type=int, default=32, help="greedy tokens per batch request")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads; default torch's choice")
     parser.add_argument("--json", default="docs/bench/quant.json", help="write the figures here ('' for none)")
+    parser.add_argument("--note", default="", help="conditions of the run, kept in the JSON (e.g. a shared host)")
     args = parser.parse_args(argv)
 
     from bench.profile import cpu_model_name
     from common import LLM, SamplingParams
+    if args.num_threads is not None:  # the engine's own num_threads is not applied everywhere yet
+        torch.set_num_threads(args.num_threads)
     arm_names = args.arms.split(",")
     if REFERENCE_ARM not in arm_names:
         arm_names.insert(0, REFERENCE_ARM)
@@ -103,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         figures[name] = {"quantization": quantization, "dtype": dtype,
                          "load_s": round(time.perf_counter() - started, 2),
                          "weights_mib": round(model_bytes(llms[name].engine.executor.runner.model) / 2**20, 1)}
+        progress(f"loaded {name} in {figures[name]['load_s']} s")
     for llm in llms.values():  # warm-up
         llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(temperature=0.0, max_tokens=4))
 
@@ -115,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             t_full, _ = timed_chat(llm, conversation, full)
             t_one, _ = timed_chat(llm, conversation, one)
             decode_s[name] += t_full - t_one
+        progress(f"single-stream: {prompt!r} through every arm")
     num_decode_tokens = args.num_decode_prompts * (args.decode_tokens - 1)
 
     batch = [[{"role": "user", "content": p}] for p in PROMPTS[:args.num_batch_prompts]]
@@ -125,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         figures[name]["batch_tokens_per_s"] = round(sum(map(len, batch_token_ids[name])) / seconds, 1)
         figures[name]["decode_tokens_per_s"] = round(num_decode_tokens / decode_s[name], 1)
         figures[name]["perplexity"] = round(perplexity(llm, PERPLEXITY_TEXT), 3)
+        progress(f"batch and perplexity: {name}")
     reference = batch_token_ids[REFERENCE_ARM]
     for name in llms:
         pairs = list(zip(batch_token_ids[name], reference))
@@ -134,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     for llm in llms.values():
         llm.engine.shutdown()
 
-    result = {"cpu": cpu_model_name(), "torch_threads": torch.get_num_threads(),
+    result = {"cpu": cpu_model_name(), "torch_threads": torch.get_num_threads(), "note": args.note,
               "reference": REFERENCE_ARM, "num_decode_prompts": args.num_decode_prompts,
               "decode_tokens": args.decode_tokens, "num_batch_prompts": args.num_batch_prompts,
               "batch_tokens": args.batch_tokens, "perplexity_text_tokens": len(
@@ -144,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+def progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def print_table(result: dict) -> None:
