@@ -7,7 +7,8 @@ token, over the tokens in between), a short greedy batch's output tokens/s, gree
 agreement with dense fp32 on that batch (tokens until the first divergence, and whole
 sequences equal), and perplexity on a fixed paragraph through the engine's own model
 (one teacher-forced forward). Arms run interleaved request by request, so drift on a
-shared machine hits all of them alike.
+shared machine hits all of them alike. Each arm compiles its model unless --enforce-eager
+(minutes per arm on a small shared CPU); perplexity runs the eager model.
 """
 from __future__ import annotations
 
@@ -87,14 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-batch-prompts", type=int, default=8, help="batch size of the batch and agreement run")
     parser.add_argument("--batch-tokens", type=int, default=32, help="greedy tokens per batch request")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads; default torch's choice")
+    parser.add_argument("--enforce-eager", action="store_true", help="run every arm eagerly (no torch.compile)")
     parser.add_argument("--json", default="docs/bench/quant.json", help="write the figures here ('' for none)")
     parser.add_argument("--note", default="", help="conditions of the run, kept in the JSON (e.g. a shared host)")
     args = parser.parse_args(argv)
 
     from bench.profile import cpu_model_name
     from common import LLM, SamplingParams
-    if args.num_threads is not None:  # the engine's own num_threads is not applied everywhere yet
-        torch.set_num_threads(args.num_threads)
     arm_names = args.arms.split(",")
     if REFERENCE_ARM not in arm_names:
         arm_names.insert(0, REFERENCE_ARM)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         quantization, dtype = ARMS[name]
         started = time.perf_counter()
         llms[name] = LLM(quantization=quantization, dtype=dtype, kv_cache_memory="128MiB",
-                         num_threads=args.num_threads)
+                         num_threads=args.num_threads, enforce_eager=args.enforce_eager)
         figures[name] = {"quantization": quantization, "dtype": dtype,
                          "load_s": round(time.perf_counter() - started, 2),
                          "weights_mib": round(model_bytes(llms[name].engine.executor.runner.model) / 2**20, 1)}
@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         llm.engine.shutdown()
 
     result = {"cpu": cpu_model_name(), "torch_threads": torch.get_num_threads(), "note": args.note,
+              "compiled": not args.enforce_eager,
               "reference": REFERENCE_ARM, "num_decode_prompts": args.num_decode_prompts,
               "decode_tokens": args.decode_tokens, "num_batch_prompts": args.num_batch_prompts,
               "batch_tokens": args.batch_tokens, "perplexity_text_tokens": len(
