@@ -49,6 +49,7 @@ DELEGATED_BENCH = {
     "disagg": ("bench.disagg",
                "disaggregated vs colocated serving on a real stack: ITL, TPOT, TTFT, goodput"),
     "spec": ("bench.spec", "speculative decoding per proposer: copy-heavy, chat and random workloads"),
+    "quant": ("bench.quant", "quantized weights (gguf Q4_1, int8) vs dense fp32/bf16: decode speed, agreement, ppl"),
     "structured": ("bench.structured", "JSON-schema constrained generation: validity and throughput vs unconstrained"),
     "overhead": ("bench.overhead", "the gateway's own cost per token, against a fake decode instance"),
     "executor": ("bench.executor_overhead", "the multi-process executor's cost per step at TP 1, against uni"),

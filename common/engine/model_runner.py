@@ -16,6 +16,7 @@ from common.engine.kv_connector.factory import make_worker_connector
 from common.engine.kv_connector.layout import describe_kv_layout, kv_layout, kv_layout_hash
 from common.engine.models.attention import AttentionMetadata
 from common.engine.models.causal_lm import CausalLM, build_rope
+from common.engine.models.quantization import QuantizationSpec, quantize_model
 from common.engine.models.registry import model_class
 from common.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from common.engine.sampler import Sampler
@@ -24,8 +25,9 @@ from common.engine.spec_decode.verification import accept_drafts, expand_verific
 
 logger = logging.getLogger(__name__)
 
+
 def load_model(model_config: ModelConfig, model_dir: Path, device: torch.device,
-               dtype: torch.dtype) -> CausalLM:
+               dtype: torch.dtype, quantization: QuantizationSpec | None = None) -> CausalLM:
     with torch.device("meta"):
         model = model_class(model_config.architecture)(model_config)
     model = model.to_empty(device=device)
@@ -40,7 +42,10 @@ def load_model(model_config: ModelConfig, model_dir: Path, device: torch.device,
                     yield name, f.get_tensor(name)
 
     model.load_weights(weights())
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if quantization is not None:
+        quantize_model(model, quantization)
+    return model
 
 
 def allocate_paged_kv(model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -58,12 +63,13 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_dir: Path, device: str = "auto",
                  dtype: str = "auto", seed: int = 0, block_size: int = 16,
                  kv_transfer_config: KVTransferConfig | None = None,
-                 speculative_config: SpeculativeConfig | None = None, enforce_eager: bool = False):
+                 speculative_config: SpeculativeConfig | None = None, enforce_eager: bool = False,
+                 quantization: QuantizationSpec | None = None):
         self.model_config = model_config
         self.device = select_device(device)
         self.dtype = select_dtype(dtype, self.device)
         self.block_size = block_size
-        self.model = load_model(model_config, model_dir, self.device, self.dtype)
+        self.model = load_model(model_config, model_dir, self.device, self.dtype, quantization)
         # The forward pass as run each step: compiled unless enforce_eager (the model
         # itself stays eager for a draft that runs part of it).
         self.forward = compile_forward(self.model, self.device, enforce_eager)

@@ -7,6 +7,7 @@ from typing import Any
 from common.engine.config import EngineConfig, ModelConfig
 from common.engine.executor.base import Executor
 from common.engine.model_runner import ModelRunner
+from common.engine.models.quantization import quantization_spec
 from common.engine.outputs import RunnerOutput, SchedulerOutput
 
 
@@ -16,7 +17,7 @@ def build_runner(model_config: ModelConfig, model_dir: Path, config: EngineConfi
     return ModelRunner(model_config, model_dir, device=config.device, dtype=config.dtype,
                        seed=config.seed, block_size=config.cache.block_size,
                        kv_transfer_config=config.kv_transfer, speculative_config=config.speculative,
-                       enforce_eager=config.enforce_eager, **parallel)
+                       enforce_eager=config.enforce_eager, quantization=quantization_spec(config), **parallel)
 
 
 class InProcessExecutor(Executor):

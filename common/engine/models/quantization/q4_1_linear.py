@@ -1,0 +1,61 @@
+"""A linear layer whose weight stays in GGUF's Q4_1 (4-bit codes, per-32-column d and m).
+
+torch's CPU int4 kernel dequantizes as (q - 8) * scale + zero per group of 32 input
+columns, so Q4_1's d * q + m is scale = d, zero = m + 8 d. It runs in bf16 (see
+cpu_kernels): fp32 activations are rounded to bf16 for this matmul and the fp16 d and m
+to bf16. Without the kernel, forward dequantizes the codes per call, in x's dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.engine.models.quantization.cpu_kernels import KERNEL_DTYPE, int4_kernel_available
+from common.engine.models.quantization.gguf_blocks import Q4_1_BLOCK_SIZE, Q4_1Blocks
+
+# torch's int4 codes are centred on 8: (q - 8) * scale + zero.
+INT4_ZERO_POINT = 8
+
+
+class Q4_1Linear(nn.Module):
+    def __init__(self, blocks: Q4_1Blocks, bias: torch.Tensor | None, device: torch.device,
+                 use_kernel: bool | None = None):
+        """use_kernel None: torch's int4 kernel where it runs; False: always the fallback."""
+        super().__init__()
+        self.out_features, self.in_features = blocks.shape
+        self.group_size = Q4_1_BLOCK_SIZE
+        self.uses_kernel = int4_kernel_available(device.type) if use_kernel is None else use_kernel
+        d, m = blocks.d.float(), blocks.m.float()  # [N, K // 32]
+        if self.uses_kernel:
+            codes = blocks.codes().to(torch.int32)  # [N, K], freed once packed
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1).to(device))
+            # [K // 32, N, 2]: (scale, zero) per group of input columns and output row.
+            scales_and_zeros = torch.stack([d.t(), (m + INT4_ZERO_POINT * d).t()], dim=-1)
+            self.register_buffer("scales_and_zeros", scales_and_zeros.to(device, KERNEL_DTYPE).contiguous())
+        else:
+            self.register_buffer("codes", blocks.codes().to(device))  # [N, K] uint8
+            self.register_buffer("d", blocks.d.to(device))  # [N, K // 32] fp16
+            self.register_buffer("m", blocks.m.to(device))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """[N, K] d * q + m: the fallback path's weight."""
+        n, num_groups = self.d.shape
+        codes = self.codes.view(n, num_groups, self.group_size).to(dtype)
+        return (codes * self.d.to(dtype).unsqueeze(-1) + self.m.to(dtype).unsqueeze(-1)).reshape(n, -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.uses_kernel:
+            return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        x2d = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [num_tokens, K]
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, self.group_size,
+                                                         self.scales_and_zeros.to(KERNEL_DTYPE))
+        out = out.to(x.dtype)  # [num_tokens, N]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"kernel={'int4pack bf16' if self.uses_kernel else 'dequantize'}")

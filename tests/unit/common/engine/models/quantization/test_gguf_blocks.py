@@ -1,0 +1,68 @@
+"""The reader's packed Q4_1 rows are the GGUF's own weights, in the converter's row order."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf.quants import dequantize
+
+from common.engine.models.quantization.cpu_kernels import int4_kernel_available
+from common.engine.models.quantization.gguf_blocks import GGUF_PROJECTION_TENSORS, unpermute_qk_rows
+from common.engine.models.quantization.q4_1_linear import Q4_1Linear
+
+LAYERS = (0, 14, 29)
+
+
+def gguf_reference(reader, layer_idx: int, projection: str) -> torch.Tensor:
+    """gguf's own dequantization of the projection's tensors, q/k un-permuted as transformers does."""
+    parts = []
+    for tensor_name in GGUF_PROJECTION_TENSORS[projection]:
+        tensor = reader.tensors[f"blk.{layer_idx}.{tensor_name}.weight"]
+        weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
+        if tensor_name == "attn_q":
+            weight = unpermute_qk_rows(weight, reader.num_heads)
+        elif tensor_name == "attn_k":
+            weight = unpermute_qk_rows(weight, reader.num_kv_heads)
+        parts.append(weight)
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("layer_idx", LAYERS)
+@pytest.mark.parametrize("projection", list(GGUF_PROJECTION_TENSORS))
+def test_packed_rows_dequantize_bit_exact_to_gguf(bundled_gguf, layer_idx, projection):
+    blocks = bundled_gguf.projection(layer_idx, projection)
+    reference = gguf_reference(bundled_gguf, layer_idx, projection)
+    assert blocks.shape == tuple(reference.shape)
+    assert torch.equal(blocks.dequantize(torch.float32), reference)
+
+
+def test_packed_rows_match_the_converted_checkpoint(bundled_gguf, bundled_model_dir):
+    """What pdserve serves unquantized is transformers' dequantization of the same file."""
+    from safetensors import safe_open
+    with safe_open(str(bundled_model_dir / "model.safetensors"), framework="pt") as f:
+        q_k_v = [f.get_tensor(f"model.layers.3.self_attn.{n}_proj.weight") for n in "qkv"]
+    assert torch.equal(bundled_gguf.projection(3, "qkv_proj").dequantize(), torch.cat(q_k_v))
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    num_heads, head_dim = 3, 8
+    rows = torch.arange(num_heads * head_dim * 5).reshape(num_heads * head_dim, 5)
+    # convert_hf_to_gguf.py's permute: rows (n_head, 2, dim/2) -> (n_head, dim/2, 2).
+    permuted = rows.reshape(num_heads, 2, head_dim // 2, 5).swapaxes(1, 2).reshape(rows.shape)
+    assert not torch.equal(permuted, rows)
+    assert torch.equal(unpermute_qk_rows(permuted, num_heads), rows)
+
+
+@pytest.mark.skipif(not int4_kernel_available("cpu"), reason="this torch build has no CPU int4 kernel")
+def test_int4_packing_reproduces_the_weight(bundled_gguf):
+    """torch's packed codes and (scale, zero) give back d * q + m when run in fp32 on the identity."""
+    blocks = bundled_gguf.projection(7, "o_proj")
+    linear = Q4_1Linear(blocks, None, torch.device("cpu"))
+    k = linear.in_features
+    d = blocks.d.float().t()  # [K // 32, N]
+    scales_and_zeros = torch.stack([d, blocks.m.float().t() + 8 * d], dim=-1).contiguous()
+    weight_t = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(k), linear.packed, 32, scales_and_zeros)
+    reference = blocks.dequantize()
+    # m + 8 d is rounded once in fp32: at most a few ulp of the weights' magnitude.
+    torch.testing.assert_close(weight_t.t(), reference, rtol=0, atol=1e-6)
+    # ...and the bf16 scales the module keeps are those, rounded.
+    torch.testing.assert_close(linear.scales_and_zeros.float(), scales_and_zeros, rtol=2 ** -8, atol=0)
