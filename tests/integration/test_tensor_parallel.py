@@ -225,11 +225,13 @@ def tiny_prompts(vocab_size: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def tiny_models(tiny_model_factory):
     return {"tied": tiny_model_factory("tp-tied", **TINY_SHAPE, tie_word_embeddings=True),
-            "untied": tiny_model_factory("tp-untied", **TINY_SHAPE, tie_word_embeddings=False)}
+            "untied": tiny_model_factory("tp-untied", **TINY_SHAPE, tie_word_embeddings=False),
+            "qwen2": tiny_model_factory("tp-qwen2", "qwen2", **TINY_SHAPE, tie_word_embeddings=False)}
 
 
-@pytest.mark.parametrize("model_name, tp, pp", [("tied", 2, 1), ("tied", 4, 1), ("tied", 1, 2), ("untied", 2, 2)],
-                         ids=["tp2", "tp4-kv-replicated", "pp2", "tp2xpp2"])
+@pytest.mark.parametrize("model_name, tp, pp", [("tied", 2, 1), ("tied", 4, 1), ("tied", 1, 2), ("untied", 2, 2),
+                                                ("qwen2", 2, 1)],
+                         ids=["tp2", "tp4-kv-replicated", "pp2", "tp2xpp2", "qwen2-qkv-bias-tp2"])
 def test_tiny_llama_matches_one_process(tiny_models, model_name, tp, pp):
     model_dir = tiny_models[model_name]
     prompts = tiny_prompts(TINY_SHAPE["vocab_size"])
@@ -251,6 +253,14 @@ def test_tiny_llama_matches_one_process(tiny_models, model_name, tp, pp):
 
 
 BUNDLED_PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time"]
+
+
+def test_bundled_model_refuses_tp2_at_start_naming_the_head_counts(bundled_model_dir):
+    model_config = ModelConfig.from_hf_config(load_hf_config(bundled_model_dir))
+    with pytest.raises(ValueError, match=r"^Total number of attention heads \(9\) must be divisible by tensor "
+                                         r"parallel size \(2\)\.$"):
+        ModelRunner(model_config, bundled_model_dir, device="cpu", dtype="float32",
+                    parallel_config=ParallelConfig(tensor_parallel_size=2), rank=0)
 
 
 def test_bundled_model_tp3_matches_tp1(bundled_model_dir):
