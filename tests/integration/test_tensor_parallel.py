@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from common.engine.config import ModelConfig, ParallelConfig
+from common.engine.config import KVTransferConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from common.engine.model_files import load_hf_config
 from common.engine.model_runner import ModelRunner
 from common.engine.outputs import ScheduledRequest, SchedulerOutput
@@ -259,6 +259,20 @@ def test_bundled_model_refuses_tp2_at_start_naming_the_head_counts(bundled_model
                                          r"parallel size \(2\)\.$"):
         ModelRunner(model_config, bundled_model_dir, device="cpu", dtype="float32",
                     parallel_config=ParallelConfig(tensor_parallel_size=2), rank=0)
+
+
+@pytest.mark.parametrize("option, message", [
+    (dict(speculative_config=SpeculativeConfig()), r"speculative decoding is not supported with tensor/pipeline"),
+    (dict(kv_transfer_config=KVTransferConfig(role="producer")), r"KV transfer \(role producer\) is not supported"),
+    (dict(), r"rank 1 of tensor_parallel_size 2 x pipeline_parallel_size 1 needs "
+             r"parallel_state.initialize_model_parallel first"),
+])
+def test_parallel_runner_refuses_what_it_cannot_run_before_loading(tiny_models, option, message):
+    model_dir = tiny_models["tied"]
+    model_config = ModelConfig.from_hf_config(load_hf_config(model_dir))
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        ModelRunner(model_config, model_dir, device="cpu", dtype="float32",
+                    parallel_config=ParallelConfig(tensor_parallel_size=2), rank=1, **option)
 
 
 def test_bundled_model_tp3_matches_tp1(bundled_model_dir):
