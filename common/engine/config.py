@@ -102,9 +102,36 @@ class ModelConfig:
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return l * per_layer + emb + h
 
-    def kv_bytes_per_token(self, dtype_size: int) -> int:
-        """Bytes of K and V that one token occupies across all layers."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_size
+    def kv_bytes_per_token(self, dtype_size: int, num_layers: int | None = None,
+                           num_kv_heads: int | None = None) -> int:
+        """Bytes of K and V that one token occupies across all layers (or num_layers layers
+        of num_kv_heads heads each: one rank's share under tensor/pipeline parallelism)."""
+        num_layers = self.num_hidden_layers if num_layers is None else num_layers
+        num_kv_heads = self.num_key_value_heads if num_kv_heads is None else num_kv_heads
+        return 2 * num_layers * num_kv_heads * self.head_dim * dtype_size
+
+    def verify_parallel(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+        """Raise, naming the counts, where this model cannot be split this way (vLLM's rules:
+        query heads and MLP columns split evenly; KV heads split evenly, or, with more ranks
+        than KV heads, each KV head replicated on an equal number of ranks)."""
+        tp, pp = tensor_parallel_size, pipeline_parallel_size
+        num_heads, num_kv_heads = self.num_attention_heads, self.num_key_value_heads
+        if num_heads % tp:
+            raise ValueError(f"Total number of attention heads ({num_heads}) must be divisible by tensor "
+                             f"parallel size ({tp}).")
+        if tp >= num_kv_heads and tp % num_kv_heads:
+            raise ValueError(f"Tensor parallel size ({tp}) must be a multiple of the total number of key/value "
+                             f"heads ({num_kv_heads}) when it is larger, so each KV head is replicated on "
+                             f"an equal number of ranks.")
+        if tp < num_kv_heads and num_kv_heads % tp:
+            raise ValueError(f"Total number of key/value heads ({num_kv_heads}) must be divisible by tensor "
+                             f"parallel size ({tp}).")
+        if self.intermediate_size % tp:
+            raise ValueError(f"Intermediate size ({self.intermediate_size}) must be divisible by tensor "
+                             f"parallel size ({tp}).")
+        if self.num_hidden_layers < pp:
+            raise ValueError(f"Total number of hidden layers ({self.num_hidden_layers}) must be at least the "
+                             f"pipeline parallel size ({pp}).")
 
 
 def _layer_sliding_windows(cfg: dict[str, Any]) -> tuple[int | None, ...]:

@@ -1,4 +1,12 @@
-"""Runs the model for one scheduled step: builds every tensor of the step, then samples."""
+"""Runs the model for one scheduled step: builds every tensor of the step, then samples.
+
+Under tensor/pipeline parallelism (vLLM's design) one ModelRunner runs per rank, every
+rank gets the same SchedulerOutput each step and builds the same step tensors; its
+model holds its rank's shard of its stage's layers. A stage after the first receives the
+previous stage's hidden states instead of embedding; a stage before the last sends its
+own on. Only the output rank (tp_rank 0 of the last stage) samples; the others return an
+empty RunnerOutput, and next step's tokens reach them in the next SchedulerOutput.
+"""
 from __future__ import annotations
 
 import logging
@@ -9,13 +17,15 @@ import torch
 from safetensors import safe_open
 
 from common.engine.compilation import compile_forward, num_compiled_graphs
-from common.engine.config import KVTransferConfig, ModelConfig, SpeculativeConfig
+from common.engine.config import KVTransferConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from common.engine.device import select_device, select_dtype
+from common.engine.distributed import parallel_state
 from common.engine.forward_context import forward_context
 from common.engine.kv_connector.factory import make_worker_connector
 from common.engine.kv_connector.layout import describe_kv_layout, kv_layout, kv_layout_hash
 from common.engine.models.attention import AttentionMetadata
 from common.engine.models.causal_lm import CausalLM, build_rope
+from common.engine.models.parallel_layers import kv_head_partition
 from common.engine.models.quantization import QuantizationSpec, quantize_model
 from common.engine.models.registry import model_class
 from common.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -28,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 def load_model(model_config: ModelConfig, model_dir: Path, device: torch.device,
                dtype: torch.dtype, quantization: QuantizationSpec | None = None) -> CausalLM:
+    """The model with this rank's shard of its stage's layers (parallel_state says which)."""
     with torch.device("meta"):
         model = model_class(model_config.architecture)(model_config)
     model = model.to_empty(device=device)
@@ -49,14 +60,40 @@ def load_model(model_config: ModelConfig, model_dir: Path, device: torch.device,
 
 
 def allocate_paged_kv(model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim].
+                      device: torch.device, num_layers: int | None = None,
+                      num_kv_heads: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim]; num_layers and
+    num_kv_heads (default: the model's) are one rank's under tensor/pipeline parallelism.
 
     Zeroed, not empty: attention reads whole blocks and masks the tail, and garbage
     NaNs would survive a zero weight (0 * NaN = NaN)."""
-    shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
+    num_layers = model_config.num_hidden_layers if num_layers is None else num_layers
+    num_kv_heads = model_config.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    shape = (num_blocks, block_size, num_kv_heads, model_config.head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model_config.num_hidden_layers)]
+            for _ in range(num_layers)]
+
+
+def check_parallel_setup(model_config: ModelConfig, parallel: ParallelConfig, rank: int,
+                         kv_transfer_config: KVTransferConfig | None,
+                         speculative_config: SpeculativeConfig | None) -> None:
+    """Raise before loading anything where this rank cannot run its share of the model."""
+    model_config.verify_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    if parallel.world_size == 1:
+        return
+    if speculative_config is not None:
+        raise ValueError(f"speculative decoding is not supported with tensor/pipeline parallelism (world size "
+                         f"{parallel.world_size}); run it with tensor_parallel_size = pipeline_parallel_size = 1")
+    if kv_transfer_config is not None and kv_transfer_config.role != "none":
+        raise ValueError(f"KV transfer (role {kv_transfer_config.role}) is not supported with tensor/pipeline "
+                         f"parallelism (world size {parallel.world_size})")
+    state = parallel_state.get_state()
+    layout = (state.tp_size, state.pp_size, state.rank)
+    if layout != (parallel.tensor_parallel_size, parallel.pipeline_parallel_size, rank):
+        raise RuntimeError(f"rank {rank} of tensor_parallel_size {parallel.tensor_parallel_size} x "
+                           f"pipeline_parallel_size {parallel.pipeline_parallel_size} needs "
+                           f"parallel_state.initialize_model_parallel first (it has tp {state.tp_size}, "
+                           f"pp {state.pp_size}, rank {state.rank})")
 
 
 class ModelRunner:
@@ -64,15 +101,29 @@ class ModelRunner:
                  dtype: str = "auto", seed: int = 0, block_size: int = 16,
                  kv_transfer_config: KVTransferConfig | None = None,
                  speculative_config: SpeculativeConfig | None = None, enforce_eager: bool = False,
-                 quantization: QuantizationSpec | None = None):
+                 quantization: QuantizationSpec | None = None, parallel_config: ParallelConfig | None = None,
+                 rank: int = 0):
+        self.parallel_config = parallel_config or ParallelConfig()
+        check_parallel_setup(model_config, self.parallel_config, rank, kv_transfer_config, speculative_config)
         self.model_config = model_config
+        self.rank = rank
+        tp_size = self.parallel_config.tensor_parallel_size
+        # The executor returns this rank's output: tp_rank 0 of the last stage.
+        self.is_output_rank = rank == (self.parallel_config.pipeline_parallel_size - 1) * tp_size
         self.device = select_device(device)
+        if self.device.type == "cuda" and self.parallel_config.world_size > 1:
+            self.device = torch.device("cuda", rank % torch.cuda.device_count())  # ranks take GPUs round-robin
         self.dtype = select_dtype(dtype, self.device)
         self.block_size = block_size
         self.model = load_model(model_config, model_dir, self.device, self.dtype, quantization)
         # The forward pass as run each step: compiled unless enforce_eager (the model
-        # itself stays eager for a draft that runs part of it).
-        self.forward = compile_forward(self.model, self.device, enforce_eager)
+        # itself stays eager for a draft that runs part of it). Ranks of a parallel run
+        # stay eager: their collectives and stage transfers are not compiler-safe ops.
+        self.forward = compile_forward(self.model, self.device,
+                                       enforce_eager or self.parallel_config.world_size > 1)
+        # This rank's share of the KV: its stage's layers, its KV heads.
+        self.num_local_layers = len(self.model.layers)
+        self.num_local_kv_heads = kv_head_partition(model_config.num_key_value_heads, rank % tp_size, tp_size)[1]
         self.sampler = Sampler(eos_token_ids=model_config.eos_token_ids, seed=seed)
         # Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -84,9 +135,12 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """The target's KV per block, plus a draft model's own layers if it has one."""
+        """This rank's KV per block (its layers, its KV heads), plus a draft model's own layers
+        if it has one."""
         draft_bytes = self.proposer.kv_bytes_per_block if self.proposer is not None else 0
-        return self.block_size * self.model_config.kv_bytes_per_token(self.dtype.itemsize) + draft_bytes
+        target_bytes = self.model_config.kv_bytes_per_token(self.dtype.itemsize, self.num_local_layers,
+                                                            self.num_local_kv_heads)
+        return self.block_size * target_bytes + draft_bytes
 
     def free_memory_bytes(self) -> int:
         if self.device.type == "cuda":
@@ -98,7 +152,8 @@ class ModelRunner:
         raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_paged_kv(self.model_config, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_paged_kv(self.model_config, num_blocks, self.block_size, self.dtype, self.device,
+                                           self.num_local_layers, self.num_local_kv_heads)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
         if self.proposer is not None:
@@ -166,13 +221,24 @@ class ModelRunner:
         connector = self.kv_connector
         if connector is not None and connector.needs_layer_hook:
             meta.kv_layer_hook = self._kv_layer_hook
+        model = self.model
+        received = None  # the previous stage's hidden states [num_tokens, hidden]
+        if not model.is_first_stage:
+            received = parallel_state.recv_from_prev_stage(
+                (input_ids.shape[0], self.model_config.hidden_size), self.dtype, self.device)
         try:
             with forward_context(meta):
-                hidden = self.forward(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+                if received is None:
+                    hidden = self.forward(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+                else:
+                    hidden = self.forward(input_ids, positions, self.kv_caches, meta, hidden_states=received)
         except BaseException:
             if connector is not None:  # a half-written pool must not reach a peer as final
                 connector.abort_saves("the forward pass failed")
             raise
+        if not model.is_last_stage:
+            parallel_state.send_to_next_stage(hidden)
+            return RunnerOutput(req_ids=[], sampled_token_ids=[])
         if connector is not None:
             connector.wait_for_save()
         proposer = self.proposer
@@ -182,7 +248,10 @@ class ModelRunner:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         # One row per sampled position: a request verifying k drafts samples k + 1.
         sample_rows = expand_verification_rows(sample_reqs)
-        logits = self.model.compute_logits(hidden[sample_indices])  # [num_sample_rows, vocab]
+        # Every TP rank of the last stage takes part in gathering the logits; one samples.
+        logits = model.compute_logits(hidden[sample_indices])  # [num_sample_rows, vocab]
+        if not self.is_output_rank:
+            return RunnerOutput(req_ids=[], sampled_token_ids=[])
         sampled = self.sampler(logits, sample_rows, *self._grammar_bitmask(scheduler_output, sample_rows))
         token_id_lists, logprob_lists = accept_drafts(sample_reqs, sampled.sampled_token_ids, sampled.logprobs)
         output = RunnerOutput(req_ids=[r.req_id for r in sample_reqs], sampled_token_ids=token_id_lists,

@@ -2,18 +2,24 @@
 
 A family subclasses `CausalLM`, names its decoder layer class and, where its
 checkpoint splits what we fuse (q/k/v, gate/up), the pieces to pack.
+
+Under pipeline parallelism a model holds only its stage's layers (parallel_state's
+split): the first stage embeds, the last norms and owns the LM head; `forward` takes
+the previous stage's hidden states instead of token ids on the others. Under tensor
+parallelism the layers hold their rank's shard and load only it.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from common.engine.config import ModelConfig
+from common.engine.distributed import parallel_state
 from common.engine.models.attention import AttentionMetadata
 from common.engine.models.layers import RMSNorm
+from common.engine.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding, parallel_logits
 from common.engine.models.rotary import RotaryEmbedding
 
 # Checkpoint projection name -> (our fused parameter, its shard index).
@@ -34,45 +40,80 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.is_first_stage, self.is_last_stage = parallel_state.is_first_stage(), parallel_state.is_last_stage()
+        self.start_layer, self.end_layer = parallel_state.pipeline_layer_range(
+            cfg.num_hidden_layers, parallel_state.get_pp_rank(), parallel_state.get_pp_size())
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+                             if self.is_first_stage else None)
         self.rope = build_rope(cfg)
-        self.layers = nn.ModuleList(self.decoder_layer_cls(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_weight_offset)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size,
-                                                                       bias=False)
+        # layers[i] is the model's layer start_layer + i.
+        self.layers = nn.ModuleList(self.decoder_layer_cls(cfg, i) for i in range(self.start_layer, self.end_layer))
+        self.norm = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_weight_offset)
+                     if self.is_last_stage else None)
+        # Tied embeddings reuse embed_tokens as the head where this stage has it; a last
+        # stage without it loads its own copy of the embedding as the head.
+        head_is_embedding = cfg.tie_word_embeddings and self.embed_tokens is not None
+        self.lm_head = (ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+                        if self.is_last_stage and not head_is_embedding else None)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
-        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size].
+                meta: AttentionMetadata, num_layers: int | None = None,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]:
+        normed on the last pipeline stage, the raw residual stream on the others.
 
-        num_layers: run only the first num_layers layers, then the final norm (an early
-        exit, as a speculative draft); None: all of them."""
-        x = self.embed(input_ids)
+        kv_caches: one (K, V) per layer of this stage. num_layers: run only the first
+        num_layers layers, then the final norm (an early exit, as a speculative draft);
+        None: all of them. hidden_states: the previous stage's output (not the first stage)."""
+        x = self.embed(input_ids) if hidden_states is None else hidden_states
         rope_cos_sin = self.rope.cos_sin(positions, x.dtype)
         for layer, kv_cache in zip(self.layers[:num_layers], kv_caches[:num_layers]):
             x = layer(x, rope_cos_sin, kv_cache, meta)
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [num_seqs, hidden_size] -> logits [num_seqs, vocab_size] in fp32."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        """hidden [num_seqs, hidden_size] -> logits [num_seqs, vocab_size] in fp32 (on every
+        TP rank of the last stage: each computes its vocabulary slice, then they gather)."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        logits = parallel_logits(hidden, head.weight, self.config.vocab_size, head.tp_size).float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def _local_name(self, name: str) -> str | None:
+        """A checkpoint name -> this model's parameter name (packed pieces not yet renamed);
+        None for a weight another pipeline stage (or nobody) holds."""
+        name = name.removeprefix("model.")
+        if "rotary_emb" in name:
+            return None
+        if name == "lm_head.weight":
+            return None if self.config.tie_word_embeddings or self.lm_head is None else name
+        if name == "embed_tokens.weight" and self.embed_tokens is None:
+            tied_head = self.config.tie_word_embeddings and self.lm_head is not None
+            return "lm_head.weight" if tied_head else None
+        if name.startswith("norm.") and self.norm is None:
+            return None
+        if name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            if not self.start_layer <= int(index) < self.end_layer:
+                return None
+            return f"layers.{int(index) - self.start_layer}.{rest}"
+        return name
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors, packing split projections into their fused params."""
+        """Load HF-named tensors: this stage's weights, each cut to this rank's shard and
+        packed into our fused params where the checkpoint splits them."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            local_name = self._local_name(name)
+            if local_name is None:
                 continue
-            parts = name.split(".")
+            parts = local_name.split(".")
             shard = None
             if len(parts) >= 2 and parts[-2] in self.packed_weights:
                 parts[-2], shard = self.packed_weights[parts[-2]]
@@ -80,14 +121,17 @@ class CausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
             param = params[target]
-            if shard is None:
-                if param.shape != tensor.shape:
-                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(param.shape)}")
-                param.data.copy_(tensor)
-            else:
-                sizes = self._shard_sizes(parts[-2])
-                param.data.narrow(0, sum(sizes[:shard]), sizes[shard]).copy_(tensor)
+            module_name, _, param_name = target.rpartition(".")
+            load_shard = getattr(modules[module_name], "load_weight", None)
+            try:
+                if load_shard is not None:
+                    load_shard(param_name, tensor, shard)
+                elif param.shape != tensor.shape:
+                    raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                else:
+                    param.data.copy_(tensor)
+            except ValueError as e:
+                raise ValueError(f"weight {name!r} has {e}") from None
             loaded.add(f"{target}:{shard}")
         num_shards = {}
         for packed_name, shard in self.packed_weights.values():
@@ -97,10 +141,3 @@ class CausalLM(nn.Module):
             missing = sorted(n for n in params if not any(k.startswith(n + ":") for k in loaded))
             raise ValueError(f"checkpoint incomplete: loaded {len(loaded)} of {expected} weight pieces; "
                              f"missing {missing[:5]}")
-
-    def _shard_sizes(self, packed_name: str) -> list[int]:
-        cfg = self.config
-        if packed_name == "qkv_proj":
-            kv = cfg.num_key_value_heads * cfg.head_dim
-            return [cfg.num_attention_heads * cfg.head_dim, kv, kv]
-        return [cfg.intermediate_size, cfg.intermediate_size]

@@ -1,9 +1,11 @@
-"""Layers every family shares: RMSNorm and the gated MLP."""
+"""Layers every family shares: RMSNorm and the gated MLP (tensor-parallel over its columns)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from common.engine.models.parallel_layers import MergedColumnParallelLinear, RowParallelLinear
 
 # config.json activation names -> functions (gelu_pytorch_tanh is Gemma's GeGLU).
 ACTIVATIONS = {
@@ -35,16 +37,17 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up in one matmul."""
+    """down(act(gate(x)) * up(x)) with gate and up in one matmul; under tensor parallelism
+    each rank holds a slice of the intermediate columns and down_proj sums the slices."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {activation!r}; supported: {', '.join(ACTIVATIONS)}")
-        self.intermediate_size = intermediate_size
         self.act = ACTIVATIONS[activation]
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, intermediate_size)
+        self.intermediate_size = self.gate_up_proj.output_size_per_rank
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

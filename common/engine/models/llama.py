@@ -12,6 +12,7 @@ from common.engine.config import ModelConfig
 from common.engine.models.attention import AttentionMetadata, paged_attention
 from common.engine.models.causal_lm import CausalLM
 from common.engine.models.layers import GatedMLP, RMSNorm
+from common.engine.models.parallel_layers import QKVParallelLinear, RowParallelLinear
 from common.engine.models.rotary import apply_rope
 
 
@@ -19,14 +20,15 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
+        # q, k and v in one matmul: one weight read instead of three. Under tensor
+        # parallelism it holds this rank's heads, and o_proj sums the ranks' outputs.
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=cfg.qkv_bias)
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
+        self.num_kv_heads = self.qkv_proj.num_kv_heads  # this rank's
         self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        # q, k and v in one matmul: one weight read instead of three.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)
         self.scale = cfg.attention_scale
         self.sliding_window = cfg.sliding_window(layer_idx)
         self.logit_softcap = cfg.attn_logit_softcapping
