@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from bench.profile import machine_info, now_iso, versions
-from common.engine.config import ModelConfig, make_engine_config
+from common.engine.config import ModelConfig, ParallelConfig, make_engine_config
 from common.engine.executor import InProcessExecutor
 from common.engine.executor.multiproc import MultiProcExecutor
 from common.engine.model_files import load_hf_config, resolve_model
@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each executor's runner")
     parser.add_argument("--compile", action="store_true",
                         help="compile the forward pass (default: eager; the executor's cost is the same)")
+    parser.add_argument("--tp-sizes", default="",
+                        help="also time mp executors at these tensor-parallel sizes (e.g. 3: the bundled "
+                             "model's 9 query and 3 KV heads allow 1 and 3), each rank --threads threads")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -82,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     num_blocks = max(batch_sizes) * -(-(args.context_len + 1) // block_size)
     executors = {"uni": InProcessExecutor(model_config, model_dir, config),
                  "mp": MultiProcExecutor(model_config, model_dir, config)}
+    tp_sizes = [int(t) for t in args.tp_sizes.split(",") if t.strip()]
+    for tp_size in tp_sizes:
+        executors[f"mp-tp{tp_size}"] = MultiProcExecutor(model_config, model_dir, config.replace(
+            parallel=ParallelConfig(tensor_parallel_size=tp_size, distributed_executor_backend="mp")))
     try:
         for executor in executors.values():
             executor.allocate_kv_cache(num_blocks)
@@ -93,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             uni, mp = summary_ms(seconds["uni"]), summary_ms(seconds["mp"])
             rows.append({"batch_size": batch_size, "uni": uni, "mp": mp,
                          "overhead_ms": round(mp["median_ms"] - uni["median_ms"], 4),
-                         "overhead_pct": round(100 * (mp["median_ms"] / uni["median_ms"] - 1), 1)})
+                         "overhead_pct": round(100 * (mp["median_ms"] / uni["median_ms"] - 1), 1),
+                         **{f"mp-tp{t}": summary_ms(seconds[f"mp-tp{t}"]) for t in tp_sizes}})
     finally:
         for executor in executors.values():
             executor.shutdown()
@@ -112,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'batch':>6} {'uni ms':>10} {'mp ms':>10} {'overhead ms':>12} {'overhead %':>11}")
     for row in rows:
         print(f"{row['batch_size']:>6} {row['uni']['median_ms']:>10.3f} {row['mp']['median_ms']:>10.3f} "
-              f"{row['overhead_ms']:>12.3f} {row['overhead_pct']:>11.1f}")
+              f"{row['overhead_ms']:>12.3f} {row['overhead_pct']:>11.1f}"
+              + "".join(f"  tp{t} {row[f'mp-tp{t}']['median_ms']:.3f} ms" for t in tp_sizes))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
