@@ -35,9 +35,10 @@ def cpu_env(threads_bind: str, kv_cache_gib: float) -> dict[str, str]:
     process) or 'all' (its worker may use every core)."""
     env = dict(os.environ)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv_cache_gib)))  # whole GiB only
-    env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
-    if threads_bind == "all":
+    if threads_bind == "all":  # vLLM takes a core list, not "all"
+        threads_bind = f"0-{len(os.sched_getaffinity(0)) - 1}"
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
     return env
 
 
