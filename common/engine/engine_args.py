@@ -11,8 +11,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="GGUF file or Hugging Face directory; default: bundled SmolLM2-135M-Instruct")
-    g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with AMX or AVX512-BF16, else fp32), float32, "
-                                                          "bfloat16, float16")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (bf16 on CUDA and on CPUs with AMX or AVX512-BF16, else fp32), float32, bfloat16, "
+                        "float16")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")

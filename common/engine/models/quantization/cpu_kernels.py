@@ -41,3 +41,11 @@ def int8_kernel_available(device_type: str) -> bool:
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
     return True
+
+
+def kernel_output(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """A weight-only kernel's [num_tokens, N] result back in x's dtype and leading shape, plus bias."""
+    out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], out_features)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.engine.models.quantization.cpu_kernels import KERNEL_DTYPE, int8_kernel_available
+from common.engine.models.quantization.cpu_kernels import KERNEL_DTYPE, int8_kernel_available, kernel_output
 
 INT8_MAX = 127
 
@@ -44,10 +44,7 @@ class Int8Linear(nn.Module):
             return out if self.bias is None else out + self.bias
         x2d = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [num_tokens, K]
         out = torch.ops.aten._weight_int8pack_mm(x2d, self.codes, self.scales.to(KERNEL_DTYPE))
-        out = out.to(x.dtype)  # [num_tokens, N]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return kernel_output(out, x, self.bias, self.out_features)  # out: [num_tokens, N]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

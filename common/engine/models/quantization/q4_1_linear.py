@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.engine.models.quantization.cpu_kernels import KERNEL_DTYPE, int4_kernel_available
+from common.engine.models.quantization.cpu_kernels import KERNEL_DTYPE, int4_kernel_available, kernel_output
 from common.engine.models.quantization.gguf_blocks import Q4_1_BLOCK_SIZE, Q4_1Blocks
 
 # torch's int4 codes are centred on 8: (q - 8) * scale + zero.
@@ -51,10 +51,7 @@ class Q4_1Linear(nn.Module):
         x2d = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [num_tokens, K]
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, self.group_size,
                                                          self.scales_and_zeros.to(KERNEL_DTYPE))
-        out = out.to(x.dtype)  # [num_tokens, N]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return kernel_output(out, x, self.bias, self.out_features)  # out: [num_tokens, N]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
