@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.peers.vllm_peer import cpu_env, vllm_python
+from common.engine.config import parse_memory_size
 
 
 def free_port() -> int:
@@ -76,7 +77,7 @@ def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path) -> dict:
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", Path(model_dir).name, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", str(args.seed)]
-    kv_gib = float(args.kv_cache_memory.lower().removesuffix("gib"))
+    kv_gib = parse_memory_size(args.kv_cache_memory) / (1 << 30)  # main checked it is a size
     with open(out / "vllm-serve.log", "w") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                    env=cpu_env(args.peer_threads_bind, kv_gib))
@@ -126,6 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
+    try:
+        kv_bytes = parse_memory_size(args.kv_cache_memory)
+    except ValueError as e:
+        parser.error(str(e))
+    if isinstance(kv_bytes, float):
+        parser.error("--kv-cache-memory must be a size here (e.g. 2GiB): vLLM's pool is set in GiB, not as a "
+                     "fraction")
 
     from bench.profile import cpu_model_name
     from common.engine.model_files import resolve_model
