@@ -80,6 +80,9 @@ class RunnerOutput:
     finished_sending: list[str] = field(default_factory=list)  # req ids, any end state
     finished_recving: list[str] = field(default_factory=list)  # req ids, any end state
     kv_transfer_outcomes: list[KVTransferOutcome] = field(default_factory=list)  # how each ended
+    # req_id -> why: a tensor-parallel rank's part of its transfer failed while other
+    # ranks' parts are still open; they should stop rather than run to their deadline.
+    failing_kv_transfers: dict[str, str] = field(default_factory=dict)
     # Drafts proposed for each entry of req_ids' next step (None: no proposer ran).
     spec_token_ids: list[list[int]] | None = None
 

@@ -274,6 +274,9 @@ class Scheduler(SchedulerInterface):
             self.running = [request for request in self.running if not request.is_finished]
         # After the tokens: a send may end in the very step whose request it holds.
         outputs += self.update_from_kv_transfers(runner_output.kv_transfer_outcomes)
+        if self.kv_connector is not None:
+            for req_id, reason in runner_output.failing_kv_transfers.items():
+                self.kv_connector.request_aborted(req_id, reason)
         return outputs
 
     def update_from_kv_transfers(self, outcomes: list[KVTransferOutcome]) -> list[EngineCoreOutput]:

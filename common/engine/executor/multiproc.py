@@ -32,6 +32,8 @@ from common.engine.distributed.message_queue import ShmRingQueue
 from common.engine.errors import ExecutorFailedError
 from common.engine.executor.base import Executor
 from common.engine.executor.worker_proc import WorkerSpec, worker_main
+from common.engine.kv_connector.metadata import KVTransferOutcome
+from common.engine.kv_connector.outcome_aggregator import KVOutcomeAggregator
 from common.engine.outputs import RunnerOutput, SchedulerOutput
 from common.engine.outputs_codec import SchedulerOutputEncoder, pack, runner_output_from_dict, unpack
 
@@ -57,9 +59,10 @@ def check_parallel_support(config: EngineConfig) -> None:
     if config.speculative is not None:
         raise ValueError(f"speculative decoding is not supported with tensor_parallel_size x "
                          f"pipeline_parallel_size = {config.parallel.world_size} > 1 yet")
-    if config.kv_transfer.role != "none":
-        raise ValueError(f"KV transfer (role {config.kv_transfer.role}) is not supported with tensor_parallel_size "
-                         f"x pipeline_parallel_size = {config.parallel.world_size} > 1 yet")
+    if config.kv_transfer.role != "none" and config.parallel.pipeline_parallel_size > 1:
+        raise ValueError(f"KV transfer (role {config.kv_transfer.role}) is not supported with "
+                         f"pipeline_parallel_size {config.parallel.pipeline_parallel_size} > 1 yet; tensor "
+                         f"parallelism is")
 
 
 def _free_tcp_port() -> int:
@@ -114,6 +117,8 @@ class MultiProcExecutor(Executor):
         self.failure_observers = []
         # Every rank decodes every step, so one encoder's idea of what they hold is theirs.
         self._step_encoder = SchedulerOutputEncoder()
+        # Each rank moves its shard of a request's KV: the transfer ends when all did.
+        self._kv_outcomes = KVOutcomeAggregator(self.world_size)
         self._failure: ExecutorFailedError | None = None
         self._shutting_down = False
         self._lock = threading.Lock()  # one call in flight: the queues are read and written in order
@@ -258,7 +263,16 @@ class MultiProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         replies = self._call({"kind": "execute_model",
                               "scheduler_output": self._step_encoder.encode(scheduler_output)})
-        return runner_output_from_dict(replies[self.output_rank]["result"])
+        output = runner_output_from_dict(replies[self.output_rank]["result"])
+        parts = [output.kv_transfer_outcomes if rank == self.output_rank else
+                 [KVTransferOutcome(**o) for o in reply["result"] or []] for rank, reply in enumerate(replies)]
+        if any(parts):
+            output.kv_transfer_outcomes = self._kv_outcomes.add(parts)
+            output.finished_sending = [o.req_id for o in output.kv_transfer_outcomes if o.direction == "send"]
+            output.finished_recving = [o.req_id for o in output.kv_transfer_outcomes if o.direction == "recv"]
+            output.failing_kv_transfers = {o.req_id: f"tensor-parallel rank part: {o.reason}"
+                                           for rank_parts in parts for o in rank_parts if not o.ok}
+        return output
 
     def collective_rpc(self, method_name: str, args: tuple = ()) -> list[Any]:
         return [reply["result"] for reply in self._call({"kind": "rpc", "method": method_name, "args": list(args)})]

@@ -161,7 +161,10 @@ def _handle(request: dict, runner, decoder: SchedulerOutputDecoder, spec: Worker
     if request["kind"] == "execute_model":
         scheduler_output = decoder.decode(request["scheduler_output"])
         output = runner.execute_model(scheduler_output)
-        return runner_output_to_dict(output) if spec.rank == spec.output_rank else None
+        if spec.rank == spec.output_rank:
+            return runner_output_to_dict(output)
+        # Other ranks report only their part of the KV transfers that ended (the executor joins them).
+        return runner_output_to_dict(output)["kv_transfer_outcomes"] if output.kv_transfer_outcomes else None
     method = request.get("method")
     if not isinstance(method, str) or method.startswith("_") or not callable(getattr(runner, method, None)):
         raise MessageFormatError(f"rpc: {method!r} is not a public ModelRunner method")

@@ -91,15 +91,22 @@ def test_output_rank_is_the_first_rank_of_the_last_pipeline_stage():
     assert output_rank(2, 3) == 4
 
 
-@pytest.mark.parametrize("changes, match", [
-    ({"speculative": SpeculativeConfig()}, "speculative decoding is not supported"),
-    ({"kv_transfer": KVTransferConfig(role="producer")}, "KV transfer .role producer. is not supported"),
+@pytest.mark.parametrize("parallel, changes, match", [
+    ({"tensor_parallel_size": 2}, {"speculative": SpeculativeConfig()}, "speculative decoding is not supported"),
+    ({"pipeline_parallel_size": 2}, {"kv_transfer": KVTransferConfig(role="producer")},
+     "KV transfer .role producer. is not supported with pipeline_parallel_size 2"),
 ])
-def test_world_size_above_one_refuses_what_is_not_split_yet(changes, match):
-    config = make_engine_config(tensor_parallel_size=2, distributed_executor_backend="mp").replace(**changes)
+def test_world_size_above_one_refuses_what_is_not_split_yet(parallel, changes, match):
+    config = make_engine_config(**parallel, distributed_executor_backend="mp").replace(**changes)
     with pytest.raises(ValueError, match=match):
         check_parallel_support(config)
     check_parallel_support(make_engine_config(distributed_executor_backend="mp").replace(**changes))
+
+
+def test_tensor_parallel_ranks_may_move_kv():
+    for role in ("producer", "consumer"):
+        check_parallel_support(make_engine_config(tensor_parallel_size=2, distributed_executor_backend="mp")
+                               .replace(kv_transfer=KVTransferConfig(role=role)))
 
 
 def _wait_for(condition, timeout_s: float) -> None:
