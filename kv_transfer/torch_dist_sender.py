@@ -23,8 +23,17 @@ import torch.distributed as dist
 from kv_transfer import protocol
 from kv_transfer.base import PoolGeometry, SendTransfer, TransferResult, TransferState
 from kv_transfer.sender_core import ByteBudget, QueuedKVSender
-from kv_transfer.torch_dist_common import (KEEPALIVE_S, PAIR_IDLE_DROP_S, TAG, ack_key, comm_device, make_group,
-                                           parse_endpoint, peer_key, wait)
+from kv_transfer.torch_dist_common import (
+    KEEPALIVE_S,
+    PAIR_IDLE_DROP_S,
+    TAG,
+    ack_key,
+    comm_device,
+    make_group,
+    parse_endpoint,
+    peer_key,
+    wait,
+)
 
 logger = logging.getLogger(__name__)
 _ACK_POLL_S = 0.005
@@ -176,7 +185,7 @@ class TorchDistKVSender(QueuedKVSender):
             th.start()
             # Two bounded phases (store connect, group rendezvous), each within `timeout`.
             self._connecting = [c for c in self._connecting if c[0].is_alive()] + [(th, time.monotonic() + 2 * timeout)]
-        plan = protocol.plan_messages(handle.src_block_ids, self._geo.block_bytes, self._max_message_bytes,
+        plan = protocol.plan_messages(handle.src_block_ids, handle.block_bytes, self._max_message_bytes,
                                       gather_below_bytes=0)  # whole runs only; no zero-copy floor here
         st = self._states[handle] = _State(handle, pair, plan)
         pair.states[handle.transfer_id] = st
@@ -201,13 +210,18 @@ class TorchDistKVSender(QueuedKVSender):
             ready.synchronize()  # a device pool: the layer's forward must have finished
         k_cache, v_cache = self._kv[layer]
         geo, h = self._geo, st.handle
+        wire_shape, head_start = self._wire_slice(h)
+        if h.heads is not None:  # [num_blocks, block_size, num_heads, head_dim] -> the range it sends
+            s0 = h.heads.src_start
+            k_cache, v_cache = k_cache[:, :, s0:s0 + h.heads.num_heads], v_cache[:, :, s0:s0 + h.heads.num_heads]
         for m in st.plan:
             tensors = []
             for cache in (k_cache, v_cache):
-                for p in m.pieces:  # whole runs of consecutive pool ids: views, no copy
-                    tensors.append(cache[p.src_start:p.src_start + p.num_blocks].reshape(-1).view(torch.uint8))
+                for p in m.pieces:  # whole runs of consecutive pool ids: views, no copy (a head range: one copy)
+                    run = cache[p.src_start:p.src_start + p.num_blocks].contiguous()
+                    tensors.append(run.reshape(-1).view(torch.uint8))
             header = protocol.encode_kv(h.transfer_id, st.next_seq, layer, m.first, m.num_blocks, geo.dtype,
-                                        geo.block_shape, [p.num_blocks for p in m.pieces])
+                                        wire_shape, [p.num_blocks for p in m.pieces], head_start=head_start)
             st.next_seq += 1
             if not self._send_message(st, header, tensors):
                 return

@@ -13,8 +13,8 @@ BLOCK_BYTES = 16 * 3 * 64 * 4
 
 
 def kv_header(**changes) -> bytes:
-    d = {"v": 1, "op": "kv", "tid": "t", "seq": 0, "layer": 0, "nlay": 1, "first": 0, "nblk": 2, "dtype": "float32",
-         "shape": list(SHAPE), "splits": [2]} | changes
+    d = {"v": 2, "op": "kv", "tid": "t", "seq": 0, "layer": 0, "nlay": 1, "first": 0, "nblk": 2, "h0": 0, "nh": 3,
+         "dtype": "float32", "shape": list(SHAPE), "splits": [2]} | changes
     return msgpack.packb(d)
 
 
@@ -48,7 +48,7 @@ def test_undecodable_or_unattributable_headers(buf):
 
 
 @pytest.mark.parametrize("changes", [
-    {"layer": "0"}, {"layer": True}, {"layer": -1}, {"layer": 1 << 40}, {"seq": 1.0}, {"v": 2},
+    {"layer": "0"}, {"layer": True}, {"layer": -1}, {"layer": 1 << 40}, {"seq": 1.0}, {"v": 1}, {"h0": -1}, {"nh": 0}, {"h0": "0"},
     {"shape": []}, {"shape": [16, 0, 64]}, {"splits": [0]}, {"splits": "2"}, {"dtype": 5}, {"nblk": 0}, {"nlay": 0},
     {"extra": 1},
 ])

@@ -16,7 +16,7 @@ HOSTILE = (st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value
            | st.lists(st.integers(-2, 2**32), max_size=5) | msgpack_values)
 KEYS = sorted(set().union(*protocol._KEYS.values()))
 VALID = {"v": protocol.VERSION, "op": "kv", "tid": "t", "seq": 0, "layer": 0, "nlay": 1, "first": 0, "nblk": 2,
-         "dtype": "float16", "shape": [16, 2, 64], "splits": [2], "reason": "", "state": "done"}
+         "h0": 0, "nh": 2, "dtype": "float16", "shape": [16, 2, 64], "splits": [2], "reason": "", "state": "done"}
 
 
 def decodes_or_protocol_error(frame: bytes) -> None:
