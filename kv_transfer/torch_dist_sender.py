@@ -51,6 +51,7 @@ class _Pair:
     last_used: float = field(default_factory=time.monotonic)  # last transfer message
     last_sent: float = field(default_factory=time.monotonic)  # last message or keepalive
     states: dict[str, "_State"] = field(default_factory=dict)  # transfer id -> open transfer
+    aborts: list[bytes] = field(default_factory=list)  # abort headers of transfers ended while it formed
 
 
 @dataclass(eq=False)
@@ -198,6 +199,10 @@ class TorchDistKVSender(QueuedKVSender):
                 self._drop_pair(pair, f"cannot reach receiver: {e}")
                 continue
             pair.last_sent = time.monotonic()
+            aborts, pair.aborts = pair.aborts, []
+            for header in aborts:  # the receiver may hold other senders' parts of these transfers
+                if not self._send_raw(pair, header, [], KEEPALIVE_S * 4):
+                    break
             for st in list(pair.states.values()):
                 pending, st.pending = st.pending, []
                 for layer, nbytes, ready in pending:
@@ -260,8 +265,12 @@ class TorchDistKVSender(QueuedKVSender):
                 self._send_raw(pair, b"", [], KEEPALIVE_S * 4)
 
     def _abort(self, st: _State, reason: str) -> None:
-        if st.pair.pg is not None:  # let the receiver fail it and free its blocks now
-            self._send_message(st, protocol.encode_abort(st.handle.transfer_id, st.next_seq, reason), [])
+        # Let the receiver fail it and free its blocks now, once the pair has formed.
+        header = protocol.encode_abort(st.handle.transfer_id, st.next_seq, reason)
+        if st.pair.pg is not None:
+            self._send_message(st, header, [])
+        else:
+            st.pair.aborts.append(header)
         self._end(st, TransferState.FAILED, reason)
 
     def _poll_acks(self) -> None:

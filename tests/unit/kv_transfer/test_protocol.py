@@ -48,7 +48,8 @@ def test_undecodable_or_unattributable_headers(buf):
 
 
 @pytest.mark.parametrize("changes", [
-    {"layer": "0"}, {"layer": True}, {"layer": -1}, {"layer": 1 << 40}, {"seq": 1.0}, {"v": 1}, {"h0": -1}, {"nh": 0}, {"h0": "0"},
+    {"layer": "0"}, {"layer": True}, {"layer": -1}, {"layer": 1 << 40}, {"seq": 1.0}, {"v": 1},
+    {"h0": -1}, {"nh": 0}, {"h0": "0"}, {"nh": True},
     {"shape": []}, {"shape": [16, 0, 64]}, {"splits": [0]}, {"splits": "2"}, {"dtype": 5}, {"nblk": 0}, {"nlay": 0},
     {"extra": 1},
 ])
