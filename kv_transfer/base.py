@@ -255,7 +255,8 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def register(self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> RecvTransfer:
-        """Expect a transfer into `dst_block_ids` (all layers) within `timeout_s`. Never blocks."""
+        """Expect a transfer into `dst_block_ids` (all layers, all heads) within `timeout_s`. Never
+        blocks. Several senders may fill it, each with its own disjoint head range."""
 
     @abstractmethod
     def cancel(self, transfer_id: str, reason: str = "cancelled") -> None:

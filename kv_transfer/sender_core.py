@@ -7,6 +7,7 @@ connector's I/O thread does all network work, since sockets are not thread-safe.
 """
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from abc import abstractmethod
@@ -46,6 +47,12 @@ class QueuedKVSender(KVSender):
             raise ValueError(f"source block ids must be in [0, {self._geo.num_blocks})")
         if self._closed or not self._thread.is_alive():
             raise RuntimeError("sender is closed")
+        if heads is not None:
+            if not isinstance(heads, HeadRange):
+                raise TypeError(f"heads must be a HeadRange or None, got {type(heads).__name__}")
+            fields = (heads.src_start, heads.dst_start, heads.num_heads)
+            if all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in fields):
+                heads = HeadRange(*(int(x) for x in fields))  # numpy ints would not survive msgpack
         error = target.geometry_error(self._geo, len(src), heads)
         heads = None if error else target.partial_heads(self._geo, heads)
         block_bytes = self._geo.block_bytes

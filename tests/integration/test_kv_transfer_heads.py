@@ -216,3 +216,15 @@ def test_one_sender_aborting_fails_the_transfer_and_acks_the_other(conn):
     r_a = t_a.result(10)  # acked long before its deadline
     assert r_a.state is TransferState.FAILED and "prefill rank cancelled" in r_a.reason, r_a
     assert t_b.result(10).state is TransferState.FAILED
+
+
+def test_numpy_head_indices_are_accepted_and_other_types_refused(zmq_conn):
+    import numpy as np
+    src, dst = pool(2, seed=14), pool(1)
+    rx, tx = zmq_conn.receiver(dst), zmq_conn.sender(src)
+    h = rx.register("r", [2], timeout_s=20)
+    with pytest.raises(TypeError):
+        tx.start([4], h.target, heads={"src_start": 1, "dst_start": 0, "num_heads": 1})
+    t = tx.send_all([4], h.target, heads=HeadRange(np.int64(1), np.int64(0), np.int64(1)))
+    assert t.result(10).ok and h.result(10).ok
+    assert torch.equal(dst[2][0][2, :, 0], src[2][0][4, :, 1])
