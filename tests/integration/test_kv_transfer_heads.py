@@ -228,3 +228,23 @@ def test_numpy_head_indices_are_accepted_and_other_types_refused(zmq_conn):
     t = tx.send_all([4], h.target, heads=HeadRange(np.int64(1), np.int64(0), np.int64(1)))
     assert t.result(10).ok and h.result(10).ok
     assert torch.equal(dst[2][0][2, :, 0], src[2][0][4, :, 1])
+
+
+def test_the_torch_copy_path_of_device_pools_lands_the_same_bytes(conn, monkeypatch):
+    """Device pools (CUDA) copy with torch on head-slice views instead of numpy; no GPU here, so
+    the same branch runs on CPU tensors by hiding the pools' numpy views."""
+    import kv_transfer.receiver_core
+    import kv_transfer.zmq_sender
+    for module in (kv_transfer.receiver_core, kv_transfer.zmq_sender):
+        monkeypatch.setattr(module, "pool_bytes", lambda kv_caches: None)
+    src, dst = pool(4, seed=15), pool(3, seed=16)
+    expected = [(k.clone(), v.clone()) for k, v in dst]
+    rx, tx_a, tx_b = conn.receiver(dst), conn.sender(src), conn.sender(src)
+    for n, (src_ids, dst_ids) in enumerate([([1, 2, 3], [4, 5, 6]), ([9, 0, 17], [20, 2, 11])]):  # runs, scattered
+        h = rx.register(f"r{n}", dst_ids, timeout_s=20)
+        sends = [(tx_a, HeadRange(src_start=1, dst_start=1, num_heads=2)), (tx_b, HeadRange(3, 0, 1))]
+        for tx, heads in sends:
+            expect_heads(expected, src, src_ids, dst_ids, heads)
+        assert all(t.result(10).ok for t in [tx.send_all(src_ids, h.target, heads=heads) for tx, heads in sends])
+        assert h.result(10).ok
+    assert_pool_equal(dst, expected)
