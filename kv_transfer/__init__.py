@@ -4,7 +4,7 @@
              h = rx.register(request_id, dst_block_ids, timeout_s=30)   # h.target.to_dict() -> prefill
              result = await h                                          # or cb(result) on rx's thread
     prefill: tx = ZmqKVSender(kv_caches)
-             t = tx.start(src_block_ids, target_dict)
+             t = tx.start(src_block_ids, target_dict)            # heads=HeadRange(...): a head slice
              per layer, right after its forward: tx.send_layer(t, layer)
              tx.finish(t); then t.result() / await t -> free the source blocks
 
@@ -13,8 +13,18 @@ has the same interface. base.py holds the interface and states, protocol.py the 
 format and its validation.
 """
 from kv_transfer import protocol
-from kv_transfer.base import (KVReceiver, KVSender, KVTarget, PoolGeometry, RecvTransfer, SendTransfer,
-                              TransferHandle, TransferResult, TransferState)
+from kv_transfer.base import (
+    HeadRange,
+    KVReceiver,
+    KVSender,
+    KVTarget,
+    PoolGeometry,
+    RecvTransfer,
+    SendTransfer,
+    TransferHandle,
+    TransferResult,
+    TransferState,
+)
 from kv_transfer.torch_dist_receiver import TorchDistKVReceiver
 from kv_transfer.torch_dist_sender import TorchDistKVSender
 from kv_transfer.zmq_common import CurveConfig
@@ -22,7 +32,7 @@ from kv_transfer.zmq_receiver import ZmqKVReceiver
 from kv_transfer.zmq_sender import ZmqKVSender
 
 __all__ = [
-    "CurveConfig", "KVReceiver", "KVSender", "KVTarget", "PoolGeometry", "RecvTransfer", "SendTransfer",
+    "CurveConfig", "HeadRange", "KVReceiver", "KVSender", "KVTarget", "PoolGeometry", "RecvTransfer", "SendTransfer",
     "TorchDistKVReceiver", "TorchDistKVSender", "TransferHandle", "TransferResult", "TransferState",
     "ZmqKVReceiver", "ZmqKVSender", "protocol",
 ]

@@ -100,6 +100,15 @@ def pool_bytes(kv_caches: KVCaches) -> list[tuple[Any, Any]] | None:
 
 
 @dataclass(frozen=True)
+class HeadRange:
+    """KV heads a send carries: the sender pool's heads [src_start, src_start + num_heads)
+    land in the receiver pool's heads [dst_start, dst_start + num_heads)."""
+    src_start: int
+    dst_start: int
+    num_heads: int
+
+
+@dataclass(frozen=True)
 class KVTarget:
     """Everything a sender needs to reach one reservation; `to_dict()` is msgpack-able."""
 
@@ -128,13 +137,39 @@ class KVTarget:
             raise ValueError("malformed KV target")
         return t
 
-    def geometry_error(self, geo: PoolGeometry, num_src_blocks: int) -> str | None:
-        if (self.num_layers, self.dtype, self.block_shape) != (geo.num_layers, geo.dtype, geo.block_shape):
+    def geometry_error(self, geo: PoolGeometry, num_src_blocks: int, heads: HeadRange | None = None) -> str | None:
+        """Why the sender pool `geo` cannot send these blocks (and heads) to this target, or None."""
+        mine, theirs = (self.num_layers, self.dtype, self.block_shape), (geo.num_layers, geo.dtype, geo.block_shape)
+        if heads is not None:
+            if not len(self.block_shape) == len(geo.block_shape) == 3:
+                return "a head range needs [block_size, num_kv_heads, head_dim] blocks on both sides"
+            # Only the head counts may differ.
+            mine, theirs = mine[:2] + (self.block_shape[::2],), theirs[:2] + (geo.block_shape[::2],)
+        if mine != theirs:
             return (f"pool mismatch: target has {self.num_layers} layers {self.dtype} {list(self.block_shape)}, "
                     f"sender has {geo.num_layers} layers {geo.dtype} {list(geo.block_shape)}")
         if num_src_blocks != len(self.dst_block_ids):
             return f"{num_src_blocks} source blocks for {len(self.dst_block_ids)} destination blocks"
+        if heads is None:
+            return None
+        ints = (heads.src_start, heads.dst_start, heads.num_heads)
+        if any(type(x) is not int for x in ints) or heads.num_heads < 1 or min(ints) < 0:
+            return f"bad head range {heads}: starts must be ints >= 0 and num_heads >= 1"
+        if heads.src_start + heads.num_heads > geo.block_shape[1]:
+            return (f"head range {heads} runs past the sender's {geo.block_shape[1]} heads "
+                    f"(heads [{heads.src_start}, {heads.src_start + heads.num_heads}))")
+        if heads.dst_start + heads.num_heads > self.block_shape[1]:
+            return (f"head range {heads} runs past the receiver's {self.block_shape[1]} heads "
+                    f"(heads [{heads.dst_start}, {heads.dst_start + heads.num_heads}))")
         return None
+
+    def partial_heads(self, geo: PoolGeometry, heads: HeadRange | None) -> HeadRange | None:
+        """`heads` when it is a true slice; None when it covers every head on both sides
+        (a valid range assumed), which then travels as whole blocks, zero-copy."""
+        if heads is None or (heads.src_start == heads.dst_start == 0
+                             and heads.num_heads == geo.block_shape[1] == self.block_shape[1]):
+            return None
+        return heads
 
 
 @dataclass(frozen=True)
@@ -195,10 +230,13 @@ class RecvTransfer(TransferHandle):
 
 
 class SendTransfer(TransferHandle):
-    def __init__(self, target: KVTarget, src_block_ids: Sequence[int]) -> None:
+    def __init__(self, target: KVTarget, src_block_ids: Sequence[int], heads: HeadRange | None = None,
+                 block_bytes: int = 0) -> None:
         super().__init__(target.transfer_id)
         self.target = target
         self.src_block_ids = tuple(int(b) for b in src_block_ids)
+        self.heads = heads              # None: every head, whole blocks; else the slice this transfer carries
+        self.block_bytes = block_bytes  # bytes one block of K (or V) of one layer puts on the wire
         self.layers_queued: set[int] = set()  # touched by the compute thread only
         self.monotonic_deadline = time.monotonic() + (target.deadline - time.time())
 
@@ -217,7 +255,8 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def register(self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> RecvTransfer:
-        """Expect a transfer into `dst_block_ids` (all layers) within `timeout_s`. Never blocks."""
+        """Expect a transfer into `dst_block_ids` (all layers, all heads) within `timeout_s`. Never
+        blocks. Several senders may fill it, each with its own disjoint head range."""
 
     @abstractmethod
     def cancel(self, transfer_id: str, reason: str = "cancelled") -> None:
@@ -240,8 +279,12 @@ class KVSender(ABC):
     """Prefill side. `send_layer` is called on the compute thread; I/O runs on a background thread."""
 
     @abstractmethod
-    def start(self, src_block_ids: Sequence[int], target: KVTarget | dict) -> SendTransfer:
-        """Begin a transfer; the handle's future resolves (DONE or not) once the source blocks are free."""
+    def start(self, src_block_ids: Sequence[int], target: KVTarget | dict,
+              heads: HeadRange | None = None) -> SendTransfer:
+        """Begin a transfer; the handle's future resolves (DONE or not) once the source blocks are free.
+
+        `heads` sends only that head range of each block (tensor-parallel pools of different
+        sizes); None sends every head, which the target's pool must then match exactly."""
 
     @abstractmethod
     def send_layer(self, transfer: SendTransfer, layer_idx: int) -> bool:
@@ -258,9 +301,10 @@ class KVSender(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    def send_all(self, src_block_ids: Sequence[int], target: KVTarget | dict) -> SendTransfer:
+    def send_all(self, src_block_ids: Sequence[int], target: KVTarget | dict,
+                 heads: HeadRange | None = None) -> SendTransfer:
         """Whole-request send, for when layer-wise pipelining is off."""
-        t = self.start(src_block_ids, target)
+        t = self.start(src_block_ids, target, heads)
         for layer in range(t.target.num_layers):
             if not self.send_layer(t, layer):
                 break

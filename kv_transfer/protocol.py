@@ -1,10 +1,13 @@
 """Wire schema of a KV message, its validation, and how blocks are cut into frames.
 
 A KV message is one msgpack header followed by raw frames. It covers blocks
-[first, first + nblk) of the transfer's block list in layers [layer, layer + nlay);
-per layer come the K frames, then the V frames, one per entry of `splits` (block
-counts summing to `nblk`). `nlay` > 1 batches small layers into one message, since
-each message costs tens of microseconds on both ends.
+[first, first + nblk) of the transfer's block list in layers [layer, layer + nlay),
+and of each block the receiver's KV heads [h0, h0 + nh); `shape` is that slice of one
+block, [block_size, nh, head_dim]. Per layer come the K frames, then the V frames, one
+per entry of `splits` (block counts summing to `nblk`), each holding its blocks' slices
+back to back. `nlay` > 1 batches small layers into one message, since each message
+costs tens of microseconds on both ends. Several senders may fill one reservation,
+each with its own disjoint head range; sequence numbers and block order are per range.
 Headers are decoded with hard size limits and checked against a strict schema; nothing
 is ever unpickled.
 """
@@ -17,14 +20,14 @@ import msgpack
 
 from kv_transfer.base import DTYPES, MAX_TRANSFER_ID_LEN
 
-VERSION = 1
+VERSION = 2
 MAX_HEADER_BYTES = 64 << 10
 MAX_SPLITS = 4096          # frames per message / 2; the planner never gets near it
 MAX_REASON_LEN = 1024
 MAX_INT = 1 << 31
 OPS = ("kv", "abort", "ack")
 _KEYS = {
-    "kv": {"v", "op", "tid", "seq", "layer", "nlay", "first", "nblk", "dtype", "shape", "splits"},
+    "kv": {"v", "op", "tid", "seq", "layer", "nlay", "first", "nblk", "h0", "nh", "dtype", "shape", "splits"},
     "abort": {"v", "op", "tid", "seq", "reason"},
     "ack": {"v", "op", "tid", "state", "reason"},
 }
@@ -50,16 +53,19 @@ class Header:
     dtype: str = ""
     block_shape: tuple[int, ...] = ()
     splits: tuple[int, ...] = ()
+    head_start: int = 0  # kv only: the receiver's heads [head_start, head_start + num_heads)
+    num_heads: int = 0
     state: str = ""   # ack only: done / failed / expired
     reason: str = ""  # abort and ack
 
 
 def encode_kv(transfer_id: str, seq: int, layer: int, first: int, num_blocks: int, dtype: str,
-              block_shape: Sequence[int], splits: Sequence[int], num_layers: int = 1) -> bytes:
+              block_shape: Sequence[int], splits: Sequence[int], num_layers: int = 1, head_start: int = 0) -> bytes:
+    """`block_shape` is the slice of one block that travels, [block_size, num_heads, head_dim]."""
     return msgpack.packb({"v": VERSION, "op": "kv", "tid": transfer_id, "seq": seq, "layer": layer,
-                          "nlay": num_layers,
-                          "first": first, "nblk": num_blocks, "dtype": dtype,
-                          "shape": list(block_shape), "splits": list(splits)})
+                          "nlay": num_layers, "first": first, "nblk": num_blocks,
+                          "h0": head_start, "nh": block_shape[1] if len(block_shape) > 1 else 1,
+                          "dtype": dtype, "shape": list(block_shape), "splits": list(splits)})
 
 
 def encode_abort(transfer_id: str, seq: int, reason: str) -> bytes:
@@ -112,7 +118,8 @@ def decode(buf: Any) -> Header:
     return Header("kv", tid, seq=_int(d["seq"], "seq", tid), layer=_int(d["layer"], "layer", tid),
                   num_layers=_int(d["nlay"], "nlay", tid, lo=1),
                   first=_int(d["first"], "first", tid), num_blocks=_int(d["nblk"], "nblk", tid, lo=1),
-                  dtype=d["dtype"], block_shape=tuple(shape), splits=tuple(splits))
+                  dtype=d["dtype"], block_shape=tuple(shape), splits=tuple(splits),
+                  head_start=_int(d["h0"], "h0", tid), num_heads=_int(d["nh"], "nh", tid, lo=1))
 
 
 def check_kv(h: Header, frame_sizes: Sequence[int], *, next_seq: int, num_layers: int, dtype: str,
@@ -120,18 +127,26 @@ def check_kv(h: Header, frame_sizes: Sequence[int], *, next_seq: int, num_layers
              blocks_done: Sequence[int]) -> str | None:
     """Why this KV message cannot be written into its reservation, or None if it can.
 
-    `blocks_done[l]` is how many blocks of layer l already landed. Blocks of a layer must
-    arrive in order, so any overlap, a repeated layer or a repeated message shows up as a
-    wrong `first` or `seq`.
+    `block_shape` and `block_bytes` are the reservation's whole block ([block_size,
+    num_kv_heads, head_dim]); `next_seq` and `blocks_done[l]` (how many blocks of layer l
+    already landed) belong to the message's head range. Blocks of a layer must arrive in
+    order, so any overlap, a repeated layer or a repeated message shows up as a wrong
+    `first` or `seq`. Overlap between head ranges is the reservation's to check.
     """
+    num_heads = block_shape[1] if len(block_shape) > 1 else 1
+    if h.head_start + h.num_heads > num_heads:
+        return (f"heads [{h.head_start}, {h.head_start + h.num_heads}) run past the reservation's "
+                f"{num_heads} heads")
     if h.seq != next_seq:
         return f"sequence number {h.seq}, expected {next_seq} (lost, repeated or reordered message)"
     if h.layer + h.num_layers > num_layers:
         return f"layer index {h.layer + h.num_layers - 1} out of range (reservation has {num_layers} layers)"
     if h.dtype != dtype or h.dtype not in DTYPES:
         return f"dtype {h.dtype!r} differs from the reservation's {dtype!r}"
-    if h.block_shape != block_shape:
-        return f"block shape {list(h.block_shape)} differs from the reservation's {list(block_shape)}"
+    slice_shape = block_shape[:1] + (h.num_heads,) + block_shape[2:] if len(block_shape) > 1 else block_shape
+    if h.block_shape != slice_shape:
+        return (f"block shape {list(h.block_shape)} differs from the reservation's {list(block_shape)} "
+                f"cut to {h.num_heads} heads")
     for layer in range(h.layer, h.layer + h.num_layers):
         if blocks_done[layer] >= num_dst_blocks:
             return f"duplicate layer {layer}"
@@ -144,8 +159,9 @@ def check_kv(h: Header, frame_sizes: Sequence[int], *, next_seq: int, num_layers
     if len(frame_sizes) != 2 * h.num_layers * len(h.splits):
         return (f"{len(frame_sizes)} data frames, expected {2 * h.num_layers * len(h.splits)} "
                 f"(truncated or extra frame)")
+    slice_bytes = block_bytes // num_heads * h.num_heads
     for i, size in enumerate(frame_sizes):
-        want = h.splits[i % len(h.splits)] * block_bytes
+        want = h.splits[i % len(h.splits)] * slice_bytes
         if size != want:
             return f"data frame {i} has {size} bytes, expected {want} (truncated or extra bytes)"
     return None

@@ -7,6 +7,7 @@ connector's I/O thread does all network work, since sockets are not thread-safe.
 """
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from abc import abstractmethod
@@ -15,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kv_transfer.base import KVSender, KVTarget, PoolGeometry, SendTransfer, check_transfer_id
+from kv_transfer.base import HeadRange, KVSender, KVTarget, PoolGeometry, SendTransfer, check_transfer_id
 
 
 class QueuedKVSender(KVSender):
@@ -35,7 +36,8 @@ class QueuedKVSender(KVSender):
     @abstractmethod
     def _check_endpoint(self, endpoint: str) -> None: ...
 
-    def start(self, src_block_ids: Sequence[int], target: KVTarget | dict) -> SendTransfer:
+    def start(self, src_block_ids: Sequence[int], target: KVTarget | dict,
+              heads: HeadRange | None = None) -> SendTransfer:
         if isinstance(target, dict):
             target = KVTarget.from_dict(target)
         check_transfer_id(target.transfer_id)
@@ -45,9 +47,20 @@ class QueuedKVSender(KVSender):
             raise ValueError(f"source block ids must be in [0, {self._geo.num_blocks})")
         if self._closed or not self._thread.is_alive():
             raise RuntimeError("sender is closed")
-        handle = SendTransfer(target, src)
+        if heads is not None:
+            if not isinstance(heads, HeadRange):
+                raise TypeError(f"heads must be a HeadRange or None, got {type(heads).__name__}")
+            fields = (heads.src_start, heads.dst_start, heads.num_heads)
+            if all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in fields):
+                heads = HeadRange(*(int(x) for x in fields))  # numpy ints would not survive msgpack
+        error = target.geometry_error(self._geo, len(src), heads)
+        heads = None if error else target.partial_heads(self._geo, heads)
+        block_bytes = self._geo.block_bytes
+        if heads is not None:
+            block_bytes = block_bytes // self._geo.block_shape[1] * heads.num_heads
+        handle = SendTransfer(target, src, heads, block_bytes)
         # A geometry mismatch still goes through the I/O thread, so every handle ends there.
-        self._post("start", handle, target.geometry_error(self._geo, len(src)))
+        self._post("start", handle, error)
         return handle
 
     def send_layer(self, transfer: SendTransfer, layer_idx: int) -> bool:
@@ -55,7 +68,7 @@ class QueuedKVSender(KVSender):
             return False
         if not 0 <= layer_idx < self._geo.num_layers or layer_idx in transfer.layers_queued:
             raise ValueError(f"layer {layer_idx} out of range or already sent")
-        nbytes = 2 * len(transfer.src_block_ids) * self._geo.block_bytes
+        nbytes = 2 * len(transfer.src_block_ids) * transfer.block_bytes
         if not self._budget.acquire(transfer.target.endpoint, nbytes, transfer.monotonic_deadline,
                                     lambda: transfer.state.terminal):
             return False  # deadline or end reached while waiting; the I/O thread ends it
@@ -72,6 +85,13 @@ class QueuedKVSender(KVSender):
 
     def abort(self, transfer: SendTransfer, reason: str = "aborted") -> None:
         self._post("abort", transfer, reason)
+
+    def _wire_slice(self, transfer: SendTransfer) -> tuple[tuple[int, ...], int]:
+        """(the block shape its messages carry, the receiver's first head they land in)."""
+        if transfer.heads is None:
+            return self._geo.block_shape, 0
+        block_size, _, head_dim = self._geo.block_shape
+        return (block_size, transfer.heads.num_heads, head_dim), transfer.heads.dst_start
 
     def pending_bytes(self) -> int:
         """Bytes queued or still inside the transport, over all peers (0 when idle)."""

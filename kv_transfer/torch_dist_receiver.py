@@ -98,11 +98,7 @@ class TorchDistKVReceiver(QueuedKVReceiver):
             if cmd[0] == "register":
                 self._table.add(cmd[1], cmd[2], cmd[3])
             else:
-                self._queue_ack(self._table.cancel(cmd[1], cmd[2]))
-
-    def _queue_ack(self, ack) -> None:
-        if ack is not None:
-            self._acks.append(ack)
+                self._acks += self._table.cancel(cmd[1], cmd[2])
 
     def _flush_acks(self) -> None:
         with self._lock:
@@ -119,8 +115,7 @@ class TorchDistKVReceiver(QueuedKVReceiver):
             try:
                 with self._lock:
                     self._sync()
-                    for ack in self._table.expire(time.monotonic()):
-                        self._queue_ack(ack)
+                    self._acks += self._table.expire(time.monotonic())
                 self._flush_acks()
                 with self._store_lock:
                     new_peer = self._store.check([peer_key(num_peers)])
@@ -161,13 +156,13 @@ class TorchDistKVReceiver(QueuedKVReceiver):
             raise ConnectionError("frame larger than a whole layer of the pool")
         header = self._recv(pg, header_len, torch.uint8, self._frame_timeout_s).cpu().numpy()
         with self._lock:
-            res, h, ack = self._table.prepare(k, header, sizes, self._sync)
-            self._queue_ack(ack)
+            res, h, acks = self._table.prepare(k, header, sizes, self._sync)
+            self._acks += acks
         self._flush_acks()
         # Drain the frames even when rejected: the next message starts right after them.
         timeout = self._frame_timeout_s if res is None else res.monotonic_deadline - time.monotonic()
         frames = [self._recv(pg, s, torch.uint8, timeout) for s in sizes]
         if res is not None:
             with self._lock:
-                self._queue_ack(self._table.commit(res, h, k, frames))
+                self._acks += self._table.commit(res, h, k, frames)
             self._flush_acks()

@@ -23,8 +23,17 @@ import torch.distributed as dist
 from kv_transfer import protocol
 from kv_transfer.base import PoolGeometry, SendTransfer, TransferResult, TransferState
 from kv_transfer.sender_core import ByteBudget, QueuedKVSender
-from kv_transfer.torch_dist_common import (KEEPALIVE_S, PAIR_IDLE_DROP_S, TAG, ack_key, comm_device, make_group,
-                                           parse_endpoint, peer_key, wait)
+from kv_transfer.torch_dist_common import (
+    KEEPALIVE_S,
+    PAIR_IDLE_DROP_S,
+    TAG,
+    ack_key,
+    comm_device,
+    make_group,
+    parse_endpoint,
+    peer_key,
+    wait,
+)
 
 logger = logging.getLogger(__name__)
 _ACK_POLL_S = 0.005
@@ -42,6 +51,7 @@ class _Pair:
     last_used: float = field(default_factory=time.monotonic)  # last transfer message
     last_sent: float = field(default_factory=time.monotonic)  # last message or keepalive
     states: dict[str, "_State"] = field(default_factory=dict)  # transfer id -> open transfer
+    aborts: list[bytes] = field(default_factory=list)  # abort headers of transfers ended while it formed
 
 
 @dataclass(eq=False)
@@ -176,7 +186,7 @@ class TorchDistKVSender(QueuedKVSender):
             th.start()
             # Two bounded phases (store connect, group rendezvous), each within `timeout`.
             self._connecting = [c for c in self._connecting if c[0].is_alive()] + [(th, time.monotonic() + 2 * timeout)]
-        plan = protocol.plan_messages(handle.src_block_ids, self._geo.block_bytes, self._max_message_bytes,
+        plan = protocol.plan_messages(handle.src_block_ids, handle.block_bytes, self._max_message_bytes,
                                       gather_below_bytes=0)  # whole runs only; no zero-copy floor here
         st = self._states[handle] = _State(handle, pair, plan)
         pair.states[handle.transfer_id] = st
@@ -189,6 +199,10 @@ class TorchDistKVSender(QueuedKVSender):
                 self._drop_pair(pair, f"cannot reach receiver: {e}")
                 continue
             pair.last_sent = time.monotonic()
+            aborts, pair.aborts = pair.aborts, []
+            for header in aborts:  # the receiver may hold other senders' parts of these transfers
+                if not self._send_raw(pair, header, [], KEEPALIVE_S * 4):
+                    break
             for st in list(pair.states.values()):
                 pending, st.pending = st.pending, []
                 for layer, nbytes, ready in pending:
@@ -201,13 +215,18 @@ class TorchDistKVSender(QueuedKVSender):
             ready.synchronize()  # a device pool: the layer's forward must have finished
         k_cache, v_cache = self._kv[layer]
         geo, h = self._geo, st.handle
+        wire_shape, head_start = self._wire_slice(h)
+        if h.heads is not None:  # [num_blocks, block_size, num_heads, head_dim] -> the range it sends
+            s0 = h.heads.src_start
+            k_cache, v_cache = k_cache[:, :, s0:s0 + h.heads.num_heads], v_cache[:, :, s0:s0 + h.heads.num_heads]
         for m in st.plan:
             tensors = []
             for cache in (k_cache, v_cache):
-                for p in m.pieces:  # whole runs of consecutive pool ids: views, no copy
-                    tensors.append(cache[p.src_start:p.src_start + p.num_blocks].reshape(-1).view(torch.uint8))
+                for p in m.pieces:  # whole runs of consecutive pool ids: views, no copy (a head range: one copy)
+                    run = cache[p.src_start:p.src_start + p.num_blocks].contiguous()
+                    tensors.append(run.reshape(-1).view(torch.uint8))
             header = protocol.encode_kv(h.transfer_id, st.next_seq, layer, m.first, m.num_blocks, geo.dtype,
-                                        geo.block_shape, [p.num_blocks for p in m.pieces])
+                                        wire_shape, [p.num_blocks for p in m.pieces], head_start=head_start)
             st.next_seq += 1
             if not self._send_message(st, header, tensors):
                 return
@@ -246,8 +265,12 @@ class TorchDistKVSender(QueuedKVSender):
                 self._send_raw(pair, b"", [], KEEPALIVE_S * 4)
 
     def _abort(self, st: _State, reason: str) -> None:
-        if st.pair.pg is not None:  # let the receiver fail it and free its blocks now
-            self._send_message(st, protocol.encode_abort(st.handle.transfer_id, st.next_seq, reason), [])
+        # Let the receiver fail it and free its blocks now, once the pair has formed.
+        header = protocol.encode_abort(st.handle.transfer_id, st.next_seq, reason)
+        if st.pair.pg is not None:
+            self._send_message(st, header, [])
+        else:
+            st.pair.aborts.append(header)
         self._end(st, TransferState.FAILED, reason)
 
     def _poll_acks(self) -> None:

@@ -109,9 +109,8 @@ class ZmqKVReceiver(QueuedKVReceiver):
                         if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                             break
                         parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        self._send_ack(self._on_message(parts))
-                for ack in self._table.expire(time.monotonic()):
-                    self._send_ack(ack)
+                        self._send_acks(self._on_message(parts))
+                self._send_acks(self._table.expire(time.monotonic()))
         except Exception:  # a bug here must not leave owners waiting: fail everything
             logger.exception("KV receiver I/O thread crashed")
         finally:
@@ -127,25 +126,24 @@ class ZmqKVReceiver(QueuedKVReceiver):
             if cmd[0] == "register":
                 self._table.add(cmd[1], cmd[2], cmd[3])
             elif cmd[0] == "cancel":
-                self._send_ack(self._table.cancel(cmd[1], cmd[2]))
+                self._send_acks(self._table.cancel(cmd[1], cmd[2]))
             elif cmd[0] == "close":
                 self._stop = True
 
     def _on_message(self, parts: list[zmq.Frame]):
         if len(parts) < 2:  # identity only: nothing to attribute
             self._table.counters["dropped_bad_header"] += 1
-            return None
+            return []
         peer = parts[0].bytes
         frames = [p.buffer for p in parts[2:]]
-        res, h, ack = self._table.prepare(peer, parts[1].buffer, [f.nbytes for f in frames], self._drain_cmds)
+        res, h, acks = self._table.prepare(peer, parts[1].buffer, [f.nbytes for f in frames], self._drain_cmds)
         if res is None:
-            return ack
+            return acks
         return self._table.commit(res, h, peer, frames)
 
-    def _send_ack(self, ack) -> None:
-        if ack is None:
-            return
-        try:  # a vanished or slow sender must not stall the receiver: drop the ack instead
-            self._sock.send_multipart([ack[0], ack[1]], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+    def _send_acks(self, acks: list[tuple[bytes, bytes]]) -> None:
+        for peer, payload in acks:
+            try:  # a vanished or slow sender must not stall the receiver: drop the ack instead
+                self._sock.send_multipart([peer, payload], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass

@@ -1,6 +1,7 @@
 """ZeroMQ sender (prefill side): the compute thread queues layers, one I/O thread sends.
 
 Frames are views of the prefill pool handed to zmq without copying (`copy=False`);
+a transfer of a head range only (`start(..., heads=)`) gathers its slice, one copy per frame;
 every message is tracked (`track=True`) so we know when zmq no longer reads the pool.
 A transfer's future resolves only when it has ended (receiver ack, deadline, abort)
 *and* no tracked frame of it is left inside zmq: only then may the owner reuse its
@@ -17,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import zmq
 
@@ -46,6 +48,8 @@ class _State:
     peer: _Peer
     plan: list[protocol.MessagePlan]
     gather_index: dict[int, torch.Tensor]  # piece.first -> [n] int64 source ids, for gathered pieces
+    wire_shape: tuple[int, ...]            # of one block's slice on the wire: [block_size, num_heads, head_dim]
+    head_start: int                        # the receiver's first head it lands in
     next_seq: int = 0
     num_queued: int = 0    # messages in the outbox
     num_inflight: int = 0  # messages zmq may still read from the pool
@@ -192,12 +196,13 @@ class ZmqKVSender(QueuedKVSender):
             peer = self._peers[(t.endpoint, t.server_public_key)] = _Peer(t.endpoint, t.server_public_key)
         if peer.sock is None:
             self._connect(peer)
-        plan = protocol.plan_messages(handle.src_block_ids, self._geo.block_bytes, self._max_message_bytes,
+        plan = protocol.plan_messages(handle.src_block_ids, handle.block_bytes, self._max_message_bytes,
                                       self._gather_below_bytes)
         device = self._kv[0][0].device
         gather = {p.first: torch.tensor(handle.src_block_ids[p.first:p.first + p.num_blocks], device=device)
                   for m in plan for p in m.pieces if p.src_start is None}
-        st = _State(handle, peer, plan, gather)
+        wire_shape, head_start = self._wire_slice(handle)
+        st = _State(handle, peer, plan, gather, wire_shape, head_start)
         self._states[handle] = st
         self._by_key[key] = st
         peer.states.add(st)
@@ -240,16 +245,22 @@ class ZmqKVSender(QueuedKVSender):
         geo, tid = self._geo, st.handle.transfer_id
         for m in st.plan:
             parts: list[Any] = [protocol.encode_kv(tid, st.next_seq, layer0, m.first, m.num_blocks, geo.dtype,
-                                                   geo.block_shape, [p.num_blocks for p in m.pieces], num_layers)]
+                                                   st.wire_shape, [p.num_blocks for p in m.pieces], num_layers,
+                                                   st.head_start)]
             for layer in range(layer0, layer0 + num_layers):
                 for i in (0, 1):  # K pieces, then V pieces
                     parts.extend(self._piece(layer, i, st, p) for p in m.pieces)
             st.next_seq += 1
             st.num_queued += 1
-            st.peer.outbox.append(_Out(st, parts, geo.kv_bytes(m.num_blocks, num_layers)))
+            nbytes = 2 * num_layers * m.num_blocks * st.handle.block_bytes
+            st.peer.outbox.append(_Out(st, parts, nbytes))
             self._pump(st.peer)  # at once: zmq streams this one while we cut the next
+
     def _piece(self, layer: int, i: int, st: _State, p: protocol.Piece) -> Any:
         """One frame's buffer: blocks of layer `layer`, K (i=0) or V (i=1)."""
+        heads = st.handle.heads
+        if heads is not None:  # a head range: gathered, one copy
+            return self._head_slice(layer, i, st, p, heads.src_start, heads.src_start + heads.num_heads)
         if p.src_start is not None and self._bytes is not None:  # a zero-copy view of the pool
             bb = self._geo.block_bytes
             return self._bytes[layer][i][p.src_start * bb:(p.src_start + p.num_blocks) * bb]
@@ -257,6 +268,19 @@ class ZmqKVSender(QueuedKVSender):
         if p.src_start is not None:
             return _frame(cache[p.src_start:p.src_start + p.num_blocks])  # device pool: staged to host
         return _frame(cache.index_select(0, st.gather_index[p.first]))  # small scattered runs: one gather
+
+    def _head_slice(self, layer: int, i: int, st: _State, p: protocol.Piece, h0: int, h1: int) -> Any:
+        """Heads [h0, h1) of a piece's blocks, made contiguous: [num_blocks, block_size, h1 - h0, head_dim]."""
+        if self._bytes is not None:  # numpy: a plain single-threaded copy (see receiver_core._write)
+            num_blocks, block_size, num_heads, _ = self._kv[layer][i].shape
+            pool = self._bytes[layer][i].reshape(num_blocks, block_size, num_heads, -1)
+            if p.src_start is not None:
+                return np.ascontiguousarray(pool[p.src_start:p.src_start + p.num_blocks, :, h0:h1]).reshape(-1)
+            return pool[st.gather_index[p.first].numpy(), :, h0:h1].reshape(-1)  # fancy index: a fresh copy
+        cache = self._kv[layer][i][:, :, h0:h1]
+        if p.src_start is not None:
+            return _frame(cache[p.src_start:p.src_start + p.num_blocks].contiguous())
+        return _frame(cache.index_select(0, st.gather_index[p.first]))
 
     def _pump(self, peer: _Peer) -> None:
         while peer.outbox and peer.sock is not None:

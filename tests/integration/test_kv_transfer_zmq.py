@@ -355,8 +355,8 @@ def _raw_messages(case: str, target: dict, kv) -> list[list[bytes]]:
         return [protocol.encode_kv(tid, seq, layer, first, nblk, dtype, shape, [nblk])] + (data or frames())
 
     def raw_header(**changes):
-        d = {"v": 1, "op": "kv", "tid": tid, "seq": 0, "layer": 0, "nlay": 1, "first": 0, "nblk": n, "dtype": "float32",
-             "shape": list(BLOCK_SHAPE), "splits": [n]} | changes
+        d = {"v": protocol.VERSION, "op": "kv", "tid": tid, "seq": 0, "layer": 0, "nlay": 1, "first": 0, "nblk": n,
+             "h0": 0, "nh": BLOCK_SHAPE[1], "dtype": "float32", "shape": list(BLOCK_SHAPE), "splits": [n]} | changes
         return [msgpack.packb(d)] + frames()
 
     good_frames = frames()

@@ -5,7 +5,7 @@ import msgpack
 import pytest
 import torch
 
-from kv_transfer import KVTarget, PoolGeometry, protocol
+from kv_transfer import HeadRange, KVTarget, PoolGeometry, protocol
 from kv_transfer.sender_core import ByteBudget
 
 SHAPE = (16, 3, 64)
@@ -13,8 +13,8 @@ BLOCK_BYTES = 16 * 3 * 64 * 4
 
 
 def kv_header(**changes) -> bytes:
-    d = {"v": 1, "op": "kv", "tid": "t", "seq": 0, "layer": 0, "nlay": 1, "first": 0, "nblk": 2, "dtype": "float32",
-         "shape": list(SHAPE), "splits": [2]} | changes
+    d = {"v": 2, "op": "kv", "tid": "t", "seq": 0, "layer": 0, "nlay": 1, "first": 0, "nblk": 2, "h0": 0, "nh": 3,
+         "dtype": "float32", "shape": list(SHAPE), "splits": [2]} | changes
     return msgpack.packb(d)
 
 
@@ -48,7 +48,8 @@ def test_undecodable_or_unattributable_headers(buf):
 
 
 @pytest.mark.parametrize("changes", [
-    {"layer": "0"}, {"layer": True}, {"layer": -1}, {"layer": 1 << 40}, {"seq": 1.0}, {"v": 2},
+    {"layer": "0"}, {"layer": True}, {"layer": -1}, {"layer": 1 << 40}, {"seq": 1.0}, {"v": 1},
+    {"h0": -1}, {"nh": 0}, {"h0": "0"}, {"nh": True},
     {"shape": []}, {"shape": [16, 0, 64]}, {"splits": [0]}, {"splits": "2"}, {"dtype": 5}, {"nblk": 0}, {"nlay": 0},
     {"extra": 1},
 ])
@@ -151,3 +152,46 @@ def test_byte_budget_waits_bounded_and_lets_one_oversized_message_through():
     assert b.acquire("q", 10, time.monotonic() + 1, lambda: False)  # per peer
     b.release("p", 500)
     assert b.acquire("p", 90, time.monotonic() + 1, lambda: False) and b.pending() == 100
+
+
+def test_kv_header_carries_the_receivers_head_range():
+    h = protocol.decode(protocol.encode_kv("req-1", 0, 1, 0, 2, "float16", (16, 2, 64), [2], head_start=5))
+    assert (h.head_start, h.num_heads, h.block_shape) == (5, 2, (16, 2, 64))
+
+
+HEAD = BLOCK_BYTES // 3  # one of SHAPE's 3 heads
+
+
+@pytest.mark.parametrize("changes, frame_sizes", [
+    ({"h0": 1, "nh": 2, "shape": [16, 2, 64]}, [2 * 2 * HEAD] * 2),
+    ({"h0": 2, "nh": 1, "shape": [16, 1, 64]}, [2 * HEAD] * 2),
+])
+def test_check_kv_accepts_a_head_slice(changes, frame_sizes):
+    assert check(frame_sizes=frame_sizes, **changes) is None
+
+
+@pytest.mark.parametrize("changes, frame_sizes, fragment", [
+    ({"h0": 2, "nh": 2, "shape": [16, 2, 64]}, [2 * 2 * HEAD] * 2, "heads [2, 4) run past the reservation's 3 heads"),
+    ({"h0": 0, "nh": 1, "shape": [16, 2, 64]}, [2 * 2 * HEAD] * 2, "block shape"),  # shape is the slice's
+    ({"h0": 0, "nh": 1, "shape": [16, 1, 32]}, [HEAD] * 2, "block shape"),           # head_dim must match
+    ({"h0": 0, "nh": 1, "shape": [16, 1, 64]}, [2 * 2 * HEAD] * 2, "truncated or extra bytes"),  # frame of 2 heads
+])
+def test_check_kv_rejects_a_bad_head_slice(changes, frame_sizes, fragment):
+    assert fragment in check(frame_sizes=frame_sizes, **changes)
+
+
+def test_target_checks_a_head_range_against_both_pools():
+    target = KVTarget("req", "tcp://127.0.0.1:5555", (3, 4), 2, "float32", (16, 2, 64), 1.7e9, None)
+    geo = PoolGeometry(2, 10, "float32", (16, 4, 64))
+    assert target.geometry_error(geo, 2, HeadRange(2, 0, 2)) is None
+    assert "pool mismatch" in target.geometry_error(geo, 2)  # all heads: the counts must agree
+    assert "sender's 4 heads" in target.geometry_error(geo, 2, HeadRange(3, 0, 2))
+    assert "receiver's 2 heads" in target.geometry_error(geo, 2, HeadRange(0, 1, 2))
+    assert "bad head range" in target.geometry_error(geo, 2, HeadRange(0, 0, 0))
+    assert "source blocks" in target.geometry_error(geo, 3, HeadRange(0, 0, 1))
+    assert "pool mismatch" in target.geometry_error(PoolGeometry(2, 10, "float32", (8, 4, 64)), 2, HeadRange(0, 0, 1))
+    assert "pool mismatch" in target.geometry_error(PoolGeometry(2, 10, "float16", (16, 4, 64)), 2, HeadRange(0, 0, 1))
+    same = PoolGeometry(2, 10, "float32", (16, 2, 64))
+    assert target.partial_heads(same, HeadRange(0, 0, 2)) is None  # every head on both sides: whole blocks
+    assert target.partial_heads(same, HeadRange(0, 0, 1)) == HeadRange(0, 0, 1)
+    assert target.partial_heads(geo, HeadRange(0, 0, 2)) == HeadRange(0, 0, 2)  # half the sender's heads
