@@ -63,6 +63,7 @@ class RemotePrefill:
 class Decoder:
     def __init__(self, engine: AsyncEngine, eos_token_ids: tuple[int, ...], clients: PrefillClients,
                  transfer_waiters: KVTransferWaiters, *, kv_endpoint: str, geometry: PoolGeometry,
+                 rank_kv_endpoints: list[str] | None = None,
                  kv_layout_hash: str,
                  local_prefill_threshold: int, transfer_timeout_s: float, local_fallback: bool):
         self.engine = engine
@@ -72,6 +73,8 @@ class Decoder:
         self.kv_layout_hash = kv_layout_hash
         self.clients = clients
         self.kv_endpoint = kv_endpoint
+        # Under tensor parallelism every rank receives its shard on its own endpoint.
+        self.rank_kv_endpoints = list(rank_kv_endpoints) if rank_kv_endpoints and len(rank_kv_endpoints) > 1 else []
         self.local_prefill_threshold = local_prefill_threshold
         self.transfer_timeout_s = transfer_timeout_s
         self.local_fallback = local_fallback
@@ -146,7 +149,8 @@ class Decoder:
             kv_endpoint=self.kv_endpoint, transfer_id=admission.transfer_id, dst_block_ids=admission.dst_block_ids,
             first_block_index=admission.first_block_index, num_layers=self.geometry.num_layers,
             dtype=self.geometry.dtype, block_shape=list(self.geometry.block_shape),
-            timeout_s=self.transfer_timeout_s, kv_layout_hash=self.kv_layout_hash)
+            timeout_s=self.transfer_timeout_s, kv_layout_hash=self.kv_layout_hash,
+            rank_kv_endpoints=self.rank_kv_endpoints)
         call = self.clients.prefill(job.prefill_address, PrefillJob(
             job.req_id, job.prompt_token_ids, job.params, job.priority, kv_target), self.transfer_timeout_s)
         rpc = asyncio.ensure_future(call)

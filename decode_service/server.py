@@ -69,10 +69,14 @@ class DecodeWorker(EngineWorker):
     def __init__(self, args: argparse.Namespace, instance_id: str):
         super().__init__(args, instance_id,
                          KVTransferConfig(role="consumer", bind_endpoint=zmq_bind_endpoint(args.host, args.kv_port)))
-        self.kv_endpoint = advertised_zmq_endpoint(args, self.kv_connector_info["endpoint"])
+        # One receiving endpoint per tensor-parallel rank; rank 0's is the instance's.
+        self.rank_kv_endpoints = [advertised_zmq_endpoint(args, info["endpoint"])
+                                  for info in self.rank_kv_connector_infos]
+        self.kv_endpoint = self.rank_kv_endpoints[0]
         self.clients = PrefillClients()
         self.decoder = Decoder(self.engine, eos_token_ids(self.core), self.clients, self.transfer_waiters,
-                               kv_endpoint=self.kv_endpoint, geometry=PoolGeometry.from_dict(self.kv_connector_info),
+                               kv_endpoint=self.kv_endpoint, rank_kv_endpoints=self.rank_kv_endpoints,
+                               geometry=PoolGeometry.from_dict(self.kv_connector_info),
                                kv_layout_hash=self.kv_connector_info["kv_layout_hash"],
                                local_prefill_threshold=args.local_prefill_threshold,
                                transfer_timeout_s=args.kv_transfer_timeout,

@@ -25,12 +25,15 @@ class KvTargetSpec:
     block_shape: list[int]
     timeout_s: float | None = None  # None: the prefill instance's --kv-transfer-timeout
     kv_layout_hash: str = ""  # what the decode pool's KV means (common.engine.kv_connector.layout)
+    # Every decode rank's endpoint under tensor parallelism (rank 0's is kv_endpoint); empty: one rank.
+    rank_kv_endpoints: list[str] = field(default_factory=list)
 
     @classmethod
     def from_pb(cls, msg: prefill_pb2.KvTarget) -> KvTargetSpec:
         return cls(msg.kv_endpoint, msg.transfer_id, list(msg.dst_block_ids), msg.first_block_index,
                    msg.num_layers, msg.dtype, list(msg.block_shape),
-                   msg.timeout_ms / 1000 if msg.timeout_ms else None, msg.kv_layout_hash)
+                   msg.timeout_ms / 1000 if msg.timeout_ms else None, msg.kv_layout_hash,
+                   list(msg.rank_kv_endpoints))
 
     def to_pb(self) -> prefill_pb2.KvTarget:
         return prefill_pb2.KvTarget(
@@ -38,7 +41,7 @@ class KvTargetSpec:
             first_block_index=self.first_block_index, num_layers=self.num_layers, dtype=self.dtype,
             block_shape=self.block_shape,
             timeout_ms=0 if self.timeout_s is None else max(1, round(self.timeout_s * 1000)),
-            kv_layout_hash=self.kv_layout_hash)
+            kv_layout_hash=self.kv_layout_hash, rank_kv_endpoints=self.rank_kv_endpoints)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.engine.kv_connector.head_mapping import KVLayoutMismatchError, check_pool_pairing
 from common.service.errors import ServiceError, invalid
 from kv_transfer import KVTarget, PoolGeometry
 from kv_transfer.base import check_transfer_id
@@ -16,7 +17,8 @@ from prefill_service.api import KvTargetSpec
 
 
 class TargetMismatchError(ValueError):
-    """The decode pool's geometry differs from ours (layers, dtype or block shape)."""
+    """The decode pool's geometry differs from ours (layers, dtype), or its KV heads cannot
+    be mapped onto ours (block shape, tensor-parallel layout)."""
 
 
 @dataclass(eq=False)
@@ -26,17 +28,31 @@ class ExportTarget:
 
     target: KVTarget
     first_block_index: int
+    # Every decode rank's endpoint, in rank order (the first is target.endpoint).
+    rank_endpoints: list[str] | None = None
 
     def kv_transfer_params(self) -> dict:
-        return {"target": self.target.to_dict(), "first_block_index": self.first_block_index}
+        target = self.target.to_dict()
+        if self.rank_endpoints and len(self.rank_endpoints) > 1:
+            target["rank_endpoints"] = list(self.rank_endpoints)
+        return {"target": target, "first_block_index": self.first_block_index}
 
 
 def make_export_target(*, endpoint: str, transfer_id: str, dst_block_ids: list[int], first_block_index: int,
                        num_layers: int, dtype: str, block_shape: list[int], timeout_s: float,
-                       num_prompt_tokens: int, geometry: PoolGeometry) -> ExportTarget:
-    """Check a KV target against the prompt and our pool before any work is done."""
+                       num_prompt_tokens: int, geometry: PoolGeometry, rank_endpoints: list[str] | None = None,
+                       num_kv_heads: int = 0, tensor_parallel_size: int = 1) -> ExportTarget:
+    """Check a KV target against the prompt and our pool before any work is done.
+
+    rank_endpoints: one per decode rank when the decode instance runs tensor parallel
+    (block_shape is then each rank's); num_kv_heads and tensor_parallel_size are this
+    model's and this instance's, to map one layout onto the other."""
     check_transfer_id(transfer_id)
-    check_endpoint(endpoint)
+    rank_endpoints = list(rank_endpoints) if rank_endpoints else [endpoint]
+    if rank_endpoints[0] != endpoint:
+        raise ValueError(f"kv_target: rank 0's endpoint {rank_endpoints[0]!r} is not kv_endpoint {endpoint!r}")
+    for rank_endpoint in rank_endpoints:
+        check_endpoint(rank_endpoint)
     block_size = geometry.block_shape[0]
     num_prompt_blocks = -(-num_prompt_tokens // block_size)
     if not 0 <= first_block_index < num_prompt_blocks:
@@ -46,16 +62,29 @@ def make_export_target(*, endpoint: str, transfer_id: str, dst_block_ids: list[i
         raise ValueError(f"kv_target has {len(dst_block_ids)} destination blocks; a prompt of "
                          f"{num_prompt_tokens} tokens from block {first_block_index} on needs "
                          f"{num_prompt_blocks - first_block_index} (block size {block_size})")
-    if (num_layers, dtype, tuple(block_shape)) != (geometry.num_layers, geometry.dtype, geometry.block_shape):
+    same_split = len(rank_endpoints) == tensor_parallel_size
+    if (num_layers, dtype) != (geometry.num_layers, geometry.dtype) or (
+            same_split and tuple(block_shape) != geometry.block_shape):
         raise TargetMismatchError(
             f"decode pool has {num_layers} layers of {dtype} blocks {list(block_shape)}, this prefill pool "
             f"{geometry.num_layers} layers of {geometry.dtype} blocks {list(geometry.block_shape)}")
+    if not same_split:
+        block_size, _, head_dim = geometry.block_shape
+        try:
+            if not num_kv_heads:
+                raise KVLayoutMismatchError(f"{len(rank_endpoints)} decode ranks, {tensor_parallel_size} prefill "
+                                            f"ranks, and this prefill pool's number of KV heads is unknown")
+            check_pool_pairing(num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                               src_tp_size=tensor_parallel_size, dst_tp_size=len(rank_endpoints),
+                               dst_block_shape=block_shape)
+        except KVLayoutMismatchError as e:
+            raise TargetMismatchError(str(e)) from None
     if not timeout_s > 0:
         raise ValueError("kv_target timeout must be > 0")
     target = KVTarget(transfer_id=transfer_id, endpoint=endpoint, dst_block_ids=tuple(dst_block_ids),
                       num_layers=num_layers, dtype=dtype, block_shape=tuple(block_shape),
                       deadline=time.time() + timeout_s)
-    return ExportTarget(target, first_block_index)
+    return ExportTarget(target, first_block_index, rank_endpoints)
 
 
 def export_target(spec: KvTargetSpec, num_prompt_tokens: int, geometry: PoolGeometry,
@@ -74,7 +103,9 @@ def export_target(spec: KvTargetSpec, num_prompt_tokens: int, geometry: PoolGeom
             first_block_index=spec.first_block_index, num_layers=spec.num_layers, dtype=spec.dtype,
             block_shape=spec.block_shape,
             timeout_s=default_timeout_s if spec.timeout_s is None else spec.timeout_s,
-            num_prompt_tokens=num_prompt_tokens, geometry=geometry)
+            num_prompt_tokens=num_prompt_tokens, geometry=geometry, rank_endpoints=spec.rank_kv_endpoints,
+            num_kv_heads=kv_connector_info.get("num_kv_heads", 0),
+            tensor_parallel_size=kv_connector_info.get("tensor_parallel_size", 1))
     except TargetMismatchError as e:
         raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
     except ValueError as e:

@@ -84,9 +84,9 @@ def check_parallel_setup(model_config: ModelConfig, parallel: ParallelConfig, ra
     if speculative_config is not None:
         raise ValueError(f"speculative decoding is not supported with tensor/pipeline parallelism (world size "
                          f"{parallel.world_size}); run it with tensor_parallel_size = pipeline_parallel_size = 1")
-    if kv_transfer_config is not None and kv_transfer_config.role != "none":
-        raise ValueError(f"KV transfer (role {kv_transfer_config.role}) is not supported with tensor/pipeline "
-                         f"parallelism (world size {parallel.world_size})")
+    if kv_transfer_config is not None and kv_transfer_config.role != "none" and parallel.pipeline_parallel_size > 1:
+        raise ValueError(f"KV transfer (role {kv_transfer_config.role}) is not supported with pipeline parallelism "
+                         f"(pipeline_parallel_size {parallel.pipeline_parallel_size}); tensor parallelism is")
     state = parallel_state.get_state()
     layout = (state.tp_size, state.pp_size, state.rank)
     if layout != (parallel.tensor_parallel_size, parallel.pipeline_parallel_size, rank):
@@ -128,7 +128,8 @@ class ModelRunner:
         # Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # The worker half of the KV connector (None: this engine moves no KV in or out).
-        self.kv_connector = make_worker_connector(kv_transfer_config or KVTransferConfig())
+        self.kv_connector = make_worker_connector(kv_transfer_config or KVTransferConfig(), rank % tp_size, tp_size,
+                                                  model_config.num_key_value_heads)
         # Drafts the next step's speculative tokens (None: no speculative decoding).
         self.proposer: DraftProposer | None = (make_proposer(speculative_config, self)
                                                if speculative_config is not None else None)
@@ -184,13 +185,16 @@ class ModelRunner:
                     num_compiled_graphs() - graphs_before)
 
     def kv_connector_info(self) -> dict:
-        """Plain data about the KV connector (pool geometry, receiving endpoint, the hash of
-        what the transferred KV means); {} if none."""
+        """Plain data about this rank's KV connector (pool geometry, receiving endpoint, the
+        hash of what the transferred KV means, the tensor-parallel split of the KV heads);
+        {} if none."""
         if self.kv_connector is None:
             return {}
         info = self.kv_connector.info()  # its "dtype" is the pool's, as the transfer names it
         layout = kv_layout(self.model_config, info["dtype"], self.block_size)
-        return info | {"kv_layout_hash": kv_layout_hash(layout), "kv_layout": describe_kv_layout(layout)}
+        return info | {"kv_layout_hash": kv_layout_hash(layout), "kv_layout": describe_kv_layout(layout),
+                       "num_kv_heads": self.model_config.num_key_value_heads,
+                       "tensor_parallel_size": self.parallel_config.tensor_parallel_size}
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:

@@ -33,8 +33,10 @@ class EngineWorker:
             logger.info("--speculative-config is for decode instances; a prefill instance ignores it")
             config.speculative = None
         self.core = EngineCore(config)
-        # Plain data about the engine's KV connector: pool geometry, receiving endpoint.
-        self.kv_connector_info: dict = self.core.collective_rpc("kv_connector_info")[0]
+        # Plain data about the engine's KV connector per rank (tensor parallel ranks each
+        # have a pool shard and a receiving endpoint); rank 0's stands for the geometry.
+        self.rank_kv_connector_infos: list[dict] = self.core.collective_rpc("kv_connector_info")
+        self.kv_connector_info: dict = self.rank_kv_connector_infos[0]
         self.metrics = WorkerMetrics(self.role, instance_id, self.load, lambda: self.engine.stats)
         self.core.step_observer = self.metrics.observe_step
         self.transfer_waiters = KVTransferWaiters()

@@ -263,16 +263,20 @@ def test_bundled_model_refuses_tp2_at_start_naming_the_head_counts(bundled_model
 
 @pytest.mark.parametrize("option, message", [
     (dict(speculative_config=SpeculativeConfig()), r"speculative decoding is not supported with tensor/pipeline"),
-    (dict(kv_transfer_config=KVTransferConfig(role="producer")), r"KV transfer \(role producer\) is not supported"),
+    (dict(kv_transfer_config=KVTransferConfig(role="producer")),
+     r"KV transfer \(role producer\) is not supported with pipeline parallelism"),
     (dict(), r"rank 1 of tensor_parallel_size 2 x pipeline_parallel_size 1 needs "
              r"parallel_state.initialize_model_parallel first"),
 ])
 def test_parallel_runner_refuses_what_it_cannot_run_before_loading(tiny_models, option, message):
     model_dir = tiny_models["tied"]
     model_config = ModelConfig.from_hf_config(load_hf_config(model_dir))
+    # KV transfer is refused for pipeline stages; tensor parallel ranks move their own shard.
+    parallel = ParallelConfig(pipeline_parallel_size=2) if "kv_transfer_config" in option else ParallelConfig(
+        tensor_parallel_size=2)
     with pytest.raises((ValueError, RuntimeError), match=message):
         ModelRunner(model_config, model_dir, device="cpu", dtype="float32",
-                    parallel_config=ParallelConfig(tensor_parallel_size=2), rank=1, **option)
+                    parallel_config=parallel, rank=1, **option)
 
 
 def test_bundled_model_tp3_matches_tp1(bundled_model_dir):

@@ -132,3 +132,59 @@ def test_a_target_the_sender_rejects_is_reported_failed(workers):
     producer.wait_for_save()
     [sent] = wait_finished(producer)
     assert (sent.req_id, sent.state) == ("r", "failed")
+
+
+def shard_pool(num_heads: int, seed: int | None):
+    """A tensor-parallel rank's pool: per layer (K, V), each [NUM_BLOCKS, block_size, num_heads, head_dim]."""
+    shape = (NUM_BLOCKS, BLOCK_SHAPE[0], num_heads, BLOCK_SHAPE[2])
+    if seed is None:
+        return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(NUM_LAYERS)]
+    generator = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(shape, generator=generator) for _ in range(2)) for _ in range(NUM_LAYERS)]
+
+
+def make_rank(role: str, kv_caches, backend: str, tp_rank: int, tp_size: int):
+    worker = make_worker_connector(KVTransferConfig(role=role, backend=backend, bind_endpoint=BIND_ENDPOINTS[backend]),
+                                   tp_rank, tp_size, num_kv_heads=2)
+    worker.register_kv_caches(kv_caches)
+    return worker
+
+
+@pytest.mark.parametrize("src_tp, dst_tp", [(2, 1), (1, 2)])
+def test_tensor_parallel_ranks_of_different_sizes_exchange_their_head_shards(backend, src_tp, dst_tp):
+    """2 KV heads: a TP 2 rank holds one, a TP 1 rank both. Every decode rank gets exactly its heads."""
+    src_pools = [shard_pool(2 // src_tp, seed=rank) for rank in range(src_tp)]
+    dst_pools = [shard_pool(2 // dst_tp, seed=None) for _ in range(dst_tp)]
+    producers = [make_rank("producer", p, backend, rank, src_tp) for rank, p in enumerate(src_pools)]
+    consumers = [make_rank("consumer", p, backend, rank, dst_tp) for rank, p in enumerate(dst_pools)]
+    try:
+        src_block_ids, dst_block_ids = [0, 5, 6], [9, 3, 4]
+        for consumer in consumers:
+            consumer.start_load_kv(KVConnectorMetadata(recvs=[KVRecvSpec("r", "t-tp", dst_block_ids, 10.0)]))
+        target = target_of(consumers[0], "t-tp", dst_block_ids) | {
+            "rank_endpoints": [c.info()["endpoint"] for c in consumers]}
+        for producer in producers:
+            run_step(producer, KVConnectorMetadata(sends=[KVSendSpec("r", src_block_ids, target)]))
+        sent = [wait_finished(p) for p in producers]
+        received = [wait_finished(c) for c in consumers]
+        assert [o.state for [o] in sent + received] == ["done"] * (src_tp + dst_tp)
+        total_bytes = 2 * NUM_LAYERS * 3 * BLOCK_SHAPE[0] * 2 * BLOCK_SHAPE[2] * 4
+        assert sum(o.num_bytes for [o] in sent) == sum(o.num_bytes for [o] in received) == total_bytes
+        for layer_idx in range(NUM_LAYERS):
+            for kv in (0, 1):
+                # Every head of the model, in order, as the prefill side holds it: [3, block_size, 2, head_dim]
+                whole = torch.cat([p[layer_idx][kv][src_block_ids] for p in src_pools], dim=2)
+                got = torch.cat([p[layer_idx][kv][dst_block_ids] for p in dst_pools], dim=2)
+                assert torch.equal(got, whole)
+    finally:
+        for worker in producers + consumers:
+            worker.close()
+
+
+def test_each_rank_listens_on_its_own_port_or_path():
+    from common.engine.kv_connector.transfer_worker import bind_endpoint_of_rank
+    assert bind_endpoint_of_rank("tcp://10.0.0.5:5601", 0) == "tcp://10.0.0.5:5601"
+    assert bind_endpoint_of_rank("tcp://10.0.0.5:5601", 2) == "tcp://10.0.0.5:5603"
+    assert bind_endpoint_of_rank("tcp://[::1]:*", 1) == "tcp://[::1]:*"
+    assert bind_endpoint_of_rank("gloo://127.0.0.1:0", 1) == "gloo://127.0.0.1:0"
+    assert bind_endpoint_of_rank("ipc:///tmp/kv", 1) == "ipc:///tmp/kv-rank1"
