@@ -6,6 +6,7 @@ Scheduler and whose worker half lives with the model runner, behind the executor
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -14,11 +15,12 @@ from typing import Any
 from common.engine.config import EngineConfig, ModelConfig, parse_memory_size
 from common.engine.device import set_num_threads
 from common.engine.executor import Executor, make_executor
+from common.engine.executor.base import StepHandle
 from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.kv_connector.factory import make_scheduler_connector
 from common.engine.kv_connector.metadata import KVTransferOutcome
 from common.engine.model_files import load_hf_config, resolve_model
-from common.engine.outputs import EngineCoreOutput, SchedulerOutput
+from common.engine.outputs import EngineCoreOutput, RunnerOutput, SchedulerOutput
 from common.engine.request import Request
 from common.engine.scheduler import RemoteKVReservation, Scheduler
 from common.engine.structured_output.manager import StructuredOutputManager
@@ -119,6 +121,11 @@ class EngineCore:
         self.stats_sources: list[Callable[[], dict]] = []
         # Outputs produced between steps (by a connector-only step), delivered with the next step's.
         self._pending_outputs: list[EngineCoreOutput] = []
+        # Pipeline parallelism: batches handed to the executor whose output is not in yet,
+        # oldest first (vLLM's batch queue); None when the executor runs one at a time.
+        self.batch_queue: collections.deque[tuple[SchedulerOutput, StepHandle, float]] | None = (
+            collections.deque() if self.executor.max_concurrent_batches > 1 else None)
+        self.max_batches_in_flight = 0  # the most batches ever in flight at once (tests, stats)
 
     def add_request(self, request: Request) -> None:
         # Before the scheduler: a constraint the backend rejects fails with nothing allocated.
@@ -156,12 +163,22 @@ class EngineCore:
         return IDLE_WAIT_WITH_OPEN_TRANSFERS_S if self.scheduler.has_open_kv_transfers() else IDLE_WAIT_S
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.batch_queue is not None:
+            return self._step_with_batch_queue()
         started = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        return self._finish_step(scheduler_output, runner_output, started)
+
+    def _schedule(self, in_flight_req_ids: frozenset[str] = frozenset()) -> SchedulerOutput:
+        scheduler_output = self.scheduler.schedule(in_flight_req_ids)
         self.structured_output.fill_bitmask(scheduler_output, self.scheduler.requests)
         # Nothing schedulable (e.g. every request waits for remote KV): callers back off.
         self.idle = scheduler_output.is_empty
-        runner_output = self.executor.execute_model(scheduler_output)
+        return scheduler_output
+
+    def _finish_step(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput,
+                     started: float) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         self._notify_kv_transfers(runner_output.kv_transfer_outcomes)
@@ -170,6 +187,25 @@ class EngineCore:
         for callback in self.after_step:
             callback(self)
         return outputs
+
+    def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Keep up to one batch per pipeline stage in flight: schedule another while the
+        queue has room (never a request already in flight), and only then wait for the
+        oldest. A request's next step is scheduled once its previous output is in."""
+        queue = self.batch_queue
+        if len(queue) < self.executor.max_concurrent_batches:
+            in_flight = frozenset(r.req_id for batch, _, _ in queue for r in batch.scheduled)
+            scheduler_output = self._schedule(in_flight)
+            if not scheduler_output.is_empty or not queue:
+                queue.append((scheduler_output, self.executor.execute_model_async(scheduler_output),
+                              time.perf_counter()))
+                self.max_batches_in_flight = max(self.max_batches_in_flight, len(queue))
+                if not scheduler_output.is_empty and len(queue) < self.executor.max_concurrent_batches:
+                    return []
+        scheduler_output, step, started = queue.popleft()
+        # Its requests may run again now: the next step is not idle unless nothing ran.
+        self.idle = scheduler_output.is_empty and not queue
+        return self._finish_step(scheduler_output, step.result(), started)
 
     def _notify_kv_transfers(self, outcomes: list[KVTransferOutcome]) -> None:
         for outcome in outcomes:

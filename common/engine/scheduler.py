@@ -123,7 +123,11 @@ class Scheduler(SchedulerInterface):
 
     # ---- one step ----------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight_req_ids: frozenset[str] = frozenset()) -> SchedulerOutput:
+        """The next step's batch. in_flight_req_ids: requests of batches still running
+        (pipeline parallelism): they are not scheduled again before their output is in,
+        and while any batch runs nobody is preempted (its blocks may still be written);
+        a request that gets no blocks waits for the next step instead."""
         kv = self.kv_cache_manager
         token_budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
@@ -135,8 +139,8 @@ class Scheduler(SchedulerInterface):
         for request in list(self.running):
             if token_budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
-                continue
+            if request.status is not RequestStatus.RUNNING or request.req_id in in_flight_req_ids:
+                continue  # preempted earlier in this loop, or its last step is still running
             num_new_tokens = request.num_tokens - request.num_computed_tokens
             drafts, request.spec_token_ids = request.spec_token_ids, []
             if drafts and step_allows_drafts:
@@ -149,15 +153,19 @@ class Scheduler(SchedulerInterface):
             num_new_tokens = min(num_new_tokens, token_budget)
             if num_new_tokens <= 0:
                 continue
+            allocated = True
             while kv.allocate_slots(request, num_new_tokens,
                                     num_lookahead_tokens=self.num_lookahead_tokens) is None:
+                if in_flight_req_ids:  # no preemption under a running batch: it may still write them
+                    allocated, preempted = False, True  # nor admissions, which would overtake this request
+                    break
                 victim = self._select_victim()
                 token_budget += num_scheduled.pop(victim.req_id, 0)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
-            if request.status is RequestStatus.RUNNING:
+            if allocated and request.status is RequestStatus.RUNNING:
                 num_scheduled[request.req_id] = num_new_tokens
                 token_budget -= num_new_tokens
                 if drafts:

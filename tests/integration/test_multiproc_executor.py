@@ -66,28 +66,35 @@ def test_disaggregated_prefill_and_decode_in_worker_processes_give_the_offline_t
     assert remote["token_ids"] == expected
 
 
-def _runner_splits_over_ranks() -> bool:
-    import inspect
-
-    from common.engine.model_runner import ModelRunner
-    return "parallel_config" in inspect.signature(ModelRunner.__init__).parameters
-
-
-@pytest.mark.skipif(not _runner_splits_over_ranks(), reason="ModelRunner has no tensor/pipeline parallelism yet")
 @pytest.mark.parametrize("tensor_parallel_size, pipeline_parallel_size", [(2, 1), (1, 2)])
 def test_ranks_split_by_tensor_or_pipeline_give_the_single_rank_tokens(tiny_model_factory, tensor_parallel_size,
                                                                        pipeline_parallel_size):
     model_dir = tiny_model_factory("tiny-llama", "llama")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in LLM(str(model_dir), kv_cache_memory="16MiB").generate(PROMPTS, params)]
-    llm = LLM(str(model_dir), kv_cache_memory="16MiB", tensor_parallel_size=tensor_parallel_size,
+    # A step budget below the prompts' lengths splits them over batches, so a pipeline has
+    # a second batch to run while the first is in flight.
+    engine = dict(kv_cache_memory="16MiB", max_num_batched_tokens=8)
+    expected = [o.outputs[0].token_ids for o in LLM(str(model_dir), **engine).generate(PROMPTS, params)]
+    llm = LLM(str(model_dir), **engine, tensor_parallel_size=tensor_parallel_size,
               pipeline_parallel_size=pipeline_parallel_size)
     executor = llm.engine.executor
     pids, segments = executor.worker_pids, executor.shm_names
+    submitted = executor.execute_model_async
+    overlaps = []
+
+    def submit_checking_overlap(scheduler_output):
+        # A request must never be in two batches in flight at once.
+        in_flight = {r.req_id for batch, _, _ in llm.engine.batch_queue or () for r in batch.scheduled}
+        overlaps.extend(in_flight & {r.req_id for r in scheduler_output.scheduled})
+        return submitted(scheduler_output)
+    executor.execute_model_async = submit_checking_overlap
     try:
         assert len(pids) == 2 and executor.output_rank == pipeline_parallel_size - 1
         assert executor.collective_rpc("kv_connector_info") == [{}, {}]
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected
+        # One batch per pipeline stage in flight; one at a time without a pipeline.
+        assert llm.engine.max_batches_in_flight == (2 if pipeline_parallel_size == 2 else 0)
+        assert overlaps == []
     finally:
         llm.engine.shutdown()
     assert alive_pids(pids) == [] and existing_segments(segments) == []

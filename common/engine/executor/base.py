@@ -13,9 +13,21 @@ from typing import Any
 from common.engine.outputs import RunnerOutput, SchedulerOutput
 
 
+class StepHandle:
+    """A step handed to the executor; `result()` waits for its RunnerOutput."""
+
+    def __init__(self, output: RunnerOutput | None = None):
+        self._output = output
+
+    def result(self) -> RunnerOutput:
+        return self._output
+
+
 class Executor(ABC):
     # Called once with the error when the executor fails outside any call (a worker died).
     failure_observers: list[Callable[[BaseException], None]]
+    # Steps that may be in flight at once: a pipeline of N stages keeps N batches going.
+    max_concurrent_batches: int = 1
 
     def add_failure_observer(self, observer: Callable[[BaseException], None]) -> None:
         if "failure_observers" not in self.__dict__:
@@ -24,6 +36,11 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput: ...
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Start a step and return at once where the executor can (up to
+        max_concurrent_batches in flight, results in submission order); here it runs now."""
+        return StepHandle(self.execute_model(scheduler_output))
 
     @abstractmethod
     def kv_bytes_per_block(self) -> int: ...

@@ -16,6 +16,7 @@ unlinks every shared-memory segment.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing
 import os
@@ -30,7 +31,7 @@ from typing import Any
 from common.engine.config import EngineConfig, ModelConfig
 from common.engine.distributed.message_queue import ShmRingQueue
 from common.engine.errors import ExecutorFailedError
-from common.engine.executor.base import Executor
+from common.engine.executor.base import Executor, StepHandle
 from common.engine.executor.worker_proc import WorkerSpec, worker_main
 from common.engine.kv_connector.metadata import KVTransferOutcome
 from common.engine.kv_connector.outcome_aggregator import KVOutcomeAggregator
@@ -45,6 +46,23 @@ SHUTDOWN_TIMEOUT_S = 5.0
 
 class WorkerError(RuntimeError):
     """A call failed inside a worker (its traceback is in the message); the worker lives on."""
+
+
+class _PendingStep(StepHandle):
+    """A step broadcast to the workers whose replies are not read yet; they are read in
+    submission order, so result() first collects every older step's."""
+
+    def __init__(self, executor: "MultiProcExecutor"):
+        super().__init__()
+        self._executor = executor
+        self.error: BaseException | None = None
+        self.done = False
+
+    def result(self) -> RunnerOutput:
+        self._executor._collect_until(self)
+        if self.error is not None:
+            raise self.error
+        return self._output
 
 
 def output_rank(tensor_parallel_size: int, pipeline_parallel_size: int) -> int:
@@ -63,6 +81,12 @@ def check_parallel_support(config: EngineConfig) -> None:
         raise ValueError(f"KV transfer (role {config.kv_transfer.role}) is not supported with "
                          f"pipeline_parallel_size {config.parallel.pipeline_parallel_size} > 1 yet; tensor "
                          f"parallelism is")
+
+
+def _raise_worker_error(replies: list[dict]) -> None:
+    for rank, reply in enumerate(replies):
+        if not reply.get("ok"):
+            raise WorkerError(f"worker rank {rank}: {reply.get('error')}\n{reply.get('traceback', '')}")
 
 
 def _free_tcp_port() -> int:
@@ -119,6 +143,9 @@ class MultiProcExecutor(Executor):
         self._step_encoder = SchedulerOutputEncoder()
         # Each rank moves its shard of a request's KV: the transfer ends when all did.
         self._kv_outcomes = KVOutcomeAggregator(self.world_size)
+        # A pipeline keeps one batch per stage going; their replies come back in order.
+        self.max_concurrent_batches = parallel.pipeline_parallel_size
+        self._in_flight: collections.deque[_PendingStep] = collections.deque()
         self._failure: ExecutorFailedError | None = None
         self._shutting_down = False
         self._lock = threading.Lock()  # one call in flight: the queues are read and written in order
@@ -138,7 +165,8 @@ class MultiProcExecutor(Executor):
         resources = self._resources
         self.broadcast = ShmRingQueue.create(num_readers=self.world_size)
         resources.queues.append(self.broadcast)
-        self.responses = [ShmRingQueue.create(num_readers=1, num_slots=4) for _ in range(self.world_size)]
+        self.responses = [ShmRingQueue.create(num_readers=1, num_slots=max(4, config.parallel.pipeline_parallel_size))
+                          for _ in range(self.world_size)]
         resources.queues += self.responses
         for queue in self.responses:
             queue.reader_rank = 0
@@ -239,30 +267,61 @@ class MultiProcExecutor(Executor):
 
     # ---- calls ----
     def _call(self, request: dict) -> list[dict]:
-        """Broadcast one request, then every rank's reply in rank order."""
+        """Broadcast one request, then every rank's reply in rank order (after the replies
+        of any step still in flight)."""
         with self._lock:
-            self._check_failed()
-            if self._shutting_down:
-                raise ExecutorFailedError("the executor was shut down")
-            self.broadcast.enqueue(pack(request), abort=self._check_failed)
-            replies = [unpack(queue.dequeue(abort=self._check_failed), f"worker rank {rank} reply")
-                       for rank, queue in enumerate(self.responses)]
-        for rank, reply in enumerate(replies):
-            if not reply.get("ok"):
-                raise WorkerError(f"worker rank {rank}: {reply.get('error')}\n{reply.get('traceback', '')}")
+            self._broadcast(request)
+            self._read_in_flight()
+            replies = self._read_replies()
+        _raise_worker_error(replies)
         return replies
+
+    def _broadcast(self, request: dict) -> None:
+        self._check_failed()
+        if self._shutting_down:
+            raise ExecutorFailedError("the executor was shut down")
+        self.broadcast.enqueue(pack(request), abort=self._check_failed)
+
+    def _read_replies(self) -> list[dict]:
+        return [unpack(queue.dequeue(abort=self._check_failed), f"worker rank {rank} reply")
+                for rank, queue in enumerate(self.responses)]
+
+    def _read_in_flight(self, until: _PendingStep | None = None) -> None:
+        """Read the replies of steps in flight, oldest first, up to `until` (default: all)."""
+        while self._in_flight and (until is None or not until.done):
+            step = self._in_flight.popleft()
+            try:
+                replies = self._read_replies()
+                _raise_worker_error(replies)
+                step._output = self._runner_output(replies)
+            except Exception as e:  # the step's caller hears of it
+                step.error = e
+            step.done = True
+
+    def _collect_until(self, step: _PendingStep) -> None:
+        with self._lock:
+            self._read_in_flight(until=step)
 
     def send_raw(self, payload: bytes) -> list[dict]:
         """Broadcast `payload` as is and return the replies (tests: a malformed request)."""
         with self._lock:
+            self._read_in_flight()
             self._check_failed()
             self.broadcast.enqueue(payload, abort=self._check_failed)
-            return [unpack(queue.dequeue(abort=self._check_failed), f"worker rank {rank} reply")
-                    for rank, queue in enumerate(self.responses)]
+            return self._read_replies()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        replies = self._call({"kind": "execute_model",
-                              "scheduler_output": self._step_encoder.encode(scheduler_output)})
+        return self.execute_model_async(scheduler_output).result()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Broadcast the step and return; the caller keeps at most max_concurrent_batches in flight."""
+        step = _PendingStep(self)
+        with self._lock:
+            self._broadcast({"kind": "execute_model", "scheduler_output": self._step_encoder.encode(scheduler_output)})
+            self._in_flight.append(step)
+        return step
+
+    def _runner_output(self, replies: list[dict]) -> RunnerOutput:
         output = runner_output_from_dict(replies[self.output_rank]["result"])
         parts = [output.kv_transfer_outcomes if rank == self.output_rank else
                  [KVTransferOutcome(**o) for o in reply["result"] or []] for rank, reply in enumerate(replies)]

@@ -428,3 +428,29 @@ def test_random_workload_keeps_invariants(make_scheduler, seed):
     assert not scheduler.has_unfinished_requests()
     assert kv.num_free_blocks == kv.num_blocks
     assert scheduler.stats["prefix_cache_hit_tokens"] > 0 and scheduler.num_preemptions > 0
+
+
+def test_a_request_in_a_running_batch_is_not_scheduled_again_nor_preempted(make_scheduler):
+    """Pipeline parallelism keeps batches in flight: the next one leaves their requests alone."""
+    scheduler = make_scheduler(num_blocks=4, max_num_batched_tokens=4)
+    req_a, req_b = make_request("a", 8), make_request("b", 8)
+    scheduler.add_request(req_a)
+    scheduler.add_request(req_b)
+    s1 = scheduler.schedule()
+    assert chunks(s1) == {"a": (0, 4)}  # a's first chunk is in flight...
+    s2 = scheduler.schedule(in_flight_req_ids=frozenset({"a"}))
+    assert chunks(s2) == {"b": (0, 4)}  # ...so its second chunk waits; b runs meanwhile
+    scheduler.update_from_output(s1, runner_output(s1))
+    s3 = scheduler.schedule(in_flight_req_ids=frozenset({"b"}))
+    assert chunks(s3) == {"a": (4, 4)}
+    scheduler.update_from_output(s2, runner_output(s2))
+    s4 = scheduler.schedule(in_flight_req_ids=frozenset({"a"}))
+    assert chunks(s4) == {"b": (4, 4)}  # every block is taken now
+    scheduler.update_from_output(s3, runner_output(s3))  # a sampled: its next token needs a third block
+    s5 = scheduler.schedule(in_flight_req_ids=frozenset({"b"}))
+    # b's batch may still write its blocks: nobody is preempted, a waits.
+    assert chunks(s5) == {} and scheduler.num_preemptions == 0 and req_b.status is RequestStatus.RUNNING
+    scheduler.update_from_output(s4, runner_output(s4))
+    s6 = scheduler.schedule()  # nothing in flight: the usual preemption of the newest
+    assert scheduler.num_preemptions == 1 and req_b.status is RequestStatus.PREEMPTED
+    assert chunks(s6) == {"a": (8, 1)}
