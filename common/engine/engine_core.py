@@ -170,8 +170,9 @@ class EngineCore:
         runner_output = self.executor.execute_model(scheduler_output)
         return self._finish_step(scheduler_output, runner_output, started)
 
-    def _schedule(self, in_flight_req_ids: frozenset[str] = frozenset()) -> SchedulerOutput:
-        scheduler_output = self.scheduler.schedule(in_flight_req_ids)
+    def _schedule(self, in_flight_req_ids: frozenset[str] = frozenset(),
+                  max_num_reqs: int | None = None) -> SchedulerOutput:
+        scheduler_output = self.scheduler.schedule(in_flight_req_ids, max_num_reqs)
         self.structured_output.fill_bitmask(scheduler_output, self.scheduler.requests)
         # Nothing schedulable (e.g. every request waits for remote KV): callers back off.
         self.idle = scheduler_output.is_empty
@@ -191,16 +192,20 @@ class EngineCore:
     def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Keep up to one batch per pipeline stage in flight: schedule another while the
         queue has room (never a request already in flight), and only then wait for the
-        oldest. A request's next step is scheduled once its previous output is in."""
+        oldest. A request's next step is scheduled once its previous output is in. Each
+        batch takes an equal share of the requests (micro-batches, as SGLang's pipeline
+        does), or the first would take them all and leave the other stages idle."""
         queue = self.batch_queue
-        if len(queue) < self.executor.max_concurrent_batches:
+        num_stages = self.executor.max_concurrent_batches
+        if len(queue) < num_stages:
             in_flight = frozenset(r.req_id for batch, _, _ in queue for r in batch.scheduled)
-            scheduler_output = self._schedule(in_flight)
+            share = max(1, -(-len(self.scheduler.requests) // num_stages))
+            scheduler_output = self._schedule(in_flight, share)
             if not scheduler_output.is_empty or not queue:
                 queue.append((scheduler_output, self.executor.execute_model_async(scheduler_output),
                               time.perf_counter()))
                 self.max_batches_in_flight = max(self.max_batches_in_flight, len(queue))
-                if not scheduler_output.is_empty and len(queue) < self.executor.max_concurrent_batches:
+                if not scheduler_output.is_empty and len(queue) < num_stages:
                     return []
         scheduler_output, step, started = queue.popleft()
         # Its requests may run again now: the next step is not idle unless nothing ran.

@@ -123,11 +123,14 @@ class Scheduler(SchedulerInterface):
 
     # ---- one step ----------------------------------------------------------------
 
-    def schedule(self, in_flight_req_ids: frozenset[str] = frozenset()) -> SchedulerOutput:
+    def schedule(self, in_flight_req_ids: frozenset[str] = frozenset(),
+                 max_num_reqs: int | None = None) -> SchedulerOutput:
         """The next step's batch. in_flight_req_ids: requests of batches still running
         (pipeline parallelism): they are not scheduled again before their output is in,
         and while any batch runs nobody is preempted (its blocks may still be written);
-        a request that gets no blocks waits for the next step instead."""
+        a request that gets no blocks waits for the next step instead. max_num_reqs caps
+        the batch's requests (a pipeline's micro-batch)."""
+        max_num_reqs = self.max_num_seqs if max_num_reqs is None else max_num_reqs
         kv = self.kv_cache_manager
         token_budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
@@ -137,7 +140,7 @@ class Scheduler(SchedulerInterface):
         step_allows_drafts = spec_policy is not None and spec_policy.step_allows_drafts(len(self.running))
 
         for request in list(self.running):
-            if token_budget == 0:
+            if token_budget == 0 or len(num_scheduled) >= max_num_reqs:
                 break
             if request.status is not RequestStatus.RUNNING or request.req_id in in_flight_req_ids:
                 continue  # preempted earlier in this loop, or its last step is still running
@@ -174,7 +177,7 @@ class Scheduler(SchedulerInterface):
         # Like vLLM: a step that had to preempt admits nobody new, or the request just
         # preempted would be overtaken by newer ones.
         while (not preempted and self.waiting and token_budget > 0
-               and self._num_seats_taken() < self.max_num_seqs):
+               and self._num_seats_taken() < self.max_num_seqs and len(num_scheduled) < max_num_reqs):
             request = self.waiting[0]
             hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_hit_tokens
