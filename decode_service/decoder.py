@@ -6,7 +6,8 @@
 
 Conditional disaggregation: prefill here when no prefill instance is named, when
 the uncached part of the prompt is shorter than local_prefill_threshold tokens,
-or (local_fallback) when the prefill instance is unreachable before any KV came.
+or (local_fallback) when the prefill instance is unreachable, also when it died with
+part of the KV sent (the partial KV is dropped and the prompt recomputed here).
 Leaving the iteration early (client cancelled) cancels the Prefill call and aborts
 the request; the engine frees its blocks once no KV write can follow.
 """
@@ -178,11 +179,15 @@ class Decoder:
     async def _import_failed(self, job: DecodeJob, prefill_name: str, outcome: KVTransferOutcome,
                              error: aio.AioRpcError | None) -> None:
         """The transfer has ended without the KV: fall back, or fail the request."""
-        unreachable = (error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
-                       and not outcome.received_any)
+        # The instance died or cannot be reached. The transfer has ended, so no KV write can
+        # follow; KV that arrived only in part sits in blocks that never joined the prefix
+        # cache (they join once all of it landed) and are freed here, so recomputing the
+        # whole prompt locally is as safe after a partial transfer as after none.
+        unreachable = error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
         if unreachable and self.local_fallback:
-            logger.warning("prefill instance %s unreachable (%s): prefilling %s locally",
-                           prefill_name, error.details(), job.req_id)
+            logger.warning("prefill instance %s unreachable (%s)%s: prefilling %s locally", prefill_name,
+                           error.details(), " after part of its KV arrived" if outcome.received_any else "",
+                           job.req_id)
             local = self._request(job)
             await self.engine.call(lambda core: import_to_local(core, job.req_id, local))
             return None
