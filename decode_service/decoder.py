@@ -66,7 +66,8 @@ class Decoder:
                  transfer_waiters: KVTransferWaiters, *, kv_endpoint: str, geometry: PoolGeometry,
                  rank_kv_endpoints: list[str] | None = None,
                  kv_layout_hash: str,
-                 local_prefill_threshold: int, transfer_timeout_s: float, local_fallback: bool):
+                 local_prefill_threshold: int, transfer_timeout_s: float, local_fallback: bool,
+                 prefill_queue_timeout_s: float = 0.0):
         self.engine = engine
         self.eos_token_ids = eos_token_ids
         self.transfer_waiters = transfer_waiters  # must observe the engine's KV transfers
@@ -77,7 +78,11 @@ class Decoder:
         # Under tensor parallelism every rank receives its shard on its own endpoint.
         self.rank_kv_endpoints = list(rank_kv_endpoints) if rank_kv_endpoints and len(rank_kv_endpoints) > 1 else []
         self.local_prefill_threshold = local_prefill_threshold
+        # A remote prefill may queue for a slot, then must send within transfer_timeout_s:
+        # the reservation (and the Prefill call) lasts for both.
         self.transfer_timeout_s = transfer_timeout_s
+        self.prefill_queue_timeout_s = prefill_queue_timeout_s
+        self.remote_window_s = prefill_queue_timeout_s + transfer_timeout_s
         self.local_fallback = local_fallback
 
     async def decode(self, job: DecodeJob) -> AsyncIterator[DecodeChunk]:
@@ -113,7 +118,7 @@ class Decoder:
             await self.engine.compile_structured_output(request.sampling_params)
             admission = await self.engine.call(lambda core: admit(
                 core, request, bool(job.prefill_address), self.local_prefill_threshold, transfer_id,
-                self.transfer_timeout_s))
+                self.remote_window_s))
         except DuplicateRequestError as e:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
         except ValueError as e:
@@ -150,10 +155,11 @@ class Decoder:
             kv_endpoint=self.kv_endpoint, transfer_id=admission.transfer_id, dst_block_ids=admission.dst_block_ids,
             first_block_index=admission.first_block_index, num_layers=self.geometry.num_layers,
             dtype=self.geometry.dtype, block_shape=list(self.geometry.block_shape),
-            timeout_s=self.transfer_timeout_s, kv_layout_hash=self.kv_layout_hash,
-            rank_kv_endpoints=self.rank_kv_endpoints)
+            timeout_s=self.remote_window_s, kv_layout_hash=self.kv_layout_hash,
+            rank_kv_endpoints=self.rank_kv_endpoints,
+            transfer_timeout_s=self.transfer_timeout_s if self.prefill_queue_timeout_s > 0 else None)
         call = self.clients.prefill(job.prefill_address, PrefillJob(
-            job.req_id, job.prompt_token_ids, job.params, job.priority, kv_target), self.transfer_timeout_s)
+            job.req_id, job.prompt_token_ids, job.params, job.priority, kv_target), self.remote_window_s)
         rpc = asyncio.ensure_future(call)
         try:
             await asyncio.wait({rpc, landed}, return_when=asyncio.FIRST_COMPLETED)
@@ -198,6 +204,7 @@ class Decoder:
         if outcome.state == "expired":
             raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"KV transfer from prefill instance {prefill_name} did not complete within "
-                               f"{self.transfer_timeout_s:g}s")
+                               f"{self.remote_window_s:g}s (up to {self.prefill_queue_timeout_s:g}s waiting for a "
+                               f"prefill slot, then {self.transfer_timeout_s:g}s for the transfer)")
         raise ServiceError(grpc.StatusCode.ABORTED,
                            f"KV transfer from prefill instance {prefill_name} failed: {outcome.reason}")

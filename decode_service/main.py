@@ -18,7 +18,11 @@ def build_parser():
     g.add_argument("--kv-port", type=int, default=0,
                    help="ZeroMQ port that receives KV from prefill instances (0 picks a free one)")
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0,
-                   help="seconds a remote prefill (queueing, compute and KV transfer) may take")
+                   help="seconds a KV transfer may take once the prefill instance starts sending it")
+    g.add_argument("--prefill-queue-timeout", type=float, default=120.0,
+                   help="seconds a request may wait for a slot on its prefill instance before its KV "
+                        "transfer starts (its blocks stay reserved meanwhile); the transfer's own "
+                        "--kv-transfer-timeout does not run while it waits")
     g.add_argument("--local-prefill-threshold", type=int, default=64,
                    help="prefill locally when fewer prompt tokens than this are missing from the "
                         "local prefix cache; 0 disables")

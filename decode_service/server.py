@@ -80,6 +80,7 @@ class DecodeWorker(EngineWorker):
                                kv_layout_hash=self.kv_connector_info["kv_layout_hash"],
                                local_prefill_threshold=args.local_prefill_threshold,
                                transfer_timeout_s=args.kv_transfer_timeout,
+                               prefill_queue_timeout_s=args.prefill_queue_timeout,
                                local_fallback=not args.no_local_fallback)
 
     def endpoints(self) -> dict[str, str]:

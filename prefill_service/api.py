@@ -27,13 +27,16 @@ class KvTargetSpec:
     kv_layout_hash: str = ""  # what the decode pool's KV means (common.engine.kv_connector.layout)
     # Every decode rank's endpoint under tensor parallelism (rank 0's is kv_endpoint); empty: one rank.
     rank_kv_endpoints: list[str] = field(default_factory=list)
+    # Seconds the transfer may take once sending starts (within timeout_s); None: no own limit.
+    transfer_timeout_s: float | None = None
 
     @classmethod
     def from_pb(cls, msg: prefill_pb2.KvTarget) -> KvTargetSpec:
         return cls(msg.kv_endpoint, msg.transfer_id, list(msg.dst_block_ids), msg.first_block_index,
                    msg.num_layers, msg.dtype, list(msg.block_shape),
                    msg.timeout_ms / 1000 if msg.timeout_ms else None, msg.kv_layout_hash,
-                   list(msg.rank_kv_endpoints))
+                   list(msg.rank_kv_endpoints),
+                   msg.transfer_timeout_ms / 1000 if msg.transfer_timeout_ms else None)
 
     def to_pb(self) -> prefill_pb2.KvTarget:
         return prefill_pb2.KvTarget(
@@ -41,7 +44,8 @@ class KvTargetSpec:
             first_block_index=self.first_block_index, num_layers=self.num_layers, dtype=self.dtype,
             block_shape=self.block_shape,
             timeout_ms=0 if self.timeout_s is None else max(1, round(self.timeout_s * 1000)),
-            kv_layout_hash=self.kv_layout_hash, rank_kv_endpoints=self.rank_kv_endpoints)
+            kv_layout_hash=self.kv_layout_hash, rank_kv_endpoints=self.rank_kv_endpoints,
+            transfer_timeout_ms=0 if self.transfer_timeout_s is None else max(1, round(self.transfer_timeout_s * 1000)))
 
 
 @dataclass

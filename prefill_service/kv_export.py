@@ -30,18 +30,24 @@ class ExportTarget:
     first_block_index: int
     # Every decode rank's endpoint, in rank order (the first is target.endpoint).
     rank_endpoints: list[str] | None = None
+    # Seconds the send may take from its start (target.deadline still bounds it); None: no own limit.
+    transfer_timeout_s: float | None = None
 
     def kv_transfer_params(self) -> dict:
         target = self.target.to_dict()
         if self.rank_endpoints and len(self.rank_endpoints) > 1:
             target["rank_endpoints"] = list(self.rank_endpoints)
-        return {"target": target, "first_block_index": self.first_block_index}
+        params = {"target": target, "first_block_index": self.first_block_index}
+        if self.transfer_timeout_s is not None:
+            params["transfer_timeout_s"] = self.transfer_timeout_s
+        return params
 
 
 def make_export_target(*, endpoint: str, transfer_id: str, dst_block_ids: list[int], first_block_index: int,
                        num_layers: int, dtype: str, block_shape: list[int], timeout_s: float,
                        num_prompt_tokens: int, geometry: PoolGeometry, rank_endpoints: list[str] | None = None,
-                       num_kv_heads: int = 0, tensor_parallel_size: int = 1) -> ExportTarget:
+                       num_kv_heads: int = 0, tensor_parallel_size: int = 1,
+                       transfer_timeout_s: float | None = None) -> ExportTarget:
     """Check a KV target against the prompt and our pool before any work is done.
 
     rank_endpoints: one per decode rank when the decode instance runs tensor parallel
@@ -81,10 +87,12 @@ def make_export_target(*, endpoint: str, transfer_id: str, dst_block_ids: list[i
             raise TargetMismatchError(str(e)) from None
     if not timeout_s > 0:
         raise ValueError("kv_target timeout must be > 0")
+    if transfer_timeout_s is not None and not transfer_timeout_s > 0:
+        raise ValueError("kv_target transfer timeout must be > 0")
     target = KVTarget(transfer_id=transfer_id, endpoint=endpoint, dst_block_ids=tuple(dst_block_ids),
                       num_layers=num_layers, dtype=dtype, block_shape=tuple(block_shape),
                       deadline=time.time() + timeout_s)
-    return ExportTarget(target, first_block_index, rank_endpoints)
+    return ExportTarget(target, first_block_index, rank_endpoints, transfer_timeout_s)
 
 
 def export_target(spec: KvTargetSpec, num_prompt_tokens: int, geometry: PoolGeometry,
@@ -105,7 +113,8 @@ def export_target(spec: KvTargetSpec, num_prompt_tokens: int, geometry: PoolGeom
             timeout_s=default_timeout_s if spec.timeout_s is None else spec.timeout_s,
             num_prompt_tokens=num_prompt_tokens, geometry=geometry, rank_endpoints=spec.rank_kv_endpoints,
             num_kv_heads=kv_connector_info.get("num_kv_heads", 0),
-            tensor_parallel_size=kv_connector_info.get("tensor_parallel_size", 1))
+            tensor_parallel_size=kv_connector_info.get("tensor_parallel_size", 1),
+            transfer_timeout_s=spec.transfer_timeout_s)
     except TargetMismatchError as e:
         raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
     except ValueError as e:

@@ -60,7 +60,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def GetCachedBlocks(self, request, context) -> prefill_pb2.GetCachedBlocksResponse:
         instance_id = self.worker.instance_id
-        snapshot = await self.worker.engine.call(lambda core: cached_blocks_snapshot(instance_id, core.kv_cache_manager))
+        snapshot = await self.worker.engine.call(
+            lambda core: cached_blocks_snapshot(instance_id, core.kv_cache_manager))
         return snapshot.to_pb()
 
 

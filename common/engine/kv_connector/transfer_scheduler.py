@@ -9,11 +9,17 @@ every uncached prompt token from outside; its destination blocks are registered 
 receiver before any sender can reach them, and stay reserved until the receive ended.
 
 kv_transfer_params (plain data on the Request):
-  producer  {"target": KVTarget.to_dict(), "first_block_index": int}
+  producer  {"target": KVTarget.to_dict(), "first_block_index": int,
+             "transfer_timeout_s": float (optional)}
   consumer  {"transfer_id": str, "timeout_s": float}
+
+A producer's transfer_timeout_s starts when the send is handed to the worker half (the
+step of the last prompt chunk): time the request spent queued for a slot does not count,
+only the target's own deadline bounds the whole.
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from common.engine.kv_connector.base import KVConnectorScheduler
@@ -65,9 +71,12 @@ class TransferConnectorScheduler(KVConnectorScheduler):
             params = self._export_params.pop(scheduled.req_id, None)
             if params is None:
                 continue
+            target = params["target"]
+            if params.get("transfer_timeout_s") is not None:
+                target = target | {"deadline": min(target["deadline"], time.time() + params["transfer_timeout_s"])}
             sends.append(KVSendSpec(req_id=scheduled.req_id,
                                     src_block_ids=list(scheduled.block_table[params["first_block_index"]:]),
-                                    target=params["target"]))
+                                    target=target))
             self._sending_req_ids.add(scheduled.req_id)
         recvs, self._pending_recvs = self._pending_recvs, []
         aborts, self._pending_aborts = self._pending_aborts, {}

@@ -5,6 +5,7 @@ free everything exactly once. block_size 4 throughout."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import msgpack
 
@@ -73,6 +74,29 @@ def test_send_starts_with_the_last_chunk_and_holds_blocks_until_finished_sending
     assert not scheduler.has_open_kv_transfers()
     step(scheduler, [ended("p", "send")])
     assert scheduler.kv_cache_manager.num_free_blocks == 8
+
+
+def test_the_transfer_timeout_starts_when_the_send_does_not_while_the_request_queued(make_scheduler):
+    scheduler = producer(make_scheduler, num_blocks=8, max_num_batched_tokens=8)
+    request = exporting("p", 10)
+    whole_deadline = time.time() + 100.0
+    request.kv_transfer_params["target"]["deadline"] = whole_deadline
+    request.kv_transfer_params["transfer_timeout_s"] = 2.0
+    scheduler.add_request(request)
+    step(scheduler)  # the first chunk: nothing is sent yet, however long it queued
+    before = time.time()
+    last, _ = step(scheduler)
+    [send] = last.kv_connector_metadata.sends
+    assert before + 2.0 <= send.target["deadline"] <= time.time() + 2.0  # counted from the send's start
+    assert request.kv_transfer_params["target"]["deadline"] == whole_deadline  # the request's own is kept
+    # The target's deadline still bounds the whole: a send starting late gets what is left of it.
+    late = exporting("q", 4)
+    late.kv_transfer_params["target"]["deadline"] = time.time() + 0.5
+    late.kv_transfer_params["transfer_timeout_s"] = 2.0
+    scheduler.add_request(late)
+    out, _ = step(scheduler)
+    assert out.kv_connector_metadata.sends[0].target["deadline"] == late.kv_transfer_params["target"]["deadline"]
+    step(scheduler, [ended("p", "send"), ended("q", "send")])
 
 
 def test_a_send_that_ends_in_its_own_step_still_frees_the_blocks(make_scheduler):
