@@ -63,3 +63,13 @@ def compile_forward(model: torch.nn.Module, device: torch.device, enforce_eager:
     inductor_config.fx_graph_cache = True
     logger.info("model compiled with torch.compile (inductor, freezing; cache %s)", cache_dir)
     return torch.compile(model, dynamic=True, fullgraph=True)
+
+
+def compile_logits(model: torch.nn.Module, forward: Callable) -> Callable:
+    """model.compute_logits, compiled alongside a compiled forward (its own graph: it runs on
+    the sampled rows only). With freezing the LM head's weight is prepacked like the other
+    linears, which matters most where it is tied to the embedding: eager it is a plain
+    GEMV over the whole vocabulary (~40% slower on CPU for SmolLM2's 49k x 576 bf16)."""
+    if forward is model:  # eager
+        return model.compute_logits
+    return torch.compile(model.compute_logits, dynamic=True, fullgraph=True)

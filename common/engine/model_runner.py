@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from common.engine.compilation import compile_forward, num_compiled_graphs
+from common.engine.compilation import compile_forward, compile_logits, num_compiled_graphs
 from common.engine.config import KVTransferConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from common.engine.device import select_device, select_dtype
 from common.engine.distributed import parallel_state
@@ -121,6 +121,8 @@ class ModelRunner:
         # stay eager: their collectives and stage transfers are not compiler-safe ops.
         self.forward = compile_forward(self.model, self.device,
                                        enforce_eager or self.parallel_config.world_size > 1)
+        # Logits of the sampled rows: compiled with the forward, or eager with it.
+        self.compute_logits = compile_logits(self.model, self.forward)
         # This rank's share of the KV: its stage's layers, its KV heads.
         self.num_local_layers = len(self.model.layers)
         self.num_local_kv_heads = kv_head_partition(model_config.num_key_value_heads, rank % tp_size, tp_size)[1]
@@ -162,8 +164,8 @@ class ModelRunner:
 
     @torch.inference_mode()  # as execute_model: inference tensors, or dynamo's guards differ
     def warm_up(self) -> None:
-        """Compile the forward pass before the first request: the graph dynamo
-        specialises for one token and the dynamic one every larger step shares."""
+        """Compile the forward pass and the logits before the first request: the graphs
+        dynamo specialises for one token (row) and the dynamic ones every larger step shares."""
         if self.forward is self.model or not self.kv_caches:
             return
         started = time.perf_counter()
@@ -180,7 +182,9 @@ class ModelRunner:
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
             positions = torch.arange(num_tokens, device=self.device)
             with forward_context(meta):
-                self.forward(input_ids, positions, self.kv_caches, meta)
+                hidden = self.forward(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+            if self.model.is_last_stage:
+                self.compute_logits(hidden)  # the one-row graph and the dynamic one, as the forward's
         logger.info("compiled the model in %.1f s (%d graphs)", time.perf_counter() - started,
                     num_compiled_graphs() - graphs_before)
 
@@ -253,7 +257,7 @@ class ModelRunner:
         # One row per sampled position: a request verifying k drafts samples k + 1.
         sample_rows = expand_verification_rows(sample_reqs)
         # Every TP rank of the last stage takes part in gathering the logits; one samples.
-        logits = model.compute_logits(hidden[sample_indices])  # [num_sample_rows, vocab]
+        logits = self.compute_logits(hidden[sample_indices])  # [num_sample_rows, vocab]
         if not self.is_output_rank:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         sampled = self.sampler(logits, sample_rows, *self._grammar_bitmask(scheduler_output, sample_rows))
