@@ -73,13 +73,13 @@ def to_scheduler_output(step: list[dict]) -> SchedulerOutput:
 def record_logits(runner: ModelRunner) -> list[torch.Tensor]:
     """The logits of each step the runner samples (copied: the sampler scales them in place)."""
     recorded: list[torch.Tensor] = []
-    compute_logits = runner.model.compute_logits
+    compute_logits = runner.compute_logits
 
     def recording(hidden: torch.Tensor) -> torch.Tensor:
         logits = compute_logits(hidden)
         recorded.append(logits.clone())
         return logits
-    runner.model.compute_logits = recording
+    runner.compute_logits = recording
     return recorded
 
 
