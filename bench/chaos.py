@@ -106,7 +106,8 @@ def _live(stack) -> dict:
     return {name: p for name, p in stack.instances.items() if p.process.poll() is None}
 
 
-def _pools_free(stack, timeout_s: float = 60.0) -> bool:
+def pools_free(stack, timeout_s: float = 60.0) -> bool:
+    """Every KV block of every live instance free, and nothing running, within timeout_s."""
     def free() -> bool:
         for name, process in _live(stack).items():
             load = _stats(process.address, name.split("-")[0]).load
@@ -156,27 +157,21 @@ async def scenario(name: str, stack, backend, make_requests, args) -> dict:
         await loop_thread(stack.add_instance, "decode")
         row["readiness_true_after_join_s"] = round(await loop_thread(_wait_until, lambda: _ready(stack), 30,
                                                                      "readiness SERVING"), 2)
-    elif name == "stop-decode-while-streaming":
+    elif name in ("stop-decode-while-streaming", "drain-decode"):
+        # Two decode instances, every request streaming; then the first one is frozen
+        # (SIGSTOP: the gateway must drop it) or drained (SIGTERM: its calls finish).
         await loop_thread(stack.add_instance, "decode")
         await loop_thread(stack.wait_registered, 1, 2)
         r = Round(backend, make_requests(args.requests))
         await r.first_tokens(args.requests)
         decode = sorted(n for n in _live(stack) if n.startswith("decode"))[0]
         fault_at = time.monotonic()
-        stack.kill(decode, signal.SIGSTOP)
+        frozen = name == "stop-decode-while-streaming"
+        stack.kill(decode, signal.SIGSTOP if frozen else signal.SIGTERM)
         row["statuses"] = await r.finish()
-        stack.kill(decode, signal.SIGCONT)
-        stack.kill(decode, signal.SIGTERM)
-        await loop_thread(stack.instances[decode].wait_or_kill, 60)
-    elif name == "drain-decode":
-        await loop_thread(stack.add_instance, "decode")
-        await loop_thread(stack.wait_registered, 1, 2)
-        r = Round(backend, make_requests(args.requests))
-        await r.first_tokens(args.requests)
-        decode = sorted(n for n in _live(stack) if n.startswith("decode"))[0]
-        fault_at = time.monotonic()
-        stack.kill(decode, signal.SIGTERM)
-        row["statuses"] = await r.finish()
+        if frozen:
+            stack.kill(decode, signal.SIGCONT)
+            stack.kill(decode, signal.SIGTERM)
         await loop_thread(stack.instances[decode].wait_or_kill, 60)
     elif name == "restart-prefill":
         prefill = next(n for n in _live(stack) if n.startswith("prefill"))
@@ -216,7 +211,7 @@ async def scenario(name: str, stack, backend, make_requests, args) -> dict:
     if r is not None:
         row["last_end_after_fault_s"] = round(max(r.ended_at) - fault_at, 2)
     row["statuses"] = dict(row["statuses"])
-    row["pools_free_after"] = await loop_thread(_pools_free, stack)
+    row["pools_free_after"] = await loop_thread(pools_free, stack)
     return row
 
 

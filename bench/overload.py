@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.chaos import pools_free
 from bench.profile import machine_info, now_iso, versions
 from bench.serve.arrivals import send_offsets
 from bench.serve.datasets import ranged_requests
@@ -50,12 +51,6 @@ async def _send_all(backend, requests, rate: float, seed: int) -> list[dict]:
 
 def _percentile(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)) * 1000, 1) if values else None
-
-
-def _pools_free(stack) -> bool:
-    from bench.routing import instance_stats
-    loads = [instance_stats(p.address, name.split("-")[0]).load for name, p in stack.instances.items()]
-    return all(load.num_free_blocks == load.num_total_blocks for load in loads)
 
 
 def run(args) -> dict:
@@ -92,20 +87,20 @@ def run(args) -> dict:
                     outcomes = await _send_all(backend, requests(num), rate, args.seed + index + 1)
                     await asyncio.to_thread(wait_idle, stack)
                     result["loads"].append(_summarize(factor, rate, outcomes, await asyncio.to_thread(
-                        _pools_free, stack)))
+                        pools_free, stack)))
                     print(format_row(result["loads"][-1]), flush=True)
         asyncio.run(drive())
     return result
 
 
-def _summarize(factor: float, rate: float, outcomes: list[dict], pools_free: bool) -> dict:
+def _summarize(factor: float, rate: float, outcomes: list[dict], blocks_free: bool) -> dict:
     statuses = Counter(o["status"] for o in outcomes)
     done = [o["seconds"] for o in outcomes if o["status"] == "OK"]
     refused = [o["seconds"] for o in outcomes if o["status"] == "RESOURCE_EXHAUSTED"]
     return {"load_factor": factor, "offered_req_s": round(rate, 3), "sent": len(outcomes),
             "completed": statuses.pop("OK", 0), "refused": statuses.pop("RESOURCE_EXHAUSTED", 0),
             "failed": dict(statuses), "p50_e2e_ms": _percentile(done, 50), "p99_e2e_ms": _percentile(done, 99),
-            "p99_refusal_ms": _percentile(refused, 99), "pools_free_after": pools_free,
+            "p99_refusal_ms": _percentile(refused, 99), "pools_free_after": blocks_free,
             "errors": sorted({o["error"] for o in outcomes if o["error"] and o["status"] != "RESOURCE_EXHAUSTED"})[:5]}
 
 
