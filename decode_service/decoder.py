@@ -27,8 +27,8 @@ from common.engine.engine_core import EngineCore
 from common.engine.kv_connector.metadata import KVTransferOutcome
 from common.engine.kv_transfer_waiters import KVTransferWaiters
 from common.engine.outputs import EngineCoreOutput, Logprobs
-from common.service.engine_requests import new_request
-from common.service.errors import DuplicateRequestError, ServiceError
+from common.service.engine_requests import admit_when_id_free, new_request, open_stream_when_id_free
+from common.service.errors import ServiceError
 from decode_service.admission import (
     Admission,
     Placement,
@@ -88,7 +88,7 @@ class Decoder:
     async def decode(self, job: DecodeJob) -> AsyncIterator[DecodeChunk]:
         request = self._request(job)
         try:
-            stream = self.engine.open_stream(job.req_id)
+            stream = await open_stream_when_id_free(self.engine, job.req_id)
         except ValueError as e:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
         with stream:
@@ -116,11 +116,9 @@ class Decoder:
         transfer_id = f"{job.req_id[:200]}/{uuid.uuid4().hex[:12]}"  # unique per attempt
         try:
             await self.engine.compile_structured_output(request.sampling_params)
-            admission = await self.engine.call(lambda core: admit(
+            admission = await admit_when_id_free(lambda: self.engine.call(lambda core: admit(
                 core, request, bool(job.prefill_address), self.local_prefill_threshold, transfer_id,
-                self.remote_window_s))
-        except DuplicateRequestError as e:
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
+                self.remote_window_s)), job.req_id)
         except ValueError as e:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if admission.placement is Placement.FULL:

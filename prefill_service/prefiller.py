@@ -13,7 +13,7 @@ from common.engine.kv_transfer_waiters import KVTransferWaiters
 from common.engine.outputs import EngineCoreOutput
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
-from common.service.engine_requests import new_request
+from common.service.engine_requests import admit_when_id_free, new_request, open_stream_when_id_free
 from common.service.errors import DuplicateRequestError, ServiceError
 from prefill_service.api import PrefillJob, PrefillResult
 from prefill_service.kv_export import ExportTarget
@@ -50,7 +50,7 @@ class Prefiller:
         if export is not None:
             request.kv_transfer_params = export.kv_transfer_params()
         try:
-            stream = self.engine.open_stream(job.req_id)
+            stream = await open_stream_when_id_free(self.engine, job.req_id)
         except ValueError as e:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
         # Registered before admission: a send may end in the step that finishes the request.
@@ -67,9 +67,7 @@ class Prefiller:
         with stream:
             try:
                 await self.engine.compile_structured_output(request.sampling_params)
-                await self.engine.call(lambda core: admit(core, request))
-            except DuplicateRequestError as e:
-                raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
+                await admit_when_id_free(lambda: self.engine.call(lambda core: admit(core, request)), job.req_id)
             except ValueError as e:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             timeout = None if export is None else export.target.deadline - _now()

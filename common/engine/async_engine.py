@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from common.engine.engine_core import EngineCore
-from common.engine.errors import EngineDeadError
+from common.engine.errors import EngineDeadError, RequestIdReleasingError
 from common.engine.outputs import EngineCoreOutput
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
@@ -38,6 +38,9 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # req_id -> (event loop, queue) of the consumer; touched on both threads under the lock.
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Ids whose stream closed before the request finished, until the engine no longer
+        # holds that request: a new stream of the id would receive its last outputs.
+        self._releasing_ids: set[str] = set()
         self._lock = threading.Lock()
         self._stopping = False
         self._dead: BaseException | None = None
@@ -84,6 +87,9 @@ class AsyncEngine:
                 raise self._dead_error()
             if req_id in self._streams:
                 raise ValueError(f"request id {req_id!r} is already in flight")
+            if req_id in self._releasing_ids:
+                raise RequestIdReleasingError(f"request id {req_id!r} is still being released: its earlier "
+                                              f"request was cancelled and has not ended yet")
             self._streams[req_id] = (asyncio.get_running_loop(), out_queue)
         return RequestStream(self, req_id, out_queue)
 
@@ -91,6 +97,8 @@ class AsyncEngine:
         with self._lock:
             if self._streams.get(stream.req_id, (None, None))[1] is stream._queue:
                 del self._streams[stream.req_id]
+            if not stream.finished:
+                self._releasing_ids.add(stream.req_id)
         if not stream.finished:
             self._commands.put(("abort", [stream.req_id]))
 
@@ -131,6 +139,8 @@ class AsyncEngine:
                 if self.core.has_unfinished_requests():
                     self._dispatch(self.core.step())
                     self.stats = self._collect_stats()
+                if self._releasing_ids:
+                    self._forget_released_ids()
         except BaseException as exc:  # never leave consumers waiting on a dead loop
             logger.exception("engine loop died")
             with self._lock:
@@ -144,6 +154,12 @@ class AsyncEngine:
                     observer(exc)
                 except Exception:
                     logger.exception("engine death observer failed")
+
+    def _forget_released_ids(self) -> None:
+        scheduler = self.core.scheduler
+        with self._lock:
+            self._releasing_ids = {req_id for req_id in self._releasing_ids
+                                   if req_id in scheduler.requests or req_id in scheduler.held_requests}
 
     def _fail_pending_calls(self) -> None:
         """Any thread, once dead: answer every queued `call` with the death."""

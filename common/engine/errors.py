@@ -7,5 +7,11 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped: no request will make progress on this engine again."""
 
 
+class RequestIdReleasingError(ValueError):
+    """The id's earlier request was cancelled and the engine still holds it (its abort,
+    or a KV transfer it waits on, has not finished): a new one with the id must wait, or
+    the earlier request's last outputs would reach the new stream."""
+
+
 class ExecutorFailedError(EngineDeadError):
     """A worker process of the executor died or broke the protocol; names the rank."""

@@ -2,11 +2,24 @@
 the model's end-of-sequence tokens and the caller's request id."""
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
 import grpc
 
+from common.engine.errors import RequestIdReleasingError
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams, validate_prompt_token_ids
-from common.service.errors import ServiceError
+from common.service.errors import DuplicateRequestError, ServiceError
+
+T = TypeVar("T")
+# How long an admission waits for an earlier request of the same id to be released (a
+# client that cancelled a stream and sent it again at once: the abort, and a KV
+# transfer it may hold, end on the engine thread a moment later).
+ID_RELEASE_WAIT_S = 1.0
+ID_RETRY_FIRST_BACKOFF_S = 0.005
 
 
 def eos_token_ids(core) -> tuple[int, ...]:
@@ -37,3 +50,30 @@ def new_request(req_id: str, prompt_token_ids: list[int], params: SamplingParams
     if not req_id:
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
     return Request(req_id, prompt_token_ids, params, eos_token_ids=eos, priority=priority)
+
+
+async def admit_when_id_free(admit: Callable[[], Awaitable[T]], req_id: str,
+                             wait_s: float = ID_RELEASE_WAIT_S) -> T:
+    """admit(), retried with backoff while the engine still holds an earlier request of
+    this id (DuplicateRequestError, RequestIdReleasingError) for up to wait_s; then
+    ALREADY_EXISTS saying so."""
+    deadline = time.monotonic() + wait_s
+    backoff = ID_RETRY_FIRST_BACKOFF_S
+    while True:
+        try:
+            return await admit()
+        except (DuplicateRequestError, RequestIdReleasingError) as e:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
+                                   f"{e}; it was not released within {wait_s:g}s: retry later") from None
+            await asyncio.sleep(min(backoff, left))
+            backoff = min(2 * backoff, 0.1)
+
+
+async def open_stream_when_id_free(engine, req_id: str):
+    """engine.open_stream(req_id), waiting as admit_when_id_free does while a cancelled
+    earlier request of the id is still being released."""
+    async def open_stream():
+        return engine.open_stream(req_id)
+    return await admit_when_id_free(open_stream, req_id)

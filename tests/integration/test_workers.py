@@ -362,6 +362,12 @@ def test_cancel_mid_stream_frees_every_block(services, prompts):
                 if received >= 3:
                     call.cancel()
                     break
+        # The same id sent again at once is served once the cancelled one is released,
+        # instead of being refused while its abort is still under way.
+        again = await decode_collect(decode.address, prompts["long"][:-5],
+                                     SamplingParams(max_tokens=4, ignore_eos=True), prefill=prefill.address,
+                                     request_id="cancel-mid-stream")
+        assert len(again["token_ids"]) == 4, again
         await wait_all_blocks_free(services)
     run(main())
 
