@@ -198,12 +198,12 @@ class EngineCore:
         queue = self.batch_queue
         num_stages = self.executor.max_concurrent_batches
         if len(queue) < num_stages:
+            started = time.perf_counter()  # as step(): a step's time includes its scheduling
             in_flight = frozenset(r.req_id for batch, _, _ in queue for r in batch.scheduled)
             share = max(1, -(-len(self.scheduler.requests) // num_stages))
             scheduler_output = self._schedule(in_flight, share)
             if not scheduler_output.is_empty or not queue:
-                queue.append((scheduler_output, self.executor.execute_model_async(scheduler_output),
-                              time.perf_counter()))
+                queue.append((scheduler_output, self.executor.execute_model_async(scheduler_output), started))
                 self.max_batches_in_flight = max(self.max_batches_in_flight, len(queue))
                 if not scheduler_output.is_empty and len(queue) < num_stages:
                     return []
