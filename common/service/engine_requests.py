@@ -20,6 +20,7 @@ T = TypeVar("T")
 # transfer it may hold, end on the engine thread a moment later).
 ID_RELEASE_WAIT_S = 1.0
 ID_RETRY_FIRST_BACKOFF_S = 0.005
+ID_RETRY_MAX_BACKOFF_S = 0.1
 
 
 def eos_token_ids(core) -> tuple[int, ...]:
@@ -68,7 +69,7 @@ async def admit_when_id_free(admit: Callable[[], Awaitable[T]], req_id: str,
                 raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
                                    f"{e}; it was not released within {wait_s:g}s: retry later") from None
             await asyncio.sleep(min(backoff, left))
-            backoff = min(2 * backoff, 0.1)
+            backoff = min(2 * backoff, ID_RETRY_MAX_BACKOFF_S)
 
 
 async def open_stream_when_id_free(engine, req_id: str):

@@ -72,9 +72,8 @@ def check_pool_pairing(*, num_kv_heads: int, head_dim: int, block_size: int, src
     """Raise KVLayoutMismatchError, naming both layouts, unless a src_tp_size pool of this
     model can fill a dst_tp_size pool whose ranks' blocks are dst_block_shape
     ([block_size, local KV heads, head_dim])."""
-    want = [block_size, None, head_dim]
     try:
-        want[1] = heads_per_rank(num_kv_heads, dst_tp_size)
+        want = [block_size, heads_per_rank(num_kv_heads, dst_tp_size), head_dim]
         plan_head_slices(num_kv_heads, src_tp_size, dst_tp_size)
     except KVLayoutMismatchError as e:
         raise KVLayoutMismatchError(f"KV layouts cannot be mapped: {e}") from None
