@@ -63,20 +63,20 @@ class RemotePrefill:
 
 class Decoder:
     def __init__(self, engine: AsyncEngine, eos_token_ids: tuple[int, ...], clients: PrefillClients,
-                 transfer_waiters: KVTransferWaiters, *, kv_endpoint: str, geometry: PoolGeometry,
-                 rank_kv_endpoints: list[str] | None = None,
+                 transfer_waiters: KVTransferWaiters, *, kv_endpoints: list[str], geometry: PoolGeometry,
                  kv_layout_hash: str,
-                 local_prefill_threshold: int, transfer_timeout_s: float, local_fallback: bool,
-                 prefill_queue_timeout_s: float = 0.0):
+                 local_prefill_threshold: int, transfer_timeout_s: float, prefill_queue_timeout_s: float,
+                 local_fallback: bool):
         self.engine = engine
         self.eos_token_ids = eos_token_ids
         self.transfer_waiters = transfer_waiters  # must observe the engine's KV transfers
         self.geometry = geometry
         self.kv_layout_hash = kv_layout_hash
         self.clients = clients
-        self.kv_endpoint = kv_endpoint
-        # Under tensor parallelism every rank receives its shard on its own endpoint.
-        self.rank_kv_endpoints = list(rank_kv_endpoints) if rank_kv_endpoints and len(rank_kv_endpoints) > 1 else []
+        # One receiving endpoint per tensor-parallel rank (each receives its shard); the
+        # Prefill call names them all only when there is more than one.
+        self.kv_endpoint = kv_endpoints[0]
+        self.rank_kv_endpoints = list(kv_endpoints) if len(kv_endpoints) > 1 else []
         self.local_prefill_threshold = local_prefill_threshold
         # A remote prefill may queue for a slot, then must send within transfer_timeout_s:
         # the reservation (and the Prefill call) lasts for both.

@@ -75,7 +75,7 @@ class DecodeWorker(EngineWorker):
         self.kv_endpoint = self.rank_kv_endpoints[0]
         self.clients = PrefillClients()
         self.decoder = Decoder(self.engine, eos_token_ids(self.core), self.clients, self.transfer_waiters,
-                               kv_endpoint=self.kv_endpoint, rank_kv_endpoints=self.rank_kv_endpoints,
+                               kv_endpoints=self.rank_kv_endpoints,
                                geometry=PoolGeometry.from_dict(self.kv_connector_info),
                                kv_layout_hash=self.kv_connector_info["kv_layout_hash"],
                                local_prefill_threshold=args.local_prefill_threshold,
