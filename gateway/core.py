@@ -71,7 +71,8 @@ class Gateway:
         self.kv_index = KvIndex()
         self.policy = make_policy(settings.policy, self.kv_index, settings.load_weight)
         self.metrics = GatewayMetrics(self.policy.name)
-        self.registry.subscribe(on_added=self._count_instances, on_removed=self._count_instances)
+        self.registry.subscribe(on_added=self._count_instances, on_removed=self._count_instances,
+                                on_heartbeat=self._observe_heartbeat)
         self.dispatcher = Dispatcher(self.registry, self.kv_index, self.policy, model.tokenizer,
                                      model.tokenizer.eos_token_ids, self.metrics)
         self.admission = Admission(self.registry, settings.max_running_per_decode, settings.max_waiting_requests)
@@ -220,6 +221,9 @@ class Gateway:
     def _count_instances(self, instance, _reason: str) -> None:
         self.metrics.set_instances_alive(instance.role, sum(
             1 for i in self.registry.instances(instance.role)))
+
+    def _observe_heartbeat(self, instance, _reason: str) -> None:
+        self.metrics.heartbeat_received(instance.role, instance.last_heartbeat_gap_s)
 
     async def generate(self, request: GenerateInput, timeout_s: float | None = None) -> GenerationDelta:
         """The whole completion: the stream's deltas joined."""

@@ -55,6 +55,7 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2
                 5.0, 10.0)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                     30.0)
+HEARTBEAT_GAP_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0)
 
 POOLS = ("prefill", "decode")
 STEP_PHASES = ("prefill", "decode", "mixed")
@@ -158,6 +159,10 @@ class GatewayMetrics(ServiceMetrics):
                                   ["policy", "pool", "result"], registry=r)
         self.instances_alive = Gauge("pdserve_instances_alive", "Registered instances per pool",
                                      ["pool"], registry=r)
+        self.heartbeat_gap = Histogram("pdserve_heartbeat_gap_seconds", "Time between two consecutive "
+                                       "heartbeats of one instance as the gateway receives them; "
+                                       "--heartbeat-timeout must stay above its tail", ["pool"],
+                                       registry=r, buckets=HEARTBEAT_GAP_BUCKETS)
         for pool in POOLS:  # present, at 0, before any instance registers
             self.instances_alive.labels(pool).set(0)
             for result in ("placed", "none"):
@@ -172,6 +177,10 @@ class GatewayMetrics(ServiceMetrics):
 
     def set_instances_alive(self, pool: str, count: int) -> None:
         self.instances_alive.labels(pool).set(count)
+
+    def heartbeat_received(self, pool: str, gap_s: float | None) -> None:
+        if gap_s is not None:
+            self.heartbeat_gap.labels(pool).observe(gap_s)
 
 
 class RequestTimer:

@@ -36,6 +36,11 @@ from protos.pdserve.v1 import registry_pb2, registry_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+# A heartbeat this many intervals after the previous one is logged: the tail of these gaps
+# (also pdserve_heartbeat_gap_seconds) is what --heartbeat-timeout must stay above.
+LATE_HEARTBEAT_FACTOR = 1.5
+
+
 class RegistrationError(ServiceError):
     """The instance cannot join this deployment (bad role, other model or block size)."""
 
@@ -56,6 +61,7 @@ class Instance:
     last_heartbeat: float
     estimate: LoadEstimate
     secret: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
+    last_heartbeat_gap_s: float | None = None  # between the two latest heartbeats; None before the first
 
     @property
     def instance_id(self) -> str:
@@ -149,7 +155,13 @@ class InstanceRegistry:
         instance = self._instances.get(instance_id)
         if instance is None:
             return False
-        instance.last_heartbeat = self.clock()
+        now = self.clock()
+        instance.last_heartbeat_gap_s = now - instance.last_heartbeat
+        instance.last_heartbeat = now
+        if instance.last_heartbeat_gap_s > LATE_HEARTBEAT_FACTOR * self.heartbeat_interval_s:
+            logger.warning("late heartbeat from %s %s: %.2fs since the previous one (interval %.2fs, "
+                           "timeout %.2fs)", instance.role, instance_id, instance.last_heartbeat_gap_s,
+                           self.heartbeat_interval_s, self.heartbeat_timeout_s)
         instance.estimate.replace_report(load)
         self._notify(self._on_heartbeat, instance, "heartbeat")
         return True

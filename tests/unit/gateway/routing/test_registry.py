@@ -54,6 +54,21 @@ def test_a_heartbeat_replaces_the_load_estimate(registry):
     assert (p0.num_requests, p0.queued_prefill_tokens, p0.free_blocks) == (2, 700, 60)
 
 
+def test_heartbeat_gaps_are_measured_and_late_ones_logged(registry, clock, caplog):
+    gaps = []
+    registry.subscribe(on_heartbeat=lambda inst, _reason: gaps.append(inst.last_heartbeat_gap_s))
+    registry.register(spec("p0"))
+    assert registry.get("p0").last_heartbeat_gap_s is None
+    clock.now += 1.0
+    registry.heartbeat("p0", InstanceLoad())
+    clock.now += 2.5  # 2.5 intervals: late, though inside the 3 s timeout
+    with caplog.at_level("WARNING", logger="gateway.routing.registry"):
+        registry.heartbeat("p0", InstanceLoad())
+    assert gaps == [1.0, 2.5]
+    assert [r.getMessage() for r in caplog.records] == [
+        "late heartbeat from prefill p0: 2.50s since the previous one (interval 1.00s, timeout 3.00s)"]
+
+
 def test_unknown_heartbeat_asks_to_reregister(registry):
     assert registry.heartbeat("ghost", InstanceLoad()) is False
 
