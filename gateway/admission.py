@@ -1,18 +1,28 @@
-"""Admission control: how many requests the gateway lets run at once, and a bounded
-queue for the rest.
+"""Admission control: how many requests the gateway lets run at once in each pool, and a
+bounded queue per pool for the rest.
 
-Capacity is `max_running_per_decode` requests per live decode instance (the engine's
-own batch limit, --max-num-seqs, is the natural value): past it a request waits here, in
-arrival order, rather than on an instance where its KV transfer deadline would already be
-running. At most `max_waiting` requests wait; one more is refused at once with
+Each pool has its own `PoolAdmission`:
+- decode: `max_running_per_instance` requests per live decode instance (the engine's own
+  batch limit, --max-num-seqs, is the natural value), held for the request's whole life;
+- prefill: that many requests in their prefill phase per live prefill instance, held from
+  placement until the request's first token (its prefill is then done), so a burst of
+  prompts waits here, where placement is decided when a slot frees, instead of in one
+  prefill instance's queue.
+A request takes its decode slot first and its prefill slot second; the prefill slot is
+always given back soon (first token, or the end), so the two queues cannot hold each
+other up.
+
+Past capacity a request waits in its pool's queue, in arrival order. At most
+`max_waiting` requests wait per pool; one more is refused at once with
 RESOURCE_EXHAUSTED (HTTP 429) carrying a retry hint (AdmissionRefused.retry_after_s: the
 `retry-after-ms` trailing metadata, the HTTP `Retry-After` header), so an overloaded
 deployment says so in microseconds instead of failing admitted requests after seconds.
 
-A waiting request leaves the queue when a slot frees (a request ends, a decode instance
-registers), when its own deadline passes (DEADLINE_EXCEEDED), or when the last decode
-instance is gone (UNAVAILABLE, as a request arriving then gets). With no decode instance
-alive requests are not queued at all: placement answers UNAVAILABLE at once.
+A waiting request leaves the queue when a slot frees (a request ends or finishes its
+prefill, an instance registers), when its own deadline passes (DEADLINE_EXCEEDED), or
+when its pool's last instance is gone: with no decode instance it fails UNAVAILABLE (as a
+request arriving then does); with no prefill instance it goes ahead, because the decode
+instance then prefills locally. An empty pool queues nothing.
 """
 from __future__ import annotations
 
@@ -25,12 +35,14 @@ from contextlib import asynccontextmanager
 import grpc
 
 from common.service.errors import ServiceError
+from common.service.registration import Role
 from gateway.routing.registry import InstanceRegistry
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_METADATA = "retry-after-ms"
 RETRY_AFTER_S = 1.0  # about how long a running request takes to free its slot under load
+_FLAG = {"decode": "--max-running-per-decode", "prefill": "--max-running-per-prefill"}
 
 
 class AdmissionRefused(ServiceError):
@@ -41,11 +53,25 @@ class AdmissionRefused(ServiceError):
         self.retry_after_s = retry_after_s
 
 
-class Admission:
-    def __init__(self, registry: InstanceRegistry, max_running_per_decode: int, max_waiting: int):
-        """max_running_per_decode <= 0: no limit (nothing ever waits)."""
+class Slot:
+    """A held running slot; `release()` gives it back (once; later calls do nothing)."""
+
+    def __init__(self, admission: PoolAdmission | None):
+        self._admission = admission
+
+    def release(self) -> None:
+        admission, self._admission = self._admission, None
+        if admission is not None:
+            admission.num_running -= 1
+            admission._admit_waiters()
+
+
+class PoolAdmission:
+    def __init__(self, registry: InstanceRegistry, role: Role, max_running_per_instance: int, max_waiting: int):
+        """max_running_per_instance <= 0: no limit (nothing ever waits)."""
         self.registry = registry
-        self.max_running_per_decode = max_running_per_decode
+        self.role = role
+        self.max_running_per_instance = max_running_per_instance
         self.max_waiting = max_waiting
         self.num_running = 0
         self._waiters: deque[asyncio.Future] = deque()
@@ -58,44 +84,48 @@ class Admission:
     @property
     def capacity(self) -> int | None:
         """Requests that may run now; None: unlimited."""
-        if self.max_running_per_decode <= 0:
+        if self.max_running_per_instance <= 0:
             return None
-        return self.max_running_per_decode * len(self.registry.instances("decode"))
+        return self.max_running_per_instance * len(self.registry.instances(self.role))
 
-    @asynccontextmanager
-    async def slot(self, timeout_s: float | None) -> AsyncIterator[None]:
-        """Hold a running slot for the block; wait for one (up to timeout_s) when all are taken."""
+    async def acquire(self, timeout_s: float | None) -> Slot:
+        """A running slot; wait for one (up to timeout_s) when all are taken."""
         capacity = self.capacity
-        if capacity is None or capacity == 0:  # unlimited, or no decode: placement answers
-            yield
-            return
+        if capacity is None or capacity == 0:  # unlimited, or an empty pool: placement decides
+            return Slot(None)
         if self.num_running < capacity and not self.num_waiting:
             self.num_running += 1
-        else:
-            await self._wait(timeout_s)
-        try:
-            yield
-        finally:
-            self.num_running -= 1
-            self._admit_waiters()
+        elif not await self._wait(timeout_s):
+            return Slot(None)
+        return Slot(self)
 
-    async def _wait(self, timeout_s: float | None) -> None:
+    @asynccontextmanager
+    async def slot(self, timeout_s: float | None) -> AsyncIterator[Slot]:
+        """Hold a running slot for the block (or until the block releases it)."""
+        slot = await self.acquire(timeout_s)
+        try:
+            yield slot
+        finally:
+            slot.release()
+
+    async def _wait(self, timeout_s: float | None) -> bool:
+        """Wait for a slot: True when granted one, False when the pool emptied (no limit then)."""
         if self.num_waiting >= self.max_waiting:
-            raise AdmissionRefused(f"the gateway is at capacity ({self.num_running} requests running, "
-                                   f"{self.num_waiting} waiting, --max-waiting-requests {self.max_waiting}); "
+            raise AdmissionRefused(f"the gateway's {self.role} pool is at capacity ({self.num_running} requests "
+                                   f"running, {self.num_waiting} waiting, {_FLAG[self.role]} "
+                                   f"{self.max_running_per_instance}, --max-waiting-requests {self.max_waiting}); "
                                    f"retry after {RETRY_AFTER_S:g}s")
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
-            await asyncio.wait_for(waiter, timeout_s)  # its result: the slot, counted by _admit_waiters
+            return await asyncio.wait_for(waiter, timeout_s)  # a grant was counted by _admit_waiters
         except asyncio.TimeoutError:
             raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"the request's deadline passed while it waited for capacity "
+                               f"the request's deadline passed while it waited for {self.role} capacity "
                                f"({self.num_running} requests running)") from None
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                self.num_running -= 1  # granted as we were cancelled: hand it on
-                self._admit_waiters()
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None and waiter.result():
+                Slot(self).release()  # granted as we were cancelled: hand it on
             raise
         finally:
             if waiter in self._waiters:
@@ -107,16 +137,20 @@ class Admission:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 self.num_running += 1
-                waiter.set_result(None)
+                waiter.set_result(True)
 
     def _instances_changed(self, instance, _reason: str) -> None:
-        if instance.role != "decode":
+        if instance.role != self.role:
             return
-        if self.capacity == 0:  # the last decode instance left: nothing will free a slot
-            while self._waiters:
-                waiter = self._waiters.popleft()
-                if not waiter.done():
-                    waiter.set_exception(ServiceError(grpc.StatusCode.UNAVAILABLE,
-                                                      "no decode instance is alive; retry"))
-        else:
+        if self.capacity != 0:
             self._admit_waiters()
+            return
+        # The pool's last instance left: nothing here will free a slot.
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if waiter.done():
+                continue
+            if self.role == "decode":
+                waiter.set_exception(ServiceError(grpc.StatusCode.UNAVAILABLE, "no decode instance is alive; retry"))
+            else:
+                waiter.set_result(False)  # decode instances prefill locally

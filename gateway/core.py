@@ -15,7 +15,7 @@ import grpc
 from common.service.errors import ServiceError
 from common.service.logging_setup import log_event, request_context
 from common.service.metrics import GatewayMetrics
-from gateway.admission import Admission
+from gateway.admission import PoolAdmission, Slot
 from gateway.readiness import Readiness
 from gateway.request_ids import RequestIdInFlight, RequestIds
 from gateway.routing.dispatcher import Dispatcher
@@ -56,7 +56,8 @@ class GatewaySettings:
     heartbeat_timeout_s: float = 5.0
     load_weight: float = 1.0  # prefix_aware: queued tokens vs cached tokens
     max_running_per_decode: int = 64  # admission: requests running per decode instance; <= 0: no limit
-    max_waiting_requests: int = 256  # admission: requests waiting for a slot before RESOURCE_EXHAUSTED
+    max_running_per_prefill: int = 64  # admission: requests in their prefill per prefill instance; <= 0: no limit
+    max_waiting_requests: int = 256  # admission, per pool: requests waiting for a slot before RESOURCE_EXHAUSTED
 
 
 class Gateway:
@@ -75,7 +76,10 @@ class Gateway:
                                 on_heartbeat=self._observe_heartbeat)
         self.dispatcher = Dispatcher(self.registry, self.kv_index, self.policy, model.tokenizer,
                                      model.tokenizer.eos_token_ids, self.metrics)
-        self.admission = Admission(self.registry, settings.max_running_per_decode, settings.max_waiting_requests)
+        self.decode_admission = PoolAdmission(self.registry, "decode", settings.max_running_per_decode,
+                                              settings.max_waiting_requests)
+        self.prefill_admission = PoolAdmission(self.registry, "prefill", settings.max_running_per_prefill,
+                                               settings.max_waiting_requests)
         self._kv_events: KvEventSubscriber | None = None
         self._expiry: asyncio.Task | None = None
         self.request_ids = RequestIds()  # in flight here; the rule for reusing one
@@ -189,13 +193,14 @@ class Gateway:
                 timer.num_prompt_tokens = len(prepared.prompt_token_ids)
                 log_event(logger, "request start", prompt_tokens=timer.num_prompt_tokens,
                           max_tokens=prepared.sampling.max_tokens)
-                async with self.admission.slot(_left(deadline)):
-                    async for delta in self._dispatch(prepared, deadline, timer):
+                async with (self.decode_admission.slot(_left(deadline)),
+                            self.prefill_admission.slot(_left(deadline)) as prefill_slot):
+                    async for delta in self._dispatch(prepared, deadline, timer, prefill_slot):
                         yield delta
         finally:
             self.request_ids.release(prepared.request_id)
 
-    async def _dispatch(self, prepared: PreparedRequest, deadline: float | None, timer
+    async def _dispatch(self, prepared: PreparedRequest, deadline: float | None, timer, prefill_slot: Slot
                         ) -> AsyncIterator[GenerationDelta]:
         """dispatcher.stream, placed again while an instance still holds the id of a
         request that ended here a moment ago (its cancel has not reached it yet)."""
@@ -203,7 +208,8 @@ class Gateway:
         while True:
             streamed_any = False
             try:
-                async for delta in self.dispatcher.stream(prepared, _left(deadline), timer):
+                async for delta in self.dispatcher.stream(prepared, _left(deadline), timer,
+                                                          prefill_slot.release):
                     streamed_any = True
                     yield delta
                 return

@@ -78,8 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-running-per-decode", type=int, default=64,
                         help="requests the gateway lets run per live decode instance (keep it at the "
                              "instances' --max-num-seqs); the rest wait in its queue; 0: no limit")
+    parser.add_argument("--max-running-per-prefill", type=int, default=64,
+                        help="requests the gateway lets be in their prefill (until the first token) per "
+                             "live prefill instance; the rest wait in the prefill pool's queue; 0: no limit")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
-                        help="requests that may wait for capacity; one more gets RESOURCE_EXHAUSTED "
+                        help="requests that may wait for capacity, per pool; one more gets RESOURCE_EXHAUSTED "
                              "(HTTP 429) at once, with a retry hint")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let requests in flight finish on SIGTERM")
@@ -124,6 +127,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
                            heartbeat_interval_s=args.heartbeat_interval,
                            heartbeat_timeout_s=args.heartbeat_timeout, load_weight=args.load_weight,
                            max_running_per_decode=args.max_running_per_decode,
+                           max_running_per_prefill=args.max_running_per_prefill,
                            max_waiting_requests=args.max_waiting_requests)
 
 

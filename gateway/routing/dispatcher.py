@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -76,19 +76,24 @@ class Dispatcher:
         self._probes: set[asyncio.Task] = set()
 
     async def stream(self, request: PreparedRequest, timeout_s: float | None = None,
-                     timer: RequestTimer | None = None) -> AsyncIterator[GenerationDelta]:
+                     timer: RequestTimer | None = None, on_prefill_done: Callable[[], None] | None = None
+                     ) -> AsyncIterator[GenerationDelta]:
         """Deltas of one request, the last with finish_reason set; raises ServiceError.
-        `timer` is told of every token as it arrives (TTFT and ITL at the gateway)."""
+        `timer` is told of every token as it arrives (TTFT and ITL at the gateway);
+        `on_prefill_done` is called at the first token (the gateway's prefill admission
+        gives the request's slot back then)."""
         tried: set[str] = set()
         while True:
             placement = self._place(request, exclude=tried)
             decode = placement.decode
             tried.add(decode.instance_id)
+            if placement.prefill is None and on_prefill_done is not None:
+                on_prefill_done()  # prefilled on the decode instance: no prefill instance is used
             charge = self.ledger.charge(len(request.prompt_token_ids), prefill=placement.prefill,
                                         prompt_block_hashes=placement.prompt_block_hashes, decode=decode)
             streamed_any = False
             try:
-                async for delta in self._stream_on(placement, charge, request, timeout_s, timer):
+                async for delta in self._stream_on(placement, charge, request, timeout_s, timer, on_prefill_done):
                     streamed_any = True
                     yield delta
                 return
@@ -118,7 +123,9 @@ class Dispatcher:
         return Placement(decode, prefill, prompt_block_hashes)
 
     async def _stream_on(self, placement: Placement, charge: PlacementCharge, request: PreparedRequest,
-                         timeout_s: float | None, timer: RequestTimer | None) -> AsyncIterator[GenerationDelta]:
+                         timeout_s: float | None, timer: RequestTimer | None,
+                         on_prefill_done: Callable[[], None] | None
+                         ) -> AsyncIterator[GenerationDelta]:
         decode = placement.decode
         logger.debug("placed on decode %s, prefill %s", decode.instance_id,
                      placement.prefill_instance_id or "local")
@@ -131,6 +138,8 @@ class Dispatcher:
                 try:
                     async for output in stream:
                         charge.release_prefill()  # a token means the prefill is done
+                        if on_prefill_done is not None:
+                            on_prefill_done()
                         if timer is not None:
                             timer.tokens(len(output.token_ids))
                         delta = text.apply(output)

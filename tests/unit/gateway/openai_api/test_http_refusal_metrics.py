@@ -65,7 +65,7 @@ def test_requests_refused_while_parsing_are_counted_under_their_status():
 def test_a_429_from_admission_control_is_counted_once_as_resource_exhausted():
     settings = GatewaySettings(heartbeat_timeout_s=30.0, max_running_per_decode=1, max_waiting_requests=0)
     with metered_http_gateway(settings, token_ids=TOKENS, delay_s=0.05) as gw:
-        admission = gw.gateway.admission
+        admission = gw.gateway.decode_admission
         sock = raw_request(gw.http_address, {"model": MODEL, "prompt": "hi", "max_tokens": 400, "stream": True})
         try:
             wait_for(lambda: gw.call(lambda: admission.num_running) == 1, what="the first request to run")
