@@ -102,7 +102,7 @@ async def run(args: argparse.Namespace) -> dict:
                                     echo=False)
     os.sched_setaffinity(0, own_cpus)
     try:
-        fake = FakeDecode("decode-fake", gateway.address, token_ids=TOKEN_IDS, record_send_times=True)
+        fake = FakeDecode("decode-fake", gateway.registry_address, token_ids=TOKEN_IDS, record_send_times=True)
         await fake.start()
         try:
             latency = await measure_latency(gateway.address, fake, args.latency_requests,

@@ -82,6 +82,8 @@ class ManagedProcess:
         self.stopping = False  # signalled on purpose: exiting is not a failure
         self.last_lines: deque[str] = deque(maxlen=20)
         self.log_path = Path(log_dir) / f"{name}.log" if log_dir else None
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
         stderr = open(self.log_path, "ab") if self.log_path else None
         self.process = subprocess.Popen(
             [sys.executable, "-m", "common.cli.main", *argv], stdout=subprocess.PIPE, stderr=stderr,

@@ -6,12 +6,19 @@ allow them (KEEPALIVE_SERVER_OPTIONS), or they would answer with GOAWAY "too_man
 """
 from __future__ import annotations
 
-KEEPALIVE_TIME_MS = 2_000  # ping an idle or busy connection this often
-KEEPALIVE_TIMEOUT_MS = 2_000  # no ack within this: the connection is dead
+# A frozen peer fails the calls within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS (1.5 s),
+# inside two of the gateway's heartbeat periods (1 s each). Ping acks come from gRPC's own
+# threads, not the peer's Python code, so a busy engine loop does not delay them.
+KEEPALIVE_TIME_MS = 500  # ping an idle or busy connection this often
+KEEPALIVE_TIMEOUT_MS = 1_000  # no ack within this: the connection is dead
 
 KEEPALIVE_CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # Every ping, the flow-control (BDP) probes included, must be acked within the same
+    # time: a probe left outstanding holds back the keepalive ping, and the default 60 s
+    # limit on it let a frozen peer keep its calls for a minute.
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),  # a heartbeat channel is idle between beats
     ("grpc.http2.max_pings_without_data", 0),  # a long prefill sends no data for a while
 ]
