@@ -169,7 +169,9 @@ async def scenario(name: str, stack, backend, make_requests, args) -> dict:
         frozen = name == "stop-decode-while-streaming"
         stack.kill(decode, signal.SIGSTOP if frozen else signal.SIGTERM)
         row["statuses"] = await r.finish()
-        if frozen:
+        if frozen:  # the frozen instance's requests; the others finish on the live one
+            row["failed_ended_after_s"] = round(max(
+                (t for t, status in zip(r.ended_at, r.statuses) if status != "OK"), default=fault_at) - fault_at, 2)
             stack.kill(decode, signal.SIGCONT)
             stack.kill(decode, signal.SIGTERM)
         await loop_thread(stack.instances[decode].wait_or_kill, 60)

@@ -27,6 +27,7 @@ from bench.fakes.fake_decode import FakeDecode
 from common.cli.processes import start_gateway_process
 from common.engine.sampling_params import SamplingParams
 from common.service.common_api import sampling_params_to_pb
+from gateway.validation import load_served_model
 from protos.pdserve.v1 import decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc
 
 TOKEN_IDS = list(range(1000, 1064))  # ordinary word pieces of the bundled tokenizer
@@ -102,7 +103,8 @@ async def run(args: argparse.Namespace) -> dict:
                                     echo=False)
     os.sched_setaffinity(0, own_cpus)
     try:
-        fake = FakeDecode("decode-fake", gateway.registry_address, token_ids=TOKEN_IDS, record_send_times=True)
+        fake = FakeDecode("decode-fake", gateway.registry_address, token_ids=TOKEN_IDS, record_send_times=True,
+                          model_name=load_served_model(None).name)
         await fake.start()
         try:
             latency = await measure_latency(gateway.address, fake, args.latency_requests,

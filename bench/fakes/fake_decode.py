@@ -114,7 +114,12 @@ class FakeDecode:
     async def start(self) -> None:
         await self._server.start()
         self._registration = asyncio.create_task(self._registry_client.run())
-        await self._registry_client.registered.wait()
+        registered = asyncio.create_task(self._registry_client.registered.wait())
+        await asyncio.wait({self._registration, registered}, return_when=asyncio.FIRST_COMPLETED)
+        if not registered.done():  # the gateway refused it (other model, token): say why
+            registered.cancel()
+            await self._server.stop(None)
+            self._registration.result()
 
     async def stop(self, grace_s: float | None = None) -> None:
         if self._registration is not None:

@@ -54,6 +54,7 @@ DELEGATED_BENCH = {
     "overhead": ("bench.overhead", "the gateway's own cost per token, against a fake decode instance"),
     "executor": ("bench.executor_overhead", "the multi-process executor's cost per step at TP 1, against uni"),
     "chaos": ("bench.chaos", "fault injection on a real stack: kills, stops, drains, restarts, scaling, abort storm"),
+    "bounds": ("bench.bounds", "what a request at the documented bounds costs a normal request beside it"),
     "overload": ("bench.overload", "offered load past capacity: completed, refused (429) and failed, latency"),
     "pipeline": ("bench.pipeline", "pipeline parallelism: one batch per stage in flight vs one at a time vs one rank"),
     "placement-sim": ("bench.placement_sim",
