@@ -27,8 +27,8 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import time
+from pathlib import Path
 
 import grpc
 
@@ -158,10 +158,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {pace['pace_ms']:g} | {row['neighbour']} | {row['median_e2e_ms']} | {row['max_e2e_ms']} | "
                   f"{row['slowdown_vs_normal_neighbour']:+.1%} | {row['slowdown_vs_alone']:+.1%} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -15,7 +15,8 @@ free afterwards. Scenarios, in order (each leaves the stack with 1 prefill + 1 d
 - kill-decode-while-streaming: SIGKILL the only decode instance after first tokens;
   streams end UNAVAILABLE, readiness goes NOT_SERVING, and SERVING once a new one joins.
 - stop-decode-while-streaming: SIGSTOP a decode instance (2 running) after first tokens;
-  the gateway drops it after missed heartbeats and ends or re-places its calls.
+  the channel's keepalive finds it silent, the gateway drops it and ends or re-places its
+  calls (failed_ended_after_s: when the last of the frozen one's requests ended).
 - drain-decode: SIGTERM a decode instance (2 running) with requests in flight; they finish.
 - restart-prefill: SIGTERM the prefill instance, start a new one; requests then succeed.
 - scale-decode: 1 -> 3 -> 1 decode instances, three times, with traffic in between; the
