@@ -117,6 +117,7 @@ async def measure_pace(stub, fake: FakeDecode, pace_ms: float, args: argparse.Na
 
 
 async def run(args: argparse.Namespace) -> dict:
+    machine = machine_info(2).model_dump()  # before this process pins itself to one core
     cpus = sorted(os.sched_getaffinity(0))
     gateway_cpu, own_cpus = ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 else (set(cpus), set(cpus))
     gateway = start_gateway_process(["--port", "0", "--log-level", "WARNING"], cpus=gateway_cpu, echo=False)
@@ -135,7 +136,7 @@ async def run(args: argparse.Namespace) -> dict:
             await fake.stop()
     finally:
         gateway.stop()
-    return {"benchmark": "bounds", "when": now_iso(), "machine": machine_info(2).model_dump(),
+    return {"benchmark": "bounds", "when": now_iso(), "machine": machine,
             "config": {"requests": args.requests, "tokens": args.tokens, "gateway_cpus": sorted(gateway_cpu),
                        "target_slowdown": TARGET_SLOWDOWN}, "paces": paces}
 
