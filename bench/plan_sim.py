@@ -12,8 +12,10 @@ that the code itself can decide:
 - the gateway's own objects place each request: `InstanceRegistry` with heartbeats,
   `LoadLedger` charges and releases, `KvIndex` fed by the prefill instances' real KV
   events (after `event_lag_s`), the prefix-aware prefill policy and decode by load
-  (gateway.routing), and admission of max_running_per_decode requests per decode
-  instance, the rest queued in arrival order (gateway/admission.py);
+  (gateway.routing), and admission per pool as gateway/admission.py does it:
+  max_running_per_decode requests per decode instance for their whole life, then
+  max_running_per_prefill per prefill instance until their first token, the rest of each
+  queued in arrival order;
 - a request's path is the disaggregated one: decode reserves a seat and blocks between
   its steps, the prefill instance runs the prompt (max_tokens 1), the KV moves for the
   profile's transfer time, and the request joins decode's batch at decode's next step
@@ -213,6 +215,7 @@ class Simulation:
     profile: Profile
     requests: list[SimRequest]
     max_running_per_decode: int | None = None  # gateway admission; default: decode's max_num_seqs
+    max_running_per_prefill: int = 64  # gateway admission to the prefill pool (its default); <= 0: none
     heartbeat_interval_s: float = 1.0
     event_lag_s: float = 0.005
     loop: EventLoop = field(default_factory=EventLoop)
@@ -237,6 +240,11 @@ class Simulation:
         self.cap = (self.max_running_per_decode or d.decode_shape.max_num_seqs) * d.num_decode
         self.in_flight = 0
         self.gateway_queue: deque[SimRequest] = deque()
+        # The gateway's prefill pool queue: a slot from decode admission to the first token.
+        self.prefill_cap = (self.max_running_per_prefill * d.num_prefill
+                            if self.max_running_per_prefill > 0 and d.num_prefill else None)
+        self.in_prefill: set[str] = set()
+        self.prefill_queue: deque[SimRequest] = deque()
         self.by_id = {r.req_id: r for r in self.requests}
         self.charges: dict[str, PlacementCharge] = {}
         self.decode_of: dict[str, SimEngine] = {}
@@ -258,12 +266,26 @@ class Simulation:
 
     def _arrive(self, request: SimRequest) -> None:
         if self.in_flight < self.cap:
-            self._dispatch(request)
+            self._admit_decode(request)
         else:
             self.gateway_queue.append(request)
 
-    def _dispatch(self, request: SimRequest) -> None:
+    def _admit_decode(self, request: SimRequest) -> None:
         self.in_flight += 1
+        if self.prefill_cap is None or len(self.in_prefill) < self.prefill_cap:
+            self._dispatch(request)
+        else:
+            self.prefill_queue.append(request)
+
+    def _prefill_done(self, req_id: str) -> None:
+        if req_id in self.in_prefill:
+            self.in_prefill.discard(req_id)
+            if self.prefill_queue:
+                self._dispatch(self.prefill_queue.popleft())
+
+    def _dispatch(self, request: SimRequest) -> None:
+        if self.prefill_cap is not None:
+            self.in_prefill.add(request.req_id)
         decode_instance = self.policy.choose_decode(len(request.prompt_ids), self.registry.instances("decode"))
         prefill_instance, block_hashes = choose_remote_prefill(self.policy, self.registry.instances("prefill"),
                                                                request.prompt_ids)
@@ -275,6 +297,7 @@ class Simulation:
                                  SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True),
                                  arrival_time=request.arrival_s)
         if prefill_instance is None:
+            self._prefill_done(request.req_id)  # prefilled on the decode instance
             decode.call(lambda: decode.scheduler.add_request(engine_request))
             return
         prefill = self.engines[prefill_instance.instance_id]
@@ -307,14 +330,16 @@ class Simulation:
             if request.first_token_s is None:
                 request.first_token_s = now
                 self.charges[output.req_id].release_prefill()
+                self._prefill_done(output.req_id)
             request.last_token_s = now
             request.num_output_tokens += len(output.new_token_ids)
             if output.finished:
                 self.charges.pop(output.req_id).release()
                 self.num_unfinished -= 1
                 self.in_flight -= 1
+                self._prefill_done(output.req_id)
                 if self.gateway_queue:
-                    self._dispatch(self.gateway_queue.popleft())
+                    self._admit_decode(self.gateway_queue.popleft())
 
     def _publish_kv_events(self, engine: SimEngine) -> None:
         events = [encode_event(e) for e in engine.kv.take_events()]
@@ -342,6 +367,6 @@ class Simulation:
 
 
 def simulate(deployment: Deployment, profile: Profile, requests: list[SimRequest],
-             max_running_per_decode: int | None = None) -> SimResult:
+             max_running_per_decode: int | None = None, max_running_per_prefill: int = 64) -> SimResult:
     fresh = [SimRequest(r.req_id, r.arrival_s, r.prompt_ids, r.output_len) for r in requests]
-    return Simulation(deployment, profile, fresh, max_running_per_decode).run()
+    return Simulation(deployment, profile, fresh, max_running_per_decode, max_running_per_prefill).run()

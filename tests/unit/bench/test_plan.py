@@ -21,7 +21,7 @@ from bench.plan import (
     make_requests,
     mg1_wait_quantile,
 )
-from bench.plan_sim import Deployment, InstanceShape, simulate
+from bench.plan_sim import Deployment, InstanceShape, SimRequest, simulate
 from bench.profile import EngineSettings, LinearFit, Machine, Profile, Versions
 
 
@@ -70,6 +70,20 @@ def test_simulated_prefill_queue_waits_as_md1():
     assert len(ttfts) == 3000 and ttfts.min() == pytest.approx(0.1)  # S, nothing else on an idle system
     assert ttfts.mean() - 0.1 == pytest.approx(0.05, rel=0.15)  # P-K mean wait at rho 0.5
     assert result.prefill_utilisation == pytest.approx(0.5, abs=0.03)
+
+
+def test_simulated_prefill_admission_lets_one_prompt_at_a_time_reach_the_prefill_instance():
+    # Four 100-token prompts at t = 0; one prefill step of any size takes 0.1 s. Unlimited,
+    # the first starts a step alone and the other three share the next (TTFT 0.1, then
+    # 0.2 s each); with one prefill slot per instance the gateway holds each back until the
+    # one before has its first token: 0.1, 0.2, 0.3, 0.4 s.
+    profile = synthetic_profile(prefill_intercept_s=0.1)
+    shape = InstanceShape(max_num_seqs=64, max_num_batched_tokens=1000, num_kv_blocks=4096, max_model_len=512)
+    requests = [SimRequest(f"r{i}", 0.0, list(range(1000 * i, 1000 * i + 100)), 1) for i in range(4)]
+    unlimited = simulate(Deployment(1, 1, shape, shape), profile, requests, max_running_per_prefill=0)
+    one_slot = simulate(Deployment(1, 1, shape, shape), profile, requests, max_running_per_prefill=1)
+    assert sorted(unlimited.samples("ttft")) == pytest.approx([0.1, 0.2, 0.2, 0.2])
+    assert sorted(one_slot.samples("ttft")) == pytest.approx([0.1, 0.2, 0.3, 0.4])
 
 
 def test_simulated_decode_batch_obeys_littles_law():
