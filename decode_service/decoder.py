@@ -118,7 +118,7 @@ class Decoder:
             await self.engine.compile_structured_output(request.sampling_params)
             admission = await admit_when_id_free(lambda: self.engine.call(lambda core: admit(
                 core, request, bool(job.prefill_address), self.local_prefill_threshold, transfer_id,
-                self.remote_window_s)), job.req_id)
+                self.remote_window_s)))
         except ValueError as e:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if admission.placement is Placement.FULL:

@@ -67,7 +67,7 @@ class Prefiller:
         with stream:
             try:
                 await self.engine.compile_structured_output(request.sampling_params)
-                await admit_when_id_free(lambda: self.engine.call(lambda core: admit(core, request)), job.req_id)
+                await admit_when_id_free(lambda: self.engine.call(lambda core: admit(core, request)))
             except ValueError as e:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             timeout = None if export is None else export.target.deadline - _now()

@@ -53,8 +53,7 @@ def new_request(req_id: str, prompt_token_ids: list[int], params: SamplingParams
     return Request(req_id, prompt_token_ids, params, eos_token_ids=eos, priority=priority)
 
 
-async def admit_when_id_free(admit: Callable[[], Awaitable[T]], req_id: str,
-                             wait_s: float = ID_RELEASE_WAIT_S) -> T:
+async def admit_when_id_free(admit: Callable[[], Awaitable[T]], wait_s: float = ID_RELEASE_WAIT_S) -> T:
     """admit(), retried with backoff while the engine still holds an earlier request of
     this id (DuplicateRequestError, RequestIdReleasingError) for up to wait_s; then
     ALREADY_EXISTS saying so."""
@@ -77,4 +76,4 @@ async def open_stream_when_id_free(engine, req_id: str):
     earlier request of the id is still being released."""
     async def open_stream():
         return engine.open_stream(req_id)
-    return await admit_when_id_free(open_stream, req_id)
+    return await admit_when_id_free(open_stream)
