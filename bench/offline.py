@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from common.engine.compilation import num_compiled_graphs
     from common.engine.llm import LLM
+    from common.engine.models.prepacked_linear import model_weight_bytes
 
     vllm_python = None
     if "vllm" in peers:  # fail before minutes of our own run, not after
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                           "dtype": dtype}
     graphs_after_warm_up = num_compiled_graphs()
     cfg = llm.engine.model_config
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weight_bytes = model_weight_bytes(runner.model)
     num_params = cfg.num_params()
     workload = make_workload(args.num_requests, args.seed, cfg.vocab_size, args.min_prompt, args.max_prompt,
                              args.min_output, args.max_output)

@@ -1,13 +1,16 @@
 """The compiled model path: torch.compile (inductor) around the model's forward pass.
 
 Attention is the split point (an opaque custom op, common.engine.models.attention),
-so inductor fuses everything between attentions — norms, RoPE, SiLU, residuals —
-and, with freezing, treats the weights as constants and prepacks the linears
-(oneDNN on CPU, which uses AMX / AVX512-BF16 for bf16). The token dimension is
-dynamic: one graph serves every batch after warm-up (plus the one-token graph the
-compiler specialises), so a run of varied batches does not recompile. Compiled
-code is cached on disk (inductor's FX-graph and autotune caches, under the
-pdserve cache directory) so a restart skips code generation.
+so inductor fuses everything between attentions — norms, RoPE, SiLU, residuals. On
+CPU the linears are packed once for oneDNN before compiling (models.prepacked_linear,
+which uses AMX / AVX512-BF16 for bf16) and reached through a custom op, so the graphs
+hold no weights: inductor's freezing, which would pack them instead, embeds mkldnn
+constants its caches cannot store, and every start would recompile. The token
+dimension is unbacked (ModelRunner.warm_up): one forward graph and one logits graph
+serve every batch, one token included, so a run of varied batches does not recompile.
+Compiled code is cached on disk (inductor's FX-graph and AOT-autograd caches, under
+the pdserve cache directory), so a restart only traces the model (~3 s for SmolLM2)
+and loads the code.
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from common.engine.models.prepacked_linear import prepack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -59,16 +64,21 @@ def compile_forward(model: torch.nn.Module, device: torch.device, enforce_eager:
     cache_dir = compile_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
-    inductor_config.freezing = True  # weights become constants: linears prepacked once
     inductor_config.fx_graph_cache = True
-    logger.info("model compiled with torch.compile (inductor, freezing; cache %s)", cache_dir)
+    # A float traced as a symbol (the RMSNorm eps, the attention scale) made dynamo
+    # restart its whole trace once the compiler turned it back into a constant.
+    torch._dynamo.config.specialize_float = True
+    torch._dynamo.config.run_gc_after_compile = False  # ~0.5 s per graph; the engine allocates little
+    num_prepacked = prepack_linears(model)
+    logger.info("model compiled with torch.compile (inductor; %d linears prepacked for oneDNN; cache %s)",
+                num_prepacked, cache_dir)
     return torch.compile(model, dynamic=True, fullgraph=True)
 
 
 def compile_logits(model: torch.nn.Module, forward: Callable) -> Callable:
     """model.compute_logits, compiled alongside a compiled forward (its own graph: it runs on
-    the sampled rows only). With freezing the LM head's weight is prepacked like the other
-    linears, which matters most where it is tied to the embedding: eager it is a plain
+    the sampled rows only). compile_forward has packed the LM head's weight like the other
+    linears, which matters most where it is tied to the embedding: unpacked it is a plain
     GEMV over the whole vocabulary (~40% slower on CPU for SmolLM2's 49k x 576 bf16)."""
     if forward is model:  # eager
         return model.compute_logits

@@ -164,13 +164,15 @@ class ModelRunner:
 
     @torch.inference_mode()  # as execute_model: inference tensors, or dynamo's guards differ
     def warm_up(self) -> None:
-        """Compile the forward pass and the logits before the first request: the graphs
-        dynamo specialises for one token (row) and the dynamic ones every larger step shares."""
+        """Compile the forward pass and the logits before the first request: one graph each,
+        for every number of tokens (rows). The token dimension is marked unbacked: a
+        dynamic ("backed") size would still be specialised at 1, and the one-token graph
+        would double the compile time; an unbacked one has no size guard at all."""
         if self.forward is self.model or not self.kv_caches:
             return
         started = time.perf_counter()
         graphs_before = num_compiled_graphs()
-        for num_tokens in (1, 2):
+        for num_tokens in (1, 2):  # the second call checks that the first graph serves it
             # One prompt whose K/V go nowhere (slot -1), reading block 0: nothing is cached yet.
             meta = AttentionMetadata(
                 slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
@@ -181,10 +183,13 @@ class ModelRunner:
                 max_prefill_query_len=num_tokens, max_prefill_seq_len=num_tokens)
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
             positions = torch.arange(num_tokens, device=self.device)
+            torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+            torch._dynamo.decorators.mark_unbacked(positions, 0)
             with forward_context(meta):
                 hidden = self.forward(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
             if self.model.is_last_stage:
-                self.compute_logits(hidden)  # the one-row graph and the dynamic one, as the forward's
+                torch._dynamo.decorators.mark_unbacked(hidden, 0)
+                self.compute_logits(hidden)
         logger.info("compiled the model in %.1f s (%d graphs)", time.perf_counter() - started,
                     num_compiled_graphs() - graphs_before)
 

@@ -55,6 +55,8 @@ class CausalLM(nn.Module):
         head_is_embedding = cfg.tie_word_embeddings and self.embed_tokens is not None
         self.lm_head = (ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
                         if self.is_last_stage and not head_is_embedding else None)
+        # The head's weight packed for the CPU's matmul units (models.prepacked_linear); None: use the weight.
+        self.prepacked_head: nn.Module | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -78,8 +80,11 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_seqs, hidden_size] -> logits [num_seqs, vocab_size] in fp32 (on every
         TP rank of the last stage: each computes its vocabulary slice, then they gather)."""
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = parallel_logits(hidden, head.weight, self.config.vocab_size, head.tp_size).float()
+        if self.prepacked_head is not None:
+            logits = self.prepacked_head(hidden)[:, :self.config.vocab_size].float()
+        else:
+            head = self.embed_tokens if self.lm_head is None else self.lm_head
+            logits = parallel_logits(hidden, head.weight, self.config.vocab_size, head.tp_size).float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -1,7 +1,12 @@
 """The compiled model path: same tokens as eager, no recompiles after warm-up, the fallbacks."""
 from __future__ import annotations
 
+import gc
+import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,6 +14,7 @@ import torch
 from common.engine import compilation
 from common.engine.compilation import num_compiled_graphs
 from common.engine.llm import LLM
+from common.engine.models.prepacked_linear import PrepackedLinear
 from common.engine.sampling_params import SamplingParams
 
 # Compiled and eager differ only in summation order (fused kernels): fp32 logprobs agree
@@ -17,14 +23,19 @@ LOGPROB_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_factory):
+def engines(tiny_model_factory, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.delenv("PDSERVE_ENFORCE_EAGER", raising=False)
+    # A cache of this module's own, which the compiled engine below fills (the restart test reads it).
+    mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
     model_dir = tiny_model_factory("tiny-llama", "llama")
     # A small token budget makes long prompts chunk: steps mix prefill chunks and decodes.
     options = dict(dtype="float32", max_num_batched_tokens=64, kv_cache_memory="64MiB")
+    gc.collect()  # packed weights of earlier tests' models free their table slots
     compiled = LLM(str(model_dir), **options)
     compiled.graphs_after_warm_up = num_compiled_graphs()
+    compiled.cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    compiled.model_dir = model_dir
     eager = LLM(str(model_dir), enforce_eager=True, **options)
     mp.undo()
     yield compiled, eager
@@ -81,3 +92,32 @@ def test_environment_can_force_eager(monkeypatch):
     monkeypatch.setenv("PDSERVE_ENFORCE_EAGER", "1")
     model = torch.nn.Linear(2, 2)
     assert compilation.compile_forward(model, torch.device("cpu"), enforce_eager=False) is model
+
+
+# Builds the same compiled engine in a fresh process and prints what inductor's caches did.
+_RESTART_SCRIPT = """
+import json, sys
+from torch._dynamo.utils import counters
+from common.engine.llm import LLM
+LLM(sys.argv[1], dtype="float32", max_num_batched_tokens=64, kv_cache_memory="64MiB")
+print(json.dumps({k: dict(counters[k]) for k in ("inductor", "aot_autograd", "stats")}))
+"""
+
+
+def test_a_restart_loads_every_graph_from_the_on_disk_cache(engines):
+    compiled, _ = engines
+    runner = compiled.engine.executor.runner
+    # The graphs name packed weights by table slot: a restart matches the cache only if
+    # this process numbered them from 0 too (no packed model of an earlier test alive).
+    assert min(m.weight_id for m in runner.model.modules() if isinstance(m, PrepackedLinear)) == 0
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_ENFORCE_EAGER"}
+    env["TORCHINDUCTOR_CACHE_DIR"] = compiled.cache_dir
+    done = subprocess.run([sys.executable, "-c", _RESTART_SCRIPT, str(compiled.model_dir)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    warm = json.loads(done.stdout.strip().splitlines()[-1])
+    # One graph for the forward and one for the logits, whatever the number of tokens.
+    assert warm["stats"]["unique_graphs"] == 2
+    assert warm["inductor"].get("fxgraph_cache_hit") == 2
+    assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert warm["aot_autograd"].get("autograd_cache_hit") == 2

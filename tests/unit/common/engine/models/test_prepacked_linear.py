@@ -1,0 +1,95 @@
+"""Prepacked linears: the same product as F.linear, eagerly and compiled, a weight table
+that numbers a model's weights the same way in every process, and the model pass."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.engine.config import ModelConfig
+from common.engine.model_files import load_hf_config
+from common.engine.model_runner import load_model
+from common.engine.models import prepacked_linear
+from common.engine.models.prepacked_linear import PrepackedLinear, prepack_linears, prepacking_available
+
+pytestmark = pytest.mark.skipif(not prepacking_available(torch.float32), reason="oneDNN cannot pack here")
+
+# fp32 oneDNN and the default GEMM differ in summation order only; bf16 results are
+# rounded to bf16 (one ulp at |y| ~ 10 is 0.0625).
+TOLERANCES = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-1)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, 7, 130])
+def test_prepacked_linear_matches_f_linear(dtype, with_bias, num_tokens):
+    if not prepacking_available(dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} here")
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype) if with_bias else None
+    x = torch.randn(num_tokens, 64, dtype=dtype)
+    layer = PrepackedLinear(weight, bias)
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), **TOLERANCES[dtype])
+    # The packed copy is the module's own: changing the source weight changes nothing.
+    before = layer(x)
+    weight.zero_()
+    torch.testing.assert_close(layer(x), before, rtol=0, atol=0)
+
+
+def test_a_freed_weights_slot_is_reused_so_a_process_numbers_weights_the_same_way():
+    gc.collect()
+    first = [PrepackedLinear(torch.randn(8, 4), None) for _ in range(3)]
+    ids = [layer.weight_id for layer in first]
+    assert ids == sorted(ids) and len(set(ids)) == 3
+    del first
+    gc.collect()
+    again = [PrepackedLinear(torch.randn(8, 4), None) for _ in range(3)]
+    assert [layer.weight_id for layer in again] == ids
+
+
+def test_a_compiled_graph_reaches_the_packed_weight_through_the_op():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(32, 16), torch.randn(32)
+    layer = PrepackedLinear(weight, bias)
+
+    def block(x):  # [num_tokens, 16] -> [num_tokens, 32]
+        return F.silu(layer(x * 2.0)) + 1.0
+
+    compiled = torch.compile(block, dynamic=True, fullgraph=True)
+    for num_tokens in (1, 5, 33):
+        x = torch.randn(num_tokens, 16)
+        torch.testing.assert_close(compiled(x), F.silu(F.linear(x * 2.0, weight, bias)) + 1.0,
+                                   **TOLERANCES[torch.float32])
+
+
+def _tiny_model(model_dir):
+    config = ModelConfig.from_hf_config(load_hf_config(model_dir))
+    return load_model(config, model_dir, torch.device("cpu"), torch.float32)
+
+
+def test_prepack_linears_replaces_every_projection_and_packs_the_head(tiny_llama_dir):
+    torch.manual_seed(0)
+    model = _tiny_model(tiny_llama_dir)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    inputs = {name: torch.randn(3, m.in_features) for name, m in linears.items()}
+    hidden = torch.randn(3, model.config.hidden_size)
+    with torch.inference_mode():
+        want = {name: m(inputs[name]) for name, m in linears.items()}
+        want_logits = model.compute_logits(hidden)
+        assert prepack_linears(model) == len(linears) + 1  # the projections and the (tied) head
+        for name, x in inputs.items():
+            assert isinstance(model.get_submodule(name), PrepackedLinear)
+            torch.testing.assert_close(model.get_submodule(name)(x), want[name], **TOLERANCES[torch.float32])
+        logits = model.compute_logits(hidden)  # [3, vocab_size], the padding rows cut
+    assert logits.shape == (3, model.config.vocab_size)
+    torch.testing.assert_close(logits, want_logits, **TOLERANCES[torch.float32])
+
+
+def test_nothing_is_packed_where_onednn_cannot(monkeypatch, tiny_llama_dir):
+    model = _tiny_model(tiny_llama_dir)
+    monkeypatch.setattr(prepacked_linear, "prepacking_available", lambda dtype: False)
+    assert prepack_linears(model) == 0
+    assert model.prepacked_head is None
+    assert any(isinstance(m, torch.nn.Linear) for m in model.modules())
