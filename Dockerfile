@@ -113,7 +113,7 @@ RUN set -eux; \
     groupadd --system --gid 10001 pdserve; \
     useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/pdserve \
             --shell /usr/sbin/nologin pdserve; \
-    mkdir -p /var/cache/pdserve/models; \
+    mkdir -p /var/cache/pdserve/models /var/cache/pdserve/compile; \
     chown -R pdserve:pdserve /var/cache/pdserve
 
 # g++ compiles the native CPU attention kernel on a process's first attention call
@@ -135,12 +135,14 @@ COPY --from=build /app /app
 # PDSERVE_HOST: listen on every interface inside the container (the services' own
 # default is loopback). PDSERVE_MODEL_CACHE: the converted model goes to a volume
 # mounted there (compose.yaml's `model-cache`), so it is converted once.
+# TORCHINDUCTOR_CACHE_DIR: compiled model code, on a volume too (`compile-cache`).
 ENV PATH=/app/bin:/opt/pdserve/bin:$PATH \
     PYTHONPATH=/app \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PDSERVE_HOST=0.0.0.0 \
     PDSERVE_MODEL_CACHE=/var/cache/pdserve/models \
+    TORCHINDUCTOR_CACHE_DIR=/var/cache/pdserve/compile \
     HOME=/home/pdserve
 
 USER pdserve:pdserve

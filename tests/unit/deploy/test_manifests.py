@@ -318,6 +318,8 @@ def test_compose_config_accepted_and_env_honoured(files, monkeypatch):
             service["healthcheck"]["test"] == ["CMD", "pdserve-healthcheck"]
         assert any(v["source"] == "model-cache" and v["target"] == "/var/cache/pdserve/models"
                    for v in service["volumes"])
+        assert any(v["source"] == "compile-cache" and v["target"] == "/var/cache/pdserve/compile"
+                   for v in service["volumes"])
         env = service_env(service)
         assert {k: env[k] for k in shared} == shared or "compose.gpu.yaml" in files
         own = {k for k in env if k not in shared or env[k] != shared[k]}
