@@ -15,7 +15,12 @@ from __future__ import annotations
 import torch
 
 from kernels._backend import check_float_dtype, check_int32_1d, check_last_dim_contiguous, select_backend
-from kernels.cpu_attention import cpu_attention_backend, decode_attention_native, prefill_attention_native
+from kernels.cpu_attention import (
+    attention_with_kv_write_native,
+    cpu_attention_backend,
+    decode_attention_native,
+    prefill_attention_native,
+)
 from kernels.torch_attention import decode_attention_torch, prefill_attention_torch
 
 
@@ -92,6 +97,34 @@ def prefill_attention(
                                         sliding_window=sliding_window, logit_softcap=logit_softcap)
     return prefill_attention_torch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                    scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
+
+
+def attention_with_kv_write(
+    q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], decodes are queries of length 1
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], the new tokens' keys
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], their values
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, < 0 means skip (padding)
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context_len + query_len
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor | None:  # [num_tokens, num_q_heads, head_dim]
+    """write_kv_cache, then prefill_attention over the whole step (decodes and chunks alike),
+    in one native CPU call: a decode step's per-layer cost is mostly the Python and
+    dispatch around the kernel (~50 us per layer split in three calls, ~15 us fused).
+    None where that kernel does not serve this call (not CPU, the torch path chosen, or
+    caches that are not contiguous): the caller then makes the separate calls."""
+    if q.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    if _backend_for(q.device, None, sliding_window, logit_softcap) != "native":
+        return None
+    _check_layer_features(sliding_window, logit_softcap)
+    return attention_with_kv_write_native(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start_loc,
+                                          seq_lens, scale, sliding_window, logit_softcap)
 
 
 def _check_layer_features(sliding_window: int | None, logit_softcap: float | None) -> None:

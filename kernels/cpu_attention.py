@@ -39,6 +39,7 @@ def native_attention_error() -> str | None:
             log.warning("native CPU paged attention unavailable, using the torch path: %s", e)
             return str(e)
         torch.library.register_fake("pdserve_cpu::paged_attention")(_paged_attention_fake)
+        torch.library.register_fake("pdserve_cpu::paged_attention_with_kv_write")(_with_kv_write_fake)
         return None
 
 
@@ -63,6 +64,11 @@ def cpu_attention_backend() -> str:
 
 def _paged_attention_fake(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                           sliding_window, logit_softcap):
+    return q.new_empty(q.shape)
+
+
+def _with_kv_write_fake(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, seq_lens, scale,
+                        sliding_window, logit_softcap):
     return q.new_empty(q.shape)
 
 
@@ -95,3 +101,22 @@ def decode_attention_native(
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32)  # [num_seqs + 1]
     return prefill_attention_native(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                                     sliding_window, logit_softcap)
+
+
+def attention_with_kv_write_native(
+    q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], contiguous in head_dim
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], contiguous in head_dim
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, < 0: padding, not written
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+    return torch.ops.pdserve_cpu.paged_attention_with_kv_write(
+        q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, seq_lens, float(scale),
+        sliding_window or 0, float(logit_softcap or 0.0))

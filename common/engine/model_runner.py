@@ -340,6 +340,11 @@ class ModelRunner:
         prefill_start_loc = [0]
         for n in prefill_query_lens:
             prefill_start_loc.append(prefill_start_loc[-1] + n)
+        query_start_loc = [0]
+        for n in query_lens:
+            query_start_loc.append(query_start_loc[-1] + n)
+        # The CPU kernel takes the step as one ragged batch (one call per layer).
+        one_batch = device.type == "cpu" and ordered
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
             num_decode_tokens=num_decodes,
@@ -351,6 +356,9 @@ class ModelRunner:
             prefill_seq_lens=int32(prefill_seq_lens) if prefills else None,
             max_prefill_query_len=max(prefill_query_lens, default=0),
             max_prefill_seq_len=max(prefill_seq_lens, default=0),
+            block_tables=block_tables(ordered) if one_batch else None,
+            query_start_loc=int32(query_start_loc) if one_batch else None,
+            seq_lens=int32(seq_lens) if one_batch else None,
         )
         return (torch.tensor(input_ids, dtype=torch.int64, device=device),
                 torch.tensor(positions, dtype=torch.int64, device=device),

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -374,11 +375,62 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
   return out;
 }
 
+// Writes each new token's K and V at its slot (block * block_size + offset; < 0: padding,
+// skipped), then attends: the whole of one layer's attention in one call.
+at::Tensor paged_attention_with_kv_write(const at::Tensor& q,        // [num_tokens, num_q_heads, head_dim]
+                                         const at::Tensor& k,        // [num_tokens, num_kv_heads, head_dim]
+                                         const at::Tensor& v,        // [num_tokens, num_kv_heads, head_dim]
+                                         const at::Tensor& k_cache,  // [num_blocks, block_size, num_kv_heads, head_dim]
+                                         const at::Tensor& v_cache,  // [num_blocks, block_size, num_kv_heads, head_dim]
+                                         const at::Tensor& slot_mapping,     // [num_tokens] int64
+                                         const at::Tensor& block_tables,     // [num_seqs, max_blocks] int32
+                                         const at::Tensor& query_start_loc,  // [num_seqs + 1] int32
+                                         const at::Tensor& seq_lens,         // [num_seqs] int32
+                                         double scale, int64_t sliding_window, double logit_softcap) {
+  TORCH_CHECK_VALUE(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+                    "bad k/v/cache shapes");
+  TORCH_CHECK_VALUE(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k/v heads do not match the cache");
+  TORCH_CHECK_VALUE(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+                    "k/v dtype differs from the cache's");
+  TORCH_CHECK_VALUE(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+                    "k/v must be contiguous in head_dim and the caches contiguous");
+  TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                        slot_mapping.numel() == k.size(0),
+                    "slot_mapping must be [num_tokens] int64");
+  const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), head_dim = k.size(2);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row_bytes = head_dim * k.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK_VALUE(slots[t] < num_slots, "slot ", slots[t], " of token ", t, " is past the cache's ", num_slots);
+  auto* k_dst = static_cast<char*>(k_cache.data_ptr());
+  auto* v_dst = static_cast<char*>(v_cache.data_ptr());
+  const auto* k_src = static_cast<const char*>(k.data_ptr());
+  const auto* v_src = static_cast<const char*>(v.data_ptr());
+  const int64_t elem = k.element_size();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slots[t] < 0) continue;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t dst = (slots[t] * num_kv_heads + h) * row_bytes;
+      std::memcpy(k_dst + dst, k_src + (t * k.stride(0) + h * k.stride(1)) * elem, row_bytes);
+      std::memcpy(v_dst + dst, v_src + (t * v.stride(0) + h * v.stride(1)) * elem, row_bytes);
+    }
+  }
+  return paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
+                         logit_softcap);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, float scale, int sliding_window, float logit_softcap) -> Tensor");
+  m.def("paged_attention_with_kv_write(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
+        "int sliding_window, float logit_softcap) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_with_kv_write", &paged_attention_with_kv_write);
+}

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from common.engine.forward_context import current_attention_metadata
-from kernels.attention import decode_attention, prefill_attention
+from kernels.attention import attention_with_kv_write, decode_attention, prefill_attention
 from kernels.cache import write_kv_cache
 
 
@@ -31,6 +31,11 @@ class AttentionMetadata:
     # Called with the layer index once the layer's new K/V is in the cache and before
     # attention reads it: the runner's KV-connector work for that layer (None: none).
     kv_layer_hook: Callable[[int], None] | None = None
+    # The whole step as one ragged batch, decodes as queries of length 1, for kernels that
+    # take both in one call (None: not built; the decode/prefill fields above serve).
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] int32, from 0
+    seq_lens: torch.Tensor | None = None  # [num_seqs] int32
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -83,6 +88,11 @@ def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float, layer_idx: int, sliding_window: int | None,
                      logit_softcap: float | None) -> torch.Tensor:
     k_cache, v_cache = kv_cache
+    if meta.query_start_loc is not None and meta.kv_layer_hook is None:
+        out = attention_with_kv_write(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+                                      meta.query_start_loc, meta.seq_lens, scale, sliding_window, logit_softcap)
+        if out is not None:
+            return out
     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.kv_layer_hook is not None:
         meta.kv_layer_hook(layer_idx)

@@ -17,6 +17,8 @@ import torch
 
 from kernels import attention as attention_module
 from kernels import decode_attention, prefill_attention
+from kernels.attention import attention_with_kv_write
+from kernels.cache import write_kv_cache
 from kernels.cpu import build
 from kernels.cpu_attention import cpu_attention_backend, native_attention_error
 from tests.support.paths import REPO_ROOT
@@ -270,3 +272,52 @@ def test_falls_back_to_torch_with_one_log_line_without_a_compiler(tmp_path, mode
         assert done.returncode == 0 and "backend torch" in done.stdout, output
     else:  # forced native: the step fails loudly rather than running the slow path
         assert done.returncode != 0 and "PDSERVE_CPU_ATTENTION=native" in output, output
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("geometry", [(2, 4, 16, 64), (3, 3, 32, 64), (2, 3, 8, 24)],
+                         ids=lambda g: "kv{}x{}-bs{}-d{}".format(*g))
+@pytest.mark.parametrize("features", [dict(), dict(sliding_window=20, logit_softcap=1.0)], ids=_ids)
+def test_attention_with_kv_write_equals_the_write_then_the_attention(dtype, geometry, features):
+    num_kv_heads, ratio, block_size, head_dim = geometry
+    gen = torch.Generator().manual_seed(block_size + head_dim)
+    # Decodes first, then chunks with and without context, as the runner orders a step.
+    shapes = [(37, 1), (0, 1), (130, 1), (0, 45), (50, 20), (3, 40)]
+    seq_lens = [c + n for c, n in shapes]
+    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, block_size, gen, dtype=dtype,
+                                                      num_kv_heads=num_kv_heads, head_dim=head_dim)
+    query_lens = [n for _, n in shapes]
+    num_tokens = sum(query_lens)
+    slots = [int(block_tables[i, p // block_size]) * block_size + p % block_size
+             for i, (c, n) in enumerate(shapes) for p in range(c, c + n)]
+    slots[5] = -1  # padding: computed, never written
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    num_q_heads = num_kv_heads * ratio
+    # k and v as the model has them: strided views into one qkv projection output.
+    qkv = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    query_start_loc = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv_cache(k, v, k_ref, v_ref, slot_mapping, backend="torch")
+    want = prefill_attention(q, k_ref, v_ref, block_tables, query_start_loc, seq_lens_t, head_dim ** -0.5,
+                             backend="torch", **features)
+    got = attention_with_kv_write(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start_loc,
+                                  seq_lens_t, head_dim ** -0.5, **features)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert rel_err(got, want) < TOLERANCE[dtype]
+
+
+def test_attention_with_kv_write_refuses_a_slot_past_the_cache_and_declines_other_paths(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache, block_tables, _, _ = make_paged([5], 16, gen)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    q = torch.randn(1, num_kv_heads, head_dim)
+    k = v = torch.randn(1, num_kv_heads, head_dim)
+    args = (block_tables, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([5], dtype=torch.int32), 0.125)
+    with pytest.raises(ValueError, match="past the cache"):
+        attention_with_kv_write(q, k, v, k_cache, v_cache, torch.tensor([k_cache.shape[0] * 16]), *args)
+    # Not the native path: None, and the caller writes and attends separately.
+    monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "torch")
+    assert attention_with_kv_write(q, k, v, k_cache, v_cache, torch.tensor([4]), *args) is None

@@ -112,6 +112,9 @@ def test_a_restart_loads_every_graph_from_the_on_disk_cache(engines):
     assert min(m.weight_id for m in runner.model.modules() if isinstance(m, PrepackedLinear)) == 0
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_ENFORCE_EAGER"}
     env["TORCHINDUCTOR_CACHE_DIR"] = compiled.cache_dir
+    # Inductor's CPU code is generated for the thread count, which is part of its cache key
+    # (an earlier test of this process may have changed it).
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     done = subprocess.run([sys.executable, "-c", _RESTART_SCRIPT, str(compiled.model_dir)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
