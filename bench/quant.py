@@ -49,7 +49,9 @@ REFERENCE_ARM = "none-fp32"
 
 
 def model_bytes(model: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    """Weights (packed linears included, the packed copy of a tied head once) and buffers."""
+    from common.engine.models.prepacked_linear import model_weight_bytes
+    return model_weight_bytes(model) + sum(t.numel() * t.element_size() for t in model.buffers())
 
 
 @torch.inference_mode()
