@@ -421,16 +421,20 @@ def bench_serve_args(traffic: Traffic, num_prompts: int, seed: int) -> list[str]
 
 
 def measure_on_stack(deployment: Deployment, traffic: Traffic, shape: InstanceShape, kv_cache_memory: str,
-                     num_prompts: int, seed: int, workdir: Path, threads_per_instance: int = 1) -> dict:
+                     num_prompts: int, seed: int, workdir: Path, threads_per_instance: int = 1,
+                     dtype: str = "auto") -> dict:
     """Start the deployment as a LocalStack (`pdserve up`), every engine with the plan's
-    settings and the profile's threads, decode never prefilling a prompt when a prefill
+    settings and the profile's threads and dtype, decode never prefilling a prompt when a prefill
     instance is alive (--local-prefill-threshold 0, as the simulation assumes), then
     run `pdserve bench serve` at the planned traffic. Returns bench serve's figures."""
     from bench.serve.main import main as bench_serve
     from common.cli.up import LocalStack
     flags = ["--max-num-seqs", str(shape.max_num_seqs), "--max-num-batched-tokens", str(shape.max_num_batched_tokens),
              "--kv-cache-memory", kv_cache_memory, "--max-running-per-decode", str(shape.max_num_seqs),
-             "--local-prefill-threshold", "0", "--log-level", "WARNING"]
+             "--local-prefill-threshold", "0", "--log-level", "WARNING", "--dtype", dtype,
+             # The profile's threads: `up` would otherwise give each engine its share of the
+             # host's cores (a lone instance two threads on two cores, faster than profiled).
+             "--num-threads", str(threads_per_instance)]
     out = workdir / f"serve-{deployment.label().replace(' ', '')}.json"
     with LocalStack(deployment.num_prefill, deployment.num_decode, passthrough=flags, http_port=None,
                     env={"OMP_NUM_THREADS": str(threads_per_instance)}, log_dir=workdir) as stack:
@@ -443,12 +447,14 @@ def measure_on_stack(deployment: Deployment, traffic: Traffic, shape: InstanceSh
 
 
 def validate(plan: Plan, traffic: Traffic, slo: Slo, shape: InstanceShape, kv_cache_memory: str,
-             num_prompts: int, seed: int, workdir: Path, repeats: int = 1) -> list[dict]:
+             num_prompts: int, seed: int, workdir: Path, repeats: int = 1, threads_per_instance: int = 1,
+             dtype: str = "auto") -> list[dict]:
     """Predicted vs measured percentiles for the chosen deployment and each one smaller.
     With repeats > 1 the deployments take turns (A, B, A, B, ...) so that load from other
     work on the machine, which drifts over minutes, falls on each alike; the measured
     figure is the median over the repeats (each repeat's is kept, with the load average
-    when it started)."""
+    when it started). threads_per_instance and dtype: the profile's, so that the stacks run
+    the engine the predictions were made for."""
     import os
     candidates = [plan.chosen, *plan.smaller]
     runs: dict[str, list[dict]] = {c.deployment.label(): [] for c in candidates}
@@ -456,7 +462,8 @@ def validate(plan: Plan, traffic: Traffic, slo: Slo, shape: InstanceShape, kv_ca
         for candidate in candidates:
             load_average = os.getloadavg()[0]
             measured = measure_on_stack(candidate.deployment, traffic, shape, kv_cache_memory, num_prompts,
-                                        seed + repeat, workdir)
+                                        seed + repeat, workdir, threads_per_instance=threads_per_instance,
+                                        dtype=dtype)
             measured["load_average_at_start"] = round(load_average, 2)
             runs[candidate.deployment.label()].append(measured)
             print(json.dumps({"deployment": candidate.deployment.label(), "repeat": repeat,
@@ -602,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(args.validate_dir or tempfile.mkdtemp(prefix="pdserve-plan-"))
         workdir.mkdir(parents=True, exist_ok=True)
         report["validation"] = validate(plan, traffic, slo, shape, args.kv_cache_memory, args.validate_prompts,
-                                        args.seed, workdir, args.validate_repeats)
+                                        args.seed, workdir, args.validate_repeats,
+                                        threads_per_instance=profile.machine.num_threads, dtype=profile.engine.dtype)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")

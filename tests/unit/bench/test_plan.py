@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -211,13 +212,16 @@ def test_validation_takes_turns_and_reports_the_median(monkeypatch, tmp_path):
     measured_p90 = {"3P:1D": [200.0, 260.0, 240.0], "2P:1D": [900.0, 700.0, 800.0], "3P:0D": []}
 
     def fake_stack(deployment, *args, **kwargs):
+        # The stacks run the engine the profile measured: its dtype and threads.
+        assert (kwargs["dtype"], kwargs["threads_per_instance"]) == ("float32", 2)
         label = deployment.label()
         order.append(label)
         ttft = measured_p90[label][sum(1 for x in order if x == label) - 1]
         return {"completed": 10, "failed": 0, **{f"p{p}_{m}_ms": ttft if m == "ttft" else 20.0
                                                  for m in ("ttft", "tpot") for p in (50, 90, 99)}}
     monkeypatch.setattr(plan_module, "measure_on_stack", fake_stack)
-    rows = plan_module.validate(plan, traffic, slo, options.shape, "1GiB", 10, 0, tmp_path, repeats=3)
+    rows = plan_module.validate(plan, traffic, slo, options.shape, "1GiB", 10, 0, tmp_path, repeats=3,
+                                threads_per_instance=2, dtype="float32")
     assert order == ["3P:1D", "2P:1D"] * 3  # turns: drifting load falls on both alike
     chosen, smaller = rows
     assert chosen["p90_ttft_ms"]["measured"] == 240.0 and chosen["measured_meets_slo"]
@@ -235,3 +239,36 @@ def test_colocated_overlay_empties_the_prefill_pool_and_drops_its_autoscaler():
     assert by_kind_name[("Deployment", "pdserve-prefill")]["spec"]["replicas"] == 0
     assert by_kind_name[("HorizontalPodAutoscaler", "pdserve-prefill")]["$patch"] == "delete"
     assert by_kind_name[("HorizontalPodAutoscaler", "pdserve-decode")]["spec"] == {"minReplicas": 1, "maxReplicas": 3}
+
+
+def test_validation_stacks_run_the_profiled_engine(monkeypatch, tmp_path):
+    import bench.plan as plan_module
+    import bench.serve.main as serve_main
+    import common.cli.up as up_module
+    profile, traffic, slo, options = known_answer_case(0.5)
+    seen = {}
+
+    class FakeStack:
+        def __init__(self, num_prefill, num_decode, passthrough, **kwargs):
+            seen["flags"] = list(passthrough)
+            self.address = "127.0.0.1:1"
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def fake_serve(argv):
+        out = Path(argv[argv.index("--json") + 1])
+        out.write_text(json.dumps({"runs": [{"completed": 1}]}))
+        return 0
+
+    monkeypatch.setattr(up_module, "LocalStack", FakeStack)
+    monkeypatch.setattr(serve_main, "main", fake_serve)
+    plan_module.measure_on_stack(Deployment(0, 1), traffic, options.shape, "1GiB", 5, 0, tmp_path,
+                                 threads_per_instance=1, dtype="float32")
+    flags = seen["flags"]
+    # Without --num-threads, `up` gives a lone instance every core: faster than its profile.
+    assert flags[flags.index("--num-threads") + 1] == "1"
+    assert flags[flags.index("--dtype") + 1] == "float32"
