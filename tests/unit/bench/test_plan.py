@@ -272,3 +272,21 @@ def test_validation_stacks_run_the_profiled_engine(monkeypatch, tmp_path):
     # Without --num-threads, `up` gives a lone instance every core: faster than its profile.
     assert flags[flags.index("--num-threads") + 1] == "1"
     assert flags[flags.index("--dtype") + 1] == "float32"
+
+
+def test_validation_predicts_each_runs_own_workload(monkeypatch, tmp_path):
+    import bench.plan as plan_module
+    from bench.plan import make_requests
+    profile, traffic, slo, options = known_answer_case(15.0)
+    plan = Planner(profile, traffic, slo, options).plan()
+    monkeypatch.setattr(plan_module, "measure_on_stack", lambda *a, **k: {
+        "completed": 10, "failed": 0, **{f"p{p}_{m}_ms": 100.0 for m in ("ttft", "tpot") for p in (50, 90, 99)}})
+    rows = plan_module.validate(plan, traffic, slo, options.shape, "1GiB", 10, 5, tmp_path, repeats=2,
+                                profile=profile)
+    chosen = rows[0]
+    # The runs' own 10 requests (seeds 5 and 6), not the plan's longer steady-state run.
+    runs = [simulate(plan.chosen.deployment, profile, make_requests(traffic, 10, seed)) for seed in (5, 6)]
+    want = float(np.median([r.percentile("ttft", 90) for r in runs])) * 1000
+    assert chosen["p90_ttft_ms"]["predicted"] == pytest.approx(want, abs=0.1)
+    assert chosen["p90_ttft_ms"]["predicted_steady"] == pytest.approx(plan.chosen.predicted("ttft", 90) * 1000,
+                                                                       abs=0.1)
