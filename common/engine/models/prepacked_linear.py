@@ -5,7 +5,8 @@ reorder inside the call (bf16 [1536, 576] at one token: ~60 us plain, ~32 us
 prepacked on the 2-core EPYC). Inductor's freezing does the same packing, but its
 packed constants are mkldnn tensors, which its FX-graph cache cannot pickle: every
 start recompiled every graph. Packing here instead keeps the compiled graphs free of
-weights (the cache then serves a restart) and makes eager runs faster too.
+weights (the cache then serves a restart), and the model's own eager calls (an
+early-exit draft runs part of it) get the packed linears as well.
 
 The packed tensors are opaque (mkldnn layout): dynamo cannot fake them, so a compiled
 graph reaches them through the custom op `pdserve::prepacked_linear(x, bias, weight_id)`,
@@ -16,13 +17,10 @@ model step makes 7 linear calls per layer.
 from __future__ import annotations
 
 import functools
-import logging
 import weakref
 
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 # weight_id -> (the packed weight, out_features); dead where its module is gone, and
 # the slot is then reused, so a fresh process numbers a model's weights the same way
