@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -331,34 +332,32 @@ class ModelRunner:
         def int32(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=device)
 
-        def block_tables(reqs: list[ScheduledRequest]) -> torch.Tensor:
-            max_blocks = max(len(r.block_table) for r in reqs)
-            return int32([r.block_table + [0] * (max_blocks - len(r.block_table)) for r in reqs])
-
         prefill_query_lens = query_lens[num_decodes:]
         prefill_seq_lens = seq_lens[num_decodes:]
-        prefill_start_loc = [0]
-        for n in prefill_query_lens:
-            prefill_start_loc.append(prefill_start_loc[-1] + n)
-        query_start_loc = [0]
-        for n in query_lens:
-            query_start_loc.append(query_start_loc[-1] + n)
-        # The CPU kernel takes the step as one ragged batch (one call per layer).
-        one_batch = device.type == "cpu" and ordered
+        # The whole step as one ragged batch (decodes are queries of length 1); the decode
+        # and prefill tensors are its rows. The CPU kernel takes the whole batch in one call
+        # per layer, the other paths the two parts.
+        max_blocks = max((len(r.block_table) for r in ordered), default=0)
+        all_block_tables = int32([r.block_table + [0] * (max_blocks - len(r.block_table))
+                                  for r in ordered]) if ordered else None  # [num_seqs, max_blocks]
+        all_seq_lens = int32(seq_lens)  # [num_seqs]
+        all_query_start_loc = int32(list(accumulate(query_lens, initial=0)))  # [num_seqs + 1]
+        one_batch = device.type == "cpu" and bool(ordered)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
             num_decode_tokens=num_decodes,
-            decode_block_tables=block_tables(decodes) if decodes else None,
-            decode_seq_lens=int32(seq_lens[:num_decodes]) if decodes else None,
+            decode_block_tables=all_block_tables[:num_decodes] if decodes else None,
+            decode_seq_lens=all_seq_lens[:num_decodes] if decodes else None,
             max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
-            prefill_block_tables=block_tables(prefills) if prefills else None,
-            prefill_query_start_loc=int32(prefill_start_loc) if prefills else None,
-            prefill_seq_lens=int32(prefill_seq_lens) if prefills else None,
+            prefill_block_tables=all_block_tables[num_decodes:] if prefills else None,
+            # Each decode is one token, so the prefills start at token num_decodes.
+            prefill_query_start_loc=all_query_start_loc[num_decodes:] - num_decodes if prefills else None,
+            prefill_seq_lens=all_seq_lens[num_decodes:] if prefills else None,
             max_prefill_query_len=max(prefill_query_lens, default=0),
             max_prefill_seq_len=max(prefill_seq_lens, default=0),
-            block_tables=block_tables(ordered) if one_batch else None,
-            query_start_loc=int32(query_start_loc) if one_batch else None,
-            seq_lens=int32(seq_lens) if one_batch else None,
+            block_tables=all_block_tables if one_batch else None,
+            query_start_loc=all_query_start_loc if one_batch else None,
+            seq_lens=all_seq_lens if one_batch else None,
         )
         return (torch.tensor(input_ids, dtype=torch.int64, device=device),
                 torch.tensor(positions, dtype=torch.int64, device=device),
