@@ -446,21 +446,20 @@ def measure_on_stack(deployment: Deployment, traffic: Traffic, shape: InstanceSh
     return run
 
 
-def validate(plan: Plan, traffic: Traffic, slo: Slo, shape: InstanceShape, kv_cache_memory: str,
-             num_prompts: int, seed: int, workdir: Path, repeats: int = 1, threads_per_instance: int = 1,
-             dtype: str = "auto", profile: Profile | None = None) -> list[dict]:
+def validate(plan: Plan, profile: Profile, traffic: Traffic, slo: Slo, shape: InstanceShape, kv_cache_memory: str,
+             num_prompts: int, seed: int, workdir: Path, repeats: int = 1) -> list[dict]:
     """Predicted vs measured percentiles for the chosen deployment and each one smaller.
     With repeats > 1 the deployments take turns (A, B, A, B, ...) so that load from other
     work on the machine, which drifts over minutes, falls on each alike; the measured
     figure is the median over the repeats (each repeat's is kept, with the load average
-    when it started). threads_per_instance and dtype: the profile's, so that the stacks run
-    the engine the predictions were made for.
+    when it started). The stacks run the engine the profile measured (its threads and
+    dtype).
 
-    With the profile given, each prediction compared is re-simulated for the runs' own
-    workload: num_prompts requests (seed + repeat), the median over the repeats like the
-    measured figure. The plan's steady-state figure (its longer simulated run) is kept
-    beside it: for a deployment past its capacity the queue, and so TTFT, grows with the
-    run's length, and a 60-request run cannot reach the steady state's queue."""
+    Each prediction compared is re-simulated for the runs' own workload: num_prompts
+    requests (seed + repeat), the median over the repeats like the measured figure. The
+    plan's steady-state figure (its longer simulated run) is kept beside it: for a
+    deployment past its capacity the queue, and so TTFT, grows with the run's length, and
+    a 60-request run cannot reach the steady state's queue."""
     import os
     candidates = [plan.chosen, *plan.smaller]
     runs: dict[str, list[dict]] = {c.deployment.label(): [] for c in candidates}
@@ -468,8 +467,8 @@ def validate(plan: Plan, traffic: Traffic, slo: Slo, shape: InstanceShape, kv_ca
         for candidate in candidates:
             load_average = os.getloadavg()[0]
             measured = measure_on_stack(candidate.deployment, traffic, shape, kv_cache_memory, num_prompts,
-                                        seed + repeat, workdir, threads_per_instance=threads_per_instance,
-                                        dtype=dtype)
+                                        seed + repeat, workdir, threads_per_instance=profile.machine.num_threads,
+                                        dtype=profile.engine.dtype)
             measured["load_average_at_start"] = round(load_average, 2)
             runs[candidate.deployment.label()].append(measured)
             print(json.dumps({"deployment": candidate.deployment.label(), "repeat": repeat,
@@ -484,14 +483,12 @@ def validate(plan: Plan, traffic: Traffic, slo: Slo, shape: InstanceShape, kv_ca
                "runs": [{"load_average_at_start": r["load_average_at_start"],
                          **{f"p{p}_{m}_ms": r.get(f"p{p}_{m}_ms") for m in ("ttft", "tpot") for p in (50, 90, 99)}}
                         for r in measured_runs]}
-        same_runs = [] if profile is None else [
-            simulate(candidate.deployment, profile, make_requests(traffic, num_prompts, seed + repeat))
-            for repeat in range(repeats)]
+        same_runs = [simulate(candidate.deployment, profile, make_requests(traffic, num_prompts, seed + repeat))
+                     for repeat in range(repeats)]
         for metric in ("ttft", "tpot"):
             for p in (50, 90, 99):
                 steady = candidate.predicted(metric, p) * 1000
-                predicted = float(np.median([r.percentile(metric, p) for r in same_runs])) * 1000 \
-                    if same_runs else steady
+                predicted = float(np.median([r.percentile(metric, p) for r in same_runs])) * 1000
                 real = [r.get(f"p{p}_{metric}_ms") for r in measured_runs]
                 real = None if None in real else float(np.median(real))
                 row[f"p{p}_{metric}_ms"] = {"predicted": round(predicted, 1) if math.isfinite(predicted) else None,
@@ -620,10 +617,8 @@ def main(argv: list[str] | None = None) -> int:
         import tempfile
         workdir = Path(args.validate_dir or tempfile.mkdtemp(prefix="pdserve-plan-"))
         workdir.mkdir(parents=True, exist_ok=True)
-        report["validation"] = validate(plan, traffic, slo, shape, args.kv_cache_memory, args.validate_prompts,
-                                        args.seed, workdir, args.validate_repeats,
-                                        threads_per_instance=profile.machine.num_threads, dtype=profile.engine.dtype,
-                                        profile=profile)
+        report["validation"] = validate(plan, profile, traffic, slo, shape, args.kv_cache_memory,
+                                        args.validate_prompts, args.seed, workdir, args.validate_repeats)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")

@@ -213,15 +213,15 @@ def test_validation_takes_turns_and_reports_the_median(monkeypatch, tmp_path):
 
     def fake_stack(deployment, *args, **kwargs):
         # The stacks run the engine the profile measured: its dtype and threads.
-        assert (kwargs["dtype"], kwargs["threads_per_instance"]) == ("float32", 2)
+        assert (kwargs["dtype"], kwargs["threads_per_instance"]) == (profile.engine.dtype,
+                                                                     profile.machine.num_threads)
         label = deployment.label()
         order.append(label)
         ttft = measured_p90[label][sum(1 for x in order if x == label) - 1]
         return {"completed": 10, "failed": 0, **{f"p{p}_{m}_ms": ttft if m == "ttft" else 20.0
                                                  for m in ("ttft", "tpot") for p in (50, 90, 99)}}
     monkeypatch.setattr(plan_module, "measure_on_stack", fake_stack)
-    rows = plan_module.validate(plan, traffic, slo, options.shape, "1GiB", 10, 0, tmp_path, repeats=3,
-                                threads_per_instance=2, dtype="float32")
+    rows = plan_module.validate(plan, profile, traffic, slo, options.shape, "1GiB", 10, 0, tmp_path, repeats=3)
     assert order == ["3P:1D", "2P:1D"] * 3  # turns: drifting load falls on both alike
     chosen, smaller = rows
     assert chosen["p90_ttft_ms"]["measured"] == 240.0 and chosen["measured_meets_slo"]
@@ -281,8 +281,7 @@ def test_validation_predicts_each_runs_own_workload(monkeypatch, tmp_path):
     plan = Planner(profile, traffic, slo, options).plan()
     monkeypatch.setattr(plan_module, "measure_on_stack", lambda *a, **k: {
         "completed": 10, "failed": 0, **{f"p{p}_{m}_ms": 100.0 for m in ("ttft", "tpot") for p in (50, 90, 99)}})
-    rows = plan_module.validate(plan, traffic, slo, options.shape, "1GiB", 10, 5, tmp_path, repeats=2,
-                                profile=profile)
+    rows = plan_module.validate(plan, profile, traffic, slo, options.shape, "1GiB", 10, 5, tmp_path, repeats=2)
     chosen = rows[0]
     # The runs' own 10 requests (seeds 5 and 6), not the plan's longer steady-state run.
     runs = [simulate(plan.chosen.deployment, profile, make_requests(traffic, 10, seed)) for seed in (5, 6)]
