@@ -337,7 +337,6 @@ class Simulation:
                 self.charges.pop(output.req_id).release()
                 self.num_unfinished -= 1
                 self.in_flight -= 1
-                self._prefill_done(output.req_id)
                 if self.gateway_queue:
                     self._admit_decode(self.gateway_queue.popleft())
 
