@@ -6,10 +6,12 @@ allow them (KEEPALIVE_SERVER_OPTIONS), or they would answer with GOAWAY "too_man
 """
 from __future__ import annotations
 
-# A frozen peer fails the calls within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS (1.5 s),
-# inside two of the gateway's heartbeat periods (1 s each). Ping acks come from gRPC's own
-# threads, not the peer's Python code, so a busy engine loop does not delay them.
-KEEPALIVE_TIME_MS = 500  # ping an idle or busy connection this often
+# A frozen peer fails the calls within 2 * KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS (1.8 s),
+# inside two of the gateway's heartbeat periods (1 s each): gRPC postpones a ping by one
+# more period when data arrived during the last one, as it does until the freeze. Ping acks
+# come from gRPC's own threads, not the peer's Python code, so a busy engine loop does not
+# delay them.
+KEEPALIVE_TIME_MS = 400  # ping an idle or busy connection this often
 KEEPALIVE_TIMEOUT_MS = 1_000  # no ack within this: the connection is dead
 
 KEEPALIVE_CHANNEL_OPTIONS: list[tuple[str, int]] = [
