@@ -67,3 +67,9 @@ def tiny_model_factory(tmp_path_factory, bundled_model_dir):
 @pytest.fixture
 def tiny_llama_dir(tiny_model_factory) -> Path:
     return tiny_model_factory("tiny-llama", "llama")
+
+
+def pytest_collection_modifyitems(items):
+    """The compose test runs last: scripts/test.sh prepares its image in the background
+    meanwhile (tests/support/deploy_image.py), mostly downloads and disk writes."""
+    items.sort(key=lambda item: item.nodeid.startswith("tests/integration/test_deploy.py"))

