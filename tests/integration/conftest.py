@@ -1,6 +1,7 @@
-"""Fixtures for tests that talk to one real local stack (1 gateway, 1 prefill, 1 decode) per
-module, over gRPC and the OpenAI HTTP API. A module that needs other settings defines its
-own `stack`."""
+"""Fixtures for tests that talk to one real local stack (1 gateway, 1 prefill, 1 decode),
+over gRPC and the OpenAI HTTP API. The modules that use it share it (each test leaves it
+as it found it: no request running, every block free); a module that needs other
+settings defines its own `stack`."""
 from __future__ import annotations
 
 import pytest
@@ -9,9 +10,9 @@ from common.cli.up import LocalStack
 from gateway.client import Client
 
 
-@pytest.fixture(scope="module")
-def stack(request, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp(f"{request.module.__name__.rsplit('.', 1)[-1]}-logs")
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("stack-logs")
     with LocalStack(1, 1, passthrough=["--kv-cache-memory", "256MiB", "--log-level", "WARNING"],
                     log_dir=log_dir) as local_stack:
         yield local_stack
