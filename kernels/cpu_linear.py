@@ -1,0 +1,68 @@
+"""Native bf16 GEMV for decode steps (kernels/cpu/bf16_gemv.cpp) as the torch op
+`torch.ops.pdserve_gemv.bf16_gemv`, and whether this machine has it.
+
+It needs AVX512-BF16 (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and
+later) and a C++ compiler; it is built on first use (kernels/cpu/build.py). Elsewhere
+one info line says so and linears stay on oneDNN. PDSERVE_CPU_GEMV=0 turns it off.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+
+import torch
+
+from kernels.cpu.build import BuildError, build_library
+
+log = logging.getLogger(__name__)
+
+GEMV_MAX_ROWS = 4  # the op's limit on rows of x (decode tokens of one step)
+GEMV_K_MULTIPLE = 32  # in_features must be a multiple of this
+_load_lock = threading.Lock()
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
+    except OSError:
+        return False
+
+
+@functools.cache
+def native_gemv_available() -> bool:
+    """Whether bf16_gemv runs here (built and loaded once per process)."""
+    if os.environ.get("PDSERVE_CPU_GEMV", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    if not _cpu_has_avx512_bf16():
+        log.info("no AVX512-BF16 on this CPU: bf16 decode linears use oneDNN")
+        return False
+    with _load_lock:
+        if not hasattr(torch.ops.pdserve_gemv, "bf16_gemv"):
+            try:
+                torch.ops.load_library(str(build_library("bf16_gemv")))
+            except (BuildError, OSError, RuntimeError) as e:
+                log.warning("native bf16 GEMV unavailable, decode linears use oneDNN: %s", e)
+                return False
+            torch.library.register_fake("pdserve_gemv::bf16_gemv")(_bf16_gemv_fake)
+    return bool(torch.ops.pdserve_gemv.supported())
+
+
+def _bf16_gemv_fake(x, bias, weight):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def gemv_applies(weight: torch.Tensor) -> bool:
+    """Whether a linear with this weight [out_features, in_features] can take the GEMV."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and weight.shape[1] % GEMV_K_MULTIPLE == 0 and native_gemv_available())
+
+
+def bf16_gemv(
+    x: torch.Tensor,  # [num_rows <= GEMV_MAX_ROWS, in_features] bf16
+    bias: torch.Tensor | None,  # [out_features] bf16
+    weight: torch.Tensor,  # [out_features, in_features] bf16, contiguous
+) -> torch.Tensor:  # [num_rows, out_features] bf16
+    return torch.ops.pdserve_gemv.bf16_gemv.default(x, bias, weight)

@@ -1,0 +1,78 @@
+"""The native bf16 GEMV (kernels/cpu/bf16_gemv.cpp): the product F.linear gives in fp32,
+rounded once to bf16, for every row count and shape it takes; clear refusals for the
+ones it does not; and the decode linears that take it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.engine.models.prepacked_linear import _PACKED_WEIGHTS, PrepackedLinear, prepacking_available
+from kernels.cpu_linear import GEMV_MAX_ROWS, bf16_gemv, native_gemv_available
+
+pytestmark = pytest.mark.skipif(not native_gemv_available(),
+                                reason="no AVX512-BF16 (or no C++ compiler): the GEMV is not built here")
+
+
+def reference(x, bias, weight):  # fp32 math on the same bf16 inputs
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+@pytest.mark.parametrize("num_rows", range(1, GEMV_MAX_ROWS + 1))
+@pytest.mark.parametrize("out_features, in_features", [(1, 32), (63, 96), (960, 576), (576, 1536), (130, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_fp32_math_rounded_to_bf16(num_rows, out_features, in_features, with_bias):
+    torch.manual_seed(num_rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
+    x = torch.randn(num_rows, in_features, dtype=torch.bfloat16)
+    out = bf16_gemv(x, bias, weight)
+    assert out.shape == (num_rows, out_features) and out.dtype == torch.bfloat16
+    expected = reference(x, bias, weight)
+    # One bf16 rounding of the fp32 sum (half an ulp: 2^-9 relative), plus fp32
+    # summation-order noise.
+    torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * expected.abs().max().item())
+
+
+def test_rows_are_independent():
+    torch.manual_seed(0)
+    weight = torch.randn(200, 64, dtype=torch.bfloat16)
+    x = torch.randn(GEMV_MAX_ROWS, 64, dtype=torch.bfloat16)
+    together = bf16_gemv(x, None, weight)
+    for row in range(GEMV_MAX_ROWS):
+        assert torch.equal(bf16_gemv(x[row:row + 1], None, weight), together[row:row + 1])
+
+
+@pytest.mark.parametrize("x, weight, message", [
+    (torch.zeros(GEMV_MAX_ROWS + 1, 32, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16), "rows"),
+    (torch.zeros(1, 40, dtype=torch.bfloat16), torch.zeros(8, 40, dtype=torch.bfloat16), "multiple of 32"),
+    (torch.zeros(1, 32), torch.zeros(8, 32), "bf16"),
+    (torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16), "expected"),
+    (torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(32, 8, dtype=torch.bfloat16).t(), "contiguous"),
+])
+def test_refuses_what_it_cannot_compute(x, weight, message):
+    with pytest.raises(RuntimeError, match=message):
+        bf16_gemv(x, None, weight)
+
+
+@pytest.mark.skipif(not prepacking_available(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
+@pytest.mark.parametrize("num_tokens", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 64])
+def test_a_bf16_linear_takes_the_gemv_for_decode_rows_and_onednn_beyond(num_tokens):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    layer = PrepackedLinear(weight, bias)
+    assert _PACKED_WEIGHTS[layer.weight_id][2] is not None  # it holds the row-major weight
+    x = torch.randn(num_tokens, 64, dtype=torch.bfloat16)
+    out = layer(x)
+    if num_tokens <= GEMV_MAX_ROWS:
+        assert torch.equal(out, bf16_gemv(x, bias, weight))
+    torch.testing.assert_close(out.float(), reference(x, bias, weight), rtol=1.6e-2, atol=1e-1)
+    # The module owns its weights: changing the source changes nothing.
+    weight.zero_()
+    assert torch.equal(layer(x), out)
+
+
+def test_fp32_and_odd_widths_stay_on_onednn():
+    assert _PACKED_WEIGHTS[PrepackedLinear(torch.randn(16, 64), None).weight_id][2] is None
+    odd = PrepackedLinear(torch.randn(16, 40, dtype=torch.bfloat16), None)
+    assert _PACKED_WEIGHTS[odd.weight_id][2] is None
