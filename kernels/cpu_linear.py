@@ -1,5 +1,6 @@
-"""Native bf16 GEMV for decode steps (kernels/cpu/bf16_gemv.cpp) as the torch op
-`torch.ops.pdserve_gemv.bf16_gemv`, and whether this machine has it.
+"""Native GEMVs for decode steps (kernels/cpu/gemv.cpp) as the torch ops
+`torch.ops.pdserve_gemv.bf16_gemv` (a bf16 weight) and `.q4_1_gemv` (GGUF Q4_1 blocks),
+and whether this machine has them.
 
 It needs AVX512-BF16 (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and
 later) and a C++ compiler; it is built on first use (kernels/cpu/build.py). Elsewhere
@@ -20,6 +21,7 @@ log = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 4  # the op's limit on rows of x (decode tokens of one step)
 GEMV_K_MULTIPLE = 32  # in_features must be a multiple of this
+Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles per 32 columns
 _load_lock = threading.Lock()
 
 
@@ -42,16 +44,21 @@ def native_gemv_available() -> bool:
     with _load_lock:
         if not hasattr(torch.ops.pdserve_gemv, "bf16_gemv"):
             try:
-                torch.ops.load_library(str(build_library("bf16_gemv")))
+                torch.ops.load_library(str(build_library("gemv")))
             except (BuildError, OSError, RuntimeError) as e:
                 log.warning("native bf16 GEMV unavailable, decode linears use oneDNN: %s", e)
                 return False
             torch.library.register_fake("pdserve_gemv::bf16_gemv")(_bf16_gemv_fake)
+            torch.library.register_fake("pdserve_gemv::q4_1_gemv")(_q4_1_gemv_fake)
     return bool(torch.ops.pdserve_gemv.supported())
 
 
 def _bf16_gemv_fake(x, bias, weight):
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _q4_1_gemv_fake(x, bias, blocks):
+    return x.new_empty((x.shape[0], blocks.shape[0]))
 
 
 def gemv_applies(weight: torch.Tensor) -> bool:
@@ -66,3 +73,11 @@ def bf16_gemv(
     weight: torch.Tensor,  # [out_features, in_features] bf16, contiguous
 ) -> torch.Tensor:  # [num_rows, out_features] bf16
     return torch.ops.pdserve_gemv.bf16_gemv.default(x, bias, weight)
+
+
+def q4_1_gemv(
+    x: torch.Tensor,  # [num_rows <= GEMV_MAX_ROWS, in_features] bf16
+    bias: torch.Tensor | None,  # [out_features] bf16
+    blocks: torch.Tensor,  # [out_features, in_features // 32 * 20] uint8: GGUF's Q4_1 rows
+) -> torch.Tensor:  # [num_rows, out_features] bf16
+    return torch.ops.pdserve_gemv.q4_1_gemv.default(x, bias, blocks)

@@ -1,14 +1,19 @@
-"""The native bf16 GEMV (kernels/cpu/bf16_gemv.cpp): the product F.linear gives in fp32,
-rounded once to bf16, for every row count and shape it takes; clear refusals for the
-ones it does not; and the decode linears that take it."""
+"""The native GEMVs (kernels/cpu/gemv.cpp): for a bf16 weight and for GGUF's Q4_1
+blocks, the product fp32 math gives on the same inputs, rounded once to bf16, for every
+row count and shape they take; clear refusals for the ones they do not; and the decode
+linears that take them."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from common.engine.model_files import bundled_gguf_path
 from common.engine.models.prepacked_linear import _PACKED_WEIGHTS, PrepackedLinear, prepacking_available
-from kernels.cpu_linear import GEMV_MAX_ROWS, bf16_gemv, native_gemv_available
+from common.engine.models.quantization.cpu_kernels import int4_kernel_available
+from common.engine.models.quantization.gguf_blocks import GGUFQuantizedWeights, Q4_1Blocks
+from common.engine.models.quantization.q4_1_linear import Q4_1Linear
+from kernels.cpu_linear import GEMV_MAX_ROWS, bf16_gemv, native_gemv_available, q4_1_gemv
 
 pytestmark = pytest.mark.skipif(not native_gemv_available(),
                                 reason="no AVX512-BF16 (or no C++ compiler): the GEMV is not built here")
@@ -47,7 +52,7 @@ def test_rows_are_independent():
     (torch.zeros(GEMV_MAX_ROWS + 1, 32, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16), "rows"),
     (torch.zeros(1, 40, dtype=torch.bfloat16), torch.zeros(8, 40, dtype=torch.bfloat16), "multiple of 32"),
     (torch.zeros(1, 32), torch.zeros(8, 32), "bf16"),
-    (torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16), "expected"),
+    (torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16), "columns"),
     (torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(32, 8, dtype=torch.bfloat16).t(), "contiguous"),
 ])
 def test_refuses_what_it_cannot_compute(x, weight, message):
@@ -76,3 +81,55 @@ def test_fp32_and_odd_widths_stay_on_onednn():
     assert _PACKED_WEIGHTS[PrepackedLinear(torch.randn(16, 64), None).weight_id][2] is None
     odd = PrepackedLinear(torch.randn(16, 40, dtype=torch.bfloat16), None)
     assert _PACKED_WEIGHTS[odd.weight_id][2] is None
+
+
+def gguf_layout(blocks: Q4_1Blocks) -> torch.Tensor:  # [N, K // 32 * 20] uint8, as the file stores it
+    d = blocks.d.view(torch.uint8).reshape(*blocks.d.shape, 2)
+    m = blocks.m.view(torch.uint8).reshape(*blocks.m.shape, 2)
+    return torch.cat([d, m, blocks.nibbles], dim=-1).reshape(blocks.shape[0], -1)
+
+
+@pytest.fixture(scope="module")
+def bundled_blocks() -> dict[str, Q4_1Blocks]:
+    weights = GGUFQuantizedWeights(bundled_gguf_path())
+    return {name: weights.projection(1, name) for name in ("qkv_proj", "down_proj")}
+
+
+@pytest.mark.parametrize("num_rows", range(1, GEMV_MAX_ROWS + 1))
+@pytest.mark.parametrize("projection", ["qkv_proj", "down_proj"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_q4_1_matches_fp32_math_on_the_dequantized_weight(bundled_blocks, num_rows, projection, with_bias):
+    blocks = bundled_blocks[projection]
+    out_features, in_features = blocks.shape
+    torch.manual_seed(num_rows)
+    x = torch.randn(num_rows, in_features, dtype=torch.bfloat16)
+    bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
+    out = q4_1_gemv(x, bias, gguf_layout(blocks))
+    assert out.shape == (num_rows, out_features) and out.dtype == torch.bfloat16
+    expected = reference(x, bias, blocks.dequantize(torch.float32))
+    torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * expected.abs().max().item())
+
+
+def test_q4_1_refuses_what_it_cannot_compute(bundled_blocks):
+    blocks = gguf_layout(bundled_blocks["down_proj"])
+    in_features = blocks.shape[1] // 20 * 32
+    with pytest.raises(RuntimeError, match="columns"):
+        q4_1_gemv(torch.zeros(1, in_features + 32, dtype=torch.bfloat16), None, blocks)
+    with pytest.raises(RuntimeError, match="rows"):
+        q4_1_gemv(torch.zeros(GEMV_MAX_ROWS + 1, in_features, dtype=torch.bfloat16), None, blocks)
+    with pytest.raises(RuntimeError, match="uint8"):
+        q4_1_gemv(torch.zeros(1, in_features, dtype=torch.bfloat16), None, blocks[:, :-1])
+
+
+@pytest.mark.skipif(not int4_kernel_available("cpu"), reason="no torch int4 kernel here")
+@pytest.mark.parametrize("num_tokens", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1])
+def test_a_q4_1_linear_takes_the_gemv_for_decode_rows_and_torch_int4_beyond(bundled_blocks, num_tokens):
+    blocks = bundled_blocks["qkv_proj"]
+    linear = Q4_1Linear(blocks, None, torch.device("cpu"))
+    assert linear.blocks is not None
+    x = torch.randn(num_tokens, linear.in_features, dtype=torch.bfloat16)
+    out = linear(x)
+    if num_tokens <= GEMV_MAX_ROWS:
+        assert torch.equal(out, q4_1_gemv(x, None, gguf_layout(blocks)))
+    expected = reference(x, None, blocks.dequantize(torch.float32))
+    assert ((out.float() - expected).norm() / expected.norm()).item() < 1e-2

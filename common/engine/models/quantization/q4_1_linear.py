@@ -4,6 +4,11 @@ torch's CPU int4 kernel dequantizes as (q - 8) * scale + zero per group of 32 in
 columns, so Q4_1's d * q + m is scale = d, zero = m + 8 d. It runs in bf16 (see
 cpu_kernels): fp32 activations are rounded to bf16 for this matmul and the fp16 d and m
 to bf16. Without the kernel, forward dequantizes the codes per call, in x's dtype.
+
+Decode steps of up to four tokens take the native Q4_1 GEMV instead where the CPU has
+AVX512-BF16 (kernels/cpu_linear.py): it streams GGUF's own 20-byte blocks, kept for it
+beside torch's packed copy (d and m exact, not rounded to bf16). Both sit behind one
+opaque op, so a compiled graph does not branch on the number of tokens.
 """
 from __future__ import annotations
 
@@ -13,9 +18,30 @@ from torch import nn
 
 from common.engine.models.quantization.cpu_kernels import KERNEL_DTYPE, int4_kernel_available, kernel_output
 from common.engine.models.quantization.gguf_blocks import Q4_1_BLOCK_SIZE, Q4_1Blocks
+from kernels.cpu_linear import GEMV_MAX_ROWS, native_gemv_available, q4_1_gemv
 
 # torch's int4 codes are centred on 8: (q - 8) * scale + zero.
 INT4_ZERO_POINT = 8
+
+_LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
+_LIBRARY.define("q4_1_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor? blocks, int group_size) "
+                "-> Tensor")
+
+
+def _q4_1_linear_cpu(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                     blocks: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    # x [num_tokens, K] bf16 -> [num_tokens, N] bf16
+    if blocks is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS:
+        return q4_1_gemv(x, None, blocks)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+
+
+def _q4_1_linear_fake(x, packed, scales_and_zeros, blocks, group_size):
+    return x.new_empty((x.shape[0], scales_and_zeros.shape[1]))
+
+
+_LIBRARY.impl("q4_1_linear", _q4_1_linear_cpu, "CPU")
+torch.library.register_fake("pdserve::q4_1_linear", _q4_1_linear_fake, lib=_LIBRARY)
 
 
 class Q4_1Linear(nn.Module):
@@ -33,6 +59,11 @@ class Q4_1Linear(nn.Module):
             # [K // 32, N, 2]: (scale, zero) per group of input columns and output row.
             scales_and_zeros = torch.stack([d.t(), (m + INT4_ZERO_POINT * d).t()], dim=-1)
             self.register_buffer("scales_and_zeros", scales_and_zeros.to(device, KERNEL_DTYPE).contiguous())
+            # [N, K // 32 * 20] uint8, GGUF's own layout, for the decode GEMV.
+            self.register_buffer("blocks", torch.cat(
+                [blocks.d.view(torch.uint8).reshape(*blocks.d.shape, 2),
+                 blocks.m.view(torch.uint8).reshape(*blocks.m.shape, 2), blocks.nibbles], dim=-1
+            ).reshape(self.out_features, -1).to(device) if device.type == "cpu" and native_gemv_available() else None)
         else:
             self.register_buffer("codes", blocks.codes().to(device))  # [N, K] uint8
             self.register_buffer("d", blocks.d.to(device))  # [N, K // 32] fp16
@@ -49,8 +80,7 @@ class Q4_1Linear(nn.Module):
         if not self.uses_kernel:
             return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
         x2d = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [num_tokens, K]
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, self.group_size,
-                                                         self.scales_and_zeros.to(KERNEL_DTYPE))
+        out = torch.ops.pdserve.q4_1_linear(x2d, self.packed, self.scales_and_zeros, self.blocks, self.group_size)
         return kernel_output(out, x, self.bias, self.out_features)  # out: [num_tokens, N]
 
     def extra_repr(self) -> str:
