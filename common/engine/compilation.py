@@ -17,12 +17,14 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from common.engine.models.prepacked_linear import prepack_linears
+from kernels.cpu_attention import cpu_attention_backend
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +71,25 @@ def compile_forward(model: torch.nn.Module, device: torch.device, enforce_eager:
     # restart its whole trace once the compiler turned it back into a constant.
     torch._dynamo.config.specialize_float = True
     torch._dynamo.config.run_gc_after_compile = False  # ~0.5 s per graph; the engine allocates little
+    # A cold start builds two native libraries, attention (~15 s) and the GEMV that packing
+    # the linears loads (~7 s): g++ runs one beside the other. The attention choice
+    # raises again, where it is made, if PDSERVE_CPU_ATTENTION is wrong.
+    attention_build = threading.Thread(target=_choose_cpu_attention, name="build-attention", daemon=True)
+    if device.type == "cpu":
+        attention_build.start()
     num_prepacked = prepack_linears(model)
+    if attention_build.is_alive():
+        attention_build.join()
     logger.info("model compiled with torch.compile (inductor; %d linears prepacked for oneDNN; cache %s)",
                 num_prepacked, cache_dir)
     return torch.compile(model, dynamic=True, fullgraph=True)
+
+
+def _choose_cpu_attention() -> None:
+    try:
+        cpu_attention_backend()
+    except (ValueError, RuntimeError):
+        pass
 
 
 def compile_logits(model: torch.nn.Module, forward: Callable) -> Callable:
