@@ -15,38 +15,29 @@ import threading
 
 import torch
 
-from kernels.cpu.build import BuildError, build_library
+from kernels.cpu.build import BuildError, build_library, cpu_flags
 
 log = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 4  # the op's limit on rows of x (decode tokens of one step)
 GEMV_K_MULTIPLE = 32  # in_features must be a multiple of this
-Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles per 32 columns
 _load_lock = threading.Lock()
-
-
-def _cpu_has_avx512_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
-    except OSError:
-        return False
 
 
 @functools.cache
 def native_gemv_available() -> bool:
-    """Whether bf16_gemv runs here (built and loaded once per process)."""
+    """Whether the GEMVs run here (built and loaded once per process)."""
     if os.environ.get("PDSERVE_CPU_GEMV", "1").lower() in ("0", "false", "no", "off"):
         return False
-    if not _cpu_has_avx512_bf16():
-        log.info("no AVX512-BF16 on this CPU: bf16 decode linears use oneDNN")
+    if "avx512_bf16" not in cpu_flags().split():
+        log.info("no AVX512-BF16 on this CPU: decode linears stay on oneDNN and torch's int4 kernel")
         return False
     with _load_lock:
         if not hasattr(torch.ops.pdserve_gemv, "bf16_gemv"):
             try:
                 torch.ops.load_library(str(build_library("gemv")))
             except (BuildError, OSError, RuntimeError) as e:
-                log.warning("native bf16 GEMV unavailable, decode linears use oneDNN: %s", e)
+                log.warning("native GEMV unavailable, decode linears stay on oneDNN and torch's int4 kernel: %s", e)
                 return False
             torch.library.register_fake("pdserve_gemv::bf16_gemv")(_bf16_gemv_fake)
             torch.library.register_fake("pdserve_gemv::q4_1_gemv")(_q4_1_gemv_fake)

@@ -58,7 +58,8 @@ def find_compiler() -> str | None:
     return shutil.which("g++") or shutil.which("c++")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's feature flags (/proc/cpuinfo's flags line; torch's capability name elsewhere)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -83,7 +84,7 @@ def build_library(name: str) -> Path:
     source = SOURCE_DIR / f"{name}.cpp"
     sources = [p.read_text() for p in sorted(SOURCE_DIR.glob("*.h"))] + [source.read_text()]
     key = hashlib.sha256("\0".join([*sources, " ".join(_command(cxx, source, Path("x"))),
-                                    torch.__version__, _cpu_flags()]).encode()).hexdigest()[:16]
+                                    torch.__version__, cpu_flags()]).encode()).hexdigest()[:16]
     out_dir = cache_dir()
     library = out_dir / f"{name}-{key}.so"
     if library.exists():
