@@ -83,12 +83,6 @@ def test_fp32_and_odd_widths_stay_on_onednn():
     assert _PACKED_WEIGHTS[odd.weight_id][2] is None
 
 
-def gguf_layout(blocks: Q4_1Blocks) -> torch.Tensor:  # [N, K // 32 * 20] uint8, as the file stores it
-    d = blocks.d.view(torch.uint8).reshape(*blocks.d.shape, 2)
-    m = blocks.m.view(torch.uint8).reshape(*blocks.m.shape, 2)
-    return torch.cat([d, m, blocks.nibbles], dim=-1).reshape(blocks.shape[0], -1)
-
-
 @pytest.fixture(scope="module")
 def bundled_blocks() -> dict[str, Q4_1Blocks]:
     weights = GGUFQuantizedWeights(bundled_gguf_path())
@@ -104,14 +98,14 @@ def test_q4_1_matches_fp32_math_on_the_dequantized_weight(bundled_blocks, num_ro
     torch.manual_seed(num_rows)
     x = torch.randn(num_rows, in_features, dtype=torch.bfloat16)
     bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
-    out = q4_1_gemv(x, bias, gguf_layout(blocks))
+    out = q4_1_gemv(x, bias, blocks.raw())
     assert out.shape == (num_rows, out_features) and out.dtype == torch.bfloat16
     expected = reference(x, bias, blocks.dequantize(torch.float32))
     torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * expected.abs().max().item())
 
 
 def test_q4_1_refuses_what_it_cannot_compute(bundled_blocks):
-    blocks = gguf_layout(bundled_blocks["down_proj"])
+    blocks = bundled_blocks["down_proj"].raw()
     in_features = blocks.shape[1] // 20 * 32
     with pytest.raises(RuntimeError, match="columns"):
         q4_1_gemv(torch.zeros(1, in_features + 32, dtype=torch.bfloat16), None, blocks)
@@ -130,6 +124,6 @@ def test_a_q4_1_linear_takes_the_gemv_for_decode_rows_and_torch_int4_beyond(bund
     x = torch.randn(num_tokens, linear.in_features, dtype=torch.bfloat16)
     out = linear(x)
     if num_tokens <= GEMV_MAX_ROWS:
-        assert torch.equal(out, q4_1_gemv(x, None, gguf_layout(blocks)))
+        assert torch.equal(out, q4_1_gemv(x, None, blocks.raw()))
     expected = reference(x, None, blocks.dequantize(torch.float32))
     assert ((out.float() - expected).norm() / expected.norm()).item() < 1e-2

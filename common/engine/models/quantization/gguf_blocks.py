@@ -48,6 +48,12 @@ class Q4_1Blocks:
         m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1)
         return cls(d=d, m=m, nibbles=blocks[..., 4:].contiguous())
 
+    def raw(self) -> torch.Tensor:
+        """[N, K // 32 * 20] uint8: the rows as the file stores them (from_raw's input)."""
+        d = self.d.view(torch.uint8).reshape(*self.d.shape, 2)
+        m = self.m.view(torch.uint8).reshape(*self.m.shape, 2)
+        return torch.cat([d, m, self.nibbles], dim=-1).reshape(self.shape[0], -1)
+
     @classmethod
     def cat(cls, parts: list["Q4_1Blocks"]) -> "Q4_1Blocks":
         return cls(d=torch.cat([p.d for p in parts]), m=torch.cat([p.m for p in parts]),

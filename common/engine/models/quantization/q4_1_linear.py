@@ -60,10 +60,8 @@ class Q4_1Linear(nn.Module):
             scales_and_zeros = torch.stack([d.t(), (m + INT4_ZERO_POINT * d).t()], dim=-1)
             self.register_buffer("scales_and_zeros", scales_and_zeros.to(device, KERNEL_DTYPE).contiguous())
             # [N, K // 32 * 20] uint8, GGUF's own layout, for the decode GEMV.
-            self.register_buffer("blocks", torch.cat(
-                [blocks.d.view(torch.uint8).reshape(*blocks.d.shape, 2),
-                 blocks.m.view(torch.uint8).reshape(*blocks.m.shape, 2), blocks.nibbles], dim=-1
-            ).reshape(self.out_features, -1).to(device) if device.type == "cpu" and native_gemv_available() else None)
+            self.register_buffer("blocks", blocks.raw().to(device)
+                                 if device.type == "cpu" and native_gemv_available() else None)
         else:
             self.register_buffer("codes", blocks.codes().to(device))  # [N, K] uint8
             self.register_buffer("d", blocks.d.to(device))  # [N, K // 32] fp16

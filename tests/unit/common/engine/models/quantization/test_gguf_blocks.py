@@ -6,7 +6,7 @@ import torch
 from gguf.quants import dequantize
 
 from common.engine.models.quantization.cpu_kernels import int4_kernel_available
-from common.engine.models.quantization.gguf_blocks import GGUF_PROJECTION_TENSORS, unpermute_qk_rows
+from common.engine.models.quantization.gguf_blocks import GGUF_PROJECTION_TENSORS, Q4_1Blocks, unpermute_qk_rows
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
 
 LAYERS = (0, 14, 29)
@@ -33,6 +33,11 @@ def test_packed_rows_dequantize_bit_exact_to_gguf(bundled_gguf, layer_idx, proje
     reference = gguf_reference(bundled_gguf, layer_idx, projection)
     assert blocks.shape == tuple(reference.shape)
     assert torch.equal(blocks.dequantize(torch.float32), reference)
+
+
+def test_raw_gives_back_the_file_layout(bundled_gguf):
+    raw = bundled_gguf.raw_rows("blk.0.ffn_down.weight")
+    assert torch.equal(Q4_1Blocks.from_raw(raw).raw(), raw)
 
 
 def test_packed_rows_match_the_converted_checkpoint(bundled_gguf, bundled_model_dir):
