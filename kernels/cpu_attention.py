@@ -15,32 +15,24 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 
 import torch
 
-from kernels.cpu.build import BuildError, build_library
+from kernels.cpu.build import load_ops
 
 log = logging.getLogger(__name__)
 
 CPU_ATTENTION_MODES = ("auto", "native", "torch")
-_load_lock = threading.Lock()  # one build and one load_library per process, whichever thread asks first
 
 
 @functools.cache
 def native_attention_error() -> str | None:
     """None once the op is loaded in this process, else why it cannot be (built once)."""
-    with _load_lock:
-        if hasattr(torch.ops.pdserve_cpu, "paged_attention"):
-            return None
-        try:
-            torch.ops.load_library(str(build_library("paged_attention")))
-        except (BuildError, OSError, RuntimeError) as e:
-            log.warning("native CPU paged attention unavailable, using the torch path: %s", e)
-            return str(e)
-        torch.library.register_fake("pdserve_cpu::paged_attention")(_paged_attention_fake)
-        torch.library.register_fake("pdserve_cpu::paged_attention_with_kv_write")(_with_kv_write_fake)
-        return None
+    error = load_ops("paged_attention", {"pdserve_cpu::paged_attention": _paged_attention_fake,
+                                         "pdserve_cpu::paged_attention_with_kv_write": _with_kv_write_fake})
+    if error is not None:
+        log.warning("native CPU paged attention unavailable, using the torch path: %s", error)
+    return error
 
 
 @torch.compiler.assume_constant_result

@@ -11,17 +11,15 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 
 import torch
 
-from kernels.cpu.build import BuildError, build_library, cpu_flags
+from kernels.cpu.build import cpu_flags, load_ops
 
 log = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 4  # the op's limit on rows of x (decode tokens of one step)
 GEMV_K_MULTIPLE = 32  # in_features must be a multiple of this
-_load_lock = threading.Lock()
 
 
 @functools.cache
@@ -32,15 +30,10 @@ def native_gemv_available() -> bool:
     if "avx512_bf16" not in cpu_flags().split():
         log.info("no AVX512-BF16 on this CPU: decode linears stay on oneDNN and torch's int4 kernel")
         return False
-    with _load_lock:
-        if not hasattr(torch.ops.pdserve_gemv, "bf16_gemv"):
-            try:
-                torch.ops.load_library(str(build_library("gemv")))
-            except (BuildError, OSError, RuntimeError) as e:
-                log.warning("native GEMV unavailable, decode linears stay on oneDNN and torch's int4 kernel: %s", e)
-                return False
-            torch.library.register_fake("pdserve_gemv::bf16_gemv")(_bf16_gemv_fake)
-            torch.library.register_fake("pdserve_gemv::q4_1_gemv")(_q4_1_gemv_fake)
+    error = load_ops("gemv", {"pdserve_gemv::bf16_gemv": _bf16_gemv_fake, "pdserve_gemv::q4_1_gemv": _q4_1_gemv_fake})
+    if error is not None:
+        log.warning("native GEMV unavailable, decode linears stay on oneDNN and torch's int4 kernel: %s", error)
+        return False
     return bool(torch.ops.pdserve_gemv.supported())
 
 

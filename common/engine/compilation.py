@@ -74,11 +74,12 @@ def compile_forward(model: torch.nn.Module, device: torch.device, enforce_eager:
     # A cold start builds two native libraries, attention (~15 s) and the GEMV that packing
     # the linears loads (~7 s): g++ runs one beside the other. The attention choice
     # raises again, where it is made, if PDSERVE_CPU_ATTENTION is wrong.
-    attention_build = threading.Thread(target=_choose_cpu_attention, name="build-attention", daemon=True)
+    attention_build = None
     if device.type == "cpu":
+        attention_build = threading.Thread(target=_choose_cpu_attention, name="build-attention", daemon=True)
         attention_build.start()
     num_prepacked = prepack_linears(model)
-    if attention_build.is_alive():
+    if attention_build is not None:
         attention_build.join()
     logger.info("model compiled with torch.compile (inductor; %d linears prepacked for oneDNN; cache %s)",
                 num_prepacked, cache_dir)

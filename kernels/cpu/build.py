@@ -18,8 +18,10 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.utils import cpp_extension
@@ -106,3 +108,31 @@ def build_library(name: str) -> Path:
             os.unlink(tmp)
     log.info("built %s in %.1fs -> %s", source.name, time.monotonic() - started, library)
     return library
+
+
+_load_locks: dict[str, threading.Lock] = {}
+_load_locks_guard = threading.Lock()
+
+
+def _load_lock(name: str) -> threading.Lock:
+    """One build and one load_library per library, whichever thread asks first; each
+    library has its own lock, so two build side by side."""
+    with _load_locks_guard:
+        return _load_locks.setdefault(name, threading.Lock())
+
+
+def load_ops(name: str, fakes: dict[str, Callable]) -> str | None:
+    """Build (once per machine) and load kernels/cpu/<name>.cpp into this process and give
+    its ops their fake implementations (qualified op name -> fake) for torch.compile.
+    None once loaded, else why it cannot be; a second call finds the ops loaded."""
+    with _load_lock(name):
+        namespace, _, op = next(iter(fakes)).partition("::")
+        if hasattr(getattr(torch.ops, namespace), op):
+            return None
+        try:
+            torch.ops.load_library(str(build_library(name)))
+        except (BuildError, OSError, RuntimeError) as e:
+            return str(e)
+        for qualified_name, fake in fakes.items():
+            torch.library.register_fake(qualified_name)(fake)
+        return None
