@@ -20,6 +20,7 @@ from common.cli.processes import ManagedProcess
 from common.service.registration import InstanceLoad, InstanceSpec
 from gateway.client import Client
 from gateway.core import GatewaySettings
+from gateway.routing.dispatcher import PROBE_TIMEOUT_S
 from gateway.routing.inflight_calls import InFlightCalls
 from gateway.routing.registry import InstanceRegistry
 from protos.pdserve.v1 import decode_pb2_grpc
@@ -70,6 +71,8 @@ def test_requests_on_a_frozen_decode_end_within_two_heartbeat_periods(tmp_path):
             decode.wait_ready(120)
             registry = gw.gateway.registry
             wait_until(lambda: gw.call(lambda: registry.get("decode-0")) is not None, 30, "registration")
+            removals: list[tuple[str, str]] = []  # (instance id, reason)
+            gw.call(lambda: registry.subscribe(on_removed=lambda i, reason: removals.append((i.instance_id, reason))))
             outcomes: list[tuple[grpc.StatusCode, float]] = []
             streaming = threading.Barrier(NUM_REQUESTS + 1)
 
@@ -101,9 +104,11 @@ def test_requests_on_a_frozen_decode_end_within_two_heartbeat_periods(tmp_path):
                 for thread in threads:
                     thread.join(settings.heartbeat_timeout_s + 2 * settings.heartbeat_interval_s)
                     assert not thread.is_alive(), "a request outlived its instance"
-                # No longer placeable either (dropped, not waiting for its heartbeats to time out).
-                wait_until(lambda: gw.call(lambda: registry.get("decode-0")) is None, 1.0,
+                # No longer placeable either: dropped by the probe that a failed call starts,
+                # not left until its heartbeats time out. The probe fails at its own deadline.
+                wait_until(lambda: gw.call(lambda: registry.get("decode-0")) is None, PROBE_TIMEOUT_S + 1.0,
                            "the gateway to drop the frozen instance")
+                assert removals == [("decode-0", "unresponsive")]
             assert [code for code, _ in outcomes] == [grpc.StatusCode.UNAVAILABLE] * NUM_REQUESTS
             ended_after_s = max(t for _, t in outcomes) - stopped_at
             assert ended_after_s <= two_periods_s, f"the last request ended {ended_after_s:.2f}s after the freeze"
