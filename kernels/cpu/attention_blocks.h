@@ -41,39 +41,23 @@ inline void row_scores(const float* q_row, const T* k_block, int64_t k_pos_strid
   }
 }
 
-// Two rows at once: acc_a += sum_j p_a[j] v_j, acc_b likewise, for j in [begin, end) where
-// p is 0 outside each row's own keys; every V load serves both rows.
-template <int64_t kNumVec, typename T>
-inline void row_pair_accumulate(float* acc_a, float* acc_b, const float* p_a, const float* p_b, const T* v_block,
-                                int64_t v_pos_stride, int64_t begin, int64_t end) {
-  Vec a[kNumVec], b[kNumVec];
-  for (int64_t v = 0; v < kNumVec; ++v) {
-    a[v] = load_vec(acc_a + v * kLanes);
-    b[v] = load_vec(acc_b + v * kLanes);
-  }
+// kRows rows at once: acc_r += sum_j p_r[j] v_j for j in [begin, end), where p_r is 0
+// outside row r's own keys; every V load serves all kRows rows, whose accumulators stay
+// in registers (kRows x kNumVec Vecs).
+template <int64_t kNumVec, int64_t kRows, typename T>
+inline void rows_accumulate(float* acc_rows, int64_t acc_stride, const float* p_rows, int64_t p_stride,
+                            const T* v_block, int64_t v_pos_stride, int64_t begin, int64_t end) {
+  Vec acc[kRows][kNumVec];
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t v = 0; v < kNumVec; ++v) acc[r][v] = load_vec(acc_rows + r * acc_stride + v * kLanes);
   for (int64_t j = begin; j < end; ++j) {
     const T* v_row = v_block + j * v_pos_stride;
     for (int64_t v = 0; v < kNumVec; ++v) {
       const Vec x = load_vec(v_row + v * kLanes);
-      a[v] += p_a[j] * x;
-      b[v] += p_b[j] * x;
+      for (int64_t r = 0; r < kRows; ++r) acc[r][v] += p_rows[r * p_stride + j] * x;
     }
   }
-  std::memcpy(acc_a, a, sizeof a);
-  std::memcpy(acc_b, b, sizeof b);
-}
-
-// acc += sum_j p[j] v_j for j in [begin, end), acc held in registers.
-template <int64_t kNumVec, typename T>
-inline void row_accumulate(float* acc_row, const float* p, const T* v_block, int64_t v_pos_stride, int64_t begin,
-                           int64_t end) {
-  Vec acc[kNumVec];
-  for (int64_t v = 0; v < kNumVec; ++v) acc[v] = load_vec(acc_row + v * kLanes);
-  for (int64_t j = begin; j < end; ++j) {
-    const T* v_row = v_block + j * v_pos_stride;
-    for (int64_t v = 0; v < kNumVec; ++v) acc[v] += p[j] * load_vec(v_row + v * kLanes);
-  }
-  std::memcpy(acc_row, acc, sizeof acc);
+  for (int64_t r = 0; r < kRows; ++r) std::memcpy(acc_rows + r * acc_stride, acc[r], sizeof acc[r]);
 }
 
 // Many rows (prefill tiles): transpose the block's K once, then each row's scores for
@@ -123,11 +107,12 @@ inline void transposed_scores(const float* q_rows, int64_t num_rows, const T* k_
   }
 }
 
+// Into L2 (prefetcht1), not L1: see kPrefetchBlocks.
 template <typename T>
 inline void prefetch_rows(const T* first, int64_t row_stride, int64_t num_rows, int64_t head_dim) {
   constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
   for (int64_t j = 0; j < num_rows; ++j)
-    for (int64_t d = 0; d < head_dim; d += kLine) __builtin_prefetch(first + j * row_stride + d);
+    for (int64_t d = 0; d < head_dim; d += kLine) __builtin_prefetch(first + j * row_stride + d, 0, 2);
 }
 
 }  // namespace pdserve_cpu
