@@ -73,6 +73,31 @@ def test_no_recompiles_after_warm_up_over_many_batch_sizes(engines):
     assert num_compiled_graphs() == compiled.graphs_after_warm_up
 
 
+def test_a_second_model_of_the_same_class_runs_its_own_graphs(engines, tiny_model_factory, monkeypatch):
+    # The compiled regions keep no guards on the model's attributes (compilation._compile_method);
+    # a model of the same class and shapes but other weights must still not be handed the first
+    # model's graphs, which hold that model's weight ids. Both are checked against eager runs.
+    compiled, eager = engines
+    monkeypatch.delenv("PDSERVE_ENFORCE_EAGER", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", compiled.cache_dir)
+    other_dir = tiny_model_factory("tiny-llama-other-weights", "llama", initializer_range=0.3)
+    options = dict(dtype="float32", max_num_batched_tokens=64, kv_cache_memory="64MiB")
+    other = LLM(str(other_dir), **options)
+    other_eager = LLM(str(other_dir), enforce_eager=True, **options)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        prompts = _prompts([9, 40])
+        first = [o.outputs[0].token_ids for o in compiled.generate(prompts, params)]
+        second = [o.outputs[0].token_ids for o in other.generate(prompts, params)]
+        assert second == [o.outputs[0].token_ids for o in other_eager.generate(prompts, params)]
+        assert first == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+        assert first != second  # the two models do differ
+        assert first == [o.outputs[0].token_ids for o in compiled.generate(prompts, params)]
+    finally:
+        other.engine.shutdown()
+        other_eager.engine.shutdown()
+
+
 def test_enforce_eager_runs_the_model_itself(engines):
     _, eager = engines
     runner = eager.engine.executor.runner
