@@ -30,7 +30,8 @@ def native_gemv_available() -> bool:
     if "avx512_bf16" not in cpu_flags().split():
         log.info("no AVX512-BF16 on this CPU: decode linears stay on oneDNN and torch's int4 kernel")
         return False
-    error = load_ops("gemv", {"pdserve_gemv::bf16_gemv": _bf16_gemv_fake, "pdserve_gemv::q4_1_gemv": _q4_1_gemv_fake})
+    error = load_ops("gemv", {"pdserve_gemv::bf16_gemv": _bf16_gemv_fake, "pdserve_gemv::q4_1_gemv": _q4_1_gemv_fake,
+                              "pdserve_gemv::prepacked_linear": _prepacked_linear_fake})
     if error is not None:
         log.warning("native GEMV unavailable, decode linears stay on oneDNN and torch's int4 kernel: %s", error)
         return False
@@ -43,6 +44,10 @@ def _bf16_gemv_fake(x, bias, weight):
 
 def _q4_1_gemv_fake(x, bias, blocks):
     return x.new_empty((x.shape[0], blocks.shape[0]))
+
+
+def _prepacked_linear_fake(x, bias, weight_id, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def gemv_applies(weight: torch.Tensor) -> bool:
@@ -65,3 +70,28 @@ def q4_1_gemv(
     blocks: torch.Tensor,  # [out_features, in_features // 32 * 20] uint8: GGUF's Q4_1 rows
 ) -> torch.Tensor:  # [num_rows, out_features] bf16
     return torch.ops.pdserve_gemv.q4_1_gemv.default(x, bias, blocks)
+
+
+def register_prepacked_linear(
+    weight_id: int,
+    packed: torch.Tensor,  # oneDNN's packed weight (mkldnn layout)
+    row_major: torch.Tensor | None,  # [out_features, in_features] bf16 for the GEMV, or None
+) -> None:
+    """Make `prepacked_linear(x, bias, weight_id, ...)` use this weight (native_gemv_available() only);
+    the library holds it until release_prepacked_linear(weight_id)."""
+    torch.ops.pdserve_gemv.register_linear(weight_id, packed, row_major)
+
+
+def release_prepacked_linear(weight_id: int) -> None:
+    torch.ops.pdserve_gemv.release_linear(weight_id)
+
+
+def prepacked_linear(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    bias: torch.Tensor | None,  # [out_features]
+    weight_id: int,
+    out_features: int,
+) -> torch.Tensor:  # [num_tokens, out_features]
+    """x W^T + b for a registered weight, in one native op: the GEMV for 1 to GEMV_MAX_ROWS rows
+    where the weight has its row-major copy, else oneDNN on the packed weight."""
+    return torch.ops.pdserve_gemv.prepacked_linear.default(x, bias, weight_id, out_features)

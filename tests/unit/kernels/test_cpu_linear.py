@@ -1,8 +1,10 @@
 """The native GEMVs (kernels/cpu/gemv.cpp): for a bf16 weight and for GGUF's Q4_1
 blocks, the product fp32 math gives on the same inputs, rounded once to bf16, for every
-row count and shape they take; clear refusals for the ones they do not; and the decode
-linears that take them."""
+row count and shape they take; clear refusals for the ones they do not; the decode
+linears that take them, and the native op that picks between the GEMV and oneDNN."""
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from common.engine.models.quantization.cpu_kernels import int4_kernel_available
 from common.engine.models.quantization.gguf_blocks import GGUFQuantizedWeights, Q4_1Blocks
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
 from kernels.cpu_linear import GEMV_MAX_ROWS, bf16_gemv, native_gemv_available, q4_1_gemv
+from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
 
 pytestmark = pytest.mark.skipif(not native_gemv_available(),
                                 reason="no AVX512-BF16 (or no C++ compiler): the GEMV is not built here")
@@ -75,6 +78,26 @@ def test_a_bf16_linear_takes_the_gemv_for_decode_rows_and_onednn_beyond(num_toke
     # The module owns its weights: changing the source changes nothing.
     weight.zero_()
     assert torch.equal(layer(x), out)
+
+
+@pytest.mark.skipif(not prepacking_available(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
+@pytest.mark.parametrize("num_tokens", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_native_linear_op_equals_the_python_op_and_goes_with_its_module(num_tokens, dtype):
+    torch.manual_seed(0)
+    layer = PrepackedLinear(torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype))
+    assert layer._native  # where the library is loaded, the linears take its op
+    x = torch.randn(num_tokens, 64, dtype=dtype)
+    got = native_prepacked_linear(x, layer.bias, layer.weight_id, 96)
+    assert torch.equal(got, torch.ops.pdserve.prepacked_linear(x, layer.bias, layer.weight_id))
+    assert torch.equal(layer(x), got)
+    with pytest.raises(RuntimeError, match="expects 95"):
+        native_prepacked_linear(x, layer.bias, layer.weight_id, 95)
+    weight_id = layer.weight_id
+    del layer
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"no linear is registered as {weight_id}"):
+        native_prepacked_linear(x, None, weight_id, 96)
 
 
 def test_fp32_and_odd_widths_stay_on_onednn():
