@@ -72,16 +72,14 @@ def compile_forward(model: torch.nn.Module, device: torch.device, enforce_eager:
     # restart its whole trace once the compiler turned it back into a constant.
     torch._dynamo.config.specialize_float = True
     torch._dynamo.config.run_gc_after_compile = False  # ~0.5 s per graph; the engine allocates little
-    # A cold start builds two native libraries, attention (~15 s) and the GEMV that packing
-    # the linears loads (~7 s): g++ runs one beside the other. The attention choice
-    # raises again, where it is made, if PDSERVE_CPU_ATTENTION is wrong.
-    attention_build = None
+    # A cold start builds two native libraries, attention (~12 s) and the GEMV that packing
+    # the linears loads (~8 s): g++ runs one beside the other, and the attention build goes
+    # on while dynamo traces (the graph holds the Python op pdserve::paged_attention, whose
+    # first run waits for the library). The attention choice raises again, where it is
+    # made, if PDSERVE_CPU_ATTENTION is wrong.
     if device.type == "cpu":
-        attention_build = threading.Thread(target=_choose_cpu_attention, name="build-attention", daemon=True)
-        attention_build.start()
+        threading.Thread(target=_choose_cpu_attention, name="build-attention", daemon=True).start()
     num_prepacked = prepack_linears(model)
-    if attention_build is not None:
-        attention_build.join()
     logger.info("model compiled with torch.compile (inductor; %d linears prepacked for oneDNN; cache %s)",
                 num_prepacked, cache_dir)
     return _compile_method(model.forward)
