@@ -1,9 +1,11 @@
 """Native GEMVs for decode steps (kernels/cpu/gemv.cpp) as the torch ops
-`torch.ops.pdserve_gemv.bf16_gemv` (a bf16 weight) and `.q4_1_gemv` (GGUF Q4_1 blocks),
-and whether this machine has them.
+`torch.ops.pdserve_gemv.gemv` (a bf16 or fp32 weight), `.q4_1_gemv` and `.q8_0_gemv`
+(GGUF's Q4_1 and Q8_0 blocks), and whether this machine has them.
 
-It needs AVX512-BF16 (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and
-later) and a C++ compiler; it is built on first use (kernels/cpu/build.py). Elsewhere
+It needs AVX2 and FMA (x86-64-v3: Intel Haswell, AMD Zen and later) and a C++ compiler;
+it is built on first use (kernels/cpu/build.py) for this CPU: with AVX512-BF16 (Intel
+Cooper Lake / Sapphire Rapids, AMD Zen 4 and later) bf16 weights take bf16 dot products,
+elsewhere every product is an fp32 FMA. The start-up log names the build. Without it,
 one info line says so and linears stay on oneDNN. PDSERVE_CPU_GEMV=0 turns it off.
 """
 from __future__ import annotations
@@ -27,22 +29,29 @@ def native_gemv_available() -> bool:
     """Whether the GEMVs run here (built and loaded once per process)."""
     if os.environ.get("PDSERVE_CPU_GEMV", "1").lower() in ("0", "false", "no", "off"):
         return False
-    if "avx512_bf16" not in cpu_flags().split():
-        log.info("no AVX512-BF16 on this CPU: decode linears stay on oneDNN and torch's int4 kernel")
+    flags = set(cpu_flags().split())
+    if not {"avx2", "fma"} <= flags:
+        log.info("no AVX2 and FMA on this CPU: decode linears stay on oneDNN and torch's int4 kernel")
         return False
-    error = load_ops("gemv", {"pdserve_gemv::bf16_gemv": _bf16_gemv_fake, "pdserve_gemv::q4_1_gemv": _q4_1_gemv_fake,
+    error = load_ops("gemv", {"pdserve_gemv::gemv": _gemv_fake, "pdserve_gemv::q4_1_gemv": _blocks_gemv_fake,
+                              "pdserve_gemv::q8_0_gemv": _blocks_gemv_fake,
                               "pdserve_gemv::prepacked_linear": _prepacked_linear_fake})
     if error is not None:
         log.warning("native GEMV unavailable, decode linears stay on oneDNN and torch's int4 kernel: %s", error)
         return False
-    return bool(torch.ops.pdserve_gemv.supported())
+    isa = torch.ops.pdserve_gemv.isa()
+    if not isa:  # built for an older -march (PDSERVE_CPU_MARCH) than the flags say
+        log.info("native GEMV built without AVX2 and FMA: decode linears stay on oneDNN and torch's int4 kernel")
+        return False
+    log.info("native decode GEMVs: %s", "bf16 dot products (AVX512-BF16)" if isa == "avx512_bf16" else "fp32 FMAs")
+    return True
 
 
-def _bf16_gemv_fake(x, bias, weight):
+def _gemv_fake(x, bias, weight):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def _q4_1_gemv_fake(x, bias, blocks):
+def _blocks_gemv_fake(x, bias, blocks):
     return x.new_empty((x.shape[0], blocks.shape[0]))
 
 
@@ -52,16 +61,16 @@ def _prepacked_linear_fake(x, bias, weight_id, out_features):
 
 def gemv_applies(weight: torch.Tensor) -> bool:
     """Whether a linear with this weight [out_features, in_features] can take the GEMV."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32)
             and weight.shape[1] % GEMV_K_MULTIPLE == 0 and native_gemv_available())
 
 
-def bf16_gemv(
-    x: torch.Tensor,  # [num_rows <= GEMV_MAX_ROWS, in_features] bf16
-    bias: torch.Tensor | None,  # [out_features] bf16
-    weight: torch.Tensor,  # [out_features, in_features] bf16, contiguous
-) -> torch.Tensor:  # [num_rows, out_features] bf16
-    return torch.ops.pdserve_gemv.bf16_gemv.default(x, bias, weight)
+def gemv(
+    x: torch.Tensor,  # [num_rows <= GEMV_MAX_ROWS, in_features] bf16 or fp32, the weight's dtype
+    bias: torch.Tensor | None,  # [out_features], the weight's dtype
+    weight: torch.Tensor,  # [out_features, in_features] bf16 or fp32, contiguous
+) -> torch.Tensor:  # [num_rows, out_features], the weight's dtype
+    return torch.ops.pdserve_gemv.gemv.default(x, bias, weight)
 
 
 def q4_1_gemv(
@@ -72,14 +81,24 @@ def q4_1_gemv(
     return torch.ops.pdserve_gemv.q4_1_gemv.default(x, bias, blocks)
 
 
+def q8_0_gemv(
+    x: torch.Tensor,  # [num_rows <= GEMV_MAX_ROWS, in_features] bf16 or fp32
+    bias: torch.Tensor | None,  # [out_features], x's dtype
+    blocks: torch.Tensor,  # [out_features, in_features // 32 * 34] uint8: GGUF's Q8_0 rows
+) -> torch.Tensor:  # [num_rows, out_features], x's dtype
+    return torch.ops.pdserve_gemv.q8_0_gemv.default(x, bias, blocks)
+
+
 def register_prepacked_linear(
     weight_id: int,
     packed: torch.Tensor,  # oneDNN's packed weight (mkldnn layout)
-    row_major: torch.Tensor | None,  # [out_features, in_features] bf16 for the GEMV, or None
+    row_major: torch.Tensor | None,  # [out_features, in_features] bf16 / fp32 for the GEMV, or None
+    q8_0_blocks: torch.Tensor | None = None,  # [out_features, in_features // 32 * 34] uint8, or None
 ) -> None:
-    """Make `prepacked_linear(x, bias, weight_id, ...)` use this weight (native_gemv_available() only);
-    the library holds it until release_prepacked_linear(weight_id)."""
-    torch.ops.pdserve_gemv.register_linear(weight_id, packed, row_major)
+    """Make `prepacked_linear(x, bias, weight_id, ...)` use this weight (native_gemv_available() only):
+    decode rows take the Q8_0 blocks where given, else the row-major copy, else oneDNN. The
+    library holds them until release_prepacked_linear(weight_id)."""
+    torch.ops.pdserve_gemv.register_linear(weight_id, packed, row_major, q8_0_blocks)
 
 
 def release_prepacked_linear(weight_id: int) -> None:
@@ -92,6 +111,6 @@ def prepacked_linear(
     weight_id: int,
     out_features: int,
 ) -> torch.Tensor:  # [num_tokens, out_features]
-    """x W^T + b for a registered weight, in one native op: the GEMV for 1 to GEMV_MAX_ROWS rows
-    where the weight has its row-major copy, else oneDNN on the packed weight."""
+    """x W^T + b for a registered weight, in one native op: a GEMV for 1 to GEMV_MAX_ROWS rows
+    where the weight has Q8_0 blocks or its row-major copy, else oneDNN on the packed weight."""
     return torch.ops.pdserve_gemv.prepacked_linear.default(x, bias, weight_id, out_features)

@@ -42,6 +42,7 @@ DELEGATED_BENCH = {
     "serve-peer": ("bench.peers.vllm_serve", "pdserve vs `vllm serve` under the same load and client"),
     "transfer": ("bench.transfer", "KV transfer throughput vs plain pyzmq"),
     "cpu-attention": ("bench.cpu_attention", "one layer's CPU paged attention: torch path vs the native kernel"),
+    "decode-linears": ("bench.decode_linears", "a decode step's linears: oneDNN, F.linear, the native GEMVs"),
     "serve": ("bench.serve.main",
               "load-test a gateway: TTFT/TPOT/ITL/E2EL, throughput, goodput (vLLM definitions)"),
     "routing": ("bench.routing",

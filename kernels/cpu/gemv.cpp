@@ -1,21 +1,26 @@
 // Matrix-vector products for decode steps: y [M, N] = x [M, K] @ W [N, K]^T (+ bias), M
-// small (a few decode rows), x bf16, W either bf16 in its plain row-major layout or
-// GGUF's Q4_1 blocks as the file stores them.
+// small (a few decode rows), W either plain row-major (bf16 or fp32, x of the same dtype)
+// or GGUF's Q4_1 blocks as the file stores them (x bf16).
 //
 // At one token a linear is a stream over its weight, and what sets the speed is how the
 // weight is read. Each thread here reads its share of W's rows strictly in order, one row
 // at a time, so the hardware prefetcher sees a single sequential stream: ~31 GB/s on
-// the 2-core EPYC, against ~18-20 GB/s for oneDNN's packed GEMV (whose blocked layout
-// reads several rows at once) and for the same kernel taking four rows at a time.
-// AVX512-BF16's dot product takes pairs of bf16 into fp32 lanes; the sum is fp32 and
-// rounds to bf16 once. Q4_1 (per 32 columns: fp16 d, fp16 m, 16 bytes of nibbles, the
-// weight d * q + m) streams its 20-byte blocks the same way: the nibbles become bf16
-// codes through a 16-entry table, one dot product per x row gives sum q x, and
-// y = sum over blocks of d * (sum q x) + m * (sum x), in fp32 with d and m exact.
-// Built without AVX512-BF16, the ops raise and callers keep their other kernels.
+// the 2-core Zen 4 EPYC, against ~18-20 GB/s for oneDNN's packed GEMV (whose blocked
+// layout reads several rows at once) and for the same kernel taking four rows at a time.
+//
+// Two builds of the math, chosen at compile time (-march):
+// - AVX512-BF16: a bf16 W's dot products take pairs of bf16 into fp32 lanes (no
+//   conversion); Q4_1 nibbles become bf16 codes through a 16-entry table.
+// - Elsewhere (AVX2 + FMA, or AVX-512 without BF16): x is widened to fp32 once per call,
+//   W's bf16 values to fp32 in registers (a shift: exact), Q4_1 codes by integer
+//   conversion, and every product is an fp32 FMA.
+// Either way sums are fp32 and round to the output dtype once; Q4_1's
+// y = sum over blocks of d * (sum q x) + m * (sum x), with d and m exact in fp32.
+// Built for a CPU with neither, the ops raise and callers keep their other kernels.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -23,19 +28,24 @@
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define PDSERVE_GEMV 1
 #include <immintrin.h>
 #endif
 
 namespace {
 
 constexpr int64_t kMaxRows = 4;  // rows of x; more would read W once per group of them
-constexpr int64_t kStep = 32;    // bf16 values per 512-bit load
+constexpr int64_t kStep = 32;    // bf16 values per 512-bit load; in_features' required multiple
 constexpr int64_t kQ4Block = 32;      // Q4_1 columns per block
 constexpr int64_t kQ4BlockBytes = 20;  // fp16 d, fp16 m, 16 bytes of nibbles
+constexpr int64_t kQ8Block = 32;       // Q8_0 columns per block
+constexpr int64_t kQ8BlockBytes = 34;  // fp16 d, 32 int8 codes
 
 #ifdef __AVX512BF16__
 template <int M>
@@ -110,14 +120,182 @@ void q4_1_rows(const at::BFloat16* x, const float* x_sums, const uint8_t* blocks
 }
 #endif
 
-void check_x_and_bias(const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t N, const char* op) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be bf16 [M, K], got ",
-              x.scalar_type(), " ", x.sizes());
+#ifdef PDSERVE_GEMV
+// fp32 vectors of the portable build: zmm with AVX-512, ymm with AVX2.
+#if defined(__AVX512F__)
+using VecF = __m512;
+constexpr int64_t kLanes = 16;
+inline VecF vzero() { return _mm512_setzero_ps(); }
+inline VecF vset1(float v) { return _mm512_set1_ps(v); }
+inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline VecF vload(const at::BFloat16* p) {  // bf16 is the top half of an fp32
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(VecF v) { return _mm512_reduce_add_ps(v); }
+// A Q8_0 block's 32 int8 codes in fp32.
+inline void q8_codes(const int8_t* codes, VecF out[2]) {
+  for (int i = 0; i < 2; ++i)
+    out[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i))));
+}
+// A Q4_1 block's 16 bytes of nibbles as its 32 codes in fp32, columns in order.
+inline void q4_codes(const uint8_t* nibbles, VecF out[2]) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles));
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, low_mask)));
+  out[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), low_mask)));
+}
+#else
+using VecF = __m256;
+constexpr int64_t kLanes = 8;
+inline VecF vzero() { return _mm256_setzero_ps(); }
+inline VecF vset1(float v) { return _mm256_set1_ps(v); }
+inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline VecF vload(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(VecF v) {
+  const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+inline void q8_codes(const int8_t* codes, VecF out[4]) {
+  for (int i = 0; i < 4; ++i)
+    out[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i))));
+}
+inline void q4_codes(const uint8_t* nibbles, VecF out[4]) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles));
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(packed, low_mask), high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask);
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(low, low)));
+  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
+  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(high, high)));
+}
+#endif
+
+// x rows widened to fp32 once per call: the row loops below read them for every W row.
+std::vector<float> widen(const at::Tensor& x) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  return std::vector<float>(xf.data_ptr<float>(), xf.data_ptr<float>() + xf.numel());
+}
+
+// W of type T (fp32, or bf16 widened in registers), fp32 x [M, K], fp32 FMAs.
+template <int M, typename T>
+void gemv_rows_fp32_math(const float* x, const T* w, const T* bias, T* y, int64_t K, int64_t N, int64_t n_begin,
+                         int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const T* row = w + n * K;
+    VecF acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = vzero();
+    int64_t k = 0;
+    for (; k + 2 * kLanes <= K; k += 2 * kLanes) {
+      const VecF w0 = vload(row + k), w1 = vload(row + k + kLanes);
+      for (int m = 0; m < M; ++m) {
+        acc[m][0] = vfma(w0, vload(x + m * K + k), acc[m][0]);
+        acc[m][1] = vfma(w1, vload(x + m * K + k + kLanes), acc[m][1]);
+      }
+    }
+    for (; k < K; k += kLanes) {  // K is a multiple of kStep, so of kLanes
+      const VecF w0 = vload(row + k);
+      for (int m = 0; m < M; ++m) acc[m][0] = vfma(w0, vload(x + m * K + k), acc[m][0]);
+    }
+    const float b = bias == nullptr ? 0.0f : static_cast<float>(bias[n]);
+    for (int m = 0; m < M; ++m) y[m * N + n] = T(vsum(acc[m][0] + acc[m][1]) + b);
+  }
+}
+
+// Q4_1 blocks, fp32 x [M, K], x_sums [M, K / 32] for the m terms.
+template <int M>
+void q4_1_rows_fp32_math(const float* x, const float* x_sums, const uint8_t* blocks, const at::BFloat16* bias,
+                         at::BFloat16* y, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+  constexpr int kVecsPerBlock = kQ4Block / kLanes;
+  const int64_t num_blocks = K / kQ4Block;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row = blocks + n * num_blocks * kQ4BlockBytes;
+    VecF acc[M];
+    float m_terms[M];
+    for (int m = 0; m < M; ++m) {
+      acc[m] = vzero();
+      m_terms[m] = 0.f;
+    }
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* block = row + b * kQ4BlockBytes;
+      uint16_t d_bits, m_bits;
+      std::memcpy(&d_bits, block, 2);
+      std::memcpy(&m_bits, block + 2, 2);
+      const float min = _cvtsh_ss(m_bits);
+      const VecF d_vec = vset1(_cvtsh_ss(d_bits));
+      VecF q[kVecsPerBlock];
+      q4_codes(block + 4, q);
+      for (int m = 0; m < M; ++m) {
+        const float* xb = x + m * K + b * kQ4Block;
+        VecF dot = q[0] * vload(xb);
+        for (int v = 1; v < kVecsPerBlock; ++v) dot = vfma(q[v], vload(xb + v * kLanes), dot);
+        acc[m] = vfma(d_vec, dot, acc[m]);
+        m_terms[m] += min * x_sums[m * num_blocks + b];
+      }
+    }
+    const float bias_n = bias == nullptr ? 0.0f : static_cast<float>(bias[n]);
+    for (int m = 0; m < M; ++m) y[m * N + n] = at::BFloat16(vsum(acc[m]) + m_terms[m] + bias_n);
+  }
+}
+
+// Q8_0 blocks (per 32 columns: fp16 d, 32 int8 codes q; the weight d * q), fp32 x [M, K].
+template <int M, typename T>
+void q8_0_rows_fp32_math(const float* x, const uint8_t* blocks, const T* bias, T* y, int64_t K, int64_t N,
+                         int64_t n_begin, int64_t n_end) {
+  constexpr int kVecsPerBlock = kQ8Block / kLanes;
+  const int64_t num_blocks = K / kQ8Block;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row = blocks + n * num_blocks * kQ8BlockBytes;
+    VecF acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = vzero();
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* block = row + b * kQ8BlockBytes;
+      uint16_t d_bits;
+      std::memcpy(&d_bits, block, 2);
+      const VecF d_vec = vset1(_cvtsh_ss(d_bits));
+      VecF q[kVecsPerBlock];
+      q8_codes(reinterpret_cast<const int8_t*>(block + 2), q);
+      for (int m = 0; m < M; ++m) {
+        const float* xb = x + m * K + b * kQ8Block;
+        VecF dot = q[0] * vload(xb);
+        for (int v = 1; v < kVecsPerBlock; ++v) dot = vfma(q[v], vload(xb + v * kLanes), dot);
+        acc[m] = vfma(d_vec, dot, acc[m]);
+      }
+    }
+    const float bias_n = bias == nullptr ? 0.0f : static_cast<float>(bias[n]);
+    for (int m = 0; m < M; ++m) y[m * N + n] = T(vsum(acc[m]) + bias_n);
+  }
+}
+#endif
+
+void check_x_and_bias(const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t N, at::ScalarType dtype,
+                      const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, op, ": x must be ", dtype, " [M, K], got ", x.scalar_type(),
+              " ", x.sizes());
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, op, ": 1 to ", kMaxRows, " rows of x, got ", x.size(0));
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N && bias->is_contiguous(), op,
-                ": a contiguous bf16 bias of ", N, " values expected");
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->numel() == N && bias->is_contiguous(), op, ": a contiguous ",
+                dtype, " bias of ", N, " values expected");
   }
+}
+
+// Row ranges per thread, contiguous: each thread's reads stay one sequential stream.
+template <typename RowsFn>
+void for_row_ranges(int64_t M, int64_t N, RowsFn rows) {
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    switch (M) {
+      case 1: rows(std::integral_constant<int, 1>{}, begin, end); break;
+      case 2: rows(std::integral_constant<int, 2>{}, begin, end); break;
+      case 3: rows(std::integral_constant<int, 3>{}, begin, end); break;
+      default: rows(std::integral_constant<int, 4>{}, begin, end); break;
+    }
+  });
 }
 
 at::Tensor q4_1_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& blocks) {
@@ -126,16 +304,15 @@ at::Tensor q4_1_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias,
               "q4_1_gemv: blocks must be contiguous uint8 [N, K / 32 * 20], got ", blocks.scalar_type(), " ",
               blocks.sizes());
   const int64_t N = blocks.size(0), K = blocks.size(1) / kQ4BlockBytes * kQ4Block;
-  check_x_and_bias(x, bias, N, "q4_1_gemv");
+  check_x_and_bias(x, bias, N, at::kBFloat16, "q4_1_gemv");
   TORCH_CHECK(x.size(1) == K, "q4_1_gemv: x has ", x.size(1), " columns, the blocks ", K);
-#ifdef __AVX512BF16__
-  const at::Tensor xc = x.contiguous();
+#ifdef PDSERVE_GEMV
   const int64_t M = x.size(0), num_blocks = K / kQ4Block;
-  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  const std::vector<float> xf = widen(x);
   std::vector<float> x_sums(M * num_blocks);
   for (int64_t i = 0; i < M * num_blocks; ++i) {
     float sum = 0.f;
-    for (int64_t j = 0; j < kQ4Block; ++j) sum += static_cast<float>(xp[i * kQ4Block + j]);
+    for (int64_t j = 0; j < kQ4Block; ++j) sum += xf[i * kQ4Block + j];
     x_sums[i] = sum;
   }
   at::Tensor y = at::empty({M, N}, x.options());
@@ -143,69 +320,128 @@ at::Tensor q4_1_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias,
   const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const float* sp = x_sums.data();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    switch (M) {
-      case 1: q4_1_rows<1>(xp, sp, wp, bp, yp, K, N, begin, end); break;
-      case 2: q4_1_rows<2>(xp, sp, wp, bp, yp, K, N, begin, end); break;
-      case 3: q4_1_rows<3>(xp, sp, wp, bp, yp, K, N, begin, end); break;
-      default: q4_1_rows<4>(xp, sp, wp, bp, yp, K, N, begin, end); break;
-    }
+#ifdef __AVX512BF16__
+  const at::Tensor xc = x.contiguous();
+  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
+    q4_1_rows<decltype(rows)::value>(xp, sp, wp, bp, yp, K, N, begin, end);
   });
+#else
+  for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
+    q4_1_rows_fp32_math<decltype(rows)::value>(xf.data(), sp, wp, bp, yp, K, N, begin, end);
+  });
+#endif
   return y;
 #else
-  TORCH_CHECK(false, "q4_1_gemv: built for a CPU without AVX512-BF16");
+  TORCH_CHECK(false, "q4_1_gemv: built for a CPU without AVX2 and FMA");
 #endif
 }
 
-at::Tensor bf16_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
-              "bf16_gemv: the weight must be contiguous bf16 [N, K], got ", weight.scalar_type(), " ",
-              weight.sizes(), weight.is_contiguous() ? "" : " (not contiguous)");
-  check_x_and_bias(x, bias, weight.size(0), "bf16_gemv");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(K == weight.size(1), "bf16_gemv: x has ", K, " columns, the weight ", weight.size(1));
-  TORCH_CHECK(K % kStep == 0, "bf16_gemv: in_features must be a multiple of ", kStep, ", got ", K);
-#ifdef __AVX512BF16__
-  const at::Tensor xc = x.contiguous();
+at::Tensor q8_0_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& blocks) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+                  blocks.size(1) % kQ8BlockBytes == 0,
+              "q8_0_gemv: blocks must be contiguous uint8 [N, K / 32 * 34], got ", blocks.scalar_type(), " ",
+              blocks.sizes());
+  const int64_t N = blocks.size(0), K = blocks.size(1) / kQ8BlockBytes * kQ8Block;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "q8_0_gemv: x must be bf16 or fp32, got ", x.scalar_type());
+  check_x_and_bias(x, bias, N, x.scalar_type(), "q8_0_gemv");
+  TORCH_CHECK(x.size(1) == K, "q8_0_gemv: x has ", x.size(1), " columns, the blocks ", K);
+#ifdef PDSERVE_GEMV
+  const int64_t M = x.size(0);
+  const std::vector<float> xf = widen(x);
   at::Tensor y = at::empty({M, N}, x.options());
-  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  AT_DISPATCH_SWITCH(x.scalar_type(), "q8_0_gemv",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+      float* yp = y.data_ptr<float>();
+      for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
+        q8_0_rows_fp32_math<decltype(rows)::value>(xf.data(), wp, bp, yp, K, N, begin, end);
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
+      at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+      for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
+        q8_0_rows_fp32_math<decltype(rows)::value>(xf.data(), wp, bp, yp, K, N, begin, end);
+      });
+    }));
+  return y;
+#else
+  TORCH_CHECK(false, "q8_0_gemv: built for a CPU without AVX2 and FMA");
+#endif
+}
+
+at::Tensor gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat) &&
+                  weight.is_contiguous(),
+              "gemv: the weight must be contiguous bf16 or fp32 [N, K], got ", weight.scalar_type(), " ",
+              weight.sizes(), weight.is_contiguous() ? "" : " (not contiguous)");
+  check_x_and_bias(x, bias, weight.size(0), weight.scalar_type(), "gemv");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(K == weight.size(1), "gemv: x has ", K, " columns, the weight ", weight.size(1));
+  TORCH_CHECK(K % kStep == 0, "gemv: in_features must be a multiple of ", kStep, ", got ", K);
+#ifdef PDSERVE_GEMV
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (weight.scalar_type() == at::kFloat) {
+    const at::Tensor xc = x.contiguous();  // fp32 already: no widening copy
+    const float* wp = weight.data_ptr<float>();
+    const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    float* yp = y.data_ptr<float>();
+    for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
+      gemv_rows_fp32_math<decltype(rows)::value>(xc.data_ptr<float>(), wp, bp, yp, K, N, begin, end);
+    });
+    return y;
+  }
   const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
   const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  // Contiguous row ranges per thread: each thread's reads stay one sequential stream.
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    switch (M) {
-      case 1: gemv_rows<1>(xp, wp, bp, yp, K, N, begin, end); break;
-      case 2: gemv_rows<2>(xp, wp, bp, yp, K, N, begin, end); break;
-      case 3: gemv_rows<3>(xp, wp, bp, yp, K, N, begin, end); break;
-      default: gemv_rows<4>(xp, wp, bp, yp, K, N, begin, end); break;
-    }
+#ifdef __AVX512BF16__
+  const at::Tensor xc = x.contiguous();
+  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
+    gemv_rows<decltype(rows)::value>(xp, wp, bp, yp, K, N, begin, end);
   });
+#else
+  const std::vector<float> xf = widen(x);
+  for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
+    gemv_rows_fp32_math<decltype(rows)::value>(xf.data(), wp, bp, yp, K, N, begin, end);
+  });
+#endif
   return y;
 #else
-  TORCH_CHECK(false, "bf16_gemv: built for a CPU without AVX512-BF16");
+  TORCH_CHECK(false, "gemv: built for a CPU without AVX2 and FMA");
 #endif
 }
 
 // The compiled model's linears by the id its graphs hold (a oneDNN-packed weight is opaque
-// to the compiler, so the graph names it by number): the packed weight, and the
-// row-major bf16 copy where steps of up to kMaxRows rows take the GEMV. Choosing here, in
-// one C++ op, saves the ~5 us of a Python op per call (121 calls per step of SmolLM2).
+// to the compiler, so the graph names it by number): the packed weight, and where steps of
+// up to kMaxRows rows take a GEMV, what it reads: a row-major copy (bf16 or fp32), or Q8_0
+// blocks (a GGUF's own head). Choosing here, in one C++ op, saves the ~5 us of a Python op
+// per call (121 calls per step of SmolLM2).
 struct PrepackedLinear {
   at::Tensor packed;
   std::optional<at::Tensor> row_major;
+  std::optional<at::Tensor> q8_0_blocks;
 };
 std::mutex linears_mutex;
 std::vector<std::optional<PrepackedLinear>> linears;
 
-void register_linear(int64_t weight_id, const at::Tensor& packed, const std::optional<at::Tensor>& row_major) {
+void register_linear(int64_t weight_id, const at::Tensor& packed, const std::optional<at::Tensor>& row_major,
+                     const std::optional<at::Tensor>& q8_0_blocks) {
   TORCH_CHECK(weight_id >= 0, "register_linear: weight_id must be >= 0, got ", weight_id);
   if (row_major.has_value())
-    TORCH_CHECK(row_major->dim() == 2 && row_major->scalar_type() == at::kBFloat16 && row_major->is_contiguous(),
-                "register_linear: the row-major weight must be contiguous bf16 [N, K]");
+    TORCH_CHECK(row_major->dim() == 2 && row_major->is_contiguous() &&
+                    (row_major->scalar_type() == at::kBFloat16 || row_major->scalar_type() == at::kFloat),
+                "register_linear: the row-major weight must be contiguous bf16 or fp32 [N, K]");
+  if (q8_0_blocks.has_value())
+    TORCH_CHECK(q8_0_blocks->dim() == 2 && q8_0_blocks->is_contiguous() && q8_0_blocks->scalar_type() == at::kByte &&
+                    q8_0_blocks->size(1) % kQ8BlockBytes == 0,
+                "register_linear: Q8_0 blocks must be contiguous uint8 [N, K / 32 * 34]");
   std::lock_guard<std::mutex> lock(linears_mutex);
   if (static_cast<int64_t>(linears.size()) <= weight_id) linears.resize(weight_id + 1);
-  linears[weight_id] = PrepackedLinear{packed, row_major};
+  linears[weight_id] = PrepackedLinear{packed, row_major, q8_0_blocks};
 }
 
 void release_linear(int64_t weight_id) {
@@ -223,8 +459,11 @@ at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>
     linear = *linears[weight_id];
   }
   at::Tensor y;
-  if (linear.row_major.has_value() && x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows) {
-    y = bf16_gemv(x, bias, *linear.row_major);
+  const bool decode_rows = x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows;
+  if (decode_rows && linear.q8_0_blocks.has_value()) {
+    y = q8_0_gemv(x, bias, *linear.q8_0_blocks);
+  } else if (decode_rows && linear.row_major.has_value()) {
+    y = gemv(x, bias, *linear.row_major);
   } else {
     static const auto pointwise =
         c10::Dispatcher::singleton()
@@ -241,27 +480,33 @@ at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>
   return y;
 }
 
-bool bf16_gemv_supported() {
-#ifdef __AVX512BF16__
-  return true;
+// Which build of the math this library holds: "avx512_bf16", "fp32_fma" or "" (none).
+std::string gemv_isa() {
+#if defined(__AVX512BF16__)
+  return "avx512_bf16";
+#elif defined(PDSERVE_GEMV)
+  return "fp32_fma";
 #else
-  return false;
+  return "";
 #endif
 }
 
 }  // namespace
 
 TORCH_LIBRARY(pdserve_gemv, m) {
-  m.def("bf16_gemv(Tensor x, Tensor? bias, Tensor weight) -> Tensor");
+  m.def("gemv(Tensor x, Tensor? bias, Tensor weight) -> Tensor");
   m.def("q4_1_gemv(Tensor x, Tensor? bias, Tensor blocks) -> Tensor");
-  m.def("supported() -> bool", &bf16_gemv_supported);
-  m.def("register_linear(int weight_id, Tensor packed, Tensor? row_major) -> ()", &register_linear);
+  m.def("q8_0_gemv(Tensor x, Tensor? bias, Tensor blocks) -> Tensor");
+  m.def("isa() -> str", &gemv_isa);
+  m.def("register_linear(int weight_id, Tensor packed, Tensor? row_major, Tensor? q8_0_blocks=None) -> ()",
+        &register_linear);
   m.def("release_linear(int weight_id) -> ()", &release_linear);
   m.def("prepacked_linear(Tensor x, Tensor? bias, int weight_id, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_gemv, CPU, m) {
-  m.impl("bf16_gemv", &bf16_gemv);
+  m.impl("gemv", &gemv);
   m.impl("q4_1_gemv", &q4_1_gemv);
+  m.impl("q8_0_gemv", &q8_0_gemv);
   m.impl("prepacked_linear", &prepacked_linear);
 }

@@ -57,6 +57,9 @@ class CausalLM(nn.Module):
                         if self.is_last_stage and not head_is_embedding else None)
         # The head's weight packed for the CPU's matmul units (models.prepacked_linear); None: use the weight.
         self.prepacked_head: nn.Module | None = None
+        # [vocab_size, hidden_size // 32 * 34] uint8: the head as a GGUF stores it in Q8_0, for
+        # decode steps of the packed head (left by quantization gguf); None: the dense weight.
+        self.head_q8_0_blocks: torch.Tensor | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

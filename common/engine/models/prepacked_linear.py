@@ -15,9 +15,9 @@ low-level API, which dispatches in ~1.5 us; a `custom_op` wrapper costs ~20 us, 
 model step makes 4 linear calls per layer.
 
 Decode steps of up to four tokens take a native GEMV over the plain row-major weight
-instead, where the CPU has AVX512-BF16 (kernels/cpu_linear.py): it reads the weight as
-one sequential stream per thread, ~31 GB/s against oneDNN's ~18-20 GB/s on the 2-core
-EPYC. Those linears then hold their weight twice, packed and row-major. Where that
+instead, where the CPU has AVX2 and FMA (kernels/cpu_linear.py): it reads the weight as
+one sequential stream per thread, ~31 GB/s against oneDNN's ~18-20 GB/s for bf16 on the
+2-core Zen 4 EPYC. Those linears then hold their weight twice, packed and row-major. Where that
 native library is loaded, the graph calls its op `pdserve_gemv::prepacked_linear`, which
 makes the same choice in C++; `pdserve::prepacked_linear` serves elsewhere.
 """
@@ -31,7 +31,7 @@ from torch import nn
 
 from kernels.cpu_linear import (
     GEMV_MAX_ROWS,
-    bf16_gemv,
+    gemv,
     gemv_applies,
     native_gemv_available,
     register_prepacked_linear,
@@ -63,7 +63,7 @@ def _prepacked_linear_cpu(x: torch.Tensor, bias: torch.Tensor | None, weight_id:
     packed, _, row_major = _PACKED_WEIGHTS[weight_id]
     # x [num_tokens, in_features] -> [num_tokens, out_features]
     if row_major is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
-        return bf16_gemv(x, bias, row_major())
+        return gemv(x, bias, row_major())
     return torch.ops.mkldnn._linear_pointwise.default(x.contiguous(), packed(), bias, "none", [-1], "")
 
 
@@ -92,21 +92,27 @@ class PrepackedLinear(nn.Module):
     """y = x W^T + b with W held packed (not as a parameter): a loaded model's linear,
     replaced in place. bias stays a parameter."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, q8_0_blocks: torch.Tensor | None = None):
+        """q8_0_blocks [out_features, in_features // 32 * 34] uint8: the same weight as a GGUF
+        stores it in Q8_0 (a quantized model's head), for decode steps' GEMV where it runs."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.num_weight_bytes = weight.numel() * weight.element_size()
         # The module owns the packed weight; the table only points at it.
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        # For decode steps' GEMV, where it applies (bf16, AVX512-BF16).
-        self._row_major = weight.detach().clone(memory_format=torch.contiguous_format) if gemv_applies(weight) else None
-        self.weight_id = _register(self._packed, self.out_features, self._row_major)
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         # Where the native library is loaded, its op makes the GEMV-or-oneDNN choice in C++
         # (~5 us less per call than the Python op); it holds the weights until this module goes.
         self._native = native_gemv_available()
+        # What decode steps' GEMV reads, where it applies: the Q8_0 blocks, else a row-major
+        # copy of a bf16 or fp32 weight (AVX2 and FMA).
+        self._q8_0_blocks = (q8_0_blocks if self._native and q8_0_blocks is not None
+                             and q8_0_blocks.shape[0] == self.out_features else None)
+        self._row_major = (weight.detach().clone(memory_format=torch.contiguous_format)
+                           if self._q8_0_blocks is None and gemv_applies(weight) else None)
+        self.weight_id = _register(self._packed, self.out_features, self._row_major)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         if self._native:
-            register_prepacked_linear(self.weight_id, self._packed, self._row_major)
+            register_prepacked_linear(self.weight_id, self._packed, self._row_major, self._q8_0_blocks)
             weakref.finalize(self, release_prepacked_linear, self.weight_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,14 +121,18 @@ class PrepackedLinear(nn.Module):
         return torch.ops.pdserve.prepacked_linear(x, self.bias, self.weight_id)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weight_id={self.weight_id}"
+        decode = "q8_0 gemv" if self._q8_0_blocks is not None else "gemv" if self._row_major is not None else "onednn"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, weight_id={self.weight_id}, "
+                f"decode={decode}")
 
 
 def prepack_linears(model: nn.Module) -> int:
     """Replace every dense projection linear of a single-rank CPU model by a PrepackedLinear
     (their float weights are freed with them), and pack a copy of the LM head (the embedding
-    where they are tied) as `model.prepacked_head`. Returns how many were packed; 0 where
-    oneDNN cannot pack the model's dtype. Quantized projections are not nn.Linear and stay."""
+    where they are tied) as `model.prepacked_head`, with the GGUF's Q8_0 blocks of that head
+    for decode steps where quantization left them (`model.head_q8_0_blocks`). Returns how
+    many were packed; 0 where oneDNN cannot pack the model's dtype. Quantized projections
+    are not nn.Linear and stay."""
     first = next(model.parameters())
     if first.device.type != "cpu" or not prepacking_available(first.dtype):
         return 0
@@ -136,7 +146,7 @@ def prepack_linears(model: nn.Module) -> int:
     head = model.embed_tokens if getattr(model, "lm_head", None) is None else model.lm_head
     num_packed = len(targets)
     if head is not None and head.tp_size == 1:
-        model.prepacked_head = PrepackedLinear(head.weight, None)
+        model.prepacked_head = PrepackedLinear(head.weight, None, getattr(model, "head_q8_0_blocks", None))
         num_packed += 1
     return num_packed
 

@@ -1,7 +1,9 @@
-"""The native GEMVs (kernels/cpu/gemv.cpp): for a bf16 weight and for GGUF's Q4_1
-blocks, the product fp32 math gives on the same inputs, rounded once to bf16, for every
-row count and shape they take; clear refusals for the ones they do not; the decode
-linears that take them, and the native op that picks between the GEMV and oneDNN."""
+"""The native GEMVs (kernels/cpu/gemv.cpp): for a bf16 or fp32 weight and for GGUF's
+Q4_1 blocks, the product fp32 math gives on the same inputs, rounded once to the output
+dtype, for every row count and shape they take, in whichever build this CPU gets
+(AVX512-BF16 dot products, or fp32 FMAs on AVX2); clear refusals for the ones they do
+not; the decode linears that take them, and the native op that picks between the GEMV
+and oneDNN."""
 from __future__ import annotations
 
 import gc
@@ -13,13 +15,13 @@ import torch.nn.functional as F
 from common.engine.model_files import bundled_gguf_path
 from common.engine.models.prepacked_linear import _PACKED_WEIGHTS, PrepackedLinear, prepacking_available
 from common.engine.models.quantization.cpu_kernels import int4_kernel_available
-from common.engine.models.quantization.gguf_blocks import GGUFQuantizedWeights, Q4_1Blocks
+from common.engine.models.quantization.gguf_blocks import GGUFQuantizedWeights, Q4_1Blocks, Q8_0Blocks
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
-from kernels.cpu_linear import GEMV_MAX_ROWS, bf16_gemv, native_gemv_available, q4_1_gemv
+from kernels.cpu_linear import GEMV_MAX_ROWS, gemv, native_gemv_available, q4_1_gemv, q8_0_gemv
 from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
 
 pytestmark = pytest.mark.skipif(not native_gemv_available(),
-                                reason="no AVX512-BF16 (or no C++ compiler): the GEMV is not built here")
+                                reason="no AVX2 and FMA (or no C++ compiler): the GEMV is not built here")
 
 
 def reference(x, bias, weight):  # fp32 math on the same bf16 inputs
@@ -29,52 +31,68 @@ def reference(x, bias, weight):  # fp32 math on the same bf16 inputs
 @pytest.mark.parametrize("num_rows", range(1, GEMV_MAX_ROWS + 1))
 @pytest.mark.parametrize("out_features, in_features", [(1, 32), (63, 96), (960, 576), (576, 1536), (130, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_fp32_math_rounded_to_bf16(num_rows, out_features, in_features, with_bias):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matches_fp32_math_rounded_once(num_rows, out_features, in_features, with_bias, dtype):
     torch.manual_seed(num_rows * 1000 + out_features)
-    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
-    bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
-    x = torch.randn(num_rows, in_features, dtype=torch.bfloat16)
-    out = bf16_gemv(x, bias, weight)
-    assert out.shape == (num_rows, out_features) and out.dtype == torch.bfloat16
+    weight = torch.randn(out_features, in_features, dtype=dtype)
+    bias = torch.randn(out_features, dtype=dtype) if with_bias else None
+    x = torch.randn(num_rows, in_features, dtype=dtype)
+    out = gemv(x, bias, weight)
+    assert out.shape == (num_rows, out_features) and out.dtype == dtype
     expected = reference(x, bias, weight)
-    # One bf16 rounding of the fp32 sum (half an ulp: 2^-9 relative), plus fp32
-    # summation-order noise.
-    torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * expected.abs().max().item())
+    scale = expected.abs().max().item()
+    if dtype == torch.bfloat16:
+        # One bf16 rounding of the fp32 sum (half an ulp: 2^-9 relative), plus fp32
+        # summation-order noise.
+        torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * scale)
+    else:  # fp32 throughout: only the summation order differs
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * scale)
 
 
-def test_rows_are_independent():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_are_independent(dtype):
     torch.manual_seed(0)
-    weight = torch.randn(200, 64, dtype=torch.bfloat16)
-    x = torch.randn(GEMV_MAX_ROWS, 64, dtype=torch.bfloat16)
-    together = bf16_gemv(x, None, weight)
+    weight = torch.randn(200, 64, dtype=dtype)
+    x = torch.randn(GEMV_MAX_ROWS, 64, dtype=dtype)
+    together = gemv(x, None, weight)
     for row in range(GEMV_MAX_ROWS):
-        assert torch.equal(bf16_gemv(x[row:row + 1], None, weight), together[row:row + 1])
+        assert torch.equal(gemv(x[row:row + 1], None, weight), together[row:row + 1])
 
 
 @pytest.mark.parametrize("x, weight, message", [
     (torch.zeros(GEMV_MAX_ROWS + 1, 32, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16), "rows"),
     (torch.zeros(1, 40, dtype=torch.bfloat16), torch.zeros(8, 40, dtype=torch.bfloat16), "multiple of 32"),
-    (torch.zeros(1, 32), torch.zeros(8, 32), "bf16"),
+    (torch.zeros(1, 32, dtype=torch.half), torch.zeros(8, 32, dtype=torch.half), "bf16 or fp32"),
+    (torch.zeros(1, 32), torch.zeros(8, 32, dtype=torch.bfloat16), "x must be BFloat16"),
+    (torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(8, 32), "x must be Float"),
     (torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16), "columns"),
     (torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(32, 8, dtype=torch.bfloat16).t(), "contiguous"),
 ])
 def test_refuses_what_it_cannot_compute(x, weight, message):
     with pytest.raises(RuntimeError, match=message):
-        bf16_gemv(x, None, weight)
+        gemv(x, None, weight)
 
 
-@pytest.mark.skipif(not prepacking_available(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
+def test_refuses_a_bias_of_another_dtype():
+    with pytest.raises(RuntimeError, match="contiguous Float bias"):
+        gemv(torch.zeros(1, 32), torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, 32))
+
+
 @pytest.mark.parametrize("num_tokens", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 64])
-def test_a_bf16_linear_takes_the_gemv_for_decode_rows_and_onednn_beyond(num_tokens):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_linear_takes_the_gemv_for_decode_rows_and_onednn_beyond(num_tokens, dtype):
+    if not prepacking_available(dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} here")
     torch.manual_seed(0)
-    weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    weight, bias = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
     layer = PrepackedLinear(weight, bias)
     assert _PACKED_WEIGHTS[layer.weight_id][2] is not None  # it holds the row-major weight
-    x = torch.randn(num_tokens, 64, dtype=torch.bfloat16)
+    x = torch.randn(num_tokens, 64, dtype=dtype)
     out = layer(x)
     if num_tokens <= GEMV_MAX_ROWS:
-        assert torch.equal(out, bf16_gemv(x, bias, weight))
-    torch.testing.assert_close(out.float(), reference(x, bias, weight), rtol=1.6e-2, atol=1e-1)
+        assert torch.equal(out, gemv(x, bias, weight))
+    tolerance = dict(rtol=1.6e-2, atol=1e-1) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out.float(), reference(x, bias, weight), **tolerance)
     # The module owns its weights: changing the source changes nothing.
     weight.zero_()
     assert torch.equal(layer(x), out)
@@ -100,16 +118,71 @@ def test_the_native_linear_op_equals_the_python_op_and_goes_with_its_module(num_
         native_prepacked_linear(x, None, weight_id, 96)
 
 
-def test_fp32_and_odd_widths_stay_on_onednn():
-    assert _PACKED_WEIGHTS[PrepackedLinear(torch.randn(16, 64), None).weight_id][2] is None
-    odd = PrepackedLinear(torch.randn(16, 40, dtype=torch.bfloat16), None)
-    assert _PACKED_WEIGHTS[odd.weight_id][2] is None
+def test_odd_widths_stay_on_onednn():
+    for dtype in (torch.bfloat16, torch.float32):
+        if prepacking_available(dtype):
+            odd = PrepackedLinear(torch.randn(16, 40, dtype=dtype), None)
+            assert _PACKED_WEIGHTS[odd.weight_id][2] is None
 
 
 @pytest.fixture(scope="module")
-def bundled_blocks() -> dict[str, Q4_1Blocks]:
-    weights = GGUFQuantizedWeights(bundled_gguf_path())
-    return {name: weights.projection(1, name) for name in ("qkv_proj", "down_proj")}
+def bundled_gguf() -> GGUFQuantizedWeights:
+    return GGUFQuantizedWeights(bundled_gguf_path())
+
+
+@pytest.fixture(scope="module")
+def bundled_blocks(bundled_gguf) -> dict[str, Q4_1Blocks]:
+    return {name: bundled_gguf.projection(1, name) for name in ("qkv_proj", "down_proj")}
+
+
+@pytest.fixture(scope="module")
+def bundled_head(bundled_gguf) -> Q8_0Blocks:
+    return bundled_gguf.head_q8_0()
+
+
+@pytest.mark.parametrize("num_rows", range(1, GEMV_MAX_ROWS + 1))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_q8_0_matches_fp32_math_on_the_dequantized_head(bundled_head, num_rows, dtype):
+    torch.manual_seed(num_rows)
+    x = torch.randn(num_rows, bundled_head.shape[1]).to(dtype)
+    bias = torch.randn(bundled_head.shape[0]).to(dtype)
+    out = q8_0_gemv(x, bias, bundled_head.raw())
+    assert out.shape == (num_rows, bundled_head.shape[0]) and out.dtype == dtype
+    expected = reference(x, bias, bundled_head.dequantize(torch.float32))
+    scale = expected.abs().max().item()
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * scale)
+    else:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_q8_0_refuses_what_it_cannot_compute(bundled_head):
+    raw = bundled_head.raw()[:64]
+    with pytest.raises(RuntimeError, match="columns"):
+        q8_0_gemv(torch.zeros(1, 608), None, raw)
+    with pytest.raises(RuntimeError, match="rows"):
+        q8_0_gemv(torch.zeros(GEMV_MAX_ROWS + 1, 576), None, raw)
+    with pytest.raises(RuntimeError, match="uint8"):
+        q8_0_gemv(torch.zeros(1, 576), None, raw[:, :-1].contiguous())
+    with pytest.raises(RuntimeError, match="bf16 or fp32"):
+        q8_0_gemv(torch.zeros(1, 576, dtype=torch.half), None, raw)
+
+
+@pytest.mark.parametrize("num_tokens", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1])
+def test_a_head_with_q8_0_blocks_takes_them_for_decode_rows_and_onednn_beyond(bundled_head, num_tokens):
+    rows = 256  # a slice of the vocabulary keeps the test small
+    raw = bundled_head.raw()[:rows].contiguous()
+    dense = bundled_head.dequantize(torch.float32)[:rows]
+    head = PrepackedLinear(dense, None, q8_0_blocks=raw)
+    assert _PACKED_WEIGHTS[head.weight_id][2] is None  # no row-major copy beside the blocks
+    x = torch.randn(num_tokens, dense.shape[1])
+    out = head(x)
+    if num_tokens <= GEMV_MAX_ROWS:
+        assert torch.equal(out, q8_0_gemv(x, None, raw))
+    torch.testing.assert_close(out, reference(x, None, dense), rtol=1e-5, atol=1e-4)
+    # Blocks of another height do not belong to this head: the dense weight serves.
+    other = PrepackedLinear(dense, None, q8_0_blocks=raw[:-32])
+    assert other._q8_0_blocks is None and _PACKED_WEIGHTS[other.weight_id][2] is not None
 
 
 @pytest.mark.parametrize("num_rows", range(1, GEMV_MAX_ROWS + 1))

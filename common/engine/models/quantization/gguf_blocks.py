@@ -1,8 +1,9 @@
-"""A GGUF file's Q4_1 projection weights as stored: packed rows, never dequantized at load.
+"""A GGUF file's quantized weights as stored: packed rows, never dequantized at load.
 
-Q4_1 stores each row in blocks of 32 columns: fp16 d, fp16 m, then 16 bytes of nibbles
-(byte j holds column j in its low nibble and column j + 16 in its high one); the weight
-is d * q + m. The converter (transformers) un-permutes the q and k rows that llama.cpp
+Q4_1 (the projections) stores each row in blocks of 32 columns: fp16 d, fp16 m, then 16
+bytes of nibbles (byte j holds column j in its low nibble and column j + 16 in its high
+one); the weight is d * q + m. Q8_0 (SmolLM2's token embedding, which is also its head)
+stores fp16 d and 32 int8 codes; the weight is d * q. The converter (transformers) un-permutes the q and k rows that llama.cpp
 permuted for its RoPE layout; that is a pure row permutation, so it is applied here to
 the packed rows and the fused projections are row concatenations of the GGUF tensors.
 """
@@ -16,6 +17,8 @@ import torch
 
 Q4_1_BLOCK_SIZE = 32
 Q4_1_BLOCK_BYTES = 2 + 2 + Q4_1_BLOCK_SIZE // 2
+Q8_0_BLOCK_SIZE = 32
+Q8_0_BLOCK_BYTES = 2 + Q8_0_BLOCK_SIZE
 
 # Our fused projection -> the GGUF tensors whose rows it concatenates, in order.
 GGUF_PROJECTION_TENSORS = {
@@ -73,6 +76,35 @@ class Q4_1Blocks:
         return w.reshape(self.shape).to(dtype)
 
 
+@dataclass
+class Q8_0Blocks:
+    """One [N, K] matrix in Q8_0, split into its block fields."""
+
+    d: torch.Tensor  # [N, K // 32] fp16 scales
+    codes: torch.Tensor  # [N, K // 32, 32] int8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.d.shape[0], self.d.shape[1] * Q8_0_BLOCK_SIZE
+
+    @classmethod
+    def from_raw(cls, raw: torch.Tensor) -> "Q8_0Blocks":
+        """raw [N, K // 32 * 34] uint8, as GGUFReader's tensor.data holds it."""
+        blocks = raw.reshape(raw.shape[0], -1, Q8_0_BLOCK_BYTES)  # [N, K // 32, 34]
+        d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
+        return cls(d=d, codes=blocks[..., 2:].contiguous().view(torch.int8))
+
+    def raw(self) -> torch.Tensor:
+        """[N, K // 32 * 34] uint8: the rows as the file stores them (from_raw's input)."""
+        d = self.d.view(torch.uint8).reshape(*self.d.shape, 2)
+        return torch.cat([d, self.codes.view(torch.uint8)], dim=-1).reshape(self.shape[0], -1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] d * q, computed in fp32 as gguf.quants does, then cast."""
+        w = self.d.float().unsqueeze(-1) * self.codes.float()
+        return w.reshape(self.shape).to(dtype)
+
+
 def unpermute_qk_rows(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's per-head RoPE row interleave; rows [N, ...] of any element type."""
     half = rows.shape[0] // num_heads // 2
@@ -121,6 +153,14 @@ class GGUFQuantizedWeights:
             raise NotImplementedError(f"{self.path}: tensor {name!r} is {kind}; quantization gguf serves Q4_1 "
                                       f"projections only (use quantization int8 for this model)")
         return Q4_1Blocks.from_raw(self.raw_rows(name))
+
+    def head_q8_0(self) -> Q8_0Blocks | None:
+        """The LM head as stored where it is Q8_0: `output.weight`, else the token embedding
+        it is tied to; None for any other type."""
+        name = "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
+        if name not in self.tensors or self.tensor_type(name) != "Q8_0":
+            return None
+        return Q8_0Blocks.from_raw(self.raw_rows(name))
 
     def projection(self, layer_idx: int, projection: str) -> Q4_1Blocks:
         """Our fused projection of one layer: the row concatenation of its GGUF tensors."""

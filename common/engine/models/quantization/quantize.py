@@ -1,7 +1,10 @@
 """Swap a loaded model's projection linears for quantized ones, found by name.
 
 Only qkv_proj, o_proj, gate_up_proj and down_proj change; the embedding (and the LM head
-tied to it in SmolLM2) and the norms stay dense in the model's dtype.
+tied to it in SmolLM2) and the norms stay dense in the model's dtype. With gguf, the
+file's own Q8_0 head (SmolLM2's token embedding) is kept beside it for the compiled CPU
+path's decode steps (models/prepacked_linear.py): the dense weight is its dequantization,
+so the logits are the same up to summation order, from a quarter of fp32's bytes.
 """
 from __future__ import annotations
 
@@ -76,9 +79,26 @@ def quantize_model(model: nn.Module, spec: QuantizationSpec) -> None:
             new = Int8Linear(weight, bias)
         setattr(parent, attr, new)
         del old, weight
-    logger.info("quantization %s: %d projections as %s via %s; embedding and LM head stay %s",
+    head_note = ""
+    if gguf is not None:
+        model.head_q8_0_blocks = _gguf_head(model, gguf)
+        if model.head_q8_0_blocks is not None:
+            head_note = " (decode steps' head: the GGUF's Q8_0 blocks where the CPU GEMV runs)"
+    logger.info("quantization %s: %d projections as %s via %s; embedding and LM head stay %s%s",
                 spec.method, len(targets), "Q4_1" if gguf is not None else "int8 per-channel",
-                _path_name(spec.method, device), _dense_dtype(model))
+                _path_name(spec.method, device), _dense_dtype(model), head_note)
+
+
+def _gguf_head(model: nn.Module, gguf: GGUFQuantizedWeights) -> torch.Tensor | None:
+    """The GGUF's Q8_0 head rows [vocab_size, hidden_size // 32 * 34] where they match the
+    model's whole head on CPU; None otherwise (the dense head serves every step)."""
+    head = model.embed_tokens if getattr(model, "lm_head", None) is None else model.lm_head
+    if head is None or getattr(head, "tp_size", 1) != 1 or head.weight.device.type != "cpu":
+        return None
+    blocks = gguf.head_q8_0()
+    if blocks is None or blocks.shape != tuple(head.weight.shape):
+        return None
+    return blocks.raw()
 
 
 def _path_name(method: str, device: torch.device) -> str:

@@ -1,4 +1,4 @@
-"""The reader's packed Q4_1 rows are the GGUF's own weights, in the converter's row order."""
+"""The reader's packed Q4_1 rows and Q8_0 head are the GGUF's own weights, in the converter's row order."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,12 @@ import torch
 from gguf.quants import dequantize
 
 from common.engine.models.quantization.cpu_kernels import int4_kernel_available
-from common.engine.models.quantization.gguf_blocks import GGUF_PROJECTION_TENSORS, Q4_1Blocks, unpermute_qk_rows
+from common.engine.models.quantization.gguf_blocks import (
+    GGUF_PROJECTION_TENSORS,
+    Q4_1Blocks,
+    Q8_0Blocks,
+    unpermute_qk_rows,
+)
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
 
 LAYERS = (0, 14, 29)
@@ -46,6 +51,26 @@ def test_packed_rows_match_the_converted_checkpoint(bundled_gguf, bundled_model_
     with safe_open(str(bundled_model_dir / "model.safetensors"), framework="pt") as f:
         q_k_v = [f.get_tensor(f"model.layers.3.self_attn.{n}_proj.weight") for n in "qkv"]
     assert torch.equal(bundled_gguf.projection(3, "qkv_proj").dequantize(), torch.cat(q_k_v))
+
+
+def test_the_q8_0_head_dequantizes_bit_exact_to_gguf_and_the_converted_embedding(bundled_gguf, bundled_model_dir):
+    """SmolLM2's head is its token embedding, Q8_0 in the file; the dense checkpoint pdserve
+    serves holds exactly its dequantization, so the Q8_0 GEMV computes the same logits."""
+    from safetensors import safe_open
+    head = bundled_gguf.head_q8_0()
+    tensor = bundled_gguf.tensors["token_embd.weight"]
+    reference = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
+    assert head.shape == tuple(reference.shape) == (49152, 576)
+    assert torch.equal(head.dequantize(torch.float32), reference)
+    with safe_open(str(bundled_model_dir / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor("model.embed_tokens.weight").float(), reference)
+    raw = bundled_gguf.raw_rows("token_embd.weight")
+    assert torch.equal(Q8_0Blocks.from_raw(raw).raw(), raw)
+
+
+def test_a_head_of_another_type_is_none(bundled_gguf, monkeypatch):
+    monkeypatch.setattr(bundled_gguf, "tensor_type", lambda name: "F16")
+    assert bundled_gguf.head_q8_0() is None
 
 
 def test_unpermute_inverts_llama_cpp_permute():
