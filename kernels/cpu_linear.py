@@ -35,7 +35,8 @@ def native_gemv_available() -> bool:
         return False
     error = load_ops("gemv", {"pdserve_gemv::gemv": _gemv_fake, "pdserve_gemv::q4_1_gemv": _blocks_gemv_fake,
                               "pdserve_gemv::q8_0_gemv": _blocks_gemv_fake,
-                              "pdserve_gemv::prepacked_linear": _prepacked_linear_fake})
+                              "pdserve_gemv::prepacked_linear": _prepacked_linear_fake,
+                              "pdserve_gemv::q4_1_linear": _q4_1_linear_fake})
     if error is not None:
         log.warning("native GEMV unavailable, decode linears stay on oneDNN and torch's int4 kernel: %s", error)
         return False
@@ -53,6 +54,10 @@ def _gemv_fake(x, bias, weight):
 
 def _blocks_gemv_fake(x, bias, blocks):
     return x.new_empty((x.shape[0], blocks.shape[0]))
+
+
+def _q4_1_linear_fake(x, packed, scales_and_zeros, blocks, group_size):
+    return x.new_empty((x.shape[0], scales_and_zeros.shape[1]))
 
 
 def _prepacked_linear_fake(x, bias, weight_id, out_features):
@@ -114,3 +119,15 @@ def prepacked_linear(
     """x W^T + b for a registered weight, in one native op: a GEMV for 1 to GEMV_MAX_ROWS rows
     where the weight has Q8_0 blocks or its row-major copy, else oneDNN on the packed weight."""
     return torch.ops.pdserve_gemv.prepacked_linear.default(x, bias, weight_id, out_features)
+
+
+def q4_1_linear(
+    x: torch.Tensor,  # [num_tokens, in_features] bf16
+    packed: torch.Tensor,  # torch's int4 pack of the codes (_convert_weight_to_int4pack_for_cpu)
+    scales_and_zeros: torch.Tensor,  # [in_features // group_size, out_features, 2] bf16
+    blocks: torch.Tensor | None,  # [out_features, in_features // 32 * 20] uint8 GGUF Q4_1 rows, or None
+    group_size: int,
+) -> torch.Tensor:  # [num_tokens, out_features] bf16
+    """A Q4_1 linear in one native op: the Q4_1 GEMV for 1 to GEMV_MAX_ROWS rows where the
+    blocks are given, torch's int4 kernel otherwise."""
+    return torch.ops.pdserve_gemv.q4_1_linear.default(x, packed, scales_and_zeros, blocks, group_size)

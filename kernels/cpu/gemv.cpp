@@ -440,6 +440,20 @@ at::Tensor gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, cons
 #endif
 }
 
+// A Q4_1 linear's one op for a compiled graph (the graph cannot branch on its unbacked
+// token count): the GEMV over the file's blocks for decode steps of up to kMaxRows rows,
+// torch's int4 kernel on its packed copy otherwise. In C++ it saves a Python op's ~14 us
+// per call (120 calls per step of SmolLM2).
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
+                       const std::optional<at::Tensor>& blocks, int64_t group_size) {
+  if (blocks.has_value() && x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows)
+    return q4_1_gemv(x, std::nullopt, *blocks);
+  static const auto int4_mm = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("aten::_weight_int4pack_mm_for_cpu", "")
+                                  .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&)>();
+  return int4_mm.call(x, packed, group_size, scales_and_zeros);
+}
+
 // The compiled model's linears by the id its graphs hold (a oneDNN-packed weight is opaque
 // to the compiler, so the graph names it by number): the packed weight, and where steps of
 // up to kMaxRows rows take a GEMV, what it reads: a row-major copy (bf16 or fp32), or Q8_0
@@ -522,6 +536,7 @@ TORCH_LIBRARY(pdserve_gemv, m) {
   m.def("gemv(Tensor x, Tensor? bias, Tensor weight) -> Tensor");
   m.def("q4_1_gemv(Tensor x, Tensor? bias, Tensor blocks) -> Tensor");
   m.def("q8_0_gemv(Tensor x, Tensor? bias, Tensor blocks) -> Tensor");
+  m.def("q4_1_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor? blocks, int group_size) -> Tensor");
   m.def("isa() -> str", &gemv_isa);
   m.def("register_linear(int weight_id, Tensor packed, Tensor? row_major, Tensor? q8_0_blocks=None) -> ()",
         &register_linear);
@@ -533,5 +548,6 @@ TORCH_LIBRARY_IMPL(pdserve_gemv, CPU, m) {
   m.impl("gemv", &gemv);
   m.impl("q4_1_gemv", &q4_1_gemv);
   m.impl("q8_0_gemv", &q8_0_gemv);
+  m.impl("q4_1_linear", &q4_1_linear);
   m.impl("prepacked_linear", &prepacked_linear);
 }

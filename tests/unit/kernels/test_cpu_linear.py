@@ -223,3 +223,9 @@ def test_a_q4_1_linear_takes_the_gemv_for_decode_rows_and_torch_int4_beyond(bund
         assert torch.equal(out, q4_1_gemv(x, None, blocks.raw()))
     expected = reference(x, None, blocks.dequantize(torch.float32))
     assert ((out.float() - expected).norm() / expected.norm()).item() < 1e-2
+    int4 = torch.ops.aten._weight_int4pack_mm_for_cpu(x, linear.packed, linear.group_size, linear.scales_and_zeros)
+    if num_tokens > GEMV_MAX_ROWS:
+        assert torch.equal(out, int4)
+    # Without the native library (no blocks kept) every step takes torch's kernel.
+    linear.blocks = None
+    assert torch.equal(linear(x), int4)

@@ -6,9 +6,11 @@ cpu_kernels): fp32 activations are rounded to bf16 for this matmul and the fp16 
 to bf16. Without the kernel, forward dequantizes the codes per call, in x's dtype.
 
 Decode steps of up to four tokens take the native Q4_1 GEMV instead where the CPU has
-AVX512-BF16 (kernels/cpu_linear.py): it streams GGUF's own 20-byte blocks, kept for it
+AVX2 and FMA (kernels/cpu_linear.py): it streams GGUF's own 20-byte blocks, kept for it
 beside torch's packed copy (d and m exact, not rounded to bf16). Both sit behind one
-opaque op, so a compiled graph does not branch on the number of tokens.
+opaque op, the native library's `pdserve_gemv::q4_1_linear`, which makes the choice in
+C++, so a compiled graph does not branch on the number of tokens. Without the library,
+the op `pdserve::int4_linear` runs torch's kernel for every step.
 """
 from __future__ import annotations
 
@@ -18,30 +20,30 @@ from torch import nn
 
 from common.engine.models.quantization.cpu_kernels import KERNEL_DTYPE, int4_kernel_available, kernel_output
 from common.engine.models.quantization.gguf_blocks import Q4_1_BLOCK_SIZE, Q4_1Blocks
-from kernels.cpu_linear import GEMV_MAX_ROWS, native_gemv_available, q4_1_gemv
+from kernels.cpu_linear import native_gemv_available
+from kernels.cpu_linear import q4_1_linear as native_q4_1_linear
 
 # torch's int4 codes are centred on 8: (q - 8) * scale + zero.
 INT4_ZERO_POINT = 8
 
+# torch's int4 kernel as an opaque op where the native library is not loaded: a compiled
+# graph then holds one call whatever the token count.
 _LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
-_LIBRARY.define("q4_1_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor? blocks, int group_size) "
-                "-> Tensor")
+_LIBRARY.define("int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, int group_size) -> Tensor")
 
 
-def _q4_1_linear_cpu(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
-                     blocks: torch.Tensor | None, group_size: int) -> torch.Tensor:
+def _int4_linear_cpu(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                     group_size: int) -> torch.Tensor:
     # x [num_tokens, K] bf16 -> [num_tokens, N] bf16
-    if blocks is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS:
-        return q4_1_gemv(x, None, blocks)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
 
 
-def _q4_1_linear_fake(x, packed, scales_and_zeros, blocks, group_size):
+def _int4_linear_fake(x, packed, scales_and_zeros, group_size):
     return x.new_empty((x.shape[0], scales_and_zeros.shape[1]))
 
 
-_LIBRARY.impl("q4_1_linear", _q4_1_linear_cpu, "CPU")
-torch.library.register_fake("pdserve::q4_1_linear", _q4_1_linear_fake, lib=_LIBRARY)
+_LIBRARY.impl("int4_linear", _int4_linear_cpu, "CPU")
+torch.library.register_fake("pdserve::int4_linear", _int4_linear_fake, lib=_LIBRARY)
 
 
 class Q4_1Linear(nn.Module):
@@ -78,7 +80,10 @@ class Q4_1Linear(nn.Module):
         if not self.uses_kernel:
             return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
         x2d = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [num_tokens, K]
-        out = torch.ops.pdserve.q4_1_linear(x2d, self.packed, self.scales_and_zeros, self.blocks, self.group_size)
+        if self.blocks is not None:  # the native library is loaded
+            out = native_q4_1_linear(x2d, self.packed, self.scales_and_zeros, self.blocks, self.group_size)
+        else:
+            out = torch.ops.pdserve.int4_linear(x2d, self.packed, self.scales_and_zeros, self.group_size)
         return kernel_output(out, x, self.bias, self.out_features)  # out: [num_tokens, N]
 
     def extra_repr(self) -> str:
