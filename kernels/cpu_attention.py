@@ -29,7 +29,8 @@ CPU_ATTENTION_MODES = ("auto", "native", "torch")
 def native_attention_error() -> str | None:
     """None once the op is loaded in this process, else why it cannot be (built once)."""
     error = load_ops("paged_attention", {"pdserve_cpu::paged_attention": _paged_attention_fake,
-                                         "pdserve_cpu::paged_attention_with_kv_write": _with_kv_write_fake})
+                                         "pdserve_cpu::paged_attention_with_kv_write": _with_kv_write_fake,
+                                         "pdserve_cpu::layer_attention": _layer_attention_fake})
     if error is not None:
         log.warning("native CPU paged attention unavailable, using the torch path: %s", error)
     return error
@@ -62,6 +63,37 @@ def _paged_attention_fake(q, k_cache, v_cache, block_tables, query_start_loc, se
 def _with_kv_write_fake(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, seq_lens, scale,
                         sliding_window, logit_softcap):
     return q.new_empty(q.shape)
+
+
+def _layer_attention_fake(q, k, v, k_cache, v_cache, scale, layer_idx, sliding_window, logit_softcap):
+    return q.new_empty(q.shape)
+
+
+def publish_step(
+    slot_mapping: torch.Tensor | None,  # [num_tokens] int64; None: no step (clears it)
+    block_tables: torch.Tensor | None = None,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor | None = None,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor | None = None,  # [num_seqs] int32
+) -> None:
+    """This thread's step for layer_attention to read from C++ (the native library must be loaded)."""
+    torch.ops.pdserve_cpu.set_step(slot_mapping, block_tables, query_start_loc, seq_lens)
+
+
+def layer_attention(
+    q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    scale: float,
+    layer_idx: int,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+    """One layer's attention over the published step, written and attended in C++; the
+    Python op pdserve::paged_attention where no step is published."""
+    return torch.ops.pdserve_cpu.layer_attention(q, k, v, k_cache, v_cache, scale, layer_idx, sliding_window,
+                                                 logit_softcap)
 
 
 def prefill_attention_native(

@@ -11,6 +11,7 @@
 // torch path does.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
@@ -21,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -453,6 +455,54 @@ at::Tensor paged_attention_with_kv_write(const at::Tensor& q,        // [num_tok
                          logit_softcap);
 }
 
+
+// The step's ragged batch (every sequence's block table, query starts and lengths, and
+// each new token's slot), published by the runner's forward context for this thread while
+// one forward pass runs (kernels/cpu_attention.publish_step). Unset where a step needs
+// more than the fused kernel does (a KV-connector hook per layer, no ragged batch).
+struct StepBatch {
+  at::Tensor slot_mapping, block_tables, query_start_loc, seq_lens;
+};
+thread_local std::optional<StepBatch> current_step;
+
+void set_step(const std::optional<at::Tensor>& slot_mapping, const std::optional<at::Tensor>& block_tables,
+              const std::optional<at::Tensor>& query_start_loc, const std::optional<at::Tensor>& seq_lens) {
+  if (!slot_mapping.has_value()) {
+    current_step.reset();
+    return;
+  }
+  TORCH_CHECK_VALUE(block_tables.has_value() && query_start_loc.has_value() && seq_lens.has_value(),
+                    "set_step: a step needs its slot mapping, block tables, query starts and sequence lengths");
+  current_step = StepBatch{*slot_mapping, *block_tables, *query_start_loc, *seq_lens};
+}
+
+bool has_step() { return current_step.has_value(); }
+
+// One layer's attention as a compiled graph calls it: with the step published and
+// contiguous caches, the fused write-and-attend kernel straight from C++; otherwise the
+// Python op pdserve::paged_attention (common/engine/models/attention.py), which reads the
+// step from the forward context. In C++ the common case saves that op's ~35 us per layer.
+at::Tensor layer_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, double scale, int64_t layer_idx,
+                           std::optional<int64_t> sliding_window, std::optional<double> logit_softcap) {
+  if (current_step.has_value() && k_cache.is_contiguous() && v_cache.is_contiguous()) {
+    TORCH_CHECK_VALUE(!sliding_window.has_value() || *sliding_window >= 1,
+                      "sliding_window must be a positive number of positions, got ", *sliding_window);
+    TORCH_CHECK_VALUE(!logit_softcap.has_value() || *logit_softcap > 0, "logit_softcap must be positive, got ",
+                      *logit_softcap);
+    const StepBatch& step = *current_step;
+    return paged_attention_with_kv_write(q, k, v, k_cache, v_cache, step.slot_mapping, step.block_tables,
+                                         step.query_start_loc, step.seq_lens, scale, sliding_window.value_or(0),
+                                         logit_softcap.value_or(0.0));
+  }
+  static const auto python_op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pdserve::paged_attention", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, double, int64_t, std::optional<int64_t>, std::optional<double>)>();
+  return python_op.call(q, k, v, k_cache, v_cache, scale, layer_idx, sliding_window, logit_softcap);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
@@ -461,9 +511,15 @@ TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("paged_attention_with_kv_write(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
         "int sliding_window, float logit_softcap) -> Tensor");
+  m.def("set_step(Tensor? slot_mapping, Tensor? block_tables, Tensor? query_start_loc, Tensor? seq_lens) -> ()",
+        &set_step);
+  m.def("has_step() -> bool", &has_step);
+  m.def("layer_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, float scale, "
+        "int layer_idx, int? sliding_window, float? logit_softcap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("paged_attention_with_kv_write", &paged_attention_with_kv_write);
+  m.impl("layer_attention", &layer_attention);
 }

@@ -14,6 +14,7 @@ import torch
 from common.engine.forward_context import current_attention_metadata
 from kernels.attention import attention_with_kv_write, decode_attention, prefill_attention
 from kernels.cache import write_kv_cache
+from kernels.cpu_attention import cpu_attention_backend, layer_attention
 
 
 @dataclass
@@ -51,9 +52,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Inside torch.compile this is one opaque custom op, the graph's split point: the
     compiler fuses what lies between attentions and never sees the metadata, which
-    the op reads from the forward context instead.
+    the op reads from the forward context instead. On CPU with the native kernel that op
+    is the library's pdserve_cpu::layer_attention (kernels/cpu_attention.py), which runs
+    the fused kernel from C++ when the forward context has published the step to it.
     """
     if torch.compiler.is_compiling():
+        if q.device.type == "cpu" and cpu_attention_backend() == "native":
+            # The native op: the fused kernel in C++ over the step the forward context
+            # published, else this module's Python op.
+            return layer_attention(q, k, v, kv_cache[0], kv_cache[1], scale, layer_idx, sliding_window,
+                                   logit_softcap)
         return torch.ops.pdserve.paged_attention(q, k, v, kv_cache[0], kv_cache[1], scale, layer_idx,
                                                  sliding_window, logit_softcap)
     return _paged_attention(q, k, v, kv_cache, meta, scale, layer_idx, sliding_window, logit_softcap)
