@@ -17,9 +17,10 @@ model step makes 4 linear calls per layer.
 Decode steps of up to four tokens take a native GEMV over the plain row-major weight
 instead, where the CPU has AVX2 and FMA (kernels/cpu_linear.py): it reads the weight as
 one sequential stream per thread, ~31 GB/s against oneDNN's ~18-20 GB/s for bf16 on the
-2-core Zen 4 EPYC. Those linears then hold their weight twice, packed and row-major. Where that
-native library is loaded, the graph calls its op `pdserve_gemv::prepacked_linear`, which
-makes the same choice in C++; `pdserve::prepacked_linear` serves elsewhere.
+2-core Zen 4 EPYC (fp32 on a Zen 3: ~26 vs ~22 GB/s). Those linears then hold their
+weight twice, packed and row-major. Where that native library is loaded, the graph
+calls its op `pdserve_gemv::prepacked_linear`, which makes the same choice in C++;
+`pdserve::prepacked_linear` serves elsewhere.
 """
 from __future__ import annotations
 

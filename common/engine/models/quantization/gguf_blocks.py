@@ -3,9 +3,10 @@
 Q4_1 (the projections) stores each row in blocks of 32 columns: fp16 d, fp16 m, then 16
 bytes of nibbles (byte j holds column j in its low nibble and column j + 16 in its high
 one); the weight is d * q + m. Q8_0 (SmolLM2's token embedding, which is also its head)
-stores fp16 d and 32 int8 codes; the weight is d * q. The converter (transformers) un-permutes the q and k rows that llama.cpp
-permuted for its RoPE layout; that is a pure row permutation, so it is applied here to
-the packed rows and the fused projections are row concatenations of the GGUF tensors.
+stores fp16 d and 32 int8 codes; the weight is d * q. The converter (transformers)
+un-permutes the q and k rows that llama.cpp permuted for its RoPE layout; that is a pure
+row permutation, so it is applied here to the packed rows and the fused projections are
+row concatenations of the GGUF tensors.
 """
 from __future__ import annotations
 
