@@ -377,21 +377,13 @@ at::Tensor q8_0_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias,
   const std::vector<float> xf = widen(x);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
-  AT_DISPATCH_SWITCH(x.scalar_type(), "q8_0_gemv",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-      float* yp = y.data_ptr<float>();
-      for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
-        q8_0_rows_fp32_math<decltype(rows)::value>(xf.data(), wp, bp, yp, K, N, begin, end);
-      });
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
-      at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-      for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
-        q8_0_rows_fp32_math<decltype(rows)::value>(xf.data(), wp, bp, yp, K, N, begin, end);
-      });
-    }));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "q8_0_gemv", [&] {
+    const scalar_t* bp = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
+      q8_0_rows_fp32_math<decltype(rows)::value>(xf.data(), wp, bp, yp, K, N, begin, end);
+    });
+  });
   return y;
 #else
   TORCH_CHECK(false, "q8_0_gemv: built for a CPU without AVX2 and FMA");
