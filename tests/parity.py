@@ -5,7 +5,7 @@ import torch
 
 
 def hf_greedy(hf_model, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
-    input_ids = torch.tensor([prompt_token_ids])
+    input_ids = torch.tensor([prompt_token_ids], device=hf_model.device)
     with torch.inference_mode():
         out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                                 max_new_tokens=max_new_tokens, pad_token_id=0, temperature=None,
@@ -16,9 +16,9 @@ def hf_greedy(hf_model, prompt_token_ids: list[int], max_new_tokens: int) -> lis
 def hf_teacher_forced_logprobs(hf_model, prompt_token_ids: list[int],
                                output_token_ids: list[int]) -> torch.Tensor:
     """log P(output_token_ids[i] | prefix) for each i: [num_output_tokens]."""
-    ids = torch.tensor([prompt_token_ids + output_token_ids])
+    ids = torch.tensor([prompt_token_ids + output_token_ids], device=hf_model.device)
     with torch.inference_mode():
-        logits = hf_model(ids).logits[0].float()  # [seq_len, vocab]
+        logits = hf_model(ids).logits[0].float().cpu()  # [seq_len, vocab]
     logprobs = torch.log_softmax(logits, dim=-1)
     start = len(prompt_token_ids) - 1
     positions = torch.arange(start, start + len(output_token_ids))

@@ -98,7 +98,7 @@ class EngineCore:
                                                    cache.num_blocks, cache.block_size, bytes_per_block)
         config.scheduler.max_model_len = self.max_model_len
         self.executor.allocate_kv_cache(cache.num_blocks)
-        self.executor.collective_rpc("warm_up")
+        self.executor.collective_rpc("warm_up", (config.scheduler.max_num_seqs, self.max_model_len))
         logger.info("KV pool: %d blocks x %d tokens (%.1f MiB)", cache.num_blocks, cache.block_size,
                     cache.num_blocks * bytes_per_block / (1 << 20))
         self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size,

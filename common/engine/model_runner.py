@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from common.engine.compilation import compile_forward, compile_logits, num_compiled_graphs
+from common.engine.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from common.engine.config import KVTransferConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from common.engine.device import select_device, select_dtype
 from common.engine.distributed import parallel_state
@@ -136,6 +137,8 @@ class ModelRunner:
         # Drafts the next step's speculative tokens (None: no speculative decoding).
         self.proposer: DraftProposer | None = (make_proposer(speculative_config, self)
                                                if speculative_config is not None else None)
+        # Decode-only steps replayed from CUDA graphs (None: not on CUDA, not compiled, or off).
+        self.decode_graphs: DecodeGraphs | None = None
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -164,13 +167,24 @@ class ModelRunner:
             self.proposer.allocate_kv_cache(num_blocks)
 
     @torch.inference_mode()  # as execute_model: inference tensors, or dynamo's guards differ
-    def warm_up(self) -> None:
+    def warm_up(self, max_num_seqs: int | None = None, max_model_len: int | None = None) -> None:
         """Compile the forward pass and the logits before the first request: one graph each,
         for every number of tokens (rows). The token dimension is marked unbacked: a
         dynamic ("backed") size would still be specialised at 1, and the one-token graph
-        would double the compile time; an unbacked one has no size guard at all."""
+        would double the compile time; an unbacked one has no size guard at all.
+
+        On CUDA, given the scheduler's max_num_seqs and max_model_len, then capture the
+        decode steps' CUDA graphs (common/engine/cuda_graphs.py)."""
         if self.forward is self.model or not self.kv_caches:
             return
+        self._compile()
+        if (self.device.type == "cuda" and max_num_seqs and max_model_len and cuda_graphs_enabled()
+                and self.parallel_config.world_size == 1):
+            self.decode_graphs = DecodeGraphs(self.forward, self.kv_caches, self.device, max_num_seqs,
+                                              max_model_len, self.block_size)
+            self.decode_graphs.capture_all()
+
+    def _compile(self) -> None:
         started = time.perf_counter()
         graphs_before = num_compiled_graphs()
         for num_tokens in (1, 2):  # the second call checks that the first graph serves it
@@ -241,11 +255,11 @@ class ModelRunner:
             received = parallel_state.recv_from_prev_stage(
                 (input_ids.shape[0], self.model_config.hidden_size), self.dtype, self.device)
         try:
-            with forward_context(meta):
-                if received is None:
-                    hidden = self.forward(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
-                else:
-                    hidden = self.forward(input_ids, positions, self.kv_caches, meta, hidden_states=received)
+            graphs = self.decode_graphs
+            if received is None and graphs is not None and graphs.serves(input_ids.shape[0], meta):
+                hidden = graphs.run(input_ids, positions, meta)  # [num_tokens, hidden]
+            else:
+                hidden = self._forward(input_ids, positions, meta, received)
         except BaseException:
             if connector is not None:  # a half-written pool must not reach a peer as final
                 connector.abort_saves("the forward pass failed")
@@ -273,6 +287,13 @@ class ModelRunner:
         if proposer is not None:
             output.spec_token_ids = self._propose(sample_reqs, token_id_lists)
         return output
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 received: torch.Tensor | None) -> torch.Tensor:
+        with forward_context(meta):
+            if received is None:
+                return self.forward(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+            return self.forward(input_ids, positions, self.kv_caches, meta, hidden_states=received)
 
     def _propose(self, sample_reqs: list[ScheduledRequest], token_id_lists: list[list[int]]) -> list[list[int]]:
         """Drafts for each sampling request's next step ([] where none was asked for)."""

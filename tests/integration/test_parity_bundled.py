@@ -33,9 +33,10 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def hf_model(bundled_model_dir):
+def hf_model(bundled_model_dir, llm):
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(bundled_model_dir, dtype=torch.float32).eval()
+    device = llm.engine.executor.runner.device  # the same device as ours: the GPU where there is one
+    return AutoModelForCausalLM.from_pretrained(bundled_model_dir, dtype=torch.float32).to(device).eval()
 
 
 @pytest.fixture(scope="module")

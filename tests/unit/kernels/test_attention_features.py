@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import decode_attention, prefill_attention
-from tests.unit.kernels.test_kernels import HEAD_DIM, NUM_Q_HEADS, SCALE, make_paged, rel_err
+from tests.unit.kernels.test_kernels import DEVICE, HEAD_DIM, NUM_Q_HEADS, SCALE, make_paged, rel_err
 
 FEATURES = [dict(sliding_window=5), dict(logit_softcap=0.5), dict(sliding_window=9, logit_softcap=2.0)]
 
@@ -35,8 +35,8 @@ def test_decode_features(features):
     seq_lens = [1, 4, 13, 30]
     k_cache, v_cache, block_tables, keys, values = make_paged(seq_lens, 8, gen)
     q = torch.randn(len(seq_lens), NUM_Q_HEADS, HEAD_DIM, generator=gen)
-    out = decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32),
-                           SCALE, **features)
+    out = decode_attention(q.to(DEVICE), k_cache, v_cache, block_tables,
+                           torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), SCALE, **features)
     for i, n in enumerate(seq_lens):
         assert rel_err(out[i], naive_attention(q[i], keys[i], values[i], n - 1, **features)) < 1e-5
 
@@ -50,8 +50,9 @@ def test_prefill_features_with_context(features):
     for n in query_lens:
         starts.append(starts[-1] + n)
     q = torch.randn(starts[-1], NUM_Q_HEADS, HEAD_DIM, generator=gen)
-    out = prefill_attention(q, k_cache, v_cache, block_tables, torch.tensor(starts, dtype=torch.int32),
-                            torch.tensor(seq_lens, dtype=torch.int32), SCALE, **features)
+    out = prefill_attention(q.to(DEVICE), k_cache, v_cache, block_tables,
+                            torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+                            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), SCALE, **features)
     for i, (n, query_len) in enumerate(zip(seq_lens, query_lens)):
         for j in range(query_len):
             position = n - query_len + j
@@ -62,7 +63,7 @@ def test_prefill_features_with_context(features):
 def test_forced_triton_refuses_features():
     gen = torch.Generator().manual_seed(2)
     k_cache, v_cache, block_tables, _, _ = make_paged([4], 8, gen)
-    q = torch.randn(1, NUM_Q_HEADS, HEAD_DIM, generator=gen)
+    q = torch.randn(1, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(DEVICE)
     with pytest.raises(ValueError, match="sliding windows"):
-        decode_attention(q, k_cache, v_cache, block_tables, torch.tensor([4], dtype=torch.int32), SCALE,
-                         backend="triton", sliding_window=2)
+        decode_attention(q, k_cache, v_cache, block_tables, torch.tensor([4], dtype=torch.int32, device=DEVICE),
+                         SCALE, backend="triton", sliding_window=2)

@@ -1,4 +1,5 @@
-"""Kernel tests: Triton (interpreted on CPU) and the torch reference against a naive oracle.
+"""Kernel tests: Triton and the torch reference against a naive oracle, on the GPU where
+there is one (scripts/gpu_check.sh), else on the CPU with Triton interpreted.
 
 The oracle loops over tokens and heads on un-paged contiguous K/V in float64.
 Error metric everywhere: max |a - b| / max |b| (max relative error), < 1e-4 for fp32.
@@ -15,10 +16,13 @@ BACKENDS = ["torch", "triton"]
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 32
 SCALE = HEAD_DIM ** -0.5
 PAD_BLOCK = 1_000_000  # padded block-table entries point nowhere valid on purpose
+# Inputs are drawn on the CPU (seeded generators) and moved; the oracle stays there.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def naive_attention(q_tok, k_seq, v_seq, num_visible):
@@ -52,7 +56,7 @@ def make_paged(seq_lens, block_size, gen, dtype=torch.float32, num_kv_heads=NUM_
         for pos in range(n):
             k_cache[ids[pos // block_size], pos % block_size] = keys[i][pos]
             v_cache[ids[pos // block_size], pos % block_size] = values[i][pos]
-    return k_cache, v_cache, block_tables, keys, values
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE), keys, values
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -67,7 +71,9 @@ def test_write_kv_cache(backend, block_size):
     value = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[[3, 11, 19]] = -1  # padding tokens
-    write_kv_cache(key, value, k_cache, v_cache, slots, backend=backend)
+    k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    write_kv_cache(key.to(DEVICE), value.to(DEVICE), k_cache, v_cache, slots.to(DEVICE), backend=backend)
+    k_cache, v_cache = k_cache.cpu(), v_cache.cpu()
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
             k_before[slot // block_size, slot % block_size] = key[t]
@@ -78,11 +84,11 @@ def test_write_kv_cache(backend, block_size):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_write_kv_cache_strided_views(backend):
     # A layer's K and V as views into one [num_blocks, 2, ...] tensor, key/value sliced from qkv.
-    kv = torch.zeros(4, 2, 8, NUM_KV_HEADS, HEAD_DIM)
-    qkv = torch.randn(5, 3 * NUM_KV_HEADS * HEAD_DIM)
+    kv = torch.zeros(4, 2, 8, NUM_KV_HEADS, HEAD_DIM, device=DEVICE)
+    qkv = torch.randn(5, 3 * NUM_KV_HEADS * HEAD_DIM).to(DEVICE)
     key = qkv[:, :NUM_KV_HEADS * HEAD_DIM].view(5, NUM_KV_HEADS, HEAD_DIM)
     value = qkv[:, NUM_KV_HEADS * HEAD_DIM:2 * NUM_KV_HEADS * HEAD_DIM].view(5, NUM_KV_HEADS, HEAD_DIM)
-    slots = torch.tensor([0, 9, -1, 31, 17])
+    slots = torch.tensor([0, 9, -1, 31, 17], device=DEVICE)
     write_kv_cache(key, value, kv[:, 0], kv[:, 1], slots, backend=backend)
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
@@ -90,9 +96,9 @@ def test_write_kv_cache_strided_views(backend):
             assert torch.equal(kv[slot // 8, 1, slot % 8], value[t])
     assert kv.abs().sum(dim=(2, 3, 4)).count_nonzero() == 8  # nothing else touched
     # Attention reads the strided cache views and a q sliced out of a wider projection.
-    q = torch.randn(2, NUM_Q_HEADS * HEAD_DIM + 8)[:, 8:].view(2, NUM_Q_HEADS, HEAD_DIM)
-    block_tables = torch.tensor([[1, 3], [2, 0]], dtype=torch.int32)
-    lens = torch.tensor([16, 10], dtype=torch.int32)
+    q = torch.randn(2, NUM_Q_HEADS * HEAD_DIM + 8).to(DEVICE)[:, 8:].view(2, NUM_Q_HEADS, HEAD_DIM)
+    block_tables = torch.tensor([[1, 3], [2, 0]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([16, 10], dtype=torch.int32, device=DEVICE)
     out = decode_attention(q, kv[:, 0], kv[:, 1], block_tables, lens, SCALE, backend=backend)
     ref = decode_attention(q.contiguous(), kv[:, 0].contiguous(), kv[:, 1].contiguous(),
                            block_tables, lens, SCALE, backend="torch")
@@ -106,13 +112,13 @@ def test_decode_attention(backend, block_size):
     seq_lens = [1, 17, 70, block_size * 3]
     k_cache, v_cache, block_tables, keys, values = make_paged(seq_lens, block_size, gen)
     q = torch.randn(len(seq_lens), NUM_Q_HEADS, HEAD_DIM, generator=gen)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    out = decode_attention(q, k_cache, v_cache, block_tables, lens, SCALE, backend=backend)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = decode_attention(q.to(DEVICE), k_cache, v_cache, block_tables, lens, SCALE, backend=backend)
     expected = torch.stack([naive_attention(q[i], keys[i], values[i], n) for i, n in enumerate(seq_lens)])
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, expected) < 1e-4
     if backend == "triton":
-        ref = decode_attention(q, k_cache, v_cache, block_tables, lens, SCALE, backend="torch")
+        ref = decode_attention(q.to(DEVICE), k_cache, v_cache, block_tables, lens, SCALE, backend="torch")
         assert rel_err(out, ref) < 1e-4
 
 
@@ -120,8 +126,8 @@ def test_decode_attention(backend, block_size):
 def test_decode_zero_length_gives_zeros(backend):
     gen = torch.Generator().manual_seed(2)
     k_cache, v_cache, block_tables, _, _ = make_paged([5, 9], 8, gen)
-    q = torch.randn(2, NUM_Q_HEADS, HEAD_DIM, generator=gen)
-    lens = torch.tensor([0, 9], dtype=torch.int32)
+    q = torch.randn(2, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(DEVICE)
+    lens = torch.tensor([0, 9], dtype=torch.int32, device=DEVICE)
     out = decode_attention(q, k_cache, v_cache, block_tables, lens, SCALE, max_seq_len=9, backend=backend)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isfinite(out).all()
 
@@ -138,20 +144,21 @@ def test_prefill_attention_ragged(backend, block_size):
     k_cache, v_cache, block_tables, keys, values = make_paged(seq_lens, block_size, gen)
     query_lens = [n for _, n in shapes]
     q = torch.randn(sum(query_lens), NUM_Q_HEADS, HEAD_DIM, generator=gen)
-    query_start_loc = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
-    out = prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
-                            torch.tensor(seq_lens, dtype=torch.int32), SCALE,
+    query_start_loc = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32,
+                                   device=DEVICE)
+    out = prefill_attention(q.to(DEVICE), k_cache, v_cache, block_tables, query_start_loc,
+                            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), SCALE,
                             max_query_len=max(query_lens), max_seq_len=max(seq_lens), backend=backend)
     expected = torch.empty(q.shape, dtype=torch.float64)
     for i, (context_len, query_len) in enumerate(shapes):
         for j in range(query_len):
-            token = query_start_loc[i] + j
+            token = int(query_start_loc[i]) + j
             expected[token] = naive_attention(q[token], keys[i], values[i], context_len + j + 1)
     assert out.shape == q.shape
     assert rel_err(out, expected) < 1e-4
     if backend == "triton":
-        ref = prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
-                                torch.tensor(seq_lens, dtype=torch.int32), SCALE, backend="torch")
+        ref = prefill_attention(q.to(DEVICE), k_cache, v_cache, block_tables, query_start_loc,
+                                torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), SCALE, backend="torch")
         assert rel_err(out, ref) < 1e-4
 
 
@@ -163,14 +170,15 @@ def test_mha_odd_head_dim_single_sequence(backend):
     k_cache, v_cache, block_tables, keys, values = make_paged(
         [context_len + query_len], 4, gen, num_kv_heads=num_heads, head_dim=head_dim)
     q = torch.randn(query_len, num_heads, head_dim, generator=gen)
-    lens = torch.tensor([context_len + query_len], dtype=torch.int32)
-    out = prefill_attention(q, k_cache, v_cache, block_tables, torch.tensor([0, query_len], dtype=torch.int32),
-                            lens, SCALE, backend=backend)
+    lens = torch.tensor([context_len + query_len], dtype=torch.int32, device=DEVICE)
+    out = prefill_attention(q.to(DEVICE), k_cache, v_cache, block_tables,
+                            torch.tensor([0, query_len], dtype=torch.int32, device=DEVICE), lens, SCALE,
+                            backend=backend)
     expected = torch.stack([naive_attention(q[j], keys[0], values[0], context_len + j + 1)
                             for j in range(query_len)])
     assert rel_err(out, expected) < 1e-4
     # The last query token as a decode step sees the same keys.
-    out = decode_attention(q[-1:], k_cache, v_cache, block_tables, lens, SCALE, backend=backend)
+    out = decode_attention(q[-1:].to(DEVICE), k_cache, v_cache, block_tables, lens, SCALE, backend=backend)
     assert rel_err(out[0], expected[-1]) < 1e-4
 
 
@@ -178,14 +186,15 @@ def test_mha_odd_head_dim_single_sequence(backend):
 def test_half_precision_triton_matches_reference(dtype):
     gen = torch.Generator().manual_seed(4)
     k_cache, v_cache, block_tables, _, _ = make_paged([9, 30], 16, gen, dtype=dtype)
-    lens = torch.tensor([9, 30], dtype=torch.int32)
-    q = torch.randn(2, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    lens = torch.tensor([9, 30], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(DEVICE, dtype)
     args = (q, k_cache, v_cache, block_tables, lens, SCALE)
     out = decode_attention(*args, backend="triton")
     assert out.dtype == dtype
     assert rel_err(out, decode_attention(*args, backend="torch")) < 2e-2
-    q = torch.randn(12, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    args = (q, k_cache, v_cache, block_tables, torch.tensor([0, 4, 12], dtype=torch.int32), lens, SCALE)
+    q = torch.randn(12, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(DEVICE, dtype)
+    args = (q, k_cache, v_cache, block_tables, torch.tensor([0, 4, 12], dtype=torch.int32, device=DEVICE), lens,
+            SCALE)
     assert rel_err(prefill_attention(*args, backend="triton"), prefill_attention(*args, backend="torch")) < 2e-2
 
 
