@@ -54,7 +54,10 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv
     return m_new, l_i, acc
 
 
-@triton.jit
+# Triton compiles a variant per value class (1, a multiple of 16, other) of each int
+# argument; block_tables' row stride (the step's widest block table) and num_seqs change
+# from step to step, and each new class would compile mid-serving (~0.5 s on a GPU).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, scale_log2,
     stride_qs, stride_qh, stride_os, stride_oh,
@@ -106,7 +109,7 @@ def _find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_M: tl.constexpr
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])  # see _decode_kernel
 def _prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
     seq_lens_ptr, scale_log2, num_seqs,

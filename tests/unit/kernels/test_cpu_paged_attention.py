@@ -48,7 +48,7 @@ def test_decode_matches_reference(dtype, geometry, features):
     gen = torch.Generator().manual_seed(block_size + head_dim + ratio)
     # Lengths off and on block boundaries, a single token, padding (0), one long context.
     seq_lens = [1, block_size - 1, block_size, block_size + 1, 0, 77, 300]
-    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, block_size, gen, dtype=dtype,
+    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, block_size, gen, device="cpu", dtype=dtype,
                                                       num_kv_heads=num_kv_heads, head_dim=head_dim)
     q = torch.randn(len(seq_lens), num_kv_heads * ratio, head_dim, generator=gen).to(dtype)
     args = (q, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32), head_dim ** -0.5)
@@ -69,7 +69,7 @@ def test_mixed_prefill_decode_step_matches_reference(dtype, geometry, features):
     # 16-token query tiles), decode rows, an empty query.
     shapes = [(0, 45), (50, 20), (37, 1), (0, 1), (3, 40), (9, 0), (130, 1), (block_size, block_size)]
     seq_lens = [c + n for c, n in shapes]
-    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, block_size, gen, dtype=dtype,
+    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, block_size, gen, device="cpu", dtype=dtype,
                                                       num_kv_heads=num_kv_heads, head_dim=head_dim)
     query_lens = [n for _, n in shapes]
     num_padding = 3  # rows past query_start_loc[-1]
@@ -91,7 +91,8 @@ def test_few_long_decodes_split_over_keys_match_reference(dtype, features):
     # their keys and merged (flash-decoding). 8 threads force it on any machine.
     gen = torch.Generator().manual_seed(21)
     seq_lens = [1000, 300, 2000, 513]
-    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, 16, gen, dtype=dtype, num_kv_heads=3, head_dim=64)
+    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, 16, gen, device="cpu", dtype=dtype, num_kv_heads=3,
+                                                      head_dim=64)
     q = torch.randn(len(seq_lens), 9, 64, generator=gen).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     threads = torch.get_num_threads()
@@ -119,8 +120,8 @@ def test_prefill_without_context_fp16_and_strided_views():
     gen = torch.Generator().manual_seed(11)
     num_kv_heads, num_q_heads, head_dim, block_size = 2, 8, 64, 16
     seq_lens = [33, 16, 5]
-    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, block_size, gen, num_kv_heads=num_kv_heads,
-                                                      head_dim=head_dim)
+    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, block_size, gen, device="cpu",
+                                                      num_kv_heads=num_kv_heads, head_dim=head_dim)
     kv = torch.stack([k_cache, v_cache], dim=1)  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
     num_tokens = sum(seq_lens)
     q = torch.randn(num_tokens, num_q_heads * head_dim + 8, generator=gen)[:, 8:].view(
@@ -139,7 +140,7 @@ def test_prefill_without_context_fp16_and_strided_views():
 
 def test_bad_block_table_entry_raises_instead_of_reading_outside_the_cache():
     gen = torch.Generator().manual_seed(12)
-    k_cache, v_cache, block_tables, _, _ = make_paged([20], 16, gen)
+    k_cache, v_cache, block_tables, _, _ = make_paged([20], 16, gen, device="cpu")
     block_tables[0, 1] = k_cache.shape[0]  # within the sequence's 2 blocks
     q = torch.randn(1, 6, 32, generator=gen)
     with pytest.raises(ValueError, match="outside the cache"):
@@ -149,7 +150,7 @@ def test_bad_block_table_entry_raises_instead_of_reading_outside_the_cache():
 
 def test_opaque_to_torch_compile():
     gen = torch.Generator().manual_seed(13)
-    k_cache, v_cache, block_tables, _, _ = make_paged([9, 40], 16, gen)
+    k_cache, v_cache, block_tables, _, _ = make_paged([9, 40], 16, gen, device="cpu")
     q = torch.randn(2, 6, 32, generator=gen)
     lens = torch.tensor([9, 40], dtype=torch.int32)
     query_start_loc = torch.arange(3, dtype=torch.int32)
@@ -176,7 +177,7 @@ def test_dispatch_prefers_native_on_cpu_unless_told(monkeypatch):
     calls = []
     monkeypatch.setattr(attention_module, "decode_attention_native", lambda *a, **k: calls.append(a) or a[0])
     gen = torch.Generator().manual_seed(14)
-    k_cache, v_cache, block_tables, _, _ = make_paged([5], 16, gen)
+    k_cache, v_cache, block_tables, _, _ = make_paged([5], 16, gen, device="cpu")
     args = (torch.randn(1, 6, 32, generator=gen), k_cache, v_cache, block_tables,
             torch.tensor([5], dtype=torch.int32), 0.1)
     monkeypatch.delenv("PDSERVE_CPU_ATTENTION", raising=False)
@@ -218,8 +219,8 @@ _AVX2_SCRIPT = textwrap.dedent("""
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         for head_dim in (64, 128):
             seq_lens = [1, 17, 90, 40]
-            k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, 16, gen, dtype=dtype, num_kv_heads=2,
-                                                              head_dim=head_dim)
+            k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, 16, gen, device="cpu", dtype=dtype,
+                                                              num_kv_heads=2, head_dim=head_dim)
             lens = torch.tensor(seq_lens, dtype=torch.int32)
             q = torch.randn(4, 8, head_dim, generator=gen).to(dtype)
             for features in ({}, {"sliding_window": 9, "logit_softcap": 3.0}):
@@ -284,7 +285,7 @@ def test_attention_with_kv_write_equals_the_write_then_the_attention(dtype, geom
     # Decodes first, then chunks with and without context, as the runner orders a step.
     shapes = [(37, 1), (0, 1), (130, 1), (0, 45), (50, 20), (3, 40)]
     seq_lens = [c + n for c, n in shapes]
-    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, block_size, gen, dtype=dtype,
+    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, block_size, gen, device="cpu", dtype=dtype,
                                                       num_kv_heads=num_kv_heads, head_dim=head_dim)
     query_lens = [n for _, n in shapes]
     num_tokens = sum(query_lens)
@@ -311,7 +312,7 @@ def test_attention_with_kv_write_equals_the_write_then_the_attention(dtype, geom
 
 def test_attention_with_kv_write_refuses_a_slot_past_the_cache_and_declines_other_paths(monkeypatch):
     gen = torch.Generator().manual_seed(0)
-    k_cache, v_cache, block_tables, _, _ = make_paged([5], 16, gen)
+    k_cache, v_cache, block_tables, _, _ = make_paged([5], 16, gen, device="cpu")
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     q = torch.randn(1, num_kv_heads, head_dim)
     k = v = torch.randn(1, num_kv_heads, head_dim)

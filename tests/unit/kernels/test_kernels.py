@@ -38,8 +38,9 @@ def naive_attention(q_tok, k_seq, v_seq, num_visible):
 
 
 def make_paged(seq_lens, block_size, gen, dtype=torch.float32, num_kv_heads=NUM_KV_HEADS,
-               head_dim=HEAD_DIM):
-    """Random per-sequence K/V placed in shuffled cache blocks; garbage everywhere else."""
+               head_dim=HEAD_DIM, device=DEVICE):
+    """Random per-sequence K/V placed in shuffled cache blocks; garbage everywhere else.
+    The cache and block tables on `device`, the per-sequence K/V (the oracle's) on the CPU."""
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -56,7 +57,7 @@ def make_paged(seq_lens, block_size, gen, dtype=torch.float32, num_kv_heads=NUM_
         for pos in range(n):
             k_cache[ids[pos // block_size], pos % block_size] = keys[i][pos]
             v_cache[ids[pos // block_size], pos % block_size] = values[i][pos]
-    return k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE), keys, values
+    return k_cache.to(device), v_cache.to(device), block_tables.to(device), keys, values
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
