@@ -12,8 +12,10 @@
 // - AVX512-BF16: a bf16 W's dot products take pairs of bf16 into fp32 lanes (no
 //   conversion); Q4_1 nibbles become bf16 codes through a 16-entry table.
 // - Elsewhere (AVX2 + FMA, or AVX-512 without BF16): x is widened to fp32 once per call,
-//   W's bf16 values to fp32 in registers (a shift: exact), Q4_1 codes by integer
-//   conversion, and every product is an fp32 FMA.
+//   W's bf16 values to fp32 in registers (a shift: exact), and every product is an fp32
+//   FMA; except Q4_1, whose dot products are integer: x is quantized per 32-column block
+//   to int8 (scale max |x| / 127, as llama.cpp's Q8_1), which changes the numerics by
+//   that rounding of x (tests/unit/kernels/test_cpu_linear.py states by how much).
 // Either way sums are fp32 and round to the output dtype once; Q4_1's
 // y = sum over blocks of d * (sum q x) + m * (sum x), with d and m exact in fp32.
 // Built for a CPU with neither, the ops raise and callers keep their other kernels.
@@ -24,6 +26,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -139,15 +143,6 @@ inline void q8_codes(const int8_t* codes, VecF out[2]) {
   for (int i = 0; i < 2; ++i)
     out[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i))));
 }
-// A Q4_1 block's 16 bytes of nibbles as its 32 codes in fp32, columns in order
-// (kQ4ColumnOrder: x needs no permutation).
-constexpr bool kQ4ColumnOrder = true;
-inline void q4_codes(const uint8_t* nibbles, VecF out[2]) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles));
-  const __m128i low_mask = _mm_set1_epi8(0x0F);
-  out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, low_mask)));
-  out[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), low_mask)));
-}
 #else
 using VecF = __m256;
 constexpr int64_t kLanes = 8;
@@ -167,23 +162,6 @@ inline float vsum(VecF v) {
 inline void q8_codes(const int8_t* codes, VecF out[4]) {
   for (int i = 0; i < 4; ++i)
     out[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i))));
-}
-// A Q4_1 block's codes in fp32 by in-lane byte shuffles (zero-extending across the
-// 128-bit halves costs more on Zen 3: 6.6 vs 5.7 GB/s a core), so vector v holds columns
-// 4v..4v+3 and 16+4v..16+4v+3: x is permuted to match once per call (q4_permute_x).
-constexpr bool kQ4ColumnOrder = false;
-inline void q4_codes(const uint8_t* nibbles, VecF out[4]) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles));
-  const __m128i low_mask = _mm_set1_epi8(0x0F);
-  // Low half: the low nibbles (columns 0-15); high half: the high ones (16-31).
-  const __m256i codes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(packed, low_mask)),
-                                                _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask), 1);
-  for (int v = 0; v < 4; ++v) {
-    const char c = static_cast<char>(4 * v);
-    const __m256i to_dwords = _mm256_setr_epi8(c, -1, -1, -1, c + 1, -1, -1, -1, c + 2, -1, -1, -1, c + 3, -1, -1, -1,
-                                               c, -1, -1, -1, c + 1, -1, -1, -1, c + 2, -1, -1, -1, c + 3, -1, -1, -1);
-    out[v] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(codes, to_dwords));
-  }
 }
 #endif
 
@@ -218,54 +196,104 @@ void gemv_rows_fp32_math(const float* x, const T* w, const T* bias, T* y, int64_
   }
 }
 
-// x rows in the order q4_codes gives each block's codes (a copy; as is where that is column order).
-std::vector<float> q4_permute_x(const std::vector<float>& x) {
-  if (kQ4ColumnOrder) return x;
-  std::vector<float> permuted(x.size());
-  for (size_t block = 0; block < x.size(); block += kQ4Block)
-    for (int v = 0; v < 4; ++v)
-      for (int j = 0; j < 4; ++j) {
-        permuted[block + 8 * v + j] = x[block + 4 * v + j];
-        permuted[block + 8 * v + 4 + j] = x[block + 16 + 4 * v + j];
-      }
-  return permuted;
+// x rows quantized per 32-column block for integer dot products with Q4_1 codes, as
+// llama.cpp pairs Q4_1 weights with Q8_1 activations: codes round(x / s) in int8 with
+// s = max |x| / 127, and for the m terms the sum of the quantized x (s * sum of codes),
+// so the product is exactly that of the dequantized weight and the quantized x. With
+// the exact sum of x instead, the error of the quantized x would meet d * q, which is
+// about twice the weight (m cancels half of it): twice the error.
+struct BlockQuantizedX {
+  std::vector<int8_t> codes;           // [M, K]
+  std::vector<float> scales_and_sums;  // [M, K / 32, 2]: s, and the sum of the quantized x
+};
+
+BlockQuantizedX quantize_x_blocks(const std::vector<float>& x, int64_t num_blocks_total) {
+  BlockQuantizedX q{std::vector<int8_t>(x.size()), std::vector<float>(2 * num_blocks_total)};
+  for (int64_t i = 0; i < num_blocks_total; ++i) {
+    const float* xb = x.data() + i * kQ4Block;
+    float amax = 0.f;
+    for (int64_t j = 0; j < kQ4Block; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float scale = amax / 127.f;
+    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t code_sum = 0;
+    for (int64_t j = 0; j < kQ4Block; ++j) {
+      const int8_t code = static_cast<int8_t>(std::nearbyint(xb[j] * inverse));
+      q.codes[i * kQ4Block + j] = code;
+      code_sum += code;
+    }
+    q.scales_and_sums[2 * i] = scale;
+    q.scales_and_sums[2 * i + 1] = scale * static_cast<float>(code_sum);
+  }
+  return q;
 }
 
-// Q4_1 blocks, fp32 x [M, K] permuted by q4_permute_x, x_sums [M, K / 32] for the m terms.
-template <int M>
-void q4_1_rows_fp32_math(const float* x, const float* x_sums, const uint8_t* blocks, const at::BFloat16* bias,
-                         at::BFloat16* y, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
-  constexpr int kVecsPerBlock = kQ4Block / kLanes;
+inline float hsum256(__m256 v) {
+  const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
+// Q4_1 blocks times block-quantized x [M, K]: per block, 32 products of a 4-bit code and
+// an int8 code in two instructions (maddubs: u8 x s8 pairs into int16; madd: pairs of
+// those into int32), one conversion, and one FMA by d * s. Converting each code to fp32
+// instead (4 byte shuffles and 4 conversions per block before 4 FMAs) held Zen 3 at
+// ~5.5 GB/s a core. R rows of W at a time (two streams) give the FMA chains of one
+// row the other's work to overlap with, and share each load of x between them.
+template <int M, int R>
+void q4_1_rows_q8_x_step(const BlockQuantizedX& x, const uint8_t* blocks, const at::BFloat16* bias, at::BFloat16* y,
+                         int64_t K, int64_t N, int64_t n) {
   const int64_t num_blocks = K / kQ4Block;
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const uint8_t* row = blocks + n * num_blocks * kQ4BlockBytes;
-    VecF acc[M];
-    __m128 m_terms[M];
-    for (int m = 0; m < M; ++m) {
-      acc[m] = vzero();
-      m_terms[m] = _mm_setzero_ps();
+  const int64_t row_bytes = num_blocks * kQ4BlockBytes;
+  const __m256i low_mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* x_codes = x.codes.data();
+  const float* x_scales_and_sums = x.scales_and_sums.data();
+  __m256 acc[M][R];
+  __m128 m_terms[M][R];  // lane 1 sums the m terms (lane 0 the d * s products, unused)
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) {
+      acc[m][r] = _mm256_setzero_ps();
+      m_terms[m][r] = _mm_setzero_ps();
     }
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const uint8_t* block = row + b * kQ4BlockBytes;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    __m128 d_and_m[R];
+    __m256i codes[R];
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* block = blocks + (n + r) * row_bytes + b * kQ4BlockBytes;
       uint32_t d_and_m_bits;  // one conversion for both
       std::memcpy(&d_and_m_bits, block, 4);
-      const __m128 d_and_m = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(d_and_m_bits)));  // [d, m, 0, 0]
-      const VecF d_vec = vset1(_mm_cvtss_f32(d_and_m));
-      const __m128 min = _mm_movehdup_ps(d_and_m);
-      VecF q[kVecsPerBlock];
-      q4_codes(block + 4, q);
-      for (int m = 0; m < M; ++m) {
-        const float* xb = x + m * K + b * kQ4Block;
-        VecF dot = q[0] * vload(xb);
-        for (int v = 1; v < kVecsPerBlock; ++v) dot = vfma(q[v], vload(xb + v * kLanes), dot);
-        acc[m] = vfma(d_vec, dot, acc[m]);
-        m_terms[m] = _mm_fmadd_ss(min, _mm_load_ss(x_sums + m * num_blocks + b), m_terms[m]);
+      d_and_m[r] = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(d_and_m_bits)));  // [d, m, 0, 0]
+      // Columns in order: the low nibbles are columns 0-15, the high ones 16-31.
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+      codes[r] = _mm256_and_si256(
+          _mm256_inserti128_si256(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1), low_mask);
+    }
+    for (int m = 0; m < M; ++m) {
+      const int64_t xb = m * num_blocks + b;
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_codes + xb * kQ4Block));
+      // [s, sum] of this x block, as two floats
+      const __m128 s_and_sum = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x_scales_and_sums + 2 * xb)));
+      for (int r = 0; r < R; ++r) {
+        const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(codes[r], xq), ones));
+        const __m128 products = _mm_mul_ps(d_and_m[r], s_and_sum);  // [d * s, m * sum, 0, 0]
+        acc[m][r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(products), dots, acc[m][r]);
+        m_terms[m][r] = _mm_add_ps(m_terms[m][r], products);
       }
     }
-    const float bias_n = bias == nullptr ? 0.0f : static_cast<float>(bias[n]);
-    for (int m = 0; m < M; ++m)
-      y[m * N + n] = at::BFloat16(vsum(acc[m]) + _mm_cvtss_f32(m_terms[m]) + bias_n);
   }
+  for (int r = 0; r < R; ++r) {
+    const float bias_n = bias == nullptr ? 0.0f : static_cast<float>(bias[n + r]);
+    for (int m = 0; m < M; ++m)
+      y[m * N + n + r] = at::BFloat16(hsum256(acc[m][r]) + _mm_cvtss_f32(_mm_movehdup_ps(m_terms[m][r])) + bias_n);
+  }
+}
+
+template <int M>
+void q4_1_rows_q8_x(const BlockQuantizedX& x, const uint8_t* blocks, const at::BFloat16* bias, at::BFloat16* y,
+                    int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  for (; n + 2 <= n_end; n += 2) q4_1_rows_q8_x_step<M, 2>(x, blocks, bias, y, K, N, n);
+  if (n < n_end) q4_1_rows_q8_x_step<M, 1>(x, blocks, bias, y, K, N, n);
 }
 
 // Q8_0 blocks (per 32 columns: fp16 d, 32 int8 codes q; the weight d * q), fp32 x [M, K].
@@ -333,27 +361,26 @@ at::Tensor q4_1_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias,
 #ifdef PDSERVE_GEMV
   const int64_t M = x.size(0), num_blocks = K / kQ4Block;
   const std::vector<float> xf = widen(x);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+#ifdef __AVX512BF16__
   std::vector<float> x_sums(M * num_blocks);
   for (int64_t i = 0; i < M * num_blocks; ++i) {
     float sum = 0.f;
     for (int64_t j = 0; j < kQ4Block; ++j) sum += xf[i * kQ4Block + j];
     x_sums[i] = sum;
   }
-  at::Tensor y = at::empty({M, N}, x.options());
-  const uint8_t* wp = blocks.data_ptr<uint8_t>();
-  const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const float* sp = x_sums.data();
-#ifdef __AVX512BF16__
   const at::Tensor xc = x.contiguous();
   const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
   for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
-    q4_1_rows<decltype(rows)::value>(xp, sp, wp, bp, yp, K, N, begin, end);
+    q4_1_rows<decltype(rows)::value>(xp, x_sums.data(), wp, bp, yp, K, N, begin, end);
   });
 #else
-  const std::vector<float> x_permuted = q4_permute_x(xf);
+  const BlockQuantizedX xq = quantize_x_blocks(xf, M * num_blocks);
   for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
-    q4_1_rows_fp32_math<decltype(rows)::value>(x_permuted.data(), sp, wp, bp, yp, K, N, begin, end);
+    q4_1_rows_q8_x<decltype(rows)::value>(xq, wp, bp, yp, K, N, begin, end);
   });
 #endif
   return y;
