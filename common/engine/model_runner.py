@@ -18,8 +18,8 @@ import torch
 from safetensors import safe_open
 
 from common.engine.compilation import compile_forward, compile_logits, num_compiled_graphs
-from common.engine.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from common.engine.config import KVTransferConfig, ModelConfig, ParallelConfig, SpeculativeConfig
+from common.engine.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from common.engine.device import select_device, select_dtype
 from common.engine.distributed import parallel_state
 from common.engine.forward_context import forward_context
