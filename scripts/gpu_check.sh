@@ -19,15 +19,15 @@ shift || true
 STEPS=${*:-kernels graphs parity offline}
 RESULTS=${PDSERVE_GPU_RESULTS:-gpu-check}
 SITE=${PDSERVE_SITE:-$RESULTS/site}
-mkdir -p "$RESULTS" "$SITE"
-RESULTS=$(cd "$RESULTS" && pwd)
-SITE=$(cd "$SITE" && pwd)
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_check: no CUDA device visible to torch; nothing to check" >&2
     exit 2
 fi
 [ -d "$WHEELS" ] || { echo "gpu_check: no wheel directory $WHEELS (make it with scripts/prepare_gpu_wheels.sh)" >&2; exit 2; }
+mkdir -p "$RESULTS" "$SITE"
+RESULTS=$(cd "$RESULTS" && pwd)
+SITE=$(cd "$SITE" && pwd)
 # --no-deps and a target directory: pip leaves the machine's torch alone (pyproject pins the
 # CPU build's version) and resolves nothing it would have to download.
 if ! ls "$WHEELS" | cmp -s - "$SITE/.wheels"; then
