@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         module, rest = delegated
         code = importlib.import_module(module).main(rest) or 0
         if own_command_line:
-            # Without this the interpreter's teardown runs full collections over every
-            # object left (torch makes hundreds of thousands): seconds on a small machine
-            # to free memory the exit frees anyway.
+            # With automatic collection on, the interpreter's teardown collects again and
+            # again over every object left (torch makes hundreds of thousands): seconds on
+            # a small machine.
             gc.disable()
         return code
     build_parser().parse_args(argv)  # prints help or the error, and exits

@@ -95,9 +95,9 @@ def run_worker(args: argparse.Namespace, role: str, build: Callable[[argparse.Na
         print(f"pdserve {role}: error: {e}", file=sys.stderr)
         return 2
     finally:
-        # The process exits next, everything released: without this the interpreter's
-        # teardown runs full collections over the hundreds of thousands of objects torch
-        # made, seconds of every stop on a small machine, to free memory the exit frees.
+        # The process exits next, everything released: with automatic collection on, the
+        # interpreter's teardown collects again and again over the hundreds of thousands of
+        # objects torch made, seconds of every stop on a small machine.
         gc.disable()
 
 
