@@ -25,6 +25,14 @@ log = logging.getLogger(__name__)
 CPU_ATTENTION_MODES = ("auto", "native", "torch")
 
 
+def _assume_constant_result(fn):
+    """torch.compiler.assume_constant_result without its import of torch._dynamo (seconds
+    of start-up for every process that imports the kernels, eager ones included): the mark
+    is the attribute dynamo reads when it traces a call to fn."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 @functools.cache
 def native_attention_error() -> str | None:
     """None once the op is loaded in this process, else why it cannot be (built once)."""
@@ -36,12 +44,12 @@ def native_attention_error() -> str | None:
     return error
 
 
-@torch.compiler.assume_constant_result
+@_assume_constant_result
 def native_attention_available() -> bool:
     return native_attention_error() is None
 
 
-@torch.compiler.assume_constant_result  # torch.compile: decided once while tracing, not traced into
+@_assume_constant_result  # torch.compile: decided once while tracing, not traced into
 def cpu_attention_backend() -> str:
     """"native" or "torch" for CPU attention calls that do not force a backend."""
     mode = os.environ.get("PDSERVE_CPU_ATTENTION", "auto").lower()

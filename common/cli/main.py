@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -72,12 +73,19 @@ def _delegated_module(argv: list[str]) -> tuple[str, list[str]] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    own_command_line = argv is None  # this process's command: it exits once the command returns
     argv = sys.argv[1:] if argv is None else argv
     delegated = _delegated_module(argv)
     if delegated is not None:
         import importlib
         module, rest = delegated
-        return importlib.import_module(module).main(rest) or 0
+        code = importlib.import_module(module).main(rest) or 0
+        if own_command_line:
+            # With automatic collection on, the interpreter's teardown collects again and
+            # again over every object left (torch makes hundreds of thousands): seconds on
+            # a small machine.
+            gc.disable()
+        return code
     build_parser().parse_args(argv)  # prints help or the error, and exits
     return 2
 

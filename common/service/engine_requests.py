@@ -25,9 +25,8 @@ ID_RETRY_MAX_BACKOFF_S = 0.1
 
 def eos_token_ids(core) -> tuple[int, ...]:
     """The tokens that end generation, as the offline LLM computes them."""
-    from common.text.tokenizer import load_tokenizer
-    return tuple(sorted(set(core.model_config.eos_token_ids)
-                        | set(load_tokenizer(core.model_dir).eos_token_ids)))
+    from common.text.tokenizer import load_eos_token_ids
+    return tuple(sorted(set(core.model_config.eos_token_ids) | set(load_eos_token_ids(core.model_dir))))
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, core) -> None:

@@ -130,3 +130,26 @@ def load_tokenizer(model_dir: str | os.PathLike) -> Tokenizer:
                 raise ValueError(f"{model_dir}: a fast (tokenizer.json) tokenizer is required")
             tokenizer = _cache[key] = Tokenizer(hf_tokenizer, model_dir)
     return tokenizer
+
+
+def load_eos_token_ids(model_dir: str | os.PathLike) -> tuple[int, ...]:
+    """load_tokenizer(model_dir).eos_token_ids, read from tokenizer.json and the
+    tokenizer_config.json eos_token where those settle it (as transformers resolves it:
+    the token's id in the vocabulary), else from load_tokenizer. An engine service needs
+    only these ids, and transformers' AutoTokenizer, with the model's config class and
+    torch._dynamo it imports, costs seconds of the service's start-up."""
+    model_dir = Path(model_dir).expanduser().resolve()
+    with _cache_lock:
+        tokenizer = _cache.get(str(model_dir))
+    if tokenizer is not None:
+        return tokenizer.eos_token_ids
+    eos = read_json_file(model_dir / "tokenizer_config.json").get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    # special_tokens_map.json may name other special tokens: transformers then decides.
+    if isinstance(eos, str) and (model_dir / "tokenizer.json").is_file() \
+            and not (model_dir / "special_tokens_map.json").exists():
+        from tokenizers import Tokenizer as RustTokenizer
+        eos_id = RustTokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id(eos)
+        if eos_id is not None:
+            return merged_eos_token_ids(eos_id, read_json_file(model_dir / "config.json"), model_dir)
+    return load_tokenizer(model_dir).eos_token_ids

@@ -32,14 +32,28 @@ def start(module: str, name: str, model_dir, tp: int, tmp_path) -> ServiceProces
     return ServiceProcess(module, args, tmp_path / f"{name}.log")
 
 
-def test_tp2_prefill_feeds_tp1_decode_and_tp1_prefill_feeds_tp2_decode(tiny_model_factory, tmp_path):
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory):
     # 4 query heads and 2 KV heads: TP 2 holds one KV head per rank.
-    model_dir = tiny_model_factory("tiny-llama", "llama")
-    pairs = {"tp2-to-tp1": (start("prefill_service.main", "prefill-tp2", model_dir, 2, tmp_path),
-                            start("decode_service.main", "decode-tp1", model_dir, 1, tmp_path)),
+    return tiny_model_factory("tiny-llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def prefill_tp2(model_dir, tmp_path_factory):
+    """Both tests' TP 2 prefill instance: each leaves it idle, every block free."""
+    prefill = start("prefill_service.main", "prefill-tp2", model_dir, 2, tmp_path_factory.mktemp("prefill-tp2"))
+    try:
+        yield prefill
+    finally:
+        assert prefill.stop() == 0, prefill.log_tail()
+
+
+def test_tp2_prefill_feeds_tp1_decode_and_tp1_prefill_feeds_tp2_decode(model_dir, prefill_tp2, tmp_path):
+    pairs = {"tp2-to-tp1": (prefill_tp2, start("decode_service.main", "decode-tp1", model_dir, 1, tmp_path)),
              "tp1-to-tp2": (start("prefill_service.main", "prefill-tp1", model_dir, 1, tmp_path),
                             start("decode_service.main", "decode-tp2", model_dir, 2, tmp_path))}
     services = [s for pair in pairs.values() for s in pair]
+    started_here = [s for s in services if s is not prefill_tp2]
     try:
         deadline = time.monotonic() + 180
         for service in services:
@@ -54,8 +68,8 @@ def test_tp2_prefill_feeds_tp1_decode_and_tp1_prefill_feeds_tp2_decode(tiny_mode
             return results
         results = asyncio.run(asyncio.wait_for(main(), 120))
     finally:
-        codes = [s.stop() for s in services]
-    assert codes == [0] * len(services), [s.log_tail() for s in services]
+        codes = [s.stop() for s in started_here]  # prefill_tp2's exit code: its fixture's teardown
+    assert codes == [0] * len(started_here), [s.log_tail() for s in started_here]
     expected = [o.outputs[0].token_ids for o in LLM(str(model_dir), kv_cache_memory="16MiB").generate(
         [{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
     for name, outputs in results.items():
@@ -64,9 +78,8 @@ def test_tp2_prefill_feeds_tp1_decode_and_tp1_prefill_feeds_tp2_decode(tiny_mode
         assert [o["token_ids"] for o in outputs] == expected, name
 
 
-def test_a_decode_layout_the_prefill_ranks_cannot_map_is_refused_before_any_work(tiny_model_factory, tmp_path):
-    model_dir = tiny_model_factory("tiny-llama", "llama")
-    prefill = start("prefill_service.main", "prefill-tp2", model_dir, 2, tmp_path)
+def test_a_decode_layout_the_prefill_ranks_cannot_map_is_refused_before_any_work(model_dir, prefill_tp2):
+    prefill = prefill_tp2
     layout_hash = kv_layout_hash(kv_layout(ModelConfig.from_hf_config(load_hf_config(model_dir)), "float32", 16))
     prompt = PROMPTS[1]
 
@@ -94,8 +107,5 @@ def test_a_decode_layout_the_prefill_ranks_cannot_map_is_refused_before_any_work
         # One decode rank whose blocks are not the model's.
         code, details = await prefill_call(block_shape=[16, 1, 16])
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "cannot be mapped" in details, details
-    try:
-        prefill.wait_ready(time.monotonic() + 120)
-        asyncio.run(asyncio.wait_for(main(), 60))
-    finally:
-        assert prefill.stop() == 0, prefill.log_tail()
+    prefill.wait_ready(time.monotonic() + 120)
+    asyncio.run(asyncio.wait_for(main(), 60))

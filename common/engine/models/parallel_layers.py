@@ -136,6 +136,12 @@ class VocabParallelEmbedding(nn.Embedding):
         self.num_real_rows = max(0, min(rows_per_rank, vocab_size - self.vocab_start))
         super().__init__(rows_per_rank, hidden_size)
 
+    def reset_parameters(self) -> None:
+        # Models are built on the meta device and then loaded: a random init there has
+        # nothing to fill, and the meta normal_ imports torch._dynamo (seconds of start-up).
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)

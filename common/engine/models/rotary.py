@@ -77,6 +77,33 @@ def rope_type_of(scaling: dict | None) -> str:
     return "default" if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
 
 
+def _rope_tables(rope_type: str, rotary_dim: int, max_position: int, theta: float,
+                 scaling: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos and sin, [max_position, rotary_dim // 2] each."""
+    positions = torch.arange(max_position, dtype=torch.float64)
+    inv_freq, attn_factor = _base_inv_freq(rotary_dim, theta), 1.0
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    elif rope_type == "yarn":
+        inv_freq, attn_factor = _yarn_inv_freq(rotary_dim, theta, scaling, max_position)
+    if rope_type == "longrope":
+        # Short factors within the pretraining length, long ones past it, per
+        # position. transformers switches the whole sequence to the long factors
+        # once it grows past that length (recomputing its cache), so the two agree
+        # only while sequences stay within original_max_position_embeddings.
+        attn_factor = _longrope_attention_factor(scaling, max_position)
+        old_len = scaling["original_max_position_embeddings"]
+        short = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64)
+        long = inv_freq / torch.tensor(scaling["long_factor"], dtype=torch.float64)
+        freqs = torch.where((positions < old_len)[:, None], torch.outer(positions, short),
+                            torch.outer(positions, long))
+    else:
+        freqs = torch.outer(positions, inv_freq)  # [max_position, rotary_dim // 2]
+    return (freqs.cos() * attn_factor).float(), (freqs.sin() * attn_factor).float()
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for positions [0, max_position), over the first rotary_dim dims of a head."""
 
@@ -86,29 +113,15 @@ class RotaryEmbedding(nn.Module):
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
         self.rotary_dim = rotary_dim
-        positions = torch.arange(max_position, dtype=torch.float64)
-        inv_freq, attn_factor = _base_inv_freq(rotary_dim, theta), 1.0
-        if rope_type == "linear":
-            inv_freq = inv_freq / float(scaling["factor"])
-        elif rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)
-        elif rope_type == "yarn":
-            inv_freq, attn_factor = _yarn_inv_freq(rotary_dim, theta, scaling, max_position)
-        if rope_type == "longrope":
-            # Short factors within the pretraining length, long ones past it, per
-            # position. transformers switches the whole sequence to the long factors
-            # once it grows past that length (recomputing its cache), so the two agree
-            # only while sequences stay within original_max_position_embeddings.
-            attn_factor = _longrope_attention_factor(scaling, max_position)
-            old_len = scaling["original_max_position_embeddings"]
-            short = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64)
-            long = inv_freq / torch.tensor(scaling["long_factor"], dtype=torch.float64)
-            freqs = torch.where((positions < old_len)[:, None], torch.outer(positions, short),
-                                torch.outer(positions, long))
-        else:
-            freqs = torch.outer(positions, inv_freq)  # [max_position, rotary_dim // 2]
-        self.register_buffer("cos", (freqs.cos() * attn_factor).float(), persistent=False)
-        self.register_buffer("sin", (freqs.sin() * attn_factor).float(), persistent=False)
+        # Computed on the CPU, then placed on the default device. Models are built on the
+        # meta device before loading (the runner then builds these tables on the real
+        # one): there torch runs these ops through Python decompositions that import
+        # torch._dynamo, seconds of every eager process's start-up.
+        with torch.device("cpu"):
+            cos, sin = _rope_tables(rope_type, rotary_dim, max_position, theta, scaling)
+        device = torch.get_default_device()
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Looked up once per step and shared by every layer: [num_tokens, 1, rotary_dim // 2] each."""

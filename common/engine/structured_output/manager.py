@@ -14,15 +14,16 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING
 
 from common.engine.outputs import SchedulerOutput
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
-from common.engine.structured_output.backend import XgrammarBackend
 from common.engine.structured_output.compile_buckets import COMPILE_SECONDS_BUCKETS
 from common.text.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:  # xgrammar (and the transformers it imports) only once a constraint comes
+    from common.engine.structured_output.backend import XgrammarBackend
 
 
 class StructuredOutputManager:
@@ -42,6 +43,7 @@ class StructuredOutputManager:
         engines never see a constraint."""
         with self._backend_lock:
             if self._backend is None:
+                from common.engine.structured_output.backend import XgrammarBackend
                 eos = tuple(dict.fromkeys(load_tokenizer(self._model_dir).eos_token_ids + self._eos_token_ids))
                 self._backend = XgrammarBackend(self._model_dir, self._vocab_size, eos)
             return self._backend
@@ -70,6 +72,7 @@ class StructuredOutputManager:
                        if r.do_sample and getattr(requests.get(r.req_id), "grammar", None) is not None]
         if not constrained:
             return
+        import xgrammar as xgr  # constrained rows: the backend imported it already
         started = time.perf_counter()
         bitmask = xgr.allocate_token_bitmask(len(constrained), self._vocab_size)  # [rows, words] int32
         for row, req_id in enumerate(constrained):

@@ -1,8 +1,12 @@
 """The tokenizer wrapper against transformers, on the bundled SmolLM2 tokenizer."""
+import json
+import shutil
+
 import pytest
 
 from common.engine.model_files import resolve_model
-from common.text.tokenizer import load_tokenizer
+from common.text import tokenizer as tokenizer_module
+from common.text.tokenizer import load_eos_token_ids, load_tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there!"}],
@@ -74,3 +78,28 @@ def test_malformed_messages_rejected(tokenizer, messages, message):
 def test_missing_directory_does_not_download(tmp_path):
     with pytest.raises(ValueError, match="not a directory"):
         load_tokenizer(tmp_path / "nowhere")
+
+
+def copy_tokenizer_dir(out_dir, **extra_files):
+    source = resolve_model()
+    out_dir.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(source / name, out_dir / name)
+    for name, content in extra_files.items():
+        (out_dir / name).write_text(json.dumps(content))
+    return out_dir
+
+
+@pytest.mark.parametrize("generation_eos", [None, [2, 7]], ids=["tokenizer-only", "generation-config-adds"])
+def test_eos_ids_without_transformers_equal_the_tokenizers(tmp_path, generation_eos):
+    extra = {} if generation_eos is None else {"generation_config.json": {"eos_token_id": generation_eos}}
+    model_dir = copy_tokenizer_dir(tmp_path / "model", **extra)
+    eos_ids = load_eos_token_ids(model_dir)
+    assert str(model_dir.resolve()) not in tokenizer_module._cache  # settled without transformers
+    assert eos_ids == load_tokenizer(model_dir).eos_token_ids == (2, *([7] if generation_eos else []))
+
+
+def test_eos_ids_of_a_directory_with_a_special_tokens_map_come_from_transformers(tmp_path):
+    model_dir = copy_tokenizer_dir(tmp_path / "model", **{"special_tokens_map.json": {"eos_token": "<|im_end|>"}})
+    assert load_eos_token_ids(model_dir) == (2,)
+    assert str(model_dir.resolve()) in tokenizer_module._cache
