@@ -92,8 +92,8 @@ class DecodeGraphs:
         """Capture every bucket, largest first so the smaller ones reuse its memory."""
         started = time.perf_counter()
         pool = None
+        static = self.static
         for size in sorted(self.buckets, reverse=True):
-            static = self.static
             meta = static.meta(size, self.max_model_len)
 
             def run(size=size, meta=meta) -> torch.Tensor:

@@ -125,6 +125,13 @@ void q4_1_rows(const at::BFloat16* x, const float* x_sums, const uint8_t* blocks
 #endif
 
 #ifdef PDSERVE_GEMV
+// The sum of a ymm's 8 lanes: the AVX2 build's vsum, and the integer Q4_1 rows' sums.
+inline float hsum256(__m256 v) {
+  const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
 // fp32 vectors of the portable build: zmm with AVX-512, ymm with AVX2.
 #if defined(__AVX512F__)
 using VecF = __m512;
@@ -154,11 +161,7 @@ inline VecF vload(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(VecF v) {
-  const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
-  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
-}
+inline float vsum(VecF v) { return hsum256(v); }
 inline void q8_codes(const int8_t* codes, VecF out[4]) {
   for (int i = 0; i < 4; ++i)
     out[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i))));
@@ -225,12 +228,6 @@ BlockQuantizedX quantize_x_blocks(const std::vector<float>& x, int64_t num_block
     q.scales_and_sums[2 * i + 1] = scale * static_cast<float>(code_sum);
   }
   return q;
-}
-
-inline float hsum256(__m256 v) {
-  const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
-  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
 }
 
 // Q4_1 blocks times block-quantized x [M, K]: per block, 32 products of a 4-bit code and

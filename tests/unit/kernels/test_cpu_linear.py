@@ -189,12 +189,12 @@ def test_a_head_with_q8_0_blocks_takes_them_for_decode_rows_and_onednn_beyond(bu
 def block_quantized_x(x: torch.Tensor) -> torch.Tensor:
     """x as the fp32-FMA build's Q4_1 product sees it: per 32 columns, int8 codes
     round(x / s) (half to even) times s = max |x| / 127, in float64."""
-    blocks = x.double().reshape(x.shape[0], -1, 32)
-    scale = blocks.abs().amax(dim=-1, keepdim=True).float().double() / 127  # as the kernel, in fp32
-    inverse = torch.where(scale > 0, (127 / blocks.abs().amax(dim=-1, keepdim=True).float()).double(),
-                          torch.zeros_like(scale))
-    codes = torch.round((blocks.float() * inverse.float()).double())
-    return (codes * scale).reshape(x.shape)
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)  # the kernel's scale and inverse, in fp32
+    scale = amax / 127
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    codes = torch.round(blocks * inverse)
+    return (codes.double() * scale.double()).reshape(x.shape)
 
 
 def q4_1_reference(x, bias, blocks: Q4_1Blocks) -> torch.Tensor:
