@@ -6,13 +6,16 @@ allow them (KEEPALIVE_SERVER_OPTIONS), or they would answer with GOAWAY "too_man
 """
 from __future__ import annotations
 
-# A frozen peer fails the calls within 2 * KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS (1.8 s),
-# inside two of the gateway's heartbeat periods (1 s each): gRPC postpones a ping by one
-# more period when data arrived during the last one, as it does until the freeze. Ping acks
-# come from gRPC's own threads, not the peer's Python code, so a busy engine loop does not
-# delay them.
+# A frozen peer fails the calls within 1 s + KEEPALIVE_TIMEOUT_MS (1.6 s), inside two of the
+# gateway's heartbeat periods (1 s each). The 1 s is gRPC's own limit on a client: after it
+# sends any ping (a keepalive or a flow-control probe), its next ping waits until a data
+# frame arrives or a second has passed. A ping sent just before the freeze therefore holds
+# the next one back for a second, and only that one can time out (with a 1 s timeout the
+# calls ended at 2.00 s under load). The postponement of a ping while data arrives costs at
+# most 2 * KEEPALIVE_TIME_MS (0.8 s), inside that second. Ping acks come from gRPC's own
+# threads, not the peer's Python code, so a busy engine loop does not delay them.
 KEEPALIVE_TIME_MS = 400  # ping an idle or busy connection this often
-KEEPALIVE_TIMEOUT_MS = 1_000  # no ack within this: the connection is dead
+KEEPALIVE_TIMEOUT_MS = 600  # no ack within this: the connection is dead
 
 KEEPALIVE_CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
