@@ -98,6 +98,21 @@ def check_parallel_setup(model_config: ModelConfig, parallel: ParallelConfig, ra
                            f"pp {state.pp_size}, rank {state.rank})")
 
 
+def upload_int_lists(lists: list[list[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """The lists as 1-D tensors on device: views of one tensor, so a GPU step makes one
+    asynchronous copy from pinned memory rather than a blocking copy per list (each of
+    those waits for the GPU). The caching host allocator keeps the pinned buffer until
+    the copy has run."""
+    pinned = device.type == "cuda"
+    host = torch.tensor([v for values in lists for v in values], dtype=dtype, pin_memory=pinned)
+    whole = host.to(device, non_blocking=True) if pinned else host.to(device)
+    views, start = [], 0
+    for values in lists:
+        views.append(whole[start:start + len(values)])
+        start += len(values)
+    return views
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_dir: Path, device: str = "auto",
                  dtype: str = "auto", seed: int = 0, block_size: int = 16,
@@ -277,7 +292,9 @@ class ModelRunner:
         # One row per sampled position: a request verifying k drafts samples k + 1.
         sample_rows = expand_verification_rows(sample_reqs)
         # Every TP rank of the last stage takes part in gathering the logits; one samples.
-        logits = self.compute_logits(hidden[sample_indices])  # [num_sample_rows, vocab]
+        # Sample indices are increasing, so as many as the rows are every row (each decode step).
+        sampled_hidden = hidden if sample_indices.shape[0] == hidden.shape[0] else hidden[sample_indices]
+        logits = self.compute_logits(sampled_hidden)  # [num_sample_rows, vocab]
         if not self.is_output_rank:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         sampled = self.sampler(logits, sample_rows, *self._grammar_bitmask(scheduler_output, sample_rows))
@@ -349,23 +366,22 @@ class ModelRunner:
                 sample_reqs.append(req)
         num_decodes = len(decodes)
         device = self.device
-
-        def int32(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
-
+        max_blocks = max((len(r.block_table) for r in ordered), default=0)
+        block_table_rows = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in ordered]
+        query_start_loc = list(accumulate(query_lens, initial=0))
+        ids, pos, slots, samples = upload_int_lists(
+            [input_ids, positions, slot_mapping, sample_indices], torch.int64, device)
+        flat_block_tables, all_seq_lens, all_query_start_loc = upload_int_lists(
+            [[b for row in block_table_rows for b in row], seq_lens, query_start_loc], torch.int32, device)
         prefill_query_lens = query_lens[num_decodes:]
         prefill_seq_lens = seq_lens[num_decodes:]
         # The whole step as one ragged batch (decodes are queries of length 1); the decode
         # and prefill tensors are its rows. The CPU kernel takes the whole batch in one call
         # per layer, the other paths the two parts.
-        max_blocks = max((len(r.block_table) for r in ordered), default=0)
-        all_block_tables = int32([r.block_table + [0] * (max_blocks - len(r.block_table))
-                                  for r in ordered]) if ordered else None  # [num_seqs, max_blocks]
-        all_seq_lens = int32(seq_lens)  # [num_seqs]
-        all_query_start_loc = int32(list(accumulate(query_lens, initial=0)))  # [num_seqs + 1]
+        all_block_tables = flat_block_tables.view(len(ordered), max_blocks) if ordered else None  # [num_seqs, max_blocks]
         one_batch = device.type == "cpu" and bool(ordered)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            slot_mapping=slots,
             num_decode_tokens=num_decodes,
             decode_block_tables=all_block_tables[:num_decodes] if decodes else None,
             decode_seq_lens=all_seq_lens[:num_decodes] if decodes else None,
@@ -380,6 +396,4 @@ class ModelRunner:
             query_start_loc=all_query_start_loc if one_batch else None,
             seq_lens=all_seq_lens if one_batch else None,
         )
-        return (torch.tensor(input_ids, dtype=torch.int64, device=device),
-                torch.tensor(positions, dtype=torch.int64, device=device),
-                meta, torch.tensor(sample_indices, dtype=torch.int64, device=device), sample_reqs)
+        return ids, pos, meta, samples, sample_reqs
