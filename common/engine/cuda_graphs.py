@@ -4,7 +4,9 @@ On a GPU a decode step of a small model is bound by launching kernels (a dozen p
 each behind Python and inductor's wrapper code), not by the GPU's work; a captured graph
 issues the whole forward pass in one launch. Each bucket's graph is captured over static
 buffers, so a step copies its inputs into them and reads the hidden states back from the
-graph's static output. Rows past the step's batch are padding: their K/V go nowhere
+graph's static output. The graph also computes the logits of every row (a decode step
+samples each row), since the LM head's call alone cost as much host time as the rest of
+the step's launch. Rows past the step's batch are padding: their K/V go nowhere
 (slot -1) and they read no keys (seq_len 0, which the decode kernel answers with zeros).
 
 The attention op reads the forward context only while a graph is being captured, so the
@@ -26,8 +28,9 @@ from common.engine.models.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-# (capture the forward of one bucket, the memory pool to share) -> (replay, static output, pool)
-GraphCapture = Callable[[Callable[[], torch.Tensor], object], tuple[Callable[[], None], torch.Tensor, object]]
+# (capture the forward of one bucket, the memory pool to share) -> (replay, static outputs, pool)
+GraphCapture = Callable[[Callable[[], tuple[torch.Tensor, ...]], object],
+                        tuple[Callable[[], None], tuple[torch.Tensor, ...], object]]
 
 
 def cuda_graphs_enabled() -> bool:
@@ -43,7 +46,7 @@ def batch_size_buckets(max_num_seqs: int) -> list[int]:
     return buckets + [max_num_seqs]
 
 
-def capture_cuda_graph(fn: Callable[[], torch.Tensor], pool: object):
+def capture_cuda_graph(fn: Callable[[], tuple[torch.Tensor, ...]], pool: object):
     """One CUDA graph of fn; buckets share one memory pool (captured largest first)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
@@ -71,8 +74,12 @@ class DecodeGraphs:
     """The captured decode graphs of one runner and the buffers they read."""
 
     def __init__(self, forward: Callable, kv_caches: list, device: torch.device, max_num_seqs: int,
-                 max_model_len: int, block_size: int, capture: GraphCapture = capture_cuda_graph):
+                 max_model_len: int, block_size: int, capture: GraphCapture = capture_cuda_graph,
+                 compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """compute_logits: hidden [rows, hidden] -> logits [rows, vocab], captured after the
+        forward (None: the graphs give hidden states only, as on a stage that does not sample)."""
         self.forward = forward
+        self.compute_logits = compute_logits
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
         self.buckets = batch_size_buckets(max_num_seqs)
@@ -83,8 +90,8 @@ class DecodeGraphs:
             slot_mapping=torch.full((max_num_seqs,), -1, dtype=torch.int64, device=device),
             block_tables=torch.zeros((max_num_seqs, max_blocks_per_seq), dtype=torch.int32, device=device),
             seq_lens=torch.zeros(max_num_seqs, dtype=torch.int32, device=device))
-        # bucket -> (replay, static hidden states [bucket, hidden])
-        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        # bucket -> (replay, (static hidden states [bucket, hidden], logits [bucket, vocab] if computed))
+        self._graphs: dict[int, tuple[Callable[[], None], tuple[torch.Tensor, ...]]] = {}
         self._capture = capture
         self.num_replays = 0
 
@@ -96,9 +103,10 @@ class DecodeGraphs:
         for size in sorted(self.buckets, reverse=True):
             meta = static.meta(size, self.max_model_len)
 
-            def run(size=size, meta=meta) -> torch.Tensor:
+            def run(size=size, meta=meta) -> tuple[torch.Tensor, ...]:
                 with forward_context(meta):
-                    return self.forward(static.input_ids[:size], static.positions[:size], self.kv_caches, meta)
+                    hidden = self.forward(static.input_ids[:size], static.positions[:size], self.kv_caches, meta)
+                return (hidden,) if self.compute_logits is None else (hidden, self.compute_logits(hidden))
 
             run()  # compiles Triton kernels and inductor's chosen configs outside the capture
             replay, out, pool = self._capture(run, pool)
@@ -113,9 +121,10 @@ class DecodeGraphs:
                 and meta.kv_layer_hook is None and meta.decode_block_tables is not None
                 and meta.decode_block_tables.shape[1] <= self.static.block_tables.shape[1])
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids/positions [num_seqs] -> hidden [num_seqs, hidden], a view of the graph's
-        output: valid until the next replay."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids/positions [num_seqs] -> (hidden [num_seqs, hidden], logits [num_seqs, vocab]
+        or None when not captured): views of the graph's outputs, valid until the next replay."""
         num_seqs = input_ids.shape[0]
         size = next(b for b in self.buckets if b >= num_seqs)
         static = self.static
@@ -130,7 +139,8 @@ class DecodeGraphs:
             static.positions[num_seqs:size].zero_()
             static.slot_mapping[num_seqs:size].fill_(-1)
             static.seq_lens[num_seqs:size].zero_()
-        replay, out = self._graphs[size]
+        replay, outputs = self._graphs[size]
         replay()
         self.num_replays += 1
-        return out[:num_seqs]
+        hidden = outputs[0][:num_seqs]
+        return hidden, (outputs[1][:num_seqs] if len(outputs) > 1 else None)

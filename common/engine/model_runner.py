@@ -195,8 +195,9 @@ class ModelRunner:
         self._compile()
         if (self.device.type == "cuda" and max_num_seqs and max_model_len and cuda_graphs_enabled()
                 and self.parallel_config.world_size == 1):
-            self.decode_graphs = DecodeGraphs(self.forward, self.kv_caches, self.device, max_num_seqs,
-                                              max_model_len, self.block_size)
+            self.decode_graphs = DecodeGraphs(
+                self.forward, self.kv_caches, self.device, max_num_seqs, max_model_len, self.block_size,
+                compute_logits=self.compute_logits if self.is_output_rank else None)
             self.decode_graphs.capture_all()
 
     def _compile(self) -> None:
@@ -266,13 +267,14 @@ class ModelRunner:
             meta.kv_layer_hook = self._kv_layer_hook
         model = self.model
         received = None  # the previous stage's hidden states [num_tokens, hidden]
+        graph_logits = None  # [num_tokens, vocab] when a graph computed them
         if not model.is_first_stage:
             received = parallel_state.recv_from_prev_stage(
                 (input_ids.shape[0], self.model_config.hidden_size), self.dtype, self.device)
         try:
             graphs = self.decode_graphs
             if received is None and graphs is not None and graphs.serves(input_ids.shape[0], meta):
-                hidden = graphs.run(input_ids, positions, meta)  # [num_tokens, hidden]
+                hidden, graph_logits = graphs.run(input_ids, positions, meta)  # [num_tokens, hidden]
             else:
                 hidden = self._forward(input_ids, positions, meta, received)
         except BaseException:
@@ -293,8 +295,11 @@ class ModelRunner:
         sample_rows = expand_verification_rows(sample_reqs)
         # Every TP rank of the last stage takes part in gathering the logits; one samples.
         # Sample indices are increasing, so as many as the rows are every row (each decode step).
-        sampled_hidden = hidden if sample_indices.shape[0] == hidden.shape[0] else hidden[sample_indices]
-        logits = self.compute_logits(sampled_hidden)  # [num_sample_rows, vocab]
+        every_row = sample_indices.shape[0] == hidden.shape[0]
+        if every_row and graph_logits is not None:
+            logits = graph_logits  # [num_sample_rows, vocab]
+        else:
+            logits = self.compute_logits(hidden if every_row else hidden[sample_indices])
         if not self.is_output_rank:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         sampled = self.sampler(logits, sample_rows, *self._grammar_bitmask(scheduler_output, sample_rows))

@@ -20,11 +20,12 @@ MAX_NUM_SEQS = 8
 
 def rerun_capture(fn, pool):
     """A replay that runs fn again over the same buffers (what a graph replays)."""
-    out = fn()
+    outputs = fn()
 
     def replay() -> None:
-        out.copy_(fn())
-    return replay, out, pool
+        for static, new in zip(outputs, fn()):
+            static.copy_(new)
+    return replay, outputs, pool
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def _runner(llm):
 
 def _graphs(runner, llm) -> DecodeGraphs:
     graphs = DecodeGraphs(runner.forward, runner.kv_caches, runner.device, MAX_NUM_SEQS, llm.max_model_len,
-                          runner.block_size, capture=rerun_capture)
+                          runner.block_size, capture=rerun_capture, compute_logits=runner.compute_logits)
     graphs.capture_all()
     return graphs
 
@@ -58,16 +59,21 @@ def test_batch_size_buckets(max_num_seqs, buckets):
 
 
 @pytest.mark.parametrize("batch", [1, 3, 5, 8])
-def test_replayed_decodes_give_the_same_tokens(llm, batch):
+def test_replayed_decodes_give_the_same_tokens(llm, batch, monkeypatch):
     runner = _runner(llm)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
     prompts = _prompts([3 + 9 * i for i in range(batch)])
     want = llm.generate(prompts, params, use_tqdm=False)
     runner.decode_graphs = _graphs(runner, llm)
+    head_calls = []  # rows of each logits computation outside the graphs
+    head = runner.compute_logits
+    monkeypatch.setattr(runner, "compute_logits", lambda hidden: (head_calls.append(hidden.shape[0]), head(hidden))[1])
     try:
         got = llm.generate(prompts, params, use_tqdm=False)
         # Every step after the prompts' is a decode-only step of `batch` rows.
         assert runner.decode_graphs.num_replays == params.max_tokens - 1
+        # The graphs computed the decode steps' logits: only the prompts' step needed the head.
+        assert head_calls == [batch]
     finally:
         runner.decode_graphs = None
     for g, w in zip(got, want):
@@ -101,8 +107,9 @@ def test_padding_rows_write_no_kv(llm):
         graphs.run(torch.tensor([5, 6, 7, 8]), (seq_lens - 1).long(), meta)
         before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
         meta = _decode_meta(block_tables[:3], seq_lens[:3], bs)
-        hidden = graphs.run(torch.tensor([9, 10, 11]), (seq_lens[:3] - 1).long(), meta)  # 3 rows, bucket 4
+        hidden, logits = graphs.run(torch.tensor([9, 10, 11]), (seq_lens[:3] - 1).long(), meta)  # bucket 4
         assert hidden.shape == (3, llm.engine.model_config.hidden_size) and torch.isfinite(hidden).all()
+        torch.testing.assert_close(logits, runner.compute_logits(hidden))  # each row's own
         written = set(meta.slot_mapping.tolist())
         for (k0, v0), (k1, v1) in zip(before, runner.kv_caches):
             changed = ((k0 != k1).flatten(2).any(-1) | (v0 != v1).flatten(2).any(-1)).flatten()  # [num_slots]
