@@ -1,15 +1,21 @@
 """Where a single stream's decode step goes on a GPU (warm engine, CUDA graphs on): tok/s, a
 torch.profiler table of host and kernel time, cProfile of the host, and the bare replay time
 of the batch-1 and batch-64 decode graphs. Run from the repository root on a CUDA machine."""
-import cProfile, io, os, pstats, time
+import cProfile
+import io
+import pstats
+import time
+
 import torch
+from torch.profiler import ProfilerActivity, profile
+
 from bench.offline import make_workload, single_stream
 from common.engine.llm import LLM
+
 llm = LLM(dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_memory="2GiB")
 prompt = make_workload(1, 0, llm.engine.model_config.vocab_size, 16, 16, 8, 8)[0][0]
 for _ in range(3):
     print(f"single stream (warm): {single_stream(llm, prompt, 256):.1f} tok/s", flush=True)
-from torch.profiler import ProfilerActivity, profile
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     t0 = time.perf_counter(); single_stream(llm, prompt, 128); wall = time.perf_counter() - t0
 events = prof.key_averages()
