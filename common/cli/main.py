@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
+
+from common.engine.process_exit import skip_collection_at_exit
 
 # `pdserve up` forks its services (Popen with preexec_fn) from a process that runs
 # gRPC; gRPC's fork handlers then abort in the child's poller ("epoll: bad fd").
@@ -80,11 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
         module, rest = delegated
         code = importlib.import_module(module).main(rest) or 0
-        if own_command_line:
-            # With automatic collection on, the interpreter's teardown collects again and
-            # again over every object left (torch makes hundreds of thousands): seconds on
-            # a small machine.
-            gc.disable()
+        if own_command_line:  # this process exits next
+            skip_collection_at_exit()
         return code
     build_parser().parse_args(argv)  # prints help or the error, and exits
     return 2

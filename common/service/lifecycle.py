@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import secrets
@@ -26,6 +25,7 @@ from typing import Protocol
 
 from grpc import aio
 
+from common.engine.process_exit import skip_collection_at_exit
 from common.service.errors import ErrorStatusInterceptor
 from common.service.flags import advertise_host, bracket
 from common.service.keepalive import KEEPALIVE_SERVER_OPTIONS
@@ -95,10 +95,7 @@ def run_worker(args: argparse.Namespace, role: str, build: Callable[[argparse.Na
         print(f"pdserve {role}: error: {e}", file=sys.stderr)
         return 2
     finally:
-        # The process exits next, everything released: with automatic collection on, the
-        # interpreter's teardown collects again and again over the hundreds of thousands of
-        # objects torch made, seconds of every stop on a small machine.
-        gc.disable()
+        skip_collection_at_exit()  # the process exits next
 
 
 async def _serve(args: argparse.Namespace, role: str, build: Callable[[argparse.Namespace, str], Worker]) -> int:

@@ -8,7 +8,6 @@ SIGINT is ignored (the engine process decides when its workers stop).
 """
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -29,6 +28,7 @@ from common.engine.outputs_codec import (
     runner_output_to_dict,
     unpack,
 )
+from common.engine.process_exit import skip_collection_at_exit
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +96,7 @@ def worker_main(spec_bytes: bytes, ready_conn: Connection) -> None:
         runner.shutdown()
         requests.close()
         responses.close()
-        # The process exits next: with automatic collection on, the interpreter's teardown
-        # collects again and again over the objects torch made (seconds on a small machine).
-        gc.disable()
+        skip_collection_at_exit()  # the process exits next
 
 
 def _start(spec: WorkerSpec):
