@@ -36,6 +36,13 @@ def compile_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdserve" / "inductor"
 
 
+# Inductor sets TORCHINDUCTOR_CACHE_DIR to its own default (/tmp/torchinductor_<user>) the
+# first time one of its modules is imported, and reads it from then on: ours must be in
+# the environment before that, or the compiled code goes to /tmp (gone with a reboot) while
+# the log names the pdserve cache.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
+
+
 def find_cpp_compiler() -> str | None:
     """The C++ compiler inductor's CPU backend would use, or None when the machine has none."""
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
@@ -62,11 +69,11 @@ def compile_forward(model: torch.nn.Module, device: torch.device, enforce_eager:
         logger.warning("no C++ compiler found (g++, c++, clang++ or $CXX): the model runs eagerly; "
                        "install one to compile it")
         return model
-    import torch._inductor.config as inductor_config
-
     cache_dir = compile_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+    import torch._inductor.config as inductor_config
+
     inductor_config.fx_graph_cache = True
     # A float traced as a symbol (the RMSNorm eps, the attention scale) made dynamo
     # restart its whole trace once the compiler turned it back into a constant.

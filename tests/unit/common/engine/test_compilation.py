@@ -119,6 +119,24 @@ def test_environment_can_force_eager(monkeypatch):
     assert compilation.compile_forward(model, torch.device("cpu"), enforce_eager=False) is model
 
 
+def test_compiled_code_goes_to_the_pdserve_cache_unless_told_otherwise(tmp_path):
+    """Inductor puts its own default into the environment when its modules are first
+    imported; the engine's modules must have put pdserve's there before."""
+    script = ("import common.engine.model_runner\n"
+              "import torch._inductor.config\n"
+              "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+              "print(cache_dir())")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str(tmp_path / "pdserve" / "inductor")
+    # A directory the user names wins.
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "mine")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == str(tmp_path / "mine")
+
+
 # Builds the same compiled engine in a fresh process and prints what inductor's caches did.
 _RESTART_SCRIPT = """
 import json, sys
