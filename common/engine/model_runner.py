@@ -383,7 +383,8 @@ class ModelRunner:
         # The whole step as one ragged batch (decodes are queries of length 1); the decode
         # and prefill tensors are its rows. The CPU kernel takes the whole batch in one call
         # per layer, the other paths the two parts.
-        all_block_tables = flat_block_tables.view(len(ordered), max_blocks) if ordered else None  # [num_seqs, max_blocks]
+        # [num_seqs, max_blocks]
+        all_block_tables = flat_block_tables.view(len(ordered), max_blocks) if ordered else None
         one_batch = device.type == "cpu" and bool(ordered)
         meta = AttentionMetadata(
             slot_mapping=slots,
