@@ -115,11 +115,18 @@ def known_answer_case(rate: float) -> tuple[Profile, Traffic, Slo, PlanOptions]:
     return profile, traffic, slo, PlanOptions(shape=ONE_PROMPT_PER_STEP, num_requests=1500, allow_colocated=False)
 
 
-def test_plan_needs_enough_prefill_instances_to_keep_the_queue_short():
+@pytest.fixture(scope="module")
+def plan_at_15_per_s():
+    """The known-answer case's plan at 15 req/s: seconds of simulation, deterministic (the
+    requests are seeded), and only read by the tests that take it."""
+    return Planner(*known_answer_case(15.0)).plan()
+
+
+def test_plan_needs_enough_prefill_instances_to_keep_the_queue_short(plan_at_15_per_s):
     # 15 req/s x 0.1 s = 1.5 instances of work: P = 2 runs at rho 0.75 (M/D/1 p90 wait
     # ~0.33 s, TTFT over 300 ms), P = 3 at rho 0.5 (p90 wait ~0.12 s): 3 prefill. One
     # decode instance holds 15 x 10 x 0.02 = 3 requests (Little) at 20 ms < 50 ms.
-    plan = Planner(*known_answer_case(15.0)).plan()
+    plan = plan_at_15_per_s
     assert plan.chosen.deployment.label() == "3P:1D"
     assert plan.guesses["disaggregated"].label() == "3P:1D"
     (fewer_prefill,) = [c for c in plan.smaller if c.deployment.num_prefill == 2]
@@ -151,8 +158,8 @@ def test_analytic_estimate_is_infinite_past_saturation():
     assert analytic_estimate(profile, traffic, slo, Deployment(1, 1, options.shape, options.shape)).ttft_s == math.inf
 
 
-def test_k8s_overlay_sets_replicas_and_hpa_bounds():
-    plan = Planner(*known_answer_case(15.0)).plan()
+def test_k8s_overlay_sets_replicas_and_hpa_bounds(plan_at_15_per_s):
+    plan = plan_at_15_per_s
     files = k8s_overlay(plan, peak_factor=2.0)
     docs = [yaml.safe_load(text) for name, text in files.items() if name != "kustomization.yaml"]
     replicas = {d["metadata"]["name"]: d["spec"]["replicas"] for d in docs if d["kind"] == "Deployment"}
@@ -204,10 +211,10 @@ def test_validation_replays_the_traffic_with_bench_serve_flags():
     assert (math.floor(256 * 0.5), math.ceil(256 * 1.5), math.floor(32 * 0.5), math.ceil(32 * 1.5)) == (128, 384, 16, 48)
 
 
-def test_validation_takes_turns_and_reports_the_median(monkeypatch, tmp_path):
+def test_validation_takes_turns_and_reports_the_median(monkeypatch, tmp_path, plan_at_15_per_s):
     import bench.plan as plan_module
     profile, traffic, slo, options = known_answer_case(15.0)
-    plan = Planner(profile, traffic, slo, options).plan()
+    plan = plan_at_15_per_s
     order = []
     measured_p90 = {"3P:1D": [200.0, 260.0, 240.0], "2P:1D": [900.0, 700.0, 800.0], "3P:0D": []}
 
@@ -274,11 +281,11 @@ def test_validation_stacks_run_the_profiled_engine(monkeypatch, tmp_path):
     assert flags[flags.index("--dtype") + 1] == "float32"
 
 
-def test_validation_predicts_each_runs_own_workload(monkeypatch, tmp_path):
+def test_validation_predicts_each_runs_own_workload(monkeypatch, tmp_path, plan_at_15_per_s):
     import bench.plan as plan_module
     from bench.plan import make_requests
     profile, traffic, slo, options = known_answer_case(15.0)
-    plan = Planner(profile, traffic, slo, options).plan()
+    plan = plan_at_15_per_s
     monkeypatch.setattr(plan_module, "measure_on_stack", lambda *a, **k: {
         "completed": 10, "failed": 0, **{f"p{p}_{m}_ms": 100.0 for m in ("ttft", "tpot") for p in (50, 90, 99)}})
     rows = plan_module.validate(plan, profile, traffic, slo, options.shape, "1GiB", 10, 5, tmp_path, repeats=2)

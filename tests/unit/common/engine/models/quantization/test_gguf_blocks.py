@@ -1,8 +1,11 @@
-"""The reader's packed Q4_1 rows and Q8_0 head are the GGUF's own weights, in the converter's row order."""
+"""The reader's packed Q4_1 rows and Q8_0 head are the GGUF's own weights (as gguf's own
+GGUFReader reads them), in the converter's row order."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGUFValueType
 from gguf.quants import dequantize
 
 from common.engine.models.quantization.cpu_kernels import int4_kernel_available
@@ -10,6 +13,7 @@ from common.engine.models.quantization.gguf_blocks import (
     GGUF_PROJECTION_TENSORS,
     Q4_1Blocks,
     Q8_0Blocks,
+    read_gguf,
     unpermute_qk_rows,
 )
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
@@ -17,11 +21,11 @@ from common.engine.models.quantization.q4_1_linear import Q4_1Linear
 LAYERS = (0, 14, 29)
 
 
-def gguf_reference(reader, layer_idx: int, projection: str) -> torch.Tensor:
+def gguf_reference(reference_tensors, reader, layer_idx: int, projection: str) -> torch.Tensor:
     """gguf's own dequantization of the projection's tensors, q/k un-permuted as transformers does."""
     parts = []
     for tensor_name in GGUF_PROJECTION_TENSORS[projection]:
-        tensor = reader.tensors[f"blk.{layer_idx}.{tensor_name}.weight"]
+        tensor = reference_tensors[f"blk.{layer_idx}.{tensor_name}.weight"]
         weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
         if tensor_name == "attn_q":
             weight = unpermute_qk_rows(weight, reader.num_heads)
@@ -33,11 +37,32 @@ def gguf_reference(reader, layer_idx: int, projection: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("layer_idx", LAYERS)
 @pytest.mark.parametrize("projection", list(GGUF_PROJECTION_TENSORS))
-def test_packed_rows_dequantize_bit_exact_to_gguf(bundled_gguf, layer_idx, projection):
+def test_packed_rows_dequantize_bit_exact_to_gguf(bundled_gguf, reference_tensors, layer_idx, projection):
     blocks = bundled_gguf.projection(layer_idx, projection)
-    reference = gguf_reference(bundled_gguf, layer_idx, projection)
+    reference = gguf_reference(reference_tensors, bundled_gguf, layer_idx, projection)
     assert blocks.shape == tuple(reference.shape)
     assert torch.equal(blocks.dequantize(torch.float32), reference)
+
+
+def test_read_gguf_gives_what_gguf_reader_gives(bundled_gguf, gguf_reader):
+    """Every tensor (type, shape, bytes) and every scalar or string metadata item."""
+    metadata, tensors = read_gguf(bundled_gguf.path)
+    assert list(tensors) == [t.name for t in gguf_reader.tensors]
+    for reference in gguf_reader.tensors:
+        ours = tensors[reference.name]
+        assert ours.tensor_type == reference.tensor_type, reference.name
+        assert (ours.data.dtype, ours.data.shape) == (reference.data.dtype, reference.data.shape), reference.name
+        assert np.array_equal(ours.data, reference.data), reference.name
+    scalars = {}
+    for key, field in gguf_reader.fields.items():
+        if key.startswith("GGUF."):  # the header, which GGUFReader lists as fields too
+            continue
+        if field.types[0] == GGUFValueType.STRING:
+            scalars[key] = bytes(field.parts[field.data[0]]).decode()
+        elif field.types[0] != GGUFValueType.ARRAY:
+            scalars[key] = field.parts[field.data[0]][0]
+    assert metadata == scalars
+    assert "general.architecture" in metadata and "llama.attention.head_count_kv" in metadata
 
 
 def test_raw_gives_back_the_file_layout(bundled_gguf):
@@ -53,12 +78,13 @@ def test_packed_rows_match_the_converted_checkpoint(bundled_gguf, bundled_model_
     assert torch.equal(bundled_gguf.projection(3, "qkv_proj").dequantize(), torch.cat(q_k_v))
 
 
-def test_the_q8_0_head_dequantizes_bit_exact_to_gguf_and_the_converted_embedding(bundled_gguf, bundled_model_dir):
+def test_the_q8_0_head_dequantizes_bit_exact_to_gguf_and_the_converted_embedding(bundled_gguf, reference_tensors,
+                                                                                  bundled_model_dir):
     """SmolLM2's head is its token embedding, Q8_0 in the file; the dense checkpoint pdserve
     serves holds exactly its dequantization, so the Q8_0 GEMV computes the same logits."""
     from safetensors import safe_open
     head = bundled_gguf.head_q8_0()
-    tensor = bundled_gguf.tensors["token_embd.weight"]
+    tensor = reference_tensors["token_embd.weight"]
     reference = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
     assert head.shape == tuple(reference.shape) == (49152, 576)
     assert torch.equal(head.dequantize(torch.float32), reference)
