@@ -16,11 +16,16 @@ llm = LLM(dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=2048, kv_cac
 prompt = make_workload(1, 0, llm.engine.model_config.vocab_size, 16, 16, 8, 8)[0][0]
 for _ in range(3):
     print(f"single stream (warm): {single_stream(llm, prompt, 256):.1f} tok/s", flush=True)
+PROFILED_TOKENS = 128
+# single_stream generates 4 tokens to warm up, then the timed ones: one step per token.
+num_steps = 4 + PROFILED_TOKENS
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-    t0 = time.perf_counter(); single_stream(llm, prompt, 128); wall = time.perf_counter() - t0
+    started = time.perf_counter()
+    single_stream(llm, prompt, PROFILED_TOKENS)
+    wall = time.perf_counter() - started
 events = prof.key_averages()
 cuda_us = sum(e.self_device_time_total for e in events)
-print(f"profiled: {wall * 1e3 / 132:.3f} ms/step wall; GPU busy {cuda_us / 1e3 / 132:.3f} ms/step")
+print(f"profiled: {wall * 1e3 / num_steps:.3f} ms/step wall; GPU busy {cuda_us / 1e3 / num_steps:.3f} ms/step")
 print(events.table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=48))
 print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=48))
 pr = cProfile.Profile(); pr.enable(); single_stream(llm, prompt, 256); pr.disable()

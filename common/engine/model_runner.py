@@ -47,7 +47,7 @@ def load_model(model_config: ModelConfig, model_dir: Path, device: torch.device,
     # of a meta tensor runs torch._refs, which imports sympy (~0.7 s of every engine's
     # start-up). _apply keeps a parameter shared by two modules one parameter.
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    # to_empty leaves the RoPE tables uninitialised: rebuild them on the device.
+    # That leaves the RoPE tables (buffers) uninitialised too: rebuild them on the device.
     model.rope = build_rope(model_config).to(device)
     files = sorted(model_dir.glob("*.safetensors"))
 
