@@ -5,8 +5,11 @@ Python headers, which the slim image lacks, and the ops need neither (they regis
 through TORCH_LIBRARY, so the .so is loaded with torch.ops.load_library).
 
 The library lands in <cache>/<name>-<key>.so, key = hash of the source and the headers
-beside it, the compiler command, torch's version and the CPU's flags, so a changed
-source, torch or machine (-march=native) builds afresh and everything else reuses it.
+beside it, the compiler (its file and flags), torch's version and commit and the CPU's
+flags, so a changed source, compiler, torch or machine (-march=native) builds afresh and
+everything else reuses it. Where torch is installed is not part of the key: every
+virtualenv (a fresh clone's, the image's) with the same torch shares one build, and the
+library finds libc10/libtorch_cpu as the ones torch has already loaded (same soname).
 Concurrent builders (several service processes starting at once) each write a temp
 file and rename it.
 """
@@ -78,6 +81,14 @@ def _command(cxx: str, source: Path, output: Path) -> list[str]:
             f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
 
 
+def _compiler_identity(cxx: str) -> str:
+    """The compiler's real file with its size and modification time: an upgraded g++ at
+    the same path is a different compiler."""
+    real = os.path.realpath(cxx)
+    st = os.stat(real)
+    return f"{real} {st.st_size} {st.st_mtime_ns}"
+
+
 def build_library(name: str) -> Path:
     """Path of the compiled kernels/cpu/<name>.cpp, building it if the cache lacks it."""
     cxx = find_compiler()
@@ -85,8 +96,9 @@ def build_library(name: str) -> Path:
         raise BuildError("no C++ compiler (set CXX or install g++)")
     source = SOURCE_DIR / f"{name}.cpp"
     sources = [p.read_text() for p in sorted(SOURCE_DIR.glob("*.h"))] + [source.read_text()]
-    key = hashlib.sha256("\0".join([*sources, " ".join(_command(cxx, source, Path("x"))),
-                                    torch.__version__, cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*sources, _compiler_identity(cxx), f"-march={target_arch()}", *CXX_FLAGS,
+                                    torch.__version__, str(torch.version.git_version),
+                                    cpu_flags()]).encode()).hexdigest()[:16]
     out_dir = cache_dir()
     library = out_dir / f"{name}-{key}.so"
     if library.exists():

@@ -202,6 +202,23 @@ def test_built_library_is_reused_from_the_cache(monkeypatch):
     assert build.build_library("paged_attention").exists()
 
 
+def test_another_virtualenv_with_the_same_torch_reuses_the_build(monkeypatch):
+    # A fresh clone's .venv puts torch's headers and libraries elsewhere: same build.
+    built = build.build_library("paged_attention")
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("rebuilt for another install path of the same torch")
+
+    monkeypatch.setattr(build.subprocess, "run", no_compiling)
+    monkeypatch.setattr(build.cpp_extension, "include_paths", lambda *a, **k: ["/elsewhere/include"])
+    monkeypatch.setattr(build.cpp_extension, "library_paths", lambda *a, **k: ["/elsewhere/lib"])
+    assert build.build_library("paged_attention") == built
+    # A different compiler (or g++ upgraded in place) is a different build.
+    monkeypatch.setattr(build, "_compiler_identity", lambda cxx: "/usr/bin/g++-99 1 1")
+    with pytest.raises(AssertionError, match="rebuilt"):
+        build.build_library("paged_attention")
+
+
 def test_missing_compiler_raises_build_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
