@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from common import LLM, SamplingParams
-from tests.parity import hf_greedy, hf_teacher_forced_logprobs
+from tests.parity import hf_greedy, hf_teacher_forced
 
 pytestmark = pytest.mark.slow
 
@@ -52,11 +52,18 @@ def test_greedy_tokens_and_logprobs_match_transformers(llm, hf_model, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, logprobs=1)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert len(outputs) == len(prompts) >= 8
-    for prompt, output in zip(prompts, outputs):
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
         ours = output.outputs[0].token_ids
-        assert ours == hf_greedy(hf_model, prompt, NUM_NEW_TOKENS), f"prompt of {len(prompt)} tokens"
+        # Shorter only by stopping at EOS, which is then our last token and HF's last pick.
+        assert len(ours) == NUM_NEW_TOKENS or (output.outputs[0].finish_reason == "stop"
+                                              and ours[-1] in llm.tokenizer.eos_token_ids)
+        # HF's greedy pick after each of our prefixes: equal to ours at every position is
+        # HF's greedy generation giving our tokens (one forward per prompt rather than 32).
+        ref_logprobs, hf_picks = hf_teacher_forced(hf_model, prompt, ours)
+        assert ours == hf_picks, f"prompt of {len(prompt)} tokens"
+        if i == 0:  # and the generate() loop itself, once
+            assert ours == hf_greedy(hf_model, prompt, NUM_NEW_TOKENS)
         our_logprobs = torch.tensor([lp.token_logprob for lp in output.outputs[0].logprobs])
-        ref_logprobs = hf_teacher_forced_logprobs(hf_model, prompt, ours)
         torch.testing.assert_close(our_logprobs, ref_logprobs, atol=1e-3, rtol=0)
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.config.cache.num_blocks
 
