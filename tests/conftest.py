@@ -69,7 +69,26 @@ def tiny_llama_dir(tiny_model_factory) -> Path:
     return tiny_model_factory("tiny-llama", "llama")
 
 
-def pytest_collection_modifyitems(items):
-    """The compose test runs last: scripts/test.sh prepares its image in the background
-    meanwhile (tests/support/deploy_image.py), mostly downloads and disk writes."""
+def pytest_addoption(parser):
+    parser.addoption(
+        "--suite-part", choices=("parallel", "serial"), default=None,
+        help="scripts/test.sh runs the suite in two parts: 'parallel' is the unit tests that "
+             "assert no wall-clock bound (run with pytest-xdist's -n 2), 'serial' everything "
+             "else, one test at a time: the integration tests (services as processes, with "
+             "deadlines) and the unit tests marked `timing`. Default: every test.")
+
+
+def in_parallel_part(item) -> bool:
+    return item.nodeid.startswith("tests/unit/") and item.get_closest_marker("timing") is None
+
+
+def pytest_collection_modifyitems(config, items):
+    """--suite-part selects its part; the compose test runs last: scripts/test.sh prepares
+    its image in the background meanwhile (tests/support/deploy_image.py), mostly
+    downloads and disk writes."""
+    part = config.getoption("--suite-part")
+    if part is not None:
+        keep = [item for item in items if in_parallel_part(item) == (part == "parallel")]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
     items.sort(key=lambda item: item.nodeid.startswith("tests/integration/test_deploy.py"))

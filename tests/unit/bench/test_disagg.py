@@ -167,6 +167,7 @@ def test_run_mixed_opens_the_window_after_every_stream_started_and_cancels_decod
     assert figures["num_itl_samples"] > 0 and figures["long_completed"] == 3
 
 
+@pytest.mark.timing
 def test_run_mixed_times_out_and_records_the_unfinished_long_prompts():
     backend = ScriptedBackend(long_first_s=30.0)
     longs = ranged_requests(2, VOCAB, np.random.default_rng(0), (20, 30), (4, 4), LONG)

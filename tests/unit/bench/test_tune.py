@@ -86,6 +86,7 @@ def test_adaptive_prunes_what_cannot_start_or_breaks_tpot():
     assert all(status in (OK, DOMINATED, CANNOT_START, TPOT_LIMIT, TTFT_LIMIT, PRUNED) for status in statuses.values())
 
 
+@pytest.mark.timing
 def test_cpu_clock_skips_idle_time_instead_of_sleeping():
     import time
 

@@ -41,6 +41,7 @@ async def hold(admission: PoolAdmission, entered: list, label: str, release: asy
         await release.wait()
 
 
+@pytest.mark.timing
 def test_requests_past_capacity_wait_in_order_and_one_past_the_queue_is_refused():
     async def scenario():
         registry = InstanceRegistry()
@@ -170,6 +171,7 @@ def gw():
             gateway.call(http.stop())
 
 
+@pytest.mark.timing
 def test_a_full_gateway_refuses_at_once_with_a_retry_hint_and_admitted_requests_complete(gw):
     admission = gw.gateway.decode_admission
     results, errors = [], []

@@ -52,6 +52,7 @@ def test_decode_error_mid_stream_reaches_the_client_with_its_status(gateway, cod
     assert live_decodes(gateway) == ["decode-0"]  # it still answers Stats: not dropped
 
 
+@pytest.mark.timing
 def test_decode_killed_mid_stream_gives_unavailable_fast_and_is_no_longer_chosen(gateway):
     spare = gateway.add_fake_decode("decode-spare", token_ids=TOKENS)
     doomed = subprocess.Popen([sys.executable, "-m", "bench.fakes.fake_decode", "--gateway",

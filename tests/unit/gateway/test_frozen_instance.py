@@ -60,6 +60,7 @@ def wait_until(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.timing
 def test_requests_on_a_frozen_decode_end_within_two_heartbeat_periods(tmp_path):
     settings = GatewaySettings()
     two_periods_s = 2 * settings.heartbeat_interval_s

@@ -55,6 +55,7 @@ def test_receiver_cancel_reaches_the_sender(pair):
     assert not tx.send_layer(t, 1)
 
 
+@pytest.mark.timing
 def test_sender_abort_and_short_finish_fail_both_ends_at_once(pair):
     rx, tx, _, _ = pair
     h1, h2 = rx.register("a", [1], timeout_s=10), rx.register("b", [2], timeout_s=10)
@@ -129,6 +130,7 @@ def test_receiver_that_never_reads_sender_blocks_bounded_then_releases_everythin
     ctx.term()
 
 
+@pytest.mark.timing
 def test_asyncio_service_registers_and_awaits_without_blocking_its_loop(pair):
     rx, tx, src, dst = pair
 

@@ -142,6 +142,7 @@ def test_geometry_of_the_bundled_model_matches_46080_bytes_per_token():
         PoolGeometry.of([(torch.zeros(4, *SHAPE), torch.zeros(4, 16, 3, 32))])
 
 
+@pytest.mark.timing
 def test_byte_budget_waits_bounded_and_lets_one_oversized_message_through():
     import time
     b = ByteBudget(cap=100)
