@@ -290,7 +290,7 @@ def replay_in_simulator(requests: list[BenchRequest], send_times_s: list[float],
 def model_vocabulary(model: str | None) -> Vocabulary:
     """The model's vocabulary and its special ids (which prompts avoid), no stack needed."""
     from common.engine.model_files import resolve_model
-    from gateway.tokenizer import load_prompt_tokenizer
+    from common.text.prompt_tokenizer import load_prompt_tokenizer
     tokenizer = load_prompt_tokenizer(resolve_model(model))
     special = (set(getattr(tokenizer, "all_special_ids", ())) | set(tokenizer.eos_token_ids)
                | {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special})

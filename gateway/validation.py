@@ -15,7 +15,7 @@ from pathlib import Path
 from common.engine.model_files import BUNDLED_MODEL_NAME, load_hf_config, resolve_model
 from common.engine.sampling_params import validate_prompt_token_ids
 from common.service.errors import invalid
-from gateway.tokenizer import load_prompt_tokenizer
+from common.text.prompt_tokenizer import load_prompt_tokenizer
 from gateway.types import GenerateInput, PreparedRequest
 
 MAX_REQUEST_ID_CHARS = 256
@@ -30,7 +30,7 @@ class ServedModel:
     name: str  # what ModelInfo reports until an instance registers its own name
     aliases: frozenset[str]  # names a request's `model` field may use
     model_dir: Path
-    tokenizer: object  # gateway.tokenizer.PromptTokenizer or common.text.tokenizer.Tokenizer
+    tokenizer: object  # common.text.prompt_tokenizer.PromptTokenizer or common.text.tokenizer.Tokenizer
     max_position_embeddings: int  # the model's own length limit
     vocab_size: int  # ids the model's embedding accepts (config.json)
 

@@ -92,7 +92,7 @@ def load_vocabulary(args: argparse.Namespace, server_info: dict) -> Vocabulary:
         from pathlib import Path
 
         from common.engine.model_files import resolve_model
-        from gateway.tokenizer import load_prompt_tokenizer  # the gateway's: no torch import
+        from common.text.prompt_tokenizer import load_prompt_tokenizer  # the gateway's: no torch import
         path = Path(args.tokenizer).expanduser()
         model_dir = path if (path / "tokenizer.json").is_file() else resolve_model(
             None if args.tokenizer == "bundled" else args.tokenizer)

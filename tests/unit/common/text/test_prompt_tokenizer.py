@@ -1,4 +1,4 @@
-"""The gateway's torch-free tokenizer gives the same ids as common.text.tokenizer (transformers)."""
+"""The torch-free prompt tokenizer (gateway, offline LLM) gives the same ids as common.text.tokenizer (transformers)."""
 from __future__ import annotations
 
 import subprocess
@@ -8,7 +8,7 @@ import pytest
 
 from common.engine.model_files import resolve_model
 from common.text.tokenizer import load_tokenizer
-from gateway.tokenizer import PromptTokenizer, load_prompt_tokenizer
+from common.text.prompt_tokenizer import PromptTokenizer, load_prompt_tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there!"}],

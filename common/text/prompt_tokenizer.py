@@ -1,15 +1,19 @@
-"""The gateway's tokenizer: the model's tokenizer.json and chat template, without torch.
+"""The prompt tokenizer of the gateway and the offline LLM: the model's tokenizer.json and
+chat template, without torch or AutoTokenizer.
 
 common.text.tokenizer goes through transformers' AutoTokenizer, which imports torch
-(~1.5 s and ~300 MB per process) although the gateway never runs the model. This
+(~1.5 s and ~300 MB per process) although the gateway never runs the model, and costs
+the offline LLM ~1.8 s of its start-up (the engine's structured outputs load it only
+when a request asks for them). This
 loads the same Rust `tokenizers.Tokenizer` from tokenizer.json and renders the chat
 template with transformers' own `render_jinja_template` (which does not import
 torch), passing the special tokens exactly as transformers' apply_chat_template
-does, so both produce the same ids (tests/unit/gateway/test_tokenizer.py checks).
+does, so both produce the same ids (tests/unit/common/text/test_prompt_tokenizer.py checks).
 Directories without a tokenizer.json fall back to common.text.tokenizer.
 
-It offers what the gateway and common.text.detokenizer use of common.text.tokenizer.Tokenizer:
-encode, apply_chat_template, backend, vocab_size, model_vocab_size, eos_token_ids.
+It offers what the gateway, the offline LLM and common.text.detokenizer use of
+common.text.tokenizer.Tokenizer: encode, decode, apply_chat_template, backend, vocab_size,
+model_vocab_size, eos_token_ids.
 """
 from __future__ import annotations
 
