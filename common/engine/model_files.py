@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,9 @@ def convert_gguf(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     return target
 
 
+_gguf_patch_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def _gguf_parsed_once():
     """transformers opens the file with a new `gguf.GGUFReader` for the config, the
@@ -129,21 +133,24 @@ def _gguf_parsed_once():
     shared per (path, mode) and are only read, and the name table depends on its two
     arguments alone. Conversion ~40 -> ~20 s on the 2-core Zen 3 EPYC (byte-identical output)."""
     import gguf
-    make_reader, make_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict = {}
+    # One block at a time per process: two overlapping ones would each restore what they
+    # found, and the later could leave gguf patched.
+    with _gguf_patch_lock:
+        make_reader, make_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers: dict = {}
 
-    def shared_reader(path, mode="r"):
-        key = (os.fspath(path), mode)
-        if key not in readers:
-            readers[key] = make_reader(path, mode)
-        return readers[key]
+        def shared_reader(path, mode="r"):
+            key = (os.fspath(path), mode)
+            if key not in readers:
+                readers[key] = make_reader(path, mode)
+            return readers[key]
 
-    gguf.GGUFReader = shared_reader
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(make_name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_name_map
+        gguf.GGUFReader = shared_reader
+        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(make_name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_name_map
 
 
 def _save_dequantized(model, out_dir: Path) -> None:
