@@ -18,14 +18,15 @@ os.environ.setdefault("PDSERVE_ENFORCE_EAGER", "1")
 # On a pytest-xdist worker (scripts/test.sh runs the unit tests on two): one torch thread
 # each. Two workers' OpenMP pools of two threads on two cores spin against each other
 # (a quantized-model test took 37 s instead of 5). Tests of several threads set them.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["OMP_NUM_THREADS"] = "1"
+ON_XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+if ON_XDIST_WORKER:
+    os.environ["OMP_NUM_THREADS"] = "1"  # read when torch is imported, below
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)
+if ON_XDIST_WORKER:
+    torch.set_num_threads(1)  # in case a plugin imported torch before this file
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -74,10 +74,15 @@ def cpu_flags() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+def _compile_flags() -> list[str]:
+    """The flags of a build, in its cache key; where torch's headers and libraries lie is not."""
+    return [f"-march={target_arch()}", *CXX_FLAGS]
+
+
 def _command(cxx: str, source: Path, output: Path) -> list[str]:
     torch_lib = cpp_extension.library_paths()[0]
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    return [cxx, f"-march={target_arch()}", *CXX_FLAGS, *includes, str(source), "-o", str(output),
+    return [cxx, *_compile_flags(), *includes, str(source), "-o", str(output),
             f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
 
 
@@ -96,9 +101,8 @@ def build_library(name: str) -> Path:
         raise BuildError("no C++ compiler (set CXX or install g++)")
     source = SOURCE_DIR / f"{name}.cpp"
     sources = [p.read_text() for p in sorted(SOURCE_DIR.glob("*.h"))] + [source.read_text()]
-    key = hashlib.sha256("\0".join([*sources, _compiler_identity(cxx), f"-march={target_arch()}", *CXX_FLAGS,
-                                    torch.__version__, str(torch.version.git_version),
-                                    cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*sources, _compiler_identity(cxx), *_compile_flags(), torch.__version__,
+                                    str(torch.version.git_version), cpu_flags()]).encode()).hexdigest()[:16]
     out_dir = cache_dir()
     library = out_dir / f"{name}-{key}.so"
     if library.exists():
