@@ -1,0 +1,147 @@
+"""A model method compiled ahead of time and kept whole on disk, so a restart does not trace.
+
+torch.compile with inductor caches the generated code on disk, but every new process
+still has dynamo trace the model again to find which cached code it needs, and build
+guards for it: for SmolLM2's 30 layers that is 9-12 s of each start on a 2-core CPU.
+Dynamo's ahead-of-time compile (`torch.compile(...).aot_compile`) instead saves the
+traced bytecode and inductor's code in one file, which a later process loads in 2-4 s
+without tracing.
+
+That file carries no guards (they would be on the model's modules and classes, which it
+cannot serialize), so nothing at call time checks that it still fits. The file name
+says what it was compiled for instead (_artifact_key: the model's structure, config,
+dtypes and packed-weight ids, the kernels chosen at trace time, the thread count, the
+CPU, torch and Python), and after loading, the source of every module the trace went
+through must be what it was then, or the method is compiled again. The calls must also
+keep the form of the first one (the same arguments, the same dtypes); every token count
+is served, as the first call marks the token dimension unbacked.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import inspect
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from kernels.cpu.build import cpu_flags
+from kernels.cpu_attention import cpu_attention_backend
+from kernels.cpu_linear import native_gemv_available
+
+logger = logging.getLogger(__name__)
+
+
+class PrecompiledMethod:
+    """model.<method_name>, compiled at its first call or loaded from cache_dir.
+
+    fallback gives the method compiled the usual way (dynamo at each start), used where
+    the ahead-of-time compile fails."""
+
+    def __init__(self, model: torch.nn.Module, method_name: str, cache_dir: Path,
+                 fallback: Callable[[], Callable]):
+        self.model = model
+        self.method_name = method_name
+        self.cache_dir = cache_dir
+        self.fallback = fallback
+        self._compiled: Callable | None = None
+        # How this process got it: "loaded", "compiled" or "fallback" (None before the first call).
+        self.source: str | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        compiled = self._compiled
+        if compiled is None:
+            compiled = self._compiled = self._load_or_compile(args, kwargs)
+        return compiled(*args, **kwargs)
+
+    @property
+    def artifact_path(self) -> Path:
+        key = _artifact_key(self.model, self.method_name)
+        return self.cache_dir / f"{type(self.model).__name__}.{self.method_name}-{key}.bin"
+
+    def _load_or_compile(self, args: tuple, kwargs: dict) -> Callable:
+        path = self.artifact_path
+        what = f"{type(self.model).__name__}.{self.method_name}"
+        started = time.perf_counter()
+        method = getattr(type(self.model), self.method_name)
+        if path.exists():
+            loaded = _load(path, what, method.__globals__)
+            if loaded is not None:
+                logger.info("loaded the compiled %s from %s in %.1f s", what, path, time.perf_counter() - started)
+                self.source = "loaded"
+                return functools.partial(loaded, self.model)
+        try:
+            compiled = torch.compile(method, dynamic=True, fullgraph=True,
+                                     options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+                                     ).aot_compile(((self.model, *args), kwargs))
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the usual compile, which works
+            logger.warning("cannot compile %s ahead of time (%s: %s); it is compiled at each start instead",
+                           what, type(exc).__name__, exc)
+            self.source = "fallback"
+            return self.fallback()
+        compiled.disable_guard_check()  # there are none: see the module's docstring
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            compiled.save_compiled_function(str(path))  # written beside, then renamed into place
+        except (OSError, RuntimeError) as exc:
+            logger.warning("cannot save the compiled %s to %s (%s): the next start compiles it again",
+                           what, path, exc)
+        logger.info("compiled %s ahead of time in %.1f s (saved to %s)", what, time.perf_counter() - started, path)
+        self.source = "compiled"
+        return functools.partial(compiled, self.model)
+
+
+def _load(path: Path, what: str, method_globals: dict[str, Any]) -> Callable | None:
+    """The compiled function in path, or None (with the reason logged) where it cannot serve.
+    method_globals: the method's module's globals, which the saved code refers to."""
+    try:
+        with open(path, "rb") as f:
+            compiled = torch.compiler.load_compiled_function(f, f_globals=method_globals)
+    except Exception as exc:  # noqa: BLE001 - a truncated file, another torch's format: compile anew
+        logger.warning("cannot load the compiled %s from %s (%s: %s): compiling it again",
+                       what, path, type(exc).__name__, exc)
+        return None
+    changed = _changed_modules(compiled)
+    if changed:
+        logger.info("%s changed since %s was compiled: compiling it again", ", ".join(changed), what)
+        return None
+    compiled.disable_guard_check()
+    return compiled
+
+
+def _changed_modules(compiled: Any) -> list[str]:
+    """The modules the compiled trace went through whose source is no longer what it was."""
+    recorded: dict[str, str] = {}
+    for inlined in compiled.source_info().inlined_sources:
+        recorded[inlined.module] = inlined.content  # the whole module's source at compile time
+    changed = []
+    for name, content in sorted(recorded.items()):
+        try:
+            current = inspect.getsource(sys.modules.get(name) or importlib.import_module(name))
+        except (ImportError, OSError, TypeError):
+            current = None
+        if current != content:
+            changed.append(name)
+    return changed
+
+
+def _artifact_key(model: torch.nn.Module, method_name: str) -> str:
+    """What a compiled method depends on beyond its source: a different value is a different file."""
+    parts = [
+        type(model).__module__, type(model).__qualname__, method_name,
+        # The module tree, with each packed linear's weight id (a constant in the graph) and
+        # its decode kernel; the config's scalars (norm eps, attention scale) are constants too.
+        repr(model), repr(getattr(model, "config", None)),
+        [(name, tuple(t.shape), str(t.dtype), str(t.device))
+         for name, t in [*model.named_parameters(), *model.named_buffers()]],
+        # Choices made while tracing, and what inductor generated its C++ for.
+        cpu_attention_backend(), native_gemv_available(), torch.get_num_threads(), cpu_flags(),
+        torch.__version__, torch.version.git_version, sys.version,
+        inspect.getsource(sys.modules[__name__]),
+    ]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]

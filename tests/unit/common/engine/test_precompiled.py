@@ -1,0 +1,142 @@
+"""Methods compiled ahead of time: saved, loaded by a later process, compiled again when stale."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.engine.precompiled import PrecompiledMethod
+
+REPO_ROOT = Path(__file__).resolve().parents[4]
+
+_TOY_MODULE = """
+import torch
+
+SCALE = {scale}
+
+
+class Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.arange(12.0).reshape(3, 4) - 5, requires_grad=False)
+
+    def forward(self, x):
+        return torch.relu(x @ self.weight.T) * SCALE
+"""
+
+# Runs the toy's forward through a PrecompiledMethod in a fresh process (as a restart would).
+_RUN_SCRIPT = """
+import json, sys
+from pathlib import Path
+import torch
+from common.engine.precompiled import PrecompiledMethod
+from toy_model import Toy
+toy = Toy()
+method = PrecompiledMethod(toy, "forward", Path(sys.argv[1]), fallback=lambda: toy.forward)
+x = torch.arange(8.0).reshape(2, 4)
+print(json.dumps({"output": method(x).tolist(), "how": method.source}))
+"""
+
+
+class Toy(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.weight = torch.nn.Parameter((torch.arange(12.0).reshape(3, 4) - 5).to(dtype), requires_grad=False)
+
+    def forward(self, x):
+        return torch.relu(x @ self.weight.T) + 1
+
+
+class BreaksTheGraph(Toy):
+    def forward(self, x):
+        y = x @ self.weight.T
+        torch._dynamo.graph_break()  # one whole graph is impossible
+        return y + 1
+
+
+def _run_toy(module_dir: Path, cache_dir: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(module_dir), str(REPO_ROOT)]))
+    done = subprocess.run([sys.executable, "-c", _RUN_SCRIPT, str(cache_dir)], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_restart_loads_the_saved_method_and_a_changed_source_compiles_it_again(tmp_path):
+    module_dir, cache_dir = tmp_path / "src", tmp_path / "cache"
+    module_dir.mkdir()
+    (module_dir / "toy_model.py").write_text(_TOY_MODULE.format(scale=2.0))
+    x = torch.arange(8.0).reshape(2, 4)
+    weight = torch.arange(12.0).reshape(3, 4) - 5
+    first = _run_toy(module_dir, cache_dir)
+    assert first["how"] == "compiled"
+    assert first["output"] == (torch.relu(x @ weight.T) * 2.0).tolist()
+    assert len(list(cache_dir.iterdir())) == 1
+    again = _run_toy(module_dir, cache_dir)
+    assert again["how"] == "loaded"
+    assert again["output"] == first["output"]
+    # The constant was traced into the saved code: a new value must not be served the old one.
+    (module_dir / "toy_model.py").write_text(_TOY_MODULE.format(scale=3.0))
+    changed = _run_toy(module_dir, cache_dir)
+    assert changed["how"] == "compiled"
+    assert changed["output"] == (torch.relu(x @ weight.T) * 3.0).tolist()
+
+
+def test_an_unreadable_file_is_compiled_again_and_replaced(tmp_path, caplog):
+    toy = Toy()
+    method = PrecompiledMethod(toy, "forward", tmp_path, fallback=lambda: toy.forward)
+    method.artifact_path.write_bytes(b"not a compiled function")
+    x = torch.arange(8.0).reshape(2, 4)
+    with caplog.at_level(logging.WARNING, logger="common.engine.precompiled"):
+        assert torch.equal(method(x), toy(x))
+    assert method.source == "compiled"
+    assert any("cannot load the compiled Toy.forward" in r.message for r in caplog.records)
+    reloaded = PrecompiledMethod(toy, "forward", tmp_path, fallback=lambda: toy.forward)
+    assert torch.equal(reloaded(x), toy(x))
+    assert reloaded.source == "loaded"
+
+
+def test_a_method_that_cannot_be_compiled_whole_falls_back_with_a_warning(tmp_path, caplog):
+    toy = BreaksTheGraph()
+    method = PrecompiledMethod(toy, "forward", tmp_path, fallback=lambda: toy.forward)
+    x = torch.arange(8.0).reshape(2, 4)
+    with caplog.at_level(logging.WARNING, logger="common.engine.precompiled"):
+        assert torch.equal(method(x), toy(x))
+    assert method.source == "fallback"
+    assert any("cannot compile BreaksTheGraph.forward ahead of time" in r.message for r in caplog.records)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_file_is_named_by_what_the_code_was_compiled_for(tmp_path):
+    def path_of(model: torch.nn.Module) -> Path:
+        return PrecompiledMethod(model, "forward", tmp_path, fallback=lambda: model.forward).artifact_path
+
+    assert path_of(Toy()) == path_of(Toy())
+    assert path_of(Toy()) != path_of(Toy(torch.bfloat16))
+    assert path_of(Toy()) != path_of(BreaksTheGraph())
+    num_threads = torch.get_num_threads()
+    before = path_of(Toy())
+    torch.set_num_threads(num_threads + 1)  # inductor's C++ is generated for the thread count
+    try:
+        assert path_of(Toy()) != before
+    finally:
+        torch.set_num_threads(num_threads)
+
+
+@pytest.mark.parametrize("num_rows", [1, 5])
+def test_rows_other_than_the_first_calls_are_served_when_marked_unbacked(tmp_path, num_rows):
+    # The engine marks the token dimension unbacked at the first call: the saved code holds
+    # no size, so any number of rows runs it (nothing would check a size at call time).
+    toy = Toy()
+    method = PrecompiledMethod(toy, "forward", tmp_path, fallback=lambda: toy.forward)
+    first = torch.arange(8.0).reshape(2, 4)
+    torch._dynamo.decorators.mark_unbacked(first, 0)
+    assert torch.equal(method(first), toy(first))
+    other = torch.arange(4.0 * num_rows).reshape(num_rows, 4)
+    assert torch.equal(method(other), toy(other))
