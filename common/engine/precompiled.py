@@ -50,6 +50,8 @@ class PrecompiledMethod:
         self.cache_dir = cache_dir
         self.fallback = fallback
         self._compiled: Callable | None = None
+        # The first call's number of positional arguments and its keywords, which every call keeps.
+        self._form: tuple[int, tuple[str, ...]] = (0, ())
         # How this process got it: "loaded", "compiled" or "fallback" (None before the first call).
         self.source: str | None = None
 
@@ -57,6 +59,13 @@ class PrecompiledMethod:
         compiled = self._compiled
         if compiled is None:
             compiled = self._compiled = self._load_or_compile(args, kwargs)
+            self._form = (len(args), tuple(kwargs))
+        elif (len(args), tuple(kwargs)) != self._form:
+            # The saved code was traced for the first call's arguments; with no guards it would
+            # run another form (a keyword it never saw) as if it were the first.
+            raise TypeError(f"{type(self.model).__name__}.{self.method_name} was compiled for "
+                            f"{self._form[0]} positional arguments and keywords {list(self._form[1])}; "
+                            f"called with {len(args)} and {list(kwargs)}")
         return compiled(*args, **kwargs)
 
     @property

@@ -140,3 +140,13 @@ def test_rows_other_than_the_first_calls_are_served_when_marked_unbacked(tmp_pat
     assert torch.equal(method(first), toy(first))
     other = torch.arange(4.0 * num_rows).reshape(num_rows, 4)
     assert torch.equal(method(other), toy(other))
+
+
+def test_a_call_in_another_form_than_the_first_is_refused(tmp_path):
+    toy = Toy()
+    method = PrecompiledMethod(toy, "forward", tmp_path, fallback=lambda: toy.forward)
+    x = torch.arange(8.0).reshape(2, 4)
+    method(x)
+    with pytest.raises(TypeError, match=r"compiled for 1 positional arguments and keywords \[\]; called with 0 and \['x'\]"):
+        method(x=x)
+    assert torch.equal(method(x), toy(x))
