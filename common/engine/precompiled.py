@@ -13,8 +13,9 @@ says what it was compiled for instead (_artifact_key: the model's structure, con
 dtypes and packed-weight ids, the kernels chosen at trace time, the thread count, the
 CPU, torch and Python), and after loading, the source of every module the trace went
 through must be what it was then, or the method is compiled again. The calls must also
-keep the form of the first one (the same arguments, the same dtypes); every token count
-is served, as the first call marks the token dimension unbacked.
+keep the form of the first one: the same arguments (checked: their number and keywords)
+with the same dtypes (not checked); every token count is served, as the first call
+marks the token dimension unbacked.
 """
 from __future__ import annotations
 
@@ -97,9 +98,9 @@ class PrecompiledMethod:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             compiled.save_compiled_function(str(path))  # written beside, then renamed into place
-        except (OSError, RuntimeError) as exc:
-            logger.warning("cannot save the compiled %s to %s (%s): the next start compiles it again",
-                           what, path, exc)
+        except Exception as exc:  # noqa: BLE001 - a full disk or an object pickle refuses: run unsaved
+            logger.warning("cannot save the compiled %s to %s (%s: %s): the next start compiles it again",
+                           what, path, type(exc).__name__, exc)
         logger.info("compiled %s ahead of time in %.1f s (saved to %s)", what, time.perf_counter() - started, path)
         self.source = "compiled"
         return functools.partial(compiled, self.model)

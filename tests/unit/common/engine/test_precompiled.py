@@ -150,3 +150,15 @@ def test_a_call_in_another_form_than_the_first_is_refused(tmp_path):
     with pytest.raises(TypeError, match=r"compiled for 1 positional arguments and keywords \[\]; called with 0 and \['x'\]"):
         method(x=x)
     assert torch.equal(method(x), toy(x))
+
+
+def test_a_cache_directory_that_cannot_be_written_leaves_the_method_compiled_in_memory(tmp_path, caplog):
+    not_a_directory = tmp_path / "taken"
+    not_a_directory.write_text("a file where the cache directory should be")
+    toy = Toy()
+    method = PrecompiledMethod(toy, "forward", not_a_directory, fallback=lambda: toy.forward)
+    x = torch.arange(8.0).reshape(2, 4)
+    with caplog.at_level(logging.WARNING, logger="common.engine.precompiled"):
+        assert torch.equal(method(x), toy(x))
+    assert method.source == "compiled"
+    assert any("cannot save the compiled Toy.forward" in r.message for r in caplog.records)
