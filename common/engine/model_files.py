@@ -9,7 +9,6 @@ starts take seconds. Nothing is ever downloaded.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -19,6 +18,8 @@ import os
 import shutil
 import threading
 from pathlib import Path
+
+from common.engine.file_lock import exclusive_file_lock
 
 logger = logging.getLogger(__name__)
 
@@ -84,24 +85,12 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-@contextlib.contextmanager
-def _exclusive(lock_path: Path):
-    # Several services may start at once (compose, tests): one converts, the rest wait.
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
-
-
 def convert_gguf(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     cache_dir = cache_dir or default_cache_dir()
     target = cache_dir / f"{gguf_path.stem}-{_file_digest(gguf_path)}"
     if is_hf_dir(target):
         return target
-    with _exclusive(cache_dir / f".{target.name}.lock"):
+    with exclusive_file_lock(cache_dir / f".{target.name}.lock"):
         if is_hf_dir(target):
             return target
         logger.info("converting %s to %s (once; later starts reuse it)", gguf_path, target)

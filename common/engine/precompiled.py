@@ -19,6 +19,7 @@ marks the token dimension unbacked.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -31,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from common.engine.file_lock import exclusive_file_lock
 from kernels.cpu.build import cpu_flags
 from kernels.cpu_attention import cpu_attention_backend
 from kernels.cpu_linear import native_gemv_available
@@ -77,6 +79,17 @@ class PrecompiledMethod:
     def _load_or_compile(self, args: tuple, kwargs: dict) -> Callable:
         path = self.artifact_path
         what = f"{type(self.model).__name__}.{self.method_name}"
+        # Processes starting together (prefill and decode on one host) need the same file:
+        # one compiles it, the others wait and load it rather than each compiling.
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(exclusive_file_lock(path.with_suffix(".lock"), on_wait=lambda: logger.info(
+                    "waiting for another process compiling %s into %s", what, path)))
+            except OSError as exc:  # an unwritable cache directory: compile alone (and warn at saving)
+                logger.warning("cannot lock %s (%s)", path.with_suffix(".lock"), exc)
+            return self._load_or_compile_locked(path, what, args, kwargs)
+
+    def _load_or_compile_locked(self, path: Path, what: str, args: tuple, kwargs: dict) -> Callable:
         started = time.perf_counter()
         method = getattr(type(self.model), self.method_name)
         if path.exists():
@@ -96,7 +109,6 @@ class PrecompiledMethod:
             return self.fallback()
         compiled.disable_guard_check()  # there are none: see the module's docstring
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             compiled.save_compiled_function(str(path))  # written beside, then renamed into place
         except Exception as exc:  # noqa: BLE001 - a full disk or an object pickle refuses: run unsaved
             logger.warning("cannot save the compiled %s to %s (%s: %s): the next start compiles it again",

@@ -77,7 +77,7 @@ def test_a_restart_loads_the_saved_method_and_a_changed_source_compiles_it_again
     first = _run_toy(module_dir, cache_dir)
     assert first["how"] == "compiled"
     assert first["output"] == (torch.relu(x @ weight.T) * 2.0).tolist()
-    assert len(list(cache_dir.iterdir())) == 1
+    assert len(list(cache_dir.glob("*.bin"))) == 1
     again = _run_toy(module_dir, cache_dir)
     assert again["how"] == "loaded"
     assert again["output"] == first["output"]
@@ -110,7 +110,7 @@ def test_a_method_that_cannot_be_compiled_whole_falls_back_with_a_warning(tmp_pa
         assert torch.equal(method(x), toy(x))
     assert method.source == "fallback"
     assert any("cannot compile BreaksTheGraph.forward ahead of time" in r.message for r in caplog.records)
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.glob("*.bin")) == []
 
 
 def test_the_file_is_named_by_what_the_code_was_compiled_for(tmp_path):
@@ -162,3 +162,19 @@ def test_a_cache_directory_that_cannot_be_written_leaves_the_method_compiled_in_
         assert torch.equal(method(x), toy(x))
     assert method.source == "compiled"
     assert any("cannot save the compiled Toy.forward" in r.message for r in caplog.records)
+
+
+def test_processes_starting_together_compile_once_and_the_others_load(tmp_path):
+    module_dir, cache_dir = tmp_path / "src", tmp_path / "cache"
+    module_dir.mkdir()
+    (module_dir / "toy_model.py").write_text(_TOY_MODULE.format(scale=2.0))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(module_dir), str(REPO_ROOT)]))
+    processes = [subprocess.Popen([sys.executable, "-c", _RUN_SCRIPT, str(cache_dir)], env=env, cwd=REPO_ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = []
+    for process in processes:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(r["how"] for r in results) == ["compiled", "loaded"]
+    assert results[0]["output"] == results[1]["output"]
