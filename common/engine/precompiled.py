@@ -15,7 +15,9 @@ CPU, torch and Python), and after loading, the source of every module the trace 
 through must be what it was then, or the method is compiled again. The calls must also
 keep the form of the first one: the same arguments (checked: their number and keywords)
 with the same dtypes (not checked); every token count is served, as the first call
-marks the token dimension unbacked.
+marks the token dimension unbacked, and every other size of an argument is a symbol of
+its own (a KV pool of another size or block size loads the same file). A size the trace
+did fix is checked by inductor's code against each call's inputs, which fails loudly.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 from common.engine.file_lock import exclusive_file_lock
 from kernels.cpu.build import cpu_flags
@@ -99,9 +102,13 @@ class PrecompiledMethod:
                 self.source = "loaded"
                 return functools.partial(loaded, self.model)
         try:
-            compiled = torch.compile(method, dynamic=True, fullgraph=True,
-                                     options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
-                                     ).aot_compile(((self.model, *args), kwargs))
+            # Every dimension its own symbol: with duck shapes, two sizes equal at the first
+            # call (a block size and a head dim both 16) become one, and a restart with
+            # another block size would fail the code's size check.
+            with fx_config.patch(use_duck_shape=False):
+                compiled = torch.compile(method, dynamic=True, fullgraph=True,
+                                         options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+                                         ).aot_compile(((self.model, *args), kwargs))
         except Exception as exc:  # noqa: BLE001 - any failure leaves the usual compile, which works
             logger.warning("cannot compile %s ahead of time (%s: %s); it is compiled at each start instead",
                            what, type(exc).__name__, exc)

@@ -137,21 +137,28 @@ def test_compiled_code_goes_to_the_pdserve_cache_unless_told_otherwise(tmp_path)
     assert done.stdout.strip() == str(tmp_path / "mine")
 
 
-# Builds the same compiled engine in a fresh process and prints where its compiled methods
-# came from and what dynamo and inductor did.
+# Builds the same compiled engine in a fresh process (KV pool size and block size as given),
+# and prints where its compiled methods came from, what dynamo and inductor did, and its
+# greedy tokens for the prompts given as JSON.
 _RESTART_SCRIPT = """
 import json, sys
 from torch._dynamo.utils import counters
 from common.engine.llm import LLM
-llm = LLM(sys.argv[1], dtype="float32", max_num_batched_tokens=64, kv_cache_memory="64MiB")
+from common.engine.sampling_params import SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", max_num_batched_tokens=64, kv_cache_memory=sys.argv[2],
+          block_size=int(sys.argv[3]))
 runner = llm.engine.executor.runner
-print(json.dumps({"forward": runner.forward.source, "compute_logits": runner.compute_logits.source,
+sources = {"forward": runner.forward.source, "compute_logits": runner.compute_logits.source}
+outputs = llm.generate(json.loads(sys.argv[4]), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+print(json.dumps({**sources, "token_ids": [o.outputs[0].token_ids for o in outputs],
                   **{k: dict(counters[k]) for k in ("inductor", "stats")}}))
 """
 
 
-def test_a_restart_loads_the_compiled_methods_without_tracing(engines):
-    compiled, _ = engines
+# The saved code holds no size of the KV pool: another pool and block size load it too.
+@pytest.mark.parametrize("kv_cache_memory,block_size", [("64MiB", 16), ("24MiB", 32)])
+def test_a_restart_loads_the_compiled_methods_without_tracing(engines, kv_cache_memory, block_size):
+    compiled, eager = engines
     runner = compiled.engine.executor.runner
     assert (runner.forward.source, runner.compute_logits.source) in {("compiled", "compiled"), ("loaded", "loaded")}
     # The graphs name packed weights by table slot: a restart matches the saved file only if
@@ -162,7 +169,9 @@ def test_a_restart_loads_the_compiled_methods_without_tracing(engines):
     # Inductor's CPU code is generated for the thread count, which is part of the file's key
     # (an earlier test of this process may have changed it).
     env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
-    done = subprocess.run([sys.executable, "-c", _RESTART_SCRIPT, str(compiled.model_dir)], env=env,
+    prompts = _prompts([9, 70])
+    done = subprocess.run([sys.executable, "-c", _RESTART_SCRIPT, str(compiled.model_dir), kv_cache_memory,
+                           str(block_size), json.dumps(prompts)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     warm = json.loads(done.stdout.strip().splitlines()[-1])
@@ -170,3 +179,5 @@ def test_a_restart_loads_the_compiled_methods_without_tracing(engines):
     # Nothing traced, nothing compiled.
     assert warm["stats"].get("unique_graphs", 0) == 0
     assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0
+    want = eager.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert warm["token_ids"] == [o.outputs[0].token_ids for o in want]
