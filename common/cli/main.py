@@ -60,6 +60,7 @@ DELEGATED_BENCH = {
     "bounds": ("bench.bounds", "what a request at the documented bounds costs a normal request beside it"),
     "overload": ("bench.overload", "offered load past capacity: completed, refused (429) and failed, latency"),
     "pipeline": ("bench.pipeline", "pipeline parallelism: one batch per stage in flight vs one at a time vs one rank"),
+    "startup": ("bench.startup", "start-up to the first token, cold and with the caches: offline and a local stack"),
     "placement-sim": ("bench.placement_sim",
                       "placement policies in simulation: prefix-cache hit rates against an oracle"),
 }
