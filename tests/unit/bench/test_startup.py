@@ -22,3 +22,9 @@ def test_a_start_that_fails_is_an_error_with_its_output():
 def test_a_start_is_timed_from_launch_to_exit():
     seconds = startup.timed_run([sys.executable, "-c", "import time; time.sleep(0.3)"], env={}, timeout_s=60)
     assert 0.3 <= seconds < 30
+
+
+def test_a_command_that_times_itself_is_taken_at_its_word():
+    seconds = startup.timed_run([sys.executable, "-c", "print('warming up'); print(1.25)"], env={}, timeout_s=60,
+                                reports_own_time=True)
+    assert seconds == 1.25

@@ -65,7 +65,10 @@ def test_compiled_and_eager_agree_on_prefill_decode_and_mixed_steps(engines):
 
 def test_no_recompiles_after_warm_up_over_many_batch_sizes(engines):
     compiled, _ = engines
-    assert compiled.engine.executor.runner.forward is not compiled.engine.executor.runner.model
+    runner = compiled.engine.executor.runner
+    # On CPU the methods were compiled ahead of time (not the per-start fallback): one
+    # piece of code whatever the number of tokens, which dynamo never sees again.
+    assert (runner.forward.source, runner.compute_logits.source) in {("compiled", "compiled"), ("loaded", "loaded")}
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     for num_prompts in (1, 2, 3, 5, 8, 13):
         compiled.generate(_prompts([1 + 11 * i for i in range(num_prompts)]), params)
