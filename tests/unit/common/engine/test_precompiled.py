@@ -60,30 +60,36 @@ class BreaksTheGraph(Toy):
         return y + 1
 
 
-def _run_toy(module_dir: Path, cache_dir: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(module_dir), str(REPO_ROOT)]))
-    done = subprocess.run([sys.executable, "-c", _RUN_SCRIPT, str(cache_dir)], env=env, cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def _run_toys(module_dir: Path, cache_dir: Path, num_processes: int) -> list[dict]:
+    """What num_processes fresh processes, started together, report (as restarts would)."""
+    # No bytecode cache: an edited toy module must be compiled from its new source.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(module_dir), str(REPO_ROOT)]), PYTHONDONTWRITEBYTECODE="1")
+    processes = [subprocess.Popen([sys.executable, "-c", _RUN_SCRIPT, str(cache_dir)], env=env, cwd=REPO_ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(num_processes)]
+    results = []
+    for process in processes:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
 
 
-def test_a_restart_loads_the_saved_method_and_a_changed_source_compiles_it_again(tmp_path):
+def test_processes_compile_once_load_the_file_and_compile_again_after_a_source_change(tmp_path):
     module_dir, cache_dir = tmp_path / "src", tmp_path / "cache"
     module_dir.mkdir()
     (module_dir / "toy_model.py").write_text(_TOY_MODULE.format(scale=2.0))
     x = torch.arange(8.0).reshape(2, 4)
     weight = torch.arange(12.0).reshape(3, 4) - 5
-    first = _run_toy(module_dir, cache_dir)
-    assert first["how"] == "compiled"
-    assert first["output"] == (torch.relu(x @ weight.T) * 2.0).tolist()
+    # Started together: one compiles and saves, the other waits for it (the lock) and loads.
+    together = _run_toys(module_dir, cache_dir, 2)
+    assert sorted(r["how"] for r in together) == ["compiled", "loaded"]
+    for result in together:
+        assert result["output"] == (torch.relu(x @ weight.T) * 2.0).tolist()
     assert len(list(cache_dir.glob("*.bin"))) == 1
-    again = _run_toy(module_dir, cache_dir)
-    assert again["how"] == "loaded"
-    assert again["output"] == first["output"]
     # The constant was traced into the saved code: a new value must not be served the old one.
     (module_dir / "toy_model.py").write_text(_TOY_MODULE.format(scale=3.0))
-    changed = _run_toy(module_dir, cache_dir)
+    [changed] = _run_toys(module_dir, cache_dir, 1)
     assert changed["how"] == "compiled"
     assert changed["output"] == (torch.relu(x @ weight.T) * 3.0).tolist()
 
@@ -163,18 +169,3 @@ def test_a_cache_directory_that_cannot_be_written_leaves_the_method_compiled_in_
     assert method.source == "compiled"
     assert any("cannot save the compiled Toy.forward" in r.message for r in caplog.records)
 
-
-def test_processes_starting_together_compile_once_and_the_others_load(tmp_path):
-    module_dir, cache_dir = tmp_path / "src", tmp_path / "cache"
-    module_dir.mkdir()
-    (module_dir / "toy_model.py").write_text(_TOY_MODULE.format(scale=2.0))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(module_dir), str(REPO_ROOT)]))
-    processes = [subprocess.Popen([sys.executable, "-c", _RUN_SCRIPT, str(cache_dir)], env=env, cwd=REPO_ROOT,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    results = []
-    for process in processes:
-        out, err = process.communicate(timeout=300)
-        assert process.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    assert sorted(r["how"] for r in results) == ["compiled", "loaded"]
-    assert results[0]["output"] == results[1]["output"]
