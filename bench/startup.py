@@ -49,8 +49,8 @@ def timed_run(argv: list[str], env: dict[str, str], timeout_s: float, reports_ow
     return time.perf_counter() - started
 
 
-def run_arm(name: str, argv: list[str], repeats: int, cold_kernels: bool, timeout_s: float) -> dict:
-    reports_own_time = name == "stack"
+def run_arm(name: str, argv: list[str], reports_own_time: bool, repeats: int, cold_kernels: bool,
+            timeout_s: float) -> dict:
     cold, cached = [], []
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as compile_cache, tempfile.TemporaryDirectory() as kernel_cache:
@@ -73,9 +73,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="cold runs also build the native CPU kernels (an empty PDSERVE_KERNEL_CACHE)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one start may take")
     args = parser.parse_args(argv)
+    # Per arm: its command, and whether it prints its own time (see timed_run).
     commands = {
-        "offline": [sys.executable, "-m", "common.cli.main", "generate-offline", "Hello", "--max-tokens", "4"],
-        "stack": [sys.executable, "-c", _STACK_SCRIPT],
+        "offline": ([sys.executable, "-m", "common.cli.main", "generate-offline", "Hello", "--max-tokens", "4"],
+                    False),
+        "stack": ([sys.executable, "-c", _STACK_SCRIPT], True),
     }
     arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
     unknown = sorted(set(arms) - set(commands))
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown arm(s) {unknown}: offline, stack")
     result = {"when": now_iso(), "machine": machine_info(num_threads=os.cpu_count() or 1).model_dump(),
               "versions": versions().model_dump(), "cold_kernels": args.cold_kernels,
-              "arms": {arm: run_arm(arm, commands[arm], args.repeats, args.cold_kernels, args.timeout)
+              "arms": {arm: run_arm(arm, *commands[arm], args.repeats, args.cold_kernels, args.timeout)
                        for arm in arms}}
     text = json.dumps(result, indent=2)
     if args.out:

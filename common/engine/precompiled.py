@@ -69,27 +69,31 @@ class PrecompiledMethod:
         elif (len(args), tuple(kwargs)) != self._form:
             # The saved code was traced for the first call's arguments; with no guards it would
             # run another form (a keyword it never saw) as if it were the first.
-            raise TypeError(f"{type(self.model).__name__}.{self.method_name} was compiled for "
+            raise TypeError(f"{self.name} was compiled for "
                             f"{self._form[0]} positional arguments and keywords {list(self._form[1])}; "
                             f"called with {len(args)} and {list(kwargs)}")
         return compiled(*args, **kwargs)
 
     @property
+    def name(self) -> str:
+        return f"{type(self.model).__name__}.{self.method_name}"
+
+    @property
     def artifact_path(self) -> Path:
-        key = _artifact_key(self.model, self.method_name)
-        return self.cache_dir / f"{type(self.model).__name__}.{self.method_name}-{key}.bin"
+        return self.cache_dir / f"{self.name}-{_artifact_key(self.model, self.method_name)}.bin"
 
     def _load_or_compile(self, args: tuple, kwargs: dict) -> Callable:
         path = self.artifact_path
-        what = f"{type(self.model).__name__}.{self.method_name}"
+        what = self.name
+        lock_path = path.with_suffix(".lock")
         # Processes starting together (prefill and decode on one host) need the same file:
         # one compiles it, the others wait and load it rather than each compiling.
         with contextlib.ExitStack() as stack:
             try:
-                stack.enter_context(exclusive_file_lock(path.with_suffix(".lock"), on_wait=lambda: logger.info(
+                stack.enter_context(exclusive_file_lock(lock_path, on_wait=lambda: logger.info(
                     "waiting for another process compiling %s into %s", what, path)))
             except OSError as exc:  # an unwritable cache directory: compile alone (and warn at saving)
-                logger.warning("cannot lock %s (%s)", path.with_suffix(".lock"), exc)
+                logger.warning("cannot lock %s (%s)", lock_path, exc)
             return self._load_or_compile_locked(path, what, args, kwargs)
 
     def _load_or_compile_locked(self, path: Path, what: str, args: tuple, kwargs: dict) -> Callable:

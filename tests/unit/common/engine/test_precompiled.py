@@ -94,28 +94,31 @@ def test_processes_compile_once_load_the_file_and_compile_again_after_a_source_c
     assert changed["output"] == (torch.relu(x @ weight.T) * 3.0).tolist()
 
 
-def test_an_unreadable_file_is_compiled_again_and_replaced(tmp_path, caplog):
-    toy = Toy()
-    method = PrecompiledMethod(toy, "forward", tmp_path, fallback=lambda: toy.forward)
-    method.artifact_path.write_bytes(b"not a compiled function")
+def _first_call(model: Toy, cache_dir: Path, caplog) -> tuple[PrecompiledMethod, list[str]]:
+    """A PrecompiledMethod of model's forward after one call (checked against eager), and the
+    warnings that call logged."""
+    method = PrecompiledMethod(model, "forward", cache_dir, fallback=lambda: model.forward)
     x = torch.arange(8.0).reshape(2, 4)
     with caplog.at_level(logging.WARNING, logger="common.engine.precompiled"):
-        assert torch.equal(method(x), toy(x))
+        assert torch.equal(method(x), model(x))
+    return method, [r.message for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_an_unreadable_file_is_compiled_again_and_replaced(tmp_path, caplog):
+    toy = Toy()
+    PrecompiledMethod(toy, "forward", tmp_path, fallback=lambda: toy.forward).artifact_path.write_bytes(
+        b"not a compiled function")
+    method, warnings = _first_call(toy, tmp_path, caplog)
     assert method.source == "compiled"
-    assert any("cannot load the compiled Toy.forward" in r.message for r in caplog.records)
-    reloaded = PrecompiledMethod(toy, "forward", tmp_path, fallback=lambda: toy.forward)
-    assert torch.equal(reloaded(x), toy(x))
+    assert any("cannot load the compiled Toy.forward" in m for m in warnings)
+    reloaded, _ = _first_call(toy, tmp_path, caplog)
     assert reloaded.source == "loaded"
 
 
 def test_a_method_that_cannot_be_compiled_whole_falls_back_with_a_warning(tmp_path, caplog):
-    toy = BreaksTheGraph()
-    method = PrecompiledMethod(toy, "forward", tmp_path, fallback=lambda: toy.forward)
-    x = torch.arange(8.0).reshape(2, 4)
-    with caplog.at_level(logging.WARNING, logger="common.engine.precompiled"):
-        assert torch.equal(method(x), toy(x))
+    method, warnings = _first_call(BreaksTheGraph(), tmp_path, caplog)
     assert method.source == "fallback"
-    assert any("cannot compile BreaksTheGraph.forward ahead of time" in r.message for r in caplog.records)
+    assert any("cannot compile BreaksTheGraph.forward ahead of time" in m for m in warnings)
     assert list(tmp_path.glob("*.bin")) == []
 
 
@@ -161,11 +164,7 @@ def test_a_call_in_another_form_than_the_first_is_refused(tmp_path):
 def test_a_cache_directory_that_cannot_be_written_leaves_the_method_compiled_in_memory(tmp_path, caplog):
     not_a_directory = tmp_path / "taken"
     not_a_directory.write_text("a file where the cache directory should be")
-    toy = Toy()
-    method = PrecompiledMethod(toy, "forward", not_a_directory, fallback=lambda: toy.forward)
-    x = torch.arange(8.0).reshape(2, 4)
-    with caplog.at_level(logging.WARNING, logger="common.engine.precompiled"):
-        assert torch.equal(method(x), toy(x))
+    method, warnings = _first_call(Toy(), not_a_directory, caplog)
     assert method.source == "compiled"
-    assert any("cannot save the compiled Toy.forward" in r.message for r in caplog.records)
+    assert any("cannot save the compiled Toy.forward" in m for m in warnings)
 
