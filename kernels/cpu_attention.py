@@ -94,7 +94,7 @@ def layer_attention(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     scale: float,
-    layer_idx: int,
+    layer_idx: torch.Tensor,  # [] int64 on the CPU: an input of a compiled layer, not a constant
     sliding_window: int | None,
     logit_softcap: float | None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]

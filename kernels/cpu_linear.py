@@ -113,11 +113,13 @@ def release_prepacked_linear(weight_id: int) -> None:
 def prepacked_linear(
     x: torch.Tensor,  # [num_tokens, in_features]
     bias: torch.Tensor | None,  # [out_features]
-    weight_id: int,
+    weight_id: torch.Tensor,  # [] int64 on the CPU: the id register_prepacked_linear was given
     out_features: int,
 ) -> torch.Tensor:  # [num_tokens, out_features]
     """x W^T + b for a registered weight, in one native op: a GEMV for 1 to GEMV_MAX_ROWS rows
-    where the weight has Q8_0 blocks or its row-major copy, else oneDNN on the packed weight."""
+    where the weight has Q8_0 blocks or its row-major copy, else oneDNN on the packed weight.
+    The id is a tensor so that a compiled decoder layer takes it as an input and one
+    compiled layer serves them all."""
     return torch.ops.pdserve_gemv.prepacked_linear.default(x, bias, weight_id, out_features)
 
 

@@ -18,6 +18,9 @@ with the same dtypes (not checked); every token count is served, as the first ca
 marks the token dimension unbacked, and every other size of an argument is a symbol of
 its own (a KV pool of another size or block size loads the same file). A size the trace
 did fix is checked by inductor's code against each call's inputs, which fails loudly.
+The model's own tensors (weights) keep static sizes: those are in the file's key, and
+dynamo's reuse of one compiled decoder layer for all (CausalLM.compile_layer_once)
+fails where they are symbols.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx.experimental._config as fx_config
+import torch.utils._pytree as pytree
 
 from common.engine.file_lock import exclusive_file_lock
 from kernels.cpu.build import cpu_flags
@@ -109,8 +113,9 @@ class PrecompiledMethod:
             # Every dimension its own symbol: with duck shapes, two sizes equal at the first
             # call (a block size and a head dim both 16) become one, and a restart with
             # another block size would fail the code's size check.
+            _mark_argument_sizes_dynamic(args, kwargs)
             with fx_config.patch(use_duck_shape=False):
-                compiled = torch.compile(method, dynamic=True, fullgraph=True,
+                compiled = torch.compile(method, dynamic=None, fullgraph=True,
                                          options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
                                          ).aot_compile(((self.model, *args), kwargs))
         except Exception as exc:  # noqa: BLE001 - any failure leaves the usual compile, which works
@@ -127,6 +132,16 @@ class PrecompiledMethod:
         logger.info("compiled %s ahead of time in %.1f s (saved to %s)", what, time.perf_counter() - started, path)
         self.source = "compiled"
         return functools.partial(compiled, self.model)
+
+
+def _mark_argument_sizes_dynamic(args: tuple, kwargs: dict) -> None:
+    """Every size of every tensor argument a symbol, except those already marked unbacked."""
+    for value in pytree.tree_leaves((args, kwargs)):
+        if isinstance(value, torch.Tensor):
+            unbacked = getattr(value, "_dynamo_unbacked_indices", set())
+            dims = [dim for dim in range(value.dim()) if dim not in unbacked]
+            if dims:
+                torch._dynamo.maybe_mark_dynamic(value, dims)
 
 
 def _load(path: Path, what: str, method_globals: dict[str, Any]) -> Callable | None:

@@ -504,8 +504,14 @@ void release_linear(int64_t weight_id) {
   if (weight_id >= 0 && weight_id < static_cast<int64_t>(linears.size())) linears[weight_id].reset();
 }
 
-at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t weight_id,
-                            int64_t out_features) {
+// weight_id: a 0-d int64 CPU tensor, so that one compiled decoder layer serves every layer
+// (each passes its own ids as inputs; an int would be a constant of the compiled code).
+at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                            const at::Tensor& weight_id_tensor, int64_t out_features) {
+  TORCH_CHECK(weight_id_tensor.dim() == 0 && weight_id_tensor.scalar_type() == at::kLong &&
+                  weight_id_tensor.is_cpu(),
+              "prepacked_linear: weight_id must be a 0-d int64 CPU tensor");
+  const int64_t weight_id = *weight_id_tensor.const_data_ptr<int64_t>();
   PrepackedLinear linear;
   {
     std::lock_guard<std::mutex> lock(linears_mutex);
@@ -557,7 +563,7 @@ TORCH_LIBRARY(pdserve_gemv, m) {
   m.def("register_linear(int weight_id, Tensor packed, Tensor? row_major, Tensor? q8_0_blocks=None) -> ()",
         &register_linear);
   m.def("release_linear(int weight_id) -> ()", &release_linear);
-  m.def("prepacked_linear(Tensor x, Tensor? bias, int weight_id, int out_features) -> Tensor");
+  m.def("prepacked_linear(Tensor x, Tensor? bias, Tensor weight_id, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_gemv, CPU, m) {

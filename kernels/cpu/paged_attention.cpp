@@ -482,8 +482,10 @@ bool has_step() { return current_step.has_value(); }
 // contiguous caches, the fused write-and-attend kernel straight from C++; otherwise the
 // Python op pdserve::paged_attention (common/engine/models/attention.py), which reads the
 // step from the forward context. In C++ the common case saves that op's ~35 us per layer.
+// layer_idx is a 0-d tensor (only the Python op reads it, for the KV connector's per-layer
+// hook) so that one compiled decoder layer serves every layer.
 at::Tensor layer_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, double scale, int64_t layer_idx,
+                           const at::Tensor& v_cache, double scale, const at::Tensor& layer_idx,
                            std::optional<int64_t> sliding_window, std::optional<double> logit_softcap) {
   if (current_step.has_value() && k_cache.is_contiguous() && v_cache.is_contiguous()) {
     TORCH_CHECK_VALUE(!sliding_window.has_value() || *sliding_window >= 1,
@@ -499,7 +501,8 @@ at::Tensor layer_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("pdserve::paged_attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, double, int64_t, std::optional<int64_t>, std::optional<double>)>();
+                            const at::Tensor&, double, const at::Tensor&, std::optional<int64_t>,
+                            std::optional<double>)>();
   return python_op.call(q, k, v, k_cache, v_cache, scale, layer_idx, sliding_window, logit_softcap);
 }
 
@@ -515,7 +518,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
         &set_step);
   m.def("has_step() -> bool", &has_step);
   m.def("layer_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, float scale, "
-        "int layer_idx, int? sliding_window, float? logit_softcap) -> Tensor");
+        "Tensor layer_idx, int? sliding_window, float? logit_softcap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {

@@ -41,7 +41,7 @@ class AttentionMetadata:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                    scale: float, layer_idx: int, sliding_window: int | None = None,
+                    scale: float, layer_idx: torch.Tensor, sliding_window: int | None = None,
                     logit_softcap: float | None = None) -> torch.Tensor:
     """q [num_tokens, num_q_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim]
     -> [num_tokens, num_q_heads, head_dim].
@@ -49,6 +49,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sliding_window: a query at position p sees keys (p - sliding_window, p] only; the
     cache still holds every position, so the window changes the math, not the memory.
     logit_softcap: scores become tanh(scores / cap) * cap before the softmax.
+    layer_idx: [] int64 on the CPU, an input of a compiled graph rather than a constant of
+    it, so that one compiled decoder layer serves every layer (CausalLM.forward).
 
     Inside torch.compile this is one opaque custom op, the graph's split point: the
     compiler fuses what lies between attentions and never sees the metadata, which
@@ -73,11 +75,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 # low-level API: a `custom_op` wrapper adds ~20 us per call, once per layer per step.
 _LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
 _LIBRARY.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, float scale, "
-                "int layer_idx, int? sliding_window, float? logit_softcap) -> Tensor")
+                "Tensor layer_idx, int? sliding_window, float? logit_softcap) -> Tensor")
 
 
 def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, scale: float, layer_idx: int, sliding_window: int | None,
+                        v_cache: torch.Tensor, scale: float, layer_idx: torch.Tensor, sliding_window: int | None,
                         logit_softcap: float | None) -> torch.Tensor:
     return _paged_attention(q, k, v, (k_cache, v_cache), current_attention_metadata(), scale, layer_idx,
                             sliding_window, logit_softcap)
@@ -93,7 +95,7 @@ torch.library.register_fake("pdserve::paged_attention", _paged_attention_fake, l
 
 def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                     scale: float, layer_idx: int, sliding_window: int | None,
+                     scale: float, layer_idx: torch.Tensor, sliding_window: int | None,
                      logit_softcap: float | None) -> torch.Tensor:
     k_cache, v_cache = kv_cache
     if meta.query_start_loc is not None and meta.kv_layer_hook is None:
@@ -103,7 +105,7 @@ def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             return out
     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.kv_layer_hook is not None:
-        meta.kv_layer_hook(layer_idx)
+        meta.kv_layer_hook(int(layer_idx))
     num_decodes = meta.num_decode_tokens
     outs = []
     if num_decodes:

@@ -27,6 +27,16 @@ LLAMA_PACKED_WEIGHTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v
                         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
+@torch.compiler.nested_compile_region
+def _compiled_once(layer: nn.Module, x: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor],
+                   kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """One decoder layer, which torch.compile compiles once and calls for every layer: the
+    layers differ only in tensors (weights, caches, the ids the native ops take), which the
+    compiled layer takes as inputs. No metadata: compiled attention reads the step from the
+    forward context (models.attention)."""
+    return layer(x, rope_cos_sin, kv_cache, None)
+
+
 def build_rope(cfg: ModelConfig) -> RotaryEmbedding:
     return RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                            cfg.rope_scaling)
@@ -60,6 +70,9 @@ class CausalLM(nn.Module):
         # [vocab_size, hidden_size // 32 * 34] uint8: the head as a GGUF stores it in Q8_0, for
         # decode steps of the packed head (left by quantization gguf); None: the dense weight.
         self.head_q8_0_blocks: torch.Tensor | None = None
+        # Whether torch.compile compiles one decoder layer for all (set by the compiled path
+        # where it traces with static shapes: dynamo's layer reuse fails with all dims dynamic).
+        self.compile_layer_once = False
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -76,8 +89,12 @@ class CausalLM(nn.Module):
         None: all of them. hidden_states: the previous stage's output (not the first stage)."""
         x = self.embed(input_ids) if hidden_states is None else hidden_states
         rope_cos_sin = self.rope.cos_sin(positions, x.dtype)
+        compile_layer_once = self.compile_layer_once and torch.compiler.is_compiling()
         for layer, kv_cache in zip(self.layers[:num_layers], kv_caches[:num_layers]):
-            x = layer(x, rope_cos_sin, kv_cache, meta)
+            if compile_layer_once:
+                x = _compiled_once(layer, x, rope_cos_sin, kv_cache)
+            else:
+                x = layer(x, rope_cos_sin, kv_cache, meta)
         return x if self.norm is None else self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

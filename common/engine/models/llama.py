@@ -20,6 +20,9 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        # What attention takes: a plain attribute, not a buffer, so it stays on the CPU
+        # (also when the model is built on the meta device and moved).
+        self.layer_idx_tensor = torch.tensor(layer_idx, device="cpu")  # [] int64
         self.head_dim = cfg.head_dim
         # q, k and v in one matmul: one weight read instead of three. Under tensor
         # parallelism it holds this rank's heads, and o_proj sums the ranks' outputs.
@@ -45,7 +48,7 @@ class LlamaAttention(nn.Module):
         qk = apply_rope(self.normalize_qk(qkv[:, :self.num_heads + self.num_kv_heads]), *rope_cos_sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads:]
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.layer_idx,
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.layer_idx_tensor,
                               sliding_window=self.sliding_window, logit_softcap=self.logit_softcap)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

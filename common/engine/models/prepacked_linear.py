@@ -9,10 +9,12 @@ weights (the cache then serves a restart), and the model's own eager calls (an
 early-exit draft runs part of it) get the packed linears as well.
 
 The packed tensors are opaque (mkldnn layout): dynamo cannot fake them, so a compiled
-graph reaches them through the custom op `pdserve::prepacked_linear(x, bias, weight_id)`,
-where weight_id indexes this process's table. The op is defined with torch.library's
-low-level API, which dispatches in ~1.5 us; a `custom_op` wrapper costs ~20 us, and a
-model step makes 4 linear calls per layer.
+graph reaches them through the custom op `pdserve::prepacked_linear(x, bias, weight_id,
+out_features)`, where weight_id indexes this process's table. The id is a 0-d tensor, not
+an int: the compiled graph takes it as an input, so one compiled decoder layer serves
+every layer (an int would be a constant of the code, different in each layer). The op is
+defined with torch.library's low-level API, which dispatches in ~1.5 us; a `custom_op`
+wrapper costs ~20 us, and a model step makes 4 linear calls per layer.
 
 Decode steps of up to four tokens take a native GEMV over the plain row-major weight
 instead, where the CPU has AVX2 and FMA (kernels/cpu_linear.py): it reads the weight as
@@ -47,7 +49,7 @@ from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
 _PACKED_WEIGHTS: list[tuple[weakref.ref, int, weakref.ref | None] | None] = []
 
 _LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
-_LIBRARY.define("prepacked_linear(Tensor x, Tensor? bias, int weight_id) -> Tensor")
+_LIBRARY.define("prepacked_linear(Tensor x, Tensor? bias, Tensor weight_id, int out_features) -> Tensor")
 
 
 def _register(packed: torch.Tensor, out_features: int, row_major: torch.Tensor | None) -> int:
@@ -60,16 +62,21 @@ def _register(packed: torch.Tensor, out_features: int, row_major: torch.Tensor |
     return len(_PACKED_WEIGHTS) - 1
 
 
-def _prepacked_linear_cpu(x: torch.Tensor, bias: torch.Tensor | None, weight_id: int) -> torch.Tensor:
-    packed, _, row_major = _PACKED_WEIGHTS[weight_id]
+def _prepacked_linear_cpu(x: torch.Tensor, bias: torch.Tensor | None, weight_id: torch.Tensor,
+                          out_features: int) -> torch.Tensor:
+    packed, table_out_features, row_major = _PACKED_WEIGHTS[int(weight_id)]
+    if out_features != table_out_features:
+        raise ValueError(f"prepacked_linear: linear {int(weight_id)} has {table_out_features} outputs, "
+                         f"the caller expects {out_features}")
     # x [num_tokens, in_features] -> [num_tokens, out_features]
     if row_major is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(x, bias, row_major())
     return torch.ops.mkldnn._linear_pointwise.default(x.contiguous(), packed(), bias, "none", [-1], "")
 
 
-def _prepacked_linear_fake(x: torch.Tensor, bias: torch.Tensor | None, weight_id: int) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], _PACKED_WEIGHTS[weight_id][1]))
+def _prepacked_linear_fake(x: torch.Tensor, bias: torch.Tensor | None, weight_id: torch.Tensor,
+                           out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 _LIBRARY.impl("prepacked_linear", _prepacked_linear_cpu, "CPU")
@@ -111,6 +118,8 @@ class PrepackedLinear(nn.Module):
         self._row_major = (weight.detach().clone(memory_format=torch.contiguous_format)
                            if self._q8_0_blocks is None and gemv_applies(weight) else None)
         self.weight_id = _register(self._packed, self.out_features, self._row_major)
+        # A plain attribute, not a buffer: it stays on the CPU, where the ops read it.
+        self.weight_id_tensor = torch.tensor(self.weight_id, device="cpu")  # [] int64
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         if self._native:
             register_prepacked_linear(self.weight_id, self._packed, self._row_major, self._q8_0_blocks)
@@ -118,8 +127,8 @@ class PrepackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._native:
-            return native_prepacked_linear(x, self.bias, self.weight_id, self.out_features)
-        return torch.ops.pdserve.prepacked_linear(x, self.bias, self.weight_id)
+            return native_prepacked_linear(x, self.bias, self.weight_id_tensor, self.out_features)
+        return torch.ops.pdserve.prepacked_linear(x, self.bias, self.weight_id_tensor, self.out_features)
 
     def extra_repr(self) -> str:
         decode = "q8_0 gemv" if self._q8_0_blocks is not None else "gemv" if self._row_major is not None else "onednn"

@@ -107,15 +107,19 @@ def test_the_native_linear_op_equals_the_python_op_and_goes_with_its_module(num_
     layer = PrepackedLinear(torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype))
     assert layer._native  # where the library is loaded, the linears take its op
     x = torch.randn(num_tokens, 64, dtype=dtype)
-    got = native_prepacked_linear(x, layer.bias, layer.weight_id, 96)
-    assert torch.equal(got, torch.ops.pdserve.prepacked_linear(x, layer.bias, layer.weight_id))
+    weight_id = layer.weight_id_tensor  # [] int64, as a compiled graph passes it
+    got = native_prepacked_linear(x, layer.bias, weight_id, 96)
+    assert torch.equal(got, torch.ops.pdserve.prepacked_linear(x, layer.bias, weight_id, 96))
     assert torch.equal(layer(x), got)
     with pytest.raises(RuntimeError, match="expects 95"):
-        native_prepacked_linear(x, layer.bias, layer.weight_id, 95)
-    weight_id = layer.weight_id
+        native_prepacked_linear(x, layer.bias, weight_id, 95)
+    with pytest.raises(ValueError, match="expects 95"):
+        torch.ops.pdserve.prepacked_linear(x, layer.bias, weight_id, 95)
+    with pytest.raises(RuntimeError, match="0-d int64 CPU tensor"):
+        native_prepacked_linear(x, layer.bias, weight_id.int(), 96)
     del layer
     gc.collect()
-    with pytest.raises(RuntimeError, match=f"no linear is registered as {weight_id}"):
+    with pytest.raises(RuntimeError, match=f"no linear is registered as {int(weight_id)}"):
         native_prepacked_linear(x, None, weight_id, 96)
 
 

@@ -10,12 +10,14 @@ import sys
 
 import pytest
 import torch
+from torch._dynamo.utils import compilation_time_metrics
 
 from common.engine import compilation
 from common.engine.compilation import num_compiled_graphs
 from common.engine.llm import LLM
 from common.engine.models.prepacked_linear import PrepackedLinear
 from common.engine.sampling_params import SamplingParams
+from tests.unit.common.engine.models.family_parity import save_tiny_model
 
 # Compiled and eager differ only in summation order (fused kernels): fp32 logprobs agree
 # to this, and greedy tokens exactly on these prompts.
@@ -32,8 +34,10 @@ def engines(tiny_model_factory, tmp_path_factory):
     # A small token budget makes long prompts chunk: steps mix prefill chunks and decodes.
     options = dict(dtype="float32", max_num_batched_tokens=64, kv_cache_memory="64MiB")
     gc.collect()  # packed weights of earlier tests' models free their table slots
+    layers_before = _layer_compile_counts()
     compiled = LLM(str(model_dir), **options)
     compiled.graphs_after_warm_up = num_compiled_graphs()
+    compiled.layer_compile_counts = [after - before for after, before in zip(_layer_compile_counts(), layers_before)]
     compiled.cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     compiled.model_dir = model_dir
     eager = LLM(str(model_dir), enforce_eager=True, **options)
@@ -41,6 +45,13 @@ def engines(tiny_model_factory, tmp_path_factory):
     yield compiled, eager
     compiled.engine.shutdown()
     eager.engine.shutdown()
+
+
+def _layer_compile_counts() -> list[int]:
+    """How many times dynamo has traced a nested compile region (a decoder layer) and how
+    many times it has reused one traced before, in this process."""
+    metrics = compilation_time_metrics
+    return [len(metrics.get("invoke_subgraph_trace", ())), len(metrics.get("invoke_subgraph_reuse_stamp_out", ()))]
 
 
 def _prompts(lengths: list[int]) -> list[dict]:
@@ -74,6 +85,41 @@ def test_no_recompiles_after_warm_up_over_many_batch_sizes(engines):
         compiled.generate(_prompts([1 + 11 * i for i in range(num_prompts)]), params)
     # Counted from the end of warm-up: the first request must not compile either.
     assert num_compiled_graphs() == compiled.graphs_after_warm_up
+
+
+def test_one_decoder_layer_is_compiled_for_all(engines):
+    compiled, _ = engines
+    runner = compiled.engine.executor.runner
+    assert runner.forward.source == "compiled"  # this module's cache started empty
+    num_layers = len(runner.model.layers)
+    assert num_layers >= 2
+    # Traced once, reused for every other layer (the tokens equal eager's: the test above).
+    assert compiled.layer_compile_counts == [1, num_layers - 1]
+
+
+def test_layers_that_differ_get_their_own_compiled_layer(tmp_path, bundled_model_dir, monkeypatch):
+    # Gemma 2's even layers see a sliding window (an int of the layer, so a constant of its
+    # compiled code) and its odd layers do not: each kind needs its own compiled layer.
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    model_dir = save_tiny_model(tmp_path / "gemma2", Gemma2Config, Gemma2ForCausalLM, bundled_model_dir,
+                                head_dim=16, query_pre_attn_scalar=24, sliding_window=8, pad_token_id=0,
+                                initializer_range=0.1, tie_word_embeddings=False, num_hidden_layers=4)
+    monkeypatch.delenv("PDSERVE_ENFORCE_EAGER", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    options = dict(dtype="float32", max_num_batched_tokens=64, kv_cache_memory="16MiB")
+    gc.collect()
+    before = _layer_compile_counts()
+    compiled = LLM(str(model_dir), **options)
+    eager = LLM(str(model_dir), enforce_eager=True, **options)
+    try:
+        assert [after - b for after, b in zip(_layer_compile_counts(), before)] == [2, 2]
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        prompts = _prompts([5, 30, 70])  # mostly longer than the window
+        assert ([o.outputs[0].token_ids for o in compiled.generate(prompts, params)]
+                == [o.outputs[0].token_ids for o in eager.generate(prompts, params)])
+    finally:
+        compiled.engine.shutdown()
+        eager.engine.shutdown()
 
 
 def test_a_second_model_of_the_same_class_runs_its_own_graphs(engines, tiny_model_factory, monkeypatch):
@@ -114,6 +160,23 @@ def test_without_a_compiler_the_model_runs_eagerly_with_one_log_line(monkeypatch
     with caplog.at_level(logging.WARNING, logger="common.engine.compilation"):
         assert compilation.compile_forward(model, torch.device("cpu"), enforce_eager=False) is model
     assert [r.message for r in caplog.records if "no C++ compiler" in r.message] != []
+
+
+def test_the_per_start_fallback_compiles_the_layers_apart(tiny_llama_dir, monkeypatch, tmp_path):
+    # The per-start compile traces every size dynamic, where dynamo cannot reuse a layer.
+    from common.engine.config import ModelConfig
+    from common.engine.model_files import load_hf_config
+    from common.engine.model_runner import load_model
+    monkeypatch.delenv("PDSERVE_ENFORCE_EAGER", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    compiled_methods = []
+    monkeypatch.setattr(compilation, "_compile_method", compiled_methods.append)
+    model = load_model(ModelConfig.from_hf_config(load_hf_config(tiny_llama_dir)), tiny_llama_dir,
+                       torch.device("cpu"), torch.float32)
+    forward = compilation.compile_forward(model, torch.device("cpu"), enforce_eager=False)
+    assert model.compile_layer_once
+    forward.fallback()
+    assert not model.compile_layer_once and compiled_methods == [model.forward]
 
 
 def test_environment_can_force_eager(monkeypatch):

@@ -43,9 +43,14 @@ def make_step(seed: int):
     return q, k, v, k_cache, v_cache, meta
 
 
+# Layer indices as the compiled model passes them: 0-d int64 tensors.
+LAYER = {i: torch.tensor(i) for i in (0, 7)}
+
+
 def python_op(q, k, v, k_cache, v_cache, meta, layer_idx=0):
     with forward_context(meta):
-        return torch.ops.pdserve.paged_attention(q, k, v, k_cache, v_cache, SCALE, layer_idx, None, None)
+        return torch.ops.pdserve.paged_attention(q, k, v, k_cache, v_cache, SCALE, torch.tensor(layer_idx), None,
+                                                 None)
 
 
 def test_the_published_step_runs_the_fused_kernel_from_cpp():
@@ -60,13 +65,13 @@ def test_the_published_step_runs_the_fused_kernel_from_cpp():
     # C++ path can serve this call.
     publish_step(meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens)
     try:
-        got = layer_attention(q, k, v, k_cache, v_cache, SCALE, 0, None, None)
+        got = layer_attention(q, k, v, k_cache, v_cache, SCALE, LAYER[0], None, None)
     finally:
         publish_step(None)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # the new K/V were written
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="outside a forward pass"):  # nothing published: the Python op
-        layer_attention(q, k, v, k_cache, v_cache, SCALE, 0, None, None)
+        layer_attention(q, k, v, k_cache, v_cache, SCALE, LAYER[0], None, None)
 
 
 def test_a_layer_hook_keeps_the_python_op_which_calls_it():
@@ -76,7 +81,7 @@ def test_a_layer_hook_keeps_the_python_op_which_calls_it():
     meta.kv_layer_hook = hooked.append
     with forward_context(meta):
         assert not torch.ops.pdserve_cpu.has_step()
-        got = layer_attention(q, k, v, k_cache, v_cache, SCALE, 7, None, None)
+        got = layer_attention(q, k, v, k_cache, v_cache, SCALE, LAYER[7], None, None)
     assert hooked == [7]  # the Python path ran: it calls the hook with the layer's index
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -90,7 +95,7 @@ def test_a_nested_pass_restores_the_outer_step():
         assert torch.ops.pdserve_cpu.has_step()
         q, k, v, k_cache, v_cache, meta = outer
         want = python_op(q, k, v, k_cache.clone(), v_cache.clone(), meta)
-        got = layer_attention(q, k, v, k_cache, v_cache, SCALE, 0, None, None)
+        got = layer_attention(q, k, v, k_cache, v_cache, SCALE, LAYER[0], None, None)
     assert not torch.ops.pdserve_cpu.has_step()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -99,6 +104,6 @@ def test_bad_layer_features_are_refused_on_the_fused_path():
     q, k, v, k_cache, v_cache, meta = make_step(4)
     with forward_context(meta):
         with pytest.raises(ValueError, match="sliding_window"):
-            layer_attention(q, k, v, k_cache, v_cache, SCALE, 0, 0, None)
+            layer_attention(q, k, v, k_cache, v_cache, SCALE, LAYER[0], 0, None)
         with pytest.raises(ValueError, match="logit_softcap"):
-            layer_attention(q, k, v, k_cache, v_cache, SCALE, 0, None, -1.0)
+            layer_attention(q, k, v, k_cache, v_cache, SCALE, LAYER[0], None, -1.0)
