@@ -88,19 +88,19 @@ class PrecompiledMethod:
 
     def _load_or_compile(self, args: tuple, kwargs: dict) -> Callable:
         path = self.artifact_path
-        what = self.name
         lock_path = path.with_suffix(".lock")
         # Processes starting together (prefill and decode on one host) need the same file:
         # one compiles it, the others wait and load it rather than each compiling.
         with contextlib.ExitStack() as stack:
             try:
                 stack.enter_context(exclusive_file_lock(lock_path, on_wait=lambda: logger.info(
-                    "waiting for another process compiling %s into %s", what, path)))
+                    "waiting for another process compiling %s into %s", self.name, path)))
             except OSError as exc:  # an unwritable cache directory: compile alone (and warn at saving)
                 logger.warning("cannot lock %s (%s)", lock_path, exc)
-            return self._load_or_compile_locked(path, what, args, kwargs)
+            return self._load_or_compile_locked(path, args, kwargs)
 
-    def _load_or_compile_locked(self, path: Path, what: str, args: tuple, kwargs: dict) -> Callable:
+    def _load_or_compile_locked(self, path: Path, args: tuple, kwargs: dict) -> Callable:
+        what = self.name
         started = time.perf_counter()
         method = getattr(type(self.model), self.method_name)
         if path.exists():

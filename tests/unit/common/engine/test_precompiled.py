@@ -167,4 +167,3 @@ def test_a_cache_directory_that_cannot_be_written_leaves_the_method_compiled_in_
     method, warnings = _first_call(Toy(), not_a_directory, caplog)
     assert method.source == "compiled"
     assert any("cannot save the compiled Toy.forward" in m for m in warnings)
-

@@ -49,8 +49,7 @@ LAYER = {i: torch.tensor(i) for i in (0, 7)}
 
 def python_op(q, k, v, k_cache, v_cache, meta, layer_idx=0):
     with forward_context(meta):
-        return torch.ops.pdserve.paged_attention(q, k, v, k_cache, v_cache, SCALE, torch.tensor(layer_idx), None,
-                                                 None)
+        return torch.ops.pdserve.paged_attention(q, k, v, k_cache, v_cache, SCALE, LAYER[layer_idx], None, None)
 
 
 def test_the_published_step_runs_the_fused_kernel_from_cpp():
