@@ -79,10 +79,10 @@ def gemv(
 
 
 def q4_1_gemv(
-    x: torch.Tensor,  # [num_rows <= GEMV_MAX_ROWS, in_features] bf16
-    bias: torch.Tensor | None,  # [out_features] bf16
+    x: torch.Tensor,  # [num_rows <= GEMV_MAX_ROWS, in_features] bf16 or fp32
+    bias: torch.Tensor | None,  # [out_features], x's dtype
     blocks: torch.Tensor,  # [out_features, in_features // 32 * 20] uint8: GGUF's Q4_1 rows
-) -> torch.Tensor:  # [num_rows, out_features] bf16
+) -> torch.Tensor:  # [num_rows, out_features], x's dtype
     return torch.ops.pdserve_gemv.q4_1_gemv.default(x, bias, blocks)
 
 
@@ -124,12 +124,12 @@ def prepacked_linear(
 
 
 def q4_1_linear(
-    x: torch.Tensor,  # [num_tokens, in_features] bf16
+    x: torch.Tensor,  # [num_tokens, in_features] bf16 or fp32
     packed: torch.Tensor,  # torch's int4 pack of the codes (_convert_weight_to_int4pack_for_cpu)
     scales_and_zeros: torch.Tensor,  # [in_features // group_size, out_features, 2] bf16
     blocks: torch.Tensor | None,  # [out_features, in_features // 32 * 20] uint8 GGUF Q4_1 rows, or None
     group_size: int,
-) -> torch.Tensor:  # [num_tokens, out_features] bf16
+) -> torch.Tensor:  # [num_tokens, out_features], x's dtype
     """A Q4_1 linear in one native op: the Q4_1 GEMV for 1 to GEMV_MAX_ROWS rows where the
     blocks are given, torch's int4 kernel otherwise."""
     return torch.ops.pdserve_gemv.q4_1_linear.default(x, packed, scales_and_zeros, blocks, group_size)

@@ -1,6 +1,6 @@
 // Matrix-vector products for decode steps: y [M, N] = x [M, K] @ W [N, K]^T (+ bias), M
 // small (a few decode rows), W either plain row-major (bf16 or fp32, x of the same dtype)
-// or GGUF's Q4_1 blocks as the file stores them (x bf16).
+// or GGUF's Q4_1 blocks as the file stores them (x bf16 or fp32, y in x's dtype).
 //
 // At one token a linear is a stream over its weight, and what sets the speed is how the
 // weight is read. Each thread here reads its share of W's rows strictly in order, one row
@@ -11,7 +11,7 @@
 // Two builds of the math, chosen at compile time (-march):
 // - AVX512-BF16: a bf16 W's dot products take pairs of bf16 into fp32 lanes (no
 //   conversion); Q4_1 nibbles become bf16 codes through a 16-entry table.
-// - Elsewhere (AVX2 + FMA, or AVX-512 without BF16): x is widened to fp32 once per call,
+// - Elsewhere (AVX2 + FMA, or AVX-512 without BF16): bf16 x is widened to fp32 once per call,
 //   W's bf16 values to fp32 in registers (a shift: exact), and every product is an fp32
 //   FMA; except Q4_1, whose dot products are integer: x is quantized per 32-column block
 //   to int8 (scale max |x| / 127, as llama.cpp's Q8_1), which changes the numerics by
@@ -82,9 +82,9 @@ void gemv_rows(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16*
 }
 
 // x_sums [M, K / 32]: each row's sum over each block's columns, for the m terms.
-template <int M>
-void q4_1_rows(const at::BFloat16* x, const float* x_sums, const uint8_t* blocks, const at::BFloat16* bias,
-               at::BFloat16* y, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+template <int M, typename T>
+void q4_1_rows(const at::BFloat16* x, const float* x_sums, const uint8_t* blocks, const T* bias, T* y, int64_t K,
+               int64_t N, int64_t n_begin, int64_t n_end) {
   const int64_t num_blocks = K / kQ4Block;
   // bf16 bit patterns of 0.0 .. 15.0, indexed by code.
   alignas(64) int16_t table_bits[32];
@@ -119,7 +119,7 @@ void q4_1_rows(const at::BFloat16* x, const float* x_sums, const uint8_t* blocks
       }
     }
     const float bias_n = bias == nullptr ? 0.0f : static_cast<float>(bias[n]);
-    for (int m = 0; m < M; ++m) y[m * N + n] = at::BFloat16(_mm512_reduce_add_ps(acc[m]) + m_terms[m] + bias_n);
+    for (int m = 0; m < M; ++m) y[m * N + n] = T(_mm512_reduce_add_ps(acc[m]) + m_terms[m] + bias_n);
   }
 }
 #endif
@@ -168,10 +168,24 @@ inline void q8_codes(const int8_t* codes, VecF out[4]) {
 }
 #endif
 
-// x rows widened to fp32 once per call: the row loops below read them for every W row.
-std::vector<float> widen(const at::Tensor& x) {
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  return std::vector<float>(xf.data_ptr<float>(), xf.data_ptr<float>() + xf.numel());
+// x [M, K] as fp32 rows, which the row loops below read for every W row: fp32 x in place (no ATen call, whose ~5 us per call adds up
+// over the 120 linears of a step), bf16 x widened in one pass.
+struct FloatRows {
+  std::vector<float> widened;
+  const float* data;
+};
+FloatRows float_rows(const at::Tensor& x) {
+  if (x.scalar_type() == at::kFloat && x.is_contiguous()) return {{}, x.data_ptr<float>()};
+  FloatRows rows{std::vector<float>(x.numel()), nullptr};
+  const at::Tensor xc = x.contiguous();
+  if (x.scalar_type() == at::kBFloat16) {
+    const at::BFloat16* src = xc.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < x.numel(); ++i) rows.widened[i] = static_cast<float>(src[i]);
+  } else {
+    std::memcpy(rows.widened.data(), xc.data_ptr<float>(), x.numel() * sizeof(float));
+  }
+  rows.data = rows.widened.data();
+  return rows;
 }
 
 // W of type T (fp32, or bf16 widened in registers), fp32 x [M, K], fp32 FMAs.
@@ -210,10 +224,10 @@ struct BlockQuantizedX {
   std::vector<float> scales_and_sums;  // [M, K / 32, 2]: s, and the sum of the quantized x
 };
 
-BlockQuantizedX quantize_x_blocks(const std::vector<float>& x, int64_t num_blocks_total) {
-  BlockQuantizedX q{std::vector<int8_t>(x.size()), std::vector<float>(2 * num_blocks_total)};
+BlockQuantizedX quantize_x_blocks(const float* x, int64_t num_blocks_total) {
+  BlockQuantizedX q{std::vector<int8_t>(num_blocks_total * kQ4Block), std::vector<float>(2 * num_blocks_total)};
   for (int64_t i = 0; i < num_blocks_total; ++i) {
-    const float* xb = x.data() + i * kQ4Block;
+    const float* xb = x + i * kQ4Block;
     float amax = 0.f;
     for (int64_t j = 0; j < kQ4Block; ++j) amax = std::max(amax, std::fabs(xb[j]));
     const float scale = amax / 127.f;
@@ -236,9 +250,9 @@ BlockQuantizedX quantize_x_blocks(const std::vector<float>& x, int64_t num_block
 // instead (4 byte shuffles and 4 conversions per block before 4 FMAs) held Zen 3 at
 // ~5.5 GB/s a core. R rows of W at a time (two streams) give the FMA chains of one
 // row the other's work to overlap with, and share each load of x between them.
-template <int M, int R>
-void q4_1_rows_q8_x_step(const BlockQuantizedX& x, const uint8_t* blocks, const at::BFloat16* bias, at::BFloat16* y,
-                         int64_t K, int64_t N, int64_t n) {
+template <int M, int R, typename T>
+void q4_1_rows_q8_x_step(const BlockQuantizedX& x, const uint8_t* blocks, const T* bias, T* y, int64_t K, int64_t N,
+                         int64_t n) {
   const int64_t num_blocks = K / kQ4Block;
   const int64_t row_bytes = num_blocks * kQ4BlockBytes;
   const __m256i low_mask = _mm256_set1_epi8(0x0F);
@@ -281,13 +295,13 @@ void q4_1_rows_q8_x_step(const BlockQuantizedX& x, const uint8_t* blocks, const 
   for (int r = 0; r < R; ++r) {
     const float bias_n = bias == nullptr ? 0.0f : static_cast<float>(bias[n + r]);
     for (int m = 0; m < M; ++m)
-      y[m * N + n + r] = at::BFloat16(hsum256(acc[m][r]) + _mm_cvtss_f32(_mm_movehdup_ps(m_terms[m][r])) + bias_n);
+      y[m * N + n + r] = T(hsum256(acc[m][r]) + _mm_cvtss_f32(_mm_movehdup_ps(m_terms[m][r])) + bias_n);
   }
 }
 
-template <int M>
-void q4_1_rows_q8_x(const BlockQuantizedX& x, const uint8_t* blocks, const at::BFloat16* bias, at::BFloat16* y,
-                    int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+template <int M, typename T>
+void q4_1_rows_q8_x(const BlockQuantizedX& x, const uint8_t* blocks, const T* bias, T* y, int64_t K, int64_t N,
+                    int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
   for (; n + 2 <= n_end; n += 2) q4_1_rows_q8_x_step<M, 2>(x, blocks, bias, y, K, N, n);
   if (n < n_end) q4_1_rows_q8_x_step<M, 1>(x, blocks, bias, y, K, N, n);
@@ -353,33 +367,40 @@ at::Tensor q4_1_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias,
               "q4_1_gemv: blocks must be contiguous uint8 [N, K / 32 * 20], got ", blocks.scalar_type(), " ",
               blocks.sizes());
   const int64_t N = blocks.size(0), K = blocks.size(1) / kQ4BlockBytes * kQ4Block;
-  check_x_and_bias(x, bias, N, at::kBFloat16, "q4_1_gemv");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "q4_1_gemv: x must be bf16 or fp32, got ", x.scalar_type());
+  check_x_and_bias(x, bias, N, x.scalar_type(), "q4_1_gemv");
   TORCH_CHECK(x.size(1) == K, "q4_1_gemv: x has ", x.size(1), " columns, the blocks ", K);
 #ifdef PDSERVE_GEMV
   const int64_t M = x.size(0), num_blocks = K / kQ4Block;
-  const std::vector<float> xf = widen(x);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
-  const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
 #ifdef __AVX512BF16__
+  // The bf16 dot products take x in bf16: an fp32 x is rounded once here, and the m terms'
+  // sums are of the same rounded values.
+  const at::Tensor xc = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kBFloat16).contiguous();
+  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
   std::vector<float> x_sums(M * num_blocks);
   for (int64_t i = 0; i < M * num_blocks; ++i) {
     float sum = 0.f;
-    for (int64_t j = 0; j < kQ4Block; ++j) sum += xf[i * kQ4Block + j];
+    for (int64_t j = 0; j < kQ4Block; ++j) sum += static_cast<float>(xp[i * kQ4Block + j]);
     x_sums[i] = sum;
   }
-  const at::Tensor xc = x.contiguous();
-  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
-  for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
-    q4_1_rows<decltype(rows)::value>(xp, x_sums.data(), wp, bp, yp, K, N, begin, end);
-  });
 #else
-  const BlockQuantizedX xq = quantize_x_blocks(xf, M * num_blocks);
-  for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
-    q4_1_rows_q8_x<decltype(rows)::value>(xq, wp, bp, yp, K, N, begin, end);
-  });
+  const FloatRows xf = float_rows(x);
+  const BlockQuantizedX xq = quantize_x_blocks(xf.data, M * num_blocks);
 #endif
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "q4_1_gemv", [&] {
+    const scalar_t* bp = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
+#ifdef __AVX512BF16__
+      q4_1_rows<decltype(rows)::value>(xp, x_sums.data(), wp, bp, yp, K, N, begin, end);
+#else
+      q4_1_rows_q8_x<decltype(rows)::value>(xq, wp, bp, yp, K, N, begin, end);
+#endif
+    });
+  });
   return y;
 #else
   TORCH_CHECK(false, "q4_1_gemv: built for a CPU without AVX2 and FMA");
@@ -398,14 +419,14 @@ at::Tensor q8_0_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias,
   TORCH_CHECK(x.size(1) == K, "q8_0_gemv: x has ", x.size(1), " columns, the blocks ", K);
 #ifdef PDSERVE_GEMV
   const int64_t M = x.size(0);
-  const std::vector<float> xf = widen(x);
+  const FloatRows xf = float_rows(x);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "q8_0_gemv", [&] {
     const scalar_t* bp = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
     scalar_t* yp = y.data_ptr<scalar_t>();
     for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
-      q8_0_rows_fp32_math<decltype(rows)::value>(xf.data(), wp, bp, yp, K, N, begin, end);
+      q8_0_rows_fp32_math<decltype(rows)::value>(xf.data, wp, bp, yp, K, N, begin, end);
     });
   });
   return y;
@@ -445,9 +466,9 @@ at::Tensor gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, cons
     gemv_rows<decltype(rows)::value>(xp, wp, bp, yp, K, N, begin, end);
   });
 #else
-  const std::vector<float> xf = widen(x);
+  const FloatRows xf = float_rows(x);
   for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
-    gemv_rows_fp32_math<decltype(rows)::value>(xf.data(), wp, bp, yp, K, N, begin, end);
+    gemv_rows_fp32_math<decltype(rows)::value>(xf.data, wp, bp, yp, K, N, begin, end);
   });
 #endif
   return y;
@@ -458,7 +479,7 @@ at::Tensor gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, cons
 
 // A Q4_1 linear's one op for a compiled graph (the graph cannot branch on its unbacked
 // token count): the GEMV over the file's blocks for decode steps of up to kMaxRows rows,
-// torch's int4 kernel on its packed copy otherwise. In C++ it saves a Python op's ~14 us
+// torch's int4 kernel on its packed copy otherwise; x bf16 or fp32, the result in x's dtype. In C++ it saves a Python op's ~14 us
 // per call (120 calls per step of SmolLM2).
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
                        const std::optional<at::Tensor>& blocks, int64_t group_size) {
@@ -467,6 +488,10 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   static const auto int4_mm = c10::Dispatcher::singleton()
                                   .findSchemaOrThrow("aten::_weight_int4pack_mm_for_cpu", "")
                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&)>();
+  // torch's int4 kernel takes bf16 x; an fp32 model's rows go over and come back, so that
+  // its decode rows (the GEMV above) need no conversion in the graph at all.
+  if (x.scalar_type() == at::kFloat)
+    return int4_mm.call(x.to(at::kBFloat16), packed, group_size, scales_and_zeros).to(at::kFloat);
   return int4_mm.call(x, packed, group_size, scales_and_zeros);
 }
 

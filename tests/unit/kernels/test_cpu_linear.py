@@ -202,11 +202,11 @@ def block_quantized_x(x: torch.Tensor) -> torch.Tensor:
 
 
 def q4_1_reference(x, bias, blocks: Q4_1Blocks) -> torch.Tensor:
-    """The Q4_1 GEMV's math in float64: d * sum(q x) + m * sum(x) per block, x exact
-    (AVX512-BF16 build) or block-quantized to int8 (fp32-FMA build)."""
+    """The Q4_1 GEMV's math in float64: d * sum(q x) + m * sum(x) per block, x in bf16
+    (AVX512-BF16 build: an fp32 x rounded once) or block-quantized to int8 (fp32-FMA build)."""
     n, num_blocks = blocks.d.shape
     codes = blocks.codes().view(n, num_blocks, 32).double()
-    xq = x.double() if torch.ops.pdserve_gemv.isa() == "avx512_bf16" else block_quantized_x(x)
+    xq = x.bfloat16().double() if torch.ops.pdserve_gemv.isa() == "avx512_bf16" else block_quantized_x(x)
     xq = xq.view(x.shape[0], 1, num_blocks, 32)
     out = (blocks.d.double() * (codes * xq).sum(-1) + blocks.m.double() * xq.sum(-1)).sum(-1)  # [M, N]
     return out if bias is None else out + bias.double()
@@ -215,16 +215,19 @@ def q4_1_reference(x, bias, blocks: Q4_1Blocks) -> torch.Tensor:
 @pytest.mark.parametrize("num_rows", range(1, GEMV_MAX_ROWS + 1))
 @pytest.mark.parametrize("projection", ["qkv_proj", "down_proj"])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_q4_1_matches_its_math_on_the_dequantized_weight(bundled_blocks, num_rows, projection, with_bias):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_q4_1_matches_its_math_on_the_dequantized_weight(bundled_blocks, num_rows, projection, with_bias, dtype):
     blocks = bundled_blocks[projection]
     out_features, in_features = blocks.shape
     torch.manual_seed(num_rows)
-    x = torch.randn(num_rows, in_features, dtype=torch.bfloat16)
-    bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
+    x = torch.randn(num_rows, in_features, dtype=dtype)
+    bias = torch.randn(out_features, dtype=dtype) if with_bias else None
     out = q4_1_gemv(x, bias, blocks.raw())
-    assert out.shape == (num_rows, out_features) and out.dtype == torch.bfloat16
+    assert out.shape == (num_rows, out_features) and out.dtype == dtype
     expected = q4_1_reference(x, bias, blocks).float()
-    torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * expected.abs().max().item())
+    # bf16 output: its rounding; fp32 output: only the order of fp32 sums differs.
+    rtol, atol = (2 ** -8, 1e-3) if dtype == torch.bfloat16 else (1e-5, 1e-5)
+    torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("projection", ["qkv_proj", "down_proj"])
@@ -249,21 +252,29 @@ def test_q4_1_refuses_what_it_cannot_compute(bundled_blocks):
         q4_1_gemv(torch.zeros(GEMV_MAX_ROWS + 1, in_features, dtype=torch.bfloat16), None, blocks)
     with pytest.raises(RuntimeError, match="uint8"):
         q4_1_gemv(torch.zeros(1, in_features, dtype=torch.bfloat16), None, blocks[:, :-1])
+    with pytest.raises(RuntimeError, match="bf16 or fp32"):
+        q4_1_gemv(torch.zeros(1, in_features, dtype=torch.float16), None, blocks)
+    with pytest.raises(RuntimeError, match="bias"):  # the bias in x's dtype
+        q4_1_gemv(torch.zeros(1, in_features), torch.zeros(blocks.shape[0], dtype=torch.bfloat16), blocks)
 
 
 @pytest.mark.skipif(not int4_kernel_available("cpu"), reason="no torch int4 kernel here")
 @pytest.mark.parametrize("num_tokens", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1])
-def test_a_q4_1_linear_takes_the_gemv_for_decode_rows_and_torch_int4_beyond(bundled_blocks, num_tokens):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_q4_1_linear_takes_the_gemv_for_decode_rows_and_torch_int4_beyond(bundled_blocks, num_tokens, dtype):
     blocks = bundled_blocks["qkv_proj"]
     linear = Q4_1Linear(blocks, None, torch.device("cpu"))
     assert linear.blocks is not None
-    x = torch.randn(num_tokens, linear.in_features, dtype=torch.bfloat16)
+    x = torch.randn(num_tokens, linear.in_features, dtype=dtype)
     out = linear(x)
-    if num_tokens <= GEMV_MAX_ROWS:
+    assert out.dtype == dtype
+    if num_tokens <= GEMV_MAX_ROWS:  # an fp32 model's rows reach the GEMV as they are
         assert torch.equal(out, q4_1_gemv(x, None, blocks.raw()))
     expected = reference(x, None, blocks.dequantize(torch.float32))
     assert ((out.float() - expected).norm() / expected.norm()).item() < 1e-2
-    int4 = torch.ops.aten._weight_int4pack_mm_for_cpu(x, linear.packed, linear.group_size, linear.scales_and_zeros)
+    # torch's int4 kernel takes bf16: fp32 rows are rounded to it and the result widened.
+    int4 = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), linear.packed, linear.group_size,
+                                                      linear.scales_and_zeros).to(dtype)
     if num_tokens > GEMV_MAX_ROWS:
         assert torch.equal(out, int4)
     # Without the native library (no blocks kept) every step takes torch's kernel.

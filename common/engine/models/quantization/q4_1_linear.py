@@ -9,7 +9,9 @@ Decode steps of up to four tokens take the native Q4_1 GEMV instead where the CP
 AVX2 and FMA (kernels/cpu_linear.py): it streams GGUF's own 20-byte blocks, kept for it
 beside torch's packed copy (d and m exact, not rounded to bf16). Both sit behind one
 opaque op, the native library's `pdserve_gemv::q4_1_linear`, which makes the choice in
-C++, so a compiled graph does not branch on the number of tokens. Without the library,
+C++, so a compiled graph does not branch on the number of tokens; it takes bf16 or fp32
+rows and answers in their dtype (an fp32 model's decode rows are quantized per block from
+fp32, not from bf16). Without the library,
 the op `pdserve::int4_linear` runs torch's kernel for every step.
 """
 from __future__ import annotations
@@ -25,6 +27,8 @@ from kernels.cpu_linear import q4_1_linear as native_q4_1_linear
 
 # torch's int4 codes are centred on 8: (q - 8) * scale + zero.
 INT4_ZERO_POINT = 8
+# x dtypes the native op takes as they are (it rounds fp32 rows to bf16 itself for torch's kernel).
+NATIVE_X_DTYPES = (torch.bfloat16, torch.float32)
 
 # torch's int4 kernel as an opaque op where the native library is not loaded: a compiled
 # graph then holds one call whatever the token count.
@@ -79,11 +83,15 @@ class Q4_1Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.uses_kernel:
             return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
-        x2d = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [num_tokens, K]
+        x2d = x.reshape(-1, self.in_features)  # [num_tokens, K]
         if self.blocks is not None:  # the native library is loaded
+            # It takes an fp32 model's rows as they are and answers in their dtype: no
+            # conversion on either side of the 120 linears of a decode step.
+            x2d = x2d.to(x.dtype if x.dtype in NATIVE_X_DTYPES else KERNEL_DTYPE).contiguous()
             out = native_q4_1_linear(x2d, self.packed, self.scales_and_zeros, self.blocks, self.group_size)
         else:
-            out = torch.ops.pdserve.int4_linear(x2d, self.packed, self.scales_and_zeros, self.group_size)
+            out = torch.ops.pdserve.int4_linear(x2d.to(KERNEL_DTYPE).contiguous(), self.packed,
+                                                self.scales_and_zeros, self.group_size)
         return kernel_output(out, x, self.bias, self.out_features)  # out: [num_tokens, N]
 
     def extra_repr(self) -> str:
