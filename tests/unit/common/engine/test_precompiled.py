@@ -161,6 +161,31 @@ def test_a_call_in_another_form_than_the_first_is_refused(tmp_path):
     assert torch.equal(method(x), toy(x))
 
 
+class ScaledToy(Toy):
+    def forward(self, x, scale):
+        return torch.relu(x @ self.weight.T) * scale
+
+
+def test_a_call_with_tensors_or_values_unlike_the_first_is_refused(tmp_path):
+    # The saved code checks no size or stride (inductor's asserts are off) and was traced
+    # for the first call's dtypes and constants: the method refuses what would differ.
+    toy = ScaledToy()
+    method = PrecompiledMethod(toy, "forward", tmp_path, fallback=lambda: toy.forward)
+    x = torch.arange(8.0).reshape(2, 4)
+    assert torch.equal(method(x, 2), toy(x, 2))
+    with pytest.raises(TypeError, match=r"a 2-d torch.float32 tensor as argument leaf 0; "
+                                        r"called with a 2-d torch.float64 tensor"):
+        method(x.double(), 2)
+    with pytest.raises(TypeError, match=r"called with a 2-d non-contiguous torch.float32 tensor"):
+        method(torch.arange(8.0).reshape(4, 2).t(), 2)
+    with pytest.raises(TypeError, match=r"a 2-d torch.float32 tensor as argument leaf 0; called with a 1-d"):
+        method(torch.arange(4.0), 2)
+    with pytest.raises(TypeError, match=r"2 as argument leaf 1; called with 3"):  # a constant in the code
+        method(x, 3)
+    other = torch.arange(12.0).reshape(3, 4)  # other sizes are what the code is for
+    assert torch.equal(method(other, 2), toy(other, 2))
+
+
 def test_a_cache_directory_that_cannot_be_written_leaves_the_method_compiled_in_memory(tmp_path, caplog):
     not_a_directory = tmp_path / "taken"
     not_a_directory.write_text("a file where the cache directory should be")
