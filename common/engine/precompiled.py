@@ -162,14 +162,17 @@ class _ArgumentForm(NamedTuple):
                     f"called with {other.num_args} and {list(other.keywords)}")
         index = next((i for i, (a, b) in enumerate(zip(self.leaves, other.leaves)) if a != b),
                      min(len(self.leaves), len(other.leaves)))
-        def leaf(leaves: tuple, i: int) -> str:
-            if i >= len(leaves):
-                return "nothing"
-            if isinstance(leaves[i], tuple):
-                dtype, dim, contiguous = leaves[i]
-                return f"a {dim}-d {'' if contiguous else 'non-contiguous '}{dtype} tensor"
-            return repr(leaves[i])
-        return f"{leaf(self.leaves, index)} as argument leaf {index}; called with {leaf(other.leaves, index)}"
+        return (f"{_describe_leaf(self.leaves, index)} as argument leaf {index}; "
+                f"called with {_describe_leaf(other.leaves, index)}")
+
+
+def _describe_leaf(leaves: tuple, index: int) -> str:
+    if index >= len(leaves):
+        return "nothing"
+    if isinstance(leaves[index], tuple):  # a tensor's form
+        dtype, dim, contiguous = leaves[index]
+        return f"a {dim}-d {'' if contiguous else 'non-contiguous '}{dtype} tensor"
+    return repr(leaves[index])
 
 
 def _append_leaves(values: tuple | list, leaves: list[Any]) -> None:

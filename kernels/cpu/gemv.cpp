@@ -168,8 +168,8 @@ inline void q8_codes(const int8_t* codes, VecF out[4]) {
 }
 #endif
 
-// x [M, K] as fp32 rows, which the row loops below read for every W row: fp32 x in place (no ATen call, whose ~5 us per call adds up
-// over the 120 linears of a step), bf16 x widened in one pass.
+// x [M, K] as fp32 rows, which the row loops below read for every W row: fp32 x in place
+// (no ATen call, whose ~5 us adds up over the 120 linears of a step), bf16 x widened once.
 struct FloatRows {
   std::vector<float> widened;
   const float* data;
@@ -479,8 +479,8 @@ at::Tensor gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, cons
 
 // A Q4_1 linear's one op for a compiled graph (the graph cannot branch on its unbacked
 // token count): the GEMV over the file's blocks for decode steps of up to kMaxRows rows,
-// torch's int4 kernel on its packed copy otherwise; x bf16 or fp32, the result in x's dtype. In C++ it saves a Python op's ~14 us
-// per call (120 calls per step of SmolLM2).
+// torch's int4 kernel on its packed copy otherwise; x bf16 or fp32, the result in x's
+// dtype. In C++ it saves a Python op's ~14 us per call (120 calls per step of SmolLM2).
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
                        const std::optional<at::Tensor>& blocks, int64_t group_size) {
   if (blocks.has_value() && x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows)
