@@ -32,12 +32,13 @@ if [ "$#" != 0 ]; then  # a selection of tests: as given, one pytest
   exit 0
 fi
 # The whole suite in two parts (tests/conftest.py --suite-part): the unit tests that
-# assert no wall-clock bound on two pytest-xdist workers (most are one Python thread
-# each, so two cores run two of them), then the rest one test at a time: integration
+# assert no wall-clock bound, and the integration tests marked `in_process` (the offline
+# engine only), on two pytest-xdist workers (most are one Python thread each, so two cores
+# run two of them; an `xdist_group` keeps a module on one worker), then the rest one test at a time: integration
 # tests start services as processes and wait on deadlines, and `timing` unit tests
 # measure latency, so neither shares the cores with another test. Both parts always run;
 # the suite fails if either does.
 status=0
-.venv/bin/python -m pytest -q -n 2 --suite-part parallel || status=$?
+.venv/bin/python -m pytest -q -n 2 --dist loadgroup --suite-part parallel || status=$?
 .venv/bin/python -m pytest -q --suite-part serial || status=$?
 exit "$status"

@@ -83,13 +83,15 @@ def pytest_addoption(parser):
     parser.addoption(
         "--suite-part", choices=("parallel", "serial"), default=None,
         help="scripts/test.sh runs the suite in two parts: 'parallel' is the unit tests that "
-             "assert no wall-clock bound (run with pytest-xdist's -n 2), 'serial' everything "
+             "assert no wall-clock bound and the integration tests marked `in_process` (run "
+             "with pytest-xdist's -n 2, a module's `xdist_group` on one worker), 'serial' everything "
              "else, one test at a time: the integration tests (services as processes, with "
              "deadlines) and the unit tests marked `timing`. Default: every test.")
 
 
 def in_parallel_part(item) -> bool:
-    return item.nodeid.startswith("tests/unit/") and item.get_closest_marker("timing") is None
+    in_process = item.nodeid.startswith("tests/unit/") or item.get_closest_marker("in_process") is not None
+    return in_process and item.get_closest_marker("timing") is None
 
 
 def pytest_collection_modifyitems(config, items):

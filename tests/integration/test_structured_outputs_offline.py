@@ -9,7 +9,9 @@ import pytest
 
 from common import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow
+# The offline engine in this process only: the parallel part runs it, its tests on one worker
+# (they share the module's engine).
+pytestmark = [pytest.mark.slow, pytest.mark.in_process, pytest.mark.xdist_group("test_structured_outputs_offline")]
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 20},
