@@ -5,10 +5,8 @@ The caller's half only enqueues: `register` and `cancel` post a command to the
 receiver's own I/O thread, which owns the table, so an asyncio caller never blocks on a
 transfer and a transfer's future resolves only after the last write into its blocks.
 
-The reservation table is
-
-transport-agnostic and not thread-safe: each receiver calls it from one thread (ZeroMQ)
-or under one lock (torch.distributed). A reservation only lives here while its
+The reservation table is transport-agnostic and not thread-safe: each receiver calls it
+from one thread (ZeroMQ) or under one lock (torch.distributed). A reservation only lives here while its
 transfer is open; once DONE/FAILED/EXPIRED its entry (and every reference to the
 destination blocks) is dropped before the owner hears about it, so the owner may free
 or reuse the blocks the moment `on_done` runs. Returned acks are (peer, payload) pairs
@@ -23,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import logging
 import queue
 import threading
 import time
@@ -46,6 +45,8 @@ from kv_transfer.base import (
     check_transfer_id,
     pool_bytes,
 )
+
+logger = logging.getLogger(__name__)
 
 Ack = tuple[Any, bytes]  # (peer, encoded ack header)
 
@@ -309,6 +310,8 @@ class ReservationTable:
         stream.next_seq += 1
         if res.handle.first_byte_at is None:
             res.handle.first_byte_at = time.monotonic()
+            logger.debug("transfer %s: first KV landed (layers %d-%d of %d blocks)", h.transfer_id, h.layer,
+                         h.layer + h.num_layers - 1, h.num_blocks)
         res.handle.state = TransferState.TRANSFERRING
         self.counters["messages_ok"] += 1
         self.counters["bytes_written"] += self.geo.kv_bytes(h.num_blocks, h.num_layers) // self.num_heads * h.num_heads

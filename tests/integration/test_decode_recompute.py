@@ -32,8 +32,8 @@ def test_prefill_killed_mid_transfer_is_recomputed_locally(tiny_model_factory, t
     prompt = list(range(100, 164))  # 4 blocks: the dying prefill sends their first layer, then dies
     decode = ServiceProcess("decode_service.main", [
         "--instance-id", "decode-test", "--model", str(model_dir), "--kv-cache-memory", "16MiB",
-        "--local-prefill-threshold", "8", "--num-threads", "1"], tmp_path / "decode.log")
-    dying = ServiceProcess("tests.integration.dying_prefill", [], tmp_path / "dying.log")
+        "--local-prefill-threshold", "8", "--num-threads", "1", "--log-level", "DEBUG"], tmp_path / "decode.log")
+    dying = ServiceProcess("tests.integration.dying_prefill", [str(tmp_path / "decode.log")], tmp_path / "dying.log")
     try:
         deadline = time.monotonic() + 120
         decode.wait_ready(deadline)
