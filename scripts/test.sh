@@ -31,14 +31,17 @@ if [ "$#" != 0 ]; then  # a selection of tests: as given, one pytest
   .venv/bin/python -m pytest -q "$@"
   exit 0
 fi
-# The whole suite in two parts (tests/conftest.py --suite-part): the unit tests that
-# assert no wall-clock bound, and the integration tests marked `in_process` (the offline
-# engine only), on two pytest-xdist workers (most are one Python thread each, so two cores
-# run two of them; an `xdist_group` keeps a module on one worker), then the rest one test at a time: integration
-# tests start services as processes and wait on deadlines, and `timing` unit tests
-# measure latency, so neither shares the cores with another test. Both parts always run;
-# the suite fails if either does.
+# The whole suite in three parts (tests/conftest.py --suite-part), on two pytest-xdist
+# workers where the tests allow it: the unit tests that assert no wall-clock bound and the
+# integration tests marked `in_process` (the offline engine only; most are one Python
+# thread each, so two cores run two of them; an `xdist_group` keeps a module on one
+# worker); then the integration tests that start services as processes, a module per
+# worker (--dist loadfile: its services start once), since they spend a third of their
+# time starting processes and waiting on them, which the other worker fills; then, one at
+# a time, the tests marked `timing` (a wall-clock bound a shared core could break) and the
+# compose test. Every part always runs; the suite fails if any does.
 status=0
 .venv/bin/python -m pytest -q -n 2 --dist loadgroup --suite-part parallel || status=$?
+.venv/bin/python -m pytest -q -n 2 --dist loadfile --suite-part services || status=$?
 .venv/bin/python -m pytest -q --suite-part serial || status=$?
 exit "$status"

@@ -79,19 +79,27 @@ def tiny_llama_dir(tiny_model_factory) -> Path:
     return tiny_model_factory("tiny-llama", "llama")
 
 
+SUITE_PARTS = ("parallel", "services", "serial")
+DEPLOY_TEST = "tests/integration/test_deploy.py"
+
+
 def pytest_addoption(parser):
     parser.addoption(
-        "--suite-part", choices=("parallel", "serial"), default=None,
-        help="scripts/test.sh runs the suite in two parts: 'parallel' is the unit tests that "
+        "--suite-part", choices=SUITE_PARTS, default=None,
+        help="scripts/test.sh runs the suite in three parts: 'parallel' is the unit tests that "
              "assert no wall-clock bound and the integration tests marked `in_process` (run "
-             "with pytest-xdist's -n 2, a module's `xdist_group` on one worker), 'serial' everything "
-             "else, one test at a time: the integration tests (services as processes, with "
-             "deadlines) and the unit tests marked `timing`. Default: every test.")
+             "with pytest-xdist's -n 2, a module's `xdist_group` on one worker); 'services' the "
+             "other integration tests (services as processes, waiting on generous deadlines; "
+             "-n 2 --dist loadfile, so a module's services are started once); 'serial' the tests "
+             "marked `timing` (a wall-clock bound) and the compose test, one at a time. "
+             "Default: every test.")
 
 
-def in_parallel_part(item) -> bool:
+def suite_part(item) -> str:
+    if item.get_closest_marker("timing") is not None or item.nodeid.startswith(DEPLOY_TEST):
+        return "serial"
     in_process = item.nodeid.startswith("tests/unit/") or item.get_closest_marker("in_process") is not None
-    return in_process and item.get_closest_marker("timing") is None
+    return "parallel" if in_process else "services"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -100,7 +108,7 @@ def pytest_collection_modifyitems(config, items):
     downloads and disk writes."""
     part = config.getoption("--suite-part")
     if part is not None:
-        keep = [item for item in items if in_parallel_part(item) == (part == "parallel")]
+        keep = [item for item in items if suite_part(item) == part]
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
-    items.sort(key=lambda item: item.nodeid.startswith("tests/integration/test_deploy.py"))
+    items.sort(key=lambda item: item.nodeid.startswith(DEPLOY_TEST))

@@ -19,6 +19,7 @@ def test_gloo_roundtrip_bitwise_many_interleaved_transfers(spawn):  # noqa: F811
         rx.close()
 
 
+@pytest.mark.timing  # a deadline's expiry measured against the clock
 def test_gloo_receiver_killed_sender_gives_up_and_frees(spawn):  # noqa: F811
     import time
 

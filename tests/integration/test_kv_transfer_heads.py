@@ -181,6 +181,7 @@ def test_a_bad_head_range_fails_at_start_and_sends_nothing(conn, heads, sender_h
     assert h.result(5).state is TransferState.FAILED
 
 
+@pytest.mark.timing  # a deadline's expiry measured against the clock
 def test_a_sender_that_never_sends_expires_the_transfer_and_the_other_is_acked(conn):
     dst = pool(2)
     rx, tx_a, tx_b = conn.receiver(dst), conn.sender(pool(1, seed=10)), conn.sender(pool(1, seed=11))

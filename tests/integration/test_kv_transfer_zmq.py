@@ -224,6 +224,7 @@ class ToyAllocator:
             self.free |= set(self.owned.pop(result.transfer_id))
 
 
+@pytest.mark.timing  # a deadline's expiry measured against the clock
 def test_sender_killed_mid_transfer_receiver_expires_and_frees(spawn):
     alloc = ToyAllocator()
     with ZmqKVReceiver(make_pool(None), on_done=alloc.on_done) as rx:
@@ -242,6 +243,7 @@ def test_sender_killed_mid_transfer_receiver_expires_and_frees(spawn):
         assert alloc.free == set(range(NUM_BLOCKS)) and rx.stats()["active"] == 0
 
 
+@pytest.mark.timing  # a deadline's expiry measured against the clock
 def test_receiver_killed_sender_gives_up_at_deadline(spawn):
     child = spawn("recv", {})
     src_kv = make_pool(2)

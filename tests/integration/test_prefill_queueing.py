@@ -13,7 +13,8 @@ from common.engine.llm import LLM
 from common.engine.sampling_params import SamplingParams
 from tests.integration.test_workers import ServiceProcess, decode_collect, wait_all_blocks_free
 
-pytestmark = pytest.mark.slow
+# A 1 s transfer timeout that a loaded machine could miss: it runs on its own.
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 NUM_REQUESTS = 6
