@@ -37,6 +37,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "check_message.h"
+
 #if defined(__AVX512BF16__) || defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define PDSERVE_GEMV 1
 #include <immintrin.h>
@@ -339,12 +341,12 @@ void q8_0_rows_fp32_math(const float* x, const uint8_t* blocks, const T* bias, T
 
 void check_x_and_bias(const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t N, at::ScalarType dtype,
                       const char* op) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, op, ": x must be ", dtype, " [M, K], got ", x.scalar_type(),
-              " ", x.sizes());
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, op, ": 1 to ", kMaxRows, " rows of x, got ", x.size(0));
+  PDSERVE_CHECK(x.dim() == 2 && x.scalar_type() == dtype, op, ": x must be ", dtype, " [M, K], got ", x.scalar_type(),
+                " ", x.sizes());
+  PDSERVE_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, op, ": 1 to ", kMaxRows, " rows of x, got ", x.size(0));
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == dtype && bias->numel() == N && bias->is_contiguous(), op, ": a contiguous ",
-                dtype, " bias of ", N, " values expected");
+    PDSERVE_CHECK(bias->scalar_type() == dtype && bias->numel() == N && bias->is_contiguous(), op, ": a contiguous ",
+                  dtype, " bias of ", N, " values expected");
   }
 }
 
@@ -362,15 +364,15 @@ void for_row_ranges(int64_t M, int64_t N, RowsFn rows) {
 }
 
 at::Tensor q4_1_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& blocks) {
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-                  blocks.size(1) % kQ4BlockBytes == 0,
-              "q4_1_gemv: blocks must be contiguous uint8 [N, K / 32 * 20], got ", blocks.scalar_type(), " ",
-              blocks.sizes());
+  PDSERVE_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+                    blocks.size(1) % kQ4BlockBytes == 0,
+                "q4_1_gemv: blocks must be contiguous uint8 [N, K / 32 * 20], got ", blocks.scalar_type(), " ",
+                blocks.sizes());
   const int64_t N = blocks.size(0), K = blocks.size(1) / kQ4BlockBytes * kQ4Block;
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "q4_1_gemv: x must be bf16 or fp32, got ", x.scalar_type());
+  PDSERVE_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+                "q4_1_gemv: x must be bf16 or fp32, got ", x.scalar_type());
   check_x_and_bias(x, bias, N, x.scalar_type(), "q4_1_gemv");
-  TORCH_CHECK(x.size(1) == K, "q4_1_gemv: x has ", x.size(1), " columns, the blocks ", K);
+  PDSERVE_CHECK(x.size(1) == K, "q4_1_gemv: x has ", x.size(1), " columns, the blocks ", K);
 #ifdef PDSERVE_GEMV
   const int64_t M = x.size(0), num_blocks = K / kQ4Block;
   at::Tensor y = at::empty({M, N}, x.options());
@@ -403,20 +405,20 @@ at::Tensor q4_1_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias,
   });
   return y;
 #else
-  TORCH_CHECK(false, "q4_1_gemv: built for a CPU without AVX2 and FMA");
+  PDSERVE_CHECK(false, "q4_1_gemv: built for a CPU without AVX2 and FMA");
 #endif
 }
 
 at::Tensor q8_0_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& blocks) {
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-                  blocks.size(1) % kQ8BlockBytes == 0,
-              "q8_0_gemv: blocks must be contiguous uint8 [N, K / 32 * 34], got ", blocks.scalar_type(), " ",
-              blocks.sizes());
+  PDSERVE_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+                    blocks.size(1) % kQ8BlockBytes == 0,
+                "q8_0_gemv: blocks must be contiguous uint8 [N, K / 32 * 34], got ", blocks.scalar_type(), " ",
+                blocks.sizes());
   const int64_t N = blocks.size(0), K = blocks.size(1) / kQ8BlockBytes * kQ8Block;
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "q8_0_gemv: x must be bf16 or fp32, got ", x.scalar_type());
+  PDSERVE_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+                "q8_0_gemv: x must be bf16 or fp32, got ", x.scalar_type());
   check_x_and_bias(x, bias, N, x.scalar_type(), "q8_0_gemv");
-  TORCH_CHECK(x.size(1) == K, "q8_0_gemv: x has ", x.size(1), " columns, the blocks ", K);
+  PDSERVE_CHECK(x.size(1) == K, "q8_0_gemv: x has ", x.size(1), " columns, the blocks ", K);
 #ifdef PDSERVE_GEMV
   const int64_t M = x.size(0);
   const FloatRows xf = float_rows(x);
@@ -431,19 +433,19 @@ at::Tensor q8_0_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias,
   });
   return y;
 #else
-  TORCH_CHECK(false, "q8_0_gemv: built for a CPU without AVX2 and FMA");
+  PDSERVE_CHECK(false, "q8_0_gemv: built for a CPU without AVX2 and FMA");
 #endif
 }
 
 at::Tensor gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat) &&
-                  weight.is_contiguous(),
-              "gemv: the weight must be contiguous bf16 or fp32 [N, K], got ", weight.scalar_type(), " ",
-              weight.sizes(), weight.is_contiguous() ? "" : " (not contiguous)");
+  PDSERVE_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat) &&
+                    weight.is_contiguous(),
+                "gemv: the weight must be contiguous bf16 or fp32 [N, K], got ", weight.scalar_type(), " ",
+                weight.sizes(), weight.is_contiguous() ? "" : " (not contiguous)");
   check_x_and_bias(x, bias, weight.size(0), weight.scalar_type(), "gemv");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(K == weight.size(1), "gemv: x has ", K, " columns, the weight ", weight.size(1));
-  TORCH_CHECK(K % kStep == 0, "gemv: in_features must be a multiple of ", kStep, ", got ", K);
+  PDSERVE_CHECK(K == weight.size(1), "gemv: x has ", K, " columns, the weight ", weight.size(1));
+  PDSERVE_CHECK(K % kStep == 0, "gemv: in_features must be a multiple of ", kStep, ", got ", K);
 #ifdef PDSERVE_GEMV
   at::Tensor y = at::empty({M, N}, x.options());
   if (weight.scalar_type() == at::kFloat) {
@@ -473,7 +475,7 @@ at::Tensor gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, cons
 #endif
   return y;
 #else
-  TORCH_CHECK(false, "gemv: built for a CPU without AVX2 and FMA");
+  PDSERVE_CHECK(false, "gemv: built for a CPU without AVX2 and FMA");
 #endif
 }
 
@@ -510,15 +512,15 @@ std::vector<std::optional<PrepackedLinear>> linears;
 
 void register_linear(int64_t weight_id, const at::Tensor& packed, const std::optional<at::Tensor>& row_major,
                      const std::optional<at::Tensor>& q8_0_blocks) {
-  TORCH_CHECK(weight_id >= 0, "register_linear: weight_id must be >= 0, got ", weight_id);
+  PDSERVE_CHECK(weight_id >= 0, "register_linear: weight_id must be >= 0, got ", weight_id);
   if (row_major.has_value())
-    TORCH_CHECK(row_major->dim() == 2 && row_major->is_contiguous() &&
-                    (row_major->scalar_type() == at::kBFloat16 || row_major->scalar_type() == at::kFloat),
-                "register_linear: the row-major weight must be contiguous bf16 or fp32 [N, K]");
+    PDSERVE_CHECK(row_major->dim() == 2 && row_major->is_contiguous() &&
+                      (row_major->scalar_type() == at::kBFloat16 || row_major->scalar_type() == at::kFloat),
+                  "register_linear: the row-major weight must be contiguous bf16 or fp32 [N, K]");
   if (q8_0_blocks.has_value())
-    TORCH_CHECK(q8_0_blocks->dim() == 2 && q8_0_blocks->is_contiguous() && q8_0_blocks->scalar_type() == at::kByte &&
-                    q8_0_blocks->size(1) % kQ8BlockBytes == 0,
-                "register_linear: Q8_0 blocks must be contiguous uint8 [N, K / 32 * 34]");
+    PDSERVE_CHECK(q8_0_blocks->dim() == 2 && q8_0_blocks->is_contiguous() && q8_0_blocks->scalar_type() == at::kByte &&
+                      q8_0_blocks->size(1) % kQ8BlockBytes == 0,
+                  "register_linear: Q8_0 blocks must be contiguous uint8 [N, K / 32 * 34]");
   std::lock_guard<std::mutex> lock(linears_mutex);
   if (static_cast<int64_t>(linears.size()) <= weight_id) linears.resize(weight_id + 1);
   linears[weight_id] = PrepackedLinear{packed, row_major, q8_0_blocks};
@@ -533,15 +535,15 @@ void release_linear(int64_t weight_id) {
 // (each passes its own ids as inputs; an int would be a constant of the compiled code).
 at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                             const at::Tensor& weight_id_tensor, int64_t out_features) {
-  TORCH_CHECK(weight_id_tensor.dim() == 0 && weight_id_tensor.scalar_type() == at::kLong &&
-                  weight_id_tensor.is_cpu(),
-              "prepacked_linear: weight_id must be a 0-d int64 CPU tensor");
+  PDSERVE_CHECK(weight_id_tensor.dim() == 0 && weight_id_tensor.scalar_type() == at::kLong &&
+                    weight_id_tensor.is_cpu(),
+                "prepacked_linear: weight_id must be a 0-d int64 CPU tensor");
   const int64_t weight_id = *weight_id_tensor.const_data_ptr<int64_t>();
   PrepackedLinear linear;
   {
     std::lock_guard<std::mutex> lock(linears_mutex);
-    TORCH_CHECK(weight_id >= 0 && weight_id < static_cast<int64_t>(linears.size()) && linears[weight_id].has_value(),
-                "prepacked_linear: no linear is registered as ", weight_id);
+    PDSERVE_CHECK(weight_id >= 0 && weight_id < static_cast<int64_t>(linears.size()) && linears[weight_id].has_value(),
+                  "prepacked_linear: no linear is registered as ", weight_id);
     linear = *linears[weight_id];
   }
   at::Tensor y;
@@ -561,8 +563,8 @@ at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>
     scalars.push_back(at::Scalar(-1));
     y = pointwise.call(x.contiguous(), linear.packed, bias, "none", scalars, std::string_view(""));
   }
-  TORCH_CHECK(y.size(-1) == out_features, "prepacked_linear: linear ", weight_id, " has ", y.size(-1),
-              " outputs, the caller expects ", out_features);
+  PDSERVE_CHECK(y.size(-1) == out_features, "prepacked_linear: linear ", weight_id, " has ", y.size(-1),
+                " outputs, the caller expects ", out_features);
   return y;
 }
 

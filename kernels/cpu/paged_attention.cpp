@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "attention_bf16.h"
+#include "check_message.h"
 #include "attention_blocks.h"
 #include "vec_math.h"
 
@@ -137,8 +138,8 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
 
   for (int64_t b = lo / block_size; b * block_size < hi; ++b) {
     const int64_t block_id = block_table[b];
-    TORCH_CHECK_VALUE(block_id >= 0 && block_id < pr.num_blocks, "block table entry ", block_id, " of sequence ",
-                      item.seq, " is outside the cache's ", pr.num_blocks, " blocks");
+    PDSERVE_CHECK_VALUE(block_id >= 0 && block_id < pr.num_blocks, "block table entry ", block_id, " of sequence ",
+                        item.seq, " is outside the cache's ", pr.num_blocks, " blocks");
     const int64_t block_start = b * block_size;
     const T* k_block = k_head + block_id * pr.k_block_stride;
     const T* v_block = v_head + block_id * pr.v_block_stride;
@@ -326,35 +327,36 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
                            const at::Tensor& query_start_loc,  // [num_seqs + 1] int32
                            const at::Tensor& seq_lens,         // [num_seqs] int32
                            double scale, int64_t sliding_window, double logit_softcap) {
-  TORCH_CHECK_VALUE(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-                    "bad q/cache shapes");
-  TORCH_CHECK_VALUE(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-                    "q and the caches must be contiguous in head_dim");
-  TORCH_CHECK_VALUE(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-                    "dtype mismatch");
-  TORCH_CHECK_VALUE(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "head mismatch");
-  TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
-                        seq_lens.scalar_type() == at::kInt,
-                    "metadata must be int32");
-  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.stride(1) == 1,
-                    "block_tables must be [num_seqs, max_blocks]");
+  PDSERVE_CHECK_VALUE(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+                      "bad q/cache shapes");
+  PDSERVE_CHECK_VALUE(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+                      "q and the caches must be contiguous in head_dim");
+  PDSERVE_CHECK_VALUE(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+                      "dtype mismatch");
+  PDSERVE_CHECK_VALUE(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "head mismatch");
+  PDSERVE_CHECK_VALUE(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
+                          seq_lens.scalar_type() == at::kInt,
+                      "metadata must be int32");
+  PDSERVE_CHECK_VALUE(block_tables.dim() == 2 && block_tables.stride(1) == 1,
+                      "block_tables must be [num_seqs, max_blocks]");
   const int64_t num_seqs = block_tables.size(0), max_blocks = block_tables.size(1);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK_VALUE(query_start_loc.is_contiguous() && query_start_loc.numel() == num_seqs + 1, "bad query_start_loc");
-  TORCH_CHECK_VALUE(seq_lens.is_contiguous() && seq_lens.numel() == num_seqs, "bad seq_lens");
+  PDSERVE_CHECK_VALUE(query_start_loc.is_contiguous() && query_start_loc.numel() == num_seqs + 1,
+                      "bad query_start_loc");
+  PDSERVE_CHECK_VALUE(seq_lens.is_contiguous() && seq_lens.numel() == num_seqs, "bad seq_lens");
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  TORCH_CHECK_VALUE(starts[num_seqs] <= q.size(0), "query_start_loc ends past num_tokens");
+  PDSERVE_CHECK_VALUE(starts[num_seqs] <= q.size(0), "query_start_loc ends past num_tokens");
 
   std::vector<WorkItem> items;
   items.reserve(num_seqs);
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t query_len = starts[i + 1] - starts[i], seq_len = lens[i];
-    TORCH_CHECK_VALUE(query_len >= 0, "query_start_loc must be non-decreasing");
+    PDSERVE_CHECK_VALUE(query_len >= 0, "query_start_loc must be non-decreasing");
     if (query_len == 0 || seq_len == 0) continue;  // seq_len 0 is batch padding: zeros
-    TORCH_CHECK_VALUE(seq_len >= query_len, "sequence ", i, ": seq_len ", seq_len, " < query_len ", query_len);
-    TORCH_CHECK_VALUE((seq_len + block_size - 1) / block_size <= max_blocks, "sequence ", i, ": seq_len ", seq_len,
-                " needs more blocks than block_tables has columns");
+    PDSERVE_CHECK_VALUE(seq_len >= query_len, "sequence ", i, ": seq_len ", seq_len, " < query_len ", query_len);
+    PDSERVE_CHECK_VALUE((seq_len + block_size - 1) / block_size <= max_blocks, "sequence ", i, ": seq_len ", seq_len,
+                        " needs more blocks than block_tables has columns");
     for (int64_t t = 0; t < query_len; t += kQueryTile)
       items.push_back({i, starts[i] + t, std::min(kQueryTile, query_len - t), seq_len - query_len + t});
   }
@@ -405,7 +407,7 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
     case at::kFloat: run(float{}); break;
     case at::kBFloat16: run(c10::BFloat16{}); break;
     case at::kHalf: run(c10::Half{}); break;
-    default: TORCH_CHECK_VALUE(false, "paged_attention takes float32, bfloat16 or float16, got ", q.scalar_type());
+    default: PDSERVE_CHECK_VALUE(false, "paged_attention takes float32, bfloat16 or float16, got ", q.scalar_type());
   }
   return out;
 }
@@ -422,22 +424,23 @@ at::Tensor paged_attention_with_kv_write(const at::Tensor& q,        // [num_tok
                                          const at::Tensor& query_start_loc,  // [num_seqs + 1] int32
                                          const at::Tensor& seq_lens,         // [num_seqs] int32
                                          double scale, int64_t sliding_window, double logit_softcap) {
-  TORCH_CHECK_VALUE(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-                    "bad k/v/cache shapes");
-  TORCH_CHECK_VALUE(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k/v heads do not match the cache");
-  TORCH_CHECK_VALUE(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
-                    "k/v dtype differs from the cache's");
-  TORCH_CHECK_VALUE(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
-                    "k/v must be contiguous in head_dim and the caches contiguous");
-  TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                        slot_mapping.numel() == k.size(0),
-                    "slot_mapping must be [num_tokens] int64");
+  PDSERVE_CHECK_VALUE(
+      k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+      "bad k/v/cache shapes");
+  PDSERVE_CHECK_VALUE(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k/v heads do not match the cache");
+  PDSERVE_CHECK_VALUE(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+                      "k/v dtype differs from the cache's");
+  PDSERVE_CHECK_VALUE(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+                      "k/v must be contiguous in head_dim and the caches contiguous");
+  PDSERVE_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                          slot_mapping.numel() == k.size(0),
+                      "slot_mapping must be [num_tokens] int64");
   const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), head_dim = k.size(2);
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t row_bytes = head_dim * k.element_size();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t)
-    TORCH_CHECK_VALUE(slots[t] < num_slots, "slot ", slots[t], " of token ", t, " is past the cache's ", num_slots);
+    PDSERVE_CHECK_VALUE(slots[t] < num_slots, "slot ", slots[t], " of token ", t, " is past the cache's ", num_slots);
   auto* k_dst = static_cast<char*>(k_cache.data_ptr());
   auto* v_dst = static_cast<char*>(v_cache.data_ptr());
   const auto* k_src = static_cast<const char*>(k.data_ptr());
@@ -471,8 +474,8 @@ void set_step(const std::optional<at::Tensor>& slot_mapping, const std::optional
     current_step.reset();
     return;
   }
-  TORCH_CHECK_VALUE(block_tables.has_value() && query_start_loc.has_value() && seq_lens.has_value(),
-                    "set_step: a step needs its slot mapping, block tables, query starts and sequence lengths");
+  PDSERVE_CHECK_VALUE(block_tables.has_value() && query_start_loc.has_value() && seq_lens.has_value(),
+                      "set_step: a step needs its slot mapping, block tables, query starts and sequence lengths");
   current_step = StepBatch{*slot_mapping, *block_tables, *query_start_loc, *seq_lens};
 }
 
@@ -488,10 +491,10 @@ at::Tensor layer_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const at::Tensor& v_cache, double scale, const at::Tensor& layer_idx,
                            std::optional<int64_t> sliding_window, std::optional<double> logit_softcap) {
   if (current_step.has_value() && k_cache.is_contiguous() && v_cache.is_contiguous()) {
-    TORCH_CHECK_VALUE(!sliding_window.has_value() || *sliding_window >= 1,
-                      "sliding_window must be a positive number of positions, got ", *sliding_window);
-    TORCH_CHECK_VALUE(!logit_softcap.has_value() || *logit_softcap > 0, "logit_softcap must be positive, got ",
-                      *logit_softcap);
+    PDSERVE_CHECK_VALUE(!sliding_window.has_value() || *sliding_window >= 1,
+                        "sliding_window must be a positive number of positions, got ", *sliding_window);
+    PDSERVE_CHECK_VALUE(!logit_softcap.has_value() || *logit_softcap > 0, "logit_softcap must be positive, got ",
+                        *logit_softcap);
     const StepBatch& step = *current_step;
     return paged_attention_with_kv_write(q, k, v, k_cache, v_cache, step.slot_mapping, step.block_tables,
                                          step.query_start_loc, step.seq_lens, scale, sliding_window.value_or(0),

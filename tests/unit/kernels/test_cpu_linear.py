@@ -61,12 +61,14 @@ def test_rows_are_independent(dtype):
 
 
 @pytest.mark.parametrize("x, weight, message", [
-    (torch.zeros(GEMV_MAX_ROWS + 1, 32, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16), "rows"),
-    (torch.zeros(1, 40, dtype=torch.bfloat16), torch.zeros(8, 40, dtype=torch.bfloat16), "multiple of 32"),
+    (torch.zeros(GEMV_MAX_ROWS + 1, 32, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16),
+     f"1 to {GEMV_MAX_ROWS} rows of x, got {GEMV_MAX_ROWS + 1}"),
+    (torch.zeros(1, 40, dtype=torch.bfloat16), torch.zeros(8, 40, dtype=torch.bfloat16), "multiple of 32, got 40"),
     (torch.zeros(1, 32, dtype=torch.half), torch.zeros(8, 32, dtype=torch.half), "bf16 or fp32"),
-    (torch.zeros(1, 32), torch.zeros(8, 32, dtype=torch.bfloat16), "x must be BFloat16"),
+    (torch.zeros(1, 32), torch.zeros(8, 32, dtype=torch.bfloat16), r"x must be BFloat16 \[M, K\], got Float \[1, 32\]"),
     (torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(8, 32), "x must be Float"),
-    (torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16), "columns"),
+    (torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16),
+     "x has 32 columns, the weight 64"),
     (torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(32, 8, dtype=torch.bfloat16).t(), "contiguous"),
 ])
 def test_refuses_what_it_cannot_compute(x, weight, message):
@@ -75,7 +77,7 @@ def test_refuses_what_it_cannot_compute(x, weight, message):
 
 
 def test_refuses_a_bias_of_another_dtype():
-    with pytest.raises(RuntimeError, match="contiguous Float bias"):
+    with pytest.raises(RuntimeError, match="a contiguous Float bias of 8 values expected"):
         gemv(torch.zeros(1, 32), torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, 32))
 
 

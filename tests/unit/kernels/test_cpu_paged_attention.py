@@ -141,9 +141,11 @@ def test_prefill_without_context_fp16_and_strided_views():
 def test_bad_block_table_entry_raises_instead_of_reading_outside_the_cache():
     gen = torch.Generator().manual_seed(12)
     k_cache, v_cache, block_tables, _, _ = make_paged([20], 16, gen, device="cpu")
-    block_tables[0, 1] = k_cache.shape[0]  # within the sequence's 2 blocks
+    num_blocks = k_cache.shape[0]
+    block_tables[0, 1] = num_blocks  # within the sequence's 2 blocks
     q = torch.randn(1, 6, 32, generator=gen)
-    with pytest.raises(ValueError, match="outside the cache"):
+    with pytest.raises(ValueError, match=f"block table entry {num_blocks} of sequence 0 is outside the cache's "
+                                         f"{num_blocks} blocks"):
         decode_attention(q, k_cache, v_cache, block_tables, torch.tensor([20], dtype=torch.int32), 0.1,
                          backend="native")
 
@@ -334,8 +336,9 @@ def test_attention_with_kv_write_refuses_a_slot_past_the_cache_and_declines_othe
     q = torch.randn(1, num_kv_heads, head_dim)
     k = v = torch.randn(1, num_kv_heads, head_dim)
     args = (block_tables, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([5], dtype=torch.int32), 0.125)
-    with pytest.raises(ValueError, match="past the cache"):
-        attention_with_kv_write(q, k, v, k_cache, v_cache, torch.tensor([k_cache.shape[0] * 16]), *args)
+    num_slots = k_cache.shape[0] * 16
+    with pytest.raises(ValueError, match=f"slot {num_slots} of token 0 is past the cache's {num_slots}"):
+        attention_with_kv_write(q, k, v, k_cache, v_cache, torch.tensor([num_slots]), *args)
     # Not the native path: None, and the caller writes and attends separately.
     monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "torch")
     assert attention_with_kv_write(q, k, v, k_cache, v_cache, torch.tensor([4]), *args) is None
