@@ -28,12 +28,35 @@ inline float row_probabilities(float* s, int64_t first, int64_t last, int64_t be
 }
 
 // scores[j] = q . k_j for j in [begin, end), q ([kNumVec] Vecs) held in registers.
+// Four keys at a time: one key's dot product is a chain of kNumVec dependent FMAs (8 with
+// head_dim 64 on AVX2), so a key at a time waits on FMA latency where the keys are in
+// cache (one sequence, 1,024 positions: 0.155 -> 0.131 ms a layer on Zen 3; a batch of 64
+// waits on memory instead and did not move). Each key's sum is formed in the same order
+// either way, so the scores are the same bits.
 template <int64_t kNumVec, typename T>
 inline void row_scores(const float* q_row, const T* k_block, int64_t k_pos_stride, int64_t begin, int64_t end,
                        float* scores) {
   Vec q[kNumVec];
   for (int64_t v = 0; v < kNumVec; ++v) q[v] = load_vec(q_row + v * kLanes);
-  for (int64_t j = begin; j < end; ++j) {
+  int64_t j = begin;
+  for (; j + 4 <= end; j += 4) {
+    const T* k0 = k_block + j * k_pos_stride;
+    const T* k1 = k0 + k_pos_stride;
+    const T* k2 = k1 + k_pos_stride;
+    const T* k3 = k2 + k_pos_stride;
+    Vec a0 = q[0] * load_vec(k0), a1 = q[0] * load_vec(k1), a2 = q[0] * load_vec(k2), a3 = q[0] * load_vec(k3);
+    for (int64_t v = 1; v < kNumVec; ++v) {
+      a0 += q[v] * load_vec(k0 + v * kLanes);
+      a1 += q[v] * load_vec(k1 + v * kLanes);
+      a2 += q[v] * load_vec(k2 + v * kLanes);
+      a3 += q[v] * load_vec(k3 + v * kLanes);
+    }
+    scores[j] = hsum(a0);
+    scores[j + 1] = hsum(a1);
+    scores[j + 2] = hsum(a2);
+    scores[j + 3] = hsum(a3);
+  }
+  for (; j < end; ++j) {
     const T* k = k_block + j * k_pos_stride;
     Vec a = q[0] * load_vec(k);
     for (int64_t v = 1; v < kNumVec; ++v) a += q[v] * load_vec(k + v * kLanes);
