@@ -6,10 +6,10 @@ receiver's own I/O thread, which owns the table, so an asyncio caller never bloc
 transfer and a transfer's future resolves only after the last write into its blocks.
 
 The reservation table is transport-agnostic and not thread-safe: each receiver calls it
-from one thread (ZeroMQ) or under one lock (torch.distributed). A reservation only lives here while its
-transfer is open; once DONE/FAILED/EXPIRED its entry (and every reference to the
-destination blocks) is dropped before the owner hears about it, so the owner may free
-or reuse the blocks the moment `on_done` runs. Returned acks are (peer, payload) pairs
+from one thread (ZeroMQ) or under one lock (torch.distributed). A reservation only lives
+here while its transfer is open; once DONE/FAILED/EXPIRED its entry (and every reference
+to the destination blocks) is dropped before the owner hears about it, so the owner may
+free or reuse the blocks the moment `on_done` runs. Returned acks are (peer, payload) pairs
 the transport sends back to the senders.
 
 Several senders may fill one reservation (tensor-parallel ranks of different sizes),
