@@ -4,19 +4,21 @@
 #             (scripts/prepare_gpu_wheels.sh) into a directory of their own, beside the
 #             machine's torch (always done; skipped when that directory already holds them),
 #   kernels   the Triton kernel tests on the GPU (compiled for the device, not interpreted),
+#   cpu-kernels  the native CPU libraries' tests, built with that machine's g++ (their
+#             refusals of bad arguments once crashed a g++ 13 build; see docs/benchmarks.md),
 #   graphs    the CUDA-graph tests (decode steps replayed from captured graphs),
 #   parity    greedy parity with Hugging Face on the GPU (fp32, bundled model, eager),
 #   offline   the offline benchmark in bf16: compiled with CUDA graphs (beside Hugging Face on
 #             the same GPU), compiled without graphs, and eager,
 # then writes the figures into docs/benchmarks.md (and, with $OUT set, copies under $OUT).
 #   scripts/gpu_check.sh [WHEEL_DIR [STEP...]]   (WHEEL_DIR default: wheels/, or $PDSERVE_WHEELS;
-#                                                STEP default: kernels graphs parity offline)
+#                                                STEP default: kernels cpu-kernels graphs parity offline)
 # Each step runs under its own time limit, so one that hangs leaves the others their time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${1:-${PDSERVE_WHEELS:-wheels}}
 shift || true
-STEPS=${*:-kernels graphs parity offline}
+STEPS=${*:-kernels cpu-kernels graphs parity offline}
 RESULTS=${PDSERVE_GPU_RESULTS:-gpu-check}
 SITE=${PDSERVE_SITE:-$RESULTS/site}
 PY=${PYTHON:-python3}
@@ -56,6 +58,8 @@ for s in $STEPS; do
     case $s in
         kernels) step kernels 240 "${PYTEST[@]}" tests/unit/kernels/test_kernels.py \
                      tests/unit/kernels/test_attention_features.py ;;
+        cpu-kernels) step cpu-kernels 240 "${PYTEST[@]}" tests/unit/kernels/test_cpu_paged_attention.py \
+                         tests/unit/kernels/test_cpu_linear.py ;;
         graphs) step graphs 150 "${PYTEST[@]}" tests/unit/common/engine/test_cuda_graphs.py ;;
         parity) step parity 150 env PDSERVE_DTYPE=float32 PDSERVE_ENFORCE_EAGER=1 "${PYTEST[@]}" \
                     tests/integration/test_parity_bundled.py ;;
@@ -83,7 +87,9 @@ def outcome(name):
     return f"{summary.strip('= ')} ({lines[-1]})"
 lines = [f"\n## GPU check ({datetime.date.today()}, {device})\n",
          f"Command: `scripts/gpu_check.sh WHEEL_DIR {' '.join(steps)}` on the GPU machine.\n"]
-for name, what in (("kernels", "Triton kernel tests on the GPU"), ("graphs", "CUDA-graph tests"),
+for name, what in (("kernels", "Triton kernel tests on the GPU"),
+                   ("cpu-kernels", "native CPU kernel tests, built with this machine's g++"),
+                   ("graphs", "CUDA-graph tests"),
                    ("parity", "greedy parity with Hugging Face (fp32, eager)")):
     if name in steps:
         lines.append(f"- {what}: {outcome(name)}")
