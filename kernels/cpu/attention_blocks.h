@@ -27,60 +27,96 @@ inline float row_probabilities(float* s, int64_t first, int64_t last, int64_t be
   return hsum(sum);
 }
 
-// scores[j] = q . k_j for j in [begin, end), q ([kNumVec] Vecs) held in registers.
-// Four keys at a time: one key's dot product is a chain of kNumVec dependent FMAs (8 with
-// head_dim 64 on AVX2), so a key at a time waits on FMA latency where the keys are in
-// cache (one sequence, 1,024 positions: 0.155 -> 0.131 ms a layer on Zen 3; a batch of 64
-// waits on memory instead and did not move). Each key's sum is formed in the same order
-// either way, so the scores are the same bits.
-template <int64_t kNumVec, typename T>
-inline void row_scores(const float* q_row, const T* k_block, int64_t k_pos_stride, int64_t begin, int64_t end,
-                       float* scores) {
-  Vec q[kNumVec];
-  for (int64_t v = 0; v < kNumVec; ++v) q[v] = load_vec(q_row + v * kLanes);
+// {hsum(a0), hsum(a1), hsum(a2), hsum(a3)} by one transposing add tree: three
+// pairwise steps serve all four sums, where four hsums take three each.
+typedef float Vec4 __attribute__((vector_size(4 * sizeof(float))));
+inline Vec4 hsum4(Vec a0, Vec a1, Vec a2, Vec a3) {
+  typedef float Vec8 __attribute__((vector_size(8 * sizeof(float))));
+#if defined(__AVX512F__)
+  auto fold = [](Vec v) -> Vec8 {
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  };
+#else
+  auto fold = [](Vec v) -> Vec8 { return v; };
+#endif
+  // pair(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7] (vhaddps)
+  auto pair = [](Vec8 a, Vec8 b) -> Vec8 {
+    return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+  };
+  const Vec8 u = pair(pair(fold(a0), fold(a1)), pair(fold(a2), fold(a3)));  // [lower halves' sums | upper]
+  return __builtin_shufflevector(u, u, 0, 1, 2, 3) + __builtin_shufflevector(u, u, 4, 5, 6, 7);
+}
+
+// Query rows a work item scores together where it does not transpose K (a decode token's
+// group of query heads): every K load serves them all. With AVX2's 16 registers, 3 rows x 4
+// keys of accumulators plus the loads just fit.
+constexpr int64_t kScoreRows = kLanes == 16 ? 4 : 3;
+
+// scores[r * score_stride + j] = q_r . k_j for R rows and j in [begin, end), four keys at a
+// time: R x 4 independent FMA chains (one key's dot product alone is a chain of kNumVec
+// dependent FMAs that waits on FMA latency), one add tree for four keys' sums.
+template <int64_t kNumVec, int64_t R, typename T>
+inline void rows_scores(const float* q_rows, int64_t q_stride, const T* k_block, int64_t k_pos_stride, int64_t begin,
+                        int64_t end, float* scores, int64_t score_stride) {
   int64_t j = begin;
   for (; j + 4 <= end; j += 4) {
     const T* k0 = k_block + j * k_pos_stride;
-    const T* k1 = k0 + k_pos_stride;
-    const T* k2 = k1 + k_pos_stride;
-    const T* k3 = k2 + k_pos_stride;
-    Vec a0 = q[0] * load_vec(k0), a1 = q[0] * load_vec(k1), a2 = q[0] * load_vec(k2), a3 = q[0] * load_vec(k3);
-    for (int64_t v = 1; v < kNumVec; ++v) {
-      a0 += q[v] * load_vec(k0 + v * kLanes);
-      a1 += q[v] * load_vec(k1 + v * kLanes);
-      a2 += q[v] * load_vec(k2 + v * kLanes);
-      a3 += q[v] * load_vec(k3 + v * kLanes);
+    Vec acc[R][4];
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < 4; ++i) acc[r][i] = Vec{};
+    for (int64_t v = 0; v < kNumVec; ++v) {
+      Vec k[4];
+      for (int64_t i = 0; i < 4; ++i) k[i] = load_vec(k0 + i * k_pos_stride + v * kLanes);
+      for (int64_t r = 0; r < R; ++r) {
+        const Vec q = load_vec(q_rows + r * q_stride + v * kLanes);
+        for (int64_t i = 0; i < 4; ++i) acc[r][i] += q * k[i];
+      }
     }
-    scores[j] = hsum(a0);
-    scores[j + 1] = hsum(a1);
-    scores[j + 2] = hsum(a2);
-    scores[j + 3] = hsum(a3);
+    for (int64_t r = 0; r < R; ++r) {
+      const Vec4 sums = hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+      std::memcpy(scores + r * score_stride + j, &sums, sizeof sums);
+    }
   }
   for (; j < end; ++j) {
     const T* k = k_block + j * k_pos_stride;
-    Vec a = q[0] * load_vec(k);
-    for (int64_t v = 1; v < kNumVec; ++v) a += q[v] * load_vec(k + v * kLanes);
-    scores[j] = hsum(a);
+    for (int64_t r = 0; r < R; ++r) {
+      Vec a{};
+      for (int64_t v = 0; v < kNumVec; ++v) a += load_vec(q_rows + r * q_stride + v * kLanes) * load_vec(k + v * kLanes);
+      scores[r * score_stride + j] = hsum(a);
+    }
   }
 }
 
-// kRows rows at once: acc_r += sum_j p_r[j] v_j for j in [begin, end), where p_r is 0
-// outside row r's own keys; every V load serves all kRows rows, whose accumulators stay
-// in registers (kRows x kNumVec Vecs).
-template <int64_t kNumVec, int64_t kRows, typename T>
+// Rows a P.V pass accumulates together, and the Vecs of head_dim each pass covers: the
+// kAccumRows x kAccumVecs accumulators, one V load and one broadcast p fit the registers
+// (12 + 2 of AVX2's 16; 24 + 2 of AVX-512's 32).
+constexpr int64_t kAccumRows = kLanes == 16 ? 6 : 3;
+constexpr int64_t kAccumVecs = 4;
+
+// R rows at once: acc_r += sum_j p_r[j] v_j for j in [begin, end), where p_r is 0 outside
+// row r's own keys; every V load serves all R rows. head_dim goes in passes of
+// kAccumVecs Vecs, each over its own part of the V rows, so nothing is loaded twice.
+template <int64_t kNumVec, int64_t R, typename T>
 inline void rows_accumulate(float* acc_rows, int64_t acc_stride, const float* p_rows, int64_t p_stride,
                             const T* v_block, int64_t v_pos_stride, int64_t begin, int64_t end) {
-  Vec acc[kRows][kNumVec];
-  for (int64_t r = 0; r < kRows; ++r)
-    for (int64_t v = 0; v < kNumVec; ++v) acc[r][v] = load_vec(acc_rows + r * acc_stride + v * kLanes);
-  for (int64_t j = begin; j < end; ++j) {
-    const T* v_row = v_block + j * v_pos_stride;
-    for (int64_t v = 0; v < kNumVec; ++v) {
-      const Vec x = load_vec(v_row + v * kLanes);
-      for (int64_t r = 0; r < kRows; ++r) acc[r][v] += p_rows[r * p_stride + j] * x;
+  constexpr int64_t kChunk = kNumVec < kAccumVecs ? kNumVec : kAccumVecs;
+  static_assert(kNumVec % kChunk == 0);
+  for (int64_t c = 0; c < kNumVec; c += kChunk) {
+    Vec acc[R][kChunk];
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t v = 0; v < kChunk; ++v) acc[r][v] = load_vec(acc_rows + r * acc_stride + (c + v) * kLanes);
+    for (int64_t j = begin; j < end; ++j) {
+      const T* v_row = v_block + j * v_pos_stride + c * kLanes;
+      for (int64_t v = 0; v < kChunk; ++v) {
+        const Vec x = load_vec(v_row + v * kLanes);
+        for (int64_t r = 0; r < R; ++r) acc[r][v] += p_rows[r * p_stride + j] * x;
+      }
     }
+    for (int64_t r = 0; r < R; ++r)
+      std::memcpy(acc_rows + r * acc_stride + c * kLanes, acc[r], sizeof acc[r]);
   }
-  for (int64_t r = 0; r < kRows; ++r) std::memcpy(acc_rows + r * acc_stride, acc[r], sizeof acc[r]);
 }
 
 // Many rows (prefill tiles): transpose the block's K once, then each row's scores for

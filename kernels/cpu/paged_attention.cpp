@@ -80,6 +80,23 @@ struct Problem {
   float* partials;  // [num_partials, num_kv_heads, group, head_dim + 2]: acc, then max and sum
 };
 
+// fn.template operator()<R>(r) over rows [0, num_rows) in groups of kGroup rows, then the
+// rest (fewer than kGroup) as one group, so each call's row count is a compile-time constant.
+template <int64_t kGroup, typename Fn>
+inline void for_row_groups(int64_t num_rows, Fn&& fn) {
+  static_assert(kGroup >= 1 && kGroup <= 6);
+  int64_t r = 0;
+  for (; r + kGroup <= num_rows; r += kGroup) fn.template operator()<kGroup>(r);
+  switch (num_rows - r) {
+    case 5: if constexpr (kGroup > 5) fn.template operator()<5>(r); break;
+    case 4: if constexpr (kGroup > 4) fn.template operator()<4>(r); break;
+    case 3: if constexpr (kGroup > 3) fn.template operator()<3>(r); break;
+    case 2: if constexpr (kGroup > 2) fn.template operator()<2>(r); break;
+    case 1: fn.template operator()<1>(r); break;
+    default: break;
+  }
+}
+
 // One work item: the item's query tokens x the kv head's group of query heads ("rows",
 // row r = token r / group, head r % group) against the keys they see, one cache block
 // at a time. kHeadDim > 0 fixes head_dim at compile time: the rows' dot products and
@@ -163,17 +180,24 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
         transposed_scores<kHeadDim>(q_rows, num_rows, k_block, pr.k_pos_stride, keys_begin, keys_end, score_stride,
                                     k_t, scores);
       } else {
-        for (int64_t r = 0; r < num_rows; ++r) {
-          if (row_begin[r] >= row_end[r]) continue;
-          float* s = scores + r * score_stride;
 #ifdef PDSERVE_BF16_DOT
-          if constexpr (kBf16Dot) {
-            row_scores_bf16<kHeadDim>(q_bf16 + r * head_dim, k_block, pr.k_pos_stride, row_begin[r], row_end[r],
-                                      pr.scale, s);
-            continue;
-          }
+        if constexpr (kBf16Dot) {
+          for (int64_t r = 0; r < num_rows; ++r)
+            if (row_begin[r] < row_end[r])
+              row_scores_bf16<kHeadDim>(q_bf16 + r * head_dim, k_block, pr.k_pos_stride, row_begin[r], row_end[r],
+                                        pr.scale, scores + r * score_stride);
+        } else
 #endif
-          row_scores<kNumVec>(q_rows + r * head_dim, k_block, pr.k_pos_stride, row_begin[r], row_end[r], s);
+        {
+          // Rows in groups of kScoreRows over the union of their keys (what a row does not
+          // see is scored too and skipped by the softmax).
+          for_row_groups<kScoreRows>(num_rows, [&]<int64_t R>(int64_t r) {
+            const int64_t begin = *std::min_element(row_begin + r, row_begin + r + R);
+            const int64_t end = *std::max_element(row_end + r, row_end + r + R);
+            if (begin < end)
+              rows_scores<kNumVec, R>(q_rows + r * head_dim, head_dim, k_block, pr.k_pos_stride, begin, end,
+                                      scores + r * score_stride, score_stride);
+          });
         }
       }
     } else {  // each K row loaded once for all rows
@@ -212,22 +236,13 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
     if constexpr (kNumVec > 0) {
       // Softmax left p = 0 on [keys_begin, keys_end) outside a row's keys, and those V rows
       // are real cached positions, so a group of rows runs over the union of its ranges.
-      constexpr int64_t kRows = kNumVec <= 4 ? 4 : kNumVec <= 8 ? 2 : 1;  // accumulators fit in registers
-      auto accumulate = [&]<int64_t R>(int64_t r) {
+      for_row_groups<kAccumRows>(num_rows, [&]<int64_t R>(int64_t r) {
         const int64_t begin = *std::min_element(row_begin + r, row_begin + r + R);
         const int64_t end = *std::max_element(row_end + r, row_end + r + R);
         if (begin < end)
           rows_accumulate<kNumVec, R>(acc + r * head_dim, head_dim, scores + r * score_stride, score_stride, v_block,
                                       pr.v_pos_stride, begin, end);
-      };
-      int64_t r = 0;
-      for (; r + kRows <= num_rows; r += kRows) accumulate.template operator()<kRows>(r);
-      switch (num_rows - r) {  // the rest (a decode token's group of 3, say) in one pass too
-        case 3: if constexpr (kRows > 3) accumulate.template operator()<3>(r); break;
-        case 2: if constexpr (kRows > 2) accumulate.template operator()<2>(r); break;
-        case 1: accumulate.template operator()<1>(r); break;
-        default: break;
-      }
+      });
     } else {  // each V row loaded once for all rows
       for (int64_t j = keys_begin; j < keys_end; ++j) {
         const T* v_row = v_block + j * pr.v_pos_stride;
