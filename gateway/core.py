@@ -74,6 +74,7 @@ class Gateway:
         self.metrics = GatewayMetrics(self.policy.name)
         self.registry.subscribe(on_added=self._count_instances, on_removed=self._count_instances,
                                 on_heartbeat=self._observe_heartbeat)
+        self.metrics.watch_instances(self.registry.snapshot)
         self.dispatcher = Dispatcher(self.registry, self.kv_index, self.policy, model.tokenizer,
                                      model.tokenizer.eos_token_ids, self.metrics)
         self.decode_admission = PoolAdmission(self.registry, "decode", settings.max_running_per_decode,

@@ -20,7 +20,8 @@ Two kinds of numbers:
 Every name has the `pdserve_` prefix; counters end in `_total`, durations are in
 seconds and sizes in bytes. Engine metrics carry `role` and `instance_id` labels (a
 handful of series per process); gateway metrics carry only bounded labels (status,
-pool, policy). docs/architecture.md ("Metrics") lists them all.
+pool, policy), but for its per-instance load view (`pool`, `instance_id`: one series per
+live instance). docs/architecture.md ("Metrics") lists them all.
 """
 from __future__ import annotations
 
@@ -163,6 +164,8 @@ class GatewayMetrics(ServiceMetrics):
                                        "heartbeats of one instance as the gateway receives them; "
                                        "--heartbeat-timeout must stay above its tail", ["pool"],
                                        registry=r, buckets=HEARTBEAT_GAP_BUCKETS)
+        self.instance_load = InstanceLoadCollector()
+        r.register(self.instance_load)
         for pool in POOLS:  # present, at 0, before any instance registers
             self.instances_alive.labels(pool).set(0)
             for result in ("placed", "none"):
@@ -181,6 +184,47 @@ class GatewayMetrics(ServiceMetrics):
     def heartbeat_received(self, pool: str, gap_s: float | None) -> None:
         if gap_s is not None:
             self.heartbeat_gap.labels(pool).observe(gap_s)
+
+    def watch_instances(self, instances: Callable[[], Iterable[Any]]) -> None:
+        """Export each live instance's load as placement sees it (InstanceLoadCollector)."""
+        self.instance_load.instances = instances
+
+
+class InstanceLoadCollector(Collector):
+    """The gateway's estimate of each live instance's load, read when scraped: what
+    placement weighs (the instance's last heartbeat plus what this gateway has dispatched
+    there and seen finish since; gateway.routing.load_estimate). One series per live
+    instance, so one that leaves drops out instead of freezing at its last value.
+
+    `instances()` returns objects with role, instance_id, num_requests,
+    queued_prefill_tokens and free_blocks (the registry's Instance); it runs on the
+    scrape thread, so it must only take a snapshot.
+    """
+
+    def __init__(self) -> None:
+        self.instances: Callable[[], Iterable[Any]] = tuple
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families(())
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families(self.instances())
+
+    @staticmethod
+    def _families(instances: Iterable[Any]) -> list[Metric]:
+        names = ["pool", "instance_id"]
+        requests = GaugeMetricFamily("pdserve_instance_estimated_requests", "Requests running or waiting on "
+                                     "the instance as placement sees them", labels=names)
+        queued = GaugeMetricFamily("pdserve_instance_estimated_queued_prefill_tokens", "Prompt tokens still to "
+                                   "compute on the instance as placement sees them", labels=names)
+        free = GaugeMetricFamily("pdserve_instance_estimated_free_blocks", "Free KV blocks on the instance as "
+                                 "placement sees them", labels=names)
+        for instance in instances:
+            labels = [instance.role, instance.instance_id]
+            requests.add_metric(labels, instance.num_requests)
+            queued.add_metric(labels, instance.queued_prefill_tokens)
+            free.add_metric(labels, instance.free_blocks)
+        return [requests, queued, free]
 
 
 class RequestTimer:

@@ -14,8 +14,9 @@ secret (Instance.secret) that its Heartbeat and Deregister calls must present, s
 one instance cannot speak for another's id; registering a live id again is allowed only
 at the same address (a restart at that address).
 
-Plain Python and single-threaded (call it from the gateway's event loop); the
-clock is injectable so tests and the placement simulation control time.
+Plain Python and single-threaded (call it from the gateway's event loop; `snapshot` alone
+is safe from another thread); the clock is injectable so tests and the placement
+simulation control time.
 """
 from __future__ import annotations
 
@@ -182,6 +183,12 @@ class InstanceRegistry:
 
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)
+
+    def snapshot(self) -> list[Instance]:
+        """Every registered instance, taken in one step: the one call that is safe from
+        another thread (the metrics scrape), since list() of a dict view copies it without
+        yielding to the event loop's thread mid-way."""
+        return list(self._instances.values())
 
     def instances(self, role: Role) -> list[Instance]:
         """Live instances of a role, by id; ones past the timeout are left out even

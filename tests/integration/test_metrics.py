@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from common.cli.up import LocalStack
 from gateway.client import Client
+from tests.support.scrape import Samples, scrape, total
 
 pytestmark = pytest.mark.slow
 
@@ -34,26 +33,6 @@ def stack(tmp_path_factory):
                                        "--log-level", "INFO", "--local-prefill-threshold", "0"],
                     log_dir=log_dir) as local_stack:
         yield local_stack
-
-
-Samples = dict[tuple[str, frozenset], float]
-
-
-def scrape(address: str) -> Samples:
-    """{(sample name, labels): value}, parsed the way Prometheus parses the exposition."""
-    assert address, "the process printed no metrics= field in its READY line"
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
-        assert response.status == 200
-        assert response.headers["Content-Type"].startswith("text/plain")
-        text = response.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def total(samples: Samples, name: str, **labels) -> float:
-    """Sum of the samples called `name` whose labels include `labels` (0 when none)."""
-    wanted = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and wanted <= ls)
 
 
 def scrape_all(stack: LocalStack) -> dict[str, Samples]:

@@ -20,6 +20,7 @@ from common.cli.up import LocalStack
 from common.engine.sampling_params import SamplingParams
 from gateway.client import AsyncClient, Client
 from protos.pdserve.v1 import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2_grpc
+from tests.support.scrape import scrape
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +81,25 @@ def wait_until_idle(stack: LocalStack, timeout_s: float = 15.0) -> None:
             time.sleep(0.1)
 
 
+def wait_until_the_gateway_sees_no_load(stack: LocalStack, timeout_s: float = 15.0) -> None:
+    """Until placement's own estimate of every live instance (the gateway's metrics) holds
+    no request and no queued prefill: a heartbeat whose snapshot was taken while a request
+    ran can arrive after the gateway saw it finish, and counts it until the next one."""
+    live = {name for name, process in stack.instances.items() if not process.stopping}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape(stack.gateway.metrics_address)
+        seen = {dict(labels)["instance_id"] for name, labels in samples
+                if name == "pdserve_instance_estimated_requests"}
+        busy = {(name, dict(labels)["instance_id"]): value for (name, labels), value in samples.items()
+                if name in ("pdserve_instance_estimated_requests", "pdserve_instance_estimated_queued_prefill_tokens")
+                and value}
+        if seen >= live and not busy:
+            return
+        assert time.monotonic() < deadline, f"the gateway still counts {busy} (instances seen: {seen})"
+        time.sleep(0.1)
+
+
 def served_by(client: Client, role: str, prompts: list[str]) -> set[str]:
     """Who served these prompts, sent concurrently (so the load spreads them)."""
     def run(prompt):
@@ -105,7 +125,7 @@ def test_greedy_outputs_equal_the_offline_llm_unary_and_streamed(stack, client, 
     fresh = unique_long_prompts("remote", 1)[0]
     first = client.generate(fresh, max_tokens=4, temperature=0)
     assert first.prefill_instance_id.startswith("prefill-")  # computed remotely, KV shipped
-    time.sleep(2.5)  # heartbeats replace the load estimate that still counts the first dispatch
+    wait_until_the_gateway_sees_no_load(stack)
     again = client.generate(fresh, max_tokens=4, temperature=0)
     assert again.usage.cached_prompt_tokens >= 16 * (again.usage.prompt_tokens // 16 - 1), again
     assert again.text == first.text

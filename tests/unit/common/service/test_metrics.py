@@ -203,6 +203,31 @@ def test_gateway_metric_series_exist_before_any_request():
     assert all(name.startswith("pdserve_") for name in all_metric_family_names())
 
 
+def test_gateway_exports_each_live_instance_load_as_placement_sees_it():
+    from common.service.registration import InstanceSpec
+    from gateway.routing.load_estimate import LoadDelta
+    from gateway.routing.registry import InstanceRegistry
+    metrics = GatewayMetrics("prefix_aware")
+    registry = InstanceRegistry()
+    metrics.watch_instances(registry.snapshot)
+    r = metrics.registry
+    assert not [n for n, _ in samples(r) if n.startswith("pdserve_instance_estimated_")]
+    registry.register(InstanceSpec("prefill-0", "prefill", "127.0.0.1:1", num_total_blocks=40))
+    registry.register(InstanceSpec("decode-0", "decode", "127.0.0.1:2", num_total_blocks=50))
+    prefill = registry.get("prefill-0")
+    prefill.estimate.add(LoadDelta(num_requests=2, num_prefill_tokens=300, num_blocks=19))
+    labels = dict(pool="prefill", instance_id="prefill-0")
+    assert value(r, "pdserve_instance_estimated_requests", **labels) == 2
+    assert value(r, "pdserve_instance_estimated_queued_prefill_tokens", **labels) == 300
+    assert value(r, "pdserve_instance_estimated_free_blocks", **labels) == 40 - 19
+    assert value(r, "pdserve_instance_estimated_free_blocks", pool="decode", instance_id="decode-0") == 50
+    prefill.estimate.add(-LoadDelta(num_requests=2, num_prefill_tokens=300, num_blocks=19))  # seen finishing
+    assert value(r, "pdserve_instance_estimated_requests", **labels) == 0
+    registry.deregister("prefill-0")
+    remaining = {ls for n, ls in samples(r) if n == "pdserve_instance_estimated_requests"}
+    assert remaining == {(("instance_id", "decode-0"), ("pool", "decode"))}
+
+
 # ------------------------------------------------------------------------- HTTP endpoint
 
 def scrape(address: str) -> dict[str, list]:
@@ -329,6 +354,9 @@ def test_gateway_counts_requests_and_logs_them_with_their_id():
     placed = {(s.labels["pool"], s.labels["result"]): s.value for s in after["pdserve_placement_decisions"]}
     assert placed[("decode", "placed")] == 2 and placed[("prefill", "none")] == 2
     assert {s.labels["pool"]: s.value for s in after["pdserve_instances_alive"]}["decode"] == 1
+    # The gateway saw both requests finish: its estimate of decode-0 holds none of them.
+    assert [(s.labels, s.value) for s in after["pdserve_instance_estimated_requests"]] == [
+        ({"pool": "decode", "instance_id": "decode-0"}, 0)]
     lines = [json.loads(line) for line in log_lines.getvalue().splitlines()]
     starts = [line for line in lines if line["msg"] == "request start"]
     ends = [line for line in lines if line["msg"] == "request end"]
