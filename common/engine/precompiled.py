@@ -35,6 +35,7 @@ import hashlib
 import importlib
 import inspect
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -50,6 +51,13 @@ from kernels.cpu_attention import cpu_attention_backend
 from kernels.cpu_linear import native_gemv_available
 
 logger = logging.getLogger(__name__)
+
+# A saved method not loaded or written for this long is removed when another file of the
+# same method is saved: each new key (a torch upgrade, an edit of this module, another
+# thread count) leaves its predecessor behind, while keys in use side by side (the offline
+# engine and a local stack's one-thread workers differ in thread count) are touched at
+# every load and stay.
+STALE_ARTIFACT_AGE_S = 14 * 24 * 3600
 
 
 class PrecompiledMethod:
@@ -112,6 +120,7 @@ class PrecompiledMethod:
             loaded = _load(path, what, method.__globals__)
             if loaded is not None:
                 logger.info("loaded the compiled %s from %s in %.1f s", what, path, time.perf_counter() - started)
+                _mark_used(path)
                 self.source = "loaded"
                 return functools.partial(loaded, self.model)
         try:
@@ -135,6 +144,8 @@ class PrecompiledMethod:
         except Exception as exc:  # noqa: BLE001 - a full disk or an object pickle refuses: run unsaved
             logger.warning("cannot save the compiled %s to %s (%s: %s): the next start compiles it again",
                            what, path, type(exc).__name__, exc)
+        else:
+            remove_stale_artifacts(self.cache_dir, self.name, keep=path)
         logger.info("compiled %s ahead of time in %.1f s (saved to %s)", what, time.perf_counter() - started, path)
         self.source = "compiled"
         return functools.partial(compiled, self.model)
@@ -198,6 +209,37 @@ def _mark_argument_sizes_dynamic(args: tuple, kwargs: dict) -> None:
             dims = [dim for dim in range(value.dim()) if dim not in unbacked]
             if dims:
                 torch._dynamo.maybe_mark_dynamic(value, dims)
+
+
+def _mark_used(path: Path) -> None:
+    """Its modification time is now: what remove_stale_artifacts goes by."""
+    try:
+        os.utime(path)
+    except OSError:  # a read-only cache still serves
+        pass
+
+
+def remove_stale_artifacts(cache_dir: Path, name: str, keep: Path, max_age_s: float = STALE_ARTIFACT_AGE_S,
+                           now: float | None = None) -> list[Path]:
+    """Remove the saved files of method `name` (and their locks) other than `keep` that
+    were last loaded or written more than max_age_s ago; return them."""
+    now = time.time() if now is None else now
+    removed = []
+    for path in sorted(cache_dir.glob(f"{name}-*.bin")):
+        if path == keep:
+            continue
+        try:
+            if now - path.stat().st_mtime <= max_age_s:
+                continue
+            path.unlink()
+            path.with_suffix(".lock").unlink(missing_ok=True)
+        except OSError:  # removed by another process meanwhile, or not ours to remove
+            continue
+        removed.append(path)
+    if removed:
+        logger.info("removed %d compiled %s file(s) unused for %d days: %s", len(removed), name,
+                    max_age_s // 86400, ", ".join(p.name for p in removed))
+    return removed
 
 
 def _load(path: Path, what: str, method_globals: dict[str, Any]) -> Callable | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.engine.precompiled import PrecompiledMethod
+from common.engine.precompiled import STALE_ARTIFACT_AGE_S, PrecompiledMethod, remove_stale_artifacts
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 
@@ -35,7 +35,7 @@ _RUN_SCRIPT = """
 import json, sys
 from pathlib import Path
 import torch
-from common.engine.precompiled import PrecompiledMethod
+from common.engine.precompiled import STALE_ARTIFACT_AGE_S, PrecompiledMethod, remove_stale_artifacts
 from toy_model import Toy
 toy = Toy()
 method = PrecompiledMethod(toy, "forward", Path(sys.argv[1]), fallback=lambda: toy.forward)
@@ -192,3 +192,47 @@ def test_a_cache_directory_that_cannot_be_written_leaves_the_method_compiled_in_
     method, warnings = _first_call(Toy(), not_a_directory, caplog)
     assert method.source == "compiled"
     assert any("cannot save the compiled Toy.forward" in m for m in warnings)
+
+
+def _age(path: Path, seconds: float) -> None:
+    old = path.stat().st_mtime - seconds
+    os.utime(path, (old, old))
+
+
+def test_saving_removes_the_method_files_left_unused_and_loading_keeps_a_file_in_use(tmp_path, caplog):
+    stale = tmp_path / "Toy.forward-0123456789abcdef01234567.bin"  # another key, e.g. an older torch
+    stale.write_bytes(b"old")
+    stale.with_suffix(".lock").touch()
+    in_use = tmp_path / "Toy.forward-76543210fedcba9876543210.bin"  # another thread count, loaded lately
+    in_use.write_bytes(b"recent")
+    other_method = tmp_path / "Toy.compute_logits-0123456789abcdef01234567.bin"
+    other_method.write_bytes(b"old")
+    for path in (stale, stale.with_suffix(".lock"), other_method):
+        _age(path, STALE_ARTIFACT_AGE_S + 3600)
+    _age(in_use, STALE_ARTIFACT_AGE_S - 3600)
+    toy = Toy()
+    method = PrecompiledMethod(toy, "forward", tmp_path, fallback=lambda: toy.forward)
+    x = torch.arange(8.0).reshape(2, 4)
+    with caplog.at_level(logging.INFO, logger="common.engine.precompiled"):
+        assert torch.equal(method(x), toy(x))
+    assert method.source == "compiled"
+    assert not stale.exists() and not stale.with_suffix(".lock").exists()
+    assert in_use.exists() and other_method.exists()
+    assert any("removed 1 compiled Toy.forward file(s) unused for 14 days" in r.message for r in caplog.records)
+    # A load marks its file used, so a later save of another key keeps it.
+    _age(method.artifact_path, STALE_ARTIFACT_AGE_S + 3600)
+    reloaded, _ = _first_call(Toy(), tmp_path, caplog)
+    assert reloaded.source == "loaded"
+    assert remove_stale_artifacts(tmp_path, "Toy.forward", keep=in_use) == []
+    assert reloaded.artifact_path.exists()
+
+
+def test_stale_files_go_by_their_age_only(tmp_path):
+    keep, young, old = (tmp_path / f"M.forward-{key}.bin" for key in ("a", "b", "c"))
+    for path in (keep, young, old):
+        path.write_bytes(b"x")
+    now = keep.stat().st_mtime
+    _age(keep, 10 * STALE_ARTIFACT_AGE_S)
+    _age(old, 2 * 86400)
+    assert remove_stale_artifacts(tmp_path, "M.forward", keep=keep, max_age_s=86400, now=now) == [old]
+    assert keep.exists() and young.exists()
