@@ -433,7 +433,11 @@ def _reference_metrics() -> tuple[GatewayMetrics, WorkerMetrics]:
     from types import SimpleNamespace
     load = SimpleNamespace(num_running_requests=0, num_waiting_requests=0, num_free_blocks=1,
                            num_total_blocks=1, num_queued_prefill_tokens=0)
-    return GatewayMetrics("prefix_aware"), WorkerMetrics("decode", "reference", lambda: load, dict)
+    gateway = GatewayMetrics("prefix_aware")
+    instance = SimpleNamespace(role="decode", instance_id="reference", num_requests=0, queued_prefill_tokens=0,
+                               free_blocks=1)
+    gateway.watch_instances(lambda: [instance])  # so its per-instance series show
+    return gateway, WorkerMetrics("decode", "reference", lambda: load, dict)
 
 
 def all_metric_family_names() -> set[str]:
