@@ -27,8 +27,8 @@
 #include <vector>
 
 #include "attention_bf16.h"
-#include "check_message.h"
 #include "attention_blocks.h"
+#include "check_message.h"
 #include "vec_math.h"
 
 namespace {
@@ -80,19 +80,26 @@ struct Problem {
   float* partials;  // [num_partials, num_kv_heads, group, head_dim + 2]: acc, then max and sum
 };
 
-// fn.template operator()<R>(r) over rows [0, num_rows) in groups of kGroup rows, then the
-// rest (fewer than kGroup) as one group, so each call's row count is a compile-time constant.
+// Rows [0, num_rows) in groups of kGroup rows, then the rest (fewer than kGroup) as one
+// group, so each call's row count R is a compile-time constant: fn.template operator()<R>(r,
+// begin, end) for each group whose rows see any key of the block, [begin, end) the union of
+// its rows' keys (row_begin / row_end, relative to the block).
 template <int64_t kGroup, typename Fn>
-inline void for_row_groups(int64_t num_rows, Fn&& fn) {
+inline void for_row_groups(int64_t num_rows, const int64_t* row_begin, const int64_t* row_end, Fn&& fn) {
   static_assert(kGroup >= 1 && kGroup <= 6);
+  auto group = [&]<int64_t R>(int64_t r) {
+    const int64_t begin = *std::min_element(row_begin + r, row_begin + r + R);
+    const int64_t end = *std::max_element(row_end + r, row_end + r + R);
+    if (begin < end) fn.template operator()<R>(r, begin, end);
+  };
   int64_t r = 0;
-  for (; r + kGroup <= num_rows; r += kGroup) fn.template operator()<kGroup>(r);
+  for (; r + kGroup <= num_rows; r += kGroup) group.template operator()<kGroup>(r);
   switch (num_rows - r) {
-    case 5: if constexpr (kGroup > 5) fn.template operator()<5>(r); break;
-    case 4: if constexpr (kGroup > 4) fn.template operator()<4>(r); break;
-    case 3: if constexpr (kGroup > 3) fn.template operator()<3>(r); break;
-    case 2: if constexpr (kGroup > 2) fn.template operator()<2>(r); break;
-    case 1: fn.template operator()<1>(r); break;
+    case 5: if constexpr (kGroup > 5) group.template operator()<5>(r); break;
+    case 4: if constexpr (kGroup > 4) group.template operator()<4>(r); break;
+    case 3: if constexpr (kGroup > 3) group.template operator()<3>(r); break;
+    case 2: if constexpr (kGroup > 2) group.template operator()<2>(r); break;
+    case 1: group.template operator()<1>(r); break;
     default: break;
   }
 }
@@ -191,13 +198,11 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
         {
           // Rows in groups of kScoreRows over the union of their keys (what a row does not
           // see is scored too and skipped by the softmax).
-          for_row_groups<kScoreRows>(num_rows, [&]<int64_t R>(int64_t r) {
-            const int64_t begin = *std::min_element(row_begin + r, row_begin + r + R);
-            const int64_t end = *std::max_element(row_end + r, row_end + r + R);
-            if (begin < end)
-              rows_scores<kNumVec, R>(q_rows + r * head_dim, head_dim, k_block, pr.k_pos_stride, begin, end,
-                                      scores + r * score_stride, score_stride);
-          });
+          auto score = [&]<int64_t R>(int64_t r, int64_t begin, int64_t end) {
+            rows_scores<kNumVec, R>(q_rows + r * head_dim, head_dim, k_block, pr.k_pos_stride, begin, end,
+                                    scores + r * score_stride, score_stride);
+          };
+          for_row_groups<kScoreRows>(num_rows, row_begin, row_end, score);
         }
       }
     } else {  // each K row loaded once for all rows
@@ -236,12 +241,9 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
     if constexpr (kNumVec > 0) {
       // Softmax left p = 0 on [keys_begin, keys_end) outside a row's keys, and those V rows
       // are real cached positions, so a group of rows runs over the union of its ranges.
-      for_row_groups<kAccumRows>(num_rows, [&]<int64_t R>(int64_t r) {
-        const int64_t begin = *std::min_element(row_begin + r, row_begin + r + R);
-        const int64_t end = *std::max_element(row_end + r, row_end + r + R);
-        if (begin < end)
-          rows_accumulate<kNumVec, R>(acc + r * head_dim, head_dim, scores + r * score_stride, score_stride, v_block,
-                                      pr.v_pos_stride, begin, end);
+      for_row_groups<kAccumRows>(num_rows, row_begin, row_end, [&]<int64_t R>(int64_t r, int64_t begin, int64_t end) {
+        rows_accumulate<kNumVec, R>(acc + r * head_dim, head_dim, scores + r * score_stride, score_stride, v_block,
+                                    pr.v_pos_stride, begin, end);
       });
     } else {  // each V row loaded once for all rows
       for (int64_t j = keys_begin; j < keys_end; ++j) {
