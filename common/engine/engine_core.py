@@ -20,6 +20,7 @@ from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.kv_connector.factory import make_scheduler_connector
 from common.engine.kv_connector.metadata import KVTransferOutcome
 from common.engine.model_files import load_hf_config, resolve_model
+from common.engine.python_arenas import keep_freed_arenas
 from common.engine.outputs import EngineCoreOutput, RunnerOutput, SchedulerOutput
 from common.engine.request import Request
 from common.engine.scheduler import RemoteKVReservation, Scheduler
@@ -79,6 +80,7 @@ class EngineCore:
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_hf_config(load_hf_config(self.model_dir))
         set_num_threads(config.num_threads)
+        keep_freed_arenas()
         self.executor = executor or make_executor(self.model_config, self.model_dir, config)
         try:
             self._start(config)

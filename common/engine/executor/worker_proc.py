@@ -19,6 +19,7 @@ from typing import Any
 
 from common.engine.config import EngineConfig, ModelConfig
 from common.engine.device import select_device, set_num_threads
+from common.engine.python_arenas import keep_freed_arenas
 from common.engine.distributed.message_queue import QueueHandle, ShmRingQueue
 from common.engine.executor.config_codec import config_from_plain, config_to_plain
 from common.engine.outputs_codec import (
@@ -102,6 +103,7 @@ def worker_main(spec_bytes: bytes, ready_conn: Connection) -> None:
 def _start(spec: WorkerSpec):
     config = spec.engine_config
     set_num_threads(config.num_threads)  # threads are per process: the engine process's setting stays there
+    keep_freed_arenas()
     parallel = config.parallel
     if parallel.world_size > 1:
         _init_distributed(spec)
