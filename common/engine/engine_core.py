@@ -20,8 +20,8 @@ from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.kv_connector.factory import make_scheduler_connector
 from common.engine.kv_connector.metadata import KVTransferOutcome
 from common.engine.model_files import load_hf_config, resolve_model
-from common.engine.python_arenas import keep_freed_arenas
 from common.engine.outputs import EngineCoreOutput, RunnerOutput, SchedulerOutput
+from common.engine.python_arenas import keep_freed_arenas
 from common.engine.request import Request
 from common.engine.scheduler import RemoteKVReservation, Scheduler
 from common.engine.structured_output.manager import StructuredOutputManager

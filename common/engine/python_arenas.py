@@ -1,8 +1,8 @@
 """Keep the memory CPython frees for its frame stack and object arenas, instead of
 unmapping it (kernels/cpu/arena_cache.cpp says why: every munmap interrupts the other
 cores to flush their TLBs). A decode step's Python crosses a 16 KiB frame-stack chunk
-boundary tens of times per token; on the 2-core EPYC a single stream went from ~76 to
-~88 tokens/s with the cache (README, "Execution options").
+boundary tens of times per token; on the 2-core Zen 4 EPYC a bf16 single stream went from
+a median of 75 to 85 tokens/s with the cache (docs/benchmarks.md, "Python's frame stack").
 
 Installed once per engine process, before the model loads; PDSERVE_KEEP_PY_ARENAS=0 turns
 it off. Without a C++ compiler the interpreter keeps its own allocator (one log line)."""
@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 import threading
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ def keep_freed_arenas() -> str | None:
     global _installed
     if os.environ.get("PDSERVE_KEEP_PY_ARENAS", "1") == "0":
         return "PDSERVE_KEEP_PY_ARENAS=0"
+    if not getattr(sys, "_is_gil_enabled", lambda: True)():
+        return "the interpreter runs without its GIL, which the cache relies on"
     with _install_lock:
         if _installed is not None:
             return None

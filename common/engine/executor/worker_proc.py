@@ -19,7 +19,6 @@ from typing import Any
 
 from common.engine.config import EngineConfig, ModelConfig
 from common.engine.device import select_device, set_num_threads
-from common.engine.python_arenas import keep_freed_arenas
 from common.engine.distributed.message_queue import QueueHandle, ShmRingQueue
 from common.engine.executor.config_codec import config_from_plain, config_to_plain
 from common.engine.outputs_codec import (
@@ -30,6 +29,7 @@ from common.engine.outputs_codec import (
     unpack,
 )
 from common.engine.process_exit import skip_collection_at_exit
+from common.engine.python_arenas import keep_freed_arenas
 
 logger = logging.getLogger(__name__)
 
