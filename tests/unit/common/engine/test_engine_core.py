@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 
 import pytest
 
 from common import LLM, SamplingParams
 from common.engine.async_engine import AsyncEngine
+from common.engine.python_arenas import arena_cache_counts
 from common.engine.request import Request
+from kernels.cpu.build import find_compiler
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -92,6 +95,13 @@ def test_max_model_len_beyond_kv_capacity_fails_with_the_fix(tiny_llama_dir):
 
 def test_max_model_len_defaults_to_capacity(make_llm):
     assert make_llm(num_kv_blocks=8).max_model_len == 64  # model limit 512, pool 8 x 8
+
+
+@pytest.mark.skipif(find_compiler() is None or os.environ.get("PDSERVE_KEEP_PY_ARENAS") == "0",
+                    reason="the arena cache is compiled, and on by default")
+def test_an_engine_process_keeps_the_interpreters_freed_arenas(make_llm):
+    make_llm(num_kv_blocks=8)
+    assert arena_cache_counts() is not None  # tests/unit/common/engine/test_python_arenas.py: what it does
 
 
 def test_prompt_longer_than_model_len_names_both_lengths(make_llm):
