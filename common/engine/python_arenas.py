@@ -23,13 +23,14 @@ class _ArenaAllocator(ctypes.Structure):
 
 
 _installed: ctypes.CDLL | None = None  # the loaded library, kept for the life of the process
+_unavailable: str | None = None  # why it could not be built or loaded: not tried again
 _install_lock = threading.Lock()
 
 
 def keep_freed_arenas() -> str | None:
     """Put the cache in front of this interpreter's arena allocator; None once it is in
     place (a second call finds it), else why not."""
-    global _installed
+    global _installed, _unavailable
     if os.environ.get("PDSERVE_KEEP_PY_ARENAS", "1") == "0":
         return "PDSERVE_KEEP_PY_ARENAS=0"
     if not getattr(sys, "_is_gil_enabled", lambda: True)():
@@ -37,12 +38,15 @@ def keep_freed_arenas() -> str | None:
     with _install_lock:
         if _installed is not None:
             return None
+        if _unavailable is not None:  # every engine of the process asks; one build attempt, one log line
+            return _unavailable
         from kernels.cpu.build import BuildError, build_library
         try:
             library = ctypes.CDLL(str(build_library("arena_cache")))
         except (BuildError, OSError) as e:
             logger.info("Python's freed arenas are unmapped as usual (%s)", e)
-            return str(e)
+            _unavailable = str(e)
+            return _unavailable
         library.pdserve_arena_cache_context.restype = ctypes.c_void_p
         context = library.pdserve_arena_cache_context()
         get_allocator = ctypes.pythonapi.PyObject_GetArenaAllocator

@@ -3,7 +3,7 @@
 // default each is an mmap of its own and goes back with munmap as soon as it empties: a
 // loop whose call depth crosses a chunk boundary maps and unmaps a chunk on every pass.
 // Each munmap flushes the TLBs of every core the process runs on (an inter-processor
-// interrupt, costly in a VM) and the next mmap faults its pages in zeroed again. Kept
+// interrupt) and the next mmap faults its pages in zeroed again. Kept
 // here instead, up to kSlots blocks of at most kMaxKeptBytes, a block comes back as it was.
 //
 // No Python headers (images without them build this too): the allocator struct is
