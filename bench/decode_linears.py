@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu.build import cpu_flags
-from kernels.cpu_linear import gemv, native_gemv_available, q4_1_gemv, q8_0_gemv
+from kernels.cpu_linear import gemv, native_gemv_available, q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB, NUM_LAYERS = 576, 1536, 960, 49152, 30
 LAYER_SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
@@ -73,7 +73,7 @@ def q4_1_case(num_rows: int, reps: int) -> dict:
     source = GGUFQuantizedWeights(bundled_gguf_path())
     blocks = [source.projection(layer, name) for layer in range(NUM_LAYERS) for name in PROJECTIONS]
     linears = [Q4_1Linear(b, None, torch.device("cpu")) for b in blocks]
-    raws = [b.raw() for b in blocks]
+    raws = [q4_1_gemv_blocks(b.raw()) for b in blocks]  # as Q4_1Linear keeps them
     gen = torch.Generator().manual_seed(0)
     xs = {k: torch.randn(num_rows, k, generator=gen).to(torch.bfloat16) for k in (HIDDEN, INTERMEDIATE)}
     kernels: dict[str, Callable[[], object]] = {}

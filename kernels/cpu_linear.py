@@ -81,9 +81,53 @@ def gemv(
 def q4_1_gemv(
     x: torch.Tensor,  # [num_rows <= GEMV_MAX_ROWS, in_features] bf16 or fp32
     bias: torch.Tensor | None,  # [out_features], x's dtype
-    blocks: torch.Tensor,  # [out_features, in_features // 32 * 20] uint8: GGUF's Q4_1 rows
+    blocks: torch.Tensor,  # [out_features, in_features // 32 * 20] uint8: q4_1_gemv_blocks(GGUF's Q4_1 rows)
 ) -> torch.Tensor:  # [num_rows, out_features], x's dtype
     return torch.ops.pdserve_gemv.q4_1_gemv.default(x, bias, blocks)
+
+
+Q4_1_GROUP_ROWS = 16  # rows whose blocks q4_1_gemv reads together, one per vector lane
+
+
+def q4_1_gemv_blocks(
+    raw: torch.Tensor,  # [N, K // 32 * 20] uint8: GGUF's Q4_1 rows (per block fp16 d, fp16 m, 16 bytes of nibbles)
+) -> torch.Tensor:  # [N, K // 32 * 20] uint8: the same bytes in q4_1_gemv's order
+    """GGUF's Q4_1 rows in the order q4_1_gemv reads them (kernels/cpu/q4_1_groups.h): per
+    group of 16 rows (the last holds N % 16) and block, 4 units of one 4-byte word per row
+    (unit L, byte t: column 8L + t in the low nibble, 8L + 4 + t in the high one), then the
+    rows' d, then their m. A permutation of the file's bytes: nothing is re-quantized."""
+    num_rows, row_bytes = raw.shape
+    num_blocks = row_bytes // 20
+    blocks = raw.reshape(num_rows, num_blocks, 20)
+    nibbles = blocks[..., 4:]  # [N, nb, 16]: column j in the low nibble, j + 16 in the high one
+    codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # [N, nb, 32] in column order
+    codes = codes.reshape(num_rows, num_blocks, 4, 2, 4)  # [N, nb, unit, low/high, t]
+    words = codes[..., 0, :] | (codes[..., 1, :] << 4)  # [N, nb, unit, t]
+    out = torch.empty_like(raw)
+    num_full_rows = num_rows // Q4_1_GROUP_ROWS * Q4_1_GROUP_ROWS
+    # The full groups in one go, then the last, shorter one.
+    for start, end, group_rows in ((0, num_full_rows, Q4_1_GROUP_ROWS),
+                                   (num_full_rows, num_rows, num_rows - num_full_rows)):
+        if end == start:
+            continue
+        per_group = functools.partial(_per_group_and_block, group_rows=group_rows)
+        group = torch.cat([per_group(words[start:end]), per_group(blocks[start:end, :, 0:2]),
+                           per_group(blocks[start:end, :, 2:4])], dim=-1)  # [groups, nb, 20 * group_rows]
+        out[start:end] = group.reshape(end - start, row_bytes)
+    return out
+
+
+def _per_group_and_block(
+    rows: torch.Tensor,  # [num_groups * group_rows, nb, ...] uint8
+    group_rows: int,
+) -> torch.Tensor:  # [num_groups, nb, group_rows * ...]: each block's bytes of the group's rows, row after row
+    """Each block's fields of a group's rows side by side; the 4-byte unit words
+    ([N, nb, unit, t]) unit by unit, each unit's rows in order."""
+    num_groups, num_blocks = rows.shape[0] // group_rows, rows.shape[1]
+    grouped = rows.reshape(num_groups, group_rows, num_blocks, *rows.shape[2:])
+    if rows.dim() == 4:  # unit words: [groups, rows, nb, unit, t] -> [groups, nb, unit, rows, t]
+        return grouped.permute(0, 2, 3, 1, 4).reshape(num_groups, num_blocks, -1)
+    return grouped.transpose(1, 2).reshape(num_groups, num_blocks, -1)
 
 
 def q8_0_gemv(
@@ -127,7 +171,7 @@ def q4_1_linear(
     x: torch.Tensor,  # [num_tokens, in_features] bf16 or fp32
     packed: torch.Tensor,  # torch's int4 pack of the codes (_convert_weight_to_int4pack_for_cpu)
     scales_and_zeros: torch.Tensor,  # [in_features // group_size, out_features, 2] bf16
-    blocks: torch.Tensor | None,  # [out_features, in_features // 32 * 20] uint8 GGUF Q4_1 rows, or None
+    blocks: torch.Tensor | None,  # [out_features, in_features // 32 * 20] uint8: q4_1_gemv_blocks(...), or None
     group_size: int,
 ) -> torch.Tensor:  # [num_tokens, out_features], x's dtype
     """A Q4_1 linear in one native op: the Q4_1 GEMV for 1 to GEMV_MAX_ROWS rows where the

@@ -1,23 +1,24 @@
 // Matrix-vector products for decode steps: y [M, N] = x [M, K] @ W [N, K]^T (+ bias), M
-// small (a few decode rows), W either plain row-major (bf16 or fp32, x of the same dtype)
-// or GGUF's Q4_1 blocks as the file stores them (x bf16 or fp32, y in x's dtype).
+// small (a few decode rows), W either plain row-major (bf16 or fp32, x of the same dtype),
+// GGUF's Q8_0 blocks as the file stores them, or its Q4_1 blocks in groups of 16 rows
+// (q4_1_groups.h; x bf16 or fp32, y in x's dtype).
 //
 // At one token a linear is a stream over its weight, and what sets the speed is how the
 // weight is read. Each thread here reads its share of W's rows strictly in order, one row
-// at a time, so the hardware prefetcher sees a single sequential stream: ~31 GB/s on
-// the 2-core Zen 4 EPYC, against ~18-20 GB/s for oneDNN's packed GEMV (whose blocked
-// layout reads several rows at once) and for the same kernel taking four rows at a time.
+// (or group of rows) at a time, so the hardware prefetcher sees a single sequential
+// stream: ~31 GB/s on the 2-core Zen 4 EPYC, against ~18-20 GB/s for oneDNN's packed GEMV
+// (whose blocked layout reads several rows at once) and for the same kernel taking four
+// rows at a time.
 //
-// Two builds of the math, chosen at compile time (-march):
+// Two builds of the dense math, chosen at compile time (-march):
 // - AVX512-BF16: a bf16 W's dot products take pairs of bf16 into fp32 lanes (no
-//   conversion); Q4_1 nibbles become bf16 codes through a 16-entry table.
+//   conversion).
 // - Elsewhere (AVX2 + FMA, or AVX-512 without BF16): bf16 x is widened to fp32 once per call,
-//   W's bf16 values to fp32 in registers (a shift: exact), and every product is an fp32
-//   FMA; except Q4_1, whose dot products are integer: x is quantized per 32-column block
-//   to int8 (scale max |x| / 127, as llama.cpp's Q8_1), which changes the numerics by
-//   that rounding of x (tests/unit/kernels/test_cpu_linear.py states by how much).
-// Either way sums are fp32 and round to the output dtype once; Q4_1's
-// y = sum over blocks of d * (sum q x) + m * (sum x), with d and m exact in fp32.
+//   W's bf16 values to fp32 in registers (a shift: exact), and every product is an fp32 FMA.
+// Q4_1's products are integer in every build: x is quantized per 32-column block to int8
+// (scale max |x| / 127, as llama.cpp's Q8_1), which changes the numerics by that rounding
+// of x (tests/unit/kernels/test_cpu_linear.py states by how much).
+// Sums are fp32 and round to the output dtype once.
 // Built for a CPU with neither, the ops raise and callers keep their other kernels.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -38,6 +39,7 @@
 #include <vector>
 
 #include "check_message.h"
+#include "q4_1_groups.h"
 
 #if defined(__AVX512BF16__) || defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define PDSERVE_GEMV 1
@@ -83,47 +85,6 @@ void gemv_rows(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16*
   }
 }
 
-// x_sums [M, K / 32]: each row's sum over each block's columns, for the m terms.
-template <int M, typename T>
-void q4_1_rows(const at::BFloat16* x, const float* x_sums, const uint8_t* blocks, const T* bias, T* y, int64_t K,
-               int64_t N, int64_t n_begin, int64_t n_end) {
-  const int64_t num_blocks = K / kQ4Block;
-  // bf16 bit patterns of 0.0 .. 15.0, indexed by code.
-  alignas(64) int16_t table_bits[32];
-  for (int i = 0; i < 32; ++i) table_bits[i] = static_cast<int16_t>(c10::BFloat16(static_cast<float>(i % 16)).x);
-  const __m512i table = _mm512_load_si512(table_bits);
-  const __m128i low_mask = _mm_set1_epi8(0x0F);
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const uint8_t* row = blocks + n * num_blocks * kQ4BlockBytes;
-    __m512 acc[M];
-    float m_terms[M];
-    for (int m = 0; m < M; ++m) {
-      acc[m] = _mm512_setzero_ps();
-      m_terms[m] = 0.f;
-    }
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const uint8_t* block = row + b * kQ4BlockBytes;
-      uint16_t d_bits, m_bits;
-      std::memcpy(&d_bits, block, 2);
-      std::memcpy(&m_bits, block + 2, 2);
-      const float d = _cvtsh_ss(d_bits), min = _cvtsh_ss(m_bits);
-      const __m128i nibbles = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-      // Columns 0-15 are the low nibbles, 16-31 the high ones.
-      const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(nibbles, 4), low_mask),
-                                             _mm_and_si128(nibbles, low_mask));
-      const __m512i q = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);  // 32 bf16 codes
-      const __m512 d_vec = _mm512_set1_ps(d);
-      for (int m = 0; m < M; ++m) {
-        const __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q,
-                                            (__m512bh)_mm512_loadu_si512(x + m * K + b * kQ4Block));
-        acc[m] = _mm512_fmadd_ps(d_vec, dot, acc[m]);
-        m_terms[m] += min * x_sums[m * num_blocks + b];
-      }
-    }
-    const float bias_n = bias == nullptr ? 0.0f : static_cast<float>(bias[n]);
-    for (int m = 0; m < M; ++m) y[m * N + n] = T(_mm512_reduce_add_ps(acc[m]) + m_terms[m] + bias_n);
-  }
-}
 #endif
 
 #ifdef PDSERVE_GEMV
@@ -215,100 +176,6 @@ void gemv_rows_fp32_math(const float* x, const T* w, const T* bias, T* y, int64_
   }
 }
 
-// x rows quantized per 32-column block for integer dot products with Q4_1 codes, as
-// llama.cpp pairs Q4_1 weights with Q8_1 activations: codes round(x / s) in int8 with
-// s = max |x| / 127, and for the m terms the sum of the quantized x (s * sum of codes),
-// so the product is exactly that of the dequantized weight and the quantized x. With
-// the exact sum of x instead, the error of the quantized x would meet d * q, which is
-// about twice the weight (m cancels half of it): twice the error.
-struct BlockQuantizedX {
-  std::vector<int8_t> codes;           // [M, K]
-  std::vector<float> scales_and_sums;  // [M, K / 32, 2]: s, and the sum of the quantized x
-};
-
-BlockQuantizedX quantize_x_blocks(const float* x, int64_t num_blocks_total) {
-  BlockQuantizedX q{std::vector<int8_t>(num_blocks_total * kQ4Block), std::vector<float>(2 * num_blocks_total)};
-  for (int64_t i = 0; i < num_blocks_total; ++i) {
-    const float* xb = x + i * kQ4Block;
-    float amax = 0.f;
-    for (int64_t j = 0; j < kQ4Block; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float scale = amax / 127.f;
-    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t code_sum = 0;
-    for (int64_t j = 0; j < kQ4Block; ++j) {
-      const int8_t code = static_cast<int8_t>(std::nearbyint(xb[j] * inverse));
-      q.codes[i * kQ4Block + j] = code;
-      code_sum += code;
-    }
-    q.scales_and_sums[2 * i] = scale;
-    q.scales_and_sums[2 * i + 1] = scale * static_cast<float>(code_sum);
-  }
-  return q;
-}
-
-// Q4_1 blocks times block-quantized x [M, K]: per block, 32 products of a 4-bit code and
-// an int8 code in two instructions (maddubs: u8 x s8 pairs into int16; madd: pairs of
-// those into int32), one conversion, and one FMA by d * s. Converting each code to fp32
-// instead (4 byte shuffles and 4 conversions per block before 4 FMAs) held Zen 3 at
-// ~5.5 GB/s a core. R rows of W at a time (two streams) give the FMA chains of one
-// row the other's work to overlap with, and share each load of x between them.
-template <int M, int R, typename T>
-void q4_1_rows_q8_x_step(const BlockQuantizedX& x, const uint8_t* blocks, const T* bias, T* y, int64_t K, int64_t N,
-                         int64_t n) {
-  const int64_t num_blocks = K / kQ4Block;
-  const int64_t row_bytes = num_blocks * kQ4BlockBytes;
-  const __m256i low_mask = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int8_t* x_codes = x.codes.data();
-  const float* x_scales_and_sums = x.scales_and_sums.data();
-  __m256 acc[M][R];
-  __m128 m_terms[M][R];  // lane 1 sums the m terms (lane 0 the d * s products, unused)
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) {
-      acc[m][r] = _mm256_setzero_ps();
-      m_terms[m][r] = _mm_setzero_ps();
-    }
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    __m128 d_and_m[R];
-    __m256i codes[R];
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* block = blocks + (n + r) * row_bytes + b * kQ4BlockBytes;
-      uint32_t d_and_m_bits;  // one conversion for both
-      std::memcpy(&d_and_m_bits, block, 4);
-      d_and_m[r] = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(d_and_m_bits)));  // [d, m, 0, 0]
-      // Columns in order: the low nibbles are columns 0-15, the high ones 16-31.
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-      codes[r] = _mm256_and_si256(
-          _mm256_inserti128_si256(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1), low_mask);
-    }
-    for (int m = 0; m < M; ++m) {
-      const int64_t xb = m * num_blocks + b;
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_codes + xb * kQ4Block));
-      // [s, sum] of this x block, as two floats
-      const __m128 s_and_sum = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x_scales_and_sums + 2 * xb)));
-      for (int r = 0; r < R; ++r) {
-        const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(codes[r], xq), ones));
-        const __m128 products = _mm_mul_ps(d_and_m[r], s_and_sum);  // [d * s, m * sum, 0, 0]
-        acc[m][r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(products), dots, acc[m][r]);
-        m_terms[m][r] = _mm_add_ps(m_terms[m][r], products);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    const float bias_n = bias == nullptr ? 0.0f : static_cast<float>(bias[n + r]);
-    for (int m = 0; m < M; ++m)
-      y[m * N + n + r] = T(hsum256(acc[m][r]) + _mm_cvtss_f32(_mm_movehdup_ps(m_terms[m][r])) + bias_n);
-  }
-}
-
-template <int M, typename T>
-void q4_1_rows_q8_x(const BlockQuantizedX& x, const uint8_t* blocks, const T* bias, T* y, int64_t K, int64_t N,
-                    int64_t n_begin, int64_t n_end) {
-  int64_t n = n_begin;
-  for (; n + 2 <= n_end; n += 2) q4_1_rows_q8_x_step<M, 2>(x, blocks, bias, y, K, N, n);
-  if (n < n_end) q4_1_rows_q8_x_step<M, 1>(x, blocks, bias, y, K, N, n);
-}
-
 // Q8_0 blocks (per 32 columns: fp16 d, 32 int8 codes q; the weight d * q), fp32 x [M, K].
 template <int M, typename T>
 void q8_0_rows_fp32_math(const float* x, const uint8_t* blocks, const T* bias, T* y, int64_t K, int64_t N,
@@ -350,62 +217,70 @@ void check_x_and_bias(const at::Tensor& x, const std::optional<at::Tensor>& bias
   }
 }
 
+// rows(std::integral_constant<int, M>) for M = 1 .. kMaxRows: the kernels unroll over x's rows.
+template <typename Fn>
+void for_num_rows(int64_t M, Fn rows) {
+  switch (M) {
+    case 1: rows(std::integral_constant<int, 1>{}); break;
+    case 2: rows(std::integral_constant<int, 2>{}); break;
+    case 3: rows(std::integral_constant<int, 3>{}); break;
+    default: rows(std::integral_constant<int, 4>{}); break;
+  }
+}
+
 // Row ranges per thread, contiguous: each thread's reads stay one sequential stream.
 template <typename RowsFn>
 void for_row_ranges(int64_t M, int64_t N, RowsFn rows) {
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    switch (M) {
-      case 1: rows(std::integral_constant<int, 1>{}, begin, end); break;
-      case 2: rows(std::integral_constant<int, 2>{}, begin, end); break;
-      case 3: rows(std::integral_constant<int, 3>{}, begin, end); break;
-      default: rows(std::integral_constant<int, 4>{}, begin, end); break;
-    }
+    for_num_rows(M, [&](auto num_rows) { rows(num_rows, begin, end); });
   });
 }
 
 at::Tensor q4_1_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& blocks) {
   PDSERVE_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
                     blocks.size(1) % kQ4BlockBytes == 0,
-                "q4_1_gemv: blocks must be contiguous uint8 [N, K / 32 * 20], got ", blocks.scalar_type(), " ",
-                blocks.sizes());
+                "q4_1_gemv: blocks must be contiguous uint8 [N, K / 32 * 20] (q4_1_gemv_blocks), got ",
+                blocks.scalar_type(), " ", blocks.sizes());
   const int64_t N = blocks.size(0), K = blocks.size(1) / kQ4BlockBytes * kQ4Block;
   PDSERVE_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
                 "q4_1_gemv: x must be bf16 or fp32, got ", x.scalar_type());
   check_x_and_bias(x, bias, N, x.scalar_type(), "q4_1_gemv");
   PDSERVE_CHECK(x.size(1) == K, "q4_1_gemv: x has ", x.size(1), " columns, the blocks ", K);
-#ifdef PDSERVE_GEMV
+#ifdef PDSERVE_Q4_1_GROUPS
+  using pdserve_cpu::kQ4GroupRows;
   const int64_t M = x.size(0), num_blocks = K / kQ4Block;
+  const int64_t num_groups = (N + kQ4GroupRows - 1) / kQ4GroupRows;
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
-#ifdef __AVX512BF16__
-  // The bf16 dot products take x in bf16: an fp32 x is rounded once here, and the m terms'
-  // sums are of the same rounded values.
-  const at::Tensor xc = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kBFloat16).contiguous();
-  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
-  std::vector<float> x_sums(M * num_blocks);
-  for (int64_t i = 0; i < M * num_blocks; ++i) {
-    float sum = 0.f;
-    for (int64_t j = 0; j < kQ4Block; ++j) sum += static_cast<float>(xp[i * kQ4Block + j]);
-    x_sums[i] = sum;
-  }
-#else
   const FloatRows xf = float_rows(x);
-  const BlockQuantizedX xq = quantize_x_blocks(xf.data, M * num_blocks);
-#endif
+  const pdserve_cpu::BlockQuantizedX xq = pdserve_cpu::quantize_x_blocks(xf.data, M * num_blocks);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "q4_1_gemv", [&] {
     const scalar_t* bp = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
     scalar_t* yp = y.data_ptr<scalar_t>();
-    for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
-#ifdef __AVX512BF16__
-      q4_1_rows<decltype(rows)::value>(xp, x_sums.data(), wp, bp, yp, K, N, begin, end);
-#else
-      q4_1_rows_q8_x<decltype(rows)::value>(xq, wp, bp, yp, K, N, begin, end);
-#endif
+    // 4 groups (64 rows) at least per thread, each thread's groups one stream.
+    at::parallel_for(0, num_groups, 4, [&](int64_t begin, int64_t end) {
+      for_num_rows(M, [&](auto rows) {
+        constexpr int R = decltype(rows)::value;
+        for (int64_t g = begin; g < end; ++g) {
+          const int64_t n0 = g * kQ4GroupRows, num_rows = std::min(kQ4GroupRows, N - n0);
+          const uint8_t* group = wp + n0 * blocks.size(1);
+          std::vector<uint8_t> padded;
+          if (num_rows < kQ4GroupRows) {
+            padded = pdserve_cpu::pad_group(group, num_rows, num_blocks);
+            group = padded.data();
+          }
+          float out[R][kQ4GroupRows];
+          pdserve_cpu::q4_1_group<R>(xq, group, num_blocks, out);
+          for (int m = 0; m < R; ++m)
+            for (int64_t j = 0; j < num_rows; ++j)
+              yp[m * N + n0 + j] = scalar_t(out[m][j] + (bp == nullptr ? 0.0f : static_cast<float>(bp[n0 + j])));
+        }
+      });
     });
   });
   return y;
 #else
-  PDSERVE_CHECK(false, "q4_1_gemv: built for a CPU without AVX2 and FMA");
+  PDSERVE_CHECK(false, "q4_1_gemv: built for a CPU without AVX2, FMA and F16C");
 #endif
 }
 

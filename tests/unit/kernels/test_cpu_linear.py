@@ -1,13 +1,18 @@
 """The native GEMVs (kernels/cpu/gemv.cpp): for a bf16 or fp32 weight and for GGUF's
 Q4_1 blocks, the product fp32 math gives on the same inputs, rounded once to the output
 dtype, for every row count and shape they take, in whichever build this CPU gets
-(AVX512-BF16 dot products, or fp32 FMAs on AVX2, where Q4_1 products take x quantized
-per block to int8, and the reference does the same); clear refusals for the ones they do
-not; the decode linears that take them, and the native op that picks between the GEMV
-and oneDNN."""
+(AVX512-BF16 dot products, or fp32 FMAs on AVX2; Q4_1 products take x quantized per
+block to int8 in every build, and the reference does the same), and the AVX2 build's
+Q4_1 on an AVX-512 machine; clear refusals for the ones they do not; the decode linears
+that take them, and the native op that picks between the GEMV and oneDNN."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +23,8 @@ from common.engine.models.prepacked_linear import _PACKED_WEIGHTS, PrepackedLine
 from common.engine.models.quantization.cpu_kernels import int4_kernel_available
 from common.engine.models.quantization.gguf_blocks import GGUFQuantizedWeights, Q4_1Blocks, Q8_0Blocks
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
-from kernels.cpu_linear import GEMV_MAX_ROWS, gemv, native_gemv_available, q4_1_gemv, q8_0_gemv
+from kernels.cpu_linear import (GEMV_MAX_ROWS, Q4_1_GROUP_ROWS, gemv, native_gemv_available, q4_1_gemv,
+                                q4_1_gemv_blocks, q8_0_gemv)
 from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
 
 pytestmark = pytest.mark.skipif(not native_gemv_available(),
@@ -193,7 +199,7 @@ def test_a_head_with_q8_0_blocks_takes_them_for_decode_rows_and_onednn_beyond(bu
 
 
 def block_quantized_x(x: torch.Tensor) -> torch.Tensor:
-    """x as the fp32-FMA build's Q4_1 product sees it: per 32 columns, int8 codes
+    """x as the Q4_1 product sees it: per 32 columns, int8 codes
     round(x / s) (half to even) times s = max |x| / 127, in float64."""
     blocks = x.float().reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(dim=-1, keepdim=True)  # the kernel's scale and inverse, in fp32
@@ -204,11 +210,11 @@ def block_quantized_x(x: torch.Tensor) -> torch.Tensor:
 
 
 def q4_1_reference(x, bias, blocks: Q4_1Blocks) -> torch.Tensor:
-    """The Q4_1 GEMV's math in float64: d * sum(q x) + m * sum(x) per block, x in bf16
-    (AVX512-BF16 build: an fp32 x rounded once) or block-quantized to int8 (fp32-FMA build)."""
+    """The Q4_1 GEMV's math in float64: d * sum(q x) + m * sum(x) per block, x
+    block-quantized to int8."""
     n, num_blocks = blocks.d.shape
     codes = blocks.codes().view(n, num_blocks, 32).double()
-    xq = x.bfloat16().double() if torch.ops.pdserve_gemv.isa() == "avx512_bf16" else block_quantized_x(x)
+    xq = block_quantized_x(x)
     xq = xq.view(x.shape[0], 1, num_blocks, 32)
     out = (blocks.d.double() * (codes * xq).sum(-1) + blocks.m.double() * xq.sum(-1)).sum(-1)  # [M, N]
     return out if bias is None else out + bias.double()
@@ -224,7 +230,7 @@ def test_q4_1_matches_its_math_on_the_dequantized_weight(bundled_blocks, num_row
     torch.manual_seed(num_rows)
     x = torch.randn(num_rows, in_features, dtype=dtype)
     bias = torch.randn(out_features, dtype=dtype) if with_bias else None
-    out = q4_1_gemv(x, bias, blocks.raw())
+    out = q4_1_gemv(x, bias, q4_1_gemv_blocks(blocks.raw()))
     assert out.shape == (num_rows, out_features) and out.dtype == dtype
     expected = q4_1_reference(x, bias, blocks).float()
     # bf16 output: its rounding; fp32 output: only the order of fp32 sums differs.
@@ -236,17 +242,46 @@ def test_q4_1_matches_its_math_on_the_dequantized_weight(bundled_blocks, num_row
 def test_q4_1_stays_close_to_fp32_math(bundled_blocks, projection):
     # What quantizing x per block costs, against fp32 math on the dequantized weight:
     # under 1% of the output's norm (~0.5% for normal x, whose int8 step is ~1/55 of its
-    # spread; bf16 rounding alone where the build keeps x exact).
+    # spread).
     blocks = bundled_blocks[projection]
     torch.manual_seed(7)
     x = torch.randn(GEMV_MAX_ROWS, blocks.shape[1], dtype=torch.bfloat16)
-    out = q4_1_gemv(x, None, blocks.raw()).float()
+    out = q4_1_gemv(x, None, q4_1_gemv_blocks(blocks.raw())).float()
     exact = reference(x, None, blocks.dequantize(torch.float32))
     assert ((out - exact).norm() / exact.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("num_rows", [1, GEMV_MAX_ROWS])
+@pytest.mark.parametrize("out_features", [1, 5, Q4_1_GROUP_ROWS, 37, 3 * Q4_1_GROUP_ROWS])
+def test_q4_1_takes_any_number_of_rows_of_weight(bundled_blocks, num_rows, out_features):
+    # Groups of 16 weight rows share a vector; the last group holds what is left.
+    blocks = bundled_blocks["qkv_proj"]
+    part = Q4_1Blocks(d=blocks.d[:out_features], m=blocks.m[:out_features], nibbles=blocks.nibbles[:out_features])
+    torch.manual_seed(out_features)
+    x = torch.randn(num_rows, part.shape[1])
+    out = q4_1_gemv(x, None, q4_1_gemv_blocks(part.raw()))
+    expected = q4_1_reference(x, None, part).float()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_q4_1_gemv_blocks_rearranges_the_files_bytes(bundled_blocks):
+    raw = bundled_blocks["qkv_proj"].raw()[:37]  # two full groups and one of 5 rows
+    grouped = q4_1_gemv_blocks(raw)
+    assert grouped.shape == raw.shape and grouped.dtype == torch.uint8
+    # The same d and m bytes; the nibbles re-paired but the same codes.
+    num_blocks = raw.shape[1] // 20
+    last_group = grouped[32:].reshape(num_blocks, 20 * 5)  # per block: 80 bytes of codes, 5 d, 5 m
+    file_blocks = raw[32:].reshape(5, num_blocks, 20)
+    assert torch.equal(last_group[:, 80:90].reshape(num_blocks, 5, 2), file_blocks[..., 0:2].transpose(0, 1))
+    assert torch.equal(last_group[:, 90:].reshape(num_blocks, 5, 2), file_blocks[..., 2:4].transpose(0, 1))
+    words = last_group[:, :80].reshape(num_blocks, 4, 5, 4)  # [block, unit, row, t]
+    codes = torch.stack([words & 0x0F, words >> 4], dim=2)  # [block, unit, low/high, row, t]
+    codes = codes.permute(3, 0, 1, 2, 4).reshape(5, num_blocks * 32)  # column 8 unit + 4 high + t
+    assert torch.equal(codes, bundled_blocks["qkv_proj"].codes()[32:37])
+
+
 def test_q4_1_refuses_what_it_cannot_compute(bundled_blocks):
-    blocks = bundled_blocks["down_proj"].raw()
+    blocks = q4_1_gemv_blocks(bundled_blocks["down_proj"].raw())
     in_features = blocks.shape[1] // 20 * 32
     with pytest.raises(RuntimeError, match="columns"):
         q4_1_gemv(torch.zeros(1, in_features + 32, dtype=torch.bfloat16), None, blocks)
@@ -271,7 +306,7 @@ def test_a_q4_1_linear_takes_the_gemv_for_decode_rows_and_torch_int4_beyond(bund
     out = linear(x)
     assert out.dtype == dtype
     if num_tokens <= GEMV_MAX_ROWS:  # an fp32 model's rows reach the GEMV as they are
-        assert torch.equal(out, q4_1_gemv(x, None, blocks.raw()))
+        assert torch.equal(out, q4_1_gemv(x, None, q4_1_gemv_blocks(blocks.raw())))
     expected = reference(x, None, blocks.dequantize(torch.float32))
     assert ((out.float() - expected).norm() / expected.norm()).item() < 1e-2
     # torch's int4 kernel takes bf16: fp32 rows are rounded to it and the result widened.
@@ -282,3 +317,31 @@ def test_a_q4_1_linear_takes_the_gemv_for_decode_rows_and_torch_int4_beyond(bund
     # Without the native library (no blocks kept) every step takes torch's kernel.
     linear.blocks = None
     assert torch.equal(linear(x), int4)
+
+
+_AVX2_Q4_1_SCRIPT = textwrap.dedent("""
+    import torch
+    from common.engine.model_files import bundled_gguf_path
+    from common.engine.models.quantization.gguf_blocks import GGUFQuantizedWeights
+    from kernels.cpu_linear import native_gemv_available, q4_1_gemv, q4_1_gemv_blocks
+    from tests.unit.kernels.test_cpu_linear import q4_1_reference
+    assert native_gemv_available() and torch.ops.pdserve_gemv.isa() == "fp32_fma"
+    blocks = GGUFQuantizedWeights(bundled_gguf_path()).projection(1, "down_proj")
+    torch.manual_seed(0)
+    for num_rows in (1, 4):
+        x = torch.randn(num_rows, blocks.shape[1])
+        out = q4_1_gemv(x, None, q4_1_gemv_blocks(blocks.raw()))
+        expected = q4_1_reference(x, None, blocks).float()
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    print("ok")
+""")
+
+
+def test_the_avx2_build_of_q4_1_matches_its_math():
+    # Machines without AVX512-VNNI take maddubs + madd over two halves of each group:
+    # built here for x86-64-v3 into the usual kernel cache (the target is part of its key).
+    repo_root = Path(__file__).resolve().parents[3]
+    env = dict(os.environ, PDSERVE_CPU_MARCH="x86-64-v3", PYTHONPATH=str(repo_root))
+    done = subprocess.run([sys.executable, "-c", _AVX2_Q4_1_SCRIPT], env=env, cwd=repo_root, capture_output=True,
+                          text=True, timeout=280)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr

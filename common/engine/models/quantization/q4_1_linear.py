@@ -6,13 +6,13 @@ cpu_kernels): fp32 activations are rounded to bf16 for this matmul and the fp16 
 to bf16. Without the kernel, forward dequantizes the codes per call, in x's dtype.
 
 Decode steps of up to four tokens take the native Q4_1 GEMV instead where the CPU has
-AVX2 and FMA (kernels/cpu_linear.py): it streams GGUF's own 20-byte blocks, kept for it
-beside torch's packed copy (d and m exact, not rounded to bf16). Both sit behind one
-opaque op, the native library's `pdserve_gemv::q4_1_linear`, which makes the choice in
-C++, so a compiled graph does not branch on the number of tokens; it takes bf16 or fp32
-rows and answers in their dtype (an fp32 model's decode rows are quantized per block from
-fp32, not from bf16). Without the library,
-the op `pdserve::int4_linear` runs torch's kernel for every step.
+AVX2 and FMA (kernels/cpu_linear.py): it streams GGUF's own blocks, rearranged in groups
+of 16 rows and kept for it beside torch's packed copy (d and m exact, not rounded to
+bf16). Both sit behind one opaque op, the native library's `pdserve_gemv::q4_1_linear`,
+which makes the choice in C++, so a compiled graph does not branch on the number of
+tokens; it takes bf16 or fp32 rows and answers in their dtype (it quantizes decode rows
+per block to int8, an fp32 model's from fp32, not from bf16). Without the library, the
+op `pdserve::int4_linear` runs torch's kernel for every step.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from torch import nn
 
 from common.engine.models.quantization.cpu_kernels import KERNEL_DTYPE, int4_kernel_available, kernel_output
 from common.engine.models.quantization.gguf_blocks import Q4_1_BLOCK_SIZE, Q4_1Blocks
-from kernels.cpu_linear import native_gemv_available
+from kernels.cpu_linear import native_gemv_available, q4_1_gemv_blocks
 from kernels.cpu_linear import q4_1_linear as native_q4_1_linear
 
 # torch's int4 codes are centred on 8: (q - 8) * scale + zero.
@@ -65,8 +65,8 @@ class Q4_1Linear(nn.Module):
             # [K // 32, N, 2]: (scale, zero) per group of input columns and output row.
             scales_and_zeros = torch.stack([d.t(), (m + INT4_ZERO_POINT * d).t()], dim=-1)
             self.register_buffer("scales_and_zeros", scales_and_zeros.to(device, KERNEL_DTYPE).contiguous())
-            # [N, K // 32 * 20] uint8, GGUF's own layout, for the decode GEMV.
-            self.register_buffer("blocks", blocks.raw().to(device)
+            # [N, K // 32 * 20] uint8: GGUF's blocks in groups of 16 rows, for the decode GEMV.
+            self.register_buffer("blocks", q4_1_gemv_blocks(blocks.raw()).to(device)
                                  if device.type == "cpu" and native_gemv_available() else None)
         else:
             self.register_buffer("codes", blocks.codes().to(device))  # [N, K] uint8
