@@ -5,8 +5,11 @@
 It needs AVX2 and FMA (x86-64-v3: Intel Haswell, AMD Zen and later) and a C++ compiler;
 it is built on first use (kernels/cpu/build.py) for this CPU: with AVX512-BF16 (Intel
 Cooper Lake / Sapphire Rapids, AMD Zen 4 and later) bf16 weights take bf16 dot products,
-elsewhere every product is an fp32 FMA. The start-up log names the build. Without it,
-one info line says so and linears stay on oneDNN. PDSERVE_CPU_GEMV=0 turns it off.
+elsewhere every product is an fp32 FMA; GGUF blocks take integer dot products with x
+quantized per block to int8 (AVX512-VNNI, else AVX2), their rows rearranged at load in
+groups of 16 (q4_1_gemv_blocks, q8_0_gemv_blocks). The start-up log names the build.
+Without it, one info line says so and linears stay on oneDNN. PDSERVE_CPU_GEMV=0 turns
+it off.
 """
 from __future__ import annotations
 
@@ -86,13 +89,13 @@ def q4_1_gemv(
     return torch.ops.pdserve_gemv.q4_1_gemv.default(x, bias, blocks)
 
 
-Q4_1_GROUP_ROWS = 16  # rows whose blocks q4_1_gemv reads together, one per vector lane
+GGUF_GROUP_ROWS = 16  # rows whose blocks q4_1_gemv and q8_0_gemv read together, one per vector lane
 
 
 def q4_1_gemv_blocks(
     raw: torch.Tensor,  # [N, K // 32 * 20] uint8: GGUF's Q4_1 rows (per block fp16 d, fp16 m, 16 bytes of nibbles)
 ) -> torch.Tensor:  # [N, K // 32 * 20] uint8: the same bytes in q4_1_gemv's order
-    """GGUF's Q4_1 rows in the order q4_1_gemv reads them (kernels/cpu/q4_1_groups.h): per
+    """GGUF's Q4_1 rows in the order q4_1_gemv reads them (kernels/cpu/gguf_row_groups.h): per
     group of 16 rows (the last holds N % 16) and block, 4 units of one 4-byte word per row
     (unit L, byte t: column 8L + t in the low nibble, 8L + 4 + t in the high one), then the
     rows' d, then their m. A permutation of the file's bytes: nothing is re-quantized."""
@@ -103,17 +106,35 @@ def q4_1_gemv_blocks(
     codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # [N, nb, 32] in column order
     codes = codes.reshape(num_rows, num_blocks, 4, 2, 4)  # [N, nb, unit, low/high, t]
     words = codes[..., 0, :] | (codes[..., 1, :] << 4)  # [N, nb, unit, t]
+    return _in_row_groups(raw, [words, blocks[..., 0:2], blocks[..., 2:4]])
+
+
+def q8_0_gemv_blocks(
+    raw: torch.Tensor,  # [N, K // 32 * 34] uint8: GGUF's Q8_0 rows (per block fp16 d, 32 int8 codes)
+) -> torch.Tensor:  # [N, K // 32 * 34] uint8: the same bytes in q8_0_gemv's order
+    """GGUF's Q8_0 rows in the order q8_0_gemv reads them (kernels/cpu/gguf_row_groups.h):
+    per group of 16 rows (the last holds N % 16) and block, 8 units of one 4-byte word per
+    row (unit i: the codes of columns 4i .. 4i + 3), then the rows' d."""
+    num_rows, row_bytes = raw.shape
+    blocks = raw.reshape(num_rows, row_bytes // 34, 34)
+    words = blocks[..., 2:].reshape(num_rows, row_bytes // 34, 8, 4)  # [N, nb, unit, t]
+    return _in_row_groups(raw, [words, blocks[..., 0:2]])
+
+
+def _in_row_groups(
+    raw: torch.Tensor,  # [N, row_bytes] uint8: the file's rows
+    fields: list[torch.Tensor],  # per row and block: [N, nb, num_units, 4] words, then [N, nb, 2] fp16 bytes
+) -> torch.Tensor:  # [N, row_bytes] uint8: per group of rows and block, each field of the group's rows in turn
+    num_rows, row_bytes = raw.shape
     out = torch.empty_like(raw)
-    num_full_rows = num_rows // Q4_1_GROUP_ROWS * Q4_1_GROUP_ROWS
+    num_full_rows = num_rows // GGUF_GROUP_ROWS * GGUF_GROUP_ROWS
     # The full groups in one go, then the last, shorter one.
-    for start, end, group_rows in ((0, num_full_rows, Q4_1_GROUP_ROWS),
+    for start, end, group_rows in ((0, num_full_rows, GGUF_GROUP_ROWS),
                                    (num_full_rows, num_rows, num_rows - num_full_rows)):
         if end == start:
             continue
-        per_group = functools.partial(_per_group_and_block, group_rows=group_rows)
-        group = torch.cat([per_group(words[start:end]), per_group(blocks[start:end, :, 0:2]),
-                           per_group(blocks[start:end, :, 2:4])], dim=-1)  # [groups, nb, 20 * group_rows]
-        out[start:end] = group.reshape(end - start, row_bytes)
+        group = torch.cat([_per_group_and_block(field[start:end], group_rows) for field in fields], dim=-1)
+        out[start:end] = group.reshape(end - start, row_bytes)  # group: [num_groups, nb, group_rows * ...]
     return out
 
 
@@ -133,7 +154,7 @@ def _per_group_and_block(
 def q8_0_gemv(
     x: torch.Tensor,  # [num_rows <= GEMV_MAX_ROWS, in_features] bf16 or fp32
     bias: torch.Tensor | None,  # [out_features], x's dtype
-    blocks: torch.Tensor,  # [out_features, in_features // 32 * 34] uint8: GGUF's Q8_0 rows
+    blocks: torch.Tensor,  # [out_features, in_features // 32 * 34] uint8: q8_0_gemv_blocks(GGUF's Q8_0 rows)
 ) -> torch.Tensor:  # [num_rows, out_features], x's dtype
     return torch.ops.pdserve_gemv.q8_0_gemv.default(x, bias, blocks)
 
@@ -142,7 +163,7 @@ def register_prepacked_linear(
     weight_id: int,
     packed: torch.Tensor,  # oneDNN's packed weight (mkldnn layout)
     row_major: torch.Tensor | None,  # [out_features, in_features] bf16 / fp32 for the GEMV, or None
-    q8_0_blocks: torch.Tensor | None = None,  # [out_features, in_features // 32 * 34] uint8, or None
+    q8_0_blocks: torch.Tensor | None = None,  # [out_features, in_features // 32 * 34] uint8: q8_0_gemv_blocks(...)
 ) -> None:
     """Make `prepacked_linear(x, bias, weight_id, ...)` use this weight (native_gemv_available() only):
     decode rows take the Q8_0 blocks where given, else the row-major copy, else oneDNN. The

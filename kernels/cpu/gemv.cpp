@@ -1,7 +1,7 @@
 // Matrix-vector products for decode steps: y [M, N] = x [M, K] @ W [N, K]^T (+ bias), M
 // small (a few decode rows), W either plain row-major (bf16 or fp32, x of the same dtype),
 // GGUF's Q8_0 blocks as the file stores them, or its Q4_1 blocks in groups of 16 rows
-// (q4_1_groups.h; x bf16 or fp32, y in x's dtype).
+// (gguf_row_groups.h; x bf16 or fp32, y in x's dtype).
 //
 // At one token a linear is a stream over its weight, and what sets the speed is how the
 // weight is read. Each thread here reads its share of W's rows strictly in order, one row
@@ -39,7 +39,7 @@
 #include <vector>
 
 #include "check_message.h"
-#include "q4_1_groups.h"
+#include "gguf_row_groups.h"
 
 #if defined(__AVX512BF16__) || defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define PDSERVE_GEMV 1
@@ -50,9 +50,8 @@ namespace {
 
 constexpr int64_t kMaxRows = 4;  // rows of x; more would read W once per group of them
 constexpr int64_t kStep = 32;    // bf16 values per 512-bit load; in_features' required multiple
-constexpr int64_t kQ4Block = 32;      // Q4_1 columns per block
+constexpr int64_t kQ4Block = 32;      // columns per Q4_1 or Q8_0 block
 constexpr int64_t kQ4BlockBytes = 20;  // fp16 d, fp16 m, 16 bytes of nibbles
-constexpr int64_t kQ8Block = 32;       // Q8_0 columns per block
 constexpr int64_t kQ8BlockBytes = 34;  // fp16 d, 32 int8 codes
 
 #ifdef __AVX512BF16__
@@ -88,7 +87,7 @@ void gemv_rows(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16*
 #endif
 
 #ifdef PDSERVE_GEMV
-// The sum of a ymm's 8 lanes: the AVX2 build's vsum, and the integer Q4_1 rows' sums.
+// The sum of a ymm's 8 lanes: the AVX2 build's vsum.
 inline float hsum256(__m256 v) {
   const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
@@ -108,11 +107,6 @@ inline VecF vload(const at::BFloat16* p) {  // bf16 is the top half of an fp32
 }
 inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(VecF v) { return _mm512_reduce_add_ps(v); }
-// A Q8_0 block's 32 int8 codes in fp32.
-inline void q8_codes(const int8_t* codes, VecF out[2]) {
-  for (int i = 0; i < 2; ++i)
-    out[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i))));
-}
 #else
 using VecF = __m256;
 constexpr int64_t kLanes = 8;
@@ -125,10 +119,6 @@ inline VecF vload(const at::BFloat16* p) {
 }
 inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
 inline float vsum(VecF v) { return hsum256(v); }
-inline void q8_codes(const int8_t* codes, VecF out[4]) {
-  for (int i = 0; i < 4; ++i)
-    out[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i))));
-}
 #endif
 
 // x [M, K] as fp32 rows, which the row loops below read for every W row: fp32 x in place
@@ -176,34 +166,6 @@ void gemv_rows_fp32_math(const float* x, const T* w, const T* bias, T* y, int64_
   }
 }
 
-// Q8_0 blocks (per 32 columns: fp16 d, 32 int8 codes q; the weight d * q), fp32 x [M, K].
-template <int M, typename T>
-void q8_0_rows_fp32_math(const float* x, const uint8_t* blocks, const T* bias, T* y, int64_t K, int64_t N,
-                         int64_t n_begin, int64_t n_end) {
-  constexpr int kVecsPerBlock = kQ8Block / kLanes;
-  const int64_t num_blocks = K / kQ8Block;
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const uint8_t* row = blocks + n * num_blocks * kQ8BlockBytes;
-    VecF acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = vzero();
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const uint8_t* block = row + b * kQ8BlockBytes;
-      uint16_t d_bits;
-      std::memcpy(&d_bits, block, 2);
-      const VecF d_vec = vset1(_cvtsh_ss(d_bits));
-      VecF q[kVecsPerBlock];
-      q8_codes(reinterpret_cast<const int8_t*>(block + 2), q);
-      for (int m = 0; m < M; ++m) {
-        const float* xb = x + m * K + b * kQ8Block;
-        VecF dot = q[0] * vload(xb);
-        for (int v = 1; v < kVecsPerBlock; ++v) dot = vfma(q[v], vload(xb + v * kLanes), dot);
-        acc[m] = vfma(d_vec, dot, acc[m]);
-      }
-    }
-    const float bias_n = bias == nullptr ? 0.0f : static_cast<float>(bias[n]);
-    for (int m = 0; m < M; ++m) y[m * N + n] = T(vsum(acc[m]) + bias_n);
-  }
-}
 #endif
 
 void check_x_and_bias(const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t N, at::ScalarType dtype,
@@ -236,25 +198,32 @@ void for_row_ranges(int64_t M, int64_t N, RowsFn rows) {
   });
 }
 
-at::Tensor q4_1_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& blocks) {
+// Which GGUF block format a row-group GEMV reads.
+enum class BlockFormat { kQ4_1, kQ8_0 };
+
+// y [M, N] = x @ W^T (+ bias) over GGUF blocks in groups of 16 rows (gguf_row_groups.h).
+template <BlockFormat kFormat>
+at::Tensor row_group_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& blocks,
+                          const char* op) {
+  constexpr int64_t kRowBytes = kFormat == BlockFormat::kQ4_1 ? kQ4BlockBytes : kQ8BlockBytes;
   PDSERVE_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-                    blocks.size(1) % kQ4BlockBytes == 0,
-                "q4_1_gemv: blocks must be contiguous uint8 [N, K / 32 * 20] (q4_1_gemv_blocks), got ",
+                    blocks.size(1) % kRowBytes == 0,
+                op, ": blocks must be contiguous uint8 [N, K / 32 * ", kRowBytes, "] (", op, "_blocks), got ",
                 blocks.scalar_type(), " ", blocks.sizes());
-  const int64_t N = blocks.size(0), K = blocks.size(1) / kQ4BlockBytes * kQ4Block;
-  PDSERVE_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-                "q4_1_gemv: x must be bf16 or fp32, got ", x.scalar_type());
-  check_x_and_bias(x, bias, N, x.scalar_type(), "q4_1_gemv");
-  PDSERVE_CHECK(x.size(1) == K, "q4_1_gemv: x has ", x.size(1), " columns, the blocks ", K);
-#ifdef PDSERVE_Q4_1_GROUPS
-  using pdserve_cpu::kQ4GroupRows;
+  const int64_t N = blocks.size(0), K = blocks.size(1) / kRowBytes * kQ4Block;
+  PDSERVE_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op,
+                ": x must be bf16 or fp32, got ", x.scalar_type());
+  check_x_and_bias(x, bias, N, x.scalar_type(), op);
+  PDSERVE_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " columns, the blocks ", K);
+#ifdef PDSERVE_ROW_GROUPS
+  using pdserve_cpu::kGroupRows;
   const int64_t M = x.size(0), num_blocks = K / kQ4Block;
-  const int64_t num_groups = (N + kQ4GroupRows - 1) / kQ4GroupRows;
+  const int64_t num_groups = (N + kGroupRows - 1) / kGroupRows;
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   const FloatRows xf = float_rows(x);
   const pdserve_cpu::BlockQuantizedX xq = pdserve_cpu::quantize_x_blocks(xf.data, M * num_blocks);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "q4_1_gemv", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "row_group_gemv", [&] {
     const scalar_t* bp = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
     scalar_t* yp = y.data_ptr<scalar_t>();
     // 4 groups (64 rows) at least per thread, each thread's groups one stream.
@@ -262,15 +231,19 @@ at::Tensor q4_1_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias,
       for_num_rows(M, [&](auto rows) {
         constexpr int R = decltype(rows)::value;
         for (int64_t g = begin; g < end; ++g) {
-          const int64_t n0 = g * kQ4GroupRows, num_rows = std::min(kQ4GroupRows, N - n0);
+          const int64_t n0 = g * kGroupRows, num_rows = std::min(kGroupRows, N - n0);
           const uint8_t* group = wp + n0 * blocks.size(1);
           std::vector<uint8_t> padded;
-          if (num_rows < kQ4GroupRows) {
-            padded = pdserve_cpu::pad_group(group, num_rows, num_blocks);
+          if (num_rows < kGroupRows) {
+            padded = kFormat == BlockFormat::kQ4_1 ? pdserve_cpu::pad_group(group, num_rows, num_blocks, 4, 2)
+                                                   : pdserve_cpu::pad_group(group, num_rows, num_blocks, 8, 1);
             group = padded.data();
           }
-          float out[R][kQ4GroupRows];
-          pdserve_cpu::q4_1_group<R>(xq, group, num_blocks, out);
+          float out[R][kGroupRows];
+          if constexpr (kFormat == BlockFormat::kQ4_1)
+            pdserve_cpu::q4_1_group<R>(xq, group, num_blocks, out);
+          else
+            pdserve_cpu::q8_0_group<R>(xq, group, num_blocks, out);
           for (int m = 0; m < R; ++m)
             for (int64_t j = 0; j < num_rows; ++j)
               yp[m * N + n0 + j] = scalar_t(out[m][j] + (bp == nullptr ? 0.0f : static_cast<float>(bp[n0 + j])));
@@ -280,36 +253,16 @@ at::Tensor q4_1_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias,
   });
   return y;
 #else
-  PDSERVE_CHECK(false, "q4_1_gemv: built for a CPU without AVX2, FMA and F16C");
+  PDSERVE_CHECK(false, op, ": built for a CPU without AVX2, FMA and F16C");
 #endif
 }
 
+at::Tensor q4_1_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& blocks) {
+  return row_group_gemv<BlockFormat::kQ4_1>(x, bias, blocks, "q4_1_gemv");
+}
+
 at::Tensor q8_0_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& blocks) {
-  PDSERVE_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-                    blocks.size(1) % kQ8BlockBytes == 0,
-                "q8_0_gemv: blocks must be contiguous uint8 [N, K / 32 * 34], got ", blocks.scalar_type(), " ",
-                blocks.sizes());
-  const int64_t N = blocks.size(0), K = blocks.size(1) / kQ8BlockBytes * kQ8Block;
-  PDSERVE_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-                "q8_0_gemv: x must be bf16 or fp32, got ", x.scalar_type());
-  check_x_and_bias(x, bias, N, x.scalar_type(), "q8_0_gemv");
-  PDSERVE_CHECK(x.size(1) == K, "q8_0_gemv: x has ", x.size(1), " columns, the blocks ", K);
-#ifdef PDSERVE_GEMV
-  const int64_t M = x.size(0);
-  const FloatRows xf = float_rows(x);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const uint8_t* wp = blocks.data_ptr<uint8_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "q8_0_gemv", [&] {
-    const scalar_t* bp = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    for_row_ranges(M, N, [&](auto rows, int64_t begin, int64_t end) {
-      q8_0_rows_fp32_math<decltype(rows)::value>(xf.data, wp, bp, yp, K, N, begin, end);
-    });
-  });
-  return y;
-#else
-  PDSERVE_CHECK(false, "q8_0_gemv: built for a CPU without AVX2 and FMA");
-#endif
+  return row_group_gemv<BlockFormat::kQ8_0>(x, bias, blocks, "q8_0_gemv");
 }
 
 at::Tensor gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& weight) {

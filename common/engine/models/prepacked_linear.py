@@ -37,6 +37,7 @@ from kernels.cpu_linear import (
     gemv,
     gemv_applies,
     native_gemv_available,
+    q8_0_gemv_blocks,
     register_prepacked_linear,
     release_prepacked_linear,
 )
@@ -113,7 +114,7 @@ class PrepackedLinear(nn.Module):
         self._native = native_gemv_available()
         # What decode steps' GEMV reads, where it applies: the Q8_0 blocks, else a row-major
         # copy of a bf16 or fp32 weight (AVX2 and FMA).
-        self._q8_0_blocks = (q8_0_blocks if self._native and q8_0_blocks is not None
+        self._q8_0_blocks = (q8_0_gemv_blocks(q8_0_blocks) if self._native and q8_0_blocks is not None
                              and q8_0_blocks.shape[0] == self.out_features else None)
         self._row_major = (weight.detach().clone(memory_format=torch.contiguous_format)
                            if self._q8_0_blocks is None and gemv_applies(weight) else None)

@@ -2,8 +2,8 @@
 Q4_1 blocks, the product fp32 math gives on the same inputs, rounded once to the output
 dtype, for every row count and shape they take, in whichever build this CPU gets
 (AVX512-BF16 dot products, or fp32 FMAs on AVX2; Q4_1 products take x quantized per
-block to int8 in every build, and the reference does the same), and the AVX2 build's
-Q4_1 on an AVX-512 machine; clear refusals for the ones they do not; the decode linears
+block to int8 in every build, as Q8_0's, and the reference does the same), and the AVX2
+build's GGUF GEMVs on an AVX-512 machine; clear refusals for the ones they do not; the decode linears
 that take them, and the native op that picks between the GEMV and oneDNN."""
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from common.engine.models.prepacked_linear import _PACKED_WEIGHTS, PrepackedLine
 from common.engine.models.quantization.cpu_kernels import int4_kernel_available
 from common.engine.models.quantization.gguf_blocks import GGUFQuantizedWeights, Q4_1Blocks, Q8_0Blocks
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
-from kernels.cpu_linear import (GEMV_MAX_ROWS, Q4_1_GROUP_ROWS, gemv, native_gemv_available, q4_1_gemv,
-                                q4_1_gemv_blocks, q8_0_gemv)
+from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, gemv, native_gemv_available, q4_1_gemv,
+                                q4_1_gemv_blocks, q8_0_gemv, q8_0_gemv_blocks)
 from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
 
 pytestmark = pytest.mark.skipif(not native_gemv_available(),
@@ -153,15 +153,23 @@ def bundled_head(bundled_gguf) -> Q8_0Blocks:
     return bundled_gguf.head_q8_0()
 
 
+def q8_0_reference(x, bias, blocks: Q8_0Blocks) -> torch.Tensor:
+    """The Q8_0 GEMV's math in float64: d * sum(q x) per block, x block-quantized to int8."""
+    n, num_blocks = blocks.d.shape
+    xq = block_quantized_x(x).view(x.shape[0], 1, num_blocks, 32)
+    out = (blocks.d.double() * (blocks.codes.double() * xq).sum(-1)).sum(-1)  # [M, N]
+    return out if bias is None else out + bias.double()
+
+
 @pytest.mark.parametrize("num_rows", range(1, GEMV_MAX_ROWS + 1))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_q8_0_matches_fp32_math_on_the_dequantized_head(bundled_head, num_rows, dtype):
+def test_q8_0_matches_its_math_on_the_head(bundled_head, num_rows, dtype):
     torch.manual_seed(num_rows)
     x = torch.randn(num_rows, bundled_head.shape[1]).to(dtype)
     bias = torch.randn(bundled_head.shape[0]).to(dtype)
-    out = q8_0_gemv(x, bias, bundled_head.raw())
+    out = q8_0_gemv(x, bias, q8_0_gemv_blocks(bundled_head.raw()))
     assert out.shape == (num_rows, bundled_head.shape[0]) and out.dtype == dtype
-    expected = reference(x, bias, bundled_head.dequantize(torch.float32))
+    expected = q8_0_reference(x, bias, bundled_head).float()
     scale = expected.abs().max().item()
     if dtype == torch.bfloat16:
         torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * scale)
@@ -169,8 +177,28 @@ def test_q8_0_matches_fp32_math_on_the_dequantized_head(bundled_head, num_rows, 
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * scale)
 
 
+def test_q8_0_stays_close_to_fp32_math(bundled_head):
+    # What quantizing x per block costs against fp32 math on the dequantized head: under
+    # 1% of the logits' norm.
+    torch.manual_seed(3)
+    x = torch.randn(GEMV_MAX_ROWS, bundled_head.shape[1])
+    out = q8_0_gemv(x, None, q8_0_gemv_blocks(bundled_head.raw()))
+    exact = reference(x, None, bundled_head.dequantize(torch.float32))
+    assert ((out - exact).norm() / exact.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("out_features", [1, 5, GGUF_GROUP_ROWS, 37])
+def test_q8_0_takes_any_number_of_rows_of_weight(bundled_head, out_features):
+    part = Q8_0Blocks(d=bundled_head.d[:out_features], codes=bundled_head.codes[:out_features])
+    torch.manual_seed(out_features)
+    x = torch.randn(GEMV_MAX_ROWS, part.shape[1])
+    out = q8_0_gemv(x, None, q8_0_gemv_blocks(part.raw()))
+    expected = q8_0_reference(x, None, part).float()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 def test_q8_0_refuses_what_it_cannot_compute(bundled_head):
-    raw = bundled_head.raw()[:64]
+    raw = q8_0_gemv_blocks(bundled_head.raw()[:64])
     with pytest.raises(RuntimeError, match="columns"):
         q8_0_gemv(torch.zeros(1, 608), None, raw)
     with pytest.raises(RuntimeError, match="rows"):
@@ -190,16 +218,17 @@ def test_a_head_with_q8_0_blocks_takes_them_for_decode_rows_and_onednn_beyond(bu
     assert _PACKED_WEIGHTS[head.weight_id][2] is None  # no row-major copy beside the blocks
     x = torch.randn(num_tokens, dense.shape[1])
     out = head(x)
-    if num_tokens <= GEMV_MAX_ROWS:
-        assert torch.equal(out, q8_0_gemv(x, None, raw))
-    torch.testing.assert_close(out, reference(x, None, dense), rtol=1e-5, atol=1e-4)
+    if num_tokens <= GEMV_MAX_ROWS:  # x quantized per block to int8 (test_q8_0_stays_close_to_fp32_math)
+        assert torch.equal(out, q8_0_gemv(x, None, q8_0_gemv_blocks(raw)))
+    else:
+        torch.testing.assert_close(out, reference(x, None, dense), rtol=1e-5, atol=1e-4)
     # Blocks of another height do not belong to this head: the dense weight serves.
     other = PrepackedLinear(dense, None, q8_0_blocks=raw[:-32])
     assert other._q8_0_blocks is None and _PACKED_WEIGHTS[other.weight_id][2] is not None
 
 
 def block_quantized_x(x: torch.Tensor) -> torch.Tensor:
-    """x as the Q4_1 product sees it: per 32 columns, int8 codes
+    """x as the Q4_1 and Q8_0 products see it: per 32 columns, int8 codes
     round(x / s) (half to even) times s = max |x| / 127, in float64."""
     blocks = x.float().reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(dim=-1, keepdim=True)  # the kernel's scale and inverse, in fp32
@@ -252,7 +281,7 @@ def test_q4_1_stays_close_to_fp32_math(bundled_blocks, projection):
 
 
 @pytest.mark.parametrize("num_rows", [1, GEMV_MAX_ROWS])
-@pytest.mark.parametrize("out_features", [1, 5, Q4_1_GROUP_ROWS, 37, 3 * Q4_1_GROUP_ROWS])
+@pytest.mark.parametrize("out_features", [1, 5, GGUF_GROUP_ROWS, 37, 3 * GGUF_GROUP_ROWS])
 def test_q4_1_takes_any_number_of_rows_of_weight(bundled_blocks, num_rows, out_features):
     # Groups of 16 weight rows share a vector; the last group holds what is left.
     blocks = bundled_blocks["qkv_proj"]
@@ -319,29 +348,33 @@ def test_a_q4_1_linear_takes_the_gemv_for_decode_rows_and_torch_int4_beyond(bund
     assert torch.equal(linear(x), int4)
 
 
-_AVX2_Q4_1_SCRIPT = textwrap.dedent("""
+_AVX2_GGUF_SCRIPT = textwrap.dedent("""
     import torch
     from common.engine.model_files import bundled_gguf_path
     from common.engine.models.quantization.gguf_blocks import GGUFQuantizedWeights
-    from kernels.cpu_linear import native_gemv_available, q4_1_gemv, q4_1_gemv_blocks
-    from tests.unit.kernels.test_cpu_linear import q4_1_reference
+    from kernels.cpu_linear import native_gemv_available, q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv, q8_0_gemv_blocks
+    from tests.unit.kernels.test_cpu_linear import q4_1_reference, q8_0_reference
     assert native_gemv_available() and torch.ops.pdserve_gemv.isa() == "fp32_fma"
-    blocks = GGUFQuantizedWeights(bundled_gguf_path()).projection(1, "down_proj")
+    gguf = GGUFQuantizedWeights(bundled_gguf_path())
+    blocks, head = gguf.projection(1, "down_proj"), gguf.head_q8_0()
+    head.d, head.codes = head.d[:1000], head.codes[:1000]
     torch.manual_seed(0)
     for num_rows in (1, 4):
-        x = torch.randn(num_rows, blocks.shape[1])
-        out = q4_1_gemv(x, None, q4_1_gemv_blocks(blocks.raw()))
-        expected = q4_1_reference(x, None, blocks).float()
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+        for gemv, layout, reference, weight in ((q4_1_gemv, q4_1_gemv_blocks, q4_1_reference, blocks),
+                                                (q8_0_gemv, q8_0_gemv_blocks, q8_0_reference, head)):
+            x = torch.randn(num_rows, weight.shape[1])
+            out = gemv(x, None, layout(weight.raw()))
+            expected = reference(x, None, weight).float()
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     print("ok")
 """)
 
 
-def test_the_avx2_build_of_q4_1_matches_its_math():
+def test_the_avx2_build_of_the_gguf_gemvs_matches_their_math():
     # Machines without AVX512-VNNI take maddubs + madd over two halves of each group:
     # built here for x86-64-v3 into the usual kernel cache (the target is part of its key).
     repo_root = Path(__file__).resolve().parents[3]
     env = dict(os.environ, PDSERVE_CPU_MARCH="x86-64-v3", PYTHONPATH=str(repo_root))
-    done = subprocess.run([sys.executable, "-c", _AVX2_Q4_1_SCRIPT], env=env, cwd=repo_root, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", _AVX2_GGUF_SCRIPT], env=env, cwd=repo_root, capture_output=True,
                           text=True, timeout=280)
     assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr

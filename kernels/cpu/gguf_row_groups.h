@@ -1,0 +1,252 @@
+// GEMVs over GGUF's quantized blocks in groups of rows: y [M, N] = x [M, K] @ W^T with W in
+// Q4_1 (per row and 32 columns: fp16 d, fp16 m, 32 4-bit codes q; the weight d * q + m) or
+// Q8_0 (fp16 d, 32 int8 codes q; the weight d * q), rearranged at load
+// (kernels/cpu_linear.py: q4_1_gemv_blocks, q8_0_gemv_blocks) so that one vector lane is
+// one row.
+//
+// Why: in the file's order a block is one row's 32 columns, and each block's codes and
+// scales must be unpacked and applied on their own: ~11 cycles a Q4_1 block on Zen 4, 12
+// GB/s of weights against ~31 GB/s for the bf16 GEMV. Here 16 rows go together, so a
+// block's unpacking, its scale and its minimum are each one vector op for 16 rows, and
+// the products are integer dot products of 4 columns per lane (AVX512-VNNI vpdpbusd, or
+// AVX2's maddubs + madd on two halves of 8 rows).
+//
+// Layout of a group of r rows (r = 16 except the last group, which holds N % 16), per
+// 32-column block, the file's bytes per block and row (Q4_1 20 r, Q8_0 34 r):
+//   Q4_1: 4 units of r 4-byte words: unit L, word j holds row j's columns 8L + t
+//   (t = 0..3) in its low nibbles and columns 8L + 4 + t in its high ones, byte t each;
+//   then r fp16 d; then r fp16 m.
+//   Q8_0: 8 units of r 4-byte words: unit i, word j holds row j's codes of columns
+//   4i .. 4i + 3; then r fp16 d.
+// The groups follow each other in row order: each thread reads its groups as one stream.
+//
+// x is quantized per 32-column block to int8 as llama.cpp's Q8_1 (scale s = max |x| / 127,
+// codes round(x / s)), and the sums over x take the sum of the quantized x (s * sum of
+// codes), so each product is exactly the dequantized weight's with the quantized x; sums
+// are fp32.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PDSERVE_ROW_GROUPS 1
+#endif
+#if defined(PDSERVE_ROW_GROUPS) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PDSERVE_ROW_GROUPS_VNNI 1
+#endif
+
+namespace pdserve_cpu {
+
+constexpr int64_t kGroupRows = 16;
+constexpr int64_t kBlockCols = 32;        // columns per Q4_1 block
+constexpr int64_t kQ4RowBytes = 20;    // bytes per block and row: fp16 d, fp16 m, 16 bytes of nibbles
+constexpr int64_t kQ4GroupBlockBytes = kGroupRows * kQ4RowBytes;  // 320: 256 of codes, 32 of d, 32 of m
+constexpr int64_t kQ4CodeBytes = 16 * kGroupRows;
+constexpr int64_t kQ8RowBytes = 34;  // bytes per block and row: fp16 d, 32 int8 codes
+constexpr int64_t kQ8GroupBlockBytes = kGroupRows * kQ8RowBytes;  // 544: 512 of codes, 32 of d
+constexpr int64_t kQ8CodeBytes = 32 * kGroupRows;
+
+// x rows quantized per 32-column block.
+struct BlockQuantizedX {
+  std::vector<int8_t> codes;           // [M, K]
+  std::vector<float> scales_and_sums;  // [M, K / 32, 2]: s, and s * the sum of the block's codes
+};
+
+#ifdef PDSERVE_ROW_GROUPS
+// num_blocks_total blocks of 32 fp32 values, one after another. Rounds half to even (the
+// default rounding mode) in both builds, so both give the same codes.
+inline BlockQuantizedX quantize_x_blocks(const float* x, int64_t num_blocks_total) {
+  BlockQuantizedX q{std::vector<int8_t>(num_blocks_total * kBlockCols), std::vector<float>(2 * num_blocks_total)};
+  for (int64_t i = 0; i < num_blocks_total; ++i) {
+    const float* xb = x + i * kBlockCols;
+#ifdef PDSERVE_ROW_GROUPS_VNNI
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+    const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inverse)));
+    const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inverse)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * kBlockCols), _mm512_cvtepi32_epi8(c0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * kBlockCols + 16), _mm512_cvtepi32_epi8(c1));
+    const int32_t code_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+#else
+    float amax = 0.f;
+    for (int64_t j = 0; j < kBlockCols; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t code_sum = 0;
+    for (int64_t j = 0; j < kBlockCols; ++j) {
+      const int8_t code = static_cast<int8_t>(std::nearbyint(xb[j] * inverse));
+      q.codes[i * kBlockCols + j] = code;
+      code_sum += code;
+    }
+#endif
+    const float scale = amax / 127.f;
+    q.scales_and_sums[2 * i] = scale;
+    q.scales_and_sums[2 * i + 1] = scale * static_cast<float>(code_sum);
+  }
+  return q;
+}
+
+inline int32_t x_word(const int8_t* codes, int i) {  // columns 4i .. 4i + 3 of a block
+  int32_t word;
+  std::memcpy(&word, codes + 4 * i, 4);
+  return word;
+}
+
+// One group of 16 rows over all blocks: out[m][j] = x row m . W row j (no bias).
+template <int M>
+void q4_1_group(const BlockQuantizedX& x, const uint8_t* group, int64_t num_blocks, float (&out)[M][kGroupRows]) {
+#ifdef PDSERVE_ROW_GROUPS_VNNI
+  const __m512i low_mask = _mm512_set1_epi8(0x0F);
+  __m512 acc[M], acc_min[M];  // d-scaled dots; m terms (two chains, so neither waits on the other)
+  for (int m = 0; m < M; ++m) acc[m] = acc_min[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* block = group + b * kQ4GroupBlockBytes;
+    __m512i codes[8];  // codes[i] lane j: row j's columns 4i .. 4i + 3
+    for (int unit = 0; unit < 4; ++unit) {
+      const __m512i packed = _mm512_loadu_si512(block + 64 * unit);
+      codes[2 * unit] = _mm512_and_si512(packed, low_mask);
+      codes[2 * unit + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_mask);
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kQ4CodeBytes)));
+    const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kQ4CodeBytes + 32)));
+    for (int m = 0; m < M; ++m) {
+      const int64_t xb = m * num_blocks + b;
+      const int8_t* x_codes = x.codes.data() + xb * kBlockCols;
+      __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
+      for (int i = 0; i < 8; i += 2) {
+        dot0 = _mm512_dpbusd_epi32(dot0, codes[i], _mm512_set1_epi32(x_word(x_codes, i)));
+        dot1 = _mm512_dpbusd_epi32(dot1, codes[i + 1], _mm512_set1_epi32(x_word(x_codes, i + 1)));
+      }
+      const float* scale_and_sum = x.scales_and_sums.data() + 2 * xb;
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scale_and_sum[0])),
+                               _mm512_cvtepi32_ps(_mm512_add_epi32(dot0, dot1)), acc[m]);
+      acc_min[m] = _mm512_fmadd_ps(mins, _mm512_set1_ps(scale_and_sum[1]), acc_min[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out[m], _mm512_add_ps(acc[m], acc_min[m]));
+#else
+  // Two passes of 8 rows: each half's accumulators fit AVX2's 16 registers; the second
+  // pass reads the group (5-15 KB) from cache.
+  const __m256i low_mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[M], acc_min[M];
+    for (int m = 0; m < M; ++m) acc[m] = acc_min[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* block = group + b * kQ4GroupBlockBytes;
+      __m256i dots[M];
+      for (int m = 0; m < M; ++m) dots[m] = _mm256_setzero_si256();
+      for (int unit = 0; unit < 4; ++unit) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * unit + 32 * half));
+        const __m256i low = _mm256_and_si256(packed, low_mask);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_mask);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* x_codes = x.codes.data() + (m * num_blocks + b) * kBlockCols;
+          // u8 code x s8 x pairs summed in int16 (at most 2 * 15 * 127: no saturation), then int32.
+          const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(low, _mm256_set1_epi32(x_word(x_codes, 2 * unit))), ones);
+          const __m256i p1 =
+              _mm256_madd_epi16(_mm256_maddubs_epi16(high, _mm256_set1_epi32(x_word(x_codes, 2 * unit + 1))), ones);
+          dots[m] = _mm256_add_epi32(dots[m], _mm256_add_epi32(p0, p1));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kQ4CodeBytes + 16 * half)));
+      const __m256 mins =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kQ4CodeBytes + 32 + 16 * half)));
+      for (int m = 0; m < M; ++m) {
+        const float* scale_and_sum = x.scales_and_sums.data() + 2 * (m * num_blocks + b);
+        acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(scale_and_sum[0])), _mm256_cvtepi32_ps(dots[m]), acc[m]);
+        acc_min[m] = _mm256_fmadd_ps(mins, _mm256_set1_ps(scale_and_sum[1]), acc_min[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) _mm256_storeu_ps(out[m] + 8 * half, _mm256_add_ps(acc[m], acc_min[m]));
+  }
+#endif
+}
+
+// One group of 16 Q8_0 rows over all blocks: out[m][j] = x row m . W row j (no bias).
+template <int M>
+void q8_0_group(const BlockQuantizedX& x, const uint8_t* group, int64_t num_blocks, float (&out)[M][kGroupRows]) {
+#ifdef PDSERVE_ROW_GROUPS_VNNI
+  // vpdpbusd takes one side unsigned: the codes + 128 (their sign bit flipped), and
+  // 128 * the sum of x's codes comes off again in the second chain. Every dot is at most
+  // 32 * 255 * 127 < 2^24: exact in fp32.
+  const __m512i sign_bit = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[M], acc_offset[M];
+  for (int m = 0; m < M; ++m) acc[m] = acc_offset[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* block = group + b * kQ8GroupBlockBytes;
+    __m512i codes[8];  // codes[i] lane j: row j's columns 4i .. 4i + 3, plus 128
+    for (int i = 0; i < 8; ++i) codes[i] = _mm512_xor_si512(_mm512_loadu_si512(block + 64 * i), sign_bit);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kQ8CodeBytes)));
+    for (int m = 0; m < M; ++m) {
+      const int64_t xb = m * num_blocks + b;
+      const int8_t* x_codes = x.codes.data() + xb * kBlockCols;
+      __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
+      for (int i = 0; i < 8; i += 2) {
+        dot0 = _mm512_dpbusd_epi32(dot0, codes[i], _mm512_set1_epi32(x_word(x_codes, i)));
+        dot1 = _mm512_dpbusd_epi32(dot1, codes[i + 1], _mm512_set1_epi32(x_word(x_codes, i + 1)));
+      }
+      const float* scale_and_sum = x.scales_and_sums.data() + 2 * xb;
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scale_and_sum[0])),
+                               _mm512_cvtepi32_ps(_mm512_add_epi32(dot0, dot1)), acc[m]);
+      acc_offset[m] = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.f * scale_and_sum[1]), acc_offset[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out[m], _mm512_add_ps(acc[m], acc_offset[m]));
+#else
+  // maddubs takes one side unsigned: |code| against x's code with the code's sign (at most
+  // 2 * 128 * 127 per int16: no saturation), as llama.cpp does.
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* block = group + b * kQ8GroupBlockBytes;
+      __m256i dots[M];
+      for (int m = 0; m < M; ++m) dots[m] = _mm256_setzero_si256();
+      for (int i = 0; i < 8; ++i) {
+        const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * i + 32 * half));
+        const __m256i magnitudes = _mm256_sign_epi8(codes, codes);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* x_codes = x.codes.data() + (m * num_blocks + b) * kBlockCols;
+          const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(x_word(x_codes, i)), codes);
+          dots[m] = _mm256_add_epi32(dots[m], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, signed_x), ones));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kQ8CodeBytes + 16 * half)));
+      for (int m = 0; m < M; ++m) {
+        const float scale = x.scales_and_sums[2 * (m * num_blocks + b)];
+        acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(scale)), _mm256_cvtepi32_ps(dots[m]), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) _mm256_storeu_ps(out[m] + 8 * half, acc[m]);
+  }
+#endif
+}
+
+// The last group's r < 16 rows laid out as a full group (rows r.. zero: codes and scales
+// 0), for a format of num_units 4-byte words per row and block followed by num_scales
+// fp16 values per row (Q4_1: 4 and 2, Q8_0: 8 and 1).
+inline std::vector<uint8_t> pad_group(const uint8_t* group, int64_t num_rows, int64_t num_blocks, int num_units,
+                                      int num_scales) {
+  const int64_t row_bytes = 4 * num_units + 2 * num_scales, full_bytes = kGroupRows * row_bytes;
+  std::vector<uint8_t> padded(num_blocks * full_bytes, 0);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* src = group + b * row_bytes * num_rows;
+    uint8_t* dst = padded.data() + b * full_bytes;
+    for (int unit = 0; unit < num_units; ++unit)
+      std::memcpy(dst + 4 * kGroupRows * unit, src + 4 * num_rows * unit, 4 * num_rows);
+    for (int scale = 0; scale < num_scales; ++scale)
+      std::memcpy(dst + (4 * num_units + 2 * scale) * kGroupRows, src + (4 * num_units + 2 * scale) * num_rows,
+                  2 * num_rows);
+  }
+  return padded;
+}
+#endif
+
+}  // namespace pdserve_cpu
