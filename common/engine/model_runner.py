@@ -34,6 +34,7 @@ from common.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutpu
 from common.engine.sampler import Sampler
 from common.engine.spec_decode.proposer import DraftProposer, make_proposer
 from common.engine.spec_decode.verification import accept_drafts, expand_verification_rows
+from kernels.huge_pages import zeros_on_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +72,18 @@ def allocate_paged_kv(model_config: ModelConfig, num_blocks: int, block_size: in
     num_kv_heads (default: the model's) are one rank's under tensor/pipeline parallelism.
 
     Zeroed, not empty: attention reads whole blocks and masks the tail, and garbage
-    NaNs would survive a zero weight (0 * NaN = NaN)."""
+    NaNs would survive a zero weight (0 * NaN = NaN). On the CPU in huge-page memory:
+    attention's reads hop between blocks all over the pool (kernels/huge_pages.py)."""
     num_layers = model_config.num_hidden_layers if num_layers is None else num_layers
     num_kv_heads = model_config.num_key_value_heads if num_kv_heads is None else num_kv_heads
     shape = (num_blocks, block_size, num_kv_heads, model_config.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)]
+
+    def zeros() -> torch.Tensor:
+        if device.type == "cpu":
+            return zeros_on_huge_pages(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    return [(zeros(), zeros()) for _ in range(num_layers)]
 
 
 def check_parallel_setup(model_config: ModelConfig, parallel: ParallelConfig, rank: int,

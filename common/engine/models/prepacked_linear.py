@@ -42,6 +42,7 @@ from kernels.cpu_linear import (
     release_prepacked_linear,
 )
 from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
+from kernels.huge_pages import on_huge_pages
 
 # weight_id -> (the packed weight, out_features, the row-major weight for the GEMV or
 # None); dead where its module is gone, and the slot is then reused, so a fresh process
@@ -114,10 +115,10 @@ class PrepackedLinear(nn.Module):
         self._native = native_gemv_available()
         # What decode steps' GEMV reads, where it applies: the Q8_0 blocks, else a row-major
         # copy of a bf16 or fp32 weight (AVX2 and FMA).
-        self._q8_0_blocks = (q8_0_gemv_blocks(q8_0_blocks) if self._native and q8_0_blocks is not None
+        # Both on huge pages: a decode step streams them whole (kernels/huge_pages.py).
+        self._q8_0_blocks = (on_huge_pages(q8_0_gemv_blocks(q8_0_blocks)) if self._native and q8_0_blocks is not None
                              and q8_0_blocks.shape[0] == self.out_features else None)
-        self._row_major = (weight.detach().clone(memory_format=torch.contiguous_format)
-                           if self._q8_0_blocks is None and gemv_applies(weight) else None)
+        self._row_major = (on_huge_pages(weight) if self._q8_0_blocks is None and gemv_applies(weight) else None)
         self.weight_id = _register(self._packed, self.out_features, self._row_major)
         # A plain attribute, not a buffer: it stays on the CPU, where the ops read it.
         self.weight_id_tensor = torch.tensor(self.weight_id, device="cpu")  # [] int64

@@ -24,6 +24,7 @@ from common.engine.models.quantization.cpu_kernels import KERNEL_DTYPE, int4_ker
 from common.engine.models.quantization.gguf_blocks import Q4_1_BLOCK_SIZE, Q4_1Blocks
 from kernels.cpu_linear import native_gemv_available, q4_1_gemv_blocks
 from kernels.cpu_linear import q4_1_linear as native_q4_1_linear
+from kernels.huge_pages import on_huge_pages
 
 # torch's int4 codes are centred on 8: (q - 8) * scale + zero.
 INT4_ZERO_POINT = 8
@@ -65,8 +66,9 @@ class Q4_1Linear(nn.Module):
             # [K // 32, N, 2]: (scale, zero) per group of input columns and output row.
             scales_and_zeros = torch.stack([d.t(), (m + INT4_ZERO_POINT * d).t()], dim=-1)
             self.register_buffer("scales_and_zeros", scales_and_zeros.to(device, KERNEL_DTYPE).contiguous())
-            # [N, K // 32 * 20] uint8: GGUF's blocks in groups of 16 rows, for the decode GEMV.
-            self.register_buffer("blocks", q4_1_gemv_blocks(blocks.raw()).to(device)
+            # [N, K // 32 * 20] uint8: GGUF's blocks in groups of 16 rows, for the decode GEMV,
+            # on huge pages (a decode step streams them whole: kernels/huge_pages.py).
+            self.register_buffer("blocks", on_huge_pages(q4_1_gemv_blocks(blocks.raw()))
                                  if device.type == "cpu" and native_gemv_available() else None)
         else:
             self.register_buffer("codes", blocks.codes().to(device))  # [N, K] uint8

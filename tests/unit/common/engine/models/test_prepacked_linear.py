@@ -1,5 +1,6 @@
 """Prepacked linears: the same product as F.linear, eagerly and compiled, a weight table
-that numbers a model's weights the same way in every process, and the model pass."""
+that numbers a model's weights the same way in every process, and the model pass; what
+decode steps stream (GEMV copies, the KV cache) on huge pages."""
 from __future__ import annotations
 
 import gc
@@ -10,9 +11,11 @@ import torch.nn.functional as F
 
 from common.engine.config import ModelConfig
 from common.engine.model_files import load_hf_config
-from common.engine.model_runner import load_model
+from common.engine.model_runner import allocate_paged_kv, load_model
 from common.engine.models import prepacked_linear
 from common.engine.models.prepacked_linear import PrepackedLinear, prepack_linears, prepacking_available
+from kernels.huge_pages import huge_pages_available
+from tests.support.memory_maps import mapping_of
 
 pytestmark = pytest.mark.skipif(not prepacking_available(torch.float32), reason="oneDNN cannot pack here")
 
@@ -93,3 +96,16 @@ def test_nothing_is_packed_where_onednn_cannot(monkeypatch, tiny_llama_dir):
     assert prepack_linears(model) == 0
     assert model.prepacked_head is None
     assert any(isinstance(m, torch.nn.Linear) for m in model.modules())
+
+
+@pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages here")
+def test_what_decode_steps_stream_lives_on_huge_pages(tiny_llama_dir):
+    # The GEMV's row-major copies and the KV cache: a decode step reads them whole.
+    layer = PrepackedLinear(torch.randn(96, 64), None)
+    if layer._row_major is None:
+        pytest.skip("no native GEMV here: no row-major copy")
+    assert mapping_of(layer._row_major)["THPeligible"] == "1"
+    config = ModelConfig.from_hf_config(load_hf_config(tiny_llama_dir))
+    for k_cache, v_cache in allocate_paged_kv(config, 8, 16, torch.float32, torch.device("cpu")):
+        assert mapping_of(k_cache)["THPeligible"] == "1" and mapping_of(v_cache)["THPeligible"] == "1"
+        assert not k_cache.any() and not v_cache.any()

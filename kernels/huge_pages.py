@@ -1,0 +1,95 @@
+"""CPU tensors in memory that Linux backs with 2 MiB pages (transparent huge pages).
+
+A decode step streams every weight once and attention reads KV blocks scattered over the
+pool; with 4 KiB pages each 4 KiB costs a TLB miss and a page walk. On the 2-core Zen 4
+EPYC the bf16 GEMV over SmolLM2's 30 layers (212 MB) took 8.9 ms a pass (median) from
+ordinary memory and 7.5 ms from huge pages. Most systems run THP in "madvise" mode, where
+only memory advised with MADV_HUGEPAGE gets them, and torch's allocator advises none
+(unless THP_MEM_ALLOC_ENABLE is set before its first allocation).
+
+`on_huge_pages(t)` copies a tensor into such memory and `zeros_on_huge_pages` allocates
+there: small tensors share 32 MiB chunks (64-byte aligned slices; a chunk lives while any
+of its tensors does), large ones get their own region; every region starts on a 2 MiB
+boundary. Where THP is off ("never"), outside Linux, or with PDSERVE_HUGE_PAGES=0, they
+return ordinary tensors. Memory is never handed out twice, so a copy costs only its own
+bytes; pages of a chunk that nothing touched are not resident.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import mmap
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+HUGE_PAGE_BYTES = 2 << 20
+CHUNK_BYTES = 32 << 20  # tensors up to half of this share chunks
+ALIGN_BYTES = 64
+THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@functools.cache
+def huge_pages_available() -> bool:
+    """Whether advised memory can get huge pages here (checked once per process)."""
+    if os.environ.get("PDSERVE_HUGE_PAGES", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        mode = THP_MODE_FILE.read_text()
+    except OSError:
+        return False
+    return "[never]" not in mode
+
+
+def _region(num_bytes: int) -> torch.Tensor:  # [num_bytes] uint8, zeroed, from a 2 MiB boundary
+    size = math.ceil(num_bytes / HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES + HUGE_PAGE_BYTES
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    base = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping until its last view goes
+    start = -base.data_ptr() % HUGE_PAGE_BYTES
+    return base[start:start + num_bytes]
+
+
+class _Chunks:
+    """Hands out slices of the current chunk, then of a new one; never reuses a slice."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._chunk: torch.Tensor | None = None
+        self._offset = 0
+
+    def take(self, num_bytes: int) -> torch.Tensor:  # [num_bytes] uint8, zeroed, 64-byte aligned
+        if num_bytes > CHUNK_BYTES // 2:
+            return _region(num_bytes)
+        with self._lock:
+            if self._chunk is None or self._offset + num_bytes > CHUNK_BYTES:
+                self._chunk, self._offset = _region(CHUNK_BYTES), 0
+            piece = self._chunk[self._offset:self._offset + num_bytes]
+            self._offset += math.ceil(num_bytes / ALIGN_BYTES) * ALIGN_BYTES
+            return piece
+
+
+_CHUNKS = _Chunks()
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed contiguous CPU tensor in huge-page memory where available."""
+    if not huge_pages_available():
+        return torch.zeros(shape, dtype=dtype)
+    num_bytes = math.prod(shape) * dtype.itemsize
+    return _CHUNKS.take(max(num_bytes, 1))[:num_bytes].view(dtype).view(shape)
+
+
+def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a CPU tensor in huge-page memory where available (else an
+    ordinary contiguous copy)."""
+    if tensor.device.type != "cpu" or not huge_pages_available():
+        return tensor.detach().clone(memory_format=torch.contiguous_format)
+    copy = zeros_on_huge_pages(tuple(tensor.shape), tensor.dtype)
+    copy.copy_(tensor.detach())
+    return copy

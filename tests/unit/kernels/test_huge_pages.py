@@ -1,0 +1,81 @@
+"""kernels/huge_pages.py: copies and zeroed tensors in memory advised to huge pages (where
+the kernel offers them), sharing chunks when small, returned to the system when their
+tensors go; ordinary tensors when turned off. The engine's GEMV weights and KV cache live
+there."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from kernels import huge_pages
+from kernels.huge_pages import CHUNK_BYTES, huge_pages_available, on_huge_pages, zeros_on_huge_pages
+from tests.support.memory_maps import mapping_of
+
+
+needs_huge_pages = pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages here")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_a_copy_has_the_same_values_contiguous(dtype):
+    source = (torch.randn(37, 50) * 100).to(dtype).t()  # not contiguous
+    copy = on_huge_pages(source)
+    assert copy.is_contiguous() and copy.dtype == dtype and copy.shape == source.shape
+    assert torch.equal(copy, source)
+    assert copy.data_ptr() != source.data_ptr()
+
+
+@needs_huge_pages
+def test_copies_live_in_memory_advised_to_huge_pages():
+    large = on_huge_pages(torch.randn(CHUNK_BYTES // 4))  # its own region
+    small = on_huge_pages(torch.randn(1000))
+    for tensor in (large, small):
+        assert mapping_of(tensor)["THPeligible"] == "1"
+    assert large.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+
+
+@needs_huge_pages
+def test_small_tensors_share_a_chunk_at_aligned_offsets():
+    pieces = [on_huge_pages(torch.randn(n)) for n in (1, 3, 100, 1000)]
+    assert len({mapping_of(piece)["range"] for piece in pieces}) == 1
+    assert all(piece.data_ptr() % huge_pages.ALIGN_BYTES == 0 for piece in pieces)
+    ends = [piece.data_ptr() + piece.numel() * piece.element_size() for piece in pieces]
+    assert all(end <= later.data_ptr() for end, later in zip(ends, pieces[1:]))  # no overlap
+
+
+@needs_huge_pages
+def test_a_region_is_unmapped_when_its_tensors_go():
+    tensor = zeros_on_huge_pages((CHUNK_BYTES,), torch.uint8)
+    view = tensor[10:20]
+    address = tensor.data_ptr()
+    del tensor
+    gc.collect()
+    assert mapping_of(view) is not None  # a view keeps the region
+    del view
+    gc.collect()
+    with open("/proc/self/maps") as maps:
+        ranges = [tuple(int(part, 16) for part in line.split()[0].split("-")) for line in maps]
+    assert not any(start <= address < end for start, end in ranges)
+
+
+def test_zeros_are_zero():
+    zeros = zeros_on_huge_pages((3, 4, 5), torch.bfloat16)
+    assert zeros.shape == (3, 4, 5) and zeros.dtype == torch.bfloat16 and zeros.is_contiguous()
+    assert not zeros.any()
+
+
+def test_turned_off_they_are_ordinary_tensors(monkeypatch):
+    monkeypatch.setenv("PDSERVE_HUGE_PAGES", "0")
+    huge_pages_available.cache_clear()
+    try:
+        assert not huge_pages_available()
+        source = torch.randn(CHUNK_BYTES // 4)
+        copy = on_huge_pages(source)
+        assert torch.equal(copy, source)
+        if "[madvise]" in huge_pages.THP_MODE_FILE.read_text():  # only advised memory is eligible
+            assert mapping_of(copy)["THPeligible"] == "0"
+        assert not zeros_on_huge_pages((8,), torch.float32).any()
+    finally:
+        monkeypatch.undo()
+        huge_pages_available.cache_clear()
