@@ -82,7 +82,9 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     if not huge_pages_available():
         return torch.zeros(shape, dtype=dtype)
     num_bytes = math.prod(shape) * dtype.itemsize
-    return _CHUNKS.take(max(num_bytes, 1))[:num_bytes].view(dtype).view(shape)
+    # Fresh memory reads as zero already; writing it faults its pages in now, as
+    # torch.zeros does, rather than during the first steps that touch them.
+    return _CHUNKS.take(max(num_bytes, 1))[:num_bytes].zero_().view(dtype).view(shape)
 
 
 def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
