@@ -39,7 +39,8 @@ def native_gemv_available() -> bool:
     error = load_ops("gemv", {"pdserve_gemv::gemv": _gemv_fake, "pdserve_gemv::q4_1_gemv": _blocks_gemv_fake,
                               "pdserve_gemv::q8_0_gemv": _blocks_gemv_fake,
                               "pdserve_gemv::prepacked_linear": _prepacked_linear_fake,
-                              "pdserve_gemv::q4_1_linear": _q4_1_linear_fake})
+                              "pdserve_gemv::q4_1_linear": _q4_1_linear_fake,
+                              "pdserve_gemv::int8_linear": _int8_linear_fake})
     if error is not None:
         log.warning("native GEMV unavailable, decode linears stay on oneDNN and torch's int4 kernel: %s", error)
         return False
@@ -57,6 +58,10 @@ def _gemv_fake(x, bias, weight):
 
 def _blocks_gemv_fake(x, bias, blocks):
     return x.new_empty((x.shape[0], blocks.shape[0]))
+
+
+def _int8_linear_fake(x, codes, scales, q8_0_blocks):
+    return x.new_empty((x.shape[0], codes.shape[0]))
 
 
 def _q4_1_linear_fake(x, packed, scales_and_zeros, blocks, group_size):
@@ -198,3 +203,14 @@ def q4_1_linear(
     """A Q4_1 linear in one native op: the Q4_1 GEMV for 1 to GEMV_MAX_ROWS rows where the
     blocks are given, torch's int4 kernel otherwise."""
     return torch.ops.pdserve_gemv.q4_1_linear.default(x, packed, scales_and_zeros, blocks, group_size)
+
+
+def int8_linear(
+    x: torch.Tensor,  # [num_tokens, in_features] bf16 or fp32
+    codes: torch.Tensor,  # [out_features, in_features] int8
+    scales: torch.Tensor,  # [out_features] bf16: the weight is codes * scales
+    q8_0_blocks: torch.Tensor | None,  # q8_0_gemv_blocks of the same weight (scales as d), or None
+) -> torch.Tensor:  # [num_tokens, out_features], x's dtype
+    """An int8 weight-only linear in one native op: the Q8_0 GEMV for 1 to GEMV_MAX_ROWS rows
+    where the blocks are given, torch's int8 kernel otherwise."""
+    return torch.ops.pdserve_gemv.int8_linear.default(x, codes, scales, q8_0_blocks)

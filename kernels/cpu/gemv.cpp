@@ -325,6 +325,21 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return int4_mm.call(x, packed, group_size, scales_and_zeros);
 }
 
+// An int8 weight-only linear's one op for a compiled graph: decode steps of up to kMaxRows
+// rows take the Q8_0 GEMV over its codes, each row's scale as every block's d (exact where
+// the loader built the blocks: the scale fits fp16), larger ones torch's int8 kernel (bf16
+// x: an fp32 model's rows go over and come back).
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& q8_0_blocks) {
+  if (q8_0_blocks.has_value() && x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows)
+    return q8_0_gemv(x, std::nullopt, *q8_0_blocks);
+  static const auto int8_mm = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("aten::_weight_int8pack_mm", "")
+                                  .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  if (x.scalar_type() == at::kFloat) return int8_mm.call(x.to(at::kBFloat16), codes, scales).to(at::kFloat);
+  return int8_mm.call(x, codes, scales);
+}
+
 // The compiled model's linears by the id its graphs hold (a oneDNN-packed weight is opaque
 // to the compiler, so the graph names it by number): the packed weight, and where steps of
 // up to kMaxRows rows take a GEMV, what it reads: a row-major copy (bf16 or fp32), or Q8_0
@@ -414,6 +429,7 @@ TORCH_LIBRARY(pdserve_gemv, m) {
   m.def("q4_1_gemv(Tensor x, Tensor? bias, Tensor blocks) -> Tensor");
   m.def("q8_0_gemv(Tensor x, Tensor? bias, Tensor blocks) -> Tensor");
   m.def("q4_1_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor? blocks, int group_size) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? q8_0_blocks) -> Tensor");
   m.def("isa() -> str", &gemv_isa);
   m.def("register_linear(int weight_id, Tensor packed, Tensor? row_major, Tensor? q8_0_blocks=None) -> ()",
         &register_linear);
@@ -426,5 +442,6 @@ TORCH_LIBRARY_IMPL(pdserve_gemv, CPU, m) {
   m.impl("q4_1_gemv", &q4_1_gemv);
   m.impl("q8_0_gemv", &q8_0_gemv);
   m.impl("q4_1_linear", &q4_1_linear);
+  m.impl("int8_linear", &int8_linear);
   m.impl("prepacked_linear", &prepacked_linear);
 }

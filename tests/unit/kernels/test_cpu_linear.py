@@ -1,10 +1,11 @@
 """The native GEMVs (kernels/cpu/gemv.cpp): for a bf16 or fp32 weight and for GGUF's
-Q4_1 blocks, the product fp32 math gives on the same inputs, rounded once to the output
-dtype, for every row count and shape they take, in whichever build this CPU gets
-(AVX512-BF16 dot products, or fp32 FMAs on AVX2; Q4_1 products take x quantized per
-block to int8 in every build, as Q8_0's, and the reference does the same), and the AVX2
-build's GGUF GEMVs on an AVX-512 machine; clear refusals for the ones they do not; the decode linears
-that take them, and the native op that picks between the GEMV and oneDNN."""
+Q4_1 and Q8_0 blocks, the product fp32 math gives on the same inputs, rounded once to the
+output dtype, for every row count and shape they take, in whichever build this CPU gets
+(AVX512-BF16 dot products, or fp32 FMAs on AVX2; the GGUF blocks' products take x
+quantized per block to int8 in every build, and the reference does the same), and the
+AVX2 build's GGUF GEMVs on an AVX-512 machine; clear refusals for the ones they do not;
+the decode linears that take them, and the native ops that pick between a GEMV and
+oneDNN or torch's int4 / int8 kernels."""
 from __future__ import annotations
 
 import gc
@@ -20,8 +21,9 @@ import torch.nn.functional as F
 
 from common.engine.model_files import bundled_gguf_path
 from common.engine.models.prepacked_linear import _PACKED_WEIGHTS, PrepackedLinear, prepacking_available
-from common.engine.models.quantization.cpu_kernels import int4_kernel_available
+from common.engine.models.quantization.cpu_kernels import int4_kernel_available, int8_kernel_available
 from common.engine.models.quantization.gguf_blocks import GGUFQuantizedWeights, Q4_1Blocks, Q8_0Blocks
+from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
 from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, gemv, native_gemv_available, q4_1_gemv,
                                 q4_1_gemv_blocks, q8_0_gemv, q8_0_gemv_blocks)
@@ -378,3 +380,41 @@ def test_the_avx2_build_of_the_gguf_gemvs_matches_their_math():
     done = subprocess.run([sys.executable, "-c", _AVX2_GGUF_SCRIPT], env=env, cwd=repo_root, capture_output=True,
                           text=True, timeout=280)
     assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.skipif(not int8_kernel_available("cpu"), reason="no torch int8 kernel here")
+@pytest.mark.parametrize("num_tokens", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_int8_linear_takes_the_q8_0_gemv_for_decode_rows_and_torch_int8_beyond(bundled_blocks, num_tokens,
+                                                                                 dtype):
+    weight = bundled_blocks["qkv_proj"].dequantize(torch.float32)
+    linear = Int8Linear(weight, None)
+    assert linear.q8_0_blocks is not None
+    torch.manual_seed(num_tokens)
+    x = torch.randn(num_tokens, linear.in_features, dtype=dtype)
+    out = linear(x)
+    assert out.dtype == dtype
+    if num_tokens <= GEMV_MAX_ROWS:
+        # The Q8_0 GEMV over the codes with each row's scale as d: exactly its math.
+        assert torch.equal(out, q8_0_gemv(x, None, linear.q8_0_blocks))
+        num_blocks = linear.in_features // 32
+        as_q8_0 = Q8_0Blocks(d=linear.scales.half().unsqueeze(1).expand(-1, num_blocks).contiguous(),
+                             codes=linear.codes.reshape(-1, num_blocks, 32))
+        expected = q8_0_reference(x, None, as_q8_0).float()
+        torch.testing.assert_close(out.float(), expected, rtol=2 ** -8 if dtype == torch.bfloat16 else 1e-5,
+                                   atol=(1e-3 if dtype == torch.bfloat16 else 1e-5) * expected.abs().max().item())
+    else:  # torch's int8 kernel takes bf16
+        int8 = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), linear.codes, linear.scales).to(dtype)
+        assert torch.equal(out, int8)
+    dequantized = linear.codes.float() * linear.scales.float().unsqueeze(1)
+    assert ((out.float() - reference(x, None, dequantized)).norm() / reference(x, None, dequantized).norm()) < 1e-2
+
+
+@pytest.mark.skipif(not int8_kernel_available("cpu"), reason="no torch int8 kernel here")
+def test_int8_scales_that_fp16_cannot_hold_keep_torch_int8():
+    weight = torch.randn(64, 96)
+    weight[3] *= 1e-9  # its scale underflows fp16
+    linear = Int8Linear(weight, None)
+    assert linear.q8_0_blocks is None
+    x = torch.randn(1, 96, dtype=torch.bfloat16)
+    assert torch.equal(linear(x), torch.ops.aten._weight_int8pack_mm(x, linear.codes, linear.scales))

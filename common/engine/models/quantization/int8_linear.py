@@ -4,6 +4,13 @@ Scales come from the model's own weights at load; the float weight is dropped on
 quantized (the caller replaces the float linear). torch's CPU kernel
 `_weight_int8pack_mm` runs in bf16 (see cpu_kernels): fp32 activations are rounded to
 bf16 for this matmul. Without the kernel, forward converts the codes per call.
+
+Decode steps of up to four tokens take the native Q8_0 GEMV instead where the CPU has AVX2
+and FMA (kernels/cpu_linear.py): the codes as Q8_0 blocks whose d is the row's scale
+(exact: the loader builds them only where every scale fits fp16), in groups of 16 rows on
+huge pages, x quantized per 32 columns to int8. Both sit behind the native op
+`pdserve_gemv::int8_linear`, which picks by the token count in C++, so a compiled graph
+does not branch on it.
 """
 from __future__ import annotations
 
@@ -12,8 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.engine.models.quantization.cpu_kernels import KERNEL_DTYPE, int8_kernel_available, kernel_output
+from kernels.cpu_linear import GEMV_K_MULTIPLE, int8_linear, native_gemv_available, q8_0_gemv_blocks
+from kernels.huge_pages import on_huge_pages
 
 INT8_MAX = 127
+# x dtypes the native op takes as they are.
+NATIVE_X_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,6 +33,23 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
     codes = torch.round(weight / scales.unsqueeze(1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return codes, scales
+
+
+def gemv_blocks(
+    codes: torch.Tensor,  # [N, K] int8
+    scales: torch.Tensor,  # [N]
+) -> torch.Tensor | None:  # [N, K // 32 * 34] uint8: q8_0_gemv_blocks, on huge pages
+    """The weight codes * scales as Q8_0 blocks (every block of a row with the row's scale as
+    its fp16 d) in the GEMV's order; None where a scale does not fit fp16 exactly or K is not
+    a multiple of 32."""
+    num_rows, num_cols = codes.shape
+    d = scales.to(torch.float16)
+    if num_cols % GEMV_K_MULTIPLE or not torch.equal(d.to(scales.dtype), scales) or not d.isfinite().all():
+        return None
+    num_blocks = num_cols // 32
+    d_bytes = d.view(torch.uint8).reshape(num_rows, 1, 2).expand(num_rows, num_blocks, 2)
+    raw = torch.cat([d_bytes, codes.view(torch.uint8).reshape(num_rows, num_blocks, 32)], dim=-1)
+    return on_huge_pages(q8_0_gemv_blocks(raw.reshape(num_rows, -1)))
 
 
 class Int8Linear(nn.Module):
@@ -33,6 +61,9 @@ class Int8Linear(nn.Module):
         codes, scales = quantize_per_channel(weight)
         self.register_buffer("codes", codes)  # [N, K] int8
         self.register_buffer("scales", scales.to(KERNEL_DTYPE) if self.uses_kernel else scales)  # [N]
+        # [N, K // 32 * 34] uint8 for the decode GEMV, or None.
+        self.register_buffer("q8_0_blocks", gemv_blocks(codes, self.scales) if self.uses_kernel
+                             and weight.device.type == "cpu" and native_gemv_available() else None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
@@ -42,8 +73,13 @@ class Int8Linear(nn.Module):
         if not self.uses_kernel:
             out = F.linear(x, self.codes.to(x.dtype)) * self.scales.to(x.dtype)
             return out if self.bias is None else out + self.bias
-        x2d = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [num_tokens, K]
-        out = torch.ops.aten._weight_int8pack_mm(x2d, self.codes, self.scales.to(KERNEL_DTYPE))
+        x2d = x.reshape(-1, self.in_features)  # [num_tokens, K]
+        if self.q8_0_blocks is not None:  # the native library is loaded
+            x2d = x2d.to(x.dtype if x.dtype in NATIVE_X_DTYPES else KERNEL_DTYPE).contiguous()
+            out = int8_linear(x2d, self.codes, self.scales, self.q8_0_blocks)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(x2d.to(KERNEL_DTYPE).contiguous(), self.codes,
+                                                     self.scales.to(KERNEL_DTYPE))
         return kernel_output(out, x, self.bias, self.out_features)  # out: [num_tokens, N]
 
     def extra_repr(self) -> str:
