@@ -1,7 +1,7 @@
 // Matrix-vector products for decode steps: y [M, N] = x [M, K] @ W [N, K]^T (+ bias), M
-// small (a few decode rows), W either plain row-major (bf16 or fp32, x of the same dtype),
-// GGUF's Q8_0 blocks as the file stores them, or its Q4_1 blocks in groups of 16 rows
-// (gguf_row_groups.h; x bf16 or fp32, y in x's dtype).
+// small (a few decode rows), W either plain row-major (bf16 or fp32, x of the same dtype)
+// or GGUF's Q4_1 / Q8_0 blocks rearranged in groups of 16 rows (gguf_row_groups.h; x bf16
+// or fp32, y in x's dtype).
 //
 // At one token a linear is a stream over its weight, and what sets the speed is how the
 // weight is read. Each thread here reads its share of W's rows strictly in order, one row
@@ -15,7 +15,7 @@
 //   conversion).
 // - Elsewhere (AVX2 + FMA, or AVX-512 without BF16): bf16 x is widened to fp32 once per call,
 //   W's bf16 values to fp32 in registers (a shift: exact), and every product is an fp32 FMA.
-// Q4_1's products are integer in every build: x is quantized per 32-column block to int8
+// GGUF blocks' products are integer in every build: x is quantized per 32-column block to int8
 // (scale max |x| / 127, as llama.cpp's Q8_1), which changes the numerics by that rounding
 // of x (tests/unit/kernels/test_cpu_linear.py states by how much).
 // Sums are fp32 and round to the output dtype once.

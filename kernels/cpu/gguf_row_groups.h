@@ -42,9 +42,9 @@
 
 namespace pdserve_cpu {
 
-constexpr int64_t kGroupRows = 16;
-constexpr int64_t kBlockCols = 32;        // columns per Q4_1 block
-constexpr int64_t kQ4RowBytes = 20;    // bytes per block and row: fp16 d, fp16 m, 16 bytes of nibbles
+constexpr int64_t kGroupRows = 16;  // rows per group: one per 32-bit lane of a 512-bit vector
+constexpr int64_t kBlockCols = 32;  // columns per block, Q4_1 and Q8_0
+constexpr int64_t kQ4RowBytes = 20;  // bytes per block and row: fp16 d, fp16 m, 16 bytes of nibbles
 constexpr int64_t kQ4GroupBlockBytes = kGroupRows * kQ4RowBytes;  // 320: 256 of codes, 32 of d, 32 of m
 constexpr int64_t kQ4CodeBytes = 16 * kGroupRows;
 constexpr int64_t kQ8RowBytes = 34;  // bytes per block and row: fp16 d, 32 int8 codes
