@@ -8,9 +8,9 @@ only memory advised with MADV_HUGEPAGE gets them, and torch's allocator advises 
 (unless THP_MEM_ALLOC_ENABLE is set before its first allocation).
 
 `on_huge_pages(t)` copies a tensor into such memory and `zeros_on_huge_pages` allocates
-there: small tensors share 32 MiB chunks (64-byte aligned slices; a chunk lives while any
-of its tensors does), large ones get their own region; every region starts on a 2 MiB
-boundary. Where THP is off ("never"), outside Linux, or with PDSERVE_HUGE_PAGES=0, they
+there: small tensors share 32 MiB chunks (64-byte aligned pieces, each tensor with a storage
+of its own; a chunk lives while any of its tensors does), large ones get their own region;
+every tensor's memory is in a region that starts on a 2 MiB boundary. Where THP is off ("never"), outside Linux, or with PDSERVE_HUGE_PAGES=0, they
 return ordinary tensors. Memory is never handed out twice, so a copy costs only its own
 bytes; pages of a chunk that nothing touched are not resident.
 """
@@ -46,32 +46,43 @@ def huge_pages_available() -> bool:
     return "[never]" not in mode
 
 
-def _region(num_bytes: int) -> torch.Tensor:  # [num_bytes] uint8, zeroed, from a 2 MiB boundary
+def _region(num_bytes: int) -> tuple[mmap.mmap, int]:
+    """A zeroed mapping advised to huge pages, and the offset in it of its first 2 MiB boundary."""
     size = math.ceil(num_bytes / HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES + HUGE_PAGE_BYTES
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)
-    base = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping until its last view goes
-    start = -base.data_ptr() % HUGE_PAGE_BYTES
-    return base[start:start + num_bytes]
+    address = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
+    return region, -address % HUGE_PAGE_BYTES
+
+
+def _tensor(region: mmap.mmap, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous tensor over region[offset:], with a storage of its own (no view of another
+    tensor: a compiled graph sees unrelated inputs, whose mutations need no alias analysis).
+    The storage holds the mapping until it goes."""
+    flat = torch.frombuffer(region, dtype=dtype, count=math.prod(shape), offset=offset)
+    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, shape, strides)
 
 
 class _Chunks:
-    """Hands out slices of the current chunk, then of a new one; never reuses a slice."""
+    """Hands out pieces of the current chunk, then of a new one; never reuses a piece."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._chunk: torch.Tensor | None = None
+        self._chunk: mmap.mmap | None = None
         self._offset = 0
+        self._end = 0
 
-    def take(self, num_bytes: int) -> torch.Tensor:  # [num_bytes] uint8, zeroed, 64-byte aligned
+    def take(self, num_bytes: int) -> tuple[mmap.mmap, int]:  # a region and a 64-byte aligned offset in it
         if num_bytes > CHUNK_BYTES // 2:
             return _region(num_bytes)
         with self._lock:
-            if self._chunk is None or self._offset + num_bytes > CHUNK_BYTES:
-                self._chunk, self._offset = _region(CHUNK_BYTES), 0
-            piece = self._chunk[self._offset:self._offset + num_bytes]
+            if self._chunk is None or self._offset + num_bytes > self._end:
+                self._chunk, self._offset = _region(CHUNK_BYTES)
+                self._end = self._offset + CHUNK_BYTES
+            offset = self._offset
             self._offset += math.ceil(num_bytes / ALIGN_BYTES) * ALIGN_BYTES
-            return piece
+            return self._chunk, offset
 
 
 _CHUNKS = _Chunks()
@@ -79,12 +90,13 @@ _CHUNKS = _Chunks()
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed contiguous CPU tensor in huge-page memory where available."""
-    if not huge_pages_available():
-        return torch.zeros(shape, dtype=dtype)
     num_bytes = math.prod(shape) * dtype.itemsize
+    if not huge_pages_available() or num_bytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    region, offset = _CHUNKS.take(num_bytes)
     # Fresh memory reads as zero already; writing it faults its pages in now, as
     # torch.zeros does, rather than during the first steps that touch them.
-    return _CHUNKS.take(max(num_bytes, 1))[:num_bytes].zero_().view(dtype).view(shape)
+    return _tensor(region, offset, shape, dtype).zero_()
 
 
 def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,19 @@ def test_small_tensors_share_a_chunk_at_aligned_offsets():
 
 
 @needs_huge_pages
+def test_each_tensor_has_a_storage_of_its_own():
+    # A chunk's tensors are not views of one another: a compiled graph taking the KV caches
+    # of all layers (which it writes) must not see them alias, or it cannot trace the
+    # one-layer-for-all subgraph (tests/unit/common/engine/test_compilation.py).
+    caches = [zeros_on_huge_pages((4, 16, 2, 8), torch.bfloat16) for _ in range(4)]
+    assert len({mapping_of(cache)["range"] for cache in caches}) == 1
+    assert all(cache._base is None and cache.storage_offset() == 0 for cache in caches)
+    assert len({cache.untyped_storage().data_ptr() for cache in caches}) == len(caches)
+    caches[0].fill_(1)
+    assert not any(cache.any() for cache in caches[1:])
+
+
+@needs_huge_pages
 def test_a_region_is_unmapped_when_its_tensors_go():
     tensor = zeros_on_huge_pages((CHUNK_BYTES,), torch.uint8)
     view = tensor[10:20]
