@@ -8,11 +8,12 @@ only memory advised with MADV_HUGEPAGE gets them, and torch's allocator advises 
 (unless THP_MEM_ALLOC_ENABLE is set before its first allocation).
 
 `on_huge_pages(t)` copies a tensor into such memory and `zeros_on_huge_pages` allocates
-there: small tensors share 32 MiB chunks (64-byte aligned pieces, each tensor with a storage
-of its own; a chunk lives while any of its tensors does), large ones get their own region;
-every tensor's memory is in a region that starts on a 2 MiB boundary. Where THP is off ("never"), outside Linux, or with PDSERVE_HUGE_PAGES=0, they
-return ordinary tensors. Memory is never handed out twice, so a copy costs only its own
-bytes; pages of a chunk that nothing touched are not resident.
+there: small tensors share 32 MiB chunks (64-byte aligned pieces, each tensor with a
+storage of its own; a chunk lives while any of its tensors does), large ones get their own
+region; every region starts on a 2 MiB boundary. Where THP is off ("never"), outside
+Linux, or with PDSERVE_HUGE_PAGES=0, they return ordinary tensors. Memory is never handed
+out twice, so a copy costs only its own bytes; pages of a chunk that nothing touched are
+not resident.
 """
 from __future__ import annotations
 
