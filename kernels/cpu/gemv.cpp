@@ -50,9 +50,10 @@ namespace {
 
 constexpr int64_t kMaxRows = 4;  // rows of x; more would read W once per group of them
 constexpr int64_t kStep = 32;    // bf16 values per 512-bit load; in_features' required multiple
-constexpr int64_t kQ4Block = 32;      // columns per Q4_1 or Q8_0 block
-constexpr int64_t kQ4BlockBytes = 20;  // fp16 d, fp16 m, 16 bytes of nibbles
-constexpr int64_t kQ8BlockBytes = 34;  // fp16 d, 32 int8 codes
+// GGUF blocks (gguf_row_groups.h): columns per block, bytes per block and row.
+using pdserve_cpu::kBlockCols;
+using pdserve_cpu::kQ4RowBytes;
+using pdserve_cpu::kQ8RowBytes;
 
 #ifdef __AVX512BF16__
 template <int M>
@@ -205,19 +206,19 @@ enum class BlockFormat { kQ4_1, kQ8_0 };
 template <BlockFormat kFormat>
 at::Tensor row_group_gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& blocks,
                           const char* op) {
-  constexpr int64_t kRowBytes = kFormat == BlockFormat::kQ4_1 ? kQ4BlockBytes : kQ8BlockBytes;
+  constexpr int64_t kRowBytes = kFormat == BlockFormat::kQ4_1 ? kQ4RowBytes : kQ8RowBytes;
   PDSERVE_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
                     blocks.size(1) % kRowBytes == 0,
                 op, ": blocks must be contiguous uint8 [N, K / 32 * ", kRowBytes, "] (", op, "_blocks), got ",
                 blocks.scalar_type(), " ", blocks.sizes());
-  const int64_t N = blocks.size(0), K = blocks.size(1) / kRowBytes * kQ4Block;
+  const int64_t N = blocks.size(0), K = blocks.size(1) / kRowBytes * kBlockCols;
   PDSERVE_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op,
                 ": x must be bf16 or fp32, got ", x.scalar_type());
   check_x_and_bias(x, bias, N, x.scalar_type(), op);
   PDSERVE_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " columns, the blocks ", K);
 #ifdef PDSERVE_ROW_GROUPS
   using pdserve_cpu::kGroupRows;
-  const int64_t M = x.size(0), num_blocks = K / kQ4Block;
+  const int64_t M = x.size(0), num_blocks = K / kBlockCols;
   const int64_t num_groups = (N + kGroupRows - 1) / kGroupRows;
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
@@ -362,7 +363,7 @@ void register_linear(int64_t weight_id, const at::Tensor& packed, const std::opt
                   "register_linear: the row-major weight must be contiguous bf16 or fp32 [N, K]");
   if (q8_0_blocks.has_value())
     PDSERVE_CHECK(q8_0_blocks->dim() == 2 && q8_0_blocks->is_contiguous() && q8_0_blocks->scalar_type() == at::kByte &&
-                      q8_0_blocks->size(1) % kQ8BlockBytes == 0,
+                      q8_0_blocks->size(1) % kQ8RowBytes == 0,
                   "register_linear: Q8_0 blocks must be contiguous uint8 [N, K / 32 * 34]");
   std::lock_guard<std::mutex> lock(linears_mutex);
   if (static_cast<int64_t>(linears.size()) <= weight_id) linears.resize(weight_id + 1);

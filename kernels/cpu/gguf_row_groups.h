@@ -97,23 +97,20 @@ inline int32_t x_word(const int8_t* codes, int i) {  // columns 4i .. 4i + 3 of 
   return word;
 }
 
-// One group of 16 rows over all blocks: out[m][j] = x row m . W row j (no bias).
-template <int M>
-void q4_1_group(const BlockQuantizedX& x, const uint8_t* group, int64_t num_blocks, float (&out)[M][kGroupRows]) {
 #ifdef PDSERVE_ROW_GROUPS_VNNI
-  const __m512i low_mask = _mm512_set1_epi8(0x0F);
-  __m512 acc[M], acc_min[M];  // d-scaled dots; m terms (two chains, so neither waits on the other)
-  for (int m = 0; m < M; ++m) acc[m] = acc_min[m] = _mm512_setzero_ps();
+// One group of 16 rows over all blocks, for either format: out[m][j] = x row m . W row j
+// (no bias). load(block, codes, d) fills a block's 8 unsigned code vectors (codes[i] lane j:
+// row j's columns 4i .. 4i + 3) and its d, and returns what multiplies s * the sum of x's
+// codes in each row (Q4_1: m; Q8_0: -128 d).
+template <int M, typename LoadBlock>
+void group_vnni(const BlockQuantizedX& x, const uint8_t* group, int64_t num_blocks, int64_t block_bytes,
+                LoadBlock load, float (&out)[M][kGroupRows]) {
+  __m512 acc[M], acc_sums[M];  // d-scaled dots; the sum terms (two chains, so neither waits on the other)
+  for (int m = 0; m < M; ++m) acc[m] = acc_sums[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const uint8_t* block = group + b * kQ4GroupBlockBytes;
-    __m512i codes[8];  // codes[i] lane j: row j's columns 4i .. 4i + 3
-    for (int unit = 0; unit < 4; ++unit) {
-      const __m512i packed = _mm512_loadu_si512(block + 64 * unit);
-      codes[2 * unit] = _mm512_and_si512(packed, low_mask);
-      codes[2 * unit + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_mask);
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kQ4CodeBytes)));
-    const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kQ4CodeBytes + 32)));
+    __m512i codes[8];
+    __m512 d;
+    const __m512 sum_factor = load(group + b * block_bytes, codes, d);
     for (int m = 0; m < M; ++m) {
       const int64_t xb = m * num_blocks + b;
       const int8_t* x_codes = x.codes.data() + xb * kBlockCols;
@@ -125,46 +122,82 @@ void q4_1_group(const BlockQuantizedX& x, const uint8_t* group, int64_t num_bloc
       const float* scale_and_sum = x.scales_and_sums.data() + 2 * xb;
       acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scale_and_sum[0])),
                                _mm512_cvtepi32_ps(_mm512_add_epi32(dot0, dot1)), acc[m]);
-      acc_min[m] = _mm512_fmadd_ps(mins, _mm512_set1_ps(scale_and_sum[1]), acc_min[m]);
+      acc_sums[m] = _mm512_fmadd_ps(sum_factor, _mm512_set1_ps(scale_and_sum[1]), acc_sums[m]);
     }
   }
-  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out[m], _mm512_add_ps(acc[m], acc_min[m]));
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out[m], _mm512_add_ps(acc[m], acc_sums[m]));
+}
 #else
-  // Two passes of 8 rows: each half's accumulators fit AVX2's 16 registers; the second
-  // pass reads the group (5-15 KB) from cache.
-  const __m256i low_mask = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
+// The same for AVX2, in two passes of 8 rows: each half's accumulators fit AVX2's 16
+// registers; the second pass reads the group (5-15 KB) from cache. unit_dots(codes_half,
+// x_codes, dots) adds to dots[m] (int32, one lane per row) the half's dot products with x
+// row m's block codes; kWithMins: the format's m term (Q4_1; Q8_0 has none).
+template <int M, bool kWithMins, typename UnitDots>
+void group_avx2(const BlockQuantizedX& x, const uint8_t* group, int64_t num_blocks, int64_t block_bytes,
+                int64_t code_bytes, UnitDots unit_dots, float (&out)[M][kGroupRows]) {
   for (int half = 0; half < 2; ++half) {
     __m256 acc[M], acc_min[M];
     for (int m = 0; m < M; ++m) acc[m] = acc_min[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < num_blocks; ++b) {
-      const uint8_t* block = group + b * kQ4GroupBlockBytes;
+      const uint8_t* block = group + b * block_bytes;
+      const int8_t* x_codes[M];
       __m256i dots[M];
-      for (int m = 0; m < M; ++m) dots[m] = _mm256_setzero_si256();
-      for (int unit = 0; unit < 4; ++unit) {
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * unit + 32 * half));
-        const __m256i low = _mm256_and_si256(packed, low_mask);
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_mask);
-        for (int m = 0; m < M; ++m) {
-          const int8_t* x_codes = x.codes.data() + (m * num_blocks + b) * kBlockCols;
-          // u8 code x s8 x pairs summed in int16 (at most 2 * 15 * 127: no saturation), then int32.
-          const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(low, _mm256_set1_epi32(x_word(x_codes, 2 * unit))), ones);
-          const __m256i p1 =
-              _mm256_madd_epi16(_mm256_maddubs_epi16(high, _mm256_set1_epi32(x_word(x_codes, 2 * unit + 1))), ones);
-          dots[m] = _mm256_add_epi32(dots[m], _mm256_add_epi32(p0, p1));
-        }
+      for (int m = 0; m < M; ++m) {
+        x_codes[m] = x.codes.data() + (m * num_blocks + b) * kBlockCols;
+        dots[m] = _mm256_setzero_si256();
       }
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kQ4CodeBytes + 16 * half)));
-      const __m256 mins =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kQ4CodeBytes + 32 + 16 * half)));
+      unit_dots(block + 32 * half, x_codes, dots);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + code_bytes + 16 * half)));
       for (int m = 0; m < M; ++m) {
         const float* scale_and_sum = x.scales_and_sums.data() + 2 * (m * num_blocks + b);
         acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(scale_and_sum[0])), _mm256_cvtepi32_ps(dots[m]), acc[m]);
-        acc_min[m] = _mm256_fmadd_ps(mins, _mm256_set1_ps(scale_and_sum[1]), acc_min[m]);
+      }
+      if constexpr (kWithMins) {
+        const __m256 mins =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + code_bytes + 32 + 16 * half)));
+        for (int m = 0; m < M; ++m)
+          acc_min[m] = _mm256_fmadd_ps(mins, _mm256_set1_ps(x.scales_and_sums[2 * (m * num_blocks + b) + 1]), acc_min[m]);
       }
     }
-    for (int m = 0; m < M; ++m) _mm256_storeu_ps(out[m] + 8 * half, _mm256_add_ps(acc[m], acc_min[m]));
+    for (int m = 0; m < M; ++m)
+      _mm256_storeu_ps(out[m] + 8 * half, kWithMins ? _mm256_add_ps(acc[m], acc_min[m]) : acc[m]);
   }
+}
+#endif
+
+// One group of 16 Q4_1 rows over all blocks: out[m][j] = x row m . W row j (no bias).
+template <int M>
+void q4_1_group(const BlockQuantizedX& x, const uint8_t* group, int64_t num_blocks, float (&out)[M][kGroupRows]) {
+#ifdef PDSERVE_ROW_GROUPS_VNNI
+  const __m512i low_mask = _mm512_set1_epi8(0x0F);
+  group_vnni<M>(x, group, num_blocks, kQ4GroupBlockBytes, [&](const uint8_t* block, __m512i (&codes)[8], __m512& d) {
+    for (int unit = 0; unit < 4; ++unit) {
+      const __m512i packed = _mm512_loadu_si512(block + 64 * unit);
+      codes[2 * unit] = _mm512_and_si512(packed, low_mask);
+      codes[2 * unit + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_mask);
+    }
+    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kQ4CodeBytes)));
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kQ4CodeBytes + 32)));  // m
+  }, out);
+#else
+  const __m256i low_mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  group_avx2<M, true>(x, group, num_blocks, kQ4GroupBlockBytes, kQ4CodeBytes,
+                      [&](const uint8_t* codes_half, const int8_t* const (&x_codes)[M], __m256i (&dots)[M]) {
+    for (int unit = 0; unit < 4; ++unit) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes_half + 64 * unit));
+      const __m256i low = _mm256_and_si256(packed, low_mask);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_mask);
+      for (int m = 0; m < M; ++m) {
+        // u8 code x s8 x pairs summed in int16 (at most 2 * 15 * 127: no saturation), then int32.
+        const __m256i p0 =
+            _mm256_madd_epi16(_mm256_maddubs_epi16(low, _mm256_set1_epi32(x_word(x_codes[m], 2 * unit))), ones);
+        const __m256i p1 =
+            _mm256_madd_epi16(_mm256_maddubs_epi16(high, _mm256_set1_epi32(x_word(x_codes[m], 2 * unit + 1))), ones);
+        dots[m] = _mm256_add_epi32(dots[m], _mm256_add_epi32(p0, p1));
+      }
+    }
+  }, out);
 #endif
 }
 
@@ -173,59 +206,29 @@ template <int M>
 void q8_0_group(const BlockQuantizedX& x, const uint8_t* group, int64_t num_blocks, float (&out)[M][kGroupRows]) {
 #ifdef PDSERVE_ROW_GROUPS_VNNI
   // vpdpbusd takes one side unsigned: the codes + 128 (their sign bit flipped), and
-  // 128 * the sum of x's codes comes off again in the second chain. Every dot is at most
-  // 32 * 255 * 127 < 2^24: exact in fp32.
+  // 128 * the sum of x's codes comes off again through the sum term (-128 d: a power of
+  // two, so exact). Every dot is at most 32 * 255 * 127 < 2^24: exact in fp32.
   const __m512i sign_bit = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512 acc[M], acc_offset[M];
-  for (int m = 0; m < M; ++m) acc[m] = acc_offset[m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const uint8_t* block = group + b * kQ8GroupBlockBytes;
-    __m512i codes[8];  // codes[i] lane j: row j's columns 4i .. 4i + 3, plus 128
+  group_vnni<M>(x, group, num_blocks, kQ8GroupBlockBytes, [&](const uint8_t* block, __m512i (&codes)[8], __m512& d) {
     for (int i = 0; i < 8; ++i) codes[i] = _mm512_xor_si512(_mm512_loadu_si512(block + 64 * i), sign_bit);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kQ8CodeBytes)));
-    for (int m = 0; m < M; ++m) {
-      const int64_t xb = m * num_blocks + b;
-      const int8_t* x_codes = x.codes.data() + xb * kBlockCols;
-      __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
-      for (int i = 0; i < 8; i += 2) {
-        dot0 = _mm512_dpbusd_epi32(dot0, codes[i], _mm512_set1_epi32(x_word(x_codes, i)));
-        dot1 = _mm512_dpbusd_epi32(dot1, codes[i + 1], _mm512_set1_epi32(x_word(x_codes, i + 1)));
-      }
-      const float* scale_and_sum = x.scales_and_sums.data() + 2 * xb;
-      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scale_and_sum[0])),
-                               _mm512_cvtepi32_ps(_mm512_add_epi32(dot0, dot1)), acc[m]);
-      acc_offset[m] = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.f * scale_and_sum[1]), acc_offset[m]);
-    }
-  }
-  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out[m], _mm512_add_ps(acc[m], acc_offset[m]));
+    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kQ8CodeBytes)));
+    return _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
+  }, out);
 #else
   // maddubs takes one side unsigned: |code| against x's code with the code's sign (at most
   // 2 * 128 * 127 per int16: no saturation), as llama.cpp does.
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int half = 0; half < 2; ++half) {
-    __m256 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const uint8_t* block = group + b * kQ8GroupBlockBytes;
-      __m256i dots[M];
-      for (int m = 0; m < M; ++m) dots[m] = _mm256_setzero_si256();
-      for (int i = 0; i < 8; ++i) {
-        const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * i + 32 * half));
-        const __m256i magnitudes = _mm256_sign_epi8(codes, codes);
-        for (int m = 0; m < M; ++m) {
-          const int8_t* x_codes = x.codes.data() + (m * num_blocks + b) * kBlockCols;
-          const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(x_word(x_codes, i)), codes);
-          dots[m] = _mm256_add_epi32(dots[m], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, signed_x), ones));
-        }
-      }
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kQ8CodeBytes + 16 * half)));
+  group_avx2<M, false>(x, group, num_blocks, kQ8GroupBlockBytes, kQ8CodeBytes,
+                       [&](const uint8_t* codes_half, const int8_t* const (&x_codes)[M], __m256i (&dots)[M]) {
+    for (int i = 0; i < 8; ++i) {
+      const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes_half + 64 * i));
+      const __m256i magnitudes = _mm256_sign_epi8(codes, codes);
       for (int m = 0; m < M; ++m) {
-        const float scale = x.scales_and_sums[2 * (m * num_blocks + b)];
-        acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(scale)), _mm256_cvtepi32_ps(dots[m]), acc[m]);
+        const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(x_word(x_codes[m], i)), codes);
+        dots[m] = _mm256_add_epi32(dots[m], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, signed_x), ones));
       }
     }
-    for (int m = 0; m < M; ++m) _mm256_storeu_ps(out[m] + 8 * half, acc[m]);
-  }
+  }, out);
 #endif
 }
 
