@@ -89,22 +89,29 @@ class _Chunks:
 _CHUNKS = _Chunks()
 
 
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed contiguous CPU tensor in huge-page memory where available."""
+def _empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """Fresh huge-page memory for a contiguous tensor (reads as zero), or None where there is none."""
     num_bytes = math.prod(shape) * dtype.itemsize
     if not huge_pages_available() or num_bytes == 0:
-        return torch.zeros(shape, dtype=dtype)
+        return None
     region, offset = _CHUNKS.take(num_bytes)
+    return _tensor(region, offset, shape, dtype)
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed contiguous CPU tensor in huge-page memory where available."""
+    tensor = _empty_on_huge_pages(shape, dtype)
+    if tensor is None:
+        return torch.zeros(shape, dtype=dtype)
     # Fresh memory reads as zero already; writing it faults its pages in now, as
     # torch.zeros does, rather than during the first steps that touch them.
-    return _tensor(region, offset, shape, dtype).zero_()
+    return tensor.zero_()
 
 
 def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of a CPU tensor in huge-page memory where available (else an
     ordinary contiguous copy)."""
-    if tensor.device.type != "cpu" or not huge_pages_available():
+    copy = _empty_on_huge_pages(tuple(tensor.shape), tensor.dtype) if tensor.device.type == "cpu" else None
+    if copy is None:
         return tensor.detach().clone(memory_format=torch.contiguous_format)
-    copy = zeros_on_huge_pages(tuple(tensor.shape), tensor.dtype)
-    copy.copy_(tensor.detach())
-    return copy
+    return copy.copy_(tensor.detach())  # the copy faults the pages in
