@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -189,16 +190,6 @@ def test_q8_0_stays_close_to_fp32_math(bundled_head):
     assert ((out - exact).norm() / exact.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("out_features", [1, 5, GGUF_GROUP_ROWS, 37])
-def test_q8_0_takes_any_number_of_rows_of_weight(bundled_head, out_features):
-    part = Q8_0Blocks(d=bundled_head.d[:out_features], codes=bundled_head.codes[:out_features])
-    torch.manual_seed(out_features)
-    x = torch.randn(GEMV_MAX_ROWS, part.shape[1])
-    out = q8_0_gemv(x, None, q8_0_gemv_blocks(part.raw()))
-    expected = q8_0_reference(x, None, part).float()
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-
-
 def test_q8_0_refuses_what_it_cannot_compute(bundled_head):
     raw = q8_0_gemv_blocks(bundled_head.raw()[:64])
     with pytest.raises(RuntimeError, match="columns"):
@@ -282,16 +273,24 @@ def test_q4_1_stays_close_to_fp32_math(bundled_blocks, projection):
     assert ((out - exact).norm() / exact.norm()).item() < 1e-2
 
 
+# Per GGUF format: its GEMV, the layout the GEMV reads, and the GEMV's math in float64.
+GGUF_GEMVS = {"q4_1": (q4_1_gemv, q4_1_gemv_blocks, q4_1_reference),
+              "q8_0": (q8_0_gemv, q8_0_gemv_blocks, q8_0_reference)}
+
+
+@pytest.mark.parametrize("gguf_format", GGUF_GEMVS)
 @pytest.mark.parametrize("num_rows", [1, GEMV_MAX_ROWS])
 @pytest.mark.parametrize("out_features", [1, 5, GGUF_GROUP_ROWS, 37, 3 * GGUF_GROUP_ROWS])
-def test_q4_1_takes_any_number_of_rows_of_weight(bundled_blocks, num_rows, out_features):
+def test_gguf_gemvs_take_any_number_of_rows_of_weight(bundled_blocks, bundled_head, gguf_format, num_rows,
+                                                      out_features):
     # Groups of 16 weight rows share a vector; the last group holds what is left.
-    blocks = bundled_blocks["qkv_proj"]
-    part = Q4_1Blocks(d=blocks.d[:out_features], m=blocks.m[:out_features], nibbles=blocks.nibbles[:out_features])
+    gguf_gemv, layout, math = GGUF_GEMVS[gguf_format]
+    blocks = bundled_blocks["qkv_proj"] if gguf_format == "q4_1" else bundled_head
+    part = type(blocks)(**{field.name: getattr(blocks, field.name)[:out_features] for field in fields(blocks)})
     torch.manual_seed(out_features)
     x = torch.randn(num_rows, part.shape[1])
-    out = q4_1_gemv(x, None, q4_1_gemv_blocks(part.raw()))
-    expected = q4_1_reference(x, None, part).float()
+    out = gguf_gemv(x, None, layout(part.raw()))
+    expected = math(x, None, part).float()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
@@ -354,16 +353,15 @@ _AVX2_GGUF_SCRIPT = textwrap.dedent("""
     import torch
     from common.engine.model_files import bundled_gguf_path
     from common.engine.models.quantization.gguf_blocks import GGUFQuantizedWeights
-    from kernels.cpu_linear import native_gemv_available, q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv, q8_0_gemv_blocks
-    from tests.unit.kernels.test_cpu_linear import q4_1_reference, q8_0_reference
+    from kernels.cpu_linear import native_gemv_available
+    from tests.unit.kernels.test_cpu_linear import GGUF_GEMVS
     assert native_gemv_available() and torch.ops.pdserve_gemv.isa() == "fp32_fma"
     gguf = GGUFQuantizedWeights(bundled_gguf_path())
     blocks, head = gguf.projection(1, "down_proj"), gguf.head_q8_0()
     head.d, head.codes = head.d[:1000], head.codes[:1000]
     torch.manual_seed(0)
     for num_rows in (1, 4):
-        for gemv, layout, reference, weight in ((q4_1_gemv, q4_1_gemv_blocks, q4_1_reference, blocks),
-                                                (q8_0_gemv, q8_0_gemv_blocks, q8_0_reference, head)):
+        for (gemv, layout, reference), weight in ((GGUF_GEMVS["q4_1"], blocks), (GGUF_GEMVS["q8_0"], head)):
             x = torch.randn(num_rows, weight.shape[1])
             out = gemv(x, None, layout(weight.raw()))
             expected = reference(x, None, weight).float()
