@@ -30,6 +30,7 @@ from common.engine.models.causal_lm import CausalLM, build_rope
 from common.engine.models.parallel_layers import kv_head_partition
 from common.engine.models.quantization import QuantizationSpec, quantize_model
 from common.engine.models.registry import model_class
+from common.engine.native_decode import NativeDecodeLoop
 from common.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from common.engine.sampler import Sampler
 from common.engine.spec_decode.proposer import DraftProposer, make_proposer
@@ -164,6 +165,9 @@ class ModelRunner:
                                                if speculative_config is not None else None)
         # Decode-only steps replayed from CUDA graphs (None: not on CUDA, not compiled, or off).
         self.decode_graphs: DecodeGraphs | None = None
+        # Decode-only CPU steps of a few tokens through every layer in one native call
+        # (None: not on the CPU, not compiled, or the model is not one it serves).
+        self.native_decode: NativeDecodeLoop | None = None
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -199,10 +203,13 @@ class ModelRunner:
         would double the compile time; an unbacked one has no size guard at all.
 
         On CUDA, given the scheduler's max_num_seqs and max_model_len, then capture the
-        decode steps' CUDA graphs (common/engine/cuda_graphs.py)."""
+        decode steps' CUDA graphs (common/engine/cuda_graphs.py); on the CPU, register the
+        model with the native decode loop (common/engine/native_decode.py)."""
         if self.forward is self.model or not self.kv_caches:
             return
         self._compile()
+        if self.device.type == "cpu" and self.parallel_config.world_size == 1:
+            self.native_decode = NativeDecodeLoop.build(self.model, self.kv_caches)
         if (self.device.type == "cuda" and max_num_seqs and max_model_len and cuda_graphs_enabled()
                 and self.parallel_config.world_size == 1):
             self.decode_graphs = DecodeGraphs(
@@ -285,6 +292,9 @@ class ModelRunner:
             graphs = self.decode_graphs
             if received is None and graphs is not None and graphs.serves(input_ids.shape[0], meta):
                 hidden, graph_logits = graphs.run(input_ids, positions, meta)  # [num_tokens, hidden]
+            elif received is None and self.native_decode is not None and self.native_decode.serves(
+                    input_ids.shape[0], meta):
+                hidden = self.native_decode.run(input_ids, positions, meta)  # [num_tokens, hidden]
             else:
                 hidden = self._forward(input_ids, positions, meta, received)
         except BaseException:

@@ -17,6 +17,7 @@ from common.engine.compilation import num_compiled_graphs
 from common.engine.llm import LLM
 from common.engine.models.prepacked_linear import PrepackedLinear
 from common.engine.sampling_params import SamplingParams
+from kernels.cpu_decode import native_decode_available
 from tests.unit.common.engine.models.family_parity import save_tiny_model
 
 # Compiled and eager differ only in summation order (fused kernels): fp32 logprobs agree
@@ -58,14 +59,24 @@ def _prompts(lengths: list[int]) -> list[dict]:
     return [{"prompt_token_ids": [(7 * i + 13 * n) % 900 + 50 for i in range(n)]} for n in lengths]
 
 
-def test_compiled_and_eager_agree_on_prefill_decode_and_mixed_steps(engines):
+@pytest.mark.parametrize("native_decode", [False, True], ids=["compiled-decode", "native-decode"])
+def test_compiled_and_eager_agree_on_prefill_decode_and_mixed_steps(engines, native_decode):
     compiled, eager = engines
+    runner = compiled.engine.executor.runner
+    loop = runner.native_decode
+    if native_decode and loop is None:
+        pytest.skip("no native decode loop here (no native GEMV or attention)")
+    # Decode-only steps of up to 4 tokens go to the native loop where the engine built one.
+    runner.native_decode = loop if native_decode else None
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     # One prompt alone (prefill-only, then decode-only steps), then a batch whose long
     # prompts chunk while the short ones decode (mixed steps).
-    for prompts in (_prompts([9]), _prompts([3, 150, 40, 97, 1])):
-        got = compiled.generate(prompts, params)
-        want = eager.generate(prompts, params)
+    try:
+        outputs = [(compiled.generate(prompts, params), eager.generate(prompts, params))
+                   for prompts in (_prompts([9]), _prompts([3, 150, 40, 97, 1]))]
+    finally:
+        runner.native_decode = loop
+    for got, want in outputs:
         for g, w in zip(got, want):
             assert g.outputs[0].token_ids == w.outputs[0].token_ids
             for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
@@ -151,6 +162,17 @@ def test_enforce_eager_runs_the_model_itself(engines):
     _, eager = engines
     runner = eager.engine.executor.runner
     assert runner.forward is runner.model
+    assert runner.native_decode is None
+
+
+@pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
+def test_a_compiled_cpu_engine_takes_decode_steps_to_the_native_loop(engines):
+    compiled, _ = engines
+    loop = compiled.engine.executor.runner.native_decode
+    assert loop is not None
+    steps_before = loop.num_steps
+    compiled.generate(_prompts([9]), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert loop.num_steps == steps_before + 4  # the prefill step samples the first token
 
 
 def test_without_a_compiler_the_model_runs_eagerly_with_one_log_line(monkeypatch, caplog):
@@ -211,6 +233,7 @@ import json, sys
 from torch._dynamo.utils import counters
 from common.engine.llm import LLM
 from common.engine.sampling_params import SamplingParams
+from kernels.cpu_decode import native_decode_available
 llm = LLM(sys.argv[1], dtype="float32", max_num_batched_tokens=64, kv_cache_memory=sys.argv[2],
           block_size=int(sys.argv[3]))
 runner = llm.engine.executor.runner

@@ -1,0 +1,141 @@
+"""Decode-only steps of a few tokens through the whole layer stack in one native call.
+
+At one token a compiled CPU step spends about as long around its kernels as in them
+(the compiled wrapper's Python, an op dispatch per linear and per attention, an OpenMP
+region per small fused kernel). For decode-only steps of up to DECODE_MAX_TOKENS tokens
+the runner hands the embedded tokens to kernels/cpu/decode_layers.cpp instead, which runs
+every layer from C++ over the same weights the compiled model's GEMVs read (shared, not
+copied) and returns the normed hidden states; the compiled logits take it from there.
+It is what CUDA graphs are to a GPU step, and like them it comes with compiling
+(--enforce-eager turns both off); PDSERVE_NATIVE_DECODE=0 turns it off alone.
+
+It serves Llama-shaped models: Llama, Mistral, Qwen2, Phi-3 (partial rotary included),
+single rank, whose every projection has a decode GEMV (bf16 or fp32 rows, Q4_1 or Q8_0
+blocks); other families (Qwen3's q/k norms, Gemma 2's extra norms and soft-capping) and
+steps it does not serve take the compiled model.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from common.engine.models.attention import AttentionMetadata
+from common.engine.models.causal_lm import CausalLM
+from common.engine.models.layers import RMSNorm
+from common.engine.models.llama import LlamaAttention, LlamaDecoderLayer
+from common.engine.models.prepacked_linear import PrepackedLinear
+from common.engine.models.quantization.int8_linear import Int8Linear
+from common.engine.models.quantization.q4_1_linear import Q4_1Linear
+from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_DENSE, LINEAR_Q4_1, LINEAR_Q8_0, decode_layers,
+                                native_decode_available, native_decode_disabled, register_decode_model,
+                                release_decode_model)
+
+logger = logging.getLogger(__name__)
+
+
+class Unsupported(Exception):
+    """Why a model cannot take the native loop."""
+
+
+def decode_weight(linear: torch.nn.Module) -> tuple[torch.Tensor, int]:
+    """What a projection's decode GEMV reads, and how (LINEAR_*)."""
+    if isinstance(linear, PrepackedLinear):
+        if linear._q8_0_blocks is not None:
+            return linear._q8_0_blocks, LINEAR_Q8_0
+        if linear._row_major is not None:
+            return linear._row_major, LINEAR_DENSE
+    elif isinstance(linear, Q4_1Linear) and linear.uses_kernel and linear.blocks is not None:
+        return linear.blocks, LINEAR_Q4_1
+    elif isinstance(linear, Int8Linear) and linear.uses_kernel and linear.q8_0_blocks is not None:
+        return linear.q8_0_blocks, LINEAR_Q8_0
+    raise Unsupported(f"{type(linear).__name__} ({linear.extra_repr()}) has no decode GEMV")
+
+
+def _check_norm(norm: torch.nn.Module, eps: float) -> torch.Tensor:
+    if type(norm) is not RMSNorm or norm.weight_offset != 0.0 or norm.eps != eps:
+        raise Unsupported(f"norm {norm!r} is not a plain RMSNorm with the model's eps")
+    return norm.weight.detach()
+
+
+def _model_tensors(model: CausalLM, num_layers: int | None) -> dict:
+    """register_decode_model's arguments for this model's first num_layers layers (None: all);
+    raises Unsupported."""
+    cfg = model.config
+    if not (model.is_first_stage and model.is_last_stage):
+        raise Unsupported("pipeline stages")
+    if cfg.hidden_act != "silu":
+        raise Unsupported(f"activation {cfg.hidden_act}")
+    norms, weights, kinds, biases, windows = [], [], [], [], []
+    for layer in model.layers[:num_layers]:
+        attn = layer.self_attn
+        if (type(layer).forward is not LlamaDecoderLayer.forward or type(attn).forward is not LlamaAttention.forward
+                or type(attn).normalize_qk is not LlamaAttention.normalize_qk):
+            raise Unsupported(f"{type(layer).__name__} is not Llama's layer")
+        if attn.logit_softcap is not None:
+            raise Unsupported("attention logit soft-capping")
+        norms += [_check_norm(layer.input_layernorm, cfg.rms_norm_eps),
+                  _check_norm(layer.post_attention_layernorm, cfg.rms_norm_eps)]
+        for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            weight, kind = decode_weight(linear)
+            weights.append(weight)
+            kinds.append(kind)
+            biases.append(None if linear.bias is None else linear.bias.detach())
+        windows.append(attn.sliding_window or 0)
+    attn = model.layers[0].self_attn
+    return dict(norms=norms, weights=weights, kinds=kinds, biases=biases, sliding_windows=windows,
+                final_norm=_check_norm(model.norm, cfg.rms_norm_eps),
+                # The tables are the model's dtype once it is cast; the loop rounds them to it anyway.
+                cos=model.rope.cos.float().contiguous(), sin=model.rope.sin.float().contiguous(),
+                num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                rms_norm_eps=cfg.rms_norm_eps, attention_scale=attn.scale)
+
+
+class NativeDecodeLoop:
+    """One model's layers registered with the native loop, and the KV caches it writes."""
+
+    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 num_layers: int | None = None):
+        """num_layers: run only the first num_layers layers, then the final norm (an early
+        exit, as CausalLM.forward's); None: all of them."""
+        self.model = model
+        self.model_id = register_decode_model(**_model_tensors(model, num_layers))
+        weakref.finalize(self, release_decode_model, self.model_id)
+        self.k_caches = [k for k, _ in kv_caches[:num_layers]]
+        self.v_caches = [v for _, v in kv_caches[:num_layers]]
+        self.num_steps = 0  # steps run
+
+    @classmethod
+    def build(cls, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> NativeDecodeLoop | None:
+        """The loop for this model, or None (logged) where it does not apply."""
+        if native_decode_disabled():
+            logger.info("decode steps stay on the compiled model (PDSERVE_NATIVE_DECODE=0)")
+            return None
+        if not native_decode_available():
+            return None
+        if not all(k.is_contiguous() and v.is_contiguous() for k, v in kv_caches):
+            logger.info("decode steps stay on the compiled model: the KV caches are not contiguous")
+            return None
+        try:
+            loop = cls(model, kv_caches)
+        except Unsupported as e:
+            logger.info("decode steps stay on the compiled model: %s", e)
+            return None
+        logger.info("decode steps of up to %d tokens run in the native loop (kernels/cpu/decode_layers.cpp)",
+                    DECODE_MAX_TOKENS)
+        return loop
+
+    @staticmethod
+    def serves(num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Decode-only steps of up to DECODE_MAX_TOKENS tokens with the ragged batch built and
+        no per-layer KV-connector work."""
+        return (1 <= num_tokens <= DECODE_MAX_TOKENS and meta.num_decode_tokens == num_tokens
+                and meta.kv_layer_hook is None and meta.block_tables is not None)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> normed hidden states [num_tokens, hidden_size]."""
+        hidden = self.model.embed(input_ids)  # [num_tokens, hidden_size]
+        self.num_steps += 1
+        return decode_layers(self.model_id, hidden, positions, self.k_caches, self.v_caches, meta.slot_mapping,
+                             meta.block_tables, meta.query_start_loc, meta.seq_lens)

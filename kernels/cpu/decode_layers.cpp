@@ -1,0 +1,285 @@
+// A decode step's decoder layers in one native call, for Llama-shaped models on the CPU.
+//
+// At one token a compiled step spends about as long around its kernels as in them: the
+// inductor wrapper's Python, an op dispatch from Python per linear and per attention, an
+// OpenMP region for each small fused kernel, the size checks at every layer call. This
+// loop runs a step of up to kMaxTokens decode tokens through every layer from C++: the
+// norms, RoPE, residuals and SiLU in plain loops on one thread (a few thousand values),
+// the linears through the GEMV ops (pdserve_gemv: dense rows, Q4_1 or Q8_0 blocks) and
+// attention through the fused write-and-attend op (pdserve_cpu), each reached through the
+// dispatcher from here, and those spread over the threads.
+//
+// Numerics follow the compiled graph's: each fused pointwise step computes in fp32 from
+// the dtype's inputs and rounds once; RMSNorm rounds the normalised value before scaling
+// (as the model does); the sum of a residual rounds once.
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "check_message.h"
+
+namespace {
+
+constexpr int64_t kMaxTokens = 4;  // the GEMVs' limit on rows of x
+
+// How a linear's decode GEMV reads its weight.
+enum LinearKind : int64_t { kDense = 0, kQ4_1 = 1, kQ8_0 = 2 };
+
+struct Linear {
+  LinearKind kind;
+  at::Tensor weight;  // dense [N, K] bf16/fp32, or GGUF blocks in row groups [N, K / 32 * bytes] uint8
+  std::optional<at::Tensor> bias;  // [N], the model's dtype
+};
+
+struct Layer {
+  at::Tensor input_norm, post_attention_norm;  // [hidden_size], the model's dtype
+  Linear qkv, o, gate_up, down;
+  int64_t sliding_window;  // 0: none
+};
+
+struct Model {
+  std::vector<Layer> layers;
+  std::optional<at::Tensor> final_norm;  // [hidden_size]; None: return the residual stream
+  at::Tensor cos, sin;                   // [max_position, rotary_dim / 2] fp32
+  int64_t num_heads, num_kv_heads, head_dim;
+  double rms_norm_eps, attention_scale;
+};
+
+std::mutex models_mutex;
+std::vector<std::shared_ptr<const Model>> models;  // by id; released: null
+
+at::Tensor linear(const Linear& l, const at::Tensor& x) {
+  using Gemv = at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&);
+  static const auto dense = c10::Dispatcher::singleton().findSchemaOrThrow("pdserve_gemv::gemv", "").typed<Gemv>();
+  static const auto q4_1 =
+      c10::Dispatcher::singleton().findSchemaOrThrow("pdserve_gemv::q4_1_gemv", "").typed<Gemv>();
+  static const auto q8_0 =
+      c10::Dispatcher::singleton().findSchemaOrThrow("pdserve_gemv::q8_0_gemv", "").typed<Gemv>();
+  switch (l.kind) {
+    case kQ4_1: return q4_1.call(x, l.bias, l.weight);
+    case kQ8_0: return q8_0.call(x, l.bias, l.weight);
+    default: return dense.call(x, l.bias, l.weight);
+  }
+}
+
+template <typename T>
+float to_float(T v) {
+  return static_cast<float>(v);
+}
+
+// out [M, H] = round(x / rms(x)) * weight, per row (x, out [M, H] contiguous).
+template <typename T>
+void rms_norm(const T* x, const T* weight, T* out, int64_t M, int64_t H, double eps) {
+  for (int64_t m = 0; m < M; ++m) {
+    const T* row = x + m * H;
+    float sum_sq = 0.0f;
+    for (int64_t i = 0; i < H; ++i) sum_sq += to_float(row[i]) * to_float(row[i]);
+    const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(H) + static_cast<float>(eps));
+    for (int64_t i = 0; i < H; ++i) out[m * H + i] = T(to_float(weight[i]) * to_float(T(to_float(row[i]) * inv_rms)));
+  }
+}
+
+// Rotate-half RoPE in place over the first 2 * half dims of each head of a token's q and k
+// (num_rotated heads, adjacent in qkv's row), with cos/sin rounded to the dtype as the model
+// rounds its tables.
+template <typename T>
+void rope(T* qkv_row, int64_t num_rotated, int64_t head_dim, const float* cos, const float* sin, int64_t half) {
+  for (int64_t h = 0; h < num_rotated; ++h) {
+    T* head = qkv_row + h * head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const float c = to_float(T(cos[i])), s = to_float(T(sin[i]));
+      const float x1 = to_float(head[i]), x2 = to_float(head[i + half]);
+      head[i] = T(x1 * c - x2 * s);
+      head[i + half] = T(x2 * c + x1 * s);
+    }
+  }
+}
+
+// x [M, H] += y [M, H], in place.
+template <typename T>
+void add_into(T* x, const T* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = T(to_float(x[i]) + to_float(y[i]));
+}
+
+// out [M, I] = silu(gate) * up from gate_up [M, 2I].
+template <typename T>
+void silu_and_mul(const T* gate_up, T* out, int64_t M, int64_t I) {
+  for (int64_t m = 0; m < M; ++m) {
+    const T* gate = gate_up + m * 2 * I;
+    const T* up = gate + I;
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = to_float(gate[i]);
+      out[m * I + i] = T(g / (1.0f + std::exp(-g)) * to_float(up[i]));
+    }
+  }
+}
+
+template <typename T>
+at::Tensor run_layers(const Model& model, const at::Tensor& hidden, const at::Tensor& positions,
+                      at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens) {
+  using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, double, int64_t, double);
+  static const auto attention = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("pdserve_cpu::paged_attention_with_kv_write", "")
+                                    .typed<Attention>();
+  const int64_t M = hidden.size(0), H = hidden.size(1);
+  const int64_t num_heads = model.num_heads, num_kv_heads = model.num_kv_heads, head_dim = model.head_dim;
+  const int64_t half = model.cos.size(1);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  at::Tensor x = hidden.clone();      // [M, H] the residual stream
+  at::Tensor normed = at::empty({M, H}, x.options());  // [M, H]
+  T* xp = x.data_ptr<T>();
+  T* np = normed.data_ptr<T>();
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    const Layer& layer = model.layers[l];
+    rms_norm<T>(xp, layer.input_norm.data_ptr<T>(), np, M, H, model.rms_norm_eps);
+    at::Tensor qkv = linear(layer.qkv, normed);  // [M, (num_heads + 2 num_kv_heads) head_dim]
+    T* qkv_p = qkv.data_ptr<T>();
+    const int64_t qkv_width = qkv.size(1);
+    for (int64_t m = 0; m < M; ++m)
+      rope<T>(qkv_p + m * qkv_width, num_heads + num_kv_heads, head_dim, model.cos.data_ptr<float>() + pos[m] * half,
+              model.sin.data_ptr<float>() + pos[m] * half, half);
+    at::Tensor heads = qkv.view({M, num_heads + 2 * num_kv_heads, head_dim});
+    at::Tensor q = heads.narrow(1, 0, num_heads);                   // [M, num_heads, head_dim]
+    at::Tensor k = heads.narrow(1, num_heads, num_kv_heads);        // [M, num_kv_heads, head_dim]
+    at::Tensor v = heads.narrow(1, num_heads + num_kv_heads, num_kv_heads);
+    at::Tensor attended = attention.call(q, k, v, k_caches[l], v_caches[l], slot_mapping, block_tables,
+                                         query_start_loc, seq_lens, model.attention_scale, layer.sliding_window,
+                                         0.0);  // [M, num_heads, head_dim]
+    at::Tensor o = linear(layer.o, attended.view({M, num_heads * head_dim}));  // [M, H]
+    add_into<T>(xp, o.data_ptr<T>(), M * H);
+    rms_norm<T>(xp, layer.post_attention_norm.data_ptr<T>(), np, M, H, model.rms_norm_eps);
+    at::Tensor gate_up = linear(layer.gate_up, normed);  // [M, 2 I]
+    const int64_t I = gate_up.size(1) / 2;
+    at::Tensor act = at::empty({M, I}, x.options());  // [M, I]
+    silu_and_mul<T>(gate_up.data_ptr<T>(), act.data_ptr<T>(), M, I);
+    at::Tensor down = linear(layer.down, act);  // [M, H]
+    add_into<T>(xp, down.data_ptr<T>(), M * H);
+  }
+  if (!model.final_norm.has_value()) return x;
+  rms_norm<T>(xp, model.final_norm->data_ptr<T>(), np, M, H, model.rms_norm_eps);
+  return normed;
+}
+
+Linear make_linear(int64_t kind, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                   at::ScalarType dtype) {
+  PDSERVE_CHECK_VALUE(kind == kDense || kind == kQ4_1 || kind == kQ8_0, "register_decode_model: linear kind ", kind,
+                      " is not 0 (dense), 1 (Q4_1) or 2 (Q8_0)");
+  PDSERVE_CHECK_VALUE(weight.dim() == 2 && weight.is_contiguous(), "register_decode_model: weights must be 2-D and "
+                      "contiguous, got ", weight.sizes());
+  PDSERVE_CHECK_VALUE(kind == kDense ? weight.scalar_type() == dtype : weight.scalar_type() == at::kByte,
+                      "register_decode_model: a linear of kind ", kind, " has a ", weight.scalar_type(), " weight");
+  if (bias.has_value())
+    PDSERVE_CHECK_VALUE(bias->scalar_type() == dtype && bias->numel() == weight.size(0),
+                        "register_decode_model: a bias must be ", dtype, " with one value per output");
+  return Linear{static_cast<LinearKind>(kind), weight, bias};
+}
+
+// Keeps the model's tensors (they are shared with the model, not copied) until
+// release_decode_model; returns the id decode_layers takes.
+int64_t register_decode_model(at::TensorList norms, at::TensorList weights, at::IntArrayRef kinds,
+                              const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef sliding_windows, const std::optional<at::Tensor>& final_norm,
+                              const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_dim, double rms_norm_eps, double attention_scale) {
+  const size_t num_layers = sliding_windows.size();
+  PDSERVE_CHECK_VALUE(num_layers >= 1 && norms.size() == 2 * num_layers && weights.size() == 4 * num_layers &&
+                          kinds.size() == weights.size() && biases.size() == weights.size(),
+                      "register_decode_model: per layer 2 norms and 4 linears (weight, kind, bias) expected");
+  const at::ScalarType dtype = norms[0].scalar_type();
+  PDSERVE_CHECK_VALUE(dtype == at::kBFloat16 || dtype == at::kFloat, "register_decode_model: bf16 or fp32 models, got ",
+                      dtype);
+  const int64_t hidden_size = norms[0].numel();
+  for (const at::Tensor& norm : norms)
+    PDSERVE_CHECK_VALUE(norm.scalar_type() == dtype && norm.numel() == hidden_size && norm.is_contiguous(),
+                        "register_decode_model: norm weights must be contiguous ", dtype, " of ", hidden_size, " values");
+  if (final_norm.has_value())
+    PDSERVE_CHECK_VALUE(final_norm->scalar_type() == dtype && final_norm->numel() == hidden_size &&
+                            final_norm->is_contiguous(),
+                        "register_decode_model: the final norm must be contiguous ", dtype);
+  PDSERVE_CHECK_VALUE(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.is_contiguous() &&
+                          sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat && sin.is_contiguous() &&
+                          2 * cos.size(1) <= head_dim,
+                      "register_decode_model: cos and sin must be contiguous fp32 [max_position, rotary_dim / 2]");
+  Model model{{}, final_norm, cos, sin, num_heads, num_kv_heads, head_dim, rms_norm_eps, attention_scale};
+  for (size_t l = 0; l < num_layers; ++l) {
+    auto lin = [&](size_t j) {
+      const size_t i = 4 * l + j;
+      return make_linear(kinds[i], weights[i], biases.get(i), dtype);
+    };
+    Layer layer{norms[2 * l], norms[2 * l + 1], lin(0), lin(1), lin(2), lin(3), sliding_windows[l]};
+    model.layers.push_back(std::move(layer));
+  }
+  std::lock_guard<std::mutex> lock(models_mutex);
+  models.push_back(std::make_shared<const Model>(std::move(model)));
+  return static_cast<int64_t>(models.size()) - 1;
+}
+
+void release_decode_model(int64_t model_id) {
+  std::lock_guard<std::mutex> lock(models_mutex);
+  // A step running now keeps its own reference until it returns.
+  if (model_id >= 0 && model_id < static_cast<int64_t>(models.size())) models[model_id].reset();
+}
+
+// hidden [num_tokens, hidden_size] (the embedded tokens, one per decode sequence) ->
+// the last layer's output [num_tokens, hidden_size], through the final norm where the
+// model was registered with one. Each layer writes its new K/V at slot_mapping and attends
+// over the step's block tables (one query per sequence: query_start_loc is 0..num_tokens).
+at::Tensor decode_layers(int64_t model_id, const at::Tensor& hidden, const at::Tensor& positions,
+                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables,
+                         const at::Tensor& query_start_loc, const at::Tensor& seq_lens) {
+  std::shared_ptr<const Model> model;
+  {
+    std::lock_guard<std::mutex> lock(models_mutex);
+    if (model_id >= 0 && model_id < static_cast<int64_t>(models.size())) model = models[model_id];
+  }
+  PDSERVE_CHECK_VALUE(model != nullptr, "decode_layers: no model is registered as ", model_id);
+  const at::ScalarType dtype = model->layers[0].input_norm.scalar_type();
+  PDSERVE_CHECK_VALUE(hidden.dim() == 2 && hidden.scalar_type() == dtype && hidden.is_contiguous() &&
+                          hidden.size(1) == model->layers[0].input_norm.numel(),
+                      "decode_layers: hidden must be contiguous ", dtype, " [num_tokens, hidden_size], got ",
+                      hidden.scalar_type(), " ", hidden.sizes());
+  const int64_t M = hidden.size(0);
+  PDSERVE_CHECK_VALUE(M >= 1 && M <= kMaxTokens, "decode_layers: 1 to ", kMaxTokens, " tokens, got ", M);
+  PDSERVE_CHECK_VALUE(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == M,
+                      "decode_layers: positions must be [num_tokens] int64");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m)
+    PDSERVE_CHECK_VALUE(pos[m] >= 0 && pos[m] < model->cos.size(0), "decode_layers: position ", pos[m],
+                        " is outside the RoPE table's ", model->cos.size(0));
+  const size_t num_layers = model->layers.size();
+  PDSERVE_CHECK_VALUE(k_caches.size() == num_layers && v_caches.size() == num_layers,
+                      "decode_layers: one K and one V cache per layer (", num_layers, ") expected");
+  PDSERVE_CHECK_VALUE(query_start_loc.numel() == M + 1 && seq_lens.numel() == M,
+                      "decode_layers: one query per sequence (query_start_loc of num_tokens + 1 values)");
+  if (dtype == at::kFloat)
+    return run_layers<float>(*model, hidden, positions, k_caches, v_caches, slot_mapping, block_tables,
+                             query_start_loc, seq_lens);
+  return run_layers<at::BFloat16>(*model, hidden, positions, k_caches, v_caches, slot_mapping, block_tables,
+                                  query_start_loc, seq_lens);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_decode, m) {
+  m.def("register_decode_model(Tensor[] norms, Tensor[] weights, int[] kinds, Tensor?[] biases, "
+        "int[] sliding_windows, Tensor? final_norm, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
+        "int head_dim, float rms_norm_eps, float attention_scale) -> int",
+        &register_decode_model);
+  m.def("release_decode_model(int model_id) -> ()", &release_decode_model);
+  m.def("decode_layers(int model_id, Tensor hidden, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_decode, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -1,0 +1,83 @@
+"""The native decode loop (kernels/cpu/decode_layers.cpp) as torch ops `torch.ops.pdserve_decode.*`:
+a decode step of up to DECODE_MAX_TOKENS tokens through every decoder layer of a
+Llama-shaped model in one call, and whether it runs here.
+
+It reaches the GEMVs (kernels/cpu_linear.py) and the fused paged attention
+(kernels/cpu_attention.py) through the dispatcher, so it needs both loaded; it is built
+on first use (kernels/cpu/build.py). PDSERVE_NATIVE_DECODE=0 turns it off.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from kernels.cpu.build import load_ops
+from kernels.cpu_attention import native_attention_available
+from kernels.cpu_linear import GEMV_MAX_ROWS, native_gemv_available
+
+log = logging.getLogger(__name__)
+
+DECODE_MAX_TOKENS = GEMV_MAX_ROWS
+# How a linear's decode GEMV reads its weight (the library's LinearKind).
+LINEAR_DENSE, LINEAR_Q4_1, LINEAR_Q8_0 = 0, 1, 2
+
+
+def native_decode_disabled() -> bool:
+    return os.environ.get("PDSERVE_NATIVE_DECODE", "1").lower() in ("0", "false", "no", "off")
+
+
+@functools.cache
+def native_decode_available() -> bool:
+    """Whether the loop can run here (built and loaded once per process); callers check
+    native_decode_disabled() each time they would use it."""
+    if not native_gemv_available() or not native_attention_available():
+        return False
+    error = load_ops("decode_layers", {"pdserve_decode::decode_layers": _decode_layers_fake})
+    if error is not None:
+        log.warning("native decode loop unavailable, decode steps stay on the compiled model: %s", error)
+        return False
+    return True
+
+
+def _decode_layers_fake(model_id, hidden, positions, k_caches, v_caches, slot_mapping, block_tables,
+                        query_start_loc, seq_lens):
+    return hidden.new_empty(hidden.shape)
+
+
+def register_decode_model(
+    norms: list[torch.Tensor],  # per layer: input norm, post-attention norm, each [hidden_size]
+    weights: list[torch.Tensor],  # per layer: qkv, o, gate_up, down (dense [N, K] or GGUF row groups)
+    kinds: list[int],  # per weight: LINEAR_DENSE, LINEAR_Q4_1 or LINEAR_Q8_0
+    biases: list[torch.Tensor | None],  # per weight: [N] or None
+    sliding_windows: list[int],  # per layer, 0: none
+    final_norm: torch.Tensor | None,  # [hidden_size]; None: the loop returns the residual stream
+    cos: torch.Tensor,  # [max_position, rotary_dim // 2] fp32
+    sin: torch.Tensor,  # [max_position, rotary_dim // 2] fp32
+    num_heads: int, num_kv_heads: int, head_dim: int, rms_norm_eps: float, attention_scale: float,
+) -> int:
+    """The library keeps these tensors (shared, not copied) under the returned id."""
+    return torch.ops.pdserve_decode.register_decode_model(
+        norms, weights, kinds, biases, sliding_windows, final_norm, cos, sin, num_heads, num_kv_heads, head_dim,
+        float(rms_norm_eps), float(attention_scale))
+
+
+def release_decode_model(model_id: int) -> None:
+    torch.ops.pdserve_decode.release_decode_model(model_id)
+
+
+def decode_layers(
+    model_id: int,
+    hidden: torch.Tensor,  # [num_tokens, hidden_size], the embedded tokens
+    positions: torch.Tensor,  # [num_tokens] int64
+    k_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+    v_caches: list[torch.Tensor],
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    block_tables: torch.Tensor,  # [num_tokens, max_blocks] int32: one sequence per token
+    query_start_loc: torch.Tensor,  # [num_tokens + 1] int32
+    seq_lens: torch.Tensor,  # [num_tokens] int32
+) -> torch.Tensor:  # [num_tokens, hidden_size]
+    return torch.ops.pdserve_decode.decode_layers(model_id, hidden, positions, k_caches, v_caches, slot_mapping,
+                                                  block_tables, query_start_loc, seq_lens)

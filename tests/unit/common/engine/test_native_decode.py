@@ -1,0 +1,205 @@
+"""The native decode loop: the same tokens and logprobs as the model's own forward pass, for
+every family it serves, in fp32, bf16 and over the GGUF's Q4_1 blocks; the others keep
+the compiled model; bad calls raise and write nothing.
+
+The engines here run eagerly (the suite's default) and take the loop by hand: what it
+reads is the packed linears' decode weights (prepack_linears), not a compiled graph, and
+compiling each family would cost the suite minutes. test_compilation checks that a
+compiled engine builds the loop itself.
+"""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from common.engine.forward_context import forward_context
+from common.engine.llm import LLM
+from common.engine.models.prepacked_linear import prepack_linears
+from common.engine.native_decode import NativeDecodeLoop
+from common.engine.outputs import ScheduledRequest
+from common.engine.sampling_params import SamplingParams
+from kernels.cpu_decode import decode_layers, native_decode_available
+from tests.unit.common.engine.models.family_parity import parity_prompts, save_tiny_model
+
+pytestmark = pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
+
+# fp32: the loop and the model differ in summation order only.
+FP32_LOGPROB_ATOL = 1e-4
+# bf16: the loop's largest logit error against fp32 may exceed the model's own by this
+# factor at most (measured on the bundled model, AVX-512 build: 0.30 against 0.39).
+BF16_ERROR_RATIO = 1.25
+
+
+def _family_dir(tmp_path_factory, bundled_model_dir, family: str):
+    import transformers
+    out = tmp_path_factory.mktemp(family)
+    if family == "llama":
+        return save_tiny_model(out, transformers.LlamaConfig, transformers.LlamaForCausalLM, bundled_model_dir)
+    if family == "qwen2":  # biases on q/k/v
+        return save_tiny_model(out, transformers.Qwen2Config, transformers.Qwen2ForCausalLM, bundled_model_dir)
+    if family == "mistral":  # an 8-position window, shorter than the sequences
+        return save_tiny_model(out, transformers.MistralConfig, transformers.MistralForCausalLM, bundled_model_dir,
+                               sliding_window=8, head_dim=16)
+    if family == "phi4-mini":  # half of each head rotated
+        return save_tiny_model(out, transformers.Phi3Config, transformers.Phi3ForCausalLM, bundled_model_dir,
+                               pad_token_id=0, partial_rotary_factor=0.5, tie_word_embeddings=True)
+    if family == "qwen3":  # q/k norms
+        return save_tiny_model(out, transformers.Qwen3Config, transformers.Qwen3ForCausalLM, bundled_model_dir,
+                               head_dim=16)
+    raise AssertionError(family)
+
+
+def _with_native_loop(llm: LLM) -> NativeDecodeLoop | None:
+    """Give an eager engine the loop, as a compiled one builds it at warm-up."""
+    runner = llm.engine.executor.runner
+    prepack_linears(runner.model)
+    runner.native_decode = NativeDecodeLoop.build(runner.model, runner.kv_caches)
+    return runner.native_decode
+
+
+def _generate(llm: LLM, prompts: list[list[int]], max_tokens: list[int]):
+    """Greedy, with logprobs; the prompts' lengths of output differ, so a batch of more
+    decodes than the loop takes shrinks into one it takes."""
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in max_tokens]
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+
+def _assert_same(got, want, atol: float) -> None:
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        g_logprobs = torch.tensor([step.token_logprob for step in g.outputs[0].logprobs])
+        w_logprobs = torch.tensor([step.token_logprob for step in w.outputs[0].logprobs])
+        torch.testing.assert_close(g_logprobs, w_logprobs, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "phi4-mini"])
+def test_the_loop_matches_the_model_for_each_family(tmp_path_factory, bundled_model_dir, family):
+    model_dir = _family_dir(tmp_path_factory, bundled_model_dir, family)
+    options = dict(dtype="float32", num_kv_blocks=64, block_size=4)
+    gc.collect()
+    native = LLM(str(model_dir), **options)
+    loop = _with_native_loop(native)
+    assert loop is not None
+    eager = LLM(str(model_dir), **options)
+    prompts = parity_prompts()  # lengths 5, 17, 70, 1
+    # One sequence alone, then six decoding together (the model) until three remain (the loop).
+    for batch, max_tokens in (([prompts[1]], [12]), ([*prompts, prompts[0][:3], prompts[2][:9]], [3, 4, 12, 14, 5, 10])):
+        steps_before = loop.num_steps
+        _assert_same(_generate(native, batch, max_tokens), _generate(eager, batch, max_tokens), FP32_LOGPROB_ATOL)
+        assert loop.num_steps > steps_before
+    native.engine.shutdown()
+    eager.engine.shutdown()
+
+
+def _decode_step(llm: LLM, prompts: list[list[int]], loop: NativeDecodeLoop | None,
+                 num_layers: int | None = None) -> torch.Tensor:
+    """Prefill the prompts (each in its own blocks) through the model, then one decode step
+    through the loop (None: the model, its first num_layers layers): the normed hidden
+    states [len(prompts), hidden_size]."""
+    runner = llm.engine.executor.runner
+    params = SamplingParams(temperature=0.0)
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(prompts))]
+    prefill = [ScheduledRequest(f"r{i}", p, 0, t, True, params) for i, (p, t) in enumerate(zip(prompts, tables))]
+    decode = [ScheduledRequest(f"r{i}", [p[-1]], len(p), t, True, params)
+              for i, (p, t) in enumerate(zip(prompts, tables))]
+    with torch.inference_mode():
+        ids, positions, meta, _, _ = runner.prepare_inputs(prefill)
+        runner._forward(ids, positions, meta, None)
+        ids, positions, meta, _, _ = runner.prepare_inputs(decode)
+        if loop is not None:
+            assert loop.serves(ids.shape[0], meta)
+            return loop.run(ids, positions, meta)
+        with forward_context(meta):
+            return runner.model(ids, positions, runner.kv_caches, meta, num_layers=num_layers)
+
+
+@torch.inference_mode()
+def _logits(llm: LLM, hidden: torch.Tensor) -> torch.Tensor:
+    return llm.engine.executor.runner.compute_logits(hidden)
+
+
+PROMPTS = [[(31 * i + 7 * n) % 40000 + 100 for i in range(n)] for n in (5, 17, 40)]
+
+
+def test_in_bf16_the_loop_is_as_close_to_fp32_as_the_model():
+    """The bundled model: a decode step of three sequences in bf16 through the loop is no
+    further from the fp32 model's logits than the bf16 model's own forward pass is (each
+    rounds differently: the loop once per fused step, the model after each op)."""
+    reference = LLM(dtype="float32", kv_cache_memory="32MiB")
+    want = _logits(reference, _decode_step(reference, PROMPTS, None))
+    reference.engine.shutdown()
+    llm = LLM(dtype="bfloat16", kv_cache_memory="32MiB")
+    loop = _with_native_loop(llm)
+    loop_error = (_logits(llm, _decode_step(llm, PROMPTS, loop)) - want).abs().max().item()
+    model_error = (_logits(llm, _decode_step(llm, PROMPTS, None)) - want).abs().max().item()
+    assert loop_error <= BF16_ERROR_RATIO * model_error, (loop_error, model_error)
+    llm.engine.shutdown()
+
+
+def test_the_loop_over_q4_1_blocks_computes_what_the_model_does():
+    """The bundled GGUF's Q4_1 projections, fp32 activations. The GEMVs quantize x to int8 per
+    block, so a difference in the last bit of x may move a code and grow through the layers
+    (measured over a decode step: 1e-5 up to layer 16, 8e-3 by layer 19); over the first
+    layers the loop and the model agree to fp32 rounding."""
+    llm = LLM(dtype="float32", kv_cache_memory="32MiB", quantization="gguf")
+    runner = llm.engine.executor.runner
+    prepack_linears(runner.model)
+    num_layers = 6
+    loop = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=num_layers)
+    assert len(loop.k_caches) == num_layers
+    got = _decode_step(llm, PROMPTS, loop)
+    want = _decode_step(llm, PROMPTS, None, num_layers=num_layers)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    llm.engine.shutdown()
+
+
+def test_families_it_does_not_serve_keep_the_model(tmp_path_factory, bundled_model_dir, caplog):
+    llm = LLM(str(_family_dir(tmp_path_factory, bundled_model_dir, "qwen3")), dtype="float32", num_kv_blocks=16)
+    with caplog.at_level("INFO", logger="common.engine.native_decode"):
+        assert _with_native_loop(llm) is None
+    assert "not Llama's layer" in caplog.text
+    llm.engine.shutdown()
+
+
+def test_the_switch_turns_it_off(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("PDSERVE_NATIVE_DECODE", "0")
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16)
+    assert _with_native_loop(llm) is None
+    llm.engine.shutdown()
+
+
+def test_bad_calls_raise_and_write_nothing(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16, block_size=4)
+    loop = _with_native_loop(llm)
+    hidden_size = llm.engine.model_config.hidden_size
+    k_caches, v_caches, loop_id = loop.k_caches, loop.v_caches, loop.model_id
+
+    def call(num_tokens=1, positions=None, model_id=loop_id, slots=None):
+        hidden = torch.randn(num_tokens, hidden_size)
+        positions = torch.zeros(num_tokens, dtype=torch.int64) if positions is None else positions
+        slots = torch.arange(num_tokens, dtype=torch.int64) if slots is None else slots
+        return decode_layers(model_id, hidden, positions, k_caches, v_caches, slots,
+                             torch.zeros((num_tokens, 1), dtype=torch.int32),
+                             torch.arange(num_tokens + 1, dtype=torch.int32), torch.ones(num_tokens, dtype=torch.int32))
+
+    assert call().shape == (1, hidden_size)
+    for cache in (*k_caches, *v_caches):
+        cache.zero_()
+    num_slots = k_caches[0].shape[0] * k_caches[0].shape[1]
+    cases = [(dict(num_tokens=5), "1 to 4 tokens"),
+             (dict(positions=torch.tensor([10_000])), "outside the RoPE table"),
+             (dict(model_id=12345), "no model is registered"),
+             (dict(slots=torch.tensor([num_slots])), "past the cache")]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call(**kwargs)
+    assert all(not cache.any() for cache in (*k_caches, *v_caches))
+    # Once the loop goes, so does its registration.
+    llm.engine.executor.runner.native_decode = None
+    del loop
+    gc.collect()
+    with pytest.raises(ValueError, match="no model is registered"):
+        call()
+    llm.engine.shutdown()
