@@ -17,7 +17,9 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <bit>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -26,6 +28,7 @@
 #include <vector>
 
 #include "check_message.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -71,9 +74,24 @@ at::Tensor linear(const Linear& l, const at::Tensor& x) {
   }
 }
 
-template <typename T>
-float to_float(T v) {
-  return static_cast<float>(v);
+using pdserve_cpu::kLanes;
+using pdserve_cpu::load_vec;
+using pdserve_cpu::to_float;
+using pdserve_cpu::Vec;
+using pdserve_cpu::VecU32;
+
+// A vector's values rounded to T (bf16: to nearest even, as c10 rounds) and widened back.
+inline Vec round_as(Vec v, float) { return v; }
+inline Vec round_as(Vec v, c10::BFloat16) {
+  VecU32 u;
+  std::memcpy(&u, &v, sizeof u);
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+inline void store_vec(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+inline void store_vec(c10::BFloat16* p, Vec v) {
+  for (int64_t i = 0; i < kLanes; ++i) p[i].x = static_cast<uint16_t>(std::bit_cast<uint32_t>(round_as(v, c10::BFloat16{})[i]) >> 16);
 }
 
 // out [M, H] = round(x / rms(x)) * weight, per row (x, out [M, H] contiguous).
@@ -81,10 +99,19 @@ template <typename T>
 void rms_norm(const T* x, const T* weight, T* out, int64_t M, int64_t H, double eps) {
   for (int64_t m = 0; m < M; ++m) {
     const T* row = x + m * H;
-    float sum_sq = 0.0f;
-    for (int64_t i = 0; i < H; ++i) sum_sq += to_float(row[i]) * to_float(row[i]);
+    T* out_row = out + m * H;
+    int64_t i = 0;
+    Vec sums{};
+    for (; i + kLanes <= H; i += kLanes) {
+      const Vec v = load_vec(row + i);
+      sums += v * v;
+    }
+    float sum_sq = pdserve_cpu::hsum(sums);
+    for (int64_t j = i; j < H; ++j) sum_sq += to_float(row[j]) * to_float(row[j]);
     const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(H) + static_cast<float>(eps));
-    for (int64_t i = 0; i < H; ++i) out[m * H + i] = T(to_float(weight[i]) * to_float(T(to_float(row[i]) * inv_rms)));
+    for (i = 0; i + kLanes <= H; i += kLanes)
+      store_vec(out_row + i, load_vec(weight + i) * round_as(load_vec(row + i) * inv_rms, T{}));
+    for (; i < H; ++i) out_row[i] = T(to_float(weight[i]) * to_float(T(to_float(row[i]) * inv_rms)));
   }
 }
 
@@ -95,7 +122,14 @@ template <typename T>
 void rope(T* qkv_row, int64_t num_rotated, int64_t head_dim, const float* cos, const float* sin, int64_t half) {
   for (int64_t h = 0; h < num_rotated; ++h) {
     T* head = qkv_row + h * head_dim;
-    for (int64_t i = 0; i < half; ++i) {
+    int64_t i = 0;
+    for (; i + kLanes <= half; i += kLanes) {
+      const Vec c = round_as(load_vec(cos + i), T{}), s = round_as(load_vec(sin + i), T{});
+      const Vec x1 = load_vec(head + i), x2 = load_vec(head + i + half);
+      store_vec(head + i, x1 * c - x2 * s);
+      store_vec(head + i + half, x2 * c + x1 * s);
+    }
+    for (; i < half; ++i) {
       const float c = to_float(T(cos[i])), s = to_float(T(sin[i]));
       const float x1 = to_float(head[i]), x2 = to_float(head[i + half]);
       head[i] = T(x1 * c - x2 * s);
@@ -104,19 +138,29 @@ void rope(T* qkv_row, int64_t num_rotated, int64_t head_dim, const float* cos, c
   }
 }
 
-// x [M, H] += y [M, H], in place.
+// x [n] += y [n], in place.
 template <typename T>
 void add_into(T* x, const T* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] = T(to_float(x[i]) + to_float(y[i]));
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store_vec(x + i, load_vec(x + i) + load_vec(y + i));
+  for (; i < n; ++i) x[i] = T(to_float(x[i]) + to_float(y[i]));
 }
 
-// out [M, I] = silu(gate) * up from gate_up [M, 2I].
+// out [M, I] = silu(gate) * up from gate_up [M, 2I]; sigmoid from exp(-|g|) <= 1, which
+// the vector exp takes (its range is x <= 0).
 template <typename T>
 void silu_and_mul(const T* gate_up, T* out, int64_t M, int64_t I) {
   for (int64_t m = 0; m < M; ++m) {
     const T* gate = gate_up + m * 2 * I;
     const T* up = gate + I;
-    for (int64_t i = 0; i < I; ++i) {
+    int64_t i = 0;
+    for (; i + kLanes <= I; i += kLanes) {
+      const Vec g = load_vec(gate + i);
+      const Vec e = pdserve_cpu::exp_nonpositive(g < 0 ? g : -g);  // exp(-|g|)
+      const Vec sigmoid = (g < 0 ? e : Vec{} + 1.0f) / (e + 1.0f);
+      store_vec(out + m * I + i, g * sigmoid * load_vec(up + i));
+    }
+    for (; i < I; ++i) {
       const float g = to_float(gate[i]);
       out[m * I + i] = T(g / (1.0f + std::exp(-g)) * to_float(up[i]));
     }
