@@ -4,7 +4,7 @@
 // inductor wrapper's Python, an op dispatch from Python per linear and per attention, an
 // OpenMP region for each small fused kernel, the size checks at every layer call. This
 // loop runs a step of up to kMaxTokens decode tokens through every layer from C++: the
-// norms, RoPE, residuals and SiLU in plain loops on one thread (a few thousand values),
+// norms, RoPE, residuals and SiLU on whole vectors on one thread (a few thousand values),
 // the linears through the GEMV ops (pdserve_gemv: dense rows, Q4_1 or Q8_0 blocks) and
 // attention through the fused write-and-attend op (pdserve_cpu), each reached through the
 // dispatcher from here, and those spread over the threads.

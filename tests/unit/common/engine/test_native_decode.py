@@ -17,10 +17,10 @@ import torch
 from common.engine.forward_context import forward_context
 from common.engine.llm import LLM
 from common.engine.models.prepacked_linear import prepack_linears
-from common.engine.native_decode import NativeDecodeLoop
+from common.engine.native_decode import NativeDecodeLoop, decode_weight
 from common.engine.outputs import ScheduledRequest
 from common.engine.sampling_params import SamplingParams
-from kernels.cpu_decode import decode_layers, native_decode_available
+from kernels.cpu_decode import LINEAR_Q4_1, LINEAR_Q8_0, decode_layers, native_decode_available
 from tests.unit.common.engine.models.family_parity import parity_prompts, save_tiny_model
 
 pytestmark = pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
@@ -138,14 +138,18 @@ def test_in_bf16_the_loop_is_as_close_to_fp32_as_the_model():
     llm.engine.shutdown()
 
 
-def test_the_loop_over_q4_1_blocks_computes_what_the_model_does():
-    """The bundled GGUF's Q4_1 projections, fp32 activations. The GEMVs quantize x to int8 per
-    block, so a difference in the last bit of x may move a code and grow through the layers
-    (measured over a decode step: 1e-5 up to layer 16, 8e-3 by layer 19); over the first
-    layers the loop and the model agree to fp32 rounding."""
-    llm = LLM(dtype="float32", kv_cache_memory="32MiB", quantization="gguf")
+@pytest.mark.parametrize("quantization", ["gguf", "int8"])
+def test_the_loop_over_quantized_blocks_computes_what_the_model_does(quantization):
+    """The bundled model's projections as the GGUF's Q4_1 blocks, or int8 codes as Q8_0
+    blocks, fp32 activations. The GEMVs quantize x to int8 per block, so a difference in the
+    last bit of x may move a code and grow through the layers (gguf, measured over a decode
+    step: 1e-5 up to layer 16, 8e-3 by layer 19); over the first layers the loop and the
+    model agree to fp32 rounding."""
+    llm = LLM(dtype="float32", kv_cache_memory="32MiB", quantization=quantization)
     runner = llm.engine.executor.runner
     prepack_linears(runner.model)
+    expected_kind = LINEAR_Q4_1 if quantization == "gguf" else LINEAR_Q8_0
+    assert decode_weight(runner.model.layers[0].mlp.down_proj)[1] == expected_kind
     num_layers = 6
     loop = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=num_layers)
     assert len(loop.k_caches) == num_layers
