@@ -30,6 +30,9 @@ FP32_LOGPROB_ATOL = 1e-4
 # bf16: the loop's largest logit error against fp32 may exceed the model's own by this
 # factor at most (measured on the bundled model, AVX-512 build: 0.30 against 0.39).
 BF16_ERROR_RATIO = 1.25
+# Quantized projections: the loop's hidden state may differ from the model's by this share
+# of its norm (the GEMVs' x codes, see the test).
+QUANTIZED_RELATIVE_ERROR = 0.03
 
 
 def _family_dir(tmp_path_factory, bundled_model_dir, family: str):
@@ -141,10 +144,13 @@ def test_in_bf16_the_loop_is_as_close_to_fp32_as_the_model():
 @pytest.mark.parametrize("quantization", ["gguf", "int8"])
 def test_the_loop_over_quantized_blocks_computes_what_the_model_does(quantization):
     """The bundled model's projections as the GGUF's Q4_1 blocks, or int8 codes as Q8_0
-    blocks, fp32 activations. The GEMVs quantize x to int8 per block, so a difference in the
-    last bit of x may move a code and grow through the layers (gguf, measured over a decode
-    step: 1e-5 up to layer 16, 8e-3 by layer 19); over the first layers the loop and the
-    model agree to fp32 rounding."""
+    blocks, fp32 activations: the loop reads each kind as the model does. The GEMVs quantize
+    x to int8 per 32 values, so where the loop's and the model's x differ in the last bit
+    (their pointwise steps round apart) a value on a rounding boundary takes the other code,
+    and the difference grows through the layers to ~1% of the hidden state and stays there:
+    over these 6 layers 5e-7 (gguf, no code moved) and 0.9% (int8: one of row 0's SiLU
+    outputs in layer 0 lies 1e-4 of a step from a boundary) of its norm, measured; a kind
+    read wrong would be of the order of the state itself."""
     llm = LLM(dtype="float32", kv_cache_memory="32MiB", quantization=quantization)
     runner = llm.engine.executor.runner
     prepack_linears(runner.model)
@@ -155,7 +161,7 @@ def test_the_loop_over_quantized_blocks_computes_what_the_model_does(quantizatio
     assert len(loop.k_caches) == num_layers
     got = _decode_step(llm, PROMPTS, loop)
     want = _decode_step(llm, PROMPTS, None, num_layers=num_layers)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    assert ((got - want).norm() / want.norm()).item() < QUANTIZED_RELATIVE_ERROR
     llm.engine.shutdown()
 
 
