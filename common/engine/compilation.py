@@ -30,6 +30,7 @@ import torch
 from common.engine.models.prepacked_linear import prepack_linears
 from common.engine.precompiled import PrecompiledMethod
 from kernels.cpu_attention import cpu_attention_backend
+from kernels.cpu_decode import native_decode_available, native_decode_disabled
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +83,14 @@ def compile_forward(model: torch.nn.Module, device: torch.device, enforce_eager:
     # restart its whole trace once the compiler turned it back into a constant.
     torch._dynamo.config.specialize_float = True
     torch._dynamo.config.run_gc_after_compile = False  # ~0.5 s per graph; the engine allocates little
-    # A cold start builds two native libraries, attention (~12 s) and the GEMV that packing
-    # the linears loads (~8 s): g++ runs one beside the other, and the attention build goes
-    # on while dynamo traces (the graph holds the Python op pdserve::paged_attention, whose
-    # first run waits for the library). The attention choice raises again, where it is
-    # made, if PDSERVE_CPU_ATTENTION is wrong.
+    # A cold start builds three native libraries, attention (~12 s), the GEMV that packing
+    # the linears loads (~8 s) and the decode loop (~13 s) that warm-up registers the model
+    # with: g++ runs the GEMV beside the other two, which go on while dynamo traces (the
+    # graph holds the Python op pdserve::paged_attention, whose first run waits for the
+    # library). The attention choice raises again, where it is made, if
+    # PDSERVE_CPU_ATTENTION is wrong.
     if device.type == "cpu":
-        threading.Thread(target=_choose_cpu_attention, name="build-attention", daemon=True).start()
+        threading.Thread(target=_build_native_kernels, name="build-kernels", daemon=True).start()
     num_prepacked = prepack_linears(model)
     logger.info("model compiled with torch.compile (inductor; %d linears prepacked for oneDNN; cache %s)",
                 num_prepacked, cache_dir)
@@ -122,11 +124,13 @@ def _compile_method(method: Callable) -> Callable:
                          options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
 
-def _choose_cpu_attention() -> None:
+def _build_native_kernels() -> None:
     try:
         cpu_attention_backend()
     except (ValueError, RuntimeError):
         pass
+    if not native_decode_disabled():
+        native_decode_available()
 
 
 def compile_logits(model: torch.nn.Module, forward: Callable) -> Callable:
