@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+import safetensors.torch
 import torch
 
 from common.engine.forward_context import forward_context
@@ -40,8 +41,16 @@ def _family_dir(tmp_path_factory, bundled_model_dir, family: str):
     out = tmp_path_factory.mktemp(family)
     if family == "llama":
         return save_tiny_model(out, transformers.LlamaConfig, transformers.LlamaForCausalLM, bundled_model_dir)
-    if family == "qwen2":  # biases on q/k/v
-        return save_tiny_model(out, transformers.Qwen2Config, transformers.Qwen2ForCausalLM, bundled_model_dir)
+    if family == "qwen2":  # biases on q/k/v, made nonzero (transformers initialises them to 0)
+        model_dir = save_tiny_model(out, transformers.Qwen2Config, transformers.Qwen2ForCausalLM, bundled_model_dir)
+        path = model_dir / "model.safetensors"
+        tensors = safetensors.torch.load_file(path)
+        generator = torch.Generator().manual_seed(0)
+        for name, tensor in tensors.items():
+            if name.endswith("proj.bias"):
+                tensors[name] = torch.randn(tensor.shape, generator=generator)
+        safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+        return model_dir
     if family == "mistral":  # an 8-position window, shorter than the sequences
         return save_tiny_model(out, transformers.MistralConfig, transformers.MistralForCausalLM, bundled_model_dir,
                                sliding_window=8, head_dim=16)
@@ -87,7 +96,7 @@ def test_the_loop_matches_the_model_for_each_family(tmp_path_factory, bundled_mo
     assert loop is not None
     eager = LLM(str(model_dir), **options)
     prompts = parity_prompts()  # lengths 5, 17, 70, 1
-    # One sequence alone, then six decoding together (the model) until three remain (the loop).
+    # One sequence alone, then six decoding together (the model) until four remain (the loop).
     for batch, max_tokens in (([prompts[1]], [12]), ([*prompts, prompts[0][:3], prompts[2][:9]], [3, 4, 12, 14, 5, 10])):
         steps_before = loop.num_steps
         _assert_same(_generate(native, batch, max_tokens), _generate(eager, batch, max_tokens), FP32_LOGPROB_ATOL)
