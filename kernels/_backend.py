@@ -23,6 +23,11 @@ def triton_available() -> bool:
     return True
 
 
+def switched_off(variable: str) -> bool:
+    """Whether an on-by-default PDSERVE_* switch is set to 0, false, no or off."""
+    return os.environ.get(variable, "1").lower() in ("0", "false", "no", "off")
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
+from kernels._backend import switched_off
 from kernels.cpu.build import load_ops
 from kernels.cpu_attention import native_attention_available
 from kernels.cpu_linear import GEMV_MAX_ROWS, native_gemv_available
@@ -26,7 +26,7 @@ LINEAR_DENSE, LINEAR_Q4_1, LINEAR_Q8_0 = 0, 1, 2
 
 
 def native_decode_disabled() -> bool:
-    return os.environ.get("PDSERVE_NATIVE_DECODE", "1").lower() in ("0", "false", "no", "off")
+    return switched_off("PDSERVE_NATIVE_DECODE")
 
 
 @functools.cache

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
+from kernels._backend import switched_off
 from kernels.cpu.build import cpu_flags, load_ops
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ GEMV_K_MULTIPLE = 32  # in_features must be a multiple of this
 @functools.cache
 def native_gemv_available() -> bool:
     """Whether the GEMVs run here (built and loaded once per process)."""
-    if os.environ.get("PDSERVE_CPU_GEMV", "1").lower() in ("0", "false", "no", "off"):
+    if switched_off("PDSERVE_CPU_GEMV"):
         return False
     flags = set(cpu_flags().split())
     if not {"avx2", "fma"} <= flags:

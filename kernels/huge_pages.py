@@ -20,12 +20,13 @@ from __future__ import annotations
 import functools
 import math
 import mmap
-import os
 import sys
 import threading
 from pathlib import Path
 
 import torch
+
+from kernels._backend import switched_off
 
 HUGE_PAGE_BYTES = 2 << 20
 CHUNK_BYTES = 32 << 20  # tensors up to half of this share chunks
@@ -36,7 +37,7 @@ THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 @functools.cache
 def huge_pages_available() -> bool:
     """Whether advised memory can get huge pages here (checked once per process)."""
-    if os.environ.get("PDSERVE_HUGE_PAGES", "1").lower() in ("0", "false", "no", "off"):
+    if switched_off("PDSERVE_HUGE_PAGES"):
         return False
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False

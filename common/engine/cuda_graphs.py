@@ -16,7 +16,6 @@ kernels use for bounds, not for work) holds for every replay.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import torch
 
 from common.engine.forward_context import forward_context
 from common.engine.models.attention import AttentionMetadata
+from kernels._backend import switched_off
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ GraphCapture = Callable[[Callable[[], tuple[torch.Tensor, ...]], object],
 
 def cuda_graphs_enabled() -> bool:
     """PDSERVE_CUDA_GRAPHS=0 turns graph replay off (the forward stays compiled)."""
-    return os.environ.get("PDSERVE_CUDA_GRAPHS", "1").lower() not in ("0", "false", "no", "off")
+    return not switched_off("PDSERVE_CUDA_GRAPHS")
 
 
 def batch_size_buckets(max_num_seqs: int) -> list[int]:
