@@ -169,8 +169,8 @@ void silu_and_mul(const T* gate_up, T* out, int64_t M, int64_t I) {
 
 template <typename T>
 at::Tensor run_layers(const Model& model, const at::Tensor& hidden, const at::Tensor& positions,
-                      at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens) {
+                      at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
+                      const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens) {
   using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, double, int64_t, double);
@@ -183,6 +183,7 @@ at::Tensor run_layers(const Model& model, const at::Tensor& hidden, const at::Te
   const int64_t* pos = positions.data_ptr<int64_t>();
   at::Tensor x = hidden.clone();      // [M, H] the residual stream
   at::Tensor normed = at::empty({M, H}, x.options());  // [M, H]
+  at::Tensor act;  // [M, I], the MLP's activations: allocated at the first layer, reused by the others
   T* xp = x.data_ptr<T>();
   T* np = normed.data_ptr<T>();
   for (size_t l = 0; l < model.layers.size(); ++l) {
@@ -206,7 +207,7 @@ at::Tensor run_layers(const Model& model, const at::Tensor& hidden, const at::Te
     rms_norm<T>(xp, layer.post_attention_norm.data_ptr<T>(), np, M, H, model.rms_norm_eps);
     at::Tensor gate_up = linear(layer.gate_up, normed);  // [M, 2 I]
     const int64_t I = gate_up.size(1) / 2;
-    at::Tensor act = at::empty({M, I}, x.options());  // [M, I]
+    if (!act.defined() || act.size(1) != I) act = at::empty({M, I}, x.options());
     silu_and_mul<T>(gate_up.data_ptr<T>(), act.data_ptr<T>(), M, I);
     at::Tensor down = linear(layer.down, act);  // [M, H]
     add_into<T>(xp, down.data_ptr<T>(), M * H);
