@@ -3,7 +3,7 @@
 Arms: the unquantized model in fp32 and bf16, and each quantization with fp32 and bf16
 for everything it leaves dense (embedding, tied LM head, norms, attention). Per arm:
 single-stream decode tokens/s (a request's time at max_tokens minus its time at one
-token, over the tokens in between), a short greedy batch's output tokens/s, greedy
+token, both with the prefix cache emptied first, over the tokens in between), a short greedy batch's output tokens/s, greedy
 agreement with dense fp32 on that batch (tokens until the first divergence, and whole
 sequences equal), and perplexity on a fixed paragraph through the engine's own model
 (one teacher-forced forward). Arms run interleaved request by request, so drift on a
@@ -119,7 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     for prompt in PROMPTS[:args.num_decode_prompts]:
         conversation = [[{"role": "user", "content": prompt}]]
         for name, llm in llms.items():
+            # Both runs compute the whole prompt, so their difference is the decode steps
+            # alone: a cached prompt in the second would count prefill time as decode time.
+            llm.reset_prefix_cache()
             t_full, _ = timed_chat(llm, conversation, full)
+            llm.reset_prefix_cache()
             t_one, _ = timed_chat(llm, conversation, one)
             decode_s[name] += t_full - t_one
         progress(f"single-stream: {prompt!r} through every arm")

@@ -153,6 +153,12 @@ class EngineCore:
     def abort_requests(self, req_ids: list[str]) -> list[EngineCoreOutput]:
         return self.scheduler.abort_requests(req_ids)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, so the next requests compute their prompts in full
+        (a benchmark that times prefills, or a model's KV gone stale). Blocks in use stay
+        with their requests, no longer shared; subscribers see the hashes removed."""
+        self.kv_cache_manager.reset_prefix_cache()
+
     def abort_all(self) -> list[EngineCoreOutput]:
         """Abort every request, finished ones still held for a KV transfer included."""
         return self.abort_requests(list(self.scheduler.requests) + list(self.scheduler.held_requests))

@@ -50,6 +50,11 @@ class LLM:
                                           | set(self.tokenizer.eos_token_ids)))
         self._req_counter = itertools.count()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's LLM.reset_prefix_cache): the next generate
+        computes its prompts in full."""
+        self.engine.reset_prefix_cache()
+
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len

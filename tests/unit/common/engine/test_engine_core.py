@@ -65,6 +65,18 @@ def test_prefix_cache_hit_does_not_change_outputs(make_llm):
     assert warm.engine.kv_cache_manager.stats.num_hit_tokens > 0
 
 
+def test_reset_prefix_cache_makes_the_next_prompt_compute_in_full(make_llm):
+    prompt = random_prompts([40], seed=3)
+    llm = make_llm()
+    first = llm.generate(prompt, GREEDY)
+    assert llm.generate(prompt, GREEDY)[0].num_cached_tokens == 32  # the full blocks of 8
+    llm.reset_prefix_cache()
+    again = llm.generate(prompt, GREEDY)
+    assert again[0].num_cached_tokens == 0
+    assert token_ids(again) == token_ids(first)
+    assert llm.generate(prompt, GREEDY)[0].num_cached_tokens == 32  # cached again from the full run
+
+
 def test_preemption_does_not_change_outputs(make_llm):
     prompts = random_prompts([30, 31, 29, 33, 28, 30])
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
