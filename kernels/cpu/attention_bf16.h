@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include <c10/util/BFloat16.h>
 
@@ -61,6 +62,122 @@ inline void row_scores_bf16(const c10::BFloat16* q_row, const c10::BFloat16* k_b
       partial[i] = acc;
     }
     _mm512_storeu_ps(scores + first, _mm512_mul_ps(transpose_sum16(partial), scale_vec));
+  }
+}
+
+// Many rows (prefill tiles), bf16 dot products on both products of a block, 16 keys at a
+// time: twice the multiply-adds per instruction of the fp32 FMAs, and no widening of K or V.
+//
+// Scores: the keys' 32-bit words of d pairs transposed so that lane j holds key j's pair
+// (k_j[2i], k_j[2i + 1]); each row's scores for 16 keys are then kHeadDim / 2 dot products
+// against the row's pair broadcast, no horizontal sums. scores[r * score_stride + j] =
+// scale * (q_r . k_j) for j in whole 16s around [keys_begin, keys_end); keys outside it
+// score 0 (zeroed, never read from the block), which the softmax masks.
+template <int64_t kHeadDim>
+inline void transposed_scores_bf16(const c10::BFloat16* q_rows, int64_t num_rows, const c10::BFloat16* k_block,
+                                   int64_t k_pos_stride, int64_t keys_begin, int64_t keys_end, float scale,
+                                   int64_t score_stride, float* scores) {
+  static_assert(kHeadDim % kBf16PerVec == 0);
+  constexpr int64_t kPairs = kHeadDim / 2;
+  alignas(64) uint32_t k_pairs[kPairs][16];  // [pair i][key j]: (k_j[2i], k_j[2i + 1])
+  typedef uint32_t __attribute__((may_alias)) Word;  // read from bf16 storage
+  const auto* q_words = reinterpret_cast<const Word*>(q_rows);  // [num_rows, kPairs]
+  const __m512 scale_vec = _mm512_set1_ps(scale);
+  auto pair = [](const Word* words, int64_t i) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(words[i])); };
+  for (int64_t first = keys_begin / 16 * 16; first < keys_end; first += 16) {
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t key = first + j;
+      if (key < keys_begin || key >= keys_end) {
+        for (int64_t i = 0; i < kPairs; ++i) k_pairs[i][j] = 0;
+        continue;
+      }
+      uint32_t words[kPairs];
+      std::memcpy(words, k_block + key * k_pos_stride, sizeof words);
+      for (int64_t i = 0; i < kPairs; ++i) k_pairs[i][j] = words[i];
+    }
+    auto keys = [&](int64_t i) { return (__m512bh)_mm512_load_si512(k_pairs[i]); };
+    int64_t r = 0;
+    for (; r + 4 <= num_rows; r += 4) {  // 4 rows x even and odd pairs: eight dot-product chains
+      const Word* q = q_words + r * kPairs;
+      __m512 even[4], odd[4];
+      for (int m = 0; m < 4; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < kPairs; i += 2) {
+        const __m512bh k_even = keys(i), k_odd = keys(i + 1);
+        for (int m = 0; m < 4; ++m) {
+          even[m] = _mm512_dpbf16_ps(even[m], k_even, pair(q + m * kPairs, i));
+          odd[m] = _mm512_dpbf16_ps(odd[m], k_odd, pair(q + m * kPairs, i + 1));
+        }
+      }
+      for (int m = 0; m < 4; ++m)
+        _mm512_storeu_ps(scores + (r + m) * score_stride + first,
+                         _mm512_mul_ps(_mm512_add_ps(even[m], odd[m]), scale_vec));
+    }
+    for (; r < num_rows; ++r) {
+      const Word* q = q_words + r * kPairs;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < kPairs; ++i) acc = _mm512_dpbf16_ps(acc, keys(i), pair(q, i));
+      _mm512_storeu_ps(scores + r * score_stride + first, _mm512_mul_ps(acc, scale_vec));
+    }
+  }
+}
+
+// acc_r += sum_j p_r[j] v_j over the block's keys in [keys_begin, keys_end), for many rows:
+// p rounded to bf16 (as flash attention's P.V on GPUs; the sums stay fp32), V's rows
+// interleaved in pairs so that lane d of a 32-bit word holds (v_j[d], v_{j+1}[d]) and each
+// row adds two keys per dot product. Keys outside the range take p = 0 and V = 0 (their
+// cache slots may hold anything, NaN bits included). acc: [num_rows, kHeadDim] fp32.
+template <int64_t kHeadDim>
+inline void transposed_accumulate_bf16(float* acc, int64_t num_rows, const float* p_rows, int64_t p_stride,
+                                       const c10::BFloat16* v_block, int64_t v_pos_stride, int64_t keys_begin,
+                                       int64_t keys_end) {
+  static_assert(kHeadDim % kBf16PerVec == 0);
+  constexpr int64_t kChunks = kHeadDim / 16;  // fp32 accumulators per row
+  // Rows per pass: their accumulators, one chunk's V pairs and the broadcast p fit 32 registers.
+  constexpr int64_t kRows = kChunks >= 16 ? 1 : 24 / kChunks;
+  alignas(64) uint32_t v_pairs[8][kChunks][16];  // [key pair][chunk of 16 d][d]
+  // vpermt2w indices: word w of the low half = (a[w], b[w]), of the high half (a[16 + w], b[16 + w]).
+  alignas(64) int16_t low_index[32], high_index[32];
+  for (int w = 0; w < 16; ++w) {
+    low_index[2 * w] = static_cast<int16_t>(w);
+    low_index[2 * w + 1] = static_cast<int16_t>(32 + w);
+    high_index[2 * w] = static_cast<int16_t>(16 + w);
+    high_index[2 * w + 1] = static_cast<int16_t>(48 + w);
+  }
+  const __m512i low = _mm512_load_si512(low_index), high = _mm512_load_si512(high_index);
+  for (int64_t first = keys_begin / 16 * 16; first < keys_end; first += 16) {
+    auto v_row = [&](int64_t key, int64_t c2) {  // 32 values of key's V from d = 32 c2; zero outside the range
+      if (key < keys_begin || key >= keys_end) return _mm512_setzero_si512();
+      return _mm512_loadu_si512(static_cast<const void*>(v_block + key * v_pos_stride + 32 * c2));
+    };
+    for (int64_t pair = 0; pair < 8; ++pair)
+      for (int64_t c2 = 0; c2 < kChunks / 2; ++c2) {
+        const __m512i a = v_row(first + 2 * pair, c2), b = v_row(first + 2 * pair + 1, c2);
+        _mm512_store_si512(v_pairs[pair][2 * c2], _mm512_permutex2var_epi16(a, low, b));
+        _mm512_store_si512(v_pairs[pair][2 * c2 + 1], _mm512_permutex2var_epi16(a, high, b));
+      }
+    const __mmask16 in_range = static_cast<__mmask16>(
+        ((1u << std::min<int64_t>(16, keys_end - first)) - 1) & ~((1u << std::max<int64_t>(0, keys_begin - first)) - 1));
+    auto pass = [&]<int64_t R>(int64_t r) {
+      uint32_t p_words[R][8];  // the rows' p in bf16, two keys a word
+      for (int64_t m = 0; m < R; ++m) {
+        const __m256bh p = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(in_range, p_rows + (r + m) * p_stride + first));
+        std::memcpy(p_words[m], &p, sizeof p);
+      }
+      __m512 sums[R][kChunks];
+      for (int64_t m = 0; m < R; ++m)
+        for (int64_t c = 0; c < kChunks; ++c) sums[m][c] = _mm512_loadu_ps(acc + (r + m) * kHeadDim + 16 * c);
+      for (int64_t pair = 0; pair < 8; ++pair)
+        for (int64_t c = 0; c < kChunks; ++c) {
+          const __m512bh v = (__m512bh)_mm512_load_si512(v_pairs[pair][c]);
+          for (int64_t m = 0; m < R; ++m)
+            sums[m][c] = _mm512_dpbf16_ps(sums[m][c], v, (__m512bh)_mm512_set1_epi32(static_cast<int>(p_words[m][pair])));
+        }
+      for (int64_t m = 0; m < R; ++m)
+        for (int64_t c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + (r + m) * kHeadDim + 16 * c, sums[m][c]);
+    };
+    int64_t r = 0;
+    for (; r + kRows <= num_rows; r += kRows) pass.template operator()<kRows>(r);
+    for (; r < num_rows; ++r) pass.template operator()<1>(r);
   }
 }
 

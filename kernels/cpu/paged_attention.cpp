@@ -125,8 +125,9 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
   constexpr bool kBf16Dot = false;
 #endif
   const int64_t q_bf16_floats = kBf16Dot ? (num_rows * head_dim + 1) / 2 : 0;
+  const bool k_transposed = transposed && !kBf16Dot;  // the fp32 path's K^T; the bf16 one pairs K itself
   scratch.resize(2 * num_rows * head_dim + 2 * num_rows + num_rows * score_stride +
-                 (transposed ? head_dim * score_stride : 0) + q_bf16_floats);
+                 (k_transposed ? head_dim * score_stride : 0) + q_bf16_floats);
   bounds.resize(2 * num_rows);
   float* q_rows = scratch.data();                  // [num_rows, head_dim], pre-scaled
   float* acc = q_rows + num_rows * head_dim;       // [num_rows, head_dim]
@@ -135,7 +136,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
   float* scores = row_sum + num_rows;              // [num_rows, score_stride], then probabilities
   float* k_t = scores + num_rows * score_stride;   // [head_dim, score_stride]: the block's K, transposed
   // [num_rows, head_dim] bf16: the query rows as given, unscaled (kBf16Dot only)
-  auto* q_bf16 = reinterpret_cast<T*>(k_t + (transposed ? head_dim * score_stride : 0));
+  auto* q_bf16 = reinterpret_cast<T*>(k_t + (k_transposed ? head_dim * score_stride : 0));
   int64_t* row_begin = bounds.data();              // [num_rows] visible keys of this block, relative
   int64_t* row_end = row_begin + num_rows;         // [num_rows]
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -184,8 +185,14 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
     // Scores over [keys_begin, keys_end); a row's masked keys hold anything (the softmax skips them).
     if constexpr (kNumVec > 0) {
       if (transposed) {
-        transposed_scores<kHeadDim>(q_rows, num_rows, k_block, pr.k_pos_stride, keys_begin, keys_end, score_stride,
-                                    k_t, scores);
+#ifdef PDSERVE_BF16_DOT
+        if constexpr (kBf16Dot)
+          transposed_scores_bf16<kHeadDim>(q_bf16, num_rows, k_block, pr.k_pos_stride, keys_begin, keys_end, pr.scale,
+                                           score_stride, scores);
+        else
+#endif
+          transposed_scores<kHeadDim>(q_rows, num_rows, k_block, pr.k_pos_stride, keys_begin, keys_end,
+                                      score_stride, k_t, scores);
       } else {
 #ifdef PDSERVE_BF16_DOT
         if constexpr (kBf16Dot) {
@@ -238,6 +245,15 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
       row_sum[r] += row_probabilities(s, keys_begin, keys_end, begin, end, new_max);
     }
     // acc += P V over each row's visible keys (masked ones are skipped, not added as 0 x V).
+#ifdef PDSERVE_BF16_DOT
+    if constexpr (kBf16Dot) {
+      if (transposed) {
+        transposed_accumulate_bf16<kHeadDim>(acc, num_rows, scores, score_stride, v_block, pr.v_pos_stride,
+                                             keys_begin, keys_end);
+        continue;
+      }
+    }
+#endif
     if constexpr (kNumVec > 0) {
       // Softmax left p = 0 on [keys_begin, keys_end) outside a row's keys, and those V rows
       // are real cached positions, so a group of rows runs over the union of its ranges.

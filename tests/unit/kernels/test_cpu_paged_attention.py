@@ -1,7 +1,8 @@
 """The native CPU paged-attention kernel against the torch reference (kernels/torch_attention.py).
 
-Tolerances (max |a - b| / max |b|): fp32 1e-5; bf16 1e-2 (both paths compute in fp32 and
-round the output to bf16 once, so they differ by about one bf16 ulp at most).
+Tolerances (max |a - b| / max |b|): fp32 1e-5; bf16 1e-2 (both paths sum in fp32 and round
+the output to bf16 once; the native prefill tiles also round P to bf16 for P.V, as flash
+attention does on GPUs: a relative 2^-9 per probability).
 The library is built once per machine into the kernel cache (kernels/cpu/build.py) and
 loaded once per process; only the fallback test builds, in a subprocess with no compiler.
 """
@@ -112,6 +113,39 @@ def test_few_long_decodes_split_over_keys_match_reference(dtype, features):
     ref_mixed = prefill_attention(q_mixed, k_cache, v_cache, block_tables, starts, lens, 0.125, backend="torch",
                                   **features)
     assert rel_err(mixed, ref_mixed) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("geometry", [(3, 3, 16, 64), (1, 3, 32, 128), (2, 2, 8, 64)],
+                         ids=lambda g: "kv{}x{}-bs{}-d{}".format(*g))
+def test_cache_slots_past_the_sequences_are_never_read(dtype, geometry):
+    # A block's slots past its sequence's length hold whatever an earlier request left,
+    # NaN bits included: a masked probability times such a V (0 x NaN) must not reach the
+    # output. Every slot no sequence owns is NaN here; the answer is the clean cache's.
+    num_kv_heads, ratio, block_size, head_dim = geometry
+    gen = torch.Generator().manual_seed(11 + block_size)
+    shapes = [(0, 45), (50, 20), (37, 1), (3, 40), (130, 1), (block_size + 1, block_size + 3)]
+    seq_lens = [c + n for c, n in shapes]
+    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, block_size, gen, device="cpu", dtype=dtype,
+                                                      num_kv_heads=num_kv_heads, head_dim=head_dim)
+    owned = torch.zeros(k_cache.shape[0], block_size, dtype=torch.bool)  # [num_blocks, block_size]
+    for i, seq_len in enumerate(seq_lens):
+        for position in range(seq_len):
+            owned[block_tables[i, position // block_size], position % block_size] = True
+    assert not owned.all()
+    poisoned_k, poisoned_v = k_cache.clone(), v_cache.clone()
+    poisoned_k[~owned] = float("nan")
+    poisoned_v[~owned] = float("nan")
+    query_lens = [n for _, n in shapes]
+    q = torch.randn(sum(query_lens), num_kv_heads * ratio, head_dim, generator=gen).to(dtype)
+    query_start_loc = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = prefill_attention(q, poisoned_k, poisoned_v, block_tables, query_start_loc, lens, head_dim ** -0.5,
+                            backend="native")
+    ref = prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, lens, head_dim ** -0.5,
+                            backend="torch")
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
 def test_prefill_without_context_fp16_and_strided_views():
