@@ -65,6 +65,31 @@ inline void row_scores_bf16(const c10::BFloat16* q_row, const c10::BFloat16* k_b
   }
 }
 
+// rows[j] lane i -> out[i] lane j for 16 x 16 32-bit words, in registers: unpacks pair
+// rows within 128-bit lanes, then the 4 x 4 lanes are transposed (64 shuffles).
+inline void transpose_words16(const __m512i (&rows)[16], __m512i (&out)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // per lane L: t[2i] = (r2i[4L], r2i+1[4L], r2i[4L+1], r2i+1[4L+1]), t[2i+1] from 4L+2
+    t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // per lane L: u[4i + e] = rows 4i .. 4i + 3 of word 4L + e
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {  // out[4L + e] lane i = u[4i + e] lane L
+    const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+    out[e] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    out[4 + e] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    out[8 + e] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    out[12 + e] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
 // Many rows (prefill tiles), bf16 dot products on both products of a block, 16 keys at a
 // time: twice the multiply-adds per instruction of the fp32 FMAs, and no widening of K or V.
 //
@@ -72,30 +97,35 @@ inline void row_scores_bf16(const c10::BFloat16* q_row, const c10::BFloat16* k_b
 // (k_j[2i], k_j[2i + 1]); each row's scores for 16 keys are then kHeadDim / 2 dot products
 // against the row's pair broadcast, no horizontal sums. scores[r * score_stride + j] =
 // scale * (q_r . k_j) for j in whole 16s around [keys_begin, keys_end); keys outside it
-// score 0 (zeroed, never read from the block), which the softmax masks.
+// score 0 (zeroed, never read from the block), which the softmax masks. k_pairs: a
+// 64-byte aligned buffer of kBf16PairWords<kHeadDim> words.
+template <int64_t kHeadDim>
+constexpr int64_t kBf16PairWords = kHeadDim / 2 * 16;
 template <int64_t kHeadDim>
 inline void transposed_scores_bf16(const c10::BFloat16* q_rows, int64_t num_rows, const c10::BFloat16* k_block,
                                    int64_t k_pos_stride, int64_t keys_begin, int64_t keys_end, float scale,
-                                   int64_t score_stride, float* scores) {
+                                   int64_t score_stride, float* scores, uint32_t* k_pairs) {
   static_assert(kHeadDim % kBf16PerVec == 0);
   constexpr int64_t kPairs = kHeadDim / 2;
-  alignas(64) uint32_t k_pairs[kPairs][16];  // [pair i][key j]: (k_j[2i], k_j[2i + 1])
   typedef uint32_t __attribute__((may_alias)) Word;  // read from bf16 storage
   const auto* q_words = reinterpret_cast<const Word*>(q_rows);  // [num_rows, kPairs]
   const __m512 scale_vec = _mm512_set1_ps(scale);
   auto pair = [](const Word* words, int64_t i) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(words[i])); };
   for (int64_t first = keys_begin / 16 * 16; first < keys_end; first += 16) {
-    for (int64_t j = 0; j < 16; ++j) {
-      const int64_t key = first + j;
-      if (key < keys_begin || key >= keys_end) {
-        for (int64_t i = 0; i < kPairs; ++i) k_pairs[i][j] = 0;
-        continue;
+    // In registers and whole-vector stores: 512 scattered word stores here would stall the
+    // vector loads after them, and alias K's loads at random 4 KB offsets (ASLR).
+    for (int64_t i0 = 0; i0 < kPairs; i0 += 16) {
+      __m512i rows[16], columns[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t key = first + j;
+        rows[j] = key < keys_begin || key >= keys_end
+                      ? _mm512_setzero_si512()
+                      : _mm512_loadu_si512(static_cast<const void*>(k_block + key * k_pos_stride + 2 * i0));
       }
-      uint32_t words[kPairs];
-      std::memcpy(words, k_block + key * k_pos_stride, sizeof words);
-      for (int64_t i = 0; i < kPairs; ++i) k_pairs[i][j] = words[i];
+      transpose_words16(rows, columns);
+      for (int64_t i = 0; i < 16; ++i) _mm512_store_si512(k_pairs + (i0 + i) * 16, columns[i]);
     }
-    auto keys = [&](int64_t i) { return (__m512bh)_mm512_load_si512(k_pairs[i]); };
+    auto keys = [&](int64_t i) { return (__m512bh)_mm512_load_si512(k_pairs + i * 16); };
     int64_t r = 0;
     for (; r + 4 <= num_rows; r += 4) {  // 4 rows x even and odd pairs: eight dot-product chains
       const Word* q = q_words + r * kPairs;
@@ -125,16 +155,18 @@ inline void transposed_scores_bf16(const c10::BFloat16* q_rows, int64_t num_rows
 // p rounded to bf16 (as flash attention's P.V on GPUs; the sums stay fp32), V's rows
 // interleaved in pairs so that lane d of a 32-bit word holds (v_j[d], v_{j+1}[d]) and each
 // row adds two keys per dot product. Keys outside the range take p = 0 and V = 0 (their
-// cache slots may hold anything, NaN bits included). acc: [num_rows, kHeadDim] fp32.
+// cache slots may hold anything, NaN bits included). acc: [num_rows, kHeadDim] fp32;
+// v_pairs: a 64-byte aligned buffer of kBf16PairWords<kHeadDim> words.
 template <int64_t kHeadDim>
 inline void transposed_accumulate_bf16(float* acc, int64_t num_rows, const float* p_rows, int64_t p_stride,
                                        const c10::BFloat16* v_block, int64_t v_pos_stride, int64_t keys_begin,
-                                       int64_t keys_end) {
+                                       int64_t keys_end, uint32_t* v_pairs) {
   static_assert(kHeadDim % kBf16PerVec == 0);
   constexpr int64_t kChunks = kHeadDim / 16;  // fp32 accumulators per row
   // Rows per pass: their accumulators, one chunk's V pairs and the broadcast p fit 32 registers.
   constexpr int64_t kRows = kChunks >= 16 ? 1 : 24 / kChunks;
-  alignas(64) uint32_t v_pairs[8][kChunks][16];  // [key pair][chunk of 16 d][d]
+  // v_pairs[(pair * kChunks + chunk) * 16 + d]: key pair, chunk of 16 d, d
+  auto pairs_at = [&](int64_t pair, int64_t chunk) { return v_pairs + (pair * kChunks + chunk) * 16; };
   // vpermt2w indices: word w of the low half = (a[w], b[w]), of the high half (a[16 + w], b[16 + w]).
   alignas(64) int16_t low_index[32], high_index[32];
   for (int w = 0; w < 16; ++w) {
@@ -152,8 +184,8 @@ inline void transposed_accumulate_bf16(float* acc, int64_t num_rows, const float
     for (int64_t pair = 0; pair < 8; ++pair)
       for (int64_t c2 = 0; c2 < kChunks / 2; ++c2) {
         const __m512i a = v_row(first + 2 * pair, c2), b = v_row(first + 2 * pair + 1, c2);
-        _mm512_store_si512(v_pairs[pair][2 * c2], _mm512_permutex2var_epi16(a, low, b));
-        _mm512_store_si512(v_pairs[pair][2 * c2 + 1], _mm512_permutex2var_epi16(a, high, b));
+        _mm512_store_si512(pairs_at(pair, 2 * c2), _mm512_permutex2var_epi16(a, low, b));
+        _mm512_store_si512(pairs_at(pair, 2 * c2 + 1), _mm512_permutex2var_epi16(a, high, b));
       }
     const __mmask16 in_range = static_cast<__mmask16>(
         ((1u << std::min<int64_t>(16, keys_end - first)) - 1) & ~((1u << std::max<int64_t>(0, keys_begin - first)) - 1));
@@ -168,7 +200,7 @@ inline void transposed_accumulate_bf16(float* acc, int64_t num_rows, const float
         for (int64_t c = 0; c < kChunks; ++c) sums[m][c] = _mm512_loadu_ps(acc + (r + m) * kHeadDim + 16 * c);
       for (int64_t pair = 0; pair < 8; ++pair)
         for (int64_t c = 0; c < kChunks; ++c) {
-          const __m512bh v = (__m512bh)_mm512_load_si512(v_pairs[pair][c]);
+          const __m512bh v = (__m512bh)_mm512_load_si512(pairs_at(pair, c));
           for (int64_t m = 0; m < R; ++m)
             sums[m][c] = _mm512_dpbf16_ps(sums[m][c], v, (__m512bh)_mm512_set1_epi32(static_cast<int>(p_words[m][pair])));
         }

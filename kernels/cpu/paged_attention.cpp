@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -104,6 +105,29 @@ inline void for_row_groups(int64_t num_rows, const int64_t* row_begin, const int
   }
 }
 
+// Consecutive buffers of the given float counts in `scratch`, the first on a 4 KB boundary,
+// each after it on a fresh 64-byte line.
+class ScratchLayout {
+ public:
+  ScratchLayout(std::vector<float>& scratch, std::initializer_list<int64_t> num_floats) {
+    constexpr int64_t kLine = 16, kPage = 1024;  // in floats
+    int64_t offsets[kMaxBuffers], total = 0, count = 0;
+    for (const int64_t n : num_floats) {
+      offsets[count++] = total;
+      total += (n + kLine - 1) / kLine * kLine;
+    }
+    if (scratch.size() < static_cast<size_t>(total + kPage)) scratch.resize(total + kPage);
+    const auto address = reinterpret_cast<uintptr_t>(scratch.data());
+    float* base = scratch.data() + (4096 - address % 4096) % 4096 / sizeof(float);
+    for (int64_t i = 0; i < count; ++i) buffers_[i] = base + offsets[i];
+  }
+  float* operator[](int64_t i) const { return buffers_[i]; }
+
+ private:
+  static constexpr int64_t kMaxBuffers = 9;
+  float* buffers_[kMaxBuffers];
+};
+
 // One work item: the item's query tokens x the kv head's group of query heads ("rows",
 // row r = token r / group, head r % group) against the keys they see, one cache block
 // at a time. kHeadDim > 0 fixes head_dim at compile time: the rows' dot products and
@@ -124,19 +148,33 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
 #else
   constexpr bool kBf16Dot = false;
 #endif
+  // The bf16 dot products read the query as given: no fp32 copy (which would also crowd L1).
+  const int64_t q_float_floats = kBf16Dot ? 0 : num_rows * head_dim;
   const int64_t q_bf16_floats = kBf16Dot ? (num_rows * head_dim + 1) / 2 : 0;
   const bool k_transposed = transposed && !kBf16Dot;  // the fp32 path's K^T; the bf16 one pairs K itself
-  scratch.resize(2 * num_rows * head_dim + 2 * num_rows + num_rows * score_stride +
-                 (k_transposed ? head_dim * score_stride : 0) + q_bf16_floats);
+#ifdef PDSERVE_BF16_DOT
+  const int64_t pair_floats = kBf16Dot && transposed ? kBf16PairWords<kHeadDim> : 0;
+#else
+  const int64_t pair_floats = 0;
+#endif
+  // Every buffer on its own cache line from a 4 KB page boundary: their addresses modulo
+  // 4 KB (a load waits on an earlier store whose address has the same low 12 bits) are
+  // then the same in every process, where stack buffers moved with ASLR's stack offset
+  // and a 1024-token prompt's attention took 14 or 20 ms from one process to the next.
+  const ScratchLayout layout(scratch, {q_float_floats, num_rows * head_dim, num_rows, num_rows,
+                                       num_rows * score_stride, k_transposed ? head_dim * score_stride : 0,
+                                       q_bf16_floats, pair_floats, pair_floats});
   bounds.resize(2 * num_rows);
-  float* q_rows = scratch.data();                  // [num_rows, head_dim], pre-scaled
-  float* acc = q_rows + num_rows * head_dim;       // [num_rows, head_dim]
-  float* row_max = acc + num_rows * head_dim;      // [num_rows]
-  float* row_sum = row_max + num_rows;             // [num_rows]
-  float* scores = row_sum + num_rows;              // [num_rows, score_stride], then probabilities
-  float* k_t = scores + num_rows * score_stride;   // [head_dim, score_stride]: the block's K, transposed
-  // [num_rows, head_dim] bf16: the query rows as given, unscaled (kBf16Dot only)
-  auto* q_bf16 = reinterpret_cast<T*>(k_t + (k_transposed ? head_dim * score_stride : 0));
+  float* q_rows = layout[0];   // [num_rows, head_dim], pre-scaled (fp32 paths only)
+  float* acc = layout[1];      // [num_rows, head_dim]
+  float* row_max = layout[2];  // [num_rows]
+  float* row_sum = layout[3];  // [num_rows]
+  float* scores = layout[4];   // [num_rows, score_stride], then probabilities
+  float* k_t = layout[5];      // [head_dim, score_stride]: the block's K, transposed (fp32 path)
+  auto* q_bf16 = reinterpret_cast<T*>(layout[6]);  // [num_rows, head_dim]: the query as given (kBf16Dot)
+  // The bf16 tiles' K and V of one block in pairs (attention_bf16.h)
+  auto* k_pairs = reinterpret_cast<uint32_t*>(layout[7]);
+  auto* v_pairs = reinterpret_cast<uint32_t*>(layout[8]);
   int64_t* row_begin = bounds.data();              // [num_rows] visible keys of this block, relative
   int64_t* row_end = row_begin + num_rows;         // [num_rows]
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -148,8 +186,10 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
   for (int64_t r = 0; r < num_rows; ++r) {
     const T* src =
         q + (item.first_token + r / group) * pr.q_token_stride + (kv_head * group + r % group) * pr.q_head_stride;
-    for (int64_t d = 0; d < head_dim; ++d) q_rows[r * head_dim + d] = to_float(src[d]) * pr.scale;
-    if constexpr (kBf16Dot) std::copy(src, src + head_dim, q_bf16 + r * head_dim);
+    if constexpr (kBf16Dot)
+      std::copy(src, src + head_dim, q_bf16 + r * head_dim);
+    else
+      for (int64_t d = 0; d < head_dim; ++d) q_rows[r * head_dim + d] = to_float(src[d]) * pr.scale;
   }
   // The token at position p sees keys [first_key(p), p].
   auto first_key = [&](int64_t p) {
@@ -188,7 +228,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
 #ifdef PDSERVE_BF16_DOT
         if constexpr (kBf16Dot)
           transposed_scores_bf16<kHeadDim>(q_bf16, num_rows, k_block, pr.k_pos_stride, keys_begin, keys_end, pr.scale,
-                                           score_stride, scores);
+                                           score_stride, scores, k_pairs);
         else
 #endif
           transposed_scores<kHeadDim>(q_rows, num_rows, k_block, pr.k_pos_stride, keys_begin, keys_end,
@@ -249,7 +289,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
     if constexpr (kBf16Dot) {
       if (transposed) {
         transposed_accumulate_bf16<kHeadDim>(acc, num_rows, scores, score_stride, v_block, pr.v_pos_stride,
-                                             keys_begin, keys_end);
+                                             keys_begin, keys_end, v_pairs);
         continue;
       }
     }
