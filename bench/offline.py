@@ -2,7 +2,8 @@
 
 Reports output tokens/s on a mixed seeded workload (HF with static batches of 32,
 left padding, greedy; vLLM with its own continuous batching), single-stream decode
-tokens/s for each, cold vs prefix-cached time to first token, start-up time and
+tokens/s for each, the time to first token of a 1024-token prompt computed in full
+(ours and vLLM's) and ours with its first 1000 tokens cached, start-up time and
 recompiles after warm-up of our compiled model, and the machine's rooflines
 measured in the same run (memory copy bandwidth, fp32 matmul rate). Every side runs
 the same dtype; vLLM runs in its own venv (bench/peers/vllm_peer.py).
@@ -117,7 +118,10 @@ def hf_single_stream(hf_model, prompt: list[int], num_new: int, pad_token_id: in
 
 
 def prefix_cache_ttft(llm, vocab_size: int, seed: int, prefix_len: int = 1000,
-                      suffix_len: int = 24) -> tuple[float, float]:
+                      suffix_len: int = 24, repeats: int = 3) -> tuple[float, float, list[int]]:
+    """Time to first token of a prefix_len + suffix_len prompt computed in full (the best of
+    `repeats`, the prefix cache emptied before each), then of one that shares the prefix
+    with it; and the cold prompt, for the peer to time the same one."""
     from common.engine.sampling_params import SamplingParams
     rng = random.Random(seed + 1)
     prefix = [rng.randrange(100, vocab_size) for _ in range(prefix_len)]
@@ -128,16 +132,21 @@ def prefix_cache_ttft(llm, vocab_size: int, seed: int, prefix_len: int = 1000,
         llm.generate({"prompt_token_ids": prompt}, params)
         return time.perf_counter() - t0
 
-    cold = ttft(prefix + [rng.randrange(100, vocab_size) for _ in range(suffix_len)])
+    cold_prompt = prefix + [rng.randrange(100, vocab_size) for _ in range(suffix_len)]
+    cold = []
+    for _ in range(repeats):
+        llm.reset_prefix_cache()
+        cold.append(ttft(cold_prompt))
     warm = ttft(prefix + [rng.randrange(100, vocab_size) for _ in range(suffix_len)])
-    return cold, warm
+    return min(cold), warm, cold_prompt
 
 
-def peer_spec(model_dir, dtype: str, args, workload, single_prompt: list[int], max_model_len: int) -> dict:
+def peer_spec(model_dir, dtype: str, args, workload, single_prompt: list[int], ttft_prompt: list[int],
+              max_model_len: int) -> dict:
     return {"model_dir": str(model_dir), "dtype": dtype, "seed": args.seed, "max_model_len": max_model_len,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "workload": [[p, m] for p, m in workload], "single_prompt": single_prompt,
-            "single_stream_tokens": args.single_stream_tokens}
+            "single_stream_tokens": args.single_stream_tokens, "ttft_prompt": ttft_prompt}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     results["mixed"] = {"ours_seconds": elapsed, "ours_output_tokens_per_s": ours_tps,
                         "num_output_tokens": num_tokens,
                         "num_prompt_tokens": sum(len(p) for p, _ in workload)}
-    cold, warm = prefix_cache_ttft(llm, cfg.vocab_size, args.seed)
-    results["prefix_cache"] = {"cold_ttft_s": cold, "cached_1000_ttft_s": warm, "ratio": warm / cold}
+    cold, warm, ttft_prompt = prefix_cache_ttft(llm, cfg.vocab_size, args.seed)
+    results["prefix_cache"] = {"cold_ttft_s": cold, "cached_1000_ttft_s": warm, "ratio": warm / cold,
+                               "prompt_tokens": len(ttft_prompt)}
     ours_single = single_stream(llm, single_prompt, args.single_stream_tokens)
     results["recompiles_after_warm_up"] = num_compiled_graphs() - graphs_after_warm_up
     if runner.decode_graphs is not None:
@@ -251,14 +261,17 @@ def main(argv: list[str] | None = None) -> int:
 
         from bench.peers.vllm_peer import run_vllm_offline
         max_model_len = max(len(p) + m for p, m in workload) + 16
-        max_model_len = max(max_model_len, len(single_prompt) + args.single_stream_tokens + 16)
+        max_model_len = max(max_model_len, len(single_prompt) + args.single_stream_tokens + 16,
+                            len(ttft_prompt) + 16)
         log_path = Path(args.json_path or "bench-offline").with_suffix(".vllm.log")
         peer = run_vllm_offline(vllm_python, peer_spec(model_dir, dtype, args, workload,
-                                                       single_prompt, max_model_len),
+                                                       single_prompt, ttft_prompt, max_model_len),
                                 args.peer_threads_bind, kv_cache_gib, log_path, timeout_s=1800)
         results["vllm"] = peer | {"threads_bind": args.peer_threads_bind, "log": str(log_path)}
         results["mixed"].update(vllm_output_tokens_per_s=peer["output_tokens_per_s"],
                                 speedup_vs_vllm=ours_tps / peer["output_tokens_per_s"])
+        results["prefix_cache"].update(vllm_cold_ttft_s=peer["cold_ttft_s"],
+                                       cold_ttft_vs_vllm=cold / peer["cold_ttft_s"])
         results["single_stream"].update(vllm_tokens_per_s=peer["single_stream_tokens_per_s"],
                                         speedup_vs_vllm=ours_single / peer["single_stream_tokens_per_s"])
     text = json.dumps(results, indent=2)
