@@ -10,12 +10,31 @@
 
 namespace pdserve_cpu {
 
-// Softmax numerators of one row: p[j] = exp(s[j] - max) for j in [begin, end), 0 for the
-// rest of [first, last); whole Vecs from first rounded down (the row is padded). Returns
-// the sum of the p.
-inline float row_probabilities(float* s, int64_t first, int64_t last, int64_t begin, int64_t end, float max) {
+// 0, 1, ..., kLanes - 1: a key's lane in a Vec of scores.
+inline VecI32 lane_index() {
   VecI32 lane;
   for (int64_t i = 0; i < kLanes; ++i) lane[i] = static_cast<int32_t>(i);
+  return lane;
+}
+
+// max of s[j] for j in [begin, end) within [first, last), on whole Vecs (the row is padded).
+inline float row_block_max(const float* s, int64_t first, int64_t last, int64_t begin, int64_t end) {
+  const VecI32 lane = lane_index();
+  Vec max = Vec{} - __builtin_inff();
+  for (int64_t j = first / kLanes * kLanes; j < last; j += kLanes) {
+    const VecI32 index = lane + static_cast<int32_t>(j);
+    const VecI32 visible = (index >= static_cast<int32_t>(begin)) & (index < static_cast<int32_t>(end));
+    const Vec v = load_vec(s + j);
+    max = visible && v > max ? v : max;
+  }
+  return hmax(max);
+}
+
+// Softmax numerators of one row: p[j] = exp(s[j] - max) for j in [begin, end), 0 for the
+// rest of [first, last); whole Vecs from first rounded down (the row is padded). Returns
+// their sums per lane: the row's running sum stays a Vec, summed across once at the end.
+inline Vec row_probabilities(float* s, int64_t first, int64_t last, int64_t begin, int64_t end, float max) {
+  const VecI32 lane = lane_index();
   Vec sum{};
   for (int64_t j = first / kLanes * kLanes; j < last; j += kLanes) {
     const VecI32 index = lane + static_cast<int32_t>(j);
@@ -24,7 +43,7 @@ inline float row_probabilities(float* s, int64_t first, int64_t last, int64_t be
     std::memcpy(s + j, &p, sizeof p);
     sum += p;
   }
-  return hsum(sum);
+  return sum;
 }
 
 // {hsum(a0), hsum(a1), hsum(a2), hsum(a3)} by one transposing add tree: three

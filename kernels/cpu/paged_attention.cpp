@@ -161,26 +161,26 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
   // 4 KB (a load waits on an earlier store whose address has the same low 12 bits) are
   // then the same in every process, where stack buffers moved with ASLR's stack offset
   // and a 1024-token prompt's attention took 14 or 20 ms from one process to the next.
-  const ScratchLayout layout(scratch, {q_float_floats, num_rows * head_dim, num_rows, num_rows,
-                                       num_rows * score_stride, k_transposed ? head_dim * score_stride : 0,
-                                       q_bf16_floats, pair_floats, pair_floats});
+  const ScratchLayout layout(scratch, {q_float_floats, num_rows * head_dim, num_rows, num_rows * score_stride,
+                                       k_transposed ? head_dim * score_stride : 0, q_bf16_floats, pair_floats,
+                                       pair_floats, num_rows * kLanes});
   bounds.resize(2 * num_rows);
   float* q_rows = layout[0];   // [num_rows, head_dim], pre-scaled (fp32 paths only)
   float* acc = layout[1];      // [num_rows, head_dim]
   float* row_max = layout[2];  // [num_rows]
-  float* row_sum = layout[3];  // [num_rows]
-  float* scores = layout[4];   // [num_rows, score_stride], then probabilities
-  float* k_t = layout[5];      // [head_dim, score_stride]: the block's K, transposed (fp32 path)
-  auto* q_bf16 = reinterpret_cast<T*>(layout[6]);  // [num_rows, head_dim]: the query as given (kBf16Dot)
+  float* scores = layout[3];   // [num_rows, score_stride], then probabilities
+  float* k_t = layout[4];      // [head_dim, score_stride]: the block's K, transposed (fp32 path)
+  auto* q_bf16 = reinterpret_cast<T*>(layout[5]);  // [num_rows, head_dim]: the query as given (kBf16Dot)
   // The bf16 tiles' K and V of one block in pairs (attention_bf16.h)
-  auto* k_pairs = reinterpret_cast<uint32_t*>(layout[7]);
-  auto* v_pairs = reinterpret_cast<uint32_t*>(layout[8]);
+  auto* k_pairs = reinterpret_cast<uint32_t*>(layout[6]);
+  auto* v_pairs = reinterpret_cast<uint32_t*>(layout[7]);
+  float* row_sums = layout[8];  // [num_rows, kLanes]: each row's softmax denominator, per lane
   int64_t* row_begin = bounds.data();              // [num_rows] visible keys of this block, relative
   int64_t* row_end = row_begin + num_rows;         // [num_rows]
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   std::fill(acc, acc + num_rows * head_dim, 0.f);
   std::fill(row_max, row_max + num_rows, kNegInf);
-  std::fill(row_sum, row_sum + num_rows, 0.f);
+  std::fill(row_sums, row_sums + num_rows * kLanes, 0.f);
 
   const T* q = static_cast<const T*>(pr.q);
   for (int64_t r = 0; r < num_rows; ++r) {
@@ -270,19 +270,18 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
       }
       if (pr.logit_softcap > 0.f)
         for (int64_t j = begin; j < end; ++j) s[j] = std::tanh(s[j] / pr.logit_softcap) * pr.logit_softcap;
-      float block_max = kNegInf;
-#pragma omp simd reduction(max : block_max)
-      for (int64_t j = begin; j < end; ++j) block_max = std::max(block_max, s[j]);
-      const float new_max = std::max(row_max[r], block_max);
-      if (new_max > row_max[r] && row_sum[r] > 0.f) {  // rescale what earlier blocks accumulated
+      const float new_max = std::max(row_max[r], row_block_max(s, keys_begin, keys_end, begin, end));
+      Vec sum = load_vec(row_sums + r * kLanes);
+      if (new_max > row_max[r] && row_max[r] != kNegInf) {  // rescale what earlier blocks accumulated
         const float correction = std::exp(row_max[r] - new_max);
-        row_sum[r] *= correction;
+        sum *= correction;
         float* acc_row = acc + r * head_dim;
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) acc_row[d] *= correction;
       }
       row_max[r] = new_max;
-      row_sum[r] += row_probabilities(s, keys_begin, keys_end, begin, end, new_max);
+      sum += row_probabilities(s, keys_begin, keys_end, begin, end, new_max);
+      std::memcpy(row_sums + r * kLanes, &sum, sizeof sum);
     }
     // acc += P V over each row's visible keys (masked ones are skipped, not added as 0 x V).
 #ifdef PDSERVE_BF16_DOT
@@ -310,12 +309,13 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
       }
     }
   }
+  auto row_sum = [&](int64_t r) { return hsum(load_vec(row_sums + r * kLanes)); };
   if (item.partial >= 0) {  // one part of a split token: merged by merge_split_token
     float* slot = pr.partials + (item.partial * pr.num_kv_heads + kv_head) * group * (head_dim + 2);
     for (int64_t r = 0; r < num_rows; ++r) {
       std::copy(acc + r * head_dim, acc + (r + 1) * head_dim, slot + r * (head_dim + 2));
       slot[r * (head_dim + 2) + head_dim] = row_max[r];
-      slot[r * (head_dim + 2) + head_dim + 1] = row_sum[r];
+      slot[r * (head_dim + 2) + head_dim + 1] = row_sum(r);
     }
     return;
   }
@@ -323,7 +323,8 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
   for (int64_t r = 0; r < num_rows; ++r) {
     T* dst = out + (item.first_token + r / group) * pr.out_token_stride +
              (kv_head * group + r % group) * pr.out_head_stride;
-    const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+    const float sum = row_sum(r);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[r * head_dim + d] * inv);
   }
 }

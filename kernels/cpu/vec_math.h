@@ -6,6 +6,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <cstring>
@@ -70,6 +71,21 @@ inline float hsum(Vec v) {
 #endif
   const Half4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+// Horizontal max by halving, as hsum.
+inline float hmax(Vec v) {
+  typedef float Half8 __attribute__((vector_size(8 * sizeof(float))));
+  typedef float Half4 __attribute__((vector_size(4 * sizeof(float))));
+  auto max = [](auto a, auto b) { return a > b ? a : b; };
+#if defined(__AVX512F__)
+  const Half8 h8 = max(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+                       __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+#else
+  const Half8 h8 = v;
+#endif
+  const Half4 h4 = max(__builtin_shufflevector(h8, h8, 0, 1, 2, 3), __builtin_shufflevector(h8, h8, 4, 5, 6, 7));
+  return std::max(std::max(h4[0], h4[2]), std::max(h4[1], h4[3]));
 }
 
 typedef int32_t VecI32 __attribute__((vector_size(kLanes * sizeof(int32_t))));
