@@ -90,6 +90,11 @@ inline void transpose_words16(const __m512i (&rows)[16], __m512i (&out)[16]) {
   }
 }
 
+// Words of the buffer each of transposed_scores_bf16 and transposed_accumulate_bf16 fills
+// with a block's K or V in pairs, 16 keys at a time.
+template <int64_t kHeadDim>
+constexpr int64_t kBf16PairWords = kHeadDim / 2 * 16;
+
 // Many rows (prefill tiles), bf16 dot products on both products of a block, 16 keys at a
 // time: twice the multiply-adds per instruction of the fp32 FMAs, and no widening of K or V.
 //
@@ -99,8 +104,6 @@ inline void transpose_words16(const __m512i (&rows)[16], __m512i (&out)[16]) {
 // scale * (q_r . k_j) for j in whole 16s around [keys_begin, keys_end); keys outside it
 // score 0 (zeroed, never read from the block), which the softmax masks. k_pairs: a
 // 64-byte aligned buffer of kBf16PairWords<kHeadDim> words.
-template <int64_t kHeadDim>
-constexpr int64_t kBf16PairWords = kHeadDim / 2 * 16;
 template <int64_t kHeadDim>
 inline void transposed_scores_bf16(const c10::BFloat16* q_rows, int64_t num_rows, const c10::BFloat16* k_block,
                                    int64_t k_pos_stride, int64_t keys_begin, int64_t keys_end, float scale,
