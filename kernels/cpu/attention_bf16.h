@@ -14,6 +14,8 @@
 
 #include <c10/util/BFloat16.h>
 
+#include "transpose16.h"
+
 namespace pdserve_cpu {
 
 constexpr int64_t kBf16PerVec = 32;  // bf16 values in one 512-bit register
@@ -62,31 +64,6 @@ inline void row_scores_bf16(const c10::BFloat16* q_row, const c10::BFloat16* k_b
       partial[i] = acc;
     }
     _mm512_storeu_ps(scores + first, _mm512_mul_ps(transpose_sum16(partial), scale_vec));
-  }
-}
-
-// rows[j] lane i -> out[i] lane j for 16 x 16 32-bit words, in registers: unpacks pair
-// rows within 128-bit lanes, then the 4 x 4 lanes are transposed (64 shuffles).
-inline void transpose_words16(const __m512i (&rows)[16], __m512i (&out)[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {  // per lane L: t[2i] = (r2i[4L], r2i+1[4L], r2i[4L+1], r2i+1[4L+1]), t[2i+1] from 4L+2
-    t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // per lane L: u[4i + e] = rows 4i .. 4i + 3 of word 4L + e
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int e = 0; e < 4; ++e) {  // out[4L + e] lane i = u[4i + e] lane L
-    const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
-    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
-    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
-    out[e] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    out[4 + e] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-    out[8 + e] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    out[12 + e] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
   }
 }
 

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
+#include "transpose16.h"
 #include "vec_math.h"
 
 namespace pdserve_cpu {
@@ -145,11 +147,31 @@ template <int64_t kHeadDim, typename T>
 inline void transposed_scores(const float* q_rows, int64_t num_rows, const T* k_block, int64_t k_pos_stride,
                               int64_t keys_begin, int64_t keys_end, int64_t score_stride, float* k_t,
                               float* scores) {
-  if (keys_begin % kLanes != 0 || keys_end % kLanes != 0)  // lanes past the keys: zeros, not stale bits
-    std::fill(k_t, k_t + kHeadDim * score_stride, 0.f);
-  for (int64_t j = keys_begin; j < keys_end; ++j) {
-    const T* k = k_block + j * k_pos_stride;
-    for (int64_t d = 0; d < kHeadDim; ++d) k_t[d * score_stride + j] = to_float(k[d]);
+#ifdef PDSERVE_TRANSPOSE16
+  if constexpr (std::is_same_v<T, float> && kLanes == 16 && kHeadDim % 16 == 0) {
+    // 16 keys x 16 d at a time in registers: scattered single-float stores would stall
+    // the vector loads of k_t after them. Keys outside the range: zeros, not stale bits.
+    for (int64_t first = keys_begin / 16 * 16; first < keys_end; first += 16)
+      for (int64_t d0 = 0; d0 < kHeadDim; d0 += 16) {
+        __m512i rows[16], columns[16];
+        for (int64_t j = 0; j < 16; ++j) {
+          const int64_t key = first + j;
+          rows[j] = key < keys_begin || key >= keys_end
+                        ? _mm512_setzero_si512()
+                        : _mm512_loadu_si512(static_cast<const void*>(k_block + key * k_pos_stride + d0));
+        }
+        transpose_words16(rows, columns);
+        for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(k_t + (d0 + i) * score_stride + first, columns[i]);
+      }
+  } else
+#endif
+  {
+    if (keys_begin % kLanes != 0 || keys_end % kLanes != 0)  // lanes past the keys: zeros, not stale bits
+      std::fill(k_t, k_t + kHeadDim * score_stride, 0.f);
+    for (int64_t j = keys_begin; j < keys_end; ++j) {
+      const T* k = k_block + j * k_pos_stride;
+      for (int64_t d = 0; d < kHeadDim; ++d) k_t[d * score_stride + j] = to_float(k[d]);
+    }
   }
   for (int64_t kv = keys_begin / kLanes * kLanes; kv < keys_end; kv += kLanes) {
     int64_t r = 0;
