@@ -94,17 +94,8 @@ inline void transposed_scores_bf16(const c10::BFloat16* q_rows, int64_t num_rows
   for (int64_t first = keys_begin / 16 * 16; first < keys_end; first += 16) {
     // In registers and whole-vector stores: 512 scattered word stores here would stall the
     // vector loads after them, and alias K's loads at random 4 KB offsets (ASLR).
-    for (int64_t i0 = 0; i0 < kPairs; i0 += 16) {
-      __m512i rows[16], columns[16];
-      for (int64_t j = 0; j < 16; ++j) {
-        const int64_t key = first + j;
-        rows[j] = key < keys_begin || key >= keys_end
-                      ? _mm512_setzero_si512()
-                      : _mm512_loadu_si512(static_cast<const void*>(k_block + key * k_pos_stride + 2 * i0));
-      }
-      transpose_words16(rows, columns);
-      for (int64_t i = 0; i < 16; ++i) _mm512_store_si512(k_pairs + (i0 + i) * 16, columns[i]);
-    }
+    for (int64_t i0 = 0; i0 < kPairs; i0 += 16)
+      transpose_key_words16(k_block + 2 * i0, k_pos_stride, first, keys_begin, keys_end, k_pairs + i0 * 16, 16);
     auto keys = [&](int64_t i) { return (__m512bh)_mm512_load_si512(k_pairs + i * 16); };
     int64_t r = 0;
     for (; r + 4 <= num_rows; r += 4) {  // 4 rows x even and odd pairs: eight dot-product chains

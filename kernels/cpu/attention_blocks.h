@@ -19,13 +19,18 @@ inline VecI32 lane_index() {
   return lane;
 }
 
+// Lanes of the Vec of scores from key j (lane: lane_index()) whose keys are in [begin, end).
+inline VecI32 visible_lanes(VecI32 lane, int64_t j, int64_t begin, int64_t end) {
+  const VecI32 index = lane + static_cast<int32_t>(j);
+  return (index >= static_cast<int32_t>(begin)) & (index < static_cast<int32_t>(end));
+}
+
 // max of s[j] for j in [begin, end) within [first, last), on whole Vecs (the row is padded).
 inline float row_block_max(const float* s, int64_t first, int64_t last, int64_t begin, int64_t end) {
   const VecI32 lane = lane_index();
   Vec max = Vec{} - __builtin_inff();
   for (int64_t j = first / kLanes * kLanes; j < last; j += kLanes) {
-    const VecI32 index = lane + static_cast<int32_t>(j);
-    const VecI32 visible = (index >= static_cast<int32_t>(begin)) & (index < static_cast<int32_t>(end));
+    const VecI32 visible = visible_lanes(lane, j, begin, end);
     const Vec v = load_vec(s + j);
     max = visible && v > max ? v : max;
   }
@@ -39,8 +44,7 @@ inline Vec row_probabilities(float* s, int64_t first, int64_t last, int64_t begi
   const VecI32 lane = lane_index();
   Vec sum{};
   for (int64_t j = first / kLanes * kLanes; j < last; j += kLanes) {
-    const VecI32 index = lane + static_cast<int32_t>(j);
-    const VecI32 visible = (index >= static_cast<int32_t>(begin)) & (index < static_cast<int32_t>(end));
+    const VecI32 visible = visible_lanes(lane, j, begin, end);
     const Vec p = visible ? exp_nonpositive(load_vec(s + j) - max) : Vec{};
     std::memcpy(s + j, &p, sizeof p);
     sum += p;
@@ -152,17 +156,9 @@ inline void transposed_scores(const float* q_rows, int64_t num_rows, const T* k_
     // 16 keys x 16 d at a time in registers: scattered single-float stores would stall
     // the vector loads of k_t after them. Keys outside the range: zeros, not stale bits.
     for (int64_t first = keys_begin / 16 * 16; first < keys_end; first += 16)
-      for (int64_t d0 = 0; d0 < kHeadDim; d0 += 16) {
-        __m512i rows[16], columns[16];
-        for (int64_t j = 0; j < 16; ++j) {
-          const int64_t key = first + j;
-          rows[j] = key < keys_begin || key >= keys_end
-                        ? _mm512_setzero_si512()
-                        : _mm512_loadu_si512(static_cast<const void*>(k_block + key * k_pos_stride + d0));
-        }
-        transpose_words16(rows, columns);
-        for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(k_t + (d0 + i) * score_stride + first, columns[i]);
-      }
+      for (int64_t d0 = 0; d0 < kHeadDim; d0 += 16)
+        transpose_key_words16(k_block + d0, k_pos_stride, first, keys_begin, keys_end,
+                              k_t + d0 * score_stride + first, score_stride);
   } else
 #endif
   {

@@ -91,7 +91,8 @@ inline Vec round_as(Vec v, c10::BFloat16) {
 }
 inline void store_vec(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 inline void store_vec(c10::BFloat16* p, Vec v) {
-  for (int64_t i = 0; i < kLanes; ++i) p[i].x = static_cast<uint16_t>(std::bit_cast<uint32_t>(round_as(v, c10::BFloat16{})[i]) >> 16);
+  const Vec rounded = round_as(v, c10::BFloat16{});  // exact in bf16: its top 16 bits are the value
+  for (int64_t i = 0; i < kLanes; ++i) p[i].x = static_cast<uint16_t>(std::bit_cast<uint32_t>(rounded[i]) >> 16);
 }
 
 // out [M, H] = round(x / rms(x)) * weight, per row (x, out [M, H] contiguous).

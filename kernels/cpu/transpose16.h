@@ -6,6 +6,8 @@
 #define PDSERVE_TRANSPOSE16 1
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace pdserve_cpu {
 
 // rows[j] lane i -> out[i] lane j for 16 x 16 32-bit words, in registers: unpacks pair
@@ -31,6 +33,23 @@ inline void transpose_words16(const __m512i (&rows)[16], __m512i (&out)[16]) {
     out[8 + e] = _mm512_shuffle_i32x4(v1, v3, 0x88);
     out[12 + e] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
   }
+}
+
+// The 16 keys from `first`, 16 32-bit words of each (key j's at row + j * row_stride
+// elements of T), transposed: out[i * out_stride + j] = key j's word i. Keys outside
+// [keys_begin, keys_end) read as zeros and their rows are not touched: a stale cache slot
+// may hold anything.
+template <typename T, typename Out>
+inline void transpose_key_words16(const T* row, int64_t row_stride, int64_t first, int64_t keys_begin,
+                                  int64_t keys_end, Out* out, int64_t out_stride) {
+  __m512i rows[16], columns[16];
+  for (int64_t j = 0; j < 16; ++j) {
+    const int64_t key = first + j;
+    rows[j] = key < keys_begin || key >= keys_end ? _mm512_setzero_si512()
+                                                  : _mm512_loadu_si512(static_cast<const void*>(row + key * row_stride));
+  }
+  transpose_words16(rows, columns);
+  for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(static_cast<void*>(out + i * out_stride), columns[i]);
 }
 
 }  // namespace pdserve_cpu
