@@ -39,9 +39,9 @@ using namespace pdserve_cpu;
 constexpr int64_t kQueryTile = 16;  // query tokens per work item in prefill chunks
 constexpr int64_t kTransposeMinRows = 8;  // rows from which transposing a K block pays
 // Blocks lie anywhere in the cache, so no hardware prefetcher sees the next one coming;
-// each work item asks for its head's rows of the blocks this many ahead (into L2: the
-// L1 has too few miss buffers for a whole block's lines, and the requests stall).
-// Measured at batch 32: 2 ahead into L2 ~1.4x faster than 1 ahead into L1.
+// a thread asks for its head's rows of the block this many ahead in its stream of blocks
+// (BlockStream), into L2: the L1 has too few miss buffers for a whole block's lines, and
+// the requests stall. Measured at batch 32: 2 ahead into L2 ~1.4x faster than 1 into L1.
 constexpr int64_t kPrefetchBlocks = 2;
 // Decode tokens are split over their keys (flash-decoding) only while a call has fewer
 // than kWorkPerThread (sequence, kv head) items per thread, and never into parts
@@ -105,6 +105,27 @@ inline void for_row_groups(int64_t num_rows, const int64_t* row_begin, const int
   }
 }
 
+// The token at position p sees keys [first_visible_key(p), p].
+inline int64_t first_visible_key(const Problem& pr, int64_t p) {
+  return pr.sliding_window > 0 ? std::max<int64_t>(0, p - pr.sliding_window + 1) : 0;
+}
+
+// The keys [lo, hi) some row of the item sees.
+inline std::pair<int64_t, int64_t> item_keys(const Problem& pr, const WorkItem& item) {
+  return {std::max(first_visible_key(pr, item.first_position), item.key_begin),
+          std::min(item.first_position + item.num_tokens, item.key_end)};
+}
+
+// One thread's blocks, item after item, read as one stream: each block asks for the one
+// kPrefetchBlocks ahead, past the end of its item into the item the thread takes next, so
+// a new item's first blocks are on their way before it starts (decode at batch 64 and
+// context 200, KV from DRAM: ~10% faster than each item fetching its own first blocks).
+struct BlockStream {
+  const WorkItem* upcoming = nullptr;  // the thread's next item (claimed before this one starts), or none
+  int64_t upcoming_head = 0;
+  int64_t num_primed = 0;  // of this item's first blocks, how many the previous item asked for
+};
+
 // Consecutive buffers of the given float counts in `scratch`, the first on a 4 KB boundary,
 // each after it on a fresh 64-byte line.
 class ScratchLayout {
@@ -133,8 +154,8 @@ class ScratchLayout {
 // at a time. kHeadDim > 0 fixes head_dim at compile time: the rows' dot products and
 // accumulators then live in vector registers.
 template <typename T, int64_t kHeadDim>
-void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::vector<float>& scratch,
-                 std::vector<int64_t>& bounds) {
+void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, BlockStream& stream,
+                 std::vector<float>& scratch, std::vector<int64_t>& bounds) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : pr.head_dim;
   constexpr int64_t kNumVec = kHeadDim > 0 && kHeadDim % kLanes == 0 ? kHeadDim / kLanes : 0;
   const int64_t block_size = pr.block_size, group = pr.group;
@@ -191,35 +212,58 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
     else
       for (int64_t d = 0; d < head_dim; ++d) q_rows[r * head_dim + d] = to_float(src[d]) * pr.scale;
   }
-  // The token at position p sees keys [first_key(p), p].
-  auto first_key = [&](int64_t p) {
-    return pr.sliding_window > 0 ? std::max<int64_t>(0, p - pr.sliding_window + 1) : 0;
-  };
-  const int64_t lo = std::max(first_key(item.first_position), item.key_begin);  // the item's keys: [lo, hi)
-  const int64_t hi = std::min(item.first_position + item.num_tokens, item.key_end);
+  const auto [lo, hi] = item_keys(pr, item);
   const T* k_head = static_cast<const T*>(pr.k) + kv_head * pr.k_head_stride;
   const T* v_head = static_cast<const T*>(pr.v) + kv_head * pr.v_head_stride;
   const int32_t* block_table = pr.block_tables + item.seq * pr.block_table_stride;
+  const int64_t first_b = lo / block_size, last_b = (hi - 1) / block_size;
+  // The stream's block `ahead` past this item's block b: this item's, the upcoming item's
+  // (its block b + ahead - last_b - 1), or none past both.
+  auto stream_block = [&](int64_t b, int64_t ahead) -> std::pair<const T*, const T*> {
+    const WorkItem* owner = &item;
+    int64_t head = kv_head, index = b + ahead;
+    if (index > last_b) {
+      if (stream.upcoming == nullptr) return {nullptr, nullptr};
+      owner = stream.upcoming;
+      head = stream.upcoming_head;
+      const auto [next_lo, next_hi] = item_keys(pr, *owner);
+      index = next_lo / block_size + index - last_b - 1;
+      if (index * block_size >= next_hi) return {nullptr, nullptr};
+    }
+    const int64_t id = std::clamp<int64_t>(pr.block_tables[owner->seq * pr.block_table_stride + index], 0,
+                                           pr.num_blocks - 1);
+    return {static_cast<const T*>(pr.k) + head * pr.k_head_stride + id * pr.k_block_stride,
+            static_cast<const T*>(pr.v) + head * pr.v_head_stride + id * pr.v_block_stride};
+  };
+  // What the previous item did not ask for of this item's first blocks (the first itself
+  // is needed at once: no use asking).
+  for (int64_t ahead = std::max<int64_t>(1, stream.num_primed); ahead < kPrefetchBlocks && hi > lo; ++ahead) {
+    const auto [k_rows, v_rows] = stream_block(first_b, ahead);
+    if (k_rows == nullptr) break;
+    prefetch_rows(k_rows, pr.k_pos_stride, block_size, head_dim);
+    prefetch_rows(v_rows, pr.v_pos_stride, block_size, head_dim);
+  }
+  // The stream positions this item asks for run without a gap from first_b + max(1,
+  // num_primed) to last_b + kPrefetchBlocks: the upcoming item's first kPrefetchBlocks
+  // blocks are among them unless this item is shorter than what it was primed with.
+  stream.num_primed = hi > lo && last_b - first_b + 1 >= std::max<int64_t>(1, stream.num_primed) ? kPrefetchBlocks : 0;
 
-  for (int64_t b = lo / block_size; b * block_size < hi; ++b) {
+  for (int64_t b = first_b; b * block_size < hi; ++b) {
     const int64_t block_id = block_table[b];
     PDSERVE_CHECK_VALUE(block_id >= 0 && block_id < pr.num_blocks, "block table entry ", block_id, " of sequence ",
                         item.seq, " is outside the cache's ", pr.num_blocks, " blocks");
     const int64_t block_start = b * block_size;
     const T* k_block = k_head + block_id * pr.k_block_stride;
     const T* v_block = v_head + block_id * pr.v_block_stride;
-    // The first block's successors all at once, then one new block per block.
-    for (int64_t ahead = b == lo / block_size ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
-      if ((b + ahead) * block_size >= hi) break;
-      const int64_t next_id = std::clamp<int64_t>(block_table[b + ahead], 0, pr.num_blocks - 1);
-      prefetch_rows(k_head + next_id * pr.k_block_stride, pr.k_pos_stride, block_size, head_dim);
-      prefetch_rows(v_head + next_id * pr.v_block_stride, pr.v_pos_stride, block_size, head_dim);
-    }
+    // The block kPrefetchBlocks ahead: its K now, its V after the scores. Both at once
+    // overflowed the L2's miss queue (decode at batch 64: ~12% slower).
+    const auto [k_ahead, v_ahead] = stream_block(b, kPrefetchBlocks);
+    if (k_ahead != nullptr) prefetch_rows(k_ahead, pr.k_pos_stride, block_size, head_dim);
     const int64_t keys_begin = std::max(lo, block_start) - block_start;       // any row's keys here
     const int64_t keys_end = std::min(hi, block_start + block_size) - block_start;
     for (int64_t r = 0; r < num_rows; ++r) {
       const int64_t position = item.first_position + r / group;
-      row_begin[r] = std::max({first_key(position), lo, block_start}) - block_start;
+      row_begin[r] = std::max({first_visible_key(pr, position), lo, block_start}) - block_start;
       row_end[r] = std::min({position + 1, hi, block_start + block_size}) - block_start;
     }
     // Scores over [keys_begin, keys_end); a row's masked keys hold anything (the softmax skips them).
@@ -260,6 +304,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
             scores[r * score_stride + j] = dot<kHeadDim>(q_rows + r * head_dim, k_row, head_dim);
       }
     }
+    if (v_ahead != nullptr) prefetch_rows(v_ahead, pr.v_pos_stride, block_size, head_dim);
     // Online softmax: scores become probabilities against each row's running max.
     for (int64_t r = 0; r < num_rows; ++r) {
       float* s = scores + r * score_stride;
@@ -330,13 +375,13 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, std::
 }
 
 template <typename T>
-void attend_item_any_dim(const Problem& pr, const WorkItem& item, int64_t kv_head, std::vector<float>& scratch,
-                         std::vector<int64_t>& bounds) {
+void attend_item_any_dim(const Problem& pr, const WorkItem& item, int64_t kv_head, BlockStream& stream,
+                         std::vector<float>& scratch, std::vector<int64_t>& bounds) {
   switch (pr.head_dim) {
-    case 64: return attend_item<T, 64>(pr, item, kv_head, scratch, bounds);
-    case 128: return attend_item<T, 128>(pr, item, kv_head, scratch, bounds);
-    case 256: return attend_item<T, 256>(pr, item, kv_head, scratch, bounds);
-    default: return attend_item<T, 0>(pr, item, kv_head, scratch, bounds);
+    case 64: return attend_item<T, 64>(pr, item, kv_head, stream, scratch, bounds);
+    case 128: return attend_item<T, 128>(pr, item, kv_head, stream, scratch, bounds);
+    case 256: return attend_item<T, 256>(pr, item, kv_head, stream, scratch, bounds);
+    default: return attend_item<T, 0>(pr, item, kv_head, stream, scratch, bounds);
   }
 }
 
@@ -470,9 +515,14 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
     at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
       std::vector<float> scratch;
       std::vector<int64_t> bounds;
-      for (int64_t i = next++; i < num_work; i = next++) {
+      BlockStream stream;
+      // Each item's successor is claimed before the item starts, so the stream can run into it.
+      for (int64_t i = next++, following = 0; i < num_work; i = following) {
+        following = next++;
+        stream.upcoming = following < num_work ? &items[order[following] / num_kv_heads] : nullptr;
+        stream.upcoming_head = following < num_work ? order[following] % num_kv_heads : 0;
         const int64_t w = order[i];
-        attend_item_any_dim<T>(problem, items[w / num_kv_heads], w % num_kv_heads, scratch, bounds);
+        attend_item_any_dim<T>(problem, items[w / num_kv_heads], w % num_kv_heads, stream, scratch, bounds);
       }
     });
     for (const SplitToken& split : splits) merge_split_token<T>(problem, split);
