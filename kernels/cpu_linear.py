@@ -24,6 +24,9 @@ from kernels.cpu.build import cpu_flags, load_ops
 log = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 4  # the op's limit on rows of x (decode tokens of one step)
+# prepacked_linear's bf16 steps of GEMV_MAX_ROWS + 1 to this many rows take stream_gemm
+# (kernels/cpu/gemv.cpp's kMaxStreamRows, which says why this many).
+STREAM_GEMM_MAX_ROWS = 24
 GEMV_K_MULTIPLE = 32  # in_features must be a multiple of this
 
 
@@ -36,7 +39,8 @@ def native_gemv_available() -> bool:
     if not {"avx2", "fma"} <= flags:
         log.info("no AVX2 and FMA on this CPU: decode linears stay on oneDNN and torch's int4 kernel")
         return False
-    error = load_ops("gemv", {"pdserve_gemv::gemv": _gemv_fake, "pdserve_gemv::q4_1_gemv": _blocks_gemv_fake,
+    error = load_ops("gemv", {"pdserve_gemv::gemv": _gemv_fake, "pdserve_gemv::stream_gemm": _gemv_fake,
+                              "pdserve_gemv::q4_1_gemv": _blocks_gemv_fake,
                               "pdserve_gemv::q8_0_gemv": _blocks_gemv_fake,
                               "pdserve_gemv::prepacked_linear": _prepacked_linear_fake,
                               "pdserve_gemv::q4_1_linear": _q4_1_linear_fake,
@@ -84,6 +88,22 @@ def gemv(
     weight: torch.Tensor,  # [out_features, in_features] bf16 or fp32, contiguous
 ) -> torch.Tensor:  # [num_rows, out_features], the weight's dtype
     return torch.ops.pdserve_gemv.gemv.default(x, bias, weight)
+
+
+@functools.cache
+def stream_gemm_available() -> bool:
+    """Whether stream_gemm runs here: the library's AVX512-BF16 build."""
+    return native_gemv_available() and torch.ops.pdserve_gemv.isa() == "avx512_bf16"
+
+
+def stream_gemm(
+    x: torch.Tensor,  # [num_rows, in_features] bf16
+    bias: torch.Tensor | None,  # [out_features] bf16
+    weight: torch.Tensor,  # [out_features, in_features] bf16, contiguous
+) -> torch.Tensor:  # [num_rows, out_features] bf16
+    """x W^T + b with W read row-group by row-group (kernels/cpu/stream_gemm.h): decode
+    steps of a few to a few tens of rows, faster there than oneDNN."""
+    return torch.ops.pdserve_gemv.stream_gemm.default(x, bias, weight)
 
 
 def q4_1_gemv(
@@ -187,7 +207,9 @@ def prepacked_linear(
     out_features: int,
 ) -> torch.Tensor:  # [num_tokens, out_features]
     """x W^T + b for a registered weight, in one native op: a GEMV for 1 to GEMV_MAX_ROWS rows
-    where the weight has Q8_0 blocks or its row-major copy, else oneDNN on the packed weight.
+    where the weight has Q8_0 blocks or its row-major copy, stream_gemm for up to
+    STREAM_GEMM_MAX_ROWS bf16 rows where it has a bf16 row-major copy (AVX512-BF16), else
+    oneDNN on the packed weight.
     The id is a tensor so that a compiled decoder layer takes it as an input and one
     compiled layer serves them all."""
     return torch.ops.pdserve_gemv.prepacked_linear.default(x, bias, weight_id, out_features)

@@ -24,25 +24,6 @@ inline __m512bh load_bf16x32(const c10::BFloat16* p) {
   return (__m512bh)_mm512_loadu_si512(static_cast<const void*>(p));
 }
 
-// v[0..15] -> one vector whose lane i is the sum of v[i]'s lanes: 15 adds and 30
-// shuffles for 16 sums, against ~6 dependent steps per sum done one by one.
-inline __m512 transpose_sum16(const __m512 (&v)[16]) {
-  __m512 pairs[8];  // per 128-bit lane L: [a0, b0, a1, b1], partial sums of v[2i] (a), v[2i+1] (b)
-  for (int i = 0; i < 8; ++i)
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  __m512 quads[4];  // per 128-bit lane L: the sums over lane L of v[4i], ..., v[4i + 3]
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  // Fold the four 128-bit lanes: u0 holds quads[0] and quads[1] halved, u1 quads[2] and quads[3].
-  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x44),
-                                  _mm512_shuffle_f32x4(quads[0], quads[1], 0xEE));
-  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x44),
-                                  _mm512_shuffle_f32x4(quads[2], quads[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
-}
-
 // scores[j] = scale * (q . k_j) for j in [begin, end), written 16 at a time from begin
 // rounded down to 16 (the score row is padded to whole vectors; keys outside
 // [begin, end) get some in-range key's score, which the softmax masks).

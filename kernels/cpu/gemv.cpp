@@ -40,6 +40,7 @@
 
 #include "check_message.h"
 #include "gguf_row_groups.h"
+#include "stream_gemm.h"
 
 #if defined(__AVX512BF16__) || defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define PDSERVE_GEMV 1
@@ -49,6 +50,10 @@
 namespace {
 
 constexpr int64_t kMaxRows = 4;  // rows of x; more would read W once per group of them
+// Decode steps of more rows than kMaxRows, up to this many, take stream_gemm with a bf16
+// row-major weight; more take oneDNN (stream_gemm.h's measurements: the head at 32 rows
+// was slower, the layers even). kernels/cpu_linear.STREAM_GEMM_MAX_ROWS is the same.
+constexpr int64_t kMaxStreamRows = 24;
 constexpr int64_t kStep = 32;    // bf16 values per 512-bit load; in_features' required multiple
 // GGUF blocks (gguf_row_groups.h): columns per block, bytes per block and row.
 using pdserve_cpu::kBlockCols;
@@ -308,6 +313,41 @@ at::Tensor gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, cons
 #endif
 }
 
+// y [M, N] = x @ W^T (+ bias), bf16, any number of rows (stream_gemm.h); what decode steps
+// of more than kMaxRows rows take with a bf16 row-major weight on AVX512-BF16.
+at::Tensor stream_gemm(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& weight) {
+  PDSERVE_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
+                "stream_gemm: the weight must be contiguous bf16 [N, K], got ", weight.scalar_type(), " ",
+                weight.sizes(), weight.is_contiguous() ? "" : " (not contiguous)");
+  const int64_t N = weight.size(0);
+  PDSERVE_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "stream_gemm: x must be bf16 [M, K], got ",
+                x.scalar_type(), " ", x.sizes());
+  if (bias.has_value())
+    PDSERVE_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N && bias->is_contiguous(),
+                  "stream_gemm: a contiguous bf16 bias of ", N, " values expected");
+  const int64_t M = x.size(0), K = x.size(1);
+  PDSERVE_CHECK(K == weight.size(1), "stream_gemm: x has ", K, " columns, the weight ", weight.size(1));
+  PDSERVE_CHECK(K % kStep == 0, "stream_gemm: in_features must be a multiple of ", kStep, ", got ", K);
+#ifdef PDSERVE_STREAM_GEMM
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const at::Tensor xc = x.contiguous();
+  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+  const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  using pdserve_cpu::kTileRows;
+  const int64_t num_groups = (N + kTileRows - 1) / kTileRows;
+  // 16 groups (64 W rows) at least per thread, each thread's rows one stream.
+  at::parallel_for(0, num_groups, 16, [&](int64_t begin, int64_t end) {
+    pdserve_cpu::stream_gemm_rows(xp, wp, bp, yp, M, K, N, begin * kTileRows, std::min(N, end * kTileRows));
+  });
+  return y;
+#else
+  PDSERVE_CHECK(false, "stream_gemm: built for a CPU without AVX512-BF16");
+#endif
+}
+
 // A Q4_1 linear's one op for a compiled graph (the graph cannot branch on its unbacked
 // token count): the GEMV over the file's blocks for decode steps of up to kMaxRows rows,
 // torch's int4 kernel on its packed copy otherwise; x bf16 or fp32, the result in x's
@@ -396,6 +436,11 @@ at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>
     y = q8_0_gemv(x, bias, *linear.q8_0_blocks);
   } else if (decode_rows && linear.row_major.has_value()) {
     y = gemv(x, bias, *linear.row_major);
+#ifdef PDSERVE_STREAM_GEMM
+  } else if (x.dim() == 2 && x.size(0) <= kMaxStreamRows && linear.row_major.has_value() &&
+             linear.row_major->scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16) {
+    y = stream_gemm(x, bias, *linear.row_major);
+#endif
   } else {
     static const auto pointwise =
         c10::Dispatcher::singleton()
@@ -427,6 +472,7 @@ std::string gemv_isa() {
 
 TORCH_LIBRARY(pdserve_gemv, m) {
   m.def("gemv(Tensor x, Tensor? bias, Tensor weight) -> Tensor");
+  m.def("stream_gemm(Tensor x, Tensor? bias, Tensor weight) -> Tensor");
   m.def("q4_1_gemv(Tensor x, Tensor? bias, Tensor blocks) -> Tensor");
   m.def("q8_0_gemv(Tensor x, Tensor? bias, Tensor blocks) -> Tensor");
   m.def("q4_1_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor? blocks, int group_size) -> Tensor");
@@ -440,6 +486,7 @@ TORCH_LIBRARY(pdserve_gemv, m) {
 
 TORCH_LIBRARY_IMPL(pdserve_gemv, CPU, m) {
   m.impl("gemv", &gemv);
+  m.impl("stream_gemm", &stream_gemm);
   m.impl("q4_1_gemv", &q4_1_gemv);
   m.impl("q8_0_gemv", &q8_0_gemv);
   m.impl("q4_1_linear", &q4_1_linear);

@@ -19,8 +19,10 @@ wrapper costs ~20 us, and a model step makes 4 linear calls per layer.
 Decode steps of up to four tokens take a native GEMV over the plain row-major weight
 instead, where the CPU has AVX2 and FMA (kernels/cpu_linear.py): it reads the weight as
 one sequential stream per thread, ~31 GB/s against oneDNN's ~18-20 GB/s for bf16 on the
-2-core Zen 4 EPYC (fp32 on a Zen 3: ~26 vs ~22 GB/s). Those linears then hold their
-weight twice, packed and row-major. Where that native library is loaded, the graph
+2-core Zen 4 EPYC (fp32 on a Zen 3: ~26 vs ~22 GB/s). With AVX512-BF16, bf16 steps of
+up to STREAM_GEMM_MAX_ROWS tokens read that copy too, four rows at a time for four rows
+of x (kernels/cpu/stream_gemm.h). Those linears then hold their weight twice, packed and
+row-major. Where that native library is loaded, the graph
 calls its op `pdserve_gemv::prepacked_linear`, which makes the same choice in C++;
 `pdserve::prepacked_linear` serves elsewhere.
 """
@@ -34,12 +36,15 @@ from torch import nn
 
 from kernels.cpu_linear import (
     GEMV_MAX_ROWS,
+    STREAM_GEMM_MAX_ROWS,
     gemv,
     gemv_applies,
     native_gemv_available,
     q8_0_gemv_blocks,
     register_prepacked_linear,
     release_prepacked_linear,
+    stream_gemm,
+    stream_gemm_available,
 )
 from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
 from kernels.huge_pages import on_huge_pages
@@ -73,6 +78,9 @@ def _prepacked_linear_cpu(x: torch.Tensor, bias: torch.Tensor | None, weight_id:
     # x [num_tokens, in_features] -> [num_tokens, out_features]
     if row_major is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(x, bias, row_major())
+    if (row_major is not None and x.dim() == 2 and x.shape[0] <= STREAM_GEMM_MAX_ROWS
+            and x.dtype == torch.bfloat16 and row_major().dtype == torch.bfloat16 and stream_gemm_available()):
+        return stream_gemm(x, bias, row_major())
     return torch.ops.mkldnn._linear_pointwise.default(x.contiguous(), packed(), bias, "none", [-1], "")
 
 

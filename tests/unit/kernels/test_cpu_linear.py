@@ -1,4 +1,5 @@
-"""The native GEMVs (kernels/cpu/gemv.cpp): for a bf16 or fp32 weight and for GGUF's
+"""The native GEMVs (kernels/cpu/gemv.cpp) and the bf16 row-stream GEMM (stream_gemm.h):
+for a bf16 or fp32 weight and for GGUF's
 Q4_1 and Q8_0 blocks, the product fp32 math gives on the same inputs, rounded once to the
 output dtype, for every row count and shape they take, in whichever build this CPU gets
 (AVX512-BF16 dot products, or fp32 FMAs on AVX2; the GGUF blocks' products take x
@@ -26,8 +27,9 @@ from common.engine.models.quantization.cpu_kernels import int4_kernel_available,
 from common.engine.models.quantization.gguf_blocks import GGUFQuantizedWeights, Q4_1Blocks, Q8_0Blocks
 from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
-from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, gemv, native_gemv_available, q4_1_gemv,
-                                q4_1_gemv_blocks, q8_0_gemv, q8_0_gemv_blocks)
+from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, STREAM_GEMM_MAX_ROWS, gemv, native_gemv_available,
+                                q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv, q8_0_gemv_blocks, stream_gemm,
+                                stream_gemm_available)
 from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
 
 pytestmark = pytest.mark.skipif(not native_gemv_available(),
@@ -88,6 +90,75 @@ def test_refuses_what_it_cannot_compute(x, weight, message):
 def test_refuses_a_bias_of_another_dtype():
     with pytest.raises(RuntimeError, match="a contiguous Float bias of 8 values expected"):
         gemv(torch.zeros(1, 32), torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, 32))
+
+
+needs_stream_gemm = pytest.mark.skipif(not stream_gemm_available(), reason="stream_gemm needs AVX512-BF16")
+
+
+@needs_stream_gemm
+@pytest.mark.parametrize("num_rows", [1, 3, 4, 5, 8, 13, STREAM_GEMM_MAX_ROWS, 33])
+@pytest.mark.parametrize("out_features, in_features", [(1, 32), (6, 64), (63, 96), (960, 576), (577, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_stream_gemm_matches_fp32_math_rounded_once(num_rows, out_features, in_features, with_bias):
+    # Row and column counts off the 4 x 4 tiles and a thread's share of the weight's rows.
+    torch.manual_seed(num_rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
+    x = torch.randn(num_rows, in_features, dtype=torch.bfloat16)
+    out = stream_gemm(x, bias, weight)
+    assert out.shape == (num_rows, out_features) and out.dtype == torch.bfloat16
+    expected = reference(x, bias, weight)
+    scale = expected.abs().max().item()
+    # One bf16 rounding of the fp32 sum (half an ulp: 2^-9 relative), plus summation-order noise.
+    torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * scale)
+
+
+@needs_stream_gemm
+def test_stream_gemm_takes_no_rows_and_strided_x():
+    torch.manual_seed(0)
+    weight = torch.randn(40, 64, dtype=torch.bfloat16)
+    assert stream_gemm(torch.zeros(0, 64, dtype=torch.bfloat16), None, weight).shape == (0, 40)
+    wide = torch.randn(9, 128, dtype=torch.bfloat16)
+    x = wide[:, ::2]  # not contiguous
+    assert torch.equal(stream_gemm(x, None, weight), stream_gemm(x.contiguous(), None, weight))
+
+
+@needs_stream_gemm
+@pytest.mark.parametrize("x, bias, weight, message", [
+    (torch.zeros(5, 40, dtype=torch.bfloat16), None, torch.zeros(8, 40, dtype=torch.bfloat16), "multiple of 32, got 40"),
+    (torch.zeros(5, 32), None, torch.zeros(8, 32, dtype=torch.bfloat16), r"x must be bf16 \[M, K\], got Float"),
+    (torch.zeros(5, 32, dtype=torch.bfloat16), None, torch.zeros(8, 32), "must be contiguous bf16"),
+    (torch.zeros(5, 32, dtype=torch.bfloat16), None, torch.zeros(32, 8, dtype=torch.bfloat16).t(), "not contiguous"),
+    (torch.zeros(5, 32, dtype=torch.bfloat16), None, torch.zeros(8, 64, dtype=torch.bfloat16),
+     "x has 32 columns, the weight 64"),
+    (torch.zeros(5, 32, dtype=torch.bfloat16), torch.zeros(8), torch.zeros(8, 32, dtype=torch.bfloat16),
+     "a contiguous bf16 bias of 8 values expected"),
+    (torch.zeros(5, 32, dtype=torch.bfloat16), torch.zeros(7, dtype=torch.bfloat16),
+     torch.zeros(8, 32, dtype=torch.bfloat16), "a contiguous bf16 bias of 8 values expected"),
+])
+def test_stream_gemm_refuses_what_it_cannot_compute(x, bias, weight, message):
+    with pytest.raises(RuntimeError, match=message):
+        stream_gemm(x, bias, weight)
+
+
+@needs_stream_gemm
+@pytest.mark.skipif(not prepacking_available(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
+@pytest.mark.parametrize("num_tokens", [GEMV_MAX_ROWS + 1, STREAM_GEMM_MAX_ROWS, STREAM_GEMM_MAX_ROWS + 1])
+def test_a_bf16_linear_takes_stream_gemm_for_mid_sized_steps_and_onednn_beyond(num_tokens):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    layer = PrepackedLinear(weight, bias)
+    x = torch.randn(num_tokens, 64, dtype=torch.bfloat16)
+    out = layer(x)
+    weight_id = layer.weight_id_tensor
+    # The native op and the Python one choose alike.
+    assert torch.equal(torch.ops.pdserve.prepacked_linear(x, bias, weight_id, 96), out)
+    onednn = torch.ops.mkldnn._linear_pointwise.default(x, layer._packed, bias, "none", [-1], "")
+    if num_tokens <= STREAM_GEMM_MAX_ROWS:
+        assert torch.equal(out, stream_gemm(x, bias, weight))
+    else:
+        assert torch.equal(out, onednn)
+    torch.testing.assert_close(out.float(), reference(x, bias, weight), rtol=1.6e-2, atol=1e-1)
 
 
 @pytest.mark.parametrize("num_tokens", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 64])
