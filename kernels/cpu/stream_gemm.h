@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include <c10/util/BFloat16.h>
 
@@ -34,11 +35,11 @@ constexpr int64_t kTileRows = 4;  // rows of x, and of W, per tile
 constexpr int64_t kPrefetchGroups = 4;
 
 // y[m0 + i, n0 + j] for i < RM, j < RN: x rows m0.., W rows n0.., K a multiple of 32;
-// `ahead`: W rows to ask for meanwhile (kPrefetchGroups), or null.
+// bias_lanes: lane i * 4 + j holds bias[n0 + j] (zeros without a bias); `ahead`: W rows to
+// ask for meanwhile (kPrefetchGroups), or null.
 template <int RM, int RN>
-inline void stream_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias,
-                             c10::BFloat16* y, int64_t K, int64_t N, int64_t m0, int64_t n0,
-                             const c10::BFloat16* ahead) {
+inline void stream_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* w, __m512 bias_lanes, c10::BFloat16* y,
+                             int64_t K, int64_t N, int64_t m0, int64_t n0, const c10::BFloat16* ahead) {
   __m512 acc[16];  // acc[i * 4 + j]: x row i . W row j; the unused stay zero for the sum
   for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
   const c10::BFloat16* x_rows = x + m0 * K;
@@ -54,18 +55,12 @@ inline void stream_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* w, con
       for (int j = 0; j < RN; ++j) acc[i * 4 + j] = _mm512_dpbf16_ps(acc[i * 4 + j], x_vec, w_vec[j]);
     }
   }
-  __m512 sums = transpose_sum16(acc);  // lane i * 4 + j: y[m0 + i, n0 + j]
-  if (bias != nullptr) {
-    alignas(64) float lanes[16] = {};
-    for (int i = 0; i < RM; ++i)
-      for (int j = 0; j < RN; ++j) lanes[i * 4 + j] = static_cast<float>(bias[n0 + j]);
-    sums = _mm512_add_ps(sums, _mm512_load_ps(lanes));
-  }
-  alignas(32) uint16_t rounded[16];  // round to nearest even, as c10::BFloat16(float)
-  _mm256_store_si256(reinterpret_cast<__m256i*>(rounded), (__m256i)_mm512_cvtneps_pbh(sums));
-  for (int i = 0; i < RM; ++i)
-    for (int j = 0; j < RN; ++j)
-      y[(m0 + i) * N + n0 + j] = c10::BFloat16(rounded[i * 4 + j], c10::BFloat16::from_bits());
+  // Lane i * 4 + j: y[m0 + i, n0 + j], rounded to nearest even as c10::BFloat16(float); a
+  // row's RN values are adjacent in y and in `rounded`: one move each.
+  alignas(32) c10::BFloat16 rounded[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(rounded),
+                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(transpose_sum16(acc), bias_lanes)));
+  for (int i = 0; i < RM; ++i) std::memcpy(y + (m0 + i) * N + n0, rounded + i * 4, RN * sizeof(c10::BFloat16));
 }
 
 // x rows [0, M) against W rows [n_begin, n_end): groups of 4 W rows, each against every
@@ -73,15 +68,19 @@ inline void stream_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* w, con
 template <int RN>
 inline void stream_gemm_group(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias,
                               c10::BFloat16* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
-  int64_t m0 = 0;
+  alignas(64) float lanes[16] = {};
+  if (bias != nullptr)
+    for (int t = 0; t < 16; ++t) lanes[t] = t % 4 < RN ? static_cast<float>(bias[n0 + t % 4]) : 0.f;
+  const __m512 bias_lanes = _mm512_load_ps(lanes);
   const int64_t n_ahead = n0 + kPrefetchGroups * kTileRows;
   const c10::BFloat16* ahead = n_ahead + kTileRows <= N ? w + n_ahead * K : nullptr;
+  int64_t m0 = 0;
   for (; m0 + kTileRows <= M; m0 += kTileRows, ahead = nullptr)
-    stream_gemm_tile<4, RN>(x, w, bias, y, K, N, m0, n0, ahead);
+    stream_gemm_tile<4, RN>(x, w, bias_lanes, y, K, N, m0, n0, ahead);
   switch (M - m0) {
-    case 3: stream_gemm_tile<3, RN>(x, w, bias, y, K, N, m0, n0, ahead); break;
-    case 2: stream_gemm_tile<2, RN>(x, w, bias, y, K, N, m0, n0, ahead); break;
-    case 1: stream_gemm_tile<1, RN>(x, w, bias, y, K, N, m0, n0, ahead); break;
+    case 3: stream_gemm_tile<3, RN>(x, w, bias_lanes, y, K, N, m0, n0, ahead); break;
+    case 2: stream_gemm_tile<2, RN>(x, w, bias_lanes, y, K, N, m0, n0, ahead); break;
+    case 1: stream_gemm_tile<1, RN>(x, w, bias_lanes, y, K, N, m0, n0, ahead); break;
     default: break;
   }
 }
