@@ -1,10 +1,11 @@
 """`pdserve bench decode-linears`: one decode step's linears, each kernel that can run them.
 
 SmolLM2-135M's projections (30 layers of distinct weights: qkv 960x576, o 576x576,
-gate_up 3072x576, down 576x1536) and its LM head (49152x576), for 1 to 4 rows of x: what
-a decode step of that many tokens multiplies. Dense weights in fp32 and bf16 through
-oneDNN's packed linear (what prefill steps use), a plain `F.linear`, and the native GEMV
-(kernels/cpu/gemv.cpp); the bundled GGUF's own Q4_1 projections through torch's int4
+gate_up 3072x576, down 576x1536) and its LM head (49152x576), for a few rows of x (1 to 4
+by default): what a decode step of that many tokens multiplies. Dense weights in fp32 and
+bf16 through oneDNN's packed linear (what prefill steps use), a plain `F.linear`, the
+native GEMV (kernels/cpu/gemv.cpp, up to 4 rows) and, for bf16 with AVX512-BF16,
+`stream_gemm` (kernels/cpu/stream_gemm.h, what steps of 5 to 24 rows take); the bundled GGUF's own Q4_1 projections through torch's int4
 kernel and the native Q4_1 GEMV; the LM head alone (fp32), dense through oneDNN and the
 GEMV, and as the GGUF's own Q8_0 blocks through the native Q8_0 GEMV (what
 `--quantization gguf` decodes with). The kernels of a case run alternately, repetitions
@@ -24,7 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu.build import cpu_flags
-from kernels.cpu_linear import gemv, native_gemv_available, q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv
+from kernels.cpu_linear import (GEMV_MAX_ROWS, gemv, native_gemv_available, q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv,
+                                stream_gemm, stream_gemm_available)
+from kernels.huge_pages import on_huge_pages
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB, NUM_LAYERS = 576, 1536, 960, 49152, 30
 LAYER_SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
@@ -58,8 +61,12 @@ def dense_case(dtype: torch.dtype, num_rows: int, reps: int) -> dict:
             for w, p in zip(weights, packed)]
     except RuntimeError:
         pass  # oneDNN cannot pack this dtype here
-    if native_gemv_available():
-        kernels["native_gemv"] = lambda: [gemv(xs[w.shape[1]], None, w) for w in weights]
+    # The native kernels' row-major copies on huge pages, as PrepackedLinear keeps them.
+    row_major = [on_huge_pages(w) for w in weights] if native_gemv_available() else []
+    if native_gemv_available() and num_rows <= GEMV_MAX_ROWS:
+        kernels["native_gemv"] = lambda: [gemv(xs[w.shape[1]], None, w) for w in row_major]
+    if dtype == torch.bfloat16 and stream_gemm_available():
+        kernels["stream_gemm"] = lambda: [stream_gemm(xs[w.shape[1]], None, w) for w in row_major]
     num_bytes = sum(w.numel() * w.element_size() for w in weights)
     return {"weights": str(dtype).removeprefix("torch."), "num_rows": num_rows, "weight_bytes": num_bytes,
             "kernels": with_bandwidth(time_kernels(kernels, reps), num_bytes)}
@@ -81,7 +88,7 @@ def q4_1_case(num_rows: int, reps: int) -> dict:
         kernels["torch_int4"] = lambda: [
             torch.ops.aten._weight_int4pack_mm_for_cpu(xs[lin.in_features], lin.packed, lin.group_size,
                                                        lin.scales_and_zeros) for lin in linears]
-    if native_gemv_available():
+    if native_gemv_available() and num_rows <= GEMV_MAX_ROWS:
         kernels["native_q4_1_gemv"] = lambda: [q4_1_gemv(xs[lin.in_features], None, raw)
                                                for lin, raw in zip(linears, raws)]
     num_bytes = sum(raw.numel() for raw in raws)
@@ -99,7 +106,7 @@ def head_case(num_rows: int, reps: int) -> dict:
     packed = torch.ops.mkldnn._reorder_linear_weight(dense, None)
     kernels: dict[str, Callable[[], object]] = {
         "onednn_packed_fp32": lambda: torch.ops.mkldnn._linear_pointwise.default(x, packed, None, "none", [-1], "")}
-    if native_gemv_available():
+    if native_gemv_available() and num_rows <= GEMV_MAX_ROWS:
         kernels["native_gemv_fp32"] = lambda: gemv(x, None, dense)
         kernels["native_q8_0_gemv"] = lambda: q8_0_gemv(x, None, raw)
     timings = time_kernels(kernels, reps)

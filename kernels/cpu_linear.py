@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 GEMV_MAX_ROWS = 4  # the op's limit on rows of x (decode tokens of one step)
 # prepacked_linear's bf16 steps of GEMV_MAX_ROWS + 1 to this many rows take stream_gemm
 # (kernels/cpu/gemv.cpp's kMaxStreamRows, which says why this many).
-STREAM_GEMM_MAX_ROWS = 24
+STREAM_GEMM_MAX_ROWS = 16
 GEMV_K_MULTIPLE = 32  # in_features must be a multiple of this
 
 

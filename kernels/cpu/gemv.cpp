@@ -51,9 +51,10 @@ namespace {
 
 constexpr int64_t kMaxRows = 4;  // rows of x; more would read W once per group of them
 // Decode steps of more rows than kMaxRows, up to this many, take stream_gemm with a bf16
-// row-major weight; more take oneDNN (stream_gemm.h's measurements: the head at 32 rows
-// was slower, the layers even). kernels/cpu_linear.STREAM_GEMM_MAX_ROWS is the same.
-constexpr int64_t kMaxStreamRows = 24;
+// row-major weight; more take oneDNN (stream_gemm.h's measurements: from 16 rows the head
+// is no faster, from 24 the layers neither). kernels/cpu_linear.STREAM_GEMM_MAX_ROWS is
+// the same.
+constexpr int64_t kMaxStreamRows = 16;
 constexpr int64_t kStep = 32;    // bf16 values per 512-bit load; in_features' required multiple
 // GGUF blocks (gguf_row_groups.h): columns per block, bytes per block and row.
 using pdserve_cpu::kBlockCols;

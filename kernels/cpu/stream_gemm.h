@@ -3,10 +3,11 @@
 // its share of W's rows, front to back, a few rows at a time, asked for ahead), each group
 // of W rows used for every row of x while it is in L1.
 //
-// Against oneDNN's packed GEMM, SmolLM2's 30 layers' linears, weights from DRAM, on the
-// 2-core Zen 4 EPYC: 8 rows 13.3 -> 8.3 ms, 16 rows 16.8 -> 13.9 ms; even at 32 to 96 rows
-// and behind from 128 (oneDNN's larger register tiles win once the math dominates). The
-// head (49152 x 576): 5 rows 2.1 -> 1.2 ms, 16 rows 3.6 -> 3.1 ms, behind from 32.
+// Against oneDNN's packed GEMM, SmolLM2's 30 layers' linears (W on huge pages, as the
+// GEMV's copies are; from DRAM), on the 2-core Zen 4 EPYC, the two alternating, medians:
+// 8 rows 12.8 -> 8.5 ms, 16 rows 15.7 -> 14.6 ms, even at 24 and 32 (oneDNN's outer-product
+// tiles win once the math dominates). The head (49152 x 576): 8 rows 2.3 -> 1.6 ms, even at
+// 16, behind from 24.
 //
 // A tile is 4 rows of x by 4 rows of W: 16 fp32 accumulators, each the dot product of one
 // pair, whose lanes transpose_sum16 then sums all at once.
