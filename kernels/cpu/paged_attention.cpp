@@ -123,7 +123,7 @@ inline std::pair<int64_t, int64_t> item_keys(const Problem& pr, const WorkItem& 
 struct BlockStream {
   const WorkItem* upcoming = nullptr;  // the thread's next item (claimed before this one starts), or none
   int64_t upcoming_head = 0;
-  int64_t num_primed = 0;  // of this item's first blocks, how many the previous item asked for
+  bool primed = false;  // the previous item asked for this item's first kPrefetchBlocks blocks
 };
 
 // Consecutive buffers of the given float counts in `scratch`, the first on a 4 KB boundary,
@@ -235,18 +235,19 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
     return {static_cast<const T*>(pr.k) + head * pr.k_head_stride + id * pr.k_block_stride,
             static_cast<const T*>(pr.v) + head * pr.v_head_stride + id * pr.v_block_stride};
   };
-  // What the previous item did not ask for of this item's first blocks (the first itself
-  // is needed at once: no use asking).
-  for (int64_t ahead = std::max<int64_t>(1, stream.num_primed); ahead < kPrefetchBlocks && hi > lo; ++ahead) {
+  // Unprimed (a thread's first item, or after a short one), this item's own first blocks
+  // after the first (which is needed at once: no use asking).
+  const int64_t first_asked = stream.primed ? kPrefetchBlocks : 1;  // past first_b
+  for (int64_t ahead = first_asked; ahead < kPrefetchBlocks && hi > lo; ++ahead) {
     const auto [k_rows, v_rows] = stream_block(first_b, ahead);
     if (k_rows == nullptr) break;
     prefetch_rows(k_rows, pr.k_pos_stride, block_size, head_dim);
     prefetch_rows(v_rows, pr.v_pos_stride, block_size, head_dim);
   }
-  // The stream positions this item asks for run without a gap from first_b + max(1,
-  // num_primed) to last_b + kPrefetchBlocks: the upcoming item's first kPrefetchBlocks
-  // blocks are among them unless this item is shorter than what it was primed with.
-  stream.num_primed = hi > lo && last_b - first_b + 1 >= std::max<int64_t>(1, stream.num_primed) ? kPrefetchBlocks : 0;
+  // This item asks for the stream's blocks first_b + first_asked to last_b + kPrefetchBlocks
+  // without a gap: the upcoming item's first kPrefetchBlocks blocks (last_b + 1 on) are
+  // among them unless this item has fewer blocks than first_asked.
+  stream.primed = hi > lo && last_b - first_b + 1 >= first_asked;
 
   for (int64_t b = first_b; b * block_size < hi; ++b) {
     const int64_t block_id = block_table[b];

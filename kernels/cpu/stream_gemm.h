@@ -17,7 +17,6 @@
 #define PDSERVE_STREAM_GEMM 1
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
