@@ -5,10 +5,11 @@ gate_up 3072x576, down 576x1536) and its LM head (49152x576), for a few rows of 
 by default): what a decode step of that many tokens multiplies. Dense weights in fp32 and
 bf16 through oneDNN's packed linear (what prefill steps use), a plain `F.linear`, the
 native GEMV (kernels/cpu/gemv.cpp, up to 4 rows) and, for bf16 with AVX512-BF16,
-`stream_gemm` (kernels/cpu/stream_gemm.h, what steps of 5 to 24 rows take); the bundled GGUF's own Q4_1 projections through torch's int4
-kernel and the native Q4_1 GEMV; the LM head alone (fp32), dense through oneDNN and the
-GEMV, and as the GGUF's own Q8_0 blocks through the native Q8_0 GEMV (what
-`--quantization gguf` decodes with). The kernels of a case run alternately, repetitions
+`stream_gemm` (kernels/cpu/stream_gemm.h, what steps of 5 to STREAM_GEMM_MAX_ROWS rows
+take), both reading row-major copies on huge pages as the model's do; the bundled GGUF's
+own Q4_1 projections through torch's int4 kernel and the native Q4_1 GEMV; the LM head
+alone (fp32), dense through oneDNN and the GEMV, and as the GGUF's own Q8_0 blocks
+through the native Q8_0 GEMV (what `--quantization gguf` decodes with). The kernels of a case run alternately, repetitions
 interleaved, and each reports the median and min milliseconds per pass over all layers
 (the head included for dense weights) and the weight bytes read per second at the min.
 """
@@ -61,11 +62,13 @@ def dense_case(dtype: torch.dtype, num_rows: int, reps: int) -> dict:
             for w, p in zip(weights, packed)]
     except RuntimeError:
         pass  # oneDNN cannot pack this dtype here
+    takes_gemv = native_gemv_available() and num_rows <= GEMV_MAX_ROWS
+    takes_stream_gemm = dtype == torch.bfloat16 and stream_gemm_available()
     # The native kernels' row-major copies on huge pages, as PrepackedLinear keeps them.
-    row_major = [on_huge_pages(w) for w in weights] if native_gemv_available() else []
-    if native_gemv_available() and num_rows <= GEMV_MAX_ROWS:
+    row_major = [on_huge_pages(w) for w in weights] if takes_gemv or takes_stream_gemm else []
+    if takes_gemv:
         kernels["native_gemv"] = lambda: [gemv(xs[w.shape[1]], None, w) for w in row_major]
-    if dtype == torch.bfloat16 and stream_gemm_available():
+    if takes_stream_gemm:
         kernels["stream_gemm"] = lambda: [stream_gemm(xs[w.shape[1]], None, w) for w in row_major]
     num_bytes = sum(w.numel() * w.element_size() for w in weights)
     return {"weights": str(dtype).removeprefix("torch."), "num_rows": num_rows, "weight_bytes": num_bytes,
