@@ -1,6 +1,7 @@
 """The native decode loop (kernels/cpu/decode_layers.cpp) as torch ops `torch.ops.pdserve_decode.*`:
-a decode step of up to DECODE_MAX_TOKENS tokens through every decoder layer of a
-Llama-shaped model in one call, and whether it runs here.
+a decode-only step through every decoder layer of a Llama-shaped model in one call (up to
+DECODE_MAX_TOKENS tokens, or any number where every projection is a registered prepacked
+linear), and whether it runs here.
 
 It reaches the GEMVs (kernels/cpu_linear.py) and the fused paged attention
 (kernels/cpu_attention.py) through the dispatcher, so it needs both loaded; it is built
@@ -57,11 +58,14 @@ def register_decode_model(
     cos: torch.Tensor,  # [max_position, rotary_dim // 2] fp32
     sin: torch.Tensor,  # [max_position, rotary_dim // 2] fp32
     num_heads: int, num_kv_heads: int, head_dim: int, rms_norm_eps: float, attention_scale: float,
+    # per weight: its pdserve_gemv::prepacked_linear id, or -1; where every weight has one,
+    # the model takes steps of any size (the ids' op past DECODE_MAX_TOKENS rows)
+    weight_ids: list[int] | None = None,
 ) -> int:
     """The library keeps these tensors (shared, not copied) under the returned id."""
     return torch.ops.pdserve_decode.register_decode_model(
         norms, weights, kinds, biases, sliding_windows, final_norm, cos, sin, num_heads, num_kv_heads, head_dim,
-        float(rms_norm_eps), float(attention_scale))
+        float(rms_norm_eps), float(attention_scale), weight_ids)
 
 
 def release_decode_model(model_id: int) -> None:

@@ -2,10 +2,13 @@
 
 At one token a compiled CPU step spends about as long around its kernels as in them
 (the compiled wrapper's Python, an op dispatch per linear and per attention, an OpenMP
-region per small fused kernel). For decode-only steps of up to DECODE_MAX_TOKENS tokens
-the runner hands the embedded tokens to kernels/cpu/decode_layers.cpp instead, which runs
-every layer from C++ over the same weights the compiled model's GEMVs read (shared, not
-copied) and returns the normed hidden states; the compiled logits take it from there.
+region per small fused kernel), and at 64 tokens that serial work still idles the other
+threads for a fifth of the step. For decode-only steps the runner hands the embedded
+tokens to kernels/cpu/decode_layers.cpp instead, which runs every layer from C++ over the
+same weights the compiled model reads (shared, not copied): the GEMVs' copies up to
+DECODE_MAX_TOKENS tokens, the compiled model's own prepacked-linear op beyond. It returns
+the normed hidden states; the compiled logits take it from there. A model with a
+quantized projection (no prepacked linear) takes the loop up to DECODE_MAX_TOKENS tokens.
 It is what CUDA graphs are to a GPU step, and like them it comes with compiling
 (--enforce-eager turns both off); PDSERVE_NATIVE_DECODE=0 turns it off alone.
 
@@ -17,6 +20,7 @@ steps it does not serve take the compiled model.
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 
 import torch
@@ -67,7 +71,7 @@ def _model_tensors(model: CausalLM, num_layers: int | None) -> dict:
         raise Unsupported("pipeline stages")
     if cfg.hidden_act != "silu":
         raise Unsupported(f"activation {cfg.hidden_act}")
-    norms, weights, kinds, biases, windows = [], [], [], [], []
+    norms, weights, kinds, biases, windows, weight_ids = [], [], [], [], [], []
     for layer in model.layers[:num_layers]:
         attn = layer.self_attn
         if (type(layer).forward is not LlamaDecoderLayer.forward or type(attn).forward is not LlamaAttention.forward
@@ -82,6 +86,8 @@ def _model_tensors(model: CausalLM, num_layers: int | None) -> dict:
             weights.append(weight)
             kinds.append(kind)
             biases.append(None if linear.bias is None else linear.bias.detach())
+            # Steps past the GEMVs' rows take the linear's native prepacked op, where it has one.
+            weight_ids.append(linear.weight_id if isinstance(linear, PrepackedLinear) and linear.native else -1)
         windows.append(attn.sliding_window or 0)
     attn = model.layers[0].self_attn
     return dict(norms=norms, weights=weights, kinds=kinds, biases=biases, sliding_windows=windows,
@@ -89,7 +95,7 @@ def _model_tensors(model: CausalLM, num_layers: int | None) -> dict:
                 # The tables are the model's dtype once it is cast; the loop rounds them to it anyway.
                 cos=model.rope.cos.float().contiguous(), sin=model.rope.sin.float().contiguous(),
                 num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-                rms_norm_eps=cfg.rms_norm_eps, attention_scale=attn.scale)
+                rms_norm_eps=cfg.rms_norm_eps, attention_scale=attn.scale, weight_ids=weight_ids)
 
 
 class NativeDecodeLoop:
@@ -100,7 +106,10 @@ class NativeDecodeLoop:
         """num_layers: run only the first num_layers layers, then the final norm (an early
         exit, as CausalLM.forward's); None: all of them."""
         self.model = model
-        self.model_id = register_decode_model(**_model_tensors(model, num_layers))
+        tensors = _model_tensors(model, num_layers)
+        self.model_id = register_decode_model(**tensors)
+        # Past the GEMVs' rows every linear needs its prepacked op.
+        self.max_num_tokens = (sys.maxsize if all(i >= 0 for i in tensors["weight_ids"]) else DECODE_MAX_TOKENS)
         weakref.finalize(self, release_decode_model, self.model_id)
         self.k_caches = [k for k, _ in kv_caches[:num_layers]]
         self.v_caches = [v for _, v in kv_caches[:num_layers]]
@@ -122,15 +131,17 @@ class NativeDecodeLoop:
         except Unsupported as e:
             logger.info("decode steps stay on the compiled model: %s", e)
             return None
-        logger.info("decode steps of up to %d tokens run in the native loop (kernels/cpu/decode_layers.cpp)",
-                    DECODE_MAX_TOKENS)
+        if loop.max_num_tokens == sys.maxsize:
+            logger.info("decode-only steps run in the native loop (kernels/cpu/decode_layers.cpp)")
+        else:
+            logger.info("decode steps of up to %d tokens run in the native loop (kernels/cpu/decode_layers.cpp)",
+                        loop.max_num_tokens)
         return loop
 
-    @staticmethod
-    def serves(num_tokens: int, meta: AttentionMetadata) -> bool:
-        """Decode-only steps of up to DECODE_MAX_TOKENS tokens with the ragged batch built and
+    def serves(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Decode-only steps of up to max_num_tokens tokens with the ragged batch built and
         no per-layer KV-connector work."""
-        return (1 <= num_tokens <= DECODE_MAX_TOKENS and meta.num_decode_tokens == num_tokens
+        return (1 <= num_tokens <= self.max_num_tokens and meta.num_decode_tokens == num_tokens
                 and meta.kv_layer_hook is None and meta.block_tables is not None)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -2,25 +2,33 @@
 //
 // At one token a compiled step spends about as long around its kernels as in them: the
 // inductor wrapper's Python, an op dispatch from Python per linear and per attention, an
-// OpenMP region for each small fused kernel, the size checks at every layer call. This
-// loop runs a step of up to kMaxTokens decode tokens through every layer from C++: the
-// norms, RoPE, residuals and SiLU on whole vectors on one thread (a few thousand values),
-// the linears through the GEMV ops (pdserve_gemv: dense rows, Q4_1 or Q8_0 blocks) and
-// attention through the fused write-and-attend op (pdserve_cpu), each reached through the
-// dispatcher from here, and those spread over the threads.
+// OpenMP region for each small fused kernel, the size checks at every layer call. At 64
+// tokens that serial work still leaves the other threads idle for a fifth of the step.
+// This loop runs a decode-only step through every layer from C++: the norms, RoPE,
+// residuals and SiLU row by row (on one thread up to kRowsPerTask rows, over the threads
+// beyond), the linears through the GEMV ops up to kMaxGemvTokens rows (pdserve_gemv: dense
+// rows, Q4_1 or Q8_0 blocks) and through pdserve_gemv::prepacked_linear beyond (the
+// compiled model's own op: stream_gemm or oneDNN), attention through the fused
+// write-and-attend op (pdserve_cpu), each reached through the dispatcher from here. A
+// model whose every projection is a prepacked linear takes steps of any size; the others
+// (quantized projections) up to kMaxGemvTokens.
 //
 // Numerics follow the compiled graph's: each fused pointwise step computes in fp32 from
 // the dtype's inputs and rounds once; RMSNorm rounds the normalised value before scaling
 // (as the model does); the sum of a residual rounds once.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -32,7 +40,10 @@
 
 namespace {
 
-constexpr int64_t kMaxTokens = 4;  // the GEMVs' limit on rows of x
+constexpr int64_t kMaxGemvTokens = 4;  // the GEMVs' limit on rows of x
+// Rows of pointwise work (a norm, RoPE, SiLU over one token) per thread's task: below two
+// tasks' worth the rows stay on the calling thread, where an OpenMP region would cost more.
+constexpr int64_t kRowsPerTask = 8;
 
 // How a linear's decode GEMV reads its weight.
 enum LinearKind : int64_t { kDense = 0, kQ4_1 = 1, kQ8_0 = 2 };
@@ -41,6 +52,9 @@ struct Linear {
   LinearKind kind;
   at::Tensor weight;  // dense [N, K] bf16/fp32, or GGUF blocks in row groups [N, K / 32 * bytes] uint8
   std::optional<at::Tensor> bias;  // [N], the model's dtype
+  // [] int64: the id pdserve_gemv::prepacked_linear knows the linear by, for steps past
+  // kMaxGemvTokens rows; none: the linear serves GEMV steps only.
+  std::optional<at::Tensor> weight_id;
 };
 
 struct Layer {
@@ -55,12 +69,20 @@ struct Model {
   at::Tensor cos, sin;                   // [max_position, rotary_dim / 2] fp32
   int64_t num_heads, num_kv_heads, head_dim;
   double rms_norm_eps, attention_scale;
+  int64_t max_tokens;  // kMaxGemvTokens, or no limit where every linear has a weight_id
 };
 
 std::mutex models_mutex;
 std::vector<std::shared_ptr<const Model>> models;  // by id; released: null
 
 at::Tensor linear(const Linear& l, const at::Tensor& x) {
+  if (x.size(0) > kMaxGemvTokens) {
+    using Prepacked = at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, int64_t);
+    static const auto prepacked = c10::Dispatcher::singleton()
+                                      .findSchemaOrThrow("pdserve_gemv::prepacked_linear", "")
+                                      .typed<Prepacked>();
+    return prepacked.call(x, l.bias, *l.weight_id, l.weight.size(0));
+  }
   using Gemv = at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&);
   static const auto dense = c10::Dispatcher::singleton().findSchemaOrThrow("pdserve_gemv::gemv", "").typed<Gemv>();
   static const auto q4_1 =
@@ -168,6 +190,16 @@ void silu_and_mul(const T* gate_up, T* out, int64_t M, int64_t I) {
   }
 }
 
+// f(begin, end) over rows [0, M): on this thread for a few rows, over the threads beyond.
+template <typename F>
+void for_rows(int64_t M, const F& f) {
+  if (M < 2 * kRowsPerTask) {
+    f(0, M);
+    return;
+  }
+  at::parallel_for(0, M, kRowsPerTask, f);
+}
+
 template <typename T>
 at::Tensor run_layers(const Model& model, const at::Tensor& hidden, const at::Tensor& positions,
                       at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
@@ -187,15 +219,20 @@ at::Tensor run_layers(const Model& model, const at::Tensor& hidden, const at::Te
   at::Tensor act;  // [M, I], the MLP's activations: allocated at the first layer, reused by the others
   T* xp = x.data_ptr<T>();
   T* np = normed.data_ptr<T>();
+  const double eps = model.rms_norm_eps;
   for (size_t l = 0; l < model.layers.size(); ++l) {
     const Layer& layer = model.layers[l];
-    rms_norm<T>(xp, layer.input_norm.data_ptr<T>(), np, M, H, model.rms_norm_eps);
+    for_rows(M, [&](int64_t b, int64_t e) {
+      rms_norm<T>(xp + b * H, layer.input_norm.data_ptr<T>(), np + b * H, e - b, H, eps);
+    });
     at::Tensor qkv = linear(layer.qkv, normed);  // [M, (num_heads + 2 num_kv_heads) head_dim]
     T* qkv_p = qkv.data_ptr<T>();
     const int64_t qkv_width = qkv.size(1);
-    for (int64_t m = 0; m < M; ++m)
-      rope<T>(qkv_p + m * qkv_width, num_heads + num_kv_heads, head_dim, model.cos.data_ptr<float>() + pos[m] * half,
-              model.sin.data_ptr<float>() + pos[m] * half, half);
+    for_rows(M, [&](int64_t b, int64_t e) {
+      for (int64_t m = b; m < e; ++m)
+        rope<T>(qkv_p + m * qkv_width, num_heads + num_kv_heads, head_dim,
+                model.cos.data_ptr<float>() + pos[m] * half, model.sin.data_ptr<float>() + pos[m] * half, half);
+    });
     at::Tensor heads = qkv.view({M, num_heads + 2 * num_kv_heads, head_dim});
     at::Tensor q = heads.narrow(1, 0, num_heads);                   // [M, num_heads, head_dim]
     at::Tensor k = heads.narrow(1, num_heads, num_kv_heads);        // [M, num_kv_heads, head_dim]
@@ -204,22 +241,30 @@ at::Tensor run_layers(const Model& model, const at::Tensor& hidden, const at::Te
                                          query_start_loc, seq_lens, model.attention_scale, layer.sliding_window,
                                          0.0);  // [M, num_heads, head_dim]
     at::Tensor o = linear(layer.o, attended.view({M, num_heads * head_dim}));  // [M, H]
-    add_into<T>(xp, o.data_ptr<T>(), M * H);
-    rms_norm<T>(xp, layer.post_attention_norm.data_ptr<T>(), np, M, H, model.rms_norm_eps);
+    const T* op = o.data_ptr<T>();
+    for_rows(M, [&](int64_t b, int64_t e) {
+      add_into<T>(xp + b * H, op + b * H, (e - b) * H);
+      rms_norm<T>(xp + b * H, layer.post_attention_norm.data_ptr<T>(), np + b * H, e - b, H, eps);
+    });
     at::Tensor gate_up = linear(layer.gate_up, normed);  // [M, 2 I]
     const int64_t I = gate_up.size(1) / 2;
     if (!act.defined() || act.size(1) != I) act = at::empty({M, I}, x.options());
-    silu_and_mul<T>(gate_up.data_ptr<T>(), act.data_ptr<T>(), M, I);
+    const T* gate_up_p = gate_up.data_ptr<T>();
+    T* act_p = act.data_ptr<T>();
+    for_rows(M, [&](int64_t b, int64_t e) { silu_and_mul<T>(gate_up_p + b * 2 * I, act_p + b * I, e - b, I); });
     at::Tensor down = linear(layer.down, act);  // [M, H]
-    add_into<T>(xp, down.data_ptr<T>(), M * H);
+    const T* dp = down.data_ptr<T>();
+    for_rows(M, [&](int64_t b, int64_t e) { add_into<T>(xp + b * H, dp + b * H, (e - b) * H); });
   }
   if (!model.final_norm.has_value()) return x;
-  rms_norm<T>(xp, model.final_norm->data_ptr<T>(), np, M, H, model.rms_norm_eps);
+  for_rows(M, [&](int64_t b, int64_t e) {
+    rms_norm<T>(xp + b * H, model.final_norm->data_ptr<T>(), np + b * H, e - b, H, eps);
+  });
   return normed;
 }
 
 Linear make_linear(int64_t kind, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                   at::ScalarType dtype) {
+                   int64_t weight_id, at::ScalarType dtype) {
   PDSERVE_CHECK_VALUE(kind == kDense || kind == kQ4_1 || kind == kQ8_0, "register_decode_model: linear kind ", kind,
                       " is not 0 (dense), 1 (Q4_1) or 2 (Q8_0)");
   PDSERVE_CHECK_VALUE(weight.dim() == 2 && weight.is_contiguous(), "register_decode_model: weights must be 2-D and "
@@ -229,7 +274,9 @@ Linear make_linear(int64_t kind, const at::Tensor& weight, const std::optional<a
   if (bias.has_value())
     PDSERVE_CHECK_VALUE(bias->scalar_type() == dtype && bias->numel() == weight.size(0),
                         "register_decode_model: a bias must be ", dtype, " with one value per output");
-  return Linear{static_cast<LinearKind>(kind), weight, bias};
+  std::optional<at::Tensor> id;
+  if (weight_id >= 0) id = at::scalar_tensor(weight_id, at::TensorOptions().dtype(at::kLong));
+  return Linear{static_cast<LinearKind>(kind), weight, bias, id};
 }
 
 // Keeps the model's tensors (they are shared with the model, not copied) until
@@ -237,11 +284,14 @@ Linear make_linear(int64_t kind, const at::Tensor& weight, const std::optional<a
 int64_t register_decode_model(at::TensorList norms, at::TensorList weights, at::IntArrayRef kinds,
                               const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef sliding_windows, const std::optional<at::Tensor>& final_norm,
                               const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
-                              int64_t head_dim, double rms_norm_eps, double attention_scale) {
+                              int64_t head_dim, double rms_norm_eps, double attention_scale,
+                              at::OptionalIntArrayRef weight_ids) {
   const size_t num_layers = sliding_windows.size();
   PDSERVE_CHECK_VALUE(num_layers >= 1 && norms.size() == 2 * num_layers && weights.size() == 4 * num_layers &&
                           kinds.size() == weights.size() && biases.size() == weights.size(),
                       "register_decode_model: per layer 2 norms and 4 linears (weight, kind, bias) expected");
+  PDSERVE_CHECK_VALUE(!weight_ids.has_value() || weight_ids->size() == weights.size(),
+                      "register_decode_model: one weight id per weight (-1: none) expected");
   const at::ScalarType dtype = norms[0].scalar_type();
   PDSERVE_CHECK_VALUE(dtype == at::kBFloat16 || dtype == at::kFloat, "register_decode_model: bf16 or fp32 models, got ",
                       dtype);
@@ -257,11 +307,15 @@ int64_t register_decode_model(at::TensorList norms, at::TensorList weights, at::
                           sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat && sin.is_contiguous() &&
                           2 * cos.size(1) <= head_dim,
                       "register_decode_model: cos and sin must be contiguous fp32 [max_position, rotary_dim / 2]");
-  Model model{{}, final_norm, cos, sin, num_heads, num_kv_heads, head_dim, rms_norm_eps, attention_scale};
+  // Any step size where pdserve_gemv::prepacked_linear serves every linear past the GEMVs.
+  const bool any_size = weight_ids.has_value() &&
+                        std::all_of(weight_ids->begin(), weight_ids->end(), [](int64_t id) { return id >= 0; });
+  Model model{{}, final_norm, cos, sin, num_heads, num_kv_heads, head_dim, rms_norm_eps, attention_scale,
+              any_size ? std::numeric_limits<int64_t>::max() : kMaxGemvTokens};
   for (size_t l = 0; l < num_layers; ++l) {
     auto lin = [&](size_t j) {
       const size_t i = 4 * l + j;
-      return make_linear(kinds[i], weights[i], biases.get(i), dtype);
+      return make_linear(kinds[i], weights[i], biases.get(i), weight_ids.has_value() ? (*weight_ids)[i] : -1, dtype);
     };
     Layer layer{norms[2 * l], norms[2 * l + 1], lin(0), lin(1), lin(2), lin(3), sliding_windows[l]};
     model.layers.push_back(std::move(layer));
@@ -297,7 +351,8 @@ at::Tensor decode_layers(int64_t model_id, const at::Tensor& hidden, const at::T
                       "decode_layers: hidden must be contiguous ", dtype, " [num_tokens, hidden_size], got ",
                       hidden.scalar_type(), " ", hidden.sizes());
   const int64_t M = hidden.size(0);
-  PDSERVE_CHECK_VALUE(M >= 1 && M <= kMaxTokens, "decode_layers: 1 to ", kMaxTokens, " tokens, got ", M);
+  PDSERVE_CHECK_VALUE(M >= 1 && M <= model->max_tokens, "decode_layers: 1 to ", model->max_tokens,
+                      " tokens for this model, got ", M);
   PDSERVE_CHECK_VALUE(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == M,
                       "decode_layers: positions must be [num_tokens] int64");
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -321,7 +376,7 @@ at::Tensor decode_layers(int64_t model_id, const at::Tensor& hidden, const at::T
 TORCH_LIBRARY(pdserve_decode, m) {
   m.def("register_decode_model(Tensor[] norms, Tensor[] weights, int[] kinds, Tensor?[] biases, "
         "int[] sliding_windows, Tensor? final_norm, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
-        "int head_dim, float rms_norm_eps, float attention_scale) -> int",
+        "int head_dim, float rms_norm_eps, float attention_scale, int[]? weight_ids=None) -> int",
         &register_decode_model);
   m.def("release_decode_model(int model_id) -> ()", &release_decode_model);
   m.def("decode_layers(int model_id, Tensor hidden, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "

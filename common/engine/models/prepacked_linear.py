@@ -135,6 +135,12 @@ class PrepackedLinear(nn.Module):
             register_prepacked_linear(self.weight_id, self._packed, self._row_major, self._q8_0_blocks)
             weakref.finalize(self, release_prepacked_linear, self.weight_id)
 
+    @property
+    def native(self) -> bool:
+        """Whether the native library holds this linear under weight_id (its
+        pdserve_gemv::prepacked_linear serves it)."""
+        return self._native
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._native:
             return native_prepacked_linear(x, self.bias, self.weight_id_tensor, self.out_features)
