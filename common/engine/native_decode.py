@@ -108,9 +108,9 @@ class NativeDecodeLoop:
         self.model = model
         tensors = _model_tensors(model, num_layers)
         self.model_id = register_decode_model(**tensors)
-        # Past the GEMVs' rows every linear needs its prepacked op.
-        self.max_num_tokens = (sys.maxsize if all(i >= 0 for i in tensors["weight_ids"]) else DECODE_MAX_TOKENS)
         weakref.finalize(self, release_decode_model, self.model_id)
+        # Past the GEMVs' rows every linear needs its prepacked op (the library applies the same rule).
+        self.max_num_tokens = sys.maxsize if all(i >= 0 for i in tensors["weight_ids"]) else DECODE_MAX_TOKENS
         self.k_caches = [k for k, _ in kv_caches[:num_layers]]
         self.v_caches = [v for _, v in kv_caches[:num_layers]]
         self.num_steps = 0  # steps run
