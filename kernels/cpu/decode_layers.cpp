@@ -5,8 +5,8 @@
 // OpenMP region for each small fused kernel, the size checks at every layer call. At 64
 // tokens that serial work still leaves the other threads idle for a fifth of the step.
 // This loop runs a decode-only step through every layer from C++: the norms, RoPE,
-// residuals and SiLU row by row (on one thread up to kRowsPerTask rows, over the threads
-// beyond), the linears through the GEMV ops up to kMaxGemvTokens rows (pdserve_gemv: dense
+// residuals and SiLU row by row (on one thread below 2 * kRowsPerTask rows, over the
+// threads from there: for_rows), the linears through the GEMV ops up to kMaxGemvTokens rows (pdserve_gemv: dense
 // rows, Q4_1 or Q8_0 blocks) and through pdserve_gemv::prepacked_linear beyond (the
 // compiled model's own op: stream_gemm or oneDNN), attention through the fused
 // write-and-attend op (pdserve_cpu), each reached through the dispatcher from here. A

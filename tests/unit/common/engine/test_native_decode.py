@@ -172,7 +172,8 @@ def test_in_bf16_larger_steps_stay_with_the_model(num_seqs):
     or a weight read wrong is of the order of the state itself). Against fp32 the largest
     logit error of either is a matter of which row has it: from one batch to another the
     loop's share of it moves between 0.7x and 1.8x per row."""
-    prompts = [[t + 3 * i for t in _prompts(7)[i % 7]] for i in range(num_seqs)]
+    distinct = _prompts(7)
+    prompts = [[t + 3 * i for t in distinct[i % 7]] for i in range(num_seqs)]
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB")
     loop = _with_native_loop(llm)
     steps_before = loop.num_steps
