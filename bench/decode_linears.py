@@ -4,9 +4,10 @@ SmolLM2-135M's projections (30 layers of distinct weights: qkv 960x576, o 576x57
 gate_up 3072x576, down 576x1536) and its LM head (49152x576), for a few rows of x (1 to 4
 by default): what a decode step of that many tokens multiplies. Dense weights in fp32 and
 bf16 through oneDNN's packed linear (what prefill steps use), a plain `F.linear`, the
-native GEMV (kernels/cpu/gemv.cpp, up to 4 rows) and, for bf16 with AVX512-BF16,
-`stream_gemm` (kernels/cpu/stream_gemm.h, what steps of 5 to STREAM_GEMM_MAX_ROWS rows
-take), both reading row-major copies on huge pages as the model's do; the bundled GGUF's
+native GEMV (kernels/cpu/gemv.cpp, up to 4 rows) reading row-major copies on huge pages
+as the model's do and, for bf16 with AVX512-BF16, `panel_gemm` (kernels/cpu/panel_gemm.h,
+what steps of 5 to PANEL_GEMM_MAX_ROWS rows take) on column-panel copies, also on huge
+pages; the bundled GGUF's
 own Q4_1 projections through torch's int4 kernel and the native Q4_1 GEMV; the LM head
 alone (fp32), dense through oneDNN and the GEMV, and as the GGUF's own Q8_0 blocks
 through the native Q8_0 GEMV (what `--quantization gguf` decodes with). The kernels of a
@@ -26,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu.build import cpu_flags
-from kernels.cpu_linear import (GEMV_MAX_ROWS, gemv, native_gemv_available, q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv,
-                                stream_gemm, stream_gemm_available)
+from kernels.cpu_linear import (GEMV_MAX_ROWS, gemv, native_gemv_available, pack_panels, panel_gemm, panels_apply,
+                                q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv)
 from kernels.huge_pages import on_huge_pages
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB, NUM_LAYERS = 576, 1536, 960, 49152, 30
@@ -63,13 +64,12 @@ def dense_case(dtype: torch.dtype, num_rows: int, reps: int) -> dict:
     except RuntimeError:
         pass  # oneDNN cannot pack this dtype here
     takes_gemv = native_gemv_available() and num_rows <= GEMV_MAX_ROWS
-    takes_stream_gemm = dtype == torch.bfloat16 and stream_gemm_available()
-    # The native kernels' row-major copies on huge pages, as PrepackedLinear keeps them.
-    row_major = [on_huge_pages(w) for w in weights] if takes_gemv or takes_stream_gemm else []
-    if takes_gemv:
+    if takes_gemv:  # the GEMV's row-major copies on huge pages, as PrepackedLinear keeps them
+        row_major = [on_huge_pages(w) for w in weights]
         kernels["native_gemv"] = lambda: [gemv(xs[w.shape[1]], None, w) for w in row_major]
-    if takes_stream_gemm:
-        kernels["stream_gemm"] = lambda: [stream_gemm(xs[w.shape[1]], None, w) for w in row_major]
+    if all(panels_apply(w) for w in weights):
+        panels = [on_huge_pages(pack_panels(w)) for w in weights]
+        kernels["panel_gemm"] = lambda: [panel_gemm(xs[w.shape[1]], None, p) for w, p in zip(weights, panels)]
     num_bytes = sum(w.numel() * w.element_size() for w in weights)
     return {"weights": str(dtype).removeprefix("torch."), "num_rows": num_rows, "weight_bytes": num_bytes,
             "kernels": with_bandwidth(time_kernels(kernels, reps), num_bytes)}

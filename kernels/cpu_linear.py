@@ -24,9 +24,10 @@ from kernels.cpu.build import cpu_flags, load_ops
 log = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 4  # the op's limit on rows of x (decode tokens of one step)
-# prepacked_linear's bf16 steps of GEMV_MAX_ROWS + 1 to this many rows take stream_gemm
-# (kernels/cpu/gemv.cpp's kMaxStreamRows, which says why this many).
-STREAM_GEMM_MAX_ROWS = 16
+# prepacked_linear's bf16 steps of GEMV_MAX_ROWS + 1 to this many rows take panel_gemm where
+# the linear has a panel copy (kernels/cpu/gemv.cpp's kMaxPanelRows, which says why this many).
+PANEL_GEMM_MAX_ROWS = 128
+PANEL_COLS = 32  # out_features must be a multiple of this for a panel copy
 GEMV_K_MULTIPLE = 32  # in_features must be a multiple of this
 
 
@@ -39,7 +40,8 @@ def native_gemv_available() -> bool:
     if not {"avx2", "fma"} <= flags:
         log.info("no AVX2 and FMA on this CPU: decode linears stay on oneDNN and torch's int4 kernel")
         return False
-    error = load_ops("gemv", {"pdserve_gemv::gemv": _gemv_fake, "pdserve_gemv::stream_gemm": _gemv_fake,
+    error = load_ops("gemv", {"pdserve_gemv::gemv": _gemv_fake,
+                              "pdserve_gemv::panel_gemm": _panel_gemm_fake,
                               "pdserve_gemv::q4_1_gemv": _blocks_gemv_fake,
                               "pdserve_gemv::q8_0_gemv": _blocks_gemv_fake,
                               "pdserve_gemv::prepacked_linear": _prepacked_linear_fake,
@@ -58,6 +60,10 @@ def native_gemv_available() -> bool:
 
 def _gemv_fake(x, bias, weight):
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _panel_gemm_fake(x, bias, panels):
+    return x.new_empty((x.shape[0], panels.shape[0] * PANEL_COLS))
 
 
 def _blocks_gemv_fake(x, bias, blocks):
@@ -91,20 +97,34 @@ def gemv(
 
 
 @functools.cache
-def stream_gemm_available() -> bool:
-    """Whether stream_gemm runs here: the library's AVX512-BF16 build."""
+def panel_gemm_available() -> bool:
+    """Whether panel_gemm runs here: the library's AVX512-BF16 build."""
     return native_gemv_available() and torch.ops.pdserve_gemv.isa() == "avx512_bf16"
 
 
-def stream_gemm(
+def panels_apply(weight: torch.Tensor) -> bool:
+    """Whether this weight gets a panel copy for panel_gemm: bf16, out_features a multiple of
+    PANEL_COLS, in_features even, and the library's AVX512-BF16 build."""
+    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.shape[0] % PANEL_COLS == 0
+            and weight.shape[1] % 2 == 0 and panel_gemm_available())
+
+
+def pack_panels(
+    weight: torch.Tensor,  # [out_features, in_features] bf16
+) -> torch.Tensor:  # [out_features // 32, in_features // 2, 32, 2] bf16
+    """The weight in the column panels panel_gemm reads (kernels/cpu/panel_gemm.h)."""
+    return torch.ops.pdserve_gemv.pack_panels.default(weight)
+
+
+def panel_gemm(
     x: torch.Tensor,  # [num_rows, in_features] bf16
     bias: torch.Tensor | None,  # [out_features] bf16
-    weight: torch.Tensor,  # [out_features, in_features] bf16, contiguous
+    panels: torch.Tensor,  # pack_panels(weight)
 ) -> torch.Tensor:  # [num_rows, out_features] bf16
-    """x W^T + b with W read row-group by row-group (kernels/cpu/stream_gemm.h): faster than
-    oneDNN for decode steps of GEMV_MAX_ROWS + 1 to STREAM_GEMM_MAX_ROWS rows; about even at
-    24, behind from 32."""
-    return torch.ops.pdserve_gemv.stream_gemm.default(x, bias, weight)
+    """x W^T + b as outer products over W's column panels (kernels/cpu/panel_gemm.h): faster
+    than oneDNN for decode steps of GEMV_MAX_ROWS + 1 to PANEL_GEMM_MAX_ROWS rows, within ~8%
+    of the GEMV at 1 to 4."""
+    return torch.ops.pdserve_gemv.panel_gemm.default(x, bias, panels)
 
 
 def q4_1_gemv(
@@ -190,11 +210,13 @@ def register_prepacked_linear(
     packed: torch.Tensor,  # oneDNN's packed weight (mkldnn layout)
     row_major: torch.Tensor | None,  # [out_features, in_features] bf16 / fp32 for the GEMV, or None
     q8_0_blocks: torch.Tensor | None = None,  # [out_features, in_features // 32 * 34] uint8: q8_0_gemv_blocks(...)
+    panels: torch.Tensor | None = None,  # pack_panels(weight), or None
 ) -> None:
     """Make `prepacked_linear(x, bias, weight_id, ...)` use this weight (native_gemv_available() only):
-    decode rows take the Q8_0 blocks where given, else the row-major copy, else oneDNN. The
-    library holds them until release_prepacked_linear(weight_id)."""
-    torch.ops.pdserve_gemv.register_linear(weight_id, packed, row_major, q8_0_blocks)
+    decode rows (1 to GEMV_MAX_ROWS) take the Q8_0 blocks where given, else the row-major
+    copy; bf16 steps of up to PANEL_GEMM_MAX_ROWS rows the panels where given; else oneDNN. The library holds them
+    until release_prepacked_linear(weight_id)."""
+    torch.ops.pdserve_gemv.register_linear(weight_id, packed, row_major, q8_0_blocks, panels)
 
 
 def release_prepacked_linear(weight_id: int) -> None:
@@ -208,9 +230,9 @@ def prepacked_linear(
     out_features: int,
 ) -> torch.Tensor:  # [num_tokens, out_features]
     """x W^T + b for a registered weight, in one native op: a GEMV for 1 to GEMV_MAX_ROWS rows
-    where the weight has Q8_0 blocks or its row-major copy, stream_gemm for up to
-    STREAM_GEMM_MAX_ROWS bf16 rows where it has a bf16 row-major copy (AVX512-BF16), else
-    oneDNN on the packed weight.
+    where the weight has Q8_0 blocks or its row-major copy, panel_gemm for up to
+    PANEL_GEMM_MAX_ROWS bf16 rows where it has panels (AVX512-BF16), else oneDNN on the
+    packed weight.
     The id is a tensor so that a compiled decoder layer takes it as an input and one
     compiled layer serves them all."""
     return torch.ops.pdserve_gemv.prepacked_linear.default(x, bias, weight_id, out_features)

@@ -40,7 +40,7 @@
 
 #include "check_message.h"
 #include "gguf_row_groups.h"
-#include "stream_gemm.h"
+#include "panel_gemm.h"
 
 #if defined(__AVX512BF16__) || defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define PDSERVE_GEMV 1
@@ -50,11 +50,10 @@
 namespace {
 
 constexpr int64_t kMaxRows = 4;  // rows of x; more would read W once per group of them
-// Decode steps of more rows than kMaxRows, up to this many, take stream_gemm with a bf16
-// row-major weight; more take oneDNN (stream_gemm.h's measurements: from 16 rows the head
-// is no faster, from 24 the layers neither). kernels/cpu_linear.STREAM_GEMM_MAX_ROWS is
-// the same.
-constexpr int64_t kMaxStreamRows = 16;
+// Steps of more rows than kMaxRows, up to this many, take panel_gemm where the linear has
+// a panel copy (bf16 on AVX512-BF16); more take oneDNN (panel_gemm.h's measurements: even
+// at 128 rows, behind from 192). kernels/cpu_linear.PANEL_GEMM_MAX_ROWS is the same.
+constexpr int64_t kMaxPanelRows = 128;
 constexpr int64_t kStep = 32;    // bf16 values per 512-bit load; in_features' required multiple
 // GGUF blocks (gguf_row_groups.h): columns per block, bytes per block and row.
 using pdserve_cpu::kBlockCols;
@@ -344,38 +343,53 @@ at::Tensor gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, cons
 #endif
 }
 
-// y [M, N] = x @ W^T (+ bias), bf16, any number of rows (stream_gemm.h); what decode steps
-// of more than kMaxRows rows take with a bf16 row-major weight on AVX512-BF16.
-at::Tensor stream_gemm(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& weight) {
-  PDSERVE_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
-                "stream_gemm: the weight must be contiguous bf16 [N, K], got ", weight.scalar_type(), " ",
-                weight.sizes(), weight.is_contiguous() ? "" : " (not contiguous)");
-  const int64_t N = weight.size(0);
-  PDSERVE_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "stream_gemm: x must be bf16 [M, K], got ",
+// W [N, K] bf16 row-major -> its panel copy [N / 32, K / 2, 32, 2] (panel_gemm.h).
+at::Tensor pack_panels(const at::Tensor& weight) {
+  PDSERVE_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+                "pack_panels: the weight must be bf16 [N, K], got ", weight.scalar_type(), " ", weight.sizes());
+  const int64_t N = weight.size(0), K = weight.size(1);
+  PDSERVE_CHECK(N % 32 == 0 && K % 2 == 0 && N > 0 && K > 0,
+                "pack_panels: out_features must be a multiple of 32 and in_features of 2, got [", N, ", ", K, "]");
+#ifdef PDSERVE_PANEL_GEMM
+  const at::Tensor wc = weight.contiguous();
+  at::Tensor panels = at::empty({N / pdserve_cpu::kPanelCols, K / 2, pdserve_cpu::kPanelCols, 2}, weight.options());
+  pdserve_cpu::pack_panels(wc.const_data_ptr<at::BFloat16>(), panels.data_ptr<at::BFloat16>(), N, K);
+  return panels;
+#else
+  PDSERVE_CHECK(false, "pack_panels: built for a CPU without AVX512-BF16");
+#endif
+}
+
+// y [M, N] = x @ W^T (+ bias), bf16, any number of rows, W as pack_panels made it; what
+// decode steps of more than kMaxRows rows take on AVX512-BF16.
+at::Tensor panel_gemm(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& panels) {
+  PDSERVE_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() &&
+                    panels.size(2) == 32 && panels.size(3) == 2,
+                "panel_gemm: the panels must be contiguous bf16 [N / 32, K / 2, 32, 2] (pack_panels), got ",
+                panels.scalar_type(), " ", panels.sizes());
+  const int64_t num_panels = panels.size(0), N = num_panels * 32, K = panels.size(1) * 2;
+  PDSERVE_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "panel_gemm: x must be bf16 [M, K], got ",
                 x.scalar_type(), " ", x.sizes());
+  PDSERVE_CHECK(x.size(1) == K, "panel_gemm: x has ", x.size(1), " columns, the weight ", K);
   if (bias.has_value())
     PDSERVE_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N && bias->is_contiguous(),
-                  "stream_gemm: a contiguous bf16 bias of ", N, " values expected");
-  const int64_t M = x.size(0), K = x.size(1);
-  PDSERVE_CHECK(K == weight.size(1), "stream_gemm: x has ", K, " columns, the weight ", weight.size(1));
-  PDSERVE_CHECK(K % kStep == 0, "stream_gemm: in_features must be a multiple of ", kStep, ", got ", K);
-#ifdef PDSERVE_STREAM_GEMM
+                  "panel_gemm: a contiguous bf16 bias of ", N, " values expected");
+#ifdef PDSERVE_PANEL_GEMM
+  const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const at::Tensor xc = x.contiguous();
-  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
-  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
-  const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
+  const at::BFloat16* xp = xc.const_data_ptr<at::BFloat16>();
+  const at::BFloat16* pp = panels.const_data_ptr<at::BFloat16>();
+  const at::BFloat16* bp = bias.has_value() ? bias->const_data_ptr<at::BFloat16>() : nullptr;
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  using pdserve_cpu::kTileRows;
-  const int64_t num_groups = (N + kTileRows - 1) / kTileRows;
-  // 16 groups (64 W rows) at least per thread, each thread's rows one stream.
-  at::parallel_for(0, num_groups, 16, [&](int64_t begin, int64_t end) {
-    pdserve_cpu::stream_gemm_rows(xp, wp, bp, yp, M, K, N, begin * kTileRows, std::min(N, end * kTileRows));
+  // Each thread a run of whole panels, read front to back.
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    pdserve_cpu::panel_gemm_panels(xp, pp, bp, yp, M, K, N, begin, end);
   });
   return y;
 #else
-  PDSERVE_CHECK(false, "stream_gemm: built for a CPU without AVX512-BF16");
+  PDSERVE_CHECK(false, "panel_gemm: built for a CPU without AVX512-BF16");
 #endif
 }
 
@@ -421,12 +435,13 @@ struct PrepackedLinear {
   at::Tensor packed;
   std::optional<at::Tensor> row_major;
   std::optional<at::Tensor> q8_0_blocks;
+  std::optional<at::Tensor> panels;  // pack_panels' copy of a bf16 weight, or none
 };
 std::mutex linears_mutex;
 std::vector<std::optional<PrepackedLinear>> linears;
 
 void register_linear(int64_t weight_id, const at::Tensor& packed, const std::optional<at::Tensor>& row_major,
-                     const std::optional<at::Tensor>& q8_0_blocks) {
+                     const std::optional<at::Tensor>& q8_0_blocks, const std::optional<at::Tensor>& panels) {
   PDSERVE_CHECK(weight_id >= 0, "register_linear: weight_id must be >= 0, got ", weight_id);
   if (row_major.has_value())
     PDSERVE_CHECK(row_major->dim() == 2 && row_major->is_contiguous() &&
@@ -436,9 +451,13 @@ void register_linear(int64_t weight_id, const at::Tensor& packed, const std::opt
     PDSERVE_CHECK(q8_0_blocks->dim() == 2 && q8_0_blocks->is_contiguous() && q8_0_blocks->scalar_type() == at::kByte &&
                       q8_0_blocks->size(1) % kQ8RowBytes == 0,
                   "register_linear: Q8_0 blocks must be contiguous uint8 [N, K / 32 * 34]");
+  if (panels.has_value())
+    PDSERVE_CHECK(panels->dim() == 4 && panels->is_contiguous() && panels->scalar_type() == at::kBFloat16 &&
+                      panels->size(2) == 32 && panels->size(3) == 2,
+                  "register_linear: panels must be contiguous bf16 [N / 32, K / 2, 32, 2] (pack_panels)");
   std::lock_guard<std::mutex> lock(linears_mutex);
   if (static_cast<int64_t>(linears.size()) <= weight_id) linears.resize(weight_id + 1);
-  linears[weight_id] = PrepackedLinear{packed, row_major, q8_0_blocks};
+  linears[weight_id] = PrepackedLinear{packed, row_major, q8_0_blocks, panels};
 }
 
 void release_linear(int64_t weight_id) {
@@ -467,10 +486,10 @@ at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>
     y = q8_0_gemv(x, bias, *linear.q8_0_blocks);
   } else if (decode_rows && linear.row_major.has_value()) {
     y = gemv(x, bias, *linear.row_major);
-#ifdef PDSERVE_STREAM_GEMM
-  } else if (x.dim() == 2 && x.size(0) <= kMaxStreamRows && linear.row_major.has_value() &&
-             linear.row_major->scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16) {
-    y = stream_gemm(x, bias, *linear.row_major);
+#ifdef PDSERVE_PANEL_GEMM
+  } else if (x.dim() == 2 && x.size(0) <= kMaxPanelRows && linear.panels.has_value() &&
+             x.scalar_type() == at::kBFloat16) {
+    y = panel_gemm(x, bias, *linear.panels);
 #endif
   } else {
     static const auto pointwise =
@@ -503,13 +522,15 @@ std::string gemv_isa() {
 
 TORCH_LIBRARY(pdserve_gemv, m) {
   m.def("gemv(Tensor x, Tensor? bias, Tensor weight) -> Tensor");
-  m.def("stream_gemm(Tensor x, Tensor? bias, Tensor weight) -> Tensor");
   m.def("q4_1_gemv(Tensor x, Tensor? bias, Tensor blocks) -> Tensor");
   m.def("q8_0_gemv(Tensor x, Tensor? bias, Tensor blocks) -> Tensor");
   m.def("q4_1_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor? blocks, int group_size) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? q8_0_blocks) -> Tensor");
   m.def("isa() -> str", &gemv_isa);
-  m.def("register_linear(int weight_id, Tensor packed, Tensor? row_major, Tensor? q8_0_blocks=None) -> ()",
+  m.def("pack_panels(Tensor weight) -> Tensor");
+  m.def("panel_gemm(Tensor x, Tensor? bias, Tensor panels) -> Tensor");
+  m.def("register_linear(int weight_id, Tensor packed, Tensor? row_major, Tensor? q8_0_blocks=None, "
+        "Tensor? panels=None) -> ()",
         &register_linear);
   m.def("release_linear(int weight_id) -> ()", &release_linear);
   m.def("prepacked_linear(Tensor x, Tensor? bias, Tensor weight_id, int out_features) -> Tensor");
@@ -517,7 +538,8 @@ TORCH_LIBRARY(pdserve_gemv, m) {
 
 TORCH_LIBRARY_IMPL(pdserve_gemv, CPU, m) {
   m.impl("gemv", &gemv);
-  m.impl("stream_gemm", &stream_gemm);
+  m.impl("pack_panels", &pack_panels);
+  m.impl("panel_gemm", &panel_gemm);
   m.impl("q4_1_gemv", &q4_1_gemv);
   m.impl("q8_0_gemv", &q8_0_gemv);
   m.impl("q4_1_linear", &q4_1_linear);

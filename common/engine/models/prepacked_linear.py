@@ -19,10 +19,11 @@ wrapper costs ~20 us, and a model step makes 4 linear calls per layer.
 Decode steps of up to four tokens take a native GEMV over the plain row-major weight
 instead, where the CPU has AVX2 and FMA (kernels/cpu_linear.py): it reads the weight as
 one sequential stream per thread, ~31 GB/s against oneDNN's ~18-20 GB/s for bf16 on the
-2-core Zen 4 EPYC (fp32 on a Zen 3: ~26 vs ~22 GB/s). With AVX512-BF16, bf16 steps of
-up to STREAM_GEMM_MAX_ROWS tokens read that copy too, four rows at a time for four rows
-of x (kernels/cpu/stream_gemm.h). Those linears then hold their weight twice, packed and
-row-major. Where that native library is loaded, the graph
+2-core Zen 4 EPYC (fp32 on a Zen 3: ~26 vs ~22 GB/s). With AVX512-BF16, bf16 steps of 5
+to PANEL_GEMM_MAX_ROWS tokens read a third copy, in column panels (kernels/cpu/panel_gemm.h:
+outer products; 1.2-1.9x oneDNN's rate at 5-64 rows on that EPYC). Those linears then
+hold their weight two or three times: packed, row-major and in panels. Where that native
+library is loaded, the graph
 calls its op `pdserve_gemv::prepacked_linear`, which makes the same choice in C++;
 `pdserve::prepacked_linear` serves elsewhere.
 """
@@ -36,31 +37,34 @@ from torch import nn
 
 from kernels.cpu_linear import (
     GEMV_MAX_ROWS,
-    STREAM_GEMM_MAX_ROWS,
+    PANEL_GEMM_MAX_ROWS,
     gemv,
     gemv_applies,
     native_gemv_available,
+    pack_panels,
+    panel_gemm,
+    panels_apply,
     q8_0_gemv_blocks,
     register_prepacked_linear,
     release_prepacked_linear,
-    stream_gemm,
-    stream_gemm_available,
 )
 from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
 from kernels.huge_pages import on_huge_pages
 
 # weight_id -> (the packed weight, out_features, the row-major weight for the GEMV or
-# None); dead where its module is gone, and the slot is then reused, so a fresh process
-# numbers a model's weights the same way each time (the compiled graphs, which hold the
-# ids, then match the on-disk cache).
-_PACKED_WEIGHTS: list[tuple[weakref.ref, int, weakref.ref | None] | None] = []
+# None, the panel copy for panel_gemm or None); dead where its module is gone, and the
+# slot is then reused, so a fresh process numbers a model's weights the same way each
+# time (the compiled graphs, which hold the ids, then match the on-disk cache).
+_PACKED_WEIGHTS: list[tuple[weakref.ref, int, weakref.ref | None, weakref.ref | None] | None] = []
 
 _LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
 _LIBRARY.define("prepacked_linear(Tensor x, Tensor? bias, Tensor weight_id, int out_features) -> Tensor")
 
 
-def _register(packed: torch.Tensor, out_features: int, row_major: torch.Tensor | None) -> int:
-    entry = (weakref.ref(packed), out_features, None if row_major is None else weakref.ref(row_major))
+def _register(packed: torch.Tensor, out_features: int, row_major: torch.Tensor | None,
+              panels: torch.Tensor | None) -> int:
+    entry = (weakref.ref(packed), out_features, None if row_major is None else weakref.ref(row_major),
+             None if panels is None else weakref.ref(panels))
     for weight_id, old in enumerate(_PACKED_WEIGHTS):
         if old is None or old[0]() is None:
             _PACKED_WEIGHTS[weight_id] = entry
@@ -71,16 +75,15 @@ def _register(packed: torch.Tensor, out_features: int, row_major: torch.Tensor |
 
 def _prepacked_linear_cpu(x: torch.Tensor, bias: torch.Tensor | None, weight_id: torch.Tensor,
                           out_features: int) -> torch.Tensor:
-    packed, table_out_features, row_major = _PACKED_WEIGHTS[int(weight_id)]
+    packed, table_out_features, row_major, panels = _PACKED_WEIGHTS[int(weight_id)]
     if out_features != table_out_features:
         raise ValueError(f"prepacked_linear: linear {int(weight_id)} has {table_out_features} outputs, "
                          f"the caller expects {out_features}")
     # x [num_tokens, in_features] -> [num_tokens, out_features]
     if row_major is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(x, bias, row_major())
-    if (row_major is not None and x.dim() == 2 and x.shape[0] <= STREAM_GEMM_MAX_ROWS
-            and x.dtype == torch.bfloat16 and row_major().dtype == torch.bfloat16 and stream_gemm_available()):
-        return stream_gemm(x, bias, row_major())
+    if panels is not None and x.dim() == 2 and x.shape[0] <= PANEL_GEMM_MAX_ROWS and x.dtype == torch.bfloat16:
+        return panel_gemm(x, bias, panels())
     return torch.ops.mkldnn._linear_pointwise.default(x.contiguous(), packed(), bias, "none", [-1], "")
 
 
@@ -127,12 +130,14 @@ class PrepackedLinear(nn.Module):
         self._q8_0_blocks = (on_huge_pages(q8_0_gemv_blocks(q8_0_blocks)) if self._native and q8_0_blocks is not None
                              and q8_0_blocks.shape[0] == self.out_features else None)
         self._row_major = (on_huge_pages(weight) if self._q8_0_blocks is None and gemv_applies(weight) else None)
-        self.weight_id = _register(self._packed, self.out_features, self._row_major)
+        # What bf16 steps of GEMV_MAX_ROWS + 1 to PANEL_GEMM_MAX_ROWS tokens read (AVX512-BF16).
+        self._panels = on_huge_pages(pack_panels(weight.detach())) if self._native and panels_apply(weight) else None
+        self.weight_id = _register(self._packed, self.out_features, self._row_major, self._panels)
         # A plain attribute, not a buffer: it stays on the CPU, where the ops read it.
         self.weight_id_tensor = torch.tensor(self.weight_id, device="cpu")  # [] int64
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         if self._native:
-            register_prepacked_linear(self.weight_id, self._packed, self._row_major, self._q8_0_blocks)
+            register_prepacked_linear(self.weight_id, self._packed, self._row_major, self._q8_0_blocks, self._panels)
             weakref.finalize(self, release_prepacked_linear, self.weight_id)
 
     @property
@@ -148,6 +153,8 @@ class PrepackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         decode = "q8_0 gemv" if self._q8_0_blocks is not None else "gemv" if self._row_major is not None else "onednn"
+        if self._panels is not None:
+            decode += ", panels"
         return (f"in_features={self.in_features}, out_features={self.out_features}, weight_id={self.weight_id}, "
                 f"decode={decode}")
 

@@ -1,4 +1,4 @@
-"""The native GEMVs (kernels/cpu/gemv.cpp) and the bf16 row-stream GEMM (stream_gemm.h):
+"""The native GEMVs (kernels/cpu/gemv.cpp) and the bf16 column-panel GEMM (panel_gemm.h):
 for a bf16 or fp32 weight and for GGUF's
 Q4_1 and Q8_0 blocks, the product fp32 math gives on the same inputs, rounded once to the
 output dtype, for every row count and shape they take, in whichever build this CPU gets
@@ -27,9 +27,9 @@ from common.engine.models.quantization.cpu_kernels import int4_kernel_available,
 from common.engine.models.quantization.gguf_blocks import GGUFQuantizedWeights, Q4_1Blocks, Q8_0Blocks
 from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
-from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, STREAM_GEMM_MAX_ROWS, gemv, native_gemv_available,
-                                q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv, q8_0_gemv_blocks, stream_gemm,
-                                stream_gemm_available)
+from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, PANEL_GEMM_MAX_ROWS, gemv, native_gemv_available,
+                                pack_panels, panel_gemm, panel_gemm_available, q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv,
+                                q8_0_gemv_blocks)
 from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
 
 pytestmark = pytest.mark.skipif(not native_gemv_available(),
@@ -92,20 +92,33 @@ def test_refuses_a_bias_of_another_dtype():
         gemv(torch.zeros(1, 32), torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, 32))
 
 
-needs_stream_gemm = pytest.mark.skipif(not stream_gemm_available(), reason="stream_gemm needs AVX512-BF16")
+needs_panel_gemm = pytest.mark.skipif(not panel_gemm_available(), reason="panel_gemm needs AVX512-BF16")
 
 
-@needs_stream_gemm
-@pytest.mark.parametrize("num_rows", [1, 3, 4, 5, 8, 13, STREAM_GEMM_MAX_ROWS, 33])
-@pytest.mark.parametrize("out_features, in_features", [(1, 32), (6, 64), (63, 96), (960, 576), (577, 1536)])
+@needs_panel_gemm
+@pytest.mark.parametrize("out_features, in_features", [(32, 2), (64, 34), (96, 96), (960, 576), (576, 1536)])
+def test_pack_panels_lays_out_32_columns_by_pairs_of_k(out_features, in_features):
+    torch.manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    panels = pack_panels(weight)
+    assert panels.shape == (out_features // 32, in_features // 2, 32, 2) and panels.is_contiguous()
+    # panels[p, kp, c, t] == weight[p * 32 + c, kp * 2 + t]
+    expected = weight.view(out_features // 32, 32, in_features // 2, 2).permute(0, 2, 1, 3)
+    assert torch.equal(panels, expected)
+
+
+@needs_panel_gemm
+@pytest.mark.parametrize("num_rows", [1, 5, 11, 12, 13, 24, 37, PANEL_GEMM_MAX_ROWS, 200])
+@pytest.mark.parametrize("out_features, in_features", [(32, 32), (64, 34), (96, 96), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_stream_gemm_matches_fp32_math_rounded_once(num_rows, out_features, in_features, with_bias):
-    # Row and column counts off the 4 x 4 tiles and a thread's share of the weight's rows.
+def test_panel_gemm_matches_fp32_math_rounded_once(num_rows, out_features, in_features, with_bias):
+    # Row counts off the 12-row tiles and both sides of them; one panel (one thread) to 30;
+    # K not a multiple of 32.
     torch.manual_seed(num_rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
     bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
     x = torch.randn(num_rows, in_features, dtype=torch.bfloat16)
-    out = stream_gemm(x, bias, weight)
+    out = panel_gemm(x, bias, pack_panels(weight))
     assert out.shape == (num_rows, out_features) and out.dtype == torch.bfloat16
     expected = reference(x, bias, weight)
     scale = expected.abs().max().item()
@@ -113,49 +126,63 @@ def test_stream_gemm_matches_fp32_math_rounded_once(num_rows, out_features, in_f
     torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * scale)
 
 
-@needs_stream_gemm
-def test_stream_gemm_takes_no_rows_and_strided_x():
+@needs_panel_gemm
+def test_panel_gemm_takes_no_rows_and_strided_x():
     torch.manual_seed(0)
-    weight = torch.randn(40, 64, dtype=torch.bfloat16)
-    assert stream_gemm(torch.zeros(0, 64, dtype=torch.bfloat16), None, weight).shape == (0, 40)
+    panels = pack_panels(torch.randn(64, 64, dtype=torch.bfloat16))
+    assert panel_gemm(torch.zeros(0, 64, dtype=torch.bfloat16), None, panels).shape == (0, 64)
     wide = torch.randn(9, 128, dtype=torch.bfloat16)
     x = wide[:, ::2]  # not contiguous
-    assert torch.equal(stream_gemm(x, None, weight), stream_gemm(x.contiguous(), None, weight))
+    assert torch.equal(panel_gemm(x, None, panels), panel_gemm(x.contiguous(), None, panels))
 
 
-@needs_stream_gemm
-@pytest.mark.parametrize("x, bias, weight, message", [
-    (torch.zeros(5, 40, dtype=torch.bfloat16), None, torch.zeros(8, 40, dtype=torch.bfloat16), "multiple of 32, got 40"),
-    (torch.zeros(5, 32), None, torch.zeros(8, 32, dtype=torch.bfloat16), r"x must be bf16 \[M, K\], got Float"),
-    (torch.zeros(5, 32, dtype=torch.bfloat16), None, torch.zeros(8, 32), "must be contiguous bf16"),
-    (torch.zeros(5, 32, dtype=torch.bfloat16), None, torch.zeros(32, 8, dtype=torch.bfloat16).t(), "not contiguous"),
-    (torch.zeros(5, 32, dtype=torch.bfloat16), None, torch.zeros(8, 64, dtype=torch.bfloat16),
-     "x has 32 columns, the weight 64"),
-    (torch.zeros(5, 32, dtype=torch.bfloat16), torch.zeros(8), torch.zeros(8, 32, dtype=torch.bfloat16),
-     "a contiguous bf16 bias of 8 values expected"),
-    (torch.zeros(5, 32, dtype=torch.bfloat16), torch.zeros(7, dtype=torch.bfloat16),
-     torch.zeros(8, 32, dtype=torch.bfloat16), "a contiguous bf16 bias of 8 values expected"),
+@needs_panel_gemm
+@pytest.mark.parametrize("weight, message", [
+    (torch.zeros(40, 32, dtype=torch.bfloat16), r"out_features must be a multiple of 32 and in_features of 2, "
+                                                r"got \[40, 32\]"),
+    (torch.zeros(32, 33, dtype=torch.bfloat16), r"got \[32, 33\]"),
+    (torch.zeros(32, 32), r"the weight must be bf16 \[N, K\], got Float"),
+    (torch.zeros(32, dtype=torch.bfloat16), r"the weight must be bf16 \[N, K\], got BFloat16 \[32\]"),
 ])
-def test_stream_gemm_refuses_what_it_cannot_compute(x, bias, weight, message):
+def test_pack_panels_refuses_what_it_cannot_lay_out(weight, message):
     with pytest.raises(RuntimeError, match=message):
-        stream_gemm(x, bias, weight)
+        pack_panels(weight)
 
 
-@needs_stream_gemm
+@needs_panel_gemm
+@pytest.mark.parametrize("x, bias, panels, message", [
+    (torch.zeros(5, 32), None, None, r"x must be bf16 \[M, K\], got Float"),
+    (torch.zeros(5, 64, dtype=torch.bfloat16), None, None, "x has 64 columns, the weight 32"),
+    (torch.zeros(5, 32, dtype=torch.bfloat16), torch.zeros(64), None, "a contiguous bf16 bias of 64 values expected"),
+    (torch.zeros(5, 32, dtype=torch.bfloat16), torch.zeros(63, dtype=torch.bfloat16), None,
+     "a contiguous bf16 bias of 64 values expected"),
+    (torch.zeros(5, 32, dtype=torch.bfloat16), None, torch.zeros(2, 16, 32, dtype=torch.bfloat16),
+     r"the panels must be contiguous bf16 \[N / 32, K / 2, 32, 2\] \(pack_panels\), got BFloat16 \[2, 16, 32\]"),
+    (torch.zeros(5, 32, dtype=torch.bfloat16), None, torch.zeros(2, 16, 32, 2), "got Float"),
+])
+def test_panel_gemm_refuses_what_it_cannot_compute(x, bias, panels, message):
+    if panels is None:
+        panels = pack_panels(torch.zeros(64, 32, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=message):
+        panel_gemm(x, bias, panels)
+
+
+@needs_panel_gemm
 @pytest.mark.skipif(not prepacking_available(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
-@pytest.mark.parametrize("num_tokens", [GEMV_MAX_ROWS + 1, STREAM_GEMM_MAX_ROWS, STREAM_GEMM_MAX_ROWS + 1])
-def test_a_bf16_linear_takes_stream_gemm_for_mid_sized_steps_and_onednn_beyond(num_tokens):
+@pytest.mark.parametrize("num_tokens", [GEMV_MAX_ROWS + 1, 64, PANEL_GEMM_MAX_ROWS, PANEL_GEMM_MAX_ROWS + 1])
+def test_a_bf16_linear_takes_panel_gemm_for_mid_sized_steps_and_onednn_beyond(num_tokens):
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
     layer = PrepackedLinear(weight, bias)
+    assert _PACKED_WEIGHTS[layer.weight_id][3] is not None  # it holds the panels
     x = torch.randn(num_tokens, 64, dtype=torch.bfloat16)
     out = layer(x)
     weight_id = layer.weight_id_tensor
     # The native op and the Python one choose alike.
     assert torch.equal(torch.ops.pdserve.prepacked_linear(x, bias, weight_id, 96), out)
     onednn = torch.ops.mkldnn._linear_pointwise.default(x, layer._packed, bias, "none", [-1], "")
-    if num_tokens <= STREAM_GEMM_MAX_ROWS:
-        assert torch.equal(out, stream_gemm(x, bias, weight))
+    if num_tokens <= PANEL_GEMM_MAX_ROWS:
+        assert torch.equal(out, panel_gemm(x, bias, pack_panels(weight)))
     else:
         assert torch.equal(out, onednn)
     torch.testing.assert_close(out.float(), reference(x, bias, weight), rtol=1.6e-2, atol=1e-1)
@@ -209,7 +236,13 @@ def test_odd_widths_stay_on_onednn():
     for dtype in (torch.bfloat16, torch.float32):
         if prepacking_available(dtype):
             odd = PrepackedLinear(torch.randn(16, 40, dtype=dtype), None)
-            assert _PACKED_WEIGHTS[odd.weight_id][2] is None
+            assert _PACKED_WEIGHTS[odd.weight_id][2] is None and _PACKED_WEIGHTS[odd.weight_id][3] is None
+    if prepacking_available(torch.bfloat16):  # 40 outputs: no whole panels, so no panel copy either
+        narrow = PrepackedLinear(torch.randn(40, 64, dtype=torch.bfloat16), None)
+        assert _PACKED_WEIGHTS[narrow.weight_id][2] is not None and _PACKED_WEIGHTS[narrow.weight_id][3] is None
+        x = torch.randn(GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16)
+        onednn = torch.ops.mkldnn._linear_pointwise.default(x, narrow._packed, None, "none", [-1], "")
+        assert torch.equal(narrow(x), onednn)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,6 @@ from common.engine.native_decode import NativeDecodeLoop, decode_weight
 from common.engine.outputs import ScheduledRequest
 from common.engine.sampling_params import SamplingParams
 from kernels.cpu_decode import DECODE_MAX_TOKENS, LINEAR_Q4_1, LINEAR_Q8_0, decode_layers, native_decode_available
-from kernels.cpu_linear import STREAM_GEMM_MAX_ROWS
 from tests.unit.common.engine.models.family_parity import parity_prompts, save_tiny_model
 
 pytestmark = pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
@@ -162,9 +161,10 @@ def test_in_bf16_the_loop_is_as_close_to_fp32_as_the_model():
     llm.engine.shutdown()
 
 
-# Seven sequences take stream_gemm (bf16 with AVX512-BF16), twenty oneDNN, through the
-# prepacked op.
-@pytest.mark.parametrize("num_seqs", [DECODE_MAX_TOKENS + 3, STREAM_GEMM_MAX_ROWS + 4])
+# Seven and twenty sequences take panel_gemm (bf16 with AVX512-BF16) through the prepacked
+# op; past PANEL_GEMM_MAX_ROWS it calls oneDNN, the route fp32 steps of more than
+# DECODE_MAX_TOKENS take (test_the_loop_matches_the_model_for_each_family, twenty sequences).
+@pytest.mark.parametrize("num_seqs", [DECODE_MAX_TOKENS + 3, 20])
 def test_in_bf16_larger_steps_stay_with_the_model(num_seqs):
     """Past the GEMVs' rows, in bf16: each sequence's hidden state from the loop is within
     BF16_HIDDEN_RELATIVE_ERROR of the model's own forward pass, as at three rows (the two
