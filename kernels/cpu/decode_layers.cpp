@@ -8,7 +8,7 @@
 // residuals and SiLU row by row (on one thread below 2 * kRowsPerTask rows, over the
 // threads from there: for_rows), the linears through the GEMV ops up to kMaxGemvTokens rows (pdserve_gemv: dense
 // rows, Q4_1 or Q8_0 blocks) and through pdserve_gemv::prepacked_linear beyond (the
-// compiled model's own op: stream_gemm or oneDNN), attention through the fused
+// compiled model's own op: panel_gemm or oneDNN), attention through the fused
 // write-and-attend op (pdserve_cpu), each reached through the dispatcher from here. A
 // model whose every projection is a prepacked linear takes steps of any size; the others
 // (quantized projections) up to kMaxGemvTokens.
