@@ -27,6 +27,7 @@ namespace pdserve_cpu {
 
 constexpr int64_t kPanelCols = 32;  // output columns per panel: two 512-bit vectors of fp32
 constexpr int64_t kPanelTileRows = 12;  // rows of x per tile: 24 accumulators, 2 W vectors, 1 broadcast
+constexpr int64_t kPrefetchOutBytes = 1 << 20;  // outputs past this (a Zen 4 core's L2) are asked for ahead
 
 // panels [N / kPanelCols][K / 2][kPanelCols][2] from W [N, K] row-major: panel p holds
 // columns [p * 32, p * 32 + 32), K's pairs outermost.
@@ -44,16 +45,19 @@ inline void pack_panels(const c10::BFloat16* w, c10::BFloat16* panels, int64_t N
 }
 
 // y rows [m0, m0 + RM), the panel's 32 columns from n0; `ahead`: the next panel, asked for
-// into L2 two lines (one pair of K) per step, or null.
+// into L2 two lines (one pair of K) per step, or null; prefetch_out: whether to ask for
+// the next panel's output lines (y larger than L2).
 template <int RM>
 inline void panel_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* panel, const c10::BFloat16* bias,
-                            c10::BFloat16* y, int64_t K, int64_t N, int64_t m0, int64_t n0, const char* ahead) {
+                            c10::BFloat16* y, int64_t K, int64_t N, int64_t m0, int64_t n0, const char* ahead,
+                            bool prefetch_out) {
   __m512 acc[RM][2];
   for (int i = 0; i < RM; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   // The next panel's outputs: one line in each of RM rows N apart, which no hardware stream
   // covers; asked for (to write) now, they are owned by the time they are stored. Without
-  // this the head's 64-row output (6 MB, cold after 30 layers) took ~2-3 ms more a step.
-  if (n0 + kPanelCols < N)
+  // this the head's 64-row output (6 MB, cold after 30 layers) took ~2-3 ms more a step;
+  // outputs that fit L2 need no asking.
+  if (prefetch_out && n0 + kPanelCols < N)
     for (int i = 0; i < RM; ++i)
       _mm_prefetch(reinterpret_cast<const char*>(y + (m0 + i) * N + n0 + kPanelCols), _MM_HINT_ET0);
   const int64_t num_pairs = K / 2;
@@ -90,16 +94,17 @@ inline void panel_gemm_panels(const c10::BFloat16* x, const c10::BFloat16* panel
                               c10::BFloat16* y, int64_t M, int64_t K, int64_t N, int64_t panel_begin,
                               int64_t panel_end) {
   const int64_t panel_values = K * kPanelCols;
+  const bool prefetch_out = M * N * static_cast<int64_t>(sizeof(c10::BFloat16)) > kPrefetchOutBytes;
   for (int64_t p = panel_begin; p < panel_end; ++p) {
     const c10::BFloat16* panel = panels + p * panel_values;
     const char* ahead = p + 1 < panel_end ? reinterpret_cast<const char*>(panel + panel_values) : nullptr;
     const int64_t n0 = p * kPanelCols;
     int64_t m0 = 0;
     for (; m0 + kPanelTileRows <= M; m0 += kPanelTileRows, ahead = nullptr)
-      panel_gemm_tile<kPanelTileRows>(x, panel, bias, y, K, N, m0, n0, ahead);
+      panel_gemm_tile<kPanelTileRows>(x, panel, bias, y, K, N, m0, n0, ahead, prefetch_out);
     switch (M - m0) {
 #define PDSERVE_PANEL_TAIL(r) \
-  case r: panel_gemm_tile<r>(x, panel, bias, y, K, N, m0, n0, ahead); break;
+  case r: panel_gemm_tile<r>(x, panel, bias, y, K, N, m0, n0, ahead, prefetch_out); break;
       PDSERVE_PANEL_TAIL(1) PDSERVE_PANEL_TAIL(2) PDSERVE_PANEL_TAIL(3) PDSERVE_PANEL_TAIL(4)
       PDSERVE_PANEL_TAIL(5) PDSERVE_PANEL_TAIL(6) PDSERVE_PANEL_TAIL(7) PDSERVE_PANEL_TAIL(8)
       PDSERVE_PANEL_TAIL(9) PDSERVE_PANEL_TAIL(10) PDSERVE_PANEL_TAIL(11)

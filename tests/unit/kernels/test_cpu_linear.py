@@ -127,6 +127,19 @@ def test_panel_gemm_matches_fp32_math_rounded_once(num_rows, out_features, in_fe
 
 
 @needs_panel_gemm
+@pytest.mark.parametrize("num_rows", [12, 64])
+def test_panel_gemm_outputs_past_l2_size_match_as_well(num_rows):
+    # 64 x 10240 bf16 outputs (1.3 MB) take the path that asks for the next panel's output
+    # lines ahead; 12 rows (240 KB) do not.
+    torch.manual_seed(num_rows)
+    weight, bias = torch.randn(10240, 64, dtype=torch.bfloat16), torch.randn(10240, dtype=torch.bfloat16)
+    x = torch.randn(num_rows, 64, dtype=torch.bfloat16)
+    expected = reference(x, bias, weight)
+    torch.testing.assert_close(panel_gemm(x, bias, pack_panels(weight)).float(), expected, rtol=2 ** -8,
+                               atol=1e-3 * expected.abs().max().item())
+
+
+@needs_panel_gemm
 def test_panel_gemm_takes_no_rows_and_strided_x():
     torch.manual_seed(0)
     panels = pack_panels(torch.randn(64, 64, dtype=torch.bfloat16))
