@@ -68,6 +68,12 @@ def register_decode_model(
         float(rms_norm_eps), float(attention_scale), weight_ids)
 
 
+def decode_model_max_tokens(model_id: int) -> int:
+    """The most tokens a step of this registered model may have: DECODE_MAX_TOKENS, or
+    sys.maxsize where every weight has a prepacked-linear id (the library's own rule)."""
+    return torch.ops.pdserve_decode.decode_model_max_tokens(model_id)
+
+
 def release_decode_model(model_id: int) -> None:
     torch.ops.pdserve_decode.release_decode_model(model_id)
 

@@ -32,7 +32,7 @@ from common.engine.models.llama import LlamaAttention, LlamaDecoderLayer
 from common.engine.models.prepacked_linear import PrepackedLinear
 from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
-from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_DENSE, LINEAR_Q4_1, LINEAR_Q8_0, decode_layers,
+from kernels.cpu_decode import (LINEAR_DENSE, LINEAR_Q4_1, LINEAR_Q8_0, decode_layers, decode_model_max_tokens,
                                 native_decode_available, native_decode_disabled, register_decode_model,
                                 release_decode_model)
 
@@ -109,8 +109,8 @@ class NativeDecodeLoop:
         tensors = _model_tensors(model, num_layers)
         self.model_id = register_decode_model(**tensors)
         weakref.finalize(self, release_decode_model, self.model_id)
-        # Past the GEMVs' rows every linear needs its prepacked op (the library applies the same rule).
-        self.max_num_tokens = sys.maxsize if all(i >= 0 for i in tensors["weight_ids"]) else DECODE_MAX_TOKENS
+        # Past the GEMVs' rows every linear needs its prepacked op: the library says whether all have one.
+        self.max_num_tokens = decode_model_max_tokens(self.model_id)
         self.k_caches = [k for k, _ in kv_caches[:num_layers]]
         self.v_caches = [v for _, v in kv_caches[:num_layers]]
         self.num_steps = 0  # steps run

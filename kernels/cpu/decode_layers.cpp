@@ -325,6 +325,15 @@ int64_t register_decode_model(at::TensorList norms, at::TensorList weights, at::
   return static_cast<int64_t>(models.size()) - 1;
 }
 
+// The most tokens a step of this model may have: kMaxGemvTokens, or INT64_MAX where every
+// linear has a weight id (the rule register_decode_model applied; callers route steps by it).
+int64_t decode_model_max_tokens(int64_t model_id) {
+  std::lock_guard<std::mutex> lock(models_mutex);
+  PDSERVE_CHECK_VALUE(model_id >= 0 && model_id < static_cast<int64_t>(models.size()) && models[model_id] != nullptr,
+                      "decode_model_max_tokens: no model is registered as ", model_id);
+  return models[model_id]->max_tokens;
+}
+
 void release_decode_model(int64_t model_id) {
   std::lock_guard<std::mutex> lock(models_mutex);
   // A step running now keeps its own reference until it returns.
@@ -378,6 +387,7 @@ TORCH_LIBRARY(pdserve_decode, m) {
         "int[] sliding_windows, Tensor? final_norm, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
         "int head_dim, float rms_norm_eps, float attention_scale, int[]? weight_ids=None) -> int",
         &register_decode_model);
+  m.def("decode_model_max_tokens(int model_id) -> int", &decode_model_max_tokens);
   m.def("release_decode_model(int model_id) -> ()", &release_decode_model);
   m.def("decode_layers(int model_id, Tensor hidden, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens) -> Tensor");

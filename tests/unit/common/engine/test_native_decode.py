@@ -10,6 +10,7 @@ compiled engine builds the loop itself.
 from __future__ import annotations
 
 import gc
+import sys
 import types
 
 import pytest
@@ -22,7 +23,8 @@ from common.engine.models.prepacked_linear import prepack_linears
 from common.engine.native_decode import NativeDecodeLoop, decode_weight
 from common.engine.outputs import ScheduledRequest
 from common.engine.sampling_params import SamplingParams
-from kernels.cpu_decode import DECODE_MAX_TOKENS, LINEAR_Q4_1, LINEAR_Q8_0, decode_layers, native_decode_available
+from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_Q4_1, LINEAR_Q8_0, decode_layers, decode_model_max_tokens,
+                                native_decode_available)
 from tests.unit.common.engine.models.family_parity import parity_prompts, save_tiny_model
 
 pytestmark = pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
@@ -250,8 +252,11 @@ def test_bad_calls_raise_and_write_nothing(tiny_llama_dir):
                              torch.arange(num_tokens + 1, dtype=torch.int32), torch.ones(num_tokens, dtype=torch.int32))
 
     assert call().shape == (1, hidden_size)
-    # Every projection prepacked: any number of tokens.
+    # Every projection prepacked: any number of tokens, as the library tells the loop.
+    assert loop.max_num_tokens == decode_model_max_tokens(loop_id) == sys.maxsize
     assert call(num_tokens=DECODE_MAX_TOKENS + 5).shape == (DECODE_MAX_TOKENS + 5, hidden_size)
+    with pytest.raises(ValueError, match="no model is registered as 12345"):
+        decode_model_max_tokens(12345)
     for cache in (*k_caches, *v_caches):
         cache.zero_()
     num_slots = k_caches[0].shape[0] * k_caches[0].shape[1]
