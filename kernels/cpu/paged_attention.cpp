@@ -13,7 +13,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -468,12 +467,15 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   PDSERVE_CHECK_VALUE(starts[num_seqs] <= q.size(0), "query_start_loc ends past num_tokens");
 
+  PDSERVE_CHECK_VALUE(starts[0] >= 0, "query_start_loc must start at 0 or later");
   std::vector<WorkItem> items;
   items.reserve(num_seqs);
+  std::vector<int64_t> padding_seqs;  // seq_len 0 with queries: batch padding, whose rows are zeros
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t query_len = starts[i + 1] - starts[i], seq_len = lens[i];
     PDSERVE_CHECK_VALUE(query_len >= 0, "query_start_loc must be non-decreasing");
-    if (query_len == 0 || seq_len == 0) continue;  // seq_len 0 is batch padding: zeros
+    if (query_len > 0 && seq_len == 0) padding_seqs.push_back(i);
+    if (query_len == 0 || seq_len == 0) continue;
     PDSERVE_CHECK_VALUE(seq_len >= query_len, "sequence ", i, ": seq_len ", seq_len, " < query_len ", query_len);
     PDSERVE_CHECK_VALUE((seq_len + block_size - 1) / block_size <= max_blocks, "sequence ", i, ": seq_len ", seq_len,
                         " needs more blocks than block_tables has columns");
@@ -490,7 +492,15 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
   const int64_t num_partials = splits.empty() ? 0 : splits.back().first_partial + splits.back().num_parts;
   const int64_t group = q.size(1) / num_kv_heads, head_dim = q.size(2);
   at::Tensor partials = at::empty({num_partials, num_kv_heads, group, head_dim + 2}, q.options().dtype(at::kFloat));
-  at::Tensor out = at::zeros(q.sizes(), q.options());
+  // Every row an item covers is written; only the rest (padding) is zeroed, not the whole
+  // output (a bf16 fill of it cost ~0.6% of a 64-sequence decode step).
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  auto zero_rows = [&](int64_t begin, int64_t end) {
+    if (end > begin) out.narrow(0, begin, end - begin).zero_();
+  };
+  zero_rows(0, starts[0]);
+  zero_rows(starts[num_seqs], q.size(0));
+  for (const int64_t i : padding_seqs) zero_rows(starts[i], starts[i + 1]);
   const int64_t num_work = static_cast<int64_t>(items.size()) * num_kv_heads;
   const Problem problem{q.data_ptr(), q.stride(0), q.stride(1),
                         k_cache.data_ptr(), v_cache.data_ptr(),

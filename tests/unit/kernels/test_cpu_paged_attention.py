@@ -172,6 +172,28 @@ def test_prefill_without_context_fp16_and_strided_views():
     assert rel_err(out, ref) < 1e-5
 
 
+def test_rows_no_sequence_covers_are_zeros_whatever_the_memory_held():
+    # A padding sequence (seq_len 0 with queries) in the middle, rows before the first query
+    # and past the last: all zeros, while the real sequences match the reference. Repeated
+    # so that a freshly allocated output reuses memory an earlier one filled.
+    gen = torch.Generator().manual_seed(21)
+    k_cache, v_cache, block_tables, _, _ = make_paged([9, 1, 20], 16, gen, device="cpu")
+    q = torch.randn(12, 6, 32, generator=gen)
+    query_start_loc = torch.tensor([2, 5, 7, 10], dtype=torch.int32)  # rows 0-1 and 10-11 uncovered
+    lens = torch.tensor([9, 0, 20], dtype=torch.int32)  # sequence 1 (rows 5-6) is padding
+    for _ in range(3):
+        prefill_attention(torch.full((12, 6, 32), float("nan")), k_cache, v_cache, block_tables, query_start_loc,
+                          torch.tensor([9, 2, 20], dtype=torch.int32), 0.1, backend="native")
+        out = prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, lens, 0.1, backend="native")
+        for rows in (slice(0, 2), slice(5, 7), slice(10, 12)):
+            assert torch.equal(out[rows], torch.zeros_like(out[rows]))
+        # The torch path refuses padding; sequence 1's length does not touch the others' rows.
+        ref = prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
+                                torch.tensor([9, 2, 20], dtype=torch.int32), 0.1, backend="torch")
+        for rows in (slice(2, 5), slice(7, 10)):
+            assert rel_err(out[rows], ref[rows]) < 1e-5
+
+
 def test_bad_block_table_entry_raises_instead_of_reading_outside_the_cache():
     gen = torch.Generator().manual_seed(12)
     k_cache, v_cache, block_tables, _, _ = make_paged([20], 16, gen, device="cpu")
