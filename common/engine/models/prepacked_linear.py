@@ -23,9 +23,8 @@ one sequential stream per thread, ~31 GB/s against oneDNN's ~18-20 GB/s for bf16
 to PANEL_GEMM_MAX_ROWS tokens read a third copy, in column panels (kernels/cpu/panel_gemm.h:
 outer products; 1.2-1.9x oneDNN's rate at 5-64 rows on that EPYC). Those linears then
 hold their weight two or three times: packed, row-major and in panels. Where that native
-library is loaded, the graph
-calls its op `pdserve_gemv::prepacked_linear`, which makes the same choice in C++;
-`pdserve::prepacked_linear` serves elsewhere.
+library is loaded, the graph calls its op `pdserve_gemv::prepacked_linear`, which makes
+the same choice in C++; `pdserve::prepacked_linear` serves elsewhere.
 """
 from __future__ import annotations
 
