@@ -10,9 +10,9 @@ what steps of 5 to PANEL_GEMM_MAX_ROWS rows take) on column-panel copies, also o
 pages; the bundled GGUF's own Q4_1 projections through torch's int4 kernel and the native
 Q4_1 GEMV; the LM head alone (fp32), dense through oneDNN and the GEMV, and as the
 GGUF's own Q8_0 blocks through the native Q8_0 GEMV (what `--quantization gguf` decodes
-with). The kernels of a
-case run alternately, repetitions interleaved, and each reports the median and min milliseconds per pass over all layers
-(the head included for dense weights) and the weight bytes read per second at the min.
+with). The kernels of a case run alternately, repetitions interleaved, and each reports
+the median and min milliseconds per pass over all layers (the head included for dense
+weights) and the weight bytes read per second at the min.
 """
 from __future__ import annotations
 
