@@ -1,18 +1,20 @@
-// y [M, N] = x [M, K] @ W [N, K]^T (+ bias) in bf16 with AVX512-BF16, for decode steps of a
-// few tens of rows, where the math starts to dominate the weight reads: outer products on
-// W packed in column panels, each panel (32 output columns, all of K: 36 KB for K = 576)
-// read from L2 once per 12 rows of x, the next panel asked for from DRAM meanwhile.
+// y [M, N] = x [M, K] @ W [N, K]^T (+ bias) in bf16 with AVX512-BF16, for steps of 5 to
+// ~128 rows (past the GEMV's, short of prefill's): outer products on W packed in column
+// panels, each panel (32 output columns, all of K: 36 KB for K = 576) read from L2 once
+// per 12 rows of x, the next panel asked for from DRAM meanwhile.
 //
 // The panel layout [N / 32][K / 2][32][2] is what vdpbf16ps multiplies: one 512-bit load is
 // 16 output columns' pair of K values, against one pair of x's K values broadcast to every
 // lane; a tile of 12 rows of x by 32 columns keeps 24 accumulators and needs no sum across
-// lanes at the end (stream_gemm's dot-product tiles do, and read W in its row-major order).
+// lanes at the end (dot-product tiles over W's rows do: the deleted stream_gemm's did).
 //
 // SmolLM2's 30 layers' linears and its head, weights from DRAM, 2 threads of the Zen 4
 // EPYC (a standalone prototype; 465 GFLOP/s is the measured vdpbf16ps peak of both cores):
 // 32 rows 23.6 ms (78% of the peak) against oneDNN's 28.0 (66%), 48 rows 35.1 against
 // 39.6, 64 rows 44.2 (84%) against 50.5 (73%); even at 128; at 2,048 rows ~80% against
-// oneDNN's ~90%, so prefill steps stay there.
+// oneDNN's ~90%, so prefill steps stay there. Through the op (bench decode-linears): 8
+// rows 9.4 ms against oneDNN's 14.4, 16 rows 12.4 against 18.6; at 5 rows ~7% behind the
+// dot-product tiles it replaced, bound by the weight reads like them.
 #pragma once
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
