@@ -104,9 +104,11 @@ def panel_gemm_available() -> bool:
 
 def panels_apply(weight: torch.Tensor) -> bool:
     """Whether this weight gets a panel copy for panel_gemm: bf16, out_features a multiple of
-    PANEL_COLS, in_features even, and the library's AVX512-BF16 build."""
+    PANEL_COLS, in_features even, the library's AVX512-BF16 build, and PDSERVE_PANEL_GEMM not
+    0 (the copy is a third one of every bf16 weight: where memory is short, turn it off and
+    steps of 5+ tokens take oneDNN)."""
     return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.shape[0] % PANEL_COLS == 0
-            and weight.shape[1] % 2 == 0 and panel_gemm_available())
+            and weight.shape[1] % 2 == 0 and not switched_off("PDSERVE_PANEL_GEMM") and panel_gemm_available())
 
 
 def pack_panels(

@@ -245,6 +245,17 @@ def test_the_native_linear_op_equals_the_python_op_and_goes_with_its_module(num_
         native_prepacked_linear(x, None, weight_id, 96)
 
 
+@needs_panel_gemm
+@pytest.mark.skipif(not prepacking_available(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
+def test_the_switch_leaves_bf16_linears_without_panels_and_on_onednn(monkeypatch):
+    monkeypatch.setenv("PDSERVE_PANEL_GEMM", "0")
+    torch.manual_seed(0)
+    layer = PrepackedLinear(torch.randn(96, 64, dtype=torch.bfloat16), None)
+    assert layer._panels is None and _PACKED_WEIGHTS[layer.weight_id][3] is None
+    x = torch.randn(GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), torch.ops.mkldnn._linear_pointwise.default(x, layer._packed, None, "none", [-1], ""))
+
+
 def test_odd_widths_stay_on_onednn():
     for dtype in (torch.bfloat16, torch.float32):
         if prepacking_available(dtype):
