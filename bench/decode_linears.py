@@ -6,7 +6,7 @@ by default): what a decode step of that many tokens multiplies. Dense weights in
 bf16 through oneDNN's packed linear (what prefill steps use), a plain `F.linear`, the
 native GEMV (kernels/cpu/gemv.cpp, up to 4 rows) reading row-major copies on huge pages
 as the model's do and, for bf16 with AVX512-BF16, `panel_gemm` (kernels/cpu/panel_gemm.h,
-what steps of 5 to PANEL_GEMM_MAX_ROWS rows take) on column-panel copies, also on huge
+what steps of 5 to panel_gemm_max_rows() rows take) on column-panel copies, also on huge
 pages; the bundled GGUF's own Q4_1 projections through torch's int4 kernel and the native
 Q4_1 GEMV; the LM head alone (fp32), dense through oneDNN and the GEMV, and as the
 GGUF's own Q8_0 blocks through the native Q8_0 GEMV (what `--quantization gguf` decodes

@@ -24,9 +24,6 @@ from kernels.cpu.build import cpu_flags, load_ops
 log = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 4  # the op's limit on rows of x (decode tokens of one step)
-# prepacked_linear's bf16 steps of GEMV_MAX_ROWS + 1 to this many rows take panel_gemm where
-# the linear has a panel copy (kernels/cpu/gemv.cpp's kMaxPanelRows, which says why this many).
-PANEL_GEMM_MAX_ROWS = 128
 PANEL_COLS = 32  # out_features must be a multiple of this for a panel copy
 GEMV_K_MULTIPLE = 32  # in_features must be a multiple of this
 
@@ -102,6 +99,14 @@ def panel_gemm_available() -> bool:
     return native_gemv_available() and torch.ops.pdserve_gemv.isa() == "avx512_bf16"
 
 
+@functools.cache
+def panel_gemm_max_rows() -> int:
+    """prepacked_linear's bf16 steps of GEMV_MAX_ROWS + 1 to this many rows take panel_gemm
+    where the linear has a panel copy: 128, or 16 on CPUs with AMX (kernels/cpu/gemv.cpp's
+    kMaxPanelRows says why); 0 where panel_gemm does not run."""
+    return torch.ops.pdserve_gemv.panel_gemm_max_rows() if panel_gemm_available() else 0
+
+
 def panels_apply(weight: torch.Tensor) -> bool:
     """Whether this weight gets a panel copy for panel_gemm: bf16, out_features a multiple of
     PANEL_COLS, in_features even, the library's AVX512-BF16 build, and PDSERVE_PANEL_GEMM not
@@ -124,7 +129,7 @@ def panel_gemm(
     panels: torch.Tensor,  # pack_panels(weight)
 ) -> torch.Tensor:  # [num_rows, out_features] bf16
     """x W^T + b as outer products over W's column panels (kernels/cpu/panel_gemm.h): faster
-    than oneDNN for decode steps of GEMV_MAX_ROWS + 1 to PANEL_GEMM_MAX_ROWS rows, within ~8%
+    than oneDNN for decode steps of GEMV_MAX_ROWS + 1 to panel_gemm_max_rows() rows, within ~8%
     of the GEMV at 1 to 4."""
     return torch.ops.pdserve_gemv.panel_gemm.default(x, bias, panels)
 
@@ -216,7 +221,7 @@ def register_prepacked_linear(
 ) -> None:
     """Make `prepacked_linear(x, bias, weight_id, ...)` use this weight (native_gemv_available() only):
     decode rows (1 to GEMV_MAX_ROWS) take the Q8_0 blocks where given, else the row-major
-    copy; bf16 steps of up to PANEL_GEMM_MAX_ROWS rows the panels where given; else oneDNN. The library holds them
+    copy; bf16 steps of up to panel_gemm_max_rows() rows the panels where given; else oneDNN. The library holds them
     until release_prepacked_linear(weight_id)."""
     torch.ops.pdserve_gemv.register_linear(weight_id, packed, row_major, q8_0_blocks, panels)
 
@@ -233,7 +238,7 @@ def prepacked_linear(
 ) -> torch.Tensor:  # [num_tokens, out_features]
     """x W^T + b for a registered weight, in one native op: a GEMV for 1 to GEMV_MAX_ROWS rows
     where the weight has Q8_0 blocks or its row-major copy, panel_gemm for up to
-    PANEL_GEMM_MAX_ROWS bf16 rows where it has panels (AVX512-BF16), else oneDNN on the
+    panel_gemm_max_rows() bf16 rows where it has panels (AVX512-BF16), else oneDNN on the
     packed weight.
     The id is a tensor so that a compiled decoder layer takes it as an input and one
     compiled layer serves them all."""

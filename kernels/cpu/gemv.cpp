@@ -51,9 +51,16 @@ namespace {
 
 constexpr int64_t kMaxRows = 4;  // rows of x; more would read W once per group of them
 // Steps of more rows than kMaxRows, up to this many, take panel_gemm where the linear has
-// a panel copy (bf16 on AVX512-BF16); more take oneDNN (panel_gemm.h's measurements: even
-// at 128 rows, behind from 192). kernels/cpu_linear.PANEL_GEMM_MAX_ROWS is the same.
+// a panel copy (bf16 on AVX512-BF16); more take oneDNN (panel_gemm.h's measurements on
+// the Zen 4 EPYC: even at 128 rows, behind from 192). With AMX, oneDNN's tiles out-compute
+// vdpbf16ps several times over once the math dominates, so there panel_gemm keeps only
+// the steps that read weights more than they compute (as stream_gemm did; not measured
+// on an AMX CPU here). kernels/cpu_linear.panel_gemm_max_rows() reads it.
+#if defined(__AMX_BF16__)
+constexpr int64_t kMaxPanelRows = 16;
+#else
 constexpr int64_t kMaxPanelRows = 128;
+#endif
 constexpr int64_t kStep = 32;    // bf16 values per 512-bit load; in_features' required multiple
 // GGUF blocks (gguf_row_groups.h): columns per block, bytes per block and row.
 using pdserve_cpu::kBlockCols;
@@ -507,6 +514,8 @@ at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>
   return y;
 }
 
+int64_t panel_gemm_max_rows() { return kMaxPanelRows; }
+
 // Which build of the math this library holds: "avx512_bf16", "fp32_fma" or "" (none).
 std::string gemv_isa() {
 #if defined(__AVX512BF16__)
@@ -529,6 +538,7 @@ TORCH_LIBRARY(pdserve_gemv, m) {
   m.def("isa() -> str", &gemv_isa);
   m.def("pack_panels(Tensor weight) -> Tensor");
   m.def("panel_gemm(Tensor x, Tensor? bias, Tensor panels) -> Tensor");
+  m.def("panel_gemm_max_rows() -> int", &panel_gemm_max_rows);
   m.def("register_linear(int weight_id, Tensor packed, Tensor? row_major, Tensor? q8_0_blocks=None, "
         "Tensor? panels=None) -> ()",
         &register_linear);

@@ -20,7 +20,7 @@ Decode steps of up to four tokens take a native GEMV over the plain row-major we
 instead, where the CPU has AVX2 and FMA (kernels/cpu_linear.py): it reads the weight as
 one sequential stream per thread, ~31 GB/s against oneDNN's ~18-20 GB/s for bf16 on the
 2-core Zen 4 EPYC (fp32 on a Zen 3: ~26 vs ~22 GB/s). With AVX512-BF16, bf16 steps of 5
-to PANEL_GEMM_MAX_ROWS tokens read a third copy, in column panels (kernels/cpu/panel_gemm.h:
+to panel_gemm_max_rows() tokens read a third copy, in column panels (kernels/cpu/panel_gemm.h:
 outer products; 1.2-1.9x oneDNN's rate at 5-64 rows on that EPYC). Those linears then
 hold their weight two or three times: packed, row-major and in panels. Where that native
 library is loaded, the graph calls its op `pdserve_gemv::prepacked_linear`, which makes
@@ -36,12 +36,12 @@ from torch import nn
 
 from kernels.cpu_linear import (
     GEMV_MAX_ROWS,
-    PANEL_GEMM_MAX_ROWS,
     gemv,
     gemv_applies,
     native_gemv_available,
     pack_panels,
     panel_gemm,
+    panel_gemm_max_rows,
     panels_apply,
     q8_0_gemv_blocks,
     register_prepacked_linear,
@@ -81,7 +81,7 @@ def _prepacked_linear_cpu(x: torch.Tensor, bias: torch.Tensor | None, weight_id:
     # x [num_tokens, in_features] -> [num_tokens, out_features]
     if row_major is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(x, bias, row_major())
-    if panels is not None and x.dim() == 2 and x.shape[0] <= PANEL_GEMM_MAX_ROWS and x.dtype == torch.bfloat16:
+    if panels is not None and x.dim() == 2 and x.shape[0] <= panel_gemm_max_rows() and x.dtype == torch.bfloat16:
         return panel_gemm(x, bias, panels())
     return torch.ops.mkldnn._linear_pointwise.default(x.contiguous(), packed(), bias, "none", [-1], "")
 
@@ -129,7 +129,7 @@ class PrepackedLinear(nn.Module):
         self._q8_0_blocks = (on_huge_pages(q8_0_gemv_blocks(q8_0_blocks)) if self._native and q8_0_blocks is not None
                              and q8_0_blocks.shape[0] == self.out_features else None)
         self._row_major = (on_huge_pages(weight) if self._q8_0_blocks is None and gemv_applies(weight) else None)
-        # What bf16 steps of GEMV_MAX_ROWS + 1 to PANEL_GEMM_MAX_ROWS tokens read (AVX512-BF16).
+        # What bf16 steps of GEMV_MAX_ROWS + 1 to panel_gemm_max_rows() tokens read (AVX512-BF16).
         self._panels = on_huge_pages(pack_panels(weight.detach())) if self._native and panels_apply(weight) else None
         self.weight_id = _register(self._packed, self.out_features, self._row_major, self._panels)
         # A plain attribute, not a buffer: it stays on the CPU, where the ops read it.

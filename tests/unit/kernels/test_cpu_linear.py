@@ -27,8 +27,8 @@ from common.engine.models.quantization.cpu_kernels import int4_kernel_available,
 from common.engine.models.quantization.gguf_blocks import GGUFQuantizedWeights, Q4_1Blocks, Q8_0Blocks
 from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
-from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, PANEL_GEMM_MAX_ROWS, gemv, native_gemv_available,
-                                pack_panels, panel_gemm, panel_gemm_available, q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv,
+from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, gemv, native_gemv_available, pack_panels, panel_gemm,
+                                panel_gemm_available, panel_gemm_max_rows, q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv,
                                 q8_0_gemv_blocks)
 from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
 
@@ -108,7 +108,7 @@ def test_pack_panels_lays_out_32_columns_by_pairs_of_k(out_features, in_features
 
 
 @needs_panel_gemm
-@pytest.mark.parametrize("num_rows", [1, 5, 11, 12, 13, 24, 37, PANEL_GEMM_MAX_ROWS, 200])
+@pytest.mark.parametrize("num_rows", [1, 5, 11, 12, 13, 24, 37, 128, 200])
 @pytest.mark.parametrize("out_features, in_features", [(32, 32), (64, 34), (96, 96), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_panel_gemm_matches_fp32_math_rounded_once(num_rows, out_features, in_features, with_bias):
@@ -182,8 +182,11 @@ def test_panel_gemm_refuses_what_it_cannot_compute(x, bias, panels, message):
 
 @needs_panel_gemm
 @pytest.mark.skipif(not prepacking_available(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
-@pytest.mark.parametrize("num_tokens", [GEMV_MAX_ROWS + 1, 64, PANEL_GEMM_MAX_ROWS, PANEL_GEMM_MAX_ROWS + 1])
+@pytest.mark.parametrize("num_tokens", ["fewest", "most", "past the most"])
 def test_a_bf16_linear_takes_panel_gemm_for_mid_sized_steps_and_onednn_beyond(num_tokens):
+    max_rows = panel_gemm_max_rows()  # 128, or 16 with AMX
+    assert max_rows in (16, 128)
+    num_tokens = {"fewest": GEMV_MAX_ROWS + 1, "most": max_rows, "past the most": max_rows + 1}[num_tokens]
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
     layer = PrepackedLinear(weight, bias)
@@ -194,7 +197,7 @@ def test_a_bf16_linear_takes_panel_gemm_for_mid_sized_steps_and_onednn_beyond(nu
     # The native op and the Python one choose alike.
     assert torch.equal(torch.ops.pdserve.prepacked_linear(x, bias, weight_id, 96), out)
     onednn = torch.ops.mkldnn._linear_pointwise.default(x, layer._packed, bias, "none", [-1], "")
-    if num_tokens <= PANEL_GEMM_MAX_ROWS:
+    if num_tokens <= max_rows:
         assert torch.equal(out, panel_gemm(x, bias, pack_panels(weight)))
     else:
         assert torch.equal(out, onednn)
