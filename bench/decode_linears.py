@@ -68,7 +68,7 @@ def dense_case(dtype: torch.dtype, num_rows: int, reps: int) -> dict:
         row_major = [on_huge_pages(w) for w in weights]
         kernels["native_gemv"] = lambda: [gemv(xs[w.shape[1]], None, w) for w in row_major]
     if all(panels_apply(w) for w in weights):
-        panels = [on_huge_pages(pack_panels(w)) for w in weights]
+        panels = [pack_panels(w, huge_pages=True) for w in weights]
         kernels["panel_gemm"] = lambda: [panel_gemm(xs[w.shape[1]], None, p) for w, p in zip(weights, panels)]
     num_bytes = sum(w.numel() * w.element_size() for w in weights)
     return {"weights": str(dtype).removeprefix("torch."), "num_rows": num_rows, "weight_bytes": num_bytes,

@@ -20,6 +20,7 @@ import torch
 
 from kernels._backend import switched_off
 from kernels.cpu.build import cpu_flags, load_ops
+from kernels.huge_pages import empty_on_huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +119,14 @@ def panels_apply(weight: torch.Tensor) -> bool:
 
 def pack_panels(
     weight: torch.Tensor,  # [out_features, in_features] bf16
+    huge_pages: bool = False,
 ) -> torch.Tensor:  # [out_features // 32, in_features // 2, 32, 2] bf16
-    """The weight in the column panels panel_gemm reads (kernels/cpu/panel_gemm.h)."""
-    return torch.ops.pdserve_gemv.pack_panels.default(weight)
+    """The weight in the column panels panel_gemm reads (kernels/cpu/panel_gemm.h); with
+    huge_pages, written straight into huge-page memory (kernels/huge_pages.py), as the
+    model keeps them."""
+    shape = (weight.shape[0] // PANEL_COLS, weight.shape[1] // 2, PANEL_COLS, 2) if weight.dim() == 2 else ()
+    out = empty_on_huge_pages(shape, torch.bfloat16) if huge_pages and shape else None
+    return torch.ops.pdserve_gemv.pack_panels.default(weight, out)
 
 
 def panel_gemm(

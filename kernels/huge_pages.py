@@ -7,8 +7,8 @@ ordinary memory and 7.5 ms from huge pages. Most systems run THP in "madvise" mo
 only memory advised with MADV_HUGEPAGE gets them, and torch's allocator advises none
 (unless THP_MEM_ALLOC_ENABLE is set before its first allocation).
 
-`on_huge_pages(t)` copies a tensor into such memory and `zeros_on_huge_pages` allocates
-there: small tensors share 32 MiB chunks (64-byte aligned pieces, each tensor with a
+`on_huge_pages(t)` copies a tensor into such memory, `zeros_on_huge_pages` and
+`empty_on_huge_pages` (for a caller that writes it whole) allocate there: small tensors share 32 MiB chunks (64-byte aligned pieces, each tensor with a
 storage of its own; a chunk lives while any of its tensors does), large ones get their own
 region; every region starts on a 2 MiB boundary. Where THP is off ("never"), outside
 Linux, or with PDSERVE_HUGE_PAGES=0, they return ordinary tensors. Memory is never handed
@@ -97,6 +97,13 @@ def _empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
         return None
     region, offset = _CHUNKS.take(num_bytes)
     return _tensor(region, offset, shape, dtype)
+
+
+def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous CPU tensor in huge-page memory where available, for the caller to fill
+    whole (its pages fault in as it writes); else an ordinary empty one."""
+    tensor = _empty_on_huge_pages(shape, dtype)
+    return torch.empty(shape, dtype=dtype) if tensor is None else tensor
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

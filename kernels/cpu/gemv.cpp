@@ -350,17 +350,26 @@ at::Tensor gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, cons
 #endif
 }
 
-// W [N, K] bf16 row-major -> its panel copy [N / 32, K / 2, 32, 2] (panel_gemm.h).
-at::Tensor pack_panels(const at::Tensor& weight) {
+// W [N, K] bf16 row-major -> its panel copy [N / 32, K / 2, 32, 2] (panel_gemm.h), written
+// into `out` where given (memory the caller chose: huge pages, so no second copy).
+at::Tensor pack_panels(const at::Tensor& weight, const std::optional<at::Tensor>& out) {
   PDSERVE_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
                 "pack_panels: the weight must be bf16 [N, K], got ", weight.scalar_type(), " ", weight.sizes());
   const int64_t N = weight.size(0), K = weight.size(1);
   PDSERVE_CHECK(N % 32 == 0 && K % 2 == 0 && N > 0 && K > 0,
                 "pack_panels: out_features must be a multiple of 32 and in_features of 2, got [", N, ", ", K, "]");
 #ifdef PDSERVE_PANEL_GEMM
+  const std::vector<int64_t> shape{N / pdserve_cpu::kPanelCols, K / 2, pdserve_cpu::kPanelCols, 2};
+  if (out.has_value())
+    PDSERVE_CHECK(out->sizes() == at::IntArrayRef(shape) && out->scalar_type() == at::kBFloat16 &&
+                      out->is_contiguous(),
+                  "pack_panels: out must be contiguous bf16 ", at::IntArrayRef(shape), ", got ", out->scalar_type(), " ",
+                  out->sizes());
   const at::Tensor wc = weight.contiguous();
-  at::Tensor panels = at::empty({N / pdserve_cpu::kPanelCols, K / 2, pdserve_cpu::kPanelCols, 2}, weight.options());
-  pdserve_cpu::pack_panels(wc.const_data_ptr<at::BFloat16>(), panels.data_ptr<at::BFloat16>(), N, K);
+  at::Tensor panels = out.has_value() ? *out : at::empty(shape, weight.options());
+  const at::BFloat16* wp = wc.const_data_ptr<at::BFloat16>();
+  at::BFloat16* pp = panels.data_ptr<at::BFloat16>();
+  at::parallel_for(0, shape[0], 1, [&](int64_t begin, int64_t end) { pdserve_cpu::pack_panels(wp, pp, K, begin, end); });
   return panels;
 #else
   PDSERVE_CHECK(false, "pack_panels: built for a CPU without AVX512-BF16");
@@ -536,7 +545,7 @@ TORCH_LIBRARY(pdserve_gemv, m) {
   m.def("q4_1_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor? blocks, int group_size) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? q8_0_blocks) -> Tensor");
   m.def("isa() -> str", &gemv_isa);
-  m.def("pack_panels(Tensor weight) -> Tensor");
+  m.def("pack_panels(Tensor weight, Tensor? out=None) -> Tensor");
   m.def("panel_gemm(Tensor x, Tensor? bias, Tensor panels) -> Tensor");
   m.def("panel_gemm_max_rows() -> int", &panel_gemm_max_rows);
   m.def("register_linear(int weight_id, Tensor packed, Tensor? row_major, Tensor? q8_0_blocks=None, "

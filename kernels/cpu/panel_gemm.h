@@ -31,11 +31,12 @@ constexpr int64_t kPanelCols = 32;  // output columns per panel: two 512-bit vec
 constexpr int64_t kPanelTileRows = 12;  // rows of x per tile: 24 accumulators, 2 W vectors, 1 broadcast
 constexpr int64_t kPrefetchOutBytes = 1 << 20;  // outputs past this (a Zen 4 core's L2) are asked for ahead
 
-// panels [N / kPanelCols][K / 2][kPanelCols][2] from W [N, K] row-major: panel p holds
-// columns [p * 32, p * 32 + 32), K's pairs outermost.
-inline void pack_panels(const c10::BFloat16* w, c10::BFloat16* panels, int64_t N, int64_t K) {
+// Panels [panel_begin, panel_end) of [N / kPanelCols][K / 2][kPanelCols][2] from W [N, K]
+// row-major: panel p holds columns [p * 32, p * 32 + 32), K's pairs outermost.
+inline void pack_panels(const c10::BFloat16* w, c10::BFloat16* panels, int64_t K, int64_t panel_begin,
+                        int64_t panel_end) {
   const int64_t num_pairs = K / 2;
-  for (int64_t p = 0; p < N / kPanelCols; ++p)
+  for (int64_t p = panel_begin; p < panel_end; ++p)
     for (int64_t kp = 0; kp < num_pairs; ++kp) {
       c10::BFloat16* dst = panels + (p * num_pairs + kp) * kPanelCols * 2;
       for (int64_t c = 0; c < kPanelCols; ++c) {

@@ -130,7 +130,7 @@ class PrepackedLinear(nn.Module):
                              and q8_0_blocks.shape[0] == self.out_features else None)
         self._row_major = (on_huge_pages(weight) if self._q8_0_blocks is None and gemv_applies(weight) else None)
         # What bf16 steps of GEMV_MAX_ROWS + 1 to panel_gemm_max_rows() tokens read (AVX512-BF16).
-        self._panels = on_huge_pages(pack_panels(weight.detach())) if self._native and panels_apply(weight) else None
+        self._panels = pack_panels(weight.detach(), huge_pages=True) if self._native and panels_apply(weight) else None
         self.weight_id = _register(self._packed, self.out_features, self._row_major, self._panels)
         # A plain attribute, not a buffer: it stays on the CPU, where the ops read it.
         self.weight_id_tensor = torch.tensor(self.weight_id, device="cpu")  # [] int64

@@ -106,6 +106,8 @@ def test_pack_panels_lays_out_32_columns_by_pairs_of_k(out_features, in_features
     # panels[p, kp, c, t] == weight[p * 32 + c, kp * 2 + t]
     expected = weight.view(out_features // 32, 32, in_features // 2, 2).permute(0, 2, 1, 3)
     assert torch.equal(panels, expected)
+    # Written straight into huge-page memory, as PrepackedLinear keeps them: the same values.
+    assert torch.equal(pack_panels(weight, huge_pages=True), expected)
 
 
 @needs_panel_gemm
@@ -161,6 +163,14 @@ def test_panel_gemm_takes_no_rows_and_strided_x():
 def test_pack_panels_refuses_what_it_cannot_lay_out(weight, message):
     with pytest.raises(RuntimeError, match=message):
         pack_panels(weight)
+
+
+@needs_panel_gemm
+@pytest.mark.parametrize("out", [torch.empty(2, 16, 32, 2), torch.empty(1, 16, 32, 2, dtype=torch.bfloat16),
+                                 torch.empty(2, 32, 16, 2, dtype=torch.bfloat16).transpose(1, 2)])
+def test_pack_panels_refuses_an_output_of_another_shape_or_dtype(out):
+    with pytest.raises(RuntimeError, match=r"out must be contiguous bf16 \[2, 16, 32, 2\]"):
+        torch.ops.pdserve_gemv.pack_panels.default(torch.zeros(64, 32, dtype=torch.bfloat16), out)
 
 
 @needs_panel_gemm
