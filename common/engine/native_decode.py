@@ -106,8 +106,7 @@ class NativeDecodeLoop:
         """num_layers: run only the first num_layers layers, then the final norm (an early
         exit, as CausalLM.forward's); None: all of them."""
         self.model = model
-        tensors = _model_tensors(model, num_layers)
-        self.model_id = register_decode_model(**tensors)
+        self.model_id = register_decode_model(**_model_tensors(model, num_layers))
         weakref.finalize(self, release_decode_model, self.model_id)
         # Past the GEMVs' rows every linear needs its prepacked op: the library says whether all have one.
         self.max_num_tokens = decode_model_max_tokens(self.model_id)

@@ -6,12 +6,12 @@
 // tokens that serial work still leaves the other threads idle for a fifth of the step.
 // This loop runs a decode-only step through every layer from C++: the norms, RoPE,
 // residuals and SiLU row by row (on one thread below 2 * kRowsPerTask rows, over the
-// threads from there: for_rows), the linears through the GEMV ops up to kMaxGemvTokens rows (pdserve_gemv: dense
-// rows, Q4_1 or Q8_0 blocks) and through pdserve_gemv::prepacked_linear beyond (the
-// compiled model's own op: panel_gemm or oneDNN), attention through the fused
-// write-and-attend op (pdserve_cpu), each reached through the dispatcher from here. A
-// model whose every projection is a prepacked linear takes steps of any size; the others
-// (quantized projections) up to kMaxGemvTokens.
+// threads from there: for_rows), the linears through the GEMV ops up to kMaxGemvTokens
+// rows (pdserve_gemv: dense rows, Q4_1 or Q8_0 blocks) and through
+// pdserve_gemv::prepacked_linear beyond (the compiled model's own op: panel_gemm or
+// oneDNN), attention through the fused write-and-attend op (pdserve_cpu), each reached
+// through the dispatcher from here. A model whose every projection is a prepacked linear
+// takes steps of any size; the others (quantized projections) up to kMaxGemvTokens.
 //
 // Numerics follow the compiled graph's: each fused pointwise step computes in fp32 from
 // the dtype's inputs and rounds once; RMSNorm rounds the normalised value before scaling
