@@ -21,6 +21,7 @@ from common.engine.kv_connector.factory import make_scheduler_connector
 from common.engine.kv_connector.metadata import KVTransferOutcome
 from common.engine.model_files import load_hf_config, resolve_model
 from common.engine.outputs import EngineCoreOutput, RunnerOutput, SchedulerOutput
+from common.engine.heap_retention import keep_freed_heap
 from common.engine.python_arenas import keep_freed_arenas
 from common.engine.request import Request
 from common.engine.scheduler import RemoteKVReservation, Scheduler
@@ -81,6 +82,7 @@ class EngineCore:
         self.model_config = ModelConfig.from_hf_config(load_hf_config(self.model_dir))
         set_num_threads(config.num_threads)
         keep_freed_arenas()
+        keep_freed_heap()
         self.executor = executor or make_executor(self.model_config, self.model_dir, config)
         try:
             self._start(config)

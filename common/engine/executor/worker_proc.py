@@ -29,6 +29,7 @@ from common.engine.outputs_codec import (
     unpack,
 )
 from common.engine.process_exit import skip_collection_at_exit
+from common.engine.heap_retention import keep_freed_heap
 from common.engine.python_arenas import keep_freed_arenas
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ def _start(spec: WorkerSpec):
     config = spec.engine_config
     set_num_threads(config.num_threads)  # threads are per process: the engine process's setting stays there
     keep_freed_arenas()
+    keep_freed_heap()
     parallel = config.parallel
     if parallel.world_size > 1:
         _init_distributed(spec)
