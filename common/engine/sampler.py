@@ -29,6 +29,7 @@ import torch
 
 from common.engine.outputs import Logprobs, ScheduledRequest
 from common.engine.structured_output.bitmask import apply_token_bitmask
+from kernels.cpu_sampling import argmax_rows
 
 _MASK64 = (1 << 64) - 1
 
@@ -78,7 +79,7 @@ class Sampler:
             apply_token_bitmask(logits, token_bitmask, list(bitmask_rows))
         if all(p.is_greedy and p.logprobs is None and not p.has_penalties
                and len(r.output_token_ids) >= p.min_tokens for r, p in zip(requests, params)):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)  # fast path
+            return SamplerOutput(argmax_rows(logits).tolist(), None)  # fast path
 
         if not copied:
             logits = logits.to(torch.float32, copy=True)  # mutated below; the caller's is left alone
@@ -95,7 +96,7 @@ class Sampler:
         if len(random_rows) == num_seqs:
             sampled = self._sample_random(logits, requests)  # [num_seqs]
         else:
-            sampled = logits.argmax(dim=-1)  # [num_seqs]
+            sampled = argmax_rows(logits)  # [num_seqs]
             if random_rows:
                 sampled[random_rows] = self._sample_random(
                     logits[random_rows], [requests[i] for i in random_rows])

@@ -16,6 +16,7 @@ import torch
 from common.engine.models.attention import AttentionMetadata
 from common.engine.outputs import ScheduledRequest
 from common.engine.spec_decode.ngram_proposer import NgramProposer
+from kernels.cpu_sampling import argmax_rows
 
 if TYPE_CHECKING:
     from common.engine.config import SpeculativeConfig
@@ -89,7 +90,7 @@ def draft_greedily(runner: "ModelRunner", forward: DraftForward, compute_logits:
                                   sampling_params=requests[i].sampling_params) for i in rows]
         input_ids, step_positions, meta, sample_indices, _ = runner.prepare_inputs(batch)
         hidden = forward(input_ids, step_positions, meta)  # [num_rows, hidden_size]
-        draft_token_ids = compute_logits(hidden[sample_indices]).argmax(dim=-1).tolist()  # [num_rows]
+        draft_token_ids = argmax_rows(compute_logits(hidden[sample_indices])).tolist()  # [num_rows]
         for i, token_id in zip(rows, draft_token_ids):
             drafts[i].append(token_id)
             next_token_ids[i] = token_id

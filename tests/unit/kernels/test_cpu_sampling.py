@@ -1,0 +1,86 @@
+"""The native argmax over rows of fp32 logits (kernels/cpu/sampling.cpp): torch.argmax's
+answer for every row (ties to the first, NaN above every number, infinities, rows of
+any length and row stride), clear refusals for what it does not take, and the sampler's
+entry point, which leaves every other input to torch."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.cpu_sampling import argmax_rows, native_argmax_available
+
+pytestmark = pytest.mark.skipif(not native_argmax_available(), reason="no C++ compiler: the native argmax is not built")
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+# A few values, so that ties are common; NaN and the infinities among them.
+_values = st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.5, 1e30, -1e30, math.inf, -math.inf, math.nan])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5).flatmap(
+    lambda num_rows: st.integers(1, 70).flatmap(
+        lambda n: st.lists(st.lists(_values | st.floats(width=32), min_size=n, max_size=n),
+                           min_size=num_rows, max_size=num_rows))))
+def test_matches_torch_argmax(rows):
+    logits = torch.tensor(rows, dtype=torch.float32)  # [num_rows, n]
+    assert torch.equal(torch.ops.pdserve_sampling.argmax_rows(logits), logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 64, 130])
+def test_a_vocabulary_sized_row(num_rows):
+    generator = torch.Generator().manual_seed(num_rows)
+    logits = torch.randn(num_rows, 49152, generator=generator)
+    logits[0, 49151] = 100.0  # the last lane of the last vector
+    if num_rows > 2:
+        logits[1, 7] = logits[1, 40000] = 100.0  # a tie: the first wins
+        logits[2, 49150] = math.nan
+        logits[2, 30000] = math.nan  # the first NaN wins over every number
+    expected = logits.argmax(dim=-1)
+    assert torch.equal(torch.ops.pdserve_sampling.argmax_rows(logits), expected)
+    assert expected[0] == 49151
+
+
+def test_rows_apart_in_a_wider_tensor():
+    wide = torch.randn(6, 300, generator=torch.Generator().manual_seed(0))
+    logits = wide[::2, 5:250]  # row stride 600, rows contiguous
+    assert torch.equal(torch.ops.pdserve_sampling.argmax_rows(logits), logits.argmax(dim=-1))
+
+
+def test_no_rows():
+    assert torch.ops.pdserve_sampling.argmax_rows(torch.empty(0, 10)).shape == (0,)
+
+
+@pytest.mark.parametrize("logits, message", [
+    (torch.zeros(2, 8, dtype=torch.bfloat16), "fp32"),
+    (torch.zeros(8), "fp32"),
+    (torch.zeros(8, 2).t(), "contiguous rows"),
+    (torch.zeros(2, 0), "at least one value"),
+])
+def test_refusals_name_the_problem(logits, message):
+    with pytest.raises(ValueError, match=message):
+        torch.ops.pdserve_sampling.argmax_rows(logits)
+
+
+@pytest.mark.parametrize("logits", [
+    torch.tensor([[1.0, 3.0, 3.0]], dtype=torch.bfloat16),  # another dtype
+    torch.tensor([[1.0, 3.0], [4.0, 0.0]]).t(),  # columns, not rows, contiguous
+])
+def test_the_entry_point_leaves_the_rest_to_torch(logits):
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+
+
+def test_the_switch_turns_it_off():
+    done = subprocess.run(
+        [sys.executable, "-c", "from kernels.cpu_sampling import native_argmax_available as a; print(a())"],
+        env={**os.environ, "PDSERVE_CPU_ARGMAX": "0"}, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "False"
