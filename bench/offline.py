@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-threads-bind", default="auto",
                         help="vLLM's VLLM_CPU_OMP_THREADS_BIND: auto (its default: reserves a core for its "
                              "engine process on small machines) or all")
+    parser.add_argument("--peer-preload", choices=["auto", "none"], default="auto",
+                        help="vLLM's LD_PRELOAD: auto (what its CPU guide recommends, where found: tcmalloc, "
+                             "and Intel OpenMP from its venv) or none (glibc's malloc and torch's libgomp)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-batch-size", type=int, default=32)
@@ -259,15 +262,16 @@ def main(argv: list[str] | None = None) -> int:
     if vllm_python is not None:
         from pathlib import Path
 
-        from bench.peers.vllm_peer import run_vllm_offline
+        from bench.peers.vllm_peer import preload_choice, run_vllm_offline
+        preload = preload_choice(args.peer_preload, vllm_python)
         max_model_len = max(len(p) + m for p, m in workload) + 16
         max_model_len = max(max_model_len, len(single_prompt) + args.single_stream_tokens + 16,
                             len(ttft_prompt) + 16)
         log_path = Path(args.json_path or "bench-offline").with_suffix(".vllm.log")
         peer = run_vllm_offline(vllm_python, peer_spec(model_dir, dtype, args, workload,
                                                        single_prompt, ttft_prompt, max_model_len),
-                                args.peer_threads_bind, kv_cache_gib, log_path, timeout_s=1800)
-        results["vllm"] = peer | {"threads_bind": args.peer_threads_bind, "log": str(log_path)}
+                                args.peer_threads_bind, kv_cache_gib, log_path, timeout_s=1800, preload=preload)
+        results["vllm"] = peer | {"threads_bind": args.peer_threads_bind, "preload": preload, "log": str(log_path)}
         results["mixed"].update(vllm_output_tokens_per_s=peer["output_tokens_per_s"],
                                 speedup_vs_vllm=ours_tps / peer["output_tokens_per_s"])
         results["prefix_cache"].update(vllm_cold_ttft_s=peer["cold_ttft_s"],

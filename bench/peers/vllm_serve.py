@@ -22,7 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.peers.vllm_peer import cpu_env, vllm_python
+from bench.peers.vllm_peer import cpu_env, preload_choice, vllm_python
 from common.engine.config import parse_memory_size
 
 
@@ -80,7 +80,8 @@ def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path) -> dict:
     kv_gib = parse_memory_size(args.kv_cache_memory) / (1 << 30)  # main checked it is a size
     with open(out / "vllm-serve.log", "w") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                   env=cpu_env(args.peer_threads_bind, kv_gib))
+                                   env=cpu_env(args.peer_threads_bind, kv_gib,
+                                               preload_choice(args.peer_preload, python)))
         try:
             base_url = f"http://127.0.0.1:{port}"
             wait_for_models(base_url, process, args.startup_timeout)
@@ -119,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--peer-venv", default=None)
     parser.add_argument("--peer-threads-bind", default="auto")
+    parser.add_argument("--peer-preload", choices=["auto", "none"], default="auto",
+                        help="vLLM's LD_PRELOAD: auto (its CPU guide's tcmalloc and Intel OpenMP, where found) "
+                             "or none")
     parser.add_argument("--request-rate", default="1,2,4")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--random-input-len", type=int, default=256)
@@ -138,13 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     from bench.profile import cpu_model_name
     from common.engine.model_files import resolve_model
     model_dir = str(resolve_model(args.model))
-    vllm_python(args.peer_venv)  # missing peer: say how to install it before our run
+    peer_python = vllm_python(args.peer_venv)  # missing peer: say how to install it before our run
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         ours = serve_ours(args, model_dir, out)
         peer = serve_vllm(args, model_dir, out)
     rows = compare(ours, peer)
-    result = {"cpu": cpu_model_name(), "config": vars(args), "comparison": rows, "pdserve": ours, "vllm": peer}
+    result = {"cpu": cpu_model_name(), "config": vars(args), "comparison": rows, "pdserve": ours, "vllm": peer,
+              "vllm_preload": preload_choice(args.peer_preload, peer_python)}
     for row in rows:
         print(f"{row['request_rate']:>6} req/s  pdserve {row['pdserve_output_tokens_per_s']:7.1f} tok/s "
               f"p99 TPOT {row['pdserve_p99_tpot_ms']:7.1f} ms | vLLM {row['vllm_output_tokens_per_s']:7.1f} tok/s "
