@@ -227,8 +227,8 @@ def register_prepacked_linear(
 ) -> None:
     """Make `prepacked_linear(x, bias, weight_id, ...)` use this weight (native_gemv_available() only):
     decode rows (1 to GEMV_MAX_ROWS) take the Q8_0 blocks where given, else the row-major
-    copy; bf16 steps of up to panel_gemm_max_rows() rows the panels where given; else oneDNN. The library holds them
-    until release_prepacked_linear(weight_id)."""
+    copy; bf16 steps of up to panel_gemm_max_rows() rows the panels where given; else
+    oneDNN. The library holds them until release_prepacked_linear(weight_id)."""
     torch.ops.pdserve_gemv.register_linear(weight_id, packed, row_major, q8_0_blocks, panels)
 
 

@@ -8,10 +8,11 @@ only memory advised with MADV_HUGEPAGE gets them, and torch's allocator advises 
 (unless THP_MEM_ALLOC_ENABLE is set before its first allocation).
 
 `on_huge_pages(t)` copies a tensor into such memory, `zeros_on_huge_pages` and
-`empty_on_huge_pages` (for a caller that writes it whole) allocate there: small tensors share 32 MiB chunks (64-byte aligned pieces, each tensor with a
-storage of its own; a chunk lives while any of its tensors does), large ones get their own
-region; every region starts on a 2 MiB boundary. Where THP is off ("never"), outside
-Linux, or with PDSERVE_HUGE_PAGES=0, they return ordinary tensors. Memory is never handed
+`empty_on_huge_pages` (for a caller that writes it whole) allocate there: small tensors
+share 32 MiB chunks (64-byte aligned pieces, each tensor with a storage of its own; a chunk
+lives while any of its tensors does), large ones get their own region; every region starts
+on a 2 MiB boundary. Where THP is off ("never"), outside Linux, or with
+PDSERVE_HUGE_PAGES=0, they return ordinary tensors. Memory is never handed
 out twice, so a copy costs only its own bytes; pages of a chunk that nothing touched are
 not resident.
 """

@@ -45,7 +45,8 @@ def main() -> int:
         llm.generate({"prompt_token_ids": spec["ttft_prompt"]}, SamplingParams(temperature=0.0, max_tokens=1),
                      use_tqdm=False)
         cold_ttft_s.append(time.perf_counter() - t0)
-    result = {"mixed_seconds": mixed_s, "mixed_run_seconds": run_seconds, "cold_ttft_s": min(cold_ttft_s), "num_output_tokens": num_tokens,
+    result = {"mixed_seconds": mixed_s, "mixed_run_seconds": run_seconds, "cold_ttft_s": min(cold_ttft_s),
+                      "num_output_tokens": num_tokens,
                       "output_tokens_per_s": num_tokens / mixed_s,
                       "single_stream_tokens_per_s": num_new / single_s,
                       "single_stream_token_ids": list(single[0].outputs[0].token_ids),

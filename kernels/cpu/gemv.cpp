@@ -376,11 +376,15 @@ at::Tensor pack_panels(const at::Tensor& weight, const std::optional<at::Tensor>
 #endif
 }
 
+// Whether t is laid out as pack_panels writes a weight: contiguous bf16 [N / 32, K / 2, 32, 2].
+bool is_panel_copy(const at::Tensor& t) {
+  return t.dim() == 4 && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.size(2) == 32 && t.size(3) == 2;
+}
+
 // y [M, N] = x @ W^T (+ bias), bf16, any number of rows, W as pack_panels made it; what
 // decode steps of more than kMaxRows rows take on AVX512-BF16.
 at::Tensor panel_gemm(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& panels) {
-  PDSERVE_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() &&
-                    panels.size(2) == 32 && panels.size(3) == 2,
+  PDSERVE_CHECK(is_panel_copy(panels),
                 "panel_gemm: the panels must be contiguous bf16 [N / 32, K / 2, 32, 2] (pack_panels), got ",
                 panels.scalar_type(), " ", panels.sizes());
   const int64_t num_panels = panels.size(0), N = num_panels * 32, K = panels.size(1) * 2;
@@ -468,8 +472,7 @@ void register_linear(int64_t weight_id, const at::Tensor& packed, const std::opt
                       q8_0_blocks->size(1) % kQ8RowBytes == 0,
                   "register_linear: Q8_0 blocks must be contiguous uint8 [N, K / 32 * 34]");
   if (panels.has_value())
-    PDSERVE_CHECK(panels->dim() == 4 && panels->is_contiguous() && panels->scalar_type() == at::kBFloat16 &&
-                      panels->size(2) == 32 && panels->size(3) == 2,
+    PDSERVE_CHECK(is_panel_copy(*panels),
                   "register_linear: panels must be contiguous bf16 [N / 32, K / 2, 32, 2] (pack_panels)");
   std::lock_guard<std::mutex> lock(linears_mutex);
   if (static_cast<int64_t>(linears.size()) <= weight_id) linears.resize(weight_id + 1);
