@@ -22,8 +22,9 @@ from kernels.cpu_linear import GEMV_MAX_ROWS, native_gemv_available
 log = logging.getLogger(__name__)
 
 DECODE_MAX_TOKENS = GEMV_MAX_ROWS
-# How a linear's decode GEMV reads its weight (the library's LinearKind).
-LINEAR_DENSE, LINEAR_Q4_1, LINEAR_Q8_0 = 0, 1, 2
+# How a linear's decode GEMV reads its weight (the library's LinearKind): dense rows, GGUF
+# blocks, or bf16 column panels (kernels/cpu/panel_gemm.h, through panel_gemm).
+LINEAR_DENSE, LINEAR_Q4_1, LINEAR_Q8_0, LINEAR_PANELS = 0, 1, 2, 3
 
 
 def native_decode_disabled() -> bool:
@@ -50,8 +51,8 @@ def _decode_layers_fake(model_id, hidden, positions, k_caches, v_caches, slot_ma
 
 def register_decode_model(
     norms: list[torch.Tensor],  # per layer: input norm, post-attention norm, each [hidden_size]
-    weights: list[torch.Tensor],  # per layer: qkv, o, gate_up, down (dense [N, K] or GGUF row groups)
-    kinds: list[int],  # per weight: LINEAR_DENSE, LINEAR_Q4_1 or LINEAR_Q8_0
+    weights: list[torch.Tensor],  # per layer: qkv, o, gate_up, down (dense [N, K], GGUF row groups or panels)
+    kinds: list[int],  # per weight: LINEAR_DENSE, LINEAR_Q4_1, LINEAR_Q8_0 or LINEAR_PANELS
     biases: list[torch.Tensor | None],  # per weight: [N] or None
     sliding_windows: list[int],  # per layer, 0: none
     final_norm: torch.Tensor | None,  # [hidden_size]; None: the loop returns the residual stream

@@ -102,17 +102,16 @@ def panel_gemm_available() -> bool:
 
 @functools.cache
 def panel_gemm_max_rows() -> int:
-    """prepacked_linear's bf16 steps of GEMV_MAX_ROWS + 1 to this many rows take panel_gemm
-    where the linear has a panel copy: 128, or 16 on CPUs with AMX (kernels/cpu/gemv.cpp's
-    kMaxPanelRows says why); 0 where panel_gemm does not run."""
+    """prepacked_linear's bf16 steps of up to this many rows take panel_gemm where the linear
+    has a panel copy: 128, or 16 on CPUs with AMX (kernels/cpu/gemv.cpp's kMaxPanelRows says
+    why); 0 where panel_gemm does not run."""
     return torch.ops.pdserve_gemv.panel_gemm_max_rows() if panel_gemm_available() else 0
 
 
 def panels_apply(weight: torch.Tensor) -> bool:
-    """Whether this weight gets a panel copy for panel_gemm: bf16, out_features a multiple of
-    PANEL_COLS, in_features even, the library's AVX512-BF16 build, and PDSERVE_PANEL_GEMM not
-    0 (the copy is a third one of every bf16 weight: where memory is short, turn it off and
-    steps of 5+ tokens take oneDNN)."""
+    """Whether this weight gets a panel copy for panel_gemm (instead of the GEMV's row-major
+    one): bf16, out_features a multiple of PANEL_COLS, in_features even, the library's
+    AVX512-BF16 build, and PDSERVE_PANEL_GEMM not 0 (then steps of 5+ tokens take oneDNN)."""
     return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.shape[0] % PANEL_COLS == 0
             and weight.shape[1] % 2 == 0 and not switched_off("PDSERVE_PANEL_GEMM") and panel_gemm_available())
 
@@ -134,9 +133,9 @@ def panel_gemm(
     bias: torch.Tensor | None,  # [out_features] bf16
     panels: torch.Tensor,  # pack_panels(weight)
 ) -> torch.Tensor:  # [num_rows, out_features] bf16
-    """x W^T + b as outer products over W's column panels (kernels/cpu/panel_gemm.h): faster
-    than oneDNN for decode steps of GEMV_MAX_ROWS + 1 to panel_gemm_max_rows() rows, within ~8%
-    of the GEMV at 1 to 4."""
+    """x W^T + b as outer products over W's column panels (kernels/cpu/panel_gemm.h): what a
+    bf16 linear's decode steps of 1 to panel_gemm_max_rows() rows take, as fast as the GEMV at
+    1 to 4 rows and faster than oneDNN from 5."""
     return torch.ops.pdserve_gemv.panel_gemm.default(x, bias, panels)
 
 

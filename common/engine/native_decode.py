@@ -32,9 +32,9 @@ from common.engine.models.llama import LlamaAttention, LlamaDecoderLayer
 from common.engine.models.prepacked_linear import PrepackedLinear
 from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
-from kernels.cpu_decode import (LINEAR_DENSE, LINEAR_Q4_1, LINEAR_Q8_0, decode_layers, decode_model_max_tokens,
-                                native_decode_available, native_decode_disabled, register_decode_model,
-                                release_decode_model)
+from kernels.cpu_decode import (LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, decode_layers,
+                                decode_model_max_tokens, native_decode_available, native_decode_disabled,
+                                register_decode_model, release_decode_model)
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,8 @@ def decode_weight(linear: torch.nn.Module) -> tuple[torch.Tensor, int]:
             return linear._q8_0_blocks, LINEAR_Q8_0
         if linear._row_major is not None:
             return linear._row_major, LINEAR_DENSE
+        if linear._panels is not None:
+            return linear._panels, LINEAR_PANELS
     elif isinstance(linear, Q4_1Linear) and linear.uses_kernel and linear.blocks is not None:
         return linear.blocks, LINEAR_Q4_1
     elif isinstance(linear, Int8Linear) and linear.uses_kernel and linear.q8_0_blocks is not None:

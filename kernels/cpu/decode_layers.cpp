@@ -7,7 +7,7 @@
 // This loop runs a decode-only step through every layer from C++: the norms, RoPE,
 // residuals and SiLU row by row (on one thread below 2 * kRowsPerTask rows, over the
 // threads from there: for_rows), the linears through the GEMV ops up to kMaxGemvTokens
-// rows (pdserve_gemv: dense rows, Q4_1 or Q8_0 blocks) and through
+// rows (pdserve_gemv: dense rows, bf16 column panels, Q4_1 or Q8_0 blocks) and through
 // pdserve_gemv::prepacked_linear beyond (the compiled model's own op: panel_gemm or
 // oneDNN), attention through the fused write-and-attend op (pdserve_cpu), each reached
 // through the dispatcher from here. A model whose every projection is a prepacked linear
@@ -46,11 +46,14 @@ constexpr int64_t kMaxGemvTokens = 4;  // the GEMVs' limit on rows of x
 constexpr int64_t kRowsPerTask = 8;
 
 // How a linear's decode GEMV reads its weight.
-enum LinearKind : int64_t { kDense = 0, kQ4_1 = 1, kQ8_0 = 2 };
+enum LinearKind : int64_t { kDense = 0, kQ4_1 = 1, kQ8_0 = 2, kPanels = 3 };
 
 struct Linear {
   LinearKind kind;
-  at::Tensor weight;  // dense [N, K] bf16/fp32, or GGUF blocks in row groups [N, K / 32 * bytes] uint8
+  // dense [N, K] bf16/fp32, GGUF blocks in row groups [N, K / 32 * bytes] uint8, or bf16
+  // column panels [N / 32, K / 2, 32, 2] (pdserve_gemv::pack_panels)
+  at::Tensor weight;
+  int64_t out_features;  // N
   std::optional<at::Tensor> bias;  // [N], the model's dtype
   // [] int64: the id pdserve_gemv::prepacked_linear knows the linear by, for steps past
   // kMaxGemvTokens rows; none: the linear serves GEMV steps only.
@@ -81,7 +84,7 @@ at::Tensor linear(const Linear& l, const at::Tensor& x) {
     static const auto prepacked = c10::Dispatcher::singleton()
                                       .findSchemaOrThrow("pdserve_gemv::prepacked_linear", "")
                                       .typed<Prepacked>();
-    return prepacked.call(x, l.bias, *l.weight_id, l.weight.size(0));
+    return prepacked.call(x, l.bias, *l.weight_id, l.out_features);
   }
   using Gemv = at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&);
   static const auto dense = c10::Dispatcher::singleton().findSchemaOrThrow("pdserve_gemv::gemv", "").typed<Gemv>();
@@ -89,9 +92,12 @@ at::Tensor linear(const Linear& l, const at::Tensor& x) {
       c10::Dispatcher::singleton().findSchemaOrThrow("pdserve_gemv::q4_1_gemv", "").typed<Gemv>();
   static const auto q8_0 =
       c10::Dispatcher::singleton().findSchemaOrThrow("pdserve_gemv::q8_0_gemv", "").typed<Gemv>();
+  static const auto panels =
+      c10::Dispatcher::singleton().findSchemaOrThrow("pdserve_gemv::panel_gemm", "").typed<Gemv>();
   switch (l.kind) {
     case kQ4_1: return q4_1.call(x, l.bias, l.weight);
     case kQ8_0: return q8_0.call(x, l.bias, l.weight);
+    case kPanels: return panels.call(x, l.bias, l.weight);
     default: return dense.call(x, l.bias, l.weight);
   }
 }
@@ -265,18 +271,27 @@ at::Tensor run_layers(const Model& model, const at::Tensor& hidden, const at::Te
 
 Linear make_linear(int64_t kind, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                    int64_t weight_id, at::ScalarType dtype) {
-  PDSERVE_CHECK_VALUE(kind == kDense || kind == kQ4_1 || kind == kQ8_0, "register_decode_model: linear kind ", kind,
-                      " is not 0 (dense), 1 (Q4_1) or 2 (Q8_0)");
-  PDSERVE_CHECK_VALUE(weight.dim() == 2 && weight.is_contiguous(), "register_decode_model: weights must be 2-D and "
-                      "contiguous, got ", weight.sizes());
-  PDSERVE_CHECK_VALUE(kind == kDense ? weight.scalar_type() == dtype : weight.scalar_type() == at::kByte,
-                      "register_decode_model: a linear of kind ", kind, " has a ", weight.scalar_type(), " weight");
+  PDSERVE_CHECK_VALUE(kind == kDense || kind == kQ4_1 || kind == kQ8_0 || kind == kPanels,
+                      "register_decode_model: linear kind ", kind,
+                      " is not 0 (dense), 1 (Q4_1), 2 (Q8_0) or 3 (bf16 panels)");
+  if (kind == kPanels) {
+    PDSERVE_CHECK_VALUE(dtype == at::kBFloat16 && weight.dim() == 4 && weight.is_contiguous() &&
+                            weight.scalar_type() == at::kBFloat16 && weight.size(2) == 32 && weight.size(3) == 2,
+                        "register_decode_model: panels must be a bf16 model's contiguous bf16 [N / 32, K / 2, 32, 2] "
+                        "(pack_panels), got ", weight.scalar_type(), " ", weight.sizes());
+  } else {
+    PDSERVE_CHECK_VALUE(weight.dim() == 2 && weight.is_contiguous(), "register_decode_model: weights must be 2-D and "
+                        "contiguous, got ", weight.sizes());
+    PDSERVE_CHECK_VALUE(kind == kDense ? weight.scalar_type() == dtype : weight.scalar_type() == at::kByte,
+                        "register_decode_model: a linear of kind ", kind, " has a ", weight.scalar_type(), " weight");
+  }
+  const int64_t out_features = kind == kPanels ? weight.size(0) * 32 : weight.size(0);
   if (bias.has_value())
-    PDSERVE_CHECK_VALUE(bias->scalar_type() == dtype && bias->numel() == weight.size(0),
+    PDSERVE_CHECK_VALUE(bias->scalar_type() == dtype && bias->numel() == out_features,
                         "register_decode_model: a bias must be ", dtype, " with one value per output");
   std::optional<at::Tensor> id;
   if (weight_id >= 0) id = at::scalar_tensor(weight_id, at::TensorOptions().dtype(at::kLong));
-  return Linear{static_cast<LinearKind>(kind), weight, bias, id};
+  return Linear{static_cast<LinearKind>(kind), weight, out_features, bias, id};
 }
 
 // Keeps the model's tensors (they are shared with the model, not copied) until

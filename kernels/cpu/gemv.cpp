@@ -50,8 +50,8 @@
 namespace {
 
 constexpr int64_t kMaxRows = 4;  // rows of x; more would read W once per group of them
-// Steps of more rows than kMaxRows, up to this many, take panel_gemm where the linear has
-// a panel copy (bf16 on AVX512-BF16); more take oneDNN (panel_gemm.h's measurements on
+// Steps of up to this many rows take panel_gemm where the linear has a panel copy (bf16 on
+// AVX512-BF16, which then keeps no row-major copy for the GEMV); more take oneDNN (panel_gemm.h's measurements on
 // the Zen 4 EPYC: even at 128 rows, behind from 192). With AMX, oneDNN's tiles out-compute
 // vdpbf16ps several times over once the math dominates, so there panel_gemm keeps only
 // the steps that read weights more than they compute (as stream_gemm did; not measured
@@ -381,8 +381,8 @@ bool is_panel_copy(const at::Tensor& t) {
   return t.dim() == 4 && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.size(2) == 32 && t.size(3) == 2;
 }
 
-// y [M, N] = x @ W^T (+ bias), bf16, any number of rows, W as pack_panels made it; what
-// decode steps of more than kMaxRows rows take on AVX512-BF16.
+// y [M, N] = x @ W^T (+ bias), bf16, any number of rows, W as pack_panels made it; what a
+// bf16 linear's decode steps take on AVX512-BF16 (it then has no row-major copy).
 at::Tensor panel_gemm(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& panels) {
   PDSERVE_CHECK(is_panel_copy(panels),
                 "panel_gemm: the panels must be contiguous bf16 [N / 32, K / 2, 32, 2] (pack_panels), got ",

@@ -19,12 +19,13 @@ wrapper costs ~20 us, and a model step makes 4 linear calls per layer.
 Decode steps of up to four tokens take a native GEMV over the plain row-major weight
 instead, where the CPU has AVX2 and FMA (kernels/cpu_linear.py): it reads the weight as
 one sequential stream per thread, ~31 GB/s against oneDNN's ~18-20 GB/s for bf16 on the
-2-core Zen 4 EPYC (fp32 on a Zen 3: ~26 vs ~22 GB/s). With AVX512-BF16, bf16 steps of 5
-to panel_gemm_max_rows() tokens read a third copy, in column panels (kernels/cpu/panel_gemm.h:
-outer products; 1.2-1.9x oneDNN's rate at 5-64 rows on that EPYC). Those linears then
-hold their weight two or three times: packed, row-major and in panels. Where that native
-library is loaded, the graph calls its op `pdserve_gemv::prepacked_linear`, which makes
-the same choice in C++; `pdserve::prepacked_linear` serves elsewhere.
+2-core Zen 4 EPYC (fp32 on a Zen 3: ~26 vs ~22 GB/s). With AVX512-BF16, bf16 steps of 1
+to panel_gemm_max_rows() tokens read a copy in column panels instead
+(kernels/cpu/panel_gemm.h: outer products; as fast as the GEMV at 1-4 rows, 1.2-1.9x
+oneDNN's rate at 5-64 on that EPYC), and those weights keep no row-major copy. A linear
+thus holds its weight twice: packed for oneDNN, and row-major or in panels. Where that
+native library is loaded, the graph calls its op `pdserve_gemv::prepacked_linear`, which
+makes the same choice in C++; `pdserve::prepacked_linear` serves elsewhere.
 """
 from __future__ import annotations
 
@@ -123,14 +124,16 @@ class PrepackedLinear(nn.Module):
         # Where the native library is loaded, its op makes the GEMV-or-oneDNN choice in C++
         # (~5 us less per call than the Python op); it holds the weights until this module goes.
         self._native = native_gemv_available()
-        # What decode steps' GEMV reads, where it applies: the Q8_0 blocks, else a row-major
-        # copy of a bf16 or fp32 weight (AVX2 and FMA).
+        # What decode steps' GEMV reads, where it applies: the Q8_0 blocks, else (below) a
+        # row-major copy of a bf16 or fp32 weight (AVX2 and FMA) that has no panel copy.
         # Both on huge pages: a decode step streams them whole (kernels/huge_pages.py).
         self._q8_0_blocks = (on_huge_pages(q8_0_gemv_blocks(q8_0_blocks)) if self._native and q8_0_blocks is not None
                              and q8_0_blocks.shape[0] == self.out_features else None)
-        self._row_major = (on_huge_pages(weight) if self._q8_0_blocks is None and gemv_applies(weight) else None)
-        # What bf16 steps of GEMV_MAX_ROWS + 1 to panel_gemm_max_rows() tokens read (AVX512-BF16).
+        # What bf16 decode steps of up to panel_gemm_max_rows() tokens read (AVX512-BF16): at
+        # 1-4 tokens as fast as the GEMV's rows, so such a weight keeps no row-major copy.
         self._panels = pack_panels(weight.detach(), huge_pages=True) if self._native and panels_apply(weight) else None
+        self._row_major = (on_huge_pages(weight) if self._q8_0_blocks is None and self._panels is None
+                           and gemv_applies(weight) else None)
         self.weight_id = _register(self._packed, self.out_features, self._row_major, self._panels)
         # A plain attribute, not a buffer: it stays on the CPU, where the ops read it.
         self.weight_id_tensor = torch.tensor(self.weight_id, device="cpu")  # [] int64
@@ -151,9 +154,10 @@ class PrepackedLinear(nn.Module):
         return torch.ops.pdserve.prepacked_linear(x, self.bias, self.weight_id_tensor, self.out_features)
 
     def extra_repr(self) -> str:
-        decode = "q8_0 gemv" if self._q8_0_blocks is not None else "gemv" if self._row_major is not None else "onednn"
+        kernels = ["q8_0 gemv"] if self._q8_0_blocks is not None else ["gemv"] if self._row_major is not None else []
         if self._panels is not None:
-            decode += ", panels"
+            kernels.append("panels")
+        decode = ", ".join(kernels) or "onednn"
         return (f"in_features={self.in_features}, out_features={self.out_features}, weight_id={self.weight_id}, "
                 f"decode={decode}")
 

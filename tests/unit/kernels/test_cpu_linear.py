@@ -193,15 +193,18 @@ def test_panel_gemm_refuses_what_it_cannot_compute(x, bias, panels, message):
 
 @needs_panel_gemm
 @pytest.mark.skipif(not prepacking_available(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
-@pytest.mark.parametrize("num_tokens", ["fewest", "most", "past the most"])
-def test_a_bf16_linear_takes_panel_gemm_for_mid_sized_steps_and_onednn_beyond(num_tokens):
+@pytest.mark.parametrize("num_tokens", ["one", "the GEMV's most", "the GEMV's most + 1", "most", "past the most"])
+def test_a_bf16_linear_takes_panel_gemm_for_decode_steps_and_onednn_beyond(num_tokens):
     max_rows = panel_gemm_max_rows()  # 128, or 16 with AMX (the library's build for this CPU)
     assert max_rows == (16 if "amx_bf16" in cpu_flags().split() else 128)
-    num_tokens = {"fewest": GEMV_MAX_ROWS + 1, "most": max_rows, "past the most": max_rows + 1}[num_tokens]
+    num_tokens = {"one": 1, "the GEMV's most": GEMV_MAX_ROWS, "the GEMV's most + 1": GEMV_MAX_ROWS + 1,
+                  "most": max_rows, "past the most": max_rows + 1}[num_tokens]
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
     layer = PrepackedLinear(weight, bias)
-    assert _PACKED_WEIGHTS[layer.weight_id][3] is not None  # it holds the panels
+    # It holds the panels and no row-major copy: the weight twice (packed, panels), not three times.
+    assert _PACKED_WEIGHTS[layer.weight_id][3] is not None and _PACKED_WEIGHTS[layer.weight_id][2] is None
+    assert layer._row_major is None and "decode=panels" in repr(layer)
     x = torch.randn(num_tokens, 64, dtype=torch.bfloat16)
     out = layer(x)
     weight_id = layer.weight_id_tensor
@@ -217,12 +220,16 @@ def test_a_bf16_linear_takes_panel_gemm_for_mid_sized_steps_and_onednn_beyond(nu
 
 @pytest.mark.parametrize("num_tokens", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_linear_takes_the_gemv_for_decode_rows_and_onednn_beyond(num_tokens, dtype):
+def test_a_linear_takes_the_gemv_for_decode_rows_and_onednn_beyond(num_tokens, dtype, monkeypatch):
     if not prepacking_available(dtype):
         pytest.skip(f"oneDNN cannot pack {dtype} here")
+    # A bf16 weight keeps a row-major copy for the GEMV where it has no panels (no
+    # AVX512-BF16, or the panels switched off).
+    monkeypatch.setenv("PDSERVE_PANEL_GEMM", "0")
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
     layer = PrepackedLinear(weight, bias)
+    assert _PACKED_WEIGHTS[layer.weight_id][3] is None and "decode=gemv" in repr(layer)
     assert _PACKED_WEIGHTS[layer.weight_id][2] is not None  # it holds the row-major weight
     x = torch.randn(num_tokens, 64, dtype=dtype)
     out = layer(x)

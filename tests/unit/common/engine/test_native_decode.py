@@ -20,11 +20,12 @@ import torch
 from common.engine.forward_context import forward_context
 from common.engine.llm import LLM
 from common.engine.models.prepacked_linear import prepack_linears
-from common.engine.native_decode import NativeDecodeLoop, decode_weight
+from common.engine.native_decode import NativeDecodeLoop, _model_tensors, decode_weight
 from common.engine.outputs import ScheduledRequest
 from common.engine.sampling_params import SamplingParams
-from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_Q4_1, LINEAR_Q8_0, decode_layers, decode_model_max_tokens,
-                                native_decode_available)
+from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, decode_layers,
+                                decode_model_max_tokens, native_decode_available, register_decode_model)
+from kernels.cpu_linear import panel_gemm_available
 from tests.unit.common.engine.models.family_parity import parity_prompts, save_tiny_model
 
 pytestmark = pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
@@ -157,6 +158,10 @@ def test_in_bf16_the_loop_is_as_close_to_fp32_as_the_model():
     reference.engine.shutdown()
     llm = LLM(dtype="bfloat16", kv_cache_memory="32MiB")
     loop = _with_native_loop(llm)
+    # With AVX512-BF16 every projection's decode steps read its column panels (a bf16
+    # weight's only decode copy), elsewhere the row-major rows.
+    kinds = _model_tensors(llm.engine.executor.runner.model, None)["kinds"]
+    assert set(kinds) == {LINEAR_PANELS if panel_gemm_available() else LINEAR_DENSE}
     loop_error = (_logits(llm, _decode_step(llm, PROMPTS, loop)) - want).abs().max().item()
     model_error = (_logits(llm, _decode_step(llm, PROMPTS, None)) - want).abs().max().item()
     assert loop_error <= BF16_ERROR_RATIO * model_error, (loop_error, model_error)
@@ -258,6 +263,12 @@ def test_bad_calls_raise_and_write_nothing(tiny_llama_dir):
     assert call(num_tokens=DECODE_MAX_TOKENS + 5).shape == (DECODE_MAX_TOKENS + 5, hidden_size)
     with pytest.raises(ValueError, match="no model is registered as 12345"):
         decode_model_max_tokens(12345)
+    # Row-major fp32 weights registered as panels, or a kind it does not know: refused.
+    tensors = _model_tensors(llm.engine.executor.runner.model, None)
+    with pytest.raises(ValueError, match=r"panels must be a bf16 model's contiguous bf16 \[N / 32, K / 2, 32, 2\]"):
+        register_decode_model(**{**tensors, "kinds": [LINEAR_PANELS] * len(tensors["kinds"])})
+    with pytest.raises(ValueError, match="linear kind 4 is not"):
+        register_decode_model(**{**tensors, "kinds": [4] * len(tensors["kinds"])})
     for cache in (*k_caches, *v_caches):
         cache.zero_()
     num_slots = k_caches[0].shape[0] * k_caches[0].shape[1]

@@ -100,11 +100,16 @@ def test_nothing_is_packed_where_onednn_cannot(monkeypatch, tiny_llama_dir):
 
 @pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages here")
 def test_what_decode_steps_stream_lives_on_huge_pages(tiny_llama_dir):
-    # The GEMV's row-major copies and the KV cache: a decode step reads them whole.
+    # The GEMV's row-major copies, bf16 weights' column panels and the KV cache: a decode
+    # step reads them whole.
     layer = PrepackedLinear(torch.randn(96, 64), None)
     if layer._row_major is None:
         pytest.skip("no native GEMV here: no row-major copy")
     assert mapping_of(layer._row_major)["THPeligible"] == "1"
+    if prepacking_available(torch.bfloat16):
+        bf16_layer = PrepackedLinear(torch.randn(96, 64, dtype=torch.bfloat16), None)
+        for decode_copy in (bf16_layer._row_major, bf16_layer._panels):  # one of them, by the CPU
+            assert decode_copy is None or mapping_of(decode_copy)["THPeligible"] == "1"
     config = ModelConfig.from_hf_config(load_hf_config(tiny_llama_dir))
     for k_cache, v_cache in allocate_paged_kv(config, 8, 16, torch.float32, torch.device("cpu")):
         assert mapping_of(k_cache)["THPeligible"] == "1" and mapping_of(v_cache)["THPeligible"] == "1"
