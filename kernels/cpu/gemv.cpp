@@ -51,11 +51,12 @@ namespace {
 
 constexpr int64_t kMaxRows = 4;  // rows of x; more would read W once per group of them
 // Steps of up to this many rows take panel_gemm where the linear has a panel copy (bf16 on
-// AVX512-BF16, which then keeps no row-major copy for the GEMV); more take oneDNN (panel_gemm.h's measurements on
-// the Zen 4 EPYC: even at 128 rows, behind from 192). With AMX, oneDNN's tiles out-compute
-// vdpbf16ps several times over once the math dominates, so there panel_gemm keeps only
-// the steps that read weights more than they compute (as stream_gemm did; not measured
-// on an AMX CPU here). kernels/cpu_linear.panel_gemm_max_rows() reads it.
+// AVX512-BF16, which then keeps no row-major copy for the GEMV); more take oneDNN
+// (panel_gemm.h's measurements on the Zen 4 EPYC: even at 128 rows, behind from 192).
+// With AMX, oneDNN's tiles out-compute vdpbf16ps several times over once the math
+// dominates, so there panel_gemm keeps only the steps that read weights more than they
+// compute (as stream_gemm did; not measured on an AMX CPU here).
+// kernels/cpu_linear.panel_gemm_max_rows() reads it.
 #if defined(__AMX_BF16__)
 constexpr int64_t kMaxPanelRows = 16;
 #else

@@ -1,9 +1,9 @@
 // y [M, N] = x [M, K] @ W [N, K]^T (+ bias) in bf16 with AVX512-BF16, for decode steps of
 // 1 to ~128 rows (short of prefill's): outer products on W packed in column panels, each
 // panel (32 output columns, all of K: 36 KB for K = 576) read from L2 once per 12 rows of
-// x, the next panel asked for from DRAM meanwhile. It is the only copy of a bf16 weight
-// that decode steps read: at 1-4 rows it streams the panels as fast as the row-major GEMV
-// streamed its rows, so the model keeps no row-major copy beside it.
+// x, the next panel asked for from DRAM meanwhile (from six rows). It is the only copy of
+// a bf16 weight that decode steps read: at 1-4 rows it streams the panels as fast as the
+// row-major GEMV streamed its rows, so the model keeps no row-major copy beside it.
 //
 // The panel layout [N / 32][K / 2][32][2] is what vdpbf16ps multiplies: one 512-bit load is
 // 16 output columns' pair of K values, against one pair of x's K values broadcast to every
@@ -34,8 +34,8 @@ constexpr int64_t kPanelTileRows = 12;  // rows of x per tile: 24 accumulators, 
 constexpr int64_t kPrefetchOutBytes = 1 << 20;  // outputs past this (a Zen 4 core's L2) are asked for ahead
 // Steps of fewer rows than this read a panel faster than a prefetch of the next one pays
 // for: the hardware's stream keeps up alone (each thread reads its panels front to back).
-// On the Zen 4 EPYC, SmolLM2's linears and head: 1-5 rows 3-20% faster without it, 6 and
-// more 4-25% faster with it.
+// On the Zen 4 EPYC, SmolLM2's linears and head (docs/benchmarks.md, "A bf16 weight held
+// twice"): 1-5 rows 4-21% faster without it, 6-64 rows 3-34% faster with it.
 constexpr int64_t kPrefetchMinRows = 6;
 
 // Panels [panel_begin, panel_end) of [N / kPanelCols][K / 2][kPanelCols][2] from W [N, K]
