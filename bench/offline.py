@@ -4,9 +4,10 @@ Reports output tokens/s on a mixed seeded workload (HF with static batches of 32
 left padding, greedy; vLLM with its own continuous batching), single-stream decode
 tokens/s for each, the time to first token of a 1024-token prompt computed in full
 (ours and vLLM's) and ours with its first 1000 tokens cached, start-up time and
-recompiles after warm-up of our compiled model, and the machine's rooflines
-measured in the same run (memory copy bandwidth, fp32 matmul rate). Every side runs
-the same dtype; vLLM runs in its own venv (bench/peers/vllm_peer.py).
+recompiles after warm-up of our compiled model, the memory each engine holds after its
+runs (the proportional set size of its processes, with equal KV pools: `memory`), and the
+machine's rooflines measured in the same run (memory copy bandwidth, fp32 matmul rate).
+Every side runs the same dtype; vLLM runs in its own venv (bench/peers/vllm_peer.py).
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import time
 
 import torch
 from tqdm import tqdm
+
+from bench.peers.proc_memory import tree_memory
 
 
 def _sync(device: torch.device) -> None:
@@ -259,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     results["mixed"]["ours_pct_of_batched_roofline"] = 100 * ours_tps / batched_roofline_tps
     results["model"] = {"num_params": num_params, "weight_bytes": weight_bytes}
     kv_cache_gib = llm.engine.config.cache.num_blocks * llm.engine.executor.kv_bytes_per_block() / (1 << 30)
+    # What the engine holds after the runs (this process and any it started), beside the
+    # KV pool both sides were given; vLLM's runner measures its processes the same way.
+    results["memory"] = {"kv_cache_gib": kv_cache_gib, "ours": tree_memory()}
     model_dir = llm.engine.model_dir
     llm.engine.shutdown()  # the peers get the machine to themselves
     del llm, runner
@@ -291,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                                        cold_ttft_vs_vllm=cold / peer["cold_ttft_s"])
         results["single_stream"].update(vllm_tokens_per_s=peer["single_stream_tokens_per_s"],
                                         speedup_vs_vllm=ours_single / peer["single_stream_tokens_per_s"])
+        results["memory"]["vllm"] = peer.get("memory")
     text = json.dumps(results, indent=2)
     print(text)
     if args.json_path:

@@ -11,6 +11,8 @@ import statistics
 import sys
 import time
 
+from proc_memory import tree_memory  # beside this file (this script's directory leads sys.path)
+
 
 def main() -> int:
     spec = json.load(sys.stdin)
@@ -50,6 +52,8 @@ def main() -> int:
                       "output_tokens_per_s": num_tokens / mixed_s,
                       "single_stream_tokens_per_s": num_new / single_s,
                       "single_stream_token_ids": list(single[0].outputs[0].token_ids),
+                      # after the runs, the engine core (a child process) still up: as pdserve measures its own
+                      "memory": tree_memory(),
                       "vllm_version": __import__("vllm").__version__}
     with open(spec["out_path"], "w") as f:  # vLLM logs to stdout: the result goes to a file
         json.dump(result, f)

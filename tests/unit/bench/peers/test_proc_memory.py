@@ -1,0 +1,39 @@
+"""What the offline bench reports as each engine's memory: a process tree's proportional set
+size, read from /proc, with a real child process holding a known amount."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from bench.peers.proc_memory import tree_memory
+
+pytestmark = pytest.mark.skipif(tree_memory() is None, reason="no /proc/<pid>/smaps_rollup here")
+
+HELD_MIB = 192
+# A child that fills HELD_MIB of its own memory (every page written), says so, and waits.
+HOLDER = f"import sys; held = b'x' * ({HELD_MIB} << 20); print('ready', flush=True); sys.stdin.read()"
+
+
+def test_a_childs_memory_counts_in_its_parents_tree():
+    before = tree_memory()
+    child = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        own = tree_memory(child.pid)
+        with_child = tree_memory()
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    assert own["num_processes"] == 1 and HELD_MIB <= own["pss_mib"] < HELD_MIB + 64  # plus an interpreter
+    assert with_child["num_processes"] == before["num_processes"] + 1
+    assert with_child["pss_mib"] - before["pss_mib"] >= HELD_MIB
+    # Gone with the child.
+    assert tree_memory()["num_processes"] == before["num_processes"]
+
+
+def test_a_process_that_is_gone_has_no_figure():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=30)
+    assert tree_memory(child.pid) is None
