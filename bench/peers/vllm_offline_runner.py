@@ -48,13 +48,12 @@ def main() -> int:
                      use_tqdm=False)
         cold_ttft_s.append(time.perf_counter() - t0)
     result = {"mixed_seconds": mixed_s, "mixed_run_seconds": run_seconds, "cold_ttft_s": min(cold_ttft_s),
-                      "num_output_tokens": num_tokens,
-                      "output_tokens_per_s": num_tokens / mixed_s,
-                      "single_stream_tokens_per_s": num_new / single_s,
-                      "single_stream_token_ids": list(single[0].outputs[0].token_ids),
-                      # after the runs, the engine core (a child process) still up: as pdserve measures its own
-                      "memory": tree_memory(),
-                      "vllm_version": __import__("vllm").__version__}
+              "num_output_tokens": num_tokens, "output_tokens_per_s": num_tokens / mixed_s,
+              "single_stream_tokens_per_s": num_new / single_s,
+              "single_stream_token_ids": list(single[0].outputs[0].token_ids),
+              # after the runs, the engine core (a child process) still up: as pdserve measures its own
+              "memory": tree_memory(),
+              "vllm_version": __import__("vllm").__version__}
     with open(spec["out_path"], "w") as f:  # vLLM logs to stdout: the result goes to a file
         json.dump(result, f)
     return 0

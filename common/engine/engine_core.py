@@ -16,12 +16,12 @@ from common.engine.config import EngineConfig, ModelConfig, parse_memory_size
 from common.engine.device import set_num_threads
 from common.engine.executor import Executor, make_executor
 from common.engine.executor.base import StepHandle
+from common.engine.heap_retention import keep_freed_heap
 from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.kv_connector.factory import make_scheduler_connector
 from common.engine.kv_connector.metadata import KVTransferOutcome
 from common.engine.model_files import load_hf_config, resolve_model
 from common.engine.outputs import EngineCoreOutput, RunnerOutput, SchedulerOutput
-from common.engine.heap_retention import keep_freed_heap
 from common.engine.python_arenas import keep_freed_arenas
 from common.engine.request import Request
 from common.engine.scheduler import RemoteKVReservation, Scheduler

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "check_message.h"
+#include "panel_layout.h"
 #include "vec_math.h"
 
 namespace {
@@ -275,8 +276,7 @@ Linear make_linear(int64_t kind, const at::Tensor& weight, const std::optional<a
                       "register_decode_model: linear kind ", kind,
                       " is not 0 (dense), 1 (Q4_1), 2 (Q8_0) or 3 (bf16 panels)");
   if (kind == kPanels) {
-    PDSERVE_CHECK_VALUE(dtype == at::kBFloat16 && weight.dim() == 4 && weight.is_contiguous() &&
-                            weight.scalar_type() == at::kBFloat16 && weight.size(2) == 32 && weight.size(3) == 2,
+    PDSERVE_CHECK_VALUE(dtype == at::kBFloat16 && pdserve_cpu::is_panel_copy(weight),
                         "register_decode_model: panels must be a bf16 model's contiguous bf16 [N / 32, K / 2, 32, 2] "
                         "(pack_panels), got ", weight.scalar_type(), " ", weight.sizes());
   } else {
@@ -285,7 +285,7 @@ Linear make_linear(int64_t kind, const at::Tensor& weight, const std::optional<a
     PDSERVE_CHECK_VALUE(kind == kDense ? weight.scalar_type() == dtype : weight.scalar_type() == at::kByte,
                         "register_decode_model: a linear of kind ", kind, " has a ", weight.scalar_type(), " weight");
   }
-  const int64_t out_features = kind == kPanels ? weight.size(0) * 32 : weight.size(0);
+  const int64_t out_features = kind == kPanels ? weight.size(0) * pdserve_cpu::kPanelCols : weight.size(0);
   if (bias.has_value())
     PDSERVE_CHECK_VALUE(bias->scalar_type() == dtype && bias->numel() == out_features,
                         "register_decode_model: a bias must be ", dtype, " with one value per output");

@@ -64,7 +64,9 @@ constexpr int64_t kMaxPanelRows = 128;
 #endif
 constexpr int64_t kStep = 32;    // bf16 values per 512-bit load; in_features' required multiple
 // GGUF blocks (gguf_row_groups.h): columns per block, bytes per block and row.
+using pdserve_cpu::is_panel_copy;
 using pdserve_cpu::kBlockCols;
+using pdserve_cpu::kPanelCols;
 using pdserve_cpu::kQ4RowBytes;
 using pdserve_cpu::kQ8RowBytes;
 
@@ -357,10 +359,10 @@ at::Tensor pack_panels(const at::Tensor& weight, const std::optional<at::Tensor>
   PDSERVE_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
                 "pack_panels: the weight must be bf16 [N, K], got ", weight.scalar_type(), " ", weight.sizes());
   const int64_t N = weight.size(0), K = weight.size(1);
-  PDSERVE_CHECK(N % 32 == 0 && K % 2 == 0 && N > 0 && K > 0,
+  PDSERVE_CHECK(N % kPanelCols == 0 && K % 2 == 0 && N > 0 && K > 0,
                 "pack_panels: out_features must be a multiple of 32 and in_features of 2, got [", N, ", ", K, "]");
 #ifdef PDSERVE_PANEL_GEMM
-  const std::vector<int64_t> shape{N / pdserve_cpu::kPanelCols, K / 2, pdserve_cpu::kPanelCols, 2};
+  const std::vector<int64_t> shape{N / kPanelCols, K / 2, kPanelCols, 2};
   if (out.has_value())
     PDSERVE_CHECK(out->sizes() == at::IntArrayRef(shape) && out->scalar_type() == at::kBFloat16 &&
                       out->is_contiguous(),
@@ -377,18 +379,13 @@ at::Tensor pack_panels(const at::Tensor& weight, const std::optional<at::Tensor>
 #endif
 }
 
-// Whether t is laid out as pack_panels writes a weight: contiguous bf16 [N / 32, K / 2, 32, 2].
-bool is_panel_copy(const at::Tensor& t) {
-  return t.dim() == 4 && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.size(2) == 32 && t.size(3) == 2;
-}
-
 // y [M, N] = x @ W^T (+ bias), bf16, any number of rows, W as pack_panels made it; what a
 // bf16 linear's decode steps take on AVX512-BF16 (it then has no row-major copy).
 at::Tensor panel_gemm(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& panels) {
   PDSERVE_CHECK(is_panel_copy(panels),
                 "panel_gemm: the panels must be contiguous bf16 [N / 32, K / 2, 32, 2] (pack_panels), got ",
                 panels.scalar_type(), " ", panels.sizes());
-  const int64_t num_panels = panels.size(0), N = num_panels * 32, K = panels.size(1) * 2;
+  const int64_t num_panels = panels.size(0), N = num_panels * kPanelCols, K = panels.size(1) * 2;
   PDSERVE_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "panel_gemm: x must be bf16 [M, K], got ",
                 x.scalar_type(), " ", x.sizes());
   PDSERVE_CHECK(x.size(1) == K, "panel_gemm: x has ", x.size(1), " columns, the weight ", K);

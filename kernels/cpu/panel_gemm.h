@@ -19,6 +19,8 @@
 // dot-product tiles it replaced, bound by the weight reads like them.
 #pragma once
 
+#include "panel_layout.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define PDSERVE_PANEL_GEMM 1
 #include <immintrin.h>
@@ -29,7 +31,6 @@
 
 namespace pdserve_cpu {
 
-constexpr int64_t kPanelCols = 32;  // output columns per panel: two 512-bit vectors of fp32
 constexpr int64_t kPanelTileRows = 12;  // rows of x per tile: 24 accumulators, 2 W vectors, 1 broadcast
 constexpr int64_t kPrefetchOutBytes = 1 << 20;  // outputs past this (a Zen 4 core's L2) are asked for ahead
 // Steps of fewer rows than this read a panel faster than a prefetch of the next one pays

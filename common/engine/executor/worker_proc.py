@@ -21,6 +21,7 @@ from common.engine.config import EngineConfig, ModelConfig
 from common.engine.device import select_device, set_num_threads
 from common.engine.distributed.message_queue import QueueHandle, ShmRingQueue
 from common.engine.executor.config_codec import config_from_plain, config_to_plain
+from common.engine.heap_retention import keep_freed_heap
 from common.engine.outputs_codec import (
     MessageFormatError,
     SchedulerOutputDecoder,
@@ -29,7 +30,6 @@ from common.engine.outputs_codec import (
     unpack,
 )
 from common.engine.process_exit import skip_collection_at_exit
-from common.engine.heap_retention import keep_freed_heap
 from common.engine.python_arenas import keep_freed_arenas
 
 logger = logging.getLogger(__name__)
