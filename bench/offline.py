@@ -7,11 +7,14 @@ tokens/s for each, the time to first token of a 1024-token prompt computed in fu
 recompiles after warm-up of our compiled model, the memory each engine holds after its
 runs (the proportional set size of its processes, with equal KV pools: `memory`), and the
 machine's rooflines measured in the same run (memory copy bandwidth, fp32 matmul rate).
-Every side runs the same dtype; vLLM runs in its own venv (bench/peers/vllm_peer.py).
+Every side runs the same dtype; vLLM runs in its own venv (bench/peers/vllm_peer.py), up
+beside ours for the whole run, the two engines' mixed runs alternating (each pair's ratio
+reported as well as the ratio of the medians); Hugging Face runs after both have ended.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import random
@@ -121,14 +124,20 @@ def hf_single_stream(hf_model, prompt: list[int], num_new: int, pad_token_id: in
     return num_new / (time.perf_counter() - t0)
 
 
-def prefix_cache_ttft(llm, vocab_size: int, seed: int, prefix_len: int = 1000,
-                      suffix_len: int = 24, repeats: int = 3) -> tuple[float, float, list[int]]:
-    """Time to first token of a prefix_len + suffix_len prompt computed in full (the best of
-    `repeats`, the prefix cache emptied before each), then of one that shares the prefix
-    with it; and the cold prompt, for the peer to time the same one."""
-    from common.engine.sampling_params import SamplingParams
+def ttft_prompts(vocab_size: int, seed: int, prefix_len: int = 1000,
+                 suffix_len: int = 24) -> tuple[list[int], list[int]]:
+    """Two prefix_len + suffix_len prompts sharing their first prefix_len tokens: the one
+    timed cold (on every side) and the one timed after it, with the prefix cached (ours)."""
     rng = random.Random(seed + 1)
     prefix = [rng.randrange(100, vocab_size) for _ in range(prefix_len)]
+    cold_prompt = prefix + [rng.randrange(100, vocab_size) for _ in range(suffix_len)]
+    return cold_prompt, prefix + [rng.randrange(100, vocab_size) for _ in range(suffix_len)]
+
+
+def prefix_cache_ttft(llm, cold_prompt: list[int], warm_prompt: list[int], repeats: int = 3) -> tuple[float, float]:
+    """Time to first token of cold_prompt computed in full (the best of `repeats`, the
+    prefix cache emptied before each), then of warm_prompt, which shares its prefix."""
+    from common.engine.sampling_params import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=1)
 
     def ttft(prompt):
@@ -136,13 +145,11 @@ def prefix_cache_ttft(llm, vocab_size: int, seed: int, prefix_len: int = 1000,
         llm.generate({"prompt_token_ids": prompt}, params)
         return time.perf_counter() - t0
 
-    cold_prompt = prefix + [rng.randrange(100, vocab_size) for _ in range(suffix_len)]
     cold = []
     for _ in range(repeats):
         llm.reset_prefix_cache()
         cold.append(ttft(cold_prompt))
-    warm = ttft(prefix + [rng.randrange(100, vocab_size) for _ in range(suffix_len)])
-    return min(cold), warm, cold_prompt
+    return min(cold), ttft(warm_prompt)
 
 
 def peer_spec(model_dir, dtype: str, args, workload, single_prompt: list[int], ttft_prompt: list[int],
@@ -173,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                              "and Intel OpenMP from its venv) or none (glibc's malloc and torch's libgomp)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3,
-                        help="timed runs of the mixed workload on each side (ours and vLLM's); the median counts")
+                        help="timed runs of the mixed workload on each side (ours and vLLM's, alternating); "
+                             "the median counts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--min-prompt", type=int, default=16)
@@ -234,39 +242,86 @@ def main(argv: list[str] | None = None) -> int:
     pad = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
     single_prompt = workload[0][0][:16]
 
-    # The median of --repeats runs, each from an emptied prefix cache (vLLM's side runs
-    # without one): one run on a shared host moves by several percent.
-    run_seconds = []
-    for _ in range(args.repeats):
-        llm.reset_prefix_cache()
-        elapsed, num_tokens = run_ours(llm, workload)
-        run_seconds.append(elapsed)
-    elapsed = statistics.median(run_seconds)
-    ours_tps = num_tokens / elapsed
-    results["mixed"] = {"ours_seconds": elapsed, "ours_output_tokens_per_s": ours_tps,
-                        "ours_run_seconds": run_seconds, "num_output_tokens": num_tokens,
-                        "num_prompt_tokens": sum(len(p) for p, _ in workload)}
-    cold, warm, ttft_prompt = prefix_cache_ttft(llm, cfg.vocab_size, args.seed)
-    results["prefix_cache"] = {"cold_ttft_s": cold, "cached_1000_ttft_s": warm, "ratio": warm / cold,
-                               "prompt_tokens": len(ttft_prompt)}
-    ours_single = single_stream(llm, single_prompt, args.single_stream_tokens)
-    results["recompiles_after_warm_up"] = num_compiled_graphs() - graphs_after_warm_up
-    if runner.decode_graphs is not None:
-        results["cuda_graphs"] = {"buckets": runner.decode_graphs.buckets,
-                                  "decode_steps_replayed": runner.decode_graphs.num_replays}
-    decode_roofline_tps = bandwidth / weight_bytes
-    batched_roofline_tps = flops / (2 * num_params)
-    results["single_stream"] = {"ours_tokens_per_s": ours_single, "roofline_tokens_per_s": decode_roofline_tps,
-                                "ours_pct_of_roofline": 100 * ours_single / decode_roofline_tps}
-    results["mixed"]["batched_roofline_tokens_per_s"] = batched_roofline_tps
-    results["mixed"]["ours_pct_of_batched_roofline"] = 100 * ours_tps / batched_roofline_tps
-    results["model"] = {"num_params": num_params, "weight_bytes": weight_bytes}
-    kv_cache_gib = llm.engine.config.cache.num_blocks * llm.engine.executor.kv_bytes_per_block() / (1 << 30)
-    # What the engine holds after the runs (this process and any it started), beside the
-    # KV pool both sides were given; vLLM's runner measures its processes the same way.
-    results["memory"] = {"kv_cache_gib": kv_cache_gib, "ours": tree_memory()}
+    cold_prompt, warm_prompt = ttft_prompts(cfg.vocab_size, args.seed)
     model_dir = llm.engine.model_dir
-    llm.engine.shutdown()  # the peers get the machine to themselves
+    kv_cache_gib = llm.engine.config.cache.num_blocks * llm.engine.executor.kv_bytes_per_block() / (1 << 30)
+
+    with contextlib.ExitStack() as stack:
+        peer = None
+        if vllm_python is not None:  # up beside ours, so that the two sides' runs alternate
+            from pathlib import Path
+
+            from bench.peers.vllm_peer import OfflinePeer, preload_choice
+            preload = preload_choice(args.peer_preload, vllm_python)
+            max_model_len = max(max(len(p) + m for p, m in workload), len(single_prompt) + args.single_stream_tokens,
+                                len(cold_prompt)) + 16
+            log_path = Path(args.json_path or "bench-offline").with_suffix(".vllm.log")
+            peer = stack.enter_context(OfflinePeer(
+                vllm_python, peer_spec(model_dir, dtype, args, workload, single_prompt, cold_prompt, max_model_len),
+                args.peer_threads_bind, kv_cache_gib, log_path, start_timeout_s=1800, preload=preload))
+            results["vllm"] = {"vllm_version": peer.ready["vllm_version"], "threads_bind": args.peer_threads_bind,
+                               "preload": preload, "log": str(log_path)}
+
+        # The median of --repeats runs a side, each of ours from an emptied prefix cache
+        # (vLLM's side runs without one). With vLLM up the sides alternate, each pair in
+        # the other order from the last, so a host that drifts by several percent over
+        # minutes moves both sides alike; each pair's ratio is kept too.
+        ours_seconds, vllm_seconds = [], []
+
+        def ours_run():
+            llm.reset_prefix_cache()
+            ours_seconds.append(run_ours(llm, workload)[0])
+
+        def vllm_run():
+            answer = peer.call("mixed", timeout_s=1800)
+            assert answer["num_output_tokens"] == num_tokens, answer
+            vllm_seconds.append(answer["seconds"])
+
+        num_tokens = sum(m for _, m in workload)
+        for i in range(args.repeats):
+            sides = [ours_run] if peer is None else [ours_run, vllm_run] if i % 2 == 0 else [vllm_run, ours_run]
+            for side in sides:
+                side()
+        elapsed = statistics.median(ours_seconds)
+        ours_tps = num_tokens / elapsed
+        results["mixed"] = {"ours_seconds": elapsed, "ours_output_tokens_per_s": ours_tps,
+                            "ours_run_seconds": ours_seconds, "num_output_tokens": num_tokens,
+                            "num_prompt_tokens": sum(len(p) for p, _ in workload)}
+        cold, warm = prefix_cache_ttft(llm, cold_prompt, warm_prompt)
+        results["prefix_cache"] = {"cold_ttft_s": cold, "cached_1000_ttft_s": warm, "ratio": warm / cold,
+                                   "prompt_tokens": len(cold_prompt)}
+        ours_single = single_stream(llm, single_prompt, args.single_stream_tokens)
+        results["recompiles_after_warm_up"] = num_compiled_graphs() - graphs_after_warm_up
+        if runner.decode_graphs is not None:
+            results["cuda_graphs"] = {"buckets": runner.decode_graphs.buckets,
+                                      "decode_steps_replayed": runner.decode_graphs.num_replays}
+        decode_roofline_tps = bandwidth / weight_bytes
+        batched_roofline_tps = flops / (2 * num_params)
+        results["single_stream"] = {"ours_tokens_per_s": ours_single, "roofline_tokens_per_s": decode_roofline_tps,
+                                    "ours_pct_of_roofline": 100 * ours_single / decode_roofline_tps}
+        results["mixed"]["batched_roofline_tokens_per_s"] = batched_roofline_tps
+        results["mixed"]["ours_pct_of_batched_roofline"] = 100 * ours_tps / batched_roofline_tps
+        results["model"] = {"num_params": num_params, "weight_bytes": weight_bytes}
+        # What the engine holds after the runs (this process and any it started), beside the
+        # KV pool both sides were given; vLLM's runner measures its processes the same way.
+        results["memory"] = {"kv_cache_gib": kv_cache_gib, "ours": tree_memory(exclude_pids=[peer.pid] if peer else [])}
+        if peer is not None:
+            vllm_tps = num_tokens / statistics.median(vllm_seconds)
+            pair_speedups = [v / o for o, v in zip(ours_seconds, vllm_seconds)]
+            vllm_single = peer.call("single_stream", timeout_s=600)
+            vllm_cold = peer.call("cold_ttft", timeout_s=600)["seconds"]
+            results["vllm"].update(mixed_seconds=statistics.median(vllm_seconds), mixed_run_seconds=vllm_seconds,
+                                   num_output_tokens=num_tokens, output_tokens_per_s=vllm_tps, cold_ttft_s=vllm_cold,
+                                   single_stream_tokens_per_s=vllm_single["tokens_per_s"],
+                                   single_stream_token_ids=vllm_single["token_ids"])
+            results["mixed"].update(vllm_output_tokens_per_s=vllm_tps, vllm_run_seconds=vllm_seconds,
+                                    speedup_vs_vllm=ours_tps / vllm_tps, pair_speedups_vs_vllm=pair_speedups,
+                                    median_pair_speedup_vs_vllm=statistics.median(pair_speedups))
+            results["prefix_cache"].update(vllm_cold_ttft_s=vllm_cold, cold_ttft_vs_vllm=cold / vllm_cold)
+            results["single_stream"].update(vllm_tokens_per_s=vllm_single["tokens_per_s"],
+                                            speedup_vs_vllm=ours_single / vllm_single["tokens_per_s"])
+            results["memory"]["vllm"] = peer.call("memory", timeout_s=60)
+    llm.engine.shutdown()  # Hugging Face gets the machine to itself
     del llm, runner
     if "hf" in peers:
         from transformers import AutoModelForCausalLM
@@ -278,26 +333,6 @@ def main(argv: list[str] | None = None) -> int:
         hf_single = hf_single_stream(hf_model, single_prompt, args.single_stream_tokens, pad)
         results["single_stream"].update(hf_tokens_per_s=hf_single, speedup_vs_hf=ours_single / hf_single)
         del hf_model
-    if vllm_python is not None:
-        from pathlib import Path
-
-        from bench.peers.vllm_peer import preload_choice, run_vllm_offline
-        preload = preload_choice(args.peer_preload, vllm_python)
-        max_model_len = max(len(p) + m for p, m in workload) + 16
-        max_model_len = max(max_model_len, len(single_prompt) + args.single_stream_tokens + 16,
-                            len(ttft_prompt) + 16)
-        log_path = Path(args.json_path or "bench-offline").with_suffix(".vllm.log")
-        peer = run_vllm_offline(vllm_python, peer_spec(model_dir, dtype, args, workload,
-                                                       single_prompt, ttft_prompt, max_model_len),
-                                args.peer_threads_bind, kv_cache_gib, log_path, timeout_s=1800, preload=preload)
-        results["vllm"] = peer | {"threads_bind": args.peer_threads_bind, "preload": preload, "log": str(log_path)}
-        results["mixed"].update(vllm_output_tokens_per_s=peer["output_tokens_per_s"],
-                                speedup_vs_vllm=ours_tps / peer["output_tokens_per_s"])
-        results["prefix_cache"].update(vllm_cold_ttft_s=peer["cold_ttft_s"],
-                                       cold_ttft_vs_vllm=cold / peer["cold_ttft_s"])
-        results["single_stream"].update(vllm_tokens_per_s=peer["single_stream_tokens_per_s"],
-                                        speedup_vs_vllm=ours_single / peer["single_stream_tokens_per_s"])
-        results["memory"]["vllm"] = peer.get("memory")
     text = json.dumps(results, indent=2)
     print(text)
     if args.json_path:

@@ -7,6 +7,7 @@ bench.peers.proc_memory.
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 
 
 def _pss_kib(pid: int) -> int:
@@ -28,15 +29,19 @@ def _child_pids(pid: int) -> list[int]:
     return child_pids
 
 
-def tree_memory(pid: int | None = None) -> dict | None:
+def tree_memory(pid: int | None = None, exclude_pids: Collection[int] = ()) -> dict | None:
     """{"pss_mib": the summed proportional set size of the process (default: this one) and
     all its descendants, "num_processes": how many}: a page they share (torch's libraries,
     mapped by each of vLLM's processes) counts once in the sum, as the machine holds it.
-    None where the kernel does not say (no /proc/<pid>/smaps_rollup: not Linux, or < 4.14)."""
+    The descendants in `exclude_pids`, and theirs, are left out (another engine this
+    process started beside its own). None where the kernel does not say (no
+    /proc/<pid>/smaps_rollup: not Linux, or < 4.14)."""
     root = os.getpid() if pid is None else pid
     pending, total_kib, num_processes = [root], 0, 0
     while pending:
         current = pending.pop()
+        if current in exclude_pids and current != root:
+            continue
         try:
             total_kib += _pss_kib(current)
             num_processes += 1

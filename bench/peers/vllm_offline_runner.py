@@ -1,61 +1,84 @@
-"""Runs inside vLLM's own venv (not pdserve's): the offline workload through vllm.LLM.
+"""Runs inside vLLM's own venv (not pdserve's): the offline workload through vllm.LLM,
+one measurement per request, so pdserve's runs and vLLM's can alternate.
 
-`pdserve bench offline --peer vllm` starts this file with that venv's python and reads
-one JSON line back. It imports nothing from pdserve, since pdserve is not installed
-there; the workload arrives as JSON on stdin (the prompts' token ids and max_tokens).
+`pdserve bench offline --peer vllm` starts this file with that venv's python. It imports
+nothing from pdserve, since pdserve is not installed there. The first line on stdin is
+the spec (the model, the prompts' token ids and max_tokens, the pipe to answer on); the
+runner builds its engine, answers {"ready": ...}, then serves one JSON request per line
+(`{"op": "mixed"}`, `"single_stream"`, `"cold_ttft"`, `"memory"`, `"quit"`) with one JSON
+line each on that pipe. vLLM logs to stdout, so answers never go there.
 """
 from __future__ import annotations
 
 import json
-import statistics
+import os
 import sys
 import time
 
 from proc_memory import tree_memory  # beside this file (this script's directory leads sys.path)
 
 
-def main() -> int:
-    spec = json.load(sys.stdin)
-    from vllm import LLM, SamplingParams
+class Runner:
+    def __init__(self, spec: dict):
+        from vllm import LLM, SamplingParams
 
-    llm = LLM(spec["model_dir"], dtype=spec["dtype"], seed=spec["seed"], max_model_len=spec["max_model_len"],
-              max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
-              enable_prefix_caching=False)
-    workload = spec["workload"]  # [[prompt_token_ids, max_tokens], ...]
-    prompts = [{"prompt_token_ids": p} for p, _ in workload]
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in workload]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    run_seconds = []  # the median of spec["repeats"] runs counts, as on pdserve's side
-    for _ in range(spec.get("repeats", 1)):
+        self.spec = spec
+        self.sampling_params = SamplingParams
+        self.llm = LLM(spec["model_dir"], dtype=spec["dtype"], seed=spec["seed"],
+                       max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
+                       max_num_batched_tokens=spec["max_num_batched_tokens"], enable_prefix_caching=False)
+        workload = spec["workload"]  # [[prompt_token_ids, max_tokens], ...]
+        self.prompts = [{"prompt_token_ids": p} for p, _ in workload]
+        self.params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in workload]
+        self.llm.generate(self.prompts[:2], self.params[:2], use_tqdm=False)  # warm-up
+
+    def mixed(self) -> dict:
+        """One timed run of the whole workload."""
         t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        run_seconds.append(time.perf_counter() - t0)
-    mixed_s = statistics.median(run_seconds)
-    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    single_prompt, num_new = spec["single_prompt"], spec["single_stream_tokens"]
-    single_params = SamplingParams(temperature=0.0, max_tokens=num_new, ignore_eos=True)
-    llm.generate({"prompt_token_ids": single_prompt}, SamplingParams(temperature=0.0, max_tokens=4),
-                 use_tqdm=False)
-    t0 = time.perf_counter()
-    single = llm.generate({"prompt_token_ids": single_prompt}, single_params, use_tqdm=False)
-    single_s = time.perf_counter() - t0
-    # Time to first token of one long prompt computed in full (prefix caching is off), the
-    # best of 3, as pdserve's side times it.
-    cold_ttft_s = []
-    for _ in range(3):
+        outputs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        return {"seconds": seconds, "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
+
+    def single_stream(self) -> dict:
+        """Decode tokens/s of one request alone, after a short warm-up request."""
+        prompt, num_new = self.spec["single_prompt"], self.spec["single_stream_tokens"]
+        params = self.sampling_params(temperature=0.0, max_tokens=num_new, ignore_eos=True)
+        self.llm.generate({"prompt_token_ids": prompt}, self.sampling_params(temperature=0.0, max_tokens=4),
+                          use_tqdm=False)
         t0 = time.perf_counter()
-        llm.generate({"prompt_token_ids": spec["ttft_prompt"]}, SamplingParams(temperature=0.0, max_tokens=1),
-                     use_tqdm=False)
-        cold_ttft_s.append(time.perf_counter() - t0)
-    result = {"mixed_seconds": mixed_s, "mixed_run_seconds": run_seconds, "cold_ttft_s": min(cold_ttft_s),
-              "num_output_tokens": num_tokens, "output_tokens_per_s": num_tokens / mixed_s,
-              "single_stream_tokens_per_s": num_new / single_s,
-              "single_stream_token_ids": list(single[0].outputs[0].token_ids),
-              # after the runs, the engine core (a child process) still up: as pdserve measures its own
-              "memory": tree_memory(),
-              "vllm_version": __import__("vllm").__version__}
-    with open(spec["out_path"], "w") as f:  # vLLM logs to stdout: the result goes to a file
-        json.dump(result, f)
+        output = self.llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        return {"tokens_per_s": num_new / (time.perf_counter() - t0),
+                "token_ids": list(output[0].outputs[0].token_ids)}
+
+    def cold_ttft(self) -> dict:
+        """Time to first token of one long prompt computed in full (prefix caching is off),
+        the best of 3, as pdserve's side times it."""
+        params = self.sampling_params(temperature=0.0, max_tokens=1)
+        seconds = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            self.llm.generate({"prompt_token_ids": self.spec["ttft_prompt"]}, params, use_tqdm=False)
+            seconds.append(time.perf_counter() - t0)
+        return {"seconds": min(seconds)}
+
+    def memory(self) -> dict:
+        # The engine core (a child process) is up: as pdserve measures its own.
+        return tree_memory()
+
+
+def main() -> int:
+    spec = json.loads(sys.stdin.readline())
+    with os.fdopen(spec["answer_fd"], "w", buffering=1) as answers:
+        runner = Runner(spec)
+        answers.write(json.dumps({"ready": True, "vllm_version": __import__("vllm").__version__}) + "\n")
+        ops = {"mixed": runner.mixed, "single_stream": runner.single_stream, "cold_ttft": runner.cold_ttft,
+               "memory": runner.memory}
+        for line in sys.stdin:
+            op = json.loads(line).get("op")
+            if op == "quit":
+                break
+            answer = ops[op]() if op in ops else {"error": f"unknown op {op!r}; known: {sorted(ops)}"}
+            answers.write(json.dumps(answer) + "\n")
     return 0
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import signal
 import subprocess
-import tempfile
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -66,16 +68,102 @@ def preload_choice(choice: str, python: Path) -> list[str]:
     return recommended_preload(python) if choice == "auto" else []
 
 
-def run_vllm_offline(python: Path, spec: dict, threads_bind: str, kv_cache_gib: float, log_path: Path,
-                     timeout_s: float, preload: list[str] = ()) -> dict:
-    """Runs bench/peers/vllm_offline_runner.py with `spec` on stdin; its result dict."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = Path(tmp) / "result.json"
-        with open(log_path, "w") as log:
-            proc = subprocess.run([str(python), str(Path(__file__).with_name("vllm_offline_runner.py"))],
-                                  input=json.dumps(spec | {"out_path": str(out_path)}), text=True,
-                                  stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                  env=cpu_env(threads_bind, kv_cache_gib, preload))
-        if proc.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"vLLM peer run failed (exit {proc.returncode}); its log: {log_path}")
-        return json.loads(out_path.read_text())
+RUNNER = Path(__file__).with_name("vllm_offline_runner.py")
+
+
+class OfflinePeer:
+    """vLLM's offline engine kept up in its own process (bench/peers/vllm_offline_runner.py),
+    asked for one measurement at a time, so the caller can alternate them with its own runs:
+    drift on a shared host then lands on both sides alike.
+
+    Requests go as JSON lines to the runner's stdin, answers come back on a pipe of their
+    own (vLLM logs to stdout, which goes to `log_path`). A runner that exits, or does not
+    answer within its deadline, raises RuntimeError naming the log; `close` (or leaving the
+    `with` block) always ends the process."""
+
+    def __init__(self, python: Path, spec: dict, threads_bind: str, kv_cache_gib: float, log_path: Path,
+                 start_timeout_s: float, preload: list[str] = (), runner: Path = RUNNER):
+        self.log_path = log_path
+        read_fd, write_fd = os.pipe()
+        self._answers = os.fdopen(read_fd, "rb", buffering=0)
+        self._pending = b""
+        try:
+            with open(log_path, "w") as log:
+                self._proc = subprocess.Popen([str(python), str(runner)], stdin=subprocess.PIPE, stdout=log,
+                                              stderr=subprocess.STDOUT, pass_fds=(write_fd,),
+                                              start_new_session=True,  # its engine core dies with it
+                                              env=cpu_env(threads_bind, kv_cache_gib, preload))
+        except BaseException:
+            self._answers.close()
+            raise
+        finally:
+            os.close(write_fd)  # the runner holds the only write end: its exit reads as EOF here
+        try:
+            self._send(spec | {"answer_fd": write_fd})
+            self.ready = self._answer(start_timeout_s, "start-up")
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "OfflinePeer":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def call(self, op: str, timeout_s: float) -> dict:
+        """One measurement ("mixed", "single_stream", "cold_ttft", "memory"); its answer."""
+        self._send({"op": op})
+        answer = self._answer(timeout_s, op)
+        if "error" in answer:
+            raise RuntimeError(f"vLLM peer refused {op!r}: {answer['error']}")
+        return answer
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._send({"op": "quit"})
+                self._proc.wait(timeout=timeout_s)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self._kill()  # whatever is left of its session
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        self._answers.close()
+
+    def _kill(self) -> None:
+        """The runner and every process it started (vLLM's engine core is its child)."""
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._proc.wait()
+
+    def _send(self, message: dict) -> None:
+        self._proc.stdin.write((json.dumps(message) + "\n").encode())
+        self._proc.stdin.flush()
+
+    def _answer(self, timeout_s: float, what: str) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._kill()
+                raise RuntimeError(f"vLLM peer gave no answer to {what} within {timeout_s:.0f} s; "
+                                   f"its log: {self.log_path}")
+            if select.select([self._answers], [], [], remaining)[0]:
+                chunk = self._answers.read(65536)
+                if not chunk:  # the runner is exiting: its code, unless it hangs on the way out
+                    try:
+                        code = self._proc.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        code = None
+                    self._kill()
+                    raise RuntimeError(f"vLLM peer exited (code {code}) during {what}; its log: {self.log_path}")
+                self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return json.loads(line)

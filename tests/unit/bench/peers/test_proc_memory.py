@@ -33,6 +33,27 @@ def test_a_childs_memory_counts_in_its_parents_tree():
     assert tree_memory()["num_processes"] == before["num_processes"]
 
 
+def test_an_excluded_child_and_its_own_children_are_left_out():
+    before = tree_memory()
+    # A holder started by a child, which then waits: a subtree of two processes.
+    parent_code = (f"import subprocess, sys; holder = subprocess.Popen([sys.executable, '-c', {HOLDER!r}], "
+                   f"stdin=sys.stdin); holder.wait()")
+    child = subprocess.Popen([sys.executable, "-c", parent_code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        with_subtree = tree_memory()
+        without_subtree = tree_memory(exclude_pids=[child.pid])
+        subtree_itself = tree_memory(child.pid, exclude_pids=[child.pid])  # a root is never left out
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    assert with_subtree["num_processes"] == before["num_processes"] + 2
+    assert without_subtree["num_processes"] == before["num_processes"]
+    assert with_subtree["pss_mib"] - without_subtree["pss_mib"] >= HELD_MIB
+    assert subtree_itself["num_processes"] == 2 and subtree_itself["pss_mib"] >= HELD_MIB
+
+
 def test_a_process_that_is_gone_has_no_figure():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait(timeout=30)

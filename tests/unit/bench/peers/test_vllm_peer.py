@@ -1,15 +1,20 @@
 """vLLM's environment as the peer benchmarks start it: the KV pool, thread placement and
 the libraries its CPU guide preloads (tcmalloc, Intel OpenMP from its venv), found on
-disk or left out; nothing of vLLM is imported or run."""
+disk or left out; and the offline runner (the real script, over a stand-in `vllm`
+package, since vLLM is not installed in pdserve's venv) answering one measurement at a
+time, failing with its log named and leaving no process behind."""
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from bench.peers import vllm_peer
-from bench.peers.vllm_peer import cpu_env, preload_choice, recommended_preload
+from bench.peers.vllm_peer import OfflinePeer, cpu_env, preload_choice, recommended_preload
 
 
 @pytest.fixture
@@ -60,3 +65,125 @@ def test_env_without_a_preload_leaves_ld_preload_as_it_was(monkeypatch):
     assert "LD_PRELOAD" not in env
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env
+
+
+# A stand-in for the `vllm` package (not installed in pdserve's venv), so the real runner
+# script runs here: its LLM answers every request with max_tokens tokens, starts a child
+# process as vLLM's engine core would (its pid written to a file), and for the tests of
+# failures exits or hangs when the whole workload comes.
+STUB_VLLM = '''
+import os, subprocess, sys, time
+__version__ = "0.0-stub"
+
+class SamplingParams:
+    def __init__(self, temperature=1.0, max_tokens=16, ignore_eos=False):
+        self.max_tokens = max_tokens
+
+class _Completion:
+    def __init__(self, n):
+        self.token_ids = list(range(n))
+
+class _Output:
+    def __init__(self, n):
+        self.outputs = [_Completion(n)]
+
+class LLM:
+    def __init__(self, model, **kwargs):
+        self.engine_core = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                            stdin=subprocess.PIPE)
+        with open(os.environ["STUB_ENGINE_CORE_PID_FILE"], "w") as f:
+            f.write(str(self.engine_core.pid))
+
+    def generate(self, prompts, params, use_tqdm=True):
+        prompts = prompts if isinstance(prompts, list) else [prompts]
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(prompts) > 2:  # the whole workload, not the warm-up
+            mode = os.environ.get("STUB_MODE", "ok")
+            if mode == "exit":
+                os._exit(3)
+            if mode == "hang":
+                while True:
+                    time.sleep(1)
+        return [_Output(p.max_tokens) for p in params]
+'''
+
+
+def _spec(workload) -> dict:
+    return {"model_dir": "unused", "dtype": "bfloat16", "seed": 0, "max_model_len": 64, "max_num_seqs": 8,
+            "max_num_batched_tokens": 64, "workload": workload, "single_prompt": [5, 6, 7],
+            "single_stream_tokens": 9, "ttft_prompt": [1, 2, 3, 4], "repeats": 1}
+
+
+@pytest.fixture
+def stub_vllm(tmp_path, monkeypatch):
+    package = tmp_path / "site" / "vllm"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(STUB_VLLM)
+    monkeypatch.setenv("PYTHONPATH", str(package.parent))
+    pid_file = tmp_path / "engine_core.pid"
+    monkeypatch.setenv("STUB_ENGINE_CORE_PID_FILE", str(pid_file))
+    return pid_file
+
+
+def _gone(pid: int, timeout_s: float = 10.0) -> bool:
+    """Whether the process stops running within timeout_s (a zombie left for its dead
+    parent's reaper counts as stopped): a signal takes effect a moment after it is sent."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+
+
+def _peer(tmp_path, **kwargs) -> OfflinePeer:
+    workload = [[[1, 2, 3], 4], [[4, 5], 6], [[7], 8]]
+    return OfflinePeer(Path(sys.executable), _spec(workload), "auto", 1.0, tmp_path / "peer.log", **kwargs)
+
+
+def test_the_runner_answers_each_measurement_in_turn_and_quits(tmp_path, stub_vllm):
+    with _peer(tmp_path, start_timeout_s=60) as peer:
+        assert peer.ready == {"ready": True, "vllm_version": "0.0-stub"}
+        mixed = peer.call("mixed", timeout_s=60)
+        assert mixed["num_output_tokens"] == 4 + 6 + 8 and mixed["seconds"] >= 0
+        single = peer.call("single_stream", timeout_s=60)
+        assert single["token_ids"] == list(range(9)) and single["tokens_per_s"] > 0
+        assert peer.call("cold_ttft", timeout_s=60)["seconds"] >= 0
+        assert peer.call("memory", timeout_s=60)["num_processes"] == 2  # the runner and its engine core
+        with pytest.raises(RuntimeError, match="refused 'warp'.*unknown op"):
+            peer.call("warp", timeout_s=60)
+        assert peer.call("mixed", timeout_s=60)["num_output_tokens"] == 18  # still serving
+        engine_core_pid = int(stub_vllm.read_text())
+    assert peer._proc.returncode == 0
+    assert _gone(engine_core_pid)
+
+
+def test_a_runner_that_dies_names_its_log_and_leaves_no_process(tmp_path, stub_vllm, monkeypatch):
+    monkeypatch.setenv("STUB_MODE", "exit")
+    with _peer(tmp_path, start_timeout_s=60) as peer:
+        engine_core_pid = int(stub_vllm.read_text())
+        with pytest.raises(RuntimeError, match=r"exited \(code 3\) during mixed; its log: .*peer\.log"):
+            peer.call("mixed", timeout_s=60)
+        assert _gone(engine_core_pid)
+
+
+def test_a_runner_past_its_deadline_is_killed_with_its_engine_core(tmp_path, stub_vllm, monkeypatch):
+    monkeypatch.setenv("STUB_MODE", "hang")
+    with _peer(tmp_path, start_timeout_s=60) as peer:
+        engine_core_pid = int(stub_vllm.read_text())
+        with pytest.raises(RuntimeError, match="no answer to mixed within 1 s"):
+            peer.call("mixed", timeout_s=1)
+        assert peer._proc.returncode == -signal.SIGKILL
+        assert _gone(engine_core_pid)
+
+
+def test_a_runner_that_cannot_start_fails_the_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "nothing-here"))  # no vllm to import
+    with pytest.raises(RuntimeError, match=r"exited \(code 1\) during start-up"):
+        _peer(tmp_path, start_timeout_s=60)
+    assert "No module named 'vllm'" in (tmp_path / "peer.log").read_text()
