@@ -9,13 +9,15 @@ runs (the proportional set size of its processes, with equal KV pools: `memory`)
 machine's rooflines measured in the same run (memory copy bandwidth, fp32 matmul rate).
 Every side runs the same dtype; vLLM runs in its own venv (bench/peers/vllm_peer.py), up
 beside ours for the whole run, the two engines' mixed runs alternating (each pair's ratio
-reported as well as the ratio of the medians); Hugging Face runs after both have ended.
+reported as well as the ratio of the medians), each timed step started once the other
+engine's processes are quiet; Hugging Face runs after both have ended.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import os
 import platform
 import random
 import statistics
@@ -24,6 +26,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from bench.peers.proc_cpu import wait_until_quiet
 from bench.peers.proc_memory import tree_memory
 
 
@@ -266,13 +269,23 @@ def main(argv: list[str] | None = None) -> int:
         # (vLLM's side runs without one). With vLLM up the sides alternate, each pair in
         # the other order from the last, so a host that drifts by several percent over
         # minutes moves both sides alike; each pair's ratio is kept too.
-        ours_seconds, vllm_seconds = [], []
+        ours_seconds, vllm_seconds, quiet_waits = [], [], []
+
+        def let_settle(before: str) -> None:
+            """With both engines up, a timed step starts once the other side is quiet (vLLM
+            keeps a core busy for about a second after each run: bench/peers/proc_cpu.py)."""
+            if peer is not None:
+                other, exclude = (peer.pid, ()) if before == "ours" else (os.getpid(), (peer.pid,))
+                waited, quiet = wait_until_quiet(other, exclude)
+                quiet_waits.append({"before": before, "seconds": waited, "quiet": quiet})
 
         def ours_run():
             llm.reset_prefix_cache()
+            let_settle("ours")
             ours_seconds.append(run_ours(llm, workload)[0])
 
         def vllm_run():
+            let_settle("vllm")
             answer = peer.call("mixed", timeout_s=1800)
             assert answer["num_output_tokens"] == num_tokens, answer
             vllm_seconds.append(answer["seconds"])
@@ -287,9 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         results["mixed"] = {"ours_seconds": elapsed, "ours_output_tokens_per_s": ours_tps,
                             "ours_run_seconds": ours_seconds, "num_output_tokens": num_tokens,
                             "num_prompt_tokens": sum(len(p) for p, _ in workload)}
+        let_settle("ours")
         cold, warm = prefix_cache_ttft(llm, cold_prompt, warm_prompt)
         results["prefix_cache"] = {"cold_ttft_s": cold, "cached_1000_ttft_s": warm, "ratio": warm / cold,
                                    "prompt_tokens": len(cold_prompt)}
+        let_settle("ours")
         ours_single = single_stream(llm, single_prompt, args.single_stream_tokens)
         results["recompiles_after_warm_up"] = num_compiled_graphs() - graphs_after_warm_up
         if runner.decode_graphs is not None:
@@ -308,12 +323,14 @@ def main(argv: list[str] | None = None) -> int:
         if peer is not None:
             vllm_tps = num_tokens / statistics.median(vllm_seconds)
             pair_speedups = [v / o for o, v in zip(ours_seconds, vllm_seconds)]
+            let_settle("vllm")
             vllm_single = peer.call("single_stream", timeout_s=600)
+            let_settle("vllm")
             vllm_cold = peer.call("cold_ttft", timeout_s=600)["seconds"]
             results["vllm"].update(mixed_seconds=statistics.median(vllm_seconds), mixed_run_seconds=vllm_seconds,
                                    num_output_tokens=num_tokens, output_tokens_per_s=vllm_tps, cold_ttft_s=vllm_cold,
                                    single_stream_tokens_per_s=vllm_single["tokens_per_s"],
-                                   single_stream_token_ids=vllm_single["token_ids"])
+                                   single_stream_token_ids=vllm_single["token_ids"], quiet_waits=quiet_waits)
             results["mixed"].update(vllm_output_tokens_per_s=vllm_tps, vllm_run_seconds=vllm_seconds,
                                     speedup_vs_vllm=ours_tps / vllm_tps, pair_speedups_vs_vllm=pair_speedups,
                                     median_pair_speedup_vs_vllm=statistics.median(pair_speedups))

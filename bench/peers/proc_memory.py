@@ -29,6 +29,24 @@ def _child_pids(pid: int) -> list[int]:
     return child_pids
 
 
+def tree_pids(root: int, exclude_pids: Collection[int] = ()) -> list[int]:
+    """The process and its descendants, less those in `exclude_pids` and theirs (the root
+    is never left out); [] when the root is gone. One that exits meanwhile may be listed."""
+    pids, pending = [], [root]
+    while pending:
+        current = pending.pop()
+        if current in exclude_pids and current != root:
+            continue
+        try:
+            pending += _child_pids(current)
+        except FileNotFoundError:
+            if current == root:
+                return []
+            continue  # a descendant that exited meanwhile
+        pids.append(current)
+    return pids
+
+
 def tree_memory(pid: int | None = None, exclude_pids: Collection[int] = ()) -> dict | None:
     """{"pss_mib": the summed proportional set size of the process (default: this one) and
     all its descendants, "num_processes": how many}: a page they share (torch's libraries,
@@ -37,15 +55,14 @@ def tree_memory(pid: int | None = None, exclude_pids: Collection[int] = ()) -> d
     process started beside its own). None where the kernel does not say (no
     /proc/<pid>/smaps_rollup: not Linux, or < 4.14)."""
     root = os.getpid() if pid is None else pid
-    pending, total_kib, num_processes = [root], 0, 0
-    while pending:
-        current = pending.pop()
-        if current in exclude_pids and current != root:
-            continue
+    pids = tree_pids(root, exclude_pids)
+    if not pids:
+        return None
+    total_kib, num_processes = 0, 0
+    for current in pids:
         try:
             total_kib += _pss_kib(current)
             num_processes += 1
-            pending += _child_pids(current)
         except FileNotFoundError:
             if current == root:
                 return None

@@ -1,0 +1,45 @@
+"""The CPU time a process tree uses, read from /proc (Linux), so a benchmark that keeps two
+engines up on the same cores starts each timed run only once the other has gone quiet:
+vLLM's CPU build keeps a core busy for about a second after each `generate` returns
+(measured here: 10 of 10 possible ticks a 100 ms window, then none), which a run started
+at once would lose to it.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Collection
+
+from bench.peers.proc_memory import tree_pids
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(pid: int, exclude_pids: Collection[int] = ()) -> float:
+    """User + system CPU seconds of the process and its descendants (every thread), less
+    the subtrees in `exclude_pids`; what has exited meanwhile is not counted."""
+    ticks = 0
+    for current in tree_pids(pid, exclude_pids):
+        try:
+            with open(f"/proc/{current}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()  # the name may hold spaces
+        except FileNotFoundError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat(5)
+    return ticks / _TICKS_PER_S
+
+
+def wait_until_quiet(pid: int, exclude_pids: Collection[int] = (), window_s: float = 0.2,
+                     max_busy_cores: float = 0.1, timeout_s: float = 10.0) -> tuple[float, bool]:
+    """Waits until the process tree uses less than `max_busy_cores` over one `window_s`
+    window, at most `timeout_s`; (seconds waited, whether it went quiet)."""
+    started = time.monotonic()
+    while True:
+        before = tree_cpu_seconds(pid, exclude_pids)
+        time.sleep(window_s)
+        busy_cores = (tree_cpu_seconds(pid, exclude_pids) - before) / window_s
+        waited = time.monotonic() - started
+        if busy_cores < max_busy_cores:
+            return waited, True
+        if waited >= timeout_s:
+            return waited, False

@@ -1,0 +1,59 @@
+"""How the offline bench waits for an engine on the same cores to go quiet: a real child
+process that spins until told to stop."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.peers.proc_cpu import tree_cpu_seconds, wait_until_quiet
+
+pytestmark = pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/stat"), reason="no /proc here")
+
+# Spins until a line arrives on stdin, then waits for EOF without using the CPU.
+SPINNER = """
+import select, sys
+print("spinning", flush=True)
+while not select.select([sys.stdin], [], [], 0)[0]:
+    pass
+sys.stdin.readline()
+print("idle", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def spinner():
+    child = subprocess.Popen([sys.executable, "-c", SPINNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    assert child.stdout.readline().strip() == "spinning"
+    yield child
+    child.kill()
+    child.wait(timeout=30)
+
+
+def test_a_spinning_child_is_not_quiet_until_it_stops(spinner):
+    cpu_before = tree_cpu_seconds(spinner.pid)
+    waited, quiet = wait_until_quiet(spinner.pid, timeout_s=0.5)
+    assert not quiet and waited >= 0.5
+    assert tree_cpu_seconds(spinner.pid) - cpu_before >= 0.1  # its own time, counted
+    spinner.stdin.write("stop\n")
+    spinner.stdin.flush()
+    assert spinner.stdout.readline().strip() == "idle"
+    waited, quiet = wait_until_quiet(spinner.pid, timeout_s=10)
+    assert quiet and waited < 10
+
+
+def test_a_spinning_child_left_out_leaves_its_parent_quiet(spinner):
+    # This test's process is the parent: asleep in wait_until_quiet while it measures.
+    assert wait_until_quiet(os.getpid(), exclude_pids=[spinner.pid], timeout_s=10)[1]
+    assert not wait_until_quiet(os.getpid(), timeout_s=0.5)[1]
+
+
+def test_a_process_that_is_gone_uses_nothing():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=30)
+    assert tree_cpu_seconds(child.pid) == 0.0
+    assert wait_until_quiet(child.pid, timeout_s=1)[1]
