@@ -108,6 +108,14 @@ def panel_gemm_max_rows() -> int:
     return torch.ops.pdserve_gemv.panel_gemm_max_rows() if panel_gemm_available() else 0
 
 
+@functools.cache
+def panels_for_any_rows() -> bool:
+    """Whether a linear may keep its panel copy alone (no oneDNN packing), panel_gemm serving
+    steps of every size: where panel_gemm runs and the CPU has no AMX (whose tiles
+    out-compute it at prefill sizes; kernels/cpu/gemv.cpp's kPanelsForAnyRows)."""
+    return panel_gemm_available() and bool(torch.ops.pdserve_gemv.panels_for_any_rows())
+
+
 def panels_apply(weight: torch.Tensor) -> bool:
     """Whether this weight gets a panel copy for panel_gemm (instead of the GEMV's row-major
     one): bf16, out_features a multiple of PANEL_COLS, in_features even, the library's
@@ -219,15 +227,16 @@ def q8_0_gemv(
 
 def register_prepacked_linear(
     weight_id: int,
-    packed: torch.Tensor,  # oneDNN's packed weight (mkldnn layout)
+    packed: torch.Tensor | None,  # oneDNN's packed weight (mkldnn layout); None: panels serve every step
     row_major: torch.Tensor | None,  # [out_features, in_features] bf16 / fp32 for the GEMV, or None
     q8_0_blocks: torch.Tensor | None = None,  # [out_features, in_features // 32 * 34] uint8: q8_0_gemv_blocks(...)
     panels: torch.Tensor | None = None,  # pack_panels(weight), or None
 ) -> None:
     """Make `prepacked_linear(x, bias, weight_id, ...)` use this weight (native_gemv_available() only):
     decode rows (1 to GEMV_MAX_ROWS) take the Q8_0 blocks where given, else the row-major
-    copy; bf16 steps of up to panel_gemm_max_rows() rows the panels where given; else
-    oneDNN. The library holds them until release_prepacked_linear(weight_id)."""
+    copy; bf16 steps of up to panel_gemm_max_rows() rows the panels where given (of any size
+    where there is no packed weight); else oneDNN. The library holds them until
+    release_prepacked_linear(weight_id)."""
     torch.ops.pdserve_gemv.register_linear(weight_id, packed, row_major, q8_0_blocks, panels)
 
 

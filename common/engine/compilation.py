@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from common.engine.models.prepacked_linear import prepack_linears
+from common.engine.models.prepacked_linear import PrepackedLinear, prepack_linears
 from common.engine.precompiled import PrecompiledMethod
 from kernels.cpu_attention import cpu_attention_backend
 from kernels.cpu_decode import native_decode_available, native_decode_disabled
@@ -62,8 +62,11 @@ def num_compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def compile_forward(model: torch.nn.Module, device: torch.device, enforce_eager: bool) -> Callable:
+def compile_forward(model: torch.nn.Module, device: torch.device, enforce_eager: bool,
+                    single_weight_copy: bool = False) -> Callable:
     """The model's forward, compiled; the model itself where compiling is off or impossible.
+    single_weight_copy: the prepacked linears keep their weights once where they can
+    (PrepackedLinear's single_copy).
 
     PDSERVE_ENFORCE_EAGER=1 in the environment turns compiling off like --enforce-eager
     (it sets that flag for the services)."""
@@ -91,9 +94,15 @@ def compile_forward(model: torch.nn.Module, device: torch.device, enforce_eager:
     # PDSERVE_CPU_ATTENTION is wrong.
     if device.type == "cpu":
         threading.Thread(target=_build_native_kernels, name="build-kernels", daemon=True).start()
-    num_prepacked = prepack_linears(model)
-    logger.info("model compiled with torch.compile (inductor; %d linears prepacked for oneDNN; cache %s)",
-                num_prepacked, cache_dir)
+    num_prepacked = prepack_linears(model, single_copy=single_weight_copy)
+    num_single = sum(1 for m in model.modules() if isinstance(m, PrepackedLinear) and m.single_copy)
+    if num_single:
+        logger.info("model compiled with torch.compile (inductor; %d linears prepacked, %d of them kept once, "
+                    "in panel_gemm's panels, for steps of every size: --single-weight-copy; cache %s)",
+                    num_prepacked, num_single, cache_dir)
+    else:
+        logger.info("model compiled with torch.compile (inductor; %d linears prepacked for oneDNN; cache %s)",
+                    num_prepacked, cache_dir)
     if device.type == "cpu":
         # One decoder layer compiled for all (~20 s less for SmolLM2 on two cores).
         model.compile_layer_once = True

@@ -312,6 +312,11 @@ class EngineConfig:
     # Q8_0) as stored; "int8": int8 weight-only, per output channel.
     quantization: str | None = None
     num_threads: int | None = None  # torch intra-op threads of this process; None: torch's default
+    # CPU, bf16 on AVX512-BF16 without AMX: each linear keeps its weight once (panel_gemm's
+    # column panels, serving steps of every size) instead of adding oneDNN's packed copy for
+    # steps past 128 tokens; for decode instances, which prefill only short prompts.
+    # Elsewhere it changes nothing.
+    single_weight_copy: bool = False
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -333,7 +338,8 @@ def make_engine_config(model: str | None = None, *, dtype: str = "auto", device:
                        speculative_config: SpeculativeConfig | dict | str | None = None,
                        tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                        distributed_executor_backend: str | None = None, enforce_eager: bool = False,
-                       quantization: str | None = None, num_threads: int | None = None) -> EngineConfig:
+                       quantization: str | None = None, num_threads: int | None = None,
+                       single_weight_copy: bool = False) -> EngineConfig:
     """The one place flat engine options (LLM kwargs, CLI flags) become an EngineConfig."""
     return EngineConfig(
         model=model, dtype=dtype, device=device, seed=seed,
@@ -345,7 +351,8 @@ def make_engine_config(model: str | None = None, *, dtype: str = "auto", device:
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                 pipeline_parallel_size=pipeline_parallel_size,
                                 distributed_executor_backend=distributed_executor_backend),
-        enforce_eager=enforce_eager, quantization=quantization, num_threads=num_threads)
+        enforce_eager=enforce_eager, quantization=quantization, num_threads=num_threads,
+        single_weight_copy=single_weight_copy)
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,

@@ -130,7 +130,7 @@ class ModelRunner:
                  kv_transfer_config: KVTransferConfig | None = None,
                  speculative_config: SpeculativeConfig | None = None, enforce_eager: bool = False,
                  quantization: QuantizationSpec | None = None, parallel_config: ParallelConfig | None = None,
-                 rank: int = 0):
+                 rank: int = 0, single_weight_copy: bool = False):
         self.parallel_config = parallel_config or ParallelConfig()
         check_parallel_setup(model_config, self.parallel_config, rank, kv_transfer_config, speculative_config)
         self.model_config = model_config
@@ -148,7 +148,7 @@ class ModelRunner:
         # itself stays eager for a draft that runs part of it). Ranks of a parallel run
         # stay eager: their collectives and stage transfers are not compiler-safe ops.
         self.forward = compile_forward(self.model, self.device,
-                                       enforce_eager or self.parallel_config.world_size > 1)
+                                       enforce_eager or self.parallel_config.world_size > 1, single_weight_copy)
         # Logits of the sampled rows: compiled with the forward, or eager with it.
         self.compute_logits = compile_logits(self.model, self.forward)
         # This rank's share of the KV: its stage's layers, its KV heads.

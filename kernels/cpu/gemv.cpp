@@ -59,8 +59,12 @@ constexpr int64_t kMaxRows = 4;  // rows of x; more would read W once per group 
 // kernels/cpu_linear.panel_gemm_max_rows() reads it.
 #if defined(__AMX_BF16__)
 constexpr int64_t kMaxPanelRows = 16;
+constexpr bool kPanelsForAnyRows = false;
 #else
 constexpr int64_t kMaxPanelRows = 128;
+// Whether a linear may keep its panels alone, panel_gemm then serving steps of any size:
+// at 2,048 rows it runs ~9% behind oneDNN on the Zen 4 EPYC, level at 256; not with AMX.
+constexpr bool kPanelsForAnyRows = true;
 #endif
 constexpr int64_t kStep = 32;    // bf16 values per 512-bit load; in_features' required multiple
 // GGUF blocks (gguf_row_groups.h): columns per block, bytes per block and row.
@@ -445,12 +449,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 }
 
 // The compiled model's linears by the id its graphs hold (a oneDNN-packed weight is opaque
-// to the compiler, so the graph names it by number): the packed weight, and where steps of
-// up to kMaxRows rows take a GEMV, what it reads: a row-major copy (bf16 or fp32), or Q8_0
-// blocks (a GGUF's own head). Choosing here, in one C++ op, saves the ~5 us of a Python op
+// to the compiler, so the graph names it by number): the packed weight (or none, where the
+// panels serve every step), and where steps of up to kMaxRows rows take a GEMV, what it
+// reads: a row-major copy (bf16 or fp32), or Q8_0 blocks (a GGUF's own head). Choosing here, in one C++ op, saves the ~5 us of a Python op
 // per call (121 calls per step of SmolLM2).
 struct PrepackedLinear {
-  at::Tensor packed;
+  // none: the linear keeps one copy, its panels, and panel_gemm serves every step
+  std::optional<at::Tensor> packed;
   std::optional<at::Tensor> row_major;
   std::optional<at::Tensor> q8_0_blocks;
   std::optional<at::Tensor> panels;  // pack_panels' copy of a bf16 weight, or none
@@ -458,9 +463,12 @@ struct PrepackedLinear {
 std::mutex linears_mutex;
 std::vector<std::optional<PrepackedLinear>> linears;
 
-void register_linear(int64_t weight_id, const at::Tensor& packed, const std::optional<at::Tensor>& row_major,
-                     const std::optional<at::Tensor>& q8_0_blocks, const std::optional<at::Tensor>& panels) {
+void register_linear(int64_t weight_id, const std::optional<at::Tensor>& packed,
+                     const std::optional<at::Tensor>& row_major, const std::optional<at::Tensor>& q8_0_blocks,
+                     const std::optional<at::Tensor>& panels) {
   PDSERVE_CHECK(weight_id >= 0, "register_linear: weight_id must be >= 0, got ", weight_id);
+  PDSERVE_CHECK(packed.has_value() || panels.has_value(),
+                "register_linear: a linear without oneDNN's packed weight needs panels for every step");
   if (row_major.has_value())
     PDSERVE_CHECK(row_major->dim() == 2 && row_major->is_contiguous() &&
                       (row_major->scalar_type() == at::kBFloat16 || row_major->scalar_type() == at::kFloat),
@@ -504,11 +512,13 @@ at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>
   } else if (decode_rows && linear.row_major.has_value()) {
     y = gemv(x, bias, *linear.row_major);
 #ifdef PDSERVE_PANEL_GEMM
-  } else if (x.dim() == 2 && x.size(0) <= kMaxPanelRows && linear.panels.has_value() &&
-             x.scalar_type() == at::kBFloat16) {
+  } else if (x.dim() == 2 && (x.size(0) <= kMaxPanelRows || !linear.packed.has_value()) &&
+             linear.panels.has_value() && x.scalar_type() == at::kBFloat16) {
     y = panel_gemm(x, bias, *linear.panels);
 #endif
   } else {
+    PDSERVE_CHECK(linear.packed.has_value(), "prepacked_linear: linear ", weight_id,
+                  " keeps only panels, which take bf16 [M, K] inputs; got ", x.scalar_type(), " ", x.sizes());
     static const auto pointwise =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -517,7 +527,7 @@ at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>
                               std::optional<std::string_view>)>();
     c10::List<std::optional<at::Scalar>> scalars;
     scalars.push_back(at::Scalar(-1));
-    y = pointwise.call(x.contiguous(), linear.packed, bias, "none", scalars, std::string_view(""));
+    y = pointwise.call(x.contiguous(), *linear.packed, bias, "none", scalars, std::string_view(""));
   }
   PDSERVE_CHECK(y.size(-1) == out_features, "prepacked_linear: linear ", weight_id, " has ", y.size(-1),
                 " outputs, the caller expects ", out_features);
@@ -525,6 +535,7 @@ at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>
 }
 
 int64_t panel_gemm_max_rows() { return kMaxPanelRows; }
+bool panels_for_any_rows() { return kPanelsForAnyRows; }
 
 // Which build of the math this library holds: "avx512_bf16", "fp32_fma" or "" (none).
 std::string gemv_isa() {
@@ -549,7 +560,8 @@ TORCH_LIBRARY(pdserve_gemv, m) {
   m.def("pack_panels(Tensor weight, Tensor? out=None) -> Tensor");
   m.def("panel_gemm(Tensor x, Tensor? bias, Tensor panels) -> Tensor");
   m.def("panel_gemm_max_rows() -> int", &panel_gemm_max_rows);
-  m.def("register_linear(int weight_id, Tensor packed, Tensor? row_major, Tensor? q8_0_blocks=None, "
+  m.def("panels_for_any_rows() -> bool", &panels_for_any_rows);
+  m.def("register_linear(int weight_id, Tensor? packed, Tensor? row_major, Tensor? q8_0_blocks=None, "
         "Tensor? panels=None) -> ()",
         &register_linear);
   m.def("release_linear(int weight_id) -> ()", &release_linear);

@@ -17,7 +17,8 @@ def build_runner(model_config: ModelConfig, model_dir: Path, config: EngineConfi
     return ModelRunner(model_config, model_dir, device=config.device, dtype=config.dtype,
                        seed=config.seed, block_size=config.cache.block_size,
                        kv_transfer_config=config.kv_transfer, speculative_config=config.speculative,
-                       enforce_eager=config.enforce_eager, quantization=quantization_spec(config), **parallel)
+                       enforce_eager=config.enforce_eager, quantization=quantization_spec(config),
+                       single_weight_copy=config.single_weight_copy, **parallel)
 
 
 class InProcessExecutor(Executor):

@@ -44,6 +44,7 @@ from kernels.cpu_linear import (
     panel_gemm,
     panel_gemm_max_rows,
     panels_apply,
+    panels_for_any_rows,
     q8_0_gemv_blocks,
     register_prepacked_linear,
     release_prepacked_linear,
@@ -51,22 +52,32 @@ from kernels.cpu_linear import (
 from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
 from kernels.huge_pages import on_huge_pages
 
-# weight_id -> (the packed weight, out_features, the row-major weight for the GEMV or
-# None, the panel copy for panel_gemm or None); dead where its module is gone, and the
-# slot is then reused, so a fresh process numbers a model's weights the same way each
-# time (the compiled graphs, which hold the ids, then match the on-disk cache).
-_PACKED_WEIGHTS: list[tuple[weakref.ref, int, weakref.ref | None, weakref.ref | None] | None] = []
+# weight_id -> (the packed weight or None, out_features, the row-major weight for the
+# GEMV or None, the panel copy for panel_gemm or None); dead where its module is gone (with
+# the weights it owned), and the slot is then reused, so a fresh process numbers a model's
+# weights the same way each time (the compiled graphs, which hold the ids, then match the
+# on-disk cache).
+_PACKED_WEIGHTS: list[tuple[weakref.ref | None, int, weakref.ref | None, weakref.ref | None] | None] = []
+
 
 _LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
 _LIBRARY.define("prepacked_linear(Tensor x, Tensor? bias, Tensor weight_id, int out_features) -> Tensor")
 
 
-def _register(packed: torch.Tensor, out_features: int, row_major: torch.Tensor | None,
+def _ref(tensor: torch.Tensor | None) -> weakref.ref | None:
+    return None if tensor is None else weakref.ref(tensor)
+
+
+def _alive(entry) -> bool:
+    packed, _, _, panels = entry
+    return any(ref is not None and ref() is not None for ref in (packed, panels))
+
+
+def _register(packed: torch.Tensor | None, out_features: int, row_major: torch.Tensor | None,
               panels: torch.Tensor | None) -> int:
-    entry = (weakref.ref(packed), out_features, None if row_major is None else weakref.ref(row_major),
-             None if panels is None else weakref.ref(panels))
+    entry = (_ref(packed), out_features, _ref(row_major), _ref(panels))
     for weight_id, old in enumerate(_PACKED_WEIGHTS):
-        if old is None or old[0]() is None:
+        if old is None or not _alive(old):
             _PACKED_WEIGHTS[weight_id] = entry
             return weight_id
     _PACKED_WEIGHTS.append(entry)
@@ -82,8 +93,12 @@ def _prepacked_linear_cpu(x: torch.Tensor, bias: torch.Tensor | None, weight_id:
     # x [num_tokens, in_features] -> [num_tokens, out_features]
     if row_major is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(x, bias, row_major())
-    if panels is not None and x.dim() == 2 and x.shape[0] <= panel_gemm_max_rows() and x.dtype == torch.bfloat16:
+    if (panels is not None and x.dim() == 2 and (x.shape[0] <= panel_gemm_max_rows() or packed is None)
+            and x.dtype == torch.bfloat16):
         return panel_gemm(x, bias, panels())
+    if packed is None:
+        raise ValueError(f"prepacked_linear: linear {int(weight_id)} keeps only panels, which take bf16 "
+                         f"[M, K] inputs; got {x.dtype} {list(x.shape)}")
     return torch.ops.mkldnn._linear_pointwise.default(x.contiguous(), packed(), bias, "none", [-1], "")
 
 
@@ -113,17 +128,22 @@ class PrepackedLinear(nn.Module):
     """y = x W^T + b with W held packed (not as a parameter): a loaded model's linear,
     replaced in place. bias stays a parameter."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, q8_0_blocks: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, q8_0_blocks: torch.Tensor | None = None,
+                 single_copy: bool = False):
         """q8_0_blocks [out_features, in_features // 32 * 34] uint8: the same weight as a GGUF
-        stores it in Q8_0 (a quantized model's head), for decode steps' GEMV where it runs."""
+        stores it in Q8_0 (a quantized model's head), for decode steps' GEMV where it runs.
+        single_copy: keep the weight once, in panels for panel_gemm, which then serves steps
+        of every size, where it can (panels_for_any_rows(), and the weight takes panels);
+        elsewhere the flag changes nothing."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.num_weight_bytes = weight.numel() * weight.element_size()
-        # The module owns the packed weight; the table only points at it.
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         # Where the native library is loaded, its op makes the GEMV-or-oneDNN choice in C++
         # (~5 us less per call than the Python op); it holds the weights until this module goes.
         self._native = native_gemv_available()
+        single_copy = single_copy and self._native and panels_for_any_rows() and panels_apply(weight)
+        # The module owns the packed weight; the table only points at it.
+        self._packed = None if single_copy else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         # What decode steps' GEMV reads, where it applies: the Q8_0 blocks, else (below) a
         # row-major copy of a bf16 or fp32 weight (AVX2 and FMA) that has no panel copy.
         # Both on huge pages: a decode step streams them whole (kernels/huge_pages.py).
@@ -143,6 +163,11 @@ class PrepackedLinear(nn.Module):
             weakref.finalize(self, release_prepacked_linear, self.weight_id)
 
     @property
+    def single_copy(self) -> bool:
+        """Whether the weight is held once, in panels that serve steps of every size."""
+        return self._packed is None
+
+    @property
     def native(self) -> bool:
         """Whether the native library holds this linear under weight_id (its
         pdserve_gemv::prepacked_linear serves it)."""
@@ -158,17 +183,19 @@ class PrepackedLinear(nn.Module):
         if self._panels is not None:
             kernels.append("panels")
         decode = ", ".join(kernels) or "onednn"
+        larger = "panels" if self.single_copy else "onednn"
         return (f"in_features={self.in_features}, out_features={self.out_features}, weight_id={self.weight_id}, "
-                f"decode={decode}")
+                f"decode={decode}, larger={larger}")
 
 
-def prepack_linears(model: nn.Module) -> int:
+def prepack_linears(model: nn.Module, single_copy: bool = False) -> int:
     """Replace every dense projection linear of a single-rank CPU model by a PrepackedLinear
     (their float weights are freed with them), and pack a copy of the LM head (the embedding
     where they are tied) as `model.prepacked_head`, with the GGUF's Q8_0 blocks of that head
-    for decode steps where quantization left them (`model.head_q8_0_blocks`). Returns how
-    many were packed; 0 where oneDNN cannot pack the model's dtype. Quantized projections
-    are not nn.Linear and stay."""
+    for decode steps where quantization left them (`model.head_q8_0_blocks`). single_copy:
+    each keeps its weight once where it can (PrepackedLinear). Returns how many were packed;
+    0 where oneDNN cannot pack the model's dtype. Quantized projections are not nn.Linear
+    and stay."""
     first = next(model.parameters())
     if first.device.type != "cpu" or not prepacking_available(first.dtype):
         return 0
@@ -178,11 +205,12 @@ def prepack_linears(model: nn.Module) -> int:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, attr)
-        setattr(parent, attr, PrepackedLinear(old.weight, old.bias))
+        setattr(parent, attr, PrepackedLinear(old.weight, old.bias, single_copy=single_copy))
     head = model.embed_tokens if getattr(model, "lm_head", None) is None else model.lm_head
     num_packed = len(targets)
     if head is not None and head.tp_size == 1:
-        model.prepacked_head = PrepackedLinear(head.weight, None, getattr(model, "head_q8_0_blocks", None))
+        model.prepacked_head = PrepackedLinear(head.weight, None, getattr(model, "head_q8_0_blocks", None),
+                                               single_copy=single_copy)
         num_packed += 1
     return num_packed
 

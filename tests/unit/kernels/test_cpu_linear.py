@@ -29,8 +29,8 @@ from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
 from kernels.cpu.build import cpu_flags
 from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, gemv, native_gemv_available, pack_panels, panel_gemm,
-                                panel_gemm_available, panel_gemm_max_rows, q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv,
-                                q8_0_gemv_blocks)
+                                panel_gemm_available, panel_gemm_max_rows, panels_for_any_rows, q4_1_gemv,
+                                q4_1_gemv_blocks, q8_0_gemv, q8_0_gemv_blocks)
 from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
 
 pytestmark = pytest.mark.skipif(not native_gemv_available(),
@@ -275,6 +275,58 @@ def test_the_switch_leaves_bf16_linears_without_panels_and_on_onednn(monkeypatch
     assert layer._panels is None and _PACKED_WEIGHTS[layer.weight_id][3] is None
     x = torch.randn(GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16)
     assert torch.equal(layer(x), torch.ops.mkldnn._linear_pointwise.default(x, layer._packed, None, "none", [-1], ""))
+
+
+needs_panels_alone = pytest.mark.skipif(not panels_for_any_rows() or not prepacking_available(torch.bfloat16),
+                                        reason="panel_gemm does not serve every step here (no AVX512-BF16, or AMX)")
+
+
+@needs_panels_alone
+@pytest.mark.parametrize("num_tokens", [1, GEMV_MAX_ROWS + 1, 128, 129, 300])
+def test_a_single_copy_linear_holds_only_its_panels_and_takes_panel_gemm_at_every_size(num_tokens):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    layer = PrepackedLinear(weight, bias, single_copy=True)
+    assert layer.single_copy and layer._packed is None and layer._row_major is None
+    assert _PACKED_WEIGHTS[layer.weight_id][0] is None and _PACKED_WEIGHTS[layer.weight_id][3] is not None
+    assert "decode=panels, larger=panels" in repr(layer)
+    x = torch.randn(num_tokens, 64, dtype=torch.bfloat16)
+    out = layer(x)
+    assert torch.equal(out, panel_gemm(x, bias, pack_panels(weight)))
+    weight_id = layer.weight_id_tensor
+    assert torch.equal(torch.ops.pdserve.prepacked_linear(x, bias, weight_id, 96), out)  # the Python op alike
+    torch.testing.assert_close(out.float(), reference(x, bias, weight), rtol=1.6e-2, atol=1e-1)
+    # A panels-only weight serves bf16 rows only, with a clear error, in both ops.
+    with pytest.raises(RuntimeError, match="keeps only panels"):
+        native_prepacked_linear(x.float(), None, weight_id, 96)
+    with pytest.raises(ValueError, match="keeps only panels"):
+        torch.ops.pdserve.prepacked_linear(x.float(), None, weight_id, 96)
+    # Its slot stays taken while the module lives, and is reused once it is gone.
+    assert PrepackedLinear(torch.randn(32, 64, dtype=torch.bfloat16), None).weight_id != layer.weight_id
+
+
+@needs_panels_alone
+def test_a_freed_single_copy_linears_slot_is_reused():
+    gc.collect()
+    layer = PrepackedLinear(torch.randn(32, 64, dtype=torch.bfloat16), None, single_copy=True)
+    weight_id = layer.weight_id
+    del layer
+    gc.collect()
+    assert PrepackedLinear(torch.randn(32, 64, dtype=torch.bfloat16), None).weight_id == weight_id
+
+
+@pytest.mark.skipif(not prepacking_available(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
+def test_a_single_copy_is_kept_only_where_the_panels_serve_every_step(monkeypatch):
+    for weight in (torch.randn(96, 64), torch.randn(40, 64, dtype=torch.bfloat16)):  # fp32; no whole panels
+        layer = PrepackedLinear(weight, None, single_copy=True)
+        assert not layer.single_copy and layer._packed is not None and "larger=onednn" in repr(layer)
+    monkeypatch.setenv("PDSERVE_PANEL_GEMM", "0")  # no panels at all: oneDNN's copy stays
+    assert not PrepackedLinear(torch.randn(96, 64, dtype=torch.bfloat16), None, single_copy=True).single_copy
+
+
+def test_a_linear_registered_without_packed_weight_or_panels_is_refused():
+    with pytest.raises(RuntimeError, match="needs panels for every step"):
+        torch.ops.pdserve_gemv.register_linear(10_000, None, torch.zeros(32, 64), None, None)
 
 
 def test_odd_widths_stay_on_onednn():

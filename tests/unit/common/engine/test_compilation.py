@@ -18,11 +18,15 @@ from common.engine.llm import LLM
 from common.engine.models.prepacked_linear import PrepackedLinear
 from common.engine.sampling_params import SamplingParams
 from kernels.cpu_decode import native_decode_available
+from kernels.cpu_linear import panels_for_any_rows
 from tests.unit.common.engine.models.family_parity import save_tiny_model
 
 # Compiled and eager differ only in summation order (fused kernels): fp32 logprobs agree
 # to this, and greedy tokens exactly on these prompts.
 LOGPROB_ATOL = 1e-4
+# In bf16 each linear's output is rounded to bf16; panel_gemm and oneDNN may sum in
+# different orders (on the Zen 4 EPYC the tiny model's logprobs came out identical).
+BF16_LOGPROB_ATOL = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +238,7 @@ from torch._dynamo.utils import counters
 from common.engine.llm import LLM
 from common.engine.sampling_params import SamplingParams
 from kernels.cpu_decode import native_decode_available
+from kernels.cpu_linear import panels_for_any_rows
 llm = LLM(sys.argv[1], dtype="float32", max_num_batched_tokens=64, kv_cache_memory=sys.argv[2],
           block_size=int(sys.argv[3]))
 runner = llm.engine.executor.runner
@@ -270,3 +275,31 @@ def test_a_restart_loads_the_compiled_methods_without_tracing(engines, kv_cache_
     assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0
     want = eager.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert warm["token_ids"] == [o.outputs[0].token_ids for o in want]
+
+
+@pytest.mark.skipif(not panels_for_any_rows(), reason="panel_gemm does not serve every step here (no AVX512-BF16, "
+                                                      "or AMX)")
+def test_a_single_weight_copy_engine_runs_every_step_on_the_panels(tiny_llama_dir, monkeypatch):
+    monkeypatch.delenv("PDSERVE_ENFORCE_EAGER", raising=False)
+    options = dict(dtype="bfloat16", max_num_batched_tokens=256, kv_cache_memory="64MiB")
+    single = LLM(str(tiny_llama_dir), single_weight_copy=True, **options)
+    two_copies = LLM(str(tiny_llama_dir), **options)
+    try:
+        linears = {name: [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, PrepackedLinear)]
+                   for name, llm in (("single", single), ("two", two_copies))}
+        # Every projection and the head: their panels alone, no oneDNN copy; oneDNN's beside
+        # the panels without the flag.
+        assert len(linears["single"]) == 4 * single.engine.model_config.num_hidden_layers + 1
+        assert all(m.single_copy and m._packed is None and m._panels is not None for m in linears["single"])
+        assert not any(m.single_copy for m in linears["two"])
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+        # A 200-token prompt's prefill (200 rows: oneDNN's beside the panels, panel_gemm's
+        # alone), then decode steps; and a batch whose long prompt chunks beside short ones' decodes.
+        for prompts in (_prompts([200]), _prompts([3, 230, 40])):
+            for got, want in zip(single.generate(prompts, params), two_copies.generate(prompts, params)):
+                assert got.outputs[0].token_ids == want.outputs[0].token_ids
+                for g_step, w_step in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+                    assert g_step.token_logprob == pytest.approx(w_step.token_logprob, abs=BF16_LOGPROB_ATOL)
+    finally:
+        single.engine.shutdown()
+        two_copies.engine.shutdown()

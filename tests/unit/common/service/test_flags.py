@@ -32,3 +32,10 @@ def test_defaults_are_loopback_and_free_ports():
     assert advertised_zmq_endpoint(args, "tcp://127.0.0.1:5555") == "tcp://127.0.0.1:5555"
     args = decode_parser().parse_args(["--host", "0.0.0.0", "--advertise-address", "10.0.0.5:7000"])
     assert advertised_zmq_endpoint(args, "tcp://0.0.0.0:5601") == "tcp://10.0.0.5:5601"
+
+
+def test_a_decode_instance_can_keep_one_weight_copy(monkeypatch):
+    assert not engine_config_from_args(decode_parser().parse_args([])).single_weight_copy
+    assert engine_config_from_args(decode_parser().parse_args(["--single-weight-copy"])).single_weight_copy
+    monkeypatch.setenv("PDSERVE_SINGLE_WEIGHT_COPY", "true")  # as compose and Kubernetes set it
+    assert engine_config_from_args(decode_parser().parse_args([])).single_weight_copy
