@@ -60,3 +60,16 @@ def _apply() -> str | None:
         if mallopt(parameter, value) != 1:
             return f"mallopt({parameter}, {value}) was refused"
     return None
+
+
+def release_freed_heap() -> bool:
+    """Hand what malloc holds free back to the kernel once (glibc's malloc_trim(0)): after
+    loading, where the weights as read from disk were freed once each linear made its own
+    copies (kept otherwise, since keep_freed_heap turned trimming off), and before the
+    steps' working set comes to stay. Whether glibc released anything."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim.restype = ctypes.c_int
+    return libc.malloc_trim(0) == 1

@@ -23,6 +23,7 @@ from common.engine.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from common.engine.device import select_device, select_dtype
 from common.engine.distributed import parallel_state
 from common.engine.forward_context import forward_context
+from common.engine.heap_retention import release_freed_heap
 from common.engine.kv_connector.factory import make_worker_connector
 from common.engine.kv_connector.layout import describe_kv_layout, kv_layout, kv_layout_hash
 from common.engine.models.attention import AttentionMetadata
@@ -151,6 +152,8 @@ class ModelRunner:
                                        enforce_eager or self.parallel_config.world_size > 1, single_weight_copy)
         # Logits of the sampled rows: compiled with the forward, or eager with it.
         self.compute_logits = compile_logits(self.model, self.forward)
+        if self.device.type == "cpu":
+            release_freed_heap()  # the weights as loaded, where the linears made their own copies
         # This rank's share of the KV: its stage's layers, its KV heads.
         self.num_local_layers = len(self.model.layers)
         self.num_local_kv_heads = kv_head_partition(model_config.num_key_value_heads, rank % tp_size, tp_size)[1]

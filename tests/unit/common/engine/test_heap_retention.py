@@ -85,3 +85,42 @@ def test_turned_off_glibc_maps_and_trims_as_usual():
     assert first["mmapped_bytes"] >= _NUM_BLOCKS * _BLOCK_BYTES
     for again in later:
         assert again["num_page_faults"] >= _NUM_PAGES // 4
+
+
+_RELEASE_SCRIPT = f"""
+import ctypes, json, os
+from common.engine.heap_retention import keep_freed_heap, release_freed_heap
+
+def resident_bytes():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+keep_freed_heap()
+# Weights as loaded, then freed once the linears hold their own copies (a block kept
+# after them, as a copy would be, so the freed ones lie below the heap's top).
+blocks = [libc.malloc({_BLOCK_BYTES}) for _ in range({_NUM_BLOCKS})]
+for block in blocks:
+    ctypes.memset(block, 1, {_BLOCK_BYTES})
+kept = libc.malloc({_BLOCK_BYTES})
+ctypes.memset(kept, 1, {_BLOCK_BYTES})
+for block in blocks:
+    libc.free(block)
+freed = resident_bytes()
+released = release_freed_heap()
+print(json.dumps({{"released": released, "freed": freed, "after_release": resident_bytes()}}))
+"""
+
+
+@glibc_only
+def test_what_loading_freed_goes_back_to_the_kernel_once_asked():
+    done = subprocess.run([sys.executable, "-c", _RELEASE_SCRIPT], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["released"]
+    # Kept by keep_freed_heap until then, given back by release_freed_heap (the kept block stays).
+    assert result["freed"] - result["after_release"] >= (_NUM_BLOCKS - 1) * _BLOCK_BYTES
