@@ -11,7 +11,9 @@ address: its --registry-port, a free port of its own), and --metrics-port 0:
 every process serves Prometheus metrics on a free port, named as `metrics=HOST:PORT` in
 the READY line it prints (echoed with its name; `ManagedProcess.metrics_address`).
 Each prefill and decode process gets `--num-threads`: an equal share of the host's
-cores (its pinned CPUs where a benchmark pins roles), unless the flag is given.
+cores (its pinned CPUs where a benchmark pins roles), unless the flag is given. Where the
+stack has a prefill pool, each decode process gets `--single-weight-copy` (it prefills
+only short prompts itself; `--no-single-weight-copy` keeps both copies).
 Every process gets the same registry token through PDSERVE_REGISTRY_TOKEN (never on a
 command line, where `ps` shows it): the environment's, else a fresh random one.
 
@@ -166,7 +168,8 @@ class LocalStack:
         return once it is serving (its PDSERVE_READY line)."""
         instance_id = f"{role}-{self._next_index[role]}"
         self._next_index[role] += 1
-        process = ManagedProcess(instance_id, [role, *self._thread_flags(role), *self.flags[role],
+        process = ManagedProcess(instance_id, [role, *self._thread_flags(role), *self._weight_flags(role),
+                                               *self.flags[role],
                                                *self.role_flags.get(role, ()),
                                                "--host", self.host, "--port", "0",
                                                "--instance-id", instance_id, "--gateway", self.registry_address,
@@ -176,6 +179,12 @@ class LocalStack:
         if wait:
             process.wait_ready(self.startup_timeout_s)
         return process
+
+    def _weight_flags(self, role: str) -> list[str]:
+        """A decode process beside a prefill pool keeps each weight once (it prefills only
+        prompts shorter than --local-prefill-threshold, on the kernel that copy serves); a
+        --no-single-weight-copy the user gave comes later and wins."""
+        return ["--single-weight-copy"] if role == "decode" and self.num_prefill > 0 else []
 
     def _thread_flags(self, role: str) -> list[str]:
         """--num-threads for an engine process: its pinned CPUs, else an equal share of this

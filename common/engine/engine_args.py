@@ -42,11 +42,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", choices=["gguf", "int8"], default=None,
                    help="gguf: serve a GGUF's own quantized weights (Q4_1, Q8_0) as stored; "
                         "int8: int8 weight-only; default: weights in --dtype")
-    g.add_argument("--single-weight-copy", action="store_true",
+    g.add_argument("--single-weight-copy", action=argparse.BooleanOptionalAction, default=False,
                    help="CPU, bf16 with AVX512-BF16 (no AMX): keep each linear's weight once, in the "
                         "column panels the decode kernel reads, for steps of every size, instead of adding "
                         "oneDNN's packed copy for long prefill chunks: half the weight memory, prefill "
-                        "chunks of ~2,000 tokens ~10%% slower; meant for decode instances")
+                        "chunks of ~2,000 tokens ~10%% slower; meant for decode instances (`pdserve up`, "
+                        "compose and the manifests set it for theirs)")
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of this process (set it so processes sharing a host do not "
                         "oversubscribe its cores); default: torch's choice")

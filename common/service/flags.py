@@ -33,7 +33,8 @@ class EnvDefaultsParser(argparse.ArgumentParser):
             env_name = "PDSERVE_" + action.dest.upper()
             if env_name in os.environ:
                 raw = os.environ[env_name]
-                if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+                if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
+                                       argparse.BooleanOptionalAction)):
                     action.default = raw.lower() in ("1", "true", "yes", "on")
                 else:
                     try:

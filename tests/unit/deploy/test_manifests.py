@@ -48,6 +48,9 @@ SECRETS = {"PDSERVE_REGISTRY_TOKEN"}
 REGISTRY_PORT = 50054  # the gateway's internal registry port, in compose and Kubernetes
 # Per-variant engine settings the GPU files set on the instances.
 GPU_SETTINGS = {"PDSERVE_DEVICE", "PDSERVE_KV_CACHE_MEMORY"}
+# What one role sets for all its instances, as `pdserve up` does for them: decode
+# instances beside a prefill pool keep each weight once.
+ROLE_SETTINGS = {"gateway": set(), "prefill": set(), "decode": {"PDSERVE_SINGLE_WEIGHT_COPY"}}
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -105,7 +108,8 @@ def check_env_is_honoured(role: str, env: dict[str, str], monkeypatch, shared: s
             problems.append(f"{key}: `pdserve {role}` has no flag --{key[8:].lower().replace('_', '-')}")
             continue
         action = actions[key]
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
+                               argparse.BooleanOptionalAction)):
             want = raw.lower() in ("1", "true", "yes", "on")
         else:
             want = action.type(raw) if action.type else raw
@@ -278,7 +282,8 @@ def test_k8s_configmap_is_the_shared_settings_file():
             container = doc["spec"]["template"]["spec"]["containers"][0]
             assert container["envFrom"] == [{"configMapRef": {"name": configmap["metadata"]["name"]}}]
             own = {e["name"] for e in container["env"] if e["name"].startswith("PDSERVE_")}
-            assert own <= PER_PROCESS | GPU_SETTINGS | SECRETS, own - PER_PROCESS - GPU_SETTINGS - SECRETS
+            allowed = PER_PROCESS | GPU_SETTINGS | SECRETS | ROLE_SETTINGS[container["name"]]
+            assert own <= allowed, own - allowed
 
 
 @pytest.mark.parametrize("role", ["gateway", "prefill", "decode"])
@@ -323,7 +328,7 @@ def test_compose_config_accepted_and_env_honoured(files, monkeypatch):
         env = service_env(service)
         assert {k: env[k] for k in shared} == shared or "compose.gpu.yaml" in files
         own = {k for k in env if k not in shared or env[k] != shared[k]}
-        assert own <= PER_PROCESS | GPU_SETTINGS | SECRETS, own
+        assert own <= PER_PROCESS | GPU_SETTINGS | SECRETS | ROLE_SETTINGS[role], own
         check_env_is_honoured(role, env, monkeypatch, shared=set(shared))
         # Metrics on the port Prometheus scrapes; on the host network, a free port each.
         assert env["PDSERVE_METRICS_PORT"] == ("0" if "compose.host-network.yaml" in files else str(METRICS_PORT))

@@ -1,10 +1,13 @@
-"""`pdserve up` divides the host's cores among its engine processes."""
+"""`pdserve up` divides the host's cores among its engine processes, and its decode processes
+beside a prefill pool keep one weight copy."""
 from __future__ import annotations
 
 import os
 
 from common.cli.processes import route_flags
 from common.cli.up import LocalStack
+from common.engine.engine_args import engine_config_from_args
+from decode_service.main import build_parser as decode_parser
 
 
 def test_engine_processes_share_the_cores_and_pinned_roles_use_their_cpus():
@@ -25,3 +28,14 @@ def test_a_num_threads_flag_given_to_up_reaches_the_engines_and_wins():
     stack = LocalStack(1, 1, passthrough=["--num-threads", "3"])
     argv = [*stack._thread_flags("decode"), *stack.flags["decode"]]
     assert argv[-2:] == ["--num-threads", "3"]
+
+
+def test_decode_processes_beside_a_prefill_pool_keep_one_weight_copy_unless_told_not_to():
+    stack = LocalStack(1, 1)
+    assert stack._weight_flags("decode") == ["--single-weight-copy"] and stack._weight_flags("prefill") == []
+    assert LocalStack(0, 1)._weight_flags("decode") == []  # alone, a decode process prefills everything
+    # A --no-single-weight-copy given to up comes after up's own flag, and argparse keeps the last.
+    told = LocalStack(1, 1, passthrough=["--no-single-weight-copy"])
+    argv = [*told._weight_flags("decode"), *told.flags["decode"]]
+    assert not engine_config_from_args(decode_parser().parse_args(argv)).single_weight_copy
+    assert engine_config_from_args(decode_parser().parse_args(stack._weight_flags("decode"))).single_weight_copy

@@ -39,3 +39,6 @@ def test_a_decode_instance_can_keep_one_weight_copy(monkeypatch):
     assert engine_config_from_args(decode_parser().parse_args(["--single-weight-copy"])).single_weight_copy
     monkeypatch.setenv("PDSERVE_SINGLE_WEIGHT_COPY", "true")  # as compose and Kubernetes set it
     assert engine_config_from_args(decode_parser().parse_args([])).single_weight_copy
+    assert not engine_config_from_args(decode_parser().parse_args(["--no-single-weight-copy"])).single_weight_copy
+    monkeypatch.setenv("PDSERVE_SINGLE_WEIGHT_COPY", "false")
+    assert not engine_config_from_args(decode_parser().parse_args([])).single_weight_copy
