@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         # (vLLM's side runs without one). With vLLM up the sides alternate, each pair in
         # the other order from the last, so a host that drifts by several percent over
         # minutes moves both sides alike; each pair's ratio is kept too.
+        num_tokens = sum(m for _, m in workload)
         ours_seconds, vllm_seconds, quiet_waits = [], [], []
 
         def let_settle(before: str) -> None:
@@ -293,7 +294,6 @@ def main(argv: list[str] | None = None) -> int:
             assert answer["num_output_tokens"] == num_tokens, answer
             vllm_seconds.append(answer["seconds"])
 
-        num_tokens = sum(m for _, m in workload)
         for i in range(args.repeats):
             sides = [ours_run] if peer is None else [ours_run, vllm_run] if i % 2 == 0 else [vllm_run, ours_run]
             for side in sides:

@@ -451,8 +451,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 // The compiled model's linears by the id its graphs hold (a oneDNN-packed weight is opaque
 // to the compiler, so the graph names it by number): the packed weight (or none, where the
 // panels serve every step), and where steps of up to kMaxRows rows take a GEMV, what it
-// reads: a row-major copy (bf16 or fp32), or Q8_0 blocks (a GGUF's own head). Choosing here, in one C++ op, saves the ~5 us of a Python op
-// per call (121 calls per step of SmolLM2).
+// reads: a row-major copy (bf16 or fp32), or Q8_0 blocks (a GGUF's own head). Choosing
+// here, in one C++ op, saves the ~5 us of a Python op per call (121 calls per step of
+// SmolLM2).
 struct PrepackedLinear {
   // none: the linear keeps one copy, its panels, and panel_gemm serves every step
   std::optional<at::Tensor> packed;
