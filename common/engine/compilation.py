@@ -96,13 +96,9 @@ def compile_forward(model: torch.nn.Module, device: torch.device, enforce_eager:
         threading.Thread(target=_build_native_kernels, name="build-kernels", daemon=True).start()
     num_prepacked = prepack_linears(model, single_copy=single_weight_copy)
     num_single = sum(1 for m in model.modules() if isinstance(m, PrepackedLinear) and m.single_copy)
-    if num_single:
-        logger.info("model compiled with torch.compile (inductor; %d linears prepacked, %d of them kept once, "
-                    "in panel_gemm's panels, for steps of every size: --single-weight-copy; cache %s)",
-                    num_prepacked, num_single, cache_dir)
-    else:
-        logger.info("model compiled with torch.compile (inductor; %d linears prepacked for oneDNN; cache %s)",
-                    num_prepacked, cache_dir)
+    single = f", {num_single} of them kept once, in panel_gemm's panels (--single-weight-copy)" if num_single else ""
+    logger.info("model compiled with torch.compile (inductor; %d linears prepacked%s; cache %s)",
+                num_prepacked, single, cache_dir)
     if device.type == "cpu":
         # One decoder layer compiled for all (~20 s less for SmolLM2 on two cores).
         model.compile_layer_once = True

@@ -23,7 +23,8 @@ one sequential stream per thread, ~31 GB/s against oneDNN's ~18-20 GB/s for bf16
 to panel_gemm_max_rows() tokens read a copy in column panels instead
 (kernels/cpu/panel_gemm.h: outer products; as fast as the GEMV at 1-4 rows, 1.2-1.9x
 oneDNN's rate at 5-64 on that EPYC), and those weights keep no row-major copy. A linear
-thus holds its weight twice: packed for oneDNN, and row-major or in panels. Where that
+thus holds its weight twice: packed for oneDNN, and row-major or in panels; once, in
+panels serving steps of every size, with single_copy (--single-weight-copy). Where that
 native library is loaded, the graph calls its op `pdserve_gemv::prepacked_linear`, which
 makes the same choice in C++; `pdserve::prepacked_linear` serves elsewhere.
 """
@@ -58,7 +59,6 @@ from kernels.huge_pages import on_huge_pages
 # weights the same way each time (the compiled graphs, which hold the ids, then match the
 # on-disk cache).
 _PACKED_WEIGHTS: list[tuple[weakref.ref | None, int, weakref.ref | None, weakref.ref | None] | None] = []
-
 
 _LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
 _LIBRARY.define("prepacked_linear(Tensor x, Tensor? bias, Tensor weight_id, int out_features) -> Tensor")
@@ -141,7 +141,8 @@ class PrepackedLinear(nn.Module):
         # Where the native library is loaded, its op makes the GEMV-or-oneDNN choice in C++
         # (~5 us less per call than the Python op); it holds the weights until this module goes.
         self._native = native_gemv_available()
-        single_copy = single_copy and self._native and panels_for_any_rows() and panels_apply(weight)
+        takes_panels = self._native and panels_apply(weight)
+        single_copy = single_copy and takes_panels and panels_for_any_rows()
         # The module owns the packed weight; the table only points at it.
         self._packed = None if single_copy else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         # What decode steps' GEMV reads, where it applies: the Q8_0 blocks, else (below) a
@@ -151,7 +152,7 @@ class PrepackedLinear(nn.Module):
                              and q8_0_blocks.shape[0] == self.out_features else None)
         # What bf16 decode steps of up to panel_gemm_max_rows() tokens read (AVX512-BF16): at
         # 1-4 tokens as fast as the GEMV's rows, so such a weight keeps no row-major copy.
-        self._panels = pack_panels(weight.detach(), huge_pages=True) if self._native and panels_apply(weight) else None
+        self._panels = pack_panels(weight.detach(), huge_pages=True) if takes_panels else None
         self._row_major = (on_huge_pages(weight) if self._q8_0_blocks is None and self._panels is None
                            and gemv_applies(weight) else None)
         self.weight_id = _register(self._packed, self.out_features, self._row_major, self._panels)
