@@ -103,9 +103,17 @@ def panel_gemm_available() -> bool:
 @functools.cache
 def panel_gemm_max_rows() -> int:
     """prepacked_linear's bf16 steps of up to this many rows take panel_gemm where the linear
-    has a panel copy: 128, or 16 on CPUs with AMX (kernels/cpu/gemv.cpp's kMaxPanelRows says
-    why); 0 where panel_gemm does not run."""
+    has a panel copy: 128 (on AMX tiles where the CPU has them), or 8 on an AMX CPU whose tiles
+    panel_gemm may not use (kernels/cpu/gemv.cpp's kMaxPanelRows says why); 0 where panel_gemm
+    does not run."""
     return torch.ops.pdserve_gemv.panel_gemm_max_rows() if panel_gemm_available() else 0
+
+
+@functools.cache
+def panel_gemm_amx_tiles() -> bool:
+    """Whether panel_gemm computes on AMX tiles here (kernels/cpu/panel_gemm_amx.h): an AMX
+    CPU whose tiles Linux hands the process, unless PDSERVE_AMX_TILES=0."""
+    return panel_gemm_available() and bool(torch.ops.pdserve_gemv.panel_gemm_amx_tiles())
 
 
 @functools.cache
@@ -252,8 +260,8 @@ def prepacked_linear(
 ) -> torch.Tensor:  # [num_tokens, out_features]
     """x W^T + b for a registered weight, in one native op: a GEMV for 1 to GEMV_MAX_ROWS rows
     where the weight has Q8_0 blocks or its row-major copy, panel_gemm for up to
-    panel_gemm_max_rows() bf16 rows where it has panels (AVX512-BF16), else oneDNN on the
-    packed weight.
+    panel_gemm_max_rows() bf16 rows where it has panels (AVX512-BF16; on AMX tiles where the
+    CPU has them), else oneDNN on the packed weight.
     The id is a tensor so that a compiled decoder layer takes it as an input and one
     compiled layer serves them all."""
     return torch.ops.pdserve_gemv.prepacked_linear.default(x, bias, weight_id, out_features)

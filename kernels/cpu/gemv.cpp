@@ -41,6 +41,7 @@
 #include "check_message.h"
 #include "gguf_row_groups.h"
 #include "panel_gemm.h"
+#include "panel_gemm_amx.h"
 
 #if defined(__AVX512BF16__) || defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define PDSERVE_GEMV 1
@@ -50,22 +51,31 @@
 namespace {
 
 constexpr int64_t kMaxRows = 4;  // rows of x; more would read W once per group of them
-// Steps of up to this many rows take panel_gemm where the linear has a panel copy (bf16 on
-// AVX512-BF16, which then keeps no row-major copy for the GEMV); more take oneDNN
-// (panel_gemm.h's measurements on the Zen 4 EPYC: even at 128 rows, behind from 192).
-// With AMX, oneDNN's tiles out-compute vdpbf16ps several times over once the math
-// dominates, so there panel_gemm keeps only the steps that read weights more than they
-// compute (as stream_gemm did; not measured on an AMX CPU here).
-// kernels/cpu_linear.panel_gemm_max_rows() reads it.
-#if defined(__AMX_BF16__)
-constexpr int64_t kMaxPanelRows = 16;
+// Steps of up to panel_gemm_max_rows() rows take panel_gemm where the linear has a panel
+// copy (bf16 on AVX512-BF16, which then keeps no row-major copy for the GEMV); more take
+// oneDNN (panel_gemm.h's measurements on the Zen 4 EPYC: even at 128 rows, behind from 192).
+#ifdef PDSERVE_PANEL_GEMM_AMX
+// With AMX, panel_gemm computes on the tiles (panel_gemm_amx.h), ahead of oneDNN's own AMX
+// calls up to 128 rows on the 2-core Xeon; without them (refused by Linux, or
+// PDSERVE_AMX_TILES=0) its vector tiles, several times slower, keep only the steps of up to
+// 8 rows (behind oneDNN from 12 there). Prefill steps stay on oneDNN, so a linear always keeps its packed weight.
+constexpr int64_t kMaxPanelRows = 128;
+constexpr int64_t kMaxVectorPanelRows = 8;
 constexpr bool kPanelsForAnyRows = false;
 #else
 constexpr int64_t kMaxPanelRows = 128;
 // Whether a linear may keep its panels alone, panel_gemm then serving steps of any size:
-// at 2,048 rows it runs ~9% behind oneDNN on the Zen 4 EPYC, level at 256; not with AMX.
+// at 2,048 rows it runs ~9% behind oneDNN on the Zen 4 EPYC, level at 256.
 constexpr bool kPanelsForAnyRows = true;
 #endif
+// kernels/cpu_linear.panel_gemm_max_rows() reads it.
+int64_t panel_gemm_max_rows() {
+#ifdef PDSERVE_PANEL_GEMM_AMX
+  return pdserve_cpu::amx_tiles_usable() ? kMaxPanelRows : kMaxVectorPanelRows;
+#else
+  return kMaxPanelRows;
+#endif
+}
 constexpr int64_t kStep = 32;    // bf16 values per 512-bit load; in_features' required multiple
 // GGUF blocks (gguf_row_groups.h): columns per block, bytes per block and row.
 using pdserve_cpu::is_panel_copy;
@@ -405,6 +415,23 @@ at::Tensor panel_gemm(const at::Tensor& x, const std::optional<at::Tensor>& bias
   const at::BFloat16* pp = panels.const_data_ptr<at::BFloat16>();
   const at::BFloat16* bp = bias.has_value() ? bias->const_data_ptr<at::BFloat16>() : nullptr;
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+#ifdef PDSERVE_PANEL_GEMM_AMX
+  if (K % pdserve_cpu::kAmxK == 0 && pdserve_cpu::amx_tiles_usable()) {
+    // The A tiles read whole blocks of 16 rows: a last partial block from a zero-padded copy.
+    at::Tensor x_padded = xc;
+    if (M % pdserve_cpu::kAmxRows != 0) {
+      const int64_t num_padded = (M / pdserve_cpu::kAmxRows + 1) * pdserve_cpu::kAmxRows;
+      x_padded = at::empty({num_padded, K}, x.options());
+      x_padded.narrow(0, 0, M).copy_(xc);
+      x_padded.narrow(0, M, num_padded - M).zero_();
+    }
+    const at::BFloat16* xpp = x_padded.const_data_ptr<at::BFloat16>();
+    at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+      pdserve_cpu::panel_gemm_panels_amx(xpp, pp, bp, yp, M, K, N, begin, end);
+    });
+    return y;
+  }
+#endif
   // Each thread a run of whole panels, read front to back.
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     pdserve_cpu::panel_gemm_panels(xp, pp, bp, yp, M, K, N, begin, end);
@@ -513,7 +540,7 @@ at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>
   } else if (decode_rows && linear.row_major.has_value()) {
     y = gemv(x, bias, *linear.row_major);
 #ifdef PDSERVE_PANEL_GEMM
-  } else if (x.dim() == 2 && (x.size(0) <= kMaxPanelRows || !linear.packed.has_value()) &&
+  } else if (x.dim() == 2 && (x.size(0) <= panel_gemm_max_rows() || !linear.packed.has_value()) &&
              linear.panels.has_value() && x.scalar_type() == at::kBFloat16) {
     y = panel_gemm(x, bias, *linear.panels);
 #endif
@@ -535,8 +562,16 @@ at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>
   return y;
 }
 
-int64_t panel_gemm_max_rows() { return kMaxPanelRows; }
 bool panels_for_any_rows() { return kPanelsForAnyRows; }
+
+// Whether panel_gemm computes on AMX tiles (panel_gemm_amx.h) in this process.
+bool panel_gemm_amx_tiles() {
+#ifdef PDSERVE_PANEL_GEMM_AMX
+  return pdserve_cpu::amx_tiles_usable();
+#else
+  return false;
+#endif
+}
 
 // Which build of the math this library holds: "avx512_bf16", "fp32_fma" or "" (none).
 std::string gemv_isa() {
@@ -562,6 +597,7 @@ TORCH_LIBRARY(pdserve_gemv, m) {
   m.def("panel_gemm(Tensor x, Tensor? bias, Tensor panels) -> Tensor");
   m.def("panel_gemm_max_rows() -> int", &panel_gemm_max_rows);
   m.def("panels_for_any_rows() -> bool", &panels_for_any_rows);
+  m.def("panel_gemm_amx_tiles() -> bool", &panel_gemm_amx_tiles);
   m.def("register_linear(int weight_id, Tensor? packed, Tensor? row_major, Tensor? q8_0_blocks=None, "
         "Tensor? panels=None) -> ()",
         &register_linear);

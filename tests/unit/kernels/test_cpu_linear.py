@@ -29,7 +29,8 @@ from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
 from kernels.cpu.build import cpu_flags
 from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, gemv, native_gemv_available, pack_panels, panel_gemm,
-                                panel_gemm_available, panel_gemm_max_rows, panels_for_any_rows, q4_1_gemv,
+                                panel_gemm_amx_tiles, panel_gemm_available, panel_gemm_max_rows, panels_for_any_rows,
+                                q4_1_gemv,
                                 q4_1_gemv_blocks, q8_0_gemv, q8_0_gemv_blocks)
 from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
 
@@ -111,12 +112,13 @@ def test_pack_panels_lays_out_32_columns_by_pairs_of_k(out_features, in_features
 
 
 @needs_panel_gemm
-@pytest.mark.parametrize("num_rows", [1, 5, 11, 12, 13, 24, 37, 128, 200])
+@pytest.mark.parametrize("num_rows", [1, 5, 11, 12, 13, 16, 24, 33, 37, 128, 200])
 @pytest.mark.parametrize("out_features, in_features", [(32, 32), (64, 34), (96, 96), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_panel_gemm_matches_fp32_math_rounded_once(num_rows, out_features, in_features, with_bias):
-    # Row counts off the 12-row tiles and both sides of them; one panel (one thread) to 30;
-    # K not a multiple of 32.
+    # Row counts off the vector tiles' 12 rows and AMX's 16 and both sides of them (one, two,
+    # three blocks of 16 and an odd number of blocks with a partial last); one panel (one
+    # thread) to 30; K not a multiple of 32 (the vector tiles on AMX CPUs too).
     torch.manual_seed(num_rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
     bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
@@ -140,6 +142,31 @@ def test_panel_gemm_outputs_past_l2_size_match_as_well(num_rows):
     expected = reference(x, bias, weight)
     torch.testing.assert_close(panel_gemm(x, bias, pack_panels(weight)).float(), expected, rtol=2 ** -8,
                                atol=1e-3 * expected.abs().max().item())
+
+
+_VECTOR_TILES_SCRIPT = textwrap.dedent("""
+    import torch
+    from kernels.cpu_linear import pack_panels, panel_gemm, panel_gemm_amx_tiles, panel_gemm_max_rows
+    assert not panel_gemm_amx_tiles() and panel_gemm_max_rows() == 8, panel_gemm_max_rows()
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    for num_rows in (1, 8, 17):
+        x = torch.randn(num_rows, 64, dtype=torch.bfloat16)
+        expected = torch.addmm(bias.float(), x.float(), weight.float().t())
+        torch.testing.assert_close(panel_gemm(x, bias, pack_panels(weight)).float(), expected, rtol=2 ** -8,
+                                   atol=1e-3 * expected.abs().max().item())
+    print("ok")
+""")
+
+
+@needs_panel_gemm
+@pytest.mark.skipif("amx_bf16" not in cpu_flags().split(), reason="no AMX here")
+def test_panel_gemm_without_the_amx_tiles_takes_its_vector_tiles_for_8_rows_at_most():
+    repo_root = Path(__file__).resolve().parents[3]
+    env = dict(os.environ, PDSERVE_AMX_TILES="0", PYTHONPATH=str(repo_root))
+    done = subprocess.run([sys.executable, "-c", _VECTOR_TILES_SCRIPT], env=env, cwd=repo_root, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
 
 
 @needs_panel_gemm
@@ -195,8 +222,10 @@ def test_panel_gemm_refuses_what_it_cannot_compute(x, bias, panels, message):
 @pytest.mark.skipif(not prepacking_available(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
 @pytest.mark.parametrize("num_tokens", ["one", "the GEMV's most", "the GEMV's most + 1", "most", "past the most"])
 def test_a_bf16_linear_takes_panel_gemm_for_decode_steps_and_onednn_beyond(num_tokens):
-    max_rows = panel_gemm_max_rows()  # 128, or 16 with AMX (the library's build for this CPU)
-    assert max_rows == (16 if "amx_bf16" in cpu_flags().split() else 128)
+    max_rows = panel_gemm_max_rows()  # 128, or 8 on AMX CPUs where panel_gemm may not use the tiles
+    has_amx = "amx_bf16" in cpu_flags().split()
+    assert panel_gemm_amx_tiles() == (has_amx and os.environ.get("PDSERVE_AMX_TILES") != "0")
+    assert max_rows == (8 if has_amx and not panel_gemm_amx_tiles() else 128)
     num_tokens = {"one": 1, "the GEMV's most": GEMV_MAX_ROWS, "the GEMV's most + 1": GEMV_MAX_ROWS + 1,
                   "most": max_rows, "past the most": max_rows + 1}[num_tokens]
     torch.manual_seed(0)

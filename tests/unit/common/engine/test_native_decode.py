@@ -168,8 +168,8 @@ def test_in_bf16_the_loop_is_as_close_to_fp32_as_the_model():
     llm.engine.shutdown()
 
 
-# Seven and twenty sequences take panel_gemm (bf16 with AVX512-BF16; twenty take oneDNN
-# where AMX limits it to 16 rows) through the prepacked op; past panel_gemm_max_rows() it
+# Seven and twenty sequences take panel_gemm (bf16 with AVX512-BF16; twenty take oneDNN on
+# an AMX CPU whose tiles panel_gemm may not use, 8 rows at most) through the prepacked op; past panel_gemm_max_rows() it
 # calls oneDNN, the route fp32 steps of more than DECODE_MAX_TOKENS take as well
 # (test_the_loop_matches_the_model_for_each_family, twenty sequences).
 @pytest.mark.parametrize("num_seqs", [DECODE_MAX_TOKENS + 3, 20])

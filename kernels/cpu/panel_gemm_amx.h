@@ -1,0 +1,129 @@
+// panel_gemm (panel_gemm.h) on AMX tiles: y [M, N] = x [M, K] @ W [N, K]^T (+ bias), bf16, W in
+// the same column panels. On CPUs with AMX, vdpbf16ps is several times slower than the tiles:
+// on the 2-core Xeon (2026-11-28, SmolLM2's 30 layers + head from DRAM) panel_gemm's vector
+// tiles fell behind oneDNN from 12 rows (64 rows 111 ms against 39), while oneDNN itself
+// streams the weights at ~13 GB/s against the GEMV's ~20 even at one row. With tdpbf16ps a
+// 16-row block of x costs ~1/16 of a cycle per weight pair, so every decode step up to 128
+// rows stays bound by reading the panels once, as a one-row step is.
+//
+// A panel [K / 2][32][2] is already what tdpbf16ps takes as B: a tile of 16 pairs of K by 16
+// columns is 16 rows of 64 bytes, 128 bytes apart (the panel's left or right 16 columns). x is
+// A as it is (16 rows of 32 bf16, K * 2 bytes apart), rows padded to a multiple of 16 by the
+// caller; each panel is read from DRAM once and kept in L1/L2 for every block of x.
+#pragma once
+
+#include "panel_layout.h"
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#define PDSERVE_PANEL_GEMM_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <string_view>
+
+#include <c10/util/BFloat16.h>
+
+namespace pdserve_cpu {
+
+constexpr int64_t kAmxRows = 16;       // rows of x per A tile (and of C)
+constexpr int64_t kAmxK = 32;          // bf16 values of K per tile step (64 bytes a row)
+constexpr int64_t kAmxPanelBytes = 128;  // a panel's pair of K: 32 columns x 2 bf16
+
+// Whether panel_gemm may use the tiles: unless PDSERVE_AMX_TILES=0 (the vector tiles then, for
+// comparing the two), once Linux has handed the process AMX's 8 KB of tile state, which it
+// does only when asked (arch_prctl, since 5.16). Decided once per process.
+inline bool amx_tiles_usable() {
+  static const bool usable = [] {
+    const char* setting = std::getenv("PDSERVE_AMX_TILES");
+    if (setting != nullptr && std::string_view(setting) == "0") return false;
+    constexpr int kArchReqXcompPerm = 0x1023;
+    constexpr int kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+// Every tile 16 rows of 64 bytes: tmm0-3 C (two 16-row blocks of x by the panel's two halves),
+// tmm4-5 A (the two blocks of x), tmm6-7 B (the panel's halves).
+struct alignas(64) AmxTileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// C's fp32 [rows, 32] (+ bias) rounded to nearest even into y's rows [m0, m0 + rows).
+inline void amx_store_rows(const float* c, const c10::BFloat16* bias, c10::BFloat16* y, int64_t N, int64_t m0,
+                           int64_t n0, int64_t rows) {
+  __m512 bias_lanes[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  if (bias != nullptr)
+    for (int j = 0; j < 2; ++j)  // bf16 -> fp32 is a shift into the high half
+      bias_lanes[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n0 + j * 16))), 16));
+  for (int64_t i = 0; i < rows; ++i)
+    for (int j = 0; j < 2; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + i) * N + n0 + j * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + i * 32 + j * 16),
+                                                                    bias_lanes[j])));
+}
+
+// Panels [panel_begin, panel_end) for all M rows; x_padded has ceil(M / 16) * 16 rows (those
+// past M zero or anything: their sums are not stored), K a multiple of 32. The tiles are this
+// thread's: configured here and released at the end.
+inline void panel_gemm_panels_amx(const c10::BFloat16* x_padded, const c10::BFloat16* panels,
+                                  const c10::BFloat16* bias, c10::BFloat16* y, int64_t M, int64_t K, int64_t N,
+                                  int64_t panel_begin, int64_t panel_end) {
+  const AmxTileConfig config;
+  _tile_loadconfig(&config);
+  alignas(64) float c[2 * kAmxRows * kPanelCols];  // two blocks of 16 rows by the panel's 32 columns
+  const int64_t x_stride = K * static_cast<int64_t>(sizeof(c10::BFloat16));
+  const int64_t panel_values = K * kPanelCols;
+  const int64_t num_blocks = (M + kAmxRows - 1) / kAmxRows;
+  for (int64_t p = panel_begin; p < panel_end; ++p) {
+    const c10::BFloat16* panel = panels + p * panel_values;
+    const int64_t n0 = p * kPanelCols;
+    for (int64_t b = 0; b < num_blocks; b += 2) {
+      const bool two = b + 1 < num_blocks;
+      const c10::BFloat16* x0 = x_padded + b * kAmxRows * K;
+      _tile_zero(0);
+      _tile_zero(1);
+      if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t k = 0; k < K; k += kAmxK) {
+        const c10::BFloat16* w = panel + k * kPanelCols;  // pair k / 2's row of the panel
+        _tile_loadd(6, w, kAmxPanelBytes);
+        _tile_loadd(7, w + 16 * 2, kAmxPanelBytes);
+        _tile_loadd(4, x0 + k, x_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, x0 + kAmxRows * K + k, x_stride);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      constexpr int64_t kRowBytes = kPanelCols * sizeof(float);
+      _tile_stored(0, c, kRowBytes);
+      _tile_stored(1, c + 16, kRowBytes);
+      const int64_t m0 = b * kAmxRows;
+      amx_store_rows(c, bias, y, N, m0, n0, std::min(kAmxRows, M - m0));
+      if (two) {
+        _tile_stored(2, c + kAmxRows * kPanelCols, kRowBytes);
+        _tile_stored(3, c + kAmxRows * kPanelCols + 16, kRowBytes);
+        amx_store_rows(c + kAmxRows * kPanelCols, bias, y, N, m0 + kAmxRows, n0,
+                       std::min(kAmxRows, M - m0 - kAmxRows));
+      }
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace pdserve_cpu
+#endif
