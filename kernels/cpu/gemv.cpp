@@ -417,17 +417,17 @@ at::Tensor panel_gemm(const at::Tensor& x, const std::optional<at::Tensor>& bias
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
 #ifdef PDSERVE_PANEL_GEMM_AMX
   if (K % pdserve_cpu::kAmxK == 0 && pdserve_cpu::amx_tiles_usable()) {
-    // The A tiles read whole blocks of 16 rows: a last partial block from a zero-padded copy.
-    at::Tensor x_padded = xc;
-    if (M % pdserve_cpu::kAmxRows != 0) {
-      const int64_t num_padded = (M / pdserve_cpu::kAmxRows + 1) * pdserve_cpu::kAmxRows;
-      x_padded = at::empty({num_padded, K}, x.options());
-      x_padded.narrow(0, 0, M).copy_(xc);
-      x_padded.narrow(0, M, num_padded - M).zero_();
+    // The A tiles read whole blocks of 16 rows: a last partial block from a zero-padded copy
+    // (this thread's, kept between calls: the workers read it while this thread waits).
+    const int64_t num_tail = M % pdserve_cpu::kAmxRows;
+    thread_local std::vector<at::BFloat16> tail;
+    if (num_tail > 0) {
+      tail.assign(pdserve_cpu::kAmxRows * K, at::BFloat16(0.f));
+      std::memcpy(tail.data(), xp + (M - num_tail) * K, num_tail * K * sizeof(at::BFloat16));
     }
-    const at::BFloat16* xpp = x_padded.const_data_ptr<at::BFloat16>();
+    const at::BFloat16* tail_rows = num_tail > 0 ? tail.data() : nullptr;
     at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-      pdserve_cpu::panel_gemm_panels_amx(xpp, pp, bp, yp, M, K, N, begin, end);
+      pdserve_cpu::panel_gemm_panels_amx(xp, tail_rows, pp, bp, yp, M, K, N, begin, end);
     });
     return y;
   }
