@@ -53,6 +53,18 @@ inline void row_scores_bf16(const c10::BFloat16* q_row, const c10::BFloat16* k_b
 template <int64_t kHeadDim>
 constexpr int64_t kBf16PairWords = kHeadDim / 2 * 16;
 
+// The 16 keys' K rows from `first` as words of d pairs transposed: k_pairs[i * 16 + j] =
+// (k_{first + j}[2i], k_{first + j}[2i + 1]); keys outside [keys_begin, keys_end) zero (never
+// read from the block). k_pairs: a 64-byte aligned buffer of kBf16PairWords<kHeadDim> words.
+template <int64_t kHeadDim>
+inline void pair_key_rows(const c10::BFloat16* k_block, int64_t k_pos_stride, int64_t first, int64_t keys_begin,
+                          int64_t keys_end, uint32_t* k_pairs) {
+  // In registers and whole-vector stores: 512 scattered word stores here would stall the
+  // vector loads after them, and alias K's loads at random 4 KB offsets (ASLR).
+  for (int64_t i0 = 0; i0 < kHeadDim / 2; i0 += 16)
+    transpose_key_words16(k_block + 2 * i0, k_pos_stride, first, keys_begin, keys_end, k_pairs + i0 * 16, 16);
+}
+
 // Many rows (prefill tiles), bf16 dot products on both products of a block, 16 keys at a
 // time: twice the multiply-adds per instruction of the fp32 FMAs, and no widening of K or V.
 //
@@ -73,10 +85,7 @@ inline void transposed_scores_bf16(const c10::BFloat16* q_rows, int64_t num_rows
   const __m512 scale_vec = _mm512_set1_ps(scale);
   auto pair = [](const Word* words, int64_t i) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(words[i])); };
   for (int64_t first = keys_begin / 16 * 16; first < keys_end; first += 16) {
-    // In registers and whole-vector stores: 512 scattered word stores here would stall the
-    // vector loads after them, and alias K's loads at random 4 KB offsets (ASLR).
-    for (int64_t i0 = 0; i0 < kPairs; i0 += 16)
-      transpose_key_words16(k_block + 2 * i0, k_pos_stride, first, keys_begin, keys_end, k_pairs + i0 * 16, 16);
+    pair_key_rows<kHeadDim>(k_block, k_pos_stride, first, keys_begin, keys_end, k_pairs);
     auto keys = [&](int64_t i) { return (__m512bh)_mm512_load_si512(k_pairs + i * 16); };
     int64_t r = 0;
     for (; r + 4 <= num_rows; r += 4) {  // 4 rows x even and odd pairs: eight dot-product chains
@@ -103,12 +112,45 @@ inline void transposed_scores_bf16(const c10::BFloat16* q_rows, int64_t num_rows
   }
 }
 
+// The 16 keys' V rows from `first` in pairs: v_pairs[(pair * (kHeadDim / 16) + chunk) * 16 + d]
+// = (v_{first + 2 pair}[16 chunk + d], v_{first + 2 pair + 1}[16 chunk + d]) as one 32-bit word,
+// V = 0 for keys outside [keys_begin, keys_end) (their cache slots may hold anything, NaN
+// bits included). v_pairs: a 64-byte aligned buffer of kBf16PairWords<kHeadDim> words.
+template <int64_t kHeadDim>
+inline void pair_value_rows(const c10::BFloat16* v_block, int64_t v_pos_stride, int64_t first, int64_t keys_begin,
+                            int64_t keys_end, uint32_t* v_pairs) {
+  static_assert(kHeadDim % kBf16PerVec == 0);
+  constexpr int64_t kChunks = kHeadDim / 16;
+  // vpermt2w indices: word w of the low half = (a[w], b[w]), of the high half (a[16 + w], b[16 + w]).
+  alignas(64) static constexpr int16_t kLowIndex[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr int16_t kHighIndex[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLowIndex), high = _mm512_load_si512(kHighIndex);
+  auto v_row = [&](int64_t key, int64_t c2) {  // 32 values of key's V from d = 32 c2; zero outside the range
+    if (key < keys_begin || key >= keys_end) return _mm512_setzero_si512();
+    return _mm512_loadu_si512(static_cast<const void*>(v_block + key * v_pos_stride + 32 * c2));
+  };
+  for (int64_t pair = 0; pair < 8; ++pair)
+    for (int64_t c2 = 0; c2 < kChunks / 2; ++c2) {
+      const __m512i a = v_row(first + 2 * pair, c2), b = v_row(first + 2 * pair + 1, c2);
+      _mm512_store_si512(v_pairs + (pair * kChunks + 2 * c2) * 16, _mm512_permutex2var_epi16(a, low, b));
+      _mm512_store_si512(v_pairs + (pair * kChunks + 2 * c2 + 1) * 16, _mm512_permutex2var_epi16(a, high, b));
+    }
+}
+
+// Which of the 16 keys from `first` lie in [keys_begin, keys_end).
+inline __mmask16 keys_in_range(int64_t first, int64_t keys_begin, int64_t keys_end) {
+  return static_cast<__mmask16>(((1u << std::min<int64_t>(16, keys_end - first)) - 1) &
+                                ~((1u << std::max<int64_t>(0, keys_begin - first)) - 1));
+}
+
 // acc_r += sum_j p_r[j] v_j over the block's keys in [keys_begin, keys_end), for many rows:
 // p rounded to bf16 (as flash attention's P.V on GPUs; the sums stay fp32), V's rows
-// interleaved in pairs so that lane d of a 32-bit word holds (v_j[d], v_{j+1}[d]) and each
-// row adds two keys per dot product. Keys outside the range take p = 0 and V = 0 (their
-// cache slots may hold anything, NaN bits included). acc: [num_rows, kHeadDim] fp32;
-// v_pairs: a 64-byte aligned buffer of kBf16PairWords<kHeadDim> words.
+// interleaved in pairs (pair_value_rows) so that lane d of a 32-bit word holds
+// (v_j[d], v_{j+1}[d]) and each row adds two keys per dot product. Keys outside the range
+// take p = 0 and V = 0. acc: [num_rows, kHeadDim] fp32; v_pairs: a 64-byte aligned buffer
+// of kBf16PairWords<kHeadDim> words.
 template <int64_t kHeadDim>
 inline void transposed_accumulate_bf16(float* acc, int64_t num_rows, const float* p_rows, int64_t p_stride,
                                        const c10::BFloat16* v_block, int64_t v_pos_stride, int64_t keys_begin,
@@ -119,28 +161,9 @@ inline void transposed_accumulate_bf16(float* acc, int64_t num_rows, const float
   constexpr int64_t kRows = kChunks >= 16 ? 1 : 24 / kChunks;
   // v_pairs[(pair * kChunks + chunk) * 16 + d]: key pair, chunk of 16 d, d
   auto pairs_at = [&](int64_t pair, int64_t chunk) { return v_pairs + (pair * kChunks + chunk) * 16; };
-  // vpermt2w indices: word w of the low half = (a[w], b[w]), of the high half (a[16 + w], b[16 + w]).
-  alignas(64) int16_t low_index[32], high_index[32];
-  for (int w = 0; w < 16; ++w) {
-    low_index[2 * w] = static_cast<int16_t>(w);
-    low_index[2 * w + 1] = static_cast<int16_t>(32 + w);
-    high_index[2 * w] = static_cast<int16_t>(16 + w);
-    high_index[2 * w + 1] = static_cast<int16_t>(48 + w);
-  }
-  const __m512i low = _mm512_load_si512(low_index), high = _mm512_load_si512(high_index);
   for (int64_t first = keys_begin / 16 * 16; first < keys_end; first += 16) {
-    auto v_row = [&](int64_t key, int64_t c2) {  // 32 values of key's V from d = 32 c2; zero outside the range
-      if (key < keys_begin || key >= keys_end) return _mm512_setzero_si512();
-      return _mm512_loadu_si512(static_cast<const void*>(v_block + key * v_pos_stride + 32 * c2));
-    };
-    for (int64_t pair = 0; pair < 8; ++pair)
-      for (int64_t c2 = 0; c2 < kChunks / 2; ++c2) {
-        const __m512i a = v_row(first + 2 * pair, c2), b = v_row(first + 2 * pair + 1, c2);
-        _mm512_store_si512(pairs_at(pair, 2 * c2), _mm512_permutex2var_epi16(a, low, b));
-        _mm512_store_si512(pairs_at(pair, 2 * c2 + 1), _mm512_permutex2var_epi16(a, high, b));
-      }
-    const __mmask16 in_range = static_cast<__mmask16>(
-        ((1u << std::min<int64_t>(16, keys_end - first)) - 1) & ~((1u << std::max<int64_t>(0, keys_begin - first)) - 1));
+    pair_value_rows<kHeadDim>(v_block, v_pos_stride, first, keys_begin, keys_end, v_pairs);
+    const __mmask16 in_range = keys_in_range(first, keys_begin, keys_end);
     auto pass = [&]<int64_t R>(int64_t r) {
       uint32_t p_words[R][8];  // the rows' p in bf16, two keys a word
       for (int64_t m = 0; m < R; ++m) {

@@ -26,6 +26,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_amx.h"
 #include "attention_bf16.h"
 #include "attention_blocks.h"
 #include "check_message.h"
@@ -168,9 +169,17 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
 #else
   constexpr bool kBf16Dot = false;
 #endif
+#ifdef PDSERVE_ATTENTION_AMX
+  // Both products on AMX tiles (attention_amx.h), whose query and accumulator buffers hold
+  // whole blocks of 16 rows.
+  const bool amx = kBf16Dot && transposed && amx_tiles_usable();
+#else
+  constexpr bool amx = false;
+#endif
+  const int64_t num_tile_rows = amx ? (num_rows + 15) / 16 * 16 : num_rows;
   // The bf16 dot products read the query as given: no fp32 copy (which would also crowd L1).
   const int64_t q_float_floats = kBf16Dot ? 0 : num_rows * head_dim;
-  const int64_t q_bf16_floats = kBf16Dot ? (num_rows * head_dim + 1) / 2 : 0;
+  const int64_t q_bf16_floats = kBf16Dot ? (num_tile_rows * head_dim + 1) / 2 : 0;
   const bool k_transposed = transposed && !kBf16Dot;  // the fp32 path's K^T; the bf16 one pairs K itself
 #ifdef PDSERVE_BF16_DOT
   const int64_t pair_floats = kBf16Dot && transposed ? kBf16PairWords<kHeadDim> : 0;
@@ -181,16 +190,16 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
   // 4 KB (a load waits on an earlier store whose address has the same low 12 bits) are
   // then the same in every process, where stack buffers moved with ASLR's stack offset
   // and a 1024-token prompt's attention took 14 or 20 ms from one process to the next.
-  const ScratchLayout layout(scratch, {q_float_floats, num_rows * head_dim, num_rows, num_rows * score_stride,
+  const ScratchLayout layout(scratch, {q_float_floats, num_tile_rows * head_dim, num_rows, num_rows * score_stride,
                                        k_transposed ? head_dim * score_stride : 0, q_bf16_floats, pair_floats,
                                        pair_floats, num_rows * kLanes});
   bounds.resize(2 * num_rows);
   float* q_rows = layout[0];   // [num_rows, head_dim], pre-scaled (fp32 paths only)
-  float* acc = layout[1];      // [num_rows, head_dim]
+  float* acc = layout[1];      // [num_tile_rows, head_dim]
   float* row_max = layout[2];  // [num_rows]
   float* scores = layout[3];   // [num_rows, score_stride], then probabilities
   float* k_t = layout[4];      // [head_dim, score_stride]: the block's K, transposed (fp32 path)
-  auto* q_bf16 = reinterpret_cast<T*>(layout[5]);  // [num_rows, head_dim]: the query as given (kBf16Dot)
+  auto* q_bf16 = reinterpret_cast<T*>(layout[5]);  // [num_tile_rows, head_dim]: the query as given (kBf16Dot)
   // The bf16 tiles' K and V of one block in pairs (attention_bf16.h)
   auto* k_pairs = reinterpret_cast<uint32_t*>(layout[6]);
   auto* v_pairs = reinterpret_cast<uint32_t*>(layout[7]);
@@ -198,7 +207,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
   int64_t* row_begin = bounds.data();              // [num_rows] visible keys of this block, relative
   int64_t* row_end = row_begin + num_rows;         // [num_rows]
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  std::fill(acc, acc + num_rows * head_dim, 0.f);
+  std::fill(acc, acc + num_tile_rows * head_dim, 0.f);
   std::fill(row_max, row_max + num_rows, kNegInf);
   std::fill(row_sums, row_sums + num_rows * kLanes, 0.f);
 
@@ -211,6 +220,10 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
     else
       for (int64_t d = 0; d < head_dim; ++d) q_rows[r * head_dim + d] = to_float(src[d]) * pr.scale;
   }
+  if constexpr (kBf16Dot) std::fill(q_bf16 + num_rows * head_dim, q_bf16 + num_tile_rows * head_dim, T(0.f));
+#ifdef PDSERVE_ATTENTION_AMX
+  if (amx) configure_attention_tiles();
+#endif
   const auto [lo, hi] = item_keys(pr, item);
   const T* k_head = static_cast<const T*>(pr.k) + kv_head * pr.k_head_stride;
   const T* v_head = static_cast<const T*>(pr.v) + kv_head * pr.v_head_stride;
@@ -268,7 +281,15 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
     }
     // Scores over [keys_begin, keys_end); a row's masked keys hold anything (the softmax skips them).
     if constexpr (kNumVec > 0) {
-      if (transposed) {
+      if (amx) {
+#ifdef PDSERVE_ATTENTION_AMX
+        if constexpr (kBf16Dot)
+          for (int64_t first = keys_begin / 16 * 16; first < keys_end; first += 16) {
+            pair_key_rows<kHeadDim>(k_block, pr.k_pos_stride, first, keys_begin, keys_end, k_pairs);
+            amx_block_scores<kHeadDim>(q_bf16, num_rows, k_pairs, pr.scale, score_stride, scores + first);
+          }
+#endif
+      } else if (transposed) {
 #ifdef PDSERVE_BF16_DOT
         if constexpr (kBf16Dot)
           transposed_scores_bf16<kHeadDim>(q_bf16, num_rows, k_block, pr.k_pos_stride, keys_begin, keys_end, pr.scale,
@@ -329,6 +350,17 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
       std::memcpy(row_sums + r * kLanes, &sum, sizeof sum);
     }
     // acc += P V over each row's visible keys (masked ones are skipped, not added as 0 x V).
+    if (amx) {
+#ifdef PDSERVE_ATTENTION_AMX
+      if constexpr (kBf16Dot)
+        for (int64_t first = keys_begin / 16 * 16; first < keys_end; first += 16) {
+          pair_value_rows<kHeadDim>(v_block, pr.v_pos_stride, first, keys_begin, keys_end, v_pairs);
+          amx_block_accumulate<kHeadDim>(acc, num_rows, scores + first, score_stride,
+                                         keys_in_range(first, keys_begin, keys_end), v_pairs);
+        }
+#endif
+      continue;
+    }
 #ifdef PDSERVE_BF16_DOT
     if constexpr (kBf16Dot) {
       if (transposed) {
@@ -354,6 +386,9 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
       }
     }
   }
+#ifdef PDSERVE_ATTENTION_AMX
+  if (amx) _tile_release();
+#endif
   auto row_sum = [&](int64_t r) { return hsum(load_vec(row_sums + r * kLanes)); };
   if (item.partial >= 0) {  // one part of a split token: merged by merge_split_token
     float* slot = pr.partials + (item.partial * pr.num_kv_heads + kv_head) * group * (head_dim + 2);

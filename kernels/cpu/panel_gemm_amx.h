@@ -12,18 +12,15 @@
 // padded copy); each panel is read from DRAM once and kept in L1/L2 for every block of x.
 #pragma once
 
+#include "amx_tiles.h"
 #include "panel_layout.h"
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#ifdef PDSERVE_HAS_AMX
 #define PDSERVE_PANEL_GEMM_AMX 1
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string_view>
 
 #include <c10/util/BFloat16.h>
 
@@ -32,20 +29,6 @@ namespace pdserve_cpu {
 constexpr int64_t kAmxRows = 16;       // rows of x per A tile (and of C)
 constexpr int64_t kAmxK = 32;          // bf16 values of K per tile step (64 bytes a row)
 constexpr int64_t kAmxPanelBytes = 128;  // a panel's pair of K: 32 columns x 2 bf16
-
-// Whether panel_gemm may use the tiles: unless PDSERVE_AMX_TILES=0 (the vector tiles then, for
-// comparing the two), once Linux has handed the process AMX's 8 KB of tile state, which it
-// does only when asked (arch_prctl, since 5.16). Decided once per process.
-inline bool amx_tiles_usable() {
-  static const bool usable = [] {
-    const char* setting = std::getenv("PDSERVE_AMX_TILES");
-    if (setting != nullptr && std::string_view(setting) == "0") return false;
-    constexpr int kArchReqXcompPerm = 0x1023;
-    constexpr int kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return usable;
-}
 
 // Every tile 16 rows of 64 bytes: tmm0-3 C (two 16-row blocks of x by the panel's two halves),
 // tmm4-5 A (the two blocks of x), tmm6-7 B (the panel's halves).

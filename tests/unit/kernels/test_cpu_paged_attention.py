@@ -1,8 +1,9 @@
 """The native CPU paged-attention kernel against the torch reference (kernels/torch_attention.py).
 
 Tolerances (max |a - b| / max |b|): fp32 1e-5; bf16 1e-2 (both paths sum in fp32 and round
-the output to bf16 once; the native prefill tiles also round P to bf16 for P.V, as flash
-attention does on GPUs: a relative 2^-9 per probability).
+the output to bf16 once; the native prefill tiles, vector or AMX (kernels/cpu/attention_amx.h,
+on CPUs with AMX), also round P to bf16 for P.V, as flash attention does on GPUs: a relative
+2^-9 per probability).
 The library is built once per machine into the kernel cache (kernels/cpu/build.py) and
 loaded once per process; only the fallback test builds, in a subprocess with no compiler.
 """
