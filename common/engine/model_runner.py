@@ -208,7 +208,9 @@ class ModelRunner:
 
         On CUDA, given the scheduler's max_num_seqs and max_model_len, then capture the
         decode steps' CUDA graphs (common/engine/cuda_graphs.py); on the CPU, register the
-        model with the native decode loop (common/engine/native_decode.py)."""
+        model with the native decode loop (common/engine/native_decode.py). In every mode, load
+        the sampler's native kernels (Sampler.prepare)."""
+        self.sampler.prepare(self.device)
         if self.forward is self.model or not self.kv_caches:
             return
         self._compile()

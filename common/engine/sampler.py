@@ -29,7 +29,7 @@ import torch
 
 from common.engine.outputs import Logprobs, ScheduledRequest
 from common.engine.structured_output.bitmask import apply_token_bitmask
-from kernels.cpu_sampling import argmax_rows
+from kernels.cpu_sampling import argmax_rows, native_argmax_available
 
 _MASK64 = (1 << 64) - 1
 
@@ -58,6 +58,13 @@ class Sampler:
         # Unique prompt token ids per request, for repetition penalties; a prompt never
         # changes, so it is turned into a tensor once rather than every step.
         self._prompt_id_tensors: dict[str, torch.Tensor] = {}
+
+    def prepare(self, device: torch.device) -> None:
+        """Load what greedy steps on this device take before the first request: on the CPU the
+        native argmax, whose library is otherwise built (a compiler run of seconds after an
+        install or a change of the kernels' sources) inside the first request's step."""
+        if device.type == "cpu":
+            native_argmax_available()
 
     def remove_requests(self, req_ids: Sequence[str]) -> None:
         """Drop per-request state of finished/aborted requests."""

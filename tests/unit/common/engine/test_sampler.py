@@ -1,3 +1,9 @@
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -281,3 +287,27 @@ def test_half_precision_and_empty_batch():
     out = Sampler()(logits, [make_request(str(i), top_k=4, logprobs=1) for i in range(3)])
     assert len(out.sampled_token_ids) == 3 and isinstance(out.logprobs[0].token_logprob, float)
     assert Sampler()(torch.zeros(0, 8), []).sampled_token_ids == []
+
+
+_WARM_UP_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    from common.engine.llm import LLM
+    from kernels.cpu_sampling import native_argmax_available
+    llm = LLM(sys.argv[1], dtype="float32", num_kv_blocks=16, enforce_eager=True)
+    # Constructed, no request yet: the native argmax is loaded (built, if need be) already.
+    assert native_argmax_available.cache_info().currsize == 1, native_argmax_available.cache_info()
+    print("ok", native_argmax_available(), hasattr(torch.ops.pdserve_sampling, "argmax_rows"))
+""")
+
+
+def test_the_engine_loads_the_native_argmax_before_the_first_request(tiny_llama_dir):
+    # In a fresh process: here other tests may have loaded it already.
+    repo_root = Path(__file__).resolve().parents[4]
+    env = dict(os.environ, PYTHONPATH=str(repo_root))
+    env.pop("PDSERVE_CPU_ARGMAX", None)
+    done = subprocess.run([sys.executable, "-c", _WARM_UP_SCRIPT, str(tiny_llama_dir)], env=env, cwd=repo_root,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ok, available, has_op = done.stdout.split()[-3:]
+    assert ok == "ok" and has_op == available, done.stdout
