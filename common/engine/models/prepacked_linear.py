@@ -23,7 +23,7 @@ one sequential stream per thread, ~31 GB/s against oneDNN's ~18-20 GB/s for bf16
 to panel_gemm_max_rows() tokens read a copy in column panels instead
 (kernels/cpu/panel_gemm.h: outer products; as fast as the GEMV at 1-4 rows, 1.2-1.9x
 oneDNN's rate at 5-64 on that EPYC; on AMX CPUs computed on the tiles,
-kernels/cpu/panel_gemm_amx.h: 1.3-1.9x oneDNN's AMX calls at 1-64 rows on a 2-core Xeon),
+kernels/cpu/panel_gemm_amx.h: 1.2-1.6x oneDNN's AMX calls at 1-64 rows on a 2-core Xeon),
 and those weights keep no row-major copy. A linear
 thus holds its weight twice: packed for oneDNN, and row-major or in panels; once, in
 panels serving steps of every size, with single_copy (--single-weight-copy). Where that
