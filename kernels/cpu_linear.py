@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 4  # the op's limit on rows of x (decode tokens of one step)
 PANEL_COLS = 32  # out_features must be a multiple of this for a panel copy
+AMX_TILE_K = 32  # where panel_gemm computes on AMX tiles, in_features must be a multiple of this
 GEMV_K_MULTIPLE = 32  # in_features must be a multiple of this
 
 
@@ -127,9 +128,13 @@ def panels_for_any_rows() -> bool:
 def panels_apply(weight: torch.Tensor) -> bool:
     """Whether this weight gets a panel copy for panel_gemm (instead of the GEMV's row-major
     one): bf16, out_features a multiple of PANEL_COLS, in_features even, the library's
-    AVX512-BF16 build, and PDSERVE_PANEL_GEMM not 0 (then steps of 5+ tokens take oneDNN)."""
+    AVX512-BF16 build, and PDSERVE_PANEL_GEMM not 0 (then steps of 5+ tokens take oneDNN).
+    Where panel_gemm computes on AMX tiles, in_features a multiple of 32 too (a tile step's
+    K): its vector tiles would take such a weight's steps of up to 128 rows, far behind
+    oneDNN's AMX calls from 12."""
     return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.shape[0] % PANEL_COLS == 0
-            and weight.shape[1] % 2 == 0 and not switched_off("PDSERVE_PANEL_GEMM") and panel_gemm_available())
+            and weight.shape[1] % 2 == 0 and not switched_off("PDSERVE_PANEL_GEMM") and panel_gemm_available()
+            and (weight.shape[1] % AMX_TILE_K == 0 or not panel_gemm_amx_tiles()))
 
 
 def pack_panels(

@@ -58,7 +58,8 @@ constexpr int64_t kMaxRows = 4;  // rows of x; more would read W once per group 
 // With AMX, panel_gemm computes on the tiles (panel_gemm_amx.h), ahead of oneDNN's own AMX
 // calls up to 128 rows on the 2-core Xeon; without them (refused by Linux, or
 // PDSERVE_AMX_TILES=0) its vector tiles, several times slower, keep only the steps of up to
-// 8 rows (behind oneDNN from 12 there). Prefill steps stay on oneDNN, so a linear always keeps its packed weight.
+// 8 rows (behind oneDNN from 12 there). Prefill steps stay on oneDNN, so a linear always
+// keeps its packed weight.
 constexpr int64_t kMaxPanelRows = 128;
 constexpr int64_t kMaxVectorPanelRows = 8;
 constexpr bool kPanelsForAnyRows = false;

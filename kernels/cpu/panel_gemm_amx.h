@@ -2,9 +2,10 @@
 // the same column panels. On CPUs with AMX, vdpbf16ps is several times slower than the tiles:
 // on the 2-core Xeon (2026-11-28, SmolLM2's 30 layers + head from DRAM) panel_gemm's vector
 // tiles fell behind oneDNN from 12 rows (64 rows 111 ms against 39), while oneDNN itself
-// streams the weights at ~13 GB/s against the GEMV's ~20 even at one row. With tdpbf16ps a
-// 16-row block of x costs ~1/16 of a cycle per weight pair, so every decode step up to 128
-// rows stays bound by reading the panels once, as a one-row step is.
+// streams the weights at ~13 GB/s against the GEMV's ~20 even at one row. On the tiles a
+// step of 1-16 rows reads the panels as fast as the GEMV reads its rows (SmolLM2's linears
+// and head, 15.3-16.5 ms against oneDNN's ~25), 64 rows take 26.6 ms against 33.6, 128 40.3
+// against 46.3 (docs/benchmarks.md, "Fast execution on the AMX Xeon").
 //
 // A panel [K / 2][32][2] is already what tdpbf16ps takes as B: a tile of 16 pairs of K by 16
 // columns is 16 rows of 64 bytes, 128 bytes apart (the panel's left or right 16 columns). x is

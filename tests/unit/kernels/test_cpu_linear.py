@@ -170,6 +170,22 @@ def test_panel_gemm_without_the_amx_tiles_takes_its_vector_tiles_for_8_rows_at_m
 
 
 @needs_panel_gemm
+@pytest.mark.skipif(not prepacking_available(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
+def test_on_amx_tiles_a_weight_whose_in_features_no_tile_step_divides_gets_no_panels():
+    torch.manual_seed(0)
+    weight = torch.randn(64, 34, dtype=torch.bfloat16)  # K = 34: no whole step of 32
+    layer = PrepackedLinear(weight, None)
+    if panel_gemm_amx_tiles():
+        # Not panels, whose vector tiles would take its steps of up to 128 rows on this CPU:
+        # oneDNN's (the GEMV needs whole steps of 32 as well).
+        assert _PACKED_WEIGHTS[layer.weight_id][3] is None and "decode=onednn" in repr(layer)
+    else:
+        assert _PACKED_WEIGHTS[layer.weight_id][3] is not None and "decode=panels" in repr(layer)
+    x = torch.randn(20, 34, dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(x).float(), reference(x, None, weight), rtol=1.6e-2, atol=1e-1)
+
+
+@needs_panel_gemm
 def test_panel_gemm_takes_no_rows_and_strided_x():
     torch.manual_seed(0)
     panels = pack_panels(torch.randn(64, 64, dtype=torch.bfloat16))
