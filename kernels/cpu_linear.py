@@ -111,6 +111,13 @@ def panel_gemm_max_rows() -> int:
 
 
 @functools.cache
+def panel_gemm_amx_built() -> bool:
+    """Whether the library was built with panel_gemm's AMX tiles (for an AMX CPU's -march;
+    PDSERVE_CPU_MARCH may name an older target)."""
+    return panel_gemm_available() and bool(torch.ops.pdserve_gemv.panel_gemm_amx_built())
+
+
+@functools.cache
 def panel_gemm_amx_tiles() -> bool:
     """Whether panel_gemm computes on AMX tiles here (kernels/cpu/panel_gemm_amx.h): an AMX
     CPU whose tiles Linux hands the process, unless PDSERVE_AMX_TILES=0."""

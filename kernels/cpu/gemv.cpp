@@ -565,6 +565,15 @@ at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>
 
 bool panels_for_any_rows() { return kPanelsForAnyRows; }
 
+// Whether this library was built with panel_gemm's AMX tiles (-march with AMX-BF16).
+bool panel_gemm_amx_built() {
+#ifdef PDSERVE_PANEL_GEMM_AMX
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Whether panel_gemm computes on AMX tiles (panel_gemm_amx.h) in this process.
 bool panel_gemm_amx_tiles() {
 #ifdef PDSERVE_PANEL_GEMM_AMX
@@ -598,6 +607,7 @@ TORCH_LIBRARY(pdserve_gemv, m) {
   m.def("panel_gemm(Tensor x, Tensor? bias, Tensor panels) -> Tensor");
   m.def("panel_gemm_max_rows() -> int", &panel_gemm_max_rows);
   m.def("panels_for_any_rows() -> bool", &panels_for_any_rows);
+  m.def("panel_gemm_amx_built() -> bool", &panel_gemm_amx_built);
   m.def("panel_gemm_amx_tiles() -> bool", &panel_gemm_amx_tiles);
   m.def("register_linear(int weight_id, Tensor? packed, Tensor? row_major, Tensor? q8_0_blocks=None, "
         "Tensor? panels=None) -> ()",

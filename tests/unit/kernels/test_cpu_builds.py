@@ -4,6 +4,8 @@ own test modules skip where a library is unavailable, so a source that stopped c
 would otherwise show up only as skipped tests."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kernels._backend import switched_off
@@ -30,5 +32,6 @@ def test_the_attention_and_the_argmax_build_and_load():
 @pytest.mark.skipif(switched_off("PDSERVE_CPU_GEMV"), reason="PDSERVE_CPU_GEMV=0")
 def test_the_gemvs_and_the_decode_loop_build_and_load_in_the_build_the_cpu_takes():
     assert native_gemv_available()  # the library's log names the compiler's error otherwise
-    assert panel_gemm_available() == ("avx512_bf16" in FLAGS)
+    if not os.environ.get("PDSERVE_CPU_MARCH"):  # built for this CPU, not an older target
+        assert panel_gemm_available() == ("avx512_bf16" in FLAGS)
     assert native_decode_available()
