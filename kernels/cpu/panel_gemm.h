@@ -55,6 +55,26 @@ inline void pack_panels(const c10::BFloat16* w, c10::BFloat16* panels, int64_t K
     }
 }
 
+// A panel's 32 bias values (zero without a bias) in fp32, and the rounding of a row's 32 fp32
+// sums plus the bias into y: both tile kinds' (panel_gemm_amx.h) last step.
+struct PanelBias {
+  __m512 lanes[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+
+  PanelBias(const c10::BFloat16* bias, int64_t n0) {
+    if (bias != nullptr)
+      for (int j = 0; j < 2; ++j)  // bf16 -> fp32 is a shift into the high half
+        lanes[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n0 + j * 16))), 16));
+  }
+
+  // y_row[0..32) = bf16(sums + bias), rounded to nearest even as c10::BFloat16(float).
+  void store_row(const __m512 (&sums)[2], c10::BFloat16* y_row) const {
+    for (int j = 0; j < 2; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y_row + j * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sums[j], lanes[j])));
+  }
+};
+
 // y rows [m0, m0 + RM), the panel's 32 columns from n0; `ahead`: the next panel, asked for
 // into L2 two lines (one pair of K) per step, or null; prefetch_out: whether to ask for
 // the next panel's output lines (y larger than L2).
@@ -88,15 +108,8 @@ inline void panel_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* panel, 
       acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x_pair, w1);
     }
   }
-  __m512 bias_lanes[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  if (bias != nullptr)
-    for (int j = 0; j < 2; ++j)  // bf16 -> fp32 is a shift into the high half
-      bias_lanes[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n0 + j * 16))), 16));
-  for (int i = 0; i < RM; ++i)
-    for (int j = 0; j < 2; ++j)  // rounded to nearest even, as c10::BFloat16(float)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + i) * N + n0 + j * 16),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], bias_lanes[j])));
+  const PanelBias panel_bias(bias, n0);
+  for (int i = 0; i < RM; ++i) panel_bias.store_row(acc[i], y + (m0 + i) * N + n0);
 }
 
 // Panels [panel_begin, panel_end) for every row of x: each panel against all tiles of x

@@ -14,6 +14,7 @@
 #pragma once
 
 #include "amx_tiles.h"
+#include "panel_gemm.h"
 #include "panel_layout.h"
 
 #ifdef PDSERVE_HAS_AMX
@@ -44,16 +45,11 @@ struct alignas(64) AmxTileConfig {
 // C's fp32 [rows, 32] (+ bias) rounded to nearest even into y's rows [m0, m0 + rows).
 inline void amx_store_rows(const float* c, const c10::BFloat16* bias, c10::BFloat16* y, int64_t N, int64_t m0,
                            int64_t n0, int64_t rows) {
-  __m512 bias_lanes[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  if (bias != nullptr)
-    for (int j = 0; j < 2; ++j)  // bf16 -> fp32 is a shift into the high half
-      bias_lanes[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n0 + j * 16))), 16));
-  for (int64_t i = 0; i < rows; ++i)
-    for (int j = 0; j < 2; ++j)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + i) * N + n0 + j * 16),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + i * 32 + j * 16),
-                                                                    bias_lanes[j])));
+  const PanelBias panel_bias(bias, n0);
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m512 sums[2] = {_mm512_loadu_ps(c + i * 32), _mm512_loadu_ps(c + i * 32 + 16)};
+    panel_bias.store_row(sums, y + (m0 + i) * N + n0);
+  }
 }
 
 // Panels [panel_begin, panel_end) for all M rows, K a multiple of 32. x's whole blocks of 16

@@ -38,6 +38,17 @@ pytestmark = pytest.mark.skipif(not native_gemv_available(),
                                 reason="no AVX2 and FMA (or no C++ compiler): the GEMV is not built here")
 
 
+def run_in_a_fresh_process(script: str, timeout_s: int, **environment: str) -> None:
+    """Run script in a new interpreter from the repository's root, with these variables set
+    (what a process decides once: the library's build target, its AMX tiles), and expect it
+    to print ok."""
+    repo_root = Path(__file__).resolve().parents[3]
+    env = dict(os.environ, PYTHONPATH=str(repo_root), **environment)
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=repo_root, capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
+
+
 def reference(x, bias, weight):  # fp32 math on the same bf16 inputs
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
@@ -162,11 +173,7 @@ _VECTOR_TILES_SCRIPT = textwrap.dedent("""
 @needs_panel_gemm
 @pytest.mark.skipif(not panel_gemm_amx_built(), reason="the library has no AMX tiles here")
 def test_panel_gemm_without_the_amx_tiles_takes_its_vector_tiles_for_8_rows_at_most():
-    repo_root = Path(__file__).resolve().parents[3]
-    env = dict(os.environ, PDSERVE_AMX_TILES="0", PYTHONPATH=str(repo_root))
-    done = subprocess.run([sys.executable, "-c", _VECTOR_TILES_SCRIPT], env=env, cwd=repo_root, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
+    run_in_a_fresh_process(_VECTOR_TILES_SCRIPT, timeout_s=120, PDSERVE_AMX_TILES="0")
 
 
 @needs_panel_gemm
@@ -620,11 +627,7 @@ _AVX2_GGUF_SCRIPT = textwrap.dedent("""
 def test_the_avx2_build_of_the_gguf_gemvs_matches_their_math():
     # Machines without AVX512-VNNI take maddubs + madd over two halves of each group:
     # built here for x86-64-v3 into the usual kernel cache (the target is part of its key).
-    repo_root = Path(__file__).resolve().parents[3]
-    env = dict(os.environ, PDSERVE_CPU_MARCH="x86-64-v3", PYTHONPATH=str(repo_root))
-    done = subprocess.run([sys.executable, "-c", _AVX2_GGUF_SCRIPT], env=env, cwd=repo_root, capture_output=True,
-                          text=True, timeout=280)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
+    run_in_a_fresh_process(_AVX2_GGUF_SCRIPT, timeout_s=280, PDSERVE_CPU_MARCH="x86-64-v3")
 
 
 @pytest.mark.skipif(not int8_kernel_available("cpu"), reason="no torch int8 kernel here")
