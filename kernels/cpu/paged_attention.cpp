@@ -268,10 +268,15 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
     const int64_t block_start = b * block_size;
     const T* k_block = k_head + block_id * pr.k_block_stride;
     const T* v_block = v_head + block_id * pr.v_block_stride;
-    // The block kPrefetchBlocks ahead: its K now, its V after the scores. Both at once
-    // overflowed the L2's miss queue (decode at batch 64: ~12% slower).
-    const auto [k_ahead, v_ahead] = stream_block(b, kPrefetchBlocks);
-    if (k_ahead != nullptr) prefetch_rows(k_ahead, pr.k_pos_stride, block_size, head_dim);
+    // The block kPrefetchBlocks ahead. Rows that score without transposing K (decode) ask
+    // for it in parts between their work on this block: its K a share after each row's
+    // scores, its V a row per key of the P.V. Tiles ask for its K now, its V after the
+    // scores (both at once overflowed the L2's miss queue: decode at batch 64 ~12% slower).
+    const auto [k_ahead_rows, v_ahead_rows] = stream_block(b, kPrefetchBlocks);
+    RowsAhead<T, kHeadDim> k_ahead(k_ahead_rows, pr.k_pos_stride, block_size, head_dim);
+    RowsAhead<T, kHeadDim> v_ahead(v_ahead_rows, pr.v_pos_stride, block_size, head_dim);
+    const bool spread_ahead = kNumVec > 0 && !transposed;
+    if (!spread_ahead) k_ahead.ask_rest();
     const int64_t keys_begin = std::max(lo, block_start) - block_start;       // any row's keys here
     const int64_t keys_end = std::min(hi, block_start + block_size) - block_start;
     for (int64_t r = 0; r < num_rows; ++r) {
@@ -301,10 +306,12 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
       } else {
 #ifdef PDSERVE_BF16_DOT
         if constexpr (kBf16Dot) {
-          for (int64_t r = 0; r < num_rows; ++r)
+          for (int64_t r = 0; r < num_rows; ++r) {
             if (row_begin[r] < row_end[r])
               row_scores_bf16<kHeadDim>(q_bf16 + r * head_dim, k_block, pr.k_pos_stride, row_begin[r], row_end[r],
                                         pr.scale, scores + r * score_stride);
+            k_ahead.ask_until(block_size * (r + 1) / num_rows);
+          }
         } else
 #endif
         {
@@ -325,7 +332,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
             scores[r * score_stride + j] = dot<kHeadDim>(q_rows + r * head_dim, k_row, head_dim);
       }
     }
-    if (v_ahead != nullptr) prefetch_rows(v_ahead, pr.v_pos_stride, block_size, head_dim);
+    if (!spread_ahead) v_ahead.ask_rest();
     // Online softmax: scores become probabilities against each row's running max.
     for (int64_t r = 0; r < num_rows; ++r) {
       float* s = scores + r * score_stride;
@@ -375,8 +382,13 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
       // are real cached positions, so a group of rows runs over the union of its ranges.
       for_row_groups<kAccumRows>(num_rows, row_begin, row_end, [&]<int64_t R>(int64_t r, int64_t begin, int64_t end) {
         rows_accumulate<kNumVec, R>(acc + r * head_dim, head_dim, scores + r * score_stride, score_stride, v_block,
-                                    pr.v_pos_stride, begin, end);
+                                    pr.v_pos_stride, begin, end, [&](int64_t) {
+                                      k_ahead.ask_next();  // the fp32 scores' K (bf16's are all asked)
+                                      v_ahead.ask_next();
+                                    });
       });
+      k_ahead.ask_rest();  // what fewer keys than the block's left
+      v_ahead.ask_rest();
     } else {  // each V row loaded once for all rows
       for (int64_t j = keys_begin; j < keys_end; ++j) {
         const T* v_row = v_block + j * pr.v_pos_stride;
