@@ -558,29 +558,41 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
                         block_size, num_kv_heads, q.size(1) / num_kv_heads, q.size(2), sliding_window,
                         static_cast<float>(scale), static_cast<float>(logit_softcap), partials.data_ptr<float>()};
   // Longest items first, handed out one at a time: a static split of a batch with mixed
-  // lengths leaves threads idle while one finishes the long sequences.
-  std::vector<int64_t> order(num_work);
-  for (int64_t w = 0; w < num_work; ++w) order[w] = w;
-  auto cost = [&](int64_t w) {
-    const WorkItem& item = items[w / num_kv_heads];
+  // lengths leaves threads idle while one finishes the long sequences. Work w is the kv
+  // head w % num_kv_heads of item order[w / num_kv_heads].
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < items.size(); ++i) order[i] = static_cast<int64_t>(i);
+  auto cost = [&](int64_t i) {
+    const WorkItem& item = items[i];
     return item.num_tokens * (std::min(item.first_position + item.num_tokens, item.key_end) - item.key_begin);
   };
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  // Where there are enough items to go round (kWorkPerThread a thread), a thread takes all
+  // of an item's kv heads in turn: their rows interleave in each cache block, so the lines
+  // the hardware prefetcher brings in beside one head's are the next head's (decode at batch
+  // 64, context 200, KV from DRAM: ~12 -> ~14 GB/s). Otherwise (item, head) pairs go one by one.
+  const int64_t work_per_claim =
+      static_cast<int64_t>(items.size()) >= kWorkPerThread * num_threads ? num_kv_heads : 1;
   std::atomic<int64_t> next{0};
-  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_work);
+  const int64_t num_workers = std::min<int64_t>(num_threads, num_work);
   auto run = [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
       std::vector<float> scratch;
       std::vector<int64_t> bounds;
       BlockStream stream;
+      int64_t claimed_end = 0;  // past this thread's last claimed work
+      auto claim = [&] {
+        const int64_t first = next.fetch_add(work_per_claim);
+        claimed_end = first + work_per_claim;
+        return first;
+      };
       // Each item's successor is claimed before the item starts, so the stream can run into it.
-      for (int64_t i = next++, following = 0; i < num_work; i = following) {
-        following = next++;
-        stream.upcoming = following < num_work ? &items[order[following] / num_kv_heads] : nullptr;
-        stream.upcoming_head = following < num_work ? order[following] % num_kv_heads : 0;
-        const int64_t w = order[i];
-        attend_item_any_dim<T>(problem, items[w / num_kv_heads], w % num_kv_heads, stream, scratch, bounds);
+      for (int64_t w = claim(), following = 0; w < num_work; w = following) {
+        following = w + 1 < claimed_end ? w + 1 : claim();
+        stream.upcoming = following < num_work ? &items[order[following / num_kv_heads]] : nullptr;
+        stream.upcoming_head = following % num_kv_heads;
+        attend_item_any_dim<T>(problem, items[order[w / num_kv_heads]], w % num_kv_heads, stream, scratch, bounds);
       }
     });
     for (const SplitToken& split : splits) merge_split_token<T>(problem, split);
