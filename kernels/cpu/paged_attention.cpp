@@ -568,9 +568,10 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
   };
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
   // Where there are enough items to go round (kWorkPerThread a thread), a thread takes all
-  // of an item's kv heads in turn: their rows interleave in each cache block, so the lines
-  // the hardware prefetcher brings in beside one head's are the next head's (decode at batch
-  // 64, context 200, KV from DRAM: ~12 -> ~14 GB/s). Otherwise (item, head) pairs go one by one.
+  // of an item's kv heads in turn, whose rows interleave in the same cache blocks: decode at
+  // batch 64, context 200, KV from DRAM ~12 -> ~14 GB/s. Not because the next head's lines
+  // are in L2 by then (without its own prefetches it is far slower); most likely the
+  // memory's open pages. Otherwise (item, head) pairs go one by one.
   const int64_t work_per_claim =
       static_cast<int64_t>(items.size()) >= kWorkPerThread * num_threads ? num_kv_heads : 1;
   std::atomic<int64_t> next{0};
