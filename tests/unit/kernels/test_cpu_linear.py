@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
-import sys
 import textwrap
 from dataclasses import fields
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,20 +30,10 @@ from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, gemv, native_gem
                                 panel_gemm_max_rows, panels_for_any_rows, q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv,
                                 q8_0_gemv_blocks)
 from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
+from tests.support.fresh_process import run_python_ok
 
 pytestmark = pytest.mark.skipif(not native_gemv_available(),
                                 reason="no AVX2 and FMA (or no C++ compiler): the GEMV is not built here")
-
-
-def run_in_a_fresh_process(script: str, timeout_s: int, **environment: str) -> None:
-    """Run script in a new interpreter from the repository's root, with these variables set
-    (what a process decides once: the library's build target, its AMX tiles), and expect it
-    to print ok."""
-    repo_root = Path(__file__).resolve().parents[3]
-    env = dict(os.environ, PYTHONPATH=str(repo_root), **environment)
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=repo_root, capture_output=True, text=True,
-                          timeout=timeout_s)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
 
 
 def reference(x, bias, weight):  # fp32 math on the same bf16 inputs
@@ -173,7 +160,7 @@ _VECTOR_TILES_SCRIPT = textwrap.dedent("""
 @needs_panel_gemm
 @pytest.mark.skipif(not panel_gemm_amx_built(), reason="the library has no AMX tiles here")
 def test_panel_gemm_without_the_amx_tiles_takes_its_vector_tiles_for_8_rows_at_most():
-    run_in_a_fresh_process(_VECTOR_TILES_SCRIPT, timeout_s=120, PDSERVE_AMX_TILES="0")
+    run_python_ok(_VECTOR_TILES_SCRIPT, timeout_s=120, PDSERVE_AMX_TILES="0")
 
 
 @needs_panel_gemm
@@ -627,7 +614,7 @@ _AVX2_GGUF_SCRIPT = textwrap.dedent("""
 def test_the_avx2_build_of_the_gguf_gemvs_matches_their_math():
     # Machines without AVX512-VNNI take maddubs + madd over two halves of each group:
     # built here for x86-64-v3 into the usual kernel cache (the target is part of its key).
-    run_in_a_fresh_process(_AVX2_GGUF_SCRIPT, timeout_s=280, PDSERVE_CPU_MARCH="x86-64-v3")
+    run_python_ok(_AVX2_GGUF_SCRIPT, timeout_s=280, PDSERVE_CPU_MARCH="x86-64-v3")
 
 
 @pytest.mark.skipif(not int8_kernel_available("cpu"), reason="no torch int8 kernel here")

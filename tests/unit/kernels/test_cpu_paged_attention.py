@@ -23,6 +23,7 @@ from kernels.attention import attention_with_kv_write
 from kernels.cache import write_kv_cache
 from kernels.cpu import build
 from kernels.cpu_attention import cpu_attention_backend, native_attention_error
+from tests.support.fresh_process import run_python_ok
 from tests.support.paths import REPO_ROOT
 from tests.unit.kernels.test_kernels import make_paged, rel_err
 
@@ -315,10 +316,7 @@ _AVX2_SCRIPT = textwrap.dedent("""
 def test_avx2_build_matches_reference():
     # The kernel's 8-lane (AVX2) vectors, as on machines without AVX-512: built once per
     # machine into the usual kernel cache (the target is part of the library's key).
-    env = dict(os.environ, PDSERVE_CPU_MARCH="x86-64-v3", PYTHONPATH=str(REPO_ROOT))
-    done = subprocess.run([sys.executable, "-c", _AVX2_SCRIPT], env=env, cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=280)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
+    run_python_ok(_AVX2_SCRIPT, timeout_s=280, PDSERVE_CPU_MARCH="x86-64-v3")
 
 
 _FALLBACK_SCRIPT = textwrap.dedent("""

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.cpu_sampling import argmax_rows, native_argmax_available
+from tests.support.fresh_process import run_python_ok
 
 pytestmark = pytest.mark.skipif(not native_argmax_available(), reason="no C++ compiler: the native argmax is not built")
 
@@ -107,7 +108,4 @@ print("ok")
 def test_the_avx2_and_baseline_builds_answer_as_torch(march):
     # Other CPUs get 8-lane vectors (AVX2's movemask, or no intrinsics at all): built here
     # for those targets into the usual kernel cache (the target is part of its key).
-    env = dict(os.environ, PDSERVE_CPU_MARCH=march, PYTHONPATH=str(REPO_ROOT))
-    done = subprocess.run([sys.executable, "-c", _OTHER_BUILD_SCRIPT], env=env, cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=280)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
+    run_python_ok(_OTHER_BUILD_SCRIPT, timeout_s=280, PDSERVE_CPU_MARCH=march)

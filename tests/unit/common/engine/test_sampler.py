@@ -1,8 +1,4 @@
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +6,7 @@ import torch
 from common.engine.outputs import ScheduledRequest
 from common.engine.sampler import Sampler, _apply_top_k, _apply_top_p
 from common.engine.sampling_params import SamplingParams
+from tests.support.fresh_process import run_python
 
 EOS = 3
 
@@ -303,11 +300,6 @@ _WARM_UP_SCRIPT = textwrap.dedent("""
 
 def test_the_engine_loads_the_native_argmax_before_the_first_request(tiny_llama_dir):
     # In a fresh process: here other tests may have loaded it already.
-    repo_root = Path(__file__).resolve().parents[4]
-    env = dict(os.environ, PYTHONPATH=str(repo_root))
-    env.pop("PDSERVE_CPU_ARGMAX", None)
-    done = subprocess.run([sys.executable, "-c", _WARM_UP_SCRIPT, str(tiny_llama_dir)], env=env, cwd=repo_root,
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = run_python(_WARM_UP_SCRIPT, str(tiny_llama_dir), timeout_s=240, unset=("PDSERVE_CPU_ARGMAX",))
     ok, available, has_op = done.stdout.split()[-3:]
     assert ok == "ok" and has_op == available, done.stdout

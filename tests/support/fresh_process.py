@@ -1,0 +1,28 @@
+"""Python scripts run in a new interpreter: for what a process decides once (a native
+library's build target, AMX tiles, what start-up loads), which other tests in this process
+may already have decided."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.support.paths import REPO_ROOT
+
+
+def run_python(script: str, *args: str, timeout_s: int, unset: tuple[str, ...] = (),
+               **environment: str) -> subprocess.CompletedProcess:
+    """Run script with args from the repository's root (on PYTHONPATH), these variables set
+    and those in unset removed; expect it to exit 0, and return what it printed."""
+    env = {name: value for name, value in os.environ.items() if name not in unset}
+    env.update(environment, PYTHONPATH=str(REPO_ROOT))
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def run_python_ok(script: str, *args: str, timeout_s: int, **environment: str) -> None:
+    """run_python, expecting the script to print ok."""
+    done = run_python(script, *args, timeout_s=timeout_s, **environment)
+    assert "ok" in done.stdout, done.stdout + done.stderr
