@@ -1,4 +1,4 @@
-"""Greedy sampling's argmax over rows of fp32 logits on the CPU (kernels/cpu/sampling.cpp)
+"""Greedy sampling's argmax over rows of fp32 or bf16 logits on the CPU (kernels/cpu/sampling.cpp)
 as the torch op `torch.ops.pdserve_sampling.argmax_rows`: torch.argmax(dim=-1)'s answer
 (the first largest value, a NaN above every number) in two vector passes per row, where
 torch's own compares one element at a time (~2.6 ms against ~0.13 for 64 rows of a
@@ -38,7 +38,7 @@ def _argmax_rows_fake(logits):
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits [num_rows, vocab_size] -> [num_rows] int64, as logits.argmax(dim=-1)."""
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+    if (logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and logits.dim() == 2
             and logits.shape[1] > 0 and logits.stride(1) == 1 and native_argmax_available()):
         return torch.ops.pdserve_sampling.argmax_rows(logits)
     return logits.argmax(dim=-1)

@@ -322,13 +322,19 @@ class ModelRunner:
         # Every TP rank of the last stage takes part in gathering the logits; one samples.
         # Sample indices are increasing, so as many as the rows are every row (each decode step).
         every_row = sample_indices.shape[0] == hidden.shape[0]
+        token_bitmask, bitmask_rows = self._grammar_bitmask(scheduler_output, sample_rows)
+        logits = None  # [num_sample_rows, vocab]
         if every_row and graph_logits is not None:
-            logits = graph_logits  # [num_sample_rows, vocab]
+            logits = graph_logits
         else:
-            logits = self.compute_logits(hidden if every_row else hidden[sample_indices])
+            sampled_hidden = hidden if every_row else hidden[sample_indices]
+            if token_bitmask is None and self.sampler.only_argmax(sample_rows):
+                logits = model.compute_argmax_logits(sampled_hidden)
+            if logits is None:
+                logits = self.compute_logits(sampled_hidden)
         if not self.is_output_rank:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
-        sampled = self.sampler(logits, sample_rows, *self._grammar_bitmask(scheduler_output, sample_rows))
+        sampled = self.sampler(logits, sample_rows, token_bitmask, bitmask_rows)
         token_id_lists, logprob_lists = accept_drafts(sample_reqs, sampled.sampled_token_ids, sampled.logprobs)
         output = RunnerOutput(req_ids=[r.req_id for r in sample_reqs], sampled_token_ids=token_id_lists,
                               logprobs=logprob_lists)

@@ -72,6 +72,15 @@ class Sampler:
             self._request_generators.pop(req_id, None)
             self._prompt_id_tensors.pop(req_id, None)
 
+    @staticmethod
+    def only_argmax(requests: Sequence[ScheduledRequest]) -> bool:
+        """Whether these rows, unmasked, sample as each row's argmax and nothing more (greedy, no
+        logprobs, penalties or stop tokens held back): then any logits with the same argmax
+        serve, such as the head's bf16 output before its fp32 copy."""
+        return all(p.is_greedy and p.logprobs is None and not p.has_penalties
+                   and len(r.output_token_ids) >= p.min_tokens
+                   for r, p in ((r, r.sampling_params) for r in requests))
+
     def __call__(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest],
                  token_bitmask: torch.Tensor | None = None,
                  bitmask_rows: Sequence[int] = ()) -> SamplerOutput:
@@ -84,8 +93,7 @@ class Sampler:
         if copied:
             logits = logits.to(torch.float32, copy=True)  # mutated; the caller's is left alone
             apply_token_bitmask(logits, token_bitmask, list(bitmask_rows))
-        if all(p.is_greedy and p.logprobs is None and not p.has_penalties
-               and len(r.output_token_ids) >= p.min_tokens for r, p in zip(requests, params)):
+        if self.only_argmax(requests):
             return SamplerOutput(argmax_rows(logits).tolist(), None)  # fast path
 
         if not copied:

@@ -1,4 +1,4 @@
-"""The native argmax over rows of fp32 logits (kernels/cpu/sampling.cpp): torch.argmax's
+"""The native argmax over rows of fp32 or bf16 logits (kernels/cpu/sampling.cpp): torch.argmax's
 answer for every row (ties to the first, NaN above every number, infinities, rows of
 any length and row stride), clear refusals for what it does not take, and the sampler's
 entry point, which leaves every other input to torch."""
@@ -36,10 +36,24 @@ def test_matches_torch_argmax(rows):
     assert torch.equal(torch.ops.pdserve_sampling.argmax_rows(logits), logits.argmax(dim=-1))
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5).flatmap(
+    lambda num_rows: st.integers(1, 70).flatmap(
+        lambda n: st.lists(st.lists(_values | st.floats(width=16), min_size=n, max_size=n),
+                           min_size=num_rows, max_size=num_rows))))
+def test_bf16_rows_have_the_argmax_of_their_fp32_copy(rows):
+    # Rounding to bf16 makes ties of values that differed; the first of them wins, as in fp32.
+    logits = torch.tensor(rows, dtype=torch.float32).to(torch.bfloat16)  # [num_rows, n]
+    answer = torch.ops.pdserve_sampling.argmax_rows(logits)
+    assert torch.equal(answer, logits.float().argmax(dim=-1))
+    assert torch.equal(answer, logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_rows", [1, 3, 64, 130])
-def test_a_vocabulary_sized_row(num_rows):
+def test_a_vocabulary_sized_row(num_rows, dtype):
     generator = torch.Generator().manual_seed(num_rows)
-    logits = torch.randn(num_rows, 49152, generator=generator)
+    logits = torch.randn(num_rows, 49152, generator=generator).to(dtype)
     logits[0, 49151] = 100.0  # the last lane of the last vector
     if num_rows > 2:
         logits[1, 7] = logits[1, 40000] = 100.0  # a tie: the first wins
@@ -50,8 +64,10 @@ def test_a_vocabulary_sized_row(num_rows):
     assert expected[0] == 49151
 
 
-def test_rows_apart_in_a_wider_tensor():
-    wide = torch.randn(6, 300, generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_apart_in_a_wider_tensor(dtype):
+    # A padded head's output sliced to the vocabulary has rows like these.
+    wide = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)).to(dtype)
     logits = wide[::2, 5:250]  # row stride 600, rows contiguous
     assert torch.equal(torch.ops.pdserve_sampling.argmax_rows(logits), logits.argmax(dim=-1))
 
@@ -61,7 +77,7 @@ def test_no_rows():
 
 
 @pytest.mark.parametrize("logits, message", [
-    (torch.zeros(2, 8, dtype=torch.bfloat16), "fp32"),
+    (torch.zeros(2, 8, dtype=torch.float16), "fp32 or bf16"),
     (torch.zeros(8), "fp32"),
     (torch.zeros(8, 2).t(), "contiguous rows"),
     (torch.zeros(2, 0), "at least one value"),
@@ -72,7 +88,7 @@ def test_refusals_name_the_problem(logits, message):
 
 
 @pytest.mark.parametrize("logits", [
-    torch.tensor([[1.0, 3.0, 3.0]], dtype=torch.bfloat16),  # another dtype
+    torch.tensor([[1.0, 3.0, 3.0]], dtype=torch.float16),  # another dtype
     torch.tensor([[1.0, 3.0], [4.0, 0.0]]).t(),  # columns, not rows, contiguous
 ])
 def test_the_entry_point_leaves_the_rest_to_torch(logits):
@@ -98,7 +114,7 @@ tied[0, 3] = tied[0, 30] = 1.0
 tied[1, 39] = math.nan
 tied[1, 20] = math.inf
 cases.append(tied)
-for logits in cases:
+for logits in cases + [case.to(torch.bfloat16) for case in cases]:
     assert torch.equal(torch.ops.pdserve_sampling.argmax_rows(logits), logits.argmax(dim=-1)), logits.shape
 print("ok")
 """

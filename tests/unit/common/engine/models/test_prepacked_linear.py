@@ -3,6 +3,7 @@ that numbers a model's weights the same way in every process, and the model pass
 decode steps stream (GEMV copies, the KV cache) on huge pages."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -88,6 +89,25 @@ def test_prepack_linears_replaces_every_projection_and_packs_the_head(tiny_llama
         logits = model.compute_logits(hidden)  # [3, vocab_size], the padding rows cut
     assert logits.shape == (3, model.config.vocab_size)
     torch.testing.assert_close(logits, want_logits, **TOLERANCES[torch.float32])
+
+
+@pytest.mark.skipif(not prepacking_available(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
+def test_greedy_rows_take_the_packed_heads_own_output(tiny_llama_dir):
+    # Greedy steps take the bf16 head's output as it is: compute_logits' values before their
+    # fp32 copy, so every argmax (ties, sliced padding columns) is the same.
+    config = ModelConfig.from_hf_config(load_hf_config(tiny_llama_dir))
+    model = load_model(config, tiny_llama_dir, torch.device("cpu"), torch.bfloat16)
+    hidden = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert model.compute_argmax_logits(hidden) is None  # nothing packed: nothing to spare
+        prepack_linears(model)
+        logits = model.compute_logits(hidden)  # [5, vocab_size] fp32
+        argmax_logits = model.compute_argmax_logits(hidden)  # [5, vocab_size] bf16
+        assert argmax_logits.dtype == torch.bfloat16 and argmax_logits.shape == logits.shape
+        assert torch.equal(argmax_logits.float(), logits)
+        assert torch.equal(argmax_logits.argmax(dim=-1), logits.argmax(dim=-1))
+        model.config = dataclasses.replace(model.config, final_logit_softcapping=30.0)
+        assert model.compute_argmax_logits(hidden) is None
 
 
 def test_nothing_is_packed_where_onednn_cannot(monkeypatch, tiny_llama_dir):
