@@ -65,16 +65,18 @@ inline void panel_gemm_panels_amx(const c10::BFloat16* x, const c10::BFloat16* x
   const int64_t x_stride = K * static_cast<int64_t>(sizeof(c10::BFloat16));
   const int64_t panel_values = K * kPanelCols;
   const int64_t num_blocks = (M + kAmxRows - 1) / kAmxRows;
-  // From two blocks of x on, the next panel is asked for into L2 over this one's steps: at 64
-  // rows 7-9% faster, at 128 3-10% (the 2-core Xeon); one block reads a panel faster than
-  // asking pays for, the hardware's stream keeping up alone.
+  // The next panel is asked for into L2 over this one's steps. From two blocks of x on: at 64
+  // rows 7-9% faster, at 128 3-10% (the 2-core Xeon of model 167). At one block it made no
+  // difference there, the hardware's stream keeping up alone; on the Xeon of model 207 the
+  // stream alone read SmolLM2's linears and head at ~13-14 GB/s in steps of 1-16 rows, and
+  // ~19-20 with the prefetch (bench decode-linears: 21 -> 14 ms a step).
   const int64_t panel_lines = panel_values * static_cast<int64_t>(sizeof(c10::BFloat16)) / 64;
   const int64_t num_steps = (num_blocks + 1) / 2 * (K / kAmxK);
   const int64_t lines_per_step = (panel_lines + num_steps - 1) / num_steps;
   for (int64_t p = panel_begin; p < panel_end; ++p) {
     const c10::BFloat16* panel = panels + p * panel_values;
     const char* ahead =
-        num_blocks > 1 && p + 1 < panel_end ? reinterpret_cast<const char*>(panel + panel_values) : nullptr;
+        p + 1 < panel_end ? reinterpret_cast<const char*>(panel + panel_values) : nullptr;
     int64_t next_line = 0;
     const int64_t n0 = p * kPanelCols;
     for (int64_t b = 0; b < num_blocks; b += 2) {
