@@ -26,21 +26,23 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 _values = st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.5, 1e30, -1e30, math.inf, -math.inf, math.nan])
 
 
+def _rows(width: int):
+    """1-5 rows of 1-70 values each: _values or any float of this width."""
+    return st.integers(1, 5).flatmap(
+        lambda num_rows: st.integers(1, 70).flatmap(
+            lambda n: st.lists(st.lists(_values | st.floats(width=width), min_size=n, max_size=n),
+                               min_size=num_rows, max_size=num_rows)))
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 5).flatmap(
-    lambda num_rows: st.integers(1, 70).flatmap(
-        lambda n: st.lists(st.lists(_values | st.floats(width=32), min_size=n, max_size=n),
-                           min_size=num_rows, max_size=num_rows))))
+@given(_rows(width=32))
 def test_matches_torch_argmax(rows):
     logits = torch.tensor(rows, dtype=torch.float32)  # [num_rows, n]
     assert torch.equal(torch.ops.pdserve_sampling.argmax_rows(logits), logits.argmax(dim=-1))
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 5).flatmap(
-    lambda num_rows: st.integers(1, 70).flatmap(
-        lambda n: st.lists(st.lists(_values | st.floats(width=16), min_size=n, max_size=n),
-                           min_size=num_rows, max_size=num_rows))))
+@given(_rows(width=16))
 def test_bf16_rows_have_the_argmax_of_their_fp32_copy(rows):
     # Rounding to bf16 makes ties of values that differed; the first of them wins, as in fp32.
     logits = torch.tensor(rows, dtype=torch.float32).to(torch.bfloat16)  # [num_rows, n]
