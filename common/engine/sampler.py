@@ -77,9 +77,12 @@ class Sampler:
         """Whether these rows, unmasked, sample as each row's argmax and nothing more (greedy, no
         logprobs, penalties or stop tokens held back): then any logits with the same argmax
         serve, such as the head's bf16 output before its fp32 copy."""
-        return all(p.is_greedy and p.logprobs is None and not p.has_penalties
-                   and len(r.output_token_ids) >= p.min_tokens
-                   for r, p in ((r, r.sampling_params) for r in requests))
+        for request in requests:
+            p = request.sampling_params
+            if not (p.is_greedy and p.logprobs is None and not p.has_penalties
+                    and len(request.output_token_ids) >= p.min_tokens):
+                return False
+        return True
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest],
                  token_bitmask: torch.Tensor | None = None,

@@ -5,10 +5,6 @@ entry point, which leaves every other input to torch."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,11 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.cpu_sampling import argmax_rows, native_argmax_available
-from tests.support.fresh_process import run_python_ok
+from tests.support.fresh_process import run_python, run_python_ok
 
 pytestmark = pytest.mark.skipif(not native_argmax_available(), reason="no C++ compiler: the native argmax is not built")
-
-REPO_ROOT = Path(__file__).resolve().parents[3]
 
 # A few values, so that ties are common; NaN and the infinities among them.
 _values = st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.5, 1e30, -1e30, math.inf, -math.inf, math.nan])
@@ -98,10 +92,8 @@ def test_the_entry_point_leaves_the_rest_to_torch(logits):
 
 
 def test_the_switch_turns_it_off():
-    done = subprocess.run(
-        [sys.executable, "-c", "from kernels.cpu_sampling import native_argmax_available as a; print(a())"],
-        env={**os.environ, "PDSERVE_CPU_ARGMAX": "0"}, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = run_python("from kernels.cpu_sampling import native_argmax_available as a; print(a())", timeout_s=120,
+                      PDSERVE_CPU_ARGMAX="0")
     assert done.stdout.strip().splitlines()[-1] == "False"
 
 

@@ -6,11 +6,13 @@ Error metric everywhere: max |a - b| / max |b| (max relative error), < 1e-4 for 
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from kernels import decode_attention, prefill_attention, write_kv_cache
-from tests.support.paths import REPO_ROOT
+from tests.support.fresh_process import run_python
 
 BACKENDS = ["torch", "triton"]
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 32
@@ -280,19 +282,13 @@ print("compiled")
 def test_triton_kernels_compile_for_gpu():
     # The interpreter skips codegen; compile for sm_90 ahead of time to catch what only a
     # GPU build would reject (types, tl.dot shapes, control flow). Needs no GPU.
-    import os
     import pathlib
-    import subprocess
-    import sys
 
     triton = pytest.importorskip("triton")
     ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.exists():
         pytest.skip("triton's bundled ptxas is missing")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    root = REPO_ROOT
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, cwd=root,
-                            capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+    fp_fusion = os.environ.get("TRITON_DEFAULT_FP_FUSION", "1")
+    result = run_python(_COMPILE_SCRIPT, timeout_s=240, unset=("TRITON_INTERPRET",),
+                        TRITON_DEFAULT_FP_FUSION=fp_fusion)
+    assert "compiled" in result.stdout, result.stdout + result.stderr

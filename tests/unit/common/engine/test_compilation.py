@@ -5,8 +5,6 @@ import gc
 import json
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from common.engine.models.prepacked_linear import PrepackedLinear
 from common.engine.sampling_params import SamplingParams
 from kernels.cpu_decode import native_decode_available
 from kernels.cpu_linear import panels_for_any_rows
+from tests.support.fresh_process import run_python
 from tests.unit.common.engine.models.family_parity import save_tiny_model
 
 # Compiled and eager differ only in summation order (fused kernels): fp32 logprobs agree
@@ -218,14 +217,10 @@ def test_compiled_code_goes_to_the_pdserve_cache_unless_told_otherwise(tmp_path)
               "import torch._inductor.config\n"
               "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
               "print(cache_dir())")
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    env["XDG_CACHE_HOME"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = run_python(script, timeout_s=120, unset=("TORCHINDUCTOR_CACHE_DIR",), XDG_CACHE_HOME=str(tmp_path))
     assert done.stdout.strip() == str(tmp_path / "pdserve" / "inductor")
     # A directory the user names wins.
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "mine")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    done = run_python(script, timeout_s=120, XDG_CACHE_HOME=str(tmp_path), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "mine"))
     assert done.stdout.strip() == str(tmp_path / "mine")
 
 
@@ -258,16 +253,12 @@ def test_a_restart_loads_the_compiled_methods_without_tracing(engines, kv_cache_
     # The graphs name packed weights by table slot: a restart matches the saved file only if
     # this process numbered them from 0 too (no packed model of an earlier test alive).
     assert min(m.weight_id for m in runner.model.modules() if isinstance(m, PrepackedLinear)) == 0
-    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_ENFORCE_EAGER"}
-    env["TORCHINDUCTOR_CACHE_DIR"] = compiled.cache_dir
+    prompts = _prompts([9, 70])
     # Inductor's CPU code is generated for the thread count, which is part of the file's key
     # (an earlier test of this process may have changed it).
-    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
-    prompts = _prompts([9, 70])
-    done = subprocess.run([sys.executable, "-c", _RESTART_SCRIPT, str(compiled.model_dir), kv_cache_memory,
-                           str(block_size), json.dumps(prompts)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = run_python(_RESTART_SCRIPT, str(compiled.model_dir), kv_cache_memory, str(block_size), json.dumps(prompts),
+                      timeout_s=300, unset=("PDSERVE_ENFORCE_EAGER",), TORCHINDUCTOR_CACHE_DIR=compiled.cache_dir,
+                      OMP_NUM_THREADS=str(torch.get_num_threads()))
     warm = json.loads(done.stdout.strip().splitlines()[-1])
     assert (warm["forward"], warm["compute_logits"]) == ("loaded", "loaded")
     # Nothing traced, nothing compiled.

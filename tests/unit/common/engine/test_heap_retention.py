@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[4]
+from tests.support.fresh_process import run_python
+
 
 _BLOCK_BYTES = 20 << 20  # a 2,048-token prefill's MLP activations are 12-25 MiB
 _NUM_BLOCKS = 3
@@ -52,10 +50,7 @@ print(json.dumps({{"reasons": reasons, "passes": passes}}))
 
 
 def _run(env_overrides: dict[str, str]) -> dict:
-    env = {**os.environ, **env_overrides}
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python(_SCRIPT, timeout_s=300, **env_overrides)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -117,9 +112,7 @@ print(json.dumps({{"released": released, "freed": freed, "after_release": reside
 
 @glibc_only
 def test_what_loading_freed_goes_back_to_the_kernel_once_asked():
-    done = subprocess.run([sys.executable, "-c", _RELEASE_SCRIPT], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python(_RELEASE_SCRIPT, timeout_s=300)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["released"]
     # Kept by keep_freed_heap until then, given back by release_freed_heap (the kept block stays).

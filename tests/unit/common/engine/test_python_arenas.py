@@ -4,16 +4,12 @@ changes for good."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from kernels.cpu.build import find_compiler
+from tests.support.fresh_process import run_python
 
-REPO_ROOT = Path(__file__).resolve().parents[4]
 
 _DIVE_SCRIPT = """
 import json, sys
@@ -35,10 +31,7 @@ print(json.dumps({"reasons": reasons, "before": before, "after": arena_cache_cou
 
 
 def _run(env_overrides: dict[str, str]) -> dict:
-    env = {**os.environ, **env_overrides}
-    done = subprocess.run([sys.executable, "-c", _DIVE_SCRIPT], env=env, cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python(_DIVE_SCRIPT, timeout_s=300, **env_overrides)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
