@@ -126,6 +126,14 @@ struct BlockStream {
   bool primed = false;  // the previous item asked for this item's first kPrefetchBlocks blocks
 };
 
+// Cache block b of the item's sequence, checked against the cache's size.
+inline int64_t item_block_id(const Problem& pr, const WorkItem& item, int64_t b) {
+  const int64_t block_id = pr.block_tables[item.seq * pr.block_table_stride + b];
+  PDSERVE_CHECK_VALUE(block_id >= 0 && block_id < pr.num_blocks, "block table entry ", block_id, " of sequence ",
+                      item.seq, " is outside the cache's ", pr.num_blocks, " blocks");
+  return block_id;
+}
+
 // Consecutive buffers of the given float counts in `scratch`, the first on a 4 KB boundary,
 // each after it on a fresh 64-byte line.
 class ScratchLayout {
@@ -180,22 +188,17 @@ void attend_whole_rows_amx(const Problem& pr, const WorkItem& item, int64_t kv_h
   const int64_t num_tile_rows = (num_rows + 15) / 16 * 16;
   // scores [num_rows, num_keys] fp32, then probabilities; p [num_tile_rows, num_keys] bf16;
   // v_pairs [num_keys / 16][kPairWords]: each 16 keys' V in pairs (pair_value_rows).
-  const int64_t score_floats = num_rows * num_keys, p_floats = num_tile_rows * num_keys / 2;
-  const int64_t pair_floats = num_keys / 16 * kPairWords;
+  // A buffer of this thread's beside attend_item's scratch, whose buffers are in use.
   thread_local std::vector<float> buffer;
-  buffer.resize(score_floats + p_floats + pair_floats + 3 * 16);
-  auto line = [](float* x) { return x + (-reinterpret_cast<uintptr_t>(x) / sizeof(float)) % 16; };
-  float* scores = line(buffer.data());
-  auto* p = reinterpret_cast<c10::BFloat16*>(line(scores + score_floats));
-  auto* v_pairs = reinterpret_cast<uint32_t*>(line(reinterpret_cast<float*>(p) + p_floats));
+  const ScratchLayout layout(buffer, {num_rows * num_keys, num_tile_rows * num_keys / 2, num_keys / 16 * kPairWords});
+  float* scores = layout[0];
+  auto* p = reinterpret_cast<c10::BFloat16*>(layout[1]);
+  auto* v_pairs = reinterpret_cast<uint32_t*>(layout[2]);
   alignas(64) uint32_t k_pairs[kPairWords];
   const auto* k_head = static_cast<const c10::BFloat16*>(pr.k) + kv_head * pr.k_head_stride;
   const auto* v_head = static_cast<const c10::BFloat16*>(pr.v) + kv_head * pr.v_head_stride;
-  const int32_t* block_table = pr.block_tables + item.seq * pr.block_table_stride;
   for (int64_t b = first_b; b <= last_b; ++b) {
-    const int64_t block_id = block_table[b];
-    PDSERVE_CHECK_VALUE(block_id >= 0 && block_id < pr.num_blocks, "block table entry ", block_id, " of sequence ",
-                        item.seq, " is outside the cache's ", pr.num_blocks, " blocks");
+    const int64_t block_id = item_block_id(pr, item, b);
     const int64_t block_start = b * block_size;
     const int64_t keys_begin = std::max(lo, block_start) - block_start;
     const int64_t keys_end = std::min(hi, block_start + block_size) - block_start;
@@ -337,7 +340,6 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
   const auto [lo, hi] = item_keys(pr, item);
   const T* k_head = static_cast<const T*>(pr.k) + kv_head * pr.k_head_stride;
   const T* v_head = static_cast<const T*>(pr.v) + kv_head * pr.v_head_stride;
-  const int32_t* block_table = pr.block_tables + item.seq * pr.block_table_stride;
   const int64_t first_b = lo / block_size, last_b = (hi - 1) / block_size;
   // The stream's block `ahead` past this item's block b: this item's, the upcoming item's
   // (its block b + ahead - last_b - 1), or none past both.
@@ -384,9 +386,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
   }
 #endif
   for (int64_t b = first_b; b * block_size < hi; ++b) {
-    const int64_t block_id = block_table[b];
-    PDSERVE_CHECK_VALUE(block_id >= 0 && block_id < pr.num_blocks, "block table entry ", block_id, " of sequence ",
-                        item.seq, " is outside the cache's ", pr.num_blocks, " blocks");
+    const int64_t block_id = item_block_id(pr, item, b);
     const int64_t block_start = b * block_size;
     const T* k_block = k_head + block_id * pr.k_block_stride;
     const T* v_block = v_head + block_id * pr.v_block_stride;
