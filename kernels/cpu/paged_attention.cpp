@@ -167,6 +167,23 @@ class ScratchLayout {
 // ~0.8 MiB, within a core's L2.
 constexpr int64_t kWholeRowsMaxScores = 48 * 2048;
 
+// row_probabilities for the whole-rows form: p[j] = exp(s[j] - max) for j in [begin, end), 0
+// for the rest of [0, num_keys) (a multiple of 16), written straight to bf16 for the P.V
+// tiles; returns the fp32 numerators' sums per lane (the row's denominator, as the block form
+// sums them).
+inline Vec row_probabilities_bf16(const float* s, c10::BFloat16* p, int64_t num_keys, int64_t begin, int64_t end,
+                                  float max) {
+  const VecI32 lane = lane_index();
+  Vec sum{};
+  for (int64_t j = 0; j < num_keys; j += kLanes) {
+    const VecI32 visible = visible_lanes(lane, j, begin, end);
+    const Vec probability = visible ? exp_nonpositive(load_vec(s + j) - max) : Vec{};
+    sum += probability;
+    _mm256_store_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh((__m512)probability));
+  }
+  return sum;
+}
+
 // An item's attention on the tiles in three passes over all its keys at once: every key's
 // scores, one softmax per row over all the keys it sees, then P.V with each tile of rows'
 // accumulators held in tiles across every key. The block-by-block form pays per block and row
@@ -186,7 +203,7 @@ void attend_whole_rows_amx(const Problem& pr, const WorkItem& item, int64_t kv_h
   const int64_t base = first_b * block_size;                  // the key of column 0
   const int64_t num_keys = (last_b + 1) * block_size - base;  // columns, a multiple of 16 (block_size is)
   const int64_t num_tile_rows = (num_rows + 15) / 16 * 16;
-  // scores [num_rows, num_keys] fp32, then probabilities; p [num_tile_rows, num_keys] bf16;
+  // scores [num_rows, num_keys] fp32; p [num_tile_rows, num_keys]: the probabilities in bf16;
   // v_pairs [num_keys / 16][kPairWords]: each 16 keys' V in pairs (pair_value_rows).
   // A buffer of this thread's beside attend_item's scratch, whose buffers are in use.
   thread_local std::vector<float> buffer;
@@ -225,12 +242,10 @@ void attend_whole_rows_amx(const Problem& pr, const WorkItem& item, int64_t kv_h
       if (begin < end) {
         if (pr.logit_softcap > 0.f)
           for (int64_t j = begin; j < end; ++j) s[j] = std::tanh(s[j] / pr.logit_softcap) * pr.logit_softcap;
-        sum = row_probabilities(s, 0, num_keys, begin, end, row_block_max(s, begin, end, begin, end));
+        sum = row_probabilities_bf16(s, p_row, num_keys, begin, end, row_block_max(s, begin, end, begin, end));
       } else {
-        std::fill(s, s + num_keys, 0.f);
+        std::fill(p_row, p_row + num_keys, c10::BFloat16(0.f));
       }
-      for (int64_t j = 0; j < num_keys; j += 16)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(p_row + j), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(s + j)));
       std::memcpy(row_sums + r * kLanes, &sum, sizeof sum);
     } else {
       std::fill(p_row, p_row + num_keys, c10::BFloat16(0.f));
