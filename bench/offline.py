@@ -137,22 +137,14 @@ def ttft_prompts(vocab_size: int, seed: int, prefix_len: int = 1000,
     return cold_prompt, prefix + [rng.randrange(100, vocab_size) for _ in range(suffix_len)]
 
 
-def prefix_cache_ttft(llm, cold_prompt: list[int], warm_prompt: list[int], repeats: int = 3) -> tuple[float, float]:
-    """Time to first token of cold_prompt computed in full (the best of `repeats`, the
-    prefix cache emptied before each), then of warm_prompt, which shares its prefix."""
+def ttft(llm, prompt: list[int], cold: bool) -> float:
+    """Seconds to the first token of prompt, from an emptied prefix cache where cold."""
     from common.engine.sampling_params import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-
-    def ttft(prompt):
-        t0 = time.perf_counter()
-        llm.generate({"prompt_token_ids": prompt}, params)
-        return time.perf_counter() - t0
-
-    cold = []
-    for _ in range(repeats):
+    if cold:
         llm.reset_prefix_cache()
-        cold.append(ttft(cold_prompt))
-    return min(cold), ttft(warm_prompt)
+    t0 = time.perf_counter()
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=1))
+    return time.perf_counter() - t0
 
 
 def peer_spec(model_dir, dtype: str, args, workload, single_prompt: list[int], ttft_prompt: list[int],
@@ -185,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                              "and Intel OpenMP from its venv) or none (glibc's malloc and torch's libgomp)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3,
-                        help="timed runs of the mixed workload on each side (ours and vLLM's, alternating); "
-                             "the median counts")
+                        help="timed runs on each side (ours and vLLM's, alternating) of the mixed workload and "
+                             "of the single stream (the medians count) and of the long prompt's cold time to "
+                             "first token (the best counts)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--min-prompt", type=int, default=16)
@@ -303,19 +296,40 @@ def main(argv: list[str] | None = None) -> int:
         results["mixed"] = {"ours_seconds": elapsed, "ours_output_tokens_per_s": ours_tps,
                             "ours_run_seconds": ours_seconds, "num_output_tokens": num_tokens,
                             "num_prompt_tokens": sum(len(p) for p, _ in workload)}
+        # The long prompt's cold time to first token and the single stream, each side's runs
+        # alternating like the mixed ones (this host's speed can move 2x in a minute): the
+        # best time to first token of each side, the median single stream.
+        cold_runs, single_runs, vllm_cold_runs, vllm_single_runs = [], [], [], []
+
+        def ours_short_runs():
+            let_settle("ours")
+            cold_runs.append(ttft(llm, cold_prompt, cold=True))
+            single_runs.append(single_stream(llm, single_prompt, args.single_stream_tokens))
+
+        def vllm_short_runs():
+            let_settle("vllm")
+            vllm_cold_runs.append(peer.call("cold_ttft", timeout_s=600, repeats=1)["seconds"])
+            vllm_single_runs.append(peer.call("single_stream", timeout_s=600))
+
+        for i in range(args.repeats):
+            sides = ([ours_short_runs] if peer is None
+                     else [ours_short_runs, vllm_short_runs] if i % 2 == 0 else [vllm_short_runs, ours_short_runs])
+            for side in sides:
+                side()
+        cold = min(cold_runs)
         let_settle("ours")
-        cold, warm = prefix_cache_ttft(llm, cold_prompt, warm_prompt)
-        results["prefix_cache"] = {"cold_ttft_s": cold, "cached_1000_ttft_s": warm, "ratio": warm / cold,
-                                   "prompt_tokens": len(cold_prompt)}
-        let_settle("ours")
-        ours_single = single_stream(llm, single_prompt, args.single_stream_tokens)
+        warm = ttft(llm, warm_prompt, cold=False)  # its first 1,000 tokens cached by the last cold run
+        results["prefix_cache"] = {"cold_ttft_s": cold, "cold_ttft_runs_s": cold_runs, "cached_1000_ttft_s": warm,
+                                   "ratio": warm / cold, "prompt_tokens": len(cold_prompt)}
+        ours_single = statistics.median(single_runs)
         results["recompiles_after_warm_up"] = num_compiled_graphs() - graphs_after_warm_up
         if runner.decode_graphs is not None:
             results["cuda_graphs"] = {"buckets": runner.decode_graphs.buckets,
                                       "decode_steps_replayed": runner.decode_graphs.num_replays}
         decode_roofline_tps = bandwidth / weight_bytes
         batched_roofline_tps = flops / (2 * num_params)
-        results["single_stream"] = {"ours_tokens_per_s": ours_single, "roofline_tokens_per_s": decode_roofline_tps,
+        results["single_stream"] = {"ours_tokens_per_s": ours_single, "ours_runs_tokens_per_s": single_runs,
+                                    "roofline_tokens_per_s": decode_roofline_tps,
                                     "ours_pct_of_roofline": 100 * ours_single / decode_roofline_tps}
         results["mixed"]["batched_roofline_tokens_per_s"] = batched_roofline_tps
         results["mixed"]["ours_pct_of_batched_roofline"] = 100 * ours_tps / batched_roofline_tps
@@ -326,10 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         if peer is not None:
             vllm_tps = num_tokens / statistics.median(vllm_seconds)
             pair_speedups = [v / o for o, v in zip(ours_seconds, vllm_seconds)]
-            let_settle("vllm")
-            vllm_single = peer.call("single_stream", timeout_s=600)
-            let_settle("vllm")
-            vllm_cold = peer.call("cold_ttft", timeout_s=600)["seconds"]
+            vllm_single = {"tokens_per_s": statistics.median([r["tokens_per_s"] for r in vllm_single_runs]),
+                           "token_ids": vllm_single_runs[-1]["token_ids"]}
+            vllm_cold = min(vllm_cold_runs)
             results["vllm"].update(mixed_seconds=statistics.median(vllm_seconds), mixed_run_seconds=vllm_seconds,
                                    num_output_tokens=num_tokens, output_tokens_per_s=vllm_tps, cold_ttft_s=vllm_cold,
                                    single_stream_tokens_per_s=vllm_single["tokens_per_s"],
@@ -337,8 +350,10 @@ def main(argv: list[str] | None = None) -> int:
             results["mixed"].update(vllm_output_tokens_per_s=vllm_tps, vllm_run_seconds=vllm_seconds,
                                     speedup_vs_vllm=ours_tps / vllm_tps, pair_speedups_vs_vllm=pair_speedups,
                                     median_pair_speedup_vs_vllm=statistics.median(pair_speedups))
-            results["prefix_cache"].update(vllm_cold_ttft_s=vllm_cold, cold_ttft_vs_vllm=cold / vllm_cold)
+            results["prefix_cache"].update(vllm_cold_ttft_s=vllm_cold, vllm_cold_ttft_runs_s=vllm_cold_runs,
+                                           cold_ttft_vs_vllm=cold / vllm_cold)
             results["single_stream"].update(vllm_tokens_per_s=vllm_single["tokens_per_s"],
+                                            vllm_runs_tokens_per_s=[r["tokens_per_s"] for r in vllm_single_runs],
                                             speedup_vs_vllm=ours_single / vllm_single["tokens_per_s"])
             results["memory"]["vllm"] = peer.call("memory", timeout_s=60)
     llm.engine.shutdown()  # Hugging Face gets the machine to itself

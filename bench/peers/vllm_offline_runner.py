@@ -5,7 +5,8 @@ one measurement per request, so pdserve's runs and vLLM's can alternate.
 nothing from pdserve, since pdserve is not installed there. The first line on stdin is
 the spec (the model, the prompts' token ids and max_tokens, the pipe to answer on); the
 runner builds its engine, answers {"ready": ...}, then serves one JSON request per line
-(`{"op": "mixed"}`, `"single_stream"`, `"cold_ttft"`, `"memory"`, `"quit"`) with one JSON
+(`{"op": "mixed"}`, `"single_stream"`, `"cold_ttft"` with an optional `"repeats"`, `"memory"`,
+`"quit"`) with one JSON
 line each on that pipe. vLLM logs to stdout, so answers never go there.
 """
 from __future__ import annotations
@@ -50,12 +51,12 @@ class Runner:
         return {"tokens_per_s": num_new / (time.perf_counter() - t0),
                 "token_ids": list(output[0].outputs[0].token_ids)}
 
-    def cold_ttft(self) -> dict:
+    def cold_ttft(self, repeats: int = 3) -> dict:
         """Time to first token of one long prompt computed in full (prefix caching is off),
-        the best of 3, as pdserve's side times it."""
+        the best of `repeats`, as pdserve's side times it."""
         params = self.sampling_params(temperature=0.0, max_tokens=1)
         seconds = []
-        for _ in range(3):
+        for _ in range(repeats):
             t0 = time.perf_counter()
             self.llm.generate({"prompt_token_ids": self.spec["ttft_prompt"]}, params, use_tqdm=False)
             seconds.append(time.perf_counter() - t0)
@@ -66,6 +67,10 @@ class Runner:
         return tree_memory()
 
 
+# What each op takes beside its name (the rest take nothing).
+OP_PARAMS = {"cold_ttft": {"repeats"}}
+
+
 def main() -> int:
     spec = json.loads(sys.stdin.readline())
     with os.fdopen(spec["answer_fd"], "w", buffering=1) as answers:
@@ -74,10 +79,16 @@ def main() -> int:
         ops = {"mixed": runner.mixed, "single_stream": runner.single_stream, "cold_ttft": runner.cold_ttft,
                "memory": runner.memory}
         for line in sys.stdin:
-            op = json.loads(line).get("op")
+            message = json.loads(line)
+            op = message.pop("op", None)
             if op == "quit":
                 break
-            answer = ops[op]() if op in ops else {"error": f"unknown op {op!r}; known: {sorted(ops)}"}
+            if op not in ops:
+                answer = {"error": f"unknown op {op!r}; known: {sorted(ops)}"}
+            elif set(message) - OP_PARAMS.get(op, set()):
+                answer = {"error": f"{op} takes {sorted(OP_PARAMS.get(op, set()))}, got {sorted(message)}"}
+            else:
+                answer = ops[op](**message)
             answers.write(json.dumps(answer) + "\n")
     return 0
 

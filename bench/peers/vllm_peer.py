@@ -115,9 +115,9 @@ class OfflinePeer:
     def pid(self) -> int:
         return self._proc.pid
 
-    def call(self, op: str, timeout_s: float) -> dict:
-        """One measurement ("mixed", "single_stream", "cold_ttft", "memory"); its answer."""
-        self._send({"op": op})
+    def call(self, op: str, timeout_s: float, **params) -> dict:
+        """One measurement ("mixed", "single_stream", "cold_ttft" [repeats], "memory"); its answer."""
+        self._send({"op": op, **params})
         answer = self._answer(timeout_s, op)
         if "error" in answer:
             raise RuntimeError(f"vLLM peer refused {op!r}: {answer['error']}")

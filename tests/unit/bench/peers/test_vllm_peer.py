@@ -69,8 +69,8 @@ def test_env_without_a_preload_leaves_ld_preload_as_it_was(monkeypatch):
 
 # A stand-in for the `vllm` package (not installed in pdserve's venv), so the real runner
 # script runs here: its LLM answers every request with max_tokens tokens, starts a child
-# process as vLLM's engine core would (its pid written to a file), and for the tests of
-# failures exits or hangs when the whole workload comes.
+# process as vLLM's engine core would (its pid written to a file), logs each generate call
+# where asked, and for the tests of failures exits or hangs when the whole workload comes.
 STUB_VLLM = '''
 import os, subprocess, sys, time
 __version__ = "0.0-stub"
@@ -95,6 +95,9 @@ class LLM:
             f.write(str(self.engine_core.pid))
 
     def generate(self, prompts, params, use_tqdm=True):
+        if os.environ.get("STUB_CALLS_FILE"):  # one line per call, for the tests that count them
+            with open(os.environ["STUB_CALLS_FILE"], "a") as f:
+                f.write("generate\\n")
         prompts = prompts if isinstance(prompts, list) else [prompts]
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(prompts) > 2:  # the whole workload, not the warm-up
@@ -153,7 +156,6 @@ def test_the_runner_answers_each_measurement_in_turn_and_quits(tmp_path, stub_vl
         assert mixed["num_output_tokens"] == 4 + 6 + 8 and mixed["seconds"] >= 0
         single = peer.call("single_stream", timeout_s=60)
         assert single["token_ids"] == list(range(9)) and single["tokens_per_s"] > 0
-        assert peer.call("cold_ttft", timeout_s=60)["seconds"] >= 0
         assert peer.call("memory", timeout_s=60)["num_processes"] == 2  # the runner and its engine core
         with pytest.raises(RuntimeError, match="refused 'warp'.*unknown op"):
             peer.call("warp", timeout_s=60)
@@ -161,6 +163,24 @@ def test_the_runner_answers_each_measurement_in_turn_and_quits(tmp_path, stub_vl
         engine_core_pid = int(stub_vllm.read_text())
     assert peer._proc.returncode == 0
     assert _gone(engine_core_pid)
+
+
+def test_cold_ttft_takes_the_best_of_as_many_runs_as_asked(tmp_path, stub_vllm, monkeypatch):
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("STUB_CALLS_FILE", str(calls))
+    with _peer(tmp_path, start_timeout_s=60) as peer:
+        def generate_calls():
+            return len(calls.read_text().splitlines())
+
+        before = generate_calls()
+        assert peer.call("cold_ttft", timeout_s=60)["seconds"] >= 0
+        assert generate_calls() - before == 3  # the default: best of 3
+        before = generate_calls()
+        assert peer.call("cold_ttft", timeout_s=60, repeats=1)["seconds"] >= 0
+        assert generate_calls() - before == 1  # one run, for runs alternating with pdserve's
+        with pytest.raises(RuntimeError, match=r"refused 'memory'.*takes \[\], got \['repeats'\]"):
+            peer.call("memory", timeout_s=60, repeats=1)
+        assert peer.call("cold_ttft", timeout_s=60, repeats=1)["seconds"] >= 0  # still serving
 
 
 def test_a_runner_that_dies_names_its_log_and_leaves_no_process(tmp_path, stub_vllm, monkeypatch):
