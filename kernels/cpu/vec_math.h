@@ -6,7 +6,9 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <bit>
@@ -108,8 +110,9 @@ inline Vec exp_polynomial(Vec r) {
 inline Vec exp_nonpositive(Vec x) {
 #if defined(__AVX512F__)
   // The same reduction and polynomial in fewer instructions: round to nearest and scalef for
-  // 2^n (the generic form's floor and exponent bits take ~10 more), the softmax's exps ~25%
-  // faster; all of [-90, 0] agrees with the generic form but for 8 of 1.1e9 floats by 1 ulp.
+  // 2^n, where the generic form's floor and exponent bits take ~10 more (a 1,024-token
+  // prompt's attention ~10% faster); all of [-90, 0] agrees with the generic form but for 8
+  // of 1.1e9 floats, by 1 ulp.
   const __m512 clamped = _mm512_max_ps((__m512)x, _mm512_set1_ps(-87.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
