@@ -38,18 +38,27 @@ inline float row_block_max(const float* s, int64_t first, int64_t last, int64_t 
 }
 
 // Softmax numerators of one row: p[j] = exp(s[j] - max) for j in [begin, end), 0 for the
-// rest of [first, last); whole Vecs from first rounded down (the row is padded). Returns
-// their sums per lane: the row's running sum stays a Vec, summed across once at the end.
-inline Vec row_probabilities(float* s, int64_t first, int64_t last, int64_t begin, int64_t end, float max) {
+// rest of [first, last); whole Vecs from first rounded down (the row is padded), each handed
+// to store(j, p). Returns their sums per lane: the row's running sum stays a Vec, summed
+// across once at the end.
+template <typename Store>
+inline Vec row_probabilities(const float* s, int64_t first, int64_t last, int64_t begin, int64_t end, float max,
+                             Store&& store) {
   const VecI32 lane = lane_index();
   Vec sum{};
   for (int64_t j = first / kLanes * kLanes; j < last; j += kLanes) {
     const VecI32 visible = visible_lanes(lane, j, begin, end);
     const Vec p = visible ? exp_nonpositive(load_vec(s + j) - max) : Vec{};
-    std::memcpy(s + j, &p, sizeof p);
+    store(j, p);
     sum += p;
   }
   return sum;
+}
+
+// The same, the numerators written back over the scores.
+inline Vec row_probabilities(float* s, int64_t first, int64_t last, int64_t begin, int64_t end, float max) {
+  return row_probabilities(s, first, last, begin, end, max,
+                           [s](int64_t j, Vec p) { std::memcpy(s + j, &p, sizeof p); });
 }
 
 // {hsum(a0), hsum(a1), hsum(a2), hsum(a3)} by one transposing add tree: three

@@ -157,32 +157,11 @@ class ScratchLayout {
   float* buffers_[kMaxBuffers];
 };
 
-// One work item: the item's query tokens x the kv head's group of query heads ("rows",
-// row r = token r / group, head r % group) against the keys they see, one cache block
-// at a time. kHeadDim > 0 fixes head_dim at compile time: the rows' dot products and
-// accumulators then live in vector registers.
 #ifdef PDSERVE_ATTENTION_AMX
 // Scores (rows x keys) an item may have for the whole-rows form below: 48 rows (16 tokens of
 // 3 query heads per KV head) by 2,048 keys, whose scores, probabilities and V pairs then take
 // ~0.8 MiB, within a core's L2.
 constexpr int64_t kWholeRowsMaxScores = 48 * 2048;
-
-// row_probabilities for the whole-rows form: p[j] = exp(s[j] - max) for j in [begin, end), 0
-// for the rest of [0, num_keys) (a multiple of 16), written straight to bf16 for the P.V
-// tiles; returns the fp32 numerators' sums per lane (the row's denominator, as the block form
-// sums them).
-inline Vec row_probabilities_bf16(const float* s, c10::BFloat16* p, int64_t num_keys, int64_t begin, int64_t end,
-                                  float max) {
-  const VecI32 lane = lane_index();
-  Vec sum{};
-  for (int64_t j = 0; j < num_keys; j += kLanes) {
-    const VecI32 visible = visible_lanes(lane, j, begin, end);
-    const Vec probability = visible ? exp_nonpositive(load_vec(s + j) - max) : Vec{};
-    sum += probability;
-    _mm256_store_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh((__m512)probability));
-  }
-  return sum;
-}
 
 // An item's attention on the tiles in three passes over all its keys at once: every key's
 // scores, one softmax per row over all the keys it sees, then P.V with each tile of rows'
@@ -242,7 +221,12 @@ void attend_whole_rows_amx(const Problem& pr, const WorkItem& item, int64_t kv_h
       if (begin < end) {
         if (pr.logit_softcap > 0.f)
           for (int64_t j = begin; j < end; ++j) s[j] = std::tanh(s[j] / pr.logit_softcap) * pr.logit_softcap;
-        sum = row_probabilities_bf16(s, p_row, num_keys, begin, end, row_block_max(s, begin, end, begin, end));
+        // The numerators straight to bf16 for the P.V tiles (their fp32 sums are the denominator).
+        sum = row_probabilities(s, 0, num_keys, begin, end, row_block_max(s, begin, end, begin, end),
+                                [p_row](int64_t j, Vec probability) {
+                                  _mm256_store_si256(reinterpret_cast<__m256i*>(p_row + j),
+                                                     (__m256i)_mm512_cvtneps_pbh((__m512)probability));
+                                });
       } else {
         std::fill(p_row, p_row + num_keys, c10::BFloat16(0.f));
       }
@@ -281,6 +265,10 @@ void attend_whole_rows_amx(const Problem& pr, const WorkItem& item, int64_t kv_h
 }
 #endif
 
+// One work item: the item's query tokens x the kv head's group of query heads ("rows",
+// row r = token r / group, head r % group) against the keys they see, one cache block
+// at a time. kHeadDim > 0 fixes head_dim at compile time: the rows' dot products and
+// accumulators then live in vector registers.
 template <typename T, int64_t kHeadDim>
 void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, BlockStream& stream,
                  std::vector<float>& scratch, std::vector<int64_t>& bounds) {
