@@ -4,7 +4,8 @@
 #             (scripts/prepare_gpu_wheels.sh) into a directory of their own, beside the
 #             machine's torch (always done; skipped when that directory already holds them),
 #   kernels   the Triton kernel tests on the GPU (compiled for the device, not interpreted),
-#   cpu-kernels  the native CPU libraries' tests, built with that machine's g++ (their
+#   cpu-kernels  every native CPU library's tests (attention, GEMVs and panel GEMMs, the decode
+#             loop, argmax, huge-page arena), built with that machine's g++ for its CPU (their
 #             refusals of bad arguments once crashed a g++ 13 build; see docs/benchmarks.md),
 #   graphs    the CUDA-graph tests (decode steps replayed from captured graphs),
 #   parity    greedy parity with Hugging Face on the GPU (fp32, bundled model, eager),
@@ -58,8 +59,9 @@ for s in $STEPS; do
     case $s in
         kernels) step kernels 240 "${PYTEST[@]}" tests/unit/kernels/test_kernels.py \
                      tests/unit/kernels/test_attention_features.py ;;
-        cpu-kernels) step cpu-kernels 240 "${PYTEST[@]}" tests/unit/kernels/test_cpu_paged_attention.py \
-                         tests/unit/kernels/test_cpu_linear.py ;;
+        cpu-kernels) step cpu-kernels 300 "${PYTEST[@]}" tests/unit/kernels/test_cpu_builds.py \
+                         tests/unit/kernels/test_cpu_paged_attention.py tests/unit/kernels/test_cpu_linear.py \
+                         tests/unit/kernels/test_cpu_sampling.py tests/unit/kernels/test_huge_pages.py ;;
         graphs) step graphs 150 "${PYTEST[@]}" tests/unit/common/engine/test_cuda_graphs.py ;;
         parity) step parity 150 env PDSERVE_DTYPE=float32 PDSERVE_ENFORCE_EAGER=1 "${PYTEST[@]}" \
                     tests/integration/test_parity_bundled.py ;;
