@@ -12,10 +12,13 @@ from tests.support.paths import REPO_ROOT
 
 def run_python(script: str, *args: str, timeout_s: int, unset: tuple[str, ...] = (),
                **environment: str) -> subprocess.CompletedProcess:
-    """Run script with args from the repository's root (on PYTHONPATH), these variables set
-    and those in unset removed; expect it to exit 0, and return what it printed."""
+    """Run script with args from the repository's root (first on PYTHONPATH), these variables
+    set and those in unset removed; expect it to exit 0, and return what it printed."""
     env = {name: value for name, value in os.environ.items() if name not in unset}
-    env.update(environment, PYTHONPATH=str(REPO_ROOT))
+    # The parent's own entries stay after the root: a machine that installs the dependencies
+    # into a directory of their own (scripts/gpu_check.sh) finds them there.
+    inherited = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    env.update(environment, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), *inherited]))
     done = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=timeout_s)
     assert done.returncode == 0, done.stdout + done.stderr
