@@ -11,13 +11,16 @@ everything else reuses it. Where torch is installed is not part of the key: ever
 virtualenv (a fresh clone's, the image's) with the same torch shares one build, and the
 library finds libc10/libtorch_cpu as the ones torch has already loaded (same soname).
 Concurrent builders (several service processes starting at once) each write a temp
-file and rename it.
+file and rename it. A build marks its library used (its mtime) and each new build removes
+all but the KEEP_BUILDS most recently used of that library, so upgrades of pdserve, torch
+or the compiler do not pile up libraries in the cache.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -38,6 +41,10 @@ SOURCE_DIR = Path(__file__).resolve().parent
 CXX_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC",
              "-w", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
 BUILD_TIMEOUT_S = 600
+# Per library: enough for the targets one machine uses side by side (native; the AVX2 and
+# baseline builds the tests take) with two torch versions or sources (a release and a
+# checkout); an older one that is still wanted is rebuilt, never lost.
+KEEP_BUILDS = 6
 
 
 class BuildError(RuntimeError):
@@ -106,6 +113,7 @@ def build_library(name: str) -> Path:
     out_dir = cache_dir()
     library = out_dir / f"{name}-{key}.so"
     if library.exists():
+        _mark_used(library)
         return library
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=out_dir)
@@ -123,7 +131,45 @@ def build_library(name: str) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     log.info("built %s in %.1fs -> %s", source.name, time.monotonic() - started, library)
+    prune_builds(out_dir, name)
     return library
+
+
+def _mark_used(library: Path) -> None:
+    try:
+        os.utime(library)
+    except OSError:  # a read-only cache (an image's) is pruned by whoever writes it
+        pass
+
+
+def prune_builds(out_dir: Path, name: str, keep: int = KEEP_BUILDS) -> list[Path]:
+    """Remove all but the keep most recently used builds of library name in out_dir, and
+    the temp files of its builds that died (older than any build may take); the paths
+    removed. A process that has a removed library loaded keeps its mapping."""
+    build_name = re.compile(rf"{re.escape(name)}-[0-9a-f]{{16}}\.so")
+    temp_name = re.compile(rf"\.{re.escape(name)}-.+\.so")
+    builds, dead_temps = [], []
+    now = time.time()
+    for entry in out_dir.iterdir():
+        try:
+            mtime = entry.stat().st_mtime
+        except OSError:  # removed meanwhile by another process
+            continue
+        if build_name.fullmatch(entry.name):
+            builds.append((mtime, entry))
+        elif temp_name.fullmatch(entry.name) and now - mtime > 2 * BUILD_TIMEOUT_S:
+            dead_temps.append(entry)
+    builds.sort(reverse=True)
+    removed = []
+    for path in [path for _, path in builds[keep:]] + dead_temps:
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            pass
+    if removed:
+        log.info("removed %d old build(s) of %s from %s", len(removed), name, out_dir)
+    return removed
 
 
 _load_locks: dict[str, threading.Lock] = {}

@@ -1,14 +1,19 @@
 """Where this machine can build the native CPU libraries (kernels/cpu/build.py: a C++
 compiler; for the GEMVs and the decode loop AVX2 and FMA), each one builds and loads. Their
 own test modules skip where a library is unavailable, so a source that stopped compiling
-would otherwise show up only as skipped tests."""
+would otherwise show up only as skipped tests. The cache keeps a few recent builds of each
+library, not every one ever made."""
 from __future__ import annotations
 
 import os
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
 from kernels._backend import switched_off
+from kernels.cpu import build
 from kernels.cpu.build import cpu_flags, find_compiler
 from kernels.cpu_attention import native_attention_error
 from kernels.cpu_decode import native_decode_available
@@ -35,3 +40,53 @@ def test_the_gemvs_and_the_decode_loop_build_and_load_in_the_build_the_cpu_takes
     if not os.environ.get("PDSERVE_CPU_MARCH"):  # built for this CPU, not an older target
         assert panel_gemm_available() == ("avx512_bf16" in FLAGS)
     assert native_decode_available()
+
+
+def _fake_build(directory, name, key, age_s):
+    path = directory / f"{name}-{key}.so"
+    path.write_bytes(b"")
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+    return path
+
+
+def test_only_the_most_recently_used_builds_of_a_library_stay(tmp_path):
+    builds = [_fake_build(tmp_path, "gemv", f"{i:016x}", age_s=100 * i) for i in range(8)]
+    others = [_fake_build(tmp_path, "gemv_other", "0" * 16, age_s=10**6),
+              _fake_build(tmp_path, "sampling", "f" * 16, age_s=10**6)]
+    dead_temp = tmp_path / ".gemv-abc123.so"
+    dead_temp.write_bytes(b"")
+    os.utime(dead_temp, (time.time() - 10**5, time.time() - 10**5))
+    building_temp = tmp_path / ".gemv-def456.so"  # a build under way in another process
+    building_temp.write_bytes(b"")
+
+    removed = build.prune_builds(tmp_path, "gemv", keep=3)
+
+    assert sorted(removed) == sorted(builds[3:] + [dead_temp])
+    assert sorted(tmp_path.iterdir()) == sorted(builds[:3] + others + [building_temp])
+
+
+def test_a_cached_build_counts_as_used_and_a_new_build_prunes(monkeypatch, tmp_path):
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    compiled = []
+
+    def fake_compiler(command, **kwargs):  # writes the library g++ would have written
+        output = Path(command[command.index("-o") + 1])
+        output.write_bytes(b"built")
+        compiled.append(output)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(build.subprocess, "run", fake_compiler)
+    monkeypatch.setattr(build, "find_compiler", lambda: "/usr/bin/true")
+    library = build.build_library("sampling")
+    assert len(compiled) == 1 and library.read_bytes() == b"built"
+    os.utime(library, (time.time() - 10**4, time.time() - 10**4))
+    old = [_fake_build(tmp_path, "sampling", f"{i:016x}", age_s=10 + i) for i in range(build.KEEP_BUILDS)]
+
+    assert build.build_library("sampling") == library  # from the cache: now the newest
+    assert len(compiled) == 1 and time.time() - library.stat().st_mtime < 60
+
+    monkeypatch.setattr(build, "_compiler_identity", lambda cxx: "another g++")
+    rebuilt = build.build_library("sampling")
+    assert len(compiled) == 2 and rebuilt != library
+    kept = sorted(p for p in tmp_path.iterdir())
+    assert kept == sorted([rebuilt, library, *old[:build.KEEP_BUILDS - 2]])
