@@ -79,6 +79,10 @@ struct Problem {
   int64_t block_table_stride, num_blocks, block_size, num_kv_heads, group, head_dim, sliding_window;
   float scale, logit_softcap;
   float* partials;  // [num_partials, num_kv_heads, group, head_dim + 2]: acc, then max and sum
+  // Keys paired once for the whole-rows form (pair_prompt_keys), per sequence: the word
+  // offset of its pairs in paired_kv, or -1 where it has none.
+  const uint32_t* paired_kv = nullptr;
+  const int64_t* paired_offsets = nullptr;
 };
 
 // Rows [0, num_rows) in groups of kGroup rows, then the rest (fewer than kGroup) as one
@@ -158,6 +162,10 @@ class ScratchLayout {
 };
 
 #ifdef PDSERVE_ATTENTION_AMX
+// Words of one 16-key group's pairs in pair_prompt_keys' layout: K's, then V's.
+template <int64_t kHeadDim>
+constexpr int64_t kPairedGroupWords = 2 * kBf16PairWords<kHeadDim>;
+
 // Scores (rows x keys) an item may have for the whole-rows form below: 48 rows (16 tokens of
 // 3 query heads per KV head) by 2,048 keys, whose scores, probabilities and V pairs then take
 // ~0.8 MiB, within a core's L2.
@@ -171,9 +179,13 @@ constexpr int64_t kWholeRowsMaxScores = 48 * 2048;
 // one layer: 2.74 -> 1.8 ms; a 1,024-token prompt's time to first token 0.41 -> 0.33 s, the
 // Xeon of model 207). Fills acc [num_tile_rows, kHeadDim] and row_sums [num_rows, kLanes]
 // (each row's denominator as sums per lane) for attend_item's last step.
+//
+// paired: the sequence's keys [0, seq_len) for this kv head as pair_prompt_keys lays them
+// out, or null: then the item pairs its own keys, 16 at a time.
 template <int64_t kHeadDim>
 void attend_whole_rows_amx(const Problem& pr, const WorkItem& item, int64_t kv_head, const c10::BFloat16* q_bf16,
-                           int64_t num_rows, int64_t lo, int64_t hi, float* acc, float* row_sums) {
+                           int64_t num_rows, int64_t lo, int64_t hi, float* acc, float* row_sums,
+                           const uint32_t* paired) {
   static_assert(kHeadDim % 64 == 0);
   constexpr int64_t kChunks = kHeadDim / 16;  // accumulator tiles per row tile, four at a time
   constexpr int64_t kPairWords = kBf16PairWords<kHeadDim>;
@@ -186,14 +198,20 @@ void attend_whole_rows_amx(const Problem& pr, const WorkItem& item, int64_t kv_h
   // v_pairs [num_keys / 16][kPairWords]: each 16 keys' V in pairs (pair_value_rows).
   // A buffer of this thread's beside attend_item's scratch, whose buffers are in use.
   thread_local std::vector<float> buffer;
-  const ScratchLayout layout(buffer, {num_rows * num_keys, num_tile_rows * num_keys / 2, num_keys / 16 * kPairWords});
+  const ScratchLayout layout(buffer, {num_rows * num_keys, num_tile_rows * num_keys / 2,
+                                      paired ? 0 : num_keys / 16 * kPairWords});
   float* scores = layout[0];
   auto* p = reinterpret_cast<c10::BFloat16*>(layout[1]);
   auto* v_pairs = reinterpret_cast<uint32_t*>(layout[2]);
   alignas(64) uint32_t k_pairs[kPairWords];
   const auto* k_head = static_cast<const c10::BFloat16*>(pr.k) + kv_head * pr.k_head_stride;
   const auto* v_head = static_cast<const c10::BFloat16*>(pr.v) + kv_head * pr.v_head_stride;
-  for (int64_t b = first_b; b <= last_b; ++b) {
+  // Column c's 16 keys in pairs: K's words, then V's (kPairedGroupWords apart).
+  auto paired_keys = [&](int64_t column) { return paired + (base + column) / 16 * kPairedGroupWords<kHeadDim>; };
+  if (paired != nullptr)
+    for (int64_t column = 0; column < num_keys; column += 16)
+      amx_block_scores<kHeadDim>(q_bf16, num_rows, paired_keys(column), pr.scale, num_keys, scores + column);
+  for (int64_t b = first_b; b <= last_b && paired == nullptr; ++b) {
     const int64_t block_id = item_block_id(pr, item, b);
     const int64_t block_start = b * block_size;
     const int64_t keys_begin = std::max(lo, block_start) - block_start;
@@ -245,7 +263,7 @@ void attend_whole_rows_amx(const Problem& pr, const WorkItem& item, int64_t kv_h
       _tile_zero(2);
       _tile_zero(5);
       for (int64_t g = 0; g < num_keys / 16; ++g) {
-        const uint32_t* pairs = v_pairs + g * kPairWords + c * 16;
+        const uint32_t* pairs = (paired ? paired_keys(g * 16) + kPairWords : v_pairs + g * kPairWords) + c * 16;
         _tile_loadd(3, p + r0 * num_keys + g * 16, num_keys * sizeof(c10::BFloat16));
         _tile_loadd(4, pairs, kPairStride);
         _tile_dpbf16ps(0, 3, 4);
@@ -262,6 +280,49 @@ void attend_whole_rows_amx(const Problem& pr, const WorkItem& item, int64_t kv_h
       _tile_stored(2, acc_tile + 32, kAccStride);
       _tile_stored(5, acc_tile + 48, kAccStride);
     }
+}
+
+// A sequence whose whole-rows items read keys paired once (pair_prompt_keys).
+struct PairedSequence {
+  int64_t seq, seq_len;
+};
+
+// Groups of 16 keys paired for a sequence: its blocks' keys, whole (the whole-rows form
+// reads every key of each block it touches).
+inline int64_t num_paired_groups(const Problem& pr, int64_t seq_len) {
+  return (seq_len + pr.block_size - 1) / pr.block_size * pr.block_size / 16;
+}
+
+// Every 16 keys of each sequence's blocks, per kv head, in pairs for the whole-rows
+// form, once a call: each of a prompt's items (one per 16 query tokens) would otherwise pair
+// again every key it sees (a 1,024-token prompt: each key ~32 times, ~20% of its attention).
+// Keys past seq_len pair as zeros (their slots may hold anything); every key before it has
+// been written, so the finite K and V of a key a row does not see, masked to p = 0, add
+// nothing. offsets[seq * num_kv_heads + head]: where in out (64-byte aligned) that
+// sequence's head starts, kPairedGroupWords a group of 16 keys.
+template <int64_t kHeadDim>
+void pair_prompt_keys(const Problem& pr, const std::vector<PairedSequence>& seqs, const int64_t* offsets,
+                      uint32_t* out) {
+  std::vector<int64_t> first_task(seqs.size() + 1, 0);  // tasks: (sequence, kv head, group of 16 keys)
+  for (size_t i = 0; i < seqs.size(); ++i)
+    first_task[i + 1] = first_task[i] + pr.num_kv_heads * num_paired_groups(pr, seqs[i].seq_len);
+  at::parallel_for(0, first_task.back(), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+      const auto [seq, seq_len] = seqs[i];
+      const int64_t num_groups = num_paired_groups(pr, seq_len);
+      const int64_t head = (task - first_task[i]) / num_groups, key = (task - first_task[i]) % num_groups * 16;
+      const int64_t b = key / pr.block_size, block_start = b * pr.block_size;
+      const int64_t block_id = item_block_id(pr, WorkItem{seq, 0, 0, 0}, b);
+      const auto* k_block = static_cast<const c10::BFloat16*>(pr.k) + head * pr.k_head_stride + block_id * pr.k_block_stride;
+      const auto* v_block = static_cast<const c10::BFloat16*>(pr.v) + head * pr.v_head_stride + block_id * pr.v_block_stride;
+      const int64_t keys_end = std::min(seq_len - block_start, pr.block_size);  // zeros past the sequence
+      uint32_t* group = out + offsets[seq * pr.num_kv_heads + head] + key / 16 * kPairedGroupWords<kHeadDim>;
+      pair_key_rows<kHeadDim>(k_block, pr.k_pos_stride, key - block_start, 0, keys_end, group);
+      pair_value_rows<kHeadDim>(v_block, pr.v_pos_stride, key - block_start, 0, keys_end,
+                                group + kBf16PairWords<kHeadDim>);
+    }
+  });
 }
 #endif
 
@@ -382,7 +443,10 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
     const bool whole_rows = amx && item.partial < 0 && hi > lo && block_size % 16 == 0 &&
                             num_rows * (last_b - first_b + 1) * block_size <= kWholeRowsMaxScores;
     if (whole_rows) {
-      attend_whole_rows_amx<kHeadDim>(pr, item, kv_head, q_bf16, num_rows, lo, hi, acc, row_sums);
+      const int64_t paired_offset =
+          pr.paired_offsets != nullptr ? pr.paired_offsets[item.seq * pr.num_kv_heads + kv_head] : -1;
+      attend_whole_rows_amx<kHeadDim>(pr, item, kv_head, q_bf16, num_rows, lo, hi, acc, row_sums,
+                                      paired_offset >= 0 ? pr.paired_kv + paired_offset : nullptr);
       stream.primed = false;  // nothing asked for the next item's blocks: it asks itself
       goto rows_done;
     }
@@ -612,6 +676,41 @@ void merge_split_token(const Problem& pr, const SplitToken& split) {
   }
 }
 
+#ifdef PDSERVE_ATTENTION_AMX
+// The sequences of the call whose query tokens make several whole-rows items (prompts and
+// their chunks) get their keys paired once (pair_prompt_keys), into this thread's buffer,
+// which pr then points at; the others' items pair their own.
+void pair_prompts(Problem& pr, const int32_t* seq_lens, const int32_t* query_starts, int64_t num_seqs,
+                  std::vector<int64_t>& offsets) {
+  std::vector<PairedSequence> seqs;
+  offsets.assign(num_seqs * pr.num_kv_heads, -1);
+  const int64_t group_words = 2 * (pr.head_dim / 2 * 16);  // kPairedGroupWords<head_dim>
+  int64_t num_words = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t query_len = query_starts[i + 1] - query_starts[i], seq_len = seq_lens[i];
+    const int64_t max_keys = (seq_len + pr.block_size - 1) / pr.block_size * pr.block_size;
+    if (query_len <= kQueryTile || kQueryTile * pr.group * max_keys > kWholeRowsMaxScores) continue;
+    seqs.push_back({i, seq_len});
+    for (int64_t head = 0; head < pr.num_kv_heads; ++head) {
+      offsets[i * pr.num_kv_heads + head] = num_words;
+      num_words += num_paired_groups(pr, seq_len) * group_words;
+    }
+  }
+  if (seqs.empty()) return;
+  thread_local std::vector<uint32_t> buffer;  // kept: a fresh allocation faults its pages in each call
+  buffer.resize(num_words + 16);
+  uint32_t* out = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64 / sizeof(uint32_t);
+  switch (pr.head_dim) {
+    case 64: pair_prompt_keys<64>(pr, seqs, offsets.data(), out); break;
+    case 128: pair_prompt_keys<128>(pr, seqs, offsets.data(), out); break;
+    case 256: pair_prompt_keys<256>(pr, seqs, offsets.data(), out); break;
+    default: return;
+  }
+  pr.paired_kv = out;
+  pr.paired_offsets = offsets.data();
+}
+#endif
+
 at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q_heads, head_dim]
                            const at::Tensor& k_cache,      // [num_blocks, block_size, num_kv_heads, head_dim]
                            const at::Tensor& v_cache,      // [num_blocks, block_size, num_kv_heads, head_dim]
@@ -675,7 +774,7 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
   zero_rows(starts[num_seqs], q.size(0));
   for (const int64_t i : padding_seqs) zero_rows(starts[i], starts[i + 1]);
   const int64_t num_work = static_cast<int64_t>(items.size()) * num_kv_heads;
-  const Problem problem{q.data_ptr(), q.stride(0), q.stride(1),
+  Problem problem{q.data_ptr(), q.stride(0), q.stride(1),
                         k_cache.data_ptr(), v_cache.data_ptr(),
                         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -702,8 +801,14 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
       static_cast<int64_t>(items.size()) >= kWorkPerThread * num_threads ? num_kv_heads : 1;
   std::atomic<int64_t> next{0};
   const int64_t num_workers = std::min<int64_t>(num_threads, num_work);
+  std::vector<int64_t> paired_offsets;
   auto run = [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
+#ifdef PDSERVE_ATTENTION_AMX
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      if (head_dim % 64 == 0 && head_dim <= 256 && block_size % 16 == 0 && amx_tiles_usable())
+        pair_prompts(problem, lens, starts, num_seqs, paired_offsets);
+#endif
     at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
       std::vector<float> scratch;
       std::vector<int64_t> bounds;
