@@ -240,11 +240,11 @@ void attend_whole_rows_amx(const Problem& pr, const WorkItem& item, int64_t kv_h
         if (pr.logit_softcap > 0.f)
           for (int64_t j = begin; j < end; ++j) s[j] = std::tanh(s[j] / pr.logit_softcap) * pr.logit_softcap;
         // The numerators straight to bf16 for the P.V tiles (their fp32 sums are the denominator).
-        sum = row_probabilities(s, 0, num_keys, begin, end, row_block_max(s, begin, end, begin, end),
-                                [p_row](int64_t j, Vec probability) {
-                                  _mm256_store_si256(reinterpret_cast<__m256i*>(p_row + j),
-                                                     (__m256i)_mm512_cvtneps_pbh((__m512)probability));
-                                });
+        sum = row_probabilities<ExpForBf16>(s, 0, num_keys, begin, end, row_block_max(s, begin, end, begin, end),
+                                            [p_row](int64_t j, Vec probability) {
+                                              _mm256_store_si256(reinterpret_cast<__m256i*>(p_row + j),
+                                                                 (__m256i)_mm512_cvtneps_pbh((__m512)probability));
+                                            });
       } else {
         std::fill(p_row, p_row + num_keys, c10::BFloat16(0.f));
       }
@@ -542,7 +542,9 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
         for (int64_t d = 0; d < head_dim; ++d) acc_row[d] *= correction;
       }
       row_max[r] = new_max;
-      sum += row_probabilities(s, keys_begin, keys_end, begin, end, new_max);
+      // The tiles round p to bf16 for P.V.
+      sum += kBf16Dot && transposed ? row_probabilities<ExpForBf16>(s, keys_begin, keys_end, begin, end, new_max)
+                                    : row_probabilities(s, keys_begin, keys_end, begin, end, new_max);
       std::memcpy(row_sums + r * kLanes, &sum, sizeof sum);
     }
     // acc += P V over each row's visible keys (masked ones are skipped, not added as 0 x V).

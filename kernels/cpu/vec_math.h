@@ -105,20 +105,32 @@ inline Vec exp_polynomial(Vec r) {
   return y * r * r + r + 1.f;
 }
 
-// exp(x) for the softmax's x <= 0 on a whole Vec (glibc's expf has no vector variant
-// without -ffast-math): Cephes' range reduction and polynomial, relative error ~1e-7.
-inline Vec exp_nonpositive(Vec x) {
+// 4th-degree Taylor polynomial of exp(r) for |r| <= ln 2 / 2: relative error <= 5.6e-5,
+// for results rounded to bf16 (a relative 2^-9).
+inline Vec exp_polynomial_bf16(Vec r) {
+  Vec y = Vec{} + (1.f / 24.f);
+  y = y * r + (1.f / 6.f);
+  y = y * r + 0.5f;
+  y = y * r + 1.f;
+  return y * r + 1.f;
+}
+
+// 2^n polynomial(r) for x = n ln 2 + r (|r| <= ln 2 / 2), x clamped to -87 first: exp(x) for
+// the softmax's x <= 0 on a whole Vec (glibc's expf has no vector variant without
+// -ffast-math), Cephes' range reduction.
+template <typename Polynomial>
+inline Vec exp_reduced(Vec x, Polynomial polynomial) {
 #if defined(__AVX512F__)
-  // The same reduction and polynomial in fewer instructions: round to nearest and scalef for
-  // 2^n, where the generic form's floor and exponent bits take ~10 more (a 1,024-token
-  // prompt's attention ~10% faster); all of [-90, 0] agrees with the generic form but for 8
+  // The same reduction in fewer instructions: round to nearest and scalef for 2^n, where the
+  // generic form's floor and exponent bits take ~10 more (a 1,024-token prompt's attention
+  // ~10% faster); with exp_polynomial all of [-90, 0] agrees with the generic form but for 8
   // of 1.1e9 floats, by 1 ulp.
   const __m512 clamped = _mm512_max_ps((__m512)x, _mm512_set1_ps(-87.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const Vec r = (Vec)_mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f),
                                       _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped));
-  return (Vec)_mm512_scalef_ps((__m512)exp_polynomial(r), n);
+  return (Vec)_mm512_scalef_ps((__m512)polynomial(r), n);
 #else
   x = x < -87.f ? Vec{} - 87.f : x;
   const Vec t = x * 1.44269504f + 0.5f;
@@ -128,8 +140,17 @@ inline Vec exp_nonpositive(Vec x) {
   n += too_big;
   nf = __builtin_convertvector(n, Vec);
   const Vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  return exp_polynomial(r) * (Vec)((n + 127) << 23);
+  return polynomial(r) * (Vec)((n + 127) << 23);
 #endif
 }
+
+// exp(x) for x <= 0, relative error ~1e-7.
+inline Vec exp_nonpositive(Vec x) { return exp_reduced(x, exp_polynomial); }
+
+// exp(x) for x <= 0 where the result is rounded to bf16 next (the probabilities of the bf16
+// P.V tiles): on every float in [-87, 0] relative error <= 5.6e-5, and 0.01% of them round to
+// another bf16 than exp_nonpositive's; ~3 fewer multiply-adds (a 1,024-token prompt's
+// attention ~8% faster on the Xeon of model 207).
+inline Vec exp_nonpositive_bf16(Vec x) { return exp_reduced(x, exp_polynomial_bf16); }
 
 }  // namespace pdserve_cpu
