@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -519,6 +520,18 @@ void release_linear(int64_t weight_id) {
   if (weight_id >= 0 && weight_id < static_cast<int64_t>(linears.size())) linears[weight_id].reset();
 }
 
+// The rows oneDNN's matmul is called with for num_rows rows of x: oneDNN builds (JIT-compiles)
+// a primitive for every new row count, ~5 ms for each of a model's four linear shapes on the
+// Xeon of model 207, which every prompt of a new length paid (its cache, 1,024 primitives,
+// then thrashed under a serving mix). Rounded up to a multiple of 16, or of 1/32 of the row
+// count's power of two from 512 rows (padding <= 3.1%), a few hundred primitives serve every
+// step up to thousands of tokens. 0 (not 2-D) stays 0.
+int64_t onednn_rows(int64_t num_rows) {
+  if (num_rows <= 0) return num_rows;
+  const int64_t granule = std::max<int64_t>(16, static_cast<int64_t>(std::bit_floor(static_cast<uint64_t>(num_rows))) / 32);
+  return (num_rows + granule - 1) / granule * granule;
+}
+
 // weight_id: a 0-d int64 CPU tensor, so that one compiled decoder layer serves every layer
 // (each passes its own ids as inputs; an int would be a constant of the compiled code).
 at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>& bias,
@@ -556,7 +569,16 @@ at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>
                               std::optional<std::string_view>)>();
     c10::List<std::optional<at::Scalar>> scalars;
     scalars.push_back(at::Scalar(-1));
-    y = pointwise.call(x.contiguous(), *linear.packed, bias, "none", scalars, std::string_view(""));
+    const int64_t num_rows = x.dim() == 2 ? x.size(0) : 0;
+    const int64_t padded_rows = onednn_rows(num_rows);
+    if (padded_rows == num_rows) {
+      y = pointwise.call(x.contiguous(), *linear.packed, bias, "none", scalars, std::string_view(""));
+    } else {
+      at::Tensor padded = at::empty({padded_rows, x.size(1)}, x.options());  // [padded_rows, K]
+      padded.narrow(0, 0, num_rows).copy_(x);
+      padded.narrow(0, num_rows, padded_rows - num_rows).zero_();
+      y = pointwise.call(padded, *linear.packed, bias, "none", scalars, std::string_view("")).narrow(0, 0, num_rows);
+    }
   }
   PDSERVE_CHECK(y.size(-1) == out_features, "prepacked_linear: linear ", weight_id, " has ", y.size(-1),
                 " outputs, the caller expects ", out_features);
@@ -607,6 +629,7 @@ TORCH_LIBRARY(pdserve_gemv, m) {
   m.def("panel_gemm(Tensor x, Tensor? bias, Tensor panels) -> Tensor");
   m.def("panel_gemm_max_rows() -> int", &panel_gemm_max_rows);
   m.def("panels_for_any_rows() -> bool", &panels_for_any_rows);
+  m.def("onednn_rows(int num_rows) -> int", &onednn_rows);
   m.def("panel_gemm_amx_built() -> bool", &panel_gemm_amx_built);
   m.def("panel_gemm_amx_tiles() -> bool", &panel_gemm_amx_tiles);
   m.def("register_linear(int weight_id, Tensor? packed, Tensor? row_major, Tensor? q8_0_blocks=None, "

@@ -101,7 +101,26 @@ def _prepacked_linear_cpu(x: torch.Tensor, bias: torch.Tensor | None, weight_id:
     if packed is None:
         raise ValueError(f"prepacked_linear: linear {int(weight_id)} keeps only panels, which take bf16 "
                          f"[M, K] inputs; got {x.dtype} {list(x.shape)}")
-    return torch.ops.mkldnn._linear_pointwise.default(x.contiguous(), packed(), bias, "none", [-1], "")
+    num_rows = x.shape[0] if x.dim() == 2 else 0
+    padded_rows = onednn_rows(num_rows)
+    if padded_rows == num_rows:
+        return torch.ops.mkldnn._linear_pointwise.default(x.contiguous(), packed(), bias, "none", [-1], "")
+    padded = x.new_zeros((padded_rows, x.shape[1]))  # [padded_rows, in_features]
+    padded[:num_rows] = x
+    return torch.ops.mkldnn._linear_pointwise.default(padded, packed(), bias, "none", [-1], "")[:num_rows]
+
+
+def onednn_rows(num_rows: int) -> int:
+    """The rows oneDNN's matmul is called with for num_rows rows (0: not 2-D, as is). oneDNN
+    builds (JIT-compiles) a primitive for every new row count, ~5 ms for each of a model's
+    four linear shapes on a 2-core Xeon, which every prompt of a new length paid; rounded up
+    to a multiple of 16, or of 1/32 of the row count's power of two from 512 rows (padding
+    <= 3.1%), a few hundred primitives serve every step. kernels/cpu/gemv.cpp's onednn_rows
+    is the same rule for the native op."""
+    if num_rows <= 0:
+        return num_rows
+    granule = max(16, (1 << (num_rows.bit_length() - 1)) // 32)
+    return -(-num_rows // granule) * granule
 
 
 def _prepacked_linear_fake(x: torch.Tensor, bias: torch.Tensor | None, weight_id: torch.Tensor,

@@ -15,6 +15,7 @@ from common.engine.model_files import load_hf_config
 from common.engine.model_runner import allocate_paged_kv, load_model
 from common.engine.models import prepacked_linear
 from common.engine.models.prepacked_linear import PrepackedLinear, prepack_linears, prepacking_available
+from kernels.cpu_linear import native_gemv_available
 from kernels.huge_pages import huge_pages_available
 from tests.support.memory_maps import mapping_of
 
@@ -40,6 +41,32 @@ def test_prepacked_linear_matches_f_linear(dtype, with_bias, num_tokens):
     before = layer(x)
     weight.zero_()
     torch.testing.assert_close(layer(x), before, rtol=0, atol=0)
+
+
+def test_onednn_takes_rows_rounded_to_a_few_hundred_counts():
+    # A new row count costs oneDNN a primitive (a JIT compile) per linear shape: every step
+    # size up to 4,096 tokens maps to few counts, each at most 3.1% (or 15 rows) larger.
+    counts = [prepacked_linear.onednn_rows(n) for n in range(1, 4097)]
+    assert all(n <= rows <= max(n + 15, n * 1.032) for n, rows in zip(range(1, 4097), counts))
+    assert len(set(counts)) < 200 and counts[2047] == 2048 and prepacked_linear.onednn_rows(0) == 0
+    if native_gemv_available():  # the native op's own copy of the rule
+        assert [torch.ops.pdserve_gemv.onednn_rows(n) for n in range(1, 4097)] == counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_padded_for_onednn_give_the_product_of_the_rows_given(dtype):
+    if not prepacking_available(dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} here")
+    torch.manual_seed(1)
+    weight, bias = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
+    layer = PrepackedLinear(weight, bias)
+    for num_tokens in (517, 1000):  # padded to 528 and 1,008 rows
+        x = torch.randn(num_tokens, 64, dtype=dtype)
+        expected = F.linear(x, weight, bias)
+        for op in (torch.ops.pdserve.prepacked_linear, layer):  # the Python op, and the native one where loaded
+            y = op(x, bias, layer.weight_id_tensor, 96) if op is not layer else layer(x)
+            assert y.shape == (num_tokens, 96) and y.is_contiguous()
+            torch.testing.assert_close(y, expected, **TOLERANCES[dtype])
 
 
 def test_a_freed_weights_slot_is_reused_so_a_process_numbers_weights_the_same_way():
