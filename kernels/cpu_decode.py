@@ -1,7 +1,7 @@
 """The native decode loop (kernels/cpu/decode_layers.cpp) as torch ops `torch.ops.pdserve_decode.*`:
 a decode-only step through every decoder layer of a Llama-shaped model in one call (up to
 DECODE_MAX_TOKENS tokens, or any number where every projection is a registered prepacked
-linear), and whether it runs here.
+linear or GGUF blocks), and whether it runs here.
 
 It reaches the GEMVs (kernels/cpu_linear.py) and the fused paged attention
 (kernels/cpu_attention.py) through the dispatcher, so it needs both loaded; it is built
@@ -71,7 +71,8 @@ def register_decode_model(
 
 def decode_model_max_tokens(model_id: int) -> int:
     """The most tokens a step of this registered model may have: DECODE_MAX_TOKENS, or
-    sys.maxsize where every weight has a prepacked-linear id (the library's own rule)."""
+    sys.maxsize where every weight has a prepacked-linear id or is GGUF blocks (the
+    library's own rule)."""
     return torch.ops.pdserve_decode.decode_model_max_tokens(model_id)
 
 

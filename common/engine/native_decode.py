@@ -7,8 +7,11 @@ threads for a fifth of the step. For decode-only steps the runner hands the embe
 tokens to kernels/cpu/decode_layers.cpp instead, which runs every layer from C++ over the
 same weights the compiled model reads (shared, not copied): the GEMVs' copies up to
 DECODE_MAX_TOKENS tokens, the compiled model's own prepacked-linear op beyond. It returns
-the normed hidden states; the compiled logits take it from there. A model with a
-quantized projection (no prepacked linear) takes the loop up to DECODE_MAX_TOKENS tokens.
+the normed hidden states; the compiled logits take it from there. GGUF-block projections
+(`--quantization gguf` or `int8`) take their row-group GEMV at any number of tokens, so
+such a model, like one whose every dense projection is a prepacked linear, takes
+decode-only steps of any size (the compiled model's quantized linears keep torch's
+kernels past DECODE_MAX_TOKENS rows: kernels/cpu/gemv.cpp, q4_1_linear, says why).
 It is what CUDA graphs are to a GPU step, and like them it comes with compiling
 (--enforce-eager turns both off); PDSERVE_NATIVE_DECODE=0 turns it off alone.
 

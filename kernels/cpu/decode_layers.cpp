@@ -10,8 +10,10 @@
 // rows (pdserve_gemv: dense rows, bf16 column panels, Q4_1 or Q8_0 blocks) and through
 // pdserve_gemv::prepacked_linear beyond (the compiled model's own op: panel_gemm or
 // oneDNN), attention through the fused write-and-attend op (pdserve_cpu), each reached
-// through the dispatcher from here. A model whose every projection is a prepacked linear
-// takes steps of any size; the others (quantized projections) up to kMaxGemvTokens.
+// through the dispatcher from here. GGUF-block projections (Q4_1, Q8_0) take their GEMV
+// at any row count (gemv.cpp's row groups: one read of the weight per step, 2-3x torch's
+// int4 / int8 kernels). A model whose every projection is a prepacked linear or GGUF
+// blocks takes steps of any size; the others up to kMaxGemvTokens.
 //
 // Numerics follow the compiled graph's: each fused pointwise step computes in fp32 from
 // the dtype's inputs and rounds once; RMSNorm rounds the normalised value before scaling
@@ -41,7 +43,7 @@
 
 namespace {
 
-constexpr int64_t kMaxGemvTokens = 4;  // the GEMVs' limit on rows of x
+constexpr int64_t kMaxGemvTokens = 4;  // the dense GEMVs' limit on rows of x (GGUF blocks: none)
 // Rows of pointwise work (a norm, RoPE, SiLU over one token) per thread's task: below two
 // tasks' worth the rows stay on the calling thread, where an OpenMP region would cost more.
 constexpr int64_t kRowsPerTask = 8;
@@ -57,7 +59,7 @@ struct Linear {
   int64_t out_features;  // N
   std::optional<at::Tensor> bias;  // [N], the model's dtype
   // [] int64: the id pdserve_gemv::prepacked_linear knows the linear by, for steps past
-  // kMaxGemvTokens rows; none: the linear serves GEMV steps only.
+  // kMaxGemvTokens rows; none: a dense linear serves GEMV steps only.
   std::optional<at::Tensor> weight_id;
 };
 
@@ -73,14 +75,16 @@ struct Model {
   at::Tensor cos, sin;                   // [max_position, rotary_dim / 2] fp32
   int64_t num_heads, num_kv_heads, head_dim;
   double rms_norm_eps, attention_scale;
-  int64_t max_tokens;  // kMaxGemvTokens, or no limit where every linear has a weight_id
+  int64_t max_tokens;  // kMaxGemvTokens, or no limit where every linear has a weight_id or GGUF blocks
 };
 
 std::mutex models_mutex;
 std::vector<std::shared_ptr<const Model>> models;  // by id; released: null
 
+bool takes_any_rows(LinearKind kind) { return kind == kQ4_1 || kind == kQ8_0; }
+
 at::Tensor linear(const Linear& l, const at::Tensor& x) {
-  if (x.size(0) > kMaxGemvTokens) {
+  if (x.size(0) > kMaxGemvTokens && !takes_any_rows(l.kind)) {
     using Prepacked = at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, int64_t);
     static const auto prepacked = c10::Dispatcher::singleton()
                                       .findSchemaOrThrow("pdserve_gemv::prepacked_linear", "")
@@ -322,9 +326,12 @@ int64_t register_decode_model(at::TensorList norms, at::TensorList weights, at::
                           sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat && sin.is_contiguous() &&
                           2 * cos.size(1) <= head_dim,
                       "register_decode_model: cos and sin must be contiguous fp32 [max_position, rotary_dim / 2]");
-  // Any step size where pdserve_gemv::prepacked_linear serves every linear past the GEMVs.
-  const bool any_size = weight_ids.has_value() &&
-                        std::all_of(weight_ids->begin(), weight_ids->end(), [](int64_t id) { return id >= 0; });
+  // Any step size where every linear takes any rows: its GGUF blocks' GEMV, or
+  // pdserve_gemv::prepacked_linear past the dense GEMVs.
+  bool any_size = true;
+  for (size_t i = 0; i < weights.size(); ++i)
+    any_size = any_size && (takes_any_rows(static_cast<LinearKind>(kinds[i])) ||
+                            (weight_ids.has_value() && (*weight_ids)[i] >= 0));
   Model model{{}, final_norm, cos, sin, num_heads, num_kv_heads, head_dim, rms_norm_eps, attention_scale,
               any_size ? std::numeric_limits<int64_t>::max() : kMaxGemvTokens};
   for (size_t l = 0; l < num_layers; ++l) {
@@ -341,7 +348,8 @@ int64_t register_decode_model(at::TensorList norms, at::TensorList weights, at::
 }
 
 // The most tokens a step of this model may have: kMaxGemvTokens, or INT64_MAX where every
-// linear has a weight id (the rule register_decode_model applied; callers route steps by it).
+// linear has a weight id or GGUF blocks (the rule register_decode_model applied; callers
+// route steps by it).
 int64_t decode_model_max_tokens(int64_t model_id) {
   std::lock_guard<std::mutex> lock(models_mutex);
   PDSERVE_CHECK_VALUE(model_id >= 0 && model_id < static_cast<int64_t>(models.size()) && models[model_id] != nullptr,

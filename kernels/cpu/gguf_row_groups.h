@@ -27,6 +27,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -51,21 +52,48 @@ constexpr int64_t kQ8RowBytes = 34;  // bytes per block and row: fp16 d, 32 int8
 constexpr int64_t kQ8GroupBlockBytes = kGroupRows * kQ8RowBytes;  // 544: 512 of codes, 32 of d
 constexpr int64_t kQ8CodeBytes = 32 * kGroupRows;
 
+// The bits of a bf16 value (x's rows are read as bf16 or fp32).
+using Bf16Bits = uint16_t;
+
+// Rows of x quantized per 32-column block, from some row on: what a group's kernel reads.
+struct QuantizedRows {
+  const int8_t* codes;            // [rows, K]
+  const float* scales_and_sums;   // [rows, K / 32, 2]
+};
+
 // x rows quantized per 32-column block.
 struct BlockQuantizedX {
+  explicit BlockQuantizedX(int64_t num_blocks_total)
+      : codes(num_blocks_total * kBlockCols), scales_and_sums(2 * num_blocks_total) {}
   std::vector<int8_t> codes;           // [M, K]
   std::vector<float> scales_and_sums;  // [M, K / 32, 2]: s, and s * the sum of the block's codes
+  QuantizedRows rows_from(int64_t first_row, int64_t num_blocks_per_row) const {
+    const int64_t first_block = first_row * num_blocks_per_row;
+    return {codes.data() + first_block * kBlockCols, scales_and_sums.data() + 2 * first_block};
+  }
 };
 
 #ifdef PDSERVE_ROW_GROUPS
-// num_blocks_total blocks of 32 fp32 values, one after another. Rounds half to even (the
-// default rounding mode) in both builds, so both give the same codes.
-inline BlockQuantizedX quantize_x_blocks(const float* x, int64_t num_blocks_total) {
-  BlockQuantizedX q{std::vector<int8_t>(num_blocks_total * kBlockCols), std::vector<float>(2 * num_blocks_total)};
-  for (int64_t i = 0; i < num_blocks_total; ++i) {
-    const float* xb = x + i * kBlockCols;
+inline float to_fp32(float v) { return v; }
+inline float to_fp32(Bf16Bits bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
+
 #ifdef PDSERVE_ROW_GROUPS_VNNI
-    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+inline __m512 load_16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_16(const Bf16Bits* p) {  // bf16 to fp32 is a shift: exact
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
+// Blocks [begin, end) of x (fp32 or bf16 bits; blocks of 32 values, one after another)
+// into q. Rounds half to even (the default rounding mode) in both builds, so both give the
+// same codes, and bf16 x gives the codes of its fp32 widening.
+template <typename T>
+void quantize_x_blocks(const T* x, int64_t begin, int64_t end, BlockQuantizedX& q) {
+  for (int64_t i = begin; i < end; ++i) {
+    const T* xb = x + i * kBlockCols;
+#ifdef PDSERVE_ROW_GROUPS_VNNI
+    const __m512 v0 = load_16(xb), v1 = load_16(xb + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     const float inverse = amax > 0.f ? 127.f / amax : 0.f;
     const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inverse)));
@@ -75,11 +103,11 @@ inline BlockQuantizedX quantize_x_blocks(const float* x, int64_t num_blocks_tota
     const int32_t code_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
 #else
     float amax = 0.f;
-    for (int64_t j = 0; j < kBlockCols; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    for (int64_t j = 0; j < kBlockCols; ++j) amax = std::max(amax, std::fabs(to_fp32(xb[j])));
     const float inverse = amax > 0.f ? 127.f / amax : 0.f;
     int32_t code_sum = 0;
     for (int64_t j = 0; j < kBlockCols; ++j) {
-      const int8_t code = static_cast<int8_t>(std::nearbyint(xb[j] * inverse));
+      const int8_t code = static_cast<int8_t>(std::nearbyint(to_fp32(xb[j]) * inverse));
       q.codes[i * kBlockCols + j] = code;
       code_sum += code;
     }
@@ -88,7 +116,6 @@ inline BlockQuantizedX quantize_x_blocks(const float* x, int64_t num_blocks_tota
     q.scales_and_sums[2 * i] = scale;
     q.scales_and_sums[2 * i + 1] = scale * static_cast<float>(code_sum);
   }
-  return q;
 }
 
 inline int32_t x_word(const int8_t* codes, int i) {  // columns 4i .. 4i + 3 of a block
@@ -103,7 +130,7 @@ inline int32_t x_word(const int8_t* codes, int i) {  // columns 4i .. 4i + 3 of 
 // row j's columns 4i .. 4i + 3) and its d, and returns what multiplies s * the sum of x's
 // codes in each row (Q4_1: m; Q8_0: -128 d).
 template <int M, typename LoadBlock>
-void group_vnni(const BlockQuantizedX& x, const uint8_t* group, int64_t num_blocks, int64_t block_bytes,
+void group_vnni(const QuantizedRows& x, const uint8_t* group, int64_t num_blocks, int64_t block_bytes,
                 LoadBlock load, float (&out)[M][kGroupRows]) {
   __m512 acc[M], acc_sums[M];  // d-scaled dots; the sum terms (two chains, so neither waits on the other)
   for (int m = 0; m < M; ++m) acc[m] = acc_sums[m] = _mm512_setzero_ps();
@@ -113,13 +140,13 @@ void group_vnni(const BlockQuantizedX& x, const uint8_t* group, int64_t num_bloc
     const __m512 sum_factor = load(group + b * block_bytes, codes, d);
     for (int m = 0; m < M; ++m) {
       const int64_t xb = m * num_blocks + b;
-      const int8_t* x_codes = x.codes.data() + xb * kBlockCols;
+      const int8_t* x_codes = x.codes + xb * kBlockCols;
       __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
       for (int i = 0; i < 8; i += 2) {
         dot0 = _mm512_dpbusd_epi32(dot0, codes[i], _mm512_set1_epi32(x_word(x_codes, i)));
         dot1 = _mm512_dpbusd_epi32(dot1, codes[i + 1], _mm512_set1_epi32(x_word(x_codes, i + 1)));
       }
-      const float* scale_and_sum = x.scales_and_sums.data() + 2 * xb;
+      const float* scale_and_sum = x.scales_and_sums + 2 * xb;
       acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scale_and_sum[0])),
                                _mm512_cvtepi32_ps(_mm512_add_epi32(dot0, dot1)), acc[m]);
       acc_sums[m] = _mm512_fmadd_ps(sum_factor, _mm512_set1_ps(scale_and_sum[1]), acc_sums[m]);
@@ -133,7 +160,7 @@ void group_vnni(const BlockQuantizedX& x, const uint8_t* group, int64_t num_bloc
 // x_codes, dots) adds to dots[m] (int32, one lane per row) the half's dot products with x
 // row m's block codes; kWithMins: the format's m term (Q4_1; Q8_0 has none).
 template <int M, bool kWithMins, typename UnitDots>
-void group_avx2(const BlockQuantizedX& x, const uint8_t* group, int64_t num_blocks, int64_t block_bytes,
+void group_avx2(const QuantizedRows& x, const uint8_t* group, int64_t num_blocks, int64_t block_bytes,
                 int64_t code_bytes, UnitDots unit_dots, float (&out)[M][kGroupRows]) {
   for (int half = 0; half < 2; ++half) {
     __m256 acc[M], acc_min[M];
@@ -143,13 +170,13 @@ void group_avx2(const BlockQuantizedX& x, const uint8_t* group, int64_t num_bloc
       const int8_t* x_codes[M];
       __m256i dots[M];
       for (int m = 0; m < M; ++m) {
-        x_codes[m] = x.codes.data() + (m * num_blocks + b) * kBlockCols;
+        x_codes[m] = x.codes + (m * num_blocks + b) * kBlockCols;
         dots[m] = _mm256_setzero_si256();
       }
       unit_dots(block + 32 * half, x_codes, dots);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + code_bytes + 16 * half)));
       for (int m = 0; m < M; ++m) {
-        const float* scale_and_sum = x.scales_and_sums.data() + 2 * (m * num_blocks + b);
+        const float* scale_and_sum = x.scales_and_sums + 2 * (m * num_blocks + b);
         acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(scale_and_sum[0])), _mm256_cvtepi32_ps(dots[m]), acc[m]);
       }
       if constexpr (kWithMins) {
@@ -167,7 +194,7 @@ void group_avx2(const BlockQuantizedX& x, const uint8_t* group, int64_t num_bloc
 
 // One group of 16 Q4_1 rows over all blocks: out[m][j] = x row m . W row j (no bias).
 template <int M>
-void q4_1_group(const BlockQuantizedX& x, const uint8_t* group, int64_t num_blocks, float (&out)[M][kGroupRows]) {
+void q4_1_group(const QuantizedRows& x, const uint8_t* group, int64_t num_blocks, float (&out)[M][kGroupRows]) {
 #ifdef PDSERVE_ROW_GROUPS_VNNI
   const __m512i low_mask = _mm512_set1_epi8(0x0F);
   group_vnni<M>(x, group, num_blocks, kQ4GroupBlockBytes, [&](const uint8_t* block, __m512i (&codes)[8], __m512& d) {
@@ -203,7 +230,7 @@ void q4_1_group(const BlockQuantizedX& x, const uint8_t* group, int64_t num_bloc
 
 // One group of 16 Q8_0 rows over all blocks: out[m][j] = x row m . W row j (no bias).
 template <int M>
-void q8_0_group(const BlockQuantizedX& x, const uint8_t* group, int64_t num_blocks, float (&out)[M][kGroupRows]) {
+void q8_0_group(const QuantizedRows& x, const uint8_t* group, int64_t num_blocks, float (&out)[M][kGroupRows]) {
 #ifdef PDSERVE_ROW_GROUPS_VNNI
   // vpdpbusd takes one side unsigned: the codes + 128 (their sign bit flipped), and
   // 128 * the sum of x's codes comes off again through the sum term (-128 d: a power of

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import sys
-import types
 
 import pytest
 import safetensors.torch
@@ -214,17 +213,15 @@ def test_the_loop_over_quantized_blocks_computes_what_the_model_does(quantizatio
     got = _decode_step(llm, PROMPTS, loop)
     want = _decode_step(llm, PROMPTS, None, num_layers=num_layers)
     assert ((got - want).norm() / want.norm()).item() < QUANTIZED_RELATIVE_ERROR
-    # Quantized projections have GEMVs only: larger steps keep the model, and the op refuses them.
-    assert loop.max_num_tokens == DECODE_MAX_TOKENS
-    hidden_size = llm.engine.model_config.hidden_size
-    num_tokens = DECODE_MAX_TOKENS + 1
-    meta = types.SimpleNamespace(num_decode_tokens=num_tokens, kv_layer_hook=None, block_tables=torch.zeros(1))
-    assert not loop.serves(num_tokens, meta)
-    with pytest.raises(ValueError, match=f"1 to {DECODE_MAX_TOKENS} tokens"):
-        decode_layers(loop.model_id, torch.randn(num_tokens, hidden_size), torch.zeros(num_tokens, dtype=torch.int64),
-                      loop.k_caches, loop.v_caches, torch.arange(num_tokens, dtype=torch.int64),
-                      torch.zeros((num_tokens, 1), dtype=torch.int32),
-                      torch.arange(num_tokens + 1, dtype=torch.int32), torch.ones(num_tokens, dtype=torch.int32))
+    # GGUF blocks' GEMVs take any number of rows: the loop serves steps of any size, and a
+    # step of seven sequences gives each the hidden state it gets in steps of four and three
+    # (the GEMV's rows, the attention's sequences and the norms' rows are independent).
+    assert loop.max_num_tokens == decode_model_max_tokens(loop.model_id) == sys.maxsize
+    prompts = _prompts(DECODE_MAX_TOKENS + 3)
+    together = _decode_step(llm, prompts, loop)
+    apart = torch.cat([_decode_step(llm, prompts[:DECODE_MAX_TOKENS], loop),
+                       _decode_step(llm, prompts[DECODE_MAX_TOKENS:], loop)])
+    assert torch.equal(together, apart)
     llm.engine.shutdown()
 
 
