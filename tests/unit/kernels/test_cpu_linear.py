@@ -30,6 +30,7 @@ from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, gemv, native_gem
                                 panel_gemm_max_rows, panels_for_any_rows, q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv,
                                 q8_0_gemv_blocks)
 from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
+from kernels.cpu_linear import q4_1_linear as native_q4_1_linear
 from tests.support.fresh_process import run_python_ok
 
 pytestmark = pytest.mark.skipif(not native_gemv_available(),
@@ -602,6 +603,36 @@ def test_a_q4_1_linear_takes_the_gemv_for_decode_rows_and_torch_int4_beyond(bund
     # Without the native library (no blocks kept) every step takes torch's kernel.
     linear.blocks = None
     assert torch.equal(linear(x), int4)
+
+
+@needs_panel_gemm
+@pytest.mark.parametrize("num_tokens", [GEMV_MAX_ROWS + 1, 23, 24, 70, 300])
+def test_a_bf16_q4_1_prompt_takes_the_weight_widened_to_bf16_panels(bundled_blocks, num_tokens):
+    # From 24 rows (the op's kPromptGemmMinRows) bf16 rows meet the weight widened once per
+    # call to bf16 (d q + m in fp32, rounded once) in panel_gemm's products: bit for bit
+    # what panel_gemm gives over that weight packed ahead. Fewer rows keep torch's kernel.
+    blocks = bundled_blocks["down_proj"]
+    linear = Q4_1Linear(blocks, None, torch.device("cpu"))
+    torch.manual_seed(num_tokens)
+    x = torch.randn(num_tokens, linear.in_features, dtype=torch.bfloat16)
+    out = native_q4_1_linear(x, linear.packed, linear.scales_and_zeros, linear.blocks, linear.group_size)
+    codes = blocks.codes().view(blocks.shape[0], -1, 32).double()
+    widened = (blocks.d.double().unsqueeze(-1) * codes + blocks.m.double().unsqueeze(-1)).reshape(blocks.shape)
+    int4 = torch.ops.aten._weight_int4pack_mm_for_cpu(x, linear.packed, linear.group_size, linear.scales_and_zeros)
+    if num_tokens >= 24 and panel_gemm_amx_tiles():  # the op's panel_gemm sums on AMX tiles, in another order
+        # fp32 math on the widened weight, the output rounded once (torch's kernel, which
+        # rounds d and m to bf16 too, misses this for ~0.1% of the outputs).
+        expected = x.float() @ widened.float().bfloat16().float().T
+        torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * expected.abs().max().item())
+    elif num_tokens >= 24:
+        assert torch.equal(out, panel_gemm(x, None, pack_panels(widened.float().bfloat16())))
+    else:
+        assert torch.equal(out, int4)
+    # Output rows that no whole panel of 32 covers keep torch's kernel at every size.
+    part = type(blocks)(**{field.name: getattr(blocks, field.name)[:48] for field in fields(blocks)})
+    narrow = Q4_1Linear(part, None, torch.device("cpu"))
+    assert torch.equal(native_q4_1_linear(x, narrow.packed, narrow.scales_and_zeros, narrow.blocks, 32),
+                       torch.ops.aten._weight_int4pack_mm_for_cpu(x, narrow.packed, 32, narrow.scales_and_zeros))
 
 
 _AVX2_GGUF_SCRIPT = textwrap.dedent("""
