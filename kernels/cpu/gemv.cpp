@@ -481,27 +481,30 @@ constexpr int64_t kPromptTileRows = 10 * pdserve_cpu::kPanelTileRows;
 // (24 rows: 16.8 ms either way; 16 rows: 15.6 against 11.9 ms; 32: 18.5 against 22.0).
 constexpr int64_t kPromptGemmMinRows = 24;
 
-// Whether q4_1_prompt_gemm takes this step: bf16 rows, enough of them, and whole panels.
-bool q4_1_prompt_gemm_applies(const at::Tensor& x, const at::Tensor& blocks) {
+// Whether gguf_prompt_gemm takes this step: bf16 rows, enough of them, and whole panels.
+bool gguf_prompt_gemm_applies(const at::Tensor& x, const at::Tensor& blocks) {
   return x.dim() == 2 && x.size(0) >= kPromptGemmMinRows && x.scalar_type() == at::kBFloat16 && blocks.dim() == 2 &&
          blocks.size(0) % pdserve_cpu::kPanelCols == 0;
 }
 
-// y [M, N] bf16 = x [M, K] bf16 @ W^T over Q4_1 row groups for a prompt (gguf_panels.h):
-// each thread widens its share of W's panels into bf16 once (its share of SmolLM2's
-// largest projection, 1.8 MB, stays in L2 and L3), then runs panel_gemm over them for
-// every tile of x's rows. On the Zen 5 EPYC, SmolLM2's 120 projections: 64 rows 25.0 ms
-// against torch's int4 kernel's 42.1, 256 rows 66.8 against 162.7, 1,024 rows 228 ms (int4
-// ~650; oneDNN over the dense bf16 weights 227). Its products differ from the dense bf16
-// model's only by the weight's rounding; torch's kernel also rounds d and m to bf16 (1.7e-3
-// against 3.0e-3 of the output's norm from fp32 math on bf16 x, measured on two layers).
-at::Tensor q4_1_prompt_gemm(const at::Tensor& x, const at::Tensor& blocks) {
-  PDSERVE_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.size(1) % kQ4RowBytes == 0,
-                "q4_1_linear: blocks must be contiguous uint8 [N, K / 32 * 20] (q4_1_gemv_blocks), got ",
-                blocks.scalar_type(), " ", blocks.sizes());
-  const int64_t M = x.size(0), N = blocks.size(0), num_blocks = blocks.size(1) / kQ4RowBytes,
+// y [M, N] bf16 = x [M, K] bf16 @ W^T over Q4_1 or Q8_0 row groups for a prompt
+// (gguf_panels.h): each thread widens its share of W's panels into bf16 once (its share of
+// SmolLM2's largest projection, 1.8 MB, stays in L2 and L3), then runs panel_gemm over
+// them for every tile of x's rows. On the Zen 5 EPYC, SmolLM2's 120 projections as Q4_1:
+// 64 rows 25.0 ms against torch's int4 kernel's 42.1, 256 rows 66.8 against 162.7, 1,024
+// rows 228 ms (int4 ~650; oneDNN over the dense bf16 weights 227). Its products differ
+// from the dense bf16 model's only by the weight's rounding; torch's int4 kernel also
+// rounds d and m to bf16 (1.7e-3 against 3.0e-3 of the output's norm from fp32 math on
+// bf16 x, measured on two layers).
+template <BlockFormat kFormat>
+at::Tensor gguf_prompt_gemm(const at::Tensor& x, const at::Tensor& blocks, const char* op) {
+  constexpr int64_t kRowBytes = kFormat == BlockFormat::kQ4_1 ? kQ4RowBytes : kQ8RowBytes;
+  PDSERVE_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.size(1) % kRowBytes == 0,
+                op, ": blocks must be contiguous uint8 [N, K / 32 * ", kRowBytes, "], got ", blocks.scalar_type(),
+                " ", blocks.sizes());
+  const int64_t M = x.size(0), N = blocks.size(0), num_blocks = blocks.size(1) / kRowBytes,
                 K = num_blocks * kBlockCols;
-  PDSERVE_CHECK(x.size(1) == K, "q4_1_linear: x has ", x.size(1), " columns, the blocks ", K);
+  PDSERVE_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " columns, the blocks ", K);
   using pdserve_cpu::kPanelCols;
   at::Tensor y = at::empty({M, N}, x.options());
   const at::Tensor xc = x.contiguous();
@@ -512,8 +515,13 @@ at::Tensor q4_1_prompt_gemm(const at::Tensor& x, const at::Tensor& blocks) {
   at::parallel_for(0, N / kPanelCols, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<c10::BFloat16> panels;  // kept: a prompt's 120 calls reuse it
     panels.resize((end - begin) * panel_values);
-    for (int64_t p = begin; p < end; ++p)
-      pdserve_cpu::q4_1_groups_to_panel(wp + p * panel_bytes, num_blocks, panels.data() + (p - begin) * panel_values);
+    for (int64_t p = begin; p < end; ++p) {
+      c10::BFloat16* panel = panels.data() + (p - begin) * panel_values;
+      if constexpr (kFormat == BlockFormat::kQ4_1)
+        pdserve_cpu::q4_1_groups_to_panel(wp + p * panel_bytes, num_blocks, panel);
+      else
+        pdserve_cpu::q8_0_groups_to_panel(wp + p * panel_bytes, num_blocks, panel);
+    }
     for (int64_t m0 = 0; m0 < M; m0 += kPromptTileRows)
       pdserve_cpu::panel_gemm_panels(xp + m0 * K, panels.data(), nullptr, yp + m0 * N + begin * kPanelCols,
                                      std::min(kPromptTileRows, M - m0), K, N, 0, end - begin);
@@ -524,7 +532,7 @@ at::Tensor q4_1_prompt_gemm(const at::Tensor& x, const at::Tensor& blocks) {
 
 // A Q4_1 linear's one op for a compiled graph (the graph cannot branch on its unbacked
 // token count): the row-group GEMV over the file's blocks for steps of up to kMaxRows rows
-// where the blocks are given, q4_1_prompt_gemm for bf16 steps from kPromptGemmMinRows rows
+// where the blocks are given, gguf_prompt_gemm for bf16 steps from kPromptGemmMinRows rows
 // (AVX512-BF16), torch's int4 kernel on its packed copy otherwise; x bf16 or fp32, the
 // result in x's dtype. In C++ it saves a Python op's ~14 us per call (120 calls
 // per step of SmolLM2). The GEMV takes any number of rows and is 2-3x faster than torch's
@@ -539,7 +547,8 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   if (blocks.has_value() && x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows)
     return q4_1_gemv(x, std::nullopt, *blocks);
 #ifdef PDSERVE_GGUF_PANELS
-  if (blocks.has_value() && q4_1_prompt_gemm_applies(x, *blocks)) return q4_1_prompt_gemm(x, *blocks);
+  if (blocks.has_value() && gguf_prompt_gemm_applies(x, *blocks))
+    return gguf_prompt_gemm<BlockFormat::kQ4_1>(x, *blocks, "q4_1_linear");
 #endif
   static const auto int4_mm = c10::Dispatcher::singleton()
                                   .findSchemaOrThrow("aten::_weight_int4pack_mm_for_cpu", "")
@@ -553,12 +562,17 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
 // An int8 weight-only linear's one op for a compiled graph: decode steps of up to kMaxRows
 // rows take the Q8_0 GEMV over its codes, each row's scale as every block's d (exact where
-// the loader built the blocks: the scale fits fp16), larger ones torch's int8 kernel (bf16
-// x: an fp32 model's rows go over and come back), for the reason q4_1_linear gives.
+// the loader built the blocks: the scale fits fp16), bf16 prompts from kPromptGemmMinRows
+// rows gguf_prompt_gemm over the same blocks, others torch's int8 kernel (bf16 x: an fp32
+// model's rows go over and come back), for the reasons q4_1_linear gives.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const std::optional<at::Tensor>& q8_0_blocks) {
   if (q8_0_blocks.has_value() && x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows)
     return q8_0_gemv(x, std::nullopt, *q8_0_blocks);
+#ifdef PDSERVE_GGUF_PANELS
+  if (q8_0_blocks.has_value() && gguf_prompt_gemm_applies(x, *q8_0_blocks))
+    return gguf_prompt_gemm<BlockFormat::kQ8_0>(x, *q8_0_blocks, "int8_linear");
+#endif
   static const auto int8_mm = c10::Dispatcher::singleton()
                                   .findSchemaOrThrow("aten::_weight_int8pack_mm", "")
                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();

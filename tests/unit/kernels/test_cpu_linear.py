@@ -690,6 +690,28 @@ def test_an_int8_linear_takes_the_q8_0_gemv_for_decode_rows_and_torch_int8_beyon
     assert ((out.float() - reference(x, None, dequantized)).norm() / reference(x, None, dequantized).norm()) < 1e-2
 
 
+@needs_panel_gemm
+@pytest.mark.skipif(not int8_kernel_available("cpu"), reason="no torch int8 kernel here")
+@pytest.mark.parametrize("num_tokens", [GEMV_MAX_ROWS + 1, 23, 24, 70, 300])
+def test_a_bf16_int8_prompt_takes_the_weight_widened_to_bf16_panels(bundled_blocks, num_tokens):
+    # As for Q4_1: from 24 rows each code times its row's scale (fp32, rounded once to bf16)
+    # in panel_gemm's products; fewer rows keep torch's int8 kernel.
+    linear = Int8Linear(bundled_blocks["down_proj"].dequantize(torch.float32), None)
+    assert linear.q8_0_blocks is not None
+    torch.manual_seed(num_tokens)
+    x = torch.randn(num_tokens, linear.in_features, dtype=torch.bfloat16)
+    out = linear(x)
+    # The scale as the blocks hold it (fp16, exact) times the code: exact in fp32.
+    widened = linear.codes.float() * linear.scales.half().float().unsqueeze(1)
+    if num_tokens >= 24 and panel_gemm_amx_tiles():  # the op's panel_gemm sums on AMX tiles, in another order
+        expected = x.float() @ widened.bfloat16().float().T
+        torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * expected.abs().max().item())
+    elif num_tokens >= 24:
+        assert torch.equal(out, panel_gemm(x, None, pack_panels(widened.bfloat16())))
+    else:
+        assert torch.equal(out, torch.ops.aten._weight_int8pack_mm(x, linear.codes, linear.scales))
+
+
 @pytest.mark.skipif(not int8_kernel_available("cpu"), reason="no torch int8 kernel here")
 def test_int8_scales_that_fp16_cannot_hold_keep_torch_int8():
     weight = torch.randn(64, 96)
