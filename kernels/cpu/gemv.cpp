@@ -475,6 +475,9 @@ at::Tensor panel_gemm(const at::Tensor& x, const std::optional<at::Tensor>& bias
 // Rows of x per pass over a thread's panels: 120 rows of K = 1,536 are 360 KB of bf16,
 // which stay in L2 (1 MB a core on Zen 4 and 5) beside the panel being multiplied.
 constexpr int64_t kPromptTileRows = 10 * pdserve_cpu::kPanelTileRows;
+// A thread's widened panels at a time: SmolLM2's largest share (gate_up, 48 panels of
+// K = 576) is 1.8 MB.
+constexpr int64_t kWidenedBytes = 2 << 20;
 
 // From this many rows widening the weight pays: it costs ~12 ms over SmolLM2's 120
 // projections on the Zen 5 EPYC, as much as torch's int4 kernel takes for ~18 rows
@@ -512,19 +515,25 @@ at::Tensor gguf_prompt_gemm(const at::Tensor& x, const at::Tensor& blocks, const
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
   const int64_t panel_values = K * kPanelCols, panel_bytes = kPanelCols * blocks.size(1);
+  // Panels widened at a time: a bounded buffer (a larger model's share would not fit the
+  // caches, nor should a thread keep it), all of SmolLM2's share of a projection in one.
+  const int64_t batch_panels = std::max<int64_t>(1, kWidenedBytes / (panel_values * 2));
   at::parallel_for(0, N / kPanelCols, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<c10::BFloat16> panels;  // kept: a prompt's 120 calls reuse it
-    panels.resize((end - begin) * panel_values);
-    for (int64_t p = begin; p < end; ++p) {
-      c10::BFloat16* panel = panels.data() + (p - begin) * panel_values;
-      if constexpr (kFormat == BlockFormat::kQ4_1)
-        pdserve_cpu::q4_1_groups_to_panel(wp + p * panel_bytes, num_blocks, panel);
-      else
-        pdserve_cpu::q8_0_groups_to_panel(wp + p * panel_bytes, num_blocks, panel);
+    panels.resize(std::min(end - begin, batch_panels) * panel_values);
+    for (int64_t first = begin; first < end; first += batch_panels) {
+      const int64_t last = std::min(end, first + batch_panels);
+      for (int64_t p = first; p < last; ++p) {
+        c10::BFloat16* panel = panels.data() + (p - first) * panel_values;
+        if constexpr (kFormat == BlockFormat::kQ4_1)
+          pdserve_cpu::q4_1_groups_to_panel(wp + p * panel_bytes, num_blocks, panel);
+        else
+          pdserve_cpu::q8_0_groups_to_panel(wp + p * panel_bytes, num_blocks, panel);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kPromptTileRows)
+        pdserve_cpu::panel_gemm_panels(xp + m0 * K, panels.data(), nullptr, yp + m0 * N + first * kPanelCols,
+                                       std::min(kPromptTileRows, M - m0), K, N, 0, last - first);
     }
-    for (int64_t m0 = 0; m0 < M; m0 += kPromptTileRows)
-      pdserve_cpu::panel_gemm_panels(xp + m0 * K, panels.data(), nullptr, yp + m0 * N + begin * kPanelCols,
-                                     std::min(kPromptTileRows, M - m0), K, N, 0, end - begin);
   });
   return y;
 }

@@ -693,10 +693,16 @@ def test_an_int8_linear_takes_the_q8_0_gemv_for_decode_rows_and_torch_int8_beyon
 @needs_panel_gemm
 @pytest.mark.skipif(not int8_kernel_available("cpu"), reason="no torch int8 kernel here")
 @pytest.mark.parametrize("num_tokens", [GEMV_MAX_ROWS + 1, 23, 24, 70, 300])
-def test_a_bf16_int8_prompt_takes_the_weight_widened_to_bf16_panels(bundled_blocks, num_tokens):
+@pytest.mark.parametrize("weight_rows", ["bundled", 4096])
+def test_a_bf16_int8_prompt_takes_the_weight_widened_to_bf16_panels(bundled_blocks, num_tokens, weight_rows):
     # As for Q4_1: from 24 rows each code times its row's scale (fp32, rounded once to bf16)
-    # in panel_gemm's products; fewer rows keep torch's int8 kernel.
-    linear = Int8Linear(bundled_blocks["down_proj"].dequantize(torch.float32), None)
+    # in panel_gemm's products; fewer rows keep torch's int8 kernel. 4,096 rows of K = 1,536
+    # are more panels a thread than it widens at a time (2 MB: 21).
+    if weight_rows == "bundled":
+        weight = bundled_blocks["down_proj"].dequantize(torch.float32)
+    else:
+        weight = torch.randn(weight_rows, 1536, generator=torch.Generator().manual_seed(5)) * 0.05
+    linear = Int8Linear(weight, None)
     assert linear.q8_0_blocks is not None
     torch.manual_seed(num_tokens)
     x = torch.randn(num_tokens, linear.in_features, dtype=torch.bfloat16)
