@@ -10,13 +10,15 @@ flags, so a changed source, compiler, torch or machine (-march=native) builds af
 everything else reuses it. Where torch is installed is not part of the key: every
 virtualenv (a fresh clone's, the image's) with the same torch shares one build, and the
 library finds libc10/libtorch_cpu as the ones torch has already loaded (same soname).
-Concurrent builders (several service processes starting at once) each write a temp
-file and rename it. A build marks its library used (its mtime) and each new build removes
+Concurrent builders (several service processes starting at once) take turns on a lock
+file per library; the first builds (to a temp file it renames), the others then find its
+library. A build marks its library used (its mtime) and each new build removes
 all but the KEEP_BUILDS most recently used of that library, so upgrades of pdserve, torch
 or the compiler do not pile up libraries in the cache.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -116,6 +118,21 @@ def build_library(name: str) -> Path:
         _mark_used(library)
         return library
     out_dir.mkdir(parents=True, exist_ok=True)
+    # Services starting side by side (a stack's prefill and decode engines) would each run
+    # g++ for every library on the same cores (~33 s of one core for the five here): one
+    # builds, the others wait for it and load its library.
+    with open(out_dir / f".{name}.lock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            if library.exists():  # built while this process waited
+                _mark_used(library)
+                return library
+            return _build(cxx, name, source, library, out_dir)
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _build(cxx: str, name: str, source: Path, library: Path, out_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=out_dir)
     os.close(fd)
     started = time.monotonic()

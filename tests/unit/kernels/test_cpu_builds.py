@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -89,4 +90,45 @@ def test_a_cached_build_counts_as_used_and_a_new_build_prunes(monkeypatch, tmp_p
     rebuilt = build.build_library("sampling")
     assert len(compiled) == 2 and rebuilt != library
     kept = sorted(p for p in tmp_path.iterdir())
-    assert kept == sorted([rebuilt, library, *old[:build.KEEP_BUILDS - 2]])
+    lock = tmp_path / ".sampling.lock"  # one per library, kept: processes take turns on it
+    assert kept == sorted([rebuilt, library, *old[:build.KEEP_BUILDS - 2], lock])
+
+
+def test_processes_building_one_library_at_once_run_the_compiler_once(monkeypatch, tmp_path):
+    # A stack's engines start side by side on a machine that has not built the library:
+    # the second waits on the first's build and loads its library. (flock locks belong to
+    # open files, so two threads stand for two processes here.)
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "find_compiler", lambda: "/usr/bin/true")
+    first_compiling, second_waiting = threading.Event(), threading.Event()
+    compiled = []
+
+    def fake_compiler(command, **kwargs):
+        compiled.append(command)
+        first_compiling.set()
+        assert second_waiting.wait(timeout=30), "the second builder never reached the lock"
+        Path(command[command.index("-o") + 1]).write_bytes(b"built")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    real_flock = build.fcntl.flock
+    lock_calls = []
+
+    def flock(file, operation):
+        if operation == build.fcntl.LOCK_EX:
+            lock_calls.append(file)
+            if len(lock_calls) == 2:
+                second_waiting.set()
+        return real_flock(file, operation)
+
+    monkeypatch.setattr(build.subprocess, "run", fake_compiler)
+    monkeypatch.setattr(build.fcntl, "flock", flock)
+    libraries = []
+    first = threading.Thread(target=lambda: libraries.append(build.build_library("sampling")))
+    first.start()
+    assert first_compiling.wait(timeout=30)
+    second = threading.Thread(target=lambda: libraries.append(build.build_library("sampling")))
+    second.start()
+    first.join(timeout=60)
+    second.join(timeout=60)
+    assert len(compiled) == 1
+    assert len(libraries) == 2 and libraries[0] == libraries[1] and libraries[0].read_bytes() == b"built"
