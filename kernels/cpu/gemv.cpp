@@ -475,14 +475,15 @@ at::Tensor panel_gemm(const at::Tensor& x, const std::optional<at::Tensor>& bias
 // Rows of x per pass over a thread's panels: 120 rows of K = 1,536 are 360 KB of bf16,
 // which stay in L2 (1 MB a core on Zen 4 and 5) beside the panel being multiplied.
 constexpr int64_t kPromptTileRows = 10 * pdserve_cpu::kPanelTileRows;
-// A thread's widened panels at a time: SmolLM2's largest share (gate_up, 48 panels of
-// K = 576) is 1.8 MB.
-constexpr int64_t kWidenedBytes = 2 << 20;
+// A thread's widened panels at a time, written and read back within L2: at 2 MB (all of a
+// thread's share of SmolLM2's gate_up) they spilled to L3 and a pass over the 120
+// projections cost ~5 ms more (Zen 5: 24 rows 16.8 against 11.3 ms, 128-256 KB level).
+constexpr int64_t kWidenedBytes = 256 << 10;
 
-// From this many rows widening the weight pays: it costs ~12 ms over SmolLM2's 120
-// projections on the Zen 5 EPYC, as much as torch's int4 kernel takes for ~18 rows
-// (24 rows: 16.8 ms either way; 16 rows: 15.6 against 11.9 ms; 32: 18.5 against 22.0).
-constexpr int64_t kPromptGemmMinRows = 24;
+// From this many rows widening the weight pays: over SmolLM2's 120 projections on the
+// Zen 5 EPYC, against torch's int4 kernel, 8 rows 7.75 against 6.75 ms, 12 rows 8.37
+// against 9.20, 16 rows 9.89 against 11.96.
+constexpr int64_t kPromptGemmMinRows = 12;
 
 // Whether gguf_prompt_gemm takes this step: bf16 rows, enough of them, and whole panels.
 bool gguf_prompt_gemm_applies(const at::Tensor& x, const at::Tensor& blocks) {
@@ -491,11 +492,10 @@ bool gguf_prompt_gemm_applies(const at::Tensor& x, const at::Tensor& blocks) {
 }
 
 // y [M, N] bf16 = x [M, K] bf16 @ W^T over Q4_1 or Q8_0 row groups for a prompt
-// (gguf_panels.h): each thread widens its share of W's panels into bf16 once (its share of
-// SmolLM2's largest projection, 1.8 MB, stays in L2 and L3), then runs panel_gemm over
-// them for every tile of x's rows. On the Zen 5 EPYC, SmolLM2's 120 projections as Q4_1:
-// 64 rows 25.0 ms against torch's int4 kernel's 42.1, 256 rows 66.8 against 162.7, 1,024
-// rows 228 ms (int4 ~650; oneDNN over the dense bf16 weights 227). Its products differ
+// (gguf_panels.h): each thread widens its share of W's panels into bf16, kWidenedBytes at a
+// time, and runs panel_gemm over each batch for every tile of x's rows. On the Zen 5 EPYC, SmolLM2's 120 projections as Q4_1:
+// 64 rows 20.7 ms against torch's int4 kernel's 42.8, 256 rows 60.9 against 162.3, 1,024
+// rows 222 ms (int4 ~650; oneDNN over the dense bf16 weights 227). Its products differ
 // from the dense bf16 model's only by the weight's rounding; torch's int4 kernel also
 // rounds d and m to bf16 (1.7e-3 against 3.0e-3 of the output's norm from fp32 math on
 // bf16 x, measured on two layers).
@@ -515,8 +515,7 @@ at::Tensor gguf_prompt_gemm(const at::Tensor& x, const at::Tensor& blocks, const
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
   const int64_t panel_values = K * kPanelCols, panel_bytes = kPanelCols * blocks.size(1);
-  // Panels widened at a time: a bounded buffer (a larger model's share would not fit the
-  // caches, nor should a thread keep it), all of SmolLM2's share of a projection in one.
+  // Panels widened at a time (one at least): a bounded buffer that stays in L2.
   const int64_t batch_panels = std::max<int64_t>(1, kWidenedBytes / (panel_values * 2));
   at::parallel_for(0, N / kPanelCols, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<c10::BFloat16> panels;  // kept: a prompt's 120 calls reuse it

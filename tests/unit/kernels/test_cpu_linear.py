@@ -606,9 +606,9 @@ def test_a_q4_1_linear_takes_the_gemv_for_decode_rows_and_torch_int4_beyond(bund
 
 
 @needs_panel_gemm
-@pytest.mark.parametrize("num_tokens", [GEMV_MAX_ROWS + 1, 23, 24, 70, 300])
+@pytest.mark.parametrize("num_tokens", [GEMV_MAX_ROWS + 1, 11, 12, 70, 300])
 def test_a_bf16_q4_1_prompt_takes_the_weight_widened_to_bf16_panels(bundled_blocks, num_tokens):
-    # From 24 rows (the op's kPromptGemmMinRows) bf16 rows meet the weight widened once per
+    # From 12 rows (the op's kPromptGemmMinRows) bf16 rows meet the weight widened once per
     # call to bf16 (d q + m in fp32, rounded once) in panel_gemm's products: bit for bit
     # what panel_gemm gives over that weight packed ahead. Fewer rows keep torch's kernel.
     blocks = bundled_blocks["down_proj"]
@@ -619,12 +619,12 @@ def test_a_bf16_q4_1_prompt_takes_the_weight_widened_to_bf16_panels(bundled_bloc
     codes = blocks.codes().view(blocks.shape[0], -1, 32).double()
     widened = (blocks.d.double().unsqueeze(-1) * codes + blocks.m.double().unsqueeze(-1)).reshape(blocks.shape)
     int4 = torch.ops.aten._weight_int4pack_mm_for_cpu(x, linear.packed, linear.group_size, linear.scales_and_zeros)
-    if num_tokens >= 24 and panel_gemm_amx_tiles():  # the op's panel_gemm sums on AMX tiles, in another order
+    if num_tokens >= 12 and panel_gemm_amx_tiles():  # the op's panel_gemm sums on AMX tiles, in another order
         # fp32 math on the widened weight, the output rounded once (torch's kernel, which
         # rounds d and m to bf16 too, misses this for ~0.1% of the outputs).
         expected = x.float() @ widened.float().bfloat16().float().T
         torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * expected.abs().max().item())
-    elif num_tokens >= 24:
+    elif num_tokens >= 12:
         assert torch.equal(out, panel_gemm(x, None, pack_panels(widened.float().bfloat16())))
     else:
         assert torch.equal(out, int4)
@@ -692,12 +692,12 @@ def test_an_int8_linear_takes_the_q8_0_gemv_for_decode_rows_and_torch_int8_beyon
 
 @needs_panel_gemm
 @pytest.mark.skipif(not int8_kernel_available("cpu"), reason="no torch int8 kernel here")
-@pytest.mark.parametrize("num_tokens", [GEMV_MAX_ROWS + 1, 23, 24, 70, 300])
+@pytest.mark.parametrize("num_tokens", [GEMV_MAX_ROWS + 1, 11, 12, 70, 300])
 @pytest.mark.parametrize("weight_rows", ["bundled", 4096])
 def test_a_bf16_int8_prompt_takes_the_weight_widened_to_bf16_panels(bundled_blocks, num_tokens, weight_rows):
-    # As for Q4_1: from 24 rows each code times its row's scale (fp32, rounded once to bf16)
-    # in panel_gemm's products; fewer rows keep torch's int8 kernel. 4,096 rows of K = 1,536
-    # are more panels a thread than it widens at a time (2 MB: 21).
+    # As for Q4_1: from 12 rows each code times its row's scale (fp32, rounded once to bf16)
+    # in panel_gemm's products; fewer rows keep torch's int8 kernel. Both weights are more
+    # panels a thread than it widens at a time (256 KB: 2 of K = 1,536).
     if weight_rows == "bundled":
         weight = bundled_blocks["down_proj"].dequantize(torch.float32)
     else:
@@ -709,10 +709,10 @@ def test_a_bf16_int8_prompt_takes_the_weight_widened_to_bf16_panels(bundled_bloc
     out = linear(x)
     # The scale as the blocks hold it (fp16, exact) times the code: exact in fp32.
     widened = linear.codes.float() * linear.scales.half().float().unsqueeze(1)
-    if num_tokens >= 24 and panel_gemm_amx_tiles():  # the op's panel_gemm sums on AMX tiles, in another order
+    if num_tokens >= 12 and panel_gemm_amx_tiles():  # the op's panel_gemm sums on AMX tiles, in another order
         expected = x.float() @ widened.bfloat16().float().T
         torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * expected.abs().max().item())
-    elif num_tokens >= 24:
+    elif num_tokens >= 12:
         assert torch.equal(out, panel_gemm(x, None, pack_panels(widened.bfloat16())))
     else:
         assert torch.equal(out, torch.ops.aten._weight_int8pack_mm(x, linear.codes, linear.scales))
