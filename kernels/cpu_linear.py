@@ -74,7 +74,8 @@ def _int8_linear_fake(x, codes, scales, q8_0_blocks):
 
 
 def _q4_1_linear_fake(x, packed, scales_and_zeros, blocks, group_size):
-    return x.new_empty((x.shape[0], scales_and_zeros.shape[1]))
+    out_features = blocks.shape[0] if blocks is not None else scales_and_zeros.shape[1]
+    return x.new_empty((x.shape[0], out_features))
 
 
 def _prepacked_linear_fake(x, bias, weight_id, out_features):
@@ -122,6 +123,14 @@ def panel_gemm_amx_tiles() -> bool:
     """Whether panel_gemm computes on AMX tiles here (kernels/cpu/panel_gemm_amx.h): an AMX
     CPU whose tiles Linux hands the process, unless PDSERVE_AMX_TILES=0."""
     return panel_gemm_available() and bool(torch.ops.pdserve_gemv.panel_gemm_amx_tiles())
+
+
+@functools.cache
+def gguf_prompt_gemm_available() -> bool:
+    """Whether bf16 steps past the GEMV's rows over GGUF blocks take the blocks widened to
+    bf16 panels (kernels/cpu/gguf_panels.h; AVX512-BF16 and VNNI), so that a bf16 model's
+    Q4_1 linears need no torch int4 copy."""
+    return native_gemv_available() and bool(torch.ops.pdserve_gemv.gguf_prompt_gemm_built())
 
 
 @functools.cache
@@ -281,13 +290,14 @@ def prepacked_linear(
 
 def q4_1_linear(
     x: torch.Tensor,  # [num_tokens, in_features] bf16 or fp32
-    packed: torch.Tensor,  # torch's int4 pack of the codes (_convert_weight_to_int4pack_for_cpu)
-    scales_and_zeros: torch.Tensor,  # [in_features // group_size, out_features, 2] bf16
+    packed: torch.Tensor | None,  # torch's int4 pack of the codes (_convert_weight_to_int4pack_for_cpu), or None
+    scales_and_zeros: torch.Tensor | None,  # [in_features // group_size, out_features, 2] bf16, or None
     blocks: torch.Tensor | None,  # [out_features, in_features // 32 * 20] uint8: q4_1_gemv_blocks(...), or None
     group_size: int,
 ) -> torch.Tensor:  # [num_tokens, out_features], x's dtype
     """A Q4_1 linear in one native op: the Q4_1 GEMV for 1 to GEMV_MAX_ROWS rows where the
-    blocks are given, torch's int4 kernel otherwise."""
+    blocks are given, the blocks widened to bf16 panels for bf16 prompts (from 12 rows, or
+    from 5 where no int4 copy is given), torch's int4 kernel otherwise."""
     return torch.ops.pdserve_gemv.q4_1_linear.default(x, packed, scales_and_zeros, blocks, group_size)
 
 

@@ -485,9 +485,9 @@ constexpr int64_t kWidenedBytes = 256 << 10;
 // against 9.20, 16 rows 9.89 against 11.96.
 constexpr int64_t kPromptGemmMinRows = 12;
 
-// Whether gguf_prompt_gemm takes this step: bf16 rows, enough of them, and whole panels.
-bool gguf_prompt_gemm_applies(const at::Tensor& x, const at::Tensor& blocks) {
-  return x.dim() == 2 && x.size(0) >= kPromptGemmMinRows && x.scalar_type() == at::kBFloat16 && blocks.dim() == 2 &&
+// Whether gguf_prompt_gemm takes this step: bf16 rows, at least min_rows of them, and whole panels.
+bool gguf_prompt_gemm_applies(const at::Tensor& x, const at::Tensor& blocks, int64_t min_rows = kPromptGemmMinRows) {
+  return x.dim() == 2 && x.size(0) >= min_rows && x.scalar_type() == at::kBFloat16 && blocks.dim() == 2 &&
          blocks.size(0) % pdserve_cpu::kPanelCols == 0;
 }
 
@@ -538,6 +538,16 @@ at::Tensor gguf_prompt_gemm(const at::Tensor& x, const at::Tensor& blocks, const
 }
 #endif
 
+// Whether this build has gguf_prompt_gemm (AVX512-BF16 and VNNI): a bf16 model's Q4_1
+// linears then need no torch int4 copy (kernels/cpu_linear.gguf_prompt_gemm_available).
+bool gguf_prompt_gemm_built() {
+#ifdef PDSERVE_GGUF_PANELS
+  return true;
+#else
+  return false;
+#endif
+}
+
 // A Q4_1 linear's one op for a compiled graph (the graph cannot branch on its unbacked
 // token count): the row-group GEMV over the file's blocks for steps of up to kMaxRows rows
 // where the blocks are given, gguf_prompt_gemm for bf16 steps from kPromptGemmMinRows rows
@@ -550,22 +560,27 @@ at::Tensor gguf_prompt_gemm(const at::Tensor& x, const at::Tensor& blocks, const
 // 22.74), where it lands in the KV cache that every later token reads. So prompts take x
 // as it is (bf16), and larger decode-only steps take the GEMV in the native decode loop
 // (decode_layers.cpp), which calls it directly.
-at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
-                       const std::optional<at::Tensor>& blocks, int64_t group_size) {
+at::Tensor q4_1_linear(const at::Tensor& x, const std::optional<at::Tensor>& packed,
+                       const std::optional<at::Tensor>& scales_and_zeros, const std::optional<at::Tensor>& blocks,
+                       int64_t group_size) {
   if (blocks.has_value() && x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows)
     return q4_1_gemv(x, std::nullopt, *blocks);
+  const bool has_int4 = packed.has_value() && scales_and_zeros.has_value();
 #ifdef PDSERVE_GGUF_PANELS
-  if (blocks.has_value() && gguf_prompt_gemm_applies(x, *blocks))
+  // A linear without torch's copy (a bf16 model's, kept lean) takes the panels from 5 rows.
+  if (blocks.has_value() && gguf_prompt_gemm_applies(x, *blocks, has_int4 ? kPromptGemmMinRows : kMaxRows + 1))
     return gguf_prompt_gemm<BlockFormat::kQ4_1>(x, *blocks, "q4_1_linear");
 #endif
+  PDSERVE_CHECK(has_int4, "q4_1_linear: this linear keeps no torch int4 copy, which a step of ", x.sizes(), " ",
+                x.scalar_type(), " rows needs (a bf16 model's linears drop it where the prompt GEMM runs)");
   static const auto int4_mm = c10::Dispatcher::singleton()
                                   .findSchemaOrThrow("aten::_weight_int4pack_mm_for_cpu", "")
                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&)>();
   // torch's int4 kernel takes bf16 x; an fp32 model's rows go over and come back, so that
   // its decode rows (the GEMV above) need no conversion in the graph at all.
   if (x.scalar_type() == at::kFloat)
-    return int4_mm.call(x.to(at::kBFloat16), packed, group_size, scales_and_zeros).to(at::kFloat);
-  return int4_mm.call(x, packed, group_size, scales_and_zeros);
+    return int4_mm.call(x.to(at::kBFloat16), *packed, group_size, *scales_and_zeros).to(at::kFloat);
+  return int4_mm.call(x, *packed, group_size, *scales_and_zeros);
 }
 
 // An int8 weight-only linear's one op for a compiled graph: decode steps of up to kMaxRows
@@ -733,7 +748,8 @@ TORCH_LIBRARY(pdserve_gemv, m) {
   m.def("gemv(Tensor x, Tensor? bias, Tensor weight) -> Tensor");
   m.def("q4_1_gemv(Tensor x, Tensor? bias, Tensor blocks) -> Tensor");
   m.def("q8_0_gemv(Tensor x, Tensor? bias, Tensor blocks) -> Tensor");
-  m.def("q4_1_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor? blocks, int group_size) -> Tensor");
+  m.def("q4_1_linear(Tensor x, Tensor? packed, Tensor? scales_and_zeros, Tensor? blocks, int group_size) -> Tensor");
+  m.def("gguf_prompt_gemm_built() -> bool", &gguf_prompt_gemm_built);
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? q8_0_blocks) -> Tensor");
   m.def("isa() -> str", &gemv_isa);
   m.def("pack_panels(Tensor weight, Tensor? out=None) -> Tensor");

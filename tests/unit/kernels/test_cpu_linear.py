@@ -25,7 +25,8 @@ from common.engine.models.quantization.gguf_blocks import GGUFQuantizedWeights, 
 from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
 from kernels.cpu.build import cpu_flags
-from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, gemv, native_gemv_available, pack_panels, panel_gemm,
+from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, gemv, gguf_prompt_gemm_available,
+                                native_gemv_available, pack_panels, panel_gemm,
                                 panel_gemm_amx_built, panel_gemm_amx_tiles, panel_gemm_available,
                                 panel_gemm_max_rows, panels_for_any_rows, q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv,
                                 q8_0_gemv_blocks)
@@ -633,6 +634,35 @@ def test_a_bf16_q4_1_prompt_takes_the_weight_widened_to_bf16_panels(bundled_bloc
     narrow = Q4_1Linear(part, None, torch.device("cpu"))
     assert torch.equal(native_q4_1_linear(x, narrow.packed, narrow.scales_and_zeros, narrow.blocks, 32),
                        torch.ops.aten._weight_int4pack_mm_for_cpu(x, narrow.packed, 32, narrow.scales_and_zeros))
+
+
+@pytest.mark.skipif(not gguf_prompt_gemm_available(), reason="the prompt GEMM needs AVX512-BF16 and VNNI")
+@pytest.mark.parametrize("num_tokens", [1, GEMV_MAX_ROWS + 1, 11, 12, 70])
+def test_a_bf16_models_q4_1_linear_keeps_only_the_blocks(bundled_blocks, num_tokens):
+    # No torch int4 copy: decode rows take the GEMV, every larger bf16 step the widened
+    # panels (from 5 rows, where a linear with the copy takes them from 12).
+    blocks = bundled_blocks["down_proj"]
+    lean = Q4_1Linear(blocks, None, torch.device("cpu"), dtype=torch.bfloat16)
+    assert lean.packed is None and lean.scales_and_zeros is None and lean.blocks is not None
+    assert "blocks only" in lean.extra_repr()
+    full = Q4_1Linear(blocks, None, torch.device("cpu"), dtype=torch.float32)
+    assert full.packed is not None
+    torch.manual_seed(num_tokens)
+    x = torch.randn(num_tokens, lean.in_features, dtype=torch.bfloat16)
+    out = lean(x)
+    if num_tokens <= GEMV_MAX_ROWS:
+        assert torch.equal(out, q4_1_gemv(x, None, lean.blocks))
+    else:
+        codes = blocks.codes().view(blocks.shape[0], -1, 32).double()
+        widened = (blocks.d.double().unsqueeze(-1) * codes + blocks.m.double().unsqueeze(-1)).reshape(blocks.shape)
+        expected = x.float() @ widened.float().bfloat16().float().T
+        torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * expected.abs().max().item())
+        if num_tokens >= 12:  # past the threshold both take the panels
+            assert torch.equal(out, full(x))
+    # fp32 rows past the GEMV's would need the int4 copy this linear does not keep.
+    if num_tokens > GEMV_MAX_ROWS:
+        with pytest.raises(RuntimeError, match="keeps no torch int4 copy"):
+            native_q4_1_linear(x.float(), None, None, lean.blocks, 32)
 
 
 _AVX2_GGUF_SCRIPT = textwrap.dedent("""

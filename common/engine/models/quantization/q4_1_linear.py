@@ -5,14 +5,17 @@ columns, so Q4_1's d * q + m is scale = d, zero = m + 8 d. It runs in bf16 (see
 cpu_kernels): fp32 activations are rounded to bf16 for this matmul and the fp16 d and m
 to bf16. Without the kernel, forward dequantizes the codes per call, in x's dtype.
 
-Decode steps of up to four tokens take the native Q4_1 GEMV instead where the CPU has
-AVX2 and FMA (kernels/cpu_linear.py): it streams GGUF's own blocks, rearranged in groups
-of 16 rows and kept for it beside torch's packed copy (d and m exact, not rounded to
-bf16). Both sit behind one opaque op, the native library's `pdserve_gemv::q4_1_linear`,
-which makes the choice in C++, so a compiled graph does not branch on the number of
-tokens; it takes bf16 or fp32 rows and answers in their dtype (it quantizes decode rows
-per block to int8, an fp32 model's from fp32, not from bf16). Without the library, the
-op `pdserve::int4_linear` runs torch's kernel for every step.
+Decode steps take the native Q4_1 GEMV instead where the CPU has AVX2 and FMA
+(kernels/cpu_linear.py): it streams GGUF's own blocks, rearranged in groups of 16 rows and
+kept for it (d and m exact, not rounded to bf16), up to four tokens here and any number in
+the native decode loop. bf16 prompts from 12 rows (with AVX512-BF16) take the same blocks
+widened to bf16 panels per call (kernels/cpu/gguf_panels.h), and there a bf16 model keeps
+no torch int4 copy at all: its prompts of 5-11 rows take the panels too. All sit behind one
+opaque op, the native library's `pdserve_gemv::q4_1_linear`, which makes the choice in C++,
+so a compiled graph does not branch on the number of tokens; it takes bf16 or fp32 rows
+and answers in their dtype (it quantizes decode rows per block to int8, an fp32 model's
+from fp32, not from bf16). Without the library, the op `pdserve::int4_linear` runs torch's
+kernel for every step.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from torch import nn
 
 from common.engine.models.quantization.cpu_kernels import KERNEL_DTYPE, int4_kernel_available, kernel_output
 from common.engine.models.quantization.gguf_blocks import Q4_1_BLOCK_SIZE, Q4_1Blocks
-from kernels.cpu_linear import native_gemv_available, q4_1_gemv_blocks
+from kernels.cpu_linear import gguf_prompt_gemm_available, native_gemv_available, q4_1_gemv_blocks
 from kernels.cpu_linear import q4_1_linear as native_q4_1_linear
 from kernels.huge_pages import on_huge_pages
 
@@ -53,14 +56,23 @@ torch.library.register_fake("pdserve::int4_linear", _int4_linear_fake, lib=_LIBR
 
 class Q4_1Linear(nn.Module):
     def __init__(self, blocks: Q4_1Blocks, bias: torch.Tensor | None, device: torch.device,
-                 use_kernel: bool | None = None):
-        """use_kernel None: torch's int4 kernel where it runs; False: always the fallback."""
+                 use_kernel: bool | None = None, dtype: torch.dtype | None = None):
+        """use_kernel None: torch's int4 kernel where it runs; False: always the fallback.
+        dtype: the model's; a bf16 model's linear on a CPU where the native op widens the
+        blocks for prompts keeps no torch int4 copy (a third of a 4-bit model's memory)."""
         super().__init__()
         self.out_features, self.in_features = blocks.shape
         self.group_size = Q4_1_BLOCK_SIZE
         self.uses_kernel = int4_kernel_available(device.type) if use_kernel is None else use_kernel
         d, m = blocks.d.float(), blocks.m.float()  # [N, K // 32]
-        if self.uses_kernel:
+        native_blocks = self.uses_kernel and device.type == "cpu" and native_gemv_available()
+        if native_blocks and dtype == torch.bfloat16 and gguf_prompt_gemm_available() and self.out_features % 32 == 0:
+            # [N, K // 32 * 20] uint8: GGUF's blocks in groups of 16 rows, on huge pages (a
+            # decode step streams them whole: kernels/huge_pages.py); every step reads them.
+            self.register_buffer("packed", None)
+            self.register_buffer("scales_and_zeros", None)
+            self.register_buffer("blocks", on_huge_pages(q4_1_gemv_blocks(blocks.raw())))
+        elif self.uses_kernel:
             codes = blocks.codes().to(torch.int32)  # [N, K], freed once packed
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1).to(device))
             # [K // 32, N, 2]: (scale, zero) per group of input columns and output row.
@@ -68,8 +80,7 @@ class Q4_1Linear(nn.Module):
             self.register_buffer("scales_and_zeros", scales_and_zeros.to(device, KERNEL_DTYPE).contiguous())
             # [N, K // 32 * 20] uint8: GGUF's blocks in groups of 16 rows, for the decode GEMV,
             # on huge pages (a decode step streams them whole: kernels/huge_pages.py).
-            self.register_buffer("blocks", on_huge_pages(q4_1_gemv_blocks(blocks.raw()))
-                                 if device.type == "cpu" and native_gemv_available() else None)
+            self.register_buffer("blocks", on_huge_pages(q4_1_gemv_blocks(blocks.raw())) if native_blocks else None)
         else:
             self.register_buffer("codes", blocks.codes().to(device))  # [N, K] uint8
             self.register_buffer("d", blocks.d.to(device))  # [N, K // 32] fp16
@@ -97,5 +108,5 @@ class Q4_1Linear(nn.Module):
         return kernel_output(out, x, self.bias, self.out_features)  # out: [num_tokens, N]
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"kernel={'int4pack bf16' if self.uses_kernel else 'dequantize'}")
+        kernel = "dequantize" if not self.uses_kernel else "blocks only" if self.packed is None else "int4pack bf16"
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={kernel}"

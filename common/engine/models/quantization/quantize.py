@@ -74,7 +74,7 @@ def quantize_model(model: nn.Module, spec: QuantizationSpec) -> None:
             if blocks.shape != expected:
                 raise ValueError(f"{spec.gguf_path}: layer {layer_idx} {projection} is {blocks.shape} in the GGUF, "
                                  f"{expected} in the model")
-            new = Q4_1Linear(blocks, bias, device)
+            new = Q4_1Linear(blocks, bias, device, dtype=weight.dtype)
         else:
             new = Int8Linear(weight, bias)
         setattr(parent, attr, new)
