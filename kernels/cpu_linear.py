@@ -70,7 +70,7 @@ def _blocks_gemv_fake(x, bias, blocks):
 
 
 def _int8_linear_fake(x, codes, scales, q8_0_blocks):
-    return x.new_empty((x.shape[0], codes.shape[0]))
+    return x.new_empty((x.shape[0], scales.shape[0]))
 
 
 def _q4_1_linear_fake(x, packed, scales_and_zeros, blocks, group_size):
@@ -303,10 +303,11 @@ def q4_1_linear(
 
 def int8_linear(
     x: torch.Tensor,  # [num_tokens, in_features] bf16 or fp32
-    codes: torch.Tensor,  # [out_features, in_features] int8
+    codes: torch.Tensor | None,  # [out_features, in_features] int8, or None (then q8_0_blocks serve every step)
     scales: torch.Tensor,  # [out_features] bf16: the weight is codes * scales
     q8_0_blocks: torch.Tensor | None,  # q8_0_gemv_blocks of the same weight (scales as d), or None
 ) -> torch.Tensor:  # [num_tokens, out_features], x's dtype
     """An int8 weight-only linear in one native op: the Q8_0 GEMV for 1 to GEMV_MAX_ROWS rows
-    where the blocks are given, torch's int8 kernel otherwise."""
+    where the blocks are given, the blocks widened to bf16 panels for bf16 prompts (from 12
+    rows, or from 5 where no codes are given), torch's int8 kernel otherwise."""
     return torch.ops.pdserve_gemv.int8_linear.default(x, codes, scales, q8_0_blocks)

@@ -588,19 +588,24 @@ at::Tensor q4_1_linear(const at::Tensor& x, const std::optional<at::Tensor>& pac
 // the loader built the blocks: the scale fits fp16), bf16 prompts from kPromptGemmMinRows
 // rows gguf_prompt_gemm over the same blocks, others torch's int8 kernel (bf16 x: an fp32
 // model's rows go over and come back), for the reasons q4_1_linear gives.
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+at::Tensor int8_linear(const at::Tensor& x, const std::optional<at::Tensor>& codes, const at::Tensor& scales,
                        const std::optional<at::Tensor>& q8_0_blocks) {
   if (q8_0_blocks.has_value() && x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows)
     return q8_0_gemv(x, std::nullopt, *q8_0_blocks);
 #ifdef PDSERVE_GGUF_PANELS
-  if (q8_0_blocks.has_value() && gguf_prompt_gemm_applies(x, *q8_0_blocks))
+  // A linear without torch's codes (a bf16 model's, kept lean) takes the panels from 5 rows.
+  if (q8_0_blocks.has_value() &&
+      gguf_prompt_gemm_applies(x, *q8_0_blocks, codes.has_value() ? kPromptGemmMinRows : kMaxRows + 1))
     return gguf_prompt_gemm<BlockFormat::kQ8_0>(x, *q8_0_blocks, "int8_linear");
 #endif
+  PDSERVE_CHECK(codes.has_value(), "int8_linear: this linear keeps no int8 codes for torch's kernel, which a step of ",
+                x.sizes(), " ", x.scalar_type(), " rows needs (a bf16 model's linears drop them where the prompt GEMM "
+                "runs)");
   static const auto int8_mm = c10::Dispatcher::singleton()
                                   .findSchemaOrThrow("aten::_weight_int8pack_mm", "")
                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
-  if (x.scalar_type() == at::kFloat) return int8_mm.call(x.to(at::kBFloat16), codes, scales).to(at::kFloat);
-  return int8_mm.call(x, codes, scales);
+  if (x.scalar_type() == at::kFloat) return int8_mm.call(x.to(at::kBFloat16), *codes, scales).to(at::kFloat);
+  return int8_mm.call(x, *codes, scales);
 }
 
 // The compiled model's linears by the id its graphs hold (a oneDNN-packed weight is opaque
@@ -750,7 +755,7 @@ TORCH_LIBRARY(pdserve_gemv, m) {
   m.def("q8_0_gemv(Tensor x, Tensor? bias, Tensor blocks) -> Tensor");
   m.def("q4_1_linear(Tensor x, Tensor? packed, Tensor? scales_and_zeros, Tensor? blocks, int group_size) -> Tensor");
   m.def("gguf_prompt_gemm_built() -> bool", &gguf_prompt_gemm_built);
-  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? q8_0_blocks) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor? codes, Tensor scales, Tensor? q8_0_blocks) -> Tensor");
   m.def("isa() -> str", &gemv_isa);
   m.def("pack_panels(Tensor weight, Tensor? out=None) -> Tensor");
   m.def("panel_gemm(Tensor x, Tensor? bias, Tensor panels) -> Tensor");

@@ -31,6 +31,7 @@ from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, gemv, gguf_promp
                                 panel_gemm_max_rows, panels_for_any_rows, q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv,
                                 q8_0_gemv_blocks)
 from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
+from kernels.cpu_linear import int8_linear
 from kernels.cpu_linear import q4_1_linear as native_q4_1_linear
 from tests.support.fresh_process import run_python_ok
 
@@ -746,6 +747,30 @@ def test_a_bf16_int8_prompt_takes_the_weight_widened_to_bf16_panels(bundled_bloc
         assert torch.equal(out, panel_gemm(x, None, pack_panels(widened.bfloat16())))
     else:
         assert torch.equal(out, torch.ops.aten._weight_int8pack_mm(x, linear.codes, linear.scales))
+
+
+@pytest.mark.skipif(not gguf_prompt_gemm_available(), reason="the prompt GEMM needs AVX512-BF16 and VNNI")
+@pytest.mark.parametrize("num_tokens", [1, GEMV_MAX_ROWS + 1, 11, 12, 70])
+def test_a_bf16_models_int8_linear_keeps_only_the_blocks(bundled_blocks, num_tokens):
+    # A bf16 weight: no second copy of the codes for torch's kernel; decode rows take the
+    # Q8_0 GEMV, every larger bf16 step the widened panels (from 5 rows).
+    weight = bundled_blocks["down_proj"].dequantize(torch.float32)
+    lean, full = Int8Linear(weight.bfloat16(), None), Int8Linear(weight.bfloat16().float(), None)
+    assert lean.codes is None and lean.q8_0_blocks is not None and "blocks only" in lean.extra_repr()
+    assert full.codes is not None and torch.equal(lean.scales, full.scales)
+    torch.manual_seed(num_tokens)
+    x = torch.randn(num_tokens, lean.in_features, dtype=torch.bfloat16)
+    out = lean(x)
+    if num_tokens <= GEMV_MAX_ROWS:
+        assert torch.equal(out, q8_0_gemv(x, None, lean.q8_0_blocks))
+    else:
+        widened = full.codes.float() * full.scales.half().float().unsqueeze(1)
+        expected = x.float() @ widened.bfloat16().float().T
+        torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * expected.abs().max().item())
+        if num_tokens >= 12:  # past the threshold both take the panels
+            assert torch.equal(out, full(x))
+        with pytest.raises(RuntimeError, match="keeps no int8 codes"):
+            int8_linear(x.float(), None, lean.scales, lean.q8_0_blocks)
 
 
 @pytest.mark.skipif(not int8_kernel_available("cpu"), reason="no torch int8 kernel here")

@@ -5,12 +5,14 @@ quantized (the caller replaces the float linear). torch's CPU kernel
 `_weight_int8pack_mm` runs in bf16 (see cpu_kernels): fp32 activations are rounded to
 bf16 for this matmul. Without the kernel, forward converts the codes per call.
 
-Decode steps of up to four tokens take the native Q8_0 GEMV instead where the CPU has AVX2
-and FMA (kernels/cpu_linear.py): the codes as Q8_0 blocks whose d is the row's scale
-(exact: the loader builds them only where every scale fits fp16), in groups of 16 rows on
-huge pages, x quantized per 32 columns to int8. Both sit behind the native op
-`pdserve_gemv::int8_linear`, which picks by the token count in C++, so a compiled graph
-does not branch on it.
+Decode steps take the native Q8_0 GEMV instead where the CPU has AVX2 and FMA
+(kernels/cpu_linear.py; up to four tokens here, any number in the native decode loop): the
+codes as Q8_0 blocks whose d is the row's scale (exact: the loader builds them only where
+every scale fits fp16), in groups of 16 rows on huge pages, x quantized per 32 columns to
+int8. bf16 prompts from 12 rows (with AVX512-BF16) take the blocks widened to bf16 panels,
+and there a bf16 model keeps no second copy of the codes for torch's kernel. All sit behind
+the native op `pdserve_gemv::int8_linear`, which picks by the token count in C++, so a
+compiled graph does not branch on it.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.engine.models.quantization.cpu_kernels import KERNEL_DTYPE, int8_kernel_available, kernel_output
-from kernels.cpu_linear import GEMV_K_MULTIPLE, int8_linear, native_gemv_available, q8_0_gemv_blocks
+from kernels.cpu_linear import (GEMV_K_MULTIPLE, gguf_prompt_gemm_available, int8_linear, native_gemv_available,
+                                q8_0_gemv_blocks)
 from kernels.huge_pages import on_huge_pages
 
 INT8_MAX = 127
@@ -59,15 +62,18 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.uses_kernel = int8_kernel_available(weight.device.type) if use_kernel is None else use_kernel
         codes, scales = quantize_per_channel(weight)
-        self.register_buffer("codes", codes)  # [N, K] int8
         self.register_buffer("scales", scales.to(KERNEL_DTYPE) if self.uses_kernel else scales)  # [N]
         # [N, K // 32 * 34] uint8 for the decode GEMV, or None.
         self.register_buffer("q8_0_blocks", gemv_blocks(codes, self.scales) if self.uses_kernel
                              and weight.device.type == "cpu" and native_gemv_available() else None)
+        # [N, K] int8 for torch's kernel, or None: a bf16 model's linear whose blocks serve
+        # every step (the GEMV, and the blocks widened to bf16 for prompts from 5 rows)
+        # keeps no second copy of its codes (the blocks are the codes with their scales).
+        lean = (self.q8_0_blocks is not None and weight.dtype == torch.bfloat16 and gguf_prompt_gemm_available()
+                and self.out_features % 32 == 0)
+        self.register_buffer("codes", None if lean else codes)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
-    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.codes.to(dtype) * self.scales.to(dtype).unsqueeze(1)  # [N, K]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.uses_kernel:
@@ -83,5 +89,5 @@ class Int8Linear(nn.Module):
         return kernel_output(out, x, self.bias, self.out_features)  # out: [num_tokens, N]
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"kernel={'int8pack bf16' if self.uses_kernel else 'dequantize'}")
+        kernel = "dequantize" if not self.uses_kernel else "blocks only" if self.codes is None else "int8pack bf16"
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={kernel}"
