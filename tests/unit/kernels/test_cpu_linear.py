@@ -607,6 +607,19 @@ def test_a_q4_1_linear_takes_the_gemv_for_decode_rows_and_torch_int4_beyond(bund
     assert torch.equal(linear(x), int4)
 
 
+def q4_1_widened(blocks: Q4_1Blocks) -> torch.Tensor:
+    """[N, K] d q + m exact (float64), as the prompt GEMM widens it before rounding to bf16."""
+    codes = blocks.codes().view(blocks.shape[0], -1, 32).double()
+    return (blocks.d.double().unsqueeze(-1) * codes + blocks.m.double().unsqueeze(-1)).reshape(blocks.shape)
+
+
+def assert_bf16_math_on(out: torch.Tensor, x: torch.Tensor, widened: torch.Tensor) -> None:
+    """out is fp32 math on bf16 x and the weight rounded once to bf16, the output rounded once
+    (torch's int4 kernel, which rounds d and m to bf16 too, misses this for ~0.1% of outputs)."""
+    expected = x.float() @ widened.float().bfloat16().float().T
+    torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * expected.abs().max().item())
+
+
 @needs_panel_gemm
 @pytest.mark.parametrize("num_tokens", [GEMV_MAX_ROWS + 1, 11, 12, 70, 300])
 def test_a_bf16_q4_1_prompt_takes_the_weight_widened_to_bf16_panels(bundled_blocks, num_tokens):
@@ -618,14 +631,10 @@ def test_a_bf16_q4_1_prompt_takes_the_weight_widened_to_bf16_panels(bundled_bloc
     torch.manual_seed(num_tokens)
     x = torch.randn(num_tokens, linear.in_features, dtype=torch.bfloat16)
     out = native_q4_1_linear(x, linear.packed, linear.scales_and_zeros, linear.blocks, linear.group_size)
-    codes = blocks.codes().view(blocks.shape[0], -1, 32).double()
-    widened = (blocks.d.double().unsqueeze(-1) * codes + blocks.m.double().unsqueeze(-1)).reshape(blocks.shape)
+    widened = q4_1_widened(blocks)
     int4 = torch.ops.aten._weight_int4pack_mm_for_cpu(x, linear.packed, linear.group_size, linear.scales_and_zeros)
     if num_tokens >= 12 and panel_gemm_amx_tiles():  # the op's panel_gemm sums on AMX tiles, in another order
-        # fp32 math on the widened weight, the output rounded once (torch's kernel, which
-        # rounds d and m to bf16 too, misses this for ~0.1% of the outputs).
-        expected = x.float() @ widened.float().bfloat16().float().T
-        torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * expected.abs().max().item())
+        assert_bf16_math_on(out, x, widened)
     elif num_tokens >= 12:
         assert torch.equal(out, panel_gemm(x, None, pack_panels(widened.float().bfloat16())))
     else:
@@ -654,10 +663,7 @@ def test_a_bf16_models_q4_1_linear_keeps_only_the_blocks(bundled_blocks, num_tok
     if num_tokens <= GEMV_MAX_ROWS:
         assert torch.equal(out, q4_1_gemv(x, None, lean.blocks))
     else:
-        codes = blocks.codes().view(blocks.shape[0], -1, 32).double()
-        widened = (blocks.d.double().unsqueeze(-1) * codes + blocks.m.double().unsqueeze(-1)).reshape(blocks.shape)
-        expected = x.float() @ widened.float().bfloat16().float().T
-        torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * expected.abs().max().item())
+        assert_bf16_math_on(out, x, q4_1_widened(blocks))
         if num_tokens >= 12:  # past the threshold both take the panels
             assert torch.equal(out, full(x))
     # fp32 rows past the GEMV's would need the int4 copy this linear does not keep.
@@ -741,8 +747,7 @@ def test_a_bf16_int8_prompt_takes_the_weight_widened_to_bf16_panels(bundled_bloc
     # The scale as the blocks hold it (fp16, exact) times the code: exact in fp32.
     widened = linear.codes.float() * linear.scales.half().float().unsqueeze(1)
     if num_tokens >= 12 and panel_gemm_amx_tiles():  # the op's panel_gemm sums on AMX tiles, in another order
-        expected = x.float() @ widened.bfloat16().float().T
-        torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * expected.abs().max().item())
+        assert_bf16_math_on(out, x, widened)
     elif num_tokens >= 12:
         assert torch.equal(out, panel_gemm(x, None, pack_panels(widened.bfloat16())))
     else:
@@ -764,9 +769,7 @@ def test_a_bf16_models_int8_linear_keeps_only_the_blocks(bundled_blocks, num_tok
     if num_tokens <= GEMV_MAX_ROWS:
         assert torch.equal(out, q8_0_gemv(x, None, lean.q8_0_blocks))
     else:
-        widened = full.codes.float() * full.scales.half().float().unsqueeze(1)
-        expected = x.float() @ widened.bfloat16().float().T
-        torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3 * expected.abs().max().item())
+        assert_bf16_math_on(out, x, full.codes.float() * full.scales.half().float().unsqueeze(1))
         if num_tokens >= 12:  # past the threshold both take the panels
             assert torch.equal(out, full(x))
         with pytest.raises(RuntimeError, match="keeps no int8 codes"):
