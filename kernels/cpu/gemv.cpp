@@ -493,9 +493,10 @@ bool gguf_prompt_gemm_applies(const at::Tensor& x, const at::Tensor& blocks, int
 
 // y [M, N] bf16 = x [M, K] bf16 @ W^T over Q4_1 or Q8_0 row groups for a prompt
 // (gguf_panels.h): each thread widens its share of W's panels into bf16, kWidenedBytes at a
-// time, and runs panel_gemm over each batch for every tile of x's rows. On the Zen 5 EPYC, SmolLM2's 120 projections as Q4_1:
-// 64 rows 20.7 ms against torch's int4 kernel's 42.8, 256 rows 60.9 against 162.3, 1,024
-// rows 222 ms (int4 ~650; oneDNN over the dense bf16 weights 227). Its products differ
+// time, and runs panel_gemm over each batch for every tile of x's rows. On the Zen 5 EPYC,
+// SmolLM2's 120 projections as Q4_1: 64 rows 20.7 ms against torch's int4 kernel's 42.8,
+// 256 rows 60.9 against 162.3, 1,024 rows 222 ms (int4 ~650; oneDNN over the dense bf16
+// weights 227). Its products differ
 // from the dense bf16 model's only by the weight's rounding; torch's int4 kernel also
 // rounds d and m to bf16 (1.7e-3 against 3.0e-3 of the output's norm from fp32 math on
 // bf16 x, measured on two layers).
@@ -538,8 +539,8 @@ at::Tensor gguf_prompt_gemm(const at::Tensor& x, const at::Tensor& blocks, const
 }
 #endif
 
-// Whether this build has gguf_prompt_gemm (AVX512-BF16 and VNNI): a bf16 model's Q4_1
-// linears then need no torch int4 copy (kernels/cpu_linear.gguf_prompt_gemm_available).
+// Whether this build has gguf_prompt_gemm (AVX512-BF16 and VNNI): a bf16 model's Q4_1 and
+// int8 linears then need no copy for torch's kernels (kernels/cpu_linear.gguf_prompt_gemm_available).
 bool gguf_prompt_gemm_built() {
 #ifdef PDSERVE_GGUF_PANELS
   return true;
@@ -556,8 +557,9 @@ bool gguf_prompt_gemm_built() {
 // per step of SmolLM2). The GEMV takes any number of rows and is 2-3x faster than torch's
 // kernel at every count, but it quantizes x to int8 per 32 columns (as llama.cpp does), and
 // on prompts that rounding measurably costs agreement with the dense model (bundled
-// SmolLM2 in bf16, 8 prompts x 32 greedy tokens: 0.64 -> 0.34 agreeing, perplexity 22.62 ->
-// 22.74), where it lands in the KV cache that every later token reads. So prompts take x
+// SmolLM2 in bf16, 8 prompts x 32 greedy tokens, every step of 5+ rows on the GEMV: 0.64 ->
+// 0.34 agreeing, perplexity 22.62 -> 22.74), where it lands in the KV cache that every
+// later token reads. So prompts take x
 // as it is (bf16), and larger decode-only steps take the GEMV in the native decode loop
 // (decode_layers.cpp), which calls it directly.
 at::Tensor q4_1_linear(const at::Tensor& x, const std::optional<at::Tensor>& packed,

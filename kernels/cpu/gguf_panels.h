@@ -82,8 +82,10 @@ inline void q8_0_groups_to_panel(const uint8_t* groups, int64_t num_blocks, c10:
         // Lane j: row j's int8 codes of columns 4 unit + c in byte c.
         const __m512i packed = _mm512_loadu_si512(block + 64 * unit);
         __m512 columns[4];
-        for (int c = 0; c < 4; ++c)  // byte c sign-extended: up to the top, then back down
-          columns[c] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(packed, 24 - 8 * c), 24)));
+        for (int c = 0; c < 4; ++c) {  // byte c sign-extended: up to the top, then back down
+          const __m512i codes = _mm512_srai_epi32(_mm512_slli_epi32(packed, 24 - 8 * c), 24);
+          columns[c] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(codes));
+        }
         for (int pair = 0; pair < 2; ++pair)
           store_pair(columns[2 * pair], columns[2 * pair + 1], interleave, 16 * b + 2 * unit + pair, half, panel);
       }
