@@ -86,7 +86,7 @@ def quantize_model(model: nn.Module, spec: QuantizationSpec) -> None:
             head_note = " (decode steps' head: the GGUF's Q8_0 blocks where the CPU GEMV runs)"
     logger.info("quantization %s: %d projections as %s via %s; embedding and LM head stay %s%s",
                 spec.method, len(targets), "Q4_1" if gguf is not None else "int8 per-channel",
-                _path_name(spec.method, device), _dense_dtype(model), head_note)
+                _path_name(spec.method, device, new), _dense_dtype(model), head_note)
 
 
 def _gguf_head(model: nn.Module, gguf: GGUFQuantizedWeights) -> torch.Tensor | None:
@@ -101,10 +101,17 @@ def _gguf_head(model: nn.Module, gguf: GGUFQuantizedWeights) -> torch.Tensor | N
     return blocks.raw()
 
 
-def _path_name(method: str, device: torch.device) -> str:
-    kernel_runs = (int4_kernel_available if method == "gguf" else int8_kernel_available)(device.type)
-    if kernel_runs:
-        return f"torch {INT4_KERNEL if method == 'gguf' else INT8_KERNEL} in {str(KERNEL_DTYPE).removeprefix('torch.')}"
+def _path_name(method: str, device: torch.device, linear: nn.Module) -> str:
+    """Which kernels the quantized projections (of which `linear` is one) take."""
+    torch_kernel = f"torch {INT4_KERNEL if method == 'gguf' else INT8_KERNEL} in {str(KERNEL_DTYPE).removeprefix('torch.')}"
+    blocks = linear.blocks if isinstance(linear, Q4_1Linear) else linear.q8_0_blocks
+    torch_copy = linear.packed if isinstance(linear, Q4_1Linear) else linear.codes
+    if blocks is not None and torch_copy is None:
+        return "the native GEMV over GGUF blocks for decode steps, the blocks widened to bf16 for the others"
+    if blocks is not None:
+        return f"the native GEMV over GGUF blocks for decode steps, {torch_kernel} for the others"
+    if (int4_kernel_available if method == "gguf" else int8_kernel_available)(device.type):
+        return torch_kernel
     return "per-call dequantization (no torch kernel for this device/build)"
 
 
