@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import sys
 import time
 
@@ -89,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=64, help="max_tokens of a single-stream request")
     parser.add_argument("--num-batch-prompts", type=int, default=8, help="batch size of the batch and agreement run")
     parser.add_argument("--batch-tokens", type=int, default=32, help="greedy tokens per batch request")
+    parser.add_argument("--ttft-tokens", default="",
+                        help="comma-separated prompt lengths: time to first token of a prompt of random tokens per "
+                             "arm (best of the last 3 of 4, prefix cache emptied), e.g. 64,256,1024")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads; default torch's choice")
     parser.add_argument("--enforce-eager", action="store_true", help="run every arm eagerly (no torch.compile)")
     parser.add_argument("--json", default="docs/bench/quant.json", help="write the figures here ('' for none)")
@@ -138,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         figures[name]["decode_tokens_per_s"] = round(num_decode_tokens / decode_s[name], 1)
         figures[name]["perplexity"] = round(perplexity(llm, PERPLEXITY_TEXT), 3)
         progress(f"batch and perplexity: {name}")
+    for length in [int(n) for n in args.ttft_tokens.split(",") if n]:
+        for name, llm in llms.items():
+            figures[name].setdefault("ttft_ms", {})[str(length)] = round(1e3 * time_to_first_token(llm, length), 1)
+        progress(f"time to first token: {length} tokens through every arm")
     reference = batch_token_ids[REFERENCE_ARM]
     for name in llms:
         pairs = list(zip(batch_token_ids[name], reference))
@@ -160,6 +168,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def time_to_first_token(llm, num_tokens: int, runs: int = 4) -> float:
+    """Seconds to the first token of a prompt of random ordinary tokens, best of the last
+    runs - 1 (the first may build or page in what the rest reuse), each prompt new."""
+    from common import SamplingParams
+    rng = random.Random(num_tokens)
+    vocab_size = llm.engine.model_config.vocab_size
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    seconds = []
+    for _ in range(runs):
+        prompt = [rng.randrange(100, vocab_size) for _ in range(num_tokens)]
+        llm.reset_prefix_cache()
+        started = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
+        seconds.append(time.perf_counter() - started)
+    return min(seconds[1:])
+
+
 def progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -174,3 +199,6 @@ def print_table(result: dict) -> None:
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
     for row in [columns, *rows]:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+    for name, arm in result["arms"].items():
+        if arm.get("ttft_ms"):
+            print(f"{name}: time to first token " + ", ".join(f"{n} tokens {ms} ms" for n, ms in arm["ttft_ms"].items()))
