@@ -8,7 +8,8 @@ agreement with dense fp32 on that batch (tokens until the first divergence, and 
 sequences equal), and perplexity on a fixed paragraph through the engine's own model
 (one teacher-forced forward). Arms run interleaved request by request, so drift on a
 shared machine hits all of them alike. Each arm compiles its model unless --enforce-eager
-(minutes per arm on a small shared CPU); perplexity runs the eager model.
+(minutes per arm on a small shared CPU); perplexity runs the eager model. With
+--ttft-tokens, each arm's time to first token of a prompt of random tokens of each length.
 """
 from __future__ import annotations
 
@@ -201,4 +202,5 @@ def print_table(result: dict) -> None:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
     for name, arm in result["arms"].items():
         if arm.get("ttft_ms"):
-            print(f"{name}: time to first token " + ", ".join(f"{n} tokens {ms} ms" for n, ms in arm["ttft_ms"].items()))
+            times = ", ".join(f"{n} tokens {ms} ms" for n, ms in arm["ttft_ms"].items())
+            print(f"{name}: time to first token {times}")

@@ -74,7 +74,6 @@ class Int8Linear(nn.Module):
         self.register_buffer("codes", None if lean else codes)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.uses_kernel:
             out = F.linear(x, self.codes.to(x.dtype)) * self.scales.to(x.dtype)

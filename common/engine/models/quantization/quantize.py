@@ -103,7 +103,8 @@ def _gguf_head(model: nn.Module, gguf: GGUFQuantizedWeights) -> torch.Tensor | N
 
 def _path_name(method: str, device: torch.device, linear: nn.Module) -> str:
     """Which kernels the quantized projections (of which `linear` is one) take."""
-    torch_kernel = f"torch {INT4_KERNEL if method == 'gguf' else INT8_KERNEL} in {str(KERNEL_DTYPE).removeprefix('torch.')}"
+    kernel_dtype = str(KERNEL_DTYPE).removeprefix("torch.")
+    torch_kernel = f"torch {INT4_KERNEL if method == 'gguf' else INT8_KERNEL} in {kernel_dtype}"
     blocks = linear.blocks if isinstance(linear, Q4_1Linear) else linear.q8_0_blocks
     torch_copy = linear.packed if isinstance(linear, Q4_1Linear) else linear.codes
     if blocks is not None and torch_copy is None:
