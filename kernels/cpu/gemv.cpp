@@ -299,8 +299,7 @@ at::Tensor row_group_gemv(const at::Tensor& x, const std::optional<at::Tensor>& 
   pdserve_cpu::BlockQuantizedX xq(M * num_blocks);
   at::parallel_for(0, M, kQuantizeGrainRows, [&](int64_t begin, int64_t end) {
     if (x.scalar_type() == at::kBFloat16)
-      pdserve_cpu::quantize_x_blocks(reinterpret_cast<const pdserve_cpu::Bf16Bits*>(xc.const_data_ptr<at::BFloat16>()),
-                                     begin * num_blocks, end * num_blocks, xq);
+      pdserve_cpu::quantize_x_blocks(xc.const_data_ptr<c10::BFloat16>(), begin * num_blocks, end * num_blocks, xq);
     else
       pdserve_cpu::quantize_x_blocks(xc.const_data_ptr<float>(), begin * num_blocks, end * num_blocks, xq);
   });

@@ -27,11 +27,12 @@
 #pragma once
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "vec_math.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -52,9 +53,6 @@ constexpr int64_t kQ8RowBytes = 34;  // bytes per block and row: fp16 d, 32 int8
 constexpr int64_t kQ8GroupBlockBytes = kGroupRows * kQ8RowBytes;  // 544: 512 of codes, 32 of d
 constexpr int64_t kQ8CodeBytes = 32 * kGroupRows;
 
-// The bits of a bf16 value (x's rows are read as bf16 or fp32).
-using Bf16Bits = uint16_t;
-
 // Rows of x quantized per 32-column block, from some row on: what a group's kernel reads.
 struct QuantizedRows {
   const int8_t* codes;            // [rows, K]
@@ -74,26 +72,15 @@ struct BlockQuantizedX {
 };
 
 #ifdef PDSERVE_ROW_GROUPS
-inline float to_fp32(float v) { return v; }
-inline float to_fp32(Bf16Bits bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
-
-#ifdef PDSERVE_ROW_GROUPS_VNNI
-inline __m512 load_16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_16(const Bf16Bits* p) {  // bf16 to fp32 is a shift: exact
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-#endif
-
-// Blocks [begin, end) of x (fp32 or bf16 bits; blocks of 32 values, one after another)
-// into q. Rounds half to even (the default rounding mode) in both builds, so both give the
+// Blocks [begin, end) of x (fp32 or bf16, widened by vec_math.h's to_float / load_vec;
+// blocks of 32 values, one after another) into q. Rounds half to even (the default rounding mode) in both builds, so both give the
 // same codes, and bf16 x gives the codes of its fp32 widening.
 template <typename T>
 void quantize_x_blocks(const T* x, int64_t begin, int64_t end, BlockQuantizedX& q) {
   for (int64_t i = begin; i < end; ++i) {
     const T* xb = x + i * kBlockCols;
 #ifdef PDSERVE_ROW_GROUPS_VNNI
-    const __m512 v0 = load_16(xb), v1 = load_16(xb + 16);
+    const __m512 v0 = (__m512)load_vec(xb), v1 = (__m512)load_vec(xb + 16);  // Vec: 16 lanes here
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     const float inverse = amax > 0.f ? 127.f / amax : 0.f;
     const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inverse)));
@@ -103,11 +90,11 @@ void quantize_x_blocks(const T* x, int64_t begin, int64_t end, BlockQuantizedX& 
     const int32_t code_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
 #else
     float amax = 0.f;
-    for (int64_t j = 0; j < kBlockCols; ++j) amax = std::max(amax, std::fabs(to_fp32(xb[j])));
+    for (int64_t j = 0; j < kBlockCols; ++j) amax = std::max(amax, std::fabs(to_float(xb[j])));
     const float inverse = amax > 0.f ? 127.f / amax : 0.f;
     int32_t code_sum = 0;
     for (int64_t j = 0; j < kBlockCols; ++j) {
-      const int8_t code = static_cast<int8_t>(std::nearbyint(to_fp32(xb[j]) * inverse));
+      const int8_t code = static_cast<int8_t>(std::nearbyint(to_float(xb[j]) * inverse));
       q.codes[i * kBlockCols + j] = code;
       code_sum += code;
     }
