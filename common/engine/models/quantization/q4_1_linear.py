@@ -66,18 +66,21 @@ class Q4_1Linear(nn.Module):
         self.uses_kernel = int4_kernel_available(device.type) if use_kernel is None else use_kernel
         d, m = blocks.d.float(), blocks.m.float()  # [N, K // 32]
         native_blocks = self.uses_kernel and device.type == "cpu" and native_gemv_available()
-        if native_blocks and dtype == torch.bfloat16 and gguf_prompt_gemm_available() and self.out_features % 32 == 0:
-            # [N, K // 32 * 20] uint8: GGUF's blocks in groups of 16 rows, on huge pages (a
-            # decode step streams them whole: kernels/huge_pages.py); every step reads them.
-            self.register_buffer("packed", None)
-            self.register_buffer("scales_and_zeros", None)
-            self.register_buffer("blocks", on_huge_pages(q4_1_gemv_blocks(blocks.raw())))
-        elif self.uses_kernel:
-            codes = blocks.codes().to(torch.int32)  # [N, K], freed once packed
-            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1).to(device))
-            # [K // 32, N, 2]: (scale, zero) per group of input columns and output row.
-            scales_and_zeros = torch.stack([d.t(), (m + INT4_ZERO_POINT * d).t()], dim=-1)
-            self.register_buffer("scales_and_zeros", scales_and_zeros.to(device, KERNEL_DTYPE).contiguous())
+        # A bf16 model's linear whose blocks serve every step (the GEMV, and the blocks
+        # widened to bf16 for prompts from 5 rows) keeps no torch int4 copy.
+        blocks_only = (native_blocks and dtype == torch.bfloat16 and gguf_prompt_gemm_available()
+                       and self.out_features % 32 == 0)
+        if self.uses_kernel:
+            if blocks_only:
+                self.register_buffer("packed", None)
+                self.register_buffer("scales_and_zeros", None)
+            else:
+                codes = blocks.codes().to(torch.int32)  # [N, K], freed once packed
+                self.register_buffer("packed",
+                                     torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1).to(device))
+                # [K // 32, N, 2]: (scale, zero) per group of input columns and output row.
+                scales_and_zeros = torch.stack([d.t(), (m + INT4_ZERO_POINT * d).t()], dim=-1)
+                self.register_buffer("scales_and_zeros", scales_and_zeros.to(device, KERNEL_DTYPE).contiguous())
             # [N, K // 32 * 20] uint8: GGUF's blocks in groups of 16 rows, for the decode GEMV,
             # on huge pages (a decode step streams them whole: kernels/huge_pages.py).
             self.register_buffer("blocks", on_huge_pages(q4_1_gemv_blocks(blocks.raw())) if native_blocks else None)
