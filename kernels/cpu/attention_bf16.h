@@ -71,44 +71,51 @@ inline void pair_key_rows(const c10::BFloat16* k_block, int64_t k_pos_stride, in
 // Scores: the keys' 32-bit words of d pairs transposed so that lane j holds key j's pair
 // (k_j[2i], k_j[2i + 1]); each row's scores for 16 keys are then kHeadDim / 2 dot products
 // against the row's pair broadcast, no horizontal sums. scores[r * score_stride + j] =
-// scale * (q_r . k_j) for j in whole 16s around [keys_begin, keys_end); keys outside it
-// score 0 (zeroed, never read from the block), which the softmax masks. k_pairs: a
-// 64-byte aligned buffer of kBf16PairWords<kHeadDim> words.
+// scale * (q_r . k_j) for the 16 keys of k_pairs (pair_key_rows' layout, 64-byte aligned).
 template <int64_t kHeadDim>
-inline void transposed_scores_bf16(const c10::BFloat16* q_rows, int64_t num_rows, const c10::BFloat16* k_block,
-                                   int64_t k_pos_stride, int64_t keys_begin, int64_t keys_end, float scale,
-                                   int64_t score_stride, float* scores, uint32_t* k_pairs) {
+inline void paired_scores_bf16(const c10::BFloat16* q_rows, int64_t num_rows, const uint32_t* k_pairs, float scale,
+                               int64_t score_stride, float* scores) {
   static_assert(kHeadDim % kBf16PerVec == 0);
   constexpr int64_t kPairs = kHeadDim / 2;
   typedef uint32_t __attribute__((may_alias)) Word;  // read from bf16 storage
   const auto* q_words = reinterpret_cast<const Word*>(q_rows);  // [num_rows, kPairs]
   const __m512 scale_vec = _mm512_set1_ps(scale);
   auto pair = [](const Word* words, int64_t i) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(words[i])); };
+  auto keys = [&](int64_t i) { return (__m512bh)_mm512_load_si512(k_pairs + i * 16); };
+  int64_t r = 0;
+  for (; r + 4 <= num_rows; r += 4) {  // 4 rows x even and odd pairs: eight dot-product chains
+    const Word* q = q_words + r * kPairs;
+    __m512 even[4], odd[4];
+    for (int m = 0; m < 4; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kPairs; i += 2) {
+      const __m512bh k_even = keys(i), k_odd = keys(i + 1);
+      for (int m = 0; m < 4; ++m) {
+        even[m] = _mm512_dpbf16_ps(even[m], k_even, pair(q + m * kPairs, i));
+        odd[m] = _mm512_dpbf16_ps(odd[m], k_odd, pair(q + m * kPairs, i + 1));
+      }
+    }
+    for (int m = 0; m < 4; ++m)
+      _mm512_storeu_ps(scores + (r + m) * score_stride, _mm512_mul_ps(_mm512_add_ps(even[m], odd[m]), scale_vec));
+  }
+  for (; r < num_rows; ++r) {
+    const Word* q = q_words + r * kPairs;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kPairs; ++i) acc = _mm512_dpbf16_ps(acc, keys(i), pair(q, i));
+    _mm512_storeu_ps(scores + r * score_stride, _mm512_mul_ps(acc, scale_vec));
+  }
+}
+
+// paired_scores_bf16 over a cache block's keys, paired 16 at a time into k_pairs (a 64-byte
+// aligned buffer of kBf16PairWords<kHeadDim> words): scores for j in whole 16s around
+// [keys_begin, keys_end); keys outside it score 0 (zeroed, never read from the block),
+// which the softmax masks.
+template <int64_t kHeadDim>
+inline void transposed_scores_bf16(const c10::BFloat16* q_rows, int64_t num_rows, const c10::BFloat16* k_block,
+                                   int64_t k_pos_stride, int64_t keys_begin, int64_t keys_end, float scale,
+                                   int64_t score_stride, float* scores, uint32_t* k_pairs) {
   for (int64_t first = keys_begin / 16 * 16; first < keys_end; first += 16) {
     pair_key_rows<kHeadDim>(k_block, k_pos_stride, first, keys_begin, keys_end, k_pairs);
-    auto keys = [&](int64_t i) { return (__m512bh)_mm512_load_si512(k_pairs + i * 16); };
-    int64_t r = 0;
-    for (; r + 4 <= num_rows; r += 4) {  // 4 rows x even and odd pairs: eight dot-product chains
-      const Word* q = q_words + r * kPairs;
-      __m512 even[4], odd[4];
-      for (int m = 0; m < 4; ++m) even[m] = odd[m] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < kPairs; i += 2) {
-        const __m512bh k_even = keys(i), k_odd = keys(i + 1);
-        for (int m = 0; m < 4; ++m) {
-          even[m] = _mm512_dpbf16_ps(even[m], k_even, pair(q + m * kPairs, i));
-          odd[m] = _mm512_dpbf16_ps(odd[m], k_odd, pair(q + m * kPairs, i + 1));
-        }
-      }
-      for (int m = 0; m < 4; ++m)
-        _mm512_storeu_ps(scores + (r + m) * score_stride + first,
-                         _mm512_mul_ps(_mm512_add_ps(even[m], odd[m]), scale_vec));
-    }
-    for (; r < num_rows; ++r) {
-      const Word* q = q_words + r * kPairs;
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t i = 0; i < kPairs; ++i) acc = _mm512_dpbf16_ps(acc, keys(i), pair(q, i));
-      _mm512_storeu_ps(scores + r * score_stride + first, _mm512_mul_ps(acc, scale_vec));
-    }
+    paired_scores_bf16<kHeadDim>(q_rows, num_rows, k_pairs, scale, score_stride, scores + first);
   }
 }
 
@@ -186,6 +193,43 @@ inline void transposed_accumulate_bf16(float* acc, int64_t num_rows, const float
     for (; r + kRows <= num_rows; r += kRows) pass.template operator()<kRows>(r);
     for (; r < num_rows; ++r) pass.template operator()<1>(r);
   }
+}
+
+// acc [num_rows, kHeadDim] = P V over num_keys keys (a multiple of 16), for the whole-rows
+// form: p [num_rows, p_stride] the probabilities in bf16, V in pairs 16 keys at a time
+// (pair_value_rows' layout), group g's at v_pairs + g * group_stride (words). Each pass
+// holds kRows rows' accumulators in registers across every key, where the block-by-block
+// form loads and stores them per block.
+template <int64_t kHeadDim>
+inline void whole_rows_accumulate_bf16(float* acc, int64_t num_rows, const c10::BFloat16* p, int64_t p_stride,
+                                       int64_t num_keys, const uint32_t* v_pairs, int64_t group_stride) {
+  static_assert(kHeadDim % kBf16PerVec == 0);
+  constexpr int64_t kChunks = kHeadDim / 16;  // fp32 accumulators per row
+  constexpr int64_t kRows = kChunks >= 16 ? 1 : 24 / kChunks;
+  typedef uint32_t __attribute__((may_alias)) Word;  // two keys' p, read from bf16 storage
+  auto pass = [&]<int64_t R>(int64_t r) {
+    __m512 sums[R][kChunks];
+    for (int64_t m = 0; m < R; ++m)
+      for (int64_t c = 0; c < kChunks; ++c) sums[m][c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < num_keys / 16; ++g) {
+      const uint32_t* pairs = v_pairs + g * group_stride;
+      for (int64_t pair = 0; pair < 8; ++pair) {
+        __m512bh p_pair[R];
+        for (int64_t m = 0; m < R; ++m)
+          p_pair[m] = (__m512bh)_mm512_set1_epi32(
+              static_cast<int>(reinterpret_cast<const Word*>(p + (r + m) * p_stride + g * 16)[pair]));
+        for (int64_t c = 0; c < kChunks; ++c) {
+          const __m512bh v = (__m512bh)_mm512_load_si512(pairs + (pair * kChunks + c) * 16);
+          for (int64_t m = 0; m < R; ++m) sums[m][c] = _mm512_dpbf16_ps(sums[m][c], v, p_pair[m]);
+        }
+      }
+    }
+    for (int64_t m = 0; m < R; ++m)
+      for (int64_t c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + (r + m) * kHeadDim + 16 * c, sums[m][c]);
+  };
+  int64_t r = 0;
+  for (; r + kRows <= num_rows; r += kRows) pass.template operator()<kRows>(r);
+  for (; r < num_rows; ++r) pass.template operator()<1>(r);
 }
 
 }  // namespace pdserve_cpu

@@ -161,7 +161,7 @@ class ScratchLayout {
   float* buffers_[kMaxBuffers];
 };
 
-#ifdef PDSERVE_ATTENTION_AMX
+#ifdef PDSERVE_BF16_DOT
 // Words of one 16-key group's pairs in pair_prompt_keys' layout: K's, then V's.
 template <int64_t kHeadDim>
 constexpr int64_t kPairedGroupWords = 2 * kBf16PairWords<kHeadDim>;
@@ -171,29 +171,28 @@ constexpr int64_t kPairedGroupWords = 2 * kBf16PairWords<kHeadDim>;
 // ~0.8 MiB, within a core's L2.
 constexpr int64_t kWholeRowsMaxScores = 48 * 2048;
 
-// An item's attention on the tiles in three passes over all its keys at once: every key's
-// scores, one softmax per row over all the keys it sees, then P.V with each tile of rows'
-// accumulators held in tiles across every key. The block-by-block form pays per block and row
-// for the online softmax (a maximum, a rescale of the row's accumulators) and stores every
-// accumulator tile back after each block's 16 keys (a 1,902-token prefill step of SmolLM2,
+// An item's attention in three passes over all its keys at once: every key's scores, one
+// softmax per row over all the keys it sees, then P.V with each group of rows' accumulators
+// held across every key (in AMX tiles, or in vector registers: attention_bf16.h's
+// whole_rows_accumulate_bf16). The block-by-block form pays per block and row for the
+// online softmax (a maximum, a rescale of the row's accumulators) and loads and stores
+// every accumulator after each block's 16 keys (AMX, a 1,902-token prefill step of SmolLM2,
 // one layer: 2.74 -> 1.8 ms; a 1,024-token prompt's time to first token 0.41 -> 0.33 s, the
 // Xeon of model 207). Fills acc [num_tile_rows, kHeadDim] and row_sums [num_rows, kLanes]
 // (each row's denominator as sums per lane) for attend_item's last step.
 //
 // paired: the sequence's keys [0, seq_len) for this kv head as pair_prompt_keys lays them
 // out, or null: then the item pairs its own keys, 16 at a time.
-template <int64_t kHeadDim>
-void attend_whole_rows_amx(const Problem& pr, const WorkItem& item, int64_t kv_head, const c10::BFloat16* q_bf16,
-                           int64_t num_rows, int64_t lo, int64_t hi, float* acc, float* row_sums,
-                           const uint32_t* paired) {
+template <int64_t kHeadDim, bool kAmx>
+void attend_whole_rows(const Problem& pr, const WorkItem& item, int64_t kv_head, const c10::BFloat16* q_bf16,
+                       int64_t num_rows, int64_t lo, int64_t hi, float* acc, float* row_sums, const uint32_t* paired) {
   static_assert(kHeadDim % 64 == 0);
-  constexpr int64_t kChunks = kHeadDim / 16;  // accumulator tiles per row tile, four at a time
   constexpr int64_t kPairWords = kBf16PairWords<kHeadDim>;
   const int64_t block_size = pr.block_size, group = pr.group;
   const int64_t first_b = lo / block_size, last_b = (hi - 1) / block_size;
   const int64_t base = first_b * block_size;                  // the key of column 0
   const int64_t num_keys = (last_b + 1) * block_size - base;  // columns, a multiple of 16 (block_size is)
-  const int64_t num_tile_rows = (num_rows + 15) / 16 * 16;
+  const int64_t num_tile_rows = kAmx ? (num_rows + 15) / 16 * 16 : num_rows;
   // scores [num_rows, num_keys] fp32; p [num_tile_rows, num_keys]: the probabilities in bf16;
   // v_pairs [num_keys / 16][kPairWords]: each 16 keys' V in pairs (pair_value_rows).
   // A buffer of this thread's beside attend_item's scratch, whose buffers are in use.
@@ -208,9 +207,17 @@ void attend_whole_rows_amx(const Problem& pr, const WorkItem& item, int64_t kv_h
   const auto* v_head = static_cast<const c10::BFloat16*>(pr.v) + kv_head * pr.v_head_stride;
   // Column c's 16 keys in pairs: K's words, then V's (kPairedGroupWords apart).
   auto paired_keys = [&](int64_t column) { return paired + (base + column) / 16 * kPairedGroupWords<kHeadDim>; };
+  auto scores_of = [&](const uint32_t* key_pairs, int64_t column) {
+    if constexpr (kAmx) {
+#ifdef PDSERVE_ATTENTION_AMX
+      amx_block_scores<kHeadDim>(q_bf16, num_rows, key_pairs, pr.scale, num_keys, scores + column);
+#endif
+    } else {
+      paired_scores_bf16<kHeadDim>(q_bf16, num_rows, key_pairs, pr.scale, num_keys, scores + column);
+    }
+  };
   if (paired != nullptr)
-    for (int64_t column = 0; column < num_keys; column += 16)
-      amx_block_scores<kHeadDim>(q_bf16, num_rows, paired_keys(column), pr.scale, num_keys, scores + column);
+    for (int64_t column = 0; column < num_keys; column += 16) scores_of(paired_keys(column), column);
   for (int64_t b = first_b; b <= last_b && paired == nullptr; ++b) {
     const int64_t block_id = item_block_id(pr, item, b);
     const int64_t block_start = b * block_size;
@@ -223,7 +230,7 @@ void attend_whole_rows_amx(const Problem& pr, const WorkItem& item, int64_t kv_h
       // Keys outside [keys_begin, keys_end) pair as zeros: a score of 0 (masked below) and a V
       // of 0, never whatever the cache holds there.
       pair_key_rows<kHeadDim>(k_block, pr.k_pos_stride, first, keys_begin, keys_end, k_pairs);
-      amx_block_scores<kHeadDim>(q_bf16, num_rows, k_pairs, pr.scale, num_keys, scores + column);
+      scores_of(k_pairs, column);
       pair_value_rows<kHeadDim>(v_block, pr.v_pos_stride, first, keys_begin, keys_end,
                                 v_pairs + column / 16 * kPairWords);
     }
@@ -239,7 +246,7 @@ void attend_whole_rows_amx(const Problem& pr, const WorkItem& item, int64_t kv_h
       if (begin < end) {
         if (pr.logit_softcap > 0.f)
           for (int64_t j = begin; j < end; ++j) s[j] = std::tanh(s[j] / pr.logit_softcap) * pr.logit_softcap;
-        // The numerators straight to bf16 for the P.V tiles (their fp32 sums are the denominator).
+        // The numerators straight to bf16 for P.V (their fp32 sums are the denominator).
         sum = row_probabilities<ExpForBf16>(s, 0, num_keys, begin, end, row_block_max(s, begin, end, begin, end),
                                             [p_row](int64_t j, Vec probability) {
                                               _mm256_store_si256(reinterpret_cast<__m256i*>(p_row + j),
@@ -253,33 +260,43 @@ void attend_whole_rows_amx(const Problem& pr, const WorkItem& item, int64_t kv_h
       std::fill(p_row, p_row + num_keys, c10::BFloat16(0.f));
     }
   }
-  constexpr int64_t kAccStride = kHeadDim * sizeof(float), kPairStride = kChunks * 16 * sizeof(uint32_t);
-  for (int64_t r0 = 0; r0 < num_tile_rows; r0 += 16)
-    for (int64_t c = 0; c < kChunks; c += 4) {
-      // Four accumulators (tiles 0, 1, 2 and 5: the scores' and query's tiles are free now),
-      // so four multiplies are in flight, not one waiting on the last.
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(5);
-      for (int64_t g = 0; g < num_keys / 16; ++g) {
-        const uint32_t* pairs = (paired ? paired_keys(g * 16) + kPairWords : v_pairs + g * kPairWords) + c * 16;
-        _tile_loadd(3, p + r0 * num_keys + g * 16, num_keys * sizeof(c10::BFloat16));
-        _tile_loadd(4, pairs, kPairStride);
-        _tile_dpbf16ps(0, 3, 4);
-        _tile_loadd(4, pairs + 16, kPairStride);
-        _tile_dpbf16ps(1, 3, 4);
-        _tile_loadd(4, pairs + 32, kPairStride);
-        _tile_dpbf16ps(2, 3, 4);
-        _tile_loadd(4, pairs + 48, kPairStride);
-        _tile_dpbf16ps(5, 3, 4);
+  // Where group g's V pairs lie, and the words from one group's to the next's.
+  const uint32_t* v_groups = paired ? paired_keys(0) + kPairWords : v_pairs;
+  const int64_t group_stride = paired ? kPairedGroupWords<kHeadDim> : kPairWords;
+  if constexpr (!kAmx) {
+    whole_rows_accumulate_bf16<kHeadDim>(acc, num_rows, p, num_keys, num_keys, v_groups, group_stride);
+  } else {
+#ifdef PDSERVE_ATTENTION_AMX
+    constexpr int64_t kChunks = kHeadDim / 16;  // accumulator tiles per row tile, four at a time
+    constexpr int64_t kAccStride = kHeadDim * sizeof(float), kPairStride = kChunks * 16 * sizeof(uint32_t);
+    for (int64_t r0 = 0; r0 < num_tile_rows; r0 += 16)
+      for (int64_t c = 0; c < kChunks; c += 4) {
+        // Four accumulators (tiles 0, 1, 2 and 5: the scores' and query's tiles are free now),
+        // so four multiplies are in flight, not one waiting on the last.
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(5);
+        for (int64_t g = 0; g < num_keys / 16; ++g) {
+          const uint32_t* pairs = v_groups + g * group_stride + c * 16;
+          _tile_loadd(3, p + r0 * num_keys + g * 16, num_keys * sizeof(c10::BFloat16));
+          _tile_loadd(4, pairs, kPairStride);
+          _tile_dpbf16ps(0, 3, 4);
+          _tile_loadd(4, pairs + 16, kPairStride);
+          _tile_dpbf16ps(1, 3, 4);
+          _tile_loadd(4, pairs + 32, kPairStride);
+          _tile_dpbf16ps(2, 3, 4);
+          _tile_loadd(4, pairs + 48, kPairStride);
+          _tile_dpbf16ps(5, 3, 4);
+        }
+        float* acc_tile = acc + r0 * kHeadDim + c * 16;
+        _tile_stored(0, acc_tile, kAccStride);
+        _tile_stored(1, acc_tile + 16, kAccStride);
+        _tile_stored(2, acc_tile + 32, kAccStride);
+        _tile_stored(5, acc_tile + 48, kAccStride);
       }
-      float* acc_tile = acc + r0 * kHeadDim + c * 16;
-      _tile_stored(0, acc_tile, kAccStride);
-      _tile_stored(1, acc_tile + 16, kAccStride);
-      _tile_stored(2, acc_tile + 32, kAccStride);
-      _tile_stored(5, acc_tile + 48, kAccStride);
-    }
+#endif
+  }
 }
 
 // A sequence whose whole-rows items read keys paired once (pair_prompt_keys).
@@ -437,16 +454,19 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
   // among them unless this item has fewer blocks than first_asked.
   stream.primed = hi > lo && last_b - first_b + 1 >= first_asked;
 
-#ifdef PDSERVE_ATTENTION_AMX
+#ifdef PDSERVE_BF16_DOT
   if constexpr (kBf16Dot && kHeadDim % 64 == 0) {
-    // Whole 16-key tiles per block: blocks of 16, 32, ... keys.
-    const bool whole_rows = amx && item.partial < 0 && hi > lo && block_size % 16 == 0 &&
+    // Whole 16-key groups per block: blocks of 16, 32, ... keys.
+    const bool whole_rows = transposed && item.partial < 0 && hi > lo && block_size % 16 == 0 &&
                             num_rows * (last_b - first_b + 1) * block_size <= kWholeRowsMaxScores;
     if (whole_rows) {
       const int64_t paired_offset =
           pr.paired_offsets != nullptr ? pr.paired_offsets[item.seq * pr.num_kv_heads + kv_head] : -1;
-      attend_whole_rows_amx<kHeadDim>(pr, item, kv_head, q_bf16, num_rows, lo, hi, acc, row_sums,
-                                      paired_offset >= 0 ? pr.paired_kv + paired_offset : nullptr);
+      const uint32_t* paired = paired_offset >= 0 ? pr.paired_kv + paired_offset : nullptr;
+      if (amx)
+        attend_whole_rows<kHeadDim, true>(pr, item, kv_head, q_bf16, num_rows, lo, hi, acc, row_sums, paired);
+      else
+        attend_whole_rows<kHeadDim, false>(pr, item, kv_head, q_bf16, num_rows, lo, hi, acc, row_sums, paired);
       stream.primed = false;  // nothing asked for the next item's blocks: it asks itself
       goto rows_done;
     }
@@ -589,8 +609,10 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
       }
     }
   }
-#ifdef PDSERVE_ATTENTION_AMX
+#ifdef PDSERVE_BF16_DOT
 rows_done:
+#endif
+#ifdef PDSERVE_ATTENTION_AMX
   if (amx) _tile_release();
 #endif
   auto row_sum = [&](int64_t r) { return hsum(load_vec(row_sums + r * kLanes)); };
@@ -678,7 +700,7 @@ void merge_split_token(const Problem& pr, const SplitToken& split) {
   }
 }
 
-#ifdef PDSERVE_ATTENTION_AMX
+#ifdef PDSERVE_BF16_DOT
 // The sequences of the call whose query tokens make several whole-rows items (prompts and
 // their chunks) get their keys paired once (pair_prompt_keys), into this thread's buffer,
 // which pr then points at; the others' items pair their own.
@@ -806,9 +828,9 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
   std::vector<int64_t> paired_offsets;
   auto run = [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
-#ifdef PDSERVE_ATTENTION_AMX
+#ifdef PDSERVE_BF16_DOT
     if constexpr (std::is_same_v<T, c10::BFloat16>)
-      if (head_dim % 64 == 0 && head_dim <= 256 && block_size % 16 == 0 && amx_tiles_usable())
+      if (head_dim % 64 == 0 && head_dim <= 256 && block_size % 16 == 0)
         pair_prompts(problem, lens, starts, num_seqs, paired_offsets);
 #endif
     at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {

@@ -89,7 +89,7 @@ def test_mixed_prefill_decode_step_matches_reference(dtype, geometry, features):
 
 @pytest.mark.parametrize("features", [dict(), dict(logit_softcap=5.0), dict(sliding_window=1500)], ids=_ids)
 def test_prefill_tiles_either_side_of_the_whole_rows_limit_match_reference(features):
-    # On AMX a bf16 prefill tile of 48 rows (16 tokens x 3 query heads) whose keys fit 2,048
+    # With AVX512-BF16 a bf16 prefill tile of 48 rows (16 tokens x 3 query heads) whose keys fit 2,048
     # (kWholeRowsMaxScores) is scored over all of them at once, one softmax per row; past that,
     # block by block. This chunk's tiles (positions 1,990-2,053) lie on both sides; the window
     # brings every tile under it.
@@ -110,8 +110,8 @@ def test_prefill_tiles_either_side_of_the_whole_rows_limit_match_reference(featu
 @pytest.mark.parametrize("features", [dict(), dict(sliding_window=20), dict(logit_softcap=5.0)], ids=_ids)
 @pytest.mark.parametrize("geometry", [(3, 3, 16, 64), (2, 2, 32, 128), (3, 3, 32, 64), (2, 2, 16, 128), (2, 2, 32, 64), (1, 3, 16, 128)], ids=lambda g: "kv{}x{}-bs{}-d{}".format(*g))
 def test_a_prompt_in_one_call_gives_the_bits_of_its_16_token_tiles_one_call_each(features, geometry):
-    # A call pairs once the keys of a sequence with several 16-token query tiles (bf16 on
-    # AMX), where each tile of a short query pairs its own: the tiles' results must not
+    # A call pairs once the keys of a sequence with several 16-token query tiles (bf16 with
+    # AVX512-BF16), where each tile of a short query pairs its own: the tiles' results must not
     # change by a bit. The keys past each tile (written, not seen) and the slots past the
     # sequence (garbage) are in the blocks the tiles read.
     num_kv_heads, ratio, block_size, head_dim = geometry
