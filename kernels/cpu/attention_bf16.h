@@ -82,27 +82,26 @@ inline void paired_scores_bf16(const c10::BFloat16* q_rows, int64_t num_rows, co
   const __m512 scale_vec = _mm512_set1_ps(scale);
   auto pair = [](const Word* words, int64_t i) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(words[i])); };
   auto keys = [&](int64_t i) { return (__m512bh)_mm512_load_si512(k_pairs + i * 16); };
-  int64_t r = 0;
-  for (; r + 4 <= num_rows; r += 4) {  // 4 rows x even and odd pairs: eight dot-product chains
+  // R rows x even and odd pairs: 2R dot-product chains, 16 for 8 rows (vdpbf16ps's latency
+  // times its throughput wants ~12 in flight).
+  auto pass = [&]<int R>(int64_t r) {
     const Word* q = q_words + r * kPairs;
-    __m512 even[4], odd[4];
-    for (int m = 0; m < 4; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+    __m512 even[R], odd[R];
+    for (int m = 0; m < R; ++m) even[m] = odd[m] = _mm512_setzero_ps();
     for (int64_t i = 0; i < kPairs; i += 2) {
       const __m512bh k_even = keys(i), k_odd = keys(i + 1);
-      for (int m = 0; m < 4; ++m) {
+      for (int m = 0; m < R; ++m) {
         even[m] = _mm512_dpbf16_ps(even[m], k_even, pair(q + m * kPairs, i));
         odd[m] = _mm512_dpbf16_ps(odd[m], k_odd, pair(q + m * kPairs, i + 1));
       }
     }
-    for (int m = 0; m < 4; ++m)
+    for (int m = 0; m < R; ++m)
       _mm512_storeu_ps(scores + (r + m) * score_stride, _mm512_mul_ps(_mm512_add_ps(even[m], odd[m]), scale_vec));
-  }
-  for (; r < num_rows; ++r) {
-    const Word* q = q_words + r * kPairs;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < kPairs; ++i) acc = _mm512_dpbf16_ps(acc, keys(i), pair(q, i));
-    _mm512_storeu_ps(scores + r * score_stride, _mm512_mul_ps(acc, scale_vec));
-  }
+  };
+  int64_t r = 0;
+  for (; r + 8 <= num_rows; r += 8) pass.template operator()<8>(r);
+  for (; r + 4 <= num_rows; r += 4) pass.template operator()<4>(r);
+  for (; r < num_rows; ++r) pass.template operator()<1>(r);
 }
 
 // paired_scores_bf16 over a cache block's keys, paired 16 at a time into k_pairs (a 64-byte
