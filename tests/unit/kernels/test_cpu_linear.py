@@ -235,11 +235,15 @@ def test_panel_gemm_refuses_what_it_cannot_compute(x, bias, panels, message):
 @pytest.mark.skipif(not prepacking_available(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
 @pytest.mark.parametrize("num_tokens", ["one", "the GEMV's most", "the GEMV's most + 1", "most", "past the most"])
 def test_a_bf16_linear_takes_panel_gemm_for_decode_steps_and_onednn_beyond(num_tokens):
-    max_rows = panel_gemm_max_rows()  # 128, or 8 on AMX CPUs where panel_gemm may not use the tiles
+    # 128 (1,024 on AMD from Zen 5), or 8 on AMX CPUs where panel_gemm may not use the tiles
+    max_rows = panel_gemm_max_rows()
     if not os.environ.get("PDSERVE_CPU_MARCH"):  # built for this CPU, not an older target
         assert panel_gemm_amx_built() == ("amx_bf16" in cpu_flags().split())
     assert panel_gemm_amx_tiles() == (panel_gemm_amx_built() and os.environ.get("PDSERVE_AMX_TILES") != "0")
-    assert max_rows == (8 if panel_gemm_amx_built() and not panel_gemm_amx_tiles() else 128)
+    if panel_gemm_amx_built():
+        assert max_rows == (128 if panel_gemm_amx_tiles() else 8)
+    else:
+        assert max_rows == (1024 if _amd_family() >= 26 else 128)
     num_tokens = {"one": 1, "the GEMV's most": GEMV_MAX_ROWS, "the GEMV's most + 1": GEMV_MAX_ROWS + 1,
                   "most": max_rows, "past the most": max_rows + 1}[num_tokens]
     torch.manual_seed(0)
@@ -318,6 +322,14 @@ def test_the_switch_leaves_bf16_linears_without_panels_and_on_onednn(monkeypatch
     assert layer._panels is None and _PACKED_WEIGHTS[layer.weight_id][3] is None
     x = torch.randn(GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16)
     assert torch.equal(layer(x), torch.ops.mkldnn._linear_pointwise.default(x, layer._packed, None, "none", [-1], ""))
+
+
+def _amd_family() -> int:
+    """The CPU family of an AMD CPU from /proc/cpuinfo (26: Zen 5); 0 for other vendors."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        first_cpu = cpuinfo.read().split("\n\n")[0]
+    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
+    return int(fields["cpu family"]) if fields.get("vendor_id") == "AuthenticAMD" else 0
 
 
 needs_panels_alone = pytest.mark.skipif(not panels_for_any_rows() or not prepacking_available(torch.bfloat16),
