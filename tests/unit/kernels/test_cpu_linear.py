@@ -580,6 +580,29 @@ def test_q4_1_gemv_blocks_rearranges_the_files_bytes(bundled_blocks):
     assert torch.equal(codes, bundled_blocks["qkv_proj"].codes()[32:37])
 
 
+@pytest.mark.parametrize("num_rows", [1, 3, 20])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_group_gemvs_give_the_same_bits_on_two_threads_as_on_one(bundled_blocks, bundled_head, num_rows, dtype):
+    # Each thread takes a run of row groups (and from 16 rows of x a share of its
+    # quantization) reading the calling thread's quantized x; the tests run on one thread
+    # each otherwise, where any such share is the caller's own.
+    head = head_rows(bundled_head, GEMV_MAX_ROWS + 1)  # 1,000 rows: 63 groups
+    cases = [(q4_1_gemv, q4_1_gemv_blocks(bundled_blocks["qkv_proj"].raw())),
+             (q8_0_gemv, q8_0_gemv_blocks(head.raw()))]
+    torch.manual_seed(num_rows)
+    previous = torch.get_num_threads()
+    try:
+        for gemv_op, blocks in cases:
+            x = torch.randn(num_rows, blocks.shape[1] // (20 if gemv_op is q4_1_gemv else 34) * 32).to(dtype)
+            bias = torch.randn(blocks.shape[0]).to(dtype)
+            torch.set_num_threads(1)
+            one = gemv_op(x, bias, blocks)
+            torch.set_num_threads(2)
+            assert torch.equal(gemv_op(x, bias, blocks), one)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_q4_1_refuses_what_it_cannot_compute(bundled_blocks):
     blocks = q4_1_gemv_blocks(bundled_blocks["down_proj"].raw())
     in_features = blocks.shape[1] // 20 * 32
