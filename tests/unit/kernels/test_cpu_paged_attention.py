@@ -167,6 +167,32 @@ def test_few_long_decodes_split_over_keys_match_reference(dtype, features):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_step_gives_the_same_bits_on_several_threads_as_on_one(dtype):
+    # Prompts (whose keys a call pairs once, over the threads, in bf16 with AVX512-BF16),
+    # a chunk with context and decode rows: work items go to whichever thread claims them
+    # and each reads what the call prepared, so the bits may not depend on the threads.
+    gen = torch.Generator().manual_seed(23)
+    shapes = [(0, 300), (40, 70), (500, 1), (0, 1), (130, 33)]  # (context_len, query_len)
+    seq_lens = [c + n for c, n in shapes]
+    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, 16, gen, device="cpu", dtype=dtype, num_kv_heads=3,
+                                                      head_dim=64)
+    query_lens = [n for _, n in shapes]
+    q = torch.randn(sum(query_lens), 9, 64, generator=gen).to(dtype)
+    starts = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    args = (q, k_cache, v_cache, block_tables, starts, torch.tensor(seq_lens, dtype=torch.int32), 0.125)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = prefill_attention(*args, backend="native")
+        torch.set_num_threads(3)
+        several = prefill_attention(*args, backend="native")
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(several, one)
+    assert rel_err(one, prefill_attention(*args, backend="torch")) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("geometry", [(3, 3, 16, 64), (1, 3, 32, 128), (2, 2, 8, 64)],
                          ids=lambda g: "kv{}x{}-bs{}-d{}".format(*g))
 def test_cache_slots_past_the_sequences_are_never_read(dtype, geometry):
