@@ -88,13 +88,15 @@ def test_mixed_prefill_decode_step_matches_reference(dtype, geometry, features):
 
 
 @pytest.mark.parametrize("features", [dict(), dict(logit_softcap=5.0), dict(sliding_window=1500)], ids=_ids)
-def test_prefill_tiles_either_side_of_the_whole_rows_limit_match_reference(features):
-    # With AVX512-BF16 a bf16 prefill tile of 48 rows (16 tokens x 3 query heads) whose keys fit 2,048
-    # (kWholeRowsMaxScores) is scored over all of them at once, one softmax per row; past that,
-    # block by block. This chunk's tiles (positions 1,990-2,053) lie on both sides; the window
-    # brings every tile under it.
+@pytest.mark.parametrize("context", [1990, 16350], ids=["amx-limit", "vector-limit"])
+def test_prefill_tiles_either_side_of_the_whole_rows_limit_match_reference(features, context):
+    # With AVX512-BF16 a bf16 prefill tile of 48 rows (16 tokens x 3 query heads) whose keys
+    # fit 2,048 (on AMX tiles) or 16,384 (on the vector dot products: whole_rows_max_scores) is
+    # scored over all of them at once, one softmax per row; past that, block by block. The
+    # chunk's tiles (positions context to context + 63) lie on both sides of one limit; the
+    # window brings every tile under it.
     gen = torch.Generator().manual_seed(5)
-    shapes = [(1990, 64), (0, 40)]
+    shapes = [(context, 64), (0, 40)]
     seq_lens = [c + n for c, n in shapes]
     k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, 16, gen, device="cpu", dtype=torch.bfloat16,
                                                       num_kv_heads=3, head_dim=64)
