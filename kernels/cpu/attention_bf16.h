@@ -195,13 +195,13 @@ inline void transposed_accumulate_bf16(float* acc, int64_t num_rows, const float
 }
 
 // acc [num_rows, kHeadDim] = P V over num_keys keys (a multiple of 16), for the whole-rows
-// form: p [num_rows, p_stride] the probabilities in bf16, V in pairs 16 keys at a time
+// form: p [num_rows, num_keys] the probabilities in bf16, V in pairs 16 keys at a time
 // (pair_value_rows' layout), group g's at v_pairs + g * group_stride (words). Each pass
 // holds kRows rows' accumulators in registers across every key, where the block-by-block
 // form loads and stores them per block.
 template <int64_t kHeadDim>
-inline void whole_rows_accumulate_bf16(float* acc, int64_t num_rows, const c10::BFloat16* p, int64_t p_stride,
-                                       int64_t num_keys, const uint32_t* v_pairs, int64_t group_stride) {
+inline void whole_rows_accumulate_bf16(float* acc, int64_t num_rows, const c10::BFloat16* p, int64_t num_keys,
+                                       const uint32_t* v_pairs, int64_t group_stride) {
   static_assert(kHeadDim % kBf16PerVec == 0);
   constexpr int64_t kChunks = kHeadDim / 16;  // fp32 accumulators per row
   constexpr int64_t kRows = kChunks >= 16 ? 1 : 24 / kChunks;
@@ -216,7 +216,7 @@ inline void whole_rows_accumulate_bf16(float* acc, int64_t num_rows, const c10::
         __m512bh p_pair[R];
         for (int64_t m = 0; m < R; ++m)
           p_pair[m] = (__m512bh)_mm512_set1_epi32(
-              static_cast<int>(reinterpret_cast<const Word*>(p + (r + m) * p_stride + g * 16)[pair]));
+              static_cast<int>(reinterpret_cast<const Word*>(p + (r + m) * num_keys + g * 16)[pair]));
         for (int64_t c = 0; c < kChunks; ++c) {
           const __m512bh v = (__m512bh)_mm512_load_si512(pairs + (pair * kChunks + c) * 16);
           for (int64_t m = 0; m < R; ++m) sums[m][c] = _mm512_dpbf16_ps(sums[m][c], v, p_pair[m]);

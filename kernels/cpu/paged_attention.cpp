@@ -272,7 +272,7 @@ void attend_whole_rows(const Problem& pr, const WorkItem& item, int64_t kv_head,
   const uint32_t* v_groups = paired ? paired_keys(0) + kPairWords : v_pairs;
   const int64_t group_stride = paired ? kPairedGroupWords<kHeadDim> : kPairWords;
   if constexpr (!kAmx) {
-    whole_rows_accumulate_bf16<kHeadDim>(acc, num_rows, p, num_keys, num_keys, v_groups, group_stride);
+    whole_rows_accumulate_bf16<kHeadDim>(acc, num_rows, p, num_keys, v_groups, group_stride);
   } else {
 #ifdef PDSERVE_ATTENTION_AMX
     constexpr int64_t kChunks = kHeadDim / 16;  // accumulator tiles per row tile, four at a time
