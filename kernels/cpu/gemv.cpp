@@ -105,6 +105,8 @@ int64_t panel_gemm_max_rows() {
 }
 constexpr int64_t kStep = 32;    // bf16 values per 512-bit load; in_features' required multiple
 // GGUF blocks (gguf_row_groups.h): columns per block, bytes per block and row.
+using pdserve_cpu::BlockFormat;
+using pdserve_cpu::for_num_rows;
 using pdserve_cpu::is_panel_copy;
 using pdserve_cpu::kBlockCols;
 using pdserve_cpu::kPanelCols;
@@ -267,17 +269,6 @@ void check_x_and_bias(const at::Tensor& x, const std::optional<at::Tensor>& bias
   }
 }
 
-// rows(std::integral_constant<int, M>) for M = 1 .. kMaxRows: the kernels unroll over x's rows.
-template <typename Fn>
-void for_num_rows(int64_t M, Fn rows) {
-  switch (M) {
-    case 1: rows(std::integral_constant<int, 1>{}); break;
-    case 2: rows(std::integral_constant<int, 2>{}); break;
-    case 3: rows(std::integral_constant<int, 3>{}); break;
-    default: rows(std::integral_constant<int, 4>{}); break;
-  }
-}
-
 // Row ranges per thread, contiguous: each thread's reads stay one sequential stream.
 template <typename RowsFn>
 void for_row_ranges(int64_t M, int64_t N, RowsFn rows) {
@@ -286,17 +277,12 @@ void for_row_ranges(int64_t M, int64_t N, RowsFn rows) {
   });
 }
 
-// Which GGUF block format a row-group GEMV reads.
-enum class BlockFormat { kQ4_1, kQ8_0 };
 
 // y [M, N] = x @ W^T (+ bias) over GGUF blocks in groups of 16 rows (gguf_row_groups.h),
 // for any number of rows of x: decode steps and prompts alike. torch's int4 and int8
 // kernels, the alternative, take ~0.6 ms per row of x over SmolLM2's Q4_1 projections
 // (linear in the rows: 164 ms at 256 rows against 65 ms for oneDNN over bf16 weights).
-// Each thread takes a run of groups; x's rows go in tiles of kXTileRows (their codes stay
-// in L2 while the thread's groups pass), and within a tile a group (6-15 KB for SmolLM2)
-// serves chunks of up to kMaxRows rows from L1, so W is read from memory once per call.
-constexpr int64_t kXTileRows = 64;
+// Each thread takes a run of groups (row_groups_gemv), so W is read from memory once per call.
 constexpr int64_t kQuantizeGrainRows = 16;  // x's quantization splits over threads from this many rows
 
 template <BlockFormat kFormat>
@@ -326,40 +312,13 @@ at::Tensor row_group_gemv(const at::Tensor& x, const std::optional<at::Tensor>& 
     else
       pdserve_cpu::quantize_x_blocks(xc.const_data_ptr<float>(), begin * num_blocks, end * num_blocks, xq);
   });
+  const std::vector<uint8_t> padded_last = pdserve_cpu::pad_last_group<kFormat>(wp, N, num_blocks);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "row_group_gemv", [&] {
     const scalar_t* bp = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
     scalar_t* yp = y.data_ptr<scalar_t>();
     // 4 groups (64 rows) at least per thread, each thread's groups one stream.
     at::parallel_for(0, num_groups, 4, [&](int64_t begin, int64_t end) {
-      std::vector<uint8_t> padded;  // the last group's rows < 16 as a full group, built once
-      for (int64_t tile = 0; tile < M; tile += kXTileRows) {
-        const int64_t tile_end = std::min(M, tile + kXTileRows);
-        for (int64_t g = begin; g < end; ++g) {
-          const int64_t n0 = g * kGroupRows, num_rows = std::min(kGroupRows, N - n0);
-          const uint8_t* group = wp + n0 * blocks.size(1);
-          if (num_rows < kGroupRows) {
-            if (padded.empty())
-              padded = kFormat == BlockFormat::kQ4_1 ? pdserve_cpu::pad_group(group, num_rows, num_blocks, 4, 2)
-                                                     : pdserve_cpu::pad_group(group, num_rows, num_blocks, 8, 1);
-            group = padded.data();
-          }
-          for (int64_t m0 = tile; m0 < tile_end; m0 += kMaxRows) {
-            for_num_rows(std::min(kMaxRows, tile_end - m0), [&](auto rows) {
-              constexpr int R = decltype(rows)::value;
-              float out[R][kGroupRows];
-              const pdserve_cpu::QuantizedRows x_rows = xq.rows_from(m0, num_blocks);
-              if constexpr (kFormat == BlockFormat::kQ4_1)
-                pdserve_cpu::q4_1_group<R>(x_rows, group, num_blocks, out);
-              else
-                pdserve_cpu::q8_0_group<R>(x_rows, group, num_blocks, out);
-              for (int m = 0; m < R; ++m)
-                for (int64_t j = 0; j < num_rows; ++j)
-                  yp[(m0 + m) * N + n0 + j] =
-                      scalar_t(out[m][j] + (bp == nullptr ? 0.0f : static_cast<float>(bp[n0 + j])));
-            });
-          }
-        }
-      }
+      pdserve_cpu::row_groups_gemv<kFormat>(xq, M, wp, N, num_blocks, padded_last.data(), bp, yp, begin, end);
     });
   });
   return y;

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "vec_math.h"
@@ -70,6 +71,20 @@ struct BlockQuantizedX {
     return {codes.data() + first_block * kBlockCols, scales_and_sums.data() + 2 * first_block};
   }
 };
+
+// Which GGUF block format a row-group GEMV reads.
+enum class BlockFormat { kQ4_1, kQ8_0 };
+
+// rows(std::integral_constant<int, M>) for M = 1 .. 4 (4 for more): the kernels unroll over x's rows.
+template <typename Fn>
+void for_num_rows(int64_t M, Fn rows) {
+  switch (M) {
+    case 1: rows(std::integral_constant<int, 1>{}); break;
+    case 2: rows(std::integral_constant<int, 2>{}); break;
+    case 3: rows(std::integral_constant<int, 3>{}); break;
+    default: rows(std::integral_constant<int, 4>{}); break;
+  }
+}
 
 #ifdef PDSERVE_ROW_GROUPS
 // Blocks [begin, end) of x (fp32 or bf16, widened by vec_math.h's to_float / load_vec;
@@ -263,6 +278,54 @@ inline std::vector<uint8_t> pad_group(const uint8_t* group, int64_t num_rows, in
                   2 * num_rows);
   }
   return padded;
+}
+
+// The last group of W [N, K / 32 * row bytes] padded to 16 rows (pad_group) where N is not a
+// multiple of 16; empty where it is.
+template <BlockFormat kFormat>
+std::vector<uint8_t> pad_last_group(const uint8_t* w, int64_t N, int64_t num_blocks) {
+  constexpr int64_t kRowBytes = kFormat == BlockFormat::kQ4_1 ? kQ4RowBytes : kQ8RowBytes;
+  const int64_t num_rows = N % kGroupRows;
+  if (num_rows == 0) return {};
+  const uint8_t* group = w + (N - num_rows) * num_blocks * kRowBytes;
+  return kFormat == BlockFormat::kQ4_1 ? pad_group(group, num_rows, num_blocks, 4, 2)
+                                       : pad_group(group, num_rows, num_blocks, 8, 1);
+}
+
+constexpr int64_t kXTileRows = 64;  // x rows whose codes stay in L2 while a thread's groups pass
+constexpr int64_t kGroupPassRows = 4;  // x rows one pass over a group serves (its sums in registers)
+
+// One thread's part of y [M, N] = x @ W^T (+ bias): W's row groups [begin, end), over x's
+// rows in tiles of kXTileRows (their codes stay in L2 while the groups pass), each group
+// (6-15 KB for SmolLM2) serving up to kGroupPassRows rows a pass from L1, so W is read
+// from memory once. xq: x's M rows quantized (quantize_x_blocks); padded_last: the last
+// group as pad_last_group made it, where N % 16 != 0. Sums are fp32, rounded to T once
+// with the bias added.
+template <BlockFormat kFormat, typename T>
+void row_groups_gemv(const BlockQuantizedX& xq, int64_t M, const uint8_t* w, int64_t N, int64_t num_blocks,
+                     const uint8_t* padded_last, const T* bias, T* y, int64_t begin, int64_t end) {
+  constexpr int64_t kRowBytes = kFormat == BlockFormat::kQ4_1 ? kQ4RowBytes : kQ8RowBytes;
+  for (int64_t tile = 0; tile < M; tile += kXTileRows) {
+    const int64_t tile_end = std::min(M, tile + kXTileRows);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * kGroupRows, num_rows = std::min(kGroupRows, N - n0);
+      const uint8_t* group = num_rows < kGroupRows ? padded_last : w + n0 * num_blocks * kRowBytes;
+      for (int64_t m0 = tile; m0 < tile_end; m0 += kGroupPassRows) {
+        for_num_rows(std::min(kGroupPassRows, tile_end - m0), [&](auto rows) {
+          constexpr int R = decltype(rows)::value;
+          float out[R][kGroupRows];
+          const QuantizedRows x_rows = xq.rows_from(m0, num_blocks);
+          if constexpr (kFormat == BlockFormat::kQ4_1)
+            q4_1_group<R>(x_rows, group, num_blocks, out);
+          else
+            q8_0_group<R>(x_rows, group, num_blocks, out);
+          for (int m = 0; m < R; ++m)
+            for (int64_t j = 0; j < num_rows; ++j)
+              y[(m0 + m) * N + n0 + j] = T(out[m][j] + (bias == nullptr ? 0.0f : static_cast<float>(bias[n0 + j])));
+        });
+      }
+    }
+  }
 }
 #endif
 
