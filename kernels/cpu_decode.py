@@ -62,11 +62,20 @@ def register_decode_model(
     # per weight: its pdserve_gemv::prepacked_linear id, or -1; where every weight has one,
     # the model takes steps of any size (the ids' op past DECODE_MAX_TOKENS rows)
     weight_ids: list[int] | None = None,
+    # a model of GGUF blocks runs the work between two attentions in one parallel region
+    # (False, or PDSERVE_DECODE_REGIONS=0: a fork and join per projection, as others)
+    in_regions: bool = True,
 ) -> int:
     """The library keeps these tensors (shared, not copied) under the returned id."""
     return torch.ops.pdserve_decode.register_decode_model(
         norms, weights, kinds, biases, sliding_windows, final_norm, cos, sin, num_heads, num_kv_heads, head_dim,
-        float(rms_norm_eps), float(attention_scale), weight_ids)
+        float(rms_norm_eps), float(attention_scale), weight_ids, in_regions and not switched_off("PDSERVE_DECODE_REGIONS"))
+
+
+def decode_model_in_regions(model_id: int) -> bool:
+    """Whether the registered model's steps run between attentions in one parallel region
+    each (a model whose every projection is GGUF blocks of a Llama layer's shapes)."""
+    return torch.ops.pdserve_decode.decode_model_in_regions(model_id)
 
 
 def decode_model_max_tokens(model_id: int) -> int:

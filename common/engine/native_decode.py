@@ -36,8 +36,8 @@ from common.engine.models.prepacked_linear import PrepackedLinear
 from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
 from kernels.cpu_decode import (LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, decode_layers,
-                                decode_model_max_tokens, native_decode_available, native_decode_disabled,
-                                register_decode_model, release_decode_model)
+                                decode_model_in_regions, decode_model_max_tokens, native_decode_available,
+                                native_decode_disabled, register_decode_model, release_decode_model)
 
 logger = logging.getLogger(__name__)
 
@@ -107,14 +107,17 @@ class NativeDecodeLoop:
     """One model's layers registered with the native loop, and the KV caches it writes."""
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 num_layers: int | None = None):
+                 num_layers: int | None = None, in_regions: bool = True):
         """num_layers: run only the first num_layers layers, then the final norm (an early
-        exit, as CausalLM.forward's); None: all of them."""
+        exit, as CausalLM.forward's); None: all of them. in_regions: a model of GGUF blocks
+        runs the work between two attentions in one parallel region (False: a fork and
+        join per projection, as other models)."""
         self.model = model
-        self.model_id = register_decode_model(**_model_tensors(model, num_layers))
+        self.model_id = register_decode_model(**_model_tensors(model, num_layers), in_regions=in_regions)
         weakref.finalize(self, release_decode_model, self.model_id)
         # Past the GEMVs' rows every linear needs its prepacked op: the library says whether all have one.
         self.max_num_tokens = decode_model_max_tokens(self.model_id)
+        self.in_regions = decode_model_in_regions(self.model_id)
         self.k_caches = [k for k, _ in kv_caches[:num_layers]]
         self.v_caches = [v for _, v in kv_caches[:num_layers]]
         self.num_steps = 0  # steps run
@@ -135,7 +138,10 @@ class NativeDecodeLoop:
         except Unsupported as e:
             logger.info("decode steps stay on the compiled model: %s", e)
             return None
-        if loop.max_num_tokens == sys.maxsize:
+        if loop.in_regions:
+            logger.info("decode-only steps run in the native loop (kernels/cpu/decode_layers.cpp), "
+                        "one parallel region between two attentions")
+        elif loop.max_num_tokens == sys.maxsize:
             logger.info("decode-only steps run in the native loop (kernels/cpu/decode_layers.cpp)")
         else:
             logger.info("decode steps of up to %d tokens run in the native loop (kernels/cpu/decode_layers.cpp)",

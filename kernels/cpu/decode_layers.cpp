@@ -37,7 +37,10 @@
 #include <string>
 #include <vector>
 
+#include <omp.h>
+
 #include "check_message.h"
+#include "gguf_row_groups.h"
 #include "panel_layout.h"
 #include "vec_math.h"
 
@@ -61,6 +64,8 @@ struct Linear {
   // [] int64: the id pdserve_gemv::prepacked_linear knows the linear by, for steps past
   // kMaxGemvTokens rows; none: a dense linear serves GEMV steps only.
   std::optional<at::Tensor> weight_id;
+  int64_t in_features = 0;  // K, for GGUF blocks (the parallel regions' GEMVs)
+  std::vector<uint8_t> padded_last;  // GGUF blocks: the last group as 16 rows where N % 16 != 0
 };
 
 struct Layer {
@@ -76,6 +81,9 @@ struct Model {
   int64_t num_heads, num_kv_heads, head_dim;
   double rms_norm_eps, attention_scale;
   int64_t max_tokens;  // kMaxGemvTokens, or no limit where every linear has a weight_id or GGUF blocks
+  // Every linear GGUF blocks of the same shapes in every layer: the work between two
+  // attentions runs in one parallel region (run_layers_in_regions).
+  bool in_regions = false;
 };
 
 std::mutex models_mutex;
@@ -274,6 +282,158 @@ at::Tensor run_layers(const Model& model, const at::Tensor& hidden, const at::Te
   return normed;
 }
 
+#ifdef PDSERVE_ROW_GROUPS
+// Inside a parallel region: thread t's share [begin, end) of n items, in num_threads runs.
+inline std::pair<int64_t, int64_t> share_of(int64_t n, int t, int num_threads) {
+  return {n * t / num_threads, n * (t + 1) / num_threads};
+}
+
+// Thread t's rows of pointwise work: all on thread 0 below two tasks' worth (as for_rows).
+inline std::pair<int64_t, int64_t> rows_of(int64_t M, int t, int num_threads) {
+  if (M < 2 * kRowsPerTask) return t == 0 ? std::pair<int64_t, int64_t>{0, M} : std::pair<int64_t, int64_t>{0, 0};
+  return share_of(M, t, num_threads);
+}
+
+// Thread t's groups of y [M, N] = x @ W^T (+ bias) for x's M rows quantized in xq: at
+// least 4 groups (64 rows) a thread, as the op's parallel_for takes them.
+template <typename T>
+void blocks_gemv_share(const Linear& l, const pdserve_cpu::BlockQuantizedX& xq, int64_t M, T* y, int t,
+                       int num_threads) {
+  // The op's parallel_for would give each thread 4 groups at least: so does this.
+  using pdserve_cpu::BlockFormat;
+  const int64_t num_groups = (l.out_features + pdserve_cpu::kGroupRows - 1) / pdserve_cpu::kGroupRows;
+  const int workers = static_cast<int>(std::clamp<int64_t>(num_groups / 4, 1, num_threads));
+  if (t >= workers) return;
+  const auto [begin, end] = share_of(num_groups, t, workers);
+  const T* bias = l.bias.has_value() ? l.bias->data_ptr<T>() : nullptr;
+  const uint8_t* w = l.weight.data_ptr<uint8_t>();
+  const int64_t num_blocks = l.in_features / pdserve_cpu::kBlockCols;
+  if (l.kind == kQ4_1)
+    pdserve_cpu::row_groups_gemv<BlockFormat::kQ4_1>(xq, M, w, l.out_features, num_blocks, l.padded_last.data(), bias,
+                                                     y, begin, end);
+  else
+    pdserve_cpu::row_groups_gemv<BlockFormat::kQ8_0>(xq, M, w, l.out_features, num_blocks, l.padded_last.data(), bias,
+                                                     y, begin, end);
+}
+
+// rows [begin, end) of x [M, K] quantized per 32 columns into xq, as the GEMV op quantizes its x.
+template <typename T>
+void quantize_rows(const T* x, int64_t K, int64_t begin, int64_t end, pdserve_cpu::BlockQuantizedX& xq) {
+  const int64_t num_blocks = K / pdserve_cpu::kBlockCols;
+  pdserve_cpu::quantize_x_blocks(x, begin * num_blocks, end * num_blocks, xq);
+}
+
+// run_layers for a model whose every linear is GGUF blocks: the same steps and the same
+// bits, but everything between two attentions (the o, gate and up, and down projections,
+// then the next layer's qkv projection, with the pointwise steps between them) runs in one
+// OpenMP region whose threads meet at barriers, where run_layers forks and joins the
+// threads for each projection. At one token a layer's projections take ~10-15 us each, and
+// a fork and join with the ramp of each thread's weight stream cost ~1-2 us of that: 120
+// Q4_1 GEMVs of SmolLM2's shapes back to back, 2 threads on the Zen 5 EPYC, 1.29 -> 1.07 ms
+// in one region. The attention keeps its own call (its work items, splits and merges).
+template <typename T>
+at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, const at::Tensor& positions,
+                                 at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
+                                 const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                                 const at::Tensor& seq_lens) {
+  using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, double, int64_t, double);
+  static const auto attention = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("pdserve_cpu::paged_attention_with_kv_write", "")
+                                    .typed<Attention>();
+  const int64_t M = hidden.size(0), H = hidden.size(1);
+  const int64_t num_heads = model.num_heads, num_kv_heads = model.num_kv_heads, head_dim = model.head_dim;
+  const int64_t half = model.cos.size(1), attended_width = num_heads * head_dim;
+  const Layer& first = model.layers[0];
+  const int64_t qkv_width = first.qkv.out_features, I = first.down.in_features;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  at::Tensor x = hidden.clone();                          // [M, H] the residual stream
+  at::Tensor normed = at::empty({M, H}, x.options());     // [M, H]
+  at::Tensor qkv = at::empty({M, qkv_width}, x.options());  // [M, (num_heads + 2 num_kv_heads) head_dim]
+  at::Tensor o = at::empty({M, H}, x.options());          // [M, H]
+  at::Tensor gate_up = at::empty({M, 2 * I}, x.options());  // [M, 2 I]
+  at::Tensor act = at::empty({M, I}, x.options());        // [M, I]
+  at::Tensor down = at::empty({M, H}, x.options());       // [M, H]
+  T *xp = x.data_ptr<T>(), *np = normed.data_ptr<T>(), *qkv_p = qkv.data_ptr<T>(), *op = o.data_ptr<T>();
+  T *gate_up_p = gate_up.data_ptr<T>(), *act_p = act.data_ptr<T>(), *dp = down.data_ptr<T>();
+  // x's rows quantized for the projections that read the hidden width, the attention's
+  // output and the MLP's activations
+  pdserve_cpu::BlockQuantizedX xq_hidden(M * H / pdserve_cpu::kBlockCols);
+  pdserve_cpu::BlockQuantizedX xq_attended(M * attended_width / pdserve_cpu::kBlockCols);
+  pdserve_cpu::BlockQuantizedX xq_act(M * I / pdserve_cpu::kBlockCols);
+  at::Tensor heads = qkv.view({M, num_heads + 2 * num_kv_heads, head_dim});
+  const at::Tensor q = heads.narrow(1, 0, num_heads);                   // [M, num_heads, head_dim]
+  const at::Tensor k = heads.narrow(1, num_heads, num_kv_heads);        // [M, num_kv_heads, head_dim]
+  const at::Tensor v = heads.narrow(1, num_heads + num_kv_heads, num_kv_heads);
+  const double eps = model.rms_norm_eps;
+  const int num_threads = at::get_num_threads();
+
+  // Each phase below is one thread's part; the barriers keep the phases in order.
+  // The input norm of layer l and its qkv projection and RoPE, up to its attention.
+  auto up_to_attention = [&](const Layer& layer, int t, int n, int64_t row_begin, int64_t row_end) {
+    rms_norm<T>(xp + row_begin * H, layer.input_norm.data_ptr<T>(), np + row_begin * H, row_end - row_begin, H, eps);
+    quantize_rows(np, H, row_begin, row_end, xq_hidden);
+#pragma omp barrier
+    blocks_gemv_share(layer.qkv, xq_hidden, M, qkv_p, t, n);
+#pragma omp barrier
+    for (int64_t m = row_begin; m < row_end; ++m)
+      rope<T>(qkv_p + m * qkv_width, num_heads + num_kv_heads, head_dim, model.cos.data_ptr<float>() + pos[m] * half,
+              model.sin.data_ptr<float>() + pos[m] * half, half);
+  };
+  // Layer l from its attention's output to its last residual, then the next layer up to
+  // its attention (or the final norm).
+  auto after_attention = [&](const Layer& layer, const Layer* next, const T* attended_p, int t, int n,
+                             int64_t row_begin, int64_t row_end) {
+    quantize_rows(attended_p, attended_width, row_begin, row_end, xq_attended);
+#pragma omp barrier
+    blocks_gemv_share(layer.o, xq_attended, M, op, t, n);
+#pragma omp barrier
+    add_into<T>(xp + row_begin * H, op + row_begin * H, (row_end - row_begin) * H);
+    rms_norm<T>(xp + row_begin * H, layer.post_attention_norm.data_ptr<T>(), np + row_begin * H, row_end - row_begin,
+                H, eps);
+    quantize_rows(np, H, row_begin, row_end, xq_hidden);
+#pragma omp barrier
+    blocks_gemv_share(layer.gate_up, xq_hidden, M, gate_up_p, t, n);
+#pragma omp barrier
+    silu_and_mul<T>(gate_up_p + row_begin * 2 * I, act_p + row_begin * I, row_end - row_begin, I);
+    quantize_rows(act_p, I, row_begin, row_end, xq_act);
+#pragma omp barrier
+    blocks_gemv_share(layer.down, xq_act, M, dp, t, n);
+#pragma omp barrier
+    // A thread's rows stay its own from here to the next layer's qkv projection.
+    add_into<T>(xp + row_begin * H, dp + row_begin * H, (row_end - row_begin) * H);
+    if (next != nullptr)
+      up_to_attention(*next, t, n, row_begin, row_end);
+    else if (model.final_norm.has_value())
+      rms_norm<T>(xp + row_begin * H, model.final_norm->data_ptr<T>(), np + row_begin * H, row_end - row_begin, H,
+                  eps);
+  };
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    const auto [row_begin, row_end] = rows_of(M, t, n);
+    up_to_attention(first, t, n, row_begin, row_end);
+  }
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    const at::Tensor attended = attention.call(q, k, v, k_caches[l], v_caches[l], slot_mapping, block_tables,
+                                               query_start_loc, seq_lens, model.attention_scale,
+                                               model.layers[l].sliding_window, 0.0);  // [M, num_heads, head_dim]
+    PDSERVE_CHECK_VALUE(attended.is_contiguous(), "decode_layers: the attention's output is not contiguous");
+    const T* attended_p = attended.data_ptr<T>();
+    const Layer* next = l + 1 < model.layers.size() ? &model.layers[l + 1] : nullptr;
+#pragma omp parallel num_threads(num_threads)
+    {
+      const int t = omp_get_thread_num(), n = omp_get_num_threads();
+      const auto [row_begin, row_end] = rows_of(M, t, n);
+      after_attention(model.layers[l], next, attended_p, t, n, row_begin, row_end);
+    }
+  }
+  return model.final_norm.has_value() ? normed : x;
+}
+#endif
+
 Linear make_linear(int64_t kind, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                    int64_t weight_id, at::ScalarType dtype) {
   PDSERVE_CHECK_VALUE(kind == kDense || kind == kQ4_1 || kind == kQ8_0 || kind == kPanels,
@@ -295,16 +455,53 @@ Linear make_linear(int64_t kind, const at::Tensor& weight, const std::optional<a
                         "register_decode_model: a bias must be ", dtype, " with one value per output");
   std::optional<at::Tensor> id;
   if (weight_id >= 0) id = at::scalar_tensor(weight_id, at::TensorOptions().dtype(at::kLong));
-  return Linear{static_cast<LinearKind>(kind), weight, out_features, bias, id};
+  Linear linear{static_cast<LinearKind>(kind), weight, out_features, bias, id};
+  if (takes_any_rows(linear.kind)) {
+    const int64_t row_bytes = kind == kQ4_1 ? pdserve_cpu::kQ4RowBytes : pdserve_cpu::kQ8RowBytes;
+    PDSERVE_CHECK_VALUE(weight.size(1) % row_bytes == 0, "register_decode_model: GGUF blocks of ", row_bytes,
+                        " bytes per 32 columns, got rows of ", weight.size(1), " bytes");
+    linear.in_features = weight.size(1) / row_bytes * pdserve_cpu::kBlockCols;
+#ifdef PDSERVE_ROW_GROUPS
+    const uint8_t* w = weight.data_ptr<uint8_t>();
+    const int64_t num_blocks = weight.size(1) / row_bytes;
+    linear.padded_last = kind == kQ4_1
+                             ? pdserve_cpu::pad_last_group<pdserve_cpu::BlockFormat::kQ4_1>(w, out_features, num_blocks)
+                             : pdserve_cpu::pad_last_group<pdserve_cpu::BlockFormat::kQ8_0>(w, out_features, num_blocks);
+#endif
+  }
+  return linear;
+}
+
+// Whether run_layers_in_regions serves the model: every linear GGUF blocks, of the shapes
+// a Llama layer has, the same in every layer. Others (and mismatched shapes, which the
+// GEMV ops then report) take run_layers.
+bool regions_apply(const Model& model, int64_t hidden_size) {
+#ifdef PDSERVE_ROW_GROUPS
+  const int64_t attended = model.num_heads * model.head_dim;
+  const int64_t qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim;
+  const int64_t I = model.layers[0].down.in_features;
+  for (const Layer& layer : model.layers) {
+    for (const Linear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+      if (!takes_any_rows(l->kind)) return false;
+    if (layer.qkv.in_features != hidden_size || layer.qkv.out_features != qkv || layer.o.in_features != attended ||
+        layer.o.out_features != hidden_size || layer.gate_up.in_features != hidden_size ||
+        layer.gate_up.out_features != 2 * I || layer.down.in_features != I || layer.down.out_features != hidden_size)
+      return false;
+  }
+  return true;
+#else
+  return false;
+#endif
 }
 
 // Keeps the model's tensors (they are shared with the model, not copied) until
-// release_decode_model; returns the id decode_layers takes.
+// release_decode_model; returns the id decode_layers takes. in_regions: let a model of
+// GGUF blocks take run_layers_in_regions (false: run_layers, for comparison).
 int64_t register_decode_model(at::TensorList norms, at::TensorList weights, at::IntArrayRef kinds,
                               const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef sliding_windows, const std::optional<at::Tensor>& final_norm,
                               const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
                               int64_t head_dim, double rms_norm_eps, double attention_scale,
-                              at::OptionalIntArrayRef weight_ids) {
+                              at::OptionalIntArrayRef weight_ids, bool in_regions) {
   const size_t num_layers = sliding_windows.size();
   PDSERVE_CHECK_VALUE(num_layers >= 1 && norms.size() == 2 * num_layers && weights.size() == 4 * num_layers &&
                           kinds.size() == weights.size() && biases.size() == weights.size(),
@@ -342,6 +539,7 @@ int64_t register_decode_model(at::TensorList norms, at::TensorList weights, at::
     Layer layer{norms[2 * l], norms[2 * l + 1], lin(0), lin(1), lin(2), lin(3), sliding_windows[l]};
     model.layers.push_back(std::move(layer));
   }
+  model.in_regions = in_regions && regions_apply(model, hidden_size);
   std::lock_guard<std::mutex> lock(models_mutex);
   models.push_back(std::make_shared<const Model>(std::move(model)));
   return static_cast<int64_t>(models.size()) - 1;
@@ -355,6 +553,14 @@ int64_t decode_model_max_tokens(int64_t model_id) {
   PDSERVE_CHECK_VALUE(model_id >= 0 && model_id < static_cast<int64_t>(models.size()) && models[model_id] != nullptr,
                       "decode_model_max_tokens: no model is registered as ", model_id);
   return models[model_id]->max_tokens;
+}
+
+// Whether the model's steps run in parallel regions (run_layers_in_regions).
+bool decode_model_in_regions(int64_t model_id) {
+  std::lock_guard<std::mutex> lock(models_mutex);
+  PDSERVE_CHECK_VALUE(model_id >= 0 && model_id < static_cast<int64_t>(models.size()) && models[model_id] != nullptr,
+                      "decode_model_in_regions: no model is registered as ", model_id);
+  return models[model_id]->in_regions;
 }
 
 void release_decode_model(int64_t model_id) {
@@ -396,6 +602,15 @@ at::Tensor decode_layers(int64_t model_id, const at::Tensor& hidden, const at::T
                       "decode_layers: one K and one V cache per layer (", num_layers, ") expected");
   PDSERVE_CHECK_VALUE(query_start_loc.numel() == M + 1 && seq_lens.numel() == M,
                       "decode_layers: one query per sequence (query_start_loc of num_tokens + 1 values)");
+#ifdef PDSERVE_ROW_GROUPS
+  if (model->in_regions) {
+    if (dtype == at::kFloat)
+      return run_layers_in_regions<float>(*model, hidden, positions, k_caches, v_caches, slot_mapping, block_tables,
+                                          query_start_loc, seq_lens);
+    return run_layers_in_regions<at::BFloat16>(*model, hidden, positions, k_caches, v_caches, slot_mapping,
+                                               block_tables, query_start_loc, seq_lens);
+  }
+#endif
   if (dtype == at::kFloat)
     return run_layers<float>(*model, hidden, positions, k_caches, v_caches, slot_mapping, block_tables,
                              query_start_loc, seq_lens);
@@ -408,9 +623,10 @@ at::Tensor decode_layers(int64_t model_id, const at::Tensor& hidden, const at::T
 TORCH_LIBRARY(pdserve_decode, m) {
   m.def("register_decode_model(Tensor[] norms, Tensor[] weights, int[] kinds, Tensor?[] biases, "
         "int[] sliding_windows, Tensor? final_norm, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
-        "int head_dim, float rms_norm_eps, float attention_scale, int[]? weight_ids=None) -> int",
+        "int head_dim, float rms_norm_eps, float attention_scale, int[]? weight_ids=None, bool in_regions=True) -> int",
         &register_decode_model);
   m.def("decode_model_max_tokens(int model_id) -> int", &decode_model_max_tokens);
+  m.def("decode_model_in_regions(int model_id) -> bool", &decode_model_in_regions);
   m.def("release_decode_model(int model_id) -> ()", &release_decode_model);
   m.def("decode_layers(int model_id, Tensor hidden, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens) -> Tensor");

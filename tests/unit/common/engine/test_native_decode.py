@@ -225,6 +225,42 @@ def test_the_loop_over_quantized_blocks_computes_what_the_model_does(quantizatio
     llm.engine.shutdown()
 
 
+@pytest.mark.parametrize("quantization, dtype", [("gguf", "bfloat16"), ("int8", "float32")])
+def test_over_quantized_blocks_one_region_between_attentions_gives_the_same_bits(quantization, dtype):
+    """A model of GGUF blocks runs the work between two attentions in one parallel region
+    (decode_layers.cpp, run_layers_in_regions), its threads meeting at barriers: each
+    sequence's hidden state is bit for bit the one a fork and join per projection gives,
+    on one thread and on several (each projection's groups and each token's rows split
+    between them), at few rows (pointwise work on the first thread) and from 16 (split)."""
+    llm = LLM(dtype=dtype, kv_cache_memory="64MiB", quantization=quantization)
+    runner = llm.engine.executor.runner
+    prepack_linears(runner.model)
+    num_layers = 4
+    in_regions = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=num_layers)
+    forked = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=num_layers, in_regions=False)
+    assert in_regions.in_regions and not forked.in_regions
+    distinct = _prompts(7)
+    threads_before = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            for num_seqs in (1, 3, 18):
+                prompts = [[t + 5 * i for t in distinct[i % 7]] for i in range(num_seqs)]
+                got = _decode_step(llm, prompts, in_regions)
+                want = _decode_step(llm, prompts, forked)
+                assert torch.equal(got, want), (num_threads, num_seqs)
+    finally:
+        torch.set_num_threads(threads_before)
+    llm.engine.shutdown()
+
+
+def test_dense_models_fork_per_projection(tiny_llama_dir):
+    """Dense projections keep a fork and join per projection (their GEMVs' own ops)."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16)
+    assert not _with_native_loop(llm).in_regions
+    llm.engine.shutdown()
+
+
 def test_families_it_does_not_serve_keep_the_model(tmp_path_factory, bundled_model_dir, caplog):
     llm = LLM(str(_family_dir(tmp_path_factory, bundled_model_dir, "qwen3")), dtype="float32", num_kv_blocks=16)
     with caplog.at_level("INFO", logger="common.engine.native_decode"):
