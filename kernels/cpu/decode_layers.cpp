@@ -39,8 +39,10 @@
 
 #include <omp.h>
 
+#include "amx_tiles.h"
 #include "check_message.h"
 #include "gguf_row_groups.h"
+#include "panel_gemm.h"
 #include "panel_layout.h"
 #include "vec_math.h"
 
@@ -64,7 +66,7 @@ struct Linear {
   // [] int64: the id pdserve_gemv::prepacked_linear knows the linear by, for steps past
   // kMaxGemvTokens rows; none: a dense linear serves GEMV steps only.
   std::optional<at::Tensor> weight_id;
-  int64_t in_features = 0;  // K, for GGUF blocks (the parallel regions' GEMVs)
+  int64_t in_features = 0;  // K, for GGUF blocks and panels (the parallel regions' GEMVs)
   std::vector<uint8_t> padded_last;  // GGUF blocks: the last group as 16 rows where N % 16 != 0
 };
 
@@ -81,9 +83,11 @@ struct Model {
   int64_t num_heads, num_kv_heads, head_dim;
   double rms_norm_eps, attention_scale;
   int64_t max_tokens;  // kMaxGemvTokens, or no limit where every linear has a weight_id or GGUF blocks
-  // Every linear GGUF blocks of the same shapes in every layer: the work between two
-  // attentions runs in one parallel region (run_layers_in_regions).
-  bool in_regions = false;
+  // Steps of up to this many tokens run the work between two attentions in one parallel
+  // region (run_layers_in_regions): any number where every linear is GGUF blocks,
+  // kMaxGemvTokens where some are bf16 panels (past it they take the prepacked op), 0 for
+  // other models (regions_apply).
+  int64_t max_region_tokens = 0;
 };
 
 std::mutex models_mutex;
@@ -294,18 +298,28 @@ inline std::pair<int64_t, int64_t> rows_of(int64_t M, int t, int num_threads) {
   return share_of(M, t, num_threads);
 }
 
-// Thread t's groups of y [M, N] = x @ W^T (+ bias) for x's M rows quantized in xq: at
-// least 4 groups (64 rows) a thread, as the op's parallel_for takes them.
+// Thread t's part of y [M, N] = x @ W^T (+ bias), as the linear's GEMV op splits it: GGUF
+// blocks a run of at least 4 groups (64 rows) a thread, from x's M rows quantized in xq;
+// bf16 column panels a run of panels, from x itself.
 template <typename T>
-void blocks_gemv_share(const Linear& l, const pdserve_cpu::BlockQuantizedX& xq, int64_t M, T* y, int t,
-                       int num_threads) {
-  // The op's parallel_for would give each thread 4 groups at least: so does this.
+void gemv_share(const Linear& l, const T* x, const pdserve_cpu::BlockQuantizedX& xq, int64_t M, T* y, int t,
+                int num_threads) {
+  const T* bias = l.bias.has_value() ? l.bias->data_ptr<T>() : nullptr;
+  if (l.kind == kPanels) {
+#ifdef PDSERVE_PANEL_GEMM
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      const auto [begin, end] = share_of(l.out_features / pdserve_cpu::kPanelCols, t, num_threads);
+      pdserve_cpu::panel_gemm_panels(x, l.weight.data_ptr<c10::BFloat16>(), bias, y, M, l.in_features,
+                                     l.out_features, begin, end);
+    }
+#endif
+    return;
+  }
   using pdserve_cpu::BlockFormat;
   const int64_t num_groups = (l.out_features + pdserve_cpu::kGroupRows - 1) / pdserve_cpu::kGroupRows;
   const int workers = static_cast<int>(std::clamp<int64_t>(num_groups / 4, 1, num_threads));
   if (t >= workers) return;
   const auto [begin, end] = share_of(num_groups, t, workers);
-  const T* bias = l.bias.has_value() ? l.bias->data_ptr<T>() : nullptr;
   const uint8_t* w = l.weight.data_ptr<uint8_t>();
   const int64_t num_blocks = l.in_features / pdserve_cpu::kBlockCols;
   if (l.kind == kQ4_1)
@@ -316,17 +330,19 @@ void blocks_gemv_share(const Linear& l, const pdserve_cpu::BlockQuantizedX& xq, 
                                                      y, begin, end);
 }
 
-// rows [begin, end) of x [M, K] quantized per 32 columns into xq, as the GEMV op quantizes its x.
+// Rows [begin, end) of x [M, K] made ready for the linear: quantized per 32 columns into
+// xq for GGUF blocks (as the GEMV op quantizes its x); panels read x as it is.
 template <typename T>
-void quantize_rows(const T* x, int64_t K, int64_t begin, int64_t end, pdserve_cpu::BlockQuantizedX& xq) {
-  const int64_t num_blocks = K / pdserve_cpu::kBlockCols;
+void prepare_rows(const Linear& l, const T* x, int64_t begin, int64_t end, pdserve_cpu::BlockQuantizedX& xq) {
+  if (l.kind == kPanels) return;
+  const int64_t num_blocks = l.in_features / pdserve_cpu::kBlockCols;
   pdserve_cpu::quantize_x_blocks(x, begin * num_blocks, end * num_blocks, xq);
 }
 
-// run_layers for a model whose every linear is GGUF blocks: the same steps and the same
-// bits, but everything between two attentions (the o, gate and up, and down projections,
-// then the next layer's qkv projection, with the pointwise steps between them) runs in one
-// OpenMP region whose threads meet at barriers, where run_layers forks and joins the
+// run_layers for a model whose every linear is GGUF blocks or bf16 panels
+// (region_tokens_limit): the same steps and the same bits, but everything between two
+// attentions (the o, gate and up, and down projections, then the next layer's qkv
+// projection, with the pointwise steps between them) runs in one OpenMP region whose threads meet at barriers, where run_layers forks and joins the
 // threads for each projection. At one token a layer's projections take ~10-15 us each, and
 // a fork and join with the ramp of each thread's weight stream cost ~1-2 us of that: 120
 // Q4_1 GEMVs of SmolLM2's shapes back to back, 2 threads on the Zen 5 EPYC, 1.29 -> 1.07 ms
@@ -359,6 +375,7 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
   T *gate_up_p = gate_up.data_ptr<T>(), *act_p = act.data_ptr<T>(), *dp = down.data_ptr<T>();
   // x's rows quantized for the projections that read the hidden width, the attention's
   // output and the MLP's activations
+  // (GGUF blocks only: panels read x as it is)
   pdserve_cpu::BlockQuantizedX xq_hidden(M * H / pdserve_cpu::kBlockCols);
   pdserve_cpu::BlockQuantizedX xq_attended(M * attended_width / pdserve_cpu::kBlockCols);
   pdserve_cpu::BlockQuantizedX xq_act(M * I / pdserve_cpu::kBlockCols);
@@ -373,9 +390,9 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
   // The input norm of layer l and its qkv projection and RoPE, up to its attention.
   auto up_to_attention = [&](const Layer& layer, int t, int n, int64_t row_begin, int64_t row_end) {
     rms_norm<T>(xp + row_begin * H, layer.input_norm.data_ptr<T>(), np + row_begin * H, row_end - row_begin, H, eps);
-    quantize_rows(np, H, row_begin, row_end, xq_hidden);
+    prepare_rows(layer.qkv, np, row_begin, row_end, xq_hidden);
 #pragma omp barrier
-    blocks_gemv_share(layer.qkv, xq_hidden, M, qkv_p, t, n);
+    gemv_share(layer.qkv, np, xq_hidden, M, qkv_p, t, n);
 #pragma omp barrier
     for (int64_t m = row_begin; m < row_end; ++m)
       rope<T>(qkv_p + m * qkv_width, num_heads + num_kv_heads, head_dim, model.cos.data_ptr<float>() + pos[m] * half,
@@ -385,21 +402,21 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
   // its attention (or the final norm).
   auto after_attention = [&](const Layer& layer, const Layer* next, const T* attended_p, int t, int n,
                              int64_t row_begin, int64_t row_end) {
-    quantize_rows(attended_p, attended_width, row_begin, row_end, xq_attended);
+    prepare_rows(layer.o, attended_p, row_begin, row_end, xq_attended);
 #pragma omp barrier
-    blocks_gemv_share(layer.o, xq_attended, M, op, t, n);
+    gemv_share(layer.o, attended_p, xq_attended, M, op, t, n);
 #pragma omp barrier
     add_into<T>(xp + row_begin * H, op + row_begin * H, (row_end - row_begin) * H);
     rms_norm<T>(xp + row_begin * H, layer.post_attention_norm.data_ptr<T>(), np + row_begin * H, row_end - row_begin,
                 H, eps);
-    quantize_rows(np, H, row_begin, row_end, xq_hidden);
+    prepare_rows(layer.gate_up, np, row_begin, row_end, xq_hidden);
 #pragma omp barrier
-    blocks_gemv_share(layer.gate_up, xq_hidden, M, gate_up_p, t, n);
+    gemv_share(layer.gate_up, np, xq_hidden, M, gate_up_p, t, n);
 #pragma omp barrier
     silu_and_mul<T>(gate_up_p + row_begin * 2 * I, act_p + row_begin * I, row_end - row_begin, I);
-    quantize_rows(act_p, I, row_begin, row_end, xq_act);
+    prepare_rows(layer.down, act_p, row_begin, row_end, xq_act);
 #pragma omp barrier
-    blocks_gemv_share(layer.down, xq_act, M, dp, t, n);
+    gemv_share(layer.down, act_p, xq_act, M, dp, t, n);
 #pragma omp barrier
     // A thread's rows stay its own from here to the next layer's qkv projection.
     add_into<T>(xp + row_begin * H, dp + row_begin * H, (row_end - row_begin) * H);
@@ -456,6 +473,7 @@ Linear make_linear(int64_t kind, const at::Tensor& weight, const std::optional<a
   std::optional<at::Tensor> id;
   if (weight_id >= 0) id = at::scalar_tensor(weight_id, at::TensorOptions().dtype(at::kLong));
   Linear linear{static_cast<LinearKind>(kind), weight, out_features, bias, id};
+  if (kind == kPanels) linear.in_features = weight.size(1) * 2;
   if (takes_any_rows(linear.kind)) {
     const int64_t row_bytes = kind == kQ4_1 ? pdserve_cpu::kQ4RowBytes : pdserve_cpu::kQ8RowBytes;
     PDSERVE_CHECK_VALUE(weight.size(1) % row_bytes == 0, "register_decode_model: GGUF blocks of ", row_bytes,
@@ -472,31 +490,45 @@ Linear make_linear(int64_t kind, const at::Tensor& weight, const std::optional<a
   return linear;
 }
 
-// Whether run_layers_in_regions serves the model: every linear GGUF blocks, of the shapes
-// a Llama layer has, the same in every layer. Others (and mismatched shapes, which the
-// GEMV ops then report) take run_layers.
-bool regions_apply(const Model& model, int64_t hidden_size) {
+// Whether run_layers_in_regions serves the model's steps of up to how many tokens (0: none,
+// Model::max_region_tokens): every linear GGUF blocks or bf16 panels (these where panel_gemm
+// runs on vector units: its AMX form keeps the op), of the shapes a Llama layer has, the
+// same in every layer. Others (and mismatched shapes, which the GEMV ops then report) take
+// run_layers.
+int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
 #ifdef PDSERVE_ROW_GROUPS
+#ifdef PDSERVE_PANEL_GEMM
+#ifdef PDSERVE_HAS_AMX
+  const bool panels = !pdserve_cpu::amx_tiles_usable();
+#else
+  const bool panels = true;
+#endif
+#else
+  const bool panels = false;
+#endif
   const int64_t attended = model.num_heads * model.head_dim;
   const int64_t qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim;
   const int64_t I = model.layers[0].down.in_features;
+  bool blocks_only = true;
   for (const Layer& layer : model.layers) {
-    for (const Linear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
-      if (!takes_any_rows(l->kind)) return false;
+    for (const Linear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
+      if (!takes_any_rows(l->kind) && !(panels && l->kind == kPanels)) return 0;
+      blocks_only = blocks_only && takes_any_rows(l->kind);
+    }
     if (layer.qkv.in_features != hidden_size || layer.qkv.out_features != qkv || layer.o.in_features != attended ||
         layer.o.out_features != hidden_size || layer.gate_up.in_features != hidden_size ||
         layer.gate_up.out_features != 2 * I || layer.down.in_features != I || layer.down.out_features != hidden_size)
-      return false;
+      return 0;
   }
-  return true;
+  return blocks_only ? std::numeric_limits<int64_t>::max() : kMaxGemvTokens;
 #else
-  return false;
+  return 0;
 #endif
 }
 
 // Keeps the model's tensors (they are shared with the model, not copied) until
 // release_decode_model; returns the id decode_layers takes. in_regions: let a model of
-// GGUF blocks take run_layers_in_regions (false: run_layers, for comparison).
+// GGUF blocks or panels take run_layers_in_regions (false: run_layers, for comparison).
 int64_t register_decode_model(at::TensorList norms, at::TensorList weights, at::IntArrayRef kinds,
                               const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef sliding_windows, const std::optional<at::Tensor>& final_norm,
                               const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
@@ -539,7 +571,7 @@ int64_t register_decode_model(at::TensorList norms, at::TensorList weights, at::
     Layer layer{norms[2 * l], norms[2 * l + 1], lin(0), lin(1), lin(2), lin(3), sliding_windows[l]};
     model.layers.push_back(std::move(layer));
   }
-  model.in_regions = in_regions && regions_apply(model, hidden_size);
+  model.max_region_tokens = in_regions ? region_tokens_limit(model, hidden_size) : 0;
   std::lock_guard<std::mutex> lock(models_mutex);
   models.push_back(std::make_shared<const Model>(std::move(model)));
   return static_cast<int64_t>(models.size()) - 1;
@@ -555,12 +587,13 @@ int64_t decode_model_max_tokens(int64_t model_id) {
   return models[model_id]->max_tokens;
 }
 
-// Whether the model's steps run in parallel regions (run_layers_in_regions).
+// Whether the model's steps (of up to kMaxGemvTokens tokens at least) run in parallel
+// regions (run_layers_in_regions).
 bool decode_model_in_regions(int64_t model_id) {
   std::lock_guard<std::mutex> lock(models_mutex);
   PDSERVE_CHECK_VALUE(model_id >= 0 && model_id < static_cast<int64_t>(models.size()) && models[model_id] != nullptr,
                       "decode_model_in_regions: no model is registered as ", model_id);
-  return models[model_id]->in_regions;
+  return models[model_id]->max_region_tokens > 0;
 }
 
 void release_decode_model(int64_t model_id) {
@@ -603,7 +636,7 @@ at::Tensor decode_layers(int64_t model_id, const at::Tensor& hidden, const at::T
   PDSERVE_CHECK_VALUE(query_start_loc.numel() == M + 1 && seq_lens.numel() == M,
                       "decode_layers: one query per sequence (query_start_loc of num_tokens + 1 values)");
 #ifdef PDSERVE_ROW_GROUPS
-  if (model->in_regions) {
+  if (M <= model->max_region_tokens) {
     if (dtype == at::kFloat)
       return run_layers_in_regions<float>(*model, hidden, positions, k_caches, v_caches, slot_mapping, block_tables,
                                           query_start_loc, seq_lens);

@@ -24,7 +24,7 @@ from common.engine.outputs import ScheduledRequest
 from common.engine.sampling_params import SamplingParams
 from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, decode_layers,
                                 decode_model_max_tokens, native_decode_available, register_decode_model)
-from kernels.cpu_linear import panel_gemm_available
+from kernels.cpu_linear import panel_gemm_amx_tiles, panel_gemm_available
 from tests.unit.common.engine.models.family_parity import parity_prompts, save_tiny_model
 
 pytestmark = pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
@@ -225,13 +225,17 @@ def test_the_loop_over_quantized_blocks_computes_what_the_model_does(quantizatio
     llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("quantization, dtype", [("gguf", "bfloat16"), ("int8", "float32")])
-def test_over_quantized_blocks_one_region_between_attentions_gives_the_same_bits(quantization, dtype):
-    """A model of GGUF blocks runs the work between two attentions in one parallel region
-    (decode_layers.cpp, run_layers_in_regions), its threads meeting at barriers: each
-    sequence's hidden state is bit for bit the one a fork and join per projection gives,
-    on one thread and on several (each projection's groups and each token's rows split
-    between them), at few rows (pointwise work on the first thread) and from 16 (split)."""
+@pytest.mark.parametrize("quantization, dtype", [("gguf", "bfloat16"), ("int8", "float32"), (None, "bfloat16")])
+def test_one_region_between_attentions_gives_the_same_bits(quantization, dtype):
+    """A model of GGUF blocks, or of bf16 column panels (panel_gemm on vector units), runs
+    the work between two attentions in one parallel region (decode_layers.cpp,
+    run_layers_in_regions), its threads meeting at barriers: each sequence's hidden state
+    is bit for bit the one a fork and join per projection gives, on one thread and on
+    several (each projection's groups or panels and each token's rows split between them),
+    at few rows (pointwise work on the first thread) and from 16 (split; panels: past 4
+    rows both take the prepacked op)."""
+    if quantization is None and not (panel_gemm_available() and not panel_gemm_amx_tiles()):
+        pytest.skip("bf16 panels on vector units only (AVX512-BF16 without AMX's tiles)")
     llm = LLM(dtype=dtype, kv_cache_memory="64MiB", quantization=quantization)
     runner = llm.engine.executor.runner
     prepack_linears(runner.model)
@@ -254,8 +258,9 @@ def test_over_quantized_blocks_one_region_between_attentions_gives_the_same_bits
     llm.engine.shutdown()
 
 
-def test_dense_models_fork_per_projection(tiny_llama_dir):
-    """Dense projections keep a fork and join per projection (their GEMVs' own ops)."""
+def test_row_major_models_fork_per_projection(tiny_llama_dir):
+    """Row-major projections (fp32 here) keep a fork and join per projection (their GEMVs'
+    own ops)."""
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16)
     assert not _with_native_loop(llm).in_regions
     llm.engine.shutdown()
