@@ -13,7 +13,9 @@
 // through the dispatcher from here. GGUF-block projections (Q4_1, Q8_0) take their GEMV
 // at any row count (gemv.cpp's row groups: one read of the weight per step, 2-3x torch's
 // int4 / int8 kernels). A model whose every projection is a prepacked linear or GGUF
-// blocks takes steps of any size; the others up to kMaxGemvTokens.
+// blocks takes steps of any size; the others up to kMaxGemvTokens. Where every projection
+// is GGUF blocks or bf16 panels, the work between two attentions runs in one OpenMP region
+// (run_layers_in_regions) rather than a fork and join per projection.
 //
 // Numerics follow the compiled graph's: each fused pointwise step computes in fp32 from
 // the dtype's inputs and rounds once; RMSNorm rounds the normalised value before scaling
@@ -86,7 +88,7 @@ struct Model {
   // Steps of up to this many tokens run the work between two attentions in one parallel
   // region (run_layers_in_regions): any number where every linear is GGUF blocks,
   // kMaxGemvTokens where some are bf16 panels (past it they take the prepacked op), 0 for
-  // other models (regions_apply).
+  // other models (region_tokens_limit).
   int64_t max_region_tokens = 0;
 };
 
@@ -117,6 +119,22 @@ at::Tensor linear(const Linear& l, const at::Tensor& x) {
     case kPanels: return panels.call(x, l.bias, l.weight);
     default: return dense.call(x, l.bias, l.weight);
   }
+}
+
+// One layer's attention: the step's new K/V written at slot_mapping, then q attended over
+// the block tables (pdserve_cpu's fused kernel, through the dispatcher).
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                  int64_t sliding_window) {
+  using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, double, int64_t, double);
+  static const auto attention = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("pdserve_cpu::paged_attention_with_kv_write", "")
+                                    .typed<Attention>();
+  return attention.call(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, seq_lens, scale,
+                        sliding_window, 0.0);
 }
 
 using pdserve_cpu::kLanes;
@@ -227,12 +245,6 @@ template <typename T>
 at::Tensor run_layers(const Model& model, const at::Tensor& hidden, const at::Tensor& positions,
                       at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                       const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens) {
-  using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, double, int64_t, double);
-  static const auto attention = c10::Dispatcher::singleton()
-                                    .findSchemaOrThrow("pdserve_cpu::paged_attention_with_kv_write", "")
-                                    .typed<Attention>();
   const int64_t M = hidden.size(0), H = hidden.size(1);
   const int64_t num_heads = model.num_heads, num_kv_heads = model.num_kv_heads, head_dim = model.head_dim;
   const int64_t half = model.cos.size(1);
@@ -260,9 +272,8 @@ at::Tensor run_layers(const Model& model, const at::Tensor& hidden, const at::Te
     at::Tensor q = heads.narrow(1, 0, num_heads);                   // [M, num_heads, head_dim]
     at::Tensor k = heads.narrow(1, num_heads, num_kv_heads);        // [M, num_kv_heads, head_dim]
     at::Tensor v = heads.narrow(1, num_heads + num_kv_heads, num_kv_heads);
-    at::Tensor attended = attention.call(q, k, v, k_caches[l], v_caches[l], slot_mapping, block_tables,
-                                         query_start_loc, seq_lens, model.attention_scale, layer.sliding_window,
-                                         0.0);  // [M, num_heads, head_dim]
+    at::Tensor attended = attend(q, k, v, k_caches[l], v_caches[l], slot_mapping, block_tables, query_start_loc,
+                                 seq_lens, model.attention_scale, layer.sliding_window);  // [M, num_heads, head_dim]
     at::Tensor o = linear(layer.o, attended.view({M, num_heads * head_dim}));  // [M, H]
     const T* op = o.data_ptr<T>();
     for_rows(M, [&](int64_t b, int64_t e) {
@@ -352,12 +363,6 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
                                  at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                                  const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                                  const at::Tensor& seq_lens) {
-  using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, double, int64_t, double);
-  static const auto attention = c10::Dispatcher::singleton()
-                                    .findSchemaOrThrow("pdserve_cpu::paged_attention_with_kv_write", "")
-                                    .typed<Attention>();
   const int64_t M = hidden.size(0), H = hidden.size(1);
   const int64_t num_heads = model.num_heads, num_kv_heads = model.num_kv_heads, head_dim = model.head_dim;
   const int64_t half = model.cos.size(1), attended_width = num_heads * head_dim;
@@ -434,9 +439,9 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
     up_to_attention(first, t, n, row_begin, row_end);
   }
   for (size_t l = 0; l < model.layers.size(); ++l) {
-    const at::Tensor attended = attention.call(q, k, v, k_caches[l], v_caches[l], slot_mapping, block_tables,
-                                               query_start_loc, seq_lens, model.attention_scale,
-                                               model.layers[l].sliding_window, 0.0);  // [M, num_heads, head_dim]
+    const at::Tensor attended = attend(q, k, v, k_caches[l], v_caches[l], slot_mapping, block_tables,
+                                       query_start_loc, seq_lens, model.attention_scale,
+                                       model.layers[l].sliding_window);  // [M, num_heads, head_dim]
     PDSERVE_CHECK_VALUE(attended.is_contiguous(), "decode_layers: the attention's output is not contiguous");
     const T* attended_p = attended.data_ptr<T>();
     const Layer* next = l + 1 < model.layers.size() ? &model.layers[l + 1] : nullptr;
