@@ -258,6 +258,18 @@ def test_one_region_between_attentions_gives_the_same_bits(quantization, dtype):
     llm.engine.shutdown()
 
 
+def test_the_regions_switch_turns_them_off(monkeypatch):
+    """PDSERVE_DECODE_REGIONS=0: a model of GGUF blocks forks and joins per projection."""
+    monkeypatch.setenv("PDSERVE_DECODE_REGIONS", "0")
+    llm = LLM(dtype="float32", kv_cache_memory="32MiB", quantization="gguf")
+    runner = llm.engine.executor.runner
+    prepack_linears(runner.model)
+    assert not NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=2).in_regions
+    monkeypatch.setenv("PDSERVE_DECODE_REGIONS", "1")
+    assert NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=2).in_regions
+    llm.engine.shutdown()
+
+
 def test_row_major_models_fork_per_projection(tiny_llama_dir):
     """Row-major projections (fp32 here) keep a fork and join per projection (their GEMVs'
     own ops)."""
