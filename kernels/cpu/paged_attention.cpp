@@ -743,19 +743,35 @@ void pair_prompts(Problem& pr, const int32_t* seq_lens, const int32_t* query_sta
 }
 #endif
 
-at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q_heads, head_dim]
-                           const at::Tensor& k_cache,      // [num_blocks, block_size, num_kv_heads, head_dim]
-                           const at::Tensor& v_cache,      // [num_blocks, block_size, num_kv_heads, head_dim]
-                           const at::Tensor& block_tables,     // [num_seqs, max_blocks] int32
-                           const at::Tensor& query_start_loc,  // [num_seqs + 1] int32
-                           const at::Tensor& seq_lens,         // [num_seqs] int32
-                           double scale, int64_t sliding_window, double logit_softcap) {
+// One call's work: its items (longest first in `order`), the decode tokens split over
+// their keys and their partial slots, what the items share, and the output.
+struct CallPlan {
+  std::vector<WorkItem> items;
+  std::vector<SplitToken> splits;
+  std::vector<int64_t> order;  // work w is the kv head w % num_kv_heads of item order[w / num_kv_heads]
+  Problem problem;
+  int64_t num_work = 0, work_per_claim = 1, num_workers = 0;
+  at::Tensor out, partials;
+};
+
+// Checks a call's arguments (ValueError on a bad one) and lays out its work for
+// num_threads threads.
+CallPlan plan_call(const at::Tensor& q,            // [num_tokens, num_q_heads, head_dim]
+                   const at::Tensor& k_cache,      // [num_blocks, block_size, num_kv_heads, head_dim]
+                   const at::Tensor& v_cache,      // [num_blocks, block_size, num_kv_heads, head_dim]
+                   const at::Tensor& block_tables,     // [num_seqs, max_blocks] int32
+                   const at::Tensor& query_start_loc,  // [num_seqs + 1] int32
+                   const at::Tensor& seq_lens,         // [num_seqs] int32
+                   double scale, int64_t sliding_window, double logit_softcap, int64_t num_threads) {
   PDSERVE_CHECK_VALUE(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
                       "bad q/cache shapes");
   PDSERVE_CHECK_VALUE(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
                       "q and the caches must be contiguous in head_dim");
   PDSERVE_CHECK_VALUE(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
                       "dtype mismatch");
+  PDSERVE_CHECK_VALUE(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 ||
+                          q.scalar_type() == at::kHalf,
+                      "paged_attention takes float32, bfloat16 or float16, got ", q.scalar_type());
   PDSERVE_CHECK_VALUE(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "head mismatch");
   PDSERVE_CHECK_VALUE(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
                           seq_lens.scalar_type() == at::kInt,
@@ -772,7 +788,8 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
   PDSERVE_CHECK_VALUE(starts[num_seqs] <= q.size(0), "query_start_loc ends past num_tokens");
 
   PDSERVE_CHECK_VALUE(starts[0] >= 0, "query_start_loc must start at 0 or later");
-  std::vector<WorkItem> items;
+  CallPlan plan;
+  std::vector<WorkItem>& items = plan.items;
   items.reserve(num_seqs);
   std::vector<int64_t> padding_seqs;  // seq_len 0 with queries: batch padding, whose rows are zeros
   for (int64_t i = 0; i < num_seqs; ++i) {
@@ -786,38 +803,38 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
     for (int64_t t = 0; t < query_len; t += kQueryTile)
       items.push_back({i, starts[i] + t, std::min(kQueryTile, query_len - t), seq_len - query_len + t});
   }
-  const int64_t num_threads = at::get_num_threads();
   const int64_t min_items = kWorkPerThread * num_threads;
-  std::vector<SplitToken> splits;
   const int64_t num_unsplit = static_cast<int64_t>(items.size()) * num_kv_heads;
   if (num_threads > 1 && num_unsplit > 0 && num_unsplit < min_items)
     items = split_decode_tokens(items, (min_items + num_unsplit - 1) / num_unsplit, sliding_window, block_size,
-                                splits);
-  const int64_t num_partials = splits.empty() ? 0 : splits.back().first_partial + splits.back().num_parts;
+                                plan.splits);
+  const int64_t num_partials =
+      plan.splits.empty() ? 0 : plan.splits.back().first_partial + plan.splits.back().num_parts;
   const int64_t group = q.size(1) / num_kv_heads, head_dim = q.size(2);
-  at::Tensor partials = at::empty({num_partials, num_kv_heads, group, head_dim + 2}, q.options().dtype(at::kFloat));
+  plan.partials = at::empty({num_partials, num_kv_heads, group, head_dim + 2}, q.options().dtype(at::kFloat));
   // Every row an item covers is written; only the rest (padding) is zeroed, not the whole
   // output (a bf16 fill of it cost ~0.6% of a 64-sequence decode step).
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor& out = plan.out;
+  out = at::empty(q.sizes(), q.options());
   auto zero_rows = [&](int64_t begin, int64_t end) {
     if (end > begin) out.narrow(0, begin, end - begin).zero_();
   };
   zero_rows(0, starts[0]);
   zero_rows(starts[num_seqs], q.size(0));
   for (const int64_t i : padding_seqs) zero_rows(starts[i], starts[i + 1]);
-  const int64_t num_work = static_cast<int64_t>(items.size()) * num_kv_heads;
-  Problem problem{q.data_ptr(), q.stride(0), q.stride(1),
-                        k_cache.data_ptr(), v_cache.data_ptr(),
-                        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                        out.data_ptr(), out.stride(0), out.stride(1),
-                        block_tables.data_ptr<int32_t>(), block_tables.stride(0), k_cache.size(0),
-                        block_size, num_kv_heads, q.size(1) / num_kv_heads, q.size(2), sliding_window,
-                        static_cast<float>(scale), static_cast<float>(logit_softcap), partials.data_ptr<float>()};
+  plan.num_work = static_cast<int64_t>(items.size()) * num_kv_heads;
+  plan.problem = Problem{q.data_ptr(), q.stride(0), q.stride(1),
+                         k_cache.data_ptr(), v_cache.data_ptr(),
+                         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                         out.data_ptr(), out.stride(0), out.stride(1),
+                         block_tables.data_ptr<int32_t>(), block_tables.stride(0), k_cache.size(0),
+                         block_size, num_kv_heads, q.size(1) / num_kv_heads, q.size(2), sliding_window,
+                         static_cast<float>(scale), static_cast<float>(logit_softcap), plan.partials.data_ptr<float>()};
   // Longest items first, handed out one at a time: a static split of a batch with mixed
-  // lengths leaves threads idle while one finishes the long sequences. Work w is the kv
-  // head w % num_kv_heads of item order[w / num_kv_heads].
-  std::vector<int64_t> order(items.size());
+  // lengths leaves threads idle while one finishes the long sequences.
+  std::vector<int64_t>& order = plan.order;
+  order.resize(items.size());
   for (size_t i = 0; i < items.size(); ++i) order[i] = static_cast<int64_t>(i);
   auto cost = [&](int64_t i) {
     const WorkItem& item = items[i];
@@ -829,51 +846,73 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
   // batch 64, context 200, KV from DRAM ~12 -> ~14 GB/s. Not because the next head's lines
   // are in L2 by then (without its own prefetches it is far slower); most likely the
   // memory's open pages. Otherwise (item, head) pairs go one by one.
-  const int64_t work_per_claim =
-      static_cast<int64_t>(items.size()) >= kWorkPerThread * num_threads ? num_kv_heads : 1;
+  plan.work_per_claim = static_cast<int64_t>(items.size()) >= kWorkPerThread * num_threads ? num_kv_heads : 1;
+  plan.num_workers = std::min<int64_t>(num_threads, plan.num_work);
+  return plan;
+}
+
+// One thread's share of a call's work: items claimed from `next` until none is left.
+template <typename T>
+void claim_work(const CallPlan& plan, std::atomic<int64_t>& next) {
+  const int64_t num_kv_heads = plan.problem.num_kv_heads, num_work = plan.num_work;
+  std::vector<float> scratch;
+  std::vector<int64_t> bounds;
+  BlockStream stream;
+  int64_t claimed_end = 0;  // past this thread's last claimed work
+  auto claim = [&] {
+    const int64_t first = next.fetch_add(plan.work_per_claim);
+    claimed_end = first + plan.work_per_claim;
+    return first;
+  };
+  // Each item's successor is claimed before the item starts, so the stream can run into it.
+  for (int64_t w = claim(), following = 0; w < num_work; w = following) {
+    following = w + 1 < claimed_end ? w + 1 : claim();
+    stream.upcoming = following < num_work ? &plan.items[plan.order[following / num_kv_heads]] : nullptr;
+    stream.upcoming_head = following % num_kv_heads;
+    attend_item_any_dim<T>(plan.problem, plan.items[plan.order[w / num_kv_heads]], w % num_kv_heads, stream, scratch,
+                           bounds);
+  }
+}
+
+// f(T{}) for the call's dtype (checked by plan_call).
+template <typename F>
+void with_dtype(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    default: f(c10::Half{}); break;
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q_heads, head_dim]
+                           const at::Tensor& k_cache,      // [num_blocks, block_size, num_kv_heads, head_dim]
+                           const at::Tensor& v_cache,      // [num_blocks, block_size, num_kv_heads, head_dim]
+                           const at::Tensor& block_tables,     // [num_seqs, max_blocks] int32
+                           const at::Tensor& query_start_loc,  // [num_seqs + 1] int32
+                           const at::Tensor& seq_lens,         // [num_seqs] int32
+                           double scale, int64_t sliding_window, double logit_softcap) {
+  CallPlan plan = plan_call(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
+                            logit_softcap, at::get_num_threads());
   std::atomic<int64_t> next{0};
-  const int64_t num_workers = std::min<int64_t>(num_threads, num_work);
   std::vector<int64_t> paired_offsets;
-  auto run = [&](auto dtype_tag) {
+  with_dtype(q.scalar_type(), [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
 #ifdef PDSERVE_BF16_DOT
     if constexpr (std::is_same_v<T, c10::BFloat16>)
-      if (head_dim % 64 == 0 && head_dim <= 256 && block_size % 16 == 0) {
+      if (plan.problem.head_dim % 64 == 0 && plan.problem.head_dim <= 256 && plan.problem.block_size % 16 == 0) {
 #ifdef PDSERVE_ATTENTION_AMX
         const bool amx = amx_tiles_usable();
 #else
         const bool amx = false;
 #endif
-        pair_prompts(problem, lens, starts, num_seqs, amx, paired_offsets);
+        pair_prompts(plan.problem, seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
+                     block_tables.size(0), amx, paired_offsets);
       }
 #endif
-    at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
-      std::vector<float> scratch;
-      std::vector<int64_t> bounds;
-      BlockStream stream;
-      int64_t claimed_end = 0;  // past this thread's last claimed work
-      auto claim = [&] {
-        const int64_t first = next.fetch_add(work_per_claim);
-        claimed_end = first + work_per_claim;
-        return first;
-      };
-      // Each item's successor is claimed before the item starts, so the stream can run into it.
-      for (int64_t w = claim(), following = 0; w < num_work; w = following) {
-        following = w + 1 < claimed_end ? w + 1 : claim();
-        stream.upcoming = following < num_work ? &items[order[following / num_kv_heads]] : nullptr;
-        stream.upcoming_head = following % num_kv_heads;
-        attend_item_any_dim<T>(problem, items[order[w / num_kv_heads]], w % num_kv_heads, stream, scratch, bounds);
-      }
-    });
-    for (const SplitToken& split : splits) merge_split_token<T>(problem, split);
-  };
-  switch (q.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}); break;
-    default: PDSERVE_CHECK_VALUE(false, "paged_attention takes float32, bfloat16 or float16, got ", q.scalar_type());
-  }
-  return out;
+    at::parallel_for(0, plan.num_workers, 1, [&](int64_t, int64_t) { claim_work<T>(plan, next); });
+    for (const SplitToken& split : plan.splits) merge_split_token<T>(plan.problem, split);
+  });
+  return plan.out;
 }
 
 // Writes each new token's K and V at its slot (block * block_size + offset; < 0: padding,
