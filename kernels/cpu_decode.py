@@ -62,8 +62,8 @@ def register_decode_model(
     # per weight: its pdserve_gemv::prepacked_linear id, or -1; where every weight has one,
     # the model takes steps of any size (the ids' op past DECODE_MAX_TOKENS rows)
     weight_ids: list[int] | None = None,
-    # a model of GGUF blocks or bf16 panels runs the work between two attentions in one
-    # parallel region (False, or PDSERVE_DECODE_REGIONS=0: a fork and join per projection)
+    # a model of GGUF blocks or bf16 panels runs each step in one parallel region (False,
+    # or PDSERVE_DECODE_REGIONS=0: a fork and join per projection and attention)
     in_regions: bool = True,
 ) -> int:
     """The library keeps these tensors (shared, not copied) under the returned id."""
@@ -73,8 +73,7 @@ def register_decode_model(
 
 
 def decode_model_in_regions(model_id: int) -> bool:
-    """Whether the registered model's steps run between attentions in one parallel region
-    each (a model whose every projection is GGUF blocks, or bf16 column panels on vector
+    """Whether the registered model's steps run in one parallel region each (a model whose every projection is GGUF blocks, or bf16 column panels on vector
     units, of a Llama layer's shapes; panels up to DECODE_MAX_TOKENS tokens)."""
     return torch.ops.pdserve_decode.decode_model_in_regions(model_id)
 

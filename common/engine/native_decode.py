@@ -110,8 +110,8 @@ class NativeDecodeLoop:
                  num_layers: int | None = None, in_regions: bool = True):
         """num_layers: run only the first num_layers layers, then the final norm (an early
         exit, as CausalLM.forward's); None: all of them. in_regions: a model of GGUF blocks
-        runs the work between two attentions in one parallel region (False: a fork and
-        join per projection, as other models)."""
+        or bf16 column panels runs each step in one parallel region (False: a fork and
+        join per projection and attention, as other models)."""
         self.model = model
         self.model_id = register_decode_model(**_model_tensors(model, num_layers), in_regions=in_regions)
         weakref.finalize(self, release_decode_model, self.model_id)
@@ -140,7 +140,7 @@ class NativeDecodeLoop:
             return None
         if loop.in_regions:
             logger.info("decode-only steps run in the native loop (kernels/cpu/decode_layers.cpp), "
-                        "one parallel region between two attentions")
+                        "one parallel region a step")
         elif loop.max_num_tokens == sys.maxsize:
             logger.info("decode-only steps run in the native loop (kernels/cpu/decode_layers.cpp)")
         else:

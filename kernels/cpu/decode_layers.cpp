@@ -14,8 +14,8 @@
 // at any row count (gemv.cpp's row groups: one read of the weight per step, 2-3x torch's
 // int4 / int8 kernels). A model whose every projection is a prepacked linear or GGUF
 // blocks takes steps of any size; the others up to kMaxGemvTokens. Where every projection
-// is GGUF blocks or bf16 panels, the work between two attentions runs in one OpenMP region
-// (run_layers_in_regions) rather than a fork and join per projection.
+// is GGUF blocks or bf16 panels, the whole step runs in one OpenMP region
+// (run_layers_in_regions) rather than a fork and join per projection and attention.
 //
 // Numerics follow the compiled graph's: each fused pointwise step computes in fp32 from
 // the dtype's inputs and rounds once; RMSNorm rounds the normalised value before scaling
@@ -42,6 +42,7 @@
 #include <omp.h>
 
 #include "amx_tiles.h"
+#include "attention_team.h"
 #include "check_message.h"
 #include "gguf_row_groups.h"
 #include "panel_gemm.h"
@@ -85,8 +86,7 @@ struct Model {
   int64_t num_heads, num_kv_heads, head_dim;
   double rms_norm_eps, attention_scale;
   int64_t max_tokens;  // kMaxGemvTokens, or no limit where every linear has a weight_id or GGUF blocks
-  // Steps of up to this many tokens run the work between two attentions in one parallel
-  // region (run_layers_in_regions): any number where every linear is GGUF blocks,
+  // Steps of up to this many tokens run in one parallel region (run_layers_in_regions): any number where every linear is GGUF blocks,
   // kMaxGemvTokens where some are bf16 panels (past it they take the prepacked op), 0 for
   // other models (region_tokens_limit).
   int64_t max_region_tokens = 0;
@@ -135,6 +135,16 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     .typed<Attention>();
   return attention.call(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start_loc, seq_lens, scale,
                         sliding_window, 0.0);
+}
+
+// The attention library's team API (attention_team.h), looked up once.
+const pdserve_cpu::TeamAttentionApi& team_attention_api() {
+  static const pdserve_cpu::TeamAttentionApi* api = [] {
+    const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("pdserve_cpu::team_attention_api", "").typed<int64_t()>();
+    return reinterpret_cast<const pdserve_cpu::TeamAttentionApi*>(op.call());
+  }();
+  return *api;
 }
 
 using pdserve_cpu::kLanes;
@@ -351,13 +361,15 @@ void prepare_rows(const Linear& l, const T* x, int64_t begin, int64_t end, pdser
 }
 
 // run_layers for a model whose every linear is GGUF blocks or bf16 panels
-// (region_tokens_limit): the same steps and the same bits, but everything between two
-// attentions (the o, gate and up, and down projections, then the next layer's qkv
-// projection, with the pointwise steps between them) runs in one OpenMP region whose threads meet at barriers, where run_layers forks and joins the
-// threads for each projection. At one token a layer's projections take ~10-15 us each, and
-// a fork and join with the ramp of each thread's weight stream cost ~1-2 us of that: 120
-// Q4_1 GEMVs of SmolLM2's shapes back to back, 2 threads on the Zen 5 EPYC, 1.29 -> 1.07 ms
-// in one region. The attention keeps its own call (its work items, splits and merges).
+// (region_tokens_limit): the same steps and the same bits, but the whole step runs in one
+// OpenMP region whose threads meet at barriers, where run_layers forks and joins the
+// threads for each projection and each attention. At one token a layer's projections take
+// ~10-15 us each, and a fork and join with the ramp of each thread's weight stream cost
+// ~1-2 us of that: 120 Q4_1 GEMVs of SmolLM2's shapes back to back, 2 threads on the Zen 5
+// EPYC, 1.29 -> 1.07 ms in one region. The attention's work is planned once a step (every
+// layer's items are the same) and each layer's is shared out by the attention library's
+// team calls (attention_team.h): its own region cost ~5 us a layer at short contexts, most
+// of the attention there.
 template <typename T>
 at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, const at::Tensor& positions,
                                  at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
@@ -432,23 +444,33 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
                   eps);
   };
 
+  // Every layer's caches shaped as the first's, which the team's plan was checked against:
+  // its layer calls run inside the region and must not fail.
+  for (size_t l = 0; l < model.layers.size(); ++l)
+    PDSERVE_CHECK_VALUE(k_caches[l].sizes() == k_caches[0].sizes() && v_caches[l].sizes() == k_caches[0].sizes() &&
+                            k_caches[l].scalar_type() == k_caches[0].scalar_type() &&
+                            v_caches[l].scalar_type() == k_caches[0].scalar_type() && k_caches[l].is_contiguous() &&
+                            v_caches[l].is_contiguous(),
+                        "decode_layers: every layer's K and V caches must be contiguous and shaped as the first's");
+  const pdserve_cpu::TeamAttentionApi& team_api = team_attention_api();
+  const std::unique_ptr<pdserve_cpu::TeamAttention, void (*)(pdserve_cpu::TeamAttention*)> team(
+      team_api.begin(q, k, v, k_caches[0], v_caches[0], slot_mapping, block_tables, query_start_loc, seq_lens,
+                     model.attention_scale, first.sliding_window, num_threads),
+      team_api.end);
+  const at::Tensor attended = team_api.out(team.get());  // [M, num_heads, head_dim], each layer's in turn
+  PDSERVE_CHECK_VALUE(attended.is_contiguous(), "decode_layers: the attention's output is not contiguous");
+  const T* attended_p = attended.data_ptr<T>();
+
 #pragma omp parallel num_threads(num_threads)
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
     const auto [row_begin, row_end] = rows_of(M, t, n);
     up_to_attention(first, t, n, row_begin, row_end);
-  }
-  for (size_t l = 0; l < model.layers.size(); ++l) {
-    const at::Tensor attended = attend(q, k, v, k_caches[l], v_caches[l], slot_mapping, block_tables,
-                                       query_start_loc, seq_lens, model.attention_scale,
-                                       model.layers[l].sliding_window);  // [M, num_heads, head_dim]
-    PDSERVE_CHECK_VALUE(attended.is_contiguous(), "decode_layers: the attention's output is not contiguous");
-    const T* attended_p = attended.data_ptr<T>();
-    const Layer* next = l + 1 < model.layers.size() ? &model.layers[l + 1] : nullptr;
-#pragma omp parallel num_threads(num_threads)
-    {
-      const int t = omp_get_thread_num(), n = omp_get_num_threads();
-      const auto [row_begin, row_end] = rows_of(M, t, n);
+    for (size_t l = 0; l < model.layers.size(); ++l) {
+#pragma omp barrier
+      // every row's q and k rotated: the layer's K/V written, then its attention (ends at a barrier)
+      team_api.layer(team.get(), k_caches[l], v_caches[l], t);
+      const Layer* next = l + 1 < model.layers.size() ? &model.layers[l + 1] : nullptr;
       after_attention(model.layers[l], next, attended_p, t, n, row_begin, row_end);
     }
   }
@@ -498,8 +520,8 @@ Linear make_linear(int64_t kind, const at::Tensor& weight, const std::optional<a
 // Whether run_layers_in_regions serves the model's steps of up to how many tokens (0: none,
 // Model::max_region_tokens): every linear GGUF blocks or bf16 panels (these where panel_gemm
 // runs on vector units: its AMX form keeps the op), of the shapes a Llama layer has, the
-// same in every layer. Others (and mismatched shapes, which the GEMV ops then report) take
-// run_layers.
+// same in every layer, and one sliding window for all (one attention plan a step). Others
+// (and mismatched shapes, which the GEMV ops then report) take run_layers.
 int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
 #ifdef PDSERVE_ROW_GROUPS
 #ifdef PDSERVE_PANEL_GEMM
@@ -516,6 +538,7 @@ int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
   const int64_t I = model.layers[0].down.in_features;
   bool blocks_only = true;
   for (const Layer& layer : model.layers) {
+    if (layer.sliding_window != model.layers[0].sliding_window) return 0;  // one attention plan a step
     for (const Linear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
       if (!takes_any_rows(l->kind) && !(panels && l->kind == kPanels)) return 0;
       blocks_only = blocks_only && takes_any_rows(l->kind);

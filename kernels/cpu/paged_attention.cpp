@@ -26,9 +26,12 @@
 #include <type_traits>
 #include <vector>
 
+#include <omp.h>
+
 #include "attention_amx.h"
 #include "attention_bf16.h"
 #include "attention_blocks.h"
+#include "attention_team.h"
 #include "check_message.h"
 #include "vec_math.h"
 
@@ -915,6 +918,111 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
   return plan.out;
 }
 
+}  // namespace
+
+namespace pdserve_cpu {
+struct TeamAttention {
+  CallPlan plan;
+  std::atomic<int64_t> next{0};
+  at::Tensor k, v, slot_mapping;  // the step's new K/V [num_tokens, num_kv_heads, head_dim] and their slots
+};
+}  // namespace pdserve_cpu
+
+namespace {
+using pdserve_cpu::TeamAttention;
+
+// The KV-write checks of paged_attention_with_kv_write.
+void check_kv_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping) {
+  PDSERVE_CHECK_VALUE(
+      k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+      "bad k/v/cache shapes");
+  PDSERVE_CHECK_VALUE(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k/v heads do not match the cache");
+  PDSERVE_CHECK_VALUE(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+                      "k/v dtype differs from the cache's");
+  PDSERVE_CHECK_VALUE(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+                      "k/v must be contiguous in head_dim and the caches contiguous");
+  PDSERVE_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                          slot_mapping.numel() == k.size(0),
+                      "slot_mapping must be [num_tokens] int64");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < k.size(0); ++t)
+    PDSERVE_CHECK_VALUE(slots[t] < num_slots, "slot ", slots[t], " of token ", t, " is past the cache's ", num_slots);
+}
+
+// Each new token's K and V at its slot (block * block_size + offset; < 0: padding, skipped).
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), elem = k.element_size();
+  const int64_t row_bytes = k.size(2) * elem;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  auto* k_dst = static_cast<char*>(k_cache.data_ptr());
+  auto* v_dst = static_cast<char*>(v_cache.data_ptr());
+  const auto* k_src = static_cast<const char*>(k.data_ptr());
+  const auto* v_src = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slots[t] < 0) continue;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t dst = (slots[t] * num_kv_heads + h) * row_bytes;
+      std::memcpy(k_dst + dst, k_src + (t * k.stride(0) + h * k.stride(1)) * elem, row_bytes);
+      std::memcpy(v_dst + dst, v_src + (t * v.stride(0) + h * v.stride(1)) * elem, row_bytes);
+    }
+  }
+}
+
+TeamAttention* team_begin(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                          int64_t sliding_window, int64_t num_threads) {
+  check_kv_write(k, v, k_cache, v_cache, slot_mapping);
+  auto team = std::make_unique<TeamAttention>();
+  team->plan = plan_call(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, 0.0,
+                         num_threads);
+  // Every block a sequence's keys lie in, checked here rather than as the items read them
+  // (item_block_id), which would raise inside the caller's parallel region.
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const Problem& pr = team->plan.problem;
+  for (int64_t i = 0; i < block_tables.size(0); ++i)
+    for (int64_t b = 0; b < (lens[i] + pr.block_size - 1) / pr.block_size; ++b) {
+      const int64_t block_id = pr.block_tables[i * pr.block_table_stride + b];
+      PDSERVE_CHECK_VALUE(block_id >= 0 && block_id < pr.num_blocks, "block table entry ", block_id,
+                          " of sequence ", i, " is outside the cache's ", pr.num_blocks, " blocks");
+    }
+  team->k = k;
+  team->v = v;
+  team->slot_mapping = slot_mapping;
+  return team.release();
+}
+
+void team_layer(TeamAttention* team, const at::Tensor& k_cache, const at::Tensor& v_cache, int t) {
+  CallPlan& plan = team->plan;
+  if (t == 0) {
+    write_kv(team->k, team->v, k_cache, v_cache, team->slot_mapping);
+    plan.problem.k = k_cache.data_ptr();
+    plan.problem.v = v_cache.data_ptr();
+    team->next.store(0);
+  }
+#pragma omp barrier
+  with_dtype(plan.out.scalar_type(), [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
+    claim_work<T>(plan, team->next);
+#pragma omp barrier
+    if (t == 0)
+      for (const SplitToken& split : plan.splits) merge_split_token<T>(plan.problem, split);
+  });
+#pragma omp barrier
+}
+
+at::Tensor team_out(TeamAttention* team) { return team->plan.out; }
+
+void team_end(TeamAttention* team) { delete team; }
+
+const pdserve_cpu::TeamAttentionApi kTeamAttentionApi{&team_begin, &team_layer, &team_out, &team_end};
+
+// The address of kTeamAttentionApi, for decode_layers.cpp (attention_team.h).
+int64_t team_attention_api() { return reinterpret_cast<int64_t>(&kTeamAttentionApi); }
+
 // Writes each new token's K and V at its slot (block * block_size + offset; < 0: padding,
 // skipped), then attends: the whole of one layer's attention in one call.
 at::Tensor paged_attention_with_kv_write(const at::Tensor& q,        // [num_tokens, num_q_heads, head_dim]
@@ -927,36 +1035,8 @@ at::Tensor paged_attention_with_kv_write(const at::Tensor& q,        // [num_tok
                                          const at::Tensor& query_start_loc,  // [num_seqs + 1] int32
                                          const at::Tensor& seq_lens,         // [num_seqs] int32
                                          double scale, int64_t sliding_window, double logit_softcap) {
-  PDSERVE_CHECK_VALUE(
-      k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-      "bad k/v/cache shapes");
-  PDSERVE_CHECK_VALUE(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k/v heads do not match the cache");
-  PDSERVE_CHECK_VALUE(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
-                      "k/v dtype differs from the cache's");
-  PDSERVE_CHECK_VALUE(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
-                      "k/v must be contiguous in head_dim and the caches contiguous");
-  PDSERVE_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                          slot_mapping.numel() == k.size(0),
-                      "slot_mapping must be [num_tokens] int64");
-  const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), head_dim = k.size(2);
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  const int64_t row_bytes = head_dim * k.element_size();
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < num_tokens; ++t)
-    PDSERVE_CHECK_VALUE(slots[t] < num_slots, "slot ", slots[t], " of token ", t, " is past the cache's ", num_slots);
-  auto* k_dst = static_cast<char*>(k_cache.data_ptr());
-  auto* v_dst = static_cast<char*>(v_cache.data_ptr());
-  const auto* k_src = static_cast<const char*>(k.data_ptr());
-  const auto* v_src = static_cast<const char*>(v.data_ptr());
-  const int64_t elem = k.element_size();
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    if (slots[t] < 0) continue;
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      const int64_t dst = (slots[t] * num_kv_heads + h) * row_bytes;
-      std::memcpy(k_dst + dst, k_src + (t * k.stride(0) + h * k.stride(1)) * elem, row_bytes);
-      std::memcpy(v_dst + dst, v_src + (t * v.stride(0) + h * v.stride(1)) * elem, row_bytes);
-    }
-  }
+  check_kv_write(k, v, k_cache, v_cache, slot_mapping);
+  write_kv(k, v, k_cache, v_cache, slot_mapping);
   return paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
                          logit_softcap);
 }
@@ -1023,6 +1103,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("set_step(Tensor? slot_mapping, Tensor? block_tables, Tensor? query_start_loc, Tensor? seq_lens) -> ()",
         &set_step);
   m.def("has_step() -> bool", &has_step);
+  m.def("team_attention_api() -> int", &team_attention_api);
   m.def("layer_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, float scale, "
         "Tensor layer_idx, int? sliding_window, float? logit_softcap) -> Tensor");
 }

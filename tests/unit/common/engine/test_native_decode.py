@@ -121,7 +121,10 @@ def _decode_step(llm: LLM, prompts: list[list[int]], loop: NativeDecodeLoop | No
     states [len(prompts), hidden_size]."""
     runner = llm.engine.executor.runner
     params = SamplingParams(temperature=0.0)
-    tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(prompts))]
+    block_size = llm.engine.config.cache.block_size
+    num_blocks = [max(4, -(-(len(p) + 1) // block_size)) for p in prompts]  # each sequence's own blocks
+    firsts = [sum(num_blocks[:i]) for i in range(len(prompts))]
+    tables = [list(range(first, first + n)) for first, n in zip(firsts, num_blocks)]
     prefill = [ScheduledRequest(f"r{i}", p, 0, t, True, params) for i, (p, t) in enumerate(zip(prompts, tables))]
     decode = [ScheduledRequest(f"r{i}", [p[-1]], len(p), t, True, params)
               for i, (p, t) in enumerate(zip(prompts, tables))]
@@ -228,12 +231,14 @@ def test_the_loop_over_quantized_blocks_computes_what_the_model_does(quantizatio
 @pytest.mark.parametrize("quantization, dtype", [("gguf", "bfloat16"), ("int8", "float32"), (None, "bfloat16")])
 def test_one_region_between_attentions_gives_the_same_bits(quantization, dtype):
     """A model of GGUF blocks, or of bf16 column panels (panel_gemm on vector units), runs
-    the work between two attentions in one parallel region (decode_layers.cpp,
-    run_layers_in_regions), its threads meeting at barriers: each sequence's hidden state
+    each step in one parallel region (decode_layers.cpp, run_layers_in_regions), its
+    threads meeting at barriers, the attention's work shared out by the attention
+    library's team calls: each sequence's hidden state
     is bit for bit the one a fork and join per projection gives, on one thread and on
     several (each projection's groups or panels and each token's rows split between them),
     at few rows (pointwise work on the first thread) and from 16 (split; panels: past 4
-    rows both take the prepacked op)."""
+    rows both take the prepacked op), and where a lone sequence's attention is split over
+    its keys."""
     if quantization is None and not (panel_gemm_available() and not panel_gemm_amx_tiles()):
         pytest.skip("bf16 panels on vector units only (AVX512-BF16 without AMX's tiles)")
     llm = LLM(dtype=dtype, kv_cache_memory="64MiB", quantization=quantization)
@@ -248,11 +253,13 @@ def test_one_region_between_attentions_gives_the_same_bits(quantization, dtype):
     try:
         for num_threads in (1, 2, 3):
             torch.set_num_threads(num_threads)
-            for num_seqs in (1, 3, 18):
-                prompts = [[t + 5 * i for t in distinct[i % 7]] for i in range(num_seqs)]
+            # 300 keys: the lone sequence's attention split over its keys, the parts merged
+            for num_seqs, long in ((1, False), (3, False), (18, False), (1, True)):
+                prompts = ([[(13 * i) % 40000 + 100 for i in range(300)]] if long
+                           else [[t + 5 * i for t in distinct[i % 7]] for i in range(num_seqs)])
                 got = _decode_step(llm, prompts, in_regions)
                 want = _decode_step(llm, prompts, forked)
-                assert torch.equal(got, want), (num_threads, num_seqs)
+                assert torch.equal(got, want), (num_threads, num_seqs, long)
     finally:
         torch.set_num_threads(threads_before)
     llm.engine.shutdown()
@@ -267,6 +274,35 @@ def test_the_regions_switch_turns_them_off(monkeypatch):
     assert not NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=2).in_regions
     monkeypatch.setenv("PDSERVE_DECODE_REGIONS", "1")
     assert NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=2).in_regions
+    llm.engine.shutdown()
+
+
+def test_in_one_region_bad_calls_raise_and_write_nothing():
+    """The region form checks everything its attention would, before the region (where an
+    error could not be raised): a slot past the cache or a block table entry outside it
+    raises ValueError, and no cache is written."""
+    llm = LLM(dtype="float32", kv_cache_memory="32MiB", quantization="gguf")
+    runner = llm.engine.executor.runner
+    prepack_linears(runner.model)
+    loop = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=2)
+    assert loop.in_regions
+    hidden_size = llm.engine.model_config.hidden_size
+    num_slots = loop.k_caches[0].shape[0] * loop.k_caches[0].shape[1]
+    for cache in (*loop.k_caches, *loop.v_caches):
+        cache.zero_()
+
+    def call(slot=0, block=0):
+        return decode_layers(loop.model_id, torch.randn(1, hidden_size), torch.zeros(1, dtype=torch.int64),
+                             loop.k_caches, loop.v_caches, torch.tensor([slot]), torch.tensor([[block]], dtype=torch.int32),
+                             torch.arange(2, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+
+    with pytest.raises(ValueError, match="past the cache"):
+        call(slot=num_slots)
+    with pytest.raises(ValueError, match="outside the cache"):
+        call(block=loop.k_caches[0].shape[0])
+    assert all(not cache.any() for cache in (*loop.k_caches, *loop.v_caches))
+    assert call().shape == (1, hidden_size)
+    assert loop.k_caches[1].any()
     llm.engine.shutdown()
 
 
