@@ -293,8 +293,9 @@ def test_in_one_region_bad_calls_raise_and_write_nothing():
 
     def call(slot=0, block=0):
         return decode_layers(loop.model_id, torch.randn(1, hidden_size), torch.zeros(1, dtype=torch.int64),
-                             loop.k_caches, loop.v_caches, torch.tensor([slot]), torch.tensor([[block]], dtype=torch.int32),
-                             torch.arange(2, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+                             loop.k_caches, loop.v_caches, torch.tensor([slot]),
+                             torch.tensor([[block]], dtype=torch.int32), torch.arange(2, dtype=torch.int32),
+                             torch.ones(1, dtype=torch.int32))
 
     with pytest.raises(ValueError, match="past the cache"):
         call(slot=num_slots)
