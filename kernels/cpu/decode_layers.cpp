@@ -391,8 +391,7 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
   T *xp = x.data_ptr<T>(), *np = normed.data_ptr<T>(), *qkv_p = qkv.data_ptr<T>(), *op = o.data_ptr<T>();
   T *gate_up_p = gate_up.data_ptr<T>(), *act_p = act.data_ptr<T>(), *dp = down.data_ptr<T>();
   // x's rows quantized for the projections that read the hidden width, the attention's
-  // output and the MLP's activations
-  // (GGUF blocks only: panels read x as it is)
+  // output and the MLP's activations (GGUF blocks only: panels read x as it is)
   pdserve_cpu::BlockQuantizedX xq_hidden(M * H / pdserve_cpu::kBlockCols);
   pdserve_cpu::BlockQuantizedX xq_attended(M * attended_width / pdserve_cpu::kBlockCols);
   pdserve_cpu::BlockQuantizedX xq_act(M * I / pdserve_cpu::kBlockCols);
