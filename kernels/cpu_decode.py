@@ -69,12 +69,14 @@ def register_decode_model(
     """The library keeps these tensors (shared, not copied) under the returned id."""
     return torch.ops.pdserve_decode.register_decode_model(
         norms, weights, kinds, biases, sliding_windows, final_norm, cos, sin, num_heads, num_kv_heads, head_dim,
-        float(rms_norm_eps), float(attention_scale), weight_ids, in_regions and not switched_off("PDSERVE_DECODE_REGIONS"))
+        float(rms_norm_eps), float(attention_scale), weight_ids,
+        in_regions and not switched_off("PDSERVE_DECODE_REGIONS"))
 
 
 def decode_model_in_regions(model_id: int) -> bool:
-    """Whether the registered model's steps run in one parallel region each (a model whose every projection is GGUF blocks, or bf16 column panels on vector
-    units, of a Llama layer's shapes; panels up to DECODE_MAX_TOKENS tokens)."""
+    """Whether the registered model's steps run in one parallel region each (a model whose
+    every projection is GGUF blocks, or bf16 column panels on vector units, of a Llama
+    layer's shapes with one sliding window; panels up to DECODE_MAX_TOKENS tokens)."""
     return torch.ops.pdserve_decode.decode_model_in_regions(model_id)
 
 

@@ -86,9 +86,9 @@ struct Model {
   int64_t num_heads, num_kv_heads, head_dim;
   double rms_norm_eps, attention_scale;
   int64_t max_tokens;  // kMaxGemvTokens, or no limit where every linear has a weight_id or GGUF blocks
-  // Steps of up to this many tokens run in one parallel region (run_layers_in_regions): any number where every linear is GGUF blocks,
-  // kMaxGemvTokens where some are bf16 panels (past it they take the prepacked op), 0 for
-  // other models (region_tokens_limit).
+  // Steps of up to this many tokens run in one parallel region (run_layers_in_regions): any
+  // number where every linear is GGUF blocks, kMaxGemvTokens where some are bf16 panels
+  // (past it they take the prepacked op), 0 for other models (region_tokens_limit).
   int64_t max_region_tokens = 0;
 };
 
@@ -508,9 +508,9 @@ Linear make_linear(int64_t kind, const at::Tensor& weight, const std::optional<a
 #ifdef PDSERVE_ROW_GROUPS
     const uint8_t* w = weight.data_ptr<uint8_t>();
     const int64_t num_blocks = weight.size(1) / row_bytes;
-    linear.padded_last = kind == kQ4_1
-                             ? pdserve_cpu::pad_last_group<pdserve_cpu::BlockFormat::kQ4_1>(w, out_features, num_blocks)
-                             : pdserve_cpu::pad_last_group<pdserve_cpu::BlockFormat::kQ8_0>(w, out_features, num_blocks);
+    using pdserve_cpu::BlockFormat;
+    linear.padded_last = kind == kQ4_1 ? pdserve_cpu::pad_last_group<BlockFormat::kQ4_1>(w, out_features, num_blocks)
+                                       : pdserve_cpu::pad_last_group<BlockFormat::kQ8_0>(w, out_features, num_blocks);
 #endif
   }
   return linear;

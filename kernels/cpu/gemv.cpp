@@ -277,7 +277,6 @@ void for_row_ranges(int64_t M, int64_t N, RowsFn rows) {
   });
 }
 
-
 // y [M, N] = x @ W^T (+ bias) over GGUF blocks in groups of 16 rows (gguf_row_groups.h),
 // for any number of rows of x: decode steps and prompts alike. torch's int4 and int8
 // kernels, the alternative, take ~0.6 ms per row of x over SmolLM2's Q4_1 projections

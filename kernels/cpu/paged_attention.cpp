@@ -26,8 +26,6 @@
 #include <type_traits>
 #include <vector>
 
-#include <omp.h>
-
 #include "attention_amx.h"
 #include "attention_bf16.h"
 #include "attention_blocks.h"
@@ -135,12 +133,17 @@ struct BlockStream {
   bool primed = false;  // the previous item asked for this item's first kPrefetchBlocks blocks
 };
 
+// Cache block b of sequence seq, checked against the cache's size.
+inline int64_t checked_block_id(const Problem& pr, int64_t seq, int64_t b) {
+  const int64_t block_id = pr.block_tables[seq * pr.block_table_stride + b];
+  PDSERVE_CHECK_VALUE(block_id >= 0 && block_id < pr.num_blocks, "block table entry ", block_id, " of sequence ",
+                      seq, " is outside the cache's ", pr.num_blocks, " blocks");
+  return block_id;
+}
+
 // Cache block b of the item's sequence, checked against the cache's size.
 inline int64_t item_block_id(const Problem& pr, const WorkItem& item, int64_t b) {
-  const int64_t block_id = pr.block_tables[item.seq * pr.block_table_stride + b];
-  PDSERVE_CHECK_VALUE(block_id >= 0 && block_id < pr.num_blocks, "block table entry ", block_id, " of sequence ",
-                      item.seq, " is outside the cache's ", pr.num_blocks, " blocks");
-  return block_id;
+  return checked_block_id(pr, item.seq, b);
 }
 
 // Consecutive buffers of the given float counts in `scratch`, the first on a 4 KB boundary,
@@ -984,11 +987,7 @@ TeamAttention* team_begin(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const Problem& pr = team->plan.problem;
   for (int64_t i = 0; i < block_tables.size(0); ++i)
-    for (int64_t b = 0; b < (lens[i] + pr.block_size - 1) / pr.block_size; ++b) {
-      const int64_t block_id = pr.block_tables[i * pr.block_table_stride + b];
-      PDSERVE_CHECK_VALUE(block_id >= 0 && block_id < pr.num_blocks, "block table entry ", block_id,
-                          " of sequence ", i, " is outside the cache's ", pr.num_blocks, " blocks");
-    }
+    for (int64_t b = 0; b < (lens[i] + pr.block_size - 1) / pr.block_size; ++b) checked_block_id(pr, i, b);
   team->k = k;
   team->v = v;
   team->slot_mapping = slot_mapping;

@@ -229,13 +229,12 @@ def test_the_loop_over_quantized_blocks_computes_what_the_model_does(quantizatio
 
 
 @pytest.mark.parametrize("quantization, dtype", [("gguf", "bfloat16"), ("int8", "float32"), (None, "bfloat16")])
-def test_one_region_between_attentions_gives_the_same_bits(quantization, dtype):
+def test_one_region_a_step_gives_the_same_bits(quantization, dtype):
     """A model of GGUF blocks, or of bf16 column panels (panel_gemm on vector units), runs
     each step in one parallel region (decode_layers.cpp, run_layers_in_regions), its
     threads meeting at barriers, the attention's work shared out by the attention
-    library's team calls: each sequence's hidden state
-    is bit for bit the one a fork and join per projection gives, on one thread and on
-    several (each projection's groups or panels and each token's rows split between them),
+    library's team calls: each sequence's hidden state is bit for bit the one a fork and
+    join per projection and attention gives, on one thread and on several (each projection's groups or panels and each token's rows split between them),
     at few rows (pointwise work on the first thread) and from 16 (split; panels: past 4
     rows both take the prepacked op), and where a lone sequence's attention is split over
     its keys."""
