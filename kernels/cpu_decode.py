@@ -1,7 +1,8 @@
 """The native decode loop (kernels/cpu/decode_layers.cpp) as torch ops `torch.ops.pdserve_decode.*`:
 a decode-only step through every decoder layer of a Llama-shaped model in one call (up to
 DECODE_MAX_TOKENS tokens, or any number where every projection is a registered prepacked
-linear or GGUF blocks), and whether it runs here.
+linear or GGUF blocks), or from the token ids to each row's greedy next token
+(decode_greedy), and whether it runs here.
 
 It reaches the GEMVs (kernels/cpu_linear.py) and the fused paged attention
 (kernels/cpu_attention.py) through the dispatcher, so it needs both loaded; it is built
@@ -37,7 +38,8 @@ def native_decode_available() -> bool:
     native_decode_disabled() each time they would use it."""
     if not native_gemv_available() or not native_attention_available():
         return False
-    error = load_ops("decode_layers", {"pdserve_decode::decode_layers": _decode_layers_fake})
+    error = load_ops("decode_layers", {"pdserve_decode::decode_layers": _decode_layers_fake,
+                                       "pdserve_decode::decode_greedy": _decode_greedy_fake})
     if error is not None:
         log.warning("native decode loop unavailable, decode steps stay on the compiled model: %s", error)
         return False
@@ -47,6 +49,11 @@ def native_decode_available() -> bool:
 def _decode_layers_fake(model_id, hidden, positions, k_caches, v_caches, slot_mapping, block_tables,
                         query_start_loc, seq_lens):
     return hidden.new_empty(hidden.shape)
+
+
+def _decode_greedy_fake(model_id, input_ids, positions, k_caches, v_caches, slot_mapping, block_tables,
+                        query_start_loc, seq_lens):
+    return input_ids.new_empty(input_ids.shape)
 
 
 def register_decode_model(
@@ -65,12 +72,21 @@ def register_decode_model(
     # a model of GGUF blocks or bf16 panels runs each step in one parallel region (False,
     # or PDSERVE_DECODE_REGIONS=0: a fork and join per projection and attention)
     in_regions: bool = True,
+    # what decode_greedy reads (both or neither): the token embedding [num_embeddings,
+    # hidden_size], the model's dtype, and the output projection's decode weight (GGUF
+    # blocks or bf16 panels, of kind head_kind) with its bias; its first vocab_size outputs
+    # are the vocabulary's logits
+    embedding: torch.Tensor | None = None,
+    head: torch.Tensor | None = None,
+    head_kind: int = LINEAR_DENSE,
+    head_bias: torch.Tensor | None = None,
+    vocab_size: int = 0,
 ) -> int:
     """The library keeps these tensors (shared, not copied) under the returned id."""
     return torch.ops.pdserve_decode.register_decode_model(
         norms, weights, kinds, biases, sliding_windows, final_norm, cos, sin, num_heads, num_kv_heads, head_dim,
         float(rms_norm_eps), float(attention_scale), weight_ids,
-        in_regions and not switched_off("PDSERVE_DECODE_REGIONS"))
+        in_regions and not switched_off("PDSERVE_DECODE_REGIONS"), embedding, head, head_kind, head_bias, vocab_size)
 
 
 def decode_model_in_regions(model_id: int) -> bool:
@@ -85,6 +101,13 @@ def decode_model_max_tokens(model_id: int) -> int:
     sys.maxsize where every weight has a prepacked-linear id or is GGUF blocks (the
     library's own rule)."""
     return torch.ops.pdserve_decode.decode_model_max_tokens(model_id)
+
+
+def decode_model_max_greedy_tokens(model_id: int) -> int:
+    """The most tokens a decode_greedy step of this registered model may have: DECODE_MAX_TOKENS
+    (the head's own GEMV rows), where it was registered with an embedding and a head its
+    region runs, after a final norm; 0 elsewhere."""
+    return torch.ops.pdserve_decode.decode_model_max_greedy_tokens(model_id)
 
 
 def release_decode_model(model_id: int) -> None:
@@ -103,4 +126,21 @@ def decode_layers(
     seq_lens: torch.Tensor,  # [num_tokens] int32
 ) -> torch.Tensor:  # [num_tokens, hidden_size]
     return torch.ops.pdserve_decode.decode_layers(model_id, hidden, positions, k_caches, v_caches, slot_mapping,
+                                                  block_tables, query_start_loc, seq_lens)
+
+
+def decode_greedy(
+    model_id: int,
+    input_ids: torch.Tensor,  # [num_tokens] int64, one token per decode sequence
+    positions: torch.Tensor,  # [num_tokens] int64
+    k_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+    v_caches: list[torch.Tensor],
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    block_tables: torch.Tensor,  # [num_tokens, max_blocks] int32: one sequence per token
+    query_start_loc: torch.Tensor,  # [num_tokens + 1] int32
+    seq_lens: torch.Tensor,  # [num_tokens] int32
+) -> torch.Tensor:  # [num_tokens] int64: each sequence's next token
+    """decode_layers from the token ids, then the head and each row's argmax (as argmax_rows
+    takes it from the head's logits), in one parallel region."""
+    return torch.ops.pdserve_decode.decode_greedy(model_id, input_ids, positions, k_caches, v_caches, slot_mapping,
                                                   block_tables, query_start_loc, seq_lens)

@@ -291,16 +291,19 @@ class ModelRunner:
         model = self.model
         received = None  # the previous stage's hidden states [num_tokens, hidden]
         graph_logits = None  # [num_tokens, vocab] when a graph computed them
+        loop_token_ids = None  # [num_tokens] int64 when the native loop sampled the step
         if not model.is_first_stage:
             received = parallel_state.recv_from_prev_stage(
                 (input_ids.shape[0], self.model_config.hidden_size), self.dtype, self.device)
         try:
             graphs = self.decode_graphs
+            loop = self.native_decode
             if received is None and graphs is not None and graphs.serves(input_ids.shape[0], meta):
                 hidden, graph_logits = graphs.run(input_ids, positions, meta)  # [num_tokens, hidden]
-            elif received is None and self.native_decode is not None and self.native_decode.serves(
-                    input_ids.shape[0], meta):
-                hidden = self.native_decode.run(input_ids, positions, meta)  # [num_tokens, hidden]
+            elif received is None and self._loop_samples(scheduler_output, input_ids.shape[0], meta, sample_reqs):
+                loop_token_ids = loop.run_greedy(input_ids, positions, meta)
+            elif received is None and loop is not None and loop.serves(input_ids.shape[0], meta):
+                hidden = loop.run(input_ids, positions, meta)  # [num_tokens, hidden]
             else:
                 hidden = self._forward(input_ids, positions, meta, received)
         except BaseException:
@@ -312,6 +315,9 @@ class ModelRunner:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         if connector is not None:
             connector.wait_for_save()
+        if loop_token_ids is not None:
+            return RunnerOutput(req_ids=[r.req_id for r in sample_reqs],
+                                sampled_token_ids=[[t] for t in loop_token_ids.tolist()])
         proposer = self.proposer
         if proposer is not None:
             proposer.observe_forward(input_ids, positions, meta, scheduler_output.scheduled)
@@ -341,6 +347,18 @@ class ModelRunner:
         if proposer is not None:
             output.spec_token_ids = self._propose(sample_reqs, token_id_lists)
         return output
+
+    def _loop_samples(self, scheduler_output: SchedulerOutput, num_tokens: int, meta: AttentionMetadata,
+                      sample_reqs: list[ScheduledRequest]) -> bool:
+        """Whether the native loop takes this step from its tokens to the next ones
+        (NativeDecodeLoop.run_greedy): a decode step it serves whose every row samples its
+        argmax as the sampler would (Sampler.only_argmax), unmasked, with no drafts to verify
+        or propose, on the rank that samples."""
+        loop = self.native_decode
+        return (loop is not None and loop.serves_greedy(num_tokens, meta) and self.proposer is None
+                and self.is_output_rank and scheduler_output.grammar_bitmask is None
+                and len(sample_reqs) == num_tokens and not any(r.spec_token_ids for r in sample_reqs)
+                and self.sampler.only_argmax(sample_reqs))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  received: torch.Tensor | None) -> torch.Tensor:

@@ -19,6 +19,13 @@ It serves Llama-shaped models: Llama, Mistral, Qwen2, Phi-3 (partial rotary incl
 single rank, whose every projection has a decode GEMV (bf16 or fp32 rows, Q4_1 or Q8_0
 blocks); other families (Qwen3's q/k norms, Gemma 2's extra norms and soft-capping) and
 steps it does not serve take the compiled model.
+
+Where a step's rows all sample greedily (run_greedy), a model that runs its steps in one
+parallel region takes the token ids in and each row's next token out of the same region:
+the embedding lookup, the packed head's GEMV and the argmax (its share of the columns on
+each thread) join the layers, rather than three more calls from Python with a region
+each: 0.05-0.14 ms less a token of the bundled model in Q4_1 (of 2.6-3.3), 0.32 ms in bf16
+(of 6.9-7.2), on the 2-core Zen 5 EPYC, the two forms taking turns in one process.
 """
 from __future__ import annotations
 
@@ -32,12 +39,14 @@ from common.engine.models.attention import AttentionMetadata
 from common.engine.models.causal_lm import CausalLM
 from common.engine.models.layers import RMSNorm
 from common.engine.models.llama import LlamaAttention, LlamaDecoderLayer
+from common.engine.models.parallel_layers import VocabParallelEmbedding
 from common.engine.models.prepacked_linear import PrepackedLinear
 from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
-from kernels.cpu_decode import (LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, decode_layers,
-                                decode_model_in_regions, decode_model_max_tokens, native_decode_available,
-                                native_decode_disabled, register_decode_model, release_decode_model)
+from kernels.cpu_decode import (LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, decode_greedy, decode_layers,
+                                decode_model_in_regions, decode_model_max_greedy_tokens, decode_model_max_tokens,
+                                native_decode_available, native_decode_disabled, register_decode_model,
+                                release_decode_model)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +75,24 @@ def _check_norm(norm: torch.nn.Module, eps: float) -> torch.Tensor:
     if type(norm) is not RMSNorm or norm.weight_offset != 0.0 or norm.eps != eps:
         raise Unsupported(f"norm {norm!r} is not a plain RMSNorm with the model's eps")
     return norm.weight.detach()
+
+
+def _greedy_head(model: CausalLM) -> dict:
+    """register_decode_model's embedding and head, where compute_argmax_logits' logits can come
+    from the loop: the packed head's GGUF blocks or panels, no soft-capping, the plain
+    embedding of one rank's whole vocabulary; {} elsewhere."""
+    head, embedding = model.prepacked_head, model.embed_tokens
+    if (head is None or model.config.final_logit_softcapping is not None or type(model).embed is not CausalLM.embed
+            or type(embedding) is not VocabParallelEmbedding or embedding.tp_size != 1):
+        return {}
+    try:
+        weight, kind = decode_weight(head)
+    except Unsupported:
+        return {}
+    if kind == LINEAR_DENSE:  # rows: the loop's regions take GGUF blocks and panels only
+        return {}
+    return dict(embedding=embedding.weight.detach(), head=weight, head_kind=kind,
+                head_bias=None if head.bias is None else head.bias.detach(), vocab_size=model.config.vocab_size)
 
 
 def _model_tensors(model: CausalLM, num_layers: int | None) -> dict:
@@ -100,7 +127,8 @@ def _model_tensors(model: CausalLM, num_layers: int | None) -> dict:
                 # The tables are the model's dtype once it is cast; the loop rounds them to it anyway.
                 cos=model.rope.cos.float().contiguous(), sin=model.rope.sin.float().contiguous(),
                 num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-                rms_norm_eps=cfg.rms_norm_eps, attention_scale=attn.scale, weight_ids=weight_ids)
+                rms_norm_eps=cfg.rms_norm_eps, attention_scale=attn.scale, weight_ids=weight_ids,
+                **_greedy_head(model))
 
 
 class NativeDecodeLoop:
@@ -118,9 +146,12 @@ class NativeDecodeLoop:
         # Past the GEMVs' rows every linear needs its prepacked op: the library says whether all have one.
         self.max_num_tokens = decode_model_max_tokens(self.model_id)
         self.in_regions = decode_model_in_regions(self.model_id)
+        # Greedy steps of up to this many tokens end in the loop (run_greedy); 0: none do.
+        self.max_greedy_tokens = decode_model_max_greedy_tokens(self.model_id)
         self.k_caches = [k for k, _ in kv_caches[:num_layers]]
         self.v_caches = [v for _, v in kv_caches[:num_layers]]
-        self.num_steps = 0  # steps run
+        self.num_steps = 0  # steps run, greedy ones included
+        self.num_greedy_steps = 0
 
     @classmethod
     def build(cls, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> NativeDecodeLoop | None:
@@ -153,6 +184,18 @@ class NativeDecodeLoop:
         no per-layer KV-connector work."""
         return (1 <= num_tokens <= self.max_num_tokens and meta.num_decode_tokens == num_tokens
                 and meta.kv_layer_hook is None and meta.block_tables is not None)
+
+    def serves_greedy(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Steps run_greedy takes: those serves() takes of up to max_greedy_tokens tokens."""
+        return num_tokens <= self.max_greedy_tokens and self.serves(num_tokens, meta)
+
+    def run_greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> each row's next token [num_tokens] int64: the
+        argmax of the model's compute_argmax_logits over run()'s hidden states, in one call."""
+        self.num_steps += 1
+        self.num_greedy_steps += 1
+        return decode_greedy(self.model_id, input_ids, positions, self.k_caches, self.v_caches, meta.slot_mapping,
+                             meta.block_tables, meta.query_start_loc, meta.seq_lens)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> normed hidden states [num_tokens, hidden_size]."""

@@ -42,6 +42,7 @@
 #include <omp.h>
 
 #include "amx_tiles.h"
+#include "argmax.h"
 #include "attention_team.h"
 #include "check_message.h"
 #include "gguf_row_groups.h"
@@ -79,6 +80,14 @@ struct Layer {
   int64_t sliding_window;  // 0: none
 };
 
+// The embedding and the output projection, for steps that end in each row's argmax
+// (decode_greedy): the token ids in, the next tokens out.
+struct GreedyHead {
+  at::Tensor embedding;  // [num_embeddings, hidden_size], the model's dtype
+  Linear linear;         // the output projection: GGUF blocks or bf16 panels
+  int64_t vocab_size;    // the columns the argmax reads (the projection may pad past them)
+};
+
 struct Model {
   std::vector<Layer> layers;
   std::optional<at::Tensor> final_norm;  // [hidden_size]; None: return the residual stream
@@ -90,6 +99,10 @@ struct Model {
   // number where every linear is GGUF blocks, kMaxGemvTokens where some are bf16 panels
   // (past it they take the prepacked op), 0 for other models (region_tokens_limit).
   int64_t max_region_tokens = 0;
+  std::optional<GreedyHead> greedy_head;  // none: registered without one
+  // Steps decode_greedy serves (greedy_tokens_limit): up to kMaxGemvTokens where the model
+  // has a greedy head its region can run, else 0.
+  int64_t max_greedy_tokens = 0;
 };
 
 std::mutex models_mutex;
@@ -319,28 +332,42 @@ inline std::pair<int64_t, int64_t> rows_of(int64_t M, int t, int num_threads) {
   return share_of(M, t, num_threads);
 }
 
-// Thread t's part of y [M, N] = x @ W^T (+ bias), as the linear's GEMV op splits it: GGUF
-// blocks a run of at least 4 groups (64 rows) a thread, from x's M rows quantized in xq;
-// bf16 column panels a run of panels, from x itself.
+// Thread t's output columns [begin, end) of a linear, as the linear's GEMV op splits them:
+// GGUF blocks a run of at least 4 groups (64 rows) a thread, bf16 column panels a run of
+// panels. In thread order.
+inline std::pair<int64_t, int64_t> columns_of(const Linear& l, int t, int num_threads) {
+  if (l.kind == kPanels) {
+    const auto [begin, end] = share_of(l.out_features / pdserve_cpu::kPanelCols, t, num_threads);
+    return {begin * pdserve_cpu::kPanelCols, end * pdserve_cpu::kPanelCols};
+  }
+  const int64_t num_groups = (l.out_features + pdserve_cpu::kGroupRows - 1) / pdserve_cpu::kGroupRows;
+  const int workers = static_cast<int>(std::clamp<int64_t>(num_groups / 4, 1, num_threads));
+  if (t >= workers) return {l.out_features, l.out_features};
+  const auto [begin, end] = share_of(num_groups, t, workers);
+  return {begin * pdserve_cpu::kGroupRows, std::min(end * pdserve_cpu::kGroupRows, l.out_features)};
+}
+
+// Thread t's part of y [M, N] = x @ W^T (+ bias), its columns_of: GGUF blocks from x's M
+// rows quantized in xq, bf16 column panels from x itself.
 template <typename T>
 void gemv_share(const Linear& l, const T* x, const pdserve_cpu::BlockQuantizedX& xq, int64_t M, T* y, int t,
                 int num_threads) {
   const T* bias = l.bias.has_value() ? l.bias->data_ptr<T>() : nullptr;
+  const auto [first_column, end_column] = columns_of(l, t, num_threads);
+  if (first_column >= end_column) return;
   if (l.kind == kPanels) {
 #ifdef PDSERVE_PANEL_GEMM
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      const auto [begin, end] = share_of(l.out_features / pdserve_cpu::kPanelCols, t, num_threads);
       pdserve_cpu::panel_gemm_panels(x, l.weight.data_ptr<c10::BFloat16>(), bias, y, M, l.in_features,
-                                     l.out_features, begin, end);
+                                     l.out_features, first_column / pdserve_cpu::kPanelCols,
+                                     end_column / pdserve_cpu::kPanelCols);
     }
 #endif
     return;
   }
   using pdserve_cpu::BlockFormat;
-  const int64_t num_groups = (l.out_features + pdserve_cpu::kGroupRows - 1) / pdserve_cpu::kGroupRows;
-  const int workers = static_cast<int>(std::clamp<int64_t>(num_groups / 4, 1, num_threads));
-  if (t >= workers) return;
-  const auto [begin, end] = share_of(num_groups, t, workers);
+  const int64_t begin = first_column / pdserve_cpu::kGroupRows;
+  const int64_t end = (end_column + pdserve_cpu::kGroupRows - 1) / pdserve_cpu::kGroupRows;
   const uint8_t* w = l.weight.data_ptr<uint8_t>();
   const int64_t num_blocks = l.in_features / pdserve_cpu::kBlockCols;
   if (l.kind == kQ4_1)
@@ -370,11 +397,17 @@ void prepare_rows(const Linear& l, const T* x, int64_t begin, int64_t end, pdser
 // layer's items are the same) and each layer's is shared out by the attention library's
 // team calls (attention_team.h): its own region cost ~5 us a layer at short contexts, most
 // of the attention there.
+//
+// head (a model with a final norm): the region goes on through the output projection, each
+// thread's columns of the logits [M, vocab] then its part of each row's argmax, and writes
+// each row's next token to token_ids [M]: the argmax of the head's logits, as the sampler's
+// argmax_rows gives it from the same logits.
 template <typename T>
 at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, const at::Tensor& positions,
                                  at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                                  const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                                 const at::Tensor& seq_lens) {
+                                 const at::Tensor& seq_lens, const GreedyHead* head = nullptr,
+                                 int64_t* token_ids = nullptr) {
   const int64_t M = hidden.size(0), H = hidden.size(1);
   const int64_t num_heads = model.num_heads, num_kv_heads = model.num_kv_heads, head_dim = model.head_dim;
   const int64_t half = model.cos.size(1), attended_width = num_heads * head_dim;
@@ -401,6 +434,10 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
   const at::Tensor v = heads.narrow(1, num_heads + num_kv_heads, num_kv_heads);
   const double eps = model.rms_norm_eps;
   const int num_threads = at::get_num_threads();
+  // The head's logits [M, N] and each thread's part of each row's argmax [num_threads, M].
+  const at::Tensor logits = head != nullptr ? at::empty({M, head->linear.out_features}, x.options()) : at::Tensor();
+  T* logits_p = head != nullptr ? logits.data_ptr<T>() : nullptr;
+  std::vector<pdserve_cpu::ArgmaxPart> argmax_parts(head != nullptr ? num_threads * M : 0);
 
   // Each phase below is one thread's part; the barriers keep the phases in order.
   // The input norm of layer l and its qkv projection and RoPE, up to its attention.
@@ -472,6 +509,27 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
       const Layer* next = l + 1 < model.layers.size() ? &model.layers[l + 1] : nullptr;
       after_attention(model.layers[l], next, attended_p, t, n, row_begin, row_end);
     }
+    if (head != nullptr) {
+      const Linear& projection = head->linear;
+      prepare_rows(projection, np, row_begin, row_end, xq_hidden);
+#pragma omp barrier
+      gemv_share(projection, np, xq_hidden, M, logits_p, t, n);
+      // Each thread's part of the argmax over its own columns, while they are in its caches.
+      const auto [begin, end] = columns_of(projection, t, n);
+      const int64_t stop = std::min(end, head->vocab_size);
+      for (int64_t m = 0; m < M; ++m) {
+        pdserve_cpu::ArgmaxPart part = pdserve_cpu::argmax_part(logits_p + m * projection.out_features + begin,
+                                                                stop - begin);
+        if (part.index >= 0) part.index += begin;
+        argmax_parts[t * M + m] = part;
+      }
+#pragma omp barrier
+      for (int64_t m = row_begin; m < row_end; ++m) {
+        pdserve_cpu::ArgmaxPart row = argmax_parts[m];
+        for (int other = 1; other < n; ++other) pdserve_cpu::merge_argmax(row, argmax_parts[other * M + m]);
+        token_ids[m] = row.index;
+      }
+    }
   }
   return model.final_norm.has_value() ? normed : x;
 }
@@ -521,17 +579,22 @@ Linear make_linear(int64_t kind, const at::Tensor& weight, const std::optional<a
 // runs on vector units: its AMX form keeps the op), of the shapes a Llama layer has, the
 // same in every layer, and one sliding window for all (one attention plan a step). Others
 // (and mismatched shapes, which the GEMV ops then report) take run_layers.
-int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
-#ifdef PDSERVE_ROW_GROUPS
+// Whether bf16 panels may run in a parallel region here: panel_gemm on vector units.
+bool panels_in_regions() {
 #ifdef PDSERVE_PANEL_GEMM
 #ifdef PDSERVE_HAS_AMX
-  const bool panels = !pdserve_cpu::amx_tiles_usable();
+  return !pdserve_cpu::amx_tiles_usable();
 #else
-  const bool panels = true;
+  return true;
 #endif
 #else
-  const bool panels = false;
+  return false;
 #endif
+}
+
+int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
+#ifdef PDSERVE_ROW_GROUPS
+  const bool panels = panels_in_regions();
   const int64_t attended = model.num_heads * model.head_dim;
   const int64_t qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim;
   const int64_t I = model.layers[0].down.in_features;
@@ -553,14 +616,29 @@ int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
 #endif
 }
 
+// The most tokens decode_greedy may take for the model with this head, after a final norm:
+// up to kMaxGemvTokens (and the region form's limit), where the head is GGUF blocks or panels
+// the region can run. The head's own op takes its GEMV up to as many rows (past them a
+// bf16 copy of GGUF blocks, whose logits differ), so the tokens are the ones it gives.
+int64_t greedy_tokens_limit(const Model& model, const Linear& head) {
+  if (model.max_region_tokens == 0 || !model.final_norm.has_value()) return 0;
+  if (!takes_any_rows(head.kind) && !(head.kind == kPanels && panels_in_regions())) return 0;
+  return std::min(model.max_region_tokens, kMaxGemvTokens);
+}
+
 // Keeps the model's tensors (they are shared with the model, not copied) until
 // release_decode_model; returns the id decode_layers takes. in_regions: let a model of
 // GGUF blocks or panels take run_layers_in_regions (false: run_layers, for comparison).
+// embedding [num_embeddings, hidden_size] and head (of kind head_kind, [vocab_size +
+// padding] outputs) with head_bias: what decode_greedy reads (none: it does not serve the model).
 int64_t register_decode_model(at::TensorList norms, at::TensorList weights, at::IntArrayRef kinds,
-                              const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef sliding_windows, const std::optional<at::Tensor>& final_norm,
-                              const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
-                              int64_t head_dim, double rms_norm_eps, double attention_scale,
-                              at::OptionalIntArrayRef weight_ids, bool in_regions) {
+                              const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef sliding_windows,
+                              const std::optional<at::Tensor>& final_norm, const at::Tensor& cos,
+                              const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                              double rms_norm_eps, double attention_scale, at::OptionalIntArrayRef weight_ids,
+                              bool in_regions, const std::optional<at::Tensor>& embedding,
+                              const std::optional<at::Tensor>& head, int64_t head_kind,
+                              const std::optional<at::Tensor>& head_bias, int64_t vocab_size) {
   const size_t num_layers = sliding_windows.size();
   PDSERVE_CHECK_VALUE(num_layers >= 1 && norms.size() == 2 * num_layers && weights.size() == 4 * num_layers &&
                           kinds.size() == weights.size() && biases.size() == weights.size(),
@@ -599,34 +677,74 @@ int64_t register_decode_model(at::TensorList norms, at::TensorList weights, at::
     model.layers.push_back(std::move(layer));
   }
   model.max_region_tokens = in_regions ? region_tokens_limit(model, hidden_size) : 0;
+  PDSERVE_CHECK_VALUE(embedding.has_value() == head.has_value(),
+                      "register_decode_model: an embedding and a head together, or neither");
+  if (head.has_value()) {
+    PDSERVE_CHECK_VALUE(embedding->dim() == 2 && embedding->scalar_type() == dtype && embedding->is_contiguous() &&
+                            embedding->size(0) >= 1 && embedding->size(1) == hidden_size,
+                        "register_decode_model: the embedding must be contiguous ", dtype,
+                        " [num_embeddings, hidden_size ", hidden_size, "], got ", embedding->scalar_type(), " ",
+                        embedding->sizes());
+    Linear projection = make_linear(head_kind, *head, head_bias, -1, dtype);
+    PDSERVE_CHECK_VALUE(projection.kind != kDense && projection.in_features == hidden_size,
+                        "register_decode_model: the head must be GGUF blocks or bf16 panels over the hidden size");
+    PDSERVE_CHECK_VALUE(vocab_size >= 1 && vocab_size <= projection.out_features, "register_decode_model: vocab_size ",
+                        vocab_size, " must be 1 to the head's ", projection.out_features, " outputs");
+    model.max_greedy_tokens = greedy_tokens_limit(model, projection);
+    model.greedy_head = GreedyHead{*embedding, std::move(projection), vocab_size};
+  }
   std::lock_guard<std::mutex> lock(models_mutex);
   models.push_back(std::make_shared<const Model>(std::move(model)));
   return static_cast<int64_t>(models.size()) - 1;
+}
+
+// The model registered as model_id (a reference: a step keeps it while it runs).
+std::shared_ptr<const Model> registered_model(int64_t model_id, const char* op) {
+  std::shared_ptr<const Model> model;
+  {
+    std::lock_guard<std::mutex> lock(models_mutex);
+    if (model_id >= 0 && model_id < static_cast<int64_t>(models.size())) model = models[model_id];
+  }
+  PDSERVE_CHECK_VALUE(model != nullptr, op, ": no model is registered as ", model_id);
+  return model;
 }
 
 // The most tokens a step of this model may have: kMaxGemvTokens, or INT64_MAX where every
 // linear has a weight id or GGUF blocks (the rule register_decode_model applied; callers
 // route steps by it).
 int64_t decode_model_max_tokens(int64_t model_id) {
-  std::lock_guard<std::mutex> lock(models_mutex);
-  PDSERVE_CHECK_VALUE(model_id >= 0 && model_id < static_cast<int64_t>(models.size()) && models[model_id] != nullptr,
-                      "decode_model_max_tokens: no model is registered as ", model_id);
-  return models[model_id]->max_tokens;
+  return registered_model(model_id, "decode_model_max_tokens")->max_tokens;
 }
 
 // Whether the model's steps (of up to kMaxGemvTokens tokens at least) run in parallel
 // regions (run_layers_in_regions).
 bool decode_model_in_regions(int64_t model_id) {
-  std::lock_guard<std::mutex> lock(models_mutex);
-  PDSERVE_CHECK_VALUE(model_id >= 0 && model_id < static_cast<int64_t>(models.size()) && models[model_id] != nullptr,
-                      "decode_model_in_regions: no model is registered as ", model_id);
-  return models[model_id]->max_region_tokens > 0;
+  return registered_model(model_id, "decode_model_in_regions")->max_region_tokens > 0;
 }
 
 void release_decode_model(int64_t model_id) {
   std::lock_guard<std::mutex> lock(models_mutex);
   // A step running now keeps its own reference until it returns.
   if (model_id >= 0 && model_id < static_cast<int64_t>(models.size())) models[model_id].reset();
+}
+
+// The checks every step of M tokens passes before it runs (op: the caller's name).
+void check_step(const Model& model, int64_t M, const at::Tensor& positions, at::TensorList k_caches,
+                at::TensorList v_caches, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                const char* op) {
+  PDSERVE_CHECK_VALUE(M >= 1 && M <= model.max_tokens, op, ": 1 to ", model.max_tokens, " tokens for this model, got ",
+                      M);
+  PDSERVE_CHECK_VALUE(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == M,
+                      op, ": positions must be [num_tokens] int64");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m)
+    PDSERVE_CHECK_VALUE(pos[m] >= 0 && pos[m] < model.cos.size(0), op, ": position ", pos[m],
+                        " is outside the RoPE table's ", model.cos.size(0));
+  const size_t num_layers = model.layers.size();
+  PDSERVE_CHECK_VALUE(k_caches.size() == num_layers && v_caches.size() == num_layers, op,
+                      ": one K and one V cache per layer (", num_layers, ") expected");
+  PDSERVE_CHECK_VALUE(query_start_loc.numel() == M + 1 && seq_lens.numel() == M, op,
+                      ": one query per sequence (query_start_loc of num_tokens + 1 values)");
 }
 
 // hidden [num_tokens, hidden_size] (the embedded tokens, one per decode sequence) ->
@@ -637,31 +755,14 @@ at::Tensor decode_layers(int64_t model_id, const at::Tensor& hidden, const at::T
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables,
                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens) {
-  std::shared_ptr<const Model> model;
-  {
-    std::lock_guard<std::mutex> lock(models_mutex);
-    if (model_id >= 0 && model_id < static_cast<int64_t>(models.size())) model = models[model_id];
-  }
-  PDSERVE_CHECK_VALUE(model != nullptr, "decode_layers: no model is registered as ", model_id);
+  const std::shared_ptr<const Model> model = registered_model(model_id, "decode_layers");
   const at::ScalarType dtype = model->layers[0].input_norm.scalar_type();
   PDSERVE_CHECK_VALUE(hidden.dim() == 2 && hidden.scalar_type() == dtype && hidden.is_contiguous() &&
                           hidden.size(1) == model->layers[0].input_norm.numel(),
                       "decode_layers: hidden must be contiguous ", dtype, " [num_tokens, hidden_size], got ",
                       hidden.scalar_type(), " ", hidden.sizes());
   const int64_t M = hidden.size(0);
-  PDSERVE_CHECK_VALUE(M >= 1 && M <= model->max_tokens, "decode_layers: 1 to ", model->max_tokens,
-                      " tokens for this model, got ", M);
-  PDSERVE_CHECK_VALUE(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == M,
-                      "decode_layers: positions must be [num_tokens] int64");
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t m = 0; m < M; ++m)
-    PDSERVE_CHECK_VALUE(pos[m] >= 0 && pos[m] < model->cos.size(0), "decode_layers: position ", pos[m],
-                        " is outside the RoPE table's ", model->cos.size(0));
-  const size_t num_layers = model->layers.size();
-  PDSERVE_CHECK_VALUE(k_caches.size() == num_layers && v_caches.size() == num_layers,
-                      "decode_layers: one K and one V cache per layer (", num_layers, ") expected");
-  PDSERVE_CHECK_VALUE(query_start_loc.numel() == M + 1 && seq_lens.numel() == M,
-                      "decode_layers: one query per sequence (query_start_loc of num_tokens + 1 values)");
+  check_step(*model, M, positions, k_caches, v_caches, query_start_loc, seq_lens, "decode_layers");
 #ifdef PDSERVE_ROW_GROUPS
   if (M <= model->max_region_tokens) {
     if (dtype == at::kFloat)
@@ -678,18 +779,72 @@ at::Tensor decode_layers(int64_t model_id, const at::Tensor& hidden, const at::T
                                   query_start_loc, seq_lens);
 }
 
+// input_ids [num_tokens] int64 (one per decode sequence) -> each sequence's next token
+// [num_tokens] int64: the argmax of the head's logits after the layers, as decode_layers,
+// the head and argmax_rows give it one after another, in one parallel region (a model
+// registered with an embedding and a head, steps of up to decode_model_max_greedy_tokens).
+at::Tensor decode_greedy(int64_t model_id, const at::Tensor& input_ids, const at::Tensor& positions,
+                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                         const at::Tensor& seq_lens) {
+  const std::shared_ptr<const Model> model = registered_model(model_id, "decode_greedy");
+  PDSERVE_CHECK_VALUE(model->max_greedy_tokens > 0, "decode_greedy: model ", model_id,
+                      " has no head this loop can run (register it with an embedding and a head of GGUF blocks "
+                      "or bf16 panels, in one region a step)");
+  PDSERVE_CHECK_VALUE(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && input_ids.is_contiguous(),
+                      "decode_greedy: input_ids must be contiguous [num_tokens] int64, got ", input_ids.scalar_type(),
+                      " ", input_ids.sizes());
+  const int64_t M = input_ids.numel();
+  PDSERVE_CHECK_VALUE(M >= 1 && M <= model->max_greedy_tokens, "decode_greedy: 1 to ", model->max_greedy_tokens,
+                      " tokens for this model, got ", M);
+  check_step(*model, M, positions, k_caches, v_caches, query_start_loc, seq_lens, "decode_greedy");
+  const GreedyHead& head = *model->greedy_head;
+  const int64_t* ids = input_ids.data_ptr<int64_t>();
+  const int64_t num_embeddings = head.embedding.size(0), H = head.embedding.size(1);
+  for (int64_t m = 0; m < M; ++m)
+    PDSERVE_CHECK_VALUE(ids[m] >= 0 && ids[m] < num_embeddings, "decode_greedy: token id ", ids[m],
+                        " is outside the embedding's ", num_embeddings, " rows");
+  at::Tensor hidden = at::empty({M, H}, head.embedding.options());  // [M, H]: the embedded tokens
+  const int64_t row_bytes = H * head.embedding.element_size();
+  for (int64_t m = 0; m < M; ++m)
+    std::memcpy(static_cast<char*>(hidden.data_ptr()) + m * row_bytes,
+                static_cast<const char*>(head.embedding.const_data_ptr()) + ids[m] * row_bytes, row_bytes);
+  at::Tensor token_ids = at::empty({M}, input_ids.options());
+#ifdef PDSERVE_ROW_GROUPS
+  if (hidden.scalar_type() == at::kFloat)
+    run_layers_in_regions<float>(*model, hidden, positions, k_caches, v_caches, slot_mapping, block_tables,
+                                 query_start_loc, seq_lens, &head, token_ids.data_ptr<int64_t>());
+  else
+    run_layers_in_regions<at::BFloat16>(*model, hidden, positions, k_caches, v_caches, slot_mapping, block_tables,
+                                        query_start_loc, seq_lens, &head, token_ids.data_ptr<int64_t>());
+#endif
+  return token_ids;
+}
+
+// The most tokens a decode_greedy step of this model may have (0: it serves none).
+int64_t decode_model_max_greedy_tokens(int64_t model_id) {
+  return registered_model(model_id, "decode_model_max_greedy_tokens")->max_greedy_tokens;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_decode, m) {
   m.def("register_decode_model(Tensor[] norms, Tensor[] weights, int[] kinds, Tensor?[] biases, "
         "int[] sliding_windows, Tensor? final_norm, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
-        "int head_dim, float rms_norm_eps, float attention_scale, int[]? weight_ids=None, bool in_regions=True) -> int",
+        "int head_dim, float rms_norm_eps, float attention_scale, int[]? weight_ids=None, bool in_regions=True, "
+        "Tensor? embedding=None, Tensor? head=None, int head_kind=0, Tensor? head_bias=None, int vocab_size=0) -> int",
         &register_decode_model);
   m.def("decode_model_max_tokens(int model_id) -> int", &decode_model_max_tokens);
   m.def("decode_model_in_regions(int model_id) -> bool", &decode_model_in_regions);
+  m.def("decode_model_max_greedy_tokens(int model_id) -> int", &decode_model_max_greedy_tokens);
   m.def("release_decode_model(int model_id) -> ()", &release_decode_model);
   m.def("decode_layers(int model_id, Tensor hidden, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens) -> Tensor");
+  m.def("decode_greedy(int model_id, Tensor input_ids, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pdserve_decode, CPU, m) { m.impl("decode_layers", &decode_layers); }
+TORCH_LIBRARY_IMPL(pdserve_decode, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
+  m.impl("decode_greedy", &decode_greedy);
+}

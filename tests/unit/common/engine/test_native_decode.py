@@ -22,9 +22,11 @@ from common.engine.models.prepacked_linear import prepack_linears
 from common.engine.native_decode import NativeDecodeLoop, _model_tensors, decode_weight
 from common.engine.outputs import ScheduledRequest
 from common.engine.sampling_params import SamplingParams
-from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, decode_layers,
-                                decode_model_max_tokens, native_decode_available, register_decode_model)
+from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, decode_greedy,
+                                decode_layers, decode_model_max_greedy_tokens, decode_model_max_tokens,
+                                native_decode_available, register_decode_model, release_decode_model)
 from kernels.cpu_linear import panel_gemm_amx_tiles, panel_gemm_available
+from kernels.cpu_sampling import argmax_rows
 from tests.unit.common.engine.models.family_parity import parity_prompts, save_tiny_model
 
 pytestmark = pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
@@ -115,10 +117,11 @@ def test_the_loop_matches_the_model_for_each_family(tmp_path_factory, bundled_mo
 
 
 def _decode_step(llm: LLM, prompts: list[list[int]], loop: NativeDecodeLoop | None,
-                 num_layers: int | None = None) -> torch.Tensor:
+                 num_layers: int | None = None, greedy: bool = False) -> torch.Tensor:
     """Prefill the prompts (each in its own blocks) through the model, then one decode step
     through the loop (None: the model, its first num_layers layers): the normed hidden
-    states [len(prompts), hidden_size]."""
+    states [len(prompts), hidden_size]; greedy: the loop's next tokens [len(prompts)]
+    (run_greedy)."""
     runner = llm.engine.executor.runner
     params = SamplingParams(temperature=0.0)
     block_size = llm.engine.config.cache.block_size
@@ -132,6 +135,9 @@ def _decode_step(llm: LLM, prompts: list[list[int]], loop: NativeDecodeLoop | No
         ids, positions, meta, _, _ = runner.prepare_inputs(prefill)
         runner._forward(ids, positions, meta, None)
         ids, positions, meta, _, _ = runner.prepare_inputs(decode)
+        if greedy:
+            assert loop.serves_greedy(ids.shape[0], meta)
+            return loop.run_greedy(ids, positions, meta)
         if loop is not None:
             assert loop.serves(ids.shape[0], meta)
             return loop.run(ids, positions, meta)
@@ -262,6 +268,112 @@ def test_one_region_a_step_gives_the_same_bits(quantization, dtype):
     finally:
         torch.set_num_threads(threads_before)
     llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("quantization, dtype", [("gguf", "bfloat16"), ("gguf", "float32"), ("int8", "bfloat16"),
+                                                 (None, "bfloat16")])
+def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtype):
+    """Where every row samples greedily, a model whose steps run in one region takes the
+    token ids in and the next tokens out of it (run_greedy: the embedding, the layers, the
+    packed head's GEMV and each thread's part of the argmax): each row's token is the argmax
+    of compute_argmax_logits over run()'s hidden state, on one thread and on several (the
+    head's columns and the argmax split between them), up to DECODE_MAX_TOKENS rows (the
+    head's own GEMV), and where a lone sequence's attention is split. The same head with its
+    rows rotated by half the vocabulary moves each token there: the winner then lies in a
+    later thread's columns (the bundled model's likely tokens have low ids)."""
+    if quantization is None and not (panel_gemm_available() and not panel_gemm_amx_tiles()):
+        pytest.skip("bf16 panels on vector units only (AVX512-BF16 without AMX's tiles)")
+    llm = LLM(dtype=dtype, kv_cache_memory="64MiB", quantization=quantization)
+    runner = llm.engine.executor.runner
+    prepack_linears(runner.model)
+    loop = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=4)
+    assert loop.in_regions and loop.max_greedy_tokens == DECODE_MAX_TOKENS
+    tensors = _model_tensors(runner.model, 4)
+    vocab_size = tensors["vocab_size"]
+    # Whole row groups (16 rows) or panels (32 rows) rotate along the first dimension.
+    rows_per_index = 32 if tensors["head_kind"] == LINEAR_PANELS else 1
+    rotated = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=4)
+    release_decode_model(rotated.model_id)
+    rotated.model_id = register_decode_model(**{**tensors, "head": torch.roll(
+        tensors["head"], vocab_size // 2 // rows_per_index, dims=0)})
+    distinct = _prompts(7)
+    threads_before = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            for num_seqs, long in ((1, False), (3, False), (DECODE_MAX_TOKENS, False), (1, True)):
+                prompts = ([[(13 * i) % 40000 + 100 for i in range(300)]] if long
+                           else [[t + 5 * i for t in distinct[i % 7]] for i in range(num_seqs)])
+                got = _decode_step(llm, prompts, loop, greedy=True)
+                with torch.inference_mode():
+                    want = argmax_rows(runner.model.compute_argmax_logits(_decode_step(llm, prompts, loop)))
+                assert got.tolist() == want.tolist(), (num_threads, num_seqs, long)
+                got = _decode_step(llm, prompts, rotated, greedy=True)
+                assert got.tolist() == ((want + vocab_size // 2) % vocab_size).tolist(), (num_threads, num_seqs)
+    finally:
+        torch.set_num_threads(threads_before)
+        release_decode_model(rotated.model_id)
+    with torch.inference_mode():
+        _, _, meta, _, _ = runner.prepare_inputs(
+            [ScheduledRequest(f"r{i}", [7], 3, [i], True, SamplingParams()) for i in range(DECODE_MAX_TOKENS + 1)])
+    assert loop.serves(DECODE_MAX_TOKENS + 1, meta) and not loop.serves_greedy(DECODE_MAX_TOKENS + 1, meta)
+    llm.engine.shutdown()
+
+
+def test_greedy_engine_steps_sample_in_the_loop():
+    """An engine's decode steps whose rows all sample greedily take run_greedy and give the
+    tokens the sampler gives from the head's logits; a step with a row that samples at a
+    temperature keeps the sampler."""
+    llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization="gguf")
+    loop = _with_native_loop(llm)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert loop.num_greedy_steps >= 11
+    loop.max_greedy_tokens = 0  # as a model without a head the loop runs
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert got == want
+    loop.max_greedy_tokens = DECODE_MAX_TOKENS
+    num_greedy_steps, num_steps = loop.num_greedy_steps, loop.num_steps
+    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)
+    llm.generate(prompts, [greedy, sampled, greedy])
+    assert loop.num_greedy_steps == num_greedy_steps and loop.num_steps >= num_steps + 11
+    llm.engine.shutdown()
+
+
+def test_greedy_bad_calls_raise_and_write_nothing(tiny_llama_dir):
+    """A token id outside the embedding, or more rows than the head's GEMV takes, raises
+    ValueError before anything is written; a model registered without a head the region can
+    run (fp32 rows here) has no greedy steps."""
+    llm = LLM(dtype="float32", kv_cache_memory="32MiB", quantization="gguf")
+    runner = llm.engine.executor.runner
+    prepack_linears(runner.model)
+    loop = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=2)
+    assert loop.max_greedy_tokens == DECODE_MAX_TOKENS
+    vocab_size = runner.model.embed_tokens.weight.shape[0]
+    for cache in (*loop.k_caches, *loop.v_caches):
+        cache.zero_()
+
+    def call(ids, model_id=loop.model_id):
+        n = len(ids)
+        return decode_greedy(model_id, torch.tensor(ids), torch.zeros(n, dtype=torch.int64), loop.k_caches,
+                             loop.v_caches, torch.arange(n), torch.arange(n, dtype=torch.int32).view(n, 1),
+                             torch.arange(n + 1, dtype=torch.int32), torch.ones(n, dtype=torch.int32))
+
+    for ids, message in (([vocab_size], "outside the embedding"), ([5, -1], "outside the embedding"),
+                         ([5] * (DECODE_MAX_TOKENS + 1), "1 to 4 tokens")):
+        with pytest.raises(ValueError, match=message):
+            call(ids)
+    assert all(not cache.any() for cache in (*loop.k_caches, *loop.v_caches))
+    assert call([5, 6]).shape == (2,)
+    assert loop.k_caches[1].any()
+    llm.engine.shutdown()
+    rows = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16)
+    loop = _with_native_loop(rows)
+    assert loop.max_greedy_tokens == decode_model_max_greedy_tokens(loop.model_id) == 0
+    with pytest.raises(ValueError, match="has no head this loop can run"):
+        call([5], model_id=loop.model_id)
+    rows.engine.shutdown()
 
 
 def test_the_regions_switch_turns_them_off(monkeypatch):
