@@ -21,10 +21,15 @@ struct TeamAttentionApi {
                           const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
                           int64_t sliding_window, int64_t num_threads);
-  // Inside a parallel region of the num_threads threads, called by each (thread t): this
-  // layer's K/V written at their slots, then its attention into out; returns after a
-  // barrier, out complete. The caches must be shaped as begin's.
-  void (*layer)(TeamAttention* team, const at::Tensor& k_cache, const at::Tensor& v_cache, int t);
+  // Inside a parallel region of the num_threads threads, called by each (thread t) once its
+  // tokens [token_begin, token_end) of k and v are final: writes their K/V at their slots in
+  // this layer's caches (shaped as begin's); thread 0 also points the step at them. The
+  // caller's barrier then separates every thread's write from `attend`.
+  void (*write)(TeamAttention* team, const at::Tensor& k_cache, const at::Tensor& v_cache, int t, int64_t token_begin,
+                int64_t token_end);
+  // Then, called by each thread: the layer's attention into out; returns after a barrier,
+  // out complete.
+  void (*attend)(TeamAttention* team, int t);
   // [num_tokens, num_q_heads, head_dim]: every layer's output, rewritten by each.
   at::Tensor (*out)(TeamAttention* team);
   void (*end)(TeamAttention* team);

@@ -439,9 +439,28 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
   T* logits_p = head != nullptr ? logits.data_ptr<T>() : nullptr;
   std::vector<pdserve_cpu::ArgmaxPart> argmax_parts(head != nullptr ? num_threads * M : 0);
 
+  // Every layer's caches shaped as the first's, which the team's plan was checked against:
+  // its layer calls run inside the region and must not fail.
+  for (size_t l = 0; l < model.layers.size(); ++l)
+    PDSERVE_CHECK_VALUE(k_caches[l].sizes() == k_caches[0].sizes() && v_caches[l].sizes() == k_caches[0].sizes() &&
+                            k_caches[l].scalar_type() == k_caches[0].scalar_type() &&
+                            v_caches[l].scalar_type() == k_caches[0].scalar_type() && k_caches[l].is_contiguous() &&
+                            v_caches[l].is_contiguous(),
+                        "decode_layers: every layer's K and V caches must be contiguous and shaped as the first's");
+  const pdserve_cpu::TeamAttentionApi& team_api = team_attention_api();
+  const std::unique_ptr<pdserve_cpu::TeamAttention, void (*)(pdserve_cpu::TeamAttention*)> team(
+      team_api.begin(q, k, v, k_caches[0], v_caches[0], slot_mapping, block_tables, query_start_loc, seq_lens,
+                     model.attention_scale, first.sliding_window, num_threads),
+      team_api.end);
+  const at::Tensor attended = team_api.out(team.get());  // [M, num_heads, head_dim], each layer's in turn
+  PDSERVE_CHECK_VALUE(attended.is_contiguous(), "decode_layers: the attention's output is not contiguous");
+  const T* attended_p = attended.data_ptr<T>();
+
   // Each phase below is one thread's part; the barriers keep the phases in order.
-  // The input norm of layer l and its qkv projection and RoPE, up to its attention.
-  auto up_to_attention = [&](const Layer& layer, int t, int n, int64_t row_begin, int64_t row_end) {
+  // The input norm of layer l and its qkv projection and RoPE, up to its attention: the
+  // thread's rows' K/V written to the layer's caches.
+  auto up_to_attention = [&](size_t l, int t, int n, int64_t row_begin, int64_t row_end) {
+    const Layer& layer = model.layers[l];
     rms_norm<T>(xp + row_begin * H, layer.input_norm.data_ptr<T>(), np + row_begin * H, row_end - row_begin, H, eps);
     prepare_rows(layer.qkv, np, row_begin, row_end, xq_hidden);
 #pragma omp barrier
@@ -450,11 +469,12 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
     for (int64_t m = row_begin; m < row_end; ++m)
       rope<T>(qkv_p + m * qkv_width, num_heads + num_kv_heads, head_dim, model.cos.data_ptr<float>() + pos[m] * half,
               model.sin.data_ptr<float>() + pos[m] * half, half);
+    team_api.write(team.get(), k_caches[l], v_caches[l], t, row_begin, row_end);
   };
   // Layer l from its attention's output to its last residual, then the next layer up to
   // its attention (or the final norm).
-  auto after_attention = [&](const Layer& layer, const Layer* next, const T* attended_p, int t, int n,
-                             int64_t row_begin, int64_t row_end) {
+  auto after_attention = [&](size_t l, const T* attended_p, int t, int n, int64_t row_begin, int64_t row_end) {
+    const Layer& layer = model.layers[l];
     prepare_rows(layer.o, attended_p, row_begin, row_end, xq_attended);
 #pragma omp barrier
     gemv_share(layer.o, attended_p, xq_attended, M, op, t, n);
@@ -473,41 +493,23 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
 #pragma omp barrier
     // A thread's rows stay its own from here to the next layer's qkv projection.
     add_into<T>(xp + row_begin * H, dp + row_begin * H, (row_end - row_begin) * H);
-    if (next != nullptr)
-      up_to_attention(*next, t, n, row_begin, row_end);
+    if (l + 1 < model.layers.size())
+      up_to_attention(l + 1, t, n, row_begin, row_end);
     else if (model.final_norm.has_value())
       rms_norm<T>(xp + row_begin * H, model.final_norm->data_ptr<T>(), np + row_begin * H, row_end - row_begin, H,
                   eps);
   };
 
-  // Every layer's caches shaped as the first's, which the team's plan was checked against:
-  // its layer calls run inside the region and must not fail.
-  for (size_t l = 0; l < model.layers.size(); ++l)
-    PDSERVE_CHECK_VALUE(k_caches[l].sizes() == k_caches[0].sizes() && v_caches[l].sizes() == k_caches[0].sizes() &&
-                            k_caches[l].scalar_type() == k_caches[0].scalar_type() &&
-                            v_caches[l].scalar_type() == k_caches[0].scalar_type() && k_caches[l].is_contiguous() &&
-                            v_caches[l].is_contiguous(),
-                        "decode_layers: every layer's K and V caches must be contiguous and shaped as the first's");
-  const pdserve_cpu::TeamAttentionApi& team_api = team_attention_api();
-  const std::unique_ptr<pdserve_cpu::TeamAttention, void (*)(pdserve_cpu::TeamAttention*)> team(
-      team_api.begin(q, k, v, k_caches[0], v_caches[0], slot_mapping, block_tables, query_start_loc, seq_lens,
-                     model.attention_scale, first.sliding_window, num_threads),
-      team_api.end);
-  const at::Tensor attended = team_api.out(team.get());  // [M, num_heads, head_dim], each layer's in turn
-  PDSERVE_CHECK_VALUE(attended.is_contiguous(), "decode_layers: the attention's output is not contiguous");
-  const T* attended_p = attended.data_ptr<T>();
-
 #pragma omp parallel num_threads(num_threads)
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
     const auto [row_begin, row_end] = rows_of(M, t, n);
-    up_to_attention(first, t, n, row_begin, row_end);
+    up_to_attention(0, t, n, row_begin, row_end);
     for (size_t l = 0; l < model.layers.size(); ++l) {
 #pragma omp barrier
-      // every row's q and k rotated: the layer's K/V written, then its attention (ends at a barrier)
-      team_api.layer(team.get(), k_caches[l], v_caches[l], t);
-      const Layer* next = l + 1 < model.layers.size() ? &model.layers[l + 1] : nullptr;
-      after_attention(model.layers[l], next, attended_p, t, n, row_begin, row_end);
+      // every row's q and k rotated and its K/V written: the layer's attention (ends at a barrier)
+      team_api.attend(team.get(), t);
+      after_attention(l, attended_p, t, n, row_begin, row_end);
     }
     if (head != nullptr) {
       const Linear& projection = head->linear;

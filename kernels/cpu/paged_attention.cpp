@@ -956,15 +956,16 @@ void check_kv_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
 
 // Each new token's K and V at its slot (block * block_size + offset; < 0: padding, skipped).
 void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
-              const at::Tensor& slot_mapping) {
-  const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), elem = k.element_size();
+              const at::Tensor& slot_mapping, int64_t token_begin = 0, int64_t token_end = -1) {
+  const int64_t num_kv_heads = k.size(1), elem = k.element_size();
   const int64_t row_bytes = k.size(2) * elem;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   auto* k_dst = static_cast<char*>(k_cache.data_ptr());
   auto* v_dst = static_cast<char*>(v_cache.data_ptr());
   const auto* k_src = static_cast<const char*>(k.data_ptr());
   const auto* v_src = static_cast<const char*>(v.data_ptr());
-  for (int64_t t = 0; t < num_tokens; ++t) {
+  if (token_end < 0) token_end = k.size(0);
+  for (int64_t t = token_begin; t < token_end; ++t) {
     if (slots[t] < 0) continue;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       const int64_t dst = (slots[t] * num_kv_heads + h) * row_bytes;
@@ -994,30 +995,39 @@ TeamAttention* team_begin(const at::Tensor& q, const at::Tensor& k, const at::Te
   return team.release();
 }
 
-void team_layer(TeamAttention* team, const at::Tensor& k_cache, const at::Tensor& v_cache, int t) {
-  CallPlan& plan = team->plan;
+void team_write(TeamAttention* team, const at::Tensor& k_cache, const at::Tensor& v_cache, int t,
+                int64_t token_begin, int64_t token_end) {
+  write_kv(team->k, team->v, k_cache, v_cache, team->slot_mapping, token_begin, token_end);
   if (t == 0) {
-    write_kv(team->k, team->v, k_cache, v_cache, team->slot_mapping);
+    CallPlan& plan = team->plan;
     plan.problem.k = k_cache.data_ptr();
     plan.problem.v = v_cache.data_ptr();
     team->next.store(0);
   }
-#pragma omp barrier
+}
+
+void team_attend(TeamAttention* team, int t) {
+  CallPlan& plan = team->plan;
   with_dtype(plan.out.scalar_type(), [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     claim_work<T>(plan, team->next);
 #pragma omp barrier
-    if (t == 0)
-      for (const SplitToken& split : plan.splits) merge_split_token<T>(plan.problem, split);
-  });
+    // Split tokens' parts merged (on the first thread), and a barrier after them; none for
+    // a step without splits.
+    if (!plan.splits.empty()) {
+      if (t == 0)
+        for (const SplitToken& split : plan.splits) merge_split_token<T>(plan.problem, split);
 #pragma omp barrier
+    }
+  });
 }
 
 at::Tensor team_out(TeamAttention* team) { return team->plan.out; }
 
 void team_end(TeamAttention* team) { delete team; }
 
-const pdserve_cpu::TeamAttentionApi kTeamAttentionApi{&team_begin, &team_layer, &team_out, &team_end};
+const pdserve_cpu::TeamAttentionApi kTeamAttentionApi{&team_begin, &team_write, &team_attend, &team_out,
+                                                     &team_end};
 
 // The address of kTeamAttentionApi, for decode_layers.cpp (attention_team.h).
 int64_t team_attention_api() { return reinterpret_cast<int64_t>(&kTeamAttentionApi); }

@@ -131,6 +131,9 @@ def _decode_step(llm: LLM, prompts: list[list[int]], loop: NativeDecodeLoop | No
     prefill = [ScheduledRequest(f"r{i}", p, 0, t, True, params) for i, (p, t) in enumerate(zip(prompts, tables))]
     decode = [ScheduledRequest(f"r{i}", [p[-1]], len(p), t, True, params)
               for i, (p, t) in enumerate(zip(prompts, tables))]
+    for k_cache, v_cache in runner.kv_caches:  # nothing left from an earlier step at the decode's slots
+        k_cache.zero_()
+        v_cache.zero_()
     with torch.inference_mode():
         ids, positions, meta, _, _ = runner.prepare_inputs(prefill)
         runner._forward(ids, positions, meta, None)
