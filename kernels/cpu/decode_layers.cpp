@@ -15,7 +15,9 @@
 // int4 / int8 kernels). A model whose every projection is a prepacked linear or GGUF
 // blocks takes steps of any size; the others up to kMaxGemvTokens. Where every projection
 // is GGUF blocks or bf16 panels, the whole step runs in one OpenMP region
-// (run_layers_in_regions) rather than a fork and join per projection and attention.
+// (run_layers_in_regions) rather than a fork and join per projection and attention; a step
+// of such a model whose rows all sample greedily can take the embedding lookup, the head
+// and the argmax into the same region too (decode_greedy).
 //
 // Numerics follow the compiled graph's: each fused pointwise step computes in fp32 from
 // the dtype's inputs and rounds once; RMSNorm rounds the normalised value before scaling
@@ -576,11 +578,6 @@ Linear make_linear(int64_t kind, const at::Tensor& weight, const std::optional<a
   return linear;
 }
 
-// Whether run_layers_in_regions serves the model's steps of up to how many tokens (0: none,
-// Model::max_region_tokens): every linear GGUF blocks or bf16 panels (these where panel_gemm
-// runs on vector units: its AMX form keeps the op), of the shapes a Llama layer has, the
-// same in every layer, and one sliding window for all (one attention plan a step). Others
-// (and mismatched shapes, which the GEMV ops then report) take run_layers.
 // Whether bf16 panels may run in a parallel region here: panel_gemm on vector units.
 bool panels_in_regions() {
 #ifdef PDSERVE_PANEL_GEMM
@@ -594,6 +591,11 @@ bool panels_in_regions() {
 #endif
 }
 
+// Whether run_layers_in_regions serves the model's steps of up to how many tokens (0: none,
+// Model::max_region_tokens): every linear GGUF blocks or bf16 panels (these where panel_gemm
+// runs on vector units: its AMX form keeps the op), of the shapes a Llama layer has, the
+// same in every layer, and one sliding window for all (one attention plan a step). Others
+// (and mismatched shapes, which the GEMV ops then report) take run_layers.
 int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
 #ifdef PDSERVE_ROW_GROUPS
   const bool panels = panels_in_regions();
