@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "stream_prefetch.h"
 #include "vec_math.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -127,26 +128,12 @@ inline int32_t x_word(const int8_t* codes, int i) {  // columns 4i .. 4i + 3 of 
 }
 
 #ifdef PDSERVE_ROW_GROUPS_VNNI
-// How far ahead of the block it reads a thread asks for its weight stream, as non-temporal
-// prefetches (prefetchnta). Why: on the 2-core Zen 5 EPYC a token of the bundled model's
-// Q4_1 weights and Q8_0 head (~97 MB) took 2.47-2.61 -> 2.33-2.34 ms with them (median of
-// 40 prompts, each form in turn in one process); prefetcht0 2 KB ahead changed nothing.
-// The stream is read once a step, so it need not push the step's other data (KV blocks,
-// activations, the engine's own code between steps) out of the caches. Only where each group
-// is read in one pass (up to kGroupPassRows rows of x): a group that serves more passes must
-// stay in the caches between them.
-constexpr int64_t kStreamAheadBytes = 4096;
-
-inline void prefetch_stream(const uint8_t* p, int64_t num_bytes) {
-  for (int64_t offset = 0; offset < num_bytes; offset += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + offset), _MM_HINT_NTA);
-}
-
 // One group of 16 rows over all blocks, for either format: out[m][j] = x row m . W row j
 // (no bias). load(block, codes, d) fills a block's 8 unsigned code vectors (codes[i] lane j:
 // row j's columns 4i .. 4i + 3) and its d, and returns what multiplies s * the sum of x's
-// codes in each row (Q4_1: m; Q8_0: -128 d). stream_ahead: prefetch the weights ahead
-// (kStreamAheadBytes).
+// codes in each row (Q4_1: m; Q8_0: -128 d). stream_ahead: ask for the weights ahead
+// (stream_prefetch.h), where each group is read in one pass (up to kGroupPassRows rows of
+// x): a group that serves more passes must stay in the caches between them.
 template <int M, typename LoadBlock>
 void group_vnni(const QuantizedRows& x, const uint8_t* group, int64_t num_blocks, int64_t block_bytes,
                 bool stream_ahead, LoadBlock load, float (&out)[M][kGroupRows]) {
@@ -154,7 +141,7 @@ void group_vnni(const QuantizedRows& x, const uint8_t* group, int64_t num_blocks
   for (int m = 0; m < M; ++m) acc[m] = acc_sums[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
     // Past the group's end the stream goes on into the thread's next group.
-    if (stream_ahead) prefetch_stream(group + b * block_bytes + kStreamAheadBytes, block_bytes);
+    if (stream_ahead) prefetch_stream_ahead(group + b * block_bytes, block_bytes);
     __m512i codes[8];
     __m512 d;
     const __m512 sum_factor = load(group + b * block_bytes, codes, d);

@@ -20,6 +20,7 @@
 #pragma once
 
 #include "panel_layout.h"
+#include "stream_prefetch.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define PDSERVE_PANEL_GEMM 1
@@ -36,7 +37,8 @@ constexpr int64_t kPrefetchOutBytes = 1 << 20;  // outputs past this (a Zen 4 co
 // Steps of fewer rows than this read a panel faster than a prefetch of the next one pays
 // for: the hardware's stream keeps up alone (each thread reads its panels front to back).
 // On the Zen 4 EPYC, SmolLM2's linears and head (docs/benchmarks.md, "A bf16 weight held
-// twice"): 1-5 rows 4-21% faster without it, 6-64 rows 3-34% faster with it.
+// twice"): 1-5 rows 4-21% faster without it, 6-64 rows 3-34% faster with it. Those steps ask
+// for their stream non-temporally a few KB on instead (stream_prefetch.h).
 constexpr int64_t kPrefetchMinRows = 6;
 
 // Panels [panel_begin, panel_end) of [N / kPanelCols][K / 2][kPanelCols][2] from W [N, K]
@@ -76,12 +78,13 @@ struct PanelBias {
 };
 
 // y rows [m0, m0 + RM), the panel's 32 columns from n0; `ahead`: the next panel, asked for
-// into L2 two lines (one pair of K) per step, or null; prefetch_out: whether to ask for
-// the next panel's output lines (y larger than L2).
+// into L2 two lines (one pair of K) per step, or null; stream_ahead (where `ahead` is null):
+// the weight stream asked for non-temporally a few KB on (stream_prefetch.h); prefetch_out:
+// whether to ask for the next panel's output lines (y larger than L2).
 template <int RM>
 inline void panel_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* panel, const c10::BFloat16* bias,
                             c10::BFloat16* y, int64_t K, int64_t N, int64_t m0, int64_t n0, const char* ahead,
-                            bool prefetch_out) {
+                            bool stream_ahead, bool prefetch_out) {
   __m512 acc[RM][2];
   for (int i = 0; i < RM; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   // The next panel's outputs: one line in each of RM rows N apart, which no hardware stream
@@ -101,6 +104,8 @@ inline void panel_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* panel, 
     if (ahead != nullptr) {
       _mm_prefetch(ahead + kp * kPanelCols * 4, _MM_HINT_T1);
       _mm_prefetch(ahead + kp * kPanelCols * 4 + 64, _MM_HINT_T1);
+    } else if (stream_ahead) {
+      prefetch_stream_ahead(w_pair, kPanelCols * 2 * sizeof(c10::BFloat16));
     }
     for (int i = 0; i < RM; ++i) {
       const __m512bh x_pair = (__m512bh)_mm512_set1_epi32(x_pairs[i * num_pairs + kp]);
@@ -119,6 +124,8 @@ inline void panel_gemm_panels(const c10::BFloat16* x, const c10::BFloat16* panel
                               int64_t panel_end) {
   const int64_t panel_values = K * kPanelCols;
   const bool prefetch_out = M * N * static_cast<int64_t>(sizeof(c10::BFloat16)) > kPrefetchOutBytes;
+  // Below kPrefetchMinRows rows each panel is one tile, read once: its stream asked for ahead.
+  const bool stream_ahead = M < kPrefetchMinRows;
   for (int64_t p = panel_begin; p < panel_end; ++p) {
     const c10::BFloat16* panel = panels + p * panel_values;
     const char* ahead =
@@ -126,10 +133,10 @@ inline void panel_gemm_panels(const c10::BFloat16* x, const c10::BFloat16* panel
     const int64_t n0 = p * kPanelCols;
     int64_t m0 = 0;
     for (; m0 + kPanelTileRows <= M; m0 += kPanelTileRows, ahead = nullptr)
-      panel_gemm_tile<kPanelTileRows>(x, panel, bias, y, K, N, m0, n0, ahead, prefetch_out);
+      panel_gemm_tile<kPanelTileRows>(x, panel, bias, y, K, N, m0, n0, ahead, false, prefetch_out);
     switch (M - m0) {
 #define PDSERVE_PANEL_TAIL(r) \
-  case r: panel_gemm_tile<r>(x, panel, bias, y, K, N, m0, n0, ahead, prefetch_out); break;
+  case r: panel_gemm_tile<r>(x, panel, bias, y, K, N, m0, n0, ahead, stream_ahead, prefetch_out); break;
       PDSERVE_PANEL_TAIL(1) PDSERVE_PANEL_TAIL(2) PDSERVE_PANEL_TAIL(3) PDSERVE_PANEL_TAIL(4)
       PDSERVE_PANEL_TAIL(5) PDSERVE_PANEL_TAIL(6) PDSERVE_PANEL_TAIL(7) PDSERVE_PANEL_TAIL(8)
       PDSERVE_PANEL_TAIL(9) PDSERVE_PANEL_TAIL(10) PDSERVE_PANEL_TAIL(11)
