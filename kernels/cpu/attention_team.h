@@ -16,7 +16,7 @@ struct TeamAttention;  // one step's plan: its work items, splits, output and th
 struct TeamAttentionApi {
   // Checks everything each layer's paged_attention_with_kv_write would, for caches shaped
   // as k_cache and v_cache (ValueError), and plans the step's work for num_threads threads:
-  // then `layer` cannot fail. q, k, v: views whose data the caller rewrites before each layer.
+  // then `write` and `attend` cannot fail. q, k, v: views whose data the caller rewrites before each layer.
   TeamAttention* (*begin)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,

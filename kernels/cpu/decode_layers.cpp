@@ -334,42 +334,46 @@ inline std::pair<int64_t, int64_t> rows_of(int64_t M, int t, int num_threads) {
   return share_of(M, t, num_threads);
 }
 
-// Thread t's output columns [begin, end) of a linear, as the linear's GEMV op splits them:
-// GGUF blocks a run of at least 4 groups (64 rows) a thread, bf16 column panels a run of
-// panels. In thread order.
-inline std::pair<int64_t, int64_t> columns_of(const Linear& l, int t, int num_threads) {
-  if (l.kind == kPanels) {
-    const auto [begin, end] = share_of(l.out_features / pdserve_cpu::kPanelCols, t, num_threads);
-    return {begin * pdserve_cpu::kPanelCols, end * pdserve_cpu::kPanelCols};
-  }
-  const int64_t num_groups = (l.out_features + pdserve_cpu::kGroupRows - 1) / pdserve_cpu::kGroupRows;
-  const int workers = static_cast<int>(std::clamp<int64_t>(num_groups / 4, 1, num_threads));
-  if (t >= workers) return {l.out_features, l.out_features};
-  const auto [begin, end] = share_of(num_groups, t, workers);
-  return {begin * pdserve_cpu::kGroupRows, std::min(end * pdserve_cpu::kGroupRows, l.out_features)};
+// Output columns a linear's GEMV takes as one unit: a GGUF row group or a bf16 column panel.
+inline int64_t unit_columns(const Linear& l) {
+  return l.kind == kPanels ? pdserve_cpu::kPanelCols : pdserve_cpu::kGroupRows;
 }
 
-// Thread t's part of y [M, N] = x @ W^T (+ bias), its columns_of: GGUF blocks from x's M
+// Thread t's units [begin, end) of a linear, as the linear's GEMV op splits them: GGUF
+// blocks a run of at least 4 groups (64 rows) a thread, bf16 column panels a run of
+// panels. In thread order.
+inline std::pair<int64_t, int64_t> units_of(const Linear& l, int t, int num_threads) {
+  const int64_t num_units = (l.out_features + unit_columns(l) - 1) / unit_columns(l);
+  if (l.kind == kPanels) return share_of(num_units, t, num_threads);
+  const int workers = static_cast<int>(std::clamp<int64_t>(num_units / 4, 1, num_threads));
+  if (t >= workers) return {num_units, num_units};
+  return share_of(num_units, t, workers);
+}
+
+// Thread t's output columns [begin, end) of a linear: its units_of.
+inline std::pair<int64_t, int64_t> columns_of(const Linear& l, int t, int num_threads) {
+  const auto [begin, end] = units_of(l, t, num_threads);
+  return {std::min(begin * unit_columns(l), l.out_features), std::min(end * unit_columns(l), l.out_features)};
+}
+
+// Thread t's part of y [M, N] = x @ W^T (+ bias), its units_of: GGUF blocks from x's M
 // rows quantized in xq, bf16 column panels from x itself.
 template <typename T>
 void gemv_share(const Linear& l, const T* x, const pdserve_cpu::BlockQuantizedX& xq, int64_t M, T* y, int t,
                 int num_threads) {
   const T* bias = l.bias.has_value() ? l.bias->data_ptr<T>() : nullptr;
-  const auto [first_column, end_column] = columns_of(l, t, num_threads);
-  if (first_column >= end_column) return;
+  const auto [begin, end] = units_of(l, t, num_threads);
+  if (begin >= end) return;
   if (l.kind == kPanels) {
 #ifdef PDSERVE_PANEL_GEMM
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       pdserve_cpu::panel_gemm_panels(x, l.weight.data_ptr<c10::BFloat16>(), bias, y, M, l.in_features,
-                                     l.out_features, first_column / pdserve_cpu::kPanelCols,
-                                     end_column / pdserve_cpu::kPanelCols);
+                                     l.out_features, begin, end);
     }
 #endif
     return;
   }
   using pdserve_cpu::BlockFormat;
-  const int64_t begin = first_column / pdserve_cpu::kGroupRows;
-  const int64_t end = (end_column + pdserve_cpu::kGroupRows - 1) / pdserve_cpu::kGroupRows;
   const uint8_t* w = l.weight.data_ptr<uint8_t>();
   const int64_t num_blocks = l.in_features / pdserve_cpu::kBlockCols;
   if (l.kind == kQ4_1)
@@ -475,7 +479,7 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
   };
   // Layer l from its attention's output to its last residual, then the next layer up to
   // its attention (or the final norm).
-  auto after_attention = [&](size_t l, const T* attended_p, int t, int n, int64_t row_begin, int64_t row_end) {
+  auto after_attention = [&](size_t l, int t, int n, int64_t row_begin, int64_t row_end) {
     const Layer& layer = model.layers[l];
     prepare_rows(layer.o, attended_p, row_begin, row_end, xq_attended);
 #pragma omp barrier
@@ -511,7 +515,7 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
 #pragma omp barrier
       // every row's q and k rotated and its K/V written: the layer's attention (ends at a barrier)
       team_api.attend(team.get(), t);
-      after_attention(l, attended_p, t, n, row_begin, row_end);
+      after_attention(l, t, n, row_begin, row_end);
     }
     if (head != nullptr) {
       const Linear& projection = head->linear;
@@ -591,6 +595,10 @@ bool panels_in_regions() {
 #endif
 }
 
+// Whether a linear of this kind can run in a parallel region here: GGUF blocks, or bf16
+// panels where panels_in_regions.
+bool runs_in_regions(LinearKind kind) { return takes_any_rows(kind) || (kind == kPanels && panels_in_regions()); }
+
 // Whether run_layers_in_regions serves the model's steps of up to how many tokens (0: none,
 // Model::max_region_tokens): every linear GGUF blocks or bf16 panels (these where panel_gemm
 // runs on vector units: its AMX form keeps the op), of the shapes a Llama layer has, the
@@ -598,7 +606,6 @@ bool panels_in_regions() {
 // (and mismatched shapes, which the GEMV ops then report) take run_layers.
 int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
 #ifdef PDSERVE_ROW_GROUPS
-  const bool panels = panels_in_regions();
   const int64_t attended = model.num_heads * model.head_dim;
   const int64_t qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim;
   const int64_t I = model.layers[0].down.in_features;
@@ -606,7 +613,7 @@ int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
   for (const Layer& layer : model.layers) {
     if (layer.sliding_window != model.layers[0].sliding_window) return 0;  // one attention plan a step
     for (const Linear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
-      if (!takes_any_rows(l->kind) && !(panels && l->kind == kPanels)) return 0;
+      if (!runs_in_regions(l->kind)) return 0;
       blocks_only = blocks_only && takes_any_rows(l->kind);
     }
     if (layer.qkv.in_features != hidden_size || layer.qkv.out_features != qkv || layer.o.in_features != attended ||
@@ -626,7 +633,7 @@ int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
 // bf16 copy of GGUF blocks, whose logits differ), so the tokens are the ones it gives.
 int64_t greedy_tokens_limit(const Model& model, const Linear& head) {
   if (model.max_region_tokens == 0 || !model.final_norm.has_value()) return 0;
-  if (!takes_any_rows(head.kind) && !(head.kind == kPanels && panels_in_regions())) return 0;
+  if (!runs_in_regions(head.kind)) return 0;
   return std::min(model.max_region_tokens, kMaxGemvTokens);
 }
 

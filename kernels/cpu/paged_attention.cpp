@@ -954,9 +954,10 @@ void check_kv_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
     PDSERVE_CHECK_VALUE(slots[t] < num_slots, "slot ", slots[t], " of token ", t, " is past the cache's ", num_slots);
 }
 
-// Each new token's K and V at its slot (block * block_size + offset; < 0: padding, skipped).
+// Tokens [token_begin, token_end)'s K and V each at its slot (block * block_size + offset;
+// < 0: padding, skipped).
 void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
-              const at::Tensor& slot_mapping, int64_t token_begin = 0, int64_t token_end = -1) {
+              const at::Tensor& slot_mapping, int64_t token_begin, int64_t token_end) {
   const int64_t num_kv_heads = k.size(1), elem = k.element_size();
   const int64_t row_bytes = k.size(2) * elem;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -964,7 +965,6 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   auto* v_dst = static_cast<char*>(v_cache.data_ptr());
   const auto* k_src = static_cast<const char*>(k.data_ptr());
   const auto* v_src = static_cast<const char*>(v.data_ptr());
-  if (token_end < 0) token_end = k.size(0);
   for (int64_t t = token_begin; t < token_end; ++t) {
     if (slots[t] < 0) continue;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
@@ -1045,7 +1045,7 @@ at::Tensor paged_attention_with_kv_write(const at::Tensor& q,        // [num_tok
                                          const at::Tensor& seq_lens,         // [num_seqs] int32
                                          double scale, int64_t sliding_window, double logit_softcap) {
   check_kv_write(k, v, k_cache, v_cache, slot_mapping);
-  write_kv(k, v, k_cache, v_cache, slot_mapping);
+  write_kv(k, v, k_cache, v_cache, slot_mapping, 0, k.size(0));
   return paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
                          logit_softcap);
 }
