@@ -31,6 +31,7 @@ from common.engine.models.prepacked_linear import PrepackedLinear, prepack_linea
 from common.engine.precompiled import PrecompiledMethod
 from kernels.cpu_attention import cpu_attention_backend
 from kernels.cpu_decode import native_decode_available, native_decode_disabled
+from kernels.cpu_sampling import native_argmax_available
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +87,14 @@ def compile_forward(model: torch.nn.Module, device: torch.device, enforce_eager:
     # restart its whole trace once the compiler turned it back into a constant.
     torch._dynamo.config.specialize_float = True
     torch._dynamo.config.run_gc_after_compile = False  # ~0.5 s per graph; the engine allocates little
-    # A cold start builds three native libraries, attention (~12 s), the GEMV that packing
-    # the linears loads (~8 s) and the decode loop (~13 s) that warm-up registers the model
-    # with: g++ runs the GEMV beside the other two, which go on while dynamo traces (the
-    # graph holds the Python op pdserve::paged_attention, whose first run waits for the
-    # library). The attention choice raises again, where it is made, if
-    # PDSERVE_CPU_ATTENTION is wrong.
+    # A cold start builds four native libraries: the GEMV that packing the linears loads
+    # (~12 s of g++ on the 2-core Zen 5), attention (~20 s), the decode loop (~11 s) that
+    # warm-up registers the model with and the sampler's argmax (~5 s) it loads last. g++
+    # runs the GEMV beside the other three, which go on one after another while the model
+    # is packed and dynamo traces (the graph holds the Python op pdserve::paged_attention,
+    # whose first run waits for the library): the main thread never waits on a build that
+    # another core could have run meanwhile. The attention choice raises again, where it
+    # is made, if PDSERVE_CPU_ATTENTION is wrong.
     if device.type == "cpu":
         threading.Thread(target=_build_native_kernels, name="build-kernels", daemon=True).start()
     num_prepacked = prepack_linears(model, single_copy=single_weight_copy)
@@ -136,6 +139,7 @@ def _build_native_kernels() -> None:
         pass
     if not native_decode_disabled():
         native_decode_available()
+    native_argmax_available()
 
 
 def compile_logits(model: torch.nn.Module, forward: Callable) -> Callable:

@@ -209,19 +209,19 @@ class ModelRunner:
         On CUDA, given the scheduler's max_num_seqs and max_model_len, then capture the
         decode steps' CUDA graphs (common/engine/cuda_graphs.py); on the CPU, register the
         model with the native decode loop (common/engine/native_decode.py). In every mode, load
-        the sampler's native kernels (Sampler.prepare)."""
+        the sampler's native kernels (Sampler.prepare), last: on a cold start compile_forward's
+        background build has made them meanwhile."""
+        if self.forward is not self.model and self.kv_caches:
+            self._compile()
+            if self.device.type == "cpu" and self.parallel_config.world_size == 1:
+                self.native_decode = NativeDecodeLoop.build(self.model, self.kv_caches)
+            if (self.device.type == "cuda" and max_num_seqs and max_model_len and cuda_graphs_enabled()
+                    and self.parallel_config.world_size == 1):
+                self.decode_graphs = DecodeGraphs(
+                    self.forward, self.kv_caches, self.device, max_num_seqs, max_model_len, self.block_size,
+                    compute_logits=self.compute_logits if self.is_output_rank else None)
+                self.decode_graphs.capture_all()
         self.sampler.prepare(self.device)
-        if self.forward is self.model or not self.kv_caches:
-            return
-        self._compile()
-        if self.device.type == "cpu" and self.parallel_config.world_size == 1:
-            self.native_decode = NativeDecodeLoop.build(self.model, self.kv_caches)
-        if (self.device.type == "cuda" and max_num_seqs and max_model_len and cuda_graphs_enabled()
-                and self.parallel_config.world_size == 1):
-            self.decode_graphs = DecodeGraphs(
-                self.forward, self.kv_caches, self.device, max_num_seqs, max_model_len, self.block_size,
-                compute_logits=self.compute_logits if self.is_output_rank else None)
-            self.decode_graphs.capture_all()
 
     def _compile(self) -> None:
         started = time.perf_counter()
