@@ -603,6 +603,22 @@ def test_row_group_gemvs_give_the_same_bits_on_two_threads_as_on_one(bundled_blo
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("gguf_format", GGUF_GEMVS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_row_group_gemvs_row_has_the_same_bits_beside_any_rows(bundled_blocks, bundled_head, gguf_format, dtype):
+    # A group is read in passes of up to 8 rows of x (AVX-512), then 4, then 1-3: each row
+    # must come out the same whichever pass it falls in, and past the 64-row tile, so a
+    # request's tokens do not depend on the batch around it.
+    gguf_gemv, layout, _ = GGUF_GEMVS[gguf_format]
+    blocks = layout((bundled_blocks["qkv_proj"] if gguf_format == "q4_1" else head_rows(bundled_head, 100)).raw())
+    in_features = blocks.shape[1] // (20 if gguf_format == "q4_1" else 34) * 32
+    torch.manual_seed(3)
+    x = torch.randn(75, in_features).to(dtype)
+    alone = torch.cat([gguf_gemv(x[i:i + 1], None, blocks) for i in range(x.shape[0])])
+    for num_rows in (5, 8, 12, 13, 16, 75):
+        assert torch.equal(gguf_gemv(x[:num_rows], None, blocks), alone[:num_rows]), num_rows
+
+
 def test_q4_1_refuses_what_it_cannot_compute(bundled_blocks):
     blocks = q4_1_gemv_blocks(bundled_blocks["down_proj"].raw())
     in_features = blocks.shape[1] // 20 * 32
