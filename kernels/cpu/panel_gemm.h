@@ -34,12 +34,15 @@ namespace pdserve_cpu {
 
 constexpr int64_t kPanelTileRows = 12;  // rows of x per tile: 24 accumulators, 2 W vectors, 1 broadcast
 constexpr int64_t kPrefetchOutBytes = 1 << 20;  // outputs past this (a Zen 4 core's L2) are asked for ahead
-// Steps of fewer rows than this read a panel faster than a prefetch of the next one pays
-// for: the hardware's stream keeps up alone (each thread reads its panels front to back).
+// Steps of fewer rows than this read each panel in one tile, once: they ask for their
+// stream non-temporally a few KB on (stream_prefetch.h); steps of whole tiles ask for the
+// next panel into L2 while the first tile reads this one, as the later tiles read it again.
 // On the Zen 4 EPYC, SmolLM2's linears and head (docs/benchmarks.md, "A bf16 weight held
-// twice"): 1-5 rows 4-21% faster without it, 6-64 rows 3-34% faster with it. Those steps ask
-// for their stream non-temporally a few KB on instead (stream_prefetch.h).
-constexpr int64_t kPrefetchMinRows = 6;
+// twice"): 1-5 rows 4-21% faster without the L2 prefetch, 6-64 rows 3-34% faster with it
+// than with no prefetch at all; on the Zen 5, the non-temporal stream against it, a decode
+// step of the bf16 layers at 6 / 8 / 11 rows -0.10 / -0.53 / -0.50 ms (6.36 / 7.12 / 6.97),
+// at 16 and 32 rows (whole tiles) no better.
+constexpr int64_t kPrefetchMinRows = kPanelTileRows;
 
 // Panels [panel_begin, panel_end) of [N / kPanelCols][K / 2][kPanelCols][2] from W [N, K]
 // row-major: panel p holds columns [p * 32, p * 32 + 32), K's pairs outermost.
@@ -124,7 +127,6 @@ inline void panel_gemm_panels(const c10::BFloat16* x, const c10::BFloat16* panel
                               int64_t panel_end) {
   const int64_t panel_values = K * kPanelCols;
   const bool prefetch_out = M * N * static_cast<int64_t>(sizeof(c10::BFloat16)) > kPrefetchOutBytes;
-  // Below kPrefetchMinRows rows each panel is one tile, read once: its stream asked for ahead.
   const bool stream_ahead = M < kPrefetchMinRows;
   for (int64_t p = panel_begin; p < panel_end; ++p) {
     const c10::BFloat16* panel = panels + p * panel_values;
