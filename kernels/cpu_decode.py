@@ -89,11 +89,12 @@ def register_decode_model(
         in_regions and not switched_off("PDSERVE_DECODE_REGIONS"), embedding, head, head_kind, head_bias, vocab_size)
 
 
-def decode_model_in_regions(model_id: int) -> bool:
-    """Whether the registered model's steps run in one parallel region each (a model whose
-    every projection is GGUF blocks, or bf16 column panels on vector units, of a Llama
-    layer's shapes with one sliding window; panels up to DECODE_MAX_TOKENS tokens)."""
-    return torch.ops.pdserve_decode.decode_model_in_regions(model_id)
+def decode_model_max_region_tokens(model_id: int) -> int:
+    """The most tokens of the registered model's steps that run in one parallel region each
+    (0: none): a model whose every projection is GGUF blocks (any number) or bf16 column
+    panels on vector units (as many as prepacked_linear takes panels for, panel_gemm_max_rows),
+    of a Llama layer's shapes with one sliding window."""
+    return torch.ops.pdserve_decode.decode_model_max_region_tokens(model_id)
 
 
 def decode_model_max_tokens(model_id: int) -> int:

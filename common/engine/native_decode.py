@@ -44,7 +44,7 @@ from common.engine.models.prepacked_linear import PrepackedLinear
 from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
 from kernels.cpu_decode import (LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, decode_greedy, decode_layers,
-                                decode_model_in_regions, decode_model_max_greedy_tokens, decode_model_max_tokens,
+                                decode_model_max_greedy_tokens, decode_model_max_region_tokens, decode_model_max_tokens,
                                 native_decode_available, native_decode_disabled, register_decode_model,
                                 release_decode_model)
 
@@ -145,7 +145,9 @@ class NativeDecodeLoop:
         weakref.finalize(self, release_decode_model, self.model_id)
         # Past the GEMVs' rows every linear needs its prepacked op: the library says whether all have one.
         self.max_num_tokens = decode_model_max_tokens(self.model_id)
-        self.in_regions = decode_model_in_regions(self.model_id)
+        # Steps of up to this many tokens run in one parallel region each (0: none do).
+        self.max_region_tokens = decode_model_max_region_tokens(self.model_id)
+        self.in_regions = self.max_region_tokens > 0
         # Greedy steps of up to this many tokens end in the loop (run_greedy); 0: none do.
         self.max_greedy_tokens = decode_model_max_greedy_tokens(self.model_id)
         self.k_caches = [k for k, _ in kv_caches[:num_layers]]

@@ -98,8 +98,9 @@ struct Model {
   double rms_norm_eps, attention_scale;
   int64_t max_tokens;  // kMaxGemvTokens, or no limit where every linear has a weight_id or GGUF blocks
   // Steps of up to this many tokens run in one parallel region (run_layers_in_regions): any
-  // number where every linear is GGUF blocks, kMaxGemvTokens where some are bf16 panels
-  // (past it they take the prepacked op), 0 for other models (region_tokens_limit).
+  // number where every linear is GGUF blocks, as many as the prepacked op takes panels for
+  // where some are bf16 panels (past it they take its oneDNN call), 0 for other models
+  // (region_tokens_limit).
   int64_t max_region_tokens = 0;
   std::optional<GreedyHead> greedy_head;  // none: registered without one
   // Steps decode_greedy serves (greedy_tokens_limit): up to kMaxGemvTokens where the model
@@ -599,11 +600,21 @@ bool panels_in_regions() {
 // panels where panels_in_regions.
 bool runs_in_regions(LinearKind kind) { return takes_any_rows(kind) || (kind == kPanels && panels_in_regions()); }
 
+// The most rows of x for which pdserve_gemv::prepacked_linear takes a bf16 linear's panels
+// (panel_gemm_max_rows; past them oneDNN): up to there the region's panel GEMVs give its bits.
+int64_t panel_gemm_rows() {
+  static const auto max_rows = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("pdserve_gemv::panel_gemm_max_rows", "")
+                                   .typed<int64_t()>();
+  return max_rows.call();
+}
+
 // Whether run_layers_in_regions serves the model's steps of up to how many tokens (0: none,
 // Model::max_region_tokens): every linear GGUF blocks or bf16 panels (these where panel_gemm
-// runs on vector units: its AMX form keeps the op), of the shapes a Llama layer has, the
-// same in every layer, and one sliding window for all (one attention plan a step). Others
-// (and mismatched shapes, which the GEMV ops then report) take run_layers.
+// runs on vector units: its AMX form keeps the op, and up to the rows the op takes panels
+// for), of the shapes a Llama layer has, the same in every layer, and one sliding window for
+// all (one attention plan a step). Others (and mismatched shapes, which the GEMV ops then
+// report) take run_layers.
 int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
 #ifdef PDSERVE_ROW_GROUPS
   const int64_t attended = model.num_heads * model.head_dim;
@@ -621,7 +632,7 @@ int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
         layer.gate_up.out_features != 2 * I || layer.down.in_features != I || layer.down.out_features != hidden_size)
       return 0;
   }
-  return blocks_only ? std::numeric_limits<int64_t>::max() : kMaxGemvTokens;
+  return blocks_only ? std::numeric_limits<int64_t>::max() : std::max(kMaxGemvTokens, panel_gemm_rows());
 #else
   return 0;
 #endif
@@ -727,10 +738,10 @@ int64_t decode_model_max_tokens(int64_t model_id) {
   return registered_model(model_id, "decode_model_max_tokens")->max_tokens;
 }
 
-// Whether the model's steps (of up to kMaxGemvTokens tokens at least) run in parallel
-// regions (run_layers_in_regions).
-bool decode_model_in_regions(int64_t model_id) {
-  return registered_model(model_id, "decode_model_in_regions")->max_region_tokens > 0;
+// The most tokens of the model's steps that run in one parallel region (run_layers_in_regions;
+// 0: none do, others fork and join per projection).
+int64_t decode_model_max_region_tokens(int64_t model_id) {
+  return registered_model(model_id, "decode_model_max_region_tokens")->max_region_tokens;
 }
 
 void release_decode_model(int64_t model_id) {
@@ -846,7 +857,7 @@ TORCH_LIBRARY(pdserve_decode, m) {
         "Tensor? embedding=None, Tensor? head=None, int head_kind=0, Tensor? head_bias=None, int vocab_size=0) -> int",
         &register_decode_model);
   m.def("decode_model_max_tokens(int model_id) -> int", &decode_model_max_tokens);
-  m.def("decode_model_in_regions(int model_id) -> bool", &decode_model_in_regions);
+  m.def("decode_model_max_region_tokens(int model_id) -> int", &decode_model_max_region_tokens);
   m.def("decode_model_max_greedy_tokens(int model_id) -> int", &decode_model_max_greedy_tokens);
   m.def("release_decode_model(int model_id) -> ()", &release_decode_model);
   m.def("decode_layers(int model_id, Tensor hidden, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "

@@ -244,9 +244,9 @@ def test_one_region_a_step_gives_the_same_bits(quantization, dtype):
     threads meeting at barriers, the attention's work shared out by the attention
     library's team calls: each sequence's hidden state is bit for bit the one a fork and
     join per projection and attention gives, on one thread and on several (each projection's groups or panels and each token's rows split between them),
-    at few rows (pointwise work on the first thread) and from 16 (split; panels: past 4
-    rows both take the prepacked op), and where a lone sequence's attention is split over
-    its keys."""
+    at few rows (pointwise work on the first thread) and from 16 (split; panels: in the
+    region as far as the prepacked op takes them for, past 4 rows), and where a lone
+    sequence's attention is split over its keys."""
     if quantization is None and not (panel_gemm_available() and not panel_gemm_amx_tiles()):
         pytest.skip("bf16 panels on vector units only (AVX512-BF16 without AMX's tiles)")
     llm = LLM(dtype=dtype, kv_cache_memory="64MiB", quantization=quantization)
@@ -256,6 +256,7 @@ def test_one_region_a_step_gives_the_same_bits(quantization, dtype):
     in_regions = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=num_layers)
     forked = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=num_layers, in_regions=False)
     assert in_regions.in_regions and not forked.in_regions
+    assert in_regions.max_region_tokens >= 18  # the largest step below runs in the region too
     distinct = _prompts(7)
     threads_before = torch.get_num_threads()
     try:
