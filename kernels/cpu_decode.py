@@ -105,9 +105,10 @@ def decode_model_max_tokens(model_id: int) -> int:
 
 
 def decode_model_max_greedy_tokens(model_id: int) -> int:
-    """The most tokens a decode_greedy step of this registered model may have: DECODE_MAX_TOKENS
-    (the head's own GEMV rows), where it was registered with an embedding and a head its
-    region runs, after a final norm; 0 elsewhere."""
+    """The most tokens a decode_greedy step of this registered model may have, where it was
+    registered with an embedding and a head its region runs, after a final norm: as far as
+    the head's own op multiplies the rows as the region does (GGUF blocks DECODE_MAX_TOKENS,
+    bf16 panels the region's limit, decode_model_max_region_tokens); 0 elsewhere."""
     return torch.ops.pdserve_decode.decode_model_max_greedy_tokens(model_id)
 
 

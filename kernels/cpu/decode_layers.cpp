@@ -103,8 +103,8 @@ struct Model {
   // (region_tokens_limit).
   int64_t max_region_tokens = 0;
   std::optional<GreedyHead> greedy_head;  // none: registered without one
-  // Steps decode_greedy serves (greedy_tokens_limit): up to kMaxGemvTokens where the model
-  // has a greedy head its region can run, else 0.
+  // Steps decode_greedy serves (greedy_tokens_limit): where the model has a greedy head its
+  // region can run, up to kMaxGemvTokens (GGUF blocks) or the region's limit (panels), else 0.
   int64_t max_greedy_tokens = 0;
 };
 
@@ -638,14 +638,16 @@ int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
 #endif
 }
 
-// The most tokens decode_greedy may take for the model with this head, after a final norm:
-// up to kMaxGemvTokens (and the region form's limit), where the head is GGUF blocks or panels
-// the region can run. The head's own op takes its GEMV up to as many rows (past them a
-// bf16 copy of GGUF blocks, whose logits differ), so the tokens are the ones it gives.
+// The most tokens decode_greedy may take for the model with this head, after a final norm,
+// within the region form's limit: as far as the head's own op multiplies the rows as the
+// region does, so the tokens are the ones it gives. GGUF blocks up to kMaxGemvTokens (past
+// them the op takes a bf16 copy, whose logits differ); panels as far as the op takes them
+// (panel_gemm_rows; past them oneDNN).
 int64_t greedy_tokens_limit(const Model& model, const Linear& head) {
   if (model.max_region_tokens == 0 || !model.final_norm.has_value()) return 0;
   if (!runs_in_regions(head.kind)) return 0;
-  return std::min(model.max_region_tokens, kMaxGemvTokens);
+  const int64_t head_rows = head.kind == kPanels ? std::max(kMaxGemvTokens, panel_gemm_rows()) : kMaxGemvTokens;
+  return std::min(model.max_region_tokens, head_rows);
 }
 
 // Keeps the model's tensors (they are shared with the model, not copied) until

@@ -25,7 +25,7 @@ from common.engine.sampling_params import SamplingParams
 from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, decode_greedy,
                                 decode_layers, decode_model_max_greedy_tokens, decode_model_max_tokens,
                                 native_decode_available, register_decode_model, release_decode_model)
-from kernels.cpu_linear import panel_gemm_amx_tiles, panel_gemm_available
+from kernels.cpu_linear import panel_gemm_amx_tiles, panel_gemm_available, panel_gemm_max_rows
 from kernels.cpu_sampling import argmax_rows
 from tests.unit.common.engine.models.family_parity import parity_prompts, save_tiny_model
 
@@ -281,8 +281,9 @@ def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtyp
     token ids in and the next tokens out of it (run_greedy: the embedding, the layers, the
     packed head's GEMV and each thread's part of the argmax): each row's token is the argmax
     of compute_argmax_logits over run()'s hidden state, on one thread and on several (the
-    head's columns and the argmax split between them), up to DECODE_MAX_TOKENS rows (the
-    head's own GEMV), and where a lone sequence's attention is split. The same head with its
+    head's columns and the argmax split between them), as far as the head's own op takes
+    the region's GEMV (GGUF blocks: DECODE_MAX_TOKENS rows; bf16 panels: as many as the
+    region, 18 here), and where a lone sequence's attention is split. The same head with its
     rows rotated by half the vocabulary moves each token there: the winner then lies in a
     later thread's columns (the bundled model's likely tokens have low ids)."""
     if quantization is None and not (panel_gemm_available() and not panel_gemm_amx_tiles()):
@@ -291,11 +292,16 @@ def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtyp
     runner = llm.engine.executor.runner
     prepack_linears(runner.model)
     loop = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=4)
-    assert loop.in_regions and loop.max_greedy_tokens == DECODE_MAX_TOKENS
     tensors = _model_tensors(runner.model, 4)
+    panels = tensors["head_kind"] == LINEAR_PANELS
+    # Panels as far as prepacked_linear takes them, and the layers' region does.
+    head_rows = (min(loop.max_region_tokens, max(DECODE_MAX_TOKENS, panel_gemm_max_rows())) if panels
+                 else DECODE_MAX_TOKENS)
+    assert loop.in_regions and loop.max_greedy_tokens == head_rows
+    most_rows = 18 if panels else DECODE_MAX_TOKENS
     vocab_size = tensors["vocab_size"]
     # Whole row groups (16 rows) or panels (32 rows) rotate along the first dimension.
-    rows_per_index = 32 if tensors["head_kind"] == LINEAR_PANELS else 1
+    rows_per_index = 32 if panels else 1
     rotated = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=4)
     release_decode_model(rotated.model_id)
     rotated.model_id = register_decode_model(**{**tensors, "head": torch.roll(
@@ -305,7 +311,7 @@ def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtyp
     try:
         for num_threads in (1, 2, 3):
             torch.set_num_threads(num_threads)
-            for num_seqs, long in ((1, False), (3, False), (DECODE_MAX_TOKENS, False), (1, True)):
+            for num_seqs, long in ((1, False), (3, False), (most_rows, False), (1, True)):
                 prompts = ([[(13 * i) % 40000 + 100 for i in range(300)]] if long
                            else [[t + 5 * i for t in distinct[i % 7]] for i in range(num_seqs)])
                 got = _decode_step(llm, prompts, loop, greedy=True)
@@ -320,7 +326,7 @@ def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtyp
     with torch.inference_mode():
         _, _, meta, _, _ = runner.prepare_inputs(
             [ScheduledRequest(f"r{i}", [7], 3, [i], True, SamplingParams()) for i in range(DECODE_MAX_TOKENS + 1)])
-    assert loop.serves(DECODE_MAX_TOKENS + 1, meta) and not loop.serves_greedy(DECODE_MAX_TOKENS + 1, meta)
+    assert loop.serves(DECODE_MAX_TOKENS + 1, meta) and loop.serves_greedy(DECODE_MAX_TOKENS + 1, meta) == panels
     llm.engine.shutdown()
 
 
