@@ -112,6 +112,15 @@ def panel_gemm_max_rows() -> int:
 
 
 @functools.cache
+def q8_0_max_rows() -> int:
+    """prepacked_linear's steps of up to this many rows take a linear's Q8_0 blocks (a GGUF
+    file's head) where it has them: 256 with AVX512-VNNI unless panel_gemm runs on AMX tiles,
+    else GEMV_MAX_ROWS (kernels/cpu/gemv.cpp's kMaxQ8_0Rows says why); 0 where the GEMV does
+    not run."""
+    return torch.ops.pdserve_gemv.q8_0_max_rows() if native_gemv_available() else 0
+
+
+@functools.cache
 def panel_gemm_amx_built() -> bool:
     """Whether the library was built with panel_gemm's AMX tiles (for an AMX CPU's -march;
     PDSERVE_CPU_MARCH may name an older target)."""

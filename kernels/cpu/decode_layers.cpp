@@ -104,7 +104,7 @@ struct Model {
   int64_t max_region_tokens = 0;
   std::optional<GreedyHead> greedy_head;  // none: registered without one
   // Steps decode_greedy serves (greedy_tokens_limit): where the model has a greedy head its
-  // region can run, up to kMaxGemvTokens (GGUF blocks) or the region's limit (panels), else 0.
+  // region can run, as far as the head's own op takes the region's GEMV, else 0.
   int64_t max_greedy_tokens = 0;
 };
 
@@ -609,6 +609,14 @@ int64_t panel_gemm_rows() {
   return max_rows.call();
 }
 
+// The most rows of x for which pdserve_gemv::prepacked_linear takes a linear's Q8_0 blocks
+// (q8_0_max_rows; past them its panels or oneDNN).
+int64_t q8_0_linear_rows() {
+  static const auto max_rows =
+      c10::Dispatcher::singleton().findSchemaOrThrow("pdserve_gemv::q8_0_max_rows", "").typed<int64_t()>();
+  return max_rows.call();
+}
+
 // Whether run_layers_in_regions serves the model's steps of up to how many tokens (0: none,
 // Model::max_region_tokens): every linear GGUF blocks or bf16 panels (these where panel_gemm
 // runs on vector units: its AMX form keeps the op, and up to the rows the op takes panels
@@ -640,14 +648,16 @@ int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
 
 // The most tokens decode_greedy may take for the model with this head, after a final norm,
 // within the region form's limit: as far as the head's own op multiplies the rows as the
-// region does, so the tokens are the ones it gives. GGUF blocks up to kMaxGemvTokens (past
-// them the op takes a bf16 copy, whose logits differ); panels as far as the op takes them
-// (panel_gemm_rows; past them oneDNN).
+// region does, so the tokens are the ones it gives (past them it takes panels or oneDNN,
+// whose logits differ): Q8_0 blocks q8_0_linear_rows, panels panel_gemm_rows, Q4_1 blocks
+// (which no prepacked head holds) kMaxGemvTokens.
 int64_t greedy_tokens_limit(const Model& model, const Linear& head) {
   if (model.max_region_tokens == 0 || !model.final_norm.has_value()) return 0;
   if (!runs_in_regions(head.kind)) return 0;
-  const int64_t head_rows = head.kind == kPanels ? std::max(kMaxGemvTokens, panel_gemm_rows()) : kMaxGemvTokens;
-  return std::min(model.max_region_tokens, head_rows);
+  const int64_t head_rows = head.kind == kPanels  ? panel_gemm_rows()
+                            : head.kind == kQ8_0 ? q8_0_linear_rows()
+                                                 : kMaxGemvTokens;
+  return std::min(model.max_region_tokens, std::max(kMaxGemvTokens, head_rows));
 }
 
 // Keeps the model's tensors (they are shared with the model, not copied) until

@@ -106,6 +106,23 @@ int64_t panel_gemm_max_rows() {
   return max_rows;
 #endif
 }
+// Steps of up to q8_0_max_rows() rows take a linear's Q8_0 blocks (a GGUF file's head) where it
+// has them, more its panels or oneDNN. With AVX512-VNNI the row-group GEMV (8 rows a pass,
+// prefetching) stays ahead of the head's bf16 panels at every count measured: SmolLM2's head
+// on the 2-core Zen 5, 5 / 16 / 64 / 256 rows 0.59 / 1.00 / 3.52 / 13.75 ms against 0.94 /
+// 1.32 / 4.33 / 16.09. Where panel_gemm runs on AMX tiles, and on AVX2 (two 8-row halves a
+// pass), unmeasured past kMaxRows: they keep it.
+constexpr int64_t kMaxQ8_0Rows = 256;
+int64_t q8_0_max_rows() {
+#ifdef PDSERVE_ROW_GROUPS_VNNI
+#ifdef PDSERVE_PANEL_GEMM_AMX
+  if (pdserve_cpu::amx_tiles_usable()) return kMaxRows;
+#endif
+  return kMaxQ8_0Rows;
+#else
+  return kMaxRows;
+#endif
+}
 constexpr int64_t kStep = 32;    // bf16 values per 512-bit load; in_features' required multiple
 // GGUF blocks (gguf_row_groups.h): columns per block, bytes per block and row.
 using pdserve_cpu::BlockFormat;
@@ -667,7 +684,7 @@ at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>
   }
   at::Tensor y;
   const bool decode_rows = x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows;
-  if (decode_rows && linear.q8_0_blocks.has_value()) {
+  if (x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= q8_0_max_rows() && linear.q8_0_blocks.has_value()) {
     y = q8_0_gemv(x, bias, *linear.q8_0_blocks);
   } else if (decode_rows && linear.row_major.has_value()) {
     y = gemv(x, bias, *linear.row_major);
@@ -747,6 +764,7 @@ TORCH_LIBRARY(pdserve_gemv, m) {
   m.def("pack_panels(Tensor weight, Tensor? out=None) -> Tensor");
   m.def("panel_gemm(Tensor x, Tensor? bias, Tensor panels) -> Tensor");
   m.def("panel_gemm_max_rows() -> int", &panel_gemm_max_rows);
+  m.def("q8_0_max_rows() -> int", &q8_0_max_rows);
   m.def("panels_for_any_rows() -> bool", &panels_for_any_rows);
   m.def("onednn_rows(int num_rows) -> int", &onednn_rows);
   m.def("panel_gemm_amx_built() -> bool", &panel_gemm_amx_built);

@@ -29,7 +29,7 @@ from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, gemv, gguf_promp
                                 native_gemv_available, pack_panels, panel_gemm,
                                 panel_gemm_amx_built, panel_gemm_amx_tiles, panel_gemm_available,
                                 panel_gemm_max_rows, panels_for_any_rows, q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv,
-                                q8_0_gemv_blocks)
+                                q8_0_gemv_blocks, q8_0_max_rows)
 from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
 from kernels.cpu_linear import int8_linear
 from kernels.cpu_linear import q4_1_linear as native_q4_1_linear
@@ -470,8 +470,12 @@ def test_q8_0_refuses_what_it_cannot_compute(bundled_head):
         q8_0_gemv(torch.zeros(1, 576, dtype=torch.half), None, raw)
 
 
-@pytest.mark.parametrize("num_tokens", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1])
+@pytest.mark.parametrize("num_tokens", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, "most", "past the most"])
 def test_a_head_with_q8_0_blocks_takes_them_for_decode_rows_and_onednn_beyond(bundled_head, num_tokens):
+    # Up to q8_0_max_rows rows (256 with AVX512-VNNI and no AMX tiles, else GEMV_MAX_ROWS).
+    most = q8_0_max_rows()
+    assert most == 256 or (most == GEMV_MAX_ROWS and ("avx512_vnni" not in cpu_flags() or panel_gemm_amx_tiles()))
+    num_tokens = {"most": most, "past the most": most + 1}.get(num_tokens, num_tokens)
     rows = 256  # a slice of the vocabulary keeps the test small
     raw = bundled_head.raw()[:rows].contiguous()
     dense = bundled_head.dequantize(torch.float32)[:rows]
@@ -479,7 +483,7 @@ def test_a_head_with_q8_0_blocks_takes_them_for_decode_rows_and_onednn_beyond(bu
     assert _PACKED_WEIGHTS[head.weight_id][2] is None  # no row-major copy beside the blocks
     x = torch.randn(num_tokens, dense.shape[1])
     out = head(x)
-    if num_tokens <= GEMV_MAX_ROWS:  # x quantized per block to int8 (test_q8_0_stays_close_to_fp32_math)
+    if num_tokens <= most:  # x quantized per block to int8 (test_q8_0_stays_close_to_fp32_math)
         assert torch.equal(out, q8_0_gemv(x, None, q8_0_gemv_blocks(raw)))
     else:
         torch.testing.assert_close(out, reference(x, None, dense), rtol=1e-5, atol=1e-4)

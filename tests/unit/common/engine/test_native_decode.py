@@ -25,7 +25,7 @@ from common.engine.sampling_params import SamplingParams
 from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, decode_greedy,
                                 decode_layers, decode_model_max_greedy_tokens, decode_model_max_tokens,
                                 native_decode_available, register_decode_model, release_decode_model)
-from kernels.cpu_linear import panel_gemm_amx_tiles, panel_gemm_available, panel_gemm_max_rows
+from kernels.cpu_linear import panel_gemm_amx_tiles, panel_gemm_available, panel_gemm_max_rows, q8_0_max_rows
 from kernels.cpu_sampling import argmax_rows
 from tests.unit.common.engine.models.family_parity import parity_prompts, save_tiny_model
 
@@ -282,8 +282,8 @@ def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtyp
     packed head's GEMV and each thread's part of the argmax): each row's token is the argmax
     of compute_argmax_logits over run()'s hidden state, on one thread and on several (the
     head's columns and the argmax split between them), as far as the head's own op takes
-    the region's GEMV (GGUF blocks: DECODE_MAX_TOKENS rows; bf16 panels: as many as the
-    region, 18 here), and where a lone sequence's attention is split. The same head with its
+    the region's GEMV (Q8_0 blocks: q8_0_max_rows; bf16 panels: panel_gemm_max_rows; up to
+    18 rows here), and where a lone sequence's attention is split. The same head with its
     rows rotated by half the vocabulary moves each token there: the winner then lies in a
     later thread's columns (the bundled model's likely tokens have low ids)."""
     if quantization is None and not (panel_gemm_available() and not panel_gemm_amx_tiles()):
@@ -294,11 +294,12 @@ def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtyp
     loop = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=4)
     tensors = _model_tensors(runner.model, 4)
     panels = tensors["head_kind"] == LINEAR_PANELS
-    # Panels as far as prepacked_linear takes them, and the layers' region does.
-    head_rows = (min(loop.max_region_tokens, max(DECODE_MAX_TOKENS, panel_gemm_max_rows())) if panels
-                 else DECODE_MAX_TOKENS)
+    assert panels or tensors["head_kind"] == LINEAR_Q8_0
+    # As far as prepacked_linear takes the head's panels or blocks, and the layers' region goes.
+    op_rows = panel_gemm_max_rows() if panels else q8_0_max_rows()
+    head_rows = min(loop.max_region_tokens, max(DECODE_MAX_TOKENS, op_rows))
     assert loop.in_regions and loop.max_greedy_tokens == head_rows
-    most_rows = 18 if panels else DECODE_MAX_TOKENS
+    most_rows = min(18, head_rows)
     vocab_size = tensors["vocab_size"]
     # Whole row groups (16 rows) or panels (32 rows) rotate along the first dimension.
     rows_per_index = 32 if panels else 1
@@ -326,7 +327,8 @@ def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtyp
     with torch.inference_mode():
         _, _, meta, _, _ = runner.prepare_inputs(
             [ScheduledRequest(f"r{i}", [7], 3, [i], True, SamplingParams()) for i in range(DECODE_MAX_TOKENS + 1)])
-    assert loop.serves(DECODE_MAX_TOKENS + 1, meta) and loop.serves_greedy(DECODE_MAX_TOKENS + 1, meta) == panels
+    assert loop.serves(DECODE_MAX_TOKENS + 1, meta)
+    assert loop.serves_greedy(DECODE_MAX_TOKENS + 1, meta) == (head_rows > DECODE_MAX_TOKENS)
     llm.engine.shutdown()
 
 
@@ -359,7 +361,8 @@ def test_greedy_bad_calls_raise_and_write_nothing(tiny_llama_dir):
     runner = llm.engine.executor.runner
     prepack_linears(runner.model)
     loop = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=2)
-    assert loop.max_greedy_tokens == DECODE_MAX_TOKENS
+    most = loop.max_greedy_tokens  # the Q8_0 head's GEMV rows
+    assert most == max(DECODE_MAX_TOKENS, q8_0_max_rows())
     vocab_size = runner.model.embed_tokens.weight.shape[0]
     for cache in (*loop.k_caches, *loop.v_caches):
         cache.zero_()
@@ -371,7 +374,7 @@ def test_greedy_bad_calls_raise_and_write_nothing(tiny_llama_dir):
                              torch.arange(n + 1, dtype=torch.int32), torch.ones(n, dtype=torch.int32))
 
     for ids, message in (([vocab_size], "outside the embedding"), ([5, -1], "outside the embedding"),
-                         ([5] * (DECODE_MAX_TOKENS + 1), "1 to 4 tokens")):
+                         ([5] * (most + 1), f"1 to {most} tokens")):
         with pytest.raises(ValueError, match=message):
             call(ids)
     assert all(not cache.any() for cache in (*loop.k_caches, *loop.v_caches))
