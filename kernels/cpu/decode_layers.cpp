@@ -600,21 +600,12 @@ bool panels_in_regions() {
 // panels where panels_in_regions.
 bool runs_in_regions(LinearKind kind) { return takes_any_rows(kind) || (kind == kPanels && panels_in_regions()); }
 
-// The most rows of x for which pdserve_gemv::prepacked_linear takes a bf16 linear's panels
-// (panel_gemm_max_rows; past them oneDNN): up to there the region's panel GEMVs give its bits.
-int64_t panel_gemm_rows() {
-  static const auto max_rows = c10::Dispatcher::singleton()
-                                   .findSchemaOrThrow("pdserve_gemv::panel_gemm_max_rows", "")
-                                   .typed<int64_t()>();
-  return max_rows.call();
-}
-
-// The most rows of x for which pdserve_gemv::prepacked_linear takes a linear's Q8_0 blocks
-// (q8_0_max_rows; past them its panels or oneDNN).
-int64_t q8_0_linear_rows() {
-  static const auto max_rows =
-      c10::Dispatcher::singleton().findSchemaOrThrow("pdserve_gemv::q8_0_max_rows", "").typed<int64_t()>();
-  return max_rows.call();
+// The most rows of x for which pdserve_gemv::prepacked_linear multiplies a linear as the
+// region does, asked of the GEMV library's op `name` (registration only): "panel_gemm_max_rows"
+// for bf16 panels (past them oneDNN), "q8_0_max_rows" for Q8_0 blocks (past them its panels
+// or oneDNN). Up to there the region's GEMVs give the op's bits.
+int64_t prepacked_rows_limit(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<int64_t()>().call();
 }
 
 // Whether run_layers_in_regions serves the model's steps of up to how many tokens (0: none,
@@ -640,7 +631,8 @@ int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
         layer.gate_up.out_features != 2 * I || layer.down.in_features != I || layer.down.out_features != hidden_size)
       return 0;
   }
-  return blocks_only ? std::numeric_limits<int64_t>::max() : std::max(kMaxGemvTokens, panel_gemm_rows());
+  return blocks_only ? std::numeric_limits<int64_t>::max()
+                     : std::max(kMaxGemvTokens, prepacked_rows_limit("pdserve_gemv::panel_gemm_max_rows"));
 #else
   return 0;
 #endif
@@ -649,13 +641,13 @@ int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
 // The most tokens decode_greedy may take for the model with this head, after a final norm,
 // within the region form's limit: as far as the head's own op multiplies the rows as the
 // region does, so the tokens are the ones it gives (past them it takes panels or oneDNN,
-// whose logits differ): Q8_0 blocks q8_0_linear_rows, panels panel_gemm_rows, Q4_1 blocks
+// whose logits differ): Q8_0 blocks and panels their prepacked_rows_limit, Q4_1 blocks
 // (which no prepacked head holds) kMaxGemvTokens.
 int64_t greedy_tokens_limit(const Model& model, const Linear& head) {
   if (model.max_region_tokens == 0 || !model.final_norm.has_value()) return 0;
   if (!runs_in_regions(head.kind)) return 0;
-  const int64_t head_rows = head.kind == kPanels  ? panel_gemm_rows()
-                            : head.kind == kQ8_0 ? q8_0_linear_rows()
+  const int64_t head_rows = head.kind == kPanels  ? prepacked_rows_limit("pdserve_gemv::panel_gemm_max_rows")
+                            : head.kind == kQ8_0 ? prepacked_rows_limit("pdserve_gemv::q8_0_max_rows")
                                                  : kMaxGemvTokens;
   return std::min(model.max_region_tokens, std::max(kMaxGemvTokens, head_rows));
 }

@@ -683,13 +683,13 @@ at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>
     linear = *linears[weight_id];
   }
   at::Tensor y;
-  const bool decode_rows = x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows;
-  if (x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= q8_0_max_rows() && linear.q8_0_blocks.has_value()) {
+  const int64_t num_rows = x.dim() == 2 ? x.size(0) : 0;  // 0 for another shape: only oneDNN takes it
+  if (num_rows >= 1 && num_rows <= q8_0_max_rows() && linear.q8_0_blocks.has_value()) {
     y = q8_0_gemv(x, bias, *linear.q8_0_blocks);
-  } else if (decode_rows && linear.row_major.has_value()) {
+  } else if (num_rows >= 1 && num_rows <= kMaxRows && linear.row_major.has_value()) {
     y = gemv(x, bias, *linear.row_major);
 #ifdef PDSERVE_PANEL_GEMM
-  } else if (x.dim() == 2 && (x.size(0) <= panel_gemm_max_rows() || !linear.packed.has_value()) &&
+  } else if (x.dim() == 2 && (num_rows <= panel_gemm_max_rows() || !linear.packed.has_value()) &&
              linear.panels.has_value() && x.scalar_type() == at::kBFloat16) {
     y = panel_gemm(x, bias, *linear.panels);
 #endif
@@ -704,7 +704,6 @@ at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>
                               std::optional<std::string_view>)>();
     c10::List<std::optional<at::Scalar>> scalars;
     scalars.push_back(at::Scalar(-1));
-    const int64_t num_rows = x.dim() == 2 ? x.size(0) : 0;
     const int64_t padded_rows = onednn_rows(num_rows);
     if (padded_rows == num_rows) {
       y = pointwise.call(x.contiguous(), *linear.packed, bias, "none", scalars, std::string_view(""));
