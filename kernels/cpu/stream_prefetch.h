@@ -1,7 +1,7 @@
 // A decode step's weight stream asked for ahead of its reads with non-temporal prefetches
 // (prefetchnta), for the kernels that read each weight once a step: the row-group GEMV over
-// GGUF blocks (gguf_row_groups.h), the bf16 panels at a few rows (panel_gemm.h) and the
-// row-major GEMV (gemv.cpp).
+// GGUF blocks at any row count (gguf_row_groups.h), the bf16 panels below one 12-row tile
+// (panel_gemm.h) and the row-major GEMV (gemv.cpp).
 //
 // Why non-temporal: the stream is read once a step, so it need not push the step's other
 // data (KV blocks, activations, the engine's own code between steps) out of the caches. On
