@@ -52,8 +52,8 @@ def _decode_layers_fake(model_id, hidden, positions, k_caches, v_caches, slot_ma
 
 
 def _decode_greedy_fake(model_id, input_ids, positions, k_caches, v_caches, slot_mapping, block_tables,
-                        query_start_loc, seq_lens):
-    return input_ids.new_empty(input_ids.shape)
+                        query_start_loc, seq_lens, num_steps=1):
+    return input_ids.new_empty((input_ids.shape[0], num_steps))
 
 
 def register_decode_model(
@@ -141,8 +141,11 @@ def decode_greedy(
     block_tables: torch.Tensor,  # [num_tokens, max_blocks] int32: one sequence per token
     query_start_loc: torch.Tensor,  # [num_tokens + 1] int32
     seq_lens: torch.Tensor,  # [num_tokens] int32
-) -> torch.Tensor:  # [num_tokens] int64: each sequence's next token
+    num_steps: int = 1,
+) -> torch.Tensor:  # [num_tokens, num_steps] int64: each sequence's next num_steps tokens
     """decode_layers from the token ids, then the head and each row's argmax (as argmax_rows
-    takes it from the head's logits), in one parallel region."""
+    takes it from the head's logits), in one parallel region; num_steps such steps, each
+    row going on from the token it took, one position further (block_tables must hold each
+    row's blocks through position + num_steps - 1)."""
     return torch.ops.pdserve_decode.decode_greedy(model_id, input_ids, positions, k_caches, v_caches, slot_mapping,
-                                                  block_tables, query_start_loc, seq_lens)
+                                                  block_tables, query_start_loc, seq_lens, num_steps)

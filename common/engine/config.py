@@ -162,6 +162,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    # Decode steps one scheduling may run back to back (vLLM's --num-scheduler-steps): where
+    # every running request decodes greedily and nobody waits, the runner takes up to this
+    # many tokens per request from one step, each the next one's input, and the scheduler's
+    # and engine's work is paid once for them. Tokens reach callers in bursts of that many.
+    num_scheduler_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be an integer >= 1; got {self.num_scheduler_steps!r}")
 
 
 @dataclass
@@ -339,14 +348,15 @@ def make_engine_config(model: str | None = None, *, dtype: str = "auto", device:
                        tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                        distributed_executor_backend: str | None = None, enforce_eager: bool = False,
                        quantization: str | None = None, num_threads: int | None = None,
-                       single_weight_copy: bool = False) -> EngineConfig:
+                       single_weight_copy: bool = False, num_scheduler_steps: int = 1) -> EngineConfig:
     """The one place flat engine options (LLM kwargs, CLI flags) become an EngineConfig."""
     return EngineConfig(
         model=model, dtype=dtype, device=device, seed=seed,
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks,
                           enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill),
+                                  max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
+                                  num_scheduler_steps=num_scheduler_steps),
         speculative=SpeculativeConfig.parse(speculative_config),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                 pipeline_parallel_size=pipeline_parallel_size,

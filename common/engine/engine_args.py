@@ -26,6 +26,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+    g.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps one scheduling may run back to back where every running request "
+                        "decodes greedily and none waits (vLLM's flag): the engine's per-step work is paid "
+                        "once for them; tokens reach clients in bursts of that many (CPU native decode loop; "
+                        "elsewhere one step)")
     g.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, like vLLM: {"method": "ngram", '
                         '"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; '
@@ -60,6 +65,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching,
                 enable_chunked_prefill=not args.no_chunked_prefill,
+                num_scheduler_steps=args.num_scheduler_steps,
                 speculative_config=getattr(args, "speculative_config", None),
                 tensor_parallel_size=args.tensor_parallel_size,
                 pipeline_parallel_size=args.pipeline_parallel_size,

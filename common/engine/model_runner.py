@@ -291,7 +291,7 @@ class ModelRunner:
         model = self.model
         received = None  # the previous stage's hidden states [num_tokens, hidden]
         graph_logits = None  # [num_tokens, vocab] when a graph computed them
-        loop_token_ids = None  # [num_tokens] int64 when the native loop sampled the step
+        loop_token_ids = None  # [num_tokens, num_steps] int64 when the native loop sampled the step
         if not model.is_first_stage:
             received = parallel_state.recv_from_prev_stage(
                 (input_ids.shape[0], self.model_config.hidden_size), self.dtype, self.device)
@@ -301,7 +301,8 @@ class ModelRunner:
             if received is None and graphs is not None and graphs.serves(input_ids.shape[0], meta):
                 hidden, graph_logits = graphs.run(input_ids, positions, meta)  # [num_tokens, hidden]
             elif received is None and self._loop_samples(scheduler_output, input_ids.shape[0], meta, sample_reqs):
-                loop_token_ids = loop.run_greedy(input_ids, positions, meta)
+                loop_token_ids = loop.run_greedy(input_ids, positions, meta,
+                                                 self._num_loop_steps(scheduler_output.num_steps, sample_reqs))
             elif received is None and loop is not None and loop.serves(input_ids.shape[0], meta):
                 hidden = loop.run(input_ids, positions, meta)  # [num_tokens, hidden]
             else:
@@ -316,8 +317,7 @@ class ModelRunner:
         if connector is not None:
             connector.wait_for_save()
         if loop_token_ids is not None:
-            return RunnerOutput(req_ids=[r.req_id for r in sample_reqs],
-                                sampled_token_ids=[[t] for t in loop_token_ids.tolist()])
+            return RunnerOutput(req_ids=[r.req_id for r in sample_reqs], sampled_token_ids=loop_token_ids.tolist())
         proposer = self.proposer
         if proposer is not None:
             proposer.observe_forward(input_ids, positions, meta, scheduler_output.scheduled)
@@ -359,6 +359,15 @@ class ModelRunner:
                 and self.is_output_rank and scheduler_output.grammar_bitmask is None
                 and len(sample_reqs) == num_tokens and not any(r.spec_token_ids for r in sample_reqs)
                 and self.sampler.only_argmax(sample_reqs))
+
+    def _num_loop_steps(self, num_steps: int, sample_reqs: list[ScheduledRequest]) -> int:
+        """The decode steps the loop runs back to back: as many as the scheduler allowed
+        (SchedulerOutput.num_steps), as far as every request's blocks reach."""
+        if num_steps > 1:
+            block_size = self.block_size
+            for req in sample_reqs:
+                num_steps = min(num_steps, len(req.block_table) * block_size - req.start_pos)
+        return max(1, num_steps)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  received: torch.Tensor | None) -> torch.Tensor:

@@ -191,13 +191,16 @@ class NativeDecodeLoop:
         """Steps run_greedy takes: those serves() takes of up to max_greedy_tokens tokens."""
         return num_tokens <= self.max_greedy_tokens and self.serves(num_tokens, meta)
 
-    def run_greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [num_tokens] -> each row's next token [num_tokens] int64: the
-        argmax of the model's compute_argmax_logits over run()'s hidden states, in one call."""
-        self.num_steps += 1
-        self.num_greedy_steps += 1
+    def run_greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                   num_steps: int = 1) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> each row's next num_steps tokens [num_tokens,
+        num_steps] int64: the argmax of the model's compute_argmax_logits over run()'s hidden
+        states, each step's tokens the next one's inputs, in one call (meta's block tables
+        must hold each row's blocks through position + num_steps - 1)."""
+        self.num_steps += num_steps
+        self.num_greedy_steps += num_steps
         return decode_greedy(self.model_id, input_ids, positions, self.k_caches, self.v_caches, meta.slot_mapping,
-                             meta.block_tables, meta.query_start_loc, meta.seq_lens)
+                             meta.block_tables, meta.query_start_loc, meta.seq_lens, num_steps)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> normed hidden states [num_tokens, hidden_size]."""

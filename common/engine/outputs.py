@@ -54,6 +54,10 @@ class SchedulerOutput:
     structured_output_req_ids: list[str] = field(default_factory=list)
     # Speculative decoding: req_id -> the draft tokens this step verifies for it.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Decode steps the runner may run back to back (SchedulerConfig.num_scheduler_steps):
+    # > 1 only where every request decodes one token greedily and holds the slots of this
+    # many; the runner returns up to this many tokens per request, each the next one's input.
+    num_steps: int = 1
 
     @property
     def is_empty(self) -> bool:
@@ -72,7 +76,8 @@ class Logprobs:
 @dataclass
 class RunnerOutput:
     req_ids: list[str]  # requests that sampled this step, in scheduled order
-    # One list per entry of req_ids: the accepted drafts, then the target's own token.
+    # One list per entry of req_ids: the accepted drafts, then the target's own token (or,
+    # where SchedulerOutput.num_steps > 1, each decode step's token: the same number for all).
     sampled_token_ids: list[list[int]]
     logprobs: list[list[Logprobs] | None] | None = None  # parallel to sampled_token_ids
     # KV transfers that ended since the last step, from the worker half of the connector:

@@ -77,12 +77,7 @@ class Sampler:
         """Whether these rows, unmasked, sample as each row's argmax and nothing more (greedy, no
         logprobs, penalties or stop tokens held back): then any logits with the same argmax
         serve, such as the head's bf16 output before its fp32 copy."""
-        for request in requests:
-            p = request.sampling_params
-            if not (p.is_greedy and p.logprobs is None and not p.has_penalties
-                    and len(request.output_token_ids) >= p.min_tokens):
-                return False
-        return True
+        return all(request.sampling_params.samples_argmax(len(request.output_token_ids)) for request in requests)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest],
                  token_bitmask: torch.Tensor | None = None,

@@ -152,6 +152,13 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
+    def samples_argmax(self, num_output_tokens: int) -> bool:
+        """Whether a request that has num_output_tokens samples its next token as the logits'
+        argmax and nothing more (greedy, no logprobs or penalties, no stop tokens held back
+        by min_tokens)."""
+        return (self.is_greedy and self.logprobs is None and not self.has_penalties
+                and num_output_tokens >= self.min_tokens)
+
     def validate_token_ids(self, vocab_size: int) -> None:
         """Check stop_token_ids against the vocabulary (known only to the engine/gateway)."""
         for token_id in self.stop_token_ids:

@@ -66,6 +66,7 @@ class Scheduler(SchedulerInterface):
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.num_scheduler_steps = scheduler_config.num_scheduler_steps
         self.kv_cache_manager = kv_cache_manager
         self.block_size = block_size
         # A sequence may not outgrow the whole pool: a lone request that could not get
@@ -130,6 +131,7 @@ class Scheduler(SchedulerInterface):
         and while any batch runs nobody is preempted (its blocks may still be written);
         a request that gets no blocks waits for the next step instead. max_num_reqs caps
         the batch's requests (a pipeline's micro-batch)."""
+        num_steps = self._num_decode_steps(in_flight_req_ids, max_num_reqs)
         max_num_reqs = self.max_num_seqs if max_num_reqs is None else max_num_reqs
         kv = self.kv_cache_manager
         token_budget = self.max_num_batched_tokens
@@ -157,8 +159,12 @@ class Scheduler(SchedulerInterface):
             if num_new_tokens <= 0:
                 continue
             allocated = True
-            while kv.allocate_slots(request, num_new_tokens,
-                                    num_lookahead_tokens=self.num_lookahead_tokens) is None:
+            # Several decode steps take their slots only where the pool has them free; else one step.
+            if num_steps > 1 and kv.allocate_slots(request, num_new_tokens,
+                                                   num_lookahead_tokens=num_steps - 1) is None:
+                num_steps = 1
+            while num_steps == 1 and kv.allocate_slots(request, num_new_tokens,
+                                                       num_lookahead_tokens=self.num_lookahead_tokens) is None:
                 if in_flight_req_ids:  # no preemption under a running batch: it may still write them
                     allocated, preempted = False, True  # nor admissions, which would overtake this request
                     break
@@ -227,10 +233,32 @@ class Scheduler(SchedulerInterface):
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         scheduler_output = SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=sum(num_scheduled.values()),
                                            finished_req_ids=finished_req_ids,
-                                           scheduled_spec_decode_tokens=spec_token_ids)
+                                           scheduled_spec_decode_tokens=spec_token_ids,
+                                           num_steps=num_steps if scheduled else 1)
         if self.kv_connector is not None:
             scheduler_output.kv_connector_metadata = self.kv_connector.build_connector_meta(scheduler_output)
         return scheduler_output
+
+    def _num_decode_steps(self, in_flight_req_ids: frozenset[str], max_num_reqs: int | None) -> int:
+        """How many decode steps the next step may run back to back (num_scheduler_steps):
+        1 unless every running request decodes one token as its argmax, unconstrained, and
+        nobody waits to be admitted (a new prompt would wait for all of them) nor is any
+        batch in flight; at most the steps the request closest to its max_tokens or to
+        max_model_len has left, so none runs past the positions it may hold."""
+        num_steps = self.num_scheduler_steps
+        if (num_steps == 1 or not self.running or self.waiting or in_flight_req_ids or max_num_reqs is not None
+                or self.spec_policy is not None):
+            return 1
+        for request in self.running:
+            params = request.sampling_params
+            if (request.num_tokens - request.num_computed_tokens != 1 or request.grammar is not None
+                    or not params.samples_argmax(request.num_output_tokens)):
+                return 1
+            # A request finishes once it holds max_model_len tokens.
+            num_steps = min(num_steps, self.max_model_len - request.num_tokens)
+            if params.max_tokens is not None:
+                num_steps = min(num_steps, params.max_tokens - request.num_output_tokens)
+        return max(1, num_steps)
 
     def schedule_kv_connector_only(self) -> SchedulerOutput:
         """A step that runs no tokens and only hands the connector's pending work to the
@@ -278,6 +306,9 @@ class Scheduler(SchedulerInterface):
                 # The rejected drafts' slots hold wrong KV: recomputed (overwritten) next step.
                 request.num_computed_tokens -= len(drafts) - num_accepted
                 self.spec_policy.record(request, len(drafts), num_accepted)
+            elif scheduler_output.num_steps > 1:
+                # Decode steps back to back: each token but the last was the next step's input.
+                request.num_computed_tokens += len(token_ids) - 1
             outputs.append(self._append_tokens(request, token_ids, logprobs))
             if not request.is_finished:
                 request.spec_token_ids = list(proposal)

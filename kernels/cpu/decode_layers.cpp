@@ -805,14 +805,17 @@ at::Tensor decode_layers(int64_t model_id, const at::Tensor& hidden, const at::T
                                   query_start_loc, seq_lens);
 }
 
-// input_ids [num_tokens] int64 (one per decode sequence) -> each sequence's next token
-// [num_tokens] int64: the argmax of the head's logits after the layers, as decode_layers,
-// the head and argmax_rows give it one after another, in one parallel region (a model
-// registered with an embedding and a head, steps of up to decode_model_max_greedy_tokens).
+// input_ids [num_tokens] int64 (one per decode sequence) -> each sequence's next num_steps
+// tokens [num_tokens, num_steps] int64: the argmax of the head's logits after the layers, as
+// decode_layers, the head and argmax_rows give it one after another, in one parallel region
+// a step (a model registered with an embedding and a head, steps of up to
+// decode_model_max_greedy_tokens). Past the first step each row goes on from the token it
+// just took, one position further (its slot read from its block table): block_tables must
+// hold every row's blocks through position + num_steps - 1 (the scheduler's lookahead).
 at::Tensor decode_greedy(int64_t model_id, const at::Tensor& input_ids, const at::Tensor& positions,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                         const at::Tensor& seq_lens) {
+                         const at::Tensor& seq_lens, int64_t num_steps) {
   const std::shared_ptr<const Model> model = registered_model(model_id, "decode_greedy");
   PDSERVE_CHECK_VALUE(model->max_greedy_tokens > 0, "decode_greedy: model ", model_id,
                       " has no head this loop can run (register it with an embedding and a head of GGUF blocks "
@@ -823,27 +826,68 @@ at::Tensor decode_greedy(int64_t model_id, const at::Tensor& input_ids, const at
   const int64_t M = input_ids.numel();
   PDSERVE_CHECK_VALUE(M >= 1 && M <= model->max_greedy_tokens, "decode_greedy: 1 to ", model->max_greedy_tokens,
                       " tokens for this model, got ", M);
+  PDSERVE_CHECK_VALUE(num_steps >= 1, "decode_greedy: num_steps must be at least 1, got ", num_steps);
   check_step(*model, M, positions, k_caches, v_caches, query_start_loc, seq_lens, "decode_greedy");
   const GreedyHead& head = *model->greedy_head;
   const int64_t* ids = input_ids.data_ptr<int64_t>();
   const int64_t num_embeddings = head.embedding.size(0), H = head.embedding.size(1);
-  for (int64_t m = 0; m < M; ++m)
-    PDSERVE_CHECK_VALUE(ids[m] >= 0 && ids[m] < num_embeddings, "decode_greedy: token id ", ids[m],
-                        " is outside the embedding's ", num_embeddings, " rows");
-  at::Tensor hidden = at::empty({M, H}, head.embedding.options());  // [M, H]: the embedded tokens
+  at::Tensor token_ids = at::empty({M, num_steps}, input_ids.options());  // [M, num_steps]
+  at::Tensor step_ids = at::empty({M}, input_ids.options());             // [M] one step's tokens
+  at::Tensor hidden = at::empty({M, H}, head.embedding.options());        // [M, H]: the embedded tokens
+  at::Tensor step_positions = positions, step_slots = slot_mapping, step_seq_lens = seq_lens;
+  if (num_steps > 1) {
+    PDSERVE_CHECK_VALUE(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt &&
+                            seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
+                        "decode_greedy: block_tables [num_tokens, max_blocks] and seq_lens [num_tokens] int32");
+    const int64_t block_size = k_caches[0].size(1);
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t final_pos = positions.data_ptr<int64_t>()[m] + num_steps - 1;
+      PDSERVE_CHECK_VALUE(final_pos < model->cos.size(0), "decode_greedy: step ", num_steps, " of row ", m,
+                          " reaches position ", final_pos, ", outside the RoPE table's ", model->cos.size(0));
+      PDSERVE_CHECK_VALUE(final_pos / block_size < block_tables.size(1), "decode_greedy: row ", m,
+                          "'s block table ends before position ", final_pos, " (", num_steps, " steps)");
+    }
+    // This call's own copies: each step moves them on by one position.
+    step_positions = positions.clone();
+    step_slots = slot_mapping.clone();
+    step_seq_lens = seq_lens.clone();
+  }
   const int64_t row_bytes = H * head.embedding.element_size();
-  for (int64_t m = 0; m < M; ++m)
-    std::memcpy(static_cast<char*>(hidden.data_ptr()) + m * row_bytes,
-                static_cast<const char*>(head.embedding.const_data_ptr()) + ids[m] * row_bytes, row_bytes);
-  at::Tensor token_ids = at::empty({M}, input_ids.options());
+  const int64_t* next_ids = ids;
+  for (int64_t step = 0; step < num_steps; ++step) {
+    if (step > 0) {
+      int64_t* pos = step_positions.data_ptr<int64_t>();
+      int64_t* slots = step_slots.data_ptr<int64_t>();
+      int32_t* lens = step_seq_lens.data_ptr<int32_t>();
+      const int64_t block_size = k_caches[0].size(1);
+      for (int64_t m = 0; m < M; ++m) {
+        pos[m] += 1;
+        lens[m] += 1;
+        const int32_t* table = block_tables.data_ptr<int32_t>() + m * block_tables.stride(0);
+        slots[m] = static_cast<int64_t>(table[pos[m] / block_size]) * block_size + pos[m] % block_size;
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      // Past the first step, a token the head took beyond the embedding's rows cannot go on.
+      PDSERVE_CHECK_VALUE(next_ids[m] >= 0 && next_ids[m] < num_embeddings, "decode_greedy: token id ", next_ids[m],
+                          " of row ", m, " (step ", step, ") is outside the embedding's ", num_embeddings, " rows");
+      std::memcpy(static_cast<char*>(hidden.data_ptr()) + m * row_bytes,
+                  static_cast<const char*>(head.embedding.const_data_ptr()) + next_ids[m] * row_bytes, row_bytes);
+    }
 #ifdef PDSERVE_ROW_GROUPS
-  if (hidden.scalar_type() == at::kFloat)
-    run_layers_in_regions<float>(*model, hidden, positions, k_caches, v_caches, slot_mapping, block_tables,
-                                 query_start_loc, seq_lens, &head, token_ids.data_ptr<int64_t>());
-  else
-    run_layers_in_regions<at::BFloat16>(*model, hidden, positions, k_caches, v_caches, slot_mapping, block_tables,
-                                        query_start_loc, seq_lens, &head, token_ids.data_ptr<int64_t>());
+    if (hidden.scalar_type() == at::kFloat)
+      run_layers_in_regions<float>(*model, hidden, step_positions, k_caches, v_caches, step_slots, block_tables,
+                                   query_start_loc, step_seq_lens, &head, step_ids.data_ptr<int64_t>());
+    else
+      run_layers_in_regions<at::BFloat16>(*model, hidden, step_positions, k_caches, v_caches, step_slots,
+                                          block_tables, query_start_loc, step_seq_lens, &head,
+                                          step_ids.data_ptr<int64_t>());
 #endif
+    const int64_t* taken = step_ids.data_ptr<int64_t>();
+    int64_t* out = token_ids.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m) out[m * num_steps + step] = taken[m];
+    next_ids = taken;
+  }
   return token_ids;
 }
 
@@ -867,7 +911,8 @@ TORCH_LIBRARY(pdserve_decode, m) {
   m.def("decode_layers(int model_id, Tensor hidden, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens) -> Tensor");
   m.def("decode_greedy(int model_id, Tensor input_ids, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "
-        "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens) -> Tensor");
+        "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int num_steps=1) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_decode, CPU, m) {

@@ -117,15 +117,16 @@ def test_the_loop_matches_the_model_for_each_family(tmp_path_factory, bundled_mo
 
 
 def _decode_step(llm: LLM, prompts: list[list[int]], loop: NativeDecodeLoop | None,
-                 num_layers: int | None = None, greedy: bool = False) -> torch.Tensor:
+                 num_layers: int | None = None, greedy: bool = False, num_steps: int = 1) -> torch.Tensor:
     """Prefill the prompts (each in its own blocks) through the model, then one decode step
     through the loop (None: the model, its first num_layers layers): the normed hidden
-    states [len(prompts), hidden_size]; greedy: the loop's next tokens [len(prompts)]
-    (run_greedy)."""
+    states [len(prompts), hidden_size]; greedy: the loop's next tokens [len(prompts),
+    num_steps] (run_greedy, num_steps steps back to back)."""
     runner = llm.engine.executor.runner
     params = SamplingParams(temperature=0.0)
     block_size = llm.engine.config.cache.block_size
-    num_blocks = [max(4, -(-(len(p) + 1) // block_size)) for p in prompts]  # each sequence's own blocks
+    # each sequence's own blocks
+    num_blocks = [max(4, -(-(len(p) + num_steps) // block_size)) for p in prompts]
     firsts = [sum(num_blocks[:i]) for i in range(len(prompts))]
     tables = [list(range(first, first + n)) for first, n in zip(firsts, num_blocks)]
     prefill = [ScheduledRequest(f"r{i}", p, 0, t, True, params) for i, (p, t) in enumerate(zip(prompts, tables))]
@@ -140,7 +141,7 @@ def _decode_step(llm: LLM, prompts: list[list[int]], loop: NativeDecodeLoop | No
         ids, positions, meta, _, _ = runner.prepare_inputs(decode)
         if greedy:
             assert loop.serves_greedy(ids.shape[0], meta)
-            return loop.run_greedy(ids, positions, meta)
+            return loop.run_greedy(ids, positions, meta, num_steps)
         if loop is not None:
             assert loop.serves(ids.shape[0], meta)
             return loop.run(ids, positions, meta)
@@ -315,11 +316,11 @@ def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtyp
             for num_seqs, long in ((1, False), (3, False), (most_rows, False), (1, True)):
                 prompts = ([[(13 * i) % 40000 + 100 for i in range(300)]] if long
                            else [[t + 5 * i for t in distinct[i % 7]] for i in range(num_seqs)])
-                got = _decode_step(llm, prompts, loop, greedy=True)
+                got = _decode_step(llm, prompts, loop, greedy=True)[:, 0]
                 with torch.inference_mode():
                     want = argmax_rows(runner.model.compute_argmax_logits(_decode_step(llm, prompts, loop)))
                 assert got.tolist() == want.tolist(), (num_threads, num_seqs, long)
-                got = _decode_step(llm, prompts, rotated, greedy=True)
+                got = _decode_step(llm, prompts, rotated, greedy=True)[:, 0]
                 assert got.tolist() == ((want + vocab_size // 2) % vocab_size).tolist(), (num_threads, num_seqs)
     finally:
         torch.set_num_threads(threads_before)
@@ -329,6 +330,37 @@ def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtyp
             [ScheduledRequest(f"r{i}", [7], 3, [i], True, SamplingParams()) for i in range(DECODE_MAX_TOKENS + 1)])
     assert loop.serves(DECODE_MAX_TOKENS + 1, meta)
     assert loop.serves_greedy(DECODE_MAX_TOKENS + 1, meta) == (head_rows > DECODE_MAX_TOKENS)
+    llm.engine.shutdown()
+
+
+def test_greedy_steps_back_to_back_take_the_tokens_and_write_the_kv_of_single_steps():
+    """run_greedy's num_steps steps in one call: each row's tokens, and every K/V written,
+    are those of as many single steps, each fed the token the last one took, across block
+    boundaries (the rows' next slots read from their block tables)."""
+    llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization="gguf")
+    runner = llm.engine.executor.runner
+    prepack_linears(runner.model)
+    loop = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=4)
+    block_size = llm.engine.config.cache.block_size
+    # Each prompt ends two positions before a block boundary: six steps cross it.
+    prompts = [[(31 * i + 7 * n) % 40000 + 100 for i in range(n)]
+               for n in (block_size - 2, 2 * block_size - 2, 3 * block_size - 2)]
+    num_steps = 6
+    burst = _decode_step(llm, prompts, loop, greedy=True, num_steps=num_steps)  # [3, num_steps]
+    burst_kv = [(k.clone(), v.clone()) for k, v in runner.kv_caches[:4]]
+    tokens = _decode_step(llm, prompts, loop, greedy=True)  # [3, 1]: the caches zeroed, the same 4 blocks each
+    params = SamplingParams(temperature=0.0)
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(3)]
+    for step in range(1, num_steps):
+        decode = [ScheduledRequest(f"r{i}", [int(tokens[i, -1])], len(p) + step, tables[i], True, params)
+                  for i, p in enumerate(prompts)]
+        with torch.inference_mode():
+            ids, positions, meta, _, _ = runner.prepare_inputs(decode)
+            tokens = torch.cat([tokens, loop.run_greedy(ids, positions, meta)], dim=1)
+    assert burst.tolist() == tokens.tolist()
+    for (k, v), (burst_k, burst_v) in zip(runner.kv_caches[:4], burst_kv):
+        assert torch.equal(k, burst_k) and torch.equal(v, burst_v)
+    assert loop.num_greedy_steps == 2 * num_steps  # the burst, then one step and five
     llm.engine.shutdown()
 
 
@@ -350,6 +382,52 @@ def test_greedy_engine_steps_sample_in_the_loop():
     sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)
     llm.generate(prompts, [greedy, sampled, greedy])
     assert loop.num_greedy_steps == num_greedy_steps and loop.num_steps >= num_steps + 11
+    llm.engine.shutdown()
+
+
+def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
+    """num_scheduler_steps: greedy decode-only steps run several to a call, and every
+    request ends with the tokens of single steps: at max_tokens that are no multiple of the
+    steps, at a stop token inside a burst, at EOS; a request that samples at a temperature
+    takes single steps; the pool is whole again at the end."""
+    llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization="gguf", num_scheduler_steps=4)
+    loop = _with_native_loop(llm)
+    calls = []
+    run_greedy = loop.run_greedy
+    loop.run_greedy = lambda *args: calls.append(args[-1]) or run_greedy(*args)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(3)]
+    scheduler = llm.engine.scheduler
+
+    def generate(params):
+        return [o.outputs[0] for o in llm.generate(prompts, params)]
+
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (13, 7, 10)]
+    scheduler.num_scheduler_steps = 1
+    want = generate(greedy)
+    assert set(calls) == {1}
+    scheduler.num_scheduler_steps = 4
+    calls.clear()
+    got = generate(greedy)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert max(calls) == 4 and len(calls) < sum(calls)
+    # A stop token that first comes inside a burst (the prompt's step gives token 0, then
+    # bursts of four), and EOS where it comes.
+    first = want[0].token_ids
+    stop = next(t for i, t in enumerate(first) if i > 1 and (i - 1) % 4 in (1, 2) and t not in first[:i])
+    stopping = [SamplingParams(temperature=0.0, max_tokens=13, stop_token_ids=[stop]),
+                SamplingParams(temperature=0.0, max_tokens=40), SamplingParams(temperature=0.0, max_tokens=10)]
+    scheduler.num_scheduler_steps = 1
+    want = generate(stopping)
+    scheduler.num_scheduler_steps = 4
+    got = generate(stopping)
+    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
+    assert got[0].token_ids[-1] == stop and got[0].finish_reason == "stop"
+    calls.clear()
+    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)
+    generate([SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), sampled, greedy[2]])
+    assert calls == [4, 4]  # single steps through the sampler while it runs, then the last 8 tokens
+    kv = llm.engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
     llm.engine.shutdown()
 
 
@@ -377,8 +455,23 @@ def test_greedy_bad_calls_raise_and_write_nothing(tiny_llama_dir):
                          ([5] * (most + 1), f"1 to {most} tokens")):
         with pytest.raises(ValueError, match=message):
             call(ids)
+    block_size = loop.k_caches[0].shape[1]
+    max_position = runner.model.rope.cos.shape[0]
+
+    def steps(position, num_steps, num_blocks=1):
+        return decode_greedy(loop.model_id, torch.tensor([5]), torch.tensor([position]), loop.k_caches,
+                             loop.v_caches, torch.tensor([position % block_size]),
+                             torch.zeros(1, num_blocks, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                             torch.tensor([position + 1], dtype=torch.int32), num_steps)
+
+    for position, num_steps, num_blocks, message in (
+            (0, 0, 1, "num_steps must be at least 1"),
+            (block_size - 2, 3, 1, "block table ends before position"),  # its next block is not in the table
+            (max_position - 2, 3, max_position // block_size + 1, "outside the RoPE table")):
+        with pytest.raises(ValueError, match=message):
+            steps(position, num_steps, num_blocks)
     assert all(not cache.any() for cache in (*loop.k_caches, *loop.v_caches))
-    assert call([5, 6]).shape == (2,)
+    assert call([5, 6]).shape == (2, 1)
     assert loop.k_caches[1].any()
     llm.engine.shutdown()
     rows = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16)
