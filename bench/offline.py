@@ -165,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--enforce-eager", action="store_true", help="our engine uncompiled")
     parser.add_argument("--single-weight-copy", action="store_true",
                         help="our engine keeps each bf16 linear's weight once (the engine's --single-weight-copy)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1,
+                        help="our engine's --num-scheduler-steps (greedy decode steps back to back; vLLM's CPU "
+                             "build has no such option)")
     parser.add_argument("--peer", choices=["hf", "vllm", "all", "none"], default="hf",
                         help="what to run the same workload through beside ours: Hugging Face generate, "
                              "vLLM's CPU build (its own venv, scripts/setup_vllm_peer.sh), both, or nothing")
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-              single_weight_copy=args.single_weight_copy)
+              single_weight_copy=args.single_weight_copy, num_scheduler_steps=args.num_scheduler_steps)
     runner = llm.engine.executor.runner
     dtype = str(runner.dtype).removeprefix("torch.")
     results["startup"] = {"seconds": time.perf_counter() - started, "compiled": runner.forward is not runner.model,

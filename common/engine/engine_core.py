@@ -110,6 +110,12 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, cache.block_size, self.max_model_len,
                                    kv_connector=make_scheduler_connector(config.kv_transfer, cache.block_size),
                                    speculative_config=config.speculative)
+        if config.scheduler.num_scheduler_steps > 1 and not all(self.executor.collective_rpc("runs_decode_steps")):
+            # Slots held for steps that never run would only crowd the pool.
+            logger.info("num_scheduler_steps=%d: every decode step stays a single one here (it takes the CPU's "
+                        "native decode loop with a greedy head: compiled, one rank)",
+                        config.scheduler.num_scheduler_steps)
+            self.scheduler.num_scheduler_steps = 1
         self.structured_output = StructuredOutputManager(self.model_dir, self.model_config.vocab_size,
                                                          tuple(self.model_config.eos_token_ids))
         self.idle = True

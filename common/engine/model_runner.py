@@ -223,6 +223,11 @@ class ModelRunner:
                 self.decode_graphs.capture_all()
         self.sampler.prepare(self.device)
 
+    def runs_decode_steps(self) -> bool:
+        """Whether this runner takes SchedulerOutput.num_steps > 1: the native loop's greedy
+        steps (elsewhere every step is a single one)."""
+        return self.native_decode is not None and self.native_decode.max_greedy_tokens > 0
+
     def _compile(self) -> None:
         started = time.perf_counter()
         graphs_before = num_compiled_graphs()

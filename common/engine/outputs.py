@@ -57,6 +57,7 @@ class SchedulerOutput:
     # Decode steps the runner may run back to back (SchedulerConfig.num_scheduler_steps):
     # > 1 only where every request decodes one token greedily and holds the slots of this
     # many; the runner returns up to this many tokens per request, each the next one's input.
+    # update_from_output sets it to the steps that ran.
     num_steps: int = 1
 
     @property

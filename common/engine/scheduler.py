@@ -294,6 +294,7 @@ class Scheduler(SchedulerInterface):
         num_reqs = len(runner_output.req_ids)
         logprobs_per_req = runner_output.logprobs or [None] * num_reqs
         proposals = runner_output.spec_token_ids or [[]] * num_reqs
+        num_steps_run = 1
         for req_id, token_ids, logprobs, proposal in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                                          logprobs_per_req, proposals):
             request = self.requests.get(req_id)
@@ -309,9 +310,12 @@ class Scheduler(SchedulerInterface):
             elif scheduler_output.num_steps > 1:
                 # Decode steps back to back: each token but the last was the next step's input.
                 request.num_computed_tokens += len(token_ids) - 1
+                num_steps_run = max(num_steps_run, len(token_ids))
             outputs.append(self._append_tokens(request, token_ids, logprobs))
             if not request.is_finished:
                 request.spec_token_ids = list(proposal)
+        if scheduler_output.num_steps > 1:  # what ran, for whoever observes the step (metrics)
+            scheduler_output.num_steps = num_steps_run
         if any(output.finished for output in outputs):
             self.running = [request for request in self.running if not request.is_finished]
         # After the tokens: a send may end in the very step whose request it holds.

@@ -391,8 +391,9 @@ class WorkerMetrics(ServiceMetrics):
         labels = ["role", "instance_id"]
         r.register(EngineCollector(role, instance_id, load, stats))
         self.step_duration = Histogram(
-            "pdserve_engine_step_duration_seconds", "One engine step (schedule, forward, sample, update), by "
-            "what it ran: prefill chunks only, decode tokens only, or both", [*labels, "phase"],
+            "pdserve_engine_step_duration_seconds", "One engine step (schedule, forward, sample, update; "
+            "decode steps run back to back by --num-scheduler-steps count as one), by what it ran: prefill chunks "
+            "only, decode tokens only, or both", [*labels, "phase"],
             registry=r, buckets=STEP_BUCKETS)
         self.step_tokens = Counter("pdserve_engine_scheduled_tokens", "Tokens run through the model, by "
                                    "step phase", [*labels, "phase"], registry=r)
@@ -416,7 +417,8 @@ class WorkerMetrics(ServiceMetrics):
             return
         duration, tokens = self._steps[step_phase(scheduler_output.scheduled)]
         duration.observe(seconds)
-        tokens.inc(scheduler_output.num_scheduled_tokens)
+        # Decode steps run back to back (--num-scheduler-steps) ran each token that many times.
+        tokens.inc(scheduler_output.num_scheduled_tokens * scheduler_output.num_steps)
 
     def observe_transfer(self, outcome: KVTransferOutcome) -> None:
         """A KV transfer ended (engine thread, from the engine's kv_transfer_observers)."""

@@ -389,14 +389,16 @@ def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
     """num_scheduler_steps: greedy decode-only steps run several to a call, and every
     request ends with the tokens of single steps: at max_tokens that are no multiple of the
     steps, at a stop token inside a burst, at EOS; a request that samples at a temperature
-    takes single steps; the pool is whole again at the end."""
+    takes single steps; the pool is whole again at the end. An engine without the loop
+    keeps single steps."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization="gguf", num_scheduler_steps=4)
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_scheduler_steps == 1  # an eager engine has no loop: single steps, no slots held ahead
     loop = _with_native_loop(llm)
     calls = []
     run_greedy = loop.run_greedy
     loop.run_greedy = lambda *args: calls.append(args[-1]) or run_greedy(*args)
     prompts = [{"prompt_token_ids": p} for p in _prompts(3)]
-    scheduler = llm.engine.scheduler
 
     def generate(params):
         return [o.outputs[0] for o in llm.generate(prompts, params)]

@@ -131,8 +131,10 @@ def test_a_step_that_returns_fewer_tokens_is_counted_as_run(make_scheduler):
     req = make_request("a", 3, temperature=0.0)
     scheduler.add_request(req)
     step(scheduler)
-    out, outputs = step(scheduler, {"a": [11]})
-    assert out.num_steps == 4 and outputs["a"].new_token_ids == [11]
+    out = scheduler.schedule()
+    assert out.num_steps == 4
+    (output,) = scheduler.update_from_output(out, RunnerOutput(req_ids=["a"], sampled_token_ids=[[11]]))
+    assert output.new_token_ids == [11] and out.num_steps == 1  # what ran, for the step's observers
     assert req.num_computed_tokens == 4 and req.num_tokens == 5
     blocks = list(out.scheduled[0].block_table)
     out, _ = step(scheduler)

@@ -124,6 +124,10 @@ def test_step_phase_and_durations_by_phase():
     assert value(r, "pdserve_engine_step_duration_seconds_count", phase="mixed") == 0
     assert value(r, "pdserve_engine_scheduled_tokens_total", phase="prefill") == 32
     assert value(r, "pdserve_engine_step_duration_seconds_bucket", phase="decode", le="0.005") == 1
+    assert value(r, "pdserve_engine_scheduled_tokens_total", phase="decode") == 2
+    # Decode steps run back to back (--num-scheduler-steps) run each token once a step.
+    metrics.observe_step(SchedulerOutput([decode_token, _scheduled(10, 12, 1)], 2, num_steps=3), 0.01)
+    assert value(r, "pdserve_engine_scheduled_tokens_total", phase="decode") == 2 + 6
 
 
 def test_transfers_count_bytes_duration_and_failures():
