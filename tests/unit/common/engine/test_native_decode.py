@@ -393,8 +393,10 @@ def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
     keeps single steps."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization="gguf", num_scheduler_steps=4)
     scheduler = llm.engine.scheduler
-    assert scheduler.num_scheduler_steps == 1  # an eager engine has no loop: single steps, no slots held ahead
+    runner = llm.engine.executor.runner
+    assert scheduler.num_scheduler_steps == 1 and not runner.runs_decode_steps()  # eager: no loop, single steps
     loop = _with_native_loop(llm)
+    assert runner.runs_decode_steps()  # what a compiled engine's start asks
     calls = []
     run_greedy = loop.run_greedy
     loop.run_greedy = lambda *args: calls.append(args[-1]) or run_greedy(*args)
