@@ -52,7 +52,7 @@ def _decode_layers_fake(model_id, hidden, positions, k_caches, v_caches, slot_ma
 
 
 def _decode_greedy_fake(model_id, input_ids, positions, k_caches, v_caches, slot_mapping, block_tables,
-                        query_start_loc, seq_lens, num_steps=1):
+                        query_start_loc, seq_lens, num_steps=1, stop_token_ids=None):
     return input_ids.new_empty((input_ids.shape[0], num_steps))
 
 
@@ -142,10 +142,12 @@ def decode_greedy(
     query_start_loc: torch.Tensor,  # [num_tokens + 1] int32
     seq_lens: torch.Tensor,  # [num_tokens] int32
     num_steps: int = 1,
-) -> torch.Tensor:  # [num_tokens, num_steps] int64: each sequence's next num_steps tokens
+    stop_token_ids: torch.Tensor | None = None,  # [S] int64
+) -> torch.Tensor:  # [num_tokens, steps run] int64: each sequence's next tokens
     """decode_layers from the token ids, then the head and each row's argmax (as argmax_rows
     takes it from the head's logits), in one parallel region; num_steps such steps, each
     row going on from the token it took, one position further (block_tables must hold each
-    row's blocks through position + num_steps - 1)."""
+    row's blocks through position + num_steps - 1), fewer once every row has taken one of
+    stop_token_ids."""
     return torch.ops.pdserve_decode.decode_greedy(model_id, input_ids, positions, k_caches, v_caches, slot_mapping,
-                                                  block_tables, query_start_loc, seq_lens, num_steps)
+                                                  block_tables, query_start_loc, seq_lens, num_steps, stop_token_ids)

@@ -306,8 +306,9 @@ class ModelRunner:
             if received is None and graphs is not None and graphs.serves(input_ids.shape[0], meta):
                 hidden, graph_logits = graphs.run(input_ids, positions, meta)  # [num_tokens, hidden]
             elif received is None and self._loop_samples(scheduler_output, input_ids.shape[0], meta, sample_reqs):
-                loop_token_ids = loop.run_greedy(input_ids, positions, meta,
-                                                 self._num_loop_steps(scheduler_output.num_steps, sample_reqs))
+                num_steps = self._num_loop_steps(scheduler_output.num_steps, sample_reqs)
+                loop_token_ids = loop.run_greedy(input_ids, positions, meta, num_steps,
+                                                 self._stop_token_ids(sample_reqs) if num_steps > 1 else None)
             elif received is None and loop is not None and loop.serves(input_ids.shape[0], meta):
                 hidden = loop.run(input_ids, positions, meta)  # [num_tokens, hidden]
             else:
@@ -373,6 +374,17 @@ class ModelRunner:
             for req in sample_reqs:
                 num_steps = min(num_steps, len(req.block_table) * block_size - req.start_pos)
         return max(1, num_steps)
+
+    def _stop_token_ids(self, sample_reqs: list[ScheduledRequest]) -> list[int]:
+        """Tokens that end some request (EOS unless every request ignores it, and each one's
+        stop tokens): steps back to back end once every row has taken one. A row that takes
+        another row's stop token only ends the steps sooner."""
+        stops = set()
+        for req in sample_reqs:
+            stops.update(req.sampling_params.stop_token_ids)
+        if not all(req.sampling_params.ignore_eos for req in sample_reqs):
+            stops.update(self.model_config.eos_token_ids)
+        return sorted(stops)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  received: torch.Tensor | None) -> torch.Tensor:

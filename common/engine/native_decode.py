@@ -192,15 +192,19 @@ class NativeDecodeLoop:
         return num_tokens <= self.max_greedy_tokens and self.serves(num_tokens, meta)
 
     def run_greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                   num_steps: int = 1) -> torch.Tensor:
-        """input_ids, positions [num_tokens] -> each row's next num_steps tokens [num_tokens,
-        num_steps] int64: the argmax of the model's compute_argmax_logits over run()'s hidden
-        states, each step's tokens the next one's inputs, in one call (meta's block tables
-        must hold each row's blocks through position + num_steps - 1)."""
-        self.num_steps += num_steps
-        self.num_greedy_steps += num_steps
-        return decode_greedy(self.model_id, input_ids, positions, self.k_caches, self.v_caches, meta.slot_mapping,
-                             meta.block_tables, meta.query_start_loc, meta.seq_lens, num_steps)
+                   num_steps: int = 1, stop_token_ids: list[int] | None = None) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> each row's next tokens [num_tokens, steps run]
+        int64: the argmax of the model's compute_argmax_logits over run()'s hidden states,
+        each step's tokens the next one's inputs, in one call: num_steps steps (meta's block
+        tables must hold each row's blocks through position + num_steps - 1), fewer once every
+        row has taken one of stop_token_ids."""
+        stops = torch.tensor(stop_token_ids, dtype=torch.int64) if stop_token_ids and num_steps > 1 else None
+        token_ids = decode_greedy(self.model_id, input_ids, positions, self.k_caches, self.v_caches,
+                                  meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                  num_steps, stops)
+        self.num_steps += token_ids.shape[1]
+        self.num_greedy_steps += token_ids.shape[1]
+        return token_ids
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> normed hidden states [num_tokens, hidden_size]."""

@@ -812,10 +812,13 @@ at::Tensor decode_layers(int64_t model_id, const at::Tensor& hidden, const at::T
 // decode_model_max_greedy_tokens). Past the first step each row goes on from the token it
 // just took, one position further (its slot read from its block table): block_tables must
 // hold every row's blocks through position + num_steps - 1 (the scheduler's lookahead).
+// stop_token_ids [S] int64: the steps end early, [num_tokens, steps run], once every row has
+// taken one of them (steps past a stop would be thrown away).
 at::Tensor decode_greedy(int64_t model_id, const at::Tensor& input_ids, const at::Tensor& positions,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                         const at::Tensor& seq_lens, int64_t num_steps) {
+                         const at::Tensor& seq_lens, int64_t num_steps,
+                         const std::optional<at::Tensor>& stop_token_ids) {
   const std::shared_ptr<const Model> model = registered_model(model_id, "decode_greedy");
   PDSERVE_CHECK_VALUE(model->max_greedy_tokens > 0, "decode_greedy: model ", model_id,
                       " has no head this loop can run (register it with an embedding and a head of GGUF blocks "
@@ -852,6 +855,16 @@ at::Tensor decode_greedy(int64_t model_id, const at::Tensor& input_ids, const at
     step_slots = slot_mapping.clone();
     step_seq_lens = seq_lens.clone();
   }
+  std::vector<int64_t> stops;
+  if (stop_token_ids.has_value()) {
+    PDSERVE_CHECK_VALUE(stop_token_ids->dim() == 1 && stop_token_ids->scalar_type() == at::kLong &&
+                            stop_token_ids->is_contiguous(),
+                        "decode_greedy: stop_token_ids must be contiguous [S] int64");
+    const int64_t* begin = stop_token_ids->data_ptr<int64_t>();
+    stops.assign(begin, begin + stop_token_ids->numel());
+  }
+  std::vector<bool> stopped(M, false);
+  int64_t num_stopped = 0, num_run = num_steps;
   const int64_t row_bytes = H * head.embedding.element_size();
   const int64_t* next_ids = ids;
   for (int64_t step = 0; step < num_steps; ++step) {
@@ -885,10 +898,20 @@ at::Tensor decode_greedy(int64_t model_id, const at::Tensor& input_ids, const at
 #endif
     const int64_t* taken = step_ids.data_ptr<int64_t>();
     int64_t* out = token_ids.data_ptr<int64_t>();
-    for (int64_t m = 0; m < M; ++m) out[m * num_steps + step] = taken[m];
+    for (int64_t m = 0; m < M; ++m) {
+      out[m * num_steps + step] = taken[m];
+      if (!stopped[m] && std::find(stops.begin(), stops.end(), taken[m]) != stops.end()) {
+        stopped[m] = true;
+        ++num_stopped;
+      }
+    }
     next_ids = taken;
+    if (num_stopped == M && step + 1 < num_steps) {
+      num_run = step + 1;
+      break;
+    }
   }
-  return token_ids;
+  return num_run == num_steps ? token_ids : token_ids.narrow(1, 0, num_run).contiguous();
 }
 
 // The most tokens a decode_greedy step of this model may have (0: it serves none).
@@ -911,8 +934,8 @@ TORCH_LIBRARY(pdserve_decode, m) {
   m.def("decode_layers(int model_id, Tensor hidden, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens) -> Tensor");
   m.def("decode_greedy(int model_id, Tensor input_ids, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "
-        "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int num_steps=1) "
-        "-> Tensor");
+        "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int num_steps=1, "
+        "Tensor? stop_token_ids=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_decode, CPU, m) {

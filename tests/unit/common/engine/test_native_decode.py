@@ -117,7 +117,8 @@ def test_the_loop_matches_the_model_for_each_family(tmp_path_factory, bundled_mo
 
 
 def _decode_step(llm: LLM, prompts: list[list[int]], loop: NativeDecodeLoop | None,
-                 num_layers: int | None = None, greedy: bool = False, num_steps: int = 1) -> torch.Tensor:
+                 num_layers: int | None = None, greedy: bool = False, num_steps: int = 1,
+                 stop_token_ids: list[int] | None = None) -> torch.Tensor:
     """Prefill the prompts (each in its own blocks) through the model, then one decode step
     through the loop (None: the model, its first num_layers layers): the normed hidden
     states [len(prompts), hidden_size]; greedy: the loop's next tokens [len(prompts),
@@ -141,7 +142,7 @@ def _decode_step(llm: LLM, prompts: list[list[int]], loop: NativeDecodeLoop | No
         ids, positions, meta, _, _ = runner.prepare_inputs(decode)
         if greedy:
             assert loop.serves_greedy(ids.shape[0], meta)
-            return loop.run_greedy(ids, positions, meta, num_steps)
+            return loop.run_greedy(ids, positions, meta, num_steps, stop_token_ids)
         if loop is not None:
             assert loop.serves(ids.shape[0], meta)
             return loop.run(ids, positions, meta)
@@ -361,6 +362,17 @@ def test_greedy_steps_back_to_back_take_the_tokens_and_write_the_kv_of_single_st
     for (k, v), (burst_k, burst_v) in zip(runner.kv_caches[:4], burst_kv):
         assert torch.equal(k, burst_k) and torch.equal(v, burst_v)
     assert loop.num_greedy_steps == 2 * num_steps  # the burst, then one step and five
+    # Stop tokens: the steps end once every row has taken one, and write nothing further.
+    rows = burst.tolist()
+    stops = [rows[0][2], rows[1][4], rows[2][1]]
+    num_run = 1 + max(next(j for j, t in enumerate(row) if t in stops) for row in rows)
+    assert num_run < num_steps
+    cut = _decode_step(llm, prompts, loop, greedy=True, num_steps=num_steps, stop_token_ids=stops)
+    assert cut.tolist() == [row[:num_run] for row in rows]
+    for i, p in enumerate(prompts):
+        slots = [4 * i * block_size + pos for pos in range(len(p) + num_run, len(p) + num_steps)]
+        for k, v in runner.kv_caches[:4]:
+            assert not k.view(-1, *k.shape[2:])[slots].any() and not v.view(-1, *v.shape[2:])[slots].any()
     llm.engine.shutdown()
 
 
@@ -397,9 +409,15 @@ def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
     assert scheduler.num_scheduler_steps == 1 and not runner.runs_decode_steps()  # eager: no loop, single steps
     loop = _with_native_loop(llm)
     assert runner.runs_decode_steps()  # what a compiled engine's start asks
-    calls = []
+    calls = []  # the steps each call of the loop ran
     run_greedy = loop.run_greedy
-    loop.run_greedy = lambda *args: calls.append(args[-1]) or run_greedy(*args)
+
+    def counted(*args):
+        token_ids = run_greedy(*args)
+        calls.append(token_ids.shape[1])
+        return token_ids
+
+    loop.run_greedy = counted
     prompts = [{"prompt_token_ids": p} for p in _prompts(3)]
 
     def generate(params):
@@ -426,6 +444,11 @@ def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
     got = generate(stopping)
     assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
     assert got[0].token_ids[-1] == stop and got[0].finish_reason == "stop"
+    # A lone request's steps end at its stop token: none run past it.
+    steps_before = loop.num_greedy_steps
+    (alone,) = [o.outputs[0] for o in llm.generate(prompts[:1], stopping[0])]
+    assert alone.token_ids == got[0].token_ids
+    assert loop.num_greedy_steps - steps_before == len(alone.token_ids) - 1  # the prompt's step took the first
     calls.clear()
     sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)
     generate([SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), sampled, greedy[2]])
