@@ -805,6 +805,34 @@ at::Tensor decode_layers(int64_t model_id, const at::Tensor& hidden, const at::T
                                   query_start_loc, seq_lens);
 }
 
+// hidden [M, H] <- the embedding's rows of ids [M]. An id outside them (given, or taken in an
+// earlier step by a head wider than the embedding) raises.
+void embed_rows(const at::Tensor& embedding, const int64_t* ids, at::Tensor& hidden, int64_t step) {
+  const int64_t M = hidden.size(0), num_embeddings = embedding.size(0);
+  const int64_t row_bytes = hidden.size(1) * embedding.element_size();
+  for (int64_t m = 0; m < M; ++m) {
+    PDSERVE_CHECK_VALUE(ids[m] >= 0 && ids[m] < num_embeddings, "decode_greedy: token id ", ids[m], " of row ", m,
+                        " (step ", step, ") is outside the embedding's ", num_embeddings, " rows");
+    std::memcpy(static_cast<char*>(hidden.data_ptr()) + m * row_bytes,
+                static_cast<const char*>(embedding.const_data_ptr()) + ids[m] * row_bytes, row_bytes);
+  }
+}
+
+// Every row of a decode step one position on: positions [M] int64, seq_lens [M] int32, and
+// slot_mapping [M] int64 from each row's block table [M, max_blocks] int32.
+void advance_rows(at::Tensor& positions, at::Tensor& slot_mapping, at::Tensor& seq_lens,
+                  const at::Tensor& block_tables, int64_t block_size) {
+  int64_t* pos = positions.data_ptr<int64_t>();
+  int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t m = 0; m < positions.numel(); ++m) {
+    pos[m] += 1;
+    lens[m] += 1;
+    const int32_t* table = block_tables.data_ptr<int32_t>() + m * block_tables.stride(0);
+    slots[m] = static_cast<int64_t>(table[pos[m] / block_size]) * block_size + pos[m] % block_size;
+  }
+}
+
 // input_ids [num_tokens] int64 (one per decode sequence) -> each sequence's next num_steps
 // tokens [num_tokens, num_steps] int64: the argmax of the head's logits after the layers, as
 // decode_layers, the head and argmax_rows give it one after another, in one parallel region
@@ -832,17 +860,15 @@ at::Tensor decode_greedy(int64_t model_id, const at::Tensor& input_ids, const at
   PDSERVE_CHECK_VALUE(num_steps >= 1, "decode_greedy: num_steps must be at least 1, got ", num_steps);
   check_step(*model, M, positions, k_caches, v_caches, query_start_loc, seq_lens, "decode_greedy");
   const GreedyHead& head = *model->greedy_head;
-  const int64_t* ids = input_ids.data_ptr<int64_t>();
-  const int64_t num_embeddings = head.embedding.size(0), H = head.embedding.size(1);
   at::Tensor token_ids = at::empty({M, num_steps}, input_ids.options());  // [M, num_steps]
   at::Tensor step_ids = at::empty({M}, input_ids.options());             // [M] one step's tokens
-  at::Tensor hidden = at::empty({M, H}, head.embedding.options());        // [M, H]: the embedded tokens
+  at::Tensor hidden = at::empty({M, head.embedding.size(1)}, head.embedding.options());  // [M, H] embedded
   at::Tensor step_positions = positions, step_slots = slot_mapping, step_seq_lens = seq_lens;
+  const int64_t block_size = k_caches[0].size(1);
   if (num_steps > 1) {
     PDSERVE_CHECK_VALUE(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt &&
                             seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
                         "decode_greedy: block_tables [num_tokens, max_blocks] and seq_lens [num_tokens] int32");
-    const int64_t block_size = k_caches[0].size(1);
     for (int64_t m = 0; m < M; ++m) {
       const int64_t final_pos = positions.data_ptr<int64_t>()[m] + num_steps - 1;
       PDSERVE_CHECK_VALUE(final_pos < model->cos.size(0), "decode_greedy: step ", num_steps, " of row ", m,
@@ -865,28 +891,10 @@ at::Tensor decode_greedy(int64_t model_id, const at::Tensor& input_ids, const at
   }
   std::vector<bool> stopped(M, false);
   int64_t num_stopped = 0, num_run = num_steps;
-  const int64_t row_bytes = H * head.embedding.element_size();
-  const int64_t* next_ids = ids;
+  const int64_t* next_ids = input_ids.data_ptr<int64_t>();
   for (int64_t step = 0; step < num_steps; ++step) {
-    if (step > 0) {
-      int64_t* pos = step_positions.data_ptr<int64_t>();
-      int64_t* slots = step_slots.data_ptr<int64_t>();
-      int32_t* lens = step_seq_lens.data_ptr<int32_t>();
-      const int64_t block_size = k_caches[0].size(1);
-      for (int64_t m = 0; m < M; ++m) {
-        pos[m] += 1;
-        lens[m] += 1;
-        const int32_t* table = block_tables.data_ptr<int32_t>() + m * block_tables.stride(0);
-        slots[m] = static_cast<int64_t>(table[pos[m] / block_size]) * block_size + pos[m] % block_size;
-      }
-    }
-    for (int64_t m = 0; m < M; ++m) {
-      // Past the first step, a token the head took beyond the embedding's rows cannot go on.
-      PDSERVE_CHECK_VALUE(next_ids[m] >= 0 && next_ids[m] < num_embeddings, "decode_greedy: token id ", next_ids[m],
-                          " of row ", m, " (step ", step, ") is outside the embedding's ", num_embeddings, " rows");
-      std::memcpy(static_cast<char*>(hidden.data_ptr()) + m * row_bytes,
-                  static_cast<const char*>(head.embedding.const_data_ptr()) + next_ids[m] * row_bytes, row_bytes);
-    }
+    if (step > 0) advance_rows(step_positions, step_slots, step_seq_lens, block_tables, block_size);
+    embed_rows(head.embedding, next_ids, hidden, step);
 #ifdef PDSERVE_ROW_GROUPS
     if (hidden.scalar_type() == at::kFloat)
       run_layers_in_regions<float>(*model, hidden, step_positions, k_caches, v_caches, step_slots, block_tables,
