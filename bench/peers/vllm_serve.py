@@ -69,7 +69,7 @@ def serve_ours(args: argparse.Namespace, model_dir: str, out: Path) -> dict:
         passthrough += ["--num-scheduler-steps", str(args.num_scheduler_steps)]
     (out / "pdserve-logs").mkdir()
     with LocalStack(args.prefill, args.decode, http_port=0, passthrough=passthrough, log_dir=out / "pdserve-logs",
-                    startup_timeout_s=args.startup_timeout) as stack:
+                    startup_timeout_s=args.startup_timeout, reserved_cpus=args.reserved_cpus) as stack:
         return run_client(f"http://{stack.http_address}", args, out / "pdserve.json")
 
 
@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", type=int, default=0, help="our prefill instances (0: decode prefills)")
     parser.add_argument("--decode", type=int, default=1, help="our decode instances")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--reserved-cpus", type=int, default=1,
+                        help="`pdserve up --reserved-cpus` for our stack: cores left out of the engines' share")
     parser.add_argument("--num-scheduler-steps", type=int, default=1,
                         help="our instances' --num-scheduler-steps (greedy decode steps back to back)")
     parser.add_argument("--peer-venv", default=None)

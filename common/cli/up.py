@@ -11,7 +11,11 @@ address: its --registry-port, a free port of its own), and --metrics-port 0:
 every process serves Prometheus metrics on a free port, named as `metrics=HOST:PORT` in
 the READY line it prints (echoed with its name; `ManagedProcess.metrics_address`).
 Each prefill and decode process gets `--num-threads`: an equal share of the host's
-cores (its pinned CPUs where a benchmark pins roles), unless the flag is given. Where the
+cores less `--reserved-cpus` (default 1, as vLLM's CPU build reserves one for its API
+server: the gateway's and the services' own threads wake for every token, and an engine
+whose OpenMP threads fill every core waits at each barrier for the thread they displaced),
+decode processes first for a core left over (its pinned CPUs where a benchmark pins roles),
+unless the flag is given. Where the
 stack has a prefill pool, each decode process gets `--single-weight-copy` (it prefills
 only short prompts itself; `--no-single-weight-copy` keeps both copies).
 Every process gets the same registry token through PDSERVE_REGISTRY_TOKEN (never on a
@@ -60,9 +64,12 @@ class LocalStack:
                  passthrough: list[str] | tuple[str, ...] = (), env: dict[str, str] | None = None,
                  log_dir=None, startup_timeout_s: float = 300.0, grace_s: float = 45.0,
                  http_port: int | None = 0, cpu_affinity: dict[str, set[int]] | None = None,
-                 role_flags: dict[str, list[str]] | None = None, num_gateways: int = 1):
+                 role_flags: dict[str, list[str]] | None = None, num_gateways: int = 1, reserved_cpus: int = 1):
         if num_gateways < 1:
             raise ValueError(f"need at least one gateway; got {num_gateways}")
+        if reserved_cpus < 0:
+            raise ValueError(f"reserved_cpus must be >= 0; got {reserved_cpus}")
+        self.reserved_cpus = reserved_cpus
         self.num_prefill, self.num_decode, self.num_gateways = num_prefill, num_decode, num_gateways
         # Per role ("gateway", "prefill", "decode"): the CPUs its processes may run on
         # (benchmarks pin roles to cores; torch sizes its thread pool to them, and
@@ -187,14 +194,15 @@ class LocalStack:
         return ["--single-weight-copy"] if role == "decode" and self.num_prefill > 0 else []
 
     def _thread_flags(self, role: str) -> list[str]:
-        """--num-threads for an engine process: its pinned CPUs, else an equal share of this
-        host's cores among the stack's engine processes, so prefill and decode do not
-        oversubscribe them. A --num-threads the user gave comes later and wins."""
+        """--num-threads for an engine process: its pinned CPUs, else its share of this host's
+        cores (engine_threads), so prefill and decode do not oversubscribe them. A
+        --num-threads the user gave comes later and wins."""
         cpus = self.cpu_affinity.get(role)
         if cpus:
             return ["--num-threads", str(len(cpus))]
-        num_engines = max(1, self.num_prefill + self.num_decode)
-        return ["--num-threads", str(max(1, len(os.sched_getaffinity(0)) // num_engines))]
+        prefill, decode = engine_threads(len(os.sched_getaffinity(0)), self.num_prefill, self.num_decode,
+                                         self.reserved_cpus)
+        return ["--num-threads", str(decode if role == "decode" else prefill)]
 
     def _role_env(self, role: str) -> dict[str, str]:
         cpus = self.cpu_affinity.get(role)
@@ -248,6 +256,17 @@ class LocalStack:
         self.stop()
 
 
+def engine_threads(num_cpus: int, num_prefill: int, num_decode: int, reserved_cpus: int) -> tuple[int, int]:
+    """(threads of each prefill process, of each decode process): the CPUs less
+    reserved_cpus (at least one left) shared equally, the decode processes one more each
+    where enough are left over (their steps wait on every core they run on); at least one."""
+    num_engines = max(1, num_prefill + num_decode)
+    num_engine_cpus = max(1, num_cpus - reserved_cpus)
+    share, left_over = divmod(num_engine_cpus, num_engines)
+    decode_extra = 1 if num_decode and left_over >= num_decode else 0
+    return max(1, share), max(1, share + decode_extra)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = EnvDefaultsParser(
         prog="pdserve up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -263,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--http-port", default=None,
                         help="the gateway's OpenAI-compatible HTTP port (0: a free one; -1 or 'off': none); "
                              "default 8000, or a free one when --port is 0")
+    parser.add_argument("--reserved-cpus", type=int, default=1,
+                        help="cores left out of the engines' --num-threads share for the gateway and the "
+                             "services' own threads (vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU); 0: the engines "
+                             "take every core (more throughput at saturation, slower tokens under moderate load "
+                             "on small hosts)")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds to wait for every instance to register")
     parser.add_argument("--grace", type=float, default=45.0,
@@ -273,8 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args, passthrough = build_parser().parse_known_args(argv)
-    if args.decode < 1 or args.prefill < 0 or args.gateways < 1:
-        print("pdserve up: need --decode >= 1, --prefill >= 0 and --gateways >= 1", file=sys.stderr)
+    if args.decode < 1 or args.prefill < 0 or args.gateways < 1 or args.reserved_cpus < 0:
+        print("pdserve up: need --decode >= 1, --prefill >= 0, --gateways >= 1 and --reserved-cpus >= 0",
+              file=sys.stderr)
         return 2
     # SIGTERM stops the stack like Ctrl-C does, also while it is still starting.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -283,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         http_port = parse_http_port(args.http_port) if args.http_port is not None else default_http_port(args.port)
         stack = LocalStack(args.prefill, args.decode, port=args.port, host=args.host, http_port=http_port,
                            passthrough=passthrough, startup_timeout_s=args.startup_timeout, grace_s=args.grace,
-                           num_gateways=args.gateways)
+                           num_gateways=args.gateways, reserved_cpus=args.reserved_cpus)
     except ValueError as e:  # a flag no command takes, a bad --http-port
         print(f"pdserve up: error: {e}", file=sys.stderr)
         return 2

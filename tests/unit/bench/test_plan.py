@@ -276,7 +276,7 @@ def test_validation_stacks_run_the_profiled_engine(monkeypatch, tmp_path):
     plan_module.measure_on_stack(Deployment(0, 1), traffic, options.shape, "1GiB", 5, 0, tmp_path,
                                  threads_per_instance=1, dtype="float32")
     flags = seen["flags"]
-    # Without --num-threads, `up` gives a lone instance every core: faster than its profile.
+    # Without --num-threads, `up` gives a lone instance every core but the reserved one: faster than its profile.
     assert flags[flags.index("--num-threads") + 1] == "1"
     assert flags[flags.index("--dtype") + 1] == "float32"
 

@@ -5,19 +5,40 @@ from __future__ import annotations
 import os
 
 from common.cli.processes import route_flags
-from common.cli.up import LocalStack
+import pytest
+
+from common.cli.up import LocalStack, engine_threads
 from common.engine.engine_args import engine_config_from_args
 from decode_service.main import build_parser as decode_parser
 
 
 def test_engine_processes_share_the_cores_and_pinned_roles_use_their_cpus():
     num_cores = len(os.sched_getaffinity(0))
-    stack = LocalStack(1, 1)
+    stack = LocalStack(1, 1, reserved_cpus=0)
     assert stack._thread_flags("decode") == ["--num-threads", str(max(1, num_cores // 2))]
+    reserving = LocalStack(0, 1)  # one core left to the gateway and the services' threads by default
+    assert reserving._thread_flags("decode") == ["--num-threads", str(max(1, num_cores - 1))]
     crowded = LocalStack(num_cores, num_cores)  # more engines than cores: one thread each, not zero
     assert crowded._thread_flags("prefill") == ["--num-threads", "1"]
     pinned = LocalStack(1, 1, cpu_affinity={"decode": {0}})
     assert pinned._thread_flags("decode") == ["--num-threads", "1"]
+    with pytest.raises(ValueError, match="reserved_cpus"):
+        LocalStack(1, 1, reserved_cpus=-1)
+
+
+@pytest.mark.parametrize("num_cpus, num_prefill, num_decode, reserved, threads", [
+    (2, 0, 1, 1, (1, 1)),    # a decode that prefills, on 2 cores: one for it, one for the rest
+    (2, 0, 1, 0, (2, 2)),
+    (2, 1, 1, 1, (1, 1)),    # fewer cores than engines plus the reserve: still one each
+    (4, 1, 1, 1, (1, 2)),    # the core left over goes to decode
+    (16, 1, 1, 1, (7, 8)),
+    (8, 2, 2, 1, (1, 2)),    # 7 cores: 1 each and 3 left, enough for both decodes
+    (8, 2, 3, 1, (1, 1)),    # 7 cores: 1 each and 2 left, not enough for three decodes
+    (64, 0, 4, 0, (16, 16)),
+])
+def test_engine_threads_leave_the_reserved_cpus_and_give_decode_the_rest(num_cpus, num_prefill, num_decode,
+                                                                        reserved, threads):
+    assert engine_threads(num_cpus, num_prefill, num_decode, reserved) == threads
 
 
 def test_a_num_threads_flag_given_to_up_reaches_the_engines_and_wins():
