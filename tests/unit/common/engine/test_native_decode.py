@@ -136,9 +136,12 @@ def _decode_step(llm: LLM, prompts: list[list[int]], loop: NativeDecodeLoop | No
     for k_cache, v_cache in runner.kv_caches:  # nothing left from an earlier step at the decode's slots
         k_cache.zero_()
         v_cache.zero_()
+    # The decode step reads the KV of no layer past its own: the prefill stops there too.
+    prefill_layers = len(loop.k_caches) if loop is not None else num_layers
     with torch.inference_mode():
         ids, positions, meta, _, _ = runner.prepare_inputs(prefill)
-        runner._forward(ids, positions, meta, None)
+        with forward_context(meta):
+            runner.model(ids, positions, runner.kv_caches, meta, num_layers=prefill_layers)
         ids, positions, meta, _, _ = runner.prepare_inputs(decode)
         if greedy:
             assert loop.serves_greedy(ids.shape[0], meta)
