@@ -15,7 +15,8 @@ cores less `--reserved-cpus` (default 1, as vLLM's CPU build reserves one for it
 server: the gateway's and the services' own threads wake for every token, and an engine
 whose OpenMP threads fill every core waits at each barrier for the thread they displaced),
 decode processes first for a core left over (its pinned CPUs where a benchmark pins roles),
-unless the flag is given. Where the
+unless the flag is given; a lone decode process that prefills takes every core for its
+steps that prefill (`--num-prefill-threads`: it streams no tokens meanwhile). Where the
 stack has a prefill pool, each decode process gets `--single-weight-copy` (it prefills
 only short prompts itself; `--no-single-weight-copy` keeps both copies).
 Every process gets the same registry token through PDSERVE_REGISTRY_TOKEN (never on a
@@ -195,14 +196,21 @@ class LocalStack:
 
     def _thread_flags(self, role: str) -> list[str]:
         """--num-threads for an engine process: its pinned CPUs, else its share of this host's
-        cores (engine_threads), so prefill and decode do not oversubscribe them. A
-        --num-threads the user gave comes later and wins."""
+        cores (engine_threads), so prefill and decode do not oversubscribe them. A lone decode
+        process that prefills also gets --num-prefill-threads, every core: while one of its
+        steps prefills it streams no tokens, and nothing else needs the reserved cores.
+        Flags the user gave come later and win."""
         cpus = self.cpu_affinity.get(role)
         if cpus:
             return ["--num-threads", str(len(cpus))]
-        prefill, decode = engine_threads(len(os.sched_getaffinity(0)), self.num_prefill, self.num_decode,
-                                         self.reserved_cpus)
-        return ["--num-threads", str(decode if role == "decode" else prefill)]
+        num_cpus = len(os.sched_getaffinity(0))
+        prefill, decode = engine_threads(num_cpus, self.num_prefill, self.num_decode, self.reserved_cpus)
+        if role != "decode":
+            return ["--num-threads", str(prefill)]
+        flags = ["--num-threads", str(decode)]
+        if self.num_prefill == 0 and self.num_decode == 1 and num_cpus > decode:
+            flags += ["--num-prefill-threads", str(num_cpus)]
+        return flags
 
     def _role_env(self, role: str) -> dict[str, str]:
         cpus = self.cpu_affinity.get(role)

@@ -321,6 +321,11 @@ class EngineConfig:
     # Q8_0) as stored; "int8": int8 weight-only, per output channel.
     quantization: str | None = None
     num_threads: int | None = None  # torch intra-op threads of this process; None: torch's default
+    # CPU: torch threads for the steps that prefill at least PREFILL_THREADS_MIN_TOKENS
+    # prompt tokens (None: num_threads for every step). For a decode instance that prefills
+    # beside the gateway's reserved core: while a long prefill step runs it streams no
+    # tokens, so the gateway's core is free for that step's matmuls.
+    num_prefill_threads: int | None = None
     # CPU, bf16 on AVX512-BF16 without AMX: each linear keeps its weight once (panel_gemm's
     # column panels, serving steps of every size) instead of adding oneDNN's packed copy for
     # steps past 128 tokens; for decode instances, which prefill only short prompts.
@@ -333,6 +338,8 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1; got {self.num_threads}")
+        if self.num_prefill_threads is not None and self.num_prefill_threads < 1:
+            raise ValueError(f"num_prefill_threads must be >= 1; got {self.num_prefill_threads}")
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
@@ -348,7 +355,8 @@ def make_engine_config(model: str | None = None, *, dtype: str = "auto", device:
                        tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                        distributed_executor_backend: str | None = None, enforce_eager: bool = False,
                        quantization: str | None = None, num_threads: int | None = None,
-                       single_weight_copy: bool = False, num_scheduler_steps: int = 1) -> EngineConfig:
+                       num_prefill_threads: int | None = None, single_weight_copy: bool = False,
+                       num_scheduler_steps: int = 1) -> EngineConfig:
     """The one place flat engine options (LLM kwargs, CLI flags) become an EngineConfig."""
     return EngineConfig(
         model=model, dtype=dtype, device=device, seed=seed,
@@ -362,7 +370,7 @@ def make_engine_config(model: str | None = None, *, dtype: str = "auto", device:
                                 pipeline_parallel_size=pipeline_parallel_size,
                                 distributed_executor_backend=distributed_executor_backend),
         enforce_eager=enforce_eager, quantization=quantization, num_threads=num_threads,
-        single_weight_copy=single_weight_copy)
+        num_prefill_threads=num_prefill_threads, single_weight_copy=single_weight_copy)
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,

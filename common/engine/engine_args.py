@@ -55,7 +55,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "compose and the manifests set it for theirs)")
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of this process (set it so processes sharing a host do not "
-                        "oversubscribe its cores); default: torch's choice")
+                        "oversubscribe its cores); default: one per core, no more than the "
+                        "container's CPU quota")
+    g.add_argument("--num-prefill-threads", type=int, default=None,
+                   help="CPU: torch threads for steps that prefill at least 32 prompt tokens "
+                        "(default: --num-threads); `pdserve up` gives a lone decode instance that "
+                        "prefills the gateway's reserved cores for those steps")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -71,7 +76,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 pipeline_parallel_size=args.pipeline_parallel_size,
                 distributed_executor_backend=args.distributed_executor_backend,
                 enforce_eager=args.enforce_eager, quantization=args.quantization,
-                num_threads=args.num_threads, single_weight_copy=args.single_weight_copy)
+                num_threads=args.num_threads, num_prefill_threads=args.num_prefill_threads,
+                single_weight_copy=args.single_weight_copy)
 
 
 def engine_config_from_args(args: argparse.Namespace):

@@ -125,13 +125,32 @@ def upload_int_lists(lists: list[list[int]], dtype: torch.dtype, device: torch.d
     return views
 
 
+# A step prefilling at least this many prompt tokens runs on num_prefill_threads: below it
+# the step is too short for more threads to pay for waking them.
+PREFILL_THREADS_MIN_TOKENS = 32
+
+
+def step_num_threads(scheduler_output: SchedulerOutput, num_prefill_threads: int | None) -> int | None:
+    """The torch threads this step runs on: num_prefill_threads where it prefills at least
+    PREFILL_THREADS_MIN_TOKENS prompt tokens (chunks of more than one known token; decodes
+    and their drafts do not count), else None (the process's own)."""
+    if num_prefill_threads is None:
+        return None
+    num_prefill_tokens = 0
+    for req in scheduler_output.scheduled:
+        num_known_tokens = len(req.token_ids) - len(req.spec_token_ids)
+        if num_known_tokens > 1:
+            num_prefill_tokens += num_known_tokens
+    return num_prefill_threads if num_prefill_tokens >= PREFILL_THREADS_MIN_TOKENS else None
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_dir: Path, device: str = "auto",
                  dtype: str = "auto", seed: int = 0, block_size: int = 16,
                  kv_transfer_config: KVTransferConfig | None = None,
                  speculative_config: SpeculativeConfig | None = None, enforce_eager: bool = False,
                  quantization: QuantizationSpec | None = None, parallel_config: ParallelConfig | None = None,
-                 rank: int = 0, single_weight_copy: bool = False):
+                 rank: int = 0, single_weight_copy: bool = False, num_prefill_threads: int | None = None):
         self.parallel_config = parallel_config or ParallelConfig()
         check_parallel_setup(model_config, self.parallel_config, rank, kv_transfer_config, speculative_config)
         self.model_config = model_config
@@ -171,6 +190,8 @@ class ModelRunner:
         # Decode-only CPU steps of a few tokens through every layer in one native call
         # (None: not on the CPU, not compiled, or the model is not one it serves).
         self.native_decode: NativeDecodeLoop | None = None
+        # CPU: torch threads of the steps that prefill (step_num_threads); None: the process's.
+        self.num_prefill_threads = num_prefill_threads if self.device.type == "cpu" else None
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -279,7 +300,16 @@ class ModelRunner:
             connector.start_load_kv(scheduler_output.kv_connector_metadata)
         output = RunnerOutput(req_ids=[], sampled_token_ids=[])
         if not scheduler_output.is_empty:
-            output = self._run_model(scheduler_output)
+            num_threads = step_num_threads(scheduler_output, self.num_prefill_threads)
+            process_threads = torch.get_num_threads()
+            if num_threads is None or num_threads == process_threads:
+                output = self._run_model(scheduler_output)
+            else:
+                torch.set_num_threads(num_threads)
+                try:
+                    output = self._run_model(scheduler_output)
+                finally:
+                    torch.set_num_threads(process_threads)
         if connector is not None:
             outcomes = connector.get_finished()
             output.kv_transfer_outcomes = outcomes

@@ -18,7 +18,8 @@ def build_runner(model_config: ModelConfig, model_dir: Path, config: EngineConfi
                        seed=config.seed, block_size=config.cache.block_size,
                        kv_transfer_config=config.kv_transfer, speculative_config=config.speculative,
                        enforce_eager=config.enforce_eager, quantization=quantization_spec(config),
-                       single_weight_copy=config.single_weight_copy, **parallel)
+                       single_weight_copy=config.single_weight_copy,
+                       num_prefill_threads=config.num_prefill_threads, **parallel)
 
 
 class InProcessExecutor(Executor):

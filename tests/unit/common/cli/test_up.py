@@ -17,7 +17,12 @@ def test_engine_processes_share_the_cores_and_pinned_roles_use_their_cpus():
     stack = LocalStack(1, 1, reserved_cpus=0)
     assert stack._thread_flags("decode") == ["--num-threads", str(max(1, num_cores // 2))]
     reserving = LocalStack(0, 1)  # one core left to the gateway and the services' threads by default
-    assert reserving._thread_flags("decode") == ["--num-threads", str(max(1, num_cores - 1))]
+    # ... but not for the steps that prefill, when no token streams
+    assert reserving._thread_flags("decode") == (["--num-threads", str(max(1, num_cores - 1))] + (
+        ["--num-prefill-threads", str(num_cores)] if num_cores > 1 else []))
+    assert "--num-prefill-threads" not in LocalStack(0, 2)._thread_flags("decode")  # the other streams
+    assert "--num-prefill-threads" not in LocalStack(1, 1)._thread_flags("decode")
+    assert "--num-prefill-threads" not in LocalStack(0, 1, reserved_cpus=0)._thread_flags("decode")
     crowded = LocalStack(num_cores, num_cores)  # more engines than cores: one thread each, not zero
     assert crowded._thread_flags("prefill") == ["--num-threads", "1"]
     pinned = LocalStack(1, 1, cpu_affinity={"decode": {0}})

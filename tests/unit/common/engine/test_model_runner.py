@@ -1,0 +1,67 @@
+"""The runner's step threads: a step that prefills enough prompt tokens runs on
+--num-prefill-threads, every other step on the process's own threads, and the tokens do
+not change."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine.llm import LLM
+from common.engine.model_runner import PREFILL_THREADS_MIN_TOKENS, step_num_threads
+from common.engine.outputs import ScheduledRequest, SchedulerOutput
+from common.engine.sampling_params import SamplingParams
+
+
+def _step(*token_counts: int, drafts: int = 0) -> SchedulerOutput:
+    """A step of requests computing these numbers of tokens (the last `drafts` of each a draft)."""
+    scheduled = [ScheduledRequest(f"r{i}", list(range(n)), 0, [0], True, SamplingParams(),
+                                  spec_token_ids=list(range(drafts)) if n > drafts else [])
+                 for i, n in enumerate(token_counts)]
+    return SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=sum(token_counts))
+
+
+@pytest.mark.parametrize("token_counts, drafts, expected", [
+    ((PREFILL_THREADS_MIN_TOKENS,), 0, 3),  # one chunk of the minimum
+    ((1, 1, PREFILL_THREADS_MIN_TOKENS // 2, PREFILL_THREADS_MIN_TOKENS // 2), 0, 3),  # chunks add up
+    ((PREFILL_THREADS_MIN_TOKENS - 1, 1), 0, None),  # the decode's token is no prompt token
+    ((1,) * 64, 0, None),  # a wide decode step: the gateway streams its tokens meanwhile
+    ((5,) * 16, 4, None),  # verifying drafts: one known token each
+])
+def test_prefill_steps_take_the_prefill_threads(token_counts, drafts, expected):
+    assert step_num_threads(_step(*token_counts, drafts=drafts), 3) == expected
+    assert step_num_threads(_step(*token_counts, drafts=drafts), None) is None
+
+
+def test_num_prefill_threads_must_be_positive():
+    with pytest.raises(ValueError, match="num_prefill_threads must be >= 1"):
+        LLM(num_prefill_threads=0)
+
+
+def test_a_prefill_step_runs_on_the_prefill_threads_and_the_tokens_stay(tiny_llama_dir):
+    """The process runs on 1 thread; the steps that prefill a 40-token prompt run on 2, the
+    decode steps on 1, and the greedy tokens equal an engine's without the option."""
+    threads_before = torch.get_num_threads()
+    prompt = {"prompt_token_ids": [(17 * i) % 300 + 5 for i in range(40)]}
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    try:
+        plain = LLM(model=str(tiny_llama_dir), num_threads=1, kv_cache_memory="16MiB")
+        want = plain.generate([prompt], params)[0].outputs[0].token_ids
+        plain.engine.shutdown()
+        llm = LLM(model=str(tiny_llama_dir), num_threads=1, num_prefill_threads=2, kv_cache_memory="16MiB")
+        runner = llm.engine.executor.runner
+        run_model = runner._run_model
+        step_threads: list[tuple[int, int]] = []  # (tokens, torch threads) of each step
+
+        def recording_run_model(scheduler_output):
+            step_threads.append((scheduler_output.num_scheduled_tokens, torch.get_num_threads()))
+            return run_model(scheduler_output)
+
+        runner._run_model = recording_run_model
+        got = llm.generate([prompt], params)[0].outputs[0].token_ids
+        assert got == want
+        assert step_threads[0] == (40, 2)
+        assert step_threads[1:] and all(step == (1, 1) for step in step_threads[1:])
+        assert torch.get_num_threads() == 1  # back to the process's threads after each step
+        llm.engine.shutdown()
+    finally:
+        torch.set_num_threads(threads_before)
