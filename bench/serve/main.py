@@ -67,7 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma shape of inter-arrival gaps: 1 Poisson, <1 burstier, >1 steadier")
     load.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
-    load.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrivals")
+    load.add_argument("--seed", type=int, default=0,
+                      help="seeds the dataset and the arrivals; each further rate of a sweep draws its "
+                           "prompts with the next seed, so none is served from the prefix cache an "
+                           "earlier rate filled")
+    load.add_argument("--reuse-prompts", action="store_true",
+                      help="every rate of a sweep sends the first rate's prompts (after the first "
+                           "rate, prefix-cache hits)")
     load.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                       help="generate exactly the dataset's output lengths (default on)")
@@ -180,28 +186,34 @@ async def benchmark(args: argparse.Namespace) -> int:
             return 1
         max_model_len = args.max_model_len or int(server_info.get("max_model_len") or 0) or None
         vocab = load_vocabulary(args, server_info)
-        requests = make_requests(args.dataset_name, args.num_prompts, vocab, args.seed,
-                                 **dataset_options(args, max_model_len))
-        checked = await probe(backend, requests[0])
+        options = dataset_options(args, max_model_len)
+        dataset_seeds = [args.seed if args.reuse_prompts else args.seed + i for i in range(len(rates))]
+        request_sets = {seed: make_requests(args.dataset_name, args.num_prompts, vocab, seed, **options)
+                        for seed in dict.fromkeys(dataset_seeds)}
+        checked = await probe(backend, request_sets[args.seed][0])
         if not checked.success:
             print(f"pdserve bench serve: the probe request failed: {checked.error}", file=sys.stderr)
             return 1
         runs = []
-        for rate in rates:
+        for rate, dataset_seed in zip(rates, dataset_seeds):
+            requests = request_sets[dataset_seed]
             print(f"request rate {rate:g}/s, burstiness {args.burstiness:g}, "
-                  f"max concurrency {args.max_concurrency or 'unlimited'}: {len(requests)} requests")
+                  f"max concurrency {args.max_concurrency or 'unlimited'}: {len(requests)} requests "
+                  f"(dataset seed {dataset_seed})")
             outcomes, duration = await run_benchmark(backend, requests, rate, args.burstiness,
                                                      args.max_concurrency, args.seed, not args.disable_tqdm)
             metrics = compute_metrics(outcomes, duration, slos, percentiles)
             print(format_report(metrics, percentiles, f"Serving Benchmark Result ({rate:g} req/s)"))
             runs.append({"request_rate": rate, "burstiness": args.burstiness,
-                         "max_concurrency": args.max_concurrency, **metrics})
+                         "max_concurrency": args.max_concurrency, "dataset_seed": dataset_seed, **metrics})
+    requests = [r for request_set in request_sets.values() for r in request_set]
     prompt_lens = [r.prompt_len for r in requests]
     output_lens = [r.output_len for r in requests]
     config = {**vars(args), "request_rates": rates, "goodput_slos_ms": slos, "percentiles": percentiles,
               "max_model_len_used": max_model_len, "server_info": server_info,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "dataset": {"name": args.dataset_name, "num_requests": len(requests),
+              "dataset": {"name": args.dataset_name, "num_requests": len(request_sets[args.seed]),
+                          "seeds": list(request_sets),
                           "mean_prompt_len": sum(prompt_lens) / len(requests),
                           "mean_output_len": sum(output_lens) / len(requests),
                           "prompt_lens_exact": args.prompt_format == "ids" or vocab.tokenizer is not None,

@@ -320,7 +320,7 @@ class EngineConfig:
     # None: weights in `dtype`; "gguf": a GGUF checkpoint's own quantized blocks (Q4_1,
     # Q8_0) as stored; "int8": int8 weight-only, per output channel.
     quantization: str | None = None
-    num_threads: int | None = None  # torch intra-op threads of this process; None: torch's default
+    num_threads: int | None = None  # this process's torch threads; None: one per core, within its CPU quota
     # CPU: torch threads for the steps that prefill at least PREFILL_THREADS_MIN_TOKENS
     # prompt tokens (None: num_threads for every step). For a decode instance that prefills
     # beside the gateway's reserved core: while a long prefill step runs it streams no

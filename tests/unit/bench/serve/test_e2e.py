@@ -65,6 +65,20 @@ def test_sweep_writes_json_with_every_figure(sweep):
     assert {len(r.token_ids.ids) for r in sent} == {16}
     assert {(r.sampling.max_tokens, r.sampling.ignore_eos, r.sampling.temperature) for r in sent} == {(6, True, 0.0)}
     assert len({r.request_id for r in fake.servicer.requests}) == 25
+    # Each rate draws its own prompts (seed 3, then 4): none of the first rate's comes again,
+    # where the prefix cache it filled would serve it.
+    assert [run["dataset_seed"] for run in runs] == [3, 4] and config["dataset"]["seeds"] == [3, 4]
+    first, second = ({tuple(r.token_ids.ids) for r in sent[i:i + 12]} for i in (0, 12))
+    assert len(first) == len(second) == 12 and not first & second
+
+
+def test_reuse_prompts_sends_the_first_rates_prompts_at_every_rate(tmp_path):
+    rc, fake = run_against_fake(["--random-input-len", "16", "--random-output-len", "2", "--num-prompts", "5",
+                                 "--request-rate", "inf,inf", "--reuse-prompts", "--json", str(tmp_path / "r.json")])
+    assert rc == 0
+    sent = [tuple(r.token_ids.ids) for r in fake.servicer.requests[1:]]
+    assert len(sent) == 10 and sorted(sent[:5]) == sorted(sent[5:])
+    assert [run["dataset_seed"] for run in json.loads((tmp_path / "r.json").read_text())["runs"]] == [0, 0]
 
 
 def test_sweep_writes_plots(sweep):
