@@ -5,8 +5,9 @@ and KV pool; one client (`pdserve bench serve --backend openai`, a process of it
 own) sends both the same seeded requests at each request rate over the same
 OpenAI-compatible completions API. pdserve runs in its best configuration for a
 small machine by default: one decode instance that prefills locally (`pdserve up
---prefill 0 --decode 1`). Reported: output tokens/s and p99 TPOT per rate and
-side, and their ratios.
+--prefill 0 --decode 1`). Reported: output tokens/s, p99 TPOT and TTFT (mean, p99)
+per rate and side, and the throughput ratios. Each rate sends prompts of its own (bench
+serve's sweep), so every prompt is prefilled.
 
     pdserve bench serve-peer --request-rate 1,2,4 --num-prompts 64 --json docs/bench/serve_peer.json
 """
@@ -103,6 +104,8 @@ def compare(ours: dict, peer: dict) -> list[dict]:
                      "vllm_output_tokens_per_s": v["output_throughput"],
                      "throughput_ratio": o["output_throughput"] / v["output_throughput"],
                      "pdserve_p99_tpot_ms": o["p99_tpot_ms"], "vllm_p99_tpot_ms": v["p99_tpot_ms"],
+                     "pdserve_mean_ttft_ms": o["mean_ttft_ms"], "vllm_mean_ttft_ms": v["mean_ttft_ms"],
+                     "pdserve_p99_ttft_ms": o["p99_ttft_ms"], "vllm_p99_ttft_ms": v["p99_ttft_ms"],
                      "pdserve_failed": o["failed"], "vllm_failed": v["failed"]})
     return rows
 
@@ -157,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
               "vllm_preload": preload}
     for row in rows:
         print(f"{row['request_rate']:>6} req/s  pdserve {row['pdserve_output_tokens_per_s']:7.1f} tok/s "
-              f"p99 TPOT {row['pdserve_p99_tpot_ms']:7.1f} ms | vLLM {row['vllm_output_tokens_per_s']:7.1f} tok/s "
-              f"p99 TPOT {row['vllm_p99_tpot_ms']:7.1f} ms | ratio {row['throughput_ratio']:.2f}")
+              f"p99 TPOT {row['pdserve_p99_tpot_ms']:7.1f} ms mean TTFT {row['pdserve_mean_ttft_ms']:7.1f} ms | "
+              f"vLLM {row['vllm_output_tokens_per_s']:7.1f} tok/s p99 TPOT {row['vllm_p99_tpot_ms']:7.1f} ms "
+              f"mean TTFT {row['vllm_mean_ttft_ms']:7.1f} ms | ratio {row['throughput_ratio']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0
