@@ -135,6 +135,8 @@ def _stack_env(tmp_path: Path, gateway_port: int) -> dict[str, str]:
         "PDSERVE_ENV_FILE": str(env_file), "PDSERVE_GATEWAY_PORT": str(gateway_port),
         "PDSERVE_REGISTRY_TOKEN": secrets.token_hex(32),
         "PDSERVE_GATEWAY_REGISTRY_PORT": str(_free_port()),
+        # Each decode replica under a 1-CPU limit (compose `cpus:`); prefill replicas unlimited.
+        "PDSERVE_DECODE_CPUS": "1",
     }
 
 
@@ -246,6 +248,13 @@ def _run_stack(compose, env, address, expected, phases) -> None:
     with phases("up 1+2+2 (healthy)"):
         _run([*up, "--scale", "prefill=2", "--scale", "decode=2"], timeout=UP_TIMEOUT + 60, env=env)
         _wait_registered(address, 2, 2, timeout=120)
+
+    # A decode replica's engine starts as many threads as its CPU limit allows, not one per
+    # host core, which is all torch itself counts.
+    if len(os.sched_getaffinity(0)) >= 2:
+        for container_id in _container_ids(compose, env, "decode"):
+            logs = _run(["docker", "logs", container_id], timeout=60, check=False).stdout  # stderr merged in
+            assert "torch threads: 1 (the cgroup's CPU quota: 1 CPUs)" in logs, logs[-3000:]
 
     # Real Generate and GenerateStream calls: the offline engine's greedy outputs.
     with phases("generate (6 calls)"):

@@ -94,6 +94,14 @@ def test_cgroup_v2_takes_the_smallest_quota_of_the_cgroup_and_its_parents(tmp_pa
     assert cgroup_cpu_quota(proc) == 2.0
 
 
+def test_cgroup_v2_in_a_namespaced_container_reads_its_own_root(tmp_path):
+    # Docker on cgroup v2 (cgroupns private): the container's cgroup is the mount's root.
+    root = tmp_path / "unified"
+    _write(root, "cpu.max=150000_100000")
+    proc = _fake_proc(tmp_path, "0::/\n", [f"30 23 0:27 / {root} ro,nosuid - cgroup2 cgroup rw,nsdelegate"])
+    assert cgroup_cpu_quota(proc) == 1.5
+
+
 @pytest.mark.parametrize("cgroup, mounts", [
     ("0::/\n", ["30 23 0:27 / {root} rw - cgroup2 cgroup2 rw"]),  # no cpu.max: the host's root
     ("1:cpuacct:/x\n", ["33 31 0:30 / {root} rw - cgroup cgroup rw,cpuacct"]),  # no cpu controller
