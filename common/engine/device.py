@@ -78,6 +78,13 @@ def set_num_threads(num_threads: int | None) -> None:
     logger.info("torch threads: %d%s", num_threads, why)
 
 
+def num_cpus_available() -> int:
+    """The CPUs this process may run on (its affinity), no more than its cgroup's quota."""
+    num_cpus = len(os.sched_getaffinity(0))
+    quota = cgroup_cpu_quota()
+    return num_cpus if quota is None else max(1, min(num_cpus, math.floor(quota)))
+
+
 def _threads_within_cpu_quota() -> tuple[int | None, str]:
     if os.environ.get("OMP_NUM_THREADS"):
         return None, ""  # the user's own count, which torch already took

@@ -244,6 +244,10 @@ class ModelRunner:
                 self.decode_graphs.capture_all()
         self.sampler.prepare(self.device)
 
+    def num_threads(self) -> int:
+        """This rank's torch threads (a worker's are its share of the host's CPUs)."""
+        return torch.get_num_threads()
+
     def runs_decode_steps(self) -> bool:
         """Whether this runner takes SchedulerOutput.num_steps > 1: the native loop's greedy
         steps (elsewhere every step is a single one)."""

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.engine.device import num_cpus_available
 from common.engine.llm import LLM
 from common.engine.sampling_params import SamplingParams
 from common.service.common_api import sampling_params_to_pb
@@ -68,7 +69,8 @@ def test_disaggregated_prefill_and_decode_in_worker_processes_give_the_offline_t
 
 @pytest.mark.parametrize("tensor_parallel_size, pipeline_parallel_size", [(2, 1), (1, 2)])
 def test_ranks_split_by_tensor_or_pipeline_give_the_single_rank_tokens(tiny_model_factory, tensor_parallel_size,
-                                                                       pipeline_parallel_size):
+                                                                       pipeline_parallel_size, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the ranks take their own share, as in production
     model_dir = tiny_model_factory("tiny-llama", "llama")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     # A step budget below the prompts' lengths splits them over batches, so a pipeline has
@@ -91,6 +93,8 @@ def test_ranks_split_by_tensor_or_pipeline_give_the_single_rank_tokens(tiny_mode
     try:
         assert len(pids) == 2 and executor.output_rank == pipeline_parallel_size - 1
         assert executor.collective_rpc("kv_connector_info") == [{}, {}]
+        # Each rank an equal share of the CPUs, not every core each (2 ranks: half each).
+        assert executor.collective_rpc("num_threads") == [max(1, num_cpus_available() // 2)] * 2
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected
         # One batch per pipeline stage in flight; one at a time without a pipeline.
         assert llm.engine.max_batches_in_flight == (2 if pipeline_parallel_size == 2 else 0)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from common.engine.config import EngineConfig, ModelConfig
-from common.engine.device import select_device, set_num_threads
+from common.engine.device import num_cpus_available, select_device, set_num_threads
 from common.engine.distributed.message_queue import QueueHandle, ShmRingQueue
 from common.engine.executor.config_codec import config_from_plain, config_to_plain
 from common.engine.heap_retention import keep_freed_heap
@@ -103,7 +103,7 @@ def worker_main(spec_bytes: bytes, ready_conn: Connection) -> None:
 
 def _start(spec: WorkerSpec):
     config = spec.engine_config
-    set_num_threads(config.num_threads)  # threads are per process: the engine process's setting stays there
+    set_num_threads(worker_num_threads(config))
     keep_freed_arenas()
     keep_freed_heap()
     parallel = config.parallel
@@ -114,6 +114,17 @@ def _start(spec: WorkerSpec):
     requests = ShmRingQueue.attach(spec.broadcast, reader_rank=spec.rank)
     responses = ShmRingQueue.attach(spec.response)
     return runner, requests, responses
+
+
+def worker_num_threads(config: EngineConfig) -> int | None:
+    """A rank's torch threads: --num-threads where given (per process); on the CPU else an
+    equal share of the CPUs for each of the world's ranks, which all run on this host (each
+    taking every core, two ranks on two cores ran a third as fast); None (torch's own) on GPUs."""
+    if config.num_threads is not None or config.parallel.world_size == 1 or os.environ.get("OMP_NUM_THREADS"):
+        return config.num_threads  # the user's own count where given, which torch already took
+    if select_device(config.device).type != "cpu":
+        return None
+    return max(1, num_cpus_available() // config.parallel.world_size)
 
 
 def _init_distributed(spec: WorkerSpec) -> None:

@@ -194,3 +194,16 @@ def test_nothing_outlives_an_interpreter_that_exits_without_shutdown(tiny_dir):
     assert alive_pids(left["pids"]) == []
     assert existing_segments(left["segments"]) == []
     assert "leaked shared_memory" not in done.stderr
+
+
+def test_a_ranks_threads_are_its_share_unless_set(monkeypatch):
+    from common.engine.device import num_cpus_available
+    from common.engine.executor.worker_proc import worker_num_threads
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    share = max(1, num_cpus_available() // 4)
+    assert worker_num_threads(make_engine_config(tensor_parallel_size=2, pipeline_parallel_size=2,
+                                                 device="cpu")) == share
+    assert worker_num_threads(make_engine_config(tensor_parallel_size=2, num_threads=3, device="cpu")) == 3
+    assert worker_num_threads(make_engine_config(device="cpu", distributed_executor_backend="mp")) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's count, which torch took at import
+    assert worker_num_threads(make_engine_config(tensor_parallel_size=2, device="cpu")) is None
