@@ -340,6 +340,10 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1; got {self.num_threads}")
         if self.num_prefill_threads is not None and self.num_prefill_threads < 1:
             raise ValueError(f"num_prefill_threads must be >= 1; got {self.num_prefill_threads}")
+        if self.num_prefill_threads is not None and self.parallel.world_size > 1:
+            # Ranks run at once, each on its share of the cores: more threads in one would take another's.
+            raise ValueError(f"num_prefill_threads is for one rank; this engine has "
+                             f"{self.parallel.world_size} (tensor x pipeline parallel)")
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

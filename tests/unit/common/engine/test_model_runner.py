@@ -32,9 +32,11 @@ def test_prefill_steps_take_the_prefill_threads(token_counts, drafts, expected):
     assert step_num_threads(_step(*token_counts, drafts=drafts), None) is None
 
 
-def test_num_prefill_threads_must_be_positive():
+def test_num_prefill_threads_must_be_positive_and_for_one_rank():
     with pytest.raises(ValueError, match="num_prefill_threads must be >= 1"):
         LLM(num_prefill_threads=0)
+    with pytest.raises(ValueError, match="num_prefill_threads is for one rank; this engine has 2"):
+        LLM(num_prefill_threads=2, pipeline_parallel_size=2)
 
 
 def test_a_prefill_step_runs_on_the_prefill_threads_and_the_tokens_stay(tiny_llama_dir):
