@@ -131,8 +131,7 @@ class RegistryClient:
     async def _register(self) -> float:
         while True:
             try:
-                response = await self._stub.Register(self.spec.to_pb(), timeout=self._timeout_s,
-                                                     metadata=self._metadata)
+                response = await self._register_once()
             except grpc.aio.AioRpcError as e:
                 if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED):
                     raise  # wrong model, block size or token: retrying cannot help
@@ -144,6 +143,23 @@ class RegistryClient:
             self._secret = response.instance_secret
             self.registered.set()
             return response.heartbeat_interval_ms / 1000 or self._retry_s
+
+    async def _register_once(self) -> registry_pb2.RegisterResponse:
+        """One Register call that outlives a cancel: once sent, the gateway may hold this
+        instance under a secret that only the reply names, and without it the instance
+        could not deregister on the way out and would linger until its heartbeats expire."""
+        call = asyncio.ensure_future(self._stub.Register(
+            self.spec.to_pb(), timeout=self._timeout_s, metadata=self._metadata))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            try:
+                response = await call  # bounded by the call's own timeout
+            except grpc.aio.AioRpcError:
+                raise asyncio.CancelledError from None
+            self._secret = response.instance_secret
+            self.registered.set()
+            raise
 
     async def _deregister(self) -> None:
         try:

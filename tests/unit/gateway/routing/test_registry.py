@@ -180,12 +180,54 @@ def test_registry_client_registers_heartbeats_reregisters_and_leaves():
             await _until(lambda: registry.get("d0") is not None and registry.get("d0").load == load)
             assert registry.get("d0").spec.kv_endpoint == "tcp://10.0.0.1:5601"
             registry.deregister("d0")  # as if the gateway restarted: next heartbeat re-registers
-            await _until(lambda: registry.get("d0") is not None)
-        finally:
+            await _until(lambda: registry.get("d0") is not None and client.registered.is_set())
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        assert registry.get("d0") is None  # deregistered on the way out
-        await server.stop(None)
+            assert registry.get("d0") is None  # deregistered on the way out
+        finally:
+            task.cancel()
+            await server.stop(None)
+    asyncio.run(scenario())
+
+
+class _HeldRegisterServicer(RegistryServicer):
+    """Registers, then holds the reply until the test releases it."""
+
+    def __init__(self, registry):
+        super().__init__(registry)
+        self.release = asyncio.Event()
+
+    async def Register(self, request, context):
+        response = await super().Register(request, context)
+        await self.release.wait()
+        return response
+
+
+def test_registry_client_cancelled_while_its_register_is_in_flight_still_deregisters():
+    """The gateway holds the instance as soon as Register runs; the secret to deregister
+    comes only with the reply, so a client cancelled before the reply waits for it."""
+    async def scenario():
+        registry = InstanceRegistry(heartbeat_interval_s=0.02, heartbeat_timeout_s=5.0)
+        server = grpc.aio.server(interceptors=[ErrorStatusInterceptor()])
+        servicer = _HeldRegisterServicer(registry)
+        registry_pb2_grpc.add_RegistryServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = RegistryClient(f"127.0.0.1:{port}", spec("d0", "decode"), get_load=InstanceLoad)
+        task = asyncio.create_task(client.run())
+        try:
+            await _until(lambda: registry.get("d0") is not None)
+            assert not client.registered.is_set()  # the reply is held
+            task.cancel()
+            await asyncio.sleep(0)  # let the cancel land before the reply does
+            servicer.release.set()
+            await asyncio.gather(task, return_exceptions=True)
+            assert task.cancelled()
+            assert registry.get("d0") is None
+        finally:
+            servicer.release.set()
+            task.cancel()
+            await server.stop(None)
     asyncio.run(scenario())
 
 
