@@ -43,6 +43,7 @@ import time
 import grpc
 
 from common.cli.processes import ManagedProcess, ProcessFailed, route_flags
+from common.engine.cpus import num_cpus_available
 from common.service.flags import EnvDefaultsParser
 
 REGISTRY_TOKEN_ENV = "PDSERVE_REGISTRY_TOKEN"
@@ -195,15 +196,16 @@ class LocalStack:
         return ["--single-weight-copy"] if role == "decode" and self.num_prefill > 0 else []
 
     def _thread_flags(self, role: str) -> list[str]:
-        """--num-threads for an engine process: its pinned CPUs, else its share of this host's
-        cores (engine_threads), so prefill and decode do not oversubscribe them. A lone decode
-        process that prefills also gets --num-prefill-threads, every core: while one of its
-        steps prefills it streams no tokens, and nothing else needs the reserved cores.
-        Flags the user gave come later and win."""
+        """--num-threads for an engine process: its pinned CPUs, else its share of the CPUs
+        this process may use (engine_threads; its affinity, no more than its cgroup's CPU
+        quota), so prefill and decode do not oversubscribe them. A lone decode process that
+        prefills also gets --num-prefill-threads, every CPU: while one of its steps prefills
+        it streams no tokens, and nothing else needs the reserved CPUs. Flags the user gave
+        come later and win."""
         cpus = self.cpu_affinity.get(role)
         if cpus:
             return ["--num-threads", str(len(cpus))]
-        num_cpus = len(os.sched_getaffinity(0))
+        num_cpus = num_cpus_available()
         prefill, decode = engine_threads(num_cpus, self.num_prefill, self.num_decode, self.reserved_cpus)
         if role != "decode":
             return ["--num-threads", str(prefill)]

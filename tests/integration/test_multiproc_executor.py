@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.engine.device import num_cpus_available
+from common.engine.cpus import num_cpus_available
 from common.engine.llm import LLM
 from common.engine.sampling_params import SamplingParams
 from common.service.common_api import sampling_params_to_pb

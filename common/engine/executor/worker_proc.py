@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from common.engine.config import EngineConfig, ModelConfig
-from common.engine.device import num_cpus_available, select_device, set_num_threads
+from common.engine.cpus import num_cpus_available
+from common.engine.device import select_device, set_num_threads
 from common.engine.distributed.message_queue import QueueHandle, ShmRingQueue
 from common.engine.executor.config_codec import config_from_plain, config_to_plain
 from common.engine.heap_retention import keep_freed_heap

@@ -1,19 +1,22 @@
-"""`pdserve up` divides the host's cores among its engine processes, and its decode processes
-beside a prefill pool keep one weight copy."""
+"""`pdserve up` divides the CPUs it may use (affinity, CPU quota) among its engine processes,
+and its decode processes beside a prefill pool keep one weight copy."""
 from __future__ import annotations
 
-import os
+import textwrap
 
-from common.cli.processes import route_flags
 import pytest
 
+from common.cli.processes import route_flags
 from common.cli.up import LocalStack, engine_threads
+from common.engine.cpus import num_cpus_available
 from common.engine.engine_args import engine_config_from_args
 from decode_service.main import build_parser as decode_parser
+from tests.support.cpu_cgroup import one_cpu_cgroup
+from tests.support.fresh_process import run_python
 
 
 def test_engine_processes_share_the_cores_and_pinned_roles_use_their_cpus():
-    num_cores = len(os.sched_getaffinity(0))
+    num_cores = num_cpus_available()
     stack = LocalStack(1, 1, reserved_cpus=0)
     assert stack._thread_flags("decode") == ["--num-threads", str(max(1, num_cores // 2))]
     reserving = LocalStack(0, 1)  # one core left to the gateway and the services' threads by default
@@ -44,6 +47,20 @@ def test_engine_processes_share_the_cores_and_pinned_roles_use_their_cpus():
 def test_engine_threads_leave_the_reserved_cpus_and_give_decode_the_rest(num_cpus, num_prefill, num_decode,
                                                                         reserved, threads):
     assert engine_threads(num_cpus, num_prefill, num_decode, reserved) == threads
+
+
+def test_up_inside_a_one_cpu_quota_gives_its_engines_one_thread_each():
+    """Run in a container limited to one CPU on a bigger host, up divides that CPU, not the
+    host's cores (which the container still sees)."""
+    script = textwrap.dedent("""
+        from common.cli.up import LocalStack
+        print(LocalStack(1, 1, reserved_cpus=0)._thread_flags("prefill"))
+        print(LocalStack(1, 1, reserved_cpus=0)._thread_flags("decode"))
+        print(LocalStack(0, 1)._thread_flags("decode"))
+    """)
+    with one_cpu_cgroup() as group:
+        done = run_python(script, timeout_s=60, cgroup=group)
+    assert done.stdout.splitlines() == ["['--num-threads', '1']"] * 3
 
 
 def test_a_num_threads_flag_given_to_up_reaches_the_engines_and_wins():

@@ -197,7 +197,7 @@ def test_nothing_outlives_an_interpreter_that_exits_without_shutdown(tiny_dir):
 
 
 def test_a_ranks_threads_are_its_share_unless_set(monkeypatch):
-    from common.engine.device import num_cpus_available
+    from common.engine.cpus import num_cpus_available
     from common.engine.executor.worker_proc import worker_num_threads
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     share = max(1, num_cpus_available() // 4)
