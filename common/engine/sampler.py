@@ -5,7 +5,8 @@ top_p -> min_p -> draw. Logprobs are taken from the log_softmax of the penalised
 min_tokens-masked logits BEFORE temperature and truncation (vLLM's default
 "raw_logprobs" also ignores temperature; unlike it, ours include the penalties).
 
-The draw inverts each row's CDF at one uniform number (exact, like torch.multinomial).
+The draw inverts each row's softmax CDF at one uniform number (exact, like
+torch.multinomial; kernels.cpu_sampling.draw_rows).
 Unseeded rows share one generator seeded from the engine seed. A seeded row draws
 only from its own generator, re-seeded each step from (seed, index of the token
 being sampled), so its tokens depend neither on the rest of the batch nor on which
@@ -29,7 +30,7 @@ import torch
 
 from common.engine.outputs import Logprobs, ScheduledRequest
 from common.engine.structured_output.bitmask import apply_token_bitmask
-from kernels.cpu_sampling import argmax_rows, native_argmax_available
+from kernels.cpu_sampling import argmax_rows, draw_rows, native_argmax_available
 
 _MASK64 = (1 << 64) - 1
 
@@ -193,29 +194,23 @@ class Sampler:
         logits.div_(torch.tensor([p.temperature for p in params], device=device).unsqueeze(1))
         _apply_top_k(logits, [p.top_k for p in params])
         _apply_top_p(logits, [p.top_p for p in params])
-        probs = logits.softmax(dim=-1)  # [num_rows, vocab_size]
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
-            # Left unnormalised: the draw below only needs proportional weights.
-            probs.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-        return self._draw(probs, requests)
+            # p < min_p * p_max is logit < max logit + log(min_p): the same tokens, no softmax.
+            log_min_p = torch.tensor([p.min_p for p in params], device=device).log().unsqueeze(1)
+            logits.masked_fill_(logits < logits.amax(dim=-1, keepdim=True) + log_min_p, float("-inf"))
+        return self._draw(logits, requests)
 
-    def _draw(self, probs: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
         """Inverse-CDF draw, one uniform per row (what torch.multinomial does for one
         sample, but with per-row generators): ~15x cheaper on CPU than drawing
-        vocab-sized noise for an exponential race. probs: [num_rows, vocab_size]."""
-        # float64: in float32 the cumulative sum would swallow the tail's tiny probabilities.
-        cdf = probs.to(torch.float64).cumsum_(dim=-1)  # [num_rows, vocab_size]
-        uniforms = torch.empty(len(requests), 1, dtype=torch.float64, device=probs.device)
+        vocab-sized noise for an exponential race. logits: [num_rows, vocab_size]."""
+        uniforms = torch.empty(len(requests), dtype=torch.float64, device=logits.device)  # [num_rows]
         seeded_rows = [j for j, r in enumerate(requests) if r.sampling_params.seed is not None]
         if len(seeded_rows) < len(requests):
-            uniforms.uniform_(generator=self._shared_generator(probs.device))
+            uniforms.uniform_(generator=self._shared_generator(logits.device))
         for j in seeded_rows:  # a seeded row consumes its own generator only
-            uniforms[j].uniform_(generator=self._request_generator(requests[j], probs.device))
-        token_ids = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True)  # [num_rows, 1]
-        # u * total may round up to total: stay at or before the last token with
-        # probability > 0 (the first index where the cdf reaches its maximum).
-        return torch.minimum(token_ids, cdf.argmax(dim=-1, keepdim=True)).squeeze(1)
+            uniforms[j].uniform_(generator=self._request_generator(requests[j], logits.device))
+        return draw_rows(logits, uniforms)
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._shared_generators.get(device)

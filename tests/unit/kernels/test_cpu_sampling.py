@@ -1,7 +1,9 @@
 """The native argmax over rows of fp32 or bf16 logits (kernels/cpu/sampling.cpp): torch.argmax's
 answer for every row (ties to the first, NaN above every number, infinities, rows of
 any length and row stride), clear refusals for what it does not take, and the sampler's
-entry point, which leaves every other input to torch."""
+entry point, which leaves every other input to torch. The native draw: the token whose
+interval of the float64 softmax CDF holds the uniform number, never a -inf one, the
+torch form's token wherever u is not within rounding of an interval's end."""
 from __future__ import annotations
 
 import math
@@ -11,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.cpu_sampling import argmax_rows, native_argmax_available
+from kernels.cpu_sampling import argmax_rows, draw_rows, native_argmax_available
 from tests.support.fresh_process import run_python, run_python_ok
 
 pytestmark = pytest.mark.skipif(not native_argmax_available(), reason="no C++ compiler: the native argmax is not built")
@@ -91,6 +93,76 @@ def test_the_entry_point_leaves_the_rest_to_torch(logits):
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
 
 
+def _interval_of(logits_row: torch.Tensor, token_id: int) -> tuple[float, float]:
+    """(CDF before token_id, CDF through it) of softmax(logits_row) in float64."""
+    cdf = logits_row.double().softmax(dim=-1).cumsum(dim=-1)
+    return (0.0 if token_id == 0 else float(cdf[token_id - 1])), float(cdf[token_id])
+
+
+# Rows of plain numbers and -inf (a truncated token), at least one finite value each.
+_draw_rows = st.integers(1, 4).flatmap(lambda num_rows: st.integers(1, 700).flatmap(
+    lambda n: st.lists(st.lists(st.floats(-30, 30, width=32) | st.just(-math.inf), min_size=n, max_size=n)
+                       .filter(lambda row: any(v != -math.inf for v in row)), min_size=num_rows, max_size=num_rows)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_draw_rows, st.lists(st.floats(0.0, 1.0, exclude_max=True), min_size=4, max_size=4))
+def test_draw_takes_the_token_whose_cdf_interval_holds_u(rows, us):
+    logits = torch.tensor(rows, dtype=torch.float32)  # [num_rows, n]
+    uniforms = torch.tensor(us[:len(rows)], dtype=torch.float64)  # [num_rows]
+    for row, (token_id, u) in enumerate(zip(torch.ops.pdserve_sampling.draw_rows(logits, uniforms).tolist(),
+                                            uniforms.tolist())):
+        assert logits[row, token_id] != -math.inf
+        low, high = _interval_of(logits[row], token_id)
+        assert low - 1e-6 <= u <= high + 1e-6, (row, token_id, u, low, high)
+
+
+def test_draw_over_a_vocabulary_gives_the_torch_forms_tokens():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 49152, generator=generator) * 3  # [64, vocab]
+    logits[::3, 1000:] = -math.inf  # rows truncated to their first 1,000 tokens
+    uniforms = torch.rand(64, dtype=torch.float64, generator=generator)
+    native = torch.ops.pdserve_sampling.draw_rows(logits, uniforms)
+    assert torch.equal(native, draw_rows(logits.double(), uniforms))  # float64: the torch form
+    assert (native[::3] < 1000).all()
+
+
+def test_draw_at_the_ends_of_the_unit_interval():
+    logits = torch.tensor([[-math.inf, 1.0, 2.0, -math.inf, 0.5, -math.inf]] * 3)
+    uniforms = torch.tensor([0.0, 1.0 - 2 ** -53, 0.5], dtype=torch.float64)
+    native = torch.ops.pdserve_sampling.draw_rows(logits, uniforms).tolist()
+    assert native[:2] == [1, 4]  # the first and the last token with a weight
+    assert native == draw_rows(logits.double(), uniforms).tolist()
+
+
+def test_draw_rows_with_one_token_or_none_to_draw():
+    logits = torch.tensor([[-math.inf, -math.inf, 7.0, -math.inf],  # truncated to one token
+                           [-math.inf] * 4,  # nothing left: the first largest, as argmax
+                           [0.0, math.nan, 1.0, math.nan],  # no distribution: the first NaN
+                           [0.0, math.inf, 1.0, 2.0]])
+    uniforms = torch.full((4,), 0.999, dtype=torch.float64)
+    assert torch.ops.pdserve_sampling.draw_rows(logits, uniforms).tolist() == [2, 0, 1, 1]
+
+
+def test_draw_of_rows_apart_in_a_wider_tensor():
+    wide = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
+    logits = wide[::2, 5:250]  # row stride 600, rows contiguous
+    uniforms = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+    assert torch.equal(torch.ops.pdserve_sampling.draw_rows(logits, uniforms), draw_rows(logits.double(), uniforms))
+
+
+@pytest.mark.parametrize("logits, uniforms, message", [
+    (torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.float64), "fp32"),
+    (torch.zeros(8, 2).t(), torch.zeros(2, dtype=torch.float64), "contiguous rows"),
+    (torch.zeros(2, 0), torch.zeros(2, dtype=torch.float64), "at least one value"),
+    (torch.zeros(2, 8), torch.zeros(2), "float64"),
+    (torch.zeros(2, 8), torch.zeros(3, dtype=torch.float64), r"\[num_rows\] uniforms"),
+])
+def test_draw_refusals_name_the_problem(logits, uniforms, message):
+    with pytest.raises(ValueError, match=message):
+        torch.ops.pdserve_sampling.draw_rows(logits, uniforms)
+
+
 def test_the_switch_turns_it_off():
     done = run_python("from kernels.cpu_sampling import native_argmax_available as a; print(a())", timeout_s=120,
                       PDSERVE_CPU_ARGMAX="0")
@@ -110,6 +182,15 @@ tied[1, 20] = math.inf
 cases.append(tied)
 for logits in cases + [case.to(torch.bfloat16) for case in cases]:
     assert torch.equal(torch.ops.pdserve_sampling.argmax_rows(logits), logits.argmax(dim=-1)), logits.shape
+for logits in cases[:-1]:
+    logits[::2, 3:] = -math.inf
+    uniforms = torch.rand(logits.shape[0], dtype=torch.float64, generator=generator)
+    drawn = torch.ops.pdserve_sampling.draw_rows(logits, uniforms)
+    cdf = logits.double().softmax(dim=-1).cumsum(dim=-1)
+    for row, token_id in enumerate(drawn.tolist()):
+        low = 0.0 if token_id == 0 else float(cdf[row, token_id - 1])
+        assert low - 1e-6 <= float(uniforms[row]) <= float(cdf[row, token_id]) + 1e-6, (logits.shape, row)
+        assert logits[row, token_id] != -math.inf
 print("ok")
 """
 
