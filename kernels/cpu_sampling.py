@@ -9,6 +9,10 @@
   searched column by column in float64), where the torch form below takes a softmax, a
   float64 copy, a cumulative sum, a search and a clamp (~0.25 ms against ~0.04 for a row
   of 49,152 on the 2-core Zen 5 EPYC).
+- `top_p_mask_rows_` (top_p): the most likely tokens whose mass reaches p kept, the rest
+  -inf, from a histogram of each logit's distance below the row's maximum; only the
+  tokens of the bucket where the mass crosses p are sorted. The sampler's torch form
+  takes a softmax, top-k candidates (growing while they fall short of p) and their sort.
 
 Built on first use (kernels/cpu/build.py); without a C++ compiler, on other devices and
 dtypes, both are their torch forms. PDSERVE_CPU_ARGMAX=0 turns the native ones off.
@@ -32,7 +36,8 @@ def native_argmax_available() -> bool:
     if switched_off("PDSERVE_CPU_ARGMAX"):
         return False
     error = load_ops("sampling", {"pdserve_sampling::argmax_rows": _argmax_rows_fake,
-                                  "pdserve_sampling::draw_rows": _draw_rows_fake})
+                                  "pdserve_sampling::draw_rows": _draw_rows_fake,
+                                  "pdserve_sampling::top_p_mask_rows_": _top_p_mask_rows_fake})
     if error is not None:
         log.info("greedy sampling takes torch's argmax: %s", error)
         return False
@@ -45,6 +50,16 @@ def _argmax_rows_fake(logits):
 
 def _draw_rows_fake(logits, uniforms):
     return logits.new_empty((logits.shape[0],), dtype=torch.long)
+
+
+def _top_p_mask_rows_fake(logits, top_p):
+    return None
+
+
+def native_rows(logits: torch.Tensor) -> bool:
+    """Whether the native sampling ops take these logits: fp32 rows, each contiguous, on the CPU."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.shape[1] > 0 and logits.stride(1) == 1 and native_argmax_available())
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -60,9 +75,7 @@ def draw_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     token whose cumulative probability exceeds u, never one whose logit is -inf (so a row
     truncated to some tokens draws only from those). logits [num_rows, vocab_size] (any
     temperature already applied), uniforms [num_rows] float64 in [0, 1) -> [num_rows] int64."""
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.shape[1] > 0 and logits.stride(1) == 1 and uniforms.dtype == torch.float64
-            and uniforms.is_contiguous() and native_argmax_available()):
+    if native_rows(logits) and uniforms.dtype == torch.float64 and uniforms.is_contiguous():
         return torch.ops.pdserve_sampling.draw_rows(logits, uniforms)
     probs = logits.softmax(dim=-1)  # [num_rows, vocab_size]
     # float64: in float32 the cumulative sum would swallow the tail's tiny probabilities.

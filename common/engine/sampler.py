@@ -30,7 +30,7 @@ import torch
 
 from common.engine.outputs import Logprobs, ScheduledRequest
 from common.engine.structured_output.bitmask import apply_token_bitmask
-from kernels.cpu_sampling import argmax_rows, draw_rows, native_argmax_available
+from kernels.cpu_sampling import argmax_rows, draw_rows, native_argmax_available, native_rows
 
 _MASK64 = (1 << 64) - 1
 
@@ -279,6 +279,9 @@ def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> None:
     token. logits: [num_rows, vocab_size] (already top_k-masked), mutated."""
     rows = [i for i, p in enumerate(top_p) if p < 1.0]
     if not rows:
+        return
+    if native_rows(logits):
+        torch.ops.pdserve_sampling.top_p_mask_rows_(logits, torch.tensor(top_p, dtype=torch.float32))
         return
     selected = _rows_of(logits, rows)  # [num_selected, vocab_size]
     p = torch.tensor([top_p[i] for i in rows], device=logits.device).unsqueeze(1)  # [num_sel, 1]

@@ -3,7 +3,8 @@ answer for every row (ties to the first, NaN above every number, infinities, row
 any length and row stride), clear refusals for what it does not take, and the sampler's
 entry point, which leaves every other input to torch. The native draw: the token whose
 interval of the float64 softmax CDF holds the uniform number, never a -inf one, the
-torch form's token wherever u is not within rounding of an interval's end."""
+torch form's token wherever u is not within rounding of an interval's end. The native top_p:
+the smallest set of most likely tokens whose mass reaches p, the rest -inf."""
 from __future__ import annotations
 
 import math
@@ -163,6 +164,62 @@ def test_draw_refusals_name_the_problem(logits, uniforms, message):
         torch.ops.pdserve_sampling.draw_rows(logits, uniforms)
 
 
+def _top_p_reference(row: torch.Tensor, p: float) -> set[int]:
+    """Tokens whose mass ranked above them (float64, ties by column) is < p."""
+    probs = row.double().softmax(dim=-1)
+    order = sorted(range(row.shape[0]), key=lambda i: (-float(probs[i]), i))
+    kept, above = set(), 0.0
+    for i in order:
+        if above < p and row[i] != -math.inf:
+            kept.add(i)
+        above += float(probs[i])
+    return kept
+
+
+@settings(max_examples=300, deadline=None)
+@given(_draw_rows, st.lists(st.floats(0.01, 0.999), min_size=4, max_size=4))
+def test_top_p_keeps_the_most_likely_tokens_until_their_mass_reaches_p(rows, ps):
+    logits = torch.tensor(rows, dtype=torch.float32)  # [num_rows, n]
+    masked = logits.clone()
+    torch.ops.pdserve_sampling.top_p_mask_rows_(masked, torch.tensor(ps[:len(rows)]))
+    for row, p in enumerate(ps[:len(rows)]):
+        kept = torch.isfinite(masked[row])
+        assert torch.equal(masked[row][kept], logits[row][kept])  # kept values untouched
+        probs = logits[row].double().softmax(dim=-1)
+        assert kept[logits[row].argmax()]  # the top token stays
+        smallest_kept = float(logits[row][kept].min())
+        assert not (logits[row][~kept] > smallest_kept).any()  # a prefix of the ranking
+        kept_mass = float(probs[kept].sum())
+        last = probs[kept & (logits[row] == smallest_kept)]
+        assert kept_mass - float(last.sum()) < p + 1e-6  # no more tokens than needed...
+        assert kept_mass >= p - 1e-6 or bool(kept[logits[row] != -math.inf].all())  # ...and enough
+
+
+@pytest.mark.parametrize("scale", [1.0, 4.0, 0.05])  # peaked to nearly flat
+def test_top_p_over_a_vocabulary_keeps_the_reference_set(scale):
+    generator = torch.Generator().manual_seed(int(scale * 100))
+    logits = torch.randn(4, 49152, generator=generator) * scale  # [4, vocab]
+    logits[1, 20000:] = -math.inf
+    top_p = [0.5, 0.9, 1.0, 0.99]
+    masked = logits.clone()
+    torch.ops.pdserve_sampling.top_p_mask_rows_(masked, torch.tensor(top_p))
+    assert torch.equal(masked[2], logits[2])  # p = 1 leaves the row whole
+    for row in (0, 1, 3):
+        kept = set(torch.isfinite(masked[row]).nonzero().flatten().tolist())
+        assert kept == _top_p_reference(logits[row], top_p[row]), row
+
+
+@pytest.mark.parametrize("logits, top_p, message", [
+    (torch.zeros(2, 8, dtype=torch.bfloat16), torch.ones(2), "fp32"),
+    (torch.zeros(8, 2).t(), torch.ones(2), "contiguous rows"),
+    (torch.zeros(2, 8), torch.ones(2, dtype=torch.float64), r"fp32 \[num_rows\] top_p"),
+    (torch.zeros(2, 8), torch.ones(3), r"fp32 \[num_rows\] top_p"),
+])
+def test_top_p_refusals_name_the_problem(logits, top_p, message):
+    with pytest.raises(ValueError, match=message):
+        torch.ops.pdserve_sampling.top_p_mask_rows_(logits, top_p)
+
+
 def test_the_switch_turns_it_off():
     done = run_python("from kernels.cpu_sampling import native_argmax_available as a; print(a())", timeout_s=120,
                       PDSERVE_CPU_ARGMAX="0")
@@ -191,6 +248,16 @@ for logits in cases[:-1]:
         low = 0.0 if token_id == 0 else float(cdf[row, token_id - 1])
         assert low - 1e-6 <= float(uniforms[row]) <= float(cdf[row, token_id]) + 1e-6, (logits.shape, row)
         assert logits[row, token_id] != -math.inf
+    masked = logits.clone()
+    torch.ops.pdserve_sampling.top_p_mask_rows_(masked, torch.full((logits.shape[0],), 0.8))
+    for row in range(logits.shape[0]):
+        probs = logits[row].double().softmax(dim=-1)
+        kept = torch.isfinite(masked[row])
+        smallest_kept = float(logits[row][kept].min())
+        assert not (logits[row][~kept] > smallest_kept).any()
+        kept_mass = float(probs[kept].sum())
+        last_mass = float(probs[kept & (logits[row] == smallest_kept)].sum())
+        assert kept_mass - last_mass < 0.8 + 1e-6 and (kept_mass >= 0.8 - 1e-6 or bool(kept.all())), row
 print("ok")
 """
 
