@@ -257,6 +257,9 @@ def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> None:
     rows = [i for i, k in enumerate(top_k) if 0 < k < vocab_size]
     if not rows:
         return
+    if native_rows(logits):
+        torch.ops.pdserve_sampling.top_k_mask_rows_(logits, torch.tensor(top_k, dtype=torch.long))
+        return
     selected = _rows_of(logits, rows)  # [num_selected, vocab_size]
     ks = torch.tensor([top_k[i] for i in rows], device=logits.device)  # [num_selected]
     # A topk of the largest k is much cheaper than sorting the vocab.

@@ -6,7 +6,8 @@
 // in three vector passes over the row where torch's softmax, float64 copy, cumulative sum,
 // search and clamp took eight (~0.25 ms a row of a 49k vocabulary on the Zen 5 EPYC).
 //
-// top_p (top_p_mask_rows_): the smallest set of most likely tokens whose mass reaches p, found
+// top_k (top_k_mask_rows_) and top_p (top_p_mask_rows_) truncation: top_k's k-th largest logit
+// found from counts of the same buckets, without torch's topk. top_p: the smallest set of most likely tokens whose mass reaches p, found
 // from a histogram of the logits' distance below the row's maximum (1/16 nat a bucket) instead
 // of a softmax, top-k candidates and a sort: only the tokens of the one bucket where the mass
 // crosses p are sorted.
@@ -21,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -151,10 +153,27 @@ at::Tensor draw_rows(const at::Tensor& logits, const at::Tensor& uniforms) {
 constexpr float kBucketsPerNat = 16.f;
 constexpr float kNearNats = 16.f;
 constexpr int32_t kFarBucket = static_cast<int32_t>(kBucketsPerNat * kNearNats);
+// top_k ranks in the far bucket up to this many by a heap; beyond, by selection over the bucket.
+constexpr int64_t kMaxFarRank = 4096;
+
+// Each lane's bucket: its distance below the maximum in 1/kBucketsPerNat nats, kFarBucket from
+// kNearNats on (and for -inf).
+inline pdserve_cpu::VecI32 buckets_of(pdserve_cpu::Vec v, float maximum) {
+  using pdserve_cpu::Vec;
+  using pdserve_cpu::VecI32;
+  const Vec distance = maximum - v;  // >= 0; +inf for -inf logits
+  const VecI32 near = distance < kNearNats;
+  const Vec scaled = near ? distance * kBucketsPerNat : Vec{};  // no conversion of inf
+  const VecI32 bucket = __builtin_convertvector(scaled, VecI32);
+  // distance * 16 may round up to 256 just below 16 nats: the far bucket too
+  return near ? (bucket < kFarBucket ? bucket : VecI32{} + kFarBucket) : VecI32{} + kFarBucket;
+}
+
+inline int32_t bucket_of(float x, float maximum) { return buckets_of(pdserve_cpu::Vec{} + x, maximum)[0]; }
 
 // Keep the most likely tokens of row x [n] until their mass reaches p: a token stays while
 // the mass ranked above it is < p (so the one that crosses p stays, and the top one); the
-// others become -inf. Ties within the bucket where the mass crosses p rank by column.
+// others become -inf. Equal logits within the bucket where the mass crosses p rank by column.
 void top_p_row(float* x, int64_t n, float p, std::vector<int32_t>& buckets) {
   using pdserve_cpu::kLanes;
   using pdserve_cpu::Vec;
@@ -170,23 +189,18 @@ void top_p_row(float* x, int64_t n, float p, std::vector<int32_t>& buckets) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     const Vec v = pdserve_cpu::load_vec(x + i);
-    const Vec distance = maximum - v;  // >= 0; +inf for -inf logits
-    const VecI32 near = distance < kNearNats;
-    const Vec scaled = near ? distance * kBucketsPerNat : Vec{};  // no conversion of inf
-    VecI32 bucket = __builtin_convertvector(scaled, VecI32);
-    bucket = near ? bucket : VecI32{} + kFarBucket;
+    const VecI32 bucket = buckets_of(v, maximum);
     std::memcpy(buckets.data() + i, &bucket, sizeof bucket);
+    const VecI32 near = bucket < kFarBucket;
     const Vec w = weights_of(v, maximum);
     far_acc += (Vec)((VecI32)w & ~near);
+    if (!pdserve_cpu::any_lane(near)) continue;  // most vectors of a peaked row
     for (int64_t lane = 0; lane < kLanes; ++lane)
-      if (near[lane]) mass[std::min(bucket[lane], kFarBucket)] += w[lane];
+      if (near[lane]) mass[bucket[lane]] += w[lane];
   }
   for (; i < n; ++i) {
-    const float distance = maximum - x[i];
-    const int32_t bucket =
-        distance < kNearNats ? std::min(static_cast<int32_t>(distance * kBucketsPerNat), kFarBucket) : kFarBucket;
-    buckets[i] = bucket;
-    mass[bucket] += weight_of(x[i], maximum);
+    buckets[i] = bucket_of(x[i], maximum);
+    mass[buckets[i]] += weight_of(x[i], maximum);
   }
   mass[kFarBucket] += pdserve_cpu::hsum(far_acc);
   double total = 0.0;
@@ -197,18 +211,138 @@ void top_p_row(float* x, int64_t n, float p, std::vector<int32_t>& buckets) {
   while (crossing < kFarBucket && above + mass[crossing] < target) above += mass[crossing++];
   // Tokens of buckets past `crossing` have at least `target` above them; those of `crossing`
   // are ranked one by one.
-  std::vector<std::pair<float, int64_t>> ranked;  // (-weight, column): most likely first
+  // Ranked by logit, not weight: logits apart by less than exp's resolution share a weight.
+  std::vector<std::pair<float, int64_t>> ranked;  // (-logit, column): most likely first
   for (i = 0; i < n; ++i) {
     if (buckets[i] > crossing)
       x[i] = -std::numeric_limits<float>::infinity();
     else if (buckets[i] == crossing && x[i] != -std::numeric_limits<float>::infinity())
-      ranked.emplace_back(-weight_of(x[i], maximum), i);
+      ranked.emplace_back(-x[i], i);
   }
   std::sort(ranked.begin(), ranked.end());
-  for (const auto& [negative_weight, column] : ranked) {
+  for (const auto& [negative_logit, column] : ranked) {
     if (above >= target) x[column] = -std::numeric_limits<float>::infinity();
-    above -= negative_weight;
+    above += weight_of(-negative_logit, maximum);
   }
+}
+
+// Every logit of x [n] below kth_value becomes -inf.
+void apply_threshold(float* x, int64_t n, float kth_value) {
+  using pdserve_cpu::kLanes;
+  using pdserve_cpu::Vec;
+  const Vec threshold = Vec{} + kth_value;
+  const Vec minus_inf = Vec{} - std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    Vec v = pdserve_cpu::load_vec(x + i);
+    v = v < threshold ? minus_inf : v;
+    std::memcpy(x + i, &v, sizeof v);
+  }
+  for (; i < n; ++i)
+    if (x[i] < kth_value) x[i] = -std::numeric_limits<float>::infinity();
+}
+
+// The rank-th largest logit of the far bucket (-inf when it holds fewer finite ones): a peaked
+// row has fewer than k tokens within kNearNats of its top, and the rest of the vocabulary
+// there. A min-heap of the rank largest seen so far; a vector with no lane above its smallest
+// is passed over whole, so after the first few vectors a row costs one compare a vector.
+float largest_far_value(const float* x, int64_t n, float maximum, int64_t rank, std::vector<float>& heap) {
+  using pdserve_cpu::kLanes;
+  using pdserve_cpu::Vec;
+  using pdserve_cpu::VecI32;
+  heap.clear();
+  const auto consider = [&](float value) {
+    if (static_cast<int64_t>(heap.size()) < rank) {
+      heap.push_back(value);
+      std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+    } else if (value > heap.front()) {
+      std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
+      heap.back() = value;
+      std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+    }
+  };
+  float smallest = -std::numeric_limits<float>::infinity();  // what a value must beat to enter
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec v = pdserve_cpu::load_vec(x + i);
+    const VecI32 take = (buckets_of(v, maximum) == kFarBucket) & (v > smallest);
+    if (!pdserve_cpu::any_lane(take)) continue;
+    for (int64_t lane = 0; lane < kLanes; ++lane)
+      if (take[lane]) consider(v[lane]);
+    if (static_cast<int64_t>(heap.size()) == rank) smallest = heap.front();
+  }
+  for (; i < n; ++i)
+    if (bucket_of(x[i], maximum) == kFarBucket && x[i] > smallest) {
+      consider(x[i]);
+      if (static_cast<int64_t>(heap.size()) == rank) smallest = heap.front();
+    }
+  return static_cast<int64_t>(heap.size()) == rank ? heap.front() : -std::numeric_limits<float>::infinity();
+}
+
+// Keep the k largest logits of row x [n] and every one equal to the k-th; the others become
+// -inf. Counted by the same buckets as top_p: only the bucket holding the k-th is searched.
+void top_k_row(float* x, int64_t n, int64_t k, std::vector<float>& candidates) {
+  using pdserve_cpu::kLanes;
+  using pdserve_cpu::Vec;
+  using pdserve_cpu::VecI32;
+  if (k <= 0 || k >= n) return;
+  const pdserve_cpu::ArgmaxPart top = pdserve_cpu::argmax_part(x, n);
+  if (top.is_nan || top.value == -std::numeric_limits<float>::infinity() ||
+      top.value == std::numeric_limits<float>::infinity())
+    return;
+  const float maximum = top.value;
+  int64_t count[kFarBucket + 1] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const VecI32 bucket = buckets_of(pdserve_cpu::load_vec(x + i), maximum);
+    const VecI32 near = bucket < kFarBucket;
+    if (!pdserve_cpu::any_lane(near)) {
+      count[kFarBucket] += kLanes;
+      continue;
+    }
+    for (int64_t lane = 0; lane < kLanes; ++lane) ++count[bucket[lane]];
+  }
+  for (; i < n; ++i) ++count[bucket_of(x[i], maximum)];
+  int64_t num_above = 0;  // tokens in the buckets before `crossing`
+  int32_t crossing = 0;
+  while (crossing < kFarBucket && num_above + count[crossing] < k) num_above += count[crossing++];
+  if (crossing == kFarBucket && k - num_above <= kMaxFarRank) {
+    apply_threshold(x, n, largest_far_value(x, n, maximum, k - num_above, candidates));
+    return;
+  }
+  candidates.clear();
+  for (i = 0; i + kLanes <= n; i += kLanes) {
+    const Vec v = pdserve_cpu::load_vec(x + i);
+    const VecI32 in_crossing = buckets_of(v, maximum) == crossing;
+    if (!pdserve_cpu::any_lane(in_crossing)) continue;
+    for (int64_t lane = 0; lane < kLanes; ++lane)
+      if (in_crossing[lane]) candidates.push_back(v[lane]);
+  }
+  for (; i < n; ++i)
+    if (bucket_of(x[i], maximum) == crossing) candidates.push_back(x[i]);
+  // The k-th largest of the row is the (k - num_above)-th largest of its bucket.
+  const auto kth = candidates.begin() + (k - num_above - 1);
+  std::nth_element(candidates.begin(), kth, candidates.end(), std::greater<float>());
+  apply_threshold(x, n, *kth);
+}
+
+// logits [num_rows, vocab_size] fp32, each row contiguous, truncated in place; top_k
+// [num_rows] int64, <= 0 or >= vocab_size for a row to leave whole.
+void top_k_mask_rows_(at::Tensor logits, const at::Tensor& top_k) {
+  PDSERVE_CHECK_VALUE(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+                      "top_k_mask_rows_: fp32 [num_rows, vocab_size] logits with contiguous rows expected, got ",
+                      logits.scalar_type(), " ", logits.sizes(), " strides ", logits.strides());
+  PDSERVE_CHECK_VALUE(top_k.dim() == 1 && top_k.scalar_type() == at::kLong && top_k.size(0) == logits.size(0) &&
+                          top_k.is_contiguous(),
+                      "top_k_mask_rows_: int64 [num_rows] top_k expected, got ", top_k.scalar_type(), " ",
+                      top_k.sizes());
+  const int64_t num_rows = logits.size(0), n = logits.size(1), row_stride = logits.stride(0);
+  float* x = logits.data_ptr<float>();
+  const int64_t* k = top_k.const_data_ptr<int64_t>();
+  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> candidates;
+    for (int64_t r = begin; r < end; ++r) top_k_row(x + r * row_stride, n, k[r], candidates);
+  });
 }
 
 // logits [num_rows, vocab_size] fp32 (temperature applied), each row contiguous, truncated in
@@ -236,11 +370,13 @@ void top_p_mask_rows_(at::Tensor logits, const at::Tensor& top_p) {
 TORCH_LIBRARY(pdserve_sampling, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("draw_rows(Tensor logits, Tensor uniforms) -> Tensor");
+  m.def("top_k_mask_rows_(Tensor(a!) logits, Tensor top_k) -> ()");
   m.def("top_p_mask_rows_(Tensor(a!) logits, Tensor top_p) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_sampling, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("draw_rows", &draw_rows);
+  m.impl("top_k_mask_rows_", &top_k_mask_rows_);
   m.impl("top_p_mask_rows_", &top_p_mask_rows_);
 }

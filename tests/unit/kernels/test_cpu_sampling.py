@@ -3,8 +3,9 @@ answer for every row (ties to the first, NaN above every number, infinities, row
 any length and row stride), clear refusals for what it does not take, and the sampler's
 entry point, which leaves every other input to torch. The native draw: the token whose
 interval of the float64 softmax CDF holds the uniform number, never a -inf one, the
-torch form's token wherever u is not within rounding of an interval's end. The native top_p:
-the smallest set of most likely tokens whose mass reaches p, the rest -inf."""
+torch form's token wherever u is not within rounding of an interval's end. The native top_k:
+the k largest logits and their ties. The native top_p: the smallest set of most likely
+tokens whose mass reaches p, the rest -inf."""
 from __future__ import annotations
 
 import math
@@ -164,6 +165,65 @@ def test_draw_refusals_name_the_problem(logits, uniforms, message):
         torch.ops.pdserve_sampling.draw_rows(logits, uniforms)
 
 
+def _top_k_reference(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    out = logits.clone()
+    for row, k in enumerate(top_k):
+        if 0 < k < logits.shape[1]:
+            kth = logits[row].topk(k).values[-1]
+            out[row][logits[row] < kth] = -math.inf
+    return out
+
+
+# Few distinct values among many, so that ties with the k-th are common.
+_top_k_rows = st.integers(1, 4).flatmap(lambda num_rows: st.integers(1, 600).flatmap(
+    lambda n: st.lists(st.lists(st.sampled_from([-math.inf, -40.0, -17.0, -3.0, 0.0, 0.01, 2.0])
+                                | st.floats(-40, 40, width=32), min_size=n, max_size=n)
+                       .filter(lambda row: any(v != -math.inf for v in row)), min_size=num_rows, max_size=num_rows)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_top_k_rows, st.lists(st.integers(-1, 700), min_size=4, max_size=4))
+def test_top_k_keeps_the_k_largest_and_their_ties(rows, ks):
+    logits = torch.tensor(rows, dtype=torch.float32)  # [num_rows, n]
+    top_k = ks[:len(rows)]
+    masked = logits.clone()
+    torch.ops.pdserve_sampling.top_k_mask_rows_(masked, torch.tensor(top_k))
+    assert torch.equal(masked, _top_k_reference(logits, top_k))
+
+
+@pytest.mark.parametrize("scale", [1.0, 8.0, 0.01])
+def test_top_k_over_a_vocabulary(scale):
+    logits = torch.randn(5, 49152, generator=torch.Generator().manual_seed(3)) * scale  # [5, vocab]
+    logits[4, 100:] = -math.inf
+    top_k = [1, 50, 20000, 49152, 1000]  # the last two rows left whole
+    masked = logits.clone()
+    torch.ops.pdserve_sampling.top_k_mask_rows_(masked, torch.tensor(top_k))
+    assert torch.equal(masked, _top_k_reference(logits, top_k))
+    assert [int(torch.isfinite(row).sum()) for row in masked] == [1, 50, 20000, 49152, 100]
+
+
+@pytest.mark.parametrize("k", [1, 12, 50, 3000, 5000, 49000])
+def test_top_k_beyond_the_tokens_near_the_top(k):
+    # A peaked row: 10 tokens near its top, the k-th far below them (the heap up to 4,096
+    # ranks, selection over the far tokens past that), some of them -inf.
+    logits = torch.randn(3, 49152, generator=torch.Generator().manual_seed(k))  # [3, vocab]
+    logits[:, 100:110] = 60.0 + torch.arange(10.0)
+    logits[1, 40000:] = -math.inf  # row 1: fewer finite tokens than the largest k
+    logits[2, ::7] = 1.5  # row 2: many ties
+    masked = logits.clone()
+    torch.ops.pdserve_sampling.top_k_mask_rows_(masked, torch.full((3,), k))
+    assert torch.equal(masked, _top_k_reference(logits, [k] * 3))
+
+
+@pytest.mark.parametrize("logits, top_k, message", [
+    (torch.zeros(2, 8, dtype=torch.bfloat16), torch.ones(2, dtype=torch.long), "fp32"),
+    (torch.zeros(2, 8), torch.ones(2), r"int64 \[num_rows\] top_k"),
+])
+def test_top_k_refusals_name_the_problem(logits, top_k, message):
+    with pytest.raises(ValueError, match=message):
+        torch.ops.pdserve_sampling.top_k_mask_rows_(logits, top_k)
+
+
 def _top_p_reference(row: torch.Tensor, p: float) -> set[int]:
     """Tokens whose mass ranked above them (float64, ties by column) is < p."""
     probs = row.double().softmax(dim=-1)
@@ -248,6 +308,11 @@ for logits in cases[:-1]:
         low = 0.0 if token_id == 0 else float(cdf[row, token_id - 1])
         assert low - 1e-6 <= float(uniforms[row]) <= float(cdf[row, token_id]) + 1e-6, (logits.shape, row)
         assert logits[row, token_id] != -math.inf
+    masked = logits.clone()
+    torch.ops.pdserve_sampling.top_k_mask_rows_(masked, torch.full((logits.shape[0],), 3, dtype=torch.long))
+    for row in range(logits.shape[0]):
+        if logits.shape[1] > 3:
+            assert torch.equal(masked[row] == -math.inf, logits[row] < logits[row].topk(3).values[-1]), row
     masked = logits.clone()
     torch.ops.pdserve_sampling.top_p_mask_rows_(masked, torch.full((logits.shape[0],), 0.8))
     for row in range(logits.shape[0]):
