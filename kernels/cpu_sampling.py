@@ -9,6 +9,8 @@
   searched column by column in float64), where the torch form below takes a softmax, a
   float64 copy, a cumulative sum, a search and a clamp (~0.25 ms against ~0.04 for a row
   of 49,152 on the 2-core Zen 5 EPYC).
+- `min_p_mask_rows_` (min_p): tokens less likely than min_p times the top one -inf, as a
+  logit threshold (maximum + log(min_p)) in two vector passes.
 - `top_k_mask_rows_` (top_k): the k largest logits and their ties kept, the rest -inf, the
   k-th found from counts of the buckets below (torch's topk takes ~0.12 ms a row).
 - `top_p_mask_rows_` (top_p): the most likely tokens whose mass reaches p kept, the rest
@@ -39,8 +41,9 @@ def native_argmax_available() -> bool:
         return False
     error = load_ops("sampling", {"pdserve_sampling::argmax_rows": _argmax_rows_fake,
                                   "pdserve_sampling::draw_rows": _draw_rows_fake,
-                                  "pdserve_sampling::top_k_mask_rows_": _top_k_mask_rows_fake,
-                                  "pdserve_sampling::top_p_mask_rows_": _top_p_mask_rows_fake})
+                                  "pdserve_sampling::min_p_mask_rows_": _mask_rows_fake,
+                                  "pdserve_sampling::top_k_mask_rows_": _mask_rows_fake,
+                                  "pdserve_sampling::top_p_mask_rows_": _mask_rows_fake})
     if error is not None:
         log.info("greedy sampling takes torch's argmax: %s", error)
         return False
@@ -55,11 +58,7 @@ def _draw_rows_fake(logits, uniforms):
     return logits.new_empty((logits.shape[0],), dtype=torch.long)
 
 
-def _top_k_mask_rows_fake(logits, top_k):
-    return None
-
-
-def _top_p_mask_rows_fake(logits, top_p):
+def _mask_rows_fake(logits, per_row):
     return None
 
 

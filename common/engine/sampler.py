@@ -195,9 +195,7 @@ class Sampler:
         _apply_top_k(logits, [p.top_k for p in params])
         _apply_top_p(logits, [p.top_p for p in params])
         if any(p.min_p > 0.0 for p in params):
-            # p < min_p * p_max is logit < max logit + log(min_p): the same tokens, no softmax.
-            log_min_p = torch.tensor([p.min_p for p in params], device=device).log().unsqueeze(1)
-            logits.masked_fill_(logits < logits.amax(dim=-1, keepdim=True) + log_min_p, float("-inf"))
+            _apply_min_p(logits, [p.min_p for p in params])
         return self._draw(logits, requests)
 
     def _draw(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
@@ -248,6 +246,17 @@ class Sampler:
 def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     # All rows: the tensor itself (no copy, no write-back needed).
     return logits if len(rows) == logits.shape[0] else logits[rows]
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> None:
+    """Drop tokens less likely than min_p times the most likely one: p < min_p * p_max is
+    logit < max logit + log(min_p), the same tokens without a softmax.
+    logits: [num_rows, vocab_size] (already top_k / top_p-masked), mutated."""
+    if native_rows(logits):
+        torch.ops.pdserve_sampling.min_p_mask_rows_(logits, torch.tensor(min_p, dtype=torch.float32))
+        return
+    log_min_p = torch.tensor(min_p, device=logits.device).log().unsqueeze(1)  # [num_rows, 1]
+    logits.masked_fill_(logits < logits.amax(dim=-1, keepdim=True) + log_min_p, float("-inf"))
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> None:

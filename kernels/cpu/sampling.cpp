@@ -6,7 +6,8 @@
 // in three vector passes over the row where torch's softmax, float64 copy, cumulative sum,
 // search and clamp took eight (~0.25 ms a row of a 49k vocabulary on the Zen 5 EPYC).
 //
-// top_k (top_k_mask_rows_) and top_p (top_p_mask_rows_) truncation: top_k's k-th largest logit
+// min_p (min_p_mask_rows_), top_k (top_k_mask_rows_) and top_p (top_p_mask_rows_) truncation,
+// in place: min_p a threshold below the row's maximum; top_k's k-th largest logit
 // found from counts of the same buckets, without torch's topk. top_p: the smallest set of most likely tokens whose mass reaches p, found
 // from a histogram of the logits' distance below the row's maximum (1/16 nat a bucket) instead
 // of a softmax, top-k candidates and a sort: only the tokens of the one bucket where the mass
@@ -213,7 +214,20 @@ void top_p_row(float* x, int64_t n, float p, std::vector<int32_t>& buckets) {
   // are ranked one by one.
   // Ranked by logit, not weight: logits apart by less than exp's resolution share a weight.
   std::vector<std::pair<float, int64_t>> ranked;  // (-logit, column): most likely first
-  for (i = 0; i < n; ++i) {
+  const Vec minus_inf = Vec{} - std::numeric_limits<float>::infinity();
+  for (i = 0; i + kLanes <= n; i += kLanes) {
+    VecI32 bucket;
+    std::memcpy(&bucket, buckets.data() + i, sizeof bucket);
+    Vec v = pdserve_cpu::load_vec(x + i);
+    const VecI32 in_crossing = (bucket == crossing) & (v != minus_inf);
+    if (pdserve_cpu::any_lane(in_crossing)) {
+      for (int64_t lane = 0; lane < kLanes; ++lane)
+        if (in_crossing[lane]) ranked.emplace_back(-v[lane], i + lane);
+    }
+    v = bucket > crossing ? minus_inf : v;
+    std::memcpy(x + i, &v, sizeof v);
+  }
+  for (; i < n; ++i) {
     if (buckets[i] > crossing)
       x[i] = -std::numeric_limits<float>::infinity();
     else if (buckets[i] == crossing && x[i] != -std::numeric_limits<float>::infinity())
@@ -326,6 +340,31 @@ void top_k_row(float* x, int64_t n, int64_t k, std::vector<float>& candidates) {
   apply_threshold(x, n, *kth);
 }
 
+// logits [num_rows, vocab_size] fp32, each row contiguous, truncated in place: a token less
+// likely than min_p times the most likely one (its logit below the maximum + log(min_p))
+// becomes -inf; min_p [num_rows] fp32, 0 for a row to leave whole.
+void min_p_mask_rows_(at::Tensor logits, const at::Tensor& min_p) {
+  PDSERVE_CHECK_VALUE(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+                      "min_p_mask_rows_: fp32 [num_rows, vocab_size] logits with contiguous rows expected, got ",
+                      logits.scalar_type(), " ", logits.sizes(), " strides ", logits.strides());
+  PDSERVE_CHECK_VALUE(min_p.dim() == 1 && min_p.scalar_type() == at::kFloat && min_p.size(0) == logits.size(0) &&
+                          min_p.is_contiguous(),
+                      "min_p_mask_rows_: fp32 [num_rows] min_p expected, got ", min_p.scalar_type(), " ",
+                      min_p.sizes());
+  const int64_t num_rows = logits.size(0), n = logits.size(1), row_stride = logits.stride(0);
+  float* x = logits.data_ptr<float>();
+  const float* p = min_p.const_data_ptr<float>();
+  at::parallel_for(0, num_rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (!(p[r] > 0.f) || n == 0) continue;
+      float* row = x + r * row_stride;
+      const pdserve_cpu::ArgmaxPart top = pdserve_cpu::argmax_part(row, n);
+      if (top.is_nan || std::isinf(top.value)) continue;
+      apply_threshold(row, n, top.value + std::log(p[r]));
+    }
+  });
+}
+
 // logits [num_rows, vocab_size] fp32, each row contiguous, truncated in place; top_k
 // [num_rows] int64, <= 0 or >= vocab_size for a row to leave whole.
 void top_k_mask_rows_(at::Tensor logits, const at::Tensor& top_k) {
@@ -370,6 +409,7 @@ void top_p_mask_rows_(at::Tensor logits, const at::Tensor& top_p) {
 TORCH_LIBRARY(pdserve_sampling, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("draw_rows(Tensor logits, Tensor uniforms) -> Tensor");
+  m.def("min_p_mask_rows_(Tensor(a!) logits, Tensor min_p) -> ()");
   m.def("top_k_mask_rows_(Tensor(a!) logits, Tensor top_k) -> ()");
   m.def("top_p_mask_rows_(Tensor(a!) logits, Tensor top_p) -> ()");
 }
@@ -377,6 +417,7 @@ TORCH_LIBRARY(pdserve_sampling, m) {
 TORCH_LIBRARY_IMPL(pdserve_sampling, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("draw_rows", &draw_rows);
+  m.impl("min_p_mask_rows_", &min_p_mask_rows_);
   m.impl("top_k_mask_rows_", &top_k_mask_rows_);
   m.impl("top_p_mask_rows_", &top_p_mask_rows_);
 }

@@ -3,8 +3,8 @@ answer for every row (ties to the first, NaN above every number, infinities, row
 any length and row stride), clear refusals for what it does not take, and the sampler's
 entry point, which leaves every other input to torch. The native draw: the token whose
 interval of the float64 softmax CDF holds the uniform number, never a -inf one, the
-torch form's token wherever u is not within rounding of an interval's end. The native top_k:
-the k largest logits and their ties. The native top_p: the smallest set of most likely
+torch form's token wherever u is not within rounding of an interval's end. The native min_p:
+the torch form's threshold. The native top_k: the k largest logits and their ties. The native top_p: the smallest set of most likely
 tokens whose mass reaches p, the rest -inf."""
 from __future__ import annotations
 
@@ -163,6 +163,25 @@ def test_draw_of_rows_apart_in_a_wider_tensor():
 def test_draw_refusals_name_the_problem(logits, uniforms, message):
     with pytest.raises(ValueError, match=message):
         torch.ops.pdserve_sampling.draw_rows(logits, uniforms)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_draw_rows, st.lists(st.sampled_from([0.0, 1e-9, 0.05, 0.5, 1.0]) | st.floats(0.0, 1.0), min_size=4,
+                            max_size=4))
+def test_min_p_masks_what_the_torch_form_masks(rows, ps):
+    logits = torch.tensor(rows, dtype=torch.float32)  # [num_rows, n]
+    min_p = torch.tensor(ps[:len(rows)])  # [num_rows]
+    masked = logits.clone()
+    torch.ops.pdserve_sampling.min_p_mask_rows_(masked, min_p)
+    expected = logits.masked_fill(logits < logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1), -math.inf)
+    assert torch.equal(masked, expected)
+
+
+def test_min_p_refusals_name_the_problem():
+    with pytest.raises(ValueError, match=r"fp32 \[num_rows\] min_p"):
+        torch.ops.pdserve_sampling.min_p_mask_rows_(torch.zeros(2, 8), torch.ones(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        torch.ops.pdserve_sampling.min_p_mask_rows_(torch.zeros(8, 2).t(), torch.ones(2))
 
 
 def _top_k_reference(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
