@@ -20,11 +20,21 @@
 
 namespace pdserve_cpu {
 
-inline bool any_lane(VecI32 mask) {
-  int32_t acc = 0;
-  for (int64_t i = 0; i < kLanes; ++i) acc |= mask[i];
-  return acc != 0;
+// A bit per lane of mask (lanes of all ones or zeros) that is set, lane 0 lowest: one
+// instruction where extracting the lanes one by one takes kLanes.
+inline uint32_t lane_bits(VecI32 mask) {
+#if defined(__AVX512F__)
+  return _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask);
+#elif defined(__AVX__)
+  return static_cast<uint32_t>(_mm256_movemask_ps((__m256)mask));
+#else
+  uint32_t bits = 0;
+  for (int64_t lane = 0; lane < kLanes; ++lane) bits |= static_cast<uint32_t>(mask[lane] != 0) << lane;
+  return bits;
+#endif
 }
+
+inline bool any_lane(VecI32 mask) { return lane_bits(mask) != 0; }
 
 // A bit per lane of v equal to target (lane 0 lowest).
 inline uint32_t equal_lanes(Vec v, Vec target) {

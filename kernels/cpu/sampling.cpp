@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <functional>
 #include <cstdint>
@@ -195,9 +196,11 @@ void top_p_row(float* x, int64_t n, float p, std::vector<int32_t>& buckets) {
     const VecI32 near = bucket < kFarBucket;
     const Vec w = weights_of(v, maximum);
     far_acc += (Vec)((VecI32)w & ~near);
-    if (!pdserve_cpu::any_lane(near)) continue;  // most vectors of a peaked row
-    for (int64_t lane = 0; lane < kLanes; ++lane)
-      if (near[lane]) mass[bucket[lane]] += w[lane];
+    // most vectors of a peaked row have no lane near the top
+    for (uint32_t bits = pdserve_cpu::lane_bits(near); bits != 0; bits &= bits - 1) {
+      const int lane = std::countr_zero(bits);
+      mass[bucket[lane]] += w[lane];
+    }
   }
   for (; i < n; ++i) {
     buckets[i] = bucket_of(x[i], maximum);
@@ -220,9 +223,9 @@ void top_p_row(float* x, int64_t n, float p, std::vector<int32_t>& buckets) {
     std::memcpy(&bucket, buckets.data() + i, sizeof bucket);
     Vec v = pdserve_cpu::load_vec(x + i);
     const VecI32 in_crossing = (bucket == crossing) & (v != minus_inf);
-    if (pdserve_cpu::any_lane(in_crossing)) {
-      for (int64_t lane = 0; lane < kLanes; ++lane)
-        if (in_crossing[lane]) ranked.emplace_back(-v[lane], i + lane);
+    for (uint32_t bits = pdserve_cpu::lane_bits(in_crossing); bits != 0; bits &= bits - 1) {
+      const int lane = std::countr_zero(bits);
+      ranked.emplace_back(-v[lane], i + lane);
     }
     v = bucket > crossing ? minus_inf : v;
     std::memcpy(x + i, &v, sizeof v);
@@ -280,9 +283,9 @@ float largest_far_value(const float* x, int64_t n, float maximum, int64_t rank, 
   for (; i + kLanes <= n; i += kLanes) {
     const Vec v = pdserve_cpu::load_vec(x + i);
     const VecI32 take = (buckets_of(v, maximum) == kFarBucket) & (v > smallest);
-    if (!pdserve_cpu::any_lane(take)) continue;
-    for (int64_t lane = 0; lane < kLanes; ++lane)
-      if (take[lane]) consider(v[lane]);
+    const uint32_t take_bits = pdserve_cpu::lane_bits(take);
+    if (take_bits == 0) continue;
+    for (uint32_t bits = take_bits; bits != 0; bits &= bits - 1) consider(v[std::countr_zero(bits)]);
     if (static_cast<int64_t>(heap.size()) == rank) smallest = heap.front();
   }
   for (; i < n; ++i)
@@ -310,11 +313,9 @@ void top_k_row(float* x, int64_t n, int64_t k, std::vector<float>& candidates) {
   for (; i + kLanes <= n; i += kLanes) {
     const VecI32 bucket = buckets_of(pdserve_cpu::load_vec(x + i), maximum);
     const VecI32 near = bucket < kFarBucket;
-    if (!pdserve_cpu::any_lane(near)) {
-      count[kFarBucket] += kLanes;
-      continue;
-    }
-    for (int64_t lane = 0; lane < kLanes; ++lane) ++count[bucket[lane]];
+    const uint32_t near_bits = pdserve_cpu::lane_bits(near);
+    count[kFarBucket] += kLanes - std::popcount(near_bits);
+    for (uint32_t bits = near_bits; bits != 0; bits &= bits - 1) ++count[bucket[std::countr_zero(bits)]];
   }
   for (; i < n; ++i) ++count[bucket_of(x[i], maximum)];
   int64_t num_above = 0;  // tokens in the buckets before `crossing`
@@ -328,9 +329,8 @@ void top_k_row(float* x, int64_t n, int64_t k, std::vector<float>& candidates) {
   for (i = 0; i + kLanes <= n; i += kLanes) {
     const Vec v = pdserve_cpu::load_vec(x + i);
     const VecI32 in_crossing = buckets_of(v, maximum) == crossing;
-    if (!pdserve_cpu::any_lane(in_crossing)) continue;
-    for (int64_t lane = 0; lane < kLanes; ++lane)
-      if (in_crossing[lane]) candidates.push_back(v[lane]);
+    for (uint32_t bits = pdserve_cpu::lane_bits(in_crossing); bits != 0; bits &= bits - 1)
+      candidates.push_back(v[std::countr_zero(bits)]);
   }
   for (; i < n; ++i)
     if (bucket_of(x[i], maximum) == crossing) candidates.push_back(x[i]);
