@@ -1,0 +1,163 @@
+"""`pdserve bench sampling`: random sampling's cost, native ops against their torch forms.
+
+    pdserve bench sampling --quantization gguf,none --num-seqs 1,8 --json docs/bench/sampling.json
+
+One engine per quantization (the bundled model, bf16 for what it leaves dense, compiled).
+For each sampling case (temperature; with top_p, top_k, min_p) and batch size the same chat
+requests (max_tokens, ignore_eos, seeded) decode with the sampler's native ops
+(kernels.cpu_sampling) and with the torch forms that PDSERVE_CPU_ARGMAX=0 gives, in turns
+(--repeats rounds, each round in the other order from the last, so the host's drift lands
+on both alike). Reported: output tokens/s (median round) and the median paired ratio. Then
+the sampler alone, on logits the bundled model produced in those runs: ms per call.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from bench.scheduler_steps import PROMPTS, int_list
+
+CASES = {
+    "temperature 0.8": {"temperature": 0.8},
+    "temperature 0.8, top_p 0.95": {"temperature": 0.8, "top_p": 0.95},
+    "temperature 0.8, top_k 50": {"temperature": 0.8, "top_k": 50},
+    "temperature 0.8, min_p 0.05": {"temperature": 0.8, "min_p": 0.05},
+    "temperature 1.0, top_k 50, top_p 0.9": {"temperature": 1.0, "top_k": 50, "top_p": 0.9},
+}
+ARMS = ("native", "torch")
+
+
+def use_native(native: bool) -> None:
+    """Switch the sampler between its native ops and their torch forms in this process (the
+    ops stay loaded; the entry points ask native_argmax_available, which reads the switch)."""
+    from kernels.cpu_sampling import native_argmax_available
+    os.environ["PDSERVE_CPU_ARGMAX"] = "1" if native else "0"
+    native_argmax_available.cache_clear()
+    if native and not native_argmax_available():
+        raise SystemExit("the native sampling ops do not build here (no C++ compiler?): nothing to compare")
+
+
+def decode_rates(llm, case: dict, num_seqs: int, max_tokens: int, repeats: int) -> dict:
+    """Output tokens/s of each arm (median round) and the median paired ratio native / torch."""
+    from common import SamplingParams
+    conversations = [[{"role": "user", "content": f"{PROMPTS[i % len(PROMPTS)]} ({i})"}] for i in range(num_seqs)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=0, **case)
+    seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    try:
+        for round_index in range(repeats + 1):  # round 0 warms up both arms
+            for arm in (ARMS if round_index % 2 == 0 else ARMS[::-1]):
+                use_native(arm == "native")
+                started = time.perf_counter()
+                llm.chat(conversations, params, use_tqdm=False)
+                if round_index > 0:
+                    seconds[arm].append(time.perf_counter() - started)
+    finally:
+        use_native(True)
+    num_tokens = num_seqs * max_tokens
+    return {"tokens_per_s": {arm: round(num_tokens / statistics.median(s), 1) for arm, s in seconds.items()},
+            "ratio": round(statistics.median(t / n for n, t in zip(seconds["native"], seconds["torch"])), 3)}
+
+
+def capture_logits(llm, num_rows: int):
+    """[num_rows, vocab] fp32 logits of the bundled model's decode steps (chat prompts,
+    temperature 0.8), caught on their way into the sampler."""
+    import torch
+
+    from common import SamplingParams
+    runner = llm.engine.executor.runner
+    sampler = runner.sampler
+    rows = []
+
+    class Recording:
+        def __call__(self, logits, *args, **kwargs):
+            rows.append(logits.float().clone())
+            return sampler(logits, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(sampler, name)
+
+    runner.sampler = Recording()
+    try:
+        conversations = [[{"role": "user", "content": f"{p} ({i})"}] for i, p in enumerate(PROMPTS)]
+        llm.chat(conversations, SamplingParams(temperature=0.8, max_tokens=max(2, num_rows // len(PROMPTS) + 2),
+                                               ignore_eos=True, seed=0), use_tqdm=False)
+    finally:
+        runner.sampler = sampler
+    return torch.cat(rows)[-num_rows:]
+
+
+def sampler_ms(logits, case: dict, num_seqs: int, repeats: int) -> dict:
+    """ms per Sampler call over rows of real logits, each arm's best of `repeats` passes."""
+    from common.engine.outputs import ScheduledRequest
+    from common.engine.sampler import Sampler
+    from common.engine.sampling_params import SamplingParams
+    requests = [ScheduledRequest(f"r{i}", [0], 1, [0], True, SamplingParams(max_tokens=16, seed=i, **case), [0], [1])
+                for i in range(num_seqs)]
+    batches = [logits[i:i + num_seqs] for i in range(0, logits.shape[0] - num_seqs + 1, num_seqs)]
+    best = {arm: float("inf") for arm in ARMS}
+    try:
+        for round_index in range(repeats):
+            for arm in (ARMS if round_index % 2 == 0 else ARMS[::-1]):
+                use_native(arm == "native")
+                sampler = Sampler(eos_token_ids=[0])
+                started = time.perf_counter()
+                for batch in batches:
+                    sampler(batch, requests)
+                best[arm] = min(best[arm], (time.perf_counter() - started) / len(batches))
+    finally:
+        use_native(True)
+    return {arm: round(1e3 * seconds, 3) for arm, seconds in best.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve bench sampling", description=__doc__.split("\n")[0])
+    parser.add_argument("--quantization", default="gguf,none",
+                        help="comma-separated from none, gguf, int8 (one engine each)")
+    parser.add_argument("--num-seqs", type=int_list, default=[1, 8], help="batch sizes, comma-separated")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--json", default="", help="write the figures here")
+    args = parser.parse_args(argv)
+    quantizations = args.quantization.split(",")
+    if not set(quantizations) <= {"none", "gguf", "int8"}:
+        parser.error(f"--quantization takes none, gguf and int8; got {args.quantization!r}")
+
+    import torch
+
+    from bench.profile import cpu_model_name
+    from common import LLM
+    result = {"cpu": cpu_model_name(), "torch_threads": None, "max_tokens": args.max_tokens,
+              "repeats": args.repeats, "decode": [], "sampler_ms": []}
+    logits = None
+    for quantization in quantizations:
+        llm = LLM(quantization=None if quantization == "none" else quantization, dtype="bfloat16",
+                  kv_cache_memory="512MiB", num_threads=args.num_threads)
+        result["torch_threads"] = torch.get_num_threads()
+        for name, case in CASES.items():
+            for num_seqs in args.num_seqs:
+                run = {"quantization": quantization, "case": name, "num_seqs": num_seqs,
+                       **decode_rates(llm, case, num_seqs, args.max_tokens, args.repeats)}
+                result["decode"].append(run)
+                print(json.dumps(run), flush=True)
+        if logits is None:
+            logits = capture_logits(llm, 64)
+        llm.engine.shutdown()
+    for name, case in CASES.items():
+        for num_seqs in args.num_seqs:
+            run = {"case": name, "num_seqs": num_seqs, **sampler_ms(logits, case, num_seqs, args.repeats)}
+            result["sampler_ms"].append(run)
+            print(json.dumps(run), flush=True)
+    print(f"CPU: {result['cpu']} ({result['torch_threads']} torch threads)", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
