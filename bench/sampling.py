@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from bench.scheduler_steps import PROMPTS, int_list
+from bench.scheduler_steps import PROMPTS, int_list, quantization_list
 
 CASES = {
     "temperature 0.8": {"temperature": 0.8},
@@ -115,7 +115,7 @@ def sampler_ms(logits, case: dict, num_seqs: int, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench sampling", description=__doc__.split("\n")[0])
-    parser.add_argument("--quantization", default="gguf,none",
+    parser.add_argument("--quantization", type=quantization_list, default=["gguf", "none"],
                         help="comma-separated from none, gguf, int8 (one engine each)")
     parser.add_argument("--num-seqs", type=int_list, default=[1, 8], help="batch sizes, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -123,9 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--json", default="", help="write the figures here")
     args = parser.parse_args(argv)
-    quantizations = args.quantization.split(",")
-    if not set(quantizations) <= {"none", "gguf", "int8"}:
-        parser.error(f"--quantization takes none, gguf and int8; got {args.quantization!r}")
 
     import torch
 
@@ -134,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"cpu": cpu_model_name(), "torch_threads": None, "max_tokens": args.max_tokens,
               "repeats": args.repeats, "decode": [], "sampler_ms": []}
     logits = None
-    for quantization in quantizations:
+    for quantization in args.quantization:
         llm = LLM(quantization=None if quantization == "none" else quantization, dtype="bfloat16",
                   kv_cache_memory="512MiB", num_threads=args.num_threads)
         result["torch_threads"] = torch.get_num_threads()

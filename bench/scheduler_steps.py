@@ -32,6 +32,14 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def quantization_list(text: str) -> list[str]:
+    """--quantization: comma-separated from none, gguf, int8 (one engine each)."""
+    values = [v for v in text.split(",") if v]
+    if not values or not set(values) <= {"none", "gguf", "int8"}:
+        raise argparse.ArgumentTypeError(f"takes none, gguf and int8, comma-separated; got {text!r}")
+    return values
+
+
 def measure(llm, num_seqs: int, steps: list[int], max_tokens: int, repeats: int) -> dict:
     """One batch size through every steps value: {"tokens_per_s": {steps: ...},
     "paired_ms_per_step": {steps: ...}} (the second against steps[0])."""
@@ -58,7 +66,7 @@ def measure(llm, num_seqs: int, steps: list[int], max_tokens: int, repeats: int)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench scheduler-steps", description=__doc__.split("\n")[0])
-    parser.add_argument("--quantization", default="gguf",
+    parser.add_argument("--quantization", type=quantization_list, default=["gguf"],
                         help="comma-separated from none, gguf, int8 (one engine each)")
     parser.add_argument("--num-seqs", type=int_list, default=[1], help="batch sizes, comma-separated")
     parser.add_argument("--steps", type=int_list, default=[1, 4, 8, 16],
@@ -69,9 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--json", default="", help="write the figures here")
     args = parser.parse_args(argv)
-    quantizations = args.quantization.split(",")
-    if not set(quantizations) <= {"none", "gguf", "int8"}:
-        parser.error(f"--quantization takes none, gguf and int8; got {args.quantization!r}")
 
     import torch
 
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from common import LLM
     result = {"cpu": cpu_model_name(), "torch_threads": None, "max_tokens": args.max_tokens,
               "repeats": args.repeats, "compiled": not args.enforce_eager, "runs": []}
-    for quantization in quantizations:
+    for quantization in args.quantization:
         llm = LLM(quantization=None if quantization == "none" else quantization, dtype="bfloat16",
                   kv_cache_memory="512MiB", enforce_eager=args.enforce_eager, num_threads=args.num_threads)
         result["torch_threads"] = torch.get_num_threads()

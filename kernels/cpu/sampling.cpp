@@ -340,17 +340,23 @@ void top_k_row(float* x, int64_t n, int64_t k, std::vector<float>& candidates) {
   apply_threshold(x, n, *kth);
 }
 
+// The in-place truncations' arguments: fp32 logits with contiguous rows, and one value per
+// row of per_row's dtype (`expected` names it, as "fp32 [num_rows] top_p").
+void check_truncation_args(const char* op, const at::Tensor& logits, const at::Tensor& per_row,
+                           at::ScalarType dtype, const char* expected) {
+  PDSERVE_CHECK_VALUE(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1, op,
+                      ": fp32 [num_rows, vocab_size] logits with contiguous rows expected, got ",
+                      logits.scalar_type(), " ", logits.sizes(), " strides ", logits.strides());
+  PDSERVE_CHECK_VALUE(per_row.dim() == 1 && per_row.scalar_type() == dtype && per_row.size(0) == logits.size(0) &&
+                          per_row.is_contiguous(),
+                      op, ": ", expected, " expected, got ", per_row.scalar_type(), " ", per_row.sizes());
+}
+
 // logits [num_rows, vocab_size] fp32, each row contiguous, truncated in place: a token less
 // likely than min_p times the most likely one (its logit below the maximum + log(min_p))
 // becomes -inf; min_p [num_rows] fp32, 0 for a row to leave whole.
 void min_p_mask_rows_(at::Tensor logits, const at::Tensor& min_p) {
-  PDSERVE_CHECK_VALUE(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
-                      "min_p_mask_rows_: fp32 [num_rows, vocab_size] logits with contiguous rows expected, got ",
-                      logits.scalar_type(), " ", logits.sizes(), " strides ", logits.strides());
-  PDSERVE_CHECK_VALUE(min_p.dim() == 1 && min_p.scalar_type() == at::kFloat && min_p.size(0) == logits.size(0) &&
-                          min_p.is_contiguous(),
-                      "min_p_mask_rows_: fp32 [num_rows] min_p expected, got ", min_p.scalar_type(), " ",
-                      min_p.sizes());
+  check_truncation_args("min_p_mask_rows_", logits, min_p, at::kFloat, "fp32 [num_rows] min_p");
   const int64_t num_rows = logits.size(0), n = logits.size(1), row_stride = logits.stride(0);
   float* x = logits.data_ptr<float>();
   const float* p = min_p.const_data_ptr<float>();
@@ -368,13 +374,7 @@ void min_p_mask_rows_(at::Tensor logits, const at::Tensor& min_p) {
 // logits [num_rows, vocab_size] fp32, each row contiguous, truncated in place; top_k
 // [num_rows] int64, <= 0 or >= vocab_size for a row to leave whole.
 void top_k_mask_rows_(at::Tensor logits, const at::Tensor& top_k) {
-  PDSERVE_CHECK_VALUE(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
-                      "top_k_mask_rows_: fp32 [num_rows, vocab_size] logits with contiguous rows expected, got ",
-                      logits.scalar_type(), " ", logits.sizes(), " strides ", logits.strides());
-  PDSERVE_CHECK_VALUE(top_k.dim() == 1 && top_k.scalar_type() == at::kLong && top_k.size(0) == logits.size(0) &&
-                          top_k.is_contiguous(),
-                      "top_k_mask_rows_: int64 [num_rows] top_k expected, got ", top_k.scalar_type(), " ",
-                      top_k.sizes());
+  check_truncation_args("top_k_mask_rows_", logits, top_k, at::kLong, "int64 [num_rows] top_k");
   const int64_t num_rows = logits.size(0), n = logits.size(1), row_stride = logits.stride(0);
   float* x = logits.data_ptr<float>();
   const int64_t* k = top_k.const_data_ptr<int64_t>();
@@ -387,13 +387,7 @@ void top_k_mask_rows_(at::Tensor logits, const at::Tensor& top_k) {
 // logits [num_rows, vocab_size] fp32 (temperature applied), each row contiguous, truncated in
 // place; top_p [num_rows] fp32, 1 for a row to leave whole.
 void top_p_mask_rows_(at::Tensor logits, const at::Tensor& top_p) {
-  PDSERVE_CHECK_VALUE(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
-                      "top_p_mask_rows_: fp32 [num_rows, vocab_size] logits with contiguous rows expected, got ",
-                      logits.scalar_type(), " ", logits.sizes(), " strides ", logits.strides());
-  PDSERVE_CHECK_VALUE(top_p.dim() == 1 && top_p.scalar_type() == at::kFloat && top_p.size(0) == logits.size(0) &&
-                          top_p.is_contiguous(),
-                      "top_p_mask_rows_: fp32 [num_rows] top_p expected, got ", top_p.scalar_type(), " ",
-                      top_p.sizes());
+  check_truncation_args("top_p_mask_rows_", logits, top_p, at::kFloat, "fp32 [num_rows] top_p");
   const int64_t num_rows = logits.size(0), n = logits.size(1), row_stride = logits.stride(0);
   float* x = logits.data_ptr<float>();
   const float* p = top_p.const_data_ptr<float>();

@@ -107,7 +107,7 @@ _draw_rows = st.integers(1, 4).flatmap(lambda num_rows: st.integers(1, 700).flat
                        .filter(lambda row: any(v != -math.inf for v in row)), min_size=num_rows, max_size=num_rows)))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(_draw_rows, st.lists(st.floats(0.0, 1.0, exclude_max=True), min_size=4, max_size=4))
 def test_draw_takes_the_token_whose_cdf_interval_holds_u(rows, us):
     logits = torch.tensor(rows, dtype=torch.float32)  # [num_rows, n]
@@ -165,7 +165,7 @@ def test_draw_refusals_name_the_problem(logits, uniforms, message):
         torch.ops.pdserve_sampling.draw_rows(logits, uniforms)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(_draw_rows, st.lists(st.sampled_from([0.0, 1e-9, 0.05, 0.5, 1.0]) | st.floats(0.0, 1.0), min_size=4,
                             max_size=4))
 def test_min_p_masks_what_the_torch_form_masks(rows, ps):
@@ -200,7 +200,7 @@ _top_k_rows = st.integers(1, 4).flatmap(lambda num_rows: st.integers(1, 600).fla
                        .filter(lambda row: any(v != -math.inf for v in row)), min_size=num_rows, max_size=num_rows)))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(_top_k_rows, st.lists(st.integers(-1, 700), min_size=4, max_size=4))
 def test_top_k_keeps_the_k_largest_and_their_ties(rows, ks):
     logits = torch.tensor(rows, dtype=torch.float32)  # [num_rows, n]
@@ -255,7 +255,7 @@ def _top_p_reference(row: torch.Tensor, p: float) -> set[int]:
     return kept
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(_draw_rows, st.lists(st.floats(0.01, 0.999), min_size=4, max_size=4))
 def test_top_p_keeps_the_most_likely_tokens_until_their_mass_reaches_p(rows, ps):
     logits = torch.tensor(rows, dtype=torch.float32)  # [num_rows, n]
