@@ -49,14 +49,18 @@ def wait_for_models(base_url: str, process: subprocess.Popen, timeout_s: float) 
     raise TimeoutError(f"{base_url} did not serve /v1/models within {timeout_s:.0f} s")
 
 
-def run_client(base_url: str, args: argparse.Namespace, json_path: Path) -> dict:
-    argv = [sys.executable, "-m", "common.cli.main", "bench", "serve", "--backend", "openai",
+def client_argv(base_url: str, args: argparse.Namespace, json_path: Path) -> list[str]:
+    """The same `pdserve bench serve` load, against either server's OpenAI API."""
+    return [sys.executable, "-m", "common.cli.main", "bench", "serve", "--backend", "openai",
             "--base-url", base_url, "--tokenizer", "bundled", "--dataset-name", "random",
             "--random-input-len", str(args.random_input_len), "--random-output-len", str(args.random_output_len),
             "--random-range-ratio", str(args.random_range_ratio), "--num-prompts", str(args.num_prompts),
-            "--request-rate", args.request_rate, "--seed", str(args.seed), "--disable-tqdm",
-            "--json", str(json_path)]
-    subprocess.run(argv, check=True)
+            "--request-rate", args.request_rate, "--seed", str(args.seed), "--temperature", str(args.temperature),
+            "--disable-tqdm", "--json", str(json_path)]
+
+
+def run_client(base_url: str, args: argparse.Namespace, json_path: Path) -> dict:
+    subprocess.run(client_argv(base_url, args, json_path), check=True)
     return json.loads(json_path.read_text())
 
 
@@ -136,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random-output-len", type=int, default=64)
     parser.add_argument("--random-range-ratio", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request's (0: greedy); above 0 each server samples with its own sampler")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
     try:

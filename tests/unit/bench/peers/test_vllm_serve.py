@@ -1,9 +1,13 @@
-"""serve-peer's comparison rows: each rate's throughput ratio beside both sides' TPOT and TTFT."""
+"""serve-peer's comparison rows: each rate's throughput ratio beside both sides' TPOT and TTFT;
+the client's load, sampling temperature included, the same for both servers."""
 from __future__ import annotations
+
+import argparse
 
 import pytest
 
-from bench.peers.vllm_serve import compare
+from bench.peers.vllm_serve import client_argv, compare
+from bench.serve.main import build_parser as serve_parser
 
 
 def _run(rate: float, tok_s: float, tpot: float, ttft: float) -> dict:
@@ -20,3 +24,12 @@ def test_rows_pair_the_runs_rate_by_rate():
     assert (rows[1]["pdserve_p99_tpot_ms"], rows[1]["vllm_p99_tpot_ms"]) == (46.0, 137.0)
     assert (rows[0]["pdserve_mean_ttft_ms"], rows[0]["vllm_mean_ttft_ms"]) == (160.0, 265.0)
     assert (rows[0]["pdserve_p99_ttft_ms"], rows[0]["vllm_p99_ttft_ms"]) == (320.0, 530.0)
+
+
+def test_the_client_sends_the_temperature_given_and_bench_serve_takes_its_flags(tmp_path):
+    args = argparse.Namespace(random_input_len=256, random_output_len=64, random_range_ratio=0.5, num_prompts=8,
+                              request_rate="1,2", seed=3, temperature=0.8)
+    argv = client_argv("http://127.0.0.1:8000", args, tmp_path / "out.json")
+    assert argv[argv.index("--temperature") + 1] == "0.8"
+    parsed = serve_parser().parse_args(argv[argv.index("serve") + 1:])
+    assert (parsed.temperature, parsed.num_prompts, parsed.seed) == (0.8, 8, 3)
