@@ -19,7 +19,7 @@
   takes a softmax, top-k candidates (growing while they fall short of p) and their sort.
 
 Built on first use (kernels/cpu/build.py); without a C++ compiler, on other devices and
-dtypes, both are their torch forms. PDSERVE_CPU_ARGMAX=0 turns the native ones off.
+dtypes, each runs as its torch form. PDSERVE_CPU_ARGMAX=0 turns the native ones off.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def native_argmax_available() -> bool:
-    """Whether the native argmax runs here (built and loaded once per process)."""
+    """Whether the native sampling ops run here (built and loaded once per process)."""
     if switched_off("PDSERVE_CPU_ARGMAX"):
         return False
     error = load_ops("sampling", {"pdserve_sampling::argmax_rows": _argmax_rows_fake,
@@ -45,7 +45,7 @@ def native_argmax_available() -> bool:
                                   "pdserve_sampling::top_k_mask_rows_": _mask_rows_fake,
                                   "pdserve_sampling::top_p_mask_rows_": _mask_rows_fake})
     if error is not None:
-        log.info("greedy sampling takes torch's argmax: %s", error)
+        log.info("sampling takes torch's argmax, draw and truncations: %s", error)
         return False
     return True
 
