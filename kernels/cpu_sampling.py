@@ -62,16 +62,16 @@ def _mask_rows_fake(logits, per_row):
     return None
 
 
-def native_rows(logits: torch.Tensor) -> bool:
-    """Whether the native sampling ops take these logits: fp32 rows, each contiguous, on the CPU."""
-    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+def native_rows(logits: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """Whether the native sampling ops take these logits: rows of one of dtypes (fp32 for all
+    but the argmax), each contiguous, on the CPU."""
+    return (logits.device.type == "cpu" and logits.dtype in dtypes and logits.dim() == 2
             and logits.shape[1] > 0 and logits.stride(1) == 1 and native_argmax_available())
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits [num_rows, vocab_size] -> [num_rows] int64, as logits.argmax(dim=-1)."""
-    if (logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and logits.dim() == 2
-            and logits.shape[1] > 0 and logits.stride(1) == 1 and native_argmax_available()):
+    if native_rows(logits, (torch.float32, torch.bfloat16)):
         return torch.ops.pdserve_sampling.argmax_rows(logits)
     return logits.argmax(dim=-1)
 

@@ -82,13 +82,16 @@ inline float weight_of(float x, float maximum) {
   return weights_of(pdserve_cpu::Vec{} + x, maximum)[0];  // the same polynomial as the vectors
 }
 
+// Whether a row whose argmax is `top` has a distribution to draw from or truncate: a finite
+// maximum (no NaN; not every value -inf; no +inf, which would take all the mass).
+inline bool has_distribution(const pdserve_cpu::ArgmaxPart& top) { return !top.is_nan && std::isfinite(top.value); }
+
 // The token of row x [n] whose interval of the softmax CDF holds u in [0, 1).
 int64_t draw_row(const float* x, int64_t n, double u) {
   using pdserve_cpu::kLanes;
   using pdserve_cpu::Vec;
   const pdserve_cpu::ArgmaxPart top = pdserve_cpu::argmax_part(x, n);
-  if (top.is_nan || top.value == -std::numeric_limits<float>::infinity() ||
-      top.value == std::numeric_limits<float>::infinity())
+  if (!has_distribution(top))
     return top.index;  // no distribution to draw from: the first NaN, largest or +inf value
   const float maximum = top.value;
   const int64_t num_chunks = (n + kChunk - 1) / kChunk;
@@ -181,8 +184,7 @@ void top_p_row(float* x, int64_t n, float p, std::vector<int32_t>& buckets) {
   using pdserve_cpu::Vec;
   using pdserve_cpu::VecI32;
   const pdserve_cpu::ArgmaxPart top = pdserve_cpu::argmax_part(x, n);
-  if (top.is_nan || top.value == -std::numeric_limits<float>::infinity() ||
-      top.value == std::numeric_limits<float>::infinity())
+  if (!has_distribution(top))
     return;  // no distribution to truncate
   const float maximum = top.value;
   buckets.resize(n);
@@ -304,8 +306,7 @@ void top_k_row(float* x, int64_t n, int64_t k, std::vector<float>& candidates) {
   using pdserve_cpu::VecI32;
   if (k <= 0 || k >= n) return;
   const pdserve_cpu::ArgmaxPart top = pdserve_cpu::argmax_part(x, n);
-  if (top.is_nan || top.value == -std::numeric_limits<float>::infinity() ||
-      top.value == std::numeric_limits<float>::infinity())
+  if (!has_distribution(top))
     return;
   const float maximum = top.value;
   int64_t count[kFarBucket + 1] = {};
@@ -365,7 +366,7 @@ void min_p_mask_rows_(at::Tensor logits, const at::Tensor& min_p) {
       if (!(p[r] > 0.f) || n == 0) continue;
       float* row = x + r * row_stride;
       const pdserve_cpu::ArgmaxPart top = pdserve_cpu::argmax_part(row, n);
-      if (top.is_nan || std::isinf(top.value)) continue;
+      if (!has_distribution(top)) continue;
       apply_threshold(row, n, top.value + std::log(p[r]));
     }
   });
