@@ -1,8 +1,8 @@
 """The native decode loop (kernels/cpu/decode_layers.cpp) as torch ops `torch.ops.pdserve_decode.*`:
 a decode-only step through every decoder layer of a Llama-shaped model in one call (up to
 DECODE_MAX_TOKENS tokens, or any number where every projection is a registered prepacked
-linear or GGUF blocks), or from the token ids to each row's greedy next token
-(decode_greedy), and whether it runs here.
+linear or GGUF blocks), or from the token ids to each row's next token, its argmax or a
+draw from its softmax (decode_tokens), and whether it runs here.
 
 It reaches the GEMVs (kernels/cpu_linear.py) and the fused paged attention
 (kernels/cpu_attention.py) through the dispatcher, so it needs both loaded; it is built
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -39,7 +40,7 @@ def native_decode_available() -> bool:
     if not native_gemv_available() or not native_attention_available():
         return False
     error = load_ops("decode_layers", {"pdserve_decode::decode_layers": _decode_layers_fake,
-                                       "pdserve_decode::decode_greedy": _decode_greedy_fake})
+                                       "pdserve_decode::decode_tokens": _decode_tokens_fake})
     if error is not None:
         log.warning("native decode loop unavailable, decode steps stay on the compiled model: %s", error)
         return False
@@ -51,9 +52,22 @@ def _decode_layers_fake(model_id, hidden, positions, k_caches, v_caches, slot_ma
     return hidden.new_empty(hidden.shape)
 
 
-def _decode_greedy_fake(model_id, input_ids, positions, k_caches, v_caches, slot_mapping, block_tables,
-                        query_start_loc, seq_lens, num_steps=1, stop_token_ids=None):
+def _decode_tokens_fake(model_id, input_ids, positions, k_caches, v_caches, slot_mapping, block_tables,
+                        query_start_loc, seq_lens, num_steps=1, stop_token_ids=None, temperatures=None,
+                        uniforms=None, top_k=None, top_p=None, min_p=None):
     return input_ids.new_empty((input_ids.shape[0], num_steps))
+
+
+class TokenSampling(NamedTuple):
+    """How decode_tokens takes each row's next token: a row whose temperature is > 0 draws it
+    as the sampler's native passes do (kernels/cpu/sample_row.h: the logits over the
+    temperature, then top_k, top_p, min_p, then the draw at the step's uniform); the others
+    take their argmax."""
+    temperatures: torch.Tensor  # [num_tokens] fp32
+    uniforms: torch.Tensor  # [num_steps, num_tokens] float64 in [0, 1): step s draws row m at [s, m]
+    top_k: torch.Tensor | None = None  # [num_tokens] int64; <= 0 or >= the vocabulary: none
+    top_p: torch.Tensor | None = None  # [num_tokens] fp32 in (0, 1]; 1: none
+    min_p: torch.Tensor | None = None  # [num_tokens] fp32 in [0, 1]; 0: none
 
 
 def register_decode_model(
@@ -72,7 +86,7 @@ def register_decode_model(
     # a model of GGUF blocks or bf16 panels runs each step in one parallel region (False,
     # or PDSERVE_DECODE_REGIONS=0: a fork and join per projection and attention)
     in_regions: bool = True,
-    # what decode_greedy reads (both or neither): the token embedding [num_embeddings,
+    # what decode_tokens reads (both or neither): the token embedding [num_embeddings,
     # hidden_size], the model's dtype, and the output projection's decode weight (GGUF
     # blocks or bf16 panels, of kind head_kind) with its bias; its first vocab_size outputs
     # are the vocabulary's logits
@@ -104,12 +118,12 @@ def decode_model_max_tokens(model_id: int) -> int:
     return torch.ops.pdserve_decode.decode_model_max_tokens(model_id)
 
 
-def decode_model_max_greedy_tokens(model_id: int) -> int:
-    """The most tokens a decode_greedy step of this registered model may have, where it was
+def decode_model_max_head_tokens(model_id: int) -> int:
+    """The most tokens a decode_tokens step of this registered model may have, where it was
     registered with an embedding and a head its region runs, after a final norm: as far as
     the head's own op multiplies the rows as the region does (GGUF blocks DECODE_MAX_TOKENS,
     bf16 panels the region's limit, decode_model_max_region_tokens); 0 elsewhere."""
-    return torch.ops.pdserve_decode.decode_model_max_greedy_tokens(model_id)
+    return torch.ops.pdserve_decode.decode_model_max_head_tokens(model_id)
 
 
 def release_decode_model(model_id: int) -> None:
@@ -131,7 +145,7 @@ def decode_layers(
                                                   block_tables, query_start_loc, seq_lens)
 
 
-def decode_greedy(
+def decode_tokens(
     model_id: int,
     input_ids: torch.Tensor,  # [num_tokens] int64, one token per decode sequence
     positions: torch.Tensor,  # [num_tokens] int64
@@ -143,11 +157,14 @@ def decode_greedy(
     seq_lens: torch.Tensor,  # [num_tokens] int32
     num_steps: int = 1,
     stop_token_ids: torch.Tensor | None = None,  # [S] int64
+    sampling: TokenSampling | None = None,  # None: every row its argmax
 ) -> torch.Tensor:  # [num_tokens, steps run] int64: each sequence's next tokens
-    """decode_layers from the token ids, then the head and each row's argmax (as argmax_rows
-    takes it from the head's logits), in one parallel region; num_steps such steps, each
-    row going on from the token it took, one position further (block_tables must hold each
-    row's blocks through position + num_steps - 1), fewer once every row has taken one of
-    stop_token_ids."""
-    return torch.ops.pdserve_decode.decode_greedy(model_id, input_ids, positions, k_caches, v_caches, slot_mapping,
-                                                  block_tables, query_start_loc, seq_lens, num_steps, stop_token_ids)
+    """decode_layers from the token ids, then the head and each row's next token (its argmax,
+    as argmax_rows takes it from the head's logits, or its draw: TokenSampling), in one
+    parallel region; num_steps such steps, each row going on from the token it took, one
+    position further (block_tables must hold each row's blocks through position + num_steps
+    - 1), fewer once every row has taken one of stop_token_ids."""
+    sampling = sampling or TokenSampling(None, None)
+    return torch.ops.pdserve_decode.decode_tokens(model_id, input_ids, positions, k_caches, v_caches, slot_mapping,
+                                                  block_tables, query_start_loc, seq_lens, num_steps, stop_token_ids,
+                                                  *sampling)

@@ -249,9 +249,9 @@ class ModelRunner:
         return torch.get_num_threads()
 
     def runs_decode_steps(self) -> bool:
-        """Whether this runner takes SchedulerOutput.num_steps > 1: the native loop's greedy
+        """Whether this runner takes SchedulerOutput.num_steps > 1: the native loop's token
         steps (elsewhere every step is a single one)."""
-        return self.native_decode is not None and self.native_decode.max_greedy_tokens > 0
+        return self.native_decode is not None and self.native_decode.max_head_tokens > 0
 
     def _compile(self) -> None:
         started = time.perf_counter()
@@ -341,8 +341,9 @@ class ModelRunner:
                 hidden, graph_logits = graphs.run(input_ids, positions, meta)  # [num_tokens, hidden]
             elif received is None and self._loop_samples(scheduler_output, input_ids.shape[0], meta, sample_reqs):
                 num_steps = self._num_loop_steps(scheduler_output.num_steps, sample_reqs)
-                loop_token_ids = loop.run_greedy(input_ids, positions, meta, num_steps,
-                                                 self._stop_token_ids(sample_reqs) if num_steps > 1 else None)
+                loop_token_ids = loop.run_tokens(input_ids, positions, meta, num_steps,
+                                                 self._stop_token_ids(sample_reqs) if num_steps > 1 else None,
+                                                 self.sampler.token_sampling(sample_reqs, num_steps))
             elif received is None and loop is not None and loop.serves(input_ids.shape[0], meta):
                 hidden = loop.run(input_ids, positions, meta)  # [num_tokens, hidden]
             else:
@@ -391,14 +392,14 @@ class ModelRunner:
     def _loop_samples(self, scheduler_output: SchedulerOutput, num_tokens: int, meta: AttentionMetadata,
                       sample_reqs: list[ScheduledRequest]) -> bool:
         """Whether the native loop takes this step from its tokens to the next ones
-        (NativeDecodeLoop.run_greedy): a decode step it serves whose every row samples its
-        argmax as the sampler would (Sampler.only_argmax), unmasked, with no drafts to verify
-        or propose, on the rank that samples."""
+        (NativeDecodeLoop.run_tokens): a decode step it serves whose every row it samples as
+        the sampler would (Sampler.samples_in_loop), unmasked, with no drafts to verify or
+        propose, on the rank that samples."""
         loop = self.native_decode
-        return (loop is not None and loop.serves_greedy(num_tokens, meta) and self.proposer is None
+        return (loop is not None and loop.serves_tokens(num_tokens, meta) and self.proposer is None
                 and self.is_output_rank and scheduler_output.grammar_bitmask is None
                 and len(sample_reqs) == num_tokens and not any(r.spec_token_ids for r in sample_reqs)
-                and self.sampler.only_argmax(sample_reqs))
+                and self.sampler.samples_in_loop(sample_reqs))
 
     def _num_loop_steps(self, num_steps: int, sample_reqs: list[ScheduledRequest]) -> int:
         """The decode steps the loop runs back to back: as many as the scheduler allowed

@@ -20,12 +20,14 @@ single rank, whose every projection has a decode GEMV (bf16 or fp32 rows, Q4_1 o
 blocks); other families (Qwen3's q/k norms, Gemma 2's extra norms and soft-capping) and
 steps it does not serve take the compiled model.
 
-Where a step's rows all sample greedily (run_greedy), a model that runs its steps in one
-parallel region takes the token ids in and each row's next token out of the same region:
-the embedding lookup, the packed head's GEMV and the argmax (its share of the columns on
-each thread) join the layers, rather than three more calls from Python with a region
-each: 0.05-0.14 ms less a token of the bundled model in Q4_1 (of 2.6-3.3), 0.32 ms in bf16
-(of 6.9-7.2), on the 2-core Zen 5 EPYC, the two forms taking turns in one process.
+Where a step's rows sample without logprobs, penalties or a grammar (run_tokens), a model
+that runs its steps in one parallel region takes the token ids in and each row's next token
+out of the same region: the embedding lookup, the packed head's GEMV and the argmax (its
+share of the columns on each thread) or the row's draw (temperature, top_k, top_p, min_p,
+the sampler's own native passes, at a uniform the sampler drew) join the layers, rather than
+three more calls from Python with a region each: for greedy rows 0.05-0.14 ms less a token
+of the bundled model in Q4_1 (of 2.6-3.3), 0.32 ms in bf16 (of 6.9-7.2), on the 2-core Zen 5
+EPYC, the two forms taking turns in one process.
 """
 from __future__ import annotations
 
@@ -43,10 +45,10 @@ from common.engine.models.parallel_layers import VocabParallelEmbedding
 from common.engine.models.prepacked_linear import PrepackedLinear
 from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
-from kernels.cpu_decode import (LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, decode_greedy, decode_layers,
-                                decode_model_max_greedy_tokens, decode_model_max_region_tokens, decode_model_max_tokens,
-                                native_decode_available, native_decode_disabled, register_decode_model,
-                                release_decode_model)
+from kernels.cpu_decode import (LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, TokenSampling, decode_layers,
+                                decode_model_max_head_tokens, decode_model_max_region_tokens, decode_model_max_tokens,
+                                decode_tokens, native_decode_available, native_decode_disabled,
+                                register_decode_model, release_decode_model)
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ def _check_norm(norm: torch.nn.Module, eps: float) -> torch.Tensor:
     return norm.weight.detach()
 
 
-def _greedy_head(model: CausalLM) -> dict:
+def _token_head(model: CausalLM) -> dict:
     """register_decode_model's embedding and head, where compute_argmax_logits' logits can come
     from the loop: the packed head's GGUF blocks or panels, no soft-capping, the plain
     embedding of one rank's whole vocabulary; {} elsewhere."""
@@ -128,7 +130,7 @@ def _model_tensors(model: CausalLM, num_layers: int | None) -> dict:
                 cos=model.rope.cos.float().contiguous(), sin=model.rope.sin.float().contiguous(),
                 num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                 rms_norm_eps=cfg.rms_norm_eps, attention_scale=attn.scale, weight_ids=weight_ids,
-                **_greedy_head(model))
+                **_token_head(model))
 
 
 class NativeDecodeLoop:
@@ -148,12 +150,12 @@ class NativeDecodeLoop:
         # Steps of up to this many tokens run in one parallel region each (0: none do).
         self.max_region_tokens = decode_model_max_region_tokens(self.model_id)
         self.in_regions = self.max_region_tokens > 0
-        # Greedy steps of up to this many tokens end in the loop (run_greedy); 0: none do.
-        self.max_greedy_tokens = decode_model_max_greedy_tokens(self.model_id)
+        # Greedy steps of up to this many tokens end in the loop (run_tokens); 0: none do.
+        self.max_head_tokens = decode_model_max_head_tokens(self.model_id)
         self.k_caches = [k for k, _ in kv_caches[:num_layers]]
         self.v_caches = [v for _, v in kv_caches[:num_layers]]
-        self.num_steps = 0  # steps run, greedy ones included
-        self.num_greedy_steps = 0
+        self.num_steps = 0  # steps run, run_tokens' included
+        self.num_token_steps = 0  # steps run_tokens ran
 
     @classmethod
     def build(cls, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> NativeDecodeLoop | None:
@@ -187,23 +189,26 @@ class NativeDecodeLoop:
         return (1 <= num_tokens <= self.max_num_tokens and meta.num_decode_tokens == num_tokens
                 and meta.kv_layer_hook is None and meta.block_tables is not None)
 
-    def serves_greedy(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """Steps run_greedy takes: those serves() takes of up to max_greedy_tokens tokens."""
-        return num_tokens <= self.max_greedy_tokens and self.serves(num_tokens, meta)
+    def serves_tokens(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Steps run_tokens takes: those serves() takes of up to max_head_tokens tokens."""
+        return num_tokens <= self.max_head_tokens and self.serves(num_tokens, meta)
 
-    def run_greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                   num_steps: int = 1, stop_token_ids: list[int] | None = None) -> torch.Tensor:
+    def run_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                   num_steps: int = 1, stop_token_ids: list[int] | None = None,
+                   sampling: TokenSampling | None = None) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> each row's next tokens [num_tokens, steps run]
-        int64: the argmax of the model's compute_argmax_logits over run()'s hidden states,
-        each step's tokens the next one's inputs, in one call: num_steps steps (meta's block
-        tables must hold each row's blocks through position + num_steps - 1), fewer once every
-        row has taken one of stop_token_ids."""
+        int64: the argmax of the model's compute_argmax_logits over run()'s hidden states, or
+        for a row that draws (sampling: its temperature > 0) the token the sampler's native
+        passes draw from compute_logits' logits at the row's uniform; each step's tokens the
+        next one's inputs, in one call: num_steps steps (meta's block tables must hold each
+        row's blocks through position + num_steps - 1), fewer once every row has taken one of
+        stop_token_ids."""
         stops = torch.tensor(stop_token_ids, dtype=torch.int64) if stop_token_ids and num_steps > 1 else None
-        token_ids = decode_greedy(self.model_id, input_ids, positions, self.k_caches, self.v_caches,
+        token_ids = decode_tokens(self.model_id, input_ids, positions, self.k_caches, self.v_caches,
                                   meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                  num_steps, stops)
+                                  num_steps, stops, sampling)
         self.num_steps += token_ids.shape[1]
-        self.num_greedy_steps += token_ids.shape[1]
+        self.num_token_steps += token_ids.shape[1]
         return token_ids
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

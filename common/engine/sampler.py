@@ -19,6 +19,11 @@ grammar forbids are -inf before anything else, so greedy and random draws both o
 Greedy rows (temperature < 1e-5 or top_k == 1) take the argmax of the penalised,
 masked logits. A batch of greedy rows without penalties, logprobs or pending
 min_tokens is a single argmax.
+
+Rows that sample from the logits alone (no penalties, logprobs, pending min_tokens or
+grammar) can be sampled inside the CPU's native decode loop (token_sampling): the sampler
+draws their uniform numbers as it would step after step, and the loop truncates and draws
+with the same native passes, so the tokens are the ones this sampler gives.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import torch
 
 from common.engine.outputs import Logprobs, ScheduledRequest
 from common.engine.structured_output.bitmask import apply_token_bitmask
+from kernels.cpu_decode import TokenSampling
 from kernels.cpu_sampling import argmax_rows, draw_rows, native_argmax_available, native_rows
 
 _MASK64 = (1 << 64) - 1
@@ -59,6 +65,9 @@ class Sampler:
         # Unique prompt token ids per request, for repetition penalties; a prompt never
         # changes, so it is turned into a tensor once rather than every step.
         self._prompt_id_tensors: dict[str, torch.Tensor] = {}
+        # Whether token_sampling hands random rows to the native loop (False: only greedy
+        # ones, the others drawn here after it; benchmarks compare the two).
+        self.draws_in_loop = True
 
     def prepare(self, device: torch.device) -> None:
         """Load what greedy steps on this device take before the first request: on the CPU the
@@ -79,6 +88,37 @@ class Sampler:
         logprobs, penalties or stop tokens held back): then any logits with the same argmax
         serve, such as the head's bf16 output before its fp32 copy."""
         return all(request.sampling_params.samples_argmax(len(request.output_token_ids)) for request in requests)
+
+    def samples_in_loop(self, requests: Sequence[ScheduledRequest]) -> bool:
+        """Whether the native loop's token head can take these rows' next tokens
+        (token_sampling): every row takes its argmax (only_argmax), or every row samples from
+        the logits alone (no logprobs, penalties, stop tokens held back by min_tokens) while
+        the native sampling ops are on (not PDSERVE_CPU_ARGMAX=0) and draws_in_loop is."""
+        return self.only_argmax(requests) or (
+            self.draws_in_loop and native_argmax_available()
+            and all(r.sampling_params.samples_logits_alone(len(r.output_token_ids)) for r in requests))
+
+    def token_sampling(self, requests: Sequence[ScheduledRequest], num_steps: int) -> TokenSampling | None:
+        """How the native loop takes the next num_steps tokens of rows samples_in_loop allows:
+        None where every row takes its argmax; else each row's temperature (0: its argmax),
+        truncations, and the uniform numbers this sampler would draw for it step after step
+        from the same generators, so the loop's draws are this sampler's tokens."""
+        params = [r.sampling_params for r in requests]
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if not random_rows:
+            return None
+        random_requests = [requests[i] for i in random_rows]
+        uniforms = torch.zeros(num_steps, len(requests), dtype=torch.float64)  # [num_steps, num_rows]
+        for step in range(num_steps):
+            uniforms[step, random_rows] = self._uniforms(random_requests, torch.device("cpu"), step)
+        temperatures = [0.0 if p.is_greedy else p.temperature for p in params]
+        return TokenSampling(
+            torch.tensor(temperatures, dtype=torch.float32), uniforms,
+            top_k=torch.tensor([p.top_k for p in params]) if any(p.top_k > 0 for p in params) else None,
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32) if any(p.top_p < 1.0 for p in params)
+            else None,
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32) if any(p.min_p > 0.0 for p in params)
+            else None)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest],
                  token_bitmask: torch.Tensor | None = None,
@@ -202,13 +242,19 @@ class Sampler:
         """Inverse-CDF draw, one uniform per row (what torch.multinomial does for one
         sample, but with per-row generators): ~15x cheaper on CPU than drawing
         vocab-sized noise for an exponential race. logits: [num_rows, vocab_size]."""
-        uniforms = torch.empty(len(requests), dtype=torch.float64, device=logits.device)  # [num_rows]
+        return draw_rows(logits, self._uniforms(requests, logits.device))
+
+    def _uniforms(self, requests: Sequence[ScheduledRequest], device: torch.device, offset: int = 0) -> torch.Tensor:
+        """One uniform number in [0, 1) per row [num_rows] float64, for the token `offset` past
+        each row's next one: the unseeded rows' from the shared generator in row order, a
+        seeded row's from its own generator, seeded at that token's index."""
+        uniforms = torch.empty(len(requests), dtype=torch.float64, device=device)  # [num_rows]
         seeded_rows = [j for j, r in enumerate(requests) if r.sampling_params.seed is not None]
         if len(seeded_rows) < len(requests):
-            uniforms.uniform_(generator=self._shared_generator(logits.device))
+            uniforms.uniform_(generator=self._shared_generator(device))
         for j in seeded_rows:  # a seeded row consumes its own generator only
-            uniforms[j].uniform_(generator=self._request_generator(requests[j], logits.device))
-        return draw_rows(logits, uniforms)
+            uniforms[j].uniform_(generator=self._request_generator(requests[j], device, offset))
+        return uniforms
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._shared_generators.get(device)
@@ -217,14 +263,12 @@ class Sampler:
             self._shared_generators[device] = generator
         return generator
 
-    def _request_generator(self, request: ScheduledRequest,
-                           device: torch.device) -> torch.Generator:
+    def _request_generator(self, request: ScheduledRequest, device: torch.device, offset: int = 0) -> torch.Generator:
         generator = self._request_generators.get(request.req_id)
         if generator is None or generator.device != device:
             generator = torch.Generator(device=device)
             self._request_generators[request.req_id] = generator
-        generator.manual_seed(_step_seed(request.sampling_params.seed,
-                                         len(request.output_token_ids)))
+        generator.manual_seed(_step_seed(request.sampling_params.seed, len(request.output_token_ids) + offset))
         return generator
 
     @staticmethod

@@ -16,8 +16,8 @@
 // blocks takes steps of any size; the others up to kMaxGemvTokens. Where every projection
 // is GGUF blocks or bf16 panels, the whole step runs in one OpenMP region
 // (run_layers_in_regions) rather than a fork and join per projection and attention; a step
-// of such a model whose rows all sample greedily can take the embedding lookup, the head
-// and the argmax into the same region too (decode_greedy).
+// of such a model can take the embedding lookup, the head and each row's next token (its
+// argmax, or a draw from its softmax) into the same region too (decode_tokens).
 //
 // Numerics follow the compiled graph's: each fused pointwise step computes in fp32 from
 // the dtype's inputs and rounds once; RMSNorm rounds the normalised value before scaling
@@ -50,6 +50,7 @@
 #include "gguf_row_groups.h"
 #include "panel_gemm.h"
 #include "panel_layout.h"
+#include "sample_row.h"
 #include "vec_math.h"
 
 namespace {
@@ -82,12 +83,12 @@ struct Layer {
   int64_t sliding_window;  // 0: none
 };
 
-// The embedding and the output projection, for steps that end in each row's argmax
-// (decode_greedy): the token ids in, the next tokens out.
-struct GreedyHead {
+// The embedding and the output projection, for steps that end in each row's next token
+// (decode_tokens): the token ids in, the next tokens out.
+struct TokenHead {
   at::Tensor embedding;  // [num_embeddings, hidden_size], the model's dtype
   Linear linear;         // the output projection: GGUF blocks or bf16 panels
-  int64_t vocab_size;    // the columns the argmax reads (the projection may pad past them)
+  int64_t vocab_size;    // the columns sampling reads (the projection may pad past them)
 };
 
 struct Model {
@@ -102,10 +103,10 @@ struct Model {
   // where some are bf16 panels (past it they take its oneDNN call), 0 for other models
   // (region_tokens_limit).
   int64_t max_region_tokens = 0;
-  std::optional<GreedyHead> greedy_head;  // none: registered without one
-  // Steps decode_greedy serves (greedy_tokens_limit): where the model has a greedy head its
+  std::optional<TokenHead> token_head;  // none: registered without one
+  // Steps decode_tokens serves (head_tokens_limit): where the model has a token head its
   // region can run, as far as the head's own op takes the region's GEMV, else 0.
-  int64_t max_greedy_tokens = 0;
+  int64_t max_head_tokens = 0;
 };
 
 std::mutex models_mutex;
@@ -405,16 +406,56 @@ void prepare_rows(const Linear& l, const T* x, int64_t begin, int64_t end, pdser
 // team calls (attention_team.h): its own region cost ~5 us a layer at short contexts, most
 // of the attention there.
 //
+// How a decode_tokens step takes each row's next token from the head's logits.
+struct StepSampling {
+  // [M] fp32: > 0 draws the row from softmax(logits / temperature), else takes its argmax;
+  // nullptr: every row its argmax.
+  const float* temperatures = nullptr;
+  const pdserve_cpu::sampling::Truncation* truncations = nullptr;  // [M]; with temperatures
+  const double* uniforms = nullptr;  // [M] in [0, 1): this step's draw of each row
+};
+
+// Whether row m of a step draws its token (else it takes its argmax).
+inline bool draws(const StepSampling& sampling, int64_t m) {
+  return sampling.temperatures != nullptr && sampling.temperatures[m] > 0.f;
+}
+
+// What a thread's draws reuse from row to row: the row as fp32 and the truncations' scratch.
+struct DrawScratch {
+  std::vector<float> row;
+  pdserve_cpu::sampling::RowScratch truncation;
+};
+
+// Row m's token drawn from its logits [vocab_size] (the head's dtype) as the sampler draws it:
+// widened to fp32 and divided by the temperature (the sampler's copy and division, the same
+// bits), truncated, then drawn at the row's uniform.
+template <typename T>
+int64_t draw_token(const T* logits, int64_t vocab_size, const StepSampling& sampling, int64_t m,
+                   DrawScratch& scratch) {
+  scratch.row.resize(vocab_size);
+  float* x = scratch.row.data();
+  const float temperature = sampling.temperatures[m];
+  const Vec divisor = Vec{} + temperature;
+  int64_t i = 0;
+  for (; i + kLanes <= vocab_size; i += kLanes) store_vec(x + i, load_vec(logits + i) / divisor);
+  for (; i < vocab_size; ++i) x[i] = static_cast<float>(logits[i]) / temperature;
+  return pdserve_cpu::sampling::sample_row(x, vocab_size, sampling.truncations[m], sampling.uniforms[m],
+                                           scratch.truncation);
+}
+
 // head (a model with a final norm): the region goes on through the output projection, each
-// thread's columns of the logits [M, vocab] then its part of each row's argmax, and writes
-// each row's next token to token_ids [M]: the argmax of the head's logits, as the sampler's
-// argmax_rows gives it from the same logits.
+// thread's columns of the logits [M, vocab] then its part of each greedy row's argmax, and
+// writes each row's next token to token_ids [M]: the argmax of the head's logits, as the
+// sampler's argmax_rows gives it from the same logits, or for a row sampling draws (its
+// temperature > 0) the token the sampler's native passes draw from them at the row's uniform:
+// the logits as fp32 over the temperature, then its top_k, top_p and min_p, then the draw
+// (sample_row.h), on the thread that owns the row.
 template <typename T>
 at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, const at::Tensor& positions,
                                  at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                                  const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                                 const at::Tensor& seq_lens, const GreedyHead* head = nullptr,
-                                 int64_t* token_ids = nullptr) {
+                                 const at::Tensor& seq_lens, const TokenHead* head = nullptr,
+                                 int64_t* token_ids = nullptr, const StepSampling& sampling = {}) {
   const int64_t M = hidden.size(0), H = hidden.size(1);
   const int64_t num_heads = model.num_heads, num_kv_heads = model.num_kv_heads, head_dim = model.head_dim;
   const int64_t half = model.cos.size(1), attended_width = num_heads * head_dim;
@@ -510,6 +551,7 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
 #pragma omp parallel num_threads(num_threads)
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    DrawScratch draw_scratch;  // allocated at a thread's first draw
     const auto [row_begin, row_end] = rows_of(M, t, n);
     up_to_attention(0, t, n, row_begin, row_end);
     for (size_t l = 0; l < model.layers.size(); ++l) {
@@ -527,6 +569,7 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
       const auto [begin, end] = columns_of(projection, t, n);
       const int64_t stop = std::min(end, head->vocab_size);
       for (int64_t m = 0; m < M; ++m) {
+        if (draws(sampling, m)) continue;
         pdserve_cpu::ArgmaxPart part = pdserve_cpu::argmax_part(logits_p + m * projection.out_features + begin,
                                                                 stop - begin);
         if (part.index >= 0) part.index += begin;
@@ -534,6 +577,11 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
       }
 #pragma omp barrier
       for (int64_t m = row_begin; m < row_end; ++m) {
+        if (draws(sampling, m)) {
+          token_ids[m] = draw_token(logits_p + m * projection.out_features, head->vocab_size, sampling, m,
+                                    draw_scratch);
+          continue;
+        }
         pdserve_cpu::ArgmaxPart row = argmax_parts[m];
         for (int other = 1; other < n; ++other) pdserve_cpu::merge_argmax(row, argmax_parts[other * M + m]);
         token_ids[m] = row.index;
@@ -638,12 +686,12 @@ int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
 #endif
 }
 
-// The most tokens decode_greedy may take for the model with this head, after a final norm,
+// The most tokens decode_tokens may take for the model with this head, after a final norm,
 // within the region form's limit: as far as the head's own op multiplies the rows as the
 // region does, so the tokens are the ones it gives (past them it takes panels or oneDNN,
 // whose logits differ): Q8_0 blocks and panels their prepacked_rows_limit, Q4_1 blocks
 // (which no prepacked head holds) kMaxGemvTokens.
-int64_t greedy_tokens_limit(const Model& model, const Linear& head) {
+int64_t head_tokens_limit(const Model& model, const Linear& head) {
   if (model.max_region_tokens == 0 || !model.final_norm.has_value()) return 0;
   if (!runs_in_regions(head.kind)) return 0;
   const int64_t head_rows = head.kind == kPanels  ? prepacked_rows_limit("pdserve_gemv::panel_gemm_max_rows")
@@ -656,7 +704,7 @@ int64_t greedy_tokens_limit(const Model& model, const Linear& head) {
 // release_decode_model; returns the id decode_layers takes. in_regions: let a model of
 // GGUF blocks or panels take run_layers_in_regions (false: run_layers, for comparison).
 // embedding [num_embeddings, hidden_size] and head (of kind head_kind, [vocab_size +
-// padding] outputs) with head_bias: what decode_greedy reads (none: it does not serve the model).
+// padding] outputs) with head_bias: what decode_tokens reads (none: it does not serve the model).
 int64_t register_decode_model(at::TensorList norms, at::TensorList weights, at::IntArrayRef kinds,
                               const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef sliding_windows,
                               const std::optional<at::Tensor>& final_norm, const at::Tensor& cos,
@@ -716,8 +764,8 @@ int64_t register_decode_model(at::TensorList norms, at::TensorList weights, at::
                         "register_decode_model: the head must be GGUF blocks or bf16 panels over the hidden size");
     PDSERVE_CHECK_VALUE(vocab_size >= 1 && vocab_size <= projection.out_features, "register_decode_model: vocab_size ",
                         vocab_size, " must be 1 to the head's ", projection.out_features, " outputs");
-    model.max_greedy_tokens = greedy_tokens_limit(model, projection);
-    model.greedy_head = GreedyHead{*embedding, std::move(projection), vocab_size};
+    model.max_head_tokens = head_tokens_limit(model, projection);
+    model.token_head = TokenHead{*embedding, std::move(projection), vocab_size};
   }
   std::lock_guard<std::mutex> lock(models_mutex);
   models.push_back(std::make_shared<const Model>(std::move(model)));
@@ -811,7 +859,7 @@ void embed_rows(const at::Tensor& embedding, const int64_t* ids, at::Tensor& hid
   const int64_t M = hidden.size(0), num_embeddings = embedding.size(0);
   const int64_t row_bytes = hidden.size(1) * embedding.element_size();
   for (int64_t m = 0; m < M; ++m) {
-    PDSERVE_CHECK_VALUE(ids[m] >= 0 && ids[m] < num_embeddings, "decode_greedy: token id ", ids[m], " of row ", m,
+    PDSERVE_CHECK_VALUE(ids[m] >= 0 && ids[m] < num_embeddings, "decode_tokens: token id ", ids[m], " of row ", m,
                         " (step ", step, ") is outside the embedding's ", num_embeddings, " rows");
     std::memcpy(static_cast<char*>(hidden.data_ptr()) + m * row_bytes,
                 static_cast<const char*>(embedding.const_data_ptr()) + ids[m] * row_bytes, row_bytes);
@@ -833,33 +881,100 @@ void advance_rows(at::Tensor& positions, at::Tensor& slot_mapping, at::Tensor& s
   }
 }
 
+// The per-row sampling of a decode_tokens call checked, as Truncations (none: every row
+// greedy). temperatures [M] fp32 (> 0: the row draws; else its argmax), uniforms [num_steps, M]
+// float64 in [0, 1) (step s draws row m at uniforms[s, m]), top_k [M] int64, top_p and min_p
+// [M] fp32 (each optional: none truncates).
+std::vector<pdserve_cpu::sampling::Truncation> check_sampling(
+    int64_t M, int64_t num_steps, const std::optional<at::Tensor>& temperatures,
+    const std::optional<at::Tensor>& uniforms, const std::optional<at::Tensor>& top_k,
+    const std::optional<at::Tensor>& top_p, const std::optional<at::Tensor>& min_p) {
+  PDSERVE_CHECK_VALUE(temperatures.has_value() == uniforms.has_value(),
+                      "decode_tokens: temperatures and uniforms together, or neither");
+  if (!temperatures.has_value()) {
+    PDSERVE_CHECK_VALUE(!top_k.has_value() && !top_p.has_value() && !min_p.has_value(),
+                        "decode_tokens: top_k, top_p and min_p need temperatures");
+    return {};
+  }
+  const auto per_row = [&](const at::Tensor& values, at::ScalarType dtype, const char* name) {
+    PDSERVE_CHECK_VALUE(values.dim() == 1 && values.numel() == M && values.scalar_type() == dtype &&
+                            values.is_contiguous(),
+                        "decode_tokens: ", name, " must be contiguous [num_tokens ", M, "] ", dtype, ", got ",
+                        values.scalar_type(), " ", values.sizes());
+  };
+  per_row(*temperatures, at::kFloat, "temperatures");
+  PDSERVE_CHECK_VALUE(uniforms->dim() == 2 && uniforms->size(0) == num_steps && uniforms->size(1) == M &&
+                          uniforms->scalar_type() == at::kDouble && uniforms->is_contiguous(),
+                      "decode_tokens: uniforms must be contiguous [num_steps ", num_steps, ", num_tokens ", M,
+                      "] float64, got ", uniforms->scalar_type(), " ", uniforms->sizes());
+  const float* temperature = temperatures->const_data_ptr<float>();
+  const double* u = uniforms->const_data_ptr<double>();
+  std::vector<pdserve_cpu::sampling::Truncation> truncations(M);
+  for (int64_t m = 0; m < M; ++m) {
+    PDSERVE_CHECK_VALUE(std::isfinite(temperature[m]), "decode_tokens: row ", m, "'s temperature ", temperature[m],
+                        " is not finite");
+    if (!(temperature[m] > 0.f)) continue;
+    for (int64_t step = 0; step < num_steps; ++step)
+      PDSERVE_CHECK_VALUE(u[step * M + m] >= 0.0 && u[step * M + m] < 1.0, "decode_tokens: uniform ",
+                          u[step * M + m], " of row ", m, " (step ", step, ") is outside [0, 1)");
+  }
+  if (top_k.has_value()) {
+    per_row(*top_k, at::kLong, "top_k");
+    for (int64_t m = 0; m < M; ++m) truncations[m].top_k = top_k->const_data_ptr<int64_t>()[m];
+  }
+  if (top_p.has_value()) {
+    per_row(*top_p, at::kFloat, "top_p");
+    for (int64_t m = 0; m < M; ++m) {
+      const float p = top_p->const_data_ptr<float>()[m];
+      PDSERVE_CHECK_VALUE(p > 0.f && p <= 1.f, "decode_tokens: row ", m, "'s top_p ", p, " is outside (0, 1]");
+      truncations[m].top_p = p;
+    }
+  }
+  if (min_p.has_value()) {
+    per_row(*min_p, at::kFloat, "min_p");
+    for (int64_t m = 0; m < M; ++m) {
+      const float p = min_p->const_data_ptr<float>()[m];
+      PDSERVE_CHECK_VALUE(p >= 0.f && p <= 1.f, "decode_tokens: row ", m, "'s min_p ", p, " is outside [0, 1]");
+      truncations[m].min_p = p;
+    }
+  }
+  return truncations;
+}
+
 // input_ids [num_tokens] int64 (one per decode sequence) -> each sequence's next num_steps
 // tokens [num_tokens, num_steps] int64: the argmax of the head's logits after the layers, as
-// decode_layers, the head and argmax_rows give it one after another, in one parallel region
-// a step (a model registered with an embedding and a head, steps of up to
-// decode_model_max_greedy_tokens). Past the first step each row goes on from the token it
+// decode_layers, the head and argmax_rows give it one after another, or where the row has a
+// temperature > 0 the token the sampler's native passes draw from those logits at the row's
+// uniform of the step (check_sampling says how they come), in one parallel region a step (a
+// model registered with an embedding and a head, steps of up to
+// decode_model_max_head_tokens). Past the first step each row goes on from the token it
 // just took, one position further (its slot read from its block table): block_tables must
 // hold every row's blocks through position + num_steps - 1 (the scheduler's lookahead).
 // stop_token_ids [S] int64: the steps end early, [num_tokens, steps run], once every row has
 // taken one of them (steps past a stop would be thrown away).
-at::Tensor decode_greedy(int64_t model_id, const at::Tensor& input_ids, const at::Tensor& positions,
+at::Tensor decode_tokens(int64_t model_id, const at::Tensor& input_ids, const at::Tensor& positions,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                          const at::Tensor& seq_lens, int64_t num_steps,
-                         const std::optional<at::Tensor>& stop_token_ids) {
-  const std::shared_ptr<const Model> model = registered_model(model_id, "decode_greedy");
-  PDSERVE_CHECK_VALUE(model->max_greedy_tokens > 0, "decode_greedy: model ", model_id,
+                         const std::optional<at::Tensor>& stop_token_ids,
+                         const std::optional<at::Tensor>& temperatures, const std::optional<at::Tensor>& uniforms,
+                         const std::optional<at::Tensor>& top_k, const std::optional<at::Tensor>& top_p,
+                         const std::optional<at::Tensor>& min_p) {
+  const std::shared_ptr<const Model> model = registered_model(model_id, "decode_tokens");
+  PDSERVE_CHECK_VALUE(model->max_head_tokens > 0, "decode_tokens: model ", model_id,
                       " has no head this loop can run (register it with an embedding and a head of GGUF blocks "
                       "or bf16 panels, in one region a step)");
   PDSERVE_CHECK_VALUE(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && input_ids.is_contiguous(),
-                      "decode_greedy: input_ids must be contiguous [num_tokens] int64, got ", input_ids.scalar_type(),
+                      "decode_tokens: input_ids must be contiguous [num_tokens] int64, got ", input_ids.scalar_type(),
                       " ", input_ids.sizes());
   const int64_t M = input_ids.numel();
-  PDSERVE_CHECK_VALUE(M >= 1 && M <= model->max_greedy_tokens, "decode_greedy: 1 to ", model->max_greedy_tokens,
+  PDSERVE_CHECK_VALUE(M >= 1 && M <= model->max_head_tokens, "decode_tokens: 1 to ", model->max_head_tokens,
                       " tokens for this model, got ", M);
-  PDSERVE_CHECK_VALUE(num_steps >= 1, "decode_greedy: num_steps must be at least 1, got ", num_steps);
-  check_step(*model, M, positions, k_caches, v_caches, query_start_loc, seq_lens, "decode_greedy");
-  const GreedyHead& head = *model->greedy_head;
+  PDSERVE_CHECK_VALUE(num_steps >= 1, "decode_tokens: num_steps must be at least 1, got ", num_steps);
+  check_step(*model, M, positions, k_caches, v_caches, query_start_loc, seq_lens, "decode_tokens");
+  const std::vector<pdserve_cpu::sampling::Truncation> truncations =
+      check_sampling(M, num_steps, temperatures, uniforms, top_k, top_p, min_p);
+  const TokenHead& head = *model->token_head;
   at::Tensor token_ids = at::empty({M, num_steps}, input_ids.options());  // [M, num_steps]
   at::Tensor step_ids = at::empty({M}, input_ids.options());             // [M] one step's tokens
   at::Tensor hidden = at::empty({M, head.embedding.size(1)}, head.embedding.options());  // [M, H] embedded
@@ -868,12 +983,12 @@ at::Tensor decode_greedy(int64_t model_id, const at::Tensor& input_ids, const at
   if (num_steps > 1) {
     PDSERVE_CHECK_VALUE(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt &&
                             seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
-                        "decode_greedy: block_tables [num_tokens, max_blocks] and seq_lens [num_tokens] int32");
+                        "decode_tokens: block_tables [num_tokens, max_blocks] and seq_lens [num_tokens] int32");
     for (int64_t m = 0; m < M; ++m) {
       const int64_t final_pos = positions.data_ptr<int64_t>()[m] + num_steps - 1;
-      PDSERVE_CHECK_VALUE(final_pos < model->cos.size(0), "decode_greedy: step ", num_steps, " of row ", m,
+      PDSERVE_CHECK_VALUE(final_pos < model->cos.size(0), "decode_tokens: step ", num_steps, " of row ", m,
                           " reaches position ", final_pos, ", outside the RoPE table's ", model->cos.size(0));
-      PDSERVE_CHECK_VALUE(final_pos / block_size < block_tables.size(1), "decode_greedy: row ", m,
+      PDSERVE_CHECK_VALUE(final_pos / block_size < block_tables.size(1), "decode_tokens: row ", m,
                           "'s block table ends before position ", final_pos, " (", num_steps, " steps)");
     }
     // This call's own copies: each step moves them on by one position.
@@ -885,7 +1000,7 @@ at::Tensor decode_greedy(int64_t model_id, const at::Tensor& input_ids, const at
   if (stop_token_ids.has_value()) {
     PDSERVE_CHECK_VALUE(stop_token_ids->dim() == 1 && stop_token_ids->scalar_type() == at::kLong &&
                             stop_token_ids->is_contiguous(),
-                        "decode_greedy: stop_token_ids must be contiguous [S] int64");
+                        "decode_tokens: stop_token_ids must be contiguous [S] int64");
     const int64_t* begin = stop_token_ids->data_ptr<int64_t>();
     stops.assign(begin, begin + stop_token_ids->numel());
   }
@@ -895,14 +1010,18 @@ at::Tensor decode_greedy(int64_t model_id, const at::Tensor& input_ids, const at
   for (int64_t step = 0; step < num_steps; ++step) {
     if (step > 0) advance_rows(step_positions, step_slots, step_seq_lens, block_tables, block_size);
     embed_rows(head.embedding, next_ids, hidden, step);
+    StepSampling sampling;
+    if (temperatures.has_value())
+      sampling = {temperatures->const_data_ptr<float>(), truncations.data(),
+                  uniforms->const_data_ptr<double>() + step * M};
 #ifdef PDSERVE_ROW_GROUPS
     if (hidden.scalar_type() == at::kFloat)
       run_layers_in_regions<float>(*model, hidden, step_positions, k_caches, v_caches, step_slots, block_tables,
-                                   query_start_loc, step_seq_lens, &head, step_ids.data_ptr<int64_t>());
+                                   query_start_loc, step_seq_lens, &head, step_ids.data_ptr<int64_t>(), sampling);
     else
       run_layers_in_regions<at::BFloat16>(*model, hidden, step_positions, k_caches, v_caches, step_slots,
                                           block_tables, query_start_loc, step_seq_lens, &head,
-                                          step_ids.data_ptr<int64_t>());
+                                          step_ids.data_ptr<int64_t>(), sampling);
 #endif
     const int64_t* taken = step_ids.data_ptr<int64_t>();
     int64_t* out = token_ids.data_ptr<int64_t>();
@@ -922,9 +1041,9 @@ at::Tensor decode_greedy(int64_t model_id, const at::Tensor& input_ids, const at
   return num_run == num_steps ? token_ids : token_ids.narrow(1, 0, num_run).contiguous();
 }
 
-// The most tokens a decode_greedy step of this model may have (0: it serves none).
-int64_t decode_model_max_greedy_tokens(int64_t model_id) {
-  return registered_model(model_id, "decode_model_max_greedy_tokens")->max_greedy_tokens;
+// The most tokens a decode_tokens step of this model may have (0: it serves none).
+int64_t decode_model_max_head_tokens(int64_t model_id) {
+  return registered_model(model_id, "decode_model_max_head_tokens")->max_head_tokens;
 }
 
 }  // namespace
@@ -937,16 +1056,17 @@ TORCH_LIBRARY(pdserve_decode, m) {
         &register_decode_model);
   m.def("decode_model_max_tokens(int model_id) -> int", &decode_model_max_tokens);
   m.def("decode_model_max_region_tokens(int model_id) -> int", &decode_model_max_region_tokens);
-  m.def("decode_model_max_greedy_tokens(int model_id) -> int", &decode_model_max_greedy_tokens);
+  m.def("decode_model_max_head_tokens(int model_id) -> int", &decode_model_max_head_tokens);
   m.def("release_decode_model(int model_id) -> ()", &release_decode_model);
   m.def("decode_layers(int model_id, Tensor hidden, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens) -> Tensor");
-  m.def("decode_greedy(int model_id, Tensor input_ids, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "
+  m.def("decode_tokens(int model_id, Tensor input_ids, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int num_steps=1, "
-        "Tensor? stop_token_ids=None) -> Tensor");
+        "Tensor? stop_token_ids=None, Tensor? temperatures=None, Tensor? uniforms=None, Tensor? top_k=None, "
+        "Tensor? top_p=None, Tensor? min_p=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_decode, CPU, m) {
   m.impl("decode_layers", &decode_layers);
-  m.impl("decode_greedy", &decode_greedy);
+  m.impl("decode_tokens", &decode_tokens);
 }

@@ -21,9 +21,10 @@ from common.engine.llm import LLM
 from common.engine.models.prepacked_linear import prepack_linears
 from common.engine.native_decode import NativeDecodeLoop, _model_tensors, decode_weight
 from common.engine.outputs import ScheduledRequest
+from common.engine.sampler import Sampler
 from common.engine.sampling_params import SamplingParams
-from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, decode_greedy,
-                                decode_layers, decode_model_max_greedy_tokens, decode_model_max_tokens,
+from kernels.cpu_decode import (DECODE_MAX_TOKENS, TokenSampling, LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, decode_tokens,
+                                decode_layers, decode_model_max_head_tokens, decode_model_max_tokens,
                                 native_decode_available, register_decode_model, release_decode_model)
 from kernels.cpu_linear import panel_gemm_amx_tiles, panel_gemm_available, panel_gemm_max_rows, q8_0_max_rows
 from kernels.cpu_sampling import argmax_rows
@@ -118,11 +119,11 @@ def test_the_loop_matches_the_model_for_each_family(tmp_path_factory, bundled_mo
 
 def _decode_step(llm: LLM, prompts: list[list[int]], loop: NativeDecodeLoop | None,
                  num_layers: int | None = None, greedy: bool = False, num_steps: int = 1,
-                 stop_token_ids: list[int] | None = None) -> torch.Tensor:
+                 stop_token_ids: list[int] | None = None, sampling: TokenSampling | None = None) -> torch.Tensor:
     """Prefill the prompts (each in its own blocks) through the model, then one decode step
     through the loop (None: the model, its first num_layers layers): the normed hidden
     states [len(prompts), hidden_size]; greedy: the loop's next tokens [len(prompts),
-    num_steps] (run_greedy, num_steps steps back to back)."""
+    num_steps] (run_tokens, num_steps steps back to back, drawn as sampling says)."""
     runner = llm.engine.executor.runner
     params = SamplingParams(temperature=0.0)
     block_size = llm.engine.config.cache.block_size
@@ -144,8 +145,8 @@ def _decode_step(llm: LLM, prompts: list[list[int]], loop: NativeDecodeLoop | No
             runner.model(ids, positions, runner.kv_caches, meta, num_layers=prefill_layers)
         ids, positions, meta, _, _ = runner.prepare_inputs(decode)
         if greedy:
-            assert loop.serves_greedy(ids.shape[0], meta)
-            return loop.run_greedy(ids, positions, meta, num_steps, stop_token_ids)
+            assert loop.serves_tokens(ids.shape[0], meta)
+            return loop.run_tokens(ids, positions, meta, num_steps, stop_token_ids, sampling)
         if loop is not None:
             assert loop.serves(ids.shape[0], meta)
             return loop.run(ids, positions, meta)
@@ -283,7 +284,7 @@ def test_one_region_a_step_gives_the_same_bits(quantization, dtype):
                                                  (None, "bfloat16")])
 def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtype):
     """Where every row samples greedily, a model whose steps run in one region takes the
-    token ids in and the next tokens out of it (run_greedy: the embedding, the layers, the
+    token ids in and the next tokens out of it (run_tokens: the embedding, the layers, the
     packed head's GEMV and each thread's part of the argmax): each row's token is the argmax
     of compute_argmax_logits over run()'s hidden state, on one thread and on several (the
     head's columns and the argmax split between them), as far as the head's own op takes
@@ -303,7 +304,7 @@ def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtyp
     # As far as prepacked_linear takes the head's panels or blocks, and the layers' region goes.
     op_rows = panel_gemm_max_rows() if panels else q8_0_max_rows()
     head_rows = min(loop.max_region_tokens, max(DECODE_MAX_TOKENS, op_rows))
-    assert loop.in_regions and loop.max_greedy_tokens == head_rows
+    assert loop.in_regions and loop.max_head_tokens == head_rows
     most_rows = min(18, head_rows)
     vocab_size = tensors["vocab_size"]
     # Whole row groups (16 rows) or panels (32 rows) rotate along the first dimension.
@@ -333,12 +334,57 @@ def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtyp
         _, _, meta, _, _ = runner.prepare_inputs(
             [ScheduledRequest(f"r{i}", [7], 3, [i], True, SamplingParams()) for i in range(DECODE_MAX_TOKENS + 1)])
     assert loop.serves(DECODE_MAX_TOKENS + 1, meta)
-    assert loop.serves_greedy(DECODE_MAX_TOKENS + 1, meta) == (head_rows > DECODE_MAX_TOKENS)
+    assert loop.serves_tokens(DECODE_MAX_TOKENS + 1, meta) == (head_rows > DECODE_MAX_TOKENS)
+    llm.engine.shutdown()
+
+
+# Rows of a sampled step: greedy ones among them (temperature 0, top_k 1), and each truncation
+# alone and together.
+SAMPLED_ROWS = (dict(temperature=0.0), dict(temperature=0.8), dict(temperature=1.0, top_k=50),
+                dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, min_p=0.05),
+                dict(temperature=1.0, top_k=40, top_p=0.8, min_p=0.02), dict(temperature=0.8, top_k=1),
+                dict(temperature=1.5, top_p=0.95))
+
+
+@pytest.mark.parametrize("quantization, dtype", [("gguf", "bfloat16"), ("gguf", "float32"), (None, "bfloat16")])
+def test_sampled_steps_draw_in_the_region_the_samplers_tokens(quantization, dtype):
+    """Rows that draw at a temperature (with top_k, top_p, min_p) take their tokens in the
+    region too: each is the token the sampler draws from compute_logits over run()'s hidden
+    state, seeded alike (Sampler.token_sampling hands the loop the uniforms the sampler
+    would draw), beside greedy rows' argmax, on one thread and on several."""
+    if quantization is None and not (panel_gemm_available() and not panel_gemm_amx_tiles()):
+        pytest.skip("bf16 panels on vector units only (AVX512-BF16 without AMX's tiles)")
+    llm = LLM(dtype=dtype, kv_cache_memory="64MiB", quantization=quantization)
+    runner = llm.engine.executor.runner
+    prepack_linears(runner.model)
+    loop = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=4)
+    distinct = _prompts(7)
+    num_drawn_apart = 0  # rows whose draw is not their argmax: the comparison sees the draws
+    threads_before = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            for num_seqs in (1, 3, len(SAMPLED_ROWS)):
+                prompts = [[t + 5 * i for t in distinct[i % 7]] for i in range(num_seqs)]
+                rows = SAMPLED_ROWS[-num_seqs:] if num_seqs == 1 else SAMPLED_ROWS[:num_seqs]
+                requests = [ScheduledRequest(f"r{i}", [p[-1]], len(p), [], True,
+                                             SamplingParams(seed=100 * num_threads + i, **row))
+                            for i, (p, row) in enumerate(zip(prompts, rows))]
+                sampling = Sampler().token_sampling(requests, 1)
+                got = _decode_step(llm, prompts, loop, greedy=True, sampling=sampling)[:, 0]
+                with torch.inference_mode():
+                    logits = runner.model.compute_logits(_decode_step(llm, prompts, loop))
+                want = Sampler()(logits, requests).sampled_token_ids
+                assert got.tolist() == want, (num_threads, num_seqs)
+                num_drawn_apart += sum(t != a for t, a in zip(want, argmax_rows(logits).tolist()))
+    finally:
+        torch.set_num_threads(threads_before)
+    assert num_drawn_apart >= 3
     llm.engine.shutdown()
 
 
 def test_greedy_steps_back_to_back_take_the_tokens_and_write_the_kv_of_single_steps():
-    """run_greedy's num_steps steps in one call: each row's tokens, and every K/V written,
+    """run_tokens's num_steps steps in one call: each row's tokens, and every K/V written,
     are those of as many single steps, each fed the token the last one took, across block
     boundaries (the rows' next slots read from their block tables)."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization="gguf")
@@ -360,11 +406,11 @@ def test_greedy_steps_back_to_back_take_the_tokens_and_write_the_kv_of_single_st
                   for i, p in enumerate(prompts)]
         with torch.inference_mode():
             ids, positions, meta, _, _ = runner.prepare_inputs(decode)
-            tokens = torch.cat([tokens, loop.run_greedy(ids, positions, meta)], dim=1)
+            tokens = torch.cat([tokens, loop.run_tokens(ids, positions, meta)], dim=1)
     assert burst.tolist() == tokens.tolist()
     for (k, v), (burst_k, burst_v) in zip(runner.kv_caches[:4], burst_kv):
         assert torch.equal(k, burst_k) and torch.equal(v, burst_v)
-    assert loop.num_greedy_steps == 2 * num_steps  # the burst, then one step and five
+    assert loop.num_token_steps == 2 * num_steps  # the burst, then one step and five
     # Stop tokens: the steps end once every row has taken one, and write nothing further.
     rows = burst.tolist()
     stops = [rows[0][2], rows[1][4], rows[2][1]]
@@ -379,33 +425,45 @@ def test_greedy_steps_back_to_back_take_the_tokens_and_write_the_kv_of_single_st
     llm.engine.shutdown()
 
 
-def test_greedy_engine_steps_sample_in_the_loop():
-    """An engine's decode steps whose rows all sample greedily take run_greedy and give the
-    tokens the sampler gives from the head's logits; a step with a row that samples at a
-    temperature keeps the sampler."""
+def test_engine_steps_sample_in_the_loop():
+    """An engine's decode steps whose rows sample from the logits alone take run_tokens and
+    give the tokens the sampler gives from the head's logits: greedy rows, and seeded rows
+    drawn at a temperature with truncations; a step with a row that asks for logprobs keeps
+    the sampler."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization="gguf")
     loop = _with_native_loop(llm)
     prompts = [{"prompt_token_ids": p} for p in _prompts(3)]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-    assert loop.num_greedy_steps >= 11
-    loop.max_greedy_tokens = 0  # as a model without a head the loop runs
+    assert loop.num_token_steps >= 11
+    loop.max_head_tokens = 0  # as a model without a head the loop runs
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     assert got == want
-    loop.max_greedy_tokens = DECODE_MAX_TOKENS
-    num_greedy_steps, num_steps = loop.num_greedy_steps, loop.num_steps
-    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)
-    llm.generate(prompts, [greedy, sampled, greedy])
-    assert loop.num_greedy_steps == num_greedy_steps and loop.num_steps >= num_steps + 11
+    loop.max_head_tokens = DECODE_MAX_TOKENS
+    sampled = [greedy, SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True),
+               SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.02, seed=2, max_tokens=12, ignore_eos=True)]
+    num_token_steps = loop.num_token_steps
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)]
+    assert loop.num_token_steps >= num_token_steps + 11
+    sampler = llm.engine.executor.runner.sampler
+    sampler.draws_in_loop = False  # the loop's hidden states, then compute_logits and the sampler
+    num_token_steps, num_steps = loop.num_token_steps, loop.num_steps
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)]
+    assert loop.num_token_steps == num_token_steps and loop.num_steps >= num_steps + 11
+    assert got == want and got[1] != got[0]
+    sampler.draws_in_loop = True
+    with_logprobs = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True, logprobs=2)
+    llm.generate(prompts, [greedy, with_logprobs, greedy])
+    assert loop.num_token_steps == num_token_steps and loop.num_steps >= num_steps + 22
     llm.engine.shutdown()
 
 
 def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
     """num_scheduler_steps: greedy decode-only steps run several to a call, and every
     request ends with the tokens of single steps: at max_tokens that are no multiple of the
-    steps, at a stop token inside a burst, at EOS; a request that samples at a temperature
-    takes single steps; the pool is whole again at the end. An engine without the loop
-    keeps single steps."""
+    steps, at a stop token inside a burst, at EOS; seeded requests drawn at a temperature
+    too; a request that asks for logprobs takes single steps; the pool is whole again at the
+    end. An engine without the loop keeps single steps."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization="gguf", num_scheduler_steps=4)
     scheduler = llm.engine.scheduler
     runner = llm.engine.executor.runner
@@ -413,14 +471,14 @@ def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
     loop = _with_native_loop(llm)
     assert runner.runs_decode_steps()  # what a compiled engine's start asks
     calls = []  # the steps each call of the loop ran
-    run_greedy = loop.run_greedy
+    run_tokens = loop.run_tokens
 
     def counted(*args):
-        token_ids = run_greedy(*args)
+        token_ids = run_tokens(*args)
         calls.append(token_ids.shape[1])
         return token_ids
 
-    loop.run_greedy = counted
+    loop.run_tokens = counted
     prompts = [{"prompt_token_ids": p} for p in _prompts(3)]
 
     def generate(params):
@@ -448,48 +506,73 @@ def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
     assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
     assert got[0].token_ids[-1] == stop and got[0].finish_reason == "stop"
     # A lone request's steps end at its stop token: none run past it.
-    steps_before = loop.num_greedy_steps
+    steps_before = loop.num_token_steps
     (alone,) = [o.outputs[0] for o in llm.generate(prompts[:1], stopping[0])]
     assert alone.token_ids == got[0].token_ids
-    assert loop.num_greedy_steps - steps_before == len(alone.token_ids) - 1  # the prompt's step took the first
+    assert loop.num_token_steps - steps_before == len(alone.token_ids) - 1  # the prompt's step took the first
+    sampled = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+               SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True),
+               SamplingParams(temperature=1.0, top_p=0.9, seed=2, max_tokens=10, ignore_eos=True)]
+    scheduler.num_scheduler_steps = 1
+    want = generate(sampled)
+    scheduler.num_scheduler_steps = 4
     calls.clear()
-    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)
-    generate([SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), sampled, greedy[2]])
+    got = generate(sampled)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert max(calls) == 4 and len(calls) < sum(calls)
+    calls.clear()
+    with_logprobs = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True, logprobs=1)
+    generate([SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), with_logprobs, greedy[2]])
     assert calls == [4, 4]  # single steps through the sampler while it runs, then the last 8 tokens
     kv = llm.engine.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
     llm.engine.shutdown()
 
 
-def test_greedy_bad_calls_raise_and_write_nothing(tiny_llama_dir):
-    """A token id outside the embedding, or more rows than the head's GEMV takes, raises
-    ValueError before anything is written; a model registered without a head the region can
-    run (fp32 rows here) has no greedy steps."""
+def test_token_steps_bad_calls_raise_and_write_nothing(tiny_llama_dir):
+    """A token id outside the embedding, more rows than the head's GEMV takes, or sampling
+    arguments out of shape or range raise ValueError before anything is written; a model
+    registered without a head the region can run (fp32 rows here) has no token steps."""
     llm = LLM(dtype="float32", kv_cache_memory="32MiB", quantization="gguf")
     runner = llm.engine.executor.runner
     prepack_linears(runner.model)
     loop = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=2)
-    most = loop.max_greedy_tokens  # the Q8_0 head's GEMV rows
+    most = loop.max_head_tokens  # the Q8_0 head's GEMV rows
     assert most == max(DECODE_MAX_TOKENS, q8_0_max_rows())
     vocab_size = runner.model.embed_tokens.weight.shape[0]
     for cache in (*loop.k_caches, *loop.v_caches):
         cache.zero_()
 
-    def call(ids, model_id=loop.model_id):
+    def call(ids, model_id=loop.model_id, sampling=None):
         n = len(ids)
-        return decode_greedy(model_id, torch.tensor(ids), torch.zeros(n, dtype=torch.int64), loop.k_caches,
+        return decode_tokens(model_id, torch.tensor(ids), torch.zeros(n, dtype=torch.int64), loop.k_caches,
                              loop.v_caches, torch.arange(n), torch.arange(n, dtype=torch.int32).view(n, 1),
-                             torch.arange(n + 1, dtype=torch.int32), torch.ones(n, dtype=torch.int32))
+                             torch.arange(n + 1, dtype=torch.int32), torch.ones(n, dtype=torch.int32),
+                             sampling=sampling)
 
     for ids, message in (([vocab_size], "outside the embedding"), ([5, -1], "outside the embedding"),
                          ([5] * (most + 1), f"1 to {most} tokens")):
         with pytest.raises(ValueError, match=message):
             call(ids)
+    temperatures, uniforms = torch.tensor([0.0, 0.8]), torch.tensor([[0.5, 0.25]], dtype=torch.float64)
+    for sampling, message in (
+            (TokenSampling(temperatures, None), "temperatures and uniforms together"),
+            (TokenSampling(None, None, top_p=torch.tensor([0.9, 0.9])), "need temperatures"),
+            (TokenSampling(torch.tensor([0.8]), uniforms), "temperatures must be contiguous"),
+            (TokenSampling(temperatures, uniforms.float()), "uniforms must be contiguous"),
+            (TokenSampling(temperatures, uniforms.view(2, 1)), "uniforms must be contiguous"),
+            (TokenSampling(temperatures, torch.tensor([[0.5, 1.0]], dtype=torch.float64)), "outside \\[0, 1\\)"),
+            (TokenSampling(torch.tensor([0.8, float("nan")]), uniforms), "is not finite"),
+            (TokenSampling(temperatures, uniforms, top_k=torch.tensor([5, 5], dtype=torch.int32)), "top_k must be"),
+            (TokenSampling(temperatures, uniforms, top_p=torch.tensor([0.9, 0.0])), "top_p 0(\\.0*)? is outside"),
+            (TokenSampling(temperatures, uniforms, min_p=torch.tensor([1.5, 0.1])), "min_p 1.50* is outside")):
+        with pytest.raises(ValueError, match=message):
+            call([5, 6], sampling=sampling)
     block_size = loop.k_caches[0].shape[1]
     max_position = runner.model.rope.cos.shape[0]
 
     def steps(position, num_steps, num_blocks=1):
-        return decode_greedy(loop.model_id, torch.tensor([5]), torch.tensor([position]), loop.k_caches,
+        return decode_tokens(loop.model_id, torch.tensor([5]), torch.tensor([position]), loop.k_caches,
                              loop.v_caches, torch.tensor([position % block_size]),
                              torch.zeros(1, num_blocks, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
                              torch.tensor([position + 1], dtype=torch.int32), num_steps)
@@ -506,7 +589,7 @@ def test_greedy_bad_calls_raise_and_write_nothing(tiny_llama_dir):
     llm.engine.shutdown()
     rows = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16)
     loop = _with_native_loop(rows)
-    assert loop.max_greedy_tokens == decode_model_max_greedy_tokens(loop.model_id) == 0
+    assert loop.max_head_tokens == decode_model_max_head_tokens(loop.model_id) == 0
     with pytest.raises(ValueError, match="has no head this loop can run"):
         call([5], model_id=loop.model_id)
     rows.engine.shutdown()

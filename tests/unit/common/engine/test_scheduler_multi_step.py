@@ -42,7 +42,7 @@ def test_decodes_run_back_to_back_holding_the_slots_of_every_step(make_scheduler
     assert out.num_steps == 4 and out.scheduled[0].start_pos == 7 and out.scheduled[0].token_ids == [14]
 
 
-def test_a_waiting_request_a_prefill_or_sampling_gets_single_steps(make_scheduler):
+def test_a_waiting_request_or_a_prefill_gets_single_steps_a_draw_does_not(make_scheduler):
     scheduler = make_scheduler(num_blocks=32, num_scheduler_steps=4, max_num_batched_tokens=8)
     scheduler.add_request(make_request("a", 3, temperature=0.0))
     step(scheduler)
@@ -58,20 +58,21 @@ def test_a_waiting_request_a_prefill_or_sampling_gets_single_steps(make_schedule
     assert out.num_steps == 1 and len(out.scheduled) == 3
     out, _ = step(scheduler)
     assert out.num_steps == 4
-    scheduler.add_request(make_request("d", 3, temperature=0.8))
+    scheduler.add_request(make_request("d", 3, temperature=0.8, top_p=0.9))
     step(scheduler)
-    out, _ = step(scheduler)  # d samples: the runner's greedy loop cannot take it
-    assert out.num_steps == 1
+    out, _ = step(scheduler)  # d draws from the logits alone: the runner's loop takes it too
+    assert out.num_steps == 4 and len(out.scheduled) == 4
 
 
 @pytest.mark.parametrize("sampling", [dict(logprobs=2), dict(repetition_penalty=1.2), dict(min_tokens=5)])
-def test_rows_that_need_more_than_the_argmax_get_single_steps(make_scheduler, sampling):
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_rows_that_need_more_than_the_logits_get_single_steps(make_scheduler, sampling, temperature):
     scheduler = make_scheduler(num_scheduler_steps=4)
-    req = make_request("a", 3, temperature=0.0, **sampling)
+    req = make_request("a", 3, temperature=temperature, **sampling)
     scheduler.add_request(req)
     step(scheduler)
     out, _ = step(scheduler)
-    if "min_tokens" in sampling:  # stop tokens are held back until min_tokens, then the argmax is all
+    if "min_tokens" in sampling:  # stop tokens are held back until min_tokens, then the logits are all
         assert out.num_steps == 1
         while req.num_output_tokens < 5:
             out, _ = step(scheduler)

@@ -1,0 +1,309 @@
+// One row of logits through random sampling: the softmax CDF inverted at a uniform number
+// (draw_row), and the truncations before it (top_k_row, top_p_row, min_p_row), each in a few
+// vector passes over the row. sampling.cpp's ops run them over the rows of a logits tensor;
+// decode_layers.cpp's loop runs them on the rows its head just computed (sample_row).
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "argmax.h"
+
+namespace pdserve_cpu::sampling {
+
+// Columns whose weights are summed as one float before the float64 running total: short
+// enough that a float sum of at most kChunk weights <= 1 loses nothing a draw can see.
+constexpr int64_t kChunk = 32 * pdserve_cpu::kLanes;
+
+// exp(x - maximum) for each lane of x, 0 where x is -inf (a token truncation removed: it must
+// not be drawn, where exp_nonpositive's clamp at -87 would give it 1.6e-38).
+inline pdserve_cpu::Vec weights_of(pdserve_cpu::Vec x, float maximum) {
+  using pdserve_cpu::Vec;
+  using pdserve_cpu::VecI32;
+  const Vec w = pdserve_cpu::exp_nonpositive(x - maximum);
+  const VecI32 finite = x != -std::numeric_limits<float>::infinity();
+  return (Vec)((VecI32)w & finite);
+}
+
+inline float weight_of(float x, float maximum) {
+  if (x == -std::numeric_limits<float>::infinity()) return 0.f;
+  return weights_of(pdserve_cpu::Vec{} + x, maximum)[0];  // the same polynomial as the vectors
+}
+
+// Whether a row whose argmax is `top` has a distribution to draw from or truncate: a finite
+// maximum (no NaN; not every value -inf; no +inf, which would take all the mass).
+inline bool has_distribution(const pdserve_cpu::ArgmaxPart& top) { return !top.is_nan && std::isfinite(top.value); }
+
+// The token of row x [n] whose interval of the softmax CDF holds u in [0, 1).
+inline int64_t draw_row(const float* x, int64_t n, double u) {
+  using pdserve_cpu::kLanes;
+  using pdserve_cpu::Vec;
+  const pdserve_cpu::ArgmaxPart top = pdserve_cpu::argmax_part(x, n);
+  if (!has_distribution(top))
+    return top.index;  // no distribution to draw from: the first NaN, largest or +inf value
+  const float maximum = top.value;
+  const int64_t num_chunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> chunk_sums(num_chunks);
+  double total = 0.0;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
+    Vec acc{};
+    int64_t i = begin;
+    for (; i + kLanes <= end; i += kLanes) acc += weights_of(pdserve_cpu::load_vec(x + i), maximum);
+    float sum = pdserve_cpu::hsum(acc);
+    for (; i < end; ++i) sum += weight_of(x[i], maximum);
+    chunk_sums[c] = sum;
+    total += sum;
+  }
+  const double target = u * total;
+  double below = 0.0;  // the weight of the columns before chunk c
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    if (below + chunk_sums[c] <= target) {
+      below += chunk_sums[c];
+      continue;
+    }
+    // Column by column in float64: the first whose running total passes the target has a
+    // weight > 0. The chunk's float sum may differ from this in its last bits; when the
+    // columns fall short, the search goes on in the next chunk.
+    const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
+    for (int64_t i = begin; i < end; ++i) {
+      below += weight_of(x[i], maximum);
+      if (below > target) return i;
+    }
+  }
+  // u * total rounded up to total: the last column with a weight (as torch's clamp to the
+  // first index where the CDF reaches its end).
+  for (int64_t i = n - 1; i >= 0; --i)
+    if (weight_of(x[i], maximum) > 0.f) return i;
+  return top.index;
+}
+
+// Buckets of the top_p histogram: kBucketsPerNat per nat of distance below the maximum, up
+// to kNearNats; every token further below (weight < e^-16, 1.1e-7 of the top one) shares
+// the last bucket.
+constexpr float kBucketsPerNat = 16.f;
+constexpr float kNearNats = 16.f;
+constexpr int32_t kFarBucket = static_cast<int32_t>(kBucketsPerNat * kNearNats);
+// top_k ranks in the far bucket up to this many by a heap; beyond, by selection over the bucket.
+constexpr int64_t kMaxFarRank = 4096;
+
+// Each lane's bucket: its distance below the maximum in 1/kBucketsPerNat nats, kFarBucket from
+// kNearNats on (and for -inf).
+inline pdserve_cpu::VecI32 buckets_of(pdserve_cpu::Vec v, float maximum) {
+  using pdserve_cpu::Vec;
+  using pdserve_cpu::VecI32;
+  const Vec distance = maximum - v;  // >= 0; +inf for -inf logits
+  const VecI32 near = distance < kNearNats;
+  const Vec scaled = near ? distance * kBucketsPerNat : Vec{};  // no conversion of inf
+  const VecI32 bucket = __builtin_convertvector(scaled, VecI32);
+  // distance * 16 may round up to 256 just below 16 nats: the far bucket too
+  return near ? (bucket < kFarBucket ? bucket : VecI32{} + kFarBucket) : VecI32{} + kFarBucket;
+}
+
+inline int32_t bucket_of(float x, float maximum) { return buckets_of(pdserve_cpu::Vec{} + x, maximum)[0]; }
+
+// Keep the most likely tokens of row x [n] until their mass reaches p: a token stays while
+// the mass ranked above it is < p (so the one that crosses p stays, and the top one); the
+// others become -inf. Equal logits within the bucket where the mass crosses p rank by column.
+inline void top_p_row(float* x, int64_t n, float p, std::vector<int32_t>& buckets) {
+  using pdserve_cpu::kLanes;
+  using pdserve_cpu::Vec;
+  using pdserve_cpu::VecI32;
+  const pdserve_cpu::ArgmaxPart top = pdserve_cpu::argmax_part(x, n);
+  if (!has_distribution(top))
+    return;  // no distribution to truncate
+  const float maximum = top.value;
+  buckets.resize(n);
+  double mass[kFarBucket + 1] = {};
+  Vec far_acc{};  // the far bucket's weights, summed as vectors: most of a vocabulary lies there
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec v = pdserve_cpu::load_vec(x + i);
+    const VecI32 bucket = buckets_of(v, maximum);
+    std::memcpy(buckets.data() + i, &bucket, sizeof bucket);
+    const VecI32 near = bucket < kFarBucket;
+    const Vec w = weights_of(v, maximum);
+    far_acc += (Vec)((VecI32)w & ~near);
+    // most vectors of a peaked row have no lane near the top
+    for (uint32_t bits = pdserve_cpu::lane_bits(near); bits != 0; bits &= bits - 1) {
+      const int lane = std::countr_zero(bits);
+      mass[bucket[lane]] += w[lane];
+    }
+  }
+  for (; i < n; ++i) {
+    buckets[i] = bucket_of(x[i], maximum);
+    mass[buckets[i]] += weight_of(x[i], maximum);
+  }
+  mass[kFarBucket] += pdserve_cpu::hsum(far_acc);
+  double total = 0.0;
+  for (double m : mass) total += m;
+  const double target = static_cast<double>(p) * total;
+  double above = 0.0;  // the mass of the buckets before `crossing`
+  int32_t crossing = 0;
+  while (crossing < kFarBucket && above + mass[crossing] < target) above += mass[crossing++];
+  // Tokens of buckets past `crossing` have at least `target` above them; those of `crossing`
+  // are ranked one by one.
+  // Ranked by logit, not weight: logits apart by less than exp's resolution share a weight.
+  std::vector<std::pair<float, int64_t>> ranked;  // (-logit, column): most likely first
+  const Vec minus_inf = Vec{} - std::numeric_limits<float>::infinity();
+  for (i = 0; i + kLanes <= n; i += kLanes) {
+    VecI32 bucket;
+    std::memcpy(&bucket, buckets.data() + i, sizeof bucket);
+    Vec v = pdserve_cpu::load_vec(x + i);
+    const VecI32 in_crossing = (bucket == crossing) & (v != minus_inf);
+    for (uint32_t bits = pdserve_cpu::lane_bits(in_crossing); bits != 0; bits &= bits - 1) {
+      const int lane = std::countr_zero(bits);
+      ranked.emplace_back(-v[lane], i + lane);
+    }
+    v = bucket > crossing ? minus_inf : v;
+    std::memcpy(x + i, &v, sizeof v);
+  }
+  for (; i < n; ++i) {
+    if (buckets[i] > crossing)
+      x[i] = -std::numeric_limits<float>::infinity();
+    else if (buckets[i] == crossing && x[i] != -std::numeric_limits<float>::infinity())
+      ranked.emplace_back(-x[i], i);
+  }
+  std::sort(ranked.begin(), ranked.end());
+  for (const auto& [negative_logit, column] : ranked) {
+    if (above >= target) x[column] = -std::numeric_limits<float>::infinity();
+    above += weight_of(-negative_logit, maximum);
+  }
+}
+
+// Every logit of x [n] below kth_value becomes -inf.
+inline void apply_threshold(float* x, int64_t n, float kth_value) {
+  using pdserve_cpu::kLanes;
+  using pdserve_cpu::Vec;
+  const Vec threshold = Vec{} + kth_value;
+  const Vec minus_inf = Vec{} - std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    Vec v = pdserve_cpu::load_vec(x + i);
+    v = v < threshold ? minus_inf : v;
+    std::memcpy(x + i, &v, sizeof v);
+  }
+  for (; i < n; ++i)
+    if (x[i] < kth_value) x[i] = -std::numeric_limits<float>::infinity();
+}
+
+// The rank-th largest logit of the far bucket (-inf when it holds fewer finite ones): a peaked
+// row has fewer than k tokens within kNearNats of its top, and the rest of the vocabulary
+// there. A min-heap of the rank largest seen so far; a vector with no lane above its smallest
+// is passed over whole, so after the first few vectors a row costs one compare a vector.
+inline float largest_far_value(const float* x, int64_t n, float maximum, int64_t rank, std::vector<float>& heap) {
+  using pdserve_cpu::kLanes;
+  using pdserve_cpu::Vec;
+  using pdserve_cpu::VecI32;
+  heap.clear();
+  const auto consider = [&](float value) {
+    if (static_cast<int64_t>(heap.size()) < rank) {
+      heap.push_back(value);
+      std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+    } else if (value > heap.front()) {
+      std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
+      heap.back() = value;
+      std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+    }
+  };
+  float smallest = -std::numeric_limits<float>::infinity();  // what a value must beat to enter
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec v = pdserve_cpu::load_vec(x + i);
+    const VecI32 take = (buckets_of(v, maximum) == kFarBucket) & (v > smallest);
+    const uint32_t take_bits = pdserve_cpu::lane_bits(take);
+    if (take_bits == 0) continue;
+    for (uint32_t bits = take_bits; bits != 0; bits &= bits - 1) consider(v[std::countr_zero(bits)]);
+    if (static_cast<int64_t>(heap.size()) == rank) smallest = heap.front();
+  }
+  for (; i < n; ++i)
+    if (bucket_of(x[i], maximum) == kFarBucket && x[i] > smallest) {
+      consider(x[i]);
+      if (static_cast<int64_t>(heap.size()) == rank) smallest = heap.front();
+    }
+  return static_cast<int64_t>(heap.size()) == rank ? heap.front() : -std::numeric_limits<float>::infinity();
+}
+
+// Keep the k largest logits of row x [n] and every one equal to the k-th; the others become
+// -inf. Counted by the same buckets as top_p: only the bucket holding the k-th is searched.
+inline void top_k_row(float* x, int64_t n, int64_t k, std::vector<float>& candidates) {
+  using pdserve_cpu::kLanes;
+  using pdserve_cpu::Vec;
+  using pdserve_cpu::VecI32;
+  if (k <= 0 || k >= n) return;
+  const pdserve_cpu::ArgmaxPart top = pdserve_cpu::argmax_part(x, n);
+  if (!has_distribution(top))
+    return;
+  const float maximum = top.value;
+  int64_t count[kFarBucket + 1] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const VecI32 bucket = buckets_of(pdserve_cpu::load_vec(x + i), maximum);
+    const VecI32 near = bucket < kFarBucket;
+    const uint32_t near_bits = pdserve_cpu::lane_bits(near);
+    count[kFarBucket] += kLanes - std::popcount(near_bits);
+    for (uint32_t bits = near_bits; bits != 0; bits &= bits - 1) ++count[bucket[std::countr_zero(bits)]];
+  }
+  for (; i < n; ++i) ++count[bucket_of(x[i], maximum)];
+  int64_t num_above = 0;  // tokens in the buckets before `crossing`
+  int32_t crossing = 0;
+  while (crossing < kFarBucket && num_above + count[crossing] < k) num_above += count[crossing++];
+  if (crossing == kFarBucket && k - num_above <= kMaxFarRank) {
+    apply_threshold(x, n, largest_far_value(x, n, maximum, k - num_above, candidates));
+    return;
+  }
+  candidates.clear();
+  for (i = 0; i + kLanes <= n; i += kLanes) {
+    const Vec v = pdserve_cpu::load_vec(x + i);
+    const VecI32 in_crossing = buckets_of(v, maximum) == crossing;
+    for (uint32_t bits = pdserve_cpu::lane_bits(in_crossing); bits != 0; bits &= bits - 1)
+      candidates.push_back(v[std::countr_zero(bits)]);
+  }
+  for (; i < n; ++i)
+    if (bucket_of(x[i], maximum) == crossing) candidates.push_back(x[i]);
+  // The k-th largest of the row is the (k - num_above)-th largest of its bucket.
+  const auto kth = candidates.begin() + (k - num_above - 1);
+  std::nth_element(candidates.begin(), kth, candidates.end(), std::greater<float>());
+  apply_threshold(x, n, *kth);
+}
+
+// Every logit of x [n] below the maximum + log(min_p) becomes -inf: the tokens less likely
+// than min_p times the most likely one. min_p <= 0 leaves the row whole.
+inline void min_p_row(float* x, int64_t n, float min_p) {
+  if (!(min_p > 0.f) || n == 0) return;
+  const pdserve_cpu::ArgmaxPart top = pdserve_cpu::argmax_part(x, n);
+  if (!has_distribution(top)) return;
+  apply_threshold(x, n, top.value + std::log(min_p));
+}
+
+// One row's truncations: top_k <= 0 or >= the row's length, top_p >= 1 and min_p <= 0 leave
+// it whole.
+struct Truncation {
+  int64_t top_k = -1;
+  float top_p = 1.f;
+  float min_p = 0.f;
+};
+
+// What the truncations reuse from row to row.
+struct RowScratch {
+  std::vector<float> candidates;
+  std::vector<int32_t> buckets;
+};
+
+// The token drawn at u in [0, 1) from row x [n] (temperature applied), truncated in place in
+// the sampler's order: top_k, top_p, min_p, then the draw.
+inline int64_t sample_row(float* x, int64_t n, const Truncation& truncation, double u, RowScratch& scratch) {
+  top_k_row(x, n, truncation.top_k, scratch.candidates);
+  if (truncation.top_p < 1.f) top_p_row(x, n, truncation.top_p, scratch.buckets);
+  min_p_row(x, n, truncation.min_p);
+  return draw_row(x, n, u);
+}
+
+}  // namespace pdserve_cpu::sampling
