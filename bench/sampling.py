@@ -4,11 +4,14 @@
 
 One engine per quantization (the bundled model, bf16 for what it leaves dense, compiled).
 For each sampling case (temperature; with top_p, top_k, min_p) and batch size the same chat
-requests (max_tokens, ignore_eos, seeded) decode with the sampler's native ops
-(kernels.cpu_sampling) and with the torch forms that PDSERVE_CPU_ARGMAX=0 gives, in turns
-(--repeats rounds, each round in the other order from the last, so the host's drift lands
-on both alike). Reported: output tokens/s (median round) and the median paired ratio. Then
-the sampler alone, on logits the bundled model produced in those runs: ms per call.
+requests (max_tokens, ignore_eos, seeded) decode in three arms, in turns (--repeats rounds,
+each round in the other order from the last, so the host's drift lands on all alike): the
+rows drawn inside the native decode loop's region ("in loop", the default), drawn by the
+sampler's native ops after the loop's hidden states ("after loop", Sampler.draws_in_loop
+off), and by the torch forms that PDSERVE_CPU_ARGMAX=0 gives ("torch"). Reported: output
+tokens/s (median round) and the median paired ratios in loop / after loop and after loop /
+torch. Then the sampler alone, on logits the bundled model produced in those runs: ms per
+call, native ops against torch forms.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ CASES = {
     "temperature 0.8, min_p 0.05": {"temperature": 0.8, "min_p": 0.05},
     "temperature 1.0, top_k 50, top_p 0.9": {"temperature": 1.0, "top_k": 50, "top_p": 0.9},
 }
-ARMS = ("native", "torch")
+ARMS = ("native", "torch")  # the sampler alone
+DECODE_ARMS = ("in loop", "after loop", "torch")
 
 
 def use_native(native: bool) -> None:
@@ -41,25 +45,37 @@ def use_native(native: bool) -> None:
         raise SystemExit("the native sampling ops do not build here (no C++ compiler?): nothing to compare")
 
 
+def use_decode_arm(llm, arm: str) -> None:
+    """Switch the engine's sampling to one of DECODE_ARMS."""
+    use_native(arm != "torch")
+    llm.engine.executor.runner.sampler.draws_in_loop = arm == "in loop"
+
+
 def decode_rates(llm, case: dict, num_seqs: int, max_tokens: int, repeats: int) -> dict:
-    """Output tokens/s of each arm (median round) and the median paired ratio native / torch."""
+    """Output tokens/s of each of DECODE_ARMS (median round) and the median paired speed-ups
+    in loop over after loop, after loop over torch."""
     from common import SamplingParams
     conversations = [[{"role": "user", "content": f"{PROMPTS[i % len(PROMPTS)]} ({i})"}] for i in range(num_seqs)]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=0, **case)
-    seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    seconds: dict[str, list[float]] = {arm: [] for arm in DECODE_ARMS}
     try:
-        for round_index in range(repeats + 1):  # round 0 warms up both arms
-            for arm in (ARMS if round_index % 2 == 0 else ARMS[::-1]):
-                use_native(arm == "native")
+        for round_index in range(repeats + 1):  # round 0 warms up every arm
+            for arm in (DECODE_ARMS if round_index % 2 == 0 else DECODE_ARMS[::-1]):
+                use_decode_arm(llm, arm)
                 started = time.perf_counter()
                 llm.chat(conversations, params, use_tqdm=False)
                 if round_index > 0:
                     seconds[arm].append(time.perf_counter() - started)
     finally:
-        use_native(True)
+        use_decode_arm(llm, "in loop")
     num_tokens = num_seqs * max_tokens
+
+    def speed_up(faster: str, slower: str) -> float:
+        return round(statistics.median(s / f for f, s in zip(seconds[faster], seconds[slower])), 3)
+
     return {"tokens_per_s": {arm: round(num_tokens / statistics.median(s), 1) for arm, s in seconds.items()},
-            "ratio": round(statistics.median(t / n for n, t in zip(seconds["native"], seconds["torch"])), 3)}
+            "in_loop_over_after_loop": speed_up("in loop", "after loop"),
+            "after_loop_over_torch": speed_up("after loop", "torch")}
 
 
 def capture_logits(llm, num_rows: int):
