@@ -324,6 +324,43 @@ at::Tensor run_layers(const Model& model, const at::Tensor& hidden, const at::Te
   return normed;
 }
 
+// How a decode_tokens step takes each row's next token from the head's logits.
+struct StepSampling {
+  // [M] fp32: > 0 draws the row from softmax(logits / temperature), else takes its argmax;
+  // nullptr: every row its argmax.
+  const float* temperatures = nullptr;
+  const pdserve_cpu::sampling::Truncation* truncations = nullptr;  // [M]; with temperatures
+  const double* uniforms = nullptr;  // [M] in [0, 1): this step's draw of each row
+};
+
+// Whether row m of a step draws its token (else it takes its argmax).
+inline bool draws(const StepSampling& sampling, int64_t m) {
+  return sampling.temperatures != nullptr && sampling.temperatures[m] > 0.f;
+}
+
+// What a thread's draws reuse from row to row: the row as fp32 and the truncations' scratch.
+struct DrawScratch {
+  std::vector<float> row;
+  pdserve_cpu::sampling::RowScratch truncation;
+};
+
+// Row m's token drawn from its logits [vocab_size] (the head's dtype) as the sampler draws it:
+// widened to fp32 and divided by the temperature (the sampler's copy and division, the same
+// bits), truncated, then drawn at the row's uniform.
+template <typename T>
+int64_t draw_token(const T* logits, int64_t vocab_size, const StepSampling& sampling, int64_t m,
+                   DrawScratch& scratch) {
+  scratch.row.resize(vocab_size);
+  float* x = scratch.row.data();
+  const float temperature = sampling.temperatures[m];
+  const Vec divisor = Vec{} + temperature;
+  int64_t i = 0;
+  for (; i + kLanes <= vocab_size; i += kLanes) store_vec(x + i, load_vec(logits + i) / divisor);
+  for (; i < vocab_size; ++i) x[i] = static_cast<float>(logits[i]) / temperature;
+  return pdserve_cpu::sampling::sample_row(x, vocab_size, sampling.truncations[m], sampling.uniforms[m],
+                                           scratch.truncation);
+}
+
 #ifdef PDSERVE_ROW_GROUPS
 // Inside a parallel region: thread t's share [begin, end) of n items, in num_threads runs.
 inline std::pair<int64_t, int64_t> share_of(int64_t n, int t, int num_threads) {
@@ -406,43 +443,6 @@ void prepare_rows(const Linear& l, const T* x, int64_t begin, int64_t end, pdser
 // team calls (attention_team.h): its own region cost ~5 us a layer at short contexts, most
 // of the attention there.
 //
-// How a decode_tokens step takes each row's next token from the head's logits.
-struct StepSampling {
-  // [M] fp32: > 0 draws the row from softmax(logits / temperature), else takes its argmax;
-  // nullptr: every row its argmax.
-  const float* temperatures = nullptr;
-  const pdserve_cpu::sampling::Truncation* truncations = nullptr;  // [M]; with temperatures
-  const double* uniforms = nullptr;  // [M] in [0, 1): this step's draw of each row
-};
-
-// Whether row m of a step draws its token (else it takes its argmax).
-inline bool draws(const StepSampling& sampling, int64_t m) {
-  return sampling.temperatures != nullptr && sampling.temperatures[m] > 0.f;
-}
-
-// What a thread's draws reuse from row to row: the row as fp32 and the truncations' scratch.
-struct DrawScratch {
-  std::vector<float> row;
-  pdserve_cpu::sampling::RowScratch truncation;
-};
-
-// Row m's token drawn from its logits [vocab_size] (the head's dtype) as the sampler draws it:
-// widened to fp32 and divided by the temperature (the sampler's copy and division, the same
-// bits), truncated, then drawn at the row's uniform.
-template <typename T>
-int64_t draw_token(const T* logits, int64_t vocab_size, const StepSampling& sampling, int64_t m,
-                   DrawScratch& scratch) {
-  scratch.row.resize(vocab_size);
-  float* x = scratch.row.data();
-  const float temperature = sampling.temperatures[m];
-  const Vec divisor = Vec{} + temperature;
-  int64_t i = 0;
-  for (; i + kLanes <= vocab_size; i += kLanes) store_vec(x + i, load_vec(logits + i) / divisor);
-  for (; i < vocab_size; ++i) x[i] = static_cast<float>(logits[i]) / temperature;
-  return pdserve_cpu::sampling::sample_row(x, vocab_size, sampling.truncations[m], sampling.uniforms[m],
-                                           scratch.truncation);
-}
-
 // head (a model with a final norm): the region goes on through the output projection, each
 // thread's columns of the logits [M, vocab] then its part of each greedy row's argmax, and
 // writes each row's next token to token_ids [M]: the argmax of the head's logits, as the
