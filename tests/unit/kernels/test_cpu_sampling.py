@@ -288,6 +288,31 @@ def test_top_p_over_a_vocabulary_keeps_the_reference_set(scale):
         assert kept == _top_p_reference(logits[row], top_p[row]), row
 
 
+@pytest.mark.parametrize("spread, peak, p", [(0.3, 17.0, 0.999), (0.3, 17.0, 0.99999), (3.0, 30.5, 0.9999999)])
+def test_top_p_crossing_among_the_far_tokens_keeps_the_tokens_the_definition_does(spread, peak, p):
+    """A peaked row whose mass reaches p only among the tokens 16+ nats below its top (the far
+    bucket, ranked again in finer buckets; the far tokens close together, or spread over many
+    nats): every token with less than p - 1e-6 of the mass ranked above it stays, every one
+    with more than p + 1e-6 goes (within the float32 weights' rounding of the definition)."""
+    generator = torch.Generator().manual_seed(int(spread * 10))
+    logits = torch.randn(2, 49152, generator=generator) * spread  # [2, vocab]
+    logits[:, 5] = peak
+    logits[1, 30000:] = -math.inf
+    masked = logits.clone()
+    torch.ops.pdserve_sampling.top_p_mask_rows_(masked, torch.full((2,), p))
+    p = float(torch.tensor(p))  # the op's float32 p
+    for row in range(2):
+        probs = logits[row].double().softmax(dim=-1)
+        order = torch.argsort(logits[row], descending=True, stable=True)  # ties by column
+        mass_above = torch.zeros_like(probs)
+        mass_above[order] = probs[order].cumsum(0) - probs[order]
+        kept = torch.isfinite(masked[row])
+        finite = torch.isfinite(logits[row])
+        assert kept[finite & (mass_above < p - 1e-6)].all() and not kept[mass_above > p + 1e-6].any(), row
+    # the first row's mass crosses p among the far tokens
+    assert float(logits[0][torch.isfinite(masked[0])].min()) < peak - 16
+
+
 @pytest.mark.parametrize("logits, top_p, message", [
     (torch.zeros(2, 8, dtype=torch.bfloat16), torch.ones(2), "fp32"),
     (torch.zeros(8, 2).t(), torch.ones(2), "contiguous rows"),
