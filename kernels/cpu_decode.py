@@ -54,7 +54,7 @@ def _decode_layers_fake(model_id, hidden, positions, k_caches, v_caches, slot_ma
 
 def _decode_tokens_fake(model_id, input_ids, positions, k_caches, v_caches, slot_mapping, block_tables,
                         query_start_loc, seq_lens, num_steps=1, stop_token_ids=None, temperatures=None,
-                        uniforms=None, top_k=None, top_p=None, min_p=None):
+                        uniforms=None, top_k=None, top_p=None, min_p=None, logits=None):
     return input_ids.new_empty((input_ids.shape[0], num_steps))
 
 
@@ -126,6 +126,12 @@ def decode_model_max_head_tokens(model_id: int) -> int:
     return torch.ops.pdserve_decode.decode_model_max_head_tokens(model_id)
 
 
+def decode_model_head_outputs(model_id: int) -> int:
+    """The columns of decode_tokens' logits for this registered model: its head's outputs
+    (the vocabulary and any padding; 0 without a head)."""
+    return torch.ops.pdserve_decode.decode_model_head_outputs(model_id)
+
+
 def release_decode_model(model_id: int) -> None:
     torch.ops.pdserve_decode.release_decode_model(model_id)
 
@@ -158,13 +164,16 @@ def decode_tokens(
     num_steps: int = 1,
     stop_token_ids: torch.Tensor | None = None,  # [S] int64
     sampling: TokenSampling | None = None,  # None: every row its argmax
+    logits: torch.Tensor | None = None,  # [num_tokens, the head's outputs] the model's dtype; one step
 ) -> torch.Tensor:  # [num_tokens, steps run] int64: each sequence's next tokens
     """decode_layers from the token ids, then the head and each row's next token (its argmax,
     as argmax_rows takes it from the head's logits, or its draw: TokenSampling), in one
     parallel region; num_steps such steps, each row going on from the token it took, one
     position further (block_tables must hold each row's blocks through position + num_steps
-    - 1), fewer once every row has taken one of stop_token_ids."""
+    - 1), fewer once every row has taken one of stop_token_ids. logits, where given, receives
+    the head's logits (as compute_logits' before its slice and fp32 copy), for the caller to
+    sample rows the loop leaves to it."""
     sampling = sampling or TokenSampling(None, None)
     return torch.ops.pdserve_decode.decode_tokens(model_id, input_ids, positions, k_caches, v_caches, slot_mapping,
                                                   block_tables, query_start_loc, seq_lens, num_steps, stop_token_ids,
-                                                  *sampling)
+                                                  *sampling, logits)

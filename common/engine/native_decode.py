@@ -46,7 +46,8 @@ from common.engine.models.prepacked_linear import PrepackedLinear
 from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
 from kernels.cpu_decode import (LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, TokenSampling, decode_layers,
-                                decode_model_max_head_tokens, decode_model_max_region_tokens, decode_model_max_tokens,
+                                decode_model_head_outputs, decode_model_max_head_tokens,
+                                decode_model_max_region_tokens, decode_model_max_tokens,
                                 decode_tokens, native_decode_available, native_decode_disabled,
                                 register_decode_model, release_decode_model)
 
@@ -150,8 +151,9 @@ class NativeDecodeLoop:
         # Steps of up to this many tokens run in one parallel region each (0: none do).
         self.max_region_tokens = decode_model_max_region_tokens(self.model_id)
         self.in_regions = self.max_region_tokens > 0
-        # Greedy steps of up to this many tokens end in the loop (run_tokens); 0: none do.
+        # Steps of up to this many tokens end in the loop's head (run_tokens); 0: none do.
         self.max_head_tokens = decode_model_max_head_tokens(self.model_id)
+        self.head_outputs = decode_model_head_outputs(self.model_id)  # the columns of run_tokens' logits
         self.k_caches = [k for k, _ in kv_caches[:num_layers]]
         self.v_caches = [v for _, v in kv_caches[:num_layers]]
         self.num_steps = 0  # steps run, run_tokens' included
@@ -195,18 +197,19 @@ class NativeDecodeLoop:
 
     def run_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                    num_steps: int = 1, stop_token_ids: list[int] | None = None,
-                   sampling: TokenSampling | None = None) -> torch.Tensor:
+                   sampling: TokenSampling | None = None, logits: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> each row's next tokens [num_tokens, steps run]
         int64: the argmax of the model's compute_argmax_logits over run()'s hidden states, or
         for a row that draws (sampling: its temperature > 0) the token the sampler's native
         passes draw from compute_logits' logits at the row's uniform; each step's tokens the
         next one's inputs, in one call: num_steps steps (meta's block tables must hold each
         row's blocks through position + num_steps - 1), fewer once every row has taken one of
-        stop_token_ids."""
+        stop_token_ids. logits [num_tokens, head_outputs] (the model's dtype; one step): receives
+        the head's logits, for the caller to sample rows the loop leaves to it."""
         stops = torch.tensor(stop_token_ids, dtype=torch.int64) if stop_token_ids and num_steps > 1 else None
         token_ids = decode_tokens(self.model_id, input_ids, positions, self.k_caches, self.v_caches,
                                   meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                  num_steps, stops, sampling)
+                                  num_steps, stops, sampling, logits)
         self.num_steps += token_ids.shape[1]
         self.num_token_steps += token_ids.shape[1]
         return token_ids

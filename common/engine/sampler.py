@@ -89,29 +89,37 @@ class Sampler:
         serve, such as the head's bf16 output before its fp32 copy."""
         return all(request.sampling_params.samples_argmax(len(request.output_token_ids)) for request in requests)
 
-    def samples_in_loop(self, requests: Sequence[ScheduledRequest]) -> bool:
-        """Whether the native loop's token head can take these rows' next tokens
-        (token_sampling): every row takes its argmax (only_argmax), or every row samples from
-        the logits alone (no logprobs, penalties, stop tokens held back by min_tokens) while
-        the native sampling ops are on (not PDSERVE_CPU_ARGMAX=0) and draws_in_loop is."""
-        return self.only_argmax(requests) or (
-            self.draws_in_loop and native_argmax_available()
-            and all(r.sampling_params.samples_logits_alone(len(r.output_token_ids)) for r in requests))
+    def rows_in_loop(self, requests: Sequence[ScheduledRequest]) -> list[bool]:
+        """Per row, whether the native loop's token head can take its next token
+        (token_sampling): it takes its argmax (samples_argmax), or it samples from the logits
+        alone (no logprobs, penalties, stop tokens held back by min_tokens) while the native
+        sampling ops are on (not PDSERVE_CPU_ARGMAX=0) and draws_in_loop is. The others this
+        sampler samples, from the logits the loop's head leaves."""
+        draws = self.draws_in_loop and native_argmax_available()
+        in_loop = []
+        for request in requests:
+            params, num_output_tokens = request.sampling_params, len(request.output_token_ids)
+            in_loop.append(params.samples_argmax(num_output_tokens)
+                           or (draws and params.samples_logits_alone(num_output_tokens)))
+        return in_loop
 
-    def token_sampling(self, requests: Sequence[ScheduledRequest], num_steps: int) -> TokenSampling | None:
-        """How the native loop takes the next num_steps tokens of rows samples_in_loop allows:
-        None where every row takes its argmax; else each row's temperature (0: its argmax),
+    def token_sampling(self, requests: Sequence[ScheduledRequest], num_steps: int,
+                       in_loop: Sequence[bool] | None = None) -> TokenSampling | None:
+        """How the native loop takes the next num_steps tokens of the rows in_loop marks (None:
+        every row; rows_in_loop says which it may): None where each of them takes its argmax;
+        else each row's temperature (0: its argmax; a row left to this sampler too),
         truncations, and the uniform numbers this sampler would draw for it step after step
         from the same generators, so the loop's draws are this sampler's tokens."""
         params = [r.sampling_params for r in requests]
-        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy and (in_loop is None or in_loop[i])]
         if not random_rows:
             return None
         random_requests = [requests[i] for i in random_rows]
         uniforms = torch.zeros(num_steps, len(requests), dtype=torch.float64)  # [num_steps, num_rows]
         for step in range(num_steps):
             uniforms[step, random_rows] = self._uniforms(random_requests, torch.device("cpu"), step)
-        temperatures = [0.0 if p.is_greedy else p.temperature for p in params]
+        drawn = set(random_rows)
+        temperatures = [p.temperature if i in drawn else 0.0 for i, p in enumerate(params)]
         return TokenSampling(
             torch.tensor(temperatures, dtype=torch.float32), uniforms,
             top_k=torch.tensor([p.top_k for p in params]) if any(p.top_k > 0 for p in params) else None,

@@ -331,6 +331,9 @@ struct StepSampling {
   const float* temperatures = nullptr;
   const pdserve_cpu::sampling::Truncation* truncations = nullptr;  // [M]; with temperatures
   const double* uniforms = nullptr;  // [M] in [0, 1): this step's draw of each row
+  // [M, the head's outputs] the model's dtype: where the head writes its logits, for the
+  // caller to sample rows from too; nullptr: a buffer of the step's own.
+  void* logits = nullptr;
 };
 
 // Whether row m of a step draws its token (else it takes its argmax).
@@ -483,8 +486,12 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
   const double eps = model.rms_norm_eps;
   const int num_threads = at::get_num_threads();
   // The head's logits [M, N] and each thread's part of each row's argmax [num_threads, M].
-  const at::Tensor logits = head != nullptr ? at::empty({M, head->linear.out_features}, x.options()) : at::Tensor();
-  T* logits_p = head != nullptr ? logits.data_ptr<T>() : nullptr;
+  const at::Tensor logits = head != nullptr && sampling.logits == nullptr
+                                ? at::empty({M, head->linear.out_features}, x.options())
+                                : at::Tensor();
+  T* logits_p = head == nullptr ? nullptr
+                : sampling.logits != nullptr ? static_cast<T*>(sampling.logits)
+                                             : logits.data_ptr<T>();
   std::vector<pdserve_cpu::ArgmaxPart> argmax_parts(head != nullptr ? num_threads * M : 0);
 
   // Every layer's caches shaped as the first's, which the team's plan was checked against:
@@ -951,7 +958,10 @@ std::vector<pdserve_cpu::sampling::Truncation> check_sampling(
 // just took, one position further (its slot read from its block table): block_tables must
 // hold every row's blocks through position + num_steps - 1 (the scheduler's lookahead).
 // stop_token_ids [S] int64: the steps end early, [num_tokens, steps run], once every row has
-// taken one of them (steps past a stop would be thrown away).
+// taken one of them (steps past a stop would be thrown away). logits [num_tokens, the head's
+// outputs] of the model's dtype (one step only): the head's logits land there, for the caller
+// to sample rows whose sampling the loop does not do (logprobs, penalties) as compute_logits'
+// logits would give them.
 at::Tensor decode_tokens(int64_t model_id, const at::Tensor& input_ids, const at::Tensor& positions,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& query_start_loc,
@@ -959,7 +969,7 @@ at::Tensor decode_tokens(int64_t model_id, const at::Tensor& input_ids, const at
                          const std::optional<at::Tensor>& stop_token_ids,
                          const std::optional<at::Tensor>& temperatures, const std::optional<at::Tensor>& uniforms,
                          const std::optional<at::Tensor>& top_k, const std::optional<at::Tensor>& top_p,
-                         const std::optional<at::Tensor>& min_p) {
+                         const std::optional<at::Tensor>& min_p, const std::optional<at::Tensor>& logits) {
   const std::shared_ptr<const Model> model = registered_model(model_id, "decode_tokens");
   PDSERVE_CHECK_VALUE(model->max_head_tokens > 0, "decode_tokens: model ", model_id,
                       " has no head this loop can run (register it with an embedding and a head of GGUF blocks "
@@ -975,6 +985,13 @@ at::Tensor decode_tokens(int64_t model_id, const at::Tensor& input_ids, const at
   const std::vector<pdserve_cpu::sampling::Truncation> truncations =
       check_sampling(M, num_steps, temperatures, uniforms, top_k, top_p, min_p);
   const TokenHead& head = *model->token_head;
+  if (logits.has_value())
+    PDSERVE_CHECK_VALUE(num_steps == 1 && logits->dim() == 2 && logits->size(0) == M &&
+                            logits->size(1) == head.linear.out_features &&
+                            logits->scalar_type() == head.embedding.scalar_type() && logits->is_contiguous(),
+                        "decode_tokens: logits must be contiguous ", head.embedding.scalar_type(), " [num_tokens ", M,
+                        ", the head's ", head.linear.out_features, " outputs], of one step, got ",
+                        logits->scalar_type(), " ", logits->sizes(), " for ", num_steps, " steps");
   at::Tensor token_ids = at::empty({M, num_steps}, input_ids.options());  // [M, num_steps]
   at::Tensor step_ids = at::empty({M}, input_ids.options());             // [M] one step's tokens
   at::Tensor hidden = at::empty({M, head.embedding.size(1)}, head.embedding.options());  // [M, H] embedded
@@ -1014,6 +1031,7 @@ at::Tensor decode_tokens(int64_t model_id, const at::Tensor& input_ids, const at
     if (temperatures.has_value())
       sampling = {temperatures->const_data_ptr<float>(), truncations.data(),
                   uniforms->const_data_ptr<double>() + step * M};
+    if (logits.has_value()) sampling.logits = logits->data_ptr();
 #ifdef PDSERVE_ROW_GROUPS
     if (hidden.scalar_type() == at::kFloat)
       run_layers_in_regions<float>(*model, hidden, step_positions, k_caches, v_caches, step_slots, block_tables,
@@ -1046,6 +1064,12 @@ int64_t decode_model_max_head_tokens(int64_t model_id) {
   return registered_model(model_id, "decode_model_max_head_tokens")->max_head_tokens;
 }
 
+// The columns of decode_tokens' logits: the head's outputs (0: registered without a head).
+int64_t decode_model_head_outputs(int64_t model_id) {
+  const std::shared_ptr<const Model> model = registered_model(model_id, "decode_model_head_outputs");
+  return model->token_head.has_value() ? model->token_head->linear.out_features : 0;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_decode, m) {
@@ -1057,13 +1081,14 @@ TORCH_LIBRARY(pdserve_decode, m) {
   m.def("decode_model_max_tokens(int model_id) -> int", &decode_model_max_tokens);
   m.def("decode_model_max_region_tokens(int model_id) -> int", &decode_model_max_region_tokens);
   m.def("decode_model_max_head_tokens(int model_id) -> int", &decode_model_max_head_tokens);
+  m.def("decode_model_head_outputs(int model_id) -> int", &decode_model_head_outputs);
   m.def("release_decode_model(int model_id) -> ()", &release_decode_model);
   m.def("decode_layers(int model_id, Tensor hidden, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens) -> Tensor");
   m.def("decode_tokens(int model_id, Tensor input_ids, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int num_steps=1, "
         "Tensor? stop_token_ids=None, Tensor? temperatures=None, Tensor? uniforms=None, Tensor? top_k=None, "
-        "Tensor? top_p=None, Tensor? min_p=None) -> Tensor");
+        "Tensor? top_p=None, Tensor? min_p=None, Tensor(a!)? logits=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_decode, CPU, m) {

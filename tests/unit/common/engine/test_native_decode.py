@@ -426,10 +426,11 @@ def test_greedy_steps_back_to_back_take_the_tokens_and_write_the_kv_of_single_st
 
 
 def test_engine_steps_sample_in_the_loop():
-    """An engine's decode steps whose rows sample from the logits alone take run_tokens and
-    give the tokens the sampler gives from the head's logits: greedy rows, and seeded rows
-    drawn at a temperature with truncations; a step with a row that asks for logprobs keeps
-    the sampler."""
+    """An engine's decode steps take run_tokens and give the tokens the sampler gives from the
+    head's logits: greedy rows, and seeded rows drawn at a temperature with truncations; rows
+    that ask for logprobs, penalties or min_tokens take the sampler, from the logits the
+    loop's head left, beside the others: the same tokens and logprobs as with no head in the
+    loop (its hidden states, then compute_logits and the sampler for every row)."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization="gguf")
     loop = _with_native_loop(llm)
     prompts = [{"prompt_token_ids": p} for p in _prompts(3)]
@@ -444,17 +445,30 @@ def test_engine_steps_sample_in_the_loop():
                SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.02, seed=2, max_tokens=12, ignore_eos=True)]
     num_token_steps = loop.num_token_steps
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)]
-    assert loop.num_token_steps >= num_token_steps + 11
+    assert loop.num_token_steps >= num_token_steps + 11 and got[1] != got[0]
+    loop.max_head_tokens = 0  # the loop's hidden states, then compute_logits and the sampler
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)] == got
+    loop.max_head_tokens = DECODE_MAX_TOKENS
     sampler = llm.engine.executor.runner.sampler
-    sampler.draws_in_loop = False  # the loop's hidden states, then compute_logits and the sampler
-    num_token_steps, num_steps = loop.num_token_steps, loop.num_steps
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)]
-    assert loop.num_token_steps == num_token_steps and loop.num_steps >= num_steps + 11
-    assert got == want and got[1] != got[0]
+    sampler.draws_in_loop = False  # the head's logits from the loop, every draw by the sampler
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)] == got
     sampler.draws_in_loop = True
-    with_logprobs = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True, logprobs=2)
-    llm.generate(prompts, [greedy, with_logprobs, greedy])
-    assert loop.num_token_steps == num_token_steps and loop.num_steps >= num_steps + 22
+    sampler_rows = [
+        [SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True, logprobs=2), sampled[1],
+         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)],
+        [SamplingParams(temperature=0.7, seed=3, max_tokens=12, ignore_eos=True, repetition_penalty=1.3,
+                        frequency_penalty=0.5), greedy,
+         SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6, presence_penalty=0.4)]]
+    for params in sampler_rows:
+        num_token_steps = loop.num_token_steps
+        got = [o.outputs[0] for o in llm.generate(prompts, params)]
+        assert loop.num_token_steps >= num_token_steps + 11
+        loop.max_head_tokens = 0
+        want = [o.outputs[0] for o in llm.generate(prompts, params)]
+        loop.max_head_tokens = DECODE_MAX_TOKENS
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert [o.logprobs for o in got] == [o.logprobs for o in want]
+    assert got[2].logprobs is None and len(want[0].logprobs or []) == 0
     llm.engine.shutdown()
 
 
@@ -523,7 +537,8 @@ def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
     calls.clear()
     with_logprobs = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True, logprobs=1)
     generate([SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), with_logprobs, greedy[2]])
-    assert calls == [4, 4]  # single steps through the sampler while it runs, then the last 8 tokens
+    # single steps while it runs (its row through the sampler), then the last 8 tokens
+    assert set(calls[:-2]) == {1} and calls[-2:] == [4, 4]
     kv = llm.engine.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
     llm.engine.shutdown()
@@ -543,12 +558,12 @@ def test_token_steps_bad_calls_raise_and_write_nothing(tiny_llama_dir):
     for cache in (*loop.k_caches, *loop.v_caches):
         cache.zero_()
 
-    def call(ids, model_id=loop.model_id, sampling=None):
+    def call(ids, model_id=loop.model_id, sampling=None, logits=None):
         n = len(ids)
         return decode_tokens(model_id, torch.tensor(ids), torch.zeros(n, dtype=torch.int64), loop.k_caches,
                              loop.v_caches, torch.arange(n), torch.arange(n, dtype=torch.int32).view(n, 1),
                              torch.arange(n + 1, dtype=torch.int32), torch.ones(n, dtype=torch.int32),
-                             sampling=sampling)
+                             sampling=sampling, logits=logits)
 
     for ids, message in (([vocab_size], "outside the embedding"), ([5, -1], "outside the embedding"),
                          ([5] * (most + 1), f"1 to {most} tokens")):
@@ -568,14 +583,18 @@ def test_token_steps_bad_calls_raise_and_write_nothing(tiny_llama_dir):
             (TokenSampling(temperatures, uniforms, min_p=torch.tensor([1.5, 0.1])), "min_p 1.50* is outside")):
         with pytest.raises(ValueError, match=message):
             call([5, 6], sampling=sampling)
+    for logits in (torch.empty(2, loop.head_outputs - 1), torch.empty(2, loop.head_outputs, dtype=torch.bfloat16),
+                   torch.empty(3, loop.head_outputs), torch.empty(loop.head_outputs, 2).t()):
+        with pytest.raises(ValueError, match="logits must be contiguous"):
+            call([5, 6], logits=logits)
     block_size = loop.k_caches[0].shape[1]
     max_position = runner.model.rope.cos.shape[0]
 
-    def steps(position, num_steps, num_blocks=1):
+    def steps(position, num_steps, num_blocks=1, logits=None):
         return decode_tokens(loop.model_id, torch.tensor([5]), torch.tensor([position]), loop.k_caches,
                              loop.v_caches, torch.tensor([position % block_size]),
                              torch.zeros(1, num_blocks, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
-                             torch.tensor([position + 1], dtype=torch.int32), num_steps)
+                             torch.tensor([position + 1], dtype=torch.int32), num_steps, logits=logits)
 
     for position, num_steps, num_blocks, message in (
             (0, 0, 1, "num_steps must be at least 1"),
@@ -583,8 +602,11 @@ def test_token_steps_bad_calls_raise_and_write_nothing(tiny_llama_dir):
             (max_position - 2, 3, max_position // block_size + 1, "outside the RoPE table")):
         with pytest.raises(ValueError, match=message):
             steps(position, num_steps, num_blocks)
+    with pytest.raises(ValueError, match="of one step"):
+        steps(0, 2, logits=torch.empty(1, loop.head_outputs))
     assert all(not cache.any() for cache in (*loop.k_caches, *loop.v_caches))
-    assert call([5, 6]).shape == (2, 1)
+    logits = torch.full((2, loop.head_outputs), float("nan"))
+    assert call([5, 6], logits=logits).tolist() == argmax_rows(logits[:, :vocab_size]).view(2, 1).tolist()
     assert loop.k_caches[1].any()
     llm.engine.shutdown()
     rows = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16)
