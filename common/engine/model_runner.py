@@ -330,9 +330,7 @@ class ModelRunner:
         model = self.model
         received = None  # the previous stage's hidden states [num_tokens, hidden]
         graph_logits = None  # [num_tokens, vocab] when a graph computed them
-        loop_token_ids = None  # [num_tokens, num_steps] int64 when the native loop sampled the step
-        head_logits = None  # [num_tokens, the head's outputs] the loop's head left for the sampler's rows
-        in_loop = None  # per sample row: whether the loop sampled it
+        loop_output = None  # where the native loop took the step to its tokens
         if not model.is_first_stage:
             received = parallel_state.recv_from_prev_stage(
                 (input_ids.shape[0], self.model_config.hidden_size), self.dtype, self.device)
@@ -342,16 +340,7 @@ class ModelRunner:
             if received is None and graphs is not None and graphs.serves(input_ids.shape[0], meta):
                 hidden, graph_logits = graphs.run(input_ids, positions, meta)  # [num_tokens, hidden]
             elif received is None and self._loop_samples(scheduler_output, input_ids.shape[0], meta, sample_reqs):
-                in_loop = self.sampler.rows_in_loop(sample_reqs)
-                if all(in_loop):
-                    num_steps = self._num_loop_steps(scheduler_output.num_steps, sample_reqs)
-                    loop_token_ids = loop.run_tokens(input_ids, positions, meta, num_steps,
-                                                     self._stop_token_ids(sample_reqs) if num_steps > 1 else None,
-                                                     self.sampler.token_sampling(sample_reqs, num_steps))
-                else:  # the sampler takes the other rows from the head's logits
-                    head_logits = torch.empty((input_ids.shape[0], loop.head_outputs), dtype=self.dtype)
-                    loop_token_ids = loop.run_tokens(input_ids, positions, meta, 1, None,
-                                                     self.sampler.token_sampling(sample_reqs, 1, in_loop), head_logits)
+                loop_output = self._run_loop_tokens(scheduler_output, input_ids, positions, meta, sample_reqs)
             elif received is None and loop is not None and loop.serves(input_ids.shape[0], meta):
                 hidden = loop.run(input_ids, positions, meta)  # [num_tokens, hidden]
             else:
@@ -365,10 +354,8 @@ class ModelRunner:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         if connector is not None:
             connector.wait_for_save()
-        if loop_token_ids is not None:
-            if head_logits is not None:
-                return self._sample_rows_left(sample_reqs, in_loop, loop_token_ids, head_logits)
-            return RunnerOutput(req_ids=[r.req_id for r in sample_reqs], sampled_token_ids=loop_token_ids.tolist())
+        if loop_output is not None:
+            return loop_output
         proposer = self.proposer
         if proposer is not None:
             proposer.observe_forward(input_ids, positions, meta, scheduler_output.scheduled)
@@ -402,23 +389,49 @@ class ModelRunner:
     def _loop_samples(self, scheduler_output: SchedulerOutput, num_tokens: int, meta: AttentionMetadata,
                       sample_reqs: list[ScheduledRequest]) -> bool:
         """Whether the native loop takes this step from its tokens to the next ones
-        (NativeDecodeLoop.run_tokens): a decode step it serves, unmasked, with no drafts to
-        verify or propose, on the rank that samples. It samples the rows it can as the sampler
-        would (Sampler.rows_in_loop); the sampler takes the others from its head's logits."""
+        (NativeDecodeLoop.run_tokens): a decode step it serves with no drafts to verify or
+        propose, on the rank that samples. It samples the rows it can as the sampler would
+        (Sampler.rows_in_loop, no grammar); the sampler takes the others from its head's
+        logits."""
         loop = self.native_decode
         return (loop is not None and loop.serves_tokens(num_tokens, meta) and self.proposer is None
-                and self.is_output_rank and scheduler_output.grammar_bitmask is None
-                and len(sample_reqs) == num_tokens and not any(r.spec_token_ids for r in sample_reqs))
+                and self.is_output_rank and len(sample_reqs) == num_tokens
+                and not any(r.spec_token_ids for r in sample_reqs))
+
+    def _run_loop_tokens(self, scheduler_output: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor,
+                         meta: AttentionMetadata, sample_reqs: list[ScheduledRequest]) -> RunnerOutput:
+        """A step _loop_samples allows, through NativeDecodeLoop.run_tokens: every row sampled in
+        the loop (as many steps as allowed), or one step whose rows the loop cannot sample
+        (Sampler.rows_in_loop; a grammar's) the sampler takes from the head's logits."""
+        loop = self.native_decode
+        in_loop = self.sampler.rows_in_loop(sample_reqs)
+        token_bitmask, bitmask_rows = self._grammar_bitmask(scheduler_output, sample_reqs)
+        for i in bitmask_rows:  # a grammar's rows: the sampler masks them first
+            in_loop[i] = False
+        if all(in_loop):
+            num_steps = self._num_loop_steps(scheduler_output.num_steps, sample_reqs)
+            token_ids = loop.run_tokens(input_ids, positions, meta, num_steps,
+                                        self._stop_token_ids(sample_reqs) if num_steps > 1 else None,
+                                        self.sampler.token_sampling(sample_reqs, num_steps))
+            return RunnerOutput(req_ids=[r.req_id for r in sample_reqs], sampled_token_ids=token_ids.tolist())
+        head_logits = torch.empty((input_ids.shape[0], loop.head_outputs), dtype=self.dtype)
+        token_ids = loop.run_tokens(input_ids, positions, meta, 1, None,
+                                    self.sampler.token_sampling(sample_reqs, 1, in_loop), head_logits)
+        return self._sample_rows_left(sample_reqs, in_loop, token_ids, head_logits, token_bitmask, bitmask_rows)
 
     def _sample_rows_left(self, sample_reqs: list[ScheduledRequest], in_loop: list[bool], loop_token_ids: torch.Tensor,
-                          head_logits: torch.Tensor) -> RunnerOutput:
+                          head_logits: torch.Tensor, token_bitmask: torch.Tensor | None,
+                          bitmask_rows: list[int]) -> RunnerOutput:
         """One step's output where the loop sampled the rows in_loop marks (loop_token_ids
         [num_rows, 1]) and left the others to the sampler, which takes them from the head's
-        logits [num_rows, head outputs] as it would from compute_logits' (the same values)."""
+        logits [num_rows, head outputs] as it would from compute_logits' (the same values),
+        token_bitmask's row j masking sample row bitmask_rows[j] (one of the sampler's)."""
         token_ids = loop_token_ids[:, 0].tolist()
         rows = [i for i, taken in enumerate(in_loop) if not taken]
         logits = head_logits[rows, :self.model_config.vocab_size].float()  # [len(rows), vocab]
-        sampled = self.sampler(logits, [sample_reqs[i] for i in rows])
+        row_of = {i: j for j, i in enumerate(rows)}
+        sampled = self.sampler(logits, [sample_reqs[i] for i in rows], token_bitmask,
+                               [row_of[i] for i in bitmask_rows])
         row_logprobs: list[Logprobs | None] = [None] * len(sample_reqs)
         for j, i in enumerate(rows):
             token_ids[i] = sampled.sampled_token_ids[j]

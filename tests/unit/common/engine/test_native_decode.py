@@ -10,6 +10,7 @@ compiled engine builds the loop itself.
 from __future__ import annotations
 
 import gc
+import re
 import sys
 
 import pytest
@@ -23,8 +24,8 @@ from common.engine.native_decode import NativeDecodeLoop, _model_tensors, decode
 from common.engine.outputs import ScheduledRequest
 from common.engine.sampler import Sampler
 from common.engine.sampling_params import SamplingParams
-from kernels.cpu_decode import (DECODE_MAX_TOKENS, TokenSampling, LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, decode_tokens,
-                                decode_layers, decode_model_max_head_tokens, decode_model_max_tokens,
+from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, TokenSampling,
+                                decode_layers, decode_model_max_head_tokens, decode_model_max_tokens, decode_tokens,
                                 native_decode_available, register_decode_model, release_decode_model)
 from kernels.cpu_linear import panel_gemm_amx_tiles, panel_gemm_available, panel_gemm_max_rows, q8_0_max_rows
 from kernels.cpu_sampling import argmax_rows
@@ -469,6 +470,18 @@ def test_engine_steps_sample_in_the_loop():
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert [o.logprobs for o in got] == [o.logprobs for o in want]
     assert got[2].logprobs is None and len(want[0].logprobs or []) == 0
+    # A grammar's rows: the sampler masks them, from the head's logits, beside free rows.
+    constrained = [SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"choice": ["yes", "no"]}),
+                   sampled[1], SamplingParams(temperature=1.0, seed=4, max_tokens=12,
+                                              structured_outputs={"regex": "[a-z]{3,6}"})]
+    num_token_steps = loop.num_token_steps
+    got = [o.outputs[0] for o in llm.generate(prompts, constrained)]
+    assert loop.num_token_steps >= num_token_steps + 11  # the free row's 12 tokens
+    loop.max_head_tokens = 0
+    want = [o.outputs[0] for o in llm.generate(prompts, constrained)]
+    loop.max_head_tokens = DECODE_MAX_TOKENS
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert got[0].text in ("yes", "no") and re.fullmatch("[a-z]{3,6}", got[2].text)
     llm.engine.shutdown()
 
 
