@@ -281,6 +281,18 @@ def test_one_region_a_step_gives_the_same_bits(quantization, dtype):
     llm.engine.shutdown()
 
 
+def _four_layer_loop(quantization: str | None, dtype: str):
+    """An engine of the bundled model (its linears prepacked) and a native loop over its first
+    four layers: (llm, runner, loop). Dense bf16 (quantization None) needs panels on vector
+    units, else the test skips."""
+    if quantization is None and not (panel_gemm_available() and not panel_gemm_amx_tiles()):
+        pytest.skip("bf16 panels on vector units only (AVX512-BF16 without AMX's tiles)")
+    llm = LLM(dtype=dtype, kv_cache_memory="64MiB", quantization=quantization)
+    runner = llm.engine.executor.runner
+    prepack_linears(runner.model)
+    return llm, runner, NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=4)
+
+
 @pytest.mark.parametrize("quantization, dtype", [("gguf", "bfloat16"), ("gguf", "float32"), ("int8", "bfloat16"),
                                                  (None, "bfloat16")])
 def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtype):
@@ -293,12 +305,7 @@ def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtyp
     18 rows here), and where a lone sequence's attention is split. The same head with its
     rows rotated by half the vocabulary moves each token there: the winner then lies in a
     later thread's columns (the bundled model's likely tokens have low ids)."""
-    if quantization is None and not (panel_gemm_available() and not panel_gemm_amx_tiles()):
-        pytest.skip("bf16 panels on vector units only (AVX512-BF16 without AMX's tiles)")
-    llm = LLM(dtype=dtype, kv_cache_memory="64MiB", quantization=quantization)
-    runner = llm.engine.executor.runner
-    prepack_linears(runner.model)
-    loop = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=4)
+    llm, runner, loop = _four_layer_loop(quantization, dtype)
     tensors = _model_tensors(runner.model, 4)
     panels = tensors["head_kind"] == LINEAR_PANELS
     assert panels or tensors["head_kind"] == LINEAR_Q8_0
@@ -353,12 +360,7 @@ def test_sampled_steps_draw_in_the_region_the_samplers_tokens(quantization, dtyp
     region too: each is the token the sampler draws from compute_logits over run()'s hidden
     state, seeded alike (Sampler.token_sampling hands the loop the uniforms the sampler
     would draw), beside greedy rows' argmax, on one thread and on several."""
-    if quantization is None and not (panel_gemm_available() and not panel_gemm_amx_tiles()):
-        pytest.skip("bf16 panels on vector units only (AVX512-BF16 without AMX's tiles)")
-    llm = LLM(dtype=dtype, kv_cache_memory="64MiB", quantization=quantization)
-    runner = llm.engine.executor.runner
-    prepack_linears(runner.model)
-    loop = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=4)
+    llm, runner, loop = _four_layer_loop(quantization, dtype)
     distinct = _prompts(7)
     num_drawn_apart = 0  # rows whose draw is not their argmax: the comparison sees the draws
     threads_before = torch.get_num_threads()
