@@ -170,10 +170,12 @@ inline int32_t refine_far_bucket(const float* x, int64_t n, float maximum, std::
 // Keep the most likely tokens of row x [n] until their mass reaches p: a token stays while
 // the mass ranked above it is < p (so the one that crosses p stays, and the top one); the
 // others become -inf. Equal logits within the bucket where the mass crosses p rank by column.
+// p >= 1 leaves the row whole.
 inline void top_p_row(float* x, int64_t n, float p, std::vector<int32_t>& buckets) {
   using pdserve_cpu::kLanes;
   using pdserve_cpu::Vec;
   using pdserve_cpu::VecI32;
+  if (!(p < 1.f)) return;
   const pdserve_cpu::ArgmaxPart top = pdserve_cpu::argmax_part(x, n);
   if (!has_distribution(top))
     return;  // no distribution to truncate
@@ -360,7 +362,7 @@ struct RowScratch {
 // the sampler's order: top_k, top_p, min_p, then the draw.
 inline int64_t sample_row(float* x, int64_t n, const Truncation& truncation, double u, RowScratch& scratch) {
   top_k_row(x, n, truncation.top_k, scratch.candidates);
-  if (truncation.top_p < 1.f) top_p_row(x, n, truncation.top_p, scratch.buckets);
+  top_p_row(x, n, truncation.top_p, scratch.buckets);
   min_p_row(x, n, truncation.min_p);
   return draw_row(x, n, u);
 }

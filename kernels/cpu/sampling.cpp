@@ -76,56 +76,52 @@ at::Tensor draw_rows(const at::Tensor& logits, const at::Tensor& uniforms) {
   return out;
 }
 
-// The in-place truncations' arguments: fp32 logits with contiguous rows, and one value per
-// row of per_row's dtype (`expected` names it, as "fp32 [num_rows] top_p").
-void check_truncation_args(const char* op, const at::Tensor& logits, const at::Tensor& per_row,
-                           at::ScalarType dtype, const char* expected) {
+// One in-place truncation over the rows of logits [num_rows, vocab_size] fp32 (contiguous
+// rows), row r by row_op(row, vocab_size, per_row[r], scratch): per_row [num_rows] of dtype
+// (`expected` names it, as "fp32 [num_rows] top_p"; op names the caller in errors), rows_per_task
+// rows to a thread's task, each task with its own scratch.
+template <typename V, typename RowOp>
+void truncate_rows(const char* op, at::Tensor& logits, const at::Tensor& per_row, at::ScalarType dtype,
+                   const char* expected, int64_t rows_per_task, RowOp row_op) {
   PDSERVE_CHECK_VALUE(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1, op,
                       ": fp32 [num_rows, vocab_size] logits with contiguous rows expected, got ",
                       logits.scalar_type(), " ", logits.sizes(), " strides ", logits.strides());
   PDSERVE_CHECK_VALUE(per_row.dim() == 1 && per_row.scalar_type() == dtype && per_row.size(0) == logits.size(0) &&
                           per_row.is_contiguous(),
                       op, ": ", expected, " expected, got ", per_row.scalar_type(), " ", per_row.sizes());
+  const int64_t num_rows = logits.size(0), n = logits.size(1), row_stride = logits.stride(0);
+  float* x = logits.data_ptr<float>();
+  const V* values = per_row.const_data_ptr<V>();
+  at::parallel_for(0, num_rows, rows_per_task, [&](int64_t begin, int64_t end) {
+    RowScratch scratch;
+    for (int64_t r = begin; r < end; ++r) row_op(x + r * row_stride, n, values[r], scratch);
+  });
 }
 
 // logits [num_rows, vocab_size] fp32, each row contiguous, truncated in place: a token less
 // likely than min_p times the most likely one (its logit below the maximum + log(min_p))
 // becomes -inf; min_p [num_rows] fp32, 0 for a row to leave whole.
 void min_p_mask_rows_(at::Tensor logits, const at::Tensor& min_p) {
-  check_truncation_args("min_p_mask_rows_", logits, min_p, at::kFloat, "fp32 [num_rows] min_p");
-  const int64_t num_rows = logits.size(0), n = logits.size(1), row_stride = logits.stride(0);
-  float* x = logits.data_ptr<float>();
-  const float* p = min_p.const_data_ptr<float>();
-  at::parallel_for(0, num_rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) min_p_row(x + r * row_stride, n, p[r]);
-  });
+  truncate_rows<float>("min_p_mask_rows_", logits, min_p, at::kFloat, "fp32 [num_rows] min_p", kRowsPerTask,
+                       [](float* row, int64_t n, float p, RowScratch&) { min_p_row(row, n, p); });
 }
 
 // logits [num_rows, vocab_size] fp32, each row contiguous, truncated in place; top_k
 // [num_rows] int64, <= 0 or >= vocab_size for a row to leave whole.
 void top_k_mask_rows_(at::Tensor logits, const at::Tensor& top_k) {
-  check_truncation_args("top_k_mask_rows_", logits, top_k, at::kLong, "int64 [num_rows] top_k");
-  const int64_t num_rows = logits.size(0), n = logits.size(1), row_stride = logits.stride(0);
-  float* x = logits.data_ptr<float>();
-  const int64_t* k = top_k.const_data_ptr<int64_t>();
-  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> candidates;
-    for (int64_t r = begin; r < end; ++r) top_k_row(x + r * row_stride, n, k[r], candidates);
-  });
+  truncate_rows<int64_t>("top_k_mask_rows_", logits, top_k, at::kLong, "int64 [num_rows] top_k", 1,
+                         [](float* row, int64_t n, int64_t k, RowScratch& scratch) {
+                           top_k_row(row, n, k, scratch.candidates);
+                         });
 }
 
 // logits [num_rows, vocab_size] fp32 (temperature applied), each row contiguous, truncated in
 // place; top_p [num_rows] fp32, 1 for a row to leave whole.
 void top_p_mask_rows_(at::Tensor logits, const at::Tensor& top_p) {
-  check_truncation_args("top_p_mask_rows_", logits, top_p, at::kFloat, "fp32 [num_rows] top_p");
-  const int64_t num_rows = logits.size(0), n = logits.size(1), row_stride = logits.stride(0);
-  float* x = logits.data_ptr<float>();
-  const float* p = top_p.const_data_ptr<float>();
-  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> buckets;
-    for (int64_t r = begin; r < end; ++r)
-      if (p[r] < 1.f) top_p_row(x + r * row_stride, n, p[r], buckets);
-  });
+  truncate_rows<float>("top_p_mask_rows_", logits, top_p, at::kFloat, "fp32 [num_rows] top_p", 1,
+                       [](float* row, int64_t n, float p, RowScratch& scratch) {
+                         top_p_row(row, n, p, scratch.buckets);
+                       });
 }
 
 }  // namespace
