@@ -206,7 +206,7 @@ class NativeDecodeLoop:
         row's blocks through position + num_steps - 1), fewer once every row has taken one of
         stop_token_ids. logits [num_tokens, head_outputs] (the model's dtype; one step): receives
         the head's logits, for the caller to sample rows the loop leaves to it."""
-        stops = torch.tensor(stop_token_ids, dtype=torch.int64) if stop_token_ids and num_steps > 1 else None
+        stops = torch.tensor(stop_token_ids, dtype=torch.int64) if stop_token_ids else None
         token_ids = decode_tokens(self.model_id, input_ids, positions, self.k_caches, self.v_caches,
                                   meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                   num_steps, stops, sampling, logits)
