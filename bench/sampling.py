@@ -7,7 +7,7 @@ For each sampling case (temperature; with top_p, top_k, min_p) and batch size th
 requests (max_tokens, ignore_eos, seeded) decode in three arms, in turns (--repeats rounds,
 each round in the other order from the last, so the host's drift lands on all alike): the
 rows drawn inside the native decode loop's region ("in loop", the default), drawn by the
-sampler's native ops from the logits the loop's head left ("after loop", Sampler.draws_in_loop
+sampler's native ops from the logits the loop's head left ("after loop", Sampler.samples_in_loop
 off), and by the torch forms that PDSERVE_CPU_ARGMAX=0 gives ("torch"). Reported: output
 tokens/s (median round) and the median paired ratios in loop / after loop and after loop /
 torch. Then the sampler alone, on logits the bundled model produced in those runs: ms per
@@ -48,7 +48,7 @@ def use_native(native: bool) -> None:
 def use_decode_arm(llm, arm: str) -> None:
     """Switch the engine's sampling to one of DECODE_ARMS."""
     use_native(arm != "torch")
-    llm.engine.executor.runner.sampler.draws_in_loop = arm == "in loop"
+    llm.engine.executor.runner.sampler.samples_in_loop = arm == "in loop"
 
 
 def decode_rates(llm, case: dict, num_seqs: int, max_tokens: int, repeats: int) -> dict:

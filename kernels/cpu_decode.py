@@ -54,7 +54,8 @@ def _decode_layers_fake(model_id, hidden, positions, k_caches, v_caches, slot_ma
 
 def _decode_tokens_fake(model_id, input_ids, positions, k_caches, v_caches, slot_mapping, block_tables,
                         query_start_loc, seq_lens, num_steps=1, stop_token_ids=None, temperatures=None,
-                        uniforms=None, top_k=None, top_p=None, min_p=None, logits=None):
+                        uniforms=None, top_k=None, top_p=None, min_p=None, logits=None, num_logprobs=None,
+                        logprobs=None, logprob_token_ids=None):
     return input_ids.new_empty((input_ids.shape[0], num_steps))
 
 
@@ -68,6 +69,24 @@ class TokenSampling(NamedTuple):
     top_k: torch.Tensor | None = None  # [num_tokens] int64; <= 0 or >= the vocabulary: none
     top_p: torch.Tensor | None = None  # [num_tokens] fp32 in (0, 1]; 1: none
     min_p: torch.Tensor | None = None  # [num_tokens] fp32 in [0, 1]; 0: none
+
+
+class TokenLogprobs(NamedTuple):
+    """Where decode_tokens writes the logprobs of the rows that report them, as the sampler
+    reports them (the log-softmax of the head's logits as fp32, before temperature and
+    truncation): the taken token's, then the row's top tokens', most likely first (equal
+    logits by token id)."""
+    num_logprobs: torch.Tensor  # [num_tokens] int64: -1 none, else the top tokens the row reports
+    logprobs: torch.Tensor  # [num_steps, num_tokens, 1 + max top] fp32: the taken token's, then the top ones'
+    token_ids: torch.Tensor  # [num_steps, num_tokens, max top] int64: the top tokens
+
+    @classmethod
+    def empty(cls, num_logprobs: list[int], num_steps: int) -> TokenLogprobs:
+        """Room for num_steps steps of rows reporting num_logprobs[m] top tokens each (-1: none)."""
+        num_top = max(0, *num_logprobs)
+        return cls(torch.tensor(num_logprobs, dtype=torch.int64),
+                   torch.empty(num_steps, len(num_logprobs), 1 + num_top),
+                   torch.empty(num_steps, len(num_logprobs), num_top, dtype=torch.int64))
 
 
 def register_decode_model(
@@ -165,6 +184,7 @@ def decode_tokens(
     stop_token_ids: torch.Tensor | None = None,  # [S] int64
     sampling: TokenSampling | None = None,  # None: every row its argmax
     logits: torch.Tensor | None = None,  # [num_tokens, the head's outputs] the model's dtype; one step
+    logprobs: TokenLogprobs | None = None,  # None: no row reports logprobs
 ) -> torch.Tensor:  # [num_tokens, steps run] int64: each sequence's next tokens
     """decode_layers from the token ids, then the head and each row's next token (its argmax,
     as argmax_rows takes it from the head's logits, or its draw: TokenSampling), in one
@@ -172,8 +192,10 @@ def decode_tokens(
     position further (block_tables must hold each row's blocks through position + num_steps
     - 1), fewer once every row has taken one of stop_token_ids. logits, where given, receives
     the head's logits (as compute_logits' before its slice and fp32 copy), for the caller to
-    sample rows the loop leaves to it."""
+    sample rows the loop leaves to it; logprobs, where given, receives each step's logprobs of
+    the rows that report them (its first steps run)."""
     sampling = sampling or TokenSampling(None, None)
+    logprobs = logprobs or TokenLogprobs(None, None, None)
     return torch.ops.pdserve_decode.decode_tokens(model_id, input_ids, positions, k_caches, v_caches, slot_mapping,
                                                   block_tables, query_start_loc, seq_lens, num_steps, stop_token_ids,
-                                                  *sampling, logits)
+                                                  *sampling, logits, *logprobs)

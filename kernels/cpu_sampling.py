@@ -17,6 +17,9 @@
   -inf, from a histogram of each logit's distance below the row's maximum; only the
   tokens of the bucket where the mass crosses p are sorted. The sampler's torch form
   takes a softmax, top-k candidates (growing while they fall short of p) and their sort.
+- `logprobs_rows` (logprobs): the log-softmax at each row's taken token and at its top
+  tokens (a heap over the row, equal logits by id), without writing the whole log-softmax;
+  the native decode loop reports the same values from the same code (sample_row.h).
 
 Built on first use (kernels/cpu/build.py); without a C++ compiler, on other devices and
 dtypes, each runs as its torch form. PDSERVE_CPU_ARGMAX=0 turns the native ones off.
@@ -43,7 +46,8 @@ def native_argmax_available() -> bool:
                                   "pdserve_sampling::draw_rows": _draw_rows_fake,
                                   "pdserve_sampling::min_p_mask_rows_": _mask_rows_fake,
                                   "pdserve_sampling::top_k_mask_rows_": _mask_rows_fake,
-                                  "pdserve_sampling::top_p_mask_rows_": _mask_rows_fake})
+                                  "pdserve_sampling::top_p_mask_rows_": _mask_rows_fake,
+                                  "pdserve_sampling::logprobs_rows": _logprobs_rows_fake})
     if error is not None:
         log.info("sampling takes torch's argmax, draw and truncations: %s", error)
         return False
@@ -60,6 +64,11 @@ def _draw_rows_fake(logits, uniforms):
 
 def _mask_rows_fake(logits, per_row):
     return None
+
+
+def _logprobs_rows_fake(logits, token_ids, num_top):
+    return logits.new_empty((logits.shape[0], 1 + num_top)), logits.new_empty((logits.shape[0], num_top),
+                                                                              dtype=torch.long)
 
 
 def native_rows(logits: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
@@ -90,3 +99,17 @@ def draw_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     # u * total may round up to total: stay at or before the last token with probability
     # > 0 (the first index where the cdf reaches its maximum).
     return torch.minimum(token_ids, cdf.argmax(dim=-1, keepdim=True)).squeeze(1)
+
+
+def logprobs_rows(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logprobs a sampler reports: logits [num_rows, vocab_size] (before temperature and
+    truncation), token_ids [num_rows] int64 (each row's taken token), num_top in [0,
+    vocab_size] -> (logprobs [num_rows, 1 + num_top] fp32: log_softmax(row) at its token,
+    then at its top num_top tokens; top_ids [num_rows, num_top] int64, most likely first).
+    The native op ranks equal logits by token id; torch's topk, the form elsewhere, as it
+    finds them."""
+    if native_rows(logits) and token_ids.dtype == torch.int64 and token_ids.is_contiguous():
+        return torch.ops.pdserve_sampling.logprobs_rows(logits, token_ids, num_top)
+    row_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [num_rows, vocab_size]
+    top = row_logprobs.topk(num_top, dim=-1)  # [num_rows, num_top]
+    return torch.cat([row_logprobs.gather(1, token_ids.view(-1, 1)), top.values], dim=1), top.indices

@@ -401,23 +401,36 @@ class ModelRunner:
     def _run_loop_tokens(self, scheduler_output: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor,
                          meta: AttentionMetadata, sample_reqs: list[ScheduledRequest]) -> RunnerOutput:
         """A step _loop_samples allows, through NativeDecodeLoop.run_tokens: every row sampled in
-        the loop (as many steps as allowed), or one step whose rows the loop cannot sample
-        (Sampler.rows_in_loop; a grammar's) the sampler takes from the head's logits."""
-        loop = self.native_decode
-        in_loop = self.sampler.rows_in_loop(sample_reqs)
+        the loop, logprobs included (as many steps as allowed), or one step whose rows the loop
+        cannot sample (Sampler.rows_in_loop; a grammar's) the sampler takes from the head's
+        logits."""
+        loop, sampler = self.native_decode, self.sampler
+        in_loop = sampler.rows_in_loop(sample_reqs)
         token_bitmask, bitmask_rows = self._grammar_bitmask(scheduler_output, sample_reqs)
         for i in bitmask_rows:  # a grammar's rows: the sampler masks them first
             in_loop[i] = False
+        req_ids = [r.req_id for r in sample_reqs]
         if all(in_loop):
             num_steps = self._num_loop_steps(scheduler_output.num_steps, sample_reqs)
+            logprobs = sampler.token_logprobs(sample_reqs, num_steps)
             token_ids = loop.run_tokens(input_ids, positions, meta, num_steps,
                                         self._stop_token_ids(sample_reqs) if num_steps > 1 else None,
-                                        self.sampler.token_sampling(sample_reqs, num_steps))
-            return RunnerOutput(req_ids=[r.req_id for r in sample_reqs], sampled_token_ids=token_ids.tolist())
+                                        sampler.token_sampling(sample_reqs, num_steps), logprobs=logprobs)
+            return RunnerOutput(req_ids=req_ids, sampled_token_ids=token_ids.tolist(),
+                                logprobs=None if logprobs is None
+                                else sampler.loop_logprobs(logprobs, token_ids.shape[1]))
         head_logits = torch.empty((input_ids.shape[0], loop.head_outputs), dtype=self.dtype)
+        logprobs = sampler.token_logprobs(sample_reqs, 1, in_loop)
         token_ids = loop.run_tokens(input_ids, positions, meta, 1, None,
-                                    self.sampler.token_sampling(sample_reqs, 1, in_loop), head_logits)
-        return self._sample_rows_left(sample_reqs, in_loop, token_ids, head_logits, token_bitmask, bitmask_rows)
+                                    sampler.token_sampling(sample_reqs, 1, in_loop), head_logits, logprobs)
+        output = self._sample_rows_left(sample_reqs, in_loop, token_ids, head_logits, token_bitmask, bitmask_rows)
+        if logprobs is not None:
+            row_logprobs = output.logprobs or [None] * len(sample_reqs)
+            for i, taken in enumerate(sampler.loop_logprobs(logprobs, 1)):
+                if taken is not None:
+                    row_logprobs[i] = taken
+            output.logprobs = row_logprobs
+        return output
 
     def _sample_rows_left(self, sample_reqs: list[ScheduledRequest], in_loop: list[bool], loop_token_ids: torch.Tensor,
                           head_logits: torch.Tensor, token_bitmask: torch.Tensor | None,
@@ -425,21 +438,21 @@ class ModelRunner:
         """One step's output where the loop sampled the rows in_loop marks (loop_token_ids
         [num_rows, 1]) and left the others to the sampler, which takes them from the head's
         logits [num_rows, head outputs] as it would from compute_logits' (the same values),
-        token_bitmask's row j masking sample row bitmask_rows[j] (one of the sampler's)."""
+        token_bitmask's row j masking sample row bitmask_rows[j] (one of the sampler's). The
+        logprobs are the sampler's rows' (None where none of them reports any)."""
         token_ids = loop_token_ids[:, 0].tolist()
         rows = [i for i, taken in enumerate(in_loop) if not taken]
         logits = head_logits[rows, :self.model_config.vocab_size].float()  # [len(rows), vocab]
         row_of = {i: j for j, i in enumerate(rows)}
         sampled = self.sampler(logits, [sample_reqs[i] for i in rows], token_bitmask,
                                [row_of[i] for i in bitmask_rows])
-        row_logprobs: list[Logprobs | None] = [None] * len(sample_reqs)
+        row_logprobs: list[list[Logprobs] | None] = [None] * len(sample_reqs)
         for j, i in enumerate(rows):
             token_ids[i] = sampled.sampled_token_ids[j]
-            if sampled.logprobs is not None:
-                row_logprobs[i] = sampled.logprobs[j]
+            if sampled.logprobs is not None and sampled.logprobs[j] is not None:
+                row_logprobs[i] = [sampled.logprobs[j]]
         return RunnerOutput(req_ids=[r.req_id for r in sample_reqs], sampled_token_ids=[[t] for t in token_ids],
-                            logprobs=None if sampled.logprobs is None
-                            else [None if lp is None else [lp] for lp in row_logprobs])
+                            logprobs=None if sampled.logprobs is None else row_logprobs)
 
     def _num_loop_steps(self, num_steps: int, sample_reqs: list[ScheduledRequest]) -> int:
         """The decode steps the loop runs back to back: as many as the scheduler allowed

@@ -20,10 +20,11 @@ Greedy rows (temperature < 1e-5 or top_k == 1) take the argmax of the penalised,
 masked logits. A batch of greedy rows without penalties, logprobs or pending
 min_tokens is a single argmax.
 
-Rows that sample from the logits alone (no penalties, logprobs, pending min_tokens or
-grammar) can be sampled inside the CPU's native decode loop (token_sampling): the sampler
-draws their uniform numbers as it would step after step, and the loop truncates and draws
-with the same native passes, so the tokens are the ones this sampler gives.
+Rows that sample from the logits alone (no penalties, pending min_tokens or grammar) can be
+sampled inside the CPU's native decode loop (token_sampling): the sampler draws their
+uniform numbers as it would step after step, and the loop truncates and draws with the same
+native passes, so the tokens are the ones this sampler gives; the loop reports their
+logprobs too (token_logprobs, loop_logprobs), from the same logits as this sampler.
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ import torch
 
 from common.engine.outputs import Logprobs, ScheduledRequest
 from common.engine.structured_output.bitmask import apply_token_bitmask
-from kernels.cpu_decode import TokenSampling
-from kernels.cpu_sampling import argmax_rows, draw_rows, native_argmax_available, native_rows
+from kernels.cpu_decode import TokenLogprobs, TokenSampling
+from kernels.cpu_sampling import argmax_rows, draw_rows, logprobs_rows, native_argmax_available, native_rows
 
 _MASK64 = (1 << 64) - 1
 
@@ -65,9 +66,10 @@ class Sampler:
         # Unique prompt token ids per request, for repetition penalties; a prompt never
         # changes, so it is turned into a tensor once rather than every step.
         self._prompt_id_tensors: dict[str, torch.Tensor] = {}
-        # Whether token_sampling hands random rows to the native loop (False: only greedy
-        # ones, the others drawn here after it; benchmarks compare the two).
-        self.draws_in_loop = True
+        # Whether the native loop samples every row it can (rows_in_loop; False: only those
+        # that take their argmax and nothing more, the others sampled here from the logits its
+        # head leaves; benchmarks compare the two).
+        self.samples_in_loop = True
 
     def prepare(self, device: torch.device) -> None:
         """Load what greedy steps on this device take before the first request: on the CPU the
@@ -91,16 +93,18 @@ class Sampler:
 
     def rows_in_loop(self, requests: Sequence[ScheduledRequest]) -> list[bool]:
         """Per row, whether the native loop's token head can take its next token
-        (token_sampling): it takes its argmax (samples_argmax), or it samples from the logits
-        alone (no logprobs, penalties, stop tokens held back by min_tokens) while the native
-        sampling ops are on (not PDSERVE_CPU_ARGMAX=0) and draws_in_loop is. The others this
-        sampler samples, from the logits the loop's head leaves."""
-        draws = self.draws_in_loop and native_argmax_available()
+        (token_sampling) and its logprobs (token_logprobs): it takes its argmax and nothing
+        more (samples_argmax), or it samples from the logits alone (no penalties, no stop
+        tokens held back by min_tokens) while samples_in_loop is on, random rows only while the
+        native sampling ops are (not PDSERVE_CPU_ARGMAX=0). The others this sampler samples,
+        from the logits the loop's head leaves."""
+        draws = native_argmax_available()
         in_loop = []
         for request in requests:
             params, num_output_tokens = request.sampling_params, len(request.output_token_ids)
             in_loop.append(params.samples_argmax(num_output_tokens)
-                           or (draws and params.samples_logits_alone(num_output_tokens)))
+                           or (self.samples_in_loop and params.samples_logits_alone(num_output_tokens)
+                               and (params.is_greedy or draws)))
         return in_loop
 
     def token_sampling(self, requests: Sequence[ScheduledRequest], num_steps: int,
@@ -128,6 +132,27 @@ class Sampler:
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32) if any(p.min_p > 0.0 for p in params)
             else None)
 
+    @staticmethod
+    def token_logprobs(requests: Sequence[ScheduledRequest], num_steps: int,
+                       in_loop: Sequence[bool] | None = None) -> TokenLogprobs | None:
+        """Room for the logprobs the native loop reports over num_steps steps for the rows
+        in_loop marks (None: every row) that ask for them; None where none does."""
+        num_logprobs = [-1 if p is None or (in_loop is not None and not in_loop[i]) else p
+                        for i, p in enumerate(r.sampling_params.logprobs for r in requests)]
+        if max(num_logprobs) < 0:
+            return None
+        return TokenLogprobs.empty(num_logprobs, num_steps)
+
+    @staticmethod
+    def loop_logprobs(token_logprobs: TokenLogprobs, num_steps: int) -> list[list[Logprobs] | None]:
+        """Per row, the Logprobs of its first num_steps tokens as the loop wrote them into
+        token_logprobs (None for a row that reports none)."""
+        counts = token_logprobs.num_logprobs.tolist()
+        values = token_logprobs.logprobs[:num_steps].transpose(0, 1).tolist()  # [num_rows, num_steps, 1 + top]
+        token_ids = token_logprobs.token_ids[:num_steps].transpose(0, 1).tolist()  # [num_rows, num_steps, top]
+        return [None if n < 0 else [Logprobs(step[0], ids[:n], step[1:1 + n]) for step, ids in zip(rows, id_rows)]
+                for n, rows, id_rows in zip(counts, values, token_ids)]
+
     def __call__(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest],
                  token_bitmask: torch.Tensor | None = None,
                  bitmask_rows: Sequence[int] = ()) -> SamplerOutput:
@@ -151,8 +176,8 @@ class Sampler:
         self._mask_stop_tokens_below_min_tokens(logits, requests, set(bitmask_rows))
 
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        # [num_logprob_rows, vocab_size]
-        row_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+        # [num_logprob_rows, vocab_size]: a copy, kept from the draws' temperature and truncations
+        logprob_logits = logits[logprob_rows] if logprob_rows else None
 
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if len(random_rows) == num_seqs:
@@ -163,7 +188,7 @@ class Sampler:
                 sampled[random_rows] = self._sample_random(
                     logits[random_rows], [requests[i] for i in random_rows])
         sampled_token_ids = sampled.tolist()
-        logprobs = (self._gather_logprobs(row_logprobs, logprob_rows, sampled, params, num_seqs)
+        logprobs = (self._gather_logprobs(logprob_logits, logprob_rows, sampled, params, num_seqs)
                     if logprob_rows else None)
         return SamplerOutput(sampled_token_ids, logprobs)
 
@@ -280,18 +305,15 @@ class Sampler:
         return generator
 
     @staticmethod
-    def _gather_logprobs(row_logprobs: torch.Tensor, rows: list[int], sampled: torch.Tensor,
+    def _gather_logprobs(row_logits: torch.Tensor, rows: list[int], sampled: torch.Tensor,
                          params: list, num_seqs: int) -> list[Logprobs | None]:
-        # row_logprobs: [num_rows, vocab_size] for the rows listed in `rows`
-        token_logprobs = row_logprobs.gather(1, sampled[rows].unsqueeze(1)).squeeze(1).tolist()
+        # row_logits: [num_rows, vocab_size] for the rows listed in `rows`
         max_top_n = max(params[i].logprobs for i in rows)
-        top_values, top_ids = ([], []) if max_top_n == 0 else (
-            t.tolist() for t in row_logprobs.topk(max_top_n, dim=-1))  # [num_rows, max_top_n]
+        values, top_ids = (t.tolist() for t in logprobs_rows(row_logits, sampled[rows], max_top_n))
         out: list[Logprobs | None] = [None] * num_seqs
         for row, i in enumerate(rows):
             n = params[i].logprobs
-            out[i] = Logprobs(token_logprobs[row], top_ids[row][:n] if n else [],
-                              top_values[row][:n] if n else [])
+            out[i] = Logprobs(values[row][0], top_ids[row][:n], values[row][1:1 + n])
         return out
 
 

@@ -153,15 +153,15 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
     def samples_logits_alone(self, num_output_tokens: int) -> bool:
-        """Whether a request that has num_output_tokens samples its next token from the logits
-        and its own sampling parameters alone: no logprobs to report, no penalties over its
+        """Whether a request that has num_output_tokens samples its next token (and its
+        logprobs) from the logits and its own sampling parameters alone: no penalties over its
         tokens, no stop tokens held back by min_tokens."""
-        return self.logprobs is None and not self.has_penalties and num_output_tokens >= self.min_tokens
+        return not self.has_penalties and num_output_tokens >= self.min_tokens
 
     def samples_argmax(self, num_output_tokens: int) -> bool:
         """Whether a request that has num_output_tokens samples its next token as the logits'
-        argmax and nothing more (greedy, and samples_logits_alone)."""
-        return self.is_greedy and self.samples_logits_alone(num_output_tokens)
+        argmax and nothing more (greedy, samples_logits_alone, no logprobs to report)."""
+        return self.is_greedy and self.logprobs is None and self.samples_logits_alone(num_output_tokens)
 
     def validate_token_ids(self, vocab_size: int) -> None:
         """Check stop_token_ids against the vocabulary (known only to the engine/gateway)."""

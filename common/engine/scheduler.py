@@ -242,7 +242,8 @@ class Scheduler(SchedulerInterface):
     def _num_decode_steps(self, in_flight_req_ids: frozenset[str], max_num_reqs: int | None) -> int:
         """How many decode steps the next step may run back to back (num_scheduler_steps):
         1 unless every running request decodes one token sampled from the logits alone (no
-        logprobs, penalties or stop tokens held back by min_tokens), unconstrained, and
+        penalties or stop tokens held back by min_tokens; logprobs the loop reports too),
+        unconstrained, and
         nobody waits to be admitted (a new prompt would wait for all of them) nor is any
         batch in flight; at most the steps the request closest to its max_tokens or to
         max_model_len has left, so none runs past the positions it may hold."""

@@ -17,7 +17,8 @@
 // is GGUF blocks or bf16 panels, the whole step runs in one OpenMP region
 // (run_layers_in_regions) rather than a fork and join per projection and attention; a step
 // of such a model can take the embedding lookup, the head and each row's next token (its
-// argmax, or a draw from its softmax) into the same region too (decode_tokens).
+// argmax, or a draw from its softmax, and its logprobs) into the same region too
+// (decode_tokens).
 //
 // Numerics follow the compiled graph's: each fused pointwise step computes in fp32 from
 // the dtype's inputs and rounds once; RMSNorm rounds the normalised value before scaling
@@ -334,6 +335,13 @@ struct StepSampling {
   // [M, the head's outputs] the model's dtype: where the head writes its logits, for the
   // caller to sample rows from too; nullptr: a buffer of the step's own.
   void* logits = nullptr;
+  // [M]: < 0 the row reports no logprobs, else its taken token's and its top num_logprobs[m]
+  // tokens' (the sampler's: the log-softmax of the logits before temperature and truncation);
+  // nullptr: none does.
+  const int64_t* num_logprobs = nullptr;
+  int64_t max_logprobs = 0;  // the largest of num_logprobs: the top tokens' room in each row
+  float* logprobs = nullptr;  // [M, 1 + max_logprobs] this step's: the taken token's, then the top ones'
+  int64_t* logprob_token_ids = nullptr;  // [M, max_logprobs] this step's top tokens, most likely first
 };
 
 // Whether row m of a step draws its token (else it takes its argmax).
@@ -341,10 +349,17 @@ inline bool draws(const StepSampling& sampling, int64_t m) {
   return sampling.temperatures != nullptr && sampling.temperatures[m] > 0.f;
 }
 
-// What a thread's draws reuse from row to row: the row as fp32 and the truncations' scratch.
+// Whether row m of a step reports logprobs.
+inline bool reports_logprobs(const StepSampling& sampling, int64_t m) {
+  return sampling.num_logprobs != nullptr && sampling.num_logprobs[m] >= 0;
+}
+
+// What a thread's draws reuse from row to row: the row as fp32, the truncations' scratch and
+// the logprobs' top tokens.
 struct DrawScratch {
   std::vector<float> row;
   pdserve_cpu::sampling::RowScratch truncation;
+  std::vector<std::pair<float, int64_t>> top;
 };
 
 // Row m's token drawn from its logits [vocab_size] (the head's dtype) as the sampler draws it:
@@ -362,6 +377,22 @@ int64_t draw_token(const T* logits, int64_t vocab_size, const StepSampling& samp
   for (; i < vocab_size; ++i) x[i] = static_cast<float>(logits[i]) / temperature;
   return pdserve_cpu::sampling::sample_row(x, vocab_size, sampling.truncations[m], sampling.uniforms[m],
                                            scratch.truncation);
+}
+
+// Row m's logprobs where it reports them, as the sampler gives them from the same logits
+// [vocab_size] (the head's dtype) once it took `token`: widened to fp32, then the log-softmax
+// at the token and at the row's top tokens.
+template <typename T>
+void write_logprobs(const T* logits, int64_t vocab_size, int64_t token, const StepSampling& sampling, int64_t m,
+                    DrawScratch& scratch) {
+  scratch.row.resize(vocab_size);
+  float* x = scratch.row.data();
+  int64_t i = 0;
+  for (; i + kLanes <= vocab_size; i += kLanes) store_vec(x + i, load_vec(logits + i));
+  for (; i < vocab_size; ++i) x[i] = static_cast<float>(logits[i]);
+  float* out = sampling.logprobs + m * (1 + sampling.max_logprobs);
+  pdserve_cpu::sampling::row_logprobs(x, vocab_size, token, sampling.num_logprobs[m], out,
+                                      sampling.logprob_token_ids + m * sampling.max_logprobs, out + 1, scratch.top);
 }
 
 #ifdef PDSERVE_ROW_GROUPS
@@ -452,7 +483,8 @@ void prepare_rows(const Linear& l, const T* x, int64_t begin, int64_t end, pdser
 // sampler's argmax_rows gives it from the same logits, or for a row sampling draws (its
 // temperature > 0) the token the sampler's native passes draw from them at the row's uniform:
 // the logits as fp32 over the temperature, then its top_k, top_p and min_p, then the draw
-// (sample_row.h), on the thread that owns the row.
+// (sample_row.h), on the thread that owns the row, which then writes the row's logprobs where
+// it reports them (write_logprobs).
 template <typename T>
 at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, const at::Tensor& positions,
                                  at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
@@ -584,14 +616,16 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
       }
 #pragma omp barrier
       for (int64_t m = row_begin; m < row_end; ++m) {
+        const T* row_logits = logits_p + m * projection.out_features;
         if (draws(sampling, m)) {
-          token_ids[m] = draw_token(logits_p + m * projection.out_features, head->vocab_size, sampling, m,
-                                    draw_scratch);
-          continue;
+          token_ids[m] = draw_token(row_logits, head->vocab_size, sampling, m, draw_scratch);
+        } else {
+          pdserve_cpu::ArgmaxPart row = argmax_parts[m];
+          for (int other = 1; other < n; ++other) pdserve_cpu::merge_argmax(row, argmax_parts[other * M + m]);
+          token_ids[m] = row.index;
         }
-        pdserve_cpu::ArgmaxPart row = argmax_parts[m];
-        for (int other = 1; other < n; ++other) pdserve_cpu::merge_argmax(row, argmax_parts[other * M + m]);
-        token_ids[m] = row.index;
+        if (reports_logprobs(sampling, m))
+          write_logprobs(row_logits, head->vocab_size, token_ids[m], sampling, m, draw_scratch);
       }
     }
   }
@@ -948,6 +982,43 @@ std::vector<pdserve_cpu::sampling::Truncation> check_sampling(
   return truncations;
 }
 
+// The logprobs a decode_tokens call reports, checked: num_logprobs [M] int64 (< 0: none for the
+// row, else the taken token's and the top num_logprobs[m] ones', at most the vocabulary),
+// logprobs [num_steps, M, 1 + K] fp32 and logprob_token_ids [num_steps, M, K] int64 where K is
+// the largest of num_logprobs; all three or none. Returns K (-1: none).
+int64_t check_logprobs(int64_t M, int64_t num_steps, int64_t vocab_size, const std::optional<at::Tensor>& num_logprobs,
+                       const std::optional<at::Tensor>& logprobs,
+                       const std::optional<at::Tensor>& logprob_token_ids) {
+  PDSERVE_CHECK_VALUE(num_logprobs.has_value() == logprobs.has_value() &&
+                          num_logprobs.has_value() == logprob_token_ids.has_value(),
+                      "decode_tokens: num_logprobs, logprobs and logprob_token_ids together, or none");
+  if (!num_logprobs.has_value()) return -1;
+  PDSERVE_CHECK_VALUE(num_logprobs->dim() == 1 && num_logprobs->numel() == M &&
+                          num_logprobs->scalar_type() == at::kLong && num_logprobs->is_contiguous(),
+                      "decode_tokens: num_logprobs must be contiguous [num_tokens ", M, "] int64, got ",
+                      num_logprobs->scalar_type(), " ", num_logprobs->sizes());
+  const int64_t* counts = num_logprobs->const_data_ptr<int64_t>();
+  int64_t K = -1;
+  for (int64_t m = 0; m < M; ++m) {
+    PDSERVE_CHECK_VALUE(counts[m] <= vocab_size, "decode_tokens: row ", m, " asks for ", counts[m],
+                        " top logprobs, more than the vocabulary's ", vocab_size, " tokens");
+    K = std::max(K, counts[m] < 0 ? int64_t{-1} : counts[m]);
+  }
+  const int64_t room = std::max<int64_t>(K, 0);
+  PDSERVE_CHECK_VALUE(logprobs->dim() == 3 && logprobs->size(0) == num_steps && logprobs->size(1) == M &&
+                          logprobs->size(2) == 1 + room && logprobs->scalar_type() == at::kFloat &&
+                          logprobs->is_contiguous(),
+                      "decode_tokens: logprobs must be contiguous fp32 [num_steps ", num_steps, ", num_tokens ", M,
+                      ", 1 + ", room, "], got ", logprobs->scalar_type(), " ", logprobs->sizes());
+  PDSERVE_CHECK_VALUE(logprob_token_ids->dim() == 3 && logprob_token_ids->size(0) == num_steps &&
+                          logprob_token_ids->size(1) == M && logprob_token_ids->size(2) == room &&
+                          logprob_token_ids->scalar_type() == at::kLong && logprob_token_ids->is_contiguous(),
+                      "decode_tokens: logprob_token_ids must be contiguous int64 [num_steps ", num_steps,
+                      ", num_tokens ", M, ", ", room, "], got ", logprob_token_ids->scalar_type(), " ",
+                      logprob_token_ids->sizes());
+  return K;
+}
+
 // input_ids [num_tokens] int64 (one per decode sequence) -> each sequence's next num_steps
 // tokens [num_tokens, num_steps] int64: the argmax of the head's logits after the layers, as
 // decode_layers, the head and argmax_rows give it one after another, or where the row has a
@@ -960,8 +1031,10 @@ std::vector<pdserve_cpu::sampling::Truncation> check_sampling(
 // stop_token_ids [S] int64: the steps end early, [num_tokens, steps run], once every row has
 // taken one of them (steps past a stop would be thrown away). logits [num_tokens, the head's
 // outputs] of the model's dtype (one step only): the head's logits land there, for the caller
-// to sample rows whose sampling the loop does not do (logprobs, penalties) as compute_logits'
-// logits would give them.
+// to sample rows whose sampling the loop does not do (penalties, a grammar) as compute_logits'
+// logits would give them. num_logprobs, logprobs, logprob_token_ids (check_logprobs): step s
+// writes the logprobs of each row that reports them to logprobs[s, m] (the taken token's, then
+// its top ones') and the top tokens to logprob_token_ids[s, m], as the sampler reports them.
 at::Tensor decode_tokens(int64_t model_id, const at::Tensor& input_ids, const at::Tensor& positions,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& query_start_loc,
@@ -969,7 +1042,9 @@ at::Tensor decode_tokens(int64_t model_id, const at::Tensor& input_ids, const at
                          const std::optional<at::Tensor>& stop_token_ids,
                          const std::optional<at::Tensor>& temperatures, const std::optional<at::Tensor>& uniforms,
                          const std::optional<at::Tensor>& top_k, const std::optional<at::Tensor>& top_p,
-                         const std::optional<at::Tensor>& min_p, const std::optional<at::Tensor>& logits) {
+                         const std::optional<at::Tensor>& min_p, const std::optional<at::Tensor>& logits,
+                         const std::optional<at::Tensor>& num_logprobs, const std::optional<at::Tensor>& logprobs,
+                         const std::optional<at::Tensor>& logprob_token_ids) {
   const std::shared_ptr<const Model> model = registered_model(model_id, "decode_tokens");
   PDSERVE_CHECK_VALUE(model->max_head_tokens > 0, "decode_tokens: model ", model_id,
                       " has no head this loop can run (register it with an embedding and a head of GGUF blocks "
@@ -985,6 +1060,8 @@ at::Tensor decode_tokens(int64_t model_id, const at::Tensor& input_ids, const at
   const std::vector<pdserve_cpu::sampling::Truncation> truncations =
       check_sampling(M, num_steps, temperatures, uniforms, top_k, top_p, min_p);
   const TokenHead& head = *model->token_head;
+  const int64_t max_logprobs =
+      check_logprobs(M, num_steps, head.vocab_size, num_logprobs, logprobs, logprob_token_ids);
   if (logits.has_value())
     PDSERVE_CHECK_VALUE(num_steps == 1 && logits->dim() == 2 && logits->size(0) == M &&
                             logits->size(1) == head.linear.out_features &&
@@ -1032,6 +1109,12 @@ at::Tensor decode_tokens(int64_t model_id, const at::Tensor& input_ids, const at
       sampling = {temperatures->const_data_ptr<float>(), truncations.data(),
                   uniforms->const_data_ptr<double>() + step * M};
     if (logits.has_value()) sampling.logits = logits->data_ptr();
+    if (max_logprobs >= 0) {
+      sampling.num_logprobs = num_logprobs->const_data_ptr<int64_t>();
+      sampling.max_logprobs = max_logprobs;
+      sampling.logprobs = logprobs->data_ptr<float>() + step * M * (1 + max_logprobs);
+      sampling.logprob_token_ids = logprob_token_ids->data_ptr<int64_t>() + step * M * max_logprobs;
+    }
 #ifdef PDSERVE_ROW_GROUPS
     if (hidden.scalar_type() == at::kFloat)
       run_layers_in_regions<float>(*model, hidden, step_positions, k_caches, v_caches, step_slots, block_tables,
@@ -1088,7 +1171,8 @@ TORCH_LIBRARY(pdserve_decode, m) {
   m.def("decode_tokens(int model_id, Tensor input_ids, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int num_steps=1, "
         "Tensor? stop_token_ids=None, Tensor? temperatures=None, Tensor? uniforms=None, Tensor? top_k=None, "
-        "Tensor? top_p=None, Tensor? min_p=None, Tensor(a!)? logits=None) -> Tensor");
+        "Tensor? top_p=None, Tensor? min_p=None, Tensor(a!)? logits=None, Tensor? num_logprobs=None, "
+        "Tensor(b!)? logprobs=None, Tensor(c!)? logprob_token_ids=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_decode, CPU, m) {

@@ -367,4 +367,91 @@ inline int64_t sample_row(float* x, int64_t n, const Truncation& truncation, dou
   return draw_row(x, n, u);
 }
 
+// log(sum(exp(x - maximum))) over row x [n], maximum its largest value (finite): the
+// log-softmax's normalizer past the maximum, summed as draw_row sums the weights.
+inline float log_sum_weights(const float* x, int64_t n, float maximum) {
+  using pdserve_cpu::kLanes;
+  using pdserve_cpu::Vec;
+  double total = 0.0;
+  for (int64_t begin = 0; begin < n; begin += kChunk) {
+    const int64_t end = std::min(n, begin + kChunk);
+    Vec acc{};
+    int64_t i = begin;
+    for (; i + kLanes <= end; i += kLanes) acc += weights_of(pdserve_cpu::load_vec(x + i), maximum);
+    float sum = pdserve_cpu::hsum(acc);
+    for (; i < end; ++i) sum += weight_of(x[i], maximum);
+    total += sum;
+  }
+  return static_cast<float>(std::log(total));
+}
+
+// The k most likely tokens of row x [n] (k <= n), most likely first, equal logits by column:
+// their columns to ids [k], their logits to values [k]. NaN ranks below every number. A
+// min-heap of the k best seen so far; once it is full, a vector with no lane above its worst is
+// passed over whole, so past the first vectors a row costs about one compare a vector.
+inline void top_tokens(const float* x, int64_t n, int64_t k, int64_t* ids, float* values,
+                       std::vector<std::pair<float, int64_t>>& heap) {
+  using pdserve_cpu::kLanes;
+  using pdserve_cpu::Vec;
+  using pdserve_cpu::VecI32;
+  if (k <= 0) return;
+  // a ranks above b: the larger logit, or the same one at a lower column
+  const auto ranks_above = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  heap.clear();
+  // Columns come in rising order, so a value equal to the worst kept ranks below it: only a
+  // larger one enters a full heap. NaN first takes -inf's place, then any number displaces it.
+  const auto consider = [&](float value, int64_t column) {
+    if (std::isnan(value)) value = -std::numeric_limits<float>::infinity();
+    if (static_cast<int64_t>(heap.size()) < k) {
+      heap.emplace_back(value, column);
+      std::push_heap(heap.begin(), heap.end(), ranks_above);
+    } else if (value > heap.front().first) {
+      std::pop_heap(heap.begin(), heap.end(), ranks_above);
+      heap.back() = {value, column};
+      std::push_heap(heap.begin(), heap.end(), ranks_above);
+    }
+  };
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec v = pdserve_cpu::load_vec(x + i);
+    if (static_cast<int64_t>(heap.size()) == k) {
+      const VecI32 above = v > heap.front().first;
+      uint32_t bits = pdserve_cpu::lane_bits(above);
+      for (; bits != 0; bits &= bits - 1) {
+        const int lane = std::countr_zero(bits);
+        consider(v[lane], i + lane);
+      }
+    } else {
+      for (int lane = 0; lane < kLanes; ++lane) consider(v[lane], i + lane);
+    }
+  }
+  for (; i < n; ++i) consider(x[i], i);
+  std::sort_heap(heap.begin(), heap.end(), ranks_above);  // ascending by ranks_above: best first
+  for (int64_t j = 0; j < k; ++j) {
+    values[j] = heap[j].first;
+    ids[j] = heap[j].second;
+  }
+}
+
+// The sampler's logprobs of row x [n] (the logits as fp32, before temperature and truncation):
+// log_softmax(x) at token to token_logprob, and its top k (k <= n) to top_ids [k] and
+// top_logprobs [k] (top_tokens' order). A row with no distribution (NaN, +inf, every value
+// -inf) gets NaN logprobs, as torch's log_softmax gives such rows.
+inline void row_logprobs(const float* x, int64_t n, int64_t token, int64_t k, float* token_logprob, int64_t* top_ids,
+                         float* top_logprobs, std::vector<std::pair<float, int64_t>>& heap) {
+  top_tokens(x, n, k, top_ids, top_logprobs, heap);
+  const pdserve_cpu::ArgmaxPart top = pdserve_cpu::argmax_part(x, n);
+  if (!has_distribution(top)) {
+    *token_logprob = std::numeric_limits<float>::quiet_NaN();
+    std::fill(top_logprobs, top_logprobs + k, std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
+  const float maximum = top.value, log_sum = log_sum_weights(x, n, maximum);
+  // torch's order: the shift by the maximum first, then the normalizer, each rounded to fp32
+  *token_logprob = (x[token] - maximum) - log_sum;
+  for (int64_t j = 0; j < k; ++j) top_logprobs[j] = (top_logprobs[j] - maximum) - log_sum;
+}
+
 }  // namespace pdserve_cpu::sampling

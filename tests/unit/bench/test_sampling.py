@@ -40,7 +40,7 @@ def test_the_decode_arms_move_the_draws(tiny_llama_dir):
         seen = {}
         for arm in DECODE_ARMS:
             use_decode_arm(llm, arm)
-            seen[arm] = (sampler.draws_in_loop, native_rows(logits))
+            seen[arm] = (sampler.samples_in_loop, native_rows(logits))
         assert seen == {"in loop": (True, True), "after loop": (False, True), "torch": (False, False)}
     finally:
         use_decode_arm(llm, "in loop")

@@ -5,7 +5,9 @@ entry point, which leaves every other input to torch. The native draw: the token
 interval of the float64 softmax CDF holds the uniform number, never a -inf one, the
 torch form's token wherever u is not within rounding of an interval's end. The native min_p:
 the torch form's threshold. The native top_k: the k largest logits and their ties. The native top_p: the smallest set of most likely
-tokens whose mass reaches p, the rest -inf."""
+tokens whose mass reaches p, the rest -inf. The native logprobs: the float64 log-softmax at
+the taken token and at the row's top tokens (equal logits by id), within fp32 rounding, and
+torch's log_softmax on a vocabulary."""
 from __future__ import annotations
 
 import math
@@ -15,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.cpu_sampling import argmax_rows, draw_rows, native_argmax_available
+from kernels.cpu_sampling import argmax_rows, draw_rows, logprobs_rows, native_argmax_available
 from tests.support.fresh_process import run_python, run_python_ok
 
 pytestmark = pytest.mark.skipif(not native_argmax_available(), reason="no C++ compiler: the native argmax is not built")
@@ -322,6 +324,79 @@ def test_top_p_crossing_among_the_far_tokens_keeps_the_tokens_the_definition_doe
 def test_top_p_refusals_name_the_problem(logits, top_p, message):
     with pytest.raises(ValueError, match=message):
         torch.ops.pdserve_sampling.top_p_mask_rows_(logits, top_p)
+
+
+def _logprobs_reference(row: torch.Tensor, token_id: int, num_top: int) -> tuple[list[float], list[int]]:
+    """The definition in float64: log_softmax(row) at token_id, then at the num_top largest
+    logits, most likely first, equal logits by id."""
+    logprobs = row.double().log_softmax(dim=-1)
+    order = sorted(range(row.shape[0]), key=lambda i: (-row[i].item(), i))[:num_top]
+    return [logprobs[token_id].item()] + [logprobs[i].item() for i in order], order
+
+
+# Few distinct values among many, so that ties at the top are common; some rows with -inf.
+_logprob_rows = st.integers(1, 4).flatmap(lambda num_rows: st.integers(1, 300).flatmap(
+    lambda n: st.lists(st.lists(st.sampled_from([-math.inf, -30.0, -3.0, 0.0, 0.5, 2.0])
+                                | st.floats(-60, 60, width=32), min_size=n, max_size=n)
+                       .filter(lambda row: any(v != -math.inf for v in row)), min_size=num_rows, max_size=num_rows)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(_logprob_rows, st.integers(0, 20), st.data())
+def test_logprobs_are_the_log_softmax_at_the_token_and_the_top_tokens(rows, num_top, data):
+    logits = torch.tensor(rows, dtype=torch.float32)  # [num_rows, n]
+    num_rows, n = logits.shape
+    num_top = min(num_top, n)
+    token_ids = [data.draw(st.integers(0, n - 1)) for _ in range(num_rows)]
+    values, top_ids = torch.ops.pdserve_sampling.logprobs_rows(logits, torch.tensor(token_ids), num_top)
+    assert values.shape == (num_rows, 1 + num_top) and top_ids.shape == (num_rows, num_top)
+    for r in range(num_rows):
+        want_values, want_ids = _logprobs_reference(logits[r], token_ids[r], num_top)
+        assert top_ids[r].tolist() == want_ids
+        assert values[r].tolist() == pytest.approx(want_values, abs=1e-5, rel=1e-6)
+
+
+@pytest.mark.parametrize("num_top", [0, 1, 20])
+def test_logprobs_over_a_vocabulary_match_torch(num_top):
+    generator = torch.Generator().manual_seed(num_top)
+    logits = torch.randn(5, 49152, generator=generator) * 3  # [5, vocab]
+    logits[1, 40000] = 30.0  # a peaked row, its top token late in the row
+    logits[2] = logits[2].bfloat16().float()  # bf16 values: ties among the top ones
+    token_ids = torch.tensor([0, 40000, 17, 49151, 123])
+    values, top_ids = torch.ops.pdserve_sampling.logprobs_rows(logits, token_ids, num_top)
+    want = logits.log_softmax(dim=-1)
+    torch.testing.assert_close(values[:, 0], want.gather(1, token_ids.view(-1, 1)).squeeze(1), atol=2e-5, rtol=0)
+    top = want.topk(num_top, dim=-1)
+    torch.testing.assert_close(values[:, 1:], top.values, atol=2e-5, rtol=0)
+    torch.testing.assert_close(want.gather(1, top_ids), top.values, atol=0, rtol=0)  # tied ids differ at most
+    if num_top:
+        assert top_ids[1, 0] == 40000
+    # The entry point gives the same.
+    assert all(torch.equal(a, b) for a, b in zip(logprobs_rows(logits, token_ids, num_top), (values, top_ids)))
+
+
+def test_logprobs_of_rows_with_no_distribution_are_nan():
+    logits = torch.tensor([[0.0, math.nan, 1.0], [-math.inf] * 3, [1.0, math.inf, 0.0], [0.0, -math.inf, 1.0]])
+    values, top_ids = torch.ops.pdserve_sampling.logprobs_rows(logits, torch.tensor([0, 1, 2, 1]), 3)
+    assert values[:3].isnan().all()
+    assert values[3].tolist() == pytest.approx([-math.inf, math.log(1 / (1 + math.e)) + 1,
+                                                math.log(1 / (1 + math.e)), -math.inf])
+    assert top_ids[3].tolist() == [2, 0, 1]
+
+
+@pytest.mark.parametrize("logits, token_ids, num_top, message", [
+    (torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int64), 1, "fp32"),
+    (torch.zeros(8, 2).t(), torch.zeros(2, dtype=torch.int64), 1, "contiguous rows"),
+    (torch.zeros(2, 8), torch.zeros(2, dtype=torch.int32), 1, r"int64 \[num_rows\] token_ids"),
+    (torch.zeros(2, 8), torch.zeros(3, dtype=torch.int64), 1, r"int64 \[num_rows\] token_ids"),
+    (torch.zeros(2, 8), torch.tensor([0, 8]), 1, "token id 8 of row 1 is outside"),
+    (torch.zeros(2, 8), torch.tensor([0, -1]), 1, "token id -1 of row 1 is outside"),
+    (torch.zeros(2, 8), torch.zeros(2, dtype=torch.int64), 9, r"num_top must be in \[0, 8\]"),
+    (torch.zeros(2, 8), torch.zeros(2, dtype=torch.int64), -1, r"num_top must be in \[0, 8\]"),
+])
+def test_logprobs_refusals_name_the_problem(logits, token_ids, num_top, message):
+    with pytest.raises(ValueError, match=message):
+        torch.ops.pdserve_sampling.logprobs_rows(logits, token_ids, num_top)
 
 
 def test_the_switch_turns_it_off():

@@ -24,8 +24,8 @@ from common.engine.native_decode import NativeDecodeLoop, _model_tensors, decode
 from common.engine.outputs import ScheduledRequest
 from common.engine.sampler import Sampler
 from common.engine.sampling_params import SamplingParams
-from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, TokenSampling,
-                                decode_layers, decode_model_max_head_tokens, decode_model_max_tokens, decode_tokens,
+from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0,
+                                TokenLogprobs, TokenSampling, decode_layers, decode_model_max_head_tokens, decode_model_max_tokens, decode_tokens,
                                 native_decode_available, register_decode_model, release_decode_model)
 from kernels.cpu_linear import panel_gemm_amx_tiles, panel_gemm_available, panel_gemm_max_rows, q8_0_max_rows
 from kernels.cpu_sampling import argmax_rows
@@ -120,11 +120,13 @@ def test_the_loop_matches_the_model_for_each_family(tmp_path_factory, bundled_mo
 
 def _decode_step(llm: LLM, prompts: list[list[int]], loop: NativeDecodeLoop | None,
                  num_layers: int | None = None, greedy: bool = False, num_steps: int = 1,
-                 stop_token_ids: list[int] | None = None, sampling: TokenSampling | None = None) -> torch.Tensor:
+                 stop_token_ids: list[int] | None = None, sampling: TokenSampling | None = None,
+                 logprobs: TokenLogprobs | None = None) -> torch.Tensor:
     """Prefill the prompts (each in its own blocks) through the model, then one decode step
     through the loop (None: the model, its first num_layers layers): the normed hidden
     states [len(prompts), hidden_size]; greedy: the loop's next tokens [len(prompts),
-    num_steps] (run_tokens, num_steps steps back to back, drawn as sampling says)."""
+    num_steps] (run_tokens, num_steps steps back to back, drawn as sampling says, the
+    logprobs written to logprobs)."""
     runner = llm.engine.executor.runner
     params = SamplingParams(temperature=0.0)
     block_size = llm.engine.config.cache.block_size
@@ -147,7 +149,7 @@ def _decode_step(llm: LLM, prompts: list[list[int]], loop: NativeDecodeLoop | No
         ids, positions, meta, _, _ = runner.prepare_inputs(decode)
         if greedy:
             assert loop.serves_tokens(ids.shape[0], meta)
-            return loop.run_tokens(ids, positions, meta, num_steps, stop_token_ids, sampling)
+            return loop.run_tokens(ids, positions, meta, num_steps, stop_token_ids, sampling, logprobs=logprobs)
         if loop is not None:
             assert loop.serves(ids.shape[0], meta)
             return loop.run(ids, positions, meta)
@@ -359,10 +361,13 @@ def test_sampled_steps_draw_in_the_region_the_samplers_tokens(quantization, dtyp
     """Rows that draw at a temperature (with top_k, top_p, min_p) take their tokens in the
     region too: each is the token the sampler draws from compute_logits over run()'s hidden
     state, seeded alike (Sampler.token_sampling hands the loop the uniforms the sampler
-    would draw), beside greedy rows' argmax, on one thread and on several."""
+    would draw), beside greedy rows' argmax, on one thread and on several; and the rows that
+    ask for logprobs (none, the token's only, its top 1 to 20) get the sampler's
+    (Sampler.token_logprobs, loop_logprobs)."""
     llm, runner, loop = _four_layer_loop(quantization, dtype)
     distinct = _prompts(7)
     num_drawn_apart = 0  # rows whose draw is not their argmax: the comparison sees the draws
+    num_logprob_rows = 0
     threads_before = torch.get_num_threads()
     try:
         for num_threads in (1, 2, 3):
@@ -370,19 +375,26 @@ def test_sampled_steps_draw_in_the_region_the_samplers_tokens(quantization, dtyp
             for num_seqs in (1, 3, len(SAMPLED_ROWS)):
                 prompts = [[t + 5 * i for t in distinct[i % 7]] for i in range(num_seqs)]
                 rows = SAMPLED_ROWS[-num_seqs:] if num_seqs == 1 else SAMPLED_ROWS[:num_seqs]
+                num_logprobs = [(None, 0, 1, 5, 20)[(i + num_threads) % 5] for i in range(num_seqs)]
                 requests = [ScheduledRequest(f"r{i}", [p[-1]], len(p), [], True,
-                                             SamplingParams(seed=100 * num_threads + i, **row))
-                            for i, (p, row) in enumerate(zip(prompts, rows))]
+                                             SamplingParams(seed=100 * num_threads + i, logprobs=n, **row))
+                            for i, (p, row, n) in enumerate(zip(prompts, rows, num_logprobs))]
                 sampling = Sampler().token_sampling(requests, 1)
-                got = _decode_step(llm, prompts, loop, greedy=True, sampling=sampling)[:, 0]
+                logprobs = Sampler.token_logprobs(requests, 1)
+                got = _decode_step(llm, prompts, loop, greedy=True, sampling=sampling, logprobs=logprobs)[:, 0]
                 with torch.inference_mode():
                     logits = runner.model.compute_logits(_decode_step(llm, prompts, loop))
-                want = Sampler()(logits, requests).sampled_token_ids
-                assert got.tolist() == want, (num_threads, num_seqs)
-                num_drawn_apart += sum(t != a for t, a in zip(want, argmax_rows(logits).tolist()))
+                want = Sampler()(logits, requests)
+                assert got.tolist() == want.sampled_token_ids, (num_threads, num_seqs)
+                num_drawn_apart += sum(t != a for t, a in zip(want.sampled_token_ids, argmax_rows(logits).tolist()))
+                if logprobs is None:
+                    assert want.logprobs is None
+                    continue
+                num_logprob_rows += sum(n is not None for n in num_logprobs)
+                assert Sampler.loop_logprobs(logprobs, 1) == [None if w is None else [w] for w in want.logprobs]
     finally:
         torch.set_num_threads(threads_before)
-    assert num_drawn_apart >= 3
+    assert num_drawn_apart >= 3 and num_logprob_rows >= 10
     llm.engine.shutdown()
 
 
@@ -430,10 +442,12 @@ def test_greedy_steps_back_to_back_take_the_tokens_and_write_the_kv_of_single_st
 
 def test_engine_steps_sample_in_the_loop():
     """An engine's decode steps take run_tokens and give the tokens the sampler gives from the
-    head's logits: greedy rows, and seeded rows drawn at a temperature with truncations; rows
-    that ask for logprobs, penalties or min_tokens take the sampler, from the logits the
-    loop's head left, beside the others: the same tokens and logprobs as with no head in the
-    loop (its hidden states, then compute_logits and the sampler for every row)."""
+    head's logits: greedy rows, and seeded rows drawn at a temperature with truncations, and
+    their logprobs (the loop runs the sampler's own logprobs_rows code); rows that ask for
+    penalties or min_tokens take the sampler, from the logits the loop's head left, beside
+    the others (a logprobs row among them keeps the loop's): the same tokens and logprobs as
+    with no head in the loop (its hidden states, then compute_logits and the sampler for
+    every row)."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization="gguf")
     loop = _with_native_loop(llm)
     prompts = [{"prompt_token_ids": p} for p in _prompts(3)]
@@ -453,14 +467,15 @@ def test_engine_steps_sample_in_the_loop():
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)] == got
     loop.max_head_tokens = DECODE_MAX_TOKENS
     sampler = llm.engine.executor.runner.sampler
-    sampler.draws_in_loop = False  # the head's logits from the loop, every draw by the sampler
+    sampler.samples_in_loop = False  # the head's logits from the loop, every draw by the sampler
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)] == got
-    sampler.draws_in_loop = True
+    sampler.samples_in_loop = True
     sampler_rows = [
         [SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True, logprobs=2), sampled[1],
          SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)],
         [SamplingParams(temperature=0.7, seed=3, max_tokens=12, ignore_eos=True, repetition_penalty=1.3,
-                        frequency_penalty=0.5), greedy,
+                        frequency_penalty=0.5, logprobs=3),
+         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=4),
          SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6, presence_penalty=0.4)]]
     for params in sampler_rows:
         num_token_steps = loop.num_token_steps
@@ -471,7 +486,9 @@ def test_engine_steps_sample_in_the_loop():
         loop.max_head_tokens = DECODE_MAX_TOKENS
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert [o.logprobs for o in got] == [o.logprobs for o in want]
-    assert got[2].logprobs is None and len(want[0].logprobs or []) == 0
+        assert [len(o.logprobs or []) for o in got] == [len(o.token_ids) if p.logprobs is not None else 0
+                                                        for o, p in zip(got, params)]
+    assert got[2].logprobs is None
     # A grammar's rows: the sampler masks them, from the head's logits, beside free rows.
     constrained = [SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"choice": ["yes", "no"]}),
                    sampled[1], SamplingParams(temperature=1.0, seed=4, max_tokens=12,
@@ -491,8 +508,8 @@ def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
     """num_scheduler_steps: greedy decode-only steps run several to a call, and every
     request ends with the tokens of single steps: at max_tokens that are no multiple of the
     steps, at a stop token inside a burst, at EOS; seeded requests drawn at a temperature
-    too; a request that asks for logprobs takes single steps; the pool is whole again at the
-    end. An engine without the loop keeps single steps."""
+    too, and their logprobs (the same as single steps'); a request with a penalty takes single
+    steps; the pool is whole again at the end. An engine without the loop keeps single steps."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization="gguf", num_scheduler_steps=4)
     scheduler = llm.engine.scheduler
     runner = llm.engine.executor.runner
@@ -502,8 +519,8 @@ def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
     calls = []  # the steps each call of the loop ran
     run_tokens = loop.run_tokens
 
-    def counted(*args):
-        token_ids = run_tokens(*args)
+    def counted(*args, **kwargs):
+        token_ids = run_tokens(*args, **kwargs)
         calls.append(token_ids.shape[1])
         return token_ids
 
@@ -549,9 +566,20 @@ def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
     got = generate(sampled)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert max(calls) == 4 and len(calls) < sum(calls)
+    with_logprobs = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0),
+                     SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True, logprobs=3),
+                     SamplingParams(temperature=1.0, top_p=0.9, seed=2, max_tokens=10, ignore_eos=True)]
+    scheduler.num_scheduler_steps = 1
+    want = generate(with_logprobs)
+    scheduler.num_scheduler_steps = 4
     calls.clear()
-    with_logprobs = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True, logprobs=1)
-    generate([SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), with_logprobs, greedy[2]])
+    got = generate(with_logprobs)
+    assert [(o.token_ids, o.logprobs) for o in got] == [(o.token_ids, o.logprobs) for o in want]
+    assert len(got[1].logprobs) == 12 and len(got[1].logprobs[0].top_token_ids) == 3 and got[2].logprobs is None
+    assert max(calls) == 4 and len(calls) < sum(calls)
+    calls.clear()
+    with_penalty = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True, repetition_penalty=1.2)
+    generate([SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), with_penalty, greedy[2]])
     # single steps while it runs (its row through the sampler), then the last 8 tokens
     assert set(calls[:-2]) == {1} and calls[-2:] == [4, 4]
     kv = llm.engine.kv_cache_manager
@@ -560,8 +588,8 @@ def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
 
 
 def test_token_steps_bad_calls_raise_and_write_nothing(tiny_llama_dir):
-    """A token id outside the embedding, more rows than the head's GEMV takes, or sampling
-    arguments out of shape or range raise ValueError before anything is written; a model
+    """A token id outside the embedding, more rows than the head's GEMV takes, or sampling or
+    logprobs arguments out of shape or range raise ValueError before anything is written; a model
     registered without a head the region can run (fp32 rows here) has no token steps."""
     llm = LLM(dtype="float32", kv_cache_memory="32MiB", quantization="gguf")
     runner = llm.engine.executor.runner
@@ -573,12 +601,12 @@ def test_token_steps_bad_calls_raise_and_write_nothing(tiny_llama_dir):
     for cache in (*loop.k_caches, *loop.v_caches):
         cache.zero_()
 
-    def call(ids, model_id=loop.model_id, sampling=None, logits=None):
+    def call(ids, model_id=loop.model_id, sampling=None, logits=None, logprobs=None):
         n = len(ids)
         return decode_tokens(model_id, torch.tensor(ids), torch.zeros(n, dtype=torch.int64), loop.k_caches,
                              loop.v_caches, torch.arange(n), torch.arange(n, dtype=torch.int32).view(n, 1),
                              torch.arange(n + 1, dtype=torch.int32), torch.ones(n, dtype=torch.int32),
-                             sampling=sampling, logits=logits)
+                             sampling=sampling, logits=logits, logprobs=logprobs)
 
     for ids, message in (([vocab_size], "outside the embedding"), ([5, -1], "outside the embedding"),
                          ([5] * (most + 1), f"1 to {most} tokens")):
@@ -598,6 +626,18 @@ def test_token_steps_bad_calls_raise_and_write_nothing(tiny_llama_dir):
             (TokenSampling(temperatures, uniforms, min_p=torch.tensor([1.5, 0.1])), "min_p 1.50* is outside")):
         with pytest.raises(ValueError, match=message):
             call([5, 6], sampling=sampling)
+    room = TokenLogprobs.empty([3, -1], 1)  # [1, 2, 4] values, [1, 2, 3] ids
+    for logprobs, message in (
+            (TokenLogprobs(room.num_logprobs, room.logprobs, None), "together, or none"),
+            (TokenLogprobs(room.num_logprobs.int(), *room[1:]), "num_logprobs must be contiguous"),
+            (TokenLogprobs(torch.tensor([3, -1, 2]), *room[1:]), "num_logprobs must be contiguous"),
+            (TokenLogprobs(torch.tensor([vocab_size + 1, 0]), *room[1:]), "more than the vocabulary"),
+            (TokenLogprobs(room.num_logprobs, room.logprobs[..., :3], room.token_ids), "logprobs must be contiguous"),
+            (TokenLogprobs(room.num_logprobs, room.logprobs.double(), room.token_ids), "logprobs must be contiguous"),
+            (TokenLogprobs(room.num_logprobs, room.logprobs, room.token_ids.int()), "logprob_token_ids must be"),
+            (TokenLogprobs(room.num_logprobs, room.logprobs, room.token_ids[..., :2]), "logprob_token_ids must be")):
+        with pytest.raises(ValueError, match=message):
+            call([5, 6], logprobs=logprobs)
     for logits in (torch.empty(2, loop.head_outputs - 1), torch.empty(2, loop.head_outputs, dtype=torch.bfloat16),
                    torch.empty(3, loop.head_outputs), torch.empty(loop.head_outputs, 2).t()):
         with pytest.raises(ValueError, match="logits must be contiguous"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from common.engine.config import SchedulerConfig
-from common.engine.outputs import RunnerOutput, SchedulerOutput
+from common.engine.outputs import Logprobs, RunnerOutput, SchedulerOutput
 from tests.unit.common.engine.test_scheduler import EOS, make_request
 
 
@@ -64,7 +64,22 @@ def test_a_waiting_request_or_a_prefill_gets_single_steps_a_draw_does_not(make_s
     assert out.num_steps == 4 and len(out.scheduled) == 4
 
 
-@pytest.mark.parametrize("sampling", [dict(logprobs=2), dict(repetition_penalty=1.2), dict(min_tokens=5)])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_rows_that_report_logprobs_take_steps_back_to_back_with_one_logprobs_entry_a_token(make_scheduler,
+                                                                                             temperature):
+    scheduler = make_scheduler(num_scheduler_steps=4)
+    req = make_request("a", 3, temperature=temperature, logprobs=2)
+    scheduler.add_request(req)
+    step(scheduler)
+    scheduler_output = scheduler.schedule()
+    assert scheduler_output.num_steps == 4
+    logprobs = [Logprobs(-0.5 - i, [7, 8], [-0.5, -1.0]) for i in range(4)]
+    (output,) = scheduler.update_from_output(scheduler_output, RunnerOutput(
+        req_ids=["a"], sampled_token_ids=[[11, 12, 13, 14]], logprobs=[logprobs]))
+    assert output.new_token_ids == [11, 12, 13, 14] and output.new_logprobs == logprobs
+
+
+@pytest.mark.parametrize("sampling", [dict(repetition_penalty=1.2), dict(min_tokens=5)])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_rows_that_need_more_than_the_logits_get_single_steps(make_scheduler, sampling, temperature):
     scheduler = make_scheduler(num_scheduler_steps=4)
