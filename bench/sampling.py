@@ -3,12 +3,13 @@
     pdserve bench sampling --quantization gguf,none --num-seqs 1,8 --json docs/bench/sampling.json
 
 One engine per quantization (the bundled model, bf16 for what it leaves dense, compiled).
-For each sampling case (temperature; with top_p, top_k, min_p) and batch size the same chat
-requests (max_tokens, ignore_eos, seeded) decode in three arms, in turns (--repeats rounds,
-each round in the other order from the last, so the host's drift lands on all alike): the
-rows drawn inside the native decode loop's region ("in loop", the default), drawn by the
-sampler's native ops from the logits the loop's head left ("after loop", Sampler.samples_in_loop
-off), and by the torch forms that PDSERVE_CPU_ARGMAX=0 gives ("torch"). Reported: output
+For each sampling case (temperature; with top_p, top_k, min_p; with logprobs; --case picks
+some) and batch size the same chat requests (max_tokens, ignore_eos, seeded) decode in three
+arms, in turns (--repeats rounds, each round in the other order from the last, so the host's
+drift lands on all alike): the rows sampled, logprobs included, inside the native decode
+loop's region ("in loop", the default), by the sampler's native ops from the logits the
+loop's head left ("after loop", Sampler.samples_in_loop off), and by the torch forms that
+PDSERVE_CPU_ARGMAX=0 gives ("torch"). Reported: output
 tokens/s (median round) and the median paired ratios in loop / after loop and after loop /
 torch. Then the sampler alone, on logits the bundled model produced in those runs: ms per
 call, native ops against torch forms.
@@ -30,6 +31,8 @@ CASES = {
     "temperature 0.8, top_k 50": {"temperature": 0.8, "top_k": 50},
     "temperature 0.8, min_p 0.05": {"temperature": 0.8, "min_p": 0.05},
     "temperature 1.0, top_k 50, top_p 0.9": {"temperature": 1.0, "top_k": 50, "top_p": 0.9},
+    "temperature 1.0, logprobs 1": {"temperature": 1.0, "logprobs": 1},  # as RL rollouts ask
+    "greedy, logprobs 5": {"temperature": 0.0, "logprobs": 5},
 }
 ARMS = ("native", "torch")  # the sampler alone
 DECODE_ARMS = ("in loop", "after loop", "torch")
@@ -134,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", type=quantization_list, default=["gguf", "none"],
                         help="comma-separated from none, gguf, int8 (one engine each)")
     parser.add_argument("--num-seqs", type=int_list, default=[1, 8], help="batch sizes, comma-separated")
+    parser.add_argument("--case", action="append", choices=list(CASES), default=None,
+                        help="a sampling case to run (repeat for more; default: every one)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--num-threads", type=int, default=None)
@@ -146,12 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     from common import LLM
     result = {"cpu": cpu_model_name(), "torch_threads": None, "max_tokens": args.max_tokens,
               "repeats": args.repeats, "decode": [], "sampler_ms": []}
+    cases = {name: CASES[name] for name in args.case or CASES}
     logits = None
     for quantization in args.quantization:
         llm = LLM(quantization=None if quantization == "none" else quantization, dtype="bfloat16",
                   kv_cache_memory="512MiB", num_threads=args.num_threads)
         result["torch_threads"] = torch.get_num_threads()
-        for name, case in CASES.items():
+        for name, case in cases.items():
             for num_seqs in args.num_seqs:
                 run = {"quantization": quantization, "case": name, "num_seqs": num_seqs,
                        **decode_rates(llm, case, num_seqs, args.max_tokens, args.repeats)}
@@ -160,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         if logits is None:
             logits = capture_logits(llm, 64)
         llm.engine.shutdown()
-    for name, case in CASES.items():
+    for name, case in cases.items():
         for num_seqs in args.num_seqs:
             run = {"case": name, "num_seqs": num_seqs, **sampler_ms(logits, case, num_seqs, args.repeats)}
             result["sampler_ms"].append(run)
