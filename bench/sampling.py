@@ -3,7 +3,7 @@
     pdserve bench sampling --quantization gguf,none --num-seqs 1,8 --json docs/bench/sampling.json
 
 One engine per quantization (the bundled model, bf16 for what it leaves dense, compiled).
-For each sampling case (temperature; with top_p, top_k, min_p; with logprobs; --case picks
+For each sampling case (temperature; with top_p, top_k, min_p; with logprobs; penalties; --case picks
 some) and batch size the same chat requests (max_tokens, ignore_eos, seeded) decode in three
 arms, in turns (--repeats rounds, each round in the other order from the last, so the host's
 drift lands on all alike): the rows sampled, logprobs included, inside the native decode
@@ -33,6 +33,8 @@ CASES = {
     "temperature 1.0, top_k 50, top_p 0.9": {"temperature": 1.0, "top_k": 50, "top_p": 0.9},
     "temperature 1.0, logprobs 1": {"temperature": 1.0, "logprobs": 1},  # as RL rollouts ask
     "greedy, logprobs 5": {"temperature": 0.0, "logprobs": 5},
+    "temperature 0.8, repetition 1.1, frequency 0.3": {"temperature": 0.8, "repetition_penalty": 1.1,
+                                                        "frequency_penalty": 0.3},
 }
 ARMS = ("native", "torch")  # the sampler alone
 DECODE_ARMS = ("in loop", "after loop", "torch")

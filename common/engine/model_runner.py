@@ -415,14 +415,16 @@ class ModelRunner:
             logprobs = sampler.token_logprobs(sample_reqs, num_steps)
             token_ids = loop.run_tokens(input_ids, positions, meta, num_steps,
                                         self._stop_token_ids(sample_reqs) if num_steps > 1 else None,
-                                        sampler.token_sampling(sample_reqs, num_steps), logprobs=logprobs)
+                                        sampler.token_sampling(sample_reqs, num_steps), logprobs=logprobs,
+                                        penalties=sampler.token_penalties(sample_reqs))
             return RunnerOutput(req_ids=req_ids, sampled_token_ids=token_ids.tolist(),
                                 logprobs=None if logprobs is None
                                 else sampler.loop_logprobs(logprobs, token_ids.shape[1]))
         head_logits = torch.empty((input_ids.shape[0], loop.head_outputs), dtype=self.dtype)
         logprobs = sampler.token_logprobs(sample_reqs, 1, in_loop)
         token_ids = loop.run_tokens(input_ids, positions, meta, 1, None,
-                                    sampler.token_sampling(sample_reqs, 1, in_loop), head_logits, logprobs)
+                                    sampler.token_sampling(sample_reqs, 1, in_loop), head_logits, logprobs,
+                                    sampler.token_penalties(sample_reqs, in_loop))
         output = self._sample_rows_left(sample_reqs, in_loop, token_ids, head_logits, token_bitmask, bitmask_rows)
         if logprobs is not None:
             row_logprobs = output.logprobs or [None] * len(sample_reqs)

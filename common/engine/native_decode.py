@@ -20,12 +20,13 @@ single rank, whose every projection has a decode GEMV (bf16 or fp32 rows, Q4_1 o
 blocks); other families (Qwen3's q/k norms, Gemma 2's extra norms and soft-capping) and
 steps it does not serve take the compiled model.
 
-Where a step's rows sample without penalties or a grammar (run_tokens), a model that runs
-its steps in one parallel region takes the token ids in and each row's next token out of the
-same region: the embedding lookup, the packed head's GEMV and the argmax (its share of the
+Where a step's rows sample without a grammar (run_tokens), a model that runs its steps in
+one parallel region takes the token ids in and each row's next token out of the same
+region: the embedding lookup, the packed head's GEMV and the argmax (its share of the
 columns on each thread) or the row's draw (temperature, top_k, top_p, min_p, the sampler's
-own native passes, at a uniform the sampler drew), and the row's logprobs, join the layers,
-rather than three more calls from Python with a region each: for greedy rows 0.05-0.14 ms less a token
+own native passes, at a uniform the sampler drew), after its penalties, and its logprobs,
+join the layers, rather than three more calls from Python with a region each: for greedy
+rows 0.05-0.14 ms less a token
 of the bundled model in Q4_1 (of 2.6-3.3), 0.32 ms in bf16 (of 6.9-7.2), on the 2-core Zen 5
 EPYC, the two forms taking turns in one process.
 """
@@ -45,8 +46,8 @@ from common.engine.models.parallel_layers import VocabParallelEmbedding
 from common.engine.models.prepacked_linear import PrepackedLinear
 from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
-from kernels.cpu_decode import (LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, TokenLogprobs, TokenSampling,
-                                decode_layers,
+from kernels.cpu_decode import (LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, TokenLogprobs,
+                                TokenPenalties, TokenSampling, decode_layers,
                                 decode_model_head_outputs, decode_model_max_head_tokens,
                                 decode_model_max_region_tokens, decode_model_max_tokens,
                                 decode_tokens, native_decode_available, native_decode_disabled,
@@ -199,7 +200,7 @@ class NativeDecodeLoop:
     def run_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                    num_steps: int = 1, stop_token_ids: list[int] | None = None,
                    sampling: TokenSampling | None = None, logits: torch.Tensor | None = None,
-                   logprobs: TokenLogprobs | None = None) -> torch.Tensor:
+                   logprobs: TokenLogprobs | None = None, penalties: TokenPenalties | None = None) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> each row's next tokens [num_tokens, steps run]
         int64: the argmax of the model's compute_argmax_logits over run()'s hidden states, or
         for a row that draws (sampling: its temperature > 0) the token the sampler's native
@@ -208,11 +209,12 @@ class NativeDecodeLoop:
         row's blocks through position + num_steps - 1), fewer once every row has taken one of
         stop_token_ids. logits [num_tokens, head_outputs] (the model's dtype; one step): receives
         the head's logits, for the caller to sample rows the loop leaves to it. logprobs: receives
-        the logprobs of the rows that report them, as the sampler reports them, each step's."""
+        the logprobs of the rows that report them, as the sampler reports them, each step's.
+        penalties: each row's penalties over its tokens, applied before its argmax or draw."""
         stops = torch.tensor(stop_token_ids, dtype=torch.int64) if stop_token_ids else None
         token_ids = decode_tokens(self.model_id, input_ids, positions, self.k_caches, self.v_caches,
                                   meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                  num_steps, stops, sampling, logits, logprobs)
+                                  num_steps, stops, sampling, logits, logprobs, penalties)
         self.num_steps += token_ids.shape[1]
         self.num_token_steps += token_ids.shape[1]
         return token_ids

@@ -20,11 +20,11 @@ Greedy rows (temperature < 1e-5 or top_k == 1) take the argmax of the penalised,
 masked logits. A batch of greedy rows without penalties, logprobs or pending
 min_tokens is a single argmax.
 
-Rows that sample from the logits alone (no penalties, pending min_tokens or grammar) can be
-sampled inside the CPU's native decode loop (token_sampling): the sampler draws their
-uniform numbers as it would step after step, and the loop truncates and draws with the same
-native passes, so the tokens are the ones this sampler gives; the loop reports their
-logprobs too (token_logprobs, loop_logprobs), from the same logits as this sampler.
+Rows with no grammar and no stop tokens held back by min_tokens can be sampled inside the
+CPU's native decode loop (token_sampling): the sampler draws their uniform numbers as it
+would step after step, and the loop penalizes (token_penalties), truncates and draws with
+the same arithmetic and native passes, so the tokens are the ones this sampler gives; the
+loop reports their logprobs too (token_logprobs, loop_logprobs), from the same logits.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import torch
 
 from common.engine.outputs import Logprobs, ScheduledRequest
 from common.engine.structured_output.bitmask import apply_token_bitmask
-from kernels.cpu_decode import TokenLogprobs, TokenSampling
+from kernels.cpu_decode import TokenLogprobs, TokenPenalties, TokenSampling
 from kernels.cpu_sampling import argmax_rows, draw_rows, logprobs_rows, native_argmax_available, native_rows
 
 _MASK64 = (1 << 64) - 1
@@ -93,17 +93,17 @@ class Sampler:
 
     def rows_in_loop(self, requests: Sequence[ScheduledRequest]) -> list[bool]:
         """Per row, whether the native loop's token head can take its next token
-        (token_sampling) and its logprobs (token_logprobs): it takes its argmax and nothing
-        more (samples_argmax), or it samples from the logits alone (no penalties, no stop
-        tokens held back by min_tokens) while samples_in_loop is on, random rows only while the
-        native sampling ops are (not PDSERVE_CPU_ARGMAX=0). The others this sampler samples,
-        from the logits the loop's head leaves."""
+        (token_sampling), with its penalties (token_penalties) and logprobs (token_logprobs):
+        it takes its argmax and nothing more (samples_argmax), or, while samples_in_loop is on,
+        it holds back no stop tokens (min_tokens) and is greedy or drawn while the native
+        sampling ops are on (not PDSERVE_CPU_ARGMAX=0). The others this sampler samples, from
+        the logits the loop's head leaves."""
         draws = native_argmax_available()
         in_loop = []
         for request in requests:
             params, num_output_tokens = request.sampling_params, len(request.output_token_ids)
             in_loop.append(params.samples_argmax(num_output_tokens)
-                           or (self.samples_in_loop and params.samples_logits_alone(num_output_tokens)
+                           or (self.samples_in_loop and not params.holds_back_stop_tokens(num_output_tokens)
                                and (params.is_greedy or draws)))
         return in_loop
 
@@ -131,6 +131,31 @@ class Sampler:
             else None,
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32) if any(p.min_p > 0.0 for p in params)
             else None)
+
+    def token_penalties(self, requests: Sequence[ScheduledRequest],
+                        in_loop: Sequence[bool] | None = None) -> TokenPenalties | None:
+        """The penalties of the rows in_loop marks (None: every row) that take any, with the
+        tokens they count (the prompt's distinct tokens for a repetition penalty, the output's),
+        for the native loop; None where none does."""
+        rows = [i for i, r in enumerate(requests)
+                if r.sampling_params.has_penalties and (in_loop is None or in_loop[i])]
+        if not rows:
+            return None
+        penalties = torch.tensor([[1.0, 0.0, 0.0]]).repeat(len(requests), 1)  # [num_rows, 3]
+        offsets = torch.zeros(len(requests), 3, dtype=torch.int64)  # [num_rows, 3]
+        parts: list[torch.Tensor] = []
+        num_ids = 0
+        for i in rows:
+            request, params = requests[i], requests[i].sampling_params
+            penalties[i] = torch.tensor([params.repetition_penalty, params.frequency_penalty,
+                                         params.presence_penalty])
+            prompt_ids = (self._prompt_ids(request, torch.device("cpu")) if params.repetition_penalty != 1.0
+                          else torch.empty(0, dtype=torch.int64))
+            output_ids = torch.tensor(request.output_token_ids, dtype=torch.int64)
+            offsets[i] = torch.tensor([num_ids, num_ids + len(prompt_ids), num_ids + len(prompt_ids) + len(output_ids)])
+            num_ids += len(prompt_ids) + len(output_ids)
+            parts += [prompt_ids, output_ids]
+        return TokenPenalties(penalties, torch.cat(parts), offsets)
 
     @staticmethod
     def token_logprobs(requests: Sequence[ScheduledRequest], num_steps: int,

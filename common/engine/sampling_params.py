@@ -152,16 +152,15 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
-    def samples_logits_alone(self, num_output_tokens: int) -> bool:
-        """Whether a request that has num_output_tokens samples its next token (and its
-        logprobs) from the logits and its own sampling parameters alone: no penalties over its
-        tokens, no stop tokens held back by min_tokens."""
-        return not self.has_penalties and num_output_tokens >= self.min_tokens
+    def holds_back_stop_tokens(self, num_output_tokens: int) -> bool:
+        """Whether a request that has num_output_tokens may not take a stop token yet (min_tokens)."""
+        return num_output_tokens < self.min_tokens
 
     def samples_argmax(self, num_output_tokens: int) -> bool:
         """Whether a request that has num_output_tokens samples its next token as the logits'
-        argmax and nothing more (greedy, samples_logits_alone, no logprobs to report)."""
-        return self.is_greedy and self.logprobs is None and self.samples_logits_alone(num_output_tokens)
+        argmax and nothing more (greedy; no penalties, logprobs or stop tokens held back)."""
+        return (self.is_greedy and self.logprobs is None and not self.has_penalties
+                and not self.holds_back_stop_tokens(num_output_tokens))
 
     def validate_token_ids(self, vocab_size: int) -> None:
         """Check stop_token_ids against the vocabulary (known only to the engine/gateway)."""

@@ -241,9 +241,9 @@ class Scheduler(SchedulerInterface):
 
     def _num_decode_steps(self, in_flight_req_ids: frozenset[str], max_num_reqs: int | None) -> int:
         """How many decode steps the next step may run back to back (num_scheduler_steps):
-        1 unless every running request decodes one token sampled from the logits alone (no
-        penalties or stop tokens held back by min_tokens; logprobs the loop reports too),
-        unconstrained, and
+        1 unless every running request decodes one token, unconstrained, with no stop tokens
+        held back by min_tokens (the native loop samples the rest, penalties and logprobs
+        included), and
         nobody waits to be admitted (a new prompt would wait for all of them) nor is any
         batch in flight; at most the steps the request closest to its max_tokens or to
         max_model_len has left, so none runs past the positions it may hold."""
@@ -254,7 +254,7 @@ class Scheduler(SchedulerInterface):
         for request in self.running:
             params = request.sampling_params
             if (request.num_tokens - request.num_computed_tokens != 1 or request.grammar is not None
-                    or not params.samples_logits_alone(request.num_output_tokens)):
+                    or params.holds_back_stop_tokens(request.num_output_tokens)):
                 return 1
             # A request finishes once it holds max_model_len tokens.
             num_steps = min(num_steps, self.max_model_len - request.num_tokens)

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -453,5 +454,62 @@ inline void row_logprobs(const float* x, int64_t n, int64_t token, int64_t k, fl
   *token_logprob = (x[token] - maximum) - log_sum;
   for (int64_t j = 0; j < k; ++j) top_logprobs[j] = (top_logprobs[j] - maximum) - log_sum;
 }
+
+// One row's penalties over its tokens, vLLM's: repetition over the prompt's and the output's
+// tokens (a positive logit divided by it, a negative one multiplied), then frequency (once
+// per occurrence in the output) and presence (once per distinct output token). take() adds
+// a token the row just took, for the next step of the same call.
+class RowPenalties {
+ public:
+  RowPenalties() = default;
+  // prompt_ids [num_prompt] (read only where repetition != 1), output_ids [num_output], each
+  // in [0, vocab_size).
+  RowPenalties(float repetition, float frequency, float presence, const int64_t* prompt_ids, int64_t num_prompt,
+               const int64_t* output_ids, int64_t num_output, int64_t vocab_size)
+      : repetition_(repetition), frequency_(frequency), presence_(presence) {
+    if (repetition_ != 1.f) {
+      seen_bits_.assign((vocab_size + 63) / 64, 0);
+      for (int64_t i = 0; i < num_prompt; ++i) see(prompt_ids[i]);
+    }
+    for (int64_t i = 0; i < num_output; ++i) take(output_ids[i]);
+  }
+
+  bool any() const { return repetition_ != 1.f || frequency_ != 0.f || presence_ != 0.f; }
+
+  void take(int64_t token) {
+    if (frequency_ != 0.f || presence_ != 0.f) {
+      auto [entry, added] = output_counts_.try_emplace(token, 0);
+      if (added) output_order_.push_back(token);
+      ++entry->second;
+    }
+    if (repetition_ != 1.f) see(token);
+  }
+
+  // x [vocab_size] fp32, in place; the sampler's fp32 arithmetic in its order, so the same bits.
+  void apply(float* x) const {
+    if (repetition_ != 1.f)
+      for (int64_t token : seen_) x[token] = x[token] > 0.f ? x[token] / repetition_ : x[token] * repetition_;
+    if (frequency_ != 0.f)
+      for (int64_t token : output_order_)
+        for (int32_t c = output_counts_.at(token); c > 0; --c) x[token] += -frequency_;  // one add an occurrence
+    if (presence_ != 0.f)
+      for (int64_t token : output_order_) x[token] -= presence_;
+  }
+
+ private:
+  void see(int64_t token) {
+    uint64_t& word = seen_bits_[token / 64];
+    const uint64_t bit = uint64_t{1} << (token % 64);
+    if (word & bit) return;
+    word |= bit;
+    seen_.push_back(token);
+  }
+
+  float repetition_ = 1.f, frequency_ = 0.f, presence_ = 0.f;
+  std::vector<uint64_t> seen_bits_;  // prompt and output tokens, repetition != 1 only
+  std::vector<int64_t> seen_;        // the same, each once
+  std::unordered_map<int64_t, int32_t> output_counts_;  // frequency or presence only
+  std::vector<int64_t> output_order_;                   // output_counts_' keys, each once
+};
 
 }  // namespace pdserve_cpu::sampling
