@@ -3,9 +3,9 @@
     pdserve bench sampling --quantization gguf,none --num-seqs 1,8 --json docs/bench/sampling.json
 
 One engine per quantization (the bundled model, bf16 for what it leaves dense, compiled).
-For each sampling case (temperature; with top_p, top_k, min_p; with logprobs; penalties; --case picks
-some) and batch size the same chat requests (max_tokens, ignore_eos, seeded) decode in three
-arms, in turns (--repeats rounds, each round in the other order from the last, so the host's
+For each sampling case (temperature; with top_p, top_k, min_p; with logprobs; penalties;
+--case picks some) and batch size the same chat requests (max_tokens, ignore_eos, seeded)
+decode in three arms, in turns (--repeats rounds, each round in the other order from the last, so the host's
 drift lands on all alike): the rows sampled, logprobs included, inside the native decode
 loop's region ("in loop", the default), by the sampler's native ops from the logits the
 loop's head left ("after loop", Sampler.samples_in_loop off), and by the torch forms that
