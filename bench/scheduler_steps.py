@@ -4,7 +4,8 @@
 
 One engine per quantization (the bundled model, bf16 for what it leaves dense, compiled
 unless --enforce-eager); for each batch size the same chat requests (max_tokens,
-ignore_eos; greedy, or seeded draws at --temperature; each token's --logprobs where given)
+ignore_eos; greedy, or seeded draws at --temperature; each token's --logprobs where given;
+--repetition-penalty, --frequency-penalty)
 run at every steps value in turn, --repeats rounds, each round in the other
 order from the last, so the host's drift from minute to minute lands on every value alike.
 The prompts repeat, so after the warm-up their prefill is a prefix-cache hit and a
@@ -42,12 +43,13 @@ def quantization_list(text: str) -> list[str]:
 
 
 def measure(llm, num_seqs: int, steps: list[int], max_tokens: int, repeats: int, temperature: float = 0.0,
-            logprobs: int | None = None) -> dict:
+            logprobs: int | None = None, repetition_penalty: float = 1.0, frequency_penalty: float = 0.0) -> dict:
     """One batch size through every steps value: {"tokens_per_s": {steps: ...},
     "paired_ms_per_step": {steps: ...}} (the second against steps[0])."""
     from common import SamplingParams
     conversations = [[{"role": "user", "content": f"{PROMPTS[i % len(PROMPTS)]} ({i})"}] for i in range(num_seqs)]
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0, logprobs=logprobs)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0, logprobs=logprobs,
+                            repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty)
     scheduler = llm.engine.scheduler
     llm.chat(conversations, params, use_tqdm=False)  # warm-up, and the prompts into the prefix cache
     seconds: dict[int, list[float]] = {k: [] for k in steps}
@@ -76,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else seeded draws")
     parser.add_argument("--logprobs", type=int, default=None, help="each token's logprobs and this many top ones")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--num-threads", type=int, default=None)
@@ -88,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from common import LLM
     result = {"cpu": cpu_model_name(), "torch_threads": None, "max_tokens": args.max_tokens,
               "temperature": args.temperature, "logprobs": args.logprobs,
+              "repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty,
               "repeats": args.repeats, "compiled": not args.enforce_eager, "runs": []}
     for quantization in args.quantization:
         llm = LLM(quantization=None if quantization == "none" else quantization, dtype="bfloat16",
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         for num_seqs in args.num_seqs:
             run = {"quantization": quantization, "num_seqs": num_seqs,
                    **measure(llm, num_seqs, args.steps, args.max_tokens, args.repeats, args.temperature,
-                             args.logprobs)}
+                             args.logprobs, args.repetition_penalty, args.frequency_penalty)}
             result["runs"].append(run)
             print(json.dumps(run), flush=True)
         llm.engine.shutdown()
