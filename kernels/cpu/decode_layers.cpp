@@ -512,8 +512,8 @@ void prepare_rows(const Linear& l, const T* x, int64_t begin, int64_t end, pdser
 // sampler's argmax_rows gives it from the same logits, or for a row sampling draws (its
 // temperature > 0) the token the sampler's native passes draw from them at the row's uniform:
 // the logits as fp32 over the temperature, then its top_k, top_p and min_p, then the draw
-// (sample_row.h), on the thread that owns the row, which then writes the row's logprobs where
-// it reports them (write_logprobs).
+// (sample_row.h), on the thread that owns the row (a row with penalties: take_penalized), which
+// then writes the row's logprobs where it reports them (write_logprobs).
 template <typename T>
 at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, const at::Tensor& positions,
                                  at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
@@ -1111,8 +1111,8 @@ int64_t check_logprobs(int64_t M, int64_t num_steps, int64_t vocab_size, const s
 // stop_token_ids [S] int64: the steps end early, [num_tokens, steps run], once every row has
 // taken one of them (steps past a stop would be thrown away). logits [num_tokens, the head's
 // outputs] of the model's dtype (one step only): the head's logits land there, for the caller
-// to sample rows whose sampling the loop does not do (penalties, a grammar) as compute_logits'
-// logits would give them. num_logprobs, logprobs, logprob_token_ids (check_logprobs): step s
+// to sample rows whose sampling the loop does not do (a grammar's, stop tokens held back by
+// min_tokens) as compute_logits' logits would give them. num_logprobs, logprobs, logprob_token_ids (check_logprobs): step s
 // writes the logprobs of each row that reports them to logprobs[s, m] (the taken token's, then
 // its top ones') and the top tokens to logprob_token_ids[s, m], as the sampler reports them.
 // penalties, penalty_token_ids, penalty_offsets (check_penalties): each row's penalties over its
