@@ -388,17 +388,24 @@ int64_t draw_token(const T* logits, int64_t vocab_size, const StepSampling& samp
                                            scratch.truncation);
 }
 
+// logits [n] (the head's dtype) widened to fp32 into `row`, as the sampler's fp32 copy: the row.
+template <typename T>
+float* widen_row(const T* logits, int64_t n, std::vector<float>& row) {
+  row.resize(n);
+  float* x = row.data();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store_vec(x + i, load_vec(logits + i));
+  for (; i < n; ++i) x[i] = static_cast<float>(logits[i]);
+  return x;
+}
+
 // Row m's logprobs where it reports them, as the sampler gives them from the same logits
 // [vocab_size] (the head's dtype) once it took `token`: widened to fp32, then the log-softmax
 // at the token and at the row's top tokens.
 template <typename T>
 void write_logprobs(const T* logits, int64_t vocab_size, int64_t token, const StepSampling& sampling, int64_t m,
                     DrawScratch& scratch) {
-  scratch.row.resize(vocab_size);
-  float* x = scratch.row.data();
-  int64_t i = 0;
-  for (; i + kLanes <= vocab_size; i += kLanes) store_vec(x + i, load_vec(logits + i));
-  for (; i < vocab_size; ++i) x[i] = static_cast<float>(logits[i]);
+  const float* x = widen_row(logits, vocab_size, scratch.row);
   float* out = sampling.logprobs + m * (1 + sampling.max_logprobs);
   pdserve_cpu::sampling::row_logprobs(x, vocab_size, token, sampling.num_logprobs[m], out,
                                       sampling.logprob_token_ids + m * sampling.max_logprobs, out + 1, scratch.top);
@@ -411,11 +418,7 @@ void write_logprobs(const T* logits, int64_t vocab_size, int64_t token, const St
 template <typename T>
 int64_t take_penalized(const T* logits, int64_t vocab_size, const StepSampling& sampling, int64_t m,
                        DrawScratch& scratch) {
-  scratch.penalized.resize(vocab_size);
-  float* x = scratch.penalized.data();
-  int64_t i = 0;
-  for (; i + kLanes <= vocab_size; i += kLanes) store_vec(x + i, load_vec(logits + i));
-  for (; i < vocab_size; ++i) x[i] = static_cast<float>(logits[i]);
+  float* x = widen_row(logits, vocab_size, scratch.penalized);
   sampling.penalties[m].apply(x);
   const int64_t token = draws(sampling, m) ? draw_token(x, vocab_size, sampling, m, scratch)
                                            : pdserve_cpu::argmax_part(x, vocab_size).index;
