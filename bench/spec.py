@@ -109,13 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--num-early-exit-layers", type=int, default=8)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--dtype", default="auto", help="the engines' dtype (auto: bf16 where the CPU has it)")
     parser.add_argument("--json", default=None, help="write the figures to this file")
     args = parser.parse_args(argv)
 
     from bench.profile import cpu_model_name
     from common import LLM, SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    engine = dict(kv_cache_memory="256MiB")
+    engine = dict(kv_cache_memory="256MiB", dtype=args.dtype)
     arms_llms = {name: LLM(speculative_config=config, **engine)
                  for name, config in arm_configs(args.num_speculative_tokens, args.num_early_exit_layers).items()}
     vocab_size = arms_llms["off"].engine.model_config.vocab_size
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         llm.chat(warm_up, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
 
     figures = {"cpu": cpu_model_name(), "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-               "num_speculative_tokens": args.num_speculative_tokens, "workloads": {}}
+               "num_speculative_tokens": args.num_speculative_tokens, "dtype": args.dtype, "workloads": {}}
     for workload in args.workloads.split(","):
         prompts = workload_prompts(workload, args.num_prompts, vocab_size)
         figures["workloads"][workload] = {mode: measure(arms_llms, prompts, params, batched=mode == "batched")
