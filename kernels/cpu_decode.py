@@ -55,8 +55,8 @@ def _decode_layers_fake(model_id, hidden, positions, k_caches, v_caches, slot_ma
 def _decode_tokens_fake(model_id, input_ids, positions, k_caches, v_caches, slot_mapping, block_tables,
                         query_start_loc, seq_lens, num_steps=1, stop_token_ids=None, temperatures=None,
                         uniforms=None, top_k=None, top_p=None, min_p=None, logits=None, num_logprobs=None,
-                        logprobs=None, logprob_token_ids=None, penalties=None, penalty_token_ids=None,
-                        penalty_offsets=None):
+                        logprobs=None, logprob_token_ids=None, penalties=None, history_token_ids=None,
+                        history_offsets=None, held_back_steps=None):
     return input_ids.new_empty((input_ids.shape[0], num_steps))
 
 
@@ -90,16 +90,19 @@ class TokenLogprobs(NamedTuple):
                    torch.empty(num_steps, len(num_logprobs), num_top, dtype=torch.int64))
 
 
-class TokenPenalties(NamedTuple):
-    """Each row's penalties over its tokens for decode_tokens (vLLM's: repetition over the
-    prompt's and the output's tokens, frequency and presence over the output's), applied to
-    its logits as fp32 before its argmax, draw and logprobs, as the sampler applies them; the
-    tokens the row takes in the call's steps count too."""
+class TokenHistory(NamedTuple):
+    """What each row's tokens so far do to its logits for decode_tokens, as the sampler applies
+    it to them as fp32 before its argmax, draw and logprobs: vLLM's penalties (repetition over
+    the prompt's and the output's tokens, frequency and presence over the output's), then its
+    stop tokens held back (-inf) for its first held_back_steps steps (min_tokens); the tokens
+    the row takes in the call's steps count too."""
     penalties: torch.Tensor  # [num_tokens, 3] fp32: repetition (> 0), frequency, presence; 1, 0, 0: none
-    token_ids: torch.Tensor  # [T] int64: the rows' prompt and output tokens
-    # [num_tokens, 3] int64: row m's prompt tokens token_ids[offsets[m, 0]:offsets[m, 1]] (a
-    # repetition penalty's only), its output tokens token_ids[offsets[m, 1]:offsets[m, 2]]
+    token_ids: torch.Tensor  # [T] int64: the rows' prompt, output and held-back stop tokens
+    # [num_tokens, 4] int64: row m's prompt tokens token_ids[offsets[m, 0]:offsets[m, 1]] (a
+    # repetition penalty's only), its output tokens [offsets[m, 1]:offsets[m, 2]], its stop
+    # tokens held back [offsets[m, 2]:offsets[m, 3]]
     offsets: torch.Tensor
+    held_back_steps: torch.Tensor  # [num_tokens] int64: the steps that hold them back; 0: none
 
 
 def register_decode_model(
@@ -198,7 +201,7 @@ def decode_tokens(
     sampling: TokenSampling | None = None,  # None: every row its argmax
     logits: torch.Tensor | None = None,  # [num_tokens, the head's outputs] the model's dtype; one step
     logprobs: TokenLogprobs | None = None,  # None: no row reports logprobs
-    penalties: TokenPenalties | None = None,  # None: no row takes penalties
+    history: TokenHistory | None = None,  # None: no row's tokens change its logits
 ) -> torch.Tensor:  # [num_tokens, steps run] int64: each sequence's next tokens
     """decode_layers from the token ids, then the head and each row's next token (its argmax,
     as argmax_rows takes it from the head's logits, or its draw: TokenSampling), in one
@@ -207,11 +210,11 @@ def decode_tokens(
     - 1), fewer once every row has taken one of stop_token_ids. logits, where given, receives
     the head's logits (as compute_logits' before its slice and fp32 copy), for the caller to
     sample rows the loop leaves to it; logprobs, where given, receives each step's logprobs of
-    the rows that report them (its first steps run); penalties (TokenPenalties) apply to the
+    the rows that report them (its first steps run); history (TokenHistory) applies to the
     rows' logits first."""
     sampling = sampling or TokenSampling(None, None)
     logprobs = logprobs or TokenLogprobs(None, None, None)
-    penalties = penalties or TokenPenalties(None, None, None)
+    history = history or TokenHistory(None, None, None, None)
     return torch.ops.pdserve_decode.decode_tokens(model_id, input_ids, positions, k_caches, v_caches, slot_mapping,
                                                   block_tables, query_start_loc, seq_lens, num_steps, stop_token_ids,
-                                                  *sampling, logits, *logprobs, *penalties)
+                                                  *sampling, logits, *logprobs, *history)

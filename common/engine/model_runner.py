@@ -404,7 +404,7 @@ class ModelRunner:
         the loop, logprobs included (as many steps as allowed), or one step whose rows the loop
         cannot sample (Sampler.rows_in_loop; a grammar's) the sampler takes from the head's
         logits."""
-        loop, sampler = self.native_decode, self.sampler
+        loop, sampler, vocab_size = self.native_decode, self.sampler, self.model_config.vocab_size
         in_loop = sampler.rows_in_loop(sample_reqs)
         token_bitmask, bitmask_rows = self._grammar_bitmask(scheduler_output, sample_reqs)
         for i in bitmask_rows:  # a grammar's rows: the sampler masks them first
@@ -416,7 +416,7 @@ class ModelRunner:
             token_ids = loop.run_tokens(input_ids, positions, meta, num_steps,
                                         self._stop_token_ids(sample_reqs) if num_steps > 1 else None,
                                         sampler.token_sampling(sample_reqs, num_steps), logprobs=logprobs,
-                                        penalties=sampler.token_penalties(sample_reqs))
+                                        history=sampler.token_history(sample_reqs, vocab_size))
             return RunnerOutput(req_ids=req_ids, sampled_token_ids=token_ids.tolist(),
                                 logprobs=None if logprobs is None
                                 else sampler.loop_logprobs(logprobs, token_ids.shape[1]))
@@ -424,7 +424,7 @@ class ModelRunner:
         logprobs = sampler.token_logprobs(sample_reqs, 1, in_loop)
         token_ids = loop.run_tokens(input_ids, positions, meta, 1, None,
                                     sampler.token_sampling(sample_reqs, 1, in_loop), head_logits, logprobs,
-                                    sampler.token_penalties(sample_reqs, in_loop))
+                                    sampler.token_history(sample_reqs, vocab_size, in_loop))
         output = self._sample_rows_left(sample_reqs, in_loop, token_ids, head_logits, token_bitmask, bitmask_rows)
         if logprobs is not None:
             row_logprobs = output.logprobs or [None] * len(sample_reqs)

@@ -24,11 +24,11 @@ Where a step's rows sample without a grammar (run_tokens), a model that runs its
 one parallel region takes the token ids in and each row's next token out of the same
 region: the embedding lookup, the packed head's GEMV and the argmax (its share of the
 columns on each thread) or the row's draw (temperature, top_k, top_p, min_p, the sampler's
-own native passes, at a uniform the sampler drew), after its penalties, and its logprobs,
-join the layers, rather than three more calls from Python with a region each: for greedy
-rows 0.05-0.14 ms less a token
-of the bundled model in Q4_1 (of 2.6-3.3), 0.32 ms in bf16 (of 6.9-7.2), on the 2-core Zen 5
-EPYC, the two forms taking turns in one process.
+own native passes, at a uniform the sampler drew), after its penalties and held-back stop
+tokens, and its logprobs, join the layers, rather than three more calls from Python with a
+region each: for greedy rows 0.05-0.14 ms less a token of the bundled model in Q4_1 (of
+2.6-3.3), 0.32 ms in bf16 (of 6.9-7.2), on the 2-core Zen 5 EPYC, the two forms taking turns
+in one process.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from common.engine.models.prepacked_linear import PrepackedLinear
 from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
 from kernels.cpu_decode import (LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, TokenLogprobs,
-                                TokenPenalties, TokenSampling, decode_layers,
+                                TokenHistory, TokenSampling, decode_layers,
                                 decode_model_head_outputs, decode_model_max_head_tokens,
                                 decode_model_max_region_tokens, decode_model_max_tokens,
                                 decode_tokens, native_decode_available, native_decode_disabled,
@@ -200,7 +200,7 @@ class NativeDecodeLoop:
     def run_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                    num_steps: int = 1, stop_token_ids: list[int] | None = None,
                    sampling: TokenSampling | None = None, logits: torch.Tensor | None = None,
-                   logprobs: TokenLogprobs | None = None, penalties: TokenPenalties | None = None) -> torch.Tensor:
+                   logprobs: TokenLogprobs | None = None, history: TokenHistory | None = None) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> each row's next tokens [num_tokens, steps run]
         int64: the argmax of the model's compute_argmax_logits over run()'s hidden states, or
         for a row that draws (sampling: its temperature > 0) the token the sampler's native
@@ -210,11 +210,12 @@ class NativeDecodeLoop:
         stop_token_ids. logits [num_tokens, head_outputs] (the model's dtype; one step): receives
         the head's logits, for the caller to sample rows the loop leaves to it. logprobs: receives
         the logprobs of the rows that report them, as the sampler reports them, each step's.
-        penalties: each row's penalties over its tokens, applied before its argmax or draw."""
+        history: what each row's tokens so far do to its logits (penalties, stop tokens held
+        back), applied before its argmax or draw."""
         stops = torch.tensor(stop_token_ids, dtype=torch.int64) if stop_token_ids else None
         token_ids = decode_tokens(self.model_id, input_ids, positions, self.k_caches, self.v_caches,
                                   meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                  num_steps, stops, sampling, logits, logprobs, penalties)
+                                  num_steps, stops, sampling, logits, logprobs, history)
         self.num_steps += token_ids.shape[1]
         self.num_token_steps += token_ids.shape[1]
         return token_ids

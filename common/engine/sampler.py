@@ -20,9 +20,9 @@ Greedy rows (temperature < 1e-5 or top_k == 1) take the argmax of the penalised,
 masked logits. A batch of greedy rows without penalties, logprobs or pending
 min_tokens is a single argmax.
 
-Rows with no grammar and no stop tokens held back by min_tokens can be sampled inside the
-CPU's native decode loop (token_sampling): the sampler draws their uniform numbers as it
-would step after step, and the loop penalizes (token_penalties), truncates and draws with
+Rows with no grammar can be sampled inside the CPU's native decode loop (token_sampling):
+the sampler draws their uniform numbers as it would step after step, and the loop
+penalizes and holds back stop tokens (token_history), truncates and draws with
 the same arithmetic and native passes, so the tokens are the ones this sampler gives; the
 loop reports their logprobs too (token_logprobs, loop_logprobs), from the same logits.
 """
@@ -36,7 +36,7 @@ import torch
 
 from common.engine.outputs import Logprobs, ScheduledRequest
 from common.engine.structured_output.bitmask import apply_token_bitmask
-from kernels.cpu_decode import TokenLogprobs, TokenPenalties, TokenSampling
+from kernels.cpu_decode import TokenLogprobs, TokenHistory, TokenSampling
 from kernels.cpu_sampling import argmax_rows, draw_rows, logprobs_rows, native_argmax_available, native_rows
 
 _MASK64 = (1 << 64) - 1
@@ -93,18 +93,17 @@ class Sampler:
 
     def rows_in_loop(self, requests: Sequence[ScheduledRequest]) -> list[bool]:
         """Per row, whether the native loop's token head can take its next token
-        (token_sampling), with its penalties (token_penalties) and logprobs (token_logprobs):
+        (token_sampling), with its history (token_history) and logprobs (token_logprobs):
         it takes its argmax and nothing more (samples_argmax), or, while samples_in_loop is on,
-        it holds back no stop tokens (min_tokens) and is greedy or drawn while the native
-        sampling ops are on (not PDSERVE_CPU_ARGMAX=0). The others this sampler samples, from
-        the logits the loop's head leaves."""
+        it is greedy, or drawn while the native sampling ops are on (not PDSERVE_CPU_ARGMAX=0),
+        its penalties and stop tokens held back by min_tokens too (token_history). The others
+        this sampler samples, from the logits the loop's head leaves."""
         draws = native_argmax_available()
         in_loop = []
         for request in requests:
             params, num_output_tokens = request.sampling_params, len(request.output_token_ids)
             in_loop.append(params.samples_argmax(num_output_tokens)
-                           or (self.samples_in_loop and not params.holds_back_stop_tokens(num_output_tokens)
-                               and (params.is_greedy or draws)))
+                           or (self.samples_in_loop and (params.is_greedy or draws)))
         return in_loop
 
     def token_sampling(self, requests: Sequence[ScheduledRequest], num_steps: int,
@@ -132,17 +131,22 @@ class Sampler:
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32) if any(p.min_p > 0.0 for p in params)
             else None)
 
-    def token_penalties(self, requests: Sequence[ScheduledRequest],
-                        in_loop: Sequence[bool] | None = None) -> TokenPenalties | None:
-        """The penalties of the rows in_loop marks (None: every row) that take any, with the
-        tokens they count (the prompt's distinct tokens for a repetition penalty, the output's),
-        for the native loop; None where none does."""
+    def token_history(self, requests: Sequence[ScheduledRequest], vocab_size: int,
+                      in_loop: Sequence[bool] | None = None) -> TokenHistory | None:
+        """What the tokens so far of the rows in_loop marks (None: every row) do to their
+        logits, for the native loop: penalties, with the tokens they count (the prompt's
+        distinct tokens for a repetition penalty, the output's), and the stop tokens a row
+        holds back (min_tokens) for as many steps as it has tokens to go; None where no row
+        has any."""
         rows = [i for i, r in enumerate(requests)
-                if r.sampling_params.has_penalties and (in_loop is None or in_loop[i])]
+                if (in_loop is None or in_loop[i]) and (r.sampling_params.has_penalties
+                                                        or r.sampling_params.holds_back_stop_tokens(
+                                                            len(r.output_token_ids)))]
         if not rows:
             return None
         penalties = torch.tensor([[1.0, 0.0, 0.0]]).repeat(len(requests), 1)  # [num_rows, 3]
-        offsets = torch.zeros(len(requests), 3, dtype=torch.int64)  # [num_rows, 3]
+        offsets = torch.zeros(len(requests), 4, dtype=torch.int64)  # [num_rows, 4]
+        held_back_steps = torch.zeros(len(requests), dtype=torch.int64)  # [num_rows]
         parts: list[torch.Tensor] = []
         num_ids = 0
         for i in rows:
@@ -151,11 +155,17 @@ class Sampler:
                                          params.presence_penalty])
             prompt_ids = (self._prompt_ids(request, torch.device("cpu")) if params.repetition_penalty != 1.0
                           else torch.empty(0, dtype=torch.int64))
-            output_ids = torch.tensor(request.output_token_ids, dtype=torch.int64)
-            offsets[i] = torch.tensor([num_ids, num_ids + len(prompt_ids), num_ids + len(prompt_ids) + len(output_ids)])
-            num_ids += len(prompt_ids) + len(output_ids)
-            parts += [prompt_ids, output_ids]
-        return TokenPenalties(penalties, torch.cat(parts), offsets)
+            output_ids = (torch.tensor(request.output_token_ids, dtype=torch.int64) if params.has_penalties
+                          else torch.empty(0, dtype=torch.int64))
+            held_back_steps[i] = max(0, params.min_tokens - len(request.output_token_ids))
+            held_back_ids = torch.tensor(self._stop_ids(params, vocab_size) if held_back_steps[i] > 0 else [],
+                                         dtype=torch.int64)
+            ends = torch.tensor([len(prompt_ids), len(output_ids), len(held_back_ids)]).cumsum(0)
+            offsets[i, 0] = num_ids
+            offsets[i, 1:] = num_ids + ends
+            num_ids += int(ends[-1])
+            parts += [prompt_ids, output_ids, held_back_ids]
+        return TokenHistory(penalties, torch.cat(parts), offsets, held_back_steps)
 
     @staticmethod
     def token_logprobs(requests: Sequence[ScheduledRequest], num_steps: int,
@@ -265,6 +275,12 @@ class Sampler:
             self._prompt_id_tensors[request.req_id] = ids
         return ids
 
+    def _stop_ids(self, params, vocab_size: int) -> list[int]:
+        """The tokens min_tokens holds back: the request's stop tokens and, unless ignore_eos,
+        EOS (vLLM's), those within the vocabulary."""
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        return sorted(t for t in stop_ids if t < vocab_size)
+
     def _mask_stop_tokens_below_min_tokens(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest],
                                            constrained_rows: set[int]) -> None:
         vocab_size = logits.shape[1]
@@ -276,9 +292,7 @@ class Sampler:
             # only EOS, and masking that too would leave nothing to sample.
             if len(r.output_token_ids) >= p.min_tokens or i in constrained_rows:
                 continue
-            # vLLM: EOS counts as a stop token unless ignore_eos.
-            stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-            stop_ids = [t for t in stop_ids if t < vocab_size]
+            stop_ids = self._stop_ids(p, vocab_size)
             mask_rows += [i] * len(stop_ids)
             mask_ids += stop_ids
         if mask_rows:

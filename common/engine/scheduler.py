@@ -241,11 +241,10 @@ class Scheduler(SchedulerInterface):
 
     def _num_decode_steps(self, in_flight_req_ids: frozenset[str], max_num_reqs: int | None) -> int:
         """How many decode steps the next step may run back to back (num_scheduler_steps):
-        1 unless every running request decodes one token, unconstrained, with no stop tokens
-        held back by min_tokens (the native loop samples the rest, penalties and logprobs
-        included), and
-        nobody waits to be admitted (a new prompt would wait for all of them) nor is any
-        batch in flight; at most the steps the request closest to its max_tokens or to
+        1 unless every running request decodes one token, unconstrained (the native loop
+        samples the rest: penalties, logprobs and stop tokens held back by min_tokens
+        included), and nobody waits to be admitted (a new prompt would wait for all of them)
+        nor is any batch in flight; at most the steps the request closest to its max_tokens or to
         max_model_len has left, so none runs past the positions it may hold."""
         num_steps = self.num_scheduler_steps
         if (num_steps == 1 or not self.running or self.waiting or in_flight_req_ids or max_num_reqs is not None
@@ -253,8 +252,7 @@ class Scheduler(SchedulerInterface):
             return 1
         for request in self.running:
             params = request.sampling_params
-            if (request.num_tokens - request.num_computed_tokens != 1 or request.grammar is not None
-                    or params.holds_back_stop_tokens(request.num_output_tokens)):
+            if request.num_tokens - request.num_computed_tokens != 1 or request.grammar is not None:
                 return 1
             # A request finishes once it holds max_model_len tokens.
             num_steps = min(num_steps, self.max_model_len - request.num_tokens)

@@ -17,8 +17,8 @@
 // is GGUF blocks or bf16 panels, the whole step runs in one OpenMP region
 // (run_layers_in_regions) rather than a fork and join per projection and attention; a step
 // of such a model can take the embedding lookup, the head and each row's next token (its
-// argmax, or a draw from its softmax, after any penalties, and its logprobs) into the same
-// region too (decode_tokens).
+// argmax, or a draw from its softmax, after any penalties or held-back stop tokens, and its
+// logprobs) into the same region too (decode_tokens).
 //
 // Numerics follow the compiled graph's: each fused pointwise step computes in fp32 from
 // the dtype's inputs and rounds once; RMSNorm rounds the normalised value before scaling
@@ -342,9 +342,10 @@ struct StepSampling {
   int64_t max_logprobs = 0;  // the largest of num_logprobs: the top tokens' room in each row
   float* logprobs = nullptr;  // [M, 1 + max_logprobs] this step's: the taken token's, then the top ones'
   int64_t* logprob_token_ids = nullptr;  // [M, max_logprobs] this step's top tokens, most likely first
-  // [M] each row's penalties over its tokens (a row without any: none), applied to its logits
-  // as fp32 before its argmax, logprobs and draw, then told the token it took; nullptr: none.
-  pdserve_cpu::sampling::RowPenalties* penalties = nullptr;
+  // [M] what each row's tokens so far do to its logits (RowHistory: penalties, stop tokens held
+  // back; a row with neither: nothing), applied to them as fp32 before its argmax, logprobs
+  // and draw, then told the token it took; nullptr: no row has any.
+  pdserve_cpu::sampling::RowHistory* histories = nullptr;
 };
 
 // Whether row m of a step draws its token (else it takes its argmax).
@@ -352,9 +353,9 @@ inline bool draws(const StepSampling& sampling, int64_t m) {
   return sampling.temperatures != nullptr && sampling.temperatures[m] > 0.f;
 }
 
-// Whether row m of a step takes penalties over its tokens.
-inline bool penalized(const StepSampling& sampling, int64_t m) {
-  return sampling.penalties != nullptr && sampling.penalties[m].any();
+// Whether row m's tokens so far change its logits this step (penalties, stop tokens held back).
+inline bool has_history(const StepSampling& sampling, int64_t m) {
+  return sampling.histories != nullptr && sampling.histories[m].any();
 }
 
 // Whether row m of a step reports logprobs.
@@ -362,10 +363,10 @@ inline bool reports_logprobs(const StepSampling& sampling, int64_t m) {
   return sampling.num_logprobs != nullptr && sampling.num_logprobs[m] >= 0;
 }
 
-// What a thread's draws reuse from row to row: the row as fp32 (penalized, and as drawn), the
-// truncations' scratch and the logprobs' top tokens.
+// What a thread's draws reuse from row to row: the row as fp32 (its history applied, and as
+// drawn), the truncations' scratch and the logprobs' top tokens.
 struct DrawScratch {
-  std::vector<float> penalized;
+  std::vector<float> with_history;
   std::vector<float> row;
   pdserve_cpu::sampling::RowScratch truncation;
   std::vector<std::pair<float, int64_t>> top;
@@ -411,19 +412,19 @@ void write_logprobs(const T* logits, int64_t vocab_size, int64_t token, const St
                                       sampling.logprob_token_ids + m * sampling.max_logprobs, out + 1, scratch.top);
 }
 
-// Row m's token where it takes penalties, as the sampler takes it: its logits [vocab_size]
-// widened to fp32 and penalized, then their argmax or the draw over the temperature (the
-// sampler's own passes); the row's logprobs from the penalized row where it reports them;
-// then its penalties count the token for the next step.
+// Row m's token where its history changes its logits, as the sampler takes it: its logits
+// [vocab_size] widened to fp32, penalized and its stop tokens held back, then their argmax or
+// the draw over the temperature (the sampler's own passes); the row's logprobs from that row
+// where it reports them; then its history counts the token for the next step.
 template <typename T>
-int64_t take_penalized(const T* logits, int64_t vocab_size, const StepSampling& sampling, int64_t m,
-                       DrawScratch& scratch) {
-  float* x = widen_row(logits, vocab_size, scratch.penalized);
-  sampling.penalties[m].apply(x);
+int64_t take_with_history(const T* logits, int64_t vocab_size, const StepSampling& sampling, int64_t m,
+                          DrawScratch& scratch) {
+  float* x = widen_row(logits, vocab_size, scratch.with_history);
+  sampling.histories[m].apply(x);
   const int64_t token = draws(sampling, m) ? draw_token(x, vocab_size, sampling, m, scratch)
                                            : pdserve_cpu::argmax_part(x, vocab_size).index;
   if (reports_logprobs(sampling, m)) write_logprobs(x, vocab_size, token, sampling, m, scratch);
-  sampling.penalties[m].take(token);
+  sampling.histories[m].take(token);
   return token;
 }
 
@@ -515,7 +516,7 @@ void prepare_rows(const Linear& l, const T* x, int64_t begin, int64_t end, pdser
 // sampler's argmax_rows gives it from the same logits, or for a row sampling draws (its
 // temperature > 0) the token the sampler's native passes draw from them at the row's uniform:
 // the logits as fp32 over the temperature, then its top_k, top_p and min_p, then the draw
-// (sample_row.h), on the thread that owns the row (a row with penalties: take_penalized), which
+// (sample_row.h), on the thread that owns the row (a row with a history: take_with_history), which
 // then writes the row's logprobs where it reports them (write_logprobs).
 template <typename T>
 at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, const at::Tensor& positions,
@@ -640,7 +641,7 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
       const auto [begin, end] = columns_of(projection, t, n);
       const int64_t stop = std::min(end, head->vocab_size);
       for (int64_t m = 0; m < M; ++m) {
-        if (draws(sampling, m) || penalized(sampling, m)) continue;
+        if (draws(sampling, m) || has_history(sampling, m)) continue;
         pdserve_cpu::ArgmaxPart part = pdserve_cpu::argmax_part(logits_p + m * projection.out_features + begin,
                                                                 stop - begin);
         if (part.index >= 0) part.index += begin;
@@ -649,8 +650,8 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
 #pragma omp barrier
       for (int64_t m = row_begin; m < row_end; ++m) {
         const T* row_logits = logits_p + m * projection.out_features;
-        if (penalized(sampling, m)) {
-          token_ids[m] = take_penalized(row_logits, head->vocab_size, sampling, m, draw_scratch);
+        if (has_history(sampling, m)) {
+          token_ids[m] = take_with_history(row_logits, head->vocab_size, sampling, m, draw_scratch);
           continue;
         }
         if (draws(sampling, m)) {
@@ -1018,49 +1019,59 @@ std::vector<pdserve_cpu::sampling::Truncation> check_sampling(
   return truncations;
 }
 
-// Each row's penalties for a decode_tokens call, checked (none: no row takes any): penalties
-// [M, 3] fp32 (repetition > 0, frequency, presence: 1, 0, 0 for a row without), its tokens in
-// penalty_token_ids [T] int64 (each in [0, vocab_size)), row m's prompt tokens at
-// [offsets[m, 0], offsets[m, 1]) and its output tokens at [offsets[m, 1], offsets[m, 2]) of
-// penalty_offsets [M, 3] int64; all three or none.
-std::vector<pdserve_cpu::sampling::RowPenalties> check_penalties(int64_t M, int64_t vocab_size,
-                                                                 const std::optional<at::Tensor>& penalties,
-                                                                 const std::optional<at::Tensor>& token_ids,
-                                                                 const std::optional<at::Tensor>& offsets) {
-  PDSERVE_CHECK_VALUE(penalties.has_value() == token_ids.has_value() && penalties.has_value() == offsets.has_value(),
-                      "decode_tokens: penalties, penalty_token_ids and penalty_offsets together, or none");
+// Each row's history for a decode_tokens call (RowHistory), checked (none: no row has one):
+// penalties [M, 3] fp32 (repetition > 0, frequency, presence: 1, 0, 0 for a row without); the
+// rows' tokens in history_token_ids [T] int64 (each in [0, vocab_size)): row m's prompt tokens
+// at [offsets[m, 0], offsets[m, 1]), its output tokens at [offsets[m, 1], offsets[m, 2]) and
+// its held-back stop tokens at [offsets[m, 2], offsets[m, 3]) of history_offsets [M, 4] int64;
+// held_back_steps [M] int64: the steps, from this call's first, whose draws hold them back
+// (<= 0: none); all four or none.
+std::vector<pdserve_cpu::sampling::RowHistory> check_history(int64_t M, int64_t vocab_size,
+                                                             const std::optional<at::Tensor>& penalties,
+                                                             const std::optional<at::Tensor>& token_ids,
+                                                             const std::optional<at::Tensor>& offsets,
+                                                             const std::optional<at::Tensor>& held_back_steps) {
+  PDSERVE_CHECK_VALUE(penalties.has_value() == token_ids.has_value() && penalties.has_value() == offsets.has_value() &&
+                          penalties.has_value() == held_back_steps.has_value(),
+                      "decode_tokens: penalties, history_token_ids, history_offsets and held_back_steps together, "
+                      "or none");
   if (!penalties.has_value()) return {};
   PDSERVE_CHECK_VALUE(penalties->dim() == 2 && penalties->size(0) == M && penalties->size(1) == 3 &&
                           penalties->scalar_type() == at::kFloat && penalties->is_contiguous(),
                       "decode_tokens: penalties must be contiguous fp32 [num_tokens ", M, ", 3], got ",
                       penalties->scalar_type(), " ", penalties->sizes());
-  PDSERVE_CHECK_VALUE(offsets->dim() == 2 && offsets->size(0) == M && offsets->size(1) == 3 &&
+  PDSERVE_CHECK_VALUE(offsets->dim() == 2 && offsets->size(0) == M && offsets->size(1) == 4 &&
                           offsets->scalar_type() == at::kLong && offsets->is_contiguous(),
-                      "decode_tokens: penalty_offsets must be contiguous int64 [num_tokens ", M, ", 3], got ",
+                      "decode_tokens: history_offsets must be contiguous int64 [num_tokens ", M, ", 4], got ",
                       offsets->scalar_type(), " ", offsets->sizes());
+  PDSERVE_CHECK_VALUE(held_back_steps->dim() == 1 && held_back_steps->size(0) == M &&
+                          held_back_steps->scalar_type() == at::kLong && held_back_steps->is_contiguous(),
+                      "decode_tokens: held_back_steps must be contiguous int64 [num_tokens ", M, "], got ",
+                      held_back_steps->scalar_type(), " ", held_back_steps->sizes());
   PDSERVE_CHECK_VALUE(token_ids->dim() == 1 && token_ids->scalar_type() == at::kLong && token_ids->is_contiguous(),
-                      "decode_tokens: penalty_token_ids must be contiguous int64 [T], got ", token_ids->scalar_type(),
+                      "decode_tokens: history_token_ids must be contiguous int64 [T], got ", token_ids->scalar_type(),
                       " ", token_ids->sizes());
   const float* values = penalties->const_data_ptr<float>();
   const int64_t* bounds = offsets->const_data_ptr<int64_t>();
+  const int64_t* steps = held_back_steps->const_data_ptr<int64_t>();
   const int64_t* ids = token_ids->const_data_ptr<int64_t>();
   const int64_t num_ids = token_ids->numel();
   for (int64_t i = 0; i < num_ids; ++i)
-    PDSERVE_CHECK_VALUE(ids[i] >= 0 && ids[i] < vocab_size, "decode_tokens: penalty token id ", ids[i],
+    PDSERVE_CHECK_VALUE(ids[i] >= 0 && ids[i] < vocab_size, "decode_tokens: history token id ", ids[i],
                         " is outside the vocabulary's ", vocab_size);
-  std::vector<pdserve_cpu::sampling::RowPenalties> rows(M);
+  std::vector<pdserve_cpu::sampling::RowHistory> rows(M);
   for (int64_t m = 0; m < M; ++m) {
     const float repetition = values[3 * m], frequency = values[3 * m + 1], presence = values[3 * m + 2];
     PDSERVE_CHECK_VALUE(repetition > 0.f && std::isfinite(repetition) && std::isfinite(frequency) &&
                             std::isfinite(presence),
                         "decode_tokens: row ", m, "'s penalties (repetition ", repetition, ", frequency ", frequency,
                         ", presence ", presence, ") must be finite, repetition > 0");
-    const int64_t* b = bounds + 3 * m;
-    PDSERVE_CHECK_VALUE(0 <= b[0] && b[0] <= b[1] && b[1] <= b[2] && b[2] <= num_ids, "decode_tokens: row ", m,
-                        "'s penalty_offsets [", b[0], ", ", b[1], ", ", b[2], "] are not ordered within [0, ",
-                        num_ids, "]");
-    rows[m] = pdserve_cpu::sampling::RowPenalties(repetition, frequency, presence, ids + b[0], b[1] - b[0],
-                                                  ids + b[1], b[2] - b[1], vocab_size);
+    const int64_t* b = bounds + 4 * m;
+    PDSERVE_CHECK_VALUE(0 <= b[0] && b[0] <= b[1] && b[1] <= b[2] && b[2] <= b[3] && b[3] <= num_ids,
+                        "decode_tokens: row ", m, "'s history_offsets [", b[0], ", ", b[1], ", ", b[2], ", ", b[3],
+                        "] are not ordered within [0, ", num_ids, "]");
+    rows[m] = pdserve_cpu::sampling::RowHistory(repetition, frequency, presence, ids + b[0], b[1] - b[0], ids + b[1],
+                                                b[2] - b[1], ids + b[2], b[3] - b[2], steps[m], vocab_size);
   }
   return rows;
 }
@@ -1118,9 +1129,10 @@ int64_t check_logprobs(int64_t M, int64_t num_steps, int64_t vocab_size, const s
 // min_tokens) as compute_logits' logits would give them. num_logprobs, logprobs, logprob_token_ids (check_logprobs): step s
 // writes the logprobs of each row that reports them to logprobs[s, m] (the taken token's, then
 // its top ones') and the top tokens to logprob_token_ids[s, m], as the sampler reports them.
-// penalties, penalty_token_ids, penalty_offsets (check_penalties): each row's penalties over its
-// prompt and output tokens, the tokens it takes in this call's steps counted too, applied to
-// its logits before its argmax, draw and logprobs, as the sampler applies them.
+// penalties, history_token_ids, history_offsets, held_back_steps (check_history): each row's
+// penalties over its prompt and output tokens, the tokens it takes in this call's steps
+// counted too, and its stop tokens held back for its first steps (min_tokens), applied to its
+// logits before its argmax, draw and logprobs, as the sampler applies them.
 at::Tensor decode_tokens(int64_t model_id, const at::Tensor& input_ids, const at::Tensor& positions,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& query_start_loc,
@@ -1131,8 +1143,9 @@ at::Tensor decode_tokens(int64_t model_id, const at::Tensor& input_ids, const at
                          const std::optional<at::Tensor>& min_p, const std::optional<at::Tensor>& logits,
                          const std::optional<at::Tensor>& num_logprobs, const std::optional<at::Tensor>& logprobs,
                          const std::optional<at::Tensor>& logprob_token_ids,
-                         const std::optional<at::Tensor>& penalties, const std::optional<at::Tensor>& penalty_token_ids,
-                         const std::optional<at::Tensor>& penalty_offsets) {
+                         const std::optional<at::Tensor>& penalties, const std::optional<at::Tensor>& history_token_ids,
+                         const std::optional<at::Tensor>& history_offsets,
+                         const std::optional<at::Tensor>& held_back_steps) {
   const std::shared_ptr<const Model> model = registered_model(model_id, "decode_tokens");
   PDSERVE_CHECK_VALUE(model->max_head_tokens > 0, "decode_tokens: model ", model_id,
                       " has no head this loop can run (register it with an embedding and a head of GGUF blocks "
@@ -1150,8 +1163,8 @@ at::Tensor decode_tokens(int64_t model_id, const at::Tensor& input_ids, const at
   const TokenHead& head = *model->token_head;
   const int64_t max_logprobs =
       check_logprobs(M, num_steps, head.vocab_size, num_logprobs, logprobs, logprob_token_ids);
-  std::vector<pdserve_cpu::sampling::RowPenalties> row_penalties =
-      check_penalties(M, head.vocab_size, penalties, penalty_token_ids, penalty_offsets);
+  std::vector<pdserve_cpu::sampling::RowHistory> row_histories =
+      check_history(M, head.vocab_size, penalties, history_token_ids, history_offsets, held_back_steps);
   if (logits.has_value())
     PDSERVE_CHECK_VALUE(num_steps == 1 && logits->dim() == 2 && logits->size(0) == M &&
                             logits->size(1) == head.linear.out_features &&
@@ -1199,7 +1212,7 @@ at::Tensor decode_tokens(int64_t model_id, const at::Tensor& input_ids, const at
       sampling = {temperatures->const_data_ptr<float>(), truncations.data(),
                   uniforms->const_data_ptr<double>() + step * M};
     if (logits.has_value()) sampling.logits = logits->data_ptr();
-    if (!row_penalties.empty()) sampling.penalties = row_penalties.data();
+    if (!row_histories.empty()) sampling.histories = row_histories.data();
     if (max_logprobs >= 0) {
       sampling.num_logprobs = num_logprobs->const_data_ptr<int64_t>();
       sampling.max_logprobs = max_logprobs;
@@ -1264,7 +1277,7 @@ TORCH_LIBRARY(pdserve_decode, m) {
         "Tensor? stop_token_ids=None, Tensor? temperatures=None, Tensor? uniforms=None, Tensor? top_k=None, "
         "Tensor? top_p=None, Tensor? min_p=None, Tensor(a!)? logits=None, Tensor? num_logprobs=None, "
         "Tensor(b!)? logprobs=None, Tensor(c!)? logprob_token_ids=None, Tensor? penalties=None, "
-        "Tensor? penalty_token_ids=None, Tensor? penalty_offsets=None) -> Tensor");
+        "Tensor? history_token_ids=None, Tensor? history_offsets=None, Tensor? held_back_steps=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_decode, CPU, m) {

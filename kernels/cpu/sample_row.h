@@ -455,34 +455,36 @@ inline void row_logprobs(const float* x, int64_t n, int64_t token, int64_t k, fl
   for (int64_t j = 0; j < k; ++j) top_logprobs[j] = (top_logprobs[j] - maximum) - log_sum;
 }
 
-// One row's penalties over its tokens, vLLM's: repetition over the prompt's and the output's
-// tokens (a positive logit divided by it, a negative one multiplied), then frequency (once
-// per occurrence in the output) and presence (once per distinct output token). take() adds
-// a token the row just took, for the next step of the same call.
-class RowPenalties {
+// What one row's tokens so far do to its logits, as the sampler applies it: vLLM's penalties
+// (repetition over the prompt's and the output's tokens, a positive logit divided by it, a
+// negative one multiplied; then frequency, once per occurrence in the output; presence, once
+// per distinct output token), then its stop tokens held back (-inf) while it has fewer
+// tokens than min_tokens. take() counts a token the row just took, for the next step of the
+// same call.
+class RowHistory {
  public:
-  RowPenalties() = default;
-  // prompt_ids [num_prompt] (read only where repetition != 1), output_ids [num_output], each
-  // in [0, vocab_size).
-  RowPenalties(float repetition, float frequency, float presence, const int64_t* prompt_ids, int64_t num_prompt,
-               const int64_t* output_ids, int64_t num_output, int64_t vocab_size)
-      : repetition_(repetition), frequency_(frequency), presence_(presence) {
+  RowHistory() = default;
+  // prompt_ids [num_prompt] (read only where repetition != 1), output_ids [num_output] and
+  // held_back_ids [num_held_back] (its stop tokens: -inf for the next held_back_steps steps),
+  // each in [0, vocab_size).
+  RowHistory(float repetition, float frequency, float presence, const int64_t* prompt_ids, int64_t num_prompt,
+             const int64_t* output_ids, int64_t num_output, const int64_t* held_back_ids, int64_t num_held_back,
+             int64_t held_back_steps, int64_t vocab_size)
+      : repetition_(repetition), frequency_(frequency), presence_(presence),
+        held_back_ids_(held_back_ids, held_back_ids + num_held_back),
+        held_back_steps_(num_held_back > 0 ? std::max<int64_t>(held_back_steps, 0) : 0) {
     if (repetition_ != 1.f) {
       seen_bits_.assign((vocab_size + 63) / 64, 0);
       for (int64_t i = 0; i < num_prompt; ++i) see(prompt_ids[i]);
     }
-    for (int64_t i = 0; i < num_output; ++i) take(output_ids[i]);
+    for (int64_t i = 0; i < num_output; ++i) count(output_ids[i]);
   }
 
-  bool any() const { return repetition_ != 1.f || frequency_ != 0.f || presence_ != 0.f; }
+  bool any() const { return repetition_ != 1.f || frequency_ != 0.f || presence_ != 0.f || held_back_steps_ > 0; }
 
   void take(int64_t token) {
-    if (frequency_ != 0.f || presence_ != 0.f) {
-      auto [entry, added] = output_counts_.try_emplace(token, 0);
-      if (added) output_order_.push_back(token);
-      ++entry->second;
-    }
-    if (repetition_ != 1.f) see(token);
+    count(token);
+    if (held_back_steps_ > 0) --held_back_steps_;
   }
 
   // x [vocab_size] fp32, in place; the sampler's fp32 arithmetic in its order, so the same bits.
@@ -494,9 +496,20 @@ class RowPenalties {
         for (int32_t c = output_counts_.at(token); c > 0; --c) x[token] += -frequency_;  // one add an occurrence
     if (presence_ != 0.f)
       for (int64_t token : output_order_) x[token] -= presence_;
+    if (held_back_steps_ > 0)
+      for (int64_t token : held_back_ids_) x[token] = -std::numeric_limits<float>::infinity();
   }
 
  private:
+  void count(int64_t token) {
+    if (frequency_ != 0.f || presence_ != 0.f) {
+      auto [entry, added] = output_counts_.try_emplace(token, 0);
+      if (added) output_order_.push_back(token);
+      ++entry->second;
+    }
+    if (repetition_ != 1.f) see(token);
+  }
+
   void see(int64_t token) {
     uint64_t& word = seen_bits_[token / 64];
     const uint64_t bit = uint64_t{1} << (token % 64);
@@ -510,6 +523,8 @@ class RowPenalties {
   std::vector<int64_t> seen_;        // the same, each once
   std::unordered_map<int64_t, int32_t> output_counts_;  // frequency or presence only
   std::vector<int64_t> output_order_;                   // output_counts_' keys, each once
+  std::vector<int64_t> held_back_ids_;
+  int64_t held_back_steps_ = 0;  // steps left whose draws hold back held_back_ids_
 };
 
 }  // namespace pdserve_cpu::sampling

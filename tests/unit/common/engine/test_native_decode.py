@@ -25,7 +25,7 @@ from common.engine.outputs import ScheduledRequest
 from common.engine.sampler import Sampler
 from common.engine.sampling_params import SamplingParams
 from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0,
-                                TokenLogprobs, TokenPenalties, TokenSampling, decode_layers, decode_model_max_head_tokens, decode_model_max_tokens, decode_tokens,
+                                TokenLogprobs, TokenHistory, TokenSampling, decode_layers, decode_model_max_head_tokens, decode_model_max_tokens, decode_tokens,
                                 native_decode_available, register_decode_model, release_decode_model)
 from kernels.cpu_linear import panel_gemm_amx_tiles, panel_gemm_available, panel_gemm_max_rows, q8_0_max_rows
 from kernels.cpu_sampling import argmax_rows
@@ -121,12 +121,12 @@ def test_the_loop_matches_the_model_for_each_family(tmp_path_factory, bundled_mo
 def _decode_step(llm: LLM, prompts: list[list[int]], loop: NativeDecodeLoop | None,
                  num_layers: int | None = None, greedy: bool = False, num_steps: int = 1,
                  stop_token_ids: list[int] | None = None, sampling: TokenSampling | None = None,
-                 logprobs: TokenLogprobs | None = None, penalties: TokenPenalties | None = None) -> torch.Tensor:
+                 logprobs: TokenLogprobs | None = None, history: TokenHistory | None = None) -> torch.Tensor:
     """Prefill the prompts (each in its own blocks) through the model, then one decode step
     through the loop (None: the model, its first num_layers layers): the normed hidden
     states [len(prompts), hidden_size]; greedy: the loop's next tokens [len(prompts),
     num_steps] (run_tokens, num_steps steps back to back, drawn as sampling says after the
-    penalties, the logprobs written to logprobs)."""
+    history, the logprobs written to logprobs)."""
     runner = llm.engine.executor.runner
     params = SamplingParams(temperature=0.0)
     block_size = llm.engine.config.cache.block_size
@@ -150,7 +150,7 @@ def _decode_step(llm: LLM, prompts: list[list[int]], loop: NativeDecodeLoop | No
         if greedy:
             assert loop.serves_tokens(ids.shape[0], meta)
             return loop.run_tokens(ids, positions, meta, num_steps, stop_token_ids, sampling, logprobs=logprobs,
-                                   penalties=penalties)
+                                   history=history)
         if loop is not None:
             assert loop.serves(ids.shape[0], meta)
             return loop.run(ids, positions, meta)
@@ -350,9 +350,11 @@ def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtyp
 
 
 # Penalties of a sampled step's rows: none, each alone, and together (a repetition below 1
-# and a negative frequency favour the tokens instead).
+# and a negative frequency favour the tokens instead); stop tokens held back (min_tokens;
+# the test makes a row's likeliest tokens its stop tokens), alone and with a penalty.
 PENALTIES = (dict(), dict(repetition_penalty=1.3), dict(frequency_penalty=0.7), dict(presence_penalty=0.9),
-             dict(repetition_penalty=0.8, frequency_penalty=-0.5, presence_penalty=0.4))
+             dict(repetition_penalty=0.8, frequency_penalty=-0.5, presence_penalty=0.4),
+             dict(min_tokens=8), dict(min_tokens=8, frequency_penalty=0.6))
 
 # Rows of a sampled step: greedy ones among them (temperature 0, top_k 1), and each truncation
 # alone and together.
@@ -369,10 +371,12 @@ def test_sampled_steps_draw_in_the_region_the_samplers_tokens(quantization, dtyp
     state, seeded alike (Sampler.token_sampling hands the loop the uniforms the sampler
     would draw), beside greedy rows' argmax, on one thread and on several; rows with
     penalties over their tokens (repetition, frequency, presence, alone and together; their
-    outputs the row's likeliest tokens, so the penalties move the draw) take the sampler's
-    tokens too (Sampler.token_penalties); and the rows that ask for logprobs (none, the
-    token's only, its top 1 to 20) get the sampler's (Sampler.token_logprobs, loop_logprobs)."""
+    outputs the row's likeliest tokens, so the penalties move the draw) or stop tokens held
+    back by min_tokens (the likeliest tokens too) take the sampler's tokens as well
+    (Sampler.token_history); and the rows that ask for logprobs (none, the token's only, its
+    top 1 to 20) get the sampler's (Sampler.token_logprobs, loop_logprobs)."""
     llm, runner, loop = _four_layer_loop(quantization, dtype)
+    vocab_size = llm.engine.model_config.vocab_size
     distinct = _prompts(7)
     num_drawn_apart = 0  # rows whose draw is not their argmax: the comparison sees the draws
     num_logprob_rows = 0
@@ -390,7 +394,9 @@ def test_sampled_steps_draw_in_the_region_the_samplers_tokens(quantization, dtyp
                 # Each row's output so far: its likeliest tokens, the first of them twice.
                 outputs = [[ids[0], *ids] for ids in logits.topk(4, dim=-1).indices.tolist()]
                 requests = [ScheduledRequest(f"r{i}", [p[-1]], len(p), [], True,
-                                             SamplingParams(seed=100 * num_threads + i, logprobs=n, **row, **penalty),
+                                             SamplingParams(seed=100 * num_threads + i, logprobs=n, **row, **penalty,
+                                                            stop_token_ids=output[1:3] if "min_tokens" in penalty
+                                                            else []),
                                              prompt_token_ids=p, output_token_ids=output)
                             for i, (p, row, n, penalty, output)
                             in enumerate(zip(prompts, rows, num_logprobs, penalties, outputs))]
@@ -398,7 +404,7 @@ def test_sampled_steps_draw_in_the_region_the_samplers_tokens(quantization, dtyp
                 sampling = sampler.token_sampling(requests, 1)
                 logprobs = Sampler.token_logprobs(requests, 1)
                 got = _decode_step(llm, prompts, loop, greedy=True, sampling=sampling, logprobs=logprobs,
-                                   penalties=sampler.token_penalties(requests))[:, 0]
+                                   history=sampler.token_history(requests, vocab_size))[:, 0]
                 want = Sampler()(logits, requests)
                 assert got.tolist() == want.sampled_token_ids, (num_threads, num_seqs)
                 num_drawn_apart += sum(t != a for t, a in zip(want.sampled_token_ids, argmax_rows(logits).tolist()))
@@ -414,15 +420,20 @@ def test_sampled_steps_draw_in_the_region_the_samplers_tokens(quantization, dtyp
 
 
 def test_penalties_in_the_region_count_the_tokens_of_each_step():
-    """Steps back to back with penalties: each row's tokens and logprobs are those of as many
-    single steps, each told the tokens taken before it (greedy rows with a strong repetition
-    penalty leave their last token, so a step that did not count it would repeat it)."""
+    """Steps back to back with penalties or held-back stop tokens: each row's tokens and
+    logprobs are those of as many single steps, each told the tokens taken before it (greedy
+    rows with a strong repetition penalty leave their last token, so a step that did not
+    count it would repeat it); a greedy row whose first two greedy tokens are its stop tokens,
+    held back for three steps, takes neither before its fourth."""
     llm, runner, loop = _four_layer_loop("gguf", "bfloat16")
+    vocab_size = llm.engine.model_config.vocab_size
     prompts = _prompts(3)
+    num_steps = 5
+    plain = _decode_step(llm, prompts, loop, greedy=True, num_steps=num_steps).tolist()
+    held_back = plain[2][:2]
     params = [SamplingParams(temperature=0.0, repetition_penalty=3.0, logprobs=2),
               SamplingParams(temperature=0.9, seed=5, frequency_penalty=1.5, presence_penalty=0.5, logprobs=0),
-              SamplingParams(temperature=0.0)]
-    num_steps = 5
+              SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=held_back)]
     block_size = llm.engine.config.cache.block_size
     tables = [list(range(4 * i, 4 * i + 4)) for i in range(3)]
 
@@ -437,11 +448,11 @@ def test_penalties_in_the_region_count_the_tokens_of_each_step():
     burst_logprobs = sampler.token_logprobs(first, num_steps)
     burst = _decode_step(llm, prompts, loop, greedy=True, num_steps=num_steps,
                          sampling=sampler.token_sampling(first, num_steps), logprobs=burst_logprobs,
-                         penalties=sampler.token_penalties(first))
+                         history=sampler.token_history(first, vocab_size))
     sampler = Sampler()
     single_logprobs = sampler.token_logprobs(first, 1)
     tokens = _decode_step(llm, prompts, loop, greedy=True, sampling=sampler.token_sampling(first, 1),
-                          logprobs=single_logprobs, penalties=sampler.token_penalties(first))
+                          logprobs=single_logprobs, history=sampler.token_history(first, vocab_size))
     logprobs = [sampler.loop_logprobs(single_logprobs, 1)]
     outputs = [[t] for t in tokens[:, 0].tolist()]
     for step in range(1, num_steps):
@@ -450,7 +461,7 @@ def test_penalties_in_the_region_count_the_tokens_of_each_step():
         with torch.inference_mode():
             ids, positions, meta, _, _ = runner.prepare_inputs(decode)
             taken = loop.run_tokens(ids, positions, meta, 1, None, sampler.token_sampling(decode, 1),
-                                    logprobs=step_logprobs, penalties=sampler.token_penalties(decode))
+                                    logprobs=step_logprobs, history=sampler.token_history(decode, vocab_size))
         logprobs.append(sampler.loop_logprobs(step_logprobs, 1))
         for output, token in zip(outputs, taken[:, 0].tolist()):
             output.append(token)
@@ -458,6 +469,7 @@ def test_penalties_in_the_region_count_the_tokens_of_each_step():
     assert sampler.loop_logprobs(burst_logprobs, num_steps)[:2] == [
         [step[i][0] for step in logprobs] for i in range(2)]
     assert outputs[0][1] != outputs[0][0] and len(set(outputs[0])) == num_steps  # the penalty moved each one
+    assert not set(outputs[2][:3]) & set(held_back) and outputs[2] != plain[2]
     llm.engine.shutdown()
 
 
@@ -506,11 +518,11 @@ def test_greedy_steps_back_to_back_take_the_tokens_and_write_the_kv_of_single_st
 def test_engine_steps_sample_in_the_loop():
     """An engine's decode steps take run_tokens and give the tokens the sampler gives from the
     head's logits: greedy rows, and seeded rows drawn at a temperature with truncations,
-    penalties over their tokens, and their logprobs (the loop runs the sampler's own
-    logprobs_rows code); a row that holds back its stop tokens (min_tokens) takes the
-    sampler, from the logits the loop's head left, beside the others, until it has them:
-    the same tokens and logprobs as with no head in the loop (its hidden states, then
-    compute_logits and the sampler for every row)."""
+    penalties over their tokens, stop tokens held back by min_tokens, and their logprobs (the
+    loop runs the sampler's own logprobs_rows code); a grammar's rows take the sampler, from
+    the logits the loop's head left, beside the others: the same tokens and logprobs as with
+    no head in the loop (its hidden states, then compute_logits and the sampler for every
+    row)."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization="gguf")
     loop = _with_native_loop(llm)
     prompts = [{"prompt_token_ids": p} for p in _prompts(3)]
@@ -571,9 +583,9 @@ def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
     """num_scheduler_steps: greedy decode-only steps run several to a call, and every
     request ends with the tokens of single steps: at max_tokens that are no multiple of the
     steps, at a stop token inside a burst, at EOS; seeded requests drawn at a temperature
-    too, and their logprobs and penalties (the same as single steps'); a request that holds
-    back its stop tokens (min_tokens) takes single steps until it has them; the pool is whole
-    again at the end. An engine without the loop keeps single steps."""
+    too, and their logprobs, penalties and stop tokens held back by min_tokens (the same as
+    single steps'); the pool is whole again at the end. An engine without the loop keeps
+    single steps."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization="gguf", num_scheduler_steps=4)
     scheduler = llm.engine.scheduler
     runner = llm.engine.executor.runner
@@ -593,6 +605,14 @@ def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
 
     def generate(params):
         return [o.outputs[0] for o in llm.generate(prompts, params)]
+
+    def single_then_bursts(params):
+        """The outputs with single steps, then with bursts of up to 4 (calls: the burst's)."""
+        scheduler.num_scheduler_steps = 1
+        single = generate(params)
+        scheduler.num_scheduler_steps = 4
+        calls.clear()
+        return single, generate(params)
 
     greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (13, 7, 10)]
     scheduler.num_scheduler_steps = 1
@@ -623,11 +643,7 @@ def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
     sampled = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
                SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True),
                SamplingParams(temperature=1.0, top_p=0.9, seed=2, max_tokens=10, ignore_eos=True)]
-    scheduler.num_scheduler_steps = 1
-    want = generate(sampled)
-    scheduler.num_scheduler_steps = 4
-    calls.clear()
-    got = generate(sampled)
+    want, got = single_then_bursts(sampled)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert max(calls) == 4 and len(calls) < sum(calls)
     with_logprobs = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0,
@@ -635,19 +651,17 @@ def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
                      SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True, logprobs=3,
                                     frequency_penalty=0.8, presence_penalty=0.3),
                      SamplingParams(temperature=1.0, top_p=0.9, seed=2, max_tokens=10, ignore_eos=True)]
-    scheduler.num_scheduler_steps = 1
-    want = generate(with_logprobs)
-    scheduler.num_scheduler_steps = 4
-    calls.clear()
-    got = generate(with_logprobs)
+    want, got = single_then_bursts(with_logprobs)
     assert [(o.token_ids, o.logprobs) for o in got] == [(o.token_ids, o.logprobs) for o in want]
     assert len(got[1].logprobs) == 12 and len(got[1].logprobs[0].top_token_ids) == 3 and got[2].logprobs is None
     assert max(calls) == 4 and len(calls) < sum(calls)
-    calls.clear()
-    holding_back = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True, min_tokens=6)
-    generate([SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), holding_back, greedy[2]])
-    # single steps until it has 6 tokens (the prompt's step took the first), then bursts
-    assert calls[:5] == [1] * 5 and max(calls[5:]) == 4
+    # Stop tokens held back (min_tokens; EOS among them) count down inside a burst.
+    holding_back = [SamplingParams(temperature=0.0, max_tokens=20, min_tokens=7,
+                                   stop_token_ids=[want[0].token_ids[3]]),
+                    SamplingParams(temperature=0.8, seed=1, max_tokens=12, min_tokens=6), greedy[2]]
+    want, got = single_then_bursts(holding_back)
+    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
+    assert calls[0] == 4 and len(got[0].token_ids) >= 7
     kv = llm.engine.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
     llm.engine.shutdown()
@@ -668,12 +682,12 @@ def test_token_steps_bad_calls_raise_and_write_nothing(tiny_llama_dir):
     for cache in (*loop.k_caches, *loop.v_caches):
         cache.zero_()
 
-    def call(ids, model_id=loop.model_id, sampling=None, logits=None, logprobs=None, penalties=None):
+    def call(ids, model_id=loop.model_id, sampling=None, logits=None, logprobs=None, history=None):
         n = len(ids)
         return decode_tokens(model_id, torch.tensor(ids), torch.zeros(n, dtype=torch.int64), loop.k_caches,
                              loop.v_caches, torch.arange(n), torch.arange(n, dtype=torch.int32).view(n, 1),
                              torch.arange(n + 1, dtype=torch.int32), torch.ones(n, dtype=torch.int32),
-                             sampling=sampling, logits=logits, logprobs=logprobs, penalties=penalties)
+                             sampling=sampling, logits=logits, logprobs=logprobs, history=history)
 
     for ids, message in (([vocab_size], "outside the embedding"), ([5, -1], "outside the embedding"),
                          ([5] * (most + 1), f"1 to {most} tokens")):
@@ -705,23 +719,28 @@ def test_token_steps_bad_calls_raise_and_write_nothing(tiny_llama_dir):
             (TokenLogprobs(room.num_logprobs, room.logprobs, room.token_ids[..., :2]), "logprob_token_ids must be")):
         with pytest.raises(ValueError, match=message):
             call([5, 6], logprobs=logprobs)
-    values, token_ids = torch.tensor([[1.2, 0.5, 0.0], [1.0, 0.0, 0.0]]), torch.tensor([3, 4, 5])
-    offsets = torch.tensor([[0, 1, 3], [3, 3, 3]])
-    for penalties, message in (
-            (TokenPenalties(values, token_ids, None), "together, or none"),
-            (TokenPenalties(values.double(), token_ids, offsets), "penalties must be contiguous fp32"),
-            (TokenPenalties(values[:1], token_ids, offsets), "penalties must be contiguous fp32"),
-            (TokenPenalties(values, token_ids, offsets.int()), "penalty_offsets must be contiguous"),
-            (TokenPenalties(values, token_ids.view(1, 3), offsets), "penalty_token_ids must be contiguous"),
-            (TokenPenalties(values, torch.tensor([3, vocab_size, 5]), offsets), f"token id {vocab_size} is outside"),
-            (TokenPenalties(values, torch.tensor([3, -1, 5]), offsets), "token id -1 is outside"),
-            (TokenPenalties(torch.tensor([[0.0, 0.5, 0.0], [1.0, 0.0, 0.0]]), token_ids, offsets), "repetition > 0"),
-            (TokenPenalties(torch.tensor([[1.2, float("inf"), 0.0], [1.0, 0.0, 0.0]]), token_ids, offsets),
+    values, token_ids = torch.tensor([[1.2, 0.5, 0.0], [1.0, 0.0, 0.0]]), torch.tensor([3, 4, 5, 2])
+    offsets, held_back = torch.tensor([[0, 1, 3, 3], [3, 3, 3, 4]]), torch.tensor([0, 2])
+    for history, message in (
+            (TokenHistory(values, token_ids, offsets, None), "together, or none"),
+            (TokenHistory(values.double(), token_ids, offsets, held_back), "penalties must be contiguous fp32"),
+            (TokenHistory(values[:1], token_ids, offsets, held_back), "penalties must be contiguous fp32"),
+            (TokenHistory(values, token_ids, offsets.int(), held_back), "history_offsets must be contiguous"),
+            (TokenHistory(values, token_ids, offsets[:, :3], held_back), "history_offsets must be contiguous"),
+            (TokenHistory(values, token_ids, offsets, held_back.int()), "held_back_steps must be contiguous"),
+            (TokenHistory(values, token_ids.view(2, 2), offsets, held_back), "history_token_ids must be contiguous"),
+            (TokenHistory(values, torch.tensor([3, vocab_size, 5, 2]), offsets, held_back),
+             f"token id {vocab_size} is outside"),
+            (TokenHistory(values, torch.tensor([3, 4, 5, -1]), offsets, held_back), "token id -1 is outside"),
+            (TokenHistory(torch.tensor([[0.0, 0.5, 0.0], [1.0, 0.0, 0.0]]), token_ids, offsets, held_back),
+             "repetition > 0"),
+            (TokenHistory(torch.tensor([[1.2, float("inf"), 0.0], [1.0, 0.0, 0.0]]), token_ids, offsets, held_back),
              "must be finite"),
-            (TokenPenalties(values, token_ids, torch.tensor([[0, 2, 1], [3, 3, 3]])), "are not ordered"),
-            (TokenPenalties(values, token_ids, torch.tensor([[0, 1, 3], [3, 3, 4]])), "are not ordered")):
+            (TokenHistory(values, token_ids, torch.tensor([[0, 2, 1, 3], [3, 3, 3, 4]]), held_back), "are not ordered"),
+            (TokenHistory(values, token_ids, torch.tensor([[0, 1, 3, 3], [3, 3, 4, 5]]), held_back),
+             "are not ordered")):
         with pytest.raises(ValueError, match=message):
-            call([5, 6], penalties=penalties)
+            call([5, 6], history=history)
     for logits in (torch.empty(2, loop.head_outputs - 1), torch.empty(2, loop.head_outputs, dtype=torch.bfloat16),
                    torch.empty(3, loop.head_outputs), torch.empty(loop.head_outputs, 2).t()):
         with pytest.raises(ValueError, match="logits must be contiguous"):

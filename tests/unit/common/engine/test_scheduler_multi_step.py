@@ -79,27 +79,13 @@ def test_rows_that_report_logprobs_take_steps_back_to_back_with_one_logprobs_ent
     assert output.new_token_ids == [11, 12, 13, 14] and output.new_logprobs == logprobs
 
 
+@pytest.mark.parametrize("sampling", [dict(repetition_penalty=1.2, frequency_penalty=0.5), dict(min_tokens=5)])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_rows_with_penalties_take_steps_back_to_back(make_scheduler, temperature):
+def test_rows_with_penalties_or_stop_tokens_held_back_take_steps_back_to_back(make_scheduler, sampling,
+                                                                               temperature):
     scheduler = make_scheduler(num_scheduler_steps=4)
-    scheduler.add_request(make_request("a", 3, temperature=temperature, repetition_penalty=1.2,
-                                       frequency_penalty=0.5))
+    scheduler.add_request(make_request("a", 3, temperature=temperature, **sampling))
     step(scheduler)
-    out, _ = step(scheduler)
-    assert out.num_steps == 4
-
-
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_rows_that_hold_back_stop_tokens_get_single_steps_until_min_tokens(make_scheduler, temperature):
-    scheduler = make_scheduler(num_scheduler_steps=4)
-    req = make_request("a", 3, temperature=temperature, min_tokens=5)
-    scheduler.add_request(req)
-    step(scheduler)
-    out, _ = step(scheduler)
-    assert out.num_steps == 1
-    while req.num_output_tokens < 5:
-        out, _ = step(scheduler)
-        assert out.num_steps == 1
     out, _ = step(scheduler)
     assert out.num_steps == 4
 
