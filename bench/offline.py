@@ -10,7 +10,9 @@ machine's rooflines measured in the same run (memory copy bandwidth, fp32 matmul
 Every side runs the same dtype; vLLM runs in its own venv (bench/peers/vllm_peer.py), up
 beside ours for the whole run, the two engines' mixed runs alternating (each pair's ratio
 reported as well as the ratio of the medians), each timed step started once the other
-engine's processes are quiet; Hugging Face runs after both have ended.
+engine's processes are quiet; Hugging Face runs after both have ended. The mixed workload
+is greedy unless --temperature (seeded draws) or --logprobs say otherwise, on our side and
+vLLM's alike (HF then stays out).
 """
 from __future__ import annotations
 
@@ -73,10 +75,17 @@ def make_workload(num_requests: int, seed: int, vocab_size: int, min_prompt: int
              rng.randint(min_out, max_out)) for _ in range(num_requests)]
 
 
-def run_ours(llm, workload) -> tuple[float, int]:
+def mixed_sampling(temperature: float, logprobs: int | None, index: int) -> dict:
+    """The mixed workload's sampling for request `index`, as both engines take it: greedy, or
+    drawn at the temperature with a seed of its own; each token's logprobs where asked."""
+    return {"temperature": temperature, "logprobs": logprobs, **({"seed": index} if temperature > 0 else {})}
+
+
+def run_ours(llm, workload, temperature: float = 0.0, logprobs: int | None = None) -> tuple[float, int]:
     from common.engine.sampling_params import SamplingParams
     prompts = [{"prompt_token_ids": p} for p, _ in workload]
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in workload]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, **mixed_sampling(temperature, logprobs, i))
+              for i, (_, m) in enumerate(workload)]
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - t0
@@ -153,7 +162,7 @@ def peer_spec(model_dir, dtype: str, args, workload, single_prompt: list[int], t
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "workload": [[p, m] for p, m in workload], "single_prompt": single_prompt,
             "single_stream_tokens": args.single_stream_tokens, "ttft_prompt": ttft_prompt,
-            "repeats": args.repeats}
+            "repeats": args.repeats, "temperature": args.temperature, "logprobs": args.logprobs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,12 +204,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip-hf", action="store_true", help="same as --peer none (quick checks)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="the mixed workload's sampling on our side and vLLM's (0: greedy; else seeded draws)")
+    parser.add_argument("--logprobs", type=int, default=None,
+                        help="the mixed workload's requests ask for each token's logprobs and this many top ones")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     peers = {"hf": {"hf"}, "vllm": {"vllm"}, "all": {"hf", "vllm"}, "none": set()}[args.peer]
     if args.skip_hf:
         peers.discard("hf")
+    if "hf" in peers and (args.temperature > 0 or args.logprobs is not None):
+        parser.error("--temperature and --logprobs are for our engine and vLLM: add --skip-hf (HF's batches are greedy)")
 
     from common.engine.compilation import num_compiled_graphs
     from common.engine.llm import LLM
@@ -282,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         def ours_run():
             llm.reset_prefix_cache()
             let_settle("ours")
-            ours_seconds.append(run_ours(llm, workload)[0])
+            ours_seconds.append(run_ours(llm, workload, args.temperature, args.logprobs)[0])
 
         def vllm_run():
             let_settle("vllm")
