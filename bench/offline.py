@@ -11,7 +11,7 @@ Every side runs the same dtype; vLLM runs in its own venv (bench/peers/vllm_peer
 beside ours for the whole run, the two engines' mixed runs alternating (each pair's ratio
 reported as well as the ratio of the medians), each timed step started once the other
 engine's processes are quiet; Hugging Face runs after both have ended. The mixed workload
-is greedy unless --temperature (seeded draws) or --logprobs say otherwise, on our side and
+is greedy unless --temperature (draws) or --logprobs say otherwise, on our side and
 vLLM's alike (HF then stays out).
 """
 from __future__ import annotations
@@ -75,17 +75,15 @@ def make_workload(num_requests: int, seed: int, vocab_size: int, min_prompt: int
              rng.randint(min_out, max_out)) for _ in range(num_requests)]
 
 
-def mixed_sampling(temperature: float, logprobs: int | None, index: int) -> dict:
-    """The mixed workload's sampling for request `index`, as both engines take it: greedy, or
-    drawn at the temperature with a seed of its own; each token's logprobs where asked."""
-    return {"temperature": temperature, "logprobs": logprobs, **({"seed": index} if temperature > 0 else {})}
-
-
 def run_ours(llm, workload, temperature: float = 0.0, logprobs: int | None = None) -> tuple[float, int]:
+    """The mixed workload through our engine: greedy, or drawn at the temperature from the
+    engine's generator (no per-request seeds: vLLM's CPU build 0.32.0 stops its engine on a
+    seeded request, "CPU Generator does not use offset", so neither side takes them);
+    each token's logprobs where asked. (seconds, output tokens)"""
     from common.engine.sampling_params import SamplingParams
     prompts = [{"prompt_token_ids": p} for p, _ in workload]
-    params = [SamplingParams(max_tokens=m, ignore_eos=True, **mixed_sampling(temperature, logprobs, i))
-              for i, (_, m) in enumerate(workload)]
+    params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, logprobs=logprobs)
+              for _, m in workload]
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - t0
@@ -205,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip-hf", action="store_true", help="same as --peer none (quick checks)")
     parser.add_argument("--temperature", type=float, default=0.0,
-                        help="the mixed workload's sampling on our side and vLLM's (0: greedy; else seeded draws)")
+                        help="the mixed workload's sampling on our side and vLLM's (0: greedy; else draws)")
     parser.add_argument("--logprobs", type=int, default=None,
                         help="the mixed workload's requests ask for each token's logprobs and this many top ones")
     args = parser.parse_args(argv)

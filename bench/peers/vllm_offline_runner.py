@@ -30,11 +30,11 @@ class Runner:
                        max_num_batched_tokens=spec["max_num_batched_tokens"], enable_prefix_caching=False)
         workload = spec["workload"]  # [[prompt_token_ids, max_tokens], ...]
         self.prompts = [{"prompt_token_ids": p} for p, _ in workload]
-        # The mixed workload's sampling as pdserve's side takes it (bench.offline.mixed_sampling).
+        # The mixed workload's sampling as pdserve's side takes it (bench.offline.run_ours; no
+        # per-request seeds: this build's engine stops on one, "CPU Generator does not use offset").
         temperature, logprobs = spec.get("temperature", 0.0), spec.get("logprobs")
-        self.params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=temperature, logprobs=logprobs,
-                                      **({"seed": i} if temperature > 0 else {}))
-                       for i, (_, m) in enumerate(workload)]
+        self.params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, logprobs=logprobs)
+                       for _, m in workload]
         self.llm.generate(self.prompts[:2], self.params[:2], use_tqdm=False)  # warm-up
 
     def mixed(self) -> dict:

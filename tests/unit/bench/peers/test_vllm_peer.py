@@ -76,7 +76,7 @@ import os, subprocess, sys, time
 __version__ = "0.0-stub"
 
 class SamplingParams:
-    def __init__(self, temperature=1.0, max_tokens=16, ignore_eos=False, logprobs=None, seed=None):
+    def __init__(self, temperature=1.0, max_tokens=16, ignore_eos=False, logprobs=None):
         self.max_tokens = max_tokens
 
 class _Completion:
