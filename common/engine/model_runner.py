@@ -425,36 +425,30 @@ class ModelRunner:
         token_ids = loop.run_tokens(input_ids, positions, meta, 1, None,
                                     sampler.token_sampling(sample_reqs, 1, in_loop), head_logits, logprobs,
                                     sampler.token_history(sample_reqs, vocab_size, in_loop))
-        output = self._sample_rows_left(sample_reqs, in_loop, token_ids, head_logits, token_bitmask, bitmask_rows)
-        if logprobs is not None:
-            row_logprobs = output.logprobs or [None] * len(sample_reqs)
-            for i, taken in enumerate(sampler.loop_logprobs(logprobs, 1)):
-                if taken is not None:
-                    row_logprobs[i] = taken
-            output.logprobs = row_logprobs
-        return output
+        return self._sample_rows_left(sample_reqs, in_loop, token_ids, head_logits, token_bitmask, bitmask_rows,
+                                      None if logprobs is None else sampler.loop_logprobs(logprobs, 1))
 
     def _sample_rows_left(self, sample_reqs: list[ScheduledRequest], in_loop: list[bool], loop_token_ids: torch.Tensor,
-                          head_logits: torch.Tensor, token_bitmask: torch.Tensor | None,
-                          bitmask_rows: list[int]) -> RunnerOutput:
+                          head_logits: torch.Tensor, token_bitmask: torch.Tensor | None, bitmask_rows: list[int],
+                          loop_logprobs: list[list[Logprobs] | None] | None) -> RunnerOutput:
         """One step's output where the loop sampled the rows in_loop marks (loop_token_ids
-        [num_rows, 1]) and left the others to the sampler, which takes them from the head's
-        logits [num_rows, head outputs] as it would from compute_logits' (the same values),
-        token_bitmask's row j masking sample row bitmask_rows[j] (one of the sampler's). The
-        logprobs are the sampler's rows' (None where none of them reports any)."""
+        [num_rows, 1], loop_logprobs: their logprobs, None where none reports any) and left the
+        others to the sampler, which takes them from the head's logits [num_rows, head outputs]
+        as it would from compute_logits' (the same values), token_bitmask's row j masking
+        sample row bitmask_rows[j] (one of the sampler's)."""
         token_ids = loop_token_ids[:, 0].tolist()
         rows = [i for i, taken in enumerate(in_loop) if not taken]
         logits = head_logits[rows, :self.model_config.vocab_size].float()  # [len(rows), vocab]
         row_of = {i: j for j, i in enumerate(rows)}
         sampled = self.sampler(logits, [sample_reqs[i] for i in rows], token_bitmask,
                                [row_of[i] for i in bitmask_rows])
-        row_logprobs: list[list[Logprobs] | None] = [None] * len(sample_reqs)
+        row_logprobs = loop_logprobs or [None] * len(sample_reqs)
         for j, i in enumerate(rows):
             token_ids[i] = sampled.sampled_token_ids[j]
             if sampled.logprobs is not None and sampled.logprobs[j] is not None:
                 row_logprobs[i] = [sampled.logprobs[j]]
         return RunnerOutput(req_ids=[r.req_id for r in sample_reqs], sampled_token_ids=[[t] for t in token_ids],
-                            logprobs=None if sampled.logprobs is None else row_logprobs)
+                            logprobs=None if sampled.logprobs is None and loop_logprobs is None else row_logprobs)
 
     def _num_loop_steps(self, num_steps: int, sample_reqs: list[ScheduledRequest]) -> int:
         """The decode steps the loop runs back to back: as many as the scheduler allowed

@@ -144,28 +144,28 @@ class Sampler:
                                                             len(r.output_token_ids)))]
         if not rows:
             return None
-        penalties = torch.tensor([[1.0, 0.0, 0.0]]).repeat(len(requests), 1)  # [num_rows, 3]
-        offsets = torch.zeros(len(requests), 4, dtype=torch.int64)  # [num_rows, 4]
-        held_back_steps = torch.zeros(len(requests), dtype=torch.int64)  # [num_rows]
+        penalties = [[1.0, 0.0, 0.0] for _ in requests]  # [num_rows, 3]
+        offsets = [[0, 0, 0, 0] for _ in requests]  # [num_rows, 4]
+        held_back_steps = [0] * len(requests)  # [num_rows]
+        no_ids = torch.empty(0, dtype=torch.int64)
         parts: list[torch.Tensor] = []
         num_ids = 0
         for i in rows:
             request, params = requests[i], requests[i].sampling_params
-            penalties[i] = torch.tensor([params.repetition_penalty, params.frequency_penalty,
-                                         params.presence_penalty])
+            penalties[i] = [params.repetition_penalty, params.frequency_penalty, params.presence_penalty]
             prompt_ids = (self._prompt_ids(request, torch.device("cpu")) if params.repetition_penalty != 1.0
-                          else torch.empty(0, dtype=torch.int64))
-            output_ids = (torch.tensor(request.output_token_ids, dtype=torch.int64) if params.has_penalties
-                          else torch.empty(0, dtype=torch.int64))
+                          else no_ids)
+            output_ids = torch.tensor(request.output_token_ids, dtype=torch.int64) if params.has_penalties else no_ids
             held_back_steps[i] = max(0, params.min_tokens - len(request.output_token_ids))
-            held_back_ids = torch.tensor(self._stop_ids(params, vocab_size) if held_back_steps[i] > 0 else [],
-                                         dtype=torch.int64)
-            ends = torch.tensor([len(prompt_ids), len(output_ids), len(held_back_ids)]).cumsum(0)
-            offsets[i, 0] = num_ids
-            offsets[i, 1:] = num_ids + ends
-            num_ids += int(ends[-1])
+            held_back_ids = (torch.tensor(self._stop_ids(params, vocab_size), dtype=torch.int64)
+                             if held_back_steps[i] > 0 else no_ids)
+            prompt_end = num_ids + len(prompt_ids)
+            output_end = prompt_end + len(output_ids)
+            offsets[i] = [num_ids, prompt_end, output_end, output_end + len(held_back_ids)]
+            num_ids = offsets[i][3]
             parts += [prompt_ids, output_ids, held_back_ids]
-        return TokenHistory(penalties, torch.cat(parts), offsets, held_back_steps)
+        return TokenHistory(torch.tensor(penalties, dtype=torch.float32), torch.cat(parts),
+                            torch.tensor(offsets, dtype=torch.int64), torch.tensor(held_back_steps, dtype=torch.int64))
 
     @staticmethod
     def token_logprobs(requests: Sequence[ScheduledRequest], num_steps: int,

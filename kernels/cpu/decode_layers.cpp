@@ -400,13 +400,11 @@ float* widen_row(const T* logits, int64_t n, std::vector<float>& row) {
   return x;
 }
 
-// Row m's logprobs where it reports them, as the sampler gives them from the same logits
-// [vocab_size] (the head's dtype) once it took `token`: widened to fp32, then the log-softmax
-// at the token and at the row's top tokens.
-template <typename T>
-void write_logprobs(const T* logits, int64_t vocab_size, int64_t token, const StepSampling& sampling, int64_t m,
-                    DrawScratch& scratch) {
-  const float* x = widen_row(logits, vocab_size, scratch.row);
+// Row m's logprobs where it reports them, as the sampler gives them from the same fp32 row x
+// [vocab_size] (the head's logits widened, with any history applied) once it took `token`:
+// the log-softmax at the token and at the row's top tokens.
+inline void write_logprobs(const float* x, int64_t vocab_size, int64_t token, const StepSampling& sampling,
+                           int64_t m, DrawScratch& scratch) {
   float* out = sampling.logprobs + m * (1 + sampling.max_logprobs);
   pdserve_cpu::sampling::row_logprobs(x, vocab_size, token, sampling.num_logprobs[m], out,
                                       sampling.logprob_token_ids + m * sampling.max_logprobs, out + 1, scratch.top);
@@ -516,8 +514,8 @@ void prepare_rows(const Linear& l, const T* x, int64_t begin, int64_t end, pdser
 // sampler's argmax_rows gives it from the same logits, or for a row sampling draws (its
 // temperature > 0) the token the sampler's native passes draw from them at the row's uniform:
 // the logits as fp32 over the temperature, then its top_k, top_p and min_p, then the draw
-// (sample_row.h), on the thread that owns the row (a row with a history: take_with_history), which
-// then writes the row's logprobs where it reports them (write_logprobs).
+// (sample_row.h), on the thread that owns the row (a row with a history: take_with_history),
+// which then writes the row's logprobs where it reports them (write_logprobs).
 template <typename T>
 at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, const at::Tensor& positions,
                                  at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
@@ -662,7 +660,8 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
           token_ids[m] = row.index;
         }
         if (reports_logprobs(sampling, m))
-          write_logprobs(row_logits, head->vocab_size, token_ids[m], sampling, m, draw_scratch);
+          write_logprobs(widen_row(row_logits, head->vocab_size, draw_scratch.row), head->vocab_size, token_ids[m],
+                         sampling, m, draw_scratch);
       }
     }
   }
@@ -1125,10 +1124,10 @@ int64_t check_logprobs(int64_t M, int64_t num_steps, int64_t vocab_size, const s
 // stop_token_ids [S] int64: the steps end early, [num_tokens, steps run], once every row has
 // taken one of them (steps past a stop would be thrown away). logits [num_tokens, the head's
 // outputs] of the model's dtype (one step only): the head's logits land there, for the caller
-// to sample rows whose sampling the loop does not do (a grammar's, stop tokens held back by
-// min_tokens) as compute_logits' logits would give them. num_logprobs, logprobs, logprob_token_ids (check_logprobs): step s
-// writes the logprobs of each row that reports them to logprobs[s, m] (the taken token's, then
-// its top ones') and the top tokens to logprob_token_ids[s, m], as the sampler reports them.
+// to sample rows whose sampling the loop does not do (a grammar's) as compute_logits' logits
+// would give them. num_logprobs, logprobs, logprob_token_ids (check_logprobs): step s writes
+// the logprobs of each row that reports them to logprobs[s, m] (the taken token's, then its
+// top ones') and the top tokens to logprob_token_ids[s, m], as the sampler reports them.
 // penalties, history_token_ids, history_offsets, held_back_steps (check_history): each row's
 // penalties over its prompt and output tokens, the tokens it takes in this call's steps
 // counted too, and its stop tokens held back for its first steps (min_tokens), applied to its

@@ -42,27 +42,35 @@ inline float weight_of(float x, float maximum) {
 // maximum (no NaN; not every value -inf; no +inf, which would take all the mass).
 inline bool has_distribution(const pdserve_cpu::ArgmaxPart& top) { return !top.is_nan && std::isfinite(top.value); }
 
-// The token of row x [n] whose interval of the softmax CDF holds u in [0, 1).
-inline int64_t draw_row(const float* x, int64_t n, double u) {
+// The sum of exp(x - maximum) over row x [n], maximum its largest value (finite): each chunk
+// of kChunk columns summed as one float (into chunk_sums [number of chunks], where given), the
+// chunks in float64.
+inline double sum_weights(const float* x, int64_t n, float maximum, double* chunk_sums = nullptr) {
   using pdserve_cpu::kLanes;
   using pdserve_cpu::Vec;
+  double total = 0.0;
+  for (int64_t begin = 0; begin < n; begin += kChunk) {
+    const int64_t end = std::min(n, begin + kChunk);
+    Vec acc{};
+    int64_t i = begin;
+    for (; i + kLanes <= end; i += kLanes) acc += weights_of(pdserve_cpu::load_vec(x + i), maximum);
+    float sum = pdserve_cpu::hsum(acc);
+    for (; i < end; ++i) sum += weight_of(x[i], maximum);
+    if (chunk_sums != nullptr) chunk_sums[begin / kChunk] = sum;
+    total += sum;
+  }
+  return total;
+}
+
+// The token of row x [n] whose interval of the softmax CDF holds u in [0, 1).
+inline int64_t draw_row(const float* x, int64_t n, double u) {
   const pdserve_cpu::ArgmaxPart top = pdserve_cpu::argmax_part(x, n);
   if (!has_distribution(top))
     return top.index;  // no distribution to draw from: the first NaN, largest or +inf value
   const float maximum = top.value;
   const int64_t num_chunks = (n + kChunk - 1) / kChunk;
   std::vector<double> chunk_sums(num_chunks);
-  double total = 0.0;
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
-    Vec acc{};
-    int64_t i = begin;
-    for (; i + kLanes <= end; i += kLanes) acc += weights_of(pdserve_cpu::load_vec(x + i), maximum);
-    float sum = pdserve_cpu::hsum(acc);
-    for (; i < end; ++i) sum += weight_of(x[i], maximum);
-    chunk_sums[c] = sum;
-    total += sum;
-  }
+  const double total = sum_weights(x, n, maximum, chunk_sums.data());
   const double target = u * total;
   double below = 0.0;  // the weight of the columns before chunk c
   for (int64_t c = 0; c < num_chunks; ++c) {
@@ -368,24 +376,6 @@ inline int64_t sample_row(float* x, int64_t n, const Truncation& truncation, dou
   return draw_row(x, n, u);
 }
 
-// log(sum(exp(x - maximum))) over row x [n], maximum its largest value (finite): the
-// log-softmax's normalizer past the maximum, summed as draw_row sums the weights.
-inline float log_sum_weights(const float* x, int64_t n, float maximum) {
-  using pdserve_cpu::kLanes;
-  using pdserve_cpu::Vec;
-  double total = 0.0;
-  for (int64_t begin = 0; begin < n; begin += kChunk) {
-    const int64_t end = std::min(n, begin + kChunk);
-    Vec acc{};
-    int64_t i = begin;
-    for (; i + kLanes <= end; i += kLanes) acc += weights_of(pdserve_cpu::load_vec(x + i), maximum);
-    float sum = pdserve_cpu::hsum(acc);
-    for (; i < end; ++i) sum += weight_of(x[i], maximum);
-    total += sum;
-  }
-  return static_cast<float>(std::log(total));
-}
-
 // The k most likely tokens of row x [n] (k <= n), most likely first, equal logits by column:
 // their columns to ids [k], their logits to values [k]. NaN ranks below every number. A
 // min-heap of the k best seen so far; once it is full, a vector with no lane above its worst is
@@ -449,7 +439,8 @@ inline void row_logprobs(const float* x, int64_t n, int64_t token, int64_t k, fl
     std::fill(top_logprobs, top_logprobs + k, std::numeric_limits<float>::quiet_NaN());
     return;
   }
-  const float maximum = top.value, log_sum = log_sum_weights(x, n, maximum);
+  // the log-softmax's normalizer past the maximum, the weights summed as draw_row sums them
+  const float maximum = top.value, log_sum = static_cast<float>(std::log(sum_weights(x, n, maximum)));
   // torch's order: the shift by the maximum first, then the normalizer, each rounded to fp32
   *token_logprob = (x[token] - maximum) - log_sum;
   for (int64_t j = 0; j < k; ++j) top_logprobs[j] = (top_logprobs[j] - maximum) - log_sum;
