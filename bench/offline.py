@@ -160,7 +160,8 @@ def peer_spec(model_dir, dtype: str, args, workload, single_prompt: list[int], t
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "workload": [[p, m] for p, m in workload], "single_prompt": single_prompt,
             "single_stream_tokens": args.single_stream_tokens, "ttft_prompt": ttft_prompt,
-            "repeats": args.repeats, "temperature": args.temperature, "logprobs": args.logprobs}
+            "repeats": args.repeats, "temperature": args.temperature, "logprobs": args.logprobs,
+            "kv_cache_dtype": args.kv_cache_dtype}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", help="both sides run in this dtype (auto: see --dtype of "
                                                         "the engine); the peers get the one it resolves to")
     parser.add_argument("--enforce-eager", action="store_true", help="our engine uncompiled")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], default="auto",
+                        help="both sides' KV cache: the model's dtype, or 8-bit float codes (vLLM's flag)")
     parser.add_argument("--single-weight-copy", action="store_true",
                         help="our engine keeps each bf16 linear's weight once (the engine's --single-weight-copy)")
     parser.add_argument("--num-scheduler-steps", type=int, default=1,
@@ -243,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-              single_weight_copy=args.single_weight_copy, num_scheduler_steps=args.num_scheduler_steps)
+              single_weight_copy=args.single_weight_copy, num_scheduler_steps=args.num_scheduler_steps,
+              kv_cache_dtype=args.kv_cache_dtype)
     runner = llm.engine.executor.runner
     dtype = str(runner.dtype).removeprefix("torch.")
     results["startup"] = {"seconds": time.perf_counter() - started, "compiled": runner.forward is not runner.model,

@@ -1,7 +1,8 @@
-"""`pdserve bench quant`: quantized weights (gguf Q4_1, int8) against the dense model on CPU.
+"""`pdserve bench quant`: quantized weights (gguf Q4_1, int8) and KV caches (fp8) against the dense model on CPU.
 
-Arms: the unquantized model in fp32 and bf16, and each quantization with fp32 and bf16
-for everything it leaves dense (embedding, tied LM head, norms, attention). Per arm:
+Arms: the unquantized model in fp32 and bf16, each quantization with fp32 and bf16
+for everything it leaves dense (embedding, tied LM head, norms, attention), and the KV
+cache in 8-bit float codes (kv_cache_dtype fp8 = E4M3, fp8_e5m2) under bf16. Per arm:
 single-stream decode tokens/s (a request's time at max_tokens minus its time at one
 token, both with the prefix cache emptied first, over the tokens in between), a short greedy batch's output tokens/s, greedy
 agreement with dense fp32 on that batch (tokens until the first divergence, and whole
@@ -43,10 +44,12 @@ PERPLEXITY_TEXT = (
     "another. It needs no fuel beyond the rider's own energy, it takes up little space, and it can be repaired "
     "with simple tools. Many cities now build protected lanes and offer shared bicycles, hoping to reduce "
     "traffic, cut pollution and encourage people to lead healthier lives.")
-# name -> (quantization, dtype)
-ARMS = {"none-fp32": (None, "float32"), "none-bf16": (None, "bfloat16"),
-        "gguf-fp32": ("gguf", "float32"), "gguf-bf16": ("gguf", "bfloat16"),
-        "int8-fp32": ("int8", "float32"), "int8-bf16": ("int8", "bfloat16")}
+# name -> (quantization, dtype, kv_cache_dtype)
+ARMS = {"none-fp32": (None, "float32", "auto"), "none-bf16": (None, "bfloat16", "auto"),
+        "gguf-fp32": ("gguf", "float32", "auto"), "gguf-bf16": ("gguf", "bfloat16", "auto"),
+        "int8-fp32": ("int8", "float32", "auto"), "int8-bf16": ("int8", "bfloat16", "auto"),
+        "none-bf16-kvfp8": (None, "bfloat16", "fp8"), "none-bf16-kve5m2": (None, "bfloat16", "fp8_e5m2"),
+        "gguf-bf16-kvfp8": ("gguf", "bfloat16", "fp8")}
 REFERENCE_ARM = "none-fp32"
 
 
@@ -65,7 +68,8 @@ def perplexity(llm, text: str) -> float:
     runner = llm.engine.executor.runner
     token_ids = llm.tokenizer.encode(text)
     num_blocks = -(-len(token_ids) // runner.block_size)
-    kv_caches = allocate_paged_kv(runner.model_config, num_blocks, runner.block_size, runner.dtype, runner.device)
+    kv_caches = allocate_paged_kv(runner.model_config, num_blocks, runner.block_size, runner.kv_cache_dtype,
+                                  runner.device)
     request = ScheduledRequest(req_id="ppl", token_ids=token_ids, start_pos=0, block_table=list(range(num_blocks)),
                                do_sample=False, sampling_params=SamplingParams())
     input_ids, positions, meta, _, _ = runner.prepare_inputs([request])
@@ -107,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         arm_names.insert(0, REFERENCE_ARM)
     llms, figures = {}, {}
     for name in arm_names:
-        quantization, dtype = ARMS[name]
+        quantization, dtype, kv_cache_dtype = ARMS[name]
         started = time.perf_counter()
         llms[name] = LLM(quantization=quantization, dtype=dtype, kv_cache_memory="128MiB",
-                         num_threads=args.num_threads, enforce_eager=args.enforce_eager)
-        figures[name] = {"quantization": quantization, "dtype": dtype,
+                         num_threads=args.num_threads, enforce_eager=args.enforce_eager, kv_cache_dtype=kv_cache_dtype)
+        figures[name] = {"quantization": quantization, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype,
                          "load_s": round(time.perf_counter() - started, 2),
                          "weights_mib": round(model_bytes(llms[name].engine.executor.runner.model) / 2**20, 1)}
         progress(f"loaded {name} in {figures[name]['load_s']} s")

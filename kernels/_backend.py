@@ -60,6 +60,35 @@ def check_float_dtype(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
 
 
+# 8-bit KV caches hold these codes (no scales) for float32 and bfloat16 models.
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def check_cache_dtypes(dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str = "q") -> None:
+    """K and V caches hold `dtype` (what they are written from and read into), or fp8 codes of
+    a float32 or bfloat16 `dtype`."""
+    check_last_dim_contiguous("k_cache", k_cache)
+    check_last_dim_contiguous("v_cache", v_cache)
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"dtype mismatch: k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if k_cache.dtype == dtype:
+        return
+    if k_cache.dtype in FP8_CACHE_DTYPES and dtype in (torch.float32, torch.bfloat16):
+        return
+    raise ValueError(f"dtype mismatch: {what} {dtype}, caches {k_cache.dtype} (a cache holds {what}'s dtype, or "
+                     f"fp8 codes ({', '.join(str(d) for d in FP8_CACHE_DTYPES)}) for float32 and bfloat16)")
+
+
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it: fp8 codes round to nearest and saturate at the format's largest
+    finite value (an overflow to inf or NaN would poison every later softmax of its sequence),
+    as the native kernel writes them."""
+    if cache_dtype not in FP8_CACHE_DTYPES:
+        return x
+    limit = torch.finfo(cache_dtype).max
+    return x.float().clamp(-limit, limit).to(cache_dtype)
+
+
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     # The Triton kernels take arbitrary outer strides but load head_dim as one run.
     if t.stride(-1) != 1:

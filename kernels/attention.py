@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels._backend import check_float_dtype, check_int32_1d, check_last_dim_contiguous, select_backend
+from kernels._backend import (
+    FP8_CACHE_DTYPES,
+    check_cache_dtypes,
+    check_float_dtype,
+    check_int32_1d,
+    check_last_dim_contiguous,
+    select_backend,
+)
 from kernels.cpu_attention import (
     attention_with_kv_write_native,
     cpu_attention_backend,
@@ -46,7 +53,7 @@ def decode_attention(
         raise ValueError(f"q has {q.shape[0]} rows but block_tables has {num_seqs} sequences")
     check_int32_1d("seq_lens", seq_lens, num_seqs, q.device)
     _check_layer_features(sliding_window, logit_softcap)
-    chosen = _backend_for(q.device, backend, sliding_window, logit_softcap)
+    chosen = _backend_for(q.device, backend, sliding_window, logit_softcap, k_cache.dtype)
     if chosen == "triton":
         from kernels.triton_attention import decode_attention_triton
 
@@ -86,7 +93,7 @@ def prefill_attention(
     if max_query_len is not None and max_query_len > q.shape[0]:
         raise ValueError(f"max_query_len {max_query_len} > num_tokens {q.shape[0]}")
     _check_layer_features(sliding_window, logit_softcap)
-    chosen = _backend_for(q.device, backend, sliding_window, logit_softcap)
+    chosen = _backend_for(q.device, backend, sliding_window, logit_softcap, k_cache.dtype)
     if chosen == "triton":
         from kernels.triton_attention import prefill_attention_triton
 
@@ -120,7 +127,7 @@ def attention_with_kv_write(
     caches that are not contiguous): the caller then makes the separate calls."""
     if q.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
-    if _backend_for(q.device, None, sliding_window, logit_softcap) != "native":
+    if _backend_for(q.device, None, sliding_window, logit_softcap, k_cache.dtype) != "native":
         return None
     _check_layer_features(sliding_window, logit_softcap)
     return attention_with_kv_write_native(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start_loc,
@@ -135,13 +142,13 @@ def _check_layer_features(sliding_window: int | None, logit_softcap: float | Non
 
 
 def _backend_for(device: torch.device, backend: str | None, sliding_window: int | None,
-                 logit_softcap: float | None) -> str:
+                 logit_softcap: float | None, cache_dtype: torch.dtype) -> str:
     """The backend for one call: CPU takes the native kernel unless told otherwise, and
     features the Triton kernels lack send a CUDA call to torch."""
-    needs_torch = sliding_window is not None or logit_softcap is not None
+    needs_torch = sliding_window is not None or logit_softcap is not None or cache_dtype in FP8_CACHE_DTYPES
     if needs_torch and backend == "triton":
-        raise ValueError("the Triton attention kernels implement neither sliding windows nor "
-                         "logit soft-capping; use backend='torch', 'native' or None for such layers")
+        raise ValueError("the Triton attention kernels implement neither sliding windows, logit soft-capping "
+                         "nor fp8 caches; use backend='torch', 'native' or None for such layers")
     if backend is None and device.type == "cpu":
         return cpu_attention_backend()
     if backend is None and needs_torch:
@@ -164,13 +171,12 @@ def _check_common(q, k_cache, v_cache, block_tables, max_seq_len, max_name) -> i
         raise ValueError(f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
     if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
         raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_float_dtype(name, t)
-        check_last_dim_contiguous(name, t)
+    check_float_dtype("q", q)
+    check_last_dim_contiguous("q", q)
+    check_cache_dtypes(q.dtype, k_cache, v_cache)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
     if block_tables.dtype != torch.int32:
         raise ValueError(f"block_tables must be int32, got {block_tables.dtype}")
     if block_tables.dim() != 2:

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels._backend import check_float_dtype, check_last_dim_contiguous, select_backend
+from kernels._backend import (
+    FP8_CACHE_DTYPES,
+    check_cache_dtypes,
+    check_float_dtype,
+    check_last_dim_contiguous,
+    select_backend,
+    to_cache_dtype,
+)
 
 
 def write_kv_cache(
@@ -19,11 +26,15 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # [num_tokens] int64, < 0 means skip (padding)
     backend: str | None = None,
 ) -> None:
-    """Store key[i]/value[i] at slot slot_mapping[i] of k_cache/v_cache, in place."""
+    """Store key[i]/value[i] at slot slot_mapping[i] of k_cache/v_cache, in place; an fp8 cache
+    stores their codes (kernels._backend.to_cache_dtype)."""
     _check_write_args(key, value, k_cache, v_cache, slot_mapping)
     if key.shape[0] == 0:
         return
-    if select_backend(k_cache.device, backend) == "triton":
+    fp8 = k_cache.dtype in FP8_CACHE_DTYPES
+    if fp8 and backend == "triton":
+        raise ValueError("the Triton cache write takes no fp8 cache; use backend='torch' or None")
+    if not fp8 and select_backend(k_cache.device, backend) == "triton":
         from kernels.triton_cache import write_kv_cache_triton
 
         write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
@@ -36,6 +47,10 @@ def write_kv_cache_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
     valid = slot_mapping >= 0  # [num_tokens]
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    key, value = to_cache_dtype(key, k_cache.dtype), to_cache_dtype(value, v_cache.dtype)
+    if k_cache.dtype in FP8_CACHE_DTYPES:  # torch copies fp8 tensors' bytes, not their values
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
     if k_cache.is_contiguous() and v_cache.is_contiguous():
         # One row per slot: index_copy_ on the flat view is several times faster on
         # CPU than advanced-index assignment into the 4-D cache.
@@ -63,14 +78,15 @@ def _check_write_args(key, value, k_cache, v_cache, slot_mapping) -> None:
     if tuple(k_cache.shape[2:]) != tuple(key.shape[1:]):
         raise ValueError(f"key heads/head_dim {list(key.shape[1:])} do not match the cache's "
                          f"{list(k_cache.shape[2:])}")
-    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, t in (("key", key), ("value", value)):
         check_float_dtype(name, t)
         check_last_dim_contiguous(name, t)
+    for name, t in (("key", key), ("value", value), ("v_cache", v_cache)):
         if t.device != k_cache.device:
             raise ValueError(f"{name} is on {t.device}, k_cache on {k_cache.device}")
-    if not (key.dtype == value.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"dtype mismatch: key {key.dtype}, value {value.dtype}, "
-                         f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if key.dtype != value.dtype:
+        raise ValueError(f"dtype mismatch: key {key.dtype}, value {value.dtype}")
+    check_cache_dtypes(key.dtype, k_cache, v_cache, what="key")
     if slot_mapping.dtype != torch.int64:
         raise ValueError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:

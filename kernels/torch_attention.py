@@ -153,8 +153,7 @@ def prefill_attention_torch(
         v = _gather_kv(v_cache, block_table)[:seq_len].transpose(0, 1).contiguous()[None]
         # k, v: [1, num_kv_heads, seq_len, head_dim]
         q_seq = q[start:start + query_len].transpose(0, 1)[None]  # [1, num_q_heads, query_len, head_dim]
-        if q.dtype != torch.float32:
-            q_seq, k, v = q_seq.float(), k.float(), v.float()
+        q_seq, k, v = q_seq.float(), k.float(), v.float()  # no copies where they are fp32 already
         # 4-d inputs: CPU SDPA takes its flash kernel (GQA and masks included) only
         # with a batch dimension; 3-d ones fall back to the math path, 3-6x slower.
         if context_len == 0 and sliding_window is None:  # the whole prompt: plain causal, no mask to build

@@ -147,6 +147,9 @@ def _layer_sliding_windows(cfg: dict[str, Any]) -> tuple[int | None, ...]:
     return (window,) * num_layers  # Mistral, Phi-3: every layer
 
 
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -154,6 +157,14 @@ class CacheConfig:
     kv_cache_memory: float | int | None = None
     num_blocks: int | None = None  # set once the KV pool is sized (or forced by tests)
     enable_prefix_caching: bool = True
+    # What the pool holds: "auto" the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2" 8-bit
+    # float codes (CPU; common.engine.device.select_kv_cache_dtype).
+    cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}; "
+                             f"got {self.cache_dtype!r}")
 
 
 @dataclass
@@ -360,12 +371,12 @@ def make_engine_config(model: str | None = None, *, dtype: str = "auto", device:
                        distributed_executor_backend: str | None = None, enforce_eager: bool = False,
                        quantization: str | None = None, num_threads: int | None = None,
                        num_prefill_threads: int | None = None, single_weight_copy: bool = False,
-                       num_scheduler_steps: int = 1) -> EngineConfig:
+                       num_scheduler_steps: int = 1, kv_cache_dtype: str = "auto") -> EngineConfig:
     """The one place flat engine options (LLM kwargs, CLI flags) become an EngineConfig."""
     return EngineConfig(
         model=model, dtype=dtype, device=device, seed=seed,
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks,
-                          enable_prefix_caching=enable_prefix_caching),
+                          enable_prefix_caching=enable_prefix_caching, cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                                   num_scheduler_steps=num_scheduler_steps),

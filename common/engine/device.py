@@ -61,6 +61,32 @@ def select_dtype(dtype: str, device: torch.device, flags: set[str] | None = None
     return DTYPES[dtype]
 
 
+# vLLM's kv_cache_dtype names: "fp8" is E4M3. The codes carry no scales (vLLM's default
+# scale of 1.0): every K and V value is rounded to the nearest code, saturating at the
+# format's largest finite value.
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def select_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """What the paged KV cache holds: the model's dtype ("auto"), or 8-bit float codes, half
+    of bf16's bytes (a bandwidth-bound decode step's attention reads half as much, and a pool
+    holds twice the tokens)."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; "
+                         f"got {kv_cache_dtype!r}")
+    if device.type != "cpu":
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype} is implemented by the CPU kernels; on {device.type} "
+                         f"use kv_cache_dtype auto")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype} takes a float32 or bfloat16 model; dtype is "
+                         f"{str(dtype).removeprefix('torch.')}")
+    chosen = KV_CACHE_DTYPES[kv_cache_dtype]
+    logger.info("KV cache dtype %s -> %s", kv_cache_dtype, str(chosen).removeprefix("torch."))
+    return chosen
+
+
 def set_num_threads(num_threads: int | None) -> None:
     """This process's torch intra-op threads. None: torch's default (one per CPU this
     process may run on), lowered to the CPU quota of its cgroup where that is smaller.

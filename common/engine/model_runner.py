@@ -20,7 +20,7 @@ from safetensors import safe_open
 from common.engine.compilation import compile_forward, compile_logits, num_compiled_graphs
 from common.engine.config import KVTransferConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from common.engine.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
-from common.engine.device import select_device, select_dtype
+from common.engine.device import select_device, select_dtype, select_kv_cache_dtype
 from common.engine.distributed import parallel_state
 from common.engine.forward_context import forward_context
 from common.engine.heap_retention import release_freed_heap
@@ -146,7 +146,7 @@ def step_num_threads(scheduler_output: SchedulerOutput, num_prefill_threads: int
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_dir: Path, device: str = "auto",
-                 dtype: str = "auto", seed: int = 0, block_size: int = 16,
+                 dtype: str = "auto", seed: int = 0, block_size: int = 16, kv_cache_dtype: str = "auto",
                  kv_transfer_config: KVTransferConfig | None = None,
                  speculative_config: SpeculativeConfig | None = None, enforce_eager: bool = False,
                  quantization: QuantizationSpec | None = None, parallel_config: ParallelConfig | None = None,
@@ -162,6 +162,8 @@ class ModelRunner:
         if self.device.type == "cuda" and self.parallel_config.world_size > 1:
             self.device = torch.device("cuda", rank % torch.cuda.device_count())  # ranks take GPUs round-robin
         self.dtype = select_dtype(dtype, self.device)
+        # What the paged KV cache holds: self.dtype, or fp8 codes of it.
+        self.kv_cache_dtype = select_kv_cache_dtype(kv_cache_dtype, self.dtype, self.device)
         self.block_size = block_size
         self.model = load_model(model_config, model_dir, self.device, self.dtype, quantization)
         # The forward pass as run each step: compiled unless enforce_eager (the model
@@ -198,7 +200,7 @@ class ModelRunner:
         """This rank's KV per block (its layers, its KV heads), plus a draft model's own layers
         if it has one."""
         draft_bytes = self.proposer.kv_bytes_per_block if self.proposer is not None else 0
-        target_bytes = self.model_config.kv_bytes_per_token(self.dtype.itemsize, self.num_local_layers,
+        target_bytes = self.model_config.kv_bytes_per_token(self.kv_cache_dtype.itemsize, self.num_local_layers,
                                                             self.num_local_kv_heads)
         return self.block_size * target_bytes + draft_bytes
 
@@ -213,7 +215,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.native_decode = None  # it writes the caches it was built with; warm_up builds it anew
-        self.kv_caches = allocate_paged_kv(self.model_config, num_blocks, self.block_size, self.dtype, self.device,
+        self.kv_caches = allocate_paged_kv(self.model_config, num_blocks, self.block_size, self.kv_cache_dtype,
+                                           self.device,
                                            self.num_local_layers, self.num_local_kv_heads)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)

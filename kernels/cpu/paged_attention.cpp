@@ -31,6 +31,7 @@
 #include "attention_blocks.h"
 #include "attention_team.h"
 #include "check_message.h"
+#include "fp8.h"
 #include "vec_math.h"
 
 namespace {
@@ -165,9 +166,28 @@ class ScratchLayout {
   float* operator[](int64_t i) const { return buffers_[i]; }
 
  private:
-  static constexpr int64_t kMaxBuffers = 9;
+  static constexpr int64_t kMaxBuffers = 11;
   float* buffers_[kMaxBuffers];
 };
+
+inline bool is_fp8(at::ScalarType dtype) { return dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2; }
+
+// Rows [keys_begin, keys_end) of one head's cache block as T, and their stride: the cache's
+// own rows where it holds T, else its fp8 codes widened into `buffer` (row j at j * head_dim).
+// Widening a block's rows first and then running the T kernels on them costs a pass over
+// ~2 KB in L1; the DRAM reads it saves are half the KV bytes.
+template <typename T, typename C>
+inline std::pair<const T*, int64_t> block_rows(const C* rows, int64_t pos_stride, int64_t keys_begin,
+                                               int64_t keys_end, int64_t head_dim, T* buffer) {
+  if constexpr (std::is_same_v<C, T>) {
+    return {rows, pos_stride};
+  } else {
+    static_assert(kIsFp8<C>);
+    for (int64_t j = keys_begin; j < keys_end; ++j)
+      dequantize_fp8<C>(reinterpret_cast<const uint8_t*>(rows + j * pos_stride), buffer + j * head_dim, head_dim);
+    return {buffer, head_dim};
+  }
+}
 
 #ifdef PDSERVE_BF16_DOT
 // Words of one 16-key group's pairs in pair_prompt_keys' layout: K's, then V's.
@@ -197,7 +217,7 @@ inline int64_t whole_rows_max_scores(bool amx) { return amx ? kWholeRowsMaxScore
 //
 // paired: the sequence's keys [0, seq_len) for this kv head as pair_prompt_keys lays them
 // out, or null: then the item pairs its own keys, 16 at a time.
-template <int64_t kHeadDim, bool kAmx>
+template <int64_t kHeadDim, bool kAmx, typename C>
 void attend_whole_rows(const Problem& pr, const WorkItem& item, int64_t kv_head, const c10::BFloat16* q_bf16,
                        int64_t num_rows, int64_t lo, int64_t hi, float* acc, float* row_sums, const uint32_t* paired) {
   static_assert(kHeadDim % 64 == 0);
@@ -217,8 +237,11 @@ void attend_whole_rows(const Problem& pr, const WorkItem& item, int64_t kv_head,
   auto* p = reinterpret_cast<c10::BFloat16*>(layout[1]);
   auto* v_pairs = reinterpret_cast<uint32_t*>(layout[2]);
   alignas(64) uint32_t k_pairs[kPairWords];
-  const auto* k_head = static_cast<const c10::BFloat16*>(pr.k) + kv_head * pr.k_head_stride;
-  const auto* v_head = static_cast<const c10::BFloat16*>(pr.v) + kv_head * pr.v_head_stride;
+  const C* k_head = static_cast<const C*>(pr.k) + kv_head * pr.k_head_stride;
+  const C* v_head = static_cast<const C*>(pr.v) + kv_head * pr.v_head_stride;
+  // An fp8 cache's block widened (block_rows); empty for a bf16 one.
+  thread_local std::vector<c10::BFloat16> widened;
+  if constexpr (kIsFp8<C>) widened.resize(2 * block_size * kHeadDim);
   // Column c's 16 keys in pairs: K's words, then V's (kPairedGroupWords apart).
   auto paired_keys = [&](int64_t column) { return paired + (base + column) / 16 * kPairedGroupWords<kHeadDim>; };
   auto scores_of = [&](const uint32_t* key_pairs, int64_t column) {
@@ -237,15 +260,18 @@ void attend_whole_rows(const Problem& pr, const WorkItem& item, int64_t kv_head,
     const int64_t block_start = b * block_size;
     const int64_t keys_begin = std::max(lo, block_start) - block_start;
     const int64_t keys_end = std::min(hi, block_start + block_size) - block_start;
-    const c10::BFloat16* k_block = k_head + block_id * pr.k_block_stride;
-    const c10::BFloat16* v_block = v_head + block_id * pr.v_block_stride;
+    const auto [k_block, k_pos_stride] = block_rows(k_head + block_id * pr.k_block_stride, pr.k_pos_stride,
+                                                    keys_begin, keys_end, kHeadDim, widened.data());
+    const auto [v_block, v_pos_stride] = block_rows(v_head + block_id * pr.v_block_stride, pr.v_pos_stride,
+                                                    keys_begin, keys_end, kHeadDim,
+                                                    widened.data() + block_size * kHeadDim);
     for (int64_t first = 0; first < block_size; first += 16) {
       const int64_t column = block_start - base + first;
       // Keys outside [keys_begin, keys_end) pair as zeros: a score of 0 (masked below) and a V
       // of 0, never whatever the cache holds there.
-      pair_key_rows<kHeadDim>(k_block, pr.k_pos_stride, first, keys_begin, keys_end, k_pairs);
+      pair_key_rows<kHeadDim>(k_block, k_pos_stride, first, keys_begin, keys_end, k_pairs);
       scores_of(k_pairs, column);
-      pair_value_rows<kHeadDim>(v_block, pr.v_pos_stride, first, keys_begin, keys_end,
+      pair_value_rows<kHeadDim>(v_block, v_pos_stride, first, keys_begin, keys_end,
                                 v_pairs + column / 16 * kPairWords);
     }
   }
@@ -331,7 +357,7 @@ inline int64_t num_paired_groups(const Problem& pr, int64_t seq_len) {
 // been written, so the finite K and V of a key a row does not see, masked to p = 0, add
 // nothing. offsets[seq * num_kv_heads + head]: where in out (64-byte aligned) that
 // sequence's head starts, kPairedGroupWords a group of 16 keys.
-template <int64_t kHeadDim>
+template <int64_t kHeadDim, typename C>
 void pair_prompt_keys(const Problem& pr, const std::vector<PairedSequence>& seqs, const int64_t* offsets,
                       uint32_t* out) {
   std::vector<int64_t> first_task(seqs.size() + 1, 0);  // tasks: (sequence, kv head, group of 16 keys)
@@ -345,12 +371,19 @@ void pair_prompt_keys(const Problem& pr, const std::vector<PairedSequence>& seqs
       const int64_t head = (task - first_task[i]) / num_groups, key = (task - first_task[i]) % num_groups * 16;
       const int64_t b = key / pr.block_size, block_start = b * pr.block_size;
       const int64_t block_id = item_block_id(pr, WorkItem{seq, 0, 0, 0}, b);
-      const auto* k_block = static_cast<const c10::BFloat16*>(pr.k) + head * pr.k_head_stride + block_id * pr.k_block_stride;
-      const auto* v_block = static_cast<const c10::BFloat16*>(pr.v) + head * pr.v_head_stride + block_id * pr.v_block_stride;
       const int64_t keys_end = std::min(seq_len - block_start, pr.block_size);  // zeros past the sequence
+      const int64_t first = key - block_start, last = std::min(first + 16, keys_end);
+      thread_local std::vector<c10::BFloat16> widened;  // an fp8 cache's rows (block_rows)
+      if constexpr (kIsFp8<C>) widened.resize(2 * pr.block_size * kHeadDim);
+      const auto [k_block, k_pos_stride] =
+          block_rows(static_cast<const C*>(pr.k) + head * pr.k_head_stride + block_id * pr.k_block_stride,
+                     pr.k_pos_stride, first, last, kHeadDim, widened.data());
+      const auto [v_block, v_pos_stride] =
+          block_rows(static_cast<const C*>(pr.v) + head * pr.v_head_stride + block_id * pr.v_block_stride,
+                     pr.v_pos_stride, first, last, kHeadDim, widened.data() + pr.block_size * kHeadDim);
       uint32_t* group = out + offsets[seq * pr.num_kv_heads + head] + key / 16 * kPairedGroupWords<kHeadDim>;
-      pair_key_rows<kHeadDim>(k_block, pr.k_pos_stride, key - block_start, 0, keys_end, group);
-      pair_value_rows<kHeadDim>(v_block, pr.v_pos_stride, key - block_start, 0, keys_end,
+      pair_key_rows<kHeadDim>(k_block, k_pos_stride, first, 0, keys_end, group);
+      pair_value_rows<kHeadDim>(v_block, v_pos_stride, first, 0, keys_end,
                                 group + kBf16PairWords<kHeadDim>);
     }
   });
@@ -361,7 +394,7 @@ void pair_prompt_keys(const Problem& pr, const std::vector<PairedSequence>& seqs
 // row r = token r / group, head r % group) against the keys they see, one cache block
 // at a time. kHeadDim > 0 fixes head_dim at compile time: the rows' dot products and
 // accumulators then live in vector registers.
-template <typename T, int64_t kHeadDim>
+template <typename T, typename C, int64_t kHeadDim>
 void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, BlockStream& stream,
                  std::vector<float>& scratch, std::vector<int64_t>& bounds) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : pr.head_dim;
@@ -398,9 +431,11 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
   // 4 KB (a load waits on an earlier store whose address has the same low 12 bits) are
   // then the same in every process, where stack buffers moved with ASLR's stack offset
   // and a 1024-token prompt's attention took 14 or 20 ms from one process to the next.
+  // An fp8 cache's block, K and V, widened to T (block_rows).
+  const int64_t widened_floats = kIsFp8<C> ? (block_size * head_dim * static_cast<int64_t>(sizeof(T)) + 3) / 4 : 0;
   const ScratchLayout layout(scratch, {q_float_floats, num_tile_rows * head_dim, num_rows, num_rows * score_stride,
                                        k_transposed ? head_dim * score_stride : 0, q_bf16_floats, pair_floats,
-                                       pair_floats, num_rows * kLanes});
+                                       pair_floats, num_rows * kLanes, widened_floats, widened_floats});
   bounds.resize(2 * num_rows);
   float* q_rows = layout[0];   // [num_rows, head_dim], pre-scaled (fp32 paths only)
   float* acc = layout[1];      // [num_tile_rows, head_dim]
@@ -412,6 +447,8 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
   auto* k_pairs = reinterpret_cast<uint32_t*>(layout[6]);
   auto* v_pairs = reinterpret_cast<uint32_t*>(layout[7]);
   float* row_sums = layout[8];  // [num_rows, kLanes]: each row's softmax denominator, per lane
+  auto* k_widened = reinterpret_cast<T*>(layout[9]);  // [block_size, head_dim] (fp8 caches)
+  auto* v_widened = reinterpret_cast<T*>(layout[10]);
   int64_t* row_begin = bounds.data();              // [num_rows] visible keys of this block, relative
   int64_t* row_end = row_begin + num_rows;         // [num_rows]
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -433,12 +470,12 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
   if (amx) configure_attention_tiles();
 #endif
   const auto [lo, hi] = item_keys(pr, item);
-  const T* k_head = static_cast<const T*>(pr.k) + kv_head * pr.k_head_stride;
-  const T* v_head = static_cast<const T*>(pr.v) + kv_head * pr.v_head_stride;
+  const C* k_head = static_cast<const C*>(pr.k) + kv_head * pr.k_head_stride;
+  const C* v_head = static_cast<const C*>(pr.v) + kv_head * pr.v_head_stride;
   const int64_t first_b = lo / block_size, last_b = (hi - 1) / block_size;
   // The stream's block `ahead` past this item's block b: this item's, the upcoming item's
   // (its block b + ahead - last_b - 1), or none past both.
-  auto stream_block = [&](int64_t b, int64_t ahead) -> std::pair<const T*, const T*> {
+  auto stream_block = [&](int64_t b, int64_t ahead) -> std::pair<const C*, const C*> {
     const WorkItem* owner = &item;
     int64_t head = kv_head, index = b + ahead;
     if (index > last_b) {
@@ -451,8 +488,8 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
     }
     const int64_t id = std::clamp<int64_t>(pr.block_tables[owner->seq * pr.block_table_stride + index], 0,
                                            pr.num_blocks - 1);
-    return {static_cast<const T*>(pr.k) + head * pr.k_head_stride + id * pr.k_block_stride,
-            static_cast<const T*>(pr.v) + head * pr.v_head_stride + id * pr.v_block_stride};
+    return {static_cast<const C*>(pr.k) + head * pr.k_head_stride + id * pr.k_block_stride,
+            static_cast<const C*>(pr.v) + head * pr.v_head_stride + id * pr.v_block_stride};
   };
   // Unprimed (a thread's first item, or after a short one), this item's own first blocks
   // after the first (which is needed at once: no use asking).
@@ -478,9 +515,9 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
           pr.paired_offsets != nullptr ? pr.paired_offsets[item.seq * pr.num_kv_heads + kv_head] : -1;
       const uint32_t* paired = paired_offset >= 0 ? pr.paired_kv + paired_offset : nullptr;
       if (amx)
-        attend_whole_rows<kHeadDim, true>(pr, item, kv_head, q_bf16, num_rows, lo, hi, acc, row_sums, paired);
+        attend_whole_rows<kHeadDim, true, C>(pr, item, kv_head, q_bf16, num_rows, lo, hi, acc, row_sums, paired);
       else
-        attend_whole_rows<kHeadDim, false>(pr, item, kv_head, q_bf16, num_rows, lo, hi, acc, row_sums, paired);
+        attend_whole_rows<kHeadDim, false, C>(pr, item, kv_head, q_bf16, num_rows, lo, hi, acc, row_sums, paired);
       stream.primed = false;  // nothing asked for the next item's blocks: it asks itself
       goto rows_done;
     }
@@ -489,19 +526,21 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
   for (int64_t b = first_b; b * block_size < hi; ++b) {
     const int64_t block_id = item_block_id(pr, item, b);
     const int64_t block_start = b * block_size;
-    const T* k_block = k_head + block_id * pr.k_block_stride;
-    const T* v_block = v_head + block_id * pr.v_block_stride;
     // The block kPrefetchBlocks ahead. Rows that score without transposing K (decode) ask
     // for it in parts between their work on this block: its K a share after each row's
     // scores, its V a row per key of the P.V. Tiles ask for its K now, its V after the
     // scores (both at once overflowed the L2's miss queue: decode at batch 64 ~12% slower).
     const auto [k_ahead_rows, v_ahead_rows] = stream_block(b, kPrefetchBlocks);
-    RowsAhead<T, kHeadDim> k_ahead(k_ahead_rows, pr.k_pos_stride, block_size, head_dim);
-    RowsAhead<T, kHeadDim> v_ahead(v_ahead_rows, pr.v_pos_stride, block_size, head_dim);
+    RowsAhead<C, kHeadDim> k_ahead(k_ahead_rows, pr.k_pos_stride, block_size, head_dim);
+    RowsAhead<C, kHeadDim> v_ahead(v_ahead_rows, pr.v_pos_stride, block_size, head_dim);
     const bool spread_ahead = kNumVec > 0 && !transposed;
     if (!spread_ahead) k_ahead.ask_rest();
     const int64_t keys_begin = std::max(lo, block_start) - block_start;       // any row's keys here
     const int64_t keys_end = std::min(hi, block_start + block_size) - block_start;
+    const auto [k_block, k_pos_stride] =
+        block_rows(k_head + block_id * pr.k_block_stride, pr.k_pos_stride, keys_begin, keys_end, head_dim, k_widened);
+    const auto [v_block, v_pos_stride] =
+        block_rows(v_head + block_id * pr.v_block_stride, pr.v_pos_stride, keys_begin, keys_end, head_dim, v_widened);
     for (int64_t r = 0; r < num_rows; ++r) {
       const int64_t position = item.first_position + r / group;
       row_begin[r] = std::max({first_visible_key(pr, position), lo, block_start}) - block_start;
@@ -513,25 +552,25 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
 #ifdef PDSERVE_ATTENTION_AMX
         if constexpr (kBf16Dot)
           for (int64_t first = keys_begin / 16 * 16; first < keys_end; first += 16) {
-            pair_key_rows<kHeadDim>(k_block, pr.k_pos_stride, first, keys_begin, keys_end, k_pairs);
+            pair_key_rows<kHeadDim>(k_block, k_pos_stride, first, keys_begin, keys_end, k_pairs);
             amx_block_scores<kHeadDim>(q_bf16, num_rows, k_pairs, pr.scale, score_stride, scores + first);
           }
 #endif
       } else if (transposed) {
 #ifdef PDSERVE_BF16_DOT
         if constexpr (kBf16Dot)
-          transposed_scores_bf16<kHeadDim>(q_bf16, num_rows, k_block, pr.k_pos_stride, keys_begin, keys_end, pr.scale,
+          transposed_scores_bf16<kHeadDim>(q_bf16, num_rows, k_block, k_pos_stride, keys_begin, keys_end, pr.scale,
                                            score_stride, scores, k_pairs);
         else
 #endif
-          transposed_scores<kHeadDim>(q_rows, num_rows, k_block, pr.k_pos_stride, keys_begin, keys_end,
+          transposed_scores<kHeadDim>(q_rows, num_rows, k_block, k_pos_stride, keys_begin, keys_end,
                                       score_stride, k_t, scores);
       } else {
 #ifdef PDSERVE_BF16_DOT
         if constexpr (kBf16Dot) {
           for (int64_t r = 0; r < num_rows; ++r) {
             if (row_begin[r] < row_end[r])
-              row_scores_bf16<kHeadDim>(q_bf16 + r * head_dim, k_block, pr.k_pos_stride, row_begin[r], row_end[r],
+              row_scores_bf16<kHeadDim>(q_bf16 + r * head_dim, k_block, k_pos_stride, row_begin[r], row_end[r],
                                         pr.scale, scores + r * score_stride);
             k_ahead.ask_until(block_size * (r + 1) / num_rows);
           }
@@ -541,7 +580,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
           // Rows in groups of kScoreRows over the union of their keys (what a row does not
           // see is scored too and skipped by the softmax).
           auto score = [&]<int64_t R>(int64_t r, int64_t begin, int64_t end) {
-            rows_scores<kNumVec, R>(q_rows + r * head_dim, head_dim, k_block, pr.k_pos_stride, begin, end,
+            rows_scores<kNumVec, R>(q_rows + r * head_dim, head_dim, k_block, k_pos_stride, begin, end,
                                     scores + r * score_stride, score_stride);
           };
           for_row_groups<kScoreRows>(num_rows, row_begin, row_end, score);
@@ -549,7 +588,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
       }
     } else {  // each K row loaded once for all rows
       for (int64_t j = keys_begin; j < keys_end; ++j) {
-        const T* k_row = k_block + j * pr.k_pos_stride;
+        const T* k_row = k_block + j * k_pos_stride;
         for (int64_t r = 0; r < num_rows; ++r)
           if (j >= row_begin[r] && j < row_end[r])
             scores[r * score_stride + j] = dot<kHeadDim>(q_rows + r * head_dim, k_row, head_dim);
@@ -586,7 +625,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
 #ifdef PDSERVE_ATTENTION_AMX
       if constexpr (kBf16Dot)
         for (int64_t first = keys_begin / 16 * 16; first < keys_end; first += 16) {
-          pair_value_rows<kHeadDim>(v_block, pr.v_pos_stride, first, keys_begin, keys_end, v_pairs);
+          pair_value_rows<kHeadDim>(v_block, v_pos_stride, first, keys_begin, keys_end, v_pairs);
           amx_block_accumulate<kHeadDim>(acc, num_rows, scores + first, score_stride,
                                          keys_in_range(first, keys_begin, keys_end), v_pairs);
         }
@@ -596,7 +635,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
 #ifdef PDSERVE_BF16_DOT
     if constexpr (kBf16Dot) {
       if (transposed) {
-        transposed_accumulate_bf16<kHeadDim>(acc, num_rows, scores, score_stride, v_block, pr.v_pos_stride,
+        transposed_accumulate_bf16<kHeadDim>(acc, num_rows, scores, score_stride, v_block, v_pos_stride,
                                              keys_begin, keys_end, v_pairs);
         continue;
       }
@@ -607,7 +646,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
       // are real cached positions, so a group of rows runs over the union of its ranges.
       for_row_groups<kAccumRows>(num_rows, row_begin, row_end, [&]<int64_t R>(int64_t r, int64_t begin, int64_t end) {
         rows_accumulate<kNumVec, R>(acc + r * head_dim, head_dim, scores + r * score_stride, score_stride, v_block,
-                                    pr.v_pos_stride, begin, end, [&](int64_t) {
+                                    v_pos_stride, begin, end, [&](int64_t) {
                                       k_ahead.ask_next();  // the fp32 scores' K (bf16's are all asked)
                                       v_ahead.ask_next();
                                     });
@@ -616,7 +655,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
       v_ahead.ask_rest();
     } else {  // each V row loaded once for all rows
       for (int64_t j = keys_begin; j < keys_end; ++j) {
-        const T* v_row = v_block + j * pr.v_pos_stride;
+        const T* v_row = v_block + j * v_pos_stride;
         for (int64_t r = 0; r < num_rows; ++r)
           if (j >= row_begin[r] && j < row_end[r])
             axpy<kHeadDim>(acc + r * head_dim, scores[r * score_stride + j], v_row, head_dim);
@@ -649,14 +688,14 @@ rows_done:
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void attend_item_any_dim(const Problem& pr, const WorkItem& item, int64_t kv_head, BlockStream& stream,
                          std::vector<float>& scratch, std::vector<int64_t>& bounds) {
   switch (pr.head_dim) {
-    case 64: return attend_item<T, 64>(pr, item, kv_head, stream, scratch, bounds);
-    case 128: return attend_item<T, 128>(pr, item, kv_head, stream, scratch, bounds);
-    case 256: return attend_item<T, 256>(pr, item, kv_head, stream, scratch, bounds);
-    default: return attend_item<T, 0>(pr, item, kv_head, stream, scratch, bounds);
+    case 64: return attend_item<T, C, 64>(pr, item, kv_head, stream, scratch, bounds);
+    case 128: return attend_item<T, C, 128>(pr, item, kv_head, stream, scratch, bounds);
+    case 256: return attend_item<T, C, 256>(pr, item, kv_head, stream, scratch, bounds);
+    default: return attend_item<T, C, 0>(pr, item, kv_head, stream, scratch, bounds);
   }
 }
 
@@ -718,6 +757,7 @@ void merge_split_token(const Problem& pr, const SplitToken& split) {
 // The sequences of the call whose query tokens make several whole-rows items (prompts and
 // their chunks) get their keys paired once (pair_prompt_keys), into this thread's buffer,
 // which pr then points at; the others' items pair their own.
+template <typename C>
 void pair_prompts(Problem& pr, const int32_t* seq_lens, const int32_t* query_starts, int64_t num_seqs, bool amx,
                   std::vector<int64_t>& offsets) {
   std::vector<PairedSequence> seqs;
@@ -739,9 +779,9 @@ void pair_prompts(Problem& pr, const int32_t* seq_lens, const int32_t* query_sta
   buffer.resize(num_words + 16);
   uint32_t* out = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64 / sizeof(uint32_t);
   switch (pr.head_dim) {
-    case 64: pair_prompt_keys<64>(pr, seqs, offsets.data(), out); break;
-    case 128: pair_prompt_keys<128>(pr, seqs, offsets.data(), out); break;
-    case 256: pair_prompt_keys<256>(pr, seqs, offsets.data(), out); break;
+    case 64: pair_prompt_keys<64, C>(pr, seqs, offsets.data(), out); break;
+    case 128: pair_prompt_keys<128, C>(pr, seqs, offsets.data(), out); break;
+    case 256: pair_prompt_keys<256, C>(pr, seqs, offsets.data(), out); break;
     default: return;
   }
   pr.paired_kv = out;
@@ -773,11 +813,14 @@ CallPlan plan_call(const at::Tensor& q,            // [num_tokens, num_q_heads, 
                       "bad q/cache shapes");
   PDSERVE_CHECK_VALUE(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
                       "q and the caches must be contiguous in head_dim");
-  PDSERVE_CHECK_VALUE(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-                      "dtype mismatch");
   PDSERVE_CHECK_VALUE(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 ||
                           q.scalar_type() == at::kHalf,
                       "paged_attention takes float32, bfloat16 or float16, got ", q.scalar_type());
+  PDSERVE_CHECK_VALUE(k_cache.scalar_type() == v_cache.scalar_type() &&
+                          (k_cache.scalar_type() == q.scalar_type() ||
+                           (is_fp8(k_cache.scalar_type()) && q.scalar_type() != at::kHalf)),
+                      "dtype mismatch: q ", q.scalar_type(), ", caches ", k_cache.scalar_type(), " and ",
+                      v_cache.scalar_type(), " (a cache holds q's dtype, or fp8 codes for float32 and bfloat16)");
   PDSERVE_CHECK_VALUE(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "head mismatch");
   PDSERVE_CHECK_VALUE(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
                           seq_lens.scalar_type() == at::kInt,
@@ -858,7 +901,7 @@ CallPlan plan_call(const at::Tensor& q,            // [num_tokens, num_q_heads, 
 }
 
 // One thread's share of a call's work: items claimed from `next` until none is left.
-template <typename T>
+template <typename T, typename C>
 void claim_work(const CallPlan& plan, std::atomic<int64_t>& next) {
   const int64_t num_kv_heads = plan.problem.num_kv_heads, num_work = plan.num_work;
   std::vector<float> scratch;
@@ -875,18 +918,31 @@ void claim_work(const CallPlan& plan, std::atomic<int64_t>& next) {
     following = w + 1 < claimed_end ? w + 1 : claim();
     stream.upcoming = following < num_work ? &plan.items[plan.order[following / num_kv_heads]] : nullptr;
     stream.upcoming_head = following % num_kv_heads;
-    attend_item_any_dim<T>(plan.problem, plan.items[plan.order[w / num_kv_heads]], w % num_kv_heads, stream, scratch,
+    attend_item_any_dim<T, C>(plan.problem, plan.items[plan.order[w / num_kv_heads]], w % num_kv_heads, stream, scratch,
                            bounds);
   }
 }
 
-// f(T{}) for the call's dtype (checked by plan_call).
+// f(T{}, C{}) for the call's dtype T and its cache's C: T's own, or fp8 codes for float32
+// and bfloat16 (checked by plan_call).
 template <typename F>
-void with_dtype(at::ScalarType dtype, F&& f) {
+void with_dtypes(at::ScalarType dtype, at::ScalarType cache_dtype, F&& f) {
+  auto with_cache = [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
+    if constexpr (std::is_same_v<T, c10::Half>) {
+      f(T{}, T{});
+    } else {
+      switch (cache_dtype) {
+        case at::kFloat8_e4m3fn: f(T{}, c10::Float8_e4m3fn{}); break;
+        case at::kFloat8_e5m2: f(T{}, c10::Float8_e5m2{}); break;
+        default: f(T{}, T{}); break;
+      }
+    }
+  };
   switch (dtype) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    default: f(c10::Half{}); break;
+    case at::kFloat: with_cache(float{}); break;
+    case at::kBFloat16: with_cache(c10::BFloat16{}); break;
+    default: with_cache(c10::Half{}); break;
   }
 }
 
@@ -901,8 +957,9 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
                             logit_softcap, at::get_num_threads());
   std::atomic<int64_t> next{0};
   std::vector<int64_t> paired_offsets;
-  with_dtype(q.scalar_type(), [&](auto dtype_tag) {
+  with_dtypes(q.scalar_type(), k_cache.scalar_type(), [&](auto dtype_tag, auto cache_tag) {
     using T = decltype(dtype_tag);
+    using C = decltype(cache_tag);
 #ifdef PDSERVE_BF16_DOT
     if constexpr (std::is_same_v<T, c10::BFloat16>)
       if (plan.problem.head_dim % 64 == 0 && plan.problem.head_dim <= 256 && plan.problem.block_size % 16 == 0) {
@@ -911,11 +968,11 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
 #else
         const bool amx = false;
 #endif
-        pair_prompts(plan.problem, seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
+        pair_prompts<C>(plan.problem, seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
                      block_tables.size(0), amx, paired_offsets);
       }
 #endif
-    at::parallel_for(0, plan.num_workers, 1, [&](int64_t, int64_t) { claim_work<T>(plan, next); });
+    at::parallel_for(0, plan.num_workers, 1, [&](int64_t, int64_t) { claim_work<T, C>(plan, next); });
     for (const SplitToken& split : plan.splits) merge_split_token<T>(plan.problem, split);
   });
   return plan.out;
@@ -928,6 +985,7 @@ struct TeamAttention {
   CallPlan plan;
   std::atomic<int64_t> next{0};
   at::Tensor k, v, slot_mapping;  // the step's new K/V [num_tokens, num_kv_heads, head_dim] and their slots
+  at::ScalarType cache_dtype;
 };
 }  // namespace pdserve_cpu
 
@@ -941,8 +999,12 @@ void check_kv_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
       k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
       "bad k/v/cache shapes");
   PDSERVE_CHECK_VALUE(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k/v heads do not match the cache");
-  PDSERVE_CHECK_VALUE(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
-                      "k/v dtype differs from the cache's");
+  PDSERVE_CHECK_VALUE(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                          (k.scalar_type() == k_cache.scalar_type() ||
+                           (is_fp8(k_cache.scalar_type()) &&
+                            (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16))),
+                      "k/v dtype ", k.scalar_type(), " does not go into a ", k_cache.scalar_type(),
+                      " cache (the cache holds k's dtype, or fp8 codes of float32 or bfloat16)");
   PDSERVE_CHECK_VALUE(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
                       "k/v must be contiguous in head_dim and the caches contiguous");
   PDSERVE_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
@@ -965,6 +1027,26 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   auto* v_dst = static_cast<char*>(v_cache.data_ptr());
   const auto* k_src = static_cast<const char*>(k.data_ptr());
   const auto* v_src = static_cast<const char*>(v.data_ptr());
+  if (is_fp8(k_cache.scalar_type())) {
+    with_dtypes(k.scalar_type(), k_cache.scalar_type(), [&](auto dtype_tag, auto cache_tag) {
+      using T = decltype(dtype_tag);
+      using C = decltype(cache_tag);
+      if constexpr (kIsFp8<C>) {
+        const int64_t head_dim = k.size(2);
+        for (int64_t t = token_begin; t < token_end; ++t) {
+          if (slots[t] < 0) continue;
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const int64_t dst = (slots[t] * num_kv_heads + h) * head_dim;
+            quantize_fp8<C>(k.data_ptr<T>() + t * k.stride(0) + h * k.stride(1),
+                            reinterpret_cast<uint8_t*>(k_dst) + dst, head_dim);
+            quantize_fp8<C>(v.data_ptr<T>() + t * v.stride(0) + h * v.stride(1),
+                            reinterpret_cast<uint8_t*>(v_dst) + dst, head_dim);
+          }
+        }
+      }
+    });
+    return;
+  }
   for (int64_t t = token_begin; t < token_end; ++t) {
     if (slots[t] < 0) continue;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
@@ -992,6 +1074,7 @@ TeamAttention* team_begin(const at::Tensor& q, const at::Tensor& k, const at::Te
   team->k = k;
   team->v = v;
   team->slot_mapping = slot_mapping;
+  team->cache_dtype = k_cache.scalar_type();
   return team.release();
 }
 
@@ -1008,9 +1091,9 @@ void team_write(TeamAttention* team, const at::Tensor& k_cache, const at::Tensor
 
 void team_attend(TeamAttention* team, int t) {
   CallPlan& plan = team->plan;
-  with_dtype(plan.out.scalar_type(), [&](auto dtype_tag) {
+  with_dtypes(plan.out.scalar_type(), team->cache_dtype, [&](auto dtype_tag, auto cache_tag) {
     using T = decltype(dtype_tag);
-    claim_work<T>(plan, team->next);
+    claim_work<T, decltype(cache_tag)>(plan, team->next);
 #pragma omp barrier
     // Split tokens' parts merged (on the first thread), and a barrier after them; none for
     // a step without splits.

@@ -16,6 +16,7 @@ def build_runner(model_config: ModelConfig, model_dir: Path, config: EngineConfi
     parallel = {"parallel_config": config.parallel, "rank": rank} if config.parallel.world_size > 1 else {}
     return ModelRunner(model_config, model_dir, device=config.device, dtype=config.dtype,
                        seed=config.seed, block_size=config.cache.block_size,
+                       kv_cache_dtype=config.cache.cache_dtype,
                        kv_transfer_config=config.kv_transfer, speculative_config=config.speculative,
                        enforce_eager=config.enforce_eager, quantization=quantization_spec(config),
                        single_weight_copy=config.single_weight_copy,

@@ -38,7 +38,8 @@ class DraftModelProposer(DraftProposer):
                              f"a draft must share the target's tokenizer")
         self.runner = runner
         self.model = load_model(self.model_config, draft_dir, runner.device, runner.dtype)
-        self.kv_bytes_per_block = runner.block_size * self.model_config.kv_bytes_per_token(runner.dtype.itemsize)
+        self.kv_bytes_per_block = runner.block_size * self.model_config.kv_bytes_per_token(
+            runner.kv_cache_dtype.itemsize)
         # Per draft layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.seen_req_ids: set[str] = set()
@@ -46,7 +47,7 @@ class DraftModelProposer(DraftProposer):
     def allocate_kv_cache(self, num_blocks: int) -> None:
         from common.engine.model_runner import allocate_paged_kv
         runner = self.runner
-        self.kv_caches = allocate_paged_kv(self.model_config, num_blocks, runner.block_size, runner.dtype,
+        self.kv_caches = allocate_paged_kv(self.model_config, num_blocks, runner.block_size, runner.kv_cache_dtype,
                                            runner.device)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

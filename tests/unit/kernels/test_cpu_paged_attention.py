@@ -386,6 +386,20 @@ _AVX2_SCRIPT = textwrap.dedent("""
                 args = (q_prefill, k_cache, v_cache, block_tables, starts, lens, 0.1)
                 assert rel_err(prefill_attention(*args, backend="native", **features),
                                prefill_attention(*args, backend="torch", **features)) < tolerance
+            # fp8 caches: the codes written and read one at a time, as without AVX-512.
+            from kernels._backend import to_cache_dtype
+            from kernels.attention import attention_with_kv_write
+            for cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                codes = [to_cache_dtype(c * 3, cache_dtype) for c in (k_cache, v_cache)]
+                args = (q, *codes, block_tables, lens, 0.1)
+                assert rel_err(decode_attention(*args, backend="native"),
+                               decode_attention(*args, backend="torch")) < tolerance
+                new = (torch.randn(4, 2, head_dim, generator=gen) * 300).to(dtype)
+                slots = torch.tensor([0, 5, 17, 40])
+                attention_with_kv_write(q, new, new, *codes, slots, block_tables, torch.arange(5, dtype=torch.int32),
+                                        lens, 0.1)
+                assert torch.equal(codes[0].view(-1, 2, head_dim)[slots].view(torch.uint8),
+                                   to_cache_dtype(new, cache_dtype).view(torch.uint8))
     print("ok")
 """)
 

@@ -8,7 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from common.engine.device import select_dtype, set_num_threads
+from common.engine.config import CacheConfig
+from common.engine.device import select_dtype, select_kv_cache_dtype, set_num_threads
 from tests.support.cpu_cgroup import one_cpu_cgroup
 from tests.support.fresh_process import run_python
 
@@ -45,6 +46,23 @@ def test_environment_overrides_auto_but_not_an_explicit_dtype(monkeypatch):
 def test_unknown_dtype_is_refused():
     with pytest.raises(ValueError, match="dtype must be one of auto"):
         select_dtype("float8", CPU, set())
+
+
+def test_kv_cache_dtype_names_vllms_formats_and_refuses_what_no_kernel_reads(caplog):
+    with caplog.at_level(logging.INFO, logger="common.engine.device"):
+        assert select_kv_cache_dtype("fp8", torch.bfloat16, CPU) == torch.float8_e4m3fn
+    assert "KV cache dtype fp8 -> float8_e4m3fn" in caplog.text
+    assert select_kv_cache_dtype("fp8_e4m3", torch.float32, CPU) == torch.float8_e4m3fn
+    assert select_kv_cache_dtype("fp8_e5m2", torch.bfloat16, CPU) == torch.float8_e5m2
+    assert select_kv_cache_dtype("auto", torch.float16, CPU) == torch.float16
+    with pytest.raises(ValueError, match="float32 or bfloat16 model; dtype is float16"):
+        select_kv_cache_dtype("fp8", torch.float16, CPU)
+    with pytest.raises(ValueError, match="CPU kernels; on cuda use kv_cache_dtype auto"):
+        select_kv_cache_dtype("fp8", torch.bfloat16, torch.device("cuda"))
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        select_kv_cache_dtype("int8", torch.bfloat16, CPU)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"):
+        CacheConfig(cache_dtype="fp16")
 
 
 def test_num_threads_sets_this_processes_torch_threads():

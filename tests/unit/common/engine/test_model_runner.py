@@ -67,3 +67,23 @@ def test_a_prefill_step_runs_on_the_prefill_threads_and_the_tokens_stay(tiny_lla
         llm.engine.shutdown()
     finally:
         torch.set_num_threads(threads_before)
+
+
+def test_an_fp8_pool_holds_twice_the_tokens_of_bf16_and_names_its_codes(tiny_llama_dir):
+    """kv_cache_dtype fp8: the same KV memory holds twice bf16's blocks, of E4M3 codes, and
+    a request through them leaves every block free again."""
+    pools = {}
+    for kv_cache_dtype in ("auto", "fp8"):
+        llm = LLM(model=str(tiny_llama_dir), dtype="bfloat16", kv_cache_memory="16MiB", enforce_eager=True,
+                  kv_cache_dtype=kv_cache_dtype)
+        runner = llm.engine.executor.runner
+        pools[kv_cache_dtype] = (llm.engine.config.cache.num_blocks, runner.kv_caches[0][0].dtype,
+                                 runner.kv_bytes_per_block)
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        assert len(llm.generate([{"prompt_token_ids": list(range(5, 45))}], params)[0].outputs[0].token_ids) == 5
+        assert llm.engine.kv_cache_manager.num_free_blocks == pools[kv_cache_dtype][0]  # all back
+        llm.engine.shutdown()
+    (bf16_blocks, bf16_dtype, bf16_bytes), (fp8_blocks, fp8_dtype, fp8_bytes) = pools["auto"], pools["fp8"]
+    assert (bf16_dtype, fp8_dtype) == (torch.bfloat16, torch.float8_e4m3fn)
+    assert fp8_bytes * 2 == bf16_bytes
+    assert fp8_blocks == 2 * bf16_blocks

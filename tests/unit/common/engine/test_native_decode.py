@@ -118,6 +118,30 @@ def test_the_loop_matches_the_model_for_each_family(tmp_path_factory, bundled_mo
     eager.engine.shutdown()
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_the_loop_over_fp8_caches_matches_the_model(tiny_llama_dir, kv_cache_dtype):
+    """The loop writes and reads the KV codes as the model's attention does: the same tokens
+    and logprobs from a pool of codes. In fp32, where the two differ in summation order only
+    (in bf16 a K or V rounded differently by the linears may take another code; the kernels'
+    bf16 reads of codes are tested in tests/unit/kernels/test_fp8_kv_cache.py)."""
+    options = dict(dtype="float32", num_kv_blocks=160, block_size=16, kv_cache_dtype=kv_cache_dtype)
+    native = LLM(str(tiny_llama_dir), **options)
+    loop = _with_native_loop(native)
+    assert loop is not None
+    eager = LLM(str(tiny_llama_dir), **options)
+    for llm in (native, eager):
+        assert all(k.dtype == v.dtype == getattr(torch, kv_cache_dtype.replace("fp8_e4m3", "float8_e4m3fn")
+                                                  .replace("fp8_e5m2", "float8_e5m2"))
+                   for k, v in llm.engine.executor.runner.kv_caches)
+    prompts = parity_prompts()
+    batch, max_tokens = [*prompts, prompts[2][:40]], [12, 3, 9, 14, 6]
+    got, want = _generate(native, batch, max_tokens), _generate(eager, batch, max_tokens)
+    assert loop.num_steps > 0
+    _assert_same(got, want, FP32_LOGPROB_ATOL)
+    native.engine.shutdown()
+    eager.engine.shutdown()
+
+
 def _decode_step(llm: LLM, prompts: list[list[int]], loop: NativeDecodeLoop | None,
                  num_layers: int | None = None, greedy: bool = False, num_steps: int = 1,
                  stop_token_ids: list[int] | None = None, sampling: TokenSampling | None = None,

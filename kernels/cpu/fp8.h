@@ -1,0 +1,159 @@
+// 8-bit float KV cache codes (OCP FP8: E4M3FN and E5M2, vLLM's kv_cache_dtype "fp8_e4m3" and
+// "fp8_e5m2"), no scales: a code is the value itself, as torch's float8_e4m3fn and
+// float8_e5m2 store it. Writes round to nearest even and saturate at the largest finite code
+// (torch's conversion of an overflow would give NaN or inf, and one such key poisons every
+// later softmax of its sequence); NaN stays NaN. Reads are exact: every code is a bf16.
+//
+// With AVX-512 sixteen values a time through fp16 (vcvtph2ps / integer rounding), else one
+// at a time; both give the same bits.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+namespace pdserve_cpu {
+
+template <typename F>
+struct Fp8Format;
+template <>
+struct Fp8Format<c10::Float8_e4m3fn> {
+  static constexpr int kMantissa = 3, kBias = 7;
+  static constexpr uint32_t kMaxCode = 0x7E;  // 448; 0x7F is NaN
+  static constexpr float kMax = 448.f;
+};
+template <>
+struct Fp8Format<c10::Float8_e5m2> {
+  static constexpr int kMantissa = 2, kBias = 15;
+  static constexpr uint32_t kMaxCode = 0x7B;  // 57344; 0x7C is inf
+  static constexpr float kMax = 57344.f;
+};
+
+template <typename C>
+constexpr bool kIsFp8 = std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>;
+
+template <typename F>
+struct Fp8Bits {
+  using Fmt = Fp8Format<F>;
+  static constexpr int kDrop = 23 - Fmt::kMantissa;  // fp32 mantissa bits a code drops
+  static constexpr uint32_t kRebias = static_cast<uint32_t>(127 - Fmt::kBias) << Fmt::kMantissa;
+  static constexpr uint32_t kMinNormal = static_cast<uint32_t>(127 - Fmt::kBias + 1) << 23;  // as fp32 bits
+  // Subnormal codes count multiples of 2^(1 - bias - mantissa bits).
+  static constexpr float kSubnormalScale = static_cast<float>(1u << (Fmt::kBias - 1 + Fmt::kMantissa));
+  // A code's magnitude bits shifted into an fp16's are its value times 2^(bias - 15).
+  static constexpr int kHalfShift = 10 - Fmt::kMantissa;
+  static constexpr float kHalfScale = Fmt::kBias == 15 ? 1.f : static_cast<float>(1u << (15 - Fmt::kBias));
+};
+
+template <typename F>
+inline uint8_t fp8_code(float x) {
+  using B = Fp8Bits<F>;
+  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  const uint32_t sign = (bits >> 24) & 0x80, mag = bits & 0x7FFFFFFFu;
+  if (mag > 0x7F800000u) return static_cast<uint8_t>(sign | 0x7F);  // NaN
+  uint32_t code;
+  if (mag < B::kMinNormal) {
+    code = static_cast<uint32_t>(std::nearbyint(std::bit_cast<float>(mag) * B::kSubnormalScale));
+  } else {
+    const uint32_t rounded = mag + ((1u << (B::kDrop - 1)) - 1) + ((mag >> B::kDrop) & 1);
+    code = std::min((rounded >> B::kDrop) - B::kRebias, Fp8Format<F>::kMaxCode);
+  }
+  return static_cast<uint8_t>(sign | code);
+}
+
+template <typename F>
+inline float fp8_value(uint8_t code) {
+  using B = Fp8Bits<F>;
+  if constexpr (std::is_same_v<F, c10::Float8_e4m3fn>)
+    if ((code & 0x7F) == 0x7F) return std::numeric_limits<float>::quiet_NaN();
+  const uint16_t half = static_cast<uint16_t>(((code & 0x7F) << B::kHalfShift) | ((code & 0x80) << 8));
+  return static_cast<float>(c10::Half(half, c10::Half::from_bits())) * B::kHalfScale;
+}
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
+
+#if defined(__AVX512F__)
+template <typename F>
+inline __m128i fp8_codes16(__m512 x) {
+  using B = Fp8Bits<F>;
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(mag, B::kDrop), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32((1 << (B::kDrop - 1)) - 1)), lsb);
+  __m512i code = _mm512_min_epu32(_mm512_sub_epi32(_mm512_srli_epi32(rounded, B::kDrop), _mm512_set1_epi32(B::kRebias)),
+                                  _mm512_set1_epi32(Fp8Format<F>::kMaxCode));
+  const __mmask16 subnormal = _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(B::kMinNormal));
+  const __m512 scaled = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(B::kSubnormalScale));
+  code = _mm512_mask_mov_epi32(code, subnormal,
+                               _mm512_cvtps_epi32(_mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT |
+                                                                                   _MM_FROUND_NO_EXC)));
+  code = _mm512_mask_mov_epi32(code, _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32(0x7F800000)),
+                               _mm512_set1_epi32(0x7F));
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(code, sign));
+}
+
+template <typename F>
+inline __m512 fp8_values16(__m128i codes) {
+  using B = Fp8Bits<F>;
+  const __m512i c = _mm512_cvtepu8_epi32(codes);
+  const __m512i half = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), B::kHalfShift),
+                                       _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 8));
+  __m512 value = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(half));
+  if constexpr (B::kHalfScale != 1.f) value = _mm512_mul_ps(value, _mm512_set1_ps(B::kHalfScale));
+  if constexpr (std::is_same_v<F, c10::Float8_e4m3fn>)
+    value = _mm512_mask_mov_ps(value,
+                               _mm512_cmpeq_epi32_mask(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)),
+                                                       _mm512_set1_epi32(0x7F)),
+                               _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  return value;
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {  // exact: every code's value is a bf16
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+#endif
+
+// codes[i] = the code of src[i], i < n.
+template <typename F, typename T>
+inline void quantize_fp8(const T* __restrict src, uint8_t* __restrict codes, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), fp8_codes16<F>(load16(src + i)));
+#endif
+  for (; i < n; ++i) codes[i] = fp8_code<F>(widen(src[i]));
+}
+
+// dst[i] = the value of codes[i], i < n, as T (float or bf16: exact).
+template <typename F, typename T>
+inline void dequantize_fp8(const uint8_t* __restrict codes, T* __restrict dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    store16(dst + i, fp8_values16<F>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<T>(fp8_value<F>(codes[i]));
+}
+
+}  // namespace pdserve_cpu
