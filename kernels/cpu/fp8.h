@@ -4,8 +4,9 @@
 // (torch's conversion of an overflow would give NaN or inf, and one such key poisons every
 // later softmax of its sequence); NaN stays NaN. Reads are exact: every code is a bf16.
 //
-// With AVX-512 sixteen values a time through fp16 (vcvtph2ps / integer rounding), else one
-// at a time; both give the same bits.
+// With AVX-512 writes take sixteen values a time (integer rounding of the fp32 bits) and
+// reads 32 codes a time (through fp16: a shift, vcvtph2ps), else one at a time; both give the
+// same bits.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -106,31 +107,53 @@ inline __m128i fp8_codes16(__m512 x) {
   return _mm512_cvtepi32_epi8(_mm512_or_si512(code, sign));
 }
 
+#if defined(__AVX512BW__)
+// 32 codes as fp16 bits in 16-bit lanes: E5M2 is an fp16's top byte; E4M3's magnitude bits
+// go to fp16's bits 13..7 (its value times 2^-8) and its sign to bit 15, its NaN to fp16's.
 template <typename F>
-inline __m512 fp8_values16(__m128i codes) {
-  using B = Fp8Bits<F>;
-  const __m512i c = _mm512_cvtepu8_epi32(codes);
-  const __m512i half = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), B::kHalfShift),
-                                       _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 8));
-  __m512 value = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(half));
-  if constexpr (B::kHalfScale != 1.f) value = _mm512_mul_ps(value, _mm512_set1_ps(B::kHalfScale));
-  if constexpr (std::is_same_v<F, c10::Float8_e4m3fn>)
-    value = _mm512_mask_mov_ps(value,
-                               _mm512_cmpeq_epi32_mask(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)),
-                                                       _mm512_set1_epi32(0x7F)),
-                               _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-  return value;
+inline __m512i fp8_halves32(__m256i codes) {
+  const __m512i c = _mm512_cvtepu8_epi16(codes);
+  if constexpr (std::is_same_v<F, c10::Float8_e5m2>) {
+    return _mm512_slli_epi16(c, 8);
+  } else {
+    const __m512i shifted = _mm512_slli_epi16(c, 7);  // the sign lands on bit 14: adding it to itself carries it to 15
+    const __m512i half = _mm512_add_epi16(shifted, _mm512_and_si512(shifted, _mm512_set1_epi16(0x4000)));
+    const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(c, _mm512_set1_epi16(0x7F)), _mm512_set1_epi16(0x7F));
+    return _mm512_mask_mov_epi16(half, nan, _mm512_set1_epi16(0x7E00));
+  }
 }
+
+// 32 codes' values: the first 16 in lo, the next 16 in hi.
+template <typename F>
+inline void fp8_values32(__m256i codes, __m512& lo, __m512& hi) {
+  const __m512i half = fp8_halves32<F>(codes);
+  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
+  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
+  if constexpr (Fp8Bits<F>::kHalfScale != 1.f) {
+    lo = _mm512_mul_ps(lo, _mm512_set1_ps(Fp8Bits<F>::kHalfScale));
+    hi = _mm512_mul_ps(hi, _mm512_set1_ps(Fp8Bits<F>::kHalfScale));
+  }
+}
+
+inline void store32(float* p, __m512 lo, __m512 hi) {
+  _mm512_storeu_ps(p, lo);
+  _mm512_storeu_ps(p + 16, hi);
+}
+inline void store32(c10::BFloat16* p, __m512 lo, __m512 hi) {  // exact: every code's value is a bf16
+#if defined(__AVX512BF16__)
+  _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+#else
+  const __m512i odd_words = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29,
+                                             27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  _mm512_storeu_si512(p, _mm512_permutex2var_epi16(_mm512_castps_si512(lo), odd_words, _mm512_castps_si512(hi)));
+#endif
+}
+#endif
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) {  // exact: every code's value is a bf16
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
 }
 #endif
 
@@ -149,9 +172,12 @@ inline void quantize_fp8(const T* __restrict src, uint8_t* __restrict codes, int
 template <typename F, typename T>
 inline void dequantize_fp8(const uint8_t* __restrict codes, T* __restrict dst, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    store16(dst + i, fp8_values16<F>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i))));
+#if defined(__AVX512BW__)
+  for (; i + 32 <= n; i += 32) {
+    __m512 lo, hi;
+    fp8_values32<F>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i)), lo, hi);
+    store32(dst + i, lo, hi);
+  }
 #endif
   for (; i < n; ++i) dst[i] = static_cast<T>(fp8_value<F>(codes[i]));
 }

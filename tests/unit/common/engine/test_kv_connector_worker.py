@@ -99,6 +99,26 @@ def test_a_prompts_kv_moves_between_the_workers(workers, layerwise_send):
     assert producer.get_finished() == [] and consumer.get_finished() == []  # reported once
 
 
+def test_fp8_pools_move_their_codes_byte_for_byte(workers):
+    """kv_cache_dtype fp8: a pool of E4M3 codes travels as its bytes, a quarter of fp32's."""
+    src = [tuple(t.clamp(-448, 448).to(torch.float8_e4m3fn) for t in kv) for kv in pool(1)]
+    dst = [tuple(torch.zeros(NUM_BLOCKS, *BLOCK_SHAPE, dtype=torch.float8_e4m3fn) for _ in range(2))
+           for _ in range(NUM_LAYERS)]
+    producer, consumer = workers("producer", src), workers("consumer", dst)
+    assert consumer.info()["dtype"] == "float8_e4m3fn"
+    dst_block_ids, src_block_ids = [2, 11], [5, 6]
+    consumer.start_load_kv(KVConnectorMetadata(recvs=[KVRecvSpec("r", "t-8", dst_block_ids, 10.0)]))
+    run_step(producer, KVConnectorMetadata(sends=[KVSendSpec("r", src_block_ids, target_of(consumer, "t-8",
+                                                                                             dst_block_ids))]))
+    [sent], [received] = wait_finished(producer), wait_finished(consumer)
+    assert (sent.state, received.state) == ("done", "done")
+    assert received.num_bytes == sent.num_bytes == 2 * NUM_LAYERS * 2 * 4 * 2 * 8
+    for layer_idx in range(NUM_LAYERS):
+        for kv in (0, 1):
+            assert torch.equal(dst[layer_idx][kv][dst_block_ids].view(torch.uint8),
+                               src[layer_idx][kv][src_block_ids].view(torch.uint8))
+
+
 def test_a_receive_nobody_sends_expires(workers):
     consumer = workers("consumer", pool(None))
     consumer.start_load_kv(KVConnectorMetadata(recvs=[KVRecvSpec("r", "t-2", [1, 2], 0.2)]))
