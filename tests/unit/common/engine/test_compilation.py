@@ -294,3 +294,27 @@ def test_a_single_weight_copy_engine_runs_every_step_on_the_panels(tiny_llama_di
     finally:
         single.engine.shutdown()
         two_copies.engine.shutdown()
+
+
+def test_a_pool_of_fp8_codes_runs_the_compiled_methods_as_the_eager_model(engines, monkeypatch):
+    """kv_cache_dtype fp8: the compiled methods (loaded from the fp32 pool's engine: the pool
+    is no part of their key) write and read the codes as the eager model does. Last in this
+    module: its engine compiles graphs, which the recompile count above would see."""
+    compiled, _ = engines
+    monkeypatch.delenv("PDSERVE_ENFORCE_EAGER", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", compiled.cache_dir)
+    options = dict(dtype="float32", max_num_batched_tokens=64, kv_cache_memory="16MiB", kv_cache_dtype="fp8")
+    fp8_compiled = LLM(str(compiled.model_dir), **options)
+    fp8_eager = LLM(str(compiled.model_dir), enforce_eager=True, **options)
+    try:
+        runner = fp8_compiled.engine.executor.runner
+        assert runner.forward is not runner.model and runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+        prompts = _prompts([3, 150, 40, 9])  # chunked prompts beside decodes, then decode-only steps
+        for g, w in zip(fp8_compiled.generate(prompts, params), fp8_eager.generate(prompts, params)):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+                assert g_step.token_logprob == pytest.approx(w_step.token_logprob, abs=LOGPROB_ATOL)
+    finally:
+        fp8_compiled.engine.shutdown()
+        fp8_eager.engine.shutdown()
