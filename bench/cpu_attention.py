@@ -1,8 +1,9 @@
 """`pdserve bench cpu-attention`: one layer's CPU attention, torch path vs the native kernel.
 
 SmolLM2-135M geometry (9 query heads, 3 KV heads, head_dim 64, block_size 16), the
-cache in fp32 and bf16, block tables shuffled across a cache larger than the batch
-needs. Decode steps for batch 1/16/64 at context 256/1024, and a mixed step (one
+cache in fp32 and bf16 (and, asked with --dtypes, bf16 queries over a cache of fp8 codes:
+kv_cache_dtype fp8_e4m3 / fp8_e5m2), block tables shuffled across a cache larger than the
+batch needs. Decode steps for batch 1/16/64 at context 256/1024, and a mixed step (one
 prefill chunk with context plus decode rows). Each case times both paths alternately,
 reps interleaved, and reports the median and min milliseconds per call (= per layer
 per step), under each torch thread count asked for. On a shared machine the min is the
@@ -24,21 +25,28 @@ import time
 import torch
 
 from kernels import decode_attention, prefill_attention
+from kernels._backend import to_cache_dtype
 from kernels.cpu import build
 from kernels.cpu_attention import native_attention_error
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 SCALE = HEAD_DIM ** -0.5
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# name -> (the query's and the model's dtype, the cache's)
+DTYPES = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.bfloat16),
+          "bf16-kv-fp8_e4m3": (torch.bfloat16, torch.float8_e4m3fn),
+          "bf16-kv-fp8_e5m2": (torch.bfloat16, torch.float8_e5m2)}
 
 
-def paged_cache(seq_lens: list[int], dtype: torch.dtype, gen: torch.Generator):
-    """Random K/V cache with 25% spare blocks and shuffled block tables covering seq_lens."""
+def paged_cache(seq_lens: list[int], dtype: torch.dtype, gen: torch.Generator,
+                cache_dtype: torch.dtype | None = None):
+    """Random K/V cache (in cache_dtype, default dtype) with 25% spare blocks and shuffled
+    block tables covering seq_lens."""
     blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) * 5 // 4 + 1
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)  # [num_blocks, block_size, kv_heads, head_dim]
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    # [num_blocks, block_size, kv_heads, head_dim]
+    k_cache = to_cache_dtype(torch.randn(shape, generator=gen).to(dtype), cache_dtype or dtype)
+    v_cache = to_cache_dtype(torch.randn(shape, generator=gen).to(dtype), cache_dtype or dtype)
     perm = torch.randperm(num_blocks, generator=gen)
     block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
     taken = 0
@@ -48,18 +56,19 @@ def paged_cache(seq_lens: list[int], dtype: torch.dtype, gen: torch.Generator):
     return k_cache, v_cache, block_tables
 
 
-def decode_case(batch: int, context: int, dtype: torch.dtype, gen: torch.Generator):
-    k_cache, v_cache, block_tables = paged_cache([context] * batch, dtype, gen)
+def decode_case(batch: int, context: int, dtype: torch.dtype, gen: torch.Generator,
+                cache_dtype: torch.dtype | None = None):
+    k_cache, v_cache, block_tables = paged_cache([context] * batch, dtype, gen, cache_dtype)
     q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
     return lambda backend: decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE, backend=backend)
 
 
 def mixed_case(chunk: int, chunk_context: int, num_decode: int, decode_context: int, dtype: torch.dtype,
-               gen: torch.Generator):
+               gen: torch.Generator, cache_dtype: torch.dtype | None = None):
     """One prefill chunk of `chunk` tokens after `chunk_context` cached ones, plus decode rows."""
     seq_lens = [chunk_context + chunk] + [decode_context] * num_decode
-    k_cache, v_cache, block_tables = paged_cache(seq_lens, dtype, gen)
+    k_cache, v_cache, block_tables = paged_cache(seq_lens, dtype, gen, cache_dtype)
     q = torch.randn(chunk + num_decode, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
     query_start_loc = torch.tensor([0] + [chunk + i for i in range(num_decode + 1)], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -105,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the results here (e.g. docs/bench/cpu_attention.json)")
     p.add_argument("--seconds", type=float, default=0.4, help="time budget per case, both paths")
     p.add_argument("--threads", default="1,2", help="torch thread counts to run the cases under")
+    p.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated, from {', '.join(DTYPES)}")
     p.add_argument("--no-build-time", action="store_true", help="skip timing a fresh build of the kernel")
     p.add_argument("--note", default="", help="conditions worth recording with the figures (e.g. a shared machine)")
     args = p.parse_args(argv)
@@ -116,14 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     cases = []
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
-        for dtype_name, dtype in DTYPES.items():
+        for dtype_name in args.dtypes.split(","):
+            dtype, cache_dtype = DTYPES[dtype_name]
             for batch in (1, 16, 64):
                 for context in (256, 1024):
-                    result = time_case(decode_case(batch, context, dtype, gen), args.seconds)
+                    result = time_case(decode_case(batch, context, dtype, gen, cache_dtype), args.seconds)
                     cases.append({"threads": threads, "step": "decode", "dtype": dtype_name, "batch": batch,
                                   "context": context} | result)
                     print(json.dumps(cases[-1]), flush=True)
-            result = time_case(mixed_case(256, 512, 16, 1024, dtype, gen), args.seconds)
+            result = time_case(mixed_case(256, 512, 16, 1024, dtype, gen, cache_dtype), args.seconds)
             cases.append({"threads": threads, "step": "mixed", "dtype": dtype_name, "prefill_chunk": 256,
                           "prefill_context": 512, "decode_batch": 16, "decode_context": 1024} | result)
             print(json.dumps(cases[-1]), flush=True)

@@ -24,8 +24,9 @@ PROMPT = [(i * 7919) % 40000 + 3 for i in range(37)]  # 5 blocks, the last one p
 DEADLINE_S = 10.0
 
 
-def config(model_dir, role: str, layerwise_send: bool = True) -> EngineConfig:
-    return EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
+def config(model_dir, role: str, layerwise_send: bool = True, kv_cache_dtype: str = "auto") -> EngineConfig:
+    return EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+                                                                cache_dtype=kv_cache_dtype),
                         scheduler=SchedulerConfig(max_num_batched_tokens=16),  # the prompt takes 3 chunks
                         kv_transfer=KVTransferConfig(role=role, bind_endpoint="tcp://127.0.0.1:*",
                                                      layerwise_send=layerwise_send))
@@ -35,8 +36,8 @@ def config(model_dir, role: str, layerwise_send: bool = True) -> EngineConfig:
 def cores(tiny_llama_dir):
     made = []
 
-    def make(role, layerwise_send: bool = True):
-        core = EngineCore(config(tiny_llama_dir, role, layerwise_send))
+    def make(role, layerwise_send: bool = True, kv_cache_dtype: str = "auto"):
+        core = EngineCore(config(tiny_llama_dir, role, layerwise_send, kv_cache_dtype))
         core.transfer_outcomes = []
         core.kv_transfer_observers.append(core.transfer_outcomes.append)
         made.append(core)
@@ -87,9 +88,11 @@ def assert_pool_free(core) -> None:
     assert not core.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("layerwise_send", [True, False])
-def test_remote_prefill_then_decode_equals_colocated(cores, tiny_llama_dir, layerwise_send):
-    prefill, decode = cores("producer", layerwise_send), cores("consumer")
+@pytest.mark.parametrize("layerwise_send, kv_cache_dtype", [(True, "auto"), (False, "auto"), (True, "fp8")])
+def test_remote_prefill_then_decode_equals_colocated(cores, tiny_llama_dir, layerwise_send, kv_cache_dtype):
+    """fp8: both pools hold E4M3 codes, which travel as they are: the decode continues from
+    exactly the codes a colocated engine would have written."""
+    prefill, decode = cores("producer", layerwise_send, kv_cache_dtype), cores("consumer", kv_cache_dtype=kv_cache_dtype)
     admission = admit(decode, Request("r", PROMPT, PARAMS), True, 0, "t-1", 10.0)
     assert admission.placement is Placement.REMOTE and len(admission.dst_block_ids) == 5
     endpoint = decode.collective_rpc("kv_connector_info")[0]["endpoint"]
@@ -103,7 +106,8 @@ def test_remote_prefill_then_decode_equals_colocated(cores, tiny_llama_dir, laye
         outputs += decode.step()
     tokens = [t for o in outputs for t in o.new_token_ids]
     reference = LLM(model=str(tiny_llama_dir), num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                    max_num_batched_tokens=16).generate({"prompt_token_ids": PROMPT}, PARAMS)
+                    max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype).generate({"prompt_token_ids": PROMPT},
+                                                                                        PARAMS)
     assert tokens == reference[0].outputs[0].token_ids
     assert_pool_free(decode)
 
@@ -194,6 +198,12 @@ def test_export_targets_are_checked_before_any_work(cores):
     with pytest.raises(TargetMismatchError, match="bfloat16"):
         make_export_target(endpoint="tcp://127.0.0.1:1", transfer_id="t", dst_block_ids=list(range(5)),
                            first_block_index=0, num_layers=geo.num_layers, dtype="bfloat16",
+                           block_shape=list(geo.block_shape), timeout_s=1, num_prompt_tokens=len(PROMPT),
+                           geometry=geo)
+    fp8_decode = cores("consumer", kv_cache_dtype="fp8")  # a pool of codes pairs with code pools only
+    with pytest.raises(TargetMismatchError, match="float8_e4m3fn"):
+        make_export_target(endpoint="tcp://127.0.0.1:1", transfer_id="t", dst_block_ids=list(range(5)),
+                           first_block_index=0, num_layers=geo.num_layers, dtype=geometry(fp8_decode).dtype,
                            block_shape=list(geo.block_shape), timeout_s=1, num_prompt_tokens=len(PROMPT),
                            geometry=geo)
 
