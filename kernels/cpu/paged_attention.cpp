@@ -433,9 +433,13 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
   // and a 1024-token prompt's attention took 14 or 20 ms from one process to the next.
   // An fp8 cache's block, K and V, widened to T (block_rows).
   const int64_t widened_floats = kIsFp8<C> ? (block_size * head_dim * static_cast<int64_t>(sizeof(T)) + 3) / 4 : 0;
+  // Rows that accumulate P.V one V row at a time in fp32 (rows_accumulate: decode) take an fp8
+  // cache's V widened to fp32 at once, not to T and then again to fp32 for every key.
+  const bool v_as_float = kIsFp8<C> && kNumVec > 0 && !transposed;
+  const int64_t v_widened_floats = v_as_float ? block_size * head_dim : widened_floats;
   const ScratchLayout layout(scratch, {q_float_floats, num_tile_rows * head_dim, num_rows, num_rows * score_stride,
                                        k_transposed ? head_dim * score_stride : 0, q_bf16_floats, pair_floats,
-                                       pair_floats, num_rows * kLanes, widened_floats, widened_floats});
+                                       pair_floats, num_rows * kLanes, widened_floats, v_widened_floats});
   bounds.resize(2 * num_rows);
   float* q_rows = layout[0];   // [num_rows, head_dim], pre-scaled (fp32 paths only)
   float* acc = layout[1];      // [num_tile_rows, head_dim]
@@ -448,7 +452,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
   auto* v_pairs = reinterpret_cast<uint32_t*>(layout[7]);
   float* row_sums = layout[8];  // [num_rows, kLanes]: each row's softmax denominator, per lane
   auto* k_widened = reinterpret_cast<T*>(layout[9]);  // [block_size, head_dim] (fp8 caches)
-  auto* v_widened = reinterpret_cast<T*>(layout[10]);
+  auto* v_widened = reinterpret_cast<T*>(layout[10]);  // (or fp32, v_as_float)
   int64_t* row_begin = bounds.data();              // [num_rows] visible keys of this block, relative
   int64_t* row_end = row_begin + num_rows;         // [num_rows]
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -539,8 +543,15 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
     const int64_t keys_end = std::min(hi, block_start + block_size) - block_start;
     const auto [k_block, k_pos_stride] =
         block_rows(k_head + block_id * pr.k_block_stride, pr.k_pos_stride, keys_begin, keys_end, head_dim, k_widened);
+    const float* v_floats = nullptr;  // the block's V rows in fp32 (v_as_float), head_dim apart
+    if constexpr (kIsFp8<C>)
+      if (v_as_float)
+        v_floats = block_rows(v_head + block_id * pr.v_block_stride, pr.v_pos_stride, keys_begin, keys_end, head_dim,
+                              layout[10]).first;
     const auto [v_block, v_pos_stride] =
-        block_rows(v_head + block_id * pr.v_block_stride, pr.v_pos_stride, keys_begin, keys_end, head_dim, v_widened);
+        v_as_float ? std::pair<const T*, int64_t>{nullptr, head_dim}
+                   : block_rows(v_head + block_id * pr.v_block_stride, pr.v_pos_stride, keys_begin, keys_end, head_dim,
+                                v_widened);
     for (int64_t r = 0; r < num_rows; ++r) {
       const int64_t position = item.first_position + r / group;
       row_begin[r] = std::max({first_visible_key(pr, position), lo, block_start}) - block_start;
@@ -644,13 +655,19 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
     if constexpr (kNumVec > 0) {
       // Softmax left p = 0 on [keys_begin, keys_end) outside a row's keys, and those V rows
       // are real cached positions, so a group of rows runs over the union of its ranges.
-      for_row_groups<kAccumRows>(num_rows, row_begin, row_end, [&]<int64_t R>(int64_t r, int64_t begin, int64_t end) {
-        rows_accumulate<kNumVec, R>(acc + r * head_dim, head_dim, scores + r * score_stride, score_stride, v_block,
-                                    v_pos_stride, begin, end, [&](int64_t) {
-                                      k_ahead.ask_next();  // the fp32 scores' K (bf16's are all asked)
-                                      v_ahead.ask_next();
-                                    });
-      });
+      auto accumulate = [&](const auto* v_rows) {
+        for_row_groups<kAccumRows>(num_rows, row_begin, row_end, [&]<int64_t R>(int64_t r, int64_t begin, int64_t end) {
+          rows_accumulate<kNumVec, R>(acc + r * head_dim, head_dim, scores + r * score_stride, score_stride, v_rows,
+                                      v_pos_stride, begin, end, [&](int64_t) {
+                                        k_ahead.ask_next();  // the fp32 scores' K (bf16's are all asked)
+                                        v_ahead.ask_next();
+                                      });
+        });
+      };
+      if (v_floats != nullptr)
+        accumulate(v_floats);
+      else
+        accumulate(v_block);
       k_ahead.ask_rest();  // what fewer keys than the block's left
       v_ahead.ask_rest();
     } else {  // each V row loaded once for all rows
