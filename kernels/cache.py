@@ -48,7 +48,7 @@ def write_kv_cache_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     key, value = to_cache_dtype(key, k_cache.dtype), to_cache_dtype(value, v_cache.dtype)
-    if k_cache.dtype in FP8_CACHE_DTYPES:  # torch copies fp8 tensors' bytes, not their values
+    if k_cache.dtype in FP8_CACHE_DTYPES:  # index_copy_ has no fp8 CPU kernel: the codes go as bytes
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         key, value = key.view(torch.uint8), value.view(torch.uint8)
     if k_cache.is_contiguous() and v_cache.is_contiguous():

@@ -172,10 +172,23 @@ class ScratchLayout {
 
 inline bool is_fp8(at::ScalarType dtype) { return dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2; }
 
+// What block_rows' rows of a C cache are short of their values by: scores take scale times it,
+// outputs are multiplied by it (both exact: a power of two).
+template <typename C>
+constexpr float kCodeScale = [] {
+  if constexpr (kIsFp8<C>)
+    return kWidenedScale<C>;
+  else
+    return 1.f;
+}();
+
 // Rows [keys_begin, keys_end) of one head's cache block as T, and their stride: the cache's
-// own rows where it holds T, else its fp8 codes widened into `buffer` (row j at j * head_dim).
-// Widening a block's rows first and then running the T kernels on them costs a pass over
-// ~2 KB in L1; the DRAM reads it saves are half the KV bytes.
+// own rows where it holds T, else its fp8 codes widened into `buffer` (row j at j * head_dim),
+// each value divided by kCodeScale<C> (fp8.h: E4M3's by 2^8), which the item's scale and
+// output multiply back.
+// Widened once per item and block, the rows serve every row of the item and every path
+// below unchanged; the pass costs about what reading half the bytes saves (decode on the
+// Zen 5 EPYC: docs/benchmarks.md, "8-bit KV cache").
 template <typename T, typename C>
 inline std::pair<const T*, int64_t> block_rows(const C* rows, int64_t pos_stride, int64_t keys_begin,
                                                int64_t keys_end, int64_t head_dim, T* buffer) {
@@ -184,7 +197,7 @@ inline std::pair<const T*, int64_t> block_rows(const C* rows, int64_t pos_stride
   } else {
     static_assert(kIsFp8<C>);
     for (int64_t j = keys_begin; j < keys_end; ++j)
-      dequantize_fp8<C>(reinterpret_cast<const uint8_t*>(rows + j * pos_stride), buffer + j * head_dim, head_dim);
+      widen_fp8<C>(reinterpret_cast<const uint8_t*>(rows + j * pos_stride), buffer + j * head_dim, head_dim);
     return {buffer, head_dim};
   }
 }
@@ -239,6 +252,7 @@ void attend_whole_rows(const Problem& pr, const WorkItem& item, int64_t kv_head,
   alignas(64) uint32_t k_pairs[kPairWords];
   const C* k_head = static_cast<const C*>(pr.k) + kv_head * pr.k_head_stride;
   const C* v_head = static_cast<const C*>(pr.v) + kv_head * pr.v_head_stride;
+  const float scale = pr.scale * kCodeScale<C>;
   // An fp8 cache's block widened (block_rows); empty for a bf16 one.
   thread_local std::vector<c10::BFloat16> widened;
   if constexpr (kIsFp8<C>) widened.resize(2 * block_size * kHeadDim);
@@ -247,10 +261,10 @@ void attend_whole_rows(const Problem& pr, const WorkItem& item, int64_t kv_head,
   auto scores_of = [&](const uint32_t* key_pairs, int64_t column) {
     if constexpr (kAmx) {
 #ifdef PDSERVE_ATTENTION_AMX
-      amx_block_scores<kHeadDim>(q_bf16, num_rows, key_pairs, pr.scale, num_keys, scores + column);
+      amx_block_scores<kHeadDim>(q_bf16, num_rows, key_pairs, scale, num_keys, scores + column);
 #endif
     } else {
-      paired_scores_bf16<kHeadDim>(q_bf16, num_rows, key_pairs, pr.scale, num_keys, scores + column);
+      paired_scores_bf16<kHeadDim>(q_bf16, num_rows, key_pairs, scale, num_keys, scores + column);
     }
   };
   if (paired != nullptr)
@@ -461,13 +475,14 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
   std::fill(row_sums, row_sums + num_rows * kLanes, 0.f);
 
   const T* q = static_cast<const T*>(pr.q);
+  const float scale = pr.scale * kCodeScale<C>;  // of the rows block_rows gives
   for (int64_t r = 0; r < num_rows; ++r) {
     const T* src =
         q + (item.first_token + r / group) * pr.q_token_stride + (kv_head * group + r % group) * pr.q_head_stride;
     if constexpr (kBf16Dot)
       std::memcpy(q_bf16 + r * head_dim, src, head_dim * sizeof(T));  // a constant size: inlined moves
     else
-      for (int64_t d = 0; d < head_dim; ++d) q_rows[r * head_dim + d] = to_float(src[d]) * pr.scale;
+      for (int64_t d = 0; d < head_dim; ++d) q_rows[r * head_dim + d] = to_float(src[d]) * scale;
   }
   if constexpr (kBf16Dot) std::fill(q_bf16 + num_rows * head_dim, q_bf16 + num_tile_rows * head_dim, T(0.f));
 #ifdef PDSERVE_ATTENTION_AMX
@@ -564,13 +579,13 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
         if constexpr (kBf16Dot)
           for (int64_t first = keys_begin / 16 * 16; first < keys_end; first += 16) {
             pair_key_rows<kHeadDim>(k_block, k_pos_stride, first, keys_begin, keys_end, k_pairs);
-            amx_block_scores<kHeadDim>(q_bf16, num_rows, k_pairs, pr.scale, score_stride, scores + first);
+            amx_block_scores<kHeadDim>(q_bf16, num_rows, k_pairs, scale, score_stride, scores + first);
           }
 #endif
       } else if (transposed) {
 #ifdef PDSERVE_BF16_DOT
         if constexpr (kBf16Dot)
-          transposed_scores_bf16<kHeadDim>(q_bf16, num_rows, k_block, k_pos_stride, keys_begin, keys_end, pr.scale,
+          transposed_scores_bf16<kHeadDim>(q_bf16, num_rows, k_block, k_pos_stride, keys_begin, keys_end, scale,
                                            score_stride, scores, k_pairs);
         else
 #endif
@@ -582,7 +597,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
           for (int64_t r = 0; r < num_rows; ++r) {
             if (row_begin[r] < row_end[r])
               row_scores_bf16<kHeadDim>(q_bf16 + r * head_dim, k_block, k_pos_stride, row_begin[r], row_end[r],
-                                        pr.scale, scores + r * score_stride);
+                                        scale, scores + r * score_stride);
             k_ahead.ask_until(block_size * (r + 1) / num_rows);
           }
         } else
@@ -689,7 +704,7 @@ rows_done:
   if (item.partial >= 0) {  // one part of a split token: merged by merge_split_token
     float* slot = pr.partials + (item.partial * pr.num_kv_heads + kv_head) * group * (head_dim + 2);
     for (int64_t r = 0; r < num_rows; ++r) {
-      std::copy(acc + r * head_dim, acc + (r + 1) * head_dim, slot + r * (head_dim + 2));
+      for (int64_t d = 0; d < head_dim; ++d) slot[r * (head_dim + 2) + d] = acc[r * head_dim + d] * kCodeScale<C>;
       slot[r * (head_dim + 2) + head_dim] = row_max[r];
       slot[r * (head_dim + 2) + head_dim + 1] = row_sum(r);
     }
@@ -700,7 +715,7 @@ rows_done:
     T* dst = out + (item.first_token + r / group) * pr.out_token_stride +
              (kv_head * group + r % group) * pr.out_head_stride;
     const float sum = row_sum(r);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float inv = sum > 0.f ? kCodeScale<C> / sum : 0.f;
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[r * head_dim + d] * inv);
   }
 }

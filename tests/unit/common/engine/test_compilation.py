@@ -62,6 +62,14 @@ def _prompts(lengths: list[int]) -> list[dict]:
     return [{"prompt_token_ids": [(7 * i + 13 * n) % 900 + 50 for i in range(n)]} for n in lengths]
 
 
+def _assert_same_greedy(got, want, atol: float) -> None:
+    """The same tokens, each with the same logprob within atol."""
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert g_step.token_logprob == pytest.approx(w_step.token_logprob, abs=atol)
+
+
 @pytest.mark.parametrize("native_decode", [False, True], ids=["compiled-decode", "native-decode"])
 def test_compiled_and_eager_agree_on_prefill_decode_and_mixed_steps(engines, native_decode):
     compiled, eager = engines
@@ -287,10 +295,8 @@ def test_a_single_weight_copy_engine_runs_every_step_on_the_panels(tiny_llama_di
         # A 200-token prompt's prefill (200 rows: oneDNN's beside the panels, panel_gemm's
         # alone), then decode steps; and a batch whose long prompt chunks beside short ones' decodes.
         for prompts in (_prompts([200]), _prompts([3, 230, 40])):
-            for got, want in zip(single.generate(prompts, params), two_copies.generate(prompts, params)):
-                assert got.outputs[0].token_ids == want.outputs[0].token_ids
-                for g_step, w_step in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
-                    assert g_step.token_logprob == pytest.approx(w_step.token_logprob, abs=BF16_LOGPROB_ATOL)
+            _assert_same_greedy(single.generate(prompts, params), two_copies.generate(prompts, params),
+                                BF16_LOGPROB_ATOL)
     finally:
         single.engine.shutdown()
         two_copies.engine.shutdown()
@@ -311,10 +317,7 @@ def test_a_pool_of_fp8_codes_runs_the_compiled_methods_as_the_eager_model(engine
         assert runner.forward is not runner.model and runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
         prompts = _prompts([3, 150, 40, 9])  # chunked prompts beside decodes, then decode-only steps
-        for g, w in zip(fp8_compiled.generate(prompts, params), fp8_eager.generate(prompts, params)):
-            assert g.outputs[0].token_ids == w.outputs[0].token_ids
-            for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
-                assert g_step.token_logprob == pytest.approx(w_step.token_logprob, abs=LOGPROB_ATOL)
+        _assert_same_greedy(fp8_compiled.generate(prompts, params), fp8_eager.generate(prompts, params), LOGPROB_ATOL)
     finally:
         fp8_compiled.engine.shutdown()
         fp8_eager.engine.shutdown()
