@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from common.engine.llm import LLM
 from common.engine.outputs import ScheduledRequest
@@ -152,4 +153,24 @@ def test_mixed_steps_give_each_request_its_own_outputs(target_dir, reference):
     params = [greedy(1 if i % 5 == 0 else 24) for i in range(NUM_PROMPTS)]
     outputs = generate(llm, prompts, params)
     assert outputs == [ref[:p.max_tokens] for ref, p in zip(reference["greedy"], params)]
+    llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_over_a_pool_of_fp8_codes_greedy_outputs_are_unchanged_by_speculation(target_dir, tiny_model_factory,
+                                                                               method):
+    """kv_cache_dtype fp8: the verification steps and a draft model's own KV read and write
+    codes as the plain decode steps do, so speculation still changes no token."""
+    prompts = make_prompts()
+    plain = LLM(str(target_dir), kv_cache_dtype="fp8", **ENGINE)
+    want = generate(plain, prompts, greedy())
+    plain.engine.shutdown()
+    llm = LLM(str(target_dir), speculative_config=proposer_config(method, tiny_model_factory), kv_cache_dtype="fp8",
+              **ENGINE)
+    runner = llm.engine.executor.runner
+    assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    if method == "draft_model":
+        assert runner.proposer.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert generate(llm, prompts, greedy()) == want
+    assert llm.engine.stats()["spec_num_draft_tokens"] > 0
     llm.engine.shutdown()
