@@ -81,8 +81,8 @@ def check_cache_dtypes(dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch
 
 def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """x as the cache stores it: fp8 codes round to nearest and saturate at the format's largest
-    finite value (an overflow to inf or NaN would poison every later softmax of its sequence),
-    as the native kernel writes them."""
+    finite value (torch saturates E4M3 itself but takes E5M2 to inf, which would poison every
+    later softmax of its sequence), as the native kernel writes them."""
     if cache_dtype not in FP8_CACHE_DTYPES:
         return x
     limit = torch.finfo(cache_dtype).max

@@ -1,8 +1,8 @@
 // 8-bit float KV cache codes (OCP FP8: E4M3FN and E5M2, vLLM's kv_cache_dtype "fp8_e4m3" and
 // "fp8_e5m2"), no scales: a code is the value itself, as torch's float8_e4m3fn and
-// float8_e5m2 store it. Writes round to nearest even and saturate at the largest finite code
-// (torch's conversion of an overflow would give NaN or inf, and one such key poisons every
-// later softmax of its sequence); NaN stays NaN. Reads widen exactly (every code is a bf16),
+// float8_e5m2 store it. Writes round to nearest even and saturate at the largest finite code,
+// infinities too, as torch's E4M3 conversion does (its E5M2 one overflows to inf, and one
+// infinite key poisons every later softmax of its sequence); NaN stays NaN. Reads widen exactly (every code is a bf16),
 // E4M3's to its value / 2^8 (kWidenedScale), which spares a multiply per value.
 //
 // With AVX-512 writes take sixteen values a time (integer rounding of the fp32 bits) and
