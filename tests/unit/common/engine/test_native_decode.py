@@ -129,10 +129,9 @@ def test_the_loop_over_fp8_caches_matches_the_model(tiny_llama_dir, kv_cache_dty
     loop = _with_native_loop(native)
     assert loop is not None
     eager = LLM(str(tiny_llama_dir), **options)
+    codes = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
     for llm in (native, eager):
-        assert all(k.dtype == v.dtype == getattr(torch, kv_cache_dtype.replace("fp8_e4m3", "float8_e4m3fn")
-                                                  .replace("fp8_e5m2", "float8_e5m2"))
-                   for k, v in llm.engine.executor.runner.kv_caches)
+        assert all(k.dtype == v.dtype == codes for k, v in llm.engine.executor.runner.kv_caches)
     prompts = parity_prompts()
     batch, max_tokens = [*prompts, prompts[2][:40]], [12, 3, 9, 14, 6]
     got, want = _generate(native, batch, max_tokens), _generate(eager, batch, max_tokens)
