@@ -91,7 +91,8 @@ def test_torch_and_native_writes_store_the_same_bytes(cache_dtype, dtype):
     assert torch.equal(written, to_cache_dtype(key[slots >= 0], cache_dtype).float())
 
 
-def _fp8_paged(seq_lens, block_size, gen, dtype, cache_dtype, num_kv_heads, head_dim):
+def _fp8_paged(seq_lens, block_size, gen, cache_dtype, num_kv_heads, head_dim):
+    """make_paged's cache as codes (K spread 3x wider than V, as a model's keys are)."""
     k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, block_size, gen, dtype=torch.float32,
                                                       num_kv_heads=num_kv_heads, head_dim=head_dim, device="cpu")
     return to_cache_dtype(k_cache * 3, cache_dtype), to_cache_dtype(v_cache, cache_dtype), block_tables
@@ -114,8 +115,7 @@ def test_steps_over_fp8_caches_match_the_reference(cache_dtype, dtype, geometry,
     # to be split over its keys when the call has few items), an empty query.
     shapes = [(0, 45), (50, 20), (37, 1), (600, 1), (9, 0), (130, 1)]
     seq_lens = [c + n for c, n in shapes]
-    k_cache, v_cache, block_tables = _fp8_paged(seq_lens, block_size, gen, dtype, cache_dtype, num_kv_heads,
-                                                head_dim)
+    k_cache, v_cache, block_tables = _fp8_paged(seq_lens, block_size, gen, cache_dtype, num_kv_heads, head_dim)
     query_lens = [n for _, n in shapes]
     q = torch.randn(sum(query_lens), num_kv_heads * ratio, head_dim, generator=gen).to(dtype)
     starts = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
