@@ -67,7 +67,8 @@ def run_client(base_url: str, args: argparse.Namespace, json_path: Path) -> dict
 def serve_ours(args: argparse.Namespace, model_dir: str, out: Path) -> dict:
     from common.cli.up import LocalStack
     passthrough = ["--model", model_dir, "--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory,
-                   "--max-model-len", str(args.max_model_len), "--log-level", "WARNING"]
+                   "--max-model-len", str(args.max_model_len), "--kv-cache-dtype", args.kv_cache_dtype,
+                   "--log-level", "WARNING"]
     if args.enforce_eager:
         passthrough.append("--enforce-eager")
     if args.num_scheduler_steps != 1:
@@ -82,7 +83,8 @@ def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path, python: Path
     port = free_port()
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", Path(model_dir).name, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", str(args.seed)]
+            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", str(args.seed),
+            "--kv-cache-dtype", args.kv_cache_dtype]
     kv_gib = parse_memory_size(args.kv_cache_memory) / (1 << 30)  # main checked it is a size
     with open(out / "vllm-serve.log", "w") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
@@ -122,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", default="2GiB", help="both sides' KV pool, whole GiB")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], default="auto",
+                        help="both sides' KV cache: the model's dtype, or 8-bit float codes (vLLM's flag)")
     parser.add_argument("--prefill", type=int, default=0, help="our prefill instances (0: decode prefills)")
     parser.add_argument("--decode", type=int, default=1, help="our decode instances")
     parser.add_argument("--enforce-eager", action="store_true")
