@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from bench.peers.proc_cpu import wait_until_quiet
 from bench.peers.proc_memory import tree_memory
+from common.engine.config import KV_CACHE_DTYPE_NAMES
 
 
 def _sync(device: torch.device) -> None:
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", help="both sides run in this dtype (auto: see --dtype of "
                                                         "the engine); the peers get the one it resolves to")
     parser.add_argument("--enforce-eager", action="store_true", help="our engine uncompiled")
-    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], default="auto",
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_NAMES, default="auto",
                         help="both sides' KV cache: the model's dtype, or 8-bit float codes (vLLM's flag)")
     parser.add_argument("--single-weight-copy", action="store_true",
                         help="our engine keeps each bf16 linear's weight once (the engine's --single-weight-copy)")

@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.peers.vllm_peer import cpu_env, preload_choice, vllm_python
-from common.engine.config import parse_memory_size
+from common.engine.config import KV_CACHE_DTYPE_NAMES, parse_memory_size
 
 
 def free_port() -> int:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", default="2GiB", help="both sides' KV pool, whole GiB")
-    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], default="auto",
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_NAMES, default="auto",
                         help="both sides' KV cache: the model's dtype, or 8-bit float codes (vLLM's flag)")
     parser.add_argument("--prefill", type=int, default=0, help="our prefill instances (0: decode prefills)")
     parser.add_argument("--decode", type=int, default=1, help="our decode instances")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from common.engine.config import make_engine_config
+from common.engine.config import KV_CACHE_DTYPE_NAMES, make_engine_config
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +20,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV pool size: bytes (2GiB, 512MiB) or a fraction of free memory after weights "
                         "(0.9); default 1GiB on CPU, 0.9 on GPU")
-    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], default="auto",
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_NAMES, default="auto",
                    help="what the KV pool holds: auto (the model's dtype) or 8-bit float codes, as vLLM's "
                         "flag (fp8 = fp8_e4m3; no scales): half of bf16's bytes, so twice the tokens per "
                         "pool and decode attention reads half as much (CPU; float32 and bfloat16 models)")

@@ -216,8 +216,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.native_decode = None  # it writes the caches it was built with; warm_up builds it anew
         self.kv_caches = allocate_paged_kv(self.model_config, num_blocks, self.block_size, self.kv_cache_dtype,
-                                           self.device,
-                                           self.num_local_layers, self.num_local_kv_heads)
+                                           self.device, self.num_local_layers, self.num_local_kv_heads)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
         if self.proposer is not None:

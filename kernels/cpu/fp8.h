@@ -15,6 +15,8 @@
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
+#include "vec_math.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -84,9 +86,6 @@ inline float fp8_value(uint8_t code) {
   return static_cast<float>(c10::Half(half, c10::Half::from_bits())) * B::kHalfScale;
 }
 
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
-
 #if defined(__AVX512F__)
 template <typename F>
 inline __m128i fp8_codes16(__m512 x) {
@@ -146,12 +145,6 @@ inline void store32(c10::BFloat16* p, __m512 lo, __m512 hi) {  // exact: every c
 #endif
 }
 #endif
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
 #endif
 
 // codes[i] = the code of src[i], i < n.
@@ -160,9 +153,9 @@ inline void quantize_fp8(const T* __restrict src, uint8_t* __restrict codes, int
   int64_t i = 0;
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), fp8_codes16<F>(load16(src + i)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), fp8_codes16<F>((__m512)load_vec(src + i)));
 #endif
-  for (; i < n; ++i) codes[i] = fp8_code<F>(widen(src[i]));
+  for (; i < n; ++i) codes[i] = fp8_code<F>(to_float(src[i]));
 }
 
 // Codes widen to their value divided by this power of two: E4M3's by 2^8, which leaves them
