@@ -507,16 +507,27 @@ class ModelRunner:
         self.kv_connector.save_kv_layer(layer_idx)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]):
-        """All tensors of a step, built once: decodes (one token) first, then prefill chunks."""
-        decodes = [r for r in scheduled if len(r.token_ids) == 1]
-        prefills = [r for r in scheduled if len(r.token_ids) > 1]
+        """All tensors of a step, built once: decode rows (one query token each) first, then
+        prefill chunks. On CPU a request verifying drafts is decode rows too, one a token,
+        each seeing the keys up to its own position (the layer writes every row's K/V before
+        it attends): such a step runs where decode steps do (the native loop) instead of
+        through the prefill kernels."""
+        device = self.device
+        if device.type == "cpu":
+            decodes = [r for r in scheduled if len(r.token_ids) == 1 + len(r.spec_token_ids)]
+        else:
+            decodes = [r for r in scheduled if len(r.token_ids) == 1]
+        decode_ids = {id(r) for r in decodes}
+        prefills = [r for r in scheduled if id(r) not in decode_ids]
         ordered = decodes + prefills
         bs = self.block_size
+        max_blocks = max((len(r.block_table) for r in ordered), default=0)
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        seq_lens: list[int] = []
+        seq_lens: list[int] = []  # a row's: a decode token's or a prefill chunk's
         query_lens: list[int] = []
+        block_table_rows: list[list[int]] = []
         sample_indices: list[int] = []
         sample_reqs: list[ScheduledRequest] = []
         for req in ordered:
@@ -526,15 +537,19 @@ class ModelRunner:
             pos_range = range(req.start_pos, req.start_pos + num_new)
             positions.extend(pos_range)
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in pos_range)
-            seq_lens.append(req.start_pos + num_new)
-            query_lens.append(num_new)
+            table_row = table + [0] * (max_blocks - len(table))
+            if id(req) in decode_ids:
+                seq_lens.extend(p + 1 for p in pos_range)
+                query_lens.extend([1] * num_new)
+                block_table_rows.extend([table_row] * num_new)
+            else:
+                seq_lens.append(req.start_pos + num_new)
+                query_lens.append(num_new)
+                block_table_rows.append(table_row)
             if req.do_sample:  # at the last known token and at each draft
                 sample_indices.extend(range(len(input_ids) - len(req.spec_token_ids) - 1, len(input_ids)))
                 sample_reqs.append(req)
-        num_decodes = len(decodes)
-        device = self.device
-        max_blocks = max((len(r.block_table) for r in ordered), default=0)
-        block_table_rows = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in ordered]
+        num_decodes = sum(len(r.token_ids) for r in decodes)  # decode rows, one token each
         query_start_loc = list(accumulate(query_lens, initial=0))
         ids, pos, slots, samples = upload_int_lists(
             [input_ids, positions, slot_mapping, sample_indices], torch.int64, device)
@@ -545,8 +560,8 @@ class ModelRunner:
         # The whole step as one ragged batch (decodes are queries of length 1); the decode
         # and prefill tensors are its rows. The CPU kernel takes the whole batch in one call
         # per layer, the other paths the two parts.
-        # [num_seqs, max_blocks]
-        all_block_tables = flat_block_tables.view(len(ordered), max_blocks) if ordered else None
+        # [num_rows, max_blocks]
+        all_block_tables = flat_block_tables.view(len(block_table_rows), max_blocks) if ordered else None
         one_batch = device.type == "cpu" and bool(ordered)
         meta = AttentionMetadata(
             slot_mapping=slots,

@@ -87,3 +87,29 @@ def test_an_fp8_pool_holds_twice_the_tokens_of_bf16_and_names_its_codes(tiny_lla
     assert (bf16_dtype, fp8_dtype) == (torch.bfloat16, torch.float8_e4m3fn)
     assert fp8_bytes * 2 == bf16_bytes
     assert fp8_blocks == 2 * bf16_blocks
+
+
+def test_a_step_verifying_drafts_lays_them_out_as_decode_rows(tiny_llama_dir):
+    """On the CPU a request verifying k drafts is k + 1 decode rows (one query token each,
+    its block table repeated, each row's keys up to its own position); plain decodes share
+    the rows, prefill chunks stay ragged after them; a sample at every row of a verification."""
+    llm = LLM(model=str(tiny_llama_dir), kv_cache_memory="16MiB", enforce_eager=True)
+    runner = llm.engine.executor.runner
+    bs = runner.block_size
+    params = SamplingParams()
+    prefill = ScheduledRequest("p", [5, 6, 7, 8, 9], 0, [3], True, params)
+    verifying = ScheduledRequest("v", [11, 12, 13], bs + 1, [1, 2], True, params, spec_token_ids=[12, 13])
+    decode = ScheduledRequest("d", [21], 2, [4], True, params)
+    ids, positions, meta, sample_indices, sample_reqs = runner.prepare_inputs([prefill, verifying, decode])
+    assert ids.tolist() == [11, 12, 13, 21, 5, 6, 7, 8, 9]
+    assert positions.tolist() == [bs + 1, bs + 2, bs + 3, 2, 0, 1, 2, 3, 4]
+    assert meta.slot_mapping.tolist() == [2 * bs + 1, 2 * bs + 2, 2 * bs + 3, 4 * bs + 2, *range(3 * bs, 3 * bs + 5)]
+    assert meta.num_decode_tokens == 4
+    assert meta.seq_lens.tolist() == [bs + 2, bs + 3, bs + 4, 3, 5]
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4, 9]
+    assert meta.block_tables.tolist() == [[1, 2], [1, 2], [1, 2], [4, 0], [3, 0]]
+    assert meta.decode_seq_lens.tolist() == [bs + 2, bs + 3, bs + 4, 3] and meta.max_decode_seq_len == bs + 4
+    assert meta.prefill_query_start_loc.tolist() == [0, 5] and meta.prefill_block_tables.tolist() == [[3, 0]]
+    assert sample_indices.tolist() == [0, 1, 2, 3, 8]
+    assert [r.req_id for r in sample_reqs] == ["v", "d", "p"]
+    llm.engine.shutdown()

@@ -9,9 +9,12 @@ import pytest
 import torch
 
 from common.engine.llm import LLM
+from common.engine.models.prepacked_linear import prepack_linears
+from common.engine.native_decode import NativeDecodeLoop
 from common.engine.outputs import ScheduledRequest
 from common.engine.sampling_params import SamplingParams
 from common.engine.spec_decode.proposer import DraftProposer
+from kernels.cpu_decode import native_decode_available
 
 K = 3
 NUM_PROMPTS = 20
@@ -173,4 +176,53 @@ def test_over_a_pool_of_fp8_codes_greedy_outputs_are_unchanged_by_speculation(ta
         assert runner.proposer.kv_caches[0][0].dtype == torch.float8_e4m3fn
     assert generate(llm, prompts, greedy()) == want
     assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+    llm.engine.shutdown()
+
+
+def with_native_loop(llm: LLM):
+    """Give an eager engine the native decode loop, as a compiled one builds it at warm-up
+    (the suite runs eagerly: compiling costs it minutes)."""
+    runner = llm.engine.executor.runner
+    prepack_linears(runner.model)
+    runner.native_decode = NativeDecodeLoop.build(runner.model, runner.kv_caches)
+    assert runner.native_decode is not None
+    return runner.native_decode
+
+
+@pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
+def test_verification_steps_run_in_the_native_loop_and_change_no_bf16_token(target_dir):
+    """On the CPU a request verifying k drafts is k + 1 decode rows, so its steps run in the
+    native loop as plain decode steps do: the same kernels round the same way, and in bf16
+    speculation gives the very tokens of plain decoding (through the prefill kernels, near
+    ties of the argmax fell the other way)."""
+    prompts = make_prompts()
+    engine = ENGINE | dict(dtype="bfloat16")
+    plain = LLM(str(target_dir), **engine)
+    with_native_loop(plain)
+    want = generate(plain, prompts, greedy(40))
+    plain.engine.shutdown()
+    llm = LLM(str(target_dir), speculative_config=spec("ngram"), **engine)
+    runner = llm.engine.executor.runner
+    loop = with_native_loop(llm)
+    run_model, forward = runner._run_model, runner._forward
+    num_verification_steps = [0, 0]  # all, in the loop
+
+    def recording_run_model(scheduler_output):
+        verifies = any(r.spec_token_ids for r in scheduler_output.scheduled)
+        prefills = any(len(r.token_ids) > 1 + len(r.spec_token_ids) for r in scheduler_output.scheduled)
+        steps_before = loop.num_steps
+        output = run_model(scheduler_output)
+        if verifies and not prefills:
+            num_verification_steps[0] += 1
+            num_verification_steps[1] += loop.num_steps - steps_before
+        return output
+
+    def forward_of_prefills(input_ids, positions, meta, received):
+        assert meta.num_decode_tokens < input_ids.shape[0], "a decode-only step left the loop"
+        return forward(input_ids, positions, meta, received)
+
+    runner._run_model, runner._forward = recording_run_model, forward_of_prefills
+    assert generate(llm, prompts, greedy(40)) == want
+    assert num_verification_steps[0] >= 5 and num_verification_steps[1] == num_verification_steps[0]
+    assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
     llm.engine.shutdown()
