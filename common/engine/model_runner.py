@@ -238,6 +238,8 @@ class ModelRunner:
             self._compile()
             if self.device.type == "cpu" and self.parallel_config.world_size == 1:
                 self.native_decode = NativeDecodeLoop.build(self.model, self.kv_caches)
+                if self.native_decode is not None and self.proposer is not None:
+                    self.proposer.build_native_loop()
             if (self.device.type == "cuda" and max_num_seqs and max_model_len and cuda_graphs_enabled()
                     and self.parallel_config.world_size == 1):
                 self.decode_graphs = DecodeGraphs(

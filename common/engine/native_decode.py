@@ -162,29 +162,32 @@ class NativeDecodeLoop:
         self.num_token_steps = 0  # steps run_tokens ran
 
     @classmethod
-    def build(cls, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> NativeDecodeLoop | None:
-        """The loop for this model, or None (logged) where it does not apply."""
+    def build(cls, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+              num_layers: int | None = None, role: str = "decode") -> NativeDecodeLoop | None:
+        """The loop for this model (its first num_layers layers: None, all), or None (logged)
+        where it does not apply. role names the passes in the log: "decode" for the
+        engine's own steps, e.g. "draft" for a proposer's."""
         if native_decode_disabled():
-            logger.info("decode steps stay on the compiled model (PDSERVE_NATIVE_DECODE=0)")
+            logger.info("%s steps stay on the model (PDSERVE_NATIVE_DECODE=0)", role)
             return None
         if not native_decode_available():
             return None
         if not all(k.is_contiguous() and v.is_contiguous() for k, v in kv_caches):
-            logger.info("decode steps stay on the compiled model: the KV caches are not contiguous")
+            logger.info("%s steps stay on the model: the KV caches are not contiguous", role)
             return None
         try:
-            loop = cls(model, kv_caches)
+            loop = cls(model, kv_caches, num_layers)
         except Unsupported as e:
-            logger.info("decode steps stay on the compiled model: %s", e)
+            logger.info("%s steps stay on the model: %s", role, e)
             return None
         if loop.in_regions:
-            logger.info("decode-only steps run in the native loop (kernels/cpu/decode_layers.cpp), "
-                        "one parallel region a step")
+            logger.info("%s-only steps run in the native loop (kernels/cpu/decode_layers.cpp), "
+                        "one parallel region a step", role)
         elif loop.max_num_tokens == sys.maxsize:
-            logger.info("decode-only steps run in the native loop (kernels/cpu/decode_layers.cpp)")
+            logger.info("%s-only steps run in the native loop (kernels/cpu/decode_layers.cpp)", role)
         else:
-            logger.info("decode steps of up to %d tokens run in the native loop (kernels/cpu/decode_layers.cpp)",
-                        loop.max_num_tokens)
+            logger.info("%s steps of up to %d tokens run in the native loop (kernels/cpu/decode_layers.cpp)",
+                        role, loop.max_num_tokens)
         return loop
 
     def serves(self, num_tokens: int, meta: AttentionMetadata) -> bool:

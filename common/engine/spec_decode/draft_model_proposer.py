@@ -18,8 +18,10 @@ import torch
 from common.engine.config import ModelConfig
 from common.engine.model_files import load_hf_config, resolve_model
 from common.engine.models.attention import AttentionMetadata
+from common.engine.models.prepacked_linear import prepack_linears
+from common.engine.native_decode import NativeDecodeLoop
 from common.engine.outputs import ScheduledRequest
-from common.engine.spec_decode.proposer import DraftProposer, draft_greedily
+from common.engine.spec_decode.proposer import DraftProposer, draft_greedily, through_loop
 
 if TYPE_CHECKING:
     from common.engine.config import SpeculativeConfig
@@ -43,14 +45,26 @@ class DraftModelProposer(DraftProposer):
         # Per draft layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.seen_req_ids: set[str] = set()
+        self.loop: NativeDecodeLoop | None = None  # the draft's decode passes (build_native_loop)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         from common.engine.model_runner import allocate_paged_kv
         runner = self.runner
+        self.loop = None  # it writes the caches it was built with; build_native_loop builds it anew
         self.kv_caches = allocate_paged_kv(self.model_config, num_blocks, runner.block_size, runner.kv_cache_dtype,
                                            runner.device)
 
+    def build_native_loop(self) -> None:
+        # The loop reads the packed linears' decode weights, which the eager draft then runs too.
+        if getattr(self.model, "prepacked_head", None) is None:
+            prepack_linears(self.model)
+        self.loop = NativeDecodeLoop.build(self.model, self.kv_caches, role="draft")
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return through_loop(self.loop, self._model_forward)(input_ids, positions, meta)
+
+    def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     def observe_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.engine.models.attention import AttentionMetadata
+from common.engine.native_decode import NativeDecodeLoop
 from common.engine.outputs import ScheduledRequest
 from common.engine.spec_decode.ngram_proposer import NgramProposer
 from kernels.cpu_sampling import argmax_rows
@@ -34,6 +35,10 @@ class DraftProposer(ABC):
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Its own KV pool, with the target's block ids (the same block tables index it)."""
+
+    def build_native_loop(self) -> None:
+        """The engine's decode steps run in the native loop (CPU, compiled): a proposer that
+        runs model layers builds its own for its decode-only passes."""
 
     def observe_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                         scheduled: list[ScheduledRequest]) -> None:
@@ -67,6 +72,19 @@ class NgramDraftProposer(DraftProposer):
 
 # Runs a draft forward pass over a step's tensors -> hidden states [num_tokens, hidden_size].
 DraftForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def through_loop(loop: NativeDecodeLoop | None, forward: DraftForward) -> DraftForward:
+    """forward, with the decode-only passes the loop serves run in the loop (one native call
+    through every layer, where the eager model pays Python and a fork per op)."""
+    if loop is None:
+        return forward
+
+    def run(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if loop.serves(input_ids.shape[0], meta):
+            return loop.run(input_ids, positions, meta)  # [num_tokens, hidden_size]
+        return forward(input_ids, positions, meta)
+    return run
 
 
 def draft_greedily(runner: "ModelRunner", forward: DraftForward, compute_logits: Callable,
@@ -109,6 +127,14 @@ class EarlyExitDraftProposer(DraftProposer):
             raise ValueError(f"num_early_exit_layers={self.num_exit_layers} must be fewer than the "
                              f"model's {num_layers} layers")
         self.runner = runner
+        self.loop: NativeDecodeLoop | None = None  # the first layers' decode passes (build_native_loop)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.loop = None  # it writes the caches it was built with; build_native_loop builds it anew
+
+    def build_native_loop(self) -> None:
+        runner = self.runner
+        self.loop = NativeDecodeLoop.build(runner.model, runner.kv_caches, self.num_exit_layers, role="draft")
 
     def propose(self, requests: list[ScheduledRequest],
                 emitted_token_ids: list[list[int]]) -> list[list[int]]:
@@ -117,7 +143,8 @@ class EarlyExitDraftProposer(DraftProposer):
         def forward(input_ids, positions, meta):
             return runner.model(input_ids, positions, runner.kv_caches, meta, num_layers=self.num_exit_layers)
 
-        return draft_greedily(runner, forward, runner.model.compute_logits, requests, emitted_token_ids)
+        return draft_greedily(runner, through_loop(self.loop, forward), runner.model.compute_logits, requests,
+                              emitted_token_ids)
 
 
 def make_proposer(config: "SpeculativeConfig", runner: "ModelRunner") -> DraftProposer:

@@ -304,8 +304,8 @@ def test_a_single_weight_copy_engine_runs_every_step_on_the_panels(tiny_llama_di
 
 def test_a_pool_of_fp8_codes_runs_the_compiled_methods_as_the_eager_model(engines, monkeypatch):
     """kv_cache_dtype fp8: the compiled methods (loaded from the fp32 pool's engine: the pool
-    is no part of their key) write and read the codes as the eager model does. Last in this
-    module: its engine compiles graphs, which the recompile count above would see."""
+    is no part of their key) write and read the codes as the eager model does. After the
+    recompile count's test: its engine compiles graphs, which that count would see."""
     compiled, _ = engines
     monkeypatch.delenv("PDSERVE_ENFORCE_EAGER", raising=False)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", compiled.cache_dir)
@@ -321,3 +321,29 @@ def test_a_pool_of_fp8_codes_runs_the_compiled_methods_as_the_eager_model(engine
     finally:
         fp8_compiled.engine.shutdown()
         fp8_eager.engine.shutdown()
+
+
+@pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
+def test_warm_up_gives_the_proposer_its_own_native_loop(engines, monkeypatch):
+    """A compiled engine's warm-up builds an early-exit proposer's loop (the target's first
+    layer) beside its own; the drafts run there, and the tokens are those of the compiled
+    engine without speculation. After the recompile count's test, as the fp8 one: its
+    engine loads this module's compiled methods."""
+    compiled, _ = engines
+    monkeypatch.delenv("PDSERVE_ENFORCE_EAGER", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", compiled.cache_dir)
+    speculative = dict(method="early_exit", num_speculative_tokens=3, num_early_exit_layers=1,
+                       disable_by_batch_size=None, min_acceptance_rate=0.0)
+    llm = LLM(str(compiled.model_dir), dtype="float32", max_num_batched_tokens=64, kv_cache_memory="16MiB",
+              speculative_config=speculative)
+    try:
+        runner = llm.engine.executor.runner
+        draft_loop = runner.proposer.loop
+        assert runner.native_decode is not None and draft_loop is not None and len(draft_loop.k_caches) == 1
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        prompts = _prompts([3, 40, 9])
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert got == [o.outputs[0].token_ids for o in compiled.generate(prompts, params)]
+        assert draft_loop.num_steps >= 3 and llm.engine.stats()["spec_num_draft_tokens"] > 0
+    finally:
+        llm.engine.shutdown()
