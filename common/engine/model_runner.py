@@ -332,6 +332,8 @@ class ModelRunner:
         if connector is not None and connector.needs_layer_hook:
             meta.kv_layer_hook = self._kv_layer_hook
         model = self.model
+        # One row per sampled position: a request verifying k drafts samples k + 1.
+        sample_rows = expand_verification_rows(sample_reqs)
         received = None  # the previous stage's hidden states [num_tokens, hidden]
         graph_logits = None  # [num_tokens, vocab] when a graph computed them
         loop_output = None  # where the native loop took the step to its tokens
@@ -343,8 +345,8 @@ class ModelRunner:
             loop = self.native_decode
             if received is None and graphs is not None and graphs.serves(input_ids.shape[0], meta):
                 hidden, graph_logits = graphs.run(input_ids, positions, meta)  # [num_tokens, hidden]
-            elif received is None and self._loop_samples(scheduler_output, input_ids.shape[0], meta, sample_reqs):
-                loop_output = self._run_loop_tokens(scheduler_output, input_ids, positions, meta, sample_reqs)
+            elif received is None and self._loop_samples(scheduler_output, input_ids.shape[0], meta, sample_rows):
+                loop_output = self._run_loop_tokens(scheduler_output, input_ids, positions, meta, sample_rows)
             elif received is None and loop is not None and loop.serves(input_ids.shape[0], meta):
                 hidden = loop.run(input_ids, positions, meta)  # [num_tokens, hidden]
             else:
@@ -358,15 +360,13 @@ class ModelRunner:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         if connector is not None:
             connector.wait_for_save()
-        if loop_output is not None:
-            return loop_output
         proposer = self.proposer
         if proposer is not None:
             proposer.observe_forward(input_ids, positions, meta, scheduler_output.scheduled)
+        if loop_output is not None:
+            return loop_output if proposer is None else self._verified(sample_reqs, loop_output)
         if not sample_reqs:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
-        # One row per sampled position: a request verifying k drafts samples k + 1.
-        sample_rows = expand_verification_rows(sample_reqs)
         # Every TP rank of the last stage takes part in gathering the logits; one samples.
         # Sample indices are increasing, so as many as the rows are every row (each decode step).
         every_row = sample_indices.shape[0] == hidden.shape[0]
@@ -390,17 +390,32 @@ class ModelRunner:
             output.spec_token_ids = self._propose(sample_reqs, token_id_lists)
         return output
 
+    def _verified(self, sample_reqs: list[ScheduledRequest], row_output: RunnerOutput) -> RunnerOutput:
+        """A speculating engine's step from the loop's output, one token a sample row
+        (expand_verification_rows): each request's accepted drafts and the token after
+        them, and the next drafts."""
+        row_token_ids = [token_ids[0] for token_ids in row_output.sampled_token_ids]
+        row_logprobs = (None if row_output.logprobs is None
+                        else [logprobs[0] if logprobs else None for logprobs in row_output.logprobs])
+        token_id_lists, logprob_lists = accept_drafts(sample_reqs, row_token_ids, row_logprobs)
+        output = RunnerOutput(req_ids=[r.req_id for r in sample_reqs], sampled_token_ids=token_id_lists,
+                              logprobs=logprob_lists)
+        output.spec_token_ids = self._propose(sample_reqs, token_id_lists)
+        return output
+
     def _loop_samples(self, scheduler_output: SchedulerOutput, num_tokens: int, meta: AttentionMetadata,
-                      sample_reqs: list[ScheduledRequest]) -> bool:
+                      sample_rows: list[ScheduledRequest]) -> bool:
         """Whether the native loop takes this step from its tokens to the next ones
-        (NativeDecodeLoop.run_tokens): a decode step it serves with no drafts to verify or
-        propose, on the rank that samples. It samples the rows it can as the sampler would
-        (Sampler.rows_in_loop, no grammar); the sampler takes the others from its head's
-        logits."""
+        (NativeDecodeLoop.run_tokens): a step of decode rows it serves, each sampled (a
+        request verifying drafts samples at each; expand_verification_rows gives each row
+        the state it samples with), on the rank that samples. It samples the rows it can as
+        the sampler would (Sampler.rows_in_loop); the sampler takes the others from its
+        head's logits, a grammar's too, except in steps that verify drafts (whose rows share
+        a request's grammar state), which stay with the sampler."""
         loop = self.native_decode
-        return (loop is not None and loop.serves_tokens(num_tokens, meta) and self.proposer is None
-                and self.is_output_rank and len(sample_reqs) == num_tokens
-                and not any(r.spec_token_ids for r in sample_reqs))
+        return (loop is not None and loop.serves_tokens(num_tokens, meta) and self.is_output_rank
+                and len(sample_rows) == num_tokens
+                and (scheduler_output.grammar_bitmask is None or not any(r.spec_token_ids for r in sample_rows)))
 
     def _run_loop_tokens(self, scheduler_output: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor,
                          meta: AttentionMetadata, sample_reqs: list[ScheduledRequest]) -> RunnerOutput:

@@ -233,6 +233,37 @@ def test_verification_steps_run_in_the_native_loop(target_dir):
 
 
 @pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
+def test_the_loop_samples_verification_rows_as_the_sampler_does(target_dir):
+    """A bf16 model (its steps end in the loop's head): a verification step's k + 1 rows of a
+    request each take their token in the loop with the state they would have without
+    speculation (expand_verification_rows), greedy, or drawn at a temperature with
+    penalties, logprobs and stop tokens held back by min_tokens: the tokens and logprobs
+    the sampler takes from the loop's hidden states. Each run from an empty prefix cache,
+    so both see the same steps."""
+    prompts = make_prompts()
+    llm = LLM(str(target_dir), speculative_config=spec("ngram"), **(ENGINE | dict(dtype="bfloat16")))
+    loop = with_native_loop(llm)
+    max_head_tokens = loop.max_head_tokens
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    # Penalties light enough that the n-gram drafts still hold at times.
+    drawn = [SamplingParams(temperature=0.5, seed=7 + i, max_tokens=24, ignore_eos=True, logprobs=2,
+                            repetition_penalty=1.05, frequency_penalty=0.05, min_tokens=6) for i in range(NUM_PROMPTS)]
+    for params in (greedy(), drawn):
+        steps_before, accepted_before = loop.num_token_steps, llm.engine.stats()["spec_num_accepted_tokens"]
+        llm.reset_prefix_cache()
+        got = [o.outputs[0] for o in llm.generate(requests, params, use_tqdm=False)]
+        assert loop.num_token_steps > steps_before
+        assert llm.engine.stats()["spec_num_accepted_tokens"] > accepted_before
+        loop.max_head_tokens = 0  # the loop's hidden states, then compute_logits and the sampler
+        llm.reset_prefix_cache()
+        want = [o.outputs[0] for o in llm.generate(requests, params, use_tqdm=False)]
+        loop.max_head_tokens = max_head_tokens
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert [o.logprobs for o in got] == [o.logprobs for o in want]
+    llm.engine.shutdown()
+
+
+@pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
 @pytest.mark.parametrize("method", ["early_exit", "draft_model"])
 def test_draft_passes_run_in_the_proposers_own_native_loop(target_dir, tiny_model_factory, method):
     """A proposer that runs model layers drafts through a native loop of its own (the
