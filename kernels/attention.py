@@ -9,13 +9,13 @@ shapes/dtypes/devices so they never synchronise with the GPU.
 Sliding-window and logit-soft-capped layers (Mistral, Gemma 2) run on the torch path
 on CUDA: the Triton kernels implement neither, and a layer asking for them is sent to
 the reference rather than computed wrongly. The native CPU kernel implements both.
+Caches of fp8 codes: every backend reads them (widened exactly to the query's dtype).
 """
 from __future__ import annotations
 
 import torch
 
 from kernels._backend import (
-    FP8_CACHE_DTYPES,
     check_cache_dtypes,
     check_float_dtype,
     check_int32_1d,
@@ -53,7 +53,7 @@ def decode_attention(
         raise ValueError(f"q has {q.shape[0]} rows but block_tables has {num_seqs} sequences")
     check_int32_1d("seq_lens", seq_lens, num_seqs, q.device)
     _check_layer_features(sliding_window, logit_softcap)
-    chosen = _backend_for(q.device, backend, sliding_window, logit_softcap, k_cache.dtype)
+    chosen = _backend_for(q.device, backend, sliding_window, logit_softcap)
     if chosen == "triton":
         from kernels.triton_attention import decode_attention_triton
 
@@ -93,7 +93,7 @@ def prefill_attention(
     if max_query_len is not None and max_query_len > q.shape[0]:
         raise ValueError(f"max_query_len {max_query_len} > num_tokens {q.shape[0]}")
     _check_layer_features(sliding_window, logit_softcap)
-    chosen = _backend_for(q.device, backend, sliding_window, logit_softcap, k_cache.dtype)
+    chosen = _backend_for(q.device, backend, sliding_window, logit_softcap)
     if chosen == "triton":
         from kernels.triton_attention import prefill_attention_triton
 
@@ -127,7 +127,7 @@ def attention_with_kv_write(
     caches that are not contiguous): the caller then makes the separate calls."""
     if q.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
-    if _backend_for(q.device, None, sliding_window, logit_softcap, k_cache.dtype) != "native":
+    if _backend_for(q.device, None, sliding_window, logit_softcap) != "native":
         return None
     _check_layer_features(sliding_window, logit_softcap)
     return attention_with_kv_write_native(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start_loc,
@@ -142,13 +142,13 @@ def _check_layer_features(sliding_window: int | None, logit_softcap: float | Non
 
 
 def _backend_for(device: torch.device, backend: str | None, sliding_window: int | None,
-                 logit_softcap: float | None, cache_dtype: torch.dtype) -> str:
+                 logit_softcap: float | None) -> str:
     """The backend for one call: CPU takes the native kernel unless told otherwise, and
     features the Triton kernels lack send a CUDA call to torch."""
-    needs_torch = sliding_window is not None or logit_softcap is not None or cache_dtype in FP8_CACHE_DTYPES
+    needs_torch = sliding_window is not None or logit_softcap is not None
     if needs_torch and backend == "triton":
-        raise ValueError("the Triton attention kernels implement neither sliding windows, logit soft-capping "
-                         "nor fp8 caches; use backend='torch', 'native' or None for such layers")
+        raise ValueError("the Triton attention kernels implement neither sliding windows nor logit soft-capping; "
+                         "use backend='torch', 'native' or None for such layers")
     if backend is None and device.type == "cpu":
         return cpu_attention_backend()
     if backend is None and needs_torch:

@@ -31,12 +31,15 @@ def write_kv_cache(
     _check_write_args(key, value, k_cache, v_cache, slot_mapping)
     if key.shape[0] == 0:
         return
-    fp8 = k_cache.dtype in FP8_CACHE_DTYPES
-    if fp8 and backend == "triton":
-        raise ValueError("the Triton cache write takes no fp8 cache; use backend='torch' or None")
-    if not fp8 and select_backend(k_cache.device, backend) == "triton":
+    if select_backend(k_cache.device, backend) == "triton":
         from kernels.triton_cache import write_kv_cache_triton
 
+        if k_cache.dtype in FP8_CACHE_DTYPES:
+            # torch makes the codes (elementwise, so a CUDA graph may hold it), the kernel
+            # scatters them as bytes: one rounding, torch's, on every device.
+            key, value = to_cache_dtype(key, k_cache.dtype), to_cache_dtype(value, v_cache.dtype)
+            key, value = key.view(torch.uint8), value.view(torch.uint8)
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
         write_kv_cache_torch(key, value, k_cache, v_cache, slot_mapping)

@@ -9,6 +9,9 @@ precision: for fp32 inputs it avoids TF32's 1e-3 error, for fp16/bf16 it is igno
 The Triton interpreter (CPU tests) multiplies bfloat16 bit patterns in tl.dot
 (triton-lang/triton#11584, unsupported upstream), so under it bf16 tiles are cast to
 fp32 first (UPCAST); compiled GPU code never takes that branch.
+
+A cache of fp8 codes (E4M3 / E5M2, no scales) is widened tile by tile to the query's
+dtype, exactly: both formats' values are bf16 and fp32 values (WIDEN).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv
                  start, seq_len, q_pos, dim_ids, head_dim,
                  stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
                  scale_log2, CAUSAL: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+                 BLOCK_N: tl.constexpr, WIDEN: tl.constexpr):
     """Fold key positions [start, start + BLOCK_N) into the running softmax state."""
     positions = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     pos_mask = positions < seq_len
@@ -37,9 +40,9 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv
                 + kv_head * stride_kh + dim_ids[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
     v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + block_offsets[:, None] * stride_vo
                 + kv_head * stride_vh + dim_ids[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    if WIDEN:  # to q's dtype: fp32 under UPCAST, else the model's
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
     visible = pos_mask[None, :]
     if CAUSAL:
@@ -63,7 +66,7 @@ def _decode_kernel(
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
     head_dim, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, WIDEN: tl.constexpr,
 ):
     # One program per (sequence, kv head): the GQA group shares each K/V load.
     seq_idx = tl.program_id(0)
@@ -86,7 +89,7 @@ def _decode_kernel(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, start, seq_len,
             group_ids, dim_ids, head_dim, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
             stride_vh, scale_log2, CAUSAL=False, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
-            UPCAST=UPCAST)
+            WIDEN=WIDEN)
     # seq_len 0 (batch padding) leaves l_i at 0: write zeros rather than NaN.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + seq_idx * stride_os + head_ids[:, None] * stride_oh + dim_ids[None, :],
@@ -116,7 +119,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_bt,
     head_dim, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, WIDEN: tl.constexpr,
 ):
     # One program per (query tile of one sequence, q head); the grid has a few spare
     # tiles (see _find_seq_idx) that exit at once, so no max_query_len sync is needed.
@@ -153,7 +156,7 @@ def _prefill_kernel(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, start, seq_len,
             q_pos, dim_ids, head_dim, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
             stride_vh, scale_log2, CAUSAL=True, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
-            UPCAST=UPCAST)
+            WIDEN=WIDEN)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + token_ids[:, None] * stride_ot + head * stride_oh + dim_ids[None, :],
              out.to(out_ptr.dtype.element_ty), mask=qo_mask)
@@ -162,6 +165,12 @@ def _prefill_kernel(
 def _upcast(q: torch.Tensor) -> bool:
     # Only the interpreter (non-CUDA tensors) needs the bf16 workaround.
     return q.dtype == torch.bfloat16 and q.device.type != "cuda"
+
+
+def _widen(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the tiles read from the cache take the query's compute dtype first: fp8
+    codes, or bf16 values under the interpreter (_upcast)."""
+    return k_cache.dtype != q.dtype or _upcast(q)
 
 
 def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
@@ -184,7 +193,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale) 
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot wants >= 16 rows
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=64 if q.element_size() <= 2 else 32,
-        UPCAST=_upcast(q),
+        UPCAST=_upcast(q), WIDEN=_widen(q, k_cache),
     )
     return out
 
@@ -205,6 +214,6 @@ def prefill_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc,
         *_cache_strides(k_cache, v_cache), block_tables.stride(0),
         head_dim, GROUP=num_q_heads // k_cache.shape[2], BLOCK_M=block_m,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_m, UPCAST=_upcast(q),
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_m, UPCAST=_upcast(q), WIDEN=_widen(q, k_cache),
     )
     return out

@@ -65,6 +65,8 @@ def select_dtype(dtype: str, device: torch.device, flags: set[str] | None = None
 # scale of 1.0): every K and V value is rounded to the nearest code, saturating at the
 # format's largest finite value.
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# Triton converts fp8 codes (E4M3 at least) from compute capability 8.9 (Ada, Hopper) on.
+FP8_MIN_CUDA_CAPABILITY = (8, 9)
 
 
 def select_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -77,8 +79,13 @@ def select_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; "
                          f"got {kv_cache_dtype!r}")
-    if device.type != "cpu":
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype} is implemented by the CPU kernels; on {device.type} "
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CUDA_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype} needs a GPU of compute capability 8.9 or later "
+                         f"(Ada, Hopper), whose Triton reads fp8 codes; this one is {major}.{minor}: use "
+                         f"kv_cache_dtype auto")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype} is implemented for CPU and CUDA; on {device.type} "
                          f"use kv_cache_dtype auto")
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype} takes a float32 or bfloat16 model; dtype is "

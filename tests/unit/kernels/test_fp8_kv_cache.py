@@ -165,16 +165,6 @@ def test_mismatched_dtypes_are_refused(backend):
                        k_cache, k_cache.clone(), torch.zeros(1, dtype=torch.int64))
 
 
-def test_the_triton_kernels_refuse_fp8_caches():
-    k_cache = torch.zeros(2, 16, 1, 64, dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="fp8"):
-        decode_attention(torch.zeros(1, 2, 64), k_cache, k_cache.clone(), torch.zeros(1, 1, dtype=torch.int32),
-                         torch.ones(1, dtype=torch.int32), 1.0, backend="triton")
-    with pytest.raises(ValueError, match="fp8"):
-        write_kv_cache(torch.zeros(1, 1, 64), torch.zeros(1, 1, 64), k_cache, k_cache.clone(),
-                       torch.zeros(1, dtype=torch.int64), backend="triton")
-
-
 def test_the_native_op_refuses_an_fp16_query_over_fp8_caches():
     k_cache = torch.zeros(2, 16, 1, 64, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="fp8 codes for float32 and bfloat16"):

@@ -201,6 +201,49 @@ def test_half_precision_triton_matches_reference(dtype):
     assert rel_err(prefill_attention(*args, backend="triton"), prefill_attention(*args, backend="torch")) < 2e-2
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_over_fp8_codes_matches_the_reference(dtype, cache_dtype):
+    """kv_cache_dtype fp8 on CUDA: the Triton write stores torch's codes (padding slots
+    skipped), and both kernels read them as the torch reference does (widened exactly)."""
+    gen = torch.Generator().manual_seed(6)
+    seq_lens = [9, 30, 70]
+    block_size = 16
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 1
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.zeros(shape, dtype=cache_dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    reference_caches = (k_cache.clone(), v_cache.clone())
+    block_tables = torch.zeros(len(seq_lens), -(-max(seq_lens) // block_size), dtype=torch.int32)
+    slots, next_block = [], 1
+    for i, n in enumerate(seq_lens):
+        blocks = list(range(next_block, next_block + -(-n // block_size)))
+        next_block += len(blocks)
+        block_tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
+    slots.insert(5, -1)  # a padding token: nothing written
+    # Values past E4M3's largest (448) too: the codes saturate.
+    key = (torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, generator=gen) * 100).to(DEVICE, dtype)
+    value = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, generator=gen).to(DEVICE, dtype)
+    slot_mapping = torch.tensor(slots, device=DEVICE)
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping, backend="triton")
+    write_kv_cache(key, value, *reference_caches, slot_mapping, backend="torch")
+    assert torch.equal(k_cache.view(torch.uint8), reference_caches[0].view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), reference_caches[1].view(torch.uint8))
+    assert k_cache[0].view(torch.uint8).count_nonzero() == 0  # block 0 no slot's
+    block_tables = block_tables.to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    q = torch.randn(len(seq_lens), NUM_Q_HEADS, HEAD_DIM, generator=gen).to(DEVICE, dtype)
+    args = (q, k_cache, v_cache, block_tables, lens, SCALE)
+    out = decode_attention(*args, backend="triton")
+    assert out.dtype == dtype and rel_err(out, decode_attention(*args, backend="torch")) < tolerance
+    q = torch.randn(20, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(DEVICE, dtype)
+    query_start_loc = torch.tensor([0, 4, 12, 20], dtype=torch.int32, device=DEVICE)
+    args = (q, k_cache, v_cache, block_tables, query_start_loc, lens, SCALE)
+    assert rel_err(prefill_attention(*args, backend="triton"), prefill_attention(*args, backend="torch")) < tolerance
+
+
 def _decode_args(**overrides):
     k_cache = torch.zeros(4, 16, NUM_KV_HEADS, HEAD_DIM)
     args = dict(q=torch.zeros(2, NUM_Q_HEADS, HEAD_DIM), k_cache=k_cache, v_cache=k_cache.clone(),

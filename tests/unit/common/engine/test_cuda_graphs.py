@@ -139,15 +139,23 @@ def test_steps_a_graph_does_not_serve(llm):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graphs_match_the_compiled_forward(tiny_model_factory, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_cuda_graphs_match_the_compiled_forward(tiny_model_factory, monkeypatch, kv_cache_dtype):
+    """With a pool of fp8 codes too (GPUs of compute capability 8.9 on): the graphs hold
+    the codes' writes (torch's rounding, Triton's scatter) and the kernels' reads."""
+    if kv_cache_dtype == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 KV needs compute capability 8.9 or later")
     monkeypatch.delenv("PDSERVE_ENFORCE_EAGER", raising=False)
     model_dir = str(tiny_model_factory("tiny-llama", "llama"))
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = _prompts([5, 17, 30])
-    options = dict(dtype="float32", device="cuda", max_num_seqs=MAX_NUM_SEQS, kv_cache_memory="256MiB")
+    options = dict(dtype="float32", device="cuda", max_num_seqs=MAX_NUM_SEQS, kv_cache_memory="256MiB",
+                   kv_cache_dtype=kv_cache_dtype)
     with_graphs = LLM(model_dir, **options)
     try:
         assert _runner(with_graphs).decode_graphs is not None
+        if kv_cache_dtype == "fp8":
+            assert _runner(with_graphs).kv_caches[0][0].dtype == torch.float8_e4m3fn
         got = with_graphs.generate(prompts, params, use_tqdm=False)
         assert _runner(with_graphs).decode_graphs.num_replays >= params.max_tokens - 1
     finally:

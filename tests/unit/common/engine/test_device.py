@@ -57,12 +57,26 @@ def test_kv_cache_dtype_names_vllms_formats_and_refuses_what_no_kernel_reads(cap
     assert select_kv_cache_dtype("auto", torch.float16, CPU) == torch.float16
     with pytest.raises(ValueError, match="float32 or bfloat16 model; dtype is float16"):
         select_kv_cache_dtype("fp8", torch.float16, CPU)
-    with pytest.raises(ValueError, match="CPU kernels; on cuda use kv_cache_dtype auto"):
-        select_kv_cache_dtype("fp8", torch.bfloat16, torch.device("cuda"))
+    with pytest.raises(ValueError, match="implemented for CPU and CUDA; on mps use kv_cache_dtype auto"):
+        select_kv_cache_dtype("fp8", torch.bfloat16, torch.device("mps"))
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         select_kv_cache_dtype("int8", torch.bfloat16, CPU)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"):
         CacheConfig(cache_dtype="fp16")
+
+
+@pytest.mark.parametrize("capability, accepted", [((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)])
+def test_on_cuda_fp8_codes_need_a_gpu_whose_triton_converts_them(monkeypatch, capability, accepted):
+    """The GPU's compute capability is what decides (faked here: this machine has no GPU)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cuda = torch.device("cuda")
+    if accepted:
+        assert select_kv_cache_dtype("fp8", torch.bfloat16, cuda) == torch.float8_e4m3fn
+        assert select_kv_cache_dtype("fp8_e5m2", torch.float32, cuda) == torch.float8_e5m2
+    else:
+        with pytest.raises(ValueError, match=rf"compute capability 8.9 or later .* this one is "
+                                             rf"{capability[0]}.{capability[1]}: use kv_cache_dtype auto"):
+            select_kv_cache_dtype("fp8", torch.bfloat16, cuda)
 
 
 def test_num_threads_sets_this_processes_torch_threads():
