@@ -218,9 +218,11 @@ class SpeculativeConfig:
     the target verifies in the next step, as extra tokens of that step.
 
     Speculation is turned off for a step when more than `disable_by_batch_size` requests
-    run (verifying k + 1 tokens per row is not free on a CPU), and for a request whose
-    recent acceptance rate fell below `min_acceptance_rate`: it then skips
-    `num_backoff_steps` steps before it drafts again.
+    run (verifying k + 1 tokens per row is not free on a CPU), except for the requests
+    whose drafts have been holding: an acceptance rate of `large_batch_min_acceptance_rate`
+    or more (None: no exception); and for a request whose recent acceptance rate fell
+    below `min_acceptance_rate`: it then skips `num_backoff_steps` steps before it drafts
+    again.
     """
 
     method: str = "ngram"  # "ngram" | "early_exit" | "draft_model"
@@ -230,6 +232,7 @@ class SpeculativeConfig:
     num_early_exit_layers: int | None = None  # early_exit: target layers the draft runs (default 1/4)
     draft_model: str | None = None  # draft_model: a model sharing the target's tokenizer
     disable_by_batch_size: int | None = 4  # None: never off for batch size
+    large_batch_min_acceptance_rate: float | None = 0.8  # past disable_by_batch_size, who still drafts
     min_acceptance_rate: float = 0.2
     num_backoff_steps: int = 8
 
@@ -248,6 +251,9 @@ class SpeculativeConfig:
             raise ValueError(f"num_early_exit_layers must be >= 1; got {self.num_early_exit_layers}")
         if not 0.0 <= self.min_acceptance_rate <= 1.0:
             raise ValueError(f"min_acceptance_rate must be in [0, 1]; got {self.min_acceptance_rate}")
+        rate = self.large_batch_min_acceptance_rate
+        if rate is not None and not 0.0 <= rate <= 1.0:
+            raise ValueError(f"large_batch_min_acceptance_rate must be in [0, 1] or null; got {rate}")
 
     @property
     def proposer_writes_kv(self) -> bool:

@@ -148,7 +148,7 @@ class Scheduler(SchedulerInterface):
                 continue  # preempted earlier in this loop, or its last step is still running
             num_new_tokens = request.num_tokens - request.num_computed_tokens
             drafts, request.spec_token_ids = request.spec_token_ids, []
-            if drafts and step_allows_drafts:
+            if drafts and (step_allows_drafts or spec_policy.holds_in_large_batches(request)):
                 drafts = drafts[:spec_policy.max_num_drafts(request)]
                 # The budget cuts drafts first; drafts follow only a chunk that reaches the last token.
                 drafts = drafts[:max(0, token_budget - num_new_tokens)]

@@ -3,7 +3,9 @@
 Verifying k drafts costs a step k extra query rows; on a CPU that is cheap for one
 stream (the step is bound by reading the weights) and not for a large batch (the
 step is bound by compute). So, as vLLM's `disable_by_batch_size`, no request
-speculates in a step where more than that many requests run; and a request whose
+speculates in a step where more than that many requests run, except one whose drafts
+have been holding (`large_batch_min_acceptance_rate`, 0.8: text it copies, where the
+accepted tokens outweigh the extra rows even there); and a request whose
 drafts keep being rejected (an EMA of its acceptance rate below
 `min_acceptance_rate`) pauses for `num_backoff_steps` steps and then probes again;
 each failed probe doubles the pause (up to 2^MAX_BACKOFF_DOUBLINGS times), and a probe
@@ -84,10 +86,20 @@ class SpeculationPolicy:
         if request.num_spec_backoff_steps > 0:
             request.num_spec_backoff_steps -= 1
             return 0
-        if not step_allows_drafts:
+        if not step_allows_drafts and not self.holds_in_large_batches(request):
             return 0
         num_drafts = self.max_num_drafts(request)
         return min(num_drafts, 1) if request.num_spec_backoffs else num_drafts  # a probe: one draft
+
+    def holds_in_large_batches(self, request: Request) -> bool:
+        """Whether the request drafts in a step of more than disable_by_batch_size requests:
+        its acceptance rate (before its first verification, the engine's recent one) is at
+        least large_batch_min_acceptance_rate."""
+        min_rate = self.config.large_batch_min_acceptance_rate
+        if min_rate is None:
+            return False
+        rate = request.spec_acceptance_rate
+        return (self.engine_acceptance_rate if rate is None else rate) >= min_rate
 
     def record(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
         stats = self.stats

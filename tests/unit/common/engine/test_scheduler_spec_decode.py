@@ -196,7 +196,10 @@ def test_constrained_requests_do_not_speculate(make_scheduler):
 
 
 def test_large_batches_do_not_speculate(make_scheduler):
-    scheduler = make_scheduler(speculative_config=spec_config(disable_by_batch_size=1))
+    """vLLM's rule (large_batch_min_acceptance_rate None): past disable_by_batch_size running
+    requests, nobody drafts."""
+    scheduler = make_scheduler(speculative_config=spec_config(disable_by_batch_size=1,
+                                                              large_batch_min_acceptance_rate=None))
     a, b = make_request("a", 3), make_request("b", 3)
     start_decoding(scheduler, a, 7, [8, 9])
     out, _ = step(scheduler, {"a": [8, 9, 10]}, {"a": [11]})
@@ -207,6 +210,36 @@ def test_large_batches_do_not_speculate(make_scheduler):
     assert out.scheduled_spec_decode_tokens == {}
     assert all(s.num_drafts_to_propose == 0 for s in out.scheduled)
     assert scheduler.stats["spec_num_steps_disabled_by_batch_size"] >= 1
+
+
+def test_past_the_batch_limit_only_requests_whose_drafts_hold_speculate(make_scheduler):
+    """Past disable_by_batch_size, a request drafts while its acceptance rate is at least
+    large_batch_min_acceptance_rate (a newcomer: while the engine's is); one whose drafts
+    fail stops there, and the rest of the batch keeps going."""
+    scheduler = make_scheduler(speculative_config=spec_config(disable_by_batch_size=1,
+                                                              large_batch_min_acceptance_rate=0.8))
+    a, b = make_request("a", 3), make_request("b", 3)
+    start_decoding(scheduler, a, 7, [8, 9])
+    scheduler.add_request(b)
+    # a verifies [8, 9], both hold (its rate 1.0); b is prefilled beside it.
+    out, _ = step(scheduler, {"a": [8, 9, 10], "b": [20]}, {"a": [11, 12], "b": [21, 22]})
+    assert out.scheduled_spec_decode_tokens == {"a": [8, 9]}
+    # Two running, past the limit of 1: both still draft (b on the engine's rate, 1.0).
+    assert {s.req_id: s.num_drafts_to_propose for s in out.scheduled} == {"a": 3, "b": 3}
+    # a's drafts fail (rate 0: its EMA 0.5), b's hold.
+    out, _ = step(scheduler, {"a": [99], "b": [21, 22, 23]}, {"a": [13, 14], "b": [24, 25]})
+    assert out.scheduled_spec_decode_tokens == {"a": [11, 12], "b": [21, 22]}
+    # a's proposal is dropped and it is asked for no more; b's drafts go on.
+    out, _ = step(scheduler, {"a": [30], "b": [24, 25, 26]}, {"b": [27]})
+    assert out.scheduled_spec_decode_tokens == {"b": [24, 25]}
+    assert {s.req_id: s.num_drafts_to_propose for s in out.scheduled} == {"a": 0, "b": 3}
+    assert scheduler.stats["spec_num_steps_disabled_by_batch_size"] == 2
+
+
+def test_large_batch_min_acceptance_rate_is_a_rate_or_none():
+    assert SpeculativeConfig(large_batch_min_acceptance_rate=None).large_batch_min_acceptance_rate is None
+    with pytest.raises(ValueError, match=r"large_batch_min_acceptance_rate must be in \[0, 1\] or null; got 1.5"):
+        SpeculativeConfig(large_batch_min_acceptance_rate=1.5)
 
 
 def test_preemption_with_drafts_pending_drops_them_and_frees_every_block(make_scheduler):
