@@ -277,7 +277,17 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
-        return cls(**value)
+        import json
+
+        import pydantic
+        # Strict JSON types: "3" is no count and true no rate (a plain cls(**value) would
+        # compare them with numbers and fail with a TypeError, or take true for 1.0).
+        try:
+            return pydantic.TypeAdapter(cls).validate_json(json.dumps(value, default=str), strict=True)
+        except pydantic.ValidationError as e:
+            problems = ["{}{}".format(f"{'.'.join(map(str, error['loc']))}: " if error["loc"] else "",
+                                      error["msg"].removeprefix("Value error, ")) for error in e.errors()]
+            raise ValueError(f"speculative_config: {'; '.join(problems)}") from None
 
 
 EXECUTOR_BACKENDS = ("uni", "mp")

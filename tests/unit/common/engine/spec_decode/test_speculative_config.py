@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -31,11 +32,22 @@ def test_the_flag_takes_json_and_fills_defaults():
     ('{"method": "draft_model"}', "needs draft_model"),
     ('{"method": "early_exit", "num_early_exit_layers": 0}', "num_early_exit_layers must be >= 1"),
     ('{"method": "ngram", "min_acceptance_rate": 2}', "min_acceptance_rate must be in [0, 1]"),
+    # Values of the wrong JSON type are named, not compared with numbers (nor true taken for 1).
+    ('{"num_speculative_tokens": "3"}', "num_speculative_tokens: Input should be a valid integer"),
+    ('{"min_acceptance_rate": "high"}', "min_acceptance_rate: Input should be a valid number"),
+    ('{"large_batch_min_acceptance_rate": true}', "large_batch_min_acceptance_rate: Input should be a valid number"),
+    ('{"disable_by_batch_size": 2.5}', "disable_by_batch_size: Input should be a valid integer"),
+    ('{"draft_model": 7, "method": "draft_model"}', "draft_model: Input should be a valid string"),
 ])
 def test_bad_configs_fail_naming_the_problem(value, message):
+    """The flag's JSON, and the same object given to LLM(speculative_config=...)."""
     with pytest.raises(ValueError) as error:
         parse_flags("--speculative-config", value)
     assert message in str(error.value)
+    if value.startswith("{\""):
+        with pytest.raises(ValueError) as error:
+            SpeculativeConfig.parse(json.loads(value))
+        assert message in str(error.value)
 
 
 def test_an_early_exit_as_deep_as_the_model_is_refused(tiny_llama_dir):
