@@ -525,15 +525,12 @@ class ModelRunner:
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]):
         """All tensors of a step, built once: decode rows (one query token each) first, then
-        prefill chunks. On CPU a request verifying drafts is decode rows too, one a token,
-        each seeing the keys up to its own position (the layer writes every row's K/V before
-        it attends): such a step runs where decode steps do (the native loop) instead of
-        through the prefill kernels."""
+        prefill chunks. A request verifying drafts is decode rows too, one a token, each
+        seeing the keys up to its own position (every attention path writes the step's K/V
+        before it attends): such a step runs where decode steps do (the native loop, CUDA
+        graphs) instead of through the prefill kernels."""
         device = self.device
-        if device.type == "cpu":
-            decodes = [r for r in scheduled if len(r.token_ids) == 1 + len(r.spec_token_ids)]
-        else:
-            decodes = [r for r in scheduled if len(r.token_ids) == 1]
+        decodes = [r for r in scheduled if len(r.token_ids) == 1 + len(r.spec_token_ids)]
         decode_ids = {id(r) for r in decodes}
         prefills = [r for r in scheduled if id(r) not in decode_ids]
         ordered = decodes + prefills

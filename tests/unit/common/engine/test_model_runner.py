@@ -90,7 +90,7 @@ def test_an_fp8_pool_holds_twice_the_tokens_of_bf16_and_names_its_codes(tiny_lla
 
 
 def test_a_step_verifying_drafts_lays_them_out_as_decode_rows(tiny_llama_dir):
-    """On the CPU a request verifying k drafts is k + 1 decode rows (one query token each,
+    """A request verifying k drafts is k + 1 decode rows (one query token each,
     its block table repeated, each row's keys up to its own position); plain decodes share
     the rows, prefill chunks stay ragged after them; a sample at every row of a verification."""
     llm = LLM(model=str(tiny_llama_dir), kv_cache_memory="16MiB", enforce_eager=True)

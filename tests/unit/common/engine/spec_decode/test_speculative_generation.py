@@ -133,6 +133,24 @@ def test_seeded_sampling_is_unchanged_by_point_mass_speculation(target_dir, tiny
     llm.engine.shutdown()
 
 
+@pytest.mark.parametrize("method", ["ngram", "oracle"])
+def test_the_split_attention_path_verifies_decode_rows_too(target_dir, reference, monkeypatch, method):
+    """PDSERVE_CPU_ATTENTION=torch: each layer writes the step's K/V, then the decode rows
+    (verification rows among them) and the prefill chunks attend in separate calls, as on
+    CUDA; greedy and seeded tokens are still those without speculation."""
+    monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "torch")
+    prompts = reference["prompts"]
+    llm = spec_llm(target_dir, spec("ngram"))
+    if method == "oracle":
+        references = {tuple(p): out for p, out in zip(prompts, reference["greedy"])}
+        llm.engine.executor.runner.proposer = ReferenceProposer(references, 0)
+    assert generate(llm, prompts, greedy()) == reference["greedy"]
+    if method == "ngram":
+        assert generate(llm, prompts, [seeded(i) for i in range(NUM_PROMPTS)]) == reference["seeded"]
+    assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
+    llm.engine.shutdown()
+
+
 def test_a_draft_equal_to_the_target_is_always_accepted(target_dir, reference):
     # 1 + 4 (k + 1) tokens: the prefill samples one, then four verifications of k drafts.
     max_tokens = 1 + 4 * (K + 1)
