@@ -14,6 +14,7 @@ from common.engine.cuda_graphs import DecodeGraphs, batch_size_buckets
 from common.engine.llm import LLM
 from common.engine.models.attention import AttentionMetadata
 from common.engine.sampling_params import SamplingParams
+from common.engine.spec_decode.proposer import DraftProposer
 
 MAX_NUM_SEQS = 8
 
@@ -80,6 +81,47 @@ def test_replayed_decodes_give_the_same_tokens(llm, batch, monkeypatch):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
             assert g_step.token_logprob == pytest.approx(w_step.token_logprob, abs=1e-4)
+
+
+class OracleProposer(DraftProposer):
+    """Drafts the known continuation of each prompt: every draft holds."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]]):
+        self.continuations = continuations
+
+    def propose(self, requests, emitted_token_ids):
+        drafts = []
+        for req, emitted in zip(requests, emitted_token_ids):
+            start = len(req.output_token_ids) + len(emitted)
+            drafts.append(self.continuations[tuple(req.prompt_token_ids)][start:start + req.num_drafts_to_propose])
+        return drafts
+
+
+def test_verification_steps_replay_the_decode_graphs(tiny_model_factory, llm):
+    """A request verifying k drafts is k + 1 decode rows: its steps replay a bucket's graph
+    (two requests x (1 + 3) rows: the bucket of 8), and the tokens are those without
+    speculation."""
+    spec = dict(method="ngram", num_speculative_tokens=3, disable_by_batch_size=None, min_acceptance_rate=0.0)
+    spec_llm = LLM(str(tiny_model_factory("tiny-llama", "llama")), dtype="float32", enforce_eager=True,
+                   max_num_seqs=MAX_NUM_SEQS, kv_cache_memory="64MiB", speculative_config=spec)
+    try:
+        runner = _runner(spec_llm)
+        params = SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True)
+        prompts = _prompts([9, 26])
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        runner.proposer = OracleProposer({tuple(p["prompt_token_ids"]): w for p, w in zip(prompts, want)})
+        runner.decode_graphs = _graphs(runner, spec_llm)
+        run = runner.decode_graphs.run
+        replayed_rows = []
+        runner.decode_graphs.run = lambda ids, positions, meta: (replayed_rows.append(ids.shape[0]),
+                                                                 run(ids, positions, meta))[1]
+        got = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+        assert spec_llm.engine.stats()["spec_acceptance_rate"] == 1.0
+        # After the prompts' step, every step verifies three drafts a request: 8 rows.
+        assert replayed_rows == [8] * 4
+    finally:
+        spec_llm.engine.shutdown()
 
 
 def _decode_meta(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> AttentionMetadata:
