@@ -71,7 +71,9 @@ for s in $STEPS; do
             step offline-no-graphs 90 env PDSERVE_CUDA_GRAPHS=0 "$PY" -m common.cli.main bench offline \
                 --peer none --dtype bfloat16 --json "$RESULTS/offline-no-graphs.json"
             step offline-eager 90 "$PY" -m common.cli.main bench offline --peer none --dtype bfloat16 \
-                --enforce-eager --json "$RESULTS/offline-eager.json" ;;
+                --enforce-eager --json "$RESULTS/offline-eager.json"
+            step offline-kv-fp8 120 "$PY" -m common.cli.main bench offline --peer none --dtype bfloat16 \
+                --kv-cache-dtype fp8 --json "$RESULTS/offline-kv-fp8.json" ;;
         *) echo "gpu_check: unknown step $s" >&2; status=1 ;;
     esac
 done
@@ -97,7 +99,7 @@ for name, what in (("kernels", "Triton kernel tests on the GPU"),
         lines.append(f"- {what}: {outcome(name)}")
 if "offline" in steps:
     for arm, what in (("compiled", "compiled + CUDA graphs"), ("no-graphs", "compiled, no CUDA graphs"),
-                      ("eager", "eager")):
+                      ("eager", "eager"), ("kv-fp8", "compiled + CUDA graphs, fp8 KV cache")):
         path = results / f"offline-{arm}.json"
         if not path.exists():
             lines.append(f"- offline, {what}: failed ({outcome('offline-' + arm)})")
