@@ -162,7 +162,7 @@ def peer_spec(model_dir, dtype: str, args, workload, single_prompt: list[int], t
             "workload": [[p, m] for p, m in workload], "single_prompt": single_prompt,
             "single_stream_tokens": args.single_stream_tokens, "ttft_prompt": ttft_prompt,
             "repeats": args.repeats, "temperature": args.temperature, "logprobs": args.logprobs,
-            "kv_cache_dtype": args.kv_cache_dtype}
+            "kv_cache_dtype": args.kv_cache_dtype, "speculative_config": args.speculative_config}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--enforce-eager", action="store_true", help="our engine uncompiled")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_NAMES, default="auto",
                         help="both sides' KV cache: the model's dtype, or 8-bit float codes (vLLM's flag)")
+    parser.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                        help="both sides speculate with this config (keys both take: method ngram, "
+                             "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)")
     parser.add_argument("--single-weight-copy", action="store_true",
                         help="our engine keeps each bf16 linear's weight once (the engine's --single-weight-copy)")
     parser.add_argument("--num-scheduler-steps", type=int, default=1,
@@ -248,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, dtype=args.dtype, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
               single_weight_copy=args.single_weight_copy, num_scheduler_steps=args.num_scheduler_steps,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, speculative_config=args.speculative_config)
     runner = llm.engine.executor.runner
     dtype = str(runner.dtype).removeprefix("torch.")
     results["startup"] = {"seconds": time.perf_counter() - started, "compiled": runner.forward is not runner.model,
@@ -377,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
                                             vllm_runs_tokens_per_s=[r["tokens_per_s"] for r in vllm_single_runs],
                                             speedup_vs_vllm=ours_single / vllm_single["tokens_per_s"])
             results["memory"]["vllm"] = peer.call("memory", timeout_s=60)
+    if args.speculative_config is not None:  # ours: what the drafts did over every run
+        results["speculation"] = {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
     llm.engine.shutdown()  # Hugging Face gets the machine to itself
     del llm, runner
     if "hf" in peers:

@@ -28,7 +28,8 @@ class Runner:
         self.llm = LLM(spec["model_dir"], dtype=spec["dtype"], seed=spec["seed"],
                        max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
                        max_num_batched_tokens=spec["max_num_batched_tokens"], enable_prefix_caching=False,
-                       kv_cache_dtype=spec.get("kv_cache_dtype", "auto"))
+                       kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
+                       speculative_config=spec.get("speculative_config"))
         workload = spec["workload"]  # [[prompt_token_ids, max_tokens], ...]
         self.prompts = [{"prompt_token_ids": p} for p, _ in workload]
         # The mixed workload's sampling as pdserve's side takes it (bench.offline.run_ours; no
