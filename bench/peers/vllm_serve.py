@@ -73,6 +73,8 @@ def serve_ours(args: argparse.Namespace, model_dir: str, out: Path) -> dict:
         passthrough.append("--enforce-eager")
     if args.num_scheduler_steps != 1:
         passthrough += ["--num-scheduler-steps", str(args.num_scheduler_steps)]
+    if args.speculative_config:
+        passthrough += ["--speculative-config", args.speculative_config]
     (out / "pdserve-logs").mkdir()
     with LocalStack(args.prefill, args.decode, http_port=0, passthrough=passthrough, log_dir=out / "pdserve-logs",
                     startup_timeout_s=args.startup_timeout, reserved_cpus=args.reserved_cpus) as stack:
@@ -85,6 +87,8 @@ def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path, python: Path
             "--served-model-name", Path(model_dir).name, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", str(args.seed),
             "--kv-cache-dtype", args.kv_cache_dtype]
+    if args.speculative_config:
+        argv += ["--speculative-config", args.speculative_config]
     kv_gib = parse_memory_size(args.kv_cache_memory) / (1 << 30)  # main checked it is a size
     with open(out / "vllm-serve.log", "w") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
@@ -133,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="`pdserve up --reserved-cpus` for our stack: cores left out of the engines' share")
     parser.add_argument("--num-scheduler-steps", type=int, default=1,
                         help="our instances' --num-scheduler-steps (greedy decode steps back to back)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="both servers speculate with this config (keys both take: method ngram, "
+                             "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)")
     parser.add_argument("--peer-venv", default=None)
     parser.add_argument("--peer-threads-bind", default="auto")
     parser.add_argument("--peer-preload", choices=["auto", "none"], default="auto",
@@ -152,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         kv_bytes = parse_memory_size(args.kv_cache_memory)
     except ValueError as e:
         parser.error(str(e))
+    if args.speculative_config:  # ours checks it the same way before anything starts
+        from common.engine.config import SpeculativeConfig
+        try:
+            SpeculativeConfig.parse(args.speculative_config)
+        except ValueError as e:
+            parser.error(str(e))
     if isinstance(kv_bytes, float):
         parser.error("--kv-cache-memory must be a size here (e.g. 2GiB): vLLM's pool is set in GiB, not as a "
                      "fraction")

@@ -33,3 +33,11 @@ def test_the_client_sends_the_temperature_given_and_bench_serve_takes_its_flags(
     assert argv[argv.index("--temperature") + 1] == "0.8"
     parsed = serve_parser().parse_args(argv[argv.index("serve") + 1:])
     assert (parsed.temperature, parsed.num_prompts, parsed.seed) == (0.8, 8, 3)
+
+
+def test_a_bad_speculative_config_stops_before_either_server_starts(capsys):
+    from bench.peers.vllm_serve import main
+    with pytest.raises(SystemExit) as stopped:
+        main(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": "4"}'])
+    assert stopped.value.code == 2
+    assert "num_speculative_tokens: Input should be a valid integer" in capsys.readouterr().err
