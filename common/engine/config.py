@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -266,7 +267,6 @@ class SpeculativeConfig:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, str):
-            import json
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
@@ -277,16 +277,17 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
-        import json
-
         import pydantic
         # Strict JSON types: "3" is no count and true no rate (a plain cls(**value) would
         # compare them with numbers and fail with a TypeError, or take true for 1.0).
         try:
             return pydantic.TypeAdapter(cls).validate_json(json.dumps(value, default=str), strict=True)
         except pydantic.ValidationError as e:
-            problems = ["{}{}".format(f"{'.'.join(map(str, error['loc']))}: " if error["loc"] else "",
-                                      error["msg"].removeprefix("Value error, ")) for error in e.errors()]
+            problems = []
+            for error in e.errors():
+                field_name = ".".join(map(str, error["loc"]))  # empty for __post_init__'s own checks
+                message = error["msg"].removeprefix("Value error, ")
+                problems.append(f"{field_name}: {message}" if field_name else message)
             raise ValueError(f"speculative_config: {'; '.join(problems)}") from None
 
 

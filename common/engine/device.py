@@ -79,12 +79,13 @@ def select_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; "
                          f"got {kv_cache_dtype!r}")
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CUDA_CAPABILITY:
-        major, minor = torch.cuda.get_device_capability(device)
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype} needs a GPU of compute capability 8.9 or later "
-                         f"(Ada, Hopper), whose Triton reads fp8 codes; this one is {major}.{minor}: use "
-                         f"kv_cache_dtype auto")
-    if device.type not in ("cpu", "cuda"):
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_MIN_CUDA_CAPABILITY:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype} needs a GPU of compute capability "
+                             f"{'.'.join(map(str, FP8_MIN_CUDA_CAPABILITY))} or later (Ada, Hopper), whose Triton "
+                             f"reads fp8 codes; this one is {'.'.join(map(str, capability))}: use kv_cache_dtype auto")
+    elif device.type != "cpu":
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype} is implemented for CPU and CUDA; on {device.type} "
                          f"use kv_cache_dtype auto")
     if dtype not in (torch.float32, torch.bfloat16):

@@ -23,7 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_NAMES, default="auto",
                    help="what the KV pool holds: auto (the model's dtype) or 8-bit float codes, as vLLM's "
                         "flag (fp8 = fp8_e4m3; no scales): half of bf16's bytes, so twice the tokens per "
-                        "pool and decode attention reads half as much (CPU; float32 and bfloat16 models)")
+                        "pool and decode attention reads half as much (CPU, and CUDA from compute capability 8.9; "
+                        "float32 and bfloat16 models)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output; default min(model limit, KV capacity)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running per step")

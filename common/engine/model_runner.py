@@ -364,7 +364,12 @@ class ModelRunner:
         if proposer is not None:
             proposer.observe_forward(input_ids, positions, meta, scheduler_output.scheduled)
         if loop_output is not None:
-            return loop_output if proposer is None else self._verified(sample_reqs, loop_output)
+            if proposer is None:
+                return loop_output
+            # One token a sample row from the loop: its drafts accepted as the sampler's are.
+            return self._accepted(sample_reqs, [token_ids[0] for token_ids in loop_output.sampled_token_ids],
+                                  None if loop_output.logprobs is None
+                                  else [logprobs[0] if logprobs else None for logprobs in loop_output.logprobs])
         if not sample_reqs:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         # Every TP rank of the last stage takes part in gathering the logits; one samples.
@@ -383,24 +388,18 @@ class ModelRunner:
         if not self.is_output_rank:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         sampled = self.sampler(logits, sample_rows, token_bitmask, bitmask_rows)
-        token_id_lists, logprob_lists = accept_drafts(sample_reqs, sampled.sampled_token_ids, sampled.logprobs)
-        output = RunnerOutput(req_ids=[r.req_id for r in sample_reqs], sampled_token_ids=token_id_lists,
-                              logprobs=logprob_lists)
-        if proposer is not None:
-            output.spec_token_ids = self._propose(sample_reqs, token_id_lists)
-        return output
+        return self._accepted(sample_reqs, sampled.sampled_token_ids, sampled.logprobs)
 
-    def _verified(self, sample_reqs: list[ScheduledRequest], row_output: RunnerOutput) -> RunnerOutput:
-        """A speculating engine's step from the loop's output, one token a sample row
-        (expand_verification_rows): each request's accepted drafts and the token after
-        them, and the next drafts."""
-        row_token_ids = [token_ids[0] for token_ids in row_output.sampled_token_ids]
-        row_logprobs = (None if row_output.logprobs is None
-                        else [logprobs[0] if logprobs else None for logprobs in row_output.logprobs])
+    def _accepted(self, sample_reqs: list[ScheduledRequest], row_token_ids: list[int],
+                  row_logprobs: list[Logprobs | None] | None) -> RunnerOutput:
+        """The step's output from one token (and its logprobs) a sample row
+        (expand_verification_rows): each request's accepted drafts and the token after them,
+        and, with a proposer, the next drafts."""
         token_id_lists, logprob_lists = accept_drafts(sample_reqs, row_token_ids, row_logprobs)
         output = RunnerOutput(req_ids=[r.req_id for r in sample_reqs], sampled_token_ids=token_id_lists,
                               logprobs=logprob_lists)
-        output.spec_token_ids = self._propose(sample_reqs, token_id_lists)
+        if self.proposer is not None:
+            output.spec_token_ids = self._propose(sample_reqs, token_id_lists)
         return output
 
     def _loop_samples(self, scheduler_output: SchedulerOutput, num_tokens: int, meta: AttentionMetadata,
@@ -530,9 +529,9 @@ class ModelRunner:
         before it attends): such a step runs where decode steps do (the native loop, CUDA
         graphs) instead of through the prefill kernels."""
         device = self.device
+        # Every scheduled request computes at least one known token before its drafts.
         decodes = [r for r in scheduled if len(r.token_ids) == 1 + len(r.spec_token_ids)]
-        decode_ids = {id(r) for r in decodes}
-        prefills = [r for r in scheduled if id(r) not in decode_ids]
+        prefills = [r for r in scheduled if len(r.token_ids) > 1 + len(r.spec_token_ids)]
         ordered = decodes + prefills
         bs = self.block_size
         max_blocks = max((len(r.block_table) for r in ordered), default=0)
@@ -544,7 +543,7 @@ class ModelRunner:
         block_table_rows: list[list[int]] = []
         sample_indices: list[int] = []
         sample_reqs: list[ScheduledRequest] = []
-        for req in ordered:
+        for i, req in enumerate(ordered):
             num_new = len(req.token_ids)
             table = req.block_table
             input_ids.extend(req.token_ids)
@@ -552,7 +551,7 @@ class ModelRunner:
             positions.extend(pos_range)
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in pos_range)
             table_row = table + [0] * (max_blocks - len(table))
-            if id(req) in decode_ids:
+            if i < len(decodes):  # a row a token
                 seq_lens.extend(p + 1 for p in pos_range)
                 query_lens.extend([1] * num_new)
                 block_table_rows.extend([table_row] * num_new)

@@ -29,6 +29,7 @@ from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_DENSE, LINEAR_PANELS, 
                                 native_decode_available, register_decode_model, release_decode_model)
 from kernels.cpu_linear import panel_gemm_amx_tiles, panel_gemm_available, panel_gemm_max_rows, q8_0_max_rows
 from kernels.cpu_sampling import argmax_rows
+from tests.support.native_loop import with_native_loop
 from tests.unit.common.engine.models.family_parity import parity_prompts, save_tiny_model
 
 pytestmark = pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
@@ -72,14 +73,6 @@ def _family_dir(tmp_path_factory, bundled_model_dir, family: str):
     raise AssertionError(family)
 
 
-def _with_native_loop(llm: LLM) -> NativeDecodeLoop | None:
-    """Give an eager engine the loop, as a compiled one builds it at warm-up."""
-    runner = llm.engine.executor.runner
-    prepack_linears(runner.model)
-    runner.native_decode = NativeDecodeLoop.build(runner.model, runner.kv_caches)
-    return runner.native_decode
-
-
 def _generate(llm: LLM, prompts: list[list[int]], max_tokens: list[int]):
     """Greedy, with logprobs; the prompts' lengths of output differ, so a batch's decode
     steps shrink through every size from len(prompts) down."""
@@ -101,7 +94,7 @@ def test_the_loop_matches_the_model_for_each_family(tmp_path_factory, bundled_mo
     options = dict(dtype="float32", num_kv_blocks=160, block_size=4)
     gc.collect()
     native = LLM(str(model_dir), **options)
-    loop = _with_native_loop(native)
+    loop = with_native_loop(native)
     assert loop is not None
     eager = LLM(str(model_dir), **options)
     prompts = parity_prompts()  # lengths 5, 17, 70, 1
@@ -126,7 +119,7 @@ def test_the_loop_over_fp8_caches_matches_the_model(tiny_llama_dir, kv_cache_dty
     bf16 reads of codes are tested in tests/unit/kernels/test_fp8_kv_cache.py)."""
     options = dict(dtype="float32", num_kv_blocks=160, block_size=16, kv_cache_dtype=kv_cache_dtype)
     native = LLM(str(tiny_llama_dir), **options)
-    loop = _with_native_loop(native)
+    loop = with_native_loop(native)
     assert loop is not None
     eager = LLM(str(tiny_llama_dir), **options)
     codes = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
@@ -201,7 +194,7 @@ def test_in_bf16_the_loop_is_as_close_to_fp32_as_the_model():
     want = _logits(reference, _decode_step(reference, PROMPTS, None))
     reference.engine.shutdown()
     llm = LLM(dtype="bfloat16", kv_cache_memory="32MiB")
-    loop = _with_native_loop(llm)
+    loop = with_native_loop(llm)
     # With AVX512-BF16 every projection's decode steps read its column panels (a bf16
     # weight's only decode copy), elsewhere the row-major rows.
     kinds = _model_tensors(llm.engine.executor.runner.model, None)["kinds"]
@@ -227,7 +220,7 @@ def test_in_bf16_larger_steps_stay_with_the_model(num_seqs):
     distinct = _prompts(7)
     prompts = [[t + 3 * i for t in distinct[i % 7]] for i in range(num_seqs)]
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB")
-    loop = _with_native_loop(llm)
+    loop = with_native_loop(llm)
     steps_before = loop.num_steps
     got = _decode_step(llm, prompts, loop).float()
     assert loop.num_steps == steps_before + 1
@@ -547,7 +540,7 @@ def test_engine_steps_sample_in_the_loop():
     no head in the loop (its hidden states, then compute_logits and the sampler for every
     row)."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization="gguf")
-    loop = _with_native_loop(llm)
+    loop = with_native_loop(llm)
     prompts = [{"prompt_token_ids": p} for p in _prompts(3)]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
@@ -613,7 +606,7 @@ def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
     scheduler = llm.engine.scheduler
     runner = llm.engine.executor.runner
     assert scheduler.num_scheduler_steps == 1 and not runner.runs_decode_steps()  # eager: no loop, single steps
-    loop = _with_native_loop(llm)
+    loop = with_native_loop(llm)
     assert runner.runs_decode_steps()  # what a compiled engine's start asks
     calls = []  # the steps each call of the loop ran
     run_tokens = loop.run_tokens
@@ -791,7 +784,7 @@ def test_token_steps_bad_calls_raise_and_write_nothing(tiny_llama_dir):
     assert loop.k_caches[1].any()
     llm.engine.shutdown()
     rows = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16)
-    loop = _with_native_loop(rows)
+    loop = with_native_loop(rows)
     assert loop.max_head_tokens == decode_model_max_head_tokens(loop.model_id) == 0
     with pytest.raises(ValueError, match="has no head this loop can run"):
         call([5], model_id=loop.model_id)
@@ -844,14 +837,14 @@ def test_row_major_models_fork_per_projection(tiny_llama_dir):
     """Row-major projections (fp32 here) keep a fork and join per projection (their GEMVs'
     own ops)."""
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16)
-    assert not _with_native_loop(llm).in_regions
+    assert not with_native_loop(llm).in_regions
     llm.engine.shutdown()
 
 
 def test_families_it_does_not_serve_keep_the_model(tmp_path_factory, bundled_model_dir, caplog):
     llm = LLM(str(_family_dir(tmp_path_factory, bundled_model_dir, "qwen3")), dtype="float32", num_kv_blocks=16)
     with caplog.at_level("INFO", logger="common.engine.native_decode"):
-        assert _with_native_loop(llm) is None
+        assert with_native_loop(llm) is None
     assert "not Llama's layer" in caplog.text
     llm.engine.shutdown()
 
@@ -859,13 +852,13 @@ def test_families_it_does_not_serve_keep_the_model(tmp_path_factory, bundled_mod
 def test_the_switch_turns_it_off(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("PDSERVE_NATIVE_DECODE", "0")
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16)
-    assert _with_native_loop(llm) is None
+    assert with_native_loop(llm) is None
     llm.engine.shutdown()
 
 
 def test_bad_calls_raise_and_write_nothing(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16, block_size=4)
-    loop = _with_native_loop(llm)
+    loop = with_native_loop(llm)
     hidden_size = llm.engine.model_config.hidden_size
     k_caches, v_caches, loop_id = loop.k_caches, loop.v_caches, loop.model_id
 

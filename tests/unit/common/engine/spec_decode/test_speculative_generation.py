@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from common.engine.llm import LLM
-from common.engine.models.prepacked_linear import prepack_linears
-from common.engine.native_decode import NativeDecodeLoop
 from common.engine.outputs import ScheduledRequest
 from common.engine.sampling_params import SamplingParams
 from common.engine.spec_decode.proposer import DraftProposer
 from kernels.cpu_decode import native_decode_available
+from tests.support.native_loop import with_native_loop
 
 K = 3
 NUM_PROMPTS = 20
@@ -197,19 +196,6 @@ def test_over_a_pool_of_fp8_codes_greedy_outputs_are_unchanged_by_speculation(ta
     llm.engine.shutdown()
 
 
-def with_native_loop(llm: LLM):
-    """Give an eager engine the native decode loop, and its proposer its own, as a compiled
-    one builds them at warm-up (the suite runs eagerly: compiling costs it minutes;
-    test_compilation checks the warm-up's)."""
-    runner = llm.engine.executor.runner
-    prepack_linears(runner.model)
-    runner.native_decode = NativeDecodeLoop.build(runner.model, runner.kv_caches)
-    assert runner.native_decode is not None
-    if runner.proposer is not None:
-        runner.proposer.build_native_loop()
-    return runner.native_decode
-
-
 @pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
 def test_verification_steps_run_in_the_native_loop(target_dir):
     """On the CPU a request verifying k drafts is k + 1 decode rows, so its steps run in the
@@ -220,12 +206,13 @@ def test_verification_steps_run_in_the_native_loop(target_dir):
     prompts = make_prompts()
     engine = ENGINE
     plain = LLM(str(target_dir), **engine)
-    with_native_loop(plain)
+    assert with_native_loop(plain) is not None
     want = generate(plain, prompts, greedy(40))
     plain.engine.shutdown()
     llm = LLM(str(target_dir), speculative_config=spec("ngram"), **engine)
     runner = llm.engine.executor.runner
     loop = with_native_loop(llm)
+    assert loop is not None
     run_model, forward = runner._run_model, runner._forward
     num_verification_steps = [0, 0]  # all, in the loop
 
@@ -261,6 +248,7 @@ def test_the_loop_samples_verification_rows_as_the_sampler_does(target_dir):
     prompts = make_prompts()
     llm = LLM(str(target_dir), speculative_config=spec("ngram"), **(ENGINE | dict(dtype="bfloat16")))
     loop = with_native_loop(llm)
+    assert loop is not None
     max_head_tokens = loop.max_head_tokens
     requests = [{"prompt_token_ids": p} for p in prompts]
     # Penalties light enough that the n-gram drafts still hold at times.
@@ -290,11 +278,11 @@ def test_draft_passes_run_in_the_proposers_own_native_loop(target_dir, tiny_mode
     prompts = make_prompts()
     engine = ENGINE
     plain = LLM(str(target_dir), **engine)
-    with_native_loop(plain)
+    assert with_native_loop(plain) is not None
     want = generate(plain, prompts, greedy())
     plain.engine.shutdown()
     llm = LLM(str(target_dir), speculative_config=proposer_config(method, tiny_model_factory), **engine)
-    with_native_loop(llm)
+    assert with_native_loop(llm) is not None
     proposer = llm.engine.executor.runner.proposer
     draft_loop = proposer.loop
     assert draft_loop is not None and len(draft_loop.k_caches) == 1  # one exit layer, or the draft's one layer
