@@ -10,16 +10,18 @@
 #   graphs    the CUDA-graph tests (decode steps replayed from captured graphs),
 #   parity    greedy parity with Hugging Face on the GPU (fp32, bundled model, eager),
 #   offline   the offline benchmark in bf16: compiled with CUDA graphs (beside Hugging Face on
-#             the same GPU), compiled without graphs, and eager,
+#             the same GPU), compiled without graphs, eager, and with an fp8 KV cache,
+#   spec      `bench spec` in bf16 (n-gram and early-exit drafts against none, one stream and
+#             batched: verification steps replay the decode graphs where their rows fit a bucket),
 # then writes the figures into docs/benchmarks.md (and, with $OUT set, copies under $OUT).
 #   scripts/gpu_check.sh [WHEEL_DIR [STEP...]]   (WHEEL_DIR default: wheels/, or $PDSERVE_WHEELS;
-#                                                STEP default: kernels cpu-kernels graphs parity offline)
+#                                                STEP default: kernels cpu-kernels graphs parity offline spec)
 # Each step runs under its own time limit, so one that hangs leaves the others their time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${1:-${PDSERVE_WHEELS:-wheels}}
 shift || true
-STEPS=${*:-kernels cpu-kernels graphs parity offline}
+STEPS=${*:-kernels cpu-kernels graphs parity offline spec}
 RESULTS=${PDSERVE_GPU_RESULTS:-gpu-check}
 SITE=${PDSERVE_SITE:-$RESULTS/site}
 PY=${PYTHON:-python3}
@@ -74,60 +76,11 @@ for s in $STEPS; do
                 --enforce-eager --json "$RESULTS/offline-eager.json"
             step offline-kv-fp8 120 "$PY" -m common.cli.main bench offline --peer none --dtype bfloat16 \
                 --kv-cache-dtype fp8 --json "$RESULTS/offline-kv-fp8.json" ;;
+        spec) step spec 240 "$PY" -m common.cli.main bench spec --dtype bfloat16 --json "$RESULTS/spec.json" ;;
         *) echo "gpu_check: unknown step $s" >&2; status=1 ;;
     esac
 done
-"$PY" - "$RESULTS" "$STEPS" <<'PY'
-import datetime, json, pathlib, sys
-results, steps = pathlib.Path(sys.argv[1]), sys.argv[2].split()
-device = (results / "device.txt").read_text().strip()
-def outcome(name):
-    path = results / f"{name}.log"
-    if not path.exists():
-        return "not run"
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    summary = next((line for line in reversed(lines) if " passed" in line or " failed" in line
-                    or " error" in line), lines[-2] if len(lines) > 1 else "no output")
-    return f"{summary.strip('= ')} ({lines[-1]})"
-lines = [f"\n## GPU check ({datetime.date.today()}, {device})\n",
-         f"Command: `scripts/gpu_check.sh WHEEL_DIR {' '.join(steps)}` on the GPU machine.\n"]
-for name, what in (("kernels", "Triton kernel tests on the GPU"),
-                   ("cpu-kernels", "native CPU kernel tests, built with this machine's g++"),
-                   ("graphs", "CUDA-graph tests"),
-                   ("parity", "greedy parity with Hugging Face (fp32, eager)")):
-    if name in steps:
-        lines.append(f"- {what}: {outcome(name)}")
-if "offline" in steps:
-    for arm, what in (("compiled", "compiled + CUDA graphs"), ("no-graphs", "compiled, no CUDA graphs"),
-                      ("eager", "eager"), ("kv-fp8", "compiled + CUDA graphs, fp8 KV cache")):
-        path = results / f"offline-{arm}.json"
-        if not path.exists():
-            lines.append(f"- offline, {what}: failed ({outcome('offline-' + arm)})")
-            continue
-        r = json.loads(path.read_text())
-        mixed, single = r["mixed"], r["single_stream"]
-        hf = mixed.get("speedup_vs_hf")
-        line = (f"- offline, {what} (bf16): mixed {mixed['ours_output_tokens_per_s']:.0f} output tok/s"
-                + (f" ({hf:.2f}x HF's {mixed['hf_output_tokens_per_s']:.0f})" if hf else "")
-                + f"; single stream {single['ours_tokens_per_s']:.1f} tok/s"
-                + (f" ({single['speedup_vs_hf']:.2f}x HF's {single['hf_tokens_per_s']:.1f})"
-                   if "speedup_vs_hf" in single else "")
-                + f", {single['ours_pct_of_roofline']:.1f}% of the weight-read roofline;"
-                + f" start-up {r['startup']['seconds']:.1f} s; recompiles after warm-up {r['recompiles_after_warm_up']}")
-        if "cuda_graphs" in r:
-            line += f"; decode steps replayed from graphs: {r['cuda_graphs']['decode_steps_replayed']}"
-        lines.append(line)
-    roof = next((json.loads((results / f"offline-{a}.json").read_text())["roofline"]
-                 for a in ("compiled", "no-graphs", "eager") if (results / f"offline-{a}.json").exists()), None)
-    if roof:
-        lines.append(f"- measured rooflines: copy {roof['copy_bandwidth_GBps']:.0f} GB/s (read + write), "
-                     f"{roof.get('matmul_dtype', 'fp32')} matmul {roof.get('matmul_GFLOPs', 0) / 1e3:.0f} TFLOP/s")
-text = "\n".join(lines) + "\n"
-with open("docs/benchmarks.md", "a") as f:
-    f.write(text)
-(results / "benchmarks_section.md").write_text(text)
-print(text)
-PY
+"$PY" -m bench.gpu_check_summary "$RESULTS" "$STEPS" || status=1
 if [ -n "${OUT:-}" ]; then  # what comes back from a lent machine: the section and every log
     cp "$RESULTS/benchmarks_section.md" "$OUT/" 2>/dev/null
     tar -czf "$OUT/gpu_check_results.tgz" -C "$RESULTS" --exclude=site . 2>/dev/null
