@@ -7,7 +7,10 @@ OpenAI-compatible completions API. pdserve runs in its best configuration for a
 small machine by default: one decode instance that prefills locally (`pdserve up
 --prefill 0 --decode 1`). Reported: output tokens/s, p99 TPOT and TTFT (mean, p99)
 per rate and side, and the throughput ratios. Each rate sends prompts of its own (bench
-serve's sweep), so every prompt is prefilled.
+serve's sweep), so every prompt is prefilled. With --repeats N the two servers take turns
+N times, the order alternating (ours first, then vLLM first, ...), each turn on a freshly
+started server; each figure is the median of its rounds, beside every round's ratio, so a
+host whose speed drifts over the minutes weighs on both sides alike.
 
     pdserve bench serve-peer --request-rate 1,2,4 --num-prompts 64 --json docs/bench/serve_peer.json
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -120,6 +124,23 @@ def compare(ours: dict, peer: dict) -> list[dict]:
     return rows
 
 
+def median_rows(rounds: list[list[dict]]) -> list[dict]:
+    """Each rate's figures as the median of the rounds' (failed requests: their sum), its
+    throughput ratio the ratio of the medians, beside every round's own ratio."""
+    rows = []
+    for per_round in zip(*rounds):
+        row = {"request_rate": per_round[0]["request_rate"]}
+        for key in per_round[0]:
+            if key.endswith("_failed"):
+                row[key] = sum(r[key] for r in per_round)
+            elif key not in ("request_rate", "throughput_ratio"):
+                row[key] = statistics.median(r[key] for r in per_round)
+        row["throughput_ratio"] = row["pdserve_output_tokens_per_s"] / row["vllm_output_tokens_per_s"]
+        row["round_throughput_ratios"] = [r["throughput_ratio"] for r in per_round]
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench serve-peer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="every request's (0: greedy); above 0 each server samples with its own sampler")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of both servers, the order alternating; medians reported")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1; got {args.repeats}")
     try:
         kv_bytes = parse_memory_size(args.kv_cache_memory)
     except ValueError as e:
@@ -174,18 +199,29 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = str(resolve_model(args.model))
     peer_python = vllm_python(args.peer_venv)  # missing peer: say how to install it before our run
     preload = preload_choice(args.peer_preload, peer_python)
+    rounds = []
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
-        ours = serve_ours(args, model_dir, out)
-        peer = serve_vllm(args, model_dir, out, peer_python, preload)
-    rows = compare(ours, peer)
-    result = {"cpu": cpu_model_name(), "config": vars(args), "comparison": rows, "pdserve": ours, "vllm": peer,
+        for index in range(args.repeats):
+            out = Path(tmp) / f"round-{index}"
+            out.mkdir()
+            if index % 2 == 0:
+                ours = serve_ours(args, model_dir, out)
+                peer = serve_vllm(args, model_dir, out, peer_python, preload)
+            else:
+                peer = serve_vllm(args, model_dir, out, peer_python, preload)
+                ours = serve_ours(args, model_dir, out)
+            rounds.append({"first": "pdserve" if index % 2 == 0 else "vllm", "comparison": compare(ours, peer),
+                           "pdserve": ours, "vllm": peer})
+    rows = median_rows([r["comparison"] for r in rounds])
+    result = {"cpu": cpu_model_name(), "config": vars(args), "comparison": rows, "rounds": rounds,
               "vllm_preload": preload}
     for row in rows:
         print(f"{row['request_rate']:>6} req/s  pdserve {row['pdserve_output_tokens_per_s']:7.1f} tok/s "
               f"p99 TPOT {row['pdserve_p99_tpot_ms']:7.1f} ms mean TTFT {row['pdserve_mean_ttft_ms']:7.1f} ms | "
               f"vLLM {row['vllm_output_tokens_per_s']:7.1f} tok/s p99 TPOT {row['vllm_p99_tpot_ms']:7.1f} ms "
-              f"mean TTFT {row['vllm_mean_ttft_ms']:7.1f} ms | ratio {row['throughput_ratio']:.2f}")
+              f"mean TTFT {row['vllm_mean_ttft_ms']:7.1f} ms | ratio {row['throughput_ratio']:.2f}"
+              + (f" (rounds {' / '.join(f'{r:.2f}' for r in row['round_throughput_ratios'])})"
+                 if args.repeats > 1 else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from bench.peers.vllm_serve import client_argv, compare
+from bench.peers.vllm_serve import client_argv, compare, median_rows
 from bench.serve.main import build_parser as serve_parser
 
 
@@ -24,6 +24,29 @@ def test_rows_pair_the_runs_rate_by_rate():
     assert (rows[1]["pdserve_p99_tpot_ms"], rows[1]["vllm_p99_tpot_ms"]) == (46.0, 137.0)
     assert (rows[0]["pdserve_mean_ttft_ms"], rows[0]["vllm_mean_ttft_ms"]) == (160.0, 265.0)
     assert (rows[0]["pdserve_p99_ttft_ms"], rows[0]["vllm_p99_ttft_ms"]) == (320.0, 530.0)
+
+
+def test_rounds_give_each_figure_its_median_and_keep_every_round_ratio():
+    rounds = [compare({"runs": [_run(1, 60.0, 20.0, 100.0)]}, {"runs": [_run(1, 50.0, 40.0, 200.0)]}),
+              compare({"runs": [_run(1, 30.0, 90.0, 300.0)]}, {"runs": [_run(1, 40.0, 30.0, 150.0)]}),
+              compare({"runs": [_run(1, 62.0, 25.0, 120.0)]}, {"runs": [_run(1, 45.0, 50.0, 250.0)]})]
+    rounds[1][0]["pdserve_failed"] = 2
+    [row] = median_rows(rounds)
+    assert row["request_rate"] == 1
+    assert (row["pdserve_output_tokens_per_s"], row["vllm_output_tokens_per_s"]) == (60.0, 45.0)
+    assert row["throughput_ratio"] == pytest.approx(60.0 / 45.0)  # of the medians, not a median of ratios
+    assert row["round_throughput_ratios"] == pytest.approx([1.2, 0.75, 62.0 / 45.0])
+    assert (row["pdserve_p99_tpot_ms"], row["vllm_p99_tpot_ms"]) == (25.0, 40.0)
+    assert (row["pdserve_mean_ttft_ms"], row["vllm_p99_ttft_ms"]) == (120.0, 400.0)
+    assert (row["pdserve_failed"], row["vllm_failed"]) == (2, 0)  # summed: a failure in any round shows
+
+
+def test_repeats_below_one_are_refused(capsys):
+    from bench.peers.vllm_serve import main
+    with pytest.raises(SystemExit) as stopped:
+        main(["--repeats", "0"])
+    assert stopped.value.code == 2
+    assert "--repeats must be at least 1" in capsys.readouterr().err
 
 
 def test_the_client_sends_the_temperature_given_and_bench_serve_takes_its_flags(tmp_path):
