@@ -87,6 +87,11 @@ def compile_forward(model: torch.nn.Module, device: torch.device, enforce_eager:
     # restart its whole trace once the compiler turned it back into a constant.
     torch._dynamo.config.specialize_float = True
     torch._dynamo.config.run_gc_after_compile = False  # ~0.5 s per graph; the engine allocates little
+    # Inductor writes its CPU kernels for the thread count at compile time: serial code at one
+    # thread, `num_threads(N)` at any count but the machine's. A decode instance at one thread
+    # runs its prefill steps on --num-prefill-threads, so its norms, RoPE and SiLU must take
+    # the step's count: OpenMP regions that run on the threads torch has when they start.
+    inductor_config.cpp.dynamic_threads = True
     # A cold start builds four native libraries: the GEMV that packing the linears loads
     # (~12 s of g++ on the 2-core Zen 5), attention (~20 s), the decode loop (~11 s) that
     # warm-up registers the model with and the sampler's argmax (~5 s) it loads last. g++

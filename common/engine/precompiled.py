@@ -278,6 +278,9 @@ def _changed_modules(compiled: Any) -> list[str]:
 
 def _artifact_key(model: torch.nn.Module, method_name: str) -> str:
     """What a compiled method depends on beyond its source: a different value is a different file."""
+    # Here, not at the top: importing inductor's config fixes its cache directory, which
+    # compilation.py must have put into the environment first.
+    import torch._inductor.config as inductor_config
     parts = [
         type(model).__module__, type(model).__qualname__, method_name,
         # The module tree, with each packed linear's weight id (a constant in the graph) and
@@ -286,7 +289,8 @@ def _artifact_key(model: torch.nn.Module, method_name: str) -> str:
         [(name, tuple(t.shape), str(t.dtype), str(t.device))
          for name, t in [*model.named_parameters(), *model.named_buffers()]],
         # Choices made while tracing, and what inductor generated its C++ for.
-        cpu_attention_backend(), native_gemv_available(), torch.get_num_threads(), cpu_flags(),
+        cpu_attention_backend(), native_gemv_available(), torch.get_num_threads(),
+        inductor_config.cpp.dynamic_threads, cpu_flags(),
         torch.__version__, torch.version.git_version, sys.version,
         inspect.getsource(sys.modules[__name__]),
     ]

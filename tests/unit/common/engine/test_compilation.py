@@ -347,3 +347,26 @@ def test_warm_up_gives_the_proposer_its_own_native_loop(engines, monkeypatch):
         assert draft_loop.num_steps >= 3 and llm.engine.stats()["spec_num_draft_tokens"] > 0
     finally:
         llm.engine.shutdown()
+
+
+# Compiles the tiny model at one thread with two for the steps that prefill, in a fresh
+# process, and prints every OpenMP pragma of the C++ that inductor generated for it.
+_PRAGMAS_SCRIPT = """
+import json, os, pathlib, sys
+from common.engine.llm import LLM
+llm = LLM(sys.argv[1], dtype="float32", num_threads=1, num_prefill_threads=2, kv_cache_memory="16MiB")
+sources = [p.read_text() for p in pathlib.Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).rglob("*.py")]
+print(json.dumps([line.strip() for text in sources if "cpp_fused" in text
+                  for line in text.splitlines() if line.strip().startswith("#pragma omp parallel")]))
+"""
+
+
+def test_kernels_compiled_at_one_thread_run_the_prefill_steps_on_their_threads(tiny_llama_dir, tmp_path):
+    """A decode instance at one thread prefills on --num-prefill-threads: inductor's fused
+    kernels must open OpenMP regions that take the step's thread count, not be serial code
+    (what inductor writes for one thread) nor pinned with num_threads(N)."""
+    done = run_python(_PRAGMAS_SCRIPT, str(tiny_llama_dir), timeout_s=300, unset=("PDSERVE_ENFORCE_EAGER",),
+                      TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    pragmas = json.loads(done.stdout.strip().splitlines()[-1])
+    assert pragmas, "inductor's kernels open no OpenMP region: they run serially on every step"
+    assert all(pragma == "#pragma omp parallel" for pragma in pragmas), pragmas
