@@ -64,10 +64,11 @@ def num_compiled_graphs() -> int:
 
 
 def compile_forward(model: torch.nn.Module, device: torch.device, enforce_eager: bool,
-                    single_weight_copy: bool = False) -> Callable:
+                    single_weight_copy: bool = False, dynamic_threads: bool = False) -> Callable:
     """The model's forward, compiled; the model itself where compiling is off or impossible.
     single_weight_copy: the prepacked linears keep their weights once where they can
-    (PrepackedLinear's single_copy).
+    (PrepackedLinear's single_copy). dynamic_threads: some steps run on another thread count
+    than the process's (--num-prefill-threads).
 
     PDSERVE_ENFORCE_EAGER=1 in the environment turns compiling off like --enforce-eager
     (it sets that flag for the services)."""
@@ -89,9 +90,11 @@ def compile_forward(model: torch.nn.Module, device: torch.device, enforce_eager:
     torch._dynamo.config.run_gc_after_compile = False  # ~0.5 s per graph; the engine allocates little
     # Inductor writes its CPU kernels for the thread count at compile time: serial code at one
     # thread, `num_threads(N)` at any count but the machine's. A decode instance at one thread
-    # runs its prefill steps on --num-prefill-threads, so its norms, RoPE and SiLU must take
-    # the step's count: OpenMP regions that run on the threads torch has when they start.
-    inductor_config.cpp.dynamic_threads = True
+    # runs its prefill steps on --num-prefill-threads, so there its norms, RoPE and SiLU must
+    # take the step's count: OpenMP regions that run on the threads torch has when they start.
+    # Only there: with one thread a core, the dynamic form made the offline mixed workload
+    # ~7% slower on the model-167 Xeon.
+    inductor_config.cpp.dynamic_threads = dynamic_threads
     # A cold start builds four native libraries: the GEMV that packing the linears loads
     # (~12 s of g++ on the 2-core Zen 5), attention (~20 s), the decode loop (~11 s) that
     # warm-up registers the model with and the sampler's argmax (~5 s) it loads last. g++

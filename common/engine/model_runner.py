@@ -170,7 +170,8 @@ class ModelRunner:
         # itself stays eager for a draft that runs part of it). Ranks of a parallel run
         # stay eager: their collectives and stage transfers are not compiler-safe ops.
         self.forward = compile_forward(self.model, self.device,
-                                       enforce_eager or self.parallel_config.world_size > 1, single_weight_copy)
+                                       enforce_eager or self.parallel_config.world_size > 1, single_weight_copy,
+                                       dynamic_threads=num_prefill_threads not in (None, torch.get_num_threads()))
         # Logits of the sampled rows: compiled with the forward, or eager with it.
         self.compute_logits = compile_logits(self.model, self.forward)
         if self.device.type == "cpu":
