@@ -250,6 +250,9 @@ def test_the_loop_samples_verification_rows_as_the_sampler_does(target_dir):
     loop = with_native_loop(llm)
     assert loop is not None
     max_head_tokens = loop.max_head_tokens
+    if max_head_tokens == 0:
+        llm.engine.shutdown()
+        pytest.skip("bf16 panels run on AMX tiles here, outside the loop's regions: no step ends in its head")
     requests = [{"prompt_token_ids": p} for p in prompts]
     # Penalties light enough that the n-gram drafts still hold at times.
     drawn = [SamplingParams(temperature=0.5, seed=7 + i, max_tokens=24, ignore_eos=True, logprobs=2,
