@@ -66,12 +66,12 @@ def section(results: Path, steps: list[str], today: datetime.date | None = None)
              f"Command: `scripts/gpu_check.sh WHEEL_DIR {' '.join(steps)}` on the GPU machine.\n"]
     lines += [f"- {what}: {outcome(results, name)}" for name, what in TEST_STEPS if name in steps]
     if "offline" in steps:
+        reports = {arm: json.loads(path.read_text()) for arm, _ in OFFLINE_ARMS
+                   if (path := results / f"offline-{arm}.json").exists()}
         for arm, what in OFFLINE_ARMS:
-            path = results / f"offline-{arm}.json"
-            lines.append(offline_line(what, json.loads(path.read_text())) if path.exists()
+            lines.append(offline_line(what, reports[arm]) if arm in reports
                          else f"- offline, {what}: failed ({outcome(results, 'offline-' + arm)})")
-        roof = next((json.loads((results / f"offline-{a}.json").read_text())["roofline"]
-                     for a in ("compiled", "no-graphs", "eager") if (results / f"offline-{a}.json").exists()), None)
+        roof = next((reports[a]["roofline"] for a in ("compiled", "no-graphs", "eager") if a in reports), None)
         if roof:
             lines.append(f"- measured rooflines: copy {roof['copy_bandwidth_GBps']:.0f} GB/s (read + write), "
                          f"{roof.get('matmul_dtype', 'fp32')} matmul {roof.get('matmul_GFLOPs', 0) / 1e3:.0f} TFLOP/s")
