@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -26,18 +27,30 @@ pytestmark = pytest.mark.skipif(not native_argmax_available(), reason="no C++ co
 _values = st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.5, 1e30, -1e30, math.inf, -math.inf, math.nan])
 
 
+def _logit_rows(max_rows: int, max_len: int, elements, at_least_one_finite: bool = False):
+    """[1..max_rows, 1..max_len] float32 logits whose values come from a palette of up to
+    32 values drawn from elements (so ties, specials and edge values are common), placed
+    by a drawn seed. Drawing every one of up to 2,800 values through hypothesis took ~10x
+    as long; the palette keeps what the rows are made of in hypothesis's hands (and
+    shrinking), the seed only where each value goes. at_least_one_finite: no row all -inf."""
+    def build(shape, palette, seed):
+        picks = np.random.default_rng(seed).integers(0, len(palette), size=shape)
+        return np.asarray(palette, dtype=np.float32)[picks]
+
+    rows = st.builds(build, st.tuples(st.integers(1, max_rows), st.integers(1, max_len)),
+                     st.lists(elements, min_size=1, max_size=32), st.integers(0, 2**32 - 1))
+    return rows.filter(lambda a: (a != -np.inf).any(axis=1).all()) if at_least_one_finite else rows
+
+
 def _rows(width: int):
     """1-5 rows of 1-70 values each: _values or any float of this width."""
-    return st.integers(1, 5).flatmap(
-        lambda num_rows: st.integers(1, 70).flatmap(
-            lambda n: st.lists(st.lists(_values | st.floats(width=width), min_size=n, max_size=n),
-                               min_size=num_rows, max_size=num_rows)))
+    return _logit_rows(5, 70, _values | st.floats(width=width))
 
 
 @settings(max_examples=300, deadline=None)
 @given(_rows(width=32))
 def test_matches_torch_argmax(rows):
-    logits = torch.tensor(rows, dtype=torch.float32)  # [num_rows, n]
+    logits = torch.from_numpy(rows)  # [num_rows, n]
     assert torch.equal(torch.ops.pdserve_sampling.argmax_rows(logits), logits.argmax(dim=-1))
 
 
@@ -45,7 +58,7 @@ def test_matches_torch_argmax(rows):
 @given(_rows(width=16))
 def test_bf16_rows_have_the_argmax_of_their_fp32_copy(rows):
     # Rounding to bf16 makes ties of values that differed; the first of them wins, as in fp32.
-    logits = torch.tensor(rows, dtype=torch.float32).to(torch.bfloat16)  # [num_rows, n]
+    logits = torch.from_numpy(rows).to(torch.bfloat16)  # [num_rows, n]
     answer = torch.ops.pdserve_sampling.argmax_rows(logits)
     assert torch.equal(answer, logits.float().argmax(dim=-1))
     assert torch.equal(answer, logits.argmax(dim=-1))
@@ -104,15 +117,13 @@ def _interval_of(logits_row: torch.Tensor, token_id: int) -> tuple[float, float]
 
 
 # Rows of plain numbers and -inf (a truncated token), at least one finite value each.
-_draw_rows = st.integers(1, 4).flatmap(lambda num_rows: st.integers(1, 700).flatmap(
-    lambda n: st.lists(st.lists(st.floats(-30, 30, width=32) | st.just(-math.inf), min_size=n, max_size=n)
-                       .filter(lambda row: any(v != -math.inf for v in row)), min_size=num_rows, max_size=num_rows)))
+_draw_rows = _logit_rows(4, 700, st.floats(-30, 30, width=32) | st.just(-math.inf), at_least_one_finite=True)
 
 
 @settings(max_examples=100, deadline=None)
 @given(_draw_rows, st.lists(st.floats(0.0, 1.0, exclude_max=True), min_size=4, max_size=4))
 def test_draw_takes_the_token_whose_cdf_interval_holds_u(rows, us):
-    logits = torch.tensor(rows, dtype=torch.float32)  # [num_rows, n]
+    logits = torch.from_numpy(rows)  # [num_rows, n]
     uniforms = torch.tensor(us[:len(rows)], dtype=torch.float64)  # [num_rows]
     for row, (token_id, u) in enumerate(zip(torch.ops.pdserve_sampling.draw_rows(logits, uniforms).tolist(),
                                             uniforms.tolist())):
@@ -171,7 +182,7 @@ def test_draw_refusals_name_the_problem(logits, uniforms, message):
 @given(_draw_rows, st.lists(st.sampled_from([0.0, 1e-9, 0.05, 0.5, 1.0]) | st.floats(0.0, 1.0), min_size=4,
                             max_size=4))
 def test_min_p_masks_what_the_torch_form_masks(rows, ps):
-    logits = torch.tensor(rows, dtype=torch.float32)  # [num_rows, n]
+    logits = torch.from_numpy(rows)  # [num_rows, n]
     min_p = torch.tensor(ps[:len(rows)])  # [num_rows]
     masked = logits.clone()
     torch.ops.pdserve_sampling.min_p_mask_rows_(masked, min_p)
@@ -196,16 +207,14 @@ def _top_k_reference(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
 
 
 # Few distinct values among many, so that ties with the k-th are common.
-_top_k_rows = st.integers(1, 4).flatmap(lambda num_rows: st.integers(1, 600).flatmap(
-    lambda n: st.lists(st.lists(st.sampled_from([-math.inf, -40.0, -17.0, -3.0, 0.0, 0.01, 2.0])
-                                | st.floats(-40, 40, width=32), min_size=n, max_size=n)
-                       .filter(lambda row: any(v != -math.inf for v in row)), min_size=num_rows, max_size=num_rows)))
+_top_k_rows = _logit_rows(4, 600, st.sampled_from([-math.inf, -40.0, -17.0, -3.0, 0.0, 0.01, 2.0])
+                          | st.floats(-40, 40, width=32), at_least_one_finite=True)
 
 
 @settings(max_examples=150, deadline=None)
 @given(_top_k_rows, st.lists(st.integers(-1, 700), min_size=4, max_size=4))
 def test_top_k_keeps_the_k_largest_and_their_ties(rows, ks):
-    logits = torch.tensor(rows, dtype=torch.float32)  # [num_rows, n]
+    logits = torch.from_numpy(rows)  # [num_rows, n]
     top_k = ks[:len(rows)]
     masked = logits.clone()
     torch.ops.pdserve_sampling.top_k_mask_rows_(masked, torch.tensor(top_k))
@@ -260,7 +269,7 @@ def _top_p_reference(row: torch.Tensor, p: float) -> set[int]:
 @settings(max_examples=150, deadline=None)
 @given(_draw_rows, st.lists(st.floats(0.01, 0.999), min_size=4, max_size=4))
 def test_top_p_keeps_the_most_likely_tokens_until_their_mass_reaches_p(rows, ps):
-    logits = torch.tensor(rows, dtype=torch.float32)  # [num_rows, n]
+    logits = torch.from_numpy(rows)  # [num_rows, n]
     masked = logits.clone()
     torch.ops.pdserve_sampling.top_p_mask_rows_(masked, torch.tensor(ps[:len(rows)]))
     for row, p in enumerate(ps[:len(rows)]):
@@ -335,16 +344,14 @@ def _logprobs_reference(row: torch.Tensor, token_id: int, num_top: int) -> tuple
 
 
 # Few distinct values among many, so that ties at the top are common; some rows with -inf.
-_logprob_rows = st.integers(1, 4).flatmap(lambda num_rows: st.integers(1, 300).flatmap(
-    lambda n: st.lists(st.lists(st.sampled_from([-math.inf, -30.0, -3.0, 0.0, 0.5, 2.0])
-                                | st.floats(-60, 60, width=32), min_size=n, max_size=n)
-                       .filter(lambda row: any(v != -math.inf for v in row)), min_size=num_rows, max_size=num_rows)))
+_logprob_rows = _logit_rows(4, 300, st.sampled_from([-math.inf, -30.0, -3.0, 0.0, 0.5, 2.0])
+                            | st.floats(-60, 60, width=32), at_least_one_finite=True)
 
 
 @settings(max_examples=150, deadline=None)
 @given(_logprob_rows, st.integers(0, 20), st.data())
 def test_logprobs_are_the_log_softmax_at_the_token_and_the_top_tokens(rows, num_top, data):
-    logits = torch.tensor(rows, dtype=torch.float32)  # [num_rows, n]
+    logits = torch.from_numpy(rows)  # [num_rows, n]
     num_rows, n = logits.shape
     num_top = min(num_top, n)
     token_ids = [data.draw(st.integers(0, n - 1)) for _ in range(num_rows)]
