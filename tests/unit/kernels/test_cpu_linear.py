@@ -10,6 +10,7 @@ oneDNN or torch's int4 / int8 kernels."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import textwrap
 from dataclasses import fields
@@ -33,7 +34,7 @@ from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, gemv, gguf_promp
 from kernels.cpu_linear import prepacked_linear as native_prepacked_linear
 from kernels.cpu_linear import int8_linear
 from kernels.cpu_linear import q4_1_linear as native_q4_1_linear
-from tests.support.fresh_process import run_python_ok
+from tests.support.fresh_process import run_python, run_python_ok
 
 pytestmark = pytest.mark.skipif(not native_gemv_available(),
                                 reason="no AVX2 and FMA (or no C++ compiler): the GEMV is not built here")
@@ -753,6 +754,46 @@ def test_the_avx2_build_of_the_gguf_gemvs_matches_their_math():
     # built here for x86-64-v3 into the usual kernel cache (the target is part of its key).
     run_python_ok(_AVX2_GGUF_SCRIPT, timeout_s=280, PDSERVE_CPU_MARCH="x86-64-v3")
 
+
+
+# The kernels that stream their weight (the GGUF row groups, the row-major GEMV) over a
+# layer's worth of weights, each output's bytes hashed.
+_STREAMED_OUTPUTS_SCRIPT = textwrap.dedent("""
+    import hashlib, json
+    import torch
+    from common.engine.model_files import bundled_gguf_path
+    from common.engine.models.quantization.gguf_blocks import GGUFQuantizedWeights
+    from kernels.cpu_linear import (gemv, native_gemv_available, q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv,
+                                    q8_0_gemv_blocks)
+    assert native_gemv_available()  # loads the library
+    gguf = GGUFQuantizedWeights(bundled_gguf_path())
+    blocks, head = gguf.projection(0, "down_proj"), gguf.head_q8_0()
+    head.d, head.codes = head.d[:300], head.codes[:300]
+    torch.manual_seed(0)
+    dense = torch.randn(300, 576, dtype=torch.bfloat16)
+    outputs = {}
+    for num_rows in (1, 4, 9):
+        x = torch.randn(num_rows, 1536, dtype=torch.bfloat16)
+        outputs[f"q4_1/{num_rows}"] = q4_1_gemv(x, None, q4_1_gemv_blocks(blocks.raw()))
+        x = torch.randn(num_rows, 576, dtype=torch.bfloat16)
+        outputs[f"q8_0/{num_rows}"] = q8_0_gemv(x, None, q8_0_gemv_blocks(head.raw()))
+        if num_rows <= 4:  # the row-major GEMV's steps
+            outputs[f"bf16/{num_rows}"] = gemv(x, None, dense)
+    print(json.dumps({name: hashlib.sha256(out.float().numpy().tobytes()).hexdigest()
+                      for name, out in outputs.items()}))
+""")
+
+
+def test_the_stream_prefetch_setting_changes_no_bits():
+    # PDSERVE_STREAM_PREFETCH (read once per process: a process each) only says how the
+    # weights are asked for ahead; every setting must run and give the default's bits.
+    def outputs(**environment):
+        done = run_python(_STREAMED_OUTPUTS_SCRIPT, timeout_s=120, **environment)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    default = outputs()
+    assert len(default) == 8
+    for setting in ("nta", "t0", "off"):
+        assert outputs(PDSERVE_STREAM_PREFETCH=setting) == default, setting
 
 @pytest.mark.skipif(not int8_kernel_available("cpu"), reason="no torch int8 kernel here")
 @pytest.mark.parametrize("num_tokens", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1])
