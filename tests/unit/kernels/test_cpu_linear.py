@@ -755,7 +755,6 @@ def test_the_avx2_build_of_the_gguf_gemvs_matches_their_math():
     run_python_ok(_AVX2_GGUF_SCRIPT, timeout_s=280, PDSERVE_CPU_MARCH="x86-64-v3")
 
 
-
 # The kernels that stream their weight (the GGUF row groups, the row-major GEMV) over a
 # layer's worth of weights, each output's bytes hashed.
 _STREAMED_OUTPUTS_SCRIPT = textwrap.dedent("""
@@ -794,6 +793,7 @@ def test_the_stream_prefetch_setting_changes_no_bits():
     assert len(default) == 8
     for setting in ("nta", "t0", "off"):
         assert outputs(PDSERVE_STREAM_PREFETCH=setting) == default, setting
+
 
 @pytest.mark.skipif(not int8_kernel_available("cpu"), reason="no torch int8 kernel here")
 @pytest.mark.parametrize("num_tokens", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1])
