@@ -116,14 +116,23 @@ RUN set -eux; \
     mkdir -p /var/cache/pdserve/models /var/cache/pdserve/compile; \
     chown -R pdserve:pdserve /var/cache/pdserve
 
-# g++ compiles the native CPU attention kernel on a process's first attention call
-# (kernels/cpu/build.py: ~15 s, cached in ~/.cache/pdserve/kernels, keyed by the CPU it
-# runs on). INSTALL_CXX= leaves it out, as does an offline build (WHEELS_ONLY, no apt
-# mirror): CPU attention then logs one line and takes the slower torch path.
+# A C++ compiler is needed at run time: torch.compile's inductor writes C++ for the model
+# (including Python.h, which python:3.11-slim has) and kernels/cpu/build.py compiles the
+# native CPU kernels (attention, GEMVs, the decode loop, sampling) on first use, cached on
+# the compile-cache volume (PDSERVE_KERNEL_CACHE below) for every replica and restart.
+# Without one the engine runs eagerly on torch's kernels, with one warning at start-up.
+# g++ is taken from the base image where it has one (deploy/make-base-image.sh's does: an
+# offline build has no apt mirror), else installed with apt-get; INSTALL_CXX= skips that.
 ARG INSTALL_CXX=1
 ARG WHEELS_ONLY=
 RUN set -eux; \
-    if [ -n "$INSTALL_CXX" ] && [ -z "$WHEELS_ONLY" ]; then \
+    if command -v g++ >/dev/null; then \
+        g++ --version | head -n 1; \
+    elif [ -z "$INSTALL_CXX" ]; then \
+        echo "INSTALL_CXX is empty: no C++ compiler, the engine will run eagerly"; \
+    elif [ -n "$WHEELS_ONLY" ]; then \
+        echo "no g++ in the base image and no apt mirror in an offline build: the engine will run eagerly (deploy/make-base-image.sh makes a base image with g++)"; \
+    else \
         apt-get update; \
         apt-get install -y --no-install-recommends g++; \
         rm -rf /var/lib/apt/lists/*; \
@@ -135,7 +144,8 @@ COPY --from=build /app /app
 # PDSERVE_HOST: listen on every interface inside the container (the services' own
 # default is loopback). PDSERVE_MODEL_CACHE: the converted model goes to a volume
 # mounted there (compose.yaml's `model-cache`), so it is converted once.
-# TORCHINDUCTOR_CACHE_DIR: compiled model code, on a volume too (`compile-cache`).
+# TORCHINDUCTOR_CACHE_DIR: compiled model code, on a volume too (`compile-cache`), and
+# PDSERVE_KERNEL_CACHE: the native CPU kernels built there, in a folder of that volume.
 ENV PATH=/app/bin:/opt/pdserve/bin:$PATH \
     PYTHONPATH=/app \
     PYTHONUNBUFFERED=1 \
@@ -143,6 +153,7 @@ ENV PATH=/app/bin:/opt/pdserve/bin:$PATH \
     PDSERVE_HOST=0.0.0.0 \
     PDSERVE_MODEL_CACHE=/var/cache/pdserve/models \
     TORCHINDUCTOR_CACHE_DIR=/var/cache/pdserve/compile \
+    PDSERVE_KERNEL_CACHE=/var/cache/pdserve/compile/kernels \
     HOME=/home/pdserve
 
 USER pdserve:pdserve

@@ -37,9 +37,13 @@ trap cleanup EXIT
 
 # minbase: essential + apt only. What python:3.11-slim offers that we use:
 #   python3 (3.11), venv + ensurepip (the build stage makes a virtualenv),
-#   ca-certificates (pip over https), netbase (/etc/services, /etc/protocols).
+#   ca-certificates (pip over https), netbase (/etc/services, /etc/protocols),
+#   python3-dev (Python.h, which the slim image has too: inductor's generated C++ includes it).
+# And g++, which the Dockerfile installs with apt-get on top of python:3.11-slim but cannot
+# in an offline build (no apt mirror there): without it the engine runs eagerly and its native
+# CPU kernels are off (torch.compile and kernels/cpu/build.py call it at run time).
 debootstrap --variant=minbase \
-    --include=python3,python3-venv,ca-certificates,netbase \
+    --include=python3,python3-venv,python3-dev,g++,ca-certificates,netbase \
     "$SUITE" "$ROOTFS" "$MIRROR"
 
 # Slim it down the way the official slim images do.

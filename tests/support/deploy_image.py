@@ -119,17 +119,34 @@ def image_exists(tag: str) -> bool:
                           stderr=subprocess.DEVNULL).returncode == 0
 
 
+# What the image runs with that the base image must bring: g++ and Python.h (the engine
+# compiles its model and native kernels at run time; an offline build cannot apt-get them).
+_BASE_HAS_COMPILER = ("command -v g++ >/dev/null && python3 -c 'import os, sys, sysconfig; "
+                      "sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()[\"include\"], \"Python.h\")))'")
+
+
+def base_image_has_compiler(tag: str) -> bool:
+    return subprocess.run(["docker", "run", "--rm", "--network", "none", "--entrypoint", "sh", tag, "-c",
+                           _BASE_HAS_COMPILER], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          timeout=120).returncode == 0
+
+
 def ensure_base_image() -> str:
-    """pdserve-base:bookworm from debootstrap, made once per machine (the image store keeps it)."""
+    """pdserve-base:bookworm from debootstrap, made once per machine (the image store keeps
+    it); made again where the one kept has no C++ compiler (an earlier version of the script)."""
     if image_exists(BASE_IMAGE):
-        return "cached"
+        if base_image_has_compiler(BASE_IMAGE):
+            return "cached"
+        why, force = f"the {BASE_IMAGE} image kept here has no g++ and Python.h", "1"
+    else:
+        why, force = f"no {BASE_IMAGE} image", "0"
     if os.geteuid() != 0:
-        raise Unavailable(f"no {BASE_IMAGE} image, and debootstrap needs root")
+        raise Unavailable(f"{why}, and debootstrap needs root")
     if shutil.which("debootstrap") is None:
-        raise Unavailable(f"no {BASE_IMAGE} image and no debootstrap to make one (apt-get install debootstrap)")
+        raise Unavailable(f"{why} and no debootstrap to make one (apt-get install debootstrap)")
     run(["bash", str(REPO / "deploy" / "make-base-image.sh")], timeout=BASE_IMAGE_TIMEOUT,
-        env={"BASE_TAG": BASE_IMAGE})
-    return "built"
+        env={"BASE_TAG": BASE_IMAGE, "FORCE": force})
+    return "built" if force == "0" else "built again (the one kept had no compiler)"
 
 
 def project_requirements() -> list[str]:
