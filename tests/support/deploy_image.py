@@ -137,7 +137,7 @@ def ensure_base_image() -> str:
     if image_exists(BASE_IMAGE):
         if base_image_has_compiler(BASE_IMAGE):
             return "cached"
-        why, force = f"the {BASE_IMAGE} image kept here has no g++ and Python.h", "1"
+        why, force = f"the {BASE_IMAGE} image kept here has no g++ or no Python.h", "1"
     else:
         why, force = f"no {BASE_IMAGE} image", "0"
     if os.geteuid() != 0:
