@@ -252,14 +252,14 @@ def test_compose_deployment_end_to_end(tmp_path, request):
 # Run in a container of the image: what compiling the model and building the native
 # kernels need at run time is there (a real g++ build of the smallest native library).
 _IMAGE_COMPILES = """
-import os, sys, sysconfig, tempfile
+import os, sysconfig, tempfile
 from common.engine.compilation import find_cpp_compiler
 from kernels.cpu.build import build_library
-include = sysconfig.get_paths()["include"]
-assert find_cpp_compiler(), "no C++ compiler in the image"
+cxx, include = find_cpp_compiler(), sysconfig.get_paths()["include"]
+assert cxx, "no C++ compiler in the image"
 assert os.path.exists(os.path.join(include, "Python.h")), f"no Python.h in {include}"
 os.environ["PDSERVE_KERNEL_CACHE"] = tempfile.mkdtemp()
-print(find_cpp_compiler(), build_library("arena_cache"))
+print(cxx, build_library("arena_cache"))
 """
 
 

@@ -134,19 +134,17 @@ def base_image_has_compiler(tag: str) -> bool:
 def ensure_base_image() -> str:
     """pdserve-base:bookworm from debootstrap, made once per machine (the image store keeps
     it); made again where the one kept has no C++ compiler (an earlier version of the script)."""
-    if image_exists(BASE_IMAGE):
-        if base_image_has_compiler(BASE_IMAGE):
-            return "cached"
-        why, force = f"the {BASE_IMAGE} image kept here has no g++ or no Python.h", "1"
-    else:
-        why, force = f"no {BASE_IMAGE} image", "0"
+    kept = image_exists(BASE_IMAGE)
+    if kept and base_image_has_compiler(BASE_IMAGE):
+        return "cached"
+    why = f"the {BASE_IMAGE} image kept here has no g++ or no Python.h" if kept else f"no {BASE_IMAGE} image"
     if os.geteuid() != 0:
         raise Unavailable(f"{why}, and debootstrap needs root")
     if shutil.which("debootstrap") is None:
         raise Unavailable(f"{why} and no debootstrap to make one (apt-get install debootstrap)")
     run(["bash", str(REPO / "deploy" / "make-base-image.sh")], timeout=BASE_IMAGE_TIMEOUT,
-        env={"BASE_TAG": BASE_IMAGE, "FORCE": force})
-    return "built" if force == "0" else "built again (the one kept had no compiler)"
+        env={"BASE_TAG": BASE_IMAGE, "FORCE": "1" if kept else "0"})
+    return "built again (the one kept had no compiler)" if kept else "built"
 
 
 def project_requirements() -> list[str]:
