@@ -102,6 +102,13 @@ def suite_part(item) -> str:
     return "parallel" if in_process else "services"
 
 
+def shares_module_fixtures(item) -> bool:
+    """The test takes a fixture its module's tests share (scope module or class): an engine,
+    a stack of services, a plan that took seconds to simulate."""
+    return any(defs[-1].scope in ("module", "class") for defs in item._fixtureinfo.name2fixturedefs.values())
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """--suite-part selects its part; the compose test runs last: scripts/test.sh prepares
     its image in the background meanwhile (tests/support/deploy_image.py), mostly
@@ -111,4 +118,23 @@ def pytest_collection_modifyitems(config, items):
         keep = [item for item in items if suite_part(item) == part]
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
+    # The tests of a module that share its fixtures (its engine, its plan) run on one
+    # pytest-xdist worker of --dist loadgroup, which makes those once, while the other runs
+    # whatever else is queued.
+    for item in items:
+        if shares_module_fixtures(item) and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     items.sort(key=lambda item: item.nodeid.startswith(DEPLOY_TEST))
+
+
+def pytest_collection_finish(session):
+    """On a worker of --dist loadgroup, each grouped test's id carries its group; where it
+    does not (pytest-xdist#1386, a pytest whose node ids xdist cannot rewrite), the groups
+    would silently come apart."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    ungrouped = [item.nodeid for item in session.items
+                 if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid]
+    if ungrouped:
+        raise pytest.UsageError(f"pytest-xdist's --dist loadgroup lost the group of {len(ungrouped)} tests "
+                                f"(e.g. {ungrouped[0]}): pytest-xdist#1386; see the pytest pin in pyproject.toml")
