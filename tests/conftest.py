@@ -127,14 +127,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.nodeid.startswith(DEPLOY_TEST))
 
 
-def pytest_collection_finish(session):
-    """On a worker of --dist loadgroup, each grouped test's id carries its group; where it
-    does not (pytest-xdist#1386, a pytest whose node ids xdist cannot rewrite), the groups
-    would silently come apart."""
-    if not getattr(session.config.option, "loadgroup", False):
+
+def pytest_configure(config):
+    """pytest-xdist 3.8's --dist loadgroup marks a group by rewriting each grouped test's
+    nodeid, which pytest 9.2's structured node ids ignore (pytest-xdist#1386): the groups
+    would silently come apart, so such a run stops here."""
+    from importlib.metadata import version
+    if config.getoption("dist", "no") != "loadgroup":
         return
-    ungrouped = [item.nodeid for item in session.items
-                 if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid]
-    if ungrouped:
-        raise pytest.UsageError(f"pytest-xdist's --dist loadgroup lost the group of {len(ungrouped)} tests "
-                                f"(e.g. {ungrouped[0]}): pytest-xdist#1386; see the pytest pin in pyproject.toml")
+    xdist_version = tuple(int(part) for part in version("pytest-xdist").split(".")[:3])
+    if pytest.version_tuple[:2] >= (9, 2) and xdist_version <= (3, 8, 0):
+        raise pytest.UsageError(f"--dist loadgroup does not group with pytest {pytest.__version__} and "
+                                f"pytest-xdist {version('pytest-xdist')} (pytest-xdist#1386); "
+                                "see the pytest pin in pyproject.toml")
