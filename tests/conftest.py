@@ -105,7 +105,9 @@ def suite_part(item) -> str:
 def shares_module_fixtures(item) -> bool:
     """The test takes a fixture its module's tests share (scope module or class): an engine,
     a stack of services, a plan that took seconds to simulate."""
-    return any(defs[-1].scope in ("module", "class") for defs in item._fixtureinfo.name2fixturedefs.values())
+    fixture_info = getattr(item, "_fixtureinfo", None)  # a test function's; other items have none
+    return fixture_info is not None and any(defs[-1].scope in ("module", "class")
+                                            for defs in fixture_info.name2fixturedefs.values())
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
@@ -123,9 +125,8 @@ def pytest_collection_modifyitems(config, items):
     # whatever else is queued.
     for item in items:
         if shares_module_fixtures(item) and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     items.sort(key=lambda item: item.nodeid.startswith(DEPLOY_TEST))
-
 
 
 def pytest_configure(config):
