@@ -134,10 +134,11 @@ def pytest_configure(config):
     nodeid, which pytest 9.2's structured node ids ignore (pytest-xdist#1386): the groups
     would silently come apart, so such a run stops here."""
     from importlib.metadata import version
+
+    from packaging.version import Version
     if config.getoption("dist", "no") != "loadgroup":
         return
-    xdist_version = tuple(int(part) for part in version("pytest-xdist").split(".")[:3])
-    if pytest.version_tuple[:2] >= (9, 2) and xdist_version <= (3, 8, 0):
+    if Version(pytest.__version__) >= Version("9.2.0.dev0") and Version(version("pytest-xdist")) <= Version("3.8.0"):
         raise pytest.UsageError(f"--dist loadgroup does not group with pytest {pytest.__version__} and "
                                 f"pytest-xdist {version('pytest-xdist')} (pytest-xdist#1386); "
                                 "see the pytest pin in pyproject.toml")
