@@ -34,8 +34,8 @@ fi
 # The whole suite in three parts (tests/conftest.py --suite-part), on two pytest-xdist
 # workers where the tests allow it: the unit tests that assert no wall-clock bound and the
 # integration tests marked `in_process` (the offline engine only; most are one Python
-# thread each, so two cores run two of them; an `xdist_group` keeps a module on one
-# worker); then the integration tests that start services as processes, a module per
+# thread each, so two cores run two of them; tests/conftest.py keeps a module's tests that
+# share its fixtures on one worker); then the integration tests that start services as processes, a module per
 # worker (--dist loadfile: its services start once), since they spend a third of their
 # time starting processes and waiting on them, which the other worker fills; then, one at
 # a time, the tests marked `timing` (a wall-clock bound a shared core could break) and the

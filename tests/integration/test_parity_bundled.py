@@ -9,7 +9,7 @@ from tests.parity import hf_greedy, hf_teacher_forced
 
 # The offline engine in this process only: the parallel part runs it, its tests on one worker
 # (they share the module's engine).
-pytestmark = [pytest.mark.slow, pytest.mark.in_process, pytest.mark.xdist_group("test_parity_bundled")]
+pytestmark = [pytest.mark.slow, pytest.mark.in_process]
 
 NUM_NEW_TOKENS = 32
 TEXT_PROMPTS = [

@@ -11,7 +11,7 @@ from common import LLM, SamplingParams
 
 # The offline engine in this process only: the parallel part runs it, its tests on one worker
 # (they share the module's engine).
-pytestmark = [pytest.mark.slow, pytest.mark.in_process, pytest.mark.xdist_group("test_structured_outputs_offline")]
+pytestmark = [pytest.mark.slow, pytest.mark.in_process]
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 20},
