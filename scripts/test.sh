@@ -2,6 +2,12 @@
 # The test command: set up (idempotent), check the import layers, then run the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Where PYTHONDONTWRITEBYTECODE is set (this machine sets it), every process of the suite
+# (each pytest worker, each service it starts, each fresh-process test: hundreds) would
+# compile pdserve's modules and rewrite the tests' asserts again (~0.6 s an engine
+# import, ~5 s a worker's collection). Here Python keeps them in __pycache__ (git- and
+# docker-ignored), and setup.sh leaves the installed packages to be compiled as imported.
+unset PYTHONDONTWRITEBYTECODE
 bash scripts/setup.sh
 # Layers and the torch-free gateway, as [tool.importlinter] in pyproject.toml declares them.
 .venv/bin/lint-imports --no-cache
