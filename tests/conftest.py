@@ -110,6 +110,14 @@ def shares_module_fixtures(item) -> bool:
                                             for defs in fixture_info.name2fixturedefs.values())
 
 
+def pytest_ignore_collect(collection_path, config):
+    """The services part holds no unit test (suite_part): its workers skip importing and
+    collecting tests/unit (~2,100 tests, seconds of each worker)."""
+    if config.getoption("--suite-part") == "services" and collection_path == Path(__file__).parent / "unit":
+        return True
+    return None
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """--suite-part selects its part; the compose test runs last: scripts/test.sh prepares
