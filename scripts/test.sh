@@ -8,13 +8,11 @@ cd "$(dirname "$0")/.."
 # import, ~5 s a worker's collection). Here Python keeps them in __pycache__ (git- and
 # docker-ignored), and setup.sh leaves the installed packages to be compiled as imported.
 unset PYTHONDONTWRITEBYTECODE
-bash scripts/setup.sh
-# Layers and the torch-free gateway, as [tool.importlinter] in pyproject.toml declares them.
-.venv/bin/lint-imports --no-cache
 
-# For the whole suite, the compose test's prerequisites (Docker engine, base image,
-# wheelhouse, image build: minutes of downloads and disk writes where nothing is cached)
-# are made in the background while the other tests run; that test runs last and waits.
+# For the whole suite, the compose test's prerequisites (Debian's docker.io and debootstrap
+# where .ci/run asks for them, Docker engine, base image, wheelhouse, image build: minutes
+# of downloads and disk writes where nothing is cached) are made in the background while
+# setup and the other tests run; that test runs last and waits.
 state=$(mktemp -d)
 prepare_pid=""
 cleanup() {
@@ -29,10 +27,22 @@ cleanup() {
 }
 trap cleanup EXIT
 if [ "$#" = 0 ] && [ "${PDSERVE_DEPLOY_TEST:-1}" != 0 ]; then
-  nice -n 10 .venv/bin/python -m tests.support.deploy_image --dockerd-pid-file "$state/dockerd.pid" \
-    >"$state/prepare.log" 2>&1 &
+  (
+    # apt-get beside pip: each keeps one of the cores busy.
+    if [ "${PDSERVE_DEPLOY_INSTALL_PACKAGES:-0}" = 1 ]; then
+      { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io debootstrap; } \
+        >"$state/apt.log" 2>&1 || { echo "installing docker.io and debootstrap failed:"; tail -n 5 "$state/apt.log"; }
+    fi
+    # The preparation runs in the venv that setup.sh is making meanwhile.
+    while [ ! -e "$state/setup.done" ]; do sleep 1; done
+    exec nice -n 10 .venv/bin/python -m tests.support.deploy_image --dockerd-pid-file "$state/dockerd.pid"
+  ) >"$state/prepare.log" 2>&1 &
   prepare_pid=$!
 fi
+bash scripts/setup.sh
+touch "$state/setup.done"
+# Layers and the torch-free gateway, as [tool.importlinter] in pyproject.toml declares them.
+.venv/bin/lint-imports --no-cache
 if [ "$#" != 0 ]; then  # a selection of tests: as given, one pytest
   .venv/bin/python -m pytest -q "$@"
   exit 0
