@@ -51,11 +51,12 @@ fi
 # workers where the tests allow it: the unit tests that assert no wall-clock bound and the
 # integration tests marked `in_process` (the offline engine only; most are one Python
 # thread each, so two cores run two of them; tests/conftest.py keeps a module's tests that
-# share its fixtures on one worker); then the integration tests that start services as processes, a module per
-# worker (--dist loadfile: its services start once), since they spend a third of their
-# time starting processes and waiting on them, which the other worker fills; then, one at
-# a time, the tests marked `timing` (a wall-clock bound a shared core could break) and the
-# compose test. Every part always runs; the suite fails if any does.
+# share its fixtures on one worker); then the integration tests that start services as
+# processes, a module per worker (--dist loadfile: its services start once), since they
+# spend a third of their time starting processes and waiting on them, which the other
+# worker fills; then, one at a time, the tests marked `timing` (a wall-clock bound a
+# shared core could break) and the compose test. Every part always runs; the suite fails
+# if any does.
 status=0
 .venv/bin/python -m pytest -q -n 2 --dist loadgroup --suite-part parallel || status=$?
 .venv/bin/python -m pytest -q -n 2 --dist loadfile --suite-part services || status=$?

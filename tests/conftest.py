@@ -80,6 +80,7 @@ def tiny_llama_dir(tiny_model_factory) -> Path:
 
 
 SUITE_PARTS = ("parallel", "services", "serial")
+UNIT_TESTS = "tests/unit"
 DEPLOY_TEST = "tests/integration/test_deploy.py"
 
 
@@ -98,7 +99,7 @@ def pytest_addoption(parser):
 def suite_part(item) -> str:
     if item.get_closest_marker("timing") is not None or item.nodeid.startswith(DEPLOY_TEST):
         return "serial"
-    in_process = item.nodeid.startswith("tests/unit/") or item.get_closest_marker("in_process") is not None
+    in_process = item.nodeid.startswith(UNIT_TESTS + "/") or item.get_closest_marker("in_process") is not None
     return "parallel" if in_process else "services"
 
 
@@ -113,7 +114,7 @@ def shares_module_fixtures(item) -> bool:
 def pytest_ignore_collect(collection_path, config):
     """The services part holds no unit test (suite_part): its workers skip importing and
     collecting tests/unit (~2,100 tests, seconds of each worker)."""
-    if config.getoption("--suite-part") == "services" and collection_path == Path(__file__).parent / "unit":
+    if config.getoption("--suite-part") == "services" and collection_path == Path(__file__).parent.parent / UNIT_TESTS:
         return True
     return None
 
