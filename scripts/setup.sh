@@ -20,6 +20,14 @@ if [ ! -x .venv/bin/pip ]; then
 fi
 pip_install=(.venv/bin/pip install "${pip_options[@]}")
 "${pip_install[@]}" "pip==$PIP_VERSION"
+# The lock (scripts/lock.sh) pins every package of the line below for this Python; installed
+# first without resolving, the resolve below only checks it (~25 s less of reading index
+# pages). Where it cannot be installed (a pin without a build for this machine) or is stale,
+# the resolve installs what is missing.
+lock=scripts/requirements-py$(.venv/bin/python -c 'import sys; print("%d%d" % sys.version_info[:2])').lock
+if [ -f "$lock" ]; then
+  "${pip_install[@]}" --no-deps -r "$lock" || echo "setup: $lock did not install; resolving instead" >&2
+fi
 # torch==2.13.0 resolves to the local CPU wheel on these machines (pip's find-links);
 # a bare `torch` would pull a multi-GB CUDA build. setuptools' editable build warns that
 # folders named like our packages take precedence on imports (our layout, several
