@@ -12,10 +12,13 @@ unset PYTHONDONTWRITEBYTECODE
 # For the whole suite, the compose test's prerequisites (Debian's docker.io and debootstrap
 # where .ci/run asks for them, Docker engine, base image, wheelhouse, image build: minutes
 # of downloads and disk writes where nothing is cached) are made in the background while
-# setup and the other tests run; that test runs last and waits.
+# setup and the parallel part run; that test waits for them.
 state=$(mktemp -d)
 prepare_pid=""
+deploy_pid=""
 cleanup() {
+  # An interrupted run: SIGINT lets the compose test take its stack down first.
+  if [ -n "$deploy_pid" ]; then kill -INT "$deploy_pid" 2>/dev/null || true; wait "$deploy_pid" 2>/dev/null || true; fi
   if [ -n "$prepare_pid" ]; then kill "$prepare_pid" 2>/dev/null || true; wait "$prepare_pid" 2>/dev/null || true; fi
   if [ -s "$state/dockerd.pid" ]; then  # a Docker engine the preparation started
     pid=$(cat "$state/dockerd.pid")
@@ -47,18 +50,32 @@ if [ "$#" != 0 ]; then  # a selection of tests: as given, one pytest
   .venv/bin/python -m pytest -q "$@"
   exit 0
 fi
-# The whole suite in three parts (tests/conftest.py --suite-part), on two pytest-xdist
+# The whole suite in four parts (tests/conftest.py --suite-part), on two pytest-xdist
 # workers where the tests allow it: the unit tests that assert no wall-clock bound and the
 # integration tests marked `in_process` (the offline engine only; most are one Python
 # thread each, so two cores run two of them; tests/conftest.py keeps a module's tests that
-# share its fixtures on one worker); then the integration tests that start services as
+# share its fixtures on one worker); beside them, in a pytest of its own, the compose test,
+# which waits on containers with generous deadlines and alone kept only one core busy (its
+# output follows the services part's); then the integration tests that start services as
 # processes, a module per worker (--dist loadfile: its services start once), since they
 # spend a third of their time starting processes and waiting on them, which the other
-# worker fills; then, one at a time, the tests marked `timing` (a wall-clock bound a
-# shared core could break) and the compose test. Every part always runs; the suite fails
-# if any does.
+# worker fills; last, once the compose test is done, one at a time, the tests marked
+# `timing` (a wall-clock bound a shared core could break). Every part always runs; the
+# suite fails if any does.
+# (--suite-part=NAME: pytest reads a lone NAME as a path before it knows the option, and the
+# repository has a deploy/ folder.)
 status=0
-.venv/bin/python -m pytest -q -n 2 --dist loadgroup --suite-part parallel || status=$?
-.venv/bin/python -m pytest -q -n 2 --dist loadfile --suite-part services || status=$?
-.venv/bin/python -m pytest -q --suite-part serial || status=$?
+# (An asynchronous command of a script ignores SIGINT; reset, an interrupt reaches it and the
+# compose test takes its stack down. One torch thread: the other part's workers have the cores.)
+( trap - INT; OMP_NUM_THREADS=1 exec .venv/bin/python -m pytest -q -p no:cacheprovider --suite-part=deploy ) \
+  >"$state/deploy.log" 2>&1 &
+deploy_pid=$!
+.venv/bin/python -m pytest -q -n 2 --dist loadgroup --suite-part=parallel || status=$?
+.venv/bin/python -m pytest -q -n 2 --dist loadfile --suite-part=services || status=$?
+deploy_status=0
+wait "$deploy_pid" || deploy_status=$?
+deploy_pid=""
+cat "$state/deploy.log"
+[ "$deploy_status" = 0 ] || status=$deploy_status
+.venv/bin/python -m pytest -q --suite-part=serial || status=$?
 exit "$status"

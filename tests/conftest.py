@@ -79,7 +79,7 @@ def tiny_llama_dir(tiny_model_factory) -> Path:
     return tiny_model_factory("tiny-llama", "llama")
 
 
-SUITE_PARTS = ("parallel", "services", "serial")
+SUITE_PARTS = ("parallel", "services", "serial", "deploy")
 UNIT_TESTS = "tests/unit"
 DEPLOY_TEST = "tests/integration/test_deploy.py"
 
@@ -87,17 +87,20 @@ DEPLOY_TEST = "tests/integration/test_deploy.py"
 def pytest_addoption(parser):
     parser.addoption(
         "--suite-part", choices=SUITE_PARTS, default=None,
-        help="scripts/test.sh runs the suite in three parts: 'parallel' is the unit tests that "
+        help="scripts/test.sh runs the suite in four parts: 'parallel' is the unit tests that "
              "assert no wall-clock bound and the integration tests marked `in_process` (run "
-             "with pytest-xdist's -n 2, a module's `xdist_group` on one worker); 'services' the "
-             "other integration tests (services as processes, waiting on generous deadlines; "
-             "-n 2 --dist loadfile, so a module's services are started once); 'serial' the tests "
-             "marked `timing` (a wall-clock bound) and the compose test, one at a time. "
-             "Default: every test.")
+             "with pytest-xdist's -n 2, a module's `xdist_group` on one worker); 'deploy' the "
+             "compose test (its own pytest, beside the parallel part: it waits on containers "
+             "with generous deadlines, the other part on nothing); 'services' the other "
+             "integration tests (services as processes, waiting on generous deadlines; -n 2 "
+             "--dist loadfile, so a module's services are started once); 'serial' the tests "
+             "marked `timing` (a wall-clock bound), one at a time, alone. Default: every test.")
 
 
 def suite_part(item) -> str:
-    if item.get_closest_marker("timing") is not None or item.nodeid.startswith(DEPLOY_TEST):
+    if item.nodeid.startswith(DEPLOY_TEST):
+        return "deploy"
+    if item.get_closest_marker("timing") is not None:
         return "serial"
     in_process = item.nodeid.startswith(UNIT_TESTS + "/") or item.get_closest_marker("in_process") is not None
     return "parallel" if in_process else "services"
@@ -112,18 +115,19 @@ def shares_module_fixtures(item) -> bool:
 
 
 def pytest_ignore_collect(collection_path, config):
-    """The services part holds no unit test (suite_part): its workers skip importing and
-    collecting tests/unit (~2,100 tests, seconds of each worker)."""
-    if config.getoption("--suite-part") == "services" and collection_path == Path(__file__).parent.parent / UNIT_TESTS:
+    """The services and deploy parts hold no unit test (suite_part): their processes skip
+    importing and collecting tests/unit (~2,100 tests, seconds of each)."""
+    if (config.getoption("--suite-part") in ("services", "deploy")
+            and collection_path == Path(__file__).parent.parent / UNIT_TESTS):
         return True
     return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """--suite-part selects its part; the compose test runs last: scripts/test.sh prepares
-    its image in the background meanwhile (tests/support/deploy_image.py), mostly
-    downloads and disk writes."""
+    """--suite-part selects its part. Among other tests the compose test runs last: its image
+    is prepared in the background meanwhile (tests/support/deploy_image.py, which
+    scripts/test.sh starts; mostly downloads and disk writes)."""
     part = config.getoption("--suite-part")
     if part is not None:
         keep = [item for item in items if suite_part(item) == part]
