@@ -6,15 +6,15 @@ from __future__ import annotations
 import sys
 import tomllib
 from importlib import metadata
-from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-REPO = Path(__file__).resolve().parents[3]
-LOCK = REPO / "scripts" / f"requirements-py{sys.version_info[0]}{sys.version_info[1]}.lock"
+from tests.support.paths import REPO_ROOT
+
+LOCK = REPO_ROOT / "scripts" / f"requirements-py{sys.version_info[0]}{sys.version_info[1]}.lock"
 STALE = "run scripts/lock.sh"
 
 
@@ -37,7 +37,7 @@ def _accepts(requirement: Requirement, version: Version) -> bool:
 
 
 def test_the_lock_satisfies_pyprojects_requirements(locked):
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
     for raw in [*project["dependencies"], *project["optional-dependencies"]["test"]]:
         requirement = Requirement(raw)
         name = canonicalize_name(requirement.name)
