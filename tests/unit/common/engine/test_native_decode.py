@@ -29,7 +29,7 @@ from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_DENSE, LINEAR_PANELS, 
                                 native_decode_available, register_decode_model, release_decode_model)
 from kernels.cpu_linear import panel_gemm_amx_tiles, panel_gemm_available, panel_gemm_max_rows, q8_0_max_rows
 from kernels.cpu_sampling import argmax_rows
-from tests.support.native_loop import with_native_loop
+from tests.support.native_loop import NO_PACKED_BF16, bf16_is_packed, packed_dtype, with_native_loop
 from tests.unit.common.engine.models.family_parity import parity_prompts, save_tiny_model
 
 pytestmark = pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
@@ -185,7 +185,15 @@ def _prompts(num_prompts: int) -> list[list[int]]:
 
 PROMPTS = _prompts(3)
 
+needs_packed_bf16 = pytest.mark.skipif(not bf16_is_packed(), reason=NO_PACKED_BF16)
 
+
+def in_bf16(quantization: str | None):
+    """A (quantization, dtype) case in bf16, for a test whose model must be packed."""
+    return pytest.param(quantization, "bfloat16", marks=needs_packed_bf16)
+
+
+@needs_packed_bf16
 def test_in_bf16_the_loop_is_as_close_to_fp32_as_the_model():
     """The bundled model: a decode step of three sequences in bf16 through the loop is no
     further from the fp32 model's logits than the bf16 model's own forward pass is (each
@@ -209,6 +217,7 @@ def test_in_bf16_the_loop_is_as_close_to_fp32_as_the_model():
 # an AMX CPU whose tiles panel_gemm may not use, 8 rows at most) through the prepacked op; past panel_gemm_max_rows() it
 # calls oneDNN, the route fp32 steps of more than DECODE_MAX_TOKENS take as well
 # (test_the_loop_matches_the_model_for_each_family, twenty sequences).
+@needs_packed_bf16
 @pytest.mark.parametrize("num_seqs", [DECODE_MAX_TOKENS + 3, 20])
 def test_in_bf16_larger_steps_stay_with_the_model(num_seqs):
     """Past the GEMVs' rows, in bf16: each sequence's hidden state from the loop is within
@@ -312,8 +321,8 @@ def _four_layer_loop(quantization: str | None, dtype: str):
     return llm, runner, NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=4)
 
 
-@pytest.mark.parametrize("quantization, dtype", [("gguf", "bfloat16"), ("gguf", "float32"), ("int8", "bfloat16"),
-                                                 (None, "bfloat16")])
+@pytest.mark.parametrize("quantization, dtype", [in_bf16("gguf"), ("gguf", "float32"), in_bf16("int8"),
+                                                 in_bf16(None)])
 def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtype):
     """Where every row samples greedily, a model whose steps run in one region takes the
     token ids in and the next tokens out of it (run_tokens: the embedding, the layers, the
@@ -384,7 +393,7 @@ SAMPLED_ROWS = (dict(temperature=0.0), dict(temperature=0.8), dict(temperature=1
                 dict(temperature=1.5, top_p=0.95))
 
 
-@pytest.mark.parametrize("quantization, dtype", [("gguf", "bfloat16"), ("gguf", "float32"), (None, "bfloat16")])
+@pytest.mark.parametrize("quantization, dtype", [in_bf16("gguf"), ("gguf", "float32"), in_bf16(None)])
 def test_sampled_steps_draw_in_the_region_the_samplers_tokens(quantization, dtype):
     """Rows that draw at a temperature (with top_k, top_p, min_p) take their tokens in the
     region too: each is the token the sampler draws from compute_logits over run()'s hidden
@@ -447,7 +456,7 @@ def test_penalties_in_the_region_count_the_tokens_of_each_step():
     rows with a strong repetition penalty leave their last token, so a step that did not
     count it would repeat it); a greedy row whose first two greedy tokens are its stop tokens,
     held back for three steps, takes neither before its fourth."""
-    llm, runner, loop = _four_layer_loop("gguf", "bfloat16")
+    llm, runner, loop = _four_layer_loop("gguf", packed_dtype())
     vocab_size = llm.engine.model_config.vocab_size
     prompts = _prompts(3)
     num_steps = 5
@@ -499,7 +508,7 @@ def test_greedy_steps_back_to_back_take_the_tokens_and_write_the_kv_of_single_st
     """run_tokens's num_steps steps in one call: each row's tokens, and every K/V written,
     are those of as many single steps, each fed the token the last one took, across block
     boundaries (the rows' next slots read from their block tables)."""
-    llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization="gguf")
+    llm = LLM(dtype=packed_dtype(), kv_cache_memory="64MiB", quantization="gguf")
     runner = llm.engine.executor.runner
     prepack_linears(runner.model)
     loop = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=4)
@@ -545,7 +554,7 @@ def test_engine_steps_sample_in_the_loop():
     the logits the loop's head left, beside the others: the same tokens and logprobs as with
     no head in the loop (its hidden states, then compute_logits and the sampler for every
     row)."""
-    llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization="gguf")
+    llm = LLM(dtype=packed_dtype(), kv_cache_memory="64MiB", quantization="gguf")
     loop = with_native_loop(llm)
     prompts = [{"prompt_token_ids": p} for p in _prompts(3)]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -608,7 +617,7 @@ def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
     too, and their logprobs, penalties and stop tokens held back by min_tokens (the same as
     single steps'); the pool is whole again at the end. An engine without the loop keeps
     single steps."""
-    llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", quantization="gguf", num_scheduler_steps=4)
+    llm = LLM(dtype=packed_dtype(), kv_cache_memory="64MiB", quantization="gguf", num_scheduler_steps=4)
     scheduler = llm.engine.scheduler
     runner = llm.engine.executor.runner
     assert scheduler.num_scheduler_steps == 1 and not runner.runs_decode_steps()  # eager: no loop, single steps

@@ -13,7 +13,7 @@ from common.engine.outputs import ScheduledRequest
 from common.engine.sampling_params import SamplingParams
 from common.engine.spec_decode.proposer import DraftProposer
 from kernels.cpu_decode import native_decode_available
-from tests.support.native_loop import with_native_loop
+from tests.support.native_loop import NO_PACKED_BF16, bf16_is_packed, with_native_loop
 
 K = 3
 NUM_PROMPTS = 20
@@ -238,6 +238,7 @@ def test_verification_steps_run_in_the_native_loop(target_dir):
 
 
 @pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
+@pytest.mark.skipif(not bf16_is_packed(), reason=NO_PACKED_BF16)
 def test_the_loop_samples_verification_rows_as_the_sampler_does(target_dir):
     """A bf16 model (its steps end in the loop's head): a verification step's k + 1 rows of a
     request each take their token in the loop with the state they would have without
