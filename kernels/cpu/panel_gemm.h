@@ -1,7 +1,7 @@
 // y [M, N] = x [M, K] @ W [N, K]^T (+ bias) in bf16 with AVX512-BF16, for decode steps of
 // 1 to ~128 rows (short of prefill's): outer products on W packed in column panels, each
 // panel (32 output columns, all of K: 36 KB for K = 576) read from L2 once per 12 rows of
-// x, the next panel asked for from DRAM meanwhile (from six rows). It is the only copy of
+// x, the next panel asked for from DRAM meanwhile (panel_tail_policy: from which rows). It is the only copy of
 // a bf16 weight that decode steps read: at 1-4 rows it streams the panels as fast as the
 // row-major GEMV streamed its rows, so the model keeps no row-major copy beside it.
 //
@@ -19,6 +19,7 @@
 // dot-product tiles it replaced, bound by the weight reads like them.
 #pragma once
 
+#include "amd_family.h"
 #include "panel_layout.h"
 #include "stream_prefetch.h"
 
@@ -27,6 +28,8 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include <c10/util/BFloat16.h>
 
@@ -34,15 +37,35 @@ namespace pdserve_cpu {
 
 constexpr int64_t kPanelTileRows = 12;  // rows of x per tile: 24 accumulators, 2 W vectors, 1 broadcast
 constexpr int64_t kPrefetchOutBytes = 1 << 20;  // outputs past this (a Zen 4 core's L2) are asked for ahead
-// Steps of fewer rows than this read each panel in one tile, once: they ask for their
-// stream non-temporally a few KB on (stream_prefetch.h); steps of whole tiles ask for the
-// next panel into L2 while the first tile reads this one, as the later tiles read it again.
-// On the Zen 4 EPYC, SmolLM2's linears and head (docs/benchmarks.md, "A bf16 weight held
-// twice"): 1-5 rows 4-21% faster without the L2 prefetch, 6-64 rows 3-34% faster with it
-// than with no prefetch at all; on the Zen 5, the non-temporal stream against it, a decode
-// step of the bf16 layers at 6 / 8 / 11 rows -0.10 / -0.53 / -0.50 ms (6.36 / 7.12 / 6.97),
-// at 16 and 32 rows (whole tiles) no better.
-constexpr int64_t kPrefetchMinRows = kPanelTileRows;
+// How steps of fewer rows than a whole tile read their panels, by CPU:
+// - Where 512-bit ops run at full width (Zen 5, Intel), such a step reads each panel in one
+//   tile, once, asking for its stream non-temporally a few KB on (stream_prefetch.h); steps
+//   of whole tiles ask for the next panel into L2 while the first tile reads this one, as
+//   the later tiles read it again. On the Zen 5, the non-temporal stream against the L2
+//   prefetch, a decode step of the bf16 layers at 6 / 8 / 11 rows -0.10 / -0.53 / -0.50 ms
+//   (6.36 / 7.12 / 6.97), at 16 and 32 rows (whole tiles) no better.
+// - On the Zen 4 (AMD family 25: 512-bit ops in two halves) that left steps of 4-11 rows
+//   at 7-19 GB/s of weights, behind oneDNN from 5 rows (SmolLM2's 30 layers and head, 2
+//   threads, bench decode-linears: 4 / 8 / 11 rows 14.7 / 28.7 / 40.3 ms against 12 rows'
+//   10.8; prefetcht0 or none instead of prefetchnta changed nothing). There the L2 prefetch
+//   of the next panel serves steps from kZen4PrefetchMinRows rows (4 / 8 / 11 rows 9.5 /
+//   14.9 / 19.2 ms), and steps of kZen4PaddedMinRows to 11 rows take the whole 12-row tile
+//   over x's rows padded with zeros, storing only their own (8 / 11 rows 11.1 / 11.2 ms):
+//   the smaller tiles left the stream idle between their shorter bursts of work.
+constexpr int64_t kZen4PrefetchMinRows = 4;
+constexpr int64_t kZen4PaddedMinRows = 7;
+
+struct PanelTailPolicy {
+  int64_t prefetch_min_rows;  // steps of this many rows on ask for the next panel into L2
+  int64_t padded_min_rows;    // steps of this many rows up to a tile's take a padded whole tile
+};
+
+inline PanelTailPolicy panel_tail_policy() {
+  static const PanelTailPolicy policy = amd_cpu_family() == 0x19
+                                            ? PanelTailPolicy{kZen4PrefetchMinRows, kZen4PaddedMinRows}
+                                            : PanelTailPolicy{kPanelTileRows, kPanelTileRows};
+  return policy;
+}
 
 // Panels [panel_begin, panel_end) of [N / kPanelCols][K / 2][kPanelCols][2] from W [N, K]
 // row-major: panel p holds columns [p * 32, p * 32 + 32), K's pairs outermost.
@@ -83,11 +106,12 @@ struct PanelBias {
 // y rows [m0, m0 + RM), the panel's 32 columns from n0; `ahead`: the next panel, asked for
 // into L2 two lines (one pair of K) per step, or null; stream_ahead (where `ahead` is null):
 // the weight stream asked for non-temporally a few KB on (stream_prefetch.h); prefetch_out:
-// whether to ask for the next panel's output lines (y larger than L2).
+// whether to ask for the next panel's output lines (y larger than L2); num_stored: the rows
+// of y written (RM, or fewer where x's last rows are padding).
 template <int RM>
 inline void panel_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* panel, const c10::BFloat16* bias,
                             c10::BFloat16* y, int64_t K, int64_t N, int64_t m0, int64_t n0, const char* ahead,
-                            bool stream_ahead, bool prefetch_out) {
+                            bool stream_ahead, bool prefetch_out, int64_t num_stored = RM) {
   __m512 acc[RM][2];
   for (int i = 0; i < RM; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   // The next panel's outputs: one line in each of RM rows N apart, which no hardware stream
@@ -95,7 +119,7 @@ inline void panel_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* panel, 
   // this the head's 64-row output (6 MB, cold after 30 layers) took ~2-3 ms more a step;
   // outputs that fit L2 need no asking.
   if (prefetch_out && n0 + kPanelCols < N)
-    for (int i = 0; i < RM; ++i)
+    for (int i = 0; i < num_stored; ++i)
       _mm_prefetch(reinterpret_cast<const char*>(y + (m0 + i) * N + n0 + kPanelCols), _MM_HINT_ET0);
   const int64_t num_pairs = K / 2;
   // x's rows as pairs of bf16: one 32-bit broadcast per row and pair.
@@ -117,7 +141,7 @@ inline void panel_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* panel, 
     }
   }
   const PanelBias panel_bias(bias, n0);
-  for (int i = 0; i < RM; ++i) panel_bias.store_row(acc[i], y + (m0 + i) * N + n0);
+  for (int i = 0; i < num_stored; ++i) panel_bias.store_row(acc[i], y + (m0 + i) * N + n0);
 }
 
 // Panels [panel_begin, panel_end) for every row of x: each panel against all tiles of x
@@ -125,18 +149,35 @@ inline void panel_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* panel, 
 inline void panel_gemm_panels(const c10::BFloat16* x, const c10::BFloat16* panels, const c10::BFloat16* bias,
                               c10::BFloat16* y, int64_t M, int64_t K, int64_t N, int64_t panel_begin,
                               int64_t panel_end) {
+  const PanelTailPolicy policy = panel_tail_policy();
   const int64_t panel_values = K * kPanelCols;
   const bool prefetch_out = M * N * static_cast<int64_t>(sizeof(c10::BFloat16)) > kPrefetchOutBytes;
-  const bool stream_ahead = M < kPrefetchMinRows;
+  const bool stream_ahead = M < policy.prefetch_min_rows;
+  const int64_t num_whole = M / kPanelTileRows * kPanelTileRows, num_tail = M - num_whole;
+  // The tail's rows and zeros after them, where it takes a whole tile: this thread's copy,
+  // kept between calls (a step's 121 linears each make one).
+  const c10::BFloat16* padded_tail = nullptr;
+  if (num_tail >= policy.padded_min_rows) {
+    thread_local std::vector<c10::BFloat16> tail;
+    tail.assign(kPanelTileRows * K, c10::BFloat16(0.f));
+    std::memcpy(tail.data(), x + num_whole * K, num_tail * K * sizeof(c10::BFloat16));
+    padded_tail = tail.data();
+  }
   for (int64_t p = panel_begin; p < panel_end; ++p) {
     const c10::BFloat16* panel = panels + p * panel_values;
-    const char* ahead =
-        p + 1 < panel_end && M >= kPrefetchMinRows ? reinterpret_cast<const char*>(panel + panel_values) : nullptr;
+    const char* ahead = p + 1 < panel_end && M >= policy.prefetch_min_rows
+                            ? reinterpret_cast<const char*>(panel + panel_values)
+                            : nullptr;
     const int64_t n0 = p * kPanelCols;
     int64_t m0 = 0;
-    for (; m0 + kPanelTileRows <= M; m0 += kPanelTileRows, ahead = nullptr)
+    for (; m0 < num_whole; m0 += kPanelTileRows, ahead = nullptr)
       panel_gemm_tile<kPanelTileRows>(x, panel, bias, y, K, N, m0, n0, ahead, false, prefetch_out);
-    switch (M - m0) {
+    if (padded_tail != nullptr) {  // its rows m0.. of y from the copy's rows 0..
+      panel_gemm_tile<kPanelTileRows>(padded_tail, panel, bias, y + m0 * N, K, N, 0, n0, ahead, false, prefetch_out,
+                                      num_tail);
+      continue;
+    }
+    switch (num_tail) {
 #define PDSERVE_PANEL_TAIL(r) \
   case r: panel_gemm_tile<r>(x, panel, bias, y, K, N, m0, n0, ahead, stream_ahead, prefetch_out); break;
       PDSERVE_PANEL_TAIL(1) PDSERVE_PANEL_TAIL(2) PDSERVE_PANEL_TAIL(3) PDSERVE_PANEL_TAIL(4)
