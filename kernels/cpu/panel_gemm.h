@@ -49,10 +49,12 @@ constexpr int64_t kPrefetchOutBytes = 1 << 20;  // outputs past this (a Zen 4 co
 //   threads, bench decode-linears: 4 / 8 / 11 rows 14.7 / 28.7 / 40.3 ms against 12 rows'
 //   10.8; prefetcht0 or none instead of prefetchnta changed nothing). There the L2 prefetch
 //   of the next panel serves steps from kZen4PrefetchMinRows rows (4 / 8 / 11 rows 9.5 /
-//   14.9 / 19.2 ms), and steps of kZen4PaddedMinRows to 11 rows take the whole 12-row tile
-//   over x's rows padded with zeros, storing only their own (8 / 11 rows 11.1 / 11.2 ms):
-//   the smaller tiles left the stream idle between their shorter bursts of work.
-constexpr int64_t kZen4PrefetchMinRows = 4;
+//   14.9 / 19.2 ms; 2 / 3 rows 10.4-10.5 / 10.2-10.5 against 11.4-12.4 / 12.7-17.5 ms
+//   non-temporally; 1 row the same either way), and steps of kZen4PaddedMinRows to 11 rows
+//   take the whole 12-row tile over x's rows padded with zeros, storing only their own (8 /
+//   11 rows 11.1 / 11.2 ms): the smaller tiles left the stream idle between their shorter
+//   bursts of work.
+constexpr int64_t kZen4PrefetchMinRows = 2;
 constexpr int64_t kZen4PaddedMinRows = 7;
 
 struct PanelTailPolicy {
