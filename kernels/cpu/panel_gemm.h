@@ -1,7 +1,7 @@
 // y [M, N] = x [M, K] @ W [N, K]^T (+ bias) in bf16 with AVX512-BF16, for decode steps of
 // 1 to ~128 rows (short of prefill's): outer products on W packed in column panels, each
 // panel (32 output columns, all of K: 36 KB for K = 576) read from L2 once per 12 rows of
-// x, the next panel asked for from DRAM meanwhile (panel_tail_policy: from which rows). It is the only copy of
+// x, the next panel asked for from DRAM meanwhile (from six rows). It is the only copy of
 // a bf16 weight that decode steps read: at 1-4 rows it streams the panels as fast as the
 // row-major GEMV streamed its rows, so the model keeps no row-major copy beside it.
 //
@@ -19,7 +19,6 @@
 // dot-product tiles it replaced, bound by the weight reads like them.
 #pragma once
 
-#include "amd_family.h"
 #include "panel_layout.h"
 #include "stream_prefetch.h"
 
@@ -28,8 +27,6 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstring>
-#include <vector>
 
 #include <c10/util/BFloat16.h>
 
@@ -37,37 +34,19 @@ namespace pdserve_cpu {
 
 constexpr int64_t kPanelTileRows = 12;  // rows of x per tile: 24 accumulators, 2 W vectors, 1 broadcast
 constexpr int64_t kPrefetchOutBytes = 1 << 20;  // outputs past this (a Zen 4 core's L2) are asked for ahead
-// How steps of fewer rows than a whole tile read their panels, by CPU:
-// - Where 512-bit ops run at full width (Zen 5, Intel), such a step reads each panel in one
-//   tile, once, asking for its stream non-temporally a few KB on (stream_prefetch.h); steps
-//   of whole tiles ask for the next panel into L2 while the first tile reads this one, as
-//   the later tiles read it again. On the Zen 5, the non-temporal stream against the L2
-//   prefetch, a decode step of the bf16 layers at 6 / 8 / 11 rows -0.10 / -0.53 / -0.50 ms
-//   (6.36 / 7.12 / 6.97), at 16 and 32 rows (whole tiles) no better.
-// - On the Zen 4 (AMD family 25: 512-bit ops in two halves) that left steps of 4-11 rows
-//   at 7-19 GB/s of weights, behind oneDNN from 5 rows (SmolLM2's 30 layers and head, 2
-//   threads, bench decode-linears: 4 / 8 / 11 rows 14.7 / 28.7 / 40.3 ms against 12 rows'
-//   10.8; prefetcht0 or none instead of prefetchnta changed nothing). There the L2 prefetch
-//   of the next panel serves steps from kZen4PrefetchMinRows rows (4 / 8 / 11 rows 9.5 /
-//   14.9 / 19.2 ms; 2 / 3 rows 10.4-10.5 / 10.2-10.5 against 11.4-12.4 / 12.7-17.5 ms
-//   non-temporally; 1 row the same either way), and steps of kZen4PaddedMinRows to 11 rows
-//   take the whole 12-row tile over x's rows padded with zeros, storing only their own (8 /
-//   11 rows 11.1 / 11.2 ms): the smaller tiles left the stream idle between their shorter
-//   bursts of work.
-constexpr int64_t kZen4PrefetchMinRows = 2;
-constexpr int64_t kZen4PaddedMinRows = 7;
-
-struct PanelTailPolicy {
-  int64_t prefetch_min_rows;  // steps of this many rows on ask for the next panel into L2
-  int64_t padded_min_rows;    // steps of this many rows up to a tile's take a padded whole tile
-};
-
-inline PanelTailPolicy panel_tail_policy() {
-  static const PanelTailPolicy policy = amd_cpu_family() == 0x19
-                                            ? PanelTailPolicy{kZen4PrefetchMinRows, kZen4PaddedMinRows}
-                                            : PanelTailPolicy{kPanelTileRows, kPanelTileRows};
-  return policy;
-}
+// Steps of fewer rows than this read each panel in one tile, once: they ask for their
+// stream non-temporally a few KB on (stream_prefetch.h); steps of whole tiles ask for the
+// next panel into L2 while the first tile reads this one, as the later tiles read it again.
+// On the Zen 4 EPYC, SmolLM2's linears and head (docs/benchmarks.md, "A bf16 weight held
+// twice"): 1-5 rows 4-21% faster without the L2 prefetch, 6-64 rows 3-34% faster with it
+// than with no prefetch at all; on the Zen 5, the non-temporal stream against it, a decode
+// step of the bf16 layers at 6 / 8 / 11 rows -0.10 / -0.53 / -0.50 ms (6.36 / 7.12 / 6.97),
+// at 16 and 32 rows (whole tiles) no better. On the Zen 4, once the tiles of 1-11 rows kept
+// their sums in registers, the same: SmolLM2's linears and head at 8 / 11 / 20 rows 9.1-9.2 /
+// 10.1-10.5 / 15.4-16.3 ms, against 11.2-12.9 / 10.3-18.0 / 18.5-20.1 with the L2 prefetch
+// from 2 rows and tails of 7-11 rows padded to a whole tile (docs/benchmarks.md, "Decode
+// steps of 2-11 rows on panel_gemm").
+constexpr int64_t kPrefetchMinRows = kPanelTileRows;
 
 // Panels [panel_begin, panel_end) of [N / kPanelCols][K / 2][kPanelCols][2] from W [N, K]
 // row-major: panel p holds columns [p * 32, p * 32 + 32), K's pairs outermost.
@@ -108,12 +87,11 @@ struct PanelBias {
 // y rows [m0, m0 + RM), the panel's 32 columns from n0; `ahead`: the next panel, asked for
 // into L2 two lines (one pair of K) per step, or null; stream_ahead (where `ahead` is null):
 // the weight stream asked for non-temporally a few KB on (stream_prefetch.h); prefetch_out:
-// whether to ask for the next panel's output lines (y larger than L2); num_stored: the rows
-// of y written (RM, or fewer where x's last rows are padding).
+// whether to ask for the next panel's output lines (y larger than L2).
 template <int RM>
 inline void panel_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* panel, const c10::BFloat16* bias,
                             c10::BFloat16* y, int64_t K, int64_t N, int64_t m0, int64_t n0, const char* ahead,
-                            bool stream_ahead, bool prefetch_out, int64_t num_stored = RM) {
+                            bool stream_ahead, bool prefetch_out) {
   __m512 acc[RM][2];
   for (int i = 0; i < RM; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   // The next panel's outputs: one line in each of RM rows N apart, which no hardware stream
@@ -121,11 +99,14 @@ inline void panel_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* panel, 
   // this the head's 64-row output (6 MB, cold after 30 layers) took ~2-3 ms more a step;
   // outputs that fit L2 need no asking.
   if (prefetch_out && n0 + kPanelCols < N)
-    for (int i = 0; i < num_stored; ++i)
+    for (int i = 0; i < RM; ++i)
       _mm_prefetch(reinterpret_cast<const char*>(y + (m0 + i) * N + n0 + kPanelCols), _MM_HINT_ET0);
   const int64_t num_pairs = K / 2;
   // x's rows as pairs of bf16: one 32-bit broadcast per row and pair.
   const int32_t* x_pairs = reinterpret_cast<const int32_t*>(x + m0 * K);
+  // Read once, here: a call left in the loop (the kind's first-use guard) made GCC keep
+  // acc in memory for tiles of 1-11 rows, stored every step (stream_prefetch.h).
+  const StreamPrefetch stream_kind = stream_ahead ? stream_prefetch_kind() : StreamPrefetch::kOff;
   for (int64_t kp = 0; kp < num_pairs; ++kp) {
     const c10::BFloat16* w_pair = panel + kp * kPanelCols * 2;
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(static_cast<const void*>(w_pair));
@@ -133,8 +114,8 @@ inline void panel_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* panel, 
     if (ahead != nullptr) {
       _mm_prefetch(ahead + kp * kPanelCols * 4, _MM_HINT_T1);
       _mm_prefetch(ahead + kp * kPanelCols * 4 + 64, _MM_HINT_T1);
-    } else if (stream_ahead) {
-      prefetch_stream_ahead(w_pair, kPanelCols * 2 * sizeof(c10::BFloat16));
+    } else {
+      prefetch_stream_ahead(stream_kind, w_pair, kPanelCols * 2 * sizeof(c10::BFloat16));
     }
     for (int i = 0; i < RM; ++i) {
       const __m512bh x_pair = (__m512bh)_mm512_set1_epi32(x_pairs[i * num_pairs + kp]);
@@ -143,7 +124,7 @@ inline void panel_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* panel, 
     }
   }
   const PanelBias panel_bias(bias, n0);
-  for (int i = 0; i < num_stored; ++i) panel_bias.store_row(acc[i], y + (m0 + i) * N + n0);
+  for (int i = 0; i < RM; ++i) panel_bias.store_row(acc[i], y + (m0 + i) * N + n0);
 }
 
 // Panels [panel_begin, panel_end) for every row of x: each panel against all tiles of x
@@ -151,35 +132,18 @@ inline void panel_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* panel, 
 inline void panel_gemm_panels(const c10::BFloat16* x, const c10::BFloat16* panels, const c10::BFloat16* bias,
                               c10::BFloat16* y, int64_t M, int64_t K, int64_t N, int64_t panel_begin,
                               int64_t panel_end) {
-  const PanelTailPolicy policy = panel_tail_policy();
   const int64_t panel_values = K * kPanelCols;
   const bool prefetch_out = M * N * static_cast<int64_t>(sizeof(c10::BFloat16)) > kPrefetchOutBytes;
-  const bool stream_ahead = M < policy.prefetch_min_rows;
-  const int64_t num_whole = M / kPanelTileRows * kPanelTileRows, num_tail = M - num_whole;
-  // The tail's rows and zeros after them, where it takes a whole tile: this thread's copy,
-  // kept between calls (a step's 121 linears each make one).
-  const c10::BFloat16* padded_tail = nullptr;
-  if (num_tail >= policy.padded_min_rows) {
-    thread_local std::vector<c10::BFloat16> tail;
-    tail.assign(kPanelTileRows * K, c10::BFloat16(0.f));
-    std::memcpy(tail.data(), x + num_whole * K, num_tail * K * sizeof(c10::BFloat16));
-    padded_tail = tail.data();
-  }
+  const bool stream_ahead = M < kPrefetchMinRows;
   for (int64_t p = panel_begin; p < panel_end; ++p) {
     const c10::BFloat16* panel = panels + p * panel_values;
-    const char* ahead = p + 1 < panel_end && M >= policy.prefetch_min_rows
-                            ? reinterpret_cast<const char*>(panel + panel_values)
-                            : nullptr;
+    const char* ahead =
+        p + 1 < panel_end && M >= kPrefetchMinRows ? reinterpret_cast<const char*>(panel + panel_values) : nullptr;
     const int64_t n0 = p * kPanelCols;
     int64_t m0 = 0;
-    for (; m0 < num_whole; m0 += kPanelTileRows, ahead = nullptr)
+    for (; m0 + kPanelTileRows <= M; m0 += kPanelTileRows, ahead = nullptr)
       panel_gemm_tile<kPanelTileRows>(x, panel, bias, y, K, N, m0, n0, ahead, false, prefetch_out);
-    if (padded_tail != nullptr) {  // its rows m0.. of y from the copy's rows 0..
-      panel_gemm_tile<kPanelTileRows>(padded_tail, panel, bias, y + m0 * N, K, N, 0, n0, ahead, false, prefetch_out,
-                                      num_tail);
-      continue;
-    }
-    switch (num_tail) {
+    switch (M - m0) {
 #define PDSERVE_PANEL_TAIL(r) \
   case r: panel_gemm_tile<r>(x, panel, bias, y, K, N, m0, n0, ahead, stream_ahead, prefetch_out); break;
       PDSERVE_PANEL_TAIL(1) PDSERVE_PANEL_TAIL(2) PDSERVE_PANEL_TAIL(3) PDSERVE_PANEL_TAIL(4)

@@ -51,12 +51,16 @@ inline StreamPrefetch stream_prefetch_kind() {
   return kind;
 }
 
-// The cache lines of [p + kStreamAheadBytes, p + kStreamAheadBytes + num_bytes), asked for:
-// what a thread reads kStreamAheadBytes on (past its share's end: harmless, a prefetch never faults).
-inline void prefetch_stream_ahead(const void* p, int64_t num_bytes) {
+// The cache lines of [p + kStreamAheadBytes, p + kStreamAheadBytes + num_bytes), asked for
+// the given way: what a thread reads kStreamAheadBytes on (past its share's end: harmless, a
+// prefetch never faults). Only instructions, no call: a kernel reads `kind` once, before
+// its loop, and calls this inside it (the other form's first-use guard is a call GCC must
+// allow for, and a loop holding one kept its accumulators in memory: panel_gemm's tiles of
+// 1-11 rows stored each of them to the stack every step, ~2.5x slower at 8 rows).
+inline void prefetch_stream_ahead(StreamPrefetch kind, const void* p, int64_t num_bytes) {
 #if defined(__SSE__)
   const char* ahead = static_cast<const char*>(p) + kStreamAheadBytes;
-  switch (stream_prefetch_kind()) {  // the same branch every call: predicted
+  switch (kind) {  // the same branch every call: predicted
     case StreamPrefetch::kNonTemporal:
       for (int64_t offset = 0; offset < num_bytes; offset += 64) _mm_prefetch(ahead + offset, _MM_HINT_NTA);
       break;
@@ -67,9 +71,15 @@ inline void prefetch_stream_ahead(const void* p, int64_t num_bytes) {
       break;
   }
 #else
+  (void)kind;
   (void)p;
   (void)num_bytes;
 #endif
+}
+
+// The same, asked for as stream_prefetch_kind() says.
+inline void prefetch_stream_ahead(const void* p, int64_t num_bytes) {
+  prefetch_stream_ahead(stream_prefetch_kind(), p, num_bytes);
 }
 
 }  // namespace pdserve_cpu

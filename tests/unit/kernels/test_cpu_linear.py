@@ -120,9 +120,9 @@ def test_pack_panels_lays_out_32_columns_by_pairs_of_k(out_features, in_features
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_panel_gemm_matches_fp32_math_rounded_once(num_rows, out_features, in_features, with_bias):
     # Row counts off the vector tiles' 12 rows and AMX's 16 and both sides of them (one, two,
-    # three blocks of 16 and an odd number of blocks with a partial last), tails the Zen 4
-    # pads to a whole tile (7-11 rows, alone and after whole tiles); one panel (one thread)
-    # to 30; K not a multiple of 32 (the vector tiles on AMX CPUs too).
+    # three blocks of 16 and an odd number of blocks with a partial last), tails of 7-11
+    # rows alone and after whole tiles; one panel (one thread) to 30; K not a multiple of 32
+    # (the vector tiles on AMX CPUs too).
     torch.manual_seed(num_rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
     bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
