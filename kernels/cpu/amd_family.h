@@ -1,6 +1,6 @@
 // The CPU's AMD family (CPUID leaf 1, base plus extended family), for kernels whose best
-// form differs between AMD generations: 25 (0x19) is Zen 3 and Zen 4, whose 512-bit vector
-// ops run as two 256-bit halves; 26 (0x1a) is Zen 5, which runs them at full width.
+// form differs between AMD generations: 25 (0x19) is Zen 3 (no AVX-512) and Zen 4 (512-bit
+// vector ops as two 256-bit halves); 26 (0x1a) is Zen 5, which runs them at full width.
 #pragma once
 
 #if defined(__x86_64__)
