@@ -42,7 +42,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "amd_family.h"
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 #include "check_message.h"
 #include "gguf_panels.h"
 #include "gguf_row_groups.h"
@@ -81,7 +84,18 @@ constexpr int64_t kMaxPanelRowsFullWidth = 1024;
 // at 2,048 rows it runs ~9% behind oneDNN on the Zen 4 EPYC, level at 256.
 constexpr bool kPanelsForAnyRows = true;
 
-bool amd_family_26_or_later() { return pdserve_cpu::amd_cpu_family() >= 0x1a; }
+bool amd_family_26_or_later() {
+#if defined(__x86_64__)
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
+  if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+  const unsigned base_family = (eax >> 8) & 0xf, family = base_family == 0xf ? base_family + ((eax >> 20) & 0xff) : base_family;
+  return family >= 0x1a;
+#else
+  return false;
+#endif
+}
 #endif
 // kernels/cpu_linear.panel_gemm_max_rows() reads it.
 int64_t panel_gemm_max_rows() {

@@ -141,10 +141,9 @@ void group_vnni(const QuantizedRows& x, const uint8_t* group, int64_t num_blocks
                 LoadBlock load, float (&out)[M][kGroupRows]) {
   __m512 acc[M], acc_sums[M];  // d-scaled dots; the sum terms (two chains, so neither waits on the other)
   for (int m = 0; m < M; ++m) acc[m] = acc_sums[m] = _mm512_setzero_ps();
-  const StreamPrefetch stream_kind = stream_prefetch_kind();  // read here: no call in the loop
   for (int64_t b = 0; b < num_blocks; ++b) {
     // Past the group's end the stream goes on into the thread's next group.
-    prefetch_stream_ahead(stream_kind, group + b * block_bytes, block_bytes);
+    prefetch_stream_ahead(group + b * block_bytes, block_bytes);
     __m512i codes[8];
     __m512 d;
     const __m512 sum_factor = load(group + b * block_bytes, codes, d);

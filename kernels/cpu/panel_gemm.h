@@ -104,9 +104,6 @@ inline void panel_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* panel, 
   const int64_t num_pairs = K / 2;
   // x's rows as pairs of bf16: one 32-bit broadcast per row and pair.
   const int32_t* x_pairs = reinterpret_cast<const int32_t*>(x + m0 * K);
-  // Read once, here: a call left in the loop (the kind's first-use guard) made GCC keep
-  // acc in memory for tiles of 1-11 rows, stored every step (stream_prefetch.h).
-  const StreamPrefetch stream_kind = stream_ahead ? stream_prefetch_kind() : StreamPrefetch::kOff;
   for (int64_t kp = 0; kp < num_pairs; ++kp) {
     const c10::BFloat16* w_pair = panel + kp * kPanelCols * 2;
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(static_cast<const void*>(w_pair));
@@ -114,8 +111,8 @@ inline void panel_gemm_tile(const c10::BFloat16* x, const c10::BFloat16* panel, 
     if (ahead != nullptr) {
       _mm_prefetch(ahead + kp * kPanelCols * 4, _MM_HINT_T1);
       _mm_prefetch(ahead + kp * kPanelCols * 4 + 64, _MM_HINT_T1);
-    } else {
-      prefetch_stream_ahead(stream_kind, w_pair, kPanelCols * 2 * sizeof(c10::BFloat16));
+    } else if (stream_ahead) {
+      prefetch_stream_ahead(w_pair, kPanelCols * 2 * sizeof(c10::BFloat16));
     }
     for (int i = 0; i < RM; ++i) {
       const __m512bh x_pair = (__m512bh)_mm512_set1_epi32(x_pairs[i * num_pairs + kp]);

@@ -33,34 +33,33 @@ constexpr int64_t kStreamAheadBytes = 4096;  // how far ahead of its reads a thr
 
 enum class StreamPrefetch { kNonTemporal, kL1, kOff };
 
-// Decided once per process (and library): PDSERVE_STREAM_PREFETCH, else by the vendor.
-inline StreamPrefetch stream_prefetch_kind() {
-  static const StreamPrefetch kind = [] {
-    if (const char* setting = std::getenv("PDSERVE_STREAM_PREFETCH")) {
-      const std::string_view value(setting);
-      if (value == "nta") return StreamPrefetch::kNonTemporal;
-      if (value == "t0") return StreamPrefetch::kL1;
-      if (value == "off") return StreamPrefetch::kOff;
-    }
+// PDSERVE_STREAM_PREFETCH, else by the vendor.
+inline StreamPrefetch choose_stream_prefetch() {
+  if (const char* setting = std::getenv("PDSERVE_STREAM_PREFETCH")) {
+    const std::string_view value(setting);
+    if (value == "nta") return StreamPrefetch::kNonTemporal;
+    if (value == "t0") return StreamPrefetch::kL1;
+    if (value == "off") return StreamPrefetch::kOff;
+  }
 #if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_is("intel")) return StreamPrefetch::kL1;
+  __builtin_cpu_init();
+  if (__builtin_cpu_is("intel")) return StreamPrefetch::kL1;
 #endif
-    return StreamPrefetch::kNonTemporal;
-  }();
-  return kind;
+  return StreamPrefetch::kNonTemporal;
 }
 
-// The cache lines of [p + kStreamAheadBytes, p + kStreamAheadBytes + num_bytes), asked for
-// the given way: what a thread reads kStreamAheadBytes on (past its share's end: harmless, a
-// prefetch never faults). Only instructions, no call: a kernel reads `kind` once, before
-// its loop, and calls this inside it (the other form's first-use guard is a call GCC must
-// allow for, and a loop holding one kept its accumulators in memory: panel_gemm's tiles of
-// 1-11 rows stored each of them to the stack every step, ~2.5x slower at 8 rows).
-inline void prefetch_stream_ahead(StreamPrefetch kind, const void* p, int64_t num_bytes) {
+// Decided once per library, as it loads. A variable, not a function's static: reading it is
+// a load, where a function static's first-use guard is a call, and a kernel loop holding a
+// call keeps its accumulators in memory (panel_gemm's tiles of 1-11 rows stored every one of
+// them to the stack each step, ~2.5x slower at 8 rows on the Zen 4 EPYC).
+inline const StreamPrefetch kStreamPrefetch = choose_stream_prefetch();
+
+// The cache lines of [p + kStreamAheadBytes, p + kStreamAheadBytes + num_bytes), asked for:
+// what a thread reads kStreamAheadBytes on (past its share's end: harmless, a prefetch never faults).
+inline void prefetch_stream_ahead(const void* p, int64_t num_bytes) {
 #if defined(__SSE__)
   const char* ahead = static_cast<const char*>(p) + kStreamAheadBytes;
-  switch (kind) {  // the same branch every call: predicted
+  switch (kStreamPrefetch) {  // the same branch every call: predicted
     case StreamPrefetch::kNonTemporal:
       for (int64_t offset = 0; offset < num_bytes; offset += 64) _mm_prefetch(ahead + offset, _MM_HINT_NTA);
       break;
@@ -71,15 +70,9 @@ inline void prefetch_stream_ahead(StreamPrefetch kind, const void* p, int64_t nu
       break;
   }
 #else
-  (void)kind;
   (void)p;
   (void)num_bytes;
 #endif
-}
-
-// The same, asked for as stream_prefetch_kind() says.
-inline void prefetch_stream_ahead(const void* p, int64_t num_bytes) {
-  prefetch_stream_ahead(stream_prefetch_kind(), p, num_bytes);
 }
 
 }  // namespace pdserve_cpu
