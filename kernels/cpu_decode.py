@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 DECODE_MAX_TOKENS = GEMV_MAX_ROWS
 # How a linear's decode GEMV reads its weight (the library's LinearKind): dense rows, GGUF
-# blocks, or bf16 column panels (kernels/cpu/panel_gemm.h, through panel_gemm).
+# blocks, or column panels (through panel_gemm: kernels/cpu/panel_gemm.h for bf16,
+# panel_gemm_fp32.h for fp32).
 LINEAR_DENSE, LINEAR_Q4_1, LINEAR_Q8_0, LINEAR_PANELS = 0, 1, 2, 3
 
 

@@ -25,7 +25,8 @@ from kernels.huge_pages import empty_on_huge_pages
 log = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 4  # the op's limit on rows of x (decode tokens of one step)
-PANEL_COLS = 32  # out_features must be a multiple of this for a panel copy
+PANEL_COLS = 32  # out_features must be a multiple of this for a bf16 panel copy
+F32_PANEL_COLS = 16  # and of this for an fp32 one
 AMX_TILE_K = 32  # where panel_gemm computes on AMX tiles, in_features must be a multiple of this
 GEMV_K_MULTIPLE = 32  # in_features must be a multiple of this
 
@@ -62,7 +63,7 @@ def _gemv_fake(x, bias, weight):
 
 
 def _panel_gemm_fake(x, bias, panels):
-    return x.new_empty((x.shape[0], panels.shape[0] * PANEL_COLS))
+    return x.new_empty((x.shape[0], panels.shape[0] * panels.shape[2]))  # bf16 or fp32 panels
 
 
 def _blocks_gemv_fake(x, bias, blocks):
@@ -112,6 +113,15 @@ def panel_gemm_max_rows() -> int:
 
 
 @functools.cache
+def f32_panel_gemm_max_rows() -> int:
+    """prepacked_linear's fp32 steps of up to this many rows take panel_gemm where the linear
+    has an fp32 panel copy (kernels/cpu/panel_gemm_fp32.h): 64 where the library is built
+    without AVX-512 (an AVX2 CPU), 0 elsewhere (fp32 linears keep the row-major GEMV and
+    oneDNN; kernels/cpu/gemv.cpp's kMaxF32PanelRows says why)."""
+    return torch.ops.pdserve_gemv.f32_panel_gemm_max_rows() if native_gemv_available() else 0
+
+
+@functools.cache
 def q8_0_max_rows() -> int:
     """prepacked_linear's steps of up to this many rows take a linear's Q8_0 blocks (a GGUF
     file's head) where it has them: 256 with AVX512-VNNI unless panel_gemm runs on AMX tiles,
@@ -152,36 +162,47 @@ def panels_for_any_rows() -> bool:
 
 def panels_apply(weight: torch.Tensor) -> bool:
     """Whether this weight gets a panel copy for panel_gemm (instead of the GEMV's row-major
-    one): bf16, out_features a multiple of PANEL_COLS, in_features even, the library's
-    AVX512-BF16 build, and PDSERVE_PANEL_GEMM not 0 (then steps of 5+ tokens take oneDNN).
-    Where panel_gemm computes on AMX tiles, in_features a multiple of 32 too (a tile step's
-    K): its vector tiles would take such a weight's steps of up to 128 rows, far behind
-    oneDNN's AMX calls from 12."""
-    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.shape[0] % PANEL_COLS == 0
-            and weight.shape[1] % 2 == 0 and not switched_off("PDSERVE_PANEL_GEMM") and panel_gemm_available()
+    one), unless PDSERVE_PANEL_GEMM is 0 (then steps of 5+ tokens take oneDNN):
+    - bf16: out_features a multiple of PANEL_COLS, in_features even, the library's
+      AVX512-BF16 build; where panel_gemm computes on AMX tiles, in_features a multiple of 32
+      too (a tile step's K): its vector tiles would take such a weight's steps of up to 128
+      rows, far behind oneDNN's AMX calls from 12.
+    - fp32: out_features a multiple of F32_PANEL_COLS, where f32_panel_gemm_max_rows() > 0
+      (a build without AVX-512)."""
+    if weight.dim() != 2 or switched_off("PDSERVE_PANEL_GEMM"):
+        return False
+    if weight.dtype == torch.float32:
+        return weight.shape[0] % F32_PANEL_COLS == 0 and f32_panel_gemm_max_rows() > 0
+    return (weight.dtype == torch.bfloat16 and weight.shape[0] % PANEL_COLS == 0
+            and weight.shape[1] % 2 == 0 and panel_gemm_available()
             and (weight.shape[1] % AMX_TILE_K == 0 or not panel_gemm_amx_tiles()))
 
 
 def pack_panels(
-    weight: torch.Tensor,  # [out_features, in_features] bf16
+    weight: torch.Tensor,  # [out_features, in_features] bf16 or fp32
     huge_pages: bool = False,
-) -> torch.Tensor:  # [out_features // 32, in_features // 2, 32, 2] bf16
-    """The weight in the column panels panel_gemm reads (kernels/cpu/panel_gemm.h); with
-    huge_pages, written straight into huge-page memory (kernels/huge_pages.py), as the
-    model keeps them."""
-    shape = (weight.shape[0] // PANEL_COLS, weight.shape[1] // 2, PANEL_COLS, 2) if weight.dim() == 2 else ()
-    out = empty_on_huge_pages(shape, torch.bfloat16) if huge_pages and shape else None
+) -> torch.Tensor:  # bf16 [out_features // 32, in_features // 2, 32, 2] or fp32 [out_features // 16, in_features, 16]
+    """The weight in the column panels panel_gemm reads (kernels/cpu/panel_gemm.h for bf16,
+    panel_gemm_fp32.h for fp32); with huge_pages, written straight into huge-page memory
+    (kernels/huge_pages.py), as the model keeps them."""
+    shape = ()
+    if weight.dim() == 2 and weight.dtype == torch.float32:
+        shape = (weight.shape[0] // F32_PANEL_COLS, weight.shape[1], F32_PANEL_COLS)
+    elif weight.dim() == 2:
+        shape = (weight.shape[0] // PANEL_COLS, weight.shape[1] // 2, PANEL_COLS, 2)
+    out = empty_on_huge_pages(shape, weight.dtype) if huge_pages and shape else None
     return torch.ops.pdserve_gemv.pack_panels.default(weight, out)
 
 
 def panel_gemm(
-    x: torch.Tensor,  # [num_rows, in_features] bf16
-    bias: torch.Tensor | None,  # [out_features] bf16
-    panels: torch.Tensor,  # pack_panels(weight)
-) -> torch.Tensor:  # [num_rows, out_features] bf16
-    """x W^T + b as outer products over W's column panels (kernels/cpu/panel_gemm.h): what a
-    bf16 linear's decode steps of 1 to panel_gemm_max_rows() rows take, as fast as the GEMV at
-    1 to 4 rows and faster than oneDNN from 5."""
+    x: torch.Tensor,  # [num_rows, in_features], the panels' dtype
+    bias: torch.Tensor | None,  # [out_features], the panels' dtype
+    panels: torch.Tensor,  # pack_panels(weight): bf16 or fp32
+) -> torch.Tensor:  # [num_rows, out_features], the panels' dtype
+    """x W^T + b as outer products over W's column panels (kernels/cpu/panel_gemm.h,
+    panel_gemm_fp32.h): what a bf16 linear's decode steps of 1 to panel_gemm_max_rows() rows
+    take (an fp32 one's 1 to f32_panel_gemm_max_rows()), as fast as the GEMV at 1 to 4 rows
+    and faster than oneDNN from 5."""
     return torch.ops.pdserve_gemv.panel_gemm.default(x, bias, panels)
 
 
@@ -272,8 +293,8 @@ def register_prepacked_linear(
 ) -> None:
     """Make `prepacked_linear(x, bias, weight_id, ...)` use this weight (native_gemv_available() only):
     decode rows (1 to GEMV_MAX_ROWS) take the Q8_0 blocks where given, else the row-major
-    copy; bf16 steps of up to panel_gemm_max_rows() rows the panels where given (of any size
-    where there is no packed weight); else oneDNN. The library holds them until
+    copy; bf16 steps of up to panel_gemm_max_rows() rows (fp32: f32_panel_gemm_max_rows())
+    the panels where given (of any size where there is no packed weight); else oneDNN. The library holds them until
     release_prepacked_linear(weight_id)."""
     torch.ops.pdserve_gemv.register_linear(weight_id, packed, row_major, q8_0_blocks, panels)
 
@@ -291,7 +312,8 @@ def prepacked_linear(
     """x W^T + b for a registered weight, in one native op: a GEMV for 1 to GEMV_MAX_ROWS rows
     where the weight has Q8_0 blocks or its row-major copy, panel_gemm for up to
     panel_gemm_max_rows() bf16 rows where it has panels (AVX512-BF16; on AMX tiles where the
-    CPU has them), else oneDNN on the packed weight.
+    CPU has them) or f32_panel_gemm_max_rows() fp32 rows (AVX2 builds), else oneDNN on the
+    packed weight.
     The id is a tensor so that a compiled decoder layer takes it as an input and one
     compiled layer serves them all."""
     return torch.ops.pdserve_gemv.prepacked_linear.default(x, bias, weight_id, out_features)

@@ -94,7 +94,8 @@ def _token_head(model: CausalLM) -> dict:
         weight, kind = decode_weight(head)
     except Unsupported:
         return {}
-    if kind == LINEAR_DENSE:  # rows: the loop's regions take GGUF blocks and panels only
+    # The loop's regions take GGUF blocks and bf16 panels only: not rows, nor fp32 panels.
+    if kind == LINEAR_DENSE or (kind == LINEAR_PANELS and weight.dtype != torch.bfloat16):
         return {}
     return dict(embedding=embedding.weight.detach(), head=weight, head_kind=kind,
                 head_bias=None if head.bias is None else head.bias.detach(), vocab_size=model.config.vocab_size)

@@ -66,8 +66,8 @@ enum LinearKind : int64_t { kDense = 0, kQ4_1 = 1, kQ8_0 = 2, kPanels = 3 };
 
 struct Linear {
   LinearKind kind;
-  // dense [N, K] bf16/fp32, GGUF blocks in row groups [N, K / 32 * bytes] uint8, or bf16
-  // column panels [N / 32, K / 2, 32, 2] (pdserve_gemv::pack_panels)
+  // dense [N, K] bf16/fp32, GGUF blocks in row groups [N, K / 32 * bytes] uint8, or column
+  // panels (pdserve_gemv::pack_panels): bf16 [N / 32, K / 2, 32, 2] or fp32 [N / 16, K, 16]
   at::Tensor weight;
   int64_t out_features;  // N
   std::optional<at::Tensor> bias;  // [N], the model's dtype
@@ -673,25 +673,29 @@ Linear make_linear(int64_t kind, const at::Tensor& weight, const std::optional<a
                    int64_t weight_id, at::ScalarType dtype) {
   PDSERVE_CHECK_VALUE(kind == kDense || kind == kQ4_1 || kind == kQ8_0 || kind == kPanels,
                       "register_decode_model: linear kind ", kind,
-                      " is not 0 (dense), 1 (Q4_1), 2 (Q8_0) or 3 (bf16 panels)");
+                      " is not 0 (dense), 1 (Q4_1), 2 (Q8_0) or 3 (panels)");
+  const bool f32_panels = kind == kPanels && pdserve_cpu::is_f32_panel_copy(weight);
   if (kind == kPanels) {
-    PDSERVE_CHECK_VALUE(dtype == at::kBFloat16 && pdserve_cpu::is_panel_copy(weight),
+    PDSERVE_CHECK_VALUE(f32_panels ? dtype == at::kFloat : dtype == at::kBFloat16 && pdserve_cpu::is_panel_copy(weight),
                         "register_decode_model: panels must be a bf16 model's contiguous bf16 [N / 32, K / 2, 32, 2] "
-                        "(pack_panels), got ", weight.scalar_type(), " ", weight.sizes());
+                        "or an fp32 model's contiguous fp32 [N / 16, K, 16] (pack_panels), got ", weight.scalar_type(),
+                        " ", weight.sizes(), " in a ", dtype, " model");
   } else {
     PDSERVE_CHECK_VALUE(weight.dim() == 2 && weight.is_contiguous(), "register_decode_model: weights must be 2-D and "
                         "contiguous, got ", weight.sizes());
     PDSERVE_CHECK_VALUE(kind == kDense ? weight.scalar_type() == dtype : weight.scalar_type() == at::kByte,
                         "register_decode_model: a linear of kind ", kind, " has a ", weight.scalar_type(), " weight");
   }
-  const int64_t out_features = kind == kPanels ? weight.size(0) * pdserve_cpu::kPanelCols : weight.size(0);
+  const int64_t out_features = f32_panels         ? weight.size(0) * pdserve_cpu::kF32PanelCols
+                               : kind == kPanels ? weight.size(0) * pdserve_cpu::kPanelCols
+                                                 : weight.size(0);
   if (bias.has_value())
     PDSERVE_CHECK_VALUE(bias->scalar_type() == dtype && bias->numel() == out_features,
                         "register_decode_model: a bias must be ", dtype, " with one value per output");
   std::optional<at::Tensor> id;
   if (weight_id >= 0) id = at::scalar_tensor(weight_id, at::TensorOptions().dtype(at::kLong));
   Linear linear{static_cast<LinearKind>(kind), weight, out_features, bias, id};
-  if (kind == kPanels) linear.in_features = weight.size(1) * 2;
+  if (kind == kPanels) linear.in_features = f32_panels ? weight.size(1) : weight.size(1) * 2;
   if (takes_any_rows(linear.kind)) {
     const int64_t row_bytes = kind == kQ4_1 ? pdserve_cpu::kQ4RowBytes : pdserve_cpu::kQ8RowBytes;
     PDSERVE_CHECK_VALUE(weight.size(1) % row_bytes == 0, "register_decode_model: GGUF blocks of ", row_bytes,
@@ -721,9 +725,12 @@ bool panels_in_regions() {
 #endif
 }
 
-// Whether a linear of this kind can run in a parallel region here: GGUF blocks, or bf16
-// panels where panels_in_regions.
-bool runs_in_regions(LinearKind kind) { return takes_any_rows(kind) || (kind == kPanels && panels_in_regions()); }
+// Whether a linear can run in a parallel region here: GGUF blocks, or bf16 panels where
+// panels_in_regions (an fp32 model's panels take their op, as its row-major weights do).
+bool runs_in_regions(const Linear& l) {
+  return takes_any_rows(l.kind) ||
+         (l.kind == kPanels && l.weight.scalar_type() == at::kBFloat16 && panels_in_regions());
+}
 
 // The most rows of x for which pdserve_gemv::prepacked_linear multiplies a linear as the
 // region does, asked of the GEMV library's op `name` (registration only): "panel_gemm_max_rows"
@@ -748,7 +755,7 @@ int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
   for (const Layer& layer : model.layers) {
     if (layer.sliding_window != model.layers[0].sliding_window) return 0;  // one attention plan a step
     for (const Linear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
-      if (!runs_in_regions(l->kind)) return 0;
+      if (!runs_in_regions(*l)) return 0;
       blocks_only = blocks_only && takes_any_rows(l->kind);
     }
     if (layer.qkv.in_features != hidden_size || layer.qkv.out_features != qkv || layer.o.in_features != attended ||
@@ -770,7 +777,7 @@ int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
 // (which no prepacked head holds) kMaxGemvTokens.
 int64_t head_tokens_limit(const Model& model, const Linear& head) {
   if (model.max_region_tokens == 0 || !model.final_norm.has_value()) return 0;
-  if (!runs_in_regions(head.kind)) return 0;
+  if (!runs_in_regions(head)) return 0;
   const int64_t head_rows = head.kind == kPanels  ? prepacked_rows_limit("pdserve_gemv::panel_gemm_max_rows")
                             : head.kind == kQ8_0 ? prepacked_rows_limit("pdserve_gemv::q8_0_max_rows")
                                                  : kMaxGemvTokens;

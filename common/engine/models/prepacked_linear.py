@@ -24,7 +24,10 @@ to panel_gemm_max_rows() tokens read a copy in column panels instead
 (kernels/cpu/panel_gemm.h: outer products; as fast as the GEMV at 1-4 rows, 1.2-1.9x
 oneDNN's rate at 5-64 on that EPYC; on AMX CPUs computed on the tiles,
 kernels/cpu/panel_gemm_amx.h: 1.2-1.6x oneDNN's AMX calls at 1-64 rows on a 2-core Xeon),
-and those weights keep no row-major copy. A linear
+and those weights keep no row-major copy. So do fp32 weights on an AVX2 CPU (no AVX-512):
+their steps of 1 to f32_panel_gemm_max_rows() tokens read fp32 panels
+(kernels/cpu/panel_gemm_fp32.h: as fast as the GEMV at 1-4 rows, 1.1-3.1x oneDNN's AVX2 code
+at 8-64). A linear
 thus holds its weight twice: packed for oneDNN, and row-major or in panels; once, in
 panels serving steps of every size, with single_copy (--single-weight-copy). Where that
 native library is loaded, the graph calls its op `pdserve_gemv::prepacked_linear`, which
@@ -40,6 +43,7 @@ from torch import nn
 
 from kernels.cpu_linear import (
     GEMV_MAX_ROWS,
+    f32_panel_gemm_max_rows,
     gemv,
     gemv_applies,
     native_gemv_available,
@@ -95,12 +99,13 @@ def _prepacked_linear_cpu(x: torch.Tensor, bias: torch.Tensor | None, weight_id:
     # x [num_tokens, in_features] -> [num_tokens, out_features]
     if row_major is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(x, bias, row_major())
-    if (panels is not None and x.dim() == 2 and (x.shape[0] <= panel_gemm_max_rows() or packed is None)
-            and x.dtype == torch.bfloat16):
+    panel_rows = panel_gemm_max_rows() if x.dtype == torch.bfloat16 else f32_panel_gemm_max_rows()
+    if (panels is not None and x.dim() == 2 and (x.shape[0] <= panel_rows or packed is None)
+            and x.dtype == panels().dtype):
         return panel_gemm(x, bias, panels())
     if packed is None:
-        raise ValueError(f"prepacked_linear: linear {int(weight_id)} keeps only panels, which take bf16 "
-                         f"[M, K] inputs; got {x.dtype} {list(x.shape)}")
+        raise ValueError(f"prepacked_linear: linear {int(weight_id)} keeps only panels, which take [M, K] inputs "
+                         f"of their dtype; got {x.dtype} {list(x.shape)}")
     num_rows = x.shape[0] if x.dim() == 2 else 0
     padded_rows = onednn_rows(num_rows)
     if padded_rows == num_rows:
@@ -163,7 +168,8 @@ class PrepackedLinear(nn.Module):
         # (~5 us less per call than the Python op); it holds the weights until this module goes.
         self._native = native_gemv_available()
         takes_panels = self._native and panels_apply(weight)
-        single_copy = single_copy and takes_panels and panels_for_any_rows()
+        # fp32 panels serve decode steps only: prompts keep oneDNN's packed weight.
+        single_copy = single_copy and takes_panels and weight.dtype == torch.bfloat16 and panels_for_any_rows()
         # The module owns the packed weight; the table only points at it.
         self._packed = None if single_copy else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         # What decode steps' GEMV reads, where it applies: the Q8_0 blocks, else (below) a
@@ -171,8 +177,9 @@ class PrepackedLinear(nn.Module):
         # Both on huge pages: a decode step streams them whole (kernels/huge_pages.py).
         self._q8_0_blocks = (on_huge_pages(q8_0_gemv_blocks(q8_0_blocks)) if self._native and q8_0_blocks is not None
                              and q8_0_blocks.shape[0] == self.out_features else None)
-        # What bf16 decode steps of up to panel_gemm_max_rows() tokens read (AVX512-BF16): at
-        # 1-4 tokens as fast as the GEMV's rows, so such a weight keeps no row-major copy.
+        # What decode steps of up to panel_gemm_max_rows() bf16 tokens read (AVX512-BF16), or
+        # f32_panel_gemm_max_rows() fp32 tokens (AVX2): at 1-4 tokens as fast as the GEMV's
+        # rows, so such a weight keeps no row-major copy.
         self._panels = pack_panels(weight.detach(), huge_pages=True) if takes_panels else None
         self._row_major = (on_huge_pages(weight) if self._q8_0_blocks is None and self._panels is None
                            and gemv_applies(weight) else None)

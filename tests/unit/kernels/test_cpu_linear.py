@@ -1,5 +1,6 @@
-"""The native GEMVs (kernels/cpu/gemv.cpp) and the bf16 column-panel GEMM (panel_gemm.h):
-for a bf16 or fp32 weight and for GGUF's
+"""The native GEMVs (kernels/cpu/gemv.cpp) and the column-panel GEMMs (panel_gemm.h for bf16,
+panel_gemm_fp32.h for fp32, whose AVX2 build takes an fp32 model's decode steps on CPUs
+without AVX-512): for a bf16 or fp32 weight and for GGUF's
 Q4_1 and Q8_0 blocks, the product fp32 math gives on the same inputs, rounded once to the
 output dtype, for every row count and shape they take, in whichever build this CPU gets
 (AVX512-BF16 dot products, or fp32 FMAs on AVX2; the GGUF blocks' products take x
@@ -26,8 +27,8 @@ from common.engine.models.quantization.gguf_blocks import GGUFQuantizedWeights, 
 from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
 from kernels.cpu.build import cpu_flags
-from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, gemv, gguf_prompt_gemm_available,
-                                native_gemv_available, pack_panels, panel_gemm,
+from kernels.cpu_linear import (GEMV_MAX_ROWS, GGUF_GROUP_ROWS, f32_panel_gemm_max_rows, gemv,
+                                gguf_prompt_gemm_available, native_gemv_available, pack_panels, panel_gemm,
                                 panel_gemm_amx_built, panel_gemm_amx_tiles, panel_gemm_available,
                                 panel_gemm_max_rows, panels_for_any_rows, q4_1_gemv, q4_1_gemv_blocks, q8_0_gemv,
                                 q8_0_gemv_blocks, q8_0_max_rows)
@@ -200,8 +201,8 @@ def test_panel_gemm_takes_no_rows_and_strided_x():
     (torch.zeros(40, 32, dtype=torch.bfloat16), r"out_features must be a multiple of 32 and in_features of 2, "
                                                 r"got \[40, 32\]"),
     (torch.zeros(32, 33, dtype=torch.bfloat16), r"got \[32, 33\]"),
-    (torch.zeros(32, 32), r"the weight must be bf16 \[N, K\], got Float"),
-    (torch.zeros(32, dtype=torch.bfloat16), r"the weight must be bf16 \[N, K\], got BFloat16 \[32\]"),
+    (torch.zeros(32, 32, dtype=torch.float64), r"the weight must be bf16 or fp32 \[N, K\], got Double"),
+    (torch.zeros(32, dtype=torch.bfloat16), r"the weight must be bf16 or fp32 \[N, K\], got BFloat16 \[32\]"),
 ])
 def test_pack_panels_refuses_what_it_cannot_lay_out(weight, message):
     with pytest.raises(RuntimeError, match=message):
@@ -224,7 +225,8 @@ def test_pack_panels_refuses_an_output_of_another_shape_or_dtype(out):
     (torch.zeros(5, 32, dtype=torch.bfloat16), torch.zeros(63, dtype=torch.bfloat16), None,
      "a contiguous bf16 bias of 64 values expected"),
     (torch.zeros(5, 32, dtype=torch.bfloat16), None, torch.zeros(2, 16, 32, dtype=torch.bfloat16),
-     r"the panels must be contiguous bf16 \[N / 32, K / 2, 32, 2\] \(pack_panels\), got BFloat16 \[2, 16, 32\]"),
+     r"the panels must be contiguous bf16 \[N / 32, K / 2, 32, 2\] or fp32 \[N / 16, K, 16\] \(pack_panels\), "
+     r"got BFloat16 \[2, 16, 32\]"),
     (torch.zeros(5, 32, dtype=torch.bfloat16), None, torch.zeros(2, 16, 32, 2), "got Float"),
 ])
 def test_panel_gemm_refuses_what_it_cannot_compute(x, bias, panels, message):
@@ -232,6 +234,130 @@ def test_panel_gemm_refuses_what_it_cannot_compute(x, bias, panels, message):
         panels = pack_panels(torch.zeros(64, 32, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match=message):
         panel_gemm(x, bias, panels)
+
+
+@pytest.mark.parametrize("out_features, in_features", [(16, 1), (32, 33), (96, 96), (960, 576)])
+def test_pack_panels_lays_out_an_fp32_weight_in_16_columns(out_features, in_features):
+    # The fp32 tiles' op is built wherever the GEMVs are (AVX2 and FMA), whether or not this
+    # build's linears take it.
+    torch.manual_seed(out_features)
+    weight = torch.randn(out_features, in_features)
+    panels = pack_panels(weight)
+    assert panels.shape == (out_features // 16, in_features, 16) and panels.is_contiguous()
+    # panels[p, k, c] == weight[p * 16 + c, k]
+    expected = weight.view(out_features // 16, 16, in_features).permute(0, 2, 1)
+    assert torch.equal(panels, expected)
+    assert torch.equal(pack_panels(weight, huge_pages=True), expected)
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 6, 7, 12, 13, 64, 65, 130])
+@pytest.mark.parametrize("out_features, in_features", [(16, 1), (96, 96), (576, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panel_gemm_over_fp32_panels_matches_fp32_math(num_rows, out_features, in_features, with_bias):
+    # Rows off the 6-row tiles and both sides of them: 1-2 rows streaming the panels, 3-5
+    # asking for the next panel into L2, tails of 1 and 5 after whole tiles; one panel (one
+    # thread) to 36.
+    torch.manual_seed(num_rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features)
+    bias = torch.randn(out_features) if with_bias else None
+    x = torch.randn(num_rows, in_features)
+    out = panel_gemm(x, bias, pack_panels(weight))
+    assert out.shape == (num_rows, out_features) and out.dtype == torch.float32
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    # fp32 sums in another order than float64's: a few ulps of the largest terms.
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("x, bias, message", [
+    (torch.zeros(5, 32, dtype=torch.bfloat16), None, r"x must be fp32 \[M, K\] for fp32 panels, got BFloat16"),
+    (torch.zeros(5, 64), None, "x has 64 columns, the weight 32"),
+    (torch.zeros(5, 32), torch.zeros(64, dtype=torch.bfloat16), "a contiguous fp32 bias of 64 values expected"),
+    (torch.zeros(5, 32), torch.zeros(63), "a contiguous fp32 bias of 64 values expected"),
+])
+def test_panel_gemm_over_fp32_panels_refuses_what_it_cannot_compute(x, bias, message):
+    with pytest.raises(RuntimeError, match=message):
+        panel_gemm(x, bias, pack_panels(torch.zeros(64, 32)))
+
+
+def test_pack_panels_refuses_an_fp32_weight_or_output_it_cannot_lay_out():
+    with pytest.raises(RuntimeError, match=r"an fp32 weight's out_features must be a multiple of 16, got \[40, 32\]"):
+        pack_panels(torch.zeros(40, 32))
+    for out in (torch.empty(4, 32, 16, dtype=torch.bfloat16), torch.empty(4, 16, 32),
+                torch.empty(4, 16, 32).transpose(1, 2)):
+        with pytest.raises(RuntimeError, match=r"out must be contiguous fp32 \[4, 32, 16\]"):
+            torch.ops.pdserve_gemv.pack_panels.default(torch.zeros(64, 32), out)
+
+
+def test_fp32_linears_take_panels_only_where_the_library_is_built_without_avx512():
+    # An AVX-512 build keeps fp32 linears on the row-major GEMV and oneDNN's AVX-512 code
+    # (kernels/cpu/gemv.cpp's kMaxF32PanelRows); an AVX2 build takes the fp32 panels.
+    built_for_avx512 = "avx512f" in cpu_flags().split() and not os.environ.get("PDSERVE_CPU_MARCH")
+    assert f32_panel_gemm_max_rows() == (0 if built_for_avx512 else 64)
+    layer = PrepackedLinear(torch.randn(96, 64), None)
+    assert (layer._panels is not None) == (f32_panel_gemm_max_rows() > 0)
+    assert (layer._row_major is None) == (layer._panels is not None)
+
+
+# An fp32 linear and the native decode loop of an fp32 model where the library is built for
+# AVX2 (an AVX2-only CPU's own build): panels instead of the row-major copy, taking decode
+# steps of up to 64 rows, oneDNN past them; the loop's tokens and logprobs as with the
+# row-major GEMV and oneDNN (PDSERVE_PANEL_GEMM=0), printed for the test to compare.
+_AVX2_F32_PANELS_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    import torch.nn.functional as F
+    from common.engine.llm import LLM
+    from common.engine.models.prepacked_linear import PrepackedLinear
+    from common.engine.native_decode import decode_weight
+    from common.engine.sampling_params import SamplingParams
+    from kernels.cpu_decode import LINEAR_DENSE, LINEAR_PANELS
+    from kernels.cpu_linear import f32_panel_gemm_max_rows, pack_panels, panel_gemm
+    from tests.support.native_loop import with_native_loop
+    panels_on = os.environ.get("PDSERVE_PANEL_GEMM") != "0"
+    assert f32_panel_gemm_max_rows() == 64
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    layer = PrepackedLinear(weight, bias)
+    if panels_on:
+        assert layer._row_major is None and layer._panels.shape == (6, 64, 16), layer
+        assert "decode=panels, larger=onednn" in repr(layer)
+        for num_rows in (1, 4, 5, 64, 65):
+            x = torch.randn(num_rows, 64)
+            out = layer(x)
+            assert torch.equal(torch.ops.pdserve.prepacked_linear(x, bias, layer.weight_id_tensor, 96), out)
+            onednn = torch.ops.mkldnn._linear_pointwise.default(x, layer._packed, bias, "none", [-1], "")
+            assert torch.equal(out, panel_gemm(x, bias, pack_panels(weight)) if num_rows <= 64 else onednn)
+            torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    else:
+        assert layer._panels is None and layer._row_major is not None
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB")
+    loop = with_native_loop(llm)
+    kinds = {decode_weight(linear)[1] for layer in llm.engine.executor.runner.model.layers
+             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                            layer.mlp.down_proj)}
+    assert kinds == {LINEAR_PANELS if panels_on else LINEAR_DENSE}, kinds
+    assert not loop.in_regions
+    # Twelve prompts decoding together, shrinking to one: steps of 12 down to 1 rows.
+    prompts = [{"prompt_token_ids": list(range(5 + i, 30 + 3 * i))} for i in range(12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True, logprobs=1) for i in range(12)]
+    steps_before = loop.num_steps
+    outputs = llm.generate(prompts, params)
+    assert loop.num_steps > steps_before
+    print(json.dumps([[out.outputs[0].token_ids, [step.token_logprob for step in out.outputs[0].logprobs]]
+                      for out in outputs]))
+    llm.engine.shutdown()
+""")
+
+
+def test_the_avx2_build_takes_fp32_panels_in_linears_and_the_decode_loop():
+    def run(**environment):
+        done = run_python(_AVX2_F32_PANELS_SCRIPT, timeout_s=280, **avx2_build_environment(), **environment)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    panels, rows = run(), run(PDSERVE_PANEL_GEMM="0")
+    for (panel_tokens, panel_logprobs), (row_tokens, row_logprobs) in zip(panels, rows, strict=True):
+        assert panel_tokens == row_tokens
+        torch.testing.assert_close(torch.tensor(panel_logprobs), torch.tensor(row_logprobs), atol=1e-4, rtol=0)
 
 
 @needs_panel_gemm
@@ -391,7 +517,10 @@ def test_odd_widths_stay_on_onednn():
     for dtype in (torch.bfloat16, torch.float32):
         if prepacking_available(dtype):
             odd = PrepackedLinear(torch.randn(16, 40, dtype=dtype), None)
-            assert _PACKED_WEIGHTS[odd.weight_id][2] is None and _PACKED_WEIGHTS[odd.weight_id][3] is None
+            assert _PACKED_WEIGHTS[odd.weight_id][2] is None  # no whole step of 32 for the GEMV
+            # fp32 panels take any in_features (where they run: an AVX2 build); bf16 ones, 16 outputs, none.
+            has_panels = dtype == torch.float32 and f32_panel_gemm_max_rows() > 0
+            assert (_PACKED_WEIGHTS[odd.weight_id][3] is not None) == has_panels
     if prepacking_available(torch.bfloat16):  # 40 outputs: no whole panels, so no panel copy either
         narrow = PrepackedLinear(torch.randn(40, 64, dtype=torch.bfloat16), None)
         assert _PACKED_WEIGHTS[narrow.weight_id][2] is not None and _PACKED_WEIGHTS[narrow.weight_id][3] is None
