@@ -115,7 +115,7 @@ def panel_gemm_max_rows() -> int:
 @functools.cache
 def f32_panel_gemm_max_rows() -> int:
     """prepacked_linear's fp32 steps of up to this many rows take panel_gemm where the linear
-    has an fp32 panel copy (kernels/cpu/panel_gemm_fp32.h): 64 where the library is built
+    has an fp32 panel copy (kernels/cpu/panel_gemm_fp32.h): 2,048 where the library is built
     without AVX-512 (an AVX2 CPU), 0 elsewhere (fp32 linears keep the row-major GEMV and
     oneDNN; kernels/cpu/gemv.cpp's kMaxF32PanelRows says why)."""
     return torch.ops.pdserve_gemv.f32_panel_gemm_max_rows() if native_gemv_available() else 0

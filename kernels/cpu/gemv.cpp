@@ -108,11 +108,12 @@ int64_t panel_gemm_max_rows() {
 #endif
 }
 // Steps of up to f32_panel_gemm_max_rows() fp32 rows take a linear's fp32 panels where it has
-// them (panel_gemm_fp32.h; the linear then has no row-major copy): 64 on builds without
-// AVX-512, where its AVX2 tiles stay ahead of oneDNN's AVX2 code at every count measured
-// (SmolLM2's linears and head at 64 rows 115 against 125 ms; 3.1x at 8 rows); 0 on AVX-512
-// builds, whose fp32 linears keep the row-major GEMV and oneDNN's AVX-512 code.
-constexpr int64_t kMaxF32PanelRows = 64;
+// them (panel_gemm_fp32.h; the linear then has no row-major copy): 2,048 (the scheduler's
+// default step) on builds without AVX-512, where its AVX2 tiles stayed ahead of oneDNN's AVX2
+// code at every count measured on SmolLM2's shapes (K <= 1,536), 1.3-3.1x at 8-64 rows,
+// 1.1-1.3x at 96-512, 1.05-1.1x at 1,024-2,048 (panel_gemm_fp32.h); 0 on AVX-512 builds,
+// whose fp32 linears keep the row-major GEMV and oneDNN's AVX-512 code.
+constexpr int64_t kMaxF32PanelRows = 2048;
 int64_t f32_panel_gemm_max_rows() {
 #if defined(PDSERVE_F32_PANEL_GEMM) && !defined(__AVX512F__)
   return kMaxF32PanelRows;

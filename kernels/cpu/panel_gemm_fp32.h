@@ -1,6 +1,6 @@
 // y [M, N] = x [M, K] @ W [N, K]^T (+ bias) in fp32 with AVX2 and FMA, for an fp32 model's
-// decode steps on a CPU without AVX-512 (the Zen 3 EPYC's case, where `--dtype auto` is
-// fp32): outer products on W packed in column panels, as panel_gemm.h does for bf16. A panel
+// steps of up to 2,048 rows on a CPU without AVX-512 (the Zen 3 EPYC's case, where `--dtype
+// auto` is fp32): outer products on W packed in column panels, as panel_gemm.h does for bf16. A panel
 // is 16 output columns by all of K (36 KB for K = 576), one 64-byte line per K step; a tile
 // of 6 rows of x keeps 12 accumulators in 12 of AVX2's 16 registers, beside 2 W vectors and
 // a broadcast of x, and reads the panel once per 6 rows from L2.
@@ -9,8 +9,10 @@
 // Zen 4 EPYC running this AVX2 code and oneDNN limited to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2; its
 // FMA rate per core is the Zen 3's), medians, ms: 1 / 2 / 4 rows 17.2 / 17.4 / 18.6 (the
 // row-major GEMV 16.7 / 19.2 / 24.8), 8 rows 22.8 against oneDNN's 69.9, 16 29.8 against
-// 67.6, 32 56.5 against 71.9, 64 115 against 125 (~150-160 GFLOP/s from 24 rows, ~75% of
-// the two cores' FMA peak). With AVX-512 oneDNN there ran 8 / 16 / 32 / 64 rows in 31.6 /
+// 67.6, 32 56.5 against 71.9, 64 115 against 125 (~150-160 GFLOP/s from 24 rows); 96 / 128 /
+// 256 / 512 rows 123 / 162 / 324 / 678 against 157 / 203 / 378 / 744 (~205-215 GFLOP/s, near
+// the two cores' FMA peak), 1,024 / 2,048 rows 1,462 / 2,998 against 1,635 / 3,149 (the head's
+// outputs then 200-400 MB). With AVX-512 oneDNN there ran 8 / 16 / 32 / 64 rows in 31.6 /
 // 37.9 / 57.2 / 117 ms; on CPUs with two 512-bit FMA units it would pull ahead sooner, so
 // AVX-512 builds keep oneDNN (gemv.cpp's f32_panel_gemm_max_rows).
 #pragma once

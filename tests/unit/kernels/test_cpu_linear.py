@@ -292,7 +292,7 @@ def test_fp32_linears_take_panels_only_where_the_library_is_built_without_avx512
     # An AVX-512 build keeps fp32 linears on the row-major GEMV and oneDNN's AVX-512 code
     # (kernels/cpu/gemv.cpp's kMaxF32PanelRows); an AVX2 build takes the fp32 panels.
     built_for_avx512 = "avx512f" in cpu_flags().split() and not os.environ.get("PDSERVE_CPU_MARCH")
-    assert f32_panel_gemm_max_rows() == (0 if built_for_avx512 else 64)
+    assert f32_panel_gemm_max_rows() == (0 if built_for_avx512 else 2048)
     layer = PrepackedLinear(torch.randn(96, 64), None)
     assert (layer._panels is not None) == (f32_panel_gemm_max_rows() > 0)
     assert (layer._row_major is None) == (layer._panels is not None)
@@ -300,7 +300,7 @@ def test_fp32_linears_take_panels_only_where_the_library_is_built_without_avx512
 
 # An fp32 linear and the native decode loop of an fp32 model where the library is built for
 # AVX2 (an AVX2-only CPU's own build): panels instead of the row-major copy, taking decode
-# steps of up to 64 rows, oneDNN past them; the loop's tokens and logprobs as with the
+# steps of up to 2,048 rows, oneDNN past them; the loop's tokens and logprobs as with the
 # row-major GEMV and oneDNN (PDSERVE_PANEL_GEMM=0), printed for the test to compare.
 _AVX2_F32_PANELS_SCRIPT = textwrap.dedent("""
     import json, os, sys
@@ -314,19 +314,19 @@ _AVX2_F32_PANELS_SCRIPT = textwrap.dedent("""
     from kernels.cpu_linear import f32_panel_gemm_max_rows, pack_panels, panel_gemm
     from tests.support.native_loop import with_native_loop
     panels_on = os.environ.get("PDSERVE_PANEL_GEMM") != "0"
-    assert f32_panel_gemm_max_rows() == 64
+    assert f32_panel_gemm_max_rows() == 2048
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64), torch.randn(96)
     layer = PrepackedLinear(weight, bias)
     if panels_on:
         assert layer._row_major is None and layer._panels.shape == (6, 64, 16), layer
         assert "decode=panels, larger=onednn" in repr(layer)
-        for num_rows in (1, 4, 5, 64, 65):
+        for num_rows in (1, 4, 5, 64, 2048, 2049):
             x = torch.randn(num_rows, 64)
             out = layer(x)
             assert torch.equal(torch.ops.pdserve.prepacked_linear(x, bias, layer.weight_id_tensor, 96), out)
             onednn = torch.ops.mkldnn._linear_pointwise.default(x, layer._packed, bias, "none", [-1], "")
-            assert torch.equal(out, panel_gemm(x, bias, pack_panels(weight)) if num_rows <= 64 else onednn)
+            assert torch.equal(out, panel_gemm(x, bias, pack_panels(weight)) if num_rows <= 2048 else onednn)
             torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
     else:
         assert layer._panels is None and layer._row_major is not None
