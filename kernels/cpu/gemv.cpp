@@ -413,6 +413,25 @@ at::Tensor gemv(const at::Tensor& x, const std::optional<at::Tensor>& bias, cons
 #endif
 }
 
+// W [N, K]'s panel copy of `shape` (its dtype, named `dtype_name` in the errors), written
+// into `out` where given, each thread packing a run of panels: pack(w, panels, K, begin, end).
+template <typename T, typename Pack>
+at::Tensor pack_panel_copy(const at::Tensor& weight, const std::optional<at::Tensor>& out,
+                           const std::vector<int64_t>& shape, const char* dtype_name, Pack pack) {
+  if (out.has_value())
+    PDSERVE_CHECK(out->sizes() == at::IntArrayRef(shape) && out->scalar_type() == weight.scalar_type() &&
+                      out->is_contiguous(),
+                  "pack_panels: out must be contiguous ", dtype_name, " ", at::IntArrayRef(shape), ", got ",
+                  out->scalar_type(), " ", out->sizes());
+  const at::Tensor wc = weight.contiguous();
+  at::Tensor panels = out.has_value() ? *out : at::empty(shape, weight.options());
+  const T* wp = wc.const_data_ptr<T>();
+  T* pp = panels.data_ptr<T>();
+  const int64_t K = weight.size(1);
+  at::parallel_for(0, shape[0], 1, [&](int64_t begin, int64_t end) { pack(wp, pp, K, begin, end); });
+  return panels;
+}
+
 // W [N, K] fp32 row-major -> its panel copy [N / 16, K, 16] (panel_gemm_fp32.h), into `out`
 // where given.
 at::Tensor pack_f32_panels(const at::Tensor& weight, const std::optional<at::Tensor>& out) {
@@ -420,17 +439,8 @@ at::Tensor pack_f32_panels(const at::Tensor& weight, const std::optional<at::Ten
   PDSERVE_CHECK(N % pdserve_cpu::kF32PanelCols == 0 && N > 0 && K > 0,
                 "pack_panels: an fp32 weight's out_features must be a multiple of 16, got [", N, ", ", K, "]");
 #ifdef PDSERVE_F32_PANEL_GEMM
-  const std::vector<int64_t> shape{N / pdserve_cpu::kF32PanelCols, K, pdserve_cpu::kF32PanelCols};
-  if (out.has_value())
-    PDSERVE_CHECK(out->sizes() == at::IntArrayRef(shape) && out->scalar_type() == at::kFloat && out->is_contiguous(),
-                  "pack_panels: out must be contiguous fp32 ", at::IntArrayRef(shape), ", got ", out->scalar_type(), " ",
-                  out->sizes());
-  const at::Tensor wc = weight.contiguous();
-  at::Tensor panels = out.has_value() ? *out : at::empty(shape, weight.options());
-  const float* wp = wc.const_data_ptr<float>();
-  float* pp = panels.data_ptr<float>();
-  at::parallel_for(0, shape[0], 1, [&](int64_t begin, int64_t end) { pdserve_cpu::pack_f32_panels(wp, pp, K, begin, end); });
-  return panels;
+  return pack_panel_copy<float>(weight, out, {N / pdserve_cpu::kF32PanelCols, K, pdserve_cpu::kF32PanelCols}, "fp32",
+                                 pdserve_cpu::pack_f32_panels);
 #else
   PDSERVE_CHECK(false, "pack_panels: built for a CPU without AVX2 and FMA");
 #endif
@@ -447,33 +457,29 @@ at::Tensor pack_panels(const at::Tensor& weight, const std::optional<at::Tensor>
   PDSERVE_CHECK(N % kPanelCols == 0 && K % 2 == 0 && N > 0 && K > 0,
                 "pack_panels: out_features must be a multiple of 32 and in_features of 2, got [", N, ", ", K, "]");
 #ifdef PDSERVE_PANEL_GEMM
-  const std::vector<int64_t> shape{N / kPanelCols, K / 2, kPanelCols, 2};
-  if (out.has_value())
-    PDSERVE_CHECK(out->sizes() == at::IntArrayRef(shape) && out->scalar_type() == at::kBFloat16 &&
-                      out->is_contiguous(),
-                  "pack_panels: out must be contiguous bf16 ", at::IntArrayRef(shape), ", got ", out->scalar_type(), " ",
-                  out->sizes());
-  const at::Tensor wc = weight.contiguous();
-  at::Tensor panels = out.has_value() ? *out : at::empty(shape, weight.options());
-  const at::BFloat16* wp = wc.const_data_ptr<at::BFloat16>();
-  at::BFloat16* pp = panels.data_ptr<at::BFloat16>();
-  at::parallel_for(0, shape[0], 1, [&](int64_t begin, int64_t end) { pdserve_cpu::pack_panels(wp, pp, K, begin, end); });
-  return panels;
+  return pack_panel_copy<at::BFloat16>(weight, out, {N / kPanelCols, K / 2, kPanelCols, 2}, "bf16",
+                                       pdserve_cpu::pack_panels);
 #else
   PDSERVE_CHECK(false, "pack_panels: built for a CPU without AVX512-BF16");
 #endif
+}
+
+// panel_gemm's x [M, K] and bias [N]: the panels' dtype (named `dtype_name` in the errors).
+void check_panel_gemm_inputs(const at::Tensor& x, const std::optional<at::Tensor>& bias, at::ScalarType dtype,
+                             const char* dtype_name, int64_t K, int64_t N) {
+  PDSERVE_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "panel_gemm: x must be ", dtype_name, " [M, K] for ",
+                dtype_name, " panels, got ", x.scalar_type(), " ", x.sizes());
+  PDSERVE_CHECK(x.size(1) == K, "panel_gemm: x has ", x.size(1), " columns, the weight ", K);
+  if (bias.has_value())
+    PDSERVE_CHECK(bias->scalar_type() == dtype && bias->numel() == N && bias->is_contiguous(),
+                  "panel_gemm: a contiguous ", dtype_name, " bias of ", N, " values expected");
 }
 
 // y [M, N] = x @ W^T (+ bias), fp32, W as pack_panels made it from an fp32 weight: what an
 // fp32 linear's decode steps take on an AVX2 CPU (it then has no row-major copy).
 at::Tensor f32_panel_gemm(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& panels) {
   const int64_t num_panels = panels.size(0), N = num_panels * pdserve_cpu::kF32PanelCols, K = panels.size(1);
-  PDSERVE_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_gemm: x must be fp32 [M, K] for fp32 panels, got ",
-                x.scalar_type(), " ", x.sizes());
-  PDSERVE_CHECK(x.size(1) == K, "panel_gemm: x has ", x.size(1), " columns, the weight ", K);
-  if (bias.has_value())
-    PDSERVE_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(),
-                  "panel_gemm: a contiguous fp32 bias of ", N, " values expected");
+  check_panel_gemm_inputs(x, bias, at::kFloat, "fp32", K, N);
 #ifdef PDSERVE_F32_PANEL_GEMM
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
@@ -502,12 +508,7 @@ at::Tensor panel_gemm(const at::Tensor& x, const std::optional<at::Tensor>& bias
                 "panel_gemm: the panels must be contiguous bf16 [N / 32, K / 2, 32, 2] or fp32 [N / 16, K, 16] "
                 "(pack_panels), got ", panels.scalar_type(), " ", panels.sizes());
   const int64_t num_panels = panels.size(0), N = num_panels * kPanelCols, K = panels.size(1) * 2;
-  PDSERVE_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "panel_gemm: x must be bf16 [M, K], got ",
-                x.scalar_type(), " ", x.sizes());
-  PDSERVE_CHECK(x.size(1) == K, "panel_gemm: x has ", x.size(1), " columns, the weight ", K);
-  if (bias.has_value())
-    PDSERVE_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N && bias->is_contiguous(),
-                  "panel_gemm: a contiguous bf16 bias of ", N, " values expected");
+  check_panel_gemm_inputs(x, bias, at::kBFloat16, "bf16", K, N);
 #ifdef PDSERVE_PANEL_GEMM
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());

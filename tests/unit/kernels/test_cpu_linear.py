@@ -219,7 +219,7 @@ def test_pack_panels_refuses_an_output_of_another_shape_or_dtype(out):
 
 @needs_panel_gemm
 @pytest.mark.parametrize("x, bias, panels, message", [
-    (torch.zeros(5, 32), None, None, r"x must be bf16 \[M, K\], got Float"),
+    (torch.zeros(5, 32), None, None, r"x must be bf16 \[M, K\] for bf16 panels, got Float"),
     (torch.zeros(5, 64, dtype=torch.bfloat16), None, None, "x has 64 columns, the weight 32"),
     (torch.zeros(5, 32, dtype=torch.bfloat16), torch.zeros(64), None, "a contiguous bf16 bias of 64 values expected"),
     (torch.zeros(5, 32, dtype=torch.bfloat16), torch.zeros(63, dtype=torch.bfloat16), None,
