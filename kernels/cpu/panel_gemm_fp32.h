@@ -12,7 +12,9 @@
 // 67.6, 32 56.5 against 71.9, 64 115 against 125 (~150-160 GFLOP/s from 24 rows); 96 / 128 /
 // 256 / 512 rows 123 / 162 / 324 / 678 against 157 / 203 / 378 / 744 (~205-215 GFLOP/s, near
 // the two cores' FMA peak), 1,024 / 2,048 rows 1,462 / 2,998 against 1,635 / 3,149 (the head's
-// outputs then 200-400 MB). With AVX-512 oneDNN there ran 8 / 16 / 32 / 64 rows in 31.6 /
+// outputs then 200-400 MB). Wider layers (a Llama-3.2-1B-like stack: K 2,048 and 8,192,
+// panels of 128-512 KB): 1-16 rows 1.3-1.6x oneDNN, 64-256 level, 1,024 1.17x.
+// With AVX-512 oneDNN there ran 8 / 16 / 32 / 64 rows in 31.6 /
 // 37.9 / 57.2 / 117 ms; on CPUs with two 512-bit FMA units it would pull ahead sooner, so
 // AVX-512 builds keep oneDNN (gemv.cpp's f32_panel_gemm_max_rows).
 #pragma once
