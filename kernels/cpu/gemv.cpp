@@ -476,7 +476,8 @@ void check_panel_gemm_inputs(const at::Tensor& x, const std::optional<at::Tensor
 }
 
 // y [M, N] = x @ W^T (+ bias), fp32, W as pack_panels made it from an fp32 weight: what an
-// fp32 linear's decode steps take on an AVX2 CPU (it then has no row-major copy).
+// fp32 linear's steps of up to f32_panel_gemm_max_rows() rows take on an AVX2 build (it then
+// has no row-major copy).
 at::Tensor f32_panel_gemm(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& panels) {
   const int64_t num_panels = panels.size(0), N = num_panels * pdserve_cpu::kF32PanelCols, K = panels.size(1);
   check_panel_gemm_inputs(x, bias, at::kFloat, "fp32", K, N);

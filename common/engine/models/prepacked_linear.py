@@ -168,7 +168,7 @@ class PrepackedLinear(nn.Module):
         # (~5 us less per call than the Python op); it holds the weights until this module goes.
         self._native = native_gemv_available()
         takes_panels = self._native and panels_apply(weight)
-        # fp32 panels serve decode steps only: prompts keep oneDNN's packed weight.
+        # fp32 panels serve steps of up to f32_panel_gemm_max_rows() tokens: longer ones keep oneDNN's.
         single_copy = single_copy and takes_panels and weight.dtype == torch.bfloat16 and panels_for_any_rows()
         # The module owns the packed weight; the table only points at it.
         self._packed = None if single_copy else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
