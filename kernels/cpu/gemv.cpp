@@ -741,6 +741,17 @@ int64_t onednn_rows(int64_t num_rows) {
   return (num_rows + granule - 1) / granule * granule;
 }
 
+// The most rows of x prepacked_linear sends to panel_gemm over panels of x's dtype
+// (panel_gemm_max_rows for bf16, f32_panel_gemm_max_rows for fp32); -1 where this build
+// multiplies no panels of that dtype.
+int64_t panel_rows_limit(at::ScalarType dtype) {
+  if (dtype == at::kFloat) return f32_panel_gemm_max_rows();
+#ifdef PDSERVE_PANEL_GEMM
+  if (dtype == at::kBFloat16) return panel_gemm_max_rows();
+#endif
+  return -1;
+}
+
 // weight_id: a 0-d int64 CPU tensor, so that one compiled decoder layer serves every layer
 // (each passes its own ids as inputs; an int would be a constant of the compiled code).
 at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>& bias,
@@ -758,19 +769,14 @@ at::Tensor prepacked_linear(const at::Tensor& x, const std::optional<at::Tensor>
   }
   at::Tensor y;
   const int64_t num_rows = x.dim() == 2 ? x.size(0) : 0;  // 0 for another shape: only oneDNN takes it
+  const int64_t panel_rows = panel_rows_limit(x.scalar_type());
   if (num_rows >= 1 && num_rows <= q8_0_max_rows() && linear.q8_0_blocks.has_value()) {
     y = q8_0_gemv(x, bias, *linear.q8_0_blocks);
   } else if (num_rows >= 1 && num_rows <= kMaxRows && linear.row_major.has_value()) {
     y = gemv(x, bias, *linear.row_major);
-#ifdef PDSERVE_PANEL_GEMM
-  } else if (x.dim() == 2 && (num_rows <= panel_gemm_max_rows() || !linear.packed.has_value()) &&
-             linear.panels.has_value() && x.scalar_type() == at::kBFloat16) {
+  } else if (x.dim() == 2 && linear.panels.has_value() && x.scalar_type() == linear.panels->scalar_type() &&
+             panel_rows >= 0 && (num_rows <= panel_rows || !linear.packed.has_value())) {
     y = panel_gemm(x, bias, *linear.panels);
-#endif
-  } else if (x.dim() == 2 && (num_rows <= f32_panel_gemm_max_rows() || !linear.packed.has_value()) &&
-             linear.panels.has_value() && pdserve_cpu::is_f32_panel_copy(*linear.panels) &&
-             x.scalar_type() == at::kFloat) {
-    y = f32_panel_gemm(x, bias, *linear.panels);
   } else {
     PDSERVE_CHECK(linear.packed.has_value(), "prepacked_linear: linear ", weight_id,
                   " keeps only panels, which take [M, K] inputs of their dtype; got ", x.scalar_type(), " ", x.sizes());

@@ -1,9 +1,10 @@
 // y [M, N] = x [M, K] @ W [N, K]^T (+ bias) in bf16 with AVX512-BF16, for decode steps of
 // 1 to ~128 rows (short of prefill's): outer products on W packed in column panels, each
 // panel (32 output columns, all of K: 36 KB for K = 576) read from L2 once per 12 rows of
-// x, the next panel asked for from DRAM meanwhile (from six rows). It is the only copy of
-// a bf16 weight that decode steps read: at 1-4 rows it streams the panels as fast as the
-// row-major GEMV streamed its rows, so the model keeps no row-major copy beside it.
+// x, the next panel asked for from DRAM meanwhile (steps of a whole tile and more:
+// kPrefetchMinRows). It is the only copy of a bf16 weight that decode steps read: at 1-4
+// rows it streams the panels as fast as the row-major GEMV streamed its rows, so the model
+// keeps no row-major copy beside it.
 //
 // The panel layout [N / 32][K / 2][32][2] is what vdpbf16ps multiplies: one 512-bit load is
 // 16 output columns' pair of K values, against one pair of x's K values broadcast to every
