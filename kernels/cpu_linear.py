@@ -116,9 +116,15 @@ def panel_gemm_max_rows() -> int:
 def f32_panel_gemm_max_rows() -> int:
     """prepacked_linear's fp32 steps of up to this many rows take panel_gemm where the linear
     has an fp32 panel copy (kernels/cpu/panel_gemm_fp32.h): 2,048 where the library is built
-    without AVX-512 (an AVX2 CPU), 0 elsewhere (fp32 linears keep the row-major GEMV and
-    oneDNN; kernels/cpu/gemv.cpp's kMaxF32PanelRows says why)."""
+    for AVX2 without AVX-512, 128 on AVX-512 builds (past them oneDNN is level or ahead;
+    kernels/cpu/gemv.cpp's kMaxF32PanelRows), 0 without the native library."""
     return torch.ops.pdserve_gemv.f32_panel_gemm_max_rows() if native_gemv_available() else 0
+
+
+def panel_rows_limit(dtype: torch.dtype) -> int:
+    """The most rows prepacked_linear sends to panels of this dtype (where the linear also has
+    a packed weight for oneDNN)."""
+    return panel_gemm_max_rows() if dtype == torch.bfloat16 else f32_panel_gemm_max_rows()
 
 
 @functools.cache
@@ -168,7 +174,7 @@ def panels_apply(weight: torch.Tensor) -> bool:
       too (a tile step's K): its vector tiles would take such a weight's steps of up to 128
       rows, far behind oneDNN's AMX calls from 12.
     - fp32: out_features a multiple of F32_PANEL_COLS, where f32_panel_gemm_max_rows() > 0
-      (a build without AVX-512)."""
+      (AVX2 and FMA)."""
     if weight.dim() != 2 or switched_off("PDSERVE_PANEL_GEMM"):
         return False
     if weight.dtype == torch.float32:
@@ -312,7 +318,7 @@ def prepacked_linear(
     """x W^T + b for a registered weight, in one native op: a GEMV for 1 to GEMV_MAX_ROWS rows
     where the weight has Q8_0 blocks or its row-major copy, panel_gemm for up to
     panel_gemm_max_rows() bf16 rows where it has panels (AVX512-BF16; on AMX tiles where the
-    CPU has them) or f32_panel_gemm_max_rows() fp32 rows (AVX2 builds), else oneDNN on the
+    CPU has them) or f32_panel_gemm_max_rows() fp32 rows, else oneDNN on the
     packed weight.
     The id is a tensor so that a compiled decoder layer takes it as an input and one
     compiled layer serves them all."""

@@ -108,14 +108,18 @@ int64_t panel_gemm_max_rows() {
 #endif
 }
 // Steps of up to f32_panel_gemm_max_rows() fp32 rows take a linear's fp32 panels where it has
-// them (panel_gemm_fp32.h; the linear then has no row-major copy): 2,048 (the scheduler's
-// default step) on builds without AVX-512, where its AVX2 tiles stayed ahead of oneDNN's AVX2
+// them (panel_gemm_fp32.h; the linear then has no row-major copy). Builds without AVX-512:
+// 2,048 (the scheduler's default step), where the AVX2 tiles stayed ahead of oneDNN's AVX2
 // code at every count measured on SmolLM2's shapes (K <= 1,536), 1.3-3.1x at 8-64 rows,
-// 1.1-1.3x at 96-512, 1.05-1.1x at 1,024-2,048 (panel_gemm_fp32.h); 0 on AVX-512 builds,
-// whose fp32 linears keep the row-major GEMV and oneDNN's AVX-512 code.
+// 1.1-1.3x at 96-512, 1.05-1.1x at 1,024-2,048. AVX-512 builds: 128, where the Zen 4 EPYC's
+// AVX-512 tiles were 1.5-1.6x oneDNN's AVX-512 code at 4-8 rows, 1.1-1.3x at 16-64, ~1.07x at
+// 128 and 3-8% behind it at 256-512 (docs/benchmarks.md, "fp32 panels on AVX-512").
 constexpr int64_t kMaxF32PanelRows = 2048;
+constexpr int64_t kMaxF32PanelRowsAvx512 = 128;
 int64_t f32_panel_gemm_max_rows() {
-#if defined(PDSERVE_F32_PANEL_GEMM) && !defined(__AVX512F__)
+#if defined(PDSERVE_F32_PANEL_GEMM) && defined(__AVX512F__)
+  return kMaxF32PanelRowsAvx512;
+#elif defined(PDSERVE_F32_PANEL_GEMM)
   return kMaxF32PanelRows;
 #else
   return 0;
@@ -476,8 +480,8 @@ void check_panel_gemm_inputs(const at::Tensor& x, const std::optional<at::Tensor
 }
 
 // y [M, N] = x @ W^T (+ bias), fp32, W as pack_panels made it from an fp32 weight: what an
-// fp32 linear's steps of up to f32_panel_gemm_max_rows() rows take on an AVX2 build (it then
-// has no row-major copy).
+// fp32 linear's steps of up to f32_panel_gemm_max_rows() rows take (it then has no row-major
+// copy).
 at::Tensor f32_panel_gemm(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& panels) {
   const int64_t num_panels = panels.size(0), N = num_panels * pdserve_cpu::kF32PanelCols, K = panels.size(1);
   check_panel_gemm_inputs(x, bias, at::kFloat, "fp32", K, N);
@@ -486,13 +490,19 @@ at::Tensor f32_panel_gemm(const at::Tensor& x, const std::optional<at::Tensor>& 
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const at::Tensor xc = x.contiguous();
-  const float* xp = xc.const_data_ptr<float>();
-  const float* pp = panels.const_data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
+  at::Tensor x_tiles = xc;  // one row: already as the tiles read it
+  if (M > 1) {
+    x_tiles = at::empty({M, K}, x.options());
+    at::parallel_for(0, M, pdserve_cpu::kF32TileRows, [&](int64_t begin, int64_t end) {
+      pdserve_cpu::pack_f32_x_tiles(xc.const_data_ptr<float>(), x_tiles.data_ptr<float>(), M, K, begin, end);
+    });
+  }
+  const pdserve_cpu::F32PanelGemm gemm{x_tiles.const_data_ptr<float>(), panels.const_data_ptr<float>(),
+                                       bias.has_value() ? bias->const_data_ptr<float>() : nullptr,
+                                       y.data_ptr<float>(), M, K, N};
   // Each thread a run of whole panels, read front to back.
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    pdserve_cpu::f32_panel_gemm_panels(xp, pp, bp, yp, M, K, N, begin, end);
+    pdserve_cpu::f32_panel_gemm_panels(gemm, begin, end);
   });
   return y;
 #else

@@ -1,22 +1,23 @@
-// y [M, N] = x [M, K] @ W [N, K]^T (+ bias) in fp32 with AVX2 and FMA, for an fp32 model's
-// steps of up to 2,048 rows on a CPU without AVX-512 (the Zen 3 EPYC's case, where `--dtype
-// auto` is fp32): outer products on W packed in column panels, as panel_gemm.h does for bf16. A panel
-// is 16 output columns by all of K (36 KB for K = 576), one 64-byte line per K step; a tile
-// of 6 rows of x keeps 12 accumulators in 12 of AVX2's 16 registers, beside 2 W vectors and
-// a broadcast of x, and reads the panel once per 6 rows from L2.
+// y [M, N] = x [M, K] @ W [N, K]^T (+ bias) in fp32 with FMA, on AVX2 or AVX-512, for an fp32
+// model's steps of up to f32_panel_gemm_max_rows() rows (gemv.cpp): outer products on W
+// packed in column panels, as panel_gemm.h does for bf16. A panel is 16 output columns by all
+// of K (36 KB for K = 576), one 64-byte line per K step, the same layout on every build.
 //
-// SmolLM2's 30 layers' linears and its head in fp32 (538 MB, from DRAM), 2 threads, on the
-// Zen 4 EPYC running this AVX2 code and oneDNN limited to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2; its
-// FMA rate per core is the Zen 3's), medians, ms: 1 / 2 / 4 rows 17.2 / 17.4 / 18.6 (the
-// row-major GEMV 16.7 / 19.2 / 24.8), 8 rows 22.8 against oneDNN's 69.9, 16 29.8 against
-// 67.6, 32 56.5 against 71.9, 64 115 against 125 (~150-160 GFLOP/s from 24 rows); 96 / 128 /
-// 256 / 512 rows 123 / 162 / 324 / 678 against 157 / 203 / 378 / 744 (~205-215 GFLOP/s, near
-// the two cores' FMA peak), 1,024 / 2,048 rows 1,462 / 2,998 against 1,635 / 3,149 (the head's
-// outputs then 200-400 MB). Wider layers (a Llama-3.2-1B-like stack: K 2,048 and 8,192,
-// panels of 128-512 KB): 1-16 rows 1.3-1.6x oneDNN, 64-256 level, 1,024 1.17x.
-// With AVX-512 oneDNN there ran 8 / 16 / 32 / 64 rows in 31.6 /
-// 37.9 / 57.2 / 117 ms; on CPUs with two 512-bit FMA units it would pull ahead sooner, so
-// AVX-512 builds keep oneDNN (gemv.cpp's f32_panel_gemm_max_rows).
+// A tile keeps 2 vectors of sums per row of x: on AVX2 one panel's 16 columns for 6 rows (12
+// of its 16 registers), on AVX-512 two adjacent panels' 32 columns for 12 rows (24 of 32),
+// beside 2 W vectors and a broadcast of x; it reads its panels from L2 once per tile. K runs
+// in chunks of at most kF32ChunkSteps, each chunk's sums added to the last's in y, so that
+// a tile's panels and rows of x stay in L2 for wide layers too (K = 8,192: a pair of whole
+// panels is 1 MB, a Zen 4 core's L2).
+//
+// SmolLM2's 30 layers' linears and its head in fp32 (538 MB, from DRAM), 2 threads, medians:
+// - the Zen 4 EPYC running the AVX2 code, oneDNN limited to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2: the
+//   Zen 3's FMA rate per core), ms: 1 / 2 / 4 rows 17.2 / 17.4 / 18.6 (the row-major GEMV
+//   16.7 / 19.2 / 24.8), 8 rows 22.8 against oneDNN's 69.9, 16 29.8 against 67.6, 32 56.5
+//   against 71.9, 64 115 against 125; 96-512 rows 1.1-1.3x, 1,024-2,048 1.05-1.1x. A Llama-3.2-1B-like
+//   stack (K 2,048 and 8,192): 1-16 rows 1.3-1.6x oneDNN, 64-256 level, 1,024 1.17x.
+// - the Zen 4 EPYC's own AVX-512 build against oneDNN's AVX-512 code: docs/benchmarks.md,
+//   "fp32 panels on AVX-512".
 #pragma once
 
 #include "panel_layout.h"
@@ -26,17 +27,10 @@
 #define PDSERVE_F32_PANEL_GEMM 1
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace pdserve_cpu {
-
-constexpr int64_t kF32TileRows = 6;    // rows of x per tile: 12 accumulators
-// Steps of at least this many rows ask for the next panel into L2 while their first tile
-// reads this one (as panel_gemm.h's whole tiles do); fewer stream W non-temporally a few KB
-// ahead. On the Zen 4 running this code (above), 1 / 2 rows 17.2 / 17.4 ms streaming against
-// 18.9 / 18.6 with the L2 prefetch; 3 / 4 / 5 rows 20.8 / 21.3 / 22.7 streaming against
-// 18.8 / 18.6 / 18.0.
-constexpr int64_t kF32PrefetchMinRows = 3;
 
 // Panels [panel_begin, panel_end) of [N / 16][K][16] from W [N, K] row-major: panel p holds
 // columns [p * 16, p * 16 + 16), K outermost.
@@ -47,69 +41,166 @@ inline void pack_f32_panels(const float* w, float* panels, int64_t K, int64_t pa
         panels[(p * K + k) * kF32PanelCols + c] = w[(p * kF32PanelCols + c) * K + k];
 }
 
-// y rows [m0, m0 + RM), the panel's 16 columns from n0; `ahead`: the next panel, asked for
-// into L2 one line per K step, or null; stream_ahead (where `ahead` is null): the weight
-// stream asked for non-temporally a few KB on (stream_prefetch.h).
-//
-// The loops over the tile's rows are unrolled by pragma: without it GCC 12 (-O3, AVX2)
-// unrolls them too late to keep acc in registers only, and stores all 12 accumulators to
-// the stack at every K step besides.
-template <int RM>
-inline void f32_panel_tile(const float* x, const float* panel, const float* bias, float* y, int64_t K, int64_t N,
-                           int64_t m0, int64_t n0, const char* ahead, bool stream_ahead) {
-  __m256 acc[RM][2];
-#pragma GCC unroll 8
-  for (int i = 0; i < RM; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  const float* x_rows = x + m0 * K;
-  for (int64_t k = 0; k < K; ++k) {
-    const float* w_line = panel + k * kF32PanelCols;  // one 64-byte line: 16 columns' W[., k]
-    const __m256 w0 = _mm256_loadu_ps(w_line);
-    const __m256 w1 = _mm256_loadu_ps(w_line + 8);
-    if (ahead != nullptr)
-      _mm_prefetch(ahead + k * kF32PanelCols * sizeof(float), _MM_HINT_T1);
-    else if (stream_ahead)
-      prefetch_stream_ahead(w_line, kF32PanelCols * sizeof(float));
-#pragma GCC unroll 8
-    for (int i = 0; i < RM; ++i) {
-      const __m256 x_k = _mm256_broadcast_ss(x_rows + i * K + k);
-      acc[i][0] = _mm256_fmadd_ps(x_k, w0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(x_k, w1, acc[i][1]);
-    }
-  }
-  __m256 bias0 = _mm256_setzero_ps(), bias1 = _mm256_setzero_ps();
-  if (bias != nullptr) {
-    bias0 = _mm256_loadu_ps(bias + n0);
-    bias1 = _mm256_loadu_ps(bias + n0 + 8);
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < RM; ++i) {
-    float* y_row = y + (m0 + i) * N + n0;
-    _mm256_storeu_ps(y_row, _mm256_add_ps(acc[i][0], bias0));
-    _mm256_storeu_ps(y_row + 8, _mm256_add_ps(acc[i][1], bias1));
+// This build's fp32 vector: its type, lanes and the five operations a tile needs.
+#if defined(__AVX512F__)
+struct F32Vec {
+  using type = __m512;
+  static constexpr int64_t kLanes = 16;
+  static type zero() { return _mm512_setzero_ps(); }
+  static type load(const float* p) { return _mm512_loadu_ps(p); }
+  static type broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static type fmadd(type a, type b, type c) { return _mm512_fmadd_ps(a, b, c); }
+  static type add(type a, type b) { return _mm512_add_ps(a, b); }
+  static void store(float* p, type v) { _mm512_storeu_ps(p, v); }
+};
+constexpr int64_t kF32TileRows = 12;  // 24 accumulators of AVX-512's 32 registers
+#else
+struct F32Vec {
+  using type = __m256;
+  static constexpr int64_t kLanes = 8;
+  static type zero() { return _mm256_setzero_ps(); }
+  static type load(const float* p) { return _mm256_loadu_ps(p); }
+  static type broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static type fmadd(type a, type b, type c) { return _mm256_fmadd_ps(a, b, c); }
+  static type add(type a, type b) { return _mm256_add_ps(a, b); }
+  static void store(float* p, type v) { _mm256_storeu_ps(p, v); }
+};
+constexpr int64_t kF32TileRows = 6;  // 12 accumulators of AVX2's 16 registers
+#endif
+constexpr int64_t kF32PanelVecs = kF32PanelCols / F32Vec::kLanes;  // vectors across a panel
+constexpr int64_t kF32TileVecs = 2;                                 // vectors of sums per row
+constexpr int64_t kF32TilePanels = kF32TileVecs / kF32PanelVecs;     // panels a tile spans: 1 or 2
+// K steps per chunk at most: a tile's chunk of panels 128 KB (AVX2) or 256 KB (AVX-512), its
+// rows of x 48 KB, both read again by every tile from L2.
+constexpr int64_t kF32ChunkSteps = 2048;
+// Steps of at least this many rows ask for the next chunk into L2 while their first tile
+// reads this one (as panel_gemm.h's whole tiles do); fewer stream W non-temporally a few KB
+// ahead. On the Zen 4 running the AVX2 code, 1 / 2 rows 17.2 / 17.4 ms streaming against
+// 18.9 / 18.6 with the L2 prefetch; 3 / 4 / 5 rows 20.8 / 21.3 / 22.7 streaming against
+// 18.8 / 18.6 / 18.0.
+constexpr int64_t kF32PrefetchMinRows = 3;
+
+// x [M, K] as the tiles read it: each tile's rows (kF32TileRows, the last tile the rest)
+// interleaved, [K][rows], at m0 * K, so that a K step's broadcasts read one line, from one
+// pointer, where rows apart would take one register each.
+inline void pack_f32_x_tiles(const float* x, float* x_tiles, int64_t M, int64_t K, int64_t m_begin, int64_t m_end) {
+  for (int64_t m = m_begin; m < m_end; ++m) {
+    const int64_t m0 = m - m % kF32TileRows, num_rows = std::min(kF32TileRows, M - m0);
+    float* tile = x_tiles + m0 * K + (m - m0);
+    for (int64_t k = 0; k < K; ++k) tile[k * num_rows] = x[m * K + k];
   }
 }
 
-// Panels [panel_begin, panel_end) for every row of x: each panel against all tiles of x
-// rows before the next, which its first tile asks for.
-inline void f32_panel_gemm_panels(const float* x, const float* panels, const float* bias, float* y, int64_t M,
-                                  int64_t K, int64_t N, int64_t panel_begin, int64_t panel_end) {
-  const int64_t panel_values = K * kF32PanelCols;
-  const bool stream_ahead = M < kF32PrefetchMinRows;
-  for (int64_t p = panel_begin; p < panel_end; ++p) {
-    const float* panel = panels + p * panel_values;
-    const char* ahead =
-        p + 1 < panel_end && !stream_ahead ? reinterpret_cast<const char*>(panel + panel_values) : nullptr;
-    const int64_t n0 = p * kF32PanelCols;
-    int64_t m0 = 0;
-    for (; m0 + kF32TileRows <= M; m0 += kF32TileRows, ahead = nullptr)
-      f32_panel_tile<kF32TileRows>(x, panel, bias, y, K, N, m0, n0, ahead, false);
-    switch (M - m0) {
+// What every tile of one call shares.
+struct F32PanelGemm {
+  const float* x_tiles;  // x as pack_f32_x_tiles lays it out
+  const float* panels;   // [N / 16, K, 16]
+  const float* bias;    // [N] or null
+  float* y;             // [M, N]
+  int64_t M, K, N;
+};
+
+// y rows [m0, m0 + RM), the NP panels' columns from panel p, over K steps [k0, k0 + num_steps):
+// sums from zero on the first chunk, else from y; the bias added on the last. `ahead`: the
+// next chunk (panel j's part num_panel_values on), asked for into L2 one line per panel
+// and K step, or null; stream_ahead (where `ahead` is null): the panels' stream asked for
+// non-temporally a few KB on (stream_prefetch.h).
+//
+// The loops over rows and vectors are unrolled by pragma: without it GCC 12 (-O3, AVX2)
+// unrolls them too late to keep acc in registers only, and stores all accumulators to the
+// stack at every K step besides.
+template <int RM, int NP>
+inline void f32_panel_tile(const F32PanelGemm& g, int64_t p, int64_t m0, int64_t k0, int64_t num_steps,
+                           const char* ahead, bool stream_ahead) {
+  constexpr int V = NP * kF32PanelVecs;
+  using Vec = F32Vec;
+  const int64_t panel_values = g.K * kF32PanelCols;
+  const float* chunk = g.panels + p * panel_values + k0 * kF32PanelCols;
+  const float* x_tile = g.x_tiles + m0 * g.K + k0 * RM;  // [num_steps][RM]
+  float* y_rows = g.y + m0 * g.N + p * kF32PanelCols;
+  Vec::type acc[RM][V];
+#pragma GCC unroll 16
+  for (int i = 0; i < RM; ++i)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) acc[i][v] = k0 == 0 ? Vec::zero() : Vec::load(y_rows + i * g.N + v * Vec::kLanes);
+  for (int64_t k = 0; k < num_steps; ++k) {
+    Vec::type w[V];
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) {
+      const float* w_line = chunk + j * panel_values + k * kF32PanelCols;  // panel j's 16 columns' W[., k]
+#pragma GCC unroll 2
+      for (int c = 0; c < kF32PanelVecs; ++c) w[j * kF32PanelVecs + c] = Vec::load(w_line + c * Vec::kLanes);
+      if (ahead != nullptr)
+        _mm_prefetch(ahead + (j * panel_values + k * kF32PanelCols) * sizeof(float), _MM_HINT_T1);
+      else if (stream_ahead)
+        prefetch_stream_ahead(w_line, kF32PanelCols * sizeof(float));
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < RM; ++i) {
+      const Vec::type x_k = Vec::broadcast(x_tile + k * RM + i);
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) acc[i][v] = Vec::fmadd(x_k, w[v], acc[i][v]);
+    }
+  }
+  if (g.bias != nullptr && k0 + num_steps == g.K) {
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) {
+      const Vec::type bias = Vec::load(g.bias + p * kF32PanelCols + v * Vec::kLanes);
+#pragma GCC unroll 16
+      for (int i = 0; i < RM; ++i) acc[i][v] = Vec::add(acc[i][v], bias);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < RM; ++i)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) Vec::store(y_rows + i * g.N + v * Vec::kLanes, acc[i][v]);
+}
+
+// NP panels from p over one chunk of K, against every row of x; the first tile asks for `ahead`.
+template <int NP>
+inline void f32_panel_chunk(const F32PanelGemm& g, int64_t p, int64_t k0, int64_t num_steps, const char* ahead,
+                            bool stream_ahead) {
+  int64_t m0 = 0;
+  for (; m0 + kF32TileRows <= g.M; m0 += kF32TileRows, ahead = nullptr)
+    f32_panel_tile<kF32TileRows, NP>(g, p, m0, k0, num_steps, ahead, false);
+  switch (g.M - m0) {
 #define PDSERVE_F32_PANEL_TAIL(r) \
-  case r: f32_panel_tile<r>(x, panel, bias, y, K, N, m0, n0, ahead, stream_ahead); break;
-      PDSERVE_F32_PANEL_TAIL(1) PDSERVE_F32_PANEL_TAIL(2) PDSERVE_F32_PANEL_TAIL(3) PDSERVE_F32_PANEL_TAIL(4)
-      PDSERVE_F32_PANEL_TAIL(5)
+  case r: f32_panel_tile<r, NP>(g, p, m0, k0, num_steps, ahead, stream_ahead); break;
+    PDSERVE_F32_PANEL_TAIL(1) PDSERVE_F32_PANEL_TAIL(2) PDSERVE_F32_PANEL_TAIL(3) PDSERVE_F32_PANEL_TAIL(4)
+    PDSERVE_F32_PANEL_TAIL(5)
+#if defined(__AVX512F__)
+    PDSERVE_F32_PANEL_TAIL(6) PDSERVE_F32_PANEL_TAIL(7) PDSERVE_F32_PANEL_TAIL(8) PDSERVE_F32_PANEL_TAIL(9)
+    PDSERVE_F32_PANEL_TAIL(10) PDSERVE_F32_PANEL_TAIL(11)
+#endif
 #undef PDSERVE_F32_PANEL_TAIL
-      default: break;
+    default: break;
+  }
+}
+
+// Panels [panel_begin, panel_end) for every row of x, kF32TilePanels at a time (a last odd
+// one alone), K in equal chunks of at most kF32ChunkSteps: each chunk against all tiles of x
+// rows before the next, which its first tile asks for.
+inline void f32_panel_gemm_panels(const F32PanelGemm& g, int64_t panel_begin, int64_t panel_end) {
+  const int64_t panel_values = g.K * kF32PanelCols;
+  const bool stream_ahead = g.M < kF32PrefetchMinRows;
+  const int64_t num_chunks = (g.K + kF32ChunkSteps - 1) / kF32ChunkSteps;
+  const int64_t chunk_steps = (g.K + num_chunks - 1) / num_chunks;
+  for (int64_t p = panel_begin; p < panel_end; p += kF32TilePanels) {
+    const int64_t num_panels = std::min(kF32TilePanels, panel_end - p);
+    for (int64_t k0 = 0; k0 < g.K; k0 += chunk_steps) {
+      const int64_t num_steps = std::min(chunk_steps, g.K - k0);
+      // The next chunk: the next part of these panels, else the next panels' first.
+      const float* next = k0 + num_steps < g.K ? g.panels + p * panel_values + (k0 + num_steps) * kF32PanelCols
+                          : p + num_panels < panel_end ? g.panels + (p + num_panels) * panel_values
+                                                       : nullptr;
+      const char* ahead = stream_ahead ? nullptr : reinterpret_cast<const char*>(next);
+      if constexpr (kF32TilePanels == 2) {
+        if (num_panels == 2) {
+          f32_panel_chunk<2>(g, p, k0, num_steps, ahead, stream_ahead);
+          continue;
+        }
+      }
+      f32_panel_chunk<1>(g, p, k0, num_steps, ahead, stream_ahead);
     }
   }
 }

@@ -24,10 +24,10 @@ to panel_gemm_max_rows() tokens read a copy in column panels instead
 (kernels/cpu/panel_gemm.h: outer products; as fast as the GEMV at 1-4 rows, 1.2-1.9x
 oneDNN's rate at 5-64 on that EPYC; on AMX CPUs computed on the tiles,
 kernels/cpu/panel_gemm_amx.h: 1.2-1.6x oneDNN's AMX calls at 1-64 rows on a 2-core Xeon),
-and those weights keep no row-major copy. So do fp32 weights on an AVX2 CPU (no AVX-512):
-their steps of 1 to f32_panel_gemm_max_rows() tokens read fp32 panels
-(kernels/cpu/panel_gemm_fp32.h: as fast as the GEMV at 1-4 rows, 1.1-3.1x oneDNN's AVX2 code
-at 8-64). A linear
+and those weights keep no row-major copy. So do fp32 weights: their steps of 1 to
+f32_panel_gemm_max_rows() tokens read fp32 panels (kernels/cpu/panel_gemm_fp32.h: as fast as
+the GEMV at 1-4 rows; 1.1-3.1x oneDNN's AVX2 code at 8-64 on AVX2 builds, 1.1-1.6x its AVX-512
+code at 4-64 on the Zen 4's AVX-512 build). A linear
 thus holds its weight twice: packed for oneDNN, and row-major or in panels; once, in
 panels serving steps of every size, with single_copy (--single-weight-copy). Where that
 native library is loaded, the graph calls its op `pdserve_gemv::prepacked_linear`, which
@@ -43,16 +43,16 @@ from torch import nn
 
 from kernels.cpu_linear import (
     GEMV_MAX_ROWS,
-    f32_panel_gemm_max_rows,
     gemv,
     gemv_applies,
     native_gemv_available,
     pack_panels,
     panel_gemm,
-    panel_gemm_max_rows,
+    panel_rows_limit,
     panels_apply,
     panels_for_any_rows,
     q8_0_gemv_blocks,
+    q8_0_max_rows,
     register_prepacked_linear,
     release_prepacked_linear,
 )
@@ -99,8 +99,7 @@ def _prepacked_linear_cpu(x: torch.Tensor, bias: torch.Tensor | None, weight_id:
     # x [num_tokens, in_features] -> [num_tokens, out_features]
     if row_major is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(x, bias, row_major())
-    panel_rows = panel_gemm_max_rows() if x.dtype == torch.bfloat16 else f32_panel_gemm_max_rows()
-    if (panels is not None and x.dim() == 2 and (x.shape[0] <= panel_rows or packed is None)
+    if (panels is not None and x.dim() == 2 and (x.shape[0] <= panel_rows_limit(x.dtype) or packed is None)
             and x.dtype == panels().dtype):
         return panel_gemm(x, bias, panels())
     if packed is None:
@@ -167,18 +166,21 @@ class PrepackedLinear(nn.Module):
         # Where the native library is loaded, its op makes the GEMV-or-oneDNN choice in C++
         # (~5 us less per call than the Python op); it holds the weights until this module goes.
         self._native = native_gemv_available()
-        takes_panels = self._native and panels_apply(weight)
+        self._q8_0_blocks = (on_huge_pages(q8_0_gemv_blocks(q8_0_blocks)) if self._native and q8_0_blocks is not None
+                             and q8_0_blocks.shape[0] == self.out_features else None)
+        # Panels whose steps the Q8_0 blocks take all of (q8_0_max_rows() at least the panels'
+        # limit) would never be read.
+        takes_panels = self._native and panels_apply(weight) and not (
+            self._q8_0_blocks is not None and q8_0_max_rows() >= panel_rows_limit(weight.dtype))
         # fp32 panels serve steps of up to f32_panel_gemm_max_rows() tokens: longer ones keep oneDNN's.
         single_copy = single_copy and takes_panels and weight.dtype == torch.bfloat16 and panels_for_any_rows()
         # The module owns the packed weight; the table only points at it.
         self._packed = None if single_copy else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        # What decode steps' GEMV reads, where it applies: the Q8_0 blocks, else (below) a
+        # What decode steps' GEMV reads, where it applies: the Q8_0 blocks (above), else a
         # row-major copy of a bf16 or fp32 weight (AVX2 and FMA) that has no panel copy.
         # Both on huge pages: a decode step streams them whole (kernels/huge_pages.py).
-        self._q8_0_blocks = (on_huge_pages(q8_0_gemv_blocks(q8_0_blocks)) if self._native and q8_0_blocks is not None
-                             and q8_0_blocks.shape[0] == self.out_features else None)
         # What decode steps of up to panel_gemm_max_rows() bf16 tokens read (AVX512-BF16), or
-        # f32_panel_gemm_max_rows() fp32 tokens (AVX2): at 1-4 tokens as fast as the GEMV's
+        # f32_panel_gemm_max_rows() fp32 tokens: at 1-4 tokens as fast as the GEMV's
         # rows, so such a weight keeps no row-major copy.
         self._panels = pack_panels(weight.detach(), huge_pages=True) if takes_panels else None
         self._row_major = (on_huge_pages(weight) if self._q8_0_blocks is None and self._panels is None

@@ -250,13 +250,14 @@ def test_pack_panels_lays_out_an_fp32_weight_in_16_columns(out_features, in_feat
     assert torch.equal(pack_panels(weight, huge_pages=True), expected)
 
 
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 6, 7, 12, 13, 64, 65, 130])
-@pytest.mark.parametrize("out_features, in_features", [(16, 1), (96, 96), (576, 1536)])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 6, 7, 11, 12, 13, 24, 29, 64, 65, 130])
+@pytest.mark.parametrize("out_features, in_features", [(16, 1), (48, 96), (96, 96), (576, 1536), (80, 4100)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_panel_gemm_over_fp32_panels_matches_fp32_math(num_rows, out_features, in_features, with_bias):
-    # Rows off the 6-row tiles and both sides of them: 1-2 rows streaming the panels, 3-5
-    # asking for the next panel into L2, tails of 1 and 5 after whole tiles; one panel (one
-    # thread) to 36.
+    # Rows off the tiles (6 rows on AVX2, 12 on AVX-512) and both sides of them: 1-2 rows
+    # streaming the panels, more asking for the next chunk into L2, tails of 1-11 after whole
+    # tiles; one panel (one thread) to 36, odd runs of panels per thread (AVX-512 tiles span
+    # two); K in one chunk, and in two of 2,050 steps (sums carried through y).
     torch.manual_seed(num_rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features)
     bias = torch.randn(out_features) if with_bias else None
@@ -288,14 +289,14 @@ def test_pack_panels_refuses_an_fp32_weight_or_output_it_cannot_lay_out():
             torch.ops.pdserve_gemv.pack_panels.default(torch.zeros(64, 32), out)
 
 
-def test_fp32_linears_take_panels_only_where_the_library_is_built_without_avx512():
-    # An AVX-512 build keeps fp32 linears on the row-major GEMV and oneDNN's AVX-512 code
-    # (kernels/cpu/gemv.cpp's kMaxF32PanelRows); an AVX2 build takes the fp32 panels.
+def test_fp32_linears_take_panels_up_to_the_rows_the_build_allows():
+    # An AVX2 build's tiles stay ahead of oneDNN's AVX2 code up to the scheduler's step;
+    # an AVX-512 build's only to 128 rows (kernels/cpu/gemv.cpp's kMaxF32PanelRows). Either
+    # way an fp32 linear keeps panels instead of a row-major copy.
     built_for_avx512 = "avx512f" in cpu_flags().split() and not os.environ.get("PDSERVE_CPU_MARCH")
-    assert f32_panel_gemm_max_rows() == (0 if built_for_avx512 else 2048)
+    assert f32_panel_gemm_max_rows() == (128 if built_for_avx512 else 2048)
     layer = PrepackedLinear(torch.randn(96, 64), None)
-    assert (layer._panels is not None) == (f32_panel_gemm_max_rows() > 0)
-    assert (layer._row_major is None) == (layer._panels is not None)
+    assert layer._panels is not None and layer._row_major is None
 
 
 # An fp32 linear where the library is built for AVX2 (an AVX2-only CPU's own build): panels
@@ -595,7 +596,9 @@ def test_a_head_with_q8_0_blocks_takes_them_for_decode_rows_and_onednn_beyond(bu
         torch.testing.assert_close(out, reference(x, None, dense), rtol=1e-5, atol=1e-4)
     # Blocks of another height do not belong to this head: the dense weight serves.
     other = PrepackedLinear(dense, None, q8_0_blocks=raw[:-32])
-    assert other._q8_0_blocks is None and _PACKED_WEIGHTS[other.weight_id][2] is not None
+    assert other._q8_0_blocks is None and (other._row_major is not None or other._panels is not None)
+    # The head's own blocks: panels only where they take steps the blocks leave.
+    assert (head._panels is not None) == (0 < q8_0_max_rows() < f32_panel_gemm_max_rows())
 
 
 def block_quantized_x(x: torch.Tensor) -> torch.Tensor:

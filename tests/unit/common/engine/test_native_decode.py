@@ -848,20 +848,17 @@ def test_in_one_region_bad_calls_raise_and_write_nothing():
     llm.engine.shutdown()
 
 
-def test_fp32_panels_in_the_loop_give_the_models_tokens(tiny_llama_dir, monkeypatch):
-    """An fp32 model whose projections keep fp32 panels (an AVX2 build's choice; here the
-    weights get them wherever the op is built, by lifting the policy's limit in Python): the
+def test_fp32_panels_in_the_loop_give_the_models_tokens(tiny_llama_dir):
+    """An fp32 model's projections keep fp32 panels (wherever the library is built): the
     loop takes the panels for its steps of up to four tokens (larger ones take the prepacked
-    op, which follows the library's own limit) and gives the tokens and logprobs of the model
-    with row-major weights and oneDNN."""
-    import kernels.cpu_linear
+    op, panels up to the library's limit) and gives the tokens and logprobs of the eager
+    model (F.linear)."""
     options = dict(dtype="float32", num_kv_blocks=160, block_size=4)
-    rows = LLM(str(tiny_llama_dir), **options)
+    eager = LLM(str(tiny_llama_dir), **options)
     prompts = parity_prompts()
     batch, max_tokens = [*prompts, prompts[0][:3]], [3, 6, 9, 12, 5]
-    want = _generate(rows, batch, max_tokens)
-    rows.engine.shutdown()
-    monkeypatch.setattr(kernels.cpu_linear, "f32_panel_gemm_max_rows", lambda: 2048)
+    want = _generate(eager, batch, max_tokens)
+    eager.engine.shutdown()
     panels = LLM(str(tiny_llama_dir), **options)
     loop = with_native_loop(panels)
     kinds = {decode_weight(linear)[1] for layer in panels.engine.executor.runner.model.layers
@@ -875,8 +872,8 @@ def test_fp32_panels_in_the_loop_give_the_models_tokens(tiny_llama_dir, monkeypa
 
 
 def test_row_major_models_fork_per_projection(tiny_llama_dir):
-    """Row-major projections (fp32 here; fp32 panels on an AVX2 build) keep a fork and join
-    per projection (their GEMVs' own ops)."""
+    """fp32 projections (panels; row-major with PDSERVE_PANEL_GEMM=0) keep a fork and join
+    per projection (their own ops)."""
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16)
     assert not with_native_loop(llm).in_regions
     llm.engine.shutdown()
@@ -897,7 +894,8 @@ def test_the_switch_turns_it_off(tiny_llama_dir, monkeypatch):
     llm.engine.shutdown()
 
 
-def test_bad_calls_raise_and_write_nothing(tiny_llama_dir):
+def test_bad_calls_raise_and_write_nothing(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("PDSERVE_PANEL_GEMM", "0")  # row-major fp32 weights, refused below as panels
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16, block_size=4)
     loop = with_native_loop(llm)
     hidden_size = llm.engine.model_config.hidden_size
