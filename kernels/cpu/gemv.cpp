@@ -112,8 +112,8 @@ int64_t panel_gemm_max_rows() {
 // 2,048 (the scheduler's default step), where the AVX2 tiles stayed ahead of oneDNN's AVX2
 // code at every count measured on SmolLM2's shapes (K <= 1,536), 1.3-3.1x at 8-64 rows,
 // 1.1-1.3x at 96-512, 1.05-1.1x at 1,024-2,048. AVX-512 builds: 128, where the Zen 4 EPYC's
-// AVX-512 tiles were 1.5-1.6x oneDNN's AVX-512 code at 4-8 rows, 1.1-1.3x at 16-64, ~1.07x at
-// 128 and 3-8% behind it at 256-512 (docs/benchmarks.md, "fp32 panels on AVX-512").
+// AVX-512 tiles were 1.3-1.8x oneDNN's AVX-512 code at 4-48 rows, 1.07-1.13x at 64-128, level
+// at 192-256 and behind it from ~512 (docs/benchmarks.md, "fp32 panels on AVX-512").
 constexpr int64_t kMaxF32PanelRows = 2048;
 constexpr int64_t kMaxF32PanelRowsAvx512 = 128;
 int64_t f32_panel_gemm_max_rows() {

@@ -26,7 +26,7 @@ oneDNN's rate at 5-64 on that EPYC; on AMX CPUs computed on the tiles,
 kernels/cpu/panel_gemm_amx.h: 1.2-1.6x oneDNN's AMX calls at 1-64 rows on a 2-core Xeon),
 and those weights keep no row-major copy. So do fp32 weights: their steps of 1 to
 f32_panel_gemm_max_rows() tokens read fp32 panels (kernels/cpu/panel_gemm_fp32.h: as fast as
-the GEMV at 1-4 rows; 1.1-3.1x oneDNN's AVX2 code at 8-64 on AVX2 builds, 1.1-1.6x its AVX-512
+the GEMV at 1-4 rows; 1.1-3.1x oneDNN's AVX2 code at 8-64 on AVX2 builds, 1.1-1.8x its AVX-512
 code at 4-64 on the Zen 4's AVX-512 build). A linear
 thus holds its weight twice: packed for oneDNN, and row-major or in panels; once, in
 panels serving steps of every size, with single_copy (--single-weight-copy). Where that
