@@ -848,27 +848,29 @@ def test_in_one_region_bad_calls_raise_and_write_nothing():
     llm.engine.shutdown()
 
 
-def test_fp32_panels_in_the_loop_give_the_models_tokens(tiny_llama_dir):
-    """An fp32 model's projections keep fp32 panels (wherever the library is built): the
-    loop takes the panels for its steps of up to four tokens (larger ones take the prepacked
-    op, panels up to the library's limit) and gives the tokens and logprobs of the eager
-    model (F.linear)."""
+@pytest.mark.parametrize("panel_gemm, kind", [("1", LINEAR_PANELS), ("0", LINEAR_DENSE)])
+def test_fp32_linears_in_the_loop_give_the_models_tokens(tiny_llama_dir, monkeypatch, panel_gemm, kind):
+    """An fp32 model's projections keep fp32 panels wherever the library is built, row-major
+    copies with PDSERVE_PANEL_GEMM=0: the loop takes them for its steps of up to four tokens
+    (larger ones take the prepacked op: panels up to the library's limit, else oneDNN) and
+    gives the tokens and logprobs of the eager model (F.linear)."""
     options = dict(dtype="float32", num_kv_blocks=160, block_size=4)
     eager = LLM(str(tiny_llama_dir), **options)
     prompts = parity_prompts()
     batch, max_tokens = [*prompts, prompts[0][:3]], [3, 6, 9, 12, 5]
     want = _generate(eager, batch, max_tokens)
     eager.engine.shutdown()
-    panels = LLM(str(tiny_llama_dir), **options)
-    loop = with_native_loop(panels)
-    kinds = {decode_weight(linear)[1] for layer in panels.engine.executor.runner.model.layers
+    monkeypatch.setenv("PDSERVE_PANEL_GEMM", panel_gemm)
+    llm = LLM(str(tiny_llama_dir), **options)
+    loop = with_native_loop(llm)
+    kinds = {decode_weight(linear)[1] for layer in llm.engine.executor.runner.model.layers
              for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                             layer.mlp.down_proj)}
-    assert kinds == {LINEAR_PANELS} and not loop.in_regions
+    assert kinds == {kind} and not loop.in_regions
     steps_before = loop.num_steps
-    _assert_same(_generate(panels, batch, max_tokens), want, FP32_LOGPROB_ATOL)
+    _assert_same(_generate(llm, batch, max_tokens), want, FP32_LOGPROB_ATOL)
     assert loop.num_steps > steps_before
-    panels.engine.shutdown()
+    llm.engine.shutdown()
 
 
 def test_row_major_models_fork_per_projection(tiny_llama_dir):
