@@ -177,11 +177,12 @@ inline void rows_accumulate(float* acc_rows, int64_t acc_stride, const float* p_
 
 // Many rows (prefill tiles): transpose the block's K once, then each row's scores for
 // kLanes keys are one vector of FMAs with q broadcast, no horizontal sums; rows go in
-// fours so each K^T vector load serves four rows.
+// fours so each K^T vector load serves four rows. k_t [kHeadDim, k_t_stride]: the block's
+// keys' K^T (k_t_stride at least keys_end rounded up to kLanes).
 template <int64_t kHeadDim, typename T>
 inline void transposed_scores(const float* q_rows, int64_t num_rows, const T* k_block, int64_t k_pos_stride,
                               int64_t keys_begin, int64_t keys_end, int64_t score_stride, float* k_t,
-                              float* scores) {
+                              int64_t k_t_stride, float* scores) {
 #ifdef PDSERVE_TRANSPOSE16
   if constexpr (std::is_same_v<T, float> && kLanes == 16 && kHeadDim % 16 == 0) {
     // 16 keys x 16 d at a time in registers: scattered single-float stores would stall
@@ -189,15 +190,15 @@ inline void transposed_scores(const float* q_rows, int64_t num_rows, const T* k_
     for (int64_t first = keys_begin / 16 * 16; first < keys_end; first += 16)
       for (int64_t d0 = 0; d0 < kHeadDim; d0 += 16)
         transpose_key_words16(k_block + d0, k_pos_stride, first, keys_begin, keys_end,
-                              k_t + d0 * score_stride + first, score_stride);
+                              k_t + d0 * k_t_stride + first, k_t_stride);
   } else
 #endif
   {
     if (keys_begin % kLanes != 0 || keys_end % kLanes != 0)  // lanes past the keys: zeros, not stale bits
-      std::fill(k_t, k_t + kHeadDim * score_stride, 0.f);
+      std::fill(k_t, k_t + kHeadDim * k_t_stride, 0.f);
     for (int64_t j = keys_begin; j < keys_end; ++j) {
       const T* k = k_block + j * k_pos_stride;
-      for (int64_t d = 0; d < kHeadDim; ++d) k_t[d * score_stride + j] = to_float(k[d]);
+      for (int64_t d = 0; d < kHeadDim; ++d) k_t[d * k_t_stride + j] = to_float(k[d]);
     }
   }
   for (int64_t kv = keys_begin / kLanes * kLanes; kv < keys_end; kv += kLanes) {
@@ -206,8 +207,8 @@ inline void transposed_scores(const float* q_rows, int64_t num_rows, const T* k_
       const float* q = q_rows + r * kHeadDim;
       Vec a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};  // even and odd d: eight FMA chains
       for (int64_t d = 0; d < kHeadDim; d += 2) {
-        const Vec k = load_vec(k_t + d * score_stride + kv);
-        const Vec k_odd = load_vec(k_t + (d + 1) * score_stride + kv);
+        const Vec k = load_vec(k_t + d * k_t_stride + kv);
+        const Vec k_odd = load_vec(k_t + (d + 1) * k_t_stride + kv);
         a0 += q[d] * k;
         a1 += q[kHeadDim + d] * k;
         a2 += q[2 * kHeadDim + d] * k;
@@ -228,9 +229,41 @@ inline void transposed_scores(const float* q_rows, int64_t num_rows, const T* k_
     }
     for (; r < num_rows; ++r) {
       Vec a{};
-      for (int64_t d = 0; d < kHeadDim; ++d) a += q_rows[r * kHeadDim + d] * load_vec(k_t + d * score_stride + kv);
+      for (int64_t d = 0; d < kHeadDim; ++d) a += q_rows[r * kHeadDim + d] * load_vec(k_t + d * k_t_stride + kv);
       std::memcpy(scores + r * score_stride + kv, &a, sizeof a);
     }
+  }
+}
+
+// R rows' acc_r = sum_j p_r[j] v_j over keys [begin, end) (relative to key `base`, p_r[j]
+// at p_rows + r * p_stride + j), each key's V row found in its cache block (v_blocks[b]:
+// block b's first row, b counted from base's block), the accumulators held in registers
+// across every block (the whole-rows form: no load and store of them per block, as
+// rows_accumulate does). p_r is 0 outside row r's own keys; every key in [begin, end) is
+// a written cache row.
+template <int64_t kNumVec, int64_t R, typename T>
+inline void whole_rows_accumulate(float* acc_rows, int64_t acc_stride, const float* p_rows, int64_t p_stride,
+                                  const T* const* v_blocks, int64_t v_pos_stride, int64_t block_size, int64_t begin,
+                                  int64_t end) {
+  constexpr int64_t kChunk = kNumVec < kAccumVecs ? kNumVec : kAccumVecs;
+  static_assert(kNumVec % kChunk == 0);
+  for (int64_t c = 0; c < kNumVec; c += kChunk) {
+    Vec acc[R][kChunk];
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t v = 0; v < kChunk; ++v) acc[r][v] = Vec{};
+    for (int64_t b = begin / block_size; b * block_size < end; ++b) {
+      const T* v_block = v_blocks[b] + c * kLanes;
+      const int64_t first = std::max(begin, b * block_size), last = std::min(end, (b + 1) * block_size);
+      for (int64_t j = first; j < last; ++j) {
+        const T* v_row = v_block + (j - b * block_size) * v_pos_stride;
+        for (int64_t v = 0; v < kChunk; ++v) {
+          const Vec x = load_vec(v_row + v * kLanes);
+          for (int64_t r = 0; r < R; ++r) acc[r][v] += p_rows[r * p_stride + j] * x;
+        }
+      }
+    }
+    for (int64_t r = 0; r < R; ++r)
+      std::memcpy(acc_rows + r * acc_stride + c * kLanes, acc[r], sizeof acc[r]);
   }
 }
 
