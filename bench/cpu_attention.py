@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=0.4, help="time budget per case, both paths")
     p.add_argument("--threads", default="1,2", help="torch thread counts to run the cases under")
     p.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated, from {', '.join(DTYPES)}")
+    p.add_argument("--prompts", default="", help="also whole prompts of these lengths, comma-separated "
+                   "(one prefill step each, no cached context)")
     p.add_argument("--no-build-time", action="store_true", help="skip timing a fresh build of the kernel")
     p.add_argument("--note", default="", help="conditions worth recording with the figures (e.g. a shared machine)")
     args = p.parse_args(argv)
@@ -138,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
             cases.append({"threads": threads, "step": "mixed", "dtype": dtype_name, "prefill_chunk": 256,
                           "prefill_context": 512, "decode_batch": 16, "decode_context": 1024} | result)
             print(json.dumps(cases[-1]), flush=True)
+            for prompt_len in [int(n) for n in args.prompts.split(",") if n]:
+                result = time_case(mixed_case(prompt_len, 0, 0, 0, dtype, gen, cache_dtype), args.seconds)
+                cases.append({"threads": threads, "step": "prompt", "dtype": dtype_name,
+                              "prompt_tokens": prompt_len} | result)
+                print(json.dumps(cases[-1]), flush=True)
     results = {
         "command": "pdserve bench cpu-attention " + " ".join(argv if argv is not None else sys.argv[1:]),
         "geometry": {"num_q_heads": NUM_Q_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
