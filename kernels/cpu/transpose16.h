@@ -53,6 +53,13 @@ inline void transpose_key_words16(const T* row, int64_t row_stride, int64_t firs
   for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(static_cast<void*>(out + i * out_stride), columns[i]);
 }
 
+// transpose_key_words16 of fp32 keys: the name attention_blocks.h's K^T takes on either ISA
+// (transpose8.h's on AVX2).
+inline void transpose_key_floats(const float* row, int64_t row_stride, int64_t first, int64_t keys_begin,
+                                 int64_t keys_end, float* out, int64_t out_stride) {
+  transpose_key_words16(row, row_stride, first, keys_begin, keys_end, out, out_stride);
+}
+
 // v[0..15] -> one vector whose lane i is the sum of v[i]'s lanes: 15 adds and 30
 // shuffles for 16 sums, against ~6 dependent steps per sum done one by one.
 inline __m512 transpose_sum16(const __m512 (&v)[16]) {
