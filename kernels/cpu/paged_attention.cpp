@@ -118,6 +118,24 @@ inline int64_t first_visible_key(const Problem& pr, int64_t p) {
   return pr.sliding_window > 0 ? std::max<int64_t>(0, p - pr.sliding_window + 1) : 0;
 }
 
+// A whole-rows item's row at `position` over its scores s, num_keys columns (column c: key
+// base + c): the keys it sees, [begin, end) in columns (set here), soft-capped where the model
+// caps, and its softmax numerators over every column, each Vec handed to store(j, p), zeros
+// outside [begin, end). Returns their sums per lane. Both whole-rows forms' softmax.
+template <typename Exp, typename Store>
+inline Vec whole_row_probabilities(const Problem& pr, int64_t position, int64_t lo, int64_t hi, int64_t base, float* s,
+                                   int64_t num_keys, int64_t& begin, int64_t& end, Store&& store) {
+  begin = std::max(first_visible_key(pr, position), lo) - base;
+  end = std::min(position + 1, hi) - base;
+  if (begin >= end) {
+    for (int64_t j = 0; j < num_keys; j += kLanes) store(j, Vec{});
+    return Vec{};
+  }
+  if (pr.logit_softcap > 0.f)
+    for (int64_t j = begin; j < end; ++j) s[j] = std::tanh(s[j] / pr.logit_softcap) * pr.logit_softcap;
+  return row_probabilities<Exp>(s, 0, num_keys, begin, end, row_block_max(s, begin, end, begin, end), store);
+}
+
 // The keys [lo, hi) some row of the item sees.
 inline std::pair<int64_t, int64_t> item_keys(const Problem& pr, const WorkItem& item) {
   return {std::max(first_visible_key(pr, item.first_position), item.key_begin),
@@ -293,22 +311,14 @@ void attend_whole_rows(const Problem& pr, const WorkItem& item, int64_t kv_head,
     c10::BFloat16* p_row = p + r * num_keys;
     Vec sum{};
     if (r < num_rows) {
-      const int64_t position = item.first_position + r / group;
-      const int64_t begin = std::max(first_visible_key(pr, position), lo) - base;
-      const int64_t end = std::min(position + 1, hi) - base;
-      float* s = scores + r * num_keys;
-      if (begin < end) {
-        if (pr.logit_softcap > 0.f)
-          for (int64_t j = begin; j < end; ++j) s[j] = std::tanh(s[j] / pr.logit_softcap) * pr.logit_softcap;
-        // The numerators straight to bf16 for P.V (their fp32 sums are the denominator).
-        sum = row_probabilities<ExpForBf16>(s, 0, num_keys, begin, end, row_block_max(s, begin, end, begin, end),
-                                            [p_row](int64_t j, Vec probability) {
-                                              _mm256_store_si256(reinterpret_cast<__m256i*>(p_row + j),
-                                                                 (__m256i)_mm512_cvtneps_pbh((__m512)probability));
-                                            });
-      } else {
-        std::fill(p_row, p_row + num_keys, c10::BFloat16(0.f));
-      }
+      int64_t begin, end;
+      // The numerators straight to bf16 for P.V (their fp32 sums are the denominator).
+      sum = whole_row_probabilities<ExpForBf16>(pr, item.first_position + r / group, lo, hi, base,
+                                                scores + r * num_keys, num_keys, begin, end,
+                                                [p_row](int64_t j, Vec probability) {
+                                                  _mm256_store_si256(reinterpret_cast<__m256i*>(p_row + j),
+                                                                     (__m256i)_mm512_cvtneps_pbh((__m512)probability));
+                                                });
       std::memcpy(row_sums + r * kLanes, &sum, sizeof sum);
     } else {
       std::fill(p_row, p_row + num_keys, c10::BFloat16(0.f));
@@ -446,22 +456,12 @@ void attend_whole_rows_fp32(const Problem& pr, const WorkItem& item, int64_t kv_
     v_blocks[b - first_b] = v_head + block_id * pr.v_block_stride;
   }
   for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t position = item.first_position + r / group;
-    row_begin[r] = std::max(first_visible_key(pr, position), lo) - base;
-    row_end[r] = std::min(position + 1, hi) - base;
+    // Over every column from 0: p = 0 outside the row's keys, whatever their scores hold (a
+    // block's keys before lo are not scored). The numerators overwrite the scores.
     float* s = scores + r * num_keys;
-    Vec sum{};
-    if (row_begin[r] < row_end[r]) {
-      if (pr.logit_softcap > 0.f)
-        for (int64_t j = row_begin[r]; j < row_end[r]; ++j)
-          s[j] = std::tanh(s[j] / pr.logit_softcap) * pr.logit_softcap;
-      // Whole Vecs of the row from 0: p = 0 outside the row's keys, whatever their scores
-      // hold (a block's keys before lo are not scored).
-      sum = row_probabilities(s, 0, num_keys, row_begin[r], row_end[r],
-                              row_block_max(s, row_begin[r], row_end[r], row_begin[r], row_end[r]));
-    } else {
-      std::fill(s, s + num_keys, 0.f);
-    }
+    const Vec sum = whole_row_probabilities<ExpFp32>(pr, item.first_position + r / group, lo, hi, base, s, num_keys,
+                                                     row_begin[r], row_end[r],
+                                                     [s](int64_t j, Vec p) { std::memcpy(s + j, &p, sizeof p); });
     std::memcpy(row_sums + r * kLanes, &sum, sizeof sum);
   }
   for_row_groups<kAccumRows>(num_rows, row_begin, row_end, [&]<int64_t R>(int64_t r, int64_t begin, int64_t end) {

@@ -102,7 +102,7 @@ struct F32PanelGemm {
 
 // y rows [m0, m0 + RM), the NP panels' columns from panel p, over K steps [k0, k0 + num_steps):
 // sums from zero on the first chunk, else from y; the bias added on the last. `ahead`: the
-// next chunk (panel j's part num_panel_values on), asked for into L2 one line per panel
+// next chunk (panel j's part panel_values floats on), asked for into L2 one line per panel
 // and K step, or null; stream_ahead (where `ahead` is null): the panels' stream asked for
 // non-temporally a few KB on (stream_prefetch.h).
 //
