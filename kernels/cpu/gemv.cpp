@@ -493,7 +493,7 @@ at::Tensor f32_panel_gemm(const at::Tensor& x, const std::optional<at::Tensor>& 
   at::Tensor x_tiles = xc;  // one row: already as the tiles read it
   if (M > 1) {
     x_tiles = at::empty({M, K}, x.options());
-    at::parallel_for(0, M, pdserve_cpu::kF32TileRows, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, pdserve_cpu::num_f32_x_tiles(M), 1, [&](int64_t begin, int64_t end) {
       pdserve_cpu::pack_f32_x_tiles(xc.const_data_ptr<float>(), x_tiles.data_ptr<float>(), M, K, begin, end);
     });
   }
