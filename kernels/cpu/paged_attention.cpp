@@ -589,13 +589,17 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
   // without a gap: the upcoming item's first kPrefetchBlocks blocks (last_b + 1 on) are
   // among them unless this item has fewer blocks than first_asked.
   stream.primed = hi > lo && last_b - first_b + 1 >= first_asked;
+  // Whether the item takes a whole-rows form (attend_whole_rows, attend_whole_rows_fp32):
+  // many rows, all the item's keys in this call, whole 16-key groups per block (blocks of
+  // 16, 32, ... keys: the transposed scores' width) and at most max_scores scores.
+  auto whole_rows_fit = [&](int64_t max_scores) {
+    return transposed && item.partial < 0 && hi > lo && block_size % 16 == 0 &&
+           num_rows * (last_b - first_b + 1) * block_size <= max_scores;
+  };
 
 #ifdef PDSERVE_BF16_DOT
   if constexpr (kBf16Dot && kHeadDim % 64 == 0) {
-    // Whole 16-key groups per block: blocks of 16, 32, ... keys.
-    const bool whole_rows = transposed && item.partial < 0 && hi > lo && block_size % 16 == 0 &&
-                            num_rows * (last_b - first_b + 1) * block_size <= whole_rows_max_scores(amx);
-    if (whole_rows) {
+    if (whole_rows_fit(whole_rows_max_scores(amx))) {
       const int64_t paired_offset =
           pr.paired_offsets != nullptr ? pr.paired_offsets[item.seq * pr.num_kv_heads + kv_head] : -1;
       const uint32_t* paired = paired_offset >= 0 ? pr.paired_kv + paired_offset : nullptr;
@@ -609,9 +613,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
   }
 #endif
   if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float> && kNumVec > 0) {
-    // Whole 16-key groups per block (the transposed scores' width): blocks of 16, 32, ... keys.
-    if (transposed && item.partial < 0 && hi > lo && block_size % 16 == 0 &&
-        num_rows * (last_b - first_b + 1) * block_size <= kWholeRowsMaxScoresFp32) {
+    if (whole_rows_fit(kWholeRowsMaxScoresFp32)) {
       attend_whole_rows_fp32<kHeadDim>(pr, item, kv_head, q_rows, num_rows, lo, hi, acc, row_sums, row_begin,
                                        row_end);
       stream.primed = false;  // nothing asked for the next item's blocks: it asks itself
