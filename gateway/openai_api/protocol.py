@@ -34,7 +34,7 @@ from common.engine.sampling_params import (
 )
 from gateway.openai_api.errors import ApiError, invalid_field
 from gateway.openai_api.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
-from gateway.openai_api.structured_outputs import structured_outputs_of
+from gateway.openai_api.structured_outputs import constraint_field, structured_outputs_of
 from gateway.types import GenerateInput
 from gateway.validation import MAX_CHAT_MESSAGES
 
@@ -68,6 +68,7 @@ class ParsedRequest:
     continuous_usage: bool = False  # stream: usage so far in every chunk (vLLM)
     num_logprobs: int | None = None  # top alternatives per token; None: no logprobs
     priority: int = 0
+    constraint_field: str | None = None  # the field that set the output constraint, if any
 
     @property
     def num_prompts(self) -> int:
@@ -367,6 +368,7 @@ def parse_request(body: bytes, chat: bool) -> ParsedRequest:
         raise invalid_field("n", f"n ({n}) times the number of prompts ({parsed.num_prompts}) must be at most "
                                  f"{MAX_CHOICES}")
     parsed.sampling = _sampling(values, n, max_tokens, parsed.num_logprobs)
+    parsed.constraint_field = constraint_field(values)
     return parsed
 
 

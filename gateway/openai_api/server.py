@@ -295,7 +295,7 @@ async def _until_disconnect(request: Request, work: Awaitable):
 
 
 def _param_of(error: ServiceError, parsed: ParsedRequest | None) -> str | None:
-    """The request field a gateway validation message is about, where it says."""
+    """The request field a gateway or engine validation message is about, where it says."""
     message = error.message
     if parsed is None or error.code != grpc.StatusCode.INVALID_ARGUMENT:
         return None
@@ -303,6 +303,8 @@ def _param_of(error: ServiceError, parsed: ParsedRequest | None) -> str | None:
         return "max_tokens"
     if message.startswith(("prompt", "the prompt", "messages", "chat template")):
         return "messages" if parsed.chat else "prompt"
+    if message.startswith("structured_outputs."):  # the engine's grammar compiler refused it
+        return parsed.constraint_field
     return None
 
 

@@ -85,6 +85,12 @@ def structured_outputs_of(values: dict[str, Any]) -> StructuredOutputsParams | N
         raise invalid_field(param, message[len(prefix):] if message.startswith(prefix) else message) from None
 
 
+def constraint_field(values: dict[str, Any]) -> str | None:
+    """The field that set the request's output constraint (structured_outputs_of allows one),
+    or None: what a 400 names when the engine's grammar compiler refuses the constraint."""
+    return next((name for name in ("response_format", *GUIDED_FIELDS, "structured_outputs") if name in values), None)
+
+
 def _response_format(value: Any) -> list[tuple[str, str, Any]]:
     if not isinstance(value, dict):
         raise invalid_field("response_format", "must be an object with a type")

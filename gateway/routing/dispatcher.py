@@ -166,6 +166,10 @@ class Dispatcher:
             self._probes.add(task)
             task.add_done_callback(self._probes.discard)
             code = grpc.StatusCode.UNAVAILABLE
+        elif code == grpc.StatusCode.INVALID_ARGUMENT:
+            # The request's own fault (a schema the grammar compiler rejects, say), which any
+            # instance would refuse alike: the engine's words, without the instance that said them.
+            return ServiceError(code, e.details())
         elif code not in _PASSED_ON:
             code = grpc.StatusCode.INTERNAL
         return ServiceError(code, f"decode instance {decode.instance_id} failed: {e.details()}")

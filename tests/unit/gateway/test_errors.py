@@ -52,6 +52,20 @@ def test_decode_error_mid_stream_reaches_the_client_with_its_status(gateway, cod
     assert live_decodes(gateway) == ["decode-0"]  # it still answers Stats: not dropped
 
 
+def test_a_request_the_decode_refuses_as_invalid_gets_the_engines_words_once(gateway):
+    # Not the instance's fault: no instance name in what the client reads, not tried elsewhere.
+    refusal = "structured_outputs.json is not supported: Unsupported type \"nonsense\""
+    fakes = [gateway.add_fake_decode(name, token_ids=TOKENS,
+                                     failure=Failure(grpc.StatusCode.INVALID_ARGUMENT, details=refusal))
+             for name in ("decode-a", "decode-b")]
+    with Client(gateway.address, timeout=10) as client, pytest.raises(grpc.RpcError) as error:
+        client.generate("hi", max_tokens=4)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details() == refusal
+    assert sum(len(fake.servicer.requests) for fake in fakes) == 1
+    assert sorted(live_decodes(gateway)) == ["decode-a", "decode-b"]
+
+
 @pytest.mark.timing
 def test_decode_killed_mid_stream_gives_unavailable_fast_and_is_no_longer_chosen(gateway):
     spare = gateway.add_fake_decode("decode-spare", token_ids=TOKENS)
