@@ -179,11 +179,13 @@ def test_grpc_statuses_become_their_http_codes_unary_and_before_the_first_chunk(
 def test_a_constraint_the_engine_refuses_is_a_400_naming_its_field(constraint, field):
     refusal = 'structured_outputs.json is not supported: Unsupported type "nonsense"'
     with http_gateway(token_ids=TOKENS, failure=Failure(grpc.StatusCode.INVALID_ARGUMENT, details=refusal)) as gw:
-        status, body = post(gw.http_address, "/v1/chat/completions",
-                            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **constraint})
-    assert status == 400
-    assert body["error"] == {"message": refusal, "type": "invalid_request_error", "param": field,
-                             "code": "invalid_argument"}
+        for stream in (False, True):
+            status, body = post(gw.http_address, "/v1/chat/completions",
+                                {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream,
+                                 **constraint})
+            assert status == 400
+            assert body["error"] == {"message": refusal, "type": "invalid_request_error", "param": field,
+                                     "code": "invalid_argument"}
 
 
 def test_a_failure_mid_stream_ends_it_with_an_error_event():
