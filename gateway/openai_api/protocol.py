@@ -32,9 +32,10 @@ from common.engine.sampling_params import (
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
+from common.engine.structured_output.params import StructuredOutputsParams
 from gateway.openai_api.errors import ApiError, invalid_field
 from gateway.openai_api.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
-from gateway.openai_api.structured_outputs import constraint_field, structured_outputs_of
+from gateway.openai_api.structured_outputs import structured_outputs_of
 from gateway.types import GenerateInput
 from gateway.validation import MAX_CHAT_MESSAGES
 
@@ -367,8 +368,8 @@ def parse_request(body: bytes, chat: bool) -> ParsedRequest:
     if n * parsed.num_prompts > MAX_CHOICES:
         raise invalid_field("n", f"n ({n}) times the number of prompts ({parsed.num_prompts}) must be at most "
                                  f"{MAX_CHOICES}")
-    parsed.sampling = _sampling(values, n, max_tokens, parsed.num_logprobs)
-    parsed.constraint_field = constraint_field(values)
+    constraint, parsed.constraint_field = structured_outputs_of(values)
+    parsed.sampling = _sampling(values, n, max_tokens, parsed.num_logprobs, constraint)
     return parsed
 
 
@@ -381,14 +382,14 @@ def _chat_max_tokens(values: dict) -> int | None:
     return new if new is not None else old  # None: until EOS or the context is full
 
 
-def _sampling(values: dict, n: int, max_tokens: int | None, num_logprobs: int | None) -> SamplingParams:
+def _sampling(values: dict, n: int, max_tokens: int | None, num_logprobs: int | None,
+              structured_outputs: StructuredOutputsParams | None) -> SamplingParams:
     get = values.get
     names = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
              "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
              "skip_special_tokens")
     fields = {name: values[name] for name in names if name in values}
     top_k = get("top_k", -1)
-    structured_outputs = structured_outputs_of(values)
     try:
         return SamplingParams(n=n, max_tokens=max_tokens, logprobs=num_logprobs,
                               top_k=-1 if top_k == 0 else top_k, structured_outputs=structured_outputs,

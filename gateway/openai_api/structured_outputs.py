@@ -62,8 +62,10 @@ FIELDS = {
 }
 
 
-def structured_outputs_of(values: dict[str, Any]) -> StructuredOutputsParams | None:
-    """The request's constraint (None: unconstrained); a 400 naming the field when it is bad."""
+def structured_outputs_of(values: dict[str, Any]) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's constraint and the field that set it (response_format, a guided_* field
+    or structured_outputs: what a 400 names when the engine's grammar compiler refuses the
+    constraint); (None, None) unconstrained. A 400 naming the field when it is bad."""
     given: list[tuple[str, str, Any]] = []  # (param, kind, value)
     if "response_format" in values:
         given += _response_format(values["response_format"])
@@ -71,24 +73,18 @@ def structured_outputs_of(values: dict[str, Any]) -> StructuredOutputsParams | N
     if "structured_outputs" in values:
         given += _structured_outputs(values["structured_outputs"])
     if not given:
-        return None
+        return None, None
     if len(given) > 1:
         raise invalid_field(given[1][0], f"conflicts with {given[0][0]}: send one output constraint")
     param, kind, value = given[0]
     try:
-        return StructuredOutputsParams(**{kind: value})
+        return StructuredOutputsParams(**{kind: value}), param.split(".", 1)[0]
     except OverflowError as e:  # re.compile's for a repeat count past its limit (a{99999999999}), not re.error
         raise invalid_field(param, f"is not a valid regular expression: {e}") from None
     except ValueError as e:  # "structured_outputs.<kind> <what is wrong>"
         message = str(e)
         prefix = f"structured_outputs.{kind} "
         raise invalid_field(param, message[len(prefix):] if message.startswith(prefix) else message) from None
-
-
-def constraint_field(values: dict[str, Any]) -> str | None:
-    """The field that set the request's output constraint (structured_outputs_of allows one),
-    or None: what a 400 names when the engine's grammar compiler refuses the constraint."""
-    return next((name for name in ("response_format", *GUIDED_FIELDS, "structured_outputs") if name in values), None)
 
 
 def _response_format(value: Any) -> list[tuple[str, str, Any]]:
