@@ -65,10 +65,11 @@ def section(results: Path, steps: list[str], today: datetime.date | None = None)
     lines = [f"\n## GPU check ({today or datetime.date.today()}, {device})\n",
              f"Command: `scripts/gpu_check.sh WHEEL_DIR {' '.join(steps)}` on the GPU machine.\n"]
     lines += [f"- {what}: {outcome(results, name)}" for name, what in TEST_STEPS if name in steps]
-    if "offline" in steps:
-        reports = {arm: json.loads(path.read_text()) for arm, _ in OFFLINE_ARMS
+    arms_run = [(arm, what) for arm, what in OFFLINE_ARMS if "offline" in steps or f"offline-{arm}" in steps]
+    if arms_run:
+        reports = {arm: json.loads(path.read_text()) for arm, _ in arms_run
                    if (path := results / f"offline-{arm}.json").exists()}
-        for arm, what in OFFLINE_ARMS:
+        for arm, what in arms_run:
             lines.append(offline_line(what, reports[arm]) if arm in reports
                          else f"- offline, {what}: failed ({outcome(results, 'offline-' + arm)})")
         roof = next((reports[a]["roofline"] for a in ("compiled", "no-graphs", "eager") if a in reports), None)

@@ -11,12 +11,16 @@
 #   parity    greedy parity with Hugging Face on the GPU (fp32, bundled model, eager),
 #   offline   the offline benchmark in bf16: compiled with CUDA graphs (beside Hugging Face on
 #             the same GPU), compiled without graphs, eager, and with an fp8 KV cache,
+#             (each arm is also a step of its own: offline-compiled, offline-no-graphs,
+#             offline-eager, offline-kv-fp8),
 #   spec      `bench spec` in bf16 (n-gram and early-exit drafts against none, one stream and
 #             batched: verification steps replay the decode graphs where their rows fit a bucket),
 # then writes the figures into docs/benchmarks.md (and, with $OUT set, copies under $OUT).
 #   scripts/gpu_check.sh [WHEEL_DIR [STEP...]]   (WHEEL_DIR default: wheels/, or $PDSERVE_WHEELS;
 #                                                STEP default: kernels cpu-kernels graphs parity offline spec)
 # Each step runs under its own time limit, so one that hangs leaves the others their time.
+# PDSERVE_GPU_BUDGET_S=N (a lent machine's time left): a step whose limit would end past N
+# seconds from the start is skipped, and says so, rather than cut off mid-run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${1:-${PDSERVE_WHEELS:-wheels}}
@@ -44,10 +48,17 @@ export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -m protos.build >/dev/null || { echo "gpu_check: generating the protobuf modules failed" >&2; exit 2; }
 "$PY" -c "import torch, triton; print(torch.cuda.get_device_name(), '| torch', torch.__version__, '| triton', triton.__version__)" \
     | tee "$RESULTS/device.txt"
+BUDGET=${PDSERVE_GPU_BUDGET_S:-}
 status=0
 step() {  # step NAME SECONDS COMMAND...: its output in $RESULTS/NAME.log, its last line shown
     local name=$1 limit=$2
     shift 2
+    if [ -n "$BUDGET" ] && [ $((SECONDS + limit)) -gt "$BUDGET" ]; then
+        echo "skipped: its ${limit} s limit would end past the ${BUDGET} s budget (at ${SECONDS} s)" \
+            | tee "$RESULTS/$name.log"
+        status=1
+        return
+    fi
     echo "== $name (limit ${limit}s)"
     local started=$SECONDS
     timeout -k 10 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
@@ -57,6 +68,17 @@ step() {  # step NAME SECONDS COMMAND...: its output in $RESULTS/NAME.log, its l
     [ "$rc" = 0 ] || status=1
 }
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
+BENCH=("$PY" -m common.cli.main bench offline --dtype bfloat16)
+offline_arm() {  # offline_arm ARM: one arm of the offline benchmark, in a fresh process
+    local json="$RESULTS/offline-$1.json"
+    case $1 in
+        compiled) step offline-compiled 200 "${BENCH[@]}" --peer hf --json "$json" ;;
+        no-graphs) step offline-no-graphs 90 env PDSERVE_CUDA_GRAPHS=0 "${BENCH[@]}" --peer none --json "$json" ;;
+        eager) step offline-eager 90 "${BENCH[@]}" --peer none --enforce-eager --json "$json" ;;
+        kv-fp8) step offline-kv-fp8 120 "${BENCH[@]}" --peer none --kv-cache-dtype fp8 --json "$json" ;;
+        *) echo "gpu_check: unknown offline arm $1" >&2; status=1 ;;
+    esac
+}
 for s in $STEPS; do
     case $s in
         kernels) step kernels 240 "${PYTEST[@]}" tests/unit/kernels/test_kernels.py \
@@ -67,15 +89,8 @@ for s in $STEPS; do
         graphs) step graphs 150 "${PYTEST[@]}" tests/unit/common/engine/test_cuda_graphs.py ;;
         parity) step parity 150 env PDSERVE_DTYPE=float32 PDSERVE_ENFORCE_EAGER=1 "${PYTEST[@]}" \
                     tests/integration/test_parity_bundled.py ;;
-        offline)
-            step offline-compiled 200 "$PY" -m common.cli.main bench offline --peer hf --dtype bfloat16 \
-                --json "$RESULTS/offline-compiled.json"
-            step offline-no-graphs 90 env PDSERVE_CUDA_GRAPHS=0 "$PY" -m common.cli.main bench offline \
-                --peer none --dtype bfloat16 --json "$RESULTS/offline-no-graphs.json"
-            step offline-eager 90 "$PY" -m common.cli.main bench offline --peer none --dtype bfloat16 \
-                --enforce-eager --json "$RESULTS/offline-eager.json"
-            step offline-kv-fp8 120 "$PY" -m common.cli.main bench offline --peer none --dtype bfloat16 \
-                --kv-cache-dtype fp8 --json "$RESULTS/offline-kv-fp8.json" ;;
+        offline) offline_arm compiled; offline_arm no-graphs; offline_arm eager; offline_arm kv-fp8 ;;
+        offline-*) offline_arm "${s#offline-}" ;;
         spec) step spec 240 "$PY" -m common.cli.main bench spec --dtype bfloat16 --json "$RESULTS/spec.json" ;;
         *) echo "gpu_check: unknown step $s" >&2; status=1 ;;
     esac

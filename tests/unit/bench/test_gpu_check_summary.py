@@ -47,6 +47,16 @@ def test_the_section_reports_each_step_it_ran(tmp_path):
                        "(3.22x, acceptance 0.97); early_exit 152 tok/s (0.87x, acceptance 0.03)")
 
 
+def test_offline_arms_run_as_steps_of_their_own_report_only_those_arms(tmp_path):
+    results = results_dir(tmp_path)
+    text = gpu_check_summary.section(results, ["offline-compiled", "offline-kv-fp8"])
+    offline = [line for line in text.splitlines() if line.startswith("- offline, ")]
+    assert [line.split(" (bf16)")[0].split(":")[0] for line in offline] == [
+        "- offline, compiled + CUDA graphs", "- offline, compiled + CUDA graphs, fp8 KV cache"]
+    assert "failed (ValueError" in offline[1]
+    assert "- measured rooflines: copy " in text
+
+
 def test_a_missing_spec_result_is_reported_as_failed(tmp_path):
     results = results_dir(tmp_path)
     (results / "spec.json").unlink()
