@@ -233,7 +233,10 @@ def test_triton_over_fp8_codes_matches_the_reference(dtype, cache_dtype):
     assert k_cache[0].view(torch.uint8).count_nonzero() == 0  # block 0 no slot's
     block_tables = block_tables.to(DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    # The x100 keys put scores in the hundreds, where one fp32 rounding of a score moves its
+    # weight by ~2e-5 (seen on an H200: 1.02e-5 between two correct fp32 kernels), so fp32
+    # keeps the file's 1e-4; a misread code is off by a whole fp8 step (12-25%).
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     q = torch.randn(len(seq_lens), NUM_Q_HEADS, HEAD_DIM, generator=gen).to(DEVICE, dtype)
     args = (q, k_cache, v_cache, block_tables, lens, SCALE)
     out = decode_attention(*args, backend="triton")
