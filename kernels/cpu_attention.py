@@ -9,12 +9,19 @@ fails, one warning says so and CPU attention stays on the torch path.
 
 PDSERVE_CPU_ATTENTION picks the CPU path: auto (default: native when it builds),
 native (fail loudly if it cannot build) or torch.
+
+The library unrolls its loops for head dims 64, 128 and 256 (any other runs the generic
+loops). Each costs ~10 s of g++ on a cold start, so an engine names its models' head dims
+before the first load (prefer_head_dims) and the build unrolls those alone;
+PDSERVE_ATTENTION_HEAD_DIMS (`all`, or e.g. `64,128`) decides instead where set.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
+import threading
+from collections.abc import Iterable
 
 import torch
 
@@ -23,6 +30,14 @@ from kernels.cpu.build import load_ops
 log = logging.getLogger(__name__)
 
 CPU_ATTENTION_MODES = ("auto", "native", "torch")
+SPECIALISED_HEAD_DIMS = (64, 128, 256)  # the head dims paged_attention.cpp can unroll its loops for
+HEAD_DIMS_ENV = "PDSERVE_ATTENTION_HEAD_DIMS"
+
+# The head dims the engines of this process named before the library loaded, and the dims its
+# build unrolls (None until the first load fixes them: one process holds one build).
+_head_dims_lock = threading.Lock()
+_preferred_head_dims: set[int] = set()
+_built_head_dims: tuple[int, ...] | None = None
 
 
 def _assume_constant_result(fn):
@@ -33,14 +48,62 @@ def _assume_constant_result(fn):
     return fn
 
 
+def prefer_head_dims(head_dims: Iterable[int]) -> None:
+    """The head dims of the models this process serves, named before the library loads so
+    that its build unrolls their loops alone. Named after the load, a dim the build lacks
+    is logged: its model runs the generic loops (the same function, slower)."""
+    dims = {int(d) for d in head_dims}
+    with _head_dims_lock:
+        if _built_head_dims is None:
+            _preferred_head_dims.update(dims)
+            return
+        missing = sorted(d for d in dims if d in SPECIALISED_HEAD_DIMS and d not in _built_head_dims)
+    if missing:
+        log.info("native CPU attention was built before head_dim %s was named: those run its generic loops "
+                 "(%s=all builds every one)", ", ".join(map(str, missing)), HEAD_DIMS_ENV)
+
+
+def chosen_head_dims() -> tuple[int, ...]:
+    """The head dims the library is (to be) built for: PDSERVE_ATTENTION_HEAD_DIMS where set,
+    else the preferred ones, else all; fixed by the first call."""
+    global _built_head_dims
+    with _head_dims_lock:
+        if _built_head_dims is None:
+            _built_head_dims = _parse_head_dims(os.environ.get(HEAD_DIMS_ENV, ""), _preferred_head_dims)
+        return _built_head_dims
+
+
+def _parse_head_dims(value: str, preferred: set[int]) -> tuple[int, ...]:
+    value = value.strip().lower()
+    if value == "all" or (not value and not preferred):
+        return SPECIALISED_HEAD_DIMS
+    if not value:
+        return tuple(d for d in SPECIALISED_HEAD_DIMS if d in preferred)
+    try:
+        dims = {int(part) for part in value.split(",") if part.strip()}
+    except ValueError:
+        dims = {-1}
+    unknown = sorted(dims - set(SPECIALISED_HEAD_DIMS))
+    if unknown:
+        raise ValueError(f"{HEAD_DIMS_ENV} must be 'all' or a comma-separated list of "
+                         f"{', '.join(map(str, SPECIALISED_HEAD_DIMS))}, got {value!r}")
+    return tuple(sorted(dims))
+
+
 @functools.cache
 def native_attention_error() -> str | None:
     """None once the op is loaded in this process, else why it cannot be (built once)."""
+    head_dims = chosen_head_dims()
+    defines = () if head_dims == SPECIALISED_HEAD_DIMS else (
+        "PDSERVE_ATTENTION_HEAD_DIMS_NAMED", *[f"PDSERVE_ATTENTION_HD{d}" for d in head_dims])
     error = load_ops("paged_attention", {"pdserve_cpu::paged_attention": _paged_attention_fake,
                                          "pdserve_cpu::paged_attention_with_kv_write": _with_kv_write_fake,
-                                         "pdserve_cpu::layer_attention": _layer_attention_fake})
+                                         "pdserve_cpu::layer_attention": _layer_attention_fake}, defines)
     if error is not None:
         log.warning("native CPU paged attention unavailable, using the torch path: %s", error)
+    else:
+        log.info("native CPU attention: loops unrolled for head_dim %s; others run the generic loops",
+                 ", ".join(map(str, torch.ops.pdserve_cpu.specialised_head_dims())) or "none")
     return error
 
 

@@ -14,6 +14,10 @@ os.environ.setdefault("PDSERVE_DTYPE", "float32")
 # Compiling costs a minute per engine on two cores: engines run eagerly unless a test
 # of the compiled path turns it back on.
 os.environ.setdefault("PDSERVE_ENFORCE_EAGER", "1")
+# The native attention unrolls its loops for every head dim it can, whatever models a test
+# process loads: one build of it for the whole suite, every unrolled path under test
+# (engines otherwise build for their models' head dims: tests/unit/kernels/test_cpu_attention_head_dims.py).
+os.environ.setdefault("PDSERVE_ATTENTION_HEAD_DIMS", "all")
 
 # On a pytest-xdist worker (scripts/test.sh runs the unit tests on two): one torch thread
 # each. Two workers' OpenMP pools of two threads on two cores spin against each other

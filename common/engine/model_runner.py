@@ -34,8 +34,10 @@ from common.engine.models.registry import model_class
 from common.engine.native_decode import NativeDecodeLoop
 from common.engine.outputs import Logprobs, RunnerOutput, ScheduledRequest, SchedulerOutput
 from common.engine.sampler import Sampler
+from common.engine.spec_decode.draft_model_proposer import draft_model_config
 from common.engine.spec_decode.proposer import DraftProposer, make_proposer
 from common.engine.spec_decode.verification import accept_drafts, expand_verification_rows
+from kernels.cpu_attention import prefer_head_dims
 from kernels.huge_pages import zeros_on_huge_pages
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,14 @@ def load_model(model_config: ModelConfig, model_dir: Path, device: torch.device,
     if quantization is not None:
         quantize_model(model, quantization)
     return model
+
+
+def attention_head_dims(model_config: ModelConfig, speculative_config: SpeculativeConfig | None) -> list[int]:
+    """The head dims this engine's attention runs at: its model's and a draft model's."""
+    head_dims = [model_config.head_dim]
+    if speculative_config is not None and speculative_config.method == "draft_model":
+        head_dims.append(draft_model_config(speculative_config)[0].head_dim)
+    return head_dims
 
 
 def allocate_paged_kv(model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -165,6 +175,8 @@ class ModelRunner:
         # What the paged KV cache holds: self.dtype, or fp8 codes of it.
         self.kv_cache_dtype = select_kv_cache_dtype(kv_cache_dtype, self.dtype, self.device)
         self.block_size = block_size
+        if self.device.type == "cpu":  # before anything loads the attention library
+            prefer_head_dims(attention_head_dims(model_config, speculative_config))
         self.model = load_model(model_config, model_dir, self.device, self.dtype, quantization)
         # The forward pass as run each step: compiled unless enforce_eager (the model
         # itself stays eager for a draft that runs part of it). Ranks of a parallel run

@@ -43,10 +43,10 @@ SOURCE_DIR = Path(__file__).resolve().parent
 CXX_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC",
              "-w", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
 BUILD_TIMEOUT_S = 600
-# Per library: enough for the targets one machine uses side by side (native; the AVX2 and
-# baseline builds the tests take) with two torch versions or sources (a release and a
-# checkout); an older one that is still wanted is rebuilt, never lost.
-KEEP_BUILDS = 6
+# Per library: enough for the builds one machine uses side by side (native; the AVX2 and
+# baseline builds the tests take; attention's head-dim choices) with two torch versions or
+# sources (a release and a checkout); an older one that is still wanted is rebuilt, never lost.
+KEEP_BUILDS = 8
 
 
 class BuildError(RuntimeError):
@@ -88,10 +88,10 @@ def _compile_flags() -> list[str]:
     return [f"-march={target_arch()}", *CXX_FLAGS]
 
 
-def _command(cxx: str, source: Path, output: Path) -> list[str]:
+def _command(cxx: str, source: Path, output: Path, defines: tuple[str, ...] = ()) -> list[str]:
     torch_lib = cpp_extension.library_paths()[0]
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    return [cxx, *_compile_flags(), *includes, str(source), "-o", str(output),
+    return [cxx, *_compile_flags(), *[f"-D{d}" for d in defines], *includes, str(source), "-o", str(output),
             f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
 
 
@@ -103,14 +103,15 @@ def _compiler_identity(cxx: str) -> str:
     return f"{real} {st.st_size} {st.st_mtime_ns}"
 
 
-def build_library(name: str) -> Path:
-    """Path of the compiled kernels/cpu/<name>.cpp, building it if the cache lacks it."""
+def build_library(name: str, defines: tuple[str, ...] = ()) -> Path:
+    """Path of the compiled kernels/cpu/<name>.cpp (with these -D macros: another build of
+    the same library, under its own key), building it if the cache lacks it."""
     cxx = find_compiler()
     if cxx is None:
         raise BuildError("no C++ compiler (set CXX or install g++)")
     source = SOURCE_DIR / f"{name}.cpp"
     sources = [p.read_text() for p in sorted(SOURCE_DIR.glob("*.h"))] + [source.read_text()]
-    key = hashlib.sha256("\0".join([*sources, _compiler_identity(cxx), *_compile_flags(), torch.__version__,
+    key = hashlib.sha256("\0".join([*sources, _compiler_identity(cxx), *_compile_flags(), *defines, torch.__version__,
                                     str(torch.version.git_version), cpu_flags()]).encode()).hexdigest()[:16]
     out_dir = cache_dir()
     library = out_dir / f"{name}-{key}.so"
@@ -127,17 +128,17 @@ def build_library(name: str) -> Path:
             if library.exists():  # built while this process waited
                 _mark_used(library)
                 return library
-            return _build(cxx, name, source, library, out_dir)
+            return _build(cxx, name, source, library, out_dir, defines)
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
-def _build(cxx: str, name: str, source: Path, library: Path, out_dir: Path) -> Path:
+def _build(cxx: str, name: str, source: Path, library: Path, out_dir: Path, defines: tuple[str, ...]) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=out_dir)
     os.close(fd)
     started = time.monotonic()
     try:
-        done = subprocess.run(_command(cxx, source, Path(tmp)), capture_output=True, text=True,
+        done = subprocess.run(_command(cxx, source, Path(tmp), defines), capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise BuildError(f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
@@ -200,16 +201,17 @@ def _load_lock(name: str) -> threading.Lock:
         return _load_locks.setdefault(name, threading.Lock())
 
 
-def load_ops(name: str, fakes: dict[str, Callable]) -> str | None:
+def load_ops(name: str, fakes: dict[str, Callable], defines: tuple[str, ...] = ()) -> str | None:
     """Build (once per machine) and load kernels/cpu/<name>.cpp into this process and give
     its ops their fake implementations (qualified op name -> fake) for torch.compile.
-    None once loaded, else why it cannot be; a second call finds the ops loaded."""
+    None once loaded, else why it cannot be; a second call finds the ops loaded (whatever
+    its defines: one process holds one build of a library, its ops registered once)."""
     with _load_lock(name):
         namespace, _, op = next(iter(fakes)).partition("::")
         if hasattr(getattr(torch.ops, namespace), op):
             return None
         try:
-            torch.ops.load_library(str(build_library(name)))
+            torch.ops.load_library(str(build_library(name, defines)))
         except (BuildError, OSError, RuntimeError) as e:
             return str(e)
         for qualified_name, fake in fakes.items():

@@ -26,6 +26,17 @@
 #include <type_traits>
 #include <vector>
 
+// The head dims whose loops are unrolled at compile time; any other runs the generic loops
+// (head_dim a runtime value), which compute the same function. All three unless the build
+// names its own (-DPDSERVE_ATTENTION_HEAD_DIMS_NAMED -DPDSERVE_ATTENTION_HD64 ...: the
+// engine builds the ones of the models it serves, kernels/cpu_attention.py): each costs ~10 s
+// of one core's g++, a cold start's wait for this library.
+#ifndef PDSERVE_ATTENTION_HEAD_DIMS_NAMED
+#define PDSERVE_ATTENTION_HD64
+#define PDSERVE_ATTENTION_HD128
+#define PDSERVE_ATTENTION_HD256
+#endif
+
 #include "attention_amx.h"
 #include "attention_bf16.h"
 #include "attention_blocks.h"
@@ -800,9 +811,15 @@ template <typename T, typename C>
 void attend_item_any_dim(const Problem& pr, const WorkItem& item, int64_t kv_head, BlockStream& stream,
                          std::vector<float>& scratch, std::vector<int64_t>& bounds) {
   switch (pr.head_dim) {
+#ifdef PDSERVE_ATTENTION_HD64
     case 64: return attend_item<T, C, 64>(pr, item, kv_head, stream, scratch, bounds);
+#endif
+#ifdef PDSERVE_ATTENTION_HD128
     case 128: return attend_item<T, C, 128>(pr, item, kv_head, stream, scratch, bounds);
+#endif
+#ifdef PDSERVE_ATTENTION_HD256
     case 256: return attend_item<T, C, 256>(pr, item, kv_head, stream, scratch, bounds);
+#endif
     default: return attend_item<T, C, 0>(pr, item, kv_head, stream, scratch, bounds);
   }
 }
@@ -887,9 +904,15 @@ void pair_prompts(Problem& pr, const int32_t* seq_lens, const int32_t* query_sta
   buffer.resize(num_words + 16);
   uint32_t* out = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64 / sizeof(uint32_t);
   switch (pr.head_dim) {
+#ifdef PDSERVE_ATTENTION_HD64
     case 64: pair_prompt_keys<64, C>(pr, seqs, offsets.data(), out); break;
+#endif
+#ifdef PDSERVE_ATTENTION_HD128
     case 128: pair_prompt_keys<128, C>(pr, seqs, offsets.data(), out); break;
+#endif
+#ifdef PDSERVE_ATTENTION_HD256
     case 256: pair_prompt_keys<256, C>(pr, seqs, offsets.data(), out); break;
+#endif
     default: return;
   }
   pr.paired_kv = out;
@@ -1294,7 +1317,23 @@ at::Tensor layer_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 }  // namespace
 
+// The head dims this build unrolled its loops for (the rest take the generic loops).
+std::vector<int64_t> specialised_head_dims() {
+  std::vector<int64_t> dims;
+#ifdef PDSERVE_ATTENTION_HD64
+  dims.push_back(64);
+#endif
+#ifdef PDSERVE_ATTENTION_HD128
+  dims.push_back(128);
+#endif
+#ifdef PDSERVE_ATTENTION_HD256
+  dims.push_back(256);
+#endif
+  return dims;
+}
+
 TORCH_LIBRARY(pdserve_cpu, m) {
+  m.def("specialised_head_dims() -> int[]", &specialised_head_dims);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, float scale, int sliding_window, float logit_softcap) -> Tensor");
   m.def("paged_attention_with_kv_write(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, "

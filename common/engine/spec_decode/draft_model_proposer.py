@@ -11,6 +11,7 @@ draft's layers (the draft is small; shipping would tie both pools to one draft).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,11 +29,16 @@ if TYPE_CHECKING:
     from common.engine.model_runner import ModelRunner
 
 
+def draft_model_config(config: "SpeculativeConfig") -> tuple[ModelConfig, Path]:
+    """The draft model's config and the directory it loads from."""
+    draft_dir = resolve_model(config.draft_model)
+    return ModelConfig.from_hf_config(load_hf_config(draft_dir)), draft_dir
+
+
 class DraftModelProposer(DraftProposer):
     def __init__(self, config: "SpeculativeConfig", runner: "ModelRunner"):
         from common.engine.model_runner import load_model  # model_runner imports the proposers
-        draft_dir = resolve_model(config.draft_model)
-        self.model_config = ModelConfig.from_hf_config(load_hf_config(draft_dir))
+        self.model_config, draft_dir = draft_model_config(config)
         target_vocab_size = runner.model_config.vocab_size
         if self.model_config.vocab_size != target_vocab_size:
             raise ValueError(f"draft model {config.draft_model!r} has a vocabulary of "
