@@ -26,6 +26,7 @@ from kernels.cpu_attention import (
     attention_with_kv_write_native,
     cpu_attention_backend,
     decode_attention_native,
+    native_attention_serves,
     prefill_attention_native,
 )
 from kernels.torch_attention import decode_attention_torch, prefill_attention_torch
@@ -53,7 +54,7 @@ def decode_attention(
         raise ValueError(f"q has {q.shape[0]} rows but block_tables has {num_seqs} sequences")
     check_int32_1d("seq_lens", seq_lens, num_seqs, q.device)
     _check_layer_features(sliding_window, logit_softcap)
-    chosen = _backend_for(q.device, backend, sliding_window, logit_softcap)
+    chosen = _backend_for(q.device, backend, sliding_window, logit_softcap, q.dtype, k_cache.dtype)
     if chosen == "triton":
         from kernels.triton_attention import decode_attention_triton
 
@@ -93,7 +94,7 @@ def prefill_attention(
     if max_query_len is not None and max_query_len > q.shape[0]:
         raise ValueError(f"max_query_len {max_query_len} > num_tokens {q.shape[0]}")
     _check_layer_features(sliding_window, logit_softcap)
-    chosen = _backend_for(q.device, backend, sliding_window, logit_softcap)
+    chosen = _backend_for(q.device, backend, sliding_window, logit_softcap, q.dtype, k_cache.dtype)
     if chosen == "triton":
         from kernels.triton_attention import prefill_attention_triton
 
@@ -127,7 +128,7 @@ def attention_with_kv_write(
     caches that are not contiguous): the caller then makes the separate calls."""
     if q.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
-    if _backend_for(q.device, None, sliding_window, logit_softcap) != "native":
+    if _backend_for(q.device, None, sliding_window, logit_softcap, q.dtype, k_cache.dtype) != "native":
         return None
     _check_layer_features(sliding_window, logit_softcap)
     return attention_with_kv_write_native(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start_loc,
@@ -142,15 +143,16 @@ def _check_layer_features(sliding_window: int | None, logit_softcap: float | Non
 
 
 def _backend_for(device: torch.device, backend: str | None, sliding_window: int | None,
-                 logit_softcap: float | None) -> str:
-    """The backend for one call: CPU takes the native kernel unless told otherwise, and
-    features the Triton kernels lack send a CUDA call to torch."""
+                 logit_softcap: float | None, dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
+    """The backend for one call: CPU takes the native kernel unless told otherwise (or its
+    build lacks the call's dtypes), and features the Triton kernels lack send a CUDA call to torch."""
     needs_torch = sliding_window is not None or logit_softcap is not None
     if needs_torch and backend == "triton":
         raise ValueError("the Triton attention kernels implement neither sliding windows nor logit soft-capping; "
                          "use backend='torch', 'native' or None for such layers")
     if backend is None and device.type == "cpu":
-        return cpu_attention_backend()
+        chosen = cpu_attention_backend()
+        return "torch" if chosen == "native" and not native_attention_serves(dtype, cache_dtype) else chosen
     if backend is None and needs_torch:
         return "torch"
     return select_backend(device, backend)

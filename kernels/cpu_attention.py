@@ -11,9 +11,12 @@ PDSERVE_CPU_ATTENTION picks the CPU path: auto (default: native when it builds),
 native (fail loudly if it cannot build) or torch.
 
 The library unrolls its loops for head dims 64, 128 and 256 (any other runs the generic
-loops). Each costs ~10 s of g++ on a cold start, so an engine names its models' head dims
-before the first load (prefer_head_dims) and the build unrolls those alone;
-PDSERVE_ATTENTION_HEAD_DIMS (`all`, or e.g. `64,128`) decides instead where set.
+loops) and has kernels for five (query, cache) dtype pairs: ~10 s of g++ each head dim and
+~3-4 s each pair on a cold start. So an engine names its models' head dims and its dtype pair
+before the first load (prefer_build) and the build holds those alone; a pair it lacks takes
+the torch path (native_attention_serves). PDSERVE_ATTENTION_HEAD_DIMS (`all`, or e.g.
+`64,128`) and PDSERVE_ATTENTION_DTYPES (`all`, or e.g. `bfloat16,float32/fp8`) decide instead
+where set.
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 
@@ -32,12 +36,11 @@ log = logging.getLogger(__name__)
 CPU_ATTENTION_MODES = ("auto", "native", "torch")
 SPECIALISED_HEAD_DIMS = (64, 128, 256)  # the head dims paged_attention.cpp can unroll its loops for
 HEAD_DIMS_ENV = "PDSERVE_ATTENTION_HEAD_DIMS"
-
-# The head dims the engines of this process named before the library loaded, and the dims its
-# build unrolls (None until the first load fixes them: one process holds one build).
-_head_dims_lock = threading.Lock()
-_preferred_head_dims: set[int] = set()
-_built_head_dims: tuple[int, ...] | None = None
+# The (query, cache) dtype pairs it has kernels for, and each one's macro.
+DTYPE_PAIRS = {"float32": "F32", "float32/fp8": "F32_FP8", "bfloat16": "BF16", "bfloat16/fp8": "BF16_FP8",
+               "float16": "F16"}
+DTYPES_ENV = "PDSERVE_ATTENTION_DTYPES"
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _assume_constant_result(fn):
@@ -48,63 +51,117 @@ def _assume_constant_result(fn):
     return fn
 
 
-def prefer_head_dims(head_dims: Iterable[int]) -> None:
-    """The head dims of the models this process serves, named before the library loads so
-    that its build unrolls their loops alone. Named after the load, a dim the build lacks
-    is logged: its model runs the generic loops (the same function, slower)."""
-    dims = {int(d) for d in head_dims}
-    with _head_dims_lock:
-        if _built_head_dims is None:
-            _preferred_head_dims.update(dims)
+class BuildChoice(NamedTuple):
+    """What a build of the library holds: loops unrolled for these head dims (the rest run
+    the generic loops) and kernels for these dtype pairs (the rest go to the torch path)."""
+    head_dims: tuple[int, ...]
+    dtype_pairs: tuple[str, ...]
+
+
+ALL = BuildChoice(SPECIALISED_HEAD_DIMS, tuple(DTYPE_PAIRS))
+
+# What the engines of this process named before the library loaded, and the build it
+# loaded (None until the first load fixes it: one process holds one build).
+_choice_lock = threading.Lock()
+_preferred_head_dims: set[int] = set()
+_preferred_dtype_pairs: set[str] = set()
+_chosen: BuildChoice | None = None
+
+
+def dtype_pair(dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
+    """The pair's name: the query dtype's, with /fp8 for caches of fp8 codes."""
+    name = str(dtype).removeprefix("torch.")
+    return f"{name}/fp8" if cache_dtype in _FP8_DTYPES else name
+
+
+def prefer_build(head_dims: Iterable[int], dtype_pairs: Iterable[str]) -> None:
+    """The head dims and dtype pairs of the models this process serves, named before the
+    library loads so that its build holds those alone. Named after the load, what the build
+    lacks is logged: a head dim runs the generic loops, a dtype pair the torch path."""
+    head_dims, dtype_pairs = {int(d) for d in head_dims}, set(dtype_pairs)
+    with _choice_lock:
+        if _chosen is None:
+            _preferred_head_dims.update(head_dims)
+            _preferred_dtype_pairs.update(dtype_pairs)
             return
-        missing = sorted(d for d in dims if d in SPECIALISED_HEAD_DIMS and d not in _built_head_dims)
-    if missing:
+        chosen = _chosen
+    missing_dims = sorted(d for d in head_dims if d in SPECIALISED_HEAD_DIMS and d not in chosen.head_dims)
+    if missing_dims:
         log.info("native CPU attention was built before head_dim %s was named: those run its generic loops "
-                 "(%s=all builds every one)", ", ".join(map(str, missing)), HEAD_DIMS_ENV)
+                 "(%s=all builds every one)", ", ".join(map(str, missing_dims)), HEAD_DIMS_ENV)
+    missing_pairs = sorted(pair for pair in dtype_pairs if pair in DTYPE_PAIRS and pair not in chosen.dtype_pairs)
+    if missing_pairs:
+        log.warning("native CPU attention was built before %s was named: those take the torch path "
+                    "(%s=all builds every pair)", ", ".join(missing_pairs), DTYPES_ENV)
 
 
-def chosen_head_dims() -> tuple[int, ...]:
-    """The head dims the library is (to be) built for: PDSERVE_ATTENTION_HEAD_DIMS where set,
-    else the preferred ones, else all; fixed by the first call."""
-    global _built_head_dims
-    with _head_dims_lock:
-        if _built_head_dims is None:
-            _built_head_dims = _parse_head_dims(os.environ.get(HEAD_DIMS_ENV, ""), _preferred_head_dims)
-        return _built_head_dims
+def chosen_build() -> BuildChoice:
+    """The build the library is (to be) loaded as: PDSERVE_ATTENTION_HEAD_DIMS and
+    PDSERVE_ATTENTION_DTYPES where set, else what was preferred, else all; fixed by the first call."""
+    global _chosen
+    with _choice_lock:
+        if _chosen is None:
+            _chosen = BuildChoice(
+                _parse_choice(HEAD_DIMS_ENV, _preferred_head_dims, SPECIALISED_HEAD_DIMS, int),
+                _parse_choice(DTYPES_ENV, _preferred_dtype_pairs, tuple(DTYPE_PAIRS), str))
+        return _chosen
 
 
-def _parse_head_dims(value: str, preferred: set[int]) -> tuple[int, ...]:
-    value = value.strip().lower()
+def _parse_choice(env: str, preferred: set, known: tuple, parse_item: Callable) -> tuple:
+    """env's value (`all`, or a comma-separated list of known items), else the preferred
+    items the kernel knows (an empty list where it knows none), else all of them."""
+    value = os.environ.get(env, "").strip().lower()
     if value == "all" or (not value and not preferred):
-        return SPECIALISED_HEAD_DIMS
+        return known
     if not value:
-        return tuple(d for d in SPECIALISED_HEAD_DIMS if d in preferred)
+        return tuple(item for item in known if item in preferred)
     try:
-        dims = {int(part) for part in value.split(",") if part.strip()}
+        items = {parse_item(part.strip()) for part in value.split(",") if part.strip()}
     except ValueError:
-        dims = {-1}
-    unknown = sorted(dims - set(SPECIALISED_HEAD_DIMS))
-    if unknown:
-        raise ValueError(f"{HEAD_DIMS_ENV} must be 'all' or a comma-separated list of "
-                         f"{', '.join(map(str, SPECIALISED_HEAD_DIMS))}, got {value!r}")
-    return tuple(sorted(dims))
+        items = {None}
+    if not items <= set(known):
+        raise ValueError(f"{env} must be 'all' or a comma-separated list of {', '.join(map(str, known))}, "
+                         f"got {value!r}")
+    return tuple(item for item in known if item in items)
+
+
+def _build_defines(choice: BuildChoice) -> tuple[str, ...]:
+    defines = []
+    if choice.head_dims != ALL.head_dims:
+        defines += ["PDSERVE_ATTENTION_HEAD_DIMS_NAMED", *[f"PDSERVE_ATTENTION_HD{d}" for d in choice.head_dims]]
+    if choice.dtype_pairs != ALL.dtype_pairs:
+        defines += ["PDSERVE_ATTENTION_DTYPES_NAMED", *[f"PDSERVE_ATTENTION_{DTYPE_PAIRS[p]}" for p in choice.dtype_pairs]]
+    return tuple(defines)
 
 
 @functools.cache
 def native_attention_error() -> str | None:
     """None once the op is loaded in this process, else why it cannot be (built once)."""
-    head_dims = chosen_head_dims()
-    defines = () if head_dims == SPECIALISED_HEAD_DIMS else (
-        "PDSERVE_ATTENTION_HEAD_DIMS_NAMED", *[f"PDSERVE_ATTENTION_HD{d}" for d in head_dims])
     error = load_ops("paged_attention", {"pdserve_cpu::paged_attention": _paged_attention_fake,
                                          "pdserve_cpu::paged_attention_with_kv_write": _with_kv_write_fake,
-                                         "pdserve_cpu::layer_attention": _layer_attention_fake}, defines)
+                                         "pdserve_cpu::layer_attention": _layer_attention_fake},
+                     _build_defines(chosen_build()))
     if error is not None:
         log.warning("native CPU paged attention unavailable, using the torch path: %s", error)
     else:
-        log.info("native CPU attention: loops unrolled for head_dim %s; others run the generic loops",
-                 ", ".join(map(str, torch.ops.pdserve_cpu.specialised_head_dims())) or "none")
+        log.info("native CPU attention: loops unrolled for head_dim %s (others run the generic loops); "
+                 "kernels for %s queries (others take the torch path)",
+                 ", ".join(map(str, torch.ops.pdserve_cpu.specialised_head_dims())) or "none",
+                 ", ".join(loaded_dtype_pairs()) or "no")
     return error
+
+
+@functools.cache
+def loaded_dtype_pairs() -> tuple[str, ...]:
+    """The dtype pairs the loaded library has kernels for."""
+    return tuple(torch.ops.pdserve_cpu.dtype_pairs())
+
+
+@_assume_constant_result  # torch.compile: decided once while tracing, not traced into
+def native_attention_serves(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the native kernels take queries of dtype over caches of cache_dtype here
+    (the library loaded, with that pair)."""
+    return native_attention_available() and dtype_pair(dtype, cache_dtype) in loaded_dtype_pairs()
 
 
 @_assume_constant_result

@@ -14,10 +14,12 @@ os.environ.setdefault("PDSERVE_DTYPE", "float32")
 # Compiling costs a minute per engine on two cores: engines run eagerly unless a test
 # of the compiled path turns it back on.
 os.environ.setdefault("PDSERVE_ENFORCE_EAGER", "1")
-# The native attention unrolls its loops for every head dim it can, whatever models a test
-# process loads: one build of it for the whole suite, every unrolled path under test
-# (engines otherwise build for their models' head dims: tests/unit/kernels/test_cpu_attention_head_dims.py).
+# The native attention unrolls its loops for every head dim it can and holds every dtype
+# pair, whatever models a test process loads: one build of it for the whole suite, every
+# path under test (engines otherwise build for their models' head dims and dtypes:
+# tests/unit/kernels/test_cpu_attention_head_dims.py).
 os.environ.setdefault("PDSERVE_ATTENTION_HEAD_DIMS", "all")
+os.environ.setdefault("PDSERVE_ATTENTION_DTYPES", "all")
 
 # On a pytest-xdist worker (scripts/test.sh runs the unit tests on two): one torch thread
 # each. Two workers' OpenMP pools of two threads on two cores spin against each other

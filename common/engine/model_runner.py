@@ -37,7 +37,7 @@ from common.engine.sampler import Sampler
 from common.engine.spec_decode.draft_model_proposer import draft_model_config
 from common.engine.spec_decode.proposer import DraftProposer, make_proposer
 from common.engine.spec_decode.verification import accept_drafts, expand_verification_rows
-from kernels.cpu_attention import prefer_head_dims
+from kernels.cpu_attention import dtype_pair, prefer_build
 from kernels.huge_pages import zeros_on_huge_pages
 
 logger = logging.getLogger(__name__)
@@ -176,7 +176,8 @@ class ModelRunner:
         self.kv_cache_dtype = select_kv_cache_dtype(kv_cache_dtype, self.dtype, self.device)
         self.block_size = block_size
         if self.device.type == "cpu":  # before anything loads the attention library
-            prefer_head_dims(attention_head_dims(model_config, speculative_config))
+            prefer_build(attention_head_dims(model_config, speculative_config),
+                         [dtype_pair(self.dtype, self.kv_cache_dtype)])
         self.model = load_model(model_config, model_dir, self.device, self.dtype, quantization)
         # The forward pass as run each step: compiled unless enforce_eager (the model
         # itself stays eager for a draft that runs part of it). Ranks of a parallel run

@@ -46,6 +46,7 @@ from common.engine.models.parallel_layers import VocabParallelEmbedding
 from common.engine.models.prepacked_linear import PrepackedLinear
 from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.q4_1_linear import Q4_1Linear
+from kernels.cpu_attention import dtype_pair, native_attention_serves
 from kernels.cpu_decode import (LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0, TokenLogprobs,
                                 TokenHistory, TokenSampling, decode_layers,
                                 decode_model_head_outputs, decode_model_max_head_tokens,
@@ -180,6 +181,11 @@ class NativeDecodeLoop:
             loop = cls(model, kv_caches, num_layers)
         except Unsupported as e:
             logger.info("%s steps stay on the model: %s", role, e)
+            return None
+        dtype, cache_dtype = model.embed_tokens.weight.dtype, kv_caches[0][0].dtype  # a whole model: it has both
+        if not native_attention_serves(dtype, cache_dtype):
+            logger.info("%s steps stay on the model: the native attention has no kernel for %s here", role,
+                        dtype_pair(dtype, cache_dtype))
             return None
         if loop.in_regions:
             logger.info("%s-only steps run in the native loop (kernels/cpu/decode_layers.cpp), "

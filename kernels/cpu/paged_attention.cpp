@@ -23,6 +23,7 @@
 #include <initializer_list>
 #include <limits>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -35,6 +36,17 @@
 #define PDSERVE_ATTENTION_HD64
 #define PDSERVE_ATTENTION_HD128
 #define PDSERVE_ATTENTION_HD256
+#endif
+// Likewise the (query, cache) dtype pairs: fp32 and bf16 queries over their own dtype
+// (F32, BF16) or fp8 codes (F32_FP8, BF16_FP8), fp16 over fp16 (F16). A call of a pair the
+// build lacks raises; the Python callers send it to the torch path instead
+// (kernels/cpu_attention.py: native_attention_serves).
+#ifndef PDSERVE_ATTENTION_DTYPES_NAMED
+#define PDSERVE_ATTENTION_F32
+#define PDSERVE_ATTENTION_F32_FP8
+#define PDSERVE_ATTENTION_BF16
+#define PDSERVE_ATTENTION_BF16_FP8
+#define PDSERVE_ATTENTION_F16
 #endif
 
 #include "attention_amx.h"
@@ -1054,27 +1066,61 @@ void claim_work(const CallPlan& plan, std::atomic<int64_t>& next) {
   }
 }
 
+// Whether this build holds the kernels of dtype queries over caches of their own dtype
+// (fp8: false) or of fp8 codes (true).
+constexpr bool has_pair(at::ScalarType dtype, bool fp8) {
+  bool f32 = false, f32_fp8 = false, bf16 = false, bf16_fp8 = false, f16 = false;
+#ifdef PDSERVE_ATTENTION_F32
+  f32 = true;
+#endif
+#ifdef PDSERVE_ATTENTION_F32_FP8
+  f32_fp8 = true;
+#endif
+#ifdef PDSERVE_ATTENTION_BF16
+  bf16 = true;
+#endif
+#ifdef PDSERVE_ATTENTION_BF16_FP8
+  bf16_fp8 = true;
+#endif
+#ifdef PDSERVE_ATTENTION_F16
+  f16 = true;
+#endif
+  if (dtype == at::kFloat) return fp8 ? f32_fp8 : f32;
+  if (dtype == at::kBFloat16) return fp8 ? bf16_fp8 : bf16;
+  return !fp8 && f16;
+}
+
 // f(T{}, C{}) for the call's dtype T and its cache's C: T's own, or fp8 codes for float32
 // and bfloat16 (checked by plan_call).
 template <typename F>
 void with_dtypes(at::ScalarType dtype, at::ScalarType cache_dtype, F&& f) {
-  auto with_cache = [&](auto dtype_tag) {
-    using T = decltype(dtype_tag);
-    if constexpr (std::is_same_v<T, c10::Half>) {
-      f(T{}, T{});
-    } else {
-      switch (cache_dtype) {
-        case at::kFloat8_e4m3fn: f(T{}, c10::Float8_e4m3fn{}); break;
-        case at::kFloat8_e5m2: f(T{}, c10::Float8_e5m2{}); break;
-        default: f(T{}, T{}); break;
+  bool done = false;
+  // Only the pairs has_pair names are instantiated: the rest are never compiled.
+  auto with_cache = [&]<typename T, bool kOwn, bool kFp8>() {
+    if (is_fp8(cache_dtype)) {
+      if constexpr (kFp8) {
+        if (cache_dtype == at::kFloat8_e4m3fn) f(T{}, c10::Float8_e4m3fn{});
+        else f(T{}, c10::Float8_e5m2{});
+        done = true;
       }
+    } else if constexpr (kOwn) {
+      f(T{}, T{});
+      done = true;
     }
   };
   switch (dtype) {
-    case at::kFloat: with_cache(float{}); break;
-    case at::kBFloat16: with_cache(c10::BFloat16{}); break;
-    default: with_cache(c10::Half{}); break;
+    case at::kFloat:
+      with_cache.template operator()<float, has_pair(at::kFloat, false), has_pair(at::kFloat, true)>();
+      break;
+    case at::kBFloat16:
+      with_cache.template operator()<c10::BFloat16, has_pair(at::kBFloat16, false), has_pair(at::kBFloat16, true)>();
+      break;
+    default:
+      with_cache.template operator()<c10::Half, has_pair(at::kHalf, false), false>();
+      break;
   }
+  PDSERVE_CHECK_VALUE(done, "this build of the native CPU attention has no kernel for ", dtype, " queries over ",
+                      cache_dtype, " caches (PDSERVE_ATTENTION_DTYPES=all builds every pair)");
 }
 
 at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q_heads, head_dim]
@@ -1193,6 +1239,10 @@ TeamAttention* team_begin(const at::Tensor& q, const at::Tensor& k, const at::Te
                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
                           int64_t sliding_window, int64_t num_threads) {
   check_kv_write(k, v, k_cache, v_cache, slot_mapping);
+  // Here, not where with_dtypes would raise: inside the caller's parallel region.
+  PDSERVE_CHECK_VALUE(has_pair(q.scalar_type(), is_fp8(k_cache.scalar_type())),
+                      "this build of the native CPU attention has no kernel for ", q.scalar_type(), " queries over ",
+                      k_cache.scalar_type(), " caches (PDSERVE_ATTENTION_DTYPES=all builds every pair)");
   auto team = std::make_unique<TeamAttention>();
   team->plan = plan_call(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, 0.0,
                          num_threads);
@@ -1296,7 +1346,8 @@ bool has_step() { return current_step.has_value(); }
 at::Tensor layer_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, double scale, const at::Tensor& layer_idx,
                            std::optional<int64_t> sliding_window, std::optional<double> logit_softcap) {
-  if (current_step.has_value() && k_cache.is_contiguous() && v_cache.is_contiguous()) {
+  if (current_step.has_value() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+      has_pair(q.scalar_type(), is_fp8(k_cache.scalar_type()))) {
     PDSERVE_CHECK_VALUE(!sliding_window.has_value() || *sliding_window >= 1,
                         "sliding_window must be a positive number of positions, got ", *sliding_window);
     PDSERVE_CHECK_VALUE(!logit_softcap.has_value() || *logit_softcap > 0, "logit_softcap must be positive, got ",
@@ -1332,8 +1383,21 @@ std::vector<int64_t> specialised_head_dims() {
   return dims;
 }
 
+// The (query, cache) dtype pairs this build holds kernels for: float32, float32/fp8,
+// bfloat16, bfloat16/fp8, float16.
+std::vector<std::string> dtype_pairs() {
+  std::vector<std::string> pairs;
+  if (has_pair(at::kFloat, false)) pairs.push_back("float32");
+  if (has_pair(at::kFloat, true)) pairs.push_back("float32/fp8");
+  if (has_pair(at::kBFloat16, false)) pairs.push_back("bfloat16");
+  if (has_pair(at::kBFloat16, true)) pairs.push_back("bfloat16/fp8");
+  if (has_pair(at::kHalf, false)) pairs.push_back("float16");
+  return pairs;
+}
+
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("specialised_head_dims() -> int[]", &specialised_head_dims);
+  m.def("dtype_pairs() -> str[]", &dtype_pairs);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, float scale, int sliding_window, float logit_softcap) -> Tensor");
   m.def("paged_attention_with_kv_write(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, "
