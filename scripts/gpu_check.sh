@@ -10,7 +10,7 @@
 #   graphs    the CUDA-graph tests (decode steps replayed from captured graphs),
 #   parity    greedy parity with Hugging Face on the GPU (fp32, bundled model, eager),
 #   offline   the offline benchmark in bf16: compiled with CUDA graphs (beside Hugging Face on
-#             the same GPU), compiled without graphs, eager, and with an fp8 KV cache,
+#             the same GPU), compiled without graphs, eager, and with an fp8 KV cache
 #             (each arm is also a step of its own: offline-compiled, offline-no-graphs,
 #             offline-eager, offline-kv-fp8),
 #   spec      `bench spec` in bf16 (n-gram and early-exit drafts against none, one stream and

@@ -44,7 +44,7 @@ CXX_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++20", "-shared", "-fP
              "-w", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
 BUILD_TIMEOUT_S = 600
 # Per library: enough for the builds one machine uses side by side (native; the AVX2 and
-# baseline builds the tests take; attention's head-dim choices) with two torch versions or
+# baseline builds the tests take; attention's head-dim and dtype choices) with two torch versions or
 # sources (a release and a checkout); an older one that is still wanted is rebuilt, never lost.
 KEEP_BUILDS = 8
 
