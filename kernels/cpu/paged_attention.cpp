@@ -1092,20 +1092,24 @@ constexpr bool has_pair(at::ScalarType dtype, bool fp8) {
 
 // f(T{}, C{}) for the call's dtype T and its cache's C: T's own, or fp8 codes for float32
 // and bfloat16 (checked by plan_call).
+// Raises where this build has no kernel for dtype queries over cache_dtype caches.
+void check_has_pair(at::ScalarType dtype, at::ScalarType cache_dtype) {
+  PDSERVE_CHECK_VALUE(has_pair(dtype, is_fp8(cache_dtype)), "this build of the native CPU attention has no kernel for ",
+                      dtype, " queries over ", cache_dtype, " caches (PDSERVE_ATTENTION_DTYPES=all builds every pair)");
+}
+
 template <typename F>
 void with_dtypes(at::ScalarType dtype, at::ScalarType cache_dtype, F&& f) {
-  bool done = false;
+  check_has_pair(dtype, cache_dtype);
   // Only the pairs has_pair names are instantiated: the rest are never compiled.
   auto with_cache = [&]<typename T, bool kOwn, bool kFp8>() {
     if (is_fp8(cache_dtype)) {
       if constexpr (kFp8) {
         if (cache_dtype == at::kFloat8_e4m3fn) f(T{}, c10::Float8_e4m3fn{});
         else f(T{}, c10::Float8_e5m2{});
-        done = true;
       }
     } else if constexpr (kOwn) {
       f(T{}, T{});
-      done = true;
     }
   };
   switch (dtype) {
@@ -1119,8 +1123,6 @@ void with_dtypes(at::ScalarType dtype, at::ScalarType cache_dtype, F&& f) {
       with_cache.template operator()<c10::Half, has_pair(at::kHalf, false), false>();
       break;
   }
-  PDSERVE_CHECK_VALUE(done, "this build of the native CPU attention has no kernel for ", dtype, " queries over ",
-                      cache_dtype, " caches (PDSERVE_ATTENTION_DTYPES=all builds every pair)");
 }
 
 at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q_heads, head_dim]
@@ -1239,10 +1241,7 @@ TeamAttention* team_begin(const at::Tensor& q, const at::Tensor& k, const at::Te
                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
                           int64_t sliding_window, int64_t num_threads) {
   check_kv_write(k, v, k_cache, v_cache, slot_mapping);
-  // Here, not where with_dtypes would raise: inside the caller's parallel region.
-  PDSERVE_CHECK_VALUE(has_pair(q.scalar_type(), is_fp8(k_cache.scalar_type())),
-                      "this build of the native CPU attention has no kernel for ", q.scalar_type(), " queries over ",
-                      k_cache.scalar_type(), " caches (PDSERVE_ATTENTION_DTYPES=all builds every pair)");
+  check_has_pair(q.scalar_type(), k_cache.scalar_type());  // here, not inside the caller's parallel region
   auto team = std::make_unique<TeamAttention>();
   team->plan = plan_call(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, 0.0,
                          num_threads);
