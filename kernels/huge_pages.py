@@ -1,20 +1,26 @@
 """CPU tensors in memory that Linux backs with 2 MiB pages (transparent huge pages).
 
-A decode step streams every weight once and attention reads KV blocks scattered over the
-pool; with 4 KiB pages each 4 KiB costs a TLB miss and a page walk. On the 2-core Zen 4
-EPYC the bf16 GEMV over SmolLM2's 30 layers (212 MB) took 8.9 ms a pass (median) from
-ordinary memory and 7.5 ms from huge pages. Most systems run THP in "madvise" mode, where
-only memory advised with MADV_HUGEPAGE gets them, and torch's allocator advises none
-(unless THP_MEM_ALLOC_ENABLE is set before its first allocation).
+A decode step streams every weight once; with 4 KiB pages each 4 KiB costs a TLB miss
+and a page walk. On the 2-core Zen 4 EPYC the bf16 GEMV over SmolLM2's 30 layers (212 MB)
+took 8.9 ms a pass (median) from ordinary memory and 7.5 ms from huge pages. Most systems
+run THP in "madvise" mode, where only memory advised with MADV_HUGEPAGE gets them, and
+torch's allocator advises none (unless THP_MEM_ALLOC_ENABLE is set before its first
+allocation).
 
-`on_huge_pages(t)` copies a tensor into such memory, `zeros_on_huge_pages` and
-`empty_on_huge_pages` (for a caller that writes it whole) allocate there: small tensors
-share 32 MiB chunks (64-byte aligned pieces, each tensor with a storage of its own; a chunk
-lives while any of its tensors does), large ones get their own region; every region starts
-on a 2 MiB boundary. Where THP is off ("never"), outside Linux, or with
-PDSERVE_HUGE_PAGES=0, they return ordinary tensors. Memory is never handed
-out twice, so a copy costs only its own bytes; pages of a chunk that nothing touched are
-not resident.
+The KV cache stays in ordinary memory (common/engine/model_runner.py: allocate_paged_kv):
+huge pages gained attention over it at most 5%, and on a VM whose host backs guest memory
+only when first touched each fresh huge page takes milliseconds to fault in (1 GiB: 7.2 s
+on the Zen 4 EPYC's VM, 0.13 s for the same pages reused in the process, 0.66 s on 4 KiB
+pages): worth paying once a start for the weights a decode step streams, not for a pool
+of a GiB.
+
+`on_huge_pages(t)` copies a tensor into such memory, `empty_on_huge_pages` (for a caller
+that writes it whole) allocates there: small tensors share 32 MiB chunks (64-byte aligned
+pieces, each tensor with a storage of its own; a chunk lives while any of its tensors
+does), large ones get their own region; every region starts on a 2 MiB boundary. Where THP
+is off ("never"), outside Linux, or with PDSERVE_HUGE_PAGES=0, they return ordinary
+tensors. Memory is never handed out twice, so a copy costs only its own bytes; pages of a
+chunk that nothing touched are not resident.
 """
 from __future__ import annotations
 
@@ -105,16 +111,6 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     whole (its pages fault in as it writes); else an ordinary empty one."""
     tensor = _empty_on_huge_pages(shape, dtype)
     return torch.empty(shape, dtype=dtype) if tensor is None else tensor
-
-
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed contiguous CPU tensor in huge-page memory where available."""
-    tensor = _empty_on_huge_pages(shape, dtype)
-    if tensor is None:
-        return torch.zeros(shape, dtype=dtype)
-    # Fresh memory reads as zero already; writing it faults its pages in now, as
-    # torch.zeros does, rather than during the first steps that touch them.
-    return tensor.zero_()
 
 
 def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,6 @@
-"""kernels/huge_pages.py: copies and zeroed tensors in memory advised to huge pages (where
+"""kernels/huge_pages.py: copies and empty tensors in memory advised to huge pages (where
 the kernel offers them), sharing chunks when small, returned to the system when their
-tensors go; ordinary tensors when turned off. The engine's GEMV weights and KV cache live
-there."""
+tensors go; ordinary tensors when turned off. The engine's GEMV weights live there."""
 from __future__ import annotations
 
 import gc
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 from kernels import huge_pages
-from kernels.huge_pages import CHUNK_BYTES, huge_pages_available, on_huge_pages, zeros_on_huge_pages
+from kernels.huge_pages import CHUNK_BYTES, empty_on_huge_pages, huge_pages_available, on_huge_pages
 from tests.support.memory_maps import mapping_of
 
 
@@ -46,20 +45,19 @@ def test_small_tensors_share_a_chunk_at_aligned_offsets():
 
 @needs_huge_pages
 def test_each_tensor_has_a_storage_of_its_own():
-    # A chunk's tensors are not views of one another: a compiled graph taking the KV caches
-    # of all layers (which it writes) must not see them alias, or it cannot trace the
-    # one-layer-for-all subgraph (tests/unit/common/engine/test_compilation.py).
-    caches = [zeros_on_huge_pages((4, 16, 2, 8), torch.bfloat16) for _ in range(4)]
-    assert len({mapping_of(cache)["range"] for cache in caches}) == 1
-    assert all(cache._base is None and cache.storage_offset() == 0 for cache in caches)
-    assert len({cache.untyped_storage().data_ptr() for cache in caches}) == len(caches)
-    caches[0].fill_(1)
-    assert not any(cache.any() for cache in caches[1:])
+    # A chunk's tensors are not views of one another: a compiled graph taking several of
+    # them as inputs must not see them alias, or it adds alias analysis and guards for them.
+    pieces = [on_huge_pages(torch.zeros(4, 16, 2, 8, dtype=torch.bfloat16)) for _ in range(4)]
+    assert len({mapping_of(piece)["range"] for piece in pieces}) == 1
+    assert all(piece._base is None and piece.storage_offset() == 0 for piece in pieces)
+    assert len({piece.untyped_storage().data_ptr() for piece in pieces}) == len(pieces)
+    pieces[0].fill_(1)
+    assert not any(piece.any() for piece in pieces[1:])
 
 
 @needs_huge_pages
 def test_a_region_is_unmapped_when_its_tensors_go():
-    tensor = zeros_on_huge_pages((CHUNK_BYTES,), torch.uint8)
+    tensor = empty_on_huge_pages((CHUNK_BYTES,), torch.uint8)
     view = tensor[10:20]
     address = tensor.data_ptr()
     del tensor
@@ -72,10 +70,9 @@ def test_a_region_is_unmapped_when_its_tensors_go():
     assert not any(start <= address < end for start, end in ranges)
 
 
-def test_zeros_are_zero():
-    zeros = zeros_on_huge_pages((3, 4, 5), torch.bfloat16)
-    assert zeros.shape == (3, 4, 5) and zeros.dtype == torch.bfloat16 and zeros.is_contiguous()
-    assert not zeros.any()
+def test_an_empty_tensor_has_the_shape_and_dtype_asked():
+    empty = empty_on_huge_pages((3, 4, 5), torch.bfloat16)
+    assert empty.shape == (3, 4, 5) and empty.dtype == torch.bfloat16 and empty.is_contiguous()
 
 
 def test_turned_off_they_are_ordinary_tensors(monkeypatch):
@@ -93,8 +90,8 @@ def test_turned_off_they_are_ordinary_tensors(monkeypatch):
         source = torch.randn(CHUNK_BYTES // 4)
         copy = on_huge_pages(source)
         assert torch.equal(copy, source) and copy.data_ptr() != source.data_ptr()
-        assert not zeros_on_huge_pages((CHUNK_BYTES,), torch.uint8).any()
-        assert not zeros_on_huge_pages((8,), torch.float32).any()
+        assert empty_on_huge_pages((CHUNK_BYTES,), torch.uint8).shape == (CHUNK_BYTES,)
+        assert empty_on_huge_pages((8,), torch.float32).dtype == torch.float32
     finally:
         monkeypatch.undo()
         huge_pages_available.cache_clear()

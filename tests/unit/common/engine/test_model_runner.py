@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from common.engine.llm import LLM
-from common.engine.model_runner import PREFILL_THREADS_MIN_TOKENS, step_num_threads
+from common.engine.config import ModelConfig
+from common.engine.model_files import load_hf_config
+from common.engine.model_runner import PREFILL_THREADS_MIN_TOKENS, allocate_paged_kv, step_num_threads
 from common.engine.outputs import ScheduledRequest, SchedulerOutput
 from common.engine.sampling_params import SamplingParams
 
@@ -113,3 +115,16 @@ def test_a_step_verifying_drafts_lays_them_out_as_decode_rows(tiny_llama_dir):
     assert sample_indices.tolist() == [0, 1, 2, 3, 8]
     assert [r.req_id for r in sample_reqs] == ["v", "d", "p"]
     llm.engine.shutdown()
+
+
+def test_the_kv_pool_is_zeroed_and_each_layers_caches_are_their_own(tiny_llama_dir):
+    # Zeroed: attention reads whole blocks, and a NaN left in a masked slot would survive
+    # its zero weight. Unaliased: the compiled graph writes every layer's caches.
+    config = ModelConfig.from_hf_config(load_hf_config(tiny_llama_dir))
+    caches = allocate_paged_kv(config, 8, 16, torch.bfloat16, torch.device("cpu"))
+    assert len(caches) == config.num_hidden_layers
+    tensors = [cache for pair in caches for cache in pair]
+    for cache in tensors:
+        assert cache.shape == (8, 16, config.num_key_value_heads, config.head_dim)
+        assert cache.dtype == torch.bfloat16 and cache.is_contiguous() and not cache.any()
+    assert len({cache.untyped_storage().data_ptr() for cache in tensors}) == len(tensors)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from common.engine.config import ModelConfig
 from common.engine.model_files import load_hf_config
-from common.engine.model_runner import allocate_paged_kv, load_model
+from common.engine.model_runner import load_model
 from common.engine.models import prepacked_linear
 from common.engine.models.prepacked_linear import PrepackedLinear, prepack_linears, prepacking_available
 from kernels.cpu_linear import native_gemv_available
@@ -146,8 +146,9 @@ def test_nothing_is_packed_where_onednn_cannot(monkeypatch, tiny_llama_dir):
 
 
 @pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages here")
-def test_what_decode_steps_stream_lives_on_huge_pages(tiny_llama_dir):
-    # The GEMV's row-major copies, column panels and the KV cache: a decode step reads them whole.
+def test_what_decode_steps_stream_lives_on_huge_pages():
+    # The GEMV's row-major copies and column panels: a decode step reads them whole. (The KV
+    # cache is not there: kernels/huge_pages.py says why.)
     layer = PrepackedLinear(torch.randn(96, 64), None)
     if layer._row_major is None and layer._panels is None:
         pytest.skip("no native GEMV here: no decode copy")
@@ -157,7 +158,3 @@ def test_what_decode_steps_stream_lives_on_huge_pages(tiny_llama_dir):
         bf16_layer = PrepackedLinear(torch.randn(96, 64, dtype=torch.bfloat16), None)
         for decode_copy in (bf16_layer._row_major, bf16_layer._panels):  # one of them, by the CPU
             assert decode_copy is None or mapping_of(decode_copy)["THPeligible"] == "1"
-    config = ModelConfig.from_hf_config(load_hf_config(tiny_llama_dir))
-    for k_cache, v_cache in allocate_paged_kv(config, 8, 16, torch.float32, torch.device("cpu")):
-        assert mapping_of(k_cache)["THPeligible"] == "1" and mapping_of(v_cache)["THPeligible"] == "1"
-        assert not k_cache.any() and not v_cache.any()
