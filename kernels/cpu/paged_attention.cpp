@@ -1090,14 +1090,14 @@ constexpr bool has_pair(at::ScalarType dtype, bool fp8) {
   return !fp8 && f16;
 }
 
-// f(T{}, C{}) for the call's dtype T and its cache's C: T's own, or fp8 codes for float32
-// and bfloat16 (checked by plan_call).
 // Raises where this build has no kernel for dtype queries over cache_dtype caches.
 void check_has_pair(at::ScalarType dtype, at::ScalarType cache_dtype) {
   PDSERVE_CHECK_VALUE(has_pair(dtype, is_fp8(cache_dtype)), "this build of the native CPU attention has no kernel for ",
                       dtype, " queries over ", cache_dtype, " caches (PDSERVE_ATTENTION_DTYPES=all builds every pair)");
 }
 
+// f(T{}, C{}) for the call's dtype T and its cache's C: T's own, or fp8 codes for float32
+// and bfloat16 (checked by plan_call).
 template <typename F>
 void with_dtypes(at::ScalarType dtype, at::ScalarType cache_dtype, F&& f) {
   check_has_pair(dtype, cache_dtype);
