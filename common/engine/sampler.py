@@ -1,9 +1,10 @@
 """Turns one step's logits into token ids (and logprobs), like vLLM's V1 sampler.
 
-Order per row: penalties -> min_tokens mask -> logprobs -> temperature -> top_k ->
-top_p -> min_p -> draw. Logprobs are taken from the log_softmax of the penalised,
+Order per row: allowed_token_ids -> logit_bias -> penalties -> min_tokens mask ->
+logprobs -> temperature -> top_k -> top_p -> min_p -> draw (vLLM's order up to the
+logprobs). Logprobs are taken from the log_softmax of the biased, penalised,
 min_tokens-masked logits BEFORE temperature and truncation (vLLM's default
-"raw_logprobs" also ignores temperature; unlike it, ours include the penalties).
+"raw_logprobs" also ignores temperature; unlike it, ours include what changed the logits).
 
 The draw inverts each row's softmax CDF at one uniform number (exact, like
 torch.multinomial; kernels.cpu_sampling.draw_rows).
@@ -20,7 +21,8 @@ Greedy rows (temperature < 1e-5 or top_k == 1) take the argmax of the penalised,
 masked logits. A batch of greedy rows without penalties, logprobs or pending
 min_tokens is a single argmax.
 
-Rows with no grammar can be sampled inside the CPU's native decode loop (token_sampling):
+Rows with no grammar, logit_bias or allowed_token_ids can be sampled inside the CPU's native
+decode loop (token_sampling):
 the sampler draws their uniform numbers as it would step after step, and the loop
 penalizes and holds back stop tokens (token_history), truncates and draws with
 the same arithmetic and native passes, so the tokens are the ones this sampler gives; the
@@ -66,6 +68,10 @@ class Sampler:
         # Unique prompt token ids per request, for repetition penalties; a prompt never
         # changes, so it is turned into a tensor once rather than every step.
         self._prompt_id_tensors: dict[str, torch.Tensor] = {}
+        # A request's logit_bias as (token ids, biases) and allowed_token_ids, turned into
+        # tensors once for the same reason. [num_biased], [num_biased]; [num_allowed]
+        self._logit_bias_tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._allowed_id_tensors: dict[str, torch.Tensor] = {}
         # Whether the native loop samples every row it can (rows_in_loop; False: only those
         # that take their argmax and nothing more, the others sampled here from the logits its
         # head leaves; benchmarks compare the two).
@@ -83,6 +89,8 @@ class Sampler:
         for req_id in req_ids:
             self._request_generators.pop(req_id, None)
             self._prompt_id_tensors.pop(req_id, None)
+            self._logit_bias_tensors.pop(req_id, None)
+            self._allowed_id_tensors.pop(req_id, None)
 
     @staticmethod
     def only_argmax(requests: Sequence[ScheduledRequest]) -> bool:
@@ -97,13 +105,14 @@ class Sampler:
         it takes its argmax and nothing more (samples_argmax), or, while samples_in_loop is on,
         it is greedy, or drawn while the native sampling ops are on (not PDSERVE_CPU_ARGMAX=0),
         its penalties and stop tokens held back by min_tokens too (token_history). The others
-        this sampler samples, from the logits the loop's head leaves."""
+        (a logit_bias or allowed_token_ids among them) this sampler samples, from the logits
+        the loop's head leaves."""
         draws = native_argmax_available()
         in_loop = []
         for request in requests:
             params, num_output_tokens = request.sampling_params, len(request.output_token_ids)
             in_loop.append(params.samples_argmax(num_output_tokens)
-                           or (self.samples_in_loop and (params.is_greedy or draws)))
+                           or (self.samples_in_loop and not params.adjusts_logits and (params.is_greedy or draws)))
         return in_loop
 
     def token_sampling(self, requests: Sequence[ScheduledRequest], num_steps: int,
@@ -205,6 +214,7 @@ class Sampler:
 
         if not copied:
             logits = logits.to(torch.float32, copy=True)  # mutated below; the caller's is left alone
+        self._apply_allowed_token_ids_and_logit_bias(logits, requests)
         penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
         if penalty_rows:
             self._apply_penalties(logits, penalty_rows, requests)
@@ -226,6 +236,30 @@ class Sampler:
         logprobs = (self._gather_logprobs(logprob_logits, logprob_rows, sampled, params, num_seqs)
                     if logprob_rows else None)
         return SamplerOutput(sampled_token_ids, logprobs)
+
+    def _apply_allowed_token_ids_and_logit_bias(self, logits: torch.Tensor,
+                                                requests: Sequence[ScheduledRequest]) -> None:
+        """Every token but a row's allowed_token_ids to -inf, then its logit_bias added.
+        logits: [num_seqs, vocab_size] float32, mutated."""
+        for i, request in enumerate(requests):
+            params = request.sampling_params
+            if params.allowed_token_ids is not None:
+                allowed_ids = self._allowed_id_tensors.get(request.req_id)
+                if allowed_ids is None:
+                    allowed_ids = torch.tensor(params.allowed_token_ids, dtype=torch.long)
+                    self._allowed_id_tensors[request.req_id] = allowed_ids
+                allowed_ids = allowed_ids.to(logits.device)
+                kept = logits[i, allowed_ids]  # [num_allowed], a copy
+                logits[i].fill_(float("-inf"))
+                logits[i, allowed_ids] = kept
+            if params.logit_bias is not None:
+                biased = self._logit_bias_tensors.get(request.req_id)
+                if biased is None:
+                    biased = (torch.tensor(list(params.logit_bias), dtype=torch.long),
+                              torch.tensor(list(params.logit_bias.values()), dtype=torch.float32))
+                    self._logit_bias_tensors[request.req_id] = biased
+                token_ids, biases = (t.to(logits.device) for t in biased)
+                logits[i, token_ids] += biases  # the ids are distinct (a dict's keys)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[int],
                          requests: Sequence[ScheduledRequest]) -> None:
@@ -293,6 +327,8 @@ class Sampler:
             if len(r.output_token_ids) >= p.min_tokens or i in constrained_rows:
                 continue
             stop_ids = self._stop_ids(p, vocab_size)
+            if p.allowed_token_ids is not None and set(p.allowed_token_ids) <= set(stop_ids):
+                continue  # the same for an allowed set of stop tokens alone
             mask_rows += [i] * len(stop_ids)
             mask_ids += stop_ids
         if mask_rows:

@@ -28,6 +28,12 @@ MAX_LOGPROBS = 20  # cap on top-n logprobs per token; each one costs a topk over
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
+# logit_bias entries are added to each step's logits of the request; OpenAI's range of values.
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_ABS_LOGIT_BIAS = 100.0
+# allowed_token_ids may name most of a vocabulary (every token but a few); the largest
+# vocabularies served today are ~256k tokens.
+MAX_ALLOWED_TOKEN_IDS = 262_144
 MAX_SEED = 2**63 - 1
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows (vLLM's eps).
 SAMPLING_EPS = 1e-5
@@ -62,6 +68,11 @@ class SamplingParams:
     skip_special_tokens: bool = True  # in the detokenized text
     # Guided decoding: the output obeys this constraint (a dict is turned into one).
     structured_outputs: StructuredOutputsParams | None = None
+    # Added to these tokens' logits at every step, in [-100, 100] (OpenAI's logit_bias; to_dict()
+    # writes it as [token_id, bias] pairs, which are accepted too). {} is None: no bias.
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled (vLLM's allowed_token_ids); None: every token.
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         # A lone string is vLLM's shorthand for one stop string.
@@ -114,6 +125,55 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         elif not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
             fail("structured_outputs", "None, a StructuredOutputsParams or a dict")
+        self._check_logit_bias()
+        self._check_allowed_token_ids()
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if isinstance(bias, dict):
+            items = list(bias.items())
+        elif isinstance(bias, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in bias):
+            items = [tuple(pair) for pair in bias]  # to_dict()'s pairs
+        else:
+            raise ValueError(f"logit_bias must be None, a dict of token id -> bias or a list of "
+                             f"[token_id, bias] pairs; got {_short_repr(bias)}")
+        if len(items) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias must hold at most {MAX_LOGIT_BIAS_TOKENS} token ids, got {len(items)}")
+        checked: dict[int, float] = {}
+        for token_id, value in items:
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0); got {_short_repr(token_id)}")
+            if token_id in checked:
+                raise ValueError(f"logit_bias names token id {token_id} twice")
+            if not _is_number(value) or not -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{token_id}] must be a number in [{-MAX_ABS_LOGIT_BIAS:g}, "
+                                 f"{MAX_ABS_LOGIT_BIAS:g}], got {_short_repr(value)}")
+            checked[token_id] = float(value)
+        self.logit_bias = checked or None
+
+    def _check_allowed_token_ids(self) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is None:
+            return
+        if isinstance(allowed, tuple):
+            allowed = self.allowed_token_ids = list(allowed)
+        if not isinstance(allowed, list):
+            raise ValueError(f"allowed_token_ids must be None or a list of token ids, got {type(allowed).__name__}")
+        if not allowed:
+            raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+        if len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+            raise ValueError(f"allowed_token_ids must hold at most {MAX_ALLOWED_TOKEN_IDS} token ids, "
+                             f"got {len(allowed)}")
+        for i, token_id in enumerate(allowed):
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"allowed_token_ids must be a list of integers >= 0; allowed_token_ids[{i}] "
+                                 f"is {_short_repr(token_id)}")
+        if self.structured_outputs is not None:
+            # Each would mask what the other allows; a row left with no token has nothing to sample.
+            raise ValueError("allowed_token_ids cannot be combined with structured_outputs; "
+                             "the constraint decides which tokens may follow")
 
     def _check_stop_lists(self) -> None:
         """The stop lists' bounds, counted before any element is looked at; messages
@@ -148,6 +208,11 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @property
+    def adjusts_logits(self) -> bool:
+        """Whether logit_bias or allowed_token_ids change this request's logits."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
+
+    @property
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
@@ -158,16 +223,20 @@ class SamplingParams:
 
     def samples_argmax(self, num_output_tokens: int) -> bool:
         """Whether a request that has num_output_tokens samples its next token as the logits'
-        argmax and nothing more (greedy; no penalties, logprobs or stop tokens held back)."""
-        return (self.is_greedy and self.logprobs is None and not self.has_penalties
+        argmax and nothing more (greedy; no penalties, bias, allowed set, logprobs or stop
+        tokens held back)."""
+        return (self.is_greedy and self.logprobs is None and not self.has_penalties and not self.adjusts_logits
                 and not self.holds_back_stop_tokens(num_output_tokens))
 
     def validate_token_ids(self, vocab_size: int) -> None:
-        """Check stop_token_ids against the vocabulary (known only to the engine/gateway)."""
-        for token_id in self.stop_token_ids:
-            if token_id >= vocab_size:
-                raise ValueError(f"stop_token_ids: token id {token_id} is out of range "
-                                 f"[0, {vocab_size}) for vocab size {vocab_size}")
+        """Check stop_token_ids, logit_bias and allowed_token_ids against the vocabulary
+        (known only to the engine/gateway)."""
+        for name, token_ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()),
+                                ("allowed_token_ids", self.allowed_token_ids or ())):
+            for token_id in token_ids:
+                if token_id >= vocab_size:
+                    raise ValueError(f"{name}: token id {token_id} is out of range "
+                                     f"[0, {vocab_size}) for vocab size {vocab_size}")
 
     def for_child(self, index: int) -> "SamplingParams":
         """Params of the index-th of n fanned-out requests (n=1, distinct seeds)."""
@@ -191,6 +260,9 @@ class SamplingParams:
                   for f in dataclasses.fields(self)}
         if self.structured_outputs is not None:
             values["structured_outputs"] = self.structured_outputs.to_dict()
+        if self.logit_bias is not None:
+            # Pairs, not a dict: msgpack (strict map keys) and JSON only take string keys.
+            values["logit_bias"] = [[token_id, bias] for token_id, bias in self.logit_bias.items()]
         return values
 
     @classmethod

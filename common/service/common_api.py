@@ -4,8 +4,9 @@ logprobs, finish reasons, Stats), mapped to and from the engine's types; no vali
 SamplingParams and the proto message share field names, so the mapping is generic.
 Unset proto fields take the dataclass defaults. Two values need translating:
 `None` for seed/logprobs is "unset", and max_tokens=None (no limit) travels as 0,
-because unset max_tokens means the default (16). The constraint `structured_outputs`
-(vLLM's name) is the message `structured_output`, its kind a oneof.
+because unset max_tokens means the default (16); an empty allowed_token_ids is None (every
+token). The constraint `structured_outputs` (vLLM's name) is the message `structured_output`,
+its kind a oneof; logit_bias is a map.
 """
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
             continue
         if f.name == "max_tokens" and value is None:
             value = _NO_LIMIT_MAX_TOKENS
-        if isinstance(value, list):
+        if f.name == "logit_bias":
+            msg.logit_bias.update(value or {})
+        elif isinstance(value, list):
             getattr(msg, f.name).extend(value)
         elif value is not None:
             setattr(msg, f.name, value)
@@ -47,7 +50,11 @@ def sampling_params_from_pb(msg: common_pb2.SamplingParams, field_path: str = ""
         if f.name == "structured_outputs":
             continue
         descriptor = msg.DESCRIPTOR.fields_by_name[f.name]
-        if descriptor.is_repeated:
+        if f.name == "logit_bias":
+            kwargs[f.name] = dict(msg.logit_bias) or None
+        elif f.name == "allowed_token_ids":
+            kwargs[f.name] = list(msg.allowed_token_ids) or None
+        elif descriptor.is_repeated:
             kwargs[f.name] = list(getattr(msg, f.name))
         elif msg.HasField(f.name):
             kwargs[f.name] = getattr(msg, f.name)

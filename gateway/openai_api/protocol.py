@@ -4,10 +4,10 @@ Every problem is a 400 whose message and `param` name the field: malformed JSON,
 field this API does not know (strict, so a typo is not silently ignored), a wrong
 type, a value out of range. The fields accepted are OpenAI's, the sampling
 extensions vLLM accepts (top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
-stop_token_ids, include_stop_str_in_output, skip_special_tokens, priority,
+stop_token_ids, allowed_token_ids, include_stop_str_in_output, skip_special_tokens, priority,
 stream_options.continuous_usage_stats, and the output constraints: response_format,
 guided_json/regex/choice/grammar, structured_outputs; see structured_outputs.py), and OpenAI fields for features this server
-does not have (tools, logit_bias, echo, ...) as long as they hold their neutral
+does not have (tools, echo, ...) as long as they hold their neutral
 value (unset, null, empty): a request that asks for such a feature gets a 400
 instead of an answer that silently lacks it. `user`, `metadata` and the like are
 type-checked and otherwise ignored.
@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.engine.sampling_params import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
@@ -215,6 +218,40 @@ def stop_token_ids(param: str, value: Any) -> list[int]:
     return token_id_list(param, value)
 
 
+@described({**_TOKEN_IDS, "minItems": 1, "maxItems": MAX_ALLOWED_TOKEN_IDS})
+def allowed_token_ids(param: str, value: Any) -> list[int]:
+    if isinstance(value, list):
+        _at_most(param, value, MAX_ALLOWED_TOKEN_IDS, "token ids")
+        if not value:
+            raise invalid_field(param, "must not be empty; leave it unset to allow every token")
+    return token_id_list(param, value)
+
+
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+
+
+@described({"type": "object", "maxProperties": MAX_LOGIT_BIAS_TOKENS,
+            "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+            "additionalProperties": {"type": "number", "minimum": -MAX_ABS_LOGIT_BIAS, "maximum": MAX_ABS_LOGIT_BIAS},
+            "description": "token id (as a string, OpenAI's form) -> a bias added to that token's logit at every "
+                           "step; -100 all but bans the token, 100 all but forces it"})
+def logit_bias(param: str, value: Any) -> dict[int, float]:
+    if not isinstance(value, dict):
+        raise _wrong_type(param, "an object of token id -> bias", value)
+    if len(value) > MAX_LOGIT_BIAS_TOKENS:
+        raise invalid_field(param, f"must hold at most {MAX_LOGIT_BIAS_TOKENS} token ids, got {len(value)}")
+    check_bias = number(-MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
+    biases = {}
+    for key, bias in value.items():
+        if not _TOKEN_ID_KEY.fullmatch(key) or int(key) > UINT32_MAX:
+            raise invalid_field(param, f"keys must be token ids written as strings (\"50256\"), got {key[:40]!r}")
+        token_id = int(key)
+        if token_id in biases:  # "7" and "07"
+            raise invalid_field(param, f"names token id {token_id} twice")
+        biases[token_id] = check_bias(f"{param}.{key}", bias)
+    return biases
+
+
 def neutral(*values: Any) -> Callable:
     """A field for a feature this server lacks: only its do-nothing values pass."""
     def check(param: str, value: Any) -> Any:
@@ -264,7 +301,7 @@ COMMON_FIELDS: dict[str, Callable] = {
     "repetition_penalty": number(0.0, math.inf, lo_open=True), "seed": integer(0, MAX_SEED),
     "stop": stop_strings, "stop_token_ids": stop_token_ids, "ignore_eos": boolean, "min_tokens": integer(0, UINT32_MAX),
     "include_stop_str_in_output": boolean, "skip_special_tokens": boolean, "priority": integer(*INT32),
-    "user": string, "logit_bias": neutral({}), **STRUCTURED_OUTPUT_FIELDS,
+    "allowed_token_ids": allowed_token_ids, "user": string, "logit_bias": logit_bias, **STRUCTURED_OUTPUT_FIELDS,
 }
 COMPLETION_FIELDS: dict[str, Callable] = {
     **COMMON_FIELDS, "prompt": prompt_value, "logprobs": integer(0, MAX_LOGPROBS),
@@ -387,7 +424,7 @@ def _sampling(values: dict, n: int, max_tokens: int | None, num_logprobs: int | 
     get = values.get
     names = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
              "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
-             "skip_special_tokens")
+             "skip_special_tokens", "logit_bias", "allowed_token_ids")
     fields = {name: values[name] for name in names if name in values}
     top_k = get("top_k", -1)
     try:

@@ -305,6 +305,9 @@ def _param_of(error: ServiceError, parsed: ParsedRequest | None) -> str | None:
         return "messages" if parsed.chat else "prompt"
     if message.startswith("structured_outputs."):  # the engine's grammar compiler refused it
         return parsed.constraint_field
+    for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):  # out of the vocabulary
+        if message.startswith(f"sampling.{name}:"):
+            return name
     return None
 
 

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from common.engine.sampling_params import SamplingParams
 from tests.integration.test_stack import LONG_PROMPT, stats, wait_until_idle
 
 openai = pytest.importorskip("openai")
@@ -86,6 +87,25 @@ def test_bad_requests_get_400s_naming_the_field(client, model):
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=model, prompt="hi", extra_body={"top_kk": 3})
     assert error.value.body["param"] == "top_kk" and error.value.body["code"] == "unknown_field"
+
+
+def test_logit_bias_and_allowed_token_ids_hold_on_prefill_and_decode(client, grpc_client, model):
+    """The first token is sampled where the prompt was prefilled (the prefill instance for the
+    long prompt), the others on decode: both take the request's bias and allowed set."""
+    from gateway.validation import load_served_model
+    tokenizer = load_served_model(None).tokenizer
+    forced, allowed = 1000, [100, 200, 300, 400]
+    for prompt in PROMPTS:
+        biased = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                           logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+        assert biased.choices[0].text == tokenizer.decode([forced] * 6)
+        result = grpc_client.generate(prompt, sampling=SamplingParams(
+            max_tokens=8, temperature=1.0, seed=3, ignore_eos=True, allowed_token_ids=allowed), return_token_ids=True)
+        assert len(result.token_ids) == 8 and set(result.token_ids) <= set(allowed)
+    vocab_size = load_served_model(None).vocab_size
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=model, prompt="hi", logit_bias={str(vocab_size): 1})
+    assert error.value.body["param"] == "logit_bias" and f"vocab size {vocab_size}" in error.value.body["message"]
 
 
 def open_stream(address: str, body: dict) -> socket.socket:

@@ -72,6 +72,10 @@ def pb_messages(message_class, depth: int = 3) -> st.SearchStrategy:
     descriptor = message_class.DESCRIPTOR
     field_strategies = {}
     for field in descriptor.fields:
+        if _is_map(field):
+            key, value = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
+            field_strategies[field.name] = st.dictionaries(_scalar(key), _scalar(value), max_size=6)
+            continue
         if field.type == FieldDescriptor.TYPE_MESSAGE:
             if depth == 0:
                 continue
@@ -87,7 +91,9 @@ def pb_messages(message_class, depth: int = 3) -> st.SearchStrategy:
         for name in sorted(names):
             value = draw(field_strategies[name])
             field = descriptor.fields_by_name[name]
-            if _is_repeated(field):
+            if _is_map(field):
+                getattr(msg, name).update(value)
+            elif _is_repeated(field):
                 getattr(msg, name).extend(value)
             elif field.type == FieldDescriptor.TYPE_MESSAGE:
                 getattr(msg, name).CopyFrom(value)
@@ -95,6 +101,12 @@ def pb_messages(message_class, depth: int = 3) -> st.SearchStrategy:
                 setattr(msg, name, value)
         return msg
     return build()
+
+
+def _is_map(field: FieldDescriptor) -> bool:
+    """A map<K, V> field: repeated entries of a generated message, filled as a dict (scalar
+    values only: no map of messages travels in these protos)."""
+    return field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type.GetOptions().map_entry
 
 
 def _is_repeated(field: FieldDescriptor) -> bool:

@@ -546,6 +546,19 @@ def test_greedy_steps_back_to_back_take_the_tokens_and_write_the_kv_of_single_st
     llm.engine.shutdown()
 
 
+def _with_and_without_the_head(llm, loop, prompts, params):
+    """The outputs of params with the loop's head sampling what it can, the same with no head in
+    the loop (its hidden states, then compute_logits and the sampler for every row), and the
+    loop's token steps in the first run."""
+    num_token_steps = loop.num_token_steps
+    got = [o.outputs[0] for o in llm.generate(prompts, params)]
+    num_token_steps = loop.num_token_steps - num_token_steps
+    loop.max_head_tokens = 0
+    want = [o.outputs[0] for o in llm.generate(prompts, params)]
+    loop.max_head_tokens = DECODE_MAX_TOKENS
+    return got, want, num_token_steps
+
+
 def test_engine_steps_sample_in_the_loop():
     """An engine's decode steps take run_tokens and give the tokens the sampler gives from the
     head's logits: greedy rows, and seeded rows drawn at a temperature with truncations,
@@ -584,12 +597,8 @@ def test_engine_steps_sample_in_the_loop():
          SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=4),
          SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6, presence_penalty=0.4)]]
     for params in sampler_rows:
-        num_token_steps = loop.num_token_steps
-        got = [o.outputs[0] for o in llm.generate(prompts, params)]
-        assert loop.num_token_steps >= num_token_steps + 11
-        loop.max_head_tokens = 0
-        want = [o.outputs[0] for o in llm.generate(prompts, params)]
-        loop.max_head_tokens = DECODE_MAX_TOKENS
+        got, want, num_token_steps = _with_and_without_the_head(llm, loop, prompts, params)
+        assert num_token_steps >= 11
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert [o.logprobs for o in got] == [o.logprobs for o in want]
         assert [len(o.logprobs or []) for o in got] == [len(o.token_ids) if p.logprobs is not None else 0
@@ -599,14 +608,21 @@ def test_engine_steps_sample_in_the_loop():
     constrained = [SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"choice": ["yes", "no"]}),
                    sampled[1], SamplingParams(temperature=1.0, seed=4, max_tokens=12,
                                               structured_outputs={"regex": "[a-z]{3,6}"})]
-    num_token_steps = loop.num_token_steps
-    got = [o.outputs[0] for o in llm.generate(prompts, constrained)]
-    assert loop.num_token_steps >= num_token_steps + 11  # the free row's 12 tokens
-    loop.max_head_tokens = 0
-    want = [o.outputs[0] for o in llm.generate(prompts, constrained)]
-    loop.max_head_tokens = DECODE_MAX_TOKENS
+    got, want, num_token_steps = _with_and_without_the_head(llm, loop, prompts, constrained)
+    assert num_token_steps >= 11  # the free row's 12 tokens
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert got[0].text in ("yes", "no") and re.fullmatch("[a-z]{3,6}", got[2].text)
+    # Rows with a logit_bias or allowed_token_ids: the sampler's too, beside free rows.
+    allowed = [100, 200, 300, 400]
+    adjusted = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logit_bias={1000: 100}),
+                sampled[1], SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True,
+                                           allowed_token_ids=allowed, logprobs=1)]
+    got, want, num_token_steps = _with_and_without_the_head(llm, loop, prompts, adjusted)
+    assert num_token_steps >= 11
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.logprobs for o in got] == [o.logprobs for o in want]
+    assert got[0].token_ids == [1000] * 12 and set(got[2].token_ids) <= set(allowed)
+    assert all(set(lp.top_token_ids) <= set(allowed) for lp in got[2].logprobs)
     llm.engine.shutdown()
 
 

@@ -262,6 +262,59 @@ def test_min_tokens_masks_eos_and_stop_tokens():
     assert counts[EOS] == 0 and counts.sum() == 200
 
 
+def test_allowed_token_ids_then_logit_bias_then_penalties_in_vllms_order():
+    logits = torch.tensor([[2.0, 1.0, 0.0, 5.0]])
+    request = make_request(prompt=[2], output=[1], temperature=0.0, allowed_token_ids=[0, 1, 2], logit_bias={1: 2.0},
+                           repetition_penalty=2.0, logprobs=3)
+    out = Sampler()(logits, [request])
+    # Token 3 is not allowed; token 1 is biased to 3.0, then halved as a repeat: [2, 1.5, 0, -inf].
+    expected = torch.log_softmax(torch.tensor([2.0, 1.5, 0.0]), -1)
+    assert out.sampled_token_ids == [0]
+    assert out.logprobs[0].top_token_ids == [0, 1, 2]
+    assert out.logprobs[0].top_logprobs == pytest.approx(expected.tolist(), abs=1e-6)
+    assert logits.tolist() == [[2.0, 1.0, 0.0, 5.0]]  # the caller's logits are left alone
+    # A bias alone moves the argmax; -100 all but bans the leader.
+    assert Sampler()(logits, [make_request(temperature=0.0, logit_bias={2: 5.5})]).sampled_token_ids == [2]
+    assert Sampler()(logits, [make_request(temperature=0.0, logit_bias={3: -100})]).sampled_token_ids == [0]
+
+
+def test_random_draws_stay_in_the_allowed_set_and_follow_the_bias():
+    logits = random_logits(1, vocab_size=64)[0]
+    allowed = [5, 17, 40]
+    counts = draw_counts(logits, 600, temperature=3.0, allowed_token_ids=allowed)
+    assert counts.sum() == 600 and set(torch.nonzero(counts).flatten().tolist()) == set(allowed)
+    # +100 makes one token all but certain; unbiased rows of the same batch are untouched.
+    sampler = Sampler(seed=7)
+    requests = [make_request(f"b{i}", temperature=1.0, logit_bias={9: 100}) for i in range(50)]
+    requests += [make_request(f"u{i}", temperature=1.0) for i in range(50)]
+    tokens = sampler(logits.expand(100, -1), requests).sampled_token_ids
+    assert tokens[:50] == [9] * 50 and tokens[50:].count(9) < 10
+
+
+def test_min_tokens_leaves_an_allowed_set_of_stop_tokens_alone():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 9.0, 8.0, 0.0]])
+    sampler = Sampler(eos_token_ids=[EOS])
+    def greedy(**params):  # a request id each: the sampler keeps a request's allowed set by its id
+        return sampler(logits, [make_request(str(params), temperature=0.0, **params)]).sampled_token_ids[0]
+    assert greedy(min_tokens=2, stop_token_ids=[4], allowed_token_ids=[EOS, 4]) == EOS  # else nothing is left
+    assert greedy(min_tokens=2, stop_token_ids=[4], allowed_token_ids=[EOS, 4, 5]) == 5
+    assert greedy(min_tokens=2, allowed_token_ids=[EOS, 4]) == 4
+    assert greedy(stop_token_ids=[4], allowed_token_ids=[EOS, 4, 5]) == EOS
+
+
+def test_rows_with_a_bias_or_an_allowed_set_are_left_to_the_sampler_and_their_state_dropped():
+    sampler = Sampler()
+    requests = [make_request("a", temperature=0.0), make_request("b", temperature=0.0, logit_bias={1: 1}),
+                make_request("c", temperature=0.7, allowed_token_ids=[1, 2]), make_request("d", temperature=0.7)]
+    assert not Sampler.only_argmax(requests[:2])
+    in_loop = sampler.rows_in_loop(requests)
+    assert in_loop[1:3] == [False, False] and in_loop[0]
+    sampler(random_logits(4), requests)
+    assert set(sampler._logit_bias_tensors) == {"b"} and set(sampler._allowed_id_tensors) == {"c"}
+    sampler.remove_requests(["b", "c"])
+    assert not sampler._logit_bias_tensors and not sampler._allowed_id_tensors
+
+
 def test_logprobs_are_log_softmax_before_temperature():
     logits = random_logits(3, vocab_size=50)
     requests = [make_request("a", temperature=0.5, logprobs=5, seed=1), make_request("b"),

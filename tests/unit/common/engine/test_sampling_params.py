@@ -1,5 +1,6 @@
 import math
 
+import msgpack
 import pytest
 
 from common.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams, validate_prompt_token_ids
@@ -40,6 +41,17 @@ INVALID = [
     ("stop_token_ids", [-1], ">= 0"),
     ("stop_token_ids", [1.0], ">= 0"),
     ("ignore_eos", 1, "bool"),
+    ("logit_bias", {5: 100.5}, "[-100, 100]"),
+    ("logit_bias", {5: math.nan}, "[-100, 100]"),
+    ("logit_bias", {5: "1"}, "[-100, 100]"),
+    ("logit_bias", {-1: 1.0}, "integers >= 0"),
+    ("logit_bias", {"5": 1.0}, "integers >= 0"),
+    ("logit_bias", {i: 1.0 for i in range(1025)}, "at most 1024"),
+    ("logit_bias", [[5, 1.0], [5, 2.0]], "twice"),
+    ("logit_bias", [5, 1.0], "[token_id, bias] pairs"),
+    ("allowed_token_ids", [], "not be empty"),
+    ("allowed_token_ids", [3, -1], ">= 0"),
+    ("allowed_token_ids", 3, "list of token ids"),
 ]
 
 
@@ -85,10 +97,12 @@ def test_is_greedy():
 
 def test_dict_round_trip_and_unknown_keys():
     params = SamplingParams(n=2, temperature=0.7, top_k=5, seed=3, stop=["x"], stop_token_ids=[9],
-                            max_tokens=None, logprobs=2)
+                            max_tokens=None, logprobs=2, logit_bias={7: -100, 2: 0.5}, allowed_token_ids=[2, 7, 9])
     data = params.to_dict()
     assert all(isinstance(v, (int, float, bool, str, list, type(None))) for v in data.values())
     assert SamplingParams.from_dict(data) == params
+    # The engine's processes exchange it as msgpack, whose unpacker takes string map keys only.
+    assert SamplingParams.from_dict(msgpack.unpackb(msgpack.packb(data))) == params
     with pytest.raises(ValueError, match="tempreature"):
         SamplingParams.from_dict({"tempreature": 0.5})
     with pytest.raises(ValueError, match="top_p"):
@@ -119,9 +133,25 @@ def test_for_child_fans_out_with_distinct_seeds():
 
 
 def test_validate_token_ids():
-    SamplingParams(stop_token_ids=[0, 99]).validate_token_ids(100)
+    SamplingParams(stop_token_ids=[0, 99], logit_bias={99: 1}, allowed_token_ids=[0, 99]).validate_token_ids(100)
     with pytest.raises(ValueError, match=r"stop_token_ids.*100.*vocab size 100"):
         SamplingParams(stop_token_ids=[5, 100]).validate_token_ids(100)
+    with pytest.raises(ValueError, match=r"^logit_bias: token id 100 is out of range"):
+        SamplingParams(logit_bias={5: 1, 100: -1}).validate_token_ids(100)
+    with pytest.raises(ValueError, match=r"^allowed_token_ids: token id 123 is out of range"):
+        SamplingParams(allowed_token_ids=[5, 123]).validate_token_ids(100)
+
+
+def test_logit_bias_and_allowed_token_ids():
+    params = SamplingParams(logit_bias={3: 1, 4: -2.5}, allowed_token_ids=(4, 3))
+    assert params.logit_bias == {3: 1.0, 4: -2.5} and type(params.logit_bias[3]) is float
+    assert params.allowed_token_ids == [4, 3]
+    assert params.adjusts_logits and not params.clone(temperature=0.0).samples_argmax(0)
+    assert SamplingParams(logit_bias={}).logit_bias is None  # no bias: argmax steps stay argmax
+    assert SamplingParams(temperature=0.0, logit_bias={}).samples_argmax(0)
+    with pytest.raises(ValueError, match="allowed_token_ids cannot be combined with structured_outputs"):
+        SamplingParams(allowed_token_ids=[1], structured_outputs={"regex": "a+"})
+    SamplingParams(logit_bias={1: 5}, structured_outputs={"regex": "a+"})  # a bias within the grammar's choice
 
 
 def test_validate_prompt_token_ids():

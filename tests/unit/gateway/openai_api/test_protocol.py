@@ -100,7 +100,16 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({**CHAT, "max_tokens": 5, "max_completion_tokens": 6}, True, "max_tokens", "invalid_value"),
     ({**COMPLETION, "best_of": 3}, False, "best_of", "unsupported_value"),
     ({**COMPLETION, "echo": True}, False, "echo", "unsupported_value"),
-    ({**COMPLETION, "logit_bias": {"50256": -100}}, False, "logit_bias", "unsupported_value"),
+    ({**COMPLETION, "logit_bias": {"50256": -101}}, False, "logit_bias.50256", "invalid_value"),
+    ({**COMPLETION, "logit_bias": {"50256": "-1"}}, False, "logit_bias.50256", "invalid_type"),
+    ({**COMPLETION, "logit_bias": {"-3": 1}}, False, "logit_bias", "invalid_value"),
+    ({**COMPLETION, "logit_bias": {"x": 1}}, False, "logit_bias", "invalid_value"),
+    ({**COMPLETION, "logit_bias": {"7": 1, "07": 2}}, False, "logit_bias", "invalid_value"),
+    ({**COMPLETION, "logit_bias": {str(i): 1 for i in range(1025)}}, False, "logit_bias", "invalid_value"),
+    ({**CHAT, "logit_bias": [1, 2]}, True, "logit_bias", "invalid_type"),
+    ({**COMPLETION, "allowed_token_ids": []}, False, "allowed_token_ids", "invalid_value"),
+    ({**COMPLETION, "allowed_token_ids": [1, -1]}, False, "allowed_token_ids[1]", "invalid_value"),
+    ({**COMPLETION, "allowed_token_ids": [1], "guided_regex": "a"}, False, "allowed_token_ids", "invalid_value"),
     ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, True, "tools", "unsupported_value"),
     ({**CHAT, "tool_choice": "auto"}, True, "tool_choice", "unsupported_value"),
     # output constraints
@@ -144,9 +153,21 @@ def test_what_the_official_client_and_benchmark_clients_send_is_accepted():
                    logit_bias={}, echo=False, best_of=1, suffix=None, top_k=0, seed=None)
     assert parsed.stream and parsed.include_usage and parsed.continuous_usage
     assert parsed.sampling.max_tokens == 32 and parsed.sampling.ignore_eos and parsed.sampling.top_k == -1
+    assert parsed.sampling.logit_bias is None
     chat = parse(chat=True, max_completion_tokens=8, tools=[], tool_choice="none", parallel_tool_calls=False,
                  response_format={"type": "text"}, metadata={"k": "v"}, store=False, n=None)
     assert chat.sampling.max_tokens == 8 and chat.sampling.n == 1
+
+
+def test_logit_bias_and_allowed_token_ids_reach_the_sampling_params():
+    parsed = parse(logit_bias={"50256": -100, "7": 2.5, "0": 0}, allowed_token_ids=[7, 9, 50256], n=2, seed=1)
+    assert parsed.sampling.logit_bias == {50256: -100.0, 7: 2.5, 0: 0.0}
+    assert parsed.sampling.allowed_token_ids == [7, 9, 50256]
+    children = [request.sampling for request in parsed.generate_inputs("id")]
+    assert [(c.logit_bias, c.allowed_token_ids) for c in children] == [
+        ({50256: -100.0, 7: 2.5, 0: 0.0}, [7, 9, 50256])] * 2
+    chat = parse(chat=True, logit_bias={"3": 100})
+    assert chat.sampling.logit_bias == {3: 100.0} and chat.sampling.allowed_token_ids is None
 
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
