@@ -24,7 +24,7 @@ from gateway.routing.kv_index import KvIndex
 from gateway.routing.policies import make_policy
 from gateway.routing.registry import InstanceRegistry
 from gateway.types import DeploymentInfo, GenerateInput, GenerationDelta, PreparedRequest
-from gateway.validation import ServedModel, prepare_request, prompt_chars
+from gateway.validation import ServedModel, prepare_request, prompt_chars, tokenize_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +140,15 @@ class Gateway:
                 or len(request.messages or ()) > TOKENIZE_IN_THREAD_MESSAGES):
             return await asyncio.to_thread(prepare_request, *args)
         return prepare_request(*args)
+
+    async def tokenize(self, request: GenerateInput, add_special_tokens: bool = True,
+                       add_generation_prompt: bool = True) -> list[int]:
+        """request's prompt as token ids, as prepare() would tokenize it (the HTTP /tokenize)."""
+        args = (request, self.model, self.settings.max_prompt_chars, add_special_tokens, add_generation_prompt)
+        if (prompt_chars(request) > TOKENIZE_IN_THREAD_CHARS
+                or len(request.messages or ()) > TOKENIZE_IN_THREAD_MESSAGES):
+            return await asyncio.to_thread(tokenize_prompt, *args)
+        return tokenize_prompt(*args)
 
     async def stream(self, request: GenerateInput, timeout_s: float | None = None
                      ) -> AsyncIterator[GenerationDelta]:

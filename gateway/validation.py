@@ -76,7 +76,7 @@ def prepare_request(request: GenerateInput, model: ServedModel, max_model_len: i
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise invalid(f"request_id has {len(request.request_id)} characters; at most "
                       f"{MAX_REQUEST_ID_CHARS} are allowed")
-    prompt_token_ids = _tokenize(request, model, max_prompt_chars)
+    prompt_token_ids = tokenize_prompt(request, model, max_prompt_chars)
     num_prompt = len(prompt_token_ids)
     if num_prompt >= max_model_len:
         raise invalid(f"prompt has {num_prompt} tokens, but the model accepts at most {max_model_len} "
@@ -96,7 +96,10 @@ def prepare_request(request: GenerateInput, model: ServedModel, max_model_len: i
                            priority=request.priority, return_token_ids=request.return_token_ids)
 
 
-def _tokenize(request: GenerateInput, model: ServedModel, max_prompt_chars: int) -> list[int]:
+def tokenize_prompt(request: GenerateInput, model: ServedModel, max_prompt_chars: int,
+                    add_special_tokens: bool = True, add_generation_prompt: bool = True) -> list[int]:
+    """The prompt's token ids as a Generate call of `request` gets them (the defaults), each in
+    the vocabulary; INVALID_ARGUMENT for a prompt past the bounds or one the tokenizer refuses."""
     forms = [name for name in ("text", "token_ids", "messages") if getattr(request, name) is not None]
     if not forms:
         raise invalid("the prompt is missing: set text, token_ids or messages")
@@ -112,9 +115,9 @@ def _tokenize(request: GenerateInput, model: ServedModel, max_prompt_chars: int)
         if request.text is not None:
             if not request.text:
                 raise ValueError("the prompt text is empty")
-            token_ids = model.tokenizer.encode(request.text)
+            token_ids = model.tokenizer.encode(request.text, add_special_tokens=add_special_tokens)
         elif request.messages is not None:
-            token_ids = model.tokenizer.apply_chat_template(request.messages)
+            token_ids = model.tokenizer.apply_chat_template(request.messages, add_generation_prompt)
         else:
             token_ids = request.token_ids
         validate_prompt_token_ids(token_ids, model.vocab_size)

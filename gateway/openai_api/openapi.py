@@ -1,7 +1,7 @@
 """The OpenAPI 3.1 document of the HTTP API this gateway serves (GET /openapi.json).
 
 The request bodies are written from protocol.py's field tables (COMPLETION_FIELDS,
-CHAT_FIELDS, STREAM_OPTIONS): each check there carries the JSON Schema of what it
+CHAT_FIELDS, STREAM_OPTIONS, TOKENIZE_FIELDS, DETOKENIZE_FIELDS): each check there carries the JSON Schema of what it
 accepts, with the bounds of the README's "Request bounds", so a field added, removed
 or re-bounded there is so here too. What only holds between fields (min_tokens <=
 max_tokens, n times the number of prompts, the prompt's length in tokens) is said in
@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway.openai_api.protocol import CHAT_FIELDS, COMPLETION_FIELDS, STREAM_OPTIONS
+from gateway.openai_api.protocol import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    DETOKENIZE_FIELDS,
+    STREAM_OPTIONS,
+    TOKENIZE_FIELDS,
+)
 
 OPENAPI_VERSION = "3.1.0"
 ERROR_STATUSES = {
@@ -25,7 +31,7 @@ ERROR_STATUSES = {
     "504": "The request's deadline passed",
 }
 # Fields the request cannot do without (null counts as missing).
-REQUIRED_FIELDS = {"completion": ["model", "prompt"], "chat": ["model", "messages"]}
+REQUIRED_FIELDS = {"completion": ["model", "prompt"], "chat": ["model", "messages"], "detokenize": ["tokens"]}
 
 ERROR_BODY = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"], "properties": {
@@ -72,6 +78,26 @@ def _generate_operation(summary: str, schema_name: str) -> dict:
                for status, description in ERROR_STATUSES.items()}}}
 
 
+def _json_operation(summary: str, schema_name: str, response: dict) -> dict:
+    """A POST whose body is components' schema_name and whose answer is `response` or a 400 / 404."""
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{schema_name}"}}}},
+        "responses": {
+            "200": {"description": "ok", "content": {"application/json": {"schema": response}}},
+            **{status: {"description": ERROR_STATUSES[status],
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+               for status in ("400", "404", "413")}}}
+
+
+TOKENIZE_RESPONSE = {"type": "object", "required": ["count", "max_model_len", "tokens", "token_strs"], "properties": {
+    "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+    "tokens": {"type": "array", "items": {"type": "integer"}},
+    "token_strs": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]}}}
+DETOKENIZE_RESPONSE = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
+
+
 def _status_operation(summary: str, not_ok: str) -> dict:
     body = {"content": {"application/json": {"schema": {
         "type": "object", "required": ["status"], "properties": {"status": {"type": "string"},
@@ -92,6 +118,10 @@ def openapi_document(served_model_names: list[str], version: str = "0.1.0") -> d
                 "description": "One model", "content": {"application/json": {"schema": {
                     "type": "object", "required": ["object", "data"], "properties": {
                         "object": {"enum": ["list"]}, "data": {"type": "array", "items": {"type": "object"}}}}}}}}}},
+            "/tokenize": {"post": _json_operation("A prompt or chat messages as the token ids generation gets "
+                                                  "(exactly one of prompt and messages)", "TokenizeRequest",
+                                                  TOKENIZE_RESPONSE)},
+            "/detokenize": {"post": _json_operation("Token ids as text", "DetokenizeRequest", DETOKENIZE_RESPONSE)},
             "/health": {"get": _status_operation("Liveness", "The gateway is draining to stop")},
             "/ready": {"get": _status_operation("Readiness", "No decode instance is alive, or draining")},
             "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {
@@ -100,6 +130,8 @@ def openapi_document(served_model_names: list[str], version: str = "0.1.0") -> d
         "components": {"schemas": {
             "CompletionRequest": fields_schema(COMPLETION_FIELDS, REQUIRED_FIELDS["completion"], served_model_names),
             "ChatCompletionRequest": fields_schema(CHAT_FIELDS, REQUIRED_FIELDS["chat"], served_model_names),
+            "TokenizeRequest": fields_schema(TOKENIZE_FIELDS, [], served_model_names),
+            "DetokenizeRequest": fields_schema(DETOKENIZE_FIELDS, REQUIRED_FIELDS["detokenize"], served_model_names),
             "Error": ERROR_BODY,
         }},
     }

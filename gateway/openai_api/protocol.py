@@ -317,6 +317,54 @@ CHAT_FIELDS: dict[str, Callable] = {
 STREAM_OPTIONS = {"include_usage": boolean, "continuous_usage_stats": boolean, "include_obfuscation": boolean}
 
 
+@described({"type": "string", "minLength": 1, "description": "text, tokenized as a completion's prompt is"})
+def prompt_text(param: str, value: Any) -> str:
+    if not string(param, value):
+        raise invalid_field(param, "must not be empty")
+    return value
+
+
+TOKENIZE_FIELDS: dict[str, Callable] = {
+    "model": string, "prompt": prompt_text, "messages": messages_value, "add_special_tokens": boolean,
+    "add_generation_prompt": boolean, "return_token_strs": boolean}
+DETOKENIZE_FIELDS: dict[str, Callable] = {"model": string, "tokens": token_id_list}
+
+
+@dataclass
+class TokenizeRequest:
+    """POST /tokenize (vLLM's): a prompt or chat messages, tokenized as generation would."""
+    model: str | None
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True  # the prompt's (a chat template writes its own)
+    add_generation_prompt: bool = True  # the chat template's assistant header at the end
+    return_token_strs: bool = False  # each token's text beside its id
+
+
+def parse_tokenize_request(body: bytes) -> TokenizeRequest:
+    values = _checked(parse_body(body), TOKENIZE_FIELDS)
+    forms = [name for name in ("prompt", "messages") if name in values]
+    if len(forms) != 1:
+        raise invalid_field("prompt", "set exactly one of prompt and messages",
+                            code="missing_field" if not forms else "invalid_value")
+    for name, form in (("add_special_tokens", "prompt"), ("add_generation_prompt", "messages")):
+        if name in values and form not in values:
+            raise invalid_field(name, f"only applies to {form}")
+    return TokenizeRequest(model=values.get("model"), prompt=values.get("prompt"),
+                           messages=_messages(values["messages"]) if "messages" in values else None,
+                           add_special_tokens=values.get("add_special_tokens", True),
+                           add_generation_prompt=values.get("add_generation_prompt", True),
+                           return_token_strs=values.get("return_token_strs", False))
+
+
+def parse_detokenize_request(body: bytes) -> tuple[str | None, list[int]]:
+    """POST /detokenize (vLLM's): (model or None, token ids)."""
+    values = _checked(parse_body(body), DETOKENIZE_FIELDS)
+    if "tokens" not in values:
+        raise invalid_field("tokens", "is required", code="missing_field")
+    return values.get("model"), values["tokens"]
+
+
 class _IntegerTooLong(ValueError):
     pass
 

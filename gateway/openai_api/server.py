@@ -3,6 +3,7 @@ gateway's own event loop, next to the gRPC server, on the same Gateway object.
 
     POST /v1/completions        POST /v1/chat/completions   (stream: server-sent events)
     GET  /v1/models             GET  /health (liveness)     GET  /ready (readiness)
+    POST /tokenize              POST /detokenize            (vLLM's: prompt <-> token ids)
     GET  /openapi.json          (this API's OpenAPI 3.1 document: openapi.py)
 
 A request is parsed and checked at the edge (protocol.py), turned into one
@@ -44,16 +45,22 @@ from starlette.routing import Route
 from common.service.errors import ServiceError
 from gateway.core import Gateway
 from gateway.openai_api.choices import generate_choices, stream_choices
-from gateway.openai_api.errors import ApiError, from_gateway_error
+from gateway.openai_api.errors import ApiError, from_gateway_error, invalid_field
 from gateway.openai_api.openapi import openapi_document
-from gateway.openai_api.protocol import ParsedRequest, parse_request
+from gateway.openai_api.protocol import (
+    ParsedRequest,
+    parse_detokenize_request,
+    parse_request,
+    parse_tokenize_request,
+)
 from gateway.openai_api.responses import SSE_DONE, ResponseBuilder, TokenTexts, error_event, json_bytes
-from gateway.types import GenerationDelta
+from gateway.types import GenerateInput, GenerationDelta
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 << 20  # like the gRPC server's message limit
 PARSE_IN_THREAD_BYTES = 64 << 10
+DETOKENIZE_IN_THREAD_TOKENS = 4096
 START_TIMEOUT_S = 30.0
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]  # no buffering in a proxy in front
@@ -76,6 +83,8 @@ class OpenAIServer:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
@@ -137,6 +146,44 @@ class OpenAIServer:
             {"id": info.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
              "max_model_len": info.max_model_len}]})
 
+    async def tokenize(self, request: Request) -> Response:
+        """A prompt's token ids as generation gets them (for logit_bias, allowed_token_ids or
+        length checks), with the context length they must fit."""
+        try:
+            parsed = await _parsed(parse_tokenize_request, await self._read_body(request))
+            if parsed.model is not None:
+                self._check_model(parsed.model)
+            token_ids = await self.gateway.tokenize(GenerateInput(text=parsed.prompt, messages=parsed.messages),
+                                                    parsed.add_special_tokens, parsed.add_generation_prompt)
+        except ServiceError as e:
+            return _error(from_gateway_error(e, "messages" if parsed.messages is not None else "prompt"))
+        except ApiError as e:
+            return _error(e)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        return _json({"count": len(token_ids), "max_model_len": self.gateway.max_model_len, "tokens": token_ids,
+                      "token_strs": [self.token_text(t) for t in token_ids] if parsed.return_token_strs else None})
+
+    async def detokenize(self, request: Request) -> Response:
+        """Token ids' text, special tokens included (vLLM's)."""
+        try:
+            model, token_ids = await _parsed(parse_detokenize_request, await self._read_body(request))
+            if model is not None:
+                self._check_model(model)
+            vocab_size = self.gateway.model.vocab_size
+            bad = next((i for i, t in enumerate(token_ids) if t >= vocab_size), None)
+            if bad is not None:
+                raise invalid_field(f"tokens[{bad}]", f"token id {token_ids[bad]} is out of range [0, {vocab_size}) "
+                                                      f"for vocab size {vocab_size}")
+            decode = self.gateway.model.tokenizer.decode
+            text = (await asyncio.to_thread(decode, token_ids, False) if len(token_ids) > DETOKENIZE_IN_THREAD_TOKENS
+                    else decode(token_ids, False))
+        except ApiError as e:
+            return _error(e)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        return _json({"prompt": text})
+
     async def openapi(self, request: Request) -> Response:
         """This API's OpenAPI document (openapi.py), made once: it depends only on the model."""
         if self._openapi_json is None:
@@ -160,9 +207,7 @@ class OpenAIServer:
         parsed = None
         try:
             body = await self._read_body(request)
-            # A big body takes its parse off the loop, so the streams it serves keep going.
-            parsed = (await asyncio.to_thread(parse_request, body, chat) if len(body) > PARSE_IN_THREAD_BYTES
-                      else parse_request(body, chat))
+            parsed = await _parsed(parse_request, body, chat)
             model_name = self._check_model(parsed.model)
             response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             inputs = parsed.generate_inputs(response_id)
@@ -292,6 +337,13 @@ async def _until_disconnect(request: Request, work: Awaitable):
     if task.cancelled():
         raise ClientGone()
     return task.result()
+
+
+async def _parsed(parse, body: bytes, *args):
+    """parse(body, *args); a big body's off the loop, so the streams it serves keep going."""
+    if len(body) > PARSE_IN_THREAD_BYTES:
+        return await asyncio.to_thread(parse, body, *args)
+    return parse(body, *args)
 
 
 def _param_of(error: ServiceError, parsed: ParsedRequest | None) -> str | None:

@@ -9,7 +9,14 @@ import pytest
 
 from gateway.openai_api.errors import ApiError
 from gateway.openai_api.openapi import openapi_document
-from gateway.openai_api.protocol import CHAT_FIELDS, COMPLETION_FIELDS, STREAM_OPTIONS, parse_request
+from gateway.openai_api.protocol import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    DETOKENIZE_FIELDS,
+    STREAM_OPTIONS,
+    TOKENIZE_FIELDS,
+    parse_request,
+)
 
 MODEL = "served-model"
 DOCUMENT = openapi_document([MODEL])
@@ -77,6 +84,25 @@ def test_list_bounds_in_the_document_are_the_parsers(name, item):
     with pytest.raises(ApiError) as refused:
         parse("completion", {name: [item] * (limit + 1)})
     assert refused.value.param == name
+
+
+def test_the_logit_bias_bounds_in_the_document_are_the_parsers():
+    schema = not_null(SCHEMAS["CompletionRequest"]["properties"]["logit_bias"])
+    limit, values = schema["maxProperties"], schema["additionalProperties"]
+    parse("completion", {"logit_bias": {str(i): values["maximum"] for i in range(limit - 1)} | {"7": values["minimum"]}})
+    for refused_body, param in (({str(i): 0 for i in range(limit + 1)}, "logit_bias"),
+                                ({"7": values["maximum"] + 1e-6}, "logit_bias.7"),
+                                ({"7": values["minimum"] - 1e-6}, "logit_bias.7"), ({"x7": 0}, "logit_bias")):
+        with pytest.raises(ApiError) as refused:
+            parse("completion", {"logit_bias": refused_body})
+        assert refused.value.param == param
+
+
+def test_the_tokenize_requests_in_the_document_name_the_parsers_fields():
+    assert set(SCHEMAS["TokenizeRequest"]["properties"]) == set(TOKENIZE_FIELDS)
+    assert set(SCHEMAS["DetokenizeRequest"]["properties"]) == set(DETOKENIZE_FIELDS)
+    assert SCHEMAS["DetokenizeRequest"]["required"] == ["tokens"]
+    assert {"/tokenize", "/detokenize"} <= set(DOCUMENT["paths"])
 
 
 def test_the_message_count_bound_in_the_document_is_the_parsers():

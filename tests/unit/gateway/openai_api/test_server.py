@@ -79,6 +79,42 @@ def test_models_health_and_unknown_routes(gw, client):
     assert status == 405 and body["error"]["type"] == "invalid_request_error"
 
 
+def test_tokenize_gives_the_ids_generation_counts_and_detokenize_their_text(gw, client):
+    tokenizer, address = gw.gateway.model.tokenizer, gw.http_address
+    status, body = post(address, "/tokenize", {"model": MODEL, "prompt": "Hello there", "return_token_strs": True})
+    ids = tokenizer.encode("Hello there")
+    assert status == 200 and body == {"count": len(ids), "max_model_len": gw.gateway.max_model_len, "tokens": ids,
+                                      "token_strs": [tokenizer.decode([t], skip_special_tokens=False) for t in ids]}
+    assert client.completions.create(model=MODEL, prompt="Hello there", max_tokens=1).usage.prompt_tokens == len(ids)
+    messages = [{"role": "user", "content": "Hi"}]
+    status, chat = post(address, "/tokenize", {"messages": messages})
+    assert status == 200 and chat["tokens"] == tokenizer.apply_chat_template(messages) and chat["token_strs"] is None
+    assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage.prompt_tokens == \
+        chat["count"]
+    _, without_header = post(address, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert chat["tokens"][:without_header["count"]] == without_header["tokens"] < chat["tokens"]
+    assert post(address, "/detokenize", {"model": MODEL, "tokens": TOKENS}) == (
+        200, {"prompt": tokenizer.decode(TOKENS, skip_special_tokens=False)})
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "prompt"),
+    ("/tokenize", {"prompt": ""}, 400, "prompt"),
+    ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, 400, "add_generation_prompt"),
+    ("/tokenize", {"prompt": "a" * 262_145}, 400, "prompt"),
+    ("/tokenize", {"model": "other", "prompt": "a"}, 404, "model"),
+    ("/tokenize", {"prompt": "a", "truncate": 3}, 400, "truncate"),
+    ("/detokenize", {}, 400, "tokens"),
+    ("/detokenize", {"tokens": [5, -1]}, 400, "tokens[1]"),
+    ("/detokenize", {"tokens": [5, 49_152]}, 400, "tokens[1]"),
+    ("/detokenize", {"model": "other", "tokens": [5]}, 404, "model"),
+])
+def test_bad_tokenize_and_detokenize_requests_name_the_field(gw, path, body, status, param):
+    got, error = post(gw.http_address, path, body)
+    assert (got, error["error"]["param"]) == (status, param), error
+
+
 def test_completion_and_chat_unary_and_streamed_agree(gw, client):
     tokenizer = gw.gateway.model.tokenizer
     text = tokenizer.decode(TOKENS)
