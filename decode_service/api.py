@@ -54,6 +54,8 @@ class DecodeOutput:
     prefill_instance_id: str = ""  # empty when prefilled on the decode instance
     decode_instance_id: str = ""
     request_id: str = ""
+    # (prompt token i + 1, its Logprobs), in the first message, when sampling.prompt_logprobs was set
+    prompt_logprobs: list[tuple[int, Logprobs]] = field(default_factory=list)
 
     @classmethod
     def from_pb(cls, msg: decode_pb2.DecodeResponse) -> DecodeOutput:
@@ -64,14 +66,16 @@ class DecodeOutput:
             finish_reason=finish_reason,
             stop_token_id=msg.stop_token_id if finish_reason and msg.HasField("stop_token_id") else None,
             num_cached_tokens=msg.num_cached_tokens, prefill_instance_id=msg.prefill_instance_id,
-            decode_instance_id=msg.decode_instance_id, request_id=msg.request_id)
+            decode_instance_id=msg.decode_instance_id, request_id=msg.request_id,
+            prompt_logprobs=[logprobs_from_pb(lp) for lp in msg.prompt_logprobs])
 
     def to_pb(self) -> decode_pb2.DecodeResponse:
         msg = decode_pb2.DecodeResponse(
             request_id=self.request_id, token_ids=self.token_ids,
             logprobs=[logprobs_to_pb(t, lp) for t, lp in zip(self.token_ids, self.logprobs)],
             finish_reason=FINISH_REASON_TO_PB[self.finish_reason], num_cached_tokens=self.num_cached_tokens,
-            prefill_instance_id=self.prefill_instance_id, decode_instance_id=self.decode_instance_id)
+            prefill_instance_id=self.prefill_instance_id, decode_instance_id=self.decode_instance_id,
+            prompt_logprobs=[logprobs_to_pb(t, lp) for t, lp in self.prompt_logprobs])
         if self.stop_token_id is not None:
             msg.stop_token_id = self.stop_token_id
         return msg

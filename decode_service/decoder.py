@@ -17,7 +17,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc import aio
@@ -27,6 +27,7 @@ from common.engine.engine_core import EngineCore
 from common.engine.kv_connector.metadata import KVTransferOutcome
 from common.engine.kv_transfer_waiters import KVTransferWaiters
 from common.engine.outputs import EngineCoreOutput, Logprobs
+from common.service.common_api import prompt_logprob_pairs
 from common.service.engine_requests import admit_when_id_free, new_request, open_stream_when_id_free
 from common.service.errors import ServiceError
 from decode_service.admission import (
@@ -52,6 +53,8 @@ class DecodeChunk:
     logprobs: list[Logprobs] | None
     num_cached_tokens: int
     prefill_instance_id: str  # empty when prefilled here
+    # (prompt token i + 1, its Logprobs) in the first chunk, when sampling.prompt_logprobs was set
+    prompt_logprobs: list[tuple[int, Logprobs]] = field(default_factory=list)
 
 
 @dataclass
@@ -59,6 +62,7 @@ class RemotePrefill:
     instance_id: str
     num_cached_tokens: int
     first_logprobs: list[Logprobs] | None
+    prompt_logprobs: list[tuple[int, Logprobs]] = field(default_factory=list)
 
 
 class Decoder:
@@ -102,12 +106,16 @@ class Decoder:
             try:
                 async for output in stream:
                     logprobs = output.new_logprobs
-                    if first and remote is not None and logprobs is None:
-                        logprobs = remote.first_logprobs  # the prefill sampled the first token
+                    # Prefilled here, the engine's first output has the prompt's logprobs.
+                    prompt_logprobs = prompt_logprob_pairs(job.prompt_token_ids, output.prompt_logprobs)
+                    if first and remote is not None:  # the prefill instance computed the prompt
+                        if logprobs is None:
+                            logprobs = remote.first_logprobs  # and sampled the first token
+                        prompt_logprobs = prompt_logprobs or remote.prompt_logprobs
                     first = False
                     yield DecodeChunk(output, logprobs,
                                       max(output.num_cached_tokens, remote.num_cached_tokens if remote else 0),
-                                      remote.instance_id if remote else "")
+                                      remote.instance_id if remote else "", prompt_logprobs)
             except EngineDeadError as e:
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
 
@@ -178,7 +186,8 @@ class Decoder:
                 call.cancel()
                 rpc.cancel()
         await self.engine.call(lambda core: finish_import(core, job.req_id, result.token_ids), deliver=True)
-        return RemotePrefill(result.instance_id or prefill_name, result.num_cached_tokens, result.logprobs)
+        return RemotePrefill(result.instance_id or prefill_name, result.num_cached_tokens, result.logprobs,
+                             result.prompt_logprobs)
 
     async def _import_failed(self, job: DecodeJob, prefill_name: str, outcome: KVTransferOutcome,
                              error: aio.AioRpcError | None) -> None:

@@ -98,7 +98,7 @@ class DecodeWorker(EngineWorker):
             token_ids=output.new_token_ids, logprobs=chunk.logprobs or [], finish_reason=output.finish_reason,
             stop_token_id=stop_token_id, num_cached_tokens=chunk.num_cached_tokens,
             prefill_instance_id=chunk.prefill_instance_id, decode_instance_id=self.instance_id,
-            request_id=request_id).to_pb()
+            request_id=request_id, prompt_logprobs=chunk.prompt_logprobs).to_pb()
 
     # ---- common.service.lifecycle.Worker ----------------------------------------------------------
     def add_to_server(self, server: aio.Server, gate: RequestGate) -> list[str]:

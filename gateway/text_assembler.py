@@ -39,6 +39,7 @@ class TextAssembler:
             usage=Usage(self.num_prompt, self.num_generated, self.num_cached),
             token_ids=output.token_ids if request.return_token_ids else [],
             logprobs=list(zip(output.token_ids, output.logprobs)) if request.return_logprobs else [],
+            prompt_logprobs=output.prompt_logprobs,
             prefill_instance_id=self.prefill_id,
             decode_instance_id=output.decode_instance_id or self.decode_instance_id)
         if detokenizer.finished:

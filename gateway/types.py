@@ -64,12 +64,15 @@ class GenerationDelta:
     stop_string: str | None = None  # a stop string ended it
     prefill_instance_id: str = ""
     decode_instance_id: str = ""
+    # (prompt token i + 1, its Logprobs), in the first delta, when sampling.prompt_logprobs was set
+    prompt_logprobs: list[tuple[int, Logprobs]] = field(default_factory=list)
 
     def merge(self, later: "GenerationDelta") -> "GenerationDelta":
         """Append a later delta of the same request to this one (in place)."""
         self.text += later.text
         self.token_ids += later.token_ids
         self.logprobs += later.logprobs
+        self.prompt_logprobs += later.prompt_logprobs
         self.usage = later.usage
         self.prefill_instance_id = later.prefill_instance_id or self.prefill_instance_id
         self.decode_instance_id = later.decode_instance_id or self.decode_instance_id

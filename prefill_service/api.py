@@ -83,12 +83,15 @@ class PrefillResult:
     transferred: bool  # False: no target was given
     num_transferred_blocks: int = 0
     instance_id: str = ""  # the prefill instance that answered
+    # (prompt token i + 1, its Logprobs) for each, when sampling.prompt_logprobs was set
+    prompt_logprobs: list[tuple[int, Logprobs]] = field(default_factory=list)
 
     @classmethod
     def from_pb(cls, msg: prefill_pb2.PrefillResponse) -> PrefillResult:
         return cls(list(msg.token_ids), [logprobs_from_pb(lp)[1] for lp in msg.logprobs] or None,
                    msg.num_cached_tokens, msg.kv_transfer_state == prefill_pb2.KV_TRANSFER_STATE_COMPLETE,
-                   msg.num_transferred_blocks, msg.instance_id)
+                   msg.num_transferred_blocks, msg.instance_id,
+                   [logprobs_from_pb(lp) for lp in msg.prompt_logprobs])
 
     def to_pb(self, request_id: str) -> prefill_pb2.PrefillResponse:
         return prefill_pb2.PrefillResponse(
@@ -97,7 +100,8 @@ class PrefillResult:
             num_cached_tokens=self.num_cached_tokens,
             kv_transfer_state=(prefill_pb2.KV_TRANSFER_STATE_COMPLETE if self.transferred
                                else prefill_pb2.KV_TRANSFER_STATE_NOT_REQUESTED),
-            num_transferred_blocks=self.num_transferred_blocks, instance_id=self.instance_id)
+            num_transferred_blocks=self.num_transferred_blocks, instance_id=self.instance_id,
+            prompt_logprobs=[logprobs_to_pb(t, lp) for t, lp in self.prompt_logprobs])
 
 
 @dataclass

@@ -13,6 +13,7 @@ from common.engine.kv_transfer_waiters import KVTransferWaiters
 from common.engine.outputs import EngineCoreOutput
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
+from common.service.common_api import prompt_logprob_pairs
 from common.service.engine_requests import admit_when_id_free, new_request, open_stream_when_id_free
 from common.service.errors import DuplicateRequestError, ServiceError
 from prefill_service.api import PrefillJob, PrefillResult
@@ -81,7 +82,8 @@ class Prefiller:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"prefill of {job.req_id} was aborted "
                                "(the instance is shutting down)")
         result = PrefillResult(output.new_token_ids, output.new_logprobs, output.num_cached_tokens,
-                               transferred=export is not None)
+                               transferred=export is not None,
+                               prompt_logprobs=prompt_logprob_pairs(job.prompt_token_ids, output.prompt_logprobs))
         if export is not None:
             await self._await_transfer(job.req_id, export, sent)
             result.num_transferred_blocks = len(export.target.dst_block_ids)

@@ -25,6 +25,7 @@ class _Pending:
     detokenizer: IncrementalDetokenizer | None  # only when stop strings need watching
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -126,6 +127,8 @@ class LLM:
                     state.num_cached_tokens = out.num_cached_tokens
                     if out.new_logprobs is not None:
                         state.logprobs = (state.logprobs or []) + out.new_logprobs
+                    if out.prompt_logprobs is not None:
+                        state.prompt_logprobs = out.prompt_logprobs
                     if state.detokenizer is not None:
                         state.detokenizer.update(out.new_token_ids)
                         if state.detokenizer.finished:
@@ -159,6 +162,8 @@ class LLM:
                 text = self.tokenizer.decode(state.token_ids, skip_special_tokens=params.skip_special_tokens)
             result = results[state.prompt_index]
             result.num_cached_tokens = state.num_cached_tokens
+            if state.sample_index == 0:  # every sample computed the same prompt
+                result.prompt_logprobs = state.prompt_logprobs
             result.outputs.append(CompletionOutput(index=state.sample_index, text=text,
                                                    token_ids=state.token_ids,
                                                    finish_reason=state.finish_reason,

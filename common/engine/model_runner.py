@@ -136,6 +136,17 @@ def upload_int_lists(lists: list[list[int]], dtype: torch.dtype, device: torch.d
 PREFILL_THREADS_MIN_TOKENS = 32
 
 
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits are held at once (x vocab floats)
+
+
+def step_order(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The order of a step's rows: decode rows (one query token each, drafts included) first,
+    then prefill chunks; every scheduled request computes at least one known token before its
+    drafts."""
+    decodes = [r for r in scheduled if len(r.token_ids) == 1 + len(r.spec_token_ids)]
+    return decodes + [r for r in scheduled if len(r.token_ids) > 1 + len(r.spec_token_ids)]
+
+
 def step_num_threads(scheduler_output: SchedulerOutput, num_prefill_threads: int | None) -> int | None:
     """The torch threads this step runs on: num_prefill_threads where it prefills at least
     PREFILL_THREADS_MIN_TOKENS prompt tokens (chunks of more than one known token; decodes
@@ -347,6 +358,7 @@ class ModelRunner:
         received = None  # the previous stage's hidden states [num_tokens, hidden]
         graph_logits = None  # [num_tokens, vocab] when a graph computed them
         loop_output = None  # where the native loop took the step to its tokens
+        hidden = None  # [num_tokens, hidden] unless the loop took the step to its tokens
         if not model.is_first_stage:
             received = parallel_state.recv_from_prev_stage(
                 (input_ids.shape[0], self.model_config.hidden_size), self.dtype, self.device)
@@ -368,6 +380,21 @@ class ModelRunner:
         if not model.is_last_stage:
             parallel_state.send_to_next_stage(hidden)
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
+        # A step the loop took to its tokens holds decode rows alone: no prompt positions.
+        prompt_logprobs = None if loop_output is not None else self._prompt_logprobs(hidden, scheduler_output)
+        output = self._sampled_output(scheduler_output, hidden, graph_logits, loop_output, sample_indices,
+                                      sample_reqs, sample_rows, input_ids, positions, meta)
+        output.prompt_logprobs = prompt_logprobs
+        return output
+
+    def _sampled_output(self, scheduler_output: SchedulerOutput, hidden: torch.Tensor | None,
+                        graph_logits: torch.Tensor | None, loop_output: RunnerOutput | None,
+                        sample_indices: torch.Tensor, sample_reqs: list[ScheduledRequest],
+                        sample_rows: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
+                        meta: AttentionMetadata) -> RunnerOutput:
+        """The step's tokens from its last stage's hidden states [num_tokens, hidden] (or the
+        loop's own output), with the drafts for the next step."""
+        connector = self.kv_connector
         if connector is not None:
             connector.wait_for_save()
         proposer = self.proposer
@@ -392,13 +419,53 @@ class ModelRunner:
         else:
             sampled_hidden = hidden if every_row else hidden[sample_indices]
             if token_bitmask is None and self.sampler.only_argmax(sample_rows):
-                logits = model.compute_argmax_logits(sampled_hidden)
+                logits = self.model.compute_argmax_logits(sampled_hidden)
             if logits is None:
                 logits = self.compute_logits(sampled_hidden)
         if not self.is_output_rank:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         sampled = self.sampler(logits, sample_rows, token_bitmask, bitmask_rows)
         return self._accepted(sample_reqs, sampled.sampled_token_ids, sampled.logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, scheduler_output: SchedulerOutput
+                         ) -> dict[str, tuple[int, list[Logprobs]]] | None:
+        """For each request asking for prompt_logprobs whose chunk holds positions p followed by
+        a prompt token: at each, that token's logprob and the top alternatives (the raw
+        logits' log-softmax, as vLLM gives them), as (the first p, one Logprobs a position).
+        Every TP rank of the last stage takes part (compute_logits gathers). hidden:
+        [num_tokens, hidden], rows in step_order."""
+        if all(req.sampling_params.prompt_logprobs is None for req in scheduler_output.scheduled):
+            return None
+        results: dict[str, tuple[int, list[Logprobs]]] = {}
+        row = 0
+        for req in step_order(scheduler_output.scheduled):
+            num_top = req.sampling_params.prompt_logprobs
+            end = min(req.start_pos + len(req.token_ids), len(req.prompt_token_ids) - 1)
+            if num_top is not None and req.start_pos < end:
+                target_ids = req.prompt_token_ids[req.start_pos + 1:end + 1]
+                results[req.req_id] = (req.start_pos,
+                                       self._logprobs_of(hidden[row:row + end - req.start_pos], target_ids, num_top))
+            row += len(req.token_ids)
+        return results or None
+
+    def _logprobs_of(self, hidden: torch.Tensor, target_ids: list[int], num_top: int) -> list[Logprobs]:
+        """Each row's log-softmax at target_ids' token and its num_top largest, in slices of
+        PROMPT_LOGPROBS_ROWS rows (a whole chunk's logits would be chunk x vocab floats).
+        hidden: [num_rows, hidden]."""
+        vocab_size = self.model_config.vocab_size
+        results: list[Logprobs] = []
+        for start in range(0, hidden.shape[0], PROMPT_LOGPROBS_ROWS):
+            logits = self.compute_logits(hidden[start:start + PROMPT_LOGPROBS_ROWS])[:, :vocab_size]  # [rows, vocab]
+            logprobs = torch.log_softmax(logits.float(), dim=-1)  # [rows, vocab]
+            targets = torch.tensor(target_ids[start:start + PROMPT_LOGPROBS_ROWS], device=logprobs.device)
+            token_logprobs = logprobs.gather(1, targets[:, None])[:, 0].tolist()  # [rows]
+            if num_top > 0:
+                top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [rows, num_top] each
+                top_values, top_ids = top_values.tolist(), top_ids.tolist()
+            else:
+                top_values = top_ids = [[] for _ in token_logprobs]
+            results += [Logprobs(t, ids, values) for t, ids, values in zip(token_logprobs, top_ids, top_values)]
+        return results
 
     def _accepted(self, sample_reqs: list[ScheduledRequest], row_token_ids: list[int],
                   row_logprobs: list[Logprobs | None] | None) -> RunnerOutput:
@@ -539,10 +606,9 @@ class ModelRunner:
         before it attends): such a step runs where decode steps do (the native loop, CUDA
         graphs) instead of through the prefill kernels."""
         device = self.device
-        # Every scheduled request computes at least one known token before its drafts.
-        decodes = [r for r in scheduled if len(r.token_ids) == 1 + len(r.spec_token_ids)]
-        prefills = [r for r in scheduled if len(r.token_ids) > 1 + len(r.spec_token_ids)]
-        ordered = decodes + prefills
+        ordered = step_order(scheduled)
+        num_decode_reqs = sum(len(r.token_ids) == 1 + len(r.spec_token_ids) for r in scheduled)
+        decodes, prefills = ordered[:num_decode_reqs], ordered[num_decode_reqs:]
         bs = self.block_size
         max_blocks = max((len(r.block_table) for r in ordered), default=0)
         input_ids: list[int] = []

@@ -91,6 +91,9 @@ class RunnerOutput:
     failing_kv_transfers: dict[str, str] = field(default_factory=dict)
     # Drafts proposed for each entry of req_ids' next step (None: no proposer ran).
     spec_token_ids: list[list[int]] | None = None
+    # req_id -> (p, the Logprobs of prompt tokens p + 1, p + 2, ...) for the requests asking
+    # for prompt_logprobs whose chunk this step held such positions.
+    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] | None = None
 
 
 @dataclass
@@ -100,6 +103,9 @@ class EngineCoreOutput:
     req_id: str
     new_token_ids: list[int]
     new_logprobs: list[Logprobs] | None = None
+    # With a request's first token, when it asked for prompt_logprobs and computed its prompt
+    # here: one per prompt token, None for the first (nothing comes before it).
+    prompt_logprobs: list[Logprobs | None] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string
     num_cached_tokens: int = 0
@@ -129,3 +135,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: list[Logprobs | None] | None = None  # sampling_params.prompt_logprobs

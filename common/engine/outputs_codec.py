@@ -186,16 +186,22 @@ def runner_output_to_dict(output: RunnerOutput) -> dict:
         "logprobs": None if output.logprobs is None else [
             None if row is None else [_logprobs_to_list(lp) for lp in row] for row in output.logprobs],
         "kv_transfer_outcomes": [_fields(o) for o in output.kv_transfer_outcomes],
+        "prompt_logprobs": None if output.prompt_logprobs is None else {
+            req_id: [first_position, [_logprobs_to_list(lp) for lp in row]]
+            for req_id, (first_position, row) in output.prompt_logprobs.items()},
     }
 
 
 def runner_output_from_dict(data: dict) -> RunnerOutput:
     try:
-        logprobs = data["logprobs"]
+        logprobs, prompt_logprobs = data["logprobs"], data["prompt_logprobs"]
         return RunnerOutput(**(data | {
             "logprobs": None if logprobs is None else [
                 None if row is None else [Logprobs(*lp) for lp in row] for row in logprobs],
             "kv_transfer_outcomes": [KVTransferOutcome(**o) for o in data["kv_transfer_outcomes"]],
+            "prompt_logprobs": None if prompt_logprobs is None else {
+                req_id: (first_position, [Logprobs(*lp) for lp in row])
+                for req_id, (first_position, row) in prompt_logprobs.items()},
         }))
     except (KeyError, TypeError, ValueError) as e:
         raise MessageFormatError(f"not a RunnerOutput: {type(e).__name__}: {e}") from None

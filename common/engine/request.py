@@ -66,6 +66,27 @@ class Request:
         self.spec_acceptance_rate: float | None = None  # None: no verification yet
         self.num_spec_backoff_steps = 0
         self.num_spec_backoffs = 0  # pauses in a row; each doubles the next
+        # Entry i: prompt token i's logprob (None for token 0), gathered chunk by chunk while
+        # the prompt is computed here; None when not asked for, or once sent.
+        self.prompt_logprobs: list | None = [None] if sampling_params.prompt_logprobs is not None else None
+
+    def add_prompt_logprobs(self, first_position: int, logprobs: list) -> None:
+        """The Logprobs of prompt tokens first_position + 1, + 2, ...; a chunk computed again
+        (after a preemption) repeats what is here already and adds nothing."""
+        have = self.prompt_logprobs
+        if have is None:
+            return
+        num_known = len(have) - (first_position + 1)
+        if num_known < 0:  # positions never computed here (only a prefix-cache hit would do it)
+            self.prompt_logprobs = None
+            return
+        have.extend(logprobs[num_known:])
+
+    def take_prompt_logprobs(self) -> list | None:
+        """The prompt's logprobs once every prompt token has one (else None: the prompt was
+        not computed here, e.g. its KV came from a prefill instance), at most once."""
+        have, self.prompt_logprobs = self.prompt_logprobs, None
+        return have if have is not None and len(have) == self.num_prompt_tokens else None
 
     @property
     def num_tokens(self) -> int:

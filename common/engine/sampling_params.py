@@ -65,6 +65,9 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: until EOS or the model's context length
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
     logprobs: int | None = None  # None: none; 0: the sampled token's only; k: plus top-k
+    # Each prompt token's logprob given the tokens before it, plus the top-k there (vLLM's;
+    # None: none). Such a prompt is computed whole: no prefix-cache hits.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True  # in the detokenized text
     # Guided decoding: the output obeys this constraint (a dict is turned into one).
     structured_outputs: StructuredOutputsParams | None = None
@@ -118,9 +121,10 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
                              f"got {self.min_tokens}")
-        if self.logprobs is not None and (
-                not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            fail("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                fail(name, f"None or an integer in [0, {MAX_LOGPROBS}]")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         elif not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):

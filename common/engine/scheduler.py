@@ -295,6 +295,10 @@ class Scheduler(SchedulerInterface):
         logprobs_per_req = runner_output.logprobs or [None] * num_reqs
         proposals = runner_output.spec_token_ids or [[]] * num_reqs
         num_steps_run = 1
+        for req_id, (first_position, logprobs) in (runner_output.prompt_logprobs or {}).items():
+            request = self.requests.get(req_id)
+            if request is not None:  # before the tokens: the last chunk samples the first one
+                request.add_prompt_logprobs(first_position, logprobs)
         for req_id, token_ids, logprobs, proposal in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                                          logprobs_per_req, proposals):
             request = self.requests.get(req_id)
@@ -363,6 +367,7 @@ class Scheduler(SchedulerInterface):
         return EngineCoreOutput(
             req_id=request.req_id, new_token_ids=list(token_ids[:num_kept]),
             new_logprobs=logprobs[:num_kept] if logprobs is not None else None,
+            prompt_logprobs=request.take_prompt_logprobs() if request.prompt_logprobs is not None else None,
             finish_reason=request.status.value if request.is_finished else None,
             stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0))
 

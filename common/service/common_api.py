@@ -86,6 +86,15 @@ def structured_output_from_pb(msg: common_pb2.StructuredOutput, field_path: str 
         raise invalid(f"{field_path}{str(e).replace('structured_outputs', 'structured_output', 1)}") from None
 
 
+def prompt_logprob_pairs(prompt_token_ids: list[int],
+                         prompt_logprobs: list[Logprobs | None] | None) -> list[tuple[int, Logprobs]]:
+    """An engine's prompt_logprobs (None for the first token) as (prompt token i + 1, its
+    Logprobs), the form every message carries them in; [] where there are none."""
+    if prompt_logprobs is None:
+        return []
+    return list(zip(prompt_token_ids[1:], prompt_logprobs[1:]))
+
+
 def logprobs_to_pb(token_id: int, logprobs: Logprobs) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(token_id=token_id, logprob=logprobs.token_logprob,
                                    top_token_ids=logprobs.top_token_ids,

@@ -4,7 +4,7 @@ Every problem is a 400 whose message and `param` name the field: malformed JSON,
 field this API does not know (strict, so a typo is not silently ignored), a wrong
 type, a value out of range. The fields accepted are OpenAI's, the sampling
 extensions vLLM accepts (top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
-stop_token_ids, allowed_token_ids, include_stop_str_in_output, skip_special_tokens, priority,
+stop_token_ids, allowed_token_ids, prompt_logprobs, include_stop_str_in_output, skip_special_tokens, priority,
 stream_options.continuous_usage_stats, and the output constraints: response_format,
 guided_json/regex/choice/grammar, structured_outputs; see structured_outputs.py), and OpenAI fields for features this server
 does not have (tools, echo, ...) as long as they hold their neutral
@@ -71,6 +71,8 @@ class ParsedRequest:
     include_usage: bool = False  # stream: a last chunk with the usage
     continuous_usage: bool = False  # stream: usage so far in every chunk (vLLM)
     num_logprobs: int | None = None  # top alternatives per token; None: no logprobs
+    # Completions: the prompt's text before each choice's, and with logprobs its tokens' first
+    echo: bool = False
     priority: int = 0
     constraint_field: str | None = None  # the field that set the output constraint, if any
 
@@ -301,11 +303,11 @@ COMMON_FIELDS: dict[str, Callable] = {
     "repetition_penalty": number(0.0, math.inf, lo_open=True), "seed": integer(0, MAX_SEED),
     "stop": stop_strings, "stop_token_ids": stop_token_ids, "ignore_eos": boolean, "min_tokens": integer(0, UINT32_MAX),
     "include_stop_str_in_output": boolean, "skip_special_tokens": boolean, "priority": integer(*INT32),
-    "allowed_token_ids": allowed_token_ids, "user": string, "logit_bias": logit_bias, **STRUCTURED_OUTPUT_FIELDS,
+    "allowed_token_ids": allowed_token_ids, "prompt_logprobs": integer(0, MAX_LOGPROBS), "user": string, "logit_bias": logit_bias, **STRUCTURED_OUTPUT_FIELDS,
 }
 COMPLETION_FIELDS: dict[str, Callable] = {
     **COMMON_FIELDS, "prompt": prompt_value, "logprobs": integer(0, MAX_LOGPROBS),
-    "echo": neutral(False), "best_of": integer(1, MAX_CHOICES), "suffix": neutral("")}
+    "echo": boolean, "best_of": integer(1, MAX_CHOICES), "suffix": neutral("")}
 CHAT_FIELDS: dict[str, Callable] = {
     **COMMON_FIELDS, "messages": messages_value, "max_completion_tokens": integer(1, UINT32_MAX),
     "logprobs": boolean, "top_logprobs": integer(0, MAX_LOGPROBS),
@@ -447,6 +449,7 @@ def parse_request(body: bytes, chat: bool) -> ParsedRequest:
         parsed.prompts = _prompts(values.get("prompt", _NONE))
         max_tokens = get("max_tokens", 16)  # OpenAI's default for completions
         parsed.num_logprobs = get("logprobs")
+        parsed.echo = get("echo", False)
         if get("best_of", n) != n:
             raise invalid_field("best_of", f"must equal n ({n}) if set: ranking candidates is not supported",
                                 code="unsupported_value")
@@ -455,6 +458,9 @@ def parse_request(body: bytes, chat: bool) -> ParsedRequest:
                                  f"{MAX_CHOICES}")
     constraint, parsed.constraint_field = structured_outputs_of(values)
     parsed.sampling = _sampling(values, n, max_tokens, parsed.num_logprobs, constraint)
+    if parsed.echo and parsed.num_logprobs is not None:  # the echoed prompt's tokens have logprobs too
+        parsed.sampling = parsed.sampling.clone(
+            prompt_logprobs=max(parsed.sampling.prompt_logprobs or 0, parsed.num_logprobs))
     return parsed
 
 
@@ -472,7 +478,7 @@ def _sampling(values: dict, n: int, max_tokens: int | None, num_logprobs: int | 
     get = values.get
     names = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
              "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
-             "skip_special_tokens", "logit_bias", "allowed_token_ids")
+             "skip_special_tokens", "logit_bias", "allowed_token_ids", "prompt_logprobs")
     fields = {name: values[name] for name in names if name in values}
     top_k = get("top_k", -1)
     try:

@@ -4,6 +4,11 @@ One ResponseBuilder per HTTP request. It keeps what a response needs across
 chunks: each choice's completion tokens and logprob text offset, each prompt's
 token counts. Usage counts every prompt once, however many choices it has (as
 OpenAI does for n > 1); its cached tokens are those of the prompt's first choice.
+
+A completion with `echo` starts with its prompt's text, and with logprobs its prompt's
+tokens come first in them (the first with no logprob, as OpenAI's legacy API and vLLM
+give them). `prompt_logprobs` (vLLM's) are vLLM's shape: per prompt token None (the first)
+or {token id: {logprob, rank, decoded_token}} for the token and the top alternatives.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ def json_bytes(payload: dict) -> bytes:
 
 class ResponseBuilder:
     def __init__(self, request: ParsedRequest, response_id: str, model_name: str,
-                 token_text: Callable[[int], str]):
+                 token_text: Callable[[int], str], echo_prompts: list[tuple[str, list[int]]] | None = None):
         self.request = request
         self.chat = request.chat
         self.head = {"id": response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -43,7 +48,8 @@ class ResponseBuilder:
         self.text_offsets = [0] * num_choices  # completions logprobs: offset of the next token
         self.prompt_tokens = [0] * request.num_prompts
         self.cached_tokens = [0] * request.num_prompts
-        self.started = [False] * num_choices  # chat stream: the role goes in a choice's first chunk
+        self.started = [False] * num_choices  # the role (chat), an echo, prompt logprobs: in the first chunk
+        self.echo_prompts = echo_prompts  # per prompt (text, token ids), for request.echo
 
     def _record(self, index: int, delta: GenerationDelta) -> None:
         self.completion_tokens[index] = delta.usage.completion_tokens
@@ -65,15 +71,20 @@ class ResponseBuilder:
         choices = []
         for index, result in enumerate(results):
             self._record(index, result)
-            choice = {"index": index, "logprobs": self._logprobs(index, result),
+            choice = {"index": index, "logprobs": self._logprobs(index, result, first=True),
                       "finish_reason": result.finish_reason, "stop_reason": _stop_reason(result)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": result.text}
             else:
-                choice["text"] = result.text
+                choice["text"] = self._echoed_text(index) + result.text
+                if self.request.sampling.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs(result)
             choices.append(choice)
-        return {**self.head, "object": "chat.completion" if self.chat else "text_completion",
-                "choices": choices, "usage": self.usage()}
+        response = {**self.head, "object": "chat.completion" if self.chat else "text_completion",
+                    "choices": choices, "usage": self.usage()}
+        if self.chat and self.request.sampling.prompt_logprobs is not None and results:
+            response["prompt_logprobs"] = self._prompt_logprobs(results[0])  # every choice's prompt
+        return response
 
     # --- streaming -------------------------------------------------------------------
 
@@ -81,14 +92,15 @@ class ResponseBuilder:
         """The SSE event for one delta of choice `index`."""
         self._record(index, delta)
         choice: dict = {"index": index}
+        first, self.started[index] = not self.started[index], True
         if self.chat:
-            message = {"role": "assistant", "content": delta.text} if not self.started[index] else (
+            choice["delta"] = {"role": "assistant", "content": delta.text} if first else (
                 {"content": delta.text} if delta.text else {})
-            self.started[index] = True
-            choice["delta"] = message
         else:
-            choice["text"] = delta.text
-        choice["logprobs"] = self._logprobs(index, delta)
+            choice["text"] = (self._echoed_text(index) if first else "") + delta.text
+        choice["logprobs"] = self._logprobs(index, delta, first)
+        if first and self.request.sampling.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(delta)
         choice["finish_reason"] = delta.finish_reason
         if delta.finish_reason is not None:
             choice["stop_reason"] = _stop_reason(delta)
@@ -105,24 +117,55 @@ class ResponseBuilder:
 
     # --- logprobs --------------------------------------------------------------------
 
-    def _logprobs(self, index: int, delta: GenerationDelta) -> dict | None:
+    def _echoed_text(self, index: int) -> str:
+        return "" if self.echo_prompts is None else self.echo_prompts[index // self.request.sampling.n][0]
+
+    def _logprobs(self, index: int, delta: GenerationDelta, first: bool) -> dict | None:
         if self.request.num_logprobs is None:
             return None
         if self.chat:
             return {"content": [self._chat_logprob(token_id, lp) for token_id, lp in delta.logprobs]}
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        if first and self.echo_prompts is not None:  # the prompt's tokens first, the first with none
+            prompt_token_ids = self.echo_prompts[index // self.request.sampling.n][1]
+            computed = dict(enumerate(lp for _, lp in delta.prompt_logprobs))  # position - 1 -> Logprobs
+            for position, token_id in enumerate(prompt_token_ids):
+                text = self.token_text(token_id)
+                lp = computed.get(position - 1)
+                tokens.append(text)
+                token_logprobs.append(None if lp is None else _clamp(lp.token_logprob))
+                top_logprobs.append(None if lp is None else self._top(text, lp))
+                offsets.append(self.text_offsets[index])
+                self.text_offsets[index] += len(text)
         for token_id, lp in delta.logprobs:
             text = self.token_text(token_id)
             tokens.append(text)
             token_logprobs.append(_clamp(lp.token_logprob))
-            # The sampled token and the top alternatives (vLLM's legacy completions shape).
-            top = {text: _clamp(lp.token_logprob)}
-            top.update((self.token_text(t), _clamp(v)) for t, v in zip(lp.top_token_ids, lp.top_logprobs))
-            top_logprobs.append(top)
+            top_logprobs.append(self._top(text, lp))
             offsets.append(self.text_offsets[index])
             self.text_offsets[index] += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
+
+    def _top(self, text: str, lp: Logprobs) -> dict:
+        """The token and the top alternatives by their text (vLLM's legacy completions shape)."""
+        top = {text: _clamp(lp.token_logprob)}
+        top.update((self.token_text(t), _clamp(v)) for t, v in zip(lp.top_token_ids, lp.top_logprobs))
+        return top
+
+    def _prompt_logprobs(self, delta: GenerationDelta) -> list[dict | None]:
+        """vLLM's prompt_logprobs: None for the first prompt token, then per token its own
+        entry and its top alternatives' by token id, ranked among the alternatives (the
+        token's own rank is only known when it is one of them)."""
+        entries: list[dict | None] = [None]
+        for token_id, lp in delta.prompt_logprobs:
+            entry = {str(t): {"logprob": _clamp(v), "rank": rank, "decoded_token": self.token_text(t)}
+                     for rank, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1)}
+            if str(token_id) not in entry:
+                entry[str(token_id)] = {"logprob": _clamp(lp.token_logprob), "rank": None,
+                                        "decoded_token": self.token_text(token_id)}
+            entries.append(entry)
+        return entries
 
     def _chat_logprob(self, token_id: int, lp: Logprobs) -> dict:
         text = self.token_text(token_id)

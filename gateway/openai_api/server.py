@@ -211,7 +211,8 @@ class OpenAIServer:
             model_name = self._check_model(parsed.model)
             response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             inputs = parsed.generate_inputs(response_id)
-            builder = ResponseBuilder(parsed, response_id, model_name, self.token_text)
+            builder = ResponseBuilder(parsed, response_id, model_name, self.token_text,
+                                      await self._echo_prompts(parsed) if parsed.echo else None)
             if parsed.stream:
                 return await self._start_stream(request, builder, stream_choices(self.gateway, inputs))
             results = await _until_disconnect(request, generate_choices(self.gateway, inputs))
@@ -226,6 +227,16 @@ class OpenAIServer:
             return Response(status_code=499)  # nobody reads it; nginx's code for this case
         except ClientGone:  # gone while the gateway served it (Gateway.stream counted it)
             return Response(status_code=499)
+
+    async def _echo_prompts(self, parsed: ParsedRequest) -> list[tuple[str, list[int]]]:
+        """Each prompt's text and token ids (as generation tokenizes it), for echo."""
+        echoed = []
+        for prompt in parsed.prompts:
+            if isinstance(prompt, str):
+                echoed.append((prompt, await self.gateway.tokenize(GenerateInput(text=prompt))))
+            else:
+                echoed.append((self.gateway.model.tokenizer.decode(prompt, skip_special_tokens=False), prompt))
+        return echoed
 
     def _count_refusal(self, status: str) -> None:
         """A request the HTTP edge ended itself is still a request: counted under its status

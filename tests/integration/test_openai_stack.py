@@ -108,6 +108,48 @@ def test_logit_bias_and_allowed_token_ids_hold_on_prefill_and_decode(client, grp
     assert error.value.body["param"] == "logit_bias" and f"vocab size {vocab_size}" in error.value.body["message"]
 
 
+def test_prompt_logprobs_from_prefill_and_decode_agree_with_the_sampled_tokens(grpc_client):
+    """A prompt's logprobs come from whichever instance computed it (the prefill instance for
+    the long prompt, decode for the short one); the logprob the prompt gives its own last
+    token is the one generation gave that token after the shorter prompt."""
+    from gateway.validation import load_served_model
+    tokenizer = load_served_model(None).tokenizer
+    for prompt in PROMPTS:
+        prompt_ids = tokenizer.encode(prompt)
+        first = grpc_client.generate(prompt_ids, sampling=SamplingParams(max_tokens=1, temperature=0, logprobs=0),
+                                     return_token_ids=True)
+        extended = prompt_ids + first.token_ids
+        result = grpc_client.generate(extended, sampling=SamplingParams(max_tokens=2, temperature=0,
+                                                                        prompt_logprobs=3))
+        assert [token_id for token_id, _ in result.prompt_logprobs] == extended[1:]
+        assert result.prefill_instance_id.startswith("prefill-") == (prompt == LONG_PROMPT)
+        assert all(lp.token_logprob <= 0 and len(lp.top_token_ids) == 3 for _, lp in result.prompt_logprobs)
+        assert all(lp.top_logprobs == sorted(lp.top_logprobs, reverse=True) for _, lp in result.prompt_logprobs)
+        assert result.prompt_logprobs[-1][1].token_logprob == pytest.approx(first.logprobs[0][1].token_logprob,
+                                                                            abs=0.05)
+        # The greedy token is the best there: the last entry's top alternative.
+        assert result.prompt_logprobs[-1][1].top_token_ids[0] == first.token_ids[0]
+
+
+def test_echo_with_logprobs_gives_the_prompts_tokens_first_as_evaluation_harnesses_read_them(client, model):
+    """lm-evaluation-harness' loglikelihood request: echo, logprobs=1, max_tokens=1 over token ids."""
+    from gateway.validation import load_served_model
+    tokenizer = load_served_model(None).tokenizer
+    for prompt in PROMPTS:
+        prompt_ids = tokenizer.encode(prompt)
+        result = client.completions.create(model=model, prompt=prompt_ids, max_tokens=1, temperature=0, logprobs=1,
+                                           echo=True)
+        choice = result.choices[0]
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(prompt_ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) >= 1 for t in lp.top_logprobs[1:])
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+        assert choice.text.startswith(tokenizer.decode(prompt_ids, skip_special_tokens=False))
+        assert choice.text == "".join(lp.tokens)
+        text = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, echo=True)
+        assert text.choices[0].text.startswith(prompt) and text.choices[0].logprobs is None
+
+
 def open_stream(address: str, body: dict) -> socket.socket:
     host, port = address.split(":")
     sock = socket.create_connection((host, int(port)), timeout=60)

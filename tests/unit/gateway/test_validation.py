@@ -69,6 +69,12 @@ BAD_REQUESTS = {
     "stop token out of vocabulary": (request(text="hi", stop_token_ids=[10**6]), INVALID, "stop_token_ids"),
     "empty stop string": (request(text="hi", stop=[""]), INVALID, "stop"),
     "n > 1": (request(text="hi", n=2), INVALID, "send n separate requests"),
+    "logit bias out of vocabulary": (request(text="hi", logit_bias={10**6: 1.0}), INVALID,
+                                     "sampling.logit_bias: token id 1000000 is out of range"),
+    "allowed id out of vocabulary": (request(text="hi", allowed_token_ids=[5, 49152]), INVALID,
+                                     "sampling.allowed_token_ids: token id 49152"),
+    "logit bias past 100": (request(text="hi", logit_bias={5: 150.0}), INVALID, "logit_bias[5] must be"),
+    "too many prompt logprobs": (request(text="hi", prompt_logprobs=21), INVALID, "prompt_logprobs"),
 }
 
 

@@ -166,3 +166,27 @@ def test_validate_prompt_token_ids():
         validate_prompt_token_ids([1, "7"], 100)
     with pytest.raises(ValueError, match=r"\[1\].*2.0.*not an int"):
         validate_prompt_token_ids([1, 2.0], 100)
+
+
+def test_a_requests_prompt_logprobs_gather_chunk_by_chunk_once():
+    from common.engine.outputs import Logprobs
+    from common.engine.request import Request
+    def lp(value):
+        return Logprobs(value, [], [])
+    request = Request("r", [5, 6, 7, 8, 9], SamplingParams(prompt_logprobs=0))
+    request.add_prompt_logprobs(0, [lp(-1.0), lp(-2.0)])  # tokens 1 and 2, from the first chunk
+    assert request.take_prompt_logprobs() is None  # not every prompt token has one yet: nothing
+    request = Request("r", [5, 6, 7, 8, 9], SamplingParams(prompt_logprobs=0))
+    request.add_prompt_logprobs(0, [lp(-1.0), lp(-2.0)])
+    request.add_prompt_logprobs(0, [lp(-1.5), lp(-2.5), lp(-3.0)])  # recomputed after a preemption
+    request.add_prompt_logprobs(3, [lp(-4.0)])
+    assert request.take_prompt_logprobs() == [None, lp(-1.0), lp(-2.0), lp(-3.0), lp(-4.0)]
+    assert request.take_prompt_logprobs() is None  # once
+    request.add_prompt_logprobs(0, [lp(-1.0)])  # a recompute after it was sent adds nothing
+    assert request.prompt_logprobs is None
+    gap = Request("g", [5, 6, 7], SamplingParams(prompt_logprobs=2))
+    gap.add_prompt_logprobs(1, [lp(-1.0)])  # position 0 never computed here
+    assert gap.take_prompt_logprobs() is None
+    assert Request("n", [5, 6], SamplingParams()).prompt_logprobs is None
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=MAX_LOGPROBS + 1)

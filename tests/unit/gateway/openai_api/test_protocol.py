@@ -99,7 +99,9 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({**CHAT, "top_logprobs": 2}, True, "top_logprobs", "invalid_value"),
     ({**CHAT, "max_tokens": 5, "max_completion_tokens": 6}, True, "max_tokens", "invalid_value"),
     ({**COMPLETION, "best_of": 3}, False, "best_of", "unsupported_value"),
-    ({**COMPLETION, "echo": True}, False, "echo", "unsupported_value"),
+    ({**COMPLETION, "echo": "yes"}, False, "echo", "invalid_type"),
+    ({**COMPLETION, "prompt_logprobs": 21}, False, "prompt_logprobs", "invalid_value"),
+    ({**COMPLETION, "suffix": "x"}, False, "suffix", "unsupported_value"),
     ({**COMPLETION, "logit_bias": {"50256": -101}}, False, "logit_bias.50256", "invalid_value"),
     ({**COMPLETION, "logit_bias": {"50256": "-1"}}, False, "logit_bias.50256", "invalid_type"),
     ({**COMPLETION, "logit_bias": {"-3": 1}}, False, "logit_bias", "invalid_value"),
@@ -157,6 +159,14 @@ def test_what_the_official_client_and_benchmark_clients_send_is_accepted():
     chat = parse(chat=True, max_completion_tokens=8, tools=[], tool_choice="none", parallel_tool_calls=False,
                  response_format={"type": "text"}, metadata={"k": "v"}, store=False, n=None)
     assert chat.sampling.max_tokens == 8 and chat.sampling.n == 1
+
+
+def test_echo_with_logprobs_asks_for_the_prompts_logprobs():
+    assert parse(echo=True).echo and parse(echo=True).sampling.prompt_logprobs is None
+    assert parse(echo=True, logprobs=2).sampling.prompt_logprobs == 2
+    assert parse(echo=True, logprobs=2, prompt_logprobs=5).sampling.prompt_logprobs == 5
+    assert parse(prompt_logprobs=0).sampling.prompt_logprobs == 0 and not parse(prompt_logprobs=0).echo
+    assert parse(chat=True, prompt_logprobs=1).sampling.prompt_logprobs == 1
 
 
 def test_logit_bias_and_allowed_token_ids_reach_the_sampling_params():

@@ -70,7 +70,9 @@ runner_outputs = st.builds(
     RunnerOutput, req_ids=st.lists(req_ids, max_size=3), sampled_token_ids=st.lists(token_ids, max_size=3),
     logprobs=st.none() | st.lists(st.none() | st.lists(logprobs, max_size=2), max_size=3),
     finished_sending=st.lists(req_ids, max_size=2), finished_recving=st.lists(req_ids, max_size=2),
-    kv_transfer_outcomes=st.lists(outcomes, max_size=2), spec_token_ids=st.none() | st.lists(token_ids, max_size=3))
+    kv_transfer_outcomes=st.lists(outcomes, max_size=2), spec_token_ids=st.none() | st.lists(token_ids, max_size=3),
+    prompt_logprobs=st.none() | st.dictionaries(req_ids, st.tuples(st.integers(0, 4096), st.lists(logprobs, max_size=3)),
+                                                max_size=2))
 
 
 def _without_bitmask(output: SchedulerOutput):

@@ -37,3 +37,34 @@ def test_tiny_model_matches_transformers(tiny_model_factory, name):
         torch.testing.assert_close(ours_lp, hf_teacher_forced_logprobs(hf_model, prompt, ours),
                                    atol=1e-3, rtol=0)
     assert llm.engine.kv_cache_manager.num_free_blocks == 64
+
+
+def test_prompt_logprobs_match_transformers_across_chunks_and_skip_the_prefix_cache(tiny_model_factory):
+    from transformers import AutoModelForCausalLM
+    model_dir = tiny_model_factory("llama-tied", "llama", tie_word_embeddings=True)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm = LLM(model=str(model_dir), num_kv_blocks=64, max_num_batched_tokens=48, block_size=8)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (70, 5, 1)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], greedy)[0]
+    assert first.prompt_logprobs is None
+    # The same prompt again: its first 64 tokens are cached, but prompt logprobs need them all.
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy.clone(prompt_logprobs=3))
+    for prompt, output in zip(prompts, outputs):
+        assert len(output.prompt_logprobs) == len(prompt) and output.prompt_logprobs[0] is None
+        if len(prompt) == 1:
+            continue
+        ours = torch.tensor([lp.token_logprob for lp in output.prompt_logprobs[1:]])
+        torch.testing.assert_close(ours, hf_teacher_forced_logprobs(hf_model, prompt[:1], prompt[1:]),
+                                   atol=1e-3, rtol=0)
+        with torch.no_grad():
+            reference = hf_model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)  # [P-1, vocab]
+        top_values = torch.tensor([lp.top_logprobs for lp in output.prompt_logprobs[1:]])
+        torch.testing.assert_close(top_values, reference.topk(3, dim=-1).values, atol=1e-3, rtol=0)
+        assert all(len(lp.top_token_ids) == 3 for lp in output.prompt_logprobs[1:])
+        assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, 2)
+    assert outputs[0].num_cached_tokens == 0 and first.num_cached_tokens == 0
+    again = llm.generate([{"prompt_token_ids": prompts[0]}], greedy)[0]
+    assert again.num_cached_tokens == 64 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.engine.kv_cache_manager.num_free_blocks == 64
