@@ -12,6 +12,7 @@ import time
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.engine.cpus import num_cpus_available
@@ -76,7 +77,11 @@ def test_ranks_split_by_tensor_or_pipeline_give_the_single_rank_tokens(tiny_mode
     # A step budget below the prompts' lengths splits them over batches, so a pipeline has
     # a second batch to run while the first is in flight.
     engine = dict(kv_cache_memory="16MiB", max_num_batched_tokens=8)
-    expected = [o.outputs[0].token_ids for o in LLM(str(model_dir), **engine).generate(PROMPTS, params)]
+    single = LLM(str(model_dir), **engine)
+    expected = [o.outputs[0].token_ids for o in single.generate(PROMPTS, params)]
+    # Prompt logprobs: every rank of the last stage gathers the prompt positions' logits too.
+    with_prompt = params.clone(max_tokens=2, prompt_logprobs=2)
+    expected_prompt = [o.prompt_logprobs for o in single.generate(PROMPTS, with_prompt)]
     llm = LLM(str(model_dir), **engine, tensor_parallel_size=tensor_parallel_size,
               pipeline_parallel_size=pipeline_parallel_size)
     executor = llm.engine.executor
@@ -96,6 +101,10 @@ def test_ranks_split_by_tensor_or_pipeline_give_the_single_rank_tokens(tiny_mode
         # Each rank an equal share of the CPUs, not every core each (2 ranks: half each).
         assert executor.collective_rpc("num_threads") == [max(1, num_cpus_available() // 2)] * 2
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected
+        for got, want in zip([o.prompt_logprobs for o in llm.generate(PROMPTS, with_prompt)], expected_prompt):
+            assert len(got) == len(want) and got[0] is None and want[0] is None
+            torch.testing.assert_close(torch.tensor([lp.token_logprob for lp in got[1:]]),
+                                       torch.tensor([lp.token_logprob for lp in want[1:]]), atol=2e-2, rtol=0)
         # One batch per pipeline stage in flight; one at a time without a pipeline.
         assert llm.engine.max_batches_in_flight == (2 if pipeline_parallel_size == 2 else 0)
         assert overlaps == []
