@@ -327,8 +327,10 @@ class Sampler:
             if len(r.output_token_ids) >= p.min_tokens or i in constrained_rows:
                 continue
             stop_ids = self._stop_ids(p, vocab_size)
-            if p.allowed_token_ids is not None and set(p.allowed_token_ids) <= set(stop_ids):
-                continue  # the same for an allowed set of stop tokens alone
+            if p.allowed_token_ids is not None:
+                stop_set = set(stop_ids)
+                if all(t in stop_set for t in p.allowed_token_ids):  # stops at the first other id
+                    continue  # the same for an allowed set of stop tokens alone
             mask_rows += [i] * len(stop_ids)
             mask_ids += stop_ids
         if mask_rows:

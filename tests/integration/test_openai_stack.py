@@ -146,6 +146,10 @@ def test_echo_with_logprobs_gives_the_prompts_tokens_first_as_evaluation_harness
         assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
         assert choice.text.startswith(tokenizer.decode(prompt_ids, skip_special_tokens=False))
         assert choice.text == "".join(lp.tokens)
+        chunks = list(client.completions.create(model=model, prompt=prompt_ids, max_tokens=1, temperature=0,
+                                                logprobs=1, echo=True, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == choice.text
+        assert [v for c in chunks for v in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
         text = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, echo=True)
         assert text.choices[0].text.startswith(prompt) and text.choices[0].logprobs is None
 
