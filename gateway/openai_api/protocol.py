@@ -4,12 +4,12 @@ Every problem is a 400 whose message and `param` name the field: malformed JSON,
 field this API does not know (strict, so a typo is not silently ignored), a wrong
 type, a value out of range. The fields accepted are OpenAI's, the sampling
 extensions vLLM accepts (top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
-stop_token_ids, allowed_token_ids, prompt_logprobs, include_stop_str_in_output, skip_special_tokens, priority,
-stream_options.continuous_usage_stats, and the output constraints: response_format,
-guided_json/regex/choice/grammar, structured_outputs; see structured_outputs.py), and OpenAI fields for features this server
-does not have (tools, echo, ...) as long as they hold their neutral
-value (unset, null, empty): a request that asks for such a feature gets a 400
-instead of an answer that silently lacks it. `user`, `metadata` and the like are
+stop_token_ids, allowed_token_ids, prompt_logprobs, include_stop_str_in_output,
+skip_special_tokens, priority, stream_options.continuous_usage_stats, and the output
+constraints: response_format, guided_json/regex/choice/grammar, structured_outputs; see
+structured_outputs.py), and OpenAI fields for features this server does not have (tools,
+suffix, ...) as long as they hold their neutral value (unset, null, empty): a request that
+asks for such a feature gets a 400 instead of an answer that silently lacks it. `user`, `metadata` and the like are
 type-checked and otherwise ignored.
 
 n and a list of prompts are fanned out here: one GenerateInput per choice, choice
