@@ -9,8 +9,8 @@ skip_special_tokens, priority, stream_options.continuous_usage_stats, and the ou
 constraints: response_format, guided_json/regex/choice/grammar, structured_outputs; see
 structured_outputs.py), and OpenAI fields for features this server does not have (tools,
 suffix, ...) as long as they hold their neutral value (unset, null, empty): a request that
-asks for such a feature gets a 400 instead of an answer that silently lacks it. `user`, `metadata` and the like are
-type-checked and otherwise ignored.
+asks for such a feature gets a 400 instead of an answer that silently lacks it. `user`,
+`metadata` and the like are type-checked and otherwise ignored.
 
 n and a list of prompts are fanned out here: one GenerateInput per choice, choice
 index = prompt index * n + sample index (OpenAI's order), sample i seeded seed + i.
@@ -303,7 +303,8 @@ COMMON_FIELDS: dict[str, Callable] = {
     "repetition_penalty": number(0.0, math.inf, lo_open=True), "seed": integer(0, MAX_SEED),
     "stop": stop_strings, "stop_token_ids": stop_token_ids, "ignore_eos": boolean, "min_tokens": integer(0, UINT32_MAX),
     "include_stop_str_in_output": boolean, "skip_special_tokens": boolean, "priority": integer(*INT32),
-    "allowed_token_ids": allowed_token_ids, "prompt_logprobs": integer(0, MAX_LOGPROBS), "user": string, "logit_bias": logit_bias, **STRUCTURED_OUTPUT_FIELDS,
+    "allowed_token_ids": allowed_token_ids, "prompt_logprobs": integer(0, MAX_LOGPROBS), "user": string,
+    "logit_bias": logit_bias, **STRUCTURED_OUTPUT_FIELDS,
 }
 COMPLETION_FIELDS: dict[str, Callable] = {
     **COMMON_FIELDS, "prompt": prompt_value, "logprobs": integer(0, MAX_LOGPROBS),
