@@ -41,6 +41,14 @@ ID_RETRY_FIRST_BACKOFF_S = 0.005
 ID_RETRY_MAX_BACKOFF_S = 0.1
 
 
+async def _tokenizing(request: GenerateInput, tokenize, *args):
+    """tokenize(*args), off the event loop where request's prompt is long (many characters or
+    chat messages) enough that tokenizing it would stall every stream the loop serves."""
+    if prompt_chars(request) > TOKENIZE_IN_THREAD_CHARS or len(request.messages or ()) > TOKENIZE_IN_THREAD_MESSAGES:
+        return await asyncio.to_thread(tokenize, *args)
+    return tokenize(*args)
+
+
 def _left(deadline: float | None) -> float | None:
     """Seconds until `deadline` (loop time); None: no deadline."""
     return None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
@@ -135,20 +143,14 @@ class Gateway:
 
     async def prepare(self, request: GenerateInput) -> PreparedRequest:
         served = frozenset([self.registry.model_name] if self.registry.model_name else [])
-        args = (request, self.model, self.max_model_len, self.settings.max_prompt_chars, served)
-        if (prompt_chars(request) > TOKENIZE_IN_THREAD_CHARS
-                or len(request.messages or ()) > TOKENIZE_IN_THREAD_MESSAGES):
-            return await asyncio.to_thread(prepare_request, *args)
-        return prepare_request(*args)
+        return await _tokenizing(request, prepare_request, request, self.model, self.max_model_len,
+                                 self.settings.max_prompt_chars, served)
 
     async def tokenize(self, request: GenerateInput, add_special_tokens: bool = True,
                        add_generation_prompt: bool = True) -> list[int]:
         """request's prompt as token ids, as prepare() would tokenize it (the HTTP /tokenize)."""
-        args = (request, self.model, self.settings.max_prompt_chars, add_special_tokens, add_generation_prompt)
-        if (prompt_chars(request) > TOKENIZE_IN_THREAD_CHARS
-                or len(request.messages or ()) > TOKENIZE_IN_THREAD_MESSAGES):
-            return await asyncio.to_thread(tokenize_prompt, *args)
-        return tokenize_prompt(*args)
+        return await _tokenizing(request, tokenize_prompt, request, self.model, self.settings.max_prompt_chars,
+                                 add_special_tokens, add_generation_prompt)
 
     async def stream(self, request: GenerateInput, timeout_s: float | None = None
                      ) -> AsyncIterator[GenerationDelta]:

@@ -139,12 +139,12 @@ PREFILL_THREADS_MIN_TOKENS = 32
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits are held at once (x vocab floats)
 
 
-def step_order(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
-    """The order of a step's rows: decode rows (one query token each, drafts included) first,
-    then prefill chunks; every scheduled request computes at least one known token before its
-    drafts."""
-    decodes = [r for r in scheduled if len(r.token_ids) == 1 + len(r.spec_token_ids)]
-    return decodes + [r for r in scheduled if len(r.token_ids) > 1 + len(r.spec_token_ids)]
+def split_step(scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], list[ScheduledRequest]]:
+    """(decode rows, prefill chunks): a step's rows are the first's (one query token each,
+    drafts included), then the second's; every scheduled request computes at least one known
+    token before its drafts."""
+    return ([r for r in scheduled if len(r.token_ids) == 1 + len(r.spec_token_ids)],
+            [r for r in scheduled if len(r.token_ids) > 1 + len(r.spec_token_ids)])
 
 
 def step_num_threads(scheduler_output: SchedulerOutput, num_prefill_threads: int | None) -> int | None:
@@ -433,12 +433,13 @@ class ModelRunner:
         a prompt token: at each, that token's logprob and the top alternatives (the raw
         logits' log-softmax, as vLLM gives them), as (the first p, one Logprobs a position).
         Every TP rank of the last stage takes part (compute_logits gathers). hidden:
-        [num_tokens, hidden], rows in step_order."""
+        [num_tokens, hidden], rows in split_step's order."""
         if all(req.sampling_params.prompt_logprobs is None for req in scheduler_output.scheduled):
             return None
         results: dict[str, tuple[int, list[Logprobs]]] = {}
         row = 0
-        for req in step_order(scheduler_output.scheduled):
+        decodes, prefills = split_step(scheduler_output.scheduled)
+        for req in decodes + prefills:
             num_top = req.sampling_params.prompt_logprobs
             end = min(req.start_pos + len(req.token_ids), len(req.prompt_token_ids) - 1)
             if num_top is not None and req.start_pos < end:
@@ -606,9 +607,8 @@ class ModelRunner:
         before it attends): such a step runs where decode steps do (the native loop, CUDA
         graphs) instead of through the prefill kernels."""
         device = self.device
-        ordered = step_order(scheduled)
-        num_decode_reqs = sum(len(r.token_ids) == 1 + len(r.spec_token_ids) for r in scheduled)
-        decodes, prefills = ordered[:num_decode_reqs], ordered[num_decode_reqs:]
+        decodes, prefills = split_step(scheduled)
+        ordered = decodes + prefills
         bs = self.block_size
         max_blocks = max((len(r.block_table) for r in ordered), default=0)
         input_ids: list[int] = []
