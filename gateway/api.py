@@ -3,6 +3,8 @@ for the gateway's servicer and for its client (gateway.client). Field names foll
 protos; no policy here. (The gateway's calls to decode instances speak decode_service.api.)"""
 from __future__ import annotations
 
+import json
+
 from common.service.common_api import (
     FINISH_REASON_TO_PB,
     finish_reason_from_pb,
@@ -10,6 +12,8 @@ from common.service.common_api import (
     logprobs_to_pb,
     sampling_params_from_pb,
 )
+from common.service.errors import invalid
+from common.text.chat_template import ChatTemplateOptions
 from gateway.types import DeploymentInfo, GenerateInput, GenerationDelta, Usage
 from protos.pdserve.v1 import generate_pb2
 
@@ -26,7 +30,33 @@ def generate_input_from_pb(msg: generate_pb2.GenerateRequest) -> GenerateInput:
         request.token_ids = list(msg.token_ids.ids)
     elif form == "messages":
         request.messages = [{"role": m.role, "content": m.content} for m in msg.messages.messages]
+        request.chat_options = chat_options_from_pb(msg.messages)
+    if msg.HasField("add_special_tokens"):
+        request.add_special_tokens = msg.add_special_tokens
     return request
+
+
+def chat_options_from_pb(msg: generate_pb2.ChatMessages) -> ChatTemplateOptions:
+    kwargs = None
+    if msg.chat_template_kwargs_json:
+        try:
+            kwargs = json.loads(msg.chat_template_kwargs_json)
+        except ValueError as e:
+            raise invalid(f"messages.chat_template_kwargs_json: not JSON: {e}") from None
+    try:
+        return ChatTemplateOptions(
+            add_generation_prompt=msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True,
+            continue_final_message=msg.continue_final_message, chat_template_kwargs=kwargs)
+    except ValueError as e:  # ChatTemplateOptions names the field
+        raise invalid(f"messages.{e}") from None
+
+
+def chat_options_to_pb(options: ChatTemplateOptions, msg: generate_pb2.ChatMessages) -> None:
+    if not options.add_generation_prompt:
+        msg.add_generation_prompt = False
+    msg.continue_final_message = options.continue_final_message
+    if options.chat_template_kwargs:
+        msg.chat_template_kwargs_json = json.dumps(options.chat_template_kwargs)
 
 
 def delta_to_pb(delta: GenerationDelta) -> generate_pb2.GenerateResponse:

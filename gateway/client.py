@@ -14,6 +14,8 @@ first argument or as token_ids= / messages=. A stream's request is sent at once;
 reading it yields deltas, and closing or dropping it cancels the request
 everywhere (decode and prefill included). Sampling values are SamplingParams
 fields as keywords (or sampling=SamplingParams(...)); they are checked here first,
+(chat prompts also take chat_options=ChatTemplateOptions(...): continue the last
+message, template variables; any prompt add_special_tokens=),
 so a bad value raises ValueError before anything is sent. Failures on the server
 raise grpc.RpcError with the gateway's status (INVALID_ARGUMENT, UNAVAILABLE, ...).
 
@@ -32,27 +34,37 @@ import grpc
 
 from common.engine.sampling_params import SamplingParams
 from common.service.common_api import sampling_params_to_pb
-from gateway.api import delta_from_pb, deployment_info_from_pb
+from common.text.chat_template import ChatTemplateOptions
+from gateway.api import chat_options_to_pb, delta_from_pb, deployment_info_from_pb
 from gateway.types import DeploymentInfo, GenerationDelta
 from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids, or chat messages {role, content}
-_OPTIONS = ("request_id", "priority", "return_token_ids", "return_logprobs", "model")
+_OPTIONS = ("request_id", "priority", "return_token_ids", "return_logprobs", "model", "chat_options",
+            "add_special_tokens")
 
 
 def build_generate_request(prompt: Prompt, sampling: SamplingParams | None = None, request_id: str = "",
                            priority: int = 0, return_token_ids: bool = False,
-                           return_logprobs: bool = False, model: str = "") -> generate_pb2.GenerateRequest:
+                           return_logprobs: bool = False, model: str = "",
+                           chat_options: ChatTemplateOptions | None = None,
+                           add_special_tokens: bool | None = None) -> generate_pb2.GenerateRequest:
     request = generate_pb2.GenerateRequest(
         sampling=sampling_params_to_pb(sampling or SamplingParams()), request_id=request_id,
         priority=priority, model=model,
         output=generate_pb2.OutputOptions(return_token_ids=return_token_ids, return_logprobs=return_logprobs))
+    if add_special_tokens is not None:
+        request.add_special_tokens = add_special_tokens
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt and isinstance(prompt[0], dict):
         request.messages.messages.extend(generate_pb2.ChatMessage(**m) for m in prompt)
+        if chat_options is not None:
+            chat_options_to_pb(chat_options, request.messages)
     else:
         request.token_ids.ids.extend(prompt)
+    if chat_options is not None and not request.HasField("messages"):
+        raise ValueError("chat_options apply only to a prompt of chat messages")
     return request
 
 

@@ -146,11 +146,9 @@ class Gateway:
         return await _tokenizing(request, prepare_request, request, self.model, self.max_model_len,
                                  self.settings.max_prompt_chars, served)
 
-    async def tokenize(self, request: GenerateInput, add_special_tokens: bool = True,
-                       add_generation_prompt: bool = True) -> list[int]:
-        """request's prompt as token ids, as prepare() would tokenize it (the HTTP /tokenize)."""
-        return await _tokenizing(request, tokenize_prompt, request, self.model, self.settings.max_prompt_chars,
-                                 add_special_tokens, add_generation_prompt)
+    async def tokenize(self, request: GenerateInput) -> list[int]:
+        """request's prompt as token ids, as prepare() tokenizes it (the HTTP /tokenize)."""
+        return await _tokenizing(request, tokenize_prompt, request, self.model, self.settings.max_prompt_chars)
 
     async def stream(self, request: GenerateInput, timeout_s: float | None = None
                      ) -> AsyncIterator[GenerationDelta]:

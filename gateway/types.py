@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from common.engine.outputs import Logprobs
 from common.engine.sampling_params import SamplingParams
+from common.text.chat_template import DEFAULT_CHAT_TEMPLATE_OPTIONS, ChatTemplateOptions
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"  # as in common.engine.outputs
 
@@ -26,6 +27,8 @@ class GenerateInput:
     return_token_ids: bool = False
     return_logprobs: bool = False
     model: str = ""  # "": the served model
+    chat_options: ChatTemplateOptions = DEFAULT_CHAT_TEMPLATE_OPTIONS  # how messages become the prompt
+    add_special_tokens: bool | None = None  # the tokenizer's BOS ...; None: true for text, false for messages
 
 
 @dataclass

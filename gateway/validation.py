@@ -96,10 +96,9 @@ def prepare_request(request: GenerateInput, model: ServedModel, max_model_len: i
                            priority=request.priority, return_token_ids=request.return_token_ids)
 
 
-def tokenize_prompt(request: GenerateInput, model: ServedModel, max_prompt_chars: int,
-                    add_special_tokens: bool = True, add_generation_prompt: bool = True) -> list[int]:
-    """The prompt's token ids as a Generate call of `request` gets them (the defaults), each in
-    the vocabulary; INVALID_ARGUMENT for a prompt past the bounds or one the tokenizer refuses."""
+def tokenize_prompt(request: GenerateInput, model: ServedModel, max_prompt_chars: int) -> list[int]:
+    """The prompt's token ids, each in the vocabulary; INVALID_ARGUMENT for a prompt past the
+    bounds or one the tokenizer refuses."""
     forms = [name for name in ("text", "token_ids", "messages") if getattr(request, name) is not None]
     if not forms:
         raise invalid("the prompt is missing: set text, token_ids or messages")
@@ -115,9 +114,10 @@ def tokenize_prompt(request: GenerateInput, model: ServedModel, max_prompt_chars
         if request.text is not None:
             if not request.text:
                 raise ValueError("the prompt text is empty")
-            token_ids = model.tokenizer.encode(request.text, add_special_tokens=add_special_tokens)
+            token_ids = model.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens in (None, True))
         elif request.messages is not None:
-            token_ids = model.tokenizer.apply_chat_template(request.messages, add_generation_prompt)
+            token_ids = model.tokenizer.apply_chat_template(request.messages, request.chat_options,
+                                                            add_special_tokens=bool(request.add_special_tokens))
         else:
             token_ids = request.token_ids
         validate_prompt_token_ids(token_ids, model.vocab_size)

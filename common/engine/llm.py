@@ -12,6 +12,7 @@ from common.engine.engine_core import EngineCore
 from common.engine.outputs import CompletionOutput, Logprobs, RequestOutput
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams, validate_prompt_token_ids
+from common.text.chat_template import ChatTemplateOptions
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.prompt_tokenizer import load_prompt_tokenizer
 
@@ -107,9 +108,14 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: each conversation through the model's chat template, then generate."""
+        options = ChatTemplateOptions(add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message,
+                                      chat_template_kwargs=chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(conv)} for conv in conversations]
+        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(conv, options)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, pending: dict[str, _Pending], use_tqdm: bool) -> None:

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from common.text.chat_template import DEFAULT_CHAT_TEMPLATE_OPTIONS, ChatTemplateOptions
 from common.text.tokenizer import check_messages, load_tokenizer, merged_eos_token_ids, read_json_file
 
 # transformers' SpecialTokensMixin attributes: what templates may read as variables.
@@ -50,7 +51,8 @@ class PromptTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat_template(self, messages: list[dict],
+                             options: ChatTemplateOptions = DEFAULT_CHAT_TEMPLATE_OPTIONS) -> str:
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send the prompt as text or token ids")
         messages = check_messages(messages)
@@ -59,15 +61,15 @@ class PromptTokenizer:
         try:
             rendered, _ = render_jinja_template(
                 conversations=[messages], chat_template=self.chat_template,
-                add_generation_prompt=add_generation_prompt, **self._special_tokens)
+                **{**self._special_tokens, **options.render_kwargs()})
         except (jinja2.TemplateError, ValueError, TypeError) as e:
             raise ValueError(f"chat template rejected the messages: {e}") from e
         return rendered[0]
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], options: ChatTemplateOptions = DEFAULT_CHAT_TEMPLATE_OPTIONS,
+                            add_special_tokens: bool = False) -> list[int]:
         # The template writes BOS and role markers itself (as common.text.tokenizer does).
-        return self.encode(self.render_chat_template(messages, add_generation_prompt),
-                           add_special_tokens=False)
+        return self.encode(self.render_chat_template(messages, options), add_special_tokens=add_special_tokens)
 
 
 def _token_text(value: Any) -> str:

@@ -15,6 +15,8 @@ from typing import Any
 
 import jinja2
 
+from common.text.chat_template import DEFAULT_CHAT_TEMPLATE_OPTIONS, ChatTemplateOptions
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 _cache: dict[str, "Tokenizer"] = {}
@@ -48,22 +50,21 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat_template(self, messages: list[dict],
+                             options: ChatTemplateOptions = DEFAULT_CHAT_TEMPLATE_OPTIONS) -> str:
         """The chat template's text for `messages` (OpenAI-style role/content dicts)."""
         messages = check_messages(messages)
         try:
-            return self.hf_tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            return self.hf_tokenizer.apply_chat_template(messages, tokenize=False, **options.render_kwargs())
         except (jinja2.TemplateError, ValueError) as e:
             # Templates raise for e.g. roles out of order; that is the caller's input.
             raise ValueError(f"chat template rejected the messages: {e}") from e
 
-    def apply_chat_template(self, messages: list[dict],
-                            add_generation_prompt: bool = True) -> list[int]:
-        # The template writes BOS/role markers itself, so no special tokens are added
-        # (what transformers does when it tokenizes a chat).
-        return self.encode(self.render_chat_template(messages, add_generation_prompt),
-                           add_special_tokens=False)
+    def apply_chat_template(self, messages: list[dict], options: ChatTemplateOptions = DEFAULT_CHAT_TEMPLATE_OPTIONS,
+                            add_special_tokens: bool = False) -> list[int]:
+        # The template writes BOS/role markers itself, so by default no special tokens are
+        # added (what transformers does when it tokenizes a chat).
+        return self.encode(self.render_chat_template(messages, options), add_special_tokens=add_special_tokens)
 
 
 def check_messages(messages: Any) -> list[dict]:

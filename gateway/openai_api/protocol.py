@@ -36,6 +36,7 @@ from common.engine.sampling_params import (
     SamplingParams,
 )
 from common.engine.structured_output.params import StructuredOutputsParams
+from common.text.chat_template import DEFAULT_CHAT_TEMPLATE_OPTIONS, MAX_CHAT_TEMPLATE_KWARGS, ChatTemplateOptions
 from gateway.openai_api.errors import ApiError, invalid_field
 from gateway.openai_api.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
 from gateway.openai_api.structured_outputs import structured_outputs_of
@@ -75,6 +76,12 @@ class ParsedRequest:
     echo: bool = False
     priority: int = 0
     constraint_field: str | None = None  # the field that set the output constraint, if any
+    chat_options: ChatTemplateOptions = DEFAULT_CHAT_TEMPLATE_OPTIONS
+    add_special_tokens: bool | None = None  # None: the prompt form's default
+    # Chat: who the answer speaks as (the last message's role when no generation prompt
+    # is added, as vLLM), and with echo the text every choice's content starts with.
+    response_role: str = "assistant"
+    chat_echo: str = ""
 
     @property
     def num_prompts(self) -> int:
@@ -90,9 +97,10 @@ class ParsedRequest:
                 request = GenerateInput(
                     sampling=self.sampling.for_child(sample),
                     request_id=request_id if self.num_prompts * n == 1 else f"{request_id}-{index}",
-                    priority=self.priority, return_logprobs=self.num_logprobs is not None, model=self.model)
+                    priority=self.priority, return_logprobs=self.num_logprobs is not None, model=self.model,
+                    add_special_tokens=self.add_special_tokens)
                 if self.messages is not None:
-                    request.messages = self.messages
+                    request.messages, request.chat_options = self.messages, self.chat_options
                 elif isinstance(prompt, str):
                     request.text = prompt
                 else:
@@ -295,6 +303,14 @@ def messages_value(param: str, value: Any) -> Any:
     return value
 
 
+@described({"type": "object", "maxProperties": MAX_CHAT_TEMPLATE_KWARGS,
+            "description": "extra variables for the model's chat template, e.g. {\"enable_thinking\": false}; "
+                           "not the renderer's own (messages, add_generation_prompt ...)"})
+def template_kwargs(param: str, value: Any) -> dict:
+    """Checked whole by ChatTemplateOptions."""
+    return obj(param, value)
+
+
 COMMON_FIELDS: dict[str, Callable] = {
     "model": string, "stream": boolean, "stream_options": obj, "n": integer(1, MAX_CHOICES),
     "max_tokens": integer(1, UINT32_MAX), "temperature": number(0.0, 2.0), "top_p": number(0.0, 1.0, lo_open=True),
@@ -308,7 +324,7 @@ COMMON_FIELDS: dict[str, Callable] = {
 }
 COMPLETION_FIELDS: dict[str, Callable] = {
     **COMMON_FIELDS, "prompt": prompt_value, "logprobs": integer(0, MAX_LOGPROBS),
-    "echo": boolean, "best_of": integer(1, MAX_CHOICES), "suffix": neutral("")}
+    "echo": boolean, "best_of": integer(1, MAX_CHOICES), "suffix": neutral(""), "add_special_tokens": boolean}
 CHAT_FIELDS: dict[str, Callable] = {
     **COMMON_FIELDS, "messages": messages_value, "max_completion_tokens": integer(1, UINT32_MAX),
     "logprobs": boolean, "top_logprobs": integer(0, MAX_LOGPROBS),
@@ -316,7 +332,9 @@ CHAT_FIELDS: dict[str, Callable] = {
     "functions": neutral([]), "function_call": neutral("none"), "parallel_tool_calls": boolean,
     "modalities": neutral(["text"]), "audio": neutral(), "prediction": neutral(), "reasoning_effort": neutral(),
     "web_search_options": neutral(), "store": neutral(False), "metadata": obj, "service_tier": string,
-    "prompt_cache_key": string, "safety_identifier": string, "verbosity": neutral()}
+    "prompt_cache_key": string, "safety_identifier": string, "verbosity": neutral(),
+    "echo": boolean, "add_generation_prompt": boolean, "continue_final_message": boolean,
+    "chat_template_kwargs": template_kwargs, "add_special_tokens": boolean}
 STREAM_OPTIONS = {"include_usage": boolean, "continuous_usage_stats": boolean, "include_obfuscation": boolean}
 
 
@@ -329,7 +347,8 @@ def prompt_text(param: str, value: Any) -> str:
 
 TOKENIZE_FIELDS: dict[str, Callable] = {
     "model": string, "prompt": prompt_text, "messages": messages_value, "add_special_tokens": boolean,
-    "add_generation_prompt": boolean, "return_token_strs": boolean}
+    "add_generation_prompt": boolean, "continue_final_message": boolean, "chat_template_kwargs": template_kwargs,
+    "return_token_strs": boolean}
 DETOKENIZE_FIELDS: dict[str, Callable] = {"model": string, "tokens": token_id_list}
 
 
@@ -337,11 +356,11 @@ DETOKENIZE_FIELDS: dict[str, Callable] = {"model": string, "tokens": token_id_li
 class TokenizeRequest:
     """POST /tokenize (vLLM's): a prompt or chat messages, tokenized as generation would."""
     model: str | None
-    prompt: str | None = None
-    messages: list[dict] | None = None
-    add_special_tokens: bool = True  # the prompt's (a chat template writes its own)
-    add_generation_prompt: bool = True  # the chat template's assistant header at the end
+    prompt: GenerateInput  # text or messages, with their tokenization options
     return_token_strs: bool = False  # each token's text beside its id
+
+
+_CHAT_ONLY_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 
 
 def parse_tokenize_request(body: bytes) -> TokenizeRequest:
@@ -350,13 +369,15 @@ def parse_tokenize_request(body: bytes) -> TokenizeRequest:
     if len(forms) != 1:
         raise invalid_field("prompt", "set exactly one of prompt and messages",
                             code="missing_field" if not forms else "invalid_value")
-    for name, form in (("add_special_tokens", "prompt"), ("add_generation_prompt", "messages")):
-        if name in values and form not in values:
-            raise invalid_field(name, f"only applies to {form}")
-    return TokenizeRequest(model=values.get("model"), prompt=values.get("prompt"),
-                           messages=_messages(values["messages"]) if "messages" in values else None,
-                           add_special_tokens=values.get("add_special_tokens", True),
-                           add_generation_prompt=values.get("add_generation_prompt", True),
+    prompt = GenerateInput(add_special_tokens=values.get("add_special_tokens"))
+    if "messages" in values:
+        prompt.messages, prompt.chat_options = _messages(values["messages"]), _chat_options(values)
+    else:
+        unused = next((name for name in _CHAT_ONLY_FIELDS if name in values), None)
+        if unused is not None:
+            raise invalid_field(unused, "only applies to messages")
+        prompt.text = values["prompt"]
+    return TokenizeRequest(model=values.get("model"), prompt=prompt,
                            return_token_strs=values.get("return_token_strs", False))
 
 
@@ -446,6 +467,11 @@ def parse_request(body: bytes, chat: bool) -> ParsedRequest:
         if "top_logprobs" in values and not get("logprobs", False):
             raise invalid_field("top_logprobs", "needs logprobs set to true")
         parsed.num_logprobs = get("top_logprobs", 0) if get("logprobs", False) else None
+        parsed.chat_options = _chat_options(values)
+        last = parsed.messages[-1]
+        parsed.response_role = "assistant" if parsed.chat_options.add_generation_prompt else last["role"]
+        if get("echo", False) and last["role"] == parsed.response_role:
+            parsed.chat_echo = last["content"]
     else:
         parsed.prompts = _prompts(values.get("prompt", _NONE))
         max_tokens = get("max_tokens", 16)  # OpenAI's default for completions
@@ -457,12 +483,23 @@ def parse_request(body: bytes, chat: bool) -> ParsedRequest:
     if n * parsed.num_prompts > MAX_CHOICES:
         raise invalid_field("n", f"n ({n}) times the number of prompts ({parsed.num_prompts}) must be at most "
                                  f"{MAX_CHOICES}")
+    parsed.add_special_tokens = get("add_special_tokens")
     constraint, parsed.constraint_field = structured_outputs_of(values)
     parsed.sampling = _sampling(values, n, max_tokens, parsed.num_logprobs, constraint)
     if parsed.echo and parsed.num_logprobs is not None:  # the echoed prompt's tokens have logprobs too
         parsed.sampling = parsed.sampling.clone(
             prompt_logprobs=max(parsed.sampling.prompt_logprobs or 0, parsed.num_logprobs))
     return parsed
+
+
+def _chat_options(values: dict) -> ChatTemplateOptions:
+    try:
+        return ChatTemplateOptions(add_generation_prompt=values.get("add_generation_prompt", True),
+                                   continue_final_message=values.get("continue_final_message", False),
+                                   chat_template_kwargs=values.get("chat_template_kwargs"))
+    except ValueError as e:  # it starts with the field, e.g. "chat_template_kwargs.messages: ..."
+        param, message = str(e).split(": ", 1)
+        raise invalid_field(param, message) from None
 
 
 def _chat_max_tokens(values: dict) -> int | None:

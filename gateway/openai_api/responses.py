@@ -7,7 +7,8 @@ OpenAI does for n > 1); its cached tokens are those of the prompt's first choice
 
 A completion with `echo` starts with its prompt's text, and with logprobs its prompt's
 tokens come first in them (the first with no logprob, as OpenAI's legacy API and vLLM
-give them). `prompt_logprobs` (vLLM's) are vLLM's shape: per prompt token None (the first)
+give them); a chat answer with `echo` starts with the last message's content when that
+message has the answer's role (vLLM's). `prompt_logprobs` (vLLM's) are vLLM's shape: per prompt token None (the first)
 or {token id: {logprob, rank, decoded_token}} for the token and the top alternatives.
 """
 from __future__ import annotations
@@ -74,7 +75,7 @@ class ResponseBuilder:
             choice = {"index": index, "logprobs": self._logprobs(index, result, first=True),
                       "finish_reason": result.finish_reason, "stop_reason": _stop_reason(result)}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": result.text}
+                choice["message"] = {"role": self.request.response_role, "content": self.request.chat_echo + result.text}
             else:
                 choice["text"] = self._echoed_text(index) + result.text
                 if self.request.sampling.prompt_logprobs is not None:
@@ -94,7 +95,7 @@ class ResponseBuilder:
         choice: dict = {"index": index}
         first, self.started[index] = not self.started[index], True
         if self.chat:
-            choice["delta"] = {"role": "assistant", "content": delta.text} if first else (
+            choice["delta"] = {"role": self.request.response_role, "content": self.request.chat_echo + delta.text} if first else (
                 {"content": delta.text} if delta.text else {})
         else:
             choice["text"] = (self._echoed_text(index) if first else "") + delta.text

@@ -153,10 +153,9 @@ class OpenAIServer:
             parsed = await _parsed(parse_tokenize_request, await self._read_body(request))
             if parsed.model is not None:
                 self._check_model(parsed.model)
-            token_ids = await self.gateway.tokenize(GenerateInput(text=parsed.prompt, messages=parsed.messages),
-                                                    parsed.add_special_tokens, parsed.add_generation_prompt)
+            token_ids = await self.gateway.tokenize(parsed.prompt)
         except ServiceError as e:
-            return _error(from_gateway_error(e, "messages" if parsed.messages is not None else "prompt"))
+            return _error(from_gateway_error(e, "messages" if parsed.prompt.messages is not None else "prompt"))
         except ApiError as e:
             return _error(e)
         except ClientDisconnect:
@@ -233,7 +232,8 @@ class OpenAIServer:
         echoed = []
         for prompt in parsed.prompts:
             if isinstance(prompt, str):
-                echoed.append((prompt, await self.gateway.tokenize(GenerateInput(text=prompt))))
+                echoed.append((prompt, await self.gateway.tokenize(
+                    GenerateInput(text=prompt, add_special_tokens=parsed.add_special_tokens))))
             else:
                 echoed.append((self.gateway.model.tokenizer.decode(prompt, skip_special_tokens=False), prompt))
         return echoed

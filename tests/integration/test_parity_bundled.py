@@ -79,3 +79,11 @@ def test_text_prompt_and_chat_api(llm):
     assert by_text.outputs[0].finish_reason in ("stop", "length")
     chat = llm.chat([{"role": "user", "content": "Say hello."}], params)[0]
     assert chat.prompt_token_ids == llm.tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}])
+    started = [{"role": "user", "content": "What is the capital of France?"},
+               {"role": "assistant", "content": "The capital of France is"}]
+    continued = llm.chat(started, params, add_generation_prompt=False, continue_final_message=True)[0]
+    assert llm.tokenizer.decode(continued.prompt_token_ids, skip_special_tokens=False).endswith(
+        "The capital of France is")
+    assert "Paris" in continued.outputs[0].text  # the model finishes the sentence it was given
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(started, params, continue_final_message=True)

@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import pytest
 
 from common.cli import generate as cli_client
 from common.cli.processes import route_flags
-from gateway.client import AsyncClient, Client
+from common.text.chat_template import ChatTemplateOptions
+from gateway.api import generate_input_from_pb
+from gateway.client import AsyncClient, Client, build_generate_request
 from tests.support.background_gateway import BackgroundGateway
 
 TOKENS = [1000, 1001, 1002]
@@ -41,6 +44,41 @@ def test_prompt_forms_and_sampling_reach_decode(gateway):
     assert (sent[2].sampling.top_k, sent[2].sampling.seed) == (5, 7)
     chat_ids = gateway.gateway.model.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert list(sent[3].prompt_token_ids) == chat_ids
+
+
+def test_chat_template_options_travel_over_grpc(gateway):
+    tokenizer = gateway.gateway.model.tokenizer
+    started = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    options = ChatTemplateOptions(add_generation_prompt=False, continue_final_message=True,
+                                  chat_template_kwargs={"persona": "pirate", "year": 2026})
+    with Client(gateway.address, timeout=10) as client:
+        client.generate(messages=started, max_tokens=3, chat_options=options)
+        client.generate(messages=started[:1], max_tokens=3, add_special_tokens=True)
+        client.generate("hello", max_tokens=3, add_special_tokens=False)
+    continued, with_special, text = gateway.fake.servicer.requests[-3:]
+    assert list(continued.prompt_token_ids) == tokenizer.apply_chat_template(started, options)
+    assert list(with_special.prompt_token_ids) == tokenizer.apply_chat_template(started[:1], add_special_tokens=True)
+    assert list(text.prompt_token_ids) == tokenizer.encode("hello", add_special_tokens=False)
+    request = build_generate_request(started, chat_options=options)
+    assert generate_input_from_pb(request).chat_options == options  # integers stay integers
+
+
+def test_bad_chat_template_options_are_invalid_argument(gateway):
+    request = build_generate_request([{"role": "user", "content": "hi"}])
+    request.messages.continue_final_message = True  # with the default generation prompt
+    with Client(gateway.address, timeout=10) as client:
+        with pytest.raises(grpc.RpcError) as refused:
+            client._stub.Generate(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("messages.continue_final_message: cannot be true")
+        request.messages.continue_final_message = False
+        request.messages.chat_template_kwargs_json = "{not json"
+        with pytest.raises(grpc.RpcError) as refused:
+            client._stub.Generate(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "chat_template_kwargs_json: not JSON" in refused.value.details()
+    with pytest.raises(ValueError, match="only to a prompt of chat messages"):
+        build_generate_request("hi", chat_options=ChatTemplateOptions())
 
 
 def test_bad_arguments_raise_before_sending(gateway):

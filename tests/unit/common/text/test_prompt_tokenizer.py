@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from common.engine.model_files import resolve_model
+from common.text.chat_template import ChatTemplateOptions
 from common.text.tokenizer import load_tokenizer
 from common.text.prompt_tokenizer import PromptTokenizer, load_prompt_tokenizer
 
@@ -36,12 +37,18 @@ def test_encode_matches(pair, text):
     assert ours.encode(text) == reference.encode(text)
 
 
+OPTIONS = [ChatTemplateOptions(), ChatTemplateOptions(add_generation_prompt=False),
+           ChatTemplateOptions(add_generation_prompt=False, continue_final_message=True),
+           ChatTemplateOptions(chat_template_kwargs={"enable_thinking": False, "date": "2026-12-04"})]
+
+
 @pytest.mark.parametrize("messages", CONVERSATIONS)
-@pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches(pair, messages, add_generation_prompt):
+@pytest.mark.parametrize("options", OPTIONS, ids=["default", "no_generation_prompt", "continue", "kwargs"])
+def test_chat_template_matches(pair, messages, options):
     ours, reference = pair
-    assert (ours.apply_chat_template(messages, add_generation_prompt)
-            == reference.apply_chat_template(messages, add_generation_prompt))
+    assert ours.apply_chat_template(messages, options) == reference.apply_chat_template(messages, options)
+    assert (ours.apply_chat_template(messages, options, add_special_tokens=True)
+            == reference.apply_chat_template(messages, options, add_special_tokens=True))
 
 
 @pytest.mark.parametrize("messages, error", [

@@ -4,7 +4,9 @@ import shutil
 
 import pytest
 
+
 from common.engine.model_files import resolve_model
+from common.text.chat_template import ChatTemplateOptions
 from common.text import tokenizer as tokenizer_module
 from common.text.tokenizer import load_eos_token_ids, load_tokenizer
 
@@ -47,7 +49,7 @@ def test_encode_decode_match_transformers(tokenizer, text):
 def test_chat_template_matches_transformers(tokenizer, messages, add_generation_prompt):
     expected = tokenizer.hf_tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=True)["input_ids"]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    ids = tokenizer.apply_chat_template(messages, ChatTemplateOptions(add_generation_prompt=add_generation_prompt))
     assert ids == expected
     text = tokenizer.decode(ids, skip_special_tokens=False)
     assert text.endswith("<|im_start|>assistant\n") == add_generation_prompt

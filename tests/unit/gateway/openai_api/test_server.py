@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from bench.fakes.fake_decode import Failure
+from common.text.chat_template import ChatTemplateOptions
 from gateway.core import GatewaySettings
 from gateway.openai_api.server import OpenAIServer
 from tests.support.background_gateway import BackgroundGateway
@@ -95,6 +96,55 @@ def test_tokenize_gives_the_ids_generation_counts_and_detokenize_their_text(gw, 
     assert chat["tokens"][:without_header["count"]] == without_header["tokens"] < chat["tokens"]
     assert post(address, "/detokenize", {"model": MODEL, "tokens": TOKENS}) == (
         200, {"prompt": tokenizer.decode(TOKENS, skip_special_tokens=False)})
+
+
+def test_chat_template_options_shape_the_prompt_and_echo_the_prefilled_answer(gw, client):
+    tokenizer, address = gw.gateway.model.tokenizer, gw.http_address
+    started = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "One colour is"}]
+    options = ChatTemplateOptions(add_generation_prompt=False, continue_final_message=True)
+    expected = tokenizer.apply_chat_template(started, options)
+    assert tokenizer.decode(expected, skip_special_tokens=False).endswith("One colour is")
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    _, tokenized = post(address, "/tokenize", {"messages": started, **flags})
+    assert tokenized["tokens"] == expected
+    text = tokenizer.decode(TOKENS)
+    chat = client.chat.completions.create(model=MODEL, messages=started, max_tokens=5, extra_body=flags)
+    assert chat.usage.prompt_tokens == len(expected)
+    assert chat.choices[0].message.content == text and chat.choices[0].message.role == "assistant"
+    echoed = client.chat.completions.create(model=MODEL, messages=started, max_tokens=5,
+                                            extra_body={**flags, "echo": True})
+    assert echoed.choices[0].message.content == "One colour is" + text
+    stream = list(client.chat.completions.create(model=MODEL, messages=started, max_tokens=5, stream=True,
+                                                 extra_body={**flags, "echo": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == "One colour is" + text
+    # echo repeats only a message of the answer's role: after a user's turn there is nothing to repeat
+    asked = client.chat.completions.create(model=MODEL, messages=started[:1], max_tokens=5, extra_body={"echo": True})
+    assert asked.choices[0].message.content == text
+    # no generation prompt after a user's turn: the answer speaks as the user (vLLM's rule)
+    as_user = client.chat.completions.create(model=MODEL, messages=started[:1], max_tokens=5,
+                                             extra_body={"add_generation_prompt": False})
+    assert as_user.choices[0].message.role == "user"
+    assert as_user.usage.prompt_tokens == len(tokenizer.apply_chat_template(
+        started[:1], ChatTemplateOptions(add_generation_prompt=False)))
+    with_bos = client.chat.completions.create(model=MODEL, messages=started[:1], max_tokens=5,
+                                              extra_body={"add_special_tokens": True})
+    assert with_bos.usage.prompt_tokens == len(tokenizer.apply_chat_template(started[:1], add_special_tokens=True))
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
+    ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"a b": 1}}, "chat_template_kwargs"),
+])
+def test_bad_chat_template_options_name_the_field(gw, body, param):
+    messages = [{"role": "user", "content": "Hi"}]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        status, error = post(gw.http_address, path, {"model": MODEL, "messages": messages, **body})
+        assert (status, error["error"]["param"]) == (400, param), error
+    status, error = post(gw.http_address, "/tokenize", {"prompt": "Hi", **body})
+    assert (status, error["error"]["param"]) == (400, next(iter(body))), error
 
 
 @pytest.mark.parametrize("path, body, status, param", [

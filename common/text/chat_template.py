@@ -1,0 +1,57 @@
+"""How a chat conversation becomes a prompt: the options a request may set on the model's
+chat template (vLLM's chat request fields of the same names), checked once here for every
+way in (HTTP, gRPC, the offline LLM)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# At most this many extra template variables a request: templates read a handful
+# (enable_thinking, a date, a persona); the bound keeps a request from handing the
+# renderer an arbitrarily wide namespace.
+MAX_CHAT_TEMPLATE_KWARGS = 64
+# Variables the renderer sets itself: a request's kwargs may not replace them, or a
+# conversation could be swapped for another after the gateway counted and checked it.
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tokenize", "return_dict", "return_assistant_tokens_mask",
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"})
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    # End with the assistant's header, so that the model answers as the assistant.
+    add_generation_prompt: bool = True
+    # Leave the last message open (no end-of-turn marker) so that the model continues it:
+    # an answer prefilled by the caller. Exclusive with add_generation_prompt.
+    continue_final_message: bool = False
+    # Extra variables the template reads (e.g. {"enable_thinking": False}).
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be true while add_generation_prompt is true "
+                             "(the default); set add_generation_prompt to false to continue the last message")
+        kwargs = self.chat_template_kwargs
+        if kwargs is None:
+            return
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"chat_template_kwargs: must be an object, got {type(kwargs).__name__}")
+        if len(kwargs) > MAX_CHAT_TEMPLATE_KWARGS:
+            raise ValueError(f"chat_template_kwargs: {len(kwargs)} variables, more than the limit of "
+                             f"{MAX_CHAT_TEMPLATE_KWARGS}")
+        for name in kwargs:
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"chat_template_kwargs: {name!r} is not a template variable name")
+            if name in RESERVED_TEMPLATE_VARIABLES:
+                raise ValueError(f"chat_template_kwargs.{name}: is set by the server, not by a request"
+                                 + (f"; use the request's {name} field" if name in (
+                                     "add_generation_prompt", "continue_final_message") else ""))
+
+    def render_kwargs(self) -> dict[str, Any]:
+        """What the renderer passes the template besides the messages."""
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, **(self.chat_template_kwargs or {})}
+
+
+DEFAULT_CHAT_TEMPLATE_OPTIONS = ChatTemplateOptions()
