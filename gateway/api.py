@@ -29,24 +29,50 @@ def generate_input_from_pb(msg: generate_pb2.GenerateRequest) -> GenerateInput:
     elif form == "token_ids":
         request.token_ids = list(msg.token_ids.ids)
     elif form == "messages":
-        request.messages = [{"role": m.role, "content": m.content} for m in msg.messages.messages]
+        request.messages = [chat_message_from_pb(m) for m in msg.messages.messages]
         request.chat_options = chat_options_from_pb(msg.messages)
     if msg.HasField("add_special_tokens"):
         request.add_special_tokens = msg.add_special_tokens
     return request
 
 
+def chat_message_from_pb(msg: generate_pb2.ChatMessage) -> dict:
+    message = {"role": msg.role, "content": msg.content}
+    if msg.name:
+        message["name"] = msg.name
+    if msg.tool_call_id:
+        message["tool_call_id"] = msg.tool_call_id
+    if msg.tool_calls:
+        message["tool_calls"] = [{"id": call.id, "type": "function",
+                                  "function": {"name": call.name, "arguments": call.arguments}}
+                                 for call in msg.tool_calls]
+    return message
+
+
+def chat_message_to_pb(message: dict) -> generate_pb2.ChatMessage:
+    msg = generate_pb2.ChatMessage(role=message["role"], content=message.get("content") or "",
+                                   name=message.get("name") or "", tool_call_id=message.get("tool_call_id") or "")
+    for call in message.get("tool_calls") or ():
+        function = call.get("function", {})
+        msg.tool_calls.add(id=call.get("id", ""), name=function.get("name", ""),
+                           arguments=function.get("arguments", ""))
+    return msg
+
+
+def _json_field(text: str, field: str):
+    try:
+        return json.loads(text) if text else None
+    except ValueError as e:
+        raise invalid(f"messages.{field}: not JSON: {e}") from None
+
+
 def chat_options_from_pb(msg: generate_pb2.ChatMessages) -> ChatTemplateOptions:
-    kwargs = None
-    if msg.chat_template_kwargs_json:
-        try:
-            kwargs = json.loads(msg.chat_template_kwargs_json)
-        except ValueError as e:
-            raise invalid(f"messages.chat_template_kwargs_json: not JSON: {e}") from None
     try:
         return ChatTemplateOptions(
             add_generation_prompt=msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True,
-            continue_final_message=msg.continue_final_message, chat_template_kwargs=kwargs)
+            continue_final_message=msg.continue_final_message,
+            chat_template_kwargs=_json_field(msg.chat_template_kwargs_json, "chat_template_kwargs_json"),
+            tools=_json_field(msg.tools_json, "tools_json"))
     except ValueError as e:  # ChatTemplateOptions names the field
         raise invalid(f"messages.{e}") from None
 
@@ -57,6 +83,8 @@ def chat_options_to_pb(options: ChatTemplateOptions, msg: generate_pb2.ChatMessa
     msg.continue_final_message = options.continue_final_message
     if options.chat_template_kwargs:
         msg.chat_template_kwargs_json = json.dumps(options.chat_template_kwargs)
+    if options.tools:
+        msg.tools_json = json.dumps(options.tools)
 
 
 def delta_to_pb(delta: GenerationDelta) -> generate_pb2.GenerateResponse:

@@ -35,7 +35,7 @@ import grpc
 from common.engine.sampling_params import SamplingParams
 from common.service.common_api import sampling_params_to_pb
 from common.text.chat_template import ChatTemplateOptions
-from gateway.api import chat_options_to_pb, delta_from_pb, deployment_info_from_pb
+from gateway.api import chat_message_to_pb, chat_options_to_pb, delta_from_pb, deployment_info_from_pb
 from gateway.types import DeploymentInfo, GenerationDelta
 from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
 
@@ -58,7 +58,7 @@ def build_generate_request(prompt: Prompt, sampling: SamplingParams | None = Non
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt and isinstance(prompt[0], dict):
-        request.messages.messages.extend(generate_pb2.ChatMessage(**m) for m in prompt)
+        request.messages.messages.extend(chat_message_to_pb(m) for m in prompt)
         if chat_options is not None:
             chat_options_to_pb(chat_options, request.messages)
     else:

@@ -57,9 +57,16 @@ def load_served_model(model: str | None, served_model_name: str | None = None) -
 
 
 def prompt_chars(request: GenerateInput) -> int:
+    """What the tokenizer reads: the text, or the messages' content, tool calls' arguments and
+    the tools the template lists."""
     if request.text is not None:
         return len(request.text)
-    return sum(len(str(m.get("content", ""))) for m in request.messages or ())
+    num_chars = request.chat_options.num_tool_chars if request.messages is not None else 0
+    for message in request.messages or ():
+        num_chars += len(str(message.get("content", "")))
+        for call in message.get("tool_calls") or ():
+            num_chars += len(str(call.get("function", {}).get("arguments", "")))
+    return num_chars
 
 
 def prepare_request(request: GenerateInput, model: ServedModel, max_model_len: int,
@@ -114,7 +121,8 @@ def tokenize_prompt(request: GenerateInput, model: ServedModel, max_prompt_chars
         if request.text is not None:
             if not request.text:
                 raise ValueError("the prompt text is empty")
-            token_ids = model.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens in (None, True))
+            token_ids = model.tokenizer.encode(request.text,
+                                               add_special_tokens=request.add_special_tokens is not False)
         elif request.messages is not None:
             token_ids = model.tokenizer.apply_chat_template(request.messages, request.chat_options,
                                                             add_special_tokens=bool(request.add_special_tokens))

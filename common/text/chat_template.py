@@ -3,13 +3,17 @@ chat template (vLLM's chat request fields of the same names), checked once here 
 way in (HTTP, gRPC, the offline LLM)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 # At most this many extra template variables a request: templates read a handful
 # (enable_thinking, a date, a persona); the bound keeps a request from handing the
 # renderer an arbitrarily wide namespace.
 MAX_CHAT_TEMPLATE_KWARGS = 64
+# OpenAI's own limit on the tools one request may list.
+MAX_TOOLS = 128
 # Variables the renderer sets itself: a request's kwargs may not replace them, or a
 # conversation could be swapped for another after the gateway counted and checked it.
 RESERVED_TEMPLATE_VARIABLES = frozenset({
@@ -27,11 +31,19 @@ class ChatTemplateOptions:
     continue_final_message: bool = False
     # Extra variables the template reads (e.g. {"enable_thinking": False}).
     chat_template_kwargs: dict[str, Any] | None = None
+    # The functions the model may call, as the template lists them: OpenAI's
+    # [{"type": "function", "function": {"name", "description", "parameters"}}].
+    tools: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: cannot be true while add_generation_prompt is true "
                              "(the default); set add_generation_prompt to false to continue the last message")
+        if self.tools is not None:
+            if not isinstance(self.tools, list) or not all(isinstance(tool, dict) for tool in self.tools):
+                raise ValueError("tools: must be a list of objects")
+            if len(self.tools) > MAX_TOOLS:
+                raise ValueError(f"tools: {len(self.tools)} tools, more than the limit of {MAX_TOOLS}")
         kwargs = self.chat_template_kwargs
         if kwargs is None:
             return
@@ -48,10 +60,16 @@ class ChatTemplateOptions:
                                  + (f"; use the request's {name} field" if name in (
                                      "add_generation_prompt", "continue_final_message") else ""))
 
+    @cached_property
+    def num_tool_chars(self) -> int:
+        """The tools' JSON length: they are rendered into the prompt, so they count toward its bound."""
+        return len(json.dumps(self.tools)) if self.tools else 0
+
     def render_kwargs(self) -> dict[str, Any]:
         """What the renderer passes the template besides the messages."""
         return {"add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message, **(self.chat_template_kwargs or {})}
+                "continue_final_message": self.continue_final_message, "tools": self.tools or None,
+                **(self.chat_template_kwargs or {})}
 
 
 DEFAULT_CHAT_TEMPLATE_OPTIONS = ChatTemplateOptions()

@@ -94,7 +94,22 @@ def check_messages(messages: Any) -> list[dict]:
             raise ValueError(f"messages[{i}]['content'] must be a string or a list of text "
                              f"parts, got {type(content).__name__}")
         checked.append({**message, "content": content})
+        if message.get("tool_calls"):
+            checked[-1]["tool_calls"] = [_with_parsed_arguments(call) for call in message["tool_calls"]]
     return checked
+
+
+def _with_parsed_arguments(call: dict) -> dict:
+    """A tool call with its arguments as an object where they are JSON text: what templates
+    that write `arguments | tojson` expect (vLLM hands them over the same way)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}} if isinstance(arguments, dict) else call
 
 
 def read_json_file(path: Path) -> dict:

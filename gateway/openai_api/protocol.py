@@ -40,6 +40,8 @@ from common.text.chat_template import DEFAULT_CHAT_TEMPLATE_OPTIONS, MAX_CHAT_TE
 from gateway.openai_api.errors import ApiError, invalid_field
 from gateway.openai_api.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
 from gateway.openai_api.structured_outputs import structured_outputs_of
+from gateway.openai_api.tools import FIELDS as TOOL_FIELDS
+from gateway.openai_api.tools import TOOL_CALL_SCHEMA, ToolChoice, message_tool_fields, tool_choice_of
 from gateway.types import GenerateInput
 from gateway.validation import MAX_CHAT_MESSAGES
 
@@ -82,6 +84,11 @@ class ParsedRequest:
     # is added, as vLLM), and with echo the text every choice's content starts with.
     response_role: str = "assistant"
     chat_echo: str = ""
+    tool_choice: ToolChoice | None = None  # chat: the tools sent and the call they force, if any
+
+    @property
+    def forced_tool_call(self) -> bool:
+        return self.tool_choice is not None and self.tool_choice.forced is not None
 
     @property
     def num_prompts(self) -> int:
@@ -293,10 +300,13 @@ _TEXT_PART = {"type": "object", "additionalProperties": False, "required": ["typ
 
 
 @described({"type": "array", "minItems": 1, "maxItems": MAX_CHAT_MESSAGES, "items": {
-    "type": "object", "additionalProperties": False, "required": ["role", "content"], "properties": {
+    "type": "object", "additionalProperties": False, "required": ["role"], "properties": {
         "role": {"enum": list(CHAT_ROLES)},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]},
-        "name": {"type": ["string", "null"]}}},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}],
+                    "description": "required, but null on an assistant turn with tool_calls"},
+        "name": {"type": ["string", "null"]},
+        "tool_calls": {"type": ["array", "null"], "items": TOOL_CALL_SCHEMA, "description": "assistant turns"},
+        "tool_call_id": {"type": ["string", "null"], "description": "required on tool turns"}}},
     "description": "the conversation; its content at most --max-prompt-chars in total"})
 def messages_value(param: str, value: Any) -> Any:
     """Checked whole by _messages once the other fields are known."""
@@ -328,7 +338,7 @@ COMPLETION_FIELDS: dict[str, Callable] = {
 CHAT_FIELDS: dict[str, Callable] = {
     **COMMON_FIELDS, "messages": messages_value, "max_completion_tokens": integer(1, UINT32_MAX),
     "logprobs": boolean, "top_logprobs": integer(0, MAX_LOGPROBS),
-    "tools": neutral([]), "tool_choice": neutral("none"),
+    **TOOL_FIELDS,
     "functions": neutral([]), "function_call": neutral("none"), "parallel_tool_calls": boolean,
     "modalities": neutral(["text"]), "audio": neutral(), "prediction": neutral(), "reasoning_effort": neutral(),
     "web_search_options": neutral(), "store": neutral(False), "metadata": obj, "service_tier": string,
@@ -467,10 +477,14 @@ def parse_request(body: bytes, chat: bool) -> ParsedRequest:
         if "top_logprobs" in values and not get("logprobs", False):
             raise invalid_field("top_logprobs", "needs logprobs set to true")
         parsed.num_logprobs = get("top_logprobs", 0) if get("logprobs", False) else None
-        parsed.chat_options = _chat_options(values)
+        parsed.tool_choice = tool_choice_of(values)
+        parsed.chat_options = _chat_options(values, parsed.tool_choice.tools if parsed.tool_choice else None)
         last = parsed.messages[-1]
         parsed.response_role = "assistant" if parsed.chat_options.add_generation_prompt else last["role"]
         if get("echo", False) and last["role"] == parsed.response_role:
+            if parsed.forced_tool_call:
+                raise invalid_field("echo", "cannot be used with a forced tool call (the answer is tool_calls, "
+                                            "not content)")
             parsed.chat_echo = last["content"]
     else:
         parsed.prompts = _prompts(values.get("prompt", _NONE))
@@ -485,6 +499,11 @@ def parse_request(body: bytes, chat: bool) -> ParsedRequest:
                                  f"{MAX_CHOICES}")
     parsed.add_special_tokens = get("add_special_tokens")
     constraint, parsed.constraint_field = structured_outputs_of(values)
+    if parsed.forced_tool_call:
+        if constraint is not None:
+            raise invalid_field("tool_choice", f"conflicts with {parsed.constraint_field}: a forced tool call "
+                                               f"constrains the output already")
+        constraint, parsed.constraint_field = parsed.tool_choice.constraint, "tools"
     parsed.sampling = _sampling(values, n, max_tokens, parsed.num_logprobs, constraint)
     if parsed.echo and parsed.num_logprobs is not None:  # the echoed prompt's tokens have logprobs too
         parsed.sampling = parsed.sampling.clone(
@@ -492,11 +511,11 @@ def parse_request(body: bytes, chat: bool) -> ParsedRequest:
     return parsed
 
 
-def _chat_options(values: dict) -> ChatTemplateOptions:
+def _chat_options(values: dict, tools: list[dict] | None = None) -> ChatTemplateOptions:
     try:
         return ChatTemplateOptions(add_generation_prompt=values.get("add_generation_prompt", True),
                                    continue_final_message=values.get("continue_final_message", False),
-                                   chat_template_kwargs=values.get("chat_template_kwargs"))
+                                   chat_template_kwargs=values.get("chat_template_kwargs"), tools=tools)
     except ValueError as e:  # it starts with the field, e.g. "chat_template_kwargs.messages: ..."
         param, message = str(e).split(": ", 1)
         raise invalid_field(param, message) from None
@@ -563,13 +582,17 @@ def _messages(messages: Any) -> list[dict]:
     checked = []
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
-        values = _checked(obj(param, message), {"role": string, "content": lambda p, v: v, "name": string},
-                          f"{param}.")
+        values = _checked(obj(param, message), {"role": string, "content": lambda p, v: v, "name": string,
+                                                "tool_calls": lambda p, v: v, "tool_call_id": string}, f"{param}.")
         role = values.get("role")
         if role not in CHAT_ROLES:
             raise invalid_field(f"{param}.role", f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        tool_fields = message_tool_fields(param, role, values)
+        content = values.get("content", "" if tool_fields.get("tool_calls") else _NONE)  # null beside calls
         checked.append({"role": "system" if role == "developer" else role,
-                        "content": _content(f"{param}.content", values.get("content", _NONE))})
+                        "content": _content(f"{param}.content", content), **tool_fields})
+        if "name" in values:
+            checked[-1]["name"] = values["name"]
     return checked
 
 

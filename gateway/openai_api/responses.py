@@ -8,7 +8,8 @@ OpenAI does for n > 1); its cached tokens are those of the prompt's first choice
 A completion with `echo` starts with its prompt's text, and with logprobs its prompt's
 tokens come first in them (the first with no logprob, as OpenAI's legacy API and vLLM
 give them); a chat answer with `echo` starts with the last message's content when that
-message has the answer's role (vLLM's). `prompt_logprobs` (vLLM's) are vLLM's shape: per prompt token None (the first)
+message has the answer's role (vLLM's). A forced tool call's answer is `tool_calls`
+(tools.py). `prompt_logprobs` (vLLM's) are vLLM's shape: per prompt token None (the first)
 or {token id: {logprob, rank, decoded_token}} for the token and the top alternatives.
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ class ResponseBuilder:
         self.cached_tokens = [0] * request.num_prompts
         self.started = [False] * num_choices  # the role (chat), an echo, prompt logprobs: in the first chunk
         self.echo_prompts = echo_prompts  # per prompt (text, token ids), for request.echo
+        self.tool_texts = [""] * num_choices  # tool_choice "required": each choice's answer so far
 
     def _record(self, index: int, delta: GenerationDelta) -> None:
         self.completion_tokens[index] = delta.usage.completion_tokens
@@ -75,7 +77,7 @@ class ResponseBuilder:
             choice = {"index": index, "logprobs": self._logprobs(index, result, first=True),
                       "finish_reason": result.finish_reason, "stop_reason": _stop_reason(result)}
             if self.chat:
-                choice["message"] = {"role": self.request.response_role, "content": self.request.chat_echo + result.text}
+                choice["message"] = self._message(result.text)
             else:
                 choice["text"] = self._echoed_text(index) + result.text
                 if self.request.sampling.prompt_logprobs is not None:
@@ -95,8 +97,7 @@ class ResponseBuilder:
         choice: dict = {"index": index}
         first, self.started[index] = not self.started[index], True
         if self.chat:
-            choice["delta"] = {"role": self.request.response_role, "content": self.request.chat_echo + delta.text} if first else (
-                {"content": delta.text} if delta.text else {})
+            choice["delta"] = self._chat_delta(index, delta, first)
         else:
             choice["text"] = (self._echoed_text(index) if first else "") + delta.text
         choice["logprobs"] = self._logprobs(index, delta, first)
@@ -111,6 +112,33 @@ class ResponseBuilder:
         elif self.request.include_usage:
             payload["usage"] = None  # OpenAI: every chunk but the last has "usage": null
         return sse_event(payload)
+
+    def _message(self, text: str) -> dict:
+        calls = self.request.tool_choice.tool_calls(text) if self.request.forced_tool_call else None
+        if calls is None:
+            return {"role": self.request.response_role, "content": self.request.chat_echo + text}
+        return {"role": self.request.response_role, "content": None, "tool_calls": calls}
+
+    def _chat_delta(self, index: int, delta: GenerationDelta, first: bool) -> dict:
+        """A chat chunk's delta. A named tool call streams its arguments as they come; a
+        "required" array is parsed whole, so its calls come with the last chunk."""
+        head = {"role": self.request.response_role} if first else {}
+        forced = self.request.tool_choice.forced if self.request.forced_tool_call else None
+        if forced is None:
+            text = self.request.chat_echo + delta.text if first else delta.text
+            return {**head, "content": text} if first or text else {}
+        if forced == "named":
+            if first:
+                call = self.request.tool_choice.tool_calls(delta.text)[0]
+                return {**head, "content": None, "tool_calls": [{"index": 0, **call}]}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]} if delta.text else {}
+        self.tool_texts[index] += delta.text
+        if delta.finish_reason is None:
+            return {**head, "content": None} if first else {}
+        calls = self.request.tool_choice.tool_calls(self.tool_texts[index])
+        if calls is None:  # not a complete array (cut short): the text as it is
+            return {**head, "content": self.tool_texts[index]}
+        return {**head, "content": None, "tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
 
     def usage_chunk(self) -> bytes:
         """stream_options.include_usage: the last chunk, no choices, the whole usage."""

@@ -163,6 +163,41 @@ def open_stream(address: str, body: dict) -> socket.socket:
     return sock
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city"],
+    "properties": {"city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+
+
+def test_forced_tool_calls_follow_the_functions_schema(client, model):
+    import jsonschema
+    messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    named = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=48, temperature=0, tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = named.choices[0].message.tool_calls[0]
+    assert named.choices[0].finish_reason == "stop" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    streamed = list(client.chat.completions.create(
+        model=model, messages=messages, max_tokens=48, temperature=0, tools=[WEATHER_TOOL], stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    assert "".join(c.choices[0].delta.tool_calls[0].function.arguments for c in streamed
+                   if c.choices and c.choices[0].delta.tool_calls) == call.function.arguments
+    required = client.chat.completions.create(model=model, messages=messages, max_tokens=64, temperature=0,
+                                              tools=[WEATHER_TOOL], tool_choice="required", parallel_tool_calls=False)
+    (call,) = required.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    # the call's result goes back as a tool turn, and the model answers in text
+    answer = client.chat.completions.create(model=model, max_tokens=16, temperature=0, messages=[
+        *messages, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius, sunny"}])
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=messages, max_tokens=8, tools=[WEATHER_TOOL])
+    assert refused.value.body["param"] == "tool_choice" and "auto" in refused.value.body["message"]
+
+
 @pytest.mark.parametrize("when", ["mid-stream", "during prefill", "waiting on a non-streamed answer"])
 def test_client_disconnect_frees_every_block_on_decode_and_prefill(stack, model, when):
     prompt = f"[disconnect {when}] " + LONG_PROMPT * (8 if when == "during prefill" else 1)

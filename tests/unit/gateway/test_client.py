@@ -61,6 +61,12 @@ def test_chat_template_options_travel_over_grpc(gateway):
     assert list(text.prompt_token_ids) == tokenizer.encode("hello", add_special_tokens=False)
     request = build_generate_request(started, chat_options=options)
     assert generate_input_from_pb(request).chat_options == options  # integers stay integers
+    with_tools = [*started[:1], {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                  "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                  {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "get_weather"}]
+    tools = ChatTemplateOptions(tools=[{"type": "function", "function": {"name": "get_weather"}}])
+    received = generate_input_from_pb(build_generate_request(with_tools, chat_options=tools))
+    assert (received.messages, received.chat_options) == (with_tools, tools)
 
 
 def test_bad_chat_template_options_are_invalid_argument(gateway):

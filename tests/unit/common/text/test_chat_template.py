@@ -67,3 +67,25 @@ def test_continuing_a_message_the_template_drops_is_refused(tokenizer, tmp_path)
     options = ChatTemplateOptions(add_generation_prompt=False, continue_final_message=True)
     with pytest.raises(ValueError, match="chat template rejected the messages"):
         PromptTokenizer(model_dir).render_chat_template(CHAT, options)
+
+
+def test_tools_and_tool_turns_reach_the_template(tmp_path, tokenizer):
+    model_dir = tmp_path / "model"
+    shutil.copytree(tokenizer.model_dir, model_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    (model_dir / "chat_template.jinja").write_text(
+        "{% for t in tools or [] %}<tool>{{ t['function']['name'] }}</tool>{% endfor %}"
+        "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}"
+        "{% for c in m.get('tool_calls') or [] %}<call {{ c['id'] }}>{{ c['function']['arguments'] | tojson }}"
+        "</call>{% endfor %}{% if m.get('tool_call_id') %}<answers {{ m['tool_call_id'] }}>{% endif %}|{% endfor %}")
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    text = PromptTokenizer(model_dir).render_chat_template(messages, ChatTemplateOptions(tools=tools))
+    # the arguments reach the template as an object, as templates that write `arguments | tojson` expect
+    assert text == ('<tool>get_weather</tool>user:Weather?|assistant:<call c1>{"city": "Paris"}</call>|'
+                    'tool:sunny<answers c1>|')
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # the caller's, unchanged
+    with pytest.raises(ValueError, match="tools: must be a list of objects"):
+        ChatTemplateOptions(tools=["get_weather"])

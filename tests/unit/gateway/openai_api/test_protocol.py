@@ -30,6 +30,8 @@ def rejected(body: bytes | dict, chat: bool = False) -> ApiError:
 
 COMPLETION = {"model": "m", "prompt": "hi"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
 @pytest.mark.parametrize("body, chat, param, code", [
@@ -112,8 +114,36 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({**COMPLETION, "allowed_token_ids": []}, False, "allowed_token_ids", "invalid_value"),
     ({**COMPLETION, "allowed_token_ids": [1, -1]}, False, "allowed_token_ids[1]", "invalid_value"),
     ({**COMPLETION, "allowed_token_ids": [1], "guided_regex": "a"}, False, "allowed_token_ids", "invalid_value"),
-    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, True, "tools", "unsupported_value"),
-    ({**CHAT, "tool_choice": "auto"}, True, "tool_choice", "unsupported_value"),
+    # tools: "auto" (the default with tools) needs a parser this server lacks
+    ({**CHAT, "tools": [TOOL]}, True, "tool_choice", "unsupported_value"),
+    ({**CHAT, "tools": [TOOL], "tool_choice": "auto"}, True, "tool_choice", "unsupported_value"),
+    ({**CHAT, "tool_choice": "required"}, True, "tool_choice", "invalid_value"),
+    ({**CHAT, "tools": [TOOL], "tool_choice": "sometimes"}, True, "tool_choice", "invalid_value"),
+    ({**CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, True,
+     "tool_choice.function.name", "invalid_value"),
+    ({**CHAT, "tools": [TOOL], "tool_choice": {"type": "function"}}, True, "tool_choice", "invalid_value"),
+    ({**CHAT, "tools": TOOL, "tool_choice": "required"}, True, "tools", "invalid_value"),
+    ({**CHAT, "tools": [TOOL, TOOL], "tool_choice": "required"}, True, "tools[1].function.name", "invalid_value"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "required"}, True,
+     "tools[0].function.name", "invalid_value"),
+    ({**CHAT, "tools": [{"type": "retrieval"}], "tool_choice": "required"}, True, "tools[0]", "invalid_value"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}],
+      "tool_choice": "required"}, True, "tools[0].function.parameters", "invalid_value"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f", "code": "x"}}], "tool_choice": "required"},
+     True, "tools[0].function.code", "unknown_field"),
+    ({**CHAT, "tools": [TOOL] * 129, "tool_choice": "required"}, True, "tools", "invalid_value"),
+    ({**CHAT, "tools": [TOOL], "tool_choice": "required", "guided_regex": "a"}, True, "tool_choice", "invalid_value"),
+    ({**CHAT, "tools": [TOOL], "tool_choice": "required", "echo": True,
+      "messages": [{"role": "assistant", "content": "x"}], "add_generation_prompt": False}, True, "echo",
+     "invalid_value"),
+    ({**CHAT, "messages": [{"role": "tool", "content": "4"}]}, True, "messages[0].tool_call_id", "missing_field"),
+    ({**CHAT, "messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, True, "messages[0].tool_call_id",
+     "invalid_value"),
+    ({**CHAT, "messages": [{"role": "user", "content": "x", "tool_calls": []}]}, True, "messages[0].tool_calls",
+     "invalid_value"),
+    ({**CHAT, "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]}, True,
+     "messages[0].tool_calls[0]", "invalid_value"),
+    ({**CHAT, "messages": [{"role": "assistant", "content": None}]}, True, "messages[0].content", "missing_field"),
     # output constraints
     ({**CHAT, "response_format": {"type": "xml"}}, True, "response_format.type", "invalid_value"),
     ({**CHAT, "response_format": {"type": "json_schema"}}, True, "response_format.json_schema", "invalid_value"),
@@ -245,7 +275,7 @@ def test_n_and_prompt_lists_fan_out_in_openai_choice_order():
                                                                         {"type": "text", "text": "b"}]},
                                       {"role": "user", "content": "hi", "name": "me"}])
     assert chat.generate_inputs("c")[0].messages == [{"role": "system", "content": "a\nb"},
-                                                     {"role": "user", "content": "hi"}]
+                                                     {"role": "user", "content": "hi", "name": "me"}]
 
 
 def delta(text: str, completion_tokens: int, logprobs=(), finish_reason=None, prompt_tokens=3,
