@@ -26,6 +26,7 @@ from common.service.flags import EnvDefaultsParser
 from common.service.logging_setup import add_logging_args, configure_logging
 from common.service.metrics import add_metrics_args
 from gateway.core import GatewaySettings
+from gateway.openai_api.tool_parsers import PARSERS
 from gateway.routing.policies import POLICIES
 from gateway.server import MAX_MESSAGE_BYTES, GatewayServer
 
@@ -39,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions); 0 picks "
                              "a free one, -1 or 'off' disables it; default 8000, or a free one when --port is 0")
     parser.add_argument("--http-host", default=None, help="interface the HTTP port listens on; default: --host")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                        help="the served model's tool-call syntax, read for chat requests with tool_choice "
+                             "\"auto\" (OpenAI's default when tools are sent); without it \"auto\" is refused")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="vLLM's flag, taken for its command lines: \"auto\" is on whenever "
+                             "--tool-call-parser is set, and this flag needs it")
     parser.add_argument("--registry-host", default=None,
                         help="interface the instance registry listens on; default: --host")
     parser.add_argument("--registry-port", type=int, default=None,
@@ -163,13 +170,16 @@ async def _start_http(server: GatewayServer, args: argparse.Namespace):
     if port < 0:
         return None
     http = OpenAIServer(server.gateway, host=args.http_host or args.host, port=port,
-                        max_body_bytes=args.max_message_bytes)
+                        max_body_bytes=args.max_message_bytes, tool_call_parser=args.tool_call_parser)
     await http.start()
     return http
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call syntax)")
     try:
         configure_logging("gateway", f"gateway-{socket.gethostname()}-{os.getpid()}", args.log_level,
                           args.log_format)

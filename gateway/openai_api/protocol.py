@@ -40,8 +40,15 @@ from common.text.chat_template import DEFAULT_CHAT_TEMPLATE_OPTIONS, MAX_CHAT_TE
 from gateway.openai_api.errors import ApiError, invalid_field
 from gateway.openai_api.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
 from gateway.openai_api.structured_outputs import structured_outputs_of
+from gateway.openai_api.tool_parsers import ToolCallParser
 from gateway.openai_api.tools import FIELDS as TOOL_FIELDS
-from gateway.openai_api.tools import TOOL_CALL_SCHEMA, ToolChoice, message_tool_fields, tool_choice_of
+from gateway.openai_api.tools import (
+    MAX_TOOL_CALLS_PER_MESSAGE,
+    TOOL_CALL_SCHEMA,
+    ToolChoice,
+    message_tool_fields,
+    tool_choice_of,
+)
 from gateway.types import GenerateInput
 from gateway.validation import MAX_CHAT_MESSAGES
 
@@ -299,14 +306,22 @@ _TEXT_PART = {"type": "object", "additionalProperties": False, "required": ["typ
               "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}
 
 
-@described({"type": "array", "minItems": 1, "maxItems": MAX_CHAT_MESSAGES, "items": {
-    "type": "object", "additionalProperties": False, "required": ["role"], "properties": {
-        "role": {"enum": list(CHAT_ROLES)},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}],
-                    "description": "required, but null on an assistant turn with tool_calls"},
-        "name": {"type": ["string", "null"]},
-        "tool_calls": {"type": ["array", "null"], "items": TOOL_CALL_SCHEMA, "description": "assistant turns"},
-        "tool_call_id": {"type": ["string", "null"], "description": "required on tool turns"}}},
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
+_NAME = {"type": ["string", "null"]}
+
+
+def _turn(roles: list[str], required: list[str], **properties: dict) -> dict:
+    return {"type": "object", "additionalProperties": False, "required": ["role", *required],
+            "properties": {"role": {"enum": roles}, "name": _NAME, **properties}}
+
+
+@described({"type": "array", "minItems": 1, "maxItems": MAX_CHAT_MESSAGES, "items": {"anyOf": [
+    _turn(["system", "developer", "user"], ["content"], content=_CONTENT),
+    _turn(["assistant"], ["content"], content=_CONTENT),
+    _turn(["assistant"], ["tool_calls"], content={"anyOf": [_CONTENT, {"type": "null"}]},
+          tool_calls={"type": "array", "minItems": 1, "maxItems": MAX_TOOL_CALLS_PER_MESSAGE,
+                      "items": TOOL_CALL_SCHEMA}),
+    _turn(["tool"], ["content", "tool_call_id"], content=_CONTENT, tool_call_id={"type": "string"})]},
     "description": "the conversation; its content at most --max-prompt-chars in total"})
 def messages_value(param: str, value: Any) -> Any:
     """Checked whole by _messages once the other fields are known."""
@@ -457,7 +472,8 @@ def _checked(data: dict, fields: dict[str, Callable], where: str = "") -> dict[s
     return {name: fields[name](where + name, value) for name, value in data.items() if value is not None}
 
 
-def parse_request(body: bytes, chat: bool) -> ParsedRequest:
+def parse_request(body: bytes, chat: bool, tool_parser: ToolCallParser | None = None) -> ParsedRequest:
+    """A completions or chat body, checked; `tool_parser`: the server's for tool_choice "auto"."""
     values = _checked(parse_body(body), CHAT_FIELDS if chat else COMPLETION_FIELDS)
     get = values.get
     if "model" not in values:
@@ -477,7 +493,7 @@ def parse_request(body: bytes, chat: bool) -> ParsedRequest:
         if "top_logprobs" in values and not get("logprobs", False):
             raise invalid_field("top_logprobs", "needs logprobs set to true")
         parsed.num_logprobs = get("top_logprobs", 0) if get("logprobs", False) else None
-        parsed.tool_choice = tool_choice_of(values)
+        parsed.tool_choice = tool_choice_of(values, tool_parser)
         parsed.chat_options = _chat_options(values, parsed.tool_choice.tools if parsed.tool_choice else None)
         last = parsed.messages[-1]
         parsed.response_role = "assistant" if parsed.chat_options.add_generation_prompt else last["role"]

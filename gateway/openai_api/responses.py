@@ -21,6 +21,7 @@ from collections.abc import Callable
 from common.engine.outputs import Logprobs
 from gateway.openai_api.errors import ApiError
 from gateway.openai_api.protocol import ParsedRequest
+from gateway.openai_api.tools import parsed_calls
 from gateway.types import GenerationDelta
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)
@@ -53,6 +54,9 @@ class ResponseBuilder:
         self.started = [False] * num_choices  # the role (chat), an echo, prompt logprobs: in the first chunk
         self.echo_prompts = echo_prompts  # per prompt (text, token ids), for request.echo
         self.tool_texts = [""] * num_choices  # tool_choice "required": each choice's answer so far
+        tool_choice = request.tool_choice
+        self._auto_tools = tool_choice is not None and tool_choice.parser is not None
+        self.tool_streams = [tool_choice.parser.stream() for _ in range(num_choices)] if self._auto_tools else []
 
     def _record(self, index: int, delta: GenerationDelta) -> None:
         self.completion_tokens[index] = delta.usage.completion_tokens
@@ -78,6 +82,8 @@ class ResponseBuilder:
                       "finish_reason": result.finish_reason, "stop_reason": _stop_reason(result)}
             if self.chat:
                 choice["message"] = self._message(result.text)
+                if self._auto_tools and "tool_calls" in choice["message"]:
+                    choice["finish_reason"] = "tool_calls"
             else:
                 choice["text"] = self._echoed_text(index) + result.text
                 if self.request.sampling.prompt_logprobs is not None:
@@ -104,6 +110,8 @@ class ResponseBuilder:
         if first and self.request.sampling.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self._prompt_logprobs(delta)
         choice["finish_reason"] = delta.finish_reason
+        if self._auto_tools and "tool_calls" in choice.get("delta", {}):
+            choice["finish_reason"] = "tool_calls"
         if delta.finish_reason is not None:
             choice["stop_reason"] = _stop_reason(delta)
         payload = {**self.head, "choices": [choice]}
@@ -114,15 +122,24 @@ class ResponseBuilder:
         return sse_event(payload)
 
     def _message(self, text: str) -> dict:
+        role, echo = self.request.response_role, self.request.chat_echo
+        if self._auto_tools:
+            content, parsed = self.request.tool_choice.parser.extract(text)
+            if parsed:
+                content = echo + content
+                return {"role": role, "content": content if content.strip() else None,
+                        "tool_calls": parsed_calls(parsed)}
         calls = self.request.tool_choice.tool_calls(text) if self.request.forced_tool_call else None
         if calls is None:
-            return {"role": self.request.response_role, "content": self.request.chat_echo + text}
-        return {"role": self.request.response_role, "content": None, "tool_calls": calls}
+            return {"role": role, "content": echo + text}
+        return {"role": role, "content": None, "tool_calls": calls}
 
     def _chat_delta(self, index: int, delta: GenerationDelta, first: bool) -> dict:
         """A chat chunk's delta. A named tool call streams its arguments as they come; a
         "required" array is parsed whole, so its calls come with the last chunk."""
         head = {"role": self.request.response_role} if first else {}
+        if self._auto_tools:
+            return self._auto_delta(index, delta, head, first)
         forced = self.request.tool_choice.forced if self.request.forced_tool_call else None
         if forced is None:
             text = self.request.chat_echo + delta.text if first else delta.text
@@ -139,6 +156,20 @@ class ResponseBuilder:
         if calls is None:  # not a complete array (cut short): the text as it is
             return {**head, "content": self.tool_texts[index]}
         return {**head, "content": None, "tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+
+    def _auto_delta(self, index: int, delta: GenerationDelta, head: dict, first: bool) -> dict:
+        """tool_choice "auto": text streams as it comes until the parser's marker; calls come
+        whole with the last chunk."""
+        stream = self.tool_streams[index]
+        content = (self.request.chat_echo if first else "") + stream.feed(delta.text)
+        calls: list = []
+        if delta.finish_reason is not None:
+            rest, calls = stream.finish()
+            content += rest
+        out = {**head, "content": content} if first or content else {}
+        if calls:
+            out["tool_calls"] = [{"index": k, **call} for k, call in enumerate(parsed_calls(calls))]
+        return out
 
     def usage_chunk(self) -> bytes:
         """stream_options.include_usage: the last chunk, no choices, the whole usage."""

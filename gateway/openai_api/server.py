@@ -54,6 +54,7 @@ from gateway.openai_api.protocol import (
     parse_tokenize_request,
 )
 from gateway.openai_api.responses import SSE_DONE, ResponseBuilder, TokenTexts, error_event, json_bytes
+from gateway.openai_api.tool_parsers import make_tool_parser
 from gateway.types import GenerateInput, GenerationDelta
 
 logger = logging.getLogger(__name__)
@@ -72,8 +73,10 @@ class ClientGone(Exception):
 
 class OpenAIServer:
     def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 8000,
-                 max_body_bytes: int = MAX_BODY_BYTES, access_log: bool = False):
+                 max_body_bytes: int = MAX_BODY_BYTES, access_log: bool = False,
+                 tool_call_parser: str | None = None):
         self.gateway = gateway
+        self.tool_parser = make_tool_parser(tool_call_parser) if tool_call_parser else None
         self.host, self.port = host, port
         self.max_body_bytes = max_body_bytes
         self.address = ""
@@ -206,7 +209,7 @@ class OpenAIServer:
         parsed = None
         try:
             body = await self._read_body(request)
-            parsed = await _parsed(parse_request, body, chat)
+            parsed = await _parsed(parse_request, body, chat, self.tool_parser)
             model_name = self._check_model(parsed.model)
             response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             inputs = parsed.generate_inputs(response_id)

@@ -7,10 +7,12 @@ A forced call is a structured output, as in vLLM: a named function (`tool_choice
 parameters schema, and `"required"` to a JSON array of `{"name", "parameters"}` calls of the
 listed functions (one call when `parallel_tool_calls` is false). The answer then comes back
 as `message.tool_calls` (content null, finish_reason "stop", as OpenAI answers a forced
-call). `"auto"` would need a parser of each model family's own call syntax, which this
-server does not have (vLLM needs `--enable-auto-tool-choice --tool-call-parser` for it):
-it is refused with a 400 saying what to send instead. With `"none"` the tools are not
-listed in the prompt (vLLM's default).
+call). `"auto"` (OpenAI's default when tools are sent) lets the model answer in text or
+call in its own syntax, which a parser of that syntax reads (`--tool-call-parser`,
+tool_parsers/; as vLLM's `--enable-auto-tool-choice --tool-call-parser`): calls come back as
+tool_calls with finish_reason "tool_calls". Without a parser "auto" is refused with a 400
+saying what to send instead. With `"none"` the tools are not listed in the prompt (vLLM's
+default).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from common.engine.structured_output.params import StructuredOutputsParams
 from common.text.chat_template import MAX_TOOLS
 from gateway.openai_api.errors import invalid_field
 from gateway.openai_api.structured_outputs import checked_later
+from gateway.openai_api.tool_parsers import ParsedCall, ToolCallParser
 
 MAX_TOOL_CALLS_PER_MESSAGE = 128
 # OpenAI's rule for function names; it keeps them safe to place in a schema's enum and a prompt.
@@ -48,8 +51,8 @@ FIELDS = {
     "tools": checked_later({"type": "array", "maxItems": MAX_TOOLS, "items": _TOOL_SCHEMA,
                             "description": "functions the model may call; names unique"}),
     "tool_choice": checked_later({"anyOf": [{"enum": ["none", "required", "auto"]}, _NAMED_CHOICE_SCHEMA],
-                                  "description": "\"auto\" is refused (no tool-call parser): use \"required\" or "
-                                                 "a named function"}),
+                                  "description": "\"auto\" needs the server's --tool-call-parser; without it "
+                                                 "send \"required\" or a named function"}),
 }
 
 
@@ -60,6 +63,7 @@ class ToolChoice:
     forced: str | None = None  # "named", "required" or None (the answer is text)
     function_name: str | None = None  # named: the function
     constraint: StructuredOutputsParams | None = None  # forced: the answer's shape
+    parser: ToolCallParser | None = None  # "auto": reads calls out of the answer
 
     def tool_calls(self, text: str) -> list[dict] | None:
         """The answer `text` as OpenAI's tool_calls; None where it is not a complete call
@@ -75,6 +79,11 @@ class ToolChoice:
         return [_call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in calls]
 
 
+def parsed_calls(calls: list[ParsedCall]) -> list[dict]:
+    """Calls a parser read ("auto"), as OpenAI's tool_calls."""
+    return [_call(call.name, call.arguments) for call in calls]
+
+
 def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
@@ -83,18 +92,22 @@ def _call(name: str | None, arguments: str) -> dict:
     return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def tool_choice_of(values: dict[str, Any]) -> ToolChoice | None:
-    """The request's tools and what it forces; None when it sends no tools. A 400 naming
-    the field for what is malformed, unknown or refused."""
+def tool_choice_of(values: dict[str, Any], parser: ToolCallParser | None = None) -> ToolChoice | None:
+    """The request's tools and what it forces; None when it sends no tools. `parser`: the
+    server's for "auto", if it has one. A 400 naming the field for what is malformed,
+    unknown or refused."""
     tools = _tools(values["tools"]) if "tools" in values else None
     choice = values.get("tool_choice", "auto" if tools else "none")
     if choice == "none":
         return None if tools is None else ToolChoice(tools=None)
     if not tools:
         raise invalid_field("tool_choice", f"{json.dumps(choice)} needs tools to choose from")
+    if choice == "auto" and parser is not None:
+        return ToolChoice(tools=tools, parser=parser)
     if choice == "auto":
         raise invalid_field("tool_choice", "\"auto\" (the default when tools are sent) needs a parser of the "
-                                           "model's own tool-call syntax, which this server does not have: send "
+                                           "model's own tool-call syntax, which this server was not started "
+                                           "with (--tool-call-parser): send "
                                            "\"required\", a named function ({\"type\": \"function\", \"function\": "
                                            "{\"name\": ...}}) or \"none\"", code="unsupported_value")
     by_name = {tool["function"]["name"]: tool["function"] for tool in tools}

@@ -27,12 +27,13 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @contextmanager
-def http_gateway(max_body_bytes: int | None = None, **fake_kwargs):
+def http_gateway(max_body_bytes: int | None = None, tool_call_parser: str | None = None, **fake_kwargs):
     """A BackgroundGateway with one fake decode instance (unless fake_kwargs is None-like)
     and the OpenAI server on a free port; yields the BackgroundGateway."""
     with BackgroundGateway(GatewaySettings(heartbeat_timeout_s=30.0)) as gw:
         gw.fake = gw.add_fake_decode("decode-0", **fake_kwargs) if fake_kwargs else None
         kwargs = {"max_body_bytes": max_body_bytes} if max_body_bytes else {}
+        kwargs["tool_call_parser"] = tool_call_parser
         server = gw.server.openai_http = gw.call(lambda: OpenAIServer(gw.gateway, port=0, **kwargs))
         gw.http_address = gw.call(server.start())
         try:
@@ -129,6 +130,53 @@ def test_chat_template_options_shape_the_prompt_and_echo_the_prefilled_answer(gw
     with_bos = client.chat.completions.create(model=MODEL, messages=started[:1], max_tokens=5,
                                               extra_body={"add_special_tokens": True})
     assert with_bos.usage.prompt_tokens == len(tokenizer.apply_chat_template(started[:1], add_special_tokens=True))
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+HERMES_ANSWER = 'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_auto_tool_choice_reads_the_models_calls_with_the_servers_parser(gw):
+    from gateway.validation import load_served_model
+    token_ids = load_served_model(None).tokenizer.encode(HERMES_ANSWER, add_special_tokens=False)
+    with http_gateway(tool_call_parser="hermes", token_ids=token_ids, delay_s=0.001) as hermes:
+        client = openai.OpenAI(base_url=f"http://{hermes.http_address}/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "Weather in Paris?"}]
+        answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL],
+                                                max_tokens=len(token_ids))
+        choice = answer.choices[0]
+        assert (choice.finish_reason, choice.message.content) == ("tool_calls", "Let me look. ")
+        (call,) = choice.message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+        sent = hermes.fake.servicer.requests[-1]
+        assert not sent.sampling.HasField("structured_output")  # "auto" constrains nothing
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL],
+                                                     max_tokens=len(token_ids), stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Let me look. "
+        assert all(c.choices[0].delta.tool_calls is None for c in chunks[:-1])
+        (streamed,) = chunks[-1].choices[0].delta.tool_calls
+        assert (streamed.index, streamed.function.name, streamed.function.arguments) == (
+            0, "get_weather", call.function.arguments)
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # an answer cut short inside its call: what was held back comes out as content
+        cut = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=8)
+        assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
+        assert cut.choices[0].message.content == load_served_model(None).tokenizer.decode(token_ids[:8])
+    # the module's server has no parser: "auto" is refused, saying what to send instead
+    status, error = post(gw.http_address, "/v1/chat/completions",
+                         {"model": MODEL, "messages": messages, "tools": [WEATHER_TOOL]})
+    assert (status, error["error"]["param"], error["error"]["code"]) == (400, "tool_choice", "unsupported_value")
+    assert "--tool-call-parser" in error["error"]["message"]
+
+
+def test_vllms_auto_tool_flag_needs_a_parser(capsys):
+    from gateway.main import build_parser, main
+    with pytest.raises(SystemExit) as exited:
+        main(["--enable-auto-tool-choice"])
+    assert exited.value.code == 2 and "needs --tool-call-parser" in capsys.readouterr().err
+    args = build_parser().parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert args.tool_call_parser == "hermes"
 
 
 @pytest.mark.parametrize("body, param", [

@@ -1,0 +1,17 @@
+"""Parsers of models' own tool-call syntax, one per file behind base.ToolCallParser, for
+tool_choice "auto" (`pdserve gateway --tool-call-parser NAME`)."""
+from __future__ import annotations
+
+from gateway.openai_api.tool_parsers.base import ParsedCall, ToolCallParser, ToolCallStream
+from gateway.openai_api.tool_parsers.hermes import HermesParser
+
+PARSERS: dict[str, type[ToolCallParser]] = {parser.name: parser for parser in (HermesParser,)}
+
+
+def make_tool_parser(name: str) -> ToolCallParser:
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(PARSERS)}")
+    return PARSERS[name]()
+
+
+__all__ = ["PARSERS", "ParsedCall", "ToolCallParser", "ToolCallStream", "make_tool_parser"]

@@ -1,0 +1,74 @@
+"""What every tool-call parser offers (tool_choice "auto"): a model writes its calls in its
+own syntax after any text, and a parser finds where they begin and reads them.
+
+Streaming is the same for every parser: text streams as content until the parser's start
+marker could be beginning (a possible prefix of it is held back), and from the marker on the
+answer is held and read whole at the end, so calls come with the last chunk, each complete.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCallParser(ABC):
+    name: str  # what --tool-call-parser takes
+    start_marker: str  # text the calls begin with; what comes before it is content
+
+    @abstractmethod
+    def extract(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """(content, calls) of a whole answer: the text before the calls and the calls, or
+        `text` and no calls when it has none or they do not parse."""
+
+    def stream(self) -> "ToolCallStream":
+        return ToolCallStream(self)
+
+
+class ToolCallStream:
+    """One streamed answer: feed() gives the content that may go out now, finish() the rest
+    of the content and the calls."""
+
+    def __init__(self, parser: ToolCallParser):
+        self.parser = parser
+        self.text = ""  # the whole answer so far
+        self.num_sent = 0  # characters of it already sent as content
+        self.in_calls = False
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        if self.in_calls:
+            return ""
+        marker = self.parser.start_marker
+        start = self.text.find(marker, max(0, self.num_sent - len(marker) + 1))
+        if start >= 0:
+            self.in_calls = True
+            return self._send_until(start)
+        return self._send_until(len(self.text) - _held_back(self.text, marker))
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        """(content not yet sent, calls)."""
+        if not self.in_calls:
+            return self._send_until(len(self.text)), []
+        content, calls = self.parser.extract(self.text)
+        if not calls:  # the calls did not parse: what was held back goes out as content
+            return self._send_until(len(self.text)), []
+        return self._send_until(len(content)), calls
+
+    def _send_until(self, end: int) -> str:
+        end = max(end, self.num_sent)
+        piece, self.num_sent = self.text[self.num_sent:end], end
+        return piece
+
+
+def _held_back(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could be the start of `marker`."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
