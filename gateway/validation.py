@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.engine.model_files import BUNDLED_MODEL_NAME, load_hf_config, resolve_model
-from common.engine.sampling_params import validate_prompt_token_ids
+from common.engine.sampling_params import truncate_prompt, validate_prompt_token_ids
 from common.service.errors import invalid
 from common.text.prompt_tokenizer import load_prompt_tokenizer
 from gateway.types import GenerateInput, PreparedRequest
@@ -84,6 +84,10 @@ def prepare_request(request: GenerateInput, model: ServedModel, max_model_len: i
         raise invalid(f"request_id has {len(request.request_id)} characters; at most "
                       f"{MAX_REQUEST_ID_CHARS} are allowed")
     prompt_token_ids = tokenize_prompt(request, model, max_prompt_chars)
+    try:
+        prompt_token_ids = truncate_prompt(prompt_token_ids, sampling.truncate_prompt_tokens, max_model_len)
+    except ValueError as e:
+        raise invalid(f"sampling.{e}") from None
     num_prompt = len(prompt_token_ids)
     if num_prompt >= max_model_len:
         raise invalid(f"prompt has {num_prompt} tokens, but the model accepts at most {max_model_len} "

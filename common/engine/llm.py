@@ -11,7 +11,7 @@ from common.engine.config import make_engine_config
 from common.engine.engine_core import EngineCore
 from common.engine.outputs import CompletionOutput, Logprobs, RequestOutput
 from common.engine.request import Request
-from common.engine.sampling_params import SamplingParams, validate_prompt_token_ids
+from common.engine.sampling_params import SamplingParams, truncate_prompt, validate_prompt_token_ids
 from common.text.chat_template import ChatTemplateOptions
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.prompt_tokenizer import load_prompt_tokenizer
@@ -86,6 +86,7 @@ class LLM:
         encoded = []
         for prompt, params in zip(prompts, sampling_params):
             text, token_ids = self._prompt_token_ids(prompt)
+            token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
             validate_prompt_token_ids(token_ids, vocab_size)
             validate_prompt_length(len(token_ids), self.max_model_len)
             params.validate_token_ids(vocab_size)

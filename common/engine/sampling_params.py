@@ -76,6 +76,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Only these tokens may be sampled (vLLM's allowed_token_ids); None: every token.
     allowed_token_ids: list[int] | None = None
+    # Keep only the prompt's last k tokens (vLLM's; -1: the last max_model_len). Applied where
+    # the prompt is tokenized (the gateway, the offline LLM): truncate_prompt().
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # A lone string is vLLM's shorthand for one stop string.
@@ -131,6 +134,9 @@ class SamplingParams:
             fail("structured_outputs", "None, a StructuredOutputsParams or a dict")
         self._check_logit_bias()
         self._check_allowed_token_ids()
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k == -1 or 1 <= k <= 2**31 - 1)):
+            fail("truncate_prompt_tokens", "None, -1 (the model's maximum length) or an integer >= 1")
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
@@ -284,6 +290,19 @@ def _short_repr(value: Any, limit: int = 80) -> str:
         return f"an integer of {value.bit_length()} bits"
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def truncate_prompt(prompt_token_ids: list[int], truncate_prompt_tokens: int | None,
+                    max_model_len: int) -> list[int]:
+    """The prompt's last truncate_prompt_tokens tokens (all of them when None); ValueError when
+    that is more than the model takes (vLLM's rule)."""
+    if truncate_prompt_tokens is None:
+        return prompt_token_ids
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens: {keep} is more than the model's maximum length of "
+                         f"{max_model_len} tokens; choose a smaller truncation")
+    return prompt_token_ids[-keep:]
 
 
 def validate_prompt_token_ids(prompt_token_ids: list[int], vocab_size: int) -> None:

@@ -91,6 +91,9 @@ def _json_operation(summary: str, schema_name: str, response: dict) -> dict:
                for status in ("400", "404", "413")}}}
 
 
+MODEL_CARD = {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
+    "id": {"type": "string"}, "object": {"enum": ["model"]}, "created": {"type": "integer"},
+    "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}}}
 TOKENIZE_RESPONSE = {"type": "object", "required": ["count", "max_model_len", "tokens", "token_strs"], "properties": {
     "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
     "tokens": {"type": "array", "items": {"type": "integer"}},
@@ -117,7 +120,18 @@ def openapi_document(served_model_names: list[str], version: str = "0.1.0") -> d
             "/v1/models": {"get": {"summary": "The served model", "responses": {"200": {
                 "description": "One model", "content": {"application/json": {"schema": {
                     "type": "object", "required": ["object", "data"], "properties": {
-                        "object": {"enum": ["list"]}, "data": {"type": "array", "items": {"type": "object"}}}}}}}}}},
+                        "object": {"enum": ["list"]}, "data": {"type": "array", "items": MODEL_CARD}}}}}}}}},
+            "/v1/models/{model}": {"get": {
+                "summary": "The served model by name",
+                "parameters": [{"name": "model", "in": "path", "required": True,
+                                "schema": {"type": "string", "enum": served_model_names}}],
+                "responses": {"200": {"description": "The model", "content": {"application/json": {
+                    "schema": MODEL_CARD}}},
+                    "404": {"description": ERROR_STATUSES["404"], "content": {"application/json": {
+                        "schema": {"$ref": "#/components/schemas/Error"}}}}}}},
+            "/version": {"get": {"summary": "pdserve's version", "responses": {"200": {
+                "description": "ok", "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}}}}}},
             "/tokenize": {"post": _json_operation("A prompt or chat messages as the token ids generation gets "
                                                   "(exactly one of prompt and messages)", "TokenizeRequest",
                                                   TOKENIZE_RESPONSE)},

@@ -92,6 +92,7 @@ class ParsedRequest:
     response_role: str = "assistant"
     chat_echo: str = ""
     tool_choice: ToolChoice | None = None  # chat: the tools sent and the call they force, if any
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's)
 
     @property
     def forced_tool_call(self) -> bool:
@@ -345,7 +346,10 @@ COMMON_FIELDS: dict[str, Callable] = {
     "stop": stop_strings, "stop_token_ids": stop_token_ids, "ignore_eos": boolean, "min_tokens": integer(0, UINT32_MAX),
     "include_stop_str_in_output": boolean, "skip_special_tokens": boolean, "priority": integer(*INT32),
     "allowed_token_ids": allowed_token_ids, "prompt_logprobs": integer(0, MAX_LOGPROBS), "user": string,
-    "logit_bias": logit_bias, **STRUCTURED_OUTPUT_FIELDS,
+    "logit_bias": logit_bias, "return_tokens_as_token_ids": boolean,
+    "truncate_prompt_tokens": integer(-1, INT32[1], allowed=f"-1 (the model's maximum length) or an integer in "
+                                                            f"[1, {INT32[1]}]"),
+    **STRUCTURED_OUTPUT_FIELDS,
 }
 COMPLETION_FIELDS: dict[str, Callable] = {
     **COMMON_FIELDS, "prompt": prompt_value, "logprobs": integer(0, MAX_LOGPROBS),
@@ -486,7 +490,8 @@ def parse_request(body: bytes, chat: bool, tool_parser: ToolCallParser | None = 
     parsed = ParsedRequest(chat=chat, model=values["model"], sampling=SamplingParams(), stream=stream,
                            include_usage=options.get("include_usage", False),
                            continuous_usage=options.get("continuous_usage_stats", False),
-                           priority=get("priority", 0))
+                           priority=get("priority", 0),
+                           return_tokens_as_token_ids=get("return_tokens_as_token_ids", False))
     if chat:
         parsed.messages = _messages(values.get("messages", _NONE))
         max_tokens = _chat_max_tokens(values)
@@ -551,7 +556,7 @@ def _sampling(values: dict, n: int, max_tokens: int | None, num_logprobs: int | 
     get = values.get
     names = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
              "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
-             "skip_special_tokens", "logit_bias", "allowed_token_ids", "prompt_logprobs")
+             "skip_special_tokens", "logit_bias", "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens")
     fields = {name: values[name] for name in names if name in values}
     top_k = get("top_k", -1)
     try:

@@ -46,6 +46,9 @@ class ResponseBuilder:
         self.head = {"id": response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": int(time.time()), "model": model_name}
         self.token_text = token_text
+        # How a token is named in logprobs: its text, or vLLM's "token_id:<id>" on request
+        # (a token that is part of a multi-byte character has no text of its own).
+        self.logprob_token = _token_id_name if request.return_tokens_as_token_ids else token_text
         num_choices = request.num_prompts * request.sampling.n
         self.completion_tokens = [0] * num_choices
         self.text_offsets = [0] * num_choices  # completions logprobs: offset of the next token
@@ -190,27 +193,27 @@ class ResponseBuilder:
             prompt_token_ids = self.echo_prompts[index // self.request.sampling.n][1]
             computed = dict(enumerate(lp for _, lp in delta.prompt_logprobs))  # position - 1 -> Logprobs
             for position, token_id in enumerate(prompt_token_ids):
-                text = self.token_text(token_id)
+                shown = self.logprob_token(token_id)
                 lp = computed.get(position - 1)
-                tokens.append(text)
+                tokens.append(shown)
                 token_logprobs.append(None if lp is None else _clamp(lp.token_logprob))
-                top_logprobs.append(None if lp is None else self._top(text, lp))
+                top_logprobs.append(None if lp is None else self._top(shown, lp))
                 offsets.append(self.text_offsets[index])
-                self.text_offsets[index] += len(text)
+                self.text_offsets[index] += len(self.token_text(token_id))
         for token_id, lp in delta.logprobs:
-            text = self.token_text(token_id)
-            tokens.append(text)
+            shown = self.logprob_token(token_id)
+            tokens.append(shown)
             token_logprobs.append(_clamp(lp.token_logprob))
-            top_logprobs.append(self._top(text, lp))
+            top_logprobs.append(self._top(shown, lp))
             offsets.append(self.text_offsets[index])
-            self.text_offsets[index] += len(text)
+            self.text_offsets[index] += len(self.token_text(token_id))
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
     def _top(self, text: str, lp: Logprobs) -> dict:
         """The token and the top alternatives by their text (vLLM's legacy completions shape)."""
         top = {text: _clamp(lp.token_logprob)}
-        top.update((self.token_text(t), _clamp(v)) for t, v in zip(lp.top_token_ids, lp.top_logprobs))
+        top.update((self.logprob_token(t), _clamp(v)) for t, v in zip(lp.top_token_ids, lp.top_logprobs))
         return top
 
     def _prompt_logprobs(self, delta: GenerationDelta) -> list[dict | None]:
@@ -228,9 +231,9 @@ class ResponseBuilder:
         return entries
 
     def _chat_logprob(self, token_id: int, lp: Logprobs) -> dict:
-        text = self.token_text(token_id)
+        text = self.logprob_token(token_id)
         return {"token": text, "logprob": _clamp(lp.token_logprob), "bytes": list(text.encode()),
-                "top_logprobs": [{"token": (t := self.token_text(top_id)), "logprob": _clamp(v),
+                "top_logprobs": [{"token": (t := self.logprob_token(top_id)), "logprob": _clamp(v),
                                   "bytes": list(t.encode())}
                                  for top_id, v in zip(lp.top_token_ids, lp.top_logprobs)]}
 
@@ -238,6 +241,10 @@ class ResponseBuilder:
 def error_event(error: ApiError) -> bytes:
     """A failure after the stream began (its status line is gone): an error event, as vLLM sends."""
     return sse_event(error.body())
+
+
+def _token_id_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 def _clamp(logprob: float) -> float:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import math
 import socket
@@ -42,6 +43,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from common.engine.sampling_params import truncate_prompt
 from common.service.errors import ServiceError
 from gateway.core import Gateway
 from gateway.openai_api.choices import generate_choices, stream_choices
@@ -60,6 +62,10 @@ from gateway.types import GenerateInput, GenerationDelta
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 << 20  # like the gRPC server's message limit
+try:
+    PDSERVE_VERSION = importlib.metadata.version("pdserve")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was not installed
+    PDSERVE_VERSION = "unknown"
 PARSE_IN_THREAD_BYTES = 64 << 10
 DETOKENIZE_IN_THREAD_TOKENS = 4096
 START_TIMEOUT_S = 30.0
@@ -86,6 +92,8 @@ class OpenAIServer:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
@@ -144,10 +152,23 @@ class OpenAIServer:
         return await self._generate(request, chat=True)
 
     async def models(self, request: Request) -> Response:
+        return _json({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        """OpenAI's model retrieval: the served model by a name /v1/models lists, else a 404."""
+        try:
+            self._check_model(request.path_params["model"])
+        except ApiError as e:
+            return _error(e)
+        return _json(self._model_card())
+
+    async def version(self, request: Request) -> Response:
+        return _json({"version": PDSERVE_VERSION})
+
+    def _model_card(self) -> dict:
         info = self.gateway.deployment_info()
-        return _json({"object": "list", "data": [
-            {"id": info.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
-             "max_model_len": info.max_model_len}]})
+        return {"id": info.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
+                "max_model_len": info.max_model_len}
 
     async def tokenize(self, request: Request) -> Response:
         """A prompt's token ids as generation gets them (for logit_bias, allowed_token_ids or
@@ -189,7 +210,7 @@ class OpenAIServer:
     async def openapi(self, request: Request) -> Response:
         """This API's OpenAPI document (openapi.py), made once: it depends only on the model."""
         if self._openapi_json is None:
-            self._openapi_json = json_bytes(openapi_document([self._served_model_name()]))
+            self._openapi_json = json_bytes(openapi_document([self._served_model_name()], PDSERVE_VERSION))
         return Response(self._openapi_json, media_type="application/json")
 
     async def health(self, request: Request) -> Response:
@@ -231,14 +252,19 @@ class OpenAIServer:
             return Response(status_code=499)
 
     async def _echo_prompts(self, parsed: ParsedRequest) -> list[tuple[str, list[int]]]:
-        """Each prompt's text and token ids (as generation tokenizes it), for echo."""
+        """Each prompt's text and token ids (as generation tokenizes and truncates it), for echo."""
         echoed = []
         for prompt in parsed.prompts:
-            if isinstance(prompt, str):
-                echoed.append((prompt, await self.gateway.tokenize(
-                    GenerateInput(text=prompt, add_special_tokens=parsed.add_special_tokens))))
+            token_ids = prompt if not isinstance(prompt, str) else await self.gateway.tokenize(
+                GenerateInput(text=prompt, add_special_tokens=parsed.add_special_tokens))
+            try:
+                kept = truncate_prompt(token_ids, parsed.sampling.truncate_prompt_tokens, self.gateway.max_model_len)
+            except ValueError as e:
+                raise invalid_field("truncate_prompt_tokens", str(e).split(": ", 1)[-1]) from None
+            if isinstance(prompt, str) and len(kept) == len(token_ids):
+                echoed.append((prompt, token_ids))
             else:
-                echoed.append((self.gateway.model.tokenizer.decode(prompt, skip_special_tokens=False), prompt))
+                echoed.append((self.gateway.model.tokenizer.decode(kept, skip_special_tokens=False), kept))
         return echoed
 
     def _count_refusal(self, status: str) -> None:
@@ -371,7 +397,7 @@ def _param_of(error: ServiceError, parsed: ParsedRequest | None) -> str | None:
         return "messages" if parsed.chat else "prompt"
     if message.startswith("structured_outputs."):  # the engine's grammar compiler refused it
         return parsed.constraint_field
-    for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):  # out of the vocabulary
+    for name in ("stop_token_ids", "logit_bias", "allowed_token_ids", "truncate_prompt_tokens"):
         if message.startswith(f"sampling.{name}:"):
             return name
     return None

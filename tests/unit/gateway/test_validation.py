@@ -75,6 +75,9 @@ BAD_REQUESTS = {
                                      "sampling.allowed_token_ids: token id 49152"),
     "logit bias past 100": (request(text="hi", logit_bias={5: 150.0}), INVALID, "logit_bias[5] must be"),
     "too many prompt logprobs": (request(text="hi", prompt_logprobs=21), INVALID, "prompt_logprobs"),
+    "truncation past the model's length": (request(ids=[5] * 10, truncate_prompt_tokens=DECODE_MAX_MODEL_LEN + 1),
+                                           INVALID, "sampling.truncate_prompt_tokens: 65 is more than"),
+    "truncation to nothing": (request(text="hi", truncate_prompt_tokens=0), INVALID, "truncate_prompt_tokens"),
 }
 
 
@@ -115,6 +118,15 @@ def test_valid_request_right_at_the_limit_is_served(stub):
     reply = stub.Generate(request(ids=[5] * 60, max_tokens=4, temperature=0), timeout=10)
     assert reply.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert reply.usage.prompt_tokens == 60 and reply.usage.completion_tokens == 4
+
+
+def test_truncation_keeps_the_prompts_last_tokens(gateway, stub):
+    ids = list(range(100, 200))  # longer than the decode instance's 64 tokens
+    reply = stub.Generate(request(ids=ids, max_tokens=2, truncate_prompt_tokens=10), timeout=10)
+    assert reply.usage.prompt_tokens == 10
+    assert list(gateway.fake.servicer.requests[-1].prompt_token_ids) == ids[-10:]
+    reply = stub.Generate(request(ids=list(range(100, 120)), max_tokens=2, truncate_prompt_tokens=50), timeout=10)
+    assert reply.usage.prompt_tokens == 20  # shorter than the truncation: all of it
 
 
 def test_no_decode_instance_means_unavailable_and_the_model_limit_applies():

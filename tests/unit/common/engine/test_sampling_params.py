@@ -3,7 +3,13 @@ import math
 import msgpack
 import pytest
 
-from common.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams, validate_prompt_token_ids
+from common.engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_SEED,
+    SamplingParams,
+    truncate_prompt,
+    validate_prompt_token_ids,
+)
 
 # (field, bad value, a fragment of the allowed range the message must state)
 INVALID = [
@@ -52,6 +58,9 @@ INVALID = [
     ("allowed_token_ids", [], "not be empty"),
     ("allowed_token_ids", [3, -1], ">= 0"),
     ("allowed_token_ids", 3, "list of token ids"),
+    ("truncate_prompt_tokens", 0, "-1 (the model's maximum length) or an integer >= 1"),
+    ("truncate_prompt_tokens", -2, "-1 (the model's maximum length) or an integer >= 1"),
+    ("truncate_prompt_tokens", 2**31, "an integer >= 1"),
 ]
 
 
@@ -76,6 +85,7 @@ def test_min_tokens_above_max_tokens_rejected():
     dict(repetition_penalty=1e-3), dict(presence_penalty=-2), dict(frequency_penalty=2.0),
     dict(seed=0), dict(seed=MAX_SEED), dict(logprobs=0), dict(logprobs=MAX_LOGPROBS),
     dict(max_tokens=None), dict(max_tokens=1), dict(n=4), dict(stop=["a", "\n\n"]),
+    dict(truncate_prompt_tokens=-1), dict(truncate_prompt_tokens=1),
 ])
 def test_boundary_values_accepted(changes):
     SamplingParams(**changes)
@@ -190,3 +200,13 @@ def test_a_requests_prompt_logprobs_gather_chunk_by_chunk_once():
     assert Request("n", [5, 6], SamplingParams()).prompt_logprobs is None
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=MAX_LOGPROBS + 1)
+
+
+def test_truncate_prompt_keeps_the_last_tokens():
+    ids = list(range(10, 20))
+    assert truncate_prompt(ids, None, 8) == ids
+    assert truncate_prompt(ids, 3, 8) == [17, 18, 19]
+    assert truncate_prompt(ids, -1, 8) == ids[-8:]
+    assert truncate_prompt(ids, 20, 32) == ids  # shorter than the truncation: all of it
+    with pytest.raises(ValueError, match="truncate_prompt_tokens: 9 is more than the model's maximum length of 8"):
+        truncate_prompt(ids, 9, 8)

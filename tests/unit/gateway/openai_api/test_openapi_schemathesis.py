@@ -18,8 +18,8 @@ from gateway.openai_api.openapi import openapi_document  # noqa: E402
 from tests.unit.gateway.openai_api.test_server import MODEL, TOKENS, http_gateway, post  # noqa: E402
 
 EXAMPLES_PER_OPERATION = 40
-OPERATIONS = ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /ready",
-              "POST /tokenize", "POST /detokenize"]
+OPERATIONS = ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{model}",
+              "GET /version", "GET /health", "GET /ready", "POST /tokenize", "POST /detokenize"]
 
 
 @pytest.fixture(scope="module")

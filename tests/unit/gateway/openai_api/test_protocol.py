@@ -308,6 +308,22 @@ def test_responses_count_each_prompt_once_and_write_both_logprob_shapes():
                          {"token": "!", "logprob": -2.0, "bytes": list(b"!")}]}
 
 
+def test_logprobs_name_tokens_by_id_on_request():
+    builder = ResponseBuilder(parse(prompt="hi", logprobs=1, return_tokens_as_token_ids=True), "c", "m",
+                              TOKEN_TEXTS.get)
+    logprobs = builder.full_response([delta("Hello", 2, LOGPROBS, "stop")])["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["token_id:7", "token_id:8"]
+    assert logprobs["top_logprobs"] == [{"token_id:7": -0.5, "token_id:9": -2.0},
+                                        {"token_id:8": -0.1, "token_id:9": -3.0}]
+    assert logprobs["text_offset"] == [0, 3]  # still the text's characters ("Hel", "lo")
+    chat = ResponseBuilder(parse(chat=True, logprobs=True, top_logprobs=1, return_tokens_as_token_ids=True),
+                           "c", "m", TOKEN_TEXTS.get)
+    content = chat.full_response([delta("Hello", 2, LOGPROBS, "stop")])["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["bytes"]) for c in content] == [("token_id:7", list(b"token_id:7")),
+                                                           ("token_id:8", list(b"token_id:8"))]
+    assert content[0]["top_logprobs"][1]["token"] == "token_id:9"
+
+
 def test_stream_chunks_carry_the_role_once_and_usage_as_asked():
     parsed = parse(chat=True, stream=True, stream_options={"include_usage": True})
     builder = ResponseBuilder(parsed, "chatcmpl-1", "served", TOKEN_TEXTS.get)

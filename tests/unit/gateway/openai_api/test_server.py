@@ -74,6 +74,14 @@ def wait_for(condition, timeout_s: float = 10.0, what: str = "condition") -> Non
 
 def test_models_health_and_unknown_routes(gw, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    card = client.models.retrieve(MODEL)
+    assert (card.id, card.object, card.owned_by) == (MODEL, "model", "pdserve")
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4o")
+    assert missing.value.body["code"] == "model_not_found"
+    import importlib.metadata
+    assert post(gw.http_address, "/version", b"", method="GET") == (
+        200, {"version": importlib.metadata.version("pdserve")})
     assert post(gw.http_address, "/health", b"", method="GET") == (200, {"status": "ok"})
     status, body = post(gw.http_address, "/v1/embeddings", {"model": MODEL})
     assert status == 404 and body["error"]["code"] == "not_found"
@@ -177,6 +185,25 @@ def test_vllms_auto_tool_flag_needs_a_parser(capsys):
     assert exited.value.code == 2 and "needs --tool-call-parser" in capsys.readouterr().err
     args = build_parser().parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     assert args.tool_call_parser == "hermes"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end_and_echo_shows_it(gw, client):
+    tokenizer = gw.gateway.model.tokenizer
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = tokenizer.encode(prompt)
+    kept = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={"truncate_prompt_tokens": 3})
+    assert kept.usage.prompt_tokens == 3 and list(gw.fake.servicer.requests[-1].prompt_token_ids) == ids[-3:]
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True,
+                                       extra_body={"truncate_prompt_tokens": 3})
+    assert echoed.choices[0].text == tokenizer.decode(ids[-3:], skip_special_tokens=False) + tokenizer.decode(TOKENS[:2])
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+    for body in ({"prompt": prompt}, {"prompt": prompt, "echo": True}):
+        status, error = post(gw.http_address, "/v1/completions",
+                             {"model": MODEL, **body, "max_tokens": 2, "truncate_prompt_tokens": 10**6})
+        assert (status, error["error"]["param"]) == (400, "truncate_prompt_tokens"), error
+        assert "is more than the model's maximum length" in error["error"]["message"]
 
 
 @pytest.mark.parametrize("body, param", [
