@@ -42,6 +42,8 @@ def chat_message_from_pb(msg: generate_pb2.ChatMessage) -> dict:
         message["name"] = msg.name
     if msg.tool_call_id:
         message["tool_call_id"] = msg.tool_call_id
+    if msg.reasoning:
+        message["reasoning"] = msg.reasoning
     if msg.tool_calls:
         message["tool_calls"] = [{"id": call.id, "type": "function",
                                   "function": {"name": call.name, "arguments": call.arguments}}
@@ -51,7 +53,8 @@ def chat_message_from_pb(msg: generate_pb2.ChatMessage) -> dict:
 
 def chat_message_to_pb(message: dict) -> generate_pb2.ChatMessage:
     msg = generate_pb2.ChatMessage(role=message["role"], content=message.get("content") or "",
-                                   name=message.get("name") or "", tool_call_id=message.get("tool_call_id") or "")
+                                   name=message.get("name") or "", tool_call_id=message.get("tool_call_id") or "",
+                                   reasoning=message.get("reasoning") or message.get("reasoning_content") or "")
     for call in message.get("tool_calls") or ():
         function = call.get("function", {})
         msg.tool_calls.add(id=call.get("id", ""), name=function.get("name", ""),

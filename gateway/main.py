@@ -26,6 +26,7 @@ from common.service.flags import EnvDefaultsParser
 from common.service.logging_setup import add_logging_args, configure_logging
 from common.service.metrics import add_metrics_args
 from gateway.core import GatewaySettings
+from gateway.openai_api.reasoning_parsers import PARSERS as REASONING_PARSERS
 from gateway.openai_api.tool_parsers import PARSERS
 from gateway.routing.policies import POLICIES
 from gateway.server import MAX_MESSAGE_BYTES, GatewayServer
@@ -43,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                         help="the served model's tool-call syntax, read for chat requests with tool_choice "
                              "\"auto\" (OpenAI's default when tools are sent); without it \"auto\" is refused")
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="the served model's thinking markers: chat answers carry the thinking as "
+                             "`reasoning` and the rest as content (deepseek_r1: the template opens <think>; "
+                             "qwen3: only an answer that opens with <think> reasons)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="vLLM's flag, taken for its command lines: \"auto\" is on whenever "
                              "--tool-call-parser is set, and this flag needs it")
@@ -170,7 +175,8 @@ async def _start_http(server: GatewayServer, args: argparse.Namespace):
     if port < 0:
         return None
     http = OpenAIServer(server.gateway, host=args.http_host or args.host, port=port,
-                        max_body_bytes=args.max_message_bytes, tool_call_parser=args.tool_call_parser)
+                        max_body_bytes=args.max_message_bytes, tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser)
     await http.start()
     return http
 

@@ -93,6 +93,7 @@ class ParsedRequest:
     chat_echo: str = ""
     tool_choice: ToolChoice | None = None  # chat: the tools sent and the call they force, if any
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's)
+    include_reasoning: bool = True  # chat: the reasoning parser's `reasoning` in the answer (vLLM's)
 
     @property
     def forced_tool_call(self) -> bool:
@@ -308,7 +309,7 @@ _TEXT_PART = {"type": "object", "additionalProperties": False, "required": ["typ
 
 
 _CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
-_NAME = {"type": ["string", "null"]}
+_NAME = {"type": ["string", "null"]}  # an optional string
 
 
 def _turn(roles: list[str], required: list[str], **properties: dict) -> dict:
@@ -318,9 +319,9 @@ def _turn(roles: list[str], required: list[str], **properties: dict) -> dict:
 
 @described({"type": "array", "minItems": 1, "maxItems": MAX_CHAT_MESSAGES, "items": {"anyOf": [
     _turn(["system", "developer", "user"], ["content"], content=_CONTENT),
-    _turn(["assistant"], ["content"], content=_CONTENT),
+    _turn(["assistant"], ["content"], content=_CONTENT, reasoning=_NAME, reasoning_content=_NAME),
     _turn(["assistant"], ["tool_calls"], content={"anyOf": [_CONTENT, {"type": "null"}]},
-          tool_calls={"type": "array", "minItems": 1, "maxItems": MAX_TOOL_CALLS_PER_MESSAGE,
+          reasoning=_NAME, reasoning_content=_NAME, tool_calls={"type": "array", "minItems": 1, "maxItems": MAX_TOOL_CALLS_PER_MESSAGE,
                       "items": TOOL_CALL_SCHEMA}),
     _turn(["tool"], ["content", "tool_call_id"], content=_CONTENT, tool_call_id={"type": "string"})]},
     "description": "the conversation; its content at most --max-prompt-chars in total"})
@@ -362,7 +363,7 @@ CHAT_FIELDS: dict[str, Callable] = {
     "modalities": neutral(["text"]), "audio": neutral(), "prediction": neutral(), "reasoning_effort": neutral(),
     "web_search_options": neutral(), "store": neutral(False), "metadata": obj, "service_tier": string,
     "prompt_cache_key": string, "safety_identifier": string, "verbosity": neutral(),
-    "echo": boolean, "add_generation_prompt": boolean, "continue_final_message": boolean,
+    "echo": boolean, "add_generation_prompt": boolean, "continue_final_message": boolean, "include_reasoning": boolean,
     "chat_template_kwargs": template_kwargs, "add_special_tokens": boolean}
 STREAM_OPTIONS = {"include_usage": boolean, "continuous_usage_stats": boolean, "include_obfuscation": boolean}
 
@@ -499,6 +500,7 @@ def parse_request(body: bytes, chat: bool, tool_parser: ToolCallParser | None = 
             raise invalid_field("top_logprobs", "needs logprobs set to true")
         parsed.num_logprobs = get("top_logprobs", 0) if get("logprobs", False) else None
         parsed.tool_choice = tool_choice_of(values, tool_parser)
+        parsed.include_reasoning = get("include_reasoning", True)
         parsed.chat_options = _chat_options(values, parsed.tool_choice.tools if parsed.tool_choice else None)
         last = parsed.messages[-1]
         parsed.response_role = "assistant" if parsed.chat_options.add_generation_prompt else last["role"]
@@ -604,7 +606,8 @@ def _messages(messages: Any) -> list[dict]:
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
         values = _checked(obj(param, message), {"role": string, "content": lambda p, v: v, "name": string,
-                                                "tool_calls": lambda p, v: v, "tool_call_id": string}, f"{param}.")
+                                                "tool_calls": lambda p, v: v, "tool_call_id": string,
+                                                "reasoning": string, "reasoning_content": string}, f"{param}.")
         role = values.get("role")
         if role not in CHAT_ROLES:
             raise invalid_field(f"{param}.role", f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
@@ -614,6 +617,11 @@ def _messages(messages: Any) -> list[dict]:
                         "content": _content(f"{param}.content", content), **tool_fields})
         if "name" in values:
             checked[-1]["name"] = values["name"]
+        reasoning = values.get("reasoning", values.get("reasoning_content"))  # the latter: its old name
+        if reasoning is not None:
+            if role != "assistant":
+                raise invalid_field(f"{param}.reasoning", "only an assistant turn has reasoning")
+            checked[-1]["reasoning"] = reasoning  # templates that show past thinking read it
     return checked
 
 

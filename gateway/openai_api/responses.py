@@ -8,8 +8,8 @@ OpenAI does for n > 1); its cached tokens are those of the prompt's first choice
 A completion with `echo` starts with its prompt's text, and with logprobs its prompt's
 tokens come first in them (the first with no logprob, as OpenAI's legacy API and vLLM
 give them); a chat answer with `echo` starts with the last message's content when that
-message has the answer's role (vLLM's). A forced tool call's answer is `tool_calls`
-(tools.py). `prompt_logprobs` (vLLM's) are vLLM's shape: per prompt token None (the first)
+message has the answer's role (vLLM's). A chat answer's reasoning, tool calls and content
+are chat_answer.py's. `prompt_logprobs` (vLLM's) are vLLM's shape: per prompt token None (the first)
 or {token id: {logprob, rank, decoded_token}} for the token and the top alternatives.
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ from collections.abc import Callable
 from common.engine.outputs import Logprobs
 from gateway.openai_api.errors import ApiError
 from gateway.openai_api.protocol import ParsedRequest
-from gateway.openai_api.tools import parsed_calls
+from gateway.openai_api.chat_answer import ChatAnswer
+from gateway.openai_api.reasoning_parsers import ReasoningParser
 from gateway.types import GenerationDelta
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)
@@ -40,7 +41,8 @@ def json_bytes(payload: dict) -> bytes:
 
 class ResponseBuilder:
     def __init__(self, request: ParsedRequest, response_id: str, model_name: str,
-                 token_text: Callable[[int], str], echo_prompts: list[tuple[str, list[int]]] | None = None):
+                 token_text: Callable[[int], str], echo_prompts: list[tuple[str, list[int]]] | None = None,
+                 reasoning_parser: ReasoningParser | None = None):
         self.request = request
         self.chat = request.chat
         self.head = {"id": response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -56,10 +58,8 @@ class ResponseBuilder:
         self.cached_tokens = [0] * request.num_prompts
         self.started = [False] * num_choices  # the role (chat), an echo, prompt logprobs: in the first chunk
         self.echo_prompts = echo_prompts  # per prompt (text, token ids), for request.echo
-        self.tool_texts = [""] * num_choices  # tool_choice "required": each choice's answer so far
-        tool_choice = request.tool_choice
-        self._auto_tools = tool_choice is not None and tool_choice.parser is not None
-        self.tool_streams = [tool_choice.parser.stream() for _ in range(num_choices)] if self._auto_tools else []
+        # Chat: each choice's text -> its message (reasoning, tool calls, content)
+        self.answers = [ChatAnswer(request, reasoning_parser) for _ in range(num_choices)] if self.chat else []
 
     def _record(self, index: int, delta: GenerationDelta) -> None:
         self.completion_tokens[index] = delta.usage.completion_tokens
@@ -84,8 +84,8 @@ class ResponseBuilder:
             choice = {"index": index, "logprobs": self._logprobs(index, result, first=True),
                       "finish_reason": result.finish_reason, "stop_reason": _stop_reason(result)}
             if self.chat:
-                choice["message"] = self._message(result.text)
-                if self._auto_tools and "tool_calls" in choice["message"]:
+                choice["message"] = self.answers[index].message(result.text)
+                if self.answers[index].made_calls:
                     choice["finish_reason"] = "tool_calls"
             else:
                 choice["text"] = self._echoed_text(index) + result.text
@@ -106,14 +106,14 @@ class ResponseBuilder:
         choice: dict = {"index": index}
         first, self.started[index] = not self.started[index], True
         if self.chat:
-            choice["delta"] = self._chat_delta(index, delta, first)
+            choice["delta"] = self.answers[index].delta(delta.text, delta.finish_reason is not None, first)
         else:
             choice["text"] = (self._echoed_text(index) if first else "") + delta.text
         choice["logprobs"] = self._logprobs(index, delta, first)
         if first and self.request.sampling.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self._prompt_logprobs(delta)
         choice["finish_reason"] = delta.finish_reason
-        if self._auto_tools and "tool_calls" in choice.get("delta", {}):
+        if self.chat and delta.finish_reason is not None and self.answers[index].made_calls:
             choice["finish_reason"] = "tool_calls"
         if delta.finish_reason is not None:
             choice["stop_reason"] = _stop_reason(delta)
@@ -123,56 +123,6 @@ class ResponseBuilder:
         elif self.request.include_usage:
             payload["usage"] = None  # OpenAI: every chunk but the last has "usage": null
         return sse_event(payload)
-
-    def _message(self, text: str) -> dict:
-        role, echo = self.request.response_role, self.request.chat_echo
-        if self._auto_tools:
-            content, parsed = self.request.tool_choice.parser.extract(text)
-            if parsed:
-                content = echo + content
-                return {"role": role, "content": content if content.strip() else None,
-                        "tool_calls": parsed_calls(parsed)}
-        calls = self.request.tool_choice.tool_calls(text) if self.request.forced_tool_call else None
-        if calls is None:
-            return {"role": role, "content": echo + text}
-        return {"role": role, "content": None, "tool_calls": calls}
-
-    def _chat_delta(self, index: int, delta: GenerationDelta, first: bool) -> dict:
-        """A chat chunk's delta. A named tool call streams its arguments as they come; a
-        "required" array is parsed whole, so its calls come with the last chunk."""
-        head = {"role": self.request.response_role} if first else {}
-        if self._auto_tools:
-            return self._auto_delta(index, delta, head, first)
-        forced = self.request.tool_choice.forced if self.request.forced_tool_call else None
-        if forced is None:
-            text = self.request.chat_echo + delta.text if first else delta.text
-            return {**head, "content": text} if first or text else {}
-        if forced == "named":
-            if first:
-                call = self.request.tool_choice.tool_calls(delta.text)[0]
-                return {**head, "content": None, "tool_calls": [{"index": 0, **call}]}
-            return {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]} if delta.text else {}
-        self.tool_texts[index] += delta.text
-        if delta.finish_reason is None:
-            return {**head, "content": None} if first else {}
-        calls = self.request.tool_choice.tool_calls(self.tool_texts[index])
-        if calls is None:  # not a complete array (cut short): the text as it is
-            return {**head, "content": self.tool_texts[index]}
-        return {**head, "content": None, "tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
-
-    def _auto_delta(self, index: int, delta: GenerationDelta, head: dict, first: bool) -> dict:
-        """tool_choice "auto": text streams as it comes until the parser's marker; calls come
-        whole with the last chunk."""
-        stream = self.tool_streams[index]
-        content = (self.request.chat_echo if first else "") + stream.feed(delta.text)
-        calls: list = []
-        if delta.finish_reason is not None:
-            rest, calls = stream.finish()
-            content += rest
-        out = {**head, "content": content} if first or content else {}
-        if calls:
-            out["tool_calls"] = [{"index": k, **call} for k, call in enumerate(parsed_calls(calls))]
-        return out
 
     def usage_chunk(self) -> bytes:
         """stream_options.include_usage: the last chunk, no choices, the whole usage."""

@@ -56,6 +56,7 @@ from gateway.openai_api.protocol import (
     parse_tokenize_request,
 )
 from gateway.openai_api.responses import SSE_DONE, ResponseBuilder, TokenTexts, error_event, json_bytes
+from gateway.openai_api.reasoning_parsers import make_reasoning_parser
 from gateway.openai_api.tool_parsers import make_tool_parser
 from gateway.types import GenerateInput, GenerationDelta
 
@@ -80,9 +81,10 @@ class ClientGone(Exception):
 class OpenAIServer:
     def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 8000,
                  max_body_bytes: int = MAX_BODY_BYTES, access_log: bool = False,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.gateway = gateway
         self.tool_parser = make_tool_parser(tool_call_parser) if tool_call_parser else None
+        self.reasoning_parser = make_reasoning_parser(reasoning_parser) if reasoning_parser else None
         self.host, self.port = host, port
         self.max_body_bytes = max_body_bytes
         self.address = ""
@@ -235,7 +237,8 @@ class OpenAIServer:
             response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             inputs = parsed.generate_inputs(response_id)
             builder = ResponseBuilder(parsed, response_id, model_name, self.token_text,
-                                      await self._echo_prompts(parsed) if parsed.echo else None)
+                                      await self._echo_prompts(parsed) if parsed.echo else None,
+                                      self.reasoning_parser)
             if parsed.stream:
                 return await self._start_stream(request, builder, stream_choices(self.gateway, inputs))
             results = await _until_disconnect(request, generate_choices(self.gateway, inputs))

@@ -10,6 +10,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from gateway.openai_api.text_markers import held_back
+
 
 @dataclass(frozen=True)
 class ParsedCall:
@@ -49,7 +51,7 @@ class ToolCallStream:
         if start >= 0:
             self.in_calls = True
             return self._send_until(start)
-        return self._send_until(len(self.text) - _held_back(self.text, marker))
+        return self._send_until(len(self.text) - held_back(self.text, marker))
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """(content not yet sent, calls)."""
@@ -65,10 +67,3 @@ class ToolCallStream:
         piece, self.num_sent = self.text[self.num_sent:end], end
         return piece
 
-
-def _held_back(text: str, marker: str) -> int:
-    """How many characters at the end of `text` could be the start of `marker`."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0

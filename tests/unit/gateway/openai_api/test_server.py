@@ -27,13 +27,14 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @contextmanager
-def http_gateway(max_body_bytes: int | None = None, tool_call_parser: str | None = None, **fake_kwargs):
+def http_gateway(max_body_bytes: int | None = None, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None, **fake_kwargs):
     """A BackgroundGateway with one fake decode instance (unless fake_kwargs is None-like)
     and the OpenAI server on a free port; yields the BackgroundGateway."""
     with BackgroundGateway(GatewaySettings(heartbeat_timeout_s=30.0)) as gw:
         gw.fake = gw.add_fake_decode("decode-0", **fake_kwargs) if fake_kwargs else None
         kwargs = {"max_body_bytes": max_body_bytes} if max_body_bytes else {}
-        kwargs["tool_call_parser"] = tool_call_parser
+        kwargs.update(tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
         server = gw.server.openai_http = gw.call(lambda: OpenAIServer(gw.gateway, port=0, **kwargs))
         gw.http_address = gw.call(server.start())
         try:
@@ -176,6 +177,23 @@ def test_auto_tool_choice_reads_the_models_calls_with_the_servers_parser(gw):
                          {"model": MODEL, "messages": messages, "tools": [WEATHER_TOOL]})
     assert (status, error["error"]["param"], error["error"]["code"]) == (400, "tool_choice", "unsupported_value")
     assert "--tool-call-parser" in error["error"]["message"]
+
+
+def test_the_servers_reasoning_parser_splits_the_thinking_off():
+    from gateway.main import build_parser
+    from gateway.validation import load_served_model
+    answer = "<think>\nThe capital of France.\n</think>\n\nParis."
+    token_ids = load_served_model(None).tokenizer.encode(answer, add_special_tokens=False)
+    with http_gateway(reasoning_parser="deepseek_r1", token_ids=token_ids, delay_s=0.001) as r1:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Capital of France?"}],
+                "max_tokens": len(token_ids)}
+        status, reply = post(r1.http_address, "/v1/chat/completions", body)
+        assert status == 200 and reply["choices"][0]["message"] == {
+            "role": "assistant", "reasoning": "\nThe capital of France.\n", "content": "\n\nParis."}
+        status, plain = post(r1.http_address, "/v1/completions", {"model": MODEL, "prompt": "x",
+                                                                   "max_tokens": len(token_ids)})
+        assert plain["choices"][0]["text"] == answer  # completions are text as generated
+    assert build_parser().parse_args(["--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
 
 
 def test_vllms_auto_tool_flag_needs_a_parser(capsys):

@@ -1,0 +1,92 @@
+"""One chat choice's generated text -> its message: the reasoning (the server's reasoning
+parser), the tool calls (a forced call, or the server's tool parser under tool_choice "auto")
+and the content, whole (`message`) or piece by piece as it streams (`delta`).
+
+The reasoning comes first in the text and is split off first; what follows it is the
+answer, which a tool parser reads. A forced call's answer is constrained JSON from its first
+token, so no reasoning parser applies to it.
+"""
+from __future__ import annotations
+
+from gateway.openai_api.protocol import ParsedRequest
+from gateway.openai_api.reasoning_parsers import ReasoningParser
+from gateway.openai_api.tools import parsed_calls
+
+
+class ChatAnswer:
+    def __init__(self, request: ParsedRequest, reasoning_parser: ReasoningParser | None):
+        self.role = request.response_role
+        self.echo = request.chat_echo
+        self.tool_choice = request.tool_choice
+        self.forced = request.tool_choice.forced if request.forced_tool_call else None
+        tool_parser = self.tool_choice.parser if self.tool_choice is not None else None
+        self.reasoning_parser = None if self.forced else reasoning_parser
+        self.include_reasoning = request.include_reasoning
+        self.reasoning_stream = self.reasoning_parser.stream() if self.reasoning_parser else None
+        self.tool_stream = tool_parser.stream() if tool_parser is not None else None
+        self.forced_text = ""  # "required": the array so far, parsed whole at the end
+        self.made_calls = False  # a parser read calls: finish_reason "tool_calls"
+
+    def message(self, text: str) -> dict:
+        message: dict = {"role": self.role}
+        if self.reasoning_parser is not None:
+            reasoning, text = self.reasoning_parser.split(text)
+            text = text or ""
+            if reasoning is not None and self.include_reasoning:
+                message["reasoning"] = reasoning
+        if self.forced is not None:
+            calls = self.tool_choice.tool_calls(text)
+            if calls is None:  # not a complete call (cut short): the text as it is
+                return {**message, "content": text}
+            return {**message, "content": None, "tool_calls": calls}
+        if self.tool_stream is not None:
+            content, parsed = self.tool_stream.parser.extract(text)
+            if parsed:
+                self.made_calls = True
+                content = self.echo + content
+                return {**message, "content": content if content.strip() else None,
+                        "tool_calls": parsed_calls(parsed)}
+        return {**message, "content": self.echo + text}
+
+    def delta(self, piece: str, finished: bool, first: bool) -> dict:
+        """The delta of one streamed piece (the role with the first). A named call streams its
+        arguments as they come; a "required" array, and calls a parser reads, come whole
+        with the last piece."""
+        head = {"role": self.role} if first else {}
+        if self.forced == "named":
+            if first:
+                call = self.tool_choice.tool_calls(piece)[0]
+                return {**head, "content": None, "tool_calls": [{"index": 0, **call}]}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]} if piece else {}
+        if self.forced == "required":
+            return self._required_delta(piece, finished, head)
+        reasoning, answer = "", piece
+        if self.reasoning_stream is not None:
+            reasoning, answer = self.reasoning_stream.feed(piece)
+            if finished:
+                more_reasoning, more_answer = self.reasoning_stream.finish()
+                reasoning, answer = reasoning + more_reasoning, answer + more_answer
+        out = dict(head)
+        if reasoning and self.include_reasoning:
+            out["reasoning"] = reasoning
+        content, calls = (self.echo if first else "") + answer, []
+        if self.tool_stream is not None:
+            content = (self.echo if first else "") + self.tool_stream.feed(answer)
+            if finished:
+                rest, calls = self.tool_stream.finish()
+                content += rest
+        if content or (first and not out.get("reasoning")):
+            out["content"] = content
+        if calls:
+            self.made_calls = True
+            out["tool_calls"] = [{"index": k, **call} for k, call in enumerate(parsed_calls(calls))]
+        return out
+
+    def _required_delta(self, piece: str, finished: bool, head: dict) -> dict:
+        self.forced_text += piece
+        if not finished:
+            return {**head, "content": None} if head else {}
+        calls = self.tool_choice.tool_calls(self.forced_text)
+        if calls is None:  # not a complete array (cut short): the text as it is
+            return {**head, "content": self.forced_text}
+        return {**head, "content": None, "tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
