@@ -14,10 +14,11 @@ first argument or as token_ids= / messages=. A stream's request is sent at once;
 reading it yields deltas, and closing or dropping it cancels the request
 everywhere (decode and prefill included). Sampling values are SamplingParams
 fields as keywords (or sampling=SamplingParams(...)); they are checked here first,
-(chat prompts also take chat_options=ChatTemplateOptions(...): continue the last
-message, template variables; any prompt add_special_tokens=),
-so a bad value raises ValueError before anything is sent. Failures on the server
-raise grpc.RpcError with the gateway's status (INVALID_ARGUMENT, UNAVAILABLE, ...).
+so a bad value raises ValueError before anything is sent. Chat prompts also take
+chat_options=ChatTemplateOptions(...) (continue the last message, template variables,
+tools), any prompt add_special_tokens=. Failures on the server raise grpc.RpcError with
+the gateway's status (INVALID_ARGUMENT, UNAVAILABLE, ...). A gateway started with
+--api-key needs api_key= (or PDSERVE_API_KEY in the environment).
 
 Results are gateway.types.GenerationDelta: text, token_ids, logprobs, finish_reason,
 stop_token_id, stop_string, usage (prompt, completion, cached tokens), and the
@@ -27,6 +28,7 @@ RegistryClient (common.service.registration) is re-exported for the engine insta
 """
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -36,6 +38,7 @@ from common.engine.sampling_params import SamplingParams
 from common.service.common_api import sampling_params_to_pb
 from common.text.chat_template import ChatTemplateOptions
 from gateway.api import chat_message_to_pb, chat_options_to_pb, delta_from_pb, deployment_info_from_pb
+from gateway.api_keys import API_KEY_ENV
 from gateway.types import DeploymentInfo, GenerationDelta
 from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
 
@@ -128,27 +131,37 @@ class AsyncResponseStream:
         await self.close()
 
 
+def auth_metadata(api_key: str | None = None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata that carries `api_key`, or PDSERVE_API_KEY's (what a gateway started
+    with --api-key needs); None without a key."""
+    api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
 class AsyncClient:
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None):
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None, api_key: str | None = None):
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
         self.timeout = timeout  # default per-call deadline in seconds
+        self._metadata = auth_metadata(api_key)
 
     async def generate(self, prompt: Prompt | None = None, *, token_ids: Sequence[int] | None = None,
                        messages: Sequence[dict] | None = None, sampling: SamplingParams | None = None,
                        timeout: float | None = None, **kwargs) -> GenerationDelta:
         request = _request(prompt, token_ids, messages, sampling, kwargs)
-        return delta_from_pb(await self._stub.Generate(request, timeout=timeout or self.timeout))
+        return delta_from_pb(await self._stub.Generate(request, timeout=timeout or self.timeout,
+                                                       metadata=self._metadata))
 
     def generate_stream(self, prompt: Prompt | None = None, *, token_ids: Sequence[int] | None = None,
                         messages: Sequence[dict] | None = None, sampling: SamplingParams | None = None,
                         timeout: float | None = None, **kwargs) -> "AsyncResponseStream":
         return AsyncResponseStream(self._stub.GenerateStream(
-            _request(prompt, token_ids, messages, sampling, kwargs), timeout=timeout or self.timeout))
+            _request(prompt, token_ids, messages, sampling, kwargs), timeout=timeout or self.timeout,
+            metadata=self._metadata))
 
     async def model_info(self, timeout: float | None = None) -> DeploymentInfo:
         return deployment_info_from_pb(await self._stub.ModelInfo(
-            generate_pb2.ModelInfoRequest(), timeout=timeout or self.timeout))
+            generate_pb2.ModelInfoRequest(), timeout=timeout or self.timeout, metadata=self._metadata))
 
     async def close(self) -> None:
         await self._channel.close()
@@ -166,26 +179,28 @@ GatewayClient = AsyncClient  # the earlier name
 class Client:
     """Blocking twin of AsyncClient (grpc's sync channel; safe to share across threads)."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None):
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None, api_key: str | None = None):
         self._channel = grpc.insecure_channel(address)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
         self.timeout = timeout
+        self._metadata = auth_metadata(api_key)
 
     def generate(self, prompt: Prompt | None = None, *, token_ids: Sequence[int] | None = None,
                  messages: Sequence[dict] | None = None, sampling: SamplingParams | None = None,
                  timeout: float | None = None, **kwargs) -> GenerationDelta:
         request = _request(prompt, token_ids, messages, sampling, kwargs)
-        return delta_from_pb(self._stub.Generate(request, timeout=timeout or self.timeout))
+        return delta_from_pb(self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata))
 
     def generate_stream(self, prompt: Prompt | None = None, *, token_ids: Sequence[int] | None = None,
                         messages: Sequence[dict] | None = None, sampling: SamplingParams | None = None,
                         timeout: float | None = None, **kwargs) -> "ResponseStream":
         return ResponseStream(self._stub.GenerateStream(
-            _request(prompt, token_ids, messages, sampling, kwargs), timeout=timeout or self.timeout))
+            _request(prompt, token_ids, messages, sampling, kwargs), timeout=timeout or self.timeout,
+            metadata=self._metadata))
 
     def model_info(self, timeout: float | None = None) -> DeploymentInfo:
         return deployment_info_from_pb(self._stub.ModelInfo(
-            generate_pb2.ModelInfoRequest(), timeout=timeout or self.timeout))
+            generate_pb2.ModelInfoRequest(), timeout=timeout or self.timeout, metadata=self._metadata))
 
     def close(self) -> None:
         self._channel.close()

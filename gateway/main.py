@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions); 0 picks "
                              "a free one, -1 or 'off' disables it; default 8000, or a free one when --port is 0")
     parser.add_argument("--http-host", default=None, help="interface the HTTP port listens on; default: --host")
+    parser.add_argument("--api-key", default=None, type=_api_keys,
+                        help="the key(s) clients must send as `authorization: Bearer KEY` on gRPC Generate "
+                             "calls and the HTTP API's /v1 routes (comma-separated for several, e.g. while "
+                             "rotating); prefer the environment variable to the command line")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                         help="the served model's tool-call syntax, read for chat requests with tool_choice "
                              "\"auto\" (OpenAI's default when tools are sent); without it \"auto\" is refused")
@@ -127,6 +131,11 @@ def _is_loopback(host: str) -> bool:
         return False  # a hostname, or "" / 0.0.0.0-like wildcards handled above
 
 
+def _api_keys(value: str) -> list[str]:
+    from gateway.api_keys import parse_api_keys
+    return parse_api_keys(value)
+
+
 def _http_port(value: str) -> int:
     from gateway.openai_api.server import parse_http_port
     port = parse_http_port(value)
@@ -150,7 +159,8 @@ async def serve(args: argparse.Namespace) -> None:
     server = GatewayServer(model, settings_from_args(args), host=args.host, port=args.port,
                            max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, registry_port=registry_port,
-                           registry_host=registry_host, registry_token=args.registry_token or None)
+                           registry_host=registry_host, registry_token=args.registry_token or None,
+                           api_keys=args.api_key)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -176,7 +186,7 @@ async def _start_http(server: GatewayServer, args: argparse.Namespace):
         return None
     http = OpenAIServer(server.gateway, host=args.http_host or args.host, port=port,
                         max_body_bytes=args.max_message_bytes, tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser)
+                        reasoning_parser=args.reasoning_parser, api_keys=server.api_keys)
     await http.start()
     return http
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2
 
@@ -32,6 +33,7 @@ from common.service.errors import ErrorStatusInterceptor, ServiceError
 from common.service.keepalive import KEEPALIVE_SERVER_OPTIONS
 from gateway.admission import RETRY_AFTER_METADATA
 from gateway.api import delta_to_pb, deployment_info_to_pb, generate_input_from_pb
+from gateway.api_keys import MISSING_KEY_MESSAGE, ApiKeys
 from gateway.core import Gateway, GatewaySettings
 from gateway.routing.registry import RegistryServicer
 from gateway.validation import ServedModel
@@ -44,10 +46,20 @@ MAX_MESSAGE_BYTES = 4 << 20  # larger requests fail with RESOURCE_EXHAUSTED befo
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, gateway: Gateway):
+    def __init__(self, gateway: Gateway, api_keys: ApiKeys | None = None):
         self.gateway = gateway
+        self.api_keys = api_keys
+
+    def _authenticate(self, context, counted: bool = True) -> None:
+        if self.api_keys is None:
+            return
+        if not self.api_keys.accepts(dict(context.invocation_metadata() or ()).get("authorization")):
+            if counted:  # a Generate call refused is still a request, counted under its status
+                self.gateway.metrics.request_timer().finish("UNAUTHENTICATED")
+            raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, MISSING_KEY_MESSAGE)
 
     async def Generate(self, request, context):
+        self._authenticate(context)
         generate_input = self._converted(request)
         try:
             result = await self.gateway.generate(generate_input, context.time_remaining())
@@ -57,6 +69,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return delta_to_pb(result)
 
     async def GenerateStream(self, request, context):
+        self._authenticate(context)
         generate_input = self._converted(request)
         try:
             async for delta in self.gateway.stream(generate_input, context.time_remaining()):
@@ -75,6 +88,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             raise
 
     async def ModelInfo(self, request, context):
+        self._authenticate(context, counted=False)
         return deployment_info_to_pb(self.gateway.deployment_info())
 
 
@@ -91,7 +105,8 @@ class GatewayServer:
     def __init__(self, model: ServedModel, settings: GatewaySettings, host: str = "127.0.0.1",
                  port: int = 0, max_message_bytes: int = MAX_MESSAGE_BYTES,
                  metrics_port: int | None = None, metrics_host: str | None = None,
-                 registry_port: int = 0, registry_host: str | None = None, registry_token: str | None = None):
+                 registry_port: int = 0, registry_host: str | None = None, registry_token: str | None = None,
+                 api_keys: list[str] | None = None):
         self.gateway = Gateway(model, settings)
         self.host = host
         self.port = port
@@ -104,7 +119,9 @@ class GatewayServer:
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),  # a second gateway on a taken port fails instead of sharing it
         ])
-        generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(self.gateway), self._server)
+        self.api_keys = ApiKeys(api_keys) if api_keys else None  # the HTTP API checks the same keys
+        generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(self.gateway, self.api_keys),
+                                                                self._server)
         self._registry_server = aio.server(interceptors=[ErrorStatusInterceptor()], options=[
             ("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS])
         registry_pb2_grpc.add_RegistryServiceServicer_to_server(

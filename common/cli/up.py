@@ -45,8 +45,21 @@ import grpc
 from common.cli.processes import ManagedProcess, ProcessFailed, route_flags
 from common.engine.cpus import num_cpus_available
 from common.service.flags import EnvDefaultsParser
+from gateway.api_keys import API_KEY_ENV
 
 REGISTRY_TOKEN_ENV = "PDSERVE_REGISTRY_TOKEN"
+
+
+def _flag_value(flags: list[str], name: str) -> str | None:
+    """The value of `name` in routed flags (["--x", "v"] or ["--x=v"]); the last one wins, as
+    argparse reads them."""
+    value = None
+    for i, flag in enumerate(flags):
+        if flag == name and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif flag.startswith(name + "="):
+            value = flag.split("=", 1)[1]
+    return value
 
 
 class LocalStack:
@@ -88,6 +101,11 @@ class LocalStack:
         # One token for the stack: a process that is not ours cannot register with it.
         token = (env or {}).get(REGISTRY_TOKEN_ENV) or os.environ.get(REGISTRY_TOKEN_ENV) or secrets.token_urlsafe(32)
         self.env = {**(env or {}), REGISTRY_TOKEN_ENV: token}
+        # The stack's own calls (waiting for registrations) carry the gateway's API key, if any.
+        self.api_key = _flag_value(self.flags["gateway"], "--api-key") or self.env.get(API_KEY_ENV) \
+            or os.environ.get(API_KEY_ENV)
+        if self.api_key:
+            self.api_key = self.api_key.split(",")[0].strip()
         self.log_dir = log_dir
         self.startup_timeout_s, self.grace_s = startup_timeout_s, grace_s
         self.gateways: list[ManagedProcess] = []
@@ -227,7 +245,7 @@ class LocalStack:
         from gateway.client import Client
         deadline = time.monotonic() + (timeout_s or self.startup_timeout_s)
         for index in range(self.num_gateways) if gateways is None else gateways:
-            with Client(self.gateways[index].address) as client:
+            with Client(self.gateways[index].address, api_key=self.api_key) as client:
                 while True:
                     self.check_alive()
                     info = client.model_info(timeout=5)

@@ -17,6 +17,7 @@ from common.service.errors import ServiceError
 
 # gRPC status -> HTTP status; anything else is a 500.
 HTTP_STATUS_BY_GRPC_CODE = {
+    grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,
     grpc.StatusCode.ALREADY_EXISTS: 400,
@@ -28,10 +29,11 @@ HTTP_STATUS_BY_GRPC_CODE = {
 }
 # What a refusal made at the HTTP edge (before the gateway saw the request) is counted
 # as in pdserve_requests_total, so HTTP and gRPC refusals share one set of labels.
-GRPC_CODE_BY_HTTP_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+GRPC_CODE_BY_HTTP_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+                            404: grpc.StatusCode.NOT_FOUND,
                             413: grpc.StatusCode.RESOURCE_EXHAUSTED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
                             503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
-ERROR_TYPE_BY_HTTP_STATUS = {400: "invalid_request_error", 404: "invalid_request_error",
+ERROR_TYPE_BY_HTTP_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                              405: "invalid_request_error", 413: "invalid_request_error",
                              429: "rate_limit_error", 503: "service_unavailable_error",
                              504: "timeout_error"}

@@ -45,6 +45,7 @@ from starlette.routing import Route
 
 from common.engine.sampling_params import truncate_prompt
 from common.service.errors import ServiceError
+from gateway.api_keys import MISSING_KEY_MESSAGE, ApiKeys
 from gateway.core import Gateway
 from gateway.openai_api.choices import generate_choices, stream_choices
 from gateway.openai_api.errors import ApiError, from_gateway_error, invalid_field
@@ -81,7 +82,8 @@ class ClientGone(Exception):
 class OpenAIServer:
     def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 8000,
                  max_body_bytes: int = MAX_BODY_BYTES, access_log: bool = False,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 api_keys: ApiKeys | None = None):
         self.gateway = gateway
         self.tool_parser = make_tool_parser(tool_call_parser) if tool_call_parser else None
         self.reasoning_parser = make_reasoning_parser(reasoning_parser) if reasoning_parser else None
@@ -102,6 +104,8 @@ class OpenAIServer:
             Route("/ready", self.ready, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
         ], exception_handlers={HTTPException: _http_exception, Exception: _internal_error})
+        if api_keys is not None:
+            self.app = _RequireApiKey(self.app, api_keys, self._count_refusal)
         self.access_log = access_log
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
@@ -306,6 +310,32 @@ class OpenAIServer:
             raise ApiError(404, f"model {name!r} is not served here; this server serves {served!r} "
                                 f"(GET /v1/models)", param="model", code="model_not_found")
         return served
+
+
+# What an API key guards: the generation and model routes (vLLM's /v1) and the tokenizer's.
+_GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class _RequireApiKey:
+    """ASGI middleware: a guarded route without one of the keys is a 401 (OPTIONS, a CORS
+    preflight, passes); refused generation requests are counted like every other refusal."""
+
+    def __init__(self, app, api_keys: ApiKeys, count_refusal):
+        self.app, self.api_keys, self.count_refusal = app, api_keys, count_refusal
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if (scope["type"] != "http" or scope.get("method") == "OPTIONS" or not path.startswith(_GUARDED_PREFIXES)
+                or self.api_keys.accepts(dict(scope["headers"]).get(b"authorization"))):
+            await self.app(scope, receive, send)
+            return
+        if path.rstrip("/") in _GENERATION_PATHS:
+            self.count_refusal("UNAUTHENTICATED")
+        error = ApiError(401, MISSING_KEY_MESSAGE, code="invalid_api_key")
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": error.body_bytes()})
 
 
 class _EventStream(Response):
