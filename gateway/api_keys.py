@@ -18,9 +18,10 @@ MISSING_KEY_MESSAGE = ("this gateway needs an API key: send `authorization: Bear
 
 def parse_api_keys(value: str) -> list[str]:
     """"k1,k2" -> ["k1", "k2"]: several keys, so that one can be rotated out while the
-    other still works."""
+    other still works. "" is no key (compose passes an unset variable as empty); a list of
+    only separators is a mistake."""
     keys = [key.strip() for key in value.split(",") if key.strip()]
-    if not keys:
+    if not keys and value.strip():
         raise ValueError("--api-key needs at least one non-empty key")
     return keys
 

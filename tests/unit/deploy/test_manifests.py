@@ -44,7 +44,7 @@ PER_PROCESS = {"PDSERVE_HOST", "PDSERVE_PORT", "PDSERVE_GATEWAY", "PDSERVE_ADVER
                "PDSERVE_INSTANCE_ID", "PDSERVE_KV_PORT", "PDSERVE_EVENTS_PORT", "PDSERVE_METRICS_PORT",
                "PDSERVE_HTTP_PORT", "PDSERVE_REGISTRY_PORT"}
 # Secrets: from the shell / .env (compose) or a Secret (Kubernetes), never the shared file.
-SECRETS = {"PDSERVE_REGISTRY_TOKEN"}
+SECRETS = {"PDSERVE_REGISTRY_TOKEN", "PDSERVE_API_KEY"}
 REGISTRY_PORT = 50054  # the gateway's internal registry port, in compose and Kubernetes
 # Per-variant engine settings the GPU files set on the instances.
 GPU_SETTINGS = {"PDSERVE_DEVICE", "PDSERVE_KV_CACHE_MEMORY"}
@@ -252,6 +252,9 @@ def test_k8s_registry_is_internal_and_token_protected():
         assert env["PDSERVE_REGISTRY_TOKEN"]["valueFrom"]["secretKeyRef"] == {
             "name": "pdserve-registry-token", "key": "token"}, name
     assert {e["name"]: e.get("value") for e in gateway["env"]}["PDSERVE_REGISTRY_PORT"] == str(REGISTRY_PORT)
+    # The clients' API key comes from its own Secret, and only where one was made.
+    assert {e["name"]: e for e in gateway["env"]}["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "pdserve-api-key", "key": "key", "optional": True}
 
 
 @pytest.mark.parametrize("files", [("compose.yaml",), ("compose.yaml", "compose.gpu.yaml")])
@@ -264,6 +267,7 @@ def test_compose_never_publishes_the_registry_and_shares_one_token(files):
     for role in ("prefill", "decode"):
         assert service_env(services[role])["PDSERVE_GATEWAY"] == f"gateway:{REGISTRY_PORT}"
     assert {service_env(s)["PDSERVE_REGISTRY_TOKEN"] for s in services.values()} == {COMPOSE_TEST_TOKEN}
+    assert service_env(services["gateway"])["PDSERVE_API_KEY"] in ("", None)  # unset: no key asked
 
 
 def test_compose_cpu_limits_are_opt_in_per_pool():

@@ -37,6 +37,7 @@ def test_keys_match_whole_and_only_as_bearer():
         assert not keys.accepts(presented), presented
     with pytest.raises(ValueError, match="at least one"):
         parse_api_keys(" , ")
+    assert parse_api_keys("") == []  # an unset compose variable: no key
 
 
 def test_grpc_calls_need_a_key(gw, monkeypatch):
