@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import json
 import logging
 import os
 import signal
@@ -45,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the key(s) clients must send as `authorization: Bearer KEY` on gRPC Generate "
                              "calls and the HTTP API's /v1 routes (comma-separated for several, e.g. while "
                              "rotating); prefer the environment variable to the command line")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template, or a file holding one, used instead of the model's own "
+                             "(e.g. one that lists tools)")
+    parser.add_argument("--default-chat-template-kwargs", default=None, type=_json_object,
+                        help="template variables every chat request gets unless it sets them, as a JSON "
+                             "object, e.g. '{\"enable_thinking\": false}'")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                         help="the served model's tool-call syntax, read for chat requests with tool_choice "
                              "\"auto\" (OpenAI's default when tools are sent); without it \"auto\" is refused")
@@ -131,6 +138,16 @@ def _is_loopback(host: str) -> bool:
         return False  # a hostname, or "" / 0.0.0.0-like wildcards handled above
 
 
+def _json_object(value: str) -> dict:
+    try:
+        parsed = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return parsed
+
+
 def _api_keys(value: str) -> list[str]:
     from gateway.api_keys import parse_api_keys
     return parse_api_keys(value)
@@ -155,7 +172,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
 async def serve(args: argparse.Namespace) -> None:
     from gateway.validation import load_served_model
     registry_host, registry_port = registry_listen_address(args)
-    model = load_served_model(args.model, args.served_model_name)
+    model = load_served_model(args.model, args.served_model_name, args.chat_template,
+                              args.default_chat_template_kwargs)
     server = GatewayServer(model, settings_from_args(args), host=args.host, port=args.port,
                            max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, registry_port=registry_port,

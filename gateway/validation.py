@@ -8,6 +8,8 @@ max_model_len its decode instances registered, else the model's own limit).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,7 @@ from pathlib import Path
 from common.engine.model_files import BUNDLED_MODEL_NAME, load_hf_config, resolve_model
 from common.engine.sampling_params import truncate_prompt, validate_prompt_token_ids
 from common.service.errors import invalid
+from common.text.chat_template import ChatTemplateOptions
 from common.text.prompt_tokenizer import load_prompt_tokenizer
 from gateway.types import GenerateInput, PreparedRequest
 
@@ -33,27 +36,50 @@ class ServedModel:
     tokenizer: object  # common.text.prompt_tokenizer.PromptTokenizer or common.text.tokenizer.Tokenizer
     max_position_embeddings: int  # the model's own length limit
     vocab_size: int  # ids the model's embedding accepts (config.json)
+    # Template variables every chat request gets unless it sets them (--default-chat-template-kwargs)
+    default_chat_template_kwargs: dict | None = None
 
     @property
     def has_chat_template(self) -> bool:
         hf_tokenizer = getattr(self.tokenizer, "hf_tokenizer", None)
-        template = getattr(hf_tokenizer or self.tokenizer, "chat_template", None)
-        return bool(template)
+        return bool(getattr(self.tokenizer, "chat_template", None) or getattr(hf_tokenizer, "chat_template", None))
 
 
-def load_served_model(model: str | None, served_model_name: str | None = None) -> ServedModel:
+def load_served_model(model: str | None, served_model_name: str | None = None, chat_template: str | None = None,
+                      default_chat_template_kwargs: dict | None = None) -> ServedModel:
     """The tokenizer and limits of `model`, named as the instances name it
-    (common.service.flags.served_model_name: --served-model-name, else --model)."""
+    (common.service.flags.served_model_name: --served-model-name, else --model). chat_template:
+    a Jinja template (or a file holding one) used instead of the model's own."""
     model_dir = resolve_model(model)
     config = load_hf_config(model_dir)
     tokenizer = load_prompt_tokenizer(model_dir)
+    if chat_template is not None:
+        tokenizer = copy.copy(tokenizer)  # common.text.tokenizer's are shared per directory
+        tokenizer.chat_template = read_chat_template(chat_template)
+    if default_chat_template_kwargs is not None:
+        ChatTemplateOptions(chat_template_kwargs=default_chat_template_kwargs)  # the same checks a request's get
     name = served_model_name or model or BUNDLED_MODEL_NAME
     aliases = {name, model or BUNDLED_MODEL_NAME, str(model_dir), model_dir.name}
     if model in (None, "", "bundled", BUNDLED_MODEL_NAME):
         aliases |= {"bundled", BUNDLED_MODEL_NAME}
     return ServedModel(name=name, aliases=frozenset(aliases), model_dir=model_dir, tokenizer=tokenizer,
                        max_position_embeddings=config.get("max_position_embeddings", 2048),
-                       vocab_size=config.get("vocab_size") or tokenizer.vocab_size)
+                       vocab_size=config.get("vocab_size") or tokenizer.vocab_size,
+                       default_chat_template_kwargs=default_chat_template_kwargs or None)
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template's value: a file's path, else the template itself (vLLM takes both)."""
+    path = Path(value).expanduser()
+    try:
+        is_file = "{" not in value and path.is_file()
+    except OSError:  # a template too long to be a path
+        is_file = False
+    if is_file:
+        return path.read_text()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
 
 
 def prompt_chars(request: GenerateInput) -> int:
@@ -107,6 +133,14 @@ def prepare_request(request: GenerateInput, model: ServedModel, max_model_len: i
                            priority=request.priority, return_token_ids=request.return_token_ids)
 
 
+def _with_defaults(options: ChatTemplateOptions, model: ServedModel) -> ChatTemplateOptions:
+    """The request's template variables over the server's defaults."""
+    if not model.default_chat_template_kwargs:
+        return options
+    return dataclasses.replace(options, chat_template_kwargs={**model.default_chat_template_kwargs,
+                                                              **(options.chat_template_kwargs or {})})
+
+
 def tokenize_prompt(request: GenerateInput, model: ServedModel, max_prompt_chars: int) -> list[int]:
     """The prompt's token ids, each in the vocabulary; INVALID_ARGUMENT for a prompt past the
     bounds or one the tokenizer refuses."""
@@ -128,7 +162,8 @@ def tokenize_prompt(request: GenerateInput, model: ServedModel, max_prompt_chars
             token_ids = model.tokenizer.encode(request.text,
                                                add_special_tokens=request.add_special_tokens is not False)
         elif request.messages is not None:
-            token_ids = model.tokenizer.apply_chat_template(request.messages, request.chat_options,
+            options = _with_defaults(request.chat_options, model)
+            token_ids = model.tokenizer.apply_chat_template(request.messages, options,
                                                             add_special_tokens=bool(request.add_special_tokens))
         else:
             token_ids = request.token_ids

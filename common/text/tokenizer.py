@@ -27,6 +27,7 @@ class Tokenizer:
     def __init__(self, hf_tokenizer: Any, model_dir: Path):
         self.hf_tokenizer = hf_tokenizer  # transformers' fast tokenizer
         self.backend = hf_tokenizer.backend_tokenizer  # tokenizers.Tokenizer (Rust)
+        self.chat_template: str | None = None  # a template used instead of the model's; None: its own
         self.model_dir = model_dir
         # Tokens the tokenizer knows, added tokens included. The model's embedding
         # (and so the logits) may be wider, padded for efficiency: model_vocab_size.
@@ -55,7 +56,8 @@ class Tokenizer:
         """The chat template's text for `messages` (OpenAI-style role/content dicts)."""
         messages = check_messages(messages)
         try:
-            return self.hf_tokenizer.apply_chat_template(messages, tokenize=False, **options.render_kwargs())
+            return self.hf_tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.chat_template,
+                                                         **options.render_kwargs())
         except (jinja2.TemplateError, ValueError) as e:
             # Templates raise for e.g. roles out of order; that is the caller's input.
             raise ValueError(f"chat template rejected the messages: {e}") from e

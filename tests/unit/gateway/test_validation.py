@@ -7,6 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from common.text.chat_template import ChatTemplateOptions
 from gateway.core import GatewaySettings
 from protos.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.support.background_gateway import BackgroundGateway
@@ -138,3 +139,27 @@ def test_no_decode_instance_means_unavailable_and_the_model_limit_applies():
         assert stub.ModelInfo(generate_pb2.ModelInfoRequest()).max_model_len == 8192
         # Validation comes first: a bad request is INVALID_ARGUMENT even with no instances.
         assert status_of(stub.Generate, request(ids=[5] * 8192))[0] == INVALID
+
+
+def test_a_chat_template_and_default_variables_from_the_command_line(tmp_path):
+    from gateway.types import GenerateInput
+    from gateway.validation import load_served_model, read_chat_template, tokenize_prompt
+    template = ("{% if persona is defined %}[{{ persona }}]{% endif %}"
+                "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    (tmp_path / "chat.jinja").write_text(template)
+    assert read_chat_template(str(tmp_path / "chat.jinja")) == template == read_chat_template(template)
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    model = load_served_model(None, chat_template=str(tmp_path / "chat.jinja"),
+                              default_chat_template_kwargs={"persona": "pirate"})
+    messages = GenerateInput(messages=[{"role": "user", "content": "hi"}])
+    ids = tokenize_prompt(messages, model, MAX_PROMPT_CHARS)
+    assert model.tokenizer.decode(ids, skip_special_tokens=False) == "[pirate]user: hi\n"
+    own = GenerateInput(messages=messages.messages, chat_options=ChatTemplateOptions(
+        chat_template_kwargs={"persona": "parrot"}))  # a request's own value wins
+    assert model.tokenizer.decode(tokenize_prompt(own, model, MAX_PROMPT_CHARS), skip_special_tokens=False) == \
+        "[parrot]user: hi\n"
+    # the model's own template is untouched for everyone else
+    assert load_served_model(None).tokenizer.chat_template != template
+    with pytest.raises(ValueError, match="is set by the server"):
+        load_served_model(None, default_chat_template_kwargs={"messages": []})

@@ -89,3 +89,14 @@ def test_tools_and_tool_turns_reach_the_template(tmp_path, tokenizer):
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # the caller's, unchanged
     with pytest.raises(ValueError, match="tools: must be a list of objects"):
         ChatTemplateOptions(tools=["get_weather"])
+
+
+def test_a_template_set_on_the_transformers_tokenizer_replaces_the_models(tokenizer):
+    import copy
+
+    from common.text.tokenizer import load_tokenizer
+    shared = load_tokenizer(tokenizer.model_dir)
+    custom = copy.copy(shared)
+    custom.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    assert custom.render_chat_template(CHAT[:1]) == "<user>What is the capital of France?"
+    assert shared.render_chat_template(CHAT[:1]) == tokenizer.render_chat_template(CHAT[:1])  # untouched
