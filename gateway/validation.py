@@ -83,11 +83,11 @@ def read_chat_template(value: str) -> str:
 
 
 def prompt_chars(request: GenerateInput) -> int:
-    """What the tokenizer reads: the text, or the messages' content, tool calls' arguments and
-    the tools the template lists."""
+    """What the tokenizer reads: the text, or the messages' content, tool calls' arguments,
+    the tools the template lists and its extra variables."""
     if request.text is not None:
         return len(request.text)
-    num_chars = request.chat_options.num_tool_chars if request.messages is not None else 0
+    num_chars = request.chat_options.num_extra_chars if request.messages is not None else 0
     for message in request.messages or ():
         num_chars += len(str(message.get("content", "")))
         for call in message.get("tool_calls") or ():

@@ -61,9 +61,10 @@ class ChatTemplateOptions:
                                      "add_generation_prompt", "continue_final_message") else ""))
 
     @cached_property
-    def num_tool_chars(self) -> int:
-        """The tools' JSON length: they are rendered into the prompt, so they count toward its bound."""
-        return len(json.dumps(self.tools)) if self.tools else 0
+    def num_extra_chars(self) -> int:
+        """The tools' and template variables' JSON length: the template may render them into
+        the prompt, so they count toward its bound."""
+        return sum(len(json.dumps(value)) for value in (self.tools, self.chat_template_kwargs) if value)
 
     def render_kwargs(self) -> dict[str, Any]:
         """What the renderer passes the template besides the messages."""

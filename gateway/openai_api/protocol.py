@@ -321,7 +321,8 @@ def _turn(roles: list[str], required: list[str], **properties: dict) -> dict:
     _turn(["system", "developer", "user"], ["content"], content=_CONTENT),
     _turn(["assistant"], ["content"], content=_CONTENT, reasoning=_NAME, reasoning_content=_NAME),
     _turn(["assistant"], ["tool_calls"], content={"anyOf": [_CONTENT, {"type": "null"}]},
-          reasoning=_NAME, reasoning_content=_NAME, tool_calls={"type": "array", "minItems": 1, "maxItems": MAX_TOOL_CALLS_PER_MESSAGE,
+          reasoning=_NAME, reasoning_content=_NAME,
+          tool_calls={"type": "array", "minItems": 1, "maxItems": MAX_TOOL_CALLS_PER_MESSAGE,
                       "items": TOOL_CALL_SCHEMA}),
     _turn(["tool"], ["content", "tool_call_id"], content=_CONTENT, tool_call_id={"type": "string"})]},
     "description": "the conversation; its content at most --max-prompt-chars in total"})

@@ -4,6 +4,8 @@ Decode call, and none may arrive. ModelInfo and the length limit learnt from
 registrations are checked too."""
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 
@@ -31,8 +33,11 @@ def stub(gateway):
         yield generate_pb2_grpc.GenerateServiceStub(channel)
 
 
-def request(text=None, ids=None, messages=None, **sampling) -> generate_pb2.GenerateRequest:
+def request(text=None, ids=None, messages=None, chat_template_kwargs_json="", **sampling
+            ) -> generate_pb2.GenerateRequest:
     msg = generate_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(**sampling))
+    if chat_template_kwargs_json:
+        msg.messages.chat_template_kwargs_json = chat_template_kwargs_json
     if text is not None:
         msg.text = text
     if ids is not None:
@@ -79,6 +84,9 @@ BAD_REQUESTS = {
     "truncation past the model's length": (request(ids=[5] * 10, truncate_prompt_tokens=DECODE_MAX_MODEL_LEN + 1),
                                            INVALID, "sampling.truncate_prompt_tokens: 65 is more than"),
     "truncation to nothing": (request(text="hi", truncate_prompt_tokens=0), INVALID, "truncate_prompt_tokens"),
+    "template variables over the character limit": (
+        request(messages=[("user", "hi")], chat_template_kwargs_json=json.dumps({"persona": "a" * MAX_PROMPT_CHARS})),
+        INVALID, "--max-prompt-chars"),
 }
 
 

@@ -213,7 +213,8 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end_and_echo_shows_it(gw, clie
     assert kept.usage.prompt_tokens == 3 and list(gw.fake.servicer.requests[-1].prompt_token_ids) == ids[-3:]
     echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True,
                                        extra_body={"truncate_prompt_tokens": 3})
-    assert echoed.choices[0].text == tokenizer.decode(ids[-3:], skip_special_tokens=False) + tokenizer.decode(TOKENS[:2])
+    kept_text = tokenizer.decode(ids[-3:], skip_special_tokens=False)
+    assert echoed.choices[0].text == kept_text + tokenizer.decode(TOKENS[:2])
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2,
                                           extra_body={"truncate_prompt_tokens": 5})
     assert chat.usage.prompt_tokens == 5
