@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from common.engine.bad_words import bad_words_token_ids
 from common.engine.config import make_engine_config
 from common.engine.engine_core import EngineCore
 from common.engine.outputs import CompletionOutput, Logprobs, RequestOutput
@@ -88,6 +89,9 @@ class LLM:
             text, token_ids = self._prompt_token_ids(prompt)
             token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
             validate_prompt_token_ids(token_ids, vocab_size)
+            if params.bad_words and params.bad_words_token_ids is None:
+                params = params.clone(bad_words_token_ids=bad_words_token_ids(
+                    params.bad_words, lambda word: self.tokenizer.encode(word, add_special_tokens=False)))
             validate_prompt_length(len(token_ids), self.max_model_len)
             params.validate_token_ids(vocab_size)
             encoded.append((text, token_ids, params))

@@ -1,6 +1,6 @@
 """Turns one step's logits into token ids (and logprobs), like vLLM's V1 sampler.
 
-Order per row: allowed_token_ids -> logit_bias -> penalties -> min_tokens mask ->
+Order per row: allowed_token_ids -> logit_bias -> bad words -> penalties -> min_tokens mask ->
 logprobs -> temperature -> top_k -> top_p -> min_p -> draw (vLLM's order up to the
 logprobs). Logprobs are taken from the log_softmax of the biased, penalised,
 min_tokens-masked logits BEFORE temperature and truncation (vLLM's default
@@ -21,7 +21,7 @@ Greedy rows (temperature < 1e-5 or top_k == 1) take the argmax of the penalised,
 masked logits. A batch of greedy rows without penalties, logprobs or pending
 min_tokens is a single argmax.
 
-Rows with no grammar, logit_bias or allowed_token_ids can be sampled inside the CPU's native
+Rows with no grammar, logit_bias, allowed_token_ids or bad words can be sampled inside the CPU's native
 decode loop (token_sampling):
 the sampler draws their uniform numbers as it would step after step, and the loop
 penalizes and holds back stop tokens (token_history), truncates and draws with
@@ -105,7 +105,7 @@ class Sampler:
         it takes its argmax and nothing more (samples_argmax), or, while samples_in_loop is on,
         it is greedy, or drawn while the native sampling ops are on (not PDSERVE_CPU_ARGMAX=0),
         its penalties and stop tokens held back by min_tokens too (token_history). The others
-        (a logit_bias or allowed_token_ids among them) this sampler samples, from the logits
+        (a logit_bias, allowed_token_ids or bad words among them) this sampler samples, from the logits
         the loop's head leaves."""
         draws = native_argmax_available()
         in_loop = []
@@ -215,6 +215,7 @@ class Sampler:
         if not copied:
             logits = logits.to(torch.float32, copy=True)  # mutated below; the caller's is left alone
         self._apply_allowed_token_ids_and_logit_bias(logits, requests)
+        _mask_bad_words(logits, requests)
         penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
         if penalty_rows:
             self._apply_penalties(logits, penalty_rows, requests)
@@ -464,3 +465,17 @@ def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> None:
     selected.masked_fill_(~keep, float("-inf"))
     if selected is not logits:
         logits[rows] = selected
+
+
+def _mask_bad_words(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> None:
+    """A bad word's last token to -inf in each row whose output ends with the rest of the
+    word (a one-token word always). logits: [num_seqs, vocab_size] float32, mutated."""
+    for i, request in enumerate(requests):
+        sequences = request.sampling_params.bad_words_token_ids
+        if not sequences:
+            continue
+        output = request.output_token_ids
+        banned = [seq[-1] for seq in sequences
+                  if len(seq) == 1 or (len(output) >= len(seq) - 1 and output[len(output) - len(seq) + 1:] == seq[:-1])]
+        if banned:
+            logits[i, banned] = float("-inf")

@@ -34,6 +34,10 @@ MAX_ABS_LOGIT_BIAS = 100.0
 # allowed_token_ids may name most of a vocabulary (every token but a few); the largest
 # vocabularies served today are ~256k tokens.
 MAX_ALLOWED_TOKEN_IDS = 262_144
+# bad_words: each word is looked for at the end of the output at every step of the request.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
+MAX_BAD_WORD_TOKENS = 64  # a word's token sequence (the tokenizer's; a long word is refused)
 MAX_SEED = 2**63 - 1
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows (vLLM's eps).
 SAMPLING_EPS = 1e-5
@@ -79,6 +83,11 @@ class SamplingParams:
     # Keep only the prompt's last k tokens (vLLM's; -1: the last max_model_len). Applied where
     # the prompt is tokenized (the gateway, the offline LLM): truncate_prompt().
     truncate_prompt_tokens: int | None = None
+    # Words the output may not contain (vLLM's bad_words): at each step, a word's last token is
+    # masked where the output ends with the rest of it. The frontend that tokenizes (the gateway,
+    # the offline LLM) turns them into bad_words_token_ids, which the engine applies.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         # A lone string is vLLM's shorthand for one stop string.
@@ -134,6 +143,7 @@ class SamplingParams:
             fail("structured_outputs", "None, a StructuredOutputsParams or a dict")
         self._check_logit_bias()
         self._check_allowed_token_ids()
+        self._check_bad_words()
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or not (k == -1 or 1 <= k <= 2**31 - 1)):
             fail("truncate_prompt_tokens", "None, -1 (the model's maximum length) or an integer >= 1")
@@ -185,6 +195,28 @@ class SamplingParams:
             raise ValueError("allowed_token_ids cannot be combined with structured_outputs; "
                              "the constraint decides which tokens may follow")
 
+    def _check_bad_words(self) -> None:
+        words = self.bad_words
+        if isinstance(words, tuple):
+            words = self.bad_words = list(words)
+        if words is not None:
+            if not isinstance(words, list) or len(words) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words must be a list of at most {MAX_BAD_WORDS} non-empty strings")
+            for i, word in enumerate(words):
+                if not isinstance(word, str) or not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+                    raise ValueError(f"bad_words[{i}] must be a string of 1 to {MAX_BAD_WORD_CHARS} characters, "
+                                     f"not only spaces; got {_short_repr(word)}")
+            self.bad_words = words or None
+        sequences = self.bad_words_token_ids
+        if sequences is None:
+            return
+        if (not isinstance(sequences, (list, tuple)) or len(sequences) > 2 * MAX_BAD_WORDS
+                or not all(isinstance(seq, (list, tuple)) and 0 < len(seq) <= MAX_BAD_WORD_TOKENS
+                           and all(_is_int(t) and t >= 0 for t in seq) for seq in sequences)):
+            raise ValueError(f"bad_words_token_ids must be a list of at most {2 * MAX_BAD_WORDS} token id lists "
+                             f"of 1 to {MAX_BAD_WORD_TOKENS} ids >= 0 each")
+        self.bad_words_token_ids = [list(seq) for seq in sequences] or None
+
     def _check_stop_lists(self) -> None:
         """The stop lists' bounds, counted before any element is looked at; messages
         name the offending element, never echo a whole (possibly huge) list."""
@@ -219,8 +251,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether logit_bias or allowed_token_ids change this request's logits."""
-        return self.logit_bias is not None or self.allowed_token_ids is not None
+        """Whether logit_bias, allowed_token_ids or bad words change this request's logits."""
+        return (self.logit_bias is not None or self.allowed_token_ids is not None
+                or self.bad_words_token_ids is not None)
 
     @property
     def has_penalties(self) -> bool:
@@ -241,8 +274,10 @@ class SamplingParams:
     def validate_token_ids(self, vocab_size: int) -> None:
         """Check stop_token_ids, logit_bias and allowed_token_ids against the vocabulary
         (known only to the engine/gateway)."""
+        bad_word_ids = [t for seq in self.bad_words_token_ids or () for t in seq]
         for name, token_ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()),
-                                ("allowed_token_ids", self.allowed_token_ids or ())):
+                                ("allowed_token_ids", self.allowed_token_ids or ()),
+                                ("bad_words_token_ids", bad_word_ids)):
             for token_id in token_ids:
                 if token_id >= vocab_size:
                     raise ValueError(f"{name}: token id {token_id} is out of range "
@@ -270,6 +305,8 @@ class SamplingParams:
                   for f in dataclasses.fields(self)}
         if self.structured_outputs is not None:
             values["structured_outputs"] = self.structured_outputs.to_dict()
+        if self.bad_words_token_ids is not None:
+            values["bad_words_token_ids"] = [list(seq) for seq in self.bad_words_token_ids]
         if self.logit_bias is not None:
             # Pairs, not a dict: msgpack (strict map keys) and JSON only take string keys.
             values["logit_bias"] = [[token_id, bias] for token_id, bias in self.logit_bias.items()]

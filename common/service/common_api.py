@@ -33,6 +33,8 @@ def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
             value = _NO_LIMIT_MAX_TOKENS
         if f.name == "logit_bias":
             msg.logit_bias.update(value or {})
+        elif f.name == "bad_words_token_ids":
+            msg.bad_words_token_ids.extend(common_pb2.TokenSequence(token_ids=seq) for seq in value or ())
         elif isinstance(value, list):
             getattr(msg, f.name).extend(value)
         elif value is not None:
@@ -52,6 +54,10 @@ def sampling_params_from_pb(msg: common_pb2.SamplingParams, field_path: str = ""
         descriptor = msg.DESCRIPTOR.fields_by_name[f.name]
         if f.name == "logit_bias":
             kwargs[f.name] = dict(msg.logit_bias) or None
+        elif f.name == "bad_words_token_ids":
+            kwargs[f.name] = [list(seq.token_ids) for seq in msg.bad_words_token_ids] or None
+        elif f.name == "bad_words":
+            kwargs[f.name] = list(msg.bad_words) or None
         elif f.name == "allowed_token_ids":
             kwargs[f.name] = list(msg.allowed_token_ids) or None
         elif descriptor.is_repeated:

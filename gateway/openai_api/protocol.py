@@ -26,6 +26,9 @@ from typing import Any
 
 from common.engine.sampling_params import (
     MAX_ABS_LOGIT_BIAS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
     MAX_ALLOWED_TOKEN_IDS,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
@@ -237,6 +240,17 @@ def token_id_list(param: str, value: Any) -> list[int]:
     return [check(f"{param}[{i}]", t) for i, t in enumerate(value)]
 
 
+@described({"type": "array", "maxItems": MAX_BAD_WORDS,
+            "items": {"type": "string", "minLength": 1, "maxLength": MAX_BAD_WORD_CHARS},
+            "description": "words the output may not contain (vLLM's); each at most "
+                           f"{MAX_BAD_WORD_TOKENS} tokens"})
+def bad_words(param: str, value: Any) -> list[str]:
+    """Checked by SamplingParams (and tokenized by the gateway)."""
+    if not isinstance(value, list):
+        raise _wrong_type(param, "an array of strings", value)
+    return value
+
+
 @described({**_TOKEN_IDS, "maxItems": MAX_STOP_TOKEN_IDS})
 def stop_token_ids(param: str, value: Any) -> list[int]:
     if isinstance(value, list):
@@ -348,7 +362,7 @@ COMMON_FIELDS: dict[str, Callable] = {
     "stop": stop_strings, "stop_token_ids": stop_token_ids, "ignore_eos": boolean, "min_tokens": integer(0, UINT32_MAX),
     "include_stop_str_in_output": boolean, "skip_special_tokens": boolean, "priority": integer(*INT32),
     "allowed_token_ids": allowed_token_ids, "prompt_logprobs": integer(0, MAX_LOGPROBS), "user": string,
-    "logit_bias": logit_bias, "return_tokens_as_token_ids": boolean,
+    "logit_bias": logit_bias, "return_tokens_as_token_ids": boolean, "bad_words": bad_words,
     "truncate_prompt_tokens": integer(-1, INT32[1], allowed=f"-1 (the model's maximum length) or an integer in "
                                                             f"[1, {INT32[1]}]"),
     **STRUCTURED_OUTPUT_FIELDS,
@@ -559,7 +573,8 @@ def _sampling(values: dict, n: int, max_tokens: int | None, num_logprobs: int | 
     get = values.get
     names = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
              "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
-             "skip_special_tokens", "logit_bias", "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens")
+             "skip_special_tokens", "logit_bias", "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens",
+             "bad_words")
     fields = {name: values[name] for name in names if name in values}
     top_k = get("top_k", -1)
     try:

@@ -430,6 +430,8 @@ def _param_of(error: ServiceError, parsed: ParsedRequest | None) -> str | None:
         return "messages" if parsed.chat else "prompt"
     if message.startswith("structured_outputs."):  # the engine's grammar compiler refused it
         return parsed.constraint_field
+    if message.startswith("sampling.bad_words"):  # a word too many tokens long, or its ids
+        return "bad_words"
     for name in ("stop_token_ids", "logit_bias", "allowed_token_ids", "truncate_prompt_tokens"):
         if message.startswith(f"sampling.{name}:"):
             return name

@@ -108,6 +108,30 @@ def test_logit_bias_and_allowed_token_ids_hold_on_prefill_and_decode(client, grp
     assert error.value.body["param"] == "logit_bias" and f"vocab size {vocab_size}" in error.value.body["message"]
 
 
+def test_bad_words_hold_on_prefill_and_decode(client, grpc_client, model):
+    """A word the greedy answer holds is never written once banned, whether the first token
+    is sampled on the prefill instance (the long prompt) or on decode."""
+    from common.engine.bad_words import bad_words_token_ids
+    from gateway.validation import load_served_model
+    tokenizer = load_served_model(None).tokenizer
+    for prompt in PROMPTS:
+        free = grpc_client.generate(prompt, max_tokens=12, temperature=0, return_token_ids=True)
+        # the answer's first token that is a word of its own
+        word = next(text for t in free.token_ids if (text := tokenizer.decode([t]).strip()).isalpha())
+        banned = grpc_client.generate(prompt, max_tokens=12, temperature=0, return_token_ids=True,
+                                      sampling=SamplingParams(max_tokens=12, temperature=0, bad_words=[word]))
+        sequences = bad_words_token_ids([word], lambda text: tokenizer.encode(text, add_special_tokens=False))
+        ids = banned.token_ids
+        assert not any(ids[i:i + len(seq)] == seq for seq in sequences for i in range(len(ids))), (word, banned.text)
+        assert ids != free.token_ids
+        over_http = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
+                                              extra_body={"bad_words": [word]})
+        assert over_http.choices[0].text == banned.text
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=model, prompt="hi", extra_body={"bad_words": [" x" * 70]})
+    assert error.value.body["param"] == "bad_words" and "tokens long" in error.value.body["message"]
+
+
 def test_prompt_logprobs_from_prefill_and_decode_agree_with_the_sampled_tokens(grpc_client):
     """A prompt's logprobs come from whichever instance computed it (the prefill instance for
     the long prompt, decode for the short one); the logprob the prompt gives its own last

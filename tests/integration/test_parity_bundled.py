@@ -90,3 +90,7 @@ def test_text_prompt_and_chat_api(llm):
     long_ids = llm.tokenizer.encode(TEXT_PROMPTS[0])
     truncated = llm.generate({"prompt_token_ids": long_ids}, params.clone(truncate_prompt_tokens=3))[0]
     assert truncated.prompt_token_ids == long_ids[-3:]
+    paris = llm.generate("The capital of France is", params)[0].outputs[0].text
+    assert "Paris" in paris
+    banned = llm.generate("The capital of France is", params.clone(bad_words=["Paris"]))[0].outputs[0].text
+    assert "Paris" not in banned, banned

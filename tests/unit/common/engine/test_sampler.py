@@ -315,6 +315,27 @@ def test_rows_with_a_bias_or_an_allowed_set_are_left_to_the_sampler_and_their_st
     assert not sampler._logit_bias_tensors and not sampler._allowed_id_tensors
 
 
+def test_bad_words_mask_a_words_last_token_where_the_output_ends_with_the_rest():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 9.0, 8.0, 7.0]])
+    sampler = Sampler()
+    def greedy(output, sequences, logprobs=None):
+        request = make_request(temperature=0.0, output=output, bad_words_token_ids=sequences, logprobs=logprobs)
+        return sampler(logits, [request])
+    assert greedy([], [[3]]).sampled_token_ids == [4]  # a one-token word: always masked
+    assert greedy([1, 2], [[2, 3]]).sampled_token_ids == [4]  # the output ends with the word's start
+    assert greedy([2, 1], [[2, 3]]).sampled_token_ids == [3]  # it does not
+    assert greedy([5, 1, 2], [[1, 2, 3], [9, 4]]).sampled_token_ids == [4]
+    assert greedy([2], [[1, 2, 3]]).sampled_token_ids == [3]  # too short an output to end with [1, 2]
+    assert greedy([1, 2], [[2, 3], [4]]).sampled_token_ids == [5]  # both masked at once
+    masked = greedy([2], [[2, 3]], logprobs=1).logprobs[0]
+    assert masked.top_token_ids == [4]  # logprobs are of the masked logits, as the draw's
+    assert not Sampler.only_argmax([make_request(temperature=0.0, bad_words_token_ids=[[3]])])
+    assert sampler.rows_in_loop([make_request(temperature=0.7, bad_words_token_ids=[[3]])]) == [False]
+    # random draws never take a masked token
+    counts = draw_counts(random_logits(1)[0], 400, temperature=2.0, bad_words_token_ids=[[5], [7]])
+    assert counts[5] == counts[7] == 0 and counts.sum() == 400
+
+
 def test_logprobs_are_log_softmax_before_temperature():
     logits = random_logits(3, vocab_size=50)
     requests = [make_request("a", temperature=0.5, logprobs=5, seed=1), make_request("b"),

@@ -58,6 +58,14 @@ INVALID = [
     ("allowed_token_ids", [], "not be empty"),
     ("allowed_token_ids", [3, -1], ">= 0"),
     ("allowed_token_ids", 3, "list of token ids"),
+    ("bad_words", [""], "1 to 256 characters"),
+    ("bad_words", ["  "], "not only spaces"),
+    ("bad_words", ["x" * 257], "1 to 256 characters"),
+    ("bad_words", ["a"] * 129, "at most 128"),
+    ("bad_words", "word", "a list"),
+    ("bad_words_token_ids", [[]], "1 to 64 ids"),
+    ("bad_words_token_ids", [[1, -1]], "ids >= 0"),
+    ("bad_words_token_ids", [[1] * 65], "1 to 64 ids"),
     ("truncate_prompt_tokens", 0, "-1 (the model's maximum length) or an integer >= 1"),
     ("truncate_prompt_tokens", -2, "-1 (the model's maximum length) or an integer >= 1"),
     ("truncate_prompt_tokens", 2**31, "an integer >= 1"),
@@ -210,3 +218,19 @@ def test_truncate_prompt_keeps_the_last_tokens():
     assert truncate_prompt(ids, 20, 32) == ids  # shorter than the truncation: all of it
     with pytest.raises(ValueError, match="truncate_prompt_tokens: 9 is more than the model's maximum length of 8"):
         truncate_prompt(ids, 9, 8)
+
+
+def test_bad_words_become_token_sequences_at_the_start_and_after_a_space():
+    from common.engine.bad_words import bad_words_token_ids
+    from common.engine.model_files import resolve_model
+    from common.text.prompt_tokenizer import PromptTokenizer
+    tokenizer = PromptTokenizer(resolve_model())
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    sequences = bad_words_token_ids(["Paris", " London"], encode)
+    assert sequences == [encode("Paris"), encode(" Paris"), encode("London"), encode(" London")]
+    assert SamplingParams(bad_words=["Paris"], bad_words_token_ids=sequences).adjusts_logits
+    with pytest.raises(ValueError, match=r"bad_words\[0\] is 65 tokens long"):
+        bad_words_token_ids([" x" * 65], encode)
+    with pytest.raises(ValueError, match="bad_words_token_ids: token id 49152"):
+        SamplingParams(bad_words_token_ids=[[49152]]).validate_token_ids(49152)
+    assert SamplingParams(bad_words=[]).bad_words is None

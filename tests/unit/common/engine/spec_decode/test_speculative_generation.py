@@ -120,6 +120,25 @@ def test_greedy_outputs_are_unchanged_by_speculation(target_dir, tiny_model_fact
     llm.engine.shutdown()
 
 
+def test_bad_words_hold_on_verification_rows(target_dir, reference):
+    """Each verification row sees the drafts before it as output, so a bad word that spans
+    drafts is masked where it would be without speculation."""
+    prompts = reference["prompts"]
+    # ban, per prompt, a pair its greedy answer writes (the mask must take effect) and one token
+    params = [greedy().clone(bad_words_token_ids=[out[4:6], [out[10]]]) for out in reference["greedy"]]
+    plain = LLM(str(target_dir), **ENGINE)
+    expected = generate(plain, prompts, params)
+    plain.engine.shutdown()
+    assert expected != reference["greedy"]
+    for ids, p in zip(expected, params):
+        pair, (single,) = p.bad_words_token_ids
+        assert single not in ids and not any(ids[i:i + 2] == pair for i in range(len(ids)))
+    llm = spec_llm(target_dir, spec("ngram"))
+    assert generate(llm, prompts, params) == expected
+    assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+    llm.engine.shutdown()
+
+
 @pytest.mark.parametrize("method", ["ngram", "early_exit", "draft_model", "oracle"])
 def test_seeded_sampling_is_unchanged_by_point_mass_speculation(target_dir, tiny_model_factory, reference, method):
     prompts = reference["prompts"]
