@@ -459,13 +459,17 @@ class ModelRunner:
             logits = self.compute_logits(hidden[start:start + PROMPT_LOGPROBS_ROWS])[:, :vocab_size]  # [rows, vocab]
             logprobs = torch.log_softmax(logits.float(), dim=-1)  # [rows, vocab]
             targets = torch.tensor(target_ids[start:start + PROMPT_LOGPROBS_ROWS], device=logprobs.device)
-            token_logprobs = logprobs.gather(1, targets[:, None])[:, 0].tolist()  # [rows]
+            target_logprobs = logprobs.gather(1, targets[:, None])  # [rows, 1]
+            token_logprobs = target_logprobs[:, 0].tolist()  # [rows]
+            # Each token's rank: one more than the tokens more likely than it (vLLM's). [rows]
+            ranks = ((logprobs > target_logprobs).sum(dim=-1) + 1).tolist()
             if num_top > 0:
                 top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [rows, num_top] each
                 top_values, top_ids = top_values.tolist(), top_ids.tolist()
             else:
                 top_values = top_ids = [[] for _ in token_logprobs]
-            results += [Logprobs(t, ids, values) for t, ids, values in zip(token_logprobs, top_ids, top_values)]
+            results += [Logprobs(t, ids, values, rank)
+                        for t, ids, values, rank in zip(token_logprobs, top_ids, top_values, ranks)]
         return results
 
     def _accepted(self, sample_reqs: list[ScheduledRequest], row_token_ids: list[int],

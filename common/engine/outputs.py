@@ -72,6 +72,9 @@ class Logprobs:
     token_logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+    # The token's rank among all tokens (1: the most likely), where it was computed (a prompt's
+    # tokens); None otherwise.
+    token_rank: int | None = None
 
 
 @dataclass

@@ -178,7 +178,7 @@ def scheduler_output_from_dict(data: dict) -> SchedulerOutput:
 
 # ---- RunnerOutput ----
 def _logprobs_to_list(logprobs: Logprobs) -> list:
-    return [logprobs.token_logprob, logprobs.top_token_ids, logprobs.top_logprobs]
+    return [logprobs.token_logprob, logprobs.top_token_ids, logprobs.top_logprobs, logprobs.token_rank]
 
 
 def runner_output_to_dict(output: RunnerOutput) -> dict:

@@ -104,12 +104,13 @@ def prompt_logprob_pairs(prompt_token_ids: list[int],
 def logprobs_to_pb(token_id: int, logprobs: Logprobs) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(token_id=token_id, logprob=logprobs.token_logprob,
                                    top_token_ids=logprobs.top_token_ids,
-                                   top_logprobs=logprobs.top_logprobs)
+                                   top_logprobs=logprobs.top_logprobs, rank=logprobs.token_rank)
 
 
 def logprobs_from_pb(msg: common_pb2.TokenLogprob) -> tuple[int, Logprobs]:
     return msg.token_id, Logprobs(token_logprob=msg.logprob, top_token_ids=list(msg.top_token_ids),
-                                  top_logprobs=list(msg.top_logprobs))
+                                  top_logprobs=list(msg.top_logprobs),
+                                  token_rank=msg.rank if msg.HasField("rank") else None)
 
 
 FINISH_REASON_TO_PB = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,

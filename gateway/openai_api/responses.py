@@ -168,14 +168,13 @@ class ResponseBuilder:
 
     def _prompt_logprobs(self, delta: GenerationDelta) -> list[dict | None]:
         """vLLM's prompt_logprobs: None for the first prompt token, then per token its own
-        entry and its top alternatives' by token id, ranked among the alternatives (the
-        token's own rank is only known when it is one of them)."""
+        entry (with its rank among all tokens) and its top alternatives' by token id."""
         entries: list[dict | None] = [None]
         for token_id, lp in delta.prompt_logprobs:
             entry = {str(t): {"logprob": _clamp(v), "rank": rank, "decoded_token": self.token_text(t)}
                      for rank, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1)}
             if str(token_id) not in entry:
-                entry[str(token_id)] = {"logprob": _clamp(lp.token_logprob), "rank": None,
+                entry[str(token_id)] = {"logprob": _clamp(lp.token_logprob), "rank": lp.token_rank,
                                         "decoded_token": self.token_text(token_id)}
             entries.append(entry)
         return entries

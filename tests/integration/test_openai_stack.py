@@ -151,8 +151,15 @@ def test_prompt_logprobs_from_prefill_and_decode_agree_with_the_sampled_tokens(g
         assert all(lp.top_logprobs == sorted(lp.top_logprobs, reverse=True) for _, lp in result.prompt_logprobs)
         assert result.prompt_logprobs[-1][1].token_logprob == pytest.approx(first.logprobs[0][1].token_logprob,
                                                                             abs=0.05)
-        # The greedy token is the best there: the last entry's top alternative.
+        # The greedy token is the best there: the last entry's top alternative, of rank 1.
         assert result.prompt_logprobs[-1][1].top_token_ids[0] == first.token_ids[0]
+        assert result.prompt_logprobs[-1][1].token_rank == 1
+        # a token among the top alternatives ranks where it stands there; any other below them
+        for token_id, lp in result.prompt_logprobs:
+            if token_id in lp.top_token_ids:
+                assert lp.token_rank == lp.top_token_ids.index(token_id) + 1
+            else:
+                assert lp.token_rank > 3
 
 
 def test_echo_with_logprobs_gives_the_prompts_tokens_first_as_evaluation_harnesses_read_them(client, model):

@@ -324,6 +324,17 @@ def test_logprobs_name_tokens_by_id_on_request():
     assert content[0]["top_logprobs"][1]["token"] == "token_id:9"
 
 
+def test_prompt_logprobs_in_vllms_shape_with_each_tokens_rank():
+    builder = ResponseBuilder(parse(prompt="hi", prompt_logprobs=1), "c", "m", TOKEN_TEXTS.get)
+    result = GenerationDelta(request_id="r", text="!", usage=Usage(3, 1), finish_reason="stop", prompt_logprobs=[
+        (8, Logprobs(-1.0, [9], [-0.5], token_rank=4)), (9, Logprobs(-0.5, [9], [-0.5], token_rank=1))])
+    assert builder.full_response([result])["choices"][0]["prompt_logprobs"] == [
+        None,
+        {"9": {"logprob": -0.5, "rank": 1, "decoded_token": "!"},
+         "8": {"logprob": -1.0, "rank": 4, "decoded_token": "lo"}},
+        {"9": {"logprob": -0.5, "rank": 1, "decoded_token": "!"}}]
+
+
 def test_stream_chunks_carry_the_role_once_and_usage_as_asked():
     parsed = parse(chat=True, stream=True, stream_options={"include_usage": True})
     builder = ResponseBuilder(parsed, "chatcmpl-1", "served", TOKEN_TEXTS.get)

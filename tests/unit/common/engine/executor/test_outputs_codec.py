@@ -61,7 +61,8 @@ scheduler_outputs = st.builds(
     grammar_bitmask=bitmasks, structured_output_req_ids=st.lists(req_ids, max_size=3),
     scheduled_spec_decode_tokens=st.dictionaries(req_ids, token_ids, max_size=2))
 
-logprobs = st.builds(Logprobs, token_logprob=floats, top_token_ids=token_ids, top_logprobs=st.lists(floats, max_size=3))
+logprobs = st.builds(Logprobs, token_logprob=floats, top_token_ids=token_ids, top_logprobs=st.lists(floats, max_size=3),
+                     token_rank=st.none() | st.integers(1, 2**20))
 outcomes = st.builds(KVTransferOutcome, req_id=req_ids, transfer_id=req_ids,
                      direction=st.sampled_from(["send", "recv"]), state=st.sampled_from(["done", "failed", "expired"]),
                      reason=st.text(max_size=8), num_bytes=st.integers(0, 2**40), started_at=floats,
@@ -71,8 +72,8 @@ runner_outputs = st.builds(
     logprobs=st.none() | st.lists(st.none() | st.lists(logprobs, max_size=2), max_size=3),
     finished_sending=st.lists(req_ids, max_size=2), finished_recving=st.lists(req_ids, max_size=2),
     kv_transfer_outcomes=st.lists(outcomes, max_size=2), spec_token_ids=st.none() | st.lists(token_ids, max_size=3),
-    prompt_logprobs=st.none() | st.dictionaries(req_ids, st.tuples(st.integers(0, 4096), st.lists(logprobs, max_size=3)),
-                                                max_size=2))
+    prompt_logprobs=st.none() | st.dictionaries(
+        req_ids, st.tuples(st.integers(0, 4096), st.lists(logprobs, max_size=3)), max_size=2))
 
 
 def _without_bitmask(output: SchedulerOutput):

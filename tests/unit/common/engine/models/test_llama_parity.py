@@ -63,6 +63,12 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_skip_the_prefix_ca
         top_values = torch.tensor([lp.top_logprobs for lp in output.prompt_logprobs[1:]])
         torch.testing.assert_close(top_values, reference.topk(3, dim=-1).values, atol=1e-3, rtol=0)
         assert all(len(lp.top_token_ids) == 3 for lp in output.prompt_logprobs[1:])
+        # each prompt token's rank among all tokens: 1 + those more likely (within fp32 noise)
+        targets = reference.gather(1, torch.tensor(prompt[1:])[:, None])  # [P-1, 1]
+        expected_ranks = ((reference > targets + 1e-4).sum(-1) + 1).tolist()
+        ranks = [lp.token_rank for lp in output.prompt_logprobs[1:]]
+        assert all(low <= r <= high for r, low, high in zip(
+            ranks, expected_ranks, ((reference > targets - 1e-4).sum(-1) + 1).tolist())), (ranks, expected_ranks)
         assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, 2)
     assert outputs[0].num_cached_tokens == 0 and first.num_cached_tokens == 0
     again = llm.generate([{"prompt_token_ids": prompts[0]}], greedy)[0]
