@@ -75,7 +75,8 @@ def chat_options_from_pb(msg: generate_pb2.ChatMessages) -> ChatTemplateOptions:
             add_generation_prompt=msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True,
             continue_final_message=msg.continue_final_message,
             chat_template_kwargs=_json_field(msg.chat_template_kwargs_json, "chat_template_kwargs_json"),
-            tools=_json_field(msg.tools_json, "tools_json"))
+            tools=_json_field(msg.tools_json, "tools_json"),
+            documents=_json_field(msg.documents_json, "documents_json"))
     except ValueError as e:  # ChatTemplateOptions names the field
         raise invalid(f"messages.{e}") from None
 
@@ -88,6 +89,8 @@ def chat_options_to_pb(options: ChatTemplateOptions, msg: generate_pb2.ChatMessa
         msg.chat_template_kwargs_json = json.dumps(options.chat_template_kwargs)
     if options.tools:
         msg.tools_json = json.dumps(options.tools)
+    if options.documents:
+        msg.documents_json = json.dumps(options.documents)
 
 
 def delta_to_pb(delta: GenerationDelta) -> generate_pb2.GenerateResponse:

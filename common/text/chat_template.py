@@ -14,6 +14,7 @@ from typing import Any
 MAX_CHAT_TEMPLATE_KWARGS = 64
 # OpenAI's own limit on the tools one request may list.
 MAX_TOOLS = 128
+MAX_DOCUMENTS = 128
 # Variables the renderer sets itself: a request's kwargs may not replace them, or a
 # conversation could be swapped for another after the gateway counted and checked it.
 RESERVED_TEMPLATE_VARIABLES = frozenset({
@@ -34,6 +35,8 @@ class ChatTemplateOptions:
     # The functions the model may call, as the template lists them: OpenAI's
     # [{"type": "function", "function": {"name", "description", "parameters"}}].
     tools: list[dict[str, Any]] | None = None
+    # Documents for retrieval-augmented templates (Command R, Granite ...): [{"title", "text"}].
+    documents: list[dict[str, str]] | None = None
 
     def __post_init__(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:
@@ -44,6 +47,12 @@ class ChatTemplateOptions:
                 raise ValueError("tools: must be a list of objects")
             if len(self.tools) > MAX_TOOLS:
                 raise ValueError(f"tools: {len(self.tools)} tools, more than the limit of {MAX_TOOLS}")
+        if self.documents is not None and (
+                not isinstance(self.documents, list) or len(self.documents) > MAX_DOCUMENTS
+                or not all(isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in d.items())
+                           for d in self.documents)):
+            raise ValueError(f"documents: must be a list of at most {MAX_DOCUMENTS} objects of strings, "
+                             f"e.g. {{\"title\": ..., \"text\": ...}}")
         kwargs = self.chat_template_kwargs
         if kwargs is None:
             return
@@ -62,14 +71,16 @@ class ChatTemplateOptions:
 
     @cached_property
     def num_extra_chars(self) -> int:
-        """The tools' and template variables' JSON length: the template may render them into
-        the prompt, so they count toward its bound."""
-        return sum(len(json.dumps(value)) for value in (self.tools, self.chat_template_kwargs) if value)
+        """The tools', documents' and template variables' JSON length: the template may render
+        them into the prompt, so they count toward its bound."""
+        return sum(len(json.dumps(value)) for value in (self.tools, self.documents, self.chat_template_kwargs)
+                   if value)
 
     def render_kwargs(self) -> dict[str, Any]:
         """What the renderer passes the template besides the messages."""
         return {"add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message, "tools": self.tools or None,
+                "documents": self.documents or None,
                 **(self.chat_template_kwargs or {})}
 
 

@@ -39,7 +39,12 @@ from common.engine.sampling_params import (
     SamplingParams,
 )
 from common.engine.structured_output.params import StructuredOutputsParams
-from common.text.chat_template import DEFAULT_CHAT_TEMPLATE_OPTIONS, MAX_CHAT_TEMPLATE_KWARGS, ChatTemplateOptions
+from common.text.chat_template import (
+    DEFAULT_CHAT_TEMPLATE_OPTIONS,
+    MAX_CHAT_TEMPLATE_KWARGS,
+    MAX_DOCUMENTS,
+    ChatTemplateOptions,
+)
 from gateway.openai_api.errors import ApiError, invalid_field
 from gateway.openai_api.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
 from gateway.openai_api.structured_outputs import structured_outputs_of
@@ -49,6 +54,7 @@ from gateway.openai_api.tools import (
     MAX_TOOL_CALLS_PER_MESSAGE,
     TOOL_CALL_SCHEMA,
     ToolChoice,
+    checked_tools,
     message_tool_fields,
     tool_choice_of,
 )
@@ -353,6 +359,16 @@ def template_kwargs(param: str, value: Any) -> dict:
     return obj(param, value)
 
 
+@described({"type": "array", "maxItems": MAX_DOCUMENTS,
+            "items": {"type": "object", "additionalProperties": {"type": "string"}},
+            "description": "documents for retrieval-augmented chat templates, e.g. [{\"title\": ..., \"text\": ...}]"})
+def documents(param: str, value: Any) -> list:
+    """Checked whole by ChatTemplateOptions."""
+    if not isinstance(value, list):
+        raise _wrong_type(param, "an array of objects", value)
+    return value
+
+
 COMMON_FIELDS: dict[str, Callable] = {
     "model": string, "stream": boolean, "stream_options": obj, "n": integer(1, MAX_CHOICES),
     "max_tokens": integer(1, UINT32_MAX), "temperature": number(0.0, 2.0), "top_p": number(0.0, 1.0, lo_open=True),
@@ -379,7 +395,7 @@ CHAT_FIELDS: dict[str, Callable] = {
     "web_search_options": neutral(), "store": neutral(False), "metadata": obj, "service_tier": string,
     "prompt_cache_key": string, "safety_identifier": string, "verbosity": neutral(),
     "echo": boolean, "add_generation_prompt": boolean, "continue_final_message": boolean, "include_reasoning": boolean,
-    "chat_template_kwargs": template_kwargs, "add_special_tokens": boolean}
+    "chat_template_kwargs": template_kwargs, "add_special_tokens": boolean, "documents": documents}
 STREAM_OPTIONS = {"include_usage": boolean, "continuous_usage_stats": boolean, "include_obfuscation": boolean}
 
 
@@ -393,7 +409,7 @@ def prompt_text(param: str, value: Any) -> str:
 TOKENIZE_FIELDS: dict[str, Callable] = {
     "model": string, "prompt": prompt_text, "messages": messages_value, "add_special_tokens": boolean,
     "add_generation_prompt": boolean, "continue_final_message": boolean, "chat_template_kwargs": template_kwargs,
-    "return_token_strs": boolean}
+    "tools": TOOL_FIELDS["tools"], "documents": documents, "return_token_strs": boolean}
 DETOKENIZE_FIELDS: dict[str, Callable] = {"model": string, "tokens": token_id_list}
 
 
@@ -405,7 +421,8 @@ class TokenizeRequest:
     return_token_strs: bool = False  # each token's text beside its id
 
 
-_CHAT_ONLY_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+_CHAT_ONLY_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools",
+                     "documents")
 
 
 def parse_tokenize_request(body: bytes) -> TokenizeRequest:
@@ -416,7 +433,8 @@ def parse_tokenize_request(body: bytes) -> TokenizeRequest:
                             code="missing_field" if not forms else "invalid_value")
     prompt = GenerateInput(add_special_tokens=values.get("add_special_tokens"))
     if "messages" in values:
-        prompt.messages, prompt.chat_options = _messages(values["messages"]), _chat_options(values)
+        tools = checked_tools(values["tools"]) if "tools" in values else None  # listed as generation lists them
+        prompt.messages, prompt.chat_options = _messages(values["messages"]), _chat_options(values, tools or None)
     else:
         unused = next((name for name in _CHAT_ONLY_FIELDS if name in values), None)
         if unused is not None:
@@ -553,7 +571,8 @@ def _chat_options(values: dict, tools: list[dict] | None = None) -> ChatTemplate
     try:
         return ChatTemplateOptions(add_generation_prompt=values.get("add_generation_prompt", True),
                                    continue_final_message=values.get("continue_final_message", False),
-                                   chat_template_kwargs=values.get("chat_template_kwargs"), tools=tools)
+                                   chat_template_kwargs=values.get("chat_template_kwargs"), tools=tools,
+                                   documents=values.get("documents"))
     except ValueError as e:  # it starts with the field, e.g. "chat_template_kwargs.messages: ..."
         param, message = str(e).split(": ", 1)
         raise invalid_field(param, message) from None

@@ -96,7 +96,7 @@ def tool_choice_of(values: dict[str, Any], parser: ToolCallParser | None = None)
     """The request's tools and what it forces; None when it sends no tools. `parser`: the
     server's for "auto", if it has one. A 400 naming the field for what is malformed,
     unknown or refused."""
-    tools = _tools(values["tools"]) if "tools" in values else None
+    tools = checked_tools(values["tools"]) if "tools" in values else None
     choice = values.get("tool_choice", "auto" if tools else "none")
     if choice == "none":
         return None if tools is None else ToolChoice(tools=None)
@@ -122,7 +122,8 @@ def tool_choice_of(values: dict[str, Any], parser: ToolCallParser | None = None)
                       constraint=_constraint(by_name[name].get("parameters") or _EMPTY_PARAMETERS))
 
 
-def _tools(value: Any) -> list[dict]:
+def checked_tools(value: Any) -> list[dict]:
+    """`tools`, each checked; a 400 naming what is wrong."""
     if not isinstance(value, list):
         raise invalid_field("tools", "must be an array of {\"type\": \"function\", \"function\": {...}}")
     if len(value) > MAX_TOOLS:

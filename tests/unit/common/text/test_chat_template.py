@@ -100,3 +100,18 @@ def test_a_template_set_on_the_transformers_tokenizer_replaces_the_models(tokeni
     custom.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
     assert custom.render_chat_template(CHAT[:1]) == "<user>What is the capital of France?"
     assert shared.render_chat_template(CHAT[:1]) == tokenizer.render_chat_template(CHAT[:1])  # untouched
+
+
+def test_documents_reach_retrieval_templates(tmp_path, tokenizer):
+    model_dir = tmp_path / "model"
+    shutil.copytree(tokenizer.model_dir, model_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    (model_dir / "chat_template.jinja").write_text(
+        "{% for d in documents or [] %}<doc {{ d['title'] }}>{{ d['text'] }}</doc>{% endfor %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    options = ChatTemplateOptions(documents=[{"title": "Paris", "text": "Capital of France."}])
+    assert PromptTokenizer(model_dir).render_chat_template(CHAT[:1], options) == (
+        "<doc Paris>Capital of France.</doc>What is the capital of France?")
+    assert options.num_extra_chars == len('[{"title": "Paris", "text": "Capital of France."}]')
+    for bad in ([{"title": 3}], "doc", [{"text": "x"}] * 129):
+        with pytest.raises(ValueError, match="documents: must be a list"):
+            ChatTemplateOptions(documents=bad)

@@ -225,6 +225,25 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end_and_echo_shows_it(gw, clie
         assert "is more than the model's maximum length" in error["error"]["message"]
 
 
+def test_tokenize_lists_tools_and_documents_as_generation_does(gw, client):
+    tokenizer, address = gw.gateway.model.tokenizer, gw.http_address
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    documents = [{"title": "Paris", "text": "Sunny."}]
+    options = ChatTemplateOptions(tools=tools, documents=documents)
+    status, body = post(address, "/tokenize", {"messages": messages, "tools": tools, "documents": documents})
+    assert status == 200 and body["tokens"] == tokenizer.apply_chat_template(messages, options)
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                          extra_body={"documents": documents})
+    assert chat.usage.prompt_tokens == len(tokenizer.apply_chat_template(
+        messages, ChatTemplateOptions(documents=documents)))
+    for path in ("/v1/chat/completions", "/tokenize"):
+        status, error = post(address, path, {"model": MODEL, "messages": messages, "documents": [{"title": 1}]})
+        assert (status, error["error"]["param"]) == (400, "documents"), error
+    status, error = post(address, "/tokenize", {"prompt": "hi", "documents": documents})
+    assert (status, error["error"]["param"]) == (400, "documents")
+
+
 @pytest.mark.parametrize("body, param", [
     ({"continue_final_message": True}, "continue_final_message"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
