@@ -18,6 +18,14 @@ def tokenizer():
     return PromptTokenizer(resolve_model())
 
 
+def with_template(tmp_path, tokenizer, template: str) -> PromptTokenizer:
+    """The bundled model's tokenizer with `template` as its chat template."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tokenizer.model_dir, model_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    (model_dir / "chat_template.jinja").write_text(template)
+    return PromptTokenizer(model_dir)
+
+
 def test_default_ends_with_the_assistant_header(tokenizer):
     text = tokenizer.render_chat_template(CHAT[:1])
     assert text.endswith("What is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
@@ -34,12 +42,10 @@ def test_continue_final_message_leaves_the_last_message_open(tokenizer):
 
 
 def test_template_kwargs_reach_the_template(tmp_path, tokenizer):
-    model_dir = tmp_path / "model"
-    shutil.copytree(tokenizer.model_dir, model_dir, ignore=shutil.ignore_patterns("*.safetensors"))
-    (model_dir / "chat_template.jinja").write_text(
+    model = with_template(tmp_path, tokenizer, (
         "{% if persona is defined %}[{{ persona }}]{% endif %}"
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
-    custom = PromptTokenizer(model_dir)
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"))
+    custom = model
     assert custom.render_chat_template(CHAT[:1]).startswith("<|im_start|>user")
     options = ChatTemplateOptions(chat_template_kwargs={"persona": "pirate"})
     assert custom.render_chat_template(CHAT[:1], options).startswith("[pirate]<|im_start|>user")
@@ -61,28 +67,25 @@ def test_bad_options_are_refused(kwargs, error):
 
 
 def test_continuing_a_message_the_template_drops_is_refused(tokenizer, tmp_path):
-    model_dir = tmp_path / "model"
-    shutil.copytree(tokenizer.model_dir, model_dir, ignore=shutil.ignore_patterns("*.safetensors"))
-    (model_dir / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}{% endfor %}")
+    model = with_template(tmp_path, tokenizer,
+                          "{% for m in messages %}{{ m['role'] }}{% endfor %}")
     options = ChatTemplateOptions(add_generation_prompt=False, continue_final_message=True)
     with pytest.raises(ValueError, match="chat template rejected the messages"):
-        PromptTokenizer(model_dir).render_chat_template(CHAT, options)
+        model.render_chat_template(CHAT, options)
 
 
 def test_tools_and_tool_turns_reach_the_template(tmp_path, tokenizer):
-    model_dir = tmp_path / "model"
-    shutil.copytree(tokenizer.model_dir, model_dir, ignore=shutil.ignore_patterns("*.safetensors"))
-    (model_dir / "chat_template.jinja").write_text(
+    model = with_template(tmp_path, tokenizer, (
         "{% for t in tools or [] %}<tool>{{ t['function']['name'] }}</tool>{% endfor %}"
         "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}"
         "{% for c in m.get('tool_calls') or [] %}<call {{ c['id'] }}>{{ c['function']['arguments'] | tojson }}"
-        "</call>{% endfor %}{% if m.get('tool_call_id') %}<answers {{ m['tool_call_id'] }}>{% endif %}|{% endfor %}")
+        "</call>{% endfor %}{% if m.get('tool_call_id') %}<answers {{ m['tool_call_id'] }}>{% endif %}|{% endfor %}"))
     messages = [{"role": "user", "content": "Weather?"},
                 {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
                     "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                 {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
     tools = [{"type": "function", "function": {"name": "get_weather"}}]
-    text = PromptTokenizer(model_dir).render_chat_template(messages, ChatTemplateOptions(tools=tools))
+    text = model.render_chat_template(messages, ChatTemplateOptions(tools=tools))
     # the arguments reach the template as an object, as templates that write `arguments | tojson` expect
     assert text == ('<tool>get_weather</tool>user:Weather?|assistant:<call c1>{"city": "Paris"}</call>|'
                     'tool:sunny<answers c1>|')
@@ -103,13 +106,11 @@ def test_a_template_set_on_the_transformers_tokenizer_replaces_the_models(tokeni
 
 
 def test_documents_reach_retrieval_templates(tmp_path, tokenizer):
-    model_dir = tmp_path / "model"
-    shutil.copytree(tokenizer.model_dir, model_dir, ignore=shutil.ignore_patterns("*.safetensors"))
-    (model_dir / "chat_template.jinja").write_text(
+    model = with_template(tmp_path, tokenizer, (
         "{% for d in documents or [] %}<doc {{ d['title'] }}>{{ d['text'] }}</doc>{% endfor %}"
-        "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"))
     options = ChatTemplateOptions(documents=[{"title": "Paris", "text": "Capital of France."}])
-    assert PromptTokenizer(model_dir).render_chat_template(CHAT[:1], options) == (
+    assert model.render_chat_template(CHAT[:1], options) == (
         "<doc Paris>Capital of France.</doc>What is the capital of France?")
     assert options.num_extra_chars == len('[{"title": "Paris", "text": "Capital of France."}]')
     for bad in ([{"title": 3}], "doc", [{"text": "x"}] * 129):
