@@ -42,10 +42,9 @@ def test_continue_final_message_leaves_the_last_message_open(tokenizer):
 
 
 def test_template_kwargs_reach_the_template(tmp_path, tokenizer):
-    model = with_template(tmp_path, tokenizer, (
+    custom = with_template(tmp_path, tokenizer, (
         "{% if persona is defined %}[{{ persona }}]{% endif %}"
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"))
-    custom = model
     assert custom.render_chat_template(CHAT[:1]).startswith("<|im_start|>user")
     options = ChatTemplateOptions(chat_template_kwargs={"persona": "pirate"})
     assert custom.render_chat_template(CHAT[:1], options).startswith("[pirate]<|im_start|>user")
