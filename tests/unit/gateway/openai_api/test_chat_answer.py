@@ -71,10 +71,17 @@ def test_reasoning_then_a_call_the_tool_parser_reads():
     assert choices[-1]["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
-def test_a_forced_call_is_not_read_for_reasoning():
+def test_constrained_answers_are_not_read_for_reasoning():
     forced = builder(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
     message = whole(forced, '{"city": "Paris"}')["message"]
     assert "reasoning" not in message and message["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    # deepseek_r1 takes an answer without </think> for thinking: not a JSON answer
+    r1 = make_reasoning_parser("deepseek_r1")
+    assert whole(builder(r1), '{"a": 1}')["message"] == {"role": "assistant", "reasoning": '{"a": 1}', "content": ""}
+    json_answer = builder(r1, response_format={"type": "json_object"})
+    assert whole(json_answer, '{"a": 1}')["message"] == {"role": "assistant", "content": '{"a": 1}'}
+    chunks = streamed(builder(r1, response_format={"type": "json_object"}, stream=True), ['{"a"', ": 1}"])
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == '{"a": 1}'
 
 
 def test_past_reasoning_in_the_conversation_reaches_the_template():
