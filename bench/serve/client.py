@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -24,6 +25,8 @@ from google.protobuf.json_format import MessageToDict
 from bench.serve.arrivals import send_offsets
 from bench.serve.datasets import BenchRequest
 from bench.serve.metrics import RequestOutcome
+from gateway.api_keys import API_KEY_ENV
+from gateway.client import auth_metadata
 from protos.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 
@@ -56,7 +59,8 @@ class Backend:
 
 
 class GrpcGenerateBackend(Backend):
-    """pdserve.v1.GenerateService/GenerateStream on the gateway."""
+    """pdserve.v1.GenerateService/GenerateStream on the gateway (with PDSERVE_API_KEY's key,
+    when set, for a gateway started with --api-key)."""
 
     name = "grpc"
 
@@ -69,6 +73,7 @@ class GrpcGenerateBackend(Backend):
         self.timeout_s = timeout_s
         self.request_id_prefix = request_id_prefix
         self._ids = itertools.count()  # the gateway refuses two in-flight requests with one id
+        self._metadata = auth_metadata()
         self._channel: grpc.aio.Channel | None = None
         self._stub: generate_pb2_grpc.GenerateServiceStub | None = None
 
@@ -82,7 +87,7 @@ class GrpcGenerateBackend(Backend):
             self._channel = None
 
     async def server_info(self) -> dict | None:
-        response = await self._stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=30)
+        response = await self._stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=30, metadata=self._metadata)
         return MessageToDict(response, preserving_proto_field_name=True,
                              always_print_fields_with_no_presence=True)
 
@@ -101,7 +106,7 @@ class GrpcGenerateBackend(Backend):
         return message
 
     async def stream(self, request: BenchRequest) -> AsyncIterator[tuple[float, int]]:
-        call = self._stub.GenerateStream(self.build_request(request), timeout=self.timeout_s)
+        call = self._stub.GenerateStream(self.build_request(request), timeout=self.timeout_s, metadata=self._metadata)
         try:
             async for response in call:
                 yield time.perf_counter(), len(response.token_ids)
@@ -117,6 +122,7 @@ class OpenAICompletionsBackend(Backend):
     token (as `vllm bench serve` counts them) and the final usage chunk
     (stream_options.include_usage) corrects the total: tokens a chunk did not show (text
     held back until a character is complete) are added to the request's last chunk.
+    OPENAI_API_KEY (or PDSERVE_API_KEY), when set, is sent as the bearer token.
     """
 
     name = "openai"
@@ -133,8 +139,10 @@ class OpenAICompletionsBackend(Backend):
     async def open(self) -> None:
         import aiohttp
         # No connection limit: --max-concurrency is the only cap, as with the gRPC backend.
+        api_key = os.environ.get("OPENAI_API_KEY") or os.environ.get(API_KEY_ENV)
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                              timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+                                              timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                                              headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
 
     async def close(self) -> None:
         if self._session is not None:

@@ -90,3 +90,28 @@ def test_pdserve_up_waits_for_its_instances_with_the_gateways_key(monkeypatch):
     assert LocalStack(1, 1).api_key is None
     monkeypatch.setenv("PDSERVE_API_KEY", "k4")
     assert LocalStack(1, 1).api_key == "k4"
+
+
+def test_the_serving_benchmarks_clients_send_the_environments_key(gw, monkeypatch):
+    import asyncio
+
+    from bench.serve.client import GrpcGenerateBackend, OpenAICompletionsBackend, OpenAIHTTPError
+    from bench.serve.datasets import BenchRequest
+
+    async def one_request(backend) -> int:
+        await backend.open()
+        try:
+            await backend.server_info()
+            return sum([n async for _, n in backend.stream(BenchRequest([5, 6, 7], 3, 2))])
+        finally:
+            await backend.close()
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    with pytest.raises(grpc.RpcError):
+        asyncio.run(one_request(GrpcGenerateBackend(gw.address, model=MODEL)))
+    with pytest.raises(OpenAIHTTPError):
+        asyncio.run(one_request(OpenAICompletionsBackend(f"http://{gw.http_address}/v1", model=MODEL)))
+    monkeypatch.setenv("PDSERVE_API_KEY", "key-two")
+    assert asyncio.run(one_request(GrpcGenerateBackend(gw.address, model=MODEL))) == 2
+    assert asyncio.run(one_request(OpenAICompletionsBackend(f"http://{gw.http_address}/v1", model=MODEL))) == 2
