@@ -9,8 +9,9 @@ A completion with `echo` starts with its prompt's text, and with logprobs its pr
 tokens come first in them (the first with no logprob, as OpenAI's legacy API and vLLM
 give them); a chat answer with `echo` starts with the last message's content when that
 message has the answer's role (vLLM's). A chat answer's reasoning, tool calls and content
-are chat_answer.py's. `prompt_logprobs` (vLLM's) are vLLM's shape: per prompt token None (the first)
-or {token id: {logprob, rank, decoded_token}} for the token and the top alternatives.
+are chat_answer.py's. `prompt_logprobs` (vLLM's) are vLLM's shape: per prompt token None
+(the first) or {token id: {logprob, rank, decoded_token}} for the token and the top
+alternatives.
 """
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ import time
 from collections.abc import Callable
 
 from common.engine.outputs import Logprobs
+from gateway.openai_api.chat_answer import ChatAnswer
 from gateway.openai_api.errors import ApiError
 from gateway.openai_api.protocol import ParsedRequest
-from gateway.openai_api.chat_answer import ChatAnswer
 from gateway.openai_api.reasoning_parsers import ReasoningParser
 from gateway.types import GenerationDelta
 
