@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from gateway.openai_api.tool_parsers.base import ParsedCall, ToolCallParser, ToolCallStream
 from gateway.openai_api.tool_parsers.hermes import HermesParser
+from gateway.openai_api.tool_parsers.llama3_json import Llama3JsonParser
 
-PARSERS: dict[str, type[ToolCallParser]] = {parser.name: parser for parser in (HermesParser,)}
+PARSERS: dict[str, type[ToolCallParser]] = {parser.name: parser for parser in (HermesParser, Llama3JsonParser)}
 
 
 def make_tool_parser(name: str) -> ToolCallParser:

@@ -22,6 +22,9 @@ class ParsedCall:
 class ToolCallParser(ABC):
     name: str  # what --tool-call-parser takes
     start_marker: str  # text the calls begin with; what comes before it is content
+    # True: calls can only open the answer (after whitespace); an answer that starts with
+    # anything else is text throughout, markers and all.
+    opens_answer: bool = False
 
     @abstractmethod
     def extract(self, text: str) -> tuple[str, list[ParsedCall]]:
@@ -41,12 +44,24 @@ class ToolCallStream:
         self.text = ""  # the whole answer so far
         self.num_sent = 0  # characters of it already sent as content
         self.in_calls = False
+        self.plain = False  # an opens_answer parser's answer that opened with text
 
     def feed(self, piece: str) -> str:
         self.text += piece
         if self.in_calls:
             return ""
         marker = self.parser.start_marker
+        if self.plain:
+            return self._send_until(len(self.text))
+        if self.parser.opens_answer:
+            stripped = self.text.lstrip()
+            if stripped.startswith(marker):
+                self.in_calls = True
+                return self._send_until(len(self.text) - len(stripped))
+            if marker.startswith(stripped):  # whitespace, or the marker's start: the next piece tells
+                return ""
+            self.plain = True
+            return self._send_until(len(self.text))
         start = self.text.find(marker, max(0, self.num_sent - len(marker) + 1))
         if start >= 0:
             self.in_calls = True

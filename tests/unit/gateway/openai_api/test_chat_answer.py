@@ -71,6 +71,18 @@ def test_reasoning_then_a_call_the_tool_parser_reads():
     assert choices[-1]["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
+def test_llama3_calls_open_the_answer_or_it_is_text():
+    llama3 = make_tool_parser("llama3_json")
+    call = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    choice = whole(builder(None, tool_parser=llama3, tools=[WEATHER]), call)
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    text = "Use {braces} freely."
+    chunks = streamed(builder(None, tool_parser=llama3, tools=[WEATHER], stream=True), ["Use {bra", "ces} freely."])
+    assert [c["delta"].get("content") for c in chunks] == ["Use {bra", "ces} freely."]  # text streams as it comes
+    assert whole(builder(None, tool_parser=llama3, tools=[WEATHER]), text)["message"]["content"] == text
+
+
 def test_constrained_answers_are_not_read_for_reasoning():
     forced = builder(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
     message = whole(forced, '{"city": "Paris"}')["message"]

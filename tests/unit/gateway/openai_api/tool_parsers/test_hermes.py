@@ -1,11 +1,7 @@
-"""Hermes' tool-call syntax read whole, and streamed in any split (a property test: the
-content streamed plus the calls at the end equal what the whole answer gives)."""
+"""Hermes' tool-call syntax read whole (streamed: test_streams.py)."""
 from __future__ import annotations
 
 import json
-
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from gateway.openai_api.tool_parsers import ParsedCall, make_tool_parser
 
@@ -30,23 +26,3 @@ def test_answers_without_a_readable_call_are_content():
     for text in ("Paris is sunny.", "<tool_call>{not json</tool_call>", '<tool_call>["f"]</tool_call>',
                  '<tool_call>{"arguments": {}}</tool_call>', CALL + '<tool_call>{"name": "g", '):
         assert PARSER.extract(text) == (text, [])
-
-
-ANSWERS = st.sampled_from([
-    "Paris is sunny today.", "Let me check. " + CALL, CALL, CALL + CALL, "a < b but <tool_ is not a call",
-    "<tool_call>{broken</tool_call>", "text <tool_cal", "ends with <", "Sure.\n\n" + CALL + "\n", "\n" + CALL])
-
-
-@settings(max_examples=300, deadline=None)
-@given(answer=ANSWERS, cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=12))
-def test_any_split_streams_what_the_whole_answer_gives(answer, cuts):
-    points = sorted({min(c, len(answer)) for c in cuts})
-    pieces = [answer[a:b] for a, b in zip([0, *points], [*points, len(answer)])]
-    stream = PARSER.stream()
-    sent = "".join(stream.feed(piece) for piece in pieces)
-    rest, calls = stream.finish()
-    content, expected_calls = PARSER.extract(answer)
-    assert calls == expected_calls
-    assert sent + rest == content
-    # nothing of a call went out as content before it could be told apart from text
-    assert "<tool_call>" not in sent or not expected_calls
