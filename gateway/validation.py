@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.engine.bad_words import bad_words_token_ids
+from common.engine.bad_words import with_bad_words_token_ids
 from common.engine.model_files import BUNDLED_MODEL_NAME, load_hf_config, resolve_model
 from common.engine.sampling_params import truncate_prompt, validate_prompt_token_ids
 from common.service.errors import invalid
@@ -113,9 +113,8 @@ def prepare_request(request: GenerateInput, model: ServedModel, max_model_len: i
     prompt_token_ids = tokenize_prompt(request, model, max_prompt_chars)
     try:
         prompt_token_ids = truncate_prompt(prompt_token_ids, sampling.truncate_prompt_tokens, max_model_len)
-        if sampling.bad_words and sampling.bad_words_token_ids is None:
-            sampling = sampling.clone(bad_words_token_ids=bad_words_token_ids(
-                sampling.bad_words, lambda word: model.tokenizer.encode(word, add_special_tokens=False)))
+        sampling = with_bad_words_token_ids(
+            sampling, lambda word: model.tokenizer.encode(word, add_special_tokens=False))
     except ValueError as e:
         raise invalid(f"sampling.{e}") from None
     num_prompt = len(prompt_token_ids)

@@ -45,7 +45,7 @@ import grpc
 from common.cli.processes import ManagedProcess, ProcessFailed, route_flags
 from common.engine.cpus import num_cpus_available
 from common.service.flags import EnvDefaultsParser
-from gateway.api_keys import API_KEY_ENV
+from gateway.api_keys import API_KEY_ENV, parse_api_keys
 
 REGISTRY_TOKEN_ENV = "PDSERVE_REGISTRY_TOKEN"
 
@@ -102,10 +102,9 @@ class LocalStack:
         token = (env or {}).get(REGISTRY_TOKEN_ENV) or os.environ.get(REGISTRY_TOKEN_ENV) or secrets.token_urlsafe(32)
         self.env = {**(env or {}), REGISTRY_TOKEN_ENV: token}
         # The stack's own calls (waiting for registrations) carry the gateway's API key, if any.
-        self.api_key = _flag_value(self.flags["gateway"], "--api-key") or self.env.get(API_KEY_ENV) \
+        keys = _flag_value(self.flags["gateway"], "--api-key") or self.env.get(API_KEY_ENV) \
             or os.environ.get(API_KEY_ENV)
-        if self.api_key:
-            self.api_key = self.api_key.split(",")[0].strip()
+        self.api_key = next(iter(parse_api_keys(keys)), None) if keys else None
         self.log_dir = log_dir
         self.startup_timeout_s, self.grace_s = startup_timeout_s, grace_s
         self.gateways: list[ManagedProcess] = []

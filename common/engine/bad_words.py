@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from common.engine.sampling_params import MAX_BAD_WORD_TOKENS
+from common.engine.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
+
+
+def with_bad_words_token_ids(params: SamplingParams, encode: Callable[[str], list[int]]) -> SamplingParams:
+    """params with its bad words tokenized (unchanged where it has none, or has them already):
+    what the frontend that tokenizes a request does before the engine sees it."""
+    if not params.bad_words or params.bad_words_token_ids is not None:
+        return params
+    return params.clone(bad_words_token_ids=bad_words_token_ids(params.bad_words, encode))
 
 
 def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from common.engine.bad_words import bad_words_token_ids
+from common.engine.bad_words import with_bad_words_token_ids
 from common.engine.config import make_engine_config
 from common.engine.engine_core import EngineCore
 from common.engine.outputs import CompletionOutput, Logprobs, RequestOutput
@@ -62,6 +62,9 @@ class LLM:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def _encode_word(self, word: str) -> list[int]:
+        return self.tokenizer.encode(word, add_special_tokens=False)
+
     def _prompt_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
@@ -89,9 +92,7 @@ class LLM:
             text, token_ids = self._prompt_token_ids(prompt)
             token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
             validate_prompt_token_ids(token_ids, vocab_size)
-            if params.bad_words and params.bad_words_token_ids is None:
-                params = params.clone(bad_words_token_ids=bad_words_token_ids(
-                    params.bad_words, lambda word: self.tokenizer.encode(word, add_special_tokens=False)))
+            params = with_bad_words_token_ids(params, self._encode_word)
             validate_prompt_length(len(token_ids), self.max_model_len)
             params.validate_token_ids(vocab_size)
             encoded.append((text, token_ids, params))

@@ -475,7 +475,8 @@ def _mask_bad_words(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) 
         if not sequences:
             continue
         output = request.output_token_ids
+        # seq[:-1] is what the output must end with ([] for a one-token word: always)
         banned = [seq[-1] for seq in sequences
-                  if len(seq) == 1 or (len(output) >= len(seq) - 1 and output[len(output) - len(seq) + 1:] == seq[:-1])]
+                  if len(output) >= len(seq) - 1 and output[len(output) - len(seq) + 1:] == seq[:-1]]
         if banned:
             logits[i, banned] = float("-inf")

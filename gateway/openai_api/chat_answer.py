@@ -73,12 +73,13 @@ class ChatAnswer:
         out = dict(head)
         if reasoning and self.include_reasoning:
             out["reasoning"] = reasoning
-        content, calls = (self.echo if first else "") + answer, []
+        calls = []
         if self.tool_stream is not None:
-            content = (self.echo if first else "") + self.tool_stream.feed(answer)
+            answer = self.tool_stream.feed(answer)
             if finished:
                 rest, calls = self.tool_stream.finish()
-                content += rest
+                answer += rest
+        content = (self.echo if first else "") + answer
         if content or (first and not out.get("reasoning")):
             out["content"] = content
         if calls:

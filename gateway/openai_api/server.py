@@ -2,7 +2,8 @@
 gateway's own event loop, next to the gRPC server, on the same Gateway object.
 
     POST /v1/completions        POST /v1/chat/completions   (stream: server-sent events)
-    GET  /v1/models             GET  /health (liveness)     GET  /ready (readiness)
+    GET  /v1/models             GET  /v1/models/{model}     GET  /version
+    GET  /health (liveness)     GET  /ready (readiness)
     POST /tokenize              POST /detokenize            (vLLM's: prompt <-> token ids)
     GET  /openapi.json          (this API's OpenAPI 3.1 document: openapi.py)
 
@@ -430,10 +431,10 @@ def _param_of(error: ServiceError, parsed: ParsedRequest | None) -> str | None:
         return "messages" if parsed.chat else "prompt"
     if message.startswith("structured_outputs."):  # the engine's grammar compiler refused it
         return parsed.constraint_field
-    if message.startswith("sampling.bad_words"):  # a word too many tokens long, or its ids
-        return "bad_words"
-    for name in ("stop_token_ids", "logit_bias", "allowed_token_ids", "truncate_prompt_tokens"):
-        if message.startswith(f"sampling.{name}:"):
+    # Out of the vocabulary, past the model's length, a word too many tokens long ("bad_words[2] is",
+    # "bad_words_token_ids: token id"): each message starts with the field.
+    for name in ("stop_token_ids", "logit_bias", "allowed_token_ids", "truncate_prompt_tokens", "bad_words"):
+        if message.startswith(f"sampling.{name}"):
             return name
     return None
 
