@@ -272,8 +272,8 @@ class SamplingParams:
                 and not self.holds_back_stop_tokens(num_output_tokens))
 
     def validate_token_ids(self, vocab_size: int) -> None:
-        """Check stop_token_ids, logit_bias and allowed_token_ids against the vocabulary
-        (known only to the engine/gateway)."""
+        """Check stop_token_ids, logit_bias, allowed_token_ids and bad_words_token_ids against
+        the vocabulary (known only to the engine/gateway)."""
         bad_word_ids = [t for seq in self.bad_words_token_ids or () for t in seq]
         for name, token_ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()),
                                 ("allowed_token_ids", self.allowed_token_ids or ()),
