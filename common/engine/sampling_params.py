@@ -272,12 +272,15 @@ class SamplingParams:
                 and not self.holds_back_stop_tokens(num_output_tokens))
 
     def validate_token_ids(self, vocab_size: int) -> None:
-        """Check stop_token_ids, logit_bias, allowed_token_ids and bad_words_token_ids against
-        the vocabulary (known only to the engine/gateway)."""
+        """Check stop_token_ids, logit_bias, allowed_token_ids, bad_words_token_ids and the
+        constraint's start_after_token_ids against the vocabulary (known only to the
+        engine/gateway)."""
         bad_word_ids = [t for seq in self.bad_words_token_ids or () for t in seq]
+        start_after_ids = self.structured_outputs.start_after_token_ids if self.structured_outputs else ()
         for name, token_ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()),
                                 ("allowed_token_ids", self.allowed_token_ids or ()),
-                                ("bad_words_token_ids", bad_word_ids)):
+                                ("bad_words_token_ids", bad_word_ids),
+                                ("structured_outputs.start_after_token_ids", start_after_ids)):
             for token_id in token_ids:
                 if token_id >= vocab_size:
                     raise ValueError(f"{name}: token id {token_id} is out of range "

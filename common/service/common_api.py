@@ -75,8 +75,8 @@ def sampling_params_from_pb(msg: common_pb2.SamplingParams, field_path: str = ""
 def structured_output_to_pb(params: StructuredOutputsParams) -> common_pb2.StructuredOutput:
     kind, value = params.kind, params.value
     if kind == "choice":
-        return common_pb2.StructuredOutput(choice=common_pb2.StringList(values=value))
-    return common_pb2.StructuredOutput(**{kind: value})
+        value = common_pb2.StringList(values=value)
+    return common_pb2.StructuredOutput(**{kind: value}, start_after_token_ids=params.start_after_token_ids)
 
 
 def structured_output_from_pb(msg: common_pb2.StructuredOutput, field_path: str = "") -> StructuredOutputsParams:
@@ -87,7 +87,7 @@ def structured_output_from_pb(msg: common_pb2.StructuredOutput, field_path: str 
     if kind == "json_object" and not value:  # set in the oneof, but it asks for nothing
         raise invalid(f"{field_path}structured_output.json_object must be true, got false")
     try:
-        return StructuredOutputsParams(**{kind: value})
+        return StructuredOutputsParams(**{kind: value}, start_after_token_ids=tuple(msg.start_after_token_ids))
     except ValueError as e:  # named structured_outputs.<kind>, the engine's name
         raise invalid(f"{field_path}{str(e).replace('structured_outputs', 'structured_output', 1)}") from None
 

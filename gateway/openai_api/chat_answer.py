@@ -3,8 +3,10 @@ parser), the tool calls (a forced call, or the server's tool parser under tool_c
 and the content, whole (`message`) or piece by piece as it streams (`delta`).
 
 The reasoning comes first in the text and is split off first; what follows it is the
-answer, which a tool parser reads. A constrained answer (a forced call's JSON, a structured
-output) follows its grammar from its first token, so no reasoning parser applies to it.
+answer, which a tool parser reads. A structured output held back until the thinking ends
+(the server's reasoning parser; see OpenAIServer._constrain_after_reasoning) is read for
+reasoning too; a constrained answer that follows its grammar from the first token (a forced
+call's JSON, a structured output whose prompt closed the thinking) has none.
 """
 from __future__ import annotations
 
@@ -20,11 +22,11 @@ class ChatAnswer:
         self.tool_choice = request.tool_choice
         self.forced = request.tool_choice.forced if request.forced_tool_call else None
         tool_parser = self.tool_choice.parser if self.tool_choice is not None else None
-        # A constrained answer (a forced call, a structured output) follows its grammar from the
-        # first token, so it holds no thinking; a parser whose thinking opens in the prompt would
-        # otherwise take all of it for reasoning.
-        constrained = request.sampling.structured_outputs is not None
-        self.reasoning_parser = None if constrained else reasoning_parser
+        # An answer constrained from its first token holds no thinking; a parser whose thinking
+        # opens in the prompt would otherwise take all of it for reasoning.
+        constraint = request.sampling.structured_outputs
+        constrained_from_start = constraint is not None and not constraint.start_after_token_ids
+        self.reasoning_parser = None if constrained_from_start else reasoning_parser
         self.include_reasoning = request.include_reasoning
         self.reasoning_stream = self.reasoning_parser.stream() if self.reasoning_parser else None
         self.tool_stream = tool_parser.stream() if tool_parser is not None else None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.metadata
 import logging
 import math
@@ -88,6 +89,9 @@ class OpenAIServer:
         self.gateway = gateway
         self.tool_parser = make_tool_parser(tool_call_parser) if tool_call_parser else None
         self.reasoning_parser = make_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        # A constrained chat answer may think first: its constraint starts after these tokens.
+        self.reasoning_end_token_ids = tuple(gateway.model.tokenizer.encode(
+            self.reasoning_parser.end_marker, add_special_tokens=False)) if self.reasoning_parser else ()
         self.host, self.port = host, port
         self.max_body_bytes = max_body_bytes
         self.address = ""
@@ -239,6 +243,8 @@ class OpenAIServer:
             body = await self._read_body(request)
             parsed = await _parsed(parse_request, body, chat, self.tool_parser)
             model_name = self._check_model(parsed.model)
+            if chat and self.reasoning_end_token_ids:
+                await self._constrain_after_reasoning(parsed)
             response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             inputs = parsed.generate_inputs(response_id)
             builder = ResponseBuilder(parsed, response_id, model_name, self.token_text,
@@ -258,6 +264,20 @@ class OpenAIServer:
             return Response(status_code=499)  # nobody reads it; nginx's code for this case
         except ClientGone:  # gone while the gateway served it (Gateway.stream counted it)
             return Response(status_code=499)
+
+    async def _constrain_after_reasoning(self, parsed: ParsedRequest) -> None:
+        """Let a reasoning model think before a structured output (vLLM's): the constraint
+        starts after the end-of-thinking marker, unless the prompt closed the thinking. A
+        forced tool call stays constrained from the first token."""
+        constraint = parsed.sampling.structured_outputs
+        if constraint is None or parsed.forced_tool_call:
+            return
+        prompt_token_ids = await self.gateway.tokenize(GenerateInput(
+            messages=parsed.messages, chat_options=parsed.chat_options, add_special_tokens=parsed.add_special_tokens))
+        prompt = self.gateway.model.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
+        if not self.reasoning_parser.closed_in(prompt):
+            parsed.sampling = parsed.sampling.clone(structured_outputs=dataclasses.replace(
+                constraint, start_after_token_ids=self.reasoning_end_token_ids))
 
     async def _echo_prompts(self, parsed: ParsedRequest) -> list[tuple[str, list[int]]]:
         """Each prompt's text and token ids (as generation tokenizes and truncates it), for echo."""

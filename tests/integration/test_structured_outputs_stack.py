@@ -45,6 +45,22 @@ def test_grpc_schema_regex_and_choice(grpc_client, stack, prompt):
     wait_until_idle(stack)
 
 
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["decode-prefilled", "remote-prefilled"])
+def test_grpc_constraint_held_back_until_its_start_sequence(grpc_client, stack, prompt):
+    from gateway.validation import load_served_model
+    tokenizer = load_served_model(None).tokenizer
+    free = grpc_client.generate(prompt, max_tokens=3, temperature=0, return_token_ids=True, ignore_eos=True).token_ids
+    # the marker from the first token (the one a remote prefill samples) and from the second
+    for start in (0, 1):
+        marker = list(free[start:start + 2])
+        held = grpc_client.generate(prompt, max_tokens=60, temperature=0, return_token_ids=True,
+                                    structured_outputs={"regex": REGEX, "start_after_token_ids": marker})
+        end = next(i + 2 for i in range(len(free)) if list(free[i:i + 2]) == marker)
+        assert held.finish_reason == "stop" and list(held.token_ids[:end]) == list(free[:end])
+        assert re.fullmatch(REGEX, tokenizer.decode(list(held.token_ids[end:]))), held.text
+    wait_until_idle(stack)
+
+
 def test_openai_client_response_format_and_vllm_extensions(client, model, stack):
     chat = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Describe Jupiter as JSON."}], max_tokens=80,

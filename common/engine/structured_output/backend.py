@@ -81,7 +81,8 @@ class XgrammarBackend:
         return self._compiler.compile_grammar(params.grammar)
 
     def new_grammar(self, params: StructuredOutputsParams) -> RequestGrammar:
-        return RequestGrammar(xgr.GrammarMatcher(self.compile(params)), self.vocab_size)
+        return RequestGrammar(xgr.GrammarMatcher(self.compile(params)), self.vocab_size,
+                              params.start_after_token_ids)
 
 
 def choice_grammar(choices: list[str]) -> str:

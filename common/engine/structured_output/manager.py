@@ -3,7 +3,8 @@
 At admission it gives each constrained request its own grammar (compiling the
 constraint, or finding it cached) before the scheduler sees the request, so a bad
 constraint fails before any KV is allocated. Each step it fills the token bitmask
-of the constrained rows that sample; the scheduler advances a request's grammar
+of the constrained rows that sample (a grammar held back until the output writes its
+start_after_token_ids constrains nothing until then); the scheduler advances a request's grammar
 with every token it accepts and finishes the request once the grammar is done.
 
 Preemption needs nothing here: in recompute mode a request keeps its output
@@ -69,7 +70,7 @@ class StructuredOutputManager:
     def fill_bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> None:
         """Set scheduler_output's bitmask for the constrained requests that sample this step."""
         constrained = [r.req_id for r in scheduler_output.scheduled
-                       if r.do_sample and getattr(requests.get(r.req_id), "grammar", None) is not None]
+                       if r.do_sample and _active_grammar(requests.get(r.req_id))]
         if not constrained:
             return
         import xgrammar as xgr  # constrained rows: the backend imported it already
@@ -91,3 +92,8 @@ class StructuredOutputManager:
                                                             else [0] * (len(COMPILE_SECONDS_BUCKETS) + 1)),
                 "structured_output_bitmask_steps": self.num_bitmask_steps,
                 "structured_output_bitmask_seconds": self.bitmask_seconds_total}
+
+
+def _active_grammar(request: Request | None) -> bool:
+    grammar = getattr(request, "grammar", None)
+    return grammar is not None and grammar.is_active

@@ -5,6 +5,11 @@ Exactly one kind is given: `json` (a JSON schema, as a dict or its JSON text),
 `grammar` (EBNF). What can be checked without the grammar backend is checked here
 (and so in the torch-free gateway): one kind, well-typed, the schema is JSON, the
 regex compiles with `re`. The backend rejects the rest when it compiles.
+
+`start_after_token_ids` (a reasoning model's end-of-thinking marker, set by a gateway with a
+reasoning parser) holds the constraint back: the output is free until it first holds these
+tokens, and the constraint applies to what follows them (vLLM's structured outputs after
+reasoning). Empty: the constraint applies from the first token.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # Bounds so one request cannot make the engine compile something huge.
 MAX_CONSTRAINT_CHARS = 64 * 1024
 MAX_CHOICES = 256
+MAX_START_AFTER_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -26,8 +32,10 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None  # EBNF (xgrammar's dialect of GBNF)
+    start_after_token_ids: tuple[int, ...] = ()  # the constraint starts after these output tokens
 
     def __post_init__(self) -> None:
+        self._check_start_after()
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs must give exactly one of {', '.join(KINDS)}; "
@@ -58,6 +66,14 @@ class StructuredOutputsParams:
                 except (re.error, OverflowError) as e:  # a{99999999999} overflows rather than errs
                     raise ValueError(f"{field} is not a valid regular expression: {e}") from None
 
+    def _check_start_after(self) -> None:
+        token_ids = self.start_after_token_ids
+        if not isinstance(token_ids, (list, tuple)) or len(token_ids) > MAX_START_AFTER_TOKENS or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids):
+            raise ValueError(f"structured_outputs.start_after_token_ids must be a list of at most "
+                             f"{MAX_START_AFTER_TOKENS} token ids (integers >= 0)")
+        object.__setattr__(self, "start_after_token_ids", tuple(token_ids))
+
     @property
     def kind(self) -> str:
         return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
@@ -73,15 +89,18 @@ class StructuredOutputsParams:
         return self.kind, value if isinstance(value, str) else json.dumps(value)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: only the given kind (json as its text)."""
+        """Plain data: the given kind (json as its text) and start_after_token_ids if any."""
         value = self.value
-        return {self.kind: list(value) if isinstance(value, list) else value}
+        plain: dict[str, Any] = {self.kind: list(value) if isinstance(value, list) else value}
+        if self.start_after_token_ids:
+            plain["start_after_token_ids"] = list(self.start_after_token_ids)
+        return plain
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "StructuredOutputsParams":
         if not isinstance(data, dict):
             raise ValueError(f"structured_outputs must be an object with one of {', '.join(KINDS)}")
-        unknown = set(data) - set(KINDS)
+        unknown = set(data) - set(KINDS) - {"start_after_token_ids"}
         if unknown:
             raise ValueError(f"structured_outputs has unknown fields: {sorted(map(str, unknown))}")
         return cls(**data)

@@ -31,6 +31,13 @@ class ReasoningParser(ABC):
         reasoning, ended, content = body.partition(self.end_marker)
         return reasoning, (content or None) if ended else None
 
+    def closed_in(self, prompt: str) -> bool:
+        """The prompt (the rendered chat) closed the reasoning: its last marker is the end
+        marker (thinking switched off in the template, or an answer continued after it). An
+        answer to such a prompt does not think, so a constraint applies from its first token."""
+        end = prompt.rfind(self.end_marker)
+        return end >= 0 and end > prompt.rfind(self.start_marker)
+
     def stream(self) -> "ReasoningStream":
         return ReasoningStream(self)
 

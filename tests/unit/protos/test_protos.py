@@ -126,6 +126,7 @@ def test_sampling_params_proto_mirrors_dataclass():
     SamplingParams(structured_outputs={"regex": "[0-9]+"}),
     SamplingParams(structured_outputs={"choice": ["yes", "no"]}),
     SamplingParams(structured_outputs={"grammar": 'root ::= "a"'}),
+    SamplingParams(structured_outputs={"regex": "[0-9]+", "start_after_token_ids": [1, 49152 - 1]}),
 ])
 def test_sampling_params_round_trip(params):
     assert sampling_params_from_pb(sampling_params_to_pb(params)) == params
@@ -184,6 +185,8 @@ def test_sources_are_outside_the_ignored_build_output():
     (common_pb2.StructuredOutput(regex="a("), "sampling.structured_output.regex is not a valid regular expression"),
     (common_pb2.StructuredOutput(choice=common_pb2.StringList()), "sampling.structured_output.choice must be a list"),
     (common_pb2.StructuredOutput(json_object=False), "sampling.structured_output.json_object must be true"),
+    (common_pb2.StructuredOutput(regex="a", start_after_token_ids=[1] * 65),
+     "sampling.structured_output.start_after_token_ids must be a list of at most 64"),
 ])
 def test_bad_structured_output_is_invalid_argument_naming_the_field(constraint, message):
     from common.service.errors import ServiceError

@@ -196,6 +196,52 @@ def test_the_servers_reasoning_parser_splits_the_thinking_off():
     assert build_parser().parse_args(["--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
 
 
+def test_a_structured_output_waits_for_the_reasoning_to_end():
+    from gateway.validation import load_served_model
+    tokenizer = load_served_model(None).tokenizer
+    answer = '<think>\nAn object.\n</think>\n\n{"a": 1}'
+    token_ids = tokenizer.encode(answer, add_special_tokens=False)
+    end_ids = tokenizer.encode("</think>", add_special_tokens=False)
+    ask = [{"role": "user", "content": "Some JSON?"}]
+    with http_gateway(reasoning_parser="qwen3", token_ids=token_ids, delay_s=0.001) as r:
+        def sent_constraint(body: dict, stream: bool = False):
+            if not stream:
+                status, reply = post(r.http_address, "/v1/chat/completions", body)
+                assert status == 200, reply
+                return reply["choices"][0]["message"], r.call(lambda: r.fake.servicer.requests[-1])
+            client = openai.OpenAI(base_url=f"http://{r.http_address}/v1", api_key="unused", max_retries=0)
+            deltas = [c.choices[0].delta.model_dump(exclude_none=True)
+                      for c in client.chat.completions.create(**body, stream=True) if c.choices]
+            message = {"reasoning": "".join(d.get("reasoning", "") for d in deltas),
+                       "content": "".join(d.get("content") or "" for d in deltas)}
+            return message, r.call(lambda: r.fake.servicer.requests[-1])
+
+        body = {"model": MODEL, "messages": ask, "max_tokens": len(token_ids),
+                "response_format": {"type": "json_object"}}
+        message, sent = sent_constraint(body)
+        # the instance holds the constraint back until "</think>"; the answer splits as unconstrained ones do
+        assert list(sent.sampling.structured_output.start_after_token_ids) == end_ids
+        assert sent.sampling.structured_output.json_object
+        assert message == {"role": "assistant", "reasoning": "\nAn object.\n", "content": '\n\n{"a": 1}'}
+        message, sent = sent_constraint(body, stream=True)
+        assert message == {"reasoning": "\nAn object.\n", "content": '\n\n{"a": 1}'}
+        assert list(sent.sampling.structured_output.start_after_token_ids) == end_ids
+        # the prompt closed the thinking (an answer continued after it): constrained from the first token
+        closed = {**body, "messages": ask + [{"role": "assistant", "content": "<think>\n</think>\n"}],
+                  "add_generation_prompt": False, "continue_final_message": True}
+        message, sent = sent_constraint(closed)
+        assert not sent.sampling.structured_output.start_after_token_ids and sent.sampling.structured_output.json_object
+        assert message == {"role": "assistant", "content": answer}  # not read for reasoning
+        # a forced tool call stays constrained from its first token
+        free = {k: v for k, v in body.items() if k != "response_format"}
+        forced = {**free, "tools": [WEATHER_TOOL],
+                  "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+        _, sent = sent_constraint(forced)
+        assert sent.sampling.structured_output.json and not sent.sampling.structured_output.start_after_token_ids
+        _, sent = sent_constraint(free)
+        assert not sent.sampling.HasField("structured_output")
+
+
 def test_vllms_auto_tool_flag_needs_a_parser(capsys):
     from gateway.main import build_parser, main
     with pytest.raises(SystemExit) as exited:

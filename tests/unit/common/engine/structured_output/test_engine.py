@@ -79,6 +79,49 @@ def test_preemption_does_not_change_constrained_outputs(tiny_llama_dir):
     assert [o.outputs[0].token_ids for o in cramped] == [o.outputs[0].token_ids for o in roomy]
 
 
+def _first_end(token_ids: list[int], sequence: tuple[int, ...]) -> int:
+    """The index just past the sequence's first occurrence in token_ids."""
+    return next(i + len(sequence) for i in range(len(token_ids)) if tuple(token_ids[i:i + len(sequence)]) == sequence)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=11)], ids=["greedy", "seeded"])
+def test_a_held_back_constraint_applies_after_its_start_sequence(llm, sampling):
+    free = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=8, **sampling))]
+    # each prompt's own marker: two tokens its free output writes (a reasoning model's "</think>")
+    params = [SamplingParams(max_tokens=60, structured_outputs={"regex": REGEX, "start_after_token_ids": ids[3:5]},
+                             **sampling) for ids in free]
+    held = llm.generate(PROMPTS, params)
+    for ids, output in zip(free, held):
+        end = _first_end(ids, tuple(ids[3:5]))
+        completion = output.outputs[0]
+        assert completion.token_ids[:end] == ids[:end]  # free until the marker, as without a constraint
+        assert completion.finish_reason == "stop"
+        assert re.fullmatch(REGEX, llm.tokenizer.decode(completion.token_ids[end:])), completion.text
+    never = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, structured_outputs={
+        "regex": REGEX, "start_after_token_ids": [llm.engine.model_config.vocab_size - 1] * 3}, **sampling))
+    assert never[0].outputs[0].token_ids == free[0]  # the marker never came: unconstrained to max_tokens
+    assert never[0].outputs[0].finish_reason == "length"
+
+
+def test_preemption_replays_a_held_back_constraint(tiny_llama_dir):
+    prompts = [{"prompt_token_ids": list(range(10 + i, 30 + i))} for i in range(6)]
+    free = SamplingParams(temperature=1.0, seed=3, max_tokens=6)
+    markers = [o.outputs[0].token_ids[4:6] for o in LLM(model=str(tiny_llama_dir)).generate(prompts, free)]
+    params = [SamplingParams(temperature=1.0, seed=3, max_tokens=60,
+                             structured_outputs={"json": SCHEMA, "start_after_token_ids": marker})
+              for marker in markers]
+    roomy = LLM(model=str(tiny_llama_dir), num_kv_blocks=128, block_size=4).generate(prompts, params)
+    tight = LLM(model=str(tiny_llama_dir), num_kv_blocks=24, block_size=4)
+    cramped = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in cramped] == [o.outputs[0].token_ids for o in roomy]
+    finished = [(marker, o.outputs[0].token_ids) for marker, o in zip(markers, roomy)
+                if o.outputs[0].finish_reason == "stop"]
+    assert finished  # the grammar started (and completed) after the markers
+    for marker, ids in finished:
+        check_schema(tight.tokenizer.decode(ids[_first_end(ids, tuple(marker)):]))
+
+
 @pytest.mark.parametrize("constraint, message", [
     ({"grammar": "root ::= undefined_rule"}, 'structured_outputs.grammar is not supported: EBNF parser error'),
     ({"regex": "(?=a)b"}, "structured_outputs.regex is not supported: Regex parsing error"),
