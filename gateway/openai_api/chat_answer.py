@@ -3,10 +3,10 @@ parser), the tool calls (a forced call, or the server's tool parser under tool_c
 and the content, whole (`message`) or piece by piece as it streams (`delta`).
 
 The reasoning comes first in the text and is split off first; what follows it is the
-answer, which a tool parser reads. A structured output held back until the thinking ends
-(the server's reasoning parser; see OpenAIServer._constrain_after_reasoning) is read for
-reasoning too; a constrained answer that follows its grammar from the first token (a forced
-call's JSON, a structured output whose prompt closed the thinking) has none.
+answer, which a tool parser reads. A constrained answer (a forced call's JSON, a structured
+output) held back until the thinking ends (the server's reasoning parser; see
+OpenAIServer._constrain_after_reasoning) is read for reasoning too; one that follows its
+grammar from the first token (the prompt closed the thinking) has none.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ class ChatAnswer:
         self.reasoning_stream = self.reasoning_parser.stream() if self.reasoning_parser else None
         self.tool_stream = tool_parser.stream() if tool_parser is not None else None
         self.forced_text = ""  # "required": the array so far, parsed whole at the end
+        self.call_started = False  # named: the call's first delta went out
         self.made_calls = False  # a parser read calls: finish_reason "tool_calls"
 
     def message(self, text: str) -> dict:
@@ -41,6 +42,8 @@ class ChatAnswer:
             if reasoning is not None and self.include_reasoning:
                 message["reasoning"] = reasoning
         if self.forced is not None:
+            if self.reasoning_parser is not None and not text:  # cut short while thinking: no call yet
+                return {**message, "content": None}
             calls = self.tool_choice.tool_calls(text)
             if calls is None:  # not a complete call (cut short): the text as it is
                 return {**message, "content": text}
@@ -58,23 +61,19 @@ class ChatAnswer:
         """The delta of one streamed piece (the role with the first). A named call streams its
         arguments as they come; a "required" array, and calls a parser reads, come whole
         with the last piece."""
-        head = {"role": self.role} if first else {}
-        if self.forced == "named":
-            if first:
-                call = self.tool_choice.tool_calls(piece)[0]
-                return {**head, "content": None, "tool_calls": [{"index": 0, **call}]}
-            return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]} if piece else {}
-        if self.forced == "required":
-            return self._required_delta(piece, finished, head)
+        out = {"role": self.role} if first else {}
         reasoning, answer = "", piece
         if self.reasoning_stream is not None:
             reasoning, answer = self.reasoning_stream.feed(piece)
             if finished:
                 more_reasoning, more_answer = self.reasoning_stream.finish()
                 reasoning, answer = reasoning + more_reasoning, answer + more_answer
-        out = dict(head)
         if reasoning and self.include_reasoning:
             out["reasoning"] = reasoning
+        if self.forced == "named":
+            return out | self._named_delta(answer, first)
+        if self.forced == "required":
+            return out | self._required_delta(answer, finished, first)
         calls = []
         if self.tool_stream is not None:
             answer = self.tool_stream.feed(answer)
@@ -89,11 +88,22 @@ class ChatAnswer:
             out["tool_calls"] = [{"index": k, **call} for k, call in enumerate(parsed_calls(calls))]
         return out
 
-    def _required_delta(self, piece: str, finished: bool, head: dict) -> dict:
-        self.forced_text += piece
+    def _named_delta(self, answer: str, first: bool) -> dict:
+        """The call opens with the answer's first piece (after any thinking: the first piece
+        of all without a reasoning parser), its arguments streaming as they come."""
+        if not self.call_started:
+            if not answer and (self.reasoning_stream is not None or not first):
+                return {"content": None} if first else {}
+            self.call_started = True
+            call = self.tool_choice.tool_calls(answer)[0]
+            return {"content": None, "tool_calls": [{"index": 0, **call}]}
+        return {"tool_calls": [{"index": 0, "function": {"arguments": answer}}]} if answer else {}
+
+    def _required_delta(self, answer: str, finished: bool, first: bool) -> dict:
+        self.forced_text += answer
         if not finished:
-            return {**head, "content": None} if head else {}
+            return {"content": None} if first else {}
         calls = self.tool_choice.tool_calls(self.forced_text)
         if calls is None:  # not a complete array (cut short): the text as it is
-            return {**head, "content": self.forced_text}
-        return {**head, "content": None, "tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+            return {"content": self.forced_text}
+        return {"content": None, "tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}

@@ -266,11 +266,11 @@ class OpenAIServer:
             return Response(status_code=499)
 
     async def _constrain_after_reasoning(self, parsed: ParsedRequest) -> None:
-        """Let a reasoning model think before a structured output (vLLM's): the constraint
-        starts after the end-of-thinking marker, unless the prompt closed the thinking. A
-        forced tool call stays constrained from the first token."""
+        """Let a reasoning model think before a structured output or a forced tool call
+        (vLLM's): the constraint starts after the end-of-thinking marker, unless the prompt
+        closed the thinking."""
         constraint = parsed.sampling.structured_outputs
-        if constraint is None or parsed.forced_tool_call:
+        if constraint is None:
             return
         prompt_token_ids = await self.gateway.tokenize(GenerateInput(
             messages=parsed.messages, chat_options=parsed.chat_options, add_special_tokens=parsed.add_special_tokens))

@@ -3,6 +3,7 @@ off by the server's reasoning parser, then the answer's tool calls and content, 
 streamed, through ResponseBuilder as the server uses it."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from gateway.openai_api.protocol import parse_request
@@ -18,10 +19,15 @@ THOUGHT_AND_CALL = ('<think>The user wants weather.</think>Checking. '
                     '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>')
 
 
-def builder(reasoning_parser=QWEN3, tool_parser=None, **fields) -> ResponseBuilder:
+def builder(reasoning_parser=QWEN3, tool_parser=None, held_back: bool = False, **fields) -> ResponseBuilder:
+    """held_back: the constraint waits for the thinking to end, as the server sends it under a
+    reasoning parser (OpenAIServer._constrain_after_reasoning)."""
     body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], **fields}
-    return ResponseBuilder(parse_request(json.dumps(body).encode(), True, tool_parser), "c", "m", str,
-                           reasoning_parser=reasoning_parser)
+    parsed = parse_request(json.dumps(body).encode(), True, tool_parser)
+    if held_back:
+        parsed.sampling = parsed.sampling.clone(structured_outputs=dataclasses.replace(
+            parsed.sampling.structured_outputs, start_after_token_ids=(1, 2)))
+    return ResponseBuilder(parsed, "c", "m", str, reasoning_parser=reasoning_parser)
 
 
 def delta(text: str, finish_reason: str | None = None) -> GenerationDelta:
@@ -94,6 +100,46 @@ def test_constrained_answers_are_not_read_for_reasoning():
     assert whole(json_answer, '{"a": 1}')["message"] == {"role": "assistant", "content": '{"a": 1}'}
     chunks = streamed(builder(r1, response_format={"type": "json_object"}, stream=True), ['{"a"', ": 1}"])
     assert "".join(c["delta"].get("content") or "" for c in chunks) == '{"a": 1}'
+
+
+NAMED = {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+REQUIRED = {"tools": [WEATHER], "tool_choice": "required"}
+
+
+def test_a_constraint_held_back_until_the_thinking_ends_reads_the_reasoning_first():
+    r1 = make_reasoning_parser("deepseek_r1")
+    json_answer = builder(r1, held_back=True, response_format={"type": "json_object"})
+    assert whole(json_answer, 'Some JSON.</think>{"a": 1}')["message"] == {
+        "role": "assistant", "reasoning": "Some JSON.", "content": '{"a": 1}'}
+    named = whole(builder(held_back=True, **NAMED), '<think>Paris it is.</think>{"city": "Paris"}')["message"]
+    assert named["reasoning"] == "Paris it is." and named["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in named["tool_calls"]] == [
+        ("get_weather", '{"city": "Paris"}')]
+    required = whole(builder(held_back=True, **REQUIRED),
+                     '<think>Hm.</think>[{"name": "get_weather", "parameters": {"city": "Oslo"}}]')["message"]
+    assert required["reasoning"] == "Hm." and required["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+    # cut short while thinking: no call was made yet
+    assert whole(builder(held_back=True, **NAMED), "<think>Still thinking")["message"] == {
+        "role": "assistant", "reasoning": "Still thinking", "content": None}
+
+
+def test_streamed_thinking_then_a_forced_call():
+    pieces = ["<think>Paris", " it is.</th", 'ink>{"city"', ': "Paris"}']
+    chunks = [c["delta"] for c in streamed(builder(held_back=True, stream=True, **NAMED), pieces)]
+    assert chunks[0]["role"] == "assistant" and "tool_calls" not in chunks[0]
+    assert "".join(c.get("reasoning", "") for c in chunks) == "Paris it is."
+    calls = [call for c in chunks for call in c.get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"]
+    assert sum("id" in call for call in calls) == 1  # the call opens once
+    assert "".join(call["function"]["arguments"] for call in calls) == '{"city": "Paris"}'
+    assert not any(c.get("content") for c in chunks)
+    pieces = ["<think>Hm.", '</think>[{"name": "get_weather", ', '"parameters": {"city": "Oslo"}}]']
+    chunks = [c["delta"] for c in streamed(builder(held_back=True, stream=True, **REQUIRED), pieces)]
+    assert "".join(c.get("reasoning", "") for c in chunks) == "Hm."
+    assert [c["function"]["arguments"] for c in chunks[-1]["tool_calls"]] == ['{"city": "Oslo"}']
+    # without a held-back constraint the call opens with the first piece, as before
+    chunks = [c["delta"] for c in streamed(builder(stream=True, **NAMED), ['{"city"', ': "Rome"}'])]
+    assert chunks[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city"'}
 
 
 def test_past_reasoning_in_the_conversation_reaches_the_template():
