@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from gateway.openai_api.protocol import parse_request
 from gateway.openai_api.reasoning_parsers import make_reasoning_parser
 from gateway.openai_api.responses import ResponseBuilder
@@ -140,6 +143,24 @@ def test_streamed_thinking_then_a_forced_call():
     # without a held-back constraint the call opens with the first piece, as before
     chunks = [c["delta"] for c in streamed(builder(stream=True, **NAMED), ['{"city"', ': "Rome"}'])]
     assert chunks[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city"'}
+
+
+@settings(max_examples=200, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=50), max_size=8), forced=st.sampled_from(["named", "required"]))
+def test_any_split_of_thinking_and_a_forced_call_streams_what_the_whole_answer_gives(cuts, forced):
+    call = '{"city": "Paris"}' if forced == "named" else '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
+    answer = "<think>Paris it is.</think>" + call
+    points = sorted({min(c, len(answer)) for c in cuts})
+    pieces = [answer[a:b] for a, b in zip([0, *points], [*points, len(answer)])]
+    fields = NAMED if forced == "named" else REQUIRED
+    chunks = [c["delta"] for c in streamed(builder(held_back=True, stream=True, **fields), pieces)]
+    expected = whole(builder(held_back=True, **fields), answer)["message"]
+    assert "".join(c.get("reasoning", "") for c in chunks) == expected["reasoning"] == "Paris it is."
+    calls = [call for c in chunks for call in c.get("tool_calls", [])]
+    assert [call["function"].get("name") for call in calls if "id" in call] == ["get_weather"]
+    arguments = expected["tool_calls"][0]["function"]["arguments"]
+    assert "".join(call["function"]["arguments"] for call in calls) == arguments
+    assert not any(c.get("content") for c in chunks)
 
 
 def test_past_reasoning_in_the_conversation_reaches_the_template():
