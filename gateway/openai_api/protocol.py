@@ -17,6 +17,7 @@ index = prompt index * n + sample index (OpenAI's order), sample i seeded seed +
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -45,6 +46,7 @@ from common.text.chat_template import (
     MAX_DOCUMENTS,
     ChatTemplateOptions,
 )
+from gateway.openai_api.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from gateway.openai_api.errors import ApiError, invalid_field
 from gateway.openai_api.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
 from gateway.openai_api.structured_outputs import structured_outputs_of
@@ -103,6 +105,7 @@ class ParsedRequest:
     tool_choice: ToolChoice | None = None  # chat: the tools sent and the call they force, if any
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's)
     include_reasoning: bool = True  # chat: the reasoning parser's `reasoning` in the answer (vLLM's)
+    beam_search: BeamSearchParams | None = None  # use_beam_search: n beams instead of n samples
 
     @property
     def forced_tool_call(self) -> bool:
@@ -167,6 +170,15 @@ def integer(lo: int | None = None, hi: int | None = None, allowed: str = "") -> 
         return value
     bounds = {**({} if lo is None else {"minimum": lo}), **({} if hi is None else {"maximum": hi})}
     return described({"type": "integer", **bounds})(check)
+
+
+@described({"type": "number"})
+def finite_number(param: str, value: Any) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise _wrong_type(param, "a number", value)
+    if not math.isfinite(value):
+        raise invalid_field(param, f"must be a finite number, got {value}")
+    return float(value)
 
 
 def number(lo: float, hi: float, lo_open: bool = False) -> Callable:
@@ -381,6 +393,7 @@ COMMON_FIELDS: dict[str, Callable] = {
     "logit_bias": logit_bias, "return_tokens_as_token_ids": boolean, "bad_words": bad_words,
     "truncate_prompt_tokens": integer(-1, INT32[1], allowed=f"-1 (the model's maximum length) or an integer in "
                                                             f"[1, {INT32[1]}]"),
+    "use_beam_search": boolean, "length_penalty": finite_number,
     **STRUCTURED_OUTPUT_FIELDS,
 }
 COMPLETION_FIELDS: dict[str, Callable] = {
@@ -564,7 +577,43 @@ def parse_request(body: bytes, chat: bool, tool_parser: ToolCallParser | None = 
     if parsed.echo and parsed.num_logprobs is not None:  # the echoed prompt's tokens have logprobs too
         parsed.sampling = parsed.sampling.clone(
             prompt_logprobs=max(parsed.sampling.prompt_logprobs or 0, parsed.num_logprobs))
+    if get("use_beam_search", False):
+        parsed.beam_search = _beam_search(values, parsed)
+    elif "length_penalty" in values:
+        raise invalid_field("length_penalty", "only applies with use_beam_search")
     return parsed
+
+
+# SamplingParams fields a beam search reads; any other set to a value of its own is refused.
+_BEAM_SEARCH_SAMPLING = ("n", "max_tokens", "temperature", "seed", "ignore_eos", "include_stop_str_in_output",
+                         "skip_special_tokens")
+
+
+def _beam_search(values: dict, parsed: ParsedRequest) -> BeamSearchParams:
+    """vLLM's use_beam_search: the request's n is the beam width. What a search cannot honour
+    (streaming, logprobs, echo, a constraint, the sampling fields that shape a draw) is a 400."""
+    def refuse(param: str, what: str = "is not supported with use_beam_search") -> ApiError:
+        return invalid_field(param, what, code="unsupported_value")
+    sampling = parsed.sampling
+    if parsed.stream:
+        raise refuse("stream", "must be false with use_beam_search: the beams are ranked once all have ended")
+    if parsed.num_logprobs is not None:
+        raise refuse("logprobs")
+    if parsed.echo or parsed.chat_echo:
+        raise refuse("echo")
+    if sampling.structured_outputs is not None:
+        raise refuse(parsed.constraint_field or "structured_outputs")
+    if sampling.n > MAX_BEAM_WIDTH:
+        raise invalid_field("n", f"is the beam width with use_beam_search: at most {MAX_BEAM_WIDTH} (each step "
+                                 f"reads 2 * n logprobs, at most {MAX_LOGPROBS}), got {sampling.n}")
+    defaults = SamplingParams()
+    for f in dataclasses.fields(SamplingParams):
+        if f.name not in _BEAM_SEARCH_SAMPLING and getattr(sampling, f.name) != getattr(defaults, f.name):
+            raise refuse(f.name)
+    return BeamSearchParams(beam_width=sampling.n, max_tokens=sampling.max_tokens,
+                            length_penalty=values.get("length_penalty", 1.0), ignore_eos=sampling.ignore_eos,
+                            include_stop_str_in_output=sampling.include_stop_str_in_output,
+                            skip_special_tokens=sampling.skip_special_tokens)
 
 
 def _chat_options(values: dict, tools: list[dict] | None = None) -> ChatTemplateOptions:

@@ -49,6 +49,7 @@ from common.engine.sampling_params import truncate_prompt
 from common.service.errors import ServiceError
 from gateway.api_keys import MISSING_KEY_MESSAGE, ApiKeys
 from gateway.core import Gateway
+from gateway.openai_api.beam_search import beam_search
 from gateway.openai_api.choices import generate_choices, stream_choices
 from gateway.openai_api.errors import ApiError, from_gateway_error, invalid_field
 from gateway.openai_api.openapi import openapi_document
@@ -252,7 +253,10 @@ class OpenAIServer:
                                       self.reasoning_parser)
             if parsed.stream:
                 return await self._start_stream(request, builder, stream_choices(self.gateway, inputs))
-            results = await _until_disconnect(request, generate_choices(self.gateway, inputs))
+            if parsed.beam_search is not None:
+                results = await _until_disconnect(request, self._beam_search(parsed, inputs))
+            else:
+                results = await _until_disconnect(request, generate_choices(self.gateway, inputs))
             return Response(json_bytes(builder.full_response(results)), media_type="application/json")
         except ServiceError as e:  # Gateway.stream counted it
             return _error(from_gateway_error(e, _param_of(e, parsed)))
@@ -264,6 +268,13 @@ class OpenAIServer:
             return Response(status_code=499)  # nobody reads it; nginx's code for this case
         except ClientGone:  # gone while the gateway served it (Gateway.stream counted it)
             return Response(status_code=499)
+
+    async def _beam_search(self, parsed: ParsedRequest, inputs: list[GenerateInput]) -> list[GenerationDelta]:
+        """Each prompt's beams, best first, as its n choices (one search per prompt)."""
+        results = []
+        for prompt in inputs[::parsed.sampling.n]:
+            results += await beam_search(self.gateway, prompt, parsed.beam_search)
+        return results
 
     async def _constrain_after_reasoning(self, parsed: ParsedRequest) -> None:
         """Let a reasoning model think before a structured output or a forced tool call

@@ -200,6 +200,20 @@ WEATHER_TOOL = {"type": "function", "function": {
     "properties": {"city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
 
 
+def test_beam_search_of_width_one_is_greedy_and_wider_ones_give_distinct_beams(client, grpc_client, model):
+    beam = {"use_beam_search": True, "ignore_eos": True}
+    greedy = grpc_client.generate(PROMPTS[0], max_tokens=6, temperature=0, ignore_eos=True)
+    one = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, extra_body=beam)
+    assert one.choices[0].text == greedy.text and one.choices[0].finish_reason == "length"
+    wide = client.completions.create(model=model, prompt=PROMPTS, max_tokens=4, n=3, extra_body=beam)
+    assert [c.index for c in wide.choices] == list(range(6))
+    for first in (0, 3):  # each prompt's three beams
+        assert len({c.text for c in wide.choices[first:first + 3]}) == 3
+    assert wide.usage.completion_tokens == 6 * 4
+    chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=5, n=2, extra_body=beam)
+    assert len({c.message.content for c in chat.choices}) == 2
+
+
 def test_forced_tool_calls_follow_the_functions_schema(client, model):
     import jsonschema
     messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]

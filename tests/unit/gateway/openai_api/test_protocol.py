@@ -8,6 +8,7 @@ import json
 import pytest
 
 from common.engine.outputs import Logprobs
+from gateway.openai_api.beam_search import BeamSearchParams
 from gateway.openai_api.errors import ApiError
 from gateway.openai_api.protocol import MAX_CHOICES, parse_request
 from gateway.openai_api.responses import ResponseBuilder
@@ -168,6 +169,20 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     ({**COMPLETION, "guided_regex": "a", "guided_choice": ["a"]}, False, "guided_choice", "invalid_value"),
     ({**CHAT, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, True,
      "structured_outputs.regex", "invalid_value"),
+    # beam search: what a search cannot honour, and its own fields
+    ({**COMPLETION, "use_beam_search": True, "stream": True}, False, "stream", "unsupported_value"),
+    ({**COMPLETION, "use_beam_search": True, "logprobs": 1}, False, "logprobs", "unsupported_value"),
+    ({**CHAT, "use_beam_search": True, "logprobs": True}, True, "logprobs", "unsupported_value"),
+    ({**COMPLETION, "use_beam_search": True, "echo": True}, False, "echo", "unsupported_value"),
+    ({**COMPLETION, "use_beam_search": True, "top_p": 0.5}, False, "top_p", "unsupported_value"),
+    ({**COMPLETION, "use_beam_search": True, "stop": ["."]}, False, "stop", "unsupported_value"),
+    ({**CHAT, "use_beam_search": True, "response_format": {"type": "json_object"}}, True, "response_format",
+     "unsupported_value"),
+    ({**COMPLETION, "use_beam_search": True, "n": 11}, False, "n", "invalid_value"),
+    ({**COMPLETION, "length_penalty": 0.5}, False, "length_penalty", "invalid_value"),
+    ({**COMPLETION, "use_beam_search": True, "length_penalty": "long"}, False, "length_penalty", "invalid_type"),
+    (b'{"model": "m", "prompt": "hi", "use_beam_search": true, "length_penalty": Infinity}', False,
+     "length_penalty", "invalid_value"),
 ])
 def test_every_bad_field_is_a_400_naming_it(body, chat, param, code):
     error = rejected(body, chat)
@@ -236,6 +251,15 @@ def test_output_constraints_map_onto_structured_outputs(chat, fields, expected):
     assert constraint.kind == kind
     assert (json.loads(constraint.value) if kind == "json" else constraint.value) == value
     assert all(i.sampling.structured_outputs == constraint for i in parsed.generate_inputs("r"))
+
+
+def test_beam_search_takes_the_beam_width_from_n_and_its_own_fields():
+    parsed = parse_request(json.dumps({**COMPLETION, "use_beam_search": True, "n": 4, "max_tokens": 9,
+                                       "length_penalty": 0.5, "ignore_eos": True, "temperature": 0.7,
+                                       "skip_special_tokens": False}).encode(), False)
+    assert parsed.beam_search == BeamSearchParams(beam_width=4, max_tokens=9, length_penalty=0.5, ignore_eos=True,
+                                                  skip_special_tokens=False)
+    assert parse_request(json.dumps(CHAT).encode(), True).beam_search is None
 
 
 def test_defaults_follow_openai():
