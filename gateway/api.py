@@ -109,6 +109,8 @@ def delta_to_pb(delta: GenerationDelta) -> generate_pb2.GenerateResponse:
         msg.logprobs.extend(logprobs_to_pb(token_id, lp) for token_id, lp in delta.logprobs)
     if delta.prompt_logprobs:
         msg.prompt_logprobs.extend(logprobs_to_pb(token_id, lp) for token_id, lp in delta.prompt_logprobs)
+    if delta.prompt_token_ids:
+        msg.prompt_token_ids.extend(delta.prompt_token_ids)
     if delta.finish_reason is not None:
         msg.finish_reason = FINISH_REASON_TO_PB[delta.finish_reason]
         if delta.stop_string is not None:
@@ -135,6 +137,7 @@ def delta_from_pb(msg: generate_pb2.GenerateResponse) -> GenerationDelta:
         usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_prompt_tokens),
         logprobs=[logprobs_from_pb(lp) for lp in msg.logprobs],
         prompt_logprobs=[logprobs_from_pb(lp) for lp in msg.prompt_logprobs],
+        prompt_token_ids=list(msg.prompt_token_ids),
         finish_reason=finish_reason_from_pb(msg.finish_reason),
         stop_token_id=msg.stop_token_id if stop_reason == "stop_token_id" else None,
         stop_string=msg.stop_string if stop_reason == "stop_string" else None,

@@ -24,6 +24,7 @@ class TextAssembler:
         self.decode_instance_id = decode_instance_id
         self.eos_token_ids = eos_token_ids
         self.num_prompt, self.num_generated = len(request.prompt_token_ids), 0
+        self.num_messages = 0
         # Kept from the message that carried them, in case later ones leave them unset.
         self.num_cached, self.prefill_id = 0, ""
 
@@ -31,6 +32,8 @@ class TextAssembler:
         """The delta for one message; finish_reason is set when the request is over
         (decode finished it, or a stop string matched and the rest is unwanted)."""
         request, detokenizer = self.request, self.detokenizer
+        first = self.num_messages == 0
+        self.num_messages += 1
         self.num_generated += len(output.token_ids)
         self.num_cached = output.num_cached_tokens or self.num_cached
         self.prefill_id = output.prefill_instance_id or self.prefill_id
@@ -40,6 +43,7 @@ class TextAssembler:
             token_ids=output.token_ids if request.return_token_ids else [],
             logprobs=list(zip(output.token_ids, output.logprobs)) if request.return_logprobs else [],
             prompt_logprobs=output.prompt_logprobs,
+            prompt_token_ids=list(request.prompt_token_ids) if first and request.return_token_ids else [],
             prefill_instance_id=self.prefill_id,
             decode_instance_id=output.decode_instance_id or self.decode_instance_id)
         if detokenizer.finished:

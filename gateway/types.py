@@ -69,6 +69,9 @@ class GenerationDelta:
     decode_instance_id: str = ""
     # (prompt token i + 1, its Logprobs), in the first delta, when sampling.prompt_logprobs was set
     prompt_logprobs: list[tuple[int, Logprobs]] = field(default_factory=list)
+    # The prompt's token ids as tokenized (templated, truncated), in the first delta, when
+    # return_token_ids was set
+    prompt_token_ids: list[int] = field(default_factory=list)
 
     def merge(self, later: "GenerationDelta") -> "GenerationDelta":
         """Append a later delta of the same request to this one (in place)."""
@@ -76,6 +79,7 @@ class GenerationDelta:
         self.token_ids += later.token_ids
         self.logprobs += later.logprobs
         self.prompt_logprobs += later.prompt_logprobs
+        self.prompt_token_ids += later.prompt_token_ids
         self.usage = later.usage
         self.prefill_instance_id = later.prefill_instance_id or self.prefill_instance_id
         self.decode_instance_id = later.decode_instance_id or self.decode_instance_id

@@ -75,13 +75,15 @@ async def beam_search(gateway: Gateway, prompt: GenerateInput, params: BeamSearc
         if not beams:
             break
     best = sorted(ended + beams, key=lambda b: b.score(params.length_penalty), reverse=True)[:params.beam_width]
-    return [_completion(gateway, prompt.request_id, beam, num_prompt_tokens, params) for beam in best]
+    return [_completion(gateway, prompt.request_id, beam, prompt_token_ids, params) for beam in best]
 
 
-def _completion(gateway: Gateway, request_id: str, beam: Beam, num_prompt_tokens: int,
+def _completion(gateway: Gateway, request_id: str, beam: Beam, prompt_token_ids: list[int],
                 params: BeamSearchParams) -> GenerationDelta:
+    num_prompt_tokens = len(prompt_token_ids)
     token_ids = beam.token_ids[num_prompt_tokens:]
     shown = token_ids if beam.eos_token_id is None or params.include_stop_str_in_output else token_ids[:-1]
     text = gateway.model.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
     return GenerationDelta(request_id=request_id, text=text, usage=Usage(num_prompt_tokens, len(token_ids)),
-                           token_ids=token_ids, finish_reason=beam.finish_reason)
+                           token_ids=token_ids, prompt_token_ids=list(prompt_token_ids),
+                           finish_reason=beam.finish_reason)

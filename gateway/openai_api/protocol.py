@@ -104,6 +104,7 @@ class ParsedRequest:
     chat_echo: str = ""
     tool_choice: ToolChoice | None = None  # chat: the tools sent and the call they force, if any
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's)
+    return_token_ids: bool = False  # the prompt's and each choice's token ids beside the text (vLLM's)
     include_reasoning: bool = True  # chat: the reasoning parser's `reasoning` in the answer (vLLM's)
     beam_search: BeamSearchParams | None = None  # use_beam_search: n beams instead of n samples
 
@@ -126,7 +127,7 @@ class ParsedRequest:
                     sampling=self.sampling.for_child(sample),
                     request_id=request_id if self.num_prompts * n == 1 else f"{request_id}-{index}",
                     priority=self.priority, return_logprobs=self.num_logprobs is not None, model=self.model,
-                    add_special_tokens=self.add_special_tokens)
+                    add_special_tokens=self.add_special_tokens, return_token_ids=self.return_token_ids)
                 if self.messages is not None:
                     request.messages, request.chat_options = self.messages, self.chat_options
                 elif isinstance(prompt, str):
@@ -393,7 +394,7 @@ COMMON_FIELDS: dict[str, Callable] = {
     "logit_bias": logit_bias, "return_tokens_as_token_ids": boolean, "bad_words": bad_words,
     "truncate_prompt_tokens": integer(-1, INT32[1], allowed=f"-1 (the model's maximum length) or an integer in "
                                                             f"[1, {INT32[1]}]"),
-    "use_beam_search": boolean, "length_penalty": finite_number,
+    "use_beam_search": boolean, "length_penalty": finite_number, "return_token_ids": boolean,
     **STRUCTURED_OUTPUT_FIELDS,
 }
 COMPLETION_FIELDS: dict[str, Callable] = {
@@ -538,7 +539,8 @@ def parse_request(body: bytes, chat: bool, tool_parser: ToolCallParser | None = 
                            include_usage=options.get("include_usage", False),
                            continuous_usage=options.get("continuous_usage_stats", False),
                            priority=get("priority", 0),
-                           return_tokens_as_token_ids=get("return_tokens_as_token_ids", False))
+                           return_tokens_as_token_ids=get("return_tokens_as_token_ids", False),
+                           return_token_ids=get("return_token_ids", False))
     if chat:
         parsed.messages = _messages(values.get("messages", _NONE))
         max_tokens = _chat_max_tokens(values)

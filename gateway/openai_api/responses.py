@@ -84,6 +84,10 @@ class ResponseBuilder:
             self._record(index, result)
             choice = {"index": index, "logprobs": self._logprobs(index, result, first=True),
                       "finish_reason": result.finish_reason, "stop_reason": _stop_reason(result)}
+            if self.request.return_token_ids:
+                if not self.chat:
+                    choice["prompt_token_ids"] = result.prompt_token_ids
+                choice["token_ids"] = result.token_ids
             if self.chat:
                 choice["message"] = self.answers[index].message(result.text)
                 if self.answers[index].made_calls:
@@ -97,6 +101,8 @@ class ResponseBuilder:
                     "choices": choices, "usage": self.usage()}
         if self.chat and self.request.sampling.prompt_logprobs is not None and results:
             response["prompt_logprobs"] = self._prompt_logprobs(results[0])  # every choice's prompt
+        if self.chat and self.request.return_token_ids and results:
+            response["prompt_token_ids"] = results[0].prompt_token_ids
         return response
 
     # --- streaming -------------------------------------------------------------------
@@ -114,11 +120,17 @@ class ResponseBuilder:
         if first and self.request.sampling.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self._prompt_logprobs(delta)
         choice["finish_reason"] = delta.finish_reason
+        if self.request.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+            if first and not self.chat:
+                choice["prompt_token_ids"] = delta.prompt_token_ids
         if self.chat and delta.finish_reason is not None and self.answers[index].made_calls:
             choice["finish_reason"] = "tool_calls"
         if delta.finish_reason is not None:
             choice["stop_reason"] = _stop_reason(delta)
         payload = {**self.head, "choices": [choice]}
+        if self.chat and first and self.request.return_token_ids:  # vLLM's place for them in chat
+            payload["prompt_token_ids"] = delta.prompt_token_ids
         if self.request.continuous_usage:
             payload["usage"] = self.usage()
         elif self.request.include_usage:

@@ -213,6 +213,20 @@ def test_beam_search_of_width_one_is_greedy_and_wider_ones_give_distinct_beams(c
     chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=5, n=2, extra_body=beam)
     assert len({c.message.content for c in chat.choices}) == 2
 
+    def logprob(prompt_ids: list[int], token_ids: list[int]) -> float:
+        """The model's logprob of token_ids after prompt_ids (the prompt's logprobs of both)."""
+        scored = grpc_client.generate(prompt_ids + token_ids, sampling=SamplingParams(max_tokens=1, prompt_logprobs=0))
+        return sum(lp.token_logprob for _, lp in scored.prompt_logprobs[len(prompt_ids) - 1:])
+    ranked = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, n=3,
+                                       extra_body={**beam, "return_token_ids": True})
+    prompt_ids = ranked.choices[0].prompt_token_ids
+    totals = [logprob(prompt_ids, c.token_ids) for c in ranked.choices]
+    # best first (equal lengths: by logprob; the prompt logprobs differ from a step's by bf16 noise)
+    assert all(better >= worse - 0.05 for better, worse in zip(totals, totals[1:])), totals
+    greedy_ids = grpc_client.generate(prompt_ids, max_tokens=4, temperature=0, ignore_eos=True,
+                                      return_token_ids=True).token_ids
+    assert totals[0] >= logprob(prompt_ids, greedy_ids) - 0.05  # the search found no worse than greedy
+
 
 def test_forced_tool_calls_follow_the_functions_schema(client, model):
     import jsonschema

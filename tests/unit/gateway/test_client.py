@@ -103,6 +103,10 @@ def test_closing_a_stream_cancels_the_decode_call(gateway):
     wait_for(lambda: "sync-close" in gateway.fake.servicer.cancelled)
 
 
+def sent_prompt_ids(gateway) -> list[int]:
+    return [list(r.prompt_token_ids) for r in gateway.call(lambda: list(gateway.fake.servicer.requests))][-1]
+
+
 def test_async_client_streams_and_cancels(gateway):
     async def scenario():
         async with AsyncClient(gateway.address, timeout=10) as client:
@@ -116,6 +120,10 @@ def test_async_client_streams_and_cancels(gateway):
     assert info.num_decode_instances == 1
     assert [t for c in chunks for t in c.token_ids] == whole.token_ids == (TOKENS * 2)[:5]
     assert "".join(c.text for c in chunks) == whole.text
+    # the prompt's ids as the gateway tokenized them: in the first message only
+    prompt_ids = sent_prompt_ids(gateway)
+    assert whole.prompt_token_ids == chunks[0].prompt_token_ids == prompt_ids and prompt_ids
+    assert not any(c.prompt_token_ids for c in chunks[1:])
     wait_for(lambda: "async-close" in gateway.fake.servicer.cancelled)
 
 

@@ -348,6 +348,28 @@ def test_completion_and_chat_unary_and_streamed_agree(gw, client):
     assert stream[-1].choices[0].finish_reason == "length"
 
 
+def test_return_token_ids_gives_the_prompts_and_each_choices_ids_in_vllms_places(gw, client):
+    tokenizer = gw.gateway.model.tokenizer
+    asked = {"return_token_ids": True}
+    prompt_ids = tokenizer.encode("Hello there")
+    unary = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5, n=2, extra_body=asked)
+    for choice in unary.choices:
+        assert (choice.prompt_token_ids, choice.token_ids) == (prompt_ids, TOKENS[:5])
+    chunks = [c.choices[0] for c in client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5,
+                                                              stream=True, extra_body=asked)]
+    assert chunks[0].prompt_token_ids == prompt_ids and not any(hasattr(c, "prompt_token_ids") for c in chunks[1:])
+    assert [t for c in chunks for t in c.token_ids] == TOKENS[:5]
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, extra_body=asked)
+    assert chat.prompt_token_ids == tokenizer.apply_chat_template(messages) and chat.choices[0].token_ids == TOKENS[:5]
+    stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, stream=True,
+                                                 extra_body=asked))
+    assert stream[0].prompt_token_ids == chat.prompt_token_ids and not hasattr(stream[1], "prompt_token_ids")
+    assert [t for c in stream for t in c.choices[0].token_ids] == TOKENS[:5]
+    plain = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5)
+    assert "token_ids" not in plain.choices[0].model_dump(exclude_unset=True)  # only when asked
+
+
 def test_what_reaches_decode_is_the_requests_sampling(gw, client):
     client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=4, temperature=0.5, top_p=0.9,
                               seed=3, extra_body={"top_k": 5, "ignore_eos": True, "min_tokens": 2})
