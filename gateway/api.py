@@ -76,7 +76,8 @@ def chat_options_from_pb(msg: generate_pb2.ChatMessages) -> ChatTemplateOptions:
             continue_final_message=msg.continue_final_message,
             chat_template_kwargs=_json_field(msg.chat_template_kwargs_json, "chat_template_kwargs_json"),
             tools=_json_field(msg.tools_json, "tools_json"),
-            documents=_json_field(msg.documents_json, "documents_json"))
+            documents=_json_field(msg.documents_json, "documents_json"),
+            chat_template=msg.chat_template if msg.HasField("chat_template") else None)
     except ValueError as e:  # ChatTemplateOptions names the field
         raise invalid(f"messages.{e}") from None
 
@@ -91,6 +92,8 @@ def chat_options_to_pb(options: ChatTemplateOptions, msg: generate_pb2.ChatMessa
         msg.tools_json = json.dumps(options.tools)
     if options.documents:
         msg.documents_json = json.dumps(options.documents)
+    if options.chat_template is not None:
+        msg.chat_template = options.chat_template
 
 
 def delta_to_pb(delta: GenerationDelta) -> generate_pb2.GenerateResponse:

@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one, used instead of the model's own "
                              "(e.g. one that lists tools)")
+    parser.add_argument("--response-role", default="assistant", type=_role,
+                        help="the role a chat answer speaks as after the generation prompt (vLLM's flag)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let a chat request bring its own template (`chat_template`, vLLM's flag); "
+                             "without it such a request is refused")
     parser.add_argument("--default-chat-template-kwargs", default=None, type=_json_object,
                         help="template variables every chat request gets unless it sets them, as a JSON "
                              "object, e.g. '{\"enable_thinking\": false}'")
@@ -148,6 +153,12 @@ def _json_object(value: str) -> dict:
     return parsed
 
 
+def _role(value: str) -> str:
+    if not value or not value.isprintable() or len(value) > 64:
+        raise argparse.ArgumentTypeError("must be a role name of 1 to 64 printable characters")
+    return value
+
+
 def _api_keys(value: str) -> list[str]:
     from gateway.api_keys import parse_api_keys
     return parse_api_keys(value)
@@ -173,7 +184,7 @@ async def serve(args: argparse.Namespace) -> None:
     from gateway.validation import load_served_model
     registry_host, registry_port = registry_listen_address(args)
     model = load_served_model(args.model, args.served_model_name, args.chat_template,
-                              args.default_chat_template_kwargs)
+                              args.default_chat_template_kwargs, args.trust_request_chat_template)
     server = GatewayServer(model, settings_from_args(args), host=args.host, port=args.port,
                            max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, registry_port=registry_port,
@@ -204,7 +215,8 @@ async def _start_http(server: GatewayServer, args: argparse.Namespace):
         return None
     http = OpenAIServer(server.gateway, host=args.http_host or args.host, port=port,
                         max_body_bytes=args.max_message_bytes, tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser, api_keys=server.api_keys)
+                        reasoning_parser=args.reasoning_parser, api_keys=server.api_keys,
+                        response_role=args.response_role)
     await http.start()
     return http
 

@@ -39,6 +39,9 @@ class ServedModel:
     vocab_size: int  # ids the model's embedding accepts (config.json)
     # Template variables every chat request gets unless it sets them (--default-chat-template-kwargs)
     default_chat_template_kwargs: dict | None = None
+    # Whether a request may bring its own chat template (--trust-request-chat-template): a
+    # template is code the renderer runs, sandboxed, so a server takes them only when told to.
+    trust_request_chat_template: bool = False
 
     @property
     def has_chat_template(self) -> bool:
@@ -47,7 +50,8 @@ class ServedModel:
 
 
 def load_served_model(model: str | None, served_model_name: str | None = None, chat_template: str | None = None,
-                      default_chat_template_kwargs: dict | None = None) -> ServedModel:
+                      default_chat_template_kwargs: dict | None = None,
+                      trust_request_chat_template: bool = False) -> ServedModel:
     """The tokenizer and limits of `model`, named as the instances name it
     (common.service.flags.served_model_name: --served-model-name, else --model). chat_template:
     a Jinja template (or a file holding one) used instead of the model's own."""
@@ -66,7 +70,8 @@ def load_served_model(model: str | None, served_model_name: str | None = None, c
     return ServedModel(name=name, aliases=frozenset(aliases), model_dir=model_dir, tokenizer=tokenizer,
                        max_position_embeddings=config.get("max_position_embeddings", 2048),
                        vocab_size=config.get("vocab_size") or tokenizer.vocab_size,
-                       default_chat_template_kwargs=default_chat_template_kwargs or None)
+                       default_chat_template_kwargs=default_chat_template_kwargs or None,
+                       trust_request_chat_template=trust_request_chat_template)
 
 
 def read_chat_template(value: str) -> str:
@@ -165,6 +170,9 @@ def tokenize_prompt(request: GenerateInput, model: ServedModel, max_prompt_chars
             token_ids = model.tokenizer.encode(request.text,
                                                add_special_tokens=request.add_special_tokens is not False)
         elif request.messages is not None:
+            if request.chat_options.chat_template is not None and not model.trust_request_chat_template:
+                raise ValueError("chat_template: a template was sent with the request, but this gateway does not "
+                                 "run request templates (start it with --trust-request-chat-template)")
             options = _with_defaults(request.chat_options, model)
             token_ids = model.tokenizer.apply_chat_template(request.messages, options,
                                                             add_special_tokens=bool(request.add_special_tokens))

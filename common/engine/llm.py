@@ -115,11 +115,12 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """vLLM's LLM.chat: each conversation through the model's chat template, then generate."""
+             chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: each conversation through the model's chat template (or
+        chat_template, a Jinja template of the caller's), then generate."""
         options = ChatTemplateOptions(add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final_message,
-                                      chat_template_kwargs=chat_template_kwargs)
+                                      chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(conv, options)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -15,6 +15,8 @@ MAX_CHAT_TEMPLATE_KWARGS = 64
 # OpenAI's own limit on the tools one request may list.
 MAX_TOOLS = 128
 MAX_DOCUMENTS = 128
+# A request's own template (where the server trusts them): a model's runs to ~10 KB.
+MAX_CHAT_TEMPLATE_CHARS = 64 * 1024
 # Variables the renderer sets itself: a request's kwargs may not replace them, or a
 # conversation could be swapped for another after the gateway counted and checked it.
 RESERVED_TEMPLATE_VARIABLES = frozenset({
@@ -37,8 +39,15 @@ class ChatTemplateOptions:
     tools: list[dict[str, Any]] | None = None
     # Documents for retrieval-augmented templates (Command R, Granite ...): [{"title", "text"}].
     documents: list[dict[str, str]] | None = None
+    # A Jinja template for this request instead of the model's (vLLM's chat_template), rendered
+    # in the same sandbox; the gateway takes it only with --trust-request-chat-template.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template
+                                               or len(self.chat_template) > MAX_CHAT_TEMPLATE_CHARS):
+            raise ValueError(f"chat_template: must be a non-empty string of at most {MAX_CHAT_TEMPLATE_CHARS} "
+                             f"characters")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: cannot be true while add_generation_prompt is true "
                              "(the default); set add_generation_prompt to false to continue the last message")
@@ -71,10 +80,10 @@ class ChatTemplateOptions:
 
     @cached_property
     def num_extra_chars(self) -> int:
-        """The tools', documents' and template variables' JSON length: the template may render
-        them into the prompt, so they count toward its bound."""
-        return sum(len(json.dumps(value)) for value in (self.tools, self.documents, self.chat_template_kwargs)
-                   if value)
+        """The tools', documents' and template variables' JSON length and a request's own
+        template: the template may render them into the prompt, so they count toward its bound."""
+        return len(self.chat_template or "") + sum(
+            len(json.dumps(value)) for value in (self.tools, self.documents, self.chat_template_kwargs) if value)
 
     def render_kwargs(self) -> dict[str, Any]:
         """What the renderer passes the template besides the messages."""

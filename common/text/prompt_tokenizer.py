@@ -53,14 +53,15 @@ class PromptTokenizer:
 
     def render_chat_template(self, messages: list[dict],
                              options: ChatTemplateOptions = DEFAULT_CHAT_TEMPLATE_OPTIONS) -> str:
-        if self.chat_template is None:
+        template = options.chat_template or self.chat_template
+        if template is None:
             raise ValueError("this model has no chat template; send the prompt as text or token ids")
         messages = check_messages(messages)
         import jinja2
         from transformers.utils.chat_template_utils import render_jinja_template
         try:
             rendered, _ = render_jinja_template(
-                conversations=[messages], chat_template=self.chat_template,
+                conversations=[messages], chat_template=template,
                 **{**self._special_tokens, **options.render_kwargs()})
         except (jinja2.TemplateError, ValueError, TypeError) as e:
             raise ValueError(f"chat template rejected the messages: {e}") from e

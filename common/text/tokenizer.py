@@ -56,8 +56,9 @@ class Tokenizer:
         """The chat template's text for `messages` (OpenAI-style role/content dicts)."""
         messages = check_messages(messages)
         try:
-            return self.hf_tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.chat_template,
-                                                         **options.render_kwargs())
+            return self.hf_tokenizer.apply_chat_template(
+                messages, tokenize=False, chat_template=options.chat_template or self.chat_template,
+                **options.render_kwargs())
         except (jinja2.TemplateError, ValueError) as e:
             # Templates raise for e.g. roles out of order; that is the caller's input.
             raise ValueError(f"chat template rejected the messages: {e}") from e

@@ -109,8 +109,15 @@ def _status_operation(summary: str, not_ok: str) -> dict:
                                               "503": {"description": not_ok, **body}}}
 
 
-def openapi_document(served_model_names: list[str], version: str = "0.1.0") -> dict:
-    """The document for a gateway serving the model under `served_model_names`."""
+def openapi_document(served_model_names: list[str], version: str = "0.1.0",
+                     request_chat_templates: bool = False) -> dict:
+    """The document for a gateway serving the model under `served_model_names`; a request's
+    own `chat_template` is described only where the gateway runs them
+    (--trust-request-chat-template): elsewhere it is a 400."""
+    chat_fields, tokenize_fields = CHAT_FIELDS, TOKENIZE_FIELDS
+    if not request_chat_templates:
+        chat_fields, tokenize_fields = ({name: check for name, check in fields.items() if name != "chat_template"}
+                                        for fields in (CHAT_FIELDS, TOKENIZE_FIELDS))
     return {
         "openapi": OPENAPI_VERSION,
         "info": {"title": "pdserve OpenAI-compatible API", "version": version},
@@ -143,8 +150,8 @@ def openapi_document(served_model_names: list[str], version: str = "0.1.0") -> d
         },
         "components": {"schemas": {
             "CompletionRequest": fields_schema(COMPLETION_FIELDS, REQUIRED_FIELDS["completion"], served_model_names),
-            "ChatCompletionRequest": fields_schema(CHAT_FIELDS, REQUIRED_FIELDS["chat"], served_model_names),
-            "TokenizeRequest": fields_schema(TOKENIZE_FIELDS, [], served_model_names),
+            "ChatCompletionRequest": fields_schema(chat_fields, REQUIRED_FIELDS["chat"], served_model_names),
+            "TokenizeRequest": fields_schema(tokenize_fields, [], served_model_names),
             "DetokenizeRequest": fields_schema(DETOKENIZE_FIELDS, REQUIRED_FIELDS["detokenize"], served_model_names),
             "Error": ERROR_BODY,
         }},

@@ -42,6 +42,7 @@ from common.engine.sampling_params import (
 from common.engine.structured_output.params import StructuredOutputsParams
 from common.text.chat_template import (
     DEFAULT_CHAT_TEMPLATE_OPTIONS,
+    MAX_CHAT_TEMPLATE_CHARS,
     MAX_CHAT_TEMPLATE_KWARGS,
     MAX_DOCUMENTS,
     ChatTemplateOptions,
@@ -382,6 +383,14 @@ def documents(param: str, value: Any) -> list:
     return value
 
 
+@described({"type": "string", "minLength": 1, "maxLength": MAX_CHAT_TEMPLATE_CHARS,
+            "description": "a Jinja chat template for this request (the gateway must run with "
+                           "--trust-request-chat-template)"})
+def chat_template_text(param: str, value: Any) -> str:
+    """Checked whole by ChatTemplateOptions."""
+    return string(param, value)
+
+
 COMMON_FIELDS: dict[str, Callable] = {
     "model": string, "stream": boolean, "stream_options": obj, "n": integer(1, MAX_CHOICES),
     "max_tokens": integer(1, UINT32_MAX), "temperature": number(0.0, 2.0), "top_p": number(0.0, 1.0, lo_open=True),
@@ -409,7 +418,8 @@ CHAT_FIELDS: dict[str, Callable] = {
     "web_search_options": neutral(), "store": neutral(False), "metadata": obj, "service_tier": string,
     "prompt_cache_key": string, "safety_identifier": string, "verbosity": neutral(),
     "echo": boolean, "add_generation_prompt": boolean, "continue_final_message": boolean, "include_reasoning": boolean,
-    "chat_template_kwargs": template_kwargs, "add_special_tokens": boolean, "documents": documents}
+    "chat_template_kwargs": template_kwargs, "add_special_tokens": boolean, "documents": documents,
+    "chat_template": chat_template_text}
 STREAM_OPTIONS = {"include_usage": boolean, "continuous_usage_stats": boolean, "include_obfuscation": boolean}
 
 
@@ -423,7 +433,8 @@ def prompt_text(param: str, value: Any) -> str:
 TOKENIZE_FIELDS: dict[str, Callable] = {
     "model": string, "prompt": prompt_text, "messages": messages_value, "add_special_tokens": boolean,
     "add_generation_prompt": boolean, "continue_final_message": boolean, "chat_template_kwargs": template_kwargs,
-    "tools": TOOL_FIELDS["tools"], "documents": documents, "return_token_strs": boolean}
+    "tools": TOOL_FIELDS["tools"], "documents": documents, "chat_template": chat_template_text,
+    "return_token_strs": boolean}
 DETOKENIZE_FIELDS: dict[str, Callable] = {"model": string, "tokens": token_id_list}
 
 
@@ -436,7 +447,7 @@ class TokenizeRequest:
 
 
 _CHAT_ONLY_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools",
-                     "documents")
+                     "documents", "chat_template")
 
 
 def parse_tokenize_request(body: bytes) -> TokenizeRequest:
@@ -524,8 +535,10 @@ def _checked(data: dict, fields: dict[str, Callable], where: str = "") -> dict[s
     return {name: fields[name](where + name, value) for name, value in data.items() if value is not None}
 
 
-def parse_request(body: bytes, chat: bool, tool_parser: ToolCallParser | None = None) -> ParsedRequest:
-    """A completions or chat body, checked; `tool_parser`: the server's for tool_choice "auto"."""
+def parse_request(body: bytes, chat: bool, tool_parser: ToolCallParser | None = None,
+                  response_role: str = "assistant") -> ParsedRequest:
+    """A completions or chat body, checked; `tool_parser`: the server's for tool_choice "auto";
+    `response_role`: the role a chat answer speaks as after a generation prompt (--response-role)."""
     values = _checked(parse_body(body), CHAT_FIELDS if chat else COMPLETION_FIELDS)
     get = values.get
     if "model" not in values:
@@ -551,7 +564,7 @@ def parse_request(body: bytes, chat: bool, tool_parser: ToolCallParser | None = 
         parsed.include_reasoning = get("include_reasoning", True)
         parsed.chat_options = _chat_options(values, parsed.tool_choice.tools if parsed.tool_choice else None)
         last = parsed.messages[-1]
-        parsed.response_role = "assistant" if parsed.chat_options.add_generation_prompt else last["role"]
+        parsed.response_role = response_role if parsed.chat_options.add_generation_prompt else last["role"]
         if get("echo", False) and last["role"] == parsed.response_role:
             if parsed.forced_tool_call:
                 raise invalid_field("echo", "cannot be used with a forced tool call (the answer is tool_calls, "
@@ -623,7 +636,7 @@ def _chat_options(values: dict, tools: list[dict] | None = None) -> ChatTemplate
         return ChatTemplateOptions(add_generation_prompt=values.get("add_generation_prompt", True),
                                    continue_final_message=values.get("continue_final_message", False),
                                    chat_template_kwargs=values.get("chat_template_kwargs"), tools=tools,
-                                   documents=values.get("documents"))
+                                   documents=values.get("documents"), chat_template=values.get("chat_template"))
     except ValueError as e:  # it starts with the field, e.g. "chat_template_kwargs.messages: ..."
         param, message = str(e).split(": ", 1)
         raise invalid_field(param, message) from None

@@ -86,10 +86,11 @@ class OpenAIServer:
     def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 8000,
                  max_body_bytes: int = MAX_BODY_BYTES, access_log: bool = False,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 api_keys: ApiKeys | None = None):
+                 api_keys: ApiKeys | None = None, response_role: str = "assistant"):
         self.gateway = gateway
         self.tool_parser = make_tool_parser(tool_call_parser) if tool_call_parser else None
         self.reasoning_parser = make_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        self.response_role = response_role
         # A constrained chat answer may think first: its constraint starts after these tokens.
         self.reasoning_end_token_ids = tuple(gateway.model.tokenizer.encode(
             self.reasoning_parser.end_marker, add_special_tokens=False)) if self.reasoning_parser else ()
@@ -191,7 +192,8 @@ class OpenAIServer:
                 self._check_model(parsed.model)
             token_ids = await self.gateway.tokenize(parsed.prompt)
         except ServiceError as e:
-            return _error(from_gateway_error(e, "messages" if parsed.prompt.messages is not None else "prompt"))
+            field = "messages" if parsed.prompt.messages is not None else "prompt"
+            return _error(from_gateway_error(e, "chat_template" if e.message.startswith("chat_template") else field))
         except ApiError as e:
             return _error(e)
         except ClientDisconnect:
@@ -222,7 +224,8 @@ class OpenAIServer:
     async def openapi(self, request: Request) -> Response:
         """This API's OpenAPI document (openapi.py), made once: it depends only on the model."""
         if self._openapi_json is None:
-            self._openapi_json = json_bytes(openapi_document([self._served_model_name()], PDSERVE_VERSION))
+            self._openapi_json = json_bytes(openapi_document(
+                [self._served_model_name()], PDSERVE_VERSION, self.gateway.model.trust_request_chat_template))
         return Response(self._openapi_json, media_type="application/json")
 
     async def health(self, request: Request) -> Response:
@@ -242,7 +245,7 @@ class OpenAIServer:
         parsed = None
         try:
             body = await self._read_body(request)
-            parsed = await _parsed(parse_request, body, chat, self.tool_parser)
+            parsed = await _parsed(parse_request, body, chat, self.tool_parser, self.response_role)
             model_name = self._check_model(parsed.model)
             if chat and self.reasoning_end_token_ids:
                 await self._constrain_after_reasoning(parsed)
@@ -458,6 +461,8 @@ def _param_of(error: ServiceError, parsed: ParsedRequest | None) -> str | None:
         return None
     if "max_tokens" in message:
         return "max_tokens"
+    if message.startswith("chat_template"):
+        return "chat_template"
     if message.startswith(("prompt", "the prompt", "messages", "chat template")):
         return "messages" if parsed.chat else "prompt"
     if message.startswith("structured_outputs."):  # the engine's grammar compiler refused it

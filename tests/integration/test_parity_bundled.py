@@ -87,6 +87,9 @@ def test_text_prompt_and_chat_api(llm):
     assert "Paris" in continued.outputs[0].text  # the model finishes the sentence it was given
     with pytest.raises(ValueError, match="continue_final_message"):
         llm.chat(started, params, continue_final_message=True)
+    own = llm.chat(started[:1], params, chat_template="Q: {{ messages[0]['content'] }}\nA:")[0]
+    assert own.prompt_token_ids == llm.tokenizer.encode("Q: What is the capital of France?\nA:",
+                                                        add_special_tokens=False)
     long_ids = llm.tokenizer.encode(TEXT_PROMPTS[0])
     truncated = llm.generate({"prompt_token_ids": long_ids}, params.clone(truncate_prompt_tokens=3))[0]
     assert truncated.prompt_token_ids == long_ids[-3:]

@@ -39,11 +39,15 @@ def test_encode_matches(pair, text):
 
 OPTIONS = [ChatTemplateOptions(), ChatTemplateOptions(add_generation_prompt=False),
            ChatTemplateOptions(add_generation_prompt=False, continue_final_message=True),
-           ChatTemplateOptions(chat_template_kwargs={"enable_thinking": False, "date": "2026-12-04"})]
+           ChatTemplateOptions(chat_template_kwargs={"enable_thinking": False, "date": "2026-12-04"}),
+           ChatTemplateOptions(chat_template="{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] "
+                                             "{{ m['content'] }}\n{% endfor %}"
+                                             "{% if add_generation_prompt %}[assistant]{% endif %}")]
 
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
-@pytest.mark.parametrize("options", OPTIONS, ids=["default", "no_generation_prompt", "continue", "kwargs"])
+@pytest.mark.parametrize("options", OPTIONS, ids=["default", "no_generation_prompt", "continue", "kwargs",
+                                                  "request_template"])
 def test_chat_template_matches(pair, messages, options):
     ours, reference = pair
     assert ours.apply_chat_template(messages, options) == reference.apply_chat_template(messages, options)

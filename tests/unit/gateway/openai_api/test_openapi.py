@@ -19,7 +19,7 @@ from gateway.openai_api.protocol import (
 )
 
 MODEL = "served-model"
-DOCUMENT = openapi_document([MODEL])
+DOCUMENT = openapi_document([MODEL], request_chat_templates=True)  # every field the parser takes
 SCHEMAS = DOCUMENT["components"]["schemas"]
 MINIMAL = {"completion": {"model": MODEL, "prompt": "hi"},
            "chat": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}}
@@ -55,6 +55,14 @@ def test_the_document_names_exactly_the_fields_the_parser_accepts(kind, schema_n
     assert set(not_null(schema["properties"]["stream_options"])["properties"]) == set(STREAM_OPTIONS)
     assert schema["properties"]["model"]["enum"] == [MODEL]
     assert all(hasattr(check, "json_schema") for check in fields.values())
+
+
+def test_a_request_template_is_described_only_where_the_gateway_runs_them():
+    untrusting = openapi_document([MODEL])["components"]["schemas"]
+    for schema_name in ("ChatCompletionRequest", "TokenizeRequest"):
+        assert "chat_template" in SCHEMAS[schema_name]["properties"]
+        described = set(SCHEMAS[schema_name]["properties"]) - {"chat_template"}
+        assert set(untrusting[schema_name]["properties"]) == described
 
 
 def bound_cases():

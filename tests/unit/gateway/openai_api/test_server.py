@@ -16,6 +16,7 @@ import pytest
 
 from bench.fakes.fake_decode import Failure
 from common.text.chat_template import ChatTemplateOptions
+from gateway.client import Client
 from gateway.core import GatewaySettings
 from gateway.openai_api.server import OpenAIServer
 from tests.support.background_gateway import BackgroundGateway
@@ -28,13 +29,14 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @contextmanager
 def http_gateway(max_body_bytes: int | None = None, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None, **fake_kwargs):
+                 reasoning_parser: str | None = None, model=None, response_role: str = "assistant", **fake_kwargs):
     """A BackgroundGateway with one fake decode instance (unless fake_kwargs is None-like)
     and the OpenAI server on a free port; yields the BackgroundGateway."""
-    with BackgroundGateway(GatewaySettings(heartbeat_timeout_s=30.0)) as gw:
+    with BackgroundGateway(GatewaySettings(heartbeat_timeout_s=30.0), model=model) as gw:
         gw.fake = gw.add_fake_decode("decode-0", **fake_kwargs) if fake_kwargs else None
         kwargs = {"max_body_bytes": max_body_bytes} if max_body_bytes else {}
-        kwargs.update(tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+        kwargs.update(tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                      response_role=response_role)
         server = gw.server.openai_http = gw.call(lambda: OpenAIServer(gw.gateway, port=0, **kwargs))
         gw.http_address = gw.call(server.start())
         try:
@@ -241,6 +243,48 @@ def test_a_structured_output_waits_for_the_reasoning_to_end():
         assert list(sent.sampling.structured_output.start_after_token_ids) == end_ids
         _, sent = sent_constraint(free)
         assert not sent.sampling.HasField("structured_output")
+
+
+PIRATE_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+                   "{% if add_generation_prompt %}<pirate>{% endif %}")
+
+
+def test_a_requests_own_chat_template_runs_only_where_the_gateway_trusts_them(gw, client):
+    from gateway.main import build_parser
+    from gateway.validation import load_served_model
+    ask = [{"role": "user", "content": "Ahoy?"}]
+    body = {"model": MODEL, "messages": ask, "max_tokens": 2, "chat_template": PIRATE_TEMPLATE}
+    status, error = post(gw.http_address, "/v1/chat/completions", body)
+    assert (status, error["error"]["param"]) == (400, "chat_template")
+    assert "--trust-request-chat-template" in error["error"]["message"]
+    status, error = post(gw.http_address, "/tokenize", {"messages": ask, "chat_template": PIRATE_TEMPLATE})
+    assert (status, error["error"]["param"]) == (400, "chat_template")
+    status, document = post(gw.http_address, "/openapi.json", b"", method="GET")
+    assert "chat_template" not in document["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    pirate = ChatTemplateOptions(chat_template=PIRATE_TEMPLATE)
+    with Client(gw.address, timeout=10) as grpc_client, pytest.raises(grpc.RpcError) as refused:
+        grpc_client.generate(messages=ask, chat_options=pirate, max_tokens=2)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "--trust-request-chat-template" in refused.value.details()
+    trusting = load_served_model(None, trust_request_chat_template=True)
+    with http_gateway(model=trusting, response_role="captain", token_ids=TOKENS) as trusted:
+        tokenizer = trusted.gateway.model.tokenizer
+        status, tokens = post(trusted.http_address, "/tokenize", {"messages": ask, "chat_template": PIRATE_TEMPLATE})
+        assert status == 200 and tokens["tokens"] == tokenizer.encode("<user>Ahoy?</user><pirate>",
+                                                                       add_special_tokens=False)
+        status, reply = post(trusted.http_address, "/v1/chat/completions", body)
+        assert status == 200 and reply["choices"][0]["message"]["role"] == "captain"  # --response-role
+        sent = trusted.call(lambda: trusted.fake.servicer.requests[-1])
+        assert list(sent.prompt_token_ids) == tokens["tokens"]
+        with Client(trusted.address, timeout=10) as grpc_client:
+            by_grpc = grpc_client.generate(messages=ask, chat_options=pirate, max_tokens=2, return_token_ids=True)
+        assert by_grpc.prompt_token_ids == tokens["tokens"]
+        status, error = post(trusted.http_address, "/v1/chat/completions", {**body, "chat_template": "{% if %}"})
+        assert status == 400 and error["error"]["param"] == "messages"  # a template that does not parse
+        status, document = post(trusted.http_address, "/openapi.json", b"", method="GET")
+        assert "chat_template" in document["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    args = build_parser().parse_args(["--trust-request-chat-template", "--response-role", "captain"])
+    assert args.trust_request_chat_template and args.response_role == "captain"
 
 
 def test_vllms_auto_tool_flag_needs_a_parser(capsys):
