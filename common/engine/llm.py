@@ -31,6 +31,16 @@ class _Pending:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    keeps_stop_token: bool = False  # include_stop_str_in_output: the stop token's text stays in the text
+
+
+def _text_token_ids(token_ids: list[int], finish_reason: str | None | bool, keeps_stop_token: bool) -> list[int]:
+    """The tokens whose text the output shows: an engine that finished a request with "stop"
+    did so on a stop token (EOS, stop_token_ids, a grammar's end), which is in token_ids but,
+    as in vLLM, not in the text unless include_stop_str_in_output."""
+    if finish_reason == "stop" and token_ids and not keeps_stop_token:
+        return token_ids[:-1]
+    return token_ids
 
 
 def validate_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
@@ -107,7 +117,7 @@ class LLM:
                                                    skip_special_tokens=child.skip_special_tokens,
                                                    stop=child.stop,
                                                    include_stop_str_in_output=child.include_stop_str_in_output)
-                pending[req_id] = _Pending(i, j, detok)
+                pending[req_id] = _Pending(i, j, detok, keeps_stop_token=child.include_stop_str_in_output)
                 self.engine.add_request(Request(req_id, token_ids, child, eos_token_ids=self.eos_token_ids))
         self._run(pending, use_tqdm)
         return self._collect(encoded, pending)
@@ -143,7 +153,8 @@ class LLM:
                     if out.prompt_logprobs is not None:
                         state.prompt_logprobs = out.prompt_logprobs
                     if state.detokenizer is not None:
-                        state.detokenizer.update(out.new_token_ids)
+                        state.detokenizer.update(_text_token_ids(out.new_token_ids, out.finished and out.finish_reason,
+                                                                 state.keeps_stop_token))
                         if state.detokenizer.finished:
                             state.finish_reason, state.stop_reason = "stop", state.detokenizer.stop_string
                             stopped.append(out.req_id)
@@ -172,7 +183,8 @@ class LLM:
                     state.detokenizer.flush()  # text held back as a possible stop-string start
                 text = state.detokenizer.output_text
             else:
-                text = self.tokenizer.decode(state.token_ids, skip_special_tokens=params.skip_special_tokens)
+                text_token_ids = _text_token_ids(state.token_ids, state.finish_reason, state.keeps_stop_token)
+                text = self.tokenizer.decode(text_token_ids, skip_special_tokens=params.skip_special_tokens)
             result = results[state.prompt_index]
             result.num_cached_tokens = state.num_cached_tokens
             if state.sample_index == 0:  # every sample computed the same prompt

@@ -95,5 +95,19 @@ def test_text_prompt_and_chat_api(llm):
     assert truncated.prompt_token_ids == long_ids[-3:]
     paris = llm.generate("The capital of France is", params)[0].outputs[0].text
     assert "Paris" in paris
+    # a stop token ends the output: in token_ids, its text only with include_stop_str_in_output (vLLM's)
+    free = llm.generate("The capital of France is", params)[0].outputs[0]
+    stop_token = free.token_ids[2]
+    for stop_strings in ([], ["never written"]):  # decoded at the end, or streamed to watch for a string
+        stopped = llm.generate("The capital of France is", params.clone(stop_token_ids=[stop_token],
+                                                                        stop=stop_strings))[0].outputs[0]
+        assert stopped.token_ids == free.token_ids[:free.token_ids.index(stop_token) + 1]
+        assert stopped.text == llm.tokenizer.decode(stopped.token_ids[:-1])
+        kept = llm.generate("The capital of France is", params.clone(stop_token_ids=[stop_token], stop=stop_strings,
+                                                                     include_stop_str_in_output=True))[0].outputs[0]
+        assert kept.text == llm.tokenizer.decode(stopped.token_ids)
+    shown = llm.chat([{"role": "user", "content": "Say hello."}],
+                     params.clone(max_tokens=60, skip_special_tokens=False))[0].outputs[0]
+    assert shown.finish_reason == "stop" and "<|im_end|>" not in shown.text
     banned = llm.generate("The capital of France is", params.clone(bad_words=["Paris"]))[0].outputs[0].text
     assert "Paris" not in banned, banned

@@ -100,6 +100,21 @@ def test_stop_token_is_reported(stack):
                              stop_token_ids=[stop_token])
     assert (result.finish_reason, result.stop_token_id) == ("stop", stop_token)
     assert result.token_ids == full.token_ids[:full.token_ids.index(stop_token) + 1]
+    # the stop token is in token_ids, its text only with include_stop_str_in_output (vLLM's rule)
+    tokenizer = stack.gateway.model.tokenizer
+    assert result.text == tokenizer.decode(result.token_ids[:-1])
+    chunks = list(client.generate_stream(PROMPT, max_tokens=8, temperature=0, ignore_eos=True,
+                                         stop_token_ids=[stop_token]))
+    assert "".join(c.text for c in chunks) == result.text
+    kept = client.generate(PROMPT, max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[stop_token],
+                           include_stop_str_in_output=True)
+    assert kept.text == tokenizer.decode(result.token_ids)
+    # an EOS shown with skip_special_tokens=False: not in the text either
+    chat = client.generate(messages=[{"role": "user", "content": "Say hi."}], max_tokens=60, temperature=0,
+                           skip_special_tokens=False, return_token_ids=True)
+    assert chat.finish_reason == "stop" and chat.token_ids[-1] in tokenizer.eos_token_ids
+    assert chat.text == tokenizer.decode(chat.token_ids[:-1], skip_special_tokens=False)
+    assert "<|im_end|>" not in chat.text
 
 
 def test_client_leaving_mid_stream_frees_the_decode(stack):
