@@ -54,7 +54,7 @@ class ChatAnswer:
                 self.made_calls = True
                 content = self.echo + content
                 return {**message, "content": content if content.strip() else None,
-                        "tool_calls": parsed_calls(parsed)}
+                        "tool_calls": parsed_calls(parsed, self.tool_choice.new_id)}
         return {**message, "content": self.echo + text}
 
     def delta(self, piece: str, finished: bool, first: bool) -> dict:
@@ -85,7 +85,8 @@ class ChatAnswer:
             out["content"] = content
         if calls:
             self.made_calls = True
-            out["tool_calls"] = [{"index": k, **call} for k, call in enumerate(parsed_calls(calls))]
+            out["tool_calls"] = [{"index": k, **call}
+                                 for k, call in enumerate(parsed_calls(calls, self.tool_choice.new_id))]
         return out
 
     def _named_delta(self, answer: str, first: bool) -> dict:

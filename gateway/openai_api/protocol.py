@@ -589,6 +589,9 @@ def parse_request(body: bytes, chat: bool, tool_parser: ToolCallParser | None = 
                                                f"constrains the output already")
         constraint, parsed.constraint_field = parsed.tool_choice.constraint, "tools"
     parsed.sampling = _sampling(values, n, max_tokens, parsed.num_logprobs, constraint)
+    parser = parsed.tool_choice.parser if parsed.tool_choice is not None else None
+    if parser is not None and parser.keeps_special_tokens:  # its marker is a special token (Mistral's)
+        parsed.sampling = parsed.sampling.clone(skip_special_tokens=False)
     if parsed.echo and parsed.num_logprobs is not None:  # the echoed prompt's tokens have logprobs too
         parsed.sampling = parsed.sampling.clone(
             prompt_logprobs=max(parsed.sampling.prompt_logprobs or 0, parsed.num_logprobs))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from common.text.chat_template import MAX_TOOLS
 from gateway.openai_api.errors import invalid_field
 from gateway.openai_api.structured_outputs import checked_later
 from gateway.openai_api.tool_parsers import ParsedCall, ToolCallParser
+from gateway.openai_api.tool_parsers.base import new_call_id
 
 MAX_TOOL_CALLS_PER_MESSAGE = 128
 # OpenAI's rule for function names; it keeps them safe to place in a schema's enum and a prompt.
@@ -64,32 +65,32 @@ class ToolChoice:
     function_name: str | None = None  # named: the function
     constraint: StructuredOutputsParams | None = None  # forced: the answer's shape
     parser: ToolCallParser | None = None  # "auto": reads calls out of the answer
+    # Makes each call's id: the server's parser's form where it has one (Mistral's templates
+    # take back only their own), forced calls included.
+    new_id: Callable[[], str] = new_call_id
 
     def tool_calls(self, text: str) -> list[dict] | None:
         """The answer `text` as OpenAI's tool_calls; None where it is not a complete call
         (an answer cut short by max_tokens), which then comes back as content."""
         if self.forced == "named":
-            return [_call(self.function_name, text)]
+            return [_call(self.function_name, text, self.new_id())]
         try:
             calls = json.loads(text)
         except ValueError:
             return None
         if not isinstance(calls, list) or not all(isinstance(c, dict) and "name" in c for c in calls):
             return None
-        return [_call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in calls]
+        return [_call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False), self.new_id())
+                for c in calls]
 
 
-def parsed_calls(calls: list[ParsedCall]) -> list[dict]:
+def parsed_calls(calls: list[ParsedCall], new_id: Callable[[], str]) -> list[dict]:
     """Calls a parser read ("auto"), as OpenAI's tool_calls."""
-    return [_call(call.name, call.arguments) for call in calls]
+    return [_call(call.name, call.arguments, new_id()) for call in calls]
 
 
-def new_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
-def _call(name: str | None, arguments: str) -> dict:
-    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+def _call(name: str | None, arguments: str, call_id: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def tool_choice_of(values: dict[str, Any], parser: ToolCallParser | None = None) -> ToolChoice | None:
@@ -102,8 +103,9 @@ def tool_choice_of(values: dict[str, Any], parser: ToolCallParser | None = None)
         return None if tools is None else ToolChoice(tools=None)
     if not tools:
         raise invalid_field("tool_choice", f"{json.dumps(choice)} needs tools to choose from")
+    new_id = parser.new_call_id if parser is not None else new_call_id
     if choice == "auto" and parser is not None:
-        return ToolChoice(tools=tools, parser=parser)
+        return ToolChoice(tools=tools, parser=parser, new_id=new_id)
     if choice == "auto":
         raise invalid_field("tool_choice", "\"auto\" (the default when tools are sent) needs a parser of the "
                                            "model's own tool-call syntax, which this server was not started "
@@ -113,13 +115,14 @@ def tool_choice_of(values: dict[str, Any], parser: ToolCallParser | None = None)
     by_name = {tool["function"]["name"]: tool["function"] for tool in tools}
     if choice == "required":
         one = values.get("parallel_tool_calls") is False
-        return ToolChoice(tools=tools, forced="required", constraint=_constraint(_calls_schema(by_name, one)))
+        return ToolChoice(tools=tools, forced="required", constraint=_constraint(_calls_schema(by_name, one)),
+                          new_id=new_id)
     name = _named(choice)
     if name not in by_name:
         raise invalid_field("tool_choice.function.name", f"{name!r} is not one of the tools "
                                                          f"({', '.join(sorted(by_name))})")
     return ToolChoice(tools=tools, forced="named", function_name=name,
-                      constraint=_constraint(by_name[name].get("parameters") or _EMPTY_PARAMETERS))
+                      constraint=_constraint(by_name[name].get("parameters") or _EMPTY_PARAMETERS), new_id=new_id)
 
 
 def checked_tools(value: Any) -> list[dict]:

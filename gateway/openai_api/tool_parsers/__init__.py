@@ -5,8 +5,10 @@ from __future__ import annotations
 from gateway.openai_api.tool_parsers.base import ParsedCall, ToolCallParser, ToolCallStream
 from gateway.openai_api.tool_parsers.hermes import HermesParser
 from gateway.openai_api.tool_parsers.llama3_json import Llama3JsonParser
+from gateway.openai_api.tool_parsers.mistral import MistralParser
 
-PARSERS: dict[str, type[ToolCallParser]] = {parser.name: parser for parser in (HermesParser, Llama3JsonParser)}
+PARSERS: dict[str, type[ToolCallParser]] = {parser.name: parser
+                                            for parser in (HermesParser, Llama3JsonParser, MistralParser)}
 
 
 def make_tool_parser(name: str) -> ToolCallParser:

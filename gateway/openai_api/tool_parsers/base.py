@@ -7,6 +7,7 @@ answer is held and read whole at the end, so calls come with the last chunk, eac
 """
 from __future__ import annotations
 
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -19,12 +20,24 @@ class ParsedCall:
     arguments: str  # JSON text of an object
 
 
+def new_call_id() -> str:
+    """A tool call's id (vLLM's form)."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
 class ToolCallParser(ABC):
     name: str  # what --tool-call-parser takes
     start_marker: str  # text the calls begin with; what comes before it is content
     # True: calls can only open the answer (after whitespace); an answer that starts with
     # anything else is text throughout, markers and all.
     opens_answer: bool = False
+    # True: the start marker is a special token, so the requests this parser reads keep
+    # special tokens in their text (skip_special_tokens false).
+    keeps_special_tokens: bool = False
+
+    def new_call_id(self) -> str:
+        """An id for one of the calls this parser reads."""
+        return new_call_id()
 
     @abstractmethod
     def extract(self, text: str) -> tuple[str, list[ParsedCall]]:

@@ -181,6 +181,23 @@ def test_auto_tool_choice_reads_the_models_calls_with_the_servers_parser(gw):
     assert "--tool-call-parser" in error["error"]["message"]
 
 
+def test_the_mistral_parser_keeps_special_tokens_and_gives_mistral_call_ids():
+    from gateway.validation import load_served_model
+    answer = 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    token_ids = load_served_model(None).tokenizer.encode(answer, add_special_tokens=False)
+    with http_gateway(tool_call_parser="mistral", token_ids=token_ids, delay_s=0.001) as mistral:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                "tools": [WEATHER_TOOL], "max_tokens": len(token_ids)}
+        status, reply = post(mistral.http_address, "/v1/chat/completions", body)
+        message = reply["choices"][0]["message"]
+        assert status == 200 and message["content"] == "Checking."
+        (call,) = message["tool_calls"]
+        assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+        assert len(call["id"]) == 9 and call["id"].isalnum()  # the only ids Mistral's templates take back
+        sent = mistral.call(lambda: mistral.fake.servicer.requests[-1])
+        assert sent.sampling.skip_special_tokens is False  # [TOOL_CALLS] is a special token
+
+
 def test_the_servers_reasoning_parser_splits_the_thinking_off():
     from gateway.main import build_parser
     from gateway.validation import load_served_model

@@ -11,6 +11,8 @@ from gateway.openai_api.tool_parsers import make_tool_parser
 
 HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+MISTRAL_LISTED = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+MISTRAL_NAMED = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
 ANSWERS = {
     "hermes": ["Paris is sunny today.", "Let me check. " + HERMES_CALL, HERMES_CALL, HERMES_CALL + HERMES_CALL,
                "a < b but <tool_ is not a call", "<tool_call>{broken</tool_call>", "text <tool_cal", "ends with <",
@@ -18,8 +20,11 @@ ANSWERS = {
     "llama3_json": ["Paris is sunny today.", LLAMA_CALL, " \n" + LLAMA_CALL, LLAMA_CALL + "; " + LLAMA_CALL,
                     "Sure: " + LLAMA_CALL, LLAMA_CALL + " trailing text", "{", "{broken", " ", "",
                     "a {b} c"],
+    "mistral": ["Paris is sunny today.", MISTRAL_LISTED, "Let me check. " + MISTRAL_LISTED, MISTRAL_NAMED,
+                MISTRAL_NAMED + MISTRAL_NAMED, "[TOOL_CALLS]", "text [TOOL_", "[TOOL_CALLS]get_weather[ARGS]{",
+                "ends with ["],
 }
-MARKERS = {"hermes": "<tool_call>", "llama3_json": "{"}
+MARKERS = {"hermes": "<tool_call>", "llama3_json": "{", "mistral": "[TOOL_CALLS]"}
 
 
 @pytest.mark.parametrize("name", sorted(ANSWERS))
