@@ -34,7 +34,7 @@ class _Pending:
     keeps_stop_token: bool = False  # include_stop_str_in_output: the stop token's text stays in the text
 
 
-def _text_token_ids(token_ids: list[int], finish_reason: str | None | bool, keeps_stop_token: bool) -> list[int]:
+def _text_token_ids(token_ids: list[int], finish_reason: str | None, keeps_stop_token: bool) -> list[int]:
     """The tokens whose text the output shows: an engine that finished a request with "stop"
     did so on a stop token (EOS, stop_token_ids, a grammar's end), which is in token_ids but,
     as in vLLM, not in the text unless include_stop_str_in_output."""
@@ -153,7 +153,8 @@ class LLM:
                     if out.prompt_logprobs is not None:
                         state.prompt_logprobs = out.prompt_logprobs
                     if state.detokenizer is not None:
-                        state.detokenizer.update(_text_token_ids(out.new_token_ids, out.finished and out.finish_reason,
+                        finish_reason = out.finish_reason if out.finished else None
+                        state.detokenizer.update(_text_token_ids(out.new_token_ids, finish_reason,
                                                                  state.keeps_stop_token))
                         if state.detokenizer.finished:
                             state.finish_reason, state.stop_reason = "stop", state.detokenizer.stop_string
