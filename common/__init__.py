@@ -1,7 +1,7 @@
-"""pdserve engine core. `from common import LLM, SamplingParams` is the offline API."""
+"""pdserve engine core. `from common import LLM, SamplingParams, BeamSearchParams` is the offline API."""
 from __future__ import annotations
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["BeamSearchParams", "LLM", "SamplingParams"]
 
 
 def __getattr__(name: str):
@@ -13,4 +13,7 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from common.engine.sampling_params import SamplingParams
         return SamplingParams
+    if name == "BeamSearchParams":
+        from common.engine.beam_search import BeamSearchParams
+        return BeamSearchParams
     raise AttributeError(name)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from common.engine.bad_words import with_bad_words_token_ids
+from common.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from common.engine.config import make_engine_config
 from common.engine.engine_core import EngineCore
 from common.engine.outputs import CompletionOutput, Logprobs, RequestOutput
@@ -134,6 +135,39 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(conv, options)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: each prompt's beam_width most likely continuations
+        (common.engine.beam_search), every step one batch of one-token requests for all
+        prompts' live beams. A sequence's token_ids are the prompt's and the beam's, its text
+        theirs (vLLM's), an ending EOS left out unless include_stop_str_in_output."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        vocab_size = self.engine.model_config.vocab_size
+        searches = []
+        for prompt in prompts:
+            _, token_ids = self._prompt_token_ids(prompt)
+            validate_prompt_token_ids(token_ids, vocab_size)
+            validate_prompt_length(len(token_ids), self.max_model_len)
+            searches.append(BeamSearch(token_ids, params, self.eos_token_ids, self.max_model_len))
+        progress = tqdm(total=max(s.num_steps for s in searches), desc="beam search", disable=not use_tqdm)
+        while running := [s for s in searches if not s.done]:
+            beams = [beam for search in running for beam in search.live]
+            outputs = self.generate([{"prompt_token_ids": beam.token_ids} for beam in beams], running[0].step_params)
+            steps = iter(output.outputs[0].logprobs[0] for output in outputs)
+            for search in running:
+                search.advance([next(steps) for _ in search.live])
+            progress.update(1)
+        progress.close()
+        results = []
+        for search in searches:
+            best = search.best()
+            for beam in best:
+                shown = beam.token_ids[:search.num_prompt_tokens] + search.shown_token_ids(beam)
+                beam.text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
+            results.append(BeamSearchOutput(sequences=best))
+        return results
 
     def _run(self, pending: dict[str, _Pending], use_tqdm: bool) -> None:
         engine = self.engine

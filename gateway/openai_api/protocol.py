@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from common.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from common.engine.sampling_params import (
     MAX_ABS_LOGIT_BIAS,
     MAX_BAD_WORD_CHARS,
@@ -47,7 +48,6 @@ from common.text.chat_template import (
     MAX_DOCUMENTS,
     ChatTemplateOptions,
 )
-from gateway.openai_api.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from gateway.openai_api.errors import ApiError, invalid_field
 from gateway.openai_api.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
 from gateway.openai_api.structured_outputs import structured_outputs_of

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from common.engine.beam_search import BeamSearchParams
 from common.engine.outputs import Logprobs
-from gateway.openai_api.beam_search import BeamSearchParams
 from gateway.openai_api.errors import ApiError
 from gateway.openai_api.protocol import MAX_CHOICES, parse_request
 from gateway.openai_api.responses import ResponseBuilder
