@@ -6,9 +6,10 @@ from gateway.openai_api.tool_parsers.base import ParsedCall, ToolCallParser, Too
 from gateway.openai_api.tool_parsers.hermes import HermesParser
 from gateway.openai_api.tool_parsers.llama3_json import Llama3JsonParser
 from gateway.openai_api.tool_parsers.mistral import MistralParser
+from gateway.openai_api.tool_parsers.pythonic import PythonicParser
 
-PARSERS: dict[str, type[ToolCallParser]] = {parser.name: parser
-                                            for parser in (HermesParser, Llama3JsonParser, MistralParser)}
+PARSERS: dict[str, type[ToolCallParser]] = {
+    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)}
 
 
 def make_tool_parser(name: str) -> ToolCallParser:

@@ -13,6 +13,7 @@ HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 MISTRAL_LISTED = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 MISTRAL_NAMED = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+PYTHONIC_CALLS = '[get_weather(city="Paris", days=2), get_time(zone="CET")]'
 ANSWERS = {
     "hermes": ["Paris is sunny today.", "Let me check. " + HERMES_CALL, HERMES_CALL, HERMES_CALL + HERMES_CALL,
                "a < b but <tool_ is not a call", "<tool_call>{broken</tool_call>", "text <tool_cal", "ends with <",
@@ -23,8 +24,10 @@ ANSWERS = {
     "mistral": ["Paris is sunny today.", MISTRAL_LISTED, "Let me check. " + MISTRAL_LISTED, MISTRAL_NAMED,
                 MISTRAL_NAMED + MISTRAL_NAMED, "[TOOL_CALLS]", "text [TOOL_", "[TOOL_CALLS]get_weather[ARGS]{",
                 "ends with ["],
+    "pythonic": ["Paris is sunny today.", PYTHONIC_CALLS, " \n" + PYTHONIC_CALLS, "Sure: " + PYTHONIC_CALLS,
+                 PYTHONIC_CALLS + " and text", "[", "[1, 2]", "[get_weather(", "", " "],
 }
-MARKERS = {"hermes": "<tool_call>", "llama3_json": "{", "mistral": "[TOOL_CALLS]"}
+MARKERS = {"hermes": "<tool_call>", "llama3_json": "{", "mistral": "[TOOL_CALLS]", "pythonic": "["}
 
 
 @pytest.mark.parametrize("name", sorted(ANSWERS))
