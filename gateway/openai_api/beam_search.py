@@ -12,9 +12,9 @@ from gateway.openai_api.choices import generate_choices
 from gateway.types import GenerateInput, GenerationDelta, Usage
 
 
-async def beam_search(gateway: Gateway, prompt: GenerateInput, params: BeamSearchParams) -> list[GenerationDelta]:
-    """The beam_width best completions of prompt (a text, token ids or messages), best first."""
-    prompt_token_ids = await gateway.tokenize(prompt)
+async def beam_search(gateway: Gateway, prompt: GenerateInput, prompt_token_ids: list[int],
+                      params: BeamSearchParams) -> list[GenerationDelta]:
+    """The beam_width best completions of prompt (tokenized: prompt_token_ids), best first."""
     search = BeamSearch(prompt_token_ids, params, gateway.model.tokenizer.eos_token_ids, gateway.max_model_len)
     while not search.done:
         requests = [GenerateInput(token_ids=beam.token_ids, sampling=search.step_params, return_logprobs=True,

@@ -190,10 +190,7 @@ class OpenAIServer:
             parsed = await _parsed(parse_tokenize_request, await self._read_body(request))
             if parsed.model is not None:
                 self._check_model(parsed.model)
-            token_ids = await self.gateway.tokenize(parsed.prompt)
-        except ServiceError as e:
-            field = "messages" if parsed.prompt.messages is not None else "prompt"
-            return _error(from_gateway_error(e, "chat_template" if e.message.startswith("chat_template") else field))
+            token_ids = await self._tokenized(parsed.prompt)
         except ApiError as e:
             return _error(e)
         except ClientDisconnect:
@@ -272,11 +269,20 @@ class OpenAIServer:
         except ClientGone:  # gone while the gateway served it (Gateway.stream counted it)
             return Response(status_code=499)
 
+    async def _tokenized(self, prompt: GenerateInput) -> list[int]:
+        """prompt's token ids as generation gets them; a refusal is an ApiError naming the
+        field (the edge counts it: no gateway request ever carries it)."""
+        try:
+            return await self.gateway.tokenize(prompt)
+        except ServiceError as e:
+            field = "messages" if prompt.messages is not None else "prompt"
+            raise from_gateway_error(e, "chat_template" if e.message.startswith("chat_template") else field) from None
+
     async def _beam_search(self, parsed: ParsedRequest, inputs: list[GenerateInput]) -> list[GenerationDelta]:
         """Each prompt's beams, best first, as its n choices (one search per prompt)."""
         results = []
         for prompt in inputs[::parsed.sampling.n]:
-            results += await beam_search(self.gateway, prompt, parsed.beam_search)
+            results += await beam_search(self.gateway, prompt, await self._tokenized(prompt), parsed.beam_search)
         return results
 
     async def _constrain_after_reasoning(self, parsed: ParsedRequest) -> None:
@@ -286,7 +292,7 @@ class OpenAIServer:
         constraint = parsed.sampling.structured_outputs
         if constraint is None:
             return
-        prompt_token_ids = await self.gateway.tokenize(GenerateInput(
+        prompt_token_ids = await self._tokenized(GenerateInput(
             messages=parsed.messages, chat_options=parsed.chat_options, add_special_tokens=parsed.add_special_tokens))
         prompt = self.gateway.model.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
         if not self.reasoning_parser.closed_in(prompt):
@@ -297,7 +303,7 @@ class OpenAIServer:
         """Each prompt's text and token ids (as generation tokenizes and truncates it), for echo."""
         echoed = []
         for prompt in parsed.prompts:
-            token_ids = prompt if not isinstance(prompt, str) else await self.gateway.tokenize(
+            token_ids = prompt if not isinstance(prompt, str) else await self._tokenized(
                 GenerateInput(text=prompt, add_special_tokens=parsed.add_special_tokens))
             try:
                 kept = truncate_prompt(token_ids, parsed.sampling.truncate_prompt_tokens, self.gateway.max_model_len)

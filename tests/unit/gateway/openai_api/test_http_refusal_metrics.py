@@ -62,6 +62,20 @@ def test_requests_refused_while_parsing_are_counted_under_their_status():
     assert counted["OK"] == 1
 
 
+def test_prompts_the_edge_tokenizes_itself_are_counted_once_when_refused():
+    """echo and use_beam_search tokenize at the HTTP edge before any gateway request: a prompt
+    refused there is counted like one the gateway refuses."""
+    settings = GatewaySettings(heartbeat_timeout_s=30.0, max_prompt_chars=100)
+    with metered_http_gateway(settings, token_ids=TOKENS) as gw:
+        before = requests_by_status(gw)
+        for extra in ({"echo": True}, {"use_beam_search": True}, {}):
+            status, body = post(gw.http_address, "/v1/completions", {"model": MODEL, "prompt": "x" * 200, **extra})
+            assert (status, body["error"]["param"]) == (400, "prompt"), (extra, body)
+        after = requests_by_status(gw)
+    assert after["INVALID_ARGUMENT"] - before.get("INVALID_ARGUMENT", 0) == 3
+    assert sum(after.values()) - sum(before.values()) == 3
+
+
 def test_a_429_from_admission_control_is_counted_once_as_resource_exhausted():
     settings = GatewaySettings(heartbeat_timeout_s=30.0, max_running_per_decode=1, max_waiting_requests=0)
     with metered_http_gateway(settings, token_ids=TOKENS, delay_s=0.05) as gw:
