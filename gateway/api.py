@@ -22,7 +22,8 @@ def generate_input_from_pb(msg: generate_pb2.GenerateRequest) -> GenerateInput:
     sampling = sampling_params_from_pb(msg.sampling, field_path="sampling.")
     request = GenerateInput(sampling=sampling, request_id=msg.request_id, priority=msg.priority,
                             return_token_ids=msg.output.return_token_ids,
-                            return_logprobs=msg.output.return_logprobs, model=msg.model)
+                            return_logprobs=msg.output.return_logprobs, model=msg.model,
+                            split_reasoning=msg.output.split_reasoning)
     form = msg.WhichOneof("prompt")
     if form == "text":
         request.text = msg.text
@@ -114,6 +115,8 @@ def delta_to_pb(delta: GenerationDelta) -> generate_pb2.GenerateResponse:
         msg.prompt_logprobs.extend(logprobs_to_pb(token_id, lp) for token_id, lp in delta.prompt_logprobs)
     if delta.prompt_token_ids:
         msg.prompt_token_ids.extend(delta.prompt_token_ids)
+    if delta.reasoning:
+        msg.reasoning = delta.reasoning
     if delta.finish_reason is not None:
         msg.finish_reason = FINISH_REASON_TO_PB[delta.finish_reason]
         if delta.stop_string is not None:
@@ -140,7 +143,7 @@ def delta_from_pb(msg: generate_pb2.GenerateResponse) -> GenerationDelta:
         usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_prompt_tokens),
         logprobs=[logprobs_from_pb(lp) for lp in msg.logprobs],
         prompt_logprobs=[logprobs_from_pb(lp) for lp in msg.prompt_logprobs],
-        prompt_token_ids=list(msg.prompt_token_ids),
+        prompt_token_ids=list(msg.prompt_token_ids), reasoning=msg.reasoning,
         finish_reason=finish_reason_from_pb(msg.finish_reason),
         stop_token_id=msg.stop_token_id if stop_reason == "stop_token_id" else None,
         stop_string=msg.stop_string if stop_reason == "stop_string" else None,

@@ -44,18 +44,20 @@ from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids, or chat messages {role, content}
 _OPTIONS = ("request_id", "priority", "return_token_ids", "return_logprobs", "model", "chat_options",
-            "add_special_tokens")
+            "add_special_tokens", "split_reasoning")
 
 
 def build_generate_request(prompt: Prompt, sampling: SamplingParams | None = None, request_id: str = "",
                            priority: int = 0, return_token_ids: bool = False,
                            return_logprobs: bool = False, model: str = "",
                            chat_options: ChatTemplateOptions | None = None,
-                           add_special_tokens: bool | None = None) -> generate_pb2.GenerateRequest:
+                           add_special_tokens: bool | None = None,
+                           split_reasoning: bool = False) -> generate_pb2.GenerateRequest:
     request = generate_pb2.GenerateRequest(
         sampling=sampling_params_to_pb(sampling or SamplingParams()), request_id=request_id,
         priority=priority, model=model,
-        output=generate_pb2.OutputOptions(return_token_ids=return_token_ids, return_logprobs=return_logprobs))
+        output=generate_pb2.OutputOptions(return_token_ids=return_token_ids, return_logprobs=return_logprobs,
+                                          split_reasoning=split_reasoning))
     if add_special_tokens is not None:
         request.add_special_tokens = add_special_tokens
     if isinstance(prompt, str):

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "\"auto\" (OpenAI's default when tools are sent); without it \"auto\" is refused")
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                         help="the served model's thinking markers: chat answers carry the thinking as "
-                             "`reasoning` and the rest as content (deepseek_r1: the template opens <think>; "
+                             "`reasoning` and the rest as content, as do gRPC answers asking for "
+                             "output.split_reasoning (deepseek_r1: the template opens <think>; "
                              "qwen3: only an answer that opens with <think> reasons)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="vLLM's flag, taken for its command lines: \"auto\" is on whenever "
@@ -189,7 +190,7 @@ async def serve(args: argparse.Namespace) -> None:
                            max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, registry_port=registry_port,
                            registry_host=registry_host, registry_token=args.registry_token or None,
-                           api_keys=args.api_key)
+                           api_keys=args.api_key, reasoning_parser=args.reasoning_parser)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -35,7 +35,10 @@ from gateway.admission import RETRY_AFTER_METADATA
 from gateway.api import delta_to_pb, deployment_info_to_pb, generate_input_from_pb
 from gateway.api_keys import MISSING_KEY_MESSAGE, ApiKeys
 from gateway.core import Gateway, GatewaySettings
+from gateway.openai_api.reasoning_parsers import ReasoningParser, make_reasoning_parser
+from gateway.reasoning_split import ReasoningSplit, reasoning_split
 from gateway.routing.registry import RegistryServicer
+from gateway.types import GenerateInput
 from gateway.validation import ServedModel
 from protos.pdserve.v1 import generate_pb2_grpc, registry_pb2_grpc
 from protos.serving import GENERATE_SERVICE, add_health_and_reflection
@@ -46,9 +49,11 @@ MAX_MESSAGE_BYTES = 4 << 20  # larger requests fail with RESOURCE_EXHAUSTED befo
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, gateway: Gateway, api_keys: ApiKeys | None = None):
+    def __init__(self, gateway: Gateway, api_keys: ApiKeys | None = None,
+                 reasoning_parser: ReasoningParser | None = None):
         self.gateway = gateway
         self.api_keys = api_keys
+        self.reasoning_parser = reasoning_parser  # output.split_reasoning's
 
     def _authenticate(self, context, counted: bool = True) -> None:
         if self.api_keys is None:
@@ -60,29 +65,31 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     async def Generate(self, request, context):
         self._authenticate(context)
-        generate_input = self._converted(request)
+        generate_input, split = self._converted(request)
         try:
             result = await self.gateway.generate(generate_input, context.time_remaining())
         except ServiceError as e:
             _add_retry_hint(context, e)
             raise
-        return delta_to_pb(result)
+        return delta_to_pb(split.apply(result) if split else result)
 
     async def GenerateStream(self, request, context):
         self._authenticate(context)
-        generate_input = self._converted(request)
+        generate_input, split = self._converted(request)
         try:
             async for delta in self.gateway.stream(generate_input, context.time_remaining()):
-                yield delta_to_pb(delta)
+                yield delta_to_pb(split.apply(delta) if split else delta)
         except ServiceError as e:
             _add_retry_hint(context, e)
             raise
 
-    def _converted(self, request):
-        """The request in the gateway's types; one refused here (a bad sampling field) is
-        still a request, counted under its status like those the gateway refuses."""
+    def _converted(self, request) -> tuple[GenerateInput, ReasoningSplit | None]:
+        """The request in the gateway's types, and its reasoning split if it asks for one; one
+        refused here (a bad sampling field) is still a request, counted under its status like
+        those the gateway refuses."""
         try:
-            return generate_input_from_pb(request)
+            generate_input = generate_input_from_pb(request)
+            return generate_input, reasoning_split(self.reasoning_parser, generate_input)
         except ServiceError as e:
             self.gateway.metrics.request_timer().finish(e.code.name)
             raise
@@ -106,7 +113,7 @@ class GatewayServer:
                  port: int = 0, max_message_bytes: int = MAX_MESSAGE_BYTES,
                  metrics_port: int | None = None, metrics_host: str | None = None,
                  registry_port: int = 0, registry_host: str | None = None, registry_token: str | None = None,
-                 api_keys: list[str] | None = None):
+                 api_keys: list[str] | None = None, reasoning_parser: str | None = None):
         self.gateway = Gateway(model, settings)
         self.host = host
         self.port = port
@@ -120,7 +127,8 @@ class GatewayServer:
             ("grpc.so_reuseport", 0),  # a second gateway on a taken port fails instead of sharing it
         ])
         self.api_keys = ApiKeys(api_keys) if api_keys else None  # the HTTP API checks the same keys
-        generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(self.gateway, self.api_keys),
+        parser = make_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(self.gateway, self.api_keys, parser),
                                                                 self._server)
         self._registry_server = aio.server(interceptors=[ErrorStatusInterceptor()], options=[
             ("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS])

@@ -29,6 +29,7 @@ class GenerateInput:
     model: str = ""  # "": the served model
     chat_options: ChatTemplateOptions = DEFAULT_CHAT_TEMPLATE_OPTIONS  # how messages become the prompt
     add_special_tokens: bool | None = None  # the tokenizer's BOS ...; None: true for text, false for messages
+    split_reasoning: bool = False  # gRPC: the thinking in GenerationDelta.reasoning (the gateway's parser)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class GenerationDelta:
     # The prompt's token ids as tokenized (templated, truncated), in the first delta, when
     # return_token_ids was set
     prompt_token_ids: list[int] = field(default_factory=list)
+    reasoning: str = ""  # the thinking split off text, where the request asked (split_reasoning)
 
     def merge(self, later: "GenerationDelta") -> "GenerationDelta":
         """Append a later delta of the same request to this one (in place)."""
@@ -80,6 +82,7 @@ class GenerationDelta:
         self.logprobs += later.logprobs
         self.prompt_logprobs += later.prompt_logprobs
         self.prompt_token_ids += later.prompt_token_ids
+        self.reasoning += later.reasoning
         self.usage = later.usage
         self.prefill_instance_id = later.prefill_instance_id or self.prefill_instance_id
         self.decode_instance_id = later.decode_instance_id or self.decode_instance_id
