@@ -194,6 +194,23 @@ def open_stream(address: str, body: dict) -> socket.socket:
     return sock
 
 
+def test_a_client_gone_mid_beam_search_stops_the_search(stack, grpc_client, model):
+    decode = stack.instances["decode-0"].address
+    before = stats(decode, "decode").num_finished_requests
+    sock = open_stream(stack.http_address, {"model": model, "prompt": PROMPTS[0], "max_tokens": 300, "n": 3,
+                                            "use_beam_search": True, "ignore_eos": True})
+    deadline = time.monotonic() + 60
+    while stats(decode, "decode").num_finished_requests < before + 6:  # two steps of three beams are done
+        assert time.monotonic() < deadline, "the search's steps never finished on decode-0"
+        time.sleep(0.01)
+    sock.close()
+    wait_until_idle(stack, timeout_s=30)
+    # nothing runs any more but what is sent now: a search still stepping would finish requests beside it
+    finished = stats(decode, "decode").num_finished_requests
+    grpc_client.generate(PROMPTS[0], max_tokens=8, temperature=0)
+    assert stats(decode, "decode").num_finished_requests == finished + 1
+
+
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city", "parameters": {
         "type": "object", "additionalProperties": False, "required": ["city"],

@@ -6,10 +6,12 @@ from gateway.openai_api.tool_parsers.base import ParsedCall, ToolCallParser, Too
 from gateway.openai_api.tool_parsers.hermes import HermesParser
 from gateway.openai_api.tool_parsers.llama3_json import Llama3JsonParser
 from gateway.openai_api.tool_parsers.mistral import MistralParser
+from gateway.openai_api.tool_parsers.phi4_mini_json import Phi4MiniJsonParser
 from gateway.openai_api.tool_parsers.pythonic import PythonicParser
 
 PARSERS: dict[str, type[ToolCallParser]] = {
-    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)}
+    parser.name: parser
+    for parser in (HermesParser, Llama3JsonParser, MistralParser, Phi4MiniJsonParser, PythonicParser)}
 
 
 def make_tool_parser(name: str) -> ToolCallParser:

@@ -14,6 +14,7 @@ LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 MISTRAL_LISTED = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 MISTRAL_NAMED = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
 PYTHONIC_CALLS = '[get_weather(city="Paris", days=2), get_time(zone="CET")]'
+PHI4_CALLS = 'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time"}]'
 ANSWERS = {
     "hermes": ["Paris is sunny today.", "Let me check. " + HERMES_CALL, HERMES_CALL, HERMES_CALL + HERMES_CALL,
                "a < b but <tool_ is not a call", "<tool_call>{broken</tool_call>", "text <tool_cal", "ends with <",
@@ -26,8 +27,11 @@ ANSWERS = {
                 "ends with ["],
     "pythonic": ["Paris is sunny today.", PYTHONIC_CALLS, " \n" + PYTHONIC_CALLS, "Sure: " + PYTHONIC_CALLS,
                  PYTHONIC_CALLS + " and text", "[", "[1, 2]", "[get_weather(", "", " "],
+    "phi4_mini_json": ["Paris is sunny today.", PHI4_CALLS, "Let me check. " + PHI4_CALLS, PHI4_CALLS + " done",
+                       "functools[", "functools[{broken]", "func", "text functools", "[1]"],
 }
-MARKERS = {"hermes": "<tool_call>", "llama3_json": "{", "mistral": "[TOOL_CALLS]", "pythonic": "["}
+MARKERS = {"hermes": "<tool_call>", "llama3_json": "{", "mistral": "[TOOL_CALLS]", "pythonic": "[",
+           "phi4_mini_json": "functools["}
 
 
 @pytest.mark.parametrize("name", sorted(ANSWERS))
