@@ -7,8 +7,10 @@ extensions vLLM accepts (top_k, min_p, repetition_penalty, ignore_eos, min_token
 stop_token_ids, allowed_token_ids, prompt_logprobs, include_stop_str_in_output,
 skip_special_tokens, priority, stream_options.continuous_usage_stats, and the output
 constraints: response_format, guided_json/regex/choice/grammar, structured_outputs; see
-structured_outputs.py), and OpenAI fields for features this server does not have (tools,
-suffix, ...) as long as they hold their neutral value (unset, null, empty): a request that
+structured_outputs.py), vLLM's other extensions (use_beam_search and length_penalty,
+return_token_ids, chat template options and a request's own chat_template, bad_words,
+truncate_prompt_tokens ...), tools (tools.py), and OpenAI fields for features this server
+does not have (suffix, audio, ...) as long as they hold their neutral value (unset, null, empty): a request that
 asks for such a feature gets a 400 instead of an answer that silently lacks it. `user`,
 `metadata` and the like are type-checked and otherwise ignored.
 
