@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -106,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.profile import cpu_model_name
     from common import LLM, SamplingParams
+    from kernels.cpu_attention import DTYPES_ENV
+    # One process, engines of several dtypes: the attention library (built once per process for
+    # the dtypes named before it loads) must hold them all, or the later arms take the torch path.
+    os.environ.setdefault(DTYPES_ENV, "all")
     arm_names = args.arms.split(",")
     if REFERENCE_ARM not in arm_names:
         arm_names.insert(0, REFERENCE_ARM)
