@@ -7,9 +7,11 @@ answer is held and read whole at the end, so calls come with the last chunk, eac
 """
 from __future__ import annotations
 
+import json
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.openai_api.text_markers import held_back
 
@@ -18,6 +20,18 @@ from gateway.openai_api.text_markers import held_back
 class ParsedCall:
     name: str
     arguments: str  # JSON text of an object
+
+
+def json_call(call: Any, argument_keys: tuple[str, ...] = ("arguments",)) -> ParsedCall | None:
+    """A decoded JSON call {"name": ..., <the first of argument_keys present>: an object or its
+    JSON text} as a ParsedCall (no arguments: {}); None where it is not one."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = next((call[key] for key in argument_keys if key in call), {})
+    if not isinstance(arguments, (dict, str)):
+        return None
+    return ParsedCall(call["name"], arguments if isinstance(arguments, str)
+                      else json.dumps(arguments, ensure_ascii=False))
 
 
 def new_call_id() -> str:

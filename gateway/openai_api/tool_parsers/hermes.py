@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from gateway.openai_api.tool_parsers.base import ParsedCall, ToolCallParser
+from gateway.openai_api.tool_parsers.base import ParsedCall, ToolCallParser, json_call
 
 # A call's closing tag may be missing on the last one (the answer ended at a stop token).
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
@@ -26,10 +26,8 @@ class HermesParser(ToolCallParser):
                 call = json.loads(body)
             except ValueError:
                 return text, []
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            parsed = json_call(call)
+            if parsed is None:
                 return text, []
-            arguments = call.get("arguments", {})
-            if not isinstance(arguments, str):
-                arguments = json.dumps(arguments, ensure_ascii=False)
-            calls.append(ParsedCall(call["name"], arguments))
+            calls.append(parsed)
         return text[:start], calls

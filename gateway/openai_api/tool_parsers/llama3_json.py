@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from gateway.openai_api.tool_parsers.base import ParsedCall, ToolCallParser
+from gateway.openai_api.tool_parsers.base import ParsedCall, ToolCallParser, json_call
 
 _DECODER = json.JSONDecoder()
 
@@ -25,12 +25,10 @@ class Llama3JsonParser(ToolCallParser):
                 call, position = _DECODER.raw_decode(text, position)
             except ValueError:
                 return text, []
-            arguments = call.get("parameters", call.get("arguments", {})) if isinstance(call, dict) else None
-            if not isinstance(call.get("name") if isinstance(call, dict) else None, str) or \
-                    not isinstance(arguments, (dict, str)):
+            parsed = json_call(call, ("parameters", "arguments"))
+            if parsed is None:
                 return text, []
-            calls.append(ParsedCall(call["name"], arguments if isinstance(arguments, str)
-                                    else json.dumps(arguments, ensure_ascii=False)))
+            calls.append(parsed)
             while position < len(text) and text[position] in " \t\n;":  # between calls, after the last
                 position += 1
         return text[:start], calls

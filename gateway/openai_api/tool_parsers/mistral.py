@@ -12,7 +12,7 @@ import json
 import secrets
 import string
 
-from gateway.openai_api.tool_parsers.base import ParsedCall, ToolCallParser
+from gateway.openai_api.tool_parsers.base import ParsedCall, ToolCallParser, json_call
 
 _DECODER = json.JSONDecoder()
 _ARGS = "[ARGS]"
@@ -47,15 +47,8 @@ def _listed_calls(body: str) -> list[ParsedCall]:
     listed = [listed] if isinstance(listed, dict) else listed
     if not isinstance(listed, list) or not listed:
         return []
-    calls = []
-    for call in listed:
-        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
-        if not isinstance(call.get("name") if isinstance(call, dict) else None, str) or \
-                not isinstance(arguments, (dict, str)):
-            return []
-        calls.append(ParsedCall(call["name"], arguments if isinstance(arguments, str)
-                                else json.dumps(arguments, ensure_ascii=False)))
-    return calls
+    calls = [json_call(call) for call in listed]
+    return [] if None in calls else calls
 
 
 def _named_calls(segments: list[str]) -> list[ParsedCall]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gateway.openai_api.tool_parsers.base import ParsedCall, ToolCallParser
+from gateway.openai_api.tool_parsers.base import ParsedCall, ToolCallParser, json_call
 
 _DECODER = json.JSONDecoder()
 
@@ -23,12 +23,5 @@ class Phi4MiniJsonParser(ToolCallParser):
             return text, []
         if not isinstance(listed, list) or not listed:
             return text, []
-        calls = []
-        for call in listed:
-            arguments = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
-            if not isinstance(call.get("name") if isinstance(call, dict) else None, str) or \
-                    not isinstance(arguments, (dict, str)):
-                return text, []
-            calls.append(ParsedCall(call["name"], arguments if isinstance(arguments, str)
-                                    else json.dumps(arguments, ensure_ascii=False)))
-        return text[:start], calls
+        calls = [json_call(call, ("arguments", "parameters")) for call in listed]
+        return (text[:start], calls) if None not in calls else (text, [])
