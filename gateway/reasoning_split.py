@@ -5,16 +5,14 @@ next delta tells; whole (Generate), the same over the one merged delta."""
 from __future__ import annotations
 
 from common.service.errors import invalid
-from gateway.openai_api.reasoning_parsers import ReasoningParser
+from gateway.openai_api.reasoning_parsers import ReasoningParser, may_reason
 from gateway.types import GenerateInput, GenerationDelta
 
 
 class ReasoningSplit:
     def __init__(self, parser: ReasoningParser, request: GenerateInput):
-        constraint = request.sampling.structured_outputs
         # An answer constrained from its first token holds no thinking: all of it is text.
-        constrained_from_start = constraint is not None and not constraint.start_after_token_ids
-        self._stream = None if constrained_from_start else parser.stream()
+        self._stream = parser.stream() if may_reason(request.sampling.structured_outputs) else None
 
     def apply(self, delta: GenerationDelta) -> GenerationDelta:
         """delta with its text split (in place); the last delta (finish_reason set) also

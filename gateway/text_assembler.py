@@ -32,19 +32,15 @@ class TextAssembler:
         """The delta for one message; finish_reason is set when the request is over
         (decode finished it, or a stop string matched and the rest is unwanted)."""
         request, detokenizer = self.request, self.detokenizer
-        # The token that stopped the request (EOS or a stop token) is in token_ids but, as in
-        # vLLM, not in the text unless include_stop_str_in_output.
-        text_token_ids = output.token_ids
-        if (output.finish_reason is not None and output.stop_token_id is not None and text_token_ids
-                and not request.sampling.include_stop_str_in_output):
-            text_token_ids = text_token_ids[:-1]
         first = self.num_messages == 0
         self.num_messages += 1
         self.num_generated += len(output.token_ids)
         self.num_cached = output.num_cached_tokens or self.num_cached
         self.prefill_id = output.prefill_instance_id or self.prefill_id
         delta = GenerationDelta(
-            request_id=request.request_id, text=detokenizer.update(text_token_ids),
+            request_id=request.request_id,
+            text=detokenizer.update(output.token_ids,
+                                    stopped=output.finish_reason is not None and output.stop_token_id is not None),
             usage=Usage(self.num_prompt, self.num_generated, self.num_cached),
             token_ids=output.token_ids if request.return_token_ids else [],
             logprobs=list(zip(output.token_ids, output.logprobs)) if request.return_logprobs else [],

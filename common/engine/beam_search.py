@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from common.engine.outputs import Logprobs
 from common.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from common.text.detokenizer import shown_token_ids
 
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each step reads 2 * beam_width logprobs
 
@@ -102,5 +103,5 @@ class BeamSearch:
 
     def shown_token_ids(self, beam: BeamSequence) -> list[int]:
         """The beam's own tokens whose text it shows: an ending EOS only with include_stop_str_in_output."""
-        generated = self.generated_token_ids(beam)
-        return generated if beam.eos_token_id is None or self.params.include_stop_str_in_output else generated[:-1]
+        return list(shown_token_ids(self.generated_token_ids(beam), beam.eos_token_id is not None,
+                                    self.params.include_stop_str_in_output))

@@ -15,7 +15,7 @@ from common.engine.outputs import CompletionOutput, Logprobs, RequestOutput
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams, truncate_prompt, validate_prompt_token_ids
 from common.text.chat_template import ChatTemplateOptions
-from common.text.detokenizer import IncrementalDetokenizer
+from common.text.detokenizer import IncrementalDetokenizer, shown_token_ids
 from common.text.prompt_tokenizer import load_prompt_tokenizer
 
 PromptType = str | dict
@@ -32,16 +32,6 @@ class _Pending:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    keeps_stop_token: bool = False  # include_stop_str_in_output: the stop token's text stays in the text
-
-
-def _text_token_ids(token_ids: list[int], finish_reason: str | None, keeps_stop_token: bool) -> list[int]:
-    """The tokens whose text the output shows: an engine that finished a request with "stop"
-    did so on a stop token (EOS, stop_token_ids, a grammar's end), which is in token_ids but,
-    as in vLLM, not in the text unless include_stop_str_in_output."""
-    if finish_reason == "stop" and token_ids and not keeps_stop_token:
-        return token_ids[:-1]
-    return token_ids
 
 
 def validate_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
@@ -76,6 +66,16 @@ class LLM:
     def _encode_word(self, word: str) -> list[int]:
         return self.tokenizer.encode(word, add_special_tokens=False)
 
+    def _checked_prompt(self, prompt: PromptType,
+                        truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt, truncated as asked; ValueError where an id is out of
+        the vocabulary or the prompt does not fit the model."""
+        text, token_ids = self._prompt_token_ids(prompt)
+        token_ids = truncate_prompt(token_ids, truncate_prompt_tokens, self.max_model_len)
+        validate_prompt_token_ids(token_ids, self.engine.model_config.vocab_size)
+        validate_prompt_length(len(token_ids), self.max_model_len)
+        return text, token_ids
+
     def _prompt_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
@@ -100,11 +100,8 @@ class LLM:
         vocab_size = self.engine.model_config.vocab_size
         encoded = []
         for prompt, params in zip(prompts, sampling_params):
-            text, token_ids = self._prompt_token_ids(prompt)
-            token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
-            validate_prompt_token_ids(token_ids, vocab_size)
+            text, token_ids = self._checked_prompt(prompt, params.truncate_prompt_tokens)
             params = with_bad_words_token_ids(params, self._encode_word)
-            validate_prompt_length(len(token_ids), self.max_model_len)
             params.validate_token_ids(vocab_size)
             encoded.append((text, token_ids, params))
         pending: dict[str, _Pending] = {}
@@ -118,7 +115,7 @@ class LLM:
                                                    skip_special_tokens=child.skip_special_tokens,
                                                    stop=child.stop,
                                                    include_stop_str_in_output=child.include_stop_str_in_output)
-                pending[req_id] = _Pending(i, j, detok, keeps_stop_token=child.include_stop_str_in_output)
+                pending[req_id] = _Pending(i, j, detok)
                 self.engine.add_request(Request(req_id, token_ids, child, eos_token_ids=self.eos_token_ids))
         self._run(pending, use_tqdm)
         return self._collect(encoded, pending)
@@ -144,13 +141,8 @@ class LLM:
         theirs (vLLM's), an ending EOS left out unless include_stop_str_in_output."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        vocab_size = self.engine.model_config.vocab_size
-        searches = []
-        for prompt in prompts:
-            _, token_ids = self._prompt_token_ids(prompt)
-            validate_prompt_token_ids(token_ids, vocab_size)
-            validate_prompt_length(len(token_ids), self.max_model_len)
-            searches.append(BeamSearch(token_ids, params, self.eos_token_ids, self.max_model_len))
+        searches = [BeamSearch(self._checked_prompt(prompt)[1], params, self.eos_token_ids, self.max_model_len)
+                    for prompt in prompts]
         progress = tqdm(total=max(s.num_steps for s in searches), desc="beam search", disable=not use_tqdm)
         while running := [s for s in searches if not s.done]:
             beams = [beam for search in running for beam in search.live]
@@ -187,9 +179,9 @@ class LLM:
                     if out.prompt_logprobs is not None:
                         state.prompt_logprobs = out.prompt_logprobs
                     if state.detokenizer is not None:
-                        finish_reason = out.finish_reason if out.finished else None
-                        state.detokenizer.update(_text_token_ids(out.new_token_ids, finish_reason,
-                                                                 state.keeps_stop_token))
+                        # The engine finishes a request with "stop" on a stop token only.
+                        state.detokenizer.update(out.new_token_ids,
+                                                 stopped=out.finished and out.finish_reason == "stop")
                         if state.detokenizer.finished:
                             state.finish_reason, state.stop_reason = "stop", state.detokenizer.stop_string
                             stopped.append(out.req_id)
@@ -218,8 +210,10 @@ class LLM:
                     state.detokenizer.flush()  # text held back as a possible stop-string start
                 text = state.detokenizer.output_text
             else:
-                text_token_ids = _text_token_ids(state.token_ids, state.finish_reason, state.keeps_stop_token)
-                text = self.tokenizer.decode(text_token_ids, skip_special_tokens=params.skip_special_tokens)
+                # No stop strings here: a request finished with "stop" was stopped by a token.
+                shown = shown_token_ids(state.token_ids, state.finish_reason == "stop",
+                                        params.include_stop_str_in_output)
+                text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
             result = results[state.prompt_index]
             result.num_cached_tokens = state.num_cached_tokens
             if state.sample_index == 0:  # every sample computed the same prompt

@@ -6,6 +6,10 @@ character, e.g. an emoji split over byte-level or <0xE2>-style tokens) and keeps
 the leading space a token gets after the previous one. It is primed with the end
 of the prompt so the first output token is decoded in context.
 
+A stop token (the token that stopped the request: EOS, a stop token id, a constraint's end)
+is fed with `stopped=True`: its text is left out unless include_stop_str_in_output, as in
+vLLM (shown_token_ids; it stays among the output's ids).
+
 Stop strings: a match may span tokens; the text is cut before it (after it with
 include_stop_str_in_output) and nothing later is returned. Without
 include_stop_str_in_output, the longest tail of the text that is the start of some
@@ -23,6 +27,12 @@ from common.text.tokenizer import Tokenizer
 # Prompt tokens used as decoding context: enough for the first output token's
 # leading space and merges, few enough that priming costs nothing (vLLM uses 5).
 _NUM_CONTEXT_IDS = 5
+
+
+def shown_token_ids(token_ids: Sequence[int], stopped: bool, include_stop_str_in_output: bool) -> Sequence[int]:
+    """The ids whose text the output shows: where the last one stopped the request, all but
+    it, unless include_stop_str_in_output (vLLM's rule)."""
+    return token_ids[:-1] if stopped and token_ids and not include_stop_str_in_output else token_ids
 
 
 class IncrementalDetokenizer:
@@ -56,8 +66,10 @@ class IncrementalDetokenizer:
         """All text decoded so far (returned and held back), cut at the stop string."""
         return "".join(self._returned) + self._held
 
-    def update(self, new_token_ids: Sequence[int]) -> str:
-        """Feed the request's new token ids; return the text delta to send (maybe "")."""
+    def update(self, new_token_ids: Sequence[int], stopped: bool = False) -> str:
+        """Feed the request's new token ids; return the text delta to send (maybe "").
+        stopped: the last of them stopped the request (shown_token_ids)."""
+        new_token_ids = shown_token_ids(new_token_ids, stopped, self._include_stop)
         if self.finished or not new_token_ids:
             return ""
         pieces = []

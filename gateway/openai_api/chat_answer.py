@@ -11,7 +11,7 @@ grammar from the first token (the prompt closed the thinking) has none.
 from __future__ import annotations
 
 from gateway.openai_api.protocol import ParsedRequest
-from gateway.openai_api.reasoning_parsers import ReasoningParser
+from gateway.openai_api.reasoning_parsers import ReasoningParser, may_reason
 from gateway.openai_api.tools import parsed_calls
 
 
@@ -22,11 +22,7 @@ class ChatAnswer:
         self.tool_choice = request.tool_choice
         self.forced = request.tool_choice.forced if request.forced_tool_call else None
         tool_parser = self.tool_choice.parser if self.tool_choice is not None else None
-        # An answer constrained from its first token holds no thinking; a parser whose thinking
-        # opens in the prompt would otherwise take all of it for reasoning.
-        constraint = request.sampling.structured_outputs
-        constrained_from_start = constraint is not None and not constraint.start_after_token_ids
-        self.reasoning_parser = None if constrained_from_start else reasoning_parser
+        self.reasoning_parser = reasoning_parser if may_reason(request.sampling.structured_outputs) else None
         self.include_reasoning = request.include_reasoning
         self.reasoning_stream = self.reasoning_parser.stream() if self.reasoning_parser else None
         self.tool_stream = tool_parser.stream() if tool_parser is not None else None

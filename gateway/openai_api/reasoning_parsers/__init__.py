@@ -3,7 +3,7 @@ base.ReasoningParser (`pdserve gateway --reasoning-parser NAME`): chat answers t
 thinking as `reasoning` (vLLM's field) and the rest as content."""
 from __future__ import annotations
 
-from gateway.openai_api.reasoning_parsers.base import ReasoningParser, ReasoningStream
+from gateway.openai_api.reasoning_parsers.base import ReasoningParser, ReasoningStream, may_reason
 from gateway.openai_api.reasoning_parsers.deepseek_r1 import DeepSeekR1Parser
 from gateway.openai_api.reasoning_parsers.qwen3 import Qwen3Parser
 
@@ -16,4 +16,4 @@ def make_reasoning_parser(name: str) -> ReasoningParser:
     return PARSERS[name]()
 
 
-__all__ = ["PARSERS", "ReasoningParser", "ReasoningStream", "make_reasoning_parser"]
+__all__ = ["PARSERS", "ReasoningParser", "ReasoningStream", "make_reasoning_parser", "may_reason"]

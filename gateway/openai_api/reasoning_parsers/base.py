@@ -6,7 +6,15 @@ from __future__ import annotations
 from abc import ABC
 from enum import Enum
 
+from common.engine.structured_output.params import StructuredOutputsParams
 from gateway.openai_api.text_markers import held_back
+
+
+def may_reason(constraint: StructuredOutputsParams | None) -> bool:
+    """Whether an answer under this constraint may hold thinking: not one constrained from its
+    first token (a parser whose thinking opens in the prompt would take all of it for
+    reasoning); yes unconstrained, or constrained only after the thinking ends."""
+    return constraint is None or bool(constraint.start_after_token_ids)
 
 
 class ReasoningParser(ABC):
