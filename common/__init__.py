@@ -1,7 +1,8 @@
-"""pdserve engine core. `from common import LLM, SamplingParams, BeamSearchParams` is the offline API."""
+"""pdserve engine core. `from common import LLM, SamplingParams, BeamSearchParams, PoolingParams` is the
+offline API."""
 from __future__ import annotations
 
-__all__ = ["BeamSearchParams", "LLM", "SamplingParams"]
+__all__ = ["BeamSearchParams", "LLM", "PoolingParams", "SamplingParams"]
 
 
 def __getattr__(name: str):
@@ -16,4 +17,7 @@ def __getattr__(name: str):
     if name == "BeamSearchParams":
         from common.engine.beam_search import BeamSearchParams
         return BeamSearchParams
+    if name == "PoolingParams":
+        from common.engine.pooling_params import PoolingParams
+        return PoolingParams
     raise AttributeError(name)

@@ -40,6 +40,10 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # Gemma 2
     final_logit_softcapping: float | None = None  # Gemma 2
     query_pre_attn_scalar: float | None = None  # Gemma 2: scores scale by its -1/2, not head_dim's
+    # Embeddings (PoolingParams.dimensions): whether the model's vectors may be cut to their
+    # first values, and to which sizes (None: any up to hidden_size).
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     @property
     def attention_scale(self) -> float:
@@ -93,6 +97,9 @@ class ModelConfig:
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            is_matryoshka=bool(cfg.get("is_matryoshka") or cfg.get("matryoshka_dimensions")),
+            matryoshka_dimensions=(tuple(cfg["matryoshka_dimensions"]) if cfg.get("matryoshka_dimensions")
+                                   else None),
         )
 
     def num_params(self) -> int:

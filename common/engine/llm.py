@@ -11,7 +11,9 @@ from common.engine.bad_words import with_bad_words_token_ids
 from common.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from common.engine.config import make_engine_config
 from common.engine.engine_core import EngineCore
-from common.engine.outputs import CompletionOutput, Logprobs, RequestOutput
+from common.engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprobs,
+                                   RequestOutput)
+from common.engine.pooling_params import PoolingParams
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams, truncate_prompt, validate_prompt_token_ids
 from common.text.chat_template import ChatTemplateOptions
@@ -32,6 +34,7 @@ class _Pending:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None  # an embedding request's result
 
 
 def validate_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
@@ -133,6 +136,35 @@ class LLM:
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(conv, options)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = False, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed: each prompt's embedding, the model's final hidden state at the
+        prompt's last token (common.engine.pooling_params), normalized unless pooling_params
+        say otherwise. Any model serves it; an embedding model (Qwen3-Embedding, e5-mistral)
+        gives vectors meant for it."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        pooling_params = pooling_params or PoolingParams()
+        cfg = self.engine.model_config
+        pooling_params.check_for_model(cfg.hidden_size, cfg.is_matryoshka, cfg.matryoshka_dimensions)
+        encoded = [self._checked_prompt(prompt, truncate_prompt_tokens)[1] for prompt in prompts]
+        pending: dict[str, _Pending] = {}
+        for i, token_ids in enumerate(encoded):
+            req_id = str(next(self._req_counter))
+            pending[req_id] = _Pending(i, 0, None)
+            self.engine.add_request(Request(req_id, token_ids, SamplingParams(max_tokens=1),
+                                            eos_token_ids=self.eos_token_ids, pooling_params=pooling_params))
+        self._run(pending, use_tqdm)
+        results = [None] * len(encoded)
+        for req_id, state in pending.items():
+            if state.embedding is None:
+                raise RuntimeError(f"embedding request {req_id} ended without an embedding "
+                                   f"({state.finish_reason})")
+            results[state.prompt_index] = EmbeddingRequestOutput(
+                request_id=req_id, outputs=EmbeddingOutput(state.embedding),
+                prompt_token_ids=encoded[state.prompt_index], num_cached_tokens=state.num_cached_tokens)
+        return results
+
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: each prompt's beam_width most likely continuations
@@ -174,6 +206,8 @@ class LLM:
                         continue
                     state.token_ids.extend(out.new_token_ids)
                     state.num_cached_tokens = out.num_cached_tokens
+                    if out.embedding is not None:
+                        state.embedding = out.embedding
                     if out.new_logprobs is not None:
                         state.logprobs = (state.logprobs or []) + out.new_logprobs
                     if out.prompt_logprobs is not None:

@@ -147,6 +147,19 @@ def split_step(scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest
             [r for r in scheduled if len(r.token_ids) > 1 + len(r.spec_token_ids)])
 
 
+def pooled_rows(scheduled: list[ScheduledRequest]) -> tuple[list[str], list[int]]:
+    """(req ids, step rows) of the do_pool requests: each one's last token, in the step's
+    row order (prepare_inputs': decode rows, then prefill chunks)."""
+    req_ids, rows = [], []
+    num_rows = 0
+    for req in (r for part in split_step(scheduled) for r in part):
+        num_rows += len(req.token_ids)
+        if req.do_pool:
+            req_ids.append(req.req_id)
+            rows.append(num_rows - 1)
+    return req_ids, rows
+
+
 def step_num_threads(scheduler_output: SchedulerOutput, num_prefill_threads: int | None) -> int | None:
     """The torch threads this step runs on: num_prefill_threads where it prefills at least
     PREFILL_THREADS_MIN_TOKENS prompt tokens (chunks of more than one known token; decodes
@@ -385,6 +398,11 @@ class ModelRunner:
         output = self._sampled_output(scheduler_output, hidden, graph_logits, loop_output, sample_indices,
                                       sample_reqs, sample_rows, input_ids, positions, meta)
         output.prompt_logprobs = prompt_logprobs
+        if self.is_output_rank and hidden is not None:
+            pooled_req_ids, rows = pooled_rows(scheduler_output.scheduled)
+            if pooled_req_ids:
+                states = hidden[rows].float().tolist()  # [num_pooled, hidden_size]
+                output.pooled_hidden = dict(zip(pooled_req_ids, states))
         return output
 
     def _sampled_output(self, scheduler_output: SchedulerOutput, hidden: torch.Tensor | None,

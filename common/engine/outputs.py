@@ -35,6 +35,9 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)
     # How many drafts the proposer should propose for the next step (0: none).
     num_drafts_to_propose: int = 0
+    # An embedding request's last chunk: the step returns the final hidden state at its
+    # last token (RunnerOutput.pooled_hidden) and samples nothing (do_sample is False).
+    do_pool: bool = False
 
 
 @dataclass
@@ -97,6 +100,9 @@ class RunnerOutput:
     # req_id -> (p, the Logprobs of prompt tokens p + 1, p + 2, ...) for the requests asking
     # for prompt_logprobs whose chunk this step held such positions.
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] | None = None
+    # req_id -> the final hidden state [hidden_size] at the last token of each do_pool
+    # request's chunk, as floats (None: no such request this step).
+    pooled_hidden: dict[str, list[float]] | None = None
 
 
 @dataclass
@@ -112,6 +118,9 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string
     num_cached_tokens: int = 0
+    # An embedding request's result (PoolingParams.pool of its last hidden state), with
+    # finish_reason "stop" and no tokens.
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -139,3 +148,19 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     prompt_logprobs: list[Logprobs | None] | None = None  # sampling_params.prompt_logprobs
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The offline API's embedding of one prompt (LLM.embed), shaped like vLLM's."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0

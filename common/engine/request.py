@@ -6,6 +6,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from common.engine.pooling_params import PoolingParams
     from common.engine.sampling_params import SamplingParams
 
 
@@ -26,16 +27,19 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    """One generation request; `num_computed_tokens` catches up to `num_tokens`."""
+    """One generation request; `num_computed_tokens` catches up to `num_tokens`. With
+    pooling_params, an embedding request: it ends once its prompt is computed, with the
+    embedding instead of a token (its sampling_params are never used to sample)."""
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling_params: "SamplingParams",
                  eos_token_ids: tuple[int, ...] = (), priority: int = 0,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, pooling_params: "PoolingParams | None" = None):
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
         self.eos_token_ids = eos_token_ids
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

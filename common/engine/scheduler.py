@@ -214,7 +214,9 @@ class Scheduler(SchedulerInterface):
             start = request.num_computed_tokens
             drafts = spec_token_ids.get(req_id, [])
             num_new_known_tokens = num_new_tokens - len(drafts)
-            do_sample = start + num_new_known_tokens == request.num_tokens
+            reaches_last_token = start + num_new_known_tokens == request.num_tokens
+            do_pool = reaches_last_token and request.pooling_params is not None
+            do_sample = reaches_last_token and not do_pool
             scheduled.append(ScheduledRequest(
                 req_id=req_id,
                 token_ids=request.all_token_ids[start:start + num_new_known_tokens] + drafts,
@@ -226,7 +228,8 @@ class Scheduler(SchedulerInterface):
                 output_token_ids=request.output_token_ids,
                 spec_token_ids=drafts,
                 num_drafts_to_propose=(spec_policy.num_drafts_to_propose(request, step_allows_drafts)
-                                       if spec_policy is not None and do_sample else 0)))
+                                       if spec_policy is not None and do_sample else 0),
+                do_pool=do_pool))
             # Optimistic, like vLLM: the runner computes these tokens before the next step;
             # rejected drafts are taken back once verified (update_from_output).
             request.num_computed_tokens += num_new_tokens
@@ -252,7 +255,8 @@ class Scheduler(SchedulerInterface):
             return 1
         for request in self.running:
             params = request.sampling_params
-            if request.num_tokens - request.num_computed_tokens != 1 or request.grammar is not None:
+            if (request.num_tokens - request.num_computed_tokens != 1 or request.grammar is not None
+                    or request.pooling_params is not None):
                 return 1
             # A request finishes once it holds max_model_len tokens.
             num_steps = min(num_steps, self.max_model_len - request.num_tokens)
@@ -299,6 +303,10 @@ class Scheduler(SchedulerInterface):
             request = self.requests.get(req_id)
             if request is not None:  # before the tokens: the last chunk samples the first one
                 request.add_prompt_logprobs(first_position, logprobs)
+        for req_id, hidden_state in (runner_output.pooled_hidden or {}).items():
+            request = self.requests.get(req_id)
+            if request is not None and request.status is RequestStatus.RUNNING:  # else aborted meanwhile
+                outputs.append(self._finish_pooled(request, hidden_state))
         for req_id, token_ids, logprobs, proposal in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                                          logprobs_per_req, proposals):
             request = self.requests.get(req_id)
@@ -370,6 +378,15 @@ class Scheduler(SchedulerInterface):
             prompt_logprobs=request.take_prompt_logprobs() if request.prompt_logprobs is not None else None,
             finish_reason=request.status.value if request.is_finished else None,
             stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0))
+
+    def _finish_pooled(self, request: Request, hidden_state: list[float]) -> EngineCoreOutput:
+        """An embedding request whose prompt is computed: done, with its embedding."""
+        request.status = RequestStatus.FINISHED_STOPPED
+        self._finish(request)
+        return EngineCoreOutput(req_id=request.req_id, new_token_ids=[],
+                                finish_reason=request.status.value,
+                                num_cached_tokens=max(request.num_cached_tokens, 0),
+                                embedding=request.pooling_params.pool(hidden_state))
 
     @staticmethod
     def _check_grammar(request: Request, token_id: int) -> bool:

@@ -40,7 +40,8 @@ sampling_params = st.builds(
 scheduled_requests = st.builds(
     ScheduledRequest, req_id=req_ids, token_ids=token_ids, start_pos=st.integers(0, 4096), block_table=token_ids,
     do_sample=st.booleans(), sampling_params=sampling_params, prompt_token_ids=token_ids,
-    output_token_ids=token_ids, spec_token_ids=token_ids, num_drafts_to_propose=st.integers(0, 4))
+    output_token_ids=token_ids, spec_token_ids=token_ids, num_drafts_to_propose=st.integers(0, 4),
+    do_pool=st.booleans())
 
 kv_metadata = st.builds(
     KVConnectorMetadata,
@@ -73,7 +74,8 @@ runner_outputs = st.builds(
     finished_sending=st.lists(req_ids, max_size=2), finished_recving=st.lists(req_ids, max_size=2),
     kv_transfer_outcomes=st.lists(outcomes, max_size=2), spec_token_ids=st.none() | st.lists(token_ids, max_size=3),
     prompt_logprobs=st.none() | st.dictionaries(
-        req_ids, st.tuples(st.integers(0, 4096), st.lists(logprobs, max_size=3)), max_size=2))
+        req_ids, st.tuples(st.integers(0, 4096), st.lists(logprobs, max_size=3)), max_size=2),
+    pooled_hidden=st.none() | st.dictionaries(req_ids, st.lists(floats, max_size=4), max_size=2))
 
 
 def _without_bitmask(output: SchedulerOutput):

@@ -1,0 +1,162 @@
+"""Embedding requests in the engine: the final hidden state at the prompt's last token,
+pooled as PoolingParams say, equal to Hugging Face's, whatever the prompt's chunks and
+prefix-cache hits, beside generation requests, leaving no blocks behind."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from common.engine.llm import LLM
+from common.engine.pooling_params import MAX_EMBEDDING_DIMENSIONS, PoolingParams
+from common.engine.request import Request
+from common.engine.sampling_params import SamplingParams
+
+PROMPTS = [[(13 * i + 7 * j) % 400 + 3 for i in range(n)] for j, n in enumerate((5, 37, 64, 1))]
+
+
+def _hf_last_hidden_states(model_dir, prompts: list[list[int]]) -> list[torch.Tensor]:
+    import transformers
+    model = transformers.AutoModel.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [model(torch.tensor([ids])).last_hidden_state[0, -1] for ids in prompts]  # each [hidden]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_model_factory):
+    return tiny_model_factory("tiny-llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    engine = LLM(model=str(tiny_dir), dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=32)
+    yield engine
+    engine.engine.shutdown()
+
+
+def _assert_close(got: list[float], want: torch.Tensor) -> None:
+    torch.testing.assert_close(torch.tensor(got), want.float(), rtol=1e-4, atol=1e-4)
+
+
+def _free_blocks(llm: LLM) -> int:
+    return llm.engine.scheduler.kv_cache_manager.block_pool.num_free_blocks
+
+
+def test_embeddings_equal_hugging_face_last_hidden_state(llm, tiny_dir):
+    """Chunked (37 and 64 tokens over a 32-token budget), one-token and short prompts in one call."""
+    want = _hf_last_hidden_states(tiny_dir, PROMPTS)
+    raw = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], PoolingParams(normalize=False))
+    normed = llm.embed([{"prompt_token_ids": p} for p in PROMPTS])
+    for out, normed_out, hidden, prompt in zip(raw, normed, want, PROMPTS):
+        assert out.prompt_token_ids == prompt and out.finished
+        _assert_close(out.outputs.embedding, hidden)
+        _assert_close(normed_out.outputs.embedding, torch.nn.functional.normalize(hidden, dim=0))
+        assert math.isclose(math.fsum(v * v for v in normed_out.outputs.embedding), 1.0, rel_tol=1e-6)
+
+
+def test_a_cached_prefix_gives_the_same_embedding_and_no_blocks_stay_held(llm):
+    prompt = {"prompt_token_ids": PROMPTS[2]}
+    free_before = _free_blocks(llm)
+    first = llm.embed(prompt)[0]
+    again = llm.embed(prompt)[0]
+    assert again.num_cached_tokens > 0  # only the tail ran
+    assert again.outputs.embedding == pytest.approx(first.outputs.embedding, abs=1e-5)
+    assert _free_blocks(llm) == free_before
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_embedding_requests_beside_generation_change_no_token(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    llm.reset_prefix_cache()
+    engine = llm.engine
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.add_request(Request(f"gen-{i}", p, params))
+        engine.add_request(Request(f"emb-{i}", p[::-1], SamplingParams(max_tokens=1),
+                                   pooling_params=PoolingParams()))
+    tokens: dict[str, list[int]] = {}
+    embeddings: dict[str, list[float]] = {}
+    finish_reasons: dict[str, str] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+            if out.embedding is not None:
+                embeddings[out.req_id] = out.embedding
+            if out.finished:
+                finish_reasons[out.req_id] = out.finish_reason
+    assert [tokens[f"gen-{i}"] for i in range(3)] == alone
+    assert set(embeddings) == {f"emb-{i}" for i in range(3)}
+    assert all(tokens.get(f"emb-{i}", []) == [] for i in range(3))
+    assert all(finish_reasons[f"emb-{i}"] == "stop" for i in range(3))
+    want = llm.embed([{"prompt_token_ids": p[::-1]} for p in PROMPTS[:3]])
+    for i, out in enumerate(want):
+        assert embeddings[f"emb-{i}"] == pytest.approx(out.outputs.embedding, abs=1e-5)
+
+
+def test_an_embedding_aborted_mid_prompt_leaves_nothing(llm):
+    engine = llm.engine
+    free_before = _free_blocks(llm)
+    uncached = [(29 * i) % 500 + 11 for i in range(64)]
+    engine.add_request(Request("emb-abort", uncached, SamplingParams(max_tokens=1),
+                               pooling_params=PoolingParams()))
+    outputs = engine.step()  # the first 32-token chunk of 64
+    assert not outputs
+    aborted = engine.abort_requests(["emb-abort"])
+    assert [o.finish_reason for o in aborted] == ["abort"]
+    assert [o for o in engine.step() if o.embedding is not None] == []
+    assert not engine.has_unfinished_requests()
+    assert _free_blocks(llm) == free_before
+
+
+def test_dimensions_need_a_matryoshka_model(llm, tiny_model_factory):
+    with pytest.raises(ValueError, match="does not support Matryoshka representation"):
+        llm.embed("Hello", PoolingParams(dimensions=16))
+    model_dir = tiny_model_factory("tiny-llama-matryoshka", "llama", matryoshka_dimensions=[16, 32])
+    nested = LLM(model=str(model_dir), dtype="float32", kv_cache_memory="16MiB", enforce_eager=True)
+    try:
+        with pytest.raises(ValueError, match=r"supports only \[16, 32\], got 8"):
+            nested.embed("Hello", PoolingParams(dimensions=8))
+        full = nested.embed("Hello", PoolingParams(normalize=False))[0].outputs.embedding
+        cut = nested.embed("Hello", PoolingParams(dimensions=16))[0].outputs.embedding
+        assert len(full) == 64 and len(cut) == 16
+        _assert_close(cut, torch.nn.functional.normalize(torch.tensor(full[:16]), dim=0))
+    finally:
+        nested.engine.shutdown()
+
+
+def test_bad_prompts_are_refused_before_anything_runs(llm):
+    with pytest.raises(ValueError, match="out of"):
+        llm.embed([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [10**9]}])
+    with pytest.raises(ValueError, match="longer than the maximum model length"):
+        llm.embed({"prompt_token_ids": [5] * (llm.max_model_len + 1)})
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.embed({"prompt_token_ids": [5] * (llm.max_model_len + 1)}, truncate_prompt_tokens=8)[0]
+    assert out.prompt_token_ids == [5] * 8
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"normalize": 1}, "normalize must be a boolean"),
+    ({"dimensions": 0}, "dimensions must be an integer from 1"),
+    ({"dimensions": True}, "dimensions must be an integer"),
+    ({"dimensions": MAX_EMBEDDING_DIMENSIONS + 1}, "dimensions must be an integer"),
+])
+def test_pooling_params_refuse_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PoolingParams(**kwargs)
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=64), st.integers(1, 64))
+def test_pool_normalizes_the_cut_vector(values, dimensions):
+    cut = PoolingParams(normalize=False, dimensions=dimensions).pool(values)
+    assert cut == values[:dimensions]
+    normed = PoolingParams(dimensions=dimensions).pool(values)
+    norm = math.sqrt(math.fsum(v * v for v in cut))
+    if norm > 1e-12:
+        assert math.isclose(math.fsum(v * v for v in normed), 1.0, rel_tol=1e-9)
+        assert all(math.isclose(n * norm, v, rel_tol=1e-9, abs_tol=1e-9) for n, v in zip(normed, cut))
+    else:  # the norm floored as torch's F.normalize floors it
+        assert normed == [v / 1e-12 for v in cut]
