@@ -10,12 +10,12 @@ import grpc
 from common.engine.async_engine import AsyncEngine
 from common.engine.engine_core import EngineCore
 from common.engine.kv_transfer_waiters import KVTransferWaiters
-from common.engine.outputs import EngineCoreOutput
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from common.service.common_api import prompt_logprob_pairs
-from common.service.engine_requests import admit_when_id_free, new_request, open_stream_when_id_free
-from common.service.errors import DuplicateRequestError, ServiceError
+from common.service.engine_requests import (add_request, admit_when_id_free, finished_output, new_request,
+                                            open_stream_when_id_free)
+from common.service.errors import ServiceError
 from prefill_service.api import PrefillJob, PrefillResult
 from prefill_service.kv_export import ExportTarget
 
@@ -29,13 +29,6 @@ def first_token_params(params: SamplingParams) -> SamplingParams:
     min_tokens matters only as "may the first token be EOS/stop" (the sampler masks
     stop tokens while fewer than min_tokens exist)."""
     return params.clone(n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-
-
-def admit(core: EngineCore, request: Request) -> None:
-    """Engine thread: queue a prefill (its KV goes where its kv_transfer_params say)."""
-    if request.req_id in core.scheduler.requests or request.req_id in core.scheduler.held_requests:
-        raise DuplicateRequestError(f"request {request.req_id!r} is already in flight on this instance")
-    core.add_request(request)
 
 
 class Prefiller:
@@ -68,12 +61,12 @@ class Prefiller:
         with stream:
             try:
                 await self.engine.compile_structured_output(request.sampling_params)
-                await admit_when_id_free(lambda: self.engine.call(lambda core: admit(core, request)))
+                await admit_when_id_free(lambda: self.engine.call(lambda core: add_request(core, request)))
             except ValueError as e:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             timeout = None if export is None else export.target.deadline - _now()
             try:
-                output = await asyncio.wait_for(_finished_output(stream), timeout)
+                output = await asyncio.wait_for(finished_output(stream), timeout)
             except asyncio.TimeoutError:
                 raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                    f"KV target {export.target.transfer_id} expired before the prompt of "
@@ -110,13 +103,6 @@ class Prefiller:
                     else grpc.StatusCode.ABORTED)
             raise ServiceError(code, f"KV transfer {target.transfer_id} to {target.endpoint} "
                                f"{outcome.state}: {outcome.reason or 'no reason given'}")
-
-
-async def _finished_output(stream) -> EngineCoreOutput:
-    async for output in stream:
-        if output.finished:
-            return output
-    raise RuntimeError("engine stream ended without a finished output")
 
 
 def _now() -> float:

@@ -10,6 +10,7 @@ from typing import TypeVar
 import grpc
 
 from common.engine.errors import RequestIdReleasingError
+from common.engine.outputs import EngineCoreOutput
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams, validate_prompt_token_ids
 from common.service.errors import DuplicateRequestError, ServiceError
@@ -43,6 +44,22 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, core) 
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"prompt has {len(prompt_token_ids)} tokens, longer than the maximum model "
                            f"length of {core.max_model_len} tokens")
+
+
+def add_request(core, request: Request) -> None:
+    """Engine thread: queue a request computed here from its prompt (a prefill, whose KV goes
+    where its kv_transfer_params say, or an embedding)."""
+    if request.req_id in core.scheduler.requests or request.req_id in core.scheduler.held_requests:
+        raise DuplicateRequestError(f"request {request.req_id!r} is already in flight on this instance")
+    core.add_request(request)
+
+
+async def finished_output(stream) -> EngineCoreOutput:
+    """The last output of a request's engine stream (the one with finish_reason set)."""
+    async for output in stream:
+        if output.finished:
+            return output
+    raise RuntimeError("engine stream ended without a finished output")
 
 
 def new_request(req_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,

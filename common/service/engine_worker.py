@@ -12,6 +12,9 @@ from common.engine.engine_args import engine_config_from_args
 from common.engine.engine_core import EngineCore
 from common.engine.kv_transfer_waiters import KVTransferWaiters
 from common.service.common_api import stats_response
+from common.service.embedder import Embedder
+from common.service.embedding_servicer import EmbeddingServicer
+from common.service.engine_requests import eos_token_ids
 from common.service.flags import served_model_name
 from common.service.metrics import WorkerMetrics
 from common.service.registration import InstanceLoad, InstanceSpec, Role
@@ -44,6 +47,12 @@ class EngineWorker:
         self.core.kv_transfer_observers += [self.metrics.observe_transfer, self.transfer_waiters]
         self.attach_to_engine(self.core)
         self.engine = AsyncEngine(self.core)  # the engine thread starts here
+        # Every instance embeds prompts (EmbeddingService) with the model it serves.
+        self.embedder = Embedder(self.engine, self.core, eos_token_ids(self.core))
+
+    def embedding_servicer(self, gate) -> EmbeddingServicer:
+        """The EmbeddingService each role's server adds beside its own service."""
+        return EmbeddingServicer(self.embedder, gate, self.instance_id)
 
     def attach_to_engine(self, core: EngineCore) -> None:
         """Hang this role's callbacks on the engine before its thread starts."""

@@ -11,11 +11,11 @@ from common import LLM, SamplingParams
 from common.engine.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
 from common.engine.engine_core import EngineCore
 from common.engine.request import Request
+from common.service.engine_requests import add_request as admit_prefill
 from common.service.errors import DuplicateRequestError
 from decode_service.admission import Placement, admit, finish_import
 from kv_transfer import PoolGeometry
 from prefill_service.kv_export import TargetMismatchError, make_export_target
-from prefill_service.prefiller import admit as admit_prefill
 from prefill_service.prefiller import first_token_params
 
 NUM_BLOCKS, BLOCK_SIZE = 64, 8

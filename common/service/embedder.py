@@ -1,0 +1,52 @@
+"""The async front of an engine instance's embeddings (prefill and decode roles alike):
+one Embed from admission to its vector, in engine terms (the servicer converts
+protobuf at the edge)."""
+from __future__ import annotations
+
+import grpc
+
+from common.engine.async_engine import AsyncEngine
+from common.engine.config import ModelConfig
+from common.engine.request import Request
+from common.engine.sampling_params import SamplingParams
+from common.service.embedding_api import EmbedJob, EmbedResult
+from common.service.engine_requests import (add_request, admit_when_id_free, finished_output,
+                                            open_stream_when_id_free, validate_request)
+from common.service.errors import ServiceError, invalid
+
+# What an embedding request carries for the fields every request has: it samples nothing.
+_NO_SAMPLING = SamplingParams(max_tokens=1)
+
+
+class Embedder:
+    def __init__(self, engine: AsyncEngine, core, eos_token_ids: tuple[int, ...]):
+        self.engine = engine
+        self.core = core  # for the model and its limits (read-only, any thread)
+        self.eos_token_ids = eos_token_ids
+
+    async def embed(self, job: EmbedJob) -> EmbedResult:
+        if not job.req_id:
+            raise invalid("request_id must not be empty")
+        validate_request(job.prompt_token_ids, _NO_SAMPLING, self.core)
+        model: ModelConfig = self.core.model_config
+        try:
+            job.pooling.check_for_model(model.hidden_size, model.is_matryoshka, model.matryoshka_dimensions)
+        except ValueError as e:
+            raise invalid(f"pooling.{e}") from None
+        request = Request(job.req_id, job.prompt_token_ids, _NO_SAMPLING, eos_token_ids=self.eos_token_ids,
+                          priority=job.priority, pooling_params=job.pooling)
+        try:
+            stream = await open_stream_when_id_free(self.engine, job.req_id)
+        except ValueError as e:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
+        # Leaving early (the call cancelled) closes the stream, which aborts the request.
+        with stream:
+            try:
+                await admit_when_id_free(lambda: self.engine.call(lambda core: add_request(core, request)))
+            except ValueError as e:
+                raise invalid(str(e)) from None
+            output = await finished_output(stream)
+        if output.embedding is None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"embedding {job.req_id} was aborted "
+                               "(the instance is shutting down)")
+        return EmbedResult(output.embedding, output.num_cached_tokens)
