@@ -12,9 +12,10 @@ from common.service.common_api import (
     logprobs_to_pb,
     sampling_params_from_pb,
 )
+from common.service.embedding_api import pooling_params_from_pb
 from common.service.errors import invalid
 from common.text.chat_template import ChatTemplateOptions
-from gateway.types import DeploymentInfo, GenerateInput, GenerationDelta, Usage
+from gateway.types import DeploymentInfo, EmbeddingResult, EmbedInput, GenerateInput, GenerationDelta, Usage
 from protos.pdserve.v1 import generate_pb2
 
 
@@ -24,6 +25,12 @@ def generate_input_from_pb(msg: generate_pb2.GenerateRequest) -> GenerateInput:
                             return_token_ids=msg.output.return_token_ids,
                             return_logprobs=msg.output.return_logprobs, model=msg.model,
                             split_reasoning=msg.output.split_reasoning)
+    _set_prompt(request, msg)
+    return request
+
+
+def _set_prompt(request: GenerateInput | EmbedInput,
+                msg: generate_pb2.GenerateRequest | generate_pb2.EmbeddingRequest) -> None:
     form = msg.WhichOneof("prompt")
     if form == "text":
         request.text = msg.text
@@ -34,7 +41,28 @@ def generate_input_from_pb(msg: generate_pb2.GenerateRequest) -> GenerateInput:
         request.chat_options = chat_options_from_pb(msg.messages)
     if msg.HasField("add_special_tokens"):
         request.add_special_tokens = msg.add_special_tokens
+
+
+def embed_input_from_pb(msg: generate_pb2.EmbeddingRequest) -> EmbedInput:
+    request = EmbedInput(pooling=pooling_params_from_pb(msg.pooling), request_id=msg.request_id,
+                         priority=msg.priority, model=msg.model,
+                         truncate_prompt_tokens=(msg.truncate_prompt_tokens if msg.HasField("truncate_prompt_tokens")
+                                                 else None))
+    _set_prompt(request, msg)
     return request
+
+
+def embedding_result_to_pb(result: EmbeddingResult) -> generate_pb2.EmbeddingResponse:
+    return generate_pb2.EmbeddingResponse(
+        request_id=result.request_id, embedding=result.embedding, instance_id=result.instance_id,
+        usage=generate_pb2.Usage(prompt_tokens=result.usage.prompt_tokens,
+                                 cached_prompt_tokens=result.usage.cached_prompt_tokens))
+
+
+def embedding_result_from_pb(msg: generate_pb2.EmbeddingResponse) -> EmbeddingResult:
+    return EmbeddingResult(request_id=msg.request_id, embedding=list(msg.embedding),
+                           usage=Usage(msg.usage.prompt_tokens, 0, msg.usage.cached_prompt_tokens),
+                           instance_id=msg.instance_id)
 
 
 def chat_message_from_pb(msg: generate_pb2.ChatMessage) -> dict:

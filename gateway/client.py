@@ -22,7 +22,9 @@ the gateway's status (INVALID_ARGUMENT, UNAVAILABLE, ...). A gateway started wit
 
 Results are gateway.types.GenerationDelta: text, token_ids, logprobs, finish_reason,
 stop_token_id, stop_string, usage (prompt, completion, cached tokens), and the
-prefill/decode instance ids that served the request.
+prefill/decode instance ids that served the request. `client.embed(prompt,
+pooling=PoolingParams(...))` gives a gateway.types.EmbeddingResult (embedding, usage,
+the instance that computed it).
 
 RegistryClient (common.service.registration) is re-exported for the engine instances.
 """
@@ -34,12 +36,15 @@ from typing import Any
 
 import grpc
 
+from common.engine.pooling_params import PoolingParams
 from common.engine.sampling_params import SamplingParams
 from common.service.common_api import sampling_params_to_pb
+from common.service.embedding_api import pooling_params_to_pb
 from common.text.chat_template import ChatTemplateOptions
-from gateway.api import chat_message_to_pb, chat_options_to_pb, delta_from_pb, deployment_info_from_pb
+from gateway.api import (chat_message_to_pb, chat_options_to_pb, delta_from_pb, deployment_info_from_pb,
+                         embedding_result_from_pb)
 from gateway.api_keys import API_KEY_ENV
-from gateway.types import DeploymentInfo, GenerationDelta
+from gateway.types import DeploymentInfo, EmbeddingResult, GenerationDelta
 from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids, or chat messages {role, content}
@@ -58,6 +63,23 @@ def build_generate_request(prompt: Prompt, sampling: SamplingParams | None = Non
         priority=priority, model=model,
         output=generate_pb2.OutputOptions(return_token_ids=return_token_ids, return_logprobs=return_logprobs,
                                           split_reasoning=split_reasoning))
+    return _with_prompt(request, prompt, chat_options, add_special_tokens)
+
+
+def build_embedding_request(prompt: Prompt, pooling: PoolingParams | None = None, request_id: str = "",
+                            priority: int = 0, model: str = "", chat_options: ChatTemplateOptions | None = None,
+                            add_special_tokens: bool | None = None,
+                            truncate_prompt_tokens: int | None = None) -> generate_pb2.EmbeddingRequest:
+    request = generate_pb2.EmbeddingRequest(pooling=pooling_params_to_pb(pooling or PoolingParams()),
+                                            request_id=request_id, priority=priority, model=model)
+    if truncate_prompt_tokens is not None:
+        request.truncate_prompt_tokens = truncate_prompt_tokens
+    return _with_prompt(request, prompt, chat_options, add_special_tokens)
+
+
+def _with_prompt(request, prompt: Prompt, chat_options: ChatTemplateOptions | None,
+                 add_special_tokens: bool | None):
+    """request (a GenerateRequest or an EmbeddingRequest) with its prompt set."""
     if add_special_tokens is not None:
         request.add_special_tokens = add_special_tokens
     if isinstance(prompt, str):
@@ -161,6 +183,14 @@ class AsyncClient:
             _request(prompt, token_ids, messages, sampling, kwargs), timeout=timeout or self.timeout,
             metadata=self._metadata))
 
+    async def embed(self, prompt: Prompt, *, pooling: PoolingParams | None = None, timeout: float | None = None,
+                    **options) -> EmbeddingResult:
+        """The prompt's embedding; options: build_embedding_request's (request_id, priority, model,
+        chat_options, add_special_tokens, truncate_prompt_tokens)."""
+        request = build_embedding_request(prompt, pooling, **options)
+        return embedding_result_from_pb(await self._stub.Embed(request, timeout=timeout or self.timeout,
+                                                               metadata=self._metadata))
+
     async def model_info(self, timeout: float | None = None) -> DeploymentInfo:
         return deployment_info_from_pb(await self._stub.ModelInfo(
             generate_pb2.ModelInfoRequest(), timeout=timeout or self.timeout, metadata=self._metadata))
@@ -199,6 +229,12 @@ class Client:
         return ResponseStream(self._stub.GenerateStream(
             _request(prompt, token_ids, messages, sampling, kwargs), timeout=timeout or self.timeout,
             metadata=self._metadata))
+
+    def embed(self, prompt: Prompt, *, pooling: PoolingParams | None = None, timeout: float | None = None,
+              **options) -> EmbeddingResult:
+        request = build_embedding_request(prompt, pooling, **options)
+        return embedding_result_from_pb(self._stub.Embed(request, timeout=timeout or self.timeout,
+                                                         metadata=self._metadata))
 
     def model_info(self, timeout: float | None = None) -> DeploymentInfo:
         return deployment_info_from_pb(self._stub.ModelInfo(

@@ -2,6 +2,7 @@
 
 `Gateway.stream` is what GenerateStream runs and `Gateway.generate` what Generate
 runs; both take a GenerateInput and raise ServiceError with the status to answer.
+`Gateway.embed` is what Embed runs (an EmbedInput).
 """
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ from gateway.admission import PoolAdmission, Slot
 from gateway.readiness import Readiness
 from gateway.request_ids import RequestIdInFlight, RequestIds
 from gateway.routing.dispatcher import Dispatcher
+from gateway.routing.embedding_dispatcher import EmbeddingDispatcher
 from gateway.routing.kv_event_subscriber import KvEventSubscriber, grpc_resync
 from gateway.routing.kv_index import KvIndex
 from gateway.routing.policies import make_policy
 from gateway.routing.registry import InstanceRegistry
-from gateway.types import DeploymentInfo, GenerateInput, GenerationDelta, PreparedRequest
-from gateway.validation import ServedModel, prepare_request, prompt_chars, tokenize_prompt
+from gateway.types import (DeploymentInfo, EmbeddingResult, EmbedInput, GenerateInput, GenerationDelta,
+                           PreparedEmbedding, PreparedRequest, Usage)
+from gateway.validation import ServedModel, prepare_embedding, prepare_request, prompt_chars, tokenize_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ ID_RETRY_FIRST_BACKOFF_S = 0.005
 ID_RETRY_MAX_BACKOFF_S = 0.1
 
 
-async def _tokenizing(request: GenerateInput, tokenize, *args):
+async def _tokenizing(request: GenerateInput | EmbedInput, tokenize, *args):
     """tokenize(*args), off the event loop where request's prompt is long (many characters or
     chat messages) enough that tokenizing it would stall every stream the loop serves."""
     if prompt_chars(request) > TOKENIZE_IN_THREAD_CHARS or len(request.messages or ()) > TOKENIZE_IN_THREAD_MESSAGES:
@@ -85,6 +88,7 @@ class Gateway:
         self.metrics.watch_instances(self.registry.snapshot)
         self.dispatcher = Dispatcher(self.registry, self.kv_index, self.policy, model.tokenizer,
                                      model.tokenizer.eos_token_ids, self.metrics)
+        self.embeddings = EmbeddingDispatcher(self.registry, self.dispatcher.ledger, self.policy, self.metrics)
         self.decode_admission = PoolAdmission(self.registry, "decode", settings.max_running_per_decode,
                                               settings.max_waiting_requests)
         self.prefill_admission = PoolAdmission(self.registry, "prefill", settings.max_running_per_prefill,
@@ -123,6 +127,7 @@ class Gateway:
         if self._kv_events is not None:
             await self._kv_events.close()
         await self.dispatcher.close()
+        await self.embeddings.close()
 
     @property
     def max_model_len(self) -> int:
@@ -240,6 +245,55 @@ class Gateway:
 
     def _observe_heartbeat(self, instance, _reason: str) -> None:
         self.metrics.heartbeat_received(instance.role, instance.last_heartbeat_gap_s)
+
+    async def embed(self, request: EmbedInput, timeout_s: float | None = None) -> EmbeddingResult:
+        """The prompt's embedding (gateway.routing.embedding_dispatcher places it)."""
+        with request_context(request.request_id):
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            deadline = None if timeout_s is None else started + timeout_s
+            status, num_prompt_tokens, result = "CANCELLED", 0, None
+            try:
+                if self.draining:
+                    raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down; retry on another")
+                served = frozenset([self.registry.model_name] if self.registry.model_name else [])
+                prepared = await _tokenizing(request, prepare_embedding, request, self.model, self.max_model_len,
+                                             self.settings.max_prompt_chars, served)
+                num_prompt_tokens = len(prepared.prompt_token_ids)
+                result = await self._embed(prepared, deadline)
+                status = "OK"
+                return result
+            except ServiceError as e:
+                status = e.code.name
+                raise
+            except asyncio.CancelledError:
+                if deadline is not None and loop.time() >= deadline - DEADLINE_SLACK_S:
+                    status = "DEADLINE_EXCEEDED"
+                raise
+            except BaseException:
+                status = "INTERNAL"
+                raise
+            finally:
+                duration_s = loop.time() - started
+                self.metrics.embedding_finished(status, num_prompt_tokens, duration_s)
+                log_event(logger, "embedding end", status=status, prompt_tokens=num_prompt_tokens,
+                          cached_tokens=result.usage.cached_prompt_tokens if result else 0,
+                          instance=result.instance_id if result else "", duration_s=round(duration_s, 4))
+
+    async def _embed(self, prepared: PreparedEmbedding, deadline: float | None) -> EmbeddingResult:
+        await self.request_ids.acquire(prepared.request_id, _left(deadline))
+        try:
+            with request_context(prepared.request_id):
+                # A prefill slot where a prefill instance computes it, else a decode slot.
+                admission = (self.prefill_admission if self.embeddings.uses_prefill_pool()
+                             else self.decode_admission)
+                async with admission.slot(_left(deadline)):
+                    result = await self.embeddings.embed(prepared, _left(deadline))
+        finally:
+            self.request_ids.release(prepared.request_id)
+        return EmbeddingResult(prepared.request_id, result.embedding,
+                               Usage(len(prepared.prompt_token_ids), 0, result.num_cached_tokens),
+                               result.instance_id)
 
     async def generate(self, request: GenerateInput, timeout_s: float | None = None) -> GenerationDelta:
         """The whole completion: the stream's deltas joined."""

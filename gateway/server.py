@@ -32,7 +32,8 @@ from grpc_health.v1 import health_pb2
 from common.service.errors import ErrorStatusInterceptor, ServiceError
 from common.service.keepalive import KEEPALIVE_SERVER_OPTIONS
 from gateway.admission import RETRY_AFTER_METADATA
-from gateway.api import delta_to_pb, deployment_info_to_pb, generate_input_from_pb
+from gateway.api import (delta_to_pb, deployment_info_to_pb, embed_input_from_pb, embedding_result_to_pb,
+                         generate_input_from_pb)
 from gateway.api_keys import MISSING_KEY_MESSAGE, ApiKeys
 from gateway.core import Gateway, GatewaySettings
 from gateway.openai_api.reasoning_parsers import ReasoningParser, make_reasoning_parser
@@ -55,12 +56,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.api_keys = api_keys
         self.reasoning_parser = reasoning_parser  # output.split_reasoning's
 
-    def _authenticate(self, context, counted: bool = True) -> None:
+    def _authenticate(self, context, counted_as: str | None = "request") -> None:
+        """counted_as: what a refused call counts as ("request": a Generate call, "embedding"), or None."""
         if self.api_keys is None:
             return
         if not self.api_keys.accepts(dict(context.invocation_metadata() or ()).get("authorization")):
-            if counted:  # a Generate call refused is still a request, counted under its status
+            # A call refused is still a request, counted under its status.
+            if counted_as == "request":
                 self.gateway.metrics.request_timer().finish("UNAUTHENTICATED")
+            elif counted_as == "embedding":
+                self.gateway.metrics.embedding_finished("UNAUTHENTICATED", 0, 0.0)
             raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, MISSING_KEY_MESSAGE)
 
     async def Generate(self, request, context):
@@ -95,8 +100,22 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             raise
 
     async def ModelInfo(self, request, context):
-        self._authenticate(context, counted=False)
+        self._authenticate(context, counted_as=None)
         return deployment_info_to_pb(self.gateway.deployment_info())
+
+    async def Embed(self, request, context):
+        self._authenticate(context, counted_as="embedding")
+        try:
+            embed_input = embed_input_from_pb(request)
+        except ServiceError as e:  # a bad pooling field: counted like the gateway's refusals
+            self.gateway.metrics.embedding_finished(e.code.name, 0, 0.0)
+            raise
+        try:
+            result = await self.gateway.embed(embed_input, context.time_remaining())
+        except ServiceError as e:
+            _add_retry_hint(context, e)
+            raise
+        return embedding_result_to_pb(result)
 
 
 def _add_retry_hint(context, error: ServiceError) -> None:

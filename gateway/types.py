@@ -2,12 +2,14 @@
 
 GenerateInput (a Generate call) -> PreparedRequest (validated, tokenized)
 decode_service.api.DecodeOutput (one DecodeResponse) -> GenerationDelta (one GenerateResponse)
+EmbedInput (an Embed call) -> PreparedEmbedding -> EmbeddingResult (its EmbeddingResponse)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from common.engine.outputs import Logprobs
+from common.engine.pooling_params import PoolingParams
 from common.engine.sampling_params import SamplingParams
 from common.text.chat_template import DEFAULT_CHAT_TEMPLATE_OPTIONS, ChatTemplateOptions
 
@@ -45,6 +47,32 @@ class PreparedRequest:
     @property
     def return_logprobs(self) -> bool:
         return self.sampling.logprobs is not None
+
+
+@dataclass
+class EmbedInput:
+    """An Embed call: exactly one of text, token_ids, messages should be set (as GenerateInput's)."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    pooling: PoolingParams = field(default_factory=PoolingParams)
+    request_id: str = ""  # "": the gateway makes one
+    priority: int = 0
+    model: str = ""  # "": the served model
+    chat_options: ChatTemplateOptions = DEFAULT_CHAT_TEMPLATE_OPTIONS
+    add_special_tokens: bool | None = None  # None: true for text, false for messages
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len)
+
+
+@dataclass
+class PreparedEmbedding:
+    """A validated Embed call, ready to place."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    pooling: PoolingParams
+    priority: int = 0
 
 
 @dataclass
@@ -89,6 +117,16 @@ class GenerationDelta:
         self.finish_reason, self.stop_token_id, self.stop_string = (
             later.finish_reason, later.stop_token_id, later.stop_string)
         return self
+
+
+@dataclass
+class EmbeddingResult:
+    """What an Embed call answers."""
+
+    request_id: str
+    embedding: list[float]
+    usage: Usage  # completion_tokens 0
+    instance_id: str = ""  # the instance that computed it
 
 
 @dataclass

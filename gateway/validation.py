@@ -20,7 +20,7 @@ from common.engine.sampling_params import truncate_prompt, validate_prompt_token
 from common.service.errors import invalid
 from common.text.chat_template import ChatTemplateOptions
 from common.text.prompt_tokenizer import load_prompt_tokenizer
-from gateway.types import GenerateInput, PreparedRequest
+from gateway.types import EmbedInput, GenerateInput, PreparedEmbedding, PreparedRequest
 
 MAX_REQUEST_ID_CHARS = 256
 # Chat messages per request: the chat template runs once per message, on the event
@@ -88,7 +88,7 @@ def read_chat_template(value: str) -> str:
     return value
 
 
-def prompt_chars(request: GenerateInput) -> int:
+def prompt_chars(request: GenerateInput | EmbedInput) -> int:
     """What the tokenizer reads: the text, or the messages' content, tool calls' arguments,
     the tools the template lists and its extra variables."""
     if request.text is not None:
@@ -101,20 +101,25 @@ def prompt_chars(request: GenerateInput) -> int:
     return num_chars
 
 
-def prepare_request(request: GenerateInput, model: ServedModel, max_model_len: int,
-                    max_prompt_chars: int, served_names: frozenset[str] = frozenset()) -> PreparedRequest:
-    """Validate and tokenize; raise ServiceError(INVALID_ARGUMENT) naming the problem."""
+def _check_model_and_id(request: GenerateInput | EmbedInput, model: ServedModel,
+                        served_names: frozenset[str]) -> None:
     if request.model and request.model not in model.aliases | served_names:
         raise invalid(f"model {request.model!r} is not served here; this gateway serves "
                       f"{model.name!r} (leave model empty for it)")
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise invalid(f"request_id has {len(request.request_id)} characters; at most "
+                      f"{MAX_REQUEST_ID_CHARS} are allowed")
+
+
+def prepare_request(request: GenerateInput, model: ServedModel, max_model_len: int,
+                    max_prompt_chars: int, served_names: frozenset[str] = frozenset()) -> PreparedRequest:
+    """Validate and tokenize; raise ServiceError(INVALID_ARGUMENT) naming the problem."""
+    _check_model_and_id(request, model, served_names)
     sampling = request.sampling
     if sampling.n != 1:
         # GenerateResponse holds one completion, so n > 1 has nowhere to go.
         raise invalid(f"sampling.n={sampling.n} is not supported: send n separate requests "
                       f"(with seeds seed+i for reproducible samples)")
-    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-        raise invalid(f"request_id has {len(request.request_id)} characters; at most "
-                      f"{MAX_REQUEST_ID_CHARS} are allowed")
     prompt_token_ids = tokenize_prompt(request, model, max_prompt_chars)
     try:
         prompt_token_ids = truncate_prompt(prompt_token_ids, sampling.truncate_prompt_tokens, max_model_len)
@@ -141,6 +146,27 @@ def prepare_request(request: GenerateInput, model: ServedModel, max_model_len: i
                            priority=request.priority, return_token_ids=request.return_token_ids)
 
 
+def prepare_embedding(request: EmbedInput, model: ServedModel, max_model_len: int, max_prompt_chars: int,
+                      served_names: frozenset[str] = frozenset()) -> PreparedEmbedding:
+    """Validate and tokenize an Embed call; raise ServiceError(INVALID_ARGUMENT) naming the
+    problem. A prompt may take the whole max_model_len: nothing is generated after it."""
+    _check_model_and_id(request, model, served_names)
+    keep = request.truncate_prompt_tokens
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or (keep < 1 and keep != -1)):
+        raise invalid(f"truncate_prompt_tokens must be -1 (the model's maximum length) or an integer >= 1, "
+                      f"got {keep!r}")
+    prompt_token_ids = tokenize_prompt(request, model, max_prompt_chars)
+    try:
+        prompt_token_ids = truncate_prompt(prompt_token_ids, keep, max_model_len)
+    except ValueError as e:
+        raise invalid(str(e)) from None
+    if len(prompt_token_ids) > max_model_len:
+        raise invalid(f"prompt has {len(prompt_token_ids)} tokens, more than the model's maximum length of "
+                      f"{max_model_len}; shorten it or set truncate_prompt_tokens")
+    return PreparedEmbedding(request_id=request.request_id or uuid.uuid4().hex,
+                             prompt_token_ids=prompt_token_ids, pooling=request.pooling, priority=request.priority)
+
+
 def _with_defaults(options: ChatTemplateOptions, model: ServedModel) -> ChatTemplateOptions:
     """The request's template variables over the server's defaults."""
     if not model.default_chat_template_kwargs:
@@ -149,7 +175,7 @@ def _with_defaults(options: ChatTemplateOptions, model: ServedModel) -> ChatTemp
                                                               **(options.chat_template_kwargs or {})})
 
 
-def tokenize_prompt(request: GenerateInput, model: ServedModel, max_prompt_chars: int) -> list[int]:
+def tokenize_prompt(request: GenerateInput | EmbedInput, model: ServedModel, max_prompt_chars: int) -> list[int]:
     """The prompt's token ids, each in the vocabulary; INVALID_ARGUMENT for a prompt past the
     bounds or one the tokenizer refuses."""
     forms = [name for name in ("text", "token_ids", "messages") if getattr(request, name) is not None]

@@ -23,7 +23,7 @@ import grpc
 from grpc import aio
 
 from common.service.registration import InstanceLoad, InstanceSpec, RegistryClient
-from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, embedding_pb2, embedding_pb2_grpc
 
 
 @dataclass
@@ -90,8 +90,39 @@ class FakeDecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             num_running_requests=len(self.running), num_free_blocks=1000, num_total_blocks=1000).to_pb())
 
 
+# What the fake's embeddings hold: a few values made from the prompt, so a test can tell inputs apart.
+FAKE_EMBEDDING_SIZE = 4
+
+
+def fake_embedding(prompt_token_ids: Sequence[int]) -> list[float]:
+    """[number of tokens, first id, last id, sum of ids] (float32-exact for small prompts)."""
+    return [float(len(prompt_token_ids)), float(prompt_token_ids[0]), float(prompt_token_ids[-1]),
+            float(sum(prompt_token_ids))]
+
+
+class FakeEmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
+    """Embed beside the fake's Decode: fake_embedding of the prompt, its failure injected too."""
+
+    def __init__(self, decode: FakeDecodeServicer):
+        self.decode = decode
+        self.requests: list[embedding_pb2.EmbedRequest] = []
+
+    async def Embed(self, request, context):
+        self.requests.append(request)
+        failure = self.decode.failure
+        if failure is not None:
+            await context.abort(failure.code, failure.details)
+        if self.decode.delay_s:
+            await asyncio.sleep(self.decode.delay_s)
+        return embedding_pb2.EmbedResponse(request_id=request.request_id,
+                                           embedding=fake_embedding(request.prompt_token_ids),
+                                           num_cached_tokens=self.decode.num_cached_tokens,
+                                           instance_id=self.decode.instance_id)
+
+
 class FakeDecode:
-    """A FakeDecodeServicer on its own server on 127.0.0.1, registered with a gateway."""
+    """A FakeDecodeServicer (and FakeEmbeddingServicer) on its own server on 127.0.0.1,
+    registered with a gateway."""
 
     def __init__(self, instance_id: str, gateway_address: str, max_model_len: int = 8192,
                  model_name: str = "", block_size: int = 16, registry_token: str | None = None,
@@ -99,6 +130,8 @@ class FakeDecode:
         self.servicer = FakeDecodeServicer(instance_id, **servicer_kwargs)
         self._server = aio.server()
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, self._server)
+        self.embedding_servicer = FakeEmbeddingServicer(self.servicer)
+        embedding_pb2_grpc.add_EmbeddingServiceServicer_to_server(self.embedding_servicer, self._server)
         port = self._server.add_insecure_port("127.0.0.1:0")
         self.address = f"127.0.0.1:{port}"
         self.spec = InstanceSpec(instance_id=instance_id, role="decode", grpc_address=self.address,

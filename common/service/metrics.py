@@ -154,6 +154,11 @@ class GatewayMetrics(ServiceMetrics):
                              buckets=E2E_BUCKETS)
         self.in_flight = Gauge("pdserve_num_requests_in_flight", "Generate calls the gateway is serving",
                                registry=r)
+        self.embeddings = Counter("pdserve_embeddings", "Embed calls (gRPC Embed, each input of HTTP "
+                                  "/v1/embeddings) that ended, by gRPC status", ["status"], registry=r)
+        self.embedding_seconds = Histogram("pdserve_embedding_seconds", "Latency of successful Embed calls, "
+                                           "from reaching the gateway to the vector", registry=r,
+                                           buckets=E2E_BUCKETS)
         self.placements = Counter("pdserve_placement_decisions", "Placement decisions: pool prefill or "
                                   "decode; result placed, or none (no live instance: the decode instance "
                                   "prefills locally / the request fails UNAVAILABLE)",
@@ -174,6 +179,13 @@ class GatewayMetrics(ServiceMetrics):
 
     def request_timer(self) -> "RequestTimer":
         return RequestTimer(self)
+
+    def embedding_finished(self, status: str, num_prompt_tokens: int, duration_s: float) -> None:
+        """Count one Embed call under `status` (a grpc.StatusCode name)."""
+        self.embeddings.labels(status).inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        if status == "OK":
+            self.embedding_seconds.observe(duration_s)
 
     def placed(self, pool: str, placed: bool) -> None:
         self.placements.labels(self.policy, pool, "placed" if placed else "none").inc()

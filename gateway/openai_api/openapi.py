@@ -1,7 +1,8 @@
 """The OpenAPI 3.1 document of the HTTP API this gateway serves (GET /openapi.json).
 
 The request bodies are written from protocol.py's field tables (COMPLETION_FIELDS,
-CHAT_FIELDS, STREAM_OPTIONS, TOKENIZE_FIELDS, DETOKENIZE_FIELDS): each check there carries the JSON Schema of what it
+CHAT_FIELDS, STREAM_OPTIONS, TOKENIZE_FIELDS, DETOKENIZE_FIELDS) and embeddings.py's
+(EMBEDDING_FIELDS): each check there carries the JSON Schema of what it
 accepts, with the bounds of the README's "Request bounds", so a field added, removed
 or re-bounded there is so here too. What only holds between fields (min_tokens <=
 max_tokens, n times the number of prompts, the prompt's length in tokens) is said in
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gateway.openai_api.embeddings import EMBEDDING_FIELDS, MAX_EMBEDDING_INPUTS
 from gateway.openai_api.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -64,6 +66,17 @@ def fields_schema(fields: dict[str, Callable], required: list[str], served_model
     return {"type": "object", "additionalProperties": False, "required": required, "properties": properties}
 
 
+def exactly_one_of(schema: dict, names: tuple[str, ...]) -> dict:
+    """`schema` with exactly one of the fields `names` set (not null)."""
+    alternatives = []
+    for name in names:
+        others = [other for other in names if other != name]
+        alternatives.append({"required": [name], "properties": {name: {"not": {"type": "null"}}},
+                             "not": {"anyOf": [{"required": [other], "properties": {other: {"not": {"type": "null"}}}}
+                                               for other in others]}})
+    return {**schema, "oneOf": alternatives}
+
+
 def _generate_operation(summary: str, schema_name: str) -> dict:
     return {
         "summary": summary,
@@ -78,8 +91,9 @@ def _generate_operation(summary: str, schema_name: str) -> dict:
                for status, description in ERROR_STATUSES.items()}}}
 
 
-def _json_operation(summary: str, schema_name: str, response: dict) -> dict:
-    """A POST whose body is components' schema_name and whose answer is `response` or a 400 / 404."""
+def _json_operation(summary: str, schema_name: str, response: dict,
+                    statuses: tuple[str, ...] = ("400", "404", "413")) -> dict:
+    """A POST whose body is components' schema_name and whose answer is `response` or one of `statuses`."""
     return {
         "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {
@@ -88,7 +102,7 @@ def _json_operation(summary: str, schema_name: str, response: dict) -> dict:
             "200": {"description": "ok", "content": {"application/json": {"schema": response}}},
             **{status: {"description": ERROR_STATUSES[status],
                         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-               for status in ("400", "404", "413")}}}
+               for status in statuses}}}
 
 
 MODEL_CARD = {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
@@ -98,6 +112,16 @@ TOKENIZE_RESPONSE = {"type": "object", "required": ["count", "max_model_len", "t
     "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
     "tokens": {"type": "array", "items": {"type": "integer"}},
     "token_strs": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]}}}
+EMBEDDING_RESPONSE = {"type": "object", "required": ["id", "object", "created", "model", "data", "usage"],
+                      "properties": {
+    "id": {"type": "string"}, "object": {"enum": ["list"]}, "created": {"type": "integer"}, "model": {"type": "string"},
+    "data": {"type": "array", "maxItems": MAX_EMBEDDING_INPUTS, "items": {
+        "type": "object", "required": ["index", "object", "embedding"], "properties": {
+            "index": {"type": "integer"}, "object": {"enum": ["embedding"]},
+            "embedding": {"anyOf": [{"type": "array", "items": {"type": "number"}},
+                                    {"type": "string", "description": "base64 of little-endian float32"}]}}}},
+    "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"], "properties": {
+        "prompt_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}}}}}
 DETOKENIZE_RESPONSE = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
 
 
@@ -114,16 +138,20 @@ def openapi_document(served_model_names: list[str], version: str = "0.1.0",
     """The document for a gateway serving the model under `served_model_names`; a request's
     own `chat_template` is described only where the gateway runs them
     (--trust-request-chat-template): elsewhere it is a 400."""
-    chat_fields, tokenize_fields = CHAT_FIELDS, TOKENIZE_FIELDS
+    chat_fields, tokenize_fields, embedding_fields = CHAT_FIELDS, TOKENIZE_FIELDS, EMBEDDING_FIELDS
     if not request_chat_templates:
-        chat_fields, tokenize_fields = ({name: check for name, check in fields.items() if name != "chat_template"}
-                                        for fields in (CHAT_FIELDS, TOKENIZE_FIELDS))
+        chat_fields, tokenize_fields, embedding_fields = (
+            {name: check for name, check in fields.items() if name != "chat_template"}
+            for fields in (CHAT_FIELDS, TOKENIZE_FIELDS, EMBEDDING_FIELDS))
     return {
         "openapi": OPENAPI_VERSION,
         "info": {"title": "pdserve OpenAI-compatible API", "version": version},
         "paths": {
             "/v1/completions": {"post": _generate_operation("Text completion", "CompletionRequest")},
             "/v1/chat/completions": {"post": _generate_operation("Chat completion", "ChatCompletionRequest")},
+            "/v1/embeddings": {"post": _json_operation(
+                "Embeddings: each input's final hidden state at its last token, pooled (exactly one of input and "
+                "messages)", "EmbeddingRequest", EMBEDDING_RESPONSE, tuple(ERROR_STATUSES))},
             "/v1/models": {"get": {"summary": "The served model", "responses": {"200": {
                 "description": "One model", "content": {"application/json": {"schema": {
                     "type": "object", "required": ["object", "data"], "properties": {
@@ -152,6 +180,8 @@ def openapi_document(served_model_names: list[str], version: str = "0.1.0",
             "CompletionRequest": fields_schema(COMPLETION_FIELDS, REQUIRED_FIELDS["completion"], served_model_names),
             "ChatCompletionRequest": fields_schema(chat_fields, REQUIRED_FIELDS["chat"], served_model_names),
             "TokenizeRequest": fields_schema(tokenize_fields, [], served_model_names),
+            "EmbeddingRequest": exactly_one_of(fields_schema(embedding_fields, [], served_model_names),
+                                               ("input", "messages")),
             "DetokenizeRequest": fields_schema(DETOKENIZE_FIELDS, REQUIRED_FIELDS["detokenize"], served_model_names),
             "Error": ERROR_BODY,
         }},

@@ -336,7 +336,7 @@ _PROMPT_TEXT = {"type": "string", "minLength": 1}
                    f"most {MAX_CHOICES}; prompt text at most --max-prompt-chars, token ids at most "
                    f"max_model_len - 1"})
 def prompt_value(param: str, value: Any) -> Any:
-    """Checked whole by _prompts once the other fields are known."""
+    """Checked whole by checked_prompts once the other fields are known."""
     return value
 
 
@@ -363,7 +363,7 @@ def _turn(roles: list[str], required: list[str], **properties: dict) -> dict:
     _turn(["tool"], ["content", "tool_call_id"], content=_CONTENT, tool_call_id={"type": "string"})]},
     "description": "the conversation; its content at most --max-prompt-chars in total"})
 def messages_value(param: str, value: Any) -> Any:
-    """Checked whole by _messages once the other fields are known."""
+    """Checked whole by checked_messages once the other fields are known."""
     return value
 
 
@@ -453,7 +453,7 @@ _CHAT_ONLY_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_te
 
 
 def parse_tokenize_request(body: bytes) -> TokenizeRequest:
-    values = _checked(parse_body(body), TOKENIZE_FIELDS)
+    values = checked_fields(parse_body(body), TOKENIZE_FIELDS)
     forms = [name for name in ("prompt", "messages") if name in values]
     if len(forms) != 1:
         raise invalid_field("prompt", "set exactly one of prompt and messages",
@@ -461,7 +461,8 @@ def parse_tokenize_request(body: bytes) -> TokenizeRequest:
     prompt = GenerateInput(add_special_tokens=values.get("add_special_tokens"))
     if "messages" in values:
         tools = checked_tools(values["tools"]) if "tools" in values else None  # listed as generation lists them
-        prompt.messages, prompt.chat_options = _messages(values["messages"]), _chat_options(values, tools or None)
+        prompt.messages = checked_messages(values["messages"])
+        prompt.chat_options = chat_options_of(values, tools or None)
     else:
         unused = next((name for name in _CHAT_ONLY_FIELDS if name in values), None)
         if unused is not None:
@@ -473,7 +474,7 @@ def parse_tokenize_request(body: bytes) -> TokenizeRequest:
 
 def parse_detokenize_request(body: bytes) -> tuple[str | None, list[int]]:
     """POST /detokenize (vLLM's): (model or None, token ids)."""
-    values = _checked(parse_body(body), DETOKENIZE_FIELDS)
+    values = checked_fields(parse_body(body), DETOKENIZE_FIELDS)
     if "tokens" not in values:
         raise invalid_field("tokens", "is required", code="missing_field")
     return values.get("model"), values["tokens"]
@@ -527,7 +528,7 @@ def parse_body(body: bytes) -> dict:
     return data
 
 
-def _checked(data: dict, fields: dict[str, Callable], where: str = "") -> dict[str, Any]:
+def checked_fields(data: dict, fields: dict[str, Callable], where: str = "") -> dict[str, Any]:
     """The fields' checked values; null counts as unset (OpenAI's optional fields are nullable)."""
     unknown = [name for name in data if name not in fields]
     if unknown:
@@ -541,12 +542,12 @@ def parse_request(body: bytes, chat: bool, tool_parser: ToolCallParser | None = 
                   response_role: str = "assistant") -> ParsedRequest:
     """A completions or chat body, checked; `tool_parser`: the server's for tool_choice "auto";
     `response_role`: the role a chat answer speaks as after a generation prompt (--response-role)."""
-    values = _checked(parse_body(body), CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    values = checked_fields(parse_body(body), CHAT_FIELDS if chat else COMPLETION_FIELDS)
     get = values.get
     if "model" not in values:
         raise invalid_field("model", "is required: the name /v1/models lists", code="missing_field")
     stream = get("stream", False)
-    options = _checked(get("stream_options", {}), STREAM_OPTIONS, "stream_options.")
+    options = checked_fields(get("stream_options", {}), STREAM_OPTIONS, "stream_options.")
     if "stream_options" in values and not stream:
         raise invalid_field("stream_options", "is only allowed when stream is true")
     n = get("n", 1)
@@ -557,14 +558,14 @@ def parse_request(body: bytes, chat: bool, tool_parser: ToolCallParser | None = 
                            return_tokens_as_token_ids=get("return_tokens_as_token_ids", False),
                            return_token_ids=get("return_token_ids", False))
     if chat:
-        parsed.messages = _messages(values.get("messages", _NONE))
+        parsed.messages = checked_messages(values.get("messages", _NONE))
         max_tokens = _chat_max_tokens(values)
         if "top_logprobs" in values and not get("logprobs", False):
             raise invalid_field("top_logprobs", "needs logprobs set to true")
         parsed.num_logprobs = get("top_logprobs", 0) if get("logprobs", False) else None
         parsed.tool_choice = tool_choice_of(values, tool_parser)
         parsed.include_reasoning = get("include_reasoning", True)
-        parsed.chat_options = _chat_options(values, parsed.tool_choice.tools if parsed.tool_choice else None)
+        parsed.chat_options = chat_options_of(values, parsed.tool_choice.tools if parsed.tool_choice else None)
         last = parsed.messages[-1]
         parsed.response_role = response_role if parsed.chat_options.add_generation_prompt else last["role"]
         if get("echo", False) and last["role"] == parsed.response_role:
@@ -573,7 +574,7 @@ def parse_request(body: bytes, chat: bool, tool_parser: ToolCallParser | None = 
                                             "not content)")
             parsed.chat_echo = last["content"]
     else:
-        parsed.prompts = _prompts(values.get("prompt", _NONE))
+        parsed.prompts = checked_prompts(values.get("prompt", _NONE))
         max_tokens = get("max_tokens", 16)  # OpenAI's default for completions
         parsed.num_logprobs = get("logprobs")
         parsed.echo = get("echo", False)
@@ -636,7 +637,7 @@ def _beam_search(values: dict, parsed: ParsedRequest) -> BeamSearchParams:
                             skip_special_tokens=sampling.skip_special_tokens)
 
 
-def _chat_options(values: dict, tools: list[dict] | None = None) -> ChatTemplateOptions:
+def chat_options_of(values: dict, tools: list[dict] | None = None) -> ChatTemplateOptions:
     try:
         return ChatTemplateOptions(add_generation_prompt=values.get("add_generation_prompt", True),
                                    continue_final_message=values.get("continue_final_message", False),
@@ -675,10 +676,10 @@ def _sampling(values: dict, n: int, max_tokens: int | None, num_logprobs: int | 
         raise invalid_field(param if param.split("[", 1)[0] in values else "max_tokens", message) from None
 
 
-def _prompts(prompt: Any) -> list[str | list[int]]:
-    """A string, an array of strings, an array of token ids, or an array of those."""
+def checked_prompts(prompt: Any, field: str = "prompt") -> list[str | list[int]]:
+    """A string, an array of strings, an array of token ids, or an array of those (the body's `field`)."""
     if prompt is _NONE:
-        raise invalid_field("prompt", "is required", code="missing_field")
+        raise invalid_field(field, "is required", code="missing_field")
     single = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt))
     if single:
@@ -686,10 +687,10 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     elif isinstance(prompt, list) and prompt:
         prompts = prompt
     else:
-        raise invalid_field("prompt", "must be a non-empty string, array of strings, array of token ids "
-                                      "or array of token-id arrays", code="invalid_type")
+        raise invalid_field(field, "must be a non-empty string, array of strings, array of token ids "
+                                   "or array of token-id arrays", code="invalid_type")
     for i, item in enumerate(prompts):
-        param = "prompt" if single else f"prompt[{i}]"
+        param = field if single else f"{field}[{i}]"
         if isinstance(item, str):
             if not item:
                 raise invalid_field(param, "must not be empty")
@@ -700,7 +701,7 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     return prompts
 
 
-def _messages(messages: Any) -> list[dict]:
+def checked_messages(messages: Any) -> list[dict]:
     if messages is _NONE:
         raise invalid_field("messages", "is required", code="missing_field")
     if not isinstance(messages, list) or not messages:
@@ -709,7 +710,7 @@ def _messages(messages: Any) -> list[dict]:
     checked = []
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
-        values = _checked(obj(param, message), {"role": string, "content": lambda p, v: v, "name": string,
+        values = checked_fields(obj(param, message), {"role": string, "content": lambda p, v: v, "name": string,
                                                 "tool_calls": lambda p, v: v, "tool_call_id": string,
                                                 "reasoning": string, "reasoning_content": string}, f"{param}.")
         role = values.get("role")
@@ -739,7 +740,7 @@ def _content(param: str, content: Any) -> str:
         raise _wrong_type(param, "a string or an array of text parts", content)
     texts = []
     for j, part in enumerate(content):
-        values = _checked(obj(f"{param}[{j}]", part), {"type": string, "text": string}, f"{param}[{j}].")
+        values = checked_fields(obj(f"{param}[{j}]", part), {"type": string, "text": string}, f"{param}[{j}].")
         if values.get("type") != "text":
             raise invalid_field(f"{param}[{j}].type", f"only 'text' parts are supported, got "
                                                       f"{values.get('type')!r}", code="unsupported_value")

@@ -2,6 +2,7 @@
 gateway's own event loop, next to the gRPC server, on the same Gateway object.
 
     POST /v1/completions        POST /v1/chat/completions   (stream: server-sent events)
+    POST /v1/embeddings         (embeddings.py: the prompt's pooled last hidden state)
     GET  /v1/models             GET  /v1/models/{model}     GET  /version
     GET  /health (liveness)     GET  /ready (readiness)
     POST /tokenize              POST /detokenize            (vLLM's: prompt <-> token ids)
@@ -51,6 +52,12 @@ from gateway.api_keys import MISSING_KEY_MESSAGE, ApiKeys
 from gateway.core import Gateway
 from gateway.openai_api.beam_search import beam_search
 from gateway.openai_api.choices import generate_choices, stream_choices
+from gateway.openai_api.embeddings import (
+    ParsedEmbeddingRequest,
+    embed_all,
+    embedding_response,
+    parse_embedding_request,
+)
 from gateway.openai_api.errors import ApiError, from_gateway_error, invalid_field
 from gateway.openai_api.openapi import openapi_document
 from gateway.openai_api.protocol import (
@@ -102,6 +109,7 @@ class OpenAIServer:
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
@@ -112,7 +120,7 @@ class OpenAIServer:
             Route("/openapi.json", self.openapi, methods=["GET"]),
         ], exception_handlers={HTTPException: _http_exception, Exception: _internal_error})
         if api_keys is not None:
-            self.app = _RequireApiKey(self.app, api_keys, self._count_refusal)
+            self.app = _RequireApiKey(self.app, api_keys, self._count_refusal, self._count_embedding_refusal)
         self.access_log = access_log
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
@@ -163,6 +171,27 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
+
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's embeddings: every input through Gateway.embed (embeddings.py)."""
+        parsed = None
+        try:
+            parsed = await _parsed(parse_embedding_request, await self._read_body(request))
+            model_name = self._served_model_name() if parsed.model is None else self._check_model(parsed.model)
+            response_id = f"embd-{uuid.uuid4().hex}"
+            results = await _until_disconnect(request, embed_all(self.gateway, parsed.embed_inputs(response_id)))
+            return Response(json_bytes(embedding_response(parsed, results, response_id, model_name)),
+                            media_type="application/json")
+        except ServiceError as e:  # Gateway.embed counted it
+            return _error(from_gateway_error(e, _embedding_param_of(e, parsed)))
+        except ApiError as e:  # refused here, before the gateway saw it
+            self._count_embedding_refusal(e.grpc_code.name)
+            return _error(e)
+        except ClientDisconnect:
+            self._count_embedding_refusal("CANCELLED")
+            return Response(status_code=499)
+        except ClientGone:  # Gateway.embed counted each input
+            return Response(status_code=499)
 
     async def models(self, request: Request) -> Response:
         return _json({"object": "list", "data": [self._model_card()]})
@@ -320,6 +349,10 @@ class OpenAIServer:
         in pdserve_requests_total like the ones the gateway (or the gRPC edge) refuses."""
         self.gateway.metrics.request_timer().finish(status)
 
+    def _count_embedding_refusal(self, status: str) -> None:
+        """An embedding request the HTTP edge refused, counted in pdserve_embeddings_total."""
+        self.gateway.metrics.embedding_finished(status, 0, 0.0)
+
     async def _start_stream(self, request: Request, builder: ResponseBuilder,
                             events: AsyncIterator[tuple[int, GenerationDelta]]) -> Response:
         try:
@@ -362,8 +395,9 @@ class _RequireApiKey:
     """ASGI middleware: a guarded route without one of the keys is a 401 (OPTIONS, a CORS
     preflight, passes); refused generation requests are counted like every other refusal."""
 
-    def __init__(self, app, api_keys: ApiKeys, count_refusal):
-        self.app, self.api_keys, self.count_refusal = app, api_keys, count_refusal
+    def __init__(self, app, api_keys: ApiKeys, count_refusal, count_embedding_refusal):
+        self.app, self.api_keys = app, api_keys
+        self.count_refusal, self.count_embedding_refusal = count_refusal, count_embedding_refusal
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "")
@@ -373,6 +407,8 @@ class _RequireApiKey:
             return
         if path.rstrip("/") in _GENERATION_PATHS:
             self.count_refusal("UNAUTHENTICATED")
+        elif path.rstrip("/") == "/v1/embeddings":
+            self.count_embedding_refusal("UNAUTHENTICATED")
         error = ApiError(401, MISSING_KEY_MESSAGE, code="invalid_api_key")
         await send({"type": "http.response.start", "status": 401, "headers": [
             (b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
@@ -479,6 +515,18 @@ def _param_of(error: ServiceError, parsed: ParsedRequest | None) -> str | None:
         if message.startswith(f"sampling.{name}"):
             return name
     return None
+
+
+def _embedding_param_of(error: ServiceError, parsed: ParsedEmbeddingRequest | None) -> str | None:
+    """The embedding request's field a gateway or instance refusal is about."""
+    if parsed is None or error.code != grpc.StatusCode.INVALID_ARGUMENT:
+        return None
+    message = error.message
+    for prefix, param in (("truncate_prompt_tokens", "truncate_prompt_tokens"), ("pooling.dimensions", "dimensions"),
+                          ("chat_template", "chat_template")):
+        if message.startswith(prefix):
+            return param
+    return "messages" if parsed.messages is not None else "input"
 
 
 def _json(payload: dict, status: int = 200) -> Response:

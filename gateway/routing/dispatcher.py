@@ -30,7 +30,8 @@ import grpc
 from common.service.errors import ServiceError
 from common.service.metrics import GatewayMetrics, RequestTimer
 from decode_service.api import DecodeJob
-from gateway.routing.decode_channels import DecodeChannels
+from decode_service.client import DecodeClient
+from gateway.routing.instance_channels import InstanceChannels
 from gateway.routing.inflight_calls import InFlightCalls
 from gateway.routing.kv_index import KvIndex
 from gateway.routing.load_ledger import LoadLedger, PlacementCharge
@@ -71,7 +72,7 @@ class Dispatcher:
         self.policy = policy
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._channels = DecodeChannels(registry)
+        self._channels = InstanceChannels(registry, DecodeClient, roles=["decode"])
         self._calls = InFlightCalls(registry)
         self._probes: set[asyncio.Task] = set()
 

@@ -86,7 +86,7 @@ def test_models_health_and_unknown_routes(gw, client):
     assert post(gw.http_address, "/version", b"", method="GET") == (
         200, {"version": importlib.metadata.version("pdserve")})
     assert post(gw.http_address, "/health", b"", method="GET") == (200, {"status": "ok"})
-    status, body = post(gw.http_address, "/v1/embeddings", {"model": MODEL})
+    status, body = post(gw.http_address, "/v1/audio/speech", {"model": MODEL})
     assert status == 404 and body["error"]["code"] == "not_found"
     status, body = post(gw.http_address, "/v1/completions", b"", method="GET")
     assert status == 405 and body["error"]["type"] == "invalid_request_error"
