@@ -78,12 +78,20 @@ OP_PARAMS = {"cold_ttft": {"repeats"}}
 
 
 def main() -> int:
+    def make_ops(spec: dict) -> dict:
+        runner = Runner(spec)
+        return {"mixed": runner.mixed, "single_stream": runner.single_stream, "cold_ttft": runner.cold_ttft,
+                "memory": runner.memory}
+    return serve(make_ops, OP_PARAMS)
+
+
+def serve(make_ops, op_params: dict[str, set[str]]) -> int:
+    """The runners' protocol (the module doc): the spec from stdin's first line, make_ops(spec)
+    -> {op name: method} (the engine built), then one answer per request line until "quit"."""
     spec = json.loads(sys.stdin.readline())
     with os.fdopen(spec["answer_fd"], "w", buffering=1) as answers:
-        runner = Runner(spec)
+        ops = make_ops(spec)
         answers.write(json.dumps({"ready": True, "vllm_version": __import__("vllm").__version__}) + "\n")
-        ops = {"mixed": runner.mixed, "single_stream": runner.single_stream, "cold_ttft": runner.cold_ttft,
-               "memory": runner.memory}
         for line in sys.stdin:
             message = json.loads(line)
             op = message.pop("op", None)
@@ -91,8 +99,8 @@ def main() -> int:
                 break
             if op not in ops:
                 answer = {"error": f"unknown op {op!r}; known: {sorted(ops)}"}
-            elif set(message) - OP_PARAMS.get(op, set()):
-                answer = {"error": f"{op} takes {sorted(OP_PARAMS.get(op, set()))}, got {sorted(message)}"}
+            elif set(message) - op_params.get(op, set()):
+                answer = {"error": f"{op} takes {sorted(op_params.get(op, set()))}, got {sorted(message)}"}
             else:
                 answer = ops[op](**message)
             answers.write(json.dumps(answer) + "\n")

@@ -87,8 +87,13 @@ class _Output:
     def __init__(self, n):
         self.outputs = [_Completion(n)]
 
+class _Embedding:
+    def __init__(self, vector):
+        self.outputs = type("EmbeddingOutput", (), {"embedding": vector})()
+
 class LLM:
     def __init__(self, model, **kwargs):
+        self.kwargs = kwargs
         self.engine_core = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
                                             stdin=subprocess.PIPE)
         with open(os.environ["STUB_ENGINE_CORE_PID_FILE"], "w") as f:
@@ -108,6 +113,11 @@ class LLM:
                 while True:
                     time.sleep(1)
         return [_Output(p.max_tokens) for p in params]
+
+    def embed(self, prompts, use_tqdm=True):
+        # [prompt length, whether the engine was built as vLLM's pooling runner converts a model]
+        pooling = self.kwargs.get("runner") == "pooling" and self.kwargs.get("convert") == "embed"
+        return [_Embedding([float(len(p["prompt_token_ids"])), float(pooling)]) for p in prompts]
 '''
 
 
@@ -207,3 +217,17 @@ def test_a_runner_that_cannot_start_fails_the_start(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"exited \(code 1\) during start-up"):
         _peer(tmp_path, start_timeout_s=60)
     assert "No module named 'vllm'" in (tmp_path / "peer.log").read_text()
+
+
+def test_the_embed_runner_builds_vllms_pooling_runner_and_times_every_prompt(tmp_path, stub_vllm):
+    spec = {"model_dir": "unused", "dtype": "bfloat16", "max_model_len": 64, "max_num_seqs": 8,
+            "max_num_batched_tokens": 64, "prompts": [[1, 2, 3], [4, 5], [6]]}
+    runner = Path(vllm_peer.__file__).with_name("vllm_embed_runner.py")
+    with OfflinePeer(Path(sys.executable), spec, "auto", 1.0, tmp_path / "peer.log", start_timeout_s=60,
+                     runner=runner) as peer:
+        answer = peer.call("embed", timeout_s=60, num_vectors=2)
+        assert answer["vectors"] == [[3.0, 1.0], [2.0, 1.0]] and answer["seconds"] >= 0
+        assert peer.call("embed", timeout_s=60)["vectors"] == []
+        with pytest.raises(RuntimeError, match="refused 'mixed'.*unknown op"):
+            peer.call("mixed", timeout_s=60)
+    assert peer._proc.returncode == 0
