@@ -82,6 +82,8 @@ def test_ranks_split_by_tensor_or_pipeline_give_the_single_rank_tokens(tiny_mode
     # Prompt logprobs: every rank of the last stage gathers the prompt positions' logits too.
     with_prompt = params.clone(max_tokens=2, prompt_logprobs=2)
     expected_prompt = [o.prompt_logprobs for o in single.generate(PROMPTS, with_prompt)]
+    # Embeddings: the output rank pools the last stage's hidden states.
+    expected_embeddings = [o.outputs.embedding for o in single.embed(PROMPTS)]
     llm = LLM(str(model_dir), **engine, tensor_parallel_size=tensor_parallel_size,
               pipeline_parallel_size=pipeline_parallel_size)
     executor = llm.engine.executor
@@ -105,6 +107,8 @@ def test_ranks_split_by_tensor_or_pipeline_give_the_single_rank_tokens(tiny_mode
             assert len(got) == len(want) and got[0] is None and want[0] is None
             torch.testing.assert_close(torch.tensor([lp.token_logprob for lp in got[1:]]),
                                        torch.tensor([lp.token_logprob for lp in want[1:]]), atol=2e-2, rtol=0)
+        for got, want in zip(llm.embed(PROMPTS), expected_embeddings):
+            torch.testing.assert_close(torch.tensor(got.outputs.embedding), torch.tensor(want), atol=2e-2, rtol=0)
         # One batch per pipeline stage in flight; one at a time without a pipeline.
         assert llm.engine.max_batches_in_flight == (2 if pipeline_parallel_size == 2 else 0)
         assert overlaps == []

@@ -115,3 +115,19 @@ def test_the_serving_benchmarks_clients_send_the_environments_key(gw, monkeypatc
     monkeypatch.setenv("PDSERVE_API_KEY", "key-two")
     assert asyncio.run(one_request(GrpcGenerateBackend(gw.address, model=MODEL))) == 2
     assert asyncio.run(one_request(OpenAICompletionsBackend(f"http://{gw.http_address}/v1", model=MODEL))) == 2
+
+
+def test_embeddings_need_a_key_on_both_edges_and_refusals_count_as_embeddings(gw):
+    from tests.unit.gateway.openai_api.test_embeddings import embeddings_by_status
+    before = embeddings_by_status(gw).get("UNAUTHENTICATED", 0)
+    embeds_before = len(gw.fake.embedding_servicer.requests)
+    with Client(gw.address, timeout=10, api_key="wrong") as client:
+        with pytest.raises(grpc.RpcError) as refused:
+            client.embed("hi")
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    status, error = post(gw.http_address, "/v1/embeddings", {"input": "hi"})
+    assert status == 401 and error["error"]["code"] == "invalid_api_key"
+    assert len(gw.fake.embedding_servicer.requests) == embeds_before  # nothing reached the instance
+    assert embeddings_by_status(gw)["UNAUTHENTICATED"] - before == 2
+    client = openai.OpenAI(base_url=f"http://{gw.http_address}/v1", api_key="key-one", max_retries=0)
+    assert len(client.embeddings.create(model=MODEL, input=["a", "b"]).data) == 2
