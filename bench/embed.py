@@ -6,21 +6,25 @@ The same seeded prompts (--num-prompts random token ids, lengths uniform in
 [--min-prompt, --max-prompt]) embedded whole on each side, --repeats timed passes
 alternating ours and vLLM's (`LLM(model_dir, runner="pooling", convert="embed")`, in its own
 venv: bench/peers/vllm_embed_runner.py), both in the same dtype, with prefix caching off so
-every pass computes every prompt. Reported: prompts/s and prompt tokens/s (median pass),
-the ratio, and how the vectors agree (cosine of each prompt's two embeddings: both sides pool
-the last token's final hidden state and normalize it).
+every pass computes every prompt, each pass started once the other side is quiet. Reported:
+prompts/s and prompt tokens/s (median pass), the ratio (and each pair's), and how the vectors
+agree (cosine of each prompt's two embeddings: both sides pool the last token's final hidden
+state and normalize it).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import platform
 import random
 import statistics
 import time
 from contextlib import ExitStack
 from pathlib import Path
+
+from bench.peers.proc_cpu import wait_until_quiet
 
 
 def workload(num_prompts: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -100,17 +104,40 @@ def main(argv: list[str] | None = None) -> int:
                 preload=preload, runner=Path(__file__).parent / "peers" / "vllm_embed_runner.py"))
             results["vllm"] = {"vllm_version": peer.ready["vllm_version"], "threads_bind": args.peer_threads_bind,
                                "preload": preload, "log": str(log_path)}
-        for repeat in range(args.repeats):
+        quiet_waits = []
+
+        def let_settle(before: str) -> None:
+            """A timed pass starts once the other side is quiet (vLLM keeps a core busy for about
+            a second after each call: bench/peers/proc_cpu.py), as bench offline's do."""
+            if peer is not None:
+                other, exclude = (peer.pid, ()) if before == "ours" else (os.getpid(), (peer.pid,))
+                waited, quiet = wait_until_quiet(other, exclude)
+                quiet_waits.append({"before": before, "seconds": waited, "quiet": quiet})
+
+        def ours_pass() -> None:
+            nonlocal ours_vectors
+            let_settle("ours")
             t0 = time.perf_counter()
             outputs = llm.embed(inputs)
             ours.append(time.perf_counter() - t0)
             ours_vectors = [o.outputs.embedding for o in outputs[:args.num_vectors]]
-            print(f"pass {repeat + 1}: ours {ours[-1]:.2f} s", flush=True)
-            if peer is not None:
-                answer = peer.call("embed", timeout_s=1800, num_vectors=args.num_vectors if repeat == 0 else 0)
-                theirs.append(answer["seconds"])
-                their_vectors = answer["vectors"] or their_vectors
-                print(f"pass {repeat + 1}: vLLM {theirs[-1]:.2f} s", flush=True)
+            print(f"pass {len(ours)}: ours {ours[-1]:.2f} s", flush=True)
+
+        def vllm_pass() -> None:
+            nonlocal their_vectors
+            let_settle("vllm")
+            answer = peer.call("embed", timeout_s=1800, num_vectors=0 if theirs else args.num_vectors)
+            theirs.append(answer["seconds"])
+            their_vectors = answer["vectors"] or their_vectors
+            print(f"pass {len(theirs)}: vLLM {theirs[-1]:.2f} s", flush=True)
+
+        # Each pair of passes in the other order from the last, so the host's drift lands on both.
+        for repeat in range(args.repeats):
+            sides = ([ours_pass] if peer is None else [ours_pass, vllm_pass] if repeat % 2 == 0
+                     else [vllm_pass, ours_pass])
+            for side in sides:
+                side()
+        results["quiet_waits"] = quiet_waits
     results["ours"] = rates(ours, len(prompts), num_tokens)
     print(f"pdserve ({dtype}): {results['ours']['prompts_per_s']:.1f} prompts/s, "
           f"{results['ours']['prompt_tokens_per_s']:.0f} prompt tokens/s")
@@ -120,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         results["agreement"] = {"min_cosine": min(cosines), "median_cosine": statistics.median(cosines),
                                 "num_vectors": len(cosines)}
         results["ratio"] = results["ours"]["prompts_per_s"] / results["vllm"]["prompts_per_s"]
+        results["pass_ratios"] = [t / o for o, t in zip(ours, theirs)]
         print(f"vLLM {results['vllm']['vllm_version']}: {results['vllm']['prompts_per_s']:.1f} prompts/s, "
               f"{results['vllm']['prompt_tokens_per_s']:.0f} prompt tokens/s; pdserve / vLLM "
               f"{results['ratio']:.2f}x; cosine min {results['agreement']['min_cosine']:.5f}, "
