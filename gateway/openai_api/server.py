@@ -393,7 +393,7 @@ _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 class _RequireApiKey:
     """ASGI middleware: a guarded route without one of the keys is a 401 (OPTIONS, a CORS
-    preflight, passes); refused generation requests are counted like every other refusal."""
+    preflight, passes); refused generation and embedding requests are counted like every other refusal."""
 
     def __init__(self, app, api_keys: ApiKeys, count_refusal, count_embedding_refusal):
         self.app, self.api_keys = app, api_keys
