@@ -23,6 +23,7 @@ from common.engine.kv_connector.metadata import KVTransferOutcome
 from common.engine.model_files import load_hf_config, resolve_model
 from common.engine.outputs import EngineCoreOutput, RunnerOutput, SchedulerOutput
 from common.engine.python_arenas import keep_freed_arenas
+from common.engine.pooling_params import PoolingConfig
 from common.engine.request import Request
 from common.engine.scheduler import RemoteKVReservation, Scheduler
 from common.engine.structured_output.manager import StructuredOutputManager
@@ -80,6 +81,7 @@ class EngineCore:
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_hf_config(load_hf_config(self.model_dir))
+        self.pooling_config = PoolingConfig.from_model_dir(self.model_dir)  # how embeddings are made
         set_num_threads(config.num_threads)
         keep_freed_arenas()
         keep_freed_heap()

@@ -140,13 +140,13 @@ class LLM:
               use_tqdm: bool = False, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """vLLM's LLM.embed: each prompt's embedding, the model's final hidden state at the
         prompt's last token (common.engine.pooling_params), normalized unless pooling_params
-        say otherwise. Any model serves it; an embedding model (Qwen3-Embedding, e5-mistral)
+        (or, where they leave it unset, the model's sentence-transformers config) say otherwise. Any model serves it; an embedding model (Qwen3-Embedding, e5-mistral)
         gives vectors meant for it."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        pooling_params = pooling_params or PoolingParams()
         cfg = self.engine.model_config
-        pooling_params.check_for_model(cfg.hidden_size, cfg.is_matryoshka, cfg.matryoshka_dimensions)
+        pooling_params = (pooling_params or PoolingParams()).for_model(
+            cfg.hidden_size, cfg.is_matryoshka, cfg.matryoshka_dimensions, self.engine.pooling_config)
         encoded = [self._checked_prompt(prompt, truncate_prompt_tokens)[1] for prompt in prompts]
         pending: dict[str, _Pending] = {}
         for i, token_ids in enumerate(encoded):

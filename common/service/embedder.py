@@ -30,11 +30,12 @@ class Embedder:
         validate_request(job.prompt_token_ids, _NO_SAMPLING, self.core)
         model: ModelConfig = self.core.model_config
         try:
-            job.pooling.check_for_model(model.hidden_size, model.is_matryoshka, model.matryoshka_dimensions)
-        except ValueError as e:
-            raise invalid(f"pooling.{e}") from None
+            pooling = job.pooling.for_model(model.hidden_size, model.is_matryoshka, model.matryoshka_dimensions,
+                                            self.core.pooling_config)
+        except ValueError as e:  # a bad field is named as the caller sent it
+            raise invalid(f"pooling.{e}" if str(e).startswith("dimensions") else str(e)) from None
         request = Request(job.req_id, job.prompt_token_ids, _NO_SAMPLING, eos_token_ids=self.eos_token_ids,
-                          priority=job.priority, pooling_params=job.pooling)
+                          priority=job.priority, pooling_params=pooling)
         try:
             stream = await open_stream_when_id_free(self.engine, job.req_id)
         except ValueError as e:

@@ -13,14 +13,16 @@ from protos.pdserve.v1 import embedding_pb2
 def pooling_params_from_pb(msg: embedding_pb2.PoolingParams, field_path: str = "pooling.") -> PoolingParams:
     """Unset fields take PoolingParams' defaults; a bad value is INVALID_ARGUMENT naming the field."""
     try:
-        return PoolingParams(normalize=msg.normalize if msg.HasField("normalize") else True,
+        return PoolingParams(normalize=msg.normalize if msg.HasField("normalize") else None,
                              dimensions=msg.dimensions if msg.HasField("dimensions") else None)
     except ValueError as e:
         raise invalid(f"{field_path}{e}") from None
 
 
 def pooling_params_to_pb(params: PoolingParams) -> embedding_pb2.PoolingParams:
-    msg = embedding_pb2.PoolingParams(normalize=params.normalize)
+    msg = embedding_pb2.PoolingParams()
+    if params.normalize is not None:
+        msg.normalize = params.normalize
     if params.dimensions is not None:
         msg.dimensions = params.dimensions
     return msg

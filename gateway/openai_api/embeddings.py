@@ -127,7 +127,7 @@ def parse_embedding_request(body: bytes) -> ParsedEmbeddingRequest:
         raise invalid_field("input", "set exactly one of input and messages",
                             code="missing_field" if not forms else "invalid_value")
     try:
-        pooling = PoolingParams(normalize=values.get("use_activation", True), dimensions=values.get("dimensions"))
+        pooling = PoolingParams(normalize=values.get("use_activation"), dimensions=values.get("dimensions"))
     except ValueError as e:
         raise invalid_field("dimensions", str(e)) from None
     parsed = ParsedEmbeddingRequest(

@@ -3,7 +3,9 @@ pooled as PoolingParams say, equal to Hugging Face's, whatever the prompt's chun
 prefix-cache hits, beside generation requests, leaving no blocks behind."""
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from common.engine.llm import LLM
-from common.engine.pooling_params import MAX_EMBEDDING_DIMENSIONS, PoolingParams
+from common.engine.pooling_params import MAX_EMBEDDING_DIMENSIONS, PoolingConfig, PoolingParams
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 
@@ -138,6 +140,44 @@ def test_bad_prompts_are_refused_before_anything_runs(llm):
     assert out.prompt_token_ids == [5] * 8
 
 
+def with_sentence_transformers(model_dir, out_dir, pooling_flag: str, normalize: bool):
+    """A copy of model_dir with a sentence-transformers config: a Pooling module by
+    pooling_flag, and a Normalize module if asked."""
+    shutil.copytree(model_dir, out_dir)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (out_dir / "modules.json").write_text(json.dumps(modules))
+    (out_dir / "1_Pooling").mkdir()
+    (out_dir / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, pooling_flag: True}))
+    return out_dir
+
+
+def test_the_models_sentence_transformers_config_sets_pooling_and_normalize(tiny_dir, tmp_path):
+    assert PoolingConfig.from_model_dir(tiny_dir) == PoolingConfig("LAST", True)  # none: vLLM's defaults
+    last = with_sentence_transformers(tiny_dir, tmp_path / "last", "pooling_mode_lasttoken", normalize=False)
+    mean = with_sentence_transformers(tiny_dir, tmp_path / "mean", "pooling_mode_mean_tokens", normalize=True)
+    assert PoolingConfig.from_model_dir(last) == PoolingConfig("LAST", False)
+    assert PoolingConfig.from_model_dir(mean) == PoolingConfig("MEAN", True)
+    want = _hf_last_hidden_states(tiny_dir, PROMPTS[:1])[0]
+    llm = LLM(model=str(last), dtype="float32", kv_cache_memory="16MiB", enforce_eager=True)
+    try:
+        prompt = {"prompt_token_ids": PROMPTS[0]}
+        _assert_close(llm.embed(prompt)[0].outputs.embedding, want)  # no Normalize module: the raw state
+        _assert_close(llm.embed(prompt, PoolingParams(normalize=True))[0].outputs.embedding,
+                      torch.nn.functional.normalize(want, dim=0))
+    finally:
+        llm.engine.shutdown()
+    llm = LLM(model=str(mean), dtype="float32", kv_cache_memory="16MiB", enforce_eager=True)
+    try:
+        with pytest.raises(ValueError, match="this model pools by MEAN"):
+            llm.embed("Hello")
+        assert llm.generate("Hello", SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # generation still serves
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"normalize": 1}, "normalize must be a boolean"),
     ({"dimensions": 0}, "dimensions must be an integer from 1"),
@@ -153,7 +193,8 @@ def test_pooling_params_refuse_bad_values(kwargs, match):
 def test_pool_normalizes_the_cut_vector(values, dimensions):
     cut = PoolingParams(normalize=False, dimensions=dimensions).pool(values)
     assert cut == values[:dimensions]
-    normed = PoolingParams(dimensions=dimensions).pool(values)
+    normed = PoolingParams(normalize=True, dimensions=dimensions).pool(values)
+    assert PoolingParams(dimensions=dimensions).pool(values) == normed  # unset: normalized
     norm = math.sqrt(math.fsum(v * v for v in cut))
     if norm > 1e-12:
         assert math.isclose(math.fsum(v * v for v in normed), 1.0, rel_tol=1e-9)
