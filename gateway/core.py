@@ -57,6 +57,32 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
 
 
+class _Ending:
+    """How a call ended, as the gRPC status name it is counted under: OK when the block ends
+    normally, a ServiceError's code, DEADLINE_EXCEEDED when it was cancelled at its deadline
+    (gRPC cancels the handler when the client's deadline passes; the slack: the two clocks are
+    read at slightly different moments), CANCELLED when the caller went away before it, else
+    INTERNAL. The deadline is loop time, from timeout_s at entry."""
+
+    def __init__(self, timeout_s: float | None):
+        self.status = "CANCELLED"  # unless it ends otherwise
+        self.deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+
+    def __enter__(self) -> "_Ending":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.status = "OK"
+        elif issubclass(exc_type, ServiceError):
+            self.status = exc.code.name
+        elif issubclass(exc_type, (asyncio.CancelledError, GeneratorExit)):
+            if self.deadline is not None and asyncio.get_running_loop().time() >= self.deadline - DEADLINE_SLACK_S:
+                self.status = "DEADLINE_EXCEEDED"
+        else:
+            self.status = "INTERNAL"
+
+
 @dataclass
 class GatewaySettings:
     policy: str = "prefix_aware"
@@ -161,28 +187,15 @@ class Gateway:
         # request is prepared (which makes one when the client sent none).
         with request_context(request.request_id):
             timer = self.metrics.request_timer()
-            status, last = "CANCELLED", None  # CANCELLED unless it ends otherwise
-            loop = asyncio.get_running_loop()
-            deadline = None if timeout_s is None else loop.time() + timeout_s
+            last = None
+            ending = _Ending(timeout_s)
             try:
-                async for delta in self._stream(request, timeout_s, timer):
-                    last = delta
-                    yield delta
-                status = "OK"
-            except ServiceError as e:
-                status = e.code.name
-                raise
-            except (asyncio.CancelledError, GeneratorExit):
-                # gRPC cancels the handler when the client's deadline passes: that is
-                # DEADLINE_EXCEEDED, not a client that went away (the slack: the two clocks
-                # are read at slightly different moments).
-                if deadline is not None and loop.time() >= deadline - DEADLINE_SLACK_S:
-                    status = "DEADLINE_EXCEEDED"
-                raise
-            except BaseException:
-                status = "INTERNAL"
-                raise
+                with ending:
+                    async for delta in self._stream(request, timeout_s, timer):
+                        last = delta
+                        yield delta
             finally:
+                status = ending.status
                 duration_s = timer.finish(status)
                 with request_context(timer.request_id or request.request_id):
                     log_event(logger, "request end", status=status,
@@ -251,29 +264,21 @@ class Gateway:
         with request_context(request.request_id):
             loop = asyncio.get_running_loop()
             started = loop.time()
-            deadline = None if timeout_s is None else started + timeout_s
-            status, num_prompt_tokens, result = "CANCELLED", 0, None
+            num_prompt_tokens, result = 0, None
+            ending = _Ending(timeout_s)
             try:
-                if self.draining:
-                    raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down; retry on another")
-                served = frozenset([self.registry.model_name] if self.registry.model_name else [])
-                prepared = await _tokenizing(request, prepare_embedding, request, self.model, self.max_model_len,
-                                             self.settings.max_prompt_chars, served)
-                num_prompt_tokens = len(prepared.prompt_token_ids)
-                result = await self._embed(prepared, deadline)
-                status = "OK"
+                with ending:
+                    if self.draining:
+                        raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                           "the gateway is shutting down; retry on another")
+                    served = frozenset([self.registry.model_name] if self.registry.model_name else [])
+                    prepared = await _tokenizing(request, prepare_embedding, request, self.model, self.max_model_len,
+                                                 self.settings.max_prompt_chars, served)
+                    num_prompt_tokens = len(prepared.prompt_token_ids)
+                    result = await self._embed(prepared, ending.deadline)
                 return result
-            except ServiceError as e:
-                status = e.code.name
-                raise
-            except asyncio.CancelledError:
-                if deadline is not None and loop.time() >= deadline - DEADLINE_SLACK_S:
-                    status = "DEADLINE_EXCEEDED"
-                raise
-            except BaseException:
-                status = "INTERNAL"
-                raise
             finally:
+                status = ending.status
                 duration_s = loop.time() - started
                 self.metrics.embedding_finished(status, num_prompt_tokens, duration_s)
                 log_event(logger, "embedding end", status=status, prompt_tokens=num_prompt_tokens,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 
 import grpc
 import pytest
@@ -16,7 +15,7 @@ from common.engine.pooling_params import PoolingParams
 from common.service.embedding_api import EmbedJob
 from common.service.embedding_client import EmbeddingClient
 from common.text.prompt_tokenizer import load_prompt_tokenizer
-from tests.integration.test_stack import stats
+from tests.integration.test_stack import wait_until_idle
 
 pytestmark = pytest.mark.slow
 
@@ -41,18 +40,6 @@ def offline():
     vectors["raw"] = llm.embed(TEXTS[1], PoolingParams(normalize=False))[0].outputs.embedding
     llm.engine.shutdown()
     return vectors
-
-
-def wait_until_idle(stack, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    for name, process in stack.instances.items():
-        while True:
-            load = stats(process.address, name.split("-")[0]).load
-            if (load.num_running_requests, load.num_waiting_requests) == (0, 0) \
-                    and load.num_free_blocks == load.num_total_blocks:
-                break
-            assert time.monotonic() < deadline, f"{name} still holds work: {load}"
-            time.sleep(0.05)
 
 
 def test_grpc_and_http_give_the_offline_engines_vectors(stack, grpc_client, client, model, offline):
