@@ -42,6 +42,7 @@ DELEGATED = {
 DELEGATED_BENCH = {
     "offline": ("bench.offline", "LLM.generate vs Hugging Face generate and vLLM's CPU build"),
     "serve-peer": ("bench.peers.vllm_serve", "pdserve vs `vllm serve` under the same load and client"),
+    "serve-embed": ("bench.peers.vllm_serve_embed", "/v1/embeddings served: pdserve vs `vllm serve --runner pooling`"),
     "transfer": ("bench.transfer", "KV transfer throughput vs plain pyzmq"),
     "cpu-attention": ("bench.cpu_attention", "one layer's CPU paged attention: torch path vs the native kernel"),
     "decode-linears": ("bench.decode_linears", "a decode step's linears: oneDNN, F.linear, the native GEMVs"),
