@@ -65,9 +65,11 @@ def serve_ours(args: argparse.Namespace, model_dir: str, out: Path, prompt_sets)
     from common.cli.up import LocalStack
     passthrough = ["--model", model_dir, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
                    "--kv-cache-memory", args.kv_cache_memory, "--log-level", "WARNING"]
+    if args.max_num_batched_tokens is not None:
+        passthrough += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     (out / "pdserve-logs").mkdir()
     with LocalStack(0, 1, http_port=0, passthrough=passthrough, log_dir=out / "pdserve-logs",
-                    startup_timeout_s=args.startup_timeout) as stack:
+                    startup_timeout_s=args.startup_timeout, reserved_cpus=args.reserved_cpus) as stack:
         return _run_loads(f"http://{stack.http_address}", Path(model_dir).name, prompt_sets)
 
 
@@ -78,6 +80,8 @@ def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path, python: Path
             "--served-model-name", Path(model_dir).name, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--runner", "pooling",
             "--convert", "embed"]
+    if args.max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     from common.engine.config import parse_memory_size
     with open(out / "vllm-serve.log", "w") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(
@@ -107,11 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", default="2GiB")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="both servers' step budget (default: each one's own, 2,048 on both for a CPU server)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=1800)
     parser.add_argument("--peer-venv", default=None)
     parser.add_argument("--peer-threads-bind", default="all")
     parser.add_argument("--peer-preload", choices=["auto", "none"], default="auto")
+    parser.add_argument("--reserved-cpus", type=int, default=1,
+                        help="pdserve up's --reserved-cpus (the cores left to the gateway; default 1)")
     parser.add_argument("--skip-vllm", action="store_true", help="pdserve alone")
     args = parser.parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
