@@ -9,7 +9,14 @@ their TLBs. A mixed run of the offline bench took ~90,000 page faults this way (
 kernel time); kept, ~60. vLLM's CPU guide preloads tcmalloc for the same reason.
 
 Blocks of up to 32 MiB (glibc's largest mmap threshold) come from the heap and stay there;
-what a process keeps is bounded by its largest step's working set. Set once per engine
+what a process keeps is bounded by its largest step's working set. A service's engine
+steps run on its AsyncEngine thread, not the main one, and glibc gives such a thread an
+arena of its own made of 64 MiB heaps, each unmapped whole once nothing in it is in use,
+whatever the trim threshold: a 2,048-token step's activations took fresh heaps, faulted in
+again, every step (10% of a served embedding load's samples in the kernel clearing pages,
+24.8 req/s; with one arena 29.7, `docs/benchmarks.md`). So services share the main arena
+(share_main_arena, set by common.service.lifecycle before any other thread mallocs); the
+offline engine steps on the main thread and keeps glibc's per-thread arenas. Set once per engine
 process, before the model loads; PDSERVE_KEEP_FREED_HEAP=0 leaves glibc's defaults, as
 does a C library other than glibc (one log line)."""
 from __future__ import annotations
@@ -25,6 +32,7 @@ logger = logging.getLogger(__name__)
 # mallopt parameters (glibc's malloc.h)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc refuses more (HEAP_MAX_SIZE / 2 on 64-bit)
 TRIM_THRESHOLD_BYTES = 2**31 - 1  # the largest mallopt takes: the heap's top is not trimmed
@@ -60,6 +68,16 @@ def _apply() -> str | None:
         if mallopt(parameter, value) != 1:
             return f"mallopt({parameter}, {value}) was refused"
     return None
+
+
+def share_main_arena() -> bool:
+    """Every thread that mallocs from now on takes glibc's main arena (M_ARENA_MAX 1): for a
+    process whose engine runs off the main thread (a service), called on the main thread
+    before any other thread mallocs. False where the C library is not glibc or refuses."""
+    if os.environ.get("PDSERVE_KEEP_FREED_HEAP", "1") == "0" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return libc.mallopt(ctypes.c_int(_M_ARENA_MAX), ctypes.c_int(1)) == 1
 
 
 def release_freed_heap() -> bool:

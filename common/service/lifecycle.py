@@ -25,6 +25,7 @@ from typing import Protocol
 
 from grpc import aio
 
+from common.engine.heap_retention import keep_freed_heap, share_main_arena
 from common.engine.process_exit import skip_collection_at_exit
 from common.service.errors import ErrorStatusInterceptor
 from common.service.flags import advertise_host, bracket
@@ -88,6 +89,10 @@ def run_worker(args: argparse.Namespace, role: str, build: Callable[[argparse.Na
     args.instance_id = args.instance_id or default_instance_id(role)
     try:
         configure_logging(role, args.instance_id, args.log_level, args.log_format)
+        # Before any other thread mallocs (the engine loads on one, steps on another): every
+        # thread then shares the main arena, which keeps what it frees (common.engine.heap_retention).
+        share_main_arena()
+        keep_freed_heap()
         if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be 0 (a free port) to 65535; got {args.metrics_port}")
         return asyncio.run(_serve(args, role, build))

@@ -117,3 +117,47 @@ def test_what_loading_freed_goes_back_to_the_kernel_once_asked():
     assert result["released"]
     # Kept by keep_freed_heap until then, given back by release_freed_heap (the kept block stays).
     assert result["freed"] - result["after_release"] >= (_NUM_BLOCKS - 1) * _BLOCK_BYTES
+
+
+_THREAD_SCRIPT = f"""
+import ctypes, json, os, resource, threading
+from common.engine.heap_retention import keep_freed_heap, share_main_arena
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+shared = share_main_arena() if os.environ.get("SHARE") == "1" else None
+keep_freed_heap()
+faults = []
+
+def steps():  # an engine thread's steps: more than one 64 MiB heap of activations each
+    blocks = [0] * 4
+    for _ in range(4):
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        for i in range(len(blocks)):
+            blocks[i] = libc.malloc({_BLOCK_BYTES})
+            ctypes.memset(blocks[i], 1, {_BLOCK_BYTES})
+        faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+        for block in reversed(blocks):
+            libc.free(block)
+
+thread = threading.Thread(target=steps)
+thread.start()
+thread.join()
+print(json.dumps({{"shared": shared, "faults": faults}}))
+"""
+
+
+@glibc_only
+@pytest.mark.parametrize("share", [True, False])
+def test_a_thread_off_the_main_one_keeps_its_pages_only_in_the_shared_main_arena(share):
+    done = run_python(_THREAD_SCRIPT, timeout_s=300, SHARE="1" if share else "0")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    num_pages = 4 * _BLOCK_BYTES // os.sysconf("SC_PAGE_SIZE")
+    assert result["faults"][0] >= num_pages // 2  # fresh pages, once
+    if share:
+        assert result["shared"] is True
+        assert all(again < num_pages // 20 for again in result["faults"][1:])
+    else:  # the thread's own arena unmaps its emptied heaps: every step faults again (the control)
+        assert all(again >= num_pages // 4 for again in result["faults"][1:])
