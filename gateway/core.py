@@ -173,9 +173,12 @@ class Gateway:
             placement_policy=self.policy.name)
 
     async def prepare(self, request: GenerateInput) -> PreparedRequest:
-        served = frozenset([self.registry.model_name] if self.registry.model_name else [])
         return await _tokenizing(request, prepare_request, request, self.model, self.max_model_len,
-                                 self.settings.max_prompt_chars, served)
+                                 self.settings.max_prompt_chars, self._served_names())
+
+    def _served_names(self) -> frozenset[str]:
+        """Names a request's `model` may use beside the gateway's own: what the instances registered."""
+        return frozenset([self.registry.model_name] if self.registry.model_name else [])
 
     async def tokenize(self, request: GenerateInput) -> list[int]:
         """request's prompt as token ids, as prepare() tokenizes it (the HTTP /tokenize)."""
@@ -271,9 +274,8 @@ class Gateway:
                     if self.draining:
                         raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                            "the gateway is shutting down; retry on another")
-                    served = frozenset([self.registry.model_name] if self.registry.model_name else [])
                     prepared = await _tokenizing(request, prepare_embedding, request, self.model, self.max_model_len,
-                                                 self.settings.max_prompt_chars, served)
+                                                 self.settings.max_prompt_chars, self._served_names())
                     num_prompt_tokens = len(prepared.prompt_token_ids)
                     result = await self._embed(prepared, ending.deadline)
                 return result

@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from bench.peers.vllm_peer import cpu_env, preload_choice, vllm_python
@@ -94,13 +96,22 @@ def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path, python: Path
     if args.speculative_config:
         argv += ["--speculative-config", args.speculative_config]
     kv_gib = parse_memory_size(args.kv_cache_memory) / (1 << 30)  # main checked it is a size
-    with open(out / "vllm-serve.log", "w") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                   env=cpu_env(args.peer_threads_bind, kv_gib, preload))
+    with serving(argv, port, out / "vllm-serve.log", cpu_env(args.peer_threads_bind, kv_gib, preload),
+                 args.startup_timeout) as base_url:
+        return run_client(base_url, args, out / "vllm.json")
+
+
+@contextmanager
+def serving(argv: list[str], port: int, log_path: Path, env: dict[str, str], startup_timeout_s: float
+            ) -> Iterator[str]:
+    """`vllm serve` (argv) up on 127.0.0.1:port, logging to log_path: its base URL once it
+    serves, and the server stopped when the block ends."""
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             base_url = f"http://127.0.0.1:{port}"
-            wait_for_models(base_url, process, args.startup_timeout)
-            return run_client(base_url, args, out / "vllm.json")
+            wait_for_models(base_url, process, startup_timeout_s)
+            yield base_url
         finally:
             process.terminate()
             try:

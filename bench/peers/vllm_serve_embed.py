@@ -16,14 +16,13 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from bench.embed import workload
 from bench.peers.vllm_peer import cpu_env, preload_choice, vllm_python
-from bench.peers.vllm_serve import free_port, wait_for_models
+from bench.peers.vllm_serve import free_port, serving
 
 
 async def _load(base_url: str, model: str, prompts: list[list[int]], concurrency: int) -> dict:
@@ -83,20 +82,9 @@ def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path, python: Path
     if args.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     from common.engine.config import parse_memory_size
-    with open(out / "vllm-serve.log", "w") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(
-            args.peer_threads_bind, parse_memory_size(args.kv_cache_memory) / (1 << 30), preload))
-        try:
-            base_url = f"http://127.0.0.1:{port}"
-            wait_for_models(base_url, process, args.startup_timeout)
-            return _run_loads(base_url, Path(model_dir).name, prompt_sets)
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    env = cpu_env(args.peer_threads_bind, parse_memory_size(args.kv_cache_memory) / (1 << 30), preload)
+    with serving(argv, port, out / "vllm-serve.log", env, args.startup_timeout) as base_url:
+        return _run_loads(base_url, Path(model_dir).name, prompt_sets)
 
 
 def main(argv: list[str] | None = None) -> int:

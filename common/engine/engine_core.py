@@ -23,7 +23,7 @@ from common.engine.kv_connector.metadata import KVTransferOutcome
 from common.engine.model_files import load_hf_config, resolve_model
 from common.engine.outputs import EngineCoreOutput, RunnerOutput, SchedulerOutput
 from common.engine.python_arenas import keep_freed_arenas
-from common.engine.pooling_params import PoolingConfig
+from common.engine.pooling_params import PoolingConfig, PoolingParams
 from common.engine.request import Request
 from common.engine.scheduler import RemoteKVReservation, Scheduler
 from common.engine.structured_output.manager import StructuredOutputManager
@@ -138,6 +138,13 @@ class EngineCore:
         self.batch_queue: collections.deque[tuple[SchedulerOutput, StepHandle, float]] | None = (
             collections.deque() if self.executor.max_concurrent_batches > 1 else None)
         self.max_batches_in_flight = 0  # the most batches ever in flight at once (tests, stats)
+
+    def pooling_params_for(self, params: PoolingParams | None) -> PoolingParams:
+        """An embedding request's params as this model serves them (normalize resolved by its
+        sentence-transformers config); ValueError where it cannot (PoolingParams.for_model)."""
+        cfg = self.model_config
+        return (params or PoolingParams()).for_model(cfg.hidden_size, cfg.is_matryoshka, cfg.matryoshka_dimensions,
+                                                     self.pooling_config)
 
     def add_request(self, request: Request) -> None:
         # Before the scheduler: a constraint the backend rejects fails with nothing allocated.

@@ -140,20 +140,18 @@ class LLM:
               use_tqdm: bool = False, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """vLLM's LLM.embed: each prompt's embedding, the model's final hidden state at the
         prompt's last token (common.engine.pooling_params), normalized unless pooling_params
-        (or, where they leave it unset, the model's sentence-transformers config) say otherwise. Any model serves it; an embedding model (Qwen3-Embedding, e5-mistral)
-        gives vectors meant for it."""
+        (or, where they leave it unset, the model's sentence-transformers config) say otherwise.
+        Any model serves it; an embedding model (Qwen3-Embedding, e5-mistral) gives vectors
+        meant for it."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        cfg = self.engine.model_config
-        pooling_params = (pooling_params or PoolingParams()).for_model(
-            cfg.hidden_size, cfg.is_matryoshka, cfg.matryoshka_dimensions, self.engine.pooling_config)
+        pooling_params = self.engine.pooling_params_for(pooling_params)
         encoded = [self._checked_prompt(prompt, truncate_prompt_tokens)[1] for prompt in prompts]
         pending: dict[str, _Pending] = {}
         for i, token_ids in enumerate(encoded):
             req_id = str(next(self._req_counter))
             pending[req_id] = _Pending(i, 0, None)
-            self.engine.add_request(Request(req_id, token_ids, SamplingParams(max_tokens=1),
-                                            eos_token_ids=self.eos_token_ids, pooling_params=pooling_params))
+            self.engine.add_request(Request.embedding(req_id, token_ids, pooling_params, self.eos_token_ids))
         self._run(pending, use_tqdm)
         results = [None] * len(encoded)
         for req_id, state in pending.items():

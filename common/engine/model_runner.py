@@ -151,6 +151,8 @@ def pooled_rows(scheduled: list[ScheduledRequest]) -> tuple[list[str], list[int]
     """(req ids, step rows) of the do_pool requests: each one's last token, in the step's
     row order (prepare_inputs': decode rows, then prefill chunks)."""
     req_ids, rows = [], []
+    if not any(req.do_pool for req in scheduled):  # nearly every step: no step order to rebuild
+        return req_ids, rows
     num_rows = 0
     for req in (r for part in split_step(scheduled) for r in part):
         num_rows += len(req.token_ids)

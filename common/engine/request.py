@@ -74,6 +74,14 @@ class Request:
         # the prompt is computed here; None when not asked for, or once sent.
         self.prompt_logprobs: list | None = [None] if sampling_params.prompt_logprobs is not None else None
 
+    @classmethod
+    def embedding(cls, req_id: str, prompt_token_ids: list[int], pooling_params: "PoolingParams",
+                  eos_token_ids: tuple[int, ...] = (), priority: int = 0) -> "Request":
+        """An embedding request: its sampling params only fill the fields every request has."""
+        from common.engine.sampling_params import SamplingParams
+        return cls(req_id, prompt_token_ids, SamplingParams(max_tokens=1), eos_token_ids=eos_token_ids,
+                   priority=priority, pooling_params=pooling_params)
+
     def add_prompt_logprobs(self, first_position: int, logprobs: list) -> None:
         """The Logprobs of prompt tokens first_position + 1, + 2, ...; a chunk computed again
         (after a preemption) repeats what is here already and adds nothing."""

@@ -6,16 +6,11 @@ from __future__ import annotations
 import grpc
 
 from common.engine.async_engine import AsyncEngine
-from common.engine.config import ModelConfig
 from common.engine.request import Request
-from common.engine.sampling_params import SamplingParams
 from common.service.embedding_api import EmbedJob, EmbedResult
 from common.service.engine_requests import (add_request, admit_when_id_free, finished_output,
-                                            open_stream_when_id_free, validate_request)
+                                            open_stream_when_id_free, validate_prompt)
 from common.service.errors import ServiceError, invalid
-
-# What an embedding request carries for the fields every request has: it samples nothing.
-_NO_SAMPLING = SamplingParams(max_tokens=1)
 
 
 class Embedder:
@@ -27,15 +22,12 @@ class Embedder:
     async def embed(self, job: EmbedJob) -> EmbedResult:
         if not job.req_id:
             raise invalid("request_id must not be empty")
-        validate_request(job.prompt_token_ids, _NO_SAMPLING, self.core)
-        model: ModelConfig = self.core.model_config
+        validate_prompt(job.prompt_token_ids, self.core)
         try:
-            pooling = job.pooling.for_model(model.hidden_size, model.is_matryoshka, model.matryoshka_dimensions,
-                                            self.core.pooling_config)
+            pooling = self.core.pooling_params_for(job.pooling)
         except ValueError as e:  # a bad field is named as the caller sent it
             raise invalid(f"pooling.{e}" if str(e).startswith("dimensions") else str(e)) from None
-        request = Request(job.req_id, job.prompt_token_ids, _NO_SAMPLING, eos_token_ids=self.eos_token_ids,
-                          priority=job.priority, pooling_params=pooling)
+        request = Request.embedding(job.req_id, job.prompt_token_ids, pooling, self.eos_token_ids, job.priority)
         try:
             stream = await open_stream_when_id_free(self.engine, job.req_id)
         except ValueError as e:

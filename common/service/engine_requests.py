@@ -32,14 +32,23 @@ def eos_token_ids(core) -> tuple[int, ...]:
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, core) -> None:
     """Raise ServiceError(INVALID_ARGUMENT) for what the engine cannot serve."""
+    validate_prompt(prompt_token_ids, core)
     try:
-        validate_prompt_token_ids(prompt_token_ids, core.model_config.vocab_size)
         params.validate_token_ids(core.model_config.vocab_size)
     except ValueError as e:
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
     if params.n != 1:
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"n must be 1 on an engine instance (the gateway fans out n > 1); got {params.n}")
+
+
+def validate_prompt(prompt_token_ids: list[int], core) -> None:
+    """Raise ServiceError(INVALID_ARGUMENT) for a prompt the engine cannot take: an id out of
+    the vocabulary, more tokens than max_model_len."""
+    try:
+        validate_prompt_token_ids(prompt_token_ids, core.model_config.vocab_size)
+    except ValueError as e:
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
     if len(prompt_token_ids) > core.max_model_len:
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"prompt has {len(prompt_token_ids)} tokens, longer than the maximum model "

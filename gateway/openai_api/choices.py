@@ -9,11 +9,14 @@ closes every Gateway.stream it opened, which cancels their Decode calls.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
+from typing import TypeVar
 
 from gateway.core import Gateway
 from gateway.types import GenerateInput, GenerationDelta
+
+T = TypeVar("T")
 
 
 async def stream_choices(gateway: Gateway, inputs: list[GenerateInput]
@@ -58,7 +61,13 @@ async def generate_choices(gateway: Gateway, inputs: list[GenerateInput]) -> lis
     the other choices are cancelled."""
     if len(inputs) == 1:
         return [await gateway.generate(inputs[0])]
-    tasks = [asyncio.ensure_future(gateway.generate(request)) for request in inputs]
+    return await all_or_none([gateway.generate(request) for request in inputs])
+
+
+async def all_or_none(calls: list[Awaitable[T]]) -> list[T]:
+    """The calls' results, in order, run at once; the first failure is raised and the other
+    calls are cancelled."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
     try:
         return list(await asyncio.gather(*tasks))
     finally:

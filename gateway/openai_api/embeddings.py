@@ -10,7 +10,6 @@ fails ends the others.
 """
 from __future__ import annotations
 
-import asyncio
 import base64
 import struct
 import time
@@ -19,10 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.engine.pooling_params import MAX_EMBEDDING_DIMENSIONS, PoolingParams
+from common.text.chat_template import DEFAULT_CHAT_TEMPLATE_OPTIONS, ChatTemplateOptions
 from gateway.core import Gateway
+from gateway.openai_api.choices import all_or_none
 from gateway.openai_api.errors import invalid_field
 from gateway.openai_api.protocol import (
     INT32,
+    set_prompt,
     checked_fields,
     chat_options_of,
     checked_messages,
@@ -95,7 +97,7 @@ class ParsedEmbeddingRequest:
     priority: int = 0
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool | None = None
-    chat_values: dict = field(default_factory=dict)  # the chat template options, as sent
+    chat_options: ChatTemplateOptions = DEFAULT_CHAT_TEMPLATE_OPTIONS  # with messages: how they become the prompt
 
     def embed_inputs(self, response_id: str) -> list[EmbedInput]:
         """One EmbedInput per input, in order; ids the request's (or response_id), -index where several."""
@@ -109,13 +111,9 @@ class ParsedEmbeddingRequest:
                                  add_special_tokens=self.add_special_tokens,
                                  truncate_prompt_tokens=self.truncate_prompt_tokens)
             if self.messages is not None:
-                # An embedding reads the conversation as it stands: no generation prompt unless asked (vLLM's).
-                request.messages = self.messages
-                request.chat_options = chat_options_of({"add_generation_prompt": False, **self.chat_values})
-            elif isinstance(prompt, str):
-                request.text = prompt
+                request.messages, request.chat_options = self.messages, self.chat_options
             else:
-                request.token_ids = prompt
+                set_prompt(request, prompt)
             inputs.append(request)
         return inputs
 
@@ -134,27 +132,22 @@ def parse_embedding_request(body: bytes) -> ParsedEmbeddingRequest:
         model=values.get("model"), pooling=pooling, encoding_format=values.get("encoding_format", "float"),
         request_id=values.get("request_id"), priority=values.get("priority", 0),
         truncate_prompt_tokens=values.get("truncate_prompt_tokens"),
-        add_special_tokens=values.get("add_special_tokens"),
-        chat_values={name: values[name] for name in _CHAT_ONLY_FIELDS if name in values})
+        add_special_tokens=values.get("add_special_tokens"))
     if "messages" in values:
         parsed.messages = checked_messages(values["messages"])
-        chat_options_of({"add_generation_prompt": False, **parsed.chat_values})  # a bad option is a 400 now
+        # An embedding reads the conversation as it stands: no generation prompt unless asked (vLLM's).
+        parsed.chat_options = chat_options_of({"add_generation_prompt": False, **values})
     else:
-        if parsed.chat_values:
-            raise invalid_field(next(iter(parsed.chat_values)), "only applies to messages")
+        unused = next((name for name in _CHAT_ONLY_FIELDS if name in values), None)
+        if unused is not None:
+            raise invalid_field(unused, "only applies to messages")
         parsed.inputs = values["input"]
     return parsed
 
 
 async def embed_all(gateway: Gateway, inputs: list[EmbedInput]) -> list[EmbeddingResult]:
     """Every input's embedding, computed at once; the first failure cancels the rest and is raised."""
-    tasks = [asyncio.ensure_future(gateway.embed(request)) for request in inputs]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    return await all_or_none([gateway.embed(request) for request in inputs])
 
 
 def embedding_response(parsed: ParsedEmbeddingRequest, results: list[EmbeddingResult], response_id: str,

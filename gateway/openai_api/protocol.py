@@ -63,7 +63,7 @@ from gateway.openai_api.tools import (
     message_tool_fields,
     tool_choice_of,
 )
-from gateway.types import GenerateInput
+from gateway.types import EmbedInput, GenerateInput
 from gateway.validation import MAX_CHAT_MESSAGES
 
 MAX_CHOICES = 128  # n times the number of prompts: OpenAI's own cap on n
@@ -133,12 +133,18 @@ class ParsedRequest:
                     add_special_tokens=self.add_special_tokens, return_token_ids=self.return_token_ids)
                 if self.messages is not None:
                     request.messages, request.chat_options = self.messages, self.chat_options
-                elif isinstance(prompt, str):
-                    request.text = prompt
                 else:
-                    request.token_ids = prompt
+                    set_prompt(request, prompt)
                 inputs.append(request)
         return inputs
+
+
+def set_prompt(request: GenerateInput | EmbedInput, prompt: str | list[int]) -> None:
+    """A completion-style prompt (checked_prompts') as the request's text or token ids."""
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids = prompt
 
 
 # --- value checks: each takes (param, value) and returns the value to use ------------

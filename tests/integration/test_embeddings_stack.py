@@ -10,6 +10,7 @@ import math
 import grpc
 import pytest
 
+from bench.embed import cosine
 from common.engine.model_files import resolve_model
 from common.engine.pooling_params import PoolingParams
 from common.service.embedding_api import EmbedJob
@@ -25,11 +26,6 @@ DOCUMENT = ("Embeddings turn text into vectors. " + " ".join(
 TEXTS = [DOCUMENT, "A short query about colours"]
 # bf16 on both sides; the stack's steps batch the prompt differently than one offline call may.
 MIN_COSINE = 0.999
-
-
-def cosine(a: list[float], b: list[float]) -> float:
-    norms = math.sqrt(math.fsum(x * x for x in a) * math.fsum(y * y for y in b))
-    return math.fsum(x * y for x, y in zip(a, b)) / norms
 
 
 @pytest.fixture(scope="module")
