@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import random
@@ -25,6 +24,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from bench.peers.proc_cpu import wait_until_quiet
+from common.engine.scoring import cosine_similarity
 
 
 def workload(num_prompts: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -32,11 +32,6 @@ def workload(num_prompts: int, min_len: int, max_len: int, vocab_size: int, seed
     # Ids above the first thousand: clear of the special tokens every vocabulary starts with.
     return [[rng.randrange(1000, vocab_size) for _ in range(rng.randint(min_len, max_len))]
             for _ in range(num_prompts)]
-
-
-def cosine(a: list[float], b: list[float]) -> float:
-    norms = math.sqrt(math.fsum(x * x for x in a) * math.fsum(y * y for y in b))
-    return math.fsum(x * y for x, y in zip(a, b)) / norms if norms else 0.0
 
 
 def rates(seconds: list[float], num_prompts: int, num_tokens: int) -> dict:
@@ -143,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{results['ours']['prompt_tokens_per_s']:.0f} prompt tokens/s")
     if theirs:
         results["vllm"] |= rates(theirs, len(prompts), num_tokens)
-        cosines = [cosine(a, b) for a, b in zip(ours_vectors, their_vectors)]
+        cosines = [cosine_similarity(a, b) for a, b in zip(ours_vectors, their_vectors)]
         results["agreement"] = {"min_cosine": min(cosines), "median_cosine": statistics.median(cosines),
                                 "num_vectors": len(cosines)}
         results["ratio"] = results["ours"]["prompts_per_s"] / results["vllm"]["prompts_per_s"]

@@ -12,8 +12,9 @@ from common.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchPa
 from common.engine.config import make_engine_config
 from common.engine.engine_core import EngineCore
 from common.engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprobs,
-                                   RequestOutput)
+                                   RequestOutput, ScoringOutput, ScoringRequestOutput)
 from common.engine.pooling_params import PoolingParams
+from common.engine.scoring import cosine_similarity, score_pairs
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams, truncate_prompt, validate_prompt_token_ids
 from common.text.chat_template import ChatTemplateOptions
@@ -161,6 +162,27 @@ class LLM:
             results[state.prompt_index] = EmbeddingRequestOutput(
                 request_id=req_id, outputs=EmbeddingOutput(state.embedding),
                 prompt_token_ids=encoded[state.prompt_index], num_cached_tokens=state.num_cached_tokens)
+        return results
+
+    def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score for an embedding model: each (data_1, data_2) pair's cosine
+        similarity (common.engine.scoring), one data_1 against every data_2 (1:N) or pairwise
+        (N:N); every prompt of both embedded once, in one batch."""
+        queries = [data_1] if isinstance(data_1, (str, dict)) else list(data_1)
+        documents = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
+        pairs = score_pairs(len(queries), len(documents))
+        embedded = self.embed(queries + documents, pooling_params, use_tqdm, truncate_prompt_tokens)
+        query_outputs, document_outputs = embedded[:len(queries)], embedded[len(queries):]
+        results = []
+        for query_index, document_index in pairs:
+            query, document = query_outputs[query_index], document_outputs[document_index]
+            results.append(ScoringRequestOutput(
+                request_id=f"{query.request_id}_{document.request_id}",
+                outputs=ScoringOutput(cosine_similarity(query.outputs.embedding, document.outputs.embedding)),
+                prompt_token_ids=query.prompt_token_ids + document.prompt_token_ids,
+                num_cached_tokens=query.num_cached_tokens + document.num_cached_tokens))
         return results
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,

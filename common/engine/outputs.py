@@ -164,3 +164,20 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     num_cached_tokens: int = 0
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """The offline API's score of one (query, document) pair (LLM.score), shaped like vLLM's:
+    prompt_token_ids are the query's then the document's."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0

@@ -1,8 +1,8 @@
 """The OpenAPI 3.1 document of the HTTP API this gateway serves (GET /openapi.json).
 
 The request bodies are written from protocol.py's field tables (COMPLETION_FIELDS,
-CHAT_FIELDS, STREAM_OPTIONS, TOKENIZE_FIELDS, DETOKENIZE_FIELDS) and embeddings.py's
-(EMBEDDING_FIELDS): each check there carries the JSON Schema of what it
+CHAT_FIELDS, STREAM_OPTIONS, TOKENIZE_FIELDS, DETOKENIZE_FIELDS), embeddings.py's
+(EMBEDDING_FIELDS) and scores.py's (SCORE_FIELDS, RERANK_FIELDS): each check there carries the JSON Schema of what it
 accepts, with the bounds of the README's "Request bounds", so a field added, removed
 or re-bounded there is so here too. What only holds between fields (min_tokens <=
 max_tokens, n times the number of prompts, the prompt's length in tokens) is said in
@@ -21,6 +21,7 @@ from gateway.openai_api.protocol import (
     STREAM_OPTIONS,
     TOKENIZE_FIELDS,
 )
+from gateway.openai_api.scores import RERANK_FIELDS, SCORE_FIELDS, SCORE_SIDES
 
 OPENAPI_VERSION = "3.1.0"
 ERROR_STATUSES = {
@@ -33,7 +34,8 @@ ERROR_STATUSES = {
     "504": "The request's deadline passed",
 }
 # Fields the request cannot do without (null counts as missing).
-REQUIRED_FIELDS = {"completion": ["model", "prompt"], "chat": ["model", "messages"], "detokenize": ["tokens"]}
+REQUIRED_FIELDS = {"completion": ["model", "prompt"], "chat": ["model", "messages"], "detokenize": ["tokens"],
+                   "rerank": ["query", "documents"]}
 
 ERROR_BODY = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"], "properties": {
@@ -122,6 +124,20 @@ EMBEDDING_RESPONSE = {"type": "object", "required": ["id", "object", "created", 
                                     {"type": "string", "description": "base64 of little-endian float32"}]}}}},
     "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"], "properties": {
         "prompt_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}}}}}
+_USAGE = {"type": "object", "required": ["prompt_tokens", "total_tokens"], "properties": {
+    "prompt_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}}}
+SCORE_RESPONSE = {"type": "object", "required": ["id", "object", "created", "model", "data", "usage"], "properties": {
+    "id": {"type": "string"}, "object": {"enum": ["list"]}, "created": {"type": "integer"}, "model": {"type": "string"},
+    "data": {"type": "array", "items": {"type": "object", "required": ["index", "object", "score"], "properties": {
+        "index": {"type": "integer"}, "object": {"enum": ["score"]},
+        "score": {"type": "number", "description": "the cosine similarity of the pair's embeddings"}}}},
+    "usage": _USAGE}}
+RERANK_RESPONSE = {"type": "object", "required": ["id", "model", "usage", "results"], "properties": {
+    "id": {"type": "string"}, "model": {"type": "string"}, "usage": _USAGE,
+    "results": {"type": "array", "description": "best first", "items": {
+        "type": "object", "required": ["index", "document", "relevance_score"], "properties": {
+            "index": {"type": "integer"}, "relevance_score": {"type": "number"},
+            "document": {"type": "object", "properties": {"text": {"type": "string"}}}}}}}}
 DETOKENIZE_RESPONSE = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
 
 
@@ -152,6 +168,14 @@ def openapi_document(served_model_names: list[str], version: str = "0.1.0",
             "/v1/embeddings": {"post": _json_operation(
                 "Embeddings: each input's final hidden state at its last token, pooled (exactly one of input and "
                 "messages)", "EmbeddingRequest", EMBEDDING_RESPONSE, tuple(ERROR_STATUSES))},
+            **{path: {"post": _json_operation(
+                "Scores: the cosine similarity of each query's and document's embeddings (one pair of sides: "
+                "1:1, 1:N or N:N)", "ScoreRequest", SCORE_RESPONSE, tuple(ERROR_STATUSES))}
+               for path in ("/score", "/v1/score")},
+            **{path: {"post": _json_operation(
+                "Rerank: the documents by the cosine similarity of their embeddings to the query's, best first",
+                "RerankRequest", RERANK_RESPONSE, tuple(ERROR_STATUSES))}
+               for path in ("/rerank", "/v1/rerank", "/v2/rerank")},
             "/v1/models": {"get": {"summary": "The served model", "responses": {"200": {
                 "description": "One model", "content": {"application/json": {"schema": {
                     "type": "object", "required": ["object", "data"], "properties": {
@@ -182,6 +206,11 @@ def openapi_document(served_model_names: list[str], version: str = "0.1.0",
             "TokenizeRequest": fields_schema(tokenize_fields, [], served_model_names),
             "EmbeddingRequest": exactly_one_of(fields_schema(embedding_fields, [], served_model_names),
                                                ("input", "messages")),
+            "ScoreRequest": {**fields_schema(SCORE_FIELDS, [], served_model_names),
+                             "anyOf": [{"required": list(side)} for side in SCORE_SIDES],
+                             "description": "exactly one pair of sides: " + ", ".join(
+                                 f"{first} and {second}" for first, second in SCORE_SIDES)},
+            "RerankRequest": fields_schema(RERANK_FIELDS, REQUIRED_FIELDS["rerank"], served_model_names),
             "DetokenizeRequest": fields_schema(DETOKENIZE_FIELDS, REQUIRED_FIELDS["detokenize"], served_model_names),
             "Error": ERROR_BODY,
         }},

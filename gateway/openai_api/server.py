@@ -3,6 +3,7 @@ gateway's own event loop, next to the gRPC server, on the same Gateway object.
 
     POST /v1/completions        POST /v1/chat/completions   (stream: server-sent events)
     POST /v1/embeddings         (embeddings.py: the prompt's pooled last hidden state)
+    POST /score, /rerank        (scores.py: cosine similarities of embeddings; also under /v1/, and /v2/rerank)
     GET  /v1/models             GET  /v1/models/{model}     GET  /version
     GET  /health (liveness)     GET  /ready (readiness)
     POST /tokenize              POST /detokenize            (vLLM's: prompt <-> token ids)
@@ -36,7 +37,7 @@ import math
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import uvicorn
@@ -65,6 +66,13 @@ from gateway.openai_api.protocol import (
     parse_detokenize_request,
     parse_request,
     parse_tokenize_request,
+)
+from gateway.openai_api.scores import (
+    ParsedScoreRequest,
+    parse_rerank_request,
+    parse_score_request,
+    score_all,
+    scores_response,
 )
 from gateway.openai_api.responses import SSE_DONE, ResponseBuilder, TokenTexts, error_event, json_bytes
 from gateway.openai_api.reasoning_parsers import make_reasoning_parser
@@ -110,6 +118,8 @@ class OpenAIServer:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            *(Route(path, self.score, methods=["POST"]) for path in SCORE_PATHS),
+            *(Route(path, self.rerank, methods=["POST"]) for path in RERANK_PATHS),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
@@ -191,6 +201,33 @@ class OpenAIServer:
             self._count_embedding_refusal("CANCELLED")
             return Response(status_code=499)
         except ClientGone:  # Gateway.embed counted each input
+            return Response(status_code=499)
+
+    async def score(self, request: Request) -> Response:
+        """vLLM's /score for an embedding model: the cosine similarity of each pair (scores.py)."""
+        return await self._scores(request, parse_score_request)
+
+    async def rerank(self, request: Request) -> Response:
+        """vLLM's /rerank (Jina's and Cohere's shape): the documents by their score against the query."""
+        return await self._scores(request, parse_rerank_request)
+
+    async def _scores(self, request: Request, parse: Callable[[bytes], ParsedScoreRequest]) -> Response:
+        try:
+            parsed = await _parsed(parse, await self._read_body(request))
+            model_name = self._served_model_name() if parsed.model is None else self._check_model(parsed.model)
+            response_id = f"{'rerank' if parsed.is_rerank else 'score'}-{uuid.uuid4().hex}"
+            scores = await _until_disconnect(request, score_all(self.gateway, parsed, response_id))
+            return Response(json_bytes(scores_response(parsed, scores, response_id, model_name)),
+                            media_type="application/json")
+        except ServiceError as e:  # Gateway.embed counted it
+            return _error(from_gateway_error(e, getattr(e, "param", None)))
+        except ApiError as e:  # refused here, before the gateway saw it
+            self._count_embedding_refusal(e.grpc_code.name)
+            return _error(e)
+        except ClientDisconnect:
+            self._count_embedding_refusal("CANCELLED")
+            return Response(status_code=499)
+        except ClientGone:  # Gateway.embed counted each text
             return Response(status_code=499)
 
     async def models(self, request: Request) -> Response:
@@ -387,8 +424,12 @@ class OpenAIServer:
 
 
 # What an API key guards: the generation and model routes (vLLM's /v1) and the tokenizer's.
-_GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+SCORE_PATHS = ("/score", "/v1/score")
+RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
+_GUARDED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", *SCORE_PATHS, *RERANK_PATHS)
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Requests whose work is embeddings, counted in pdserve_embeddings_total.
+_EMBEDDING_PATHS = ("/v1/embeddings", *SCORE_PATHS, *RERANK_PATHS)
 
 
 class _RequireApiKey:
@@ -407,7 +448,7 @@ class _RequireApiKey:
             return
         if path.rstrip("/") in _GENERATION_PATHS:
             self.count_refusal("UNAUTHENTICATED")
-        elif path.rstrip("/") == "/v1/embeddings":
+        elif path.rstrip("/") in _EMBEDDING_PATHS:
             self.count_embedding_refusal("UNAUTHENTICATED")
         error = ApiError(401, MISSING_KEY_MESSAGE, code="invalid_api_key")
         await send({"type": "http.response.start", "status": 401, "headers": [

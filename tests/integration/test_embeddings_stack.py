@@ -1,7 +1,7 @@
 """Embeddings on the real stack (1 gateway, 1 prefill, 1 decode, the bundled model):
-gRPC Embed and HTTP /v1/embeddings give the offline engine's vectors, the prompt an
-embedding computed stays cached for generation, a decode instance embeds too, and an
-embedding cancelled mid-prompt leaves no work or block behind."""
+gRPC Embed and HTTP /v1/embeddings give the offline engine's vectors, /score and /rerank
+its LLM.score, the prompt an embedding computed stays cached for generation, a decode
+instance embeds too, and an embedding cancelled mid-prompt leaves no work or block behind."""
 from __future__ import annotations
 
 import asyncio
@@ -10,9 +10,9 @@ import math
 import grpc
 import pytest
 
-from bench.embed import cosine
 from common.engine.model_files import resolve_model
 from common.engine.pooling_params import PoolingParams
+from common.engine.scoring import cosine_similarity as cosine
 from common.service.embedding_api import EmbedJob
 from common.service.embedding_client import EmbeddingClient
 from common.text.prompt_tokenizer import load_prompt_tokenizer
@@ -26,6 +26,8 @@ DOCUMENT = ("Embeddings turn text into vectors. " + " ".join(
 TEXTS = [DOCUMENT, "A short query about colours"]
 # bf16 on both sides; the stack's steps batch the prompt differently than one offline call may.
 MIN_COSINE = 0.999
+SCORE_TOLERANCE = 5e-3
+QUERIES = ["Which colour is sentence 2 about?", "Numbers and colours"]
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +36,7 @@ def offline():
     llm = LLM(num_kv_blocks=128, max_num_seqs=8)
     vectors = {text: out.outputs.embedding for text, out in zip(TEXTS, llm.embed(TEXTS))}
     vectors["raw"] = llm.embed(TEXTS[1], PoolingParams(normalize=False))[0].outputs.embedding
+    vectors["scores"] = [out.outputs.score for out in llm.score(TEXTS[1], QUERIES + TEXTS)]
     llm.engine.shutdown()
     return vectors
 
@@ -51,6 +54,30 @@ def test_grpc_and_http_give_the_offline_engines_vectors(stack, grpc_client, clie
     for data, text in zip(response.data, TEXTS):
         assert cosine(data.embedding, offline[text]) >= MIN_COSINE
     assert response.usage.prompt_tokens == sum(grpc_client.embed(t).usage.prompt_tokens for t in TEXTS)
+    wait_until_idle(stack)
+
+
+def test_score_and_rerank_give_the_offline_engines_scores(stack, offline):
+    import http.client
+    import json
+
+    def post(path: str, body: dict) -> dict:
+        connection = http.client.HTTPConnection(*stack.http_address.split(":"), timeout=60)
+        try:
+            connection.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json"})
+            response = connection.getresponse()
+            payload = json.loads(response.read())
+            assert response.status == 200, payload
+            return payload
+        finally:
+            connection.close()
+    documents = QUERIES + TEXTS
+    scores = [d["score"] for d in post("/score", {"queries": TEXTS[1], "documents": documents})["data"]]
+    assert scores == pytest.approx(offline["scores"], abs=SCORE_TOLERANCE)
+    assert scores[-1] == pytest.approx(1.0, abs=1e-3)  # the query against itself
+    ranked = post("/rerank", {"query": TEXTS[1], "documents": documents, "top_n": 2})["results"]
+    assert ranked[0]["index"] == len(documents) - 1 and len(ranked) == 2
+    assert ranked[1]["relevance_score"] == pytest.approx(sorted(offline["scores"])[-2], abs=SCORE_TOLERANCE)
     wait_until_idle(stack)
 
 

@@ -131,3 +131,29 @@ def test_embeddings_need_a_key_on_both_edges_and_refusals_count_as_embeddings(gw
     assert embeddings_by_status(gw)["UNAUTHENTICATED"] - before == 2
     client = openai.OpenAI(base_url=f"http://{gw.http_address}/v1", api_key="key-one", max_retries=0)
     assert len(client.embeddings.create(model=MODEL, input=["a", "b"]).data) == 2
+
+
+def test_score_and_rerank_need_a_key_and_refusals_count_as_embeddings(gw):
+    import http.client
+    import json
+
+    from tests.unit.gateway.openai_api.test_embeddings import embeddings_by_status
+
+    def post_with(path: str, api_key: str | None) -> int:
+        connection = http.client.HTTPConnection(*gw.http_address.split(":"), timeout=30)
+        headers = {"content-type": "application/json",
+                   **({"authorization": f"Bearer {api_key}"} if api_key else {})}
+        try:
+            body = {"query": "a", "documents": ["b"]} if "rerank" in path else {"queries": "a", "documents": ["b"]}
+            connection.request("POST", path, body=json.dumps(body), headers=headers)
+            return connection.getresponse().status
+        finally:
+            connection.close()
+    before = embeddings_by_status(gw).get("UNAUTHENTICATED", 0)
+    embeds_before = len(gw.fake.embedding_servicer.requests)
+    paths = ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
+    assert [post_with(path, None) for path in paths] == [401] * 5
+    assert post_with("/score", "wrong") == 401
+    assert len(gw.fake.embedding_servicer.requests) == embeds_before  # nothing reached the instance
+    assert embeddings_by_status(gw)["UNAUTHENTICATED"] - before == 6
+    assert [post_with(path, "key-two") for path in paths] == [200] * 5

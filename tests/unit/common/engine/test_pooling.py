@@ -1,6 +1,7 @@
 """Embedding requests in the engine: the final hidden state at the prompt's last token,
 pooled as PoolingParams say, equal to Hugging Face's, whatever the prompt's chunks and
-prefix-cache hits, beside generation requests, leaving no blocks behind."""
+prefix-cache hits, beside generation requests, leaving no blocks behind; LLM.score's
+scores the cosines of its vectors."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ from common.engine.llm import LLM
 from common.engine.pooling_params import MAX_EMBEDDING_DIMENSIONS, PoolingConfig, PoolingParams
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
+from common.engine.scoring import cosine_similarity
 
 PROMPTS = [[(13 * i + 7 * j) % 400 + 3 for i in range(n)] for j, n in enumerate((5, 37, 64, 1))]
 
@@ -128,6 +130,23 @@ def test_dimensions_need_a_matryoshka_model(llm, tiny_model_factory):
         _assert_close(cut, torch.nn.functional.normalize(torch.tensor(full[:16]), dim=0))
     finally:
         nested.engine.shutdown()
+
+
+def test_llm_score_is_the_cosine_of_llm_embed(llm):
+    queries = [{"prompt_token_ids": [5, 9, 11]}, {"prompt_token_ids": [40, 41, 42, 43]}]
+    documents = [{"prompt_token_ids": [5, 9, 12]}, {"prompt_token_ids": list(range(30, 70))}]
+    vectors = [out.outputs.embedding for out in llm.embed(queries + documents, PoolingParams(normalize=False))]
+    one_to_many = llm.score(queries[0], documents)
+    assert [out.outputs.score for out in one_to_many] == pytest.approx(
+        [cosine_similarity(vectors[0], vectors[2]), cosine_similarity(vectors[0], vectors[3])], abs=1e-5)
+    assert one_to_many[1].prompt_token_ids == [5, 9, 11] + list(range(30, 70))
+    pairwise = llm.score(queries, documents)
+    assert [out.outputs.score for out in pairwise] == pytest.approx(
+        [cosine_similarity(vectors[0], vectors[2]), cosine_similarity(vectors[1], vectors[3])], abs=1e-5)
+    assert llm.score(queries[1], queries[1])[0].outputs.score == pytest.approx(1.0, abs=1e-6)
+    with pytest.raises(ValueError, match="1:1, 1:N or N:N"):
+        llm.score(queries, documents + queries)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_bad_prompts_are_refused_before_anything_runs(llm):

@@ -20,7 +20,8 @@ from tests.unit.gateway.openai_api.test_server import MODEL, TOKENS, http_gatewa
 EXAMPLES_PER_OPERATION = 40
 OPERATIONS = ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{model}",
               "GET /version", "GET /health", "GET /ready", "POST /tokenize", "POST /detokenize",
-              "POST /v1/embeddings"]
+              "POST /v1/embeddings", "POST /score", "POST /v1/score", "POST /rerank", "POST /v1/rerank",
+              "POST /v2/rerank"]
 
 
 @pytest.fixture(scope="module")
