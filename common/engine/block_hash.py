@@ -3,6 +3,10 @@
 Each full block's hash covers its parent's hash and its own token ids, so equal
 hashes mean equal prefixes. sha256 (not Python's salted `hash`) keeps the value
 the same in every process and on every machine.
+
+A request's cache_salt (vLLM's) seeds its first block's parent: requests share cached
+blocks only when their salts are equal (or both absent), so one tenant cannot learn from
+time to first token whether another sent a prompt.
 """
 from __future__ import annotations
 
@@ -11,6 +15,27 @@ import struct
 from collections.abc import Sequence
 
 ROOT_PARENT_HASH = 0
+# vLLM's bounds on a salt: cache backends take it into keys and paths.
+MAX_CACHE_SALT_CHARS = 128
+CACHE_SALT_FORBIDDEN_CHARS = "@/\\\0"
+
+
+def check_cache_salt(cache_salt: str) -> str:
+    """The salt, or ValueError saying what vLLM's bounds refuse."""
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError("cache_salt must be a non-empty string")
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS or any(c in CACHE_SALT_FORBIDDEN_CHARS for c in cache_salt):
+        raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters and must not contain "
+                         f"'@', '/', '\\' or NUL")
+    return cache_salt
+
+
+def root_parent_hash(cache_salt: str | None) -> int:
+    """The parent hash of a request's first block: ROOT_PARENT_HASH unsalted, else the salt's."""
+    if cache_salt is None:
+        return ROOT_PARENT_HASH
+    digest = hashlib.sha256(b"pdserve-cache-salt\0" + cache_salt.encode()).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:

@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.engine.block_hash import ROOT_PARENT_HASH, compute_block_hashes
+from common.engine.block_hash import compute_block_hashes, root_parent_hash
 from common.engine.block_pool import BlockPool, KVCacheBlock, KVCacheEvent
 from common.engine.request import Request
 
@@ -172,6 +172,6 @@ class KVCacheManager:
         num_hashed_tokens = len(request.block_hashes) * self.block_size
         if request.num_tokens - num_hashed_tokens < self.block_size:
             return
-        parent_hash = request.block_hashes[-1] if request.block_hashes else ROOT_PARENT_HASH
+        parent_hash = request.block_hashes[-1] if request.block_hashes else root_parent_hash(request.cache_salt)
         request.block_hashes.extend(compute_block_hashes(
             request.all_token_ids[num_hashed_tokens:], self.block_size, parent_hash))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from common.engine.bad_words import with_bad_words_token_ids
+from common.engine.block_hash import check_cache_salt
 from common.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from common.engine.config import make_engine_config
 from common.engine.engine_core import EngineCore
@@ -42,6 +43,14 @@ def validate_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
     if num_prompt_tokens > max_model_len:
         raise ValueError(f"prompt has {num_prompt_tokens} tokens, longer than the maximum model "
                          f"length of {max_model_len} tokens")
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """A dict prompt's cache_salt (vLLM's): its prefix-cache blocks are shared only with
+    prompts of the same salt. ValueError for one vLLM's bounds refuse."""
+    if not isinstance(prompt, dict) or prompt.get("cache_salt") is None:
+        return None
+    return check_cache_salt(prompt["cache_salt"])
 
 
 class LLM:
@@ -85,7 +94,9 @@ class LLM:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        raise ValueError("a prompt is a string or {'prompt_token_ids': [...]}; "
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValueError("a prompt is a string, {'prompt': text} or {'prompt_token_ids': [...]}; "
                          f"got {type(prompt).__name__}")
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -102,14 +113,15 @@ class LLM:
                              "pass one, or one per prompt")
         # Validate everything before adding anything, so a bad prompt leaves no request behind.
         vocab_size = self.engine.model_config.vocab_size
-        encoded = []
+        encoded, cache_salts = [], []
         for prompt, params in zip(prompts, sampling_params):
             text, token_ids = self._checked_prompt(prompt, params.truncate_prompt_tokens)
             params = with_bad_words_token_ids(params, self._encode_word)
             params.validate_token_ids(vocab_size)
             encoded.append((text, token_ids, params))
+            cache_salts.append(_cache_salt(prompt))
         pending: dict[str, _Pending] = {}
-        for i, (_, token_ids, params) in enumerate(encoded):
+        for i, ((_, token_ids, params), cache_salt) in enumerate(zip(encoded, cache_salts)):
             for j in range(params.n):
                 child = params if params.n == 1 else params.for_child(j)
                 req_id = str(next(self._req_counter))
@@ -120,7 +132,8 @@ class LLM:
                                                    stop=child.stop,
                                                    include_stop_str_in_output=child.include_stop_str_in_output)
                 pending[req_id] = _Pending(i, j, detok)
-                self.engine.add_request(Request(req_id, token_ids, child, eos_token_ids=self.eos_token_ids))
+                self.engine.add_request(Request(req_id, token_ids, child, eos_token_ids=self.eos_token_ids,
+                                                cache_salt=cache_salt))
         self._run(pending, use_tqdm)
         return self._collect(encoded, pending)
 
@@ -148,11 +161,13 @@ class LLM:
             prompts = [prompts]
         pooling_params = self.engine.pooling_params_for(pooling_params)
         encoded = [self._checked_prompt(prompt, truncate_prompt_tokens)[1] for prompt in prompts]
+        cache_salts = [_cache_salt(prompt) for prompt in prompts]
         pending: dict[str, _Pending] = {}
-        for i, token_ids in enumerate(encoded):
+        for i, (token_ids, cache_salt) in enumerate(zip(encoded, cache_salts)):
             req_id = str(next(self._req_counter))
             pending[req_id] = _Pending(i, 0, None)
-            self.engine.add_request(Request.embedding(req_id, token_ids, pooling_params, self.eos_token_ids))
+            self.engine.add_request(Request.embedding(req_id, token_ids, pooling_params, self.eos_token_ids,
+                                                      cache_salt=cache_salt))
         self._run(pending, use_tqdm)
         results = [None] * len(encoded)
         for req_id, state in pending.items():

@@ -5,6 +5,8 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
+from common.engine.block_hash import check_cache_salt
+
 if TYPE_CHECKING:
     from common.engine.pooling_params import PoolingParams
     from common.engine.sampling_params import SamplingParams
@@ -33,7 +35,8 @@ class Request:
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling_params: "SamplingParams",
                  eos_token_ids: tuple[int, ...] = (), priority: int = 0,
-                 arrival_time: float | None = None, pooling_params: "PoolingParams | None" = None):
+                 arrival_time: float | None = None, pooling_params: "PoolingParams | None" = None,
+                 cache_salt: str | None = None):
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         self.req_id = req_id
@@ -53,7 +56,9 @@ class Request:
         self.num_queued_cached_tokens: int | None = None
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
-        # Chained hashes of the full blocks of all_token_ids, kept by the KV cache manager.
+        # Chained hashes of the full blocks of all_token_ids, kept by the KV cache manager,
+        # from the salt's root (block_hash.root_parent_hash): only equal salts share blocks.
+        self.cache_salt = None if cache_salt is None else check_cache_salt(cache_salt)
         self.block_hashes: list[int] = []
         self.stop_reason: int | str | None = None
         # Where this request's KV comes from or goes to, for the engine's KV connector
@@ -76,11 +81,12 @@ class Request:
 
     @classmethod
     def embedding(cls, req_id: str, prompt_token_ids: list[int], pooling_params: "PoolingParams",
-                  eos_token_ids: tuple[int, ...] = (), priority: int = 0) -> "Request":
+                  eos_token_ids: tuple[int, ...] = (), priority: int = 0,
+                  cache_salt: str | None = None) -> "Request":
         """An embedding request: its sampling params only fill the fields every request has."""
         from common.engine.sampling_params import SamplingParams
         return cls(req_id, prompt_token_ids, SamplingParams(max_tokens=1), eos_token_ids=eos_token_ids,
-                   priority=priority, pooling_params=pooling_params)
+                   priority=priority, pooling_params=pooling_params, cache_salt=cache_salt)
 
     def add_prompt_logprobs(self, first_position: int, logprobs: list) -> None:
         """The Logprobs of prompt tokens first_position + 1, + 2, ...; a chunk computed again

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.engine.block_hash import compute_block_hashes, hash_block_tokens
+from common.engine.block_hash import compute_block_hashes, hash_block_tokens, root_parent_hash
 from common.engine.block_pool import BlockRemoved, BlockStored
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
@@ -69,6 +69,23 @@ def test_prefix_hit_reuses_exact_block_ids(make_kv_cache_manager):
     kv.check_invariants()
     kv.free(req_c)
     assert kv.stats.num_query_tokens == 10 + 11 + 9 and kv.stats.num_hit_tokens == 16
+
+
+def test_only_requests_of_the_same_cache_salt_share_blocks(make_kv_cache_manager):
+    kv = make_kv_cache_manager(num_blocks=16)
+    prompt = list(range(9))
+    salted = Request("a", prompt, SamplingParams(), cache_salt="tenant-a")
+    admit(kv, salted)
+    assert salted.block_hashes == compute_block_hashes(prompt, BLOCK_SIZE, root_parent_hash("tenant-a"))
+    assert salted.block_hashes != compute_block_hashes(prompt, BLOCK_SIZE)
+    for other in (make_request("unsalted", prompt), Request("b", prompt, SamplingParams(), cache_salt="tenant-b")):
+        assert kv.get_computed_blocks(other) == ([], 0)  # another salt, or none: a miss
+    same = Request("a2", prompt, SamplingParams(), cache_salt="tenant-a")
+    assert kv.get_computed_blocks(same) == (kv.get_block_ids("a")[:2], 8)
+    with pytest.raises(ValueError, match="must not contain"):
+        Request("c", prompt, SamplingParams(), cache_salt="a/b")
+    with pytest.raises(ValueError, match="non-empty"):
+        Request("c", prompt, SamplingParams(), cache_salt="")
 
 
 def test_whole_prompt_cached_drops_last_block(make_kv_cache_manager):
