@@ -28,18 +28,20 @@ class DecodeJob:
     priority: int = 0
     prefill_address: str = ""  # empty: prefill locally
     prefill_instance_id: str = ""
+    cache_salt: str | None = None  # only requests of the same salt share cached blocks
 
     @classmethod
     def from_pb(cls, msg: decode_pb2.DecodeRequest) -> DecodeJob:
         params = sampling_params_from_pb(msg.sampling)
         return cls(msg.request_id, list(msg.prompt_token_ids), params, msg.priority, msg.prefill_address,
-                   msg.prefill_instance_id)
+                   msg.prefill_instance_id, msg.cache_salt if msg.HasField("cache_salt") else None)
 
     def to_pb(self) -> decode_pb2.DecodeRequest:
         return decode_pb2.DecodeRequest(
             request_id=self.req_id, prompt_token_ids=self.prompt_token_ids,
             sampling=sampling_params_to_pb(self.params), priority=self.priority,
-            prefill_address=self.prefill_address, prefill_instance_id=self.prefill_instance_id)
+            prefill_address=self.prefill_address, prefill_instance_id=self.prefill_instance_id,
+            cache_salt=self.cache_salt)
 
 
 @dataclass

@@ -149,7 +149,8 @@ class Decoder:
         return len(known)
 
     def _request(self, job: DecodeJob):
-        return new_request(job.req_id, job.prompt_token_ids, job.params, job.priority, self.eos_token_ids)
+        return new_request(job.req_id, job.prompt_token_ids, job.params, job.priority, self.eos_token_ids,
+                           job.cache_salt)
 
     async def _prefill_remotely(self, job: DecodeJob, request, admission: Admission,
                                 landed: asyncio.Future) -> RemotePrefill | None:
@@ -165,7 +166,8 @@ class Decoder:
             rank_kv_endpoints=self.rank_kv_endpoints,
             transfer_timeout_s=self.transfer_timeout_s if self.prefill_queue_timeout_s > 0 else None)
         call = self.clients.prefill(job.prefill_address, PrefillJob(
-            job.req_id, job.prompt_token_ids, job.params, job.priority, kv_target), self.remote_window_s)
+            job.req_id, job.prompt_token_ids, job.params, job.priority, kv_target, job.cache_salt),
+            self.remote_window_s)
         rpc = asyncio.ensure_future(call)
         try:
             await asyncio.wait({rpc, landed}, return_when=asyncio.FIRST_COMPLETED)

@@ -41,6 +41,8 @@ def _set_prompt(request: GenerateInput | EmbedInput,
         request.chat_options = chat_options_from_pb(msg.messages)
     if msg.HasField("add_special_tokens"):
         request.add_special_tokens = msg.add_special_tokens
+    if msg.HasField("cache_salt"):
+        request.cache_salt = msg.cache_salt
 
 
 def embed_input_from_pb(msg: generate_pb2.EmbeddingRequest) -> EmbedInput:

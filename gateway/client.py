@@ -49,7 +49,7 @@ from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids, or chat messages {role, content}
 _OPTIONS = ("request_id", "priority", "return_token_ids", "return_logprobs", "model", "chat_options",
-            "add_special_tokens", "split_reasoning")
+            "add_special_tokens", "split_reasoning", "cache_salt")
 
 
 def build_generate_request(prompt: Prompt, sampling: SamplingParams | None = None, request_id: str = "",
@@ -57,10 +57,11 @@ def build_generate_request(prompt: Prompt, sampling: SamplingParams | None = Non
                            return_logprobs: bool = False, model: str = "",
                            chat_options: ChatTemplateOptions | None = None,
                            add_special_tokens: bool | None = None,
-                           split_reasoning: bool = False) -> generate_pb2.GenerateRequest:
+                           split_reasoning: bool = False,
+                           cache_salt: str | None = None) -> generate_pb2.GenerateRequest:
     request = generate_pb2.GenerateRequest(
         sampling=sampling_params_to_pb(sampling or SamplingParams()), request_id=request_id,
-        priority=priority, model=model,
+        priority=priority, model=model, cache_salt=cache_salt,
         output=generate_pb2.OutputOptions(return_token_ids=return_token_ids, return_logprobs=return_logprobs,
                                           split_reasoning=split_reasoning))
     return _with_prompt(request, prompt, chat_options, add_special_tokens)
@@ -68,10 +69,11 @@ def build_generate_request(prompt: Prompt, sampling: SamplingParams | None = Non
 
 def build_embedding_request(prompt: Prompt, pooling: PoolingParams | None = None, request_id: str = "",
                             priority: int = 0, model: str = "", chat_options: ChatTemplateOptions | None = None,
-                            add_special_tokens: bool | None = None,
-                            truncate_prompt_tokens: int | None = None) -> generate_pb2.EmbeddingRequest:
+                            add_special_tokens: bool | None = None, truncate_prompt_tokens: int | None = None,
+                            cache_salt: str | None = None) -> generate_pb2.EmbeddingRequest:
     request = generate_pb2.EmbeddingRequest(pooling=pooling_params_to_pb(pooling or PoolingParams()),
-                                            request_id=request_id, priority=priority, model=model)
+                                            request_id=request_id, priority=priority, model=model,
+                                            cache_salt=cache_salt)
     if truncate_prompt_tokens is not None:
         request.truncate_prompt_tokens = truncate_prompt_tokens
     return _with_prompt(request, prompt, chat_options, add_special_tokens)
@@ -186,7 +188,7 @@ class AsyncClient:
     async def embed(self, prompt: Prompt, *, pooling: PoolingParams | None = None, timeout: float | None = None,
                     **options) -> EmbeddingResult:
         """The prompt's embedding; options: build_embedding_request's (request_id, priority, model,
-        chat_options, add_special_tokens, truncate_prompt_tokens)."""
+        chat_options, add_special_tokens, truncate_prompt_tokens, cache_salt)."""
         request = build_embedding_request(prompt, pooling, **options)
         return embedding_result_from_pb(await self._stub.Embed(request, timeout=timeout or self.timeout,
                                                                metadata=self._metadata))

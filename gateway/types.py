@@ -32,6 +32,7 @@ class GenerateInput:
     chat_options: ChatTemplateOptions = DEFAULT_CHAT_TEMPLATE_OPTIONS  # how messages become the prompt
     add_special_tokens: bool | None = None  # the tokenizer's BOS ...; None: true for text, false for messages
     split_reasoning: bool = False  # gRPC: the thinking in GenerationDelta.reasoning (the gateway's parser)
+    cache_salt: str | None = None  # only requests of the same salt share prefix-cache blocks
 
 
 @dataclass
@@ -43,6 +44,7 @@ class PreparedRequest:
     sampling: SamplingParams  # n == 1; logprobs set when they are to be returned
     priority: int = 0
     return_token_ids: bool = False
+    cache_salt: str | None = None
 
     @property
     def return_logprobs(self) -> bool:
@@ -63,6 +65,7 @@ class EmbedInput:
     chat_options: ChatTemplateOptions = DEFAULT_CHAT_TEMPLATE_OPTIONS
     add_special_tokens: bool | None = None  # None: true for text, false for messages
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len)
+    cache_salt: str | None = None  # only requests of the same salt share prefix-cache blocks
 
 
 @dataclass
@@ -73,6 +76,7 @@ class PreparedEmbedding:
     prompt_token_ids: list[int]
     pooling: PoolingParams
     priority: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.engine.bad_words import with_bad_words_token_ids
+from common.engine.block_hash import check_cache_salt
 from common.engine.model_files import BUNDLED_MODEL_NAME, load_hf_config, resolve_model
 from common.engine.sampling_params import truncate_prompt, validate_prompt_token_ids
 from common.service.errors import invalid
@@ -109,6 +110,11 @@ def _check_model_and_id(request: GenerateInput | EmbedInput, model: ServedModel,
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise invalid(f"request_id has {len(request.request_id)} characters; at most "
                       f"{MAX_REQUEST_ID_CHARS} are allowed")
+    if request.cache_salt is not None:
+        try:
+            check_cache_salt(request.cache_salt)
+        except ValueError as e:
+            raise invalid(str(e)) from None
 
 
 def prepare_request(request: GenerateInput, model: ServedModel, max_model_len: int,
@@ -143,7 +149,8 @@ def prepare_request(request: GenerateInput, model: ServedModel, max_model_len: i
         raise invalid(f"sampling.{e}") from None
     return PreparedRequest(request_id=request.request_id or uuid.uuid4().hex,
                            prompt_token_ids=prompt_token_ids, sampling=sampling,
-                           priority=request.priority, return_token_ids=request.return_token_ids)
+                           priority=request.priority, return_token_ids=request.return_token_ids,
+                           cache_salt=request.cache_salt)
 
 
 def prepare_embedding(request: EmbedInput, model: ServedModel, max_model_len: int, max_prompt_chars: int,
@@ -164,7 +171,8 @@ def prepare_embedding(request: EmbedInput, model: ServedModel, max_model_len: in
         raise invalid(f"prompt has {len(prompt_token_ids)} tokens, more than the model's maximum length of "
                       f"{max_model_len}; shorten it or set truncate_prompt_tokens")
     return PreparedEmbedding(request_id=request.request_id or uuid.uuid4().hex,
-                             prompt_token_ids=prompt_token_ids, pooling=request.pooling, priority=request.priority)
+                             prompt_token_ids=prompt_token_ids, pooling=request.pooling, priority=request.priority,
+                             cache_salt=request.cache_salt)
 
 
 def _with_defaults(options: ChatTemplateOptions, model: ServedModel) -> ChatTemplateOptions:

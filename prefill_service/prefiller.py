@@ -40,7 +40,7 @@ class Prefiller:
     async def prefill(self, job: PrefillJob, export: ExportTarget | None) -> PrefillResult:
         """`export`: job.kv_target, checked against the prompt and our pool (kv_export)."""
         request = new_request(job.req_id, job.prompt_token_ids, first_token_params(job.params), job.priority,
-                              self.eos_token_ids)
+                              self.eos_token_ids, job.cache_salt)
         if export is not None:
             request.kv_transfer_params = export.kv_transfer_params()
         try:

@@ -8,7 +8,7 @@ import grpc
 from common.engine.async_engine import AsyncEngine
 from common.engine.request import Request
 from common.service.embedding_api import EmbedJob, EmbedResult
-from common.service.engine_requests import (add_request, admit_when_id_free, finished_output,
+from common.service.engine_requests import (add_request, admit_when_id_free, checked_cache_salt, finished_output,
                                             open_stream_when_id_free, validate_prompt)
 from common.service.errors import ServiceError, invalid
 
@@ -27,7 +27,8 @@ class Embedder:
             pooling = self.core.pooling_params_for(job.pooling)
         except ValueError as e:  # a bad field is named as the caller sent it
             raise invalid(f"pooling.{e}" if str(e).startswith("dimensions") else str(e)) from None
-        request = Request.embedding(job.req_id, job.prompt_token_ids, pooling, self.eos_token_ids, job.priority)
+        request = Request.embedding(job.req_id, job.prompt_token_ids, pooling, self.eos_token_ids, job.priority,
+                                    checked_cache_salt(job.cache_salt))
         try:
             stream = await open_stream_when_id_free(self.engine, job.req_id)
         except ValueError as e:

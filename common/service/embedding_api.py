@@ -36,14 +36,17 @@ class EmbedJob:
     prompt_token_ids: list[int]
     pooling: PoolingParams
     priority: int = 0
+    cache_salt: str | None = None  # only requests of the same salt share cached blocks
 
     @classmethod
     def from_pb(cls, msg: embedding_pb2.EmbedRequest) -> EmbedJob:
-        return cls(msg.request_id, list(msg.prompt_token_ids), pooling_params_from_pb(msg.pooling), msg.priority)
+        return cls(msg.request_id, list(msg.prompt_token_ids), pooling_params_from_pb(msg.pooling), msg.priority,
+                   msg.cache_salt if msg.HasField("cache_salt") else None)
 
     def to_pb(self) -> embedding_pb2.EmbedRequest:
         return embedding_pb2.EmbedRequest(request_id=self.req_id, prompt_token_ids=self.prompt_token_ids,
-                                          pooling=pooling_params_to_pb(self.pooling), priority=self.priority)
+                                          pooling=pooling_params_to_pb(self.pooling), priority=self.priority,
+                                          cache_salt=self.cache_salt)
 
 
 @dataclass

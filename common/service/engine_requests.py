@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import grpc
 
+from common.engine.block_hash import check_cache_salt
 from common.engine.errors import RequestIdReleasingError
 from common.engine.outputs import EngineCoreOutput
 from common.engine.request import Request
@@ -72,10 +73,19 @@ async def finished_output(stream) -> EngineCoreOutput:
 
 
 def new_request(req_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-                eos: tuple[int, ...]) -> Request:
+                eos: tuple[int, ...], cache_salt: str | None = None) -> Request:
     if not req_id:
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
-    return Request(req_id, prompt_token_ids, params, eos_token_ids=eos, priority=priority)
+    return Request(req_id, prompt_token_ids, params, eos_token_ids=eos, priority=priority,
+                   cache_salt=checked_cache_salt(cache_salt))
+
+
+def checked_cache_salt(cache_salt: str | None) -> str | None:
+    """The salt, or INVALID_ARGUMENT saying what vLLM's bounds refuse."""
+    try:
+        return None if cache_salt is None else check_cache_salt(cache_salt)
+    except ValueError as e:
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
 
 async def admit_when_id_free(admit: Callable[[], Awaitable[T]], wait_s: float = ID_RELEASE_WAIT_S) -> T:

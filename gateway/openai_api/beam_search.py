@@ -19,7 +19,8 @@ async def beam_search(gateway: Gateway, prompt: GenerateInput, prompt_token_ids:
     while not search.done:
         requests = [GenerateInput(token_ids=beam.token_ids, sampling=search.step_params, return_logprobs=True,
                                   request_id=f"{prompt.request_id}-beam-{search.num_steps_done}-{i}",
-                                  priority=prompt.priority, model=prompt.model)
+                                  priority=prompt.priority, model=prompt.model,
+                                  cache_salt=prompt.cache_salt)
                     for i, beam in enumerate(search.live)]
         results = await generate_choices(gateway, requests)
         search.advance([result.logprobs[0][1] for result in results])

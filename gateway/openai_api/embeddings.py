@@ -3,7 +3,7 @@ results back as OpenAI's list of embeddings.
 
 The fields are OpenAI's (input, model, encoding_format, dimensions, user) and vLLM's
 extensions (messages for a chat conversation, use_activation, truncate_prompt_tokens,
-add_special_tokens, priority, request_id, chat template options), checked as
+add_special_tokens, priority, request_id, cache_salt, chat template options), checked as
 protocol.py checks the generation bodies (strict: an unknown field is a 400 naming it).
 Each input is its own Embed call (Gateway.embed): they run at once, and the first that
 fails ends the others.
@@ -24,6 +24,7 @@ from gateway.openai_api.choices import all_or_none
 from gateway.openai_api.errors import invalid_field
 from gateway.openai_api.protocol import (
     INT32,
+    cache_salt,
     set_prompt,
     checked_fields,
     chat_options_of,
@@ -82,6 +83,7 @@ EMBEDDING_FIELDS: dict[str, Callable] = {
     "add_special_tokens": boolean, "priority": integer(*INT32), "request_id": string,
     "add_generation_prompt": boolean, "continue_final_message": boolean, "chat_template_kwargs": template_kwargs,
     "chat_template": chat_template_text, "embed_dtype": neutral("float32"), "endianness": neutral("native", "little"),
+    "cache_salt": cache_salt,
 }
 _CHAT_ONLY_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template")
 
@@ -98,6 +100,7 @@ class ParsedEmbeddingRequest:
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool | None = None
     chat_options: ChatTemplateOptions = DEFAULT_CHAT_TEMPLATE_OPTIONS  # with messages: how they become the prompt
+    cache_salt: str | None = None
 
     def embed_inputs(self, response_id: str) -> list[EmbedInput]:
         """One EmbedInput per input, in order; ids the request's (or response_id), -index where several."""
@@ -109,7 +112,7 @@ class ParsedEmbeddingRequest:
             request = EmbedInput(pooling=self.pooling, request_id=request_id, priority=self.priority,
                                  model=self.model or "",
                                  add_special_tokens=self.add_special_tokens,
-                                 truncate_prompt_tokens=self.truncate_prompt_tokens)
+                                 truncate_prompt_tokens=self.truncate_prompt_tokens, cache_salt=self.cache_salt)
             if self.messages is not None:
                 request.messages, request.chat_options = self.messages, self.chat_options
             else:
@@ -132,7 +135,7 @@ def parse_embedding_request(body: bytes) -> ParsedEmbeddingRequest:
         model=values.get("model"), pooling=pooling, encoding_format=values.get("encoding_format", "float"),
         request_id=values.get("request_id"), priority=values.get("priority", 0),
         truncate_prompt_tokens=values.get("truncate_prompt_tokens"),
-        add_special_tokens=values.get("add_special_tokens"))
+        add_special_tokens=values.get("add_special_tokens"), cache_salt=values.get("cache_salt"))
     if "messages" in values:
         parsed.messages = checked_messages(values["messages"])
         # An embedding reads the conversation as it stands: no generation prompt unless asked (vLLM's).

@@ -9,7 +9,7 @@ skip_special_tokens, priority, stream_options.continuous_usage_stats, and the ou
 constraints: response_format, guided_json/regex/choice/grammar, structured_outputs; see
 structured_outputs.py), vLLM's other extensions (use_beam_search and length_penalty,
 return_token_ids, chat template options and a request's own chat_template, bad_words,
-truncate_prompt_tokens ...), tools (tools.py), and OpenAI fields for features this server
+truncate_prompt_tokens, cache_salt ...), tools (tools.py), and OpenAI fields for features this server
 does not have (suffix, audio, ...) as long as they hold their neutral value (unset, null, empty): a request that
 asks for such a feature gets a 400 instead of an answer that silently lacks it. `user`,
 `metadata` and the like are type-checked and otherwise ignored.
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
+from common.engine.block_hash import MAX_CACHE_SALT_CHARS, check_cache_salt
 from common.engine.sampling_params import (
     MAX_ABS_LOGIT_BIAS,
     MAX_BAD_WORD_CHARS,
@@ -110,6 +111,7 @@ class ParsedRequest:
     return_token_ids: bool = False  # the prompt's and each choice's token ids beside the text (vLLM's)
     include_reasoning: bool = True  # chat: the reasoning parser's `reasoning` in the answer (vLLM's)
     beam_search: BeamSearchParams | None = None  # use_beam_search: n beams instead of n samples
+    cache_salt: str | None = None  # only requests of the same salt share prefix-cache blocks (vLLM's)
 
     @property
     def forced_tool_call(self) -> bool:
@@ -130,7 +132,8 @@ class ParsedRequest:
                     sampling=self.sampling.for_child(sample),
                     request_id=request_id if self.num_prompts * n == 1 else f"{request_id}-{index}",
                     priority=self.priority, return_logprobs=self.num_logprobs is not None, model=self.model,
-                    add_special_tokens=self.add_special_tokens, return_token_ids=self.return_token_ids)
+                    add_special_tokens=self.add_special_tokens, return_token_ids=self.return_token_ids,
+                    cache_salt=self.cache_salt)
                 if self.messages is not None:
                     request.messages, request.chat_options = self.messages, self.chat_options
                 else:
@@ -320,6 +323,15 @@ def logit_bias(param: str, value: Any) -> dict[int, float]:
     return biases
 
 
+@described({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS, "pattern": r"^[^@/\\\u0000]*$",
+            "description": "prefix-cache salt: cached blocks are shared only with requests of the same salt"})
+def cache_salt(param: str, value: Any) -> str:
+    try:
+        return check_cache_salt(string(param, value))
+    except ValueError as e:
+        raise invalid_field(param, str(e).removeprefix("cache_salt ")) from None
+
+
 def neutral(*values: Any) -> Callable:
     """A field for a feature this server lacks: only its do-nothing values pass."""
     def check(param: str, value: Any) -> Any:
@@ -412,7 +424,7 @@ COMMON_FIELDS: dict[str, Callable] = {
     "truncate_prompt_tokens": integer(-1, INT32[1], allowed=f"-1 (the model's maximum length) or an integer in "
                                                             f"[1, {INT32[1]}]"),
     "use_beam_search": boolean, "length_penalty": finite_number, "return_token_ids": boolean,
-    **STRUCTURED_OUTPUT_FIELDS,
+    "cache_salt": cache_salt, **STRUCTURED_OUTPUT_FIELDS,
 }
 COMPLETION_FIELDS: dict[str, Callable] = {
     **COMMON_FIELDS, "prompt": prompt_value, "logprobs": integer(0, MAX_LOGPROBS),
@@ -562,7 +574,7 @@ def parse_request(body: bytes, chat: bool, tool_parser: ToolCallParser | None = 
                            continuous_usage=options.get("continuous_usage_stats", False),
                            priority=get("priority", 0),
                            return_tokens_as_token_ids=get("return_tokens_as_token_ids", False),
-                           return_token_ids=get("return_token_ids", False))
+                           return_token_ids=get("return_token_ids", False), cache_salt=get("cache_salt"))
     if chat:
         parsed.messages = checked_messages(values.get("messages", _NONE))
         max_tokens = _chat_max_tokens(values)

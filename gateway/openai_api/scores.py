@@ -11,7 +11,7 @@ similarity of the two vectors (common.engine.scoring, what the offline LLM.score
 The other fields are vLLM's: model, user, use_activation (normalize; a cosine is the
 same either way), truncate_prompt_tokens, max_tokens_per_query and max_tokens_per_doc
 (a text cut to its first N tokens before it is embedded, vLLM's way: at a character the
-tokenizer's offsets give), priority, request_id. instruction and chat_template_kwargs
+tokenizer's offsets give), priority, request_id, cache_salt. instruction and chat_template_kwargs
 feed a cross-encoder's score template, which an embedding model has not: a 400 naming
 them. Checked as protocol.py checks every body (an unknown field is a 400 naming it).
 """
@@ -32,7 +32,8 @@ from gateway.core import Gateway
 from gateway.openai_api.choices import all_or_none
 from gateway.openai_api.embeddings import EMBEDDING_FIELDS, MAX_EMBEDDING_INPUTS
 from gateway.openai_api.errors import invalid_field
-from gateway.openai_api.protocol import INT32, boolean, checked_fields, described, integer, parse_body, string
+from gateway.openai_api.protocol import (INT32, boolean, cache_salt, checked_fields, described, integer, parse_body,
+                                         string)
 from gateway.types import EmbeddingResult, EmbedInput
 
 # A side's texts at most: as many as one embeddings request's inputs.
@@ -79,7 +80,7 @@ _COMMON_FIELDS: dict[str, Callable] = {
     "model": string, "user": string, "use_activation": boolean,
     "truncate_prompt_tokens": EMBEDDING_FIELDS["truncate_prompt_tokens"],
     "max_tokens_per_query": integer(0, INT32[1]), "max_tokens_per_doc": integer(0, INT32[1]),
-    "priority": integer(*INT32), "request_id": string,
+    "priority": integer(*INT32), "request_id": string, "cache_salt": cache_salt,
     "instruction": cross_encoder_only, "chat_template_kwargs": cross_encoder_only,
 }
 SCORE_FIELDS: dict[str, Callable] = {**_COMMON_FIELDS, **{name: score_texts for side in SCORE_SIDES for name in side}}
@@ -105,6 +106,7 @@ class ParsedScoreRequest:
     max_tokens_per_query: int = 0  # 0: the whole text
     max_tokens_per_doc: int = 0
     top_n: int | None = None  # rerank: how many to return (0: all); None: a /score request
+    cache_salt: str | None = None
 
     @property
     def is_rerank(self) -> bool:
@@ -126,7 +128,7 @@ def _parsed(raw: dict, values: dict, query_field: str, document_field: str, top_
         pooling=PoolingParams(normalize=values.get("use_activation")), request_id=values.get("request_id"),
         priority=values.get("priority", 0), truncate_prompt_tokens=values.get("truncate_prompt_tokens"),
         max_tokens_per_query=values.get("max_tokens_per_query", 0),
-        max_tokens_per_doc=values.get("max_tokens_per_doc", 0), top_n=top_n)
+        max_tokens_per_doc=values.get("max_tokens_per_doc", 0), top_n=top_n, cache_salt=values.get("cache_salt"))
 
 
 def parse_score_request(body: bytes) -> ParsedScoreRequest:
@@ -204,7 +206,7 @@ async def score_all(gateway: Gateway, parsed: ParsedScoreRequest, response_id: s
         for index, text in enumerate(texts):
             request = EmbedInput(text=text, pooling=parsed.pooling, priority=parsed.priority,
                                  request_id=f"{base_id}-{'q' if is_query else 'd'}{index}", model=parsed.model or "",
-                                 truncate_prompt_tokens=parsed.truncate_prompt_tokens)
+                                 truncate_prompt_tokens=parsed.truncate_prompt_tokens, cache_salt=parsed.cache_salt)
             calls.append(_embedded(gateway, request, parsed.input_field(is_query, index)))
     results = await all_or_none(calls)
     query_results, document_results = results[:len(queries)], results[len(queries):]

@@ -119,7 +119,7 @@ class Dispatcher:
                                "no decode instance is alive; start one (pdserve decode --gateway ADDR) "
                                "and retry")
         prefill, prompt_block_hashes = choose_remote_prefill(
-            self.policy, self.registry.instances("prefill"), request.prompt_token_ids)
+            self.policy, self.registry.instances("prefill"), request.prompt_token_ids, request.cache_salt)
         self.metrics.placed("prefill", prefill is not None)
         return Placement(decode, prefill, prompt_block_hashes)
 
@@ -132,7 +132,7 @@ class Dispatcher:
                      placement.prefill_instance_id or "local")
         with self._channels.calling(decode) as client:
             job = DecodeJob(request.request_id, request.prompt_token_ids, request.sampling, request.priority,
-                            placement.prefill_address, placement.prefill_instance_id)
+                            placement.prefill_address, placement.prefill_instance_id, request.cache_salt)
             stream = client.decode(job, timeout_s)
             text = TextAssembler(self.tokenizer, request, decode.instance_id, self.eos_token_ids)
             with self._calls.tracking(decode, stream) as call:

@@ -48,7 +48,8 @@ class EmbeddingDispatcher:
 
     async def embed(self, request: PreparedEmbedding, timeout_s: float | None = None):
         """(EmbedResult, the instance that computed it); raises ServiceError."""
-        job = EmbedJob(request.request_id, request.prompt_token_ids, request.pooling, request.priority)
+        job = EmbedJob(request.request_id, request.prompt_token_ids, request.pooling, request.priority,
+                       request.cache_salt)
         tried: set[str] = set()
         while True:
             instance, charge = self._place(request, tried)
@@ -76,7 +77,8 @@ class EmbeddingDispatcher:
     def _place(self, request: PreparedEmbedding, tried: set[str]) -> tuple[Instance, PlacementCharge]:
         role, live = self._candidates(tried)
         if role == "prefill":
-            instance, block_hashes = choose_remote_prefill(self.policy, live, request.prompt_token_ids)
+            instance, block_hashes = choose_remote_prefill(self.policy, live, request.prompt_token_ids,
+                                                           request.cache_salt)
             self.metrics.placed("prefill", True)
             return instance, self.ledger.charge(len(request.prompt_token_ids), prefill=instance,
                                                 prompt_block_hashes=block_hashes)

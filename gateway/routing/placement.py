@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.engine.block_hash import compute_block_hashes
+from common.engine.block_hash import compute_block_hashes, root_parent_hash
 from gateway.routing.policies import PlacementPolicy
 from gateway.routing.registry import Instance
 
@@ -30,13 +30,14 @@ class Placement:
         return self.prefill.instance_id if self.prefill else ""
 
 
-def choose_remote_prefill(policy: PlacementPolicy, prefills: Sequence[Instance],
-                          prompt_token_ids: Sequence[int]) -> tuple[Instance | None, Sequence[int]]:
+def choose_remote_prefill(policy: PlacementPolicy, prefills: Sequence[Instance], prompt_token_ids: Sequence[int],
+                          cache_salt: str | None = None) -> tuple[Instance | None, Sequence[int]]:
     """The prefill instance for a prompt and the prompt's block hashes at its block
-    size, or (None, ()) when no prefill instance is alive: the decode instance
-    prefills locally."""
+    size (from its cache_salt's root, as the engines hash them), or (None, ()) when no
+    prefill instance is alive: the decode instance prefills locally."""
     if not prefills:
         return None, ()
     # Every instance has the deployment's block size (the registry refuses others).
-    prompt_block_hashes = compute_block_hashes(prompt_token_ids, prefills[0].spec.block_size)
+    prompt_block_hashes = compute_block_hashes(prompt_token_ids, prefills[0].spec.block_size,
+                                               root_parent_hash(cache_salt))
     return policy.choose_prefill(prompt_block_hashes, prefills), prompt_block_hashes

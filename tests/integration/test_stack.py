@@ -131,6 +131,21 @@ def test_greedy_outputs_equal_the_offline_llm_unary_and_streamed(stack, client, 
     assert again.text == first.text
 
 
+def test_a_cache_salt_keeps_cached_prompts_to_requests_of_the_same_salt(stack, client):
+    fresh = unique_long_prompts("salted", 1)[0]
+    first = client.generate(fresh, max_tokens=4, temperature=0, cache_salt="tenant-a")
+    assert first.prefill_instance_id.startswith("prefill-") and first.usage.cached_prompt_tokens == 0
+    wait_until_the_gateway_sees_no_load(stack)
+    for other in ({}, {"cache_salt": "tenant-b"}):  # unsalted, another tenant: neither reads tenant-a's blocks
+        miss = client.generate(fresh, max_tokens=4, temperature=0, **other)
+        assert miss.usage.cached_prompt_tokens == 0 and miss.text == first.text, (other, miss)
+        wait_until_the_gateway_sees_no_load(stack)
+    hit = client.generate(fresh, max_tokens=4, temperature=0, cache_salt="tenant-a")
+    assert hit.usage.cached_prompt_tokens >= 16 * (hit.usage.prompt_tokens // 16 - 1), hit
+    assert hit.text == first.text
+    wait_until_the_gateway_sees_no_load(stack)
+
+
 def test_32_concurrent_streams_complete_across_both_pools(stack):
     prompts = unique_long_prompts("concurrent", 16) + [f"Story number {i}:" for i in range(16)]
 

@@ -11,9 +11,11 @@ from decode_service.api import DecodeJob, DecodeOutput
 from protos.pdserve.v1 import common_pb2, decode_pb2
 
 
-def test_decode_job_round_trips():
+@pytest.mark.parametrize("cache_salt", [None, "tenant-a"])
+def test_decode_job_round_trips(cache_salt):
     job = DecodeJob("req-1", [1, 2, 3], SamplingParams(temperature=0.5, max_tokens=None, seed=7, stop=["x"]),
-                    priority=2, prefill_address="127.0.0.1:5000", prefill_instance_id="prefill-a")
+                    priority=2, prefill_address="127.0.0.1:5000", prefill_instance_id="prefill-a",
+                    cache_salt=cache_salt)
     assert DecodeJob.from_pb(job.to_pb()) == job
 
 

@@ -14,10 +14,12 @@ TARGET = KvTargetSpec("tcp://127.0.0.1:5601", "t-1", [7, 8, 9], 2, num_layers=30
                       block_shape=[16, 3, 64], timeout_s=2.5)
 
 
-@pytest.mark.parametrize("kv_target", [TARGET, None])
-def test_prefill_job_round_trips(kv_target):
-    job = PrefillJob("req-1", list(range(40)), SamplingParams(temperature=0.7, seed=3, logprobs=2), 1, kv_target)
+@pytest.mark.parametrize("kv_target, cache_salt", [(TARGET, None), (None, "tenant-a")])
+def test_prefill_job_round_trips(kv_target, cache_salt):
+    job = PrefillJob("req-1", list(range(40)), SamplingParams(temperature=0.7, seed=3, logprobs=2), 1, kv_target,
+                     cache_salt)
     assert PrefillJob.from_pb(job.to_pb()) == job
+    assert job.to_pb().HasField("cache_salt") == (cache_salt is not None)
 
 
 def test_a_target_without_timeout_leaves_it_to_the_prefill_instance():

@@ -1,10 +1,11 @@
 """choose_remote_prefill: the one place the gateway decides remote or local prefill."""
 from __future__ import annotations
 
-from common.engine.block_hash import compute_block_hashes
+from common.engine.block_hash import compute_block_hashes, root_parent_hash
 from common.service.registration import InstanceLoad
 from gateway.routing.placement import Placement, choose_remote_prefill
-from gateway.routing.policies import LeastLoaded
+from gateway.routing.kv_index import KvIndex
+from gateway.routing.policies import LeastLoaded, PrefixAware
 from tests.unit.gateway.routing.instances import BLOCK, make_registry, queued
 
 PROMPT = list(range(100, 140))
@@ -25,3 +26,20 @@ def test_no_prefill_instance_alive_means_the_decode_instance_prefills_locally():
     decode = make_registry("decode", {"d": InstanceLoad()}).get("d")
     placement = Placement(decode, None)
     assert (placement.prefill_address, placement.prefill_instance_id) == ("", "")
+
+
+def test_a_salted_prompt_is_hashed_from_its_salt_and_placed_by_its_salts_blocks():
+    prefills = make_registry("prefill", {"a": queued(0), "b": queued(0)}).instances("prefill")
+    salted = compute_block_hashes(PROMPT, BLOCK, root_parent_hash("tenant-a"))
+    assert list(choose_remote_prefill(LeastLoaded(), prefills, PROMPT, "tenant-a")[1]) == salted
+    assert salted != compute_block_hashes(PROMPT, BLOCK)
+    index = KvIndex()
+    for instance_id in ("a", "b"):
+        index.add_instance(instance_id)
+    index.apply_events("b", [{"seq": 1, "type": "stored", "block_hashes": salted}])  # b caches tenant-a's
+    policy = PrefixAware(index)
+    assert choose_remote_prefill(policy, prefills, PROMPT, "tenant-a")[0].instance_id == "b"
+    assert policy.prefill_cost(prefills[1], salted) == 0
+    for other in (None, "tenant-b"):  # the same tokens under another salt are not cached there
+        hashes = choose_remote_prefill(policy, prefills, PROMPT, other)[1]
+        assert policy.prefill_cost(prefills[1], hashes) == len(hashes) * BLOCK > 0
