@@ -1,8 +1,8 @@
-"""pdserve engine core. `from common import LLM, SamplingParams, BeamSearchParams, PoolingParams` is the
-offline API."""
+"""pdserve engine core. `from common import LLM, SamplingParams, BeamSearchParams, PoolingParams,
+LoRARequest` is the offline API."""
 from __future__ import annotations
 
-__all__ = ["BeamSearchParams", "LLM", "PoolingParams", "SamplingParams"]
+__all__ = ["BeamSearchParams", "LLM", "LoRARequest", "PoolingParams", "SamplingParams"]
 
 
 def __getattr__(name: str):
@@ -20,4 +20,7 @@ def __getattr__(name: str):
     if name == "PoolingParams":
         from common.engine.pooling_params import PoolingParams
         return PoolingParams
+    if name == "LoRARequest":
+        from common.engine.lora.request import LoRARequest
+        return LoRARequest
     raise AttributeError(name)

@@ -30,12 +30,15 @@ def check_cache_salt(cache_salt: str) -> str:
     return cache_salt
 
 
-def root_parent_hash(cache_salt: str | None) -> int:
-    """The parent hash of a request's first block: ROOT_PARENT_HASH unsalted, else the salt's."""
-    if cache_salt is None:
+def root_parent_hash(cache_salt: str | None, lora_name: str | None = None) -> int:
+    """The parent hash of a request's first block: ROOT_PARENT_HASH for the base model
+    unsalted, else its salt's and LoRA adapter's (whose KV differs from the base model's)."""
+    if cache_salt is None and lora_name is None:
         return ROOT_PARENT_HASH
-    digest = hashlib.sha256(b"pdserve-cache-salt\0" + cache_salt.encode()).digest()
-    return int.from_bytes(digest[:8], "little")
+    payload = b"pdserve-cache-salt\0" + (cache_salt or "").encode()
+    if lora_name is not None:
+        payload += b"\0lora\0" + lora_name.encode()
+    return int.from_bytes(hashlib.sha256(payload).digest()[:8], "little")
 
 
 def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:

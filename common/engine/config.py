@@ -337,6 +337,22 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """vLLM's --enable-lora, --max-loras, --max-lora-rank: adapters the runner holds at once
+    (loaded on a request's first use, an unused one evicted for a new one) and their rank."""
+
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1; got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1; got {self.max_lora_rank}")
+
+
+@dataclass
 class EngineConfig:
     """Everything an engine needs to start; built from CLI flags or `LLM(...)` kwargs."""
 
@@ -349,6 +365,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     # True: run the model eagerly; False: compile it (torch.compile, inductor) where a
     # compiler is present.
     enforce_eager: bool = False
@@ -379,6 +396,13 @@ class EngineConfig:
             # Ranks run at once, each on its share of the cores: more threads in one would take another's.
             raise ValueError(f"num_prefill_threads is for one rank; this engine has "
                              f"{self.parallel.world_size} (tensor x pipeline parallel)")
+        if self.lora.enable_lora:
+            unsupported = [what for what, present in (
+                ("tensor or pipeline parallelism", self.parallel.world_size > 1),
+                ("speculative decoding", self.speculative is not None),
+                ("quantized weights", self.quantization is not None)) if present]
+            if unsupported:
+                raise ValueError(f"enable_lora does not go with {' or '.join(unsupported)} yet")
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
@@ -395,7 +419,8 @@ def make_engine_config(model: str | None = None, *, dtype: str = "auto", device:
                        distributed_executor_backend: str | None = None, enforce_eager: bool = False,
                        quantization: str | None = None, num_threads: int | None = None,
                        num_prefill_threads: int | None = None, single_weight_copy: bool = False,
-                       num_scheduler_steps: int = 1, kv_cache_dtype: str = "auto") -> EngineConfig:
+                       num_scheduler_steps: int = 1, kv_cache_dtype: str = "auto", enable_lora: bool = False,
+                       max_loras: int = 4, max_lora_rank: int = 16) -> EngineConfig:
     """The one place flat engine options (LLM kwargs, CLI flags) become an EngineConfig."""
     return EngineConfig(
         model=model, dtype=dtype, device=device, seed=seed,
@@ -408,6 +433,7 @@ def make_engine_config(model: str | None = None, *, dtype: str = "auto", device:
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                 pipeline_parallel_size=pipeline_parallel_size,
                                 distributed_executor_backend=distributed_executor_backend),
+        lora=LoRAConfig(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank),
         enforce_eager=enforce_eager, quantization=quantization, num_threads=num_threads,
         num_prefill_threads=num_prefill_threads, single_weight_copy=single_weight_copy)
 

@@ -20,6 +20,7 @@ from common.engine.heap_retention import keep_freed_heap
 from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.kv_connector.factory import make_scheduler_connector
 from common.engine.kv_connector.metadata import KVTransferOutcome
+from common.engine.lora.request import LoRARequest
 from common.engine.model_files import load_hf_config, resolve_model
 from common.engine.outputs import EngineCoreOutput, RunnerOutput, SchedulerOutput
 from common.engine.python_arenas import keep_freed_arenas
@@ -82,6 +83,8 @@ class EngineCore:
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_hf_config(load_hf_config(self.model_dir))
         self.pooling_config = PoolingConfig.from_model_dir(self.model_dir)  # how embeddings are made
+        # The LoRA adapters the runner holds, least recently used first.
+        self._held_loras: collections.OrderedDict[str, LoRARequest] = collections.OrderedDict()
         set_num_threads(config.num_threads)
         keep_freed_arenas()
         keep_freed_heap()
@@ -147,14 +150,44 @@ class EngineCore:
                                                      self.pooling_config)
 
     def add_request(self, request: Request) -> None:
-        # Before the scheduler: a constraint the backend rejects fails with nothing allocated.
+        # Before the scheduler: a constraint the backend rejects, or an adapter the runner
+        # cannot load, fails with nothing allocated.
+        self.hold_lora(request.lora_request)
         self.structured_output.prepare(request)
         self.scheduler.add_request(request)
+
+    def hold_lora(self, lora: LoRARequest | None) -> None:
+        """A request's LoRA adapter held on the runner (loaded on first use); when max_loras
+        are held, the least recently used one no live request names is dropped first.
+        ValueError where it cannot be: LoRA off, an adapter the runner refuses, all in use."""
+        if lora is None:
+            return
+        if not self.config.lora.enable_lora:
+            raise ValueError(f"request names LoRA adapter {lora.lora_name!r}, but this engine serves none "
+                             f"(start it with enable_lora / --enable-lora)")
+        held = self._held_loras
+        if lora.lora_name in held:
+            if held[lora.lora_name].lora_path != lora.lora_path:
+                raise ValueError(f"LoRA adapter {lora.lora_name!r} is loaded from {held[lora.lora_name].lora_path}, "
+                                 f"not {lora.lora_path}: one name, one adapter")
+            held.move_to_end(lora.lora_name)
+            return
+        if len(held) >= self.config.lora.max_loras:
+            in_use = {r.lora_name for r in self.scheduler.requests.values()}
+            unused = next((name for name in held if name not in in_use), None)
+            if unused is None:
+                raise ValueError(f"all {len(held)} LoRA adapters held (max_loras) are in use by requests; retry "
+                                 f"when one finishes, or raise max_loras")
+            self.executor.collective_rpc("remove_lora", (unused,))
+            del held[unused]
+        self.executor.collective_rpc("add_lora", (lora,))
+        held[lora.lora_name] = lora
 
     def reserve_remote_kv(self, request: Request) -> RemoteKVReservation | None:
         """Take a seat and blocks for a request whose prompt KV comes from outside (its
         kv_transfer_params name the transfer). On return the worker half expects the KV,
         so the sender may be told where it goes. None when no seat or blocks are free."""
+        self.hold_lora(request.lora_request)
         self.structured_output.prepare(request)
         reservation = self.scheduler.reserve_remote_kv(request)
         if reservation is not None:

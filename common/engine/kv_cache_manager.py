@@ -172,6 +172,7 @@ class KVCacheManager:
         num_hashed_tokens = len(request.block_hashes) * self.block_size
         if request.num_tokens - num_hashed_tokens < self.block_size:
             return
-        parent_hash = request.block_hashes[-1] if request.block_hashes else root_parent_hash(request.cache_salt)
+        parent_hash = (request.block_hashes[-1] if request.block_hashes
+                       else root_parent_hash(request.cache_salt, request.lora_name))
         request.block_hashes.extend(compute_block_hashes(
             request.all_token_ids[num_hashed_tokens:], self.block_size, parent_hash))

@@ -12,6 +12,7 @@ from common.engine.block_hash import check_cache_salt
 from common.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from common.engine.config import make_engine_config
 from common.engine.engine_core import EngineCore
+from common.engine.lora.request import LoRARequest
 from common.engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprobs,
                                    RequestOutput, ScoringOutput, ScoringRequestOutput)
 from common.engine.pooling_params import PoolingParams
@@ -99,9 +100,31 @@ class LLM:
         raise ValueError("a prompt is a string, {'prompt': text} or {'prompt_token_ids': [...]}; "
                          f"got {type(prompt).__name__}")
 
+    def _lora_requests(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                       num_prompts: int) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, every one held by the engine before any request
+        is added (so an adapter it refuses leaves nothing behind)."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            per_prompt = [lora_request] * num_prompts
+        elif len(lora_request) != num_prompts:
+            raise ValueError(f"got {len(lora_request)} lora_requests for {num_prompts} prompts; pass one, or one "
+                             f"per prompt")
+        else:
+            per_prompt = list(lora_request)
+        distinct = {lora.lora_name: lora for lora in per_prompt if lora is not None}
+        if len(distinct) > self.engine.config.lora.max_loras:
+            raise ValueError(f"this call names {len(distinct)} LoRA adapters; the engine holds at most "
+                             f"{self.engine.config.lora.max_loras} at once (max_loras)")
+        for lora in distinct.values():
+            self.engine.hold_lora(lora)
+        return per_prompt
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.generate; lora_request: an adapter for every prompt, or one per prompt
+        (None: the base model), served where the engine has enable_lora."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
@@ -120,8 +143,9 @@ class LLM:
             params.validate_token_ids(vocab_size)
             encoded.append((text, token_ids, params))
             cache_salts.append(_cache_salt(prompt))
+        loras = self._lora_requests(lora_request, len(prompts))
         pending: dict[str, _Pending] = {}
-        for i, ((_, token_ids, params), cache_salt) in enumerate(zip(encoded, cache_salts)):
+        for i, ((_, token_ids, params), cache_salt, lora) in enumerate(zip(encoded, cache_salts, loras)):
             for j in range(params.n):
                 child = params if params.n == 1 else params.for_child(j)
                 req_id = str(next(self._req_counter))
@@ -133,7 +157,7 @@ class LLM:
                                                    include_stop_str_in_output=child.include_stop_str_in_output)
                 pending[req_id] = _Pending(i, j, detok)
                 self.engine.add_request(Request(req_id, token_ids, child, eos_token_ids=self.eos_token_ids,
-                                                cache_salt=cache_salt))
+                                                cache_salt=cache_salt, lora_request=lora))
         self._run(pending, use_tqdm)
         return self._collect(encoded, pending)
 

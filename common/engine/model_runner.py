@@ -9,6 +9,7 @@ empty RunnerOutput, and next step's tokens reach them in the next SchedulerOutpu
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from itertools import accumulate
@@ -18,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from common.engine.compilation import compile_forward, compile_logits, num_compiled_graphs
-from common.engine.config import KVTransferConfig, ModelConfig, ParallelConfig, SpeculativeConfig
+from common.engine.config import KVTransferConfig, LoRAConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from common.engine.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from common.engine.device import select_device, select_dtype, select_kv_cache_dtype
 from common.engine.distributed import parallel_state
@@ -26,6 +27,8 @@ from common.engine.forward_context import forward_context
 from common.engine.heap_retention import release_freed_heap
 from common.engine.kv_connector.factory import make_worker_connector
 from common.engine.kv_connector.layout import describe_kv_layout, kv_layout, kv_layout_hash
+from common.engine.lora.manager import LoRAManager
+from common.engine.lora.request import LoRARequest
 from common.engine.models.attention import AttentionMetadata
 from common.engine.models.causal_lm import CausalLM, build_rope
 from common.engine.models.parallel_layers import kv_head_partition
@@ -182,7 +185,8 @@ class ModelRunner:
                  kv_transfer_config: KVTransferConfig | None = None,
                  speculative_config: SpeculativeConfig | None = None, enforce_eager: bool = False,
                  quantization: QuantizationSpec | None = None, parallel_config: ParallelConfig | None = None,
-                 rank: int = 0, single_weight_copy: bool = False, num_prefill_threads: int | None = None):
+                 rank: int = 0, single_weight_copy: bool = False, num_prefill_threads: int | None = None,
+                 lora_config: LoRAConfig | None = None):
         self.parallel_config = parallel_config or ParallelConfig()
         check_parallel_setup(model_config, self.parallel_config, rank, kv_transfer_config, speculative_config)
         self.model_config = model_config
@@ -201,6 +205,15 @@ class ModelRunner:
             prefer_build(attention_head_dims(model_config, speculative_config),
                          [dtype_pair(self.dtype, self.kv_cache_dtype)])
         self.model = load_model(model_config, model_dir, self.device, self.dtype, quantization)
+        # LoRA adapters' deltas in every decoder linear (None: none served). Such a model runs
+        # eagerly: a compiled graph, the native decode loop and CUDA graphs would not see them.
+        self.lora_manager: LoRAManager | None = None
+        if lora_config is not None and lora_config.enable_lora:
+            self.lora_manager = LoRAManager(self.model, model_config, lora_config.max_lora_rank, self.dtype,
+                                            self.device)
+            logger.info("LoRA adapters served (up to %d at once, rank <= %d): the model runs eagerly",
+                        lora_config.max_loras, lora_config.max_lora_rank)
+            enforce_eager = True
         # The forward pass as run each step: compiled unless enforce_eager (the model
         # itself stays eager for a draft that runs part of it). Ranks of a parallel run
         # stay eager: their collectives and stage transfers are not compiler-safe ops.
@@ -387,7 +400,7 @@ class ModelRunner:
             elif received is None and loop is not None and loop.serves(input_ids.shape[0], meta):
                 hidden = loop.run(input_ids, positions, meta)  # [num_tokens, hidden]
             else:
-                hidden = self._forward(input_ids, positions, meta, received)
+                hidden = self._forward(input_ids, positions, meta, received, scheduler_output.scheduled)
         except BaseException:
             if connector is not None:  # a half-written pool must not reach a peer as final
                 connector.abort_saves("the forward pass failed")
@@ -590,9 +603,24 @@ class ModelRunner:
             stops.update(self.model_config.eos_token_ids)
         return sorted(stops)
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Hold the adapter for the requests that name it; ValueError where this model cannot."""
+        if self.lora_manager is None:
+            raise ValueError(f"request names LoRA adapter {lora_request.lora_name!r}, but this engine serves "
+                             f"none (start it with enable_lora / --enable-lora)")
+        self.lora_manager.add(lora_request)
+
+    def remove_lora(self, lora_name: str) -> None:
+        if self.lora_manager is not None:
+            self.lora_manager.remove(lora_name)
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 received: torch.Tensor | None) -> torch.Tensor:
-        with forward_context(meta):
+                 received: torch.Tensor | None, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        lora = contextlib.nullcontext()
+        if self.lora_manager is not None:
+            decodes, prefills = split_step(scheduled)
+            lora = self.lora_manager.step(decodes + prefills)  # the rows in prepare_inputs' order
+        with forward_context(meta), lora:
             if received is None:
                 return self.forward(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
             return self.forward(input_ids, positions, self.kv_caches, meta, hidden_states=received)

@@ -38,6 +38,8 @@ class ScheduledRequest:
     # An embedding request's last chunk: the step returns the final hidden state at its
     # last token (RunnerOutput.pooled_hidden) and samples nothing (do_sample is False).
     do_pool: bool = False
+    # The LoRA adapter whose deltas its tokens take (None: the base model alone).
+    lora_name: str | None = None
 
 
 @dataclass

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from common.engine.block_hash import check_cache_salt
 
 if TYPE_CHECKING:
+    from common.engine.lora.request import LoRARequest
     from common.engine.pooling_params import PoolingParams
     from common.engine.sampling_params import SamplingParams
 
@@ -36,7 +37,7 @@ class Request:
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling_params: "SamplingParams",
                  eos_token_ids: tuple[int, ...] = (), priority: int = 0,
                  arrival_time: float | None = None, pooling_params: "PoolingParams | None" = None,
-                 cache_salt: str | None = None):
+                 cache_salt: str | None = None, lora_request: "LoRARequest | None" = None):
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         self.req_id = req_id
@@ -59,6 +60,8 @@ class Request:
         # Chained hashes of the full blocks of all_token_ids, kept by the KV cache manager,
         # from the salt's root (block_hash.root_parent_hash): only equal salts share blocks.
         self.cache_salt = None if cache_salt is None else check_cache_salt(cache_salt)
+        # The LoRA adapter the request runs with (None: the base model); its blocks are its own.
+        self.lora_request = lora_request
         self.block_hashes: list[int] = []
         self.stop_reason: int | str | None = None
         # Where this request's KV comes from or goes to, for the engine's KV connector
@@ -82,11 +85,16 @@ class Request:
     @classmethod
     def embedding(cls, req_id: str, prompt_token_ids: list[int], pooling_params: "PoolingParams",
                   eos_token_ids: tuple[int, ...] = (), priority: int = 0,
-                  cache_salt: str | None = None) -> "Request":
+                  cache_salt: str | None = None, lora_request: "LoRARequest | None" = None) -> "Request":
         """An embedding request: its sampling params only fill the fields every request has."""
         from common.engine.sampling_params import SamplingParams
         return cls(req_id, prompt_token_ids, SamplingParams(max_tokens=1), eos_token_ids=eos_token_ids,
-                   priority=priority, pooling_params=pooling_params, cache_salt=cache_salt)
+                   priority=priority, pooling_params=pooling_params, cache_salt=cache_salt,
+                   lora_request=lora_request)
+
+    @property
+    def lora_name(self) -> str | None:
+        return self.lora_request.lora_name if self.lora_request is not None else None
 
     def add_prompt_logprobs(self, first_position: int, logprobs: list) -> None:
         """The Logprobs of prompt tokens first_position + 1, + 2, ...; a chunk computed again

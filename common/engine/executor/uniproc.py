@@ -20,7 +20,7 @@ def build_runner(model_config: ModelConfig, model_dir: Path, config: EngineConfi
                        kv_transfer_config=config.kv_transfer, speculative_config=config.speculative,
                        enforce_eager=config.enforce_eager, quantization=quantization_spec(config),
                        single_weight_copy=config.single_weight_copy,
-                       num_prefill_threads=config.num_prefill_threads, **parallel)
+                       num_prefill_threads=config.num_prefill_threads, lora_config=config.lora, **parallel)
 
 
 class InProcessExecutor(Executor):

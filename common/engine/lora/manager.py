@@ -1,0 +1,56 @@
+"""The runner's adapters: loaded on a request's first use (EngineCore asks before it
+queues the request, so a bad adapter fails it with nothing scheduled), at most max_loras
+at once (EngineCore evicts one no live request uses), and the rows of each step that use
+each (lora_step)."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from common.engine.config import ModelConfig
+from common.engine.lora.adapter import LoRAAdapter, load_adapter
+from common.engine.lora.layers import lora_step, wrap_linears
+from common.engine.lora.request import LoRARequest
+from common.engine.outputs import ScheduledRequest
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, cfg: ModelConfig, max_lora_rank: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.cfg = cfg
+        self.max_lora_rank = max_lora_rank
+        self.dtype, self.device = dtype, device
+        self.adapters: dict[str, LoRAAdapter] = {}
+        wrap_linears(model, cfg)
+
+    def add(self, request: LoRARequest) -> None:
+        """Load the adapter unless it is here; ValueError for one this model cannot serve, or a
+        name already loaded from another path."""
+        loaded = self.adapters.get(request.lora_name)
+        if loaded is not None:
+            if loaded.path != request.lora_path:
+                raise ValueError(f"LoRA adapter {request.lora_name!r} is loaded from {loaded.path}, not "
+                                 f"{request.lora_path}: one name, one adapter")
+            return
+        self.adapters[request.lora_name] = load_adapter(request.lora_name, request.lora_path, self.cfg,
+                                                        self.max_lora_rank, self.dtype, self.device)
+
+    def remove(self, lora_name: str) -> None:
+        self.adapters.pop(lora_name, None)
+
+    @contextlib.contextmanager
+    def step(self, ordered: Sequence[ScheduledRequest]) -> Iterator[None]:
+        """The forward pass of a step whose rows are `ordered`'s tokens, in order."""
+        rows: dict[str, list[int]] = {}
+        first = 0
+        for req in ordered:
+            if req.lora_name is not None:
+                rows.setdefault(req.lora_name, []).extend(range(first, first + len(req.token_ids)))
+            first += len(req.token_ids)
+        groups = [(self.adapters[name], torch.tensor(ids, dtype=torch.int64, device=self.device))
+                  for name, ids in rows.items()]
+        with lora_step(groups):
+            yield

@@ -1,0 +1,182 @@
+"""LoRA adapters in the engine, against PEFT itself: a PEFT adapter (random A and B, every
+decoder linear, rsLoRA too) served on the base model gives what PEFT's merged model gives;
+one batch mixes adapters and the base model, each row its own; cached blocks are the
+adapter's own; an adapter the model cannot serve is refused with nothing left behind; at
+most max_loras are held, one no live request uses dropped for a new one."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from common.engine.llm import LLM
+from common.engine.lora.request import LoRARequest
+from common.engine.request import Request
+from common.engine.sampling_params import SamplingParams
+
+peft = pytest.importorskip("peft")
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [list(range(10, 30)), list(range(300, 309)), [5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53]]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def make_adapter(base_dir: Path, out_dir: Path, seed: int, targets=tuple(ALL_TARGETS), rank: int = 4,
+                 alpha: float = 8, use_rslora: bool = False) -> tuple[str, Path]:
+    """(the PEFT adapter's directory, its merged model's) for the base model at base_dir."""
+    import transformers
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0,
+                             init_lora_weights=False, use_rslora=use_rslora)  # B random too: a real delta
+    tuned = peft.get_peft_model(model, config)
+    tuned.save_pretrained(out_dir / "adapter", safe_serialization=True)
+    tuned.merge_and_unload().save_pretrained(out_dir / "merged", safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (base_dir / name).exists():
+            shutil.copy(base_dir / name, out_dir / "merged" / name)
+    return str(out_dir / "adapter"), out_dir / "merged"
+
+
+@pytest.fixture(scope="module")
+def base_dir(tiny_model_factory):
+    return tiny_model_factory("tiny-llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def adapters(base_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("loras")
+    return {"a": make_adapter(base_dir, root / "a", seed=1),
+            "b": make_adapter(base_dir, root / "b", seed=2, targets=("q_proj", "v_proj", "down_proj"), rank=8,
+                              alpha=4, use_rslora=True)}
+
+
+@pytest.fixture(scope="module")
+def llm(base_dir):
+    engine = LLM(model=str(base_dir), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+                 num_kv_blocks=64, block_size=8, max_num_batched_tokens=32)
+    yield engine
+    engine.engine.shutdown()
+
+
+def lora(adapters, name: str, int_id: int) -> LoRARequest:
+    return LoRARequest(name, int_id, adapters[name][0])
+
+
+def outputs(results) -> list[list[int]]:
+    return [r.outputs[0].token_ids for r in results]
+
+
+def merged_outputs(merged_dir: Path) -> list:
+    engine = LLM(model=str(merged_dir), dtype="float32", num_kv_blocks=64, block_size=8, enforce_eager=True)
+    try:
+        return engine.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    finally:
+        engine.engine.shutdown()
+
+
+def test_an_adapter_gives_what_peft_s_merged_model_gives(llm, adapters):
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]  # 20 tokens: chunked over the 32-token budget with others
+    base = llm.generate(prompts, GREEDY)
+    for int_id, name in enumerate(("a", "b"), start=1):
+        served = llm.generate(prompts, GREEDY, lora_request=lora(adapters, name, int_id))
+        want = merged_outputs(adapters[name][1])
+        assert outputs(served) == outputs(want), name
+        for got, ref in zip(served, want):
+            assert [lp.token_logprob for lp in got.outputs[0].logprobs] == pytest.approx(
+                [lp.token_logprob for lp in ref.outputs[0].logprobs], abs=1e-3)
+        assert outputs(served) != outputs(base)  # the adapter changed something
+
+
+def test_one_batch_mixes_adapters_and_the_base_model(llm, adapters):
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    per_prompt = [None, lora(adapters, "a", 1), lora(adapters, "b", 2)]
+    mixed = llm.generate(prompts, GREEDY, lora_request=per_prompt)
+    alone = [llm.generate(prompt, GREEDY, lora_request=l)[0] for prompt, l in zip(prompts, per_prompt)]
+    assert outputs(mixed) == outputs(alone)
+
+
+def test_cached_blocks_belong_to_their_adapter(llm, adapters):
+    llm.reset_prefix_cache()
+    prompt = {"prompt_token_ids": list(range(1000, 1024))}
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    assert llm.generate(prompt, one)[0].num_cached_tokens == 0
+    assert llm.generate(prompt, one, lora_request=lora(adapters, "a", 1))[0].num_cached_tokens == 0
+    assert llm.generate(prompt, one, lora_request=lora(adapters, "a", 1))[0].num_cached_tokens == 16
+    assert llm.generate(prompt, one)[0].num_cached_tokens == 16
+
+
+def write_adapter(directory: Path, config: dict, tensors: dict[str, torch.Tensor]) -> str:
+    directory.mkdir(parents=True)
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return str(directory)
+
+
+def test_an_adapter_the_model_cannot_serve_is_refused_with_nothing_left(llm, adapters, tmp_path):
+    good = adapters["a"][0]
+    config = json.loads((Path(good) / "adapter_config.json").read_text())
+    tensors = load_file(str(Path(good) / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    bin_only = tmp_path / "bin_only"
+    bin_only.mkdir()
+    (bin_only / "adapter_config.json").write_text(json.dumps(config))
+    (bin_only / "adapter_model.bin").write_bytes(b"pickle")
+    cases = {
+        str(tmp_path / "missing"): "no adapter_config.json",
+        str(bin_only): "pickle, which is not loaded",
+        write_adapter(tmp_path / "rank", {**config, "r": 16}, tensors): "rank 16 is above max_lora_rank 8",
+        write_adapter(tmp_path / "saved", {**config, "modules_to_save": ["lm_head"]}, tensors): "modules_to_save",
+        write_adapter(tmp_path / "dora", {**config, "use_dora": True}, tensors): "DoRA",
+        write_adapter(tmp_path / "embed", config, {**tensors, "base_model.model.model.embed_tokens.lora_A.weight":
+                                                   torch.zeros(4, 49152)}): "embeddings, the LM head",
+        write_adapter(tmp_path / "shape", config, {**tensors, key: torch.zeros(4, 32)}): "another base model",
+        write_adapter(tmp_path / "half", config, {k: v for k, v in tensors.items() if k != key}): "lora_B only",
+        write_adapter(tmp_path / "layer", config, {**tensors, key.replace("layers.0", "layers.9"):
+                                                   tensors[key].clone()}): "for layer 9",
+    }
+    for path, message in cases.items():
+        with pytest.raises(ValueError, match=message):
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, GREEDY, lora_request=LoRARequest("bad", 9, path))
+        assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="one name, one adapter"):
+        llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, lora_request=LoRARequest("a", 1, adapters["b"][0]))
+    with pytest.raises(ValueError, match="lora_int_id must be"):
+        LoRARequest("x", 0, good)
+    assert llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, lora_request=lora(adapters, "a", 1))
+
+
+def test_at_most_max_loras_are_held_and_one_in_use_is_not_dropped(llm, adapters, tmp_path):
+    third = LoRARequest("c", 3, make_adapter(Path(llm.engine.model_dir), tmp_path / "c", seed=3)[0])
+    with pytest.raises(ValueError, match="names 3 LoRA adapters"):
+        llm.generate([{"prompt_token_ids": [5]}] * 3, GREEDY,
+                     lora_request=[lora(adapters, "a", 1), lora(adapters, "b", 2), third])
+    llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, lora_request=lora(adapters, "a", 1))
+    llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, lora_request=lora(adapters, "b", 2))  # a and b held
+    live = Request("live", [5, 6, 7], SamplingParams(max_tokens=400), lora_request=lora(adapters, "a", 1))
+    llm.engine.add_request(live)  # a in use: c takes b's place
+    assert llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, lora_request=third)
+    blocked = Request("blocked", [5, 6], SamplingParams(max_tokens=2), lora_request=lora(adapters, "b", 2))
+    llm.engine.add_request(Request("live-c", [5, 6], SamplingParams(max_tokens=400), lora_request=third))
+    with pytest.raises(ValueError, match="are in use by requests"):
+        llm.engine.add_request(blocked)  # a and c both in use
+    llm.engine.abort_requests(["live", "live-c"])
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, lora_request=lora(adapters, "b", 2))
+
+
+def test_an_engine_without_lora_refuses_an_adapter(base_dir, adapters):
+    engine = LLM(model=str(base_dir), dtype="float32", num_kv_blocks=32, enforce_eager=True)
+    try:
+        with pytest.raises(ValueError, match="serves none"):
+            engine.generate({"prompt_token_ids": [5]}, GREEDY, lora_request=lora(adapters, "a", 1))
+        assert not engine.engine.has_unfinished_requests()
+    finally:
+        engine.engine.shutdown()
+    with pytest.raises(ValueError, match="does not go with speculative decoding"):
+        LLM(model=str(base_dir), enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
