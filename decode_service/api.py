@@ -29,19 +29,21 @@ class DecodeJob:
     prefill_address: str = ""  # empty: prefill locally
     prefill_instance_id: str = ""
     cache_salt: str | None = None  # only requests of the same salt share cached blocks
+    lora_name: str | None = None  # the LoRA adapter, by the name the instances serve it under
 
     @classmethod
     def from_pb(cls, msg: decode_pb2.DecodeRequest) -> DecodeJob:
         params = sampling_params_from_pb(msg.sampling)
         return cls(msg.request_id, list(msg.prompt_token_ids), params, msg.priority, msg.prefill_address,
-                   msg.prefill_instance_id, msg.cache_salt if msg.HasField("cache_salt") else None)
+                   msg.prefill_instance_id, msg.cache_salt if msg.HasField("cache_salt") else None,
+                   msg.lora_name if msg.HasField("lora_name") else None)
 
     def to_pb(self) -> decode_pb2.DecodeRequest:
         return decode_pb2.DecodeRequest(
             request_id=self.req_id, prompt_token_ids=self.prompt_token_ids,
             sampling=sampling_params_to_pb(self.params), priority=self.priority,
             prefill_address=self.prefill_address, prefill_instance_id=self.prefill_instance_id,
-            cache_salt=self.cache_salt)
+            cache_salt=self.cache_salt, lora_name=self.lora_name)
 
 
 @dataclass

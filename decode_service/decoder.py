@@ -30,6 +30,7 @@ from common.engine.outputs import EngineCoreOutput, Logprobs
 from common.service.common_api import prompt_logprob_pairs
 from common.service.engine_requests import admit_when_id_free, new_request, open_stream_when_id_free
 from common.service.errors import ServiceError
+from common.service.lora_modules import LoRAModules
 from decode_service.admission import (
     Admission,
     Placement,
@@ -70,8 +71,9 @@ class Decoder:
                  transfer_waiters: KVTransferWaiters, *, kv_endpoints: list[str], geometry: PoolGeometry,
                  kv_layout_hash: str,
                  local_prefill_threshold: int, transfer_timeout_s: float, prefill_queue_timeout_s: float,
-                 local_fallback: bool):
+                 local_fallback: bool, lora_modules: LoRAModules):
         self.engine = engine
+        self.lora_modules = lora_modules  # the adapters a request may name
         self.eos_token_ids = eos_token_ids
         self.transfer_waiters = transfer_waiters  # must observe the engine's KV transfers
         self.geometry = geometry
@@ -150,7 +152,7 @@ class Decoder:
 
     def _request(self, job: DecodeJob):
         return new_request(job.req_id, job.prompt_token_ids, job.params, job.priority, self.eos_token_ids,
-                           job.cache_salt)
+                           job.cache_salt, self.lora_modules.resolve(job.lora_name))
 
     async def _prefill_remotely(self, job: DecodeJob, request, admission: Admission,
                                 landed: asyncio.Future) -> RemotePrefill | None:
@@ -166,7 +168,7 @@ class Decoder:
             rank_kv_endpoints=self.rank_kv_endpoints,
             transfer_timeout_s=self.transfer_timeout_s if self.prefill_queue_timeout_s > 0 else None)
         call = self.clients.prefill(job.prefill_address, PrefillJob(
-            job.req_id, job.prompt_token_ids, job.params, job.priority, kv_target, job.cache_salt),
+            job.req_id, job.prompt_token_ids, job.params, job.priority, kv_target, job.cache_salt, job.lora_name),
             self.remote_window_s)
         rpc = asyncio.ensure_future(call)
         try:

@@ -81,7 +81,7 @@ class DecodeWorker(EngineWorker):
                                local_prefill_threshold=args.local_prefill_threshold,
                                transfer_timeout_s=args.kv_transfer_timeout,
                                prefill_queue_timeout_s=args.prefill_queue_timeout,
-                               local_fallback=not args.no_local_fallback)
+                               local_fallback=not args.no_local_fallback, lora_modules=self.lora_modules)
 
     def endpoints(self) -> dict[str, str]:
         return {"kv_endpoint": self.kv_endpoint}

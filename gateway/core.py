@@ -174,7 +174,8 @@ class Gateway:
 
     async def prepare(self, request: GenerateInput) -> PreparedRequest:
         return await _tokenizing(request, prepare_request, request, self.model, self.max_model_len,
-                                 self.settings.max_prompt_chars, self._served_names())
+                                 self.settings.max_prompt_chars, self._served_names(),
+                                 frozenset(self.registry.lora_names()))
 
     def _served_names(self) -> frozenset[str]:
         """Names a request's `model` may use beside the gateway's own: what the instances registered."""
@@ -275,7 +276,8 @@ class Gateway:
                         raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                            "the gateway is shutting down; retry on another")
                     prepared = await _tokenizing(request, prepare_embedding, request, self.model, self.max_model_len,
-                                                 self.settings.max_prompt_chars, self._served_names())
+                                                 self.settings.max_prompt_chars, self._served_names(),
+                                                 frozenset(self.registry.lora_names()))
                     num_prompt_tokens = len(prepared.prompt_token_ids)
                     result = await self._embed(prepared, ending.deadline)
                 return result

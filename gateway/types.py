@@ -45,6 +45,7 @@ class PreparedRequest:
     priority: int = 0
     return_token_ids: bool = False
     cache_salt: str | None = None
+    lora_name: str | None = None  # the request's model is this LoRA adapter (None: the base model)
 
     @property
     def return_logprobs(self) -> bool:
@@ -77,6 +78,7 @@ class PreparedEmbedding:
     pooling: PoolingParams
     priority: int = 0
     cache_salt: str | None = None
+    lora_name: str | None = None  # the request's model is this LoRA adapter (None: the base model)
 
 
 @dataclass

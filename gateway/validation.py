@@ -102,11 +102,14 @@ def prompt_chars(request: GenerateInput | EmbedInput) -> int:
     return num_chars
 
 
-def _check_model_and_id(request: GenerateInput | EmbedInput, model: ServedModel,
-                        served_names: frozenset[str]) -> None:
-    if request.model and request.model not in model.aliases | served_names:
+def _check_model_and_id(request: GenerateInput | EmbedInput, model: ServedModel, served_names: frozenset[str],
+                        lora_names: frozenset[str]) -> str | None:
+    """The LoRA adapter the request's model names (None: the base model); INVALID_ARGUMENT
+    for a model not served here, a request id too long or a cache_salt out of bounds."""
+    if request.model and request.model not in model.aliases | served_names | lora_names:
+        adapters = f", and LoRA adapters {', '.join(sorted(lora_names))}" if lora_names else ""
         raise invalid(f"model {request.model!r} is not served here; this gateway serves "
-                      f"{model.name!r} (leave model empty for it)")
+                      f"{model.name!r} (leave model empty for it){adapters}")
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise invalid(f"request_id has {len(request.request_id)} characters; at most "
                       f"{MAX_REQUEST_ID_CHARS} are allowed")
@@ -115,12 +118,15 @@ def _check_model_and_id(request: GenerateInput | EmbedInput, model: ServedModel,
             check_cache_salt(request.cache_salt)
         except ValueError as e:
             raise invalid(str(e)) from None
+    is_base = request.model in model.aliases | served_names
+    return request.model if request.model and not is_base else None
 
 
-def prepare_request(request: GenerateInput, model: ServedModel, max_model_len: int,
-                    max_prompt_chars: int, served_names: frozenset[str] = frozenset()) -> PreparedRequest:
+def prepare_request(request: GenerateInput, model: ServedModel, max_model_len: int, max_prompt_chars: int,
+                    served_names: frozenset[str] = frozenset(),
+                    lora_names: frozenset[str] = frozenset()) -> PreparedRequest:
     """Validate and tokenize; raise ServiceError(INVALID_ARGUMENT) naming the problem."""
-    _check_model_and_id(request, model, served_names)
+    lora_name = _check_model_and_id(request, model, served_names, lora_names)
     sampling = request.sampling
     if sampling.n != 1:
         # GenerateResponse holds one completion, so n > 1 has nowhere to go.
@@ -150,14 +156,15 @@ def prepare_request(request: GenerateInput, model: ServedModel, max_model_len: i
     return PreparedRequest(request_id=request.request_id or uuid.uuid4().hex,
                            prompt_token_ids=prompt_token_ids, sampling=sampling,
                            priority=request.priority, return_token_ids=request.return_token_ids,
-                           cache_salt=request.cache_salt)
+                           cache_salt=request.cache_salt, lora_name=lora_name)
 
 
 def prepare_embedding(request: EmbedInput, model: ServedModel, max_model_len: int, max_prompt_chars: int,
-                      served_names: frozenset[str] = frozenset()) -> PreparedEmbedding:
+                      served_names: frozenset[str] = frozenset(),
+                      lora_names: frozenset[str] = frozenset()) -> PreparedEmbedding:
     """Validate and tokenize an Embed call; raise ServiceError(INVALID_ARGUMENT) naming the
     problem. A prompt may take the whole max_model_len: nothing is generated after it."""
-    _check_model_and_id(request, model, served_names)
+    lora_name = _check_model_and_id(request, model, served_names, lora_names)
     keep = request.truncate_prompt_tokens
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or (keep < 1 and keep != -1)):
         raise invalid(f"truncate_prompt_tokens must be -1 (the model's maximum length) or an integer >= 1, "
@@ -172,7 +179,7 @@ def prepare_embedding(request: EmbedInput, model: ServedModel, max_model_len: in
                       f"{max_model_len}; shorten it or set truncate_prompt_tokens")
     return PreparedEmbedding(request_id=request.request_id or uuid.uuid4().hex,
                              prompt_token_ids=prompt_token_ids, pooling=request.pooling, priority=request.priority,
-                             cache_salt=request.cache_salt)
+                             cache_salt=request.cache_salt, lora_name=lora_name)
 
 
 def _with_defaults(options: ChatTemplateOptions, model: ServedModel) -> ChatTemplateOptions:

@@ -58,18 +58,21 @@ class PrefillJob:
     priority: int = 0
     kv_target: KvTargetSpec | None = None  # None: prefill only (nothing is sent)
     cache_salt: str | None = None  # only requests of the same salt share cached blocks
+    lora_name: str | None = None  # the LoRA adapter, by the name the instance serves it under
 
     @classmethod
     def from_pb(cls, msg: prefill_pb2.PrefillRequest) -> PrefillJob:
         params = sampling_params_from_pb(msg.sampling)
         kv_target = KvTargetSpec.from_pb(msg.kv_target) if msg.HasField("kv_target") else None
         return cls(msg.request_id, list(msg.prompt_token_ids), params, msg.priority, kv_target,
-                   msg.cache_salt if msg.HasField("cache_salt") else None)
+                   msg.cache_salt if msg.HasField("cache_salt") else None,
+                   msg.lora_name if msg.HasField("lora_name") else None)
 
     def to_pb(self) -> prefill_pb2.PrefillRequest:
         msg = prefill_pb2.PrefillRequest(
             request_id=self.req_id, prompt_token_ids=self.prompt_token_ids,
-            sampling=sampling_params_to_pb(self.params), priority=self.priority, cache_salt=self.cache_salt)
+            sampling=sampling_params_to_pb(self.params), priority=self.priority, cache_salt=self.cache_salt,
+            lora_name=self.lora_name)
         if self.kv_target is not None:
             msg.kv_target.CopyFrom(self.kv_target.to_pb())
         return msg

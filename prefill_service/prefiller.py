@@ -16,6 +16,7 @@ from common.service.common_api import prompt_logprob_pairs
 from common.service.engine_requests import (add_request, admit_when_id_free, finished_output, new_request,
                                             open_stream_when_id_free)
 from common.service.errors import ServiceError
+from common.service.lora_modules import LoRAModules
 from prefill_service.api import PrefillJob, PrefillResult
 from prefill_service.kv_export import ExportTarget
 
@@ -32,15 +33,17 @@ def first_token_params(params: SamplingParams) -> SamplingParams:
 
 
 class Prefiller:
-    def __init__(self, engine: AsyncEngine, eos_token_ids: tuple[int, ...], transfer_waiters: KVTransferWaiters):
+    def __init__(self, engine: AsyncEngine, eos_token_ids: tuple[int, ...], transfer_waiters: KVTransferWaiters,
+                 lora_modules: LoRAModules):
         self.engine = engine
         self.eos_token_ids = eos_token_ids
         self.transfer_waiters = transfer_waiters  # must observe the engine's KV transfers
+        self.lora_modules = lora_modules
 
     async def prefill(self, job: PrefillJob, export: ExportTarget | None) -> PrefillResult:
         """`export`: job.kv_target, checked against the prompt and our pool (kv_export)."""
         request = new_request(job.req_id, job.prompt_token_ids, first_token_params(job.params), job.priority,
-                              self.eos_token_ids, job.cache_salt)
+                              self.eos_token_ids, job.cache_salt, self.lora_modules.resolve(job.lora_name))
         if export is not None:
             request.kv_transfer_params = export.kv_transfer_params()
         try:

@@ -79,7 +79,7 @@ class PrefillWorker(EngineWorker):
             self.events.close()
             raise
         self.geometry = PoolGeometry.from_dict(self.kv_connector_info)
-        self.prefiller = Prefiller(self.engine, eos_token_ids(self.core), self.transfer_waiters)
+        self.prefiller = Prefiller(self.engine, eos_token_ids(self.core), self.transfer_waiters, self.lora_modules)
 
     def attach_to_engine(self, core: EngineCore) -> None:
         events = self.events

@@ -126,7 +126,7 @@ class FakeDecode:
 
     def __init__(self, instance_id: str, gateway_address: str, max_model_len: int = 8192,
                  model_name: str = "", block_size: int = 16, registry_token: str | None = None,
-                 **servicer_kwargs):
+                 lora_names: tuple[str, ...] = (), **servicer_kwargs):
         self.servicer = FakeDecodeServicer(instance_id, **servicer_kwargs)
         self._server = aio.server()
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, self._server)
@@ -136,7 +136,7 @@ class FakeDecode:
         self.address = f"127.0.0.1:{port}"
         self.spec = InstanceSpec(instance_id=instance_id, role="decode", grpc_address=self.address,
                                  block_size=block_size, num_total_blocks=1000, model_name=model_name,
-                                 max_model_len=max_model_len)
+                                 max_model_len=max_model_len, lora_names=tuple(lora_names))
         self._registry_client = RegistryClient(gateway_address, self.spec, self._load, token=registry_token)
         self._registration: asyncio.Task | None = None
 

@@ -58,6 +58,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "oneDNN's packed copy for long prefill chunks: half the weight memory, prefill "
                         "chunks of ~2,000 tokens ~10%% slower; meant for decode instances (`pdserve up`, "
                         "compose and the manifests set it for theirs)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (implied by --lora-modules); the model then runs eagerly")
+    g.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                   help="PEFT LoRA adapters this instance serves, each by NAME: a request whose model is "
+                        "NAME runs with it (vLLM's flag; may be given more than once)")
+    g.add_argument("--max-loras", type=int, default=4, help="LoRA adapters held at once")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank served")
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of this process (set it so processes sharing a host do not "
                         "oversubscribe its cores); default: one per core, no more than the "
@@ -83,7 +90,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 distributed_executor_backend=args.distributed_executor_backend,
                 enforce_eager=args.enforce_eager, quantization=args.quantization,
                 num_threads=args.num_threads, num_prefill_threads=args.num_prefill_threads,
-                single_weight_copy=args.single_weight_copy)
+                single_weight_copy=args.single_weight_copy,
+                enable_lora=args.enable_lora or bool(args.lora_modules), max_loras=args.max_loras,
+                max_lora_rank=args.max_lora_rank)
 
 
 def engine_config_from_args(args: argparse.Namespace):

@@ -175,7 +175,9 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
-              use_tqdm: bool = False, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = False, truncate_prompt_tokens: int | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+              ) -> list[EmbeddingRequestOutput]:
         """vLLM's LLM.embed: each prompt's embedding, the model's final hidden state at the
         prompt's last token (common.engine.pooling_params), normalized unless pooling_params
         (or, where they leave it unset, the model's sentence-transformers config) say otherwise.
@@ -186,12 +188,13 @@ class LLM:
         pooling_params = self.engine.pooling_params_for(pooling_params)
         encoded = [self._checked_prompt(prompt, truncate_prompt_tokens)[1] for prompt in prompts]
         cache_salts = [_cache_salt(prompt) for prompt in prompts]
+        loras = self._lora_requests(lora_request, len(prompts))
         pending: dict[str, _Pending] = {}
-        for i, (token_ids, cache_salt) in enumerate(zip(encoded, cache_salts)):
+        for i, (token_ids, cache_salt, lora) in enumerate(zip(encoded, cache_salts, loras)):
             req_id = str(next(self._req_counter))
             pending[req_id] = _Pending(i, 0, None)
             self.engine.add_request(Request.embedding(req_id, token_ids, pooling_params, self.eos_token_ids,
-                                                      cache_salt=cache_salt))
+                                                      cache_salt=cache_salt, lora_request=lora))
         self._run(pending, use_tqdm)
         results = [None] * len(encoded)
         for req_id, state in pending.items():

@@ -400,7 +400,8 @@ class ModelRunner:
             elif received is None and loop is not None and loop.serves(input_ids.shape[0], meta):
                 hidden = loop.run(input_ids, positions, meta)  # [num_tokens, hidden]
             else:
-                hidden = self._forward(input_ids, positions, meta, received, scheduler_output.scheduled)
+                with self._lora_step(scheduler_output.scheduled):
+                    hidden = self._forward(input_ids, positions, meta, received)
         except BaseException:
             if connector is not None:  # a half-written pool must not reach a peer as final
                 connector.abort_saves("the forward pass failed")
@@ -614,13 +615,16 @@ class ModelRunner:
         if self.lora_manager is not None:
             self.lora_manager.remove(lora_name)
 
+    def _lora_step(self, scheduled: list[ScheduledRequest]):
+        """The forward pass's LoRA rows (manager.step), or nothing where no adapter is served."""
+        if self.lora_manager is None:
+            return contextlib.nullcontext()
+        decodes, prefills = split_step(scheduled)
+        return self.lora_manager.step(decodes + prefills)  # the rows in prepare_inputs' order
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 received: torch.Tensor | None, scheduled: list[ScheduledRequest]) -> torch.Tensor:
-        lora = contextlib.nullcontext()
-        if self.lora_manager is not None:
-            decodes, prefills = split_step(scheduled)
-            lora = self.lora_manager.step(decodes + prefills)  # the rows in prepare_inputs' order
-        with forward_context(meta), lora:
+                 received: torch.Tensor | None) -> torch.Tensor:
+        with forward_context(meta):
             if received is None:
                 return self.forward(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
             return self.forward(input_ids, positions, self.kv_caches, meta, hidden_states=received)

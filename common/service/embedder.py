@@ -11,13 +11,15 @@ from common.service.embedding_api import EmbedJob, EmbedResult
 from common.service.engine_requests import (add_request, admit_when_id_free, checked_cache_salt, finished_output,
                                             open_stream_when_id_free, validate_prompt)
 from common.service.errors import ServiceError, invalid
+from common.service.lora_modules import LoRAModules
 
 
 class Embedder:
-    def __init__(self, engine: AsyncEngine, core, eos_token_ids: tuple[int, ...]):
+    def __init__(self, engine: AsyncEngine, core, eos_token_ids: tuple[int, ...], lora_modules: LoRAModules):
         self.engine = engine
         self.core = core  # for the model and its limits (read-only, any thread)
         self.eos_token_ids = eos_token_ids
+        self.lora_modules = lora_modules
 
     async def embed(self, job: EmbedJob) -> EmbedResult:
         if not job.req_id:
@@ -28,7 +30,7 @@ class Embedder:
         except ValueError as e:  # a bad field is named as the caller sent it
             raise invalid(f"pooling.{e}" if str(e).startswith("dimensions") else str(e)) from None
         request = Request.embedding(job.req_id, job.prompt_token_ids, pooling, self.eos_token_ids, job.priority,
-                                    checked_cache_salt(job.cache_salt))
+                                    checked_cache_salt(job.cache_salt), self.lora_modules.resolve(job.lora_name))
         try:
             stream = await open_stream_when_id_free(self.engine, job.req_id)
         except ValueError as e:

@@ -37,16 +37,18 @@ class EmbedJob:
     pooling: PoolingParams
     priority: int = 0
     cache_salt: str | None = None  # only requests of the same salt share cached blocks
+    lora_name: str | None = None  # the LoRA adapter, by the name the instance serves it under
 
     @classmethod
     def from_pb(cls, msg: embedding_pb2.EmbedRequest) -> EmbedJob:
         return cls(msg.request_id, list(msg.prompt_token_ids), pooling_params_from_pb(msg.pooling), msg.priority,
-                   msg.cache_salt if msg.HasField("cache_salt") else None)
+                   msg.cache_salt if msg.HasField("cache_salt") else None,
+                   msg.lora_name if msg.HasField("lora_name") else None)
 
     def to_pb(self) -> embedding_pb2.EmbedRequest:
         return embedding_pb2.EmbedRequest(request_id=self.req_id, prompt_token_ids=self.prompt_token_ids,
                                           pooling=pooling_params_to_pb(self.pooling), priority=self.priority,
-                                          cache_salt=self.cache_salt)
+                                          cache_salt=self.cache_salt, lora_name=self.lora_name)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import grpc
 
 from common.engine.block_hash import check_cache_salt
 from common.engine.errors import RequestIdReleasingError
+from common.engine.lora.request import LoRARequest
 from common.engine.outputs import EngineCoreOutput
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams, validate_prompt_token_ids
@@ -73,11 +74,12 @@ async def finished_output(stream) -> EngineCoreOutput:
 
 
 def new_request(req_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-                eos: tuple[int, ...], cache_salt: str | None = None) -> Request:
+                eos: tuple[int, ...], cache_salt: str | None = None,
+                lora_request: LoRARequest | None = None) -> Request:
     if not req_id:
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
     return Request(req_id, prompt_token_ids, params, eos_token_ids=eos, priority=priority,
-                   cache_salt=checked_cache_salt(cache_salt))
+                   cache_salt=checked_cache_salt(cache_salt), lora_request=lora_request)
 
 
 def checked_cache_salt(cache_salt: str | None) -> str | None:

@@ -16,6 +16,7 @@ from common.service.embedder import Embedder
 from common.service.embedding_servicer import EmbeddingServicer
 from common.service.engine_requests import eos_token_ids
 from common.service.flags import served_model_name
+from common.service.lora_modules import LoRAModules
 from common.service.metrics import WorkerMetrics
 from common.service.registration import InstanceLoad, InstanceSpec, Role
 from protos.pdserve.v1 import common_pb2
@@ -29,6 +30,7 @@ class EngineWorker:
     def __init__(self, args: argparse.Namespace, instance_id: str, kv_transfer: KVTransferConfig):
         self.args = args
         self.instance_id = instance_id
+        self.lora_modules = LoRAModules.parse(getattr(args, "lora_modules", None))
         config = engine_config_from_args(args)
         config.kv_transfer = kv_transfer
         if kv_transfer.role == "producer" and config.speculative is not None:
@@ -36,6 +38,10 @@ class EngineWorker:
             logger.info("--speculative-config is for decode instances; a prefill instance ignores it")
             config.speculative = None
         self.core = EngineCore(config)
+        # The adapters served, loaded now (as many as are held at once) so that one this model
+        # cannot serve fails the start, not a request.
+        for lora in self.lora_modules.requests[:config.lora.max_loras]:
+            self.core.hold_lora(lora)
         # Plain data about the engine's KV connector per rank (tensor parallel ranks each
         # have a pool shard and a receiving endpoint); rank 0's stands for the geometry.
         self.rank_kv_connector_infos: list[dict] = self.core.collective_rpc("kv_connector_info")
@@ -48,7 +54,7 @@ class EngineWorker:
         self.attach_to_engine(self.core)
         self.engine = AsyncEngine(self.core)  # the engine thread starts here
         # Every instance embeds prompts (EmbeddingService) with the model it serves.
-        self.embedder = Embedder(self.engine, self.core, eos_token_ids(self.core))
+        self.embedder = Embedder(self.engine, self.core, eos_token_ids(self.core), self.lora_modules)
 
     def embedding_servicer(self, gate) -> EmbeddingServicer:
         """The EmbeddingService each role's server adds beside its own service."""
@@ -66,7 +72,7 @@ class EngineWorker:
                             block_size=self.core.config.cache.block_size,
                             num_total_blocks=self.core.kv_cache_manager.num_blocks,
                             model_name=served_model_name(self.args), max_model_len=self.core.max_model_len,
-                            **self.endpoints())
+                            lora_names=tuple(self.lora_modules.names), **self.endpoints())
 
     def load(self) -> InstanceLoad:
         stats = self.engine.stats

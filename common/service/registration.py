@@ -73,11 +73,13 @@ class InstanceSpec:
     num_total_blocks: int = 0
     model_name: str = ""
     max_model_len: int = 0
+    lora_names: tuple[str, ...] = ()  # the LoRA adapters it serves
 
     @classmethod
     def from_pb(cls, msg: registry_pb2.RegisterRequest) -> InstanceSpec:
         """An unknown role stays visible as "unspecified", so the registry can reject it by name."""
         values = {f.name: getattr(msg, f.name) for f in fields(cls) if f.name != "role"}
+        values["lora_names"] = tuple(msg.lora_names)
         return cls(role=_ROLE_FROM_PB.get(msg.role, "unspecified"), **values)
 
     def to_pb(self) -> registry_pb2.RegisterRequest:

@@ -231,23 +231,29 @@ class OpenAIServer:
             return Response(status_code=499)
 
     async def models(self, request: Request) -> Response:
-        return _json({"object": "list", "data": [self._model_card()]})
+        """The served model, then each LoRA adapter some instance serves (vLLM's: its parent the base)."""
+        return _json({"object": "list", "data": [self._model_card(name) for name in
+                                                 [self._served_model_name(), *self.gateway.registry.lora_names()]]})
 
     async def model(self, request: Request) -> Response:
-        """OpenAI's model retrieval: the served model by a name /v1/models lists, else a 404."""
+        """OpenAI's model retrieval: the served model or an adapter by a name /v1/models lists, else a 404."""
         try:
-            self._check_model(request.path_params["model"])
+            name = self._check_model(request.path_params["model"])
         except ApiError as e:
             return _error(e)
-        return _json(self._model_card())
+        return _json(self._model_card(name))
 
     async def version(self, request: Request) -> Response:
         return _json({"version": PDSERVE_VERSION})
 
-    def _model_card(self) -> dict:
+    def _model_card(self, name: str | None = None) -> dict:
+        """The card of the served model, or of the LoRA adapter `name`."""
         info = self.gateway.deployment_info()
-        return {"id": info.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
+        card = {"id": info.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
                 "max_model_len": info.max_model_len}
+        if name is not None and name != info.model_name:
+            card.update(id=name, root=name, parent=info.model_name)
+        return card
 
     async def tokenize(self, request: Request) -> Response:
         """A prompt's token ids as generation gets them (for logit_bias, allowed_token_ids or
@@ -415,8 +421,10 @@ class OpenAIServer:
         return self.gateway.registry.model_name or self.gateway.model.name  # as ModelInfo says
 
     def _check_model(self, name: str) -> str:
-        """The served name; 404 (as OpenAI answers) for any other model."""
+        """The served name, or the LoRA adapter's; 404 (as OpenAI answers) for any other model."""
         served = self._served_model_name()
+        if name in self.gateway.registry.lora_names():
+            return name
         if name != served and name not in self.gateway.model.aliases:
             raise ApiError(404, f"model {name!r} is not served here; this server serves {served!r} "
                                 f"(GET /v1/models)", param="model", code="model_not_found")

@@ -35,7 +35,7 @@ from gateway.routing.instance_channels import InstanceChannels
 from gateway.routing.inflight_calls import InFlightCalls
 from gateway.routing.kv_index import KvIndex
 from gateway.routing.load_ledger import LoadLedger, PlacementCharge
-from gateway.routing.placement import Placement, choose_remote_prefill
+from gateway.routing.placement import Placement, choose_remote_prefill, serving
 from gateway.routing.policies import PlacementPolicy
 from gateway.routing.registry import Instance, InstanceRegistry
 from gateway.text_assembler import TextAssembler
@@ -101,25 +101,27 @@ class Dispatcher:
             except (grpc.aio.AioRpcError, InstanceLost) as e:
                 error = e if isinstance(e, InstanceLost) else self._decode_error(decode, e)
                 retry = (error.code == grpc.StatusCode.UNAVAILABLE and not streamed_any
-                         and self._live_decodes(exclude=tried))
+                         and self._live_decodes(tried, request.lora_name))
                 if not retry:
                     raise error from None
                 logger.warning("%s; retrying request %s elsewhere", error.message, request.request_id)
             finally:
                 charge.release()  # whatever is left, a prefill that never got to a first token too
 
-    def _live_decodes(self, exclude: set[str]) -> list[Instance]:
-        return [i for i in self.registry.instances("decode") if i.instance_id not in exclude]
+    def _live_decodes(self, exclude: set[str], lora_name: str | None) -> list[Instance]:
+        return [i for i in serving(self.registry.instances("decode"), lora_name) if i.instance_id not in exclude]
 
     def _place(self, request: PreparedRequest, exclude: set[str]) -> Placement:
-        decode = self.policy.choose_decode(len(request.prompt_token_ids), self._live_decodes(exclude))
+        decodes = self._live_decodes(exclude, request.lora_name)
+        decode = self.policy.choose_decode(len(request.prompt_token_ids), decodes)
         self.metrics.placed("decode", decode is not None)
         if decode is None:
+            what = "is alive" if request.lora_name is None else f"serves LoRA adapter {request.lora_name!r}"
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               "no decode instance is alive; start one (pdserve decode --gateway ADDR) "
-                               "and retry")
+                               f"no decode instance {what}; start one (pdserve decode --gateway ADDR) and retry")
         prefill, prompt_block_hashes = choose_remote_prefill(
-            self.policy, self.registry.instances("prefill"), request.prompt_token_ids, request.cache_salt)
+            self.policy, serving(self.registry.instances("prefill"), request.lora_name), request.prompt_token_ids,
+            request.cache_salt, request.lora_name)
         self.metrics.placed("prefill", prefill is not None)
         return Placement(decode, prefill, prompt_block_hashes)
 
@@ -132,7 +134,8 @@ class Dispatcher:
                      placement.prefill_instance_id or "local")
         with self._channels.calling(decode) as client:
             job = DecodeJob(request.request_id, request.prompt_token_ids, request.sampling, request.priority,
-                            placement.prefill_address, placement.prefill_instance_id, request.cache_salt)
+                            placement.prefill_address, placement.prefill_instance_id, request.cache_salt,
+                            request.lora_name)
             stream = client.decode(job, timeout_s)
             text = TextAssembler(self.tokenizer, request, decode.instance_id, self.eos_token_ids)
             with self._calls.tracking(decode, stream) as call:

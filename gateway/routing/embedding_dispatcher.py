@@ -19,7 +19,7 @@ from common.service.errors import ServiceError
 from common.service.metrics import GatewayMetrics
 from gateway.routing.instance_channels import InstanceChannels
 from gateway.routing.load_ledger import LoadLedger, PlacementCharge
-from gateway.routing.placement import choose_remote_prefill
+from gateway.routing.placement import choose_remote_prefill, serving
 from gateway.routing.policies import PlacementPolicy
 from gateway.routing.registry import Instance, InstanceRegistry
 from gateway.types import PreparedEmbedding
@@ -49,7 +49,7 @@ class EmbeddingDispatcher:
     async def embed(self, request: PreparedEmbedding, timeout_s: float | None = None):
         """(EmbedResult, the instance that computed it); raises ServiceError."""
         job = EmbedJob(request.request_id, request.prompt_token_ids, request.pooling, request.priority,
-                       request.cache_salt)
+                       request.cache_salt, request.lora_name)
         tried: set[str] = set()
         while True:
             instance, charge = self._place(request, tried)
@@ -61,24 +61,24 @@ class EmbeddingDispatcher:
                 return result
             except grpc.aio.AioRpcError as e:
                 error = self._error(instance, e)
-                if error.code != grpc.StatusCode.UNAVAILABLE or not self._candidates(tried)[1]:
+                if error.code != grpc.StatusCode.UNAVAILABLE or not self._candidates(tried, request.lora_name)[1]:
                     raise error from None
                 logger.warning("%s; retrying embedding %s elsewhere", error.message, request.request_id)
             finally:
                 charge.release()
 
-    def _candidates(self, tried: set[str]) -> tuple[str, list[Instance]]:
+    def _candidates(self, tried: set[str], lora_name: str | None) -> tuple[str, list[Instance]]:
         for role in ("prefill", "decode"):
-            live = [i for i in self.registry.instances(role) if i.instance_id not in tried]
+            live = [i for i in serving(self.registry.instances(role), lora_name) if i.instance_id not in tried]
             if live:
                 return role, live
         return "", []
 
     def _place(self, request: PreparedEmbedding, tried: set[str]) -> tuple[Instance, PlacementCharge]:
-        role, live = self._candidates(tried)
+        role, live = self._candidates(tried, request.lora_name)
         if role == "prefill":
             instance, block_hashes = choose_remote_prefill(self.policy, live, request.prompt_token_ids,
-                                                           request.cache_salt)
+                                                           request.cache_salt, request.lora_name)
             self.metrics.placed("prefill", True)
             return instance, self.ledger.charge(len(request.prompt_token_ids), prefill=instance,
                                                 prompt_block_hashes=block_hashes)
@@ -86,8 +86,9 @@ class EmbeddingDispatcher:
             instance = self.policy.choose_decode(len(request.prompt_token_ids), live)
             self.metrics.placed("decode", True)
             return instance, self.ledger.charge(len(request.prompt_token_ids), decode=instance)
-        raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no prefill or decode instance is alive to compute the "
-                                                        "embedding; start one and retry")
+        what = "is alive" if request.lora_name is None else f"serves LoRA adapter {request.lora_name!r}"
+        raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"no prefill or decode instance {what} to compute the "
+                                                        f"embedding; start one and retry")
 
     @staticmethod
     def _error(instance: Instance, e: grpc.aio.AioRpcError) -> ServiceError:

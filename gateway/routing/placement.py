@@ -30,14 +30,20 @@ class Placement:
         return self.prefill.instance_id if self.prefill else ""
 
 
+def serving(instances: Sequence[Instance], lora_name: str | None) -> list[Instance]:
+    """The instances that can run a request of this LoRA adapter (None: the base model, all)."""
+    return list(instances) if lora_name is None else [i for i in instances if lora_name in i.spec.lora_names]
+
+
 def choose_remote_prefill(policy: PlacementPolicy, prefills: Sequence[Instance], prompt_token_ids: Sequence[int],
-                          cache_salt: str | None = None) -> tuple[Instance | None, Sequence[int]]:
+                          cache_salt: str | None = None,
+                          lora_name: str | None = None) -> tuple[Instance | None, Sequence[int]]:
     """The prefill instance for a prompt and the prompt's block hashes at its block
-    size (from its cache_salt's root, as the engines hash them), or (None, ()) when no
-    prefill instance is alive: the decode instance prefills locally."""
+    size (from its cache_salt's and LoRA adapter's root, as the engines hash them), or
+    (None, ()) when no prefill instance is alive: the decode instance prefills locally."""
     if not prefills:
         return None, ()
     # Every instance has the deployment's block size (the registry refuses others).
     prompt_block_hashes = compute_block_hashes(prompt_token_ids, prefills[0].spec.block_size,
-                                               root_parent_hash(cache_salt))
+                                               root_parent_hash(cache_salt, lora_name))
     return policy.choose_prefill(prompt_block_hashes, prefills), prompt_block_hashes

@@ -197,6 +197,10 @@ class InstanceRegistry:
         return sorted((i for i in self._instances.values() if i.role == role and i.last_heartbeat >= deadline),
                       key=lambda i: i.instance_id)
 
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters some live instance serves, sorted: the model names beside the base."""
+        return sorted({name for role in ROLES for i in self.instances(role) for name in i.spec.lora_names})
+
     def expire(self) -> list[Instance]:
         """Drop instances that missed heartbeats past the timeout; return them."""
         deadline = self.clock() - self.heartbeat_timeout_s

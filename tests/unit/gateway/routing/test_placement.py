@@ -1,9 +1,11 @@
 """choose_remote_prefill: the one place the gateway decides remote or local prefill."""
 from __future__ import annotations
 
+import dataclasses
+
 from common.engine.block_hash import compute_block_hashes, root_parent_hash
 from common.service.registration import InstanceLoad
-from gateway.routing.placement import Placement, choose_remote_prefill
+from gateway.routing.placement import Placement, choose_remote_prefill, serving
 from gateway.routing.kv_index import KvIndex
 from gateway.routing.policies import LeastLoaded, PrefixAware
 from tests.unit.gateway.routing.instances import BLOCK, make_registry, queued
@@ -43,3 +45,16 @@ def test_a_salted_prompt_is_hashed_from_its_salt_and_placed_by_its_salts_blocks(
     for other in (None, "tenant-b"):  # the same tokens under another salt are not cached there
         hashes = choose_remote_prefill(policy, prefills, PROMPT, other)[1]
         assert policy.prefill_cost(prefills[1], hashes) == len(hashes) * BLOCK > 0
+
+
+def test_an_adapters_requests_are_placed_on_its_instances_and_hashed_from_its_root():
+    registry = make_registry("prefill", {"a": queued(0), "b": queued(0)})
+    for instance_id, names in (("a", ("sql",)), ("b", ())):
+        instance = registry.get(instance_id)
+        instance.spec = dataclasses.replace(instance.spec, lora_names=names)
+    prefills = registry.instances("prefill")
+    assert [i.instance_id for i in serving(prefills, "sql")] == ["a"]
+    assert serving(prefills, "other") == [] and serving(prefills, None) == prefills
+    hashes = choose_remote_prefill(LeastLoaded(), serving(prefills, "sql"), PROMPT, None, "sql")[1]
+    assert list(hashes) == compute_block_hashes(PROMPT, BLOCK, root_parent_hash(None, "sql")) != \
+        compute_block_hashes(PROMPT, BLOCK)

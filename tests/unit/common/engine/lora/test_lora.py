@@ -144,6 +144,7 @@ def test_an_adapter_the_model_cannot_serve_is_refused_with_nothing_left(llm, ada
         with pytest.raises(ValueError, match=message):
             llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, GREEDY, lora_request=LoRARequest("bad", 9, path))
         assert not llm.engine.has_unfinished_requests()
+    llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, lora_request=lora(adapters, "a", 1))  # "a" held
     with pytest.raises(ValueError, match="one name, one adapter"):
         llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, lora_request=LoRARequest("a", 1, adapters["b"][0]))
     with pytest.raises(ValueError, match="lora_int_id must be"):

@@ -1,0 +1,35 @@
+"""--lora-modules NAME=PATH: what an instance serves, and what a request naming an adapter
+runs with (INVALID_ARGUMENT for one it does not serve)."""
+from __future__ import annotations
+
+import argparse
+
+import grpc
+import pytest
+
+from common.engine.engine_args import add_engine_args, engine_config_from_args
+from common.engine.lora.request import LoRARequest
+from common.service.errors import ServiceError
+from common.service.lora_modules import LoRAModules
+
+
+def test_modules_are_parsed_in_order_with_ids_from_one():
+    modules = LoRAModules.parse(["sql=/a/sql", "chat=/b/chat=x"])
+    assert modules.names == ["sql", "chat"]
+    assert modules.resolve("chat") == LoRARequest("chat", 2, "/b/chat=x") and modules.resolve(None) is None
+    with pytest.raises(ServiceError) as error:
+        modules.resolve("other")
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT and "serves: sql, chat" in error.value.message
+    for bad, message in ((["sql"], "NAME=PATH"), (["=p"], "NAME=PATH"), (["a=p", "a=q"], "twice")):
+        with pytest.raises(ValueError, match=message):
+            LoRAModules.parse(bad)
+
+
+def test_the_flags_enable_lora_and_repeat():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--lora-modules", "a=/p", "b=/q", "--lora-modules", "c=/r", "--max-loras", "2"])
+    assert args.lora_modules == ["a=/p", "b=/q", "c=/r"]
+    config = engine_config_from_args(args)
+    assert config.lora.enable_lora and config.lora.max_loras == 2
+    assert not engine_config_from_args(parser.parse_args([])).lora.enable_lora
