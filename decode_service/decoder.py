@@ -28,7 +28,7 @@ from common.engine.kv_connector.metadata import KVTransferOutcome
 from common.engine.kv_transfer_waiters import KVTransferWaiters
 from common.engine.outputs import EngineCoreOutput, Logprobs
 from common.service.common_api import prompt_logprob_pairs
-from common.service.engine_requests import admit_when_id_free, new_request, open_stream_when_id_free
+from common.service.engine_requests import admit_when_id_free, new_request, open_stream_when_id_free, refused
 from common.service.errors import ServiceError
 from common.service.lora_modules import LoRAModules
 from decode_service.admission import (
@@ -130,7 +130,7 @@ class Decoder:
                 core, request, bool(job.prefill_address), self.local_prefill_threshold, transfer_id,
                 self.remote_window_s)))
         except ValueError as e:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise refused(e) from None
         if admission.placement is Placement.FULL:
             stats = self.engine.stats
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -14,7 +14,7 @@ from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from common.service.common_api import prompt_logprob_pairs
 from common.service.engine_requests import (add_request, admit_when_id_free, finished_output, new_request,
-                                            open_stream_when_id_free)
+                                            open_stream_when_id_free, refused)
 from common.service.errors import ServiceError
 from common.service.lora_modules import LoRAModules
 from prefill_service.api import PrefillJob, PrefillResult
@@ -66,7 +66,7 @@ class Prefiller:
                 await self.engine.compile_structured_output(request.sampling_params)
                 await admit_when_id_free(lambda: self.engine.call(lambda core: add_request(core, request)))
             except ValueError as e:
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+                raise refused(e) from None
             timeout = None if export is None else export.target.deadline - _now()
             try:
                 output = await asyncio.wait_for(finished_output(stream), timeout)

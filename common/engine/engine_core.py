@@ -15,6 +15,7 @@ from typing import Any
 from common.engine.config import EngineConfig, ModelConfig, parse_memory_size
 from common.engine.device import set_num_threads
 from common.engine.executor import Executor, make_executor
+from common.engine.errors import LoRAAdaptersBusyError
 from common.engine.executor.base import StepHandle
 from common.engine.heap_retention import keep_freed_heap
 from common.engine.kv_cache_manager import KVCacheManager
@@ -176,8 +177,8 @@ class EngineCore:
             in_use = {r.lora_name for r in self.scheduler.requests.values()}
             unused = next((name for name in held if name not in in_use), None)
             if unused is None:
-                raise ValueError(f"all {len(held)} LoRA adapters held (max_loras) are in use by requests; retry "
-                                 f"when one finishes, or raise max_loras")
+                raise LoRAAdaptersBusyError(f"all {len(held)} LoRA adapters held (max_loras) are in use by "
+                                            f"requests; retry when one finishes, or raise max_loras")
             self.executor.collective_rpc("remove_lora", (unused,))
             del held[unused]
         self.executor.collective_rpc("add_lora", (lora,))

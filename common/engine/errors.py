@@ -13,5 +13,10 @@ class RequestIdReleasingError(ValueError):
     the earlier request's last outputs would reach the new stream."""
 
 
+class LoRAAdaptersBusyError(ValueError):
+    """Every LoRA adapter slot (max_loras) holds an adapter a live request uses: one naming
+    another adapter must wait until one finishes (a transient refusal, not a bad request)."""
+
+
 class ExecutorFailedError(EngineDeadError):
     """A worker process of the executor died or broke the protocol; names the rank."""

@@ -9,7 +9,7 @@ from common.engine.async_engine import AsyncEngine
 from common.engine.request import Request
 from common.service.embedding_api import EmbedJob, EmbedResult
 from common.service.engine_requests import (add_request, admit_when_id_free, checked_cache_salt, finished_output,
-                                            open_stream_when_id_free, validate_prompt)
+                                            open_stream_when_id_free, refused, validate_prompt)
 from common.service.errors import ServiceError, invalid
 from common.service.lora_modules import LoRAModules
 
@@ -40,7 +40,7 @@ class Embedder:
             try:
                 await admit_when_id_free(lambda: self.engine.call(lambda core: add_request(core, request)))
             except ValueError as e:
-                raise invalid(str(e)) from None
+                raise refused(e) from None
             output = await finished_output(stream)
         if output.embedding is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"embedding {job.req_id} was aborted "

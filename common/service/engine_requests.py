@@ -10,7 +10,7 @@ from typing import TypeVar
 import grpc
 
 from common.engine.block_hash import check_cache_salt
-from common.engine.errors import RequestIdReleasingError
+from common.engine.errors import LoRAAdaptersBusyError, RequestIdReleasingError
 from common.engine.lora.request import LoRARequest
 from common.engine.outputs import EngineCoreOutput
 from common.engine.request import Request
@@ -80,6 +80,14 @@ def new_request(req_id: str, prompt_token_ids: list[int], params: SamplingParams
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
     return Request(req_id, prompt_token_ids, params, eos_token_ids=eos, priority=priority,
                    cache_salt=checked_cache_salt(cache_salt), lora_request=lora_request)
+
+
+def refused(error: ValueError) -> ServiceError:
+    """The status of a request the engine refused at admission: RESOURCE_EXHAUSTED while all
+    its LoRA adapter slots are taken (retry later), else INVALID_ARGUMENT (the request's fault)."""
+    code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(error, LoRAAdaptersBusyError)
+            else grpc.StatusCode.INVALID_ARGUMENT)
+    return ServiceError(code, str(error))
 
 
 def checked_cache_salt(cache_salt: str | None) -> str | None:

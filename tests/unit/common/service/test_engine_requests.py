@@ -29,3 +29,13 @@ def test_what_an_instance_cannot_serve_is_invalid_argument(prompt, params, messa
 
 def test_what_it_can_serve_passes():
     validate_request([1, 99], SamplingParams(logit_bias={99: -100.0}, allowed_token_ids=[0, 99]), CORE)
+
+
+def test_an_admission_refusal_is_invalid_argument_unless_the_adapter_slots_are_busy():
+    import grpc
+
+    from common.engine.errors import LoRAAdaptersBusyError
+    from common.service.engine_requests import refused
+    assert refused(ValueError("bad prompt")).code == grpc.StatusCode.INVALID_ARGUMENT
+    busy = refused(LoRAAdaptersBusyError("all 2 LoRA adapters held are in use"))
+    assert busy.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "in use" in busy.message

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.engine.errors import LoRAAdaptersBusyError
 from common.engine.llm import LLM
 from common.engine.lora.request import LoRARequest
 from common.engine.request import Request
@@ -164,7 +165,7 @@ def test_at_most_max_loras_are_held_and_one_in_use_is_not_dropped(llm, adapters,
     assert llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, lora_request=third)
     blocked = Request("blocked", [5, 6], SamplingParams(max_tokens=2), lora_request=lora(adapters, "b", 2))
     llm.engine.add_request(Request("live-c", [5, 6], SamplingParams(max_tokens=400), lora_request=third))
-    with pytest.raises(ValueError, match="are in use by requests"):
+    with pytest.raises(LoRAAdaptersBusyError, match="are in use by requests"):
         llm.engine.add_request(blocked)  # a and c both in use
     llm.engine.abort_requests(["live", "live-c"])
     assert not llm.engine.has_unfinished_requests()
