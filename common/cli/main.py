@@ -56,6 +56,7 @@ DELEGATED_BENCH = {
     "scheduler-steps": ("bench.scheduler_steps", "greedy decode tokens/s at each --num-scheduler-steps, in turns"),
     "sampling": ("bench.sampling", "random sampling's cost: the sampler's native ops against their torch forms"),
     "embed": ("bench.embed", "embeddings offline: LLM.embed vs vLLM's pooling runner, prompts/s and agreement"),
+    "lora": ("bench.lora", "LoRA adapters offline: output tok/s with none, one and two adapters vs the base engine"),
     "quant": ("bench.quant", "quantized weights (gguf Q4_1, int8) vs dense fp32/bf16: decode speed, agreement, ppl"),
     "structured": ("bench.structured", "JSON-schema constrained generation: validity and throughput vs unconstrained"),
     "overhead": ("bench.overhead", "the gateway's own cost per token, against a fake decode instance"),
