@@ -92,10 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - started)
 
     def run_arm(name: str, llm, lora_request) -> None:
-        timed(llm, prompts[:4], params, lora_request)  # warm-up
+        warm_up = lora_request[:4] if isinstance(lora_request, list) else lora_request
+        timed(llm, prompts[:4], params, warm_up)
         passes = [timed(llm, prompts, params, lora_request) for _ in range(args.repeats)]
         one = lora_request[0] if isinstance(lora_request, list) else lora_request
-        stream = timed(llm, [{"prompt_token_ids": prompts[0][:16]}], single, one)
+        stream = timed(llm, [{"prompt_token_ids": prompts[0]["prompt_token_ids"][:16]}], single, one)
         results["arms"][name] = {"output_tok_s": statistics.median(passes), "passes": passes,
                                  "single_stream_tok_s": stream}
         print(f"{name}: {statistics.median(passes):.1f} output tok/s (batch of {len(prompts)}), "

@@ -26,13 +26,15 @@ _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(
 
 @dataclass
 class LoRAAdapter:
-    """An adapter's matrices by (layer index, PEFT module name): (A [r, in], B [out, r])."""
+    """An adapter's matrices by (layer index, PEFT module name): (A [r, in], B [out, r]); and
+    as the model's fused linears take them (layers.stack_adapter)."""
 
     name: str
     path: str
     rank: int
     scaling: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    stacked: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -1,8 +1,9 @@
 """The decoder's linears with their adapters' deltas: LoRALinear wraps one (qkv_proj,
 o_proj, gate_up_proj, down_proj) and, for each adapter the step's rows use, adds
-scaling * (x A^T) B^T to those rows' columns of each of its pieces (qkv_proj's q, k and v;
-gate_up_proj's gate and up). Which rows use which adapter is the step's (lora_step), set by
-the runner around the forward pass as the attention metadata is."""
+scaling * (x A^T) B^T to those rows, A and B stacked over the linear's pieces (qkv_proj's
+q, k and v; gate_up_proj's gate and up: stack_adapter) so that an adapter costs two
+matmuls a linear. Which rows use which adapter is the step's (lora_step), set by the
+runner around the forward pass as the attention metadata is."""
 from __future__ import annotations
 
 import contextlib
@@ -16,11 +17,15 @@ from common.engine.config import ModelConfig
 from common.engine.lora.adapter import LoRAAdapter
 
 _local = threading.local()
+# A decoder layer's wrapped linears: (its block, its name) -> the PEFT modules it fuses, each
+# (name, first output column, number of columns); linear_layouts fills in the sizes.
+Layouts = dict[tuple[str, str], list[tuple[str, int, int]]]
 
 
 @contextlib.contextmanager
-def lora_step(groups: list[tuple[LoRAAdapter, torch.Tensor]]) -> Iterator[None]:
-    """For one forward pass: each adapter in use with its rows, [num_rows] int64 each."""
+def lora_step(groups: list[tuple[LoRAAdapter, torch.Tensor | None]]) -> Iterator[None]:
+    """For one forward pass: each adapter in use with its rows ([num_rows] int64), or None
+    where it has every row of the step."""
     previous = getattr(_local, "groups", None)
     _local.groups = groups
     try:
@@ -29,53 +34,72 @@ def lora_step(groups: list[tuple[LoRAAdapter, torch.Tensor]]) -> Iterator[None]:
         _local.groups = previous
 
 
-def _current_groups() -> list[tuple[LoRAAdapter, torch.Tensor]]:
+def _current_groups() -> list[tuple[LoRAAdapter, torch.Tensor | None]]:
     return getattr(_local, "groups", None) or []
 
 
-class LoRALinear(nn.Module):
-    """base(x) plus each adapter's delta on its rows; pieces: (PEFT module name, first output
-    column, number of columns) of the base's output."""
-
-    def __init__(self, base: nn.Module, layer_idx: int, pieces: list[tuple[str, int, int]]):
-        super().__init__()
-        self.base = base
-        self.layer_idx = layer_idx
-        self.pieces = pieces
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [num_tokens, in_features]
-        y = self.base(x)  # [num_tokens, out_features]
-        for adapter, rows in _current_groups():
-            x_rows = None
-            for module, first, num_columns in self.pieces:
-                pair = adapter.weights.get((self.layer_idx, module))
-                if pair is None:  # not one of this adapter's targets
-                    continue
-                a, b = pair  # [r, in_features], [num_columns, r]
-                if x_rows is None:
-                    x_rows = x.index_select(0, rows)  # [num_rows, in_features]
-                delta = (x_rows @ a.t()) @ b.t()  # [num_rows, num_columns]
-                y[rows, first:first + num_columns] += adapter.scaling * delta
-        return y
-
-
-def wrap_linears(model: nn.Module, cfg: ModelConfig) -> int:
-    """Every decoder layer's linears wrapped in LoRALinear (one rank: no tensor parallelism);
-    the number wrapped."""
+def linear_layouts(cfg: ModelConfig) -> Layouts:
     q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     inter = cfg.intermediate_size
-    layouts = {
+    return {
         ("self_attn", "qkv_proj"): [("q_proj", 0, q_out), ("k_proj", q_out, kv_out),
                                     ("v_proj", q_out + kv_out, kv_out)],
         ("self_attn", "o_proj"): [("o_proj", 0, cfg.hidden_size)],
         ("mlp", "gate_up_proj"): [("gate_proj", 0, inter), ("up_proj", inter, inter)],
         ("mlp", "down_proj"): [("down_proj", 0, cfg.hidden_size)],
     }
+
+
+def stack_adapter(adapter: LoRAAdapter, layouts: Layouts, num_layers: int) -> None:
+    """adapter.stacked[(layer, linear name)] = (A [k * r, in_features], B [out_features, k * r])
+    over the k pieces of the linear the adapter targets, B block-diagonal, so that
+    (x A^T) B^T is every piece's delta in its own columns."""
+    for layer in range(num_layers):
+        for (_, linear_name), pieces in layouts.items():
+            targeted = [(first, size, adapter.weights[(layer, module)]) for module, first, size in pieces
+                        if (layer, module) in adapter.weights]
+            if not targeted:
+                continue
+            a_cat = torch.cat([a for _, _, (a, _) in targeted])  # [k * r, in_features]
+            out_features = pieces[-1][1] + pieces[-1][2]
+            b_stacked = a_cat.new_zeros(out_features, a_cat.shape[0])  # [out_features, k * r]
+            for i, (first, size, (_, b)) in enumerate(targeted):
+                b_stacked[first:first + size, i * adapter.rank:(i + 1) * adapter.rank] = b
+            adapter.stacked[(layer, linear_name)] = (a_cat, b_stacked)
+
+
+class LoRALinear(nn.Module):
+    """base(x) plus each adapter's delta on its rows."""
+
+    def __init__(self, base: nn.Module, layer_idx: int, linear_name: str):
+        super().__init__()
+        self.base = base
+        self.key = (layer_idx, linear_name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [num_tokens, in_features]
+        y = self.base(x)  # [num_tokens, out_features]
+        for adapter, rows in _current_groups():
+            pair = adapter.stacked.get(self.key)
+            if pair is None:  # not one of this adapter's targets
+                continue
+            a, b = pair  # [k * r, in_features], [out_features, k * r]
+            x_rows = x if rows is None else x.index_select(0, rows)  # [num_rows, in_features]
+            delta = (x_rows @ a.t()) @ b.t()  # [num_rows, out_features]
+            if rows is None:
+                y.add_(delta, alpha=adapter.scaling)
+            else:
+                y.index_add_(0, rows, delta, alpha=adapter.scaling)
+        return y
+
+
+def wrap_linears(model: nn.Module, layouts: Layouts) -> int:
+    """Every decoder layer's linears wrapped in LoRALinear (one rank: no tensor parallelism);
+    the number wrapped."""
     num_wrapped = 0
     for offset, layer in enumerate(model.layers):
-        for (block_name, linear_name), pieces in layouts.items():
+        for block_name, linear_name in layouts:
             block = getattr(layer, block_name)
-            base = getattr(block, linear_name)
-            setattr(block, linear_name, LoRALinear(base, model.start_layer + offset, pieces))
+            setattr(block, linear_name, LoRALinear(getattr(block, linear_name), model.start_layer + offset,
+                                                   linear_name))
             num_wrapped += 1
     return num_wrapped

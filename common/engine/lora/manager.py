@@ -12,7 +12,7 @@ from torch import nn
 
 from common.engine.config import ModelConfig
 from common.engine.lora.adapter import LoRAAdapter, load_adapter
-from common.engine.lora.layers import lora_step, wrap_linears
+from common.engine.lora.layers import linear_layouts, lora_step, stack_adapter, wrap_linears
 from common.engine.lora.request import LoRARequest
 from common.engine.outputs import ScheduledRequest
 
@@ -24,7 +24,8 @@ class LoRAManager:
         self.max_lora_rank = max_lora_rank
         self.dtype, self.device = dtype, device
         self.adapters: dict[str, LoRAAdapter] = {}
-        wrap_linears(model, cfg)
+        self.layouts = linear_layouts(cfg)
+        wrap_linears(model, self.layouts)
 
     def add(self, request: LoRARequest) -> None:
         """Load the adapter unless it is here; ValueError for one this model cannot serve, or a
@@ -35,8 +36,11 @@ class LoRAManager:
                 raise ValueError(f"LoRA adapter {request.lora_name!r} is loaded from {loaded.path}, not "
                                  f"{request.lora_path}: one name, one adapter")
             return
-        self.adapters[request.lora_name] = load_adapter(request.lora_name, request.lora_path, self.cfg,
-                                                        self.max_lora_rank, self.dtype, self.device)
+        adapter = load_adapter(request.lora_name, request.lora_path, self.cfg, self.max_lora_rank, self.dtype,
+                               self.device)
+        stack_adapter(adapter, self.layouts, self.cfg.num_hidden_layers)
+        adapter.weights.clear()  # what the linears read is the stacked form
+        self.adapters[request.lora_name] = adapter
 
     def remove(self, lora_name: str) -> None:
         self.adapters.pop(lora_name, None)
@@ -50,7 +54,8 @@ class LoRAManager:
             if req.lora_name is not None:
                 rows.setdefault(req.lora_name, []).extend(range(first, first + len(req.token_ids)))
             first += len(req.token_ids)
-        groups = [(self.adapters[name], torch.tensor(ids, dtype=torch.int64, device=self.device))
-                  for name, ids in rows.items()]
+        # An adapter with every row of the step needs no row index (the common case: one adapter).
+        groups = [(self.adapters[name], None if len(ids) == first else
+                   torch.tensor(ids, dtype=torch.int64, device=self.device)) for name, ids in rows.items()]
         with lora_step(groups):
             yield
