@@ -205,15 +205,15 @@ class ModelRunner:
             prefer_build(attention_head_dims(model_config, speculative_config),
                          [dtype_pair(self.dtype, self.kv_cache_dtype)])
         self.model = load_model(model_config, model_dir, self.device, self.dtype, quantization)
-        # LoRA adapters' deltas in every decoder linear (None: none served). Such a model runs
-        # eagerly: a compiled graph, the native decode loop and CUDA graphs would not see them.
+        # LoRA adapters' deltas in every decoder linear (None: none served): an op of the
+        # compiled graph (lora/layers.py); the native decode loop and CUDA graphs, which would
+        # not run it, stay off.
         self.lora_manager: LoRAManager | None = None
         if lora_config is not None and lora_config.enable_lora:
             self.lora_manager = LoRAManager(self.model, model_config, lora_config.max_lora_rank, self.dtype,
                                             self.device)
-            logger.info("LoRA adapters served (up to %d at once, rank <= %d): the model runs eagerly",
+            logger.info("LoRA adapters served (up to %d at once, rank <= %d): no native decode loop or CUDA graphs",
                         lora_config.max_loras, lora_config.max_lora_rank)
-            enforce_eager = True
         # The forward pass as run each step: compiled unless enforce_eager (the model
         # itself stays eager for a draft that runs part of it). Ranks of a parallel run
         # stay eager: their collectives and stage transfers are not compiler-safe ops.
@@ -285,12 +285,12 @@ class ModelRunner:
         background build has made them meanwhile."""
         if self.forward is not self.model and self.kv_caches:
             self._compile()
-            if self.device.type == "cpu" and self.parallel_config.world_size == 1:
+            if self.device.type == "cpu" and self.parallel_config.world_size == 1 and self.lora_manager is None:
                 self.native_decode = NativeDecodeLoop.build(self.model, self.kv_caches)
                 if self.native_decode is not None and self.proposer is not None:
                     self.proposer.build_native_loop()
             if (self.device.type == "cuda" and max_num_seqs and max_model_len and cuda_graphs_enabled()
-                    and self.parallel_config.world_size == 1):
+                    and self.parallel_config.world_size == 1 and self.lora_manager is None):
                 self.decode_graphs = DecodeGraphs(
                     self.forward, self.kv_caches, self.device, max_num_seqs, max_model_len, self.block_size,
                     compute_logits=self.compute_logits if self.is_output_rank else None)

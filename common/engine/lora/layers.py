@@ -68,28 +68,49 @@ def stack_adapter(adapter: LoRAAdapter, layouts: Layouts, num_layers: int) -> No
             adapter.stacked[(layer, linear_name)] = (a_cat, b_stacked)
 
 
+def lora_deltas(x: torch.Tensor, out_features: int, layer_idx: int, linear_name: str) -> torch.Tensor:
+    """[num_tokens, out_features]: each row's adapter's delta (zeros where none)."""
+    delta = x.new_zeros(x.shape[0], out_features)
+    for adapter, rows in _current_groups():
+        pair = adapter.stacked.get((layer_idx, linear_name))
+        if pair is None:  # not one of this adapter's targets
+            continue
+        a, b = pair  # [k * r, in_features], [out_features, k * r]
+        x_rows = x if rows is None else x.index_select(0, rows)  # [num_rows, in_features]
+        rows_delta = (x_rows @ a.t()) @ b.t()  # [num_rows, out_features]
+        if rows is None:
+            delta.add_(rows_delta, alpha=adapter.scaling)
+        else:
+            delta.index_add_(0, rows, rows_delta, alpha=adapter.scaling)
+    return delta
+
+
+# The deltas as one op a compiled graph calls without tracing into it (which adapters a
+# step's rows use is the step's, read at run time, as attention reads its metadata): so an
+# engine with adapters keeps its compiled forward. Low-level registration, as
+# pdserve::paged_attention's (models/attention.py).
+_LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
+_LIBRARY.define("lora_deltas(Tensor x, int out_features, Tensor layer_idx, str linear_name) -> Tensor")
+_LIBRARY.impl("lora_deltas", lambda x, out_features, layer_idx, linear_name: lora_deltas(
+    x, out_features, int(layer_idx), linear_name), "CompositeExplicitAutograd")
+torch.library.register_fake("pdserve::lora_deltas", lambda x, out_features, layer_idx, linear_name: x.new_empty(
+    x.shape[0], out_features), lib=_LIBRARY)
+
+
 class LoRALinear(nn.Module):
     """base(x) plus each adapter's delta on its rows."""
 
-    def __init__(self, base: nn.Module, layer_idx: int, linear_name: str):
+    def __init__(self, base: nn.Module, layer_idx: int, linear_name: str, out_features: int):
         super().__init__()
         self.base = base
-        self.key = (layer_idx, linear_name)
+        self.linear_name = linear_name
+        self.out_features = out_features
+        # A tensor, not an int: one compiled decoder layer serves every layer (no guard on it).
+        self.layer_idx = torch.tensor(layer_idx, device="cpu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [num_tokens, in_features]
-        y = self.base(x)  # [num_tokens, out_features]
-        for adapter, rows in _current_groups():
-            pair = adapter.stacked.get(self.key)
-            if pair is None:  # not one of this adapter's targets
-                continue
-            a, b = pair  # [k * r, in_features], [out_features, k * r]
-            x_rows = x if rows is None else x.index_select(0, rows)  # [num_rows, in_features]
-            delta = (x_rows @ a.t()) @ b.t()  # [num_rows, out_features]
-            if rows is None:
-                y.add_(delta, alpha=adapter.scaling)
-            else:
-                y.index_add_(0, rows, delta, alpha=adapter.scaling)
-        return y
+        # [num_tokens, out_features]
+        return self.base(x) + torch.ops.pdserve.lora_deltas(x, self.out_features, self.layer_idx, self.linear_name)
 
 
 def wrap_linears(model: nn.Module, layouts: Layouts) -> int:
@@ -97,9 +118,10 @@ def wrap_linears(model: nn.Module, layouts: Layouts) -> int:
     the number wrapped."""
     num_wrapped = 0
     for offset, layer in enumerate(model.layers):
-        for block_name, linear_name in layouts:
+        for (block_name, linear_name), pieces in layouts.items():
             block = getattr(layer, block_name)
+            out_features = pieces[-1][1] + pieces[-1][2]
             setattr(block, linear_name, LoRALinear(getattr(block, linear_name), model.start_layer + offset,
-                                                   linear_name))
+                                                   linear_name, out_features))
             num_wrapped += 1
     return num_wrapped

@@ -1,5 +1,6 @@
 """LoRA adapters in the engine, against PEFT itself: a PEFT adapter (random A and B, every
-decoder linear, rsLoRA too) served on the base model gives what PEFT's merged model gives;
+decoder linear, rsLoRA too) served on the base model, compiled, gives what PEFT's merged
+model gives, with no recompile for any mix of adapters;
 one batch mixes adapters and the base model, each row its own; cached blocks are the
 adapter's own; an adapter the model cannot serve is refused with nothing left behind; at
 most max_loras are held, one no live request uses dropped for a new one."""
@@ -100,6 +101,34 @@ def test_one_batch_mixes_adapters_and_the_base_model(llm, adapters):
     mixed = llm.generate(prompts, GREEDY, lora_request=per_prompt)
     alone = [llm.generate(prompt, GREEDY, lora_request=l)[0] for prompt, l in zip(prompts, per_prompt)]
     assert outputs(mixed) == outputs(alone)
+
+
+@pytest.fixture(scope="module")
+def compiled(base_dir):
+    """The fixture's engine, compiled (the suite runs engines eagerly unless a test asks)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("PDSERVE_ENFORCE_EAGER", raising=False)
+        engine = LLM(model=str(base_dir), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+                     num_kv_blocks=64, block_size=8, max_num_batched_tokens=32)
+    yield engine
+    engine.engine.shutdown()
+
+
+def test_compiled_the_deltas_run_inside_the_graph_as_eagerly_and_without_recompiles(compiled, llm, adapters):
+    from common.engine.compilation import num_compiled_graphs
+    runner = compiled.engine.executor.runner
+    assert runner.forward is not runner.model  # compiled, the deltas an op inside it
+    assert runner.native_decode is None  # the native loop would skip the deltas
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    per_prompt = [lora(adapters, "a", 1), None, lora(adapters, "b", 2)]
+    assert outputs(compiled.generate(prompts, GREEDY, lora_request=per_prompt)) == \
+        outputs(llm.generate(prompts, GREEDY, lora_request=per_prompt))
+    before = num_compiled_graphs()
+    for num_prompts, loras in ((1, lora(adapters, "a", 1)), (3, [None, lora(adapters, "b", 2), None]),
+                               (5, lora(adapters, "b", 2)), (2, None)):
+        compiled.generate([{"prompt_token_ids": list(range(7, 7 + 5 * (i + 1)))} for i in range(num_prompts)],
+                          GREEDY, lora_request=loras)
+    assert num_compiled_graphs() == before
 
 
 def test_cached_blocks_belong_to_their_adapter(llm, adapters):
