@@ -38,6 +38,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 import uvicorn
@@ -184,43 +185,38 @@ class OpenAIServer:
 
     async def embeddings(self, request: Request) -> Response:
         """OpenAI's embeddings: every input through Gateway.embed (embeddings.py)."""
-        parsed = None
-        try:
-            parsed = await _parsed(parse_embedding_request, await self._read_body(request))
-            model_name = self._served_model_name() if parsed.model is None else self._check_model(parsed.model)
+        async def respond(parsed: ParsedEmbeddingRequest, model_name: str) -> dict:
             response_id = f"embd-{uuid.uuid4().hex}"
-            results = await _until_disconnect(request, embed_all(self.gateway, parsed.embed_inputs(response_id)))
-            return Response(json_bytes(embedding_response(parsed, results, response_id, model_name)),
-                            media_type="application/json")
-        except ServiceError as e:  # Gateway.embed counted it
-            return _error(from_gateway_error(e, _embedding_param_of(e, parsed)))
-        except ApiError as e:  # refused here, before the gateway saw it
-            self._count_embedding_refusal(e.grpc_code.name)
-            return _error(e)
-        except ClientDisconnect:
-            self._count_embedding_refusal("CANCELLED")
-            return Response(status_code=499)
-        except ClientGone:  # Gateway.embed counted each input
-            return Response(status_code=499)
+            results = await embed_all(self.gateway, parsed.embed_inputs(response_id))
+            return embedding_response(parsed, results, response_id, model_name)
+        return await self._embedding_route(request, parse_embedding_request, respond, _embedding_param_of)
 
     async def score(self, request: Request) -> Response:
         """vLLM's /score for an embedding model: the cosine similarity of each pair (scores.py)."""
-        return await self._scores(request, parse_score_request)
+        return await self._embedding_route(request, parse_score_request, self._scores, _score_param_of)
 
     async def rerank(self, request: Request) -> Response:
         """vLLM's /rerank (Jina's and Cohere's shape): the documents by their score against the query."""
-        return await self._scores(request, parse_rerank_request)
+        return await self._embedding_route(request, parse_rerank_request, self._scores, _score_param_of)
 
-    async def _scores(self, request: Request, parse: Callable[[bytes], ParsedScoreRequest]) -> Response:
+    async def _scores(self, parsed: ParsedScoreRequest, model_name: str) -> dict:
+        response_id = f"{'rerank' if parsed.is_rerank else 'score'}-{uuid.uuid4().hex}"
+        return scores_response(parsed, await score_all(self.gateway, parsed, response_id), response_id, model_name)
+
+    async def _embedding_route(self, request: Request, parse: Callable[[bytes], Any],
+                               respond: Callable[[Any, str], Awaitable[dict]],
+                               param_of: Callable[[ServiceError, Any], str | None]) -> Response:
+        """A route whose work is embeddings (embeddings, score, rerank): the body parsed, the
+        model checked, respond(parsed, model name) until the client leaves; Gateway.embed counts
+        each text, and a request refused before it is counted here, once."""
+        parsed = None
         try:
             parsed = await _parsed(parse, await self._read_body(request))
             model_name = self._served_model_name() if parsed.model is None else self._check_model(parsed.model)
-            response_id = f"{'rerank' if parsed.is_rerank else 'score'}-{uuid.uuid4().hex}"
-            scores = await _until_disconnect(request, score_all(self.gateway, parsed, response_id))
-            return Response(json_bytes(scores_response(parsed, scores, response_id, model_name)),
-                            media_type="application/json")
+            body = await _until_disconnect(request, respond(parsed, model_name))
+            return Response(json_bytes(body), media_type="application/json")
         except ServiceError as e:  # Gateway.embed counted it
-            return _error(from_gateway_error(e, getattr(e, "param", None)))
+            return _error(from_gateway_error(e, param_of(e, parsed)))
         except ApiError as e:  # refused here, before the gateway saw it
             self._count_embedding_refusal(e.grpc_code.name)
             return _error(e)
@@ -576,6 +572,11 @@ def _embedding_param_of(error: ServiceError, parsed: ParsedEmbeddingRequest | No
         if message.startswith(prefix):
             return param
     return "messages" if parsed.messages is not None else "input"
+
+
+def _score_param_of(error: ServiceError, parsed: ParsedScoreRequest | None) -> str | None:
+    """The /score or /rerank field (and item) a refusal is about: what scores.score_all marked."""
+    return getattr(error, "param", None)
 
 
 def _json(payload: dict, status: int = 200) -> Response:
