@@ -16,10 +16,7 @@ from bench.fakes.fake_decode import Failure, fake_embedding
 from common.engine.pooling_params import PoolingParams
 from common.text.chat_template import ChatTemplateOptions
 from gateway.client import Client
-from gateway.core import GatewaySettings
 from gateway.openai_api.embeddings import MAX_EMBEDDING_INPUTS
-from gateway.openai_api.server import OpenAIServer
-from tests.support.background_gateway import BackgroundGateway
 from tests.unit.gateway.openai_api.test_server import MODEL, TOKENS, http_gateway, post
 
 openai = pytest.importorskip("openai")
@@ -165,17 +162,11 @@ def embeddings_by_status(gw) -> dict[str, float]:
 
 
 def test_embeddings_are_counted_by_status_refusals_too():
-    with BackgroundGateway(GatewaySettings(heartbeat_timeout_s=30.0), metrics_port=0) as gw:
-        gw.add_fake_decode("decode-0", token_ids=TOKENS)
-        server = gw.call(lambda: OpenAIServer(gw.gateway, port=0))
-        gw.http_address = gw.call(server.start())
-        try:
-            assert post(gw.http_address, "/v1/embeddings", {"input": ["a", "b", "c"]})[0] == 200
-            assert post(gw.http_address, "/v1/embeddings", {"input": "a", "dimensions": 0})[0] == 400
-            assert post(gw.http_address, "/v1/embeddings", {"input": [10**6]})[0] == 400
-            with Client(gw.address, timeout=30) as client:
-                client.embed("d")
-        finally:
-            gw.call(server.stop())
+    with http_gateway(token_ids=TOKENS, with_metrics=True) as gw:
+        assert post(gw.http_address, "/v1/embeddings", {"input": ["a", "b", "c"]})[0] == 200
+        assert post(gw.http_address, "/v1/embeddings", {"input": "a", "dimensions": 0})[0] == 400
+        assert post(gw.http_address, "/v1/embeddings", {"input": [10**6]})[0] == 400
+        with Client(gw.address, timeout=30) as client:
+            client.embed("d")
         counted = embeddings_by_status(gw)
     assert counted == {"OK": 4.0, "INVALID_ARGUMENT": 2.0}

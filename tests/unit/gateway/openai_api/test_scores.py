@@ -134,17 +134,8 @@ def test_no_instance_is_503():
 
 
 def test_each_text_is_counted_as_an_embedding_and_a_refused_request_once():
-    from gateway.core import GatewaySettings
-    from gateway.openai_api.server import OpenAIServer
-    from tests.support.background_gateway import BackgroundGateway
-    with BackgroundGateway(GatewaySettings(heartbeat_timeout_s=30.0), metrics_port=0) as gw:
-        gw.add_fake_decode("decode-0", token_ids=TOKENS)
-        server = gw.call(lambda: OpenAIServer(gw.gateway, port=0))
-        gw.http_address = gw.call(server.start())
-        try:
-            assert post(gw.http_address, "/score", {"queries": "a", "documents": ["b", "c"]})[0] == 200
-            assert post(gw.http_address, "/rerank", {"query": "a", "documents": ["b"]})[0] == 200
-            assert post(gw.http_address, "/rerank", {"query": "a", "documents": []})[0] == 400
-        finally:
-            gw.call(server.stop())
+    with http_gateway(token_ids=TOKENS, with_metrics=True) as gw:
+        assert post(gw.http_address, "/score", {"queries": "a", "documents": ["b", "c"]})[0] == 200
+        assert post(gw.http_address, "/rerank", {"query": "a", "documents": ["b"]})[0] == 200
+        assert post(gw.http_address, "/rerank", {"query": "a", "documents": []})[0] == 400
         assert embeddings_by_status(gw) == {"OK": 5.0, "INVALID_ARGUMENT": 1.0}

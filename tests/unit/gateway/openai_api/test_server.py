@@ -29,10 +29,13 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @contextmanager
 def http_gateway(max_body_bytes: int | None = None, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None, model=None, response_role: str = "assistant", **fake_kwargs):
+                 reasoning_parser: str | None = None, model=None, response_role: str = "assistant",
+                 with_metrics: bool = False, **fake_kwargs):
     """A BackgroundGateway with one fake decode instance (unless fake_kwargs is None-like)
-    and the OpenAI server on a free port; yields the BackgroundGateway."""
-    with BackgroundGateway(GatewaySettings(heartbeat_timeout_s=30.0), model=model) as gw:
+    and the OpenAI server on a free port (with_metrics: and its metrics endpoint); yields the
+    BackgroundGateway."""
+    server_kwargs = {"metrics_port": 0} if with_metrics else {}
+    with BackgroundGateway(GatewaySettings(heartbeat_timeout_s=30.0), model=model, **server_kwargs) as gw:
         gw.fake = gw.add_fake_decode("decode-0", **fake_kwargs) if fake_kwargs else None
         kwargs = {"max_body_bytes": max_body_bytes} if max_body_bytes else {}
         kwargs.update(tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
