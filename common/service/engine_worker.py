@@ -38,9 +38,9 @@ class EngineWorker:
             logger.info("--speculative-config is for decode instances; a prefill instance ignores it")
             config.speculative = None
         self.core = EngineCore(config)
-        # The adapters served, loaded now (as many as are held at once) so that one this model
-        # cannot serve fails the start, not a request.
-        for lora in self.lora_modules.requests[:config.lora.max_loras]:
+        # Every adapter served is loaded once now, so that one this model cannot serve fails the
+        # start, not a request; past max_loras each takes the place of the one loaded longest ago.
+        for lora in self.lora_modules.requests:
             self.core.hold_lora(lora)
         # Plain data about the engine's KV connector per rank (tensor parallel ranks each
         # have a pool shard and a receiving endpoint); rank 0's stands for the geometry.
