@@ -19,8 +19,10 @@ from safetensors import safe_open
 
 from common.engine.config import ModelConfig
 
-# PEFT's module names -> (the module of our decoder layer they live in, their piece of it).
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The PEFT modules an adapter may target: Llama's names, and the fused qkv_proj and
+# gate_up_proj of checkpoints that store them fused (Phi-3).
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                  "gate_up_proj")
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -43,7 +45,9 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return {"q_proj": (cfg.hidden_size, q_out), "k_proj": (cfg.hidden_size, kv_out),
             "v_proj": (cfg.hidden_size, kv_out), "o_proj": (q_out, cfg.hidden_size),
             "gate_proj": (cfg.hidden_size, cfg.intermediate_size), "up_proj": (cfg.hidden_size, cfg.intermediate_size),
-            "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
+            "down_proj": (cfg.intermediate_size, cfg.hidden_size),
+            "qkv_proj": (cfg.hidden_size, q_out + 2 * kv_out),
+            "gate_up_proj": (cfg.hidden_size, 2 * cfg.intermediate_size)}
 
 
 def load_adapter(name: str, path: str, cfg: ModelConfig, max_lora_rank: int, dtype: torch.dtype,

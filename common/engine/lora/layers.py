@@ -41,11 +41,13 @@ def _current_groups() -> list[tuple[LoRAAdapter, torch.Tensor | None]]:
 def linear_layouts(cfg: ModelConfig) -> Layouts:
     q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     inter = cfg.intermediate_size
+    # A fused checkpoint's adapter (Phi-3) targets qkv_proj / gate_up_proj whole: one piece
+    # over all the columns, the last of its linear's pieces.
     return {
         ("self_attn", "qkv_proj"): [("q_proj", 0, q_out), ("k_proj", q_out, kv_out),
-                                    ("v_proj", q_out + kv_out, kv_out)],
+                                    ("v_proj", q_out + kv_out, kv_out), ("qkv_proj", 0, q_out + 2 * kv_out)],
         ("self_attn", "o_proj"): [("o_proj", 0, cfg.hidden_size)],
-        ("mlp", "gate_up_proj"): [("gate_proj", 0, inter), ("up_proj", inter, inter)],
+        ("mlp", "gate_up_proj"): [("gate_proj", 0, inter), ("up_proj", inter, inter), ("gate_up_proj", 0, 2 * inter)],
         ("mlp", "down_proj"): [("down_proj", 0, cfg.hidden_size)],
     }
 

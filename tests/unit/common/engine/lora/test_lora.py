@@ -95,6 +95,24 @@ def test_an_adapter_gives_what_peft_s_merged_model_gives(llm, adapters):
         assert outputs(served) != outputs(base)  # the adapter changed something
 
 
+def test_an_adapter_of_a_fused_checkpoint_targets_its_fused_linears(tmp_path, bundled_model_dir):
+    """Phi-3 stores qkv_proj and gate_up_proj fused, and its adapters target them so."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from tests.unit.common.engine.models.family_parity import save_tiny_model
+    base = save_tiny_model(tmp_path / "phi3", Phi3Config, Phi3ForCausalLM, bundled_model_dir, pad_token_id=0)
+    adapter, merged = make_adapter(base, tmp_path / "fused", seed=4,
+                                   targets=("qkv_proj", "gate_up_proj", "o_proj", "down_proj"))
+    engine = LLM(model=str(base), dtype="float32", enable_lora=True, num_kv_blocks=64, block_size=8)
+    try:
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        served = engine.generate(prompts, GREEDY, lora_request=LoRARequest("fused", 1, adapter))
+        assert outputs(served) == outputs(merged_outputs(merged))
+        assert outputs(served) != outputs(engine.generate(prompts, GREEDY))
+    finally:
+        engine.engine.shutdown()
+
+
 def test_one_batch_mixes_adapters_and_the_base_model(llm, adapters):
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     per_prompt = [None, lora(adapters, "a", 1), lora(adapters, "b", 2)]
