@@ -40,8 +40,10 @@ def write_adapter(directory: Path, cfg, rank: int, seed: int) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
+    shapes = module_shapes(cfg)
     for layer in range(cfg.num_hidden_layers):
-        for module, (in_features, out_features) in module_shapes(cfg).items():
+        for module in TARGETS:
+            in_features, out_features = shapes[module]
             block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) / in_features**0.5
