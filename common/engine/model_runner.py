@@ -605,15 +605,12 @@ class ModelRunner:
         return sorted(stops)
 
     def add_lora(self, lora_request: LoRARequest) -> None:
-        """Hold the adapter for the requests that name it; ValueError where this model cannot."""
-        if self.lora_manager is None:
-            raise ValueError(f"request names LoRA adapter {lora_request.lora_name!r}, but this engine serves "
-                             f"none (start it with enable_lora / --enable-lora)")
+        """Load an adapter for the requests that name it (EngineCore.hold_lora decides which
+        adapters are held); ValueError where this model cannot serve it."""
         self.lora_manager.add(lora_request)
 
     def remove_lora(self, lora_name: str) -> None:
-        if self.lora_manager is not None:
-            self.lora_manager.remove(lora_name)
+        self.lora_manager.remove(lora_name)
 
     def _lora_step(self, scheduled: list[ScheduledRequest]):
         """The forward pass's LoRA rows (manager.step), or nothing where no adapter is served."""

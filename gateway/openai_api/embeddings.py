@@ -113,10 +113,7 @@ class ParsedEmbeddingRequest:
                                  model=self.model or "",
                                  add_special_tokens=self.add_special_tokens,
                                  truncate_prompt_tokens=self.truncate_prompt_tokens, cache_salt=self.cache_salt)
-            if self.messages is not None:
-                request.messages, request.chat_options = self.messages, self.chat_options
-            else:
-                set_prompt(request, prompt)
+            set_prompt(request, prompt, self.messages, self.chat_options)
             inputs.append(request)
         return inputs
 

@@ -134,17 +134,18 @@ class ParsedRequest:
                     priority=self.priority, return_logprobs=self.num_logprobs is not None, model=self.model,
                     add_special_tokens=self.add_special_tokens, return_token_ids=self.return_token_ids,
                     cache_salt=self.cache_salt)
-                if self.messages is not None:
-                    request.messages, request.chat_options = self.messages, self.chat_options
-                else:
-                    set_prompt(request, prompt)
+                set_prompt(request, prompt, self.messages, self.chat_options)
                 inputs.append(request)
         return inputs
 
 
-def set_prompt(request: GenerateInput | EmbedInput, prompt: str | list[int]) -> None:
-    """A completion-style prompt (checked_prompts') as the request's text or token ids."""
-    if isinstance(prompt, str):
+def set_prompt(request: GenerateInput | EmbedInput, prompt: str | list[int] | None, messages: list[dict] | None,
+               chat_options: ChatTemplateOptions) -> None:
+    """The request's prompt: the conversation where messages are given (rendered with
+    chat_options), else a completion-style prompt (checked_prompts') as its text or token ids."""
+    if messages is not None:
+        request.messages, request.chat_options = messages, chat_options
+    elif isinstance(prompt, str):
         request.text = prompt
     else:
         request.token_ids = prompt

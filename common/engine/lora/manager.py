@@ -28,14 +28,8 @@ class LoRAManager:
         wrap_linears(model, self.layouts)
 
     def add(self, request: LoRARequest) -> None:
-        """Load the adapter unless it is here; ValueError for one this model cannot serve, or a
-        name already loaded from another path."""
-        loaded = self.adapters.get(request.lora_name)
-        if loaded is not None:
-            if loaded.path != request.lora_path:
-                raise ValueError(f"LoRA adapter {request.lora_name!r} is loaded from {loaded.path}, not "
-                                 f"{request.lora_path}: one name, one adapter")
-            return
+        """Load the adapter (EngineCore asks only for one it does not hold); ValueError for one
+        this model cannot serve."""
         adapter = load_adapter(request.lora_name, request.lora_path, self.cfg, self.max_lora_rank, self.dtype,
                                self.device)
         stack_adapter(adapter, self.layouts, self.cfg.num_hidden_layers)
