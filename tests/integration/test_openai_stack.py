@@ -208,6 +208,8 @@ def test_a_client_gone_mid_beam_search_stops_the_search(stack, grpc_client, mode
     # nothing runs any more but what is sent now: a search still stepping would finish requests beside it
     finished = stats(decode, "decode").num_finished_requests
     grpc_client.generate(PROMPTS[0], max_tokens=8, temperature=0)
+    # The last token reaches the client before the instance counts its request finished.
+    wait_until_idle(stack, timeout_s=30)
     assert stats(decode, "decode").num_finished_requests == finished + 1
 
 
