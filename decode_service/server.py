@@ -29,8 +29,8 @@ from decode_service.api import DecodeJob, DecodeOutput
 from decode_service.decoder import DecodeChunk, Decoder
 from kv_transfer import PoolGeometry
 from prefill_service.client import PrefillClients
-from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, embedding_pb2_grpc
-from protos.serving import DECODE_SERVICE, EMBEDDING_SERVICE
+from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, embedding_pb2_grpc, lora_adapters_pb2_grpc
+from protos.serving import DECODE_SERVICE, EMBEDDING_SERVICE, LORA_ADAPTER_SERVICE
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,8 @@ class DecodeWorker(EngineWorker):
     def add_to_server(self, server: aio.Server, gate: RequestGate) -> list[str]:
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self, gate), server)
         embedding_pb2_grpc.add_EmbeddingServiceServicer_to_server(self.embedding_servicer(gate), server)
-        return [DECODE_SERVICE, EMBEDDING_SERVICE]
+        lora_adapters_pb2_grpc.add_LoRAAdapterServiceServicer_to_server(self.lora_adapter_servicer(), server)
+        return [DECODE_SERVICE, EMBEDDING_SERVICE, LORA_ADAPTER_SERVICE]
 
     def ready_fields(self) -> dict[str, str]:
         return {"kv": self.kv_endpoint}

@@ -17,6 +17,7 @@ from common.service.errors import ServiceError
 from common.service.logging_setup import log_event, request_context
 from common.service.metrics import GatewayMetrics
 from gateway.admission import PoolAdmission, Slot
+from gateway.lora_adapters import LoRAAdapters
 from gateway.readiness import Readiness
 from gateway.request_ids import RequestIdInFlight, RequestIds
 from gateway.routing.dispatcher import Dispatcher
@@ -123,6 +124,7 @@ class Gateway:
         self._expiry: asyncio.Task | None = None
         self.request_ids = RequestIds()  # in flight here; the rule for reusing one
         self.readiness = Readiness(self.registry)
+        self.lora_adapters = LoRAAdapters(self.registry, lambda: self.model.aliases | self._served_names())
 
     @property
     def draining(self) -> bool:
@@ -154,6 +156,7 @@ class Gateway:
             await self._kv_events.close()
         await self.dispatcher.close()
         await self.embeddings.close()
+        await self.lora_adapters.close()
 
     @property
     def max_model_len(self) -> int:

@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "`reasoning` and the rest as content, as do gRPC answers asking for "
                              "output.split_reasoning (deepseek_r1: the template opens <think>; "
                              "qwen3: only an answer that opens with <think> reasons)")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING): a client may then make the instances read "
+                             "adapter directories from their own file systems, so keep the API to trusted "
+                             "callers (--api-key)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="vLLM's flag, taken for its command lines: \"auto\" is on whenever "
                              "--tool-call-parser is set, and this flag needs it")
@@ -217,7 +222,11 @@ async def _start_http(server: GatewayServer, args: argparse.Namespace):
     http = OpenAIServer(server.gateway, host=args.http_host or args.host, port=port,
                         max_body_bytes=args.max_message_bytes, tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser, api_keys=server.api_keys,
-                        response_role=args.response_role)
+                        response_role=args.response_role,
+                        allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+    if args.allow_runtime_lora_updating:
+        logging.getLogger(__name__).warning("LoRA adapters may be loaded and unloaded through the HTTP API "
+                                            "(--allow-runtime-lora-updating): keep it to trusted callers")
     await http.start()
     return http
 

@@ -29,8 +29,8 @@ from prefill_service.api import PrefillJob
 from prefill_service.kv_events import KvEventPublisher, cached_blocks_snapshot
 from prefill_service.kv_export import export_target
 from prefill_service.prefiller import Prefiller
-from protos.pdserve.v1 import common_pb2, embedding_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from protos.serving import EMBEDDING_SERVICE, PREFILL_SERVICE
+from protos.pdserve.v1 import common_pb2, embedding_pb2_grpc, lora_adapters_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from protos.serving import EMBEDDING_SERVICE, LORA_ADAPTER_SERVICE, PREFILL_SERVICE
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,8 @@ class PrefillWorker(EngineWorker):
     def add_to_server(self, server: aio.Server, gate: RequestGate) -> list[str]:
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self, gate), server)
         embedding_pb2_grpc.add_EmbeddingServiceServicer_to_server(self.embedding_servicer(gate), server)
-        return [PREFILL_SERVICE, EMBEDDING_SERVICE]
+        lora_adapters_pb2_grpc.add_LoRAAdapterServiceServicer_to_server(self.lora_adapter_servicer(), server)
+        return [PREFILL_SERVICE, EMBEDDING_SERVICE, LORA_ADAPTER_SERVICE]
 
     def ready_fields(self) -> dict[str, str]:
         return {"kv_events": self.events_endpoint}

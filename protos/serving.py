@@ -8,12 +8,13 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos.pdserve.v1 import decode_pb2, embedding_pb2, generate_pb2, prefill_pb2, registry_pb2
+from protos.pdserve.v1 import decode_pb2, embedding_pb2, generate_pb2, lora_adapters_pb2, prefill_pb2, registry_pb2
 
 GENERATE_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 PREFILL_SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 DECODE_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 EMBEDDING_SERVICE = embedding_pb2.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
+LORA_ADAPTER_SERVICE = lora_adapters_pb2.DESCRIPTOR.services_by_name["LoRAAdapterService"].full_name
 REGISTRY_SERVICE = registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name
 
 

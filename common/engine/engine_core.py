@@ -86,6 +86,9 @@ class EngineCore:
         self.pooling_config = PoolingConfig.from_model_dir(self.model_dir)  # how embeddings are made
         # The LoRA adapters the runner holds, least recently used first.
         self._held_loras: collections.OrderedDict[str, LoRARequest] = collections.OrderedDict()
+        # Each name's adapter held last: a name seeds its cached blocks' hashes, so blocks
+        # computed with one adapter's weights must not serve another's of that name.
+        self._lora_paths_held: dict[str, str] = {}
         set_num_threads(config.num_threads)
         keep_freed_arenas()
         keep_freed_heap()
@@ -163,9 +166,7 @@ class EngineCore:
         ValueError where it cannot be: LoRA off, an adapter the runner refuses, all in use."""
         if lora is None:
             return
-        if not self.config.lora.enable_lora:
-            raise ValueError(f"request names LoRA adapter {lora.lora_name!r}, but this engine serves none "
-                             f"(start it with enable_lora / --enable-lora)")
+        self._check_lora_enabled(lora.lora_name)
         held = self._held_loras
         if lora.lora_name in held:
             if held[lora.lora_name].lora_path != lora.lora_path:
@@ -174,7 +175,7 @@ class EngineCore:
             held.move_to_end(lora.lora_name)
             return
         if len(held) >= self.config.lora.max_loras:
-            in_use = {r.lora_name for r in self.scheduler.requests.values()}
+            in_use = self._lora_names_in_use()
             unused = next((name for name in held if name not in in_use), None)
             if unused is None:
                 raise LoRAAdaptersBusyError(f"all {len(held)} LoRA adapters held (max_loras) are in use by "
@@ -183,6 +184,45 @@ class EngineCore:
             del held[unused]
         self.executor.collective_rpc("add_lora", (lora,))
         held[lora.lora_name] = lora
+        if self._lora_paths_held.setdefault(lora.lora_name, lora.lora_path) != lora.lora_path:
+            self.reset_prefix_cache()  # the name's cached blocks are another adapter's
+            self._lora_paths_held[lora.lora_name] = lora.lora_path
+
+    def load_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter at run time in place of any adapter held under its name, its weights
+        read anew (a path may hold new weights). Blocks cached under a name served before were
+        computed with other weights, and the name seeds their hashes: the prefix cache is
+        emptied. Where every slot is in use the adapter is only checked (held on first use).
+        LoRAAdaptersBusyError while a live request names it; ValueError for an adapter the
+        runner refuses, with nothing changed."""
+        self._check_lora_enabled(lora.lora_name)
+        num_using = sum(1 for r in self.scheduler.requests.values() if r.lora_name == lora.lora_name)
+        if num_using:
+            raise LoRAAdaptersBusyError(f"LoRA adapter {lora.lora_name!r} is in use by {num_using} requests; "
+                                        f"load it again once they finish")
+        served_before = self._lora_paths_held.get(lora.lora_name) == lora.lora_path  # else hold_lora resets
+        self.unload_lora(lora.lora_name)
+        try:
+            self.hold_lora(lora)
+        except LoRAAdaptersBusyError:  # every slot holds another adapter in use: check it only
+            self.executor.collective_rpc("check_lora", (lora,))
+        if served_before:
+            self.reset_prefix_cache()
+
+    def unload_lora(self, lora_name: str) -> None:
+        """Drop the adapter held under lora_name unless a live request uses it (that one is
+        then dropped when its slot is next needed)."""
+        if lora_name in self._held_loras and lora_name not in self._lora_names_in_use():
+            self.executor.collective_rpc("remove_lora", (lora_name,))
+            del self._held_loras[lora_name]
+
+    def _check_lora_enabled(self, lora_name: str) -> None:
+        if not self.config.lora.enable_lora:
+            raise ValueError(f"request names LoRA adapter {lora_name!r}, but this engine serves none "
+                             f"(start it with enable_lora / --enable-lora)")
+
+    def _lora_names_in_use(self) -> set[str | None]:
+        return {r.lora_name for r in self.scheduler.requests.values()}
 
     def reserve_remote_kv(self, request: Request) -> RemoteKVReservation | None:
         """Take a seat and blocks for a request whose prompt KV comes from outside (its

@@ -612,6 +612,10 @@ class ModelRunner:
     def remove_lora(self, lora_name: str) -> None:
         self.lora_manager.remove(lora_name)
 
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """ValueError where this model cannot serve the adapter; nothing is held."""
+        self.lora_manager.check(lora_request)
+
     def _lora_step(self, scheduled: list[ScheduledRequest]):
         """The forward pass's LoRA rows (manager.step), or nothing where no adapter is served."""
         if self.lora_manager is None:

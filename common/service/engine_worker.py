@@ -16,9 +16,10 @@ from common.service.embedder import Embedder
 from common.service.embedding_servicer import EmbeddingServicer
 from common.service.engine_requests import eos_token_ids
 from common.service.flags import served_model_name
+from common.service.lora_adapter_servicer import LoRAAdapterServicer
 from common.service.lora_modules import LoRAModules
 from common.service.metrics import WorkerMetrics
-from common.service.registration import InstanceLoad, InstanceSpec, Role
+from common.service.registration import InstanceLoad, InstanceSpec, Role, ServedLoRAs
 from protos.pdserve.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,10 @@ class EngineWorker:
         """The EmbeddingService each role's server adds beside its own service."""
         return EmbeddingServicer(self.embedder, gate, self.instance_id)
 
+    def lora_adapter_servicer(self) -> LoRAAdapterServicer:
+        """The LoRAAdapterService each role's server adds beside its own service."""
+        return LoRAAdapterServicer(self.engine, self.lora_modules, self.core.config.lora.enable_lora)
+
     def attach_to_engine(self, core: EngineCore) -> None:
         """Hang this role's callbacks on the engine before its thread starts."""
 
@@ -72,7 +77,11 @@ class EngineWorker:
                             block_size=self.core.config.cache.block_size,
                             num_total_blocks=self.core.kv_cache_manager.num_blocks,
                             model_name=served_model_name(self.args), max_model_len=self.core.max_model_len,
-                            lora_names=tuple(self.lora_modules.names), **self.endpoints())
+                            lora_enabled=self.core.config.lora.enable_lora, **self.endpoints()
+                            ).with_loras(self.served_loras())
+
+    def served_loras(self) -> ServedLoRAs:
+        return ServedLoRAs(tuple(self.lora_modules.names), self.lora_modules.version)
 
     def load(self) -> InstanceLoad:
         stats = self.engine.stats

@@ -56,6 +56,9 @@ class Worker(Protocol):
     def load(self):
         """common.service.registration.InstanceLoad for heartbeats."""
 
+    def served_loras(self):
+        """common.service.registration.ServedLoRAs for registrations and heartbeats."""
+
     def ready_fields(self) -> dict[str, str]:
         """Extra key=value pairs for the READY line (endpoints)."""
 
@@ -187,7 +190,8 @@ def _start_registration(gateways: list[str], token: str | None, spec, worker: Wo
                         stop: asyncio.Event) -> asyncio.Task:
     """Register with every gateway (each on its own, see GatewayRegistrations); a gateway
     that rejects this instance stops it."""
-    registrations = GatewayRegistrations(gateways, spec, worker.load, token=token or None)
+    registrations = GatewayRegistrations(gateways, spec, worker.load, token=token or None,
+                                         get_loras=worker.served_loras)
     task = asyncio.get_running_loop().create_task(registrations.run())
 
     def on_done(t: asyncio.Task) -> None:

@@ -1,7 +1,10 @@
-"""The LoRA adapters an instance serves (vLLM's --lora-modules NAME=PATH ...): the names it
-registers, which the gateway routes requests by, and the LoRARequest a request naming one
-runs with. Plain Python."""
+"""The LoRA adapters an instance serves (vLLM's --lora-modules NAME=PATH ..., then those
+loaded and unloaded at run time through LoRAAdapterService): the names it registers, which
+the gateway routes requests by, and the LoRARequest a request naming one runs with. Plain
+Python; used from the event loop only."""
 from __future__ import annotations
+
+import itertools
 
 import grpc
 
@@ -11,8 +14,11 @@ from common.service.errors import ServiceError
 
 class LoRAModules:
     def __init__(self, paths: dict[str, str] | None = None):
-        # Ids in the order given, from 1 (vLLM's lora_int_id: 0 is the base model).
-        self._requests = {name: LoRARequest(name, i, path) for i, (name, path) in enumerate((paths or {}).items(), 1)}
+        # Ids from 1 in the order loaded, never reused (vLLM's lora_int_id: 0 is the base model).
+        self._ids = itertools.count(1)
+        self._requests = {name: LoRARequest(name, next(self._ids), path) for name, path in (paths or {}).items()}
+        # Bumped by each change, so that a gateway can tell a newer report of the names from an older one.
+        self.version = 0
 
     @classmethod
     def parse(cls, specs: list[str] | None) -> LoRAModules:
@@ -34,6 +40,22 @@ class LoRAModules:
     @property
     def requests(self) -> list[LoRARequest]:
         return list(self._requests.values())
+
+    def __contains__(self, lora_name: str) -> bool:
+        return lora_name in self._requests
+
+    def new_request(self, lora_name: str, lora_path: str) -> LoRARequest:
+        """A request for an adapter to load under a fresh id (served once `add`ed)."""
+        return LoRARequest(lora_name, next(self._ids), lora_path)
+
+    def add(self, lora: LoRARequest) -> None:
+        """Serve `lora` under its name, in place of any adapter of that name."""
+        self._requests[lora.lora_name] = lora
+        self.version += 1
+
+    def remove(self, lora_name: str) -> None:
+        del self._requests[lora_name]
+        self.version += 1
 
     def resolve(self, lora_name: str | None) -> LoRARequest | None:
         """The adapter a request names (None: the base model); INVALID_ARGUMENT for one this

@@ -22,7 +22,7 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 import grpc
@@ -61,6 +61,15 @@ class InstanceLoad:
 
 
 @dataclass(frozen=True)
+class ServedLoRAs:
+    """The LoRA adapters an instance serves now, and the version of that list (bumped by each
+    load or unload): a gateway keeps the report of the highest version it has seen."""
+
+    names: tuple[str, ...] = ()
+    version: int = 0
+
+
+@dataclass(frozen=True)
 class InstanceSpec:
     """What an instance registers (mirrors pdserve.v1.RegisterRequest)."""
 
@@ -74,6 +83,11 @@ class InstanceSpec:
     model_name: str = ""
     max_model_len: int = 0
     lora_names: tuple[str, ...] = ()  # the LoRA adapters it serves
+    lora_enabled: bool = False  # it loads adapters at run time (LoRAAdapterService)
+    lora_names_version: int = 0  # bumped by each load or unload
+
+    def with_loras(self, loras: ServedLoRAs) -> InstanceSpec:
+        return replace(self, lora_names=loras.names, lora_names_version=loras.version)
 
     @classmethod
     def from_pb(cls, msg: registry_pb2.RegisterRequest) -> InstanceSpec:
@@ -91,11 +105,14 @@ class RegistryClient:
     """Keep one instance registered with the gateway: `await client.run()` as a task."""
 
     def __init__(self, gateway_address: str, spec: InstanceSpec, get_load: Callable[[], InstanceLoad],
-                 retry_s: float = 1.0, rpc_timeout_s: float = 5.0, token: str | None = None):
+                 retry_s: float = 1.0, rpc_timeout_s: float = 5.0, token: str | None = None,
+                 get_loras: Callable[[], ServedLoRAs] | None = None):
         """gateway_address: the gateway's registry endpoint (its --registry-port, not the
-        public one); token: the deployment's registry token, if it has one."""
+        public one); token: the deployment's registry token, if it has one; get_loras: the
+        adapters served now, where they change at run time (else spec.lora_names)."""
         self.spec = spec
         self._get_load = get_load
+        self._get_loras = get_loras or (lambda: ServedLoRAs(spec.lora_names, spec.lora_names_version))
         self._retry_s = retry_s
         self._timeout_s = rpc_timeout_s
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
@@ -115,10 +132,12 @@ class RegistryClient:
             interval_s = await self._register()
             while True:
                 await asyncio.sleep(interval_s)
+                loras = self._get_loras()
                 try:
                     response = await self._stub.Heartbeat(registry_pb2.HeartbeatRequest(
                         instance_id=self.spec.instance_id, load=self._get_load().to_pb(),
-                        instance_secret=self._secret), timeout=self._timeout_s, metadata=self._metadata)
+                        instance_secret=self._secret, lora_names=loras.names,
+                        lora_names_version=loras.version), timeout=self._timeout_s, metadata=self._metadata)
                 except grpc.aio.AioRpcError as e:  # gateway down: it forgets us; keep trying
                     logger.warning("heartbeat to gateway failed: %s", e.code().name)
                     if e.code() == grpc.StatusCode.UNAUTHENTICATED:
@@ -150,6 +169,7 @@ class RegistryClient:
         """One Register call that outlives a cancel: once sent, the gateway may hold this
         instance under a secret that only the reply names, and without it the instance
         could not deregister on the way out and would linger until its heartbeats expire."""
+        self.spec = self.spec.with_loras(self._get_loras())
         call = asyncio.ensure_future(self._stub.Register(
             self.spec.to_pb(), timeout=self._timeout_s, metadata=self._metadata))
         try:
@@ -223,12 +243,13 @@ class GatewayRegistrations:
 
     def __init__(self, gateway_addresses: Sequence[str], spec: InstanceSpec, get_load: Callable[[], InstanceLoad],
                  token: str | None = None, resolve_interval_s: float = 10.0, resolve: Resolver = resolve_host,
-                 retry_s: float = 1.0, rpc_timeout_s: float = 5.0):
+                 retry_s: float = 1.0, rpc_timeout_s: float = 5.0, get_loras: Callable[[], ServedLoRAs] | None = None):
         if not gateway_addresses:
             raise ValueError("GatewayRegistrations needs at least one gateway address")
         self.spec = spec
         self._names = [_split_host_port(a) for a in gateway_addresses]
         self._get_load = get_load
+        self._get_loras = get_loras
         self._token = token
         self._resolve_interval_s = resolve_interval_s
         self._resolve = resolve
@@ -277,7 +298,8 @@ class GatewayRegistrations:
             if address not in self._tasks:
                 logger.info("registering with gateway %s", address)
                 client = RegistryClient(address, self.spec, self._get_load, retry_s=self._retry_s,
-                                        rpc_timeout_s=self._rpc_timeout_s, token=self._token)
+                                        rpc_timeout_s=self._rpc_timeout_s, token=self._token,
+                                        get_loras=self._get_loras)
                 self.clients[address] = client
                 self._tasks[address] = asyncio.get_running_loop().create_task(client.run())
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gateway.openai_api.embeddings import EMBEDDING_FIELDS, MAX_EMBEDDING_INPUTS
+from gateway.openai_api.lora_adapters import LOAD_FIELDS, LOAD_PATH, UNLOAD_FIELDS, UNLOAD_PATH
+from gateway.openai_api.lora_adapters import REQUIRED_FIELDS as LORA_REQUIRED_FIELDS
 from gateway.openai_api.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -149,11 +151,42 @@ def _status_operation(summary: str, not_ok: str) -> dict:
                                               "503": {"description": not_ok, **body}}}
 
 
+def _lora_operation(summary: str, schema_name: str, statuses: tuple[str, ...]) -> dict:
+    return {"summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{schema_name}"}}}},
+            "responses": {"200": {"description": "Success: vLLM's line", "content": {"text/plain": {
+                "schema": {"type": "string"}}}},
+                **{status: {"description": description, "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/Error"}}}} for status, description in statuses}}}
+
+
+LORA_LOAD_STATUSES = (("400", "A bad body; a name already loaded (without load_inplace) or the base model's; an "
+                              "adapter an instance cannot serve; no instance runs with --enable-lora"),
+                      ("429", "Requests in flight still use the adapter being replaced; retry when they finish"),
+                      ("503", "An instance did not answer"))
+LORA_UNLOAD_STATUSES = (("400", "A bad body"), ("404", "No instance serves the adapter"),
+                        ("503", "An instance did not answer"))
+
+
+def _lora_paths(served_model_names: list[str]) -> tuple[dict, dict]:
+    """(paths, schemas) of the run-time LoRA routes."""
+    return ({LOAD_PATH: {"post": _lora_operation("Load a LoRA adapter on every instance that runs with LoRA",
+                                                 "LoadLoRAAdapterRequest", LORA_LOAD_STATUSES)},
+             UNLOAD_PATH: {"post": _lora_operation("Unload a LoRA adapter from every instance that serves it",
+                                                   "UnloadLoRAAdapterRequest", LORA_UNLOAD_STATUSES)}},
+            {"LoadLoRAAdapterRequest": fields_schema(LOAD_FIELDS, LORA_REQUIRED_FIELDS["load"], served_model_names),
+             "UnloadLoRAAdapterRequest": fields_schema(UNLOAD_FIELDS, LORA_REQUIRED_FIELDS["unload"],
+                                                       served_model_names)})
+
+
 def openapi_document(served_model_names: list[str], version: str = "0.1.0",
-                     request_chat_templates: bool = False) -> dict:
+                     request_chat_templates: bool = False, runtime_lora_updating: bool = False) -> dict:
     """The document for a gateway serving the model under `served_model_names`; a request's
     own `chat_template` is described only where the gateway runs them
-    (--trust-request-chat-template): elsewhere it is a 400."""
+    (--trust-request-chat-template): elsewhere it is a 400; the LoRA load and unload routes
+    only where they are served (--allow-runtime-lora-updating)."""
+    lora_paths, lora_schemas = _lora_paths(served_model_names) if runtime_lora_updating else ({}, {})
     chat_fields, tokenize_fields, embedding_fields = CHAT_FIELDS, TOKENIZE_FIELDS, EMBEDDING_FIELDS
     if not request_chat_templates:
         chat_fields, tokenize_fields, embedding_fields = (
@@ -199,6 +232,7 @@ def openapi_document(served_model_names: list[str], version: str = "0.1.0",
             "/ready": {"get": _status_operation("Readiness", "No decode instance is alive, or draining")},
             "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {
                 "description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+            **lora_paths,
         },
         "components": {"schemas": {
             "CompletionRequest": fields_schema(COMPLETION_FIELDS, REQUIRED_FIELDS["completion"], served_model_names),
@@ -212,6 +246,7 @@ def openapi_document(served_model_names: list[str], version: str = "0.1.0",
                                  f"{first} and {second}" for first, second in SCORE_SIDES)},
             "RerankRequest": fields_schema(RERANK_FIELDS, REQUIRED_FIELDS["rerank"], served_model_names),
             "DetokenizeRequest": fields_schema(DETOKENIZE_FIELDS, REQUIRED_FIELDS["detokenize"], served_model_names),
+            **lora_schemas,
             "Error": ERROR_BODY,
         }},
     }

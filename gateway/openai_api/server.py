@@ -8,6 +8,8 @@ gateway's own event loop, next to the gRPC server, on the same Gateway object.
     GET  /health (liveness)     GET  /ready (readiness)
     POST /tokenize              POST /detokenize            (vLLM's: prompt <-> token ids)
     GET  /openapi.json          (this API's OpenAPI 3.1 document: openapi.py)
+    POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter (vLLM's; only with
+                                --allow-runtime-lora-updating: lora_adapters.py)
 
 A request is parsed and checked at the edge (protocol.py), turned into one
 GenerateInput per choice and run through Gateway.stream / Gateway.generate, the very
@@ -45,7 +47,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from common.engine.sampling_params import truncate_prompt
@@ -61,6 +63,8 @@ from gateway.openai_api.embeddings import (
     parse_embedding_request,
 )
 from gateway.openai_api.errors import ApiError, from_gateway_error, invalid_field
+from gateway.openai_api.lora_adapters import (LOAD_PATH, UNLOAD_PATH, loaded_message, parse_load_request,
+                                              parse_unload_request, unloaded_message)
 from gateway.openai_api.openapi import openapi_document
 from gateway.openai_api.protocol import (
     ParsedRequest,
@@ -102,8 +106,10 @@ class OpenAIServer:
     def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 8000,
                  max_body_bytes: int = MAX_BODY_BYTES, access_log: bool = False,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 api_keys: ApiKeys | None = None, response_role: str = "assistant"):
+                 api_keys: ApiKeys | None = None, response_role: str = "assistant",
+                 allow_runtime_lora_updating: bool = False):
         self.gateway = gateway
+        self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.tool_parser = make_tool_parser(tool_call_parser) if tool_call_parser else None
         self.reasoning_parser = make_reasoning_parser(reasoning_parser) if reasoning_parser else None
         self.response_role = response_role
@@ -129,6 +135,8 @@ class OpenAIServer:
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
+            *([Route(LOAD_PATH, self.load_lora_adapter, methods=["POST"]),
+               Route(UNLOAD_PATH, self.unload_lora_adapter, methods=["POST"])] if allow_runtime_lora_updating else []),
         ], exception_handlers={HTTPException: _http_exception, Exception: _internal_error})
         if api_keys is not None:
             self.app = _RequireApiKey(self.app, api_keys, self._count_refusal, self._count_embedding_refusal)
@@ -286,11 +294,38 @@ class OpenAIServer:
             return Response(status_code=499)
         return _json({"prompt": text})
 
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """Load a LoRA adapter on every instance that runs with LoRA (gateway.lora_adapters)."""
+        try:
+            parsed = await _parsed(parse_load_request, await self._read_body(request))
+            await self.gateway.lora_adapters.load(parsed.lora_name, parsed.lora_path, parsed.load_inplace)
+        except ApiError as e:
+            return _error(e)
+        except ServiceError as e:
+            return _error(from_gateway_error(e))
+        except ClientDisconnect:
+            return Response(status_code=499)
+        return PlainTextResponse(loaded_message(parsed.lora_name))
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """Unload a LoRA adapter from every instance that serves it."""
+        try:
+            lora_name = await _parsed(parse_unload_request, await self._read_body(request))
+            await self.gateway.lora_adapters.unload(lora_name)
+        except ApiError as e:
+            return _error(e)
+        except ServiceError as e:
+            return _error(from_gateway_error(e))
+        except ClientDisconnect:
+            return Response(status_code=499)
+        return PlainTextResponse(unloaded_message(lora_name))
+
     async def openapi(self, request: Request) -> Response:
         """This API's OpenAPI document (openapi.py), made once: it depends only on the model."""
         if self._openapi_json is None:
             self._openapi_json = json_bytes(openapi_document(
-                [self._served_model_name()], PDSERVE_VERSION, self.gateway.model.trust_request_chat_template))
+                [self._served_model_name()], PDSERVE_VERSION, self.gateway.model.trust_request_chat_template,
+                self.allow_runtime_lora_updating))
         return Response(self._openapi_json, media_type="application/json")
 
     async def health(self, request: Request) -> Response:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from common.service.errors import ServiceError
-from common.service.registration import ROLES, InstanceLoad, InstanceSpec, Role
+from common.service.registration import ROLES, InstanceLoad, InstanceSpec, Role, ServedLoRAs
 from gateway.routing.load_estimate import LoadEstimate
 from protos.pdserve.v1 import registry_pb2, registry_pb2_grpc
 
@@ -151,11 +151,14 @@ class InstanceRegistry:
         self._notify(self._on_added, instance, "registered")
         return instance
 
-    def heartbeat(self, instance_id: str, load: InstanceLoad) -> bool:
-        """Record liveness and load; False when the id is unknown (must re-register)."""
+    def heartbeat(self, instance_id: str, load: InstanceLoad, loras: ServedLoRAs | None = None) -> bool:
+        """Record liveness, load and the LoRA adapters served (`update_loras`); False when the
+        id is unknown (must re-register)."""
         instance = self._instances.get(instance_id)
         if instance is None:
             return False
+        if loras is not None:
+            self.update_loras(instance_id, loras)
         now = self.clock()
         instance.last_heartbeat_gap_s = now - instance.last_heartbeat
         instance.last_heartbeat = now
@@ -166,6 +169,14 @@ class InstanceRegistry:
         instance.estimate.replace_report(load)
         self._notify(self._on_heartbeat, instance, "heartbeat")
         return True
+
+    def update_loras(self, instance_id: str, loras: ServedLoRAs) -> None:
+        """The LoRA adapters an instance serves, from a heartbeat or a load's answer: kept
+        only when newer than what the registry holds (a heartbeat sent before a load may
+        arrive after the load's answer)."""
+        instance = self._instances.get(instance_id)
+        if instance is not None and loras.version > instance.spec.lora_names_version:
+            instance.spec = instance.spec.with_loras(loras)
 
     def deregister(self, instance_id: str) -> bool:
         return self._remove(instance_id, "deregistered") is not None
@@ -259,7 +270,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def Heartbeat(self, request, context):
         self._authenticate(context)
         self.registry.check_secret(request.instance_id, request.instance_secret)
-        known = self.registry.heartbeat(request.instance_id, InstanceLoad.from_pb(request.load))
+        known = self.registry.heartbeat(request.instance_id, InstanceLoad.from_pb(request.load),
+                                        ServedLoRAs(tuple(request.lora_names), request.lora_names_version))
         return registry_pb2.HeartbeatResponse(reregister=not known)
 
     async def Deregister(self, request, context):

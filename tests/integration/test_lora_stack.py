@@ -2,8 +2,14 @@
 instances started with --lora-modules): a request naming the adapter gives the offline
 engine's tokens with it (prefilled remotely, its KV shipped), the base model's requests are
 unchanged beside it, their cached blocks stay apart, /v1/models lists the adapter, and an
-adapter nobody serves is refused."""
+adapter nobody serves is refused. With --allow-runtime-lora-updating, adapters are loaded,
+replaced and unloaded through the HTTP API on every instance, and one joining later gets them."""
 from __future__ import annotations
+
+import http.client
+import json
+import signal
+import time
 
 import grpc
 import pytest
@@ -24,14 +30,12 @@ LONG_PROMPT = unique_long_prompts("lora-remote", 1)[0]  # long enough to be pref
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def adapter_dir(tmp_path_factory) -> str:
-    """A PEFT adapter of the bundled model: random A and B over q, v and down (a real change)."""
+def make_adapter(out, seed: int, targets: list[str]) -> str:
+    """A PEFT adapter of the bundled model: random A and B over `targets` (a real change)."""
     import transformers
-    out = tmp_path_factory.mktemp("lora") / "sea"
-    torch.manual_seed(7)
+    torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_pretrained(resolve_model(), dtype=torch.float32)
-    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets,
                              lora_dropout=0.0, init_lora_weights="gaussian")
     tuned = peft.get_peft_model(model, config)
     with torch.no_grad():  # PEFT leaves B at zero (no change); a trained adapter's B is not
@@ -43,15 +47,28 @@ def adapter_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def offline(adapter_dir):
+def adapter_dir(tmp_path_factory) -> str:
+    return make_adapter(tmp_path_factory.mktemp("lora") / "sea", 7, ["q_proj", "v_proj", "down_proj"])
+
+
+@pytest.fixture(scope="module")
+def lake_dir(tmp_path_factory) -> str:
+    """Another adapter, loaded at run time."""
+    return make_adapter(tmp_path_factory.mktemp("lora") / "lake", 11, ["k_proj", "o_proj", "up_proj"])
+
+
+@pytest.fixture(scope="module")
+def offline(adapter_dir, lake_dir):
     from common.engine.llm import LLM
     llm = LLM(enable_lora=True, kv_cache_memory="128MiB")
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     try:
         sea = LoRARequest("sea", 1, adapter_dir)
         prompts = [PROMPT, LONG_PROMPT]
+        lake = LoRARequest("lake", 2, lake_dir)
         return {"adapter": [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=sea)],
-                "base": [o.outputs[0].token_ids for o in llm.generate(prompts, params)]}
+                "base": [o.outputs[0].token_ids for o in llm.generate(prompts, params)],
+                "lake": [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=lake)]}
     finally:
         llm.engine.shutdown()
 
@@ -59,7 +76,7 @@ def offline(adapter_dir):
 @pytest.fixture(scope="module")
 def stack(adapter_dir, tmp_path_factory):
     with LocalStack(1, 1, passthrough=["--kv-cache-memory", "256MiB", "--log-level", "WARNING",
-                                       "--lora-modules", f"sea={adapter_dir}"],
+                                       "--lora-modules", f"sea={adapter_dir}", "--allow-runtime-lora-updating"],
                     log_dir=tmp_path_factory.mktemp("lora-stack-logs")) as local_stack:
         yield local_stack
 
@@ -106,3 +123,100 @@ def test_models_lists_the_adapter_and_an_unknown_one_is_refused(stack):
             grpc_client.generate(PROMPT, model="lake")
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     wait_until_the_gateway_sees_no_load(stack)
+
+
+def post(stack, path: str, body: dict) -> tuple[int, str]:
+    connection = http.client.HTTPConnection(*stack.http_address.split(":"), timeout=120)
+    try:
+        connection.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json"})
+        response = connection.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        connection.close()
+
+
+def get(stack, path: str) -> str:
+    connection = http.client.HTTPConnection(*stack.http_address.split(":"), timeout=60)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        assert response.status == 200
+        return response.read().decode()
+    finally:
+        connection.close()
+
+
+def served_tokens(client: Client, model: str, prompt: str) -> list[int]:
+    return client.generate(prompt, model=model, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                           return_token_ids=True).token_ids
+
+
+def test_an_adapter_loaded_at_run_time_is_served_replaced_and_unloaded(stack, offline, adapter_dir, lake_dir):
+    load, unload = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+    assert post(stack, load, {"lora_name": "lake", "lora_path": lake_dir}) == (
+        200, "Success: LoRA adapter 'lake' added successfully.")
+    with Client(stack.address, timeout=120) as client:
+        for i, prompt in enumerate((PROMPT, LONG_PROMPT)):  # the decode instance's and the prefill instance's
+            assert served_tokens(client, "lake", prompt) == offline["lake"][i]
+        wait_until_the_gateway_sees_no_load(stack)
+        status, body = post(stack, load, {"lora_name": "lake", "lora_path": adapter_dir})
+        assert status == 400 and "already been loaded" in body and "load_inplace" in body
+        status, body = post(stack, load, {"lora_name": "pond", "lora_path": "/nowhere/pond"})
+        assert status == 400 and "no adapter_config.json" in body  # refused by the instances, undone
+        for bad in ({"lora_name": "lake"}, {"lora_name": "x", "lora_path": "/p", "rank": 4},
+                    {"lora_name": "", "lora_path": "/p"}, {"lora_name": client.model_info().model_name, "lora_path": "/p"}):
+            assert post(stack, load, bad)[0] == 400, bad
+
+        # In place: the name now means sea's weights, and nothing cached under it serves them.
+        assert post(stack, load, {"lora_name": "lake", "lora_path": adapter_dir, "load_inplace": True})[0] == 200
+        for i, prompt in enumerate((PROMPT, LONG_PROMPT)):
+            assert served_tokens(client, "lake", prompt) == offline["adapter"][i]
+        wait_until_the_gateway_sees_no_load(stack)
+
+        assert post(stack, unload, {"lora_name": "lake"}) == (200, "Success: LoRA adapter 'lake' removed successfully.")
+        with pytest.raises(grpc.RpcError) as error:
+            client.generate(PROMPT, model="lake")
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert post(stack, unload, {"lora_name": "lake"})[0] == 404
+        assert served_tokens(client, "sea", PROMPT) == offline["adapter"][0]  # the others are untouched
+    wait_until_the_gateway_sees_no_load(stack)
+    models = json.loads(get(stack, "/v1/models"))
+    assert [m["id"] for m in models["data"]][1:] == ["sea"]
+
+
+def test_an_instance_itself_refuses_what_it_cannot_do(stack, lake_dir):
+    from protos.pdserve.v1 import lora_adapters_pb2, lora_adapters_pb2_grpc
+    with grpc.insecure_channel(stack.instances["decode-0"].address) as channel:
+        stub = lora_adapters_pb2_grpc.LoRAAdapterServiceStub(channel)
+        for request, code in ((lora_adapters_pb2.LoadLoRAAdapterRequest(lora_name="sea", lora_path=lake_dir),
+                               grpc.StatusCode.ALREADY_EXISTS),
+                              (lora_adapters_pb2.LoadLoRAAdapterRequest(lora_name="sea"),
+                               grpc.StatusCode.INVALID_ARGUMENT)):
+            with pytest.raises(grpc.RpcError) as error:
+                stub.LoadLoRAAdapter(request, timeout=60)
+            assert error.value.code() == code
+        with pytest.raises(grpc.RpcError) as error:
+            stub.UnloadLoRAAdapter(lora_adapters_pb2.UnloadLoRAAdapterRequest(lora_name="lake"), timeout=60)
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_an_instance_that_joins_later_gets_the_adapters_loaded_at_run_time(stack, offline, lake_dir):
+    assert post(stack, "/v1/load_lora_adapter", {"lora_name": "lake", "lora_path": lake_dir})[0] == 200
+    try:
+        joined = stack.add_instance("decode")
+        stack.kill("decode-0", signal.SIGTERM)  # the old one leaves (deregisters): only the new one is left
+        stack.instances["decode-0"].wait_or_kill(stack.grace_s)
+        deadline = time.monotonic() + 60
+        with Client(stack.address, timeout=120) as client:
+            while True:  # until the gateway has loaded lake on the new instance
+                try:
+                    result = client.generate(PROMPT, model="lake", max_tokens=MAX_TOKENS, temperature=0,
+                                             ignore_eos=True, return_token_ids=True)
+                    break
+                except grpc.RpcError as error:
+                    # No live decode instance serves it yet (the prefill instance does).
+                    assert error.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, error
+                    time.sleep(0.1)
+            assert result.decode_instance_id == joined.name and result.token_ids == offline["lake"][0]
+    finally:
+        post(stack, "/v1/unload_lora_adapter", {"lora_name": "lake"})

@@ -30,11 +30,15 @@ class LoRAManager:
     def add(self, request: LoRARequest) -> None:
         """Load the adapter (EngineCore asks only for one it does not hold); ValueError for one
         this model cannot serve."""
-        adapter = load_adapter(request.lora_name, request.lora_path, self.cfg, self.max_lora_rank, self.dtype,
-                               self.device)
+        adapter = self.check(request)
         stack_adapter(adapter, self.layouts, self.cfg.num_hidden_layers)
         adapter.weights.clear()  # what the linears read is the stacked form
         self.adapters[request.lora_name] = adapter
+
+    def check(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter as loaded, not held; ValueError for one this model cannot serve."""
+        return load_adapter(request.lora_name, request.lora_path, self.cfg, self.max_lora_rank, self.dtype,
+                            self.device)
 
     def remove(self, lora_name: str) -> None:
         self.adapters.pop(lora_name, None)

@@ -20,11 +20,13 @@ from common.engine.sampling_params import SamplingParams
 from common.service.common_api import logprobs_from_pb, logprobs_to_pb, sampling_params_from_pb, sampling_params_to_pb
 from gateway.client import build_generate_request
 from protos._build import SRC_DIR, build, is_fresh, proto_files
-from protos.pdserve.v1 import common_pb2, decode_pb2, embedding_pb2, generate_pb2, prefill_pb2, registry_pb2
+from protos.pdserve.v1 import (common_pb2, decode_pb2, embedding_pb2, generate_pb2, lora_adapters_pb2, prefill_pb2,
+                               registry_pb2)
 from protos.serving import GENERATE_SERVICE, add_health_and_reflection
 
 MODULES = {"common": common_pb2, "generate": generate_pb2, "prefill": prefill_pb2,
-           "decode": decode_pb2, "registry": registry_pb2, "embedding": embedding_pb2}
+           "decode": decode_pb2, "registry": registry_pb2, "embedding": embedding_pb2,
+           "lora_adapters": lora_adapters_pb2}
 
 
 def test_sources_are_versioned_and_complete():

@@ -33,3 +33,17 @@ def test_the_flags_enable_lora_and_repeat():
     config = engine_config_from_args(args)
     assert config.lora.enable_lora and config.lora.max_loras == 2
     assert not engine_config_from_args(parser.parse_args([])).lora.enable_lora
+
+
+def test_run_time_changes_take_fresh_ids_and_bump_the_version():
+    modules = LoRAModules.parse(["sql=/a/sql"])
+    assert modules.version == 0
+    chat = modules.new_request("chat", "/b/chat")
+    assert chat == LoRARequest("chat", 2, "/b/chat") and "chat" not in modules  # served once added
+    modules.add(chat)
+    modules.add(modules.new_request("sql", "/c/sql"))  # in place: a fresh id, the same name
+    assert modules.names == ["sql", "chat"] and modules.resolve("sql") == LoRARequest("sql", 3, "/c/sql")
+    modules.remove("chat")
+    assert modules.names == ["sql"] and modules.version == 3
+    with pytest.raises(ServiceError):
+        modules.resolve("chat")

@@ -30,7 +30,7 @@ MODEL = "SmolLM2-135M-Instruct"
 @contextmanager
 def http_gateway(max_body_bytes: int | None = None, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None, model=None, response_role: str = "assistant",
-                 with_metrics: bool = False, **fake_kwargs):
+                 with_metrics: bool = False, allow_runtime_lora_updating: bool = False, **fake_kwargs):
     """A BackgroundGateway with one fake decode instance (unless fake_kwargs is None-like)
     and the OpenAI server on a free port (with_metrics: and its metrics endpoint); yields the
     BackgroundGateway."""
@@ -39,7 +39,7 @@ def http_gateway(max_body_bytes: int | None = None, tool_call_parser: str | None
         gw.fake = gw.add_fake_decode("decode-0", **fake_kwargs) if fake_kwargs else None
         kwargs = {"max_body_bytes": max_body_bytes} if max_body_bytes else {}
         kwargs.update(tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-                      response_role=response_role)
+                      response_role=response_role, allow_runtime_lora_updating=allow_runtime_lora_updating)
         server = gw.server.openai_http = gw.call(lambda: OpenAIServer(gw.gateway, port=0, **kwargs))
         gw.http_address = gw.call(server.start())
         try:

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from common.service.errors import ErrorStatusInterceptor, ServiceError
-from common.service.registration import InstanceLoad, InstanceSpec, RegistryClient
+from common.service.registration import InstanceLoad, InstanceSpec, RegistryClient, ServedLoRAs
 from gateway.routing.registry import InstanceRegistry, RegistrationError, RegistryServicer
 from protos.pdserve.v1 import registry_pb2, registry_pb2_grpc
 
@@ -248,4 +248,37 @@ def test_register_rpc_rejects_mismatched_instances_with_invalid_argument():
             beat = await stub.Heartbeat(registry_pb2.HeartbeatRequest(instance_id="nobody"))
             assert beat.reregister
         await server.stop(None)
+    asyncio.run(scenario())
+
+
+def test_lora_names_are_kept_only_from_a_newer_report(registry):
+    registry.register(spec("d0", "decode", lora_names=("sea",), lora_names_version=1, lora_enabled=True))
+    registry.update_loras("d0", ServedLoRAs(("sea", "lake"), 2))  # a load's answer
+    assert registry.lora_names() == ["lake", "sea"]
+    assert registry.heartbeat("d0", InstanceLoad(), ServedLoRAs(("sea",), 1))  # sent before the load
+    assert registry.get("d0").spec.lora_names == ("sea", "lake")
+    assert registry.heartbeat("d0", InstanceLoad(), ServedLoRAs(("lake",), 3))  # sea unloaded meanwhile
+    assert registry.lora_names() == ["lake"] and registry.get("d0").spec.lora_enabled
+
+
+def test_registry_client_reports_the_adapters_served_now():
+    async def scenario():
+        registry = InstanceRegistry(heartbeat_interval_s=0.02, heartbeat_timeout_s=5.0)
+        server, address = await _serve(registry)
+        served = ServedLoRAs(("sea",), 1)
+        client = RegistryClient(address, spec("d0", "decode", lora_enabled=True), get_load=InstanceLoad,
+                                get_loras=lambda: served)
+        task = asyncio.create_task(client.run())
+        try:
+            await _until(lambda: registry.get("d0") is not None)
+            assert registry.get("d0").spec.lora_names == ("sea",)  # registered with them
+            served = ServedLoRAs(("sea", "lake"), 2)
+            await _until(lambda: registry.get("d0").spec.lora_names == ("sea", "lake"))  # a heartbeat
+            registry.deregister("d0")  # as if the gateway restarted: it learns them again
+            await _until(lambda: registry.get("d0") is not None)
+            assert registry.get("d0").spec.lora_names_version == 2
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await server.stop(None)
     asyncio.run(scenario())

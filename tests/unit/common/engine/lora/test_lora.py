@@ -229,3 +229,46 @@ def test_an_engine_without_lora_refuses_an_adapter(base_dir, adapters):
         engine.engine.shutdown()
     with pytest.raises(ValueError, match="does not go with speculative decoding"):
         LLM(model=str(base_dir), enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_an_adapter_loaded_at_run_time_replaces_its_name_s_and_its_cached_blocks(llm, adapters, tmp_path):
+    llm.reset_prefix_cache()
+    prompt = {"prompt_token_ids": list(range(2000, 2024))}
+    first = LoRARequest("x", 11, adapters["a"][0])
+    want_a = llm.generate(prompt, GREEDY, lora_request=first)[0]
+    assert llm.generate(prompt, GREEDY, lora_request=first)[0].num_cached_tokens == 16
+    want_b = llm.generate(prompt, GREEDY, lora_request=lora(adapters, "b", 2))[0]
+    assert want_a.outputs[0].token_ids != want_b.outputs[0].token_ids
+
+    live = Request("live-x", [5, 6, 7], SamplingParams(max_tokens=400), lora_request=first)
+    llm.engine.add_request(live)
+    with pytest.raises(LoRAAdaptersBusyError, match="'x' is in use by 1 requests"):
+        llm.engine.load_lora(LoRARequest("x", 12, adapters["b"][0]))
+    llm.engine.abort_requests(["live-x"])
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        llm.engine.load_lora(LoRARequest("x", 12, str(tmp_path / "missing")))
+    assert llm.generate(prompt, GREEDY, lora_request=first)[0].num_cached_tokens == 16  # nothing changed
+
+    replaced = LoRARequest("x", 12, adapters["b"][0])
+    llm.engine.load_lora(replaced)  # the name now means b's weights: its cached blocks must go
+    got = llm.generate(prompt, GREEDY, lora_request=replaced)[0]
+    assert got.num_cached_tokens == 0 and got.outputs[0].token_ids == want_b.outputs[0].token_ids
+
+    llm.engine.unload_lora("x")  # not held any more: the name may come back with other weights
+    again = llm.generate(prompt, GREEDY, lora_request=LoRARequest("x", 13, adapters["a"][0]))[0]
+    assert again.outputs[0].token_ids == want_a.outputs[0].token_ids
+
+
+def test_with_every_slot_in_use_a_loaded_adapter_is_checked_and_held_on_first_use(llm, adapters, tmp_path):
+    in_use = [Request(f"live-{name}", [5, 6, 7], SamplingParams(max_tokens=400),
+                      lora_request=lora(adapters, name, i)) for i, name in enumerate(("a", "b"), start=1)]
+    for request in in_use:
+        llm.engine.add_request(request)  # max_loras 2: both slots in use
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        llm.engine.load_lora(LoRARequest("y", 21, str(tmp_path / "missing")))
+    later = LoRARequest("y", 21, adapters["a"][0])
+    llm.engine.load_lora(later)
+    llm.engine.abort_requests([r.req_id for r in in_use])
+    assert not llm.engine.has_unfinished_requests()
+    assert outputs(llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=later)) == outputs(
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=lora(adapters, "a", 1)))
