@@ -1,6 +1,6 @@
 """The decoder's linears with their adapters' deltas: LoRALinear wraps one (qkv_proj,
 o_proj, gate_up_proj, down_proj) and, for each adapter the step's rows use, adds
-scaling * (x A^T) B^T to those rows, A and B stacked over the linear's pieces (qkv_proj's
+scaling * (x A^T) B^T to those rows of its output, A and B stacked over the linear's pieces (qkv_proj's
 q, k and v; gate_up_proj's gate and up: stack_adapter) so that an adapter costs two
 matmuls a linear. Which rows use which adapter is the step's (lora_step), set by the
 runner around the forward pass as the attention metadata is."""
@@ -70,9 +70,9 @@ def stack_adapter(adapter: LoRAAdapter, layouts: Layouts, num_layers: int) -> No
             adapter.stacked[(layer, linear_name)] = (a_cat, b_stacked)
 
 
-def lora_deltas(x: torch.Tensor, out_features: int, layer_idx: int, linear_name: str) -> torch.Tensor:
-    """[num_tokens, out_features]: each row's adapter's delta (zeros where none)."""
-    delta = x.new_zeros(x.shape[0], out_features)
+def add_lora_deltas(y: torch.Tensor, x: torch.Tensor, layer_idx: int, linear_name: str) -> None:
+    """y [num_tokens, out_features] += each row's adapter's delta, x [num_tokens, in_features]
+    the linear's input; rows of no adapter, and a step of none, cost nothing."""
     for adapter, rows in _current_groups():
         pair = adapter.stacked.get((layer_idx, linear_name))
         if pair is None:  # not one of this adapter's targets
@@ -81,38 +81,38 @@ def lora_deltas(x: torch.Tensor, out_features: int, layer_idx: int, linear_name:
         x_rows = x if rows is None else x.index_select(0, rows)  # [num_rows, in_features]
         rows_delta = (x_rows @ a.t()) @ b.t()  # [num_rows, out_features]
         if rows is None:
-            delta.add_(rows_delta, alpha=adapter.scaling)
+            y.add_(rows_delta, alpha=adapter.scaling)
         else:
-            delta.index_add_(0, rows, rows_delta, alpha=adapter.scaling)
-    return delta
+            y.index_add_(0, rows, rows_delta, alpha=adapter.scaling)
 
 
 # The deltas as one op a compiled graph calls without tracing into it (which adapters a
 # step's rows use is the step's, read at run time, as attention reads its metadata): so an
-# engine with adapters keeps its compiled forward. Low-level registration, as
+# engine with adapters keeps its compiled forward. It adds to the base linear's output in
+# place (a declared mutation, which the compiler keeps in place: that output has no other
+# use), so a step naming no adapter pays no zeros and no add. Low-level registration, as
 # pdserve::paged_attention's (models/attention.py).
 _LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
-_LIBRARY.define("lora_deltas(Tensor x, int out_features, Tensor layer_idx, str linear_name) -> Tensor")
-_LIBRARY.impl("lora_deltas", lambda x, out_features, layer_idx, linear_name: lora_deltas(
-    x, out_features, int(layer_idx), linear_name), "CompositeExplicitAutograd")
-torch.library.register_fake("pdserve::lora_deltas", lambda x, out_features, layer_idx, linear_name: x.new_empty(
-    x.shape[0], out_features), lib=_LIBRARY)
+_LIBRARY.define("add_lora_deltas(Tensor(a!) y, Tensor x, Tensor layer_idx, str linear_name) -> ()")
+_LIBRARY.impl("add_lora_deltas", lambda y, x, layer_idx, linear_name: add_lora_deltas(
+    y, x, int(layer_idx), linear_name), "CompositeExplicitAutograd")
+torch.library.register_fake("pdserve::add_lora_deltas", lambda y, x, layer_idx, linear_name: None, lib=_LIBRARY)
 
 
 class LoRALinear(nn.Module):
     """base(x) plus each adapter's delta on its rows."""
 
-    def __init__(self, base: nn.Module, layer_idx: int, linear_name: str, out_features: int):
+    def __init__(self, base: nn.Module, layer_idx: int, linear_name: str):
         super().__init__()
         self.base = base
         self.linear_name = linear_name
-        self.out_features = out_features
         # A tensor, not an int: one compiled decoder layer serves every layer (no guard on it).
         self.layer_idx = torch.tensor(layer_idx, device="cpu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [num_tokens, in_features]
-        # [num_tokens, out_features]
-        return self.base(x) + torch.ops.pdserve.lora_deltas(x, self.out_features, self.layer_idx, self.linear_name)
+        y = self.base(x)  # [num_tokens, out_features]
+        torch.ops.pdserve.add_lora_deltas(y, x, self.layer_idx, self.linear_name)
+        return y
 
 
 def wrap_linears(model: nn.Module, layouts: Layouts) -> int:
@@ -120,10 +120,9 @@ def wrap_linears(model: nn.Module, layouts: Layouts) -> int:
     the number wrapped."""
     num_wrapped = 0
     for offset, layer in enumerate(model.layers):
-        for (block_name, linear_name), pieces in layouts.items():
+        for block_name, linear_name in layouts:
             block = getattr(layer, block_name)
-            out_features = pieces[-1][1] + pieces[-1][2]
             setattr(block, linear_name, LoRALinear(getattr(block, linear_name), model.start_layer + offset,
-                                                   linear_name, out_features))
+                                                   linear_name))
             num_wrapped += 1
     return num_wrapped
