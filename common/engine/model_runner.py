@@ -206,14 +206,14 @@ class ModelRunner:
                          [dtype_pair(self.dtype, self.kv_cache_dtype)])
         self.model = load_model(model_config, model_dir, self.device, self.dtype, quantization)
         # LoRA adapters' deltas in every decoder linear (None: none served): an op of the
-        # compiled graph (lora/layers.py); the native decode loop and CUDA graphs, which would
-        # not run it, stay off.
+        # compiled graph (lora/layers.py). The native decode loop, which does not run it, takes
+        # only steps that name no adapter; CUDA graphs stay off.
         self.lora_manager: LoRAManager | None = None
         if lora_config is not None and lora_config.enable_lora:
             self.lora_manager = LoRAManager(self.model, model_config, lora_config.max_lora_rank, self.dtype,
                                             self.device)
-            logger.info("LoRA adapters served (up to %d at once, rank <= %d): no native decode loop or CUDA graphs",
-                        lora_config.max_loras, lora_config.max_lora_rank)
+            logger.info("LoRA adapters served (up to %d at once, rank <= %d): the native decode loop takes the "
+                        "steps naming none; no CUDA graphs", lora_config.max_loras, lora_config.max_lora_rank)
         # The forward pass as run each step: compiled unless enforce_eager (the model
         # itself stays eager for a draft that runs part of it). Ranks of a parallel run
         # stay eager: their collectives and stage transfers are not compiler-safe ops.
@@ -285,7 +285,7 @@ class ModelRunner:
         background build has made them meanwhile."""
         if self.forward is not self.model and self.kv_caches:
             self._compile()
-            if self.device.type == "cpu" and self.parallel_config.world_size == 1 and self.lora_manager is None:
+            if self.device.type == "cpu" and self.parallel_config.world_size == 1:
                 self.native_decode = NativeDecodeLoop.build(self.model, self.kv_caches)
                 if self.native_decode is not None and self.proposer is not None:
                     self.proposer.build_native_loop()
@@ -392,7 +392,7 @@ class ModelRunner:
                 (input_ids.shape[0], self.model_config.hidden_size), self.dtype, self.device)
         try:
             graphs = self.decode_graphs
-            loop = self.native_decode
+            loop = self._native_loop(scheduler_output)
             if received is None and graphs is not None and graphs.serves(input_ids.shape[0], meta):
                 hidden, graph_logits = graphs.run(input_ids, positions, meta)  # [num_tokens, hidden]
             elif received is None and self._loop_samples(scheduler_output, input_ids.shape[0], meta, sample_rows):
@@ -518,6 +518,13 @@ class ModelRunner:
             output.spec_token_ids = self._propose(sample_reqs, token_id_lists)
         return output
 
+    def _native_loop(self, scheduler_output: SchedulerOutput) -> NativeDecodeLoop | None:
+        """The native decode loop where it may take the step: one naming no LoRA adapter, since
+        adapters' deltas run only in the model's forward (pdserve::add_lora_deltas)."""
+        if self.lora_manager is not None and any(r.lora_name for r in scheduler_output.scheduled):
+            return None
+        return self.native_decode
+
     def _loop_samples(self, scheduler_output: SchedulerOutput, num_tokens: int, meta: AttentionMetadata,
                       sample_rows: list[ScheduledRequest]) -> bool:
         """Whether the native loop takes this step from its tokens to the next ones
@@ -527,7 +534,7 @@ class ModelRunner:
         the sampler would (Sampler.rows_in_loop); the sampler takes the others from its
         head's logits, a grammar's too, except in steps that verify drafts (whose rows share
         a request's grammar state), which stay with the sampler."""
-        loop = self.native_decode
+        loop = self._native_loop(scheduler_output)
         return (loop is not None and loop.serves_tokens(num_tokens, meta) and self.is_output_rank
                 and len(sample_rows) == num_tokens
                 and (scheduler_output.grammar_bitmask is None or not any(r.spec_token_ids for r in sample_rows)))

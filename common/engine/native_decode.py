@@ -38,6 +38,7 @@ import weakref
 
 import torch
 
+from common.engine.lora.layers import base_linear
 from common.engine.models.attention import AttentionMetadata
 from common.engine.models.causal_lm import CausalLM
 from common.engine.models.layers import RMSNorm
@@ -121,6 +122,7 @@ def _model_tensors(model: CausalLM, num_layers: int | None) -> dict:
         norms += [_check_norm(layer.input_layernorm, cfg.rms_norm_eps),
                   _check_norm(layer.post_attention_layernorm, cfg.rms_norm_eps)]
         for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            linear = base_linear(linear)  # the loop runs steps that name no LoRA adapter
             weight, kind = decode_weight(linear)
             weights.append(weight)
             kinds.append(kind)

@@ -63,8 +63,8 @@ from gateway.openai_api.embeddings import (
     parse_embedding_request,
 )
 from gateway.openai_api.errors import ApiError, from_gateway_error, invalid_field
-from gateway.openai_api.lora_adapters import (LOAD_PATH, UNLOAD_PATH, loaded_message, parse_load_request,
-                                              parse_unload_request, unloaded_message)
+from gateway.openai_api.lora_adapters import (LOAD_PATH, UNLOAD_PATH, LoadLoRAAdapter, loaded_message,
+                                              parse_load_request, parse_unload_request, unloaded_message)
 from gateway.openai_api.openapi import openapi_document
 from gateway.openai_api.protocol import (
     ParsedRequest,
@@ -296,29 +296,29 @@ class OpenAIServer:
 
     async def load_lora_adapter(self, request: Request) -> Response:
         """Load a LoRA adapter on every instance that runs with LoRA (gateway.lora_adapters)."""
-        try:
-            parsed = await _parsed(parse_load_request, await self._read_body(request))
+        async def load(parsed: LoadLoRAAdapter) -> str:
             await self.gateway.lora_adapters.load(parsed.lora_name, parsed.lora_path, parsed.load_inplace)
-        except ApiError as e:
-            return _error(e)
-        except ServiceError as e:
-            return _error(from_gateway_error(e))
-        except ClientDisconnect:
-            return Response(status_code=499)
-        return PlainTextResponse(loaded_message(parsed.lora_name))
+            return loaded_message(parsed.lora_name)
+        return await self._lora_change(request, parse_load_request, load)
 
     async def unload_lora_adapter(self, request: Request) -> Response:
         """Unload a LoRA adapter from every instance that serves it."""
-        try:
-            lora_name = await _parsed(parse_unload_request, await self._read_body(request))
+        async def unload(lora_name: str) -> str:
             await self.gateway.lora_adapters.unload(lora_name)
+            return unloaded_message(lora_name)
+        return await self._lora_change(request, parse_unload_request, unload)
+
+    async def _lora_change(self, request: Request, parse: Callable[[bytes], Any],
+                           change: Callable[[Any], Awaitable[str]]) -> Response:
+        """A run-time LoRA change: its body parsed, the change made, answered with vLLM's line."""
+        try:
+            return PlainTextResponse(await change(await _parsed(parse, await self._read_body(request))))
         except ApiError as e:
             return _error(e)
         except ServiceError as e:
             return _error(from_gateway_error(e))
         except ClientDisconnect:
             return Response(status_code=499)
-        return PlainTextResponse(unloaded_message(lora_name))
 
     async def openapi(self, request: Request) -> Response:
         """This API's OpenAPI document (openapi.py), made once: it depends only on the model."""

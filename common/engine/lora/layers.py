@@ -115,6 +115,11 @@ class LoRALinear(nn.Module):
         return y
 
 
+def base_linear(linear: nn.Module) -> nn.Module:
+    """The linear a LoRALinear wraps (what a step naming no adapter computes), else linear."""
+    return linear.base if isinstance(linear, LoRALinear) else linear
+
+
 def wrap_linears(model: nn.Module, layouts: Layouts) -> int:
     """Every decoder layer's linears wrapped in LoRALinear (one rank: no tensor parallelism);
     the number wrapped."""

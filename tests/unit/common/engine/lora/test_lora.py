@@ -136,11 +136,18 @@ def test_compiled_the_deltas_run_inside_the_graph_as_eagerly_and_without_recompi
     from common.engine.compilation import num_compiled_graphs
     runner = compiled.engine.executor.runner
     assert runner.forward is not runner.model  # compiled, the deltas an op inside it
-    assert runner.native_decode is None  # the native loop would skip the deltas
+    loop = runner.native_decode  # it runs no deltas: it takes only the steps that name no adapter
+    assert loop is not None
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     per_prompt = [lora(adapters, "a", 1), None, lora(adapters, "b", 2)]
+    num_loop_steps = loop.num_steps
     assert outputs(compiled.generate(prompts, GREEDY, lora_request=per_prompt)) == \
         outputs(llm.generate(prompts, GREEDY, lora_request=per_prompt))
+    assert outputs(compiled.generate(prompts, GREEDY, lora_request=lora(adapters, "a", 1))) == \
+        outputs(llm.generate(prompts, GREEDY, lora_request=lora(adapters, "a", 1)))
+    assert loop.num_steps == num_loop_steps  # every step named an adapter
+    assert outputs(compiled.generate(prompts, GREEDY)) == outputs(llm.generate(prompts, GREEDY))
+    assert loop.num_steps > num_loop_steps
     before = num_compiled_graphs()
     for num_prompts, loras in ((1, lora(adapters, "a", 1)), (3, [None, lora(adapters, "b", 2), None]),
                                (5, lora(adapters, "b", 2)), (2, None)):
