@@ -10,7 +10,9 @@ per rate and side, and the throughput ratios. Each rate sends prompts of its own
 serve's sweep), so every prompt is prefilled. With --repeats N the two servers take turns
 N times, the order alternating (ours first, then vLLM first, ...), each turn on a freshly
 started server; each figure is the median of its rounds, beside every round's ratio, so a
-host whose speed drifts over the minutes weighs on both sides alike.
+host whose speed drifts over the minutes weighs on both sides alike. With --lora-rank R both
+serve one random rank-R PEFT adapter (`--lora-modules`; vLLM with `--enable-lora`) and every
+request names it.
 
     pdserve bench serve-peer --request-rate 1,2,4 --num-prompts 64 --json docs/bench/serve_peer.json
 """
@@ -31,6 +33,9 @@ from pathlib import Path
 
 from bench.peers.vllm_peer import cpu_env, preload_choice, vllm_python
 from common.engine.config import KV_CACHE_DTYPE_NAMES, parse_memory_size
+
+
+LORA_NAME = "bench-lora"  # the adapter --lora-rank serves
 
 
 def free_port() -> int:
@@ -62,7 +67,7 @@ def client_argv(base_url: str, args: argparse.Namespace, json_path: Path) -> lis
             "--random-input-len", str(args.random_input_len), "--random-output-len", str(args.random_output_len),
             "--random-range-ratio", str(args.random_range_ratio), "--num-prompts", str(args.num_prompts),
             "--request-rate", args.request_rate, "--seed", str(args.seed), "--temperature", str(args.temperature),
-            "--disable-tqdm", "--json", str(json_path)]
+            "--disable-tqdm", "--json", str(json_path), *(["--model", LORA_NAME] if args.lora_path else [])]
 
 
 def run_client(base_url: str, args: argparse.Namespace, json_path: Path) -> dict:
@@ -81,6 +86,8 @@ def serve_ours(args: argparse.Namespace, model_dir: str, out: Path) -> dict:
         passthrough += ["--num-scheduler-steps", str(args.num_scheduler_steps)]
     if args.speculative_config:
         passthrough += ["--speculative-config", args.speculative_config]
+    if args.lora_path:
+        passthrough += ["--lora-modules", f"{LORA_NAME}={args.lora_path}", "--max-lora-rank", str(args.lora_rank)]
     (out / "pdserve-logs").mkdir()
     with LocalStack(args.prefill, args.decode, http_port=0, passthrough=passthrough, log_dir=out / "pdserve-logs",
                     startup_timeout_s=args.startup_timeout, reserved_cpus=args.reserved_cpus) as stack:
@@ -95,6 +102,9 @@ def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path, python: Path
             "--kv-cache-dtype", args.kv_cache_dtype]
     if args.speculative_config:
         argv += ["--speculative-config", args.speculative_config]
+    if args.lora_path:
+        argv += ["--enable-lora", "--lora-modules", f"{LORA_NAME}={args.lora_path}", "--max-lora-rank",
+                 str(args.lora_rank), "--max-loras", "1"]
     kv_gib = parse_memory_size(args.kv_cache_memory) / (1 << 30)  # main checked it is a size
     with serving(argv, port, out / "vllm-serve.log", cpu_env(args.peer_threads_bind, kv_gib, preload),
                  args.startup_timeout) as base_url:
@@ -188,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds of both servers, the order alternating; medians reported")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="> 0: both servers serve one random PEFT adapter of this rank over all seven "
+                             "linears (bench lora's), and every request names it")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1; got {args.repeats}")
@@ -212,6 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     preload = preload_choice(args.peer_preload, peer_python)
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
+        args.lora_path = None
+        if args.lora_rank > 0:
+            from bench.lora import write_adapter
+            from common.engine.config import ModelConfig
+            from common.engine.model_files import load_hf_config
+            cfg = ModelConfig.from_hf_config(load_hf_config(Path(model_dir)))
+            args.lora_path = write_adapter(Path(tmp) / LORA_NAME, cfg, args.lora_rank, args.seed)
         for index in range(args.repeats):
             out = Path(tmp) / f"round-{index}"
             out.mkdir()
