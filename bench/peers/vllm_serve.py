@@ -60,18 +60,19 @@ def wait_for_models(base_url: str, process: subprocess.Popen, timeout_s: float) 
     raise TimeoutError(f"{base_url} did not serve /v1/models within {timeout_s:.0f} s")
 
 
-def client_argv(base_url: str, args: argparse.Namespace, json_path: Path) -> list[str]:
-    """The same `pdserve bench serve` load, against either server's OpenAI API."""
+def client_argv(base_url: str, args: argparse.Namespace, json_path: Path, model: str | None = None) -> list[str]:
+    """The same `pdserve bench serve` load, against either server's OpenAI API (model: the
+    name every request gives; None: the served model)."""
     return [sys.executable, "-m", "common.cli.main", "bench", "serve", "--backend", "openai",
             "--base-url", base_url, "--tokenizer", "bundled", "--dataset-name", "random",
             "--random-input-len", str(args.random_input_len), "--random-output-len", str(args.random_output_len),
             "--random-range-ratio", str(args.random_range_ratio), "--num-prompts", str(args.num_prompts),
             "--request-rate", args.request_rate, "--seed", str(args.seed), "--temperature", str(args.temperature),
-            "--disable-tqdm", "--json", str(json_path), *(["--model", LORA_NAME] if args.lora_path else [])]
+            "--disable-tqdm", "--json", str(json_path), *(["--model", model] if model else [])]
 
 
 def run_client(base_url: str, args: argparse.Namespace, json_path: Path) -> dict:
-    subprocess.run(client_argv(base_url, args, json_path), check=True)
+    subprocess.run(client_argv(base_url, args, json_path, LORA_NAME if args.lora_path else None), check=True)
     return json.loads(json_path.read_text())
 
 

@@ -55,7 +55,9 @@ def test_the_client_sends_the_temperature_given_and_bench_serve_takes_its_flags(
     argv = client_argv("http://127.0.0.1:8000", args, tmp_path / "out.json")
     assert argv[argv.index("--temperature") + 1] == "0.8"
     parsed = serve_parser().parse_args(argv[argv.index("serve") + 1:])
-    assert (parsed.temperature, parsed.num_prompts, parsed.seed) == (0.8, 8, 3)
+    assert (parsed.temperature, parsed.num_prompts, parsed.seed, parsed.model) == (0.8, 8, 3, "")
+    with_adapter = client_argv("http://127.0.0.1:8000", args, tmp_path / "out.json", "bench-lora")
+    assert serve_parser().parse_args(with_adapter[with_adapter.index("serve") + 1:]).model == "bench-lora"
 
 
 def test_a_bad_speculative_config_stops_before_either_server_starts(capsys):
