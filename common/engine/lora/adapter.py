@@ -29,7 +29,8 @@ _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(
 @dataclass
 class LoRAAdapter:
     """An adapter's matrices by (layer index, PEFT module name): (A [r, in], B [out, r]); and
-    as the model's fused linears take them (layers.stack_adapter)."""
+    as the model's fused linears take them (layers.stack_adapter), also as packed linears
+    where those are faster (bf16 on the CPU)."""
 
     name: str
     path: str
@@ -37,6 +38,7 @@ class LoRAAdapter:
     scaling: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     stacked: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    packed: dict[tuple[int, str], tuple[torch.nn.Module, torch.nn.Module]] = field(default_factory=dict)
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -15,6 +15,7 @@ from torch import nn
 
 from common.engine.config import ModelConfig
 from common.engine.lora.adapter import LoRAAdapter
+from common.engine.models.prepacked_linear import PrepackedLinear, prepacking_available
 
 _local = threading.local()
 # A decoder layer's wrapped linears: (its block, its name) -> the PEFT modules it fuses, each
@@ -68,6 +69,15 @@ def stack_adapter(adapter: LoRAAdapter, layouts: Layouts, num_layers: int) -> No
             for i, (first, size, (_, b)) in enumerate(targeted):
                 b_stacked[first:first + size, i * adapter.rank:(i + 1) * adapter.rank] = b
             adapter.stacked[(layer, linear_name)] = (a_cat, b_stacked)
+            if _packs(a_cat):
+                adapter.packed[(layer, linear_name)] = (PrepackedLinear(a_cat, None), PrepackedLinear(b_stacked, None))
+
+
+def _packs(weight: torch.Tensor) -> bool:
+    """Whether an adapter's matrices run as packed linears: bf16 on the CPU, where a decode
+    row's two small matmuls take ~7 us packed against ~29 us through torch (~1.5x at 8-64
+    rows; fp32 gains little: `docs/benchmarks.md`, LoRA)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and prepacking_available(weight.dtype)
 
 
 def add_lora_deltas(y: torch.Tensor, x: torch.Tensor, layer_idx: int, linear_name: str) -> None:
@@ -77,9 +87,13 @@ def add_lora_deltas(y: torch.Tensor, x: torch.Tensor, layer_idx: int, linear_nam
         pair = adapter.stacked.get((layer_idx, linear_name))
         if pair is None:  # not one of this adapter's targets
             continue
-        a, b = pair  # [k * r, in_features], [out_features, k * r]
         x_rows = x if rows is None else x.index_select(0, rows)  # [num_rows, in_features]
-        rows_delta = (x_rows @ a.t()) @ b.t()  # [num_rows, out_features]
+        packed = adapter.packed.get((layer_idx, linear_name))
+        if packed is not None:
+            rows_delta = packed[1](packed[0](x_rows))  # [num_rows, out_features]
+        else:
+            a, b = pair  # [k * r, in_features], [out_features, k * r]
+            rows_delta = (x_rows @ a.t()) @ b.t()  # [num_rows, out_features]
         if rows is None:
             y.add_(rows_delta, alpha=adapter.scaling)
         else:

@@ -279,3 +279,31 @@ def test_with_every_slot_in_use_a_loaded_adapter_is_checked_and_held_on_first_us
     assert not llm.engine.has_unfinished_requests()
     assert outputs(llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=later)) == outputs(
         llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=lora(adapters, "a", 1)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_deltas_are_each_row_s_own_adapter_s_packed_or_not(base_dir, adapters, dtype):
+    from common.engine.config import ModelConfig
+    from common.engine.lora.adapter import load_adapter
+    from common.engine.lora.layers import add_lora_deltas, linear_layouts, lora_step, stack_adapter
+    from common.engine.model_files import load_hf_config
+    from common.engine.models.prepacked_linear import prepacking_available
+    cfg = ModelConfig.from_hf_config(load_hf_config(base_dir))
+    adapter = load_adapter("a", adapters["a"][0], cfg, 8, dtype, torch.device("cpu"))
+    stack_adapter(adapter, linear_layouts(cfg), cfg.num_hidden_layers)
+    # bf16 runs packed where oneDNN packs bf16 (a decode row's matmuls ~4x faster); fp32 as torch's.
+    assert bool(adapter.packed) == (dtype == torch.bfloat16 and prepacking_available(dtype))
+    torch.manual_seed(0)
+    for layer, linear_name in ((0, "qkv_proj"), (1, "down_proj")):
+        a, b = adapter.stacked[(layer, linear_name)]
+        x = torch.randn(5, a.shape[1]).to(dtype)  # [num_tokens, in_features]
+        want = (x.float() @ a.float().t()) @ b.float().t() * adapter.scaling  # [num_tokens, out_features]
+        for rows in (None, torch.tensor([0, 3])):
+            y = torch.ones(5, b.shape[0], dtype=dtype)
+            with lora_step([(adapter, rows)]):
+                add_lora_deltas(y, x, layer, linear_name)
+            picked = slice(None) if rows is None else rows
+            tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+            torch.testing.assert_close(y[picked].float(), 1 + want[picked], **tolerance)
+            if rows is not None:  # the other rows keep the base output
+                assert (y[[1, 2, 4]] == 1).all()
