@@ -163,8 +163,9 @@ def test_an_adapter_loaded_at_run_time_is_served_replaced_and_unloaded(stack, of
         assert status == 400 and "already been loaded" in body and "load_inplace" in body
         status, body = post(stack, load, {"lora_name": "pond", "lora_path": "/nowhere/pond"})
         assert status == 400 and "no adapter_config.json" in body  # refused by the instances, undone
+        base_model = client.model_info().model_name
         for bad in ({"lora_name": "lake"}, {"lora_name": "x", "lora_path": "/p", "rank": 4},
-                    {"lora_name": "", "lora_path": "/p"}, {"lora_name": client.model_info().model_name, "lora_path": "/p"}):
+                    {"lora_name": "", "lora_path": "/p"}, {"lora_name": base_model, "lora_path": "/p"}):
             assert post(stack, load, bad)[0] == 400, bad
 
         # In place: the name now means sea's weights, and nothing cached under it serves them.
