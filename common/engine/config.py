@@ -399,8 +399,7 @@ class EngineConfig:
         if self.lora.enable_lora:
             unsupported = [what for what, present in (
                 ("tensor or pipeline parallelism", self.parallel.world_size > 1),
-                ("speculative decoding", self.speculative is not None),
-                ("quantized weights", self.quantization is not None)) if present]
+                ("speculative decoding", self.speculative is not None)) if present]
             if unsupported:
                 raise ValueError(f"enable_lora does not go with {' or '.join(unsupported)} yet")
 

@@ -59,8 +59,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "chunks of ~2,000 tokens ~10%% slower; meant for decode instances (`pdserve up`, "
                         "compose and the manifests set it for theirs)")
     g.add_argument("--enable-lora", action="store_true",
-                   help="serve LoRA adapters (implied by --lora-modules); the native decode loop and CUDA "
-                        "graphs are then off")
+                   help="serve LoRA adapters (implied by --lora-modules; loaded at run time through the "
+                        "gateway's --allow-runtime-lora-updating); the native decode loop then takes only "
+                        "steps naming no adapter, and CUDA graphs are off")
     g.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                    help="PEFT LoRA adapters this instance serves, each by NAME: a request whose model is "
                         "NAME runs with it (vLLM's flag; may be given more than once)")
