@@ -397,11 +397,8 @@ class EngineConfig:
             raise ValueError(f"num_prefill_threads is for one rank; this engine has "
                              f"{self.parallel.world_size} (tensor x pipeline parallel)")
         if self.lora.enable_lora:
-            unsupported = [what for what, present in (
-                ("tensor or pipeline parallelism", self.parallel.world_size > 1),
-                ("speculative decoding", self.speculative is not None)) if present]
-            if unsupported:
-                raise ValueError(f"enable_lora does not go with {' or '.join(unsupported)} yet")
+            if self.parallel.world_size > 1:
+                raise ValueError("enable_lora does not go with tensor or pipeline parallelism yet")
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

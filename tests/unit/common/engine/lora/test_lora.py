@@ -234,8 +234,27 @@ def test_an_engine_without_lora_refuses_an_adapter(base_dir, adapters):
         assert not engine.engine.has_unfinished_requests()
     finally:
         engine.engine.shutdown()
-    with pytest.raises(ValueError, match="does not go with speculative decoding"):
-        LLM(model=str(base_dir), enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="does not go with tensor or pipeline parallelism"):
+        LLM(model=str(base_dir), enable_lora=True, tensor_parallel_size=2)
+
+
+def test_speculation_leaves_each_adapter_s_greedy_tokens_unchanged(llm, base_dir, adapters):
+    # Drafts come without the adapters (the proposer runs outside the step's LoRA rows); the
+    # target verifies them with them, so only the acceptance rate can differ. The early-exit
+    # proposer drafts at every step (an n-gram one finds nothing in a random model's output).
+    speculating = LLM(model=str(base_dir), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+                      num_kv_blocks=64, block_size=8, max_num_batched_tokens=32, enforce_eager=True,
+                      speculative_config={"method": "early_exit", "num_early_exit_layers": 1,
+                                          "num_speculative_tokens": 2, "min_acceptance_rate": 0.0,
+                                          "disable_by_batch_size": None})
+    try:
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        per_prompt = [lora(adapters, "a", 1), None, lora(adapters, "b", 2)]
+        assert outputs(speculating.generate(prompts, GREEDY, lora_request=per_prompt)) == \
+            outputs(llm.generate(prompts, GREEDY, lora_request=per_prompt))
+        assert speculating.engine.stats()["spec_num_draft_tokens"] > 0
+    finally:
+        speculating.engine.shutdown()
 
 
 def test_an_adapter_loaded_at_run_time_replaces_its_name_s_and_its_cached_blocks(llm, adapters, tmp_path):
