@@ -143,7 +143,7 @@ class OpenAIServer:
         self.access_log = access_log
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
-        self._openapi_json: bytes | None = None
+        self._openapi_json: tuple[list[str], bytes] | None = None  # (the model names it lists, the document)
 
     # --- serving ---------------------------------------------------------------------
 
@@ -321,12 +321,14 @@ class OpenAIServer:
             return Response(status_code=499)
 
     async def openapi(self, request: Request) -> Response:
-        """This API's OpenAPI document (openapi.py), made once: it depends only on the model."""
-        if self._openapi_json is None:
-            self._openapi_json = json_bytes(openapi_document(
-                [self._served_model_name()], PDSERVE_VERSION, self.gateway.model.trust_request_chat_template,
-                self.allow_runtime_lora_updating))
-        return Response(self._openapi_json, media_type="application/json")
+        """This API's OpenAPI document (openapi.py), made again only when the names a request's
+        model may take change (LoRA adapters registered, loaded or unloaded)."""
+        model_names = [self._served_model_name(), *self.gateway.registry.lora_names()]
+        if self._openapi_json is None or self._openapi_json[0] != model_names:
+            self._openapi_json = (model_names, json_bytes(openapi_document(
+                model_names, PDSERVE_VERSION, self.gateway.model.trust_request_chat_template,
+                self.allow_runtime_lora_updating)))
+        return Response(self._openapi_json[1], media_type="application/json")
 
     async def health(self, request: Request) -> Response:
         """Liveness: the process serves (503 only once it drains to stop)."""

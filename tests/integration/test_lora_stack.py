@@ -146,6 +146,12 @@ def get(stack, path: str) -> str:
         connection.close()
 
 
+def document_models(stack) -> list[str]:
+    """The model names the OpenAPI document lets a completion name."""
+    document = json.loads(get(stack, "/openapi.json"))
+    return document["components"]["schemas"]["CompletionRequest"]["properties"]["model"]["enum"]
+
+
 def served_tokens(client: Client, model: str, prompt: str) -> list[int]:
     return client.generate(prompt, model=model, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
                            return_token_ids=True).token_ids
@@ -155,6 +161,7 @@ def test_an_adapter_loaded_at_run_time_is_served_replaced_and_unloaded(stack, of
     load, unload = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
     assert post(stack, load, {"lora_name": "lake", "lora_path": lake_dir}) == (
         200, "Success: LoRA adapter 'lake' added successfully.")
+    assert document_models(stack)[1:] == ["lake", "sea"]  # the OpenAPI document follows
     with Client(stack.address, timeout=120) as client:
         for i, prompt in enumerate((PROMPT, LONG_PROMPT)):  # the decode instance's and the prefill instance's
             assert served_tokens(client, "lake", prompt) == offline["lake"][i]
@@ -182,7 +189,7 @@ def test_an_adapter_loaded_at_run_time_is_served_replaced_and_unloaded(stack, of
         assert served_tokens(client, "sea", PROMPT) == offline["adapter"][0]  # the others are untouched
     wait_until_the_gateway_sees_no_load(stack)
     models = json.loads(get(stack, "/v1/models"))
-    assert [m["id"] for m in models["data"]][1:] == ["sea"]
+    assert [m["id"] for m in models["data"]][1:] == ["sea"] and document_models(stack)[1:] == ["sea"]
 
 
 def test_an_instance_itself_refuses_what_it_cannot_do(stack, lake_dir):
