@@ -77,7 +77,7 @@ class LoRAAdapters:
         """NOT_FOUND: no live instance serves it; else an instance's refusal, named."""
         async with self._changing:
             self._loaded.pop(lora_name, None)
-            serving = [i for role in ROLES for i in self.registry.instances(role) if lora_name in i.spec.lora_names]
+            serving = [i for i in self.registry.live_instances() if lora_name in i.spec.lora_names]
             if not serving:
                 raise ServiceError(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {lora_name!r} cannot be found")
             _, failures = await self._on_each(serving, lambda client: client.unload(lora_name, RPC_TIMEOUT_S))
@@ -94,7 +94,7 @@ class LoRAAdapters:
         await self._channels.close()
 
     def _lora_instances(self) -> list[Instance]:
-        return [i for role in ROLES for i in self.registry.instances(role) if i.spec.lora_enabled]
+        return [i for i in self.registry.live_instances() if i.spec.lora_enabled]
 
     async def _on_each(self, instances: list[Instance], call: Callable[[LoRAAdapterClient], Awaitable[ServedLoRAs]]
                        ) -> tuple[list[Instance], list[ServiceError]]:

@@ -236,8 +236,7 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> Response:
         """The served model, then each LoRA adapter some instance serves (vLLM's: its parent the base)."""
-        return _json({"object": "list", "data": [self._model_card(name) for name in
-                                                 [self._served_model_name(), *self.gateway.registry.lora_names()]]})
+        return _json({"object": "list", "data": [self._model_card(name) for name in self._model_names()]})
 
     async def model(self, request: Request) -> Response:
         """OpenAI's model retrieval: the served model or an adapter by a name /v1/models lists, else a 404."""
@@ -323,7 +322,7 @@ class OpenAIServer:
     async def openapi(self, request: Request) -> Response:
         """This API's OpenAPI document (openapi.py), made again only when the names a request's
         model may take change (LoRA adapters registered, loaded or unloaded)."""
-        model_names = [self._served_model_name(), *self.gateway.registry.lora_names()]
+        model_names = self._model_names()
         if self._openapi_json is None or self._openapi_json[0] != model_names:
             self._openapi_json = (model_names, json_bytes(openapi_document(
                 model_names, PDSERVE_VERSION, self.gateway.model.trust_request_chat_template,
@@ -449,6 +448,10 @@ class OpenAIServer:
                 raise _too_large(size, self.max_body_bytes)
             chunks.append(chunk)
         return b"".join(chunks)
+
+    def _model_names(self) -> list[str]:
+        """What a request's model may name: the served model, then each LoRA adapter some instance serves."""
+        return [self._served_model_name(), *self.gateway.registry.lora_names()]
 
     def _served_model_name(self) -> str:
         return self.gateway.registry.model_name or self.gateway.model.name  # as ModelInfo says

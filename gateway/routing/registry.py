@@ -208,9 +208,13 @@ class InstanceRegistry:
         return sorted((i for i in self._instances.values() if i.role == role and i.last_heartbeat >= deadline),
                       key=lambda i: i.instance_id)
 
+    def live_instances(self) -> list[Instance]:
+        """Live instances of every role, role by role."""
+        return [i for role in ROLES for i in self.instances(role)]
+
     def lora_names(self) -> list[str]:
         """The LoRA adapters some live instance serves, sorted: the model names beside the base."""
-        return sorted({name for role in ROLES for i in self.instances(role) for name in i.spec.lora_names})
+        return sorted({name for i in self.live_instances() for name in i.spec.lora_names})
 
     def expire(self) -> list[Instance]:
         """Drop instances that missed heartbeats past the timeout; return them."""

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from common.engine.config import ModelConfig
-from common.engine.lora.adapter import LoRAAdapter
+from common.engine.lora.adapter import LoRAAdapter, module_shapes
 from common.engine.models.prepacked_linear import PrepackedLinear, prepacking_available
 
 _local = threading.local()
@@ -40,16 +40,17 @@ def _current_groups() -> list[tuple[LoRAAdapter, torch.Tensor | None]]:
 
 
 def linear_layouts(cfg: ModelConfig) -> Layouts:
-    q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    inter = cfg.intermediate_size
+    out = {module: out_features for module, (_, out_features) in module_shapes(cfg).items()}
+    q_out, kv_out, inter = out["q_proj"], out["k_proj"], out["gate_proj"]
     # A fused checkpoint's adapter (Phi-3) targets qkv_proj / gate_up_proj whole: one piece
     # over all the columns, the last of its linear's pieces.
     return {
         ("self_attn", "qkv_proj"): [("q_proj", 0, q_out), ("k_proj", q_out, kv_out),
-                                    ("v_proj", q_out + kv_out, kv_out), ("qkv_proj", 0, q_out + 2 * kv_out)],
-        ("self_attn", "o_proj"): [("o_proj", 0, cfg.hidden_size)],
-        ("mlp", "gate_up_proj"): [("gate_proj", 0, inter), ("up_proj", inter, inter), ("gate_up_proj", 0, 2 * inter)],
-        ("mlp", "down_proj"): [("down_proj", 0, cfg.hidden_size)],
+                                    ("v_proj", q_out + kv_out, kv_out), ("qkv_proj", 0, out["qkv_proj"])],
+        ("self_attn", "o_proj"): [("o_proj", 0, out["o_proj"])],
+        ("mlp", "gate_up_proj"): [("gate_proj", 0, inter), ("up_proj", inter, inter),
+                                  ("gate_up_proj", 0, out["gate_up_proj"])],
+        ("mlp", "down_proj"): [("down_proj", 0, out["down_proj"])],
     }
 
 
