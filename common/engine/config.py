@@ -396,9 +396,6 @@ class EngineConfig:
             # Ranks run at once, each on its share of the cores: more threads in one would take another's.
             raise ValueError(f"num_prefill_threads is for one rank; this engine has "
                              f"{self.parallel.world_size} (tensor x pipeline parallel)")
-        if self.lora.enable_lora:
-            if self.parallel.world_size > 1:
-                raise ValueError("enable_lora does not go with tensor or pipeline parallelism yet")
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -7,6 +7,7 @@ Scheduler and whose worker half lives with the model runner, behind the executor
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -174,15 +175,22 @@ class EngineCore:
                                  f"not {lora.lora_path}: one name, one adapter")
             held.move_to_end(lora.lora_name)
             return
+        unused = None  # the adapter it replaces, dropped once it is loaded (a refused one changes nothing)
         if len(held) >= self.config.lora.max_loras:
             in_use = self._lora_names_in_use()
             unused = next((name for name in held if name not in in_use), None)
             if unused is None:
                 raise LoRAAdaptersBusyError(f"all {len(held)} LoRA adapters held (max_loras) are in use by "
                                             f"requests; retry when one finishes, or raise max_loras")
+        try:
+            self.executor.collective_rpc("add_lora", (lora.lora_name, lora.lora_path))
+        except Exception:
+            with contextlib.suppress(Exception):  # ranks that took it before one refused drop it again
+                self.executor.collective_rpc("remove_lora", (lora.lora_name,))
+            raise
+        if unused is not None:
             self.executor.collective_rpc("remove_lora", (unused,))
             del held[unused]
-        self.executor.collective_rpc("add_lora", (lora,))
         held[lora.lora_name] = lora
         if self._lora_paths_held.setdefault(lora.lora_name, lora.lora_path) != lora.lora_path:
             self.reset_prefix_cache()  # the name's cached blocks are another adapter's
@@ -205,7 +213,7 @@ class EngineCore:
         try:
             self.hold_lora(lora)
         except LoRAAdaptersBusyError:  # every slot holds another adapter in use: check it only
-            self.executor.collective_rpc("check_lora", (lora,))
+            self.executor.collective_rpc("check_lora", (lora.lora_name, lora.lora_path))
         if served_before:
             self.reset_prefix_cache()
 

@@ -28,7 +28,6 @@ from common.engine.heap_retention import release_freed_heap
 from common.engine.kv_connector.factory import make_worker_connector
 from common.engine.kv_connector.layout import describe_kv_layout, kv_layout, kv_layout_hash
 from common.engine.lora.manager import LoRAManager
-from common.engine.lora.request import LoRARequest
 from common.engine.models.attention import AttentionMetadata
 from common.engine.models.causal_lm import CausalLM, build_rope
 from common.engine.models.parallel_layers import kv_head_partition
@@ -611,17 +610,21 @@ class ModelRunner:
             stops.update(self.model_config.eos_token_ids)
         return sorted(stops)
 
-    def add_lora(self, lora_request: LoRARequest) -> None:
+    def add_lora(self, lora_name: str, lora_path: str) -> None:
         """Load an adapter for the requests that name it (EngineCore.hold_lora decides which
         adapters are held); ValueError where this model cannot serve it."""
-        self.lora_manager.add(lora_request)
+        self.lora_manager.add(lora_name, lora_path)
 
     def remove_lora(self, lora_name: str) -> None:
         self.lora_manager.remove(lora_name)
 
-    def check_lora(self, lora_request: LoRARequest) -> None:
+    def lora_names(self) -> list[str]:
+        """The adapters this rank holds, sorted."""
+        return sorted(self.lora_manager.adapters) if self.lora_manager is not None else []
+
+    def check_lora(self, lora_name: str, lora_path: str) -> None:
         """ValueError where this model cannot serve the adapter; nothing is held."""
-        self.lora_manager.check(lora_request)
+        self.lora_manager.check(lora_name, lora_path)
 
     def _lora_step(self, scheduled: list[ScheduledRequest]):
         """The forward pass's LoRA rows (manager.step), or nothing where no adapter is served."""

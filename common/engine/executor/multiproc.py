@@ -48,6 +48,10 @@ class WorkerError(RuntimeError):
     """A call failed inside a worker (its traceback is in the message); the worker lives on."""
 
 
+class WorkerRefusedError(WorkerError, ValueError):
+    """A call's input refused by a worker (its ValueError's message, as one process would say)."""
+
+
 class _PendingStep(StepHandle):
     """A step broadcast to the workers whose replies are not read yet; they are read in
     submission order, so result() first collects every older step's."""
@@ -85,6 +89,8 @@ def check_parallel_support(config: EngineConfig) -> None:
 
 def _raise_worker_error(replies: list[dict]) -> None:
     for rank, reply in enumerate(replies):
+        if not reply.get("ok") and isinstance(reply.get("refused"), str):
+            raise WorkerRefusedError(reply["refused"])
         if not reply.get("ok"):
             raise WorkerError(f"worker rank {rank}: {reply.get('error')}\n{reply.get('traceback', '')}")
 

@@ -151,15 +151,22 @@ def _serve(spec: WorkerSpec, runner, requests: ShmRingQueue, responses: ShmRingQ
 
     while True:
         payload = requests.dequeue(abort=parent_alive)
+        request = None
         try:
             request = _parse_request(payload, spec.rank)
             if request["kind"] == "shutdown":
                 return
             reply = {"ok": True, "result": _handle(request, runner, decoder, spec)}
         except Exception as e:
-            if not isinstance(e, MessageFormatError):
+            # A call's ValueError is its input refused (an adapter this model cannot serve):
+            # the engine hears it as one, the worker is fine.
+            refused = (request is not None and request["kind"] == "rpc" and isinstance(e, ValueError)
+                       and not isinstance(e, MessageFormatError))
+            if not isinstance(e, MessageFormatError) and not refused:
                 logger.exception("rank %d failed on %s", spec.rank, type(e).__name__)
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            if refused:
+                reply |= {"refused": str(e)}
         try:
             encoded = pack(reply)
         except (TypeError, ValueError) as e:  # a result that is not plain data

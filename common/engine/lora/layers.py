@@ -3,7 +3,14 @@ o_proj, gate_up_proj, down_proj) and, for each adapter the step's rows use, adds
 scaling * (x A^T) B^T to those rows of its output, A and B stacked over the linear's pieces (qkv_proj's
 q, k and v; gate_up_proj's gate and up: stack_adapter) so that an adapter costs two
 matmuls a linear. Which rows use which adapter is the step's (lora_step), set by the
-runner around the forward pass as the attention metadata is."""
+runner around the forward pass as the attention metadata is.
+
+Under tensor parallelism each rank keeps its share of the stacked matrices (rank_shards):
+a column-parallel linear (qkv_proj, gate_up_proj) B's rows of its own output features, all
+of A, so the shrink x A^T repeats on every rank and the expand is the rank's own columns; a
+row-parallel one (o_proj, down_proj) A's columns of its own input features, all of B, its
+delta a partial sum that joins the base's partial output before their one all-reduce.
+Pipeline stages stack only their own layers."""
 from __future__ import annotations
 
 import contextlib
@@ -14,13 +21,18 @@ import torch
 from torch import nn
 
 from common.engine.config import ModelConfig
+from common.engine.distributed import parallel_state
 from common.engine.lora.adapter import LoRAAdapter, module_shapes
+from common.engine.models.parallel_layers import RowParallelLinear, kv_head_partition
 from common.engine.models.prepacked_linear import PrepackedLinear, prepacking_available
 
 _local = threading.local()
 # A decoder layer's wrapped linears: (its block, its name) -> the PEFT modules it fuses, each
 # (name, first output column, number of columns); linear_layouts fills in the sizes.
 Layouts = dict[tuple[str, str], list[tuple[str, int, int]]]
+# A tensor-parallel rank's share of each wrapped linear's stacked pair: linear name -> (which
+# matrix it slices, "A" by columns or "B" by rows; its ranges (first, number) of features).
+Shards = dict[str, tuple[str, list[tuple[int, int]]]]
 
 
 @contextlib.contextmanager
@@ -54,11 +66,37 @@ def linear_layouts(cfg: ModelConfig) -> Layouts:
     }
 
 
-def stack_adapter(adapter: LoRAAdapter, layouts: Layouts, num_layers: int) -> None:
+def rank_shards(cfg: ModelConfig, tp_rank: int, tp_size: int) -> Shards:
+    """What tp_rank keeps of each linear's stacked pair: the features its base linear holds,
+    as parallel_layers splits them (query heads evenly, KV heads by kv_head_partition, the
+    MLP's intermediate features evenly)."""
+    hd = cfg.head_dim
+    q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    q_per_rank, inter_per_rank = q_out // tp_size, cfg.intermediate_size // tp_size
+    kv_start, num_kv_heads = kv_head_partition(cfg.num_key_value_heads, tp_rank, tp_size)
+    kv_rows = (kv_start * hd, num_kv_heads * hd)
+    return {"qkv_proj": ("B", [(tp_rank * q_per_rank, q_per_rank), (q_out + kv_rows[0], kv_rows[1]),
+                               (q_out + kv_out + kv_rows[0], kv_rows[1])]),
+            "gate_up_proj": ("B", [(tp_rank * inter_per_rank, inter_per_rank),
+                                   (cfg.intermediate_size + tp_rank * inter_per_rank, inter_per_rank)]),
+            "o_proj": ("A", [(tp_rank * q_per_rank, q_per_rank)]),
+            "down_proj": ("A", [(tp_rank * inter_per_rank, inter_per_rank)])}
+
+
+def _shard(a: torch.Tensor, b: torch.Tensor, shard: tuple[str, list[tuple[int, int]]]) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    matrix, ranges = shard
+    if matrix == "B":
+        return a, torch.cat([b[first:first + num] for first, num in ranges])  # [rank's out_features, k * r]
+    return torch.cat([a[:, first:first + num] for first, num in ranges], dim=1).contiguous(), b
+
+
+def stack_adapter(adapter: LoRAAdapter, layouts: Layouts, layer_ids: range, shards: Shards | None = None) -> None:
     """adapter.stacked[(layer, linear name)] = (A [k * r, in_features], B [out_features, k * r])
     over the k pieces of the linear the adapter targets, B block-diagonal, so that
-    (x A^T) B^T is every piece's delta in its own columns."""
-    for layer in range(num_layers):
+    (x A^T) B^T is every piece's delta in its own columns; for the layers layer_ids (a
+    pipeline stage's), each cut to a tensor-parallel rank's shards where given."""
+    for layer in layer_ids:
         for (_, linear_name), pieces in layouts.items():
             targeted = [(first, size, adapter.weights[(layer, module)]) for module, first, size in pieces
                         if (layer, module) in adapter.weights]
@@ -69,6 +107,8 @@ def stack_adapter(adapter: LoRAAdapter, layouts: Layouts, num_layers: int) -> No
             b_stacked = a_cat.new_zeros(out_features, a_cat.shape[0])  # [out_features, k * r]
             for i, (first, size, (_, b)) in enumerate(targeted):
                 b_stacked[first:first + size, i * adapter.rank:(i + 1) * adapter.rank] = b
+            if shards is not None:
+                a_cat, b_stacked = _shard(a_cat, b_stacked, shards[linear_name])
             adapter.stacked[(layer, linear_name)] = (a_cat, b_stacked)
             if _packs(a_cat):
                 adapter.packed[(layer, linear_name)] = (PrepackedLinear(a_cat, None), PrepackedLinear(b_stacked, None))
@@ -123,8 +163,15 @@ class LoRALinear(nn.Module):
         self.linear_name = linear_name
         # A tensor, not an int: one compiled decoder layer serves every layer (no guard on it).
         self.layer_idx = torch.tensor(layer_idx, device="cpu")
+        # A row-parallel base's output is its ranks' partial sums all-reduced: the delta of
+        # this rank's input features is a partial sum too and joins before that reduce.
+        self.sums_ranks = isinstance(base, RowParallelLinear) and base.tp_size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [num_tokens, in_features]
+        if self.sums_ranks:
+            y = self.base.partial(x)  # [num_tokens, out_features], this rank's share
+            torch.ops.pdserve.add_lora_deltas(y, x, self.layer_idx, self.linear_name)
+            return parallel_state.tp_all_reduce(y)
         y = self.base(x)  # [num_tokens, out_features]
         torch.ops.pdserve.add_lora_deltas(y, x, self.layer_idx, self.linear_name)
         return y
@@ -136,7 +183,7 @@ def base_linear(linear: nn.Module) -> nn.Module:
 
 
 def wrap_linears(model: nn.Module, layouts: Layouts) -> int:
-    """Every decoder layer's linears wrapped in LoRALinear (one rank: no tensor parallelism);
+    """Every decoder layer's linears (a pipeline stage's: model.layers) wrapped in LoRALinear;
     the number wrapped."""
     num_wrapped = 0
     for offset, layer in enumerate(model.layers):

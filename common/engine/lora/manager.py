@@ -1,7 +1,9 @@
 """The runner's adapters: loaded on a request's first use (EngineCore asks before it
 queues the request, so a bad adapter fails it with nothing scheduled), at most max_loras
 at once (EngineCore evicts one no live request uses), and the rows of each step that use
-each (lora_step)."""
+each (lora_step). Under tensor or pipeline parallelism every rank holds the same adapters,
+each its share (layers.rank_shards) of its stage's layers; the engine names them by plain
+(name, path) so that the calls reach every rank's manager alike."""
 from __future__ import annotations
 
 import contextlib
@@ -11,9 +13,9 @@ import torch
 from torch import nn
 
 from common.engine.config import ModelConfig
+from common.engine.distributed import parallel_state
 from common.engine.lora.adapter import LoRAAdapter, load_adapter
-from common.engine.lora.layers import linear_layouts, lora_step, stack_adapter, wrap_linears
-from common.engine.lora.request import LoRARequest
+from common.engine.lora.layers import linear_layouts, lora_step, rank_shards, stack_adapter, wrap_linears
 from common.engine.outputs import ScheduledRequest
 
 
@@ -25,20 +27,22 @@ class LoRAManager:
         self.dtype, self.device = dtype, device
         self.adapters: dict[str, LoRAAdapter] = {}
         self.layouts = linear_layouts(cfg)
+        self.layer_ids = range(model.start_layer, model.end_layer)  # this pipeline stage's
+        tp_size = parallel_state.get_tp_size()
+        self.shards = rank_shards(cfg, parallel_state.get_tp_rank(), tp_size) if tp_size > 1 else None
         wrap_linears(model, self.layouts)
 
-    def add(self, request: LoRARequest) -> None:
+    def add(self, lora_name: str, lora_path: str) -> None:
         """Load the adapter (EngineCore asks only for one it does not hold); ValueError for one
         this model cannot serve."""
-        adapter = self.check(request)
-        stack_adapter(adapter, self.layouts, self.cfg.num_hidden_layers)
+        adapter = self.check(lora_name, lora_path)
+        stack_adapter(adapter, self.layouts, self.layer_ids, self.shards)
         adapter.weights.clear()  # what the linears read is the stacked form
-        self.adapters[request.lora_name] = adapter
+        self.adapters[lora_name] = adapter
 
-    def check(self, request: LoRARequest) -> LoRAAdapter:
+    def check(self, lora_name: str, lora_path: str) -> LoRAAdapter:
         """The adapter as loaded, not held; ValueError for one this model cannot serve."""
-        return load_adapter(request.lora_name, request.lora_path, self.cfg, self.max_lora_rank, self.dtype,
-                            self.device)
+        return load_adapter(lora_name, lora_path, self.cfg, self.max_lora_rank, self.dtype, self.device)
 
     def remove(self, lora_name: str) -> None:
         self.adapters.pop(lora_name, None)

@@ -114,8 +114,13 @@ class RowParallelLinear(nn.Linear):
         super().__init__(input_size // self.tp_size, output_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # [num_tokens, output_size], this rank's share of the sum
+        y = self.partial(x)
         return parallel_state.tp_all_reduce(y) if self.tp_size > 1 else y
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, this rank's input features] -> this rank's share of the sum
+        [num_tokens, output_size] (a LoRA delta joins it before the all-reduce)."""
+        return F.linear(x, self.weight)
 
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: int | None) -> None:
         expected = (self.out_features, self.total_input_size)

@@ -20,7 +20,13 @@ from common.engine.config import KVTransferConfig, SpeculativeConfig, make_engin
 from common.engine.engine_core import EngineCore
 from common.engine.errors import EngineDeadError, ExecutorFailedError
 from common.engine.executor import InProcessExecutor
-from common.engine.executor.multiproc import MultiProcExecutor, check_parallel_support, output_rank
+from common.engine.executor.multiproc import (
+    MultiProcExecutor,
+    WorkerError,
+    WorkerRefusedError,
+    check_parallel_support,
+    output_rank,
+)
 from common.engine.llm import LLM
 from common.engine.outputs import SchedulerOutput
 from common.engine.request import Request
@@ -76,6 +82,22 @@ def test_a_pickle_payload_is_refused_and_the_worker_goes_on(mp_llm):
     with pytest.raises(RuntimeError, match="worker rank 0: MessageFormatError.*'_run_model' is not a public"):
         executor.collective_rpc("_run_model")
     assert [o.outputs[0].token_ids for o in mp_llm.generate(PROMPTS[:1], GREEDY)][0]
+
+
+def test_a_call_s_refused_input_is_a_value_error_with_the_worker_s_message(tiny_dir, tmp_path):
+    llm = LLM(str(tiny_dir), distributed_executor_backend="mp", enable_lora=True, **ENGINE)
+    executor = llm.engine.executor
+    try:
+        # The adapter's own message, as one process says it: the caller's error, not a worker's failure.
+        with pytest.raises(WorkerRefusedError, match=r"^LoRA adapter 'x': no adapter_config.json") as refused:
+            executor.collective_rpc("check_lora", ("x", str(tmp_path)))
+        assert isinstance(refused.value, ValueError) and "Traceback" not in str(refused.value)
+        with pytest.raises(WorkerError, match="worker rank 0: TypeError") as failed:  # any other failure
+            executor.collective_rpc("check_lora", ("x", 5))
+        assert not isinstance(failed.value, ValueError)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], GREEDY)][0]
+    finally:
+        llm.engine.shutdown()
 
 
 def test_a_worker_ignores_ctrl_c_which_is_the_engine_process_to_handle(mp_llm):
