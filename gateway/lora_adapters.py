@@ -7,7 +7,10 @@ adapter. A new load that fails on any instance is undone on the others and fails
 instance's reason; an in-place reload that fails part-way says which instances took it.
 The registry learns each instance's names from its answer (and from its heartbeats after,
 which is how other gateways of the deployment learn them). An instance that registers
-later, a pool scaled up, is given the adapters loaded here that it lacks.
+later, a pool scaled up or an instance restarted, is given the adapters that live instances
+report as loaded at run time (with their paths) and it lacks: so any gateway catches it up,
+also one that restarted or never made the load. Adapters an instance was started with
+(--lora-modules) are its own configuration and are not given to others.
 
 Changes run one at a time (one lock), so a scale-up's catch-up load cannot race an unload.
 """
@@ -37,7 +40,6 @@ class LoRAAdapters:
         self.registry = registry
         self._base_model_names = base_model_names
         self._channels: InstanceChannels[LoRAAdapterClient] = InstanceChannels(registry, LoRAAdapterClient, ROLES)
-        self._loaded: dict[str, str] = {}  # name -> path: the adapters loaded through this gateway
         self._changing = asyncio.Lock()
         self._catching_up: set[asyncio.Task] = set()
         registry.subscribe(on_added=self._on_added)
@@ -70,13 +72,11 @@ class LoRAAdapters:
             if failures:
                 raise ServiceError(failures[0].code, f"{failures[0].message} (LoRA adapter {lora_name!r} was "
                                    f"loaded again on {', '.join(i.instance_id for i in loaded) or 'none'})")
-            self._loaded[lora_name] = lora_path
         logger.info("loaded LoRA adapter %r from %s on %d instances", lora_name, lora_path, len(instances))
 
     async def unload(self, lora_name: str) -> None:
         """NOT_FOUND: no live instance serves it; else an instance's refusal, named."""
         async with self._changing:
-            self._loaded.pop(lora_name, None)
             serving = [i for i in self.registry.live_instances() if lora_name in i.spec.lora_names]
             if not serving:
                 raise ServiceError(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {lora_name!r} cannot be found")
@@ -115,23 +115,40 @@ class LoRAAdapters:
                 raise result
         return done, failures
 
+    def _runtime_adapters(self, instance_id: str) -> dict[str, str]:
+        """name -> path of the adapters the other live instances report as loaded at run time
+        (where two report one name from different paths, a reload that failed part-way, the
+        first instance's by id)."""
+        paths: dict[str, str] = {}
+        for other in self._lora_instances():
+            if other.instance_id != instance_id:
+                for name, path in other.spec.runtime_lora_paths.items():
+                    paths.setdefault(name, path)
+        return paths
+
+    def _missing(self, instance: Instance) -> dict[str, str]:
+        served = set(instance.spec.lora_names)
+        return {name: path for name, path in self._runtime_adapters(instance.instance_id).items()
+                if name not in served}
+
     def _on_added(self, instance: Instance, _reason: str) -> None:
-        if instance.spec.lora_enabled and set(self._loaded) - set(instance.spec.lora_names):
+        if instance.spec.lora_enabled and self._missing(instance):
             task = asyncio.get_running_loop().create_task(self._catch_up(instance.instance_id))
             self._catching_up.add(task)
             task.add_done_callback(self._catching_up.discard)
 
     async def _catch_up(self, instance_id: str) -> None:
-        """Load on a newly registered instance the adapters loaded here that it lacks."""
+        """Load on a newly registered instance the run-time adapters it lacks (as of now:
+        a change made meanwhile under the lock is seen)."""
         async with self._changing:
-            for lora_name, lora_path in list(self._loaded.items()):
+            instance = self.registry.get(instance_id)
+            for lora_name, lora_path in (self._missing(instance) if instance is not None else {}).items():
                 instance = self.registry.get(instance_id)
                 if instance is None:
                     return  # gone again
-                if lora_name in instance.spec.lora_names:
-                    continue
                 _, failures = await self._on_each([instance], lambda client: client.load(
                     lora_name, lora_path, False, RPC_TIMEOUT_S))
                 for failure in failures:
-                    logger.warning("could not load LoRA adapter %r on %s, which joined after it was loaded: %s",
-                                   lora_name, instance_id, failure.message)
+                    if failure.code != grpc.StatusCode.ALREADY_EXISTS:  # another gateway gave it first
+                        logger.warning("could not load LoRA adapter %r on %s, which joined after it was loaded: "
+                                       "%s", lora_name, instance_id, failure.message)

@@ -81,7 +81,7 @@ class EngineWorker:
                             ).with_loras(self.served_loras())
 
     def served_loras(self) -> ServedLoRAs:
-        return ServedLoRAs(tuple(self.lora_modules.names), self.lora_modules.version)
+        return ServedLoRAs(tuple(self.lora_modules.names), self.lora_modules.version, self.lora_modules.runtime_paths)
 
     def load(self) -> InstanceLoad:
         stats = self.engine.stats

@@ -28,4 +28,4 @@ class LoRAAdapterClient:
 
 
 def _served(response: lora_adapters_pb2.LoRAAdaptersResponse) -> ServedLoRAs:
-    return ServedLoRAs(tuple(response.lora_names), response.lora_names_version)
+    return ServedLoRAs(tuple(response.lora_names), response.lora_names_version, dict(response.runtime_lora_paths))

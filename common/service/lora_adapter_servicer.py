@@ -66,4 +66,5 @@ class LoRAAdapterServicer(lora_adapters_pb2_grpc.LoRAAdapterServiceServicer):
 
     def _served(self) -> lora_adapters_pb2.LoRAAdaptersResponse:
         return lora_adapters_pb2.LoRAAdaptersResponse(lora_names=self.lora_modules.names,
-                                                      lora_names_version=self.lora_modules.version)
+                                                      lora_names_version=self.lora_modules.version,
+                                                      runtime_lora_paths=self.lora_modules.runtime_paths)

@@ -17,6 +17,7 @@ class LoRAModules:
         # Ids from 1 in the order loaded, never reused (vLLM's lora_int_id: 0 is the base model).
         self._ids = itertools.count(1)
         self._requests = {name: LoRARequest(name, next(self._ids), path) for name, path in (paths or {}).items()}
+        self._loaded_at_run_time: set[str] = set()  # names `add`ed since the start
         # Bumped by each change, so that a gateway can tell a newer report of the names from an older one.
         self.version = 0
 
@@ -48,13 +49,20 @@ class LoRAModules:
         """A request for an adapter to load under a fresh id (served once `add`ed)."""
         return LoRARequest(lora_name, next(self._ids), lora_path)
 
+    @property
+    def runtime_paths(self) -> dict[str, str]:
+        """The adapters loaded at run time (not from --lora-modules), name -> path."""
+        return {name: self._requests[name].lora_path for name in self._requests if name in self._loaded_at_run_time}
+
     def add(self, lora: LoRARequest) -> None:
-        """Serve `lora` under its name, in place of any adapter of that name."""
+        """Serve `lora` under its name, in place of any adapter of that name (loaded at run time)."""
         self._requests[lora.lora_name] = lora
+        self._loaded_at_run_time.add(lora.lora_name)
         self.version += 1
 
     def remove(self, lora_name: str) -> None:
         del self._requests[lora_name]
+        self._loaded_at_run_time.discard(lora_name)
         self.version += 1
 
     def resolve(self, lora_name: str | None) -> LoRARequest | None:

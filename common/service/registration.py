@@ -21,8 +21,8 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 import grpc
@@ -63,10 +63,12 @@ class InstanceLoad:
 @dataclass(frozen=True)
 class ServedLoRAs:
     """The LoRA adapters an instance serves now, and the version of that list (bumped by each
-    load or unload): a gateway keeps the report of the highest version it has seen."""
+    load or unload): a gateway keeps the report of the highest version it has seen. Those
+    loaded at run time come with their paths, which any gateway gives to instances joining later."""
 
     names: tuple[str, ...] = ()
     version: int = 0
+    runtime_paths: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -85,15 +87,19 @@ class InstanceSpec:
     lora_names: tuple[str, ...] = ()  # the LoRA adapters it serves
     lora_enabled: bool = False  # it loads adapters at run time (LoRAAdapterService)
     lora_names_version: int = 0  # bumped by each load or unload
+    # Of lora_names, those loaded at run time: name -> path on the instance's host.
+    runtime_lora_paths: Mapping[str, str] = field(default_factory=dict)
 
     def with_loras(self, loras: ServedLoRAs) -> InstanceSpec:
-        return replace(self, lora_names=loras.names, lora_names_version=loras.version)
+        return replace(self, lora_names=loras.names, lora_names_version=loras.version,
+                       runtime_lora_paths=dict(loras.runtime_paths))
 
     @classmethod
     def from_pb(cls, msg: registry_pb2.RegisterRequest) -> InstanceSpec:
         """An unknown role stays visible as "unspecified", so the registry can reject it by name."""
         values = {f.name: getattr(msg, f.name) for f in fields(cls) if f.name != "role"}
         values["lora_names"] = tuple(msg.lora_names)
+        values["runtime_lora_paths"] = dict(msg.runtime_lora_paths)
         return cls(role=_ROLE_FROM_PB.get(msg.role, "unspecified"), **values)
 
     def to_pb(self) -> registry_pb2.RegisterRequest:
@@ -112,7 +118,8 @@ class RegistryClient:
         adapters served now, where they change at run time (else spec.lora_names)."""
         self.spec = spec
         self._get_load = get_load
-        self._get_loras = get_loras or (lambda: ServedLoRAs(spec.lora_names, spec.lora_names_version))
+        self._get_loras = get_loras or (lambda: ServedLoRAs(spec.lora_names, spec.lora_names_version,
+                                                            spec.runtime_lora_paths))
         self._retry_s = retry_s
         self._timeout_s = rpc_timeout_s
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
@@ -137,7 +144,8 @@ class RegistryClient:
                     response = await self._stub.Heartbeat(registry_pb2.HeartbeatRequest(
                         instance_id=self.spec.instance_id, load=self._get_load().to_pb(),
                         instance_secret=self._secret, lora_names=loras.names,
-                        lora_names_version=loras.version), timeout=self._timeout_s, metadata=self._metadata)
+                        lora_names_version=loras.version, runtime_lora_paths=loras.runtime_paths),
+                        timeout=self._timeout_s, metadata=self._metadata)
                 except grpc.aio.AioRpcError as e:  # gateway down: it forgets us; keep trying
                     logger.warning("heartbeat to gateway failed: %s", e.code().name)
                     if e.code() == grpc.StatusCode.UNAUTHENTICATED:

@@ -275,7 +275,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self._authenticate(context)
         self.registry.check_secret(request.instance_id, request.instance_secret)
         known = self.registry.heartbeat(request.instance_id, InstanceLoad.from_pb(request.load),
-                                        ServedLoRAs(tuple(request.lora_names), request.lora_names_version))
+                                        ServedLoRAs(tuple(request.lora_names), request.lora_names_version,
+                                                    dict(request.runtime_lora_paths)))
         return registry_pb2.HeartbeatResponse(reregister=not known)
 
     async def Deregister(self, request, context):

@@ -208,9 +208,15 @@ def test_an_instance_itself_refuses_what_it_cannot_do(stack, lake_dir):
         assert error.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_an_instance_that_joins_later_gets_the_adapters_loaded_at_run_time(stack, offline, lake_dir):
+def test_an_instance_that_joins_later_gets_the_adapters_loaded_at_run_time_even_from_a_restarted_gateway(
+        stack, offline, lake_dir):
     assert post(stack, "/v1/load_lora_adapter", {"lora_name": "lake", "lora_path": lake_dir})[0] == 200
     try:
+        # The gateway that made the load forgets it: the restarted one learns lake and its path
+        # from the instances' registrations, which say it was loaded at run time.
+        stack.kill_gateway(0)
+        stack.restart_gateway(0)
+        stack.wait_registered(1, 1, timeout_s=60)
         joined = stack.add_instance("decode")
         stack.kill("decode-0", signal.SIGTERM)  # the old one leaves (deregisters): only the new one is left
         stack.instances["decode-0"].wait_or_kill(stack.grace_s)

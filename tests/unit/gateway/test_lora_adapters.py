@@ -1,7 +1,8 @@
 """The gateway's run-time LoRA changes (gateway.lora_adapters) over real gRPC to instances
 that answer LoRAAdapterService as an instance does (a name set and a version; one can be
 told to refuse a path): every LoRA instance is changed, a refused new load is undone on
-the others, an unload skips none, and an instance registering later is caught up."""
+the others, an unload skips none, and an instance registering later is caught up with the
+adapters the others report as loaded at run time, by any gateway."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,7 @@ import grpc
 import pytest
 
 from common.service.errors import ErrorStatusInterceptor, ServiceError
-from common.service.registration import InstanceSpec
+from common.service.registration import InstanceSpec, ServedLoRAs
 from gateway.lora_adapters import LoRAAdapters
 from gateway.routing.registry import InstanceRegistry
 from protos.pdserve.v1 import lora_adapters_pb2, lora_adapters_pb2_grpc
@@ -37,7 +38,8 @@ class Instance(lora_adapters_pb2_grpc.LoRAAdapterServiceServicer):
 
     def _answer(self):
         self.version += 1
-        return lora_adapters_pb2.LoRAAdaptersResponse(lora_names=list(self.paths), lora_names_version=self.version)
+        return lora_adapters_pb2.LoRAAdaptersResponse(lora_names=list(self.paths), lora_names_version=self.version,
+                                                      runtime_lora_paths=self.paths)
 
 
 async def serve(instance: Instance) -> tuple[grpc.aio.Server, str]:
@@ -100,16 +102,20 @@ def test_an_unload_reaches_every_instance_serving_it():
     run(scenario)
 
 
+async def wait_for_lora(registry, instance_id: str, lora_name: str) -> None:
+    deadline = asyncio.get_running_loop().time() + 5
+    while lora_name not in registry.get(instance_id).spec.lora_names:
+        assert asyncio.get_running_loop().time() < deadline, f"{instance_id} was not given {lora_name}"
+        await asyncio.sleep(0.01)
+
+
 def test_an_instance_registering_later_gets_the_adapters_loaded_here():
     async def scenario(registry, adapters, instances, addresses):
         await adapters.load("sea", "/sea")
         await adapters.load("lake", "/lake")
         await adapters.unload("lake")  # gone before d1 joins: not given to it
         registry.register(InstanceSpec("d1", "decode", addresses["d1"], lora_enabled=True))
-        deadline = asyncio.get_running_loop().time() + 5
-        while "sea" not in registry.get("d1").spec.lora_names:
-            assert asyncio.get_running_loop().time() < deadline, "d1 was not given sea"
-            await asyncio.sleep(0.01)
+        await wait_for_lora(registry, "d1", "sea")
         assert instances["d1"].paths == {"sea": "/sea"}
         without_lora = Instance()
         server, address = await serve(without_lora)
@@ -118,4 +124,20 @@ def test_an_instance_registering_later_gets_the_adapters_loaded_here():
             assert not adapters._catching_up and without_lora.paths == {}
         finally:
             await server.stop(None)
+    run(scenario)
+
+
+def test_a_gateway_that_made_no_load_gives_a_joining_instance_what_the_others_loaded_at_run_time():
+    """A restarted gateway, or a replica: it learns the run-time adapters from the instances'
+    registrations (and heartbeats), not from a load of its own."""
+    async def scenario(registry, adapters, instances, addresses):
+        instances["p0"].paths["sea"] = "/sea"  # loaded at run time through some other gateway
+        registry.update_loras("p0", ServedLoRAs(("own", "sea"), 1, {"sea": "/sea"}))  # own: its --lora-modules
+        registry.update_loras("d0", ServedLoRAs(("sea",), 1, {"sea": "/sea-d0"}))
+        registry.register(InstanceSpec("d1", "decode", addresses["d1"], lora_enabled=True))
+        await wait_for_lora(registry, "d1", "sea")
+        assert instances["d1"].paths == {"sea": "/sea"}  # the first reporter's path; no "own"
+        assert registry.get("d1").spec.runtime_lora_paths == {"sea": "/sea"}  # and d1 reports it on
+        await adapters.unload("sea")
+        assert instances["d1"].paths == {} and registry.get("d1").spec.runtime_lora_paths == {}
     run(scenario)

@@ -43,7 +43,11 @@ def test_run_time_changes_take_fresh_ids_and_bump_the_version():
     modules.add(chat)
     modules.add(modules.new_request("sql", "/c/sql"))  # in place: a fresh id, the same name
     assert modules.names == ["sql", "chat"] and modules.resolve("sql") == LoRARequest("sql", 3, "/c/sql")
+    # Those loaded at run time are reported with their paths (the gateways give them to
+    # instances joining later); --lora-modules' own are not, until replaced at run time.
+    assert modules.runtime_paths == {"sql": "/c/sql", "chat": "/b/chat"}
+    assert LoRAModules.parse(["sql=/a/sql"]).runtime_paths == {}
     modules.remove("chat")
-    assert modules.names == ["sql"] and modules.version == 3
+    assert modules.names == ["sql"] and modules.version == 3 and modules.runtime_paths == {"sql": "/c/sql"}
     with pytest.raises(ServiceError):
         modules.resolve("chat")

@@ -272,11 +272,13 @@ def test_registry_client_reports_the_adapters_served_now():
         try:
             await _until(lambda: registry.get("d0") is not None)
             assert registry.get("d0").spec.lora_names == ("sea",)  # registered with them
-            served = ServedLoRAs(("sea", "lake"), 2)
+            served = ServedLoRAs(("sea", "lake"), 2, {"lake": "/adapters/lake"})  # lake loaded at run time
             await _until(lambda: registry.get("d0").spec.lora_names == ("sea", "lake"))  # a heartbeat
+            assert registry.get("d0").spec.runtime_lora_paths == {"lake": "/adapters/lake"}
             registry.deregister("d0")  # as if the gateway restarted: it learns them again
             await _until(lambda: registry.get("d0") is not None)
             assert registry.get("d0").spec.lora_names_version == 2
+            assert registry.get("d0").spec.runtime_lora_paths == {"lake": "/adapters/lake"}
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
