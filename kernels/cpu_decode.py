@@ -49,7 +49,7 @@ def native_decode_available() -> bool:
 
 
 def _decode_layers_fake(model_id, hidden, positions, k_caches, v_caches, slot_mapping, block_tables,
-                        query_start_loc, seq_lens):
+                        query_start_loc, seq_lens, lora_ids=None):
     return hidden.new_empty(hidden.shape)
 
 
@@ -57,7 +57,7 @@ def _decode_tokens_fake(model_id, input_ids, positions, k_caches, v_caches, slot
                         query_start_loc, seq_lens, num_steps=1, stop_token_ids=None, temperatures=None,
                         uniforms=None, top_k=None, top_p=None, min_p=None, logits=None, num_logprobs=None,
                         logprobs=None, logprob_token_ids=None, penalties=None, history_token_ids=None,
-                        history_offsets=None, held_back_steps=None):
+                        history_offsets=None, held_back_steps=None, lora_ids=None):
     return input_ids.new_empty((input_ids.shape[0], num_steps))
 
 
@@ -172,6 +172,20 @@ def release_decode_model(model_id: int) -> None:
     torch.ops.pdserve_decode.release_decode_model(model_id)
 
 
+def register_decode_adapter(
+    a: list[torch.Tensor | None],  # per layer, for qkv, o, gate_up, down: A [R, K] or None (not targeted)
+    b: list[torch.Tensor | None],  # the same: B [N, R], the model's dtype as A
+    scaling: float,
+) -> int:
+    """A LoRA adapter's stacked matrices (common/engine/lora/layers.py), kept under the
+    returned id (B transposed, A shared) for steps whose lora_ids name it."""
+    return torch.ops.pdserve_decode.register_decode_adapter(a, b, float(scaling))
+
+
+def release_decode_adapter(adapter_id: int) -> None:
+    torch.ops.pdserve_decode.release_decode_adapter(adapter_id)
+
+
 def decode_layers(
     model_id: int,
     hidden: torch.Tensor,  # [num_tokens, hidden_size], the embedded tokens
@@ -182,9 +196,10 @@ def decode_layers(
     block_tables: torch.Tensor,  # [num_tokens, max_blocks] int32: one sequence per token
     query_start_loc: torch.Tensor,  # [num_tokens + 1] int32
     seq_lens: torch.Tensor,  # [num_tokens] int32
+    lora_ids: torch.Tensor | None = None,  # [num_tokens] int64: each row's adapter id, -1: none
 ) -> torch.Tensor:  # [num_tokens, hidden_size]
     return torch.ops.pdserve_decode.decode_layers(model_id, hidden, positions, k_caches, v_caches, slot_mapping,
-                                                  block_tables, query_start_loc, seq_lens)
+                                                  block_tables, query_start_loc, seq_lens, lora_ids)
 
 
 def decode_tokens(
@@ -203,6 +218,7 @@ def decode_tokens(
     logits: torch.Tensor | None = None,  # [num_tokens, the head's outputs] the model's dtype; one step
     logprobs: TokenLogprobs | None = None,  # None: no row reports logprobs
     history: TokenHistory | None = None,  # None: no row's tokens change its logits
+    lora_ids: torch.Tensor | None = None,  # [num_tokens] int64: each row's adapter id, -1: none
 ) -> torch.Tensor:  # [num_tokens, steps run] int64: each sequence's next tokens
     """decode_layers from the token ids, then the head and each row's next token (its argmax,
     as argmax_rows takes it from the head's logits, or its draw: TokenSampling), in one
@@ -218,4 +234,4 @@ def decode_tokens(
     history = history or TokenHistory(None, None, None, None)
     return torch.ops.pdserve_decode.decode_tokens(model_id, input_ids, positions, k_caches, v_caches, slot_mapping,
                                                   block_tables, query_start_loc, seq_lens, num_steps, stop_token_ids,
-                                                  *sampling, logits, *logprobs, *history)
+                                                  *sampling, logits, *logprobs, *history, lora_ids)

@@ -205,14 +205,14 @@ class ModelRunner:
                          [dtype_pair(self.dtype, self.kv_cache_dtype)])
         self.model = load_model(model_config, model_dir, self.device, self.dtype, quantization)
         # LoRA adapters' deltas in every decoder linear (None: none served): an op of the
-        # compiled graph (lora/layers.py). The native decode loop, which does not run it, takes
-        # only steps that name no adapter; CUDA graphs stay off.
+        # compiled graph (lora/layers.py), which the native decode loop adds itself for the
+        # adapters registered with it (LoRAManager.register_with); CUDA graphs stay off.
         self.lora_manager: LoRAManager | None = None
         if lora_config is not None and lora_config.enable_lora:
             self.lora_manager = LoRAManager(self.model, model_config, lora_config.max_lora_rank, self.dtype,
                                             self.device)
-            logger.info("LoRA adapters served (up to %d at once, rank <= %d): the native decode loop takes the "
-                        "steps naming none; no CUDA graphs", lora_config.max_loras, lora_config.max_lora_rank)
+            logger.info("LoRA adapters served (up to %d at once, rank <= %d); no CUDA graphs", lora_config.max_loras,
+                        lora_config.max_lora_rank)
         # The forward pass as run each step: compiled unless enforce_eager (the model
         # itself stays eager for a draft that runs part of it). Ranks of a parallel run
         # stay eager: their collectives and stage transfers are not compiler-safe ops.
@@ -288,6 +288,8 @@ class ModelRunner:
                 self.native_decode = NativeDecodeLoop.build(self.model, self.kv_caches)
                 if self.native_decode is not None and self.proposer is not None:
                     self.proposer.build_native_loop()
+                if self.native_decode is not None and self.lora_manager is not None:
+                    self.lora_manager.register_with(self.native_decode.register_adapter)
             if (self.device.type == "cuda" and max_num_seqs and max_model_len and cuda_graphs_enabled()
                     and self.parallel_config.world_size == 1 and self.lora_manager is None):
                 self.decode_graphs = DecodeGraphs(
@@ -397,7 +399,8 @@ class ModelRunner:
             elif received is None and self._loop_samples(scheduler_output, input_ids.shape[0], meta, sample_rows):
                 loop_output = self._run_loop_tokens(scheduler_output, input_ids, positions, meta, sample_rows)
             elif received is None and loop is not None and loop.serves(input_ids.shape[0], meta):
-                hidden = loop.run(input_ids, positions, meta)  # [num_tokens, hidden]
+                # [num_tokens, hidden]
+                hidden = loop.run(input_ids, positions, meta, self._loop_lora_ids(scheduler_output))
             else:
                 with self._lora_step(scheduler_output.scheduled):
                     hidden = self._forward(input_ids, positions, meta, received)
@@ -518,11 +521,18 @@ class ModelRunner:
         return output
 
     def _native_loop(self, scheduler_output: SchedulerOutput) -> NativeDecodeLoop | None:
-        """The native decode loop where it may take the step: one naming no LoRA adapter, since
-        adapters' deltas run only in the model's forward (pdserve::add_lora_deltas)."""
-        if self.lora_manager is not None and any(r.lora_name for r in scheduler_output.scheduled):
+        """The native decode loop where it may take the step: one whose LoRA adapters, if it
+        names any, are registered with it."""
+        if self.lora_manager is not None and not self.lora_manager.all_native(scheduler_output.scheduled):
             return None
         return self.native_decode
+
+    def _loop_lora_ids(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:
+        """Each row's adapter id with the native loop (None: no row names one)."""
+        if self.lora_manager is None:
+            return None
+        decodes, prefills = split_step(scheduler_output.scheduled)
+        return self.lora_manager.native_ids(decodes + prefills)  # the rows in prepare_inputs' order
 
     def _loop_samples(self, scheduler_output: SchedulerOutput, num_tokens: int, meta: AttentionMetadata,
                       sample_rows: list[ScheduledRequest]) -> bool:
@@ -556,7 +566,8 @@ class ModelRunner:
             token_ids = loop.run_tokens(input_ids, positions, meta, num_steps,
                                         self._stop_token_ids(sample_reqs) if num_steps > 1 else None,
                                         sampler.token_sampling(sample_reqs, num_steps), logprobs=logprobs,
-                                        history=sampler.token_history(sample_reqs, vocab_size))
+                                        history=sampler.token_history(sample_reqs, vocab_size),
+                                        lora_ids=self._loop_lora_ids(scheduler_output))
             return RunnerOutput(req_ids=req_ids, sampled_token_ids=token_ids.tolist(),
                                 logprobs=None if logprobs is None
                                 else sampler.loop_logprobs(logprobs, token_ids.shape[1]))
@@ -564,7 +575,8 @@ class ModelRunner:
         logprobs = sampler.token_logprobs(sample_reqs, 1, in_loop)
         token_ids = loop.run_tokens(input_ids, positions, meta, 1, None,
                                     sampler.token_sampling(sample_reqs, 1, in_loop), head_logits, logprobs,
-                                    sampler.token_history(sample_reqs, vocab_size, in_loop))
+                                    sampler.token_history(sample_reqs, vocab_size, in_loop),
+                                    self._loop_lora_ids(scheduler_output))
         return self._sample_rows_left(sample_reqs, in_loop, token_ids, head_logits, token_bitmask, bitmask_rows,
                                       None if logprobs is None else sampler.loop_logprobs(logprobs, 1))
 

@@ -38,6 +38,7 @@ import weakref
 
 import torch
 
+from common.engine.lora.adapter import LoRAAdapter
 from common.engine.lora.layers import base_linear
 from common.engine.models.attention import AttentionMetadata
 from common.engine.models.causal_lm import CausalLM
@@ -53,7 +54,8 @@ from kernels.cpu_decode import (LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR
                                 decode_model_head_outputs, decode_model_max_head_tokens,
                                 decode_model_max_region_tokens, decode_model_max_tokens,
                                 decode_tokens, native_decode_available, native_decode_disabled,
-                                register_decode_model, release_decode_model)
+                                register_decode_adapter, register_decode_model, release_decode_adapter,
+                                release_decode_model)
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +124,7 @@ def _model_tensors(model: CausalLM, num_layers: int | None) -> dict:
         norms += [_check_norm(layer.input_layernorm, cfg.rms_norm_eps),
                   _check_norm(layer.post_attention_layernorm, cfg.rms_norm_eps)]
         for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            linear = base_linear(linear)  # the loop runs steps that name no LoRA adapter
+            linear = base_linear(linear)  # LoRA adapters' deltas the loop adds itself (lora_ids)
             weight, kind = decode_weight(linear)
             weights.append(weight)
             kinds.append(kind)
@@ -138,6 +140,9 @@ def _model_tensors(model: CausalLM, num_layers: int | None) -> dict:
                 num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                 rms_norm_eps=cfg.rms_norm_eps, attention_scale=attn.scale, weight_ids=weight_ids,
                 **_token_head(model))
+
+
+_LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the library's order per layer
 
 
 class NativeDecodeLoop:
@@ -199,6 +204,19 @@ class NativeDecodeLoop:
                         role, loop.max_num_tokens)
         return loop
 
+    def register_adapter(self, adapter: LoRAAdapter) -> int:
+        """A LoRA adapter's stacked matrices (lora/layers.py) registered for this loop's steps
+        that name it (lora_ids), released with the adapter; its id."""
+        a, b = [], []
+        for layer in range(self.model.start_layer, self.model.start_layer + len(self.k_caches)):
+            for linear_name in _LORA_PROJECTIONS:
+                pair = adapter.stacked.get((layer, linear_name))
+                a.append(None if pair is None else pair[0])
+                b.append(None if pair is None else pair[1])
+        adapter_id = register_decode_adapter(a, b, adapter.scaling)
+        weakref.finalize(adapter, release_decode_adapter, adapter_id)
+        return adapter_id
+
     def serves(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Decode-only steps of up to max_num_tokens tokens with the ragged batch built and
         no per-layer KV-connector work."""
@@ -212,7 +230,8 @@ class NativeDecodeLoop:
     def run_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                    num_steps: int = 1, stop_token_ids: list[int] | None = None,
                    sampling: TokenSampling | None = None, logits: torch.Tensor | None = None,
-                   logprobs: TokenLogprobs | None = None, history: TokenHistory | None = None) -> torch.Tensor:
+                   logprobs: TokenLogprobs | None = None, history: TokenHistory | None = None,
+                   lora_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> each row's next tokens [num_tokens, steps run]
         int64: the argmax of the model's compute_argmax_logits over run()'s hidden states, or
         for a row that draws (sampling: its temperature > 0) the token the sampler's native
@@ -223,18 +242,21 @@ class NativeDecodeLoop:
         the head's logits, for the caller to sample rows the loop leaves to it. logprobs: receives
         the logprobs of the rows that report them, as the sampler reports them, each step's.
         history: what each row's tokens so far do to its logits (penalties, stop tokens held
-        back), applied before its argmax or draw."""
+        back), applied before its argmax or draw. lora_ids [num_tokens] int64: each row's
+        LoRA adapter (register_adapter's id; -1: none), whose deltas its projections add."""
         stops = torch.tensor(stop_token_ids, dtype=torch.int64) if stop_token_ids else None
         token_ids = decode_tokens(self.model_id, input_ids, positions, self.k_caches, self.v_caches,
                                   meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                  num_steps, stops, sampling, logits, logprobs, history)
+                                  num_steps, stops, sampling, logits, logprobs, history, lora_ids)
         self.num_steps += token_ids.shape[1]
         self.num_token_steps += token_ids.shape[1]
         return token_ids
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [num_tokens] -> normed hidden states [num_tokens, hidden_size]."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            lora_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> normed hidden states [num_tokens, hidden_size];
+        lora_ids as run_tokens'."""
         hidden = self.model.embed(input_ids)  # [num_tokens, hidden_size]
         self.num_steps += 1
         return decode_layers(self.model_id, hidden, positions, self.k_caches, self.v_caches, meta.slot_mapping,
-                             meta.block_tables, meta.query_start_loc, meta.seq_lens)
+                             meta.block_tables, meta.query_start_loc, meta.seq_lens, lora_ids)

@@ -31,6 +31,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -49,6 +50,7 @@
 #include "attention_team.h"
 #include "check_message.h"
 #include "gguf_row_groups.h"
+#include "lora_deltas.h"
 #include "panel_gemm.h"
 #include "panel_layout.h"
 #include "sample_row.h"
@@ -171,20 +173,9 @@ using pdserve_cpu::to_float;
 using pdserve_cpu::Vec;
 using pdserve_cpu::VecU32;
 
-// A vector's values rounded to T (bf16: to nearest even, as c10 rounds) and widened back.
-inline Vec round_as(Vec v, float) { return v; }
-inline Vec round_as(Vec v, c10::BFloat16) {
-  VecU32 u;
-  std::memcpy(&u, &v, sizeof u);
-  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
-inline void store_vec(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
-inline void store_vec(c10::BFloat16* p, Vec v) {
-  const Vec rounded = round_as(v, c10::BFloat16{});  // exact in bf16: its top 16 bits are the value
-  for (int64_t i = 0; i < kLanes; ++i) p[i].x = static_cast<uint16_t>(std::bit_cast<uint32_t>(rounded[i]) >> 16);
-}
+namespace lora = pdserve_cpu::lora;
+using pdserve_cpu::round_as;
+using pdserve_cpu::store_vec;
 
 // out [M, H] = round(x / rms(x)) * weight, per row (x, out [M, H] contiguous).
 template <typename T>
@@ -269,10 +260,29 @@ void for_rows(int64_t M, const F& f) {
   at::parallel_for(0, M, kRowsPerTask, f);
 }
 
+// y [M, N] += each named row's LoRA delta of projection j of layer l from x [M, K]
+// (lora_deltas.h): on this thread for a few rows, else the shrinks and then the expands'
+// columns over the threads.
+template <typename T>
+void add_lora_deltas(lora::Step& step, size_t l, int j, const T* x, int64_t K, T* y, int64_t N, int64_t M) {
+  if (M < 2 * kRowsPerTask) {
+    lora::shrink_part(step, l, j, x, K, 0, 1);
+    lora::expand(step, l, j, y, N, 0, N, 0, M);
+    return;
+  }
+  const int n = at::get_num_threads();
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t part = b; part < e; ++part) lora::shrink_part(step, l, j, x, K, static_cast<int>(part), n);
+  });
+  at::parallel_for(0, N, 16 * kLanes, [&](int64_t b, int64_t e) { lora::expand(step, l, j, y, N, b, e, 0, M); });
+}
+
+// lora_rows: the step's LoRA adapters and their rows (none: no row names one).
 template <typename T>
 at::Tensor run_layers(const Model& model, const at::Tensor& hidden, const at::Tensor& positions,
                       at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
-                      const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens) {
+                      const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                      lora::Step* lora_rows = nullptr) {
   const int64_t M = hidden.size(0), H = hidden.size(1);
   const int64_t num_heads = model.num_heads, num_kv_heads = model.num_kv_heads, head_dim = model.head_dim;
   const int64_t half = model.cos.size(1);
@@ -291,6 +301,7 @@ at::Tensor run_layers(const Model& model, const at::Tensor& hidden, const at::Te
     at::Tensor qkv = linear(layer.qkv, normed);  // [M, (num_heads + 2 num_kv_heads) head_dim]
     T* qkv_p = qkv.data_ptr<T>();
     const int64_t qkv_width = qkv.size(1);
+    if (lora_rows != nullptr) add_lora_deltas<T>(*lora_rows, l, 0, np, H, qkv_p, qkv_width, M);
     for_rows(M, [&](int64_t b, int64_t e) {
       for (int64_t m = b; m < e; ++m)
         rope<T>(qkv_p + m * qkv_width, num_heads + num_kv_heads, head_dim,
@@ -303,6 +314,8 @@ at::Tensor run_layers(const Model& model, const at::Tensor& hidden, const at::Te
     at::Tensor attended = attend(q, k, v, k_caches[l], v_caches[l], slot_mapping, block_tables, query_start_loc,
                                  seq_lens, model.attention_scale, layer.sliding_window);  // [M, num_heads, head_dim]
     at::Tensor o = linear(layer.o, attended.view({M, num_heads * head_dim}));  // [M, H]
+    if (lora_rows != nullptr)
+      add_lora_deltas<T>(*lora_rows, l, 1, attended.const_data_ptr<T>(), num_heads * head_dim, o.data_ptr<T>(), H, M);
     const T* op = o.data_ptr<T>();
     for_rows(M, [&](int64_t b, int64_t e) {
       add_into<T>(xp + b * H, op + b * H, (e - b) * H);
@@ -310,11 +323,14 @@ at::Tensor run_layers(const Model& model, const at::Tensor& hidden, const at::Te
     });
     at::Tensor gate_up = linear(layer.gate_up, normed);  // [M, 2 I]
     const int64_t I = gate_up.size(1) / 2;
+    if (lora_rows != nullptr) add_lora_deltas<T>(*lora_rows, l, 2, np, H, gate_up.data_ptr<T>(), 2 * I, M);
     if (!act.defined() || act.size(1) != I) act = at::empty({M, I}, x.options());
     const T* gate_up_p = gate_up.data_ptr<T>();
     T* act_p = act.data_ptr<T>();
     for_rows(M, [&](int64_t b, int64_t e) { silu_and_mul<T>(gate_up_p + b * 2 * I, act_p + b * I, e - b, I); });
     at::Tensor down = linear(layer.down, act);  // [M, H]
+    if (lora_rows != nullptr)
+      add_lora_deltas<T>(*lora_rows, l, 3, act.const_data_ptr<T>(), I, down.data_ptr<T>(), H, M);
     const T* dp = down.data_ptr<T>();
     for_rows(M, [&](int64_t b, int64_t e) { add_into<T>(xp + b * H, dp + b * H, (e - b) * H); });
   }
@@ -521,7 +537,8 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
                                  at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                                  const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                                  const at::Tensor& seq_lens, const TokenHead* head = nullptr,
-                                 int64_t* token_ids = nullptr, const StepSampling& sampling = {}) {
+                                 int64_t* token_ids = nullptr, const StepSampling& sampling = {},
+                                 lora::Step* lora_rows = nullptr) {
   const int64_t M = hidden.size(0), H = hidden.size(1);
   const int64_t num_heads = model.num_heads, num_kv_heads = model.num_kv_heads, head_dim = model.head_dim;
   const int64_t half = model.cos.size(1), attended_width = num_heads * head_dim;
@@ -575,6 +592,18 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
   const T* attended_p = attended.data_ptr<T>();
 
   // Each phase below is one thread's part; the barriers keep the phases in order.
+  // Thread t's part of projection j of layer l, once x [M, K] is whole: its GEMV columns,
+  // and where rows name adapters its share of their shrinks, a barrier, and their deltas
+  // in its own columns.
+  auto project = [&](const Linear& lin, size_t l, int j, const T* x, const pdserve_cpu::BlockQuantizedX& xq, int64_t K,
+                     T* y, int t, int n) {
+    if (lora_rows != nullptr) lora::shrink_part(*lora_rows, l, j, x, K, t, n);
+    gemv_share(lin, x, xq, M, y, t, n);
+    if (lora_rows == nullptr) return;
+#pragma omp barrier
+    const auto [c0, c1] = columns_of(lin, t, n);
+    lora::expand(*lora_rows, l, j, y, lin.out_features, c0, c1, 0, M);
+  };
   // The input norm of layer l and its qkv projection and RoPE, up to its attention: the
   // thread's rows' K/V written to the layer's caches.
   auto up_to_attention = [&](size_t l, int t, int n, int64_t row_begin, int64_t row_end) {
@@ -582,7 +611,7 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
     rms_norm<T>(xp + row_begin * H, layer.input_norm.data_ptr<T>(), np + row_begin * H, row_end - row_begin, H, eps);
     prepare_rows(layer.qkv, np, row_begin, row_end, xq_hidden);
 #pragma omp barrier
-    gemv_share(layer.qkv, np, xq_hidden, M, qkv_p, t, n);
+    project(layer.qkv, l, 0, np, xq_hidden, H, qkv_p, t, n);
 #pragma omp barrier
     for (int64_t m = row_begin; m < row_end; ++m)
       rope<T>(qkv_p + m * qkv_width, num_heads + num_kv_heads, head_dim, model.cos.data_ptr<float>() + pos[m] * half,
@@ -595,19 +624,19 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
     const Layer& layer = model.layers[l];
     prepare_rows(layer.o, attended_p, row_begin, row_end, xq_attended);
 #pragma omp barrier
-    gemv_share(layer.o, attended_p, xq_attended, M, op, t, n);
+    project(layer.o, l, 1, attended_p, xq_attended, attended_width, op, t, n);
 #pragma omp barrier
     add_into<T>(xp + row_begin * H, op + row_begin * H, (row_end - row_begin) * H);
     rms_norm<T>(xp + row_begin * H, layer.post_attention_norm.data_ptr<T>(), np + row_begin * H, row_end - row_begin,
                 H, eps);
     prepare_rows(layer.gate_up, np, row_begin, row_end, xq_hidden);
 #pragma omp barrier
-    gemv_share(layer.gate_up, np, xq_hidden, M, gate_up_p, t, n);
+    project(layer.gate_up, l, 2, np, xq_hidden, H, gate_up_p, t, n);
 #pragma omp barrier
     silu_and_mul<T>(gate_up_p + row_begin * 2 * I, act_p + row_begin * I, row_end - row_begin, I);
     prepare_rows(layer.down, act_p, row_begin, row_end, xq_act);
 #pragma omp barrier
-    gemv_share(layer.down, act_p, xq_act, M, dp, t, n);
+    project(layer.down, l, 3, act_p, xq_act, I, dp, t, n);
 #pragma omp barrier
     // A thread's rows stay its own from here to the next layer's qkv projection.
     add_into<T>(xp + row_begin * H, dp + row_begin * H, (row_end - row_begin) * H);
@@ -905,14 +934,33 @@ void check_step(const Model& model, int64_t M, const at::Tensor& positions, at::
                       ": one query per sequence (query_start_loc of num_tokens + 1 values)");
 }
 
+// The step's LoRA adapters where lora_ids [M] int64 names any for its rows (-1: none),
+// checked against the model's projections; none where no row names one.
+std::optional<lora::Step> lora_step(const Model& model, const std::optional<at::Tensor>& lora_ids, int64_t M,
+                                    const char* op) {
+  if (!lora_ids.has_value()) return std::nullopt;
+  auto widths_of = [](const Linear& l) {
+    return std::pair<int64_t, int64_t>{l.kind == kDense ? l.weight.size(1) : l.in_features, l.out_features};
+  };
+  std::vector<std::array<std::pair<int64_t, int64_t>, lora::kNumProjections>> widths;
+  for (const Layer& layer : model.layers)
+    widths.push_back({widths_of(layer.qkv), widths_of(layer.o), widths_of(layer.gate_up), widths_of(layer.down)});
+  lora::Step step = lora::make_step(*lora_ids, M, widths, model.layers[0].input_norm.scalar_type(), op);
+  if (step.groups.empty()) return std::nullopt;
+  return step;
+}
+
 // hidden [num_tokens, hidden_size] (the embedded tokens, one per decode sequence) ->
 // the last layer's output [num_tokens, hidden_size], through the final norm where the
 // model was registered with one. Each layer writes its new K/V at slot_mapping and attends
 // over the step's block tables (one query per sequence: query_start_loc is 0..num_tokens).
+// lora_ids [num_tokens] int64: the LoRA adapter (register_decode_adapter) each row's
+// projections add the deltas of, -1: none.
 at::Tensor decode_layers(int64_t model_id, const at::Tensor& hidden, const at::Tensor& positions,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables,
-                         const at::Tensor& query_start_loc, const at::Tensor& seq_lens) {
+                         const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                         const std::optional<at::Tensor>& lora_ids) {
   const std::shared_ptr<const Model> model = registered_model(model_id, "decode_layers");
   const at::ScalarType dtype = model->layers[0].input_norm.scalar_type();
   PDSERVE_CHECK_VALUE(hidden.dim() == 2 && hidden.scalar_type() == dtype && hidden.is_contiguous() &&
@@ -921,20 +969,22 @@ at::Tensor decode_layers(int64_t model_id, const at::Tensor& hidden, const at::T
                       hidden.scalar_type(), " ", hidden.sizes());
   const int64_t M = hidden.size(0);
   check_step(*model, M, positions, k_caches, v_caches, query_start_loc, seq_lens, "decode_layers");
+  std::optional<lora::Step> lora_rows = lora_step(*model, lora_ids, M, "decode_layers");
+  lora::Step* lora_p = lora_rows.has_value() ? &*lora_rows : nullptr;
 #ifdef PDSERVE_ROW_GROUPS
   if (M <= model->max_region_tokens) {
     if (dtype == at::kFloat)
       return run_layers_in_regions<float>(*model, hidden, positions, k_caches, v_caches, slot_mapping, block_tables,
-                                          query_start_loc, seq_lens);
+                                          query_start_loc, seq_lens, nullptr, nullptr, {}, lora_p);
     return run_layers_in_regions<at::BFloat16>(*model, hidden, positions, k_caches, v_caches, slot_mapping,
-                                               block_tables, query_start_loc, seq_lens);
+                                               block_tables, query_start_loc, seq_lens, nullptr, nullptr, {}, lora_p);
   }
 #endif
   if (dtype == at::kFloat)
     return run_layers<float>(*model, hidden, positions, k_caches, v_caches, slot_mapping, block_tables,
-                             query_start_loc, seq_lens);
+                             query_start_loc, seq_lens, lora_p);
   return run_layers<at::BFloat16>(*model, hidden, positions, k_caches, v_caches, slot_mapping, block_tables,
-                                  query_start_loc, seq_lens);
+                                  query_start_loc, seq_lens, lora_p);
 }
 
 // hidden [M, H] <- the embedding's rows of ids [M]. An id outside them (given, or taken in an
@@ -1138,7 +1188,8 @@ int64_t check_logprobs(int64_t M, int64_t num_steps, int64_t vocab_size, const s
 // penalties, history_token_ids, history_offsets, held_back_steps (check_history): each row's
 // penalties over its prompt and output tokens, the tokens it takes in this call's steps
 // counted too, and its stop tokens held back for its first steps (min_tokens), applied to its
-// logits before its argmax, draw and logprobs, as the sampler applies them.
+// logits before its argmax, draw and logprobs, as the sampler applies them. lora_ids: as
+// decode_layers'.
 at::Tensor decode_tokens(int64_t model_id, const at::Tensor& input_ids, const at::Tensor& positions,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& query_start_loc,
@@ -1151,7 +1202,8 @@ at::Tensor decode_tokens(int64_t model_id, const at::Tensor& input_ids, const at
                          const std::optional<at::Tensor>& logprob_token_ids,
                          const std::optional<at::Tensor>& penalties, const std::optional<at::Tensor>& history_token_ids,
                          const std::optional<at::Tensor>& history_offsets,
-                         const std::optional<at::Tensor>& held_back_steps) {
+                         const std::optional<at::Tensor>& held_back_steps,
+                         const std::optional<at::Tensor>& lora_ids) {
   const std::shared_ptr<const Model> model = registered_model(model_id, "decode_tokens");
   PDSERVE_CHECK_VALUE(model->max_head_tokens > 0, "decode_tokens: model ", model_id,
                       " has no head this loop can run (register it with an embedding and a head of GGUF blocks "
@@ -1171,6 +1223,8 @@ at::Tensor decode_tokens(int64_t model_id, const at::Tensor& input_ids, const at
       check_logprobs(M, num_steps, head.vocab_size, num_logprobs, logprobs, logprob_token_ids);
   std::vector<pdserve_cpu::sampling::RowHistory> row_histories =
       check_history(M, head.vocab_size, penalties, history_token_ids, history_offsets, held_back_steps);
+  std::optional<lora::Step> lora_rows = lora_step(*model, lora_ids, M, "decode_tokens");
+  lora::Step* lora_p = lora_rows.has_value() ? &*lora_rows : nullptr;
   if (logits.has_value())
     PDSERVE_CHECK_VALUE(num_steps == 1 && logits->dim() == 2 && logits->size(0) == M &&
                             logits->size(1) == head.linear.out_features &&
@@ -1228,11 +1282,12 @@ at::Tensor decode_tokens(int64_t model_id, const at::Tensor& input_ids, const at
 #ifdef PDSERVE_ROW_GROUPS
     if (hidden.scalar_type() == at::kFloat)
       run_layers_in_regions<float>(*model, hidden, step_positions, k_caches, v_caches, step_slots, block_tables,
-                                   query_start_loc, step_seq_lens, &head, step_ids.data_ptr<int64_t>(), sampling);
+                                   query_start_loc, step_seq_lens, &head, step_ids.data_ptr<int64_t>(), sampling,
+                                   lora_p);
     else
       run_layers_in_regions<at::BFloat16>(*model, hidden, step_positions, k_caches, v_caches, step_slots,
                                           block_tables, query_start_loc, step_seq_lens, &head,
-                                          step_ids.data_ptr<int64_t>(), sampling);
+                                          step_ids.data_ptr<int64_t>(), sampling, lora_p);
 #endif
     const int64_t* taken = step_ids.data_ptr<int64_t>();
     int64_t* out = token_ids.data_ptr<int64_t>();
@@ -1263,6 +1318,16 @@ int64_t decode_model_head_outputs(int64_t model_id) {
   return model->token_head.has_value() ? model->token_head->linear.out_features : 0;
 }
 
+// Keeps an adapter's stacked matrices for the steps that name it (lora_ids) until
+// release_decode_adapter: per layer, for qkv, o, gate_up and down, A [R, K] and B [N, R] of
+// the model's dtype, or None where it leaves the projection alone; scaling its factor.
+int64_t register_decode_adapter(const c10::List<std::optional<at::Tensor>>& a,
+                                const c10::List<std::optional<at::Tensor>>& b, double scaling) {
+  return lora::register_adapter(a, b, scaling);
+}
+
+void release_decode_adapter(int64_t adapter_id) { lora::release_adapter(adapter_id); }
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_decode, m) {
@@ -1276,14 +1341,18 @@ TORCH_LIBRARY(pdserve_decode, m) {
   m.def("decode_model_max_head_tokens(int model_id) -> int", &decode_model_max_head_tokens);
   m.def("decode_model_head_outputs(int model_id) -> int", &decode_model_head_outputs);
   m.def("release_decode_model(int model_id) -> ()", &release_decode_model);
+  m.def("register_decode_adapter(Tensor?[] a, Tensor?[] b, float scaling) -> int", &register_decode_adapter);
+  m.def("release_decode_adapter(int adapter_id) -> ()", &release_decode_adapter);
   m.def("decode_layers(int model_id, Tensor hidden, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "
-        "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens) -> Tensor");
+        "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
+        "Tensor? lora_ids=None) -> Tensor");
   m.def("decode_tokens(int model_id, Tensor input_ids, Tensor positions, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int num_steps=1, "
         "Tensor? stop_token_ids=None, Tensor? temperatures=None, Tensor? uniforms=None, Tensor? top_k=None, "
         "Tensor? top_p=None, Tensor? min_p=None, Tensor(a!)? logits=None, Tensor? num_logprobs=None, "
         "Tensor(b!)? logprobs=None, Tensor(c!)? logprob_token_ids=None, Tensor? penalties=None, "
-        "Tensor? history_token_ids=None, Tensor? history_offsets=None, Tensor? held_back_steps=None) -> Tensor");
+        "Tensor? history_token_ids=None, Tensor? history_offsets=None, Tensor? held_back_steps=None, "
+        "Tensor? lora_ids=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_decode, CPU, m) {

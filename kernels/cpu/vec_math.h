@@ -153,4 +153,19 @@ inline Vec exp_nonpositive(Vec x) { return exp_reduced(x, exp_polynomial); }
 // attention ~8% faster on the Xeon of model 207).
 inline Vec exp_nonpositive_bf16(Vec x) { return exp_reduced(x, exp_polynomial_bf16); }
 
+// A vector's values rounded to T (bf16: to nearest even, as c10 rounds) and widened back.
+inline Vec round_as(Vec v, float) { return v; }
+inline Vec round_as(Vec v, c10::BFloat16) {
+  VecU32 u;
+  std::memcpy(&u, &v, sizeof u);
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+inline void store_vec(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+inline void store_vec(c10::BFloat16* p, Vec v) {
+  const Vec rounded = round_as(v, c10::BFloat16{});  // exact in bf16: its top 16 bits are the value
+  for (int64_t i = 0; i < kLanes; ++i) p[i].x = static_cast<uint16_t>(std::bit_cast<uint32_t>(rounded[i]) >> 16);
+}
+
 }  // namespace pdserve_cpu

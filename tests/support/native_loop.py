@@ -38,4 +38,6 @@ def with_native_loop(llm: LLM) -> NativeDecodeLoop | None:
     runner.native_decode = NativeDecodeLoop.build(runner.model, runner.kv_caches)
     if runner.native_decode is not None and runner.proposer is not None:
         runner.proposer.build_native_loop()
+    if runner.native_decode is not None and runner.lora_manager is not None:
+        runner.lora_manager.register_with(runner.native_decode.register_adapter)
     return runner.native_decode

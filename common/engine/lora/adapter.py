@@ -39,6 +39,7 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     stacked: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     packed: dict[tuple[int, str], tuple[torch.nn.Module, torch.nn.Module]] = field(default_factory=dict)
+    native_id: int | None = None  # its id with the native decode loop, where registered there
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -7,7 +7,7 @@ each its share (layers.rank_shards) of its stage's layers; the engine names them
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -31,6 +31,14 @@ class LoRAManager:
         tp_size = parallel_state.get_tp_size()
         self.shards = rank_shards(cfg, parallel_state.get_tp_rank(), tp_size) if tp_size > 1 else None
         wrap_linears(model, self.layouts)
+        self._register_native: Callable[[LoRAAdapter], int] | None = None
+
+    def register_with(self, register: Callable[[LoRAAdapter], int]) -> None:
+        """Register every adapter, those held now and those added later, with the native
+        decode loop (register returns its id there), which then takes their steps too."""
+        self._register_native = register
+        for adapter in self.adapters.values():
+            adapter.native_id = register(adapter)
 
     def add(self, lora_name: str, lora_path: str) -> None:
         """Load the adapter (EngineCore asks only for one it does not hold); ValueError for one
@@ -38,6 +46,8 @@ class LoRAManager:
         adapter = self.check(lora_name, lora_path)
         stack_adapter(adapter, self.layouts, self.layer_ids, self.shards)
         adapter.weights.clear()  # what the linears read is the stacked form
+        if self._register_native is not None:
+            adapter.native_id = self._register_native(adapter)
         self.adapters[lora_name] = adapter
 
     def check(self, lora_name: str, lora_path: str) -> LoRAAdapter:
@@ -46,6 +56,21 @@ class LoRAManager:
 
     def remove(self, lora_name: str) -> None:
         self.adapters.pop(lora_name, None)
+
+    def native_ids(self, ordered: Sequence[ScheduledRequest]) -> torch.Tensor | None:
+        """Each row's adapter id with the native decode loop ([num_rows] int64, -1: none) for a
+        step whose rows are `ordered`'s tokens in order; None where no row names an adapter."""
+        if not any(req.lora_name for req in ordered):
+            return None
+        ids = []
+        for req in ordered:
+            native_id = -1 if req.lora_name is None else self.adapters[req.lora_name].native_id
+            ids += [native_id] * len(req.token_ids)
+        return torch.tensor(ids, dtype=torch.int64)
+
+    def all_native(self, ordered: Sequence[ScheduledRequest]) -> bool:
+        """Whether every adapter the step names is registered with the native decode loop."""
+        return all(self.adapters[req.lora_name].native_id is not None for req in ordered if req.lora_name)
 
     @contextlib.contextmanager
     def step(self, ordered: Sequence[ScheduledRequest]) -> Iterator[None]:

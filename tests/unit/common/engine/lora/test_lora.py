@@ -136,18 +136,15 @@ def test_compiled_the_deltas_run_inside_the_graph_as_eagerly_and_without_recompi
     from common.engine.compilation import num_compiled_graphs
     runner = compiled.engine.executor.runner
     assert runner.forward is not runner.model  # compiled, the deltas an op inside it
-    loop = runner.native_decode  # it runs no deltas: it takes only the steps that name no adapter
+    loop = runner.native_decode  # its decode steps add the deltas themselves (tests: test_native_loop.py)
     assert loop is not None
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     per_prompt = [lora(adapters, "a", 1), None, lora(adapters, "b", 2)]
-    num_loop_steps = loop.num_steps
-    assert outputs(compiled.generate(prompts, GREEDY, lora_request=per_prompt)) == \
-        outputs(llm.generate(prompts, GREEDY, lora_request=per_prompt))
-    assert outputs(compiled.generate(prompts, GREEDY, lora_request=lora(adapters, "a", 1))) == \
-        outputs(llm.generate(prompts, GREEDY, lora_request=lora(adapters, "a", 1)))
-    assert loop.num_steps == num_loop_steps  # every step named an adapter
-    assert outputs(compiled.generate(prompts, GREEDY)) == outputs(llm.generate(prompts, GREEDY))
-    assert loop.num_steps > num_loop_steps
+    for loras in (per_prompt, lora(adapters, "a", 1), None):
+        num_loop_steps = loop.num_steps
+        assert outputs(compiled.generate(prompts, GREEDY, lora_request=loras)) == \
+            outputs(llm.generate(prompts, GREEDY, lora_request=loras))
+        assert loop.num_steps > num_loop_steps  # the decode steps ran in the loop
     before = num_compiled_graphs()
     for num_prompts, loras in ((1, lora(adapters, "a", 1)), (3, [None, lora(adapters, "b", 2), None]),
                                (5, lora(adapters, "b", 2)), (2, None)):
