@@ -18,7 +18,8 @@ It is what CUDA graphs are to a GPU step, and like them it comes with compiling
 It serves Llama-shaped models: Llama, Mistral, Qwen2, Phi-3 (partial rotary included),
 single rank, whose every projection has a decode GEMV (bf16 or fp32 rows, Q4_1 or Q8_0
 blocks); other families (Qwen3's q/k norms, Gemma 2's extra norms and soft-capping) and
-steps it does not serve take the compiled model.
+steps it does not serve take the compiled model. LoRA adapters registered with it
+(register_adapter) add their deltas inside it, each row its own (kernels/cpu/lora_deltas.h).
 
 Where a step's rows sample without a grammar (run_tokens), a model that runs its steps in
 one parallel region takes the token ids in and each row's next token out of the same
