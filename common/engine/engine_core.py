@@ -90,6 +90,9 @@ class EngineCore:
         # Each name's adapter held last: a name seeds its cached blocks' hashes, so blocks
         # computed with one adapter's weights must not serve another's of that name.
         self._lora_paths_held: dict[str, str] = {}
+        # Adapters read into the runner, and those dropped for another (max_loras too small
+        # for the traffic's adapters shows as evictions as high as the loads).
+        self.num_lora_loads = self.num_lora_evictions = 0
         set_num_threads(config.num_threads)
         keep_freed_arenas()
         keep_freed_heap()
@@ -188,9 +191,11 @@ class EngineCore:
             with contextlib.suppress(Exception):  # ranks that took it before one refused drop it again
                 self.executor.collective_rpc("remove_lora", (lora.lora_name,))
             raise
+        self.num_lora_loads += 1
         if unused is not None:
             self.executor.collective_rpc("remove_lora", (unused,))
             del held[unused]
+            self.num_lora_evictions += 1
         held[lora.lora_name] = lora
         if self._lora_paths_held.setdefault(lora.lora_name, lora.lora_path) != lora.lora_path:
             self.reset_prefix_cache()  # the name's cached blocks are another adapter's
@@ -333,10 +338,24 @@ class EngineCore:
 
     def stats(self) -> dict:
         """A plain-data snapshot of load, for heartbeats, metrics and tests."""
-        stats = dict(self.scheduler.stats) | self.structured_output.stats()
+        stats = dict(self.scheduler.stats) | self.structured_output.stats() | self._lora_stats()
         for source in self.stats_sources:
             stats.update(source())
         return stats
+
+    def _lora_stats(self) -> dict:
+        """With LoRA on: the running and waiting requests per adapter (by name), the adapters
+        held and the most that may be, and the loads and evictions so far."""
+        if not self.config.lora.enable_lora:
+            return {}
+        scheduler = self.scheduler
+        # Those whose KV comes from a prefill instance hold a seat and blocks: running, as in the load.
+        holding = (*scheduler.running, *scheduler.waiting_for_remote_kv.values())
+        running = collections.Counter(r.lora_name for r in holding if r.lora_name)
+        waiting = collections.Counter(r.lora_name for r in scheduler.waiting if r.lora_name)
+        return {"lora_requests_running": dict(running), "lora_requests_waiting": dict(waiting),
+                "lora_adapters_held": len(self._held_loras), "lora_max_adapters": self.config.lora.max_loras,
+                "lora_adapter_loads": self.num_lora_loads, "lora_adapter_evictions": self.num_lora_evictions}
 
     def shutdown(self) -> None:
         self.executor.shutdown()

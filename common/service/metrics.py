@@ -364,7 +364,37 @@ class EngineCollector(Collector):
             counter("pdserve_spec_decode_num_accepted_tokens", "Draft tokens the target accepted",
                     "spec_num_accepted_tokens"),
             self._accepted_per_position(names, stats),
+            *self._lora_families(names, stats),
         ]
+
+    def _lora_families(self, names: list[str], stats: dict | None) -> list[Metric]:
+        """An instance with LoRA on (its stats carry lora_*): requests per adapter and the
+        adapter slots (vLLM's vllm:lora_requests_info, as one series per adapter)."""
+        stats = stats or {}
+        families: list[Metric] = []
+        for key, doc in (("lora_requests_running", "Requests in the running batch, by LoRA adapter (decode: also "
+                          "those holding blocks while their KV arrives)"),
+                         ("lora_requests_waiting", "Requests queued for a seat or KV blocks, by LoRA adapter")):
+            family = GaugeMetricFamily(f"pdserve_{key}", doc, labels=names + ["lora_name"])
+            for lora_name, count in sorted(stats.get(key, {}).items()):
+                family.add_metric(self.labels + [lora_name], count)
+            families.append(family)
+        has_lora = "lora_max_adapters" in stats
+        for key, doc in (("lora_adapters_held", "LoRA adapters the engine holds"),
+                         ("lora_max_adapters", "LoRA adapters the engine may hold at once (--max-loras)")):
+            family = GaugeMetricFamily(f"pdserve_{key}", doc, labels=names)
+            if has_lora:
+                family.add_metric(self.labels, stats[key])
+            families.append(family)
+        for key, doc in (("lora_adapter_loads", "LoRA adapters read into the engine (first use, run-time "
+                          "loads, again after an eviction)"),
+                         ("lora_adapter_evictions", "LoRA adapters dropped to make room for another (--max-loras "
+                          "full): evictions near the loads mean the traffic's adapters do not fit")):
+            family = CounterMetricFamily(f"pdserve_{key}", doc, labels=names)
+            if has_lora:
+                family.add_metric(self.labels, stats[key])
+            families.append(family)
+        return families
 
     def _accepted_per_position(self, names: list[str], stats: dict | None) -> CounterMetricFamily:
         family = CounterMetricFamily("pdserve_spec_decode_num_accepted_tokens_per_pos", "Draft tokens "

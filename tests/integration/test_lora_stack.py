@@ -20,6 +20,7 @@ from common.engine.lora.request import LoRARequest
 from common.engine.model_files import resolve_model
 from common.engine.sampling_params import SamplingParams
 from gateway.client import Client
+from tests.integration.test_metrics import scrape
 from tests.integration.test_stack import unique_long_prompts, wait_until_the_gateway_sees_no_load
 
 pytestmark = pytest.mark.slow
@@ -93,6 +94,13 @@ def test_the_adapter_gives_the_offline_engines_tokens_and_the_base_model_its_own
                                     return_token_ids=True)
             assert plain.token_ids == offline["base"][i]
             wait_until_the_gateway_sees_no_load(stack)
+    for role in ("prefill", "decode"):  # each instance's LoRA series: the adapter held, nothing in flight
+        samples = scrape(stack.instances[f"{role}-0"].metrics_address)
+        labels = frozenset({"role": role, "instance_id": f"{role}-0"}.items())
+        assert samples[("pdserve_lora_adapters_held", labels)] == 1
+        assert samples[("pdserve_lora_max_adapters", labels)] == 4  # --max-loras' default
+        assert samples[("pdserve_lora_adapter_loads_total", labels)] >= 1
+        assert not [name for name, _ in samples if name == "pdserve_lora_requests_running"]
 
 
 def test_cached_blocks_stay_with_their_adapter(stack):

@@ -90,6 +90,24 @@ def test_engine_collector_reads_the_load_and_counters_when_scraped():
     assert value(metrics2.registry, "pdserve_prefix_cache_queries_total", **labels) == 700
 
 
+def test_lora_series_are_per_adapter_and_only_with_lora_on():
+    load, stats = fake_engine()
+    labels = {"role": "decode", "instance_id": "decode-a"}
+    off = WorkerMetrics("decode", "decode-a", lambda: load, lambda: stats).registry
+    assert not [name for name, _ in samples(off) if name.startswith("pdserve_lora")]
+    stats = {**stats, "lora_requests_running": {"sql": 2, "chat": 1}, "lora_requests_waiting": {"sql": 4},
+             "lora_adapters_held": 2, "lora_max_adapters": 4, "lora_adapter_loads": 5, "lora_adapter_evictions": 3}
+    on = WorkerMetrics("decode", "decode-a", lambda: load, lambda: stats).registry
+    assert value(on, "pdserve_lora_requests_running", lora_name="sql", **labels) == 2
+    assert value(on, "pdserve_lora_requests_running", lora_name="chat", **labels) == 1
+    assert value(on, "pdserve_lora_requests_waiting", lora_name="sql", **labels) == 4
+    assert not [s for s in samples(on) if s[0] == "pdserve_lora_requests_waiting" and ("lora_name", "chat") in s[1]]
+    assert value(on, "pdserve_lora_adapters_held", **labels) == 2
+    assert value(on, "pdserve_lora_max_adapters", **labels) == 4
+    assert value(on, "pdserve_lora_adapter_loads_total", **labels) == 5
+    assert value(on, "pdserve_lora_adapter_evictions_total", **labels) == 3
+
+
 def test_each_service_has_its_own_registry():
     load, stats = fake_engine()
     a = WorkerMetrics("prefill", "p-a", lambda: load, lambda: stats)

@@ -223,9 +223,16 @@ def test_at_most_max_loras_are_held_and_one_in_use_is_not_dropped(llm, adapters,
     llm.engine.add_request(Request("live-c", [5, 6], SamplingParams(max_tokens=400), lora_request=third))
     with pytest.raises(LoRAAdaptersBusyError, match="are in use by requests"):
         llm.engine.add_request(blocked)  # a and c both in use
+    stats = llm.engine.stats()
     llm.engine.abort_requests(["live", "live-c"])
     assert not llm.engine.has_unfinished_requests()
+    assert stats["lora_requests_running"] == {"a": 1} and stats["lora_requests_waiting"] == {"c": 1}  # no step yet
+    assert (stats["lora_adapters_held"], stats["lora_max_adapters"]) == (2, 2)
+    loads, evictions = stats["lora_adapter_loads"], stats["lora_adapter_evictions"]
     assert llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, lora_request=lora(adapters, "b", 2))
+    stats = llm.engine.stats()  # b took the place of a, the least recently used
+    assert (stats["lora_adapter_loads"], stats["lora_adapter_evictions"]) == (loads + 1, evictions + 1)
+    assert stats["lora_requests_running"] == {}
 
 
 def test_an_engine_without_lora_refuses_an_adapter(base_dir, adapters):
