@@ -265,16 +265,20 @@ void for_rows(int64_t M, const F& f) {
 // columns over the threads.
 template <typename T>
 void add_lora_deltas(lora::Step& step, size_t l, int j, const T* x, int64_t K, T* y, int64_t N, int64_t M) {
+  float* shrunk = step.scratch(0);
   if (M < 2 * kRowsPerTask) {
-    lora::shrink_part(step, l, j, x, K, 0, 1);
-    lora::expand(step, l, j, y, N, 0, N, 0, M);
+    lora::shrink_part(step, l, j, x, K, 0, 1, shrunk);
+    lora::expand(step, l, j, y, N, 0, N, 0, M, shrunk);
     return;
   }
   const int n = at::get_num_threads();
   at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
-    for (int64_t part = b; part < e; ++part) lora::shrink_part(step, l, j, x, K, static_cast<int>(part), n);
+    for (int64_t part = b; part < e; ++part) lora::shrink_part(step, l, j, x, K, static_cast<int>(part), n, shrunk);
   });
-  at::parallel_for(0, N, 16 * kLanes, [&](int64_t b, int64_t e) { lora::expand(step, l, j, y, N, b, e, 0, M); });
+  const int64_t num_panels = (N + lora::kPanelCols - 1) / lora::kPanelCols;
+  at::parallel_for(0, num_panels, 1, [&](int64_t b, int64_t e) {
+    lora::expand(step, l, j, y, N, b * lora::kPanelCols, std::min(e * lora::kPanelCols, N), 0, M, shrunk);
+  });
 }
 
 // lora_rows: the step's LoRA adapters and their rows (none: no row names one).
@@ -593,16 +597,20 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
 
   // Each phase below is one thread's part; the barriers keep the phases in order.
   // Thread t's part of projection j of layer l, once x [M, K] is whole: its GEMV columns,
-  // and where rows name adapters its share of their shrinks, a barrier, and their deltas
-  // in its own columns.
+  // and where rows name adapters their shrinks (its share, or for few rows all of them in its
+  // own scratch), a barrier where shared, and their deltas in its own columns.
   auto project = [&](const Linear& lin, size_t l, int j, const T* x, const pdserve_cpu::BlockQuantizedX& xq, int64_t K,
                      T* y, int t, int n) {
-    if (lora_rows != nullptr) lora::shrink_part(*lora_rows, l, j, x, K, t, n);
+    if (lora_rows != nullptr)
+      lora::shrink_part(*lora_rows, l, j, x, K, lora_rows->redundant ? 0 : t, lora_rows->redundant ? 1 : n,
+                        lora_rows->scratch(t));
     gemv_share(lin, x, xq, M, y, t, n);
     if (lora_rows == nullptr) return;
+    if (!lora_rows->redundant) {
 #pragma omp barrier
+    }
     const auto [c0, c1] = columns_of(lin, t, n);
-    lora::expand(*lora_rows, l, j, y, lin.out_features, c0, c1, 0, M);
+    lora::expand(*lora_rows, l, j, y, lin.out_features, c0, c1, 0, M, lora_rows->scratch(t));
   };
   // The input norm of layer l and its qkv projection and RoPE, up to its attention: the
   // thread's rows' K/V written to the layer's caches.
@@ -945,7 +953,8 @@ std::optional<lora::Step> lora_step(const Model& model, const std::optional<at::
   std::vector<std::array<std::pair<int64_t, int64_t>, lora::kNumProjections>> widths;
   for (const Layer& layer : model.layers)
     widths.push_back({widths_of(layer.qkv), widths_of(layer.o), widths_of(layer.gate_up), widths_of(layer.down)});
-  lora::Step step = lora::make_step(*lora_ids, M, widths, model.layers[0].input_norm.scalar_type(), op);
+  lora::Step step =
+      lora::make_step(*lora_ids, M, at::get_num_threads(), widths, model.layers[0].input_norm.scalar_type(), op);
   if (step.groups.empty()) return std::nullopt;
   return step;
 }
