@@ -6,6 +6,7 @@ adapter's own; an adapter the model cannot serve is refused with nothing left be
 most max_loras are held, one no live request uses dropped for a new one."""
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -311,7 +312,7 @@ def test_with_every_slot_in_use_a_loaded_adapter_is_checked_and_held_on_first_us
 def test_the_deltas_are_each_row_s_own_adapter_s_packed_or_not(base_dir, adapters, dtype):
     from common.engine.config import ModelConfig
     from common.engine.lora.adapter import load_adapter
-    from common.engine.lora.layers import add_lora_deltas, linear_layouts, lora_step, stack_adapter
+    from common.engine.lora.layers import ADD_IN_MATMUL_ROWS, add_lora_deltas, linear_layouts, lora_step, stack_adapter
     from common.engine.model_files import load_hf_config
     from common.engine.models.prepacked_linear import prepacking_available
     cfg = ModelConfig.from_hf_config(load_hf_config(base_dir))
@@ -320,12 +321,14 @@ def test_the_deltas_are_each_row_s_own_adapter_s_packed_or_not(base_dir, adapter
     # bf16 runs packed where oneDNN packs bf16 (a decode row's matmuls ~4x faster); fp32 as torch's.
     assert bool(adapter.packed) == (dtype == torch.bfloat16 and prepacking_available(dtype))
     torch.manual_seed(0)
-    for layer, linear_name in ((0, "qkv_proj"), (1, "down_proj")):
+    # A chunk of ADD_IN_MATMUL_ROWS rows or more of one adapter adds in its expand's matmul.
+    for (layer, linear_name), num_tokens in itertools.product(((0, "qkv_proj"), (1, "down_proj")),
+                                                              (5, ADD_IN_MATMUL_ROWS + 44)):
         a, b = adapter.stacked[(layer, linear_name)]
-        x = torch.randn(5, a.shape[1]).to(dtype)  # [num_tokens, in_features]
+        x = torch.randn(num_tokens, a.shape[1]).to(dtype)  # [num_tokens, in_features]
         want = (x.float() @ a.float().t()) @ b.float().t() * adapter.scaling  # [num_tokens, out_features]
         for rows in (None, torch.tensor([0, 3])):
-            y = torch.ones(5, b.shape[0], dtype=dtype)
+            y = torch.ones(num_tokens, b.shape[0], dtype=dtype)
             with lora_step([(adapter, rows)]):
                 add_lora_deltas(y, x, layer, linear_name)
             picked = slice(None) if rows is None else rows
