@@ -9,8 +9,8 @@ gateway is not draining), pushed to the health service each time it changes. Bot
 NOT_SERVING for good when the server stops.
 
 The servicer is a thin edge: protobuf in (gateway.api), Gateway, protobuf out;
-a ServiceError becomes its status (common.service.errors.ErrorStatusInterceptor). Used by `pdserve gateway` (gateway.main) and
-started in-process by tests:
+a ServiceError becomes its status (common.service.errors.ErrorStatusInterceptor). Used by
+`pdserve gateway` (gateway.main) and started in-process by tests:
 
     server = GatewayServer(load_served_model(None), GatewaySettings(), port=0)
     address = await server.start()   # "127.0.0.1:PORT"; instances register at server.registry_address

@@ -130,7 +130,8 @@ def _build_defines(choice: BuildChoice) -> tuple[str, ...]:
     if choice.head_dims != ALL.head_dims:
         defines += ["PDSERVE_ATTENTION_HEAD_DIMS_NAMED", *[f"PDSERVE_ATTENTION_HD{d}" for d in choice.head_dims]]
     if choice.dtype_pairs != ALL.dtype_pairs:
-        defines += ["PDSERVE_ATTENTION_DTYPES_NAMED", *[f"PDSERVE_ATTENTION_{DTYPE_PAIRS[p]}" for p in choice.dtype_pairs]]
+        defines += ["PDSERVE_ATTENTION_DTYPES_NAMED",
+                    *[f"PDSERVE_ATTENTION_{DTYPE_PAIRS[p]}" for p in choice.dtype_pairs]]
     return tuple(defines)
 
 

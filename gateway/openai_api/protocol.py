@@ -415,7 +415,8 @@ def chat_template_text(param: str, value: Any) -> str:
 COMMON_FIELDS: dict[str, Callable] = {
     "model": string, "stream": boolean, "stream_options": obj, "n": integer(1, MAX_CHOICES),
     "max_tokens": integer(1, UINT32_MAX), "temperature": number(0.0, 2.0), "top_p": number(0.0, 1.0, lo_open=True),
-    "top_k": integer(-1, INT32[1], allowed=f"-1 or 0 (disabled) or an integer in [1, {INT32[1]}]"), "min_p": number(0.0, 1.0),
+    "top_k": integer(-1, INT32[1], allowed=f"-1 or 0 (disabled) or an integer in [1, {INT32[1]}]"),
+    "min_p": number(0.0, 1.0),
     "presence_penalty": number(-2.0, 2.0), "frequency_penalty": number(-2.0, 2.0),
     "repetition_penalty": number(0.0, math.inf, lo_open=True), "seed": integer(0, MAX_SEED),
     "stop": stop_strings, "stop_token_ids": stop_token_ids, "ignore_eos": boolean, "min_tokens": integer(0, UINT32_MAX),

@@ -35,8 +35,9 @@ def adapters(base_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("loras")
     # b targets some linears only, at another rank, with rsLoRA's scaling.
     return {"a": LoRARequest("a", 1, make_adapter(base_dir, root / "a", seed=1)[0]),
-            "b": LoRARequest("b", 2, make_adapter(base_dir, root / "b", seed=2, targets=("q_proj", "v_proj", "down_proj"),
-                                                  rank=8, alpha=4, use_rslora=True)[0]),
+            "b": LoRARequest("b", 2, make_adapter(base_dir, root / "b", seed=2,
+                                                  targets=("q_proj", "v_proj", "down_proj"), rank=8, alpha=4,
+                                                  use_rslora=True)[0]),
             "a2": LoRARequest("a", 1, make_adapter(base_dir, root / "a2", seed=3)[0])}
 
 

@@ -25,7 +25,8 @@ from common.engine.outputs import ScheduledRequest
 from common.engine.sampler import Sampler
 from common.engine.sampling_params import SamplingParams
 from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_DENSE, LINEAR_PANELS, LINEAR_Q4_1, LINEAR_Q8_0,
-                                TokenLogprobs, TokenHistory, TokenSampling, decode_layers, decode_model_max_head_tokens, decode_model_max_tokens, decode_tokens,
+                                TokenLogprobs, TokenHistory, TokenSampling, decode_layers, decode_model_max_head_tokens,
+                                decode_model_max_tokens, decode_tokens,
                                 native_decode_available, register_decode_model, release_decode_model)
 from kernels.cpu_linear import panel_gemm_amx_tiles, panel_gemm_available, panel_gemm_max_rows, q8_0_max_rows
 from kernels.cpu_sampling import argmax_rows
@@ -278,7 +279,8 @@ def test_one_region_a_step_gives_the_same_bits(quantization, dtype):
     each step in one parallel region (decode_layers.cpp, run_layers_in_regions), its
     threads meeting at barriers, the attention's work shared out by the attention
     library's team calls: each sequence's hidden state is bit for bit the one a fork and
-    join per projection and attention gives, on one thread and on several (each projection's groups or panels and each token's rows split between them),
+    join per projection and attention gives, on one thread and on several (each projection's
+    groups or panels and each token's rows split between them),
     at few rows (pointwise work on the first thread) and from 16 (split; panels: in the
     region as far as the prepacked op takes them for, past 4 rows), and where a lone
     sequence's attention is split over its keys."""
