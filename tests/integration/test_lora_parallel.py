@@ -11,8 +11,9 @@ from common.engine.llm import LLM
 from common.engine.lora.request import LoRARequest
 from common.engine.sampling_params import SamplingParams
 
+from tests.support.peft_adapters import make_adapter
+
 peft = pytest.importorskip("peft")
-from tests.unit.common.engine.lora.test_lora import make_adapter  # noqa: E402 (needs peft)
 
 pytestmark = pytest.mark.slow
 

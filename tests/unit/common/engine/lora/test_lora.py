@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -20,43 +19,12 @@ from common.engine.llm import LLM
 from common.engine.lora.request import LoRARequest
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
+from tests.support.peft_adapters import make_adapter
 
 peft = pytest.importorskip("peft")
 
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [list(range(10, 30)), list(range(300, 309)), [5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-
-
-def make_adapter(base_dir: Path, out_dir: Path, seed: int, targets=tuple(ALL_TARGETS), rank: int = 4,
-                 alpha: float = 8, use_rslora: bool = False) -> tuple[str, Path]:
-    """(the PEFT adapter's directory, its merged model's) for the base model at base_dir."""
-    import transformers
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0,
-                             init_lora_weights=False, use_rslora=use_rslora)  # B random too: a real delta
-    tuned = peft.get_peft_model(model, config)
-    tuned.save_pretrained(out_dir / "adapter", safe_serialization=True)
-    tuned.merge_and_unload().save_pretrained(out_dir / "merged", safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (base_dir / name).exists():
-            shutil.copy(base_dir / name, out_dir / "merged" / name)
-    return str(out_dir / "adapter"), out_dir / "merged"
-
-
-@pytest.fixture(scope="module")
-def base_dir(tiny_model_factory):
-    return tiny_model_factory("tiny-llama", "llama")
-
-
-@pytest.fixture(scope="module")
-def adapters(base_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("loras")
-    return {"a": make_adapter(base_dir, root / "a", seed=1),
-            "b": make_adapter(base_dir, root / "b", seed=2, targets=("q_proj", "v_proj", "down_proj"), rank=8,
-                              alpha=4, use_rslora=True)}
 
 
 @pytest.fixture(scope="module")

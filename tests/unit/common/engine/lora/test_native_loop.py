@@ -15,9 +15,9 @@ from common.engine.outputs import ScheduledRequest
 from common.engine.sampling_params import SamplingParams
 from kernels.cpu_decode import native_decode_available
 from tests.support.native_loop import NO_PACKED_BF16, bf16_is_packed, with_native_loop
-from tests.unit.common.engine.lora.test_lora import make_adapter
 
 pytestmark = pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
+peft = pytest.importorskip("peft")
 
 # fp32: the loop and the model differ in summation order only.
 FP32_ATOL = 1e-4
@@ -28,23 +28,10 @@ FP32_ATOL = 1e-4
 ERROR_RATIO = 1.25
 
 
-@pytest.fixture(scope="module")
-def base_dir(tiny_model_factory):
-    return tiny_model_factory("tiny-llama", "llama")
-
-
-@pytest.fixture(scope="module")
-def adapters(base_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("loras")
-    return {"a": make_adapter(base_dir, root / "a", seed=1)[0],
-            "b": make_adapter(base_dir, root / "b", seed=2, targets=("q_proj", "v_proj", "down_proj"), rank=8,
-                              alpha=4, use_rslora=True)[0]}
-
-
 def engine(base_dir, adapters, dtype: str, quantization: str | None = None) -> LLM:
     llm = LLM(model=str(base_dir), dtype=dtype, quantization=quantization, enable_lora=True, max_loras=2,
               max_lora_rank=8, num_kv_blocks=256, block_size=8)
-    for name, path in adapters.items():
+    for name, (path, _) in adapters.items():
         llm.engine.executor.runner.add_lora(name, path)
     return llm
 

@@ -1,0 +1,29 @@
+"""PEFT LoRA adapters made in the tests (no download): random A and B over a base model's
+linears, saved as PEFT saves them, with PEFT's own merged model beside them as the reference."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_adapter(base_dir: Path, out_dir: Path, seed: int, targets=ALL_TARGETS, rank: int = 4,
+                 alpha: float = 8, use_rslora: bool = False) -> tuple[str, Path]:
+    """(the PEFT adapter's directory, its merged model's) for the base model at base_dir."""
+    import peft
+    import transformers
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0,
+                             init_lora_weights=False, use_rslora=use_rslora)  # B random too: a real delta
+    tuned = peft.get_peft_model(model, config)
+    tuned.save_pretrained(out_dir / "adapter", safe_serialization=True)
+    tuned.merge_and_unload().save_pretrained(out_dir / "merged", safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (base_dir / name).exists():
+            shutil.copy(base_dir / name, out_dir / "merged" / name)
+    return str(out_dir / "adapter"), out_dir / "merged"
