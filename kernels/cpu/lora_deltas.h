@@ -124,14 +124,14 @@ inline Step make_step(const at::Tensor& lora_ids, int64_t M, int num_threads,
   for (int64_t m = 0; m < M; ++m) {
     const int64_t id = ids[m];
     if (id < 0) continue;
-    if (id >= static_cast<int64_t>(group_of.size())) group_of.resize(id + 1, 0);
-    if (group_of[id] == 0) {
+    if (id >= static_cast<int64_t>(group_of.size()) || group_of[id] == 0) {
       std::shared_ptr<const Adapter> adapter;
       {
         std::lock_guard<std::mutex> lock(adapters_mutex);
         if (id < static_cast<int64_t>(adapters.size())) adapter = adapters[id];
       }
       PDSERVE_CHECK_VALUE(adapter != nullptr, op, ": row ", m, " names LoRA adapter ", id, ", which is not registered");
+      if (id >= static_cast<int64_t>(group_of.size())) group_of.resize(id + 1, 0);  // a registered id: bounded
       PDSERVE_CHECK_VALUE(adapter->layers.size() == widths.size() &&
                               (adapter->dtype == dtype || adapter->dtype == at::ScalarType::Undefined),
                           op, ": LoRA adapter ", id, " has ", static_cast<int64_t>(adapter->layers.size()),

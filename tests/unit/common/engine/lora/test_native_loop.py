@@ -131,6 +131,7 @@ def test_a_step_naming_an_adapter_the_loop_does_not_hold_is_refused(base_dir, ad
             ids, positions, meta, _, _ = runner.prepare_inputs(decode)
             caches = [k.clone() for k, _ in runner.kv_caches]
             for bad, message in ((torch.tensor([0, 10_000]), "not registered"),
+                                 (torch.tensor([2**62, 0]), "not registered"),  # no table of 2^62 entries
                                  (torch.tensor([-1]), r"lora_ids must be contiguous \[num_tokens 2\]"),
                                  (torch.tensor([0.0, 1.0]), "int64")):
                 with pytest.raises(ValueError, match=message):
