@@ -60,8 +60,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "compose and the manifests set it for theirs)")
     g.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (implied by --lora-modules; loaded at run time through the "
-                        "gateway's --allow-runtime-lora-updating); the native decode loop then takes only "
-                        "steps naming no adapter, and CUDA graphs are off")
+                        "gateway's --allow-runtime-lora-updating); CUDA graphs are then off")
     g.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                    help="PEFT LoRA adapters this instance serves, each by NAME: a request whose model is "
                         "NAME runs with it (vLLM's flag; may be given more than once)")

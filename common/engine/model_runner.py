@@ -149,6 +149,13 @@ def split_step(scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest
             [r for r in scheduled if len(r.token_ids) > 1 + len(r.spec_token_ids)])
 
 
+def in_row_order(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The step's requests in the order of its rows (prepare_inputs': decode rows, then
+    prefill chunks)."""
+    decodes, prefills = split_step(scheduled)
+    return decodes + prefills
+
+
 def pooled_rows(scheduled: list[ScheduledRequest]) -> tuple[list[str], list[int]]:
     """(req ids, step rows) of the do_pool requests: each one's last token, in the step's
     row order (prepare_inputs': decode rows, then prefill chunks)."""
@@ -156,7 +163,7 @@ def pooled_rows(scheduled: list[ScheduledRequest]) -> tuple[list[str], list[int]
     if not any(req.do_pool for req in scheduled):  # nearly every step: no step order to rebuild
         return req_ids, rows
     num_rows = 0
-    for req in (r for part in split_step(scheduled) for r in part):
+    for req in in_row_order(scheduled):
         num_rows += len(req.token_ids)
         if req.do_pool:
             req_ids.append(req.req_id)
@@ -474,8 +481,7 @@ class ModelRunner:
             return None
         results: dict[str, tuple[int, list[Logprobs]]] = {}
         row = 0
-        decodes, prefills = split_step(scheduler_output.scheduled)
-        for req in decodes + prefills:
+        for req in in_row_order(scheduler_output.scheduled):
             num_top = req.sampling_params.prompt_logprobs
             end = min(req.start_pos + len(req.token_ids), len(req.prompt_token_ids) - 1)
             if num_top is not None and req.start_pos < end:
@@ -531,8 +537,7 @@ class ModelRunner:
         """Each row's adapter id with the native loop (None: no row names one)."""
         if self.lora_manager is None:
             return None
-        decodes, prefills = split_step(scheduler_output.scheduled)
-        return self.lora_manager.native_ids(decodes + prefills)  # the rows in prepare_inputs' order
+        return self.lora_manager.native_ids(in_row_order(scheduler_output.scheduled))
 
     def _loop_samples(self, scheduler_output: SchedulerOutput, num_tokens: int, meta: AttentionMetadata,
                       sample_rows: list[ScheduledRequest]) -> bool:
@@ -642,8 +647,7 @@ class ModelRunner:
         """The forward pass's LoRA rows (manager.step), or nothing where no adapter is served."""
         if self.lora_manager is None:
             return contextlib.nullcontext()
-        decodes, prefills = split_step(scheduled)
-        return self.lora_manager.step(decodes + prefills)  # the rows in prepare_inputs' order
+        return self.lora_manager.step(in_row_order(scheduled))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  received: torch.Tensor | None) -> torch.Tensor:

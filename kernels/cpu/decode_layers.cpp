@@ -110,6 +110,7 @@ struct Model {
   // Steps decode_tokens serves (head_tokens_limit): where the model has a token head its
   // region can run, as far as the head's own op takes the region's GEMV, else 0.
   int64_t max_head_tokens = 0;
+  pdserve_cpu::lora::Widths projection_widths;  // what a LoRA adapter's matrices must fit (lora_step)
 };
 
 std::mutex models_mutex;
@@ -872,6 +873,12 @@ int64_t register_decode_model(at::TensorList norms, at::TensorList weights, at::
     model.layers.push_back(std::move(layer));
   }
   model.max_region_tokens = in_regions ? region_tokens_limit(model, hidden_size) : 0;
+  auto widths_of = [](const Linear& l) {
+    return std::pair<int64_t, int64_t>{l.kind == kDense ? l.weight.size(1) : l.in_features, l.out_features};
+  };
+  for (const Layer& layer : model.layers)
+    model.projection_widths.push_back(
+        {widths_of(layer.qkv), widths_of(layer.o), widths_of(layer.gate_up), widths_of(layer.down)});
   PDSERVE_CHECK_VALUE(embedding.has_value() == head.has_value(),
                       "register_decode_model: an embedding and a head together, or neither");
   if (head.has_value()) {
@@ -947,14 +954,8 @@ void check_step(const Model& model, int64_t M, const at::Tensor& positions, at::
 std::optional<lora::Step> lora_step(const Model& model, const std::optional<at::Tensor>& lora_ids, int64_t M,
                                     const char* op) {
   if (!lora_ids.has_value()) return std::nullopt;
-  auto widths_of = [](const Linear& l) {
-    return std::pair<int64_t, int64_t>{l.kind == kDense ? l.weight.size(1) : l.in_features, l.out_features};
-  };
-  std::vector<std::array<std::pair<int64_t, int64_t>, lora::kNumProjections>> widths;
-  for (const Layer& layer : model.layers)
-    widths.push_back({widths_of(layer.qkv), widths_of(layer.o), widths_of(layer.gate_up), widths_of(layer.down)});
-  lora::Step step =
-      lora::make_step(*lora_ids, M, at::get_num_threads(), widths, model.layers[0].input_norm.scalar_type(), op);
+  lora::Step step = lora::make_step(*lora_ids, M, at::get_num_threads(), model.projection_widths,
+                                    model.layers[0].input_norm.scalar_type(), op);
   if (step.groups.empty()) return std::nullopt;
   return step;
 }

@@ -43,6 +43,10 @@ constexpr int64_t kPanelCols = kChunks * kLanes;
 // Steps of up to this many rows shrink on every thread (no barrier).
 constexpr int64_t kRedundantShrinkRows = 4;
 
+// Each layer's projections' input and output widths, {K, N}, in kNumProjections' order: what an
+// adapter's matrices must fit.
+using Widths = std::vector<std::array<std::pair<int64_t, int64_t>, kNumProjections>>;
+
 struct Pair {
   at::Tensor a;       // [R, K] the model's dtype; undefined: the adapter leaves the projection alone
   at::Tensor panels;  // [ceil(N / kPanelCols), R, kPanelCols]: B^T in column panels, zero past N
@@ -111,8 +115,7 @@ inline void release_adapter(int64_t adapter_id) {
 // The step of a model with these layers' input and output widths ([layer][projection] = {K, N})
 // whose rows name lora_ids [M] int64 (-1: none): checked against the model (layers, widths,
 // dtype), the adapters held for the step.
-inline Step make_step(const at::Tensor& lora_ids, int64_t M, int num_threads,
-                      const std::vector<std::array<std::pair<int64_t, int64_t>, kNumProjections>>& widths,
+inline Step make_step(const at::Tensor& lora_ids, int64_t M, int num_threads, const Widths& widths,
                       at::ScalarType dtype, const char* op) {
   PDSERVE_CHECK_VALUE(lora_ids.dim() == 1 && lora_ids.numel() == M && lora_ids.scalar_type() == at::kLong &&
                           lora_ids.is_contiguous(),

@@ -188,7 +188,8 @@ class LoRALinear(nn.Module):
 
 
 def base_linear(linear: nn.Module) -> nn.Module:
-    """The linear a LoRALinear wraps (what a step naming no adapter computes), else linear."""
+    """The linear a LoRALinear wraps (whose weights the native decode loop reads, adding the
+    deltas itself), else linear."""
     return linear.base if isinstance(linear, LoRALinear) else linear
 
 
