@@ -243,11 +243,12 @@ inline void transposed_scores(const float* q_rows, int64_t num_rows, const T* k_
 // block b's first row, b counted from base's block), the accumulators held in registers
 // across every block (the whole-rows form: no load and store of them per block, as
 // rows_accumulate does). p_r is 0 outside row r's own keys; every key in [begin, end) is
-// a written cache row.
-template <int64_t kNumVec, int64_t R, typename T>
+// a written cache row. per_key(j) runs once per key, in the first pass over head_dim (the
+// caller's prefetches).
+template <int64_t kNumVec, int64_t R, typename T, typename PerKey>
 inline void whole_rows_accumulate(float* acc_rows, int64_t acc_stride, const float* p_rows, int64_t p_stride,
                                   const T* const* v_blocks, int64_t v_pos_stride, int64_t block_size, int64_t begin,
-                                  int64_t end) {
+                                  int64_t end, PerKey&& per_key) {
   constexpr int64_t kChunk = kNumVec < kAccumVecs ? kNumVec : kAccumVecs;
   static_assert(kNumVec % kChunk == 0);
   for (int64_t c = 0; c < kNumVec; c += kChunk) {
@@ -258,6 +259,7 @@ inline void whole_rows_accumulate(float* acc_rows, int64_t acc_stride, const flo
       const T* v_block = v_blocks[b] + c * kLanes;
       const int64_t first = std::max(begin, b * block_size), last = std::min(end, (b + 1) * block_size);
       for (int64_t j = first; j < last; ++j) {
+        if (c == 0) per_key(j);
         const T* v_row = v_block + (j - b * block_size) * v_pos_stride;
         for (int64_t v = 0; v < kChunk; ++v) {
           const Vec x = load_vec(v_row + v * kLanes);

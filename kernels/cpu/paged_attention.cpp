@@ -113,27 +113,32 @@ struct Problem {
 };
 
 // Rows [0, num_rows) in groups of kGroup rows, then the rest (fewer than kGroup) as one
-// group, so each call's row count R is a compile-time constant: fn.template operator()<R>(r,
-// begin, end) for each group whose rows see any key of the block, [begin, end) the union of
-// its rows' keys (row_begin / row_end, relative to the block).
+// group, so each call's row count R is a compile-time constant: fn.template operator()<R>(r).
+template <int64_t kGroup, typename Fn>
+inline void for_fixed_groups(int64_t num_rows, Fn&& fn) {
+  static_assert(kGroup >= 1 && kGroup <= 6);
+  int64_t r = 0;
+  for (; r + kGroup <= num_rows; r += kGroup) fn.template operator()<kGroup>(r);
+  switch (num_rows - r) {
+    case 5: if constexpr (kGroup > 5) fn.template operator()<5>(r); break;
+    case 4: if constexpr (kGroup > 4) fn.template operator()<4>(r); break;
+    case 3: if constexpr (kGroup > 3) fn.template operator()<3>(r); break;
+    case 2: if constexpr (kGroup > 2) fn.template operator()<2>(r); break;
+    case 1: fn.template operator()<1>(r); break;
+    default: break;
+  }
+}
+
+// The same, each group called only where its rows see any key of the block: fn.template
+// operator()<R>(r, begin, end), [begin, end) the union of its rows' keys (row_begin /
+// row_end, relative to the block).
 template <int64_t kGroup, typename Fn>
 inline void for_row_groups(int64_t num_rows, const int64_t* row_begin, const int64_t* row_end, Fn&& fn) {
-  static_assert(kGroup >= 1 && kGroup <= 6);
-  auto group = [&]<int64_t R>(int64_t r) {
+  for_fixed_groups<kGroup>(num_rows, [&]<int64_t R>(int64_t r) {
     const int64_t begin = *std::min_element(row_begin + r, row_begin + r + R);
     const int64_t end = *std::max_element(row_end + r, row_end + r + R);
     if (begin < end) fn.template operator()<R>(r, begin, end);
-  };
-  int64_t r = 0;
-  for (; r + kGroup <= num_rows; r += kGroup) group.template operator()<kGroup>(r);
-  switch (num_rows - r) {
-    case 5: if constexpr (kGroup > 5) group.template operator()<5>(r); break;
-    case 4: if constexpr (kGroup > 4) group.template operator()<4>(r); break;
-    case 3: if constexpr (kGroup > 3) group.template operator()<3>(r); break;
-    case 2: if constexpr (kGroup > 2) group.template operator()<2>(r); break;
-    case 1: group.template operator()<1>(r); break;
-    default: break;
-  }
+  });
 }
 
 // The token at position p sees keys [first_visible_key(p), p].
@@ -489,8 +494,96 @@ void attend_whole_rows_fp32(const Problem& pr, const WorkItem& item, int64_t kv_
   }
   for_row_groups<kAccumRows>(num_rows, row_begin, row_end, [&]<int64_t R>(int64_t r, int64_t begin, int64_t end) {
     whole_rows_accumulate<kNumVec, R>(acc + r * kHeadDim, kHeadDim, scores + r * num_keys, num_keys, v_blocks.data(),
-                                      pr.v_pos_stride, block_size, begin, end);
+                                      pr.v_pos_stride, block_size, begin, end, [](int64_t) {});
   });
+}
+
+// A decode item's few rows (fewer than kTransposeMinRows: one token's group of query heads, or
+// a few tokens') against all their keys at once, as the whole-rows forms do for many: every
+// key's scores from K's rows as they lie, one softmax per row, then P.V with the rows'
+// accumulators in registers across every block. The block-by-block form pays per 16 keys
+// for a running maximum, a rescale and a load and store of every accumulator (decode at batch
+// 64 and context 256, one SmolLM2 layer, KV from DRAM, the Zen 5 EPYC: 0.86-0.94 -> 0.82-0.89
+// ms). Not for bf16, whose block-by-block form (bf16 dot products) was faster there: 0.44-0.50
+// against 0.53-0.66 ms.
+// Its K pass asks for the K rows kPrefetchBlocks blocks ahead, then for the V pass's first
+// blocks; the V pass for its own, then for the stream's next item's first blocks (K and V),
+// so that item starts primed; each asks a share between its work on a block.
+// stream_block(b, n): the stream's K and V rows n blocks past the item's block b. q_rows:
+// pre-scaled. Fills acc [num_rows, kHeadDim] and row_sums [num_rows, kLanes]. An fp32 cache only.
+template <int64_t kHeadDim, typename StreamBlock>
+void attend_few_rows_fp32(const Problem& pr, const WorkItem& item, int64_t kv_head, const float* q_rows,
+                          int64_t num_rows, int64_t lo, int64_t hi, float* acc, float* row_sums, int64_t* row_begin,
+                          int64_t* row_end, StreamBlock&& stream_block) {
+  using T = float;
+  constexpr int64_t kNumVec = kHeadDim / kLanes;
+  const int64_t block_size = pr.block_size, group = pr.group;
+  const int64_t first_b = lo / block_size, last_b = (hi - 1) / block_size;
+  const int64_t base = first_b * block_size;  // the key of column 0
+  const int64_t score_stride = ((last_b + 1) * block_size - base + kLanes - 1) / kLanes * kLanes;  // whole Vecs
+  thread_local std::vector<float> buffer;
+  thread_local std::vector<const T*> v_blocks;  // [last_b - first_b + 1]: each block's first V row
+  const ScratchLayout layout(buffer, {num_rows * score_stride});
+  float* scores = layout[0];  // [num_rows, score_stride], then the probabilities
+  v_blocks.resize(last_b - first_b + 1);
+  const T* k_head = static_cast<const T*>(pr.k) + kv_head * pr.k_head_stride;
+  const T* v_head = static_cast<const T*>(pr.v) + kv_head * pr.v_head_stride;
+  for (int64_t b = first_b; b <= last_b; ++b) {
+    const int64_t block_start = b * block_size;
+    const int64_t block_id = item_block_id(pr, item, b);
+    v_blocks[b - first_b] = v_head + block_id * pr.v_block_stride;
+    const bool own_k = b + kPrefetchBlocks <= last_b;
+    const int64_t v_b = b + kPrefetchBlocks - last_b - 1 + first_b;  // past the last: the V pass's
+    RowsAhead<T, kHeadDim> ahead(own_k ? stream_block(b, kPrefetchBlocks).first
+                                       : (v_b <= last_b ? stream_block(v_b, 0).second : nullptr),
+                                 own_k ? pr.k_pos_stride : pr.v_pos_stride, block_size, kHeadDim);
+    const int64_t keys_begin = std::max(lo, block_start) - block_start;
+    const int64_t keys_end = std::min(hi, block_start + block_size) - block_start;
+    const T* k_block = k_head + block_id * pr.k_block_stride;
+    float* block_scores = scores + (block_start - base);
+    for (int64_t j = keys_begin; j < keys_end; j += 4) {  // 4 keys at a time, as rows_scores takes them
+      const int64_t j_end = std::min(j + 4, keys_end);
+      for_fixed_groups<kScoreRows>(num_rows, [&]<int64_t R>(int64_t r) {
+        rows_scores<kNumVec, R>(q_rows + r * kHeadDim, kHeadDim, k_block, pr.k_pos_stride, j, j_end,
+                                block_scores + r * score_stride, score_stride);
+      });
+      ahead.ask_until((j_end - keys_begin) * block_size / (keys_end - keys_begin));
+    }
+    ahead.ask_rest();
+  }
+  for (int64_t r = 0; r < num_rows; ++r) {
+    // p = 0 outside the row's keys, whatever their scores hold (a block's keys before lo are
+    // not scored). The numerators overwrite the scores.
+    float* s = scores + r * score_stride;
+    const Vec sum = whole_row_probabilities<ExpFp32>(pr, item.first_position + r / group, lo, hi, base, s,
+                                                     score_stride, row_begin[r], row_end[r],
+                                                     [s](int64_t j, Vec p) { std::memcpy(s + j, &p, sizeof p); });
+    std::memcpy(row_sums + r * kLanes, &sum, sizeof sum);
+  }
+  // The V pass: a V row kPrefetchBlocks blocks ahead per key, and past the last block the
+  // stream's next item's K rows too.
+  RowsAhead<T, kHeadDim> v_ahead(nullptr, 0, 0, kHeadDim), next_k_ahead(nullptr, 0, 0, kHeadDim);
+  auto ask_ahead = [&](int64_t column) {
+    if (column % block_size == 0) {
+      v_ahead.ask_rest();
+      next_k_ahead.ask_rest();
+      const int64_t b = first_b + column / block_size;
+      const auto [k_rows, v_rows] = stream_block(b, kPrefetchBlocks);
+      v_ahead = RowsAhead<T, kHeadDim>(v_rows, pr.v_pos_stride, block_size, kHeadDim);
+      next_k_ahead = RowsAhead<T, kHeadDim>(b + kPrefetchBlocks > last_b ? k_rows : nullptr, pr.k_pos_stride,
+                                            block_size, kHeadDim);
+    }
+    next_k_ahead.ask_next();
+    v_ahead.ask_next();
+  };
+  for_row_groups<kAccumRows>(num_rows, row_begin, row_end, [&]<int64_t R>(int64_t r, int64_t begin, int64_t end) {
+    whole_rows_accumulate<kNumVec, R>(acc + r * kHeadDim, kHeadDim, scores + r * score_stride, score_stride,
+                                      v_blocks.data(), pr.v_pos_stride, block_size, begin, end, [&](int64_t column) {
+                                        if (r == 0) ask_ahead(column);
+                                      });
+  });
+  v_ahead.ask_rest();
+  next_k_ahead.ask_rest();
 }
 
 // One work item: the item's query tokens x the kv head's group of query heads ("rows",
@@ -640,6 +733,15 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
       attend_whole_rows_fp32<kHeadDim>(pr, item, kv_head, q_rows, num_rows, lo, hi, acc, row_sums, row_begin,
                                        row_end);
       stream.primed = false;  // nothing asked for the next item's blocks: it asks itself
+      goto rows_done;
+    }
+    if (!transposed && item.partial < 0 && hi > lo &&
+        num_rows * ((last_b - first_b + 1) * block_size + kLanes) <= kWholeRowsMaxScoresFp32) {
+      attend_few_rows_fp32<kHeadDim>(pr, item, kv_head, q_rows, num_rows, lo, hi, acc, row_sums, row_begin, row_end,
+                                     stream_block);
+      // The V pass asked for the next item's first blocks at its last kPrefetchBlocks block
+      // starts (the first block's only where the item's keys begin on it).
+      stream.primed = last_b - first_b + 1 > kPrefetchBlocks;
       goto rows_done;
     }
   }
