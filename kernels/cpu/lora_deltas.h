@@ -7,12 +7,12 @@
 // Adapters are registered once (register_decode_adapter: per layer the stacked A [k r, K] and
 // B [N, k r] of qkv, o, gate_up and down, or none where the adapter does not target the
 // projection) and named per step by id, one per row (-1: the base model). B is kept
-// transposed in panels of kPanelCols columns, [N / kPanelCols, k r, kPanelCols], so that the
-// expand runs along a thread's own output columns reading one contiguous stream: in a
-// parallel region each thread shrinks its share of the rows' k r values, the threads meet,
-// and each expands into the columns its GEMV wrote. A step of few rows skips the meeting:
-// each thread shrinks every row itself, into its own scratch (a barrier costs more than the
-// shrinks of a few rows).
+// transposed in panels of kPanelCols columns, [N / kPanelCols, k r, kPanelCols] (bf16 on
+// AVX512-BF16: ranks in pairs, paired_ranks), so that the expand runs along a thread's own
+// output columns reading one contiguous stream: in a parallel region each thread shrinks its
+// share of the rows' k r values, the threads meet, and each expands into the columns its GEMV
+// wrote. A step of few rows skips the meeting: each thread shrinks every row itself, into its
+// own scratch (a barrier costs more than the shrinks of a few rows).
 #pragma once
 
 #include <ATen/core/List.h>
@@ -25,8 +25,10 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
+#include "attention_bf16.h"
 #include "check_message.h"
 #include "vec_math.h"
 
@@ -47,9 +49,24 @@ constexpr int64_t kRedundantShrinkRows = 4;
 // adapter's matrices must fit.
 using Widths = std::vector<std::array<std::pair<int64_t, int64_t>, kNumProjections>>;
 
+// Whether a bf16 adapter's expands run on AVX512-BF16 dot products (vdpbf16ps: a pair of
+// ranks a lane, multiplied exactly and summed in fp32), its B^T panels then holding ranks in
+// pairs; its shrinks, too, take x and A as bf16 pairs. A decode step of the bundled model
+// with a rank-16 adapter on every projection, the Zen 5 EPYC: the deltas' added time at 1 / 8
+// / 32 rows 0.78 / 1.54 / 4.34 -> 0.45 / 0.84 / 1.87 ms (docs/benchmarks.md, "The loop's
+// deltas on bf16 dot products").
+#ifdef PDSERVE_BF16_DOT
+inline bool paired_ranks(at::ScalarType dtype) { return dtype == at::kBFloat16; }
+#else
+inline bool paired_ranks(at::ScalarType) { return false; }
+#endif
+
 struct Pair {
-  at::Tensor a;       // [R, K] the model's dtype; undefined: the adapter leaves the projection alone
-  at::Tensor panels;  // [ceil(N / kPanelCols), R, kPanelCols]: B^T in column panels, zero past N
+  at::Tensor a;  // [R, K] the model's dtype; undefined: the adapter leaves the projection alone
+  // B^T in column panels, zero past N: [ceil(N / kPanelCols), R, kPanelCols], or where
+  // paired_ranks [ceil(N / kPanelCols), ceil(R / 2), kPanelCols, 2] (an odd R's last pair
+  // padded with a zero rank)
+  at::Tensor panels;
   int64_t out_features = 0;  // N
 };
 
@@ -97,9 +114,13 @@ inline int64_t register_adapter(const OptionalTensors& a, const OptionalTensors&
                         "register_decode_adapter: A [R, K] and B [N, R], both bf16 or both fp32 as the others, got ",
                         ai->scalar_type(), " ", ai->sizes(), " and ", bi->scalar_type(), " ", bi->sizes());
     const int64_t N = bi->size(0), R = bi->size(1), num_panels = (N + kPanelCols - 1) / kPanelCols;
-    at::Tensor padded = at::zeros({num_panels * kPanelCols, R}, bi->options());
-    padded.narrow(0, 0, N).copy_(*bi);
-    at::Tensor panels = padded.view({num_panels, kPanelCols, R}).transpose(1, 2).contiguous();  // [P, R, cols]
+    const bool paired = paired_ranks(adapter.dtype);
+    const int64_t padded_rank = paired ? (R + 1) / 2 * 2 : R;
+    at::Tensor padded = at::zeros({num_panels * kPanelCols, padded_rank}, bi->options());
+    padded.narrow(0, 0, N).narrow(1, 0, R).copy_(*bi);
+    at::Tensor panels =
+        paired ? padded.view({num_panels, kPanelCols, padded_rank / 2, 2}).permute({0, 2, 1, 3}).contiguous()
+               : padded.view({num_panels, kPanelCols, R}).transpose(1, 2).contiguous();
     adapter.layers[i / kNumProjections][i % kNumProjections] = Pair{ai->contiguous(), panels, N};
   }
   std::lock_guard<std::mutex> lock(adapters_mutex);
@@ -174,6 +195,17 @@ inline void dots(const T* x, const T* a, int64_t K, int64_t n, float* out) {
   const int64_t count = kN > 0 ? kN : n;
   Vec acc[kDots] = {};
   int64_t k = 0;
+#ifdef PDSERVE_BF16_DOT
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {  // 32 of K at a time, as pairs
+    __m512 pairs[kDots];
+    for (int64_t i = 0; i < count; ++i) pairs[i] = _mm512_setzero_ps();
+    for (; k + kBf16PerVec <= K; k += kBf16PerVec) {
+      const __m512bh xv = load_bf16x32(x + k);
+      for (int64_t i = 0; i < count; ++i) pairs[i] = _mm512_dpbf16_ps(pairs[i], xv, load_bf16x32(a + i * K + k));
+    }
+    for (int64_t i = 0; i < count; ++i) acc[i] = (Vec)pairs[i];
+  }
+#endif
   for (; k + kLanes <= K; k += kLanes) {
     const Vec xv = load_vec(x + k);
     for (int64_t i = 0; i < count; ++i) acc[i] += xv * load_vec(a + i * K + k);
@@ -259,6 +291,67 @@ void expand_rows(const float* const* s, T* const* out, const Pair& p, int64_t R,
   }
 }
 
+#ifdef PDSERVE_BF16_DOT
+// expand_rows for bf16 panels of paired ranks: each row's shrink (bf16 values: the shrinks
+// round to it) as pairs broadcast to every lane, one vdpbf16ps per pair of ranks and vector
+// of columns where the fp32 form takes two FMAs and two conversions of B^T.
+template <int kN>
+void expand_rows_paired(const float* const* s, c10::BFloat16* const* out, const Pair& p, int64_t R, float scaling,
+                        int64_t c0, int64_t c1) {
+  static_assert(kLanes == 16);
+  const int64_t num_pairs = (R + 1) / 2;
+  thread_local std::vector<uint32_t> words;  // [kN, num_pairs]: row i's ranks 2 r and 2 r + 1 as one word
+  words.resize(kN * num_pairs);
+  for (int i = 0; i < kN; ++i)
+    for (int64_t r = 0; r < num_pairs; ++r) {
+      const uint16_t lo = c10::BFloat16(s[i][2 * r]).x;
+      const uint16_t hi = 2 * r + 1 < R ? c10::BFloat16(s[i][2 * r + 1]).x : uint16_t{0};
+      words[i * num_pairs + r] = static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16;
+    }
+  const Vec scale = Vec{} + scaling;
+  const c10::BFloat16* panels = p.panels.const_data_ptr<c10::BFloat16>();
+  for (int64_t panel = c0 / kPanelCols; panel * kPanelCols < c1; ++panel) {
+    const int64_t base = panel * kPanelCols;
+    const int q0 = static_cast<int>((std::max(c0, base) - base) / kLanes);
+    const int q1 = static_cast<int>((std::min(c1, base + kPanelCols) - base + kLanes - 1) / kLanes);
+    const c10::BFloat16* b = panels + panel * num_pairs * kPanelCols * 2;
+    __m512 acc[kN][kChunks];
+    for (int i = 0; i < kN; ++i)
+      for (int q = 0; q < kChunks; ++q) acc[i][q] = _mm512_setzero_ps();
+    if (q0 == 0 && q1 == kChunks) {  // a whole panel: every loop bound known
+      for (int64_t r = 0; r < num_pairs; ++r) {
+        __m512bh bv[kChunks];
+        for (int q = 0; q < kChunks; ++q) bv[q] = load_bf16x32(b + (r * kPanelCols + q * kLanes) * 2);
+        for (int i = 0; i < kN; ++i) {
+          const __m512bh sv = (__m512bh)_mm512_set1_epi32(static_cast<int>(words[i * num_pairs + r]));
+          for (int q = 0; q < kChunks; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], sv, bv[q]);
+        }
+      }
+    } else {
+      for (int64_t r = 0; r < num_pairs; ++r)
+        for (int q = q0; q < q1; ++q) {
+          const __m512bh bv = load_bf16x32(b + (r * kPanelCols + q * kLanes) * 2);
+          for (int i = 0; i < kN; ++i)
+            acc[i][q] = _mm512_dpbf16_ps(
+                acc[i][q], (__m512bh)_mm512_set1_epi32(static_cast<int>(words[i * num_pairs + r])), bv);
+        }
+    }
+    for (int i = 0; i < kN; ++i)
+      for (int q = q0; q < q1; ++q) {
+        const int64_t col = base + q * kLanes;
+        c10::BFloat16* o = out[i] + col;
+        const Vec sums = (Vec)acc[i][q];
+        if (col + kLanes <= c1) {
+          store_vec(o, load_vec(o) + scale * round_as(sums, c10::BFloat16{}));
+        } else {  // the last columns of a width that is not whole vectors
+          for (int64_t lane = 0; col + lane < c1; ++lane)
+            o[lane] = c10::BFloat16(to_float(o[lane]) + scaling * round_to(sums[lane], c10::BFloat16{}));
+        }
+      }
+  }
+}
+#endif
+
 // Columns [c0, c1) (c0 a multiple of kLanes) of projection j of layer l's output y [M, N],
 // for rows [row_begin, row_end): y += scaling * round(shrunk B^T), rounded to T, shrunk the
 // scratch the shrinks filled.
@@ -273,12 +366,21 @@ void expand(const Step& step, size_t l, int j, T* y, int64_t N, int64_t c0, int6
     const float* s[kRows];
     T* out[kRows];
     int n = 0;
+    auto rows = [&]<int kN>() {
+#ifdef PDSERVE_BF16_DOT
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        expand_rows_paired<kN>(s, out, p, R, g.adapter->scaling, c0, c1);
+        return;
+      }
+#endif
+      expand_rows<T, kN>(s, out, p, R, g.adapter->scaling, c0, c1);
+    };
     auto flush = [&] {
       switch (n) {
-        case 4: if constexpr (kRows >= 4) expand_rows<T, 4>(s, out, p, R, g.adapter->scaling, c0, c1); break;
-        case 3: if constexpr (kRows >= 3) expand_rows<T, 3>(s, out, p, R, g.adapter->scaling, c0, c1); break;
-        case 2: expand_rows<T, 2>(s, out, p, R, g.adapter->scaling, c0, c1); break;
-        case 1: expand_rows<T, 1>(s, out, p, R, g.adapter->scaling, c0, c1); break;
+        case 4: if constexpr (kRows >= 4) rows.template operator()<4>(); break;
+        case 3: if constexpr (kRows >= 3) rows.template operator()<3>(); break;
+        case 2: rows.template operator()<2>(); break;
+        case 1: rows.template operator()<1>(); break;
         default: break;
       }
       n = 0;

@@ -1,5 +1,6 @@
-"""The LoRA tests' tiny base model and its two PEFT adapters (a: every linear, rank 4; b: three
-linears, rank 8, rsLoRA), each (adapter directory, PEFT's merged model directory)."""
+"""The LoRA tests' tiny base model and its two PEFT adapters (a: every linear, rank 5, odd as
+the bf16 deltas' pairs of ranks must pad; b: three linears, rank 8, rsLoRA), each (adapter
+directory, PEFT's merged model directory)."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,6 @@ def base_dir(tiny_model_factory):
 @pytest.fixture(scope="module")
 def adapters(base_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("loras")
-    return {"a": make_adapter(base_dir, root / "a", seed=1),
+    return {"a": make_adapter(base_dir, root / "a", seed=1, rank=5),
             "b": make_adapter(base_dir, root / "b", seed=2, targets=("q_proj", "v_proj", "down_proj"), rank=8,
                               alpha=4, use_rslora=True)}
