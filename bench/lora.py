@@ -28,21 +28,18 @@ import tempfile
 import time
 from pathlib import Path
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def write_adapter(directory: Path, cfg, rank: int, seed: int) -> str:
     """A PEFT LoRA adapter of random A and B (B small: an adapter's delta, not a new model)."""
     import torch
     from safetensors.torch import save_file
 
-    from common.engine.lora.adapter import module_shapes
+    from common.engine.lora.adapter import LLAMA_TARGET_MODULES, module_shapes
     directory.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     shapes = module_shapes(cfg)
     for layer in range(cfg.num_hidden_layers):
-        for module in TARGETS:
+        for module in LLAMA_TARGET_MODULES:
             in_features, out_features = shapes[module]
             block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
@@ -50,7 +47,8 @@ def write_adapter(directory: Path, cfg, rank: int, seed: int) -> str:
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.01
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     (directory / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS), "bias": "none"}))
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(LLAMA_TARGET_MODULES),
+        "bias": "none"}))
     return str(directory)
 
 

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import torch
 
+from common.engine.lora.adapter import LLAMA_TARGET_MODULES
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def make_adapter(base_dir: Path, out_dir: Path, seed: int, targets=ALL_TARGETS, rank: int = 4,
+def make_adapter(base_dir: Path, out_dir: Path, seed: int, targets=LLAMA_TARGET_MODULES, rank: int = 4,
                  alpha: float = 8, use_rslora: bool = False) -> tuple[str, Path]:
     """(the PEFT adapter's directory, its merged model's) for the base model at base_dir."""
     import peft

@@ -19,10 +19,10 @@ from safetensors import safe_open
 
 from common.engine.config import ModelConfig
 
-# The PEFT modules an adapter may target: Llama's names, and the fused qkv_proj and
-# gate_up_proj of checkpoints that store them fused (Phi-3).
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-                  "gate_up_proj")
+# The PEFT modules an adapter may target: a Llama layer's seven linears, and the fused
+# qkv_proj and gate_up_proj of checkpoints that store them fused (Phi-3).
+LLAMA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = LLAMA_TARGET_MODULES + ("qkv_proj", "gate_up_proj")
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
