@@ -248,12 +248,24 @@ void shrink_part(const Step& step, size_t l, int j, const T* x, int64_t K, int p
   }
 }
 
+// Row out's kLanes columns from col (those before c1) += scaling * sums rounded to T, rounded
+// to T: an expand's last step.
+template <typename T>
+inline void add_delta(T* out, int64_t col, int64_t c1, Vec sums, float scaling) {
+  T* o = out + col;
+  if (col + kLanes <= c1) {
+    store_vec(o, load_vec(o) + (Vec{} + scaling) * round_as(sums, T{}));
+  } else {  // the last columns of a width that is not whole vectors
+    for (int64_t lane = 0; col + lane < c1; ++lane)
+      o[lane] = T(to_float(o[lane]) + scaling * round_to(sums[lane], T{}));
+  }
+}
+
 // Columns [c0, c1) (c0 a multiple of kLanes) of the rows out[i] [N] (i < kN): += scaling *
 // round(s[i] [R] . B^T's columns), rounded to T, from B^T's panels.
 template <typename T, int kN>
 void expand_rows(const float* const* s, T* const* out, const Pair& p, int64_t R, float scaling, int64_t c0,
                  int64_t c1) {
-  const Vec scale = Vec{} + scaling;
   const T* panels = p.panels.const_data_ptr<T>();
   for (int64_t panel = c0 / kPanelCols; panel * kPanelCols < c1; ++panel) {
     const int64_t base = panel * kPanelCols;
@@ -278,16 +290,7 @@ void expand_rows(const float* const* s, T* const* out, const Pair& p, int64_t R,
         }
     }
     for (int i = 0; i < kN; ++i)
-      for (int q = q0; q < q1; ++q) {
-        const int64_t col = base + q * kLanes;
-        T* o = out[i] + col;
-        if (col + kLanes <= c1) {
-          store_vec(o, load_vec(o) + scale * round_as(acc[i][q], T{}));
-        } else {  // the last columns of a width that is not whole vectors
-          for (int64_t lane = 0; col + lane < c1; ++lane)
-            o[lane] = T(to_float(o[lane]) + scaling * round_to(acc[i][q][lane], T{}));
-        }
-      }
+      for (int q = q0; q < q1; ++q) add_delta(out[i], base + q * kLanes, c1, acc[i][q], scaling);
   }
 }
 
@@ -308,7 +311,6 @@ void expand_rows_paired(const float* const* s, c10::BFloat16* const* out, const 
       const uint16_t hi = 2 * r + 1 < R ? c10::BFloat16(s[i][2 * r + 1]).x : uint16_t{0};
       words[i * num_pairs + r] = static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16;
     }
-  const Vec scale = Vec{} + scaling;
   const c10::BFloat16* panels = p.panels.const_data_ptr<c10::BFloat16>();
   for (int64_t panel = c0 / kPanelCols; panel * kPanelCols < c1; ++panel) {
     const int64_t base = panel * kPanelCols;
@@ -337,17 +339,7 @@ void expand_rows_paired(const float* const* s, c10::BFloat16* const* out, const 
         }
     }
     for (int i = 0; i < kN; ++i)
-      for (int q = q0; q < q1; ++q) {
-        const int64_t col = base + q * kLanes;
-        c10::BFloat16* o = out[i] + col;
-        const Vec sums = (Vec)acc[i][q];
-        if (col + kLanes <= c1) {
-          store_vec(o, load_vec(o) + scale * round_as(sums, c10::BFloat16{}));
-        } else {  // the last columns of a width that is not whole vectors
-          for (int64_t lane = 0; col + lane < c1; ++lane)
-            o[lane] = c10::BFloat16(to_float(o[lane]) + scaling * round_to(sums[lane], c10::BFloat16{}));
-        }
-      }
+      for (int q = q0; q < q1; ++q) add_delta(out[i], base + q * kLanes, c1, (Vec)acc[i][q], scaling);
   }
 }
 #endif
