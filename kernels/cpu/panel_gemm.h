@@ -138,10 +138,19 @@ inline void panel_gemm_panels(const c10::BFloat16* x, const c10::BFloat16* panel
     const char* ahead =
         p + 1 < panel_end && M >= kPrefetchMinRows ? reinterpret_cast<const char*>(panel + panel_values) : nullptr;
     const int64_t n0 = p * kPanelCols;
+    // A tail of 1 or 2 rows joins the last whole tile (13 or 14 rows: 26 or 28 accumulators,
+    // 2 W vectors and a broadcast still fit AVX-512's 32 registers): alone its 2 or 4
+    // accumulators wait on vdpbf16ps' latency.
+    const int64_t tail = M % kPanelTileRows;
+    const int64_t last_whole = M > kPanelTileRows && tail >= 1 && tail <= 2 ? M - kPanelTileRows - tail : M;
     int64_t m0 = 0;
-    for (; m0 + kPanelTileRows <= M; m0 += kPanelTileRows, ahead = nullptr)
+    for (; m0 + kPanelTileRows <= M && m0 < last_whole; m0 += kPanelTileRows, ahead = nullptr)
       panel_gemm_tile<kPanelTileRows>(x, panel, bias, y, K, N, m0, n0, ahead, false, prefetch_out);
     switch (M - m0) {
+      case kPanelTileRows + 1: panel_gemm_tile<kPanelTileRows + 1>(x, panel, bias, y, K, N, m0, n0, ahead, false,
+                                                                   prefetch_out); break;
+      case kPanelTileRows + 2: panel_gemm_tile<kPanelTileRows + 2>(x, panel, bias, y, K, N, m0, n0, ahead, false,
+                                                                   prefetch_out); break;
 #define PDSERVE_PANEL_TAIL(r) \
   case r: panel_gemm_tile<r>(x, panel, bias, y, K, N, m0, n0, ahead, stream_ahead, prefetch_out); break;
       PDSERVE_PANEL_TAIL(1) PDSERVE_PANEL_TAIL(2) PDSERVE_PANEL_TAIL(3) PDSERVE_PANEL_TAIL(4)

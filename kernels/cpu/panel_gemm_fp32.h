@@ -94,12 +94,30 @@ inline void pack_f32_x_tile(const float* rows, float* tile, int64_t K) {
     for (int64_t i = 0; i < R; ++i) tile[k * R + i] = rows[i * K + k];
 }
 
-inline int64_t num_f32_x_tiles(int64_t M) { return (M + kF32TileRows - 1) / kF32TileRows; }
+// x's rows in tiles of kF32TileRows, the last the rest; on AVX-512 a rest of 1 or 2 rows
+// joins the tile before it (13 or 14 rows: 26 or 28 accumulators, 2 W vectors and a broadcast
+// still fit the 32 registers), as panel_gemm.h's tiles do: alone its 2 or 4 accumulators wait
+// on the FMAs' latency.
+#if defined(__AVX512F__)
+constexpr int64_t kF32MaxJoinedTail = 2;
+#else
+constexpr int64_t kF32MaxJoinedTail = 0;  // AVX2's 16 registers hold no more than a tile
+#endif
+
+inline int64_t num_f32_x_tiles(int64_t M) {
+  const int64_t tail = M % kF32TileRows, num_tiles = (M + kF32TileRows - 1) / kF32TileRows;
+  return M > kF32TileRows && tail >= 1 && tail <= kF32MaxJoinedTail ? num_tiles - 1 : num_tiles;
+}
+
+// Rows of tile t, whose first is t * kF32TileRows.
+inline int64_t f32_tile_rows(int64_t M, int64_t t) {
+  return t + 1 == num_f32_x_tiles(M) ? M - t * kF32TileRows : kF32TileRows;
+}
 
 inline void pack_f32_x_tiles(const float* x, float* x_tiles, int64_t M, int64_t K, int64_t tile_begin,
                              int64_t tile_end) {
   for (int64_t t = tile_begin; t < tile_end; ++t) {
-    const int64_t m0 = t * kF32TileRows, num_rows = std::min(kF32TileRows, M - m0);
+    const int64_t m0 = t * kF32TileRows, num_rows = f32_tile_rows(M, t);
     if (num_rows == kF32TileRows) {
       pack_f32_x_tile<kF32TileRows>(x + m0 * K, x_tiles + m0 * K, K);
       continue;
@@ -178,20 +196,22 @@ inline void f32_panel_tile(const F32PanelGemm& g, int64_t p, int64_t m0, int64_t
 template <int NP>
 inline void f32_panel_chunk(const F32PanelGemm& g, int64_t p, int64_t k0, int64_t num_steps, const char* ahead,
                             bool stream_ahead) {
-  int64_t m0 = 0;
-  for (; m0 + kF32TileRows <= g.M; m0 += kF32TileRows, ahead = nullptr)
-    f32_panel_tile<kF32TileRows, NP>(g, p, m0, k0, num_steps, ahead, false);
-  switch (g.M - m0) {
-#define PDSERVE_F32_PANEL_TAIL(r) \
-  case r: f32_panel_tile<r, NP>(g, p, m0, k0, num_steps, ahead, stream_ahead); break;
-    PDSERVE_F32_PANEL_TAIL(1) PDSERVE_F32_PANEL_TAIL(2) PDSERVE_F32_PANEL_TAIL(3) PDSERVE_F32_PANEL_TAIL(4)
-    PDSERVE_F32_PANEL_TAIL(5)
+  const int64_t num_tiles = num_f32_x_tiles(g.M);
+  for (int64_t t = 0; t < num_tiles; ++t, ahead = nullptr) {
+    const int64_t m0 = t * kF32TileRows;
+    const bool stream = stream_ahead && t + 1 == num_tiles;  // (steps of few rows: one tile)
+    switch (f32_tile_rows(g.M, t)) {
+#define PDSERVE_F32_PANEL_TILE(r) \
+  case r: f32_panel_tile<r, NP>(g, p, m0, k0, num_steps, ahead, stream); break;
+      PDSERVE_F32_PANEL_TILE(1) PDSERVE_F32_PANEL_TILE(2) PDSERVE_F32_PANEL_TILE(3) PDSERVE_F32_PANEL_TILE(4)
+      PDSERVE_F32_PANEL_TILE(5) PDSERVE_F32_PANEL_TILE(6)
 #if defined(__AVX512F__)
-    PDSERVE_F32_PANEL_TAIL(6) PDSERVE_F32_PANEL_TAIL(7) PDSERVE_F32_PANEL_TAIL(8) PDSERVE_F32_PANEL_TAIL(9)
-    PDSERVE_F32_PANEL_TAIL(10) PDSERVE_F32_PANEL_TAIL(11)
+      PDSERVE_F32_PANEL_TILE(7) PDSERVE_F32_PANEL_TILE(8) PDSERVE_F32_PANEL_TILE(9) PDSERVE_F32_PANEL_TILE(10)
+      PDSERVE_F32_PANEL_TILE(11) PDSERVE_F32_PANEL_TILE(12) PDSERVE_F32_PANEL_TILE(13) PDSERVE_F32_PANEL_TILE(14)
 #endif
-#undef PDSERVE_F32_PANEL_TAIL
-    default: break;
+#undef PDSERVE_F32_PANEL_TILE
+      default: break;
+    }
   }
 }
 

@@ -116,14 +116,15 @@ def test_pack_panels_lays_out_32_columns_by_pairs_of_k(out_features, in_features
 
 
 @needs_panel_gemm
-@pytest.mark.parametrize("num_rows", [1, 5, 7, 11, 12, 13, 16, 19, 24, 33, 37, 128, 200])
+@pytest.mark.parametrize("num_rows", [1, 5, 7, 11, 12, 13, 14, 16, 19, 24, 26, 33, 37, 128, 200])
 @pytest.mark.parametrize("out_features, in_features", [(32, 32), (64, 34), (96, 96), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_panel_gemm_matches_fp32_math_rounded_once(num_rows, out_features, in_features, with_bias):
     # Row counts off the vector tiles' 12 rows and AMX's 16 and both sides of them (one, two,
     # three blocks of 16 and an odd number of blocks with a partial last), tails of 7-11
-    # rows alone and after whole tiles; one panel (one thread) to 30; K not a multiple of 32
-    # (the vector tiles on AMX CPUs too).
+    # rows alone and after whole tiles, tails of 1 and 2 rows joined to the last whole tile
+    # (13 and 14 rows: alone, after one, after two); one panel (one thread) to 30; K not a
+    # multiple of 32 (the vector tiles on AMX CPUs too).
     torch.manual_seed(num_rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
     bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
@@ -250,14 +251,15 @@ def test_pack_panels_lays_out_an_fp32_weight_in_16_columns(out_features, in_feat
     assert torch.equal(pack_panels(weight, huge_pages=True), expected)
 
 
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 6, 7, 11, 12, 13, 24, 29, 64, 65, 130])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 6, 7, 11, 12, 13, 14, 24, 26, 29, 37, 64, 65, 130])
 @pytest.mark.parametrize("out_features, in_features", [(16, 1), (48, 96), (96, 96), (576, 1536), (80, 4100)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_panel_gemm_over_fp32_panels_matches_fp32_math(num_rows, out_features, in_features, with_bias):
     # Rows off the tiles (6 rows on AVX2, 12 on AVX-512) and both sides of them: 1-2 rows
     # streaming the panels, more asking for the next chunk into L2, tails of 1-11 after whole
-    # tiles; one panel (one thread) to 36, odd runs of panels per thread (AVX-512 tiles span
-    # two); K in one chunk, and in two of 2,050 steps (sums carried through y).
+    # tiles (on AVX-512 those of 1 and 2 joined to the last whole one: 13, 14, 26, 37, 65); one
+    # panel (one thread) to 36, odd runs of panels per thread (AVX-512 tiles span two); K in
+    # one chunk, and in two of 2,050 steps (sums carried through y).
     torch.manual_seed(num_rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features)
     bias = torch.randn(out_features) if with_bias else None
