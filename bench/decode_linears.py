@@ -7,8 +7,9 @@ bf16 through oneDNN's packed linear (what prefill steps use), a plain `F.linear`
 native GEMV (kernels/cpu/gemv.cpp, up to 4 rows) reading row-major copies on huge pages
 as the model's do (fp32; bf16 without AVX512-BF16) and, for bf16 with AVX512-BF16,
 `panel_gemm` (kernels/cpu/panel_gemm.h, on AMX tiles where the CPU has them; what a bf16
-model's steps of 1 to panel_gemm_max_rows() rows take there) on column-panel copies, also on huge pages; the
-bundled GGUF's own Q4_1 projections through torch's int4 kernel and the native Q4_1 GEMV; the LM head alone (fp32), dense through oneDNN and the GEMV, and as the
+model's steps of 1 to panel_gemm_max_rows() rows take there) on column-panel copies, also on
+huge pages; the bundled GGUF's own Q4_1 projections through torch's int4 kernel and the
+native Q4_1 GEMV; the LM head alone (fp32), dense through oneDNN and the GEMV, and as the
 GGUF's own Q8_0 blocks through the native Q8_0 GEMV (what `--quantization gguf` decodes
 with). The kernels of a case run alternately, repetitions interleaved, and each reports
 the median and min milliseconds per pass over all layers (the head included for dense

@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.skip_hf:
         peers.discard("hf")
     if "hf" in peers and (args.temperature > 0 or args.logprobs is not None):
-        parser.error("--temperature and --logprobs are for our engine and vLLM: add --skip-hf (HF's batches are greedy)")
+        parser.error("--temperature and --logprobs are for our engine and vLLM: "
+                     "add --skip-hf (HF's batches are greedy)")
 
     from common.engine.compilation import num_compiled_graphs
     from common.engine.llm import LLM

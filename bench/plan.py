@@ -301,8 +301,8 @@ class Planner:
     def evaluate(self, deployment: Deployment) -> Candidate:
         key = (deployment.num_prefill, deployment.num_decode)
         if key not in self.simulated:
-            self.simulated[key] = Candidate(deployment, analytic_estimate(self.profile, self.traffic, self.slo, deployment),
-                                            simulate(deployment, self.profile, self.requests))
+            estimate = analytic_estimate(self.profile, self.traffic, self.slo, deployment)
+            self.simulated[key] = Candidate(deployment, estimate, simulate(deployment, self.profile, self.requests))
         return self.simulated[key]
 
     def deployment(self, num_prefill: int, num_decode: int) -> Deployment:
@@ -552,7 +552,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rate", type=float, default=None, help="requests per second")
     parser.add_argument("--input-len", default="512", help="LOW-HIGH prompt tokens, uniform")
     parser.add_argument("--output-len", default="128", help="LOW-HIGH output tokens, uniform")
-    parser.add_argument("--prefix-sharing", type=float, default=0.0, help="share of each prompt that is a shared prefix")
+    parser.add_argument("--prefix-sharing", type=float, default=0.0,
+                        help="share of each prompt that is a shared prefix")
     parser.add_argument("--num-prefixes", type=int, default=8)
     parser.add_argument("--burstiness", type=float, default=1.0)
     parser.add_argument("--slo", default=None, help="SLO JSON (Slo); or the flags below")
@@ -563,7 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--num-kv-blocks", type=int, default=None,
-                        help="KV pool blocks per instance; default: --kv-cache-memory over the profile's bytes per token")
+                        help="KV pool blocks per instance; default: --kv-cache-memory over the profile's bytes "
+                             "per token")
     engine.add_argument("--kv-cache-memory", default="1GiB")
     parser.add_argument("--max-instances", type=int, default=16)
     parser.add_argument("--no-colocated", action="store_true", help="plan disaggregated deployments only")

@@ -229,12 +229,13 @@ class Simulation:
         self.ledger = LoadLedger(self.index)
         self.policy = PrefixAware(self.index)
         self.engines: dict[str, SimEngine] = {}
-        for role, count, shape in (("prefill", d.num_prefill, d.prefill_shape), ("decode", d.num_decode, d.decode_shape)):
+        pools = (("prefill", d.num_prefill, d.prefill_shape), ("decode", d.num_decode, d.decode_shape))
+        for role, count, shape in pools:
             for k in range(count):
                 instance_id = f"{role}-{k}"
                 self.engines[instance_id] = SimEngine(instance_id, role, shape, self.profile, loop, self._on_outputs)
-                self.registry.register(InstanceSpec(instance_id, role, f"sim:{instance_id}", block_size=shape.block_size,
-                                                    num_total_blocks=shape.num_kv_blocks))
+                self.registry.register(InstanceSpec(instance_id, role, f"sim:{instance_id}",
+                                                    block_size=shape.block_size, num_total_blocks=shape.num_kv_blocks))
                 if role == "prefill":
                     self.index.add_instance(instance_id)
         self.cap = (self.max_running_per_decode or d.decode_shape.max_num_seqs) * d.num_decode

@@ -189,7 +189,8 @@ def fit_linear(features: dict[str, list[float]], seconds: list[float]) -> Linear
     names = list(features)
     y = np.asarray(seconds, dtype=float)  # [num_samples]
     while True:
-        x = np.column_stack([np.ones_like(y)] + [np.asarray(features[n], dtype=float) for n in names])  # [num_samples, 1 + len(names)]
+        # [num_samples, 1 + len(names)]
+        x = np.column_stack([np.ones_like(y)] + [np.asarray(features[n], dtype=float) for n in names])
         solution, *_ = np.linalg.lstsq(x, y, rcond=None)
         negative = [n for n, c in zip(names, solution[1:]) if c < 0]
         if not negative:
@@ -342,12 +343,15 @@ def measure_decode(timer: StepTimer, batch_sizes: list[int], contexts: list[int]
             decode_steps = [(scheduled, s) for scheduled, s in timer.steps
                             if len(scheduled) == batch and all(len(r.token_ids) == 1 for r in scheduled)][:num_steps]
             step_seconds[(batch, context)] += [s for _, s in decode_steps]
-            step_contexts[(batch, context)] += [sum(r.start_pos + 1 for r in scheduled) for scheduled, _ in decode_steps]
-    samples = [DecodeSample(batch_size=batch, total_context_tokens=int(statistics.median(step_contexts[(batch, context)])),
+            step_contexts[(batch, context)] += [sum(r.start_pos + 1 for r in scheduled)
+                                                for scheduled, _ in decode_steps]
+    samples = [DecodeSample(batch_size=batch,
+                            total_context_tokens=int(statistics.median(step_contexts[(batch, context)])),
                             seconds=statistics.median(step_seconds[(batch, context)])) for batch, context in points]
     if progress:
         for sample in samples:
-            progress(f"decode B={sample.batch_size} context={sample.total_context_tokens}: {sample.seconds * 1000:.1f} ms")
+            progress(f"decode B={sample.batch_size} context={sample.total_context_tokens}: "
+                     f"{sample.seconds * 1000:.1f} ms")
     return samples
 
 

@@ -1,13 +1,13 @@
 """`pdserve bench quant`: quantized weights (gguf Q4_1, int8) and KV caches (fp8) against the dense model on CPU.
 
-Arms: the unquantized model in fp32 and bf16, each quantization with fp32 and bf16
-for everything it leaves dense (embedding, tied LM head, norms, attention), and the KV
-cache in 8-bit float codes (kv_cache_dtype fp8 = E4M3, fp8_e5m2) under bf16. Per arm:
-single-stream decode tokens/s (a request's time at max_tokens minus its time at one
-token, both with the prefix cache emptied first, over the tokens in between), a short greedy batch's output tokens/s, greedy
-agreement with dense fp32 on that batch (tokens until the first divergence, and whole
-sequences equal), and perplexity on a fixed paragraph through the engine's own model
-(one teacher-forced forward). Arms run interleaved request by request, so drift on a
+Arms: the unquantized model in fp32 and bf16, each quantization with fp32 and bf16 for
+everything it leaves dense (embedding, tied LM head, norms, attention), and the KV cache in
+8-bit float codes (kv_cache_dtype fp8 = E4M3, fp8_e5m2) under bf16. Per arm: single-stream
+decode tokens/s (a request's time at max_tokens minus its time at one token, both with the
+prefix cache emptied first, over the tokens in between), a short greedy batch's output
+tokens/s, greedy agreement with dense fp32 on that batch (tokens until the first divergence,
+and whole sequences equal), and perplexity on a fixed paragraph through the engine's own
+model (one teacher-forced forward). Arms run interleaved request by request, so drift on a
 shared machine hits all of them alike. Each arm compiles its model unless --enforce-eager
 (minutes per arm on a small shared CPU); perplexity runs the eager model. With
 --ttft-tokens, each arm's time to first token of a prompt of random tokens of each length.

@@ -257,7 +257,8 @@ def run_policy(policy: str, concurrency: int, cfg: RoutingConfig, requests: list
         "tenants_by_instance": {k: sorted(v, key=lambda t: int(t.split("-")[1])) for k, v in
                                 sorted(tenants_by_instance.items())},
         "prefill_instance_ids": placed, "num_gateways": cfg.num_gateways,
-        "requests_per_gateway": [gateways.count(g) for g in range(cfg.num_gateways)], "start_times": metrics["start_times"], "ttfts": metrics["ttfts"],
+        "requests_per_gateway": [gateways.count(g) for g in range(cfg.num_gateways)],
+        "start_times": metrics["start_times"], "ttfts": metrics["ttfts"],
         "errors": [e for e in metrics["errors"] if e],
     }
     print(f"   {policy}, {concurrency} in flight: hit rate {result['hit_rate']:.3f} ({hits}/{queried} tokens), "

@@ -73,7 +73,8 @@ class Setting:
                 f" dtype={self.dtype}")
 
     def env_fragment(self) -> str:
-        return (f"PDSERVE_MAX_NUM_SEQS={self.max_num_seqs}\nPDSERVE_MAX_NUM_BATCHED_TOKENS={self.max_num_batched_tokens}\n"
+        return (f"PDSERVE_MAX_NUM_SEQS={self.max_num_seqs}\n"
+                f"PDSERVE_MAX_NUM_BATCHED_TOKENS={self.max_num_batched_tokens}\n"
                 f"PDSERVE_KV_CACHE_MEMORY={self.kv_cache_memory}\nPDSERVE_DTYPE={self.dtype}\n")
 
 
@@ -425,7 +426,8 @@ def format_table(result: TuneResult) -> str:
         s = m.setting
         mark = "  <- best" if result.best is not None and m is result.best else ""
         lines.append(f"{s.max_num_seqs:>12} {s.max_num_batched_tokens:>14} {s.kv_cache_memory:>8} {s.dtype:>9} "
-                     f"{m.throughput:>9.1f} {_num(m.ttft_ms):>9} {_num(m.tpot_ms):>8} {m.seconds:>6.1f}  {m.status}{mark}")
+                     f"{m.throughput:>9.1f} {_num(m.ttft_ms):>9} {_num(m.tpot_ms):>8} {m.seconds:>6.1f}  "
+                     f"{m.status}{mark}")
     return "\n".join(lines)
 
 
@@ -441,7 +443,8 @@ def write_plot(result: TuneResult, path: str) -> None:
     lines: dict[tuple, list[Measurement]] = {}
     for m in result.measurements:
         if m.feasible():
-            lines.setdefault((m.setting.max_num_batched_tokens, m.setting.kv_cache_memory, m.setting.dtype), []).append(m)
+            key = (m.setting.max_num_batched_tokens, m.setting.kv_cache_memory, m.setting.dtype)
+            lines.setdefault(key, []).append(m)
     for (tokens, kv, dtype), ms in sorted(lines.items()):
         ms.sort(key=lambda m: m.setting.max_num_seqs)
         ax.plot([m.setting.max_num_seqs for m in ms], [m.throughput for m in ms], marker="o",
@@ -499,7 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--tpot-ms", type=float, default=math.inf)
     limits.add_argument("--percentile", type=float, default=90.0)
     parser.add_argument("--search", choices=("adaptive", "exhaustive", "both"), default="adaptive",
-                        help="both: adaptive, then the whole grid, and compare (how docs/benchmarks.md's figures were made)")
+                        help="both: adaptive, then the whole grid, and compare "
+                             "(how docs/benchmarks.md's figures were made)")
     parser.add_argument("--confirm", type=int, default=0,
                         help="adaptive: run the best N settings once more and choose by the mean")
     parser.add_argument("--json", default=None)
@@ -548,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
                "cpu": cpu_model_name(), "versions": versions().model_dump(), "created": now_iso(),
                "clock": args.clock,
                "runs": [{"search": r.search, "seconds": round(r.seconds, 1),
-                         "measured_seconds": round(r.extra["measured_seconds"], 1), "num_grid_points": r.num_grid_points,
+                         "measured_seconds": round(r.extra["measured_seconds"], 1),
+                         "num_grid_points": r.num_grid_points,
                          "best": r.best.row() if r.best else None, "table": [m.row() for m in r.measurements]}
                         for r in results]}
     if len(results) == 2 and all(r.best for r in results):
@@ -561,7 +566,8 @@ def main(argv: list[str] | None = None) -> int:
             "tuned_run_vs_grid_best": round(tuned.best.throughput / full.best.throughput, 3)}
         print(f"\nadaptive took {summary['comparison']['time_ratio']:.0%} of the grid's wall time "
               f"({summary['comparison']['measured_time_ratio']:.0%} on the {args.clock} clock); its choice measured "
-              f"{summary['comparison']['tuned_setting_in_grid_run_vs_grid_best']:.1%} of the grid's best in the grid run")
+              f"{summary['comparison']['tuned_setting_in_grid_run_vs_grid_best']:.1%} of the grid's best in the "
+              "grid run")
     final = results[0]
     if final.best is None:
         print("no setting met the limits")

@@ -5,8 +5,9 @@ on stdout once it serves (gRPC, and the OpenAI-compatible HTTP API of gateway.op
 the same event loop and Gateway). Instances register at the registry address, an internal
 port of its own (--registry-port) that deployments do not publish; with --registry-token
 (PDSERVE_REGISTRY_TOKEN) every registry call must carry that token, and a registry
-listening beyond loopback refuses to start without one unless --insecure-registry. On SIGTERM it reports NOT_SERVING, refuses new requests (UNAVAILABLE),
-lets requests in flight finish for up to --drain-timeout seconds, then exits 0.
+listening beyond loopback refuses to start without one unless --insecure-registry. On
+SIGTERM it reports NOT_SERVING, refuses new requests (UNAVAILABLE), lets requests in
+flight finish for up to --drain-timeout seconds, then exits 0.
 Every flag can also be set as PDSERVE_<FLAG> (common.cli.main.EnvDefaultsParser);
 --model, --block-size and --max-model-len share their variables with the
 prefill and decode services, so one environment configures a whole deployment.

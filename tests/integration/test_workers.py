@@ -227,7 +227,8 @@ async def wait_all_blocks_free(services, timeout: float = 15.0) -> None:
 
 def test_health_serving_and_ready_line(services):
     prefill, decode = services
-    assert prefill.fields["instance_id"] == "prefill-test" and prefill.fields["kv_events"].startswith("tcp://127.0.0.1:")
+    assert prefill.fields["instance_id"] == "prefill-test"
+    assert prefill.fields["kv_events"].startswith("tcp://127.0.0.1:")
     assert decode.fields["kv"].startswith("tcp://127.0.0.1:")
 
     async def check():

@@ -203,12 +203,14 @@ def test_traffic_schema_rejects_bad_input(tmp_path, capsys):
 def test_validation_replays_the_traffic_with_bench_serve_flags():
     from bench.plan import bench_serve_args
     from bench.serve.main import build_parser
-    traffic = Traffic(request_rate=0.5, input_len=LengthRange(low=128, high=384), output_len=LengthRange(low=16, high=48))
+    traffic = Traffic(request_rate=0.5, input_len=LengthRange(low=128, high=384),
+                      output_len=LengthRange(low=16, high=48))
     args = build_parser().parse_args(bench_serve_args(traffic, 60, seed=3))
     assert (args.random_input_len, args.random_output_len, args.random_range_ratio) == (256, 32, 0.5)
     assert (args.request_rate, args.num_prompts, args.seed) == ("0.5", 60, 3)
     # The same range as bench serve's random dataset draws: [L (1 - r), L (1 + r)].
-    assert (math.floor(256 * 0.5), math.ceil(256 * 1.5), math.floor(32 * 0.5), math.ceil(32 * 1.5)) == (128, 384, 16, 48)
+    assert (math.floor(256 * 0.5), math.ceil(256 * 1.5)) == (128, 384)
+    assert (math.floor(32 * 0.5), math.ceil(32 * 1.5)) == (16, 48)
 
 
 def test_validation_takes_turns_and_reports_the_median(monkeypatch, tmp_path, plan_at_15_per_s):

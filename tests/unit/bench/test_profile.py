@@ -63,7 +63,8 @@ def test_profile_command_measures_a_tiny_model(tiny_llama_dir, tmp_path, capsys)
     # Context while decoding: the 32-token prompt plus the tokens generated so far.
     assert all(32 * s.batch_size < s.total_context_tokens < 40 * s.batch_size for s in profile.decode_samples)
     assert profile.machine.num_threads == 1 and profile.machine.cpu_model
-    assert profile.versions.pdserve and profile.engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # K,V x layers x heads x dim x fp32
+    assert profile.versions.pdserve
+    assert profile.engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # K,V x layers x heads x dim x fp32
     assert profile.prefill_step_s([(64, 0)]) > 0 and profile.decode_step_s(4, 140) > 0
     assert json.loads(out.read_text())["schema_version"] == 1
 

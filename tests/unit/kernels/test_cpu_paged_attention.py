@@ -111,7 +111,8 @@ def test_prefill_tiles_either_side_of_the_whole_rows_limit_match_reference(featu
 
 
 @pytest.mark.parametrize("features", [dict(), dict(sliding_window=20), dict(logit_softcap=5.0)], ids=_ids)
-@pytest.mark.parametrize("geometry", [(3, 3, 16, 64), (2, 2, 32, 128), (3, 3, 32, 64), (2, 2, 16, 128), (2, 2, 32, 64), (1, 3, 16, 128)], ids=lambda g: "kv{}x{}-bs{}-d{}".format(*g))
+@pytest.mark.parametrize("geometry", [(3, 3, 16, 64), (2, 2, 32, 128), (3, 3, 32, 64), (2, 2, 16, 128), (2, 2, 32, 64),
+                                      (1, 3, 16, 128)], ids=lambda g: "kv{}x{}-bs{}-d{}".format(*g))
 def test_a_prompt_in_one_call_gives_the_bits_of_its_16_token_tiles_one_call_each(features, geometry):
     # A call pairs once the keys of a sequence with several 16-token query tiles (bf16 with
     # AVX512-BF16), where each tile of a short query pairs its own: the tiles' results must not

@@ -4,10 +4,10 @@ any length and row stride), clear refusals for what it does not take, and the sa
 entry point, which leaves every other input to torch. The native draw: the token whose
 interval of the float64 softmax CDF holds the uniform number, never a -inf one, the
 torch form's token wherever u is not within rounding of an interval's end. The native min_p:
-the torch form's threshold. The native top_k: the k largest logits and their ties. The native top_p: the smallest set of most likely
-tokens whose mass reaches p, the rest -inf. The native logprobs: the float64 log-softmax at
-the taken token and at the row's top tokens (equal logits by id), within fp32 rounding, and
-torch's log_softmax on a vocabulary."""
+the torch form's threshold. The native top_k: the k largest logits and their ties. The
+native top_p: the smallest set of most likely tokens whose mass reaches p, the rest -inf.
+The native logprobs: the float64 log-softmax at the taken token and at the row's top tokens
+(equal logits by id), within fp32 rounding, and torch's log_softmax on a vocabulary."""
 from __future__ import annotations
 
 import math

@@ -92,7 +92,8 @@ def assert_pool_free(core) -> None:
 def test_remote_prefill_then_decode_equals_colocated(cores, tiny_llama_dir, layerwise_send, kv_cache_dtype):
     """fp8: both pools hold E4M3 codes, which travel as they are: the decode continues from
     exactly the codes a colocated engine would have written."""
-    prefill, decode = cores("producer", layerwise_send, kv_cache_dtype), cores("consumer", kv_cache_dtype=kv_cache_dtype)
+    prefill = cores("producer", layerwise_send, kv_cache_dtype)
+    decode = cores("consumer", kv_cache_dtype=kv_cache_dtype)
     admission = admit(decode, Request("r", PROMPT, PARAMS), True, 0, "t-1", 10.0)
     assert admission.placement is Placement.REMOTE and len(admission.dst_block_ids) == 5
     endpoint = decode.collective_rpc("kv_connector_info")[0]["endpoint"]

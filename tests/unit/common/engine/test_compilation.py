@@ -228,7 +228,8 @@ def test_compiled_code_goes_to_the_pdserve_cache_unless_told_otherwise(tmp_path)
     done = run_python(script, timeout_s=120, unset=("TORCHINDUCTOR_CACHE_DIR",), XDG_CACHE_HOME=str(tmp_path))
     assert done.stdout.strip() == str(tmp_path / "pdserve" / "inductor")
     # A directory the user names wins.
-    done = run_python(script, timeout_s=120, XDG_CACHE_HOME=str(tmp_path), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "mine"))
+    done = run_python(script, timeout_s=120, XDG_CACHE_HOME=str(tmp_path),
+                      TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "mine"))
     assert done.stdout.strip() == str(tmp_path / "mine")
 
 

@@ -156,7 +156,8 @@ def test_a_call_in_another_form_than_the_first_is_refused(tmp_path):
     method = PrecompiledMethod(toy, "forward", tmp_path, fallback=lambda: toy.forward)
     x = torch.arange(8.0).reshape(2, 4)
     method(x)
-    with pytest.raises(TypeError, match=r"compiled for 1 positional arguments and keywords \[\]; called with 0 and \['x'\]"):
+    with pytest.raises(TypeError,
+                       match=r"compiled for 1 positional arguments and keywords \[\]; called with 0 and \['x'\]"):
         method(x=x)
     assert torch.equal(method(x), toy(x))
 

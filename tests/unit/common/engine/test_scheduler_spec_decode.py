@@ -283,7 +283,8 @@ def test_no_cached_block_or_block_stored_event_covers_a_draft_token(make_schedul
         drafts = out.scheduled_spec_decode_tokens["a"]
         emitted = drafts[:num_accepted] + [next_token]
         next_token += 1
-        scheduler.update_from_output(out, verify(out, {"a": emitted}, {"a": [DRAFT + next_token + i for i in range(3)]}))
+        proposals = {"a": [DRAFT + next_token + i for i in range(3)]}
+        scheduler.update_from_output(out, verify(out, {"a": emitted}, proposals))
         verified += emitted
         assert req.all_token_ids == verified
         for event in kv.take_events():

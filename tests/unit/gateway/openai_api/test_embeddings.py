@@ -74,7 +74,8 @@ def test_messages_are_rendered_without_a_generation_prompt(gw):
     messages = [{"role": "user", "content": "Hello there"}]
     status, body = post(gw.http_address, "/v1/embeddings", {"messages": messages, "encoding_format": "float"})
     assert status == 200, body
-    expected = gw.gateway.model.tokenizer.apply_chat_template(messages, ChatTemplateOptions(add_generation_prompt=False))
+    expected = gw.gateway.model.tokenizer.apply_chat_template(messages,
+                                                              ChatTemplateOptions(add_generation_prompt=False))
     assert list(embed_requests(gw)[-1].prompt_token_ids) == expected
     assert body["data"][0]["embedding"] == fake_embedding(expected)
 
