@@ -53,8 +53,8 @@ using Widths = std::vector<std::array<std::pair<int64_t, int64_t>, kNumProjectio
 // ranks a lane, multiplied exactly and summed in fp32), its B^T panels then holding ranks in
 // pairs; its shrinks, too, take x and A as bf16 pairs. A decode step of the bundled model
 // with a rank-16 adapter on every projection, the Zen 5 EPYC: the deltas' added time at 1 / 8
-// / 32 rows 0.78 / 1.54 / 4.34 -> 0.45 / 0.84 / 1.87 ms (docs/benchmarks.md, "The loop's
-// deltas on bf16 dot products").
+// / 32 rows 0.78 / 1.54 / 4.34 -> 0.45 / 0.84 / 1.87 ms (docs/benchmarks.md, "The LoRA deltas
+// in the loop on bf16 dot products").
 #ifdef PDSERVE_BF16_DOT
 inline bool paired_ranks(at::ScalarType dtype) { return dtype == at::kBFloat16; }
 #else
