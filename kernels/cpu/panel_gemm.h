@@ -132,32 +132,26 @@ inline void panel_gemm_panels(const c10::BFloat16* x, const c10::BFloat16* panel
                               int64_t panel_end) {
   const int64_t panel_values = K * kPanelCols;
   const bool prefetch_out = M * N * static_cast<int64_t>(sizeof(c10::BFloat16)) > kPrefetchOutBytes;
-  const bool stream_ahead = M < kPrefetchMinRows;
+  const bool stream_ahead = M < kPrefetchMinRows;  // (one tile)
+  // A rest of 1 or 2 rows joins the tile before it: 26 or 28 accumulators, 2 W vectors and a
+  // broadcast fit AVX-512's 32 registers.
+  const RowTiles tiles(M, kPanelTileRows, 2);
   for (int64_t p = panel_begin; p < panel_end; ++p) {
     const c10::BFloat16* panel = panels + p * panel_values;
     const char* ahead =
         p + 1 < panel_end && M >= kPrefetchMinRows ? reinterpret_cast<const char*>(panel + panel_values) : nullptr;
     const int64_t n0 = p * kPanelCols;
-    // A tail of 1 or 2 rows joins the last whole tile (13 or 14 rows: 26 or 28 accumulators,
-    // 2 W vectors and a broadcast still fit AVX-512's 32 registers): alone its 2 or 4
-    // accumulators wait on vdpbf16ps' latency.
-    const int64_t tail = M % kPanelTileRows;
-    const int64_t last_whole = M > kPanelTileRows && tail >= 1 && tail <= 2 ? M - kPanelTileRows - tail : M;
-    int64_t m0 = 0;
-    for (; m0 + kPanelTileRows <= M && m0 < last_whole; m0 += kPanelTileRows, ahead = nullptr)
-      panel_gemm_tile<kPanelTileRows>(x, panel, bias, y, K, N, m0, n0, ahead, false, prefetch_out);
-    switch (M - m0) {
-      case kPanelTileRows + 1: panel_gemm_tile<kPanelTileRows + 1>(x, panel, bias, y, K, N, m0, n0, ahead, false,
-                                                                   prefetch_out); break;
-      case kPanelTileRows + 2: panel_gemm_tile<kPanelTileRows + 2>(x, panel, bias, y, K, N, m0, n0, ahead, false,
-                                                                   prefetch_out); break;
-#define PDSERVE_PANEL_TAIL(r) \
-  case r: panel_gemm_tile<r>(x, panel, bias, y, K, N, m0, n0, ahead, stream_ahead, prefetch_out); break;
-      PDSERVE_PANEL_TAIL(1) PDSERVE_PANEL_TAIL(2) PDSERVE_PANEL_TAIL(3) PDSERVE_PANEL_TAIL(4)
-      PDSERVE_PANEL_TAIL(5) PDSERVE_PANEL_TAIL(6) PDSERVE_PANEL_TAIL(7) PDSERVE_PANEL_TAIL(8)
-      PDSERVE_PANEL_TAIL(9) PDSERVE_PANEL_TAIL(10) PDSERVE_PANEL_TAIL(11)
-#undef PDSERVE_PANEL_TAIL
-      default: break;
+    for (int64_t t = 0; t < tiles.count; ++t, ahead = nullptr) {
+      switch (tiles.rows(t)) {
+#define PDSERVE_PANEL_TILE(r) \
+  case r: panel_gemm_tile<r>(x, panel, bias, y, K, N, tiles.first(t), n0, ahead, stream_ahead, prefetch_out); break;
+        PDSERVE_PANEL_TILE(1) PDSERVE_PANEL_TILE(2) PDSERVE_PANEL_TILE(3) PDSERVE_PANEL_TILE(4)
+        PDSERVE_PANEL_TILE(5) PDSERVE_PANEL_TILE(6) PDSERVE_PANEL_TILE(7) PDSERVE_PANEL_TILE(8)
+        PDSERVE_PANEL_TILE(9) PDSERVE_PANEL_TILE(10) PDSERVE_PANEL_TILE(11) PDSERVE_PANEL_TILE(12)
+        PDSERVE_PANEL_TILE(13) PDSERVE_PANEL_TILE(14)
+#undef PDSERVE_PANEL_TILE
+        default: break;
+      }
     }
   }
 }

@@ -94,30 +94,24 @@ inline void pack_f32_x_tile(const float* rows, float* tile, int64_t K) {
     for (int64_t i = 0; i < R; ++i) tile[k * R + i] = rows[i * K + k];
 }
 
-// x's rows in tiles of kF32TileRows, the last the rest; on AVX-512 a rest of 1 or 2 rows
-// joins the tile before it (13 or 14 rows: 26 or 28 accumulators, 2 W vectors and a broadcast
-// still fit the 32 registers), as panel_gemm.h's tiles do: alone its 2 or 4 accumulators wait
-// on the FMAs' latency.
+// x's rows in tiles of kF32TileRows (RowTiles): on AVX-512 a rest of 1 or 2 rows joins the
+// tile before it (13 or 14 rows: 26 or 28 accumulators, 2 W vectors and a broadcast still fit
+// the 32 registers); AVX2's 16 registers hold no more than a tile.
 #if defined(__AVX512F__)
 constexpr int64_t kF32MaxJoinedTail = 2;
 #else
-constexpr int64_t kF32MaxJoinedTail = 0;  // AVX2's 16 registers hold no more than a tile
+constexpr int64_t kF32MaxJoinedTail = 0;
 #endif
 
-inline int64_t num_f32_x_tiles(int64_t M) {
-  const int64_t tail = M % kF32TileRows, num_tiles = (M + kF32TileRows - 1) / kF32TileRows;
-  return M > kF32TileRows && tail >= 1 && tail <= kF32MaxJoinedTail ? num_tiles - 1 : num_tiles;
-}
+inline RowTiles f32_row_tiles(int64_t M) { return RowTiles(M, kF32TileRows, kF32MaxJoinedTail); }
 
-// Rows of tile t, whose first is t * kF32TileRows.
-inline int64_t f32_tile_rows(int64_t M, int64_t t) {
-  return t + 1 == num_f32_x_tiles(M) ? M - t * kF32TileRows : kF32TileRows;
-}
+inline int64_t num_f32_x_tiles(int64_t M) { return f32_row_tiles(M).count; }
 
 inline void pack_f32_x_tiles(const float* x, float* x_tiles, int64_t M, int64_t K, int64_t tile_begin,
                              int64_t tile_end) {
+  const RowTiles tiles = f32_row_tiles(M);
   for (int64_t t = tile_begin; t < tile_end; ++t) {
-    const int64_t m0 = t * kF32TileRows, num_rows = f32_tile_rows(M, t);
+    const int64_t m0 = tiles.first(t), num_rows = tiles.rows(t);
     if (num_rows == kF32TileRows) {
       pack_f32_x_tile<kF32TileRows>(x + m0 * K, x_tiles + m0 * K, K);
       continue;
@@ -196,11 +190,11 @@ inline void f32_panel_tile(const F32PanelGemm& g, int64_t p, int64_t m0, int64_t
 template <int NP>
 inline void f32_panel_chunk(const F32PanelGemm& g, int64_t p, int64_t k0, int64_t num_steps, const char* ahead,
                             bool stream_ahead) {
-  const int64_t num_tiles = num_f32_x_tiles(g.M);
-  for (int64_t t = 0; t < num_tiles; ++t, ahead = nullptr) {
-    const int64_t m0 = t * kF32TileRows;
-    const bool stream = stream_ahead && t + 1 == num_tiles;  // (steps of few rows: one tile)
-    switch (f32_tile_rows(g.M, t)) {
+  const RowTiles tiles = f32_row_tiles(g.M);
+  for (int64_t t = 0; t < tiles.count; ++t, ahead = nullptr) {
+    const int64_t m0 = tiles.first(t);
+    const bool stream = stream_ahead && t + 1 == tiles.count;  // (steps of few rows: one tile)
+    switch (tiles.rows(t)) {
 #define PDSERVE_F32_PANEL_TILE(r) \
   case r: f32_panel_tile<r, NP>(g, p, m0, k0, num_steps, ahead, stream); break;
       PDSERVE_F32_PANEL_TILE(1) PDSERVE_F32_PANEL_TILE(2) PDSERVE_F32_PANEL_TILE(3) PDSERVE_F32_PANEL_TILE(4)
