@@ -454,12 +454,28 @@ void pair_prompt_keys(const Problem& pr, const std::vector<PairedSequence>& seqs
 // attend_item's last step. An fp32 cache only.
 constexpr int64_t kWholeRowsMaxScoresFp32 = 48 * 16384;
 
+// Both fp32 whole-rows forms' softmax: each row's scores [num_rows, stride] (column c: key
+// base + c) become its numerators in place over every column from 0, p = 0 outside the row's
+// keys whatever their scores hold (a block's keys before lo are not scored); fills row_sums
+// [num_rows, kLanes] and each row's keys [row_begin, row_end) in columns.
+inline void whole_rows_softmax_fp32(const Problem& pr, const WorkItem& item, int64_t num_rows, int64_t lo,
+                                    int64_t hi, int64_t base, float* scores, int64_t stride, float* row_sums,
+                                    int64_t* row_begin, int64_t* row_end) {
+  for (int64_t r = 0; r < num_rows; ++r) {
+    float* s = scores + r * stride;
+    const Vec sum = whole_row_probabilities<ExpFp32>(pr, item.first_position + r / pr.group, lo, hi, base, s, stride,
+                                                     row_begin[r], row_end[r],
+                                                     [s](int64_t j, Vec p) { std::memcpy(s + j, &p, sizeof p); });
+    std::memcpy(row_sums + r * kLanes, &sum, sizeof sum);
+  }
+}
+
 template <int64_t kHeadDim>
 void attend_whole_rows_fp32(const Problem& pr, const WorkItem& item, int64_t kv_head, const float* q_rows,
                             int64_t num_rows, int64_t lo, int64_t hi, float* acc, float* row_sums,
                             int64_t* row_begin, int64_t* row_end) {
   constexpr int64_t kNumVec = kHeadDim / kLanes;
-  const int64_t block_size = pr.block_size, group = pr.group;
+  const int64_t block_size = pr.block_size;
   const int64_t first_b = lo / block_size, last_b = (hi - 1) / block_size;
   const int64_t base = first_b * block_size;                  // the key of column 0
   const int64_t num_keys = (last_b + 1) * block_size - base;  // columns, whole blocks
@@ -483,15 +499,7 @@ void attend_whole_rows_fp32(const Problem& pr, const WorkItem& item, int64_t kv_
                                 keys_end, num_keys, k_t, k_t_stride, scores + (block_start - base));
     v_blocks[b - first_b] = v_head + block_id * pr.v_block_stride;
   }
-  for (int64_t r = 0; r < num_rows; ++r) {
-    // Over every column from 0: p = 0 outside the row's keys, whatever their scores hold (a
-    // block's keys before lo are not scored). The numerators overwrite the scores.
-    float* s = scores + r * num_keys;
-    const Vec sum = whole_row_probabilities<ExpFp32>(pr, item.first_position + r / group, lo, hi, base, s, num_keys,
-                                                     row_begin[r], row_end[r],
-                                                     [s](int64_t j, Vec p) { std::memcpy(s + j, &p, sizeof p); });
-    std::memcpy(row_sums + r * kLanes, &sum, sizeof sum);
-  }
+  whole_rows_softmax_fp32(pr, item, num_rows, lo, hi, base, scores, num_keys, row_sums, row_begin, row_end);
   for_row_groups<kAccumRows>(num_rows, row_begin, row_end, [&]<int64_t R>(int64_t r, int64_t begin, int64_t end) {
     whole_rows_accumulate<kNumVec, R>(acc + r * kHeadDim, kHeadDim, scores + r * num_keys, num_keys, v_blocks.data(),
                                       pr.v_pos_stride, block_size, begin, end, [](int64_t) {});
@@ -517,7 +525,7 @@ void attend_few_rows_fp32(const Problem& pr, const WorkItem& item, int64_t kv_he
                           int64_t* row_end, StreamBlock&& stream_block) {
   using T = float;
   constexpr int64_t kNumVec = kHeadDim / kLanes;
-  const int64_t block_size = pr.block_size, group = pr.group;
+  const int64_t block_size = pr.block_size;
   const int64_t first_b = lo / block_size, last_b = (hi - 1) / block_size;
   const int64_t base = first_b * block_size;  // the key of column 0
   const int64_t score_stride = ((last_b + 1) * block_size - base + kLanes - 1) / kLanes * kLanes;  // whole Vecs
@@ -551,15 +559,7 @@ void attend_few_rows_fp32(const Problem& pr, const WorkItem& item, int64_t kv_he
     }
     ahead.ask_rest();
   }
-  for (int64_t r = 0; r < num_rows; ++r) {
-    // p = 0 outside the row's keys, whatever their scores hold (a block's keys before lo are
-    // not scored). The numerators overwrite the scores.
-    float* s = scores + r * score_stride;
-    const Vec sum = whole_row_probabilities<ExpFp32>(pr, item.first_position + r / group, lo, hi, base, s,
-                                                     score_stride, row_begin[r], row_end[r],
-                                                     [s](int64_t j, Vec p) { std::memcpy(s + j, &p, sizeof p); });
-    std::memcpy(row_sums + r * kLanes, &sum, sizeof sum);
-  }
+  whole_rows_softmax_fp32(pr, item, num_rows, lo, hi, base, scores, score_stride, row_sums, row_begin, row_end);
   // The V pass: a V row kPrefetchBlocks blocks ahead per key, and past the last block the
   // stream's next item's K rows too.
   RowsAhead<T, kHeadDim> v_ahead(nullptr, 0, 0, kHeadDim), next_k_ahead(nullptr, 0, 0, kHeadDim);
