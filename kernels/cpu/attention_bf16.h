@@ -4,8 +4,9 @@
 // partial sums of 16 keys are reduced together (transpose_sum16).
 #pragma once
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#define PDSERVE_BF16_DOT 1
+#include "vec_math.h"
+
+#ifdef PDSERVE_BF16_DOT
 #include <immintrin.h>
 
 #include <algorithm>
@@ -17,12 +18,6 @@
 #include "transpose16.h"
 
 namespace pdserve_cpu {
-
-constexpr int64_t kBf16PerVec = 32;  // bf16 values in one 512-bit register
-
-inline __m512bh load_bf16x32(const c10::BFloat16* p) {
-  return (__m512bh)_mm512_loadu_si512(static_cast<const void*>(p));
-}
 
 // scores[j] = scale * (q . k_j) for j in [begin, end), written 16 at a time from begin
 // rounded down to 16 (the score row is padded to whole vectors; keys outside

@@ -28,7 +28,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "attention_bf16.h"
 #include "check_message.h"
 #include "vec_math.h"
 

@@ -48,6 +48,18 @@ typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef uint16_t Vec16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t VecU32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
+// AVX512-BF16's dot products (vdpbf16ps: bf16 pairs multiplied exactly, summed in fp32):
+// the attention's bf16 paths (attention_bf16.h) and the decode loop's LoRA deltas
+// (lora_deltas.h) take them where the build has them.
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define PDSERVE_BF16_DOT 1
+constexpr int64_t kBf16PerVec = 32;  // bf16 values in one 512-bit register
+
+inline __m512bh load_bf16x32(const c10::BFloat16* p) {
+  return (__m512bh)_mm512_loadu_si512(static_cast<const void*>(p));
+}
+#endif
+
 inline Vec load_vec(const float* p) {
   Vec v;
   std::memcpy(&v, p, sizeof v);
