@@ -53,6 +53,7 @@
 #include "lora_deltas.h"
 #include "panel_gemm.h"
 #include "panel_layout.h"
+#include "region_barrier.h"
 #include "sample_row.h"
 #include "vec_math.h"
 
@@ -520,7 +521,7 @@ void prepare_rows(const Linear& l, const T* x, int64_t begin, int64_t end, pdser
 
 // run_layers for a model whose every linear is GGUF blocks or bf16 panels
 // (region_tokens_limit): the same steps and the same bits, but the whole step runs in one
-// OpenMP region whose threads meet at barriers, where run_layers forks and joins the
+// OpenMP region whose threads meet at barriers (region_barrier.h), where run_layers forks and joins the
 // threads for each projection and each attention. At one token a layer's projections take
 // ~10-15 us each, and a fork and join with the ramp of each thread's weight stream cost
 // ~1-2 us of that: 120 Q4_1 GEMVs of SmolLM2's shapes back to back, 2 threads on the Zen 5
@@ -587,6 +588,7 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
                             v_caches[l].scalar_type() == k_caches[0].scalar_type() && k_caches[l].is_contiguous() &&
                             v_caches[l].is_contiguous(),
                         "decode_layers: every layer's K and V caches must be contiguous and shaped as the first's");
+  pdserve_cpu::RegionBarrier barrier;  // the phases' barriers (the attention's own are libgomp's)
   const pdserve_cpu::TeamAttentionApi& team_api = team_attention_api();
   const std::unique_ptr<pdserve_cpu::TeamAttention, void (*)(pdserve_cpu::TeamAttention*)> team(
       team_api.begin(q, k, v, k_caches[0], v_caches[0], slot_mapping, block_tables, query_start_loc, seq_lens,
@@ -607,9 +609,7 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
                         lora_rows->scratch(t));
     gemv_share(lin, x, xq, M, y, t, n);
     if (lora_rows == nullptr) return;
-    if (!lora_rows->redundant) {
-#pragma omp barrier
-    }
+    if (!lora_rows->redundant) barrier.wait();
     const auto [c0, c1] = columns_of(lin, t, n);
     lora::expand(*lora_rows, l, j, y, lin.out_features, c0, c1, 0, M, lora_rows->scratch(t));
   };
@@ -619,9 +619,9 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
     const Layer& layer = model.layers[l];
     rms_norm<T>(xp + row_begin * H, layer.input_norm.data_ptr<T>(), np + row_begin * H, row_end - row_begin, H, eps);
     prepare_rows(layer.qkv, np, row_begin, row_end, xq_hidden);
-#pragma omp barrier
+    barrier.wait();
     project(layer.qkv, l, 0, np, xq_hidden, H, qkv_p, t, n);
-#pragma omp barrier
+    barrier.wait();
     for (int64_t m = row_begin; m < row_end; ++m)
       rope<T>(qkv_p + m * qkv_width, num_heads + num_kv_heads, head_dim, model.cos.data_ptr<float>() + pos[m] * half,
               model.sin.data_ptr<float>() + pos[m] * half, half);
@@ -632,21 +632,21 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
   auto after_attention = [&](size_t l, int t, int n, int64_t row_begin, int64_t row_end) {
     const Layer& layer = model.layers[l];
     prepare_rows(layer.o, attended_p, row_begin, row_end, xq_attended);
-#pragma omp barrier
+    barrier.wait();
     project(layer.o, l, 1, attended_p, xq_attended, attended_width, op, t, n);
-#pragma omp barrier
+    barrier.wait();
     add_into<T>(xp + row_begin * H, op + row_begin * H, (row_end - row_begin) * H);
     rms_norm<T>(xp + row_begin * H, layer.post_attention_norm.data_ptr<T>(), np + row_begin * H, row_end - row_begin,
                 H, eps);
     prepare_rows(layer.gate_up, np, row_begin, row_end, xq_hidden);
-#pragma omp barrier
+    barrier.wait();
     project(layer.gate_up, l, 2, np, xq_hidden, H, gate_up_p, t, n);
-#pragma omp barrier
+    barrier.wait();
     silu_and_mul<T>(gate_up_p + row_begin * 2 * I, act_p + row_begin * I, row_end - row_begin, I);
     prepare_rows(layer.down, act_p, row_begin, row_end, xq_act);
-#pragma omp barrier
+    barrier.wait();
     project(layer.down, l, 3, act_p, xq_act, I, dp, t, n);
-#pragma omp barrier
+    barrier.wait();
     // A thread's rows stay its own from here to the next layer's qkv projection.
     add_into<T>(xp + row_begin * H, dp + row_begin * H, (row_end - row_begin) * H);
     if (l + 1 < model.layers.size())
@@ -661,9 +661,11 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
     DrawScratch draw_scratch;  // allocated at a thread's first draw
     const auto [row_begin, row_end] = rows_of(M, t, n);
+    if (t == 0) barrier.set_num_threads(n, omp_get_num_procs());
+#pragma omp barrier
     up_to_attention(0, t, n, row_begin, row_end);
     for (size_t l = 0; l < model.layers.size(); ++l) {
-#pragma omp barrier
+      barrier.wait();
       // every row's q and k rotated and its K/V written: the layer's attention (ends at a barrier)
       team_api.attend(team.get(), t);
       after_attention(l, t, n, row_begin, row_end);
@@ -671,7 +673,7 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
     if (head != nullptr) {
       const Linear& projection = head->linear;
       prepare_rows(projection, np, row_begin, row_end, xq_hidden);
-#pragma omp barrier
+      barrier.wait();
       gemv_share(projection, np, xq_hidden, M, logits_p, t, n);
       // Each thread's part of the argmax over its own columns, while they are in its caches.
       const auto [begin, end] = columns_of(projection, t, n);
@@ -683,7 +685,7 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
         if (part.index >= 0) part.index += begin;
         argmax_parts[t * M + m] = part;
       }
-#pragma omp barrier
+      barrier.wait();
       for (int64_t m = row_begin; m < row_end; ++m) {
         const T* row_logits = logits_p + m * projection.out_features;
         if (has_history(sampling, m)) {
@@ -847,7 +849,8 @@ int64_t register_decode_model(at::TensorList norms, at::TensorList weights, at::
   const int64_t hidden_size = norms[0].numel();
   for (const at::Tensor& norm : norms)
     PDSERVE_CHECK_VALUE(norm.scalar_type() == dtype && norm.numel() == hidden_size && norm.is_contiguous(),
-                        "register_decode_model: norm weights must be contiguous ", dtype, " of ", hidden_size, " values");
+                        "register_decode_model: norm weights must be contiguous ", dtype, " of ", hidden_size,
+                        " values");
   if (final_norm.has_value())
     PDSERVE_CHECK_VALUE(final_norm->scalar_type() == dtype && final_norm->numel() == hidden_size &&
                             final_norm->is_contiguous(),
