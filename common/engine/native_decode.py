@@ -106,6 +106,11 @@ def _token_head(model: CausalLM) -> dict:
                 head_bias=None if head.bias is None else head.bias.detach(), vocab_size=model.config.vocab_size)
 
 
+# Each layer's projections as (block, name), in the library's order (register_decode_model's
+# weights, register_decode_adapter's matrices).
+_PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+
+
 def _model_tensors(model: CausalLM, num_layers: int | None) -> dict:
     """register_decode_model's arguments for this model's first num_layers layers (None: all);
     raises Unsupported."""
@@ -124,8 +129,9 @@ def _model_tensors(model: CausalLM, num_layers: int | None) -> dict:
             raise Unsupported("attention logit soft-capping")
         norms += [_check_norm(layer.input_layernorm, cfg.rms_norm_eps),
                   _check_norm(layer.post_attention_layernorm, cfg.rms_norm_eps)]
-        for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            linear = base_linear(linear)  # LoRA adapters' deltas the loop adds itself (lora_ids)
+        for block, name in _PROJECTIONS:
+            # LoRA adapters' deltas the loop adds itself (lora_ids)
+            linear = base_linear(getattr(getattr(layer, block), name))
             weight, kind = decode_weight(linear)
             weights.append(weight)
             kinds.append(kind)
@@ -141,9 +147,6 @@ def _model_tensors(model: CausalLM, num_layers: int | None) -> dict:
                 num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                 rms_norm_eps=cfg.rms_norm_eps, attention_scale=attn.scale, weight_ids=weight_ids,
                 **_token_head(model))
-
-
-_LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the library's order per layer
 
 
 class NativeDecodeLoop:
@@ -210,7 +213,7 @@ class NativeDecodeLoop:
         that name it (lora_ids), released with the adapter; its id."""
         a, b = [], []
         for layer in range(self.model.start_layer, self.model.start_layer + len(self.k_caches)):
-            for linear_name in _LORA_PROJECTIONS:
+            for _, linear_name in _PROJECTIONS:
                 pair = adapter.stacked.get((layer, linear_name))
                 a.append(None if pair is None else pair[0])
                 b.append(None if pair is None else pair[1])
