@@ -188,11 +188,10 @@ inline std::vector<Truncation> check_sampling(
 // its held-back stop tokens at [offsets[m, 2], offsets[m, 3]) of history_offsets [M, 4] int64;
 // held_back_steps [M] int64: the steps, from this call's first, whose draws hold them back
 // (<= 0: none); all four or none.
-inline std::vector<RowHistory> check_history(int64_t M, int64_t vocab_size,
-                                                             const std::optional<at::Tensor>& penalties,
-                                                             const std::optional<at::Tensor>& token_ids,
-                                                             const std::optional<at::Tensor>& offsets,
-                                                             const std::optional<at::Tensor>& held_back_steps) {
+inline std::vector<RowHistory> check_history(int64_t M, int64_t vocab_size, const std::optional<at::Tensor>& penalties,
+                                             const std::optional<at::Tensor>& token_ids,
+                                             const std::optional<at::Tensor>& offsets,
+                                             const std::optional<at::Tensor>& held_back_steps) {
   PDSERVE_CHECK_VALUE(penalties.has_value() == token_ids.has_value() && penalties.has_value() == offsets.has_value() &&
                           penalties.has_value() == held_back_steps.has_value(),
                       "decode_tokens: penalties, history_token_ids, history_offsets and held_back_steps together, "
@@ -242,9 +241,10 @@ inline std::vector<RowHistory> check_history(int64_t M, int64_t vocab_size,
 // row, else the taken token's and the top num_logprobs[m] ones', at most the vocabulary),
 // logprobs [num_steps, M, 1 + K] fp32 and logprob_token_ids [num_steps, M, K] int64 where K is
 // the largest of num_logprobs; all three or none. Returns K (-1: none).
-inline int64_t check_logprobs(int64_t M, int64_t num_steps, int64_t vocab_size, const std::optional<at::Tensor>& num_logprobs,
-                       const std::optional<at::Tensor>& logprobs,
-                       const std::optional<at::Tensor>& logprob_token_ids) {
+inline int64_t check_logprobs(int64_t M, int64_t num_steps, int64_t vocab_size,
+                              const std::optional<at::Tensor>& num_logprobs,
+                              const std::optional<at::Tensor>& logprobs,
+                              const std::optional<at::Tensor>& logprob_token_ids) {
   PDSERVE_CHECK_VALUE(num_logprobs.has_value() == logprobs.has_value() &&
                           num_logprobs.has_value() == logprob_token_ids.has_value(),
                       "decode_tokens: num_logprobs, logprobs and logprob_token_ids together, or none");
