@@ -24,7 +24,7 @@ TRANSFER_TIMEOUT_S = 1.0
 def test_a_queue_at_the_prefill_does_not_expire_the_transfers_behind_it(tiny_model_factory, tmp_path):
     model_dir = tiny_model_factory("tiny-llama-4k", "llama", max_position_embeddings=4096)
     engine = ["--model", str(model_dir), "--kv-cache-memory", "64MiB", "--num-threads", "1"]
-    # One prompt at a time, 4 tokens a step: each 3000-token prompt takes hundreds of
+    # One prompt at a time, 8 tokens a step: each 3000-token prompt takes hundreds of
     # steps, so the last of the queue waits several times the transfer timeout.
     prefill = ServiceProcess("prefill_service.main", ["--instance-id", "prefill-test", *engine, "--max-num-seqs", "1",
                                                       "--max-num-batched-tokens", "8"], tmp_path / "prefill.log")
