@@ -366,7 +366,6 @@ inline std::pair<int64_t, int64_t> share_of(int64_t n, int t, int num_threads) {
   return {n * t / num_threads, n * (t + 1) / num_threads};
 }
 
-
 // Output columns a linear's GEMV takes as one unit: a GGUF row group or a bf16 column panel.
 inline int64_t unit_columns(const Linear& l) {
   return l.kind == kPanels ? pdserve_cpu::kPanelCols : pdserve_cpu::kGroupRows;
