@@ -96,6 +96,9 @@ class GatewaySettings:
     max_running_per_decode: int = 64  # admission: requests running per decode instance; <= 0: no limit
     max_running_per_prefill: int = 64  # admission: requests in their prefill per prefill instance; <= 0: no limit
     max_waiting_requests: int = 256  # admission, per pool: requests waiting for a slot before RESOURCE_EXHAUSTED
+    # > 0: a prompt goes to a prefill instance only while one has fewer prompt tokens than this
+    # still to compute, else its decode instance prefills it (gateway.routing.placement); 0: always remote
+    max_prefill_queue_tokens: int = 0
 
 
 class Gateway:
@@ -114,7 +117,8 @@ class Gateway:
                                 on_heartbeat=self._observe_heartbeat)
         self.metrics.watch_instances(self.registry.snapshot)
         self.dispatcher = Dispatcher(self.registry, self.kv_index, self.policy, model.tokenizer,
-                                     model.tokenizer.eos_token_ids, self.metrics)
+                                     model.tokenizer.eos_token_ids, self.metrics,
+                                     settings.max_prefill_queue_tokens)
         self.embeddings = EmbeddingDispatcher(self.registry, self.dispatcher.ledger, self.policy, self.metrics)
         self.decode_admission = PoolAdmission(self.registry, "decode", settings.max_running_per_decode,
                                               settings.max_waiting_requests)

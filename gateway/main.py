@@ -116,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-running-per-prefill", type=int, default=64,
                         help="requests the gateway lets be in their prefill (until the first token) per "
                              "live prefill instance; the rest wait in the prefill pool's queue; 0: no limit")
+    parser.add_argument("--max-prefill-queue-tokens", type=_non_negative_int, default=0,
+                        help="conditional disaggregation by load: a prompt goes to a prefill instance only "
+                             "while one has fewer prompt tokens than this still to compute; past it the "
+                             "decode instance prefills it itself (its token streams pause for that step). "
+                             "Suits a small host where the prefill pool saturates before the decode pool; "
+                             "0: always the prefill pool while an instance is alive")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="requests that may wait for capacity, per pool; one more gets RESOURCE_EXHAUSTED "
                              "(HTTP 429) at once, with a retry hint")
@@ -166,6 +172,16 @@ def _role(value: str) -> str:
     return value
 
 
+def _non_negative_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {number}")
+    return number
+
+
 def _api_keys(value: str) -> list[str]:
     from gateway.api_keys import parse_api_keys
     return parse_api_keys(value)
@@ -184,7 +200,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
                            heartbeat_timeout_s=args.heartbeat_timeout, load_weight=args.load_weight,
                            max_running_per_decode=args.max_running_per_decode,
                            max_running_per_prefill=args.max_running_per_prefill,
-                           max_waiting_requests=args.max_waiting_requests)
+                           max_waiting_requests=args.max_waiting_requests,
+                           max_prefill_queue_tokens=args.max_prefill_queue_tokens)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -59,6 +59,7 @@ TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 HEARTBEAT_GAP_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0)
 
 POOLS = ("prefill", "decode")
+PLACEMENT_RESULTS = ("placed", "none", "queue_full")  # pdserve_placement_decisions' result label
 STEP_PHASES = ("prefill", "decode", "mixed")
 
 
@@ -160,8 +161,10 @@ class GatewayMetrics(ServiceMetrics):
                                            "from reaching the gateway to the vector", registry=r,
                                            buckets=E2E_BUCKETS)
         self.placements = Counter("pdserve_placement_decisions", "Placement decisions: pool prefill or "
-                                  "decode; result placed, or none (no live instance: the decode instance "
-                                  "prefills locally / the request fails UNAVAILABLE)",
+                                  "decode; result placed, none (no live instance: the decode instance "
+                                  "prefills locally / the request fails UNAVAILABLE) or queue_full (every "
+                                  "prefill instance's queue at --max-prefill-queue-tokens: the decode "
+                                  "instance prefills locally)",
                                   ["policy", "pool", "result"], registry=r)
         self.instances_alive = Gauge("pdserve_instances_alive", "Registered instances per pool",
                                      ["pool"], registry=r)
@@ -173,7 +176,7 @@ class GatewayMetrics(ServiceMetrics):
         r.register(self.instance_load)
         for pool in POOLS:  # present, at 0, before any instance registers
             self.instances_alive.labels(pool).set(0)
-            for result in ("placed", "none"):
+            for result in PLACEMENT_RESULTS:
                 self.placements.labels(policy, pool, result)
         self.requests.labels("OK")
 
@@ -187,8 +190,9 @@ class GatewayMetrics(ServiceMetrics):
         if status == "OK":
             self.embedding_seconds.observe(duration_s)
 
-    def placed(self, pool: str, placed: bool) -> None:
-        self.placements.labels(self.policy, pool, "placed" if placed else "none").inc()
+    def placed(self, pool: str, result: str) -> None:
+        """result: one of PLACEMENT_RESULTS."""
+        self.placements.labels(self.policy, pool, result).inc()
 
     def set_instances_alive(self, pool: str, count: int) -> None:
         self.instances_alive.labels(pool).set(count)

@@ -65,8 +65,11 @@ class InstanceLost(ServiceError):
 
 class Dispatcher:
     def __init__(self, registry: InstanceRegistry, kv_index: KvIndex, policy: PlacementPolicy,
-                 tokenizer, eos_token_ids: tuple[int, ...], metrics: GatewayMetrics | None = None):
+                 tokenizer, eos_token_ids: tuple[int, ...], metrics: GatewayMetrics | None = None,
+                 max_queued_prefill_tokens: int = 0):
         self.registry = registry
+        # > 0: conditional disaggregation by load (gateway.routing.placement)
+        self.max_queued_prefill_tokens = max_queued_prefill_tokens
         self.metrics = metrics or GatewayMetrics(policy.name)
         self.ledger = LoadLedger(kv_index)
         self.policy = policy
@@ -114,15 +117,16 @@ class Dispatcher:
     def _place(self, request: PreparedRequest, exclude: set[str]) -> Placement:
         decodes = self._live_decodes(exclude, request.lora_name)
         decode = self.policy.choose_decode(len(request.prompt_token_ids), decodes)
-        self.metrics.placed("decode", decode is not None)
+        self.metrics.placed("decode", "placed" if decode is not None else "none")
         if decode is None:
             what = "is alive" if request.lora_name is None else f"serves LoRA adapter {request.lora_name!r}"
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"no decode instance {what}; start one (pdserve decode --gateway ADDR) and retry")
+        prefills = serving(self.registry.instances("prefill"), request.lora_name)
         prefill, prompt_block_hashes = choose_remote_prefill(
-            self.policy, serving(self.registry.instances("prefill"), request.lora_name), request.prompt_token_ids,
-            request.cache_salt, request.lora_name)
-        self.metrics.placed("prefill", prefill is not None)
+            self.policy, prefills, request.prompt_token_ids, request.cache_salt, request.lora_name,
+            self.max_queued_prefill_tokens)
+        self.metrics.placed("prefill", "placed" if prefill is not None else "queue_full" if prefills else "none")
         return Placement(decode, prefill, prompt_block_hashes)
 
     async def _stream_on(self, placement: Placement, charge: PlacementCharge, request: PreparedRequest,

@@ -79,12 +79,12 @@ class EmbeddingDispatcher:
         if role == "prefill":
             instance, block_hashes = choose_remote_prefill(self.policy, live, request.prompt_token_ids,
                                                            request.cache_salt, request.lora_name)
-            self.metrics.placed("prefill", True)
+            self.metrics.placed("prefill", "placed")
             return instance, self.ledger.charge(len(request.prompt_token_ids), prefill=instance,
                                                 prompt_block_hashes=block_hashes)
         if role == "decode":
             instance = self.policy.choose_decode(len(request.prompt_token_ids), live)
-            self.metrics.placed("decode", True)
+            self.metrics.placed("decode", "placed")
             return instance, self.ledger.charge(len(request.prompt_token_ids), decode=instance)
         what = "is alive" if request.lora_name is None else f"serves LoRA adapter {request.lora_name!r}"
         raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"no prefill or decode instance {what} to compute the "

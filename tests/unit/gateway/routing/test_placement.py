@@ -58,3 +58,33 @@ def test_an_adapters_requests_are_placed_on_its_instances_and_hashed_from_its_ro
     hashes = choose_remote_prefill(LeastLoaded(), serving(prefills, "sql"), PROMPT, None, "sql")[1]
     assert list(hashes) == compute_block_hashes(PROMPT, BLOCK, root_parent_hash(None, "sql")) != \
         compute_block_hashes(PROMPT, BLOCK)
+
+
+def test_a_prefill_instance_whose_queue_is_full_takes_no_more_prompts():
+    registry = make_registry("prefill", {"a": queued(0), "b": queued(600)})
+    prefills = registry.instances("prefill")
+    # Without a limit the policy may pick either; with one, b (600 queued) is out.
+    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT, max_queued_prefill_tokens=600)[0].instance_id == "a"
+    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT, max_queued_prefill_tokens=601)[0].instance_id == "a"
+    registry.heartbeat("a", queued(700))
+    # Every queue full: the decode instance prefills (no address, no hashes to charge).
+    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT, max_queued_prefill_tokens=600) == (None, ())
+    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT, max_queued_prefill_tokens=701)[0].instance_id \
+        == "b"
+    # 0 is no limit: however deep the queues, a live prefill instance prefills.
+    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT)[0].instance_id == "b"
+
+
+def test_the_queue_limit_counts_what_the_gateway_charged_since_the_last_heartbeat_not_the_new_prompt():
+    from gateway.routing.load_ledger import LoadLedger
+    registry = make_registry("prefill", {"a": queued(0)})
+    prefills = registry.instances("prefill")
+    long_prompt = list(range(2_000))
+    # A prompt longer than the limit still goes to an idle instance: its own tokens do not count.
+    prefill, hashes = choose_remote_prefill(LeastLoaded(), prefills, long_prompt, max_queued_prefill_tokens=512)
+    assert prefill.instance_id == "a"
+    charge = LoadLedger(KvIndex()).charge(len(long_prompt), prefill=prefill, prompt_block_hashes=hashes)
+    # Charged and not yet reported: the next prompt sees a's queue full.
+    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT, max_queued_prefill_tokens=512) == (None, ())
+    charge.release_prefill()  # its first token came back: the prefill is done
+    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT, max_queued_prefill_tokens=512)[0] is prefill
