@@ -76,8 +76,8 @@ def run_client(base_url: str, args: argparse.Namespace, json_path: Path) -> dict
     return json.loads(json_path.read_text())
 
 
-def serve_ours(args: argparse.Namespace, model_dir: str, out: Path) -> dict:
-    from common.cli.up import LocalStack
+def our_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
+    """The flags our stack's processes get (LocalStack routes each to the commands that take it)."""
     passthrough = ["--model", model_dir, "--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory,
                    "--max-model-len", str(args.max_model_len), "--kv-cache-dtype", args.kv_cache_dtype,
                    "--log-level", "WARNING"]
@@ -85,12 +85,20 @@ def serve_ours(args: argparse.Namespace, model_dir: str, out: Path) -> dict:
         passthrough.append("--enforce-eager")
     if args.num_scheduler_steps != 1:
         passthrough += ["--num-scheduler-steps", str(args.num_scheduler_steps)]
+    if args.max_prefill_queue_tokens:
+        passthrough += ["--max-prefill-queue-tokens", str(args.max_prefill_queue_tokens)]
     if args.speculative_config:
         passthrough += ["--speculative-config", args.speculative_config]
     if args.lora_path:
         passthrough += ["--lora-modules", f"{LORA_NAME}={args.lora_path}", "--max-lora-rank", str(args.lora_rank)]
+    return passthrough
+
+
+def serve_ours(args: argparse.Namespace, model_dir: str, out: Path) -> dict:
+    from common.cli.up import LocalStack
     (out / "pdserve-logs").mkdir()
-    with LocalStack(args.prefill, args.decode, http_port=0, passthrough=passthrough, log_dir=out / "pdserve-logs",
+    with LocalStack(args.prefill, args.decode, http_port=0, passthrough=our_flags(args, model_dir),
+                    log_dir=out / "pdserve-logs",
                     startup_timeout_s=args.startup_timeout, reserved_cpus=args.reserved_cpus) as stack:
         return run_client(f"http://{stack.http_address}", args, out / "pdserve.json")
 
@@ -175,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="both sides' KV cache: the model's dtype, or 8-bit float codes (vLLM's flag)")
     parser.add_argument("--prefill", type=int, default=0, help="our prefill instances (0: decode prefills)")
     parser.add_argument("--decode", type=int, default=1, help="our decode instances")
+    parser.add_argument("--max-prefill-queue-tokens", type=int, default=0,
+                        help="with --prefill N: the gateway's limit past which decode instances prefill "
+                             "(conditional disaggregation by load); 0: every prompt to the prefill pool")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--reserved-cpus", type=int, default=1,
                         help="`pdserve up --reserved-cpus` for our stack: cores left out of the engines' share")

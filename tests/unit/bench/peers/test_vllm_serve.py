@@ -66,3 +66,17 @@ def test_a_bad_speculative_config_stops_before_either_server_starts(capsys):
         main(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": "4"}'])
     assert stopped.value.code == 2
     assert "num_speculative_tokens: Input should be a valid integer" in capsys.readouterr().err
+
+
+def test_the_prefill_queue_limit_reaches_our_gateway_only_and_only_when_set():
+    from bench.peers.vllm_serve import our_flags
+    from common.cli.up import route_flags
+    args = argparse.Namespace(dtype="float32", kv_cache_memory="2GiB", max_model_len=2048, kv_cache_dtype="auto",
+                              enforce_eager=False, num_scheduler_steps=1, max_prefill_queue_tokens=1024,
+                              speculative_config=None, lora_path=None)
+    routed = route_flags(our_flags(args, "/models/m"))
+    assert routed["gateway"][routed["gateway"].index("--max-prefill-queue-tokens") + 1] == "1024"
+    assert "--max-prefill-queue-tokens" not in routed["prefill"] + routed["decode"]
+    assert routed["decode"][routed["decode"].index("--dtype") + 1] == "float32"
+    args.max_prefill_queue_tokens = 0
+    assert "--max-prefill-queue-tokens" not in our_flags(args, "/models/m")
