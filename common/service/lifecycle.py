@@ -32,6 +32,7 @@ from common.service.flags import advertise_host, bracket
 from common.service.keepalive import KEEPALIVE_SERVER_OPTIONS
 from common.service.logging_setup import configure_logging
 from common.service.metrics import WorkerMetrics
+from common.service.passing_thread import run_in_passing_thread
 from common.service.registration import GatewayRegistrations
 from common.service.request_gate import RequestGate
 from protos.serving import add_health_and_reflection
@@ -112,7 +113,7 @@ async def _serve(args: argparse.Namespace, role: str, build: Callable[[argparse.
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     # Loading the model takes seconds; a signal meanwhile still ends the process cleanly.
-    worker = await asyncio.to_thread(build, args, args.instance_id)
+    worker = await run_in_passing_thread(build, args, args.instance_id)
     gate = RequestGate(f"{role} instance {args.instance_id}")
     server = aio.server(interceptors=[ErrorStatusInterceptor()],
                         options=[("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS])
