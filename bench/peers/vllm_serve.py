@@ -187,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --prefill N: the gateway's limit past which decode instances prefill "
                              "(conditional disaggregation by load); 0: every prompt to the prefill pool")
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--reserved-cpus", type=int, default=1,
-                        help="`pdserve up --reserved-cpus` for our stack: cores left out of the engines' share")
+    parser.add_argument("--reserved-cpus", type=int, default=None,
+                        help="`pdserve up --reserved-cpus` for our stack: cores left out of the engines' share "
+                             "(default: up's, 1 on hosts of 8 CPUs or more, else 0)")
     parser.add_argument("--num-scheduler-steps", type=int, default=1,
                         help="our instances' --num-scheduler-steps (greedy decode steps back to back)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",

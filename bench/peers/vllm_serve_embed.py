@@ -106,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-venv", default=None)
     parser.add_argument("--peer-threads-bind", default="all")
     parser.add_argument("--peer-preload", choices=["auto", "none"], default="auto")
-    parser.add_argument("--reserved-cpus", type=int, default=1,
-                        help="pdserve up's --reserved-cpus (the cores left to the gateway; default 1)")
+    parser.add_argument("--reserved-cpus", type=int, default=None,
+                        help="`pdserve up --reserved-cpus` for our stack: cores left out of the engines' share "
+                             "(default: up's, 1 on hosts of 8 CPUs or more, else 0)")
     parser.add_argument("--skip-vllm", action="store_true", help="pdserve alone")
     args = parser.parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",")]

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from common.cli.processes import route_flags
-from common.cli.up import LocalStack, engine_threads
+from common.cli.up import LocalStack, default_reserved_cpus, engine_threads
 from common.engine.cpus import num_cpus_available
 from common.engine.engine_args import engine_config_from_args
 from decode_service.main import build_parser as decode_parser
@@ -19,7 +19,7 @@ def test_engine_processes_share_the_cores_and_pinned_roles_use_their_cpus():
     num_cores = num_cpus_available()
     stack = LocalStack(1, 1, reserved_cpus=0)
     assert stack._thread_flags("decode") == ["--num-threads", str(max(1, num_cores // 2))]
-    reserving = LocalStack(0, 1)  # one core left to the gateway and the services' threads by default
+    reserving = LocalStack(0, 1, reserved_cpus=1)  # one core left to the gateway and the services' threads
     # ... but not for the steps that prefill, when no token streams
     assert reserving._thread_flags("decode") == (["--num-threads", str(max(1, num_cores - 1))] + (
         ["--num-prefill-threads", str(num_cores)] if num_cores > 1 else []))
@@ -47,6 +47,13 @@ def test_engine_processes_share_the_cores_and_pinned_roles_use_their_cpus():
 def test_engine_threads_leave_the_reserved_cpus_and_give_decode_the_rest(num_cpus, num_prefill, num_decode,
                                                                         reserved, threads):
     assert engine_threads(num_cpus, num_prefill, num_decode, reserved) == threads
+
+
+def test_a_core_is_reserved_by_default_only_on_hosts_of_eight_cpus_or_more():
+    assert [default_reserved_cpus(n) for n in (1, 2, 4, 7, 8, 64)] == [0, 0, 0, 0, 1, 1]
+    num_cores = num_cpus_available()
+    by_default = LocalStack(0, 1)._thread_flags("decode")
+    assert by_default[:2] == ["--num-threads", str(max(1, num_cores - default_reserved_cpus(num_cores)))]
 
 
 def test_up_inside_a_one_cpu_quota_gives_its_engines_one_thread_each():
