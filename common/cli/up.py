@@ -15,11 +15,12 @@ cores less `--reserved-cpus` (default: 1 from 8 CPUs up, as vLLM's CPU build res
 for its API server, where the gateway's and the services' own threads, which wake for every
 token, cost an engine at most an eighth of its cores; none below, where a reserved core is
 half or a quarter of them: on 2 cores the engine on both streamed fp32 and bf16 tokens with
-a 12-25% lower p99 TPOT), decode processes first for a core left over (its pinned CPUs where a benchmark pins roles),
-unless the flag is given; a lone decode process that prefills takes every core for its
-steps that prefill (`--num-prefill-threads`: it streams no tokens meanwhile). Where the
-stack has a prefill pool, each decode process gets `--single-weight-copy` (it prefills
-only short prompts itself; `--no-single-weight-copy` keeps both copies).
+a 12-25% lower p99 TPOT), decode processes first for a core left over (its pinned CPUs
+where a benchmark pins roles), unless the flag is given; a lone decode process that
+prefills takes every core for its steps that prefill (`--num-prefill-threads`: it streams
+no tokens meanwhile). Where the stack has a prefill pool, each decode process gets
+`--single-weight-copy` (it prefills only short prompts itself; `--no-single-weight-copy`
+keeps both copies).
 Every process gets the same registry token through PDSERVE_REGISTRY_TOKEN (never on a
 command line, where `ps` shows it): the environment's, else a fresh random one.
 
