@@ -15,6 +15,7 @@ OpenMP team in a service"). A thread that ends frees its team (libgomp's thread-
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -23,9 +24,12 @@ T = TypeVar("T")
 
 
 async def run_in_passing_thread(fn: Callable[..., T], *args: Any, name: str = "start-up") -> T:
-    """fn(*args) on a new thread, awaited without blocking the event loop; the thread has
-    ended (and any OpenMP team it opened with it) by the time this returns or raises."""
+    """fn(*args) on a new thread in a copy of this task's context (as asyncio.to_thread),
+    awaited without blocking the event loop; the thread has ended (and any OpenMP team it
+    opened with it) by the time this returns or raises. Cancelled, it returns at once and
+    the thread runs fn to its end unawaited."""
     loop = asyncio.get_running_loop()
+    context = contextvars.copy_context()
     done: asyncio.Future = loop.create_future()
 
     def settle(result: Any, error: BaseException | None) -> None:
@@ -38,17 +42,20 @@ async def run_in_passing_thread(fn: Callable[..., T], *args: Any, name: str = "s
 
     def run() -> None:
         try:
-            result, error = fn(*args), None
+            result, error = context.run(fn, *args), None
         except BaseException as e:  # handed to the awaiting task, as asyncio.to_thread does
             result, error = None, e
-        loop.call_soon_threadsafe(settle, result, error)
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed while fn ran: nobody awaits it any more
+            pass
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     try:
         return await done
     finally:
-        if done.done():
+        if done.done() and not done.cancelled():
             # Its last act was to schedule `settle`: joining waits out its exit hooks (the
             # team's teardown), milliseconds at most, before anything else is served.
             thread.join()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -67,3 +68,31 @@ def test_an_openmp_team_opened_at_start_up_ends_with_its_thread():
     assert left_by_passing == 0
     # What the service did before: the executor's thread and its team's worker stay.
     assert left_by_executor >= 2
+
+
+def test_the_work_sees_the_awaiting_tasks_context_variables():
+    import contextvars
+    name = contextvars.ContextVar("name", default="unset")
+
+    async def main():
+        name.set("decode-0")
+        return await run_in_passing_thread(name.get)
+
+    assert asyncio.run(main()) == "decode-0"
+
+
+def test_cancelling_the_wait_does_not_block_the_loop_on_the_unfinished_work():
+    release = threading.Event()
+    threading.Timer(5.0, release.set).start()  # what a loop blocked on the thread would wait for
+
+    async def main():
+        task = asyncio.ensure_future(run_in_passing_thread(release.wait))
+        await asyncio.sleep(0)  # the thread is started and waits
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    started = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - started < 2.0
+    release.set()
