@@ -34,6 +34,7 @@ from common.engine.models.parallel_layers import kv_head_partition
 from common.engine.models.quantization import QuantizationSpec, quantize_model
 from common.engine.models.registry import model_class
 from common.engine.native_decode import NativeDecodeLoop
+from common.engine.openmp_teams import LoadingThreadWatch
 from common.engine.outputs import Logprobs, RunnerOutput, ScheduledRequest, SchedulerOutput
 from common.engine.sampler import Sampler
 from common.engine.spec_decode.draft_model_proposer import draft_model_config
@@ -249,6 +250,8 @@ class ModelRunner:
         self.native_decode: NativeDecodeLoop | None = None
         # CPU: torch threads of the steps that prefill (step_num_threads); None: the process's.
         self.num_prefill_threads = num_prefill_threads if self.device.type == "cpu" else None
+        # CPU: stepped from another thread than this one while it lives, libgomp keeps two teams.
+        self.loading_thread = LoadingThreadWatch() if self.device.type == "cpu" else None
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -365,6 +368,8 @@ class ModelRunner:
             connector.start_load_kv(scheduler_output.kv_connector_metadata)
         output = RunnerOutput(req_ids=[], sampled_token_ids=[])
         if not scheduler_output.is_empty:
+            if self.loading_thread is not None:
+                self.loading_thread.check()
             num_threads = step_num_threads(scheduler_output, self.num_prefill_threads)
             process_threads = torch.get_num_threads()
             if num_threads is None or num_threads == process_threads:
