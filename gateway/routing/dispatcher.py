@@ -66,10 +66,10 @@ class InstanceLost(ServiceError):
 class Dispatcher:
     def __init__(self, registry: InstanceRegistry, kv_index: KvIndex, policy: PlacementPolicy,
                  tokenizer, eos_token_ids: tuple[int, ...], metrics: GatewayMetrics | None = None,
-                 max_queued_prefill_tokens: int = 0):
+                 max_prefill_queue_tokens: int = 0):
         self.registry = registry
         # > 0: conditional disaggregation by load (gateway.routing.placement)
-        self.max_queued_prefill_tokens = max_queued_prefill_tokens
+        self.max_prefill_queue_tokens = max_prefill_queue_tokens
         self.metrics = metrics or GatewayMetrics(policy.name)
         self.ledger = LoadLedger(kv_index)
         self.policy = policy
@@ -125,7 +125,7 @@ class Dispatcher:
         prefills = serving(self.registry.instances("prefill"), request.lora_name)
         prefill, prompt_block_hashes = choose_remote_prefill(
             self.policy, prefills, request.prompt_token_ids, request.cache_salt, request.lora_name,
-            self.max_queued_prefill_tokens)
+            self.max_prefill_queue_tokens)
         self.metrics.placed("prefill", "placed" if prefill is not None else "queue_full" if prefills else "none")
         return Placement(decode, prefill, prompt_block_hashes)
 

@@ -5,7 +5,7 @@ instance is decided by `choose_remote_prefill` alone: remotely, on the instance
 the policy chooses among those alive whose queue has room; otherwise locally, and
 the decode instance gets no prefill address. The queue limit is conditional
 disaggregation by load (Dynamo's max prefill queue size): once every prefill
-instance already has max_queued_prefill_tokens prompt tokens to compute, a prompt
+instance already has max_prefill_queue_tokens prompt tokens to compute, a prompt
 would wait longer there than its decode instance takes to compute it between
 decode steps, so the decode instance takes it (its streams pause for that step).
 """
@@ -41,15 +41,15 @@ def serving(instances: Sequence[Instance], lora_name: str | None) -> list[Instan
 
 def choose_remote_prefill(policy: PlacementPolicy, prefills: Sequence[Instance], prompt_token_ids: Sequence[int],
                           cache_salt: str | None = None,
-                          lora_name: str | None = None, max_queued_prefill_tokens: int = 0
+                          lora_name: str | None = None, max_prefill_queue_tokens: int = 0
                           ) -> tuple[Instance | None, Sequence[int]]:
     """The prefill instance for a prompt and the prompt's block hashes at its block
     size (from its cache_salt's and LoRA adapter's root, as the engines hash them), or
-    (None, ()) when no prefill instance is alive, or (max_queued_prefill_tokens > 0) when
+    (None, ()) when no prefill instance is alive, or (max_prefill_queue_tokens > 0) when
     each has that many prompt tokens or more still to compute (this prompt not counted,
     so a long prompt still goes to an idle one): the decode instance prefills locally."""
-    if max_queued_prefill_tokens > 0:
-        prefills = [i for i in prefills if i.queued_prefill_tokens < max_queued_prefill_tokens]
+    if max_prefill_queue_tokens > 0:
+        prefills = [i for i in prefills if i.queued_prefill_tokens < max_prefill_queue_tokens]
     if not prefills:
         return None, ()
     # Every instance has the deployment's block size (the registry refuses others).

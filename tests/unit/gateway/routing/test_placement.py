@@ -64,12 +64,12 @@ def test_a_prefill_instance_whose_queue_is_full_takes_no_more_prompts():
     registry = make_registry("prefill", {"a": queued(0), "b": queued(600)})
     prefills = registry.instances("prefill")
     # Without a limit the policy may pick either; with one, b (600 queued) is out.
-    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT, max_queued_prefill_tokens=600)[0].instance_id == "a"
-    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT, max_queued_prefill_tokens=601)[0].instance_id == "a"
+    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT, max_prefill_queue_tokens=600)[0].instance_id == "a"
+    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT, max_prefill_queue_tokens=601)[0].instance_id == "a"
     registry.heartbeat("a", queued(700))
     # Every queue full: the decode instance prefills (no address, no hashes to charge).
-    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT, max_queued_prefill_tokens=600) == (None, ())
-    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT, max_queued_prefill_tokens=701)[0].instance_id \
+    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT, max_prefill_queue_tokens=600) == (None, ())
+    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT, max_prefill_queue_tokens=701)[0].instance_id \
         == "b"
     # 0 is no limit: however deep the queues, a live prefill instance prefills.
     assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT)[0].instance_id == "b"
@@ -81,10 +81,10 @@ def test_the_queue_limit_counts_what_the_gateway_charged_since_the_last_heartbea
     prefills = registry.instances("prefill")
     long_prompt = list(range(2_000))
     # A prompt longer than the limit still goes to an idle instance: its own tokens do not count.
-    prefill, hashes = choose_remote_prefill(LeastLoaded(), prefills, long_prompt, max_queued_prefill_tokens=512)
+    prefill, hashes = choose_remote_prefill(LeastLoaded(), prefills, long_prompt, max_prefill_queue_tokens=512)
     assert prefill.instance_id == "a"
     charge = LoadLedger(KvIndex()).charge(len(long_prompt), prefill=prefill, prompt_block_hashes=hashes)
     # Charged and not yet reported: the next prompt sees a's queue full.
-    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT, max_queued_prefill_tokens=512) == (None, ())
+    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT, max_prefill_queue_tokens=512) == (None, ())
     charge.release_prefill()  # its first token came back: the prefill is done
-    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT, max_queued_prefill_tokens=512)[0] is prefill
+    assert choose_remote_prefill(LeastLoaded(), prefills, PROMPT, max_prefill_queue_tokens=512)[0] is prefill
