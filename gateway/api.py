@@ -15,7 +15,16 @@ from common.service.common_api import (
 from common.service.embedding_api import pooling_params_from_pb
 from common.service.errors import invalid
 from common.text.chat_template import ChatTemplateOptions
-from gateway.types import DeploymentInfo, EmbeddingResult, EmbedInput, GenerateInput, GenerationDelta, Usage
+from gateway.types import (
+    BeamSearchResult,
+    BeamSearchSequence,
+    DeploymentInfo,
+    EmbeddingResult,
+    EmbedInput,
+    GenerateInput,
+    GenerationDelta,
+    Usage,
+)
 from protos.pdserve.v1 import generate_pb2
 
 
@@ -27,6 +36,30 @@ def generate_input_from_pb(msg: generate_pb2.GenerateRequest) -> GenerateInput:
                             split_reasoning=msg.output.split_reasoning)
     _set_prompt(request, msg)
     return request
+
+
+def beam_search_input_from_pb(msg: generate_pb2.BeamSearchRequest) -> tuple[GenerateInput, int, float | None]:
+    """(the request, beam_width, length_penalty or None when unset)."""
+    return (generate_input_from_pb(msg.request), msg.beam_width,
+            msg.length_penalty if msg.HasField("length_penalty") else None)
+
+
+def beam_search_result_to_pb(result: BeamSearchResult) -> generate_pb2.BeamSearchResponse:
+    return generate_pb2.BeamSearchResponse(
+        request_id=result.request_id,
+        sequences=[generate_pb2.BeamSequence(text=s.text, token_ids=s.token_ids, cum_logprob=s.cum_logprob,
+                                             finish_reason=FINISH_REASON_TO_PB[s.finish_reason])
+                   for s in result.sequences],
+        usage=generate_pb2.Usage(prompt_tokens=result.usage.prompt_tokens,
+                                 completion_tokens=result.usage.completion_tokens))
+
+
+def beam_search_result_from_pb(msg: generate_pb2.BeamSearchResponse) -> BeamSearchResult:
+    return BeamSearchResult(
+        request_id=msg.request_id,
+        sequences=[BeamSearchSequence(text=s.text, token_ids=list(s.token_ids), cum_logprob=s.cum_logprob,
+                                      finish_reason=finish_reason_from_pb(s.finish_reason)) for s in msg.sequences],
+        usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens))
 
 
 def _set_prompt(request: GenerateInput | EmbedInput,

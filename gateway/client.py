@@ -41,10 +41,10 @@ from common.engine.sampling_params import SamplingParams
 from common.service.common_api import sampling_params_to_pb
 from common.service.embedding_api import pooling_params_to_pb
 from common.text.chat_template import ChatTemplateOptions
-from gateway.api import (chat_message_to_pb, chat_options_to_pb, delta_from_pb, deployment_info_from_pb,
-                         embedding_result_from_pb)
+from gateway.api import (beam_search_result_from_pb, chat_message_to_pb, chat_options_to_pb, delta_from_pb,
+                         deployment_info_from_pb, embedding_result_from_pb)
 from gateway.api_keys import API_KEY_ENV
-from gateway.types import DeploymentInfo, EmbeddingResult, GenerationDelta
+from gateway.types import BeamSearchResult, DeploymentInfo, EmbeddingResult, GenerationDelta
 from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids, or chat messages {role, content}
@@ -95,6 +95,16 @@ def _with_prompt(request, prompt: Prompt, chat_options: ChatTemplateOptions | No
     if chat_options is not None and not request.HasField("messages"):
         raise ValueError("chat_options apply only to a prompt of chat messages")
     return request
+
+
+def _beam_search_request(prompt: Prompt | None, token_ids: Sequence[int] | None, messages: Sequence[dict] | None,
+                         beam_width: int, length_penalty: float | None,
+                         kwargs: dict[str, Any]) -> generate_pb2.BeamSearchRequest:
+    msg = generate_pb2.BeamSearchRequest(request=_request(prompt, token_ids, messages, None, kwargs),
+                                         beam_width=beam_width)
+    if length_penalty is not None:
+        msg.length_penalty = length_penalty
+    return msg
 
 
 def _request(prompt: Prompt | None, token_ids: Sequence[int] | None, messages: Sequence[dict] | None,
@@ -185,6 +195,15 @@ class AsyncClient:
             _request(prompt, token_ids, messages, sampling, kwargs), timeout=timeout or self.timeout,
             metadata=self._metadata))
 
+    async def beam_search(self, prompt: Prompt | None = None, *, beam_width: int,
+                          token_ids: Sequence[int] | None = None, messages: Sequence[dict] | None = None,
+                          length_penalty: float | None = None, timeout: float | None = None,
+                          **kwargs) -> BeamSearchResult:
+        """Client.beam_search's, awaited."""
+        request = _beam_search_request(prompt, token_ids, messages, beam_width, length_penalty, kwargs)
+        return beam_search_result_from_pb(await self._stub.BeamSearch(request, timeout=timeout or self.timeout,
+                                                                      metadata=self._metadata))
+
     async def embed(self, prompt: Prompt, *, pooling: PoolingParams | None = None, timeout: float | None = None,
                     **options) -> EmbeddingResult:
         """The prompt's embedding; options: build_embedding_request's (request_id, priority, model,
@@ -231,6 +250,15 @@ class Client:
         return ResponseStream(self._stub.GenerateStream(
             _request(prompt, token_ids, messages, sampling, kwargs), timeout=timeout or self.timeout,
             metadata=self._metadata))
+
+    def beam_search(self, prompt: Prompt | None = None, *, beam_width: int, token_ids: Sequence[int] | None = None,
+                    messages: Sequence[dict] | None = None, length_penalty: float | None = None,
+                    timeout: float | None = None, **kwargs) -> BeamSearchResult:
+        """The beam_width best continuations, best first; kwargs: max_tokens, ignore_eos,
+        include_stop_str_in_output, skip_special_tokens, and the request options (request_id ...)."""
+        request = _beam_search_request(prompt, token_ids, messages, beam_width, length_penalty, kwargs)
+        return beam_search_result_from_pb(self._stub.BeamSearch(request, timeout=timeout or self.timeout,
+                                                                metadata=self._metadata))
 
     def embed(self, prompt: Prompt, *, pooling: PoolingParams | None = None, timeout: float | None = None,
               **options) -> EmbeddingResult:

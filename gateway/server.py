@@ -32,9 +32,10 @@ from grpc_health.v1 import health_pb2
 from common.service.errors import ErrorStatusInterceptor, ServiceError
 from common.service.keepalive import KEEPALIVE_SERVER_OPTIONS
 from gateway.admission import RETRY_AFTER_METADATA
-from gateway.api import (delta_to_pb, deployment_info_to_pb, embed_input_from_pb, embedding_result_to_pb,
-                         generate_input_from_pb)
+from gateway.api import (beam_search_input_from_pb, beam_search_result_to_pb, delta_to_pb, deployment_info_to_pb,
+                         embed_input_from_pb, embedding_result_to_pb, generate_input_from_pb)
 from gateway.api_keys import MISSING_KEY_MESSAGE, ApiKeys
+from gateway.beam_search import beam_search_params, run_beam_search
 from gateway.core import Gateway, GatewaySettings
 from gateway.openai_api.reasoning_parsers import ReasoningParser, make_reasoning_parser
 from gateway.reasoning_split import ReasoningSplit, reasoning_split
@@ -87,6 +88,21 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         except ServiceError as e:
             _add_retry_hint(context, e)
             raise
+
+    async def BeamSearch(self, request, context):
+        self._authenticate(context)
+        try:  # one refused here is still a request, counted under its status
+            generate_input, beam_width, length_penalty = beam_search_input_from_pb(request)
+            params = beam_search_params(generate_input, beam_width, length_penalty)
+        except ServiceError as e:
+            self.gateway.metrics.request_timer().finish(e.code.name)
+            raise
+        try:  # each step's requests are ordinary ones, placed, cancelled and counted by the gateway
+            result = await run_beam_search(self.gateway, generate_input, params)
+        except ServiceError as e:
+            _add_retry_hint(context, e)
+            raise
+        return beam_search_result_to_pb(result)
 
     def _converted(self, request) -> tuple[GenerateInput, ReasoningSplit | None]:
         """The request in the gateway's types, and its reasoning split if it asks for one; one

@@ -136,6 +136,25 @@ class EmbeddingResult:
 
 
 @dataclass
+class BeamSearchSequence:
+    """One beam's completion."""
+
+    text: str
+    token_ids: list[int]  # generated, an ending EOS included
+    cum_logprob: float  # the generated tokens' logprobs summed (length_penalty not applied)
+    finish_reason: str  # "stop" where an EOS ended it, else "length"
+
+
+@dataclass
+class BeamSearchResult:
+    """What a BeamSearch call answers: the best sequences, best first."""
+
+    request_id: str
+    sequences: list[BeamSearchSequence]
+    usage: Usage  # completion_tokens: all sequences' together
+
+
+@dataclass
 class DeploymentInfo:
     """What ModelInfo answers."""
 

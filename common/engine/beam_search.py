@@ -1,6 +1,6 @@
 """Beam search as plain bookkeeping (no torch, no I/O): what vLLM's V1 runs around its engine,
-shared by the offline `LLM.beam_search` and the HTTP API's `use_beam_search`
-(gateway/openai_api/beam_search.py), which each run the steps their own way.
+shared by the offline `LLM.beam_search` and the gateway's searches (HTTP `use_beam_search`,
+gRPC `BeamSearch`: gateway/beam_search.py), which each run the steps their own way.
 
 Each step asks for one token of every live beam with its 2 * beam_width most likely next
 tokens (their logprobs, taken before temperature); the beam_width best extensions by

@@ -19,7 +19,6 @@ index = prompt index * n + sample index (OpenAI's order), sample i seeded seed +
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -51,6 +50,7 @@ from common.text.chat_template import (
     MAX_DOCUMENTS,
     ChatTemplateOptions,
 )
+from gateway.beam_search import unsupported_sampling_field
 from gateway.openai_api.errors import ApiError, invalid_field
 from gateway.openai_api.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
 from gateway.openai_api.structured_outputs import structured_outputs_of
@@ -625,11 +625,6 @@ def parse_request(body: bytes, chat: bool, tool_parser: ToolCallParser | None = 
     return parsed
 
 
-# SamplingParams fields a beam search reads; any other set to a value of its own is refused.
-_BEAM_SEARCH_SAMPLING = ("n", "max_tokens", "temperature", "seed", "ignore_eos", "include_stop_str_in_output",
-                         "skip_special_tokens")
-
-
 def _beam_search(values: dict, parsed: ParsedRequest) -> BeamSearchParams:
     """vLLM's use_beam_search: the request's n is the beam width. What a search cannot honour
     (streaming, logprobs, echo, a constraint, the sampling fields that shape a draw) is a 400."""
@@ -647,10 +642,9 @@ def _beam_search(values: dict, parsed: ParsedRequest) -> BeamSearchParams:
     if sampling.n > MAX_BEAM_WIDTH:
         raise invalid_field("n", f"is the beam width with use_beam_search: at most {MAX_BEAM_WIDTH} (each step "
                                  f"reads 2 * n logprobs, at most {MAX_LOGPROBS}), got {sampling.n}")
-    defaults = SamplingParams()
-    for f in dataclasses.fields(SamplingParams):
-        if f.name not in _BEAM_SEARCH_SAMPLING and getattr(sampling, f.name) != getattr(defaults, f.name):
-            raise refuse(f.name)
+    unsupported = unsupported_sampling_field(sampling)
+    if unsupported is not None:
+        raise refuse(unsupported)
     return BeamSearchParams(beam_width=sampling.n, max_tokens=sampling.max_tokens,
                             length_penalty=values.get("length_penalty", 1.0), ignore_eos=sampling.ignore_eos,
                             include_stop_str_in_output=sampling.include_stop_str_in_output,

@@ -53,8 +53,8 @@ from starlette.routing import Route
 from common.engine.sampling_params import truncate_prompt
 from common.service.errors import ServiceError
 from gateway.api_keys import MISSING_KEY_MESSAGE, ApiKeys
+from gateway.beam_search import beam_search
 from gateway.core import Gateway
-from gateway.openai_api.beam_search import beam_search
 from gateway.openai_api.choices import generate_choices, stream_choices
 from gateway.openai_api.embeddings import (
     ParsedEmbeddingRequest,
@@ -386,7 +386,8 @@ class OpenAIServer:
         """Each prompt's beams, best first, as its n choices (one search per prompt)."""
         results = []
         for prompt in inputs[::parsed.sampling.n]:
-            results += await beam_search(self.gateway, prompt, await self._tokenized(prompt), parsed.beam_search)
+            completions = await beam_search(self.gateway, prompt, await self._tokenized(prompt), parsed.beam_search)
+            results += [completion.delta for completion in completions]
         return results
 
     async def _constrain_after_reasoning(self, parsed: ParsedRequest) -> None:

@@ -247,6 +247,39 @@ def test_beam_search_of_width_one_is_greedy_and_wider_ones_give_distinct_beams(c
     assert totals[0] >= logprob(prompt_ids, greedy_ids) - 0.05  # the search found no worse than greedy
 
 
+def test_grpc_beam_search_finds_the_http_searchs_beams_ranked_by_their_logprobs(client, grpc_client, model):
+    http = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, n=3,
+                                     extra_body={"use_beam_search": True, "ignore_eos": True,
+                                                 "return_token_ids": True})
+    result = grpc_client.beam_search(PROMPTS[0], beam_width=3, max_tokens=4, ignore_eos=True,
+                                     request_id="beams-of-france")
+    assert [s.text for s in result.sequences] == [c.text for c in http.choices]
+    assert [s.token_ids for s in result.sequences] == [c.token_ids for c in http.choices]
+    assert {s.finish_reason for s in result.sequences} == {"length"}
+    cum_logprobs = [s.cum_logprob for s in result.sequences]
+    assert cum_logprobs == sorted(cum_logprobs, reverse=True) and all(lp < 0 for lp in cum_logprobs)
+    assert result.request_id == "beams-of-france"
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (http.usage.prompt_tokens, 3 * 4)
+    greedy = grpc_client.generate(PROMPTS[0], max_tokens=4, temperature=0, ignore_eos=True)
+    assert grpc_client.beam_search(PROMPTS[0], beam_width=1, max_tokens=4, ignore_eos=True).sequences[0].text \
+        == greedy.text
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(beam_width=0), "beam_width must be 1 to 10, got 0"),
+    (dict(beam_width=11), "beam_width must be 1 to 10, got 11"),
+    (dict(beam_width=2, top_p=0.5), "sampling.top_p is not supported with beam search"),
+    (dict(beam_width=2, n=2), "sampling.n is not supported with beam search"),
+    (dict(beam_width=2, return_logprobs=True), "output.return_logprobs is not supported with beam search"),
+    (dict(beam_width=2, request_id="r" * 240), "at most 232 for a beam search"),
+])
+def test_a_grpc_beam_search_it_cannot_honour_is_refused_naming_the_field(grpc_client, kwargs, message):
+    import grpc
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_client.beam_search(PROMPTS[0], max_tokens=4, **kwargs)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in refused.value.details()
+
+
 def test_forced_tool_calls_follow_the_functions_schema(client, model):
     import jsonschema
     messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
