@@ -40,6 +40,11 @@ def queued_tokens(stack: LocalStack) -> float:
                  instance_id="prefill-0")
 
 
+def own_queued_tokens(stack: LocalStack) -> float:
+    """prefill-0's queue as it reports it (what its heartbeats carry)."""
+    return total(scrape(stack.instances["prefill-0"].metrics_address), "pdserve_queued_prefill_tokens")
+
+
 def wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -61,8 +66,10 @@ def test_a_prompt_arriving_while_the_prefill_queue_is_full_is_prefilled_by_the_d
             long=client.generate(token_ids=LONG_PROMPT_IDS, **SAMPLING)))
         long_call.start()
         try:
-            # The long prompt is charged to prefill-0 when placed, before its KV exists.
-            wait_for(lambda: queued_tokens(stack) >= MAX_QUEUED_TOKENS, "the long prompt queued on prefill-0")
+            # Charged to prefill-0 when placed, and queued there: a heartbeat from now on
+            # reports it too (one sent before prefill-0 had it would clear the charge).
+            wait_for(lambda: queued_tokens(stack) >= MAX_QUEUED_TOKENS
+                     and own_queued_tokens(stack) >= MAX_QUEUED_TOKENS, "the long prompt queued on prefill-0")
             short = client.generate("What is the capital of France?", **SAMPLING)
             assert short.finish_reason == "length" and short.usage.completion_tokens == 4
             assert short.prefill_instance_id == ""  # prefilled by the decode instance
