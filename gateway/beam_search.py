@@ -7,6 +7,7 @@ caches hold each sequence but its last token, so a step prefills one token per b
 from __future__ import annotations
 
 import dataclasses
+import math
 import uuid
 from dataclasses import dataclass
 
@@ -43,6 +44,8 @@ def beam_search_params(request: GenerateInput, beam_width: int, length_penalty: 
     sampling = request.sampling
     if not 1 <= beam_width <= MAX_BEAM_WIDTH:
         raise invalid(f"beam_width must be 1 to {MAX_BEAM_WIDTH}, got {beam_width}")
+    if length_penalty is not None and not math.isfinite(length_penalty):
+        raise invalid(f"length_penalty must be a finite number, got {length_penalty}")
     unsupported = unsupported_sampling_field(dataclasses.replace(sampling, n=1))
     if sampling.n != 1:
         unsupported = "n"  # the beam width is beam_width

@@ -268,6 +268,7 @@ def test_grpc_beam_search_finds_the_http_searchs_beams_ranked_by_their_logprobs(
 @pytest.mark.parametrize("kwargs, message", [
     (dict(beam_width=0), "beam_width must be 1 to 10, got 0"),
     (dict(beam_width=11), "beam_width must be 1 to 10, got 11"),
+    (dict(beam_width=2, length_penalty=float("nan")), "length_penalty must be a finite number, got nan"),
     (dict(beam_width=2, top_p=0.5), "sampling.top_p is not supported with beam search"),
     (dict(beam_width=2, n=2), "sampling.n is not supported with beam search"),
     (dict(beam_width=2, return_logprobs=True), "output.return_logprobs is not supported with beam search"),
