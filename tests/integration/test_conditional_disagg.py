@@ -7,13 +7,13 @@ it the decode instance prefills the prompt itself. Every prompt would otherwise 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from common.cli.up import LocalStack
 from gateway.client import Client
 from tests.support.scrape import scrape, total
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -45,13 +45,6 @@ def own_queued_tokens(stack: LocalStack) -> float:
     return total(scrape(stack.instances["prefill-0"].metrics_address), "pdserve_queued_prefill_tokens")
 
 
-def wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def placements(stack: LocalStack, result: str) -> float:
     return total(scrape(stack.gateway.metrics_address), "pdserve_placement_decisions_total", pool="prefill",
                  result=result)
@@ -59,7 +52,7 @@ def placements(stack: LocalStack, result: str) -> float:
 
 def test_a_prompt_arriving_while_the_prefill_queue_is_full_is_prefilled_by_the_decode_instance(stack):
     with Client(stack.address, timeout=120) as client:
-        wait_for(lambda: queued_tokens(stack) == 0, "an idle prefill instance")
+        wait_for(lambda: queued_tokens(stack) == 0, 60, "an idle prefill instance")
         queue_full_before, placed_before = placements(stack, "queue_full"), placements(stack, "placed")
         results = {}
         long_call = threading.Thread(target=lambda: results.update(
@@ -69,7 +62,7 @@ def test_a_prompt_arriving_while_the_prefill_queue_is_full_is_prefilled_by_the_d
             # Charged to prefill-0 when placed, and queued there: a heartbeat from now on
             # reports it too (one sent before prefill-0 had it would clear the charge).
             wait_for(lambda: queued_tokens(stack) >= MAX_QUEUED_TOKENS
-                     and own_queued_tokens(stack) >= MAX_QUEUED_TOKENS, "the long prompt queued on prefill-0")
+                     and own_queued_tokens(stack) >= MAX_QUEUED_TOKENS, 60, "the long prompt queued on prefill-0")
             short = client.generate("What is the capital of France?", **SAMPLING)
             assert short.finish_reason == "length" and short.usage.completion_tokens == 4
             assert short.prefill_instance_id == ""  # prefilled by the decode instance
@@ -81,7 +74,7 @@ def test_a_prompt_arriving_while_the_prefill_queue_is_full_is_prefilled_by_the_d
         assert placements(stack, "placed") - placed_before == 1
 
         # Its prefill done (first token back), the queue is empty again: remote once more.
-        wait_for(lambda: queued_tokens(stack) < MAX_QUEUED_TOKENS, "prefill-0's queue to drain")
+        wait_for(lambda: queued_tokens(stack) < MAX_QUEUED_TOKENS, 60, "prefill-0's queue to drain")
         again = client.generate("What is the capital of France?", **SAMPLING)
         assert again.prefill_instance_id == "prefill-0"
         assert placements(stack, "placed") - placed_before == 2
@@ -89,6 +82,6 @@ def test_a_prompt_arriving_while_the_prefill_queue_is_full_is_prefilled_by_the_d
 
 def test_a_prompt_longer_than_the_limit_still_goes_to_an_idle_prefill_instance(stack):
     with Client(stack.address, timeout=120) as client:
-        wait_for(lambda: queued_tokens(stack) < MAX_QUEUED_TOKENS, "prefill-0's queue to drain")
+        wait_for(lambda: queued_tokens(stack) < MAX_QUEUED_TOKENS, 60, "prefill-0's queue to drain")
         result = client.generate(token_ids=LONG_PROMPT_IDS[:600], **SAMPLING)
     assert result.prefill_instance_id == "prefill-0" and result.usage.completion_tokens == 4

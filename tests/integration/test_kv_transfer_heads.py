@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kv_transfer import HeadRange, TorchDistKVReceiver, TorchDistKVSender, TransferState, ZmqKVReceiver, ZmqKVSender
-from tests.integration.test_kv_transfer_zmq import wait_for
+from tests.support.waiting import wait_for
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM = 3, 24, 16, 64
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from kv_transfer import CurveConfig, TransferState, ZmqKVReceiver, ZmqKVSender, protocol
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SHAPE = 4, 96, (16, 3, 64)  # 12 KiB per block: above zmq's zero-copy floor
@@ -51,14 +52,6 @@ def apply_transfer(expected, src_kv, src_ids, dst_ids, layers=range(NUM_LAYERS))
 def assert_pool_equal(actual, expected):
     for layer, ((ka, va), (ke, ve)) in enumerate(zip(actual, expected)):
         assert torch.equal(ka, ke) and torch.equal(va, ve), f"pool differs in layer {layer}"
-
-
-def wait_for(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def random_transfers(rng: random.Random, sizes: list[int]) -> list[tuple[list[int], list[int]]]:
