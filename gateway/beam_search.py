@@ -46,9 +46,8 @@ def beam_search_params(request: GenerateInput, beam_width: int, length_penalty: 
         raise invalid(f"beam_width must be 1 to {MAX_BEAM_WIDTH}, got {beam_width}")
     if length_penalty is not None and not math.isfinite(length_penalty):
         raise invalid(f"length_penalty must be a finite number, got {length_penalty}")
-    unsupported = unsupported_sampling_field(dataclasses.replace(sampling, n=1))
-    if sampling.n != 1:
-        unsupported = "n"  # the beam width is beam_width
+    # n is HTTP's beam width (BEAM_SEARCH_SAMPLING); here the width is beam_width.
+    unsupported = "n" if sampling.n != 1 else unsupported_sampling_field(sampling)
     if unsupported is not None:
         raise invalid(f"sampling.{unsupported} is not supported with beam search: it ranks sequences by the "
                       f"model's logprobs (only max_tokens, ignore_eos, include_stop_str_in_output, "
