@@ -5,9 +5,9 @@ instance is decided by `choose_remote_prefill` alone: remotely, on the instance
 the policy chooses among those alive whose queue has room; otherwise locally, and
 the decode instance gets no prefill address. The queue limit is conditional
 disaggregation by load (Dynamo's max prefill queue size): once every prefill
-instance already has max_prefill_queue_tokens prompt tokens to compute, a prompt
-would wait longer there than its decode instance takes to compute it between
-decode steps, so the decode instance takes it (its streams pause for that step).
+instance already has max_prefill_queue_tokens prompt tokens to compute, the decode
+instance takes the prompt instead of queueing it behind them (its streams pause
+for that step); the operator picks the limit, as the wait they accept.
 """
 from __future__ import annotations
 
