@@ -55,7 +55,7 @@ def test_requests_past_capacity_wait_in_order_and_one_past_the_queue_is_refused(
         with pytest.raises(AdmissionRefused) as error:
             async with admission.slot(None):
                 pass
-        assert time.monotonic() - started < 0.1 and error.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.monotonic() - started < 1.0 and error.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert error.value.retry_after_s > 0
         for i in range(3):
             releases[i].set()

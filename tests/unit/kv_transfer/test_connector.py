@@ -146,7 +146,7 @@ def test_asyncio_service_registers_and_awaits_without_blocking_its_loop(pair):
         tick_task = asyncio.create_task(ticker())
         t0 = time.perf_counter()
         h = rx.register("r", [10, 11, 12], timeout_s=10)
-        assert time.perf_counter() - t0 < 0.05  # register only enqueues
+        assert time.perf_counter() - t0 < 0.5  # register only enqueues: no wait for the 10 s handshake
         started = threading.Event()
 
         def prefill_thread():  # the model runner: layer by layer on its own thread
