@@ -11,7 +11,7 @@ That file carries no guards (they would be on the model's modules and classes, w
 cannot serialize), so nothing at call time checks that it still fits. The file name
 says what it was compiled for instead (_artifact_key: the model's structure, config,
 dtypes and packed-weight ids, the kernels chosen at trace time, the thread count, the
-CPU, torch and Python), and after loading, the source of every module the trace went
+CPU and the capability torch and inductor use it at, torch and Python), and after loading, the source of every module the trace went
 through must be what it was then, or the method is compiled again. The calls must also
 keep the form of the first one, which each call checks (_ArgumentForm: the number of
 arguments and the keywords; each tensor's dtype, number of dimensions and contiguity;
@@ -281,6 +281,7 @@ def _artifact_key(model: torch.nn.Module, method_name: str) -> str:
     # Here, not at the top: importing inductor's config fixes its cache directory, which
     # compilation.py must have put into the environment first.
     import torch._inductor.config as inductor_config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
     parts = [
         type(model).__module__, type(model).__qualname__, method_name,
         # The module tree, with each packed linear's weight id (a constant in the graph) and
@@ -291,6 +292,10 @@ def _artifact_key(model: torch.nn.Module, method_name: str) -> str:
         # Choices made while tracing, and what inductor generated its C++ for.
         cpu_attention_backend(), native_gemv_available(), torch.get_num_threads(),
         inductor_config.cpp.dynamic_threads, cpu_flags(),
+        # The CPU as torch uses it, which the environment may hold below the CPU's flags
+        # (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA): code saved under one capability gave
+        # wrong tokens (every one 0) when loaded under another.
+        torch.backends.cpu.get_cpu_capability(), str(pick_vec_isa()), os.environ.get("ONEDNN_MAX_CPU_ISA"),
         torch.__version__, torch.version.git_version, sys.version,
         inspect.getsource(sys.modules[__name__]),
     ]

@@ -60,10 +60,11 @@ class BreaksTheGraph(Toy):
         return y + 1
 
 
-def _run_toys(module_dir: Path, cache_dir: Path, num_processes: int) -> list[dict]:
+def _run_toys(module_dir: Path, cache_dir: Path, num_processes: int, **env_overrides: str) -> list[dict]:
     """What num_processes fresh processes, started together, report (as restarts would)."""
     # No bytecode cache: an edited toy module must be compiled from its new source.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(module_dir), str(REPO_ROOT)]), PYTHONDONTWRITEBYTECODE="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(module_dir), str(REPO_ROOT)]), PYTHONDONTWRITEBYTECODE="1",
+               **env_overrides)
     processes = [subprocess.Popen([sys.executable, "-c", _RUN_SCRIPT, str(cache_dir)], env=env, cwd=REPO_ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for _ in range(num_processes)]
@@ -92,6 +93,19 @@ def test_processes_compile_once_load_the_file_and_compile_again_after_a_source_c
     [changed] = _run_toys(module_dir, cache_dir, 1)
     assert changed["how"] == "compiled"
     assert changed["output"] == (torch.relu(x @ weight.T) * 3.0).tolist()
+
+
+def test_code_saved_at_one_cpu_capability_is_not_loaded_at_another(tmp_path):
+    # ATEN_CPU_CAPABILITY=default holds torch (and inductor's vectors) below what any x86
+    # CPU has: the code saved at the machine's own capability must not serve it.
+    module_dir, cache_dir = tmp_path / "src", tmp_path / "cache"
+    module_dir.mkdir()
+    (module_dir / "toy_model.py").write_text(_TOY_MODULE.format(scale=2.0))
+    assert [r["how"] for r in _run_toys(module_dir, cache_dir, 1)] == ["compiled"]
+    held = _run_toys(module_dir, cache_dir, 1, ATEN_CPU_CAPABILITY="default")
+    assert [r["how"] for r in held] == ["compiled"]
+    assert [r["how"] for r in _run_toys(module_dir, cache_dir, 1)] == ["loaded"]
+    assert len(list(cache_dir.glob("*.bin"))) == 2
 
 
 def _first_call(model: Toy, cache_dir: Path, caplog) -> tuple[PrecompiledMethod, list[str]]:
