@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.engine.models.registry import MODEL_TYPES, check_architecture
+from common.engine.pooling_params import parse_pooler_config
 
 
 @dataclass(frozen=True)
@@ -383,6 +384,9 @@ class EngineConfig:
     # steps past 128 tokens; for decode instances, which prefill only short prompts.
     # Elsewhere it changes nothing.
     single_weight_copy: bool = False
+    # Embeddings: the PoolingConfig fields --pooler-config sets over the model's own
+    # (pooling_params.parse_pooler_config's: pooling_type, normalize); None: the model's.
+    pooler_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -413,7 +417,8 @@ def make_engine_config(model: str | None = None, *, dtype: str = "auto", device:
                        quantization: str | None = None, num_threads: int | None = None,
                        num_prefill_threads: int | None = None, single_weight_copy: bool = False,
                        num_scheduler_steps: int = 1, kv_cache_dtype: str = "auto", enable_lora: bool = False,
-                       max_loras: int = 4, max_lora_rank: int = 16) -> EngineConfig:
+                       max_loras: int = 4, max_lora_rank: int = 16,
+                       pooler_config: dict | str | None = None) -> EngineConfig:
     """The one place flat engine options (LLM kwargs, CLI flags) become an EngineConfig."""
     return EngineConfig(
         model=model, dtype=dtype, device=device, seed=seed,
@@ -428,7 +433,8 @@ def make_engine_config(model: str | None = None, *, dtype: str = "auto", device:
                                 distributed_executor_backend=distributed_executor_backend),
         lora=LoRAConfig(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank),
         enforce_eager=enforce_eager, quantization=quantization, num_threads=num_threads,
-        num_prefill_threads=num_prefill_threads, single_weight_copy=single_weight_copy)
+        num_prefill_threads=num_prefill_threads, single_weight_copy=single_weight_copy,
+        pooler_config=parse_pooler_config(pooler_config))
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,

@@ -40,6 +40,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help='speculative decoding as JSON, like vLLM: {"method": "ngram", '
                         '"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; '
                         'methods ngram, early_exit (num_early_exit_layers), draft_model (draft_model)')
+    g.add_argument("--pooler-config", default=None,
+                   help='embeddings: the pooling as JSON, over what the model\'s sentence-transformers '
+                        'config says, like vLLM: {"pooling_type": "MEAN", "normalize": false}; pooling_type '
+                        'LAST, MEAN, CLS, MAX, MEAN_SQRT_LEN or WEIGHTED_MEAN')
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks each layer is split over (one worker process each)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
@@ -93,7 +97,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 num_threads=args.num_threads, num_prefill_threads=args.num_prefill_threads,
                 single_weight_copy=args.single_weight_copy,
                 enable_lora=args.enable_lora or bool(args.lora_modules), max_loras=args.max_loras,
-                max_lora_rank=args.max_lora_rank)
+                max_lora_rank=args.max_lora_rank, pooler_config=getattr(args, "pooler_config", None))
 
 
 def engine_config_from_args(args: argparse.Namespace):

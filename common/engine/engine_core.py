@@ -84,7 +84,8 @@ class EngineCore:
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_hf_config(load_hf_config(self.model_dir))
-        self.pooling_config = PoolingConfig.from_model_dir(self.model_dir)  # how embeddings are made
+        # How embeddings are made: the model's sentence-transformers config, under --pooler-config.
+        self.pooling_config = PoolingConfig.from_model_dir(self.model_dir).overridden(config.pooler_config)
         # The LoRA adapters the runner holds, least recently used first.
         self._held_loras: collections.OrderedDict[str, LoRARequest] = collections.OrderedDict()
         # Each name's adapter held last: a name seeds its cached blocks' hashes, so blocks

@@ -59,8 +59,9 @@ class KVCacheManager:
         Returns (block ids, number of tokens they cover). At most num_tokens - 1
         tokens are reported: the last token must run through the model to give logits.
         """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need every prompt position's logits
+        if (not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None
+                or (request.pooling_params is not None and request.pooling_params.pools_every_token)):
+            return [], 0  # prompt logprobs need every prompt position's logits, such pooling its states
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hit_block_ids = []

@@ -36,6 +36,7 @@ from common.engine.models.registry import model_class
 from common.engine.native_decode import NativeDecodeLoop
 from common.engine.openmp_teams import LoadingThreadWatch
 from common.engine.outputs import Logprobs, RunnerOutput, ScheduledRequest, SchedulerOutput
+from common.engine.prompt_pooler import PromptPooler
 from common.engine.sampler import Sampler
 from common.engine.spec_decode.draft_model_proposer import draft_model_config
 from common.engine.spec_decode.proposer import DraftProposer, make_proposer
@@ -157,21 +158,6 @@ def in_row_order(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
     return decodes + prefills
 
 
-def pooled_rows(scheduled: list[ScheduledRequest]) -> tuple[list[str], list[int]]:
-    """(req ids, step rows) of the do_pool requests: each one's last token, in the step's
-    row order (prepare_inputs': decode rows, then prefill chunks)."""
-    req_ids, rows = [], []
-    if not any(req.do_pool for req in scheduled):  # nearly every step: no step order to rebuild
-        return req_ids, rows
-    num_rows = 0
-    for req in in_row_order(scheduled):
-        num_rows += len(req.token_ids)
-        if req.do_pool:
-            req_ids.append(req.req_id)
-            rows.append(num_rows - 1)
-    return req_ids, rows
-
-
 def step_num_threads(scheduler_output: SchedulerOutput, num_prefill_threads: int | None) -> int | None:
     """The torch threads this step runs on: num_prefill_threads where it prefills at least
     PREFILL_THREADS_MIN_TOKENS prompt tokens (chunks of more than one known token; decodes
@@ -235,6 +221,7 @@ class ModelRunner:
         self.num_local_layers = len(self.model.layers)
         self.num_local_kv_heads = kv_head_partition(model_config.num_key_value_heads, rank % tp_size, tp_size)[1]
         self.sampler = Sampler(eos_token_ids=model_config.eos_token_ids, seed=seed)
+        self.prompt_pooler = PromptPooler()  # embedding requests' pooling across their chunks
         # Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # The worker half of the KV connector (None: this engine moves no KV in or out).
@@ -361,6 +348,7 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         if scheduler_output.finished_req_ids:
             self.sampler.remove_requests(scheduler_output.finished_req_ids)
+            self.prompt_pooler.remove(scheduler_output.finished_req_ids)
             if self.proposer is not None:
                 self.proposer.remove_requests(scheduler_output.finished_req_ids)
         connector = self.kv_connector
@@ -428,11 +416,10 @@ class ModelRunner:
         output = self._sampled_output(scheduler_output, hidden, graph_logits, loop_output, sample_indices,
                                       sample_reqs, sample_rows, input_ids, positions, meta)
         output.prompt_logprobs = prompt_logprobs
-        if self.is_output_rank and hidden is not None:
-            pooled_req_ids, rows = pooled_rows(scheduler_output.scheduled)
-            if pooled_req_ids:
-                states = hidden[rows].float().tolist()  # [num_pooled, hidden_size]
-                output.pooled_hidden = dict(zip(pooled_req_ids, states))
+        scheduled = scheduler_output.scheduled
+        # Nearly every step holds no embedding request: no row order to rebuild.
+        if self.is_output_rank and hidden is not None and any(r.do_pool or r.pooling_type for r in scheduled):
+            output.pooled_hidden = self.prompt_pooler.pool_step(in_row_order(scheduled), hidden)
         return output
 
     def _sampled_output(self, scheduler_output: SchedulerOutput, hidden: torch.Tensor | None,

@@ -35,9 +35,12 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)
     # How many drafts the proposer should propose for the next step (0: none).
     num_drafts_to_propose: int = 0
-    # An embedding request's last chunk: the step returns the final hidden state at its
-    # last token (RunnerOutput.pooled_hidden) and samples nothing (do_sample is False).
+    # An embedding request's last chunk: the step returns its pooled final hidden state
+    # (RunnerOutput.pooled_hidden) and samples nothing (do_sample is False).
     do_pool: bool = False
+    # Every chunk of an embedding request whose pooling reads every token's state
+    # (PoolingParams.pools_every_token): that pooling (MEAN, CLS, ...); None otherwise.
+    pooling_type: str | None = None
     # The LoRA adapter whose deltas its tokens take (None: the base model alone).
     lora_name: str | None = None
 
@@ -102,8 +105,9 @@ class RunnerOutput:
     # req_id -> (p, the Logprobs of prompt tokens p + 1, p + 2, ...) for the requests asking
     # for prompt_logprobs whose chunk this step held such positions.
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] | None = None
-    # req_id -> the final hidden state [hidden_size] at the last token of each do_pool
-    # request's chunk, as floats (None: no such request this step).
+    # req_id -> the pooled final hidden state [hidden_size] of each do_pool request (its
+    # last token's, or its pooling_type's over all its tokens), as floats (None: no such
+    # request this step).
     pooled_hidden: dict[str, list[float]] | None = None
 
 

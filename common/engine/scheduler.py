@@ -229,7 +229,10 @@ class Scheduler(SchedulerInterface):
                 spec_token_ids=drafts,
                 num_drafts_to_propose=(spec_policy.num_drafts_to_propose(request, step_allows_drafts)
                                        if spec_policy is not None and do_sample else 0),
-                do_pool=do_pool, lora_name=request.lora_name))
+                do_pool=do_pool, lora_name=request.lora_name,
+                pooling_type=(request.pooling_params.pooling_type
+                              if request.pooling_params is not None and request.pooling_params.pools_every_token
+                              else None)))
             # Optimistic, like vLLM: the runner computes these tokens before the next step;
             # rejected drafts are taken back once verified (update_from_output).
             request.num_computed_tokens += num_new_tokens

@@ -76,13 +76,14 @@ def test_ranks_split_by_tensor_or_pipeline_give_the_single_rank_tokens(tiny_mode
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     # A step budget below the prompts' lengths splits them over batches, so a pipeline has
     # a second batch to run while the first is in flight.
-    engine = dict(kv_cache_memory="16MiB", max_num_batched_tokens=8)
+    # Embeddings mean-pooled: every chunk's rows reach the output rank's pooler, in order.
+    engine = dict(kv_cache_memory="16MiB", max_num_batched_tokens=8, pooler_config={"pooling_type": "MEAN"})
     single = LLM(str(model_dir), **engine)
     expected = [o.outputs[0].token_ids for o in single.generate(PROMPTS, params)]
     # Prompt logprobs: every rank of the last stage gathers the prompt positions' logits too.
     with_prompt = params.clone(max_tokens=2, prompt_logprobs=2)
     expected_prompt = [o.prompt_logprobs for o in single.generate(PROMPTS, with_prompt)]
-    # Embeddings: the output rank pools the last stage's hidden states.
+    # Embeddings: the output rank pools the last stage's hidden states across the chunks.
     expected_embeddings = [o.outputs.embedding for o in single.embed(PROMPTS)]
     llm = LLM(str(model_dir), **engine, tensor_parallel_size=tensor_parallel_size,
               pipeline_parallel_size=pipeline_parallel_size)

@@ -1,7 +1,7 @@
-"""Embedding requests in the engine: the final hidden state at the prompt's last token,
-pooled as PoolingParams say, equal to Hugging Face's, whatever the prompt's chunks and
-prefix-cache hits, beside generation requests, leaving no blocks behind; LLM.score's
-scores the cosines of its vectors."""
+"""Embedding requests in the engine: the final hidden states pooled as the model's
+sentence-transformers config says (the last token's by default), equal to Hugging Face's
+states so pooled, whatever the prompt's chunks and prefix-cache hits, beside generation
+requests, leaving no blocks behind; LLM.score's scores the cosines of its vectors."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from common.engine.llm import LLM
-from common.engine.pooling_params import MAX_EMBEDDING_DIMENSIONS, PoolingConfig, PoolingParams
+from common.engine.pooling_params import (MAX_EMBEDDING_DIMENSIONS, PoolingConfig, PoolingParams,
+                                          parse_pooler_config)
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from common.engine.scoring import cosine_similarity
@@ -22,11 +23,30 @@ from common.engine.scoring import cosine_similarity
 PROMPTS = [[(13 * i + 7 * j) % 400 + 3 for i in range(n)] for j, n in enumerate((5, 37, 64, 1))]
 
 
-def _hf_last_hidden_states(model_dir, prompts: list[list[int]]) -> list[torch.Tensor]:
+def _hf_hidden_states(model_dir, prompts: list[list[int]]) -> list[torch.Tensor]:
     import transformers
     model = transformers.AutoModel.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     with torch.inference_mode():
-        return [model(torch.tensor([ids])).last_hidden_state[0, -1] for ids in prompts]  # each [hidden]
+        return [model(torch.tensor([ids])).last_hidden_state[0] for ids in prompts]  # each [num_tokens, hidden]
+
+
+def _hf_last_hidden_states(model_dir, prompts: list[list[int]]) -> list[torch.Tensor]:
+    return [states[-1] for states in _hf_hidden_states(model_dir, prompts)]  # each [hidden]
+
+
+def _st_pooled(states: torch.Tensor, pooling_type: str) -> torch.Tensor:
+    """sentence-transformers' pooling of one prompt's final hidden states [num_tokens, hidden]."""
+    num_tokens = states.shape[0]
+    if pooling_type == "MEAN":
+        return states.mean(dim=0)
+    if pooling_type == "CLS":
+        return states[0]
+    if pooling_type == "MAX":
+        return states.max(dim=0).values
+    if pooling_type == "MEAN_SQRT_LEN":
+        return states.sum(dim=0) / math.sqrt(num_tokens)
+    weights = torch.arange(1, num_tokens + 1, dtype=states.dtype)  # WEIGHTED_MEAN
+    return (weights[:, None] * states).sum(dim=0) / weights.sum()
 
 
 @pytest.fixture(scope="module")
@@ -159,9 +179,9 @@ def test_bad_prompts_are_refused_before_anything_runs(llm):
     assert out.prompt_token_ids == [5] * 8
 
 
-def with_sentence_transformers(model_dir, out_dir, pooling_flag: str, normalize: bool):
+def with_sentence_transformers(model_dir, out_dir, pooling_flag: str | list[str], normalize: bool):
     """A copy of model_dir with a sentence-transformers config: a Pooling module by
-    pooling_flag, and a Normalize module if asked."""
+    pooling_flag (several: their poolings concatenated), and a Normalize module if asked."""
     shutil.copytree(model_dir, out_dir)
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
@@ -169,7 +189,9 @@ def with_sentence_transformers(model_dir, out_dir, pooling_flag: str, normalize:
         modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
     (out_dir / "modules.json").write_text(json.dumps(modules))
     (out_dir / "1_Pooling").mkdir()
-    (out_dir / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, pooling_flag: True}))
+    flags = [pooling_flag] if isinstance(pooling_flag, str) else pooling_flag
+    (out_dir / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64}
+                                                                  | dict.fromkeys(flags, True)))
     return out_dir
 
 
@@ -188,13 +210,96 @@ def test_the_models_sentence_transformers_config_sets_pooling_and_normalize(tiny
                       torch.nn.functional.normalize(want, dim=0))
     finally:
         llm.engine.shutdown()
-    llm = LLM(model=str(mean), dtype="float32", kv_cache_memory="16MiB", enforce_eager=True)
+    both = with_sentence_transformers(tiny_dir, tmp_path / "both", ["pooling_mode_mean_tokens",
+                                                                    "pooling_mode_max_tokens"], normalize=True)
+    assert PoolingConfig.from_model_dir(both) == PoolingConfig("MEAN+MAX", True)
+    llm = LLM(model=str(both), dtype="float32", kv_cache_memory="16MiB", enforce_eager=True)
     try:
-        with pytest.raises(ValueError, match="this model pools by MEAN"):
+        with pytest.raises(ValueError, match="concatenates MEAN [+] MAX; pdserve pools one way per model"):
             llm.embed("Hello")
         assert llm.generate("Hello", SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # generation still serves
+        assert not llm.engine.has_unfinished_requests()
     finally:
         llm.engine.shutdown()
+
+
+_ST_FLAGS = {"MEAN": "pooling_mode_mean_tokens", "CLS": "pooling_mode_cls_token", "MAX": "pooling_mode_max_tokens",
+             "MEAN_SQRT_LEN": "pooling_mode_mean_sqrt_len_tokens", "WEIGHTED_MEAN": "pooling_mode_weightedmean_tokens"}
+
+
+@pytest.mark.parametrize("pooling_type", list(_ST_FLAGS))
+def test_each_pooling_over_every_token_gives_sentence_transformers_vector(tiny_dir, tmp_path, pooling_type):
+    """Prompts of 5, 37, 64 and 1 tokens over a 32-token budget: pooled across their chunks,
+    beside a generation; embedded again, computed whole (no prefix-cache hit to skip states)."""
+    model_dir = with_sentence_transformers(tiny_dir, tmp_path / "st", _ST_FLAGS[pooling_type], normalize=False)
+    want = [_st_pooled(states, pooling_type) for states in _hf_hidden_states(tiny_dir, PROMPTS)]
+    llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=32,
+              enforce_eager=True)
+    try:
+        free_before = _free_blocks(llm)
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        for attempt in range(2):
+            outs = llm.embed(prompts)
+            for out, vector in zip(outs, want):
+                _assert_close(out.outputs.embedding, vector)  # no Normalize module: the raw pooled state
+                assert out.num_cached_tokens == 0, attempt
+        normed = llm.embed(prompts[1], PoolingParams(normalize=True))[0].outputs.embedding
+        _assert_close(normed, torch.nn.functional.normalize(want[1], dim=0))
+        # A cached prefix still serves generation: only the pooled requests skip it.
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        assert llm.generate(prompts[2], params)[0].num_cached_tokens > 0
+        assert _free_blocks(llm) == free_before
+        assert llm.engine.executor.runner.prompt_pooler.num_partials == 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_mean_pooled_embedding_aborted_mid_prompt_leaves_no_partial(tiny_dir, tmp_path):
+    model_dir = with_sentence_transformers(tiny_dir, tmp_path / "mean", "pooling_mode_mean_tokens", normalize=True)
+    llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=32,
+              enforce_eager=True)
+    try:
+        engine, runner = llm.engine, llm.engine.executor.runner
+        free_before = _free_blocks(llm)
+        engine.add_request(Request("emb-abort", PROMPTS[2], SamplingParams(max_tokens=1),
+                                   pooling_params=engine.pooling_params_for(None)))
+        assert not engine.step()  # the first 32-token chunk of 64
+        assert runner.prompt_pooler.num_partials == 1
+        assert [o.finish_reason for o in engine.abort_requests(["emb-abort"])] == ["abort"]
+        assert [o for o in engine.step() if o.embedding is not None] == []
+        assert runner.prompt_pooler.num_partials == 0
+        assert not engine.has_unfinished_requests() and _free_blocks(llm) == free_before
+        # The next embedding of the same prompt is the whole prompt's mean, not a mix with the first chunk.
+        want = torch.nn.functional.normalize(_hf_hidden_states(tiny_dir, PROMPTS[2:3])[0].mean(dim=0), dim=0)
+        _assert_close(llm.embed({"prompt_token_ids": PROMPTS[2]})[0].outputs.embedding, want)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_pooler_config_overrides_the_models_pooling(tiny_dir, tmp_path):
+    mean = with_sentence_transformers(tiny_dir, tmp_path / "mean", "pooling_mode_mean_tokens", normalize=True)
+    llm = LLM(model=str(mean), dtype="float32", kv_cache_memory="16MiB", enforce_eager=True,
+              pooler_config='{"pooling_type": "cls", "use_activation": false}')
+    try:
+        assert llm.engine.pooling_config == PoolingConfig("CLS", False)
+        want = _hf_hidden_states(tiny_dir, PROMPTS[1:2])[0][0]
+        _assert_close(llm.embed({"prompt_token_ids": PROMPTS[1]})[0].outputs.embedding, want)
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("value, match", [
+    ('{"pooling_type": "SUM"}', "pooling_type must be one of LAST, MEAN, CLS"),
+    ({"pooling_type": 3}, "pooling_type must be one of"),
+    ('{"normalize": 1}', "normalize must be true or false"),
+    ({"normalize": True, "use_activation": False}, "sets normalize twice, to True and False"),
+    ('{"task": "embed"}', r"unknown pooler_config keys \['task'\]"),
+    ("mean", "--pooler-config is not valid JSON"),
+    ("[1]", "pooler_config must be a JSON object; got list"),
+])
+def test_pooler_config_refuses_bad_values(value, match):
+    with pytest.raises(ValueError, match=match):
+        parse_pooler_config(value)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -42,3 +42,11 @@ def test_a_decode_instance_can_keep_one_weight_copy(monkeypatch):
     assert not engine_config_from_args(decode_parser().parse_args(["--no-single-weight-copy"])).single_weight_copy
     monkeypatch.setenv("PDSERVE_SINGLE_WEIGHT_COPY", "false")
     assert not engine_config_from_args(decode_parser().parse_args([])).single_weight_copy
+
+
+def test_the_pooler_config_flag_reaches_both_roles_engines():
+    flag = ["--pooler-config", '{"pooling_type": "mean", "use_activation": false}']
+    for parser in (prefill_parser(), decode_parser()):
+        assert engine_config_from_args(parser.parse_args(flag)).pooler_config == {"pooling_type": "MEAN",
+                                                                                   "normalize": False}
+        assert engine_config_from_args(parser.parse_args([])).pooler_config is None

@@ -22,6 +22,7 @@ from common.engine.outputs_codec import (
     scheduler_output_to_dict,
     unpack,
 )
+from common.engine.pooling_params import POOLING_TYPES
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 
@@ -41,7 +42,7 @@ scheduled_requests = st.builds(
     ScheduledRequest, req_id=req_ids, token_ids=token_ids, start_pos=st.integers(0, 4096), block_table=token_ids,
     do_sample=st.booleans(), sampling_params=sampling_params, prompt_token_ids=token_ids,
     output_token_ids=token_ids, spec_token_ids=token_ids, num_drafts_to_propose=st.integers(0, 4),
-    do_pool=st.booleans())
+    do_pool=st.booleans(), pooling_type=st.none() | st.sampled_from(POOLING_TYPES[1:]))
 
 kv_metadata = st.builds(
     KVConnectorMetadata,
