@@ -119,7 +119,8 @@ class Gateway:
         self.dispatcher = Dispatcher(self.registry, self.kv_index, self.policy, model.tokenizer,
                                      model.tokenizer.eos_token_ids, self.metrics,
                                      settings.max_prefill_queue_tokens)
-        self.embeddings = EmbeddingDispatcher(self.registry, self.dispatcher.ledger, self.policy, self.metrics)
+        self.embeddings = EmbeddingDispatcher(self.registry, self.dispatcher.ledger, self.policy, self.metrics,
+                                              settings.max_prefill_queue_tokens)
         self.decode_admission = PoolAdmission(self.registry, "decode", settings.max_running_per_decode,
                                               settings.max_waiting_requests)
         self.prefill_admission = PoolAdmission(self.registry, "prefill", settings.max_running_per_prefill,

@@ -11,8 +11,9 @@ That file carries no guards (they would be on the model's modules and classes, w
 cannot serialize), so nothing at call time checks that it still fits. The file name
 says what it was compiled for instead (_artifact_key: the model's structure, config,
 dtypes and packed-weight ids, the kernels chosen at trace time, the thread count, the
-CPU and the capability torch and inductor use it at, torch and Python), and after loading, the source of every module the trace went
-through must be what it was then, or the method is compiled again. The calls must also
+CPU and the capability torch and inductor use it at, torch and Python), and after
+loading, the source of every module the trace went through must be what it was then,
+or the method is compiled again. The calls must also
 keep the form of the first one, which each call checks (_ArgumentForm: the number of
 arguments and the keywords; each tensor's dtype, number of dimensions and contiguity;
 each plain value, which the code holds as a constant); every token count is served, as

@@ -39,6 +39,11 @@ def serving(instances: Sequence[Instance], lora_name: str | None) -> list[Instan
     return list(instances) if lora_name is None else [i for i in instances if lora_name in i.spec.lora_names]
 
 
+def has_prefill_room(prefill: Instance, max_prefill_queue_tokens: int) -> bool:
+    """Whether a prefill instance takes another prompt under the queue limit (0: no limit)."""
+    return max_prefill_queue_tokens <= 0 or prefill.queued_prefill_tokens < max_prefill_queue_tokens
+
+
 def choose_remote_prefill(policy: PlacementPolicy, prefills: Sequence[Instance], prompt_token_ids: Sequence[int],
                           cache_salt: str | None = None,
                           lora_name: str | None = None, max_prefill_queue_tokens: int = 0
@@ -48,8 +53,7 @@ def choose_remote_prefill(policy: PlacementPolicy, prefills: Sequence[Instance],
     (None, ()) when no prefill instance is alive, or (max_prefill_queue_tokens > 0) when
     each has that many prompt tokens or more still to compute (this prompt not counted,
     so a long prompt still goes to an idle one): the decode instance prefills locally."""
-    if max_prefill_queue_tokens > 0:
-        prefills = [i for i in prefills if i.queued_prefill_tokens < max_prefill_queue_tokens]
+    prefills = [i for i in prefills if has_prefill_room(i, max_prefill_queue_tokens)]
     if not prefills:
         return None, ()
     # Every instance has the deployment's block size (the registry refuses others).

@@ -1,12 +1,14 @@
 """Conditional disaggregation by load on a real stack (gateway, 1 prefill, 1 decode, the
 bundled model): with --max-prefill-queue-tokens the gateway sends a prompt to the prefill
 instance only while that instance's queue, as placement sees it, is under the limit; past
-it the decode instance prefills the prompt itself. Every prompt would otherwise go remote
-(--local-prefill-threshold 0).
+it the decode instance prefills the prompt itself, and computes an embedding itself. Every
+prompt would otherwise go remote (--local-prefill-threshold 0).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -50,24 +52,33 @@ def placements(stack: LocalStack, result: str) -> float:
                  result=result)
 
 
+@contextlib.contextmanager
+def long_prompt_queued(stack: LocalStack, client: Client, first_token_id: int = 1_000) -> Iterator[dict]:
+    """While a long prompt (from first_token_id: each test its own, or prefill-0's cache would
+    hold it) is queued on prefill-0 past the limit; yields {"long": its result} once the block ends."""
+    results = {}
+    prompt_token_ids = [first_token_id + token_id - LONG_PROMPT_IDS[0] for token_id in LONG_PROMPT_IDS]
+    long_call = threading.Thread(target=lambda: results.update(
+        long=client.generate(token_ids=prompt_token_ids, **SAMPLING)))
+    long_call.start()
+    try:
+        # Charged to prefill-0 when placed, and queued there: a heartbeat from now on
+        # reports it too (one sent before prefill-0 had it would clear the charge).
+        wait_for(lambda: queued_tokens(stack) >= MAX_QUEUED_TOKENS
+                 and own_queued_tokens(stack) >= MAX_QUEUED_TOKENS, 60, "the long prompt queued on prefill-0")
+        yield results
+    finally:
+        long_call.join(timeout=120)
+
+
 def test_a_prompt_arriving_while_the_prefill_queue_is_full_is_prefilled_by_the_decode_instance(stack):
     with Client(stack.address, timeout=120) as client:
         wait_for(lambda: queued_tokens(stack) == 0, 60, "an idle prefill instance")
         queue_full_before, placed_before = placements(stack, "queue_full"), placements(stack, "placed")
-        results = {}
-        long_call = threading.Thread(target=lambda: results.update(
-            long=client.generate(token_ids=LONG_PROMPT_IDS, **SAMPLING)))
-        long_call.start()
-        try:
-            # Charged to prefill-0 when placed, and queued there: a heartbeat from now on
-            # reports it too (one sent before prefill-0 had it would clear the charge).
-            wait_for(lambda: queued_tokens(stack) >= MAX_QUEUED_TOKENS
-                     and own_queued_tokens(stack) >= MAX_QUEUED_TOKENS, 60, "the long prompt queued on prefill-0")
+        with long_prompt_queued(stack, client) as results:
             short = client.generate("What is the capital of France?", **SAMPLING)
             assert short.finish_reason == "length" and short.usage.completion_tokens == 4
             assert short.prefill_instance_id == ""  # prefilled by the decode instance
-        finally:
-            long_call.join(timeout=120)
         assert results["long"].prefill_instance_id == "prefill-0"
         assert results["long"].usage.completion_tokens == 4
         assert placements(stack, "queue_full") - queue_full_before == 1
@@ -85,3 +96,20 @@ def test_a_prompt_longer_than_the_limit_still_goes_to_an_idle_prefill_instance(s
         wait_for(lambda: queued_tokens(stack) < MAX_QUEUED_TOKENS, 60, "prefill-0's queue to drain")
         result = client.generate(token_ids=LONG_PROMPT_IDS[:600], **SAMPLING)
     assert result.prefill_instance_id == "prefill-0" and result.usage.completion_tokens == 4
+
+
+def test_an_embedding_arriving_while_the_prefill_queue_is_full_is_computed_by_the_decode_instance(stack):
+    text = "Paris is the capital of France."
+    with Client(stack.address, timeout=120) as client:
+        wait_for(lambda: queued_tokens(stack) == 0, 60, "an idle prefill instance")
+        on_prefill = client.embed(text)
+        assert on_prefill.instance_id == "prefill-0"
+        queue_full_before = placements(stack, "queue_full")
+        with long_prompt_queued(stack, client, first_token_id=7_000) as results:
+            on_decode = client.embed(text)
+            assert on_decode.instance_id == "decode-0"
+        assert results["long"].prefill_instance_id == "prefill-0"
+        assert placements(stack, "queue_full") - queue_full_before == 1
+        assert on_decode.embedding == pytest.approx(on_prefill.embedding, abs=2e-2)  # one model, two engines
+        wait_for(lambda: queued_tokens(stack) < MAX_QUEUED_TOKENS, 60, "prefill-0's queue to drain")
+        assert client.embed(text).instance_id == "prefill-0"
