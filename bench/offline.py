@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import platform
 import random
@@ -31,6 +32,8 @@ from tqdm import tqdm
 from bench.peers.proc_cpu import wait_until_quiet
 from bench.peers.proc_memory import tree_memory
 from common.engine.config import KV_CACHE_DTYPE_NAMES
+
+logger = logging.getLogger(__name__)
 
 
 def _sync(device: torch.device) -> None:
@@ -113,14 +116,23 @@ def run_hf(hf_model, workload, batch_size: int, pad_token_id: int) -> tuple[floa
     return time.perf_counter() - t0, num_tokens
 
 
-def single_stream(llm, prompt: list[int], num_new: int) -> float:
-    """Our decode tokens/s for one request alone (after a short warm-up request)."""
+def single_stream(llm, prompt: list[int], num_new: int) -> tuple[float, list[int]]:
+    """Our decode tokens/s for one request alone (after a short warm-up request), and its
+    greedy tokens."""
     from common.engine.sampling_params import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=num_new, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompt}, params.clone(max_tokens=4))
     t0 = time.perf_counter()
-    llm.generate({"prompt_token_ids": prompt}, params)
-    return num_new / (time.perf_counter() - t0)
+    output = llm.generate({"prompt_token_ids": prompt}, params)
+    return num_new / (time.perf_counter() - t0), list(output[0].outputs[0].token_ids)
+
+
+def num_leading_equal(token_ids: list[int], other_token_ids: list[int]) -> int:
+    """How many greedy tokens two engines agree on before they first differ: a check that
+    both computed the model (in fp32 they agree for dozens of tokens; an engine computing
+    garbage, as one loading code compiled for another CPU capability did, agrees on none)."""
+    return next((i for i, (a, b) in enumerate(zip(token_ids, other_token_ids)) if a != b),
+                min(len(token_ids), len(other_token_ids)))
 
 
 def hf_single_stream(hf_model, prompt: list[int], num_new: int, pad_token_id: int) -> float:
@@ -325,11 +337,13 @@ def main(argv: list[str] | None = None) -> int:
         # alternating like the mixed ones (this host's speed can move 2x in a minute): the
         # best time to first token of each side, the median single stream.
         cold_runs, single_runs, vllm_cold_runs, vllm_single_runs = [], [], [], []
+        single_token_ids = []
 
         def ours_short_runs():
             let_settle("ours")
             cold_runs.append(ttft(llm, cold_prompt, cold=True))
-            single_runs.append(single_stream(llm, single_prompt, args.single_stream_tokens))
+            tokens_per_s, single_token_ids[:] = single_stream(llm, single_prompt, args.single_stream_tokens)
+            single_runs.append(tokens_per_s)
 
         def vllm_short_runs():
             let_settle("vllm")
@@ -354,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_roofline_tps = bandwidth / weight_bytes
         batched_roofline_tps = flops / (2 * num_params)
         results["single_stream"] = {"ours_tokens_per_s": ours_single, "ours_runs_tokens_per_s": single_runs,
+                                    "ours_token_ids": single_token_ids,
                                     "roofline_tokens_per_s": decode_roofline_tps,
                                     "ours_pct_of_roofline": 100 * ours_single / decode_roofline_tps}
         results["mixed"]["batched_roofline_tokens_per_s"] = batched_roofline_tps
@@ -379,7 +394,13 @@ def main(argv: list[str] | None = None) -> int:
                                            cold_ttft_vs_vllm=cold / vllm_cold)
             results["single_stream"].update(vllm_tokens_per_s=vllm_single["tokens_per_s"],
                                             vllm_runs_tokens_per_s=[r["tokens_per_s"] for r in vllm_single_runs],
-                                            speedup_vs_vllm=ours_single / vllm_single["tokens_per_s"])
+                                            speedup_vs_vllm=ours_single / vllm_single["tokens_per_s"],
+                                            leading_tokens_equal_to_vllm=num_leading_equal(
+                                                single_token_ids, vllm_single["token_ids"]))
+            if results["single_stream"]["leading_tokens_equal_to_vllm"] == 0:
+                logger.warning("our single stream's greedy tokens differ from vLLM's from the first one: one of "
+                               "the two engines is not computing the model (ours: %s; vLLM's: %s)",
+                               single_token_ids[:8], vllm_single["token_ids"][:8])
             results["memory"]["vllm"] = peer.call("memory", timeout_s=60)
     if args.speculative_config is not None:  # ours: what the drafts did over every run
         results["speculation"] = {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
