@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.engine.json_options import json_object_option
 from common.engine.models.registry import MODEL_TYPES, check_architecture
 from common.engine.pooling_params import parse_pooler_config
 
@@ -274,17 +275,7 @@ class SpeculativeConfig:
         """From LLM(speculative_config=...) or --speculative-config JSON."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object; got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        value = json_object_option(value, "speculative_config", (f.name for f in dataclasses.fields(cls)))
         import pydantic
         # Strict JSON types: "3" is no count and true no rate (a plain cls(**value) would
         # compare them with numbers and fail with a TypeError, or take true for 1.0).

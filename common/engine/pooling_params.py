@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from common.engine.json_options import json_object_option
+
 # An embedding's values cross the wire as floats; a vector this long is larger than any
 # hidden size served today (8,192 for 70B-class models, 16,384 for the largest).
 MAX_EMBEDDING_DIMENSIONS = 65_536
@@ -76,18 +78,8 @@ def parse_pooler_config(value: dict | str | None) -> dict | None:
     false}) -> the PoolingConfig fields it overrides; ValueError naming what is wrong."""
     if value is None:
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--pooler-config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"pooler_config must be a JSON object; got {type(value).__name__}")
-    unknown = sorted(set(value) - set(_POOLER_CONFIG_KEYS))
-    if unknown:
-        raise ValueError(f"unknown pooler_config keys {unknown}; known: {sorted(_POOLER_CONFIG_KEYS)}")
     overrides: dict = {}
-    for key, item in value.items():
+    for key, item in json_object_option(value, "pooler_config", _POOLER_CONFIG_KEYS).items():
         field_name = _POOLER_CONFIG_KEYS[key]
         if field_name == "pooling_type":
             if not isinstance(item, str) or item.upper() not in POOLING_TYPES:
