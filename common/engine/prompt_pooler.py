@@ -68,7 +68,8 @@ class PromptPooler:
         elif kind == "MAX":
             chunk_state = rows.amax(dim=0)
         elif kind == "WEIGHTED_MEAN":
-            weights = torch.arange(start + 1, start + rows.shape[0] + 1, dtype=rows.dtype)  # [num_chunk_tokens]
+            # [num_chunk_tokens]
+            weights = torch.arange(start + 1, start + rows.shape[0] + 1, dtype=rows.dtype, device=rows.device)
             chunk_state = weights @ rows
         else:  # MEAN, MEAN_SQRT_LEN
             chunk_state = rows.sum(dim=0)
