@@ -8,8 +8,8 @@ alternating ours and vLLM's (`LLM(model_dir, runner="pooling", convert="embed")`
 venv: bench/peers/vllm_embed_runner.py), both in the same dtype, with prefix caching off so
 every pass computes every prompt, each pass started once the other side is quiet. Reported:
 prompts/s and prompt tokens/s (median pass), the ratio (and each pair's), and how the vectors
-agree (cosine of each prompt's two embeddings: both sides pool the last token's final hidden
-state and normalize it).
+agree (cosine of each prompt's two embeddings: both sides pool the final hidden states as
+--pooling-type says, the last token's by default, and normalize).
 """
 from __future__ import annotations
 
@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--num-vectors", type=int, default=32, help="prompts whose two embeddings are compared")
+    parser.add_argument("--pooling-type", choices=["LAST", "MEAN", "CLS"], default="LAST",
+                        help="both sides' pooling (--pooler-config's pooling_type; those vLLM 0.32 has)")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.num_prompts < 1 or not 1 <= args.min_prompt <= args.max_prompt:
         parser.error("--repeats and --num-prompts must be >= 1 and 1 <= --min-prompt <= --max-prompt")
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         vllm_python = find_vllm(args.peer_venv)
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, pooler_config={"pooling_type": args.pooling_type})
     runner = llm.engine.executor.runner
     dtype = str(runner.dtype).removeprefix("torch.")
     prompts = workload(args.num_prompts, args.min_prompt, args.max_prompt, llm.engine.model_config.vocab_size,
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             log_path = Path(args.json_path or "bench-embed").with_suffix(".vllm.log")
             spec = {"model_dir": str(resolve_model(args.model)), "dtype": dtype, "prompts": prompts,
                     "max_model_len": args.max_prompt + 16, "max_num_seqs": args.max_num_seqs,
-                    "max_num_batched_tokens": args.max_num_batched_tokens}
+                    "max_num_batched_tokens": args.max_num_batched_tokens, "pooling_type": args.pooling_type}
             peer = stack.enter_context(OfflinePeer(
                 vllm_python, spec, args.peer_threads_bind, kv_cache_gib, log_path, start_timeout_s=1800,
                 preload=preload, runner=Path(__file__).parent / "peers" / "vllm_embed_runner.py"))

@@ -17,10 +17,12 @@ from vllm_offline_runner import serve  # beside this file (this script's directo
 class Runner:
     def __init__(self, spec: dict):
         from vllm import LLM
+        from vllm.config import PoolerConfig
 
         self.llm = LLM(spec["model_dir"], runner="pooling", convert="embed", dtype=spec["dtype"], seed=0,
                        max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
-                       max_num_batched_tokens=spec["max_num_batched_tokens"], enable_prefix_caching=False)
+                       max_num_batched_tokens=spec["max_num_batched_tokens"], enable_prefix_caching=False,
+                       pooler_config=PoolerConfig(pooling_type=spec.get("pooling_type", "LAST")))
         self.prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
         self.llm.embed(self.prompts[:2], use_tqdm=False)  # warm-up
 
