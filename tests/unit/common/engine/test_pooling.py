@@ -229,8 +229,9 @@ _ST_FLAGS = {"MEAN": "pooling_mode_mean_tokens", "CLS": "pooling_mode_cls_token"
 
 @pytest.mark.parametrize("pooling_type", list(_ST_FLAGS))
 def test_each_pooling_over_every_token_gives_sentence_transformers_vector(tiny_dir, tmp_path, pooling_type):
-    """Prompts of 5, 37, 64 and 1 tokens over a 32-token budget: pooled across their chunks,
-    beside a generation; embedded again, computed whole (no prefix-cache hit to skip states)."""
+    """Prompts of 5, 37, 64 and 1 tokens over a 32-token budget, in one call: pooled across
+    their chunks; embedded again, computed whole (no prefix-cache hit to skip states), while a
+    generation of the same prompt still takes the cached blocks."""
     model_dir = with_sentence_transformers(tiny_dir, tmp_path / "st", _ST_FLAGS[pooling_type], normalize=False)
     want = [_st_pooled(states, pooling_type) for states in _hf_hidden_states(tiny_dir, PROMPTS)]
     llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=32,
