@@ -59,7 +59,8 @@ class LLM:
         """engine_options: see common.engine.config.make_engine_config (dtype, device, seed, block_size,
         kv_cache_memory, num_kv_blocks, max_model_len, max_num_seqs, max_num_batched_tokens,
         enable_prefix_caching, enable_chunked_prefill, num_scheduler_steps, speculative_config: a
-        SpeculativeConfig or its dict, e.g. {"method": "ngram", "num_speculative_tokens": 4})."""
+        SpeculativeConfig or its dict, e.g. {"method": "ngram", "num_speculative_tokens": 4};
+        pooler_config: embeddings' pooling over the model's own, e.g. {"pooling_type": "MEAN"})."""
         config = make_engine_config(model, **engine_options)
         self.engine = EngineCore(config)
         # tokenizer.json and the chat template without AutoTokenizer: ~1.8 s less start-up.
