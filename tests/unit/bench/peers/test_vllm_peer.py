@@ -115,9 +115,18 @@ class LLM:
         return [_Output(p.max_tokens) for p in params]
 
     def embed(self, prompts, use_tqdm=True):
-        # [prompt length, whether the engine was built as vLLM's pooling runner converts a model]
+        # [prompt length, whether the engine was built as vLLM's pooling runner converts a model,
+        #  its pooler config's pooling type: 0 LAST, 1 MEAN, 2 CLS]
         pooling = self.kwargs.get("runner") == "pooling" and self.kwargs.get("convert") == "embed"
-        return [_Embedding([float(len(p["prompt_token_ids"])), float(pooling)]) for p in prompts]
+        pooling_type = ["LAST", "MEAN", "CLS"].index(self.kwargs["pooler_config"].pooling_type)
+        return [_Embedding([float(len(p["prompt_token_ids"])), float(pooling), float(pooling_type)])
+                for p in prompts]
+'''
+# vllm.config, as far as the embed runner reads it.
+STUB_VLLM_CONFIG = '''
+class PoolerConfig:
+    def __init__(self, pooling_type=None):
+        self.pooling_type = pooling_type
 '''
 
 
@@ -132,6 +141,7 @@ def stub_vllm(tmp_path, monkeypatch):
     package = tmp_path / "site" / "vllm"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(STUB_VLLM)
+    (package / "config.py").write_text(STUB_VLLM_CONFIG)
     monkeypatch.setenv("PYTHONPATH", str(package.parent))
     pid_file = tmp_path / "engine_core.pid"
     monkeypatch.setenv("STUB_ENGINE_CORE_PID_FILE", str(pid_file))
@@ -221,12 +231,12 @@ def test_a_runner_that_cannot_start_fails_the_start(tmp_path, monkeypatch):
 
 def test_the_embed_runner_builds_vllms_pooling_runner_and_times_every_prompt(tmp_path, stub_vllm):
     spec = {"model_dir": "unused", "dtype": "bfloat16", "max_model_len": 64, "max_num_seqs": 8,
-            "max_num_batched_tokens": 64, "prompts": [[1, 2, 3], [4, 5], [6]]}
+            "max_num_batched_tokens": 64, "prompts": [[1, 2, 3], [4, 5], [6]], "pooling_type": "MEAN"}
     runner = Path(vllm_peer.__file__).with_name("vllm_embed_runner.py")
     with OfflinePeer(Path(sys.executable), spec, "auto", 1.0, tmp_path / "peer.log", start_timeout_s=60,
                      runner=runner) as peer:
         answer = peer.call("embed", timeout_s=60, num_vectors=2)
-        assert answer["vectors"] == [[3.0, 1.0], [2.0, 1.0]] and answer["seconds"] >= 0
+        assert answer["vectors"] == [[3.0, 1.0, 1.0], [2.0, 1.0, 1.0]] and answer["seconds"] >= 0
         assert peer.call("embed", timeout_s=60)["vectors"] == []
         with pytest.raises(RuntimeError, match="refused 'mixed'.*unknown op"):
             peer.call("mixed", timeout_s=60)
