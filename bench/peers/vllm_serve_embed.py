@@ -66,6 +66,7 @@ def serve_ours(args: argparse.Namespace, model_dir: str, out: Path, prompt_sets)
                    "--kv-cache-memory", args.kv_cache_memory, "--log-level", "WARNING"]
     if args.max_num_batched_tokens is not None:
         passthrough += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    passthrough += ["--pooler-config", json.dumps({"pooling_type": args.pooling_type})]
     (out / "pdserve-logs").mkdir()
     with LocalStack(0, 1, http_port=0, passthrough=passthrough, log_dir=out / "pdserve-logs",
                     startup_timeout_s=args.startup_timeout, reserved_cpus=args.reserved_cpus) as stack:
@@ -78,7 +79,7 @@ def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path, python: Path
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", Path(model_dir).name, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--runner", "pooling",
-            "--convert", "embed"]
+            "--convert", "embed", "--pooler-config", json.dumps({"pooling_type": args.pooling_type})]
     if args.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     from common.engine.config import parse_memory_size
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="`pdserve up --reserved-cpus` for our stack: cores left out of the engines' share "
                              "(default: up's, 1 on hosts of 8 CPUs or more, else 0)")
     parser.add_argument("--skip-vllm", action="store_true", help="pdserve alone")
+    parser.add_argument("--pooling-type", choices=["LAST", "MEAN", "CLS"], default="LAST",
+                        help="both servers' pooling (--pooler-config's pooling_type; those vLLM 0.32 has)")
     args = parser.parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     if args.num_requests < 1 or min(concurrencies) < 1 or args.max_prompt >= args.max_model_len:
