@@ -179,9 +179,10 @@ class LLM:
               use_tqdm: bool = False, truncate_prompt_tokens: int | None = None,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
               ) -> list[EmbeddingRequestOutput]:
-        """vLLM's LLM.embed: each prompt's embedding, the model's final hidden state at the
-        prompt's last token (common.engine.pooling_params), normalized unless pooling_params
-        (or, where they leave it unset, the model's sentence-transformers config) say otherwise.
+        """vLLM's LLM.embed: each prompt's embedding, the model's final hidden states pooled as
+        its config says (the last token's by default; common.engine.pooling_params), normalized
+        unless pooling_params (or, where they leave it unset, the model's sentence-transformers
+        config) say otherwise.
         Any model serves it; an embedding model (Qwen3-Embedding, e5-mistral) gives vectors
         meant for it."""
         if isinstance(prompts, (str, dict)):
