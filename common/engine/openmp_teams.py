@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 def _num_cpus() -> int:
+    # libgomp weighs its threads against the CPUs of the affinity mask, not a cgroup quota
+    # (which common.engine.cpus.num_cpus_available also counts).
     return len(os.sched_getaffinity(0))
 
 
