@@ -327,6 +327,23 @@ class ParallelConfig:
     def executor_backend(self) -> str:
         return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
 
+    def check_supports(self, kv_transfer: KVTransferConfig | None, speculative: SpeculativeConfig | None) -> None:
+        """Raise, before anything loads, where what is asked cannot run split over these ranks.
+
+        n-gram drafts need no model and a draft model runs whole on the output rank, which
+        alone samples; early-exit drafts run the target's own first layers, which every rank
+        would have to run in step with tokens only the output rank holds."""
+        if self.world_size == 1:
+            return
+        if speculative is not None and speculative.method == "early_exit":
+            raise ValueError(f"speculative method early_exit is not supported with tensor/pipeline parallelism "
+                             f"(world size {self.world_size}): its draft is the target's own first layers, split "
+                             f"over the ranks; use ngram or draft_model (the draft model runs whole on the rank "
+                             f"that samples)")
+        if kv_transfer is not None and kv_transfer.role != "none" and self.pipeline_parallel_size > 1:
+            raise ValueError(f"KV transfer (role {kv_transfer.role}) is not supported with pipeline parallelism "
+                             f"(pipeline_parallel_size {self.pipeline_parallel_size}); tensor parallelism is")
+
 
 @dataclass
 class LoRAConfig:

@@ -103,14 +103,9 @@ def check_parallel_setup(model_config: ModelConfig, parallel: ParallelConfig, ra
                          speculative_config: SpeculativeConfig | None) -> None:
     """Raise before loading anything where this rank cannot run its share of the model."""
     model_config.verify_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    parallel.check_supports(kv_transfer_config, speculative_config)
     if parallel.world_size == 1:
         return
-    if speculative_config is not None:
-        raise ValueError(f"speculative decoding is not supported with tensor/pipeline parallelism (world size "
-                         f"{parallel.world_size}); run it with tensor_parallel_size = pipeline_parallel_size = 1")
-    if kv_transfer_config is not None and kv_transfer_config.role != "none" and parallel.pipeline_parallel_size > 1:
-        raise ValueError(f"KV transfer (role {kv_transfer_config.role}) is not supported with pipeline parallelism "
-                         f"(pipeline_parallel_size {parallel.pipeline_parallel_size}); tensor parallelism is")
     state = parallel_state.get_state()
     layout = (state.tp_size, state.pp_size, state.rank)
     if layout != (parallel.tensor_parallel_size, parallel.pipeline_parallel_size, rank):
@@ -227,9 +222,10 @@ class ModelRunner:
         # The worker half of the KV connector (None: this engine moves no KV in or out).
         self.kv_connector = make_worker_connector(kv_transfer_config or KVTransferConfig(), rank % tp_size, tp_size,
                                                   model_config.num_key_value_heads)
-        # Drafts the next step's speculative tokens (None: no speculative decoding).
+        # Drafts the next step's speculative tokens (None: no speculative decoding, or a rank
+        # that does not sample: the drafts follow the sampled tokens).
         self.proposer: DraftProposer | None = (make_proposer(speculative_config, self)
-                                               if speculative_config is not None else None)
+                                               if speculative_config is not None and self.is_output_rank else None)
         # Decode-only steps replayed from CUDA graphs (None: not on CUDA, not compiled, or off).
         self.decode_graphs: DecodeGraphs | None = None
         # Decode-only CPU steps of a few tokens through every layer in one native call

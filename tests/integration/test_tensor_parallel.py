@@ -262,7 +262,8 @@ def test_bundled_model_refuses_tp2_at_start_naming_the_head_counts(bundled_model
 
 
 @pytest.mark.parametrize("option, message", [
-    (dict(speculative_config=SpeculativeConfig()), r"speculative decoding is not supported with tensor/pipeline"),
+    (dict(speculative_config=SpeculativeConfig(method="early_exit")),
+     r"speculative method early_exit is not supported with tensor/pipeline parallelism \(world size 2\)"),
     (dict(kv_transfer_config=KVTransferConfig(role="producer")),
      r"KV transfer \(role producer\) is not supported with pipeline parallelism"),
     (dict(), r"rank 1 of tensor_parallel_size 2 x pipeline_parallel_size 1 needs "

@@ -11,6 +11,8 @@ torch.distributed.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +66,19 @@ def destroy_model_parallel() -> None:
     if _state.tp_group is not None:
         dist.destroy_process_group(_state.tp_group)
     _state = _SINGLE
+
+
+@contextlib.contextmanager
+def one_rank_view() -> Iterator[None]:
+    """Within it the getters answer for one process (rank 0 of 1): a model built here is
+    whole (every layer, head and vocabulary row) and its layers run no collectives, even
+    in a rank of a parallel run (a draft model on the rank that samples)."""
+    global _state
+    saved, _state = _state, _SINGLE
+    try:
+        yield
+    finally:
+        _state = saved
 
 
 def model_parallel_is_initialized() -> bool:

@@ -75,16 +75,8 @@ def output_rank(tensor_parallel_size: int, pipeline_parallel_size: int) -> int:
 
 
 def check_parallel_support(config: EngineConfig) -> None:
-    """What does not run split over ranks yet: refused at start rather than wrong later."""
-    if config.parallel.world_size <= 1:
-        return
-    if config.speculative is not None:
-        raise ValueError(f"speculative decoding is not supported with tensor_parallel_size x "
-                         f"pipeline_parallel_size = {config.parallel.world_size} > 1 yet")
-    if config.kv_transfer.role != "none" and config.parallel.pipeline_parallel_size > 1:
-        raise ValueError(f"KV transfer (role {config.kv_transfer.role}) is not supported with "
-                         f"pipeline_parallel_size {config.parallel.pipeline_parallel_size} > 1 yet; tensor "
-                         f"parallelism is")
+    """What does not run split over ranks: refused at start rather than wrong later."""
+    config.parallel.check_supports(config.kv_transfer, config.speculative)
 
 
 def _raise_worker_error(replies: list[dict]) -> None:

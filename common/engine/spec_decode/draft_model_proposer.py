@@ -7,6 +7,7 @@ target's own step tensors), and over a request's earlier tokens the first time i
 sees the request after a prefix-cache hit or a KV import: in a disaggregated stack
 the decode instance prefills the draft locally rather than having prefill ship the
 draft's layers (the draft is small; shipping would tie both pools to one draft).
+Under tensor or pipeline parallelism it lives whole on the rank that samples.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.engine.config import ModelConfig
+from common.engine.distributed import parallel_state
 from common.engine.model_files import load_hf_config, resolve_model
 from common.engine.models.attention import AttentionMetadata
 from common.engine.models.prepacked_linear import prepack_linears
@@ -45,7 +47,10 @@ class DraftModelProposer(DraftProposer):
                              f"{self.model_config.vocab_size} tokens, the target {target_vocab_size}: "
                              f"a draft must share the target's tokenizer")
         self.runner = runner
-        self.model = load_model(self.model_config, draft_dir, runner.device, runner.dtype)
+        # Whole, on the one rank that samples and drafts (vLLM's draft_tensor_parallel_size 1):
+        # the draft is small, and its passes then wait on no other rank.
+        with parallel_state.one_rank_view():
+            self.model = load_model(self.model_config, draft_dir, runner.device, runner.dtype)
         self.kv_bytes_per_block = runner.block_size * self.model_config.kv_bytes_per_token(
             runner.kv_cache_dtype.itemsize)
         # Per draft layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim].

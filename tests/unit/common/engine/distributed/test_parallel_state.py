@@ -56,7 +56,12 @@ def _rank_main(rank: int, port: int, results) -> None:
             parallel_state.send_to_next_stage(torch.full((2, 3), float(rank)))
         else:
             received = parallel_state.recv_from_prev_stage((2, 3), torch.float32, torch.device("cpu")).tolist()
-        results.put({"rank": rank, "tp": [parallel_state.get_tp_rank(), parallel_state.get_tp_size()],
+        with parallel_state.one_rank_view():  # as a draft model is built on the rank that samples
+            alone = torch.tensor([float(rank)])
+            one_rank = [parallel_state.get_tp_size(), parallel_state.get_pp_size(), parallel_state.is_first_stage(),
+                        parallel_state.is_last_stage(), parallel_state.tp_all_reduce(alone) is alone]
+        results.put({"rank": rank, "one_rank": one_rank,
+                     "tp": [parallel_state.get_tp_rank(), parallel_state.get_tp_size()],
                      "pp": [parallel_state.get_pp_rank(), parallel_state.get_pp_size()],
                      "first": parallel_state.is_first_stage(), "last": parallel_state.is_last_stage(),
                      "summed": summed.tolist(), "gathered": gathered.tolist(), "received": received})
@@ -96,7 +101,8 @@ def test_groups_and_collectives_of_a_two_by_two_world():
     # rank = pp_rank * tp_size + tp_rank: stage 0 is ranks 0, 1; stage 1 ranks 2, 3.
     for rank, msg in by_rank.items():
         pp_rank, tp_rank = divmod(rank, 2)
-        assert msg["tp"] == [tp_rank, 2] and msg["pp"] == [pp_rank, 2]
+        assert msg["one_rank"] == [1, 1, True, True, True]
+        assert msg["tp"] == [tp_rank, 2] and msg["pp"] == [pp_rank, 2]  # the view gone, the groups are back
         assert (msg["first"], msg["last"]) == (pp_rank == 0, pp_rank == 1)
         stage_ranks = [2 * pp_rank, 2 * pp_rank + 1]
         assert msg["summed"] == [float(sum(stage_ranks))]  # within the stage's TP group only

@@ -183,6 +183,37 @@ def test_a_draft_equal_to_the_target_is_always_accepted(target_dir, reference):
     llm.engine.shutdown()
 
 
+def spec_stats(llm: LLM) -> dict:
+    return {name: value for name, value in llm.engine.stats().items() if name.startswith("spec_")}
+
+
+@pytest.mark.parametrize("method, parallel", [("ngram", dict(tensor_parallel_size=2)),
+                                              ("draft_model", dict(tensor_parallel_size=2)),
+                                              ("target_as_draft", dict(pipeline_parallel_size=2))],
+                         ids=["ngram-tp2", "draft-model-tp2", "target-as-draft-pp2"])
+def test_speculation_over_ranks_gives_one_process_greedy_outputs(target_dir, tiny_model_factory, reference, method,
+                                                                 parallel):
+    """Worker processes (mp): every rank verifies the drafts, the rank that samples drafts
+    (a draft model whole on it). n-grams then draft and are accepted as in one process; the
+    target as its own draft on the last of two stages agrees with every verification."""
+    config = (spec("draft_model", draft_model=str(target_dir)) if method == "target_as_draft"
+              else proposer_config(method, tiny_model_factory))
+    llm = LLM(str(target_dir), speculative_config=config, distributed_executor_backend="mp", **parallel, **ENGINE)
+    try:
+        assert generate(llm, reference["prompts"], greedy()) == reference["greedy"]
+        stats = spec_stats(llm)
+    finally:
+        llm.engine.shutdown()
+    assert stats["spec_num_draft_tokens"] > 0
+    if method == "ngram":
+        one_process = spec_llm(target_dir, config)
+        generate(one_process, reference["prompts"], greedy())
+        assert stats == spec_stats(one_process)
+        one_process.engine.shutdown()
+    if method == "target_as_draft":
+        assert stats["spec_acceptance_rate"] == 1.0
+
+
 def test_mixed_steps_give_each_request_its_own_outputs(target_dir, reference):
     """Speculating rows, plain decode rows (constrained by max_tokens to no drafts) and
     prefill chunks in the same steps: a small token budget chunks the long prompts."""
