@@ -1,7 +1,8 @@
 """The OpenAPI 3.1 document of the HTTP API this gateway serves (GET /openapi.json).
 
 The request bodies are written from protocol.py's field tables (COMPLETION_FIELDS,
-CHAT_FIELDS, STREAM_OPTIONS, TOKENIZE_FIELDS, DETOKENIZE_FIELDS), embeddings.py's
+CHAT_FIELDS, STREAM_OPTIONS, TOKENIZE_FIELDS, DETOKENIZE_FIELDS), responses_api.py's
+(RESPONSES_FIELDS), embeddings.py's
 (EMBEDDING_FIELDS) and scores.py's (SCORE_FIELDS, RERANK_FIELDS): each check there carries the JSON Schema of what it
 accepts, with the bounds of the README's "Request bounds", so a field added, removed
 or re-bounded there is so here too. What only holds between fields (min_tokens <=
@@ -23,6 +24,7 @@ from gateway.openai_api.protocol import (
     STREAM_OPTIONS,
     TOKENIZE_FIELDS,
 )
+from gateway.openai_api.responses_api import RESPONSES_FIELDS
 from gateway.openai_api.scores import RERANK_FIELDS, SCORE_FIELDS, SCORE_SIDES
 
 OPENAPI_VERSION = "3.1.0"
@@ -37,7 +39,7 @@ ERROR_STATUSES = {
 }
 # Fields the request cannot do without (null counts as missing).
 REQUIRED_FIELDS = {"completion": ["model", "prompt"], "chat": ["model", "messages"], "detokenize": ["tokens"],
-                   "rerank": ["query", "documents"]}
+                   "rerank": ["query", "documents"], "responses": ["model", "input"]}
 
 ERROR_BODY = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"], "properties": {
@@ -198,6 +200,17 @@ def openapi_document(served_model_names: list[str], version: str = "0.1.0",
         "paths": {
             "/v1/completions": {"post": _generate_operation("Text completion", "CompletionRequest")},
             "/v1/chat/completions": {"post": _generate_operation("Chat completion", "ChatCompletionRequest")},
+            "/v1/responses": {"post": _generate_operation(
+                "Response (OpenAI's Responses API), run as the chat completion it means; stored unless store is "
+                "false", "ResponsesRequest")},
+            "/v1/responses/{response_id}": {
+                method: {"summary": summary, "parameters": [
+                    {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                    "responses": {"200": {"description": "ok", "content": {"application/json": {"schema": {
+                        "type": "object"}}}}, "404": {"description": "No stored response has this id", "content": {
+                            "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}}}
+                for method, summary in (("get", "A stored response, as it was answered"),
+                                        ("delete", "Forget a stored response"))},
             "/v1/embeddings": {"post": _json_operation(
                 "Embeddings: each input's final hidden state at its last token, pooled (exactly one of input and "
                 "messages)", "EmbeddingRequest", EMBEDDING_RESPONSE, tuple(ERROR_STATUSES))},
@@ -237,6 +250,7 @@ def openapi_document(served_model_names: list[str], version: str = "0.1.0",
         "components": {"schemas": {
             "CompletionRequest": fields_schema(COMPLETION_FIELDS, REQUIRED_FIELDS["completion"], served_model_names),
             "ChatCompletionRequest": fields_schema(chat_fields, REQUIRED_FIELDS["chat"], served_model_names),
+            "ResponsesRequest": fields_schema(RESPONSES_FIELDS, REQUIRED_FIELDS["responses"], served_model_names),
             "TokenizeRequest": fields_schema(tokenize_fields, [], served_model_names),
             "EmbeddingRequest": exactly_one_of(fields_schema(embedding_fields, [], served_model_names),
                                                ("input", "messages")),

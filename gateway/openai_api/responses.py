@@ -109,6 +109,10 @@ class ResponseBuilder:
 
     def chunk(self, index: int, delta: GenerationDelta) -> bytes:
         """The SSE event for one delta of choice `index`."""
+        return sse_event(self.chunk_payload(index, delta))
+
+    def chunk_payload(self, index: int, delta: GenerationDelta) -> dict:
+        """The chat chunk (or completion chunk) for one delta of choice `index`."""
         self._record(index, delta)
         choice: dict = {"index": index}
         first, self.started[index] = not self.started[index], True
@@ -135,11 +139,18 @@ class ResponseBuilder:
             payload["usage"] = self.usage()
         elif self.request.include_usage:
             payload["usage"] = None  # OpenAI: every chunk but the last has "usage": null
-        return sse_event(payload)
+        return payload
 
     def usage_chunk(self) -> bytes:
         """stream_options.include_usage: the last chunk, no choices, the whole usage."""
         return sse_event({**self.head, "choices": [], "usage": self.usage()})
+
+    def ending(self, error: ApiError | None) -> bytes:
+        """The stream's last bytes: the error event of a failure after it began, or the
+        usage chunk where asked; then [DONE]."""
+        if error is not None:
+            return error_event(error) + SSE_DONE
+        return (self.usage_chunk() if self.request.include_usage else b"") + SSE_DONE
 
     # --- logprobs --------------------------------------------------------------------
 

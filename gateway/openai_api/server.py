@@ -2,6 +2,8 @@
 gateway's own event loop, next to the gRPC server, on the same Gateway object.
 
     POST /v1/completions        POST /v1/chat/completions   (stream: server-sent events)
+    POST /v1/responses          GET, DELETE /v1/responses/{id}  (responses_api.py: OpenAI's
+                                Responses API, run as the chat completion it means)
     POST /v1/embeddings         (embeddings.py: the prompt's pooled last hidden state)
     POST /score, /rerank        (scores.py: cosine similarities of embeddings; also under /v1/, and /v2/rerank)
     GET  /v1/models             GET  /v1/models/{model}     GET  /version
@@ -79,7 +81,18 @@ from gateway.openai_api.scores import (
     score_all,
     scores_response,
 )
-from gateway.openai_api.responses import SSE_DONE, ResponseBuilder, TokenTexts, error_event, json_bytes
+from gateway.openai_api.responses import ResponseBuilder, TokenTexts, json_bytes
+from gateway.openai_api.responses_api import (
+    ResponseEvents,
+    ResponsesRequest,
+    ResponseStore,
+    StoredResponse,
+    as_responses_error,
+    completed_response,
+    not_found,
+    parse_responses_request,
+    responses_param,
+)
 from gateway.openai_api.reasoning_parsers import make_reasoning_parser
 from gateway.openai_api.tool_parsers import make_tool_parser
 from gateway.types import GenerateInput, GenerationDelta
@@ -121,9 +134,12 @@ class OpenAIServer:
         self.address = ""
         self.created = int(time.time())
         self.token_text = TokenTexts(gateway.model.tokenizer)
+        self.response_store = ResponseStore()  # the Responses API's stored responses
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             *(Route(path, self.score, methods=["POST"]) for path in SCORE_PATHS),
             *(Route(path, self.rerank, methods=["POST"]) for path in RERANK_PATHS),
@@ -190,6 +206,20 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
+
+    async def responses(self, request: Request) -> Response:
+        return await self._generate(request, chat=True, responses_api=True)
+
+    async def stored_response(self, request: Request) -> Response:
+        """GET: a stored response as it was answered; DELETE: forget it (OpenAI's shapes)."""
+        response_id = request.path_params["response_id"]
+        stored = self.response_store.get(response_id)
+        if stored is None:
+            return _error(not_found(response_id))
+        if request.method == "DELETE":
+            self.response_store.delete(response_id)
+            return _json({"id": response_id, "object": "response", "deleted": True})
+        return _json(stored.response)
 
     async def embeddings(self, request: Request) -> Response:
         """OpenAI's embeddings: every input through Gateway.embed (embeddings.py)."""
@@ -342,28 +372,46 @@ class OpenAIServer:
             return _json({"status": "not ready", "reason": reason}, status=503)
         return _json({"status": "ready"})
 
-    async def _generate(self, request: Request, chat: bool) -> Response:
-        parsed = None
+    async def _generate(self, request: Request, chat: bool, responses_api: bool = False) -> Response:
+        """A completion or chat completion; responses_api: a Responses request, run as the
+        chat completion it means (responses_api.py) and answered as a Response."""
+        parsed = asked = None
         try:
             body = await self._read_body(request)
-            parsed = await _parsed(parse_request, body, chat, self.tool_parser, self.response_role)
+            if responses_api:
+                asked = await _parsed(parse_responses_request, body)
+                asked.continue_stored(self.response_store)
+                try:
+                    parsed = await _parsed(parse_request, json_bytes(asked.chat_body()), True, self.tool_parser,
+                                           self.response_role)
+                except ApiError as e:
+                    raise as_responses_error(e) from None
+            else:
+                parsed = await _parsed(parse_request, body, chat, self.tool_parser, self.response_role)
             model_name = self._check_model(parsed.model)
             if chat and self.reasoning_end_token_ids:
                 await self._constrain_after_reasoning(parsed)
-            response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            response_id = asked.response_id if asked else f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             inputs = parsed.generate_inputs(response_id)
             builder = ResponseBuilder(parsed, response_id, model_name, self.token_text,
                                       await self._echo_prompts(parsed) if parsed.echo else None,
                                       self.reasoning_parser)
             if parsed.stream:
-                return await self._start_stream(request, builder, stream_choices(self.gateway, inputs))
+                writer = builder if asked is None else ResponseEvents(builder, asked, model_name,
+                                                                      self._stored_by(asked))
+                return await self._start_stream(request, writer, stream_choices(self.gateway, inputs))
             if parsed.beam_search is not None:
                 results = await _until_disconnect(request, self._beam_search(parsed, inputs))
             else:
                 results = await _until_disconnect(request, generate_choices(self.gateway, inputs))
-            return Response(json_bytes(builder.full_response(results)), media_type="application/json")
+            answer = builder.full_response(results)
+            if asked is not None:
+                answer, conversation = completed_response(asked, model_name, answer)
+                self._stored_by(asked)(answer, conversation)
+            return Response(json_bytes(answer), media_type="application/json")
         except ServiceError as e:  # Gateway.stream counted it
-            return _error(from_gateway_error(e, _param_of(e, parsed)))
+            param = _param_of(e, parsed)
+            return _error(from_gateway_error(e, responses_param(param) if asked else param))
         except ApiError as e:  # refused here, before the gateway saw it
             self._count_refusal(e.grpc_code.name)
             return _error(e)
@@ -372,6 +420,13 @@ class OpenAIServer:
             return Response(status_code=499)  # nobody reads it; nginx's code for this case
         except ClientGone:  # gone while the gateway served it (Gateway.stream counted it)
             return Response(status_code=499)
+
+    def _stored_by(self, asked: ResponsesRequest) -> Callable[[dict, list[dict]], None]:
+        """What keeps a finished Response for GET and previous_response_id (store: true)."""
+        def keep(response: dict, conversation: list[dict]) -> None:
+            if asked.store:
+                self.response_store.put(StoredResponse(response, conversation))
+        return keep
 
     async def _tokenized(self, prompt: GenerateInput) -> list[int]:
         """prompt's token ids as generation gets them; a refusal is an ApiError naming the
@@ -429,14 +484,14 @@ class OpenAIServer:
         """An embedding request the HTTP edge refused, counted in pdserve_embeddings_total."""
         self.gateway.metrics.embedding_finished(status, 0, 0.0)
 
-    async def _start_stream(self, request: Request, builder: ResponseBuilder,
+    async def _start_stream(self, request: Request, writer: ResponseBuilder | ResponseEvents,
                             events: AsyncIterator[tuple[int, GenerationDelta]]) -> Response:
         try:
             first = await _until_disconnect(request, anext(events))
         except BaseException:
             await events.aclose()
             raise
-        return _EventStream(builder, first, events)
+        return _EventStream(writer, first, events)
 
     async def _read_body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -503,14 +558,16 @@ class _RequireApiKey:
 
 class _EventStream(Response):
     """A server-sent-event stream that stops (and closes `events`, cancelling the
-    request) as soon as the client disconnects."""
+    request) as soon as the client disconnects. `writer` (a chat or completions
+    ResponseBuilder, or the Responses API's ResponseEvents) writes each delta's events
+    and the stream's end."""
 
-    def __init__(self, builder: ResponseBuilder, first: tuple[int, GenerationDelta],
+    def __init__(self, writer: ResponseBuilder | ResponseEvents, first: tuple[int, GenerationDelta],
                  events: AsyncIterator[tuple[int, GenerationDelta]]):
         # Not Response.__init__: it would declare an empty body (content-length: 0).
         self.status_code, self.background = 200, None
         self.raw_headers = SSE_HEADERS
-        self.builder, self.first, self.events = builder, first, events
+        self.writer, self.first, self.events = writer, first, events
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -529,20 +586,17 @@ class _EventStream(Response):
             await self.events.aclose()
 
     async def _pump(self, send) -> None:
-        builder = self.builder
-        ending = SSE_DONE
+        writer = self.writer
+        error = None
         try:
             # Each chunk goes out the moment its delta is here: holding one back to
             # send it with the next would delay every token by one inter-token gap.
-            await send({"type": "http.response.body", "body": builder.chunk(*self.first), "more_body": True})
+            await send({"type": "http.response.body", "body": writer.chunk(*self.first), "more_body": True})
             async for index, delta in self.events:
-                await send({"type": "http.response.body", "body": builder.chunk(index, delta), "more_body": True})
+                await send({"type": "http.response.body", "body": writer.chunk(index, delta), "more_body": True})
         except ServiceError as e:
-            ending = error_event(from_gateway_error(e)) + ending
-        else:
-            if builder.request.include_usage:
-                ending = builder.usage_chunk() + ending
-        await send({"type": "http.response.body", "body": ending, "more_body": False})
+            error = from_gateway_error(e)
+        await send({"type": "http.response.body", "body": writer.ending(error), "more_body": False})
 
 
 class _EmbeddedServer(uvicorn.Server):

@@ -1,0 +1,160 @@
+"""OpenAI's Responses API (responses_api.py) on a real in-process gateway and HTTP server
+with the synthetic decode instance: the official `openai` client's responses.create
+(whole and streamed), retrieve and delete; the prompt each request reaches the instance
+with (the chat template over the conversation it means, stored turns included); function
+calls out and their outputs back; refusals naming the Responses field."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.text.chat_template import ChatTemplateOptions
+from tests.unit.gateway.openai_api.test_server import HERMES_ANSWER, MODEL, TOKENS, http_gateway, post
+from tests.unit.gateway.openai_api.test_server import client, gw  # noqa: F401 (this module's own instances)
+
+openai = pytest.importorskip("openai")
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def sent_prompt(gw) -> list[int]:
+    return gw.call(lambda: list(gw.fake.servicer.requests[-1].prompt_token_ids))
+
+
+def template(gw, messages: list[dict]) -> list[int]:
+    return gw.gateway.model.tokenizer.apply_chat_template(messages, ChatTemplateOptions())
+
+
+def test_a_response_is_the_chat_answer_to_the_instructions_and_input(gw, client):
+    text = gw.gateway.model.tokenizer.decode(TOKENS)
+    response = client.responses.create(model=MODEL, instructions="Be brief.", input="Capital of France?",
+                                       max_output_tokens=len(TOKENS), metadata={"team": "a"})
+    assert sent_prompt(gw) == template(gw, [{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "Capital of France?"}])
+    assert response.id.startswith("resp_") and response.object == "response" and response.model == MODEL
+    assert response.output_text == text
+    (message,) = response.output
+    assert (message.type, message.role, message.content[0].type) == ("message", "assistant", "output_text")
+    # The fake instance stops at max_tokens: cut short, as OpenAI says it.
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.input_tokens == len(sent_prompt(gw)) and response.usage.output_tokens == len(TOKENS)
+    assert response.usage.total_tokens == response.usage.input_tokens + len(TOKENS)
+    assert (response.instructions, response.max_output_tokens, response.metadata) == ("Be brief.", len(TOKENS),
+                                                                                      {"team": "a"})
+    # A stop string ends it early: completed.
+    stopped = client.responses.create(model=MODEL, input="Capital?", extra_body={"stop": ["France"]})
+    assert (stopped.status, stopped.incomplete_details, stopped.output_text) == ("completed", None, "Therong is ")
+    assert gw.call(lambda: gw.fake.servicer.requests[-1].request_id) == stopped.id
+
+
+def test_stored_responses_are_retrieved_continued_and_deleted(gw, client):
+    first = client.responses.create(model=MODEL, input="Hi", max_output_tokens=3)
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    second = client.responses.create(model=MODEL, input=[{"role": "user", "content": "And then?"}],
+                                     previous_response_id=first.id, instructions="New rules.", max_output_tokens=2)
+    assert second.previous_response_id == first.id
+    # The stored turn, then the new input; the earlier instructions do not carry over.
+    assert sent_prompt(gw) == template(gw, [{"role": "system", "content": "New rules."},
+                                            {"role": "user", "content": "Hi"},
+                                            {"role": "assistant", "content": first.output_text},
+                                            {"role": "user", "content": "And then?"}])
+    client.responses.create(model=MODEL, input="Once more", previous_response_id=second.id, max_output_tokens=1)
+    assert sent_prompt(gw) == template(gw, [{"role": "user", "content": "Hi"},
+                                            {"role": "assistant", "content": first.output_text},
+                                            {"role": "user", "content": "And then?"},
+                                            {"role": "assistant", "content": second.output_text},
+                                            {"role": "user", "content": "Once more"}])
+    assert post(gw.http_address, f"/v1/responses/{first.id}", b"", method="DELETE") == (
+        200, {"id": first.id, "object": "response", "deleted": True})
+    status, error = post(gw.http_address, f"/v1/responses/{first.id}", b"", method="GET")
+    assert (status, error["error"]["code"]) == (404, "response_not_found")
+    status, error = post(gw.http_address, "/v1/responses", {"model": MODEL, "input": "x",
+                                                            "previous_response_id": first.id})
+    assert (status, error["error"]["param"]) == (404, "previous_response_id")
+    unstored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, store=False)
+    assert post(gw.http_address, f"/v1/responses/{unstored.id}", b"", method="GET")[0] == 404
+
+
+def test_a_streamed_response_sends_openais_events_in_order(gw, client):
+    events = list(client.responses.create(model=MODEL, input="Capital of France?", max_output_tokens=len(TOKENS),
+                                          stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+    text = gw.gateway.model.tokenizer.decode(TOKENS)
+    assert len(deltas) > 1 and "".join(deltas) == text
+    final = events[-1].response
+    assert final.output_text == text and final.usage.output_tokens == len(TOKENS)
+    assert client.responses.retrieve(final.id).output_text == text  # stored when it ended
+
+
+def test_function_calls_go_out_as_items_and_their_outputs_come_back_as_tool_messages():
+    from gateway.validation import load_served_model
+    tokenizer = load_served_model(None).tokenizer
+    token_ids = tokenizer.encode(HERMES_ANSWER, add_special_tokens=False)
+    with http_gateway(tool_call_parser="hermes", token_ids=token_ids, delay_s=0.001) as hermes:
+        client = openai.OpenAI(base_url=f"http://{hermes.http_address}/v1", api_key="unused", max_retries=0)
+        asked = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER],
+                                        max_output_tokens=len(token_ids))
+        message, call = asked.output
+        assert message.content[0].text == "Let me look. "
+        assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather",
+                                                                       {"city": "Paris"})
+        assert asked.tools[0].name == "get_weather" and asked.status == "completed"
+        answered = client.responses.create(
+            model=MODEL, previous_response_id=asked.id, tools=[WEATHER], max_output_tokens=1,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+        assert answered.previous_response_id == asked.id
+        tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
+        conversation = [{"role": "user", "content": "Weather in Paris?"},
+                        {"role": "assistant", "content": "Let me look. ", "tool_calls": [
+                            {"id": call.call_id, "type": "function",
+                             "function": {"name": "get_weather", "arguments": call.arguments}}]},
+                        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]
+        # As the chat API would prompt for the same turns (its /tokenize).
+        _, chat = post(hermes.http_address, "/tokenize", {"messages": conversation, "tools": tools})
+        assert sent_prompt(hermes) == chat["tokens"]
+        # The same call streamed: text, then the call's item with its arguments.
+        events = list(client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER],
+                                              max_output_tokens=len(token_ids), stream=True))
+        added = [e.item for e in events if e.type == "response.output_item.added"]
+        assert [item.type for item in added] == ["message", "function_call"]
+        arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+        assert json.loads(arguments) == {"city": "Paris"}
+        assert events[-1].type == "response.completed"
+        assert [item.type for item in events[-1].response.output] == ["message", "function_call"]
+
+
+def test_a_json_schema_format_constrains_the_answer(gw, client):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    client.responses.create(model=MODEL, input="A city as JSON", max_output_tokens=2,
+                            text={"format": {"type": "json_schema", "name": "city", "schema": schema}})
+    sent = gw.call(lambda: gw.fake.servicer.requests[-1])
+    assert json.loads(sent.sampling.structured_output.json) == schema
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"input": "x", "modalities": ["text"]}, "modalities", "unknown_field"),
+    ({}, "input", "missing_field"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].content[0]",
+     "unsupported_value"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "unsupported_value"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_value"),
+    ({"input": "x", "tools": [{"type": "function", "name": "a b"}]}, "tools[0].name", "invalid_value"),
+    ({"input": "x", "background": True}, "background", "unsupported_value"),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format", "invalid_value"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "invalid_value"),
+    ({"input": "x" * 300_000}, "input", "invalid_argument"),  # the gateway's "messages", named as sent
+])
+def test_a_bad_request_is_a_400_naming_the_responses_field(gw, body, param, code):
+    status, error = post(gw.http_address, "/v1/responses", {"model": MODEL, **body})
+    assert (status, error["error"]["param"], error["error"]["code"]) == (400, param, code), error
+    if code != "invalid_argument":  # refused at the edge: the message starts with the field
+        assert error["error"]["message"].startswith(param)
