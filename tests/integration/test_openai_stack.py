@@ -59,6 +59,25 @@ def test_chat_greedy_equals_the_grpc_path_streamed_and_not(client, grpc_client, 
     assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
 
 
+def test_a_response_and_its_continuation_are_the_chat_answers_of_the_bundled_model(client, grpc_client, model):
+    """The Responses API over the real stack: greedy text equal to the gRPC path's chat answer,
+    streamed and not, and a follow-up by previous_response_id prompted with the first turn."""
+    expected = grpc_client.generate(messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, return_token_ids=True)
+    response = client.responses.create(model=model, input=CHAT[0]["content"], max_output_tokens=MAX_TOKENS,
+                                       temperature=0)
+    assert response.output_text == expected.text
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (expected.usage.prompt_tokens,
+                                                                            len(expected.token_ids))
+    events = list(client.responses.create(model=model, input=CHAT, max_output_tokens=MAX_TOKENS, temperature=0,
+                                          stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected.text
+    assert events[-1].response.output_text == expected.text
+    follow_up = [*CHAT, {"role": "assistant", "content": expected.text}, {"role": "user", "content": "And two more?"}]
+    continued = grpc_client.generate(messages=follow_up, max_tokens=MAX_TOKENS, temperature=0)
+    assert client.responses.create(model=model, input="And two more?", previous_response_id=response.id,
+                                   max_output_tokens=MAX_TOKENS, temperature=0).output_text == continued.text
+
+
 def test_logprobs_and_n_samples(client, grpc_client, model):
     result = client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0,
                                             logprobs=True, top_logprobs=2)
