@@ -246,6 +246,12 @@ class SpeculativeConfig:
     min_acceptance_rate: float = 0.2
     num_backoff_steps: int = 8
 
+    @property
+    def drafts_with_target_layers(self) -> bool:
+        """The draft is the target's own first layers (early_exit): under tensor parallelism
+        every rank runs the draft passes through its share of them."""
+        return self.method == "early_exit"
+
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}; "
@@ -331,15 +337,16 @@ class ParallelConfig:
         """Raise, before anything loads, where what is asked cannot run split over these ranks.
 
         n-gram drafts need no model and a draft model runs whole on the output rank, which
-        alone samples; early-exit drafts run the target's own first layers, which every rank
-        would have to run in step with tokens only the output rank holds."""
+        alone samples; early-exit drafts run the target's own first layers, which every TP rank
+        runs with it, while under pipeline parallelism those layers sit on a stage that never
+        sees the sampled tokens."""
         if self.world_size == 1:
             return
-        if speculative is not None and speculative.method == "early_exit":
-            raise ValueError(f"speculative method early_exit is not supported with tensor/pipeline parallelism "
-                             f"(world size {self.world_size}): its draft is the target's own first layers, split "
-                             f"over the ranks; use ngram or draft_model (the draft model runs whole on the rank "
-                             f"that samples)")
+        if speculative is not None and speculative.drafts_with_target_layers and self.pipeline_parallel_size > 1:
+            raise ValueError(f"speculative method {speculative.method} is not supported with pipeline parallelism "
+                             f"(pipeline_parallel_size {self.pipeline_parallel_size}): its draft is the target's own "
+                             f"first layers, on the first stage; use ngram or draft_model (the draft model runs "
+                             f"whole on the rank that samples), or tensor parallelism")
         if kv_transfer is not None and kv_transfer.role != "none" and self.pipeline_parallel_size > 1:
             raise ValueError(f"KV transfer (role {kv_transfer.role}) is not supported with pipeline parallelism "
                              f"(pipeline_parallel_size {self.pipeline_parallel_size}); tensor parallelism is")

@@ -223,9 +223,14 @@ class ModelRunner:
         self.kv_connector = make_worker_connector(kv_transfer_config or KVTransferConfig(), rank % tp_size, tp_size,
                                                   model_config.num_key_value_heads)
         # Drafts the next step's speculative tokens (None: no speculative decoding, or a rank
-        # that does not sample: the drafts follow the sampled tokens).
-        self.proposer: DraftProposer | None = (make_proposer(speculative_config, self)
-                                               if speculative_config is not None and self.is_output_rank else None)
+        # that does not sample: the drafts follow the sampled tokens), except where the draft
+        # is the target's own first layers: every TP rank then runs the draft passes, with the
+        # sampled tokens the output rank sends (drafts_on_every_rank).
+        self.drafts_on_every_rank = (speculative_config is not None and speculative_config.drafts_with_target_layers
+                                     and self.parallel_config.world_size > 1)
+        self.proposer: DraftProposer | None = (
+            make_proposer(speculative_config, self)
+            if speculative_config is not None and (self.is_output_rank or self.drafts_on_every_rank) else None)
         # Decode-only steps replayed from CUDA graphs (None: not on CUDA, not compiled, or off).
         self.decode_graphs: DecodeGraphs | None = None
         # Decode-only CPU steps of a few tokens through every layer in one native call
@@ -454,9 +459,20 @@ class ModelRunner:
             if logits is None:
                 logits = self.compute_logits(sampled_hidden)
         if not self.is_output_rank:
+            if self.drafts_on_every_rank:  # this rank's share of the draft passes, from the sampled rows
+                row_token_ids = self._sampled_rows_from_output_rank(None, len(sample_rows))
+                self._propose(sample_reqs, accept_drafts(sample_reqs, row_token_ids, None)[0])
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         sampled = self.sampler(logits, sample_rows, token_bitmask, bitmask_rows)
+        if self.drafts_on_every_rank:
+            self._sampled_rows_from_output_rank(sampled.sampled_token_ids, len(sample_rows))
         return self._accepted(sample_reqs, sampled.sampled_token_ids, sampled.logprobs)
+
+    def _sampled_rows_from_output_rank(self, row_token_ids: list[int] | None, num_rows: int) -> list[int]:
+        """The sampled row tokens as the output rank (TP rank 0) has them, on every TP rank."""
+        values = torch.tensor(row_token_ids if row_token_ids is not None else [0] * num_rows, dtype=torch.int64,
+                              device=self.device)  # [num_rows]
+        return parallel_state.tp_broadcast_from_first(values).tolist()
 
     def _prompt_logprobs(self, hidden: torch.Tensor, scheduler_output: SchedulerOutput
                          ) -> dict[str, tuple[int, list[Logprobs]]] | None:

@@ -263,7 +263,7 @@ def test_bundled_model_refuses_tp2_at_start_naming_the_head_counts(bundled_model
 
 @pytest.mark.parametrize("option, message", [
     (dict(speculative_config=SpeculativeConfig(method="early_exit")),
-     r"speculative method early_exit is not supported with tensor/pipeline parallelism \(world size 2\)"),
+     r"speculative method early_exit is not supported with pipeline parallelism \(pipeline_parallel_size 2\)"),
     (dict(kv_transfer_config=KVTransferConfig(role="producer")),
      r"KV transfer \(role producer\) is not supported with pipeline parallelism"),
     (dict(), r"rank 1 of tensor_parallel_size 2 x pipeline_parallel_size 1 needs "
@@ -272,9 +272,10 @@ def test_bundled_model_refuses_tp2_at_start_naming_the_head_counts(bundled_model
 def test_parallel_runner_refuses_what_it_cannot_run_before_loading(tiny_models, option, message):
     model_dir = tiny_models["tied"]
     model_config = ModelConfig.from_hf_config(load_hf_config(model_dir))
-    # KV transfer is refused for pipeline stages; tensor parallel ranks move their own shard.
-    parallel = ParallelConfig(pipeline_parallel_size=2) if "kv_transfer_config" in option else ParallelConfig(
-        tensor_parallel_size=2)
+    # KV transfer and early-exit drafts are refused for pipeline stages; tensor parallel ranks
+    # move their own shard and run their share of the draft.
+    parallel = (ParallelConfig(pipeline_parallel_size=2) if "kv_transfer_config" in option
+                or "speculative_config" in option else ParallelConfig(tensor_parallel_size=2))
     with pytest.raises((ValueError, RuntimeError), match=message):
         ModelRunner(model_config, model_dir, device="cpu", dtype="float32",
                     parallel_config=parallel, rank=1, **option)

@@ -145,6 +145,15 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def tp_broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
+    """x as TP rank 0 of this stage holds it, on every rank of the group (in place); the
+    identity at one rank."""
+    if _state.tp_size == 1:
+        return x
+    dist.broadcast(x, src=_state.tp_group_ranks[0], group=_state.tp_group)
+    return x
+
+
 def _peer_rank(stage_offset: int) -> int:
     """The global rank with this rank's tp_rank, stage_offset stages away."""
     return (_state.pp_rank + stage_offset) * _state.tp_size + _state.tp_rank

@@ -39,6 +39,7 @@ def test_without_initialisation_everything_is_one_rank():
     x = torch.arange(4.0)
     assert parallel_state.tp_all_reduce(x) is x
     assert parallel_state.tp_all_gather(x) is x
+    assert parallel_state.tp_broadcast_from_first(x) is x
     with pytest.raises(RuntimeError, match="no next stage"):
         parallel_state.send_to_next_stage(x)
 
@@ -51,6 +52,7 @@ def _rank_main(rank: int, port: int, results) -> None:
         parallel_state.initialize_model_parallel(2, 2)
         summed = parallel_state.tp_all_reduce(torch.tensor([float(rank)]))
         gathered = parallel_state.tp_all_gather(torch.tensor([[float(rank)]]), dim=-1)
+        broadcast = parallel_state.tp_broadcast_from_first(torch.tensor([rank, 10 * rank])).tolist()
         received = None
         if parallel_state.is_first_stage():
             parallel_state.send_to_next_stage(torch.full((2, 3), float(rank)))
@@ -64,7 +66,8 @@ def _rank_main(rank: int, port: int, results) -> None:
                      "tp": [parallel_state.get_tp_rank(), parallel_state.get_tp_size()],
                      "pp": [parallel_state.get_pp_rank(), parallel_state.get_pp_size()],
                      "first": parallel_state.is_first_stage(), "last": parallel_state.is_last_stage(),
-                     "summed": summed.tolist(), "gathered": gathered.tolist(), "received": received})
+                     "summed": summed.tolist(), "gathered": gathered.tolist(), "received": received,
+                     "broadcast": broadcast})
         parallel_state.destroy_model_parallel()
         assert not parallel_state.model_parallel_is_initialized()
         dist.destroy_process_group()
@@ -107,5 +110,6 @@ def test_groups_and_collectives_of_a_two_by_two_world():
         stage_ranks = [2 * pp_rank, 2 * pp_rank + 1]
         assert msg["summed"] == [float(sum(stage_ranks))]  # within the stage's TP group only
         assert msg["gathered"] == [[float(r) for r in stage_ranks]]  # in tp_rank order
+        assert msg["broadcast"] == [stage_ranks[0], 10 * stage_ranks[0]]  # the stage's tp rank 0's
         # The same tp_rank of the previous stage sent it.
         assert msg["received"] == (None if pp_rank == 0 else [[float(tp_rank)] * 3] * 2)

@@ -114,9 +114,9 @@ def test_output_rank_is_the_first_rank_of_the_last_pipeline_stage():
 
 
 @pytest.mark.parametrize("parallel, changes, match", [
-    ({"tensor_parallel_size": 2}, {"speculative": SpeculativeConfig(method="early_exit")},
-     "speculative method early_exit is not supported with tensor/pipeline parallelism .world size 2.: its draft is "
-     "the target's own first layers"),
+    ({"pipeline_parallel_size": 2}, {"speculative": SpeculativeConfig(method="early_exit")},
+     "speculative method early_exit is not supported with pipeline parallelism .pipeline_parallel_size 2.: its "
+     "draft is the target's own first layers, on the first stage"),
     ({"pipeline_parallel_size": 2}, {"kv_transfer": KVTransferConfig(role="producer")},
      "KV transfer .role producer. is not supported with pipeline parallelism .pipeline_parallel_size 2."),
 ])
@@ -128,8 +128,11 @@ def test_world_size_above_one_refuses_what_is_not_split_yet(parallel, changes, m
 
 
 @pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
-def test_ranks_may_speculate_with_ngrams_or_a_draft_model(parallel):
-    for speculative in (SpeculativeConfig(method="ngram"), SpeculativeConfig(method="draft_model", draft_model="d")):
+def test_ranks_may_speculate_with_ngrams_a_draft_model_and_under_tp_an_early_exit(parallel):
+    methods = [SpeculativeConfig(method="ngram"), SpeculativeConfig(method="draft_model", draft_model="d")]
+    if "tensor_parallel_size" in parallel:
+        methods.append(SpeculativeConfig(method="early_exit"))
+    for speculative in methods:
         check_parallel_support(make_engine_config(**parallel, distributed_executor_backend="mp")
                                .replace(speculative=speculative))
 

@@ -189,13 +189,16 @@ def spec_stats(llm: LLM) -> dict:
 
 @pytest.mark.parametrize("method, parallel", [("ngram", dict(tensor_parallel_size=2)),
                                               ("draft_model", dict(tensor_parallel_size=2)),
+                                              ("early_exit", dict(tensor_parallel_size=2)),
                                               ("target_as_draft", dict(pipeline_parallel_size=2))],
-                         ids=["ngram-tp2", "draft-model-tp2", "target-as-draft-pp2"])
+                         ids=["ngram-tp2", "draft-model-tp2", "early-exit-tp2", "target-as-draft-pp2"])
 def test_speculation_over_ranks_gives_one_process_greedy_outputs(target_dir, tiny_model_factory, reference, method,
                                                                  parallel):
     """Worker processes (mp): every rank verifies the drafts, the rank that samples drafts
-    (a draft model whole on it). n-grams then draft and are accepted as in one process; the
-    target as its own draft on the last of two stages agrees with every verification."""
+    (a draft model whole on it), and every TP rank runs an early exit's draft passes through
+    its share of the first layers, from the tokens the output rank sampled. n-grams then
+    draft and are accepted as in one process; the target as its own draft on the last of
+    two stages agrees with every verification."""
     config = (spec("draft_model", draft_model=str(target_dir)) if method == "target_as_draft"
               else proposer_config(method, tiny_model_factory))
     llm = LLM(str(target_dir), speculative_config=config, distributed_executor_backend="mp", **parallel, **ENGINE)
@@ -205,6 +208,8 @@ def test_speculation_over_ranks_gives_one_process_greedy_outputs(target_dir, tin
     finally:
         llm.engine.shutdown()
     assert stats["spec_num_draft_tokens"] > 0
+    if method == "early_exit":
+        assert stats["spec_num_accepted_tokens"] > 0  # the loops are found
     if method == "ngram":
         one_process = spec_llm(target_dir, config)
         generate(one_process, reference["prompts"], greedy())
