@@ -58,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--default-chat-template-kwargs", default=None, type=_json_object,
                         help="template variables every chat request gets unless it sets them, as a JSON "
                              "object, e.g. '{\"enable_thinking\": false}'")
+    parser.add_argument("--generation-config", default="auto",
+                        help="where HTTP requests' default sampling comes from (vLLM's flag): 'auto' the model's "
+                             "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty where a "
+                             "request leaves them unset; max_new_tokens bounds every request), 'vllm' none, or a "
+                             "folder holding such a file")
+    parser.add_argument("--override-generation-config", default=None, type=_json_object,
+                        help="sampling defaults that add to or replace the generation config's, as a JSON "
+                             "object, e.g. '{\"temperature\": 0.5}'")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                         help="the served model's tool-call syntax, read for chat requests with tool_choice "
                              "\"auto\" (OpenAI's default when tools are sent); without it \"auto\" is refused")
@@ -208,7 +216,8 @@ async def serve(args: argparse.Namespace) -> None:
     from gateway.validation import load_served_model
     registry_host, registry_port = registry_listen_address(args)
     model = load_served_model(args.model, args.served_model_name, args.chat_template,
-                              args.default_chat_template_kwargs, args.trust_request_chat_template)
+                              args.default_chat_template_kwargs, args.trust_request_chat_template,
+                              args.generation_config, args.override_generation_config)
     server = GatewayServer(model, settings_from_args(args), host=args.host, port=args.port,
                            max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, registry_port=registry_port,

@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.engine.bad_words import with_bad_words_token_ids
 from common.engine.block_hash import check_cache_salt
+from common.engine.generation_config import SamplingDefaults, load_sampling_defaults
 from common.engine.model_files import BUNDLED_MODEL_NAME, load_hf_config, resolve_model
 from common.engine.sampling_params import truncate_prompt, validate_prompt_token_ids
 from common.service.errors import invalid
 from common.text.chat_template import ChatTemplateOptions
 from common.text.prompt_tokenizer import load_prompt_tokenizer
 from gateway.types import EmbedInput, GenerateInput, PreparedEmbedding, PreparedRequest
+
+logger = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 256
 # Chat messages per request: the chat template runs once per message, on the event
@@ -43,6 +47,9 @@ class ServedModel:
     # Whether a request may bring its own chat template (--trust-request-chat-template): a
     # template is code the renderer runs, sandboxed, so a server takes them only when told to.
     trust_request_chat_template: bool = False
+    # The model's recommended sampling, for HTTP requests that leave a field unset
+    # (--generation-config, --override-generation-config).
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
     @property
     def has_chat_template(self) -> bool:
@@ -52,11 +59,18 @@ class ServedModel:
 
 def load_served_model(model: str | None, served_model_name: str | None = None, chat_template: str | None = None,
                       default_chat_template_kwargs: dict | None = None,
-                      trust_request_chat_template: bool = False) -> ServedModel:
+                      trust_request_chat_template: bool = False, generation_config: str = "auto",
+                      override_generation_config: dict | None = None) -> ServedModel:
     """The tokenizer and limits of `model`, named as the instances name it
     (common.service.flags.served_model_name: --served-model-name, else --model). chat_template:
-    a Jinja template (or a file holding one) used instead of the model's own."""
+    a Jinja template (or a file holding one) used instead of the model's own.
+    generation_config / override_generation_config: where requests' sampling defaults come
+    from (common.engine.generation_config)."""
     model_dir = resolve_model(model)
+    sampling_defaults = load_sampling_defaults(model_dir, generation_config, override_generation_config)
+    if sampling_defaults:  # as vLLM says it: a request without them samples differently
+        logger.warning("requests' default sampling is the model's generation config (%s); "
+                       "--generation-config vllm turns it off", sampling_defaults.describe())
     config = load_hf_config(model_dir)
     tokenizer = load_prompt_tokenizer(model_dir)
     if chat_template is not None:
@@ -72,7 +86,8 @@ def load_served_model(model: str | None, served_model_name: str | None = None, c
                        max_position_embeddings=config.get("max_position_embeddings", 2048),
                        vocab_size=config.get("vocab_size") or tokenizer.vocab_size,
                        default_chat_template_kwargs=default_chat_template_kwargs or None,
-                       trust_request_chat_template=trust_request_chat_template)
+                       trust_request_chat_template=trust_request_chat_template,
+                       sampling_defaults=sampling_defaults)
 
 
 def read_chat_template(value: str) -> str:

@@ -12,7 +12,9 @@ from common.engine.block_hash import check_cache_salt
 from common.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from common.engine.config import make_engine_config
 from common.engine.engine_core import EngineCore
+from common.engine.generation_config import load_sampling_defaults
 from common.engine.lora.request import LoRARequest
+from common.engine.model_files import resolve_model
 from common.engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprobs,
                                    RequestOutput, ScoringOutput, ScoringRequestOutput)
 from common.engine.pooling_params import PoolingParams
@@ -55,19 +57,35 @@ def _cache_salt(prompt: PromptType) -> str | None:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_options):
+    def __init__(self, model: str | None = None, generation_config: str = "auto",
+                 override_generation_config: dict | None = None, **engine_options):
         """engine_options: see common.engine.config.make_engine_config (dtype, device, seed, block_size,
         kv_cache_memory, num_kv_blocks, max_model_len, max_num_seqs, max_num_batched_tokens,
         enable_prefix_caching, enable_chunked_prefill, num_scheduler_steps, speculative_config: a
         SpeculativeConfig or its dict, e.g. {"method": "ngram", "num_speculative_tokens": 4};
-        pooler_config: embeddings' pooling over the model's own, e.g. {"pooling_type": "MEAN"})."""
+        pooler_config: embeddings' pooling over the model's own, e.g. {"pooling_type": "MEAN"}).
+        generation_config / override_generation_config (vLLM's): where get_default_sampling_params
+        takes its values ("auto": the model's generation_config.json; "vllm": none; a folder)."""
         config = make_engine_config(model, **engine_options)
+        # Checked before the engine loads anything: a bad file or flag costs no start-up.
+        sampling_defaults = load_sampling_defaults(resolve_model(config.model), generation_config,
+                                                   override_generation_config)
         self.engine = EngineCore(config)
+        self.sampling_defaults = sampling_defaults
         # tokenizer.json and the chat template without AutoTokenizer: ~1.8 s less start-up.
         self.tokenizer = load_prompt_tokenizer(self.engine.model_dir)
         self.eos_token_ids = tuple(sorted(set(self.engine.model_config.eos_token_ids)
                                           | set(self.tokenizer.eos_token_ids)))
         self._req_counter = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what generate samples with when given no sampling_params: SamplingParams()
+        with the model's generation config's values (its max_new_tokens as max_tokens)."""
+        defaults = self.sampling_defaults
+        values = {**defaults.sampling, **({"max_tokens": defaults.max_tokens} if defaults.max_tokens else {})}
+        if values.get("top_k") == 0:  # transformers' "no top-k"
+            values["top_k"] = -1
+        return SamplingParams(**values)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's LLM.reset_prefix_cache): the next generate
@@ -129,7 +147,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         elif len(sampling_params) != len(prompts):

@@ -28,6 +28,7 @@ from typing import Any
 
 from common.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from common.engine.block_hash import MAX_CACHE_SALT_CHARS, check_cache_salt
+from common.engine.generation_config import SamplingDefaults
 from common.engine.sampling_params import (
     MAX_ABS_LOGIT_BIAS,
     MAX_BAD_WORD_CHARS,
@@ -68,6 +69,7 @@ from gateway.types import EmbedInput, GenerateInput
 from gateway.validation import MAX_CHAT_MESSAGES
 
 MAX_CHOICES = 128  # n times the number of prompts: OpenAI's own cap on n
+NO_DEFAULTS = SamplingDefaults()
 # Integer fields are bounded by the width of the protobuf field they travel in to the
 # instances (common.proto's SamplingParams): a larger value was a ValueError and a 500.
 INT32 = (-2**31, 2**31 - 1)
@@ -559,10 +561,14 @@ def checked_fields(data: dict, fields: dict[str, Callable], where: str = "") -> 
 
 
 def parse_request(body: bytes, chat: bool, tool_parser: ToolCallParser | None = None,
-                  response_role: str = "assistant") -> ParsedRequest:
+                  response_role: str = "assistant", defaults: SamplingDefaults = NO_DEFAULTS) -> ParsedRequest:
     """A completions or chat body, checked; `tool_parser`: the server's for tool_choice "auto";
-    `response_role`: the role a chat answer speaks as after a generation prompt (--response-role)."""
+    `response_role`: the role a chat answer speaks as after a generation prompt (--response-role);
+    `defaults`: the model's sampling where the request leaves a field unset, and its bound on
+    max_tokens (--generation-config; a beam search takes only the bound, as it samples nothing)."""
     values = checked_fields(parse_body(body), CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    if not values.get("use_beam_search", False):
+        values = {**defaults.sampling, **values}
     get = values.get
     if "model" not in values:
         raise invalid_field("model", "is required: the name /v1/models lists", code="missing_field")
@@ -601,6 +607,8 @@ def parse_request(body: bytes, chat: bool, tool_parser: ToolCallParser | None = 
         if get("best_of", n) != n:
             raise invalid_field("best_of", f"must equal n ({n}) if set: ranking candidates is not supported",
                                 code="unsupported_value")
+    if defaults.max_tokens is not None:
+        max_tokens = min(max_tokens or defaults.max_tokens, defaults.max_tokens)
     if n * parsed.num_prompts > MAX_CHOICES:
         raise invalid_field("n", f"n ({n}) times the number of prompts ({parsed.num_prompts}) must be at most "
                                  f"{MAX_CHOICES}")

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.engine.sampling_params import SamplingParams
 from gateway.openai_api.errors import ApiError, invalid_field
 from gateway.openai_api.protocol import (
     COMMON_FIELDS,
@@ -49,7 +50,6 @@ from gateway.types import GenerationDelta
 MAX_STORED_RESPONSES = 1024
 MAX_STORED_CHARS = 64 * 1024 * 1024
 MAX_INPUT_ITEMS = 2048
-DEFAULT_SAMPLING = {"temperature": 1.0, "top_p": 1.0}  # echoed where the request left them unset
 
 
 @described({"anyOf": [{"type": "string"}, {"type": "array", "maxItems": MAX_INPUT_ITEMS, "items": {"type": "object"}}],
@@ -373,9 +373,10 @@ def responses_usage(chat_usage: dict) -> dict:
             "total_tokens": chat_usage["total_tokens"]}
 
 
-def response_object(request: ResponsesRequest, model_name: str, status: str, output: list[dict],
-                    usage: dict | None, error: dict | None = None) -> dict:
-    """The Response, with the request's settings echoed as OpenAI echoes them."""
+def response_object(request: ResponsesRequest, model_name: str, sampling: SamplingParams, status: str,
+                    output: list[dict], usage: dict | None, error: dict | None = None) -> dict:
+    """The Response, with the request's settings echoed as OpenAI echoes them (temperature and
+    top_p as sampled: the request's, else the model's generation config's, else 1)."""
     values = request.values
     tools = [{"type": "function", **tool["function"]} for tool in chat_tools(values.get("tools", []))]
     text_format = values.get("text", {}).get("format") or {"type": "text"}
@@ -388,19 +389,20 @@ def response_object(request: ResponsesRequest, model_name: str, status: str, out
         "parallel_tool_calls": values.get("parallel_tool_calls", True),
         "previous_response_id": values.get("previous_response_id"), "reasoning": None,
         "service_tier": values.get("service_tier", "auto"), "store": request.store,
-        "temperature": values.get("temperature", DEFAULT_SAMPLING["temperature"]),
+        "temperature": sampling.temperature,
         "text": {"format": text_format}, "tool_choice": values.get("tool_choice", "auto"), "tools": tools,
-        "top_p": values.get("top_p", DEFAULT_SAMPLING["top_p"]), "truncation": "disabled",
+        "top_p": sampling.top_p, "truncation": "disabled",
         "usage": usage, "user": values.get("user"), "metadata": values.get("metadata", {}),
     }
 
 
-def completed_response(request: ResponsesRequest, model_name: str, chat_response: dict) -> tuple[dict, list[dict]]:
+def completed_response(request: ResponsesRequest, model_name: str, chat_response: dict,
+                       sampling: SamplingParams) -> tuple[dict, list[dict]]:
     """A whole chat completion as the Response, and the conversation to store with it."""
     choice = chat_response["choices"][0]
     output = output_items(choice["message"], choice["finish_reason"])
     status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-    response = response_object(request, model_name, status, output, responses_usage(chat_response["usage"]))
+    response = response_object(request, model_name, sampling, status, output, responses_usage(chat_response["usage"]))
     return response, conversation_after(request, output)
 
 
@@ -419,6 +421,7 @@ class ResponseEvents:
     def __init__(self, builder: ResponseBuilder, request: ResponsesRequest, model_name: str,
                  on_completed: Callable[[dict, list[dict]], None]):
         self.builder, self.request, self.model_name = builder, request, model_name
+        self.sampling = builder.request.sampling
         self.on_completed = on_completed
         self.sequence_number = 0
         self.output: list[dict] = []  # every item so far, as it stands
@@ -435,7 +438,7 @@ class ResponseEvents:
         payload = self.builder.chunk_payload(index, delta)
         events = []
         if self.sequence_number == 0:
-            response = response_object(self.request, self.model_name, "in_progress", [], None)
+            response = response_object(self.request, self.model_name, self.sampling, "in_progress", [], None)
             events += [self._event("response.created", response=response),
                        self._event("response.in_progress", response=response)]
         choice = payload["choices"][0]
@@ -519,12 +522,12 @@ class ResponseEvents:
         """The last event: the whole Response, completed (stored), incomplete or failed."""
         if error is not None:
             events = self._close_text() + self._close_calls()
-            response = response_object(self.request, self.model_name, "failed", self.output,
+            response = response_object(self.request, self.model_name, self.sampling, "failed", self.output,
                                        responses_usage(self.builder.usage()),
                                        error={"code": error.code or "server_error", "message": error.message})
             return b"".join(events) + self._event("response.failed", response=response)
         status = "incomplete" if self.finish_reason == "length" else "completed"
-        response = response_object(self.request, self.model_name, status, self.output,
+        response = response_object(self.request, self.model_name, self.sampling, status, self.output,
                                    responses_usage(self.builder.usage()))
         self.on_completed(response, conversation_after(self.request, self.output))
         return self._event(f"response.{status}", response=response)

@@ -383,11 +383,12 @@ class OpenAIServer:
                 asked.continue_stored(self.response_store)
                 try:
                     parsed = await _parsed(parse_request, json_bytes(asked.chat_body()), True, self.tool_parser,
-                                           self.response_role)
+                                           self.response_role, self.gateway.model.sampling_defaults)
                 except ApiError as e:
                     raise as_responses_error(e) from None
             else:
-                parsed = await _parsed(parse_request, body, chat, self.tool_parser, self.response_role)
+                parsed = await _parsed(parse_request, body, chat, self.tool_parser, self.response_role,
+                                       self.gateway.model.sampling_defaults)
             model_name = self._check_model(parsed.model)
             if chat and self.reasoning_end_token_ids:
                 await self._constrain_after_reasoning(parsed)
@@ -406,7 +407,7 @@ class OpenAIServer:
                 results = await _until_disconnect(request, generate_choices(self.gateway, inputs))
             answer = builder.full_response(results)
             if asked is not None:
-                answer, conversation = completed_response(asked, model_name, answer)
+                answer, conversation = completed_response(asked, model_name, answer, parsed.sampling)
                 self._stored_by(asked)(answer, conversation)
             return Response(json_bytes(answer), media_type="application/json")
         except ServiceError as e:  # Gateway.stream counted it

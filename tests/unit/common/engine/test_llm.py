@@ -51,3 +51,19 @@ def test_a_text_prompt_dict_is_its_text(llm):
     by_text = llm.generate(text, SamplingParams(max_tokens=3, temperature=0.0))[0]
     assert by_dict.prompt == text and by_dict.prompt_token_ids == by_text.prompt_token_ids
     assert by_dict.outputs[0].token_ids == by_text.outputs[0].token_ids
+
+
+def test_generate_without_sampling_params_samples_as_the_models_generation_config(llm, tiny_model_factory, tmp_path):
+    assert llm.get_default_sampling_params() == SamplingParams()  # the tiny model has no generation config
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.0, "top_k": 0, "max_new_tokens": 5}')
+    configured = LLM(model=str(tiny_model_factory("tiny-llama", "llama")), num_kv_blocks=64, block_size=8,
+                     enforce_eager=True, generation_config=str(tmp_path))
+    try:
+        assert configured.get_default_sampling_params() == SamplingParams(temperature=0.0, top_k=-1, max_tokens=5)
+        prompt = {"prompt_token_ids": PROMPT}
+        greedy = configured.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5))[0].outputs[0]
+        assert configured.generate(prompt)[0].outputs[0].token_ids == greedy.token_ids and len(greedy.token_ids) == 5
+    finally:
+        configured.engine.shutdown()
+    with pytest.raises(ValueError, match=r"--override-generation-config: unknown field 'seed'"):
+        LLM(model=str(tiny_model_factory("tiny-llama", "llama")), override_generation_config={"seed": 1})

@@ -608,3 +608,31 @@ def test_bench_serve_openai_backend_counts_tokens_exactly(tmp_path):
     assert {(r.sampling.max_tokens, r.sampling.ignore_eos) for r in sent[1:]} == {(7, True)}
     assert main(["--backend", "openai", "--base-url", "http://127.0.0.1:1", "--num-prompts", "1",
                  "--disable-tqdm"]) == 1
+
+
+def test_the_models_generation_config_fills_what_a_request_leaves_unset(tmp_path):
+    """vLLM's --generation-config auto: the model's sampling where a request leaves a field
+    unset, its max_new_tokens a bound on every request; 'vllm' leaves requests as sent."""
+    from gateway.validation import load_served_model
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 3}))
+    messages = [{"role": "user", "content": "Hi"}]
+    with http_gateway(model=load_served_model(None, generation_config=str(tmp_path)), token_ids=TOKENS) as gw:
+        client = openai.OpenAI(base_url=f"http://{gw.http_address}/v1", api_key="unused", max_retries=0)
+
+        def sent():
+            sampling = gw.call(lambda: gw.fake.servicer.requests[-1].sampling)
+            return (pytest.approx(sampling.temperature), pytest.approx(sampling.top_p), sampling.top_k,
+                    sampling.max_tokens)
+        client.chat.completions.create(model=MODEL, messages=messages)
+        assert sent() == (0.6, 0.95, 20, 3)
+        client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=10)
+        assert sent() == (0.0, 0.95, 20, 3)  # the request's own value wins; the bound holds
+        client.completions.create(model=MODEL, prompt="Hi", top_p=0.5, max_tokens=2)
+        assert sent() == (0.6, 0.5, 20, 2)
+        assert client.responses.create(model=MODEL, input="Hi").temperature == pytest.approx(0.6)
+    with http_gateway(model=load_served_model(None, generation_config="vllm"), token_ids=TOKENS) as plain:
+        client = openai.OpenAI(base_url=f"http://{plain.http_address}/v1", api_key="unused", max_retries=0)
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+        sampling = plain.call(lambda: plain.fake.servicer.requests[-1].sampling)
+        assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_tokens) == (1.0, 1.0, -1, 4)
