@@ -243,6 +243,9 @@ def openapi_document(served_model_names: list[str], version: str = "0.1.0",
             "/detokenize": {"post": _json_operation("Token ids as text", "DetokenizeRequest", DETOKENIZE_RESPONSE)},
             "/health": {"get": _status_operation("Liveness", "The gateway is draining to stop")},
             "/ready": {"get": _status_operation("Readiness", "No decode instance is alive, or draining")},
+            "/metrics": {"get": {"summary": "The gateway's Prometheus metrics (text exposition format)",
+                                 "responses": {"200": {"description": "ok", "content": {
+                                     "text/plain": {"schema": {"type": "string"}}}}}}},
             "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {
                 "description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
             **lora_paths,

@@ -10,6 +10,7 @@ gateway's own event loop, next to the gRPC server, on the same Gateway object.
     GET  /health (liveness)     GET  /ready (readiness)
     POST /tokenize              POST /detokenize            (vLLM's: prompt <-> token ids)
     GET  /openapi.json          (this API's OpenAPI 3.1 document: openapi.py)
+    GET  /metrics               (the gateway's Prometheus metrics, as on --metrics-port)
     POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter (vLLM's; only with
                                 --allow-runtime-lora-updating: lora_adapters.py)
 
@@ -46,6 +47,7 @@ from typing import Any
 
 import grpc
 import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -151,6 +153,7 @@ class OpenAIServer:
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
             *([Route(LOAD_PATH, self.load_lora_adapter, methods=["POST"]),
                Route(UNLOAD_PATH, self.unload_lora_adapter, methods=["POST"])] if allow_runtime_lora_updating else []),
         ], exception_handlers={HTTPException: _http_exception, Exception: _internal_error})
@@ -358,6 +361,11 @@ class OpenAIServer:
                 model_names, PDSERVE_VERSION, self.gateway.model.trust_request_chat_template,
                 self.allow_runtime_lora_updating)))
         return Response(self._openapi_json[1], media_type="application/json")
+
+    async def metrics(self, request: Request) -> Response:
+        """The gateway's Prometheus metrics on the API port too, where vLLM serves them (a
+        scrape config written for vLLM works); --metrics-port serves the same registry."""
+        return Response(generate_latest(self.gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def health(self, request: Request) -> Response:
         """Liveness: the process serves (503 only once it drains to stop)."""

@@ -92,3 +92,24 @@ def test_a_429_from_admission_control_is_counted_once_as_resource_exhausted():
         wait_for(lambda: gw.call(lambda: admission.num_running) == 0, what="the first request to end")
     assert after["RESOURCE_EXHAUSTED"] - before.get("RESOURCE_EXHAUSTED", 0) == 1
     assert sum(after.values()) - sum(before.values()) == 1
+
+
+def test_the_api_port_serves_the_same_metrics_as_the_metrics_port_without_a_key():
+    """GET /metrics on the HTTP API port (where vLLM serves them), open as the probes are."""
+    from gateway.api_keys import ApiKeys
+    with BackgroundGateway(GatewaySettings(heartbeat_timeout_s=30.0), metrics_port=0) as gw:
+        gw.add_fake_decode("decode-0", token_ids=TOKENS)
+        server = gw.call(lambda: OpenAIServer(gw.gateway, port=0, api_keys=ApiKeys(["secret"])))
+        address = gw.call(server.start())
+        try:
+            assert post(address, "/v1/completions", {"model": MODEL, "prompt": "hi"})[0] == 401
+            with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+                content_type, text = response.headers["content-type"], response.read().decode()
+        finally:
+            gw.call(server.stop())
+        with urllib.request.urlopen(f"http://{gw.server.metrics_address}/metrics", timeout=10) as response:
+            families = {line.split()[2] for line in response.read().decode().splitlines()
+                        if line.startswith("# TYPE")}
+    assert content_type.startswith("text/plain")
+    assert 'pdserve_requests_total{status="UNAUTHENTICATED"} 1.0' in text.splitlines()
+    assert {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")} == families
