@@ -98,9 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None,
                         help="GGUF file or Hugging Face directory (tokenizer and config only; no "
                              "weights are loaded); default: bundled SmolLM2-135M-Instruct")
-    parser.add_argument("--served-model-name", default=None,
+    parser.add_argument("--served-model-name", default=None, nargs="+",
                         help="name requests and ModelInfo use for the model; default: --model, or the "
-                             "bundled model's name (the instances register the same)")
+                             "bundled model's name (the instances register the same). Several names (vLLM's "
+                             "form): requests may use any, answers and ModelInfo name the first, /v1/models "
+                             "lists each")
     parser.add_argument("--policy", default="prefix_aware", choices=POLICIES,
                         help="how to choose the prefill instance")
     parser.add_argument("--load-weight", type=float, default=1.0,

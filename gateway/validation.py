@@ -47,6 +47,8 @@ class ServedModel:
     # Whether a request may bring its own chat template (--trust-request-chat-template): a
     # template is code the renderer runs, sandboxed, so a server takes them only when told to.
     trust_request_chat_template: bool = False
+    # --served-model-name's names after the first, each listed by /v1/models as vLLM lists them
+    other_served_names: tuple[str, ...] = ()
     # The model's recommended sampling, for HTTP requests that leave a field unset
     # (--generation-config, --override-generation-config).
     sampling_defaults: SamplingDefaults = SamplingDefaults()
@@ -57,7 +59,8 @@ class ServedModel:
         return bool(getattr(self.tokenizer, "chat_template", None) or getattr(hf_tokenizer, "chat_template", None))
 
 
-def load_served_model(model: str | None, served_model_name: str | None = None, chat_template: str | None = None,
+def load_served_model(model: str | None, served_model_name: str | list[str] | None = None,
+                      chat_template: str | None = None,
                       default_chat_template_kwargs: dict | None = None,
                       trust_request_chat_template: bool = False, generation_config: str = "auto",
                       override_generation_config: dict | None = None) -> ServedModel:
@@ -78,11 +81,13 @@ def load_served_model(model: str | None, served_model_name: str | None = None, c
         tokenizer.chat_template = read_chat_template(chat_template)
     if default_chat_template_kwargs is not None:
         ChatTemplateOptions(chat_template_kwargs=default_chat_template_kwargs)  # the same checks a request's get
-    name = served_model_name or model or BUNDLED_MODEL_NAME
-    aliases = {name, model or BUNDLED_MODEL_NAME, str(model_dir), model_dir.name}
+    served_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    name = (served_names or [None])[0] or model or BUNDLED_MODEL_NAME
+    aliases = {name, *served_names, model or BUNDLED_MODEL_NAME, str(model_dir), model_dir.name}
     if model in (None, "", "bundled", BUNDLED_MODEL_NAME):
         aliases |= {"bundled", BUNDLED_MODEL_NAME}
     return ServedModel(name=name, aliases=frozenset(aliases), model_dir=model_dir, tokenizer=tokenizer,
+                       other_served_names=tuple(n for n in dict.fromkeys(served_names) if n != name),
                        max_position_embeddings=config.get("max_position_embeddings", 2048),
                        vocab_size=config.get("vocab_size") or tokenizer.vocab_size,
                        default_chat_template_kwargs=default_chat_template_kwargs or None,

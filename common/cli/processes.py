@@ -51,9 +51,11 @@ def route_flags(flags: list[str]) -> dict[str, list[str]]:
         owners = [c for c, parser in parsers.items() if flag in parser._option_string_actions]
         if not owners:
             raise ValueError(f"unknown flag {flags[i]!r}: none of pdserve gateway, prefill, decode takes it")
-        takes_value = parsers[owners[0]]._option_string_actions[flag].nargs != 0
-        count = 2 if takes_value and not has_inline_value else 1
-        if i + count > len(flags):
+        nargs = parsers[owners[0]]._option_string_actions[flag].nargs
+        count = 2 if nargs != 0 and not has_inline_value else 1
+        if nargs in ("+", "*") and not has_inline_value:  # its values run to the next flag
+            count = next((j for j in range(i + 1, len(flags)) if flags[j].startswith("-")), len(flags)) - i
+        if i + count > len(flags) or (nargs == "+" and count == 1 and not has_inline_value):
             raise ValueError(f"{flag} needs a value")
         for command in owners:
             routed[command] += flags[i:i + count]

@@ -38,11 +38,18 @@ class EnvDefaultsParser(argparse.ArgumentParser):
                     action.default = raw.lower() in ("1", "true", "yes", "on")
                 else:
                     try:
-                        action.default = action.type(raw) if action.type else raw
+                        action.default = _env_value(action, raw)
                     except (TypeError, ValueError):
                         self.error(f"{env_name}={raw!r} is not a valid value for {action.option_strings[0]}")
             if action.help and action.help is not argparse.SUPPRESS:
                 action.help += f" [env {env_name}]"
+
+
+def _env_value(action: argparse.Action, raw: str):
+    convert = action.type or str
+    if action.nargs in ("+", "*"):  # several values, space-separated as on a command line
+        return [convert(value) for value in raw.split()] or None
+    return convert(raw)
 
 
 def gateway_addresses(value: str) -> list[str]:
@@ -85,8 +92,9 @@ def make_parser(role: str, description: str) -> argparse.ArgumentParser:
                         "environment variable to the command line")
     g.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
-    g.add_argument("--served-model-name", default=None,
-                   help="model name registered with the gateway; default: --model, or the bundled model's name")
+    g.add_argument("--served-model-name", default=None, nargs="+",
+                   help="model name registered with the gateway (of several, vLLM's form, the first: the "
+                        "gateway answers to all); default: --model, or the bundled model's name")
     add_metrics_args(g)
     add_logging_args(g)
     add_engine_args(parser)
@@ -94,8 +102,11 @@ def make_parser(role: str, description: str) -> argparse.ArgumentParser:
 
 
 def served_model_name(args: argparse.Namespace) -> str:
+    """The name an instance registers: --served-model-name's first, else --model."""
     from common.engine.model_files import BUNDLED_MODEL_NAME
-    return args.served_model_name or args.model or BUNDLED_MODEL_NAME
+    names = args.served_model_name
+    first = names if isinstance(names, str) else (names or [None])[0]  # a Namespace made in code may hold one
+    return first or args.model or BUNDLED_MODEL_NAME
 
 
 def advertise_host(args: argparse.Namespace) -> str:

@@ -273,8 +273,10 @@ class OpenAIServer:
 
     async def model(self, request: Request) -> Response:
         """OpenAI's model retrieval: the served model or an adapter by a name /v1/models lists, else a 404."""
+        name = request.path_params["model"]
         try:
-            name = self._check_model(request.path_params["model"])
+            if name not in self.gateway.model.other_served_names:
+                name = self._check_model(name)
         except ApiError as e:
             return _error(e)
         return _json(self._model_card(name))
@@ -287,7 +289,9 @@ class OpenAIServer:
         info = self.gateway.deployment_info()
         card = {"id": info.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
                 "max_model_len": info.max_model_len}
-        if name is not None and name != info.model_name:
+        if name in self.gateway.model.other_served_names:
+            card.update(id=name)
+        elif name is not None and name != info.model_name:
             card.update(id=name, root=name, parent=info.model_name)
         return card
 
@@ -515,8 +519,10 @@ class OpenAIServer:
         return b"".join(chunks)
 
     def _model_names(self) -> list[str]:
-        """What a request's model may name: the served model, then each LoRA adapter some instance serves."""
-        return [self._served_model_name(), *self.gateway.registry.lora_names()]
+        """What /v1/models lists: the served model (under each of --served-model-name's names),
+        then each LoRA adapter some instance serves."""
+        return [self._served_model_name(), *self.gateway.model.other_served_names,
+                *self.gateway.registry.lora_names()]
 
     def _served_model_name(self) -> str:
         return self.gateway.registry.model_name or self.gateway.model.name  # as ModelInfo says

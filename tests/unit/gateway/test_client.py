@@ -143,7 +143,12 @@ def test_up_routes_each_flag_to_the_commands_that_define_it():
     assert routed["gateway"] == ["--policy=round_robin", "--model", "m.gguf", "--heartbeat-timeout", "3"]
     assert routed["prefill"] == routed["decode"] == ["--kv-cache-memory", "256MiB", "--no-prefix-caching",
                                                      "--model", "m.gguf"]
+    # A flag of several values (vLLM's --served-model-name A B) takes them all, to the next flag.
+    routed = route_flags(["--served-model-name", "gpt-4o", "smol", "--policy", "round_robin"])
+    assert routed["gateway"] == ["--served-model-name", "gpt-4o", "smol", "--policy", "round_robin"]
+    assert routed["decode"] == ["--served-model-name", "gpt-4o", "smol"]
     for flags, error in [(["--bogus"], "unknown flag"), (["--instance-id", "x"], "differs per process"),
-                         (["--model"], "needs a value")]:
+                         (["--model"], "needs a value"), (["--served-model-name"], "needs a value"),
+                         (["--served-model-name", "--policy", "round_robin"], "needs a value")]:
         with pytest.raises(ValueError, match=error):
             route_flags(flags)

@@ -50,3 +50,14 @@ def test_the_pooler_config_flag_reaches_both_roles_engines():
         assert engine_config_from_args(parser.parse_args(flag)).pooler_config == {"pooling_type": "MEAN",
                                                                                    "normalize": False}
         assert engine_config_from_args(parser.parse_args([])).pooler_config is None
+
+
+def test_several_served_model_names_register_the_first_and_come_from_the_environment_too(monkeypatch):
+    from common.service.flags import served_model_name
+    from gateway.main import build_parser as gateway_parser
+    args = decode_parser().parse_args(["--served-model-name", "gpt-4o", "smol"])
+    assert (args.served_model_name, served_model_name(args)) == (["gpt-4o", "smol"], "gpt-4o")
+    assert served_model_name(decode_parser().parse_args(["--model", "m"])) == "m"
+    monkeypatch.setenv("PDSERVE_SERVED_MODEL_NAME", "gpt-4o smol")  # space-separated, as on a command line
+    assert gateway_parser().parse_args([]).served_model_name == ["gpt-4o", "smol"]
+    assert served_model_name(prefill_parser().parse_args([])) == "gpt-4o"

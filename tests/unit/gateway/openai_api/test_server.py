@@ -636,3 +636,18 @@ def test_the_models_generation_config_fills_what_a_request_leaves_unset(tmp_path
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
         sampling = plain.call(lambda: plain.fake.servicer.requests[-1].sampling)
         assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_tokens) == (1.0, 1.0, -1, 4)
+
+
+def test_several_served_model_names_are_each_listed_and_each_answered():
+    """vLLM's --served-model-name A B: requests may use either, answers name the first,
+    /v1/models lists both; any other name is still a 404."""
+    from gateway.validation import load_served_model
+    with http_gateway(model=load_served_model(None, served_model_name=["gpt-4o", "smol"]), token_ids=TOKENS) as gw:
+        client = openai.OpenAI(base_url=f"http://{gw.http_address}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["gpt-4o", "smol"]
+        assert client.models.retrieve("smol").id == "smol"
+        for name in ("gpt-4o", "smol"):
+            assert client.completions.create(model=name, prompt="Hi", max_tokens=2).model == "gpt-4o"
+        status, error = post(gw.http_address, "/v1/completions", {"model": "other", "prompt": "Hi"})
+        assert (status, error["error"]["code"]) == (404, "model_not_found")
+        assert post(gw.http_address, "/v1/models/other", b"", method="GET")[0] == 404
