@@ -12,6 +12,9 @@ runs any chat completion (placement, structured outputs, tool and reasoning pars
 with one output_text part, function_call items; status "incomplete" where
 max_output_tokens cut it short. A stream is the Responses events (`ResponseEvents`).
 
+`include: ["message.output_text.logprobs"]` (or `top_logprobs` alone) puts the chat
+answer's token logprobs on the message's output_text, with top_logprobs alternatives each.
+
 A stored response (`store`, default true) lives in this gateway's memory (`ResponseStore`:
 the newest MAX_STORED_RESPONSES, at most MAX_STORED_CHARS of conversation in all): a
 gateway restart or another gateway replica does not know it. Built-in tools (web search,
@@ -28,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.engine.sampling_params import SamplingParams
+from common.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from gateway.openai_api.errors import ApiError, invalid_field
 from gateway.openai_api.protocol import (
     COMMON_FIELDS,
@@ -73,6 +76,21 @@ def text_value(param: str, value: Any) -> dict:
     return value
 
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+@described({"type": "array", "items": {"enum": [LOGPROBS_INCLUDE]},
+            "description": "extra output: the answer's token logprobs (with top_logprobs alternatives each)"})
+def include_value(param: str, value: Any) -> list[str]:
+    if not isinstance(value, list):
+        raise invalid_field(param, "must be an array", code="invalid_type")
+    for i, item in enumerate(value):
+        if item != LOGPROBS_INCLUDE:
+            raise invalid_field(f"{param}[{i}]", f"{json.dumps(item)} is not supported; only "
+                                                 f"\"{LOGPROBS_INCLUDE}\" is", code="unsupported_value")
+    return value
+
+
 # Sampling fields vLLM's Responses API takes beyond OpenAI's, checked as chat checks them.
 PASSTHROUGH_FIELDS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
                       "stop", "ignore_eos", "priority", "cache_salt", "user")
@@ -90,8 +108,9 @@ RESPONSES_FIELDS: dict[str, Callable] = {
                        "named function"}),
     "parallel_tool_calls": boolean,
     "text": text_value, "safety_identifier": string, "prompt_cache_key": string, "service_tier": string,
-    "truncation": neutral("disabled"), "background": neutral(False), "include": neutral([]),
-    "reasoning": neutral(), "top_logprobs": neutral(0), "max_tool_calls": neutral(), "prompt": neutral(),
+    "truncation": neutral("disabled"), "background": neutral(False), "include": include_value,
+    "reasoning": neutral(), "top_logprobs": integer(0, MAX_LOGPROBS), "max_tool_calls": neutral(),
+    "prompt": neutral(),
     "conversation": neutral(), "stream_options": neutral(),
     **{name: COMMON_FIELDS[name] for name in PASSTHROUGH_FIELDS},
 }
@@ -264,6 +283,11 @@ class ResponsesRequest:
     def store(self) -> bool:
         return self.values.get("store", True)
 
+    @property
+    def wants_logprobs(self) -> bool:
+        """The answer's token logprobs: asked by include, or by top_logprobs alone (vLLM's)."""
+        return LOGPROBS_INCLUDE in self.values.get("include", []) or "top_logprobs" in self.values
+
     def continue_stored(self, store: ResponseStore) -> None:
         """With previous_response_id: that response's conversation before this input."""
         previous_id = self.values.get("previous_response_id")
@@ -285,6 +309,8 @@ class ResponsesRequest:
         chat |= {name: values[name] for name in PASSTHROUGH_FIELDS if name in values}
         if values.get("stream"):
             chat["stream_options"] = {"include_usage": True}
+        if self.wants_logprobs:
+            chat |= {"logprobs": True, "top_logprobs": values.get("top_logprobs", 0)}
         if "tools" in values:
             chat["tools"] = chat_tools(values["tools"])
         if "tool_choice" in values:
@@ -325,30 +351,33 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
-    return {"type": "message", "id": item_id or _item_id("msg"), "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+def message_item(text: str, status: str = "completed", logprobs: list[dict] | None = None) -> dict:
+    return {"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
-def reasoning_item(text: str, item_id: str | None = None) -> dict:
-    return {"type": "reasoning", "id": item_id or _item_id("rs"), "summary": [],
+def reasoning_item(text: str) -> dict:
+    return {"type": "reasoning", "id": _item_id("rs"), "summary": [],
             "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
 
 
-def function_call_item(call: dict, item_id: str | None = None, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": item_id or _item_id("fc"), "call_id": call["id"],
+def function_call_item(call: dict, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": _item_id("fc"), "call_id": call["id"],
             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
 
-def output_items(message: dict, finish_reason: str | None) -> list[dict]:
-    """A chat answer's message as Response output items."""
+def output_items(choice: dict) -> list[dict]:
+    """A chat answer's choice as Response output items (its token logprobs, where asked, on
+    the message's text: they are the chat choice's, every generated token's)."""
+    message = choice["message"]
     items = []
     if message.get("reasoning"):
         items.append(reasoning_item(message["reasoning"]))
     calls = message.get("tool_calls") or []
     if message.get("content") or not calls:
         items.append(message_item(message.get("content") or "",
-                                  "incomplete" if finish_reason == "length" else "completed"))
+                                  "incomplete" if choice["finish_reason"] == "length" else "completed",
+                                  (choice.get("logprobs") or {}).get("content")))
     items += [function_call_item(call) for call in calls]
     return items
 
@@ -400,7 +429,7 @@ def completed_response(request: ResponsesRequest, model_name: str, chat_response
                        sampling: SamplingParams) -> tuple[dict, list[dict]]:
     """A whole chat completion as the Response, and the conversation to store with it."""
     choice = chat_response["choices"][0]
-    output = output_items(choice["message"], choice["finish_reason"])
+    output = output_items(choice)
     status = "incomplete" if choice["finish_reason"] == "length" else "completed"
     response = response_object(request, model_name, sampling, status, output, responses_usage(chat_response["usage"]))
     return response, conversation_after(request, output)
@@ -446,7 +475,7 @@ class ResponseEvents:
         if piece.get("reasoning"):
             events += self._text("reasoning", piece["reasoning"])
         if piece.get("content"):
-            events += self._text("message", piece["content"])
+            events += self._text("message", piece["content"], (choice.get("logprobs") or {}).get("content") or [])
         for call in piece.get("tool_calls") or []:
             events += self._call(call)
         if choice["finish_reason"] is not None:
@@ -454,7 +483,7 @@ class ResponseEvents:
             events += self._close_text() + self._close_calls()
         return b"".join(events)
 
-    def _text(self, kind: str, piece: str) -> list[bytes]:
+    def _text(self, kind: str, piece: str, logprobs: list[dict] | None = None) -> list[bytes]:
         events = []
         item = self.open_text
         if item is None or item["type"] != kind:
@@ -474,7 +503,9 @@ class ResponseEvents:
         item["content"][0]["text"] += piece
         where = {"item_id": item["id"], "output_index": self.output.index(item), "content_index": 0}
         if kind == "message":
-            return events + [self._event("response.output_text.delta", **where, delta=piece, logprobs=[])]
+            item["content"][0]["logprobs"] += logprobs or []
+            return events + [self._event("response.output_text.delta", **where, delta=piece,
+                                         logprobs=logprobs or [])]
         return events + [self._event("response.reasoning_text.delta", **where, delta=piece)]
 
     def _close_text(self) -> list[bytes]:
@@ -484,7 +515,7 @@ class ResponseEvents:
         part = item["content"][0]
         where = {"item_id": item["id"], "output_index": self.output.index(item), "content_index": 0}
         item["status"] = "incomplete" if item["type"] == "message" and self.finish_reason == "length" else "completed"
-        done = (self._event("response.output_text.done", **where, text=part["text"], logprobs=[])
+        done = (self._event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"])
                 if item["type"] == "message" else self._event("response.reasoning_text.done", **where,
                                                               text=part["text"]))
         return [done, self._event("response.content_part.done", **where, part=part),

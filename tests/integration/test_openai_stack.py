@@ -78,6 +78,21 @@ def test_a_response_and_its_continuation_are_the_chat_answers_of_the_bundled_mod
                                    max_output_tokens=MAX_TOKENS, temperature=0).output_text == continued.text
 
 
+def test_a_responses_logprobs_are_the_chat_answers(client, model):
+    """include message.output_text.logprobs: the same tokens, logprobs and alternatives as the
+    chat answer to the same turn, whole and as the stream's deltas carry them."""
+    chat = client.chat.completions.create(model=model, messages=CHAT, max_completion_tokens=MAX_TOKENS,
+                                          temperature=0, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    expected = [(e.token, round(e.logprob, 4), [t.token for t in e.top_logprobs]) for e in chat]
+    asked = dict(model=model, input=CHAT, max_output_tokens=MAX_TOKENS, temperature=0, top_logprobs=2,
+                 include=["message.output_text.logprobs"])
+    part = client.responses.create(**asked).output[0].content[0]
+    assert [(e.token, round(e.logprob, 4), [t.token for t in e.top_logprobs]) for e in part.logprobs] == expected
+    events = list(client.responses.create(**asked, stream=True))
+    streamed = [e.token for event in events if event.type == "response.output_text.delta" for e in event.logprobs]
+    assert streamed == [token for token, _, _ in expected]
+
+
 def test_logprobs_and_n_samples(client, grpc_client, model):
     result = client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0,
                                             logprobs=True, top_logprobs=2)

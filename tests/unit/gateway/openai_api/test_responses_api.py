@@ -149,6 +149,8 @@ def test_a_json_schema_format_constrains_the_answer(gw, client):
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_value"),
     ({"input": "x", "tools": [{"type": "function", "name": "a b"}]}, "tools[0].name", "invalid_value"),
     ({"input": "x", "background": True}, "background", "unsupported_value"),
+    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include[0]", "unsupported_value"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs", "invalid_value"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format", "invalid_value"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "invalid_value"),
     ({"input": "x" * 300_000}, "input", "invalid_argument"),  # the gateway's "messages", named as sent
