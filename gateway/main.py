@@ -47,6 +47,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the key(s) clients must send as `authorization: Bearer KEY` on gRPC Generate "
                              "calls and the HTTP API's /v1 routes (comma-separated for several, e.g. while "
                              "rotating); prefer the environment variable to the command line")
+    parser.add_argument("--allowed-origins", default=["*"], type=_json_string_list,
+                        help="origins whose browser pages may call the HTTP API (CORS), as a JSON list "
+                             "(vLLM's flag and default: [\"*\"], any)")
+    parser.add_argument("--allowed-methods", default=["*"], type=_json_string_list,
+                        help="CORS: methods such pages may use, as a JSON list (default [\"*\"])")
+    parser.add_argument("--allowed-headers", default=["*"], type=_json_string_list,
+                        help="CORS: headers such pages may send, as a JSON list (default [\"*\"])")
+    parser.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: let such pages send credentials (cookies, HTTP auth)")
+    parser.add_argument("--ssl-keyfile", default=None,
+                        help="serve the HTTP API over TLS (https) with this private key (and --ssl-certfile)")
+    parser.add_argument("--ssl-certfile", default=None, help="the TLS certificate (chain) for --ssl-keyfile")
+    parser.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify client certificates with")
+    parser.add_argument("--ssl-cert-reqs", default=0, type=int, choices=[0, 1, 2],
+                        help="client certificates: 0 not asked (default), 1 optional, 2 required (Python's "
+                             "ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED)")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one, used instead of the model's own "
                              "(e.g. one that lists tools)")
@@ -166,13 +182,24 @@ def _is_loopback(host: str) -> bool:
         return False  # a hostname, or "" / 0.0.0.0-like wildcards handled above
 
 
-def _json_object(value: str) -> dict:
+def _json(value: str):
     try:
-        parsed = json.loads(value)
+        return json.loads(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+
+
+def _json_object(value: str) -> dict:
+    parsed = _json(value)
     if not isinstance(parsed, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
+    return parsed
+
+
+def _json_string_list(value: str) -> list[str]:
+    parsed = _json(value)
+    if not isinstance(parsed, list) or not all(isinstance(item, str) for item in parsed):
+        raise argparse.ArgumentTypeError("must be a JSON list of strings, e.g. '[\"https://example.com\"]'")
     return parsed
 
 
@@ -244,15 +271,19 @@ async def serve(args: argparse.Namespace) -> None:
 
 async def _start_http(server: GatewayServer, args: argparse.Namespace):
     """The OpenAI-compatible HTTP server, or None with --http-port off."""
-    from gateway.openai_api.server import OpenAIServer, default_http_port
+    from gateway.openai_api.server import CorsPolicy, OpenAIServer, TlsFiles, default_http_port
     port = args.http_port if args.http_port is not None else default_http_port(args.port)
     if port < 0:
         return None
+    cors = CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
+                      args.allow_credentials)
+    tls = (TlsFiles(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+           if args.ssl_keyfile else None)
     http = OpenAIServer(server.gateway, host=args.http_host or args.host, port=port,
                         max_body_bytes=args.max_message_bytes, tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser, api_keys=server.api_keys,
                         response_role=args.response_role,
-                        allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                        allow_runtime_lora_updating=args.allow_runtime_lora_updating, cors=cors, tls=tls)
     if args.allow_runtime_lora_updating:
         logging.getLogger(__name__).warning("LoRA adapters may be loaded and unloaded through the HTTP API "
                                             "(--allow-runtime-lora-updating): keep it to trusted callers")
@@ -265,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call syntax)")
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        parser.error("--ssl-keyfile and --ssl-certfile go together (the key and its certificate)")
     try:
         configure_logging("gateway", f"gateway-{socket.gethostname()}-{os.getpid()}", args.log_level,
                           args.log_format)

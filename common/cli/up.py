@@ -351,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stack.start()
         if stack.http_address:
-            print(f"pdserve up: OpenAI-compatible HTTP API at http://{stack.http_address}/v1", flush=True)
+            scheme = "https" if _flag_value(stack.flags["gateway"], "--ssl-certfile") else "http"
+            print(f"pdserve up: OpenAI-compatible HTTP API at {scheme}://{stack.http_address}/v1", flush=True)
         if args.gateways > 1:
             print(f"pdserve up: gateway replicas at {', '.join(stack.addresses)}", flush=True)
         print(f"PDSERVE_READY gateway={stack.address} prefill={args.prefill} decode={args.decode}",

@@ -49,6 +49,7 @@ import grpc
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
@@ -117,12 +118,33 @@ class ClientGone(Exception):
     """The client closed the connection before its response was ready."""
 
 
+@dataclasses.dataclass(frozen=True)
+class CorsPolicy:
+    """Which browser pages may call the API (vLLM's --allowed-origins, --allowed-methods,
+    --allowed-headers, --allow-credentials; its defaults: any origin, method and header)."""
+    allow_origins: tuple[str, ...] = ("*",)
+    allow_methods: tuple[str, ...] = ("*",)
+    allow_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsFiles:
+    """HTTPS on the API port (vLLM's --ssl-keyfile, --ssl-certfile, --ssl-ca-certs,
+    --ssl-cert-reqs: ssl.CERT_NONE, CERT_OPTIONAL or CERT_REQUIRED for client certificates)."""
+    keyfile: str
+    certfile: str
+    ca_certs: str | None = None
+    cert_reqs: int = 0
+
+
 class OpenAIServer:
     def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 8000,
                  max_body_bytes: int = MAX_BODY_BYTES, access_log: bool = False,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None,
                  api_keys: ApiKeys | None = None, response_role: str = "assistant",
-                 allow_runtime_lora_updating: bool = False):
+                 allow_runtime_lora_updating: bool = False, cors: CorsPolicy | None = CorsPolicy(),
+                 tls: TlsFiles | None = None):
         self.gateway = gateway
         self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.tool_parser = make_tool_parser(tool_call_parser) if tool_call_parser else None
@@ -159,6 +181,11 @@ class OpenAIServer:
         ], exception_handlers={HTTPException: _http_exception, Exception: _internal_error})
         if api_keys is not None:
             self.app = _RequireApiKey(self.app, api_keys, self._count_refusal, self._count_embedding_refusal)
+        if cors is not None:  # outermost: a preflight is answered here, and a 401 carries the headers too
+            self.app = CORSMiddleware(self.app, allow_origins=cors.allow_origins, allow_methods=cors.allow_methods,
+                                      allow_headers=cors.allow_headers, allow_credentials=cors.allow_credentials)
+        self.tls = tls
+        self.scheme = "https" if tls is not None else "http"
         self.access_log = access_log
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
@@ -177,9 +204,12 @@ class OpenAIServer:
             sock.close()
             raise OSError(f"cannot bind the OpenAI HTTP server to {self.host}:{self.port}: {e.strerror}") from e
         sock.setblocking(False)
+        tls = self.tls
         config = uvicorn.Config(self.app, loop="none", http="httptools", ws="none", lifespan="off",
                                 log_config=None, access_log=self.access_log, server_header=False,
-                                timeout_graceful_shutdown=5, timeout_keep_alive=30)
+                                timeout_graceful_shutdown=5, timeout_keep_alive=30,
+                                **({} if tls is None else dict(ssl_keyfile=tls.keyfile, ssl_certfile=tls.certfile,
+                                                               ssl_ca_certs=tls.ca_certs, ssl_cert_reqs=tls.cert_reqs)))
         self._server = _EmbeddedServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -192,7 +222,7 @@ class OpenAIServer:
             await asyncio.sleep(0.01)
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else "[::1]" if self.host in ("::", "[::]") else self.host
         self.address = f"{host}:{sock.getsockname()[1]}"
-        logger.info("OpenAI-compatible HTTP on http://%s/v1", self.address)
+        logger.info("OpenAI-compatible HTTP on %s://%s/v1", self.scheme, self.address)
         return self.address
 
     async def stop(self) -> None:
