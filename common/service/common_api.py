@@ -14,7 +14,7 @@ import dataclasses
 
 from common.engine.outputs import Logprobs
 from common.engine.sampling_params import SamplingParams
-from common.engine.structured_output.params import StructuredOutputsParams
+from common.engine.structured_output.params import KINDS, StructuredOutputsParams
 from common.service.errors import invalid
 from protos.pdserve.v1 import common_pb2
 
@@ -82,7 +82,7 @@ def structured_output_to_pb(params: StructuredOutputsParams) -> common_pb2.Struc
 def structured_output_from_pb(msg: common_pb2.StructuredOutput, field_path: str = "") -> StructuredOutputsParams:
     kind = msg.WhichOneof("kind")
     if kind is None:
-        raise invalid(f"{field_path}structured_output must set one of json, json_object, regex, choice, grammar")
+        raise invalid(f"{field_path}structured_output must set one of {', '.join(KINDS)}")
     value = list(msg.choice.values) if kind == "choice" else getattr(msg, kind)
     if kind == "json_object" and not value:  # set in the oneof, but it asks for nothing
         raise invalid(f"{field_path}structured_output.json_object must be true, got false")

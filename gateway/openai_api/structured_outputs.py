@@ -1,7 +1,8 @@
 """The OpenAI request fields that constrain the output -> one StructuredOutputsParams.
 
 OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema",
-"json_schema": {"name", "schema", "strict", "description"}}) and vLLM's extensions:
+"json_schema": {"name", "schema", "strict", "description"}}; vLLM's {"type":
+"structural_tag", ...} too: a structural tag, in either of its forms) and vLLM's extensions:
 `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` and the newer
 `structured_outputs` object. At most one constraint per request; what can be checked
 here (torch-free) is: the schema is JSON, the regex compiles with `re`. A constraint
@@ -24,7 +25,7 @@ from gateway.openai_api.errors import invalid_field
 # vLLM's extension fields and the kind each one gives.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
-RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
 JSON_SCHEMA_FIELDS = ("name", "schema", "strict", "description")
 
 
@@ -42,8 +43,12 @@ _JSON_SCHEMA = {"anyOf": [{"type": "object"}, {"type": "boolean"}, _NON_EMPTY_TE
                 "description": "a JSON schema, or its JSON text"}
 _CHOICES = {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES,
             "items": {"type": "string", "minLength": 1}}
+_STRUCTURAL_TAG = {"anyOf": [{"type": "object"}, _NON_EMPTY_TEXT],
+                   "description": "xgrammar's structural tag ({\"type\": \"structural_tag\", \"format\": {...}}, or "
+                                  "{\"structures\": [{\"begin\", \"schema\", \"end\"}], \"triggers\": [...]}), "
+                                  "or its JSON text"}
 SCHEMA_BY_KIND = {"json": _JSON_SCHEMA, "json_object": {"type": "boolean"}, "regex": _NON_EMPTY_TEXT,
-                  "choice": _CHOICES, "grammar": _NON_EMPTY_TEXT}
+                  "choice": _CHOICES, "grammar": _NON_EMPTY_TEXT, "structural_tag": _STRUCTURAL_TAG}
 _RESPONSE_FORMAT = {"anyOf": [
     {"type": "object", "additionalProperties": False, "required": ["type"],
      "properties": {"type": {"enum": ["text", "json_object"]}}},
@@ -51,7 +56,9 @@ _RESPONSE_FORMAT = {"anyOf": [
         "type": {"enum": ["json_schema"]},
         "json_schema": {"type": "object", "additionalProperties": False, "required": ["schema"], "properties": {
             "name": {"type": ["string", "null"]}, "description": {"type": ["string", "null"]},
-            "strict": {"type": ["boolean", "null"]}, "schema": _JSON_SCHEMA}}}}]}
+            "strict": {"type": ["boolean", "null"]}, "schema": _JSON_SCHEMA}}}},
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["structural_tag"]}},
+     "description": "vLLM's: {\"format\": {...}} or {\"structures\": [...], \"triggers\": [...]}"}]}
 
 FIELDS = {
     "response_format": checked_later(_RESPONSE_FORMAT),
@@ -81,10 +88,14 @@ def structured_outputs_of(values: dict[str, Any]) -> tuple[StructuredOutputsPara
         return StructuredOutputsParams(**{kind: value}), param.split(".", 1)[0]
     except OverflowError as e:  # re.compile's for a repeat count past its limit (a{99999999999}), not re.error
         raise invalid_field(param, f"is not a valid regular expression: {e}") from None
-    except ValueError as e:  # "structured_outputs.<kind> <what is wrong>"
+    except ValueError as e:  # "structured_outputs.<kind>[.<part>] <what is wrong>"
         message = str(e)
-        prefix = f"structured_outputs.{kind} "
-        raise invalid_field(param, message[len(prefix):] if message.startswith(prefix) else message) from None
+        prefix = f"structured_outputs.{kind}"
+        if message.startswith(prefix + "."):  # a part of it: named under the request's field
+            part, _, what = message[len(prefix) + 1:].partition(" ")
+            raise invalid_field(f"{param}.{part}", what) from None
+        raise invalid_field(param, message[len(prefix) + 1:] if message.startswith(prefix + " ") else message) \
+            from None
 
 
 def _response_format(value: Any) -> list[tuple[str, str, Any]]:
@@ -94,7 +105,8 @@ def _response_format(value: Any) -> list[tuple[str, str, Any]]:
     if kind not in RESPONSE_FORMAT_TYPES:
         raise invalid_field("response_format.type", f"must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, "
                                                     f"got {kind!r}")
-    allowed = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}[kind]
+    allowed = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"},
+               "structural_tag": {"type", "format", "structures", "triggers"}}[kind]
     unknown = sorted(set(value) - allowed)
     if unknown:
         raise invalid_field(f"response_format.{unknown[0]}", f"unknown field for type {kind}",
@@ -103,6 +115,8 @@ def _response_format(value: Any) -> list[tuple[str, str, Any]]:
         return []
     if kind == "json_object":
         return [("response_format", "json_object", True)]
+    if kind == "structural_tag":
+        return [("response_format", "structural_tag", value)]
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
         raise invalid_field("response_format.json_schema", "is required: an object with a schema")

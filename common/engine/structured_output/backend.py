@@ -78,6 +78,8 @@ class XgrammarBackend:
             return self._compiler.compile_regex(params.regex)
         if kind == "choice":
             return self._compiler.compile_grammar(choice_grammar(params.choice))
+        if kind == "structural_tag":
+            return self._compiler.compile_structural_tag(params.structural_tag)
         return self._compiler.compile_grammar(params.grammar)
 
     def new_grammar(self, params: StructuredOutputsParams) -> RequestGrammar:

@@ -166,6 +166,13 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     ({**COMPLETION, "guided_json": [1]}, False, "guided_json", "invalid_value"),
     ({**COMPLETION, "guided_grammar": 5}, False, "guided_grammar", "invalid_value"),
     ({**COMPLETION, "structured_outputs": {"xml": "a"}}, False, "structured_outputs.xml", "unknown_field"),
+    ({**CHAT, "response_format": {"type": "structural_tag", "structures": [{"begin": "<a>", "schema": {},
+                                                                            "end": "</a>"}]}},
+     True, "response_format.triggers", "invalid_value"),
+    ({**CHAT, "response_format": {"type": "structural_tag", "tags": []}}, True, "response_format.tags",
+     "unknown_field"),
+    ({**CHAT, "structured_outputs": {"structural_tag": "{no"}}, True, "structured_outputs.structural_tag",
+     "invalid_value"),
     ({**COMPLETION, "guided_regex": "a", "guided_choice": ["a"]}, False, "guided_choice", "invalid_value"),
     ({**CHAT, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, True,
      "structured_outputs.regex", "invalid_value"),
@@ -226,6 +233,8 @@ def test_logit_bias_and_allowed_token_ids_reach_the_sampling_params():
 
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TAG = {"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>",
+                                            "content": {"type": "json_schema", "json_schema": SCHEMA}}}
 
 
 @pytest.mark.parametrize("chat, fields, expected", [
@@ -240,6 +249,12 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
     (False, {"guided_grammar": 'root ::= "a"'}, {"grammar": 'root ::= "a"'}),
     (True, {"structured_outputs": {"choice": ["x"]}}, {"choice": ["x"]}),
     (True, {"response_format": {"type": "text"}}, None),
+    (True, {"response_format": TAG}, {"structural_tag": TAG}),
+    (False, {"structured_outputs": {"structural_tag": json.dumps(TAG)}}, {"structural_tag": TAG}),
+    (True, {"response_format": {"type": "structural_tag", "triggers": ["<f="], "structures": [
+        {"begin": "<f=a>", "schema": SCHEMA, "end": "</f>"}]}},
+     {"structural_tag": {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f="], "tags": [
+         {"type": "tag", "begin": "<f=a>", "end": "</f>", "content": {"type": "json_schema", "json_schema": SCHEMA}}]}}}),
 ])
 def test_output_constraints_map_onto_structured_outputs(chat, fields, expected):
     parsed = parse(chat=chat, n=2, **fields)
@@ -249,7 +264,7 @@ def test_output_constraints_map_onto_structured_outputs(chat, fields, expected):
         return
     kind, value = next(iter(expected.items()))
     assert constraint.kind == kind
-    assert (json.loads(constraint.value) if kind == "json" else constraint.value) == value
+    assert (json.loads(constraint.value) if kind in ("json", "structural_tag") else constraint.value) == value
     assert all(i.sampling.structured_outputs == constraint for i in parsed.generate_inputs("r"))
 
 

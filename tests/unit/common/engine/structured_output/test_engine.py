@@ -7,8 +7,11 @@ import re
 
 import pytest
 
+import xgrammar as xgr
+
 from common import LLM, SamplingParams
 from common.engine.request import Request
+from common.engine.structured_output.params import StructuredOutputsParams
 
 SCHEMA = {"type": "object",
           "properties": {"ok": {"type": "boolean"},
@@ -33,7 +36,12 @@ CASES = [({"json": SCHEMA}, check_schema),
          ({"regex": REGEX}, lambda text: re.fullmatch(REGEX, text) or pytest.fail(text)),
          ({"choice": CHOICES}, lambda text: text in CHOICES or pytest.fail(text)),
          ({"grammar": 'root ::= "(" [a-c]+ ")"'}, lambda text: re.fullmatch(r"\([a-c]+\)", text) or pytest.fail(text)),
-         ({"json_object": True}, lambda text: isinstance(json.loads(text), dict) or pytest.fail(text))]
+         ({"json_object": True}, lambda text: isinstance(json.loads(text), dict) or pytest.fail(text)),
+         # A tag's JSON content admits any whitespace (xgrammar's structural tags), which a random
+         # model pads forever: regex content here, JSON content in the matcher test below.
+         ({"structural_tag": {"type": "structural_tag", "format": {
+             "type": "tag", "begin": "<answer>", "end": "</answer>", "content": {"type": "regex", "pattern": REGEX}}}},
+          lambda text: re.fullmatch(f"<answer>{REGEX}</answer>", text) or pytest.fail(text))]
 
 
 @pytest.fixture
@@ -122,8 +130,26 @@ def test_preemption_replays_a_held_back_constraint(tiny_llama_dir):
         check_schema(tight.tokenizer.decode(ids[_first_end(ids, tuple(marker)):]))
 
 
+def test_a_structural_tag_lets_text_run_free_until_a_trigger_then_holds_the_tags_schema(llm):
+    """vLLM's first form: after "<function=", one of the listed tags with content valid
+    against its schema; before it, any text."""
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+               "additionalProperties": False}
+    tag = {"type": "structural_tag", "triggers": ["<function="], "structures": [
+        {"begin": "<function=get_weather>", "schema": weather, "end": "</function>"}]}
+    compiled = llm.engine.structured_output.backend.compile(StructuredOutputsParams(structural_tag=tag))
+    for text, accepted in [('Let me look. <function=get_weather>{"city": "Paris"}</function> Done.', True),
+                           ("No call at all.", True),
+                           ('<function=get_weather>{"town": "Paris"}</function>', False),
+                           ('<function=get_time>{"city": "Paris"}</function>', False)]:
+        assert xgr.GrammarMatcher(compiled).accept_string(text) is accepted, text
+
+
 @pytest.mark.parametrize("constraint, message", [
     ({"grammar": "root ::= undefined_rule"}, 'structured_outputs.grammar is not supported: EBNF parser error'),
+    ({"structural_tag": {"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>",
+                                                              "content": {"type": "nonsense"}}}},
+     "structured_outputs.structural_tag is not supported"),
     ({"regex": "(?=a)b"}, "structured_outputs.regex is not supported: Regex parsing error"),
     ({"json": {"type": "objectx"}}, 'structured_outputs.json is not supported: Unsupported type "objectx"'),
 ])
