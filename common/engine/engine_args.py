@@ -31,6 +31,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+    # vLLM's spellings of the two, so a vLLM launch line runs as it is.
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="vLLM's flag: --no-enable-prefix-caching is --no-prefix-caching (on by default)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="vLLM's flag: --no-enable-chunked-prefill is --no-chunked-prefill (on by default)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM launch lines; changes nothing: pdserve runs no code from a "
+                        "checkpoint (it serves the model families it implements itself)")
     g.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps one scheduling may run back to back where every running request "
                         "decodes greedily and none waits (vLLM's flag): the engine's per-step work is paid "
@@ -80,14 +88,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "prefills the gateway's reserved cores for those steps")
 
 
+def _enabled(args: argparse.Namespace, feature: str) -> bool:
+    """--no-<feature> or vLLM's --[no-]enable-<feature>; contradicting each other is an error."""
+    off, enable = getattr(args, f"no_{feature}"), getattr(args, f"enable_{feature}", None)
+    if off and enable:
+        flag = feature.replace("_", "-")
+        raise ValueError(f"--no-{flag} contradicts --enable-{flag}: give one of them")
+    return not off and enable is not False
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
                 block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                 kv_cache_dtype=args.kv_cache_dtype,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=not args.no_prefix_caching,
-                enable_chunked_prefill=not args.no_chunked_prefill,
+                enable_prefix_caching=_enabled(args, "prefix_caching"),
+                enable_chunked_prefill=_enabled(args, "chunked_prefill"),
                 num_scheduler_steps=args.num_scheduler_steps,
                 speculative_config=getattr(args, "speculative_config", None),
                 tensor_parallel_size=args.tensor_parallel_size,

@@ -61,3 +61,15 @@ def test_several_served_model_names_register_the_first_and_come_from_the_environ
     monkeypatch.setenv("PDSERVE_SERVED_MODEL_NAME", "gpt-4o smol")  # space-separated, as on a command line
     assert gateway_parser().parse_args([]).served_model_name == ["gpt-4o", "smol"]
     assert served_model_name(prefill_parser().parse_args([])) == "gpt-4o"
+
+
+def test_vllms_spellings_of_the_engine_switches_run_as_they_are():
+    def config(*flags):
+        return engine_config_from_args(decode_parser().parse_args(list(flags)))
+    assert config().cache.enable_prefix_caching and config().scheduler.enable_chunked_prefill
+    assert not config("--no-enable-prefix-caching").cache.enable_prefix_caching
+    assert not config("--no-enable-chunked-prefill").scheduler.enable_chunked_prefill
+    assert config("--enable-prefix-caching", "--trust-remote-code").cache.enable_prefix_caching
+    assert not config("--no-prefix-caching").cache.enable_prefix_caching
+    with pytest.raises(ValueError, match="--no-prefix-caching contradicts --enable-prefix-caching"):
+        config("--no-prefix-caching", "--enable-prefix-caching")
