@@ -160,3 +160,38 @@ def test_a_bad_request_is_a_400_naming_the_responses_field(gw, body, param, code
     assert (status, error["error"]["param"], error["error"]["code"]) == (400, param, code), error
     if code != "invalid_argument":  # refused at the edge: the message starts with the field
         assert error["error"]["message"].startswith(param)
+
+
+def test_a_reasoning_models_thinking_is_a_reasoning_item_whole_and_streamed():
+    from gateway.validation import load_served_model
+    answer = "<think>\nThe capital of France.\n</think>\n\nParis."
+    token_ids = load_served_model(None).tokenizer.encode(answer, add_special_tokens=False)
+    with http_gateway(reasoning_parser="deepseek_r1", token_ids=token_ids, delay_s=0.001) as r1:
+        client = openai.OpenAI(base_url=f"http://{r1.http_address}/v1", api_key="unused", max_retries=0)
+        whole = client.responses.create(model=MODEL, input="Capital of France?", max_output_tokens=len(token_ids))
+        thought, message = whole.output
+        assert (thought.type, thought.content[0].text) == ("reasoning", "\nThe capital of France.\n")
+        assert whole.output_text == "\n\nParis."
+        events = list(client.responses.create(model=MODEL, input="Capital of France?",
+                                              max_output_tokens=len(token_ids), stream=True))
+        reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert (reasoning, text) == ("\nThe capital of France.\n", "\n\nParis.")
+        kinds = [e.type for e in events]
+        # The reasoning item closes before the message opens.
+        assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+        assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
+
+
+def test_a_failure_mid_stream_ends_it_with_response_failed_and_stores_nothing():
+    import grpc
+
+    from bench.fakes.fake_decode import Failure
+    with http_gateway(token_ids=TOKENS, failure=Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, after_tokens=2)) as gw:
+        client = openai.OpenAI(base_url=f"http://{gw.http_address}/v1", api_key="x", max_retries=0)
+        events = list(client.responses.create(model=MODEL, input="hi", max_output_tokens=5, stream=True))
+        assert events[-1].type == "response.failed"
+        failed = events[-1].response
+        assert failed.status == "failed" and "injected failure" in failed.error.message
+        assert failed.output_text  # the two tokens that came, in the message item it closed
+        assert post(gw.http_address, f"/v1/responses/{failed.id}", b"", method="GET")[0] == 404
