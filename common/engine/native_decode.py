@@ -42,7 +42,7 @@ import torch
 from common.engine.lora.adapter import LoRAAdapter
 from common.engine.lora.layers import base_linear
 from common.engine.models.attention import AttentionMetadata
-from common.engine.models.causal_lm import CausalLM
+from common.engine.models.causal_lm import DECODER_PROJECTIONS, CausalLM
 from common.engine.models.layers import RMSNorm
 from common.engine.models.llama import LlamaAttention, LlamaDecoderLayer
 from common.engine.models.parallel_layers import VocabParallelEmbedding
@@ -108,7 +108,6 @@ def _token_head(model: CausalLM) -> dict:
 
 # Each layer's projections as (block, name), in the library's order (register_decode_model's
 # weights, register_decode_adapter's matrices).
-_PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
 
 def _model_tensors(model: CausalLM, num_layers: int | None) -> dict:
@@ -129,7 +128,7 @@ def _model_tensors(model: CausalLM, num_layers: int | None) -> dict:
             raise Unsupported("attention logit soft-capping")
         norms += [_check_norm(layer.input_layernorm, cfg.rms_norm_eps),
                   _check_norm(layer.post_attention_layernorm, cfg.rms_norm_eps)]
-        for block, name in _PROJECTIONS:
+        for block, name in DECODER_PROJECTIONS:
             # LoRA adapters' deltas the loop adds itself (lora_ids)
             linear = base_linear(getattr(getattr(layer, block), name))
             weight, kind = decode_weight(linear)
@@ -213,7 +212,7 @@ class NativeDecodeLoop:
         that name it (lora_ids), released with the adapter; its id."""
         a, b = [], []
         for layer in range(self.model.start_layer, self.model.start_layer + len(self.k_caches)):
-            for _, linear_name in _PROJECTIONS:
+            for _, linear_name in DECODER_PROJECTIONS:
                 pair = adapter.stacked.get((layer, linear_name))
                 a.append(None if pair is None else pair[0])
                 b.append(None if pair is None else pair[1])

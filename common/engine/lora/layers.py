@@ -23,6 +23,7 @@ from torch import nn
 from common.engine.config import ModelConfig
 from common.engine.distributed import parallel_state
 from common.engine.lora.adapter import LoRAAdapter, module_shapes
+from common.engine.models.causal_lm import DECODER_PROJECTIONS
 from common.engine.models.parallel_layers import RowParallelLinear, kv_head_partition
 from common.engine.models.prepacked_linear import PrepackedLinear, prepacking_available
 
@@ -56,14 +57,12 @@ def linear_layouts(cfg: ModelConfig) -> Layouts:
     q_out, kv_out, inter = out["q_proj"], out["k_proj"], out["gate_proj"]
     # A fused checkpoint's adapter (Phi-3) targets qkv_proj / gate_up_proj whole: one piece
     # over all the columns, the last of its linear's pieces.
-    return {
-        ("self_attn", "qkv_proj"): [("q_proj", 0, q_out), ("k_proj", q_out, kv_out),
-                                    ("v_proj", q_out + kv_out, kv_out), ("qkv_proj", 0, out["qkv_proj"])],
-        ("self_attn", "o_proj"): [("o_proj", 0, out["o_proj"])],
-        ("mlp", "gate_up_proj"): [("gate_proj", 0, inter), ("up_proj", inter, inter),
-                                  ("gate_up_proj", 0, out["gate_up_proj"])],
-        ("mlp", "down_proj"): [("down_proj", 0, out["down_proj"])],
-    }
+    pieces = [[("q_proj", 0, q_out), ("k_proj", q_out, kv_out), ("v_proj", q_out + kv_out, kv_out),
+               ("qkv_proj", 0, out["qkv_proj"])],
+              [("o_proj", 0, out["o_proj"])],
+              [("gate_proj", 0, inter), ("up_proj", inter, inter), ("gate_up_proj", 0, out["gate_up_proj"])],
+              [("down_proj", 0, out["down_proj"])]]
+    return dict(zip(DECODER_PROJECTIONS, pieces, strict=True))
 
 
 def rank_shards(cfg: ModelConfig, tp_rank: int, tp_size: int) -> Shards:

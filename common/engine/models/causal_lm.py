@@ -22,6 +22,9 @@ from common.engine.models.layers import RMSNorm
 from common.engine.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding, parallel_logits
 from common.engine.models.rotary import RotaryEmbedding
 
+# A decoder layer's four projections as (block, linear) attribute names, in the order it runs them.
+DECODER_PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
+                       ("mlp", "down_proj"))
 # Checkpoint projection name -> (our fused parameter, its shard index).
 LLAMA_PACKED_WEIGHTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
