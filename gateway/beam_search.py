@@ -11,9 +11,11 @@ import math
 import uuid
 from dataclasses import dataclass
 
+import grpc
+
 from common.engine.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams
 from common.engine.sampling_params import SamplingParams
-from common.service.errors import invalid
+from common.service.errors import ServiceError, invalid
 from gateway.core import Gateway
 from gateway.openai_api.choices import generate_choices
 from gateway.types import BeamSearchResult, BeamSearchSequence, GenerateInput, GenerationDelta, Usage
@@ -96,6 +98,9 @@ async def beam_search(gateway: Gateway, prompt: GenerateInput, prompt_token_ids:
                                   cache_salt=prompt.cache_salt)
                     for i, beam in enumerate(search.live)]
         results = await generate_choices(gateway, requests)
+        if any(not result.logprobs for result in results):  # an instance's fault, never the request's
+            raise ServiceError(grpc.StatusCode.INTERNAL, "a beam search step came back without the logprobs it "
+                                                         "asked for; retry the request")
         search.advance([result.logprobs[0][1] for result in results])
     completions = []
     for beam in search.best():

@@ -69,8 +69,11 @@ class FakeDecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 last = sent == max_tokens
                 if send_times is not None:
                     send_times.append(time.perf_counter())
+                token_ids = [next(script) for _ in range(count)]
                 yield decode_pb2.DecodeResponse(
-                    request_id=request.request_id, token_ids=[next(script) for _ in range(count)],
+                    request_id=request.request_id, token_ids=token_ids,
+                    logprobs=[fake_logprob(t, request.sampling.logprobs) for t in token_ids]
+                    if request.sampling.HasField("logprobs") else [],
                     finish_reason=common_pb2.FINISH_REASON_LENGTH if last else common_pb2.FINISH_REASON_UNSPECIFIED,
                     num_cached_tokens=self.num_cached_tokens, prefill_instance_id=request.prefill_instance_id,
                     decode_instance_id=self.instance_id)
@@ -88,6 +91,13 @@ class FakeDecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def Stats(self, request, context):
         return common_pb2.StatsResponse(instance_id=self.instance_id, load=InstanceLoad(
             num_running_requests=len(self.running), num_free_blocks=1000, num_total_blocks=1000).to_pb())
+
+
+def fake_logprob(token_id: int, num_top: int) -> common_pb2.TokenLogprob:
+    """The scripted token as the most likely (logprob -0.5), then the next ids, each 0.5 less
+    likely: logprobs of the shape an engine sends, for what reads them (beam search)."""
+    return common_pb2.TokenLogprob(token_id=token_id, logprob=-0.5, top_token_ids=range(token_id, token_id + num_top),
+                                   top_logprobs=[-0.5 * (i + 1) for i in range(num_top)])
 
 
 # What the fake's embeddings hold: a few values made from the prompt, so a test can tell inputs apart.

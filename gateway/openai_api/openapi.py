@@ -243,6 +243,14 @@ def openapi_document(served_model_names: list[str], version: str = "0.1.0",
             "/detokenize": {"post": _json_operation("Token ids as text", "DetokenizeRequest", DETOKENIZE_RESPONSE)},
             "/health": {"get": _status_operation("Liveness", "The gateway is draining to stop")},
             "/ready": {"get": _status_operation("Readiness", "No decode instance is alive, or draining")},
+            "/invocations": {"post": {**_generate_operation(
+                "SageMaker's inference route: a chat completion, completion or embeddings request, told apart by "
+                "its messages, prompt or input", "ChatCompletionRequest"),
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {"anyOf": [
+                    {"$ref": f"#/components/schemas/{name}"}
+                    for name in ("ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest")]}}}}}},
+            "/ping": {method: _status_operation("Liveness (SageMaker's name for /health)",
+                                                "The gateway is draining to stop") for method in ("get", "post")},
             "/metrics": {"get": {"summary": "The gateway's Prometheus metrics (text exposition format)",
                                  "responses": {"200": {"description": "ok", "content": {
                                      "text/plain": {"schema": {"type": "string"}}}}}}},

@@ -11,6 +11,8 @@ gateway's own event loop, next to the gRPC server, on the same Gateway object.
     POST /tokenize              POST /detokenize            (vLLM's: prompt <-> token ids)
     GET  /openapi.json          (this API's OpenAPI 3.1 document: openapi.py)
     GET  /metrics               (the gateway's Prometheus metrics, as on --metrics-port)
+    POST /invocations           GET, POST /ping (SageMaker's routes, as vLLM serves them: by the
+                                body's messages / prompt / input; liveness)
     POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter (vLLM's; only with
                                 --allow-runtime-lora-updating: lora_adapters.py)
 
@@ -73,6 +75,7 @@ from gateway.openai_api.lora_adapters import (LOAD_PATH, UNLOAD_PATH, LoadLoRAAd
 from gateway.openai_api.openapi import openapi_document
 from gateway.openai_api.protocol import (
     ParsedRequest,
+    parse_body,
     parse_detokenize_request,
     parse_request,
     parse_tokenize_request,
@@ -176,6 +179,8 @@ class OpenAIServer:
             Route("/ready", self.ready, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/invocations", self.invocations, methods=["POST"]),
+            Route("/ping", self.health, methods=["GET", "POST"]),
             *([Route(LOAD_PATH, self.load_lora_adapter, methods=["POST"]),
                Route(UNLOAD_PATH, self.unload_lora_adapter, methods=["POST"])] if allow_runtime_lora_updating else []),
         ], exception_handlers={HTTPException: _http_exception, Exception: _internal_error})
@@ -242,6 +247,30 @@ class OpenAIServer:
 
     async def responses(self, request: Request) -> Response:
         return await self._generate(request, chat=True, responses_api=True)
+
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's inference route (vLLM serves it): the body's own fields say which API it
+        is for: `messages` chat, `prompt` completions, `input` embeddings."""
+        try:
+            body = await self._read_body(request)
+            fields = parse_body(body)
+        except ApiError as e:
+            self._count_refusal(e.grpc_code.name)
+            return _error(e)
+        except ClientDisconnect:
+            self._count_refusal("CANCELLED")
+            return Response(status_code=499)
+        # The handler reads the body again: Starlette's Request replays a body it holds.
+        request._body = body
+        if "messages" in fields:
+            return await self._generate(request, chat=True)
+        if "prompt" in fields:
+            return await self._generate(request, chat=False)
+        if "input" in fields:
+            return await self.embeddings(request)
+        self._count_refusal("INVALID_ARGUMENT")
+        return _error(invalid_field("messages", "an /invocations body holds messages (chat), prompt (completion) "
+                                                "or input (embeddings)", code="missing_field"))
 
     async def stored_response(self, request: Request) -> Response:
         """GET: a stored response as it was answered; DELETE: forget it (OpenAI's shapes)."""
@@ -571,8 +600,8 @@ class OpenAIServer:
 # What an API key guards: the generation and model routes (vLLM's /v1) and the tokenizer's.
 SCORE_PATHS = ("/score", "/v1/score")
 RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
-_GUARDED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", *SCORE_PATHS, *RERANK_PATHS)
-_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_GUARDED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/invocations", *SCORE_PATHS, *RERANK_PATHS)
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
 # Requests whose work is embeddings, counted in pdserve_embeddings_total.
 _EMBEDDING_PATHS = ("/v1/embeddings", *SCORE_PATHS, *RERANK_PATHS)
 

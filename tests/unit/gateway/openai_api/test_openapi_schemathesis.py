@@ -21,7 +21,8 @@ EXAMPLES_PER_OPERATION = 40
 OPERATIONS = ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{model}",
               "GET /version", "GET /health", "GET /ready", "POST /tokenize", "POST /detokenize",
               "POST /v1/embeddings", "POST /score", "POST /v1/score", "POST /rerank", "POST /v1/rerank",
-              "POST /v2/rerank", "POST /v1/responses", "GET /metrics"]
+              "POST /v2/rerank", "POST /v1/responses", "GET /metrics", "POST /invocations", "GET /ping",
+              "POST /ping"]
 # Routes of stored responses: made-up ids find none (the Responses API's tests store and read them).
 STORED_RESPONSE_OPERATIONS = ["GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}"]
 

@@ -5,6 +5,7 @@ disconnects cancelling the decode call, draining, and `pdserve bench serve
 --backend openai`. The real model is in tests/integration/test_openai_stack.py."""
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import socket
@@ -651,3 +652,39 @@ def test_several_served_model_names_are_each_listed_and_each_answered():
         status, error = post(gw.http_address, "/v1/completions", {"model": "other", "prompt": "Hi"})
         assert (status, error["error"]["code"]) == (404, "model_not_found")
         assert post(gw.http_address, "/v1/models/other", b"", method="GET")[0] == 404
+
+
+def test_sagemakers_routes_dispatch_by_the_body_as_vllm_serves_them(gw):
+    """POST /invocations: messages -> chat, prompt -> completions, input -> embeddings; /ping
+    is liveness."""
+    address = gw.http_address
+    status, chat = post(address, "/invocations", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                  "max_tokens": 2})
+    assert status == 200 and chat["object"] == "chat.completion"
+    status, completion = post(address, "/invocations", {"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert status == 200 and completion["object"] == "text_completion"
+    status, embedding = post(address, "/invocations", {"model": MODEL, "input": "Hi"})
+    assert status == 200 and embedding["data"][0]["object"] == "embedding"
+    status, error = post(address, "/invocations", {"model": MODEL})
+    assert (status, error["error"]["param"], error["error"]["code"]) == (400, "messages", "missing_field")
+    status, error = post(address, "/invocations", {"model": MODEL, "prompt": "Hi", "temperature": 9})
+    assert (status, error["error"]["param"]) == (400, "temperature")  # the completions parser's own refusal
+    assert post(address, "/ping", b"", method="GET") == (200, {"status": "ok"})
+    assert post(address, "/ping", b"")[0] == 200
+
+
+def test_beam_search_over_the_fake_and_an_instance_that_drops_its_logprobs(gw, monkeypatch):
+    """The fake instance sends logprobs as an engine does, so an HTTP beam search runs over it;
+    a step that comes back without them is the instance's fault: a 500 saying so, never an
+    IndexError (schemathesis found that one through /invocations)."""
+    import gateway.beam_search as beam_search_module
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "n": 2, "use_beam_search": True}
+    status, beams = post(gw.http_address, "/v1/completions", body)
+    assert status == 200 and len(beams["choices"]) == 2
+    real = beam_search_module.generate_choices
+
+    async def without_logprobs(gateway, requests):
+        return [dataclasses.replace(result, logprobs=[]) for result in await real(gateway, requests)]
+    monkeypatch.setattr(beam_search_module, "generate_choices", without_logprobs)
+    status, error = post(gw.http_address, "/v1/completions", body)
+    assert status == 500 and "without the logprobs it asked for" in error["error"]["message"]
