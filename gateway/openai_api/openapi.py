@@ -211,6 +211,18 @@ def openapi_document(served_model_names: list[str], version: str = "0.1.0",
                             "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}}}
                 for method, summary in (("get", "A stored response, as it was answered"),
                                         ("delete", "Forget a stored response"))},
+            "/v1/responses/{response_id}/input_items": {"get": {
+                "summary": "A stored response's input items (newest first unless order=asc)",
+                "parameters": [
+                    {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}},
+                    {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
+                    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+                    {"name": "after", "in": "query", "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "ok", "content": {"application/json": {"schema": {
+                    "type": "object"}}}}, "400": {"description": ERROR_STATUSES["400"], "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
+                    "404": {"description": "No stored response has this id", "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}}}},
             "/v1/embeddings": {"post": _json_operation(
                 "Embeddings: each input's final hidden state at its last token, pooled (exactly one of input and "
                 "messages)", "EmbeddingRequest", EMBEDDING_RESPONSE, tuple(ERROR_STATUSES))},

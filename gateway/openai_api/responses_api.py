@@ -120,6 +120,7 @@ RESPONSES_FIELDS: dict[str, Callable] = {
 class StoredResponse:
     response: dict  # the Response object, as it was answered
     conversation: list[dict]  # chat messages: the input's (instructions left out), then the output's
+    input_items: list[dict] = field(default_factory=list)  # this request's own input, as OpenAI lists it
 
 
 class ResponseStore:
@@ -212,6 +213,44 @@ def input_messages(value: Any) -> list[dict]:
     return messages
 
 
+def input_items(value: Any) -> list[dict]:
+    """`input` (checked by input_messages) as OpenAI lists a response's input items: each
+    with an id (its own where it sent one), a message's content as typed parts."""
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    items = []
+    for item in value:
+        kind = item.get("type", "message")
+        if kind == "message":
+            part_type = "output_text" if item["role"] == "assistant" else "input_text"
+            content = item["content"]
+            parts = [{"type": part_type, "text": content}] if isinstance(content, str) else content
+            items.append({"type": "message", "id": item.get("id") or _item_id("msg"), "role": item["role"],
+                          "content": parts, "status": "completed"})
+        elif kind == "function_call":
+            items.append({"type": "function_call", "id": item.get("id") or _item_id("fc"),
+                          "call_id": item["call_id"], "name": item["name"], "arguments": item["arguments"],
+                          "status": "completed"})
+        elif kind == "function_call_output":
+            items.append({"type": "function_call_output", "id": item.get("id") or _item_id("fco"),
+                          "call_id": item["call_id"], "output": item["output"], "status": "completed"})
+    return items
+
+
+def input_items_page(items: list[dict], order: str, limit: int, after: str | None) -> dict:
+    """OpenAI's list of a response's input items: `order` desc (its default) or asc, at most
+    `limit`, those after the item `after`."""
+    ordered = list(reversed(items)) if order == "desc" else list(items)
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise invalid_field("after", f"no input item {after!r} in this response")
+        ordered = ordered[ids.index(after) + 1:]
+    page = ordered[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > limit}
+
+
 def _string_in(item: dict, name: str, param: str) -> str:
     value = item.get(name)
     if not isinstance(value, str):
@@ -272,12 +311,9 @@ def responses_param(param: str | None) -> str | None:
 class ResponsesRequest:
     values: dict[str, Any]  # the checked fields
     conversation: list[dict]  # the chat messages before the answer, instructions left out
+    input_items: list[dict] = field(default_factory=list)  # the input as OpenAI lists it (input_items)
     created_at: int = field(default_factory=lambda: int(time.time()))
     response_id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
-
-    @property
-    def stream(self) -> bool:
-        return self.values.get("stream", False)
 
     @property
     def store(self) -> bool:
@@ -335,7 +371,8 @@ def parse_responses_request(body: bytes) -> ResponsesRequest:
         chat_tool_choice(values["tool_choice"])
     if "text" in values:
         chat_response_format(values["text"])
-    return ResponsesRequest(values, input_messages(values["input"]))
+    conversation = input_messages(values["input"])
+    return ResponsesRequest(values, conversation, input_items(values["input"]))
 
 
 def as_responses_error(error: ApiError) -> ApiError:

@@ -2,8 +2,8 @@
 gateway's own event loop, next to the gRPC server, on the same Gateway object.
 
     POST /v1/completions        POST /v1/chat/completions   (stream: server-sent events)
-    POST /v1/responses          GET, DELETE /v1/responses/{id}  (responses_api.py: OpenAI's
-                                Responses API, run as the chat completion it means)
+    POST /v1/responses          GET, DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items
+                                (responses_api.py: OpenAI's Responses API, run as the chat completion it means)
     POST /v1/embeddings         (embeddings.py: the prompt's pooled last hidden state)
     POST /score, /rerank        (scores.py: cosine similarities of embeddings; also under /v1/, and /v2/rerank)
     GET  /v1/models             GET  /v1/models/{model}     GET  /version
@@ -95,6 +95,7 @@ from gateway.openai_api.responses_api import (
     StoredResponse,
     as_responses_error,
     completed_response,
+    input_items_page,
     not_found,
     parse_responses_request,
     responses_param,
@@ -167,6 +168,7 @@ class OpenAIServer:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"]),
+            Route("/v1/responses/{response_id}/input_items", self.stored_input_items, methods=["GET"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             *(Route(path, self.score, methods=["POST"]) for path in SCORE_PATHS),
             *(Route(path, self.rerank, methods=["POST"]) for path in RERANK_PATHS),
@@ -247,6 +249,24 @@ class OpenAIServer:
 
     async def responses(self, request: Request) -> Response:
         return await self._generate(request, chat=True, responses_api=True)
+
+    async def stored_input_items(self, request: Request) -> Response:
+        """OpenAI's list of a stored response's input items (order, limit, after)."""
+        response_id = request.path_params["response_id"]
+        stored = self.response_store.get(response_id)
+        if stored is None:
+            return _error(not_found(response_id))
+        query = request.query_params
+        try:
+            order = query.get("order", "desc")
+            if order not in ("asc", "desc"):
+                raise invalid_field("order", "must be asc or desc")
+            limit = query.get("limit", "20")
+            if not limit.isdigit() or not 1 <= int(limit) <= 100:
+                raise invalid_field("limit", "must be an integer in [1, 100]")
+            return _json(input_items_page(stored.input_items, order, int(limit), query.get("after")))
+        except ApiError as e:
+            return _error(e)
 
     async def invocations(self, request: Request) -> Response:
         """SageMaker's inference route (vLLM serves it): the body's own fields say which API it
@@ -497,7 +517,7 @@ class OpenAIServer:
         """What keeps a finished Response for GET and previous_response_id (store: true)."""
         def keep(response: dict, conversation: list[dict]) -> None:
             if asked.store:
-                self.response_store.put(StoredResponse(response, conversation))
+                self.response_store.put(StoredResponse(response, conversation, asked.input_items))
         return keep
 
     async def _tokenized(self, prompt: GenerateInput) -> list[int]:

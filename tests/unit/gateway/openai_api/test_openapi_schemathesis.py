@@ -24,7 +24,8 @@ OPERATIONS = ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/mode
               "POST /v2/rerank", "POST /v1/responses", "GET /metrics", "POST /invocations", "GET /ping",
               "POST /ping"]
 # Routes of stored responses: made-up ids find none (the Responses API's tests store and read them).
-STORED_RESPONSE_OPERATIONS = ["GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}"]
+STORED_RESPONSE_OPERATIONS = ["GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
+                              "GET /v1/responses/{response_id}/input_items"]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def responses(gw, operation_name: str) -> Counter[int]:
 def test_no_request_the_document_describes_is_a_server_error(gw, operation_name):
     statuses = responses(gw, operation_name)
     if operation_name in STORED_RESPONSE_OPERATIONS:
-        assert set(statuses) == {404}, statuses
+        assert set(statuses) <= {400, 404} and 404 in statuses, statuses
     else:
         assert 200 in statuses, statuses  # the examples reach the generation path, not only the parser
 

@@ -195,3 +195,23 @@ def test_a_failure_mid_stream_ends_it_with_response_failed_and_stores_nothing():
         assert failed.status == "failed" and "injected failure" in failed.error.message
         assert failed.output_text  # the two tokens that came, in the message item it closed
         assert post(gw.http_address, f"/v1/responses/{failed.id}", b"", method="GET")[0] == 404
+
+
+def test_a_stored_responses_input_items_are_listed_as_openai_lists_them(gw, client):
+    items = [{"role": "user", "content": "Weather?"},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Thanks"}]}]
+    response = client.responses.create(model=MODEL, input=items, max_output_tokens=1)
+    newest_first = client.responses.input_items.list(response.id)
+    assert [i.type for i in newest_first.data] == ["message", "function_call_output", "function_call", "message"]
+    oldest = newest_first.data[-1]
+    assert (oldest.role, oldest.content[0].type, oldest.content[0].text) == ("user", "input_text", "Weather?")
+    first = client.responses.input_items.list(response.id, order="asc", limit=2)
+    assert [i.type for i in first.data] == ["message", "function_call"] and first.has_more
+    rest = client.responses.input_items.list(response.id, order="asc", after=first.data[-1].id)
+    assert [i.type for i in rest.data] == ["function_call_output", "message"] and not rest.has_more
+    assert rest.data[0].output == "sunny" and rest.data[0].call_id == "c1"
+    status, error = post(gw.http_address, f"/v1/responses/{response.id}/input_items?order=sideways", b"", "GET")
+    assert (status, error["error"]["param"]) == (400, "order")
+    assert post(gw.http_address, "/v1/responses/resp_nope/input_items", b"", "GET")[0] == 404
