@@ -14,6 +14,8 @@ max_output_tokens cut it short. A stream is the Responses events (`ResponseEvent
 
 `include: ["message.output_text.logprobs"]` (or `top_logprobs` alone) puts the chat
 answer's token logprobs on the message's output_text, with top_logprobs alternatives each.
+`truncation: "auto"` drops the conversation's oldest turns until the prompt fits the model
+(the server tokenizes it as generation will).
 
 A stored response (`store`, default true) lives in this gateway's memory (`ResponseStore`:
 the newest MAX_STORED_RESPONSES, at most MAX_STORED_CHARS of conversation in all): a
@@ -91,6 +93,15 @@ def include_value(param: str, value: Any) -> list[str]:
     return value
 
 
+@described({"enum": ["disabled", "auto"],
+            "description": "auto: drop the conversation's oldest turns until the prompt fits the model with room "
+                           "for max_output_tokens; disabled (default): a prompt too long is a 400"})
+def truncation_value(param: str, value: Any) -> str:
+    if value not in ("disabled", "auto"):
+        raise invalid_field(param, "must be \"disabled\" or \"auto\"")
+    return value
+
+
 # Sampling fields vLLM's Responses API takes beyond OpenAI's, checked as chat checks them.
 PASSTHROUGH_FIELDS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
                       "stop", "ignore_eos", "priority", "cache_salt", "user")
@@ -108,7 +119,7 @@ RESPONSES_FIELDS: dict[str, Callable] = {
                        "named function"}),
     "parallel_tool_calls": boolean,
     "text": text_value, "safety_identifier": string, "prompt_cache_key": string, "service_tier": string,
-    "truncation": neutral("disabled"), "background": neutral(False), "include": include_value,
+    "truncation": truncation_value, "background": neutral(False), "include": include_value,
     "reasoning": neutral(), "top_logprobs": integer(0, MAX_LOGPROBS), "max_tool_calls": neutral(),
     "prompt": neutral(),
     "conversation": neutral(), "stream_options": neutral(),
@@ -333,6 +344,17 @@ class ResponsesRequest:
                 raise not_found(previous_id, "previous_response_id")
             self.conversation = previous.conversation + self.conversation
 
+    def drop_oldest_turn(self) -> bool:
+        """truncation "auto": drop the conversation's first turn (its first message and what
+        follows up to the next user message, so a tool's output goes with its call); False
+        where only the last turn is left."""
+        conversation = self.conversation
+        next_turn = next((i for i in range(1, len(conversation)) if conversation[i]["role"] == "user"), None)
+        if next_turn is None:
+            return False
+        self.conversation = conversation[next_turn:]
+        return True
+
     def chat_body(self) -> dict:
         """The chat completion this request means."""
         values = self.values
@@ -457,7 +479,7 @@ def response_object(request: ResponsesRequest, model_name: str, sampling: Sampli
         "service_tier": values.get("service_tier", "auto"), "store": request.store,
         "temperature": sampling.temperature,
         "text": {"format": text_format}, "tool_choice": values.get("tool_choice", "auto"), "tools": tools,
-        "top_p": sampling.top_p, "truncation": "disabled",
+        "top_p": sampling.top_p, "truncation": values.get("truncation", "disabled"),
         "usage": usage, "user": values.get("user"), "metadata": values.get("metadata", {}),
     }
 

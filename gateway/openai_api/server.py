@@ -473,8 +473,7 @@ class OpenAIServer:
                 asked = await _parsed(parse_responses_request, body)
                 asked.continue_stored(self.response_store)
                 try:
-                    parsed = await _parsed(parse_request, json_bytes(asked.chat_body()), True, self.tool_parser,
-                                           self.response_role, self.gateway.model.sampling_defaults)
+                    parsed = await self._responses_chat(asked)
                 except ApiError as e:
                     raise as_responses_error(e) from None
             else:
@@ -512,6 +511,21 @@ class OpenAIServer:
             return Response(status_code=499)  # nobody reads it; nginx's code for this case
         except ClientGone:  # gone while the gateway served it (Gateway.stream counted it)
             return Response(status_code=499)
+
+    async def _responses_chat(self, asked: ResponsesRequest) -> ParsedRequest:
+        """The chat request a Responses request means; with truncation "auto", its oldest
+        turns dropped until the prompt fits the model with room for max_output_tokens (the
+        conversation stored with the answer is the one that fitted)."""
+        while True:
+            parsed = await _parsed(parse_request, json_bytes(asked.chat_body()), True, self.tool_parser,
+                                   self.response_role, self.gateway.model.sampling_defaults)
+            if asked.values.get("truncation") != "auto":
+                return parsed
+            prompt = GenerateInput(messages=parsed.messages, chat_options=parsed.chat_options,
+                                   add_special_tokens=parsed.add_special_tokens)
+            room = asked.values.get("max_output_tokens") or 1
+            if len(await self._tokenized(prompt)) + room <= self.gateway.max_model_len or not asked.drop_oldest_turn():
+                return parsed
 
     def _stored_by(self, asked: ResponsesRequest) -> Callable[[dict, list[dict]], None]:
         """What keeps a finished Response for GET and previous_response_id (store: true)."""

@@ -215,3 +215,29 @@ def test_a_stored_responses_input_items_are_listed_as_openai_lists_them(gw, clie
     status, error = post(gw.http_address, f"/v1/responses/{response.id}/input_items?order=sideways", b"", "GET")
     assert (status, error["error"]["param"]) == (400, "order")
     assert post(gw.http_address, "/v1/responses/resp_nope/input_items", b"", "GET")[0] == 404
+
+
+def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits():
+    limit, room = 200, 4
+    turns = []
+    for i in range(6):
+        turns += [{"role": "user", "content": f"question {i}: " + "word " * 15},
+                  {"role": "assistant", "content": f"answer {i}: " + "word " * 15}]
+    turns.append({"role": "user", "content": "the last question"})
+    with http_gateway(token_ids=TOKENS, max_model_len=limit) as small:
+        client = openai.OpenAI(base_url=f"http://{small.http_address}/v1", api_key="unused", max_retries=0)
+        status, error = post(small.http_address, "/v1/responses",
+                             {"model": MODEL, "input": turns, "max_output_tokens": room})
+        assert (status, error["error"]["param"]) == (400, "input")  # disabled, the default: too long
+        response = client.responses.create(model=MODEL, input=turns, max_output_tokens=room, truncation="auto")
+        assert response.truncation == "auto"
+        sent = sent_prompt(small)
+        prompt = small.gateway.model.tokenizer.decode(sent)
+        kept = [i for i in range(6) if f"question {i}:" in prompt]
+        assert len(sent) + room <= limit and "the last question" in prompt
+        assert kept and kept == list(range(kept[0], 6)) and kept[0] > 0  # the newest turns, whole
+        assert all(f"answer {i}:" in prompt for i in kept)
+        # A last turn that does not fit alone is still refused.
+        status, _ = post(small.http_address, "/v1/responses", {"model": MODEL, "input": "word " * 400,
+                                                               "max_output_tokens": room, "truncation": "auto"})
+        assert status == 400
