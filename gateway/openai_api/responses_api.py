@@ -344,16 +344,12 @@ class ResponsesRequest:
                 raise not_found(previous_id, "previous_response_id")
             self.conversation = previous.conversation + self.conversation
 
-    def drop_oldest_turn(self) -> bool:
-        """truncation "auto": drop the conversation's first turn (its first message and what
-        follows up to the next user message, so a tool's output goes with its call); False
-        where only the last turn is left."""
+    def turn_starts(self) -> list[int]:
+        """Where the conversation's turns begin (truncation "auto" drops whole turns from the
+        front): a turn is a user message and what follows it up to the next one, so a tool's
+        output goes with its call."""
         conversation = self.conversation
-        next_turn = next((i for i in range(1, len(conversation)) if conversation[i]["role"] == "user"), None)
-        if next_turn is None:
-            return False
-        self.conversation = conversation[next_turn:]
-        return True
+        return [0] + [i for i in range(1, len(conversation)) if conversation[i]["role"] == "user"]
 
     def chat_body(self) -> dict:
         """The chat completion this request means."""

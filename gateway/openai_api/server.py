@@ -513,19 +513,39 @@ class OpenAIServer:
             return Response(status_code=499)
 
     async def _responses_chat(self, asked: ResponsesRequest) -> ParsedRequest:
-        """The chat request a Responses request means; with truncation "auto", its oldest
-        turns dropped until the prompt fits the model with room for max_output_tokens (the
-        conversation stored with the answer is the one that fitted)."""
-        while True:
-            parsed = await _parsed(parse_request, json_bytes(asked.chat_body()), True, self.tool_parser,
-                                   self.response_role, self.gateway.model.sampling_defaults)
-            if asked.values.get("truncation") != "auto":
-                return parsed
-            prompt = GenerateInput(messages=parsed.messages, chat_options=parsed.chat_options,
-                                   add_special_tokens=parsed.add_special_tokens)
-            room = asked.values.get("max_output_tokens") or 1
-            if len(await self._tokenized(prompt)) + room <= self.gateway.max_model_len or not asked.drop_oldest_turn():
-                return parsed
+        """The chat request a Responses request means; with truncation "auto", the fewest of
+        its oldest turns dropped for the prompt to fit the model with room for
+        max_output_tokens (found by bisection: a long chain's prompt is rendered a few times,
+        not once per turn); the conversation stored with the answer is the one that fitted."""
+        parsed = await self._chat_of(asked)
+        if asked.values.get("truncation") != "auto" or await self._fits(asked, parsed):
+            return parsed
+        whole, starts = asked.conversation, asked.turn_starts()
+        fitting = None  # (first turn kept, its chat request): the fewest turns dropped so far
+        low, high = 1, len(starts) - 1  # dropping fewer than `low` turns does not fit
+        while low <= high:
+            middle = (low + high) // 2
+            asked.conversation = whole[starts[middle]:]
+            candidate = await self._chat_of(asked)
+            if await self._fits(asked, candidate):
+                fitting, high = (middle, candidate), middle - 1
+            else:
+                low = middle + 1
+        if fitting is None:  # the last turn alone does not fit: refused as a prompt too long
+            asked.conversation = whole[starts[-1]:]
+            return await self._chat_of(asked)
+        asked.conversation = whole[starts[fitting[0]]:]
+        return fitting[1]
+
+    async def _chat_of(self, asked: ResponsesRequest) -> ParsedRequest:
+        return await _parsed(parse_request, json_bytes(asked.chat_body()), True, self.tool_parser,
+                             self.response_role, self.gateway.model.sampling_defaults)
+
+    async def _fits(self, asked: ResponsesRequest, parsed: ParsedRequest) -> bool:
+        prompt = GenerateInput(messages=parsed.messages, chat_options=parsed.chat_options,
+                               add_special_tokens=parsed.add_special_tokens)
+        room = asked.values.get("max_output_tokens") or 1
+        return len(await self._tokenized(prompt)) + room <= self.gateway.max_model_len
 
     def _stored_by(self, asked: ResponsesRequest) -> Callable[[dict, list[dict]], None]:
         """What keeps a finished Response for GET and previous_response_id (store: true)."""

@@ -237,6 +237,9 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits():
         assert len(sent) + room <= limit and "the last question" in prompt
         assert kept and kept == list(range(kept[0], 6)) and kept[0] > 0  # the newest turns, whole
         assert all(f"answer {i}:" in prompt for i in kept)
+        # The fewest dropped: one more turn kept would not fit.
+        _, one_more = post(small.http_address, "/tokenize", {"messages": turns[2 * (kept[0] - 1):]})
+        assert one_more["count"] + room > limit
         # A last turn that does not fit alone is still refused.
         status, _ = post(small.http_address, "/v1/responses", {"model": MODEL, "input": "word " * 400,
                                                                "max_output_tokens": room, "truncation": "auto"})
