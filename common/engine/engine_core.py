@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from common.engine.config import EngineConfig, ModelConfig, parse_memory_size
@@ -80,9 +81,10 @@ def resolve_max_model_len(requested: int | None, model_config: ModelConfig, num_
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None):
+    def __init__(self, config: EngineConfig, executor: Executor | None = None, model_dir: Path | None = None):
+        """model_dir: config.model already resolved (resolving a GGUF hashes the whole file)."""
         self.config = config
-        self.model_dir = resolve_model(config.model)
+        self.model_dir = model_dir or resolve_model(config.model)
         self.model_config = ModelConfig.from_hf_config(load_hf_config(self.model_dir))
         # How embeddings are made: the model's sentence-transformers config, under --pooler-config.
         self.pooling_config = PoolingConfig.from_model_dir(self.model_dir).overridden(config.pooler_config)

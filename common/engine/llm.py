@@ -67,10 +67,10 @@ class LLM:
         generation_config / override_generation_config (vLLM's): where get_default_sampling_params
         takes its values ("auto": the model's generation_config.json; "vllm": none; a folder)."""
         config = make_engine_config(model, **engine_options)
+        model_dir = resolve_model(config.model)  # once: a GGUF's is the digest of the whole file
         # Checked before the engine loads anything: a bad file or flag costs no start-up.
-        sampling_defaults = load_sampling_defaults(resolve_model(config.model), generation_config,
-                                                   override_generation_config)
-        self.engine = EngineCore(config)
+        sampling_defaults = load_sampling_defaults(model_dir, generation_config, override_generation_config)
+        self.engine = EngineCore(config, model_dir=model_dir)
         self.sampling_defaults = sampling_defaults
         # tokenizer.json and the chat template without AutoTokenizer: ~1.8 s less start-up.
         self.tokenizer = load_prompt_tokenizer(self.engine.model_dir)
