@@ -18,7 +18,6 @@ from common.engine.outputs import ScheduledRequest
 class _Partial:
     state: torch.Tensor  # [hidden_size] float32: the sum, weighted sum, maximum or first state so far
     num_tokens: int  # positions 0 .. num_tokens - 1 are in it
-    weight_sum: float = 0.0  # WEIGHTED_MEAN: sum of the weights (i + 1) so far
 
 
 class PromptPooler:
@@ -80,8 +79,6 @@ class PromptPooler:
         elif kind != "CLS":
             partial.state += chunk_state
         partial.num_tokens += rows.shape[0]
-        if kind == "WEIGHTED_MEAN":
-            partial.weight_sum += (start + 1 + start + rows.shape[0]) * rows.shape[0] / 2
 
     def _finish(self, req_id: str, kind: str) -> torch.Tensor:
         partial = self._partials.pop(req_id)
@@ -89,6 +86,6 @@ class PromptPooler:
             return partial.state / partial.num_tokens
         if kind == "MEAN_SQRT_LEN":
             return partial.state / math.sqrt(partial.num_tokens)
-        if kind == "WEIGHTED_MEAN":
-            return partial.state / partial.weight_sum
+        if kind == "WEIGHTED_MEAN":  # weights 1 .. n, positions arriving from 0 in order
+            return partial.state / (partial.num_tokens * (partial.num_tokens + 1) / 2)
         return partial.state  # CLS, MAX
