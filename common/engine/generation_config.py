@@ -75,6 +75,8 @@ def load_sampling_defaults(model_dir: Path, generation_config: str = "auto",
             raise ValueError(f"{source}: {name}={json.dumps(value)} is not a valid value (or override it with "
                              f"--override-generation-config, or pass --generation-config vllm)")
     values = {**values, **(overrides or {})}
+    if values.get("top_k") == 0:  # transformers' "no top-k" is SamplingParams' -1
+        values["top_k"] = -1
     return SamplingDefaults(sampling={name: values[name] for name in SAMPLING_FIELDS if values.get(name) is not None},
                             max_tokens=values.get("max_new_tokens"))
 

@@ -82,10 +82,8 @@ class LLM:
         """vLLM's: what generate samples with when given no sampling_params: SamplingParams()
         with the model's generation config's values (its max_new_tokens as max_tokens)."""
         defaults = self.sampling_defaults
-        values = {**defaults.sampling, **({"max_tokens": defaults.max_tokens} if defaults.max_tokens else {})}
-        if values.get("top_k") == 0:  # transformers' "no top-k"
-            values["top_k"] = -1
-        return SamplingParams(**values)
+        return SamplingParams(**defaults.sampling,
+                              **({"max_tokens": defaults.max_tokens} if defaults.max_tokens else {}))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's LLM.reset_prefix_cache): the next generate
