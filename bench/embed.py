@@ -26,6 +26,9 @@ from pathlib import Path
 from bench.peers.proc_cpu import wait_until_quiet
 from common.engine.scoring import cosine_similarity
 
+# The poolings both sides can run (--pooler-config's pooling_type): those vLLM 0.32 has.
+VLLM_POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
 
 def workload(num_prompts: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--num-vectors", type=int, default=32, help="prompts whose two embeddings are compared")
-    parser.add_argument("--pooling-type", choices=["LAST", "MEAN", "CLS"], default="LAST",
+    parser.add_argument("--pooling-type", choices=VLLM_POOLING_TYPES, default="LAST",
                         help="both sides' pooling (--pooler-config's pooling_type; those vLLM 0.32 has)")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.num_prompts < 1 or not 1 <= args.min_prompt <= args.max_prompt:

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.embed import workload
+from bench.embed import VLLM_POOLING_TYPES, workload
 from bench.peers.vllm_peer import cpu_env, preload_choice, vllm_python
 from bench.peers.vllm_serve import free_port, serving
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="`pdserve up --reserved-cpus` for our stack: cores left out of the engines' share "
                              "(default: up's, 1 on hosts of 8 CPUs or more, else 0)")
     parser.add_argument("--skip-vllm", action="store_true", help="pdserve alone")
-    parser.add_argument("--pooling-type", choices=["LAST", "MEAN", "CLS"], default="LAST",
+    parser.add_argument("--pooling-type", choices=VLLM_POOLING_TYPES, default="LAST",
                         help="both servers' pooling (--pooler-config's pooling_type; those vLLM 0.32 has)")
     args = parser.parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
