@@ -30,20 +30,22 @@ class DecodeJob:
     prefill_instance_id: str = ""
     cache_salt: str | None = None  # only requests of the same salt share cached blocks
     lora_name: str | None = None  # the LoRA adapter, by the name the instances serve it under
+    # Output a lost decode instance produced already: prefilled here with the prompt, continued after
+    resumed_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_pb(cls, msg: decode_pb2.DecodeRequest) -> DecodeJob:
         params = sampling_params_from_pb(msg.sampling)
         return cls(msg.request_id, list(msg.prompt_token_ids), params, msg.priority, msg.prefill_address,
                    msg.prefill_instance_id, msg.cache_salt if msg.HasField("cache_salt") else None,
-                   msg.lora_name if msg.HasField("lora_name") else None)
+                   msg.lora_name if msg.HasField("lora_name") else None, list(msg.resumed_token_ids))
 
     def to_pb(self) -> decode_pb2.DecodeRequest:
         return decode_pb2.DecodeRequest(
             request_id=self.req_id, prompt_token_ids=self.prompt_token_ids,
             sampling=sampling_params_to_pb(self.params), priority=self.priority,
             prefill_address=self.prefill_address, prefill_instance_id=self.prefill_instance_id,
-            cache_salt=self.cache_salt, lora_name=self.lora_name)
+            cache_salt=self.cache_salt, lora_name=self.lora_name, resumed_token_ids=self.resumed_token_ids)
 
 
 @dataclass

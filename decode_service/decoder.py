@@ -92,6 +92,12 @@ class Decoder:
         self.local_fallback = local_fallback
 
     async def decode(self, job: DecodeJob) -> AsyncIterator[DecodeChunk]:
+        if job.resumed_token_ids and job.prefill_address:
+            # Its KV is the prompt's and the resumed output's, and the next token follows them: only
+            # this instance's own prefill computes that.
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               "a request with resumed_token_ids is prefilled on the decode instance: "
+                               "prefill_address must be empty")
         request = self._request(job)
         try:
             stream = await open_stream_when_id_free(self.engine, job.req_id)
@@ -152,7 +158,7 @@ class Decoder:
 
     def _request(self, job: DecodeJob):
         return new_request(job.req_id, job.prompt_token_ids, job.params, job.priority, self.eos_token_ids,
-                           job.cache_salt, self.lora_modules.resolve(job.lora_name))
+                           job.cache_salt, self.lora_modules.resolve(job.lora_name), job.resumed_token_ids)
 
     async def _prefill_remotely(self, job: DecodeJob, request, admission: Admission,
                                 landed: asyncio.Future) -> RemotePrefill | None:

@@ -42,11 +42,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def Decode(self, request: decode_pb2.DecodeRequest, context):
         with logged_request(logger, "decode", request.request_id, context,
                             prompt_tokens=len(request.prompt_token_ids),
-                            prefill=request.prefill_instance_id or request.prefill_address or "local") as end:
+                            prefill=request.prefill_instance_id or request.prefill_address or "local",
+                            resumed_tokens=len(request.resumed_token_ids)) as end:
             end.update(output_tokens=0, finish_reason=None)
             async with self.gate.admit(context):
                 job = DecodeJob.from_pb(request)
-                validate_request(job.prompt_token_ids, job.params, self.worker.core)
+                validate_request(job.prompt_token_ids, job.params, self.worker.core, job.resumed_token_ids)
                 async for chunk in self.worker.decoder.decode(job):
                     if chunk.output.finish_reason == "abort" and self.gate.stopping:
                         raise self.gate.shutdown_error()

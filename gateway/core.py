@@ -99,6 +99,9 @@ class GatewaySettings:
     # > 0: a prompt goes to a prefill instance only while one has fewer prompt tokens than this
     # still to compute, else its decode instance prefills it (gateway.routing.placement); 0: always remote
     max_prefill_queue_tokens: int = 0
+    # Times a request whose decode instance is lost after it streamed tokens moves to another
+    # one (gateway.routing.dispatcher); 0: it fails UNAVAILABLE instead
+    migration_limit: int = 3
 
 
 class Gateway:
@@ -118,7 +121,7 @@ class Gateway:
         self.metrics.watch_instances(self.registry.snapshot)
         self.dispatcher = Dispatcher(self.registry, self.kv_index, self.policy, model.tokenizer,
                                      model.tokenizer.eos_token_ids, self.metrics,
-                                     settings.max_prefill_queue_tokens)
+                                     settings.max_prefill_queue_tokens, settings.migration_limit)
         self.embeddings = EmbeddingDispatcher(self.registry, self.dispatcher.ledger, self.policy, self.metrics,
                                               settings.max_prefill_queue_tokens)
         self.decode_admission = PoolAdmission(self.registry, "decode", settings.max_running_per_decode,

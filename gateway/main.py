@@ -148,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "decode instance prefills it itself (its token streams pause for that step). "
                              "Suits a small host where the prefill pool saturates before the decode pool; "
                              "0: always the prefill pool while an instance is alive")
+    parser.add_argument("--migration-limit", type=_non_negative_int, default=3,
+                        help="times one request may move to another decode instance when its own is lost "
+                             "after tokens were streamed (Dynamo's --migration-limit): the new instance "
+                             "prefills the prompt and the output so far and continues the stream, greedy and "
+                             "seeded sampling as the lost one would have; 0: such a request fails UNAVAILABLE")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="requests that may wait for capacity, per pool; one more gets RESOURCE_EXHAUSTED "
                              "(HTTP 429) at once, with a retry hint")
@@ -238,7 +243,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
                            max_running_per_decode=args.max_running_per_decode,
                            max_running_per_prefill=args.max_running_per_prefill,
                            max_waiting_requests=args.max_waiting_requests,
-                           max_prefill_queue_tokens=args.max_prefill_queue_tokens)
+                           max_prefill_queue_tokens=args.max_prefill_queue_tokens,
+                           migration_limit=args.migration_limit)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -2,7 +2,9 @@
 
 Incremental detokenization with stop strings (common.text.detokenizer), token counts,
 and the ids of the instances that served it. Plain Python, no I/O: the dispatcher
-feeds it and decides what to do when a delta says the request is over.
+feeds it and decides what to do when a delta says the request is over. A request
+migrated to another decode instance keeps its assembler: the new instance's tokens
+continue the same text, counts and stop-string matching.
 """
 from __future__ import annotations
 
@@ -23,10 +25,18 @@ class TextAssembler:
         self.request = request
         self.decode_instance_id = decode_instance_id
         self.eos_token_ids = eos_token_ids
-        self.num_prompt, self.num_generated = len(request.prompt_token_ids), 0
+        self.num_prompt = len(request.prompt_token_ids)
+        self.output_token_ids: list[int] = []  # every token received, from every instance
         self.num_messages = 0
-        # Kept from the message that carried them, in case later ones leave them unset.
+        # Kept from the message that carried them, in case later ones leave them unset; after a
+        # migration, the first instances' (the prompt's cache and prefill, not the recompute's).
         self.num_cached, self.prefill_id = 0, ""
+        self.migrated = False
+
+    def migrate(self, decode_instance_id: str) -> list[int]:
+        """The output so far, which decode_instance_id resumes after (its messages follow)."""
+        self.decode_instance_id, self.migrated = decode_instance_id, True
+        return list(self.output_token_ids)
 
     def apply(self, output: DecodeOutput) -> GenerationDelta:
         """The delta for one message; finish_reason is set when the request is over
@@ -34,14 +44,15 @@ class TextAssembler:
         request, detokenizer = self.request, self.detokenizer
         first = self.num_messages == 0
         self.num_messages += 1
-        self.num_generated += len(output.token_ids)
-        self.num_cached = output.num_cached_tokens or self.num_cached
-        self.prefill_id = output.prefill_instance_id or self.prefill_id
+        self.output_token_ids += output.token_ids
+        if not self.migrated:
+            self.num_cached = output.num_cached_tokens or self.num_cached
+            self.prefill_id = output.prefill_instance_id or self.prefill_id
         delta = GenerationDelta(
             request_id=request.request_id,
             text=detokenizer.update(output.token_ids,
                                     stopped=output.finish_reason is not None and output.stop_token_id is not None),
-            usage=Usage(self.num_prompt, self.num_generated, self.num_cached),
+            usage=Usage(self.num_prompt, len(self.output_token_ids), self.num_cached),
             token_ids=output.token_ids if request.return_token_ids else [],
             logprobs=list(zip(output.token_ids, output.logprobs)) if request.return_logprobs else [],
             prompt_logprobs=output.prompt_logprobs,

@@ -57,12 +57,15 @@ class FakeDecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         # Unset: the SamplingParams default; 0 (no limit): one pass over the script.
         max_tokens = (request.sampling.max_tokens or len(self.token_ids)
                       if request.sampling.HasField("max_tokens") else 16)
-        script = itertools.cycle(self.token_ids)
-        sent, finished = 0, False
+        # A migrated request continues the script after the output it brings, which counts
+        # toward max_tokens as on an engine.
+        num_resumed = len(request.resumed_token_ids)
+        script = itertools.islice(itertools.cycle(self.token_ids), num_resumed, None)
+        sent, finished = num_resumed, False
         send_times = None if self.send_times is None else self.send_times.setdefault(request.request_id, [])
         try:
             while sent < max_tokens:
-                if self.failure is not None and sent >= self.failure.after_tokens:
+                if self.failure is not None and sent - num_resumed >= self.failure.after_tokens:
                     await context.abort(self.failure.code, self.failure.details)
                 count = min(self.tokens_per_message, max_tokens - sent)
                 sent += count

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 from common.engine.block_hash import check_cache_salt
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from common.engine.lora.request import LoRARequest
     from common.engine.pooling_params import PoolingParams
     from common.engine.sampling_params import SamplingParams
@@ -37,7 +39,8 @@ class Request:
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling_params: "SamplingParams",
                  eos_token_ids: tuple[int, ...] = (), priority: int = 0,
                  arrival_time: float | None = None, pooling_params: "PoolingParams | None" = None,
-                 cache_salt: str | None = None, lora_request: "LoRARequest | None" = None):
+                 cache_salt: str | None = None, lora_request: "LoRARequest | None" = None,
+                 output_token_ids: "Sequence[int]" = ()):
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         self.req_id = req_id
@@ -47,8 +50,10 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # Non-empty at the start only for a request resumed from another instance's output: it
+        # is computed like a preempted request, and its output so far counts as output.
+        self.output_token_ids: list[int] = list(output_token_ids)
+        self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache when the request was first scheduled.
         self.num_cached_tokens = -1

@@ -345,10 +345,11 @@ def truncate_prompt(prompt_token_ids: list[int], truncate_prompt_tokens: int | N
     return prompt_token_ids[-keep:]
 
 
-def validate_prompt_token_ids(prompt_token_ids: list[int], vocab_size: int) -> None:
-    """Raise ValueError if the prompt is empty or holds a non-int or out-of-vocab id."""
+def validate_prompt_token_ids(prompt_token_ids: list[int], vocab_size: int, name: str = "prompt_token_ids") -> None:
+    """Raise ValueError if the prompt is empty or holds a non-int or out-of-vocab id; `name`
+    is the field the message names."""
     if len(prompt_token_ids) == 0:
-        raise ValueError("prompt_token_ids must not be empty")
+        raise ValueError(f"{name} must not be empty")
     # min/max run in C; only a failing prompt pays for the Python scan that names the id.
     try:
         in_range = min(prompt_token_ids) >= 0 and max(prompt_token_ids) < vocab_size
@@ -358,7 +359,7 @@ def validate_prompt_token_ids(prompt_token_ids: list[int], vocab_size: int) -> N
         return
     for position, token_id in enumerate(prompt_token_ids):
         if not _is_int(token_id):
-            raise ValueError(f"prompt_token_ids[{position}]: token id {token_id!r} is not an int")
+            raise ValueError(f"{name}[{position}]: token id {token_id!r} is not an int")
         if not 0 <= token_id < vocab_size:
-            raise ValueError(f"prompt_token_ids[{position}]: token id {token_id} is out of "
+            raise ValueError(f"{name}[{position}]: token id {token_id} is out of "
                              f"range [0, {vocab_size}) for vocab size {vocab_size}")

@@ -32,9 +32,12 @@ def eos_token_ids(core) -> tuple[int, ...]:
     return tuple(sorted(set(core.model_config.eos_token_ids) | set(load_eos_token_ids(core.model_dir))))
 
 
-def validate_request(prompt_token_ids: list[int], params: SamplingParams, core) -> None:
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, core,
+                     resumed_token_ids: list[int] = ()) -> None:
     """Raise ServiceError(INVALID_ARGUMENT) for what the engine cannot serve."""
     validate_prompt(prompt_token_ids, core)
+    if resumed_token_ids:
+        validate_resumed(len(prompt_token_ids), resumed_token_ids, params, core)
     try:
         params.validate_token_ids(core.model_config.vocab_size)
     except ValueError as e:
@@ -57,6 +60,25 @@ def validate_prompt(prompt_token_ids: list[int], core) -> None:
                            f"length of {core.max_model_len} tokens")
 
 
+def validate_resumed(num_prompt_tokens: int, resumed_token_ids: list[int], params: SamplingParams, core) -> None:
+    """Raise ServiceError(INVALID_ARGUMENT) unless a request resumed after resumed_token_ids of
+    output can still produce a token here: ids in the vocabulary, room under max_tokens and
+    under max_model_len."""
+    try:
+        validate_prompt_token_ids(resumed_token_ids, core.model_config.vocab_size, "resumed_token_ids")
+    except ValueError as e:
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+    num_resumed = len(resumed_token_ids)
+    if params.max_tokens is not None and num_resumed >= params.max_tokens:
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{num_resumed} resumed_token_ids leave nothing to generate under max_tokens "
+                           f"{params.max_tokens}")
+    if num_prompt_tokens + num_resumed >= core.max_model_len:
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"prompt ({num_prompt_tokens} tokens) and {num_resumed} resumed_token_ids reach the "
+                           f"maximum model length of {core.max_model_len} tokens: nothing is left to generate")
+
+
 def add_request(core, request: Request) -> None:
     """Engine thread: queue a request computed here from its prompt (a prefill, whose KV goes
     where its kv_transfer_params say, or an embedding)."""
@@ -75,11 +97,13 @@ async def finished_output(stream) -> EngineCoreOutput:
 
 def new_request(req_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
                 eos: tuple[int, ...], cache_salt: str | None = None,
-                lora_request: LoRARequest | None = None) -> Request:
+                lora_request: LoRARequest | None = None, resumed_token_ids: list[int] = ()) -> Request:
+    """The engine's Request; resumed_token_ids (checked by validate_request) are its output so far."""
     if not req_id:
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
     return Request(req_id, prompt_token_ids, params, eos_token_ids=eos, priority=priority,
-                   cache_salt=checked_cache_salt(cache_salt), lora_request=lora_request)
+                   cache_salt=checked_cache_salt(cache_salt), lora_request=lora_request,
+                   output_token_ids=resumed_token_ids)
 
 
 def refused(error: ValueError) -> ServiceError:

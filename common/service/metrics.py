@@ -166,6 +166,9 @@ class GatewayMetrics(ServiceMetrics):
                                   "prefill instance's queue at --max-prefill-queue-tokens: the decode "
                                   "instance prefills locally)",
                                   ["policy", "pool", "result"], registry=r)
+        self.migrations = Counter("pdserve_request_migrations", "Requests moved to another decode instance "
+                                  "after theirs was lost mid-stream, to continue after the tokens already "
+                                  "streamed (each move counts; --migration-limit)", registry=r)
         self.instances_alive = Gauge("pdserve_instances_alive", "Registered instances per pool",
                                      ["pool"], registry=r)
         self.heartbeat_gap = Histogram("pdserve_heartbeat_gap_seconds", "Time between two consecutive "
@@ -193,6 +196,9 @@ class GatewayMetrics(ServiceMetrics):
     def placed(self, pool: str, result: str) -> None:
         """result: one of PLACEMENT_RESULTS."""
         self.placements.labels(self.policy, pool, result).inc()
+
+    def migrated(self) -> None:
+        self.migrations.inc()
 
     def set_instances_alive(self, pool: str, count: int) -> None:
         self.instances_alive.labels(pool).set(count)

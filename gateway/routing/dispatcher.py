@@ -13,21 +13,27 @@ A decode call that fails with UNAVAILABLE (or CANCELLED/ABORTED) makes the
 gateway probe the instance at once (Stats) and drop it from the registry when the
 probe fails too, so later requests avoid it without waiting for its heartbeats to
 time out; an instance that is in fact alive re-registers on its next heartbeat.
-A request that failed so before receiving any token is retried on another decode
-instance (never twice on one); one that had streamed tokens ends with UNAVAILABLE.
-The same holds for the calls still running on an instance the registry drops as dead
-(missed heartbeats, a failed probe): gateway.routing.inflight_calls ends them at once,
-so no request outlives its instance.
+A request that failed so before the client received anything is retried on another
+decode instance (never twice on one). One that had streamed tokens is migrated, up
+to migration_limit times (Dynamo's): another decode instance prefills the prompt and
+the output so far (DecodeRequest.resumed_token_ids) and continues after it, into the
+same text assembler, so the client's stream goes on as if nothing happened; past the
+limit, or with no other instance, it ends with UNAVAILABLE. The same holds for the
+calls still running on an instance the registry drops as dead (missed heartbeats, a
+failed probe): gateway.routing.inflight_calls ends them at once, so no request
+outlives its instance.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from common.service.errors import ServiceError
+from common.service.logging_setup import log_event
 from common.service.metrics import GatewayMetrics, RequestTimer
 from decode_service.api import DecodeJob
 from decode_service.client import DecodeClient
@@ -66,8 +72,10 @@ class InstanceLost(ServiceError):
 class Dispatcher:
     def __init__(self, registry: InstanceRegistry, kv_index: KvIndex, policy: PlacementPolicy,
                  tokenizer, eos_token_ids: tuple[int, ...], metrics: GatewayMetrics | None = None,
-                 max_prefill_queue_tokens: int = 0):
+                 max_prefill_queue_tokens: int = 0, migration_limit: int = 0):
         self.registry = registry
+        # Times one request may move to another decode instance after tokens were streamed.
+        self.migration_limit = migration_limit
         # > 0: conditional disaggregation by load (gateway.routing.placement)
         self.max_prefill_queue_tokens = max_prefill_queue_tokens
         self.metrics = metrics or GatewayMetrics(policy.name)
@@ -87,34 +95,51 @@ class Dispatcher:
         `on_prefill_done` is called at the first token (the gateway's prefill admission
         gives the request's slot back then)."""
         tried: set[str] = set()
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        text = TextAssembler(self.tokenizer, request, "", self.eos_token_ids)
+        num_migrations, streamed_any = 0, False
         while True:
-            placement = self._place(request, exclude=tried)
+            resuming = bool(text.output_token_ids)
+            placement = self._place(request, exclude=tried, remote_prefill=not resuming)
             decode = placement.decode
             tried.add(decode.instance_id)
             if placement.prefill is None and on_prefill_done is not None:
                 on_prefill_done()  # prefilled on the decode instance: no prefill instance is used
-            charge = self.ledger.charge(len(request.prompt_token_ids), prefill=placement.prefill,
+            resumed_token_ids = text.migrate(decode.instance_id) if resuming else []
+            charge = self.ledger.charge(len(request.prompt_token_ids) + len(resumed_token_ids),
+                                        prefill=placement.prefill,
                                         prompt_block_hashes=placement.prompt_block_hashes, decode=decode)
-            streamed_any = False
+            left_s = None if deadline is None else max(0.0, deadline - loop.time())
             try:
-                async for delta in self._stream_on(placement, charge, request, timeout_s, timer, on_prefill_done):
+                async for delta in self._stream_on(placement, charge, request, text, resumed_token_ids, left_s,
+                                                   timer, on_prefill_done):
                     streamed_any = True
                     yield delta
                 return
             except (grpc.aio.AioRpcError, InstanceLost) as e:
                 error = e if isinstance(e, InstanceLost) else self._decode_error(decode, e)
-                retry = (error.code == grpc.StatusCode.UNAVAILABLE and not streamed_any
-                         and self._live_decodes(tried, request.lora_name))
-                if not retry:
+                if error.code != grpc.StatusCode.UNAVAILABLE or not self._live_decodes(tried, request.lora_name):
                     raise error from None
-                logger.warning("%s; retrying request %s elsewhere", error.message, request.request_id)
+                if not streamed_any:
+                    # The client saw nothing: start over, placed afresh (a remote prefill again).
+                    text = TextAssembler(self.tokenizer, request, "", self.eos_token_ids)
+                    logger.warning("%s; retrying request %s elsewhere", error.message, request.request_id)
+                    continue
+                if num_migrations >= self.migration_limit:
+                    raise error from None
+                num_migrations += 1
+                self.metrics.migrated()
+                log_event(logger, "request migrating", reason=error.message, num_migrations=num_migrations,
+                          output_tokens=len(text.output_token_ids))
             finally:
                 charge.release()  # whatever is left, a prefill that never got to a first token too
 
     def _live_decodes(self, exclude: set[str], lora_name: str | None) -> list[Instance]:
         return [i for i in serving(self.registry.instances("decode"), lora_name) if i.instance_id not in exclude]
 
-    def _place(self, request: PreparedRequest, exclude: set[str]) -> Placement:
+    def _place(self, request: PreparedRequest, exclude: set[str], remote_prefill: bool = True) -> Placement:
+        """remote_prefill False: the decode instance prefills (a migrated request's output so far)."""
         decodes = self._live_decodes(exclude, request.lora_name)
         decode = self.policy.choose_decode(len(request.prompt_token_ids), decodes)
         self.metrics.placed("decode", "placed" if decode is not None else "none")
@@ -122,6 +147,8 @@ class Dispatcher:
             what = "is alive" if request.lora_name is None else f"serves LoRA adapter {request.lora_name!r}"
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"no decode instance {what}; start one (pdserve decode --gateway ADDR) and retry")
+        if not remote_prefill:
+            return Placement(decode, None)
         prefills = serving(self.registry.instances("prefill"), request.lora_name)
         prefill, prompt_block_hashes = choose_remote_prefill(
             self.policy, prefills, request.prompt_token_ids, request.cache_salt, request.lora_name,
@@ -130,18 +157,21 @@ class Dispatcher:
         return Placement(decode, prefill, prompt_block_hashes)
 
     async def _stream_on(self, placement: Placement, charge: PlacementCharge, request: PreparedRequest,
-                         timeout_s: float | None, timer: RequestTimer | None,
-                         on_prefill_done: Callable[[], None] | None
+                         text: TextAssembler, resumed_token_ids: list[int], timeout_s: float | None,
+                         timer: RequestTimer | None, on_prefill_done: Callable[[], None] | None
                          ) -> AsyncIterator[GenerationDelta]:
         decode = placement.decode
         logger.debug("placed on decode %s, prefill %s", decode.instance_id,
                      placement.prefill_instance_id or "local")
+        text.decode_instance_id = decode.instance_id
+        # Resumed: the prompt's logprobs went out with the first instance's first message.
+        sampling = (dataclasses.replace(request.sampling, prompt_logprobs=None) if resumed_token_ids
+                    else request.sampling)
         with self._channels.calling(decode) as client:
-            job = DecodeJob(request.request_id, request.prompt_token_ids, request.sampling, request.priority,
+            job = DecodeJob(request.request_id, request.prompt_token_ids, sampling, request.priority,
                             placement.prefill_address, placement.prefill_instance_id, request.cache_salt,
-                            request.lora_name)
+                            request.lora_name, resumed_token_ids)
             stream = client.decode(job, timeout_s)
-            text = TextAssembler(self.tokenizer, request, decode.instance_id, self.eos_token_ids)
             with self._calls.tracking(decode, stream) as call:
                 try:
                     async for output in stream:

@@ -20,7 +20,8 @@ from common.cli.up import LocalStack
 from common.engine.sampling_params import SamplingParams
 from gateway.client import AsyncClient, Client
 from protos.pdserve.v1 import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2_grpc
-from tests.support.scrape import scrape
+from gateway.validation import load_served_model
+from tests.support.scrape import scrape, total
 
 pytestmark = pytest.mark.slow
 
@@ -236,22 +237,27 @@ def test_new_decode_registers_serves_and_drains_with_not_serving(stack, client):
     assert "decode-2" not in served_by(client, "decode", unique_long_prompts("after-drain", 4))
 
 
-def test_killed_decode_fails_its_streams_fast_and_is_no_longer_chosen(stack, client):
-    streams = [client.generate_stream(p, max_tokens=60, temperature=0, ignore_eos=True)
+def test_killed_decode_migrates_its_streams_which_finish_whole_and_is_no_longer_chosen(stack, client):
+    streams = [client.generate_stream(p, max_tokens=60, temperature=0, ignore_eos=True, return_token_ids=True)
                for p in unique_long_prompts("kill-decode", 6)]
-    placed = [next(s).decode_instance_id for s in streams]
-    assert "decode-0" in placed
+    firsts = [next(s) for s in streams]
+    num_on_killed = [f.decode_instance_id for f in firsts].count("decode-0")
+    assert num_on_killed
+    tokenizer = load_served_model(None).tokenizer
     stack.kill("decode-0")
     killed_at = time.monotonic()
-    on_killed = [s for s, instance_id in zip(streams, placed) if instance_id == "decode-0"]
-    for stream in on_killed:  # first, so that the clock measures them alone
-        with pytest.raises(grpc.RpcError) as error:
-            list(stream)
-        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert time.monotonic() - killed_at < 5
-    for stream in (s for s in streams if s not in on_killed):
-        assert list(stream)[-1].finish_reason == "length"
+    for first, stream in sorted(zip(firsts, streams), key=lambda fs: fs[0].decode_instance_id != "decode-0"):
+        # Those on the killed instance first, so that the clock measures them alone.
+        deltas = [first] + list(stream)
+        if first.decode_instance_id == "decode-0":
+            assert time.monotonic() - killed_at < 10
+        # Continued on decode-1 after what decode-0 streamed: every token once, the text at the seam whole.
+        token_ids = [t for d in deltas for t in d.token_ids]
+        assert (deltas[-1].finish_reason, deltas[-1].decode_instance_id, len(token_ids)) == ("length", "decode-1", 60)
+        assert deltas[-1].usage.completion_tokens == 60
+        assert "".join(d.text for d in deltas) == tokenizer.decode(token_ids)
     assert served_by(client, "decode", unique_long_prompts("after-kill", 4)) == {"decode-1"}
+    assert total(scrape(stack.gateway.metrics_address), "pdserve_request_migrations_total") == num_on_killed
 
 
 def test_killed_prefill_is_dropped_and_a_new_one_receives_traffic(stack, client):

@@ -66,35 +66,80 @@ def test_a_request_the_decode_refuses_as_invalid_gets_the_engines_words_once(gat
     assert sorted(live_decodes(gateway)) == ["decode-a", "decode-b"]
 
 
-@pytest.mark.timing
-def test_decode_killed_mid_stream_gives_unavailable_fast_and_is_no_longer_chosen(gateway):
-    spare = gateway.add_fake_decode("decode-spare", token_ids=TOKENS)
+def migrations(gw: BackgroundGateway) -> float:
+    return gw.call(lambda: gw.gateway.metrics.registry.get_sample_value("pdserve_request_migrations_total"))
+
+
+def _spawn_doomed_decode(gw: BackgroundGateway) -> subprocess.Popen:
+    """A fake decode process (TOKENS as its script, 50 ms a token) registered with gw, to SIGKILL."""
     doomed = subprocess.Popen([sys.executable, "-m", "bench.fakes.fake_decode", "--gateway",
-                               gateway.registry_address, "--model-name", gateway.gateway.model.name,
-                               "--instance-id", "decode-doomed", "--delay-s", "0.05"],
+                               gw.registry_address, "--model-name", gw.gateway.model.name,
+                               "--instance-id", "decode-doomed", "--delay-s", "0.05",
+                               "--token-ids", ",".join(map(str, TOKENS))],
                               stdout=subprocess.PIPE, text=True)
+    assert "PDSERVE_READY" in doomed.stdout.readline()
+    return doomed
+
+
+def _wait_dropped(gw: BackgroundGateway, instance_id: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while instance_id in live_decodes(gw):
+        assert time.monotonic() < deadline, f"{instance_id} still registered"
+        time.sleep(0.05)
+
+
+@pytest.mark.timing
+def test_decode_killed_mid_stream_with_migration_off_gives_unavailable_fast_and_is_no_longer_chosen():
+    with BackgroundGateway(GatewaySettings(heartbeat_timeout_s=30.0, migration_limit=0)) as gateway:
+        spare = gateway.add_fake_decode("decode-spare", token_ids=TOKENS)
+        doomed = _spawn_doomed_decode(gateway)
+        try:
+            # Equally loaded, so placement picks the lower id: decode-doomed.
+            with Client(gateway.address, timeout=30) as client:
+                stream = client.generate_stream("hi", max_tokens=1000)
+                assert next(stream).decode_instance_id == "decode-doomed"
+                doomed.send_signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+                with pytest.raises(grpc.RpcError) as error:
+                    list(stream)
+                assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert time.monotonic() - killed_at < 3.0
+                # Dropped after a failed probe, long before its heartbeats would time out (30 s).
+                _wait_dropped(gateway, "decode-doomed", 3.0)
+                assert client.generate("hi", max_tokens=3).decode_instance_id == "decode-spare"
+        finally:
+            doomed.kill()
+            doomed.wait()
+        assert len(spare.servicer.requests) == 1  # the last request only: nothing migrated to it
+
+
+@pytest.mark.timing
+def test_decode_killed_mid_stream_migrates_the_stream_to_another_decode_which_continues_it(gateway):
+    spare = gateway.add_fake_decode("decode-spare", token_ids=TOKENS)
+    doomed = _spawn_doomed_decode(gateway)
+    max_tokens = 400
     try:
-        assert "PDSERVE_READY" in doomed.stdout.readline()
-        # Equally loaded, so placement picks the lower id: decode-doomed.
         with Client(gateway.address, timeout=30) as client:
-            stream = client.generate_stream("hi", max_tokens=1000)
-            assert next(stream).decode_instance_id == "decode-doomed"
+            stream = client.generate_stream("hi", max_tokens=max_tokens, return_token_ids=True)
+            first = next(stream)
+            assert first.decode_instance_id == "decode-doomed"
             doomed.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
-            with pytest.raises(grpc.RpcError) as error:
-                list(stream)
-            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+            rest = list(stream)
             assert time.monotonic() - killed_at < 3.0
-            # Dropped after a failed probe, long before its heartbeats would time out (30 s).
-            deadline = time.monotonic() + 3.0
-            while "decode-doomed" in live_decodes(gateway):
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            assert client.generate("hi", max_tokens=3).decode_instance_id == "decode-spare"
+            _wait_dropped(gateway, "decode-doomed", 3.0)
     finally:
         doomed.kill()
         doomed.wait()
-    assert spare.servicer.requests  # the spare served the last request
+    received = first.token_ids + [t for delta in rest for t in delta.token_ids]
+    # The script continues where the lost instance stopped: nothing repeated, nothing missing.
+    assert received == [TOKENS[i % len(TOKENS)] for i in range(max_tokens)]
+    assert rest[-1].finish_reason == "length" and rest[-1].decode_instance_id == "decode-spare"
+    assert rest[-1].usage.completion_tokens == max_tokens
+    (resumed,) = spare.servicer.requests
+    num_resumed = len(resumed.resumed_token_ids)
+    assert 1 <= num_resumed < max_tokens and list(resumed.resumed_token_ids) == received[:num_resumed]
+    assert migrations(gateway) == 1
 
 
 def test_failure_before_the_first_token_is_retried_on_another_decode(gateway):

@@ -86,6 +86,33 @@ def test_preemption_does_not_change_outputs(make_llm):
     assert tight.engine.scheduler.stats["num_preemptions"] > 0
 
 
+def run_resumed(llm: LLM, prompt_token_ids: list[int], params: SamplingParams, resumed: list[int]) -> list[int]:
+    """The tokens a request resumed after `resumed` of output produces (a migrated request)."""
+    core = llm.engine
+    core.add_request(Request("resumed", prompt_token_ids, params, output_token_ids=resumed))
+    new_token_ids = []
+    while core.has_unfinished_requests():
+        new_token_ids += [t for output in core.step() for t in output.new_token_ids]
+    return new_token_ids
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+    # Per-step seeds, penalties and min_tokens all count the resumed output as output.
+    SamplingParams(temperature=1.0, top_p=0.9, seed=77, frequency_penalty=0.8, presence_penalty=0.5,
+                   repetition_penalty=1.3, min_tokens=12, max_tokens=16),
+], ids=["greedy", "seeded-penalties"])
+@pytest.mark.parametrize("num_resumed", [1, 9])
+def test_a_request_resumed_after_part_of_its_output_continues_it_exactly(make_llm, params, num_resumed):
+    llm = make_llm()
+    prompt = random_prompts([21], seed=8)[0]
+    whole = llm.generate([prompt], params)[0].outputs[0].token_ids
+    llm.reset_prefix_cache()  # the resumed request recomputes everything, as on another instance
+    continued = run_resumed(llm, prompt["prompt_token_ids"], params, whole[:num_resumed])
+    assert whole[:num_resumed] + continued == whole
+    assert len(continued) == params.max_tokens - num_resumed  # max_tokens counted the resumed output
+
+
 def test_seeded_sampling_is_independent_of_batch(make_llm):
     llm = make_llm()
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)

@@ -130,6 +130,20 @@ def test_preemption_replays_a_held_back_constraint(tiny_llama_dir):
         check_schema(tight.tokenizer.decode(ids[_first_end(ids, tuple(marker)):]))
 
 
+def test_a_resumed_request_continues_its_constrained_output_where_it_stopped(llm):
+    # A request migrated from a lost instance: its grammar is advanced over the output it brings.
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=200, structured_outputs={"json": SCHEMA})
+    whole = llm.generate(PROMPTS[:1], params)[0].outputs[0]
+    num_resumed = len(whole.token_ids) // 2
+    llm.engine.add_request(Request("resumed", PROMPTS[0]["prompt_token_ids"], params,
+                                   output_token_ids=whole.token_ids[:num_resumed]))
+    continued = []
+    while llm.engine.has_unfinished_requests():
+        continued += [t for output in llm.engine.step() for t in output.new_token_ids]
+    assert whole.token_ids[:num_resumed] + continued == whole.token_ids
+    check_schema(whole.text)
+
+
 def test_a_structural_tag_lets_text_run_free_until_a_trigger_then_holds_the_tags_schema(llm):
     """vLLM's first form: after "<function=", one of the listed tags with content valid
     against its schema; before it, any text."""
