@@ -14,9 +14,14 @@ free afterwards. Scenarios, in order (each leaves the stack with 1 prefill + 1 d
   decode instance recomputes them locally (a new prefill instance joins after).
 - kill-decode-while-streaming: SIGKILL the only decode instance after first tokens;
   streams end UNAVAILABLE, readiness goes NOT_SERVING, and SERVING once a new one joins.
+- kill-decode-of-two-while-streaming: SIGKILL one of two decode instances after first
+  tokens; the gateway migrates its streams to the other, which continues them
+  (longest_stall_s: the longest wait between two tokens any client saw; migrations: the
+  gateway's pdserve_request_migrations_total over the scenario).
 - stop-decode-while-streaming: SIGSTOP a decode instance (2 running) after first tokens;
-  the channel's keepalive finds it silent, the gateway drops it and ends or re-places its
-  calls (failed_ended_after_s: when the last of the frozen one's requests ended).
+  the channel's keepalive finds it silent, the gateway drops it and migrates its calls
+  (or ends them, at --migration-limit 0; failed_ended_after_s: when the last of the
+  frozen one's failed requests ended).
 - drain-decode: SIGTERM a decode instance (2 running) with requests in flight; they finish.
 - restart-prefill: SIGTERM the prefill instance, start a new one; requests then succeed.
 - scale-decode: 1 -> 3 -> 1 decode instances, three times, with traffic in between; the
@@ -52,12 +57,19 @@ class Round:
         self.first_token = [asyncio.Event() for _ in requests]
         self.statuses: list[str | None] = [None] * len(requests)
         self.ended_at: list[float] = [0.0] * len(requests)
+        # The longest wait between two of a request's tokens (a stall a fault caused shows here).
+        self.longest_gap_s: list[float] = [0.0] * len(requests)
         self.tasks = [asyncio.ensure_future(self._run(backend, r, i)) for i, r in enumerate(requests)]
 
     async def _run(self, backend, request, index: int) -> None:
+        last_token_at = None
         try:
             async for _, num_tokens in backend.stream(request):
                 if num_tokens:
+                    now = time.monotonic()
+                    if last_token_at is not None:
+                        self.longest_gap_s[index] = max(self.longest_gap_s[index], now - last_token_at)
+                    last_token_at = now
                     self.first_token[index].set()
             self.statuses[index] = "OK"
         except grpc.aio.AioRpcError as e:
@@ -122,6 +134,16 @@ def pools_free(stack, timeout_s: float = 60.0) -> bool:
         return False
 
 
+def _gateway_migrations(stack) -> float:
+    """The gateway's pdserve_request_migrations_total, scraped."""
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"http://{stack.gateway.metrics_address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "pdserve_request_migrations_total")
+
+
 def _rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -158,18 +180,23 @@ async def scenario(name: str, stack, backend, make_requests, args) -> dict:
         await loop_thread(stack.add_instance, "decode")
         row["readiness_true_after_join_s"] = round(await loop_thread(_wait_until, lambda: _ready(stack), 30,
                                                                      "readiness SERVING"), 2)
-    elif name in ("stop-decode-while-streaming", "drain-decode"):
-        # Two decode instances, every request streaming; then the first one is frozen
-        # (SIGSTOP: the gateway must drop it) or drained (SIGTERM: its calls finish).
+    elif name in ("kill-decode-of-two-while-streaming", "stop-decode-while-streaming", "drain-decode"):
+        # Two decode instances, every request streaming; then the first one is killed (its
+        # streams migrate), frozen (SIGSTOP: the gateway must drop it) or drained (SIGTERM:
+        # its calls finish).
         await loop_thread(stack.add_instance, "decode")
         await loop_thread(stack.wait_registered, 1, 2)
+        migrations_before = _gateway_migrations(stack)
         r = Round(backend, make_requests(args.requests))
         await r.first_tokens(args.requests)
         decode = sorted(n for n in _live(stack) if n.startswith("decode"))[0]
         fault_at = time.monotonic()
         frozen = name == "stop-decode-while-streaming"
-        stack.kill(decode, signal.SIGSTOP if frozen else signal.SIGTERM)
+        stack.kill(decode, {"kill-decode-of-two-while-streaming": signal.SIGKILL,
+                            "stop-decode-while-streaming": signal.SIGSTOP}.get(name, signal.SIGTERM))
         row["statuses"] = await r.finish()
+        row["longest_stall_s"] = round(max(r.longest_gap_s), 2)
+        row["migrations"] = int(_gateway_migrations(stack) - migrations_before)
         if frozen:  # the frozen instance's requests; the others finish on the live one
             row["failed_ended_after_s"] = round(max(
                 (t for t, status in zip(r.ended_at, r.statuses) if status != "OK"), default=fault_at) - fault_at, 2)
@@ -218,8 +245,8 @@ async def scenario(name: str, stack, backend, make_requests, args) -> dict:
     return row
 
 
-SCENARIOS = ("kill-prefill-while-prefilling", "kill-decode-while-streaming", "stop-decode-while-streaming",
-             "drain-decode", "restart-prefill", "scale-decode", "abort-storm")
+SCENARIOS = ("kill-prefill-while-prefilling", "kill-decode-while-streaming", "kill-decode-of-two-while-streaming",
+             "stop-decode-while-streaming", "drain-decode", "restart-prefill", "scale-decode", "abort-storm")
 
 
 def run(args) -> dict:
