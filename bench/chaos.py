@@ -197,9 +197,10 @@ async def scenario(name: str, stack, backend, make_requests, args) -> dict:
         row["statuses"] = await r.finish()
         row["longest_stall_s"] = round(max(r.longest_gap_s), 2)
         row["migrations"] = int(_gateway_migrations(stack) - migrations_before)
-        if frozen:  # the frozen instance's requests; the others finish on the live one
-            row["failed_ended_after_s"] = round(max(
-                (t for t, status in zip(r.ended_at, r.statuses) if status != "OK"), default=fault_at) - fault_at, 2)
+        if frozen:
+            failed_ended_at = [t for t, status in zip(r.ended_at, r.statuses) if status != "OK"]
+            if failed_ended_at:  # the frozen instance's requests, not migrated (--migration-limit 0)
+                row["failed_ended_after_s"] = round(max(failed_ended_at) - fault_at, 2)
             stack.kill(decode, signal.SIGCONT)
             stack.kill(decode, signal.SIGTERM)
         await loop_thread(stack.instances[decode].wait_or_kill, 60)

@@ -20,7 +20,7 @@ from gateway.admission import PoolAdmission, Slot
 from gateway.lora_adapters import LoRAAdapters
 from gateway.readiness import Readiness
 from gateway.request_ids import RequestIdInFlight, RequestIds
-from gateway.routing.dispatcher import Dispatcher
+from gateway.routing.dispatcher import DEFAULT_MIGRATION_LIMIT, Dispatcher
 from gateway.routing.embedding_dispatcher import EmbeddingDispatcher
 from gateway.routing.kv_event_subscriber import KvEventSubscriber, grpc_resync
 from gateway.routing.kv_index import KvIndex
@@ -101,7 +101,7 @@ class GatewaySettings:
     max_prefill_queue_tokens: int = 0
     # Times a request whose decode instance is lost after it streamed tokens moves to another
     # one (gateway.routing.dispatcher); 0: it fails UNAVAILABLE instead
-    migration_limit: int = 3
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT
 
 
 class Gateway:

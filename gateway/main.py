@@ -30,6 +30,7 @@ from common.service.metrics import add_metrics_args
 from gateway.core import GatewaySettings
 from gateway.openai_api.reasoning_parsers import PARSERS as REASONING_PARSERS
 from gateway.openai_api.tool_parsers import PARSERS
+from gateway.routing.dispatcher import DEFAULT_MIGRATION_LIMIT
 from gateway.routing.policies import POLICIES
 from gateway.server import MAX_MESSAGE_BYTES, GatewayServer
 
@@ -148,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "decode instance prefills it itself (its token streams pause for that step). "
                              "Suits a small host where the prefill pool saturates before the decode pool; "
                              "0: always the prefill pool while an instance is alive")
-    parser.add_argument("--migration-limit", type=_non_negative_int, default=3,
+    parser.add_argument("--migration-limit", type=_non_negative_int, default=DEFAULT_MIGRATION_LIMIT,
                         help="times one request may move to another decode instance when its own is lost "
                              "after tokens were streamed (Dynamo's --migration-limit): the new instance "
                              "prefills the prompt and the output so far and continues the stream, greedy and "

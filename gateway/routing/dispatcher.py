@@ -50,6 +50,8 @@ from gateway.types import GenerationDelta, PreparedRequest
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 1.0
+# Moves to another decode instance one request may make after tokens were streamed (--migration-limit).
+DEFAULT_MIGRATION_LIMIT = 3
 # Decode statuses the client gets as they are (they describe its request or the
 # system's state). CANCELLED that the gateway did not ask for (the instance shut
 # down) and ABORTED (its KV transfer failed) are transient: UNAVAILABLE, so that
@@ -72,7 +74,7 @@ class InstanceLost(ServiceError):
 class Dispatcher:
     def __init__(self, registry: InstanceRegistry, kv_index: KvIndex, policy: PlacementPolicy,
                  tokenizer, eos_token_ids: tuple[int, ...], metrics: GatewayMetrics | None = None,
-                 max_prefill_queue_tokens: int = 0, migration_limit: int = 0):
+                 max_prefill_queue_tokens: int = 0, migration_limit: int = DEFAULT_MIGRATION_LIMIT):
         self.registry = registry
         # Times one request may move to another decode instance after tokens were streamed.
         self.migration_limit = migration_limit

@@ -24,6 +24,7 @@ import pytest
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from common.service.common_api import sampling_params_to_pb
 from gateway.routing.registry import ROLES, InstanceRegistry, RegistryServicer
@@ -188,13 +189,14 @@ def run(coro):
 
 async def decode_collect(address: str, prompt: list[int],
                          params: SamplingParams | common_pb2.SamplingParams = GREEDY, *,
-                         prefill: str = "", request_id: str | None = None) -> dict:
+                         prefill: str = "", request_id: str | None = None, resumed: list[int] = ()) -> dict:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = decode_pb2_grpc.DecodeServiceStub(channel)
         request = decode_pb2.DecodeRequest(
             request_id=request_id or f"req-{time.monotonic_ns()}", prompt_token_ids=prompt,
             sampling=sampling_params_to_pb(params) if isinstance(params, SamplingParams) else params,
-            prefill_address=prefill, prefill_instance_id="prefill-test" if prefill else "")
+            prefill_address=prefill, prefill_instance_id="prefill-test" if prefill else "",
+            resumed_token_ids=resumed)
         result = {"token_ids": [], "logprobs": [], "messages": 0}
         async for response in stub.Decode(request):
             result["token_ids"] += response.token_ids
@@ -467,19 +469,47 @@ def test_prefill_with_unknown_or_unreachable_target_fails_cleanly(services, prom
     run(main())
 
 
-def test_bad_requests_get_invalid_argument(services, prompts):
+def test_bad_requests_get_invalid_argument(services, registry, prompts):
     prefill, decode = services
-    cases = [(list(range(100, 2100)), GREEDY, "longer than the maximum model length"),
-             (prompts["short"], common_pb2.SamplingParams(temperature=-1.0), "temperature"),
-             (prompts["short"], common_pb2.SamplingParams(n=2), "n must be 1"),
-             ([10 ** 6], GREEDY, "out of range")]
+    max_model_len = registry.instances()["decode-test"].spec.max_model_len
+    cases = [(list(range(100, 2100)), GREEDY, "longer than the maximum model length", []),
+             (prompts["short"], common_pb2.SamplingParams(temperature=-1.0), "temperature", []),
+             (prompts["short"], common_pb2.SamplingParams(n=2), "n must be 1", []),
+             ([10 ** 6], GREEDY, "out of range", []),
+             (prompts["short"], GREEDY, "resumed_token_ids[1]: token id 1000000 is out of range", [5, 10 ** 6]),
+             (prompts["short"], GREEDY, "leave nothing to generate under max_tokens", [5] * NUM_TOKENS),
+             ([100] * (max_model_len - 1), GREEDY, "reach the maximum model length", [5])]
 
     async def main():
-        for prompt, params, message in cases:
+        for prompt, params, message, resumed in cases:
             with pytest.raises(grpc.aio.AioRpcError) as error:
-                await decode_collect(decode.address, prompt, params, prefill=prefill.address)
+                await decode_collect(decode.address, prompt, params, resumed=resumed)
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.value.details()
+        # Resumed output is computed here with the prompt: never sent to a prefill instance.
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await decode_collect(decode.address, prompts["short"], prefill=prefill.address, resumed=[5])
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prefill_address" in error.value.details()
+        await wait_all_blocks_free(services)
     run(main())
+
+
+def test_a_resumed_request_continues_where_its_output_stops_as_the_engine_would(services, offline, prompts):
+    # A request the gateway migrated: prompt and output so far prefilled here, the output
+    # counted as output (penalties, per-step seeds, max_tokens) as the offline engine counts it.
+    prefill, decode = services
+    params = SamplingParams(temperature=0.9, seed=42, frequency_penalty=0.7, presence_penalty=0.4,
+                            max_tokens=NUM_TOKENS, ignore_eos=True)
+    whole = offline_tokens(offline, prompts["planets"], params)[0]
+    num_resumed = 9
+    result = run(decode_collect(decode.address, prompts["planets"], params, resumed=whole[:num_resumed]))
+    core = offline.engine
+    core.add_request(Request("resumed", prompts["planets"], params, output_token_ids=whole[:num_resumed]))
+    expected = []
+    while core.has_unfinished_requests():
+        expected += [t for output in core.step() for t in output.new_token_ids]
+    assert result["token_ids"] == expected and len(expected) == NUM_TOKENS - num_resumed
+    assert (result["prefill"], result["finish_reason"]) == ("", common_pb2.FINISH_REASON_LENGTH)
+    run(wait_all_blocks_free(services))
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_zero(services, registry, prompts):
