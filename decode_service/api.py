@@ -32,6 +32,9 @@ class DecodeJob:
     lora_name: str | None = None  # the LoRA adapter, by the name the instances serve it under
     # Output a lost decode instance produced already: prefilled here with the prompt, continued after
     resumed_token_ids: list[int] = field(default_factory=list)
+    # W3C trace context for the calls this one makes (gRPC metadata, not the message; see
+    # common.service.tracing): the Decode span's own, on the decode side
+    trace_headers: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_pb(cls, msg: decode_pb2.DecodeRequest) -> DecodeJob:

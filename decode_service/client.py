@@ -36,7 +36,9 @@ class DecodeClient:
         self._stub = decode_pb2_grpc.DecodeServiceStub(self._channel)
 
     def decode(self, job: DecodeJob, timeout_s: float | None = None) -> DecodeStream:
-        return DecodeStream(self._stub.Decode(job.to_pb(), timeout=timeout_s))
+        """job.trace_headers travel as gRPC metadata (the decode span's parent)."""
+        metadata = tuple(job.trace_headers.items()) if job.trace_headers else None
+        return DecodeStream(self._stub.Decode(job.to_pb(), timeout=timeout_s, metadata=metadata))
 
     async def abort(self, req_ids: list[str], timeout_s: float | None = None) -> int:
         """How many of `req_ids` were in flight there."""

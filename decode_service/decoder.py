@@ -175,7 +175,7 @@ class Decoder:
             transfer_timeout_s=self.transfer_timeout_s if self.prefill_queue_timeout_s > 0 else None)
         call = self.clients.prefill(job.prefill_address, PrefillJob(
             job.req_id, job.prompt_token_ids, job.params, job.priority, kv_target, job.cache_salt, job.lora_name),
-            self.remote_window_s)
+            self.remote_window_s, job.trace_headers)
         rpc = asyncio.ensure_future(call)
         try:
             await asyncio.wait({rpc, landed}, return_when=asyncio.FIRST_COMPLETED)

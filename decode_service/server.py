@@ -25,6 +25,7 @@ from common.service.engine_worker import EngineWorker
 from common.service.flags import advertised_zmq_endpoint, zmq_bind_endpoint
 from common.service.logging_setup import logged_request
 from common.service.request_gate import RequestGate
+from common.service.tracing import Tracing
 from decode_service.api import DecodeJob, DecodeOutput
 from decode_service.decoder import DecodeChunk, Decoder
 from kv_transfer import PoolGeometry
@@ -40,13 +41,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.gate = gate
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context):
-        with logged_request(logger, "decode", request.request_id, context,
+        with logged_request(logger, "decode", request.request_id, context, self.worker.tracing,
                             prompt_tokens=len(request.prompt_token_ids),
                             prefill=request.prefill_instance_id or request.prefill_address or "local",
                             resumed_tokens=len(request.resumed_token_ids)) as end:
             end.update(output_tokens=0, finish_reason=None)
             async with self.gate.admit(context):
                 job = DecodeJob.from_pb(request)
+                job.trace_headers = Tracing.child_headers(end.span)  # its Prefill call's span is this one's child
                 validate_request(job.prompt_token_ids, job.params, self.worker.core, job.resumed_token_ids)
                 async for chunk in self.worker.decoder.decode(job):
                     if chunk.output.finish_reason == "abort" and self.gate.stopping:

@@ -16,6 +16,7 @@ import grpc
 from common.service.errors import ServiceError
 from common.service.logging_setup import log_event, request_context
 from common.service.metrics import GatewayMetrics
+from common.service.tracing import NO_TRACING, Tracing
 from gateway.admission import PoolAdmission, Slot
 from gateway.lora_adapters import LoRAAdapters
 from gateway.readiness import Readiness
@@ -105,9 +106,10 @@ class GatewaySettings:
 
 
 class Gateway:
-    def __init__(self, model: ServedModel, settings: GatewaySettings):
+    def __init__(self, model: ServedModel, settings: GatewaySettings, tracing: Tracing = NO_TRACING):
         self.model = model
         self.settings = settings
+        self.tracing = tracing  # a span per request (common.service.tracing)
         # Instances must serve the gateway's own model: its tokenizer makes their prompts.
         self.registry = InstanceRegistry(heartbeat_interval_s=settings.heartbeat_interval_s,
                                          heartbeat_timeout_s=settings.heartbeat_timeout_s,
@@ -158,6 +160,7 @@ class Gateway:
                 logger.warning("drain timed out with %d requests in flight", len(self.request_ids))
 
     async def close(self) -> None:
+        self.tracing.shutdown()
         if self._expiry is not None:
             self._expiry.cancel()
         if self._kv_events is not None:
@@ -202,33 +205,38 @@ class Gateway:
         # request is prepared (which makes one when the client sent none).
         with request_context(request.request_id):
             timer = self.metrics.request_timer()
+            span = self.tracing.start("generate", request.trace_headers)
             last = None
             ending = _Ending(timeout_s)
             try:
                 with ending:
-                    async for delta in self._stream(request, timeout_s, timer):
+                    async for delta in self._stream(request, timeout_s, timer, Tracing.child_headers(span)):
                         last = delta
                         yield delta
             finally:
                 status = ending.status
                 duration_s = timer.finish(status)
-                with request_context(timer.request_id or request.request_id):
-                    log_event(logger, "request end", status=status,
-                              finish_reason=last.finish_reason if last else None,
+                fields = dict(finish_reason=last.finish_reason if last else None,
                               prompt_tokens=timer.num_prompt_tokens, output_tokens=timer.num_tokens,
                               cached_tokens=last.usage.cached_prompt_tokens if last else 0,
                               prefill=last.prefill_instance_id if last else "",
-                              decode=last.decode_instance_id if last else "",
+                              decode=last.decode_instance_id if last else "", migrations=timer.num_migrations,
                               ttft_s=round(timer.ttft_s, 4) if timer.ttft_s is not None else None,
                               duration_s=round(duration_s, 4))
+                with request_context(timer.request_id or request.request_id):
+                    log_event(logger, "request end", status=status, **fields)
+                self.tracing.finish(span, status, request_id=timer.request_id or request.request_id,
+                                    model=request.model or self.model.name, max_tokens=request.sampling.max_tokens,
+                                    temperature=request.sampling.temperature, top_p=request.sampling.top_p, **fields)
 
-    async def _stream(self, request: GenerateInput, timeout_s: float | None, timer
+    async def _stream(self, request: GenerateInput, timeout_s: float | None, timer, trace_headers: dict[str, str]
                       ) -> AsyncIterator[GenerationDelta]:
         if self.draining:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down; retry on another")
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         prepared = await self.prepare(request)
+        prepared.trace_headers = trace_headers  # the Decode span's parent: this request's span here
         await self.request_ids.acquire(prepared.request_id, _left(deadline))
         try:
             with request_context(prepared.request_id):

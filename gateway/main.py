@@ -27,6 +27,7 @@ import sys
 from common.service.flags import EnvDefaultsParser
 from common.service.logging_setup import add_logging_args, configure_logging
 from common.service.metrics import add_metrics_args
+from common.service.tracing import Tracing, add_tracing_args
 from gateway.core import GatewaySettings
 from gateway.openai_api.reasoning_parsers import PARSERS as REASONING_PARSERS
 from gateway.openai_api.tool_parsers import PARSERS
@@ -161,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds to let requests in flight finish on SIGTERM")
     add_metrics_args(parser)
     add_logging_args(parser)
+    add_tracing_args(parser)
     return parser
 
 
@@ -258,7 +260,8 @@ async def serve(args: argparse.Namespace) -> None:
                            max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, registry_port=registry_port,
                            registry_host=registry_host, registry_token=args.registry_token or None,
-                           api_keys=args.api_key, reasoning_parser=args.reasoning_parser)
+                           api_keys=args.api_key, reasoning_parser=args.reasoning_parser,
+                           tracing=Tracing("gateway", socket.gethostname(), args.otlp_traces_endpoint))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

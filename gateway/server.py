@@ -31,6 +31,7 @@ from grpc_health.v1 import health_pb2
 
 from common.service.errors import ErrorStatusInterceptor, ServiceError
 from common.service.keepalive import KEEPALIVE_SERVER_OPTIONS
+from common.service.tracing import NO_TRACING, Tracing, trace_headers
 from gateway.admission import RETRY_AFTER_METADATA
 from gateway.api import (beam_search_input_from_pb, beam_search_result_to_pb, delta_to_pb, deployment_info_to_pb,
                          embed_input_from_pb, embedding_result_to_pb, generate_input_from_pb)
@@ -71,7 +72,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     async def Generate(self, request, context):
         self._authenticate(context)
-        generate_input, split = self._converted(request)
+        generate_input, split = self._converted(request, context)
         try:
             result = await self.gateway.generate(generate_input, context.time_remaining())
         except ServiceError as e:
@@ -81,7 +82,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     async def GenerateStream(self, request, context):
         self._authenticate(context)
-        generate_input, split = self._converted(request)
+        generate_input, split = self._converted(request, context)
         try:
             async for delta in self.gateway.stream(generate_input, context.time_remaining()):
                 yield delta_to_pb(split.apply(delta) if split else delta)
@@ -104,12 +105,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             raise
         return beam_search_result_to_pb(result)
 
-    def _converted(self, request) -> tuple[GenerateInput, ReasoningSplit | None]:
-        """The request in the gateway's types, and its reasoning split if it asks for one; one
-        refused here (a bad sampling field) is still a request, counted under its status like
-        those the gateway refuses."""
+    def _converted(self, request, context) -> tuple[GenerateInput, ReasoningSplit | None]:
+        """The request in the gateway's types (the caller's trace context from its metadata),
+        and its reasoning split if it asks for one; one refused here (a bad sampling field) is
+        still a request, counted under its status like those the gateway refuses."""
         try:
             generate_input = generate_input_from_pb(request)
+            generate_input.trace_headers = trace_headers(context.invocation_metadata())
             return generate_input, reasoning_split(self.reasoning_parser, generate_input)
         except ServiceError as e:
             self.gateway.metrics.request_timer().finish(e.code.name)
@@ -148,8 +150,9 @@ class GatewayServer:
                  port: int = 0, max_message_bytes: int = MAX_MESSAGE_BYTES,
                  metrics_port: int | None = None, metrics_host: str | None = None,
                  registry_port: int = 0, registry_host: str | None = None, registry_token: str | None = None,
-                 api_keys: list[str] | None = None, reasoning_parser: str | None = None):
-        self.gateway = Gateway(model, settings)
+                 api_keys: list[str] | None = None, reasoning_parser: str | None = None,
+                 tracing: Tracing = NO_TRACING):
+        self.gateway = Gateway(model, settings, tracing)
         self.host = host
         self.port = port
         self.address = ""

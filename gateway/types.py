@@ -33,6 +33,9 @@ class GenerateInput:
     add_special_tokens: bool | None = None  # the tokenizer's BOS ...; None: true for text, false for messages
     split_reasoning: bool = False  # gRPC: the thinking in GenerationDelta.reasoning (the gateway's parser)
     cache_salt: str | None = None  # only requests of the same salt share prefix-cache blocks
+    # The caller's W3C trace context (traceparent, tracestate from gRPC metadata or HTTP headers):
+    # the request's trace continues the caller's (common.service.tracing)
+    trace_headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -46,6 +49,7 @@ class PreparedRequest:
     return_token_ids: bool = False
     cache_salt: str | None = None
     lora_name: str | None = None  # the request's model is this LoRA adapter (None: the base model)
+    trace_headers: dict[str, str] = field(default_factory=dict)  # the Decode call's trace context
 
     @property
     def return_logprobs(self) -> bool:

@@ -2,7 +2,7 @@
 address) and the gateway (GetCachedBlocks) call instead of raw stubs."""
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from typing import Any
 
 import grpc
@@ -43,8 +43,12 @@ class PrefillClients:
             entry = self._stubs[address] = (channel, prefill_pb2_grpc.PrefillServiceStub(channel))
         return entry[1]
 
-    def prefill(self, address: str, job: PrefillJob, transfer_timeout_s: float) -> PrefillCall:
-        return PrefillCall(self._stub(address).Prefill(job.to_pb(), timeout=transfer_timeout_s + RPC_SLACK_S))
+    def prefill(self, address: str, job: PrefillJob, transfer_timeout_s: float,
+                trace_headers: Mapping[str, str] | None = None) -> PrefillCall:
+        """trace_headers: gRPC metadata making the prefill's span a child of the caller's."""
+        metadata = tuple(trace_headers.items()) if trace_headers else None
+        return PrefillCall(self._stub(address).Prefill(job.to_pb(), timeout=transfer_timeout_s + RPC_SLACK_S,
+                                                       metadata=metadata))
 
     async def close(self) -> None:
         for channel, _ in self._stubs.values():

@@ -41,7 +41,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.gate = gate
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
-        with logged_request(logger, "prefill", request.request_id, context,
+        with logged_request(logger, "prefill", request.request_id, context, self.worker.tracing,
                             prompt_tokens=len(request.prompt_token_ids),
                             decode_kv=request.kv_target.kv_endpoint or "none") as end:
             async with self.gate.admit(context):

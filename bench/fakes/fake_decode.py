@@ -46,6 +46,7 @@ class FakeDecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.failure = failure
         self.num_cached_tokens = num_cached_tokens
         self.requests: list[decode_pb2.DecodeRequest] = []
+        self.metadata: list[dict[str, str]] = []  # each call's gRPC metadata (trace context ...)
         self.running: set[str] = set()
         self.cancelled: list[str] = []  # request ids whose call ended before they finished
         # request id -> time.perf_counter() as each message was handed to gRPC (benchmarks)
@@ -53,6 +54,8 @@ class FakeDecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def Decode(self, request, context):
         self.requests.append(request)
+        self.metadata.append({key: value for key, value in context.invocation_metadata() or ()
+                              if isinstance(value, str)})
         self.running.add(request.request_id)
         # Unset: the SamplingParams default; 0 (no limit): one pass over the script.
         max_tokens = (request.sampling.max_tokens or len(self.token_ids)

@@ -14,6 +14,7 @@ import logging
 from common.service.embedder import Embedder
 from common.service.embedding_api import EmbedJob
 from common.service.logging_setup import logged_request
+from common.service.tracing import NO_TRACING, Tracing
 from common.service.request_gate import RequestGate
 from protos.pdserve.v1 import embedding_pb2, embedding_pb2_grpc
 
@@ -21,13 +22,14 @@ logger = logging.getLogger(__name__)
 
 
 class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
-    def __init__(self, embedder: Embedder, gate: RequestGate, instance_id: str):
+    def __init__(self, embedder: Embedder, gate: RequestGate, instance_id: str, tracing: Tracing = NO_TRACING):
         self.embedder = embedder
         self.gate = gate
         self.instance_id = instance_id
+        self.tracing = tracing
 
     async def Embed(self, request: embedding_pb2.EmbedRequest, context) -> embedding_pb2.EmbedResponse:
-        with logged_request(logger, "embed", request.request_id, context,
+        with logged_request(logger, "embed", request.request_id, context, self.tracing,
                             prompt_tokens=len(request.prompt_token_ids)) as end:
             async with self.gate.admit(context):
                 result = await self.embedder.embed(EmbedJob.from_pb(request))

@@ -20,6 +20,7 @@ from common.service.lora_adapter_servicer import LoRAAdapterServicer
 from common.service.lora_modules import LoRAModules
 from common.service.metrics import WorkerMetrics
 from common.service.registration import InstanceLoad, InstanceSpec, Role, ServedLoRAs
+from common.service.tracing import Tracing
 from protos.pdserve.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class EngineWorker:
     def __init__(self, args: argparse.Namespace, instance_id: str, kv_transfer: KVTransferConfig):
         self.args = args
         self.instance_id = instance_id
+        self.tracing = Tracing(self.role, instance_id, getattr(args, "otlp_traces_endpoint", None))
         self.lora_modules = LoRAModules.parse(getattr(args, "lora_modules", None))
         config = engine_config_from_args(args)
         config.kv_transfer = kv_transfer
@@ -59,7 +61,7 @@ class EngineWorker:
 
     def embedding_servicer(self, gate) -> EmbeddingServicer:
         """The EmbeddingService each role's server adds beside its own service."""
-        return EmbeddingServicer(self.embedder, gate, self.instance_id)
+        return EmbeddingServicer(self.embedder, gate, self.instance_id, self.tracing)
 
     def lora_adapter_servicer(self) -> LoRAAdapterServicer:
         """The LoRAAdapterService each role's server adds beside its own service."""
@@ -107,3 +109,4 @@ class EngineWorker:
 
     async def close(self) -> None:
         self.engine.shutdown()
+        self.tracing.shutdown()

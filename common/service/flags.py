@@ -9,6 +9,7 @@ import socket
 from common.engine.engine_args import add_engine_args
 from common.service.logging_setup import add_logging_args
 from common.service.metrics import add_metrics_args
+from common.service.tracing import add_tracing_args
 
 
 class EnvDefaultsParser(argparse.ArgumentParser):
@@ -97,6 +98,7 @@ def make_parser(role: str, description: str) -> argparse.ArgumentParser:
                         "gateway answers to all); default: --model, or the bundled model's name")
     add_metrics_args(g)
     add_logging_args(g)
+    add_tracing_args(g)
     add_engine_args(parser)
     return parser
 

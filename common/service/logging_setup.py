@@ -33,6 +33,7 @@ import grpc
 from grpc import aio
 
 from common.service.errors import EXPECTED_ERRORS, error_status
+from common.service.tracing import NO_TRACING, Tracing, trace_headers
 
 LOG_FORMATS = ("text", "json")
 
@@ -148,20 +149,26 @@ def _text_value(value: Any) -> str:
 
 class EndFields(dict):
     """The fields of a request's end line. `complete` is set once the whole answer is out:
-    the caller hanging up after that (the gateway cancels a finished stream) is no failure."""
+    the caller hanging up after that (the gateway cancels a finished stream) is no failure.
+    `span`: the request's trace span here (common.service.tracing), None while tracing is off."""
 
     complete = False
+    span = None
 
 
 @contextlib.contextmanager
 def logged_request(log: logging.Logger, what: str, request_id: str, context: aio.ServicerContext | None = None,
-                   **start_fields) -> Iterator[EndFields]:
+                   tracing: Tracing = NO_TRACING, **start_fields) -> Iterator[EndFields]:
     """One RPC's work, labelled with its request id (common.service.logging_setup) and logged as a
     `WHAT start` line and a `WHAT end` line with status and duration_s. The caller adds
     end fields to the yielded dict; a ServiceError, an abort of `context`, cancellation or
-    a bug sets the status."""
+    a bug sets the status. With tracing on, the same fields make a span named WHAT, the child
+    of the trace context in the call's metadata."""
     started = time.monotonic()
     end = EndFields(status="OK")
+    if tracing.enabled:
+        parent = trace_headers(context.invocation_metadata()) if context is not None else None
+        end.span = tracing.start(what, parent, request_id=request_id, **start_fields)
     with request_context(request_id):
         log_event(log, f"{what} start", **start_fields)
         try:
@@ -179,3 +186,4 @@ def logged_request(log: logging.Logger, what: str, request_id: str, context: aio
         finally:
             end["duration_s"] = round(time.monotonic() - started, 4)
             log_event(log, f"{what} end", **end)
+            tracing.finish(end.span, **end)

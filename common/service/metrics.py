@@ -197,8 +197,10 @@ class GatewayMetrics(ServiceMetrics):
         """result: one of PLACEMENT_RESULTS."""
         self.placements.labels(self.policy, pool, result).inc()
 
-    def migrated(self) -> None:
+    def migrated(self, timer: "RequestTimer | None" = None) -> None:
         self.migrations.inc()
+        if timer is not None:
+            timer.num_migrations += 1
 
     def set_instances_alive(self, pool: str, count: int) -> None:
         self.instances_alive.labels(pool).set(count)
@@ -262,6 +264,7 @@ class RequestTimer:
         self.num_tokens = 0
         self.request_id = ""  # set once the request is prepared (the gateway may make the id)
         self.num_prompt_tokens = 0  # set once the request is tokenized
+        self.num_migrations = 0  # moves to another decode instance (gateway.routing.dispatcher)
         metrics.in_flight.inc()
 
     def tokens(self, num_tokens: int) -> None:

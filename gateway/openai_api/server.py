@@ -59,6 +59,7 @@ from starlette.routing import Route
 
 from common.engine.sampling_params import truncate_prompt
 from common.service.errors import ServiceError
+from common.service.tracing import trace_headers
 from gateway.api_keys import MISSING_KEY_MESSAGE, ApiKeys
 from gateway.beam_search import beam_search
 from gateway.core import Gateway
@@ -484,6 +485,9 @@ class OpenAIServer:
                 await self._constrain_after_reasoning(parsed)
             response_id = asked.response_id if asked else f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             inputs = parsed.generate_inputs(response_id)
+            caller_trace = trace_headers(request.headers)  # each choice's span continues the caller's trace
+            for generate_input in inputs:
+                generate_input.trace_headers = caller_trace
             builder = ResponseBuilder(parsed, response_id, model_name, self.token_text,
                                       await self._echo_prompts(parsed) if parsed.echo else None,
                                       self.reasoning_parser)

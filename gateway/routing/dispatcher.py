@@ -131,7 +131,7 @@ class Dispatcher:
                 if num_migrations >= self.migration_limit:
                     raise error from None
                 num_migrations += 1
-                self.metrics.migrated()
+                self.metrics.migrated(timer)
                 log_event(logger, "request migrating", reason=error.message, num_migrations=num_migrations,
                           output_tokens=len(text.output_token_ids))
             finally:
@@ -172,7 +172,7 @@ class Dispatcher:
         with self._channels.calling(decode) as client:
             job = DecodeJob(request.request_id, request.prompt_token_ids, sampling, request.priority,
                             placement.prefill_address, placement.prefill_instance_id, request.cache_salt,
-                            request.lora_name, resumed_token_ids)
+                            request.lora_name, resumed_token_ids, trace_headers=request.trace_headers)
             stream = client.decode(job, timeout_s)
             with self._calls.tracking(decode, stream) as call:
                 try:

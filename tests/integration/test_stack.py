@@ -18,9 +18,10 @@ import pytest
 from common.cli.health import check
 from common.cli.up import LocalStack
 from common.engine.sampling_params import SamplingParams
-from gateway.client import AsyncClient, Client
+from gateway.client import AsyncClient, Client, build_generate_request
 from protos.pdserve.v1 import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2_grpc
 from gateway.validation import load_served_model
+from tests.support.otlp_collector import OtlpCollector
 from tests.support.scrape import scrape, total
 
 pytestmark = pytest.mark.slow
@@ -36,11 +37,19 @@ CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def collector():
+    """Where every process of the stack sends its trace spans (common.service.tracing)."""
+    with OtlpCollector() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, collector):
     log_dir = tmp_path_factory.mktemp("stack-logs")
     # A long worker grace period: draining must finish in-flight requests even on a busy machine.
     with LocalStack(2, 2, passthrough=["--kv-cache-memory", "256MiB", "--log-level", "WARNING",
-                                       "--heartbeat-timeout", "3", "--grace-period", "120"],
+                                       "--heartbeat-timeout", "3", "--grace-period", "120",
+                                       "--otlp-traces-endpoint", collector.endpoint],
                     log_dir=log_dir) as local_stack:
         yield local_stack
 
@@ -235,6 +244,33 @@ def test_new_decode_registers_serves_and_drains_with_not_serving(stack, client):
     assert all(list(s)[-1].finish_reason == "length" for s in streams)  # in-flight ones finish
     assert new.wait_or_kill(30) == 0
     assert "decode-2" not in served_by(client, "decode", unique_long_prompts("after-drain", 4))
+
+
+def test_one_trace_follows_a_request_from_the_caller_through_gateway_decode_and_prefill(stack, collector):
+    trace_id, caller_span_id = "5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174"
+    with grpc.insecure_channel(stack.address) as channel:
+        request = build_generate_request(f"[trace] {LONG_PROMPT}",
+                                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                         request_id="req-traced")
+        reply = generate_pb2_grpc.GenerateServiceStub(channel).Generate(
+            request, timeout=60, metadata=(("traceparent", f"00-{trace_id}-{caller_span_id}-01"),))
+    assert reply.prefill_instance_id  # long enough for the prefill pool: three hops
+
+    def hops(spans):
+        return {s.name: s for s in spans if s.trace_id == trace_id}
+    spans = hops(collector.wait_for(lambda spans: len(hops(spans)) == 3))
+    generate, decode, prefill = spans["generate"], spans["decode"], spans["prefill"]
+    assert (generate.service, decode.service, prefill.service) == (
+        "pdserve-gateway", "pdserve-decode", "pdserve-prefill")
+    assert (generate.parent_span_id, decode.parent_span_id, prefill.parent_span_id) == (
+        caller_span_id, generate.span_id, decode.span_id)
+    assert {s.attributes["gen_ai.request.id"] for s in spans.values()} == {"req-traced"}
+    assert generate.attributes["gen_ai.usage.completion_tokens"] == 8
+    assert generate.attributes["pdserve.prefill"] == prefill.instance_id == reply.prefill_instance_id
+    assert generate.attributes["pdserve.decode"] == decode.instance_id == reply.decode_instance_id
+    assert decode.attributes["pdserve.prefilled_by"] == reply.prefill_instance_id
+    assert prefill.attributes["pdserve.kv_blocks_sent"] > 0
+    assert not any(s.is_error for s in spans.values())
 
 
 def test_killed_decode_migrates_its_streams_which_finish_whole_and_is_no_longer_chosen(stack, client):
