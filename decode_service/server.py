@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 
 from grpc import aio
 
@@ -46,6 +47,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                             prefill=request.prefill_instance_id or request.prefill_address or "local",
                             resumed_tokens=len(request.resumed_token_ids)) as end:
             end.update(output_tokens=0, finish_reason=None)
+            started = time.monotonic()
             async with self.gate.admit(context):
                 job = DecodeJob.from_pb(request)
                 job.trace_headers = Tracing.child_headers(end.span)  # its Prefill call's span is this one's child
@@ -53,6 +55,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 async for chunk in self.worker.decoder.decode(job):
                     if chunk.output.finish_reason == "abort" and self.gate.stopping:
                         raise self.gate.shutdown_error()
+                    if not end["output_tokens"] and chunk.output.new_token_ids:
+                        # This instance's view of TTFT: admission, the prefill (remote: its queue and
+                        # the KV transfer too) and the first step.
+                        end["first_token_s"] = round(time.monotonic() - started, 4)
                     end["output_tokens"] += len(chunk.output.new_token_ids)
                     end.update(finish_reason=chunk.output.finish_reason, cached_tokens=chunk.num_cached_tokens,
                                prefilled_by=chunk.prefill_instance_id or "local")

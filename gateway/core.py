@@ -289,6 +289,7 @@ class Gateway:
             started = loop.time()
             num_prompt_tokens, result = 0, None
             ending = _Ending(timeout_s)
+            span = self.tracing.start("embed", request.trace_headers)
             try:
                 with ending:
                     if self.draining:
@@ -298,17 +299,21 @@ class Gateway:
                                                  self.settings.max_prompt_chars, self._served_names(),
                                                  frozenset(self.registry.lora_names()))
                     num_prompt_tokens = len(prepared.prompt_token_ids)
-                    result = await self._embed(prepared, ending.deadline)
+                    result = await self._embed(prepared, ending.deadline, Tracing.child_headers(span))
                 return result
             finally:
                 status = ending.status
                 duration_s = loop.time() - started
                 self.metrics.embedding_finished(status, num_prompt_tokens, duration_s)
-                log_event(logger, "embedding end", status=status, prompt_tokens=num_prompt_tokens,
-                          cached_tokens=result.usage.cached_prompt_tokens if result else 0,
-                          instance=result.instance_id if result else "", duration_s=round(duration_s, 4))
+                fields = dict(prompt_tokens=num_prompt_tokens,
+                              cached_tokens=result.usage.cached_prompt_tokens if result else 0,
+                              instance=result.instance_id if result else "", duration_s=round(duration_s, 4))
+                log_event(logger, "embedding end", status=status, **fields)
+                self.tracing.finish(span, status, request_id=result.request_id if result else request.request_id,
+                                    model=request.model or self.model.name, **fields)
 
-    async def _embed(self, prepared: PreparedEmbedding, deadline: float | None) -> EmbeddingResult:
+    async def _embed(self, prepared: PreparedEmbedding, deadline: float | None,
+                     trace_headers: dict[str, str]) -> EmbeddingResult:
         await self.request_ids.acquire(prepared.request_id, _left(deadline))
         try:
             with request_context(prepared.request_id):
@@ -316,7 +321,7 @@ class Gateway:
                 admission = (self.prefill_admission if self.embeddings.uses_prefill_pool()
                              else self.decode_admission)
                 async with admission.slot(_left(deadline)):
-                    result = await self.embeddings.embed(prepared, _left(deadline))
+                    result = await self.embeddings.embed(prepared, _left(deadline), trace_headers)
         finally:
             self.request_ids.release(prepared.request_id)
         return EmbeddingResult(prepared.request_id, result.embedding,

@@ -125,6 +125,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self._authenticate(context, counted_as="embedding")
         try:
             embed_input = embed_input_from_pb(request)
+            embed_input.trace_headers = trace_headers(context.invocation_metadata())
         except ServiceError as e:  # a bad pooling field: counted like the gateway's refusals
             self.gateway.metrics.embedding_finished(e.code.name, 0, 0.0)
             raise

@@ -71,6 +71,7 @@ class EmbedInput:
     add_special_tokens: bool | None = None  # None: true for text, false for messages
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len)
     cache_salt: str | None = None  # only requests of the same salt share prefix-cache blocks
+    trace_headers: dict[str, str] = field(default_factory=dict)  # the caller's W3C trace context
 
 
 @dataclass

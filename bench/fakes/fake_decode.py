@@ -54,8 +54,7 @@ class FakeDecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def Decode(self, request, context):
         self.requests.append(request)
-        self.metadata.append({key: value for key, value in context.invocation_metadata() or ()
-                              if isinstance(value, str)})
+        self.metadata.append(_text_metadata(context))
         self.running.add(request.request_id)
         # Unset: the SamplingParams default; 0 (no limit): one pass over the script.
         max_tokens = (request.sampling.max_tokens or len(self.token_ids)
@@ -99,6 +98,10 @@ class FakeDecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             num_running_requests=len(self.running), num_free_blocks=1000, num_total_blocks=1000).to_pb())
 
 
+def _text_metadata(context) -> dict[str, str]:
+    return {key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)}
+
+
 def fake_logprob(token_id: int, num_top: int) -> common_pb2.TokenLogprob:
     """The scripted token as the most likely (logprob -0.5), then the next ids, each 0.5 less
     likely: logprobs of the shape an engine sends, for what reads them (beam search)."""
@@ -122,9 +125,11 @@ class FakeEmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
     def __init__(self, decode: FakeDecodeServicer):
         self.decode = decode
         self.requests: list[embedding_pb2.EmbedRequest] = []
+        self.metadata: list[dict[str, str]] = []  # each call's gRPC metadata (trace context ...)
 
     async def Embed(self, request, context):
         self.requests.append(request)
+        self.metadata.append(_text_metadata(context))
         failure = self.decode.failure
         if failure is not None:
             await context.abort(failure.code, failure.details)

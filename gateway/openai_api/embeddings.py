@@ -101,6 +101,7 @@ class ParsedEmbeddingRequest:
     add_special_tokens: bool | None = None
     chat_options: ChatTemplateOptions = DEFAULT_CHAT_TEMPLATE_OPTIONS  # with messages: how they become the prompt
     cache_salt: str | None = None
+    trace_headers: dict[str, str] = field(default_factory=dict)  # the HTTP request's W3C trace context
 
     def embed_inputs(self, response_id: str) -> list[EmbedInput]:
         """One EmbedInput per input, in order; ids the request's (or response_id), -index where several."""
@@ -112,7 +113,8 @@ class ParsedEmbeddingRequest:
             request = EmbedInput(pooling=self.pooling, request_id=request_id, priority=self.priority,
                                  model=self.model or "",
                                  add_special_tokens=self.add_special_tokens,
-                                 truncate_prompt_tokens=self.truncate_prompt_tokens, cache_salt=self.cache_salt)
+                                 truncate_prompt_tokens=self.truncate_prompt_tokens, cache_salt=self.cache_salt,
+                                 trace_headers=self.trace_headers)
             set_prompt(request, prompt, self.messages, self.chat_options)
             inputs.append(request)
         return inputs

@@ -107,6 +107,7 @@ class ParsedScoreRequest:
     max_tokens_per_doc: int = 0
     top_n: int | None = None  # rerank: how many to return (0: all); None: a /score request
     cache_salt: str | None = None
+    trace_headers: dict[str, str] = field(default_factory=dict)  # the HTTP request's W3C trace context
 
     @property
     def is_rerank(self) -> bool:
@@ -206,7 +207,8 @@ async def score_all(gateway: Gateway, parsed: ParsedScoreRequest, response_id: s
         for index, text in enumerate(texts):
             request = EmbedInput(text=text, pooling=parsed.pooling, priority=parsed.priority,
                                  request_id=f"{base_id}-{'q' if is_query else 'd'}{index}", model=parsed.model or "",
-                                 truncate_prompt_tokens=parsed.truncate_prompt_tokens, cache_salt=parsed.cache_salt)
+                                 truncate_prompt_tokens=parsed.truncate_prompt_tokens, cache_salt=parsed.cache_salt,
+                                 trace_headers=parsed.trace_headers)
             calls.append(_embedded(gateway, request, parsed.input_field(is_query, index)))
     results = await all_or_none(calls)
     query_results, document_results = results[:len(queries)], results[len(queries):]

@@ -333,6 +333,7 @@ class OpenAIServer:
         parsed = None
         try:
             parsed = await _parsed(parse, await self._read_body(request))
+            parsed.trace_headers = trace_headers(request.headers)  # each text's span continues the caller's trace
             model_name = self._served_model_name() if parsed.model is None else self._check_model(parsed.model)
             body = await _until_disconnect(request, respond(parsed, model_name))
             return Response(json_bytes(body), media_type="application/json")

@@ -52,8 +52,10 @@ class EmbeddingDispatcher:
             return bool(prefills)
         return any(has_prefill_room(i, self.max_prefill_queue_tokens) for i in prefills)
 
-    async def embed(self, request: PreparedEmbedding, timeout_s: float | None = None):
-        """(EmbedResult, the instance that computed it); raises ServiceError."""
+    async def embed(self, request: PreparedEmbedding, timeout_s: float | None = None,
+                    trace_headers: dict[str, str] | None = None):
+        """(EmbedResult, the instance that computed it); raises ServiceError. trace_headers: the
+        Embed call's trace context (the gateway's span)."""
         job = EmbedJob(request.request_id, request.prompt_token_ids, request.pooling, request.priority,
                        request.cache_salt, request.lora_name)
         tried: set[str] = set()
@@ -62,7 +64,7 @@ class EmbeddingDispatcher:
             tried.add(instance.instance_id)
             try:
                 with self._channels.calling(instance) as client:
-                    result = await client.embed(job, timeout_s)
+                    result = await client.embed(job, timeout_s, trace_headers)
                 result.instance_id = result.instance_id or instance.instance_id
                 return result
             except grpc.aio.AioRpcError as e:

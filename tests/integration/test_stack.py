@@ -269,6 +269,7 @@ def test_one_trace_follows_a_request_from_the_caller_through_gateway_decode_and_
     assert generate.attributes["pdserve.prefill"] == prefill.instance_id == reply.prefill_instance_id
     assert generate.attributes["pdserve.decode"] == decode.instance_id == reply.decode_instance_id
     assert decode.attributes["pdserve.prefilled_by"] == reply.prefill_instance_id
+    assert 0 < decode.attributes["pdserve.first_token_s"] < generate.attributes["gen_ai.latency.time_to_first_token"]
     assert prefill.attributes["pdserve.kv_blocks_sent"] > 0
     assert not any(s.is_error for s in spans.values())
 

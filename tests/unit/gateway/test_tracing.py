@@ -102,3 +102,19 @@ def test_a_migrated_request_stays_one_trace_with_both_decode_calls_under_its_spa
     assert (span.attributes["pdserve.migrations"], span.attributes["pdserve.decode"]) == (1, "decode-b")
     parent = f"00-{CALLER_TRACE_ID}-{span.span_id}-01"
     assert [lost.servicer.metadata[0]["traceparent"], spare.servicer.metadata[0]["traceparent"]] == [parent] * 2
+
+
+def test_an_http_embedding_span_continues_the_traceparent_header_and_parents_the_embed_call(traced):
+    collector, gw, http_address = traced
+    fake = gw.add_fake_decode("decode-0", token_ids=TOKENS)
+    host, port = http_address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    connection.request("POST", "/v1/embeddings", json.dumps({"model": gw.gateway.model.name, "input": "hi",
+                                                             "request_id": "emb-1"}),
+                       {"Content-Type": "application/json", "traceparent": CALLER_TRACEPARENT})
+    response = connection.getresponse()
+    assert response.status == 200, response.read()
+    (span,) = collector.wait_for(lambda spans: any(s.attributes.get("gen_ai.request.id") == "emb-1" for s in spans))
+    assert (span.name, span.trace_id, span.parent_span_id) == ("embed", CALLER_TRACE_ID, CALLER_SPAN_ID)
+    assert (span.attributes["pdserve.instance"], span.attributes["pdserve.status"]) == ("decode-0", "OK")
+    assert fake.embedding_servicer.metadata[-1]["traceparent"] == f"00-{CALLER_TRACE_ID}-{span.span_id}-01"
