@@ -188,10 +188,21 @@ class SchedulerConfig:
     # many tokens per request from one step, each the next one's input, and the scheduler's
     # and engine's work is paid once for them. Tokens reach callers in bursts of that many.
     num_scheduler_steps: int = 1
+    # A prompt chunk takes at most this many tokens of a step (vLLM's --long-prefill-token-threshold),
+    # so a long prompt shares each step's budget with shorter prompts and keeps steps short for the
+    # running decodes: their tokens and short prompts' first tokens wait less, long prompts' more.
+    # 0: a chunk takes what budget is left.
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be an integer >= 1; got {self.num_scheduler_steps!r}")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0; "
+                             f"got {self.long_prefill_token_threshold!r}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold cuts prompts into chunks: it needs chunked prefill "
+                             "(drop --no-chunked-prefill, or the threshold)")
 
 
 @dataclass
@@ -433,7 +444,8 @@ def make_engine_config(model: str | None = None, *, dtype: str = "auto", device:
                        num_prefill_threads: int | None = None, single_weight_copy: bool = False,
                        num_scheduler_steps: int = 1, kv_cache_dtype: str = "auto", enable_lora: bool = False,
                        max_loras: int = 4, max_lora_rank: int = 16,
-                       pooler_config: dict | str | None = None) -> EngineConfig:
+                       pooler_config: dict | str | None = None,
+                       long_prefill_token_threshold: int = 0) -> EngineConfig:
     """The one place flat engine options (LLM kwargs, CLI flags) become an EngineConfig."""
     return EngineConfig(
         model=model, dtype=dtype, device=device, seed=seed,
@@ -441,7 +453,8 @@ def make_engine_config(model: str | None = None, *, dtype: str = "auto", device:
                           enable_prefix_caching=enable_prefix_caching, cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
-                                  num_scheduler_steps=num_scheduler_steps),
+                                  num_scheduler_steps=num_scheduler_steps,
+                                  long_prefill_token_threshold=long_prefill_token_threshold),
         speculative=SpeculativeConfig.parse(speculative_config),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                 pipeline_parallel_size=pipeline_parallel_size,

@@ -29,6 +29,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="longest prompt + output; default min(model limit, KV capacity)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="most tokens of one prompt per step (vLLM's flag): a long prompt is prefilled in "
+                        "chunks of this size beside the other requests, so decode steps stay short and short "
+                        "prompts start sooner, at the cost of the long prompt's first token; 0: no cap "
+                        "beyond --max-num-batched-tokens")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     # vLLM's spellings of the two, so a vLLM launch line runs as it is.
@@ -106,6 +111,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=_enabled(args, "prefix_caching"),
                 enable_chunked_prefill=_enabled(args, "chunked_prefill"),
                 num_scheduler_steps=args.num_scheduler_steps,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
                 speculative_config=getattr(args, "speculative_config", None),
                 tensor_parallel_size=args.tensor_parallel_size,
                 pipeline_parallel_size=args.pipeline_parallel_size,

@@ -67,6 +67,7 @@ class Scheduler(SchedulerInterface):
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.num_scheduler_steps = scheduler_config.num_scheduler_steps
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.kv_cache_manager = kv_cache_manager
         self.block_size = block_size
         # A sequence may not outgrow the whole pool: a lone request that could not get
@@ -146,9 +147,10 @@ class Scheduler(SchedulerInterface):
                 break
             if request.status is not RequestStatus.RUNNING or request.req_id in in_flight_req_ids:
                 continue  # preempted earlier in this loop, or its last step is still running
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            num_new_tokens = self._capped_chunk(request.num_tokens - request.num_computed_tokens)
             drafts, request.spec_token_ids = request.spec_token_ids, []
-            if drafts and (step_allows_drafts or spec_policy.holds_in_large_batches(request)):
+            reaches_last_token = request.num_computed_tokens + num_new_tokens == request.num_tokens
+            if drafts and reaches_last_token and (step_allows_drafts or spec_policy.holds_in_large_batches(request)):
                 drafts = drafts[:spec_policy.max_num_drafts(request)]
                 # The budget cuts drafts first; drafts follow only a chunk that reaches the last token.
                 drafts = drafts[:max(0, token_budget - num_new_tokens)]
@@ -186,7 +188,7 @@ class Scheduler(SchedulerInterface):
                and self._num_seats_taken() < self.max_num_seqs and len(num_scheduled) < max_num_reqs):
             request = self.waiting[0]
             hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new_tokens = request.num_tokens - num_hit_tokens
+            num_new_tokens = self._capped_chunk(request.num_tokens - num_hit_tokens)
             if num_new_tokens > token_budget:
                 # Without chunked prefill a prompt runs whole or waits (head of line),
                 # except one longer than the whole budget: it could never run whole, so
@@ -244,6 +246,11 @@ class Scheduler(SchedulerInterface):
         if self.kv_connector is not None:
             scheduler_output.kv_connector_metadata = self.kv_connector.build_connector_meta(scheduler_output)
         return scheduler_output
+
+    def _capped_chunk(self, num_new_tokens: int) -> int:
+        """A prompt chunk under long_prefill_token_threshold (0: no cap)."""
+        threshold = self.long_prefill_token_threshold
+        return threshold if 0 < threshold < num_new_tokens else num_new_tokens
 
     def _num_decode_steps(self, in_flight_req_ids: frozenset[str], max_num_reqs: int | None) -> int:
         """How many decode steps the next step may run back to back (num_scheduler_steps):

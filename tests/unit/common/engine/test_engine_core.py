@@ -51,6 +51,13 @@ def test_chunked_prefill_does_not_change_outputs(make_llm):
     assert token_ids(chunked.generate(prompts, GREEDY)) == token_ids(whole.generate(prompts, GREEDY))
 
 
+def test_long_prefill_token_threshold_does_not_change_outputs(make_llm):
+    prompts = random_prompts([3, 40, 97, 150, 9])
+    whole = make_llm(max_num_batched_tokens=512)
+    capped = make_llm(max_num_batched_tokens=512, long_prefill_token_threshold=24)
+    assert token_ids(capped.generate(prompts, GREEDY)) == token_ids(whole.generate(prompts, GREEDY))
+
+
 def test_prefix_cache_hit_does_not_change_outputs(make_llm):
     shared = random_prompts([64], seed=1)[0]["prompt_token_ids"]
     prompts = [{"prompt_token_ids": shared + tail["prompt_token_ids"]}

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from common.engine.config import SchedulerConfig
 from common.engine.kv_connector.metadata import KVTransferOutcome
 from common.engine.kv_connector.transfer_scheduler import TransferConnectorScheduler
 from common.engine.outputs import RunnerOutput, SchedulerOutput
@@ -68,6 +69,34 @@ def test_chunked_prefill_interleaves_with_decodes(make_scheduler):
     decode = out.scheduled[0]
     assert decode.token_ids == [7] and decode.do_sample and decode.output_token_ids is req_a.output_token_ids
     assert scheduler.kv_cache_manager.get_block_ids("a") == decode.block_table
+
+
+@pytest.mark.parametrize("threshold, first_step", [
+    (0, {"long": (0, 32)}),  # the long prompt takes the whole budget; the short one waits a step
+    (8, {"long": (0, 8), "short": (0, 3)}),
+])
+def test_long_prefill_token_threshold_lets_a_short_prompt_start_beside_a_long_one(make_scheduler, threshold,
+                                                                                   first_step):
+    scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=32, long_prefill_token_threshold=threshold)
+    scheduler.add_request(make_request("long", 100))
+    scheduler.add_request(make_request("short", 3))
+    out, _ = step(scheduler)
+    assert chunks(out) == first_step
+    long_chunks = [chunks(out)["long"]]
+    while scheduler.requests["long"].num_output_tokens == 0:
+        out, _ = step(scheduler)
+        long_chunks.append(chunks(out)["long"])
+        if threshold:  # the short request decodes beside every chunk
+            assert chunks(out)["short"][1] == 1
+    sizes = [size for _, size in long_chunks]
+    assert sum(sizes) == 100 and max(sizes) == (threshold or 32)
+
+
+def test_long_prefill_token_threshold_needs_chunked_prefill_and_a_count():
+    with pytest.raises(ValueError, match="needs chunked prefill"):
+        SchedulerConfig(long_prefill_token_threshold=64, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="integer >= 0"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
 
 
 def test_exact_block_tables(make_scheduler):
