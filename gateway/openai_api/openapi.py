@@ -211,6 +211,15 @@ def openapi_document(served_model_names: list[str], version: str = "0.1.0",
                             "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}}}
                 for method, summary in (("get", "A stored response, as it was answered"),
                                         ("delete", "Forget a stored response"))},
+            "/v1/responses/{response_id}/cancel": {"post": {
+                "summary": "Cancel a background response (stored as cancelled); a finished one is answered as it is",
+                "parameters": [
+                    {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "ok", "content": {"application/json": {"schema": {
+                    "type": "object"}}}}, "400": {"description": "Not a background response", "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
+                    "404": {"description": "No stored response has this id", "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}}}},
             "/v1/responses/{response_id}/input_items": {"get": {
                 "summary": "A stored response's input items (newest first unless order=asc)",
                 "parameters": [

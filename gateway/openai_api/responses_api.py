@@ -19,9 +19,11 @@ answer's token logprobs on the message's output_text, with top_logprobs alternat
 
 A stored response (`store`, default true) lives in this gateway's memory (`ResponseStore`:
 the newest MAX_STORED_RESPONSES, at most MAX_STORED_CHARS of conversation in all): a
-gateway restart or another gateway replica does not know it. Built-in tools (web search,
-files, code), images and files as input, background runs and the like are refused with a
-400 naming the field.
+gateway restart or another gateway replica does not know it. `background: true` (with
+store, without stream) answers at once with the response `queued`; it runs on, read back
+with GET (`in_progress`, then `completed` / `incomplete` / `failed`) and stopped with
+`POST /v1/responses/{id}/cancel` (`cancelled`). Built-in tools (web search, files, code),
+images and files as input and the like are refused with a 400 naming the field.
 """
 from __future__ import annotations
 
@@ -119,12 +121,16 @@ RESPONSES_FIELDS: dict[str, Callable] = {
                        "named function"}),
     "parallel_tool_calls": boolean,
     "text": text_value, "safety_identifier": string, "prompt_cache_key": string, "service_tier": string,
-    "truncation": truncation_value, "background": neutral(False), "include": include_value,
+    "truncation": truncation_value, "background": boolean, "include": include_value,
     "reasoning": neutral(), "top_logprobs": integer(0, MAX_LOGPROBS), "max_tool_calls": neutral(),
     "prompt": neutral(),
     "conversation": neutral(), "stream_options": neutral(),
     **{name: COMMON_FIELDS[name] for name in PASSTHROUGH_FIELDS},
 }
+
+
+# A response continued by previous_response_id must have its conversation: one that ran to its end.
+FINISHED_WITH_OUTPUT = ("completed", "incomplete")
 
 
 @dataclass
@@ -331,6 +337,10 @@ class ResponsesRequest:
         return self.values.get("store", True)
 
     @property
+    def background(self) -> bool:
+        return self.values.get("background", False)
+
+    @property
     def wants_logprobs(self) -> bool:
         """The answer's token logprobs: asked by include, or by top_logprobs alone (vLLM's)."""
         return LOGPROBS_INCLUDE in self.values.get("include", []) or "top_logprobs" in self.values
@@ -342,6 +352,10 @@ class ResponsesRequest:
             previous = store.get(previous_id)
             if previous is None:
                 raise not_found(previous_id, "previous_response_id")
+            status = previous.response["status"]
+            if status not in FINISHED_WITH_OUTPUT:
+                raise invalid_field("previous_response_id", f"response {previous_id!r} is {status}: only a "
+                                    f"completed or incomplete response can be continued")
             self.conversation = previous.conversation + self.conversation
 
     def turn_starts(self) -> list[int]:
@@ -389,6 +403,12 @@ def parse_responses_request(body: bytes) -> ResponsesRequest:
         chat_tool_choice(values["tool_choice"])
     if "text" in values:
         chat_response_format(values["text"])
+    if values.get("background"):
+        if values.get("store") is False:
+            raise invalid_field("background", "needs store: true (a background response is read back with GET)")
+        if values.get("stream"):
+            raise invalid_field("background", "with stream is not supported by this server: poll "
+                                "GET /v1/responses/{id} instead", code="unsupported_value")
     conversation = input_messages(values["input"])
     return ResponsesRequest(values, conversation, input_items(values["input"]))
 
@@ -466,7 +486,7 @@ def response_object(request: ResponsesRequest, model_name: str, sampling: Sampli
     text_format = values.get("text", {}).get("format") or {"type": "text"}
     return {
         "id": request.response_id, "object": "response", "created_at": request.created_at, "status": status,
-        "background": False, "error": error,
+        "background": request.background, "error": error,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": values.get("instructions"), "max_output_tokens": values.get("max_output_tokens"),
         "max_tool_calls": None, "model": model_name, "output": output,

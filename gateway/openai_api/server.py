@@ -99,6 +99,7 @@ from gateway.openai_api.responses_api import (
     input_items_page,
     not_found,
     parse_responses_request,
+    response_object,
     responses_param,
 )
 from gateway.openai_api.reasoning_parsers import make_reasoning_parser
@@ -164,12 +165,14 @@ class OpenAIServer:
         self.created = int(time.time())
         self.token_text = TokenTexts(gateway.model.tokenizer)
         self.response_store = ResponseStore()  # the Responses API's stored responses
+        self._background: dict[str, asyncio.Task] = {}  # background Responses still running, by id
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"]),
             Route("/v1/responses/{response_id}/input_items", self.stored_input_items, methods=["GET"]),
+            Route("/v1/responses/{response_id}/cancel", self.cancel_response, methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             *(Route(path, self.score, methods=["POST"]) for path in SCORE_PATHS),
             *(Route(path, self.rerank, methods=["POST"]) for path in RERANK_PATHS),
@@ -234,7 +237,12 @@ class OpenAIServer:
         return self.address
 
     async def stop(self) -> None:
-        """Stop accepting connections and close them (call after the gateway drained)."""
+        """Stop accepting connections and close them (call after the gateway drained); background
+        Responses still running are cancelled (stored as such)."""
+        tasks = list(self._background.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
             await self._task
@@ -300,9 +308,30 @@ class OpenAIServer:
         if stored is None:
             return _error(not_found(response_id))
         if request.method == "DELETE":
+            await self._cancel_background(response_id)
             self.response_store.delete(response_id)
             return _json({"id": response_id, "object": "response", "deleted": True})
         return _json(stored.response)
+
+    async def cancel_response(self, request: Request) -> Response:
+        """OpenAI's cancel of a background response: stopped (its Decode calls cancelled) and
+        stored `cancelled`; one already finished is answered as it is."""
+        response_id = request.path_params["response_id"]
+        stored = self.response_store.get(response_id)
+        if stored is None:
+            return _error(not_found(response_id))
+        if not stored.response.get("background"):
+            return _error(ApiError(400, "Only responses created with background=true can be cancelled.",
+                                   param="response_id", code="invalid_request"))
+        await self._cancel_background(response_id)
+        stored = self.response_store.get(response_id)
+        return _json(stored.response) if stored is not None else _error(not_found(response_id))
+
+    async def _cancel_background(self, response_id: str) -> None:
+        task = self._background.get(response_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def embeddings(self, request: Request) -> Response:
         """OpenAI's embeddings: every input through Gateway.embed (embeddings.py)."""
@@ -492,6 +521,8 @@ class OpenAIServer:
             builder = ResponseBuilder(parsed, response_id, model_name, self.token_text,
                                       await self._echo_prompts(parsed) if parsed.echo else None,
                                       self.reasoning_parser)
+            if asked is not None and asked.background:
+                return self._start_background(asked, parsed, inputs, builder, model_name)
             if parsed.stream:
                 writer = builder if asked is None else ResponseEvents(builder, asked, model_name,
                                                                       self._stored_by(asked))
@@ -551,6 +582,40 @@ class OpenAIServer:
                                add_special_tokens=parsed.add_special_tokens)
         room = asked.values.get("max_output_tokens") or 1
         return len(await self._tokenized(prompt)) + room <= self.gateway.max_model_len
+
+    def _start_background(self, asked: ResponsesRequest, parsed: ParsedRequest, inputs: list[GenerateInput],
+                          builder: ResponseBuilder, model_name: str) -> Response:
+        """A background Response: stored `queued`, run on a task of its own, answered at once."""
+        queued = response_object(asked, model_name, parsed.sampling, "queued", [], None)
+        self._stored_by(asked)(queued, [])
+        response_id = asked.response_id
+        task = asyncio.create_task(self._run_background(asked, parsed, inputs, builder, model_name))
+        self._background[response_id] = task
+        task.add_done_callback(lambda _: self._background.pop(response_id, None))
+        return _json(queued)
+
+    async def _run_background(self, asked: ResponsesRequest, parsed: ParsedRequest, inputs: list[GenerateInput],
+                              builder: ResponseBuilder, model_name: str) -> None:
+        """Run it as a foreground request would, keeping its status in the store as it goes."""
+        keep = self._stored_by(asked)
+        keep(response_object(asked, model_name, parsed.sampling, "in_progress", [], None), [])
+        try:
+            results = await (self._beam_search(parsed, inputs) if parsed.beam_search is not None
+                             else generate_choices(self.gateway, inputs))
+            answer, conversation = completed_response(asked, model_name, builder.full_response(results),
+                                                      parsed.sampling)
+        except asyncio.CancelledError:
+            keep(response_object(asked, model_name, parsed.sampling, "cancelled", [], None), [])
+            raise
+        except Exception as e:  # noqa: BLE001 -- whatever ended it, the stored response must say failed
+            error = (from_gateway_error(e, responses_param(_param_of(e, parsed))) if isinstance(e, ServiceError)
+                     else ApiError(500, f"the response failed: {e}"))
+            if not isinstance(e, ServiceError):
+                logger.exception("background response %s failed", asked.response_id)
+            keep(response_object(asked, model_name, parsed.sampling, "failed", [], None,
+                                 error={"code": error.code or "server_error", "message": error.message}), [])
+            return
+        keep(answer, conversation)
 
     def _stored_by(self, asked: ResponsesRequest) -> Callable[[dict, list[dict]], None]:
         """What keeps a finished Response for GET and previous_response_id (store: true)."""

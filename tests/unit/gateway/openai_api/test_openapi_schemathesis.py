@@ -25,7 +25,7 @@ OPERATIONS = ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/mode
               "POST /ping"]
 # Routes of stored responses: made-up ids find none (the Responses API's tests store and read them).
 STORED_RESPONSE_OPERATIONS = ["GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
-                              "GET /v1/responses/{response_id}/input_items"]
+                              "GET /v1/responses/{response_id}/input_items", "POST /v1/responses/{response_id}/cancel"]
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,13 @@ calls out and their outputs back; refusals naming the Responses field."""
 from __future__ import annotations
 
 import json
+import time
 
+import grpc
 import pytest
 
 from common.text.chat_template import ChatTemplateOptions
-from tests.unit.gateway.openai_api.test_server import HERMES_ANSWER, MODEL, TOKENS, http_gateway, post
+from tests.unit.gateway.openai_api.test_server import HERMES_ANSWER, MODEL, TOKENS, http_gateway, post, wait_for
 from tests.unit.gateway.openai_api.test_server import client, gw  # noqa: F401 (this module's own instances)
 
 openai = pytest.importorskip("openai")
@@ -148,7 +150,7 @@ def test_a_json_schema_format_constrains_the_answer(gw, client):
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "unsupported_value"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_value"),
     ({"input": "x", "tools": [{"type": "function", "name": "a b"}]}, "tools[0].name", "invalid_value"),
-    ({"input": "x", "background": True}, "background", "unsupported_value"),
+    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "unsupported_value"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include[0]", "unsupported_value"),
     ({"input": "x", "top_logprobs": 21}, "top_logprobs", "invalid_value"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format", "invalid_value"),
@@ -244,3 +246,75 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits():
         status, _ = post(small.http_address, "/v1/responses", {"model": MODEL, "input": "word " * 400,
                                                                "max_output_tokens": room, "truncation": "auto"})
         assert status == 400
+
+
+def _until_finished(client, response_id: str, timeout_s: float = 10.0):
+    """The response once it left queued / in_progress (polled, as a client does)."""
+    deadline = time.monotonic() + timeout_s
+    while (response := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, f"still {response.status}"
+        time.sleep(0.02)
+    return response
+
+
+def test_a_background_response_answers_queued_at_once_and_is_read_back_completed(gw, client):
+    foreground = client.responses.create(model=MODEL, input="Capital of France?", max_output_tokens=len(TOKENS))
+    queued = client.responses.create(model=MODEL, input="Capital of France?", max_output_tokens=len(TOKENS),
+                                     background=True)
+    assert queued.status in ("queued", "in_progress") and queued.background and queued.output == []
+    done = _until_finished(client, queued.id)
+    assert (done.status, done.background, done.output_text) == ("incomplete", True, foreground.output_text)
+    assert done.usage.output_tokens == len(TOKENS)
+    # Finished, it is continued like any stored response; cancelling it changes nothing.
+    client.responses.create(model=MODEL, input="And then?", previous_response_id=done.id, max_output_tokens=1)
+    assert sent_prompt(gw) == template(gw, [{"role": "user", "content": "Capital of France?"},
+                                            {"role": "assistant", "content": done.output_text},
+                                            {"role": "user", "content": "And then?"}])
+    assert client.responses.cancel(done.id).status == "incomplete"
+
+
+def test_cancelling_a_background_response_stops_its_decode_call_and_stores_it_cancelled():
+    with http_gateway(token_ids=TOKENS, delay_s=0.2) as slow:
+        client = openai.OpenAI(base_url=f"http://{slow.http_address}/v1", api_key="unused", max_retries=0, timeout=30)
+        queued = client.responses.create(model=MODEL, input="Hi", max_output_tokens=500, background=True)
+        wait_for(lambda: slow.call(lambda: bool(slow.fake.servicer.running)), what="the decode call")
+        # Running: a continuation is refused until it finishes.
+        status, error = post(slow.http_address, "/v1/responses", {"model": MODEL, "input": "x",
+                                                                  "previous_response_id": queued.id})
+        assert (status, error["error"]["param"]) == (400, "previous_response_id") and "in_progress" in str(error)
+        cancelled = client.responses.cancel(queued.id)
+        assert cancelled.status == "cancelled" and client.responses.retrieve(queued.id).status == "cancelled"
+        wait_for(lambda: slow.call(lambda: queued.id in slow.fake.servicer.cancelled), what="the call cancelled")
+        assert slow.call(lambda: not slow.fake.servicer.running)
+        # A background response deleted while it runs stops too.
+        running = client.responses.create(model=MODEL, input="Hi", max_output_tokens=500, background=True)
+        wait_for(lambda: slow.call(lambda: running.id in slow.fake.servicer.running), what="the decode call")
+        assert post(slow.http_address, f"/v1/responses/{running.id}", b"", method="DELETE")[0] == 200
+        wait_for(lambda: slow.call(lambda: running.id in slow.fake.servicer.cancelled), what="the call cancelled")
+
+
+def test_a_background_response_that_fails_is_stored_failed_with_the_error():
+    from bench.fakes.fake_decode import Failure
+    with http_gateway(token_ids=TOKENS, failure=Failure(grpc.StatusCode.INTERNAL, after_tokens=2)) as failing:
+        client = openai.OpenAI(base_url=f"http://{failing.http_address}/v1", api_key="unused", max_retries=0,
+                               timeout=30)
+        queued = client.responses.create(model=MODEL, input="Hi", max_output_tokens=8, background=True)
+        failed = _until_finished(client, queued.id)
+        assert failed.status == "failed" and "injected failure" in failed.error.message
+        assert failed.output == []
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"background": True, "store": False}, "background", "needs store"),
+    ({"background": True, "stream": True}, "background", "poll"),
+])
+def test_background_refusals_name_the_field(gw, body, param, words):
+    status, error = post(gw.http_address, "/v1/responses", {"model": MODEL, "input": "x", **body})
+    assert (status, error["error"]["param"]) == (400, param) and words in error["error"]["message"]
+
+
+def test_only_a_background_response_can_be_cancelled(gw, client):
+    foreground = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1)
+    status, error = post(gw.http_address, f"/v1/responses/{foreground.id}/cancel", b"")
+    assert status == 400 and "background" in error["error"]["message"]
+    assert post(gw.http_address, "/v1/responses/resp_nope/cancel", b"")[0] == 404
