@@ -95,7 +95,7 @@ async def beam_search(gateway: Gateway, prompt: GenerateInput, prompt_token_ids:
         requests = [GenerateInput(token_ids=beam.token_ids, sampling=search.step_params, return_logprobs=True,
                                   request_id=f"{prompt.request_id}-beam-{search.num_steps_done}-{i}",
                                   priority=prompt.priority, model=prompt.model,
-                                  cache_salt=prompt.cache_salt)
+                                  cache_salt=prompt.cache_salt, trace_headers=prompt.trace_headers)
                     for i, beam in enumerate(search.live)]
         results = await generate_choices(gateway, requests)
         if any(not result.logprobs for result in results):  # an instance's fault, never the request's

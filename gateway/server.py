@@ -94,6 +94,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self._authenticate(context)
         try:  # one refused here is still a request, counted under its status
             generate_input, beam_width, length_penalty = beam_search_input_from_pb(request)
+            generate_input.trace_headers = trace_headers(context.invocation_metadata())  # each step's spans
             params = beam_search_params(generate_input, beam_width, length_penalty)
         except ServiceError as e:
             self.gateway.metrics.request_timer().finish(e.code.name)

@@ -14,7 +14,7 @@ from common.service.tracing import Tracing
 from gateway.client import build_generate_request
 from gateway.core import GatewaySettings
 from gateway.openai_api.server import OpenAIServer
-from protos.pdserve.v1 import generate_pb2_grpc
+from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
 from tests.support.background_gateway import BackgroundGateway
 from tests.support.otlp_collector import CALLER_SPAN_ID, CALLER_TRACE_ID, CALLER_TRACEPARENT, OtlpCollector
 
@@ -118,3 +118,18 @@ def test_an_http_embedding_span_continues_the_traceparent_header_and_parents_the
     assert (span.name, span.trace_id, span.parent_span_id) == ("embed", CALLER_TRACE_ID, CALLER_SPAN_ID)
     assert (span.attributes["pdserve.instance"], span.attributes["pdserve.status"]) == ("decode-0", "OK")
     assert fake.embedding_servicer.metadata[-1]["traceparent"] == f"00-{CALLER_TRACE_ID}-{span.span_id}-01"
+
+
+def test_every_step_of_a_beam_search_is_a_span_of_the_callers_trace(traced):
+    collector, gw, _ = traced
+    gw.add_fake_decode("decode-0", token_ids=TOKENS)
+    with grpc.insecure_channel(gw.address) as channel:
+        request = generate_pb2.BeamSearchRequest(request=build_generate_request("hi", None, request_id="beams"),
+                                                 beam_width=2)
+        request.request.sampling.max_tokens = 2
+        generate_pb2_grpc.GenerateServiceStub(channel).BeamSearch(
+            request, timeout=10, metadata=(("traceparent", CALLER_TRACEPARENT),))
+    spans = collector.wait_for(lambda spans: sum(s.attributes.get("gen_ai.request.id", "").startswith("beams-beam")
+                                                 for s in spans) >= 3)
+    steps = [s for s in spans if s.attributes["gen_ai.request.id"].startswith("beams-beam")]
+    assert {(s.trace_id, s.parent_span_id) for s in steps} == {(CALLER_TRACE_ID, CALLER_SPAN_ID)}
