@@ -104,3 +104,15 @@ def test_a_request_with_nothing_streamed_yet_starts_over_with_a_remote_prefill(g
     assert (list(retried.resumed_token_ids), retried.prefill_address) == ([], "127.0.0.1:1")
     assert (result.text, result.finish_reason) == ("", "stop")
     assert not migrations(gateway)
+
+
+def test_a_lora_request_migrates_only_to_an_instance_serving_its_adapter(gateway, script):
+    gateway.add_fake_decode("decode-a", token_ids=script, failure=LOST, lora_names=("sql-lora",))
+    plain = gateway.add_fake_decode("decode-b", token_ids=script)
+    spare = gateway.add_fake_decode("decode-c", token_ids=script, lora_names=("sql-lora",))
+    with Client(gateway.address, timeout=10) as client:
+        result = client.generate(token_ids=[5, 6], max_tokens=len(script), model="sql-lora")
+    assert (result.text, result.decode_instance_id) == (WORDS, "decode-c")
+    assert not plain.servicer.requests
+    (resumed,) = spare.servicer.requests
+    assert (resumed.lora_name, list(resumed.resumed_token_ids)) == ("sql-lora", script[:3])
