@@ -16,14 +16,13 @@ from gateway.types import FINISH_STOP, GenerationDelta, PreparedRequest, Usage
 class TextAssembler:
     """One request's decode messages -> deltas: detokenization, stop strings, usage."""
 
-    def __init__(self, tokenizer, request: PreparedRequest, decode_instance_id: str,
-                 eos_token_ids: frozenset[int]):
+    def __init__(self, tokenizer, request: PreparedRequest, eos_token_ids: frozenset[int]):
         sampling = request.sampling
         self.detokenizer = IncrementalDetokenizer(
             tokenizer, request.prompt_token_ids, skip_special_tokens=sampling.skip_special_tokens,
             stop=sampling.stop, include_stop_str_in_output=sampling.include_stop_str_in_output)
         self.request = request
-        self.decode_instance_id = decode_instance_id
+        self.decode_instance_id = ""  # the instance streaming now (the dispatcher sets it for each call)
         self.eos_token_ids = eos_token_ids
         self.num_prompt = len(request.prompt_token_ids)
         self.output_token_ids: list[int] = []  # every token received, from every instance
@@ -33,9 +32,9 @@ class TextAssembler:
         self.num_cached, self.prefill_id = 0, ""
         self.migrated = False
 
-    def migrate(self, decode_instance_id: str) -> list[int]:
-        """The output so far, which decode_instance_id resumes after (its messages follow)."""
-        self.decode_instance_id, self.migrated = decode_instance_id, True
+    def migrate(self) -> list[int]:
+        """The output so far, which another decode instance resumes after (its messages follow)."""
+        self.migrated = True
         return list(self.output_token_ids)
 
     def apply(self, output: DecodeOutput) -> GenerationDelta:

@@ -27,6 +27,8 @@ def choose_decode_by_load(num_prompt_tokens: int, instances: Sequence[Instance])
 
 class PlacementPolicy:
     name = "base"
+    # Whether choose_decode_for_local_prefill reads the prompt's block hashes (else it gets none).
+    places_by_cached_prefix = False
 
     def choose_prefill(self, prompt_block_hashes: Sequence[int],
                        instances: Sequence[Instance]) -> Instance | None:

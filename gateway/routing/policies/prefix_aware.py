@@ -33,6 +33,7 @@ CachedCount = Callable[[str], int]  # instance id -> blocks it caches
 
 class PrefixAware(PlacementPolicy):
     name = "prefix_aware"
+    places_by_cached_prefix = True
 
     def __init__(self, cached_prefix: KvIndex | CachedPrefix, load_weight: float = 1.0,
                  cached_count: CachedCount | None = None):
