@@ -527,10 +527,7 @@ class OpenAIServer:
                 writer = builder if asked is None else ResponseEvents(builder, asked, model_name,
                                                                       self._stored_by(asked))
                 return await self._start_stream(request, writer, stream_choices(self.gateway, inputs))
-            if parsed.beam_search is not None:
-                results = await _until_disconnect(request, self._beam_search(parsed, inputs))
-            else:
-                results = await _until_disconnect(request, generate_choices(self.gateway, inputs))
+            results = await _until_disconnect(request, self._whole_choices(parsed, inputs))
             answer = builder.full_response(results)
             if asked is not None:
                 answer, conversation = completed_response(asked, model_name, answer, parsed.sampling)
@@ -583,6 +580,12 @@ class OpenAIServer:
         room = asked.values.get("max_output_tokens") or 1
         return len(await self._tokenized(prompt)) + room <= self.gateway.max_model_len
 
+    def _whole_choices(self, parsed: ParsedRequest, inputs: list[GenerateInput]) -> Awaitable[list]:
+        """Every choice's whole completion (a beam search's best beams where it asks for one)."""
+        if parsed.beam_search is not None:
+            return self._beam_search(parsed, inputs)
+        return generate_choices(self.gateway, inputs)
+
     def _start_background(self, asked: ResponsesRequest, parsed: ParsedRequest, inputs: list[GenerateInput],
                           builder: ResponseBuilder, model_name: str) -> Response:
         """A background Response: stored `queued`, run on a task of its own, answered at once."""
@@ -600,8 +603,7 @@ class OpenAIServer:
         keep = self._stored_by(asked)
         keep(response_object(asked, model_name, parsed.sampling, "in_progress", [], None), [])
         try:
-            results = await (self._beam_search(parsed, inputs) if parsed.beam_search is not None
-                             else generate_choices(self.gateway, inputs))
+            results = await self._whole_choices(parsed, inputs)
             answer, conversation = completed_response(asked, model_name, builder.full_response(results),
                                                       parsed.sampling)
         except asyncio.CancelledError:
