@@ -32,7 +32,7 @@ from decode_service.api import DecodeJob, DecodeOutput
 from decode_service.decoder import DecodeChunk, Decoder
 from kv_transfer import PoolGeometry
 from prefill_service.client import PrefillClients
-from prefill_service.kv_events import KvEventPublisher, cached_blocks_snapshot
+from prefill_service.kv_events import KvEventPublisher, get_cached_blocks_response
 from protos.pdserve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, embedding_pb2_grpc, lora_adapters_pb2_grpc,
                                prefill_pb2)
 from protos.serving import DECODE_SERVICE, EMBEDDING_SERVICE, LORA_ADAPTER_SERVICE
@@ -75,10 +75,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return self.worker.stats_pb()
 
     async def GetCachedBlocks(self, request, context) -> prefill_pb2.GetCachedBlocksResponse:
-        instance_id = self.worker.instance_id
-        snapshot = await self.worker.engine.call(
-            lambda core: cached_blocks_snapshot(instance_id, core.kv_cache_manager))
-        return snapshot.to_pb()
+        return await get_cached_blocks_response(self.worker.engine, self.worker.instance_id)
 
 
 class DecodeWorker(EngineWorker):

@@ -29,6 +29,7 @@ import zmq
 
 from common.engine.block_pool import BlockRemoved, BlockStored, KVCacheEvent
 from prefill_service.api import CachedBlocks
+from protos.pdserve.v1 import prefill_pb2
 
 # Generous: losing messages is recoverable (resync) but costs a snapshot RPC.
 SEND_HIGH_WATER_MARK = 100_000
@@ -95,3 +96,10 @@ def cached_blocks_snapshot(instance_id: str, kv_cache_manager) -> CachedBlocks:
     sequence = kv_cache_manager.last_event_seq
     hashes = kv_cache_manager.all_cached_block_hashes()
     return CachedBlocks(instance_id, sequence, list(hashes), kv_cache_manager.block_size)
+
+
+async def get_cached_blocks_response(engine, instance_id: str) -> prefill_pb2.GetCachedBlocksResponse:
+    """GetCachedBlocks as both roles answer it: the snapshot taken on the engine thread,
+    between steps (`engine`: a common.engine.async_engine.AsyncEngine)."""
+    snapshot = await engine.call(lambda core: cached_blocks_snapshot(instance_id, core.kv_cache_manager))
+    return snapshot.to_pb()

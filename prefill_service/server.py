@@ -26,7 +26,7 @@ from common.service.logging_setup import logged_request
 from common.service.request_gate import RequestGate
 from kv_transfer import PoolGeometry
 from prefill_service.api import PrefillJob
-from prefill_service.kv_events import KvEventPublisher, cached_blocks_snapshot
+from prefill_service.kv_events import KvEventPublisher, get_cached_blocks_response
 from prefill_service.kv_export import export_target
 from prefill_service.prefiller import Prefiller
 from protos.pdserve.v1 import common_pb2, embedding_pb2_grpc, lora_adapters_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -59,10 +59,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return self.worker.stats_pb()
 
     async def GetCachedBlocks(self, request, context) -> prefill_pb2.GetCachedBlocksResponse:
-        instance_id = self.worker.instance_id
-        snapshot = await self.worker.engine.call(
-            lambda core: cached_blocks_snapshot(instance_id, core.kv_cache_manager))
-        return snapshot.to_pb()
+        return await get_cached_blocks_response(self.worker.engine, self.worker.instance_id)
 
 
 class PrefillWorker(EngineWorker):
