@@ -9,27 +9,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rate=${1:-1.0}
 shift || true
-thresholds=("${@:-0}")
+thresholds=("$@")
 [ $# -gt 0 ] || thresholds=(0 256)
 mkdir -p docs/bench
+. scripts/local_stack.sh
+trap stop_stack EXIT
 for threshold in "${thresholds[@]}"; do
-  log=$(mktemp)
-  .venv/bin/pdserve up --prefill 0 --decode 1 --long-prefill-token-threshold "$threshold" \
-    --log-level WARNING >"$log" 2>&1 &
-  up=$!
-  trap 'kill $up 2>/dev/null || true' EXIT
-  deadline=$((SECONDS + 300))
-  until grep -q '^PDSERVE_READY' "$log"; do
-    if [ $SECONDS -gt $deadline ] || ! kill -0 $up 2>/dev/null; then cat "$log"; exit 1; fi
-    sleep 0.5
-  done
-  gateway=$(sed -n 's/^PDSERVE_READY gateway=\([^ ]*\).*/\1/p' "$log")
+  start_stack --prefill 0 --decode 1 --long-prefill-token-threshold "$threshold" --log-level WARNING
   echo "== --long-prefill-token-threshold $threshold (gateway $gateway)"
   .venv/bin/pdserve bench serve --gateway "$gateway" --dataset-name random --random-input-len 1024 \
     --random-range-ratio 0.9 --random-output-len 64 --num-prompts 60 --request-rate "$rate" --seed 0 \
     --disable-tqdm --json "docs/bench/long_prefill_${threshold}.json"
-  kill -TERM $up
-  wait $up || true
-  trap - EXIT
-  rm -f "$log"
+  stop_stack
 done

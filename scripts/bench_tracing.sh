@@ -22,29 +22,20 @@ with OtlpCollector() as collector:
         time.sleep(1)
 PY
 collector=$!
-trap 'kill $collector 2>/dev/null || true' EXIT
+. scripts/local_stack.sh
+trap 'stop_stack; kill $collector 2>/dev/null || true' EXIT
 until grep -q '^endpoint' "$collector_log"; do sleep 0.2; done
 endpoint=$(sed -n 's/^endpoint //p' "$collector_log")
 for round in $(seq 1 "$rounds"); do
   for mode in off on; do
     extra=()
     [ "$mode" = on ] && extra=(--otlp-traces-endpoint "$endpoint")
-    log=$(mktemp)
-    .venv/bin/pdserve up --prefill 1 --decode 1 --log-level WARNING "${extra[@]}" >"$log" 2>&1 &
-    up=$!
-    deadline=$((SECONDS + 300))
-    until grep -q '^PDSERVE_READY' "$log"; do
-      if [ $SECONDS -gt $deadline ] || ! kill -0 $up 2>/dev/null; then cat "$log"; exit 1; fi
-      sleep 0.5
-    done
-    gateway=$(sed -n 's/^PDSERVE_READY gateway=\([^ ]*\).*/\1/p' "$log")
+    start_stack --prefill 1 --decode 1 --log-level WARNING "${extra[@]}"
     echo "== round $round, tracing $mode"
     .venv/bin/pdserve bench serve --gateway "$gateway" --dataset-name random --random-input-len 256 \
       --random-output-len 64 --num-prompts 120 --request-rate "$rate" --seed "$round" --disable-tqdm \
       --json "docs/bench/tracing_${mode}_${round}.json" | grep -E "Output token throughput|Mean TTFT|P99 TTFT|Mean TPOT|P99 TPOT"
-    kill -TERM $up
-    wait $up || true
-    rm -f "$log"
+    stop_stack
   done
 done
 kill -TERM $collector
