@@ -1,7 +1,7 @@
 """`pdserve decode`: run a decode instance (also `python -m decode_service.main`).
 
 Prints `PDSERVE_READY role=decode instance_id=ID grpc=HOST:PORT advertise=ADDR
-kv=tcp://HOST:PORT` on stdout once SERVING; logs go to stderr.
+kv=tcp://HOST:PORT kv_events=tcp://HOST:PORT` on stdout once SERVING; logs go to stderr.
 """
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ def build_parser():
     g = parser.add_argument_group("decode")
     g.add_argument("--kv-port", type=int, default=0,
                    help="ZeroMQ port that receives KV from prefill instances (0 picks a free one)")
+    g.add_argument("--events-port", type=int, default=0,
+                   help="ZeroMQ PUB port for KV cache events, which the gateway follows to place prompts "
+                        "this instance prefills where their prefix is cached (0 picks a free one)")
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0,
                    help="seconds a KV transfer may take once the prefill instance starts sending it")
     g.add_argument("--prefill-queue-timeout", type=float, default=120.0,

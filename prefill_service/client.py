@@ -56,10 +56,11 @@ class PrefillClients:
         self._stubs.clear()
 
 
-async def fetch_cached_blocks(address: str, timeout_s: float | None = None) -> CachedBlocks:
-    """One GetCachedBlocks on a channel of its own: resyncs are rare, instances come and go."""
+async def fetch_cached_blocks(address: str, timeout_s: float | None = None, stub=None) -> CachedBlocks:
+    """One GetCachedBlocks on a channel of its own: resyncs are rare, instances come and go.
+    `stub`: the service's stub class (a decode instance answers it too); PrefillService's by default."""
     async with aio.insecure_channel(address) as channel:
-        response = await prefill_pb2_grpc.PrefillServiceStub(channel).GetCachedBlocks(
+        response = await (stub or prefill_pb2_grpc.PrefillServiceStub)(channel).GetCachedBlocks(
             prefill_pb2.GetCachedBlocksRequest(), timeout=timeout_s)
     return CachedBlocks.from_pb(response)
 

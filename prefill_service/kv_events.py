@@ -14,7 +14,10 @@ its high-water mark, the pool's bounded event queue overflowed, or the gateway
 connected late. On a gap the gateway calls GetCachedBlocks, whose snapshot is
 stamped with the same counter (`cached_blocks_snapshot`), and replays later events.
 
-Use: after each engine step, `publisher.publish(kv_cache_manager.take_events())`.
+Use: after each engine step, `publisher.publish(kv_cache_manager.take_events())`
+(`publisher.follow(core)` hangs that on the engine). Prefill instances publish so the
+gateway places prompts by their cached prefixes; decode instances too, for the prompts
+they prefill themselves.
 """
 from __future__ import annotations
 
@@ -75,6 +78,12 @@ class KvEventPublisher:
     def close(self) -> None:
         with self._lock:
             self._socket.close()
+
+    def follow(self, core) -> None:
+        """Publish `core`'s KV cache events after every engine step (before its thread starts);
+        heartbeats then carry the last sequence sent (InstanceLoad.kv_events_sequence)."""
+        core.after_step.append(lambda core: self.publish(core.kv_cache_manager.take_events()))
+        core.stats_sources.append(lambda: {"kv_events_sequence": self.last_published_seq})
 
 
 def cached_blocks_snapshot(instance_id: str, kv_cache_manager) -> CachedBlocks:

@@ -79,10 +79,7 @@ class PrefillWorker(EngineWorker):
         self.prefiller = Prefiller(self.engine, eos_token_ids(self.core), self.transfer_waiters, self.lora_modules)
 
     def attach_to_engine(self, core: EngineCore) -> None:
-        events = self.events
-        # KV cache events go out after every step; heartbeats carry the last sequence sent.
-        core.after_step.append(lambda core: events.publish(core.kv_cache_manager.take_events()))
-        core.stats_sources.append(lambda: {"kv_events_sequence": events.last_published_seq})
+        self.events.follow(core)
 
     def endpoints(self) -> dict[str, str]:
         return {"kv_events_endpoint": self.events_endpoint}

@@ -1,4 +1,5 @@
-"""Feeding a KvIndex: one ZeroMQ SUB socket per prefill instance, and resyncs.
+"""Feeding a KvIndex: one ZeroMQ SUB socket per instance that publishes KV events (every
+prefill and decode instance), and resyncs.
 
 An instance's events arrive on its socket (msgpack, prefill_service/kv_events.py);
 when the index reports a gap, or a heartbeat's published sequence shows events
@@ -17,6 +18,7 @@ import zmq.asyncio
 
 from gateway.routing.kv_index import KvIndex
 from prefill_service.client import fetch_cached_blocks
+from protos.pdserve.v1 import decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +26,7 @@ Resync = Callable[[str], Awaitable[tuple[int, Iterable[int]]]]  # instance id ->
 
 
 class KvEventSubscriber:
-    """One SUB socket and receive task per prefill instance, feeding a KvIndex (asyncio)."""
+    """One SUB socket and receive task per publishing instance, feeding a KvIndex (asyncio)."""
 
     def __init__(self, index: KvIndex, resync: Resync, retry_s: float = 1.0):
         self.index = index
@@ -36,10 +38,11 @@ class KvEventSubscriber:
         self._resyncs: dict[str, asyncio.Task] = {}
 
     def attach(self, registry) -> None:
-        """Follow a gateway.routing.registry.InstanceRegistry: subscribe to prefill instances
-        as they register, drop them as they leave, check sequences on heartbeats."""
+        """Follow a gateway.routing.registry.InstanceRegistry: subscribe to every instance that
+        publishes KV events (prefill instances; decode instances, for the prompts they prefill)
+        as it registers, drop it as it leaves, check sequences on heartbeats."""
         def added(instance, _reason):
-            if instance.role == "prefill" and instance.spec.kv_events_endpoint:
+            if instance.spec.kv_events_endpoint:
                 self.add_instance(instance.instance_id, instance.spec.kv_events_endpoint)
         registry.subscribe(
             on_added=added,
@@ -111,11 +114,13 @@ class KvEventSubscriber:
 
 
 def grpc_resync(registry, timeout_s: float = 10.0) -> Resync:
-    """A Resync that calls PrefillService.GetCachedBlocks on the registered address."""
+    """A Resync that calls GetCachedBlocks (PrefillService's or DecodeService's, by the
+    instance's role) on the registered address."""
     async def resync(instance_id: str) -> tuple[int, list[int]]:
         instance = registry.get(instance_id)
         if instance is None:
             raise LookupError(f"{instance_id} is not registered")
-        snapshot = await fetch_cached_blocks(instance.spec.grpc_address, timeout_s)
+        stub = decode_pb2_grpc.DecodeServiceStub if instance.role == "decode" else None
+        snapshot = await fetch_cached_blocks(instance.spec.grpc_address, timeout_s, stub)
         return snapshot.sequence, snapshot.block_hashes
     return resync

@@ -3,7 +3,9 @@
 Whether a request is prefilled on a prefill instance or locally by its decode
 instance is decided by `choose_remote_prefill` alone: remotely, on the instance
 the policy chooses among those alive whose queue has room; otherwise locally, and
-the decode instance gets no prefill address. The queue limit is conditional
+the decode instance gets no prefill address, and is itself chosen by the policy's
+`choose_decode_for_local_prefill`: prefix_aware weighs the prompt blocks it caches (its
+KV events) against its load. The queue limit is conditional
 disaggregation by load (Dynamo's max prefill queue size): once every prefill
 instance already has max_prefill_queue_tokens prompt tokens to compute, the decode
 instance takes the prompt instead of queueing it behind them (its streams pause
@@ -56,7 +58,13 @@ def choose_remote_prefill(policy: PlacementPolicy, prefills: Sequence[Instance],
     prefills = [i for i in prefills if has_prefill_room(i, max_prefill_queue_tokens)]
     if not prefills:
         return None, ()
-    # Every instance has the deployment's block size (the registry refuses others).
-    prompt_block_hashes = compute_block_hashes(prompt_token_ids, prefills[0].spec.block_size,
-                                               root_parent_hash(cache_salt, lora_name))
+    prompt_block_hashes = prompt_hashes(prompt_token_ids, prefills[0], cache_salt, lora_name)
     return policy.choose_prefill(prompt_block_hashes, prefills), prompt_block_hashes
+
+
+def prompt_hashes(prompt_token_ids: Sequence[int], instance: Instance, cache_salt: str | None,
+                  lora_name: str | None) -> list[int]:
+    """The prompt's full blocks' chained hashes as the engines compute them (from the cache
+    salt's and LoRA adapter's root); every instance has the deployment's block size (the
+    registry refuses others)."""
+    return compute_block_hashes(prompt_token_ids, instance.spec.block_size, root_parent_hash(cache_salt, lora_name))

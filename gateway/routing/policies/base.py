@@ -27,6 +27,8 @@ def choose_decode_by_load(num_prompt_tokens: int, instances: Sequence[Instance])
 
 class PlacementPolicy:
     name = "base"
+    # Whether choose_decode_for_local_prefill reads the prompt's block hashes (else it gets none).
+    places_by_cached_prefix = False
 
     def choose_prefill(self, prompt_block_hashes: Sequence[int],
                        instances: Sequence[Instance]) -> Instance | None:
@@ -34,3 +36,8 @@ class PlacementPolicy:
 
     def choose_decode(self, num_prompt_tokens: int, instances: Sequence[Instance]) -> Instance | None:
         return choose_decode_by_load(num_prompt_tokens, instances)
+
+    def choose_decode_for_local_prefill(self, prompt_block_hashes: Sequence[int], num_prompt_tokens: int,
+                                        instances: Sequence[Instance]) -> Instance | None:
+        """The decode instance for a prompt it will prefill itself (no prefill instance used)."""
+        return self.choose_decode(num_prompt_tokens, instances)

@@ -33,6 +33,7 @@ CachedCount = Callable[[str], int]  # instance id -> blocks it caches
 
 class PrefixAware(PlacementPolicy):
     name = "prefix_aware"
+    places_by_cached_prefix = True
 
     def __init__(self, cached_prefix: KvIndex | CachedPrefix, load_weight: float = 1.0,
                  cached_count: CachedCount | None = None):
@@ -52,3 +53,13 @@ class PrefixAware(PlacementPolicy):
         return min(instances, default=None, key=lambda i: (
             self.prefill_cost(i, prompt_block_hashes), i.num_requests,
             self._cached_count(i.instance_id)))
+
+    def choose_decode_for_local_prefill(self, prompt_block_hashes, num_prompt_tokens, instances):
+        """A decode instance that prefills the prompt itself: the prefill cost above plus the KV
+        its running requests hold, in tokens (Dynamo's KV router: the blocks a request would
+        prefill against the blocks active there), so a cached prefix draws its requests only
+        while the instance holding it is not already busier by more than the prefill it saves."""
+        def cost(i: Instance) -> float:
+            num_active_tokens = (i.spec.num_total_blocks - i.free_blocks) * i.spec.block_size
+            return self.prefill_cost(i, prompt_block_hashes) + self.load_weight * num_active_tokens
+        return min(instances, default=None, key=lambda i: (cost(i), i.num_requests, self._cached_count(i.instance_id)))

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from gateway.routing.kv_index import KvIndex
 from gateway.routing.load_ledger import LoadLedger
-from gateway.routing.policies import PrefixAware
+from gateway.routing.policies import PrefixAware, make_policy
 from tests.unit.gateway.routing.instances import BLOCK, make_registry, queued
 
 
@@ -70,3 +70,22 @@ def test_a_finished_prefill_stops_pushing_its_tenant_off_the_instance_that_cache
     uncached.release()
     assert registry.get("a").queued_prefill_tokens == 0
     assert policy.choose_prefill(next_request, registry.instances("prefill")).instance_id == "a"
+
+
+def test_a_decode_that_prefills_itself_is_chosen_by_cached_prefix_against_the_kv_its_requests_hold():
+    from common.service.registration import InstanceLoad
+    index = index_of("a", "b")
+    prompt = list(range(1, 33))  # 32 blocks = 512 tokens
+    index.apply_events("a", [{"seq": 1, "type": "stored", "block_hashes": prompt[:30]}])
+    policy = PrefixAware(index)
+
+    def decodes(a_used_blocks: int, b_used_blocks: int = 0):
+        loads = {i: InstanceLoad(num_free_blocks=100 - used, num_total_blocks=100, num_running_requests=used // 10)
+                 for i, used in (("a", a_used_blocks), ("b", b_used_blocks))}
+        return make_registry("decode", loads).instances("decode")
+    # cost = uncached tokens + KV tokens held: a = 2*16 + 16*used_a, b = 32*16
+    assert policy.choose_decode_for_local_prefill(prompt, 512, decodes(a_used_blocks=29)).instance_id == "a"
+    assert policy.choose_decode_for_local_prefill(prompt, 512, decodes(a_used_blocks=31)).instance_id == "b"
+    # The base policies place by load alone, as for a remote prefill.
+    least_loaded = make_policy("least_loaded", index)
+    assert least_loaded.choose_decode_for_local_prefill(prompt, 512, decodes(a_used_blocks=10)).instance_id == "b"
