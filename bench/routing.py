@@ -13,6 +13,11 @@ counters (the Stats RPC) before and after:
 
 over both prefill instances (deltas, so the warm-up does not count).
 
+Colocated (--colocated): no prefill pool; `LocalStack(0 prefill, 2 decode)`, each decode
+instance prefilling every prompt itself with a pool of --prefill-kv-blocks blocks, placed by
+the policy's choice for a local prefill (prefix_aware: the decode instances' own KV events,
+weighed against the KV their running requests hold); the hit rates are the decode instances'.
+
 Gateway replicas (--num-gateways N): the stack runs N gateways, every instance registered
 with each, and the client sends request i to gateway i mod N (as a balancer in front of
 them would), so each gateway places while the others dispatch too. Compare the hit rate
@@ -84,6 +89,14 @@ class RoutingConfig:
     seed: int = 0
     heartbeat_interval_s: float = 1.0  # the gateway's default; the simulation's replay uses it too
     num_gateways: int = 1  # gateway replicas; the client sends request i to gateway i mod N
+    # No prefill pool: 2 decode instances that prefill every prompt themselves, each with the
+    # prefill instances' small pool, placed by their own KV events (colocated serving)
+    colocated: bool = False
+
+    @property
+    def cache_role(self) -> str:
+        """The role whose prefix caches the placement fills."""
+        return "decode" if self.colocated else "prefill"
 
     def check(self) -> None:
         unknown = [p for p in self.policies if p not in POLICIES]
@@ -102,6 +115,9 @@ class RoutingConfig:
 
     def stack_flags(self, policy: str, prefill_kv_bytes: int) -> tuple[list[str], dict[str, list[str]]]:
         """(passthrough, role_flags) for LocalStack."""
+        if self.colocated:
+            return ["--policy", policy, "--block-size", str(self.block_size), "--kv-cache-memory",
+                    str(prefill_kv_bytes), "--log-level", "WARNING"], {}
         passthrough = ["--policy", policy, "--block-size", str(self.block_size),
                        "--kv-cache-memory", self.decode_kv_memory, "--local-prefill-threshold", "0",
                        "--log-level", "WARNING"]
@@ -150,11 +166,12 @@ def wait_idle(stack, timeout_s: float = 120.0) -> None:
             time.sleep(0.1)
 
 
-def prefill_counters(stack) -> dict[str, dict[str, int]]:
+def cache_counters(stack, role: str) -> dict[str, dict[str, int]]:
+    """The prefix-cache counters of the stack's instances of `role`."""
     counters = {}
     for name, process in sorted(stack.instances.items()):
-        if name.startswith("prefill"):
-            stats = instance_stats(process.address, "prefill")
+        if name.startswith(role):
+            stats = instance_stats(process.address, role)
             counters[name] = {"queried_tokens": stats.prefix_cache_queried_tokens,
                               "hit_tokens": stats.prefix_cache_hit_tokens,
                               "finished_requests": stats.num_finished_requests,
@@ -166,8 +183,9 @@ class PlacementRecordingBackend(GrpcGenerateBackend):
     """The bench client's gRPC backend, also noting which prefill instance served each
     request; with several gateway addresses it sends each request to the next gateway in turn."""
 
-    def __init__(self, addresses: list[str], **kwargs):
+    def __init__(self, addresses: list[str], placed_role: str = "prefill", **kwargs):
         super().__init__(addresses[0], **kwargs)
+        self.placed_field = f"{placed_role}_instance_id"  # the response field naming the instance to note
         self.addresses = list(addresses)
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list = []
@@ -192,16 +210,18 @@ class PlacementRecordingBackend(GrpcGenerateBackend):
         call = self._stubs[gateway].GenerateStream(self.build_request(request), timeout=self.timeout_s)
         try:
             async for response in call:
-                if response.prefill_instance_id:
-                    self.prefill_instance_by_request[id(request)] = response.prefill_instance_id
+                placed = getattr(response, self.placed_field)
+                if placed:
+                    self.prefill_instance_by_request[id(request)] = placed
                 yield time.perf_counter(), len(response.token_ids)
         finally:
             call.cancel()
 
 
 async def _drive(addresses: list[str], requests: list[BenchRequest], warmup: list[BenchRequest],
-                 max_concurrency: int, seed: int, after_warmup) -> tuple[list, float, list[str], list[int]]:
-    async with PlacementRecordingBackend(addresses, request_id_prefix="routing") as backend:
+                 max_concurrency: int, seed: int, after_warmup, placed_role: str
+                 ) -> tuple[list, float, list[str], list[int]]:
+    async with PlacementRecordingBackend(addresses, placed_role, request_id_prefix="routing") as backend:
         warm, _ = await run_benchmark(backend, warmup, float("inf"))  # both at once: one per instance
         if not all(o.success for o in warm):
             raise RuntimeError(f"warm-up failed: {[o.error for o in warm]}")
@@ -217,10 +237,11 @@ def run_policy(policy: str, concurrency: int, cfg: RoutingConfig, requests: list
                warmup: list[BenchRequest], prefill_kv_bytes: int, log_dir: str) -> dict:
     from common.cli.up import LocalStack
     passthrough, role_flags = cfg.stack_flags(policy, prefill_kv_bytes)
-    print(f"\n== {policy}: starting LocalStack(2 prefill, 1 decode, {cfg.num_gateways} gateway(s)) "
-          f"{' '.join(passthrough)} prefill {' '.join(role_flags['prefill'])}", flush=True)
+    num_prefill, num_decode = (0, 2) if cfg.colocated else (2, 1)
+    print(f"\n== {policy}: starting LocalStack({num_prefill} prefill, {num_decode} decode, {cfg.num_gateways} "
+          f"gateway(s)) {' '.join(passthrough)} {' '.join(role_flags.get('prefill', []))}", flush=True)
     started = time.monotonic()
-    with LocalStack(2, 1, passthrough=passthrough, role_flags=role_flags, log_dir=log_dir,
+    with LocalStack(num_prefill, num_decode, passthrough=passthrough, role_flags=role_flags, log_dir=log_dir,
                     num_gateways=cfg.num_gateways) as stack:
         print(f"   stack up in {time.monotonic() - started:.0f}s; warm-up, then {len(requests)} requests, "
               f"{concurrency} in flight", flush=True)
@@ -229,12 +250,12 @@ def run_policy(policy: str, concurrency: int, cfg: RoutingConfig, requests: list
         def snapshot_before() -> None:
             wait_idle(stack)
             time.sleep(1.5 * cfg.heartbeat_interval_s)  # the gateway's load estimate forgets the warm-up
-            before.update(prefill_counters(stack))
+            before.update(cache_counters(stack, cfg.cache_role))
 
         outcomes, duration, placed, gateways = asyncio.run(_drive(stack.addresses, requests, warmup, concurrency,
-                                                        cfg.seed, snapshot_before))
+                                                                  cfg.seed, snapshot_before, cfg.cache_role))
         wait_idle(stack)
-        after = prefill_counters(stack)
+        after = cache_counters(stack, cfg.cache_role)
     per_instance = {name: {key: after[name][key] - before[name][key] for key in
                            ("queried_tokens", "hit_tokens", "finished_requests")} | {
                         "total_blocks": after[name]["total_blocks"]} for name in after}
@@ -389,6 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--num-gateways", type=int, default=d.num_gateways,
                         help="gateway replicas sharing the instances; requests go to them in turn")
+    parser.add_argument("--colocated", action="store_true",
+                        help="no prefill pool: 2 decode instances prefill every prompt themselves, each with "
+                             "--prefill-kv-blocks blocks, placed by their own KV events; hit rates are theirs")
     parser.add_argument("--json", default=None, metavar="FILE", help="write every figure and the config")
     parser.add_argument("--log-dir", default=None, help="the stack's logs; default: a temporary directory")
     return parser
@@ -407,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                         num_tenants=args.num_tenants, system_prompt_len=args.system_prompt_len,
                         user_len_range=args.user_len, output_len_range=args.output_len,
                         tenant_order=args.tenant_order, prefill_kv_blocks=args.prefill_kv_blocks,
-                        decode_kv_memory=args.decode_kv_memory, seed=args.seed, num_gateways=args.num_gateways)
+                        decode_kv_memory=args.decode_kv_memory, seed=args.seed, num_gateways=args.num_gateways,
+                        colocated=args.colocated)
     try:
         cfg.check()
     except ValueError as e:
