@@ -111,7 +111,8 @@ class Dispatcher:
             resumed_token_ids = text.migrate() if resuming else []
             charge = self.ledger.charge(len(request.prompt_token_ids) + len(resumed_token_ids),
                                         prefill=placement.prefill,
-                                        prompt_block_hashes=placement.prompt_block_hashes, decode=decode)
+                                        prompt_block_hashes=placement.prompt_block_hashes, decode=decode,
+                                        local_prefill=placement.prefill is None)
             left_s = None if deadline is None else max(0.0, deadline - loop.time())
             try:
                 async for delta in self._stream_on(placement, charge, request, text, resumed_token_ids, left_s,
@@ -166,9 +167,9 @@ class Dispatcher:
             local_hashes = (prompt_hashes(request.prompt_token_ids, decodes[0], request.cache_salt, request.lora_name)
                             if self.policy.places_by_cached_prefix else ())
             decode = self.policy.choose_decode_for_local_prefill(local_hashes, num_prompt_tokens, decodes)
-            # Its blocks count as cached there until its KV events say otherwise, so the next
-            # request of the same prefix follows it before they arrive.
-            self.ledger.kv_index.record_dispatch(decode.instance_id, local_hashes)
+            # The ledger records them as pending there: the next request of the same prefix
+            # follows it before its KV events arrive.
+            prompt_block_hashes = local_hashes
         self.metrics.placed("decode", "placed")
         return Placement(decode, prefill, prompt_block_hashes)
 

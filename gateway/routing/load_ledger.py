@@ -4,7 +4,10 @@ back once it sees that work finish.
 `LoadLedger.charge` counts a placement against its prefill instance (the prompt
 tokens it still has to compute, net of the prefix the KV index says it caches)
 and its decode instance (the KV blocks the prompt and first token take), and
-returns a `PlacementCharge`. The dispatcher releases the prefill part when the
+returns a `PlacementCharge`. A decode instance that prefills the prompt itself is
+charged those prompt tokens too: a heartbeat it sends before its prefill ends
+counts them, and without the charge to take off at the first token they would
+stay on the gateway's estimate after the request, until the next heartbeat. The dispatcher releases the prefill part when the
 request's first token arrives (the prefill is done) and the rest when the stream
 ends; each release undoes exactly what was charged, at most once. The same charge
 records the prompt's blocks as pending in the KV index, which keeps them (and
@@ -40,7 +43,9 @@ class InstanceCharge:
 
 @dataclass
 class PlacementCharge:
-    prefill: InstanceCharge | None  # None: no prefill instance was charged (local prefill)
+    # The prompt tokens to compute, on the prefill instance or on a decode instance that
+    # prefills locally (its request is then counted once, in `decode`); None: not charged.
+    prefill: InstanceCharge | None
     decode: InstanceCharge | None
 
     @property
@@ -62,19 +67,24 @@ class LoadLedger:
         self.kv_index = kv_index
 
     def charge(self, num_prompt_tokens: int, prefill: Instance | None = None,
-               prompt_block_hashes: Sequence[int] = (), decode: Instance | None = None) -> PlacementCharge:
+               prompt_block_hashes: Sequence[int] = (), decode: Instance | None = None,
+               local_prefill: bool = False) -> PlacementCharge:
         """Count one request against the instances placed for it; `prompt_block_hashes`
-        are the prompt's, at the prefill instance's block size."""
+        are the prompt's, at the deployment's block size. local_prefill: the decode instance
+        computes the prompt itself (no prefill instance)."""
+        if local_prefill and decode is not None:
+            return PlacementCharge(self._charge_prefill(decode, prompt_block_hashes, num_prompt_tokens, 0),
+                                   self._charge_decode(decode, num_prompt_tokens))
         return PlacementCharge(
             self._charge_prefill(prefill, prompt_block_hashes, num_prompt_tokens) if prefill else None,
             self._charge_decode(decode, num_prompt_tokens) if decode else None)
 
     def _charge_prefill(self, instance: Instance, prompt_block_hashes: Sequence[int],
-                        num_prompt_tokens: int) -> InstanceCharge:
+                        num_prompt_tokens: int, num_requests: int = 1) -> InstanceCharge:
         num_cached_blocks = self.kv_index.cached_prefix_blocks(instance.instance_id, prompt_block_hashes)
         num_prefill_tokens = num_prompt_tokens - num_cached_blocks * instance.spec.block_size
         self.kv_index.record_dispatch(instance.instance_id, prompt_block_hashes)
-        return self._charge(instance, LoadDelta(num_requests=1, num_prefill_tokens=num_prefill_tokens))
+        return self._charge(instance, LoadDelta(num_requests=num_requests, num_prefill_tokens=num_prefill_tokens))
 
     def _charge_decode(self, instance: Instance, num_prompt_tokens: int) -> InstanceCharge:
         num_blocks = decode_blocks_needed(num_prompt_tokens, instance.spec.block_size)

@@ -25,7 +25,8 @@ from gateway.routing.registry import Instance
 class Placement:
     decode: Instance
     prefill: Instance | None  # None: the decode instance prefills locally
-    prompt_block_hashes: Sequence[int] = ()  # at the prefill instance's block size; () when local
+    # The prompt's, at the deployment's block size; for a local prefill only where the policy reads them.
+    prompt_block_hashes: Sequence[int] = ()
 
     @property
     def prefill_address(self) -> str:

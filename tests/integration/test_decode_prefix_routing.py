@@ -26,14 +26,24 @@ def stack(tmp_path_factory):
         yield local_stack
 
 
+# Each customer's own part spans several blocks, so the instance holding a conversation saves
+# more than a block's worth of prefill over the other one, which caches the shared system prompt.
+ERRANDS = {"ann": ("wall paint", "repainting the kitchen, the hallway and two bedrooms this weekend, all "
+                                  "in a pale green satin finish, and I have never painted a ceiling before"),
+           "bob": ("copper pipe", "replacing the leaking pipes under the bathroom sink and the washing "
+                                  "machine hookup in the basement, and I need fittings that match the old ones")}
+
+
 def wait_idle(stack: LocalStack, timeout_s: float = 15.0) -> None:
     """Placement's own estimate of both decode instances (the gateway's metrics) holds no
-    request: a heartbeat taken while a request ran can arrive after the gateway saw it end."""
+    request and no prompt to compute: a heartbeat taken while a request ran can arrive
+    after the gateway saw it end."""
     deadline = time.monotonic() + timeout_s
     while True:
         samples = scrape(stack.gateway.metrics_address)
-        busy = {dict(labels)["instance_id"]: value for (name, labels), value in samples.items()
-                if name == "pdserve_instance_estimated_requests" and value}
+        busy = {(name, dict(labels)["instance_id"]): value for (name, labels), value in samples.items()
+                if name in ("pdserve_instance_estimated_requests",
+                            "pdserve_instance_estimated_queued_prefill_tokens") and value}
         seen = {dict(labels)["instance_id"] for name, labels in samples
                 if name == "pdserve_instance_estimated_requests"}
         if seen == {"decode-0", "decode-1"} and not busy:
@@ -44,8 +54,8 @@ def wait_idle(stack: LocalStack, timeout_s: float = 15.0) -> None:
 
 def test_a_conversation_follows_the_decode_instance_that_caches_it(stack):
     with Client(stack.address, timeout=120) as client:
-        turns = {name: f"{SYSTEM}Customer {name}: where do I find {item}?"
-                 for name, item in (("ann", "wall paint"), ("bob", "copper pipe"))}
+        turns = {name: f"{SYSTEM}Customer {name}: I am {errand}. Where do I find {item}?"
+                 for name, (item, errand) in ERRANDS.items()}
         # Both at once: by load, one on each instance.
         streams = {name: client.generate_stream(prompt, max_tokens=8, temperature=0, ignore_eos=True)
                    for name, prompt in turns.items()}

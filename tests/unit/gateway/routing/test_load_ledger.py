@@ -118,9 +118,37 @@ def test_a_release_after_a_restart_leaves_the_new_instance_alone():
     assert loads(registry.get("p")) == [(1, 700, 60)]
 
 
-def test_a_local_prefill_charges_only_the_decode():
+def test_a_decode_only_charge_has_no_prefill_part():
     registry = make_registry("decode", {"d": REPORTED})
     charge = LoadLedger(KvIndex()).charge(40, decode=registry.get("d"))
     assert charge.prefill is None and charge.num_prefill_tokens == 0
     charge.release_prefill()
     assert loads(registry.get("d"))[0][0] == 2
+
+
+def test_a_local_prefill_charges_the_decode_its_uncached_prompt_until_the_first_token():
+    registry = make_registry("decode", {"d": REPORTED})
+    d = registry.get("d")
+    index = KvIndex()
+    index.add_instance("d")
+    index.apply_events("d", [{"seq": 1, "type": "stored", "block_hashes": [7]}])
+    charge = LoadLedger(index).charge(40, prompt_block_hashes=[7, 8], decode=d, local_prefill=True)
+    # One request, not two: the prefill part counts tokens only.
+    assert loads(d) == [(2, 700 + 40 - 16, 60 - decode_blocks_needed(40, BLOCK))]
+    assert index.cached_prefix_blocks("d", [7, 8, 9]) == 2  # its blocks are pending there
+    charge.release_prefill()
+    assert loads(d) == [(2, 700, 60 - decode_blocks_needed(40, BLOCK))]
+    charge.release()
+    assert loads(d) == [(1, 700, 60)]
+
+
+def test_a_heartbeat_taken_before_a_local_prefill_ended_does_not_outlive_the_request():
+    registry = make_registry("decode", {"d": REPORTED})
+    d = registry.get("d")
+    charge = LoadLedger(KvIndex()).charge(40, decode=d, local_prefill=True)
+    # The instance reports the request waiting, its prompt still to compute.
+    registry.heartbeat("d", InstanceLoad(num_running_requests=1, num_waiting_requests=1, num_free_blocks=60,
+                                         num_total_blocks=100, num_queued_prefill_tokens=740))
+    charge.release_prefill()  # its first token
+    charge.release()  # its end, before the next heartbeat
+    assert loads(d)[0][:2] == (1, 700)  # without the prefill charge: 740 until the next heartbeat
