@@ -124,11 +124,17 @@ class RoutingConfig:
         return passthrough, {"prefill": ["--kv-cache-memory", str(prefill_kv_bytes)]}
 
 
-def kv_bytes_per_block(block_size: int, model: str | None = None, dtype_size: int = 4) -> int:
-    """Bytes one KV block takes in every layer (fp32 on CPU), from the model's config."""
+def kv_bytes_per_block(block_size: int, model: str | None = None, dtype_size: int | None = None) -> int:
+    """Bytes one KV block takes in every layer, from the model's config; by default in the
+    dtype the stack's engines pick (`--dtype auto` on this CPU: bf16 where it is native)."""
+    import torch
+
     from common.engine.config import ModelConfig
+    from common.engine.device import select_dtype
     from common.engine.model_files import load_hf_config, resolve_model
     config = ModelConfig.from_hf_config(load_hf_config(resolve_model(model)))
+    if dtype_size is None:
+        dtype_size = select_dtype("auto", torch.device("cpu")).itemsize
     return config.kv_bytes_per_token(dtype_size) * block_size
 
 
@@ -405,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-len", type=parse_length_range, default=d.output_len_range, help="LOW-HIGH tokens")
     parser.add_argument("--tenant-order", choices=TENANT_ORDERS, default=d.tenant_order)
     parser.add_argument("--prefill-kv-blocks", type=int, default=d.prefill_kv_blocks,
-                        help="KV blocks per prefill instance (its prefix cache)")
+                        help="KV blocks per prefill instance (its prefix cache; with --colocated, per decode "
+                             "instance), of the dtype its engine runs")
     parser.add_argument("--decode-kv-memory", default=d.decode_kv_memory, help="the decode instance's KV pool")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--num-gateways", type=int, default=d.num_gateways,
