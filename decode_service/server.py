@@ -22,7 +22,7 @@ from grpc import aio
 
 from common.engine.config import KVTransferConfig
 from common.engine.engine_core import EngineCore
-from common.service.engine_requests import eos_token_ids, validate_request
+from common.service.engine_requests import eos_token_ids, timing_fields, validate_request
 from common.service.engine_worker import EngineWorker
 from common.service.flags import advertised_zmq_endpoint, zmq_bind_endpoint
 from common.service.logging_setup import logged_request
@@ -66,6 +66,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     end.update(finish_reason=chunk.output.finish_reason, cached_tokens=chunk.num_cached_tokens,
                                prefilled_by=chunk.prefill_instance_id or "local")
                     end.complete = chunk.output.finish_reason is not None
+                    if chunk.output.timings is not None:
+                        end.update(timing_fields(chunk.output.timings))
                     yield self.worker.chunk_to_pb(request.request_id, chunk)
 
     async def Abort(self, request: decode_pb2.AbortRequest, context) -> decode_pb2.AbortResponse:

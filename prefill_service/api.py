@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.engine.outputs import Logprobs
+from common.engine.outputs import Logprobs, RequestTimings
 from common.engine.sampling_params import SamplingParams
 from common.service.common_api import logprobs_from_pb, logprobs_to_pb, sampling_params_from_pb, sampling_params_to_pb
 from protos.pdserve.v1 import prefill_pb2
@@ -90,6 +90,8 @@ class PrefillResult:
     instance_id: str = ""  # the prefill instance that answered
     # (prompt token i + 1, its Logprobs) for each, when sampling.prompt_logprobs was set
     prompt_logprobs: list[tuple[int, Logprobs]] = field(default_factory=list)
+    # The prefill's engine intervals, for this instance's log and span (not sent)
+    timings: RequestTimings | None = None
 
     @classmethod
     def from_pb(cls, msg: prefill_pb2.PrefillResponse) -> PrefillResult:

@@ -79,7 +79,8 @@ class Prefiller:
                                "(the instance is shutting down)")
         result = PrefillResult(output.new_token_ids, output.new_logprobs, output.num_cached_tokens,
                                transferred=export is not None,
-                               prompt_logprobs=prompt_logprob_pairs(job.prompt_token_ids, output.prompt_logprobs))
+                               prompt_logprobs=prompt_logprob_pairs(job.prompt_token_ids, output.prompt_logprobs),
+                               timings=output.timings)
         if export is not None:
             await self._await_transfer(job.req_id, export, sent)
             result.num_transferred_blocks = len(export.target.dst_block_ids)

@@ -19,7 +19,7 @@ from grpc import aio
 
 from common.engine.config import KVTransferConfig
 from common.engine.engine_core import EngineCore
-from common.service.engine_requests import eos_token_ids, validate_request
+from common.service.engine_requests import eos_token_ids, timing_fields, validate_request
 from common.service.engine_worker import EngineWorker
 from common.service.flags import advertised_zmq_endpoint, zmq_bind_endpoint
 from common.service.logging_setup import logged_request
@@ -53,6 +53,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 result = await self.worker.prefiller.prefill(job, export)
                 result.instance_id = self.worker.instance_id
                 end.update(cached_tokens=result.num_cached_tokens, kv_blocks_sent=result.num_transferred_blocks)
+                if result.timings is not None:
+                    end.update(timing_fields(result.timings))
                 return result.to_pb(request.request_id)
 
     async def Stats(self, request, context) -> common_pb2.StatsResponse:

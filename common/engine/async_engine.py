@@ -46,6 +46,9 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         # Called once, on the engine thread, with the error that killed the loop.
         self.death_observers: list[Callable[[BaseException], None]] = []
+        # Called on the engine thread with each output that ends a request (it carries the
+        # request's RequestTimings), before its stream gets it: the service's metrics.
+        self.finished_observers: list[Callable[[EngineCoreOutput], None]] = []
         # A dead worker must wake an idle loop: it would otherwise only notice at the next step.
         core.executor.add_failure_observer(lambda exc: self._commands.put(("failed", exc)))
         self.stats: dict[str, Any] = self._collect_stats()
@@ -214,7 +217,16 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:
+            if out.timings is not None:
+                self._observe_finished(out)
             self._send(out.req_id, out)
+
+    def _observe_finished(self, out: EngineCoreOutput) -> None:
+        for observer in self.finished_observers:
+            try:
+                observer(out)
+            except Exception:  # an observer's bug must not stop the engine
+                logger.exception("finished-request observer failed for %s", out.req_id)
 
     def _send(self, req_id: str, item) -> None:
         with self._lock:

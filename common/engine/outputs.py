@@ -111,6 +111,20 @@ class RunnerOutput:
     pooled_hidden: dict[str, list[float]] | None = None
 
 
+@dataclass(frozen=True)
+class RequestTimings:
+    """Where a finished request's time in this engine went, in seconds (vLLM's intervals).
+    queued: arrival until first scheduled (a KV import: until its KV had landed); prefill:
+    first scheduled until its first token here (0 for a KV import, whose first token came
+    with the KV); decode: first token until the end; inference: first scheduled until the
+    end. A request that never got that far has 0 for what it did not reach."""
+
+    queued_s: float
+    prefill_s: float
+    decode_s: float
+    inference_s: float
+
+
 @dataclass
 class EngineCoreOutput:
     """What one request produced in one step."""
@@ -127,6 +141,7 @@ class EngineCoreOutput:
     # An embedding request's result (PoolingParams.pool of its last hidden state), with
     # finish_reason "stop" and no tokens.
     embedding: list[float] | None = None
+    timings: RequestTimings | None = None  # with the output that finishes the request
 
     @property
     def finished(self) -> bool:

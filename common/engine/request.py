@@ -6,6 +6,7 @@ import time
 from typing import TYPE_CHECKING
 
 from common.engine.block_hash import check_cache_salt
+from common.engine.outputs import RequestTimings
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -50,6 +51,10 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # When the scheduler first gave it a step (or its imported KV landed), and when its
+        # first token here came: RequestTimings at its end.
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
         # Non-empty at the start only for a request resumed from another instance's output: it
         # is computed like a preempted request, and its output so far counts as output.
         self.output_token_ids: list[int] = list(output_token_ids)
@@ -96,6 +101,14 @@ class Request:
         return cls(req_id, prompt_token_ids, SamplingParams(max_tokens=1), eos_token_ids=eos_token_ids,
                    priority=priority, pooling_params=pooling_params, cache_salt=cache_salt,
                    lora_request=lora_request)
+
+    def timings(self, now: float) -> RequestTimings:
+        """Its RequestTimings, ending `now` (time.monotonic's clock)."""
+        scheduled = now if self.scheduled_time is None else self.scheduled_time
+        first_token = now if self.first_token_time is None else self.first_token_time
+        return RequestTimings(queued_s=max(0.0, scheduled - self.arrival_time),
+                              prefill_s=max(0.0, first_token - scheduled), decode_s=max(0.0, now - first_token),
+                              inference_s=max(0.0, now - scheduled))
 
     @property
     def lora_name(self) -> str | None:

@@ -5,6 +5,7 @@ decodes and imported (remote) KV are all the same rule. Plain Python, no torch.
 from __future__ import annotations
 
 import bisect
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -206,6 +207,8 @@ class Scheduler(SchedulerInterface):
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
+            if request.scheduled_time is None:  # a preempted request keeps its first
+                request.scheduled_time = time.monotonic()
             self.running.append(request)
             num_scheduled[request.req_id] = num_new_tokens
             token_budget -= num_new_tokens
@@ -376,6 +379,8 @@ class Scheduler(SchedulerInterface):
                        logprobs: list[Logprobs] | None) -> EngineCoreOutput:
         """Append sampled tokens up to the first that stops the request."""
         num_kept = 0
+        if token_ids and request.first_token_time is None:
+            request.first_token_time = time.monotonic()
         for token_id in token_ids:
             request.append_output_token_ids([token_id])
             num_kept += 1
@@ -387,7 +392,8 @@ class Scheduler(SchedulerInterface):
             new_logprobs=logprobs[:num_kept] if logprobs is not None else None,
             prompt_logprobs=request.take_prompt_logprobs() if request.prompt_logprobs is not None else None,
             finish_reason=request.status.value if request.is_finished else None,
-            stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0))
+            stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0),
+            timings=request.timings(time.monotonic()) if request.is_finished else None)
 
     def _finish_pooled(self, request: Request, hidden_state: list[float]) -> EngineCoreOutput:
         """An embedding request whose prompt is computed: done, with its embedding."""
@@ -396,7 +402,8 @@ class Scheduler(SchedulerInterface):
         return EngineCoreOutput(req_id=request.req_id, new_token_ids=[],
                                 finish_reason=request.status.value,
                                 num_cached_tokens=max(request.num_cached_tokens, 0),
-                                embedding=request.pooling_params.pool(hidden_state))
+                                embedding=request.pooling_params.pool(hidden_state),
+                                timings=request.timings(time.monotonic()))
 
     @staticmethod
     def _check_grammar(request: Request, token_id: int) -> bool:
@@ -473,7 +480,8 @@ class Scheduler(SchedulerInterface):
         if self._finish(request):
             self.kv_connector.request_aborted(request.req_id, "request aborted")
         return EngineCoreOutput(req_id=request.req_id, new_token_ids=[], finish_reason="abort",
-                                num_cached_tokens=max(request.num_cached_tokens, 0))
+                                num_cached_tokens=max(request.num_cached_tokens, 0),
+                                timings=request.timings(time.monotonic()))
 
     def _abort_remote_import(self, req_id: str) -> list[EngineCoreOutput]:
         """Free an import's reservation, or, while a transfer may still write into it,
@@ -547,8 +555,10 @@ class Scheduler(SchedulerInterface):
         request.num_computed_tokens = request.num_tokens
         self.kv_cache_manager.cache_blocks(request, request.num_tokens)
         request.status = RequestStatus.RUNNING
+        request.scheduled_time = time.monotonic()
         outputs = []
         if first_token_ids:
+            request.first_token_time = request.scheduled_time  # it came with the KV: no prefill here
             outputs.append(self._append_tokens(request, first_token_ids, None))
         else:
             # Nothing sampled remotely: run the last prompt token here for its logits.

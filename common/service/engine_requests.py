@@ -12,7 +12,7 @@ import grpc
 from common.engine.block_hash import check_cache_salt
 from common.engine.errors import LoRAAdaptersBusyError, RequestIdReleasingError
 from common.engine.lora.request import LoRARequest
-from common.engine.outputs import EngineCoreOutput
+from common.engine.outputs import EngineCoreOutput, RequestTimings
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams, validate_prompt_token_ids
 from common.service.errors import DuplicateRequestError, ServiceError
@@ -104,6 +104,13 @@ def new_request(req_id: str, prompt_token_ids: list[int], params: SamplingParams
     return Request(req_id, prompt_token_ids, params, eos_token_ids=eos, priority=priority,
                    cache_salt=checked_cache_salt(cache_salt), lora_request=lora_request,
                    output_token_ids=resumed_token_ids)
+
+
+def timing_fields(timings: RequestTimings) -> dict[str, float]:
+    """A finished request's engine timings as end-of-request log fields (and span attributes:
+    common.service.tracing names them as vLLM's spans do)."""
+    return {"queue_s": round(timings.queued_s, 4), "prefill_s": round(timings.prefill_s, 4),
+            "decode_s": round(timings.decode_s, 4), "inference_s": round(timings.inference_s, 4)}
 
 
 def refused(error: ValueError) -> ServiceError:

@@ -56,6 +56,7 @@ class EngineWorker:
         self.core.kv_transfer_observers += [self.metrics.observe_transfer, self.transfer_waiters]
         self.attach_to_engine(self.core)
         self.engine = AsyncEngine(self.core)  # the engine thread starts here
+        self.engine.finished_observers.append(self.metrics.observe_finished)
         # Every instance embeds prompts (EmbeddingService) with the model it serves.
         self.embedder = Embedder(self.engine, self.core, eos_token_ids(self.core), self.lora_modules)
 

@@ -459,6 +459,16 @@ class WorkerMetrics(ServiceMetrics):
         self.transfer_failures = Counter("pdserve_kv_transfer_failures", "KV transfers that did not "
                                          "complete, by end state (failed, expired)", [*labels, "state"],
                                          registry=r)
+        # vLLM's per-request intervals (common.engine.outputs.RequestTimings), of every request
+        # this engine finished, aborted ones too.
+        self.request_intervals = {name: Histogram(
+            f"pdserve_engine_request_{name}_time_seconds", help_text, labels, registry=r,
+            buckets=TTFT_BUCKETS).labels(role, instance_id) for name, help_text in (
+                ("queue", "From a request's arrival at the engine until its first step (a decode "
+                          "instance's KV import: until its KV landed)"),
+                ("prefill", "From a request's first step until its first token here (0 for a KV import)"),
+                ("decode", "From a request's first token here until its end"),
+                ("inference", "From a request's first step until its end (prefill + decode)"))}
         self._steps = {phase: (self.step_duration.labels(role, instance_id, phase),
                                self.step_tokens.labels(role, instance_id, phase)) for phase in STEP_PHASES}
         self._bytes = self.transfer_bytes.labels(role, instance_id)
@@ -474,6 +484,14 @@ class WorkerMetrics(ServiceMetrics):
         duration.observe(seconds)
         # Decode steps run back to back (--num-scheduler-steps) ran each token that many times.
         tokens.inc(scheduler_output.num_scheduled_tokens * scheduler_output.num_steps)
+
+    def observe_finished(self, output) -> None:
+        """AsyncEngine.finished_observers: a request ended (engine thread); `output` is its last
+        common.engine.outputs.EngineCoreOutput, with its timings."""
+        timings = output.timings
+        for name, seconds in (("queue", timings.queued_s), ("prefill", timings.prefill_s),
+                              ("decode", timings.decode_s), ("inference", timings.inference_s)):
+            self.request_intervals[name].observe(seconds)
 
     def observe_transfer(self, outcome: KVTransferOutcome) -> None:
         """A KV transfer ended (engine thread, from the engine's kv_transfer_observers)."""

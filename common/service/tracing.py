@@ -36,7 +36,11 @@ GEN_AI_NAMES = {"request_id": "gen_ai.request.id", "model": "gen_ai.response.mod
                 "max_tokens": "gen_ai.request.max_tokens", "temperature": "gen_ai.request.temperature",
                 "top_p": "gen_ai.request.top_p", "prompt_tokens": "gen_ai.usage.prompt_tokens",
                 "output_tokens": "gen_ai.usage.completion_tokens", "ttft_s": "gen_ai.latency.time_to_first_token",
-                "duration_s": "gen_ai.latency.e2e", "finish_reason": "gen_ai.response.finish_reasons"}
+                "duration_s": "gen_ai.latency.e2e", "finish_reason": "gen_ai.response.finish_reasons",
+                # The engine's own intervals (common.service.engine_requests.timing_fields).
+                "queue_s": "gen_ai.latency.time_in_queue", "prefill_s": "gen_ai.latency.time_in_model_prefill",
+                "decode_s": "gen_ai.latency.time_in_model_decode",
+                "inference_s": "gen_ai.latency.time_in_model_inference"}
 
 
 def add_tracing_args(parser) -> None:

@@ -93,6 +93,15 @@ def test_every_service_exports_metrics_and_the_counters_move(stack):
     assert moved("decode", "pdserve_kv_transfer_duration_seconds_count") == num_requests
     assert moved("decode", "pdserve_engine_step_duration_seconds_count", phase="decode") >= 1
     assert moved("decode", "pdserve_engine_requests_finished_total") == num_requests
+    # Each engine timed every request it finished: on the decode instance its wait for the
+    # prefill's KV counts as queued, its first token came with the KV, its decode took time.
+    for role in ("prefill", "decode"):
+        for interval in ("queue", "prefill", "decode", "inference"):
+            assert moved(role, f"pdserve_engine_request_{interval}_time_seconds_count") == num_requests
+    assert moved("prefill", "pdserve_engine_request_prefill_time_seconds_sum") > 0
+    assert moved("decode", "pdserve_engine_request_prefill_time_seconds_sum") == 0
+    assert moved("decode", "pdserve_engine_request_queue_time_seconds_sum") > 0
+    assert moved("decode", "pdserve_engine_request_decode_time_seconds_sum") > 0
     for role in ("prefill", "decode"):
         assert moved(role, "pdserve_kv_transfer_failures_total") == 0
 

@@ -271,6 +271,12 @@ def test_one_trace_follows_a_request_from_the_caller_through_gateway_decode_and_
     assert decode.attributes["pdserve.prefilled_by"] == reply.prefill_instance_id
     assert 0 < decode.attributes["pdserve.first_token_s"] < generate.attributes["gen_ai.latency.time_to_first_token"]
     assert prefill.attributes["pdserve.kv_blocks_sent"] > 0
+    # The engines' own intervals, under vLLM's names: the prefill's engine computed the prompt,
+    # the decode's waited for that KV (queued) and decoded the other 7 tokens.
+    assert prefill.attributes["gen_ai.latency.time_in_model_prefill"] > 0
+    assert decode.attributes["gen_ai.latency.time_in_model_prefill"] == 0
+    assert decode.attributes["gen_ai.latency.time_in_queue"] > 0
+    assert decode.attributes["gen_ai.latency.time_in_model_decode"] > 0
     assert not any(s.is_error for s in spans.values())
 
 

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import itertools
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from common.engine.config import SchedulerConfig
 from common.engine.kv_connector.metadata import KVTransferOutcome
 from common.engine.kv_connector.transfer_scheduler import TransferConnectorScheduler
-from common.engine.outputs import RunnerOutput, SchedulerOutput
+from common.engine import scheduler as scheduler_module
+from common.engine.outputs import RequestTimings, RunnerOutput, SchedulerOutput
 from common.engine.request import Request, RequestStatus
 from common.engine.sampling_params import SamplingParams
 
@@ -483,3 +485,45 @@ def test_a_request_in_a_running_batch_is_not_scheduled_again_nor_preempted(make_
     s6 = scheduler.schedule()  # nothing in flight: the usual preemption of the newest
     assert scheduler.num_preemptions == 1 and req_b.status is RequestStatus.PREEMPTED
     assert chunks(s6) == {"a": (8, 1)}
+
+
+def test_finished_requests_carry_where_their_time_went(make_scheduler, monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    scheduler = make_scheduler(max_num_seqs=1)  # "second" waits until "first" is done
+
+    def step_taking(seconds: float) -> dict[str, object]:
+        scheduler_output = scheduler.schedule()
+        now[0] += seconds  # the forward pass
+        outputs = scheduler.update_from_output(scheduler_output, runner_output(scheduler_output))
+        return {output.req_id: output.timings for output in outputs if output.finished}
+
+    first = Request("first", [11, 12, 13, 14, 15], SamplingParams(max_tokens=3), arrival_time=100.0)
+    second = Request("second", [21, 22, 23], SamplingParams(max_tokens=1), arrival_time=100.0)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    now[0] = 101.0
+    assert step_taking(0.5) == {}  # first's prompt and first token
+    now[0] += 0.5
+    assert step_taking(0.5) == {}
+    now[0] += 0.5
+    assert step_taking(0.5) == {"first": RequestTimings(queued_s=1.0, prefill_s=0.5, decode_s=2.0, inference_s=2.5)}
+    now[0] += 0.5
+    assert step_taking(0.25) == {"second": RequestTimings(queued_s=4.0, prefill_s=0.25, decode_s=0.0,
+                                                          inference_s=0.25)}
+
+    # Aborted while waiting: all of it queued.
+    scheduler.add_request(Request("queued", [31, 32], SamplingParams(max_tokens=4), arrival_time=now[0]))
+    scheduler.add_request(Request("blocker", [41, 42], SamplingParams(max_tokens=4), arrival_time=now[0]))
+    now[0] += 1.5
+    [aborted] = scheduler.abort_requests(["blocker"])
+    assert aborted.timings == RequestTimings(queued_s=1.5, prefill_s=0.0, decode_s=0.0, inference_s=0.0)
+
+    # A KV import: queued until its KV (and first token) came; no prefill here.
+    imported = Request("imported", [51, 52, 53, 54], SamplingParams(max_tokens=2), arrival_time=now[0])
+    scheduler.abort_requests(["queued"])
+    assert scheduler.reserve_remote_kv(imported) is not None
+    now[0] += 2.0
+    assert scheduler.finish_remote_kv("imported", [7])[0].timings is None
+    assert step_taking(0.5) == {"imported": RequestTimings(queued_s=2.0, prefill_s=0.0, decode_s=0.5,
+                                                            inference_s=0.5)}

@@ -20,7 +20,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.engine.kv_connector.metadata import KVTransferOutcome
-from common.engine.outputs import ScheduledRequest, SchedulerOutput
+from common.engine.outputs import EngineCoreOutput, RequestTimings, ScheduledRequest, SchedulerOutput
 from common.engine.sampling_params import SamplingParams
 from common.service.logging_setup import (
     REQUEST_ID,
@@ -146,6 +146,20 @@ def test_step_phase_and_durations_by_phase():
     # Decode steps run back to back (--num-scheduler-steps) run each token once a step.
     metrics.observe_step(SchedulerOutput([decode_token, _scheduled(10, 12, 1)], 2, num_steps=3), 0.01)
     assert value(r, "pdserve_engine_scheduled_tokens_total", phase="decode") == 2 + 6
+
+
+def test_finished_requests_fill_the_engine_interval_histograms():
+    load, stats = fake_engine()
+    metrics = WorkerMetrics("decode", "d", lambda: load, lambda: stats)
+    metrics.observe_finished(EngineCoreOutput("r1", [5], finish_reason="length", timings=RequestTimings(
+        queued_s=0.5, prefill_s=0.0, decode_s=2.0, inference_s=2.0)))
+    metrics.observe_finished(EngineCoreOutput("r2", [], finish_reason="abort", timings=RequestTimings(
+        queued_s=1.5, prefill_s=0.0, decode_s=0.0, inference_s=0.0)))
+    r = metrics.registry
+    for interval, total_s in (("queue", 2.0), ("prefill", 0.0), ("decode", 2.0), ("inference", 2.0)):
+        assert value(r, f"pdserve_engine_request_{interval}_time_seconds_count", role="decode") == 2
+        assert value(r, f"pdserve_engine_request_{interval}_time_seconds_sum") == pytest.approx(total_s)
+    assert value(r, "pdserve_engine_request_queue_time_seconds_bucket", le="1.0") == 1
 
 
 def test_transfers_count_bytes_duration_and_failures():
