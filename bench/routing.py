@@ -290,7 +290,7 @@ def run_policy(policy: str, concurrency: int, cfg: RoutingConfig, requests: list
     }
     print(f"   {policy}, {concurrency} in flight: hit rate {result['hit_rate']:.3f} ({hits}/{queried} tokens), "
           f"mean TTFT {result['mean_ttft_ms']:.0f} ms, {result['completed']} ok / {result['failed']} failed in "
-          f"{duration:.0f}s; prefilled remotely {result['prefilled_remotely']}/{len(requests)}; "
+          f"{duration:.0f}s; prefilled by the {cfg.cache_role} pool {result['prefilled_remotely']}/{len(requests)}; "
           f"tenants by instance {result['tenants_by_instance']}", flush=True)
     return result
 
@@ -380,7 +380,7 @@ def format_summary(arms: dict, cfg: RoutingConfig, concurrency: int) -> str:
     s = arms["summary"]
     lines = [f"{cfg.num_tenants} tenants x {cfg.system_prompt_len}-token system prompt, tenant order "
              f"{cfg.tenant_order}, {cfg.num_requests} requests, {concurrency} in flight; "
-             f"2 prefill instances x {s['prefill_cache_blocks']} KV blocks; {cfg.num_gateways} gateway(s)",
+             f"2 {cfg.cache_role} instances x {s['prefill_cache_blocks']} KV blocks; {cfg.num_gateways} gateway(s)",
              f"{'policy':<14}{'hit rate':>10}{'simulated':>11}{'mean TTFT':>12}"]
     for policy in SIM_POLICIES:
         measured = s["hit_rate"].get(policy)
