@@ -28,9 +28,10 @@ from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, embedding
 
 @dataclass
 class Failure:
-    """Abort each Decode call with `code` after sending `after_tokens` tokens."""
+    """Abort each Decode call with `code` after sending `after_tokens` tokens; code None: end
+    the stream there without a status, the request unfinished."""
 
-    code: grpc.StatusCode
+    code: grpc.StatusCode | None
     after_tokens: int = 0
     details: str = "injected failure"
 
@@ -68,6 +69,8 @@ class FakeDecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         try:
             while sent < max_tokens:
                 if self.failure is not None and sent - num_resumed >= self.failure.after_tokens:
+                    if self.failure.code is None:
+                        return
                     await context.abort(self.failure.code, self.failure.details)
                 count = min(self.tokens_per_message, max_tokens - sent)
                 sent += count

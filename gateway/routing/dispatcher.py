@@ -14,7 +14,10 @@ gateway probe the instance at once (Stats) and drop it from the registry when th
 probe fails too, so later requests avoid it without waiting for its heartbeats to
 time out; an instance that is in fact alive re-registers on its next heartbeat.
 A request that failed so before the client received anything is retried on another
-decode instance (never twice on one). One that had streamed tokens is migrated, up
+decode instance (never twice on one), as is one an instance refused with
+RESOURCE_EXHAUSTED before sending anything (no room for its KV: the gateway's load
+estimate was stale); a stream that ends without a status before the request finished
+counts as the instance lost. One that had streamed tokens is migrated, up
 to migration_limit times (Dynamo's): another decode instance prefills the prompt and
 the output so far (DecodeRequest.resumed_token_ids) and continues after it, into the
 same text assembler, so the client's stream goes on as if nothing happened; past the
@@ -71,6 +74,15 @@ class InstanceLost(ServiceError):
                          f"while serving this request; retry")
 
 
+class StreamCutShort(ServiceError):
+    """The decode instance ended its stream without a status before the request finished:
+    whatever cut it (a proxy, a restart between messages), the request is treated as lost there."""
+
+    def __init__(self, instance_id: str, request_id: str):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, f"decode instance {instance_id} ended the stream of "
+                                                      f"request {request_id} before it finished")
+
+
 class Dispatcher:
     def __init__(self, registry: InstanceRegistry, kv_index: KvIndex, policy: PlacementPolicy,
                  tokenizer, eos_token_ids: tuple[int, ...], metrics: GatewayMetrics | None = None,
@@ -114,15 +126,24 @@ class Dispatcher:
                                         prompt_block_hashes=placement.prompt_block_hashes, decode=decode,
                                         local_prefill=placement.prefill is None)
             left_s = None if deadline is None else max(0.0, deadline - loop.time())
+            num_messages_before = text.num_messages
             try:
                 async for delta in self._stream_on(placement, charge, request, text, resumed_token_ids, left_s,
                                                    timer, on_prefill_done):
                     streamed_any = True
                     yield delta
                 return
-            except (grpc.aio.AioRpcError, InstanceLost) as e:
-                error = e if isinstance(e, InstanceLost) else self._decode_error(decode, e)
-                if error.code != grpc.StatusCode.UNAVAILABLE or not self._live_decodes(tried, request.lora_name):
+            except (grpc.aio.AioRpcError, InstanceLost, StreamCutShort) as e:
+                error = e if isinstance(e, ServiceError) else self._decode_error(decode, e)
+                others = self._live_decodes(tried, request.lora_name)
+                if (error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and others
+                        and text.num_messages == num_messages_before):
+                    # Refused before it sent anything (no room for the prompt's KV, its LoRA slots
+                    # busy): the gateway's estimate was stale; another instance may have room.
+                    logger.warning("%s; trying request %s on another decode instance", error.message,
+                                   request.request_id)
+                    continue
+                if error.code != grpc.StatusCode.UNAVAILABLE or not others:
                     raise error from None
                 if not streamed_any:
                     # The client saw nothing: start over, placed afresh (a remote prefill again).
@@ -203,9 +224,7 @@ class Dispatcher:
                             return
                         if delta.text or delta.token_ids:
                             yield delta
-                    raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                                       f"decode instance {decode.instance_id} ended the stream of request "
-                                       f"{request.request_id} before it finished")
+                    raise StreamCutShort(decode.instance_id, request.request_id)
                 except asyncio.CancelledError:
                     # Cancelled by InFlightCalls (its instance was dropped), not by our caller.
                     if call.lost_reason is not None and not asyncio.current_task().cancelling():

@@ -116,3 +116,32 @@ def test_a_lora_request_migrates_only_to_an_instance_serving_its_adapter(gateway
     assert not plain.servicer.requests
     (resumed,) = spare.servicer.requests
     assert (resumed.lora_name, list(resumed.resumed_token_ids)) == ("sql-lora", script[:3])
+
+
+def test_a_stream_ended_without_a_status_before_the_finish_migrates(gateway, script):
+    gateway.add_fake_decode("decode-a", token_ids=script, failure=Failure(None, after_tokens=3))
+    spare = gateway.add_fake_decode("decode-b", token_ids=script)
+    with Client(gateway.address, timeout=10) as client:
+        result = client.generate(token_ids=[5, 6], max_tokens=len(script), return_token_ids=True)
+    assert (list(result.token_ids), result.finish_reason, result.decode_instance_id) == (script, "length", "decode-b")
+    assert list(spare.servicer.requests[0].resumed_token_ids) == script[:3]
+    assert migrations(gateway) == 1
+
+
+def test_an_instance_without_room_that_sent_nothing_passes_the_request_to_another(gateway, script):
+    full = gateway.add_fake_decode("decode-a", token_ids=script, failure=Failure(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, after_tokens=0, details="no room for the KV of a 2-token prompt"))
+    spare = gateway.add_fake_decode("decode-b", token_ids=script)
+    with Client(gateway.address, timeout=10) as client:
+        result = client.generate(token_ids=[5, 6], max_tokens=len(script), return_token_ids=True)
+    assert (list(result.token_ids), result.decode_instance_id) == (script, "decode-b")
+    assert len(full.servicer.requests) == 1 and not spare.servicer.requests[0].resumed_token_ids
+    assert not migrations(gateway)  # nothing had moved: a placement retry, not a migration
+
+
+def test_without_another_instance_the_refusal_reaches_the_client(gateway, script):
+    gateway.add_fake_decode("decode-a", token_ids=script, failure=Failure(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, after_tokens=0, details="no room for the KV of a 2-token prompt"))
+    with Client(gateway.address, timeout=10) as client, pytest.raises(grpc.RpcError) as error:
+        client.generate(token_ids=[5, 6], max_tokens=len(script))
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "no room" in error.value.details()
