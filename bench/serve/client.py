@@ -106,10 +106,17 @@ class GrpcGenerateBackend(Backend):
         return message
 
     async def stream(self, request: BenchRequest) -> AsyncIterator[tuple[float, int]]:
+        async for arrival, response in self.stream_messages(request):
+            yield arrival, len(response.token_ids)
+
+    async def stream_messages(self, request: BenchRequest
+                              ) -> AsyncIterator[tuple[float, generate_pb2.GenerateResponse]]:
+        """(time.perf_counter() at arrival, the message) per message: its token ids and usage
+        too, for a client that reads the answer (a conversation's next turn carries it)."""
         call = self._stub.GenerateStream(self.build_request(request), timeout=self.timeout_s, metadata=self._metadata)
         try:
             async for response in call:
-                yield time.perf_counter(), len(response.token_ids)
+                yield time.perf_counter(), response
         finally:
             call.cancel()  # a no-op once finished; frees the request if we stopped early
 

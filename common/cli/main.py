@@ -48,6 +48,8 @@ DELEGATED_BENCH = {
     "decode-linears": ("bench.decode_linears", "a decode step's linears: oneDNN, F.linear, the native GEMVs"),
     "serve": ("bench.serve.main",
               "load-test a gateway: TTFT/TPOT/ITL/E2EL, throughput, goodput (vLLM definitions)"),
+    "multi-turn": ("bench.multi_turn",
+                   "chat conversations whose prompts grow turn by turn: TTFT per turn, prefix-cache share"),
     "routing": ("bench.routing",
                 "placement policies on a real stack: prefill prefix-cache hit rates and TTFT"),
     "disagg": ("bench.disagg",

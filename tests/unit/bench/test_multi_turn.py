@@ -1,0 +1,71 @@
+"""`pdserve bench multi-turn` over real gRPC on loopback, against the in-process fake
+GenerateService: each turn resends the conversation with the server's answers."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import numpy as np
+import pytest
+
+from bench.fakes.fake_generate import FAKE_TOKEN_IDS, FakeGenerateService
+from bench.multi_turn import benchmark, build_parser, make_conversations, main, run_conversation
+from bench.serve.client import GrpcGenerateBackend
+from bench.serve.datasets import Vocabulary
+
+VOCAB = Vocabulary(1000, frozenset({2}))
+
+
+def test_each_turn_resends_the_conversation_with_the_answers_it_got():
+    [conversation] = make_conversations(1, VOCAB, np.random.default_rng(0), num_turns=3, system_prompt_len=20,
+                                        num_system_prompts=1, user_len_range=(5, 8), output_len_range=(3, 6))
+
+    async def scenario():
+        async with FakeGenerateService() as fake:
+            async with GrpcGenerateBackend(fake.address) as backend:
+                return await run_conversation(backend, conversation, time.perf_counter()), fake.servicer.requests
+    results, requests = asyncio.run(scenario())
+    prompts = [list(r.token_ids.ids) for r in requests]
+    expected, history = [], list(conversation.system_prompt)
+    for user, output_len in zip(conversation.user_turns, conversation.output_lens):
+        expected.append(history + user)
+        history = expected[-1] + list(FAKE_TOKEN_IDS[:output_len])  # the fake's answer
+    assert prompts == expected
+    assert [r.sampling.max_tokens for r in requests] == conversation.output_lens
+    assert [(r.turn, r.outcome.prompt_len, r.outcome.output_tokens) for r in results] == [
+        (k, len(p), n) for k, (p, n) in enumerate(zip(expected, conversation.output_lens))]
+    assert 2 not in {t for p in prompts for t in p}  # no special id in what the client wrote
+
+
+def test_conversations_are_checked_against_max_model_len():
+    with pytest.raises(ValueError, match="max_model_len 500"):
+        make_conversations(2, VOCAB, np.random.default_rng(0), num_turns=4, system_prompt_len=100,
+                           user_len_range=(50, 60), output_len_range=(40, 50), max_model_len=500)
+    with pytest.raises(ValueError, match="ranges"):
+        make_conversations(2, VOCAB, np.random.default_rng(0), user_len_range=(0, 4))
+
+
+def test_a_run_reports_every_turn_and_ttft_by_turn(tmp_path):
+    async def scenario():
+        async with FakeGenerateService(first_token_delay_s=0.01) as fake:
+            args = build_parser().parse_args([
+                "--gateway", fake.address, "--num-conversations", "5", "--turns", "3", "--system-prompt-len", "16",
+                "--user-len", "4-8", "--output-len", "2-4", "--max-concurrency", "2", "--disable-tqdm",
+                "--json", str(tmp_path / "multi_turn.json")])
+            return await benchmark(args), len(fake.servicer.requests)
+    rc, num_calls = asyncio.run(scenario())
+    assert (rc, num_calls) == (0, 15)
+    result = json.loads((tmp_path / "multi_turn.json").read_text())
+    assert result["metrics"]["completed"] == 15 and result["metrics"]["failed"] == 0
+    assert [(row["turn"], row["completed"]) for row in result["by_turn"]] == [(1, 5), (2, 5), (3, 5)]
+    assert all(row["mean_ttft_ms"] >= 10 for row in result["by_turn"])
+    # Prompts grow with the turns: each carries the turns and answers before it.
+    prompt_lens = [row["mean_prompt_len"] for row in result["by_turn"]]
+    assert prompt_lens[0] < prompt_lens[1] < prompt_lens[2]
+    assert len(result["turns"]) == 15
+
+
+def test_an_unreachable_gateway_is_one_clear_line(capsys):
+    assert main(["--gateway", "127.0.0.1:1", "--disable-tqdm"]) == 1
+    assert "cannot reach the gateway at 127.0.0.1:1" in capsys.readouterr().err
