@@ -14,6 +14,7 @@ import pytest
 
 from common.engine.sampling_params import SamplingParams
 from tests.integration.test_stack import LONG_PROMPT, stats, wait_until_idle
+from tests.support.scrape import scrape, total
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -238,6 +239,13 @@ def test_a_client_gone_mid_beam_search_stops_the_search(stack, grpc_client, mode
         assert time.monotonic() < deadline, "the search's steps never finished on decode-0"
         time.sleep(0.01)
     sock.close()
+    # The search has stopped once the gateway serves no step of it and decode-0 runs none. Either
+    # alone can be seen between two steps: the decode in the moment the gateway starts the next
+    # step, the gateway's count while the last step's tokens are still on their way to it.
+    deadline = time.monotonic() + 30
+    while total(scrape(stack.gateway.metrics_address), "pdserve_num_requests_in_flight") != 0:
+        assert time.monotonic() < deadline, "the gateway still serves the search's steps"
+        time.sleep(0.01)
     wait_until_idle(stack, timeout_s=30)
     # nothing runs any more but what is sent now: a search still stepping would finish requests beside it
     finished = stats(decode, "decode").num_finished_requests
