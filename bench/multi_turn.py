@@ -45,6 +45,7 @@ class TurnResult:
     turn: int  # 0 for the first
     outcome: RequestOutcome
     num_cached_tokens: int  # prompt tokens the server found in a prefix cache
+    decode_instance_id: str = ""  # the instance that answered (placement moved the conversation when it changes)
 
 
 def make_conversations(num: int, vocab: Vocabulary, rng: np.random.Generator, num_turns: int = 4,
@@ -83,7 +84,7 @@ async def run_conversation(backend: GrpcGenerateBackend, conversation: Conversat
         if turn and think_time_s:
             await asyncio.sleep(think_time_s)
         prompt = history + user
-        outcome, answer, num_cached = RequestOutcome(prompt_len=len(prompt)), [], 0
+        outcome, answer, num_cached, instance_id = RequestOutcome(prompt_len=len(prompt)), [], 0, ""
         sent = time.perf_counter()
         outcome.start_s = sent - benchmark_start
         try:
@@ -94,11 +95,12 @@ async def run_conversation(backend: GrpcGenerateBackend, conversation: Conversat
                     answer += message.token_ids
                 if message.HasField("usage"):
                     num_cached = message.usage.cached_prompt_tokens
+                instance_id = message.decode_instance_id or instance_id
         except Exception as error:  # noqa: BLE001 -- one failed turn, not a crash
             outcome.error = describe_error(error)
         if not outcome.error and not answer:
             outcome.error = "the stream ended without a single token"
-        results.append(TurnResult(conversation.conversation_id, turn, outcome, num_cached))
+        results.append(TurnResult(conversation.conversation_id, turn, outcome, num_cached, instance_id))
         if outcome.error:
             break
         history = prompt + answer
@@ -129,12 +131,16 @@ async def run_conversations(backend: GrpcGenerateBackend, conversations: list[Co
 
 
 def by_turn(results: list[TurnResult], percentiles: list[float]) -> list[dict]:
-    """Per turn index: how many completed, their TTFT, and the share of prompt tokens cached."""
+    """Per turn index: how many completed, their TTFT, the share of prompt tokens cached, and
+    how many went to another instance than their conversation's turn before."""
+    served_by = {(r.conversation_id, r.turn): r.decode_instance_id for r in results if r.outcome.success}
     rows = []
     for turn in sorted({r.turn for r in results}):
         done = [r for r in results if r.turn == turn and r.outcome.success]
         num_prompt = sum(r.outcome.prompt_len for r in done)
-        rows.append({"turn": turn + 1, "completed": len(done),
+        moved = [r for r in done
+                 if turn and served_by.get((r.conversation_id, turn - 1)) not in (None, r.decode_instance_id)]
+        rows.append({"turn": turn + 1, "completed": len(done), "num_moved": len(moved),
                      "mean_prompt_len": num_prompt / len(done) if done else None,
                      "cached_share": sum(r.num_cached_tokens for r in done) / num_prompt if num_prompt else None,
                      **summarize("ttft", [r.outcome.ttft_s for r in done], percentiles)})
@@ -142,12 +148,12 @@ def by_turn(results: list[TurnResult], percentiles: list[float]) -> list[dict]:
 
 
 def format_by_turn(rows: list[dict]) -> str:
-    lines = [f"{'turn':>4} {'done':>5} {'prompt':>7} {'cached':>7} {'mean TTFT':>10} {'p99 TTFT':>9}"]
+    lines = [f"{'turn':>4} {'done':>5} {'moved':>6} {'prompt':>7} {'cached':>7} {'mean TTFT':>10} {'p99 TTFT':>9}"]
     for row in rows:
         cached = "-" if row["cached_share"] is None else f"{row['cached_share']:.3f}"
         mean, p99 = row["mean_ttft_ms"], row.get("p99_ttft_ms")
-        lines.append(f"{row['turn']:>4} {row['completed']:>5} {row['mean_prompt_len'] or 0:>7.0f} {cached:>7} "
-                     f"{mean or 0:>8.0f}ms {p99 or 0:>7.0f}ms")
+        lines.append(f"{row['turn']:>4} {row['completed']:>5} {row['num_moved']:>6} "
+                     f"{row['mean_prompt_len'] or 0:>7.0f} {cached:>7} {mean or 0:>8.0f}ms {p99 or 0:>7.0f}ms")
     return "\n".join(lines)
 
 
@@ -206,7 +212,8 @@ async def benchmark(args: argparse.Namespace) -> int:
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         record = {"config": config, "metrics": metrics, "by_turn": turns,
                   "turns": [{"conversation_id": r.conversation_id, "turn": r.turn + 1,
-                             "num_cached_tokens": r.num_cached_tokens, **asdict(r.outcome)} for r in results]}
+                             "num_cached_tokens": r.num_cached_tokens, "decode_instance_id": r.decode_instance_id,
+                             **asdict(r.outcome)} for r in results]}
         with open(args.json, "w") as f:
             json.dump(json_safe(record), f, indent=1)
         print(f"wrote {args.json}")

@@ -25,7 +25,7 @@ from gateway.routing.dispatcher import DEFAULT_MIGRATION_LIMIT, Dispatcher
 from gateway.routing.embedding_dispatcher import EmbeddingDispatcher
 from gateway.routing.kv_event_subscriber import KvEventSubscriber, grpc_resync
 from gateway.routing.kv_index import KvIndex
-from gateway.routing.policies import make_policy
+from gateway.routing.policies import DEFAULT_KV_LOAD_WEIGHT, make_policy
 from gateway.routing.registry import InstanceRegistry
 from gateway.types import (DeploymentInfo, EmbeddingResult, EmbedInput, GenerateInput, GenerationDelta,
                            PreparedEmbedding, PreparedRequest, Usage)
@@ -94,6 +94,7 @@ class GatewaySettings:
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
     load_weight: float = 1.0  # prefix_aware: queued tokens vs cached tokens
+    kv_load_weight: float = DEFAULT_KV_LOAD_WEIGHT  # prefix_aware, local prefills: running requests' KV tokens
     max_running_per_decode: int = 64  # admission: requests running per decode instance; <= 0: no limit
     max_running_per_prefill: int = 64  # admission: requests in their prefill per prefill instance; <= 0: no limit
     max_waiting_requests: int = 256  # admission, per pool: requests waiting for a slot before RESOURCE_EXHAUSTED
@@ -116,7 +117,7 @@ class Gateway:
                                          block_size=settings.block_size, model_name=model.name,
                                          max_model_len=settings.max_model_len or model.max_position_embeddings)
         self.kv_index = KvIndex()
-        self.policy = make_policy(settings.policy, self.kv_index, settings.load_weight)
+        self.policy = make_policy(settings.policy, self.kv_index, settings.load_weight, settings.kv_load_weight)
         self.metrics = GatewayMetrics(self.policy.name)
         self.registry.subscribe(on_added=self._count_instances, on_removed=self._count_instances,
                                 on_heartbeat=self._observe_heartbeat)

@@ -32,7 +32,7 @@ from gateway.core import GatewaySettings
 from gateway.openai_api.reasoning_parsers import PARSERS as REASONING_PARSERS
 from gateway.openai_api.tool_parsers import PARSERS
 from gateway.routing.dispatcher import DEFAULT_MIGRATION_LIMIT
-from gateway.routing.policies import POLICIES
+from gateway.routing.policies import DEFAULT_KV_LOAD_WEIGHT, POLICIES
 from gateway.server import MAX_MESSAGE_BYTES, GatewayServer
 
 
@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how to choose the prefill instance")
     parser.add_argument("--load-weight", type=float, default=1.0,
                         help="prefix_aware: cost of one queued prefill token vs one uncached prompt token")
+    parser.add_argument("--kv-load-weight", type=float, default=DEFAULT_KV_LOAD_WEIGHT,
+                        help="prefix_aware, a prompt a decode instance prefills itself: cost of one KV token "
+                             "its running requests hold vs one uncached prompt token (Dynamo: 1)")
     parser.add_argument("--block-size", type=int, default=16,
                         help="tokens per KV block; instances with another block size are refused")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -243,6 +246,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
                            max_prompt_chars=args.max_prompt_chars,
                            heartbeat_interval_s=args.heartbeat_interval,
                            heartbeat_timeout_s=args.heartbeat_timeout, load_weight=args.load_weight,
+                           kv_load_weight=args.kv_load_weight,
                            max_running_per_decode=args.max_running_per_decode,
                            max_running_per_prefill=args.max_running_per_prefill,
                            max_waiting_requests=args.max_waiting_requests,

@@ -13,13 +13,17 @@ from gateway.routing.load_ledger import decode_blocks_needed
 from gateway.routing.registry import Instance
 
 
+def holding(num_prompt_tokens: int, instances: Sequence[Instance]) -> list[Instance]:
+    """The instances whose free KV blocks hold the prompt and its first token."""
+    return [i for i in instances if i.free_blocks >= decode_blocks_needed(num_prompt_tokens, i.spec.block_size)]
+
+
 def choose_decode_by_load(num_prompt_tokens: int, instances: Sequence[Instance]) -> Instance | None:
     """Fewest requests among instances whose free KV holds the prompt, then most free
     blocks; if none can hold it, the one with the most free blocks (it may queue it)."""
     if not instances:
         return None
-    fits = [i for i in instances
-            if i.free_blocks >= decode_blocks_needed(num_prompt_tokens, i.spec.block_size)]
+    fits = holding(num_prompt_tokens, instances)
     if not fits:
         return max(instances, key=lambda i: i.free_blocks)
     return min(fits, key=lambda i: (i.num_requests, -i.free_blocks))

@@ -24,10 +24,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from gateway.routing.kv_index import KvIndex
-from gateway.routing.policies.base import PlacementPolicy
+from gateway.routing.policies.base import PlacementPolicy, holding
 from gateway.routing.registry import Instance
 
 CachedPrefix = Callable[[str, Sequence[int]], int]  # (instance id, prompt hashes) -> blocks
+# A decode instance that prefills locally: the weight of one KV token its running requests
+# hold against one prompt token it would compute. Dynamo weighs them alike (its
+# overlap_score_weight 1), which on a CPU engine moved conversations off the instance that
+# caches them whenever the other ran one request fewer; a running request adds about one
+# token of compute to each step, not its whole KV (docs/benchmarks.md, "Multi-turn chat").
+DEFAULT_KV_LOAD_WEIGHT = 0.1
 CachedCount = Callable[[str], int]  # instance id -> blocks it caches
 
 
@@ -36,13 +42,14 @@ class PrefixAware(PlacementPolicy):
     places_by_cached_prefix = True
 
     def __init__(self, cached_prefix: KvIndex | CachedPrefix, load_weight: float = 1.0,
-                 cached_count: CachedCount | None = None):
+                 cached_count: CachedCount | None = None, kv_load_weight: float = DEFAULT_KV_LOAD_WEIGHT):
         if isinstance(cached_prefix, KvIndex):
             cached_count = cached_count or cached_prefix.num_cached_blocks
             cached_prefix = cached_prefix.cached_prefix_blocks
         self._cached_prefix = cached_prefix
         self._cached_count = cached_count or (lambda _instance_id: 0)
         self.load_weight = load_weight
+        self.kv_load_weight = kv_load_weight
 
     def prefill_cost(self, instance: Instance, prompt_block_hashes: Sequence[int]) -> float:
         num_cached_blocks = self._cached_prefix(instance.instance_id, prompt_block_hashes)
@@ -56,10 +63,14 @@ class PrefixAware(PlacementPolicy):
 
     def choose_decode_for_local_prefill(self, prompt_block_hashes, num_prompt_tokens, instances):
         """A decode instance that prefills the prompt itself: the prefill cost above plus the KV
-        its running requests hold, in tokens (Dynamo's KV router: the blocks a request would
-        prefill against the blocks active there), so a cached prefix draws its requests only
-        while the instance holding it is not already busier by more than the prefill it saves."""
+        its running requests hold, in tokens, times kv_load_weight (Dynamo's KV router: the
+        blocks a request would prefill against the blocks active there), so a cached prefix
+        draws its requests only while the instance holding it is not already busier by more
+        than the prefill it saves. Only among instances with room for the prompt's KV, where
+        any has (a full one would queue or preempt for it)."""
+        instances = holding(num_prompt_tokens, instances) or instances
+
         def cost(i: Instance) -> float:
             num_active_tokens = (i.spec.num_total_blocks - i.free_blocks) * i.spec.block_size
-            return self.prefill_cost(i, prompt_block_hashes) + self.load_weight * num_active_tokens
+            return self.prefill_cost(i, prompt_block_hashes) + self.kv_load_weight * num_active_tokens
         return min(instances, default=None, key=lambda i: (cost(i), i.num_requests, self._cached_count(i.instance_id)))

@@ -59,6 +59,8 @@ def test_a_run_reports_every_turn_and_ttft_by_turn(tmp_path):
     result = json.loads((tmp_path / "multi_turn.json").read_text())
     assert result["metrics"]["completed"] == 15 and result["metrics"]["failed"] == 0
     assert [(row["turn"], row["completed"]) for row in result["by_turn"]] == [(1, 5), (2, 5), (3, 5)]
+    assert [row["num_moved"] for row in result["by_turn"]] == [0, 0, 0]  # one server: nowhere to move
+    assert {t["decode_instance_id"] for t in result["turns"]} == {"fake"}
     assert all(row["mean_ttft_ms"] >= 10 for row in result["by_turn"])
     # Prompts grow with the turns: each carries the turns and answers before it.
     prompt_lens = [row["mean_prompt_len"] for row in result["by_turn"]]

@@ -77,15 +77,22 @@ def test_a_decode_that_prefills_itself_is_chosen_by_cached_prefix_against_the_kv
     index = index_of("a", "b")
     prompt = list(range(1, 33))  # 32 blocks = 512 tokens
     index.apply_events("a", [{"seq": 1, "type": "stored", "block_hashes": prompt[:30]}])
-    policy = PrefixAware(index)
+    dynamo = PrefixAware(index, kv_load_weight=1.0)  # a KV token held weighs one prompt token
 
     def decodes(a_used_blocks: int, b_used_blocks: int = 0):
         loads = {i: InstanceLoad(num_free_blocks=100 - used, num_total_blocks=100, num_running_requests=used // 10)
                  for i, used in (("a", a_used_blocks), ("b", b_used_blocks))}
         return make_registry("decode", loads).instances("decode")
     # cost = uncached tokens + KV tokens held: a = 2*16 + 16*used_a, b = 32*16
-    assert policy.choose_decode_for_local_prefill(prompt, 512, decodes(a_used_blocks=29)).instance_id == "a"
-    assert policy.choose_decode_for_local_prefill(prompt, 512, decodes(a_used_blocks=31)).instance_id == "b"
+    assert dynamo.choose_decode_for_local_prefill(prompt, 512, decodes(a_used_blocks=29)).instance_id == "a"
+    assert dynamo.choose_decode_for_local_prefill(prompt, 512, decodes(a_used_blocks=31)).instance_id == "b"
+    # By default a KV token weighs a tenth: a = 2*16 + 1.6*used_a, b = 32*16 + 1.6*used_b.
+    policy = PrefixAware(index)
+    assert policy.choose_decode_for_local_prefill(prompt, 512, decodes(a_used_blocks=60)).instance_id == "a"
+    # Never where the prompt's KV does not fit while another instance has room for it.
+    assert policy.choose_decode_for_local_prefill(prompt, 512, decodes(a_used_blocks=70)).instance_id == "b"
+    assert PrefixAware(index, kv_load_weight=0.5).choose_decode_for_local_prefill(
+        prompt, 512, decodes(a_used_blocks=60)).instance_id == "b"
     # The base policies place by load alone, as for a remote prefill.
     least_loaded = make_policy("least_loaded", index)
     assert least_loaded.choose_decode_for_local_prefill(prompt, 512, decodes(a_used_blocks=10)).instance_id == "b"
