@@ -48,7 +48,7 @@ from gateway.routing.load_ledger import LoadLedger, PlacementCharge
 from gateway.routing.placement import choose_remote_prefill
 from gateway.routing.policies import PrefixAware
 from gateway.routing.registry import InstanceRegistry
-from prefill_service.kv_events import encode_event
+from common.service.kv_events import encode_event
 
 SAMPLED_TOKEN_ID = 1000  # what every simulated step samples: ignore_eos makes its value irrelevant
 

@@ -21,7 +21,6 @@ import time
 from grpc import aio
 
 from common.engine.config import KVTransferConfig
-from common.engine.engine_core import EngineCore
 from common.service.engine_requests import eos_token_ids, timing_fields, validate_request
 from common.service.engine_worker import EngineWorker
 from common.service.flags import advertised_zmq_endpoint, zmq_bind_endpoint
@@ -32,7 +31,7 @@ from decode_service.api import DecodeJob, DecodeOutput
 from decode_service.decoder import DecodeChunk, Decoder
 from kv_transfer import PoolGeometry
 from prefill_service.client import PrefillClients
-from prefill_service.kv_events import KvEventPublisher, get_cached_blocks_response
+from prefill_service.kv_events import get_cached_blocks_response
 from protos.pdserve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, embedding_pb2_grpc, lora_adapters_pb2_grpc,
                                prefill_pb2)
 from protos.serving import DECODE_SERVICE, EMBEDDING_SERVICE, LORA_ADAPTER_SERVICE
@@ -84,15 +83,8 @@ class DecodeWorker(EngineWorker):
     role = "decode"
 
     def __init__(self, args: argparse.Namespace, instance_id: str):
-        # Its prefix cache's events: the gateway places the prompts it prefills by them.
-        self.events = KvEventPublisher(instance_id, zmq_bind_endpoint(args.host, args.events_port))
-        self.events_endpoint = advertised_zmq_endpoint(args, self.events.endpoint)
-        try:
-            super().__init__(args, instance_id, KVTransferConfig(
-                role="consumer", bind_endpoint=zmq_bind_endpoint(args.host, args.kv_port)))
-        except BaseException:
-            self.events.close()
-            raise
+        super().__init__(args, instance_id, KVTransferConfig(
+            role="consumer", bind_endpoint=zmq_bind_endpoint(args.host, args.kv_port)))
         # One receiving endpoint per tensor-parallel rank; rank 0's is the instance's.
         self.rank_kv_endpoints = [advertised_zmq_endpoint(args, info["endpoint"])
                                   for info in self.rank_kv_connector_infos]
@@ -107,11 +99,8 @@ class DecodeWorker(EngineWorker):
                                prefill_queue_timeout_s=args.prefill_queue_timeout,
                                local_fallback=not args.no_local_fallback, lora_modules=self.lora_modules)
 
-    def attach_to_engine(self, core: EngineCore) -> None:
-        self.events.follow(core)
-
     def endpoints(self) -> dict[str, str]:
-        return {"kv_endpoint": self.kv_endpoint, "kv_events_endpoint": self.events_endpoint}
+        return {**super().endpoints(), "kv_endpoint": self.kv_endpoint}
 
     # ---- protobuf at the edge ----------------------------------------------------------
     def chunk_to_pb(self, request_id: str, chunk: DecodeChunk) -> decode_pb2.DecodeResponse:
@@ -135,9 +124,8 @@ class DecodeWorker(EngineWorker):
         return [DECODE_SERVICE, EMBEDDING_SERVICE, LORA_ADAPTER_SERVICE]
 
     def ready_fields(self) -> dict[str, str]:
-        return {"kv": self.kv_endpoint, "kv_events": self.events_endpoint}
+        return {"kv": self.kv_endpoint, "kv_events": self.kv_events_endpoint}
 
     async def close(self) -> None:
         await super().close()
         await self.clients.close()
-        self.events.close()

@@ -18,15 +18,13 @@ import logging
 from grpc import aio
 
 from common.engine.config import KVTransferConfig
-from common.engine.engine_core import EngineCore
 from common.service.engine_requests import eos_token_ids, timing_fields, validate_request
 from common.service.engine_worker import EngineWorker
-from common.service.flags import advertised_zmq_endpoint, zmq_bind_endpoint
 from common.service.logging_setup import logged_request
 from common.service.request_gate import RequestGate
 from kv_transfer import PoolGeometry
 from prefill_service.api import PrefillJob
-from prefill_service.kv_events import KvEventPublisher, get_cached_blocks_response
+from prefill_service.kv_events import get_cached_blocks_response
 from prefill_service.kv_export import export_target
 from prefill_service.prefiller import Prefiller
 from protos.pdserve.v1 import common_pb2, embedding_pb2_grpc, lora_adapters_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -69,22 +67,10 @@ class PrefillWorker(EngineWorker):
 
     def __init__(self, args: argparse.Namespace, instance_id: str):
         self.default_kv_timeout_s = args.kv_transfer_timeout
-        self.events = KvEventPublisher(instance_id, zmq_bind_endpoint(args.host, args.events_port))
-        self.events_endpoint = advertised_zmq_endpoint(args, self.events.endpoint)
-        try:
-            super().__init__(args, instance_id,
-                             KVTransferConfig(role="producer", layerwise_send=not args.no_layerwise_kv_send))
-        except BaseException:
-            self.events.close()
-            raise
+        super().__init__(args, instance_id,
+                         KVTransferConfig(role="producer", layerwise_send=not args.no_layerwise_kv_send))
         self.geometry = PoolGeometry.from_dict(self.kv_connector_info)
         self.prefiller = Prefiller(self.engine, eos_token_ids(self.core), self.transfer_waiters, self.lora_modules)
-
-    def attach_to_engine(self, core: EngineCore) -> None:
-        self.events.follow(core)
-
-    def endpoints(self) -> dict[str, str]:
-        return {"kv_events_endpoint": self.events_endpoint}
 
     # ---- common.service.lifecycle.Worker ----------------------------------------------------------
     def add_to_server(self, server: aio.Server, gate: RequestGate) -> list[str]:
@@ -94,8 +80,4 @@ class PrefillWorker(EngineWorker):
         return [PREFILL_SERVICE, EMBEDDING_SERVICE, LORA_ADAPTER_SERVICE]
 
     def ready_fields(self) -> dict[str, str]:
-        return {"kv_events": self.events_endpoint}
-
-    async def close(self) -> None:
-        await super().close()
-        self.events.close()
+        return {"kv_events": self.kv_events_endpoint}

@@ -15,7 +15,8 @@ from common.service.common_api import stats_response
 from common.service.embedder import Embedder
 from common.service.embedding_servicer import EmbeddingServicer
 from common.service.engine_requests import eos_token_ids
-from common.service.flags import served_model_name
+from common.service.flags import advertised_zmq_endpoint, served_model_name, zmq_bind_endpoint
+from common.service.kv_events import KvEventPublisher
 from common.service.lora_adapter_servicer import LoRAAdapterServicer
 from common.service.lora_modules import LoRAModules
 from common.service.metrics import WorkerMetrics
@@ -32,6 +33,17 @@ class EngineWorker:
     def __init__(self, args: argparse.Namespace, instance_id: str, kv_transfer: KVTransferConfig):
         self.args = args
         self.instance_id = instance_id
+        # Its prefix cache's events, which the gateway places prompts by (a prefill instance's
+        # for the prompts it computes, a decode instance's for those it prefills itself).
+        self.kv_events = KvEventPublisher(instance_id, zmq_bind_endpoint(args.host, getattr(args, "events_port", 0)))
+        self.kv_events_endpoint = advertised_zmq_endpoint(args, self.kv_events.endpoint)
+        try:
+            self._start_engine(args, instance_id, kv_transfer)
+        except BaseException:
+            self.kv_events.close()
+            raise
+
+    def _start_engine(self, args: argparse.Namespace, instance_id: str, kv_transfer: KVTransferConfig) -> None:
         self.tracing = Tracing(self.role, instance_id, getattr(args, "otlp_traces_endpoint", None))
         self.lora_modules = LoRAModules.parse(getattr(args, "lora_modules", None))
         config = engine_config_from_args(args)
@@ -54,7 +66,7 @@ class EngineWorker:
         self.transfer_waiters = KVTransferWaiters()
         # Metrics first: a transfer is counted before anyone waiting on it is answered.
         self.core.kv_transfer_observers += [self.metrics.observe_transfer, self.transfer_waiters]
-        self.attach_to_engine(self.core)
+        self.kv_events.follow(self.core)
         self.engine = AsyncEngine(self.core)  # the engine thread starts here
         self.engine.finished_observers.append(self.metrics.observe_finished)
         # Every instance embeds prompts (EmbeddingService) with the model it serves.
@@ -68,12 +80,9 @@ class EngineWorker:
         """The LoRAAdapterService each role's server adds beside its own service."""
         return LoRAAdapterServicer(self.engine, self.lora_modules, self.core.config.lora.enable_lora)
 
-    def attach_to_engine(self, core: EngineCore) -> None:
-        """Hang this role's callbacks on the engine before its thread starts."""
-
     def endpoints(self) -> dict[str, str]:
-        """This role's ZeroMQ endpoints, as InstanceSpec fields (kv_endpoint, kv_events_endpoint)."""
-        return {}
+        """Its ZeroMQ endpoints, as InstanceSpec fields; a role adds its own (kv_endpoint)."""
+        return {"kv_events_endpoint": self.kv_events_endpoint}
 
     def instance_spec(self, grpc_address: str) -> InstanceSpec:
         return InstanceSpec(instance_id=self.instance_id, role=self.role, grpc_address=grpc_address,
@@ -110,4 +119,5 @@ class EngineWorker:
 
     async def close(self) -> None:
         self.engine.shutdown()
+        self.kv_events.close()
         self.tracing.shutdown()

@@ -1,7 +1,7 @@
 """Feeding a KvIndex: one ZeroMQ SUB socket per instance that publishes KV events (every
 prefill and decode instance), and resyncs.
 
-An instance's events arrive on its socket (msgpack, prefill_service/kv_events.py);
+An instance's events arrive on its socket (msgpack, common/service/kv_events.py);
 when the index reports a gap, or a heartbeat's published sequence shows events
 were lost, a resync asks the instance for a snapshot (GetCachedBlocks) until the
 index is consistent again (resync protocol: gateway.routing.kv_index).

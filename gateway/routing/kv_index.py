@@ -2,7 +2,7 @@
 
 `KvIndex` holds cached hashes per instance, the event sequence, gap detection and
 snapshot + replay, without I/O; gateway.routing.kv_event_subscriber feeds it from
-the instances' event streams and runs resyncs. Wire format: prefill_service/kv_events.py.
+the instances' event streams and runs resyncs. Wire format: common/service/kv_events.py.
 
 Events lag dispatch by the queueing and prefill time, so the index also counts a
 dispatched prompt's blocks as cached on its instance (`record_dispatch`) until

@@ -8,7 +8,8 @@ import msgpack
 from common.engine.block_pool import BlockPool, BlockRemoved, BlockStored
 from gateway.routing.kv_event_subscriber import KvEventSubscriber
 from gateway.routing.kv_index import KvIndex
-from prefill_service.kv_events import KvEventPublisher, cached_blocks_snapshot, encode_batch
+from common.service.kv_events import KvEventPublisher, encode_batch
+from prefill_service.kv_events import cached_blocks_snapshot
 
 
 def test_publisher_encodes_block_pool_events_and_snapshots():

@@ -1,5 +1,5 @@
 """Property tests of the gateway's side of the KV-event messages (msgpack from each
-prefill instance's PUB socket, prefill_service.kv_events): whatever arrives, the
+instance's PUB socket, common.service.kv_events): whatever arrives, the
 subscriber's receive loop keeps running; a message it cannot apply makes it resync the
 instance instead of crashing or corrupting the index; well-formed batches are applied."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from common.engine.block_pool import BlockRemoved, BlockStored
 from gateway.routing.kv_event_subscriber import KvEventSubscriber
 from gateway.routing.kv_index import KvIndex
-from prefill_service.kv_events import encode_batch
+from common.service.kv_events import encode_batch
 from tests.support.properties import BOUNDED, msgpack_values
 
 U64 = st.integers(0, 2**64 - 1)
