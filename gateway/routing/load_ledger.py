@@ -7,11 +7,12 @@ and its decode instance (the KV blocks the prompt and first token take), and
 returns a `PlacementCharge`. A decode instance that prefills the prompt itself is
 charged those prompt tokens too: a heartbeat it sends before its prefill ends
 counts them, and without the charge to take off at the first token they would
-stay on the gateway's estimate after the request, until the next heartbeat. The dispatcher releases the prefill part when the
-request's first token arrives (the prefill is done) and the rest when the stream
-ends; each release undoes exactly what was charged, at most once. The same charge
-records the prompt's blocks as pending in the KV index, which keeps them (and
-expires them) itself: they describe the cache, not a load to give back.
+stay on the gateway's estimate after the request, until the next heartbeat. The
+dispatcher releases the prefill part when the request's first token arrives (the
+prefill is done) and the rest when the stream ends; each release undoes exactly
+what was charged, at most once. The same charge records the prompt's blocks as
+pending in the KV index, which keeps them (and expires them) itself: they
+describe the cache, not a load to give back.
 How charges and heartbeats combine: gateway.routing.load_estimate.
 """
 from __future__ import annotations
