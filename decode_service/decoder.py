@@ -121,9 +121,12 @@ class Decoder:
                             logprobs = remote.first_logprobs  # and sampled the first token
                         prompt_logprobs = prompt_logprobs or remote.prompt_logprobs
                     first = False
-                    yield DecodeChunk(output, logprobs,
-                                      max(output.num_cached_tokens, remote.num_cached_tokens if remote else 0),
-                                      remote.instance_id if remote else "", prompt_logprobs)
+                    # Prompt tokens only: a resumed request's output, computed here like its prompt,
+                    # may be cached too, but it is no prompt (usage adds the two up).
+                    num_cached = min(max(output.num_cached_tokens, remote.num_cached_tokens if remote else 0),
+                                     len(job.prompt_token_ids))
+                    yield DecodeChunk(output, logprobs, num_cached, remote.instance_id if remote else "",
+                                      prompt_logprobs)
             except EngineDeadError as e:
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
 

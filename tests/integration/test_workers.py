@@ -512,6 +512,20 @@ def test_a_resumed_request_continues_where_its_output_stops_as_the_engine_would(
     run(wait_all_blocks_free(services))
 
 
+def test_a_resumed_requests_cached_tokens_count_its_prompt_only(services, offline, prompts):
+    # Sent twice, the second finds the prompt and the resumed output's blocks cached; only the
+    # prompt's count as cached prompt tokens (the output is no prompt, and usage adds them up).
+    prefill, decode = services
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompt = prompts["planets"]
+    resumed = offline_tokens(offline, prompt, params)[0][:40]  # past the prompt's last block, whatever its length
+    first = run(decode_collect(decode.address, prompt, params, resumed=resumed))
+    again = run(decode_collect(decode.address, prompt, params, resumed=resumed))
+    assert first["token_ids"] == again["token_ids"] and len(again["token_ids"]) == 48 - 40
+    assert len(prompt) // 16 * 16 <= again["cached"] <= len(prompt)
+    run(wait_all_blocks_free(services))
+
+
 def test_sigterm_drains_in_flight_requests_then_exits_zero(services, registry, prompts):
     """Runs last: it shuts the decode instance down."""
     prefill, decode = services
