@@ -186,7 +186,7 @@ def cache_counters(stack, role: str) -> dict[str, dict[str, int]]:
 
 
 class PlacementRecordingBackend(GrpcGenerateBackend):
-    """The bench client's gRPC backend, also noting which prefill instance served each
+    """The bench client's gRPC backend, also noting which instance of placed_role served each
     request; with several gateway addresses it sends each request to the next gateway in turn."""
 
     def __init__(self, addresses: list[str], placed_role: str = "prefill", **kwargs):
@@ -196,7 +196,7 @@ class PlacementRecordingBackend(GrpcGenerateBackend):
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list = []
         self._sent = itertools.count()
-        self.prefill_instance_by_request: dict[int, str] = {}  # id(BenchRequest) -> instance id
+        self.instance_by_request: dict[int, str] = {}  # id(BenchRequest) -> the placed_role instance
         self.gateway_by_request: dict[int, int] = {}  # id(BenchRequest) -> gateway index
 
     async def open(self) -> None:
@@ -210,18 +210,17 @@ class PlacementRecordingBackend(GrpcGenerateBackend):
             await channel.close()
         self._channels, self._stubs = [], []
 
-    async def stream(self, request: BenchRequest):
+    def _stub_for(self, request: BenchRequest):
         gateway = next(self._sent) % len(self._stubs)
         self.gateway_by_request[id(request)] = gateway
-        call = self._stubs[gateway].GenerateStream(self.build_request(request), timeout=self.timeout_s)
-        try:
-            async for response in call:
-                placed = getattr(response, self.placed_field)
-                if placed:
-                    self.prefill_instance_by_request[id(request)] = placed
-                yield time.perf_counter(), len(response.token_ids)
-        finally:
-            call.cancel()
+        return self._stubs[gateway]
+
+    async def stream(self, request: BenchRequest):
+        async for arrival, response in self.stream_messages(request):
+            placed = getattr(response, self.placed_field)
+            if placed:
+                self.instance_by_request[id(request)] = placed
+            yield arrival, len(response.token_ids)
 
 
 async def _drive(addresses: list[str], requests: list[BenchRequest], warmup: list[BenchRequest],
@@ -234,7 +233,7 @@ async def _drive(addresses: list[str], requests: list[BenchRequest], warmup: lis
         await asyncio.to_thread(after_warmup)
         outcomes, duration = await run_benchmark(backend, requests, float("inf"), max_concurrency=max_concurrency,
                                                  seed=seed, progress=True)
-        placed = [backend.prefill_instance_by_request.get(id(r), "") for r in requests]
+        placed = [backend.instance_by_request.get(id(r), "") for r in requests]
         gateways = [backend.gateway_by_request.get(id(r), -1) for r in requests]
     return outcomes, duration, placed, gateways
 

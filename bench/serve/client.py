@@ -91,6 +91,10 @@ class GrpcGenerateBackend(Backend):
         return MessageToDict(response, preserving_proto_field_name=True,
                              always_print_fields_with_no_presence=True)
 
+    def _stub_for(self, request: BenchRequest) -> generate_pb2_grpc.GenerateServiceStub:
+        """The stub that sends `request` (one gateway here; a subclass may spread them)."""
+        return self._stub
+
     def build_request(self, request: BenchRequest) -> generate_pb2.GenerateRequest:
         message = generate_pb2.GenerateRequest(
             sampling=common_pb2.SamplingParams(max_tokens=request.output_len, ignore_eos=self.ignore_eos,
@@ -113,7 +117,8 @@ class GrpcGenerateBackend(Backend):
                               ) -> AsyncIterator[tuple[float, generate_pb2.GenerateResponse]]:
         """(time.perf_counter() at arrival, the message) per message: its token ids and usage
         too, for a client that reads the answer (a conversation's next turn carries it)."""
-        call = self._stub.GenerateStream(self.build_request(request), timeout=self.timeout_s, metadata=self._metadata)
+        call = self._stub_for(request).GenerateStream(self.build_request(request), timeout=self.timeout_s,
+                                                      metadata=self._metadata)
         try:
             async for response in call:
                 yield time.perf_counter(), response
