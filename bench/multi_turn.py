@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from bench.serve.client import GrpcGenerateBackend, describe_error
+from bench.serve.client import Backend, GrpcGenerateBackend, describe_error, send_one
 from bench.serve.datasets import BenchRequest, Vocabulary, parse_length_range
 from bench.serve.main import json_safe, load_vocabulary
 from bench.serve.metrics import RequestOutcome, compute_metrics, format_report, summarize
@@ -75,6 +75,26 @@ def make_conversations(num: int, vocab: Vocabulary, rng: np.random.Generator, nu
     return conversations
 
 
+class AnswerReader(Backend):
+    """One turn as send_one sees a backend (its timing and failures are the serve benchmark's),
+    keeping what the conversation needs from the messages: the answer's token ids, the prompt
+    tokens found cached and the decode instance that answered."""
+
+    def __init__(self, backend: GrpcGenerateBackend):
+        self.backend = backend
+        self.answer: list[int] = []
+        self.num_cached_tokens = 0
+        self.decode_instance_id = ""
+
+    async def stream(self, request: BenchRequest):
+        async for arrival, message in self.backend.stream_messages(request):
+            self.answer += message.token_ids
+            if message.HasField("usage"):
+                self.num_cached_tokens = message.usage.cached_prompt_tokens
+            self.decode_instance_id = message.decode_instance_id or self.decode_instance_id
+            yield arrival, len(message.token_ids)
+
+
 async def run_conversation(backend: GrpcGenerateBackend, conversation: Conversation, benchmark_start: float,
                            think_time_s: float = 0.0) -> list[TurnResult]:
     """Its turns one after another, each prompt the history plus the new user turn; a failed
@@ -84,26 +104,13 @@ async def run_conversation(backend: GrpcGenerateBackend, conversation: Conversat
         if turn and think_time_s:
             await asyncio.sleep(think_time_s)
         prompt = history + user
-        outcome, answer, num_cached, instance_id = RequestOutcome(prompt_len=len(prompt)), [], 0, ""
-        sent = time.perf_counter()
-        outcome.start_s = sent - benchmark_start
-        try:
-            async for arrival, message in backend.stream_messages(BenchRequest(prompt, len(prompt), output_len)):
-                if message.token_ids:
-                    outcome.chunk_offsets_s.append(arrival - sent)
-                    outcome.chunk_tokens.append(len(message.token_ids))
-                    answer += message.token_ids
-                if message.HasField("usage"):
-                    num_cached = message.usage.cached_prompt_tokens
-                instance_id = message.decode_instance_id or instance_id
-        except Exception as error:  # noqa: BLE001 -- one failed turn, not a crash
-            outcome.error = describe_error(error)
-        if not outcome.error and not answer:
-            outcome.error = "the stream ended without a single token"
-        results.append(TurnResult(conversation.conversation_id, turn, outcome, num_cached, instance_id))
+        reader = AnswerReader(backend)
+        outcome = await send_one(reader, BenchRequest(prompt, len(prompt), output_len), benchmark_start)
+        results.append(TurnResult(conversation.conversation_id, turn, outcome, reader.num_cached_tokens,
+                                  reader.decode_instance_id))
         if outcome.error:
             break
-        history = prompt + answer
+        history = prompt + reader.answer
     return results
 
 

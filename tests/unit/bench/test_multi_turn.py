@@ -71,3 +71,17 @@ def test_a_run_reports_every_turn_and_ttft_by_turn(tmp_path):
 def test_an_unreachable_gateway_is_one_clear_line(capsys):
     assert main(["--gateway", "127.0.0.1:1", "--disable-tqdm"]) == 1
     assert "cannot reach the gateway at 127.0.0.1:1" in capsys.readouterr().err
+
+
+def test_a_failed_turn_ends_its_conversation_with_the_error():
+    [conversation] = make_conversations(1, VOCAB, np.random.default_rng(1), num_turns=3, system_prompt_len=8,
+                                        num_system_prompts=1, user_len_range=(4, 4), output_len_range=(2, 2))
+
+    async def scenario():
+        async with FakeGenerateService(fail_every=2) as fake:  # the second call fails
+            async with GrpcGenerateBackend(fake.address) as backend:
+                return await run_conversation(backend, conversation, time.perf_counter())
+    results = asyncio.run(scenario())
+    assert [r.turn for r in results] == [0, 1]  # no third turn: there is no answer to carry on from
+    assert results[0].outcome.success and results[0].decode_instance_id == "fake"
+    assert results[1].outcome.error.startswith("UNAVAILABLE: injected failure")
