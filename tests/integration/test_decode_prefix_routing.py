@@ -3,7 +3,6 @@
 publish KV events, which the gateway follows, and answer GetCachedBlocks for its resyncs."""
 from __future__ import annotations
 
-import time
 
 import grpc
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from common.cli.up import LocalStack
 from gateway.client import Client
 from protos.pdserve.v1 import decode_pb2_grpc, prefill_pb2
-from tests.support.scrape import scrape
+from tests.integration.test_stack import wait_until_the_gateway_sees_no_load
 
 pytestmark = pytest.mark.slow
 
@@ -34,24 +33,6 @@ ERRANDS = {"ann": ("wall paint", "repainting the kitchen, the hallway and two be
                                   "machine hookup in the basement, and I need fittings that match the old ones")}
 
 
-def wait_idle(stack: LocalStack, timeout_s: float = 15.0) -> None:
-    """Placement's own estimate of both decode instances (the gateway's metrics) holds no
-    request and no prompt to compute: a heartbeat taken while a request ran can arrive
-    after the gateway saw it end."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        samples = scrape(stack.gateway.metrics_address)
-        busy = {(name, dict(labels)["instance_id"]): value for (name, labels), value in samples.items()
-                if name in ("pdserve_instance_estimated_requests",
-                            "pdserve_instance_estimated_queued_prefill_tokens") and value}
-        seen = {dict(labels)["instance_id"] for name, labels in samples
-                if name == "pdserve_instance_estimated_requests"}
-        if seen == {"decode-0", "decode-1"} and not busy:
-            return
-        assert time.monotonic() < deadline, f"placement still counts {busy}"
-        time.sleep(0.05)
-
-
 def test_a_conversation_follows_the_decode_instance_that_caches_it(stack):
     with Client(stack.address, timeout=120) as client:
         turns = {name: f"{SYSTEM}Customer {name}: I am {errand}. Where do I find {item}?"
@@ -62,7 +43,7 @@ def test_a_conversation_follows_the_decode_instance_that_caches_it(stack):
         answers = {name: list(stream) for name, stream in streams.items()}
         first_instance = {name: deltas[-1].decode_instance_id for name, deltas in answers.items()}
         assert set(first_instance.values()) == {"decode-0", "decode-1"}
-        wait_idle(stack)
+        wait_until_the_gateway_sees_no_load(stack)
         # Idle and equally loaded, load alone would send both next turns to decode-0; each goes where
         # its conversation's KV is, and finds it cached.
         for name in ("bob", "ann"):
@@ -71,7 +52,7 @@ def test_a_conversation_follows_the_decode_instance_that_caches_it(stack):
             assert reply.decode_instance_id == first_instance[name], name
             num_first_prompt_tokens = answers[name][-1].usage.prompt_tokens
             assert reply.usage.cached_prompt_tokens >= num_first_prompt_tokens // 16 * 16 - 16, name
-            wait_idle(stack)
+            wait_until_the_gateway_sees_no_load(stack)
 
 
 def test_a_decode_instance_answers_get_cached_blocks_with_its_prefix_cache(stack):
