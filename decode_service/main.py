@@ -17,9 +17,6 @@ def build_parser():
     g = parser.add_argument_group("decode")
     g.add_argument("--kv-port", type=int, default=0,
                    help="ZeroMQ port that receives KV from prefill instances (0 picks a free one)")
-    g.add_argument("--events-port", type=int, default=0,
-                   help="ZeroMQ PUB port for KV cache events, which the gateway follows to place prompts "
-                        "this instance prefills where their prefix is cached (0 picks a free one)")
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0,
                    help="seconds a KV transfer may take once the prefill instance starts sending it")
     g.add_argument("--prefill-queue-timeout", type=float, default=120.0,

@@ -15,8 +15,6 @@ def build_parser():
     parser = make_parser("prefill", "Run a prefill instance: chunked prefill with prefix caching; "
                                     "pushes each prompt's KV to the decode instance that asked for it.")
     g = parser.add_argument_group("prefill")
-    g.add_argument("--events-port", type=int, default=0,
-                   help="ZeroMQ PUB port for KV cache events (0 picks a free one)")
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0,
                    help="seconds a KV transfer may take when the target names no timeout")
     g.add_argument("--no-layerwise-kv-send", action="store_true",

@@ -35,7 +35,7 @@ class EngineWorker:
         self.instance_id = instance_id
         # Its prefix cache's events, which the gateway places prompts by (a prefill instance's
         # for the prompts it computes, a decode instance's for those it prefills itself).
-        self.kv_events = KvEventPublisher(instance_id, zmq_bind_endpoint(args.host, getattr(args, "events_port", 0)))
+        self.kv_events = KvEventPublisher(instance_id, zmq_bind_endpoint(args.host, args.events_port))
         self.kv_events_endpoint = advertised_zmq_endpoint(args, self.kv_events.endpoint)
         try:
             self._start_engine(args, instance_id, kv_transfer)

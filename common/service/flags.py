@@ -91,6 +91,9 @@ def make_parser(role: str, description: str) -> argparse.ArgumentParser:
     g.add_argument("--registry-token", default=None,
                    help="the deployment's registry token, sent with every registry call; prefer the "
                         "environment variable to the command line")
+    g.add_argument("--events-port", type=int, default=0,
+                   help="ZeroMQ PUB port for KV cache events, by which the gateway places prompts where "
+                        "their prefix is cached (0 picks a free one)")
     g.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     g.add_argument("--served-model-name", default=None, nargs="+",
