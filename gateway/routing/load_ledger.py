@@ -74,8 +74,9 @@ class LoadLedger:
         are the prompt's, at the deployment's block size. local_prefill: the decode instance
         computes the prompt itself (no prefill instance)."""
         if local_prefill and decode is not None:
-            return PlacementCharge(self._charge_prefill(decode, prompt_block_hashes, num_prompt_tokens, 0),
-                                   self._charge_decode(decode, num_prompt_tokens))
+            # Its request counts once, in the decode part.
+            prompt = self._charge_prefill(decode, prompt_block_hashes, num_prompt_tokens, num_requests=0)
+            return PlacementCharge(prompt, self._charge_decode(decode, num_prompt_tokens))
         return PlacementCharge(
             self._charge_prefill(prefill, prompt_block_hashes, num_prompt_tokens) if prefill else None,
             self._charge_decode(decode, num_prompt_tokens) if decode else None)
