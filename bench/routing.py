@@ -287,7 +287,8 @@ def run_policy(policy: str, concurrency: int, cfg: RoutingConfig, requests: list
         "start_times": metrics["start_times"], "ttfts": metrics["ttfts"],
         "errors": [e for e in metrics["errors"] if e],
     }
-    print(f"   {policy}, {concurrency} in flight: hit rate {result['hit_rate']:.3f} ({hits}/{queried} tokens), "
+    hit_rate = "-" if result["hit_rate"] is None else f"{result['hit_rate']:.3f}"
+    print(f"   {policy}, {concurrency} in flight: hit rate {hit_rate} ({hits}/{queried} tokens), "
           f"mean TTFT {result['mean_ttft_ms']:.0f} ms, {result['completed']} ok / {result['failed']} failed in "
           f"{duration:.0f}s; prefilled by the {cfg.cache_role} pool {result['prefilled_remotely']}/{len(requests)}; "
           f"tenants by instance {result['tenants_by_instance']}", flush=True)
@@ -369,7 +370,9 @@ def summarize_arms(results: dict[str, dict], requests: list[BenchRequest], cfg: 
     measured = summary["hit_rate"]
     if "prefix_aware" in measured and "round_robin" in measured and measured["round_robin"]:
         summary["prefix_aware_over_round_robin"] = measured["prefix_aware"] / measured["round_robin"]
-    if "prefix_aware" in measured:
+    # A workload where no prefix repeats (fewer requests than tenants) has nothing to hit:
+    # the oracle and the ideal are 0 and a ratio to them means nothing.
+    if "prefix_aware" in measured and sim["oracle"] > 0 and ideal > 0:
         summary["prefix_aware_over_simulated_oracle"] = measured["prefix_aware"] / sim["oracle"]
         summary["prefix_aware_over_ideal"] = measured["prefix_aware"] / ideal
     return {"summary": summary, "policies": results}
@@ -387,6 +390,9 @@ def format_summary(arms: dict, cfg: RoutingConfig, concurrency: int) -> str:
         lines.append(f"{policy:<14}{'-' if measured is None else f'{measured:.3f}':>10}"
                      f"{s['simulated_hit_rate'][policy]:>11.3f}{'-' if ttft is None else f'{ttft:.0f} ms':>12}")
     lines.append(f"{'ideal':<14}{s['ideal_hit_rate']:>10.3f}  (every system prompt computed once)")
+    if not s["ideal_hit_rate"]:
+        lines.append("no system prompt repeats in this workload: nothing to hit, no ratios "
+                     "(send more requests than tenants)")
     if "prefix_aware_over_round_robin" in s:
         lines.append(f"prefix_aware / round_robin = {s['prefix_aware_over_round_robin']:.2f}x (target >= 2)")
     if "prefix_aware_over_simulated_oracle" in s:

@@ -7,7 +7,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from bench.routing import RoutingConfig, build_parser, ideal_hit_rate, main, replay_in_simulator
+from bench.routing import (
+    RoutingConfig, build_parser, format_summary, ideal_hit_rate, main, replay_in_simulator, summarize_arms)
 from bench.serve.datasets import BenchRequest, Vocabulary, system_prompt_requests
 from common.cli.processes import route_flags
 
@@ -98,3 +99,37 @@ def test_replay_runs_every_simulated_policy_on_the_exact_requests():
     ideal = ideal_hit_rate(batch, cfg.system_prompt_len, cfg.block_size)
     assert all(0 <= rate <= ideal + 1e-9 for rate in hit_rates.values())
     assert hit_rates["oracle"] > hit_rates["round_robin"]
+
+
+def measured_arm(batch: list[BenchRequest], hit_tokens: int) -> dict:
+    """One policy's result as run_policy records it, for a run where every request finished."""
+    queried = sum(r.prompt_len for r in batch)
+    return {"hit_rate": hit_tokens / queried, "queried_tokens": queried, "hit_tokens": hit_tokens,
+            "mean_ttft_ms": 120.0, "ttfts": [0.12] * len(batch), "start_times": [0.2 * i for i in range(len(batch))],
+            "per_instance": {"prefill-0": {"total_blocks": 160}, "prefill-1": {"total_blocks": 160}}}
+
+
+def test_summary_of_a_workload_where_no_prefix_repeats_has_no_ratios():
+    cfg = RoutingConfig(num_requests=6)
+    batch = requests(6, seed=2, tenant_order="rounds")  # 6 requests over 8 tenants: none repeats
+    assert len({r.kind for r in batch}) == 6
+    ideal = ideal_hit_rate(batch, cfg.system_prompt_len, cfg.block_size)
+    assert ideal == 0
+    arms = summarize_arms({p: measured_arm(batch, 0) for p in ("least_loaded", "prefix_aware")}, batch, cfg, ideal)
+    summary = arms["summary"]
+    assert summary["simulated_hit_rate"]["oracle"] == 0
+    assert "prefix_aware_over_simulated_oracle" not in summary and "prefix_aware_over_ideal" not in summary
+    text = format_summary(arms, cfg, concurrency=1)
+    assert "no system prompt repeats" in text and "oracle (simulated" not in text
+
+
+def test_summary_of_a_repeating_workload_gives_the_ratios():
+    cfg = RoutingConfig(num_requests=32)
+    batch = requests(32, seed=2)
+    ideal = ideal_hit_rate(batch, cfg.system_prompt_len, cfg.block_size)
+    hit_tokens = int(ideal * sum(r.prompt_len for r in batch))
+    arms = summarize_arms({"prefix_aware": measured_arm(batch, hit_tokens)}, batch, cfg, ideal)
+    summary = arms["summary"]
+    assert summary["prefix_aware_over_ideal"] == pytest.approx(1.0, abs=1e-3)
+    assert summary["prefix_aware_over_simulated_oracle"] >= 1.0 - 1e-3  # the oracle never beats the ideal
+    assert "/ ideal = 100.0%" in format_summary(arms, cfg, concurrency=1)
