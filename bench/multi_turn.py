@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from bench.serve.client import Backend, GrpcGenerateBackend, describe_error, send_one
+from bench.serve.client import Backend, GrpcGenerateBackend, OpenAICompletionsBackend, describe_error, send_one
 from bench.serve.datasets import BenchRequest, Vocabulary, parse_length_range
 from bench.serve.main import json_safe, load_vocabulary
 from bench.serve.metrics import RequestOutcome, compute_metrics, format_report, summarize
@@ -78,15 +78,26 @@ def make_conversations(num: int, vocab: Vocabulary, rng: np.random.Generator, nu
 class AnswerReader(Backend):
     """One turn as send_one sees a backend (its timing and failures are the serve benchmark's),
     keeping what the conversation needs from the messages: the answer's token ids, the prompt
-    tokens found cached and the decode instance that answered."""
+    tokens found cached and the decode instance that answered (gRPC only: the OpenAI API
+    does not say).
 
-    def __init__(self, backend: GrpcGenerateBackend):
+    Over the OpenAI API the answer's ids come from `return_token_ids` (vLLM's extension,
+    which pdserve's gateway serves too) and the cached tokens from
+    usage.prompt_tokens_details (vLLM reports it under --enable-prompt-tokens-details)."""
+
+    def __init__(self, backend: GrpcGenerateBackend | OpenAICompletionsBackend):
+        if isinstance(backend, OpenAICompletionsBackend) and not backend.return_token_ids:
+            raise ValueError("a conversation over the OpenAI API needs return_token_ids: the answers' token ids")
         self.backend = backend
         self.answer: list[int] = []
         self.num_cached_tokens = 0
         self.decode_instance_id = ""
 
     async def stream(self, request: BenchRequest):
+        if isinstance(self.backend, OpenAICompletionsBackend):
+            async for arrival, chunk in self.backend.stream_chunks(request):
+                yield arrival, self._read_chunk(chunk)
+            return
         async for arrival, message in self.backend.stream_messages(request):
             self.answer += message.token_ids
             if message.HasField("usage"):
@@ -94,8 +105,16 @@ class AnswerReader(Backend):
             self.decode_instance_id = message.decode_instance_id or self.decode_instance_id
             yield arrival, len(message.token_ids)
 
+    def _read_chunk(self, chunk: dict) -> int:
+        """The answer's ids and the cached count from one completions chunk; its token count."""
+        token_ids = [i for choice in chunk.get("choices") or () for i in choice.get("token_ids") or ()]
+        self.answer += token_ids
+        details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
+        self.num_cached_tokens = details.get("cached_tokens") or self.num_cached_tokens
+        return len(token_ids)
 
-async def run_conversation(backend: GrpcGenerateBackend, conversation: Conversation, benchmark_start: float,
+
+async def run_conversation(backend: GrpcGenerateBackend | OpenAICompletionsBackend, conversation: Conversation, benchmark_start: float,
                            think_time_s: float = 0.0) -> list[TurnResult]:
     """Its turns one after another, each prompt the history plus the new user turn; a failed
     turn ends the conversation (there is no answer to carry on from)."""
@@ -114,7 +133,7 @@ async def run_conversation(backend: GrpcGenerateBackend, conversation: Conversat
     return results
 
 
-async def run_conversations(backend: GrpcGenerateBackend, conversations: list[Conversation],
+async def run_conversations(backend: GrpcGenerateBackend | OpenAICompletionsBackend, conversations: list[Conversation],
                             max_concurrency: int, think_time_s: float = 0.0,
                             progress: bool = False) -> tuple[list[TurnResult], float]:
     """Every conversation, at most max_concurrency open at once; (turn results, wall seconds)."""
@@ -167,7 +186,11 @@ def format_by_turn(rows: list[dict]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve bench multi-turn", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
+                        help="grpc: the gateway's Generate; openai: /v1/completions of any OpenAI-compatible "
+                             "server that returns token ids (pdserve's gateway, vllm serve)")
     parser.add_argument("--gateway", default="127.0.0.1:50051", help="the gateway's gRPC address HOST:PORT")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="with --backend openai: the server")
     parser.add_argument("--model", default="", help="model name to send; empty: the served one")
     parser.add_argument("--tokenizer", default=None,
                         help="'bundled' or a local HF directory: excludes all its special ids from prompts; "
@@ -193,12 +216,18 @@ async def benchmark(args: argparse.Namespace) -> int:
     if args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
-    async with GrpcGenerateBackend(args.gateway, args.model, args.temperature, ignore_eos=True,
-                                   timeout_s=args.request_timeout, request_id_prefix="multi-turn") as backend:
+    if args.backend == "openai":
+        backend = OpenAICompletionsBackend(args.base_url, args.model, args.temperature, ignore_eos=True,
+                                           timeout_s=args.request_timeout, return_token_ids=True)
+    else:
+        backend = GrpcGenerateBackend(args.gateway, args.model, args.temperature, ignore_eos=True,
+                                      timeout_s=args.request_timeout, request_id_prefix="multi-turn")
+    async with backend:
         try:
             server_info = await backend.server_info() or {}
         except Exception as e:  # noqa: BLE001 -- nothing to measure
-            print(f"pdserve bench multi-turn: cannot reach the gateway at {args.gateway}: {describe_error(e)}",
+            where = args.base_url if args.backend == "openai" else args.gateway
+            print(f"pdserve bench multi-turn: cannot reach the server at {where}: {describe_error(e)}",
                   file=sys.stderr)
             return 1
         vocab = load_vocabulary(argparse.Namespace(tokenizer=args.tokenizer, prompt_format="ids"), server_info)

@@ -140,12 +140,13 @@ class OpenAICompletionsBackend(Backend):
     name = "openai"
 
     def __init__(self, base_url: str, model: str = "", temperature: float = 0.0, ignore_eos: bool = True,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, return_token_ids: bool = False):
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.model = model
         self.temperature = temperature
         self.ignore_eos = ignore_eos
         self.timeout_s = timeout_s
+        self.return_token_ids = return_token_ids  # vLLM's extension: each chunk's token ids beside its text
         self._session = None
 
     async def open(self) -> None:
@@ -173,13 +174,16 @@ class OpenAICompletionsBackend(Backend):
         return {"model_name": models[0].get("id", ""), "max_model_len": models[0].get("max_model_len")}
 
     def build_body(self, request: BenchRequest) -> dict:
-        return {"model": self.model, "prompt": request.prompt, "max_tokens": request.output_len,
+        body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.output_len,
                 "temperature": self.temperature, "ignore_eos": self.ignore_eos, "stream": True,
                 "stream_options": {"include_usage": True}}
+        if self.return_token_ids:
+            body["return_token_ids"] = True
+        return body
 
-    async def stream(self, request: BenchRequest) -> AsyncIterator[tuple[float, int]]:
-        held: tuple[float, int] | None = None  # the latest text chunk, until the next one or the usage
-        num_counted, num_reported = 0, None
+    async def stream_chunks(self, request: BenchRequest) -> AsyncIterator[tuple[float, dict]]:
+        """(arrival time, chunk) for every chunk of the stream, parsed; an error status or an
+        error event raises OpenAIHTTPError."""
         async with self._session.post(f"{self.base_url}/v1/completions", json=self.build_body(request)) as response:
             if response.status != 200:
                 raise OpenAIHTTPError(response.status, await response.json(content_type=None))
@@ -193,12 +197,18 @@ class OpenAICompletionsBackend(Backend):
                 chunk = json.loads(data)
                 if "error" in chunk:
                     raise OpenAIHTTPError(200, chunk)
-                if any(choice.get("text") for choice in chunk.get("choices") or ()):
-                    if held is not None:
-                        yield held
-                    held, num_counted = (arrival, 1), num_counted + 1
-                if chunk.get("usage"):
-                    num_reported = chunk["usage"].get("completion_tokens")
+                yield arrival, chunk
+
+    async def stream(self, request: BenchRequest) -> AsyncIterator[tuple[float, int]]:
+        held: tuple[float, int] | None = None  # the latest text chunk, until the next one or the usage
+        num_counted, num_reported = 0, None
+        async for arrival, chunk in self.stream_chunks(request):
+            if any(choice.get("text") for choice in chunk.get("choices") or ()):
+                if held is not None:
+                    yield held
+                held, num_counted = (arrival, 1), num_counted + 1
+            if chunk.get("usage"):
+                num_reported = chunk["usage"].get("completion_tokens")
         if held is not None:
             if num_reported is not None and num_reported > num_counted:
                 held = (held[0], held[1] + num_reported - num_counted)

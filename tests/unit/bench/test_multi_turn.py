@@ -1,5 +1,7 @@
 """`pdserve bench multi-turn` over real gRPC on loopback, against the in-process fake
-GenerateService: each turn resends the conversation with the server's answers."""
+GenerateService, and over the OpenAI API of a real in-process gateway (its HTTP server
+on 127.0.0.1, a fake decode instance behind it): each turn resends the conversation with
+the server's answers."""
 from __future__ import annotations
 
 import asyncio
@@ -10,9 +12,10 @@ import numpy as np
 import pytest
 
 from bench.fakes.fake_generate import FAKE_TOKEN_IDS, FakeGenerateService
-from bench.multi_turn import benchmark, build_parser, make_conversations, main, run_conversation
-from bench.serve.client import GrpcGenerateBackend
+from bench.multi_turn import AnswerReader, benchmark, build_parser, make_conversations, main, run_conversation
+from bench.serve.client import GrpcGenerateBackend, OpenAICompletionsBackend
 from bench.serve.datasets import Vocabulary
+from tests.unit.gateway.openai_api.test_server import MODEL, http_gateway
 
 VOCAB = Vocabulary(1000, frozenset({2}))
 
@@ -70,7 +73,9 @@ def test_a_run_reports_every_turn_and_ttft_by_turn(tmp_path):
 
 def test_an_unreachable_gateway_is_one_clear_line(capsys):
     assert main(["--gateway", "127.0.0.1:1", "--disable-tqdm"]) == 1
-    assert "cannot reach the gateway at 127.0.0.1:1" in capsys.readouterr().err
+    assert "cannot reach the server at 127.0.0.1:1" in capsys.readouterr().err
+    assert main(["--backend", "openai", "--base-url", "http://127.0.0.1:1", "--disable-tqdm"]) == 1
+    assert "cannot reach the server at http://127.0.0.1:1" in capsys.readouterr().err
 
 
 def test_a_failed_turn_ends_its_conversation_with_the_error():
@@ -85,3 +90,33 @@ def test_a_failed_turn_ends_its_conversation_with_the_error():
     assert [r.turn for r in results] == [0, 1]  # no third turn: there is no answer to carry on from
     assert results[0].outcome.success and results[0].decode_instance_id == "fake"
     assert results[1].outcome.error.startswith("UNAVAILABLE: injected failure")
+
+
+ANSWER_IDS = [504, 3458, 314, 4649, 30]  # the fake decode's answer, cycled
+
+
+def test_over_the_openai_api_each_turn_resends_the_answers_token_ids():
+    [conversation] = make_conversations(1, VOCAB, np.random.default_rng(2), num_turns=3, system_prompt_len=20,
+                                        num_system_prompts=1, user_len_range=(5, 8), output_len_range=(3, 7))
+
+    async def converse(base_url: str):
+        async with OpenAICompletionsBackend(base_url, MODEL, return_token_ids=True) as backend:
+            return await run_conversation(backend, conversation, time.perf_counter())
+    with http_gateway(token_ids=ANSWER_IDS, num_cached_tokens=11) as gw:
+        results = asyncio.run(converse(f"http://{gw.http_address}/v1"))
+        prompts = [list(r.prompt_token_ids) for r in gw.fake.servicer.requests]
+    expected, history = [], list(conversation.system_prompt)
+    for user, output_len in zip(conversation.user_turns, conversation.output_lens):
+        expected.append(history + user)
+        history = expected[-1] + [ANSWER_IDS[i % len(ANSWER_IDS)] for i in range(output_len)]
+    assert prompts == expected
+    # Tokens counted from the ids (exact), cached tokens from usage.prompt_tokens_details.
+    assert [(r.outcome.output_tokens, r.num_cached_tokens, r.outcome.success) for r in results] == [
+        (n, 11, True) for n in conversation.output_lens]
+
+
+def test_over_the_openai_api_a_conversation_needs_the_token_ids():
+    with pytest.raises(ValueError, match="return_token_ids"):
+        AnswerReader(OpenAICompletionsBackend("http://127.0.0.1:1"))
+    args = build_parser().parse_args(["--backend", "openai", "--base-url", "http://127.0.0.1:9"])
+    assert (args.backend, args.base_url) == ("openai", "http://127.0.0.1:9")
