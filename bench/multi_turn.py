@@ -31,6 +31,10 @@ from bench.serve.main import json_safe, load_vocabulary
 from bench.serve.metrics import RequestOutcome, compute_metrics, format_report, summarize
 
 
+# The backends whose streams carry the answers' token ids.
+ChatBackend = GrpcGenerateBackend | OpenAICompletionsBackend
+
+
 @dataclass
 class Conversation:
     conversation_id: int
@@ -85,7 +89,7 @@ class AnswerReader(Backend):
     which pdserve's gateway serves too) and the cached tokens from
     usage.prompt_tokens_details (vLLM reports it under --enable-prompt-tokens-details)."""
 
-    def __init__(self, backend: GrpcGenerateBackend | OpenAICompletionsBackend):
+    def __init__(self, backend: ChatBackend):
         if isinstance(backend, OpenAICompletionsBackend) and not backend.return_token_ids:
             raise ValueError("a conversation over the OpenAI API needs return_token_ids: the answers' token ids")
         self.backend = backend
@@ -114,7 +118,7 @@ class AnswerReader(Backend):
         return len(token_ids)
 
 
-async def run_conversation(backend: GrpcGenerateBackend | OpenAICompletionsBackend, conversation: Conversation, benchmark_start: float,
+async def run_conversation(backend: ChatBackend, conversation: Conversation, benchmark_start: float,
                            think_time_s: float = 0.0) -> list[TurnResult]:
     """Its turns one after another, each prompt the history plus the new user turn; a failed
     turn ends the conversation (there is no answer to carry on from)."""
@@ -133,7 +137,7 @@ async def run_conversation(backend: GrpcGenerateBackend | OpenAICompletionsBacke
     return results
 
 
-async def run_conversations(backend: GrpcGenerateBackend | OpenAICompletionsBackend, conversations: list[Conversation],
+async def run_conversations(backend: ChatBackend, conversations: list[Conversation],
                             max_concurrency: int, think_time_s: float = 0.0,
                             progress: bool = False) -> tuple[list[TurnResult], float]:
     """Every conversation, at most max_concurrency open at once; (turn results, wall seconds)."""
