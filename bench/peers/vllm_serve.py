@@ -12,9 +12,15 @@ N times, the order alternating (ours first, then vLLM first, ...), each turn on 
 started server; each figure is the median of its rounds, beside every round's ratio, so a
 host whose speed drifts over the minutes weighs on both sides alike. With --lora-rank R both
 serve one random rank-R PEFT adapter (`--lora-modules`; vLLM with `--enable-lora`) and every
-request names it.
+request names it. With --workload multi-turn the client is `pdserve bench multi-turn --backend
+openai` instead: chat conversations whose turns resend the history (the answers' token ids),
+at each --max-concurrency (conversations open at once; each value its own conversations), so
+both servers' prefix caches and schedulers meet the load of multi-turn chat; reported beside
+the above are the later turns' mean TTFT and the share of prompt tokens each server found
+cached.
 
     pdserve bench serve-peer --request-rate 1,2,4 --num-prompts 64 --json docs/bench/serve_peer.json
+    pdserve bench serve-peer --workload multi-turn --max-concurrency 1,4 --json docs/bench/multi_turn_peer.json
 """
 from __future__ import annotations
 
@@ -36,6 +42,10 @@ from common.engine.config import KV_CACHE_DTYPE_NAMES, parse_memory_size
 
 
 LORA_NAME = "bench-lora"  # the adapter --lora-rank serves
+# A run's load: bench serve's request rate, or bench multi-turn's conversations open at once.
+LOAD_KEYS = ("request_rate", "max_concurrency")
+# Figures only the multi-turn client gives, paired like the rest.
+MULTI_TURN_FIGURES = ("later_turns_mean_ttft_ms", "cached_share")
 
 
 def free_port() -> int:
@@ -71,9 +81,46 @@ def client_argv(base_url: str, args: argparse.Namespace, json_path: Path, model:
             "--disable-tqdm", "--json", str(json_path), *(["--model", model] if model else [])]
 
 
+def multi_turn_argv(base_url: str, args: argparse.Namespace, json_path: Path, max_concurrency: int, seed: int,
+                    model: str | None = None) -> list[str]:
+    """One `pdserve bench multi-turn` run over the OpenAI API at one concurrency."""
+    return [sys.executable, "-m", "common.cli.main", "bench", "multi-turn", "--backend", "openai",
+            "--base-url", base_url, "--tokenizer", "bundled", "--num-conversations", str(args.num_conversations),
+            "--turns", str(args.turns), "--max-concurrency", str(max_concurrency),
+            "--think-time", str(args.think_time), "--seed", str(seed), "--temperature", str(args.temperature),
+            "--disable-tqdm", "--json", str(json_path), *(["--model", model] if model else [])]
+
+
+def multi_turn_run(record: dict, max_concurrency: int) -> dict:
+    """One multi-turn run's figures under serve-peer's names: bench serve's, the later turns'
+    mean TTFT and the share of prompt tokens found cached (None where the server did not say)."""
+    metrics, turns = record["metrics"], [t for t in record["turns"] if not t["error"]]
+    later = [row for row in record["by_turn"] if row["turn"] > 1 and row["completed"]]
+    num_later = sum(row["completed"] for row in later)
+    num_prompt = sum(t["prompt_len"] for t in turns)
+    num_cached = sum(t["num_cached_tokens"] for t in turns)
+    return {"max_concurrency": max_concurrency,
+            **{key: metrics[key] for key in ("output_throughput", "p99_tpot_ms", "mean_ttft_ms", "p99_ttft_ms",
+                                             "failed", "completed", "duration")},
+            "later_turns_mean_ttft_ms": sum(r["mean_ttft_ms"] * r["completed"] for r in later) / num_later
+            if num_later else None,
+            "cached_share": num_cached / num_prompt if num_cached and num_prompt else None,
+            "by_turn": record["by_turn"]}
+
+
 def run_client(base_url: str, args: argparse.Namespace, json_path: Path) -> dict:
-    subprocess.run(client_argv(base_url, args, json_path, LORA_NAME if args.lora_path else None), check=True)
-    return json.loads(json_path.read_text())
+    model = LORA_NAME if args.lora_path else None
+    if args.workload == "random":
+        subprocess.run(client_argv(base_url, args, json_path, model), check=True)
+        return json.loads(json_path.read_text())
+    runs = []
+    for index, concurrency in enumerate(args.max_concurrency):
+        # Each concurrency its own conversations, as bench serve gives each rate its own
+        # prompts: the last run's conversations are still in the prefix cache.
+        path = json_path.with_name(f"{json_path.stem}-c{concurrency}.json")
+        subprocess.run(multi_turn_argv(base_url, args, path, concurrency, args.seed + index, model), check=True)
+        runs.append(multi_turn_run(json.loads(path.read_text()), concurrency))
+    return {"runs": runs}
 
 
 def our_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
@@ -111,6 +158,8 @@ def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path, python: Path
             "--kv-cache-dtype", args.kv_cache_dtype]
     if args.speculative_config:
         argv += ["--speculative-config", args.speculative_config]
+    if args.workload == "multi-turn":
+        argv.append("--enable-prompt-tokens-details")  # usage's cached_tokens, off by default in vLLM
     if args.lora_path:
         argv += ["--enable-lora", "--lora-modules", f"{LORA_NAME}={args.lora_path}", "--max-lora-rank",
                  str(args.lora_rank), "--max-loras", "1"]
@@ -118,6 +167,13 @@ def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path, python: Path
     with serving(argv, port, out / "vllm-serve.log", cpu_env(args.peer_threads_bind, kv_gib, preload),
                  args.startup_timeout) as base_url:
         return run_client(base_url, args, out / "vllm.json")
+
+
+def parse_int_list(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"a comma list of integers >= 1; got {text!r}")
+    return values
 
 
 @contextmanager
@@ -140,35 +196,65 @@ def serving(argv: list[str], port: int, log_path: Path, env: dict[str, str], sta
                 process.wait()
 
 
+def load_key(run: dict) -> str:
+    return next(key for key in LOAD_KEYS if key in run)
+
+
 def compare(ours: dict, peer: dict) -> list[dict]:
     rows = []
     for o, v in zip(ours["runs"], peer["runs"]):
-        rows.append({"request_rate": o["request_rate"],
-                     "pdserve_output_tokens_per_s": o["output_throughput"],
-                     "vllm_output_tokens_per_s": v["output_throughput"],
-                     "throughput_ratio": o["output_throughput"] / v["output_throughput"],
-                     "pdserve_p99_tpot_ms": o["p99_tpot_ms"], "vllm_p99_tpot_ms": v["p99_tpot_ms"],
-                     "pdserve_mean_ttft_ms": o["mean_ttft_ms"], "vllm_mean_ttft_ms": v["mean_ttft_ms"],
-                     "pdserve_p99_ttft_ms": o["p99_ttft_ms"], "vllm_p99_ttft_ms": v["p99_ttft_ms"],
-                     "pdserve_failed": o["failed"], "vllm_failed": v["failed"]})
+        key = load_key(o)
+        row = {key: o[key],
+               "pdserve_output_tokens_per_s": o["output_throughput"],
+               "vllm_output_tokens_per_s": v["output_throughput"],
+               "throughput_ratio": o["output_throughput"] / v["output_throughput"],
+               "pdserve_p99_tpot_ms": o["p99_tpot_ms"], "vllm_p99_tpot_ms": v["p99_tpot_ms"],
+               "pdserve_mean_ttft_ms": o["mean_ttft_ms"], "vllm_mean_ttft_ms": v["mean_ttft_ms"],
+               "pdserve_p99_ttft_ms": o["p99_ttft_ms"], "vllm_p99_ttft_ms": v["p99_ttft_ms"],
+               "pdserve_failed": o["failed"], "vllm_failed": v["failed"]}
+        for figure in MULTI_TURN_FIGURES:
+            if figure in o:
+                row[f"pdserve_{figure}"], row[f"vllm_{figure}"] = o[figure], v.get(figure)
+        rows.append(row)
     return rows
 
 
 def median_rows(rounds: list[list[dict]]) -> list[dict]:
-    """Each rate's figures as the median of the rounds' (failed requests: their sum), its
+    """Each load's figures as the median of the rounds' (failed requests: their sum; a figure
+    a server did not give in some round: the median of the rounds that have it), its
     throughput ratio the ratio of the medians, beside every round's own ratio."""
     rows = []
     for per_round in zip(*rounds):
-        row = {"request_rate": per_round[0]["request_rate"]}
-        for key in per_round[0]:
-            if key.endswith("_failed"):
-                row[key] = sum(r[key] for r in per_round)
-            elif key not in ("request_rate", "throughput_ratio"):
-                row[key] = statistics.median(r[key] for r in per_round)
+        key = load_key(per_round[0])
+        row = {key: per_round[0][key]}
+        for figure in per_round[0]:
+            if figure.endswith("_failed"):
+                row[figure] = sum(r[figure] for r in per_round)
+            elif figure not in (key, "throughput_ratio"):
+                values = [r[figure] for r in per_round if r[figure] is not None]
+                row[figure] = statistics.median(values) if values else None
         row["throughput_ratio"] = row["pdserve_output_tokens_per_s"] / row["vllm_output_tokens_per_s"]
         row["round_throughput_ratios"] = [r["throughput_ratio"] for r in per_round]
         rows.append(row)
     return rows
+
+
+def format_row(row: dict, repeats: int) -> str:
+    load = (f"{row['request_rate']:>6} req/s" if "request_rate" in row
+            else f"{row['max_concurrency']:>3} open")
+    line = (f"{load}  pdserve {row['pdserve_output_tokens_per_s']:7.1f} tok/s "
+            f"p99 TPOT {row['pdserve_p99_tpot_ms']:7.1f} ms mean TTFT {row['pdserve_mean_ttft_ms']:7.1f} ms | "
+            f"vLLM {row['vllm_output_tokens_per_s']:7.1f} tok/s p99 TPOT {row['vllm_p99_tpot_ms']:7.1f} ms "
+            f"mean TTFT {row['vllm_mean_ttft_ms']:7.1f} ms | ratio {row['throughput_ratio']:.2f}")
+    if repeats > 1:
+        line += f" (rounds {' / '.join(f'{r:.2f}' for r in row['round_throughput_ratios'])})"
+    if "pdserve_later_turns_mean_ttft_ms" in row:
+        def fmt(value, spec):
+            return "-" if value is None else format(value, spec)
+        line += (f"\n{'':>11}later turns' mean TTFT {fmt(row['pdserve_later_turns_mean_ttft_ms'], '.1f')} vs "
+                 f"{fmt(row['vllm_later_turns_mean_ttft_ms'], '.1f')} ms; prompt tokens cached "
+                 f"{fmt(row['pdserve_cached_share'], '.3f')} vs {fmt(row['vllm_cached_share'], '.3f')}")
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,7 +286,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-preload", choices=["auto", "none"], default="auto",
                         help="vLLM's LD_PRELOAD: auto (its CPU guide's tcmalloc and Intel OpenMP, where found) "
                              "or none")
+    parser.add_argument("--workload", choices=["random", "multi-turn"], default="random",
+                        help="random: bench serve's random prompts at each --request-rate; multi-turn: bench "
+                             "multi-turn's conversations at each --max-concurrency")
     parser.add_argument("--request-rate", default="1,2,4")
+    parser.add_argument("--max-concurrency", type=parse_int_list, default=[1, 4],
+                        help="multi-turn: conversations open at once, a comma list")
+    parser.add_argument("--num-conversations", type=int, default=16, help="multi-turn: per concurrency")
+    parser.add_argument("--turns", type=int, default=4, help="multi-turn: user turns per conversation")
+    parser.add_argument("--think-time", type=float, default=0.0,
+                        help="multi-turn: seconds between an answer and the next turn")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--random-input-len", type=int, default=256)
     parser.add_argument("--random-output-len", type=int, default=64)
@@ -260,12 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"cpu": cpu_model_name(), "config": vars(args), "comparison": rows, "rounds": rounds,
               "vllm_preload": preload}
     for row in rows:
-        print(f"{row['request_rate']:>6} req/s  pdserve {row['pdserve_output_tokens_per_s']:7.1f} tok/s "
-              f"p99 TPOT {row['pdserve_p99_tpot_ms']:7.1f} ms mean TTFT {row['pdserve_mean_ttft_ms']:7.1f} ms | "
-              f"vLLM {row['vllm_output_tokens_per_s']:7.1f} tok/s p99 TPOT {row['vllm_p99_tpot_ms']:7.1f} ms "
-              f"mean TTFT {row['vllm_mean_ttft_ms']:7.1f} ms | ratio {row['throughput_ratio']:.2f}"
-              + (f" (rounds {' / '.join(f'{r:.2f}' for r in row['round_throughput_ratios'])})"
-                 if args.repeats > 1 else ""))
+        print(format_row(row, args.repeats))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -80,3 +80,51 @@ def test_the_prefill_queue_limit_reaches_our_gateway_only_and_only_when_set():
     assert routed["decode"][routed["decode"].index("--dtype") + 1] == "float32"
     args.max_prefill_queue_tokens = 0
     assert "--max-prefill-queue-tokens" not in our_flags(args, "/models/m")
+
+
+def _turn_record(ttfts_by_turn: list[float], cached: int, completed: int = 4) -> dict:
+    """A bench multi-turn record: `completed` conversations, each turn's mean TTFT given,
+    every prompt 100 tokens with `cached` of them found cached."""
+    by_turn = [{"turn": k + 1, "completed": completed, "mean_ttft_ms": ttft} for k, ttft in enumerate(ttfts_by_turn)]
+    turns = [{"turn": k + 1, "prompt_len": 100, "num_cached_tokens": cached, "error": ""}
+             for k in range(len(ttfts_by_turn)) for _ in range(completed)]
+    return {"metrics": {"output_throughput": 200.0, "p99_tpot_ms": 12.0, "mean_ttft_ms": 90.0, "p99_ttft_ms": 300.0,
+                        "failed": 0, "completed": completed * len(ttfts_by_turn), "duration": 10.0},
+            "by_turn": by_turn, "turns": turns}
+
+
+def test_a_multi_turn_run_gives_its_later_turns_ttft_and_cached_share():
+    from bench.peers.vllm_serve import multi_turn_run
+    run = multi_turn_run(_turn_record([300.0, 60.0, 80.0], cached=40), max_concurrency=4)
+    assert run["max_concurrency"] == 4 and run["output_throughput"] == 200.0
+    assert run["later_turns_mean_ttft_ms"] == pytest.approx(70.0)  # turns 2 and 3 only
+    assert run["cached_share"] == pytest.approx(0.4)
+    assert multi_turn_run(_turn_record([300.0, 60.0], cached=0), 1)["cached_share"] is None  # the server did not say
+
+
+def test_multi_turn_rows_pair_by_concurrency_and_a_missing_figure_stays_missing():
+    from bench.peers.vllm_serve import format_row, multi_turn_run
+    ours = {"runs": [multi_turn_run(_turn_record([300.0, 60.0], cached=40), 1)]}
+    peer = {"runs": [multi_turn_run(_turn_record([400.0, 120.0], cached=0), 1)]}
+    peer["runs"][0]["output_throughput"] = 160.0
+    [row] = median_rows([compare(ours, peer), compare(ours, peer)])
+    assert row["max_concurrency"] == 1 and "request_rate" not in row
+    assert row["throughput_ratio"] == pytest.approx(1.25)
+    assert (row["pdserve_later_turns_mean_ttft_ms"], row["vllm_later_turns_mean_ttft_ms"]) == (60.0, 120.0)
+    assert (row["pdserve_cached_share"], row["vllm_cached_share"]) == (pytest.approx(0.4), None)
+    text = format_row(row, repeats=2)
+    assert text.startswith("  1 open") and "60.0 vs 120.0 ms" in text and "0.400 vs -" in text
+
+
+def test_the_multi_turn_client_takes_its_flags_and_each_concurrency_gets_its_own_conversations(tmp_path):
+    from bench.multi_turn import build_parser as multi_turn_parser
+    from bench.peers.vllm_serve import main, multi_turn_argv
+    args = argparse.Namespace(num_conversations=8, turns=3, think_time=0.5, temperature=0.0)
+    argv = multi_turn_argv("http://127.0.0.1:8000", args, tmp_path / "out.json", 4, seed=7)
+    parsed = multi_turn_parser().parse_args(argv[argv.index("multi-turn") + 1:])
+    assert (parsed.backend, parsed.base_url, parsed.max_concurrency, parsed.seed) == (
+        "openai", "http://127.0.0.1:8000", 4, 7)
+    assert (parsed.num_conversations, parsed.turns, parsed.think_time, parsed.tokenizer) == (8, 3, 0.5, "bundled")
+    with pytest.raises(SystemExit) as stopped:
+        main(["--workload", "multi-turn", "--max-concurrency", "1,0"])
+    assert stopped.value.code == 2
