@@ -150,19 +150,27 @@ def serve_ours(args: argparse.Namespace, model_dir: str, out: Path) -> dict:
         return run_client(f"http://{stack.http_address}", args, out / "pdserve.json")
 
 
-def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path, python: Path, preload: list[str]) -> dict:
-    port = free_port()
+def vllm_argv(args: argparse.Namespace, model_dir: str, python: Path, port: int) -> list[str]:
+    """`vllm serve` with the settings our stack gets, on 127.0.0.1:port."""
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", Path(model_dir).name, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", str(args.seed),
             "--kv-cache-dtype", args.kv_cache_dtype]
     if args.speculative_config:
         argv += ["--speculative-config", args.speculative_config]
+    if args.peer_block_size:
+        argv += ["--block-size", str(args.peer_block_size)]
     if args.workload == "multi-turn":
         argv.append("--enable-prompt-tokens-details")  # usage's cached_tokens, off by default in vLLM
     if args.lora_path:
         argv += ["--enable-lora", "--lora-modules", f"{LORA_NAME}={args.lora_path}", "--max-lora-rank",
                  str(args.lora_rank), "--max-loras", "1"]
+    return argv
+
+
+def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path, python: Path, preload: list[str]) -> dict:
+    port = free_port()
+    argv = vllm_argv(args, model_dir, python, port)
     kv_gib = parse_memory_size(args.kv_cache_memory) / (1 << 30)  # main checked it is a size
     with serving(argv, port, out / "vllm-serve.log", cpu_env(args.peer_threads_bind, kv_gib, preload),
                  args.startup_timeout) as base_url:
@@ -283,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                              "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)")
     parser.add_argument("--peer-venv", default=None)
     parser.add_argument("--peer-threads-bind", default="auto")
+    parser.add_argument("--peer-block-size", type=int, default=None,
+                        help="vLLM's --block-size (its CPU default is 128 tokens, ours 16: a prefix cache "
+                             "hits in whole blocks)")
     parser.add_argument("--peer-preload", choices=["auto", "none"], default="auto",
                         help="vLLM's LD_PRELOAD: auto (its CPU guide's tcmalloc and Intel OpenMP, where found) "
                              "or none")

@@ -128,3 +128,17 @@ def test_the_multi_turn_client_takes_its_flags_and_each_concurrency_gets_its_own
     with pytest.raises(SystemExit) as stopped:
         main(["--workload", "multi-turn", "--max-concurrency", "1,0"])
     assert stopped.value.code == 2
+
+
+def test_vllm_reports_cached_tokens_for_multi_turn_and_takes_the_block_size_given():
+    from pathlib import Path
+
+    from bench.peers.vllm_serve import vllm_argv
+    args = argparse.Namespace(dtype="bfloat16", max_model_len=2048, seed=0, kv_cache_dtype="auto",
+                              speculative_config=None, lora_path=None, peer_block_size=None, workload="random")
+    argv = vllm_argv(args, "/models/m", Path("/venv/bin/python"), 8000)
+    assert "--block-size" not in argv and "--enable-prompt-tokens-details" not in argv
+    args.workload, args.peer_block_size = "multi-turn", 16
+    argv = vllm_argv(args, "/models/m", Path("/venv/bin/python"), 8000)
+    assert argv[argv.index("--block-size") + 1] == "16" and "--enable-prompt-tokens-details" in argv
+    assert argv[argv.index("--port") + 1] == "8000"
