@@ -42,6 +42,7 @@ from common.engine.config import KV_CACHE_DTYPE_NAMES, parse_memory_size
 
 
 LORA_NAME = "bench-lora"  # the adapter --lora-rank serves
+LOG_TAIL_LINES = 25  # of a server's log, shown when it fails to come up
 # A run's load: bench serve's request rate, or bench multi-turn's conversations open at once.
 LOAD_KEYS = ("request_rate", "max_concurrency")
 # Figures only the multi-turn client gives, paired like the rest.
@@ -188,12 +189,18 @@ def parse_int_list(text: str) -> list[int]:
 def serving(argv: list[str], port: int, log_path: Path, env: dict[str, str], startup_timeout_s: float
             ) -> Iterator[str]:
     """`vllm serve` (argv) up on 127.0.0.1:port, logging to log_path: its base URL once it
-    serves, and the server stopped when the block ends."""
+    serves, and the server stopped when the block ends. A server that does not come up
+    raises with the end of its log, which lives in a directory that goes with the run."""
     with open(log_path, "w") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             base_url = f"http://127.0.0.1:{port}"
-            wait_for_models(base_url, process, startup_timeout_s)
+            try:
+                wait_for_models(base_url, process, startup_timeout_s)
+            except (RuntimeError, TimeoutError) as e:
+                log.flush()
+                tail = log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+                raise type(e)(f"{e}; the end of its log:\n" + "\n".join(tail)) from None
             yield base_url
         finally:
             process.terminate()

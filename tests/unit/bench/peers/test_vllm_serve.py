@@ -142,3 +142,16 @@ def test_vllm_reports_cached_tokens_for_multi_turn_and_takes_the_block_size_give
     argv = vllm_argv(args, "/models/m", Path("/venv/bin/python"), 8000)
     assert argv[argv.index("--block-size") + 1] == "16" and "--enable-prompt-tokens-details" in argv
     assert argv[argv.index("--port") + 1] == "8000"
+
+
+def test_a_server_that_exits_before_serving_shows_the_end_of_its_log(tmp_path):
+    import sys
+
+    from bench.peers.vllm_serve import free_port, serving
+    argv = [sys.executable, "-c", "print('loading'); print('ValueError: block_size 16 is not supported'); "
+                                  "raise SystemExit(1)"]
+    with pytest.raises(RuntimeError) as failed:
+        with serving(argv, free_port(), tmp_path / "serve.log", {}, startup_timeout_s=30):
+            pass
+    assert "exited with 1 before serving" in str(failed.value)
+    assert "ValueError: block_size 16 is not supported" in str(failed.value)
