@@ -299,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-venv", default=None)
     parser.add_argument("--peer-threads-bind", default="auto")
     parser.add_argument("--peer-block-size", type=int, default=None,
-                        help="vLLM's --block-size (its CPU default is 128 tokens, ours 16: a prefix cache "
-                             "hits in whole blocks)")
+                        help="vLLM's --block-size, a multiple of 32 on its CPU attention (default 128 there; "
+                             "ours is 16, and a prefix cache hits in whole blocks)")
     parser.add_argument("--peer-preload", choices=["auto", "none"], default="auto",
                         help="vLLM's LD_PRELOAD: auto (its CPU guide's tcmalloc and Intel OpenMP, where found) "
                              "or none")
