@@ -12,7 +12,9 @@ N times, the order alternating (ours first, then vLLM first, ...), each turn on 
 started server; each figure is the median of its rounds, beside every round's ratio, so a
 host whose speed drifts over the minutes weighs on both sides alike. With --lora-rank R both
 serve one random rank-R PEFT adapter (`--lora-modules`; vLLM with `--enable-lora`) and every
-request names it. With --workload multi-turn the client is `pdserve bench multi-turn --backend
+request names it. With --workload json-schema each request is constrained to a JSON schema
+(bench serve's json-schema dataset: xgrammar on both sides) and ends when its JSON closes.
+With --workload multi-turn the client is `pdserve bench multi-turn --backend
 openai` instead: chat conversations whose turns resend the history (the answers' token ids),
 at each --max-concurrency (conversations open at once; each value its own conversations), so
 both servers' prefix caches and schedulers meet the load of multi-turn chat; reported beside
@@ -74,10 +76,15 @@ def wait_for_models(base_url: str, process: subprocess.Popen, timeout_s: float) 
 def client_argv(base_url: str, args: argparse.Namespace, json_path: Path, model: str | None = None) -> list[str]:
     """The same `pdserve bench serve` load, against either server's OpenAI API (model: the
     name every request gives; None: the served model)."""
+    if args.workload == "json-schema":
+        dataset = ["--dataset-name", "json-schema", "--prompt-format", "text", "--no-ignore-eos",
+                   "--output-len", str(args.random_output_len)]
+    else:
+        dataset = ["--dataset-name", "random", "--random-input-len", str(args.random_input_len),
+                   "--random-output-len", str(args.random_output_len),
+                   "--random-range-ratio", str(args.random_range_ratio)]
     return [sys.executable, "-m", "common.cli.main", "bench", "serve", "--backend", "openai",
-            "--base-url", base_url, "--tokenizer", "bundled", "--dataset-name", "random",
-            "--random-input-len", str(args.random_input_len), "--random-output-len", str(args.random_output_len),
-            "--random-range-ratio", str(args.random_range_ratio), "--num-prompts", str(args.num_prompts),
+            "--base-url", base_url, "--tokenizer", "bundled", *dataset, "--num-prompts", str(args.num_prompts),
             "--request-rate", args.request_rate, "--seed", str(args.seed), "--temperature", str(args.temperature),
             "--disable-tqdm", "--json", str(json_path), *(["--model", model] if model else [])]
 
@@ -111,7 +118,7 @@ def multi_turn_run(record: dict, max_concurrency: int) -> dict:
 
 def run_client(base_url: str, args: argparse.Namespace, json_path: Path) -> dict:
     model = LORA_NAME if args.lora_path else None
-    if args.workload == "random":
+    if args.workload != "multi-turn":
         subprocess.run(client_argv(base_url, args, json_path, model), check=True)
         return json.loads(json_path.read_text())
     runs = []
@@ -304,9 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-preload", choices=["auto", "none"], default="auto",
                         help="vLLM's LD_PRELOAD: auto (its CPU guide's tcmalloc and Intel OpenMP, where found) "
                              "or none")
-    parser.add_argument("--workload", choices=["random", "multi-turn"], default="random",
-                        help="random: bench serve's random prompts at each --request-rate; multi-turn: bench "
-                             "multi-turn's conversations at each --max-concurrency")
+    parser.add_argument("--workload", choices=["random", "json-schema", "multi-turn"], default="random",
+                        help="random: bench serve's random prompts at each --request-rate; json-schema: its "
+                             "JSON-schema constrained requests (up to --random-output-len tokens, ending when "
+                             "the JSON closes) at each rate; multi-turn: bench multi-turn's conversations at "
+                             "each --max-concurrency")
     parser.add_argument("--request-rate", default="1,2,4")
     parser.add_argument("--max-concurrency", type=parse_int_list, default=[1, 4],
                         help="multi-turn: conversations open at once, a comma list")

@@ -107,6 +107,8 @@ class GrpcGenerateBackend(Backend):
             message.text = request.prompt
         else:
             message.token_ids.ids.extend(request.prompt)
+        if request.structured_output:
+            message.sampling.structured_output.CopyFrom(structured_output_pb(request.structured_output))
         return message
 
     async def stream(self, request: BenchRequest) -> AsyncIterator[tuple[float, int]]:
@@ -179,6 +181,8 @@ class OpenAICompletionsBackend(Backend):
                 "stream_options": {"include_usage": True}}
         if self.return_token_ids:
             body["return_token_ids"] = True
+        if request.structured_output:
+            body["structured_outputs"] = request.structured_output  # vLLM's field, which the gateway takes
         return body
 
     async def stream_chunks(self, request: BenchRequest) -> AsyncIterator[tuple[float, dict]]:
@@ -213,6 +217,18 @@ class OpenAICompletionsBackend(Backend):
             if num_reported is not None and num_reported > num_counted:
                 held = (held[0], held[1] + num_reported - num_counted)
             yield held
+
+
+def structured_output_pb(structured_output: dict) -> common_pb2.StructuredOutput:
+    """vLLM's structured_outputs object as the Generate API's StructuredOutput."""
+    [(kind, value)] = structured_output.items()
+    if kind == "json":
+        return common_pb2.StructuredOutput(json=value if isinstance(value, str) else json.dumps(value))
+    if kind == "choice":
+        return common_pb2.StructuredOutput(choice=common_pb2.StringList(values=value))
+    if kind in ("regex", "grammar"):
+        return common_pb2.StructuredOutput(**{kind: value})
+    raise ValueError(f"no Generate API form for structured output {kind!r}")
 
 
 class OpenAIHTTPError(Exception):

@@ -65,6 +65,8 @@ class BenchRequest:
     prompt_len: int  # tokens in the prompt (an estimate for text without a tokenizer)
     output_len: int  # max_tokens to ask for
     kind: str = ""  # its part of a mixed workload ("decode", "long-prefill", "tenant-3"); "" for one-part ones
+    # vLLM's structured_outputs object ({"json": schema}, {"regex": ...}); None: unconstrained
+    structured_output: dict | None = None
 
 
 @dataclass
@@ -240,14 +242,36 @@ def system_prompt_requests(num: int, vocab: Vocabulary, rng: np.random.Generator
     return requests
 
 
-DATASETS = ("random", "sharegpt-like", "prefix-repetition")
+def json_schema_requests(num: int, vocab: Vocabulary, rng: np.random.Generator, output_len: int = 128,
+                         prompt_format: str = "text", max_model_len: int | None = None) -> list[BenchRequest]:
+    """The shape of vLLM's structured-output serving benchmark: each request asks in words
+    for an object of one of bench.structured's schemas (nested objects, arrays, enums,
+    bounded numbers), in turn, and is constrained to that schema; it ends when its JSON
+    closes (so it needs EOS honoured), at most output_len tokens. Prompts are text, counted
+    with the tokenizer when there is one."""
+    from bench.structured import ASKS, SCHEMAS, TOPICS
+    if prompt_format != "text":
+        raise ValueError("the json-schema dataset's prompts are text: pass --prompt-format text")
+    requests = []
+    for index in range(num):
+        schema_index = index % len(SCHEMAS)
+        prompt = ASKS[int(rng.integers(len(ASKS)))].format(TOPICS[schema_index])
+        prompt_len = (len(vocab.tokenizer.encode(prompt, add_special_tokens=False)) if vocab.tokenizer is not None
+                      else len(prompt.split()))
+        requests.append(BenchRequest(prompt, prompt_len, output_len, f"schema-{schema_index}",
+                                     {"json": SCHEMAS[schema_index]}))
+    _check_fits(max(r.prompt_len for r in requests), output_len, max_model_len)
+    return requests
+
+
+DATASETS = ("random", "sharegpt-like", "prefix-repetition", "json-schema")
 
 
 def make_requests(name: str, num: int, vocab: Vocabulary, seed: int, **options) -> list[BenchRequest]:
     """The named dataset, deterministic in seed; options are the builders' keywords."""
     rng = np.random.default_rng(seed)
     builders = {"random": random_requests, "sharegpt-like": sharegpt_like_requests,
-                "prefix-repetition": prefix_repetition_requests}
+                "prefix-repetition": prefix_repetition_requests, "json-schema": json_schema_requests}
     if name not in builders:
         raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
     if options.get("prompt_format", "ids") not in ("ids", "text"):

@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--prefix-num-prefixes", type=int, default=10)
     data.add_argument("--prefix-len", type=int, default=256, help="prefix-repetition: shared prefix tokens")
     data.add_argument("--suffix-len", type=int, default=256, help="prefix-repetition: unique suffix tokens")
-    data.add_argument("--output-len", type=int, default=128, help="prefix-repetition: output tokens")
+    data.add_argument("--output-len", type=int, default=128,
+                      help="prefix-repetition: output tokens; json-schema: the most a request may take")
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", default="inf",
                       help="requests/s, 'inf' for all at once; a comma list (1,2,4,8) sweeps them in turn")
@@ -121,6 +122,8 @@ def dataset_options(args: argparse.Namespace, max_model_len: int | None) -> dict
                     range_ratio=args.random_range_ratio, **common)
     if args.dataset_name == "sharegpt-like":
         return dict(output_len=args.sharegpt_output_len, **common)
+    if args.dataset_name == "json-schema":
+        return dict(output_len=args.output_len, **common)
     return dict(prefix_len=args.prefix_len, suffix_len=args.suffix_len, num_prefixes=args.prefix_num_prefixes,
                 output_len=args.output_len, **common)
 
@@ -176,6 +179,8 @@ async def benchmark(args: argparse.Namespace) -> int:
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise ValueError("--num-prompts and --max-concurrency must be >= 1")
+    if args.dataset_name == "json-schema" and args.ignore_eos:
+        raise ValueError("json-schema requests end when their JSON closes, at EOS: pass --no-ignore-eos")
     backend = make_backend(args)
     async with backend:
         try:

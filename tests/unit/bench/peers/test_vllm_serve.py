@@ -51,7 +51,7 @@ def test_repeats_below_one_are_refused(capsys):
 
 def test_the_client_sends_the_temperature_given_and_bench_serve_takes_its_flags(tmp_path):
     args = argparse.Namespace(random_input_len=256, random_output_len=64, random_range_ratio=0.5, num_prompts=8,
-                              request_rate="1,2", seed=3, temperature=0.8)
+                              request_rate="1,2", seed=3, temperature=0.8, workload="random")
     argv = client_argv("http://127.0.0.1:8000", args, tmp_path / "out.json")
     assert argv[argv.index("--temperature") + 1] == "0.8"
     parsed = serve_parser().parse_args(argv[argv.index("serve") + 1:])
@@ -155,3 +155,12 @@ def test_a_server_that_exits_before_serving_shows_the_end_of_its_log(tmp_path):
             pass
     assert "exited with 1 before serving" in str(failed.value)
     assert "ValueError: block_size 16 is not supported" in str(failed.value)
+
+
+def test_the_json_schema_workload_sends_text_prompts_that_end_at_eos(tmp_path):
+    args = argparse.Namespace(random_input_len=256, random_output_len=96, random_range_ratio=0.5, num_prompts=8,
+                              request_rate="1,2", seed=3, temperature=0.0, workload="json-schema")
+    argv = client_argv("http://127.0.0.1:8000", args, tmp_path / "out.json")
+    parsed = serve_parser().parse_args(argv[argv.index("serve") + 1:])
+    assert (parsed.dataset_name, parsed.prompt_format, parsed.ignore_eos, parsed.output_len) == (
+        "json-schema", "text", False, 96)

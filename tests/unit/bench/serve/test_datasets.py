@@ -78,3 +78,18 @@ def test_text_prompts_without_tokenizer_are_words():
     for r in requests:
         assert isinstance(r.prompt, str) and len(r.prompt.split()) == r.prompt_len == 12
         assert set(r.prompt.split()) <= set(WORDS)
+
+
+def test_json_schema_requests_ask_for_each_schema_in_turn_and_are_constrained_to_it():
+    from bench.structured import SCHEMAS, TOPICS
+    requests = make_requests("json-schema", 2 * len(SCHEMAS) + 3, VOCAB, 5, output_len=96)
+    for index, r in enumerate(requests):
+        k = index % len(SCHEMAS)
+        assert r.structured_output == {"json": SCHEMAS[k]} and r.kind == f"schema-{k}"
+        assert isinstance(r.prompt, str) and TOPICS[k] in r.prompt and "JSON" in r.prompt
+        assert r.output_len == 96 and r.prompt_len == len(r.prompt.split())  # no tokenizer: words
+    assert [r.prompt for r in requests] == [r.prompt for r in make_requests("json-schema", len(requests), VOCAB, 5)]
+    with pytest.raises(ValueError, match="--prompt-format text"):
+        make_requests("json-schema", 4, VOCAB, 0, prompt_format="ids")
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_requests("json-schema", 4, VOCAB, 0, output_len=100, max_model_len=64)

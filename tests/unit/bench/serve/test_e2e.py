@@ -120,3 +120,30 @@ def test_against_real_gateway_with_fake_decode(tmp_path):
     run = json.loads(out.read_text())["runs"][0]
     assert (run["completed"], run["failed"]) == (6, 0)
     assert run["output_lens"] == [5] * 6 and run["total_input_tokens"] == 6 * 40
+
+
+def test_json_schema_requests_reach_decode_constrained_over_both_apis(tmp_path):
+    from bench.structured import SCHEMAS
+    from gateway.core import GatewaySettings
+    from gateway.openai_api.server import OpenAIServer
+    from tests.support.background_gateway import BackgroundGateway
+
+    dataset = ["--dataset-name", "json-schema", "--prompt-format", "text", "--tokenizer", "bundled", "--output-len", "5",
+               "--num-prompts", "3",
+               "--request-rate", "100", "--disable-tqdm"]
+    # Honouring EOS is the point of a constrained request: it ends when its JSON closes.
+    assert main(["--gateway", "127.0.0.1:1", *dataset]) == 2
+    with BackgroundGateway(GatewaySettings()) as gw:
+        fake = gw.add_fake_decode("decode-0", token_ids=list(range(1000, 1010)))
+        server = gw.call(lambda: OpenAIServer(gw.gateway, port=0))
+        http_address = gw.call(server.start())
+        try:
+            assert main(["--gateway", gw.address, "--no-ignore-eos", *dataset]) == 0
+            assert main(["--backend", "openai", "--base-url", f"http://{http_address}/v1", "--no-ignore-eos",
+                         *dataset]) == 0
+        finally:
+            gw.call(server.stop())
+        sent = [(json.loads(r.sampling.structured_output.json), r.sampling.ignore_eos)
+                for r in fake.servicer.requests if r.sampling.HasField("structured_output")]
+    # Each API: a probe (unconstrained), then the three requests, one schema each in turn.
+    assert sent == [(SCHEMAS[0], False), (SCHEMAS[1], False), (SCHEMAS[2], False)] * 2
