@@ -68,6 +68,8 @@ class EngineWorker:
         self.core.kv_transfer_observers += [self.metrics.observe_transfer, self.transfer_waiters]
         self.kv_events.follow(self.core)
         self.engine = AsyncEngine(self.core)  # the engine thread starts here
+        # The grammar backend ready before the first constrained request, not built by it.
+        self.core.structured_output.warm_up_in_background()
         self.engine.finished_observers.append(self.metrics.observe_finished)
         # Every instance embeds prompts (EmbeddingService) with the model it serves.
         self.embedder = Embedder(self.engine, self.core, eos_token_ids(self.core), self.lora_modules)

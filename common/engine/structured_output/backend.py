@@ -1,6 +1,7 @@
 """Compiles constraints with xgrammar (vLLM's default backend) and makes matchers.
 
-One backend per engine, built on first use from the model's tokenizer. Compiled
+One backend per engine, built from the model's tokenizer's vocabulary (services build it
+on a thread at start-up, anything else on first use). Compiled
 grammars are cached by the constraint's text: compiling is the slow part (a
 schema can take tens of milliseconds), and it is thread-safe, so services compile
 before admission, off the engine loop, and admission finds the grammar cached.
@@ -19,7 +20,7 @@ import xgrammar as xgr
 from common.engine.structured_output.compile_buckets import COMPILE_SECONDS_BUCKETS
 from common.engine.structured_output.params import StructuredOutputsParams
 from common.engine.structured_output.request_grammar import RequestGrammar
-from common.text.tokenizer import load_tokenizer
+from common.text.tokenizer import load_vocabulary_tokenizer
 
 # Distinct constraints kept compiled; the least recently used goes first.
 MAX_CACHED_GRAMMARS = 512
@@ -29,11 +30,10 @@ _LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 class XgrammarBackend:
     def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        tokenizer = load_tokenizer(model_dir)
         # vocab_size is the logits' width (the embedding may be padded past the tokenizer).
         self.vocab_size = vocab_size
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer.hf_tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
+            load_vocabulary_tokenizer(model_dir), vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=2)
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
@@ -81,6 +81,11 @@ class XgrammarBackend:
         if kind == "structural_tag":
             return self._compiler.compile_structural_tag(params.structural_tag)
         return self._compiler.compile_grammar(params.grammar)
+
+    def warm_up(self) -> None:
+        """Compile a small grammar, neither cached nor counted: xgrammar's first compile in a
+        process takes a few tens of milliseconds more than the ones after it."""
+        self._compiler.compile_builtin_json_grammar()
 
     def new_grammar(self, params: StructuredOutputsParams) -> RequestGrammar:
         return RequestGrammar(xgr.GrammarMatcher(self.compile(params)), self.vocab_size,

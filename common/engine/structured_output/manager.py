@@ -12,6 +12,7 @@ tokens, and its grammar has accepted exactly those, so its state stays right.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -21,10 +22,12 @@ from common.engine.outputs import SchedulerOutput
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from common.engine.structured_output.compile_buckets import COMPILE_SECONDS_BUCKETS
-from common.text.tokenizer import load_tokenizer
+from common.text.tokenizer import load_eos_token_ids
 
 if TYPE_CHECKING:  # xgrammar (and the transformers it imports) only once a constraint comes
     from common.engine.structured_output.backend import XgrammarBackend
+
+logger = logging.getLogger(__name__)
 
 
 class StructuredOutputManager:
@@ -40,14 +43,34 @@ class StructuredOutputManager:
 
     @property
     def backend(self) -> XgrammarBackend:
-        """Built on first use: reading the vocabulary costs a second or so, and most
-        engines never see a constraint."""
+        """Built on first use (or by warm_up_in_background): importing xgrammar and reading
+        the vocabulary take most of a second of one core."""
         with self._backend_lock:
             if self._backend is None:
                 from common.engine.structured_output.backend import XgrammarBackend
-                eos = tuple(dict.fromkeys(load_tokenizer(self._model_dir).eos_token_ids + self._eos_token_ids))
+                eos = tuple(dict.fromkeys(load_eos_token_ids(self._model_dir) + self._eos_token_ids))
                 self._backend = XgrammarBackend(self._model_dir, self._vocab_size, eos)
             return self._backend
+
+    def warm_up_in_background(self) -> threading.Thread:
+        """Build the backend and compile once on a daemon thread, so that the first
+        constrained requests do not wait for it (vLLM's engines pay this at start-up, where
+        they load the tokenizer). A request that comes first waits on the same lock; a
+        failure is logged, and the first request tries again and answers with the error."""
+        def warm_up() -> None:
+            try:
+                self.backend.warm_up()
+            except Exception:  # noqa: BLE001 -- only a head start: requests build it again
+                logger.warning("structured outputs: warming up the grammar backend failed", exc_info=True)
+
+        thread = threading.Thread(target=warm_up, name="structured-output-warm-up", daemon=True)
+        thread.start()
+        return thread
+
+    @property
+    def is_warm(self) -> bool:
+        """The backend is built."""
+        return self._backend is not None
 
     def compile(self, params: SamplingParams) -> None:
         """Compile (and cache) params' constraint; thread-safe, for callers off the

@@ -105,3 +105,13 @@ def test_eos_ids_of_a_directory_with_a_special_tokens_map_come_from_transformers
     model_dir = copy_tokenizer_dir(tmp_path / "model", **{"special_tokens_map.json": {"eos_token": "<|im_end|>"}})
     assert load_eos_token_ids(model_dir) == (2,)
     assert str(model_dir.resolve()) in tokenizer_module._cache
+
+
+def test_the_vocabulary_tokenizer_is_the_loaded_one_or_reads_tokenizer_json_alone(tmp_path, tiny_llama_dir):
+    from common.text.tokenizer import load_vocabulary_tokenizer
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        load_vocabulary_tokenizer(tmp_path)
+    bundled = resolve_model(None)
+    assert load_vocabulary_tokenizer(bundled) is load_tokenizer(bundled).hf_tokenizer
+    light = load_vocabulary_tokenizer(tiny_llama_dir)
+    assert light.get_vocab() == load_tokenizer(tiny_llama_dir).hf_tokenizer.get_vocab()
