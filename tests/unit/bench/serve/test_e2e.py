@@ -128,9 +128,8 @@ def test_json_schema_requests_reach_decode_constrained_over_both_apis(tmp_path):
     from gateway.openai_api.server import OpenAIServer
     from tests.support.background_gateway import BackgroundGateway
 
-    dataset = ["--dataset-name", "json-schema", "--prompt-format", "text", "--tokenizer", "bundled", "--output-len", "5",
-               "--num-prompts", "3",
-               "--request-rate", "100", "--disable-tqdm"]
+    dataset = ["--dataset-name", "json-schema", "--prompt-format", "text", "--tokenizer", "bundled",
+               "--output-len", "5", "--num-prompts", "3", "--request-rate", "100", "--disable-tqdm"]
     # Honouring EOS is the point of a constrained request: it ends when its JSON closes.
     assert main(["--gateway", "127.0.0.1:1", *dataset]) == 2
     with BackgroundGateway(GatewaySettings()) as gw:
