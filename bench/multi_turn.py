@@ -10,6 +10,11 @@ cache of the instance that served the turn before, if placement sends it there: 
 workload of multi-turn chat (vLLM's benchmarks/multi_turn) and of colocated prefix-aware
 placement (Dynamo's KV router).
 
+Over the chat API (--backend openai-chat) the conversation is text: the system prompt and
+user turns are the same draws written as words (one common English word per id), and the
+history is the messages so far with the answers' text, as a chat client keeps it; the
+server's chat template and tokenizer then decide how much of it its prefix cache finds.
+
 Reported over every turn: TTFT, TPOT, ITL, E2E latency and throughput (vLLM's
 definitions, bench.serve.metrics); per turn index: TTFT and the share of prompt tokens the
 server found cached (usage.cached_prompt_tokens).
@@ -25,13 +30,14 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from bench.serve.client import Backend, GrpcGenerateBackend, OpenAICompletionsBackend, describe_error, send_one
-from bench.serve.datasets import BenchRequest, Vocabulary, parse_length_range
+from bench.serve.client import (
+    Backend, GrpcGenerateBackend, OpenAIChatBackend, OpenAICompletionsBackend, describe_error, send_one)
+from bench.serve.datasets import WORDS, BenchRequest, Vocabulary, parse_length_range
 from bench.serve.main import json_safe, load_vocabulary
 from bench.serve.metrics import RequestOutcome, compute_metrics, format_report, summarize
 
 
-# The backends whose streams carry the answers' token ids.
+# The backends a conversation can go through (OpenAIChatBackend is an OpenAICompletionsBackend).
 ChatBackend = GrpcGenerateBackend | OpenAICompletionsBackend
 
 
@@ -81,59 +87,87 @@ def make_conversations(num: int, vocab: Vocabulary, rng: np.random.Generator, nu
 
 class AnswerReader(Backend):
     """One turn as send_one sees a backend (its timing and failures are the serve benchmark's),
-    keeping what the conversation needs from the messages: the answer's token ids, the prompt
-    tokens found cached and the decode instance that answered (gRPC only: the OpenAI API
-    does not say).
+    keeping what the conversation needs from the messages: the answer (token ids; text over
+    the chat API), the prompt tokens the server counted and found cached, and the decode
+    instance that answered (gRPC only: the OpenAI API does not say).
 
-    Over the OpenAI API the answer's ids come from `return_token_ids` (vLLM's extension,
-    which pdserve's gateway serves too) and the cached tokens from
+    Over /v1/completions the answer's ids come from `return_token_ids` (vLLM's extension,
+    which pdserve's gateway serves too); over either OpenAI API the cached tokens come from
     usage.prompt_tokens_details (vLLM reports it under --enable-prompt-tokens-details)."""
 
     def __init__(self, backend: ChatBackend):
-        if isinstance(backend, OpenAICompletionsBackend) and not backend.return_token_ids:
+        if (isinstance(backend, OpenAICompletionsBackend) and not isinstance(backend, OpenAIChatBackend)
+                and not backend.return_token_ids):
             raise ValueError("a conversation over the OpenAI API needs return_token_ids: the answers' token ids")
         self.backend = backend
         self.answer: list[int] = []
+        self.answer_text = ""
+        self.num_prompt_tokens = 0  # as the server counted them; 0: it did not say
         self.num_cached_tokens = 0
         self.decode_instance_id = ""
 
     async def stream(self, request: BenchRequest):
+        if isinstance(self.backend, OpenAIChatBackend):
+            async for item in self.backend.stream(request, observe=self._read_chat_chunk):
+                yield item
+            return
         if isinstance(self.backend, OpenAICompletionsBackend):
             async for arrival, chunk in self.backend.stream_chunks(request):
-                yield arrival, self._read_chunk(chunk)
+                self._read_usage(chunk)
+                token_ids = [i for choice in chunk.get("choices") or () for i in choice.get("token_ids") or ()]
+                self.answer += token_ids
+                yield arrival, len(token_ids)
             return
         async for arrival, message in self.backend.stream_messages(request):
             self.answer += message.token_ids
             if message.HasField("usage"):
+                self.num_prompt_tokens = message.usage.prompt_tokens
                 self.num_cached_tokens = message.usage.cached_prompt_tokens
             self.decode_instance_id = message.decode_instance_id or self.decode_instance_id
             yield arrival, len(message.token_ids)
 
-    def _read_chunk(self, chunk: dict) -> int:
-        """The answer's ids and the cached count from one completions chunk; its token count."""
-        token_ids = [i for choice in chunk.get("choices") or () for i in choice.get("token_ids") or ()]
-        self.answer += token_ids
-        details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
+    def _read_chat_chunk(self, chunk: dict) -> None:
+        self._read_usage(chunk)
+        self.answer_text += "".join(OpenAIChatBackend.choice_text(c) for c in chunk.get("choices") or ())
+
+    def _read_usage(self, chunk: dict) -> None:
+        usage = chunk.get("usage") or {}
+        self.num_prompt_tokens = usage.get("prompt_tokens") or self.num_prompt_tokens
+        details = usage.get("prompt_tokens_details") or {}
         self.num_cached_tokens = details.get("cached_tokens") or self.num_cached_tokens
-        return len(token_ids)
+
+
+def words(token_ids: list[int]) -> str:
+    """Token ids written as text for the chat API: one common English word per id."""
+    return " ".join(WORDS[i % len(WORDS)] for i in token_ids)
 
 
 async def run_conversation(backend: ChatBackend, conversation: Conversation, benchmark_start: float,
                            think_time_s: float = 0.0) -> list[TurnResult]:
     """Its turns one after another, each prompt the history plus the new user turn; a failed
     turn ends the conversation (there is no answer to carry on from)."""
-    history, results = list(conversation.system_prompt), []
+    chat = isinstance(backend, OpenAIChatBackend)
+    history = list(conversation.system_prompt)
+    messages = [{"role": "system", "content": words(conversation.system_prompt)}]
+    results = []
     for turn, (user, output_len) in enumerate(zip(conversation.user_turns, conversation.output_lens)):
         if turn and think_time_s:
             await asyncio.sleep(think_time_s)
         prompt = history + user
+        messages.append({"role": "user", "content": words(user)})
         reader = AnswerReader(backend)
-        outcome = await send_one(reader, BenchRequest(prompt, len(prompt), output_len), benchmark_start)
+        request = (BenchRequest(words(prompt), len(prompt), output_len, messages=list(messages)) if chat
+                   else BenchRequest(prompt, len(prompt), output_len))
+        outcome = await send_one(reader, request, benchmark_start)
+        # The server's count where it gave one: over the chat API the template adds tokens
+        # and the words are not one token each.
+        outcome.prompt_len = reader.num_prompt_tokens or outcome.prompt_len
         results.append(TurnResult(conversation.conversation_id, turn, outcome, reader.num_cached_tokens,
                                   reader.decode_instance_id))
         if outcome.error:
             break
         history = prompt + reader.answer
+        messages.append({"role": "assistant", "content": reader.answer_text})
     return results
 
 
@@ -190,9 +224,10 @@ def format_by_turn(rows: list[dict]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve bench multi-turn", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
+    parser.add_argument("--backend", choices=["grpc", "openai", "openai-chat"], default="grpc",
                         help="grpc: the gateway's Generate; openai: /v1/completions of any OpenAI-compatible "
-                             "server that returns token ids (pdserve's gateway, vllm serve)")
+                             "server that returns token ids (pdserve's gateway, vllm serve); openai-chat: "
+                             "/v1/chat/completions, the conversation as text messages")
     parser.add_argument("--gateway", default="127.0.0.1:50051", help="the gateway's gRPC address HOST:PORT")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="with --backend openai: the server")
     parser.add_argument("--model", default="", help="model name to send; empty: the served one")
@@ -220,7 +255,10 @@ async def benchmark(args: argparse.Namespace) -> int:
     if args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
-    if args.backend == "openai":
+    if args.backend == "openai-chat":
+        backend = OpenAIChatBackend(args.base_url, args.model, args.temperature, ignore_eos=True,
+                                    timeout_s=args.request_timeout)
+    elif args.backend == "openai":
         backend = OpenAICompletionsBackend(args.base_url, args.model, args.temperature, ignore_eos=True,
                                            timeout_s=args.request_timeout, return_token_ids=True)
     else:
@@ -230,7 +268,7 @@ async def benchmark(args: argparse.Namespace) -> int:
         try:
             server_info = await backend.server_info() or {}
         except Exception as e:  # noqa: BLE001 -- nothing to measure
-            where = args.base_url if args.backend == "openai" else args.gateway
+            where = args.gateway if args.backend == "grpc" else args.base_url
             print(f"pdserve bench multi-turn: cannot reach the server at {where}: {describe_error(e)}",
                   file=sys.stderr)
             return 1

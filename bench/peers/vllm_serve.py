@@ -14,12 +14,13 @@ host whose speed drifts over the minutes weighs on both sides alike. With --lora
 serve one random rank-R PEFT adapter (`--lora-modules`; vLLM with `--enable-lora`) and every
 request names it. With --workload json-schema each request is constrained to a JSON schema
 (bench serve's json-schema dataset: xgrammar on both sides) and ends when its JSON closes.
-With --workload multi-turn the client is `pdserve bench multi-turn --backend
-openai` instead: chat conversations whose turns resend the history (the answers' token ids),
-at each --max-concurrency (conversations open at once; each value its own conversations), so
+With --workload multi-turn the client is `pdserve bench multi-turn --backend openai`
+instead: chat conversations whose turns resend the history (the answers' token ids), at
+each --max-concurrency (conversations open at once; each value its own conversations), so
 both servers' prefix caches and schedulers meet the load of multi-turn chat; reported beside
 the above are the later turns' mean TTFT and the share of prompt tokens each server found
-cached.
+cached. --workload multi-turn-chat sends the same conversations as text messages to
+/v1/chat/completions (`--backend openai-chat`), the path a chat client takes.
 
     pdserve bench serve-peer --request-rate 1,2,4 --num-prompts 64 --json docs/bench/serve_peer.json
     pdserve bench serve-peer --workload multi-turn --max-concurrency 1,4 --json docs/bench/multi_turn_peer.json
@@ -47,6 +48,8 @@ LORA_NAME = "bench-lora"  # the adapter --lora-rank serves
 LOG_TAIL_LINES = 25  # of a server's log, shown when it fails to come up
 # A run's load: bench serve's request rate, or bench multi-turn's conversations open at once.
 LOAD_KEYS = ("request_rate", "max_concurrency")
+# The workloads bench multi-turn drives (token ids over completions, text over chat), and its backend for each.
+MULTI_TURN_BACKENDS = {"multi-turn": "openai", "multi-turn-chat": "openai-chat"}
 # Figures only the multi-turn client gives, paired like the rest.
 MULTI_TURN_FIGURES = ("later_turns_mean_ttft_ms", "cached_share")
 
@@ -92,7 +95,8 @@ def client_argv(base_url: str, args: argparse.Namespace, json_path: Path, model:
 def multi_turn_argv(base_url: str, args: argparse.Namespace, json_path: Path, max_concurrency: int, seed: int,
                     model: str | None = None) -> list[str]:
     """One `pdserve bench multi-turn` run over the OpenAI API at one concurrency."""
-    return [sys.executable, "-m", "common.cli.main", "bench", "multi-turn", "--backend", "openai",
+    return [sys.executable, "-m", "common.cli.main", "bench", "multi-turn",
+            "--backend", MULTI_TURN_BACKENDS[args.workload],
             "--base-url", base_url, "--tokenizer", "bundled", "--num-conversations", str(args.num_conversations),
             "--turns", str(args.turns), "--max-concurrency", str(max_concurrency),
             "--think-time", str(args.think_time), "--seed", str(seed), "--temperature", str(args.temperature),
@@ -118,7 +122,7 @@ def multi_turn_run(record: dict, max_concurrency: int) -> dict:
 
 def run_client(base_url: str, args: argparse.Namespace, json_path: Path) -> dict:
     model = LORA_NAME if args.lora_path else None
-    if args.workload != "multi-turn":
+    if args.workload not in MULTI_TURN_BACKENDS:
         subprocess.run(client_argv(base_url, args, json_path, model), check=True)
         return json.loads(json_path.read_text())
     runs = []
@@ -168,7 +172,7 @@ def vllm_argv(args: argparse.Namespace, model_dir: str, python: Path, port: int)
         argv += ["--speculative-config", args.speculative_config]
     if args.peer_block_size:
         argv += ["--block-size", str(args.peer_block_size)]
-    if args.workload == "multi-turn":
+    if args.workload in MULTI_TURN_BACKENDS:
         argv.append("--enable-prompt-tokens-details")  # usage's cached_tokens, off by default in vLLM
     if args.lora_path:
         argv += ["--enable-lora", "--lora-modules", f"{LORA_NAME}={args.lora_path}", "--max-lora-rank",
@@ -311,11 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-preload", choices=["auto", "none"], default="auto",
                         help="vLLM's LD_PRELOAD: auto (its CPU guide's tcmalloc and Intel OpenMP, where found) "
                              "or none")
-    parser.add_argument("--workload", choices=["random", "json-schema", "multi-turn"], default="random",
+    parser.add_argument("--workload", choices=["random", "json-schema", *MULTI_TURN_BACKENDS], default="random",
                         help="random: bench serve's random prompts at each --request-rate; json-schema: its "
                              "JSON-schema constrained requests (up to --random-output-len tokens, ending when "
                              "the JSON closes) at each rate; multi-turn: bench multi-turn's conversations at "
-                             "each --max-concurrency")
+                             "each --max-concurrency, token ids over /v1/completions; multi-turn-chat: the same "
+                             "as text messages over /v1/chat/completions")
     parser.add_argument("--request-rate", default="1,2,4")
     parser.add_argument("--max-concurrency", type=parse_int_list, default=[1, 4],
                         help="multi-turn: conversations open at once, a comma list")

@@ -17,7 +17,7 @@ import itertools
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -140,6 +140,7 @@ class OpenAICompletionsBackend(Backend):
     """
 
     name = "openai"
+    path = "/v1/completions"
 
     def __init__(self, base_url: str, model: str = "", temperature: float = 0.0, ignore_eos: bool = True,
                  timeout_s: float | None = None, return_token_ids: bool = False):
@@ -188,7 +189,7 @@ class OpenAICompletionsBackend(Backend):
     async def stream_chunks(self, request: BenchRequest) -> AsyncIterator[tuple[float, dict]]:
         """(arrival time, chunk) for every chunk of the stream, parsed; an error status or an
         error event raises OpenAIHTTPError."""
-        async with self._session.post(f"{self.base_url}/v1/completions", json=self.build_body(request)) as response:
+        async with self._session.post(f"{self.base_url}{self.path}", json=self.build_body(request)) as response:
             if response.status != 200:
                 raise OpenAIHTTPError(response.status, await response.json(content_type=None))
             async for line in response.content:
@@ -203,11 +204,20 @@ class OpenAICompletionsBackend(Backend):
                     raise OpenAIHTTPError(200, chunk)
                 yield arrival, chunk
 
-    async def stream(self, request: BenchRequest) -> AsyncIterator[tuple[float, int]]:
+    @staticmethod
+    def choice_text(choice: dict) -> str:
+        """The text a streamed choice adds."""
+        return choice.get("text") or ""
+
+    async def stream(self, request: BenchRequest, observe: Callable[[dict], None] | None = None
+                     ) -> AsyncIterator[tuple[float, int]]:
+        """(arrival, tokens) per chunk with text; observe, when given, sees every chunk."""
         held: tuple[float, int] | None = None  # the latest text chunk, until the next one or the usage
         num_counted, num_reported = 0, None
         async for arrival, chunk in self.stream_chunks(request):
-            if any(choice.get("text") for choice in chunk.get("choices") or ()):
+            if observe is not None:
+                observe(chunk)
+            if any(self.choice_text(choice) for choice in chunk.get("choices") or ()):
                 if held is not None:
                     yield held
                 held, num_counted = (arrival, 1), num_counted + 1
@@ -229,6 +239,27 @@ def structured_output_pb(structured_output: dict) -> common_pb2.StructuredOutput
     if kind in ("regex", "grammar"):
         return common_pb2.StructuredOutput(**{kind: value})
     raise ValueError(f"no Generate API form for structured output {kind!r}")
+
+
+class OpenAIChatBackend(OpenAICompletionsBackend):
+    """POST /v1/chat/completions with stream=true (vLLM's openai-chat backend): a request's
+    messages, or its text prompt as one user message, through the server's chat template;
+    tokens counted as OpenAICompletionsBackend counts them, from the deltas' content."""
+
+    name = "openai-chat"
+    path = "/v1/chat/completions"
+
+    def build_body(self, request: BenchRequest) -> dict:
+        if request.messages is None and not isinstance(request.prompt, str):
+            raise ValueError("the chat API takes text: a token-id prompt cannot be a message")
+        body = super().build_body(request)
+        del body["prompt"]
+        body["messages"] = request.messages or [{"role": "user", "content": request.prompt}]
+        return body
+
+    @staticmethod
+    def choice_text(choice: dict) -> str:
+        return (choice.get("delta") or {}).get("content") or ""
 
 
 class OpenAIHTTPError(Exception):

@@ -67,6 +67,8 @@ class BenchRequest:
     kind: str = ""  # its part of a mixed workload ("decode", "long-prefill", "tenant-3"); "" for one-part ones
     # vLLM's structured_outputs object ({"json": schema}, {"regex": ...}); None: unconstrained
     structured_output: dict | None = None
+    # A chat request's messages (the openai-chat backend); None: the prompt as one user message
+    messages: list[dict] | None = None
 
 
 @dataclass

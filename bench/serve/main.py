@@ -35,12 +35,13 @@ from common.service.flags import EnvDefaultsParser
 def build_parser() -> argparse.ArgumentParser:
     parser = EnvDefaultsParser(prog="pdserve bench serve", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
-                        help="API to drive: grpc (GenerateStream) or openai (POST /v1/completions, "
-                             "streamed; any OpenAI-compatible server)")
+    parser.add_argument("--backend", choices=["grpc", "openai", "openai-chat"], default="grpc",
+                        help="API to drive: grpc (GenerateStream), openai (POST /v1/completions, "
+                             "streamed; any OpenAI-compatible server) or openai-chat (POST "
+                             "/v1/chat/completions, each text prompt one user message)")
     parser.add_argument("--gateway", default="127.0.0.1:50051", help="grpc: gateway address HOST:PORT")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000",
-                        help="openai: the server's URL (with or without /v1)")
+                        help="openai, openai-chat: the server's URL (with or without /v1)")
     parser.add_argument("--model", default="", help="model name to send; empty: the served one")
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset-name", choices=DATASETS, default="random")
@@ -163,10 +164,10 @@ async def self_check(args: argparse.Namespace) -> int:
 
 
 def make_backend(args: argparse.Namespace):
-    from bench.serve.client import GrpcGenerateBackend, OpenAICompletionsBackend
-    if args.backend == "openai":
-        return OpenAICompletionsBackend(args.base_url, args.model, args.temperature, args.ignore_eos,
-                                        args.request_timeout)
+    from bench.serve.client import GrpcGenerateBackend, OpenAIChatBackend, OpenAICompletionsBackend
+    if args.backend in ("openai", "openai-chat"):
+        backend_class = OpenAIChatBackend if args.backend == "openai-chat" else OpenAICompletionsBackend
+        return backend_class(args.base_url, args.model, args.temperature, args.ignore_eos, args.request_timeout)
     return GrpcGenerateBackend(args.gateway, args.model, args.temperature, args.ignore_eos, args.request_timeout)
 
 
@@ -179,6 +180,8 @@ async def benchmark(args: argparse.Namespace) -> int:
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise ValueError("--num-prompts and --max-concurrency must be >= 1")
+    if args.backend == "openai-chat" and args.prompt_format != "text":
+        raise ValueError("--backend openai-chat sends messages of text: pass --prompt-format text")
     if args.dataset_name == "json-schema" and args.ignore_eos:
         raise ValueError("json-schema requests end when their JSON closes, at EOS: pass --no-ignore-eos")
     backend = make_backend(args)
@@ -186,7 +189,7 @@ async def benchmark(args: argparse.Namespace) -> int:
         try:
             server_info = await backend.server_info() or {}
         except Exception as e:  # noqa: BLE001 -- gRPC or HTTP: either way nothing to measure
-            target = f"server at {args.base_url}" if args.backend == "openai" else f"gateway at {args.gateway}"
+            target = f"gateway at {args.gateway}" if args.backend == "grpc" else f"server at {args.base_url}"
             print(f"pdserve bench serve: cannot reach the {target}: {describe_error(e)}", file=sys.stderr)
             return 1
         max_model_len = args.max_model_len or int(server_info.get("max_model_len") or 0) or None

@@ -120,3 +120,30 @@ def test_over_the_openai_api_a_conversation_needs_the_token_ids():
         AnswerReader(OpenAICompletionsBackend("http://127.0.0.1:1"))
     args = build_parser().parse_args(["--backend", "openai", "--base-url", "http://127.0.0.1:9"])
     assert (args.backend, args.base_url) == ("openai", "http://127.0.0.1:9")
+
+
+def test_over_the_chat_api_each_turn_resends_the_messages_with_the_answers_text():
+    from bench.multi_turn import words
+    from bench.serve.client import OpenAIChatBackend
+    from common.engine.model_files import resolve_model
+    from common.text.tokenizer import load_tokenizer
+    [conversation] = make_conversations(1, VOCAB, np.random.default_rng(3), num_turns=3, system_prompt_len=12,
+                                        num_system_prompts=1, user_len_range=(4, 6), output_len_range=(5, 5))
+
+    async def converse(base_url: str):
+        async with OpenAIChatBackend(base_url, MODEL) as backend:
+            return await run_conversation(backend, conversation, time.perf_counter())
+    with http_gateway(token_ids=ANSWER_IDS, num_cached_tokens=9) as gw:
+        results = asyncio.run(converse(f"http://{gw.http_address}/v1"))
+        prompts = [list(r.prompt_token_ids) for r in gw.fake.servicer.requests]
+    tokenizer = load_tokenizer(resolve_model(None))
+    answer_text = tokenizer.decode(ANSWER_IDS)
+    texts = [tokenizer.decode(p) for p in prompts]
+    assert len(texts) == 3 and all(words(conversation.system_prompt) in t for t in texts)
+    for turn, text in enumerate(texts):
+        assert all(words(user) in text for user in conversation.user_turns[:turn + 1])
+        assert text.count(answer_text) == turn  # every answer so far, as the server wrote it
+    assert prompts[1][:len(prompts[0])] == prompts[0]  # the history is the same tokens again
+    # The prompt length is the server's count (the template's tokens included), not the words'.
+    assert [r.outcome.prompt_len for r in results] == [len(p) for p in prompts]
+    assert [(r.outcome.output_tokens, r.num_cached_tokens) for r in results] == [(5, 9)] * 3

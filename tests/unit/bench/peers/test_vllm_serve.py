@@ -119,11 +119,14 @@ def test_multi_turn_rows_pair_by_concurrency_and_a_missing_figure_stays_missing(
 def test_the_multi_turn_client_takes_its_flags_and_each_concurrency_gets_its_own_conversations(tmp_path):
     from bench.multi_turn import build_parser as multi_turn_parser
     from bench.peers.vllm_serve import main, multi_turn_argv
-    args = argparse.Namespace(num_conversations=8, turns=3, think_time=0.5, temperature=0.0)
+    args = argparse.Namespace(num_conversations=8, turns=3, think_time=0.5, temperature=0.0, workload="multi-turn")
     argv = multi_turn_argv("http://127.0.0.1:8000", args, tmp_path / "out.json", 4, seed=7)
     parsed = multi_turn_parser().parse_args(argv[argv.index("multi-turn") + 1:])
     assert (parsed.backend, parsed.base_url, parsed.max_concurrency, parsed.seed) == (
         "openai", "http://127.0.0.1:8000", 4, 7)
+    args.workload = "multi-turn-chat"
+    argv = multi_turn_argv("http://127.0.0.1:8000", args, tmp_path / "out.json", 4, seed=7)
+    assert multi_turn_parser().parse_args(argv[argv.index("multi-turn") + 1:]).backend == "openai-chat"
     assert (parsed.num_conversations, parsed.turns, parsed.think_time, parsed.tokenizer) == (8, 3, 0.5, "bundled")
     with pytest.raises(SystemExit) as stopped:
         main(["--workload", "multi-turn", "--max-concurrency", "1,0"])

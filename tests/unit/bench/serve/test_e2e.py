@@ -146,3 +146,24 @@ def test_json_schema_requests_reach_decode_constrained_over_both_apis(tmp_path):
                 for r in fake.servicer.requests if r.sampling.HasField("structured_output")]
     # Each API: a probe (unconstrained), then the three requests, one schema each in turn.
     assert sent == [(SCHEMAS[0], False), (SCHEMAS[1], False), (SCHEMAS[2], False)] * 2
+
+
+def test_the_chat_backend_sends_each_text_prompt_as_one_user_message(tmp_path):
+    from tests.unit.gateway.openai_api.test_server import http_gateway
+
+    load = ["--backend", "openai-chat", "--tokenizer", "bundled", "--random-input-len", "12",
+            "--random-output-len", "4", "--num-prompts", "3", "--request-rate", "100", "--disable-tqdm"]
+    assert main([*load, "--prompt-format", "ids"]) == 2  # a token-id prompt is no message
+    out = tmp_path / "chat.json"
+    with http_gateway(token_ids=list(range(1000, 1010))) as gw:
+        rc = main([*load, "--base-url", f"http://{gw.http_address}", "--prompt-format", "text", "--json", str(out)])
+        prompts = [list(r.prompt_token_ids) for r in gw.fake.servicer.requests]
+    assert rc == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert (run["completed"], run["failed"], run["output_lens"]) == (3, 0, [4, 4, 4])
+    from common.engine.model_files import resolve_model
+    from common.text.tokenizer import load_tokenizer
+    # Each one a chat, the prompt its user turn (the probe's first): the template's roles around
+    # it (decoded without the special tokens that open each turn).
+    texts = [load_tokenizer(resolve_model(None)).decode(p) for p in prompts]
+    assert len(texts) == 4 and all("\nuser\n" in t and t.endswith("\nassistant\n") for t in texts)
