@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "server that returns token ids (pdserve's gateway, vllm serve); openai-chat: "
                              "/v1/chat/completions, the conversation as text messages")
     parser.add_argument("--gateway", default="127.0.0.1:50051", help="the gateway's gRPC address HOST:PORT")
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="with --backend openai: the server")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="with an OpenAI backend: the server")
     parser.add_argument("--model", default="", help="model name to send; empty: the served one")
     parser.add_argument("--tokenizer", default=None,
                         help="'bundled' or a local HF directory: excludes all its special ids from prompts; "
