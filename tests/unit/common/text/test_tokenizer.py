@@ -112,6 +112,7 @@ def test_the_vocabulary_tokenizer_is_the_loaded_one_or_reads_tokenizer_json_alon
     with pytest.raises(ValueError, match="no tokenizer.json"):
         load_vocabulary_tokenizer(tmp_path)
     bundled = resolve_model(None)
-    assert load_vocabulary_tokenizer(bundled) is load_tokenizer(bundled).hf_tokenizer
+    loaded = load_tokenizer(bundled)
+    assert load_vocabulary_tokenizer(bundled) is loaded.hf_tokenizer  # no second load
     light = load_vocabulary_tokenizer(tiny_llama_dir)
     assert light.get_vocab() == load_tokenizer(tiny_llama_dir).hf_tokenizer.get_vocab()
