@@ -81,11 +81,21 @@ def resolve_max_model_len(requested: int | None, model_config: ModelConfig, num_
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None, model_dir: Path | None = None):
-        """model_dir: config.model already resolved (resolving a GGUF hashes the whole file)."""
+    def __init__(self, config: EngineConfig, executor: Executor | None = None, model_dir: Path | None = None,
+                 warm_grammar_backend: bool = False):
+        """model_dir: config.model already resolved (resolving a GGUF hashes the whole file).
+        warm_grammar_backend: build the structured-output backend while the model loads (a
+        service's first constrained requests then find it ready; elsewhere the first
+        constraint builds it)."""
         self.config = config
         self.model_dir = model_dir or resolve_model(config.model)
         self.model_config = ModelConfig.from_hf_config(load_hf_config(self.model_dir))
+        self.structured_output = StructuredOutputManager(self.model_dir, self.model_config.vocab_size,
+                                                         tuple(self.model_config.eos_token_ids))
+        # Joined before the constructor returns: a thread still importing once the service
+        # serves would hold the interpreter's lock from its first requests (a first prompt
+        # 342 against 94 ms, measured).
+        grammar_warm_up = self.structured_output.warm_up_in_background() if warm_grammar_backend else None
         # How embeddings are made: the model's sentence-transformers config, under --pooler-config.
         self.pooling_config = PoolingConfig.from_model_dir(self.model_dir).overridden(config.pooler_config)
         # The LoRA adapters the runner holds, least recently used first.
@@ -105,6 +115,9 @@ class EngineCore:
         except BaseException:  # a worker process must not outlive an engine that never started
             self.executor.shutdown()
             raise
+        finally:
+            if grammar_warm_up is not None:
+                grammar_warm_up.join()
 
     def _start(self, config: EngineConfig) -> None:
         """Size and allocate the KV pool, warm the runners up, build the scheduler."""
@@ -132,8 +145,6 @@ class EngineCore:
                         "native decode loop with a greedy head: compiled, one rank)",
                         config.scheduler.num_scheduler_steps)
             self.scheduler.num_scheduler_steps = 1
-        self.structured_output = StructuredOutputManager(self.model_dir, self.model_config.vocab_size,
-                                                         tuple(self.model_config.eos_token_ids))
         self.idle = True
         # Called on the engine thread after each step that ran something, with the
         # step's SchedulerOutput and its duration in seconds (the services' metrics).

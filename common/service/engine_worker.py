@@ -52,7 +52,8 @@ class EngineWorker:
             # A prefill instance samples one token per prompt: there is nothing to draft for.
             logger.info("--speculative-config is for decode instances; a prefill instance ignores it")
             config.speculative = None
-        self.core = EngineCore(config)
+        # The grammar backend built while the model loads: ready for the first constrained request.
+        self.core = EngineCore(config, warm_grammar_backend=True)
         # Every adapter served is loaded once now, so that one this model cannot serve fails the
         # start, not a request; past max_loras each takes the place of the one loaded longest ago.
         for lora in self.lora_modules.requests:
@@ -68,8 +69,6 @@ class EngineWorker:
         self.core.kv_transfer_observers += [self.metrics.observe_transfer, self.transfer_waiters]
         self.kv_events.follow(self.core)
         self.engine = AsyncEngine(self.core)  # the engine thread starts here
-        # The grammar backend ready before the first constrained request, not built by it.
-        self.core.structured_output.warm_up_in_background()
         self.engine.finished_observers.append(self.metrics.observe_finished)
         # Every instance embeds prompts (EmbeddingService) with the model it serves.
         self.embedder = Embedder(self.engine, self.core, eos_token_ids(self.core), self.lora_modules)

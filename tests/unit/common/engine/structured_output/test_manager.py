@@ -52,3 +52,16 @@ def test_the_vocabulary_tokenizer_gives_xgrammar_what_the_full_tokenizer_gives(t
                                                   vocab_size=49152, stop_token_ids=eos)
         assert light.dump_metadata() == full.dump_metadata()
         assert light.decoded_vocab == full.decoded_vocab
+
+
+def test_an_engine_asked_to_warm_its_grammar_backend_has_it_once_built(tiny_llama_dir):
+    from common.engine.config import CacheConfig, EngineConfig
+    from common.engine.engine_core import EngineCore
+    config = EngineConfig(model=str(tiny_llama_dir), cache=CacheConfig(block_size=8, num_blocks=16))
+    warm = EngineCore(config, warm_grammar_backend=True)
+    cold = EngineCore(EngineConfig(model=str(tiny_llama_dir), cache=CacheConfig(block_size=8, num_blocks=16)))
+    try:
+        assert warm.structured_output.is_warm and not cold.structured_output.is_warm
+    finally:
+        warm.shutdown()
+        cold.shutdown()
