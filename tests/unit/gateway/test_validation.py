@@ -171,3 +171,22 @@ def test_a_chat_template_and_default_variables_from_the_command_line(tmp_path):
     assert load_served_model(None).tokenizer.chat_template != template
     with pytest.raises(ValueError, match="is set by the server"):
         load_served_model(None, default_chat_template_kwargs={"messages": []})
+
+
+def test_the_chat_template_is_rendered_once_at_start_up_and_a_refusing_one_still_loads(tmp_path, monkeypatch):
+    from common.text.prompt_tokenizer import PromptTokenizer
+    from gateway.validation import load_served_model
+    rendered = []
+    real_render = PromptTokenizer.render_chat_template
+
+    def render(self, messages, *args, **kwargs):
+        rendered.append((self.chat_template, messages))
+        return real_render(self, messages, *args, **kwargs)
+    monkeypatch.setattr(PromptTokenizer, "render_chat_template", render)
+    model = load_served_model(None)
+    assert rendered == [(model.tokenizer.chat_template, [{"role": "user", "content": "hi"}])]
+    refusing = "{{ raise_exception('a system message first') }}"
+    model = load_served_model(None, chat_template=refusing)
+    assert model.tokenizer.chat_template == refusing and len(rendered) == 2
+    with pytest.raises(ValueError, match="a system message first"):
+        model.tokenizer.render_chat_template([{"role": "user", "content": "hi"}])
