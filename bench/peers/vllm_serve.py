@@ -130,7 +130,11 @@ def run_client(base_url: str, args: argparse.Namespace, json_path: Path) -> dict
         # Each concurrency its own conversations, as bench serve gives each rate its own
         # prompts: the last run's conversations are still in the prefix cache.
         path = json_path.with_name(f"{json_path.stem}-c{concurrency}.json")
-        subprocess.run(multi_turn_argv(base_url, args, path, concurrency, args.seed + index, model), check=True)
+        # It exits 1 when a turn failed; its record still counts the failures, as bench
+        # serve's runs do. No record: it stopped before measuring.
+        client = subprocess.run(multi_turn_argv(base_url, args, path, concurrency, args.seed + index, model))
+        if not path.is_file():
+            raise RuntimeError(f"bench multi-turn at {concurrency} open exited {client.returncode} without a record")
         runs.append(multi_turn_run(json.loads(path.read_text()), concurrency))
     return {"runs": runs}
 

@@ -167,3 +167,29 @@ def test_the_json_schema_workload_sends_text_prompts_that_end_at_eos(tmp_path):
     parsed = serve_parser().parse_args(argv[argv.index("serve") + 1:])
     assert (parsed.dataset_name, parsed.prompt_format, parsed.ignore_eos, parsed.output_len) == (
         "json-schema", "text", False, 96)
+
+
+def test_a_multi_turn_run_with_failed_turns_is_counted_and_one_without_a_record_stops(tmp_path, monkeypatch):
+    import json
+    import subprocess
+
+    from bench.peers import vllm_serve
+    args = argparse.Namespace(num_conversations=2, turns=2, think_time=0.0, temperature=0.0, workload="multi-turn",
+                              lora_path=None, max_concurrency=[1, 4], seed=0)
+    record = _turn_record([300.0, 60.0], cached=40, completed=2)
+    record["metrics"]["failed"] = 1
+    calls = []
+
+    def client(argv, **kwargs):  # the client process, which exits 1 when a turn failed
+        calls.append(argv)
+        out = argv[argv.index("--json") + 1]
+        if argv[argv.index("--max-concurrency") + 1] == "1":
+            with open(out, "w") as f:
+                json.dump(record, f)
+        return subprocess.CompletedProcess(argv, 1)
+    monkeypatch.setattr(vllm_serve.subprocess, "run", client)
+    with pytest.raises(RuntimeError, match="at 4 open exited 1 without a record"):
+        vllm_serve.run_client("http://127.0.0.1:8000", args, tmp_path / "ours.json")
+    args.max_concurrency = [1]
+    [run] = vllm_serve.run_client("http://127.0.0.1:8000", args, tmp_path / "ours.json")["runs"]
+    assert (run["max_concurrency"], run["failed"], run["completed"]) == (1, 1, 4)
