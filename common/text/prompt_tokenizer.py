@@ -3,8 +3,8 @@ chat template, without torch or AutoTokenizer.
 
 common.text.tokenizer goes through transformers' AutoTokenizer, which imports torch
 (~1.5 s and ~300 MB per process) although the gateway never runs the model, and costs
-the offline LLM ~1.8 s of its start-up (the engine's structured outputs load it only
-when a request asks for them). This
+the offline LLM ~1.8 s of its start-up (the engine's structured outputs read only the
+vocabulary, through load_vocabulary_tokenizer). This
 loads the same Rust `tokenizers.Tokenizer` from tokenizer.json and renders the chat
 template with transformers' own `render_jinja_template` (which does not import
 torch), passing the special tokens exactly as transformers' apply_chat_template

@@ -1,7 +1,7 @@
 """Compiles constraints with xgrammar (vLLM's default backend) and makes matchers.
 
 One backend per engine, built from the model's tokenizer's vocabulary (services build it
-on a thread at start-up, anything else on first use). Compiled
+while their model loads, anything else on first use). Compiled
 grammars are cached by the constraint's text: compiling is the slow part (a
 schema can take tens of milliseconds), and it is thread-safe, so services compile
 before admission, off the engine loop, and admission finds the grammar cached.
