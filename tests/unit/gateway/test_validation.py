@@ -190,3 +190,4 @@ def test_the_chat_template_is_rendered_once_at_start_up_and_a_refusing_one_still
     assert model.tokenizer.chat_template == refusing and len(rendered) == 2
     with pytest.raises(ValueError, match="a system message first"):
         model.tokenizer.render_chat_template([{"role": "user", "content": "hi"}])
+    assert load_served_model(None, chat_template="{{ 1 / 0 }}").tokenizer.chat_template == "{{ 1 / 0 }}"
