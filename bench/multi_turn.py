@@ -10,10 +10,12 @@ cache of the instance that served the turn before, if placement sends it there: 
 workload of multi-turn chat (vLLM's benchmarks/multi_turn) and of colocated prefix-aware
 placement (Dynamo's KV router).
 
-Over the chat API (--backend openai-chat) the conversation is text: the system prompt and
-user turns are the same draws written as words (one common English word per id), and the
-history is the messages so far with the answers' text, as a chat client keeps it; the
-server's chat template and tokenizer then decide how much of it its prefix cache finds.
+--backend openai needs a server whose /v1/completions returns the answers' token ids
+(`return_token_ids`: pdserve's gateway, vllm serve). Over the chat API (--backend
+openai-chat) the conversation is text: the system prompt and user turns are the same
+draws written as words (one common English word per id), and the history is the messages
+so far with the answers' text, as a chat client keeps it; the server's chat template and
+tokenizer then decide how much of it its prefix cache finds.
 
 Reported over every turn: TTFT, TPOT, ITL, E2E latency and throughput (vLLM's
 definitions, bench.serve.metrics); per turn index: TTFT and the share of prompt tokens the
@@ -33,7 +35,7 @@ import numpy as np
 from bench.serve.client import (
     Backend, GrpcGenerateBackend, OpenAIChatBackend, OpenAICompletionsBackend, describe_error, send_one)
 from bench.serve.datasets import WORDS, BenchRequest, Vocabulary, parse_length_range
-from bench.serve.main import json_safe, load_vocabulary
+from bench.serve.main import add_server_flags, json_safe, load_vocabulary, make_backend
 from bench.serve.metrics import RequestOutcome, compute_metrics, format_report, summarize
 
 
@@ -224,13 +226,7 @@ def format_by_turn(rows: list[dict]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve bench multi-turn", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=["grpc", "openai", "openai-chat"], default="grpc",
-                        help="grpc: the gateway's Generate; openai: /v1/completions of any OpenAI-compatible "
-                             "server that returns token ids (pdserve's gateway, vllm serve); openai-chat: "
-                             "/v1/chat/completions, the conversation as text messages")
-    parser.add_argument("--gateway", default="127.0.0.1:50051", help="the gateway's gRPC address HOST:PORT")
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="with an OpenAI backend: the server")
-    parser.add_argument("--model", default="", help="model name to send; empty: the served one")
+    add_server_flags(parser)
     parser.add_argument("--tokenizer", default=None,
                         help="'bundled' or a local HF directory: excludes all its special ids from prompts; "
                              "default: vocab size and EOS ids from the gateway's ModelInfo")
@@ -255,16 +251,7 @@ async def benchmark(args: argparse.Namespace) -> int:
     if args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
-    if args.backend == "openai-chat":
-        backend = OpenAIChatBackend(args.base_url, args.model, args.temperature, ignore_eos=True,
-                                    timeout_s=args.request_timeout)
-    elif args.backend == "openai":
-        backend = OpenAICompletionsBackend(args.base_url, args.model, args.temperature, ignore_eos=True,
-                                           timeout_s=args.request_timeout, return_token_ids=True)
-    else:
-        backend = GrpcGenerateBackend(args.gateway, args.model, args.temperature, ignore_eos=True,
-                                      timeout_s=args.request_timeout, request_id_prefix="multi-turn")
-    async with backend:
+    async with make_backend(args, ignore_eos=True, return_token_ids=True, request_id_prefix="multi-turn") as backend:
         try:
             server_info = await backend.server_info() or {}
         except Exception as e:  # noqa: BLE001 -- nothing to measure

@@ -32,9 +32,9 @@ from bench.serve.metrics import format_report, parse_goodput
 from common.service.flags import EnvDefaultsParser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = EnvDefaultsParser(prog="pdserve bench serve", description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that name the API to drive and the server behind it (bench serve's and
+    bench multi-turn's)."""
     parser.add_argument("--backend", choices=["grpc", "openai", "openai-chat"], default="grpc",
                         help="API to drive: grpc (GenerateStream), openai (POST /v1/completions, "
                              "streamed; any OpenAI-compatible server) or openai-chat (POST "
@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000",
                         help="openai, openai-chat: the server's URL (with or without /v1)")
     parser.add_argument("--model", default="", help="model name to send; empty: the served one")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = EnvDefaultsParser(prog="pdserve bench serve", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_flags(parser)
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset-name", choices=DATASETS, default="random")
     data.add_argument("--num-prompts", type=int, default=100, help="requests per request rate")
@@ -163,12 +169,18 @@ async def self_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def make_backend(args: argparse.Namespace):
+def make_backend(args: argparse.Namespace, ignore_eos: bool, return_token_ids: bool = False,
+                 request_id_prefix: str = "bench"):
+    """The backend add_server_flags' flags name. return_token_ids: the completions API's
+    chunks carry their token ids (vLLM's extension); request_id_prefix: gRPC request ids'."""
     from bench.serve.client import GrpcGenerateBackend, OpenAIChatBackend, OpenAICompletionsBackend
-    if args.backend in ("openai", "openai-chat"):
-        backend_class = OpenAIChatBackend if args.backend == "openai-chat" else OpenAICompletionsBackend
-        return backend_class(args.base_url, args.model, args.temperature, args.ignore_eos, args.request_timeout)
-    return GrpcGenerateBackend(args.gateway, args.model, args.temperature, args.ignore_eos, args.request_timeout)
+    if args.backend == "openai-chat":
+        return OpenAIChatBackend(args.base_url, args.model, args.temperature, ignore_eos, args.request_timeout)
+    if args.backend == "openai":
+        return OpenAICompletionsBackend(args.base_url, args.model, args.temperature, ignore_eos,
+                                        args.request_timeout, return_token_ids=return_token_ids)
+    return GrpcGenerateBackend(args.gateway, args.model, args.temperature, ignore_eos, args.request_timeout,
+                               request_id_prefix=request_id_prefix)
 
 
 async def benchmark(args: argparse.Namespace) -> int:
@@ -184,7 +196,7 @@ async def benchmark(args: argparse.Namespace) -> int:
         raise ValueError("--backend openai-chat sends messages of text: pass --prompt-format text")
     if args.dataset_name == "json-schema" and args.ignore_eos:
         raise ValueError("json-schema requests end when their JSON closes, at EOS: pass --no-ignore-eos")
-    backend = make_backend(args)
+    backend = make_backend(args, args.ignore_eos)
     async with backend:
         try:
             server_info = await backend.server_info() or {}
