@@ -158,7 +158,9 @@ async def run_conversation(backend: ChatBackend, conversation: Conversation, ben
         prompt = history + user
         messages.append({"role": "user", "content": words(user)})
         reader = AnswerReader(backend)
-        request = (BenchRequest(words(prompt), len(prompt), output_len, messages=list(messages)) if chat
+        # Over the chat API the messages are the request; the prompt's ids give its length
+        # until the server counts it.
+        request = (BenchRequest("", len(prompt), output_len, messages=list(messages)) if chat
                    else BenchRequest(prompt, len(prompt), output_len))
         outcome = await send_one(reader, request, benchmark_start)
         # The server's count where it gave one: over the chat API the template adds tokens
