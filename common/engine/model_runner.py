@@ -42,6 +42,7 @@ from common.engine.spec_decode.draft_model_proposer import draft_model_config
 from common.engine.spec_decode.proposer import DraftProposer, make_proposer
 from common.engine.spec_decode.verification import accept_drafts, expand_verification_rows
 from kernels.cpu_attention import dtype_pair, prefer_build
+from kernels.huge_pages import populate_in_background, zeros_on_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -87,15 +88,19 @@ def allocate_paged_kv(model_config: ModelConfig, num_blocks: int, block_size: in
     num_kv_heads (default: the model's) are one rank's under tensor/pipeline parallelism.
 
     Zeroed, not empty: attention reads whole blocks and masks the tail, and garbage
-    NaNs would survive a zero weight (0 * NaN = NaN). On the CPU in ordinary memory, not
-    huge pages (kernels/huge_pages.py): attention over a huge-page pool was at most 5%
-    faster, while faulting in a fresh 1 GiB pool of huge pages took 4-8 s of a start on a
-    VM whose host backs guest memory lazily (0.3-0.6 s on 4 KiB pages)."""
+    NaNs would survive a zero weight (0 * NaN = NaN). On the CPU in huge pages
+    (kernels/huge_pages.py): the TLB caps a decode step's scattered block reads on 4 KiB
+    pages. Their pages fault in on a thread of their own, since on a VM whose host backs
+    guest memory lazily a fresh GiB of huge pages can take seconds."""
     num_layers = model_config.num_hidden_layers if num_layers is None else num_layers
     num_kv_heads = model_config.num_key_value_heads if num_kv_heads is None else num_kv_heads
     shape = (num_blocks, block_size, num_kv_heads, model_config.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)]
+    if device.type != "cpu":
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(num_layers)]
+    caches = [(zeros_on_huge_pages(shape, dtype), zeros_on_huge_pages(shape, dtype)) for _ in range(num_layers)]
+    populate_in_background([cache for pair in caches for cache in pair])
+    return caches
 
 
 def check_parallel_setup(model_config: ModelConfig, parallel: ParallelConfig, rank: int,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kernels import huge_pages
-from kernels.huge_pages import CHUNK_BYTES, empty_on_huge_pages, huge_pages_available, on_huge_pages
+from kernels.huge_pages import (CHUNK_BYTES, empty_on_huge_pages, huge_pages_available, on_huge_pages,
+                                populate_in_background, zeros_on_huge_pages)
 from tests.support.memory_maps import mapping_of
 
 
@@ -70,6 +71,33 @@ def test_a_region_is_unmapped_when_its_tensors_go():
     assert not any(start <= address < end for start, end in ranges)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("num_bytes", [4096, CHUNK_BYTES])  # a chunk's piece, a region of its own
+def test_zeros_read_as_zero_in_any_cache_dtype(dtype, num_bytes):
+    # Both kinds of memory are fresh, never handed out before: zero with nothing written.
+    zeros = zeros_on_huge_pages((num_bytes // 64, 64 // dtype.itemsize), dtype)
+    assert zeros.dtype == dtype and zeros.is_contiguous() and not zeros.float().any()
+
+
+@needs_huge_pages
+def test_populating_faults_the_pages_in_and_keeps_what_was_written():
+    tensor = zeros_on_huge_pages((CHUNK_BYTES // 4,), torch.float32)
+    assert int(mapping_of(tensor)["Rss"].split()[0]) == 0
+    tensor[:1000] = torch.arange(1000.0)  # written before and while the thread runs: kept
+    thread = populate_in_background([tensor])
+    tensor[-1000:] = torch.arange(1000.0)
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert int(mapping_of(tensor)["Rss"].split()[0]) * 1024 >= CHUNK_BYTES
+    assert torch.equal(tensor[:1000], torch.arange(1000.0)) and torch.equal(tensor[-1000:], torch.arange(1000.0))
+    assert not tensor[1000:-1000].any()
+
+
+def test_nothing_to_populate_starts_no_thread():
+    assert populate_in_background([]) is None
+    assert populate_in_background([torch.zeros(0)]) is None
+
+
 def test_an_empty_tensor_has_the_shape_and_dtype_asked():
     empty = empty_on_huge_pages((3, 4, 5), torch.bfloat16)
     assert empty.shape == (3, 4, 5) and empty.dtype == torch.bfloat16 and empty.is_contiguous()
@@ -92,6 +120,8 @@ def test_turned_off_they_are_ordinary_tensors(monkeypatch):
         assert torch.equal(copy, source) and copy.data_ptr() != source.data_ptr()
         assert empty_on_huge_pages((CHUNK_BYTES,), torch.uint8).shape == (CHUNK_BYTES,)
         assert empty_on_huge_pages((8,), torch.float32).dtype == torch.float32
+        assert not zeros_on_huge_pages((CHUNK_BYTES // 4,), torch.float32).any()
+        assert populate_in_background([torch.zeros(CHUNK_BYTES // 4)]) is None
     finally:
         monkeypatch.undo()
         huge_pages_available.cache_clear()

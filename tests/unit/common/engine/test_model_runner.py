@@ -12,6 +12,9 @@ from common.engine.model_files import load_hf_config
 from common.engine.model_runner import PREFILL_THREADS_MIN_TOKENS, allocate_paged_kv, step_num_threads
 from common.engine.outputs import ScheduledRequest, SchedulerOutput
 from common.engine.sampling_params import SamplingParams
+from kernels.huge_pages import CHUNK_BYTES, huge_pages_available
+from tests.support.memory_maps import mapping_of
+from tests.support.waiting import wait_for
 
 
 def _step(*token_counts: int, drafts: int = 0) -> SchedulerOutput:
@@ -128,3 +131,17 @@ def test_the_kv_pool_is_zeroed_and_each_layers_caches_are_their_own(tiny_llama_d
         assert cache.shape == (8, 16, config.num_key_value_heads, config.head_dim)
         assert cache.dtype == torch.bfloat16 and cache.is_contiguous() and not cache.any()
     assert len({cache.untyped_storage().data_ptr() for cache in tensors}) == len(tensors)
+
+
+@pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages here")
+def test_a_cpu_kv_pool_lives_in_huge_pages_that_fault_in_on_their_own(tiny_llama_dir):
+    # A decode step's attention reads blocks scattered over the pool; on 4 KiB pages the
+    # TLB caps that read. Nothing is written to make the pool read as zero.
+    config = ModelConfig.from_hf_config(load_hf_config(tiny_llama_dir))
+    caches = allocate_paged_kv(config, 16384, 16, torch.float32, torch.device("cpu"))
+    big = caches[0][0]  # 16384 x 16 x kv heads x head dim x 4 bytes: a region of its own
+    assert big.untyped_storage().nbytes() > CHUNK_BYTES // 2
+    assert mapping_of(big)["THPeligible"] == "1" and not big.any()
+    nbytes = big.numel() * big.element_size()
+    wait_for(lambda: int(mapping_of(big)["Rss"].split()[0]) * 1024 >= nbytes, timeout_s=30,
+             what="the pool's pages faulted in by the background thread")
