@@ -12,21 +12,23 @@ step's attention reads each sequence's blocks scattered over a pool of a GiB, an
 pages the TLB caps that read (fp32 at batch 64, context 256, 30 layers' pool: 0.75 -> 0.62
 ms a layer; bf16 0.49 -> 0.36 ms, the 2-core Zen 5 EPYC). `zeros_on_huge_pages` hands out
 fresh memory, which reads as zero with nothing written, and `populate_in_background` faults
-its pages in on a thread of their own: on a VM whose host backs guest memory only when first
-touched, a fresh huge page can take milliseconds (1 GiB: 7.2 s on the Zen 4 EPYC's VM,
-0.33-0.64 s for 2 GiB on the Zen 5's, 0.26-0.32 s on 4 KiB pages), which a start need not
-wait for.
+its pages in on a thread that runs while a core is idle: on a VM whose host backs guest
+memory only when first touched, a fresh huge page can take milliseconds (1 GiB: 7.2 s on
+the Zen 4 EPYC's VM, against 0.66 s on 4 KiB pages; 2 GiB 0.33-0.64 s on the Zen 5's), which
+neither a start nor its first requests should wait for (docs/benchmarks.md, "The KV pool
+on huge pages again").
 
 `on_huge_pages(t)` copies a tensor into such memory, `empty_on_huge_pages` (for a caller
-that writes it whole) and `zeros_on_huge_pages` allocate there: small tensors share 32 MiB chunks (64-byte aligned
-pieces, each tensor with a storage of its own; a chunk lives while any of its tensors
-does), large ones get their own region; every region starts on a 2 MiB boundary. Where THP
+that writes it whole) and `zeros_on_huge_pages` allocate there: small tensors share 32 MiB
+chunks (64-byte aligned pieces, each tensor with a storage of its own; a chunk lives while
+any of its tensors does), large ones get their own region; every region starts on a 2 MiB boundary. Where THP
 is off ("never"), outside Linux, or with PDSERVE_HUGE_PAGES=0, they return ordinary
 tensors. Memory is never handed out twice, so a copy costs only its own bytes; pages of a
 chunk that nothing touched are not resident.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -142,6 +144,11 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
 
 
 def _populate(spans: list[tuple[int, int]], _tensors: list[torch.Tensor]) -> None:
+    # Only when a core is idle: where each first touch stalls on the host, a thread faulting
+    # a GiB in would otherwise take a core from the compile or the first requests for
+    # seconds. A page the workers write first faults in then, as it would unadvised.
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
     libc = ctypes.CDLL(None, use_errno=True)  # ctypes lets go of the GIL for the call
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     for start, end in spans:
@@ -153,9 +160,9 @@ def _populate(spans: list[tuple[int, int]], _tensors: list[torch.Tensor]) -> Non
 
 
 def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | None:
-    """Fault in the huge-page memory of these contiguous CPU tensors on a daemon thread, so
-    neither the start nor the first writes wait for it; their contents are left as they
-    are. Returns the thread (None when there is nothing to do). Where the kernel lacks the
+    """Fault in the huge-page memory of these contiguous CPU tensors on a daemon thread that
+    runs while a core is idle, so the start does not wait for it; their contents are left
+    as they are. Returns the thread (None when there is nothing to do). Where the kernel lacks the
     advice the pages fault in when first written, as they would anyway."""
     spans = []
     for tensor in tensors:
