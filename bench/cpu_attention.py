@@ -10,6 +10,11 @@ per step), under each torch thread count asked for. On a shared machine the min 
 steadier figure: a descheduled OpenMP thread stalls every parallel region it is in,
 and the torch path runs many per call.
 The native kernel's build time is measured with a fresh cache directory.
+
+--pool-pages times the native decode over a pool of 30 layers' caches (SmolLM2's depth, so
+the KV comes from DRAM, as in a served step), the pool on ordinary 4 KiB pages and on huge
+pages (kernels/huge_pages.py, where the engine keeps it) alternately: what the TLB costs a
+step's scattered block reads.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from kernels import decode_attention, prefill_attention
 from kernels._backend import to_cache_dtype
 from kernels.cpu import build
 from kernels.cpu_attention import native_attention_error
+from kernels.huge_pages import huge_pages_available, on_huge_pages
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 SCALE = HEAD_DIM ** -0.5
@@ -98,6 +104,40 @@ def time_case(run, seconds: float) -> dict[str, float]:
     return result
 
 
+POOL_LAYERS = 30
+
+
+def pool_pages_case(batch: int, context: int, dtype: torch.dtype, gen: torch.Generator,
+                    reps: int) -> dict[str, float]:
+    """Median and min ms per layer of a decode step over POOL_LAYERS layers' caches, the pool
+    on 4 KiB pages and a copy of it on huge pages, passes alternating."""
+    layers = [paged_cache([context] * batch, dtype, gen) for _ in range(POOL_LAYERS)]
+    pools = {"small_pages": layers, "huge_pages": [(on_huge_pages(k), on_huge_pages(v), t) for k, v, t in layers]}
+    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(dtype)  # [batch, q_heads, head_dim]
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+
+    def step_ms(pool) -> float:
+        started = time.perf_counter()
+        for k_cache, v_cache, block_tables in pool:
+            decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE, backend="native")
+        return (time.perf_counter() - started) * 1e3 / POOL_LAYERS
+
+    samples: dict[str, list[float]] = {name: [] for name in pools}
+    for rep in range(reps + 2):  # two passes each to warm up
+        for name, pool in pools.items():
+            ms = step_ms(pool)
+            if rep >= 2:
+                samples[name].append(ms)
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
+    result: dict[str, float] = {"reps": reps}
+    for name, times in samples.items():
+        result[f"{name}_ms"] = round(statistics.median(times), 4)
+        result[f"{name}_min_ms"] = round(min(times), 4)
+        result[f"{name}_GBps"] = round(kv_bytes / statistics.median(times) / 1e6, 1)
+    result["speedup"] = round(result["small_pages_ms"] / result["huge_pages_ms"], 2)
+    return result
+
+
 def build_seconds() -> float:
     with tempfile.TemporaryDirectory(prefix="pdserve-kbuild-") as cache:
         os.environ["PDSERVE_KERNEL_CACHE"] = cache
@@ -118,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", default="", help="also whole prompts of these lengths, comma-separated "
                    "(one prefill step each, no cached context)")
     p.add_argument("--no-build-time", action="store_true", help="skip timing a fresh build of the kernel")
+    p.add_argument("--pool-pages", action="store_true", help="instead: decode steps over 30 layers' pool on "
+                   "4 KiB pages against huge pages (batch 32/64, context 128/256/512)")
     p.add_argument("--note", default="", help="conditions worth recording with the figures (e.g. a shared machine)")
     args = p.parse_args(argv)
     if native_attention_error() is not None:
@@ -125,10 +167,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     gen = torch.Generator().manual_seed(0)
     load_before = os.getloadavg()
+    if args.pool_pages and not huge_pages_available():
+        print("no transparent huge pages here (THP never, or PDSERVE_HUGE_PAGES=0)", file=sys.stderr)
+        return 1
     cases = []
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
-        for dtype_name in args.dtypes.split(","):
+        for dtype_name in args.dtypes.split(",") if args.pool_pages else ():
+            for batch, context in ((64, 128), (64, 256), (32, 512)):
+                result = pool_pages_case(batch, context, DTYPES[dtype_name][0], gen, reps=max(5, int(args.seconds * 25)))
+                cases.append({"threads": threads, "step": "decode_pool", "dtype": dtype_name, "batch": batch,
+                              "context": context, "layers": POOL_LAYERS} | result)
+                print(json.dumps(cases[-1]), flush=True)
+        for dtype_name in args.dtypes.split(",") if not args.pool_pages else ():
             dtype, cache_dtype = DTYPES[dtype_name]
             for batch in (1, 16, 64):
                 for context in (256, 1024):
@@ -156,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "note": args.note,
         "loadavg_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
-        "build_seconds": None if args.no_build_time else build_seconds(),
+        "build_seconds": None if args.no_build_time or args.pool_pages else build_seconds(),
         "cases": cases,
     }
     if args.json:
