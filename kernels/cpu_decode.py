@@ -119,12 +119,12 @@ def register_decode_model(
     # per weight: its pdserve_gemv::prepacked_linear id, or -1; where every weight has one,
     # the model takes steps of any size (the ids' op past DECODE_MAX_TOKENS rows)
     weight_ids: list[int] | None = None,
-    # a model of GGUF blocks or bf16 panels runs each step in one parallel region (False,
+    # a model of GGUF blocks or column panels runs each step in one parallel region (False,
     # or PDSERVE_DECODE_REGIONS=0: a fork and join per projection and attention)
     in_regions: bool = True,
     # what decode_tokens reads (both or neither): the token embedding [num_embeddings,
     # hidden_size], the model's dtype, and the output projection's decode weight (GGUF
-    # blocks or bf16 panels, of kind head_kind) with its bias; its first vocab_size outputs
+    # blocks or column panels, of kind head_kind) with its bias; its first vocab_size outputs
     # are the vocabulary's logits
     embedding: torch.Tensor | None = None,
     head: torch.Tensor | None = None,
@@ -158,7 +158,7 @@ def decode_model_max_head_tokens(model_id: int) -> int:
     """The most tokens a decode_tokens step of this registered model may have, where it was
     registered with an embedding and a head its region runs, after a final norm: as far as
     the head's own op multiplies the rows as the region does (GGUF blocks DECODE_MAX_TOKENS,
-    bf16 panels the region's limit, decode_model_max_region_tokens); 0 elsewhere."""
+    panels the region's limit, decode_model_max_region_tokens); 0 elsewhere."""
     return torch.ops.pdserve_decode.decode_model_max_head_tokens(model_id)
 
 

@@ -99,8 +99,7 @@ def _token_head(model: CausalLM) -> dict:
         weight, kind = decode_weight(head)
     except Unsupported:
         return {}
-    # The loop's regions take GGUF blocks and bf16 panels only: not rows, nor fp32 panels.
-    if kind == LINEAR_DENSE or (kind == LINEAR_PANELS and weight.dtype != torch.bfloat16):
+    if kind == LINEAR_DENSE:  # the loop's regions take GGUF blocks and column panels, not rows
         return {}
     return dict(embedding=embedding.weight.detach(), head=weight, head_kind=kind,
                 head_bias=None if head.bias is None else head.bias.detach(), vocab_size=model.config.vocab_size)
@@ -155,7 +154,7 @@ class NativeDecodeLoop:
                  num_layers: int | None = None, in_regions: bool = True):
         """num_layers: run only the first num_layers layers, then the final norm (an early
         exit, as CausalLM.forward's); None: all of them. in_regions: a model of GGUF blocks
-        or bf16 column panels runs each step in one parallel region (False: a fork and
+        or column panels runs each step in one parallel region (False: a fork and
         join per projection and attention, as other models)."""
         self.model = model
         self.model_id = register_decode_model(**_model_tensors(model, num_layers), in_regions=in_regions)

@@ -14,7 +14,7 @@
 // at any row count (gemv.cpp's row groups: one read of the weight per step, 2-3x torch's
 // int4 / int8 kernels). A model whose every projection is a prepacked linear or GGUF
 // blocks takes steps of any size; the others up to kMaxGemvTokens. Where every projection
-// is GGUF blocks or bf16 panels, the whole step runs in one OpenMP region
+// is GGUF blocks or column panels (bf16 or fp32), the whole step runs in one OpenMP region
 // (run_layers_in_regions) rather than a fork and join per projection and attention; a step
 // of such a model can take the embedding lookup, the head and each row's next token (its
 // argmax, or a draw from its softmax, after any penalties or held-back stop tokens, and its
@@ -52,6 +52,7 @@
 #include "gguf_row_groups.h"
 #include "lora_deltas.h"
 #include "panel_gemm.h"
+#include "panel_gemm_fp32.h"
 #include "panel_layout.h"
 #include "region_barrier.h"
 #include "sample_row.h"
@@ -92,7 +93,7 @@ struct Layer {
 // (decode_tokens): the token ids in, the next tokens out.
 struct TokenHead {
   at::Tensor embedding;  // [num_embeddings, hidden_size], the model's dtype
-  Linear linear;         // the output projection: GGUF blocks or bf16 panels
+  Linear linear;         // the output projection: GGUF blocks or column panels
   int64_t vocab_size;    // the columns sampling reads (the projection may pad past them)
 };
 
@@ -105,7 +106,7 @@ struct Model {
   int64_t max_tokens;  // kMaxGemvTokens, or no limit where every linear has a weight_id or GGUF blocks
   // Steps of up to this many tokens run in one parallel region (run_layers_in_regions): any
   // number where every linear is GGUF blocks, as many as the prepacked op takes panels for
-  // where some are bf16 panels (past it they take its oneDNN call), 0 for other models
+  // where some are panels (past it they take its oneDNN call), 0 for other models
   // (region_tokens_limit).
   int64_t max_region_tokens = 0;
   std::optional<TokenHead> token_head;  // none: registered without one
@@ -119,6 +120,9 @@ std::mutex models_mutex;
 std::vector<std::shared_ptr<const Model>> models;  // by id; released: null
 
 bool takes_any_rows(LinearKind kind) { return kind == kQ4_1 || kind == kQ8_0; }
+
+// An fp32 model's column panels [N / 16, K, 16] (panel_gemm_fp32.h), not bf16 ones.
+bool has_f32_panels(const Linear& l) { return l.kind == kPanels && l.weight.scalar_type() == at::kFloat; }
 
 at::Tensor linear(const Linear& l, const at::Tensor& x) {
   if (x.size(0) > kMaxGemvTokens && !takes_any_rows(l.kind)) {
@@ -366,14 +370,16 @@ inline std::pair<int64_t, int64_t> share_of(int64_t n, int t, int num_threads) {
   return {n * t / num_threads, n * (t + 1) / num_threads};
 }
 
-// Output columns a linear's GEMV takes as one unit: a GGUF row group or a bf16 column panel.
+// Output columns a linear's GEMV takes as one unit: a GGUF row group or a column panel.
 inline int64_t unit_columns(const Linear& l) {
-  return l.kind == kPanels ? pdserve_cpu::kPanelCols : pdserve_cpu::kGroupRows;
+  return has_f32_panels(l) ? pdserve_cpu::kF32PanelCols
+         : l.kind == kPanels ? pdserve_cpu::kPanelCols
+                             : pdserve_cpu::kGroupRows;
 }
 
 // Thread t's units [begin, end) of a linear, as the linear's GEMV op splits them: GGUF
-// blocks a run of at least 4 groups (64 rows) a thread, bf16 column panels a run of
-// panels. In thread order.
+// blocks a run of at least 4 groups (64 rows) a thread, column panels a run of panels
+// (each column's sums are the same on any split). In thread order.
 inline std::pair<int64_t, int64_t> units_of(const Linear& l, int t, int num_threads) {
   const int64_t num_units = (l.out_features + unit_columns(l) - 1) / unit_columns(l);
   if (l.kind == kPanels) return share_of(num_units, t, num_threads);
@@ -388,14 +394,34 @@ inline std::pair<int64_t, int64_t> columns_of(const Linear& l, int t, int num_th
   return {std::min(begin * unit_columns(l), l.out_features), std::min(end * unit_columns(l), l.out_features)};
 }
 
+// What a thread's part of a linear reads x as, made ready by prepare_rows: GGUF blocks x's
+// rows quantized per 32 columns, fp32 panels x's rows packed in their tiles
+// (pack_f32_x_tiles), bf16 panels x itself.
+struct PreparedX {
+  pdserve_cpu::BlockQuantizedX blocks;
+  std::vector<float> f32_tiles;  // [M, K] in f32_row_tiles(M)'s tiles, where fp32 panels read x
+  PreparedX(int64_t M, int64_t K, bool f32_panels)
+      : blocks(M * K / pdserve_cpu::kBlockCols), f32_tiles(f32_panels ? M * K : 0) {}
+};
+
 // Thread t's part of y [M, N] = x @ W^T (+ bias), its units_of: GGUF blocks from x's M
-// rows quantized in xq, bf16 column panels from x itself.
+// rows quantized, fp32 column panels from x's tiles, bf16 ones from x itself.
 template <typename T>
-void gemv_share(const Linear& l, const T* x, const pdserve_cpu::BlockQuantizedX& xq, int64_t M, T* y, int t,
-                int num_threads) {
+void gemv_share(const Linear& l, const T* x, const PreparedX& prepared, int64_t M, T* y, int t, int num_threads) {
   const T* bias = l.bias.has_value() ? l.bias->data_ptr<T>() : nullptr;
   const auto [begin, end] = units_of(l, t, num_threads);
   if (begin >= end) return;
+  if (has_f32_panels(l)) {
+#ifdef PDSERVE_F32_PANEL_GEMM
+    if constexpr (std::is_same_v<T, float>) {
+      const pdserve_cpu::F32PanelGemm gemm{prepared.f32_tiles.data(), l.weight.data_ptr<float>(), bias, y, M,
+                                           l.in_features, l.out_features};
+      pdserve_cpu::f32_panel_gemm_panels(gemm, begin, end);
+    }
+#endif
+    return;
+  }
+  const pdserve_cpu::BlockQuantizedX& xq = prepared.blocks;
   if (l.kind == kPanels) {
 #ifdef PDSERVE_PANEL_GEMM
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -416,16 +442,47 @@ void gemv_share(const Linear& l, const T* x, const pdserve_cpu::BlockQuantizedX&
                                                      y, begin, end);
 }
 
-// Rows [begin, end) of x [M, K] made ready for the linear: quantized per 32 columns into
-// xq for GGUF blocks (as the GEMV op quantizes its x); panels read x as it is.
-template <typename T>
-void prepare_rows(const Linear& l, const T* x, int64_t begin, int64_t end, pdserve_cpu::BlockQuantizedX& xq) {
-  if (l.kind == kPanels) return;
-  const int64_t num_blocks = l.in_features / pdserve_cpu::kBlockCols;
-  pdserve_cpu::quantize_x_blocks(x, begin * num_blocks, end * num_blocks, xq);
+// A thread's rows of a step: rows [row_begin, row_end), which are f32_row_tiles' tiles
+// [tile_begin, tile_end) where the model has fp32 panels (so that a thread packs the tiles of
+// its own rows, which no other thread writes), else share_of's.
+struct RowShare {
+  int64_t row_begin, row_end, tile_begin, tile_end;
+};
+
+inline RowShare row_share(int64_t M, bool whole_tiles, int t, int num_threads) {
+  if (!whole_tiles) {
+    const auto [begin, end] = share_of(M, t, num_threads);
+    return {begin, end, 0, 0};
+  }
+#ifdef PDSERVE_F32_PANEL_GEMM
+  const pdserve_cpu::RowTiles tiles = pdserve_cpu::f32_row_tiles(M);
+  const auto [tile_begin, tile_end] = share_of(tiles.count, t, num_threads);
+  auto first_row = [&](int64_t tile) { return tile < tiles.count ? tiles.first(tile) : M; };
+  return {first_row(tile_begin), first_row(tile_end), tile_begin, tile_end};
+#else
+  const auto [begin, end] = share_of(M, t, num_threads);
+  return {begin, end, 0, 0};
+#endif
 }
 
-// run_layers for a model whose every linear is GGUF blocks or bf16 panels
+// A thread's rows of x [M, K] made ready for the linear: quantized per 32 columns for GGUF
+// blocks (as the GEMV op quantizes its x), packed in tiles for fp32 panels (as the op
+// packs them); bf16 panels read x as it is.
+template <typename T>
+void prepare_rows(const Linear& l, const T* x, int64_t M, const RowShare& share, PreparedX& prepared) {
+  if (has_f32_panels(l)) {
+#ifdef PDSERVE_F32_PANEL_GEMM
+    if constexpr (std::is_same_v<T, float>)
+      pdserve_cpu::pack_f32_x_tiles(x, prepared.f32_tiles.data(), M, l.in_features, share.tile_begin, share.tile_end);
+#endif
+    return;
+  }
+  if (l.kind == kPanels) return;
+  const int64_t num_blocks = l.in_features / pdserve_cpu::kBlockCols;
+  pdserve_cpu::quantize_x_blocks(x, share.row_begin * num_blocks, share.row_end * num_blocks, prepared.blocks);
+}
+
+// run_layers for a model whose every linear is GGUF blocks or column panels
 // (region_tokens_limit): the same steps and the same bits, but the whole step runs in one
 // OpenMP region whose threads meet at barriers (region_barrier.h), where run_layers forks and joins the
 // threads for each projection and each attention. At one token a layer's projections take
@@ -466,11 +523,14 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
   at::Tensor down = at::empty({M, H}, x.options());       // [M, H]
   T *xp = x.data_ptr<T>(), *np = normed.data_ptr<T>(), *qkv_p = qkv.data_ptr<T>(), *op = o.data_ptr<T>();
   T *gate_up_p = gate_up.data_ptr<T>(), *act_p = act.data_ptr<T>(), *dp = down.data_ptr<T>();
-  // x's rows quantized for the projections that read the hidden width, the attention's
-  // output and the MLP's activations (GGUF blocks only: panels read x as it is)
-  pdserve_cpu::BlockQuantizedX xq_hidden(M * H / pdserve_cpu::kBlockCols);
-  pdserve_cpu::BlockQuantizedX xq_attended(M * attended_width / pdserve_cpu::kBlockCols);
-  pdserve_cpu::BlockQuantizedX xq_act(M * I / pdserve_cpu::kBlockCols);
+  // Where any linear is fp32 panels, each thread's rows are whole tiles of x (row_share).
+  bool whole_tiles = head != nullptr && has_f32_panels(head->linear);
+  for (const Layer& layer : model.layers)
+    for (const Linear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+      whole_tiles = whole_tiles || has_f32_panels(*l);
+  // x made ready for the projections that read the hidden width, the attention's output and
+  // the MLP's activations (prepare_rows)
+  PreparedX x_hidden(M, H, whole_tiles), x_attended(M, attended_width, whole_tiles), x_act(M, I, whole_tiles);
   at::Tensor heads = qkv.view({M, num_heads + 2 * num_kv_heads, head_dim});
   const at::Tensor q = heads.narrow(1, 0, num_heads);                   // [M, num_heads, head_dim]
   const at::Tensor k = heads.narrow(1, num_heads, num_kv_heads);        // [M, num_kv_heads, head_dim]
@@ -508,12 +568,12 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
   // Thread t's part of projection j of layer l, once x [M, K] is whole: its GEMV columns,
   // and where rows name adapters their shrinks (its share, or for few rows all of them in its
   // own scratch), a barrier where shared, and their deltas in its own columns.
-  auto project = [&](const Linear& lin, size_t l, int j, const T* x, const pdserve_cpu::BlockQuantizedX& xq, int64_t K,
-                     T* y, int t, int n) {
+  auto project = [&](const Linear& lin, size_t l, int j, const T* x, const PreparedX& prepared, int64_t K, T* y, int t,
+                     int n) {
     if (lora_rows != nullptr)
       lora::shrink_part(*lora_rows, l, j, x, K, lora_rows->redundant ? 0 : t, lora_rows->redundant ? 1 : n,
                         lora_rows->scratch(t));
-    gemv_share(lin, x, xq, M, y, t, n);
+    gemv_share(lin, x, prepared, M, y, t, n);
     if (lora_rows == nullptr) return;
     if (!lora_rows->redundant) barrier.wait();
     const auto [c0, c1] = columns_of(lin, t, n);
@@ -521,12 +581,13 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
   };
   // The input norm of layer l and its qkv projection and RoPE, up to its attention: the
   // thread's rows' K/V written to the layer's caches.
-  auto up_to_attention = [&](size_t l, int t, int n, int64_t row_begin, int64_t row_end) {
+  auto up_to_attention = [&](size_t l, int t, int n, const RowShare& share) {
     const Layer& layer = model.layers[l];
+    const int64_t row_begin = share.row_begin, row_end = share.row_end;
     rms_norm<T>(xp + row_begin * H, layer.input_norm.data_ptr<T>(), np + row_begin * H, row_end - row_begin, H, eps);
-    prepare_rows(layer.qkv, np, row_begin, row_end, xq_hidden);
+    prepare_rows(layer.qkv, np, M, share, x_hidden);
     barrier.wait();
-    project(layer.qkv, l, 0, np, xq_hidden, H, qkv_p, t, n);
+    project(layer.qkv, l, 0, np, x_hidden, H, qkv_p, t, n);
     barrier.wait();
     for (int64_t m = row_begin; m < row_end; ++m)
       rope<T>(qkv_p + m * qkv_width, num_heads + num_kv_heads, head_dim, model.cos.data_ptr<float>() + pos[m] * half,
@@ -535,28 +596,29 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
   };
   // Layer l from its attention's output to its last residual, then the next layer up to
   // its attention (or the final norm).
-  auto after_attention = [&](size_t l, int t, int n, int64_t row_begin, int64_t row_end) {
+  auto after_attention = [&](size_t l, int t, int n, const RowShare& share) {
     const Layer& layer = model.layers[l];
-    prepare_rows(layer.o, attended_p, row_begin, row_end, xq_attended);
+    const int64_t row_begin = share.row_begin, row_end = share.row_end;
+    prepare_rows(layer.o, attended_p, M, share, x_attended);
     barrier.wait();
-    project(layer.o, l, 1, attended_p, xq_attended, attended_width, op, t, n);
+    project(layer.o, l, 1, attended_p, x_attended, attended_width, op, t, n);
     barrier.wait();
     add_into<T>(xp + row_begin * H, op + row_begin * H, (row_end - row_begin) * H);
     rms_norm<T>(xp + row_begin * H, layer.post_attention_norm.data_ptr<T>(), np + row_begin * H, row_end - row_begin,
                 H, eps);
-    prepare_rows(layer.gate_up, np, row_begin, row_end, xq_hidden);
+    prepare_rows(layer.gate_up, np, M, share, x_hidden);
     barrier.wait();
-    project(layer.gate_up, l, 2, np, xq_hidden, H, gate_up_p, t, n);
+    project(layer.gate_up, l, 2, np, x_hidden, H, gate_up_p, t, n);
     barrier.wait();
     silu_and_mul<T>(gate_up_p + row_begin * 2 * I, act_p + row_begin * I, row_end - row_begin, I);
-    prepare_rows(layer.down, act_p, row_begin, row_end, xq_act);
+    prepare_rows(layer.down, act_p, M, share, x_act);
     barrier.wait();
-    project(layer.down, l, 3, act_p, xq_act, I, dp, t, n);
+    project(layer.down, l, 3, act_p, x_act, I, dp, t, n);
     barrier.wait();
     // A thread's rows stay its own from here to the next layer's qkv projection.
     add_into<T>(xp + row_begin * H, dp + row_begin * H, (row_end - row_begin) * H);
     if (l + 1 < model.layers.size())
-      up_to_attention(l + 1, t, n, row_begin, row_end);
+      up_to_attention(l + 1, t, n, share);
     else if (model.final_norm.has_value())
       rms_norm<T>(xp + row_begin * H, model.final_norm->data_ptr<T>(), np + row_begin * H, row_end - row_begin, H,
                   eps);
@@ -570,21 +632,22 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
     // region a share costs no fork (for_rows keeps few rows on one thread to save one). A
     // step of the bundled model, 8 rows, bf16 panels 6.64 -> 6.31 ms; Q4_1 at 2 / 8 / 12 rows
     // 2.24 -> 2.17, 7.11 -> 6.96, 10.22 -> 9.89 ms, 1 row level (Zen 5, alternating).
-    const auto [row_begin, row_end] = share_of(M, t, n);
+    const RowShare share = row_share(M, whole_tiles, t, n);
+    const int64_t row_begin = share.row_begin, row_end = share.row_end;
     if (t == 0) barrier.set_num_threads(n, omp_get_num_procs());
 #pragma omp barrier
-    up_to_attention(0, t, n, row_begin, row_end);
+    up_to_attention(0, t, n, share);
     for (size_t l = 0; l < model.layers.size(); ++l) {
       barrier.wait();
       // every row's q and k rotated and its K/V written: the layer's attention (ends at a barrier)
       team_api.attend(team.get(), t);
-      after_attention(l, t, n, row_begin, row_end);
+      after_attention(l, t, n, share);
     }
     if (head != nullptr) {
       const Linear& projection = head->linear;
-      prepare_rows(projection, np, row_begin, row_end, xq_hidden);
+      prepare_rows(projection, np, M, share, x_hidden);
       barrier.wait();
-      gemv_share(projection, np, xq_hidden, M, logits_p, t, n);
+      gemv_share(projection, np, x_hidden, M, logits_p, t, n);
       // Each thread's part of the argmax over its own columns, while they are in its caches.
       const auto [begin, end] = columns_of(projection, t, n);
       const int64_t stop = std::min(end, head->vocab_size);
@@ -675,24 +738,40 @@ bool panels_in_regions() {
 #endif
 }
 
-// Whether a linear can run in a parallel region here: GGUF blocks, or bf16 panels where
-// panels_in_regions (an fp32 model's panels take their op, as its row-major weights do).
+// Whether fp32 panels may run in a parallel region here: built with their tiles.
+bool f32_panels_in_regions() {
+#ifdef PDSERVE_F32_PANEL_GEMM
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Whether a linear can run in a parallel region here: GGUF blocks, bf16 panels where
+// panels_in_regions, fp32 panels where f32_panels_in_regions (row-major weights take their
+// op).
 bool runs_in_regions(const Linear& l) {
-  return takes_any_rows(l.kind) ||
-         (l.kind == kPanels && l.weight.scalar_type() == at::kBFloat16 && panels_in_regions());
+  if (l.kind != kPanels) return takes_any_rows(l.kind);
+  return has_f32_panels(l) ? f32_panels_in_regions() : panels_in_regions();
+}
+
+// The prepacked op's limit on rows for a linear's panels (prepacked_rows_limit's name):
+// past it the op takes oneDNN, whose sums differ.
+const char* panel_rows_limit_op(const Linear& l) {
+  return has_f32_panels(l) ? "pdserve_gemv::f32_panel_gemm_max_rows" : "pdserve_gemv::panel_gemm_max_rows";
 }
 
 // The most rows of x for which pdserve_gemv::prepacked_linear multiplies a linear as the
 // region does, asked of the GEMV library's op `name` (registration only): "panel_gemm_max_rows"
-// for bf16 panels (past them oneDNN), "q8_0_max_rows" for Q8_0 blocks (past them its panels
-// or oneDNN). Up to there the region's GEMVs give the op's bits.
+// for bf16 panels and "f32_panel_gemm_max_rows" for fp32 ones (past them oneDNN),
+// "q8_0_max_rows" for Q8_0 blocks (past them its panels or oneDNN). Up to there the region's GEMVs give the op's bits.
 int64_t prepacked_rows_limit(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<int64_t()>().call();
 }
 
 // Whether run_layers_in_regions serves the model's steps of up to how many tokens (0: none,
-// Model::max_region_tokens): every linear GGUF blocks or bf16 panels (these where panel_gemm
-// runs on vector units: its AMX form keeps the op, and up to the rows the op takes panels
+// Model::max_region_tokens): every linear GGUF blocks or panels (bf16 ones where panel_gemm
+// runs on vector units: its AMX form keeps the op; panels up to the rows the op takes them
 // for), of the shapes a Llama layer has, the same in every layer, and one sliding window for
 // all (one attention plan a step). Others (and mismatched shapes, which the GEMV ops then
 // report) take run_layers.
@@ -701,20 +780,20 @@ int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
   const int64_t attended = model.num_heads * model.head_dim;
   const int64_t qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim;
   const int64_t I = model.layers[0].down.in_features;
-  bool blocks_only = true;
+  int64_t limit = std::numeric_limits<int64_t>::max();  // GGUF blocks: any rows
   for (const Layer& layer : model.layers) {
     if (layer.sliding_window != model.layers[0].sliding_window) return 0;  // one attention plan a step
     for (const Linear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
       if (!runs_in_regions(*l)) return 0;
-      blocks_only = blocks_only && takes_any_rows(l->kind);
+      if (l->kind == kPanels)
+        limit = std::min(limit, std::max(kMaxGemvTokens, prepacked_rows_limit(panel_rows_limit_op(*l))));
     }
     if (layer.qkv.in_features != hidden_size || layer.qkv.out_features != qkv || layer.o.in_features != attended ||
         layer.o.out_features != hidden_size || layer.gate_up.in_features != hidden_size ||
         layer.gate_up.out_features != 2 * I || layer.down.in_features != I || layer.down.out_features != hidden_size)
       return 0;
   }
-  return blocks_only ? std::numeric_limits<int64_t>::max()
-                     : std::max(kMaxGemvTokens, prepacked_rows_limit("pdserve_gemv::panel_gemm_max_rows"));
+  return limit;
 #else
   return 0;
 #endif
@@ -728,7 +807,7 @@ int64_t region_tokens_limit(const Model& model, int64_t hidden_size) {
 int64_t head_tokens_limit(const Model& model, const Linear& head) {
   if (model.max_region_tokens == 0 || !model.final_norm.has_value()) return 0;
   if (!runs_in_regions(head)) return 0;
-  const int64_t head_rows = head.kind == kPanels  ? prepacked_rows_limit("pdserve_gemv::panel_gemm_max_rows")
+  const int64_t head_rows = head.kind == kPanels  ? prepacked_rows_limit(panel_rows_limit_op(head))
                             : head.kind == kQ8_0 ? prepacked_rows_limit("pdserve_gemv::q8_0_max_rows")
                                                  : kMaxGemvTokens;
   return std::min(model.max_region_tokens, std::max(kMaxGemvTokens, head_rows));

@@ -28,7 +28,8 @@ from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_DENSE, LINEAR_PANELS, 
                                 TokenLogprobs, TokenHistory, TokenSampling, decode_layers, decode_model_max_head_tokens,
                                 decode_model_max_tokens, decode_tokens,
                                 native_decode_available, register_decode_model, release_decode_model)
-from kernels.cpu_linear import panel_gemm_amx_tiles, panel_gemm_available, panel_gemm_max_rows, q8_0_max_rows
+from kernels.cpu_linear import (f32_panel_gemm_max_rows, panel_gemm_amx_tiles, panel_gemm_available, panel_gemm_max_rows,
+                                q8_0_max_rows)
 from kernels.cpu_sampling import argmax_rows
 from tests.support.native_loop import NO_PACKED_BF16, bf16_is_packed, packed_dtype, with_native_loop
 from tests.unit.common.engine.models.family_parity import parity_prompts, save_tiny_model
@@ -273,9 +274,11 @@ def test_the_loop_over_quantized_blocks_computes_what_the_model_does(quantizatio
     llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("quantization, dtype", [("gguf", "bfloat16"), ("int8", "float32"), (None, "bfloat16")])
+@pytest.mark.parametrize("quantization, dtype", [("gguf", "bfloat16"), ("int8", "float32"), (None, "bfloat16"),
+                                                 (None, "float32")])
 def test_one_region_a_step_gives_the_same_bits(quantization, dtype):
-    """A model of GGUF blocks, or of bf16 column panels (panel_gemm on vector units), runs
+    """A model of GGUF blocks, or of column panels (bf16 ones where panel_gemm runs on vector
+    units; fp32 ones in their tiles, each thread's rows whole tiles), runs
     each step in one parallel region (decode_layers.cpp, run_layers_in_regions), its
     threads meeting at barriers, the attention's work shared out by the attention
     library's team calls: each sequence's hidden state is bit for bit the one a fork and
@@ -284,23 +287,24 @@ def test_one_region_a_step_gives_the_same_bits(quantization, dtype):
     at few rows (pointwise work on the first thread) and from 16 (split; panels: in the
     region as far as the prepacked op takes them for, past 4 rows), and where a lone
     sequence's attention is split over its keys."""
-    if quantization is None and not (panel_gemm_available() and not panel_gemm_amx_tiles()):
+    if quantization is None and dtype == "bfloat16" and not (panel_gemm_available() and not panel_gemm_amx_tiles()):
         pytest.skip("bf16 panels on vector units only (AVX512-BF16 without AMX's tiles)")
-    llm = LLM(dtype=dtype, kv_cache_memory="64MiB", quantization=quantization)
+    llm = LLM(dtype=dtype, kv_cache_memory="128MiB", quantization=quantization)
     runner = llm.engine.executor.runner
     prepack_linears(runner.model)
     num_layers = 4
     in_regions = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=num_layers)
     forked = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=num_layers, in_regions=False)
     assert in_regions.in_regions and not forked.in_regions
-    assert in_regions.max_region_tokens >= 18  # the largest step below runs in the region too
+    assert in_regions.max_region_tokens >= 26  # the largest step below runs in the region too
     distinct = _prompts(7)
     threads_before = torch.get_num_threads()
     try:
         for num_threads in (1, 2, 3):
             torch.set_num_threads(num_threads)
-            # 300 keys: the lone sequence's attention split over its keys, the parts merged
-            for num_seqs, long in ((1, False), (3, False), (18, False), (1, True)):
+            # 300 keys: the lone sequence's attention split over its keys, the parts merged;
+            # 13 and 26 rows: fp32 tiles of 12 rows with one joined (AVX-512) or a short last tile
+            for num_seqs, long in ((1, False), (3, False), (13, False), (18, False), (26, False), (1, True)):
                 prompts = ([[(13 * i) % 40000 + 100 for i in range(300)]] if long
                            else [[t + 5 * i for t in distinct[i % 7]] for i in range(num_seqs)])
                 got = _decode_step(llm, prompts, in_regions)
@@ -315,7 +319,7 @@ def _four_layer_loop(quantization: str | None, dtype: str):
     """An engine of the bundled model (its linears prepacked) and a native loop over its first
     four layers: (llm, runner, loop). Dense bf16 (quantization None) needs panels on vector
     units, else the test skips."""
-    if quantization is None and not (panel_gemm_available() and not panel_gemm_amx_tiles()):
+    if quantization is None and dtype == "bfloat16" and not (panel_gemm_available() and not panel_gemm_amx_tiles()):
         pytest.skip("bf16 panels on vector units only (AVX512-BF16 without AMX's tiles)")
     llm = LLM(dtype=dtype, kv_cache_memory="64MiB", quantization=quantization)
     runner = llm.engine.executor.runner
@@ -324,33 +328,34 @@ def _four_layer_loop(quantization: str | None, dtype: str):
 
 
 @pytest.mark.parametrize("quantization, dtype", [in_bf16("gguf"), ("gguf", "float32"), in_bf16("int8"),
-                                                 in_bf16(None)])
+                                                 in_bf16(None), (None, "float32")])
 def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtype):
     """Where every row samples greedily, a model whose steps run in one region takes the
     token ids in and the next tokens out of it (run_tokens: the embedding, the layers, the
     packed head's GEMV and each thread's part of the argmax): each row's token is the argmax
     of compute_argmax_logits over run()'s hidden state, on one thread and on several (the
     head's columns and the argmax split between them), as far as the head's own op takes
-    the region's GEMV (Q8_0 blocks: q8_0_max_rows; bf16 panels: panel_gemm_max_rows; up to
-    18 rows here), and where a lone sequence's attention is split. The same head with its
+    the region's GEMV (Q8_0 blocks: q8_0_max_rows; bf16 panels: panel_gemm_max_rows, fp32
+    ones f32_panel_gemm_max_rows; up to 18 rows here), and where a lone sequence's attention is split. The same head with its
     rows rotated by half the vocabulary moves each token there: the winner then lies in a
     later thread's columns (the bundled model's likely tokens have low ids)."""
     llm, runner, loop = _four_layer_loop(quantization, dtype)
     tensors = _model_tensors(runner.model, 4)
     panels = tensors["head_kind"] == LINEAR_PANELS
+    f32_panels = panels and tensors["head"].dtype == torch.float32
     assert panels or tensors["head_kind"] == LINEAR_Q8_0
-    if panels and panel_gemm_amx_tiles():  # the int8 model's dense head, on an AMX CPU
+    if panels and not f32_panels and panel_gemm_amx_tiles():  # the int8 model's dense head, on an AMX CPU
         assert loop.in_regions and loop.max_head_tokens == 0
         llm.engine.shutdown()
         pytest.skip("the head's bf16 panels run on AMX tiles, outside the loop's regions: no step ends there")
     # As far as prepacked_linear takes the head's panels or blocks, and the layers' region goes.
-    op_rows = panel_gemm_max_rows() if panels else q8_0_max_rows()
+    op_rows = f32_panel_gemm_max_rows() if f32_panels else panel_gemm_max_rows() if panels else q8_0_max_rows()
     head_rows = min(loop.max_region_tokens, max(DECODE_MAX_TOKENS, op_rows))
     assert loop.in_regions and loop.max_head_tokens == head_rows
     most_rows = min(18, head_rows)
     vocab_size = tensors["vocab_size"]
-    # Whole row groups (16 rows) or panels (32 rows) rotate along the first dimension.
-    rows_per_index = 32 if panels else 1
+    # Whole row groups (16 rows) or panels (32 rows; fp32: 16) rotate along the first dimension.
+    rows_per_index = 16 if f32_panels else 32 if panels else 1
     rotated = NativeDecodeLoop(runner.model, runner.kv_caches, num_layers=4)
     release_decode_model(rotated.model_id)
     rotated.model_id = register_decode_model(**{**tensors, "head": torch.roll(
@@ -716,11 +721,11 @@ def test_engine_decode_steps_back_to_back_give_the_tokens_of_single_steps():
     llm.engine.shutdown()
 
 
-def test_token_steps_bad_calls_raise_and_write_nothing(tiny_llama_dir):
+def test_token_steps_bad_calls_raise_and_write_nothing(tiny_llama_dir, monkeypatch):
     """A token id outside the embedding, more rows than the head's GEMV takes, or sampling,
     logprobs or penalties arguments out of shape or range raise ValueError before anything is
-    written; a model
-    registered without a head the region can run (fp32 rows here) has no token steps."""
+    written; a model registered without a head the region can run (fp32 rows here:
+    PDSERVE_PANEL_GEMM=0) has no token steps."""
     llm = LLM(dtype="float32", kv_cache_memory="32MiB", quantization="gguf")
     runner = llm.engine.executor.runner
     prepack_linears(runner.model)
@@ -816,6 +821,7 @@ def test_token_steps_bad_calls_raise_and_write_nothing(tiny_llama_dir):
     assert call([5, 6], logits=logits).tolist() == argmax_rows(logits[:, :vocab_size]).view(2, 1).tolist()
     assert loop.k_caches[1].any()
     llm.engine.shutdown()
+    monkeypatch.setenv("PDSERVE_PANEL_GEMM", "0")
     rows = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16)
     loop = with_native_loop(rows)
     assert loop.max_head_tokens == decode_model_max_head_tokens(loop.model_id) == 0
@@ -869,9 +875,10 @@ def test_in_one_region_bad_calls_raise_and_write_nothing():
 @pytest.mark.parametrize("panel_gemm, kind", [("1", LINEAR_PANELS), ("0", LINEAR_DENSE)])
 def test_fp32_linears_in_the_loop_give_the_models_tokens(tiny_llama_dir, monkeypatch, panel_gemm, kind):
     """An fp32 model's projections keep fp32 panels wherever the library is built, row-major
-    copies with PDSERVE_PANEL_GEMM=0: the loop takes them for its steps of up to four tokens
-    (larger ones take the prepacked op: panels up to the library's limit, else oneDNN) and
-    gives the tokens and logprobs of the eager model (F.linear)."""
+    copies with PDSERVE_PANEL_GEMM=0: the loop takes them (panels in one region a step, as
+    far as the prepacked op takes panels; rows for steps of up to four tokens, larger ones
+    through the prepacked op's oneDNN) and gives the tokens and logprobs of the eager model
+    (F.linear)."""
     options = dict(dtype="float32", num_kv_blocks=160, block_size=4)
     eager = LLM(str(tiny_llama_dir), **options)
     prompts = parity_prompts()
@@ -884,16 +891,17 @@ def test_fp32_linears_in_the_loop_give_the_models_tokens(tiny_llama_dir, monkeyp
     kinds = {decode_weight(linear)[1] for layer in llm.engine.executor.runner.model.layers
              for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                             layer.mlp.down_proj)}
-    assert kinds == {kind} and not loop.in_regions
+    assert kinds == {kind} and loop.in_regions == (kind == LINEAR_PANELS)
     steps_before = loop.num_steps
     _assert_same(_generate(llm, batch, max_tokens), want, FP32_LOGPROB_ATOL)
     assert loop.num_steps > steps_before
     llm.engine.shutdown()
 
 
-def test_row_major_models_fork_per_projection(tiny_llama_dir):
-    """fp32 projections (panels; row-major with PDSERVE_PANEL_GEMM=0) keep a fork and join
-    per projection (their own ops)."""
+def test_row_major_models_fork_per_projection(tiny_llama_dir, monkeypatch):
+    """Row-major projections (fp32 with PDSERVE_PANEL_GEMM=0) keep a fork and join per
+    projection (their own ops)."""
+    monkeypatch.setenv("PDSERVE_PANEL_GEMM", "0")
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16)
     assert not with_native_loop(llm).in_regions
     llm.engine.shutdown()

@@ -72,7 +72,7 @@ def relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype, quantization, in_regions", [
-    ("float32", None, False),
+    ("float32", None, True),  # fp32 panels: in regions where built (else the test skips)
     pytest.param("bfloat16", None, True, marks=pytest.mark.skipif(not bf16_is_packed(), reason=NO_PACKED_BF16)),
     ("float32", "int8", True)])
 def test_a_step_mixing_adapters_gives_the_models_hidden_states(base_dir, adapters, dtype, quantization, in_regions):
