@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
         for dtype_name in args.dtypes.split(",") if args.pool_pages else ():
             for batch, context in ((64, 128), (64, 256), (32, 512)):
-                result = pool_pages_case(batch, context, DTYPES[dtype_name][0], gen, reps=max(5, int(args.seconds * 25)))
+                reps = max(5, int(args.seconds * 25))
+                result = pool_pages_case(batch, context, DTYPES[dtype_name][0], gen, reps)
                 cases.append({"threads": threads, "step": "decode_pool", "dtype": dtype_name, "batch": batch,
                               "context": context, "layers": POOL_LAYERS} | result)
                 print(json.dumps(cases[-1]), flush=True)

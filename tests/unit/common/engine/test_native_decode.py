@@ -28,8 +28,8 @@ from kernels.cpu_decode import (DECODE_MAX_TOKENS, LINEAR_DENSE, LINEAR_PANELS, 
                                 TokenLogprobs, TokenHistory, TokenSampling, decode_layers, decode_model_max_head_tokens,
                                 decode_model_max_tokens, decode_tokens,
                                 native_decode_available, register_decode_model, release_decode_model)
-from kernels.cpu_linear import (f32_panel_gemm_max_rows, panel_gemm_amx_tiles, panel_gemm_available, panel_gemm_max_rows,
-                                q8_0_max_rows)
+from kernels.cpu_linear import (f32_panel_gemm_max_rows, panel_gemm_amx_tiles, panel_gemm_available,
+                                panel_gemm_max_rows, q8_0_max_rows)
 from kernels.cpu_sampling import argmax_rows
 from tests.support.native_loop import NO_PACKED_BF16, bf16_is_packed, packed_dtype, with_native_loop
 from tests.unit.common.engine.models.family_parity import parity_prompts, save_tiny_model
@@ -336,9 +336,10 @@ def test_greedy_steps_end_in_the_region_with_the_heads_tokens(quantization, dtyp
     of compute_argmax_logits over run()'s hidden state, on one thread and on several (the
     head's columns and the argmax split between them), as far as the head's own op takes
     the region's GEMV (Q8_0 blocks: q8_0_max_rows; bf16 panels: panel_gemm_max_rows, fp32
-    ones f32_panel_gemm_max_rows; up to 18 rows here), and where a lone sequence's attention is split. The same head with its
-    rows rotated by half the vocabulary moves each token there: the winner then lies in a
-    later thread's columns (the bundled model's likely tokens have low ids)."""
+    ones f32_panel_gemm_max_rows; up to 18 rows here), and where a lone sequence's attention is
+    split. The same head with its rows rotated by half the vocabulary moves each token there:
+    the winner then lies in a later thread's columns (the bundled model's likely tokens have low
+    ids)."""
     llm, runner, loop = _four_layer_loop(quantization, dtype)
     tensors = _model_tensors(runner.model, 4)
     panels = tensors["head_kind"] == LINEAR_PANELS
