@@ -628,12 +628,12 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
     DrawScratch draw_scratch;  // allocated at a thread's first draw
-    // The thread's rows of pointwise work (and of sampling), at any row count: inside the
-    // region a share costs no fork (for_rows keeps few rows on one thread to save one). A
-    // step of the bundled model, 8 rows, bf16 panels 6.64 -> 6.31 ms; Q4_1 at 2 / 8 / 12 rows
-    // 2.24 -> 2.17, 7.11 -> 6.96, 10.22 -> 9.89 ms, 1 row level (Zen 5, alternating).
+    // The thread's rows of pointwise work (row_share; the head's sampling splits the rows
+    // evenly), at any row count: inside the region a share costs no fork (for_rows keeps few
+    // rows on one thread to save one). A step of the bundled model, 8 rows, bf16 panels 6.64 ->
+    // 6.31 ms; Q4_1 at 2 / 8 / 12 rows 2.24 -> 2.17, 7.11 -> 6.96, 10.22 -> 9.89 ms, 1 row
+    // level (Zen 5, alternating).
     const RowShare share = row_share(M, whole_tiles, t, n);
-    const int64_t row_begin = share.row_begin, row_end = share.row_end;
     if (t == 0) barrier.set_num_threads(n, omp_get_num_procs());
 #pragma omp barrier
     up_to_attention(0, t, n, share);
@@ -659,7 +659,10 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
         argmax_parts[t * M + m] = part;
       }
       barrier.wait();
-      for (int64_t m = row_begin; m < row_end; ++m) {
+      // Every row's logits are whole: the rows' tokens split evenly, whatever row_share gave
+      // (whole tiles would leave a few rows' draws on one thread).
+      const auto [sample_begin, sample_end] = share_of(M, t, n);
+      for (int64_t m = sample_begin; m < sample_end; ++m) {
         const T* row_logits = logits_p + m * projection.out_features;
         if (has_history(sampling, m)) {
           token_ids[m] = take_with_history(row_logits, head->vocab_size, sampling, m, draw_scratch);

@@ -401,7 +401,8 @@ SAMPLED_ROWS = (dict(temperature=0.0), dict(temperature=0.8), dict(temperature=1
                 dict(temperature=1.5, top_p=0.95))
 
 
-@pytest.mark.parametrize("quantization, dtype", [in_bf16("gguf"), ("gguf", "float32"), in_bf16(None)])
+@pytest.mark.parametrize("quantization, dtype", [in_bf16("gguf"), ("gguf", "float32"), in_bf16(None),
+                                                 (None, "float32")])
 def test_sampled_steps_draw_in_the_region_the_samplers_tokens(quantization, dtype):
     """Rows that draw at a temperature (with top_k, top_p, min_p) take their tokens in the
     region too: each is the token the sampler draws from compute_logits over run()'s hidden
