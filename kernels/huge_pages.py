@@ -21,10 +21,10 @@ on huge pages again").
 `on_huge_pages(t)` copies a tensor into such memory, `empty_on_huge_pages` (for a caller
 that writes it whole) and `zeros_on_huge_pages` allocate there: small tensors share 32 MiB
 chunks (64-byte aligned pieces, each tensor with a storage of its own; a chunk lives while
-any of its tensors does), large ones get their own region; every region starts on a 2 MiB boundary. Where THP
-is off ("never"), outside Linux, or with PDSERVE_HUGE_PAGES=0, they return ordinary
-tensors. Memory is never handed out twice, so a copy costs only its own bytes; pages of a
-chunk that nothing touched are not resident.
+any of its tensors does), large ones get their own region; every region starts on a 2 MiB
+boundary. Where THP is off ("never"), outside Linux, or with PDSERVE_HUGE_PAGES=0, they
+return ordinary tensors. Memory is never handed out twice, so a copy costs only its own
+bytes; pages of a chunk that nothing touched are not resident.
 """
 from __future__ import annotations
 
@@ -162,8 +162,8 @@ def _populate(spans: list[tuple[int, int]], _tensors: list[torch.Tensor]) -> Non
 def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | None:
     """Fault in the huge-page memory of these contiguous CPU tensors on a daemon thread that
     runs while a core is idle, so the start does not wait for it; their contents are left
-    as they are. Returns the thread (None when there is nothing to do). Where the kernel lacks the
-    advice the pages fault in when first written, as they would anyway."""
+    as they are. Returns the thread (None when there is nothing to do). Where the kernel
+    lacks the advice the pages fault in when first written, as they would anyway."""
     spans = []
     for tensor in tensors:
         if tensor.device.type != "cpu" or tensor.numel() == 0 or not huge_pages_available():
