@@ -25,6 +25,8 @@ from google.protobuf.json_format import MessageToDict
 from bench.serve.arrivals import send_offsets
 from bench.serve.datasets import BenchRequest
 from bench.serve.metrics import RequestOutcome
+from common.engine.structured_output.params import StructuredOutputsParams
+from common.service.common_api import structured_output_to_pb
 from gateway.api_keys import API_KEY_ENV
 from gateway.client import auth_metadata
 from protos.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
@@ -107,8 +109,9 @@ class GrpcGenerateBackend(Backend):
             message.text = request.prompt
         else:
             message.token_ids.ids.extend(request.prompt)
-        if request.structured_output:
-            message.sampling.structured_output.CopyFrom(structured_output_pb(request.structured_output))
+        if request.structured_output:  # vLLM's structured_outputs object, as the gateway maps it
+            message.sampling.structured_output.CopyFrom(
+                structured_output_to_pb(StructuredOutputsParams(**request.structured_output)))
         return message
 
     async def stream(self, request: BenchRequest) -> AsyncIterator[tuple[float, int]]:
@@ -227,18 +230,6 @@ class OpenAICompletionsBackend(Backend):
             if num_reported is not None and num_reported > num_counted:
                 held = (held[0], held[1] + num_reported - num_counted)
             yield held
-
-
-def structured_output_pb(structured_output: dict) -> common_pb2.StructuredOutput:
-    """vLLM's structured_outputs object as the Generate API's StructuredOutput."""
-    [(kind, value)] = structured_output.items()
-    if kind == "json":
-        return common_pb2.StructuredOutput(json=value if isinstance(value, str) else json.dumps(value))
-    if kind == "choice":
-        return common_pb2.StructuredOutput(choice=common_pb2.StringList(values=value))
-    if kind in ("regex", "grammar"):
-        return common_pb2.StructuredOutput(**{kind: value})
-    raise ValueError(f"no Generate API form for structured output {kind!r}")
 
 
 class OpenAIChatBackend(OpenAICompletionsBackend):
