@@ -109,6 +109,8 @@ struct Model {
   // where some are panels (past it they take its oneDNN call), 0 for other models
   // (region_tokens_limit).
   int64_t max_region_tokens = 0;
+  // Some layer's linear is fp32 panels: the region gives each thread whole tiles of x (row_share).
+  bool layers_have_f32_panels = false;
   std::optional<TokenHead> token_head;  // none: registered without one
   // Steps decode_tokens serves (head_tokens_limit): where the model has a token head its
   // region can run, as far as the head's own op takes the region's GEMV, else 0.
@@ -524,10 +526,7 @@ at::Tensor run_layers_in_regions(const Model& model, const at::Tensor& hidden, c
   T *xp = x.data_ptr<T>(), *np = normed.data_ptr<T>(), *qkv_p = qkv.data_ptr<T>(), *op = o.data_ptr<T>();
   T *gate_up_p = gate_up.data_ptr<T>(), *act_p = act.data_ptr<T>(), *dp = down.data_ptr<T>();
   // Where any linear is fp32 panels, each thread's rows are whole tiles of x (row_share).
-  bool whole_tiles = head != nullptr && has_f32_panels(head->linear);
-  for (const Layer& layer : model.layers)
-    for (const Linear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
-      whole_tiles = whole_tiles || has_f32_panels(*l);
+  const bool whole_tiles = model.layers_have_f32_panels || (head != nullptr && has_f32_panels(head->linear));
   // x made ready for the projections that read the hidden width, the attention's output and
   // the MLP's activations (prepare_rows)
   PreparedX x_hidden(M, H, whole_tiles), x_attended(M, attended_width, whole_tiles), x_act(M, I, whole_tiles);
@@ -868,6 +867,9 @@ int64_t register_decode_model(at::TensorList norms, at::TensorList weights, at::
     model.layers.push_back(std::move(layer));
   }
   model.max_region_tokens = in_regions ? region_tokens_limit(model, hidden_size) : 0;
+  for (const Layer& layer : model.layers)
+    for (const Linear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+      model.layers_have_f32_panels = model.layers_have_f32_panels || has_f32_panels(*l);
   auto widths_of = [](const Linear& l) {
     return std::pair<int64_t, int64_t>{l.kind == kDense ? l.weight.size(1) : l.in_features, l.out_features};
   };
@@ -884,7 +886,7 @@ int64_t register_decode_model(at::TensorList norms, at::TensorList weights, at::
                         embedding->sizes());
     Linear projection = make_linear(head_kind, *head, head_bias, -1, dtype);
     PDSERVE_CHECK_VALUE(projection.kind != kDense && projection.in_features == hidden_size,
-                        "register_decode_model: the head must be GGUF blocks or bf16 panels over the hidden size");
+                        "register_decode_model: the head must be GGUF blocks or panels over the hidden size");
     PDSERVE_CHECK_VALUE(vocab_size >= 1 && vocab_size <= projection.out_features, "register_decode_model: vocab_size ",
                         vocab_size, " must be 1 to the head's ", projection.out_features, " outputs");
     model.max_head_tokens = head_tokens_limit(model, projection);
