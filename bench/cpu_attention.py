@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -138,6 +139,29 @@ def pool_pages_case(batch: int, context: int, dtype: torch.dtype, gen: torch.Gen
     return result
 
 
+def kernel_cases(dtype_name: str, args: argparse.Namespace, gen: torch.Generator) -> Iterator[dict]:
+    """Decode steps, a mixed step and any --prompts, each timed on both paths."""
+    dtype, cache_dtype = DTYPES[dtype_name]
+    for batch in (1, 16, 64):
+        for context in (256, 1024):
+            result = time_case(decode_case(batch, context, dtype, gen, cache_dtype), args.seconds)
+            yield {"step": "decode", "dtype": dtype_name, "batch": batch, "context": context} | result
+    result = time_case(mixed_case(256, 512, 16, 1024, dtype, gen, cache_dtype), args.seconds)
+    yield {"step": "mixed", "dtype": dtype_name, "prefill_chunk": 256, "prefill_context": 512, "decode_batch": 16,
+           "decode_context": 1024} | result
+    for prompt_len in [int(n) for n in args.prompts.split(",") if n]:
+        result = time_case(mixed_case(prompt_len, 0, 0, 0, dtype, gen, cache_dtype), args.seconds)
+        yield {"step": "prompt", "dtype": dtype_name, "prompt_tokens": prompt_len} | result
+
+
+def pool_pages_cases(dtype_name: str, args: argparse.Namespace, gen: torch.Generator) -> Iterator[dict]:
+    """--pool-pages: decode steps over the pool on 4 KiB pages and on huge pages."""
+    for batch, context in ((64, 128), (64, 256), (32, 512)):
+        result = pool_pages_case(batch, context, DTYPES[dtype_name][0], gen, reps=max(5, int(args.seconds * 25)))
+        yield {"step": "decode_pool", "dtype": dtype_name, "batch": batch, "context": context,
+               "layers": POOL_LAYERS} | result
+
+
 def build_seconds() -> float:
     with tempfile.TemporaryDirectory(prefix="pdserve-kbuild-") as cache:
         os.environ["PDSERVE_KERNEL_CACHE"] = cache
@@ -170,32 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.pool_pages and not huge_pages_available():
         print("no transparent huge pages here (THP never, or PDSERVE_HUGE_PAGES=0)", file=sys.stderr)
         return 1
+    cases_of = pool_pages_cases if args.pool_pages else kernel_cases
     cases = []
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
-        for dtype_name in args.dtypes.split(",") if args.pool_pages else ():
-            for batch, context in ((64, 128), (64, 256), (32, 512)):
-                reps = max(5, int(args.seconds * 25))
-                result = pool_pages_case(batch, context, DTYPES[dtype_name][0], gen, reps)
-                cases.append({"threads": threads, "step": "decode_pool", "dtype": dtype_name, "batch": batch,
-                              "context": context, "layers": POOL_LAYERS} | result)
-                print(json.dumps(cases[-1]), flush=True)
-        for dtype_name in args.dtypes.split(",") if not args.pool_pages else ():
-            dtype, cache_dtype = DTYPES[dtype_name]
-            for batch in (1, 16, 64):
-                for context in (256, 1024):
-                    result = time_case(decode_case(batch, context, dtype, gen, cache_dtype), args.seconds)
-                    cases.append({"threads": threads, "step": "decode", "dtype": dtype_name, "batch": batch,
-                                  "context": context} | result)
-                    print(json.dumps(cases[-1]), flush=True)
-            result = time_case(mixed_case(256, 512, 16, 1024, dtype, gen, cache_dtype), args.seconds)
-            cases.append({"threads": threads, "step": "mixed", "dtype": dtype_name, "prefill_chunk": 256,
-                          "prefill_context": 512, "decode_batch": 16, "decode_context": 1024} | result)
-            print(json.dumps(cases[-1]), flush=True)
-            for prompt_len in [int(n) for n in args.prompts.split(",") if n]:
-                result = time_case(mixed_case(prompt_len, 0, 0, 0, dtype, gen, cache_dtype), args.seconds)
-                cases.append({"threads": threads, "step": "prompt", "dtype": dtype_name,
-                              "prompt_tokens": prompt_len} | result)
+        for dtype_name in args.dtypes.split(","):
+            for case in cases_of(dtype_name, args, gen):
+                cases.append({"threads": threads} | case)
                 print(json.dumps(cases[-1]), flush=True)
     results = {
         "command": "pdserve bench cpu-attention " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -164,9 +164,11 @@ def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | No
     runs while a core is idle, so the start does not wait for it; their contents are left
     as they are. Returns the thread (None when there is nothing to do). Where the kernel
     lacks the advice the pages fault in when first written, as they would anyway."""
+    if not huge_pages_available():
+        return None
     spans = []
     for tensor in tensors:
-        if tensor.device.type != "cpu" or tensor.numel() == 0 or not huge_pages_available():
+        if tensor.device.type != "cpu" or tensor.numel() == 0:
             continue
         start = -(-tensor.data_ptr() // SMALL_PAGE_BYTES) * SMALL_PAGE_BYTES
         end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // SMALL_PAGE_BYTES * SMALL_PAGE_BYTES
