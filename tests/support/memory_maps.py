@@ -1,5 +1,9 @@
-"""This process's memory mappings as the kernel reports them (/proc/self/smaps)."""
+"""This process's memory as the kernel reports it: its mappings (/proc/self/smaps) and a
+range's resident pages (mincore)."""
 from __future__ import annotations
+
+import ctypes
+import mmap
 
 import torch
 
@@ -21,3 +25,19 @@ def mapping_of(tensor: torch.Tensor) -> dict[str, str] | None:
                 key, _, value = line.partition(":")
                 entry[key] = value.strip()
     return entry
+
+
+def resident_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the tensor's whole pages that are in memory (mincore(2)): the tensor's own
+    range, where its smaps entry may have merged with a neighbouring mapping's pages."""
+    page = mmap.PAGESIZE
+    start = -(-tensor.data_ptr() // page) * page
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+    if end <= start:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    flags = (ctypes.c_ubyte * ((end - start) // page))()
+    if libc.mincore(start, end - start, flags) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(flag & 1 for flag in flags) * page

@@ -11,7 +11,7 @@ import torch
 from kernels import huge_pages
 from kernels.huge_pages import (CHUNK_BYTES, empty_on_huge_pages, huge_pages_available, on_huge_pages,
                                 populate_in_background, zeros_on_huge_pages)
-from tests.support.memory_maps import mapping_of
+from tests.support.memory_maps import mapping_of, resident_bytes
 
 
 needs_huge_pages = pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages here")
@@ -82,14 +82,14 @@ def test_zeros_read_as_zero_in_any_cache_dtype(dtype, num_bytes):
 @needs_huge_pages
 def test_populating_faults_the_pages_in_and_keeps_what_was_written():
     tensor = zeros_on_huge_pages((CHUNK_BYTES // 4,), torch.float32)
-    assert int(mapping_of(tensor)["Rss"].split()[0]) == 0
+    assert resident_bytes(tensor) == 0
     tensor[:1000] = torch.arange(1000.0)  # written before and while the thread runs: kept
     # (it runs while a core is idle: under a loaded test run that can take seconds)
     thread = populate_in_background([tensor])
     tensor[-1000:] = torch.arange(1000.0)
     thread.join(timeout=120)
     assert not thread.is_alive()
-    assert int(mapping_of(tensor)["Rss"].split()[0]) * 1024 >= CHUNK_BYTES
+    assert resident_bytes(tensor) == CHUNK_BYTES
     assert torch.equal(tensor[:1000], torch.arange(1000.0)) and torch.equal(tensor[-1000:], torch.arange(1000.0))
     assert not tensor[1000:-1000].any()
 
