@@ -55,6 +55,7 @@
 #include "attention_team.h"
 #include "check_message.h"
 #include "fp8.h"
+#include "stream_prefetch.h"
 #include "vec_math.h"
 
 namespace {
@@ -584,6 +585,209 @@ void attend_few_rows_fp32(const Problem& pr, const WorkItem& item, int64_t kv_he
   });
   v_ahead.ask_rest();
   next_k_ahead.ask_rest();
+}
+
+// A cache block's every kv head's rows (K or V: consecutive lines), asked for the way the
+// weight streams are (stream_prefetch.h: non-temporal on AMD) a part at a time between the
+// work on the block before. Inlined, with no division and no branch on the way: a call from
+// the P.V's per-key hook has the accumulators stored to the stack and loaded back around it
+// at every key, and a switch on kStreamPrefetch there cost as much (30 layers at batch 56,
+// context 200: 15.5-15.7 ms a step with it, 12.1-12.2 with the way fixed at compile time).
+template <StreamPrefetch kWay>
+class BlockLinesAhead {
+ public:
+  BlockLinesAhead(const void* block, int64_t num_bytes)
+      : block_(static_cast<const char*>(block)), num_bytes_(block == nullptr ? 0 : num_bytes) {}
+  // Ask for the next num_bytes of the block.
+  __attribute__((always_inline)) void ask_next(int64_t num_bytes) {
+    const int64_t upto = std::min(num_bytes_, asked_ + num_bytes);
+    if (upto > asked_) prefetch_lines_as<kWay>(block_ + asked_, upto - asked_);
+    asked_ = upto;
+  }
+  void ask_rest() { ask_next(num_bytes_); }
+
+ private:
+  const char* block_;
+  int64_t num_bytes_, asked_ = 0;
+};
+
+// Whether attend_token_all_heads_fp32 serves the item: an unsplit decode token of an fp32
+// cache whose blocks hold every kv head's rows contiguously, few query heads a kv head (else
+// the per-head tiles transpose K), and all its heads' scores within kWholeRowsMaxScoresFp32.
+inline bool all_heads_fit_fp32(const Problem& pr, const WorkItem& item) {
+  const auto [lo, hi] = item_keys(pr, item);
+  if (item.num_tokens != 1 || item.partial >= 0 || hi <= lo || pr.group >= kTransposeMinRows) return false;
+  const int64_t row = pr.num_kv_heads * pr.head_dim, num_blocks = (hi - 1) / pr.block_size - lo / pr.block_size + 1;
+  return pr.k_head_stride == pr.head_dim && pr.v_head_stride == pr.head_dim && pr.k_pos_stride == row &&
+         pr.v_pos_stride == row && pr.k_block_stride == pr.block_size * row &&
+         pr.v_block_stride == pr.block_size * row &&
+         pr.num_kv_heads * pr.group * (num_blocks * pr.block_size + kLanes) <= kWholeRowsMaxScoresFp32;
+}
+
+constexpr int64_t kAllHeadsAhead = 1;  // blocks a decode token's stream asks for ahead (2: 2-5% slower)
+
+// A decode token against all its keys for every kv head at once (all_heads_fit_fp32), as
+// attend_few_rows_fp32 does for one head's rows, with the same sums in the same order (the
+// same bits): a block's K, then its V, read whole, each head's rows in turn, where an item
+// per head reads its head's 256-byte rows 768 bytes apart, three times over the same
+// blocks. In a C++ model of the reads alone (fp32 SmolLM2's 30 layers at batch 56 and
+// context 200, KV from DRAM, 2 threads of the Zen 5 EPYC) the strided form ran at ~39 GB/s,
+// the whole blocks at ~50 (the block ahead into L2) to ~60 (non-temporal). While it works
+// on a block it asks for the lines of the block kAllHeadsAhead on in its stream: its K
+// blocks, its V blocks, then `upcoming`'s (the thread's next item) K blocks. Measured:
+// docs/benchmarks.md, "Decode attention over every kv head at once".
+template <int64_t kHeadDim, StreamPrefetch kWay>
+void attend_token_all_heads_fp32(const Problem& pr, const WorkItem& item, const WorkItem* upcoming) {
+  constexpr int64_t kNumVec = kHeadDim / kLanes;
+  const int64_t block_size = pr.block_size, group = pr.group, num_kv_heads = pr.num_kv_heads;
+  const int64_t num_rows = num_kv_heads * group;  // row r: query head r, of kv head r / group
+  const auto [lo, hi] = item_keys(pr, item);
+  const int64_t first_b = lo / block_size, last_b = (hi - 1) / block_size;
+  const int64_t base = first_b * block_size;  // the key of column 0
+  const int64_t score_stride = ((last_b + 1) * block_size - base + kLanes - 1) / kLanes * kLanes;  // whole Vecs
+  // A block's bytes, and one head's row of it: what each head's work on a key reads.
+  const int64_t block_bytes = block_size * pr.k_pos_stride * static_cast<int64_t>(sizeof(float));
+  const int64_t row_bytes = kHeadDim * static_cast<int64_t>(sizeof(float));
+  thread_local std::vector<float> buffer;
+  thread_local std::vector<int64_t> bounds;
+  const ScratchLayout layout(buffer, {num_rows * kHeadDim, num_rows * kHeadDim, num_rows * score_stride,
+                                      num_rows * kLanes});
+  float* q_rows = layout[0];    // [num_rows, kHeadDim], pre-scaled
+  float* acc = layout[1];       // [num_rows, kHeadDim]
+  float* scores = layout[2];    // [num_rows, score_stride], then the probabilities
+  float* row_sums = layout[3];  // [num_rows, kLanes]: each row's softmax denominator, per lane
+  bounds.resize(2 * num_rows);
+  int64_t* row_begin = bounds.data();  // [num_rows] each row's keys [row_begin, row_end), in columns
+  int64_t* row_end = row_begin + num_rows;
+  const float* q = static_cast<const float*>(pr.q) + item.first_token * pr.q_token_stride;
+  for (int64_t r = 0; r < num_rows; ++r)
+    for (int64_t d = 0; d < kHeadDim; ++d) q_rows[r * kHeadDim + d] = q[r * pr.q_head_stride + d] * pr.scale;
+  const auto* k = static_cast<const float*>(pr.k);
+  const auto* v = static_cast<const float*>(pr.v);
+  auto prefetch_id = [&](const WorkItem& owner, int64_t b) {  // never faults: clamped, not checked
+    return std::clamp<int64_t>(pr.block_tables[owner.seq * pr.block_table_stride + b], 0, pr.num_blocks - 1);
+  };
+
+  // The item's blocks as one stream: its K blocks, its V blocks, then the upcoming item's K
+  // blocks. Work on stream block i asks for block i + kAllHeadsAhead.
+  const int64_t num_blocks = last_b - first_b + 1;
+  auto stream_block = [&](int64_t i) -> const float* {
+    if (i < num_blocks) return k + prefetch_id(item, first_b + i) * pr.k_block_stride;
+    if (i < 2 * num_blocks) return v + prefetch_id(item, first_b + i - num_blocks) * pr.v_block_stride;
+    if (upcoming == nullptr) return nullptr;
+    const auto [next_lo, next_hi] = item_keys(pr, *upcoming);
+    const int64_t b = next_lo / block_size + i - 2 * num_blocks;
+    return b * block_size < next_hi ? k + prefetch_id(*upcoming, b) * pr.k_block_stride : nullptr;
+  };
+  for (int64_t b = first_b; b <= last_b; ++b) {
+    const int64_t block_start = b * block_size;
+    const float* k_block = k + item_block_id(pr, item, b) * pr.k_block_stride;
+    BlockLinesAhead<kWay> ahead(stream_block(b - first_b + kAllHeadsAhead), block_bytes);
+    const int64_t keys_begin = std::max(lo, block_start) - block_start;
+    const int64_t keys_end = std::min(hi, block_start + block_size) - block_start;
+    float* block_scores = scores + (block_start - base);
+    for (int64_t j = keys_begin; j < keys_end; j += 4) {  // 4 keys at a time, as rows_scores takes them
+      const int64_t j_end = std::min(j + 4, keys_end);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        for_fixed_groups<kScoreRows>(group, [&]<int64_t R>(int64_t r) {
+          const int64_t row = h * group + r;
+          rows_scores<kNumVec, R>(q_rows + row * kHeadDim, kHeadDim, k_block + h * pr.k_head_stride, pr.k_pos_stride,
+                                  j, j_end, block_scores + row * score_stride, score_stride);
+        });
+        ahead.ask_next((j_end - j) * row_bytes);
+      }
+    }
+    ahead.ask_rest();
+  }
+  for (int64_t r = 0; r < num_rows; ++r) {
+    float* s = scores + r * score_stride;
+    const Vec sum = whole_row_probabilities<ExpFp32>(pr, item.first_position, lo, hi, base, s, score_stride,
+                                                     row_begin[r], row_end[r],
+                                                     [s](int64_t j, Vec p) { std::memcpy(s + j, &p, sizeof p); });
+    std::memcpy(row_sums + r * kLanes, &sum, sizeof sum);
+  }
+  std::fill(acc, acc + num_rows * kHeadDim, 0.f);
+  for (int64_t b = first_b; b <= last_b; ++b) {
+    const int64_t column0 = b * block_size - base;  // the block's first key's column
+    const float* v_block = v + item_block_id(pr, item, b) * pr.v_block_stride;
+    BlockLinesAhead<kWay> ahead(stream_block(num_blocks + b - first_b + kAllHeadsAhead), block_bytes);
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      // p = 0 outside a row's keys: a group of rows runs over the union of theirs.
+      for_row_groups<kAccumRows>(group, row_begin + h * group, row_end + h * group,
+                                 [&]<int64_t R>(int64_t r, int64_t begin, int64_t end) {
+                                   const int64_t row = h * group + r;
+                                   const int64_t first = std::max(begin, column0) - column0;
+                                   const int64_t last = std::min(end, column0 + block_size) - column0;
+                                   if (first < last)
+                                     rows_accumulate<kNumVec, R>(acc + row * kHeadDim, kHeadDim,
+                                                                 scores + row * score_stride + column0, score_stride,
+                                                                 v_block + h * pr.v_head_stride, pr.v_pos_stride,
+                                                                 first, last, [&](int64_t) {
+                                                                   if (r == 0) ahead.ask_next(row_bytes);
+                                                                 });
+                                 });
+    }
+    ahead.ask_rest();
+  }
+  float* out = static_cast<float*>(pr.out) + item.first_token * pr.out_token_stride;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const float sum = hsum(load_vec(row_sums + r * kLanes));
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int64_t d = 0; d < kHeadDim; ++d) out[r * pr.out_head_stride + d] = acc[r * kHeadDim + d] * inv;
+  }
+}
+
+// Whether the build unrolls the head dim (attend_item's kHeadDim > 0).
+constexpr bool unrolls_head_dim(int64_t head_dim) {
+  bool hd64 = false, hd128 = false, hd256 = false;
+#ifdef PDSERVE_ATTENTION_HD64
+  hd64 = true;
+#endif
+#ifdef PDSERVE_ATTENTION_HD128
+  hd128 = true;
+#endif
+#ifdef PDSERVE_ATTENTION_HD256
+  hd256 = true;
+#endif
+  return (head_dim == 64 && hd64) || (head_dim == 128 && hd128) || (head_dim == 256 && hd256);
+}
+
+// Whether attend_token_all_heads serves the item: T and C are fp32, the build unrolls the
+// head dim, and all_heads_fit_fp32. Else each kv head is an item of its own.
+template <typename T, typename C>
+bool serves_all_heads(const Problem& pr, const WorkItem& item) {
+  return std::is_same_v<T, float> && std::is_same_v<C, float> && unrolls_head_dim(pr.head_dim) &&
+         all_heads_fit_fp32(pr, item);
+}
+
+// attend_token_all_heads_fp32 at the item's head dim, its prefetches kStreamPrefetch's.
+template <int64_t kHeadDim>
+void attend_token_all_heads_dim(const Problem& pr, const WorkItem& item, const WorkItem* upcoming) {
+  switch (kStreamPrefetch) {
+    case StreamPrefetch::kNonTemporal:
+      return attend_token_all_heads_fp32<kHeadDim, StreamPrefetch::kNonTemporal>(pr, item, upcoming);
+    case StreamPrefetch::kL1: return attend_token_all_heads_fp32<kHeadDim, StreamPrefetch::kL1>(pr, item, upcoming);
+    case StreamPrefetch::kOff: return attend_token_all_heads_fp32<kHeadDim, StreamPrefetch::kOff>(pr, item, upcoming);
+  }
+}
+
+// attend_token_all_heads_fp32 where serves_all_heads<T, C>.
+template <typename T, typename C>
+void attend_token_all_heads(const Problem& pr, const WorkItem& item, const WorkItem* upcoming) {
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>) {
+    switch (pr.head_dim) {
+#ifdef PDSERVE_ATTENTION_HD64
+      case 64: return attend_token_all_heads_dim<64>(pr, item, upcoming);
+#endif
+#ifdef PDSERVE_ATTENTION_HD128
+      case 128: return attend_token_all_heads_dim<128>(pr, item, upcoming);
+#endif
+#ifdef PDSERVE_ATTENTION_HD256
+      case 256: return attend_token_all_heads_dim<256>(pr, item, upcoming);
+#endif
+      default: return;
+    }
+  }
 }
 
 // One work item: the item's query tokens x the kv head's group of query heads ("rows",
@@ -1159,12 +1363,20 @@ void claim_work(const CallPlan& plan, std::atomic<int64_t>& next) {
     return first;
   };
   // Each item's successor is claimed before the item starts, so the stream can run into it.
+  // A claim of all of an item's kv heads is one work where attend_token_all_heads serves it.
   for (int64_t w = claim(), following = 0; w < num_work; w = following) {
-    following = w + 1 < claimed_end ? w + 1 : claim();
+    const WorkItem& item = plan.items[plan.order[w / num_kv_heads]];
+    const bool all_heads = num_kv_heads > 1 && w % num_kv_heads == 0 && claimed_end - w == num_kv_heads &&
+                           serves_all_heads<T, C>(plan.problem, item);
+    following = all_heads ? claim() : w + 1 < claimed_end ? w + 1 : claim();
     stream.upcoming = following < num_work ? &plan.items[plan.order[following / num_kv_heads]] : nullptr;
     stream.upcoming_head = following % num_kv_heads;
-    attend_item_any_dim<T, C>(plan.problem, plan.items[plan.order[w / num_kv_heads]], w % num_kv_heads, stream, scratch,
-                           bounds);
+    if (all_heads) {
+      attend_token_all_heads<T, C>(plan.problem, item, stream.upcoming);
+      stream.primed = false;  // it asked for the next item's first K block, every head's, not the stream's blocks
+    } else {
+      attend_item_any_dim<T, C>(plan.problem, item, w % num_kv_heads, stream, scratch, bounds);
+    }
   }
 }
 

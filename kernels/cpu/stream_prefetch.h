@@ -54,25 +54,35 @@ inline StreamPrefetch choose_stream_prefetch() {
 // them to the stack each step, ~2.5x slower at 8 rows on the Zen 4 EPYC).
 inline const StreamPrefetch kStreamPrefetch = choose_stream_prefetch();
 
-// The cache lines of [p + kStreamAheadBytes, p + kStreamAheadBytes + num_bytes), asked for:
-// what a thread reads kStreamAheadBytes on (past its share's end: harmless, a prefetch never faults).
-inline void prefetch_stream_ahead(const void* p, int64_t num_bytes) {
+// The cache lines of [p, p + num_bytes), asked for the way kWay says, fixed at compile time
+// (for a kernel's inner loop, whose registers a branch on kStreamPrefetch there can cost).
+template <StreamPrefetch kWay>
+inline void prefetch_lines_as(const void* p, int64_t num_bytes) {
 #if defined(__SSE__)
-  const char* ahead = static_cast<const char*>(p) + kStreamAheadBytes;
-  switch (kStreamPrefetch) {  // the same branch every call: predicted
-    case StreamPrefetch::kNonTemporal:
-      for (int64_t offset = 0; offset < num_bytes; offset += 64) _mm_prefetch(ahead + offset, _MM_HINT_NTA);
-      break;
-    case StreamPrefetch::kL1:
-      for (int64_t offset = 0; offset < num_bytes; offset += 64) _mm_prefetch(ahead + offset, _MM_HINT_T0);
-      break;
-    case StreamPrefetch::kOff:
-      break;
-  }
+  const char* first = static_cast<const char*>(p);
+  if constexpr (kWay == StreamPrefetch::kNonTemporal)
+    for (int64_t offset = 0; offset < num_bytes; offset += 64) _mm_prefetch(first + offset, _MM_HINT_NTA);
+  else if constexpr (kWay == StreamPrefetch::kL1)
+    for (int64_t offset = 0; offset < num_bytes; offset += 64) _mm_prefetch(first + offset, _MM_HINT_T0);
 #else
   (void)p;
   (void)num_bytes;
 #endif
+}
+
+// The same, kStreamPrefetch's way.
+inline void prefetch_stream_lines(const void* p, int64_t num_bytes) {
+  switch (kStreamPrefetch) {  // the same branch every call: predicted
+    case StreamPrefetch::kNonTemporal: return prefetch_lines_as<StreamPrefetch::kNonTemporal>(p, num_bytes);
+    case StreamPrefetch::kL1: return prefetch_lines_as<StreamPrefetch::kL1>(p, num_bytes);
+    case StreamPrefetch::kOff: return;
+  }
+}
+
+// The cache lines of [p + kStreamAheadBytes, p + kStreamAheadBytes + num_bytes), asked for:
+// what a thread reads kStreamAheadBytes on (past its share's end: harmless, a prefetch never faults).
+inline void prefetch_stream_ahead(const void* p, int64_t num_bytes) {
+  prefetch_stream_lines(static_cast<const char*>(p) + kStreamAheadBytes, num_bytes);
 }
 
 }  // namespace pdserve_cpu
