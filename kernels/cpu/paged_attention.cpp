@@ -587,40 +587,6 @@ void attend_few_rows_fp32(const Problem& pr, const WorkItem& item, int64_t kv_he
   next_k_ahead.ask_rest();
 }
 
-// The block-by-block form's online softmax over one block: each row's scores over
-// [keys_begin, keys_end) become its probabilities against its running max (row_max
-// [num_rows]), what earlier blocks summed (row_sums [num_rows, kLanes]) and accumulated
-// (acc [num_rows, head_dim]) rescaled where the max grew; p = 0 outside a row's keys
-// [row_begin, row_end).
-template <typename Exp>
-inline void block_softmax(const Problem& pr, int64_t num_rows, int64_t keys_begin, int64_t keys_end,
-                          const int64_t* row_begin, const int64_t* row_end, float* scores, int64_t score_stride,
-                          float* row_max, float* row_sums, float* acc, int64_t head_dim) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < num_rows; ++r) {
-    float* s = scores + r * score_stride;
-    const int64_t begin = row_begin[r], end = row_end[r];
-    if (begin >= end) {
-      std::fill(s + keys_begin, s + keys_end, 0.f);
-      continue;
-    }
-    if (pr.logit_softcap > 0.f)
-      for (int64_t j = begin; j < end; ++j) s[j] = std::tanh(s[j] / pr.logit_softcap) * pr.logit_softcap;
-    const float new_max = std::max(row_max[r], row_block_max(s, keys_begin, keys_end, begin, end));
-    Vec sum = load_vec(row_sums + r * kLanes);
-    if (new_max > row_max[r] && row_max[r] != kNegInf) {  // rescale what earlier blocks accumulated
-      const float correction = std::exp(row_max[r] - new_max);
-      sum *= correction;
-      float* acc_row = acc + r * head_dim;
-#pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) acc_row[d] *= correction;
-    }
-    row_max[r] = new_max;
-    sum += row_probabilities<Exp>(s, keys_begin, keys_end, begin, end, new_max);
-    std::memcpy(row_sums + r * kLanes, &sum, sizeof sum);
-  }
-}
-
 // A cache block's every kv head's rows (K or V: consecutive lines), asked for the way the
 // weight streams are (stream_prefetch.h: non-temporal on AMD) a part at a time between the
 // work on the block before. Inlined, with no division and no branch on the way: a call from
@@ -645,28 +611,22 @@ class BlockLinesAhead {
   int64_t num_bytes_, asked_ = 0;
 };
 
-// Whether an item may take every kv head at once (attend_token_all_heads_fp32 / _bf16): an
-// unsplit decode token of a cache whose blocks hold every kv head's rows contiguously, and
-// few query heads a kv head (else the per-head tiles transpose K).
-inline bool all_heads_fit(const Problem& pr, const WorkItem& item) {
+// Whether attend_token_all_heads_fp32 serves the item: an unsplit decode token of an fp32
+// cache whose blocks hold every kv head's rows contiguously, few query heads a kv head (else
+// the per-head tiles transpose K), and all its heads' scores within kWholeRowsMaxScoresFp32.
+inline bool all_heads_fit_fp32(const Problem& pr, const WorkItem& item) {
   const auto [lo, hi] = item_keys(pr, item);
   if (item.num_tokens != 1 || item.partial >= 0 || hi <= lo || pr.group >= kTransposeMinRows) return false;
-  const int64_t row = pr.num_kv_heads * pr.head_dim;
+  const int64_t row = pr.num_kv_heads * pr.head_dim, num_blocks = (hi - 1) / pr.block_size - lo / pr.block_size + 1;
   return pr.k_head_stride == pr.head_dim && pr.v_head_stride == pr.head_dim && pr.k_pos_stride == row &&
          pr.v_pos_stride == row && pr.k_block_stride == pr.block_size * row &&
-         pr.v_block_stride == pr.block_size * row;
-}
-
-// The fp32 form's scores of all the keys for every head within kWholeRowsMaxScoresFp32.
-inline bool all_heads_scores_fit_fp32(const Problem& pr, const WorkItem& item) {
-  const auto [lo, hi] = item_keys(pr, item);
-  const int64_t num_blocks = (hi - 1) / pr.block_size - lo / pr.block_size + 1;
-  return pr.num_kv_heads * pr.group * (num_blocks * pr.block_size + kLanes) <= kWholeRowsMaxScoresFp32;
+         pr.v_block_stride == pr.block_size * row &&
+         pr.num_kv_heads * pr.group * (num_blocks * pr.block_size + kLanes) <= kWholeRowsMaxScoresFp32;
 }
 
 constexpr int64_t kAllHeadsAhead = 1;  // blocks a decode token's stream asks for ahead (2: 2-5% slower)
 
-// A decode token against all its keys for every kv head at once (all_heads_fit), as
+// A decode token against all its keys for every kv head at once (all_heads_fit_fp32), as
 // attend_few_rows_fp32 does for one head's rows, with the same sums in the same order (the
 // same bits): a block's K, then its V, read whole, each head's rows in turn, where an item
 // per head reads its head's 256-byte rows 768 bytes apart, three times over the same
@@ -777,97 +737,6 @@ void attend_token_all_heads_fp32(const Problem& pr, const WorkItem& item, const 
   }
 }
 
-#ifdef PDSERVE_BF16_DOT
-// The same for a bf16 decode token over a bf16 cache, in the block-by-block form its per-head
-// items take (bf16 Q.K dot products, an online softmax per block, P.V from the bf16 rows), and
-// with their sums in their order: each block's K, then its V, every head's rows in turn,
-// while the next block's K and V are asked for.
-template <int64_t kHeadDim, StreamPrefetch kWay>
-void attend_token_all_heads_bf16(const Problem& pr, const WorkItem& item, const WorkItem* upcoming) {
-  using T = c10::BFloat16;
-  constexpr int64_t kNumVec = kHeadDim / kLanes;
-  const int64_t block_size = pr.block_size, group = pr.group, num_kv_heads = pr.num_kv_heads;
-  const int64_t num_rows = num_kv_heads * group;  // row r: query head r, of kv head r / group
-  const int64_t score_stride = (block_size + kLanes - 1) / kLanes * kLanes;  // whole Vecs
-  const int64_t block_bytes = block_size * pr.k_pos_stride * static_cast<int64_t>(sizeof(T));
-  const int64_t row_bytes = kHeadDim * static_cast<int64_t>(sizeof(T));
-  thread_local std::vector<float> buffer;
-  thread_local std::vector<int64_t> bounds;
-  const ScratchLayout layout(buffer, {(num_rows * kHeadDim + 1) / 2, num_rows * kHeadDim, num_rows,
-                                      num_rows * score_stride, num_rows * kLanes});
-  auto* q_rows = reinterpret_cast<T*>(layout[0]);  // [num_rows, kHeadDim]: the query as given
-  float* acc = layout[1];                          // [num_rows, kHeadDim]
-  float* row_max = layout[2];                      // [num_rows]
-  float* scores = layout[3];                       // [num_rows, score_stride], then probabilities
-  float* row_sums = layout[4];                     // [num_rows, kLanes]
-  bounds.resize(2 * num_rows);
-  int64_t* row_begin = bounds.data();  // [num_rows] each row's keys in the block, relative
-  int64_t* row_end = row_begin + num_rows;
-  std::fill(acc, acc + num_rows * kHeadDim, 0.f);
-  std::fill(row_max, row_max + num_rows, -std::numeric_limits<float>::infinity());
-  std::fill(row_sums, row_sums + num_rows * kLanes, 0.f);
-  const T* q = static_cast<const T*>(pr.q) + item.first_token * pr.q_token_stride;
-  for (int64_t r = 0; r < num_rows; ++r) std::memcpy(q_rows + r * kHeadDim, q + r * pr.q_head_stride, row_bytes);
-  const auto* k = static_cast<const T*>(pr.k);
-  const auto* v = static_cast<const T*>(pr.v);
-  const auto [lo, hi] = item_keys(pr, item);
-  const int64_t first_b = lo / block_size, last_b = (hi - 1) / block_size;
-  auto prefetch_id = [&](const WorkItem& owner, int64_t b) {  // never faults: clamped, not checked
-    return std::clamp<int64_t>(pr.block_tables[owner.seq * pr.block_table_stride + b], 0, pr.num_blocks - 1);
-  };
-  // The block kAllHeadsAhead on: this item's, else the upcoming item's (its K and V), or none.
-  auto block_ahead = [&](int64_t b) -> int64_t {
-    if (b + kAllHeadsAhead <= last_b) return prefetch_id(item, b + kAllHeadsAhead);
-    if (upcoming == nullptr) return -1;
-    const auto [next_lo, next_hi] = item_keys(pr, *upcoming);
-    const int64_t next_b = next_lo / block_size + b + kAllHeadsAhead - last_b - 1;
-    return next_b * block_size < next_hi ? prefetch_id(*upcoming, next_b) : -1;
-  };
-  for (int64_t b = first_b; b <= last_b; ++b) {
-    const int64_t block_id = item_block_id(pr, item, b), block_start = b * block_size;
-    const int64_t ahead_id = block_ahead(b);
-    BlockLinesAhead<kWay> k_ahead(ahead_id < 0 ? nullptr : k + ahead_id * pr.k_block_stride, block_bytes);
-    BlockLinesAhead<kWay> v_ahead(ahead_id < 0 ? nullptr : v + ahead_id * pr.v_block_stride, block_bytes);
-    const T* k_block = k + block_id * pr.k_block_stride;
-    const T* v_block = v + block_id * pr.v_block_stride;
-    const int64_t keys_begin = std::max(lo, block_start) - block_start;
-    const int64_t keys_end = std::min(hi, block_start + block_size) - block_start;
-    for (int64_t r = 0; r < num_rows; ++r) {
-      row_begin[r] = std::max({first_visible_key(pr, item.first_position), lo, block_start}) - block_start;
-      row_end[r] = std::min({item.first_position + 1, hi, block_start + block_size}) - block_start;
-    }
-    for (int64_t r = 0; r < num_rows; ++r) {
-      if (row_begin[r] < row_end[r])
-        row_scores_bf16<kHeadDim>(q_rows + r * kHeadDim, k_block + r / group * pr.k_head_stride, pr.k_pos_stride,
-                                  row_begin[r], row_end[r], pr.scale, scores + r * score_stride);
-      k_ahead.ask_next(block_bytes / num_rows);
-    }
-    k_ahead.ask_rest();
-    block_softmax<ExpFp32>(pr, num_rows, keys_begin, keys_end, row_begin, row_end, scores, score_stride, row_max,
-                           row_sums, acc, kHeadDim);
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      for_row_groups<kAccumRows>(group, row_begin + h * group, row_end + h * group,
-                                 [&]<int64_t R>(int64_t r, int64_t begin, int64_t end) {
-                                   const int64_t row = h * group + r;
-                                   rows_accumulate<kNumVec, R>(acc + row * kHeadDim, kHeadDim,
-                                                               scores + row * score_stride, score_stride,
-                                                               v_block + h * pr.v_head_stride, pr.v_pos_stride, begin,
-                                                               end, [&](int64_t) {
-                                                                 if (r == 0) v_ahead.ask_next(row_bytes);
-                                                               });
-                                 });
-    v_ahead.ask_rest();
-  }
-  T* out = static_cast<T*>(pr.out) + item.first_token * pr.out_token_stride;
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const float sum = hsum(load_vec(row_sums + r * kLanes));
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    for (int64_t d = 0; d < kHeadDim; ++d)
-      out[r * pr.out_head_stride + d] = static_cast<T>(acc[r * kHeadDim + d] * inv);
-  }
-}
-#endif
-
 // Whether the build unrolls the head dim (attend_item's kHeadDim > 0).
 constexpr bool unrolls_head_dim(int64_t head_dim) {
   bool hd64 = false, hd128 = false, hd256 = false;
@@ -883,51 +752,38 @@ constexpr bool unrolls_head_dim(int64_t head_dim) {
   return (head_dim == 64 && hd64) || (head_dim == 128 && hd128) || (head_dim == 256 && hd256);
 }
 
-// Whether attend_token_all_heads serves the item: T and C both fp32, or both bf16 where the
-// build has bf16 dot products, the build unrolls the head dim, and all_heads_fit (fp32: and
-// all_heads_scores_fit_fp32). Else each kv head is an item of its own.
+// Whether attend_token_all_heads serves the item: T and C are fp32, the build unrolls the
+// head dim, and all_heads_fit_fp32. Else each kv head is an item of its own.
 template <typename T, typename C>
 bool serves_all_heads(const Problem& pr, const WorkItem& item) {
-  if (!unrolls_head_dim(pr.head_dim) || !all_heads_fit(pr, item)) return false;
-  if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>) return all_heads_scores_fit_fp32(pr, item);
-#ifdef PDSERVE_BF16_DOT
-  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) return true;
-#endif
-  return false;
+  return std::is_same_v<T, float> && std::is_same_v<C, float> && unrolls_head_dim(pr.head_dim) &&
+         all_heads_fit_fp32(pr, item);
 }
 
-// The item's every kv head at its head dim, the prefetches kStreamPrefetch's way.
-template <typename T, int64_t kHeadDim, StreamPrefetch kWay>
-void attend_token_all_heads_as(const Problem& pr, const WorkItem& item, const WorkItem* upcoming) {
-  if constexpr (std::is_same_v<T, float>) attend_token_all_heads_fp32<kHeadDim, kWay>(pr, item, upcoming);
-#ifdef PDSERVE_BF16_DOT
-  if constexpr (std::is_same_v<T, c10::BFloat16>) attend_token_all_heads_bf16<kHeadDim, kWay>(pr, item, upcoming);
-#endif
-}
-
-template <typename T, int64_t kHeadDim>
+// attend_token_all_heads_fp32 at the item's head dim, its prefetches kStreamPrefetch's.
+template <int64_t kHeadDim>
 void attend_token_all_heads_dim(const Problem& pr, const WorkItem& item, const WorkItem* upcoming) {
   switch (kStreamPrefetch) {
     case StreamPrefetch::kNonTemporal:
-      return attend_token_all_heads_as<T, kHeadDim, StreamPrefetch::kNonTemporal>(pr, item, upcoming);
-    case StreamPrefetch::kL1: return attend_token_all_heads_as<T, kHeadDim, StreamPrefetch::kL1>(pr, item, upcoming);
-    case StreamPrefetch::kOff: return attend_token_all_heads_as<T, kHeadDim, StreamPrefetch::kOff>(pr, item, upcoming);
+      return attend_token_all_heads_fp32<kHeadDim, StreamPrefetch::kNonTemporal>(pr, item, upcoming);
+    case StreamPrefetch::kL1: return attend_token_all_heads_fp32<kHeadDim, StreamPrefetch::kL1>(pr, item, upcoming);
+    case StreamPrefetch::kOff: return attend_token_all_heads_fp32<kHeadDim, StreamPrefetch::kOff>(pr, item, upcoming);
   }
 }
 
-// attend_token_all_heads_fp32 / _bf16 where serves_all_heads<T, C>.
+// attend_token_all_heads_fp32 where serves_all_heads<T, C>.
 template <typename T, typename C>
 void attend_token_all_heads(const Problem& pr, const WorkItem& item, const WorkItem* upcoming) {
-  if constexpr (std::is_same_v<T, C> && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>) {
     switch (pr.head_dim) {
 #ifdef PDSERVE_ATTENTION_HD64
-      case 64: return attend_token_all_heads_dim<T, 64>(pr, item, upcoming);
+      case 64: return attend_token_all_heads_dim<64>(pr, item, upcoming);
 #endif
 #ifdef PDSERVE_ATTENTION_HD128
-      case 128: return attend_token_all_heads_dim<T, 128>(pr, item, upcoming);
+      case 128: return attend_token_all_heads_dim<128>(pr, item, upcoming);
 #endif
 #ifdef PDSERVE_ATTENTION_HD256
-      case 256: return attend_token_all_heads_dim<T, 256>(pr, item, upcoming);
+      case 256: return attend_token_all_heads_dim<256>(pr, item, upcoming);
 #endif
       default: return;
     }
@@ -1173,12 +1029,30 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
     }
     if (!spread_ahead) v_ahead.ask_rest();
     // Online softmax: scores become probabilities against each row's running max.
-    if (kBf16Dot && transposed)  // the tiles round p to bf16 for P.V
-      block_softmax<ExpForBf16>(pr, num_rows, keys_begin, keys_end, row_begin, row_end, scores, score_stride, row_max,
-                                row_sums, acc, head_dim);
-    else
-      block_softmax<ExpFp32>(pr, num_rows, keys_begin, keys_end, row_begin, row_end, scores, score_stride, row_max,
-                             row_sums, acc, head_dim);
+    for (int64_t r = 0; r < num_rows; ++r) {
+      float* s = scores + r * score_stride;
+      const int64_t begin = row_begin[r], end = row_end[r];
+      if (begin >= end) {
+        std::fill(s + keys_begin, s + keys_end, 0.f);
+        continue;
+      }
+      if (pr.logit_softcap > 0.f)
+        for (int64_t j = begin; j < end; ++j) s[j] = std::tanh(s[j] / pr.logit_softcap) * pr.logit_softcap;
+      const float new_max = std::max(row_max[r], row_block_max(s, keys_begin, keys_end, begin, end));
+      Vec sum = load_vec(row_sums + r * kLanes);
+      if (new_max > row_max[r] && row_max[r] != kNegInf) {  // rescale what earlier blocks accumulated
+        const float correction = std::exp(row_max[r] - new_max);
+        sum *= correction;
+        float* acc_row = acc + r * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) acc_row[d] *= correction;
+      }
+      row_max[r] = new_max;
+      // The tiles round p to bf16 for P.V.
+      sum += kBf16Dot && transposed ? row_probabilities<ExpForBf16>(s, keys_begin, keys_end, begin, end, new_max)
+                                    : row_probabilities(s, keys_begin, keys_end, begin, end, new_max);
+      std::memcpy(row_sums + r * kLanes, &sum, sizeof sum);
+    }
     // acc += P V over each row's visible keys (masked ones are skipped, not added as 0 x V).
     if (amx) {
 #ifdef PDSERVE_ATTENTION_AMX
