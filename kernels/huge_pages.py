@@ -143,6 +143,14 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     return torch.zeros(shape, dtype=dtype) if tensor is None else tensor
 
 
+def whole_small_pages(tensor: torch.Tensor) -> tuple[int, int]:
+    """The addresses [start, end) of the 4 KiB pages wholly inside the tensor's bytes
+    (start >= end where none is)."""
+    start = -(-tensor.data_ptr() // SMALL_PAGE_BYTES) * SMALL_PAGE_BYTES
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // SMALL_PAGE_BYTES * SMALL_PAGE_BYTES
+    return start, end
+
+
 def _populate(spans: list[tuple[int, int]], _tensors: list[torch.Tensor]) -> None:
     # Only when a core is idle: where each first touch stalls on the host, a thread faulting
     # a GiB in would otherwise take a core from the compile or the first requests for
@@ -170,8 +178,7 @@ def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | No
     for tensor in tensors:
         if tensor.device.type != "cpu" or tensor.numel() == 0:
             continue
-        start = -(-tensor.data_ptr() // SMALL_PAGE_BYTES) * SMALL_PAGE_BYTES
-        end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // SMALL_PAGE_BYTES * SMALL_PAGE_BYTES
+        start, end = whole_small_pages(tensor)
         if end > start:
             spans.append((start, end))
     if not spans:

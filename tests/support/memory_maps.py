@@ -7,6 +7,8 @@ import mmap
 
 import torch
 
+from kernels.huge_pages import whole_small_pages
+
 
 def mapping_of(tensor: torch.Tensor) -> dict[str, str] | None:
     """The /proc/self/smaps entry (range and fields) holding the tensor's first byte."""
@@ -31,8 +33,7 @@ def resident_bytes(tensor: torch.Tensor) -> int:
     """Bytes of the tensor's whole pages that are in memory (mincore(2)): the tensor's own
     range, where its smaps entry may have merged with a neighbouring mapping's pages."""
     page = mmap.PAGESIZE
-    start = -(-tensor.data_ptr() // page) * page
-    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+    start, end = whole_small_pages(tensor)
     if end <= start:
         return 0
     libc = ctypes.CDLL(None, use_errno=True)
