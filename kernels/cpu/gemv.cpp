@@ -113,7 +113,11 @@ int64_t panel_gemm_max_rows() {
 // code at every count measured on SmolLM2's shapes (K <= 1,536), 1.3-3.1x at 8-64 rows,
 // 1.1-1.3x at 96-512, 1.05-1.1x at 1,024-2,048. AVX-512 builds: 128, where the Zen 4 EPYC's
 // AVX-512 tiles were 1.3-1.8x oneDNN's AVX-512 code at 4-48 rows, 1.07-1.13x at 64-128, level
-// at 192-256 and behind it from ~512 (docs/benchmarks.md, "fp32 panels on AVX-512").
+// at 192-256 and behind it from ~512 (docs/benchmarks.md, "fp32 panels on AVX-512"). Past
+// kF32UnblockedMaxRows the op runs the panels in blocks of rows (panel_gemm_fp32.h), with a
+// row's bits unchanged: on the Zen 5 EPYC held to AVX2 the unblocked form fell to 0.88-0.99x
+// oneDNN's AVX2 code at 2,048 rows, the blocks run at 0.98-1.0x (docs/benchmarks.md, "fp32
+// panels in blocks of rows").
 constexpr int64_t kMaxF32PanelRows = 2048;
 constexpr int64_t kMaxF32PanelRowsAvx512 = 128;
 int64_t f32_panel_gemm_max_rows() {
@@ -490,6 +494,19 @@ at::Tensor f32_panel_gemm(const at::Tensor& x, const std::optional<at::Tensor>& 
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const at::Tensor xc = x.contiguous();
+  if (M > pdserve_cpu::kF32UnblockedMaxRows) {
+    // Each thread a run of whole tiles of rows, in blocks packed where it reads them.
+    const int64_t tile_rows = pdserve_cpu::kF32TileRows;
+    at::parallel_for(0, (M + tile_rows - 1) / tile_rows, 1, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> x_block;
+      x_block.resize(std::max<size_t>(x_block.size(), pdserve_cpu::f32_block_floats(K)));
+      pdserve_cpu::f32_panel_gemm_rows(xc.const_data_ptr<float>(), panels.const_data_ptr<float>(),
+                                       bias.has_value() ? bias->const_data_ptr<float>() : nullptr,
+                                       y.data_ptr<float>(), K, N, begin * tile_rows, std::min(M, end * tile_rows),
+                                       x_block.data());
+    });
+    return y;
+  }
   at::Tensor x_tiles = xc;  // one row: already as the tiles read it
   if (M > 1) {
     x_tiles = at::empty({M, K}, x.options());

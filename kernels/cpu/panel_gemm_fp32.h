@@ -27,6 +27,8 @@
 #define PDSERVE_F32_PANEL_GEMM 1
 #include <immintrin.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 
@@ -234,6 +236,48 @@ inline void f32_panel_gemm_panels(const F32PanelGemm& g, int64_t panel_begin, in
       }
       f32_panel_chunk<1>(g, p, k0, num_steps, ahead, stream_ahead);
     }
+  }
+}
+
+// Steps of more rows than this run in blocks of rows (f32_panel_gemm_rows), each thread its
+// own rows; up to it each thread takes a run of whole panels against every row (the form the
+// native decode loop's region runs too). Row for row both make the same sums in the same
+// order, so a row's bits do not depend on the step it is in.
+constexpr int64_t kF32UnblockedMaxRows = 128;
+// A block's rows of x, packed, take a quarter of the core's L2 (256 KB of a 1 MB one), beside
+// a chunk of the panels a tile spans (one panel on AVX2, two on AVX-512: 36-72 KB at K = 576,
+// 98-196 KB at 1,536) and the next chunk asked for. Unblocked, a 2,048-row step packed all of
+// x (4.7 MB at K = 576) and each panel's tiles read it back from L3. On the Zen 5 EPYC held to
+// AVX2 (2 threads, SmolLM2's shapes, 2,048 rows) that ran at 0.88-0.99x oneDNN's AVX2 code,
+// blocked at 0.98-1.0x; at a quarter of L2 it ran ~1% ahead of an eighth.
+inline int64_t f32_block_bytes() {
+  static const int64_t l2_bytes = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  return l2_bytes > 0 ? l2_bytes / 4 : int64_t{256} << 10;
+}
+
+// Rows of x a block holds for K: whole tiles, at least one.
+inline int64_t f32_block_rows(int64_t K) {
+  const int64_t rows = f32_block_bytes() / (K * int64_t{sizeof(float)});
+  return std::max<int64_t>(kF32TileRows, rows / kF32TileRows * kF32TileRows);
+}
+
+// Floats of the buffer f32_panel_gemm_rows packs a block into (a last block may take the 1 or 2
+// rows after it, as a tile does: kF32MaxJoinedTail).
+inline int64_t f32_block_floats(int64_t K) { return (f32_block_rows(K) + kF32MaxJoinedTail) * K; }
+
+// Rows [row_begin, row_end) of y [M, N] = x [M, K] @ W^T (+ bias), every panel: block by
+// block, the block's rows of x packed into x_block (f32_block_floats(K)), then every panel
+// against its tiles: a panel from L3 once per block, from L2 for the block's other tiles.
+inline void f32_panel_gemm_rows(const float* x, const float* panels, const float* bias, float* y, int64_t K,
+                                int64_t N, int64_t row_begin, int64_t row_end, float* x_block) {
+  const int64_t block_rows = f32_block_rows(K);
+  for (int64_t m0 = row_begin; m0 < row_end;) {
+    const int64_t rest = row_end - m0;
+    const int64_t num_rows = rest <= block_rows + kF32MaxJoinedTail ? rest : block_rows;
+    pack_f32_x_tiles(x + m0 * K, x_block, num_rows, K, 0, num_f32_x_tiles(num_rows));
+    const F32PanelGemm block{x_block, panels, bias, y + m0 * N, num_rows, K, N};
+    f32_panel_gemm_panels(block, 0, N / kF32PanelCols);
+    m0 += num_rows;
   }
 }
 

@@ -251,7 +251,7 @@ def test_pack_panels_lays_out_an_fp32_weight_in_16_columns(out_features, in_feat
     assert torch.equal(pack_panels(weight, huge_pages=True), expected)
 
 
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 6, 7, 11, 12, 13, 14, 24, 26, 29, 37, 64, 65, 130])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 6, 7, 11, 12, 13, 14, 24, 26, 29, 37, 64, 65, 130, 701])
 @pytest.mark.parametrize("out_features, in_features", [(16, 1), (48, 96), (96, 96), (576, 1536), (80, 4100)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_panel_gemm_over_fp32_panels_matches_fp32_math(num_rows, out_features, in_features, with_bias):
@@ -259,7 +259,8 @@ def test_panel_gemm_over_fp32_panels_matches_fp32_math(num_rows, out_features, i
     # streaming the panels, more asking for the next chunk into L2, tails of 1-11 after whole
     # tiles (on AVX-512 those of 1 and 2 joined to the last whole one: 13, 14, 26, 37, 65); one
     # panel (one thread) to 36, odd runs of panels per thread (AVX-512 tiles span two); K in
-    # one chunk, and in two of 2,050 steps (sums carried through y).
+    # one chunk, and in two of 2,050 steps (sums carried through y). Past 128 rows each thread
+    # takes its own rows in blocks (130: one block a thread; 701 at K = 1,536 or 4,100: many).
     torch.manual_seed(num_rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features)
     bias = torch.randn(out_features) if with_bias else None
@@ -269,6 +270,27 @@ def test_panel_gemm_over_fp32_panels_matches_fp32_math(num_rows, out_features, i
     expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     # fp32 sums in another order than float64's: a few ulps of the largest terms.
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("in_features", [96, 1536])
+def test_fp32_panels_give_a_row_the_same_bits_in_a_prompt_sized_step_as_in_a_decode_step(in_features, num_threads):
+    # Past 128 rows each thread takes its own rows, packed block by block where it reads them
+    # (panel_gemm_fp32.h's f32_panel_gemm_rows); up to 128 each thread a run of panels against
+    # every row, as the native decode loop's region does. A row's sums run in the same order
+    # either way, so a prompt's rows get the bits they would get in a decode step.
+    torch.manual_seed(in_features)
+    weight, bias = torch.randn(80, in_features), torch.randn(80)
+    panels = pack_panels(weight)
+    x = torch.randn(700, in_features)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out = panel_gemm(x, bias, panels)
+        for first, num_rows in ((0, 1), (5, 12), (41, 14), (300, 128), (689, 11)):
+            assert torch.equal(out[first:first + num_rows], panel_gemm(x[first:first + num_rows], bias, panels))
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("x, bias, message", [
