@@ -8,6 +8,9 @@ from pathlib import Path
 # Before anything imports grpc: the tests fork services (Popen with preexec_fn) from a
 # process running gRPC servers, and gRPC's fork handlers abort there (see common/cli/main.py).
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# A service or CLI process a test starts that dies of a signal (SIGSEGV, SIGABRT, ...) writes
+# every thread's Python stack to its stderr first, so the failing test shows where each was.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 # Parity with Hugging Face is checked exactly in fp32; on a CPU with native bf16,
 # dtype auto would pick bf16 (tests of `auto` itself pass the CPU flags explicitly).
 os.environ.setdefault("PDSERVE_DTYPE", "float32")
