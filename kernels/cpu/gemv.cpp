@@ -498,8 +498,8 @@ at::Tensor f32_panel_gemm(const at::Tensor& x, const std::optional<at::Tensor>& 
     // Each thread a run of whole tiles of rows, in blocks packed where it reads them.
     const int64_t tile_rows = pdserve_cpu::kF32TileRows;
     at::parallel_for(0, (M + tile_rows - 1) / tile_rows, 1, [&](int64_t begin, int64_t end) {
-      thread_local std::vector<float> x_block;
-      x_block.resize(std::max<size_t>(x_block.size(), pdserve_cpu::f32_block_floats(K)));
+      thread_local std::vector<float> x_block;  // kept: a prompt's calls reuse it
+      x_block.resize(pdserve_cpu::f32_block_floats(K));
       pdserve_cpu::f32_panel_gemm_rows(xc.const_data_ptr<float>(), panels.const_data_ptr<float>(),
                                        bias.has_value() ? bias->const_data_ptr<float>() : nullptr,
                                        y.data_ptr<float>(), K, N, begin * tile_rows, std::min(M, end * tile_rows),
