@@ -326,8 +326,13 @@ class ModelRunner:
             positions = torch.arange(num_tokens, device=self.device)
             torch._dynamo.decorators.mark_unbacked(input_ids, 0)
             torch._dynamo.decorators.mark_unbacked(positions, 0)
+            # As a step keeps its rows (_kept_rows): here the last, and a count of its own.
+            keep_rows = None
+            if self.model.is_last_stage:
+                keep_rows = torch.full((1,), num_tokens - 1, dtype=torch.int64, device=self.device)
+                torch._dynamo.decorators.mark_unbacked(keep_rows, 0)
             with forward_context(meta):
-                hidden = self.forward(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+                hidden = self.forward(input_ids, positions, self.kv_caches, meta, keep_rows=keep_rows)
             if self.model.is_last_stage:
                 torch._dynamo.decorators.mark_unbacked(hidden, 0)
                 self.compute_logits(hidden)
@@ -408,8 +413,9 @@ class ModelRunner:
                 # [num_tokens, hidden]
                 hidden = loop.run(input_ids, positions, meta, self._loop_lora_ids(scheduler_output))
             else:
+                keep_rows = self._kept_rows(scheduler_output, input_ids.shape[0], sample_indices)
                 with self._lora_step(scheduler_output.scheduled):
-                    hidden = self._forward(input_ids, positions, meta, received)
+                    hidden = self._forward(input_ids, positions, meta, received, keep_rows)
         except BaseException:
             if connector is not None:  # a half-written pool must not reach a peer as final
                 connector.abort_saves("the forward pass failed")
@@ -658,12 +664,32 @@ class ModelRunner:
             return contextlib.nullcontext()
         return self.lora_manager.step(in_row_order(scheduled))
 
+    def _kept_rows(self, scheduler_output: SchedulerOutput, num_tokens: int,
+                   sample_indices: torch.Tensor) -> torch.Tensor | None:
+        """The rows whose hidden states the step reads (CausalLM.forward's keep_rows): the
+        sampled ones, or all where a request asks for its prompt's logprobs or a pooled
+        embedding, or where adapters are served (their rows follow the step's token order);
+        None off the last stage, where the next stage reads every row. A step that samples
+        nothing keeps its first row, whose output nobody reads: an empty step would be a size
+        the compiled code never ran."""
+        if not self.model.is_last_stage:
+            return None
+        scheduled = scheduler_output.scheduled
+        if (self.lora_manager is not None or any(r.do_pool or r.pooling_type for r in scheduled)
+                or any(r.sampling_params.prompt_logprobs is not None for r in scheduled)):
+            return torch.arange(num_tokens, device=self.device)
+        if sample_indices.shape[0] == 0:
+            return torch.zeros(1, dtype=torch.int64, device=self.device)
+        return sample_indices
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 received: torch.Tensor | None) -> torch.Tensor:
+                 received: torch.Tensor | None, keep_rows: torch.Tensor | None) -> torch.Tensor:
+        """[num_tokens, hidden], or [len(keep_rows), hidden] where rows are kept."""
         with forward_context(meta):
             if received is None:
-                return self.forward(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
-            return self.forward(input_ids, positions, self.kv_caches, meta, hidden_states=received)
+                return self.forward(input_ids, positions, self.kv_caches, meta, keep_rows=keep_rows)
+            return self.forward(input_ids, positions, self.kv_caches, meta, hidden_states=received,
+                                keep_rows=keep_rows)
 
     def _propose(self, sample_reqs: list[ScheduledRequest], token_id_lists: list[list[int]]) -> list[list[int]]:
         """Drafts for each sampling request's next step ([] where none was asked for)."""

@@ -83,18 +83,30 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, num_layers: int | None = None,
-                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+                hidden_states: torch.Tensor | None = None, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]:
         normed on the last pipeline stage, the raw residual stream on the others.
 
         kv_caches: one (K, V) per layer of this stage. num_layers: run only the first
         num_layers layers, then the final norm (an early exit, as a speculative draft);
-        None: all of them. hidden_states: the previous stage's output (not the first stage)."""
+        None: all of them. hidden_states: the previous stage's output (not the first stage).
+        keep_rows [num_kept] int64 (the last stage only): the rows whose hidden states the
+        caller reads, in the order it wants them; the output is then [num_kept, hidden_size].
+        The last layer writes every token's K/V and attends for every token, then projects
+        and runs its MLP over those rows alone: a prompt chunk's other rows feed nothing
+        after it (SmolLM2's 30 layers: ~2.8% of a prompt token's linear FLOPs)."""
+        if keep_rows is not None and not self.is_last_stage:
+            raise ValueError("keep_rows is for the last pipeline stage: the next stage reads every row")
         x = self.embed(input_ids) if hidden_states is None else hidden_states
         rope_cos_sin = self.rope.cos_sin(positions, x.dtype)
         compile_layer_once = self.compile_layer_once and torch.compiler.is_compiling()
-        for layer, kv_cache in zip(self.layers[:num_layers], kv_caches[:num_layers]):
-            if compile_layer_once:
+        layers = self.layers[:num_layers]
+        last = len(layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches[:num_layers])):
+            if keep_rows is not None and i == last:
+                # Compiled on its own: the compiled-once layer takes no keep_rows.
+                x = layer(x, rope_cos_sin, kv_cache, None if compile_layer_once else meta, keep_rows)
+            elif compile_layer_once:
                 x = _compiled_once(layer, x, rope_cos_sin, kv_cache)
             else:
                 x = layer(x, rope_cos_sin, kv_cache, meta)

@@ -33,9 +33,10 @@ class Gemma2DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         self.post_feedforward_layernorm = norm()
 
-    def forward(self, x, rope_cos_sin, kv_cache, meta):
-        attn_out = self.self_attn(self.input_layernorm(x), rope_cos_sin, kv_cache, meta)
-        x = x + self.post_attention_layernorm(attn_out)
+    def forward(self, x, rope_cos_sin, kv_cache, meta, keep_rows=None):
+        """keep_rows: as LlamaDecoderLayer's."""
+        attn_out = self.self_attn(self.input_layernorm(x), rope_cos_sin, kv_cache, meta, keep_rows)
+        x = (x if keep_rows is None else x.index_select(0, keep_rows)) + self.post_attention_layernorm(attn_out)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 

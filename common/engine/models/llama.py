@@ -41,7 +41,11 @@ class LlamaAttention(nn.Module):
         return qk
 
     def forward(self, x: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [num_tokens, hidden] -> [num_tokens, hidden], or [len(keep_rows), hidden] for the
+        rows keep_rows names: every token's K/V is written and every token attends, but the
+        output projection reads only those rows."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # q and k heads are adjacent: rotate them together in one pass.
@@ -50,7 +54,9 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.num_heads + self.num_kv_heads:]
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.layer_idx_tensor,
                               sliding_window=self.sliding_window, logit_softcap=self.logit_softcap)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        if keep_rows is not None:
+            out = out.index_select(0, keep_rows)  # [num_kept, num_heads, head_dim]
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -63,8 +69,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
-    def forward(self, x, rope_cos_sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope_cos_sin, kv_cache, meta)
+    def forward(self, x, rope_cos_sin, kv_cache, meta, keep_rows=None):
+        """keep_rows: None, or the rows [num_kept] int64 whose output anyone reads (the
+        model's last layer: the sampled ones); the others stop after their K/V are written."""
+        attn_out = self.self_attn(self.input_layernorm(x), rope_cos_sin, kv_cache, meta, keep_rows)
+        x = (x if keep_rows is None else x.index_select(0, keep_rows)) + attn_out
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -115,8 +115,9 @@ def test_one_decoder_layer_is_compiled_for_all(engines):
     assert runner.forward.source == "compiled"  # this module's cache started empty
     num_layers = len(runner.model.layers)
     assert num_layers >= 2
-    # Traced once, reused for every other layer (the tokens equal eager's: the test above).
-    assert compiled.layer_compile_counts == [1, num_layers - 1]
+    # Traced once, reused for every other layer but the last, which goes on with the kept rows
+    # alone and is compiled inline (the tokens equal eager's: the test above).
+    assert compiled.layer_compile_counts == [1, num_layers - 2]
 
 
 def test_layers_that_differ_get_their_own_compiled_layer(tmp_path, bundled_model_dir, monkeypatch):
@@ -134,7 +135,8 @@ def test_layers_that_differ_get_their_own_compiled_layer(tmp_path, bundled_model
     compiled = LLM(str(model_dir), **options)
     eager = LLM(str(model_dir), enforce_eager=True, **options)
     try:
-        assert [after - b for after, b in zip(_layer_compile_counts(), before)] == [2, 2]
+        # Layers 0 and 2 share one, layer 1 has its own; the last (3) is compiled inline.
+        assert [after - b for after, b in zip(_layer_compile_counts(), before)] == [2, 1]
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         prompts = _prompts([5, 30, 70])  # mostly longer than the window
         assert ([o.outputs[0].token_ids for o in compiled.generate(prompts, params)]

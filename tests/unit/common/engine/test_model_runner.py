@@ -152,3 +152,65 @@ def test_a_cpu_kv_pool_lives_in_huge_pages_faulted_in_on_a_thread(tiny_llama_dir
     big = caches[0][0]  # 16384 x 16 x kv heads x head dim x 4 bytes: a region of its own
     assert big.untyped_storage().nbytes() > CHUNK_BYTES // 2
     assert all(mapping_of(t)["THPeligible"] == "1" and not t.any() for t in tensors)
+
+
+def _mlp_rows_per_step(llm: LLM) -> list[list[int]]:
+    """Hooks each layer's MLP; returns the list each step's forward fills with the rows every
+    layer's MLP ran on, in layer order (one list a forward pass)."""
+    layers = llm.engine.executor.runner.model.layers
+    passes: list[list[int]] = []
+
+    def record(module, args):
+        if module is layers[0].mlp:
+            passes.append([])
+        passes[-1].append(args[0].shape[0])
+
+    for layer in layers:
+        layer.mlp.register_forward_pre_hook(record)
+    return passes
+
+
+def test_the_last_layer_goes_on_with_the_sampled_rows_alone(tiny_llama_dir):
+    """A prompt step's last layer runs its MLP over the rows it samples (one a finishing
+    prompt), the other layers over every token; asking for prompt logprobs keeps every row,
+    and the tokens and their logprobs are the same either way."""
+    prompts = [{"prompt_token_ids": [(11 * i + 3 * n) % 300 + 5 for i in range(n)]} for n in (30, 12)]
+    llm = LLM(model=str(tiny_llama_dir), kv_cache_memory="16MiB")
+    try:
+        passes = _mlp_rows_per_step(llm)
+        num_layers = len(llm.engine.executor.runner.model.layers)
+        kept = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2))
+        assert passes[0] == [42] * (num_layers - 1) + [2]
+        llm.reset_prefix_cache()
+        passes.clear()
+        every_row = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
+                                                         logprobs=2, prompt_logprobs=1))
+        assert passes[0] == [42] * num_layers
+        assert all(len(o.prompt_logprobs) == len(p["prompt_token_ids"]) for o, p in zip(every_row, prompts))
+        for got, want in zip(kept, every_row):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            torch.testing.assert_close(torch.tensor([lp.token_logprob for lp in got.outputs[0].logprobs]),
+                                       torch.tensor([lp.token_logprob for lp in want.outputs[0].logprobs]),
+                                       atol=1e-5, rtol=0)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_step_that_samples_nothing_runs_its_last_layer_on_one_row(tiny_llama_dir):
+    """A 40-token prompt in 16-token chunks: the first two steps finish no prompt, so no row
+    of theirs is read, and their last layer goes on with one row (no empty tensor); the
+    third samples the prompt's first token, the same as unchunked."""
+    prompt = {"prompt_token_ids": [(13 * i) % 300 + 5 for i in range(40)]}
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    whole = LLM(model=str(tiny_llama_dir), kv_cache_memory="16MiB")
+    want = whole.generate([prompt], params)[0].outputs[0].token_ids
+    whole.engine.shutdown()
+    llm = LLM(model=str(tiny_llama_dir), kv_cache_memory="16MiB", max_num_batched_tokens=16)
+    try:
+        passes = _mlp_rows_per_step(llm)
+        num_layers = len(llm.engine.executor.runner.model.layers)
+        assert llm.generate([prompt], params)[0].outputs[0].token_ids == want
+        assert passes[:3] == [[16] * (num_layers - 1) + [1], [16] * (num_layers - 1) + [1],
+                              [8] * (num_layers - 1) + [1]]
+    finally:
+        llm.engine.shutdown()

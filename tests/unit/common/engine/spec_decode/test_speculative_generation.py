@@ -281,9 +281,9 @@ def test_verification_steps_run_in_the_native_loop(target_dir):
             num_verification_steps[1] += loop.num_steps - steps_before
         return output
 
-    def forward_of_prefills(input_ids, positions, meta, received):
+    def forward_of_prefills(input_ids, positions, meta, received, keep_rows):
         assert meta.num_decode_tokens < input_ids.shape[0], "a decode-only step left the loop"
-        return forward(input_ids, positions, meta, received)
+        return forward(input_ids, positions, meta, received, keep_rows)
 
     runner._run_model, runner._forward = recording_run_model, forward_of_prefills
     assert generate(llm, prompts, greedy(40)) == want
