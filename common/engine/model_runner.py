@@ -398,7 +398,9 @@ class ModelRunner:
         received = None  # the previous stage's hidden states [num_tokens, hidden]
         graph_logits = None  # [num_tokens, vocab] when a graph computed them
         loop_output = None  # where the native loop took the step to its tokens
-        hidden = None  # [num_tokens, hidden] unless the loop took the step to its tokens
+        # [num_tokens, hidden], or the kept rows' [num_kept, hidden] (_kept_rows), unless the loop
+        # took the step to its tokens
+        hidden = None
         if not model.is_first_stage:
             received = parallel_state.recv_from_prev_stage(
                 (input_ids.shape[0], self.model_config.hidden_size), self.dtype, self.device)
@@ -440,7 +442,8 @@ class ModelRunner:
                         sample_rows: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
                         meta: AttentionMetadata) -> RunnerOutput:
         """The step's tokens from its last stage's hidden states [num_tokens, hidden] (or the
-        loop's own output), with the drafts for the next step."""
+        kept rows', which are the sampled ones, or the loop's own output), with the drafts for
+        the next step."""
         connector = self.kv_connector
         if connector is not None:
             connector.wait_for_save()
