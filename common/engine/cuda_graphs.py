@@ -61,6 +61,9 @@ class _StaticInputs:
     slot_mapping: torch.Tensor  # [max_num_seqs] int64
     block_tables: torch.Tensor  # [max_num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor  # [max_num_seqs] int32
+    # [max_num_seqs] int64, 0, 1, ...: a decode step samples every row, so the forward keeps
+    # them all, passed as the runner's steps pass keep_rows (one compiled form for both)
+    all_rows: torch.Tensor
 
     def meta(self, num_seqs: int, max_seq_len: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -89,7 +92,8 @@ class DecodeGraphs:
             positions=torch.zeros(max_num_seqs, dtype=torch.int64, device=device),
             slot_mapping=torch.full((max_num_seqs,), -1, dtype=torch.int64, device=device),
             block_tables=torch.zeros((max_num_seqs, max_blocks_per_seq), dtype=torch.int32, device=device),
-            seq_lens=torch.zeros(max_num_seqs, dtype=torch.int32, device=device))
+            seq_lens=torch.zeros(max_num_seqs, dtype=torch.int32, device=device),
+            all_rows=torch.arange(max_num_seqs, device=device))
         # bucket -> (replay, (static hidden states [bucket, hidden], logits [bucket, vocab] if computed))
         self._graphs: dict[int, tuple[Callable[[], None], tuple[torch.Tensor, ...]]] = {}
         self._capture = capture
@@ -105,7 +109,8 @@ class DecodeGraphs:
 
             def run(size=size, meta=meta) -> tuple[torch.Tensor, ...]:
                 with forward_context(meta):
-                    hidden = self.forward(static.input_ids[:size], static.positions[:size], self.kv_caches, meta)
+                    hidden = self.forward(static.input_ids[:size], static.positions[:size], self.kv_caches, meta,
+                                          keep_rows=static.all_rows[:size])
                 return (hidden,) if self.compute_logits is None else (hidden, self.compute_logits(hidden))
 
             run()  # compiles Triton kernels and inductor's chosen configs outside the capture
