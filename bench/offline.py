@@ -244,9 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.peers.vllm_peer import vllm_python as find_vllm
         vllm_python = find_vllm(args.peer_venv)
 
-    from bench.profile import cpu_model_name
-    results: dict = {"config": vars(args), "machine": {"platform": platform.platform(), "cpu": cpu_model_name(),
-                                                       "torch_threads": torch.get_num_threads()}}
+    from bench.profile import cpu_family_model, cpu_model_name, now_iso, versions
+    results: dict = {"when": now_iso(), "versions": versions().model_dump(), "config": vars(args),
+                     "machine": {"platform": platform.platform(), "cpu": cpu_model_name(),
+                                 "cpu_family_model": cpu_family_model(), "torch_threads": torch.get_num_threads()}}
     from common.engine.device import select_device
     device = select_device("auto")  # the engine's own choice below
     results["machine"]["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -10,6 +10,7 @@ from bench.profile import (
     LinearFit,
     PrefillSample,
     Profile,
+    cpu_family_model,
     fit_decode,
     fit_linear,
     fit_prefill,
@@ -89,3 +90,12 @@ def test_a_mixed_step_costs_its_decode_rows_as_extra_tokens_not_a_second_pass():
     assert profile.mixed_step_s([(100, 0)], 4, 400) == pytest.approx(0.05 + 0.004 * 104)
     # A tiny chunk does not make the step cheaper than the decodes alone.
     assert profile.mixed_step_s([(1, 0)], 4, 400) == pytest.approx(profile.decode_step_s(4, 400))
+
+
+@pytest.mark.parametrize("cpuinfo, expected", [
+    ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n\n"
+     "processor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\n", "family 26, model 2"),  # the first processor's
+    ("processor\t: 0\nmodel name\t: some ARM core\n", ""),  # no x86 family: nothing, not a guess
+])
+def test_the_cpu_family_and_model_come_from_the_first_processor(cpuinfo, expected):
+    assert cpu_family_model(cpuinfo) == expected
