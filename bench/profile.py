@@ -237,18 +237,8 @@ def cpu_model_name() -> str:
 def cpu_family_model(cpuinfo: str | None = None) -> str:
     """'family F, model M' from /proc/cpuinfo's first processor (or the text given), "" where
     it has neither: the model name alone ("AMD EPYC") does not tell a Zen 4 from a Zen 5."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return ""
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        if not line.strip():
-            break  # the first processor's fields end at its blank line
-        name, _, value = line.partition(":")
-        fields.setdefault(name.strip(), value.strip())
+    from common.engine.device import first_cpu_fields
+    fields = first_cpu_fields(cpuinfo)
     if "cpu family" not in fields or "model" not in fields:
         return ""
     return f"family {fields['cpu family']}, model {fields['model']}"

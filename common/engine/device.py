@@ -29,16 +29,26 @@ def select_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def first_cpu_fields(cpuinfo: str | None = None) -> dict[str, str]:
+    """/proc/cpuinfo's fields of its first processor, or of the text given ({} where there is none)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return {}
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's fields end at its blank line
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    return fields
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set(first_cpu_fields().get("flags", "").split())
 
 
 def cpu_has_native_bf16(flags: set[str] | None = None) -> bool:

@@ -158,6 +158,16 @@ def in_row_order(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
     return decodes + prefills
 
 
+def pools(scheduled: list[ScheduledRequest]) -> bool:
+    """Whether a request of the step pools its prompt's hidden states (an embedding)."""
+    return any(r.do_pool or r.pooling_type for r in scheduled)
+
+
+def asks_prompt_logprobs(scheduled: list[ScheduledRequest]) -> bool:
+    """Whether a request of the step asks for its prompt's logprobs."""
+    return any(r.sampling_params.prompt_logprobs is not None for r in scheduled)
+
+
 def step_num_threads(scheduler_output: SchedulerOutput, num_prefill_threads: int | None) -> int | None:
     """The torch threads this step runs on: num_prefill_threads where it prefills at least
     PREFILL_THREADS_MIN_TOKENS prompt tokens (chunks of more than one known token; decodes
@@ -432,7 +442,7 @@ class ModelRunner:
         output.prompt_logprobs = prompt_logprobs
         scheduled = scheduler_output.scheduled
         # Nearly every step holds no embedding request: no row order to rebuild.
-        if self.is_output_rank and hidden is not None and any(r.do_pool or r.pooling_type for r in scheduled):
+        if self.is_output_rank and hidden is not None and pools(scheduled):
             output.pooled_hidden = self.prompt_pooler.pool_step(in_row_order(scheduled), hidden)
         return output
 
@@ -495,7 +505,7 @@ class ModelRunner:
         logits' log-softmax, as vLLM gives them), as (the first p, one Logprobs a position).
         Every TP rank of the last stage takes part (compute_logits gathers). hidden:
         [num_tokens, hidden], rows in split_step's order."""
-        if all(req.sampling_params.prompt_logprobs is None for req in scheduler_output.scheduled):
+        if not asks_prompt_logprobs(scheduler_output.scheduled):
             return None
         results: dict[str, tuple[int, list[Logprobs]]] = {}
         row = 0
@@ -678,8 +688,7 @@ class ModelRunner:
         if not self.model.is_last_stage:
             return None
         scheduled = scheduler_output.scheduled
-        if (self.lora_manager is not None or any(r.do_pool or r.pooling_type for r in scheduled)
-                or any(r.sampling_params.prompt_logprobs is not None for r in scheduled)):
+        if self.lora_manager is not None or pools(scheduled) or asks_prompt_logprobs(scheduled):
             return torch.arange(num_tokens, device=self.device)
         if sample_indices.shape[0] == 0:
             return torch.zeros(1, dtype=torch.int64, device=self.device)

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common.engine.device import first_cpu_fields
 from common.engine.model_files import bundled_gguf_path
 from common.engine.models.prepacked_linear import _PACKED_WEIGHTS, PrepackedLinear, prepacking_available
 from common.engine.models.quantization.cpu_kernels import int4_kernel_available, int8_kernel_available
@@ -454,9 +455,7 @@ def test_the_switch_leaves_bf16_linears_without_panels_and_on_onednn(monkeypatch
 
 def _amd_family() -> int:
     """The CPU family of an AMD CPU from /proc/cpuinfo (26: Zen 5); 0 for other vendors."""
-    with open("/proc/cpuinfo") as cpuinfo:
-        first_cpu = cpuinfo.read().split("\n\n")[0]
-    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
+    fields = first_cpu_fields()
     return int(fields["cpu family"]) if fields.get("vendor_id") == "AuthenticAMD" else 0
 
 
