@@ -1,10 +1,12 @@
-"""The physical KV block pool: ref counts, free queue in eviction order, hash -> block.
+"""The physical KV block pool: ref counts, free blocks in the order allocation takes them,
+hash -> block.
 
 Plain Python, no torch. The pool knows nothing about requests; KVCacheManager
 (common/engine/kv_cache_manager.py) maps requests onto blocks and decides what to cache.
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -53,10 +55,16 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
-        # Free blocks, least valuable first: allocation pops the head, frees append at
-        # the tail, a prefix hit on a free block removes it from the middle in O(1).
-        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (block.block_id, block) for block in self.blocks)
+        # Free blocks in two tiers, taken in this order. First the empty ones (no cached
+        # prefix), lowest id first: a request's blocks then lie in ascending runs of each
+        # layer's cache, which a step's attention reads as streams. Freed in whatever
+        # order requests finish, a single queue scatters them over the pool, and the
+        # mixed load's steps ran 3-4% slower that way (docs/benchmarks.md, "Blocks in
+        # ascending runs"). Then the cached ones, least recently freed first, so that
+        # a cached prefix is evicted only once no empty block is left; a prefix hit on
+        # one takes it out of the middle in O(1).
+        self._free_empty_ids: list[int] = list(range(num_blocks))  # a heap of block ids
+        self._free_cached: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self.cached_blocks: dict[int, KVCacheBlock] = {}  # block_hash -> block
         self.enable_kv_events = enable_kv_events
         self.pending_events: deque[KVCacheEvent] = deque(maxlen=MAX_PENDING_EVENTS)
@@ -64,42 +72,55 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self._free_empty_ids) + len(self._free_cached)
+
+    def free_block_ids(self) -> list[int]:
+        """Every free block, in the order allocation would take them."""
+        return sorted(self._free_empty_ids) + list(self._free_cached)
 
     def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Pop `num_blocks` from the head of the free queue, evicting their hashes."""
-        if num_blocks > len(self.free_queue):
-            raise ValueError(f"cannot allocate {num_blocks} blocks, {len(self.free_queue)} free")
-        new_blocks = []
+        """Take `num_blocks` free blocks, empty ones first, then cached ones (evicting
+        their hashes); returned in ascending id order, so that blocks evicted from
+        several requests still give this one ascending runs."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {num_blocks} blocks, {self.num_free_blocks} free")
+        num_empty = min(num_blocks, len(self._free_empty_ids))
+        new_blocks = [self.blocks[heapq.heappop(self._free_empty_ids)] for _ in range(num_empty)]
         evicted_hashes = []
-        for _ in range(num_blocks):
-            _, block = self.free_queue.popitem(last=False)
-            if block.block_hash is not None:
-                evicted_hashes.append(block.block_hash)
-                self._drop_hash(block)
-            block.ref_cnt = 1
+        for _ in range(num_blocks - num_empty):
+            _, block = self._free_cached.popitem(last=False)
+            evicted_hashes.append(block.block_hash)
+            self._drop_hash(block)
             new_blocks.append(block)
+        for block in new_blocks:
+            block.ref_cnt = 1
         if evicted_hashes:
             self._emit(BlockRemoved, block_hashes=evicted_hashes)
+            new_blocks.sort(key=lambda block: block.block_id)
         return new_blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take another reference on cached blocks (a prefix hit)."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self.free_queue[block.block_id]
+                assert block.block_hash is not None, f"block {block.block_id}: a prefix hit on an uncached block"
+                del self._free_cached[block.block_id]
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference each; blocks reaching 0 join the tail in the given order."""
+        """Drop one reference each; a block reaching 0 joins the empty tier, or, cached,
+        the cached tier's tail in the given order."""
         for block in ordered_blocks:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"double free of block {block.block_id}"
             if block.ref_cnt == 0:
-                self.free_queue[block.block_id] = block
+                if block.block_hash is None:
+                    heapq.heappush(self._free_empty_ids, block.block_id)
+                else:
+                    self._free_cached[block.block_id] = block
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[int],
                           parent_block_hash: int | None, token_ids: Sequence[int]) -> None:
@@ -134,6 +155,9 @@ class BlockPool:
         for block in self.cached_blocks.values():
             block.block_hash = None
         self.cached_blocks.clear()
+        for block_id in self._free_cached:  # free and now empty
+            heapq.heappush(self._free_empty_ids, block_id)
+        self._free_cached.clear()
         self._emit(BlockRemoved, block_hashes=evicted_hashes)
 
     def all_cached_block_hashes(self) -> list[int]:

@@ -157,12 +157,14 @@ class KVCacheManager:
             block_ids = [block.block_id for block in blocks]
             assert len(set(block_ids)) == len(block_ids), f"{req_id} holds a block twice: {block_ids}"
             num_holders.update(block_ids)
+        free_block_ids = pool.free_block_ids()
+        assert len(set(free_block_ids)) == len(free_block_ids), f"a block is free twice: {free_block_ids}"
+        free_block_ids = set(free_block_ids)
         for block in pool.blocks:
             assert block.ref_cnt == num_holders[block.block_id], (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} != {num_holders[block.block_id]} holders")
-            assert (block.block_id in pool.free_queue) == (block.ref_cnt == 0), (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt}, in free queue: "
-                f"{block.block_id in pool.free_queue}")
+            assert (block.block_id in free_block_ids) == (block.ref_cnt == 0), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, free: {block.block_id in free_block_ids}")
             if block.block_hash is not None:
                 assert pool.cached_blocks.get(block.block_hash) is block
         for block_hash, block in pool.cached_blocks.items():

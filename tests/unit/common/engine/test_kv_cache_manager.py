@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common.engine.block_hash import compute_block_hashes, hash_block_tokens, root_parent_hash
 from common.engine.block_pool import BlockRemoved, BlockStored
@@ -25,10 +27,11 @@ def admit(kv, request: Request) -> list[int]:
 
 
 def free_queue_ids(kv) -> list[int]:
-    return list(kv.block_pool.free_queue)
+    """The free blocks in the order allocation takes them."""
+    return kv.block_pool.free_block_ids()
 
 
-def test_allocates_exact_block_ids_and_frees_tail_first(make_kv_cache_manager):
+def test_allocates_exact_block_ids_and_evicts_empty_blocks_then_cached_tails(make_kv_cache_manager):
     kv = make_kv_cache_manager(num_blocks=8)
     req_a = make_request("a", list(range(10)))
     req_b = make_request("b", list(range(100, 105)))
@@ -39,10 +42,11 @@ def test_allocates_exact_block_ids_and_frees_tail_first(make_kv_cache_manager):
     kv.check_invariants()
 
     kv.free(req_a)
-    # The request's tail block is evicted first, its first block last.
-    assert free_queue_ids(kv) == [5, 6, 7, 2, 1, 0]
+    # Empty blocks go first, lowest id first (block 2 held a's partial tail); then the
+    # cached ones, the request's tail first and its first block last.
+    assert free_queue_ids(kv) == [2, 5, 6, 7, 1, 0]
     kv.free(req_b)
-    assert free_queue_ids(kv) == [5, 6, 7, 2, 1, 0, 4, 3]
+    assert free_queue_ids(kv) == [2, 4, 5, 6, 7, 1, 0, 3]
     assert kv.get_block_ids("a") == []
 
 
@@ -57,15 +61,15 @@ def test_prefix_hit_reuses_exact_block_ids(make_kv_cache_manager):
     assert [kv.block_pool.blocks[i].ref_cnt for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
 
     kv.free(req_a)  # only the unshared block 2 becomes free
-    assert free_queue_ids(kv) == [4, 5, 6, 7, 2]
+    assert free_queue_ids(kv) == [2, 4, 5, 6, 7]
     kv.free(req_b)
-    assert free_queue_ids(kv) == [4, 5, 6, 7, 2, 3, 1, 0]
+    assert free_queue_ids(kv) == [2, 3, 4, 5, 6, 7, 1, 0]
 
     # A hit on free blocks takes them out of the middle of the free queue.
     req_c = make_request("c", list(range(8)) + [7])
     assert kv.get_computed_blocks(req_c) == ([0, 1], 8)
-    assert kv.allocate_slots(req_c, 1, [0, 1]) == [4]
-    assert free_queue_ids(kv) == [5, 6, 7, 2, 3]
+    assert kv.allocate_slots(req_c, 1, [0, 1]) == [2]
+    assert free_queue_ids(kv) == [3, 4, 5, 6, 7]
     kv.check_invariants()
     kv.free(req_c)
     assert kv.stats.num_query_tokens == 10 + 11 + 9 and kv.stats.num_hit_tokens == 16
@@ -132,7 +136,8 @@ def test_reallocation_evicts_hash_with_block_removed_event(make_kv_cache_manager
     assert sorted(kv.all_cached_block_hashes()) == sorted([hash_a0, hash_a1])  # freed, still cached
 
     req_b = make_request("b", list(range(100, 116)))
-    assert admit(kv, req_b) == [2, 3, 1, 0]
+    # Taken in that order, evicting a's tail first; handed out in ascending id order.
+    assert admit(kv, req_b) == [0, 1, 2, 3]
     events = kv.take_events()
     assert events[0] == BlockRemoved(seq=2, block_hashes=[hash_a1, hash_a0])
     assert events[1] == BlockStored(seq=3, block_hashes=req_b.block_hashes, parent_block_hash=None,
@@ -214,3 +219,82 @@ def test_check_invariants_detects_corruption(make_kv_cache_manager):
         kv.check_invariants()
     kv.block_pool.blocks[0].ref_cnt -= 1
     kv.free(req)
+
+
+def test_requests_that_finish_out_of_order_leave_ascending_runs_for_the_next(make_kv_cache_manager):
+    """Blocks freed in whatever order requests finish come back lowest id first, so a new
+    request's blocks lie in one ascending run of the cache once the prefixes are gone."""
+    kv = make_kv_cache_manager(num_blocks=12)
+    requests = [make_request(name, [100 * index + t for t in range(10)]) for index, name in enumerate("abcd")]
+    for request in requests:
+        admit(kv, request)  # 3 blocks each: a [0, 1, 2] ... d [9, 10, 11]
+    for index in (2, 0, 3, 1):
+        kv.free(requests[index])
+    kv.reset_prefix_cache()
+    assert free_queue_ids(kv) == list(range(12))
+    assert admit(kv, make_request("e", list(range(1000, 1024)))) == list(range(6))
+    assert admit(kv, make_request("f", list(range(2000, 2010)))) == [6, 7, 8]
+
+
+def test_a_cached_prefix_outlives_empty_blocks(make_kv_cache_manager):
+    kv = make_kv_cache_manager(num_blocks=8)
+    old = make_request("old", list(range(8)))  # two full blocks, both cached
+    admit(kv, old)
+    kv.free(old)
+    # Six empty blocks free: a request of five blocks takes empty ones and leaves the
+    # prefix cached (one queue in free order would have evicted it first).
+    filler = make_request("filler", list(range(100, 120)))
+    assert admit(kv, filler) == [2, 3, 4, 5, 6]
+    assert kv.get_computed_blocks(make_request("again", list(range(9)))) == ([0, 1], 8)
+    kv.free(filler)
+
+
+def test_an_allocation_past_the_empty_blocks_evicts_cached_ones_in_free_order(make_kv_cache_manager):
+    kv = make_kv_cache_manager(num_blocks=6)
+    first, second = make_request("first", list(range(8))), make_request("second", list(range(50, 58)))
+    admit(kv, first)   # [0, 1]
+    admit(kv, second)  # [2, 3]
+    kv.free(second)
+    kv.free(first)
+    assert free_queue_ids(kv) == [4, 5, 3, 2, 1, 0]
+    kv.take_events()
+    # Two empty blocks, then second's tail and head: first's prefix survives.
+    taker = make_request("taker", list(range(200, 216)))
+    assert admit(kv, taker) == [2, 3, 4, 5]
+    assert kv.take_events()[0] == BlockRemoved(seq=3, block_hashes=list(reversed(second.block_hashes)))
+    assert kv.get_computed_blocks(make_request("first-again", list(range(9)))) == ([0, 1], 8)
+    kv.free(taker)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["admit", "free", "reset"]), st.integers(0, 5), st.integers(1, 14)),
+                max_size=40))
+def test_any_run_of_admits_frees_and_resets_keeps_the_pool_whole(operations):
+    """Whatever happens, the free blocks are exactly those no request holds, each listed
+    once, empty ones first in ascending order, and every allocation ascends."""
+    from common.engine.kv_cache_manager import KVCacheManager
+    kv = KVCacheManager(16, BLOCK_SIZE, True, True)
+    live: dict[str, Request] = {}
+    for number, (operation, prefix, length) in enumerate(operations):
+        if operation == "admit":
+            # Prompts share a prefix chosen from a few, so hits and evictions both occur.
+            request = make_request(f"r{number}", [prefix] * 4 + list(range(number * 100, number * 100 + length)))
+            hit_block_ids, num_hit_tokens = kv.get_computed_blocks(request)
+            new_block_ids = kv.allocate_slots(request, request.num_tokens - num_hit_tokens, hit_block_ids)
+            if new_block_ids is not None:
+                assert new_block_ids == sorted(new_block_ids)
+                request.num_computed_tokens = request.num_tokens
+                live[request.req_id] = request
+        elif operation == "free" and live:
+            kv.free(live.pop(sorted(live)[prefix % len(live)]))
+        elif operation == "reset":
+            kv.reset_prefix_cache()
+        kv.check_invariants()
+        pool = kv.block_pool
+        free_ids = pool.free_block_ids()
+        num_empty = sum(1 for block_id in free_ids if pool.blocks[block_id].block_hash is None)
+        assert free_ids[:num_empty] == sorted(free_ids[:num_empty])
+        assert all(pool.blocks[block_id].block_hash is not None for block_id in free_ids[num_empty:])
+    for request in live.values():
+        kv.free(request)
+    assert kv.num_free_blocks == 16
