@@ -96,6 +96,29 @@ def run_ours(llm, workload, temperature: float = 0.0, logprobs: int | None = Non
     return elapsed, num_tokens
 
 
+class StepTimes:
+    """The engine's step times over one run (its step observer), summed apart for steps
+    whose every request computes one token (decode steps) and the rest (prompt chunks
+    among them): where a run's time goes, and whether it moves from run to run of one
+    process."""
+
+    def __init__(self) -> None:
+        self.decode_seconds = self.other_seconds = 0.0
+        self.num_decode_steps = self.num_other_steps = 0
+
+    def __call__(self, scheduler_output, seconds: float) -> None:
+        if all(len(scheduled.token_ids) == 1 for scheduled in scheduler_output.scheduled):
+            self.decode_seconds += seconds
+            self.num_decode_steps += 1
+        else:
+            self.other_seconds += seconds
+            self.num_other_steps += 1
+
+    def as_dict(self) -> dict:
+        return {"decode_seconds": self.decode_seconds, "num_decode_steps": self.num_decode_steps,
+                "other_seconds": self.other_seconds, "num_other_steps": self.num_other_steps}
+
+
 def run_hf(hf_model, workload, batch_size: int, pad_token_id: int) -> tuple[float, int]:
     """Static batches, left padding, greedy; only each request's own max_tokens count."""
     t0 = time.perf_counter()
@@ -221,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip-hf", action="store_true", help="same as --peer none (quick checks)")
+    parser.add_argument("--step-times", action="store_true",
+                        help="time each of our mixed runs' steps, decode steps apart from the rest "
+                             "(mixed.ours_step_times in the JSON)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="the mixed workload's sampling on our side and vLLM's (0: greedy; else draws)")
     parser.add_argument("--logprobs", type=int, default=None,
@@ -305,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         # minutes moves both sides alike; each pair's ratio is kept too.
         num_tokens = sum(m for _, m in workload)
         ours_seconds, vllm_seconds, quiet_waits = [], [], []
+        ours_step_times: list[dict] = []
 
         def let_settle(before: str) -> None:
             """With both engines up, a timed step starts once the other side is quiet (vLLM
@@ -317,7 +344,15 @@ def main(argv: list[str] | None = None) -> int:
         def ours_run():
             llm.reset_prefix_cache()
             let_settle("ours")
-            ours_seconds.append(run_ours(llm, workload, args.temperature, args.logprobs)[0])
+            step_times = StepTimes()
+            if args.step_times:
+                llm.engine.step_observer = step_times
+            try:
+                ours_seconds.append(run_ours(llm, workload, args.temperature, args.logprobs)[0])
+            finally:
+                llm.engine.step_observer = None
+            if args.step_times:
+                ours_step_times.append(step_times.as_dict())
 
         def vllm_run():
             let_settle("vllm")
@@ -333,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         ours_tps = num_tokens / elapsed
         results["mixed"] = {"ours_seconds": elapsed, "ours_output_tokens_per_s": ours_tps,
                             "ours_run_seconds": ours_seconds, "num_output_tokens": num_tokens,
+                            "ours_step_times": ours_step_times,
                             "num_prompt_tokens": sum(len(p) for p, _ in workload)}
         # The long prompt's cold time to first token and the single stream, each side's runs
         # alternating like the mixed ones (this host's speed can move 2x in a minute): the
