@@ -74,6 +74,11 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self._free_empty_ids) + len(self._free_cached)
 
+    @property
+    def num_free_empty_blocks(self) -> int:
+        """Free blocks holding no cached prefix: what allocation takes before evicting."""
+        return len(self._free_empty_ids)
+
     def free_block_ids(self) -> list[int]:
         """Every free block, in the order allocation would take them."""
         return sorted(self._free_empty_ids) + list(self._free_cached)

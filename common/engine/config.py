@@ -170,8 +170,15 @@ class CacheConfig:
     # What the pool holds: "auto" the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2" 8-bit
     # float codes (CPU; common.engine.device.select_kv_cache_dtype).
     cache_dtype: str = "auto"
+    # Blocks a request takes past what it needs now when it needs more, while the pool has
+    # more than half its blocks empty, and at most what its max_tokens can fill: a request's
+    # KV then grows in runs of that many + 1 consecutive blocks, which a step's attention
+    # reads as streams (one block at a time, the running requests' blocks interleave).
+    num_blocks_ahead: int = 7
 
     def __post_init__(self) -> None:
+        if not isinstance(self.num_blocks_ahead, int) or self.num_blocks_ahead < 0:
+            raise ValueError(f"num_blocks_ahead must be an integer >= 0, got {self.num_blocks_ahead!r}")
         if self.cache_dtype not in KV_CACHE_DTYPE_NAMES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}; "
                              f"got {self.cache_dtype!r}")
@@ -445,12 +452,13 @@ def make_engine_config(model: str | None = None, *, dtype: str = "auto", device:
                        num_scheduler_steps: int = 1, kv_cache_dtype: str = "auto", enable_lora: bool = False,
                        max_loras: int = 4, max_lora_rank: int = 16,
                        pooler_config: dict | str | None = None,
-                       long_prefill_token_threshold: int = 0) -> EngineConfig:
+                       long_prefill_token_threshold: int = 0, num_kv_blocks_ahead: int = 7) -> EngineConfig:
     """The one place flat engine options (LLM kwargs, CLI flags) become an EngineConfig."""
     return EngineConfig(
         model=model, dtype=dtype, device=device, seed=seed,
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks,
-                          enable_prefix_caching=enable_prefix_caching, cache_dtype=kv_cache_dtype),
+                          enable_prefix_caching=enable_prefix_caching, cache_dtype=kv_cache_dtype,
+                          num_blocks_ahead=num_kv_blocks_ahead),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                                   num_scheduler_steps=num_scheduler_steps,

@@ -17,6 +17,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-kv-blocks-ahead", type=int, default=7,
+                   help="KV blocks a request takes past what it needs when it needs more, while over half "
+                        "the pool is empty and no more than its max_tokens can fill, so its KV grows in runs "
+                        "the attention reads as streams (0: one block at a time)")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV pool size: bytes (2GiB, 512MiB) or a fraction of free memory after weights "
                         "(0.9); default 1GiB on CPU, 0.9 on GPU")
@@ -112,6 +116,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_chunked_prefill=_enabled(args, "chunked_prefill"),
                 num_scheduler_steps=args.num_scheduler_steps,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
+                num_kv_blocks_ahead=args.num_kv_blocks_ahead,
                 speculative_config=getattr(args, "speculative_config", None),
                 tensor_parallel_size=args.tensor_parallel_size,
                 pipeline_parallel_size=args.pipeline_parallel_size,

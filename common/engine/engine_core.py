@@ -135,7 +135,8 @@ class EngineCore:
         logger.info("KV pool: %d blocks x %d tokens (%.1f MiB)", cache.num_blocks, cache.block_size,
                     cache.num_blocks * bytes_per_block / (1 << 20))
         self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size,
-                                               enable_prefix_caching=cache.enable_prefix_caching)
+                                               enable_prefix_caching=cache.enable_prefix_caching,
+                                               num_blocks_ahead=cache.num_blocks_ahead)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, cache.block_size, self.max_model_len,
                                    kv_connector=make_scheduler_connector(config.kv_transfer, cache.block_size),
                                    speculative_config=config.speculative)

@@ -28,8 +28,9 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 enable_kv_events: bool = True):
+                 enable_kv_events: bool = True, num_blocks_ahead: int = 0):
         self.block_size = block_size
+        self.num_blocks_ahead = num_blocks_ahead  # CacheConfig.num_blocks_ahead
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, block_size, enable_kv_events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -95,6 +96,8 @@ class KVCacheManager:
         num_evictable_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)
         if num_new_blocks + num_evictable_hits > self.num_free_blocks:
             return None
+        if num_new_blocks:
+            num_new_blocks += self._num_blocks_ahead(request, num_required_blocks, num_new_blocks)
 
         if not req_blocks and self.enable_prefix_caching:
             # Counted here, not in get_computed_blocks, so a request that waits at the
@@ -110,6 +113,25 @@ class KVCacheManager:
         if not delay_cache_blocks:
             self.cache_blocks(request, num_total_tokens)
         return [block.block_id for block in new_blocks]
+
+    def _num_blocks_ahead(self, request: Request, num_required_blocks: int, num_new_blocks: int) -> int:
+        """Blocks to take past the num_new_blocks a request needs now (CacheConfig.num_blocks_ahead):
+        none that its max_tokens could never fill, none for an embedding request, and only
+        empty blocks the pool can spare: more than half of it stays empty afterwards, so no
+        cached prefix is evicted and no request waits or is preempted for them. A prompt
+        whose KV crosses instances takes none: the connector ships every block of the
+        request as its prompt's (its decode steps later take them as any request does)."""
+        if self.num_blocks_ahead == 0 or request.pooling_params is not None:
+            return 0
+        if request.kv_transfer_params and request.num_output_tokens == 0:
+            return 0
+        num_blocks_ahead = self.num_blocks_ahead
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:  # None: until EOS or the context's end
+            max_blocks = -(-(request.num_prompt_tokens + max_tokens) // self.block_size)
+            num_blocks_ahead = min(num_blocks_ahead, max_blocks - num_required_blocks)
+        num_spare = self.block_pool.num_free_empty_blocks - num_new_blocks - self.num_blocks // 2
+        return max(0, min(num_blocks_ahead, num_spare))
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the blocks that are full within the first num_computed_tokens."""

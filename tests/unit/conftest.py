@@ -31,8 +31,8 @@ def make_kv_cache_manager():
     managers: list[KVCacheManager] = []
 
     def make(num_blocks: int = 8, block_size: int = 4, enable_prefix_caching: bool = True,
-             enable_kv_events: bool = True) -> KVCacheManager:
-        manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching, enable_kv_events)
+             enable_kv_events: bool = True, num_blocks_ahead: int = 0) -> KVCacheManager:
+        manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching, enable_kv_events, num_blocks_ahead)
         managers.append(manager)
         return manager
 

@@ -228,3 +228,21 @@ async def wait_until(predicate, timeout: float = 10.0) -> None:
         if loop.time() > deadline:
             raise AssertionError("condition not reached before the deadline")
         await asyncio.sleep(0.01)
+
+
+def test_blocks_taken_ahead_change_no_output(make_llm):
+    """A request's KV in runs of blocks taken ahead (CacheConfig.num_blocks_ahead) gives the
+    tokens it gives one block at a time; the step observer sees the free slots each request
+    holds past its tokens."""
+    prompts = random_prompts([3, 40, 97, 150, 9])
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    results = {}
+    for num_ahead in (0, 7):
+        llm = make_llm(num_kv_blocks_ahead=num_ahead)
+        block_size = llm.engine.config.cache.block_size
+        slack: list[int] = []
+        llm.engine.step_observer = lambda output, _seconds: slack.extend(
+            len(r.block_table) * block_size - (r.start_pos + len(r.token_ids)) for r in output.scheduled)
+        results[num_ahead] = (token_ids(llm.generate(prompts, params)), max(slack))
+    assert results[7][0] == results[0][0]
+    assert results[0][1] < 8 <= results[7][1]  # one block's slots at most, against runs of them

@@ -298,3 +298,77 @@ def test_any_run_of_admits_frees_and_resets_keeps_the_pool_whole(operations):
     for request in live.values():
         kv.free(request)
     assert kv.num_free_blocks == 16
+
+
+def _decode_to(kv, request: Request, num_tokens: int) -> list[list[int]]:
+    """Grow a running request one decode token at a time to num_tokens; the block ids each
+    allocation returned (only those that took blocks)."""
+    allocations = []
+    while request.num_tokens < num_tokens:
+        request.append_output_token_ids([7])
+        new_block_ids = kv.allocate_slots(request, 1)
+        assert new_block_ids is not None
+        if new_block_ids:
+            allocations.append(new_block_ids)
+        request.num_computed_tokens = request.num_tokens
+    return allocations
+
+
+def test_growing_requests_take_their_blocks_in_runs(make_kv_cache_manager):
+    kv = make_kv_cache_manager(num_blocks=64, num_blocks_ahead=3)
+    params = SamplingParams(max_tokens=100)
+    first, second = Request("first", list(range(10)), params), Request("second", list(range(50, 60)), params)
+    assert admit(kv, first) == [0, 1, 2, 3, 4, 5]    # 3 blocks for the prompt, 3 ahead
+    assert admit(kv, second) == [6, 7, 8, 9, 10, 11]
+    # Both decode side by side; each new block comes with 3 more, so neither request's
+    # blocks interleave with the other's one block at a time.
+    for num_tokens in range(11, 40):
+        for request in (first, second):
+            _decode_to(kv, request, num_tokens)
+    assert kv.get_block_ids("first") == [0, 1, 2, 3, 4, 5, 12, 13, 14, 15]
+    assert kv.get_block_ids("second") == [6, 7, 8, 9, 10, 11, 16, 17, 18, 19]
+    kv.free(first)
+    kv.free(second)
+
+
+def test_blocks_ahead_stop_at_what_max_tokens_can_fill(make_kv_cache_manager):
+    kv = make_kv_cache_manager(num_blocks=64, num_blocks_ahead=7)
+    short = Request("short", list(range(10)), SamplingParams(max_tokens=3))  # 13 tokens: 4 blocks
+    assert admit(kv, short) == [0, 1, 2, 3]
+    assert _decode_to(kv, short, 13) == []
+    unbounded = Request("unbounded", list(range(50, 60)), SamplingParams(max_tokens=None))
+    assert admit(kv, unbounded) == list(range(4, 14))  # 3 + 7: until EOS, as many as allowed
+    kv.free(short)
+    kv.free(unbounded)
+
+
+def test_blocks_ahead_come_only_from_the_empty_half_of_the_pool(make_kv_cache_manager):
+    kv = make_kv_cache_manager(num_blocks=16, num_blocks_ahead=7)
+    params = SamplingParams(max_tokens=100)
+    cached = make_request("cached", list(range(8)))  # two blocks, cached once freed
+    admit(kv, cached)
+    kv.free(cached)
+    first = Request("first", list(range(100, 110)), params)
+    # 14 empty blocks: 3 needed, then as many as leave 8 empty (3 more).
+    assert admit(kv, first) == [2, 3, 4, 5, 6, 7]
+    second = Request("second", list(range(200, 210)), params)
+    assert admit(kv, second) == [8, 9, 10]  # none to spare: exactly what it needs
+    # The cached prefix was never evicted for blocks ahead.
+    assert kv.get_computed_blocks(make_request("again", list(range(9)))) == ([0, 1], 8)
+    kv.free(first)
+    kv.free(second)
+
+
+def test_prompts_whose_kv_crosses_instances_and_embeddings_take_no_blocks_ahead(make_kv_cache_manager):
+    from common.engine.pooling_params import PoolingParams
+    kv = make_kv_cache_manager(num_blocks=64, num_blocks_ahead=3)
+    imported = Request("imported", list(range(10)), SamplingParams(max_tokens=100))
+    imported.kv_transfer_params = {"transfer_id": "t1", "timeout_s": 5.0}
+    assert kv.allocate_slots(imported, 10, [], delay_cache_blocks=True) == [0, 1, 2]
+    imported.num_computed_tokens = 10
+    # Once it decodes (its first token came from the prefill), it grows like any request.
+    assert _decode_to(kv, imported, 13) == [[3, 4, 5, 6]]
+    embedding = Request.embedding("embedding", list(range(50, 60)), PoolingParams())
+    assert admit(kv, embedding) == [7, 8, 9]
+    kv.free(imported)
+    kv.free(embedding)

@@ -73,3 +73,11 @@ def test_vllms_spellings_of_the_engine_switches_run_as_they_are():
     assert not config("--no-prefix-caching").cache.enable_prefix_caching
     with pytest.raises(ValueError, match="--no-prefix-caching contradicts --enable-prefix-caching"):
         config("--no-prefix-caching", "--enable-prefix-caching")
+
+
+def test_blocks_ahead_come_from_the_flag_and_a_bad_count_is_refused():
+    assert engine_config_from_args(decode_parser().parse_args([])).cache.num_blocks_ahead == 7
+    args = decode_parser().parse_args(["--num-kv-blocks-ahead", "0"])
+    assert engine_config_from_args(args).cache.num_blocks_ahead == 0
+    with pytest.raises(ValueError, match="num_blocks_ahead must be an integer >= 0"):
+        engine_config_from_args(decode_parser().parse_args(["--num-kv-blocks-ahead", "-1"]))
