@@ -139,6 +139,67 @@ def pool_pages_case(batch: int, context: int, dtype: torch.dtype, gen: torch.Gen
     return result
 
 
+BLOCK_ORDERS = ("consecutive", "half_in_runs_of_8", "half_interleaved", "interleaved", "shuffled")
+
+
+def block_order_tables(order: str, batch: int, blocks_per_seq: int, gen: torch.Generator) -> torch.Tensor:
+    """[batch, blocks_per_seq] int32 block tables over blocks 0 .. batch * blocks_per_seq - 1:
+    each sequence's blocks consecutive; its first half consecutive (a prompt's) and the rest
+    in runs of 8 or one block at a time across the batch (a decode step's allocations,
+    with or without blocks taken ahead); all one at a time; or shuffled."""
+    ids = torch.arange(batch * blocks_per_seq)
+    half = blocks_per_seq // 2
+    rest = blocks_per_seq - half
+
+    def in_runs(block_ids: torch.Tensor, num_blocks: int, run: int) -> torch.Tensor:
+        num_runs = -(-num_blocks // run)  # sequence s takes run r's blocks at (r * batch + s) * run
+        runs = torch.arange(batch * num_runs * run).view(num_runs, batch, run).permute(1, 0, 2)
+        return block_ids[0] + runs.reshape(batch, num_runs * run)[:, :num_blocks]
+
+    if order == "consecutive":
+        tables = ids.view(batch, blocks_per_seq)
+    elif order in ("half_in_runs_of_8", "half_interleaved"):
+        run = 8 if order == "half_in_runs_of_8" else 1
+        tables = torch.cat([ids[:batch * half].view(batch, half), in_runs(ids[batch * half:], rest, run)], 1)
+    elif order == "interleaved":
+        tables = in_runs(ids, blocks_per_seq, 1)
+    else:
+        tables = ids[torch.randperm(ids.numel(), generator=gen)].view(batch, blocks_per_seq)
+    return tables.to(torch.int32).contiguous()
+
+
+def block_order_case(batch: int, context: int, gen: torch.Generator, reps: int) -> dict[str, float]:
+    """Median ms per layer of an fp32 decode step over POOL_LAYERS layers' caches on huge
+    pages, each BLOCK_ORDERS table in turn, passes alternating."""
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    # The runs of 8 reach past batch * blocks_per_seq blocks: the pool has room for them.
+    # [num_blocks, block_size, kv_heads, head_dim]
+    shape = (2 * batch * blocks_per_seq, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    layers = [(on_huge_pages(torch.randn(shape, generator=gen)), on_huge_pages(torch.randn(shape, generator=gen)))
+              for _ in range(POOL_LAYERS)]
+    tables = {order: block_order_tables(order, batch, blocks_per_seq, gen) for order in BLOCK_ORDERS}
+    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, generator=gen)  # [batch, q_heads, head_dim]
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    samples: dict[str, list[float]] = {order: [] for order in BLOCK_ORDERS}
+    for rep in range(reps + 2):  # two passes each to warm up
+        for order, block_tables in tables.items():
+            started = time.perf_counter()
+            for k_cache, v_cache in layers:
+                decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE, backend="native")
+            if rep >= 2:
+                samples[order].append((time.perf_counter() - started) * 1e3 / POOL_LAYERS)
+    return {"reps": reps} | {f"{order}_ms": round(statistics.median(times), 4) for order, times in samples.items()}
+
+
+def block_order_cases(dtype_name: str, args: argparse.Namespace, gen: torch.Generator) -> Iterator[dict]:
+    """--block-order: fp32 decode steps over the pool with each request's blocks in each order."""
+    if dtype_name != "fp32":
+        return
+    for batch, context in ((48, 200), (64, 256), (32, 512)):
+        yield {"step": "decode_block_order", "dtype": dtype_name, "batch": batch, "context": context,
+               "layers": POOL_LAYERS} | block_order_case(batch, context, gen, reps=max(5, int(args.seconds * 25)))
+
+
 def kernel_cases(dtype_name: str, args: argparse.Namespace, gen: torch.Generator) -> Iterator[dict]:
     """Decode steps, a mixed step and any --prompts, each timed on both paths."""
     dtype, cache_dtype = DTYPES[dtype_name]
@@ -184,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-build-time", action="store_true", help="skip timing a fresh build of the kernel")
     p.add_argument("--pool-pages", action="store_true", help="instead: decode steps over 30 layers' pool on "
                    "4 KiB pages against huge pages (batch 32/64, context 128/256/512)")
+    p.add_argument("--block-order", action="store_true", help="instead: fp32 decode steps over 30 layers' pool "
+                   "(huge pages) with each sequence's blocks consecutive, half in runs of 8 or interleaved, all "
+                   "interleaved, or shuffled (batch 32-64, context 200-512)")
     p.add_argument("--note", default="", help="conditions worth recording with the figures (e.g. a shared machine)")
     args = p.parse_args(argv)
     if native_attention_error() is not None:
@@ -191,10 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     gen = torch.Generator().manual_seed(0)
     load_before = os.getloadavg()
-    if args.pool_pages and not huge_pages_available():
+    if (args.pool_pages or args.block_order) and not huge_pages_available():
         print("no transparent huge pages here (THP never, or PDSERVE_HUGE_PAGES=0)", file=sys.stderr)
         return 1
-    cases_of = pool_pages_cases if args.pool_pages else kernel_cases
+    cases_of = pool_pages_cases if args.pool_pages else block_order_cases if args.block_order else kernel_cases
     cases = []
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
@@ -213,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "note": args.note,
         "loadavg_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
-        "build_seconds": None if args.no_build_time or args.pool_pages else build_seconds(),
+        "build_seconds": None if args.no_build_time or args.pool_pages or args.block_order else build_seconds(),
         "cases": cases,
     }
     if args.json:

@@ -33,3 +33,44 @@ def test_pool_pages_refuses_without_huge_pages(monkeypatch, capsys):
         pytest.skip("needs the native CPU attention")
     assert cpu_attention.main(["--pool-pages", "--no-build-time"]) == 1
     assert "no transparent huge pages" in capsys.readouterr().err
+
+
+def _runs(row: list[int]) -> list[int]:
+    """Lengths of the row's runs of consecutive block ids."""
+    lengths = [1]
+    for before, block_id in zip(row, row[1:]):
+        if block_id == before + 1:
+            lengths[-1] += 1
+        else:
+            lengths.append(1)
+    return lengths
+
+
+def test_block_orders_lay_each_sequence_out_as_named():
+    import torch
+    gen = torch.Generator().manual_seed(0)
+    batch, blocks_per_seq = 4, 20
+    tables = {order: cpu_attention.block_order_tables(order, batch, blocks_per_seq, gen).tolist()
+              for order in cpu_attention.BLOCK_ORDERS}
+    for order, rows in tables.items():
+        flat = [block_id for row in rows for block_id in row]
+        assert len(set(flat)) == len(flat) and min(flat) >= 0, order  # no block shared
+    assert [_runs(row) for row in tables["consecutive"]] == [[20]] * 4
+    assert [_runs(row) for row in tables["half_in_runs_of_8"]] == [[10, 8, 2]] * 4
+    assert [_runs(row) for row in tables["half_interleaved"]] == [[10] + [1] * 10] * 4
+    assert [_runs(row) for row in tables["interleaved"]] == [[1] * 20] * 4
+    assert tables["interleaved"][1][:3] == [1, 5, 9]
+
+
+@pytest.mark.skipif(native_attention_error() is not None or not huge_pages_available(),
+                    reason="needs the native CPU attention and transparent huge pages")
+def test_block_order_times_every_order(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_attention, "POOL_LAYERS", 2)
+    out = tmp_path / "order.json"
+    assert cpu_attention.main(["--block-order", "--threads", "1", "--dtypes", "fp32,bf16", "--seconds", "0.2",
+                               "--json", str(out)]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["batch"], c["context"], c["dtype"]) for c in cases] == [(48, 200, "fp32"), (64, 256, "fp32"),
+                                                                       (32, 512, "fp32")]
+    for case in cases:
+        assert all(case[f"{order}_ms"] > 0 for order in cpu_attention.BLOCK_ORDERS)
