@@ -58,11 +58,11 @@ class BlockPool:
         # Free blocks in two tiers, taken in this order. First the empty ones (no cached
         # prefix), lowest id first: a request's blocks then lie in ascending runs of each
         # layer's cache, which a step's attention reads as streams. Freed in whatever
-        # order requests finish, a single queue scatters them over the pool, and the
-        # mixed load's steps ran 3-4% slower that way (docs/benchmarks.md, "Blocks in
-        # ascending runs"). Then the cached ones, least recently freed first, so that
-        # a cached prefix is evicted only once no empty block is left; a prefix hit on
-        # one takes it out of the middle in O(1).
+        # order requests finish, a single queue scattered them over the pool, and a
+        # process's decode steps grew 2-6% slower over its first runs that way
+        # (docs/benchmarks.md, "Blocks in ascending runs"). Then the cached ones, least
+        # recently freed first, so that a cached prefix is evicted only once no empty
+        # block is left; a prefix hit on one takes it out of the middle in O(1).
         self._free_empty_ids: list[int] = list(range(num_blocks))  # a heap of block ids
         self._free_cached: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self.cached_blocks: dict[int, KVCacheBlock] = {}  # block_hash -> block
