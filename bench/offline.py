@@ -10,7 +10,8 @@ machine's rooflines measured in the same run (memory copy bandwidth, fp32 matmul
 Every side runs the same dtype; vLLM runs in its own venv (bench/peers/vllm_peer.py), up
 beside ours for the whole run, the two engines' mixed runs alternating (each pair's ratio
 reported as well as the ratio of the medians), each timed step started once the other
-engine's processes are quiet; Hugging Face runs after both have ended. The mixed workload
+engine's processes are quiet, and vLLM's stopped while ours run (--peer-idle); Hugging
+Face runs after both have ended. The mixed workload
 is greedy unless --temperature (draws) or --logprobs say otherwise, on our side and
 vLLM's alike (HF then stays out).
 """
@@ -29,7 +30,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from bench.peers.proc_cpu import wait_until_quiet
+from bench.peers.proc_cpu import tree_wakeups_per_s, wait_until_quiet
 from bench.peers.proc_memory import tree_memory
 from common.engine.config import KV_CACHE_DTYPE_NAMES
 
@@ -224,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-threads-bind", default="auto",
                         help="vLLM's VLLM_CPU_OMP_THREADS_BIND: auto (its default: reserves a core for its "
                              "engine process on small machines) or all")
+    parser.add_argument("--peer-idle", choices=["paused", "running"], default="paused",
+                        help="vLLM's processes while our side runs: stopped (SIGSTOP; idle, its engine wakes "
+                             "~1,300 times a second, each time taking a core from our run) or left running")
     parser.add_argument("--peer-preload", choices=["auto", "none"], default="auto",
                         help="vLLM's LD_PRELOAD: auto (what its CPU guide recommends, where found: tcmalloc, "
                              "and Intel OpenMP from its venv) or none (glibc's malloc and torch's libgomp)")
@@ -322,8 +326,11 @@ def main(argv: list[str] | None = None) -> int:
             peer = stack.enter_context(OfflinePeer(
                 vllm_python, peer_spec(model_dir, dtype, args, workload, single_prompt, cold_prompt, max_model_len),
                 args.peer_threads_bind, kv_cache_gib, log_path, start_timeout_s=1800, preload=preload))
+            wait_until_quiet(peer.pid)
             results["vllm"] = {"vllm_version": peer.ready["vllm_version"], "threads_bind": args.peer_threads_bind,
-                               "preload": preload, "log": str(log_path)}
+                               "preload": preload, "log": str(log_path), "idle": args.peer_idle,
+                               "idle_wakeups_per_s": tree_wakeups_per_s(peer.pid),
+                               "ours_idle_wakeups_per_s": tree_wakeups_per_s(os.getpid(), (peer.pid,))}
 
         # The median of --repeats runs a side, each of ours from an emptied prefix cache
         # (vLLM's side runs without one). With vLLM up the sides alternate, each pair in
@@ -341,6 +348,12 @@ def main(argv: list[str] | None = None) -> int:
                 waited, quiet = wait_until_quiet(other, exclude)
                 quiet_waits.append({"before": before, "seconds": waited, "quiet": quiet})
 
+        def ours_side():
+            """While our side runs: vLLM stopped (--peer-idle paused), else as it is."""
+            if peer is None or args.peer_idle == "running":
+                return contextlib.nullcontext()
+            return peer.paused()
+
         def ours_run():
             llm.reset_prefix_cache()
             let_settle("ours")
@@ -348,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.step_times:
                 llm.engine.step_observer = step_times
             try:
-                ours_seconds.append(run_ours(llm, workload, args.temperature, args.logprobs)[0])
+                with ours_side():
+                    ours_seconds.append(run_ours(llm, workload, args.temperature, args.logprobs)[0])
             finally:
                 llm.engine.step_observer = None
             if args.step_times:
@@ -378,8 +392,9 @@ def main(argv: list[str] | None = None) -> int:
 
         def ours_short_runs():
             let_settle("ours")
-            cold_runs.append(ttft(llm, cold_prompt, cold=True))
-            tokens_per_s, single_token_ids[:] = single_stream(llm, single_prompt, args.single_stream_tokens)
+            with ours_side():
+                cold_runs.append(ttft(llm, cold_prompt, cold=True))
+                tokens_per_s, single_token_ids[:] = single_stream(llm, single_prompt, args.single_stream_tokens)
             single_runs.append(tokens_per_s)
 
         def vllm_short_runs():
@@ -394,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                 side()
         cold = min(cold_runs)
         let_settle("ours")
-        warm = ttft(llm, warm_prompt, cold=False)  # its first 1,000 tokens cached by the last cold run
+        with ours_side():
+            warm = ttft(llm, warm_prompt, cold=False)  # its first 1,000 tokens cached by the last cold run
         results["prefix_cache"] = {"cold_ttft_s": cold, "cold_ttft_runs_s": cold_runs, "cached_1000_ttft_s": warm,
                                    "ratio": warm / cold, "prompt_tokens": len(cold_prompt)}
         ours_single = statistics.median(single_runs)

@@ -29,6 +29,37 @@ def tree_cpu_seconds(pid: int, exclude_pids: Collection[int] = ()) -> float:
     return ticks / _TICKS_PER_S
 
 
+def tree_wakeups_per_s(pid: int, exclude_pids: Collection[int] = (), window_s: float = 2.0) -> dict[str, float]:
+    """Context switches a second of the process tree's threads over one window, by thread
+    name, busiest first: how often an idle engine takes a core from whatever runs beside it
+    (each switch a thread of its own woken, or preempted)."""
+    def switches() -> dict[str, tuple[str, int]]:
+        counts = {}
+        for current in tree_pids(pid, exclude_pids):
+            try:
+                task_ids = os.listdir(f"/proc/{current}/task")
+            except FileNotFoundError:
+                continue
+            for task_id in task_ids:
+                try:
+                    with open(f"/proc/{current}/task/{task_id}/status") as status:
+                        fields = dict(line.split(":", 1) for line in status if ":" in line)
+                except FileNotFoundError:
+                    continue
+                counts[task_id] = (fields["Name"].strip(), int(fields["voluntary_ctxt_switches"]) +
+                                   int(fields["nonvoluntary_ctxt_switches"]))
+        return counts
+
+    before = switches()
+    time.sleep(window_s)
+    per_name: dict[str, float] = {}
+    for task_id, (name, count) in switches().items():
+        if task_id in before:  # threads started meanwhile are left out
+            per_name[name] = per_name.get(name, 0.0) + (count - before[task_id][1]) / window_s
+    return dict(sorted(((name, round(rate, 1)) for name, rate in per_name.items() if rate > 0),
+                       key=lambda item: -item[1]))
+
+
 def wait_until_quiet(pid: int, exclude_pids: Collection[int] = (), window_s: float = 0.2,
                      max_busy_cores: float = 0.1, timeout_s: float = 10.0) -> tuple[float, bool]:
     """Waits until the process tree uses less than `max_busy_cores` over one `window_s`

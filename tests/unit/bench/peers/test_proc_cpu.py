@@ -73,3 +73,27 @@ def test_a_process_that_is_gone_uses_nothing():
     child.wait(timeout=30)
     assert tree_cpu_seconds(child.pid) == 0.0
     assert wait_until_quiet(child.pid, timeout_s=1)[1]
+
+
+# Sleeps a millisecond at a time until stdin closes: an idle engine's polling loop.
+WAKER = """
+import select, sys
+print("waking", flush=True)
+while not select.select([sys.stdin], [], [], 0.001)[0]:
+    pass
+"""
+
+
+def test_a_polling_child_wakes_hundreds_of_times_a_second_and_a_blocked_one_not_at_all(spinner):
+    from bench.peers.proc_cpu import tree_wakeups_per_s
+    waker = subprocess.Popen([sys.executable, "-c", WAKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert waker.stdout.readline().strip() == "waking"
+        assert sum(tree_wakeups_per_s(waker.pid, window_s=0.5).values()) > 100
+        spinner.stdin.write("stop\n")
+        spinner.stdin.flush()
+        assert spinner.stdout.readline().strip() == "idle"  # blocked reading stdin from here on
+        assert sum(tree_wakeups_per_s(spinner.pid, window_s=0.5).values()) < 5
+    finally:
+        waker.kill()
+        waker.wait(timeout=30)

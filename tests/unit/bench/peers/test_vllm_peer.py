@@ -185,6 +185,23 @@ def test_the_runner_answers_each_measurement_in_turn_and_quits(tmp_path, stub_vl
     assert _gone(engine_core_pid)
 
 
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_paused_runner_and_its_engine_core_are_stopped_and_go_on_after(tmp_path, stub_vllm):
+    with _peer(tmp_path, start_timeout_s=60) as peer:
+        engine_core_pid = int(stub_vllm.read_text())
+        with peer.paused():
+            # A stop takes effect as each process is next scheduled: wait for it, with a deadline.
+            deadline = time.monotonic() + 10
+            while {_state(peer.pid), _state(engine_core_pid)} != {"T"}:
+                assert time.monotonic() < deadline, "the runner and its engine core never stopped"
+                time.sleep(0.01)
+        assert peer.call("mixed", timeout_s=60)["num_output_tokens"] == 18  # it goes on
+
+
 def test_cold_ttft_takes_the_best_of_as_many_runs_as_asked(tmp_path, stub_vllm, monkeypatch):
     calls = tmp_path / "calls"
     monkeypatch.setenv("STUB_CALLS_FILE", str(calls))
