@@ -11,14 +11,21 @@ from kernels.cpu_attention import native_attention_error
 from kernels.huge_pages import huge_pages_available
 
 
-@pytest.mark.skipif(native_attention_error() is not None or not huge_pages_available(),
-                    reason="needs the native CPU attention and transparent huge pages")
-def test_pool_pages_times_both_pools_and_writes_them(tmp_path, monkeypatch):
+needs_pool = pytest.mark.skipif(native_attention_error() is not None or not huge_pages_available(),
+                                reason="needs the native CPU attention and transparent huge pages")
+
+
+def _pool_cases(tmp_path, monkeypatch, *flags: str) -> list[dict]:
+    """The cases a pool bench (--pool-pages, --block-order) writes, over 2 layers, 1 thread."""
     monkeypatch.setattr(cpu_attention, "POOL_LAYERS", 2)
-    out = tmp_path / "pool.json"
-    assert cpu_attention.main(["--pool-pages", "--threads", "1", "--dtypes", "bf16", "--seconds", "0.2",
-                               "--json", str(out)]) == 0
-    cases = json.loads(out.read_text())["cases"]
+    out = tmp_path / "cases.json"
+    assert cpu_attention.main([*flags, "--threads", "1", "--seconds", "0.2", "--json", str(out)]) == 0
+    return json.loads(out.read_text())["cases"]
+
+
+@needs_pool
+def test_pool_pages_times_both_pools_and_writes_them(tmp_path, monkeypatch):
+    cases = _pool_cases(tmp_path, monkeypatch, "--pool-pages", "--dtypes", "bf16")
     assert [(c["batch"], c["context"]) for c in cases] == [(64, 128), (64, 256), (32, 512)]
     for case in cases:
         assert case["step"] == "decode_pool" and case["layers"] == 2 and case["reps"] == 5
@@ -62,14 +69,9 @@ def test_block_orders_lay_each_sequence_out_as_named():
     assert tables["interleaved"][1][:3] == [1, 5, 9]
 
 
-@pytest.mark.skipif(native_attention_error() is not None or not huge_pages_available(),
-                    reason="needs the native CPU attention and transparent huge pages")
+@needs_pool
 def test_block_order_times_every_order(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_attention, "POOL_LAYERS", 2)
-    out = tmp_path / "order.json"
-    assert cpu_attention.main(["--block-order", "--threads", "1", "--dtypes", "fp32,bf16", "--seconds", "0.2",
-                               "--json", str(out)]) == 0
-    cases = json.loads(out.read_text())["cases"]
+    cases = _pool_cases(tmp_path, monkeypatch, "--block-order", "--dtypes", "fp32,bf16")
     assert [(c["batch"], c["context"], c["dtype"]) for c in cases] == [(48, 200, "fp32"), (64, 256, "fp32"),
                                                                        (32, 512, "fp32")]
     for case in cases:
