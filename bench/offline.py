@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                              "engine process on small machines) or all")
     parser.add_argument("--peer-idle", choices=["paused", "running"], default="paused",
                         help="vLLM's processes while our side runs: stopped (SIGSTOP; idle, its engine wakes "
-                             "~1,300 times a second, each time taking a core from our run) or left running")
+                             "~1,300 times a second, each wakeup a core taken from our run's threads) or left "
+                             "running (the ratio moved within the host's noise either way on the Zen 5)")
     parser.add_argument("--peer-preload", choices=["auto", "none"], default="auto",
                         help="vLLM's LD_PRELOAD: auto (what its CPU guide recommends, where found: tcmalloc, "
                              "and Intel OpenMP from its venv) or none (glibc's malloc and torch's libgomp)")

@@ -121,8 +121,8 @@ class OfflinePeer:
     def paused(self) -> Iterator[None]:
         """The runner and its engine core stopped (SIGSTOP to its process group) for the block,
         continued after. Idle, vLLM's CPU engine wakes ~1,300 times a second (its gloo_tcp_loop
-        thread, on the Zen 5 EPYC), each time taking a core from one of the threads of a run
-        beside it; stopped, it takes none."""
+        thread, on the Zen 5 EPYC), each wakeup a core taken from a thread of a run beside it;
+        stopped, it takes none."""
         os.killpg(self._proc.pid, signal.SIGSTOP)
         try:
             yield
