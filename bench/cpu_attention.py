@@ -108,6 +108,21 @@ def time_case(run, seconds: float) -> dict[str, float]:
 POOL_LAYERS = 30
 
 
+def alternating_step_ms(pools: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], q: torch.Tensor,
+                        seq_lens: torch.Tensor, reps: int) -> dict[str, list[float]]:
+    """ms per layer of a decode step over each pool's layers (K cache, V cache, block tables
+    each), the pools' passes alternating, two of each to warm up and then `reps`."""
+    samples: dict[str, list[float]] = {name: [] for name in pools}
+    for rep in range(reps + 2):
+        for name, pool in pools.items():
+            started = time.perf_counter()
+            for k_cache, v_cache, block_tables in pool:
+                decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE, backend="native")
+            if rep >= 2:
+                samples[name].append((time.perf_counter() - started) * 1e3 / len(pool))
+    return samples
+
+
 def pool_pages_case(batch: int, context: int, dtype: torch.dtype, gen: torch.Generator,
                     reps: int) -> dict[str, float]:
     """Median and min ms per layer of a decode step over POOL_LAYERS layers' caches, the pool
@@ -116,19 +131,7 @@ def pool_pages_case(batch: int, context: int, dtype: torch.dtype, gen: torch.Gen
     pools = {"small_pages": layers, "huge_pages": [(on_huge_pages(k), on_huge_pages(v), t) for k, v, t in layers]}
     q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(dtype)  # [batch, q_heads, head_dim]
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
-
-    def step_ms(pool) -> float:
-        started = time.perf_counter()
-        for k_cache, v_cache, block_tables in pool:
-            decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE, backend="native")
-        return (time.perf_counter() - started) * 1e3 / POOL_LAYERS
-
-    samples: dict[str, list[float]] = {name: [] for name in pools}
-    for rep in range(reps + 2):  # two passes each to warm up
-        for name, pool in pools.items():
-            ms = step_ms(pool)
-            if rep >= 2:
-                samples[name].append(ms)
+    samples = alternating_step_ms(pools, q, seq_lens, reps)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
     result: dict[str, float] = {"reps": reps}
     for name, times in samples.items():
@@ -177,17 +180,13 @@ def block_order_case(batch: int, context: int, gen: torch.Generator, reps: int) 
     shape = (2 * batch * blocks_per_seq, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     layers = [(on_huge_pages(torch.randn(shape, generator=gen)), on_huge_pages(torch.randn(shape, generator=gen)))
               for _ in range(POOL_LAYERS)]
-    tables = {order: block_order_tables(order, batch, blocks_per_seq, gen) for order in BLOCK_ORDERS}
+    pools = {}
+    for order in BLOCK_ORDERS:
+        block_tables = block_order_tables(order, batch, blocks_per_seq, gen)
+        pools[order] = [(k_cache, v_cache, block_tables) for k_cache, v_cache in layers]
     q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, generator=gen)  # [batch, q_heads, head_dim]
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
-    samples: dict[str, list[float]] = {order: [] for order in BLOCK_ORDERS}
-    for rep in range(reps + 2):  # two passes each to warm up
-        for order, block_tables in tables.items():
-            started = time.perf_counter()
-            for k_cache, v_cache in layers:
-                decode_attention(q, k_cache, v_cache, block_tables, seq_lens, SCALE, backend="native")
-            if rep >= 2:
-                samples[order].append((time.perf_counter() - started) * 1e3 / POOL_LAYERS)
+    samples = alternating_step_ms(pools, q, seq_lens, reps)
     return {"reps": reps} | {f"{order}_ms": round(statistics.median(times), 4) for order, times in samples.items()}
 
 
