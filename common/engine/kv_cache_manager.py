@@ -118,12 +118,8 @@ class KVCacheManager:
         """Blocks to take past the num_new_blocks a request needs now (CacheConfig.num_blocks_ahead):
         none that its max_tokens could never fill, none for an embedding request, and only
         empty blocks the pool can spare: more than half of it stays empty afterwards, so no
-        cached prefix is evicted and no request waits or is preempted for them. A prompt
-        whose KV crosses instances takes none: the connector ships every block of the
-        request as its prompt's (its decode steps later take them as any request does)."""
+        cached prefix is evicted and no request waits or is preempted for them."""
         if self.num_blocks_ahead == 0 or request.pooling_params is not None:
-            return 0
-        if request.kv_transfer_params and request.num_output_tokens == 0:
             return 0
         num_blocks_ahead = self.num_blocks_ahead
         max_tokens = request.sampling_params.max_tokens

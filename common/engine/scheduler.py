@@ -514,6 +514,7 @@ class Scheduler(SchedulerInterface):
         if kv.allocate_slots(request, num_external_tokens, hit_block_ids, delay_cache_blocks=True) is None:
             return None
         block_ids = kv.get_block_ids(request.req_id)
+        num_prompt_blocks = -(-request.num_prompt_tokens // kv.block_size)  # past them: blocks taken ahead
         request.num_cached_tokens = request.num_computed_tokens = num_hit_tokens
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.req_id] = request
@@ -523,7 +524,7 @@ class Scheduler(SchedulerInterface):
                                                            recv_ok=connector is None)
         if connector is not None:
             connector.update_state_after_alloc(request, block_ids, num_external_tokens)
-        return RemoteKVReservation(block_ids=block_ids, num_cached_tokens=num_hit_tokens)
+        return RemoteKVReservation(block_ids=block_ids[:num_prompt_blocks], num_cached_tokens=num_hit_tokens)
 
     def finish_remote_kv(self, req_id: str, first_token_ids: list[int]) -> list[EngineCoreOutput]:
         """The remote prefill sampled first_token_ids: the request joins the running batch

@@ -52,12 +52,13 @@ def make_scheduler():
              max_num_batched_tokens: int = 64, max_model_len: int = 1024,
              enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
              kv_connector=None, speculative_config=None, num_scheduler_steps: int = 1,
-             long_prefill_token_threshold: int = 0) -> Scheduler:
+             long_prefill_token_threshold: int = 0, num_blocks_ahead: int = 0) -> Scheduler:
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                  max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                                  num_scheduler_steps=num_scheduler_steps,
                                  long_prefill_token_threshold=long_prefill_token_threshold)
-        kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching,
+                                          num_blocks_ahead=num_blocks_ahead)
         scheduler = Scheduler(config, kv_cache_manager, block_size, max_model_len,
                               kv_connector=kv_connector, speculative_config=speculative_config)
         schedulers.append(scheduler)

@@ -33,8 +33,9 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def update_state_after_alloc(self, request: "Request", block_ids: list[int],
                                  num_external_tokens: int) -> None:
-        """The scheduler allocated block_ids (every block of the request, in order);
-        the last num_external_tokens of the prompt are to be loaded from outside."""
+        """The scheduler allocated block_ids (every block of the request, in order; past
+        the prompt's may come blocks taken ahead for its output); the last
+        num_external_tokens of the prompt are to be loaded from outside."""
 
     @abstractmethod
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:

@@ -36,7 +36,8 @@ class TransferConnectorScheduler(KVConnectorScheduler):
             raise ValueError(f"a transfer connector is a producer or a consumer; got {role!r}")
         self.role = role
         self.block_size = block_size
-        self._export_params: dict[str, dict] = {}  # producer: admitted, last prompt chunk not run yet
+        # producer: admitted, last prompt chunk not run yet: (kv_transfer_params, the prompt's block count)
+        self._export_params: dict[str, tuple[dict, int]] = {}
         self._sending_req_ids: set[str] = set()  # producer: handed to the worker, not reported ended
         self._pending_recvs: list[KVRecvSpec] = []  # consumer: not yet handed to the worker
         self._receiving_req_ids: set[str] = set()  # consumer: registered (or about to be), not ended
@@ -53,14 +54,18 @@ class TransferConnectorScheduler(KVConnectorScheduler):
         params = request.kv_transfer_params
         if not params:
             return
+        # Only the prompt's blocks cross: block_ids may go on past them (blocks taken ahead
+        # for the tokens still to be generated), and those hold no KV.
+        num_prompt_blocks = -(-request.num_prompt_tokens // self.block_size)
         if self.role == "producer":
             # Again after a preemption: the send still starts with the last chunk.
-            self._export_params[request.req_id] = params
+            self._export_params[request.req_id] = (params, num_prompt_blocks)
         elif num_external_tokens > 0:
             first_block_index = (request.num_tokens - num_external_tokens) // self.block_size
             self._pending_recvs.append(KVRecvSpec(
                 req_id=request.req_id, transfer_id=params["transfer_id"],
-                dst_block_ids=list(block_ids[first_block_index:]), timeout_s=float(params["timeout_s"])))
+                dst_block_ids=list(block_ids[first_block_index:num_prompt_blocks]),
+                timeout_s=float(params["timeout_s"])))
             self._receiving_req_ids.add(request.req_id)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -68,14 +73,15 @@ class TransferConnectorScheduler(KVConnectorScheduler):
         for scheduled in scheduler_output.scheduled:
             if not scheduled.do_sample:  # a partial chunk: more prompt KV still to come
                 continue
-            params = self._export_params.pop(scheduled.req_id, None)
-            if params is None:
+            export = self._export_params.pop(scheduled.req_id, None)
+            if export is None:
                 continue
+            params, num_prompt_blocks = export
             target = params["target"]
             if params.get("transfer_timeout_s") is not None:
                 target = target | {"deadline": min(target["deadline"], time.time() + params["transfer_timeout_s"])}
             sends.append(KVSendSpec(req_id=scheduled.req_id,
-                                    src_block_ids=list(scheduled.block_table[params["first_block_index"]:]),
+                                    src_block_ids=list(scheduled.block_table[params["first_block_index"]:num_prompt_blocks]),
                                     target=target))
             self._sending_req_ids.add(scheduled.req_id)
         recvs, self._pending_recvs = self._pending_recvs, []

@@ -359,16 +359,16 @@ def test_blocks_ahead_come_only_from_the_empty_half_of_the_pool(make_kv_cache_ma
     kv.free(second)
 
 
-def test_prompts_whose_kv_crosses_instances_and_embeddings_take_no_blocks_ahead(make_kv_cache_manager):
+def test_embeddings_take_no_blocks_ahead_and_an_imported_prompt_takes_them_as_any(make_kv_cache_manager):
     from common.engine.pooling_params import PoolingParams
     kv = make_kv_cache_manager(num_blocks=64, num_blocks_ahead=3)
     imported = Request("imported", list(range(10)), SamplingParams(max_tokens=100))
     imported.kv_transfer_params = {"transfer_id": "t1", "timeout_s": 5.0}
-    assert kv.allocate_slots(imported, 10, [], delay_cache_blocks=True) == [0, 1, 2]
+    # Its connector receives into the prompt's three blocks alone (test_kv_connector_scheduler.py).
+    assert kv.allocate_slots(imported, 10, [], delay_cache_blocks=True) == [0, 1, 2, 3, 4, 5]
     imported.num_computed_tokens = 10
-    # Once it decodes (its first token came from the prefill), it grows like any request.
-    assert _decode_to(kv, imported, 13) == [[3, 4, 5, 6]]
+    assert _decode_to(kv, imported, 24) == []  # its output fills blocks it already holds
     embedding = Request.embedding("embedding", list(range(50, 60)), PoolingParams())
-    assert admit(kv, embedding) == [7, 8, 9]
+    assert admit(kv, embedding) == [6, 7, 8]
     kv.free(imported)
     kv.free(embedding)

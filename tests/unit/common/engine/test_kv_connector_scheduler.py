@@ -131,6 +131,17 @@ def test_abort_of_a_held_request_stops_its_send_and_waits_for_its_end(make_sched
     assert scheduler.kv_cache_manager.num_free_blocks == 8 and not scheduler.has_open_kv_transfers()
 
 
+def test_a_send_carries_the_prompts_blocks_and_not_one_taken_ahead(make_scheduler):
+    scheduler = producer(make_scheduler, num_blocks=32, num_blocks_ahead=3)
+    # 12 tokens fill three blocks; its one sampled token takes a fourth, ahead.
+    scheduler.add_request(exporting("p", 12, first_block_index=1))
+    out, _ = step(scheduler)
+    assert out.scheduled[0].block_table == [0, 1, 2, 3]
+    assert [s.src_block_ids for s in out.kv_connector_metadata.sends] == [[1, 2]]
+    step(scheduler, [ended("p", "send")])
+    assert scheduler.kv_cache_manager.num_free_blocks == 32
+
+
 def test_a_request_without_kv_transfer_params_is_plain(make_scheduler):
     scheduler = producer(make_scheduler, num_blocks=8)
     scheduler.add_request(make_request("plain", 6, max_tokens=1))
@@ -160,6 +171,22 @@ def test_import_runs_only_after_its_receive_ended(make_scheduler):
     out, _ = step(scheduler)
     assert [(s.req_id, s.token_ids) for s in out.scheduled] == [("r", [42])]
     assert not scheduler.has_open_kv_transfers() and scheduler.stats["num_importing"] == 0
+
+
+def test_an_import_receives_into_its_prompts_blocks_and_decodes_into_those_taken_ahead(make_scheduler):
+    scheduler = consumer(make_scheduler, num_blocks=32, num_blocks_ahead=3)
+    reservation = scheduler.reserve_remote_kv(importing("r", 10))  # 3 blocks, max_tokens 100
+    assert reservation.block_ids == [0, 1, 2]
+    metadata = scheduler.schedule_kv_connector_only().kv_connector_metadata
+    assert [r.dst_block_ids for r in metadata.recvs] == [[0, 1, 2]]
+    kv = scheduler.kv_cache_manager
+    assert kv.get_block_ids("r") == [0, 1, 2, 3, 4, 5] and kv.num_free_blocks == 26
+    step(scheduler, [ended("r", "recv")])
+    scheduler.finish_remote_kv("r", [42])
+    for _ in range(13):  # up to 24 tokens: the blocks taken ahead hold them
+        out, _ = step(scheduler)
+        assert out.scheduled[0].block_table == [0, 1, 2, 3, 4, 5]
+    assert kv.num_free_blocks == 26
 
 
 def test_import_whose_receive_ended_first_runs_when_its_first_token_comes(make_scheduler):
