@@ -29,6 +29,20 @@ def tree_cpu_seconds(pid: int, exclude_pids: Collection[int] = ()) -> float:
     return ticks / _TICKS_PER_S
 
 
+def host_steal_seconds(stat_text: str | None = None) -> float:
+    """CPU seconds the hypervisor has taken from this machine's vCPUs since boot (all of
+    them together; /proc/stat's `steal`, 0 on bare metal). Read around a timed run, it says
+    how much of the run's wall time the host had the cores elsewhere."""
+    if stat_text is None:
+        with open("/proc/stat") as stat:
+            stat_text = stat.readline()
+    fields = stat_text.split("\n", 1)[0].split()
+    if fields[0] != "cpu":
+        raise ValueError(f"not /proc/stat's first line: {stat_text[:40]!r}")
+    # user nice system idle iowait irq softirq steal ...; kernels before 2.6.11 lack steal
+    return int(fields[8]) / _TICKS_PER_S if len(fields) > 8 else 0.0
+
+
 def tree_wakeups_per_s(pid: int, exclude_pids: Collection[int] = (), window_s: float = 2.0) -> dict[str, float]:
     """Context switches a second of the process tree's threads over one window, by thread
     name, busiest first: how often an idle engine takes a core from whatever runs beside it

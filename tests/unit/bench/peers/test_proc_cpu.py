@@ -97,3 +97,15 @@ def test_a_polling_child_wakes_hundreds_of_times_a_second_and_a_blocked_one_not_
     finally:
         waker.kill()
         waker.wait(timeout=30)
+
+
+def test_host_steal_is_the_eighth_figure_of_proc_stats_cpu_line_in_seconds():
+    from bench.peers.proc_cpu import host_steal_seconds
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    line = f"cpu  7046656 251950 513854 3436003 20290 0 12920 {3 * ticks_per_s} 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n"
+    assert host_steal_seconds(line) == 3.0
+    assert host_steal_seconds("cpu  10 0 5 100 0 0 0") == 0.0  # a kernel without the field
+    with pytest.raises(ValueError, match="first line"):
+        host_steal_seconds("intr 12345 0 0")
+    before = host_steal_seconds()
+    assert 0.0 <= before <= host_steal_seconds()
