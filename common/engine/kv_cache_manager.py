@@ -37,6 +37,11 @@ class KVCacheManager:
         # How many leading blocks of each request are registered in the cache, so
         # later calls only register the blocks that became full since.
         self.num_cached_blocks: dict[str, int] = {}
+        # How many leading blocks of each request its tokens (and lookahead slots) have
+        # reached; the blocks past them it holds ahead (_num_blocks_ahead), which any
+        # allocation the pool alone cannot serve takes back first.
+        self.num_needed_blocks: dict[str, int] = {}
+        self.num_blocks_held_ahead = 0  # over every request
         self.stats = PrefixCacheStats()
 
     @property
@@ -45,10 +50,13 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
+        """Blocks an allocation can have: the pool's free ones and those held ahead."""
+        return self.block_pool.num_free_blocks + self.num_blocks_held_ahead
 
     @property
     def usage(self) -> float:
+        """The share of the pool that requests' tokens fill or that caches nothing reclaimable
+        (blocks held ahead count as free: they go back on demand)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def get_block_ids(self, req_id: str) -> list[int]:
@@ -92,10 +100,20 @@ class KVCacheManager:
         num_total_tokens = num_computed_tokens + num_new_tokens
         num_required_blocks = -(-(num_total_tokens + num_lookahead_tokens) // self.block_size)
         num_new_blocks = max(0, num_required_blocks - len(req_blocks) - len(computed_blocks))
-        # Free cached hits are counted in num_free_blocks but are not available to us.
+        # Free cached hits are counted in the pool's free blocks but are not available to us.
         num_evictable_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)
-        if num_new_blocks + num_evictable_hits > self.num_free_blocks:
+        num_held_ahead = self._num_held_ahead(request.req_id)  # its own: its tokens reach them first
+        num_others_ahead = self.num_blocks_held_ahead - num_held_ahead
+        if num_new_blocks + num_evictable_hits > self.block_pool.num_free_blocks + num_others_ahead:
             return None
+        self.num_blocks_held_ahead -= num_held_ahead  # its own, counted again once it has its blocks
+        self.num_needed_blocks[request.req_id] = max(self.num_needed_blocks.get(request.req_id, 0),
+                                                     num_required_blocks)
+        # Blocks held ahead go back before any cached prefix is evicted, so the cache keeps
+        # what it would keep with none held ahead.
+        num_short = num_new_blocks - self.block_pool.num_free_empty_blocks
+        if num_short > 0 and num_others_ahead:
+            self._take_back_blocks_ahead(min(num_short, num_others_ahead), request.req_id)
         if num_new_blocks:
             num_new_blocks += self._num_blocks_ahead(request, num_required_blocks, num_new_blocks)
 
@@ -109,6 +127,7 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks.setdefault(request.req_id, [])
         req_blocks.extend(computed_blocks)
         req_blocks.extend(new_blocks)
+        self.num_blocks_held_ahead += self._num_held_ahead(request.req_id)
         self.num_cached_blocks.setdefault(request.req_id, len(computed_blocks))
         if not delay_cache_blocks:
             self.cache_blocks(request, num_total_tokens)
@@ -117,8 +136,10 @@ class KVCacheManager:
     def _num_blocks_ahead(self, request: Request, num_required_blocks: int, num_new_blocks: int) -> int:
         """Blocks to take past the num_new_blocks a request needs now (CacheConfig.num_blocks_ahead):
         none that its max_tokens could never fill, none for an embedding request, and only
-        empty blocks the pool can spare: more than half of it stays empty afterwards, so no
-        cached prefix is evicted and no request waits or is preempted for them."""
+        empty blocks the pool can spare: more than half of it stays empty afterwards. Should
+        the pool run short later, allocate_slots takes them back before it would evict a
+        cached prefix or refuse (a waiting or preempted request); until then they lie in a
+        run after the request's last block."""
         if self.num_blocks_ahead == 0 or request.pooling_params is not None:
             return 0
         num_blocks_ahead = self.num_blocks_ahead
@@ -128,6 +149,27 @@ class KVCacheManager:
             num_blocks_ahead = min(num_blocks_ahead, max_blocks - num_required_blocks)
         num_spare = self.block_pool.num_free_empty_blocks - num_new_blocks - self.num_blocks // 2
         return max(0, min(num_blocks_ahead, num_spare))
+
+    def _num_held_ahead(self, req_id: str) -> int:
+        return len(self.req_to_blocks.get(req_id, ())) - self.num_needed_blocks.get(req_id, 0)
+
+    def _take_back_blocks_ahead(self, num_blocks: int, for_req_id: str) -> None:
+        """Return num_blocks held ahead to the pool's empty tier, from the tails of the
+        requests holding most first (a request's tokens never reach them this step: they
+        lie past its needed blocks)."""
+        holders = sorted((req_id for req_id in self.req_to_blocks if req_id != for_req_id),
+                         key=self._num_held_ahead, reverse=True)
+        for req_id in holders:
+            num_taken = min(num_blocks, self._num_held_ahead(req_id))
+            if num_taken <= 0:
+                break
+            blocks = self.req_to_blocks[req_id]
+            taken, blocks[-num_taken:] = blocks[-num_taken:], []
+            self.block_pool.free_blocks(reversed(taken))
+            self.num_blocks_held_ahead -= num_taken
+            num_blocks -= num_taken
+            if num_blocks == 0:
+                return
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the blocks that are full within the first num_computed_tokens."""
@@ -148,8 +190,10 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release every block of the request (no-op if it holds none)."""
+        self.num_blocks_held_ahead -= self._num_held_ahead(request.req_id)
         blocks = self.req_to_blocks.pop(request.req_id, [])
         self.num_cached_blocks.pop(request.req_id, None)
+        self.num_needed_blocks.pop(request.req_id, None)
         # Tail first: a request's last blocks are the least likely to be shared, so
         # they should be evicted before its prefix.
         self.block_pool.free_blocks(reversed(blocks))
@@ -187,6 +231,11 @@ class KVCacheManager:
                 assert pool.cached_blocks.get(block.block_hash) is block
         for block_hash, block in pool.cached_blocks.items():
             assert block.block_hash == block_hash
+        num_held_ahead = [self._num_held_ahead(req_id) for req_id in self.req_to_blocks]
+        assert min(num_held_ahead, default=0) >= 0, f"a request holds fewer blocks than it needs: {num_held_ahead}"
+        assert sum(num_held_ahead) == self.num_blocks_held_ahead, (
+            f"{self.num_blocks_held_ahead} blocks counted held ahead, {sum(num_held_ahead)} held")
+        assert self.num_needed_blocks.keys() <= self.req_to_blocks.keys(), "a needed-block count outlived its request"
 
     def _update_block_hashes(self, request: Request) -> None:
         """Extend request.block_hashes to every full block of its tokens, incrementally."""

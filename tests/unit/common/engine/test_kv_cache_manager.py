@@ -359,6 +359,78 @@ def test_blocks_ahead_come_only_from_the_empty_half_of_the_pool(make_kv_cache_ma
     kv.free(second)
 
 
+def test_blocks_held_ahead_go_back_before_a_prefix_is_evicted_or_an_allocation_refused(make_kv_cache_manager):
+    kv = make_kv_cache_manager(num_blocks=16, num_blocks_ahead=7)
+    params = SamplingParams(max_tokens=100)
+    cached = make_request("cached", list(range(8)))  # two blocks, cached once freed
+    admit(kv, cached)
+    kv.free(cached)
+    first = Request("first", list(range(100, 110)), params)
+    assert admit(kv, first) == [2, 3, 4, 5, 6, 7]  # 3 needed, 3 ahead
+    # Held ahead, they count as free: usage is what requests' tokens fill.
+    assert kv.block_pool.num_free_blocks == 10 and kv.num_free_blocks == 13
+    assert kv.usage == pytest.approx(3 / 16)
+    second = Request("second", list(range(200, 236)), params)  # 9 blocks: 8 empty, 1 taken back
+    assert admit(kv, second) == [7, 8, 9, 10, 11, 12, 13, 14, 15]
+    assert kv.get_block_ids("first") == [2, 3, 4, 5, 6]
+    assert kv.get_computed_blocks(make_request("again", list(range(9)))) == ([0, 1], 8)  # not evicted
+    third = Request("third", list(range(300, 316)), params)  # 4 blocks: first's 2 ahead, then the prefix
+    assert admit(kv, third) == [0, 1, 5, 6]
+    assert kv.get_block_ids("first") == [2, 3, 4] and kv.num_free_blocks == 0
+    first.append_output_token_ids([7, 7, 7])  # its 4th block: none free, none held ahead
+    assert kv.allocate_slots(first, 3) is None and kv.get_block_ids("first") == [2, 3, 4]
+    for request in (first, second, third):
+        kv.free(request)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["admit", "admit", "grow", "grow", "free", "reset"]), st.integers(0, 5),
+                          st.integers(1, 24)), min_size=5, max_size=60))
+def test_blocks_ahead_refuse_no_allocation_and_evict_no_prefix_that_one_at_a_time_would_not(operations):
+    """The same requests through a pool that takes blocks one at a time and one that takes
+    up to 7 ahead: every allocation succeeds in one exactly where it does in the other,
+    the same prefixes stay cached, and as many blocks are free (held ahead counting free)."""
+    from common.engine.kv_cache_manager import KVCacheManager
+    managers = [KVCacheManager(16, BLOCK_SIZE, True, True, num_blocks_ahead) for num_blocks_ahead in (0, 7)]
+    live: dict[str, list[Request]] = {}  # each request, once per manager
+
+    def allocate(requests: list[Request], num_new_tokens, hit_block_ids=((), ())) -> bool:
+        new_block_ids = [kv.allocate_slots(r, num_new_tokens(r), hits)
+                         for kv, r, hits in zip(managers, requests, hit_block_ids)]
+        assert [ids is None for ids in new_block_ids] == [new_block_ids[0] is None] * 2
+        for request in requests:
+            request.num_computed_tokens = request.num_tokens
+        return new_block_ids[0] is not None
+
+    for number, (operation, choice, length) in enumerate(operations):
+        if operation == "admit":
+            prompt = [choice] * 4 + list(range(number * 100, number * 100 + length))
+            requests = [Request(f"r{number}", prompt, SamplingParams(max_tokens=4 * length)) for _ in managers]
+            hits = [kv.get_computed_blocks(r) for kv, r in zip(managers, requests)]
+            assert hits[0][1] == hits[1][1]  # as many tokens hit (the block ids differ)
+            if allocate(requests, lambda r, n=hits[0][1]: r.num_tokens - n, [ids for ids, _ in hits]):
+                live[requests[0].req_id] = requests
+        elif operation == "grow" and live:
+            req_id = sorted(live)[choice % len(live)]
+            requests = live[req_id]
+            for request in requests:
+                request.append_output_token_ids([7] * (length % 8 + 1))
+            if not allocate(requests, lambda r: r.num_tokens - r.num_computed_tokens):
+                for kv, request in zip(managers, live.pop(req_id)):  # the scheduler preempts it
+                    kv.free(request)
+        elif operation == "free" and live:
+            for kv, request in zip(managers, live.pop(sorted(live)[choice % len(live)])):
+                kv.free(request)
+        elif operation == "reset":
+            for kv in managers:
+                kv.reset_prefix_cache()
+        for kv in managers:
+            kv.check_invariants()
+        assert managers[0].num_free_blocks == managers[1].num_free_blocks
+        assert sorted(managers[0].all_cached_block_hashes()) == sorted(managers[1].all_cached_block_hashes())
+    assert managers[0].num_blocks_held_ahead == 0
+
+
 def test_embeddings_take_no_blocks_ahead_and_an_imported_prompt_takes_them_as_any(make_kv_cache_manager):
     from common.engine.pooling_params import PoolingParams
     kv = make_kv_cache_manager(num_blocks=64, num_blocks_ahead=3)

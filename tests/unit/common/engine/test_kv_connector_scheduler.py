@@ -139,7 +139,7 @@ def test_a_send_carries_the_prompts_blocks_and_not_one_taken_ahead(make_schedule
     assert out.scheduled[0].block_table == [0, 1, 2, 3]
     assert [s.src_block_ids for s in out.kv_connector_metadata.sends] == [[1, 2]]
     step(scheduler, [ended("p", "send")])
-    assert scheduler.kv_cache_manager.num_free_blocks == 32
+    assert scheduler.kv_cache_manager.block_pool.num_free_blocks == 32
 
 
 def test_a_request_without_kv_transfer_params_is_plain(make_scheduler):
@@ -180,13 +180,13 @@ def test_an_import_receives_into_its_prompts_blocks_and_decodes_into_those_taken
     metadata = scheduler.schedule_kv_connector_only().kv_connector_metadata
     assert [r.dst_block_ids for r in metadata.recvs] == [[0, 1, 2]]
     kv = scheduler.kv_cache_manager
-    assert kv.get_block_ids("r") == [0, 1, 2, 3, 4, 5] and kv.num_free_blocks == 26
+    assert kv.get_block_ids("r") == [0, 1, 2, 3, 4, 5] and kv.block_pool.num_free_blocks == 26
     step(scheduler, [ended("r", "recv")])
     scheduler.finish_remote_kv("r", [42])
     for _ in range(13):  # up to 24 tokens: the blocks taken ahead hold them
         out, _ = step(scheduler)
         assert out.scheduled[0].block_table == [0, 1, 2, 3, 4, 5]
-    assert kv.num_free_blocks == 26
+    assert kv.block_pool.num_free_blocks == 26
 
 
 def test_import_whose_receive_ended_first_runs_when_its_first_token_comes(make_scheduler):
