@@ -426,7 +426,7 @@ class ModelRunner:
                 hidden = loop.run(input_ids, positions, meta, self._loop_lora_ids(scheduler_output))
             else:
                 keep_rows = self._kept_rows(scheduler_output, input_ids.shape[0], sample_indices)
-                with self._lora_step(scheduler_output.scheduled):
+                with self._lora_step(scheduler_output.scheduled, keep_rows):
                     hidden = self._forward(input_ids, positions, meta, received, keep_rows)
         except BaseException:
             if connector is not None:  # a half-written pool must not reach a peer as final
@@ -671,24 +671,28 @@ class ModelRunner:
         """ValueError where this model cannot serve the adapter; nothing is held."""
         self.lora_manager.check(lora_name, lora_path)
 
-    def _lora_step(self, scheduled: list[ScheduledRequest]):
+    def _lora_step(self, scheduled: list[ScheduledRequest], keep_rows: torch.Tensor | None):
         """The forward pass's LoRA rows (manager.step), or nothing where no adapter is served."""
         if self.lora_manager is None:
             return contextlib.nullcontext()
-        return self.lora_manager.step(in_row_order(scheduled))
+        # On the CPU the kept rows read back for free; _kept_rows keeps every row elsewhere.
+        kept_rows = keep_rows.tolist() if keep_rows is not None and keep_rows.device.type == "cpu" else None
+        return self.lora_manager.step(in_row_order(scheduled), kept_rows)
 
     def _kept_rows(self, scheduler_output: SchedulerOutput, num_tokens: int,
                    sample_indices: torch.Tensor) -> torch.Tensor | None:
         """The rows whose hidden states the step reads (CausalLM.forward's keep_rows): the
         sampled ones, or all where a request asks for its prompt's logprobs or a pooled
-        embedding, or where adapters are served (their rows follow the step's token order);
-        None off the last stage, where the next stage reads every row. A step that samples
-        nothing keeps its first row, whose output nobody reads: an empty step would be a size
-        the compiled code never ran."""
+        embedding, or where adapters are served off the CPU (the last layer's adapter rows
+        would be read back from the device each step: _lora_step); None off the last stage,
+        where the next stage reads every row. A step that samples nothing keeps its first
+        row, whose output nobody reads: an empty step would be a size the compiled code
+        never ran."""
         if not self.model.is_last_stage:
             return None
         scheduled = scheduler_output.scheduled
-        if self.lora_manager is not None or pools(scheduled) or asks_prompt_logprobs(scheduled):
+        serves_adapters_off_cpu = self.lora_manager is not None and self.device.type != "cpu"
+        if serves_adapters_off_cpu or pools(scheduled) or asks_prompt_logprobs(scheduled):
             return torch.arange(num_tokens, device=self.device)
         if sample_indices.shape[0] == 0:
             return torch.zeros(1, dtype=torch.int64, device=self.device)

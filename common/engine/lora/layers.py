@@ -36,20 +36,33 @@ Layouts = dict[tuple[str, str], list[tuple[str, int, int]]]
 Shards = dict[str, tuple[str, list[tuple[int, int]]]]
 
 
+Groups = list[tuple[LoRAAdapter, torch.Tensor | None]]
+
+
 @contextlib.contextmanager
-def lora_step(groups: list[tuple[LoRAAdapter, torch.Tensor | None]]) -> Iterator[None]:
-    """For one forward pass: each adapter in use with its rows ([num_rows] int64), or None
-    where it has every row of the step."""
-    previous = getattr(_local, "groups", None)
-    _local.groups = groups
+def lora_step(groups: Groups, num_rows: int, kept_groups: Groups | None = None) -> Iterator[None]:
+    """For one forward pass of num_rows rows: each adapter in use with its rows ([n] int64),
+    or None where it has every row. kept_groups: the same over the rows the last layer goes
+    on with (CausalLM.forward's keep_rows: positions among them), where it keeps fewer."""
+    previous = getattr(_local, "step", None)
+    _local.step = (groups, num_rows, kept_groups)
     try:
         yield
     finally:
-        _local.groups = previous
+        _local.step = previous
 
 
-def _current_groups() -> list[tuple[LoRAAdapter, torch.Tensor | None]]:
-    return getattr(_local, "groups", None) or []
+def _current_groups(num_rows: int) -> Groups:
+    """The groups for a linear whose input has num_rows rows: the step's, or its kept rows'."""
+    step = getattr(_local, "step", None)
+    if step is None:
+        return []
+    groups, num_step_rows, kept_groups = step
+    if num_rows == num_step_rows:
+        return groups
+    if kept_groups is None:
+        raise RuntimeError(f"a linear ran on {num_rows} rows of a {num_step_rows}-row step that keeps them all")
+    return kept_groups
 
 
 def linear_layouts(cfg: ModelConfig) -> Layouts:
@@ -129,7 +142,7 @@ ADD_IN_MATMUL_ROWS = 256
 def add_lora_deltas(y: torch.Tensor, x: torch.Tensor, layer_idx: int, linear_name: str) -> None:
     """y [num_tokens, out_features] += each row's adapter's delta, x [num_tokens, in_features]
     the linear's input; rows of no adapter, and a step of none, cost nothing."""
-    for adapter, rows in _current_groups():
+    for adapter, rows in _current_groups(x.shape[0]):
         pair = adapter.stacked.get((layer_idx, linear_name))
         if pair is None:  # not one of this adapter's targets
             continue

@@ -73,16 +73,25 @@ class LoRAManager:
         return all(self.adapters[req.lora_name].native_id is not None for req in ordered if req.lora_name)
 
     @contextlib.contextmanager
-    def step(self, ordered: Sequence[ScheduledRequest]) -> Iterator[None]:
-        """The forward pass of a step whose rows are `ordered`'s tokens, in order."""
-        rows: dict[str, list[int]] = {}
-        first = 0
+    def step(self, ordered: Sequence[ScheduledRequest], kept_rows: list[int] | None = None) -> Iterator[None]:
+        """The forward pass of a step whose rows are `ordered`'s tokens, in order; kept_rows:
+        the rows its last layer goes on with (CausalLM.forward's keep_rows), if fewer."""
+        row_names: list[str | None] = []  # each row's adapter
         for req in ordered:
-            if req.lora_name is not None:
-                rows.setdefault(req.lora_name, []).extend(range(first, first + len(req.token_ids)))
-            first += len(req.token_ids)
-        # An adapter with every row of the step needs no row index (the common case: one adapter).
-        groups = [(self.adapters[name], None if len(ids) == first else
-                   torch.tensor(ids, dtype=torch.int64, device=self.device)) for name, ids in rows.items()]
-        with lora_step(groups):
+            row_names += [req.lora_name] * len(req.token_ids)
+        groups = self._groups(row_names)
+        kept_groups = None
+        if kept_rows is not None and len(kept_rows) != len(row_names):
+            kept_groups = self._groups([row_names[row] for row in kept_rows])
+        with lora_step(groups, len(row_names), kept_groups):
             yield
+
+    def _groups(self, row_names: list[str | None]) -> list[tuple[LoRAAdapter, torch.Tensor | None]]:
+        """Each adapter the rows name, with its rows; None for an adapter with every row (the
+        common case: one adapter)."""
+        rows: dict[str, list[int]] = {}
+        for row, name in enumerate(row_names):
+            if name is not None:
+                rows.setdefault(name, []).append(row)
+        return [(self.adapters[name], None if len(ids) == len(row_names) else
+                 torch.tensor(ids, dtype=torch.int64, device=self.device)) for name, ids in rows.items()]

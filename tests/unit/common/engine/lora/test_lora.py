@@ -90,6 +90,34 @@ def test_one_batch_mixes_adapters_and_the_base_model(llm, adapters):
     assert outputs(mixed) == outputs(alone)
 
 
+def test_a_step_mixing_adapters_runs_its_last_layer_on_the_sampled_rows_alone(llm, adapters, monkeypatch):
+    """The last layer's MLP (adapters' deltas and all) runs on the rows a step samples, each
+    with its own adapter's delta: the same tokens and logprobs as with every row kept."""
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    per_prompt = [lora(adapters, "b", 2), None, lora(adapters, "a", 1)]
+    runner = llm.engine.executor.runner
+    last_mlp = runner.model.layers[-1].mlp
+    num_rows: list[int] = []
+    hook = last_mlp.register_forward_pre_hook(lambda module, args: num_rows.append(args[0].shape[0]))
+    try:
+        llm.reset_prefix_cache()
+        kept = llm.generate(prompts, GREEDY, lora_request=per_prompt)
+        assert num_rows[0] < 32  # the first step's 32 prompt tokens, one or two of them sampled
+        llm.reset_prefix_cache()
+        num_rows.clear()
+        monkeypatch.setattr(runner, "_kept_rows", lambda scheduler_output, num_tokens, sample_indices:
+                            torch.arange(num_tokens))
+        every_row = llm.generate(prompts, GREEDY, lora_request=per_prompt)
+        assert num_rows[0] == 32
+    finally:
+        hook.remove()
+    assert outputs(kept) == outputs(every_row)
+    for got, want in zip(kept, every_row):
+        torch.testing.assert_close(torch.tensor([lp.token_logprob for lp in got.outputs[0].logprobs]),
+                                   torch.tensor([lp.token_logprob for lp in want.outputs[0].logprobs]),
+                                   atol=1e-5, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def compiled(base_dir):
     """The fixture's engine, compiled (the suite runs engines eagerly unless a test asks)."""
@@ -297,7 +325,7 @@ def test_the_deltas_are_each_row_s_own_adapter_s_packed_or_not(base_dir, adapter
         want = (x.float() @ a.float().t()) @ b.float().t() * adapter.scaling  # [num_tokens, out_features]
         for rows in (None, torch.tensor([0, 3])):
             y = torch.ones(num_tokens, b.shape[0], dtype=dtype)
-            with lora_step([(adapter, rows)]):
+            with lora_step([(adapter, rows)], num_tokens):
                 add_lora_deltas(y, x, layer, linear_name)
             picked = slice(None) if rows is None else rows
             tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
