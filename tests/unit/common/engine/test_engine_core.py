@@ -246,3 +246,22 @@ def test_blocks_taken_ahead_change_no_output(make_llm):
         results[num_ahead] = (token_ids(llm.generate(prompts, params)), max(slack))
     assert results[7][0] == results[0][0]
     assert results[0][1] < 8 <= results[7][1]  # one block's slots at most, against runs of them
+
+
+def test_in_a_pool_too_small_for_the_load_blocks_ahead_change_no_schedule(make_llm):
+    """A pool of 48 blocks of 8 for ~600 tokens of KV: requests are preempted and recomputed.
+    Blocks held ahead go back before anything would wait or be preempted for them, so the
+    steps, the preemptions and the tokens are those of one block at a time."""
+    prompts = random_prompts([3, 40, 97, 150, 9], seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    results = {}
+    for num_ahead in (0, 7):
+        llm = make_llm(num_kv_blocks=48, num_kv_blocks_ahead=num_ahead)
+        steps: list[list[tuple[int, int]]] = []  # each step's (request by first appearance, tokens)
+        order: dict[str, int] = {}
+        llm.engine.step_observer = lambda output, _seconds: steps.append(
+            [(order.setdefault(r.req_id, len(order)), len(r.token_ids)) for r in output.scheduled])
+        outputs = token_ids(llm.generate(prompts, params))
+        results[num_ahead] = (outputs, steps, llm.engine.scheduler.num_preemptions)
+    assert results[0][2] > 0  # the pool is short: the test is about preemption
+    assert results[7] == results[0]
