@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from bench.peers.proc_cpu import host_steal_seconds
 from bench.peers.vllm_peer import cpu_env, preload_choice, vllm_python
 from common.engine.config import KV_CACHE_DTYPE_NAMES, parse_memory_size
 
@@ -121,6 +122,15 @@ def multi_turn_run(record: dict, max_concurrency: int) -> dict:
 
 
 def run_client(base_url: str, args: argparse.Namespace, json_path: Path) -> dict:
+    """The client's record of one server's load, with the host's steal over it
+    (`host_steal_s`: a VM's cores taken elsewhere, which slows either side alike)."""
+    steal_before = host_steal_seconds()
+    record = _run_client(base_url, args, json_path)
+    record["host_steal_s"] = host_steal_seconds() - steal_before
+    return record
+
+
+def _run_client(base_url: str, args: argparse.Namespace, json_path: Path) -> dict:
     model = LORA_NAME if args.lora_path else None
     if args.workload not in MULTI_TURN_BACKENDS:
         subprocess.run(client_argv(base_url, args, json_path, model), check=True)
@@ -389,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
                            "pdserve": ours, "vllm": peer})
     rows = median_rows([r["comparison"] for r in rounds])
     result = {"cpu": cpu_model_name(), "config": vars(args), "comparison": rows, "rounds": rounds,
-              "vllm_preload": preload}
+              "vllm_preload": preload,
+              "host_steal_s": {side: [r[side]["host_steal_s"] for r in rounds] for side in ("pdserve", "vllm")}}
     for row in rows:
         print(format_row(row, args.repeats))
     if args.json:

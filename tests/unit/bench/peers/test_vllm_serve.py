@@ -193,3 +193,12 @@ def test_a_multi_turn_run_with_failed_turns_is_counted_and_one_without_a_record_
     args.max_concurrency = [1]
     [run] = vllm_serve.run_client("http://127.0.0.1:8000", args, tmp_path / "ours.json")["runs"]
     assert (run["max_concurrency"], run["failed"], run["completed"]) == (1, 1, 4)
+
+
+def test_each_client_record_carries_the_host_steal_over_its_load(monkeypatch, tmp_path):
+    from bench.peers import vllm_serve
+    readings = iter([10.0, 10.75])
+    monkeypatch.setattr(vllm_serve, "host_steal_seconds", lambda: next(readings))
+    monkeypatch.setattr(vllm_serve, "_run_client", lambda base_url, args, json_path: {"runs": []})
+    record = vllm_serve.run_client("http://127.0.0.1:1", argparse.Namespace(), tmp_path / "out.json")
+    assert record == {"runs": [], "host_steal_s": 0.75}
