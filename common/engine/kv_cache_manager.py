@@ -55,8 +55,8 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """The share of the pool that requests' tokens fill or that caches nothing reclaimable
-        (blocks held ahead count as free: they go back on demand)."""
+        """The share of the pool no allocation can have: blocks that requests' tokens reach
+        (free cached blocks and blocks held ahead count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def get_block_ids(self, req_id: str) -> list[int]:

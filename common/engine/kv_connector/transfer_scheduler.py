@@ -80,8 +80,9 @@ class TransferConnectorScheduler(KVConnectorScheduler):
             target = params["target"]
             if params.get("transfer_timeout_s") is not None:
                 target = target | {"deadline": min(target["deadline"], time.time() + params["transfer_timeout_s"])}
+            first_block_index = params["first_block_index"]
             sends.append(KVSendSpec(req_id=scheduled.req_id,
-                                    src_block_ids=list(scheduled.block_table[params["first_block_index"]:num_prompt_blocks]),
+                                    src_block_ids=list(scheduled.block_table[first_block_index:num_prompt_blocks]),
                                     target=target))
             self._sending_req_ids.add(scheduled.req_id)
         recvs, self._pending_recvs = self._pending_recvs, []
