@@ -342,15 +342,22 @@ def test_blocks_ahead_stop_at_what_max_tokens_can_fill(make_kv_cache_manager):
     kv.free(unbounded)
 
 
-def test_blocks_ahead_come_only_from_the_empty_half_of_the_pool(make_kv_cache_manager):
+def _first_request_past_a_cached_prefix(make_kv_cache_manager) -> tuple:
+    """16 blocks, up to 7 ahead: a two-block prefix cached and free, then `first` (10 tokens,
+    max_tokens 100) admitted from the 14 empty blocks: its 3, then as many more as leave 8
+    empty (3). Returns (kv, first)."""
     kv = make_kv_cache_manager(num_blocks=16, num_blocks_ahead=7)
-    params = SamplingParams(max_tokens=100)
-    cached = make_request("cached", list(range(8)))  # two blocks, cached once freed
+    cached = make_request("cached", list(range(8)))
     admit(kv, cached)
     kv.free(cached)
-    first = Request("first", list(range(100, 110)), params)
-    # 14 empty blocks: 3 needed, then as many as leave 8 empty (3 more).
+    first = Request("first", list(range(100, 110)), SamplingParams(max_tokens=100))
     assert admit(kv, first) == [2, 3, 4, 5, 6, 7]
+    return kv, first
+
+
+def test_blocks_ahead_come_only_from_the_empty_half_of_the_pool(make_kv_cache_manager):
+    kv, first = _first_request_past_a_cached_prefix(make_kv_cache_manager)
+    params = SamplingParams(max_tokens=100)
     second = Request("second", list(range(200, 210)), params)
     assert admit(kv, second) == [8, 9, 10]  # none to spare: exactly what it needs
     # The cached prefix was never evicted for blocks ahead.
@@ -360,13 +367,8 @@ def test_blocks_ahead_come_only_from_the_empty_half_of_the_pool(make_kv_cache_ma
 
 
 def test_blocks_held_ahead_go_back_before_a_prefix_is_evicted_or_an_allocation_refused(make_kv_cache_manager):
-    kv = make_kv_cache_manager(num_blocks=16, num_blocks_ahead=7)
+    kv, first = _first_request_past_a_cached_prefix(make_kv_cache_manager)  # 3 needed, 3 ahead
     params = SamplingParams(max_tokens=100)
-    cached = make_request("cached", list(range(8)))  # two blocks, cached once freed
-    admit(kv, cached)
-    kv.free(cached)
-    first = Request("first", list(range(100, 110)), params)
-    assert admit(kv, first) == [2, 3, 4, 5, 6, 7]  # 3 needed, 3 ahead
     # Held ahead, they count as free: usage is what requests' tokens fill.
     assert kv.block_pool.num_free_blocks == 10 and kv.num_free_blocks == 13
     assert kv.usage == pytest.approx(3 / 16)
