@@ -637,6 +637,7 @@ class Scheduler(SchedulerInterface):
             "num_finished_requests": self.num_finished_requests,
             "num_queued_prefill_tokens": num_queued_prefill_tokens,
             "num_free_blocks": kv.num_free_blocks, "num_total_blocks": kv.num_blocks,
+            "num_blocks_held_ahead": kv.num_blocks_held_ahead,
             "kv_cache_usage": kv.usage,
             "prefix_cache_queried_tokens": kv.stats.num_query_tokens,
             "prefix_cache_hit_tokens": kv.stats.num_hit_tokens,

@@ -353,9 +353,12 @@ class EngineCollector(Collector):
             gauge("pdserve_num_requests_waiting", "Requests queued for a seat or KV blocks",
                   load.num_waiting_requests if have else None),
             gauge("pdserve_kv_cache_usage_ratio", "Fraction of the KV pool's blocks in use (cached "
-                  "prefix blocks that can be evicted count as free)",
+                  "prefix blocks that can be evicted, and blocks held ahead, count as free)",
                   (1.0 - load.num_free_blocks / total if total else 0.0) if have else None),
             gauge("pdserve_kv_cache_blocks", "KV pool size in blocks", total if have else None),
+            gauge("pdserve_kv_cache_blocks_held_ahead", "Blocks requests hold past their tokens "
+                  "(--num-kv-blocks-ahead), given back when an allocation needs them",
+                  stats.get("num_blocks_held_ahead") if stats is not None else None),
             gauge("pdserve_queued_prefill_tokens", "Prompt tokens still to be computed: waiting requests' "
                   "tokens less their cached prefix, plus running ones' uncomputed prompt",
                   load.num_queued_prefill_tokens if have else None),

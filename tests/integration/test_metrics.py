@@ -46,7 +46,8 @@ def test_every_service_exports_metrics_and_the_counters_move(stack):
     for role in ("prefill", "decode"):
         labels = {"role": role, "instance_id": f"{role}-0"}
         for gauge in ("pdserve_num_requests_running", "pdserve_num_requests_waiting",
-                      "pdserve_kv_cache_usage_ratio", "pdserve_queued_prefill_tokens"):
+                      "pdserve_kv_cache_usage_ratio", "pdserve_queued_prefill_tokens",
+                      "pdserve_kv_cache_blocks_held_ahead"):
             assert (gauge, frozenset(labels.items())) in before[role], (role, gauge)
     assert total(before["gateway"], "pdserve_instances_alive", pool="prefill") == 1
     assert total(before["gateway"], "pdserve_instances_alive", pool="decode") == 1

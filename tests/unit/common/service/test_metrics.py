@@ -61,7 +61,7 @@ def fake_engine():
     load = SimpleNamespace(num_running_requests=3, num_waiting_requests=2, num_free_blocks=25,
                            num_total_blocks=100, num_queued_prefill_tokens=480)
     stats = {"prefix_cache_queried_tokens": 640, "prefix_cache_hit_tokens": 320, "num_preemptions": 1,
-             "num_finished_requests": 7}
+             "num_finished_requests": 7, "num_blocks_held_ahead": 12}
     return load, stats
 
 
@@ -76,6 +76,7 @@ def test_engine_collector_reads_the_load_and_counters_when_scraped():
     assert value(r, "pdserve_num_requests_waiting", **labels) == 2
     assert value(r, "pdserve_kv_cache_usage_ratio", **labels) == pytest.approx(0.75)
     assert value(r, "pdserve_kv_cache_blocks", **labels) == 100
+    assert value(r, "pdserve_kv_cache_blocks_held_ahead", **labels) == 12
     assert value(r, "pdserve_queued_prefill_tokens", **labels) == 480
     assert value(r, "pdserve_prefix_cache_queries_total", **labels) == 640
     assert value(r, "pdserve_prefix_cache_hits_total", **labels) == 320
