@@ -157,19 +157,15 @@ class KVCacheManager:
         """Return num_blocks held ahead to the pool's empty tier, from the tails of the
         requests holding most first (a request's tokens never reach them this step: they
         lie past its needed blocks)."""
-        holders = sorted((req_id for req_id in self.req_to_blocks if req_id != for_req_id),
-                         key=self._num_held_ahead, reverse=True)
-        for req_id in holders:
+        while num_blocks > 0:  # usually one pass: an allocation is short by a block or two
+            req_id = max((r for r in self.req_to_blocks if r != for_req_id), key=self._num_held_ahead)
             num_taken = min(num_blocks, self._num_held_ahead(req_id))
-            if num_taken <= 0:
-                break
+            assert num_taken > 0, f"{num_blocks} more blocks to take back, none held ahead"
             blocks = self.req_to_blocks[req_id]
             taken, blocks[-num_taken:] = blocks[-num_taken:], []
             self.block_pool.free_blocks(reversed(taken))
             self.num_blocks_held_ahead -= num_taken
             num_blocks -= num_taken
-            if num_blocks == 0:
-                return
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the blocks that are full within the first num_computed_tokens."""
