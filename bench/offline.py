@@ -30,7 +30,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from bench.peers.proc_cpu import host_steal_seconds, tree_wakeups_per_s, wait_until_quiet
+from bench.peers.proc_cpu import host_steal_seconds, tree_cpu_seconds, tree_wakeups_per_s, wait_until_quiet
 from bench.peers.proc_memory import tree_memory
 from common.engine.config import KV_CACHE_DTYPE_NAMES
 
@@ -342,6 +342,11 @@ def main(argv: list[str] | None = None) -> int:
         # The host's steal over each timed run (a VM's cores taken elsewhere): the runs'
         # spread between minutes is mostly the host's, and it need not fall on both sides alike.
         ours_steal_s, vllm_steal_s = [], []
+        # Each side's own CPU seconds over its runs (every thread of its processes): a run
+        # whose threads spin between steps keeps its vCPUs runnable, and only a runnable
+        # vCPU gathers steal.
+        ours_cpu_s, vllm_cpu_s = [], []
+        ours_exclude_pids = (peer.pid,) if peer is not None else ()
         ours_step_times: list[dict] = []
 
         def let_settle(before: str) -> None:
@@ -367,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with ours_side():
                     steal_before = host_steal_seconds()
+                    cpu_before = tree_cpu_seconds(os.getpid(), ours_exclude_pids)
                     ours_seconds.append(run_ours(llm, workload, args.temperature, args.logprobs)[0])
+                    ours_cpu_s.append(tree_cpu_seconds(os.getpid(), ours_exclude_pids) - cpu_before)
                     ours_steal_s.append(host_steal_seconds() - steal_before)
             finally:
                 llm.engine.step_observer = None
@@ -377,7 +384,9 @@ def main(argv: list[str] | None = None) -> int:
         def vllm_run():
             let_settle("vllm")
             steal_before = host_steal_seconds()
+            cpu_before = tree_cpu_seconds(peer.pid)
             answer = peer.call("mixed", timeout_s=1800)
+            vllm_cpu_s.append(tree_cpu_seconds(peer.pid) - cpu_before)
             vllm_steal_s.append(host_steal_seconds() - steal_before)
             assert answer["num_output_tokens"] == num_tokens, answer
             vllm_seconds.append(answer["seconds"])
@@ -390,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         ours_tps = num_tokens / elapsed
         results["mixed"] = {"ours_seconds": elapsed, "ours_output_tokens_per_s": ours_tps,
                             "ours_run_seconds": ours_seconds, "ours_run_steal_s": ours_steal_s,
+                            "ours_run_cpu_s": ours_cpu_s,
                             "num_output_tokens": num_tokens,
                             "ours_step_times": ours_step_times,
                             "num_prompt_tokens": sum(len(p) for p, _ in workload)}
@@ -450,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                                    single_stream_tokens_per_s=vllm_single["tokens_per_s"],
                                    single_stream_token_ids=vllm_single["token_ids"], quiet_waits=quiet_waits)
             results["mixed"].update(vllm_output_tokens_per_s=vllm_tps, vllm_run_seconds=vllm_seconds,
-                                    vllm_run_steal_s=vllm_steal_s,
+                                    vllm_run_steal_s=vllm_steal_s, vllm_run_cpu_s=vllm_cpu_s,
                                     speedup_vs_vllm=ours_tps / vllm_tps, pair_speedups_vs_vllm=pair_speedups,
                                     median_pair_speedup_vs_vllm=statistics.median(pair_speedups))
             results["prefix_cache"].update(vllm_cold_ttft_s=vllm_cold, vllm_cold_ttft_runs_s=vllm_cold_runs,
