@@ -36,11 +36,11 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.peers.proc_cpu import host_steal_seconds
+from bench.peers.proc_cpu import host_steal_seconds, tree_cpu_seconds
 from bench.peers.vllm_peer import cpu_env, preload_choice, vllm_python
 from common.engine.config import KV_CACHE_DTYPE_NAMES, parse_memory_size
 
@@ -121,11 +121,16 @@ def multi_turn_run(record: dict, max_concurrency: int) -> dict:
             "by_turn": record["by_turn"]}
 
 
-def run_client(base_url: str, args: argparse.Namespace, json_path: Path) -> dict:
+def run_client(base_url: str, args: argparse.Namespace, json_path: Path, server_pids: Sequence[int]) -> dict:
     """The client's record of one server's load, with the host's steal over it
-    (`host_steal_s`: a VM's cores taken elsewhere, which slows either side alike)."""
+    (`host_steal_s`: a VM's cores taken elsewhere, which slows either side alike) and the
+    CPU seconds the server's processes used meanwhile (`server_cpu_s`, every thread of
+    `server_pids` and their descendants: threads that spin between steps keep their vCPUs
+    busy, and only a busy vCPU gathers steal)."""
     steal_before = host_steal_seconds()
+    cpu_before = sum(tree_cpu_seconds(pid) for pid in server_pids)
     record = _run_client(base_url, args, json_path)
+    record["server_cpu_s"] = sum(tree_cpu_seconds(pid) for pid in server_pids) - cpu_before
     record["host_steal_s"] = host_steal_seconds() - steal_before
     return record
 
@@ -173,7 +178,8 @@ def serve_ours(args: argparse.Namespace, model_dir: str, out: Path) -> dict:
     with LocalStack(args.prefill, args.decode, http_port=0, passthrough=our_flags(args, model_dir),
                     log_dir=out / "pdserve-logs",
                     startup_timeout_s=args.startup_timeout, reserved_cpus=args.reserved_cpus) as stack:
-        return run_client(f"http://{stack.http_address}", args, out / "pdserve.json")
+        server_pids = [p.process.pid for p in (*stack.gateways, *stack.instances.values())]
+        return run_client(f"http://{stack.http_address}", args, out / "pdserve.json", server_pids)
 
 
 def vllm_argv(args: argparse.Namespace, model_dir: str, python: Path, port: int) -> list[str]:
@@ -199,8 +205,8 @@ def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path, python: Path
     argv = vllm_argv(args, model_dir, python, port)
     kv_gib = parse_memory_size(args.kv_cache_memory) / (1 << 30)  # main checked it is a size
     with serving(argv, port, out / "vllm-serve.log", cpu_env(args.peer_threads_bind, kv_gib, preload),
-                 args.startup_timeout) as base_url:
-        return run_client(base_url, args, out / "vllm.json")
+                 args.startup_timeout) as (base_url, server_pid):
+        return run_client(base_url, args, out / "vllm.json", [server_pid])
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -212,9 +218,9 @@ def parse_int_list(text: str) -> list[int]:
 
 @contextmanager
 def serving(argv: list[str], port: int, log_path: Path, env: dict[str, str], startup_timeout_s: float
-            ) -> Iterator[str]:
-    """`vllm serve` (argv) up on 127.0.0.1:port, logging to log_path: its base URL once it
-    serves, and the server stopped when the block ends. A server that does not come up
+            ) -> Iterator[tuple[str, int]]:
+    """`vllm serve` (argv) up on 127.0.0.1:port, logging to log_path: its base URL and pid
+    once it serves, and the server stopped when the block ends. A server that does not come up
     raises with the end of its log, which lives in a directory that goes with the run."""
     with open(log_path, "w") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -226,7 +232,7 @@ def serving(argv: list[str], port: int, log_path: Path, env: dict[str, str], sta
                 log.flush()
                 tail = log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
                 raise type(e)(f"{e}; the end of its log:\n" + "\n".join(tail)) from None
-            yield base_url
+            yield base_url, process.pid
         finally:
             process.terminate()
             try:
@@ -400,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = median_rows([r["comparison"] for r in rounds])
     result = {"cpu": cpu_model_name(), "config": vars(args), "comparison": rows, "rounds": rounds,
               "vllm_preload": preload,
-              "host_steal_s": {side: [r[side]["host_steal_s"] for r in rounds] for side in ("pdserve", "vllm")}}
+              **{key: {side: [r[side][key] for r in rounds] for side in ("pdserve", "vllm")}
+                 for key in ("host_steal_s", "server_cpu_s")}}
     for row in rows:
         print(format_row(row, args.repeats))
     if args.json:

@@ -84,7 +84,7 @@ def serve_vllm(args: argparse.Namespace, model_dir: str, out: Path, python: Path
         argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     from common.engine.config import parse_memory_size
     env = cpu_env(args.peer_threads_bind, parse_memory_size(args.kv_cache_memory) / (1 << 30), preload)
-    with serving(argv, port, out / "vllm-serve.log", env, args.startup_timeout) as base_url:
+    with serving(argv, port, out / "vllm-serve.log", env, args.startup_timeout) as (base_url, _):
         return _run_loads(base_url, Path(model_dir).name, prompt_sets)
 
 

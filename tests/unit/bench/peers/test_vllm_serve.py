@@ -3,6 +3,7 @@ the client's load, sampling temperature included, the same for both servers."""
 from __future__ import annotations
 
 import argparse
+import time
 
 import pytest
 
@@ -189,16 +190,40 @@ def test_a_multi_turn_run_with_failed_turns_is_counted_and_one_without_a_record_
         return subprocess.CompletedProcess(argv, 1)
     monkeypatch.setattr(vllm_serve.subprocess, "run", client)
     with pytest.raises(RuntimeError, match="at 4 open exited 1 without a record"):
-        vllm_serve.run_client("http://127.0.0.1:8000", args, tmp_path / "ours.json")
+        vllm_serve.run_client("http://127.0.0.1:8000", args, tmp_path / "ours.json", [])
     args.max_concurrency = [1]
-    [run] = vllm_serve.run_client("http://127.0.0.1:8000", args, tmp_path / "ours.json")["runs"]
+    [run] = vllm_serve.run_client("http://127.0.0.1:8000", args, tmp_path / "ours.json", [])["runs"]
     assert (run["max_concurrency"], run["failed"], run["completed"]) == (1, 1, 4)
 
 
-def test_each_client_record_carries_the_host_steal_over_its_load(monkeypatch, tmp_path):
+def test_each_client_record_carries_the_host_steal_and_the_servers_cpu_over_its_load(monkeypatch, tmp_path):
+    import subprocess
+    import sys
+
     from bench.peers import vllm_serve
     readings = iter([10.0, 10.75])
     monkeypatch.setattr(vllm_serve, "host_steal_seconds", lambda: next(readings))
-    monkeypatch.setattr(vllm_serve, "_run_client", lambda base_url, args, json_path: {"runs": []})
-    record = vllm_serve.run_client("http://127.0.0.1:1", argparse.Namespace(), tmp_path / "out.json")
-    assert record == {"runs": [], "host_steal_s": 0.75}
+    # The "server": a real child that spins, and one that sleeps, while the stub load runs.
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    load_wall_s = 1.0
+
+    def load(base_url, args, json_path):
+        deadline = time.monotonic() + load_wall_s
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"runs": []}
+
+    monkeypatch.setattr(vllm_serve, "_run_client", load)
+    try:
+        record = vllm_serve.run_client("http://127.0.0.1:1", argparse.Namespace(), tmp_path / "out.json",
+                                       [spinner.pid, sleeper.pid])
+    finally:
+        spinner.kill()
+        sleeper.kill()
+        spinner.wait(timeout=30)
+        sleeper.wait(timeout=30)
+    assert record["host_steal_s"] == 0.75 and record["runs"] == []
+    # One spinning thread over a 1 s load: up to a second of CPU (less where the loaded host
+    # starves it), never more; the sleeper adds nothing.
+    assert 0.1 <= record["server_cpu_s"] <= load_wall_s + 0.1
