@@ -303,6 +303,13 @@ def format_row(row: dict, repeats: int) -> str:
     return line
 
 
+def format_cpu_and_steal(result: dict) -> str:
+    """Each server's CPU seconds and the host's steal over its load, round by round."""
+    def per_side(key: str) -> str:
+        return " | ".join(f"{side} {' / '.join(f'{v:.1f}' for v in result[key][side])}" for side in ("pdserve", "vllm"))
+    return f"server CPU s: {per_side('server_cpu_s')}; host steal s: {per_side('host_steal_s')}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench serve-peer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -410,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                  for key in ("host_steal_s", "server_cpu_s")}}
     for row in rows:
         print(format_row(row, args.repeats))
+    print(format_cpu_and_steal(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -227,3 +227,11 @@ def test_each_client_record_carries_the_host_steal_and_the_servers_cpu_over_its_
     # One spinning thread over a 1 s load: up to a second of CPU (less where the loaded host
     # starves it), never more; the sleeper adds nothing.
     assert 0.1 <= record["server_cpu_s"] <= load_wall_s + 0.1
+
+
+def test_the_summary_line_gives_each_sides_cpu_and_steal_round_by_round():
+    from bench.peers.vllm_serve import format_cpu_and_steal
+    line = format_cpu_and_steal({"server_cpu_s": {"pdserve": [44.74, 44.27], "vllm": [84.08, 84.37]},
+                                 "host_steal_s": {"pdserve": [0.51, 0.5], "vllm": [1.26, 2.39]}})
+    assert line == ("server CPU s: pdserve 44.7 / 44.3 | vllm 84.1 / 84.4; "
+                    "host steal s: pdserve 0.5 / 0.5 | vllm 1.3 / 2.4")
