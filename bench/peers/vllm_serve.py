@@ -126,12 +126,18 @@ def run_client(base_url: str, args: argparse.Namespace, json_path: Path, server_
     (`host_steal_s`: a VM's cores taken elsewhere, which slows either side alike) and the
     CPU seconds the server's processes used meanwhile (`server_cpu_s`, every thread of
     `server_pids` and their descendants: threads that spin between steps keep their vCPUs
-    busy, and only a busy vCPU gathers steal)."""
+    busy, and only a busy vCPU gathers steal). With `args.idle_seconds`, also the cores the
+    server keeps busy once the load is over and nothing arrives (`idle_cpu_cores`)."""
     steal_before = host_steal_seconds()
     cpu_before = sum(tree_cpu_seconds(pid) for pid in server_pids)
     record = _run_client(base_url, args, json_path)
     record["server_cpu_s"] = sum(tree_cpu_seconds(pid) for pid in server_pids) - cpu_before
     record["host_steal_s"] = host_steal_seconds() - steal_before
+    if args.idle_seconds > 0:
+        cpu_before, started = sum(tree_cpu_seconds(pid) for pid in server_pids), time.monotonic()
+        time.sleep(args.idle_seconds)  # the window measured: the server left alone, as between bursts
+        record["idle_cpu_cores"] = ((sum(tree_cpu_seconds(pid) for pid in server_pids) - cpu_before)
+                                    / (time.monotonic() - started))
     return record
 
 
@@ -305,9 +311,13 @@ def format_row(row: dict, repeats: int) -> str:
 
 def format_cpu_and_steal(result: dict) -> str:
     """Each server's CPU seconds and the host's steal over its load, round by round."""
-    def per_side(key: str) -> str:
-        return " | ".join(f"{side} {' / '.join(f'{v:.1f}' for v in result[key][side])}" for side in ("pdserve", "vllm"))
-    return f"server CPU s: {per_side('server_cpu_s')}; host steal s: {per_side('host_steal_s')}"
+    def per_side(key: str, spec: str = ".1f") -> str:
+        return " | ".join(f"{side} {' / '.join(format(v, spec) for v in result[key][side])}"
+                          for side in ("pdserve", "vllm"))
+    line = f"server CPU s: {per_side('server_cpu_s')}; host steal s: {per_side('host_steal_s')}"
+    if "idle_cpu_cores" in result:
+        line += f"; idle, cores busy: {per_side('idle_cpu_cores', '.2f')}"
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -363,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="every request's (0: greedy); above 0 each server samples with its own sampler")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--idle-seconds", type=float, default=0.0,
+                        help="after each server's load, measure the cores it keeps busy with nothing "
+                             "arriving over this many seconds (0: not measured)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds of both servers, the order alternating; medians reported")
     parser.add_argument("--lora-rank", type=int, default=0,
@@ -371,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1; got {args.repeats}")
+    if args.idle_seconds < 0:
+        parser.error(f"--idle-seconds must be 0 or more; got {args.idle_seconds}")
     try:
         kv_bytes = parse_memory_size(args.kv_cache_memory)
     except ValueError as e:
@@ -415,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
               "vllm_preload": preload,
               **{key: {side: [r[side][key] for r in rounds] for side in ("pdserve", "vllm")}
                  for key in ("host_steal_s", "server_cpu_s")}}
+    if args.idle_seconds > 0:
+        result["idle_cpu_cores"] = {side: [r[side]["idle_cpu_cores"] for r in rounds] for side in ("pdserve", "vllm")}
     for row in rows:
         print(format_row(row, args.repeats))
     print(format_cpu_and_steal(result))

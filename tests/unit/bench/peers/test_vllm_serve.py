@@ -50,6 +50,14 @@ def test_repeats_below_one_are_refused(capsys):
     assert "--repeats must be at least 1" in capsys.readouterr().err
 
 
+def test_a_negative_idle_window_is_refused(capsys):
+    from bench.peers.vllm_serve import main
+    with pytest.raises(SystemExit) as stopped:
+        main(["--idle-seconds", "-1"])
+    assert stopped.value.code == 2
+    assert "--idle-seconds must be 0 or more" in capsys.readouterr().err
+
+
 def test_the_client_sends_the_temperature_given_and_bench_serve_takes_its_flags(tmp_path):
     args = argparse.Namespace(random_input_len=256, random_output_len=64, random_range_ratio=0.5, num_prompts=8,
                               request_rate="1,2", seed=3, temperature=0.8, workload="random")
@@ -176,7 +184,7 @@ def test_a_multi_turn_run_with_failed_turns_is_counted_and_one_without_a_record_
 
     from bench.peers import vllm_serve
     args = argparse.Namespace(num_conversations=2, turns=2, think_time=0.0, temperature=0.0, workload="multi-turn",
-                              lora_path=None, max_concurrency=[1, 4], seed=0)
+                              lora_path=None, max_concurrency=[1, 4], seed=0, idle_seconds=0.0)
     record = _turn_record([300.0, 60.0], cached=40, completed=2)
     record["metrics"]["failed"] = 1
     calls = []
@@ -196,12 +204,12 @@ def test_a_multi_turn_run_with_failed_turns_is_counted_and_one_without_a_record_
     assert (run["max_concurrency"], run["failed"], run["completed"]) == (1, 1, 4)
 
 
-def test_each_client_record_carries_the_host_steal_and_the_servers_cpu_over_its_load(monkeypatch, tmp_path):
+def test_a_client_record_carries_the_steal_and_the_servers_cpu_under_load_and_idle(monkeypatch, tmp_path):
     import subprocess
     import sys
 
     from bench.peers import vllm_serve
-    readings = iter([10.0, 10.75])
+    readings = iter([10.0, 10.75, 11.0, 11.0])
     monkeypatch.setattr(vllm_serve, "host_steal_seconds", lambda: next(readings))
     # The "server": a real child that spins, and one that sleeps, while the stub load runs.
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -216,8 +224,10 @@ def test_each_client_record_carries_the_host_steal_and_the_servers_cpu_over_its_
 
     monkeypatch.setattr(vllm_serve, "_run_client", load)
     try:
-        record = vllm_serve.run_client("http://127.0.0.1:1", argparse.Namespace(), tmp_path / "out.json",
-                                       [spinner.pid, sleeper.pid])
+        record = vllm_serve.run_client("http://127.0.0.1:1", argparse.Namespace(idle_seconds=1.0),
+                                       tmp_path / "out.json", [spinner.pid, sleeper.pid])
+        quiet = vllm_serve.run_client("http://127.0.0.1:1", argparse.Namespace(idle_seconds=1.0),
+                                      tmp_path / "out.json", [sleeper.pid])
     finally:
         spinner.kill()
         sleeper.kill()
@@ -227,6 +237,9 @@ def test_each_client_record_carries_the_host_steal_and_the_servers_cpu_over_its_
     # One spinning thread over a 1 s load: up to a second of CPU (less where the loaded host
     # starves it), never more; the sleeper adds nothing.
     assert 0.1 <= record["server_cpu_s"] <= load_wall_s + 0.1
+    # Left alone afterwards, the spinner keeps a core busy (up to one), the sleeper none.
+    assert 0.1 <= record["idle_cpu_cores"] <= 1.1
+    assert quiet["server_cpu_s"] < 0.05 and quiet["idle_cpu_cores"] < 0.05
 
 
 def test_the_summary_line_gives_each_sides_cpu_and_steal_round_by_round():
@@ -235,3 +248,7 @@ def test_the_summary_line_gives_each_sides_cpu_and_steal_round_by_round():
                                  "host_steal_s": {"pdserve": [0.51, 0.5], "vllm": [1.26, 2.39]}})
     assert line == ("server CPU s: pdserve 44.7 / 44.3 | vllm 84.1 / 84.4; "
                     "host steal s: pdserve 0.5 / 0.5 | vllm 1.3 / 2.4")
+    idle = format_cpu_and_steal({"server_cpu_s": {"pdserve": [1.0], "vllm": [2.0]},
+                                 "host_steal_s": {"pdserve": [0.0], "vllm": [0.0]},
+                                 "idle_cpu_cores": {"pdserve": [0.012], "vllm": [0.31]}})
+    assert idle.endswith("; idle, cores busy: pdserve 0.01 | vllm 0.31")
