@@ -128,16 +128,17 @@ def run_client(base_url: str, args: argparse.Namespace, json_path: Path, server_
     `server_pids` and their descendants: threads that spin between steps keep their vCPUs
     busy, and only a busy vCPU gathers steal). With `args.idle_seconds`, also the cores the
     server keeps busy once the load is over and nothing arrives (`idle_cpu_cores`)."""
-    steal_before = host_steal_seconds()
-    cpu_before = sum(tree_cpu_seconds(pid) for pid in server_pids)
+    def server_cpu_s() -> float:
+        return sum(tree_cpu_seconds(pid) for pid in server_pids)
+
+    steal_before, cpu_before = host_steal_seconds(), server_cpu_s()
     record = _run_client(base_url, args, json_path)
-    record["server_cpu_s"] = sum(tree_cpu_seconds(pid) for pid in server_pids) - cpu_before
+    record["server_cpu_s"] = server_cpu_s() - cpu_before
     record["host_steal_s"] = host_steal_seconds() - steal_before
     if args.idle_seconds > 0:
-        cpu_before, started = sum(tree_cpu_seconds(pid) for pid in server_pids), time.monotonic()
+        cpu_before, started = server_cpu_s(), time.monotonic()
         time.sleep(args.idle_seconds)  # the window measured: the server left alone, as between bursts
-        record["idle_cpu_cores"] = ((sum(tree_cpu_seconds(pid) for pid in server_pids) - cpu_before)
-                                    / (time.monotonic() - started))
+        record["idle_cpu_cores"] = (server_cpu_s() - cpu_before) / (time.monotonic() - started)
     return record
 
 
