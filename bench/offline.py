@@ -30,7 +30,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from bench.peers.proc_cpu import host_steal_seconds, tree_cpu_seconds, tree_wakeups_per_s, wait_until_quiet
+from bench.peers.proc_cpu import cpu_and_steal, tree_wakeups_per_s, wait_until_quiet
 from bench.peers.proc_memory import tree_memory
 from common.engine.config import KV_CACHE_DTYPE_NAMES
 
@@ -341,10 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         ours_seconds, vllm_seconds, quiet_waits = [], [], []
         # The host's steal over each timed run (a VM's cores taken elsewhere): the runs'
         # spread between minutes is mostly the host's, and it need not fall on both sides alike.
+        # Beside it each side's own CPU seconds (every thread of its processes).
         ours_steal_s, vllm_steal_s = [], []
-        # Each side's own CPU seconds over its runs (every thread of its processes): a run
-        # whose threads spin between steps keeps its vCPUs runnable, and only a runnable
-        # vCPU gathers steal.
         ours_cpu_s, vllm_cpu_s = [], []
         ours_exclude_pids = (peer.pid,) if peer is not None else ()
         ours_step_times: list[dict] = []
@@ -370,12 +368,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.step_times:
                 llm.engine.step_observer = step_times
             try:
-                with ours_side():
-                    steal_before = host_steal_seconds()
-                    cpu_before = tree_cpu_seconds(os.getpid(), ours_exclude_pids)
+                with ours_side(), cpu_and_steal([os.getpid()], ours_exclude_pids) as reading:
                     ours_seconds.append(run_ours(llm, workload, args.temperature, args.logprobs)[0])
-                    ours_cpu_s.append(tree_cpu_seconds(os.getpid(), ours_exclude_pids) - cpu_before)
-                    ours_steal_s.append(host_steal_seconds() - steal_before)
+                ours_cpu_s.append(reading["cpu_s"])
+                ours_steal_s.append(reading["steal_s"])
             finally:
                 llm.engine.step_observer = None
             if args.step_times:
@@ -383,11 +379,10 @@ def main(argv: list[str] | None = None) -> int:
 
         def vllm_run():
             let_settle("vllm")
-            steal_before = host_steal_seconds()
-            cpu_before = tree_cpu_seconds(peer.pid)
-            answer = peer.call("mixed", timeout_s=1800)
-            vllm_cpu_s.append(tree_cpu_seconds(peer.pid) - cpu_before)
-            vllm_steal_s.append(host_steal_seconds() - steal_before)
+            with cpu_and_steal([peer.pid]) as reading:
+                answer = peer.call("mixed", timeout_s=1800)
+            vllm_cpu_s.append(reading["cpu_s"])
+            vllm_steal_s.append(reading["steal_s"])
             assert answer["num_output_tokens"] == num_tokens, answer
             vllm_seconds.append(answer["seconds"])
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 
 from bench.peers.proc_memory import tree_pids
 
@@ -41,6 +42,23 @@ def host_steal_seconds(stat_text: str | None = None) -> float:
         raise ValueError(f"not /proc/stat's first line: {stat_text[:40]!r}")
     # user nice system idle iowait irq softirq steal ...; kernels before 2.6.11 lack steal
     return int(fields[8]) / _TICKS_PER_S if len(fields) > 8 else 0.0
+
+
+@contextmanager
+def cpu_and_steal(pids: Sequence[int], exclude_pids: Collection[int] = ()) -> Iterator[dict[str, float]]:
+    """Over the block: the CPU seconds of the process trees of `pids` (less the subtrees in
+    `exclude_pids`), the host's steal and the wall time, in the dict yielded ("cpu_s",
+    "steal_s", "wall_s"), filled as the block ends. Threads that spin keep their vCPUs
+    runnable, and only a runnable vCPU gathers steal: the two read together tell spinning
+    from work."""
+    def cpu_s() -> float:
+        return sum(tree_cpu_seconds(pid, exclude_pids) for pid in pids)
+
+    reading: dict[str, float] = {}
+    steal_before, cpu_before, started = host_steal_seconds(), cpu_s(), time.monotonic()
+    yield reading
+    reading.update(cpu_s=cpu_s() - cpu_before, steal_s=host_steal_seconds() - steal_before,
+                   wall_s=time.monotonic() - started)
 
 
 def tree_wakeups_per_s(pid: int, exclude_pids: Collection[int] = (), window_s: float = 2.0) -> dict[str, float]:

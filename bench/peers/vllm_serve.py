@@ -40,7 +40,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.peers.proc_cpu import host_steal_seconds, tree_cpu_seconds
+from bench.peers.proc_cpu import cpu_and_steal
 from bench.peers.vllm_peer import cpu_env, preload_choice, vllm_python
 from common.engine.config import KV_CACHE_DTYPE_NAMES, parse_memory_size
 
@@ -128,17 +128,13 @@ def run_client(base_url: str, args: argparse.Namespace, json_path: Path, server_
     `server_pids` and their descendants: threads that spin between steps keep their vCPUs
     busy, and only a busy vCPU gathers steal). With `args.idle_seconds`, also the cores the
     server keeps busy once the load is over and nothing arrives (`idle_cpu_cores`)."""
-    def server_cpu_s() -> float:
-        return sum(tree_cpu_seconds(pid) for pid in server_pids)
-
-    steal_before, cpu_before = host_steal_seconds(), server_cpu_s()
-    record = _run_client(base_url, args, json_path)
-    record["server_cpu_s"] = server_cpu_s() - cpu_before
-    record["host_steal_s"] = host_steal_seconds() - steal_before
+    with cpu_and_steal(server_pids) as load:
+        record = _run_client(base_url, args, json_path)
+    record["server_cpu_s"], record["host_steal_s"] = load["cpu_s"], load["steal_s"]
     if args.idle_seconds > 0:
-        cpu_before, started = server_cpu_s(), time.monotonic()
-        time.sleep(args.idle_seconds)  # the window measured: the server left alone, as between bursts
-        record["idle_cpu_cores"] = (server_cpu_s() - cpu_before) / (time.monotonic() - started)
+        with cpu_and_steal(server_pids) as idle:
+            time.sleep(args.idle_seconds)  # the window measured: the server left alone, as between bursts
+        record["idle_cpu_cores"] = idle["cpu_s"] / idle["wall_s"]
     return record
 
 
@@ -428,11 +424,10 @@ def main(argv: list[str] | None = None) -> int:
                            "pdserve": ours, "vllm": peer})
     rows = median_rows([r["comparison"] for r in rounds])
     result = {"cpu": cpu_model_name(), "config": vars(args), "comparison": rows, "rounds": rounds,
-              "vllm_preload": preload,
-              **{key: {side: [r[side][key] for r in rounds] for side in ("pdserve", "vllm")}
-                 for key in ("host_steal_s", "server_cpu_s")}}
-    if args.idle_seconds > 0:
-        result["idle_cpu_cores"] = {side: [r[side]["idle_cpu_cores"] for r in rounds] for side in ("pdserve", "vllm")}
+              "vllm_preload": preload}
+    # Each side's readings round by round, beside the rounds themselves.
+    for key in ("host_steal_s", "server_cpu_s", *(("idle_cpu_cores",) if args.idle_seconds > 0 else ())):
+        result[key] = {side: [r[side][key] for r in rounds] for side in ("pdserve", "vllm")}
     for row in rows:
         print(format_row(row, args.repeats))
     print(format_cpu_and_steal(result))

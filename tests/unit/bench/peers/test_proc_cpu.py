@@ -109,3 +109,17 @@ def test_host_steal_is_the_eighth_figure_of_proc_stats_cpu_line_in_seconds():
         host_steal_seconds("intr 12345 0 0")
     before = host_steal_seconds()
     assert 0.0 <= before <= host_steal_seconds()
+
+
+def test_cpu_and_steal_reads_a_spinning_tree_over_its_block_and_leaves_out_what_is_excluded(spinner):
+    from bench.peers.proc_cpu import cpu_and_steal
+    parent = os.getpid()
+    with cpu_and_steal([spinner.pid]) as spinning, cpu_and_steal([parent], [spinner.pid]) as waiting:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert spinning["wall_s"] >= 1.0 and waiting["wall_s"] >= 1.0
+    # One spinning thread: up to its block's wall time (less where the host starves it).
+    assert 0.1 <= spinning["cpu_s"] <= spinning["wall_s"] + 0.05
+    assert waiting["cpu_s"] < 0.1  # this process slept; its spinning child is left out
+    assert spinning["steal_s"] >= 0.0 and waiting["steal_s"] >= 0.0

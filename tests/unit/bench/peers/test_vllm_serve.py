@@ -3,6 +3,7 @@ the client's load, sampling temperature included, the same for both servers."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import pytest
@@ -209,8 +210,9 @@ def test_a_client_record_carries_the_steal_and_the_servers_cpu_under_load_and_id
     import sys
 
     from bench.peers import vllm_serve
-    readings = iter([10.0, 10.75, 11.0, 11.0])
-    monkeypatch.setattr(vllm_serve, "host_steal_seconds", lambda: next(readings))
+    from bench.peers import proc_cpu
+    readings = itertools.chain([10.0, 10.75], itertools.repeat(11.0))  # the load's steal, then none
+    monkeypatch.setattr(proc_cpu, "host_steal_seconds", lambda: next(readings))
     # The "server": a real child that spins, and one that sleeps, while the stub load runs.
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
