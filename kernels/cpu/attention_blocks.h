@@ -238,6 +238,71 @@ inline void transposed_scores(const float* q_rows, int64_t num_rows, const T* k_
   }
 }
 
+// The whole-rows fp32 form's scores go a span of keys at a time: kSpanRows rows by kSpanVecs
+// Vecs of keys of accumulators, with the span's K^T loads and a broadcast q, fit the registers
+// (24 + 4 + 1 of AVX-512's 32; 12 + 2 + 1 of AVX2's 16). Each q broadcast then serves
+// kSpanVecs FMAs and each K^T load kSpanRows of them (AVX-512: 10 loads to 24 FMAs, AVX2: 8 to
+// 12, where transposed_scores' 4 rows by one Vec take 10 loads to 8).
+constexpr int64_t kSpanVecs = kLanes == 16 ? 4 : 2;
+constexpr int64_t kSpanRows = 6;
+constexpr int64_t kSpanKeys = kSpanVecs * kLanes;  // 64 keys on AVX-512, 16 on AVX2
+
+// K^T of the span's keys [key0, key0 + kSpanKeys) into k_t [kHeadDim, kSpanKeys]: key j's row
+// from block_rows(b) (block b's first row, the key's block; null past the last block), zeros
+// for keys outside [lo, hi) or past the last block, so every lane of the span scores finite.
+template <int64_t kHeadDim, typename BlockRows>
+inline void span_keys_transposed(BlockRows&& block_rows, int64_t k_pos_stride, int64_t block_size, int64_t key0,
+                                 int64_t lo, int64_t hi, float* k_t) {
+  static_assert(kHeadDim % kLanes == 0);
+  for (int64_t c = 0; c < kSpanKeys; c += kLanes) {  // blocks hold whole Vecs of keys (block_size % 16 == 0)
+    const int64_t key = key0 + c, b = key / block_size, block_start = b * block_size;
+    const float* rows = block_rows(b);
+    // Block-relative; an empty range where the block is past the last or outside [lo, hi).
+    const int64_t keys_begin = rows == nullptr ? 0 : std::max(lo, block_start) - block_start;
+    const int64_t keys_end =
+        rows == nullptr ? 0 : std::max(keys_begin, std::min(hi, block_start + block_size) - block_start);
+#if defined(PDSERVE_TRANSPOSE16) || defined(PDSERVE_TRANSPOSE8)
+    for (int64_t d0 = 0; d0 < kHeadDim; d0 += kLanes)
+      transpose_key_floats(rows == nullptr ? nullptr : rows + d0, k_pos_stride, key - block_start, keys_begin, keys_end,
+                           k_t + d0 * kSpanKeys + c, kSpanKeys);
+#else
+    for (int64_t i = 0; i < kLanes; ++i) {
+      const int64_t j = key - block_start + i;
+      const bool visible = j >= keys_begin && j < keys_end;
+      for (int64_t d = 0; d < kHeadDim; ++d) k_t[d * kSpanKeys + c + i] = visible ? rows[j * k_pos_stride + d] : 0.f;
+    }
+#endif
+  }
+}
+
+// scores[r * score_stride + c] = q_r . k_t[:, c] for R rows and the span's kSpanKeys columns
+// (k_t [kHeadDim, kSpanKeys], span_keys_transposed's); q_rows [R, kHeadDim].
+template <int64_t kHeadDim, int64_t R>
+inline void span_scores(const float* q_rows, const float* k_t, float* scores, int64_t score_stride) {
+  Vec acc[R][kSpanVecs];
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int64_t n = 0; n < kSpanVecs; ++n) acc[r][n] = Vec{};
+  for (int64_t d = 0; d < kHeadDim; ++d) {
+    Vec k[kSpanVecs];
+#pragma GCC unroll 16
+    for (int64_t n = 0; n < kSpanVecs; ++n) k[n] = load_vec(k_t + d * kSpanKeys + n * kLanes);
+#pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r) {
+      const float q = q_rows[r * kHeadDim + d];
+#pragma GCC unroll 16
+      for (int64_t n = 0; n < kSpanVecs; ++n) acc[r][n] += q * k[n];
+    }
+  }
+  // Each Vec stored by value: a memcpy from acc[r] takes the array's address, and GCC 12 then
+  // keeps every accumulator on the stack (AVX2), loaded and stored at each step of d.
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int64_t n = 0; n < kSpanVecs; ++n) store_vec(scores + r * score_stride + n * kLanes, acc[r][n]);
+}
+
 // R rows' acc_r = sum_j p_r[j] v_j over keys [begin, end) (relative to key `base`, p_r[j]
 // at p_rows + r * p_stride + j), each key's V row found in its cache block (v_blocks[b]:
 // block b's first row, b counted from base's block), the accumulators held in registers

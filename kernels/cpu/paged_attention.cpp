@@ -111,6 +111,12 @@ struct Problem {
   // offset of its pairs in paired_kv, or -1 where it has none.
   const uint32_t* paired_kv = nullptr;
   const int64_t* paired_offsets = nullptr;
+  // Keys transposed and values laid in one run once for the fp32 whole-rows form
+  // (transpose_prompt_keys), per sequence and kv head: the float offsets of its spans' K^T and
+  // of its values in `prepared`, or -1 where it has none.
+  const float* prepared = nullptr;
+  const int64_t* keys_t_offsets = nullptr;
+  const int64_t* values_offsets = nullptr;
 };
 
 // Rows [0, num_rows) in groups of kGroup rows, then the rest (fewer than kGroup) as one
@@ -247,6 +253,35 @@ inline std::pair<const T*, int64_t> block_rows(const C* rows, int64_t pos_stride
       widen_fp8<C>(reinterpret_cast<const uint8_t*>(rows + j * pos_stride), buffer + j * head_dim, head_dim);
     return {buffer, head_dim};
   }
+}
+
+// A sequence whose whole-rows items read keys prepared once a call (pair_prompt_keys,
+// transpose_prompt_keys).
+struct PromptSequence {
+  int64_t seq, seq_len;
+};
+
+// The call's sequences whose query tokens make several whole-rows items (prompts and their
+// chunks) of at most max_scores scores, each kv head's keys laid out once in one buffer of
+// units_per_head(seq_len) units a head: offsets[seq * num_kv_heads + head] its first unit,
+// -1 for the other sequences, whose items prepare their own. Returns the units in all.
+template <typename UnitsPerHead>
+int64_t prompt_sequences(const Problem& pr, const int32_t* seq_lens, const int32_t* query_starts, int64_t num_seqs,
+                         int64_t max_scores, UnitsPerHead&& units_per_head, std::vector<PromptSequence>& seqs,
+                         std::vector<int64_t>& offsets) {
+  offsets.assign(num_seqs * pr.num_kv_heads, -1);
+  int64_t num_units = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t query_len = query_starts[i + 1] - query_starts[i], seq_len = seq_lens[i];
+    const int64_t max_keys = (seq_len + pr.block_size - 1) / pr.block_size * pr.block_size;
+    if (query_len <= kQueryTile || kQueryTile * pr.group * max_keys > max_scores) continue;
+    seqs.push_back({i, seq_len});
+    for (int64_t head = 0; head < pr.num_kv_heads; ++head) {
+      offsets[i * pr.num_kv_heads + head] = num_units;
+      num_units += units_per_head(seq_len);
+    }
+  }
+  return num_units;
 }
 
 #ifdef PDSERVE_BF16_DOT
@@ -392,11 +427,6 @@ void attend_whole_rows(const Problem& pr, const WorkItem& item, int64_t kv_head,
   }
 }
 
-// A sequence whose whole-rows items read keys paired once (pair_prompt_keys).
-struct PairedSequence {
-  int64_t seq, seq_len;
-};
-
 // Groups of 16 keys paired for a sequence: its blocks' keys, whole (the whole-rows form
 // reads every key of each block it touches).
 inline int64_t num_paired_groups(const Problem& pr, int64_t seq_len) {
@@ -411,7 +441,7 @@ inline int64_t num_paired_groups(const Problem& pr, int64_t seq_len) {
 // nothing. offsets[seq * num_kv_heads + head]: where in out (64-byte aligned) that
 // sequence's head starts, kPairedGroupWords a group of 16 keys.
 template <int64_t kHeadDim, typename C>
-void pair_prompt_keys(const Problem& pr, const std::vector<PairedSequence>& seqs, const int64_t* offsets,
+void pair_prompt_keys(const Problem& pr, const std::vector<PromptSequence>& seqs, const int64_t* offsets,
                       uint32_t* out) {
   std::vector<int64_t> first_task(seqs.size() + 1, 0);  // tasks: (sequence, kv head, group of 16 keys)
   for (size_t i = 0; i < seqs.size(); ++i)
@@ -443,16 +473,69 @@ void pair_prompt_keys(const Problem& pr, const std::vector<PairedSequence>& seqs
 }
 #endif
 
+// Spans (kSpanKeys keys, span_keys_transposed's K^T) over a sequence's blocks, whole: as many
+// as the columns of its items' scores from key 0 (attend_whole_rows_fp32).
+inline int64_t num_key_spans(const Problem& pr, int64_t seq_len) {
+  const int64_t num_keys = (seq_len + pr.block_size - 1) / pr.block_size * pr.block_size;
+  return (num_keys + kSpanKeys - 1) / kSpanKeys;
+}
+
+// Every span of each sequence's keys, per kv head, transposed once a call for the fp32
+// whole-rows form, and the span's values copied into one run of rows: each of a prompt's items
+// (one per 16 query tokens) would otherwise transpose again every key it sees (a 4,096-token
+// prompt: each key ~128 times), and its P.V would read each key's V row where the cache keeps
+// it, kv heads interleaved and blocks anywhere, which the prefetchers do not follow. Keys past
+// seq_len are zeros. keys_t_offsets / values_offsets[seq * num_kv_heads + head]: where in out
+// that sequence's head has its spans' K^T (kHeadDim * kSpanKeys floats a span) and its values
+// [num_spans * kSpanKeys, kHeadDim], each on a 64-byte line.
+template <int64_t kHeadDim>
+void transpose_prompt_keys(const Problem& pr, const std::vector<PromptSequence>& seqs, const int64_t* keys_t_offsets,
+                           const int64_t* values_offsets, float* out) {
+  std::vector<int64_t> first_task(seqs.size() + 1, 0);  // tasks: (sequence, kv head, span)
+  for (size_t i = 0; i < seqs.size(); ++i)
+    first_task[i + 1] = first_task[i] + pr.num_kv_heads * num_key_spans(pr, seqs[i].seq_len);
+  at::parallel_for(0, first_task.back(), 4, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+      const auto [seq, seq_len] = seqs[i];
+      const int64_t num_spans = num_key_spans(pr, seq_len);
+      const int64_t head = (task - first_task[i]) / num_spans, span = (task - first_task[i]) % num_spans;
+      const float* k_head = static_cast<const float*>(pr.k) + head * pr.k_head_stride;
+      const float* v_head = static_cast<const float*>(pr.v) + head * pr.v_head_stride;
+      const int64_t last_b = (seq_len - 1) / pr.block_size;
+      auto block_id = [&](int64_t b) { return item_block_id(pr, WorkItem{seq, 0, 0, 0}, b); };
+      auto block_k_rows = [&](int64_t b) -> const float* {
+        return b <= last_b ? k_head + block_id(b) * pr.k_block_stride : nullptr;
+      };
+      span_keys_transposed<kHeadDim>(block_k_rows, pr.k_pos_stride, pr.block_size, span * kSpanKeys, 0, seq_len,
+                                     out + keys_t_offsets[seq * pr.num_kv_heads + head] + span * kHeadDim * kSpanKeys);
+      float* values = out + values_offsets[seq * pr.num_kv_heads + head] + span * kSpanKeys * kHeadDim;
+      for (int64_t key = span * kSpanKeys; key < (span + 1) * kSpanKeys; ++key, values += kHeadDim) {
+        if (key < seq_len) {
+          const int64_t b = key / pr.block_size;
+          std::memcpy(values, v_head + block_id(b) * pr.v_block_stride + (key - b * pr.block_size) * pr.v_pos_stride,
+                      kHeadDim * sizeof(float));
+        } else {
+          std::fill(values, values + kHeadDim, 0.f);
+        }
+      }
+    }
+  });
+}
+
 // An fp32 item's rows against all their keys at once, as attend_whole_rows does for bf16:
-// every key's scores (K^T per block, transposed_scores), one softmax per row over all the
+// every key's scores (a span of K^T at a time, span_scores), one softmax per row over all the
 // keys it sees, then P.V with each group of rows' accumulators held in registers across
 // every block (whole_rows_accumulate), where the block-by-block form rescales and reloads
 // them per block. One SmolLM2 layer's attention over a prompt of 512 / 1,024 / 2,048 /
 // 4,096 / 8,192 tokens, 2 threads of the Zen 4 EPYC, medians: 2.7-3.1 / 10.3-10.7 / 39.5 /
 // 156 / 587 ms -> 1.9-2.0 / 7.5 / 28.1-28.5 / 110-118 / 503 ms (scores capped at 48 x 4,096
-// there: 592). Scores of rows x keys up to kWholeRowsMaxScoresFp32 (3 MiB a thread, as the
-// bf16 vector form's). Fills acc [num_rows, kHeadDim] and row_sums [num_rows, kLanes] for
-// attend_item's last step. An fp32 cache only.
+// there: 592). Then (the Zen 5 EPYC, 1,024 / 4,096 tokens) K^T in spans and each prompt's keys
+// transposed and values laid in one run once a call (transpose_prompt_keys): 3.70 / 60.5 ->
+// 3.24 / 47.8 ms; built for AVX2 there, 4,096 tokens 120 -> 113 ms. Scores of rows x keys up
+// to kWholeRowsMaxScoresFp32 (3 MiB a thread, as the bf16 vector form's). Fills acc
+// [num_rows, kHeadDim] and row_sums [num_rows, kLanes] for attend_item's last step. An fp32
+// cache only.
 constexpr int64_t kWholeRowsMaxScoresFp32 = 48 * 16384;
 
 // Both fp32 whole-rows forms' softmax: each row's scores [num_rows, stride] (column c: key
@@ -478,32 +561,55 @@ void attend_whole_rows_fp32(const Problem& pr, const WorkItem& item, int64_t kv_
   constexpr int64_t kNumVec = kHeadDim / kLanes;
   const int64_t block_size = pr.block_size;
   const int64_t first_b = lo / block_size, last_b = (hi - 1) / block_size;
-  const int64_t base = first_b * block_size;                  // the key of column 0
-  const int64_t num_keys = (last_b + 1) * block_size - base;  // columns, whole blocks
-  const int64_t k_t_stride = (block_size + kLanes - 1) / kLanes * kLanes;
-  // scores [num_rows, num_keys], then the probabilities; k_t [kHeadDim, k_t_stride]: one
-  // block's K^T. A buffer of this thread's beside attend_item's scratch, whose buffers are in use.
+  const int64_t base = first_b * block_size;  // the key of column 0
+  // Columns: whole spans of keys (span_scores' width) over the item's whole blocks; those
+  // past the last block score zeros, which the softmax leaves out with every key outside a row's.
+  const int64_t score_stride = ((last_b + 1) * block_size - base + kSpanKeys - 1) / kSpanKeys * kSpanKeys;
+  // scores [num_rows, score_stride], then the probabilities; k_t [kHeadDim, kSpanKeys]: one
+  // span's K^T. A buffer of this thread's beside attend_item's scratch, whose buffers are in use.
   thread_local std::vector<float> buffer;
-  thread_local std::vector<const float*> v_blocks;  // [last_b - first_b + 1]: each block's first V row
-  const ScratchLayout layout(buffer, {num_rows * num_keys, kHeadDim * k_t_stride});
+  thread_local std::vector<const float*> k_blocks, v_blocks;  // [last_b - first_b + 1]: each block's first row
+  const ScratchLayout layout(buffer, {num_rows * score_stride, kHeadDim * kSpanKeys});
   float* scores = layout[0];
   float* k_t = layout[1];
+  k_blocks.resize(last_b - first_b + 1);
   v_blocks.resize(last_b - first_b + 1);
-  const float* k_head = static_cast<const float*>(pr.k) + kv_head * pr.k_head_stride;
-  const float* v_head = static_cast<const float*>(pr.v) + kv_head * pr.v_head_stride;
-  for (int64_t b = first_b; b <= last_b; ++b) {
-    const int64_t block_id = item_block_id(pr, item, b);
-    const int64_t block_start = b * block_size;
-    const int64_t keys_begin = std::max(lo, block_start) - block_start;
-    const int64_t keys_end = std::min(hi, block_start + block_size) - block_start;
-    transposed_scores<kHeadDim>(q_rows, num_rows, k_head + block_id * pr.k_block_stride, pr.k_pos_stride, keys_begin,
-                                keys_end, num_keys, k_t, k_t_stride, scores + (block_start - base));
-    v_blocks[b - first_b] = v_head + block_id * pr.v_block_stride;
+  // The sequence's spans transposed and values laid out once this call (transpose_prompts),
+  // where this item's columns start on a span; keys they hold outside [lo, hi) score, and the
+  // softmax leaves them out. Else the cache's own rows, K transposed a span at a time here.
+  const int64_t head_index = item.seq * pr.num_kv_heads + kv_head;
+  const bool prepared = pr.keys_t_offsets != nullptr && pr.keys_t_offsets[head_index] >= 0 && base % kSpanKeys == 0;
+  const float* spans_t = nullptr;  // the item's first span's K^T, then the next ones'
+  int64_t v_pos_stride = pr.v_pos_stride;
+  if (prepared) {
+    spans_t = pr.prepared + pr.keys_t_offsets[head_index] + base / kSpanKeys * kHeadDim * kSpanKeys;
+    const float* values = pr.prepared + pr.values_offsets[head_index];  // [num_spans * kSpanKeys, kHeadDim]
+    for (int64_t b = first_b; b <= last_b; ++b) v_blocks[b - first_b] = values + b * block_size * kHeadDim;
+    v_pos_stride = kHeadDim;
+  } else {
+    const float* k_head = static_cast<const float*>(pr.k) + kv_head * pr.k_head_stride;
+    const float* v_head = static_cast<const float*>(pr.v) + kv_head * pr.v_head_stride;
+    for (int64_t b = first_b; b <= last_b; ++b) {
+      const int64_t block_id = item_block_id(pr, item, b);
+      k_blocks[b - first_b] = k_head + block_id * pr.k_block_stride;
+      v_blocks[b - first_b] = v_head + block_id * pr.v_block_stride;
+    }
   }
-  whole_rows_softmax_fp32(pr, item, num_rows, lo, hi, base, scores, num_keys, row_sums, row_begin, row_end);
+  auto block_k_rows = [&](int64_t b) { return b <= last_b ? k_blocks[b - first_b] : nullptr; };
+  for (int64_t column = 0; column < score_stride; column += kSpanKeys) {
+    const float* span_t = k_t;
+    if (prepared)
+      span_t = spans_t + column * kHeadDim;
+    else
+      span_keys_transposed<kHeadDim>(block_k_rows, pr.k_pos_stride, block_size, base + column, lo, hi, k_t);
+    for_fixed_groups<kSpanRows>(num_rows, [&]<int64_t R>(int64_t r) {
+      span_scores<kHeadDim, R>(q_rows + r * kHeadDim, span_t, scores + r * score_stride + column, score_stride);
+    });
+  }
+  whole_rows_softmax_fp32(pr, item, num_rows, lo, hi, base, scores, score_stride, row_sums, row_begin, row_end);
   for_row_groups<kAccumRows>(num_rows, row_begin, row_end, [&]<int64_t R>(int64_t r, int64_t begin, int64_t end) {
-    whole_rows_accumulate<kNumVec, R>(acc + r * kHeadDim, kHeadDim, scores + r * num_keys, num_keys, v_blocks.data(),
-                                      pr.v_pos_stride, block_size, begin, end, [](int64_t) {});
+    whole_rows_accumulate<kNumVec, R>(acc + r * kHeadDim, kHeadDim, scores + r * score_stride, score_stride,
+                                      v_blocks.data(), v_pos_stride, block_size, begin, end, [](int64_t) {});
   });
 }
 
@@ -1203,20 +1309,11 @@ void merge_split_token(const Problem& pr, const SplitToken& split) {
 template <typename C>
 void pair_prompts(Problem& pr, const int32_t* seq_lens, const int32_t* query_starts, int64_t num_seqs, bool amx,
                   std::vector<int64_t>& offsets) {
-  std::vector<PairedSequence> seqs;
-  offsets.assign(num_seqs * pr.num_kv_heads, -1);
+  std::vector<PromptSequence> seqs;
   const int64_t group_words = 2 * (pr.head_dim / 2 * 16);  // kPairedGroupWords<head_dim>
-  int64_t num_words = 0;
-  for (int64_t i = 0; i < num_seqs; ++i) {
-    const int64_t query_len = query_starts[i + 1] - query_starts[i], seq_len = seq_lens[i];
-    const int64_t max_keys = (seq_len + pr.block_size - 1) / pr.block_size * pr.block_size;
-    if (query_len <= kQueryTile || kQueryTile * pr.group * max_keys > whole_rows_max_scores(amx)) continue;
-    seqs.push_back({i, seq_len});
-    for (int64_t head = 0; head < pr.num_kv_heads; ++head) {
-      offsets[i * pr.num_kv_heads + head] = num_words;
-      num_words += num_paired_groups(pr, seq_len) * group_words;
-    }
-  }
+  const int64_t num_words = prompt_sequences(
+      pr, seq_lens, query_starts, num_seqs, whole_rows_max_scores(amx),
+      [&](int64_t seq_len) { return num_paired_groups(pr, seq_len) * group_words; }, seqs, offsets);
   if (seqs.empty()) return;
   thread_local std::vector<uint32_t> buffer;  // kept: a fresh allocation faults its pages in each call
   buffer.resize(num_words + 16);
@@ -1237,6 +1334,42 @@ void pair_prompts(Problem& pr, const int32_t* seq_lens, const int32_t* query_sta
   pr.paired_offsets = offsets.data();
 }
 #endif
+
+// The fp32 sequences of the call whose query tokens make several whole-rows items get each
+// span of their keys transposed and their values laid in one run once (transpose_prompt_keys),
+// into this thread's buffer, which pr then points at; the others' items read the cache.
+inline void transpose_prompts(Problem& pr, const int32_t* seq_lens, const int32_t* query_starts, int64_t num_seqs,
+                              std::vector<int64_t>& keys_t_offsets, std::vector<int64_t>& values_offsets) {
+  std::vector<PromptSequence> seqs;
+  const int64_t span_floats = pr.head_dim * kSpanKeys;  // a span's K^T, or its values
+  const int64_t num_floats = prompt_sequences(
+      pr, seq_lens, query_starts, num_seqs, kWholeRowsMaxScoresFp32,
+      [&](int64_t seq_len) { return 2 * num_key_spans(pr, seq_len) * span_floats; }, seqs, keys_t_offsets);
+  if (seqs.empty()) return;
+  values_offsets.assign(keys_t_offsets.size(), -1);
+  for (const auto& [seq, seq_len] : seqs)
+    for (int64_t head = 0; head < pr.num_kv_heads; ++head)
+      values_offsets[seq * pr.num_kv_heads + head] =
+          keys_t_offsets[seq * pr.num_kv_heads + head] + num_key_spans(pr, seq_len) * span_floats;
+  thread_local std::vector<float> buffer;  // kept: a fresh allocation faults its pages in each call
+  buffer.resize(num_floats + 16);
+  float* out = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64 / sizeof(float);
+  switch (pr.head_dim) {
+#ifdef PDSERVE_ATTENTION_HD64
+    case 64: transpose_prompt_keys<64>(pr, seqs, keys_t_offsets.data(), values_offsets.data(), out); break;
+#endif
+#ifdef PDSERVE_ATTENTION_HD128
+    case 128: transpose_prompt_keys<128>(pr, seqs, keys_t_offsets.data(), values_offsets.data(), out); break;
+#endif
+#ifdef PDSERVE_ATTENTION_HD256
+    case 256: transpose_prompt_keys<256>(pr, seqs, keys_t_offsets.data(), values_offsets.data(), out); break;
+#endif
+    default: return;
+  }
+  pr.prepared = out;
+  pr.keys_t_offsets = keys_t_offsets.data();
+  pr.values_offsets = values_offsets.data();
+}
 
 // One call's work: its items (longest first in `order`), the decode tokens split over
 // their keys and their partial slots, what the items share, and the output.
@@ -1449,7 +1582,7 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
   CallPlan plan = plan_call(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
                             logit_softcap, at::get_num_threads());
   std::atomic<int64_t> next{0};
-  std::vector<int64_t> paired_offsets;
+  std::vector<int64_t> paired_offsets, values_offsets;  // pair_prompts' or transpose_prompts'
   with_dtypes(q.scalar_type(), k_cache.scalar_type(), [&](auto dtype_tag, auto cache_tag) {
     using T = decltype(dtype_tag);
     using C = decltype(cache_tag);
@@ -1465,6 +1598,10 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
                      block_tables.size(0), amx, paired_offsets);
       }
 #endif
+    if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>)
+      if (plan.problem.head_dim % kLanes == 0 && plan.problem.block_size % 16 == 0)
+        transpose_prompts(plan.problem, seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
+                          block_tables.size(0), paired_offsets, values_offsets);
     at::parallel_for(0, plan.num_workers, 1, [&](int64_t, int64_t) { claim_work<T, C>(plan, next); });
     for (const SplitToken& split : plan.splits) merge_split_token<T>(plan.problem, split);
   });

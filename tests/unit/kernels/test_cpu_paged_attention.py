@@ -110,21 +110,25 @@ def test_prefill_tiles_either_side_of_the_whole_rows_limit_match_reference(featu
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("context", [21, 100])
 @pytest.mark.parametrize("features", [dict(), dict(sliding_window=20), dict(logit_softcap=5.0)], ids=_ids)
 @pytest.mark.parametrize("geometry", [(3, 3, 16, 64), (2, 2, 32, 128), (3, 3, 32, 64), (2, 2, 16, 128), (2, 2, 32, 64),
-                                      (1, 3, 16, 128)], ids=lambda g: "kv{}x{}-bs{}-d{}".format(*g))
-def test_a_prompt_in_one_call_gives_the_bits_of_its_16_token_tiles_one_call_each(features, geometry):
-    # A call pairs once the keys of a sequence with several 16-token query tiles (bf16 with
-    # AVX512-BF16), where each tile of a short query pairs its own: the tiles' results must not
-    # change by a bit. The keys past each tile (written, not seen) and the slots past the
-    # sequence (garbage) are in the blocks the tiles read.
+                                      (1, 3, 16, 128), (1, 3, 128, 64)], ids=lambda g: "kv{}x{}-bs{}-d{}".format(*g))
+def test_a_prompt_in_one_call_gives_the_bits_of_its_16_token_tiles_one_call_each(features, geometry, context, dtype):
+    # A call prepares once the keys of a sequence with several 16-token query tiles (bf16 with
+    # AVX512-BF16 pairs them, fp32 transposes them in spans of 64 or 16 keys), where each tile
+    # of a short query prepares its own: the tiles' results must not change by a bit. The keys
+    # past each tile (written, not seen) and the slots past the sequence (garbage) are in the
+    # blocks the tiles read; with blocks of 128 keys a sequence of 145 has more whole-block
+    # spans (4) than its keys fill (3).
     num_kv_heads, ratio, block_size, head_dim = geometry
-    gen = torch.Generator().manual_seed(3 + head_dim)
-    context, query_len = 21, 45
+    gen = torch.Generator().manual_seed(3 + head_dim + context)
+    query_len = 45
     seq_len = context + query_len
-    k_cache, v_cache, block_tables, _, _ = make_paged([seq_len], block_size, gen, device="cpu", dtype=torch.bfloat16,
+    k_cache, v_cache, block_tables, _, _ = make_paged([seq_len], block_size, gen, device="cpu", dtype=dtype,
                                                       num_kv_heads=num_kv_heads, head_dim=head_dim)
-    q = torch.randn(query_len, num_kv_heads * ratio, head_dim, generator=gen).to(torch.bfloat16)
+    q = torch.randn(query_len, num_kv_heads * ratio, head_dim, generator=gen).to(dtype)
 
     def attend(first, last):  # query tokens [first, last) of the prompt, in one call
         return prefill_attention(q[first:last], k_cache, v_cache, block_tables,
@@ -137,7 +141,7 @@ def test_a_prompt_in_one_call_gives_the_bits_of_its_16_token_tiles_one_call_each
     assert torch.equal(whole, tiles)
     ref = prefill_attention(q, k_cache, v_cache, block_tables, torch.tensor([0, query_len], dtype=torch.int32),
                             torch.tensor([seq_len], dtype=torch.int32), head_dim ** -0.5, backend="torch", **features)
-    assert rel_err(whole, ref) < TOLERANCE[torch.bfloat16]
+    assert rel_err(whole, ref) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
