@@ -45,16 +45,17 @@ DTYPES = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch
 
 
 def paged_cache(seq_lens: list[int], dtype: torch.dtype, gen: torch.Generator,
-                cache_dtype: torch.dtype | None = None):
-    """Random K/V cache (in cache_dtype, default dtype) with 25% spare blocks and shuffled
-    block tables covering seq_lens."""
+                cache_dtype: torch.dtype | None = None, consecutive: bool = False):
+    """Random K/V cache (in cache_dtype, default dtype) with 25% spare blocks and block tables
+    covering seq_lens: shuffled, or each sequence's blocks consecutive (as the engine's pool
+    hands out a prompt's blocks)."""
     blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) * 5 // 4 + 1
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     # [num_blocks, block_size, kv_heads, head_dim]
     k_cache = to_cache_dtype(torch.randn(shape, generator=gen).to(dtype), cache_dtype or dtype)
     v_cache = to_cache_dtype(torch.randn(shape, generator=gen).to(dtype), cache_dtype or dtype)
-    perm = torch.randperm(num_blocks, generator=gen)
+    perm = torch.arange(num_blocks) if consecutive else torch.randperm(num_blocks, generator=gen)
     block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
     taken = 0
     for i, n in enumerate(blocks_per_seq):
@@ -72,10 +73,10 @@ def decode_case(batch: int, context: int, dtype: torch.dtype, gen: torch.Generat
 
 
 def mixed_case(chunk: int, chunk_context: int, num_decode: int, decode_context: int, dtype: torch.dtype,
-               gen: torch.Generator, cache_dtype: torch.dtype | None = None):
+               gen: torch.Generator, cache_dtype: torch.dtype | None = None, consecutive: bool = False):
     """One prefill chunk of `chunk` tokens after `chunk_context` cached ones, plus decode rows."""
     seq_lens = [chunk_context + chunk] + [decode_context] * num_decode
-    k_cache, v_cache, block_tables = paged_cache(seq_lens, dtype, gen, cache_dtype)
+    k_cache, v_cache, block_tables = paged_cache(seq_lens, dtype, gen, cache_dtype, consecutive)
     q = torch.randn(chunk + num_decode, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
     query_start_loc = torch.tensor([0] + [chunk + i for i in range(num_decode + 1)], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -209,9 +210,12 @@ def kernel_cases(dtype_name: str, args: argparse.Namespace, gen: torch.Generator
     result = time_case(mixed_case(256, 512, 16, 1024, dtype, gen, cache_dtype), args.seconds)
     yield {"step": "mixed", "dtype": dtype_name, "prefill_chunk": 256, "prefill_context": 512, "decode_batch": 16,
            "decode_context": 1024} | result
+    consecutive = args.prompt_blocks == "consecutive"
     for prompt_len in [int(n) for n in args.prompts.split(",") if n]:
-        result = time_case(mixed_case(prompt_len, 0, 0, 0, dtype, gen, cache_dtype), args.seconds)
-        yield {"step": "prompt", "dtype": dtype_name, "prompt_tokens": prompt_len} | result
+        result = time_case(mixed_case(prompt_len, args.prompt_context, 0, 0, dtype, gen, cache_dtype, consecutive),
+                           args.seconds)
+        yield {"step": "prompt", "dtype": dtype_name, "prompt_tokens": prompt_len,
+               "prompt_context": args.prompt_context, "blocks": args.prompt_blocks} | result
 
 
 def pool_pages_cases(dtype_name: str, args: argparse.Namespace, gen: torch.Generator) -> Iterator[dict]:
@@ -240,7 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default="1,2", help="torch thread counts to run the cases under")
     p.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated, from {', '.join(DTYPES)}")
     p.add_argument("--prompts", default="", help="also whole prompts of these lengths, comma-separated "
-                   "(one prefill step each, no cached context)")
+                   "(one prefill step each, after --prompt-context cached tokens)")
+    p.add_argument("--prompt-context", type=int, default=0,
+                   help="the --prompts' tokens already cached (a prompt's later chunk: 0, a whole prompt)")
+    p.add_argument("--prompt-blocks", choices=["shuffled", "consecutive"], default="shuffled",
+                   help="the --prompts' blocks anywhere in the cache, or in one run (as the engine's pool "
+                        "mostly hands out a prompt's blocks)")
     p.add_argument("--no-build-time", action="store_true", help="skip timing a fresh build of the kernel")
     p.add_argument("--pool-pages", action="store_true", help="instead: decode steps over 30 layers' pool on "
                    "4 KiB pages against huge pages (batch 32/64, context 128/256/512)")
@@ -249,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                    "interleaved, or shuffled (batch 32-64, context 200-512)")
     p.add_argument("--note", default="", help="conditions worth recording with the figures (e.g. a shared machine)")
     args = p.parse_args(argv)
+    if args.prompt_context < 0:
+        p.error(f"--prompt-context must be at least 0, got {args.prompt_context}")
     if native_attention_error() is not None:
         print(f"native CPU attention unavailable: {native_attention_error()}", file=sys.stderr)
         return 1

@@ -303,13 +303,14 @@ inline void span_scores(const float* q_rows, const float* k_t, float* scores, in
     for (int64_t n = 0; n < kSpanVecs; ++n) store_vec(scores + r * score_stride + n * kLanes, acc[r][n]);
 }
 
-// R rows' acc_r = sum_j p_r[j] v_j over keys [begin, end) (relative to key `base`, p_r[j]
+// R rows' acc_r += sum_j p_r[j] v_j over keys [begin, end) (relative to key `base`, p_r[j]
 // at p_rows + r * p_stride + j), each key's V row found in its cache block (v_blocks[b]:
 // block b's first row, b counted from base's block), the accumulators held in registers
 // across every block (the whole-rows form: no load and store of them per block, as
 // rows_accumulate does). p_r is 0 outside row r's own keys; every key in [begin, end) is
 // a written cache row. per_key(j) runs once per key, in the first pass over head_dim (the
-// caller's prefetches).
+// caller's prefetches). A row's keys taken in consecutive ranges, call after call, sum in
+// the same order as in one call: the same bits.
 template <int64_t kNumVec, int64_t R, typename T, typename PerKey>
 inline void whole_rows_accumulate(float* acc_rows, int64_t acc_stride, const float* p_rows, int64_t p_stride,
                                   const T* const* v_blocks, int64_t v_pos_stride, int64_t block_size, int64_t begin,
@@ -319,7 +320,7 @@ inline void whole_rows_accumulate(float* acc_rows, int64_t acc_stride, const flo
   for (int64_t c = 0; c < kNumVec; c += kChunk) {
     Vec acc[R][kChunk];
     for (int64_t r = 0; r < R; ++r)
-      for (int64_t v = 0; v < kChunk; ++v) acc[r][v] = Vec{};
+      for (int64_t v = 0; v < kChunk; ++v) acc[r][v] = load_vec(acc_rows + r * acc_stride + (c + v) * kLanes);
     for (int64_t b = begin / block_size; b * block_size < end; ++b) {
       const T* v_block = v_blocks[b] + c * kLanes;
       const int64_t first = std::max(begin, b * block_size), last = std::min(end, (b + 1) * block_size);

@@ -76,3 +76,29 @@ def test_block_order_times_every_order(tmp_path, monkeypatch):
                                                                        (32, 512, "fp32")]
     for case in cases:
         assert all(case[f"{order}_ms"] > 0 for order in cpu_attention.BLOCK_ORDERS)
+
+
+def test_paged_cache_lays_each_sequence_in_one_run_where_asked():
+    import torch
+    gen = torch.Generator().manual_seed(0)
+    _, _, consecutive = cpu_attention.paged_cache([40, 70], torch.float32, gen, consecutive=True)
+    _, _, shuffled = cpu_attention.paged_cache([40, 70], torch.float32, gen)
+    assert consecutive[0, :3].tolist() == [0, 1, 2] and consecutive[1, :5].tolist() == [3, 4, 5, 6, 7]
+    assert [_runs(row[:n]) for row, n in zip(shuffled.tolist(), (3, 5))] != [[3], [5]]
+
+
+@pytest.mark.skipif(native_attention_error() is not None, reason="needs the native CPU attention")
+def test_a_prompt_chunk_after_cached_tokens_is_timed_on_the_blocks_asked_for(tmp_path):
+    out = tmp_path / "cases.json"
+    assert cpu_attention.main(["--prompts", "40", "--prompt-context", "24", "--prompt-blocks", "consecutive",
+                               "--dtypes", "fp32", "--threads", "1", "--seconds", "0.05", "--no-build-time",
+                               "--json", str(out)]) == 0
+    prompt = [c for c in json.loads(out.read_text())["cases"] if c["step"] == "prompt"]
+    assert [(c["prompt_tokens"], c["prompt_context"], c["blocks"]) for c in prompt] == [(40, 24, "consecutive")]
+    assert 0 < prompt[0]["native_min_ms"] <= prompt[0]["native_ms"]
+
+
+def test_a_negative_prompt_context_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        cpu_attention.main(["--prompts", "40", "--prompt-context", "-1"])
+    assert "--prompt-context must be at least 0" in capsys.readouterr().err

@@ -88,26 +88,28 @@ def test_mixed_prefill_decode_step_matches_reference(dtype, geometry, features):
     assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("features", [dict(), dict(logit_softcap=5.0), dict(sliding_window=1500)], ids=_ids)
 @pytest.mark.parametrize("context", [1990, 16350], ids=["amx-limit", "vector-limit"])
-def test_prefill_tiles_either_side_of_the_whole_rows_limit_match_reference(features, context):
+def test_prefill_tiles_either_side_of_the_whole_rows_limit_match_reference(features, context, dtype):
     # With AVX512-BF16 a bf16 prefill tile of 48 rows (16 tokens x 3 query heads) whose keys
     # fit 2,048 (on AMX tiles) or 16,384 (on the vector dot products: whole_rows_max_scores) is
     # scored over all of them at once, one softmax per row; past that, block by block. The
     # chunk's tiles (positions context to context + 63) lie on both sides of one limit; the
-    # window brings every tile under it.
+    # window brings every tile under it. fp32 tiles take their whole-rows form up to 16,384
+    # keys too, their P.V a range of keys at a time across the row groups.
     gen = torch.Generator().manual_seed(5)
     shapes = [(context, 64), (0, 40)]
     seq_lens = [c + n for c, n in shapes]
-    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, 16, gen, device="cpu", dtype=torch.bfloat16,
+    k_cache, v_cache, block_tables, _, _ = make_paged(seq_lens, 16, gen, device="cpu", dtype=dtype,
                                                       num_kv_heads=3, head_dim=64)
     query_lens = [n for _, n in shapes]
-    q = torch.randn(sum(query_lens), 9, 64, generator=gen).to(torch.bfloat16)
+    q = torch.randn(sum(query_lens), 9, 64, generator=gen).to(dtype)
     query_start_loc = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
     args = (q, k_cache, v_cache, block_tables, query_start_loc, torch.tensor(seq_lens, dtype=torch.int32), 0.125)
     out = prefill_attention(*args, backend="native", **features)
     ref = prefill_attention(*args, backend="torch", **features)
-    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+    assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
