@@ -284,6 +284,24 @@ int64_t prompt_sequences(const Problem& pr, const int32_t* seq_lens, const int32
   return num_units;
 }
 
+// fn(seq, seq_len, head, unit) for every unit of every kv head of the prompt sequences, split
+// over the call's threads (units_of(seq_len) units a head: prompt_sequences' layouts).
+template <typename UnitsOf, typename Fn>
+void for_prompt_units(const Problem& pr, const std::vector<PromptSequence>& seqs, int64_t grain, UnitsOf&& units_of,
+                      Fn&& fn) {
+  std::vector<int64_t> first_task(seqs.size() + 1, 0);  // tasks: (sequence, kv head, unit)
+  for (size_t i = 0; i < seqs.size(); ++i)
+    first_task[i + 1] = first_task[i] + pr.num_kv_heads * units_of(seqs[i].seq_len);
+  at::parallel_for(0, first_task.back(), grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+      const auto [seq, seq_len] = seqs[i];
+      const int64_t num_units = units_of(seq_len);
+      fn(seq, seq_len, (task - first_task[i]) / num_units, (task - first_task[i]) % num_units);
+    }
+  });
+}
+
 #ifdef PDSERVE_BF16_DOT
 // Words of one 16-key group's pairs in pair_prompt_keys' layout: K's, then V's.
 template <int64_t kHeadDim>
@@ -443,32 +461,25 @@ inline int64_t num_paired_groups(const Problem& pr, int64_t seq_len) {
 template <int64_t kHeadDim, typename C>
 void pair_prompt_keys(const Problem& pr, const std::vector<PromptSequence>& seqs, const int64_t* offsets,
                       uint32_t* out) {
-  std::vector<int64_t> first_task(seqs.size() + 1, 0);  // tasks: (sequence, kv head, group of 16 keys)
-  for (size_t i = 0; i < seqs.size(); ++i)
-    first_task[i + 1] = first_task[i] + pr.num_kv_heads * num_paired_groups(pr, seqs[i].seq_len);
-  at::parallel_for(0, first_task.back(), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
-      const auto [seq, seq_len] = seqs[i];
-      const int64_t num_groups = num_paired_groups(pr, seq_len);
-      const int64_t head = (task - first_task[i]) / num_groups, key = (task - first_task[i]) % num_groups * 16;
-      const int64_t b = key / pr.block_size, block_start = b * pr.block_size;
-      const int64_t block_id = item_block_id(pr, WorkItem{seq, 0, 0, 0}, b);
-      const int64_t keys_end = std::min(seq_len - block_start, pr.block_size);  // zeros past the sequence
-      const int64_t first = key - block_start, last = std::min(first + 16, keys_end);
-      thread_local std::vector<c10::BFloat16> widened;  // an fp8 cache's rows (block_rows)
-      if constexpr (kIsFp8<C>) widened.resize(2 * pr.block_size * kHeadDim);
-      const auto [k_block, k_pos_stride] =
-          block_rows(static_cast<const C*>(pr.k) + head * pr.k_head_stride + block_id * pr.k_block_stride,
-                     pr.k_pos_stride, first, last, kHeadDim, widened.data());
-      const auto [v_block, v_pos_stride] =
-          block_rows(static_cast<const C*>(pr.v) + head * pr.v_head_stride + block_id * pr.v_block_stride,
-                     pr.v_pos_stride, first, last, kHeadDim, widened.data() + pr.block_size * kHeadDim);
-      uint32_t* group = out + offsets[seq * pr.num_kv_heads + head] + key / 16 * kPairedGroupWords<kHeadDim>;
-      pair_key_rows<kHeadDim>(k_block, k_pos_stride, first, 0, keys_end, group);
-      pair_value_rows<kHeadDim>(v_block, v_pos_stride, first, 0, keys_end,
-                                group + kBf16PairWords<kHeadDim>);
-    }
+  auto num_groups = [&](int64_t seq_len) { return num_paired_groups(pr, seq_len); };
+  for_prompt_units(pr, seqs, 16, num_groups, [&](int64_t seq, int64_t seq_len, int64_t head, int64_t group_index) {
+    const int64_t key = group_index * 16;
+    const int64_t b = key / pr.block_size, block_start = b * pr.block_size;
+    const int64_t block_id = item_block_id(pr, WorkItem{seq, 0, 0, 0}, b);
+    const int64_t keys_end = std::min(seq_len - block_start, pr.block_size);  // zeros past the sequence
+    const int64_t first = key - block_start, last = std::min(first + 16, keys_end);
+    thread_local std::vector<c10::BFloat16> widened;  // an fp8 cache's rows (block_rows)
+    if constexpr (kIsFp8<C>) widened.resize(2 * pr.block_size * kHeadDim);
+    const auto [k_block, k_pos_stride] =
+        block_rows(static_cast<const C*>(pr.k) + head * pr.k_head_stride + block_id * pr.k_block_stride,
+                   pr.k_pos_stride, first, last, kHeadDim, widened.data());
+    const auto [v_block, v_pos_stride] =
+        block_rows(static_cast<const C*>(pr.v) + head * pr.v_head_stride + block_id * pr.v_block_stride,
+                   pr.v_pos_stride, first, last, kHeadDim, widened.data() + pr.block_size * kHeadDim);
+    uint32_t* group = out + offsets[seq * pr.num_kv_heads + head] + key / 16 * kPairedGroupWords<kHeadDim>;
+    pair_key_rows<kHeadDim>(k_block, k_pos_stride, first, 0, keys_end, group);
+    pair_value_rows<kHeadDim>(v_block, v_pos_stride, first, 0, keys_end,
+                              group + kBf16PairWords<kHeadDim>);
   });
 }
 #endif
@@ -491,33 +502,25 @@ inline int64_t num_key_spans(const Problem& pr, int64_t seq_len) {
 template <int64_t kHeadDim>
 void transpose_prompt_keys(const Problem& pr, const std::vector<PromptSequence>& seqs, const int64_t* keys_t_offsets,
                            const int64_t* values_offsets, float* out) {
-  std::vector<int64_t> first_task(seqs.size() + 1, 0);  // tasks: (sequence, kv head, span)
-  for (size_t i = 0; i < seqs.size(); ++i)
-    first_task[i + 1] = first_task[i] + pr.num_kv_heads * num_key_spans(pr, seqs[i].seq_len);
-  at::parallel_for(0, first_task.back(), 4, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
-      const auto [seq, seq_len] = seqs[i];
-      const int64_t num_spans = num_key_spans(pr, seq_len);
-      const int64_t head = (task - first_task[i]) / num_spans, span = (task - first_task[i]) % num_spans;
-      const float* k_head = static_cast<const float*>(pr.k) + head * pr.k_head_stride;
-      const float* v_head = static_cast<const float*>(pr.v) + head * pr.v_head_stride;
-      const int64_t last_b = (seq_len - 1) / pr.block_size;
-      auto block_id = [&](int64_t b) { return item_block_id(pr, WorkItem{seq, 0, 0, 0}, b); };
-      auto block_k_rows = [&](int64_t b) -> const float* {
-        return b <= last_b ? k_head + block_id(b) * pr.k_block_stride : nullptr;
-      };
-      span_keys_transposed<kHeadDim>(block_k_rows, pr.k_pos_stride, pr.block_size, span * kSpanKeys, 0, seq_len,
-                                     out + keys_t_offsets[seq * pr.num_kv_heads + head] + span * kHeadDim * kSpanKeys);
-      float* values = out + values_offsets[seq * pr.num_kv_heads + head] + span * kSpanKeys * kHeadDim;
-      for (int64_t key = span * kSpanKeys; key < (span + 1) * kSpanKeys; ++key, values += kHeadDim) {
-        if (key < seq_len) {
-          const int64_t b = key / pr.block_size;
-          std::memcpy(values, v_head + block_id(b) * pr.v_block_stride + (key - b * pr.block_size) * pr.v_pos_stride,
-                      kHeadDim * sizeof(float));
-        } else {
-          std::fill(values, values + kHeadDim, 0.f);
-        }
+  auto num_spans_of = [&](int64_t seq_len) { return num_key_spans(pr, seq_len); };
+  for_prompt_units(pr, seqs, 4, num_spans_of, [&](int64_t seq, int64_t seq_len, int64_t head, int64_t span) {
+    const float* k_head = static_cast<const float*>(pr.k) + head * pr.k_head_stride;
+    const float* v_head = static_cast<const float*>(pr.v) + head * pr.v_head_stride;
+    const int64_t last_b = (seq_len - 1) / pr.block_size;
+    auto block_id = [&](int64_t b) { return item_block_id(pr, WorkItem{seq, 0, 0, 0}, b); };
+    auto block_k_rows = [&](int64_t b) -> const float* {
+      return b <= last_b ? k_head + block_id(b) * pr.k_block_stride : nullptr;
+    };
+    span_keys_transposed<kHeadDim>(block_k_rows, pr.k_pos_stride, pr.block_size, span * kSpanKeys, 0, seq_len,
+                                   out + keys_t_offsets[seq * pr.num_kv_heads + head] + span * kHeadDim * kSpanKeys);
+    float* values = out + values_offsets[seq * pr.num_kv_heads + head] + span * kSpanKeys * kHeadDim;
+    for (int64_t key = span * kSpanKeys; key < (span + 1) * kSpanKeys; ++key, values += kHeadDim) {
+      if (key < seq_len) {
+        const int64_t b = key / pr.block_size;
+        std::memcpy(values, v_head + block_id(b) * pr.v_block_stride + (key - b * pr.block_size) * pr.v_pos_stride,
+                    kHeadDim * sizeof(float));
+      } else {
+        std::fill(values, values + kHeadDim, 0.f);
       }
     }
   });
