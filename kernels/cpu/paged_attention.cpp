@@ -533,12 +533,12 @@ void transpose_prompt_keys(const Problem& pr, const std::vector<PromptSequence>&
 // them per block. One SmolLM2 layer's attention over a prompt of 512 / 1,024 / 2,048 /
 // 4,096 / 8,192 tokens, 2 threads of the Zen 4 EPYC, medians: 2.7-3.1 / 10.3-10.7 / 39.5 /
 // 156 / 587 ms -> 1.9-2.0 / 7.5 / 28.1-28.5 / 110-118 / 503 ms (scores capped at 48 x 4,096
-// there: 592). Then (the Zen 5 EPYC, 1,024 / 4,096 tokens) K^T in spans and each prompt's keys
-// transposed and values laid in one run once a call (transpose_prompt_keys): 3.70 / 60.5 ->
-// 3.24 / 47.8 ms; built for AVX2 there, 4,096 tokens 120 -> 113 ms. Scores of rows x keys up
-// to kWholeRowsMaxScoresFp32 (3 MiB a thread, as the bf16 vector form's). Fills acc
-// [num_rows, kHeadDim] and row_sums [num_rows, kLanes] for attend_item's last step. An fp32
-// cache only.
+// there: 592). Then (the Zen 5 EPYC, 1,024 / 4,096 tokens) K^T in spans, each prompt's keys
+// transposed and values laid in one run once a call (transpose_prompt_keys) and the P.V in
+// ranges of keys: 3.64 / 61.2 -> 3.28 / 47.7 ms; built for AVX2 there, 7.1 / 116 -> 6.3 / 97 ms.
+// Scores of rows x keys up to kWholeRowsMaxScoresFp32 (3 MiB a thread, as the bf16 vector
+// form's). Fills acc [num_rows, kHeadDim] and row_sums [num_rows, kLanes] for attend_item's
+// last step. An fp32 cache only.
 constexpr int64_t kWholeRowsMaxScoresFp32 = 48 * 16384;
 
 // Both fp32 whole-rows forms' softmax: each row's scores [num_rows, stride] (column c: key
