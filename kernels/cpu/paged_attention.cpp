@@ -60,6 +60,24 @@
 
 namespace {
 
+// f(std::integral_constant<int64_t, HD>{}) where head_dim is one this build unrolls; false,
+// f not called, for any other head dim.
+template <typename F>
+bool with_unrolled_head_dim(int64_t head_dim, F&& f) {
+  switch (head_dim) {
+#ifdef PDSERVE_ATTENTION_HD64
+    case 64: f(std::integral_constant<int64_t, 64>{}); return true;
+#endif
+#ifdef PDSERVE_ATTENTION_HD128
+    case 128: f(std::integral_constant<int64_t, 128>{}); return true;
+#endif
+#ifdef PDSERVE_ATTENTION_HD256
+    case 256: f(std::integral_constant<int64_t, 256>{}); return true;
+#endif
+    default: return false;
+  }
+}
+
 using namespace pdserve_cpu;
 
 constexpr int64_t kQueryTile = 16;  // query tokens per work item in prefill chunks
@@ -895,18 +913,9 @@ void attend_token_all_heads_dim(const Problem& pr, const WorkItem& item, const W
 template <typename T, typename C>
 void attend_token_all_heads(const Problem& pr, const WorkItem& item, const WorkItem* upcoming) {
   if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>) {
-    switch (pr.head_dim) {
-#ifdef PDSERVE_ATTENTION_HD64
-      case 64: return attend_token_all_heads_dim<64>(pr, item, upcoming);
-#endif
-#ifdef PDSERVE_ATTENTION_HD128
-      case 128: return attend_token_all_heads_dim<128>(pr, item, upcoming);
-#endif
-#ifdef PDSERVE_ATTENTION_HD256
-      case 256: return attend_token_all_heads_dim<256>(pr, item, upcoming);
-#endif
-      default: return;
-    }
+    with_unrolled_head_dim(pr.head_dim, [&](auto head_dim) {
+      attend_token_all_heads_dim<decltype(head_dim)::value>(pr, item, upcoming);
+    });
   }
 }
 
@@ -1248,18 +1257,10 @@ rows_done:
 template <typename T, typename C>
 void attend_item_any_dim(const Problem& pr, const WorkItem& item, int64_t kv_head, BlockStream& stream,
                          std::vector<float>& scratch, std::vector<int64_t>& bounds) {
-  switch (pr.head_dim) {
-#ifdef PDSERVE_ATTENTION_HD64
-    case 64: return attend_item<T, C, 64>(pr, item, kv_head, stream, scratch, bounds);
-#endif
-#ifdef PDSERVE_ATTENTION_HD128
-    case 128: return attend_item<T, C, 128>(pr, item, kv_head, stream, scratch, bounds);
-#endif
-#ifdef PDSERVE_ATTENTION_HD256
-    case 256: return attend_item<T, C, 256>(pr, item, kv_head, stream, scratch, bounds);
-#endif
-    default: return attend_item<T, C, 0>(pr, item, kv_head, stream, scratch, bounds);
-  }
+  const bool unrolled = with_unrolled_head_dim(pr.head_dim, [&](auto head_dim) {
+    attend_item<T, C, decltype(head_dim)::value>(pr, item, kv_head, stream, scratch, bounds);
+  });
+  if (!unrolled) attend_item<T, C, 0>(pr, item, kv_head, stream, scratch, bounds);
 }
 
 // Decode tokens (one-token items) cut into up to `parts` items over their visible keys,
@@ -1332,18 +1333,10 @@ void pair_prompts(Problem& pr, const int32_t* seq_lens, const int32_t* query_sta
   thread_local std::vector<uint32_t> buffer;  // kept: a fresh allocation faults its pages in each call
   buffer.resize(num_words + 16);
   uint32_t* out = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64 / sizeof(uint32_t);
-  switch (pr.head_dim) {
-#ifdef PDSERVE_ATTENTION_HD64
-    case 64: pair_prompt_keys<64, C>(pr, seqs, offsets.data(), out); break;
-#endif
-#ifdef PDSERVE_ATTENTION_HD128
-    case 128: pair_prompt_keys<128, C>(pr, seqs, offsets.data(), out); break;
-#endif
-#ifdef PDSERVE_ATTENTION_HD256
-    case 256: pair_prompt_keys<256, C>(pr, seqs, offsets.data(), out); break;
-#endif
-    default: return;
-  }
+  const bool paired = with_unrolled_head_dim(pr.head_dim, [&](auto head_dim) {
+    pair_prompt_keys<decltype(head_dim)::value, C>(pr, seqs, offsets.data(), out);
+  });
+  if (!paired) return;
   pr.paired_kv = out;
   pr.paired_offsets = offsets.data();
 }
@@ -1368,18 +1361,10 @@ inline void transpose_prompts(Problem& pr, const int32_t* seq_lens, const int32_
   thread_local std::vector<float> buffer;  // kept: a fresh allocation faults its pages in each call
   buffer.resize(num_floats + 16);
   float* out = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64 / sizeof(float);
-  switch (pr.head_dim) {
-#ifdef PDSERVE_ATTENTION_HD64
-    case 64: transpose_prompt_keys<64>(pr, seqs, keys_t_offsets.data(), values_offsets.data(), out); break;
-#endif
-#ifdef PDSERVE_ATTENTION_HD128
-    case 128: transpose_prompt_keys<128>(pr, seqs, keys_t_offsets.data(), values_offsets.data(), out); break;
-#endif
-#ifdef PDSERVE_ATTENTION_HD256
-    case 256: transpose_prompt_keys<256>(pr, seqs, keys_t_offsets.data(), values_offsets.data(), out); break;
-#endif
-    default: return;
-  }
+  const bool transposed = with_unrolled_head_dim(pr.head_dim, [&](auto head_dim) {
+    transpose_prompt_keys<decltype(head_dim)::value>(pr, seqs, keys_t_offsets.data(), values_offsets.data(), out);
+  });
+  if (!transposed) return;
   pr.prepared = out;
   pr.keys_t_offsets = keys_t_offsets.data();
   pr.values_offsets = values_offsets.data();
