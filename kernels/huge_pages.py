@@ -12,7 +12,7 @@ step's attention reads each sequence's blocks scattered over a pool of a GiB, an
 pages the TLB caps that read (fp32 at batch 64, context 256, 30 layers' pool: 0.75 -> 0.62
 ms a layer; bf16 0.49 -> 0.36 ms, the 2-core Zen 5 EPYC). `zeros_on_huge_pages` hands out
 fresh memory, which reads as zero with nothing written, and `populate_in_background` faults
-its pages in on a thread that runs while a core is idle: on a VM whose host backs guest
+its pages in on a thread that takes at most about a quarter of a core: on a VM whose host backs guest
 memory only when first touched, a fresh huge page can take milliseconds (1 GiB: 7.2 s on
 the Zen 4 EPYC's VM, against 0.66 s on 4 KiB pages; 2 GiB 0.33-0.64 s on the Zen 5's), which
 neither a start nor its first requests should wait for (docs/benchmarks.md, "The KV pool
@@ -28,7 +28,6 @@ bytes; pages of a chunk that nothing touched are not resident.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import logging
@@ -37,6 +36,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -151,25 +151,34 @@ def whole_small_pages(tensor: torch.Tensor) -> tuple[int, int]:
     return start, end
 
 
+# The faulting runs a piece at a time, each followed by a pause three times its length: at
+# most about a quarter of a core, at normal priority. Not at SCHED_IDLE, which it was: a
+# process killed outright (SIGKILL, the OOM killer) ends only when its last thread has run
+# its exit, and an idle-priority thread on busy cores waited seconds for them, holding the
+# process's sockets and pipes open all that while, so its executor or gateway saw the death
+# seconds late (a worker killed beside two busy processes: 5-10 s against 0.1 s).
+POPULATE_PIECE_BYTES = 32 << 20
+POPULATE_PAUSE_RATIO = 3.0
+
+
 def _populate(spans: list[tuple[int, int]], _tensors: list[torch.Tensor]) -> None:
-    # Only when a core is idle: where each first touch stalls on the host, a thread faulting
-    # a GiB in would otherwise take a core from the compile or the first requests for
-    # seconds. A page the workers write first faults in then, as it would unadvised.
-    with contextlib.suppress(AttributeError, OSError):
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
     libc = ctypes.CDLL(None, use_errno=True)  # ctypes lets go of the GIL for the call
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     for start, end in spans:
-        if libc.madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
-            errno = ctypes.get_errno()
-            logger.debug("pages not faulted in ahead (madvise: %s); they fault in when first written",
-                         os.strerror(errno))
-            return
+        for piece_start in range(start, end, POPULATE_PIECE_BYTES):
+            piece_end = min(piece_start + POPULATE_PIECE_BYTES, end)
+            began = time.perf_counter()
+            if libc.madvise(piece_start, piece_end - piece_start, MADV_POPULATE_WRITE) != 0:
+                errno = ctypes.get_errno()
+                logger.debug("pages not faulted in ahead (madvise: %s); they fault in when first written",
+                             os.strerror(errno))
+                return
+            time.sleep((time.perf_counter() - began) * POPULATE_PAUSE_RATIO)
 
 
 def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | None:
     """Fault in the huge-page memory of these contiguous CPU tensors on a daemon thread that
-    runs while a core is idle, so the start does not wait for it; their contents are left
+    takes at most about a quarter of a core (_populate), so the start does not wait for it; their contents are left
     as they are. Returns the thread (None when there is nothing to do). Where the kernel
     lacks the advice the pages fault in when first written, as they would anyway."""
     if not huge_pages_available():

@@ -4,6 +4,11 @@ tensors go; ordinary tensors when turned off. The engine's GEMV weights live the
 from __future__ import annotations
 
 import gc
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -12,6 +17,8 @@ from kernels import huge_pages
 from kernels.huge_pages import (CHUNK_BYTES, empty_on_huge_pages, huge_pages_available, on_huge_pages,
                                 populate_in_background, zeros_on_huge_pages)
 from tests.support.memory_maps import mapping_of, resident_bytes
+from tests.support.paths import REPO_ROOT
+from tests.support.waiting import wait_for
 
 
 needs_huge_pages = pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages here")
@@ -84,7 +91,7 @@ def test_populating_faults_the_pages_in_and_keeps_what_was_written():
     tensor = zeros_on_huge_pages((CHUNK_BYTES // 4,), torch.float32)
     assert resident_bytes(tensor) == 0
     tensor[:1000] = torch.arange(1000.0)  # written before and while the thread runs: kept
-    # (it runs while a core is idle: under a loaded test run that can take seconds)
+    # (a quarter of a core at most: under a loaded test run that can take seconds)
     thread = populate_in_background([tensor])
     tensor[-1000:] = torch.arange(1000.0)
     thread.join(timeout=120)
@@ -92,6 +99,48 @@ def test_populating_faults_the_pages_in_and_keeps_what_was_written():
     assert resident_bytes(tensor) == CHUNK_BYTES
     assert torch.equal(tensor[:1000], torch.arange(1000.0)) and torch.equal(tensor[-1000:], torch.arange(1000.0))
     assert not tensor[1000:-1000].any()
+
+
+POPULATING_PROCESS = """
+import sys, torch
+from kernels.huge_pages import populate_in_background, zeros_on_huge_pages
+pool = zeros_on_huge_pages((1 << 28,), torch.float32)  # 1 GiB
+populate_in_background([pool])
+print("populating", flush=True)
+sys.stdin.read()
+"""
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process (/proc/PID/stat)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@needs_huge_pages
+@pytest.mark.timing
+def test_a_process_killed_while_populating_on_busy_cores_ends_within_a_second():
+    # Its death closes its sockets and pipes, which is how an executor or a gateway sees it;
+    # a populating thread at idle priority held them open for seconds on busy cores.
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+    process = subprocess.Popen([sys.executable, "-c", POPULATING_PROCESS], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+    busy = []
+    try:
+        assert process.stdout.readline().strip() == "populating"
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+        wait_for(lambda: all(_cpu_seconds(loop.pid) >= 0.1 for loop in busy), timeout_s=10,
+                 what="the busy loops to run")
+        process.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        process.wait(timeout=30)
+        assert time.monotonic() - killed_at < 1.0
+    finally:
+        for loop in busy:
+            loop.kill()
+            loop.wait()
+        process.kill()
+        process.wait()
 
 
 def test_nothing_to_populate_starts_no_thread():
