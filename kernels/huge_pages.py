@@ -12,10 +12,10 @@ step's attention reads each sequence's blocks scattered over a pool of a GiB, an
 pages the TLB caps that read (fp32 at batch 64, context 256, 30 layers' pool: 0.75 -> 0.62
 ms a layer; bf16 0.49 -> 0.36 ms, the 2-core Zen 5 EPYC). `zeros_on_huge_pages` hands out
 fresh memory, which reads as zero with nothing written, and `populate_in_background` faults
-its pages in on a thread that takes at most about a quarter of a core: on a VM whose host backs guest
-memory only when first touched, a fresh huge page can take milliseconds (1 GiB: 7.2 s on
-the Zen 4 EPYC's VM, against 0.66 s on 4 KiB pages; 2 GiB 0.33-0.64 s on the Zen 5's), which
-neither a start nor its first requests should wait for (docs/benchmarks.md, "The KV pool
+its pages in on a thread that takes at most about a quarter of a core: on a VM whose host
+backs guest memory only when first touched, a fresh huge page can take milliseconds (1 GiB:
+7.2 s on the Zen 4 EPYC's VM, against 0.66 s on 4 KiB pages; 2 GiB 0.33-0.64 s on the Zen 5's),
+which neither a start nor its first requests should wait for (docs/benchmarks.md, "The KV pool
 on huge pages again").
 
 `on_huge_pages(t)` copies a tensor into such memory, `empty_on_huge_pages` (for a caller
@@ -178,8 +178,8 @@ def _populate(spans: list[tuple[int, int]], _tensors: list[torch.Tensor]) -> Non
 
 def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | None:
     """Fault in the huge-page memory of these contiguous CPU tensors on a daemon thread that
-    takes at most about a quarter of a core (_populate), so the start does not wait for it; their contents are left
-    as they are. Returns the thread (None when there is nothing to do). Where the kernel
+    takes at most about a quarter of a core (_populate), so the start does not wait for it;
+    their contents are left as they are. Returns the thread (None when there is nothing to do). Where the kernel
     lacks the advice the pages fault in when first written, as they would anyway."""
     if not huge_pages_available():
         return None
