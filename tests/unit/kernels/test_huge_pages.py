@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from bench.peers.proc_cpu import tree_cpu_seconds
 from kernels import huge_pages
 from kernels.huge_pages import (CHUNK_BYTES, empty_on_huge_pages, huge_pages_available, on_huge_pages,
                                 populate_in_background, zeros_on_huge_pages)
@@ -111,12 +112,6 @@ sys.stdin.read()
 """
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a live process (/proc/PID/stat)."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @needs_huge_pages
 @pytest.mark.timing
 def test_a_process_killed_while_populating_on_busy_cores_ends_within_a_second():
@@ -129,7 +124,7 @@ def test_a_process_killed_while_populating_on_busy_cores_ends_within_a_second():
     try:
         assert process.stdout.readline().strip() == "populating"
         busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
-        wait_for(lambda: all(_cpu_seconds(loop.pid) >= 0.1 for loop in busy), timeout_s=10,
+        wait_for(lambda: all(tree_cpu_seconds(loop.pid) >= 0.1 for loop in busy), timeout_s=10,
                  what="the busy loops to run")
         process.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
