@@ -152,11 +152,11 @@ def whole_small_pages(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 # The faulting runs a piece at a time, each followed by a pause three times its length: at
-# most about a quarter of a core, at normal priority. Not at SCHED_IDLE, which it was: a
-# process killed outright (SIGKILL, the OOM killer) ends only when its last thread has run
-# its exit, and an idle-priority thread on busy cores waited seconds for them, holding the
-# process's sockets and pipes open all that while, so its executor or gateway saw the death
-# seconds late (a worker killed beside two busy processes: 5-10 s against 0.1 s).
+# most about a quarter of a core, at normal priority. Not at SCHED_IDLE: a process killed
+# outright (SIGKILL, the OOM killer) ends only when its last thread has run its exit, and an
+# idle-priority thread on busy cores waits seconds for them, holding the process's sockets
+# and pipes open all that while, so its executor or gateway sees the death seconds late (a
+# worker killed beside two busy processes: 5-10 s against 0.1 s).
 POPULATE_PIECE_BYTES = 32 << 20
 POPULATE_PAUSE_RATIO = 3.0
 
