@@ -47,6 +47,12 @@ def own_queued_tokens(stack: LocalStack) -> float:
     return total(scrape(stack.instances["prefill-0"].metrics_address), "pdserve_queued_prefill_tokens")
 
 
+def heartbeats(stack: LocalStack) -> float:
+    """How many heartbeats of prefill-0 (the prefill pool's one instance) the gateway has
+    received after its first."""
+    return total(scrape(stack.gateway.metrics_address), "pdserve_heartbeat_gap_seconds_count", pool="prefill")
+
+
 def placements(stack: LocalStack, result: str) -> float:
     return total(scrape(stack.gateway.metrics_address), "pdserve_placement_decisions_total", pool="prefill",
                  result=result)
@@ -62,10 +68,14 @@ def long_prompt_queued(stack: LocalStack, client: Client, first_token_id: int = 
         long=client.generate(token_ids=prompt_token_ids, **SAMPLING)))
     long_call.start()
     try:
-        # Charged to prefill-0 when placed, and queued there: a heartbeat from now on
-        # reports it too (one sent before prefill-0 had it would clear the charge).
+        # Charged to prefill-0 when placed, and queued there.
         wait_for(lambda: queued_tokens(stack) >= MAX_QUEUED_TOKENS
                  and own_queued_tokens(stack) >= MAX_QUEUED_TOKENS, 60, "the long prompt queued on prefill-0")
+        # A heartbeat prefill-0 took before it had the prompt, still on its way, would replace
+        # the charge with its 0 once it arrives: the second heartbeat from now was taken after.
+        num_heartbeats = heartbeats(stack)
+        wait_for(lambda: heartbeats(stack) >= num_heartbeats + 2, 30, "two more heartbeats of prefill-0")
+        assert queued_tokens(stack) >= MAX_QUEUED_TOKENS, "prefill-0 was done with the long prompt before the test"
         yield results
     finally:
         long_call.join(timeout=120)
