@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 from grpc import aio
 
+from common.service.keepalive import KEEPALIVE_SERVER_OPTIONS
 from common.service.registration import InstanceLoad, InstanceSpec, RegistryClient
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, embedding_pb2, embedding_pb2_grpc
 
@@ -152,7 +153,8 @@ class FakeDecode:
                  model_name: str = "", block_size: int = 16, registry_token: str | None = None,
                  lora_names: tuple[str, ...] = (), **servicer_kwargs):
         self.servicer = FakeDecodeServicer(instance_id, **servicer_kwargs)
-        self._server = aio.server()
+        # The gateway pings its decode instances every 0.4 s: allowed, as a real instance's server does.
+        self._server = aio.server(options=KEEPALIVE_SERVER_OPTIONS)
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, self._server)
         self.embedding_servicer = FakeEmbeddingServicer(self.servicer)
         embedding_pb2_grpc.add_EmbeddingServiceServicer_to_server(self.embedding_servicer, self._server)
