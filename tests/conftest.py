@@ -1,6 +1,7 @@
 """Shared fixtures. Kernel tests need TRITON_INTERPRET set before triton is imported."""
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -123,11 +124,25 @@ def shares_module_fixtures(item) -> bool:
                                             for defs in fixture_info.name2fixturedefs.values())
 
 
+# How a test module marks its timing tests (pytest.mark.timing, on a test or as pytestmark):
+# the serial part collects only modules whose source holds it.
+TIMING_MARK = "mark.timing"
+
+
+@functools.lru_cache(maxsize=None)
+def declares_timing_tests(path: Path) -> bool:
+    return TIMING_MARK in path.read_text(encoding="utf-8", errors="replace")
+
+
 def pytest_ignore_collect(collection_path, config):
     """The services and deploy parts hold no unit test (suite_part): their processes skip
-    importing and collecting tests/unit (~2,100 tests, seconds of each)."""
-    if (config.getoption("--suite-part") in ("services", "deploy")
-            and collection_path == Path(__file__).parent.parent / UNIT_TESTS):
+    importing and collecting tests/unit (~2,100 tests, seconds of each). The serial part
+    imports only the modules that mark timing tests (collecting all took ~20 s of one core)."""
+    part = config.getoption("--suite-part")
+    if part in ("services", "deploy") and collection_path == Path(__file__).parent.parent / UNIT_TESTS:
+        return True
+    if (part == "serial" and collection_path.suffix == ".py" and collection_path.name.startswith("test_")
+            and not declares_timing_tests(collection_path)):
         return True
     return None
 
@@ -138,6 +153,12 @@ def pytest_collection_modifyitems(config, items):
     is prepared in the background meanwhile (tests/support/deploy_image.py, which
     scripts/test.sh starts; mostly downloads and disk writes)."""
     part = config.getoption("--suite-part")
+    # The serial part would not collect a timing test its module's source does not mark.
+    unseen = sorted({str(item.path) for item in items
+                     if suite_part(item) == "serial" and not declares_timing_tests(item.path)})
+    if unseen:
+        raise pytest.UsageError(f"timing tests marked other than with {TIMING_MARK!r} in their module, which the "
+                                f"serial part alone collects: {unseen}")
     if part is not None:
         keep = [item for item in items if suite_part(item) == part]
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])

@@ -22,9 +22,9 @@ from common.engine.sampling_params import SamplingParams
 from gateway.client import Client
 from tests.integration.test_metrics import scrape
 from tests.integration.test_stack import unique_long_prompts, wait_until_the_gateway_sees_no_load
+from tests.support.peft_adapters import requires_peft
 
-pytestmark = pytest.mark.slow
-peft = pytest.importorskip("peft")
+pytestmark = [pytest.mark.slow, requires_peft]
 
 PROMPT = "Write one sentence about the sea and the harbour at dawn."
 LONG_PROMPT = unique_long_prompts("lora-remote", 1)[0]  # long enough to be prefilled remotely
@@ -33,6 +33,7 @@ MAX_TOKENS = 12
 
 def make_adapter(out, seed: int, targets: list[str]) -> str:
     """A PEFT adapter of the bundled model: random A and B over `targets` (a real change)."""
+    import peft
     import transformers
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_pretrained(resolve_model(), dtype=torch.float32)

@@ -2,12 +2,18 @@
 linears, saved as PEFT saves them, with PEFT's own merged model beside them as the reference."""
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from common.engine.lora.adapter import LLAMA_TARGET_MODULES
+
+# Found, not imported: importing peft (and the transformers models it pulls in) took ~4 s of
+# each pytest process that collected a module needing it.
+requires_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 

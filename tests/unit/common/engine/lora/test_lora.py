@@ -19,9 +19,9 @@ from common.engine.llm import LLM
 from common.engine.lora.request import LoRARequest
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
-from tests.support.peft_adapters import make_adapter
+from tests.support.peft_adapters import make_adapter, requires_peft
 
-peft = pytest.importorskip("peft")
+pytestmark = requires_peft
 
 PROMPTS = [list(range(10, 30)), list(range(300, 309)), [5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)

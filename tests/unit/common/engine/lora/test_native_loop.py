@@ -15,9 +15,10 @@ from common.engine.outputs import ScheduledRequest
 from common.engine.sampling_params import SamplingParams
 from kernels.cpu_decode import native_decode_available
 from tests.support.native_loop import NO_PACKED_BF16, bf16_is_packed, with_native_loop
+from tests.support.peft_adapters import requires_peft
 
-pytestmark = pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
-peft = pytest.importorskip("peft")
+pytestmark = [pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here"),
+              requires_peft]
 
 # fp32: the loop and the model differ in summation order only.
 FP32_ATOL = 1e-4
