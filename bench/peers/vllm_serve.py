@@ -317,12 +317,25 @@ def format_cpu_and_steal(result: dict) -> str:
     return line
 
 
+def resolve_dtype(dtype: str) -> str:
+    """The dtype both servers are given: `auto` is our engine's choice on this CPU (bf16 where
+    it computes bf16 natively, else fp32), named, since vLLM's `auto` takes the checkpoint's
+    (bf16 for the bundled model, emulated and slow on a CPU without it)."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    from common.engine.device import select_dtype
+    return str(select_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench serve-peer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=None, help="write both runs and the comparison here")
     parser.add_argument("--model", default=None, help="default: the bundled model (its converted directory)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto",
+                        help="both servers' (auto: bf16 where the CPU computes it natively, else float32)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", default="2GiB", help="both sides' KV pool, whole GiB")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_NAMES, default="auto",
@@ -381,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1; got {args.repeats}")
+    try:
+        args.dtype = resolve_dtype(args.dtype)
+    except ValueError as e:
+        parser.error(str(e))
     if args.idle_seconds < 0:
         parser.error(f"--idle-seconds must be 0 or more; got {args.idle_seconds}")
     try:

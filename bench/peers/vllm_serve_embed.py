@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench.embed import VLLM_POOLING_TYPES, workload
 from bench.peers.vllm_peer import cpu_env, preload_choice, vllm_python
-from bench.peers.vllm_serve import free_port, serving
+from bench.peers.vllm_serve import free_port, resolve_dtype, serving
 
 
 async def _load(base_url: str, model: str, prompts: list[list[int]], concurrency: int) -> dict:
@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="bfloat16", help="both servers' (vLLM takes no 'auto' for CPU pooling)")
+    parser.add_argument("--dtype", default="auto",
+                        help="both servers' (auto: bf16 where the CPU computes it natively, else float32; "
+                             "named to vLLM, which takes no 'auto' for CPU pooling)")
     parser.add_argument("--concurrency", default="1,8,32", help="requests in flight at most, comma-separated")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--min-prompt", type=int, default=16)
@@ -115,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="both servers' pooling (--pooler-config's pooling_type; those vLLM 0.32 has)")
     args = parser.parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
+    try:
+        args.dtype = resolve_dtype(args.dtype)
+    except ValueError as e:
+        parser.error(str(e))
     if args.num_requests < 1 or min(concurrencies) < 1 or args.max_prompt >= args.max_model_len:
         parser.error("--num-requests and each --concurrency must be >= 1, --max-prompt below --max-model-len")
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from bench.peers.vllm_serve import client_argv, compare, median_rows
+from bench.peers.vllm_serve import client_argv, compare, median_rows, resolve_dtype
 from bench.serve.main import build_parser as serve_parser
 
 
@@ -254,3 +254,13 @@ def test_the_summary_line_gives_each_sides_cpu_and_steal_round_by_round():
                                  "host_steal_s": {"pdserve": [0.0], "vllm": [0.0]},
                                  "idle_cpu_cores": {"pdserve": [0.012], "vllm": [0.31]}})
     assert idle.endswith("; idle, cores busy: pdserve 0.01 | vllm 0.31")
+
+
+@pytest.mark.parametrize("native_bf16, want", [(True, "bfloat16"), (False, "float32")])
+def test_dtype_auto_names_our_engines_choice_for_both_servers(monkeypatch, native_bf16, want):
+    # vLLM's own auto would take the checkpoint's bf16, emulated on a CPU without native bf16.
+    import common.engine.device as device
+    monkeypatch.delenv("PDSERVE_DTYPE", raising=False)
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda flags=None: native_bf16)
+    assert resolve_dtype("auto") == want
+    assert resolve_dtype("float16") == "float16"  # a named dtype goes to both as it is
