@@ -102,28 +102,50 @@ class PrecompiledMethod:
 
     def _load_or_compile(self, args: tuple, kwargs: dict) -> Callable:
         path = self.artifact_path
+        # A saved file is whole (written beside, then renamed into place): it is loaded without
+        # the lock, so processes starting together on a warm cache (prefill and decode on one
+        # host) load side by side rather than one after the other.
+        loaded, refused = self._load_saved(path, refused=None)
+        if loaded is not None:
+            return loaded
         lock_path = path.with_suffix(".lock")
-        # Processes starting together (prefill and decode on one host) need the same file:
-        # one compiles it, the others wait and load it rather than each compiling.
+        # Processes starting together need the same file: one compiles it, the others wait
+        # and load it rather than each compiling.
         with contextlib.ExitStack() as stack:
             try:
                 stack.enter_context(exclusive_file_lock(lock_path, on_wait=lambda: logger.info(
                     "waiting for another process compiling %s into %s", self.name, path)))
             except OSError as exc:  # an unwritable cache directory: compile alone (and warn at saving)
                 logger.warning("cannot lock %s (%s)", lock_path, exc)
-            return self._load_or_compile_locked(path, args, kwargs)
+            return self._load_or_compile_locked(path, args, kwargs, refused)
 
-    def _load_or_compile_locked(self, path: Path, args: tuple, kwargs: dict) -> Callable:
+    def _load_saved(self, path: Path, refused: tuple | None) -> tuple[Callable | None, tuple | None]:
+        """(the saved method, bound to the model, or None; the identity of the file read, or
+        None where there is none). refused: a file's identity already read and refused (stale,
+        unreadable), which is not read again; one saved since has another."""
+        try:
+            stat = path.stat()
+        except OSError:
+            return None, None
+        identity = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        if identity == refused:
+            return None, identity
+        started = time.perf_counter()
+        loaded = _load(path, self.name, getattr(type(self.model), self.method_name).__globals__)
+        if loaded is None:
+            return None, identity
+        logger.info("loaded the compiled %s from %s in %.1f s", self.name, path, time.perf_counter() - started)
+        _mark_used(path)
+        self.source = "loaded"
+        return functools.partial(loaded, self.model), identity
+
+    def _load_or_compile_locked(self, path: Path, args: tuple, kwargs: dict, refused: tuple | None) -> Callable:
         what = self.name
         started = time.perf_counter()
         method = getattr(type(self.model), self.method_name)
-        if path.exists():
-            loaded = _load(path, what, method.__globals__)
-            if loaded is not None:
-                logger.info("loaded the compiled %s from %s in %.1f s", what, path, time.perf_counter() - started)
-                _mark_used(path)
-                self.source = "loaded"
-                return functools.partial(loaded, self.model)
+        loaded, _ = self._load_saved(path, refused)  # saved meanwhile by the process that held the lock
+        if loaded is not None:
+            return loaded
         try:
             # Every dimension its own symbol: with duck shapes, two sizes equal at the first
             # call (a block size and a head dim both 16) become one, and a restart with

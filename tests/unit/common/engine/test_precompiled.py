@@ -6,11 +6,13 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from common.engine.file_lock import exclusive_file_lock
 from common.engine.precompiled import STALE_ARTIFACT_AGE_S, PrecompiledMethod, remove_stale_artifacts
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
@@ -116,6 +118,31 @@ def _first_call(model: Toy, cache_dir: Path, caplog) -> tuple[PrecompiledMethod,
     with caplog.at_level(logging.WARNING, logger="common.engine.precompiled"):
         assert torch.equal(method(x), model(x))
     return method, [r.message for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_saved_file_is_loaded_while_another_process_holds_the_lock(tmp_path, caplog):
+    """Services starting together on a warm cache load side by side: a saved file is whole
+    (renamed into place), so the lock, held by whoever compiles, is not waited for."""
+    toy = Toy()
+    _first_call(toy, tmp_path, caplog)  # compiles and saves
+    method = PrecompiledMethod(toy, "forward", tmp_path, fallback=lambda: toy.forward)
+    x = torch.arange(8.0).reshape(2, 4)
+    results = []
+    with exclusive_file_lock(method.artifact_path.with_suffix(".lock")):  # another open file: as another process
+        caller = threading.Thread(target=lambda: results.append(method(x)), daemon=True)
+        caller.start()
+        caller.join(timeout=60)
+        assert results, "the load waited for the lock"
+    assert method.source == "loaded" and torch.equal(results[0], toy(x))
+
+
+def test_a_refused_file_is_compiled_under_the_lock_and_read_once(tmp_path, caplog):
+    toy = Toy()
+    path = PrecompiledMethod(toy, "forward", tmp_path, fallback=lambda: toy.forward).artifact_path
+    path.write_bytes(b"not a compiled function")
+    method, warnings = _first_call(toy, tmp_path, caplog)
+    assert method.source == "compiled"
+    assert sum("cannot load the compiled Toy.forward" in m for m in warnings) == 1
 
 
 def test_an_unreadable_file_is_compiled_again_and_replaced(tmp_path, caplog):
