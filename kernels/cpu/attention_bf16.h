@@ -189,14 +189,14 @@ inline void transposed_accumulate_bf16(float* acc, int64_t num_rows, const float
   }
 }
 
-// acc [num_rows, kHeadDim] = P V over num_keys keys (a multiple of 16), for the whole-rows
-// form: p [num_rows, num_keys] the probabilities in bf16, V in pairs 16 keys at a time
-// (pair_value_rows' layout), group g's at v_pairs + g * group_stride (words). Each pass
+// acc [num_rows, kHeadDim] = P V (add: acc += P V) over num_keys keys (a multiple of 16), for
+// the whole-rows form: p [num_rows, num_keys] the probabilities in bf16, V in pairs 16 keys at
+// a time (pair_value_rows' layout), group g's at v_pairs + g * group_stride (words). Each pass
 // holds kRows rows' accumulators in registers across every key, where the block-by-block
 // form loads and stores them per block.
 template <int64_t kHeadDim>
 inline void whole_rows_accumulate_bf16(float* acc, int64_t num_rows, const c10::BFloat16* p, int64_t num_keys,
-                                       const uint32_t* v_pairs, int64_t group_stride) {
+                                       const uint32_t* v_pairs, int64_t group_stride, bool add) {
   static_assert(kHeadDim % kBf16PerVec == 0);
   constexpr int64_t kChunks = kHeadDim / 16;  // fp32 accumulators per row
   constexpr int64_t kRows = kChunks >= 16 ? 1 : 24 / kChunks;
@@ -204,7 +204,8 @@ inline void whole_rows_accumulate_bf16(float* acc, int64_t num_rows, const c10::
   auto pass = [&]<int64_t R>(int64_t r) {
     __m512 sums[R][kChunks];
     for (int64_t m = 0; m < R; ++m)
-      for (int64_t c = 0; c < kChunks; ++c) sums[m][c] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < kChunks; ++c)
+        sums[m][c] = add ? _mm512_loadu_ps(acc + (r + m) * kHeadDim + 16 * c) : _mm512_setzero_ps();
     for (int64_t g = 0; g < num_keys / 16; ++g) {
       const uint32_t* pairs = v_pairs + g * group_stride;
       for (int64_t pair = 0; pair < 8; ++pair) {

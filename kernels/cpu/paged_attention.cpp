@@ -172,21 +172,40 @@ inline int64_t first_visible_key(const Problem& pr, int64_t p) {
 }
 
 // A whole-rows item's row at `position` over its scores s, num_keys columns (column c: key
-// base + c): the keys it sees, [begin, end) in columns (set here), soft-capped where the model
-// caps, and its softmax numerators over every column, each Vec handed to store(j, p), zeros
-// outside [begin, end). Returns their sums per lane. Both whole-rows forms' softmax.
+// base + c) of the keys [lo, hi): the keys it sees, [begin, end) in columns (set here),
+// soft-capped where the model caps, and its softmax numerators over every column against
+// max(running_max, their maximum), each Vec handed to store(j, p), zeros outside [begin, end).
+// Returns their sums per lane; running_max becomes the new maximum, and rescale the factor
+// the row's sums and accumulators from earlier keys take to be against it (1 where it held).
+// Both whole-rows forms' softmax: over all of an item's keys at once, or a chunk at a time.
 template <typename Exp, typename Store>
 inline Vec whole_row_probabilities(const Problem& pr, int64_t position, int64_t lo, int64_t hi, int64_t base, float* s,
-                                   int64_t num_keys, int64_t& begin, int64_t& end, Store&& store) {
+                                   int64_t num_keys, int64_t& begin, int64_t& end, float& running_max, float& rescale,
+                                   Store&& store) {
   begin = std::max(first_visible_key(pr, position), lo) - base;
   end = std::min(position + 1, hi) - base;
+  rescale = 1.f;
   if (begin >= end) {
     for (int64_t j = 0; j < num_keys; j += kLanes) store(j, Vec{});
     return Vec{};
   }
   if (pr.logit_softcap > 0.f)
     for (int64_t j = begin; j < end; ++j) s[j] = std::tanh(s[j] / pr.logit_softcap) * pr.logit_softcap;
-  return row_probabilities<Exp>(s, 0, num_keys, begin, end, row_block_max(s, begin, end, begin, end), store);
+  const float max = row_block_max(s, begin, end, begin, end);
+  if (max > running_max) {
+    rescale = running_max == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(running_max - max);
+    running_max = max;
+  }
+  return row_probabilities<Exp>(s, 0, num_keys, begin, end, running_max, store);
+}
+
+// The same over all of the row's keys at once.
+template <typename Exp, typename Store>
+inline Vec whole_row_probabilities(const Problem& pr, int64_t position, int64_t lo, int64_t hi, int64_t base, float* s,
+                                   int64_t num_keys, int64_t& begin, int64_t& end, Store&& store) {
+  float running_max = -std::numeric_limits<float>::infinity(), rescale;
+  return whole_row_probabilities<Exp>(pr, position, lo, hi, base, s, num_keys, begin, end, running_max, rescale,
+                                      store);
 }
 
 // The keys [lo, hi) some row of the item sees.
@@ -325,26 +344,32 @@ void for_prompt_units(const Problem& pr, const std::vector<PromptSequence>& seqs
 template <int64_t kHeadDim>
 constexpr int64_t kPairedGroupWords = 2 * kBf16PairWords<kHeadDim>;
 
-// Scores (rows x keys) an item may have for the whole-rows form below. On AMX tiles 48 rows
-// (16 tokens of 3 query heads per KV head) by 2,048 keys, whose scores, probabilities and V
-// pairs then take ~0.8 MiB, within a core's L2 (as measured on the Xeon of model 207). On the
-// vector dot products the form stays ahead of the block-by-block one far past the L2: one
-// SmolLM2 layer on the Zen 5 EPYC, prompts of 3,072 / 4,096 / 8,192 / 16,384 tokens 22.3 /
-// 42.0 / 170.7 / 694 ms -> 16.8 / 29.1 / 118.9 / 494 ms; capped at 16,384 keys, whose
-// buffers take ~4.7 MiB a thread.
+// Scores (rows x keys) an item holds at once in the whole-rows form below: a chunk of its
+// keys at a time. On AMX tiles 48 rows (16 tokens of 3 query heads per KV head) by 2,048
+// keys, whose scores, probabilities and V pairs then take ~0.8 MiB, within a core's L2 (as
+// measured on the Xeon of model 207). On the vector dot products the form stays ahead of the
+// block-by-block one far past the L2: one SmolLM2 layer on the Zen 5 EPYC, prompts of 3,072 /
+// 4,096 / 8,192 / 16,384 tokens 22.3 / 42.0 / 170.7 / 694 ms -> 16.8 / 29.1 / 118.9 / 494 ms;
+// 16,384 keys a chunk, whose buffers take ~4.7 MiB a thread.
 constexpr int64_t kWholeRowsMaxScoresAmx = 48 * 2048;
 constexpr int64_t kWholeRowsMaxScoresVector = 48 * 16384;
 inline int64_t whole_rows_max_scores(bool amx) { return amx ? kWholeRowsMaxScoresAmx : kWholeRowsMaxScoresVector; }
 
-// An item's attention in three passes over all its keys at once: every key's scores, one
-// softmax per row over all the keys it sees, then P.V with each group of rows' accumulators
-// held across every key (in AMX tiles, or in vector registers: attention_bf16.h's
+// The most scores (kQueryTile rows a query head by keys) of the sequences whose keys a call
+// pairs once (pair_prompts): 16,384 keys of SmolLM2 take 12 MiB of pairs.
+constexpr int64_t kPairedMaxScores = kWholeRowsMaxScoresVector;
+
+// An item's attention in three passes over a chunk of its keys at once (all of them where
+// they fit whole_rows_max_scores): the chunk's scores, one softmax per row over all the keys
+// of the chunk it sees, then P.V with each group of rows' accumulators held across every key
+// of the chunk (in AMX tiles, or in vector registers: attention_bf16.h's
 // whole_rows_accumulate_bf16). The block-by-block form pays per block and row for the
 // online softmax (a maximum, a rescale of the row's accumulators) and loads and stores
 // every accumulator after each block's 16 keys (AMX, a 1,902-token prefill step of SmolLM2,
 // one layer: 2.74 -> 1.8 ms; a 1,024-token prompt's time to first token 0.41 -> 0.33 s, the
-// Xeon of model 207). Fills acc [num_tile_rows, kHeadDim] and row_sums [num_rows, kLanes]
-// (each row's denominator as sums per lane) for attend_item's last step.
+// Xeon of model 207); here a row pays that once a chunk. Fills acc [num_tile_rows, kHeadDim]
+// and row_sums [num_rows, kLanes] (each row's denominator as sums per lane) for attend_item's
+// last step.
 //
 // paired: the sequence's keys [0, seq_len) for this kv head as pair_prompt_keys lays them
 // out, or null: then the item pairs its own keys, 16 at a time.
@@ -355,18 +380,21 @@ void attend_whole_rows(const Problem& pr, const WorkItem& item, int64_t kv_head,
   constexpr int64_t kPairWords = kBf16PairWords<kHeadDim>;
   const int64_t block_size = pr.block_size, group = pr.group;
   const int64_t first_b = lo / block_size, last_b = (hi - 1) / block_size;
-  const int64_t base = first_b * block_size;                  // the key of column 0
-  const int64_t num_keys = (last_b + 1) * block_size - base;  // columns, a multiple of 16 (block_size is)
   const int64_t num_tile_rows = kAmx ? (num_rows + 15) / 16 * 16 : num_rows;
-  // scores [num_rows, num_keys] fp32; p [num_tile_rows, num_keys]: the probabilities in bf16;
-  // v_pairs [num_keys / 16][kPairWords]: each 16 keys' V in pairs (pair_value_rows).
-  // A buffer of this thread's beside attend_item's scratch, whose buffers are in use.
+  const int64_t chunk_blocks = std::max<int64_t>(1, whole_rows_max_scores(kAmx) / (num_rows * block_size));
+  const int64_t max_chunk_keys = std::min(last_b - first_b + 1, chunk_blocks) * block_size;
+  // scores [num_rows, chunk's keys] fp32; p [num_tile_rows, chunk's keys]: the probabilities
+  // in bf16; v_pairs [chunk's keys / 16][kPairWords]: each 16 keys' V in pairs
+  // (pair_value_rows); row_max [num_rows]: each row's maximum over the chunks so far. A
+  // buffer of this thread's beside attend_item's scratch, whose buffers are in use.
   thread_local std::vector<float> buffer;
-  const ScratchLayout layout(buffer, {num_rows * num_keys, num_tile_rows * num_keys / 2,
-                                      paired ? 0 : num_keys / 16 * kPairWords});
+  const ScratchLayout layout(buffer, {num_rows * max_chunk_keys, num_tile_rows * max_chunk_keys / 2,
+                                      paired ? 0 : max_chunk_keys / 16 * kPairWords, num_rows});
   float* scores = layout[0];
   auto* p = reinterpret_cast<c10::BFloat16*>(layout[1]);
   auto* v_pairs = reinterpret_cast<uint32_t*>(layout[2]);
+  float* row_max = layout[3];
+  std::fill(row_max, row_max + num_rows, -std::numeric_limits<float>::infinity());
   alignas(64) uint32_t k_pairs[kPairWords];
   const C* k_head = static_cast<const C*>(pr.k) + kv_head * pr.k_head_stride;
   const C* v_head = static_cast<const C*>(pr.v) + kv_head * pr.v_head_stride;
@@ -374,92 +402,114 @@ void attend_whole_rows(const Problem& pr, const WorkItem& item, int64_t kv_head,
   // An fp8 cache's block widened (block_rows); empty for a bf16 one.
   thread_local std::vector<c10::BFloat16> widened;
   if constexpr (kIsFp8<C>) widened.resize(2 * block_size * kHeadDim);
-  // Column c's 16 keys in pairs: K's words, then V's (kPairedGroupWords apart).
-  auto paired_keys = [&](int64_t column) { return paired + (base + column) / 16 * kPairedGroupWords<kHeadDim>; };
-  auto scores_of = [&](const uint32_t* key_pairs, int64_t column) {
-    if constexpr (kAmx) {
+  for (int64_t chunk_b = first_b; chunk_b <= last_b; chunk_b += chunk_blocks) {
+    const bool first_chunk = chunk_b == first_b;
+    const int64_t chunk_last_b = std::min(last_b, chunk_b + chunk_blocks - 1);
+    const int64_t base = chunk_b * block_size;                        // the key of column 0
+    const int64_t num_keys = (chunk_last_b + 1) * block_size - base;  // columns, a multiple of 16 (block_size is)
+    const int64_t chunk_lo = std::max(lo, base), chunk_hi = std::min(hi, base + num_keys);
+    // Column c's 16 keys in pairs: K's words, then V's (kPairedGroupWords apart).
+    auto paired_keys = [&](int64_t column) { return paired + (base + column) / 16 * kPairedGroupWords<kHeadDim>; };
+    auto scores_of = [&](const uint32_t* key_pairs, int64_t column) {
+      if constexpr (kAmx) {
 #ifdef PDSERVE_ATTENTION_AMX
-      amx_block_scores<kHeadDim>(q_bf16, num_rows, key_pairs, scale, num_keys, scores + column);
+        amx_block_scores<kHeadDim>(q_bf16, num_rows, key_pairs, scale, num_keys, scores + column);
 #endif
-    } else {
-      paired_scores_bf16<kHeadDim>(q_bf16, num_rows, key_pairs, scale, num_keys, scores + column);
-    }
-  };
-  if (paired != nullptr)
-    for (int64_t column = 0; column < num_keys; column += 16) scores_of(paired_keys(column), column);
-  for (int64_t b = first_b; b <= last_b && paired == nullptr; ++b) {
-    const int64_t block_id = item_block_id(pr, item, b);
-    const int64_t block_start = b * block_size;
-    const int64_t keys_begin = std::max(lo, block_start) - block_start;
-    const int64_t keys_end = std::min(hi, block_start + block_size) - block_start;
-    const auto [k_block, k_pos_stride] = block_rows(k_head + block_id * pr.k_block_stride, pr.k_pos_stride,
-                                                    keys_begin, keys_end, kHeadDim, widened.data());
-    const auto [v_block, v_pos_stride] = block_rows(v_head + block_id * pr.v_block_stride, pr.v_pos_stride,
-                                                    keys_begin, keys_end, kHeadDim,
-                                                    widened.data() + block_size * kHeadDim);
-    for (int64_t first = 0; first < block_size; first += 16) {
-      const int64_t column = block_start - base + first;
-      // Keys outside [keys_begin, keys_end) pair as zeros: a score of 0 (masked below) and a V
-      // of 0, never whatever the cache holds there.
-      pair_key_rows<kHeadDim>(k_block, k_pos_stride, first, keys_begin, keys_end, k_pairs);
-      scores_of(k_pairs, column);
-      pair_value_rows<kHeadDim>(v_block, v_pos_stride, first, keys_begin, keys_end,
-                                v_pairs + column / 16 * kPairWords);
-    }
-  }
-  for (int64_t r = 0; r < num_tile_rows; ++r) {
-    c10::BFloat16* p_row = p + r * num_keys;
-    Vec sum{};
-    if (r < num_rows) {
-      int64_t begin, end;
-      // The numerators straight to bf16 for P.V (their fp32 sums are the denominator).
-      sum = whole_row_probabilities<ExpForBf16>(pr, item.first_position + r / group, lo, hi, base,
-                                                scores + r * num_keys, num_keys, begin, end,
-                                                [p_row](int64_t j, Vec probability) {
-                                                  _mm256_store_si256(reinterpret_cast<__m256i*>(p_row + j),
-                                                                     (__m256i)_mm512_cvtneps_pbh((__m512)probability));
-                                                });
-      std::memcpy(row_sums + r * kLanes, &sum, sizeof sum);
-    } else {
-      std::fill(p_row, p_row + num_keys, c10::BFloat16(0.f));
-    }
-  }
-  // Where group g's V pairs lie, and the words from one group's to the next's.
-  const uint32_t* v_groups = paired ? paired_keys(0) + kPairWords : v_pairs;
-  const int64_t group_stride = paired ? kPairedGroupWords<kHeadDim> : kPairWords;
-  if constexpr (!kAmx) {
-    whole_rows_accumulate_bf16<kHeadDim>(acc, num_rows, p, num_keys, v_groups, group_stride);
-  } else {
-#ifdef PDSERVE_ATTENTION_AMX
-    constexpr int64_t kChunks = kHeadDim / 16;  // accumulator tiles per row tile, four at a time
-    constexpr int64_t kAccStride = kHeadDim * sizeof(float), kPairStride = kChunks * 16 * sizeof(uint32_t);
-    for (int64_t r0 = 0; r0 < num_tile_rows; r0 += 16)
-      for (int64_t c = 0; c < kChunks; c += 4) {
-        // Four accumulators (tiles 0, 1, 2 and 5: the scores' and query's tiles are free now),
-        // so four multiplies are in flight, not one waiting on the last.
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(5);
-        for (int64_t g = 0; g < num_keys / 16; ++g) {
-          const uint32_t* pairs = v_groups + g * group_stride + c * 16;
-          _tile_loadd(3, p + r0 * num_keys + g * 16, num_keys * sizeof(c10::BFloat16));
-          _tile_loadd(4, pairs, kPairStride);
-          _tile_dpbf16ps(0, 3, 4);
-          _tile_loadd(4, pairs + 16, kPairStride);
-          _tile_dpbf16ps(1, 3, 4);
-          _tile_loadd(4, pairs + 32, kPairStride);
-          _tile_dpbf16ps(2, 3, 4);
-          _tile_loadd(4, pairs + 48, kPairStride);
-          _tile_dpbf16ps(5, 3, 4);
-        }
-        float* acc_tile = acc + r0 * kHeadDim + c * 16;
-        _tile_stored(0, acc_tile, kAccStride);
-        _tile_stored(1, acc_tile + 16, kAccStride);
-        _tile_stored(2, acc_tile + 32, kAccStride);
-        _tile_stored(5, acc_tile + 48, kAccStride);
+      } else {
+        paired_scores_bf16<kHeadDim>(q_bf16, num_rows, key_pairs, scale, num_keys, scores + column);
       }
+    };
+    if (paired != nullptr)
+      for (int64_t column = 0; column < num_keys; column += 16) scores_of(paired_keys(column), column);
+    for (int64_t b = chunk_b; b <= chunk_last_b && paired == nullptr; ++b) {
+      const int64_t block_id = item_block_id(pr, item, b);
+      const int64_t block_start = b * block_size;
+      const int64_t keys_begin = std::max(lo, block_start) - block_start;
+      const int64_t keys_end = std::min(hi, block_start + block_size) - block_start;
+      const auto [k_block, k_pos_stride] = block_rows(k_head + block_id * pr.k_block_stride, pr.k_pos_stride,
+                                                      keys_begin, keys_end, kHeadDim, widened.data());
+      const auto [v_block, v_pos_stride] = block_rows(v_head + block_id * pr.v_block_stride, pr.v_pos_stride,
+                                                      keys_begin, keys_end, kHeadDim,
+                                                      widened.data() + block_size * kHeadDim);
+      for (int64_t first = 0; first < block_size; first += 16) {
+        const int64_t column = block_start - base + first;
+        // Keys outside [keys_begin, keys_end) pair as zeros: a score of 0 (masked below) and a V
+        // of 0, never whatever the cache holds there.
+        pair_key_rows<kHeadDim>(k_block, k_pos_stride, first, keys_begin, keys_end, k_pairs);
+        scores_of(k_pairs, column);
+        pair_value_rows<kHeadDim>(v_block, v_pos_stride, first, keys_begin, keys_end,
+                                  v_pairs + column / 16 * kPairWords);
+      }
+    }
+    for (int64_t r = 0; r < num_tile_rows; ++r) {
+      c10::BFloat16* p_row = p + r * num_keys;
+      if (r >= num_rows) {
+        std::fill(p_row, p_row + num_keys, c10::BFloat16(0.f));
+        continue;
+      }
+      int64_t begin, end;
+      float rescale;
+      // The numerators straight to bf16 for P.V (their fp32 sums are the denominator).
+      const Vec sum = whole_row_probabilities<ExpForBf16>(
+          pr, item.first_position + r / group, chunk_lo, chunk_hi, base, scores + r * num_keys, num_keys, begin, end,
+          row_max[r], rescale, [p_row](int64_t j, Vec probability) {
+            _mm256_store_si256(reinterpret_cast<__m256i*>(p_row + j),
+                               (__m256i)_mm512_cvtneps_pbh((__m512)probability));
+          });
+      if (first_chunk) {
+        std::memcpy(row_sums + r * kLanes, &sum, sizeof sum);
+      } else {
+        // The row's earlier chunks were against a smaller maximum: their sums and P.V scale down.
+        const Vec sums = load_vec(row_sums + r * kLanes) * rescale + sum;
+        std::memcpy(row_sums + r * kLanes, &sums, sizeof sums);
+        if (rescale != 1.f)
+          for (int64_t d = 0; d < kHeadDim; ++d) acc[r * kHeadDim + d] *= rescale;
+      }
+    }
+    // Where group g's V pairs lie, and the words from one group's to the next's.
+    const uint32_t* v_groups = paired ? paired_keys(0) + kPairWords : v_pairs;
+    const int64_t group_stride = paired ? kPairedGroupWords<kHeadDim> : kPairWords;
+    if constexpr (!kAmx) {
+      whole_rows_accumulate_bf16<kHeadDim>(acc, num_rows, p, num_keys, v_groups, group_stride, !first_chunk);
+    } else {
+#ifdef PDSERVE_ATTENTION_AMX
+      constexpr int64_t kChunks = kHeadDim / 16;  // accumulator tiles per row tile, four at a time
+      constexpr int64_t kAccStride = kHeadDim * sizeof(float), kPairStride = kChunks * 16 * sizeof(uint32_t);
+      for (int64_t r0 = 0; r0 < num_tile_rows; r0 += 16)
+        for (int64_t c = 0; c < kChunks; c += 4) {
+          // Four accumulators (tiles 0, 1, 2 and 5: the scores' and query's tiles are free now),
+          // so four multiplies are in flight, not one waiting on the last.
+          float* acc_tile = acc + r0 * kHeadDim + c * 16;
+          if (first_chunk) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(5);
+          } else {
+            _tile_loadd(0, acc_tile, kAccStride);
+            _tile_loadd(1, acc_tile + 16, kAccStride);
+            _tile_loadd(2, acc_tile + 32, kAccStride);
+            _tile_loadd(5, acc_tile + 48, kAccStride);
+          }
+          for (int64_t g = 0; g < num_keys / 16; ++g) {
+            const uint32_t* pairs = v_groups + g * group_stride + c * 16;
+            _tile_loadd(3, p + r0 * num_keys + g * 16, num_keys * sizeof(c10::BFloat16));
+            _tile_loadd(4, pairs, kPairStride);
+            _tile_dpbf16ps(0, 3, 4);
+            _tile_loadd(4, pairs + 16, kPairStride);
+            _tile_dpbf16ps(1, 3, 4);
+            _tile_loadd(4, pairs + 32, kPairStride);
+            _tile_dpbf16ps(2, 3, 4);
+            _tile_loadd(4, pairs + 48, kPairStride);
+            _tile_dpbf16ps(5, 3, 4);
+          }
+          _tile_stored(0, acc_tile, kAccStride);
+          _tile_stored(1, acc_tile + 16, kAccStride);
+          _tile_stored(2, acc_tile + 32, kAccStride);
+          _tile_stored(5, acc_tile + 48, kAccStride);
+        }
 #endif
+    }
   }
 }
 
@@ -1040,15 +1090,16 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
   stream.primed = hi > lo && last_b - first_b + 1 >= first_asked;
   // Whether the item takes a whole-rows form (attend_whole_rows, attend_whole_rows_fp32):
   // many rows, all the item's keys in this call, whole 16-key groups per block (blocks of
-  // 16, 32, ... keys: the transposed scores' width) and at most max_scores scores.
-  auto whole_rows_fit = [&](int64_t max_scores) {
-    return transposed && item.partial < 0 && hi > lo && block_size % 16 == 0 &&
-           num_rows * (last_b - first_b + 1) * block_size <= max_scores;
+  // 16, 32, ... keys: the transposed scores' width) and at most max_scores scores, over all
+  // its keys or (chunked: attend_whole_rows) over a block's.
+  auto whole_rows_fit = [&](int64_t max_scores, bool chunked) {
+    const int64_t num_keys = chunked ? block_size : (last_b - first_b + 1) * block_size;
+    return transposed && item.partial < 0 && hi > lo && block_size % 16 == 0 && num_rows * num_keys <= max_scores;
   };
 
 #ifdef PDSERVE_BF16_DOT
   if constexpr (kBf16Dot && kHeadDim % 64 == 0) {
-    if (whole_rows_fit(whole_rows_max_scores(amx))) {
+    if (whole_rows_fit(whole_rows_max_scores(amx), true)) {
       const int64_t paired_offset =
           pr.paired_offsets != nullptr ? pr.paired_offsets[item.seq * pr.num_kv_heads + kv_head] : -1;
       const uint32_t* paired = paired_offset >= 0 ? pr.paired_kv + paired_offset : nullptr;
@@ -1062,7 +1113,7 @@ void attend_item(const Problem& pr, const WorkItem& item, int64_t kv_head, Block
   }
 #endif
   if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float> && kNumVec > 0) {
-    if (whole_rows_fit(kWholeRowsMaxScoresFp32)) {
+    if (whole_rows_fit(kWholeRowsMaxScoresFp32, false)) {
       attend_whole_rows_fp32<kHeadDim>(pr, item, kv_head, q_rows, num_rows, lo, hi, acc, row_sums, row_begin,
                                        row_end);
       stream.primed = false;  // nothing asked for the next item's blocks: it asks itself
@@ -1322,12 +1373,12 @@ void merge_split_token(const Problem& pr, const SplitToken& split) {
 // their chunks) get their keys paired once (pair_prompt_keys), into this thread's buffer,
 // which pr then points at; the others' items pair their own.
 template <typename C>
-void pair_prompts(Problem& pr, const int32_t* seq_lens, const int32_t* query_starts, int64_t num_seqs, bool amx,
+void pair_prompts(Problem& pr, const int32_t* seq_lens, const int32_t* query_starts, int64_t num_seqs,
                   std::vector<int64_t>& offsets) {
   std::vector<PromptSequence> seqs;
   const int64_t group_words = 2 * (pr.head_dim / 2 * 16);  // kPairedGroupWords<head_dim>
   const int64_t num_words = prompt_sequences(
-      pr, seq_lens, query_starts, num_seqs, whole_rows_max_scores(amx),
+      pr, seq_lens, query_starts, num_seqs, kPairedMaxScores,
       [&](int64_t seq_len) { return num_paired_groups(pr, seq_len) * group_words; }, seqs, offsets);
   if (seqs.empty()) return;
   thread_local std::vector<uint32_t> buffer;  // kept: a fresh allocation faults its pages in each call
@@ -1587,15 +1638,9 @@ at::Tensor paged_attention(const at::Tensor& q,            // [num_tokens, num_q
     using C = decltype(cache_tag);
 #ifdef PDSERVE_BF16_DOT
     if constexpr (std::is_same_v<T, c10::BFloat16>)
-      if (plan.problem.head_dim % 64 == 0 && plan.problem.head_dim <= 256 && plan.problem.block_size % 16 == 0) {
-#ifdef PDSERVE_ATTENTION_AMX
-        const bool amx = amx_tiles_usable();
-#else
-        const bool amx = false;
-#endif
+      if (plan.problem.head_dim % 64 == 0 && plan.problem.head_dim <= 256 && plan.problem.block_size % 16 == 0)
         pair_prompts<C>(plan.problem, seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
-                     block_tables.size(0), amx, paired_offsets);
-      }
+                        block_tables.size(0), paired_offsets);
 #endif
     if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>)
       if (plan.problem.head_dim % kLanes == 0 && plan.problem.block_size % 16 == 0)

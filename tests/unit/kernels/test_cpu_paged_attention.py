@@ -94,10 +94,11 @@ def test_mixed_prefill_decode_step_matches_reference(dtype, geometry, features):
 def test_prefill_tiles_either_side_of_the_whole_rows_limit_match_reference(features, context, dtype):
     # With AVX512-BF16 a bf16 prefill tile of 48 rows (16 tokens x 3 query heads) whose keys
     # fit 2,048 (on AMX tiles) or 16,384 (on the vector dot products: whole_rows_max_scores) is
-    # scored over all of them at once, one softmax per row; past that, block by block. The
-    # chunk's tiles (positions context to context + 63) lie on both sides of one limit; the
-    # window brings every tile under it. fp32 tiles take their whole-rows form up to 16,384
-    # keys too, their P.V a range of keys at a time across the row groups.
+    # scored over all of them at once, one softmax per row; past that, a chunk of that many
+    # keys at a time. The chunk's tiles (positions context to context + 63) lie on both sides
+    # of one limit; the window brings every tile under it. fp32 tiles take their whole-rows
+    # form up to 16,384 keys, block by block past it, their P.V a range of keys at a time
+    # across the row groups.
     gen = torch.Generator().manual_seed(5)
     shapes = [(context, 64), (0, 40)]
     seq_lens = [c + n for c, n in shapes]
@@ -110,6 +111,33 @@ def test_prefill_tiles_either_side_of_the_whole_rows_limit_match_reference(featu
     out = prefill_attention(*args, backend="native", **features)
     ref = prefill_attention(*args, backend="torch", **features)
     assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("features", [dict(), dict(logit_softcap=30.0)], ids=_ids)
+@pytest.mark.parametrize("context", [5000, 16500], ids=["amx-chunks", "vector-chunks"])
+def test_prefill_tiles_whose_later_keys_score_higher_match_reference(features, context):
+    # A bf16 tile past the whole-rows limit takes its keys a chunk at a time (2,048 keys on
+    # AMX tiles, 16,384 on the vector dot products): each row's sums and accumulators so far
+    # scale down where a later chunk holds a higher score. Here every key scores higher than
+    # the keys before it (K grows along the queries' one direction), so every chunk rescales
+    # every row, by ~e^-4 a chunk of 2,048 keys.
+    gen = torch.Generator().manual_seed(11)
+    num_kv_heads, ratio, head_dim, block_size, query_len = 3, 3, 64, 16, 40
+    seq_len = context + query_len
+    k_cache, v_cache, block_tables, _, _ = make_paged([seq_len], block_size, gen, device="cpu",
+                                                      dtype=torch.bfloat16, num_kv_heads=num_kv_heads,
+                                                      head_dim=head_dim)
+    direction = torch.randn(num_kv_heads, head_dim, generator=gen)  # [num_kv_heads, head_dim]
+    growth = torch.arange(seq_len, dtype=torch.float32) / 4096  # [seq_len]
+    keys = growth[:, None, None] * direction + 0.3 * torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
+    slots = block_tables[0, torch.arange(seq_len) // block_size].long() * block_size + torch.arange(seq_len) % block_size
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = keys.to(torch.bfloat16)
+    q = direction.repeat_interleave(ratio, dim=0).expand(query_len, -1, -1).to(torch.bfloat16)  # [query_len, 9, 64]
+    args = (q.contiguous(), k_cache, v_cache, block_tables, torch.tensor([0, query_len], dtype=torch.int32),
+            torch.tensor([seq_len], dtype=torch.int32), 0.125)
+    out = prefill_attention(*args, backend="native", **features)
+    ref = prefill_attention(*args, backend="torch", **features)
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
