@@ -799,10 +799,10 @@ class BlockLinesAhead {
   int64_t num_bytes_, asked_ = 0;
 };
 
-// Whether attend_token_all_heads_fp32 serves the item: an unsplit decode token of an fp32
-// cache whose blocks hold every kv head's rows contiguously, few query heads a kv head (else
-// the per-head tiles transpose K), and all its heads' scores within kWholeRowsMaxScoresFp32.
-inline bool all_heads_fit_fp32(const Problem& pr, const WorkItem& item) {
+// Whether attend_token_all_heads serves the item: an unsplit decode token of a cache whose
+// blocks hold every kv head's rows contiguously, few query heads a kv head (else the per-head
+// tiles transpose K), and all its heads' scores within kWholeRowsMaxScoresFp32.
+inline bool all_heads_fit(const Problem& pr, const WorkItem& item) {
   const auto [lo, hi] = item_keys(pr, item);
   if (item.num_tokens != 1 || item.partial >= 0 || hi <= lo || pr.group >= kTransposeMinRows) return false;
   const int64_t row = pr.num_kv_heads * pr.head_dim, num_blocks = (hi - 1) / pr.block_size - lo / pr.block_size + 1;
@@ -814,18 +814,20 @@ inline bool all_heads_fit_fp32(const Problem& pr, const WorkItem& item) {
 
 constexpr int64_t kAllHeadsAhead = 1;  // blocks a decode token's stream asks for ahead (2: 2-5% slower)
 
-// A decode token against all its keys for every kv head at once (all_heads_fit_fp32), as
+// A decode token against all its keys for every kv head at once (all_heads_fit), as
 // attend_few_rows_fp32 does for one head's rows, with the same sums in the same order (the
-// same bits): a block's K, then its V, read whole, each head's rows in turn, where an item
+// same bits for fp32): a block's K, then its V, read whole, each head's rows in turn, where an item
 // per head reads its head's 256-byte rows 768 bytes apart, three times over the same
 // blocks. In a C++ model of the reads alone (fp32 SmolLM2's 30 layers at batch 56 and
 // context 200, KV from DRAM, 2 threads of the Zen 5 EPYC) the strided form ran at ~39 GB/s,
 // the whole blocks at ~50 (the block ahead into L2) to ~60 (non-temporal). While it works
 // on a block it asks for the lines of the block kAllHeadsAhead on in its stream: its K
 // blocks, its V blocks, then `upcoming`'s (the thread's next item) K blocks. Measured:
-// docs/benchmarks.md, "Decode attention over every kv head at once".
-template <int64_t kHeadDim, StreamPrefetch kWay>
-void attend_token_all_heads_fp32(const Problem& pr, const WorkItem& item, const WorkItem* upcoming) {
+// docs/benchmarks.md, "Decode attention over every kv head at once". A bf16 cache's rows are
+// widened to fp32 as they are read (the query T's and the cache C's dtypes alike): at long
+// contexts the per-head items' strided reads, not the arithmetic, bound a bf16 decode step.
+template <typename T, typename C, int64_t kHeadDim, StreamPrefetch kWay>
+void attend_token_all_heads_at(const Problem& pr, const WorkItem& item, const WorkItem* upcoming) {
   constexpr int64_t kNumVec = kHeadDim / kLanes;
   const int64_t block_size = pr.block_size, group = pr.group, num_kv_heads = pr.num_kv_heads;
   const int64_t num_rows = num_kv_heads * group;  // row r: query head r, of kv head r / group
@@ -834,8 +836,8 @@ void attend_token_all_heads_fp32(const Problem& pr, const WorkItem& item, const 
   const int64_t base = first_b * block_size;  // the key of column 0
   const int64_t score_stride = ((last_b + 1) * block_size - base + kLanes - 1) / kLanes * kLanes;  // whole Vecs
   // A block's bytes, and one head's row of it: what each head's work on a key reads.
-  const int64_t block_bytes = block_size * pr.k_pos_stride * static_cast<int64_t>(sizeof(float));
-  const int64_t row_bytes = kHeadDim * static_cast<int64_t>(sizeof(float));
+  const int64_t block_bytes = block_size * pr.k_pos_stride * static_cast<int64_t>(sizeof(C));
+  const int64_t row_bytes = kHeadDim * static_cast<int64_t>(sizeof(C));
   thread_local std::vector<float> buffer;
   thread_local std::vector<int64_t> bounds;
   const ScratchLayout layout(buffer, {num_rows * kHeadDim, num_rows * kHeadDim, num_rows * score_stride,
@@ -847,11 +849,12 @@ void attend_token_all_heads_fp32(const Problem& pr, const WorkItem& item, const 
   bounds.resize(2 * num_rows);
   int64_t* row_begin = bounds.data();  // [num_rows] each row's keys [row_begin, row_end), in columns
   int64_t* row_end = row_begin + num_rows;
-  const float* q = static_cast<const float*>(pr.q) + item.first_token * pr.q_token_stride;
+  const T* q = static_cast<const T*>(pr.q) + item.first_token * pr.q_token_stride;
   for (int64_t r = 0; r < num_rows; ++r)
-    for (int64_t d = 0; d < kHeadDim; ++d) q_rows[r * kHeadDim + d] = q[r * pr.q_head_stride + d] * pr.scale;
-  const auto* k = static_cast<const float*>(pr.k);
-  const auto* v = static_cast<const float*>(pr.v);
+    for (int64_t d = 0; d < kHeadDim; ++d)
+      q_rows[r * kHeadDim + d] = static_cast<float>(q[r * pr.q_head_stride + d]) * pr.scale;
+  const auto* k = static_cast<const C*>(pr.k);
+  const auto* v = static_cast<const C*>(pr.v);
   auto prefetch_id = [&](const WorkItem& owner, int64_t b) {  // never faults: clamped, not checked
     return std::clamp<int64_t>(pr.block_tables[owner.seq * pr.block_table_stride + b], 0, pr.num_blocks - 1);
   };
@@ -859,7 +862,7 @@ void attend_token_all_heads_fp32(const Problem& pr, const WorkItem& item, const 
   // The item's blocks as one stream: its K blocks, its V blocks, then the upcoming item's K
   // blocks. Work on stream block i asks for block i + kAllHeadsAhead.
   const int64_t num_blocks = last_b - first_b + 1;
-  auto stream_block = [&](int64_t i) -> const float* {
+  auto stream_block = [&](int64_t i) -> const C* {
     if (i < num_blocks) return k + prefetch_id(item, first_b + i) * pr.k_block_stride;
     if (i < 2 * num_blocks) return v + prefetch_id(item, first_b + i - num_blocks) * pr.v_block_stride;
     if (upcoming == nullptr) return nullptr;
@@ -869,7 +872,7 @@ void attend_token_all_heads_fp32(const Problem& pr, const WorkItem& item, const 
   };
   for (int64_t b = first_b; b <= last_b; ++b) {
     const int64_t block_start = b * block_size;
-    const float* k_block = k + item_block_id(pr, item, b) * pr.k_block_stride;
+    const C* k_block = k + item_block_id(pr, item, b) * pr.k_block_stride;
     BlockLinesAhead<kWay> ahead(stream_block(b - first_b + kAllHeadsAhead), block_bytes);
     const int64_t keys_begin = std::max(lo, block_start) - block_start;
     const int64_t keys_end = std::min(hi, block_start + block_size) - block_start;
@@ -897,7 +900,7 @@ void attend_token_all_heads_fp32(const Problem& pr, const WorkItem& item, const 
   std::fill(acc, acc + num_rows * kHeadDim, 0.f);
   for (int64_t b = first_b; b <= last_b; ++b) {
     const int64_t column0 = b * block_size - base;  // the block's first key's column
-    const float* v_block = v + item_block_id(pr, item, b) * pr.v_block_stride;
+    const C* v_block = v + item_block_id(pr, item, b) * pr.v_block_stride;
     BlockLinesAhead<kWay> ahead(stream_block(num_blocks + b - first_b + kAllHeadsAhead), block_bytes);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       // p = 0 outside a row's keys: a group of rows runs over the union of theirs.
@@ -917,11 +920,12 @@ void attend_token_all_heads_fp32(const Problem& pr, const WorkItem& item, const 
     }
     ahead.ask_rest();
   }
-  float* out = static_cast<float*>(pr.out) + item.first_token * pr.out_token_stride;
+  T* out = static_cast<T*>(pr.out) + item.first_token * pr.out_token_stride;
   for (int64_t r = 0; r < num_rows; ++r) {
     const float sum = hsum(load_vec(row_sums + r * kLanes));
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    for (int64_t d = 0; d < kHeadDim; ++d) out[r * pr.out_head_stride + d] = acc[r * kHeadDim + d] * inv;
+    for (int64_t d = 0; d < kHeadDim; ++d)
+      out[r * pr.out_head_stride + d] = static_cast<T>(acc[r * kHeadDim + d] * inv);
   }
 }
 
@@ -940,31 +944,29 @@ constexpr bool unrolls_head_dim(int64_t head_dim) {
   return (head_dim == 64 && hd64) || (head_dim == 128 && hd128) || (head_dim == 256 && hd256);
 }
 
-// Whether attend_token_all_heads serves the item: T and C are fp32, the build unrolls the
-// head dim, and all_heads_fit_fp32. Else each kv head is an item of its own.
+// Whether attend_token_all_heads serves the item: T and C are both fp32 or both bf16, the
+// build unrolls the head dim, and all_heads_fit. Else each kv head is an item of its own.
 template <typename T, typename C>
 bool serves_all_heads(const Problem& pr, const WorkItem& item) {
-  return std::is_same_v<T, float> && std::is_same_v<C, float> && unrolls_head_dim(pr.head_dim) &&
-         all_heads_fit_fp32(pr, item);
+  constexpr bool kSameDtype = std::is_same_v<T, C> && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+  return kSameDtype && unrolls_head_dim(pr.head_dim) && all_heads_fit(pr, item);
 }
 
-// attend_token_all_heads_fp32 at the item's head dim, its prefetches kStreamPrefetch's.
-template <int64_t kHeadDim>
-void attend_token_all_heads_dim(const Problem& pr, const WorkItem& item, const WorkItem* upcoming) {
-  switch (kStreamPrefetch) {
-    case StreamPrefetch::kNonTemporal:
-      return attend_token_all_heads_fp32<kHeadDim, StreamPrefetch::kNonTemporal>(pr, item, upcoming);
-    case StreamPrefetch::kL1: return attend_token_all_heads_fp32<kHeadDim, StreamPrefetch::kL1>(pr, item, upcoming);
-    case StreamPrefetch::kOff: return attend_token_all_heads_fp32<kHeadDim, StreamPrefetch::kOff>(pr, item, upcoming);
-  }
-}
-
-// attend_token_all_heads_fp32 where serves_all_heads<T, C>.
+// attend_token_all_heads at the item's head dim, its prefetches kStreamPrefetch's, where
+// serves_all_heads<T, C>.
 template <typename T, typename C>
 void attend_token_all_heads(const Problem& pr, const WorkItem& item, const WorkItem* upcoming) {
-  if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>) {
+  if constexpr (std::is_same_v<T, C> && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
     with_unrolled_head_dim(pr.head_dim, [&](auto head_dim) {
-      attend_token_all_heads_dim<decltype(head_dim)::value>(pr, item, upcoming);
+      constexpr int64_t kHeadDim = decltype(head_dim)::value;
+      switch (kStreamPrefetch) {
+        case StreamPrefetch::kNonTemporal:
+          return attend_token_all_heads_at<T, C, kHeadDim, StreamPrefetch::kNonTemporal>(pr, item, upcoming);
+        case StreamPrefetch::kL1:
+          return attend_token_all_heads_at<T, C, kHeadDim, StreamPrefetch::kL1>(pr, item, upcoming);
+        case StreamPrefetch::kOff:
+          return attend_token_all_heads_at<T, C, kHeadDim, StreamPrefetch::kOff>(pr, item, upcoming);
+      }
     });
   }
 }
