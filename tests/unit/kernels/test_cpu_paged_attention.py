@@ -210,7 +210,7 @@ def test_few_long_decodes_split_over_keys_match_reference(dtype, features):
 def test_fp32_decode_tokens_get_the_same_bits_every_head_at_once_as_head_by_head(geometry, features):
     # A call with at least two items a thread gives each thread whole items, and an fp32
     # decode token's items take every kv head in one pass over its blocks
-    # (attend_token_all_heads_fp32); a sequence alone on one thread is one item per kv head.
+    # (attend_token_all_heads); a sequence alone on one thread is one item per kv head.
     # The sums are the same in the same order, so the bits must be too.
     num_kv_heads, ratio, block_size, head_dim = geometry
     gen = torch.Generator().manual_seed(31 + num_kv_heads + head_dim)
