@@ -57,18 +57,18 @@ struct ExpForBf16 {
   Vec operator()(Vec x) const { return exp_nonpositive_bf16(x); }
 };
 
-// Softmax numerators of one row: p[j] = exp(s[j] - max) for j in [begin, end), 0 for the
+// Softmax numerators of one row: p[j] = exp(s[j] * scale - max) for j in [begin, end), 0 for the
 // rest of [first, last); whole Vecs from first rounded down (the row is padded), each handed
 // to store(j, p). Returns their sums per lane: the row's running sum stays a Vec, summed
 // across once at the end.
 template <typename Exp = ExpFp32, typename Store>
 inline Vec row_probabilities(const float* s, int64_t first, int64_t last, int64_t begin, int64_t end, float max,
-                             Store&& store) {
+                             float scale, Store&& store) {
   const VecI32 lane = lane_index();
   Vec sum{};
   for (int64_t j = first / kLanes * kLanes; j < last; j += kLanes) {
     const VecI32 visible = visible_lanes(lane, j, begin, end);
-    const Vec p = visible ? Exp{}(load_vec(s + j) - max) : Vec{};
+    const Vec p = visible ? Exp{}(load_vec(s + j) * scale - max) : Vec{};
     store(j, p);
     sum += p;
   }
@@ -78,7 +78,7 @@ inline Vec row_probabilities(const float* s, int64_t first, int64_t last, int64_
 // The same, the numerators written back over the scores.
 template <typename Exp = ExpFp32>
 inline Vec row_probabilities(float* s, int64_t first, int64_t last, int64_t begin, int64_t end, float max) {
-  return row_probabilities<Exp>(s, first, last, begin, end, max,
+  return row_probabilities<Exp>(s, first, last, begin, end, max, 1.f,
                                 [s](int64_t j, Vec p) { std::memcpy(s + j, &p, sizeof p); });
 }
 

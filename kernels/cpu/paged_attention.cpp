@@ -178,10 +178,13 @@ inline int64_t first_visible_key(const Problem& pr, int64_t p) {
 // Returns their sums per lane; running_max becomes the new maximum, and rescale the factor
 // the row's sums and accumulators from earlier keys take to be against it (1 where it held).
 // Both whole-rows forms' softmax: over all of an item's keys at once, or a chunk at a time.
+//
+// score_scale: what the scores are yet to be multiplied by (1 where they are scaled), taken
+// into the exps' argument (a positive scale keeps the maximum's key). running_max is scaled.
 template <typename Exp, typename Store>
 inline Vec whole_row_probabilities(const Problem& pr, int64_t position, int64_t lo, int64_t hi, int64_t base, float* s,
-                                   int64_t num_keys, int64_t& begin, int64_t& end, float& running_max, float& rescale,
-                                   Store&& store) {
+                                   int64_t num_keys, float score_scale, int64_t& begin, int64_t& end,
+                                   float& running_max, float& rescale, Store&& store) {
   begin = std::max(first_visible_key(pr, position), lo) - base;
   end = std::min(position + 1, hi) - base;
   rescale = 1.f;
@@ -189,22 +192,24 @@ inline Vec whole_row_probabilities(const Problem& pr, int64_t position, int64_t 
     for (int64_t j = 0; j < num_keys; j += kLanes) store(j, Vec{});
     return Vec{};
   }
-  if (pr.logit_softcap > 0.f)
-    for (int64_t j = begin; j < end; ++j) s[j] = std::tanh(s[j] / pr.logit_softcap) * pr.logit_softcap;
-  const float max = row_block_max(s, begin, end, begin, end);
+  if (pr.logit_softcap > 0.f) {
+    for (int64_t j = begin; j < end; ++j) s[j] = std::tanh(s[j] * score_scale / pr.logit_softcap) * pr.logit_softcap;
+    score_scale = 1.f;
+  }
+  const float max = row_block_max(s, begin, end, begin, end) * score_scale;
   if (max > running_max) {
     rescale = running_max == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(running_max - max);
     running_max = max;
   }
-  return row_probabilities<Exp>(s, 0, num_keys, begin, end, running_max, store);
+  return row_probabilities<Exp>(s, 0, num_keys, begin, end, running_max, score_scale, store);
 }
 
-// The same over all of the row's keys at once.
+// The same over all of the row's keys at once, their scores scaled.
 template <typename Exp, typename Store>
 inline Vec whole_row_probabilities(const Problem& pr, int64_t position, int64_t lo, int64_t hi, int64_t base, float* s,
                                    int64_t num_keys, int64_t& begin, int64_t& end, Store&& store) {
   float running_max = -std::numeric_limits<float>::infinity(), rescale;
-  return whole_row_probabilities<Exp>(pr, position, lo, hi, base, s, num_keys, begin, end, running_max, rescale,
+  return whole_row_probabilities<Exp>(pr, position, lo, hi, base, s, num_keys, 1.f, begin, end, running_max, rescale,
                                       store);
 }
 
@@ -383,12 +388,12 @@ void attend_whole_rows(const Problem& pr, const WorkItem& item, int64_t kv_head,
   const int64_t num_tile_rows = kAmx ? (num_rows + 15) / 16 * 16 : num_rows;
   const int64_t chunk_blocks = std::max<int64_t>(1, whole_rows_max_scores(kAmx) / (num_rows * block_size));
   const int64_t max_chunk_keys = std::min(last_b - first_b + 1, chunk_blocks) * block_size;
-  // scores [num_rows, chunk's keys] fp32; p [num_tile_rows, chunk's keys]: the probabilities
+  // scores [num_tile_rows, chunk's keys] fp32 (AMX: unscaled); p [num_tile_rows, chunk's keys]: the probabilities
   // in bf16; v_pairs [chunk's keys / 16][kPairWords]: each 16 keys' V in pairs
   // (pair_value_rows); row_max [num_rows]: each row's maximum over the chunks so far. A
   // buffer of this thread's beside attend_item's scratch, whose buffers are in use.
   thread_local std::vector<float> buffer;
-  const ScratchLayout layout(buffer, {num_rows * max_chunk_keys, num_tile_rows * max_chunk_keys / 2,
+  const ScratchLayout layout(buffer, {num_tile_rows * max_chunk_keys, num_tile_rows * max_chunk_keys / 2,
                                       paired ? 0 : max_chunk_keys / 16 * kPairWords, num_rows});
   float* scores = layout[0];
   auto* p = reinterpret_cast<c10::BFloat16*>(layout[1]);
@@ -413,7 +418,7 @@ void attend_whole_rows(const Problem& pr, const WorkItem& item, int64_t kv_head,
     auto scores_of = [&](const uint32_t* key_pairs, int64_t column) {
       if constexpr (kAmx) {
 #ifdef PDSERVE_ATTENTION_AMX
-        amx_block_scores<kHeadDim>(q_bf16, num_rows, key_pairs, scale, num_keys, scores + column);
+        amx_block_raw_scores<kHeadDim>(q_bf16, num_rows, key_pairs, num_keys, scores + column);
 #endif
       } else {
         paired_scores_bf16<kHeadDim>(q_bf16, num_rows, key_pairs, scale, num_keys, scores + column);
@@ -451,8 +456,8 @@ void attend_whole_rows(const Problem& pr, const WorkItem& item, int64_t kv_head,
       float rescale;
       // The numerators straight to bf16 for P.V (their fp32 sums are the denominator).
       const Vec sum = whole_row_probabilities<ExpForBf16>(
-          pr, item.first_position + r / group, chunk_lo, chunk_hi, base, scores + r * num_keys, num_keys, begin, end,
-          row_max[r], rescale, [p_row](int64_t j, Vec probability) {
+          pr, item.first_position + r / group, chunk_lo, chunk_hi, base, scores + r * num_keys, num_keys,
+          kAmx ? scale : 1.f, begin, end, row_max[r], rescale, [p_row](int64_t j, Vec probability) {
             _mm256_store_si256(reinterpret_cast<__m256i*>(p_row + j),
                                (__m256i)_mm512_cvtneps_pbh((__m512)probability));
           });
