@@ -46,22 +46,29 @@ inline void configure_attention_tiles() {
   _tile_loadconfig(&config);
 }
 
+// Tile 0 = q_r . k_j, unscaled, for the 16 query rows from r0 and the 16 keys whose pairs
+// k_pairs holds. q_rows: [ceil(num_rows / 16) * 16, kHeadDim] bf16.
+template <int64_t kHeadDim>
+inline void amx_tile_scores(const c10::BFloat16* q_rows, int64_t r0, const uint32_t* k_pairs) {
+  static_assert(kHeadDim % 32 == 0);
+  _tile_zero(0);
+  for (int64_t d = 0; d < kHeadDim; d += 32) {
+    _tile_loadd(1, q_rows + r0 * kHeadDim + d, kHeadDim * sizeof(c10::BFloat16));
+    _tile_loadd(2, k_pairs + d / 2 * 16, 64);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+}
+
 // scores[r * score_stride + j] = scale * (q_r . k_j) for the 16 keys whose pairs k_pairs holds
 // (keys outside the block's range are zero there and score 0), rows [0, num_rows). q_rows:
 // [ceil(num_rows / 16) * 16, kHeadDim] bf16; scores points at the 16 keys' first column.
 template <int64_t kHeadDim>
 inline void amx_block_scores(const c10::BFloat16* q_rows, int64_t num_rows, const uint32_t* k_pairs, float scale,
                              int64_t score_stride, float* scores) {
-  static_assert(kHeadDim % 32 == 0);
   alignas(64) float tile[kAmxTileRows * 16];
   const __m512 scale_vec = _mm512_set1_ps(scale);
   for (int64_t r0 = 0; r0 < num_rows; r0 += kAmxTileRows) {
-    _tile_zero(0);
-    for (int64_t d = 0; d < kHeadDim; d += 32) {
-      _tile_loadd(1, q_rows + r0 * kHeadDim + d, kHeadDim * sizeof(c10::BFloat16));
-      _tile_loadd(2, k_pairs + d / 2 * 16, 64);
-      _tile_dpbf16ps(0, 1, 2);
-    }
+    amx_tile_scores<kHeadDim>(q_rows, r0, k_pairs);
     _tile_stored(0, tile, 64);
     const int64_t rows = std::min(kAmxTileRows, num_rows - r0);
     for (int64_t m = 0; m < rows; ++m)
@@ -76,14 +83,8 @@ inline void amx_block_scores(const c10::BFloat16* q_rows, int64_t num_rows, cons
 template <int64_t kHeadDim>
 inline void amx_block_raw_scores(const c10::BFloat16* q_rows, int64_t num_rows, const uint32_t* k_pairs,
                                  int64_t score_stride, float* scores) {
-  static_assert(kHeadDim % 32 == 0);
   for (int64_t r0 = 0; r0 < num_rows; r0 += kAmxTileRows) {
-    _tile_zero(0);
-    for (int64_t d = 0; d < kHeadDim; d += 32) {
-      _tile_loadd(1, q_rows + r0 * kHeadDim + d, kHeadDim * sizeof(c10::BFloat16));
-      _tile_loadd(2, k_pairs + d / 2 * 16, 64);
-      _tile_dpbf16ps(0, 1, 2);
-    }
+    amx_tile_scores<kHeadDim>(q_rows, r0, k_pairs);
     _tile_stored(0, scores + r0 * score_stride, score_stride * sizeof(float));
   }
 }
