@@ -130,7 +130,8 @@ def test_prefill_tiles_whose_later_keys_score_higher_match_reference(features, c
     direction = torch.randn(num_kv_heads, head_dim, generator=gen)  # [num_kv_heads, head_dim]
     growth = torch.arange(seq_len, dtype=torch.float32) / 4096  # [seq_len]
     keys = growth[:, None, None] * direction + 0.3 * torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
-    slots = block_tables[0, torch.arange(seq_len) // block_size].long() * block_size + torch.arange(seq_len) % block_size
+    positions = torch.arange(seq_len)
+    slots = block_tables[0, positions // block_size].long() * block_size + positions % block_size
     k_cache.view(-1, num_kv_heads, head_dim)[slots] = keys.to(torch.bfloat16)
     q = direction.repeat_interleave(ratio, dim=0).expand(query_len, -1, -1).to(torch.bfloat16)  # [query_len, 9, 64]
     args = (q.contiguous(), k_cache, v_cache, block_tables, torch.tensor([0, query_len], dtype=torch.int32),
