@@ -949,19 +949,22 @@ constexpr bool unrolls_head_dim(int64_t head_dim) {
   return (head_dim == 64 && hd64) || (head_dim == 128 && hd128) || (head_dim == 256 && hd256);
 }
 
-// Whether attend_token_all_heads serves the item: T and C are both fp32 or both bf16, the
-// build unrolls the head dim, and all_heads_fit. Else each kv head is an item of its own.
+// The (query, cache) dtypes attend_token_all_heads is built for: both fp32 or both bf16.
+template <typename T, typename C>
+constexpr bool kAllHeadsDtypes = std::is_same_v<T, C> && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+
+// Whether attend_token_all_heads serves the item: kAllHeadsDtypes, the build unrolls the head
+// dim, and all_heads_fit. Else each kv head is an item of its own.
 template <typename T, typename C>
 bool serves_all_heads(const Problem& pr, const WorkItem& item) {
-  constexpr bool kSameDtype = std::is_same_v<T, C> && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
-  return kSameDtype && unrolls_head_dim(pr.head_dim) && all_heads_fit(pr, item);
+  return kAllHeadsDtypes<T, C> && unrolls_head_dim(pr.head_dim) && all_heads_fit(pr, item);
 }
 
 // attend_token_all_heads at the item's head dim, its prefetches kStreamPrefetch's, where
 // serves_all_heads<T, C>.
 template <typename T, typename C>
 void attend_token_all_heads(const Problem& pr, const WorkItem& item, const WorkItem* upcoming) {
-  if constexpr (std::is_same_v<T, C> && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
+  if constexpr (kAllHeadsDtypes<T, C>) {
     with_unrolled_head_dim(pr.head_dim, [&](auto head_dim) {
       constexpr int64_t kHeadDim = decltype(head_dim)::value;
       switch (kStreamPrefetch) {
