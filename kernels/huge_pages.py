@@ -194,5 +194,24 @@ def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | No
         return None
     # The thread's arguments hold the tensors, so their memory stays mapped while it is advised.
     thread = threading.Thread(target=_populate, args=(spans, list(tensors)), name="pdserve-populate", daemon=True)
+    with _POPULATING_LOCK:
+        _POPULATING[:] = [t for t in _POPULATING if t.is_alive()] + [thread]
     thread.start()
     return thread
+
+
+_POPULATING: list[threading.Thread] = []
+_POPULATING_LOCK = threading.Lock()
+
+
+def wait_until_populated(timeout_s: float) -> bool:
+    """Wait, up to timeout_s, for every populating thread this process started: whether all
+    are done. A benchmark's timed runs start after it, as a peer's start-up zeroes its pool
+    before its first request (on the Zen 4 EPYC's VM a fresh GiB of huge pages is 2.5 s of
+    a core, which the quarter-core thread spreads over the first ~20 s of 2 GiB)."""
+    deadline = time.monotonic() + timeout_s
+    with _POPULATING_LOCK:
+        threads = list(_POPULATING)
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    return not any(thread.is_alive() for thread in threads)

@@ -90,6 +90,12 @@ class LLM:
         computes its prompts in full."""
         self.engine.reset_prefix_cache()
 
+    def wait_kv_cache_resident(self, timeout_s: float = 300.0) -> bool:
+        """Wait, up to timeout_s, until every runner's CPU KV pool is faulted in (a background
+        thread does it after start-up, kernels/huge_pages.py); whether it is. Benchmarks
+        call it before their timed runs."""
+        return all(self.engine.collective_rpc("wait_kv_cache_resident", (timeout_s,)))
+
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len

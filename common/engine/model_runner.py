@@ -42,7 +42,7 @@ from common.engine.spec_decode.draft_model_proposer import draft_model_config
 from common.engine.spec_decode.proposer import DraftProposer, make_proposer
 from common.engine.spec_decode.verification import accept_drafts, expand_verification_rows
 from kernels.cpu_attention import dtype_pair, prefer_build
-from kernels.huge_pages import populate_in_background, zeros_on_huge_pages
+from kernels.huge_pages import populate_in_background, wait_until_populated, zeros_on_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -282,6 +282,11 @@ class ModelRunner:
             self.kv_connector.register_kv_caches(self.kv_caches)
         if self.proposer is not None:
             self.proposer.allocate_kv_cache(num_blocks)
+
+    def wait_kv_cache_resident(self, timeout_s: float) -> bool:
+        """Wait, up to timeout_s, until the CPU KV pool's pages are faulted in (allocate_paged_kv
+        leaves that to a background thread); whether they are. True at once on a GPU."""
+        return wait_until_populated(timeout_s)
 
     @torch.inference_mode()  # as execute_model: inference tensors, or dynamo's guards differ
     def warm_up(self, max_num_seqs: int | None = None, max_model_len: int | None = None) -> None:

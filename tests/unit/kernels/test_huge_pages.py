@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from bench.peers.proc_cpu import tree_cpu_seconds
 from kernels import huge_pages
 from kernels.huge_pages import (CHUNK_BYTES, empty_on_huge_pages, huge_pages_available, on_huge_pages,
-                                populate_in_background, zeros_on_huge_pages)
+                                populate_in_background, wait_until_populated, zeros_on_huge_pages)
 from tests.support.memory_maps import mapping_of, resident_bytes
 from tests.support.paths import REPO_ROOT
 from tests.support.waiting import wait_for
@@ -100,6 +101,28 @@ def test_populating_faults_the_pages_in_and_keeps_what_was_written():
     assert resident_bytes(tensor) == CHUNK_BYTES
     assert torch.equal(tensor[:1000], torch.arange(1000.0)) and torch.equal(tensor[-1000:], torch.arange(1000.0))
     assert not tensor[1000:-1000].any()
+
+
+@needs_huge_pages
+def test_waiting_until_populated_returns_once_every_pool_is_resident():
+    pools = [zeros_on_huge_pages((CHUNK_BYTES // 4,), torch.float32) for _ in range(2)]
+    threads = [populate_in_background([pool]) for pool in pools]
+    assert wait_until_populated(timeout_s=120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert [resident_bytes(pool) for pool in pools] == [CHUNK_BYTES, CHUNK_BYTES]
+    assert wait_until_populated(timeout_s=0)  # nothing left to wait for
+
+
+@needs_huge_pages
+def test_waiting_until_populated_says_when_the_deadline_came_first(monkeypatch):
+    released = threading.Event()
+    monkeypatch.setattr(huge_pages, "_populate", lambda spans, tensors: released.wait(60))
+    thread = populate_in_background([zeros_on_huge_pages((CHUNK_BYTES // 4,), torch.float32)])
+    began = time.monotonic()
+    assert not wait_until_populated(timeout_s=0.2)
+    assert time.monotonic() - began < 10 and thread.is_alive()
+    released.set()
+    assert wait_until_populated(timeout_s=60) and not thread.is_alive()
 
 
 POPULATING_PROCESS = """

@@ -7,6 +7,7 @@ import pytest
 
 from common.engine.llm import LLM
 from common.engine.sampling_params import SamplingParams
+from tests.support.memory_maps import resident_bytes
 
 PROMPT = list(range(5, 45))  # 40 tokens: 5 full blocks of 8
 
@@ -67,3 +68,9 @@ def test_generate_without_sampling_params_samples_as_the_models_generation_confi
         configured.engine.shutdown()
     with pytest.raises(ValueError, match=r"--override-generation-config: unknown field 'seed'"):
         LLM(model=str(tiny_model_factory("tiny-llama", "llama")), override_generation_config={"seed": 1})
+
+
+def test_waiting_for_the_kv_pool_leaves_every_cache_page_resident(llm):
+    assert llm.wait_kv_cache_resident(timeout_s=120)
+    caches = [cache for pair in llm.engine.executor.runner.kv_caches for cache in pair]
+    assert caches and all(resident_bytes(cache) == cache.numel() * cache.element_size() for cache in caches)
