@@ -29,6 +29,7 @@ import torch
 
 from common.engine.models.prepacked_linear import PrepackedLinear, prepack_linears
 from common.engine.precompiled import PrecompiledMethod
+from common.engine.vec_isa_probe import check_vec_isas_once
 from kernels.cpu_attention import cpu_attention_backend
 from kernels.cpu_decode import native_decode_available, native_decode_disabled
 from kernels.cpu_sampling import native_argmax_available
@@ -75,13 +76,16 @@ def compile_forward(model: torch.nn.Module, device: torch.device, enforce_eager:
     if enforce_eager or os.environ.get("PDSERVE_ENFORCE_EAGER", "").lower() in ("1", "true", "yes", "on"):
         logger.info("model runs eagerly (--enforce-eager)")
         return model
-    if device.type == "cpu" and find_cpp_compiler() is None:
+    cxx = find_cpp_compiler()
+    if device.type == "cpu" and cxx is None:
         logger.warning("no C++ compiler found (g++, c++, clang++ or $CXX): the model runs eagerly; "
                        "install one to compile it")
         return model
     cache_dir = compile_cache_dir()  # in the environment since this module was imported
     cache_dir.mkdir(parents=True, exist_ok=True)
     import torch._inductor.config as inductor_config
+    if device.type == "cpu":
+        check_vec_isas_once(cache_dir, shutil.which(cxx))
 
     inductor_config.fx_graph_cache = True
     # A float traced as a symbol (the RMSNorm eps, the attention scale) made dynamo

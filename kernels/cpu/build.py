@@ -95,7 +95,7 @@ def _command(cxx: str, source: Path, output: Path, defines: tuple[str, ...] = ()
             f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
 
 
-def _compiler_identity(cxx: str) -> str:
+def compiler_identity(cxx: str) -> str:
     """The compiler's real file with its size and modification time: an upgraded g++ at
     the same path is a different compiler."""
     real = os.path.realpath(cxx)
@@ -111,7 +111,7 @@ def build_library(name: str, defines: tuple[str, ...] = ()) -> Path:
         raise BuildError("no C++ compiler (set CXX or install g++)")
     source = SOURCE_DIR / f"{name}.cpp"
     sources = [p.read_text() for p in sorted(SOURCE_DIR.glob("*.h"))] + [source.read_text()]
-    key = hashlib.sha256("\0".join([*sources, _compiler_identity(cxx), *_compile_flags(), *defines, torch.__version__,
+    key = hashlib.sha256("\0".join([*sources, compiler_identity(cxx), *_compile_flags(), *defines, torch.__version__,
                                     str(torch.version.git_version), cpu_flags()]).encode()).hexdigest()[:16]
     out_dir = cache_dir()
     library = out_dir / f"{name}-{key}.so"

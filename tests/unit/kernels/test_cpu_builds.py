@@ -86,7 +86,7 @@ def test_a_cached_build_counts_as_used_and_a_new_build_prunes(monkeypatch, tmp_p
     assert build.build_library("sampling") == library  # from the cache: now the newest
     assert len(compiled) == 1 and time.time() - library.stat().st_mtime < 60
 
-    monkeypatch.setattr(build, "_compiler_identity", lambda cxx: "another g++")
+    monkeypatch.setattr(build, "compiler_identity", lambda cxx: "another g++")
     rebuilt = build.build_library("sampling")
     assert len(compiled) == 2 and rebuilt != library
     kept = sorted(p for p in tmp_path.iterdir())

@@ -422,7 +422,7 @@ def test_another_virtualenv_with_the_same_torch_reuses_the_build(monkeypatch):
     monkeypatch.setattr(build.cpp_extension, "library_paths", lambda *a, **k: ["/elsewhere/lib"])
     assert build.build_library("paged_attention") == built
     # A different compiler (or g++ upgraded in place) is a different build.
-    monkeypatch.setattr(build, "_compiler_identity", lambda cxx: "/usr/bin/g++-99 1 1")
+    monkeypatch.setattr(build, "compiler_identity", lambda cxx: "/usr/bin/g++-99 1 1")
     with pytest.raises(AssertionError, match="rebuilt"):
         build.build_library("paged_attention")
 

@@ -1,0 +1,63 @@
+"""Inductor's check of the CPU's vector ISAs, once per machine instead of once per process.
+
+Before inductor compiles or loads CPU code, it checks each vector ISA the CPU reports
+(AVX-512, AVX2, ...): it builds a small library for it and loads that in a fresh Python
+process. On an AVX-512 machine that is six processes at every start, ~1.9 s of CPU and
+~1.5 s of an engine's start on the 2-core Zen 4 EPYC (9.5-10.3 against 7.6-7.9 CPU-s for a
+decode service ready on the bundled model). Where one process of this machine, compiler
+and torch found every reported ISA working, the others take that answer (inductor's
+`cpp.vec_isa_ok`, which its cache keys hold: set the same way in every process, so they
+all share one key) and skip the check. Where any ISA failed, each process checks as
+inductor does. TORCHINDUCTOR_VEC_ISA_OK, when set, is left to decide.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kernels.cpu.build import compiler_identity, cpu_flags
+
+logger = logging.getLogger(__name__)
+
+
+def _marker(cache_dir: Path, cxx: str) -> Path:
+    """The file that says every ISA this CPU reports passed the check, for this compiler and torch."""
+    key = hashlib.sha256("\0".join([compiler_identity(cxx), torch.__version__, str(torch.version.git_version),
+                                    cpu_flags()]).encode()).hexdigest()[:16]
+    return cache_dir / f"vec-isa-ok-{key}"
+
+
+def check_vec_isas_once(cache_dir: Path, cxx: str) -> bool:
+    """Set inductor's vec_isa_ok where this machine's ISAs are known to pass its check (a
+    marker under cache_dir), else check them now and leave the marker when all pass.
+    Whether the check was skipped. Call before anything compiles or loads CPU code."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpu_vec_isa
+
+    if inductor_config.cpp.vec_isa_ok is not None:  # TORCHINDUCTOR_VEC_ISA_OK decides
+        return False
+    marker = _marker(cache_dir, cxx)
+    if marker.exists():
+        inductor_config.cpp.vec_isa_ok = True
+        return True
+    checked = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+    inductor_config.cpp.vec_isa_ok = True
+    try:  # the list without the check: every ISA the CPU reports
+        reported = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list.__wrapped__()]
+    finally:
+        inductor_config.cpp.vec_isa_ok = None
+    if not checked or checked != reported:
+        logger.info("inductor's vector ISA check passed %s of %s: every process checks again", checked, reported)
+        return False
+    inductor_config.cpp.vec_isa_ok = True  # as in the processes that will find the marker
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".vec-isa-", dir=cache_dir)
+    with os.fdopen(fd, "w") as out:
+        out.write("".join(f"{name}\n" for name in checked))  # one ISA a line: a name may hold spaces
+    os.replace(tmp, marker)
+    return False

@@ -1,0 +1,69 @@
+"""common/engine/vec_isa_probe.py: inductor's vector-ISA check runs in the first process of a
+machine, compiler and torch; later ones find its marker and run no check process."""
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+from torch._inductor import config as inductor_config
+from torch._inductor import cpu_vec_isa
+
+from common.engine import vec_isa_probe
+from common.engine.vec_isa_probe import check_vec_isas_once
+from kernels.cpu import build
+
+pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("g++") is None,
+                                reason="inductor's x86 ISA check needs an x86 CPU and g++")
+
+
+@pytest.fixture
+def cxx(monkeypatch):
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
+    return shutil.which("g++")
+
+
+def test_the_first_process_checks_and_leaves_a_marker_that_later_ones_take(tmp_path, cxx, monkeypatch):
+    assert not check_vec_isas_once(tmp_path, cxx)  # checked here
+    assert inductor_config.cpp.vec_isa_ok is True  # the key later processes will have too
+    [marker] = tmp_path.glob("vec-isa-ok-*")
+    assert marker.read_text().splitlines() == [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)  # a later process
+
+    def no_check():
+        raise AssertionError("the ISAs were checked where the marker said every one passes")
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", no_check)
+    assert check_vec_isas_once(tmp_path, cxx)
+    assert inductor_config.cpp.vec_isa_ok is True  # inductor takes every reported ISA, unchecked
+
+
+def test_an_isa_that_fails_the_check_leaves_no_marker_and_every_process_checks(tmp_path, cxx, monkeypatch):
+    reported = cpu_vec_isa.valid_vec_isa_list.__wrapped__
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: reported()[1:])
+    cpu_vec_isa.valid_vec_isa_list.__wrapped__ = reported
+    assert not check_vec_isas_once(tmp_path, cxx)
+    assert not list(tmp_path.glob("vec-isa-ok-*"))
+    assert inductor_config.cpp.vec_isa_ok is None  # inductor checks as it would
+
+
+def test_another_compiler_checks_again(tmp_path, cxx, monkeypatch):
+    check_vec_isas_once(tmp_path, cxx)
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
+    monkeypatch.setattr(vec_isa_probe, "compiler_identity", lambda cxx: "/usr/bin/g++-99 1 1")
+    assert not check_vec_isas_once(tmp_path, cxx)
+    assert len(list(tmp_path.glob("vec-isa-ok-*"))) == 2
+
+
+def test_the_environment_variable_decides_where_set(tmp_path, cxx, monkeypatch):
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)  # TORCHINDUCTOR_VEC_ISA_OK=0
+    assert not check_vec_isas_once(tmp_path, cxx)
+    assert inductor_config.cpp.vec_isa_ok is False and not list(tmp_path.glob("vec-isa-ok-*"))
+
+
+def test_the_key_holds_the_compiler_torch_and_cpu(monkeypatch, tmp_path):
+    first = vec_isa_probe._marker(tmp_path, "/usr/bin/g++")
+    monkeypatch.setattr(vec_isa_probe, "cpu_flags", lambda: "flags : sse2")
+    assert vec_isa_probe._marker(tmp_path, "/usr/bin/g++") != first
+    assert build.compiler_identity is vec_isa_probe.compiler_identity
