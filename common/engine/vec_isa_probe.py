@@ -2,13 +2,14 @@
 
 Before inductor compiles or loads CPU code, it checks each vector ISA the CPU reports
 (AVX-512, AVX2, ...): it builds a small library for it and loads that in a fresh Python
-process. On an AVX-512 machine that is six processes at every start, ~1.9 s of CPU and
-~1.5 s of an engine's start on the 2-core Zen 4 EPYC (9.5-10.3 against 7.6-7.9 CPU-s for a
-decode service ready on the bundled model). Where one process of this machine, compiler
-and torch found every reported ISA working, the others take that answer (inductor's
-`cpp.vec_isa_ok`, which its cache keys hold: set the same way in every process, so they
-all share one key) and skip the check. Where any ISA failed, each process checks as
-inductor does. TORCHINDUCTOR_VEC_ISA_OK, when set, is left to decide.
+process, at every start. Where one process of this machine, compiler and torch found every
+reported ISA working, the others take that answer (inductor's `cpp.vec_isa_ok`, which its
+cache keys hold: set the same way in every process, so they all share one key) and skip
+that check; the AVX-512 classes' own checks of their BF16 and VNNI forms still run (three
+processes of six on the Zen 4 EPYC). There a decode service on the bundled model was ready
+in 7.0-7.1 s on 7.6-7.9 CPU-s against 8.5-9.4 s on 9.5-10.3 (docs/benchmarks.md, "Inductor's
+ISA check once a machine"). Where any ISA failed, each process checks as inductor does.
+TORCHINDUCTOR_VEC_ISA_OK, when set, is left to decide.
 """
 from __future__ import annotations
 

@@ -1,15 +1,16 @@
 """common/engine/vec_isa_probe.py: inductor's vector-ISA check runs in the first process of a
-machine, compiler and torch; later ones find its marker and run no check process."""
+machine, compiler and torch; later ones find its marker and skip it."""
 from __future__ import annotations
 
 import platform
 import shutil
+import types
 
 import pytest
-from torch._inductor import config as inductor_config
-from torch._inductor import cpu_vec_isa
 
-from common.engine import vec_isa_probe
+# compilation before inductor: importing it names inductor's cache directory (pdserve's), which
+# inductor fixes the first time one of its modules is imported in the process.
+from common.engine import compilation, vec_isa_probe  # noqa: F401
 from common.engine.vec_isa_probe import check_vec_isas_once
 from kernels.cpu import build
 
@@ -18,48 +19,57 @@ pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or
 
 
 @pytest.fixture
-def cxx(monkeypatch):
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
+def inductor(monkeypatch) -> types.SimpleNamespace:
+    """Inductor's config (vec_isa_ok unset, as in a fresh process) and its ISA module."""
+    from torch._inductor import config, cpu_vec_isa
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+    return types.SimpleNamespace(cpp=config.cpp, isa=cpu_vec_isa)
+
+
+@pytest.fixture
+def cxx() -> str:
     return shutil.which("g++")
 
 
-def test_the_first_process_checks_and_leaves_a_marker_that_later_ones_take(tmp_path, cxx, monkeypatch):
+def test_the_first_process_checks_and_leaves_a_marker_that_later_ones_take(tmp_path, cxx, inductor, monkeypatch):
     assert not check_vec_isas_once(tmp_path, cxx)  # checked here
-    assert inductor_config.cpp.vec_isa_ok is True  # the key later processes will have too
+    assert inductor.cpp.vec_isa_ok is True  # the key later processes will have too
     [marker] = tmp_path.glob("vec-isa-ok-*")
-    assert marker.read_text().splitlines() == [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+    assert marker.read_text().splitlines() == [str(isa) for isa in inductor.isa.valid_vec_isa_list()]
 
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)  # a later process
+    monkeypatch.setattr(inductor.cpp, "vec_isa_ok", None)  # a later process
 
     def no_check():
         raise AssertionError("the ISAs were checked where the marker said every one passes")
 
-    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", no_check)
+    monkeypatch.setattr(inductor.isa, "valid_vec_isa_list", no_check)
     assert check_vec_isas_once(tmp_path, cxx)
-    assert inductor_config.cpp.vec_isa_ok is True  # inductor takes every reported ISA, unchecked
+    assert inductor.cpp.vec_isa_ok is True  # inductor takes every reported ISA, unchecked
 
 
-def test_an_isa_that_fails_the_check_leaves_no_marker_and_every_process_checks(tmp_path, cxx, monkeypatch):
-    reported = cpu_vec_isa.valid_vec_isa_list.__wrapped__
-    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: reported()[1:])
-    cpu_vec_isa.valid_vec_isa_list.__wrapped__ = reported
+def test_an_isa_that_fails_the_check_leaves_no_marker_and_every_process_checks(tmp_path, cxx, inductor,
+                                                                                monkeypatch):
+    reported = inductor.isa.valid_vec_isa_list.__wrapped__
+    one_failing = lambda: reported()[1:]  # noqa: E731
+    one_failing.__wrapped__ = reported
+    monkeypatch.setattr(inductor.isa, "valid_vec_isa_list", one_failing)
     assert not check_vec_isas_once(tmp_path, cxx)
     assert not list(tmp_path.glob("vec-isa-ok-*"))
-    assert inductor_config.cpp.vec_isa_ok is None  # inductor checks as it would
+    assert inductor.cpp.vec_isa_ok is None  # inductor checks as it would
 
 
-def test_another_compiler_checks_again(tmp_path, cxx, monkeypatch):
+def test_another_compiler_checks_again(tmp_path, cxx, inductor, monkeypatch):
     check_vec_isas_once(tmp_path, cxx)
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
+    monkeypatch.setattr(inductor.cpp, "vec_isa_ok", None)
     monkeypatch.setattr(vec_isa_probe, "compiler_identity", lambda cxx: "/usr/bin/g++-99 1 1")
     assert not check_vec_isas_once(tmp_path, cxx)
     assert len(list(tmp_path.glob("vec-isa-ok-*"))) == 2
 
 
-def test_the_environment_variable_decides_where_set(tmp_path, cxx, monkeypatch):
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)  # TORCHINDUCTOR_VEC_ISA_OK=0
+def test_the_environment_variable_decides_where_set(tmp_path, cxx, inductor, monkeypatch):
+    monkeypatch.setattr(inductor.cpp, "vec_isa_ok", False)  # TORCHINDUCTOR_VEC_ISA_OK=0
     assert not check_vec_isas_once(tmp_path, cxx)
-    assert inductor_config.cpp.vec_isa_ok is False and not list(tmp_path.glob("vec-isa-ok-*"))
+    assert inductor.cpp.vec_isa_ok is False and not list(tmp_path.glob("vec-isa-ok-*"))
 
 
 def test_the_key_holds_the_compiler_torch_and_cpu(monkeypatch, tmp_path):
