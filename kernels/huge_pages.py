@@ -159,6 +159,9 @@ def whole_small_pages(tensor: torch.Tensor) -> tuple[int, int]:
 # worker killed beside two busy processes: 5-10 s against 0.1 s).
 POPULATE_PIECE_BYTES = 32 << 20
 POPULATE_PAUSE_RATIO = 3.0
+# The populating threads this process started (wait_until_populated joins them).
+_POPULATING: list[threading.Thread] = []
+_POPULATING_LOCK = threading.Lock()
 
 
 def _populate(spans: list[tuple[int, int]], _tensors: list[torch.Tensor]) -> None:
@@ -198,10 +201,6 @@ def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | No
         _POPULATING[:] = [t for t in _POPULATING if t.is_alive()] + [thread]
     thread.start()
     return thread
-
-
-_POPULATING: list[threading.Thread] = []
-_POPULATING_LOCK = threading.Lock()
 
 
 def wait_until_populated(timeout_s: float) -> bool:

@@ -36,11 +36,12 @@ def _marker(cache_dir: Path, cxx: str) -> Path:
 def check_vec_isas_once(cache_dir: Path, cxx: str) -> bool:
     """Set inductor's vec_isa_ok where this machine's ISAs are known to pass its check (a
     marker under cache_dir), else check them now and leave the marker when all pass.
-    Whether the check was skipped. Call before anything compiles or loads CPU code."""
+    Whether this call found the marker and skipped the check. Call before anything compiles
+    or loads CPU code."""
     from torch._inductor import config as inductor_config
     from torch._inductor import cpu_vec_isa
 
-    if inductor_config.cpp.vec_isa_ok is not None:  # TORCHINDUCTOR_VEC_ISA_OK decides
+    if inductor_config.cpp.vec_isa_ok is not None:  # TORCHINDUCTOR_VEC_ISA_OK, or an earlier call here
         return False
     marker = _marker(cache_dir, cxx)
     if marker.exists():

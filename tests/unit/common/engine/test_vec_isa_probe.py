@@ -12,7 +12,6 @@ import pytest
 # inductor fixes the first time one of its modules is imported in the process.
 from common.engine import compilation, vec_isa_probe  # noqa: F401
 from common.engine.vec_isa_probe import check_vec_isas_once
-from kernels.cpu import build
 
 pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("g++") is None,
                                 reason="inductor's x86 ISA check needs an x86 CPU and g++")
@@ -72,8 +71,17 @@ def test_the_environment_variable_decides_where_set(tmp_path, cxx, inductor, mon
     assert inductor.cpp.vec_isa_ok is False and not list(tmp_path.glob("vec-isa-ok-*"))
 
 
-def test_the_key_holds_the_compiler_torch_and_cpu(monkeypatch, tmp_path):
-    first = vec_isa_probe._marker(tmp_path, "/usr/bin/g++")
-    monkeypatch.setattr(vec_isa_probe, "cpu_flags", lambda: "flags : sse2")
-    assert vec_isa_probe._marker(tmp_path, "/usr/bin/g++") != first
-    assert build.compiler_identity is vec_isa_probe.compiler_identity
+def test_the_key_holds_the_compiler_torch_and_cpu(monkeypatch, tmp_path, cxx):
+    first = vec_isa_probe._marker(tmp_path, cxx)
+    markers = {first}
+    with monkeypatch.context() as m:
+        m.setattr(vec_isa_probe, "compiler_identity", lambda cxx: "/usr/bin/g++-99 1 1")
+        markers.add(vec_isa_probe._marker(tmp_path, cxx))
+    with monkeypatch.context() as m:
+        m.setattr(vec_isa_probe.torch, "__version__", "0.0.1+elsewhere")
+        markers.add(vec_isa_probe._marker(tmp_path, cxx))
+    with monkeypatch.context() as m:
+        m.setattr(vec_isa_probe, "cpu_flags", lambda: "flags : sse2")
+        markers.add(vec_isa_probe._marker(tmp_path, cxx))
+    assert len(markers) == 4  # each of the three changes the key
+    assert vec_isa_probe._marker(tmp_path, cxx) == first
