@@ -53,7 +53,7 @@ class EngineWorker:
             logger.info("--speculative-config is for decode instances; a prefill instance ignores it")
             config.speculative = None
         # The grammar backend built while the model loads: ready for the first constrained request.
-        self.core = EngineCore(config, warm_grammar_backend=True)
+        self.core = EngineCore(config, warm_grammar_backend=getattr(args, "grammar_warm_up", True))
         # Every adapter served is loaded once now, so that one this model cannot serve fails the
         # start, not a request; past max_loras each takes the place of the one loaded longest ago.
         for lora in self.lora_modules.requests:

@@ -13,7 +13,9 @@ from gateway.client import Client
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("stack-logs")
-    with LocalStack(1, 1, passthrough=["--kv-cache-memory", "256MiB", "--log-level", "WARNING"],
+    # --grammar-warm-up as services start by default (the suite turns it off): the structured
+    # outputs tests on this stack see what a deployment does.
+    with LocalStack(1, 1, passthrough=["--kv-cache-memory", "256MiB", "--log-level", "WARNING", "--grammar-warm-up"],
                     log_dir=log_dir) as local_stack:
         yield local_stack
 

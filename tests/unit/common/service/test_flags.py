@@ -81,3 +81,12 @@ def test_blocks_ahead_come_from_the_flag_and_a_bad_count_is_refused():
     assert engine_config_from_args(args).cache.num_blocks_ahead == 0
     with pytest.raises(ValueError, match="num_blocks_ahead must be an integer >= 0"):
         engine_config_from_args(decode_parser().parse_args(["--num-kv-blocks-ahead", "-1"]))
+
+
+def test_the_grammar_warm_up_is_on_unless_turned_off(monkeypatch):
+    monkeypatch.delenv("PDSERVE_GRAMMAR_WARM_UP", raising=False)  # the suite turns it off
+    assert decode_parser().parse_args([]).grammar_warm_up
+    assert not prefill_parser().parse_args(["--no-grammar-warm-up"]).grammar_warm_up
+    monkeypatch.setenv("PDSERVE_GRAMMAR_WARM_UP", "0")
+    assert not decode_parser().parse_args([]).grammar_warm_up
+    assert decode_parser().parse_args(["--grammar-warm-up"]).grammar_warm_up
