@@ -18,8 +18,9 @@ os.environ.setdefault("PDSERVE_DTYPE", "float32")
 # Compiling costs a minute per engine on two cores: engines run eagerly unless a test
 # of the compiled path turns it back on.
 os.environ.setdefault("PDSERVE_ENFORCE_EAGER", "1")
-# Most of the ~70 services the suite starts never see a constraint: building xgrammar's
-# backend at each start cost the services part ~37 CPU-seconds (~20 s of its wall time).
+# Most of the engine services the suite starts (~40 in the services part) never see a
+# constraint: building xgrammar's backend at each start cost that part ~37 CPU-seconds
+# (~20 s of its wall time).
 # Those that test constraints build it on their first (the shared stack warms it, as the
 # default does, and test_engine_worker.py checks both).
 os.environ.setdefault("PDSERVE_GRAMMAR_WARM_UP", "0")
