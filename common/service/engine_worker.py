@@ -52,7 +52,8 @@ class EngineWorker:
             # A prefill instance samples one token per prompt: there is nothing to draft for.
             logger.info("--speculative-config is for decode instances; a prefill instance ignores it")
             config.speculative = None
-        # The grammar backend built while the model loads: ready for the first constrained request.
+        # The grammar backend built while the model loads, ready for the first constrained
+        # request, unless --no-grammar-warm-up leaves it to that request.
         self.core = EngineCore(config, warm_grammar_backend=getattr(args, "grammar_warm_up", True))
         # Every adapter served is loaded once now, so that one this model cannot serve fails the
         # start, not a request; past max_loras each takes the place of the one loaded longest ago.
