@@ -222,7 +222,8 @@ class ModelRunner:
         # stay eager: their collectives and stage transfers are not compiler-safe ops.
         self.forward = compile_forward(self.model, self.device,
                                        enforce_eager or self.parallel_config.world_size > 1, single_weight_copy,
-                                       dynamic_threads=num_prefill_threads not in (None, torch.get_num_threads()))
+                                       dynamic_threads=num_prefill_threads not in (None, torch.get_num_threads()),
+                                       single_rank=self.parallel_config.world_size == 1)
         # Logits of the sampled rows: compiled with the forward, or eager with it.
         self.compute_logits = compile_logits(self.model, self.forward)
         if self.device.type == "cpu":

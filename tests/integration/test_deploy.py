@@ -121,17 +121,17 @@ def _stack_env(tmp_path: Path, gateway_port: int) -> dict[str, str]:
     # The deployment's own settings file, with what this test needs on top: small KV
     # pools (five replicas on one machine), round-robin placement (so a new replica is
     # sure to get traffic), every prompt prefilled remotely, short grace periods. And the
-    # engines as in the rest of the suite: fp32 (the offline reference's dtype), eager and
-    # on torch's attention and sampling. Compiling the model and building the native
-    # kernels in four containers at once took 347 s of `up` on the 2-core Xeon, against
-    # 49 s this way (README, "Tested end to end"); that the image can compile is checked
-    # on its own (_check_image_compiles).
+    # engines as in the rest of the suite: fp32 (the offline reference's dtype), eager, on
+    # oneDNN's packed linears and torch's attention and sampling. Compiling the model and
+    # building the native kernels in four containers at once took 347 s of `up` on the
+    # 2-core Xeon, against 49 s this way (README, "Tested end to end"); that the image can
+    # compile is checked on its own (_check_image_compiles).
     overrides = {"PDSERVE_KV_CACHE_MEMORY": "128MiB", "PDSERVE_POLICY": "round_robin",
                  "PDSERVE_LOCAL_PREFILL_THRESHOLD": "0", "PDSERVE_HEARTBEAT_INTERVAL": "1",
                  "PDSERVE_HEARTBEAT_TIMEOUT": "5", "PDSERVE_GRACE_PERIOD": "20",
                  "PDSERVE_DRAIN_TIMEOUT": "20", "PDSERVE_LOG_LEVEL": "INFO",
                  "PDSERVE_DTYPE": "float32", "PDSERVE_ENFORCE_EAGER": "1", "PDSERVE_CPU_ATTENTION": "torch",
-                 "PDSERVE_CPU_ARGMAX": "0"}
+                 "PDSERVE_CPU_ARGMAX": "0", "PDSERVE_CPU_GEMV": "0"}
     lines = [line for line in (REPO / "deploy" / "pdserve.env").read_text().splitlines()
              if line.split("=", 1)[0] not in overrides]
     env_file = tmp_path / "pdserve-test.env"

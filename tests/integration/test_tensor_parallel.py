@@ -71,15 +71,20 @@ def to_scheduler_output(step: list[dict]) -> SchedulerOutput:
 
 
 def record_logits(runner: ModelRunner) -> list[torch.Tensor]:
-    """The logits of each step the runner samples (copied: the sampler scales them in place)."""
+    """The logits of each step the runner samples (copied: the sampler scales them in place),
+    from compute_logits or, where a one-process model's head is packed (greedy rows), from
+    compute_argmax_logits: fp32 logits either way."""
     recorded: list[torch.Tensor] = []
-    compute_logits = runner.compute_logits
 
-    def recording(hidden: torch.Tensor) -> torch.Tensor:
-        logits = compute_logits(hidden)
-        recorded.append(logits.clone())
-        return logits
-    runner.compute_logits = recording
+    def recording(compute):
+        def record(hidden: torch.Tensor) -> torch.Tensor | None:
+            logits = compute(hidden)
+            if logits is not None:
+                recorded.append(logits.clone())
+            return logits
+        return record
+    runner.compute_logits = recording(runner.compute_logits)
+    runner.model.compute_argmax_logits = recording(runner.model.compute_argmax_logits)
     return recorded
 
 

@@ -176,6 +176,53 @@ def test_enforce_eager_runs_the_model_itself(engines):
     runner = eager.engine.executor.runner
     assert runner.forward is runner.model
     assert runner.native_decode is None
+    # Eager turns compiling off, not the CPU's packed linears.
+    assert isinstance(runner.model.layers[0].self_attn.qkv_proj, PrepackedLinear)
+    assert runner.model.prepacked_head is not None
+
+
+def _tiny_model(model_dir):
+    from common.engine.config import ModelConfig
+    from common.engine.model_files import load_hf_config
+    from common.engine.model_runner import load_model
+    return load_model(ModelConfig.from_hf_config(load_hf_config(model_dir)), model_dir, torch.device("cpu"),
+                      torch.float32)
+
+
+@pytest.mark.parametrize("switch, single_rank, packed", [(None, True, True), ("0", True, False), (None, False, False)],
+                         ids=["packed", "switched-off", "a-parallel-rank"])
+def test_an_eager_model_keeps_packed_linears_unless_switched_off_or_a_rank(tiny_llama_dir, monkeypatch, switch,
+                                                                           single_rank, packed):
+    monkeypatch.setenv("PDSERVE_ENFORCE_EAGER", "1")
+    if switch is None:
+        monkeypatch.delenv("PDSERVE_PREPACK_LINEARS", raising=False)
+    else:
+        monkeypatch.setenv("PDSERVE_PREPACK_LINEARS", switch)
+    model = _tiny_model(tiny_llama_dir)
+    assert compilation.compile_forward(model, torch.device("cpu"), enforce_eager=False, single_rank=single_rank) is model
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PrepackedLinear))]
+    assert linears and all(isinstance(m, PrepackedLinear) == packed for m in linears)
+    assert (model.prepacked_head is not None) == packed
+
+
+def test_packed_and_torchs_linears_give_an_eager_engine_the_same_tokens(tiny_llama_dir, monkeypatch):
+    """The packed linears differ from torch's in summation order only (fp32)."""
+    options = dict(dtype="float32", enforce_eager=True, max_num_batched_tokens=64, kv_cache_memory="32MiB")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    prompts = _prompts([5, 30, 70])
+    outputs = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("PDSERVE_PREPACK_LINEARS", switch)
+        llm = LLM(str(tiny_llama_dir), **options)
+        qkv_proj = llm.engine.executor.runner.model.layers[0].self_attn.qkv_proj
+        assert isinstance(qkv_proj, PrepackedLinear) == (switch == "1")
+        outputs.append([o.outputs[0] for o in llm.generate(prompts, params)])
+        llm.engine.shutdown()
+    packed, plain = outputs
+    assert [o.token_ids for o in packed] == [o.token_ids for o in plain]
+    for p, q in zip(packed, plain):
+        torch.testing.assert_close(torch.tensor([s.token_logprob for s in p.logprobs]),
+                                   torch.tensor([s.token_logprob for s in q.logprobs]), atol=LOGPROB_ATOL, rtol=0)
 
 
 @pytest.mark.skipif(not native_decode_available(), reason="no native GEMV or attention here")
@@ -188,35 +235,33 @@ def test_a_compiled_cpu_engine_takes_decode_steps_to_the_native_loop(engines):
     assert loop.num_steps == steps_before + 4  # the prefill step samples the first token
 
 
-def test_without_a_compiler_the_model_runs_eagerly_with_one_log_line(monkeypatch, caplog):
+def test_without_a_compiler_the_model_runs_eagerly_with_one_log_line(tiny_llama_dir, monkeypatch, caplog):
     monkeypatch.delenv("PDSERVE_ENFORCE_EAGER", raising=False)
     monkeypatch.setattr(compilation, "find_cpp_compiler", lambda: None)
-    model = torch.nn.Linear(2, 2)
+    model = _tiny_model(tiny_llama_dir)
     with caplog.at_level(logging.WARNING, logger="common.engine.compilation"):
         assert compilation.compile_forward(model, torch.device("cpu"), enforce_eager=False) is model
     assert [r.message for r in caplog.records if "no C++ compiler" in r.message] != []
+    # oneDNN packs the linears without a compiler.
+    assert isinstance(model.layers[0].self_attn.qkv_proj, PrepackedLinear)
 
 
 def test_the_per_start_fallback_compiles_the_layers_apart(tiny_llama_dir, monkeypatch, tmp_path):
     # The per-start compile traces every size dynamic, where dynamo cannot reuse a layer.
-    from common.engine.config import ModelConfig
-    from common.engine.model_files import load_hf_config
-    from common.engine.model_runner import load_model
     monkeypatch.delenv("PDSERVE_ENFORCE_EAGER", raising=False)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     compiled_methods = []
     monkeypatch.setattr(compilation, "_compile_method", compiled_methods.append)
-    model = load_model(ModelConfig.from_hf_config(load_hf_config(tiny_llama_dir)), tiny_llama_dir,
-                       torch.device("cpu"), torch.float32)
+    model = _tiny_model(tiny_llama_dir)
     forward = compilation.compile_forward(model, torch.device("cpu"), enforce_eager=False)
     assert model.compile_layer_once
     forward.fallback()
     assert not model.compile_layer_once and compiled_methods == [model.forward]
 
 
-def test_environment_can_force_eager(monkeypatch):
+def test_environment_can_force_eager(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("PDSERVE_ENFORCE_EAGER", "1")
-    model = torch.nn.Linear(2, 2)
+    model = _tiny_model(tiny_llama_dir)
     assert compilation.compile_forward(model, torch.device("cpu"), enforce_eager=False) is model
 
 
