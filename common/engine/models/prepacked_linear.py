@@ -225,8 +225,9 @@ def prepack_linears(model: nn.Module, single_copy: bool = False) -> int:
     where they are tied) as `model.prepacked_head`, with the GGUF's Q8_0 blocks of that head
     for decode steps where quantization left them (`model.head_q8_0_blocks`). single_copy:
     each keeps its weight once where it can (PrepackedLinear). Returns how many were packed;
-    0 where oneDNN cannot pack the model's dtype. Quantized projections are not nn.Linear
-    and stay."""
+    0 where oneDNN cannot pack the model's dtype, and for a model packed before (an eager
+    engine's is, ModelRunner): its head is not packed twice. Quantized projections are not
+    nn.Linear and stay."""
     first = next(model.parameters())
     if first.device.type != "cpu" or not prepacking_available(first.dtype):
         return 0
@@ -239,7 +240,7 @@ def prepack_linears(model: nn.Module, single_copy: bool = False) -> int:
         setattr(parent, attr, PrepackedLinear(old.weight, old.bias, single_copy=single_copy))
     head = model.embed_tokens if getattr(model, "lm_head", None) is None else model.lm_head
     num_packed = len(targets)
-    if head is not None and head.tp_size == 1:
+    if head is not None and head.tp_size == 1 and getattr(model, "prepacked_head", None) is None:
         model.prepacked_head = PrepackedLinear(head.weight, None, getattr(model, "head_q8_0_blocks", None),
                                                single_copy=single_copy)
         num_packed += 1

@@ -66,9 +66,9 @@ class DraftModelProposer(DraftProposer):
                                            runner.device)
 
     def build_native_loop(self) -> None:
-        # The loop reads the packed linears' decode weights, which the eager draft then runs too.
-        if getattr(self.model, "prepacked_head", None) is None:
-            prepack_linears(self.model)
+        # The loop reads the packed linears' decode weights, which the eager draft then runs too
+        # (a draft packed before packs nothing again).
+        prepack_linears(self.model)
         self.loop = NativeDecodeLoop.build(self.model, self.kv_caches, role="draft")
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

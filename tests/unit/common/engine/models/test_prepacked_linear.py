@@ -116,6 +116,10 @@ def test_prepack_linears_replaces_every_projection_and_packs_the_head(tiny_llama
         logits = model.compute_logits(hidden)  # [3, vocab_size], the padding rows cut
     assert logits.shape == (3, model.config.vocab_size)
     torch.testing.assert_close(logits, want_logits, **TOLERANCES[torch.float32])
+    # A packed model packs nothing again: it keeps its head.
+    head = model.prepacked_head
+    assert prepack_linears(model) == 0
+    assert model.prepacked_head is head
 
 
 @pytest.mark.skipif(not prepacking_available(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
