@@ -199,7 +199,8 @@ def test_an_eager_model_keeps_packed_linears_unless_switched_off_or_a_rank(tiny_
     else:
         monkeypatch.setenv("PDSERVE_PREPACK_LINEARS", switch)
     model = _tiny_model(tiny_llama_dir)
-    assert compilation.compile_forward(model, torch.device("cpu"), enforce_eager=False, single_rank=single_rank) is model
+    forward = compilation.compile_forward(model, torch.device("cpu"), enforce_eager=False, single_rank=single_rank)
+    assert forward is model
     linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PrepackedLinear))]
     assert linears and all(isinstance(m, PrepackedLinear) == packed for m in linears)
     assert (model.prepacked_head is not None) == packed

@@ -51,7 +51,7 @@ def test_quantized_llm_agrees_with_dense(dense_token_ids, method, linear_cls):
     assert llm.tokenizer.decode(token_ids).strip()
     assert num_leading_equal(token_ids, dense_token_ids) >= MIN_AGREEING_TOKENS
     # gguf keeps the file's Q8_0 head for decode steps where the CPU's packed head reads it,
-    # in the GEMV's order (a copy on huge pages).
+    # in the GEMV's order (a copy of its own).
     head = model.prepacked_head
     if method == "gguf" and head is not None and native_gemv_available():
         assert head._q8_0_blocks is not None
