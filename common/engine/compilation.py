@@ -5,7 +5,8 @@ so inductor fuses everything between attentions — norms, RoPE, SiLU, residuals
 CPU the linears are packed once for oneDNN before compiling (models.prepacked_linear,
 which uses AMX / AVX512-BF16 for bf16) and reached through a custom op, so the graphs
 hold no weights: inductor's freezing, which would pack them instead, embeds mkldnn
-constants its caches cannot store, and every start would recompile. The token
+constants its caches cannot store, and every start would recompile. (An eager
+single-rank CPU model keeps the packed linears too: _pack_eager.) The token
 dimension is unbacked (ModelRunner.warm_up): one forward graph and one logits graph
 serve every batch, one token included, so a run of varied batches does not recompile.
 On CPU the forward and the logits are compiled ahead of time and saved whole under the
