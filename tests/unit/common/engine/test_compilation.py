@@ -17,6 +17,7 @@ from common.engine.models.prepacked_linear import PrepackedLinear
 from common.engine.sampling_params import SamplingParams
 from kernels.cpu_decode import native_decode_available
 from kernels.cpu_linear import panels_for_any_rows
+from tests.conftest import load_cpu_model
 from tests.support.fresh_process import run_python
 from tests.unit.common.engine.models.family_parity import save_tiny_model
 
@@ -181,14 +182,6 @@ def test_enforce_eager_runs_the_model_itself(engines):
     assert runner.model.prepacked_head is not None
 
 
-def _tiny_model(model_dir):
-    from common.engine.config import ModelConfig
-    from common.engine.model_files import load_hf_config
-    from common.engine.model_runner import load_model
-    return load_model(ModelConfig.from_hf_config(load_hf_config(model_dir)), model_dir, torch.device("cpu"),
-                      torch.float32)
-
-
 @pytest.mark.parametrize("switch, single_rank, packed", [(None, True, True), ("0", True, False), (None, False, False)],
                          ids=["packed", "switched-off", "a-parallel-rank"])
 def test_an_eager_model_keeps_packed_linears_unless_switched_off_or_a_rank(tiny_llama_dir, monkeypatch, switch,
@@ -198,7 +191,7 @@ def test_an_eager_model_keeps_packed_linears_unless_switched_off_or_a_rank(tiny_
         monkeypatch.delenv("PDSERVE_PREPACK_LINEARS", raising=False)
     else:
         monkeypatch.setenv("PDSERVE_PREPACK_LINEARS", switch)
-    model = _tiny_model(tiny_llama_dir)
+    model = load_cpu_model(tiny_llama_dir)
     forward = compilation.compile_forward(model, torch.device("cpu"), enforce_eager=False, single_rank=single_rank)
     assert forward is model
     linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PrepackedLinear))]
@@ -239,7 +232,7 @@ def test_a_compiled_cpu_engine_takes_decode_steps_to_the_native_loop(engines):
 def test_without_a_compiler_the_model_runs_eagerly_with_one_log_line(tiny_llama_dir, monkeypatch, caplog):
     monkeypatch.delenv("PDSERVE_ENFORCE_EAGER", raising=False)
     monkeypatch.setattr(compilation, "find_cpp_compiler", lambda: None)
-    model = _tiny_model(tiny_llama_dir)
+    model = load_cpu_model(tiny_llama_dir)
     with caplog.at_level(logging.WARNING, logger="common.engine.compilation"):
         assert compilation.compile_forward(model, torch.device("cpu"), enforce_eager=False) is model
     assert [r.message for r in caplog.records if "no C++ compiler" in r.message] != []
@@ -253,7 +246,7 @@ def test_the_per_start_fallback_compiles_the_layers_apart(tiny_llama_dir, monkey
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     compiled_methods = []
     monkeypatch.setattr(compilation, "_compile_method", compiled_methods.append)
-    model = _tiny_model(tiny_llama_dir)
+    model = load_cpu_model(tiny_llama_dir)
     forward = compilation.compile_forward(model, torch.device("cpu"), enforce_eager=False)
     assert model.compile_layer_once
     forward.fallback()
@@ -262,7 +255,7 @@ def test_the_per_start_fallback_compiles_the_layers_apart(tiny_llama_dir, monkey
 
 def test_environment_can_force_eager(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("PDSERVE_ENFORCE_EAGER", "1")
-    model = _tiny_model(tiny_llama_dir)
+    model = load_cpu_model(tiny_llama_dir)
     assert compilation.compile_forward(model, torch.device("cpu"), enforce_eager=False) is model
 
 

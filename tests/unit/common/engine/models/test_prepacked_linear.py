@@ -10,13 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.engine.config import ModelConfig
-from common.engine.model_files import load_hf_config
-from common.engine.model_runner import load_model
 from common.engine.models import prepacked_linear
 from common.engine.models.prepacked_linear import PrepackedLinear, prepack_linears, prepacking_available
 from kernels.cpu_linear import native_gemv_available
 from kernels.huge_pages import huge_pages_available
+from tests.conftest import load_cpu_model
 from tests.support.memory_maps import mapping_of
 
 pytestmark = pytest.mark.skipif(not prepacking_available(torch.float32), reason="oneDNN cannot pack here")
@@ -95,14 +93,9 @@ def test_a_compiled_graph_reaches_the_packed_weight_through_the_op():
                                    **TOLERANCES[torch.float32])
 
 
-def _tiny_model(model_dir):
-    config = ModelConfig.from_hf_config(load_hf_config(model_dir))
-    return load_model(config, model_dir, torch.device("cpu"), torch.float32)
-
-
 def test_prepack_linears_replaces_every_projection_and_packs_the_head(tiny_llama_dir):
     torch.manual_seed(0)
-    model = _tiny_model(tiny_llama_dir)
+    model = load_cpu_model(tiny_llama_dir)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     inputs = {name: torch.randn(3, m.in_features) for name, m in linears.items()}
     hidden = torch.randn(3, model.config.hidden_size)
@@ -126,9 +119,8 @@ def test_prepack_linears_replaces_every_projection_and_packs_the_head(tiny_llama
 def test_greedy_rows_take_the_packed_heads_own_output(tiny_llama_dir):
     # Greedy steps take the bf16 head's output as it is: compute_logits' values before their
     # fp32 copy, so every argmax (ties, sliced padding columns) is the same.
-    config = ModelConfig.from_hf_config(load_hf_config(tiny_llama_dir))
-    model = load_model(config, tiny_llama_dir, torch.device("cpu"), torch.bfloat16)
-    hidden = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    model = load_cpu_model(tiny_llama_dir, torch.bfloat16)
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     with torch.inference_mode():
         assert model.compute_argmax_logits(hidden) is None  # nothing packed: nothing to spare
         prepack_linears(model)
@@ -142,7 +134,7 @@ def test_greedy_rows_take_the_packed_heads_own_output(tiny_llama_dir):
 
 
 def test_nothing_is_packed_where_onednn_cannot(monkeypatch, tiny_llama_dir):
-    model = _tiny_model(tiny_llama_dir)
+    model = load_cpu_model(tiny_llama_dir)
     monkeypatch.setattr(prepacked_linear, "prepacking_available", lambda dtype: False)
     assert prepack_linears(model) == 0
     assert model.prepacked_head is None

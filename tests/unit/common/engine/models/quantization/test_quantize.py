@@ -5,22 +5,17 @@ import pytest
 import torch
 from torch import nn
 
-from common.engine.config import EngineConfig, ModelConfig, make_engine_config
-from common.engine.model_files import bundled_gguf_path, load_hf_config
-from common.engine.model_runner import load_model
+from common.engine.config import EngineConfig, make_engine_config
+from common.engine.model_files import bundled_gguf_path
 from common.engine.models.quantization import QuantizationSpec, quantization_spec, quantize_model
 from common.engine.models.quantization.int8_linear import Int8Linear
 from common.engine.models.quantization.quantize import PROJECTION_NAMES
-
-
-def tiny_model(model_dir, dtype=torch.float32, quantization=None):
-    cfg = ModelConfig.from_hf_config(load_hf_config(model_dir))
-    return load_model(cfg, model_dir, torch.device("cpu"), dtype, quantization)
+from tests.conftest import load_cpu_model
 
 
 def test_int8_replaces_every_projection_and_nothing_else(tiny_llama_dir):
-    dense = tiny_model(tiny_llama_dir)
-    model = tiny_model(tiny_llama_dir, quantization=QuantizationSpec("int8"))
+    dense = load_cpu_model(tiny_llama_dir)
+    model = load_cpu_model(tiny_llama_dir, quantization=QuantizationSpec("int8"))
     quantized = {name for name, m in model.named_modules() if isinstance(m, Int8Linear)}
     expected = {f"layers.{i}.{block}.{p}" for i in range(2)
                 for block, p in [("self_attn", "qkv_proj"), ("self_attn", "o_proj"),
@@ -64,7 +59,7 @@ def test_tensor_parallel_is_refused(method):
 
 def test_a_sharded_projection_is_refused(tiny_llama_dir):
     """A rank's slice of a projection (as tensor parallelism leaves it) is not quantized."""
-    model = tiny_model(tiny_llama_dir)
+    model = load_cpu_model(tiny_llama_dir)
     qkv = model.layers[0].self_attn.qkv_proj
     model.layers[0].self_attn.qkv_proj = nn.Linear(qkv.in_features, qkv.out_features // 2, bias=False)
     with pytest.raises(ValueError, match="tensor parallelism"):
@@ -73,6 +68,6 @@ def test_a_sharded_projection_is_refused(tiny_llama_dir):
 
 def test_gguf_shapes_must_match_the_model(tiny_llama_dir):
     """The bundled GGUF's blocks cannot stand in for another model's projections."""
-    model = tiny_model(tiny_llama_dir)
+    model = load_cpu_model(tiny_llama_dir)
     with pytest.raises(ValueError, match="in the GGUF"):
         quantize_model(model, QuantizationSpec("gguf", bundled_gguf_path()))
