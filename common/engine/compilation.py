@@ -136,10 +136,17 @@ def _pack_eager(model: torch.nn.Module, single_rank: bool, single_weight_copy: b
     2-core Zen 4 EPYC (72 against 26 ms a token at one thread); packing costs a start ~1.4
     CPU-seconds. PDSERVE_PREPACK_LINEARS=0 keeps torch's linears (a reference for the packed
     ones). What the log line adds."""
-    if not single_rank or switched_off("PDSERVE_PREPACK_LINEARS"):
-        return ""
-    num_prepacked = prepack_linears(model, single_copy=single_weight_copy)
+    num_prepacked = pack_eager_linears(model, single_weight_copy) if single_rank else 0
     return f"; {num_prepacked} linears prepacked" if num_prepacked else ""
+
+
+def pack_eager_linears(model: torch.nn.Module, single_weight_copy: bool = False) -> int:
+    """prepack_linears for a model that runs eagerly on one rank (an eager engine's, or a
+    draft model's, which runs eagerly in every mode), unless PDSERVE_PREPACK_LINEARS=0.
+    How many were packed."""
+    if switched_off("PDSERVE_PREPACK_LINEARS"):
+        return 0
+    return prepack_linears(model, single_copy=single_weight_copy)
 
 
 def _compile_method(method: Callable) -> Callable:

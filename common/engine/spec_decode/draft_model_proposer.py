@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from common.engine.compilation import pack_eager_linears
 from common.engine.config import ModelConfig
 from common.engine.distributed import parallel_state
 from common.engine.model_files import load_hf_config, resolve_model
@@ -51,6 +52,8 @@ class DraftModelProposer(DraftProposer):
         # the draft is small, and its passes then wait on no other rank.
         with parallel_state.one_rank_view():
             self.model = load_model(self.model_config, draft_dir, runner.device, runner.dtype)
+        # On the CPU's packed linears, as an eager target's are: the draft is never compiled.
+        pack_eager_linears(self.model)
         self.kv_bytes_per_block = runner.block_size * self.model_config.kv_bytes_per_token(
             runner.kv_cache_dtype.itemsize)
         # Per draft layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim].
@@ -66,8 +69,8 @@ class DraftModelProposer(DraftProposer):
                                            runner.device)
 
     def build_native_loop(self) -> None:
-        # The loop reads the packed linears' decode weights, which the eager draft then runs too
-        # (a draft packed before packs nothing again).
+        # The loop reads the packed linears' decode weights (packed at load unless switched off
+        # there; a draft packed before packs nothing again).
         prepack_linears(self.model)
         self.loop = NativeDecodeLoop.build(self.model, self.kv_caches, role="draft")
 

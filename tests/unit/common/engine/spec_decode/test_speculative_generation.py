@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from common.engine.llm import LLM
+from common.engine.models.prepacked_linear import PrepackedLinear
 from common.engine.outputs import ScheduledRequest
 from common.engine.sampling_params import SamplingParams
 from common.engine.spec_decode.proposer import DraftProposer
@@ -181,6 +182,29 @@ def test_a_draft_equal_to_the_target_is_always_accepted(target_dir, reference):
     assert stats["spec_mean_acceptance_length"] == K + 1
     assert stats["spec_num_drafts"] == 4 * len(prompts)
     llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("switch", ["1", "0"], ids=["packed", "switched-off"])
+def test_a_draft_model_runs_on_packed_linears_as_the_target_does(target_dir, tiny_model_factory, reference,
+                                                                 monkeypatch, switch):
+    """The draft model runs eagerly in every mode, on the CPU's packed linears unless
+    PDSERVE_PREPACK_LINEARS=0 turns them off for the target too."""
+    monkeypatch.setenv("PDSERVE_PREPACK_LINEARS", switch)
+    llm = spec_llm(target_dir, proposer_config("draft_model", tiny_model_factory))
+    try:
+        runner = llm.engine.executor.runner
+        packed = switch == "1"
+        for model in (runner.model, runner.proposer.model):
+            linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PrepackedLinear))]
+            assert linears and all(isinstance(m, PrepackedLinear) == packed for m in linears)
+            assert (getattr(model, "prepacked_head", None) is not None) == packed
+        prompts = reference["prompts"][:6]
+        outputs = generate(llm, prompts, greedy())
+        if packed:  # the reference engine's linears are packed too
+            assert outputs == reference["greedy"][:6]
+        assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+    finally:
+        llm.engine.shutdown()
 
 
 def spec_stats(llm: LLM) -> dict:
