@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from itertools import accumulate
 from pathlib import Path
@@ -83,9 +84,11 @@ def attention_head_dims(model_config: ModelConfig, speculative_config: Speculati
 
 def allocate_paged_kv(model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device, num_layers: int | None = None,
-                      num_kv_heads: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      num_kv_heads: int | None = None,
+                      populating_stop: threading.Event | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim]; num_layers and
-    num_kv_heads (default: the model's) are one rank's under tensor/pipeline parallelism.
+    num_kv_heads (default: the model's) are one rank's under tensor/pipeline parallelism;
+    populating_stop, once set, ends the faulting in of the pool's pages (populate_in_background).
 
     Zeroed, not empty: attention reads whole blocks and masks the tail, and garbage
     NaNs would survive a zero weight (0 * NaN = NaN). On the CPU in huge pages
@@ -99,7 +102,7 @@ def allocate_paged_kv(model_config: ModelConfig, num_blocks: int, block_size: in
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                 for _ in range(num_layers)]
     caches = [(zeros_on_huge_pages(shape, dtype), zeros_on_huge_pages(shape, dtype)) for _ in range(num_layers)]
-    populate_in_background([cache for pair in caches for cache in pair])
+    populate_in_background([cache for pair in caches for cache in pair], populating_stop)
     return caches
 
 
@@ -235,6 +238,9 @@ class ModelRunner:
         self.prompt_pooler = PromptPooler()  # embedding requests' pooling across their chunks
         # Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Set once the KV pools (the draft's too) are shut down or replaced: their pages are
+        # faulted in no further.
+        self.kv_populating_stop = threading.Event()
         # The worker half of the KV connector (None: this engine moves no KV in or out).
         self.kv_connector = make_worker_connector(kv_transfer_config or KVTransferConfig(), rank % tp_size, tp_size,
                                                   model_config.num_key_value_heads)
@@ -277,8 +283,11 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.native_decode = None  # it writes the caches it was built with; warm_up builds it anew
+        self.kv_populating_stop.set()  # a pool replaced is not faulted in any further
+        self.kv_populating_stop = threading.Event()
         self.kv_caches = allocate_paged_kv(self.model_config, num_blocks, self.block_size, self.kv_cache_dtype,
-                                           self.device, self.num_local_layers, self.num_local_kv_heads)
+                                           self.device, self.num_local_layers, self.num_local_kv_heads,
+                                           self.kv_populating_stop)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
         if self.proposer is not None:
@@ -368,6 +377,7 @@ class ModelRunner:
                        "tensor_parallel_size": self.parallel_config.tensor_parallel_size}
 
     def shutdown(self) -> None:
+        self.kv_populating_stop.set()
         if self.kv_connector is not None:
             self.kv_connector.close()
 

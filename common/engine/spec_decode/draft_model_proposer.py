@@ -66,7 +66,7 @@ class DraftModelProposer(DraftProposer):
         runner = self.runner
         self.loop = None  # it writes the caches it was built with; build_native_loop builds it anew
         self.kv_caches = allocate_paged_kv(self.model_config, num_blocks, runner.block_size, runner.kv_cache_dtype,
-                                           runner.device)
+                                           runner.device, populating_stop=runner.kv_populating_stop)
 
     def build_native_loop(self) -> None:
         # The loop reads the packed linears' decode weights (packed at load unless switched off

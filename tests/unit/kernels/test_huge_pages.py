@@ -114,9 +114,27 @@ def test_waiting_until_populated_returns_once_every_pool_is_resident():
 
 
 @needs_huge_pages
+def test_a_stopped_population_faults_in_no_further():
+    # Sixteen pieces: stopped before it starts, the thread advises none of them. Stopped once
+    # the first is in, it ends before the piece after the one it is in (or its pause).
+    pool = zeros_on_huge_pages((16 * huge_pages.POPULATE_PIECE_BYTES // 4,), torch.float32)
+    stop = threading.Event()
+    stop.set()
+    thread = populate_in_background([pool], stop)
+    thread.join(timeout=60)
+    assert not thread.is_alive() and resident_bytes(pool) == 0
+    stop = threading.Event()
+    thread = populate_in_background([pool], stop)
+    wait_for(lambda: resident_bytes(pool) > 0, timeout_s=60, what="the first piece faulted in")
+    stop.set()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and resident_bytes(pool) < pool.untyped_storage().nbytes()
+
+
+@needs_huge_pages
 def test_waiting_until_populated_says_when_the_deadline_came_first(monkeypatch):
     released = threading.Event()
-    monkeypatch.setattr(huge_pages, "_populate", lambda spans, tensors: released.wait(60))
+    monkeypatch.setattr(huge_pages, "_populate", lambda spans, tensors, stop: released.wait(60))
     thread = populate_in_background([zeros_on_huge_pages((CHUNK_BYTES // 4,), torch.float32)])
     began = time.monotonic()
     assert not wait_until_populated(timeout_s=0.2)

@@ -140,9 +140,9 @@ def test_a_cpu_kv_pool_lives_in_huge_pages_faulted_in_on_a_thread(tiny_llama_dir
     # does not wait for its pages (kernels/huge_pages.py's tests: the thread faults them in).
     populated = []
 
-    def populate(tensors):
+    def populate(tensors, stop=None):
         populated.extend(tensors)
-        return populate_in_background(tensors)
+        return populate_in_background(tensors, stop)
 
     monkeypatch.setattr(model_runner, "populate_in_background", populate)
     config = ModelConfig.from_hf_config(load_hf_config(tiny_llama_dir))
@@ -152,6 +152,25 @@ def test_a_cpu_kv_pool_lives_in_huge_pages_faulted_in_on_a_thread(tiny_llama_dir
     big = caches[0][0]  # 16384 x 16 x kv heads x head dim x 4 bytes: a region of its own
     assert big.untyped_storage().nbytes() > CHUNK_BYTES // 2
     assert all(mapping_of(t)["THPeligible"] == "1" and not t.any() for t in tensors)
+
+
+def test_a_kv_pool_replaced_or_shut_down_is_faulted_in_no_further(tiny_llama_dir, monkeypatch):
+    stops = []
+
+    def populate(tensors, stop=None):
+        stops.append(stop)
+        return None
+
+    monkeypatch.setattr(model_runner, "populate_in_background", populate)
+    llm = LLM(model=str(tiny_llama_dir), kv_cache_memory="16MiB", enforce_eager=True)
+    runner = llm.engine.executor.runner
+    first = runner.kv_populating_stop
+    assert stops == [first] and not first.is_set()
+    runner.allocate_kv_cache(8)
+    assert first.is_set()
+    assert stops[-1] is runner.kv_populating_stop and not runner.kv_populating_stop.is_set()
+    llm.engine.shutdown()
+    assert runner.kv_populating_stop.is_set()
 
 
 def _mlp_rows_per_step(llm: LLM) -> list[list[int]]:
