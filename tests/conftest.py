@@ -78,7 +78,6 @@ def make_tiny_model(out_dir: Path, arch: str, tokenizer_dir: Path, **overrides) 
     return out_dir
 
 
-
 def load_cpu_model(model_dir: Path, dtype: torch.dtype = torch.float32, quantization=None) -> torch.nn.Module:
     """A checkpoint's model as the engine loads it on the CPU (no engine around it, nothing packed)."""
     from common.engine.config import ModelConfig
@@ -86,6 +85,7 @@ def load_cpu_model(model_dir: Path, dtype: torch.dtype = torch.float32, quantiza
     from common.engine.model_runner import load_model
     return load_model(ModelConfig.from_hf_config(load_hf_config(model_dir)), model_dir, torch.device("cpu"), dtype,
                       quantization)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory, bundled_model_dir):
