@@ -4,6 +4,9 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 # Before anything imports grpc: the tests fork services (Popen with preexec_fn) from a
@@ -200,3 +203,46 @@ def pytest_configure(config):
         raise pytest.UsageError(f"--dist loadgroup does not group with pytest {pytest.__version__} and "
                                 f"pytest-xdist {version('pytest-xdist')} (pytest-xdist#1386); "
                                 "see the pytest pin in pyproject.toml")
+
+
+_prebuild_key = pytest.StashKey[tuple]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook starts the workers
+def pytest_sessionstart(session):
+    """On the controller of a pytest-xdist run: tests/support/prebuild.py beside the workers,
+    so that where the native libraries or the converted model are missing both cores build
+    them rather than one worker while the other waits on their locks."""
+    config = session.config
+    if ON_XDIST_WORKER or not config.getoption("numprocesses", None):
+        return
+    log = tempfile.TemporaryFile(mode="w+")
+    process = subprocess.Popen([sys.executable, "-m", "tests.support.prebuild"], cwd=Path(__file__).parent.parent,
+                               stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    config.stash[_prebuild_key] = (process, log)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """What the prebuild could not build (the tests that need it say why it fails as well)."""
+    started = config.stash.get(_prebuild_key, None)
+    if started is None:
+        return
+    process, log = started
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        return  # pytest_unconfigure ends it
+    if process.returncode != 0:
+        log.seek(0)
+        terminalreporter.write_line(f"tests/support/prebuild.py exited {process.returncode}:\n{log.read()[-3000:]}")
+
+
+def pytest_unconfigure(config):
+    started = config.stash.get(_prebuild_key, None)
+    if started is None:
+        return
+    process, log = started
+    if process.poll() is None:  # an interrupted run
+        process.kill()
+        process.wait()
+    log.close()

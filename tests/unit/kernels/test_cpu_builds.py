@@ -132,3 +132,10 @@ def test_processes_building_one_library_at_once_run_the_compiler_once(monkeypatc
     second.join(timeout=60)
     assert len(compiled) == 1
     assert len(libraries) == 2 and libraries[0] == libraries[1] and libraries[0].read_bytes() == b"built"
+
+
+def test_the_suite_builds_every_library_up_front():
+    # tests/conftest.py starts tests/support/prebuild.py beside the pytest-xdist workers: a
+    # library it missed would be built by one worker's first test while the other waits.
+    from tests.support.prebuild import JOBS
+    assert {source.stem for source in build.SOURCE_DIR.glob("*.cpp")} <= set(JOBS)
