@@ -223,26 +223,20 @@ def pytest_sessionstart(session):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    """What the prebuild could not build (the tests that need it say why it fails as well)."""
+    """What the prebuild could not build (the tests that need it say why it fails as well).
+    A short run on a machine without the libraries waits here for the builds under way: the
+    next run loads them, and g++ is not left running behind the run."""
     started = config.stash.get(_prebuild_key, None)
     if started is None:
         return
+    from kernels.cpu.build import BUILD_TIMEOUT_S
     process, log = started
     try:
-        process.wait(timeout=60)
+        process.wait(timeout=2 * BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return  # pytest_unconfigure ends it
+        process.kill()
+        process.wait()
     if process.returncode != 0:
         log.seek(0)
         terminalreporter.write_line(f"tests/support/prebuild.py exited {process.returncode}:\n{log.read()[-3000:]}")
-
-
-def pytest_unconfigure(config):
-    started = config.stash.get(_prebuild_key, None)
-    if started is None:
-        return
-    process, log = started
-    if process.poll() is None:  # an interrupted run
-        process.kill()
-        process.wait()
     log.close()

@@ -5,8 +5,8 @@ Where they are missing (a new machine, a changed kernel source), the two pytest-
 workers' first tests each wait for them: one worker built the libraries and converted the
 model one after another while the other waited on their locks, a core idle for the first
 ~100 s of the parallel part (the Zen 4 EPYC, 2026-12-07). tests/conftest.py starts this
-beside the workers: each of them runs on a thread of its own (g++ and the conversion in
-their own processes or outside the GIL), so both cores build from the start; a test that
+beside the workers: each of them runs on a thread of its own (g++ in processes of its own,
+the conversion in this one), so both cores build from the start; a test that
 needs one waits on the same lock (kernels/cpu/build.py, model_files.convert_gguf) and
 loads what was built here. Where all are built it finds them and exits (~2 CPU-seconds).
 
