@@ -29,6 +29,8 @@ PANEL_COLS = 32  # out_features must be a multiple of this for a bf16 panel copy
 F32_PANEL_COLS = 16  # and of this for an fp32 one
 AMX_TILE_K = 32  # where panel_gemm computes on AMX tiles, in_features must be a multiple of this
 GEMV_K_MULTIPLE = 32  # in_features must be a multiple of this
+# What the GEMV library (and the decode loop, which runs on it) needs of the CPU.
+GEMV_CPU_FLAGS = frozenset({"avx2", "fma"})
 
 
 @functools.cache
@@ -36,8 +38,7 @@ def native_gemv_available() -> bool:
     """Whether the GEMVs run here (built and loaded once per process)."""
     if switched_off("PDSERVE_CPU_GEMV"):
         return False
-    flags = set(cpu_flags().split())
-    if not {"avx2", "fma"} <= flags:
+    if not GEMV_CPU_FLAGS <= set(cpu_flags().split()):
         log.info("no AVX2 and FMA on this CPU: decode linears stay on oneDNN and torch's int4 kernel")
         return False
     error = load_ops("gemv", {"pdserve_gemv::gemv": _gemv_fake,

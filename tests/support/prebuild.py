@@ -23,6 +23,7 @@ from collections.abc import Callable
 from common.engine.model_files import resolve_model
 from kernels.cpu.build import BuildError, build_library, cpu_flags
 from kernels.cpu_attention import native_attention_error
+from kernels.cpu_linear import GEMV_CPU_FLAGS
 
 
 def _attention() -> str | None:
@@ -32,7 +33,7 @@ def _attention() -> str | None:
 def _library(name: str, cpu_needs: frozenset[str] = frozenset()) -> Callable[[], str | None]:
     def build() -> str | None:
         if not cpu_needs <= set(cpu_flags().split()):
-            return None  # no engine loads it on this CPU (kernels/cpu_linear.py)
+            return None  # no engine loads it on this CPU
         try:
             build_library(name)
         except BuildError as e:
@@ -49,8 +50,8 @@ def _bundled_model() -> str | None:
 # The attention library first: the longest build (~75 s of one core on the Zen 4 EPYC).
 JOBS: dict[str, Callable[[], str | None]] = {
     "paged_attention": _attention,
-    "decode_layers": _library("decode_layers", frozenset({"avx2", "fma"})),
-    "gemv": _library("gemv", frozenset({"avx2", "fma"})),
+    "decode_layers": _library("decode_layers", GEMV_CPU_FLAGS),
+    "gemv": _library("gemv", GEMV_CPU_FLAGS),
     "bundled model": _bundled_model,
     "sampling": _library("sampling"),
     "arena_cache": _library("arena_cache"),

@@ -18,12 +18,12 @@ from kernels.cpu import build
 from kernels.cpu.build import cpu_flags, find_compiler
 from kernels.cpu_attention import native_attention_error
 from kernels.cpu_decode import native_decode_available
-from kernels.cpu_linear import native_gemv_available, panel_gemm_available
+from kernels.cpu_linear import GEMV_CPU_FLAGS, native_gemv_available, panel_gemm_available
 from kernels.cpu_sampling import native_argmax_available
 
 FLAGS = set(cpu_flags().split())
 needs_compiler = pytest.mark.skipif(find_compiler() is None, reason="no C++ compiler here")
-needs_avx2 = pytest.mark.skipif(not {"avx2", "fma"} <= FLAGS, reason="no AVX2 and FMA here")
+needs_avx2 = pytest.mark.skipif(not GEMV_CPU_FLAGS <= FLAGS, reason="no AVX2 and FMA here")
 
 
 @needs_compiler
