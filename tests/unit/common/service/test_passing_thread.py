@@ -81,6 +81,7 @@ def test_the_work_sees_the_awaiting_tasks_context_variables():
     assert asyncio.run(main()) == "decode-0"
 
 
+@pytest.mark.timing
 def test_cancelling_the_wait_does_not_block_the_loop_on_the_unfinished_work():
     release = threading.Event()
     threading.Timer(5.0, release.set).start()  # what a loop blocked on the thread would wait for

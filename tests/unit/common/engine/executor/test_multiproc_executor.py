@@ -165,6 +165,7 @@ def test_a_worker_that_cannot_start_is_named_with_its_exit_code(tiny_dir, tmp_pa
         MultiProcExecutor(model_config, tiny_dir, core_config, ready_timeout_s=0.05)
 
 
+@pytest.mark.timing
 def test_killing_the_worker_mid_run_fails_every_waiter_within_a_second(tiny_dir):
     core = _engine(tiny_dir)
     executor = core.executor
@@ -197,6 +198,7 @@ def test_killing_the_worker_mid_run_fails_every_waiter_within_a_second(tiny_dir)
     assert alive_pids(pids) == [] and existing_segments(segments) == []
 
 
+@pytest.mark.timing
 def test_killing_an_idle_worker_kills_the_engine_within_a_second(tiny_dir):
     core = _engine(tiny_dir)
     pids, segments = core.executor.worker_pids, core.executor.shm_names
