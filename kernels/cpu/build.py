@@ -28,6 +28,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -89,10 +90,22 @@ def _compile_flags() -> list[str]:
 
 
 def _command(cxx: str, source: Path, output: Path, defines: tuple[str, ...] = ()) -> list[str]:
-    torch_lib = cpp_extension.library_paths()[0]
+    """Compile and link source into the library output."""
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     return [cxx, *_compile_flags(), *[f"-D{d}" for d in defines], *includes, str(source), "-o", str(output),
-            f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
+            *_link_flags()]
+
+
+def _part_command(cxx: str, source: Path, output: Path, defines: tuple[str, ...], part: int) -> list[str]:
+    """Compile part `part` of source into the object file output."""
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    return [cxx, *_compile_flags(), *[f"-D{d}" for d in defines], f"-DPDSERVE_BUILD_PART={part}", *includes,
+            "-c", str(source), "-o", str(output)]
+
+
+def _link_flags() -> list[str]:
+    torch_lib = cpp_extension.library_paths()[0]
+    return [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
 
 
 def compiler_identity(cxx: str) -> str:
@@ -103,9 +116,12 @@ def compiler_identity(cxx: str) -> str:
     return f"{real} {st.st_size} {st.st_mtime_ns}"
 
 
-def build_library(name: str, defines: tuple[str, ...] = ()) -> Path:
+def build_library(name: str, defines: tuple[str, ...] = (), num_parts: int = 1) -> Path:
     """Path of the compiled kernels/cpu/<name>.cpp (with these -D macros: another build of
-    the same library, under its own key), building it if the cache lacks it."""
+    the same library, under its own key), building it if the cache lacks it. num_parts > 1
+    compiles it as that many translation units side by side, each with
+    -DPDSERVE_BUILD_PART=<0..num_parts-1> (the source says what each holds), then links them:
+    the same library, built on more cores."""
     cxx = find_compiler()
     if cxx is None:
         raise BuildError("no C++ compiler (set CXX or install g++)")
@@ -128,20 +144,26 @@ def build_library(name: str, defines: tuple[str, ...] = ()) -> Path:
             if library.exists():  # built while this process waited
                 _mark_used(library)
                 return library
-            return _build(cxx, name, source, library, out_dir, defines)
+            return _build(cxx, name, source, library, out_dir, defines, num_parts)
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
-def _build(cxx: str, name: str, source: Path, library: Path, out_dir: Path, defines: tuple[str, ...]) -> Path:
+def _build(cxx: str, name: str, source: Path, library: Path, out_dir: Path, defines: tuple[str, ...],
+           num_parts: int) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=out_dir)
     os.close(fd)
     started = time.monotonic()
     try:
-        done = subprocess.run(_command(cxx, source, Path(tmp), defines), capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            raise BuildError(f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        if num_parts == 1:
+            _run_compilers(cxx, [_command(cxx, source, Path(tmp), defines)], BUILD_TIMEOUT_S)
+        else:
+            with tempfile.TemporaryDirectory(prefix=f"pdserve-{name}-") as parts_dir:
+                objects = [Path(parts_dir) / f"part{part}.o" for part in range(num_parts)]
+                _run_compilers(cxx, [_part_command(cxx, source, obj, defines, part)
+                                     for part, obj in enumerate(objects)], BUILD_TIMEOUT_S)
+                link = [cxx, *_compile_flags(), *map(str, objects), "-o", tmp, *_link_flags()]
+                _run_compilers(cxx, [link], max(1.0, BUILD_TIMEOUT_S - (time.monotonic() - started)))
         os.replace(tmp, library)
     except (OSError, subprocess.SubprocessError) as e:
         raise BuildError(f"{cxx} could not build {source.name}: {e}") from e
@@ -151,6 +173,22 @@ def _build(cxx: str, name: str, source: Path, library: Path, out_dir: Path, defi
     log.info("built %s in %.1fs -> %s", source.name, time.monotonic() - started, library)
     prune_builds(out_dir, name)
     return library
+
+
+def _run_compilers(cxx: str, commands: list[list[str]], timeout_s: float) -> None:
+    """Run the commands side by side; BuildError naming the first that failed, once all
+    ended. One past timeout_s is killed (subprocess.TimeoutExpired)."""
+    def run(command: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+
+    if len(commands) == 1:
+        results = [run(commands[0])]
+    else:
+        with ThreadPoolExecutor(max_workers=len(commands), thread_name_prefix="g++") as pool:
+            results = list(pool.map(run, commands))
+    for done in results:
+        if done.returncode != 0:
+            raise BuildError(f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
 
 
 def _mark_used(library: Path) -> None:
@@ -201,7 +239,7 @@ def _load_lock(name: str) -> threading.Lock:
         return _load_locks.setdefault(name, threading.Lock())
 
 
-def load_ops(name: str, fakes: dict[str, Callable], defines: tuple[str, ...] = ()) -> str | None:
+def load_ops(name: str, fakes: dict[str, Callable], defines: tuple[str, ...] = (), num_parts: int = 1) -> str | None:
     """Build (once per machine) and load kernels/cpu/<name>.cpp into this process and give
     its ops their fake implementations (qualified op name -> fake) for torch.compile.
     None once loaded, else why it cannot be; a second call finds the ops loaded (whatever
@@ -211,7 +249,7 @@ def load_ops(name: str, fakes: dict[str, Callable], defines: tuple[str, ...] = (
         if hasattr(getattr(torch.ops, namespace), op):
             return None
         try:
-            torch.ops.load_library(str(build_library(name, defines)))
+            torch.ops.load_library(str(build_library(name, defines, num_parts)))
         except (BuildError, OSError, RuntimeError) as e:
             return str(e)
         for qualified_name, fake in fakes.items():

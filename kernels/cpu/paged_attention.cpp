@@ -95,6 +95,12 @@ constexpr int64_t kPrefetchBlocks = 2;
 constexpr int64_t kWorkPerThread = 2;
 constexpr int64_t kMinSplitKeys = 128;
 
+}  // namespace
+
+// The types a call's plan is made of, and claim_work, have external linkage: a second
+// translation unit instantiates claim_work for some dtype pairs (PDSERVE_BUILD_PART, below).
+namespace pdserve_attention {
+
 struct WorkItem {
   int64_t seq;
   int64_t first_token;     // index into q
@@ -136,6 +142,14 @@ struct Problem {
   const int64_t* keys_t_offsets = nullptr;
   const int64_t* values_offsets = nullptr;
 };
+
+}  // namespace pdserve_attention
+
+using pdserve_attention::Problem;
+using pdserve_attention::SplitToken;
+using pdserve_attention::WorkItem;
+
+namespace {
 
 // Rows [0, num_rows) in groups of kGroup rows, then the rest (fewer than kGroup) as one
 // group, so each call's row count R is a compile-time constant: fn.template operator()<R>(r).
@@ -1431,6 +1445,10 @@ inline void transpose_prompts(Problem& pr, const int32_t* seq_lens, const int32_
   pr.values_offsets = values_offsets.data();
 }
 
+}  // namespace
+
+namespace pdserve_attention {
+
 // One call's work: its items (longest first in `order`), the decode tokens split over
 // their keys and their partial slots, what the items share, and the output.
 struct CallPlan {
@@ -1441,6 +1459,12 @@ struct CallPlan {
   int64_t num_work = 0, work_per_claim = 1, num_workers = 0;
   at::Tensor out, partials;
 };
+
+}  // namespace pdserve_attention
+
+using pdserve_attention::CallPlan;
+
+namespace {
 
 // Checks a call's arguments (ValueError on a bad one) and lays out its work for
 // num_threads threads.
@@ -1542,6 +1566,10 @@ CallPlan plan_call(const at::Tensor& q,            // [num_tokens, num_q_heads, 
   return plan;
 }
 
+}  // namespace
+
+namespace pdserve_attention {
+
 // One thread's share of a call's work: items claimed from `next` until none is left.
 template <typename T, typename C>
 void claim_work(const CallPlan& plan, std::atomic<int64_t>& next) {
@@ -1572,6 +1600,40 @@ void claim_work(const CallPlan& plan, std::atomic<int64_t>& next) {
     }
   }
 }
+
+// A build holding bf16 or fp16 pairs is compiled as two translation units side by side
+// (kernels/cpu_attention.py, SECOND_PART_DTYPE_PAIRS): claim_work of each dtype pair, over
+// every unrolled head dim, is the heaviest of the library (~15 s of one core's g++ a pair).
+// Part 1 instantiates it for bf16 and fp16 queries and ends here; part 0 (the rest of the
+// file: plans, ops, registration) declares those and instantiates the fp32 ones itself.
+// Without PDSERVE_BUILD_PART, one unit holds everything.
+#define PDSERVE_CLAIM_WORK_INSTANCE(T, C) template void claim_work<T, C>(const CallPlan&, std::atomic<int64_t>&);
+#define PDSERVE_CLAIM_WORK_ELSEWHERE(T, C) \
+  extern template void claim_work<T, C>(const CallPlan&, std::atomic<int64_t>&);
+#if !defined(PDSERVE_BUILD_PART)
+#define PDSERVE_PART_1_PAIR(T, C)
+#elif PDSERVE_BUILD_PART == 1
+#define PDSERVE_PART_1_PAIR PDSERVE_CLAIM_WORK_INSTANCE
+#else
+#define PDSERVE_PART_1_PAIR PDSERVE_CLAIM_WORK_ELSEWHERE
+#endif
+#ifdef PDSERVE_ATTENTION_BF16
+PDSERVE_PART_1_PAIR(c10::BFloat16, c10::BFloat16)
+#endif
+#ifdef PDSERVE_ATTENTION_BF16_FP8
+PDSERVE_PART_1_PAIR(c10::BFloat16, c10::Float8_e4m3fn)
+PDSERVE_PART_1_PAIR(c10::BFloat16, c10::Float8_e5m2)
+#endif
+#ifdef PDSERVE_ATTENTION_F16
+PDSERVE_PART_1_PAIR(c10::Half, c10::Half)
+#endif
+
+}  // namespace pdserve_attention
+
+using pdserve_attention::claim_work;
+
+#if !defined(PDSERVE_BUILD_PART) || PDSERVE_BUILD_PART == 0
+namespace {
 
 // Whether this build holds the kernels of dtype queries over caches of their own dtype
 // (fp8: false) or of fp8 codes (true).
@@ -1920,3 +1982,5 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("paged_attention_with_kv_write", &paged_attention_with_kv_write);
   m.impl("layer_attention", &layer_attention);
 }
+
+#endif  // PDSERVE_BUILD_PART 0

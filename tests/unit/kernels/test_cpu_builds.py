@@ -139,3 +139,48 @@ def test_the_suite_builds_every_library_up_front():
     # library it missed would be built by one worker's first test while the other waits.
     from tests.support.prebuild import JOBS
     assert {source.stem for source in build.SOURCE_DIR.glob("*.cpp")} <= set(JOBS)
+
+
+def test_the_attention_library_s_second_part_holds_the_pairs_python_splits_off():
+    # kernels/cpu_attention.py builds in two parts exactly when a pair of the second is
+    # chosen; a pair the C++ moved without Python knowing would be declared but never built.
+    import re
+
+    from kernels.cpu_attention import DTYPE_PAIRS, SECOND_PART_DTYPE_PAIRS
+
+    source = (Path(build.SOURCE_DIR) / "paged_attention.cpp").read_text()
+    in_second_part = {macro for macro, body in re.findall(r"#ifdef PDSERVE_ATTENTION_(\w+)\n(.*?)#endif", source,
+                                                          re.DOTALL)
+                      if "PDSERVE_PART_1_PAIR(" in body}
+    assert in_second_part == {DTYPE_PAIRS[pair] for pair in SECOND_PART_DTYPE_PAIRS}
+
+
+@needs_compiler
+def test_a_build_in_two_parts_runs_two_compilers_at_once_and_links_them(monkeypatch, tmp_path):
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    real_run = subprocess.run
+    running, most_running, commands = [0], [0], []
+    lock = threading.Lock()
+
+    def counting_run(command, **kwargs):
+        with lock:
+            commands.append(command)
+            running[0] += 1
+            most_running[0] = max(most_running[0], running[0])
+        try:
+            return real_run(command, **kwargs)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(build.subprocess, "run", counting_run)
+    defines = ("PDSERVE_ATTENTION_HEAD_DIMS_NAMED", "PDSERVE_ATTENTION_DTYPES_NAMED", "PDSERVE_ATTENTION_F32",
+               "PDSERVE_ATTENTION_BF16")
+    library = build.build_library("paged_attention", defines, num_parts=2)
+    assert [sorted(a for a in c if a.startswith("-DPDSERVE_BUILD_PART")) for c in commands] in (
+        [["-DPDSERVE_BUILD_PART=0"], ["-DPDSERVE_BUILD_PART=1"], []],
+        [["-DPDSERVE_BUILD_PART=1"], ["-DPDSERVE_BUILD_PART=0"], []])
+    assert most_running[0] == 2 and "-c" not in commands[-1]
+    symbols = real_run(["nm", "-C", "--defined-only", str(library)], capture_output=True, text=True).stdout
+    assert "claim_work<float, float>" in symbols and "claim_work<c10::BFloat16, c10::BFloat16>" in symbols
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".paged_attention.lock", library.name]
