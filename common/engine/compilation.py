@@ -89,6 +89,17 @@ def compile_forward(model: torch.nn.Module, device: torch.device, enforce_eager:
     cache_dir.mkdir(parents=True, exist_ok=True)
     import torch._inductor.config as inductor_config
     if device.type == "cpu":
+        # A cold start builds four native libraries: the GEMV that packing the linears loads
+        # (~14 s of g++ on the 2-core Zen 4 EPYC), attention (~14 s, two g++ side by side), the
+        # sampler (~7 s) and the decode loop (~20 s) that warm-up loads. g++ runs the GEMV on
+        # this thread, the other three on their own, one after another, from before inductor's
+        # ISA check (a machine's first start: ~13 s of small builds one at a time) while the
+        # model is packed and dynamo traces (the graph holds the Python op pdserve::paged_attention,
+        # whose first run waits for the library): the main thread never waits on a build that
+        # another core could have run meanwhile. A cold start to its first token there: 48.5 s
+        # in this order, 63.6 s with the builds after the ISA check and the loop's first.
+        # The attention choice raises again, where it is made, if PDSERVE_CPU_ATTENTION is wrong.
+        threading.Thread(target=_build_native_kernels, name="build-kernels", daemon=True).start()
         check_vec_isas_once(cache_dir, shutil.which(cxx))
 
     inductor_config.fx_graph_cache = True
@@ -103,16 +114,6 @@ def compile_forward(model: torch.nn.Module, device: torch.device, enforce_eager:
     # Only there: with one thread a core, the dynamic form made the offline mixed workload
     # ~7% slower on the model-167 Xeon.
     inductor_config.cpp.dynamic_threads = dynamic_threads
-    # A cold start builds four native libraries: the GEMV that packing the linears loads
-    # (~12 s of g++ on the 2-core Zen 5), attention (~20 s), the decode loop (~11 s) that
-    # warm-up registers the model with and the sampler's argmax (~5 s) it loads last. g++
-    # runs the GEMV beside the other three, which go on one after another while the model
-    # is packed and dynamo traces (the graph holds the Python op pdserve::paged_attention,
-    # whose first run waits for the library): the main thread never waits on a build that
-    # another core could have run meanwhile. The attention choice raises again, where it
-    # is made, if PDSERVE_CPU_ATTENTION is wrong.
-    if device.type == "cpu":
-        threading.Thread(target=_build_native_kernels, name="build-kernels", daemon=True).start()
     num_prepacked = prepack_linears(model, single_copy=single_weight_copy)
     num_single = sum(1 for m in model.modules() if isinstance(m, PrepackedLinear) and m.single_copy)
     single = f", {num_single} of them kept once, in panel_gemm's panels (--single-weight-copy)" if num_single else ""
@@ -173,9 +174,11 @@ def _build_native_kernels() -> None:
         cpu_attention_backend()
     except (ValueError, RuntimeError):
         pass
+    # The sampler before the decode loop: the loop's build waits for the GEMV's (it loads it),
+    # which packing the linears builds on the main thread; the sampler's needs nothing.
+    native_argmax_available()
     if not native_decode_disabled():
         native_decode_available()
-    native_argmax_available()
 
 
 def compile_logits(model: torch.nn.Module, forward: Callable) -> Callable:
