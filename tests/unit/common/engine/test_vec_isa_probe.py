@@ -2,8 +2,10 @@
 machine, compiler and torch; later ones find its marker and skip it."""
 from __future__ import annotations
 
+import logging
 import platform
 import shutil
+import threading
 import types
 
 import pytest
@@ -11,7 +13,9 @@ import pytest
 # compilation before inductor: importing it names inductor's cache directory (pdserve's), which
 # inductor fixes the first time one of its modules is imported in the process.
 from common.engine import compilation, vec_isa_probe  # noqa: F401
+from common.engine.file_lock import exclusive_file_lock
 from common.engine.vec_isa_probe import check_vec_isas_once
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("g++") is None,
                                 reason="inductor's x86 ISA check needs an x86 CPU and g++")
@@ -44,6 +48,29 @@ def test_the_first_process_checks_and_leaves_a_marker_that_later_ones_take(tmp_p
     monkeypatch.setattr(inductor.isa, "valid_vec_isa_list", no_check)
     assert check_vec_isas_once(tmp_path, cxx)
     assert inductor.cpp.vec_isa_ok is True  # inductor takes every reported ISA, unchecked
+
+
+def test_a_process_starting_beside_the_checking_one_waits_for_its_marker(tmp_path, cxx, inductor, monkeypatch,
+                                                                        caplog):
+    marker = vec_isa_probe._marker(tmp_path, cxx)
+    reported = [str(isa) for isa in inductor.isa.valid_vec_isa_list.__wrapped__()]
+
+    def no_check():
+        raise AssertionError("checked again beside the process that was checking")
+
+    monkeypatch.setattr(inductor.isa, "valid_vec_isa_list", no_check)
+    results = []
+    with caplog.at_level(logging.INFO, logger="common.engine.vec_isa_probe"):
+        with exclusive_file_lock(tmp_path / f".{marker.name}.lock"):  # another process checking
+            # (inductor's config is the thread's own: read it there)
+            later = threading.Thread(target=lambda: results.append((check_vec_isas_once(tmp_path, cxx),
+                                                                    inductor.cpp.vec_isa_ok)), daemon=True)
+            later.start()
+            wait_for(lambda: any("waiting for another process's vector ISA check" in r.message
+                                 for r in caplog.records), 30, "the later process to wait for the check")
+            marker.write_text("".join(f"{isa}\n" for isa in reported))  # its answer
+        later.join(timeout=30)
+    assert results == [(True, True)]  # took the first one's answer: inductor skips its check
 
 
 def test_an_isa_that_fails_the_check_leaves_no_marker_and_every_process_checks(tmp_path, cxx, inductor,
