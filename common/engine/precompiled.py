@@ -299,6 +299,15 @@ def _changed_modules(compiled: Any) -> list[str]:
     return changed
 
 
+def _module_tree(model: torch.nn.Module) -> list[tuple[str, str, str]]:
+    """Each module's name, class and settings as a graph depends on them: its `traced_repr()`
+    where it has one (a packed linear's leaves out the kernels its op picks at run time),
+    else its extra_repr."""
+    return [(name, type(module).__qualname__,
+             module.traced_repr() if hasattr(module, "traced_repr") else module.extra_repr())
+            for name, module in model.named_modules()]
+
+
 def _artifact_key(model: torch.nn.Module, method_name: str) -> str:
     """What a compiled method depends on beyond its source: a different value is a different file."""
     # Here, not at the top: importing inductor's config fixes its cache directory, which
@@ -307,9 +316,9 @@ def _artifact_key(model: torch.nn.Module, method_name: str) -> str:
     from torch._inductor.cpu_vec_isa import pick_vec_isa
     parts = [
         type(model).__module__, type(model).__qualname__, method_name,
-        # The module tree, with each packed linear's weight id (a constant in the graph) and
-        # its decode kernel; the config's scalars (norm eps, attention scale) are constants too.
-        repr(model), repr(getattr(model, "config", None)),
+        # The module tree, with each packed linear's weight id (a constant in the graph); the
+        # config's scalars (norm eps, attention scale) are constants too.
+        _module_tree(model), repr(getattr(model, "config", None)),
         [(name, tuple(t.shape), str(t.dtype), str(t.device))
          for name, t in [*model.named_parameters(), *model.named_buffers()]],
         # Choices made while tracing, and what inductor generated its C++ for.

@@ -209,6 +209,14 @@ class PrepackedLinear(nn.Module):
             return native_prepacked_linear(x, self.bias, self.weight_id_tensor, self.out_features)
         return torch.ops.pdserve.prepacked_linear(x, self.bias, self.weight_id_tensor, self.out_features)
 
+    def traced_repr(self) -> str:
+        """What a compiled graph holding this linear depends on: its op's arguments. Not the
+        kernels (extra_repr's decode= and larger=): the native op picks those by weight_id at
+        run time, so a decode instance holding single weight copies runs the graph a prefill
+        instance compiled (common/engine/precompiled.py keys saved graphs by this)."""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, weight_id={self.weight_id}, "
+                f"native={self._native}")
+
     def extra_repr(self) -> str:
         kernels = ["q8_0 gemv"] if self._q8_0_blocks is not None else ["gemv"] if self._row_major is not None else []
         if self._panels is not None:

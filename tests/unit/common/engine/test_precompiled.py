@@ -1,6 +1,7 @@
 """Methods compiled ahead of time: saved, loaded by a later process, compiled again when stale."""
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -13,7 +14,9 @@ import pytest
 import torch
 
 from common.engine.file_lock import exclusive_file_lock
+from common.engine.models.prepacked_linear import PrepackedLinear
 from common.engine.precompiled import STALE_ARTIFACT_AGE_S, PrecompiledMethod, remove_stale_artifacts
+from kernels.cpu_linear import panels_for_any_rows
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 
@@ -177,6 +180,30 @@ def test_the_file_is_named_by_what_the_code_was_compiled_for(tmp_path):
         assert path_of(Toy()) != before
     finally:
         torch.set_num_threads(num_threads)
+
+
+@pytest.mark.skipif(not panels_for_any_rows(), reason="single weight copies need bf16 panels for every step")
+def test_a_packed_linear_s_kernels_are_not_in_the_name_its_weight_id_is(tmp_path):
+    """A decode instance holding single weight copies loads what a prefill instance holding
+    two compiled: the graph calls the same op with the same weight ids, whose kernels the
+    native table picks at run time."""
+    def packed(single_copy: bool) -> torch.nn.Sequential:
+        weight = torch.randn(64, 32, dtype=torch.bfloat16)
+        return torch.nn.Sequential(PrepackedLinear(weight, None, single_copy=single_copy))
+
+    def path_of(model: torch.nn.Module) -> Path:
+        return PrecompiledMethod(model, "forward", tmp_path, fallback=lambda: model.forward).artifact_path
+
+    gc.collect()  # earlier tests' packed weights free their table slots
+    two_copies = packed(single_copy=False)
+    two_copies_path, two_copies_repr = path_of(two_copies), repr(two_copies)
+    held = packed(single_copy=False)  # beside it: the next slot, another constant in the graph
+    assert held[0].weight_id != two_copies[0].weight_id and path_of(held) != two_copies_path
+    del two_copies, held
+    gc.collect()
+    single = packed(single_copy=True)  # the slot the first had, as in another process
+    assert single[0].single_copy and repr(single) != two_copies_repr  # the kernels differ
+    assert path_of(single) == two_copies_path
 
 
 @pytest.mark.parametrize("num_rows", [1, 5])
