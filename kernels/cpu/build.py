@@ -89,18 +89,19 @@ def _compile_flags() -> list[str]:
     return [f"-march={target_arch()}", *CXX_FLAGS]
 
 
+def _compiler(cxx: str, defines: tuple[str, ...]) -> list[str]:
+    """The compiler with this build's flags, -D macros and torch's include paths."""
+    return [cxx, *_compile_flags(), *[f"-D{d}" for d in defines], *[f"-I{p}" for p in cpp_extension.include_paths()]]
+
+
 def _command(cxx: str, source: Path, output: Path, defines: tuple[str, ...] = ()) -> list[str]:
     """Compile and link source into the library output."""
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    return [cxx, *_compile_flags(), *[f"-D{d}" for d in defines], *includes, str(source), "-o", str(output),
-            *_link_flags()]
+    return [*_compiler(cxx, defines), str(source), "-o", str(output), *_link_flags()]
 
 
 def _part_command(cxx: str, source: Path, output: Path, defines: tuple[str, ...], part: int) -> list[str]:
     """Compile part `part` of source into the object file output."""
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    return [cxx, *_compile_flags(), *[f"-D{d}" for d in defines], f"-DPDSERVE_BUILD_PART={part}", *includes,
-            "-c", str(source), "-o", str(output)]
+    return [*_compiler(cxx, (*defines, f"PDSERVE_BUILD_PART={part}")), "-c", str(source), "-o", str(output)]
 
 
 def _link_flags() -> list[str]:
@@ -181,11 +182,8 @@ def _run_compilers(cxx: str, commands: list[list[str]], timeout_s: float) -> Non
     def run(command: list[str]) -> subprocess.CompletedProcess:
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
 
-    if len(commands) == 1:
-        results = [run(commands[0])]
-    else:
-        with ThreadPoolExecutor(max_workers=len(commands), thread_name_prefix="g++") as pool:
-            results = list(pool.map(run, commands))
+    with ThreadPoolExecutor(max_workers=len(commands), thread_name_prefix="g++") as pool:
+        results = list(pool.map(run, commands))
     for done in results:
         if done.returncode != 0:
             raise BuildError(f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
